@@ -1,0 +1,19 @@
+"""plait: an LLM inference and serving engine where every step plaits prefill chunks and decodes."""
+
+from plait.config import EngineConfig
+from plait.outputs import CompletionOutput, RequestOutput
+from plait.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the model code; import it lazily so `import plait` stays light.
+    if name == "LLM":
+        from plait.entrypoints.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'plait' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams"]

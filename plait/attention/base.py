@@ -1,0 +1,57 @@
+"""The attention backend interface and the registry that picks one by name."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from plait.runner.forward_batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Stores a step's new K/V into the paged cache and attends over it.
+
+    The KV cache of one layer is ``[2, num_blocks, block_size, num_kv_heads, head_dim]``: the K
+    and V of token ``t`` of a request live at slot ``block_table[t // block_size] * block_size
+    + t % block_size``. Every backend handles any mix of first chunks, later chunks and decodes
+    in one call; none looks at query lengths to decide what a row is.
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> None:
+        """Write k, v ([T, Hkv, D]) at ``batch.slot_mapping``."""
+
+    @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        sliding_window: int | None = None,
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, Hq, D] -> out [T, Hq, D] (and lse [T, Hq] if asked). Each query token sees its
+        request's cached context and its own chunk up to itself."""
+
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_backend(name: str) -> AttentionBackend:
+    # Import for the side effect of registration; GPU backends register only where they import.
+    import plait.attention.torch_ref  # noqa: F401
+
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_REGISTRY)}")
+    return _REGISTRY[name]()

@@ -1,0 +1,152 @@
+"""Engine and model configuration: every knob in one validated place."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+SchedulingPolicy = Literal["mixed", "prefill_first"]
+SCHEDULING_POLICIES: tuple[str, ...] = ("mixed", "prefill_first")
+
+# long_prefill_token_threshold value that means "no per-request chunk cap".
+NO_CHUNK_CAP = 0
+# Memory handed to the KV cache on CPU when num_kv_blocks is not given: the whole
+# machine is shared with the OS and the Python process, so take a modest slice.
+CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the engine; validated on construction so bad values never reach a step."""
+
+    model: str | None = None  # path to a .gguf file or an HF folder; None = the default model
+    load_format: Literal["auto", "dummy"] = "auto"  # "dummy": random weights of the model's config
+    device: str | None = None  # None = best available ("cuda" if present, else "cpu")
+    dtype: str | None = None  # None = float32 on CPU, bfloat16 on GPU
+    seed: int = 0  # seed for dummy weights
+
+    max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
+    max_num_seqs: int = 256  # rows (requests) in one step
+    long_prefill_token_threshold: int = NO_CHUNK_CAP  # per-request chunk cap; 0 = off
+    max_num_partial_prefills: int = 4  # requests allowed to be mid-prompt at once
+    scheduling_policy: SchedulingPolicy = "mixed"
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # None = sized from kv_cache_memory_fraction / CPU budget
+    kv_cache_memory_fraction: float = 0.9  # GPU: share of device memory for weights + KV cache
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
+        _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
+        _check_int("max_num_partial_prefills", self.max_num_partial_prefills, minimum=1)
+        _check_int("block_size", self.block_size, minimum=1)
+        _check_int("seed", self.seed, minimum=0)
+        if self.num_kv_blocks is not None:
+            _check_int("num_kv_blocks", self.num_kv_blocks, minimum=1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, minimum=2)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"
+            )
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        fraction = self.kv_cache_memory_fraction
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction!r}")
+        if self.dtype is not None and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from keyword arguments, naming any unknown knob instead of a bare TypeError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {unknown}; known options: {sorted(names)}")
+        return cls(**kwargs)
+
+
+_DTYPES = {"float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto"}
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+@dataclass
+class ModelConfig:
+    """The architecture of a decoder, read from an HF config.json dict (or a GGUF header)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: bias on q/k/v projections
+    qk_norm: bool  # Qwen3: RMSNorm on q and k per head
+    sliding_window: int | None  # Mistral: attend to at most this many previous tokens
+    rope_scaling: dict | None
+    hidden_act: str
+    bos_token_id: int | None
+    eos_token_ids: list[int] = field(default_factory=list)
+    raw: dict = field(default_factory=dict, repr=False)  # the original dict, for HF references
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        if not archs:
+            raise ValueError("model config has no 'architectures' field; cannot choose a model class")
+        model_type = cfg.get("model_type", "")
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        # Qwen2 has q/k/v bias without saying so in its config; Llama-style configs say it.
+        attention_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
+        sliding = cfg.get("sliding_window")
+        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+            sliding = None  # Qwen2 configs carry a window they do not use
+        rope_theta = cfg.get("rope_theta")
+        rope_scaling = cfg.get("rope_scaling")
+        params = cfg.get("rope_parameters")  # transformers 5 keeps theta and scaling here
+        if isinstance(params, dict):
+            rope_theta = rope_theta or params.get("rope_theta")
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = rope_scaling or params
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        return cls(
+            architecture=archs[0],
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            qk_norm=model_type == "qwen3",
+            sliding_window=sliding,
+            rope_scaling=rope_scaling,
+            hidden_act=cfg.get("hidden_act", "silu"),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            raw=cfg,
+        )

@@ -1,0 +1,1 @@
+"""The engine core: requests, scheduler, KV block pool, detokenisation and the step loop."""

@@ -1,0 +1,277 @@
+"""LLMEngine: validates requests, then runs the step loop: schedule(), run(), postprocess()."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from plait.config import EngineConfig
+from plait.engine.detokenizer import Detokenizer
+from plait.engine.kv_cache import KVCacheManager
+from plait.engine.request import FinishReason, Request
+from plait.engine.scheduler import Scheduler, StepPlan
+from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from plait.runner.model_runner import ModelRunner, StepOutput
+from plait.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepStats:
+    """One step of the timeline (set by LLMEngine.step)."""
+
+    index: int
+    start_time: float
+    duration_s: float
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    num_rows: int
+    num_preempted: int
+    kv_blocks_used: int
+
+
+@dataclass
+class _Tracked:
+    """Engine-side bookkeeping of a live request."""
+
+    request: Request
+    prompt: str | None
+    detokenizer: Detokenizer | None
+    logprobs: list[TokenLogprobs] | None
+    arrival_time: float
+    first_token_time: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.model_config = self.runner.model_config
+        self.tokenizer = self.runner.tokenizer
+        self.max_model_len = self.runner.max_model_len
+        self.kv_cache = KVCacheManager(self.runner.num_kv_blocks, config.block_size)
+        max_len_fits = self.kv_cache.num_usable_blocks * config.block_size
+        if self.max_model_len > max_len_fits:
+            if config.max_model_len is not None:
+                raise ValueError(
+                    f"max_model_len {config.max_model_len} needs more KV blocks than the cache has "
+                    f"({self.kv_cache.num_usable_blocks} blocks of {config.block_size} tokens); "
+                    f"lower max_model_len or raise num_kv_blocks"
+                )
+            logger.warning("max_model_len lowered to %d to fit the KV cache", max_len_fits)
+            self.max_model_len = max_len_fits
+        self.scheduler = Scheduler(config, self.kv_cache)
+        self.eos_token_ids = self._eos_token_ids()
+        self._tracked: dict[str, _Tracked] = {}
+        self._arrivals = itertools.count()
+        self._auto_ids = itertools.count()
+        self._step_index = itertools.count()
+        self.record_timeline = False
+        self.timeline: list[StepStats] = []
+
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids = set(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return frozenset(ids)
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validate and queue one request; raises ValueError/TypeError before it enters the engine."""
+        request, text = self.make_request(prompt, params, request_id)
+        self.enqueue(request, text)
+        return request.request_id
+
+    def make_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> tuple[Request, str | None]:
+        """Validate and tokenize without queueing, so a batch can be checked whole before any of
+        it enters the engine. Returns the request and its prompt text (None for token ids)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError("the engine runs one sequence per request; fan n > 1 out before add_request")
+        request_id = request_id if request_id is not None else f"req-{next(self._auto_ids)}"
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        self._validate_prompt(token_ids)
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            max_tokens=max_tokens,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+        )
+        return request, text
+
+    def enqueue(self, request: Request, prompt_text: str | None = None) -> None:
+        """Queue a request made by make_request."""
+        if request.request_id in self._tracked:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        request.arrival_index = next(self._arrivals)
+        params = request.sampling_params
+        detok = None
+        if self.tokenizer is not None:
+            detok = Detokenizer(self.tokenizer, request.prompt_token_ids, params)
+        logprobs = [] if params.logprobs is not None else None
+        self._tracked[request.request_id] = _Tracked(request, prompt_text, detok, logprobs, time.monotonic())
+        self.scheduler.add(request)
+
+    def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=self._add_special_tokens()))
+        if isinstance(prompt, (list, tuple)):
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                raise TypeError("prompt token ids must all be integers")
+            return None, list(prompt)
+        raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _add_special_tokens(self) -> bool:
+        # HF tokenizers add BOS themselves when their template says so; SmolLM2 adds none.
+        return True
+
+    def _validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: it must have at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range for a vocabulary of {vocab}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(token_ids)} tokens, which leaves no room to generate within "
+                f"max_model_len={self.max_model_len}"
+            )
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancel a request; its KV blocks are free before the next step is scheduled."""
+        tracked = self._tracked.pop(request_id, None)
+        if tracked is not None and not tracked.request.is_finished:
+            self.scheduler.finish(tracked.request, FinishReason.ABORT)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the step loop ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One engine step; returns an output for every request that produced a token or finished."""
+        start = time.monotonic()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        result = self.runner.execute(plan)
+        self.scheduler.advance(plan)
+        outputs = self._postprocess(result)
+        if self.record_timeline:
+            self._record(plan, start)
+        return outputs
+
+    def _record(self, plan: StepPlan, start: float) -> None:
+        self.timeline.append(StepStats(
+            index=next(self._step_index), start_time=start, duration_s=time.monotonic() - start,
+            num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
+            num_rows=len(plan.rows), num_preempted=len(plan.preempted),
+            kv_blocks_used=self.kv_cache.num_used_blocks,
+        ))
+
+    def _postprocess(self, result: StepOutput) -> list[RequestOutput]:
+        now = time.monotonic()
+        outputs = []
+        for sampled in result.sampled:
+            request = sampled.request
+            tracked = self._tracked[request.request_id]
+            request.output_token_ids.append(sampled.token_id)
+            if tracked.first_token_time is None:
+                tracked.first_token_time = now
+            if tracked.logprobs is not None and sampled.logprobs is not None:
+                lp = sampled.logprobs
+                tracked.logprobs.append(TokenLogprobs(sampled.token_id, lp.token_logprob,
+                                                      dict(zip(lp.top_ids, lp.top_logprobs))))
+            delta = self._check_stop(tracked, sampled.token_id)
+            if request.finish_reason is not None:
+                self.scheduler.finish(request, request.finish_reason)
+            outputs.append(self._make_output(tracked, delta, [sampled.token_id], now))
+            if request.is_finished:
+                del self._tracked[request.request_id]
+        return outputs
+
+    def _check_stop(self, tracked: _Tracked, token_id: int) -> str:
+        """Set the request's finish reason if it must stop; return the new text to emit."""
+        request, params = tracked.request, tracked.request.sampling_params
+        num_out = len(request.output_token_ids)
+        min_reached = num_out >= params.min_tokens
+        if min_reached and token_id in request.eos_token_ids:
+            request.finish_reason = FinishReason.STOP
+        elif min_reached and token_id in params.stop_token_ids:
+            request.finish_reason, request.stop_reason = FinishReason.STOP, token_id
+        delta = ""
+        if tracked.detokenizer is not None:
+            # EOS is not text; a stop token id is shown only if it is not special.
+            if request.finish_reason is None or request.stop_reason is not None:
+                delta = tracked.detokenizer.feed([token_id])
+            if tracked.detokenizer.stop_reason is not None and request.finish_reason is None and min_reached:
+                request.finish_reason = FinishReason.STOP
+                request.stop_reason = tracked.detokenizer.stop_reason
+        if request.finish_reason is None and (
+            num_out >= request.max_tokens or request.num_tokens >= self.max_model_len
+        ):
+            request.finish_reason = FinishReason.LENGTH
+        if request.finish_reason is not None and tracked.detokenizer is not None:
+            delta += tracked.detokenizer.flush()
+        return delta
+
+    def _make_output(self, tracked: _Tracked, delta: str, delta_ids: list[int], now: float) -> RequestOutput:
+        request = tracked.request
+        reason = request.finish_reason.value if request.finish_reason is not None else None
+        completion = CompletionOutput(
+            index=0,
+            text=tracked.detokenizer.text if tracked.detokenizer is not None else "",
+            token_ids=list(request.output_token_ids),
+            finish_reason=reason,
+            stop_reason=request.stop_reason,
+            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
+            delta_text=delta,
+            delta_token_ids=delta_ids,
+        )
+        metrics = {"arrival_time": tracked.arrival_time, "first_token_time": tracked.first_token_time,
+                   "now": now, "num_preemptions": request.num_preemptions}
+        return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids, [completion],
+                             finished=request.is_finished, metrics=metrics)
+
+    # -- introspection used by tests and tools ---------------------------------------------
+
+    def is_idle_and_clean(self) -> bool:
+        """Idle with every KV block back in the pool (invariant 8)."""
+        return (not self.has_unfinished_requests()
+                and self.kv_cache.num_free_blocks == self.kv_cache.num_usable_blocks)
+

@@ -1,0 +1,80 @@
+"""A request's tokens and progress: the only state the scheduler reasons about."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from plait.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued, holds no KV blocks
+    RUNNING = "running"  # holds KV blocks; scheduled every step until it finishes
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(eq=False)  # identity semantics: requests live in sets and as dict keys
+class Request:
+    """One generation. Its remaining work is always ``num_tokens - num_computed_tokens``.
+
+    There is no prefill/decode flag: a request is mid-prompt while
+    ``num_computed_tokens < num_prompt_tokens`` and decoding afterwards; a row is a first chunk iff
+    ``num_computed_tokens == 0`` (set by the scheduler at admission and on preemption).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved by the engine from sampling_params and max_model_len
+    eos_token_ids: frozenset[int] = frozenset()  # set by the engine from the model; empty if ignore_eos
+    arrival_index: int | None = None  # set by LLMEngine.enqueue: FCFS order
+
+    # Set by the scheduler.
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in this request's blocks
+    block_ids: list[int] = field(default_factory=list)  # KV block table, in token order
+    num_preemptions: int = 0
+
+    # Set by the engine after each step that samples this request.
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_remaining_tokens(self) -> int:
+        """Tokens known but not yet in the KV cache (a whole prompt, a chunk's rest, or 1 for a decode)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while the known tokens (prompt, plus earlier outputs after a preemption) need more
+        than the one last token computed; decided from progress, never from a chunk's length."""
+        return self.num_computed_tokens < self.num_tokens - 1 or self.num_computed_tokens == 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Known tokens [start, end) across the prompt/output boundary."""
+        n_prompt = self.num_prompt_tokens
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]

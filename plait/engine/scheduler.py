@@ -1,0 +1,196 @@
+"""The scheduler: decides which requests run how many tokens in the next step. No torch."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from plait.config import NO_CHUNK_CAP, EngineConfig
+from plait.engine.kv_cache import KVCacheManager
+from plait.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRow:
+    """One request's part of a step. Snapshot taken by the scheduler before the step runs."""
+
+    request: Request
+    start: int  # num_computed_tokens before this step: the position of the row's first token
+    num_new_tokens: int
+    is_prefill: bool  # request.is_prefilling when scheduled (progress-based, never query length)
+
+    @property
+    def is_first_chunk(self) -> bool:
+        return self.start == 0
+
+    @property
+    def samples(self) -> bool:
+        """A row samples iff it reaches the end of the request's known tokens: a chunk that
+        completes the prompt, or a decode. A chunk that stops short has no next token."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class StepPlan:
+    """What one step computes. Built by Scheduler.schedule(), read by the runner and the engine."""
+
+    rows: list[ScheduledRow] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)  # requests sent back to waiting this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.rows)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return sum(r.num_new_tokens for r in self.rows if not r.is_prefill)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return self.num_tokens - self.num_decode_tokens
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.rows
+
+
+class Scheduler:
+    """Each step: running decodes reserve their tokens first (FCFS), then prefill chunks spend
+    the rest of the budget (partial prefills, then waiting requests in arrival order).
+
+    ``prefill_first`` swaps the two, for comparison. Running requests that need a KV block when
+    none is free preempt the newest running request by recompute; it goes to the front of the
+    waiting queue, so it is the next to resume and nothing starves.
+    """
+
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order; the last one is the newest
+
+    # -- queue management -------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def finish(self, request: Request, reason: FinishReason) -> None:
+        """Retire a request (done or aborted) and return its blocks."""
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request.status is RequestStatus.WAITING:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        step = _StepBuilder(self.config)
+        if self.config.scheduling_policy == "mixed":
+            self._schedule_decodes(step)
+            self._schedule_running_prefills(step)
+            self._schedule_waiting(step)
+        else:
+            self._schedule_running_prefills(step)
+            self._schedule_waiting(step)
+            self._schedule_decodes(step)
+        return step.plan
+
+    def advance(self, plan: StepPlan) -> None:
+        """Record that the plan ran: every row's tokens are now in the KV cache."""
+        for row in plan.rows:
+            row.request.num_computed_tokens = row.start + row.num_new_tokens
+
+    def _schedule_decodes(self, step: _StepBuilder) -> None:
+        for request in list(self.running):
+            if request.is_prefilling or request.status is not RequestStatus.RUNNING:
+                continue
+            if not step.has_room():
+                return
+            self._schedule_running(step, request, step.chunk_size(request))
+
+    def _schedule_running_prefills(self, step: _StepBuilder) -> None:
+        for request in list(self.running):
+            if not request.is_prefilling or request.status is not RequestStatus.RUNNING:
+                continue
+            step.num_partial_prefills += 1  # mid-prompt already, whether or not it runs now
+            if not step.has_room():
+                continue
+            num_new = step.chunk_size(request)
+            if self._schedule_running(step, request, num_new) and num_new == request.num_remaining_tokens:
+                step.num_partial_prefills -= 1
+
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        while self.waiting and step.has_room():
+            request = self.waiting[0]
+            num_new = step.chunk_size(request)
+            completes_prompt = num_new == request.num_remaining_tokens
+            if not completes_prompt and step.num_partial_prefills >= self.config.max_num_partial_prefills:
+                return  # FCFS: a later request never overtakes one that is merely waiting its turn
+            if not self.kv_cache.allocate(request, num_new):
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.add(request, num_new)
+            if not completes_prompt:
+                step.num_partial_prefills += 1
+
+    def _schedule_running(self, step: _StepBuilder, request: Request, num_new: int) -> bool:
+        """Give a running request blocks for ``num_new`` tokens, preempting the newest running
+        requests until they fit. False if ``request`` itself had to be preempted."""
+        while not self.kv_cache.allocate(request, num_new):
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is request:
+                return False
+        step.add(request, num_new)
+        return True
+
+    def _preempt(self, request: Request, step: _StepBuilder) -> None:
+        step.remove(request)
+        self.running.remove(request)
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+        step.plan.preempted.append(request)
+
+
+class _StepBuilder:
+    """The plan being built, with the budget it has left."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.plan = StepPlan()
+        self.token_budget = config.max_num_batched_tokens
+        self.num_partial_prefills = 0
+
+    def has_room(self) -> bool:
+        return self.token_budget > 0 and len(self.plan.rows) < self.config.max_num_seqs
+
+    def chunk_size(self, request: Request) -> int:
+        size = min(request.num_remaining_tokens, self.token_budget)
+        if self.config.long_prefill_token_threshold != NO_CHUNK_CAP:
+            size = min(size, self.config.long_prefill_token_threshold)
+        return size
+
+    def add(self, request: Request, num_new: int) -> None:
+        self.plan.rows.append(
+            ScheduledRow(request, request.num_computed_tokens, num_new, request.is_prefilling)
+        )
+        self.token_budget -= num_new
+
+    def remove(self, request: Request) -> None:
+        for i, row in enumerate(self.plan.rows):
+            if row.request is request:
+                self.token_budget += row.num_new_tokens
+                del self.plan.rows[i]
+                return

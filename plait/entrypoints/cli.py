@@ -1,0 +1,143 @@
+"""The ``plait`` command: generate, chat (one-shot or interactive)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+from typing import Any
+
+from plait.config import EngineConfig
+from plait.sampling_params import SamplingParams
+
+# Engine fields that get their own CLI flag (the rest keep their defaults).
+_ENGINE_FLAGS = (
+    "model", "load_format", "device", "dtype", "max_num_batched_tokens", "max_num_seqs",
+    "long_prefill_token_threshold", "max_num_partial_prefills", "scheduling_policy", "block_size",
+    "num_kv_blocks", "kv_cache_memory_fraction", "max_model_len",
+)
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
+    for f in dataclasses.fields(EngineConfig):
+        if f.name not in _ENGINE_FLAGS:
+            continue
+        kind = _arg_type(hints[f.name])
+        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
+                           help=f"(default: {f.default!r})")
+
+
+def _arg_type(hint: Any) -> type:
+    args = typing.get_args(hint) or (hint,)
+    for t in (int, float):
+        if t in args:
+            return t
+    return str
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--seed", type=int, default=None)
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    given = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
+    return EngineConfig(**given)
+
+
+def _sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from plait.engine.engine import LLMEngine
+
+    engine = LLMEngine(_engine_config(args))
+    params = _sampling_params(args)
+    for prompt in args.prompts:
+        _stream(engine, prompt, params)
+    return 0
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.llm import apply_chat_template
+
+    engine = LLMEngine(_engine_config(args))
+    params = _sampling_params(args)
+    history: list[dict] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    turns = [args.message] if args.message else None
+    while True:
+        if turns is not None:
+            if not turns:
+                return 0
+            user = turns.pop(0)
+        else:
+            try:
+                user = input("you> ")
+            except EOFError:
+                print()
+                return 0
+            if user.strip() in ("", "/exit", "/quit"):
+                return 0
+        history.append({"role": "user", "content": user})
+        reply = _stream(engine, apply_chat_template(engine.tokenizer, history), params)
+        history.append({"role": "assistant", "content": reply})
+
+
+def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) -> str:
+    """Run one request alone, printing text as it arrives."""
+    request_id = engine.add_request(prompt, params)
+    text = ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == request_id:
+                sys.stdout.write(out.outputs[0].delta_text)
+                sys.stdout.flush()
+                text = out.outputs[0].text
+    sys.stdout.write("\n")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="plait", description="plait: LLM inference and serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one or more prompts (raw text, no chat template)")
+    gen.add_argument("prompts", nargs="+")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+
+    chat = sub.add_parser("chat", help="chat with the model; interactive when no message is given")
+    chat.add_argument("message", nargs="?", default=None)
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.set_defaults(func=_cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        print(f"plait: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""The offline API: ``LLM(model).generate(prompts, params)`` and ``.chat(messages)``, as in vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any, Union
+
+from tqdm.auto import tqdm
+
+from plait.config import EngineConfig
+from plait.engine.engine import LLMEngine
+from plait.engine.request import Request
+from plait.outputs import RequestOutput
+from plait.sampling_params import SamplingParams
+
+PromptType = Union[str, dict, Sequence[int]]
+Message = dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batches. ``model=None`` runs the default model (SmolLM2-135M-Instruct).
+
+    Engine knobs (``max_num_batched_tokens``, ``scheduling_policy``, ``device``, ``dtype``...) are
+    keyword arguments; see ``plait.config.EngineConfig``.
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
+        self._batch_ids = 0
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in prompt order.
+
+        A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, or a list of
+        token ids. All prompts are validated before any enters the engine.
+        """
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        batch = self._batch_ids
+        self._batch_ids += 1
+        children: list[tuple[int, Request, str | None]] = []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            for k, child in enumerate(_fan_out(p)):
+                request, text = self.engine.make_request(_prompt_payload(prompt), child, f"{batch}-{i}-{k}")
+                children.append((i, request, text))
+        for _, request, text in children:
+            self.engine.enqueue(request, text)
+        finished = self._run_to_completion(len(children), use_tqdm)
+        return _gather(prompts, params, finished, batch)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (a list of messages) or many."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)
+                   for c in conversations]
+        return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm)
+
+    def apply_chat_template(
+        self, conversation: list[Message], add_generation_prompt: bool = True, kwargs: dict | None = None
+    ) -> list[int]:
+        return apply_chat_template(self.engine.tokenizer, conversation, add_generation_prompt, kwargs)
+
+    def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm) as bar:
+            for out in self._drain():
+                finished[out.request_id] = out
+                bar.update(1)
+        return finished
+
+    def _drain(self) -> Iterator[RequestOutput]:
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    yield out
+
+
+def apply_chat_template(
+    tokenizer: Any, conversation: list[Message], add_generation_prompt: bool = True, kwargs: dict | None = None
+) -> list[int]:
+    """Token ids of a conversation under the model's chat template."""
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model has no chat template; use generate() with a plain prompt")
+    for m in conversation:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
+    text = tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **(kwargs or {})
+    )
+    # The template already wrote any special tokens; adding them again would double BOS.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # a single prompt given as token ids
+    if isinstance(prompts, (list, tuple)):
+        return list(prompts)
+    raise TypeError(f"prompts must be a string, a dict, or a list of them, got {type(prompts).__name__}")
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params
+
+
+def _prompt_payload(prompt: PromptType) -> str | list[int]:
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return prompt["prompt"]
+        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+    if isinstance(prompt, str):
+        return prompt
+    return list(prompt)
+
+
+def _fan_out(params: SamplingParams) -> list[SamplingParams]:
+    """n > 1 becomes n single-sequence requests; seeded ones get distinct seeds (seed + index)."""
+    if params.n == 1:
+        return [params]
+    return [
+        dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + k)
+        for k in range(params.n)
+    ]
+
+
+def _gather(prompts: list[PromptType], params: list[SamplingParams],
+            finished: dict[str, RequestOutput], batch: int) -> list[RequestOutput]:
+    results = []
+    for i in range(len(prompts)):
+        outs = [finished[f"{batch}-{i}-{k}"] for k in range(params[i].n)]
+        completions = []
+        for k, out in enumerate(outs):
+            completion = out.outputs[0]
+            completion.index = k
+            completions.append(completion)
+        first = outs[0]
+        results.append(RequestOutput(str(i), first.prompt, first.prompt_token_ids, completions, True,
+                                     metrics=first.metrics))
+    return results

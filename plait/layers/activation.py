@@ -1,0 +1,20 @@
+"""Activations; SiLU-and-multiply for gated MLPs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def get_activation(name: str):
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported (supported: {sorted(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+def act_and_mul(gate_up: torch.Tensor, act) -> torch.Tensor:
+    # gate_up: [T, 2 * I] -> [T, I]
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up

@@ -1,0 +1,1 @@
+"""Loading weights and tokenizers: GGUF files, HF folders, random (dummy) weights."""

@@ -1,0 +1,93 @@
+"""Builds a model from a GGUF file, an HF folder, or random weights, on the chosen device/dtype."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from plait.config import EngineConfig, ModelConfig
+from plait.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+# Standard deviation of random (dummy) weights: HF's initializer_range default, which keeps
+# activations of a random model in a sane range so benchmarks exercise ordinary numbers.
+DUMMY_INIT_STD = 0.02
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: Any | None  # a transformers tokenizer, or None (random-weight configs have none)
+    source: Path
+
+
+def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
+    device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if config.dtype in (None, "auto"):
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    else:
+        dtype = names[config.dtype]
+    return device, dtype
+
+
+def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, max_positions: int | None = None
+               ) -> LoadedModel:
+    from plait.loader.hf import resolve_model
+
+    source = resolve_model(config.model)
+    hf_config, weights = _read_source(source, config.load_format)
+    model_config = ModelConfig.from_hf(hf_config)
+    cls = get_model_class(model_config.architecture)
+    positions = max_positions or model_config.max_position_embeddings
+    with torch.device(device):
+        model = cls(model_config, positions)
+    model.to(dtype)  # rotary tables are plain attributes, so they stay fp32
+    if weights is None:
+        _init_dummy(model, config.seed)
+    else:
+        model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights.items())
+    model.eval()
+    tokenizer = _load_tokenizer(source)
+    return LoadedModel(model, model_config, tokenizer, source.path)
+
+
+def _read_source(source: Any, load_format: str) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    if source.kind == "gguf":
+        from plait.loader.gguf import load_gguf
+
+        hf_config, weights = load_gguf(source.path)
+        return hf_config, None if load_format == "dummy" else weights
+    hf_config = json.loads((source.path / "config.json").read_text())
+    if load_format == "dummy":
+        return hf_config, None
+    from plait.loader.hf import load_hf_folder
+
+    return load_hf_folder(source.path)
+
+
+def _load_tokenizer(source: Any) -> Any | None:
+    from plait.loader.tokenizer import load_tokenizer
+
+    return load_tokenizer(source.path)
+
+
+@torch.no_grad()
+def _init_dummy(model: nn.Module, seed: int) -> None:
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            param.normal_(0.0, DUMMY_INIT_STD, generator=gen)

@@ -1,0 +1,40 @@
+"""What the engine hands back: vLLM-shaped RequestOutput and CompletionOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of one generated token and the top-n alternatives at its position."""
+
+    token_id: int
+    logprob: float
+    top: dict[int, float] = field(default_factory=dict)  # token id -> logprob, best first
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str  # cumulative output text
+    token_ids: list[int]  # cumulative output token ids
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    logprobs: list[TokenLogprobs] | None = None  # one per token when requested
+    delta_text: str = ""  # text produced by the step that made this output
+    delta_token_ids: list[int] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)  # arrival/first-token/finish times (seconds)

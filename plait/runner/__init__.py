@@ -1,0 +1,1 @@
+"""Device side of a step: batch description, model execution, sampling."""
