@@ -40,8 +40,9 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
     return device, dtype
 
 
-def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, max_positions: int | None = None
-               ) -> LoadedModel:
+def load_model(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, max_positions: int | None = None
+) -> LoadedModel:
     from plait.loader.hf import resolve_model
 
     source = resolve_model(config.model)
@@ -63,10 +64,11 @@ def load_model(config: EngineConfig, device: torch.device, dtype: torch.dtype, m
 
 def _read_source(source: Any, load_format: str) -> tuple[dict, dict[str, torch.Tensor] | None]:
     if source.kind == "gguf":
-        from plait.loader.gguf import load_gguf
+        from plait.loader.gguf import load_gguf, read_gguf_config
 
-        hf_config, weights = load_gguf(source.path)
-        return hf_config, None if load_format == "dummy" else weights
+        if load_format == "dummy":
+            return read_gguf_config(source.path), None
+        return load_gguf(source.path)
     hf_config = json.loads((source.path / "config.json").read_text())
     if load_format == "dummy":
         return hf_config, None

@@ -1,0 +1,97 @@
+"""Resolve a model argument to a local GGUF file or HF folder, and read HF safetensors folders."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load_file
+
+from plait.loader.gguf import default_model_path, is_gguf_file
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+GGUF_SUFFIX = ".gguf"
+# "org/name" with Hub-legal characters: what a user means when they paste a Hub id.
+_HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+ModelKind = Literal["gguf", "hf"]
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved local model: a GGUF file or an HF folder (config.json + safetensors)."""
+
+    kind: ModelKind
+    path: Path
+
+
+def resolve_model(model: str | Path | None) -> ModelSource:
+    """Classify a model argument; None means the bundled default GGUF.
+
+    Raises FileNotFoundError for a missing path and ValueError for anything that is not a model,
+    including Hub ids: plait loads local paths only and never downloads.
+    """
+    if model is None:
+        return ModelSource("gguf", default_model_path())
+    raw = str(model)
+    path = Path(raw).expanduser()
+    if not path.exists():
+        if isinstance(model, str) and _HUB_ID_RE.fullmatch(raw):
+            raise ValueError(
+                f"model {raw!r} does not exist locally and looks like a Hugging Face Hub id; plait loads "
+                f"local paths only (no downloads). Download it first, e.g. `hf download {raw} --local-dir "
+                f"<dir>`, and pass the folder or a .gguf file"
+            )
+        raise FileNotFoundError(f"model path {raw!r} does not exist")
+    path = path.resolve()
+    if path.is_file():
+        if path.suffix.lower() == GGUF_SUFFIX:
+            if not is_gguf_file(path):
+                raise ValueError(f"{str(path)!r} has a .gguf name but is not a GGUF file (bad magic bytes)")
+            return ModelSource("gguf", path)
+        raise ValueError(f"{str(path)!r} is neither a .gguf file nor a folder with {CONFIG_FILE}")
+    if (path / CONFIG_FILE).is_file():
+        return ModelSource("hf", path)
+    ggufs = sorted(p.name for p in path.glob(f"*{GGUF_SUFFIX}"))
+    hint = f"; it holds GGUF file(s) {ggufs[:5]}: pass one of them" if ggufs else ""
+    raise ValueError(f"{str(path)!r} is neither a .gguf file nor a folder with {CONFIG_FILE}{hint}")
+
+
+def load_hf_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Read an HF folder: (config.json dict, state dict with the checkpoint's own names and dtypes).
+
+    Sharded checkpoints are read through model.safetensors.index.json; otherwise every *.safetensors
+    file in the folder is read. Tied checkpoints keep whatever the files hold (save_pretrained omits
+    lm_head.weight when it is tied).
+    """
+    path = Path(path)
+    config_path = path / CONFIG_FILE
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no {CONFIG_FILE}")
+    config = json.loads(config_path.read_text())
+
+    index_path = path / SAFETENSORS_INDEX_FILE
+    if index_path.is_file():
+        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"{str(path)!r} has no *.safetensors weights (plait does not read pytorch_model.bin); "
+            "convert them with transformers' save_pretrained(..., safe_serialization=True)"
+        )
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in files:
+        shard = load_file(file)
+        duplicated = state_dict.keys() & shard.keys()
+        if duplicated:
+            names = sorted(duplicated)[:3]
+            raise ValueError(f"tensor(s) {names} appear in more than one file of {str(path)!r}")
+        state_dict.update(shard)
+    return config, state_dict

@@ -1,0 +1,356 @@
+"""Loader tests: GGUF weights and config equal transformers'; tokenizer cache; HF folders; resolve_model."""
+
+from __future__ import annotations
+
+import functools
+import time
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+from transformers.initialization import no_init_weights
+
+from plait.loader import tokenizer as tokenizer_mod
+from plait.loader.gguf import default_model_path, load_gguf, read_gguf_config
+from plait.loader.hf import ModelSource, load_hf_folder, resolve_model
+from plait.loader.tokenizer import load_tokenizer, tokenizer_cache_dir
+
+CHAT = [{"role": "user", "content": "What is 2+2?"}]
+ROUND_TRIP_TEXT = "Hello, world! Ça va? 日本語 1234  two  spaces\n<|im_start|>user"
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> Path:
+    return default_model_path()
+
+
+@pytest.fixture(scope="module")
+def hf_gguf_model(gguf_path: Path) -> torch.nn.Module:
+    """transformers' own GGUF load of the default model: the reference for our loader."""
+    with pytest.MonkeyPatch.context() as mp:
+        # transformers rebuilds the same (arch, n_layers) name map once per submodule (~400 times,
+        # ~9 s); memoising the pure function changes no result, only the test's run time.
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+        )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def plait_gguf(gguf_path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    return load_gguf(gguf_path)
+
+
+# --- (a) GGUF weights and config ---------------------------------------------------------------
+
+
+def test_gguf_state_dict_bit_identical_to_transformers(plait_gguf, hf_gguf_model) -> None:
+    config, state_dict = plait_gguf
+    reference = hf_gguf_model.state_dict()
+    assert config["tie_word_embeddings"] is True
+    # Tied: transformers exposes lm_head.weight as an alias of the embedding; plait omits it.
+    assert set(reference) - set(state_dict) == {"lm_head.weight"}
+    assert set(state_dict) <= set(reference)
+    for name, tensor in state_dict.items():
+        assert tensor.dtype == torch.float32, name
+        assert tensor.shape == reference[name].shape, name
+        assert torch.equal(tensor, reference[name]), name
+    assert torch.equal(reference["lm_head.weight"], state_dict["model.embed_tokens.weight"])
+
+
+def test_gguf_config_matches_transformers(plait_gguf, hf_gguf_model) -> None:
+    config, _ = plait_gguf
+    ref = hf_gguf_model.config
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "vocab_size",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "bos_token_id",
+        "eos_token_id",
+        "hidden_act",
+        "attention_bias",
+    ):
+        assert config[key] == getattr(ref, key), key
+    # transformers 5 keeps theta under rope_parameters; plait's dict keeps the config.json key.
+    assert config["rope_theta"] == ref.rope_parameters["rope_theta"]
+    assert config["model_type"] == ref.model_type == "llama"
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "rope_scaling" not in config
+    assert read_gguf_config(default_model_path()) == config
+
+
+def test_gguf_weights_drive_a_transformers_model(plait_gguf, hf_gguf_model) -> None:
+    """The dict loads strictly into a stock LlamaForCausalLM built from the dict config."""
+    config, state_dict = plait_gguf
+    with no_init_weights():  # random init of 135M params is wasted work: every weight is replaced
+        model = LlamaForCausalLM(LlamaConfig(**config)).eval()
+    missing, unexpected = model.load_state_dict(state_dict, strict=False, assign=True)
+    assert unexpected == [] and missing in ([], ["lm_head.weight"])
+    model.tie_weights()
+    ids = torch.tensor([[1, 9690, 198, 2683, 359, 253]])
+    # One thread: on a shared 2-core box multi-threaded GEMMs of a 6-token forward slow down ~20x
+    # when other processes compete for the cores; one thread also makes both runs identical.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, hf_gguf_model(ids).logits)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _llama_cpp_permute(weights: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: the layout plait must undo."""
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+_TINY = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=100,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_TINY_MODELS = {
+    # Untied head plus linear rope scaling: exercises output.weight and rope_scaling.
+    "llama": (LlamaForCausalLM, LlamaConfig(**_TINY, tie_word_embeddings=False), gguf.MODEL_ARCH.LLAMA),
+    "qwen2": (Qwen2ForCausalLM, Qwen2Config(**_TINY, tie_word_embeddings=True), gguf.MODEL_ARCH.QWEN2),
+    # head_dim 32 != 64 / 4: must come from attention.key_length, not hidden_size / heads.
+    "qwen3": (
+        Qwen3ForCausalLM,
+        Qwen3Config(**_TINY, head_dim=32, tie_word_embeddings=True),
+        gguf.MODEL_ARCH.QWEN3,
+    ),
+}
+
+
+def _write_f32_gguf(model: torch.nn.Module, arch: gguf.MODEL_ARCH, path: Path) -> None:
+    """Write an unquantised GGUF the way llama.cpp's converter does (names, metadata, Q/K permute)."""
+    cfg = model.config
+    arch_name = gguf.MODEL_ARCH_NAMES[arch]
+    writer = gguf.GGUFWriter(path, arch_name)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    if arch_name == "llama":
+        writer.add_rope_dimension_count(cfg.head_dim)
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(2.0)
+    if arch_name == "qwen3":
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+    names = gguf.get_tensor_name_map(arch, cfg.num_hidden_layers)
+    for hf_name, tensor in model.state_dict().items():
+        if hf_name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        stem, kind = hf_name.rsplit(".", 1)
+        gguf_name = f"{names.get_name(stem)}.{kind}"
+        weights = tensor.numpy()
+        if arch_name == "llama" and ".attn_q." in gguf_name:
+            weights = _llama_cpp_permute(weights, cfg.num_attention_heads)
+        elif arch_name == "llama" and ".attn_k." in gguf_name:
+            weights = _llama_cpp_permute(weights, cfg.num_key_value_heads)
+        writer.add_tensor(gguf_name, np.ascontiguousarray(weights))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("arch", sorted(_TINY_MODELS))
+def test_gguf_round_trip_recovers_original_weights(tmp_path: Path, arch: str) -> None:
+    """HF model -> llama.cpp-style F32 GGUF -> load_gguf gives back the very same tensors and config."""
+    model_cls, config, gguf_arch = _TINY_MODELS[arch]
+    torch.manual_seed(0)
+    model = model_cls(config)
+    path = tmp_path / f"tiny-{arch}.gguf"
+    _write_f32_gguf(model, gguf_arch, path)
+
+    loaded_config, state_dict = load_gguf(path)
+    reference = model.state_dict()
+    if config.tie_word_embeddings:
+        reference.pop("lm_head.weight")
+    assert set(state_dict) == set(reference)
+    for name, tensor in reference.items():
+        assert torch.equal(state_dict[name], tensor), name
+    assert loaded_config["model_type"] == config.model_type
+    assert loaded_config["architectures"] == [model_cls.__name__]
+    # Qwen2Config has no head_dim attribute: it is always hidden_size / heads there.
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert loaded_config["head_dim"] == head_dim
+    assert loaded_config["tie_word_embeddings"] == config.tie_word_embeddings
+    assert loaded_config["attention_bias"] == (arch == "qwen2")
+    if arch == "llama":
+        assert loaded_config["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
+    else:
+        assert "rope_scaling" not in loaded_config
+
+
+def test_load_gguf_rejects_non_gguf(tmp_path: Path) -> None:
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"not a gguf file")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        load_gguf(fake)
+    with pytest.raises(FileNotFoundError):
+        load_gguf(tmp_path / "missing.gguf")
+
+
+# --- (b) tokenizer --------------------------------------------------------------------------------
+
+
+def test_gguf_tokenizer_round_trip_chat_template_and_cache(gguf_path, plait_gguf, tmp_path, monkeypatch):
+    config, _ = plait_gguf
+    monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path))
+    cache_dir = tokenizer_cache_dir(gguf_path)
+    assert cache_dir.is_relative_to(tmp_path) and not cache_dir.exists()
+
+    start = time.perf_counter()
+    tok = load_tokenizer(gguf_path)
+    first_s = time.perf_counter() - start
+    assert (cache_dir / "tokenizer.json").is_file()
+    assert not [p for p in cache_dir.parent.iterdir() if p.name.endswith(".tmp")]  # no leftovers
+
+    ids = tok(ROUND_TRIP_TEXT, add_special_tokens=False).input_ids
+    assert tok.decode(ids) == ROUND_TRIP_TEXT
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == config["eos_token_id"] == 2
+    assert tok.bos_token_id == config["bos_token_id"]
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    prompt = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+    # Second call must come from the cache: make conversion impossible.
+    def no_conversion(path: Path) -> None:
+        raise AssertionError("tokenizer was converted again instead of read from the cache")
+
+    monkeypatch.setattr(tokenizer_mod, "_convert_gguf_tokenizer", no_conversion)
+    start = time.perf_counter()
+    tok2 = load_tokenizer(gguf_path)
+    second_s = time.perf_counter() - start
+    assert Path(tok2.name_or_path) == cache_dir
+    assert second_s < first_s / 3, (first_s, second_s)
+    assert tok2(ROUND_TRIP_TEXT).input_ids == tok(ROUND_TRIP_TEXT).input_ids
+    assert tok2.chat_template == tok.chat_template
+    assert tok2.eos_token_id == tok.eos_token_id
+
+    # A process that loses the race to publish the cache entry keeps the winner's copy, cleanly.
+    tokenizer_mod._save_atomically(tok2, cache_dir)
+    assert (cache_dir / "tokenizer.json").is_file()
+    assert [p.name for p in cache_dir.parent.iterdir()] == [cache_dir.name]
+
+
+def test_hf_folder_without_tokenizer_returns_none(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    assert load_tokenizer(tmp_path) is None
+
+
+# --- (c) HF folders -----------------------------------------------------------------------------
+
+
+def _tiny_llama(tie: bool) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        tie_word_embeddings=tie,
+    )
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_hf_folder_round_trip(tmp_path: Path, tie: bool) -> None:
+    model = _tiny_llama(tie)
+    model.save_pretrained(tmp_path)
+    config, state_dict = load_hf_folder(tmp_path)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert config["hidden_size"] == 64 and config["num_key_value_heads"] == 2
+    reference = model.state_dict()
+    expected = set(reference) - ({"lm_head.weight"} if tie else set())
+    assert set(state_dict) == expected
+    for name, tensor in state_dict.items():
+        assert torch.equal(tensor, reference[name]), name
+    assert resolve_model(tmp_path) == ModelSource("hf", tmp_path.resolve())
+
+
+def test_hf_folder_sharded(tmp_path: Path) -> None:
+    model = _tiny_llama(tie=False)
+    model.save_pretrained(tmp_path, max_shard_size="50KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    _, state_dict = load_hf_folder(tmp_path)
+    reference = model.state_dict()
+    assert set(state_dict) == set(reference)
+    assert all(torch.equal(state_dict[k], reference[k]) for k in reference)
+
+
+# --- (d) resolve_model --------------------------------------------------------------------------
+
+
+def test_resolve_model_default_and_gguf(gguf_path: Path) -> None:
+    assert resolve_model(None) == ModelSource("gguf", gguf_path)
+    assert resolve_model(str(gguf_path)).kind == "gguf"
+
+
+def test_resolve_model_missing_path(tmp_path: Path) -> None:
+    missing = tmp_path / "nope"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model(missing)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        resolve_model(str(missing))
+
+
+def test_resolve_model_non_model_folder_and_file(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="neither a .gguf file nor a folder with config.json"):
+        resolve_model(tmp_path)
+    text = tmp_path / "notes.txt"
+    text.write_text("hi")
+    with pytest.raises(ValueError, match="neither a .gguf file"):
+        resolve_model(text)
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"nope")
+    with pytest.raises(ValueError, match="not a GGUF file"):
+        resolve_model(fake)
+
+
+def test_resolve_model_hub_id() -> None:
+    with pytest.raises(ValueError, match="local paths only"):
+        resolve_model("meta-llama/Llama-3.2-1B-Instruct")
