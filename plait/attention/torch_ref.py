@@ -50,7 +50,8 @@ class TorchRefBackend(AttentionBackend):
             v = v.repeat_interleave(group, dim=0)
             qi = q[q_start:q_end].float().transpose(0, 1)  # [Hq, n, D]
             scores = torch.matmul(qi, k.transpose(1, 2)) * scale  # [Hq, n, seq_len]
-            scores = scores.masked_fill(~_visible(q_end - q_start, seq_len, sliding_window, q.device), float("-inf"))
+            visible = _visible(q_end - q_start, seq_len, sliding_window, q.device)
+            scores = scores.masked_fill(~visible, float("-inf"))
             row_lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
             probs = torch.exp(scores - row_lse.unsqueeze(-1))
             out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
@@ -58,7 +59,9 @@ class TorchRefBackend(AttentionBackend):
         return (out, lse) if return_lse else out
 
 
-def _visible(num_queries: int, seq_len: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+def _visible(
+    num_queries: int, seq_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
     """[n, seq_len] bool: query j (at position seq_len - n + j) sees keys at positions <= its own
     (and, with a sliding window, within the last ``sliding_window`` positions)."""
     q_pos = torch.arange(seq_len - num_queries, seq_len, device=device).unsqueeze(1)

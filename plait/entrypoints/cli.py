@@ -62,8 +62,8 @@ def _sampling_params(args: argparse.Namespace) -> SamplingParams:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from plait.engine.engine import LLMEngine
 
+    params = _sampling_params(args)  # bad values fail before the model loads
     engine = LLMEngine(_engine_config(args))
-    params = _sampling_params(args)
     for prompt in args.prompts:
         _stream(engine, prompt, params)
     return 0
@@ -73,8 +73,8 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from plait.engine.engine import LLMEngine
     from plait.entrypoints.llm import apply_chat_template
 
-    engine = LLMEngine(_engine_config(args))
     params = _sampling_params(args)
+    engine = LLMEngine(_engine_config(args))
     history: list[dict] = []
     if args.system:
         history.append({"role": "system", "content": args.system})

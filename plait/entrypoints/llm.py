@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator, Sequence
-from typing import Any, Union
+from typing import Any
 
 from tqdm.auto import tqdm
 
@@ -14,7 +14,7 @@ from plait.engine.request import Request
 from plait.outputs import RequestOutput
 from plait.sampling_params import SamplingParams
 
-PromptType = Union[str, dict, Sequence[int]]
+PromptType = str | dict | Sequence[int]
 Message = dict[str, Any]
 
 
@@ -92,7 +92,10 @@ class LLM:
 
 
 def apply_chat_template(
-    tokenizer: Any, conversation: list[Message], add_generation_prompt: bool = True, kwargs: dict | None = None
+    tokenizer: Any,
+    conversation: list[Message],
+    add_generation_prompt: bool = True,
+    kwargs: dict | None = None,
 ) -> list[int]:
     """Token ids of a conversation under the model's chat template."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):

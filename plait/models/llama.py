@@ -134,7 +134,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 _copy(self._shard(target, param, shard), tensor, name)
             loaded.add(target)
-        missing = sorted(set(params) - loaded - ({"lm_head.weight"} if self.config.tie_word_embeddings else set()))
+        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
+        missing = sorted(set(params) - loaded - tied)
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
 

@@ -1,0 +1,309 @@
+"""Batched, device-agnostic token sampler (penalties, greedy, temperature, top-k/top-p/min-p, logprobs)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from plait.sampling_params import TOP_K_DISABLED, SamplingParams
+
+_MASK64 = (1 << 64) - 1
+# splitmix64 constants: a cheap, well-mixed 64-bit hash so (seed, step) pairs give unrelated streams.
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + _GOLDEN_GAMMA) & _MASK64
+    x = ((x ^ (x >> 30)) * _MIX1) & _MASK64
+    x = ((x ^ (x >> 27)) * _MIX2) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """Generator seed for a seeded request at a given output position (independent of batch layout)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ step)
+
+
+@dataclass
+class SamplingRow:
+    """One request that samples a token this step, in batch (logits row) order.
+
+    eos_token_ids: the model's EOS ids (tokenizer EOS plus generation-config EOS ids), needed so that
+    min_tokens can block them. Together with params.stop_token_ids they are masked while
+    len(output_token_ids) < params.min_tokens, unless params.ignore_eos (as vLLM: ignored EOS ids are
+    not stop tokens, so they need no blocking).
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # tokens generated so far (before this step)
+    eos_token_ids: Collection[int] = ()
+
+
+@dataclass
+class Logprobs:
+    """Logprobs of one sampled token, from the raw model logits (before penalties and temperature)."""
+
+    token_logprob: float
+    top_ids: list[int]  # params.logprobs most likely ids, most likely first
+    top_logprobs: list[float]
+    rank: int  # 1-based rank of the sampled token (number of ids with logprob >= its logprob)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]  # None where params.logprobs is None
+
+
+def _needs_penalties(p: SamplingParams) -> bool:
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _pad(seqs: list[Sequence[int]], pad: int) -> torch.Tensor:
+    width = max((len(s) for s in seqs), default=0)
+    return torch.tensor([list(s) + [pad] * (width - len(s)) for s in seqs], dtype=torch.long).reshape(
+        len(seqs), width
+    )
+
+
+def _bin_counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
+    # Padding uses id == vocab, which lands in an extra bin that is sliced off.
+    counts = torch.zeros(tokens.shape[0], vocab + 1, dtype=torch.float32, device=tokens.device)
+    counts.scatter_add_(1, tokens, torch.ones_like(tokens, dtype=torch.float32))
+    return counts[:, :vocab]
+
+
+def _mask_top_k(x: torch.Tensor, ks: list[int]) -> None:
+    """Keeps exactly k ids per row: the k largest, ties going to the lowest ids (as a stable sort ranks
+    them), so top_k=1 agrees with argmax."""
+    k = torch.tensor(ks, device=x.device)[:, None]
+    kth = torch.topk(x, max(ks), dim=-1).values.gather(1, k - 1)
+    greater = x > kth
+    tied = x == kth
+    room = k - greater.sum(dim=-1, keepdim=True)
+    # int32 halves the memory traffic of the vocab-wide cumsum.
+    keep = greater | (tied & (torch.cumsum(tied, dim=-1, dtype=torch.int32) <= room))
+    x.masked_fill_(~keep, float("-inf"))
+
+
+def _mask_top_p(x: torch.Tensor, top_ps: list[float], candidates: int | None) -> None:
+    """Keeps the most likely ids until their mass reaches top_p (at least one id).
+
+    candidates: if not None, no row has more than this many finite logits (top-k already applied).
+    """
+    if candidates is not None:
+        vals, ids = torch.topk(x, candidates, dim=-1, sorted=False)
+        # Rank by (logit desc, id asc), like the stable full sort below, so ties resolve the same way.
+        by_id = ids.argsort(dim=-1)
+        vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
+        order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+        vals, ids = vals.gather(1, order), ids.gather(1, order)
+    else:
+        vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
+    top_p = torch.tensor(top_ps, device=x.device)[:, None]
+    probs = torch.softmax(vals, dim=-1)
+    mass_before = torch.cumsum(probs, dim=-1) - probs
+    # Drop an id once the more likely ids already cover top_p; the most likely id always survives.
+    drop = mass_before >= top_p
+    drop[:, 0] = False
+    x.scatter_(1, ids, vals.masked_fill_(drop, float("-inf")))
+
+
+def _mask_min_p(x: torch.Tensor, min_ps: list[float]) -> None:
+    """Drops ids whose probability is below min_p times that of the most likely id."""
+    probs = torch.softmax(x, dim=-1)
+    threshold = torch.tensor(min_ps, device=x.device)[:, None] * probs.amax(dim=-1, keepdim=True)
+    x.masked_fill_(probs < threshold, float("-inf"))
+
+
+def _on_rows(logits: torch.Tensor, row_ids: list[int], fn: Callable[[torch.Tensor], None]) -> None:
+    """Applies an in-place, row-wise filter to some rows only; the others stay untouched."""
+    if len(row_ids) == logits.shape[0]:
+        fn(logits)
+        return
+    idx = torch.tensor(row_ids, device=logits.device)
+    sub = logits.index_select(0, idx)
+    fn(sub)
+    logits.index_copy_(0, idx, sub)
+
+
+class Sampler:
+    """Samples one token per row. Only the final ids (and requested logprobs) are copied to the host."""
+
+    def __init__(self) -> None:
+        # One reusable generator per device; reseeding is safe after a launch because CUDA kernels take
+        # the philox seed/offset by value.
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
+        if not rows:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        params = [r.params for r in rows]
+        want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
+        min_tokens_rows = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
+        penalty_rows = [i for i, p in enumerate(params) if _needs_penalties(p)]
+        all_greedy = all(p.is_greedy for p in params)
+
+        if all_greedy and not want_logprobs and not min_tokens_rows and not penalty_rows:
+            # Fast path: argmax is exact in any float dtype, so no fp32 copy is needed.
+            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows))
+
+        device = logits.device
+        raw_logprobs = None
+        if want_logprobs:
+            lp_idx = torch.tensor(want_logprobs, device=device)
+            raw_logprobs = torch.log_softmax(logits.index_select(0, lp_idx).float(), dim=-1)
+
+        logits = logits.to(torch.float32, copy=True)
+        if min_tokens_rows:
+            self._mask_stop_tokens(logits, rows, min_tokens_rows)
+        if penalty_rows:
+            self._apply_penalties(logits, rows, penalty_rows)
+
+        if all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = self._sample(logits, rows)
+
+        logprobs: list[Logprobs | None] = [None] * len(rows)
+        if raw_logprobs is not None:
+            self._gather_logprobs(raw_logprobs, token_ids, rows, want_logprobs, logprobs)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    @staticmethod
+    def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]) -> None:
+        vocab = logits.shape[1]
+        r_idx: list[int] = []
+        t_idx: list[int] = []
+        for i in row_ids:
+            p = rows[i].params
+            stop_ids = set(p.stop_token_ids)
+            if not p.ignore_eos:
+                stop_ids.update(rows[i].eos_token_ids)
+            for t in stop_ids:
+                if t < vocab:
+                    r_idx.append(i)
+                    t_idx.append(t)
+        if r_idx:
+            idx = (torch.tensor(r_idx, device=logits.device), torch.tensor(t_idx, device=logits.device))
+            logits.index_put_(idx, torch.tensor(float("-inf"), device=logits.device))
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]) -> None:
+        """vLLM's apply_penalties: repetition over prompt+output, then frequency and presence over output."""
+        device = logits.device
+        vocab = logits.shape[1]
+        sel = [rows[i] for i in row_ids]
+        idx = torch.tensor(row_ids, device=device)
+        sub = logits.index_select(0, idx)
+
+        output_counts = _bin_counts(_pad([r.output_token_ids for r in sel], vocab).to(device), vocab)
+        output_mask = output_counts > 0
+
+        if any(r.params.repetition_penalty != 1.0 for r in sel):
+            rep = torch.tensor([r.params.repetition_penalty for r in sel], device=device)
+            # Prompts are only transferred for rows that actually use a repetition penalty.
+            prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else () for r in sel]
+            prompt_mask = _bin_counts(_pad(prompts, vocab).to(device), vocab) > 0
+            penalties = torch.where(prompt_mask | output_mask, rep[:, None], 1.0)
+            # Positive logits are divided by the penalty, negative ones multiplied, so both move down.
+            sub *= torch.where(sub > 0, 1.0 / penalties, penalties)
+
+        freq = torch.tensor([r.params.frequency_penalty for r in sel], device=device)
+        presence = torch.tensor([r.params.presence_penalty for r in sel], device=device)
+        sub -= freq[:, None] * output_counts
+        sub -= presence[:, None] * output_mask
+        logits.index_copy_(0, idx, sub)
+
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        device = logits.device
+        vocab = logits.shape[1]
+        params = [r.params for r in rows]
+        greedy = [p.is_greedy for p in params]
+        greedy_ids = logits.argmax(dim=-1) if any(greedy) else None
+
+        # Greedy rows get temperature 1 just to keep the arithmetic finite; their result is replaced below.
+        temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
+        logits.div_(torch.tensor(temps, device=device)[:, None])
+
+        top_k_rows = [i for i, p in enumerate(params) if not greedy[i] and TOP_K_DISABLED < p.top_k < vocab]
+        if top_k_rows:
+            ks = [params[i].top_k for i in top_k_rows]
+            _on_rows(logits, top_k_rows, lambda x: _mask_top_k(x, ks))
+        top_p_rows = [i for i, p in enumerate(params) if not greedy[i] and p.top_p < 1.0]
+        if top_p_rows:
+            top_ps = [params[i].top_p for i in top_p_rows]
+            ks = [params[i].top_k for i in top_p_rows]
+            # When every row already kept only its top-k ids, ranking those candidates is enough, which
+            # is far cheaper than sorting the whole vocabulary.
+            candidates = max(ks) if all(TOP_K_DISABLED < k < vocab for k in ks) else None
+            _on_rows(logits, top_p_rows, lambda x: _mask_top_p(x, top_ps, candidates))
+        min_p_rows = [i for i, p in enumerate(params) if not greedy[i] and p.min_p > 0.0]
+        if min_p_rows:
+            min_ps = [params[i].min_p for i in min_p_rows]
+            _on_rows(logits, min_p_rows, lambda x: _mask_min_p(x, min_ps))
+
+        probs = torch.softmax(logits, dim=-1)
+        noise = self._exponential_noise(probs, rows, greedy)
+        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is distributed as Categorical(p) and avoids
+        # the host sync of torch.multinomial.
+        random_ids = probs.div_(noise).argmax(dim=-1)
+        if greedy_ids is None:
+            return random_ids
+        return torch.where(torch.tensor(greedy, device=device), greedy_ids, random_ids)
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = self._generators[device] = torch.Generator(device=device)
+        return gen
+
+    def _exponential_noise(
+        self, probs: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]
+    ) -> torch.Tensor:
+        noise = torch.empty_like(probs)
+        seeded = [i for i, r in enumerate(rows) if r.params.seed is not None and not greedy[i]]
+        if len(seeded) < len(rows):
+            noise.exponential_()
+        if seeded:
+            gen = self._generator(probs.device)
+            for i in seeded:
+                # Seeded from (seed, position) only, so the draw is independent of batch composition and
+                # identical after preemption/recompute.
+                gen.manual_seed(step_seed(rows[i].params.seed, len(rows[i].output_token_ids)))
+                noise[i].exponential_(generator=gen)
+        # exponential_ can return exactly 0; 0/0 would be NaN and win the argmax for a filtered id.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    @staticmethod
+    def _gather_logprobs(
+        raw_logprobs: torch.Tensor,
+        token_ids: torch.Tensor,
+        rows: list[SamplingRow],
+        row_ids: list[int],
+        out: list[Logprobs | None],
+    ) -> None:
+        device = raw_logprobs.device
+        sampled = token_ids.index_select(0, torch.tensor(row_ids, device=device))
+        token_lp = raw_logprobs.gather(1, sampled[:, None])
+        ranks = (raw_logprobs >= token_lp).sum(dim=-1)
+        max_n = max(rows[i].params.logprobs or 0 for i in row_ids)
+        top_lp, top_ids = torch.topk(raw_logprobs, max_n, dim=-1, sorted=True)
+        # One device->host copy for everything; fp32 holds ids and ranks exactly below 2**24 (any real vocab).
+        packed = torch.cat([token_lp, ranks[:, None].float(), top_lp, top_ids.float()], dim=1).tolist()
+        for j, i in enumerate(row_ids):
+            n = rows[i].params.logprobs or 0
+            row = packed[j]
+            out[i] = Logprobs(
+                token_logprob=row[0],
+                top_ids=[int(t) for t in row[2 + max_n : 2 + max_n + n]],
+                top_logprobs=row[2 : 2 + n],
+                rank=int(row[1]),
+            )

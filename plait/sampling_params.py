@@ -1,0 +1,164 @@
+"""Per-request sampling parameters, with vLLM-compatible field names, defaults and validation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+# top_k value meaning "no top-k filtering". vLLM also accepts -1 for this; it is normalised to 0.
+TOP_K_DISABLED = 0
+_VLLM_TOP_K_DISABLED = -1
+
+# Temperatures below this are treated as greedy decoding (same threshold as vLLM's _SAMPLING_EPS).
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+# The OpenAI API allows at most 20 top logprobs per position; vLLM's default cap is the same.
+MAX_LOGPROBS = 20
+
+# OpenAI-style presence/frequency penalties are bounded to [-2, 2].
+PENALTY_BOUND = 2.0
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}"
+
+
+def _check_int(name: str, value: Any, *, optional: bool = False) -> None:
+    # bool is a subclass of int, but max_tokens=True is certainly a caller bug.
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        kind = "an int or None" if optional else "an int"
+        raise ValueError(f"{name} must be {kind}, got {_describe(value)}")
+
+
+def _check_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {_describe(value)}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {_describe(value)}")
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters for one request; see vLLM's SamplingParams for the meaning of each field."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = TOP_K_DISABLED
+    min_p: float = 0.0
+    seed: int | None = None
+    # None means "up to max_model_len"; the engine resolves it.
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    # Number of top logprobs to return per sampled token (the sampled token's own logprob is always
+    # returned when this is not None).
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n)
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+
+        self.top_p = _check_float("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p:g}")
+
+        _check_int("top_k", self.top_k)
+        if self.top_k == _VLLM_TOP_K_DISABLED:
+            self.top_k = TOP_K_DISABLED
+        if self.top_k < 0:
+            disabled = f"{TOP_K_DISABLED} or {_VLLM_TOP_K_DISABLED} to disable"
+            raise ValueError(f"top_k must be >= 1 ({disabled}), got {self.top_k}")
+
+        self.min_p = _check_float("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p:g}")
+
+        _check_int("seed", self.seed, optional=True)
+
+        _check_int("max_tokens", self.max_tokens, optional=True)
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+
+        _check_int("min_tokens", self.min_tokens)
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+
+        self.stop = self._normalise_stop(self.stop)
+        self.stop_token_ids = self._normalise_stop_token_ids(self.stop_token_ids)
+
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+
+        _check_int("logprobs", self.logprobs, optional=True)
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _check_float(name, getattr(self, name))
+            if not -PENALTY_BOUND <= value <= PENALTY_BOUND:
+                raise ValueError(f"{name} must be in [-{PENALTY_BOUND:g}, {PENALTY_BOUND:g}], got {value:g}")
+            setattr(self, name, value)
+
+        self.repetition_penalty = _check_float("repetition_penalty", self.repetition_penalty)
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty:g}")
+
+    @staticmethod
+    def _normalise_stop(stop: Any) -> list[str]:
+        if stop is None:
+            return []
+        if isinstance(stop, str):
+            stop = [stop]
+        elif isinstance(stop, (list, tuple)):
+            stop = list(stop)
+        else:
+            raise ValueError(f"stop must be a str, a list of str or None, got {_describe(stop)}")
+        for s in stop:
+            if not isinstance(s, str):
+                raise ValueError(f"stop must contain only strings, got {_describe(s)}")
+            if not s:
+                raise ValueError("stop must not contain an empty string, got ''")
+        return stop
+
+    @staticmethod
+    def _normalise_stop_token_ids(ids: Any) -> list[int]:
+        if ids is None:
+            return []
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of int, got {_describe(ids)}")
+        for t in ids:
+            _check_int("stop_token_ids element", t)
+            if t < 0:
+                raise ValueError(f"stop_token_ids must be non-negative token ids, got {t}")
+        return list(ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature ~ 0)."""
+        return self.temperature < GREEDY_TEMPERATURE_EPS

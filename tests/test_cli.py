@@ -1,0 +1,42 @@
+"""The plait CLI end to end: generate and one-shot chat with the default model, and clear errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _plait(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "plait.entrypoints.cli", *args], capture_output=True,
+                          text=True, input=stdin, env=env, timeout=300)
+
+
+def test_generate_and_chat_with_default_model():
+    from plait import LLM, SamplingParams
+
+    llm = LLM()
+    expected = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                        SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
+    res = _plait("chat", "What is the capital of France?", "--max-tokens", "12")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == expected.strip()
+
+    res = _plait("chat", "--max-tokens", "8", stdin="Name a colour.\n/exit\n")  # interactive
+    assert res.returncode == 0, res.stderr
+    assert "you> " in res.stdout and len(res.stdout.split("you> ")[1].strip()) > 0
+
+    res = _plait("generate", "The capital of France is", "--max-tokens", "5", "--max-num-batched-tokens", "4")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip()
+
+
+def test_cli_errors_are_clear(tmp_path):
+    res = _plait("generate", "hi", "--model", str(tmp_path / "missing.gguf"))
+    assert res.returncode == 2 and "does not exist" in res.stderr
+    res = _plait("generate", "hi", "--temperature", "-2")
+    assert res.returncode == 2 and "temperature" in res.stderr

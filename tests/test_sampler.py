@@ -1,0 +1,366 @@
+"""Tests for the batched sampler: greedy, filters, seeding, distribution, penalties, logprobs, min_tokens."""
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from plait.runner.sampler import Sampler, SamplingRow
+from plait.sampling_params import SamplingParams
+
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def make_logits(seed: int, rows: int, vocab: int, scale: float = 3.0, ties: bool = False) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    # Drawn on the CPU for reproducibility, then moved, so the suite also runs under set_default_device.
+    logits = torch.randn(rows, vocab, generator=gen, device="cpu").to(torch.get_default_device()) * scale
+    if ties:
+        # Coarse rounding creates many exactly equal logits, including tied maxima.
+        logits = torch.round(logits)
+    return logits
+
+
+def row(output: list[int] | None = None, prompt: list[int] | None = None, eos: int | None = None, **kw):
+    return SamplingRow(SamplingParams(**kw), prompt or [], output or [], () if eos is None else {eos})
+
+
+logits_cases = st.tuples(
+    st.integers(0, 2**31 - 1), st.integers(2, 60), st.floats(0.1, 20.0), st.booleans()
+).map(lambda t: make_logits(t[0], 1, t[1], t[2], t[3])[0])
+
+
+# --------------------------------------------------------------------------- greedy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_greedy_is_argmax(dtype: torch.dtype) -> None:
+    logits = make_logits(0, 16, 1000, ties=True).to(dtype)
+    out = Sampler()(logits, [row(temperature=0.0) for _ in range(16)])
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+    assert out.logprobs == [None] * 16
+
+
+def test_greedy_slow_path_matches_fast_path() -> None:
+    logits = make_logits(1, 8, 500, ties=True)
+    fast = Sampler()(logits, [row(temperature=0.0) for _ in range(8)]).token_ids
+    # logprobs force the general path; min_tokens without an EOS id changes nothing.
+    slow = Sampler()(logits, [row(temperature=0.0, logprobs=2, min_tokens=1) for _ in range(8)]).token_ids
+    assert fast == slow == logits.argmax(dim=-1).tolist()
+
+
+def test_greedy_ties_pick_lowest_index() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0, 5.0, 5.0]])
+    assert Sampler()(logits, [row(temperature=0.0)]).token_ids == [1]
+    assert Sampler()(logits, [row(temperature=0.0, logprobs=1)]).token_ids == [1]
+
+
+@FAST
+@given(logits=logits_cases, temperature=st.floats(1e-3, 50.0), seed=st.integers(0, 2**40))
+def test_top_k_one_equals_greedy(logits: torch.Tensor, temperature: float, seed: int) -> None:
+    batch = logits.expand(4, -1).contiguous()
+    rows = [row(temperature=temperature, top_k=1, seed=seed + i if i % 2 else None) for i in range(4)]
+    expected = int(logits.argmax())
+    assert Sampler()(batch, rows).token_ids == [expected] * 4
+
+
+def test_mixed_greedy_and_random_batch() -> None:
+    logits = make_logits(2, 6, 300)
+    rows = [
+        row(temperature=0.0),
+        row(temperature=1.0, seed=3),
+        row(temperature=0.0, logprobs=1),
+        row(temperature=0.9, top_p=0.8),
+        row(temperature=0.0, presence_penalty=0.1),
+        row(temperature=2.0, top_k=5),
+    ]
+    out = Sampler()(logits, rows)
+    argmax = logits.argmax(dim=-1).tolist()
+    for i in (0, 2, 4):  # presence penalty on an empty output changes nothing
+        assert out.token_ids[i] == argmax[i]
+    assert out.token_ids[5] in torch.topk(logits[5] / 2.0, 5).indices.tolist()
+    assert all(0 <= t < 300 for t in out.token_ids)
+
+
+def test_rejects_mismatched_rows() -> None:
+    with pytest.raises(ValueError, match="logits"):
+        Sampler()(torch.zeros(2, 5), [row()])
+
+
+# --------------------------------------------------------------------------- filtering
+
+
+def allowed_ids(logits: torch.Tensor, p: SamplingParams, tol: float = 1e-4) -> set[int]:
+    """Reference top-k -> top-p -> min-p in float64, lenient by tol at the boundaries."""
+    x = logits.double() / p.temperature
+    order = sorted(range(len(x)), key=lambda i: (-x[i].item(), i))
+    keep = order[: p.top_k] if p.top_k else order
+    probs = torch.softmax(x[keep], dim=0).tolist()
+    mass, kept_p = 0.0, []
+    for pos, (tok, pr) in enumerate(zip(keep, probs, strict=True)):
+        if pos == 0 or p.top_p >= 1.0 or mass < p.top_p + tol:
+            kept_p.append(tok)
+        mass += pr
+    probs = torch.softmax(x[kept_p], dim=0)
+    threshold = p.min_p * probs.max().item()
+    return {t for t, pr in zip(kept_p, probs.tolist(), strict=True) if pr >= threshold - tol}
+
+
+@FAST
+@given(
+    logits=logits_cases,
+    temperature=st.floats(0.05, 5.0),
+    top_k=st.integers(0, 8),
+    top_p=st.floats(0.05, 1.0),
+    min_p=st.sampled_from([0.0, 0.0, 0.05, 0.3, 0.9]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_filters_never_sample_removed_tokens(logits, temperature, top_k, top_p, min_p, seed) -> None:
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    allowed = allowed_ids(logits, SamplingParams(**kw))
+    n = 64
+    torch.manual_seed(seed)
+    # Half the rows use per-request generators, half the default one.
+    rows = [row(seed=seed + i if i % 2 else None, **kw) for i in range(n)]
+    out = Sampler()(logits.expand(n, -1).contiguous(), rows)
+    assert set(out.token_ids) <= allowed
+
+
+def test_top_k_keeps_exactly_k_with_ties() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0, 3.0]])
+    n = 400
+    torch.manual_seed(0)
+    out = Sampler()(logits.expand(n, -1).contiguous(), [row(top_k=2) for _ in range(n)])
+    # Ties are ranked by id, so the two kept tokens are 1 and 2.
+    assert set(out.token_ids) == {1, 2}
+
+
+@pytest.mark.parametrize(
+    ("top_k", "top_p", "expected"), [(4, 0.5, {1, 3}), (0, 0.5, {1, 3, 4}), (5, 1.0, None)]
+)
+def test_ties_resolve_toward_lower_ids(top_k: int, top_p: float, expected: set[int] | None) -> None:
+    logits = torch.tensor([[0.0, 3.0, 1.0, 3.0, 3.0, 3.0, 3.0]])
+    n = 400
+    torch.manual_seed(0)
+    rows = [row(top_k=top_k, top_p=top_p) for _ in range(n)]
+    out = set(Sampler()(logits.expand(n, -1).contiguous(), rows).token_ids)
+    # top_k=4 keeps tied ids 1, 3, 4, 5 (mass 1/4 each), so top_p=0.5 keeps 1 and 3; without top_k each
+    # of the five tied ids has 0.2 and three are needed. top_k=5 keeps all five 3.0s and not id 2.
+    assert out == (expected or {1, 3, 4, 5, 6})
+
+
+# --------------------------------------------------------------------------- seeding
+
+
+def test_seeded_rows_independent_of_batch() -> None:
+    vocab = 200
+    base = make_logits(5, 1, vocab, scale=1.0)[0]
+    filters = [dict(top_p=0.95), dict(top_k=20, top_p=0.9), dict(min_p=0.1), dict(temperature=0.6)]
+    seeded = [(base, row(output=[1] * k, seed=1000 + k, **filters[k])) for k in range(4)]
+    alone = [Sampler()(lg[None], [r]).token_ids[0] for lg, r in seeded]
+
+    rng = random.Random(0)
+    others = make_logits(6, 6, vocab, scale=1.0)
+    other_filters = [dict(top_k=7), dict(top_p=0.5), dict(temperature=0.0), dict(), dict(min_p=0.2), dict()]
+    for trial in range(5):
+        # The other rows change which code paths run (e.g. a top-p row without top-k forces a full
+        # sort), but a seeded row's token must not change.
+        entries = list(seeded) + [
+            (others[i], row(seed=None if i % 2 else 77 + trial, **{"temperature": 1.3, **other_filters[i]}))
+            for i in range(6)
+        ]
+        order = list(range(len(entries)))
+        rng.shuffle(order)
+        logits = torch.stack([entries[i][0] for i in order])
+        out = Sampler()(logits, [entries[i][1] for i in order]).token_ids
+        got = {order[j]: out[j] for j in range(len(order))}
+        assert [got[k] for k in range(4)] == alone
+
+
+def test_seed_stream_depends_on_seed_and_position_only() -> None:
+    logits = torch.zeros(1, 1000)  # uniform: the token is determined by the noise alone
+
+    def sample(out_len: int, seed: int) -> int:
+        return Sampler()(logits, [row(output=[0] * out_len, seed=seed)]).token_ids[0]
+
+    # Reproducible (recompute after preemption gives the same token) ...
+    assert [sample(k, 7) for k in range(10)] == [sample(k, 7) for k in range(10)]
+    # ... and different positions / seeds draw different noise.
+    assert len({sample(k, 7) for k in range(10)}) > 5
+    assert len({sample(3, s) for s in range(10)}) > 5
+
+
+def test_unseeded_rows_use_default_generator() -> None:
+    logits = torch.zeros(8, 1000)
+    torch.manual_seed(123)
+    a = Sampler()(logits, [row() for _ in range(8)]).token_ids
+    torch.manual_seed(123)
+    b = Sampler()(logits, [row() for _ in range(8)]).token_ids
+    assert a == b
+
+
+# --------------------------------------------------------------------------- distribution
+
+
+def chi_square(counts: list[int], probs: list[float]) -> float:
+    n = sum(counts)
+    return sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, probs, strict=True) if p > 0)
+
+
+# df <= 5; chi2 critical value at p = 1e-4 is ~25.7. Loose, and the seeds are fixed.
+CHI2_BOUND = 30.0
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_temperature_sampling_matches_softmax(seeded: bool) -> None:
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
+    temperature = 0.8
+    n = 3000 if seeded else 30000
+    torch.manual_seed(0)
+    rows = [row(temperature=temperature, seed=i if seeded else None) for i in range(n)]
+    out = Sampler()(logits.expand(n, -1).contiguous(), rows).token_ids
+    counts = torch.bincount(torch.tensor(out), minlength=6).tolist()
+    probs = torch.softmax(logits / temperature, dim=0).tolist()
+    assert chi_square(counts, probs) < CHI2_BOUND, (counts, probs)
+
+
+def test_top_k_top_p_renormalise() -> None:
+    logits = torch.tensor([3.0, 2.5, 2.0, 1.0, 0.0, -1.0])
+    n = 20000
+    torch.manual_seed(1)
+    out = Sampler()(logits.expand(n, -1).contiguous(), [row(top_k=4, top_p=0.8) for _ in range(n)]).token_ids
+    top4 = torch.softmax(logits[:4], dim=0)
+    # Over the top-4 ids (0.47, 0.29, 0.17, 0.06) the first three are needed to reach 0.8, so top-p
+    # then drops id 3, and the survivors are sampled with renormalised probabilities.
+    assert top4[:2].sum() < 0.8 <= top4[:3].sum()
+    counts = torch.bincount(torch.tensor(out), minlength=6).tolist()
+    assert counts[3:] == [0, 0, 0]
+    kept = torch.softmax(logits[:3], dim=0)
+    assert chi_square(counts[:3], kept.tolist()) < CHI2_BOUND, counts
+
+
+# --------------------------------------------------------------------------- penalties
+
+
+def penalised_value(
+    logit: float, prompt_hit: bool, count: int, rep: float, freq: float, pres: float
+) -> float:
+    """vLLM's definition: repetition on prompt+output, then frequency/presence on output counts."""
+    if prompt_hit or count:
+        logit = logit / rep if logit > 0 else logit * rep
+    return logit - freq * count - pres * (count > 0)
+
+
+PENALTY_CASES = [
+    # (logit, in prompt, count in output, repetition, frequency, presence)
+    (2.0, True, 0, 1.5, 0.0, 0.0),
+    (-1.0, True, 0, 1.5, 0.0, 0.0),
+    (2.0, False, 2, 1.2, 0.0, 0.0),
+    (2.0, True, 0, 1.0, 0.7, 0.9),  # frequency/presence ignore the prompt
+    (2.0, False, 3, 1.0, 0.4, 0.0),
+    (2.0, False, 3, 1.0, 0.0, 0.5),
+    (1.0, True, 2, 1.3, 0.25, 0.5),
+    (-0.5, False, 1, 0.8, -0.3, -1.0),  # repetition < 1 and negative penalties push the token up
+    (0.0, True, 1, 2.0, 0.1, 0.1),
+]
+
+
+@pytest.mark.parametrize("case", PENALTY_CASES)
+def test_penalties_follow_vllm(case: tuple) -> None:
+    logit, prompt_hit, count, rep, freq, pres = case
+    expected = penalised_value(logit, prompt_hit, count, rep, freq, pres)
+    target, probe, vocab = 3, 7, 10
+    prompt = [target, 0] if prompt_hit else [0]
+    output = [target] * count + [1]
+    params = dict(temperature=0.0, repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+    for delta, winner in ((-1e-3, target), (1e-3, probe)):
+        logits = torch.full((1, vocab), -50.0)
+        logits[0, target] = logit
+        # The probe token is in neither prompt nor output, so it is not penalised.
+        logits[0, probe] = expected + delta
+        out = Sampler()(logits, [row(output=output, prompt=prompt, **params)])
+        assert out.token_ids == [winner], (case, expected, delta)
+
+
+def test_penalties_are_per_row() -> None:
+    logits = torch.tensor([[5.0, 4.0, 0.0], [5.0, 4.0, 0.0]])
+    rows = [row(output=[0], temperature=0.0, presence_penalty=2.0), row(output=[0], temperature=0.0)]
+    assert Sampler()(logits, rows).token_ids == [1, 0]
+
+
+# --------------------------------------------------------------------------- logprobs
+
+
+def test_logprobs_are_raw_log_softmax() -> None:
+    logits = make_logits(9, 4, 50)
+    rows = [
+        row(temperature=0.7, logprobs=5, repetition_penalty=1.5, prompt=[1, 2], seed=1),
+        row(temperature=0.0, logprobs=0),
+        row(temperature=1.0),
+        row(temperature=1.3, logprobs=20, top_k=3, frequency_penalty=1.0, output=[4, 4]),
+    ]
+    out = Sampler()(logits.to(torch.bfloat16), rows)
+    ref = torch.log_softmax(logits.to(torch.bfloat16).float(), dim=-1)
+    assert out.logprobs[2] is None
+    for i, n in ((0, 5), (1, 0), (3, 20)):
+        lp = out.logprobs[i]
+        assert lp is not None
+        tok = out.token_ids[i]
+        assert lp.token_logprob == pytest.approx(ref[i, tok].item(), abs=1e-5)
+        assert len(lp.top_ids) == len(lp.top_logprobs) == n
+        assert lp.top_logprobs == sorted(lp.top_logprobs, reverse=True)
+        for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True):
+            assert v == pytest.approx(ref[i, t].item(), abs=1e-5)
+        if n:
+            assert set(lp.top_ids) == set(torch.topk(ref[i], n).indices.tolist())
+        assert lp.rank == int((ref[i] >= ref[i, tok]).sum())
+    assert out.logprobs[1].rank == 1  # greedy token is the most likely one
+
+
+def test_logprobs_sum_to_one() -> None:
+    logits = make_logits(10, 1, 20)
+    lp = Sampler()(logits, [row(logprobs=20)]).logprobs[0]
+    assert math.isclose(sum(math.exp(v) for v in lp.top_logprobs), 1.0, rel_tol=1e-5)
+
+
+# --------------------------------------------------------------------------- min_tokens
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_min_tokens_blocks_eos_and_stop_ids(temperature: float) -> None:
+    eos, stop_id, vocab = 5, 6, 10
+    logits = torch.zeros(1, vocab)
+    logits[0, eos] = 30.0
+    logits[0, stop_id] = 29.0
+    logits[0, 2] = 1.0
+    kw = dict(temperature=temperature, min_tokens=3, stop_token_ids=[stop_id], max_tokens=10, seed=0)
+    before = Sampler()(logits, [row(output=[1, 1], eos=eos, **kw)]).token_ids[0]
+    assert before not in (eos, stop_id)
+    if temperature == 0.0:
+        assert before == 2
+    assert Sampler()(logits, [row(output=[1, 1, 1], eos=eos, **kw)]).token_ids == [eos]
+
+
+def test_min_tokens_with_ignore_eos_leaves_eos_alone() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 5] = 30.0
+    r = row(output=[], eos=5, temperature=0.0, min_tokens=2, ignore_eos=True)
+    assert Sampler()(logits, [r]).token_ids == [5]
+
+
+def test_min_tokens_batch_only_masks_short_rows() -> None:
+    logits = torch.zeros(2, 10)
+    logits[:, 5] = 30.0
+    rows = [row(output=[1], eos=5, temperature=0.0, min_tokens=2), row(output=[1, 1], eos=5, temperature=0.0)]
+    out = Sampler()(logits, rows).token_ids
+    assert out[0] != 5 and out[1] == 5
+
+
+def test_min_tokens_blocks_every_eos_id() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, [5, 7]] = torch.tensor([30.0, 29.0])  # e.g. <|endoftext|> and <|im_end|>
+    r = SamplingRow(SamplingParams(temperature=0.0, min_tokens=1), [], [], frozenset({5, 7}))
+    assert Sampler()(logits, [r]).token_ids == [0]

@@ -1,0 +1,169 @@
+"""Tests for SamplingParams defaults, normalisation and validation."""
+
+import dataclasses
+import math
+
+import pytest
+
+from plait.sampling_params import GREEDY_TEMPERATURE_EPS, MAX_LOGPROBS, TOP_K_DISABLED, SamplingParams
+
+
+def test_defaults_match_vllm() -> None:
+    p = SamplingParams()
+    assert p.n == 1
+    assert p.temperature == 1.0
+    assert p.top_p == 1.0
+    assert p.top_k == TOP_K_DISABLED == 0
+    assert p.min_p == 0.0
+    assert p.seed is None
+    assert p.max_tokens == 16
+    assert p.min_tokens == 0
+    assert p.stop == []
+    assert p.stop_token_ids == []
+    assert p.ignore_eos is False
+    assert p.logprobs is None
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert p.skip_special_tokens is True
+    assert p.include_stop_str_in_output is False
+    assert not p.is_greedy
+
+
+def test_default_lists_are_not_shared() -> None:
+    a, b = SamplingParams(), SamplingParams()
+    a.stop_token_ids.append(5)
+    assert b.stop_token_ids == []
+
+
+def test_vllm_top_k_minus_one_means_disabled() -> None:
+    assert SamplingParams(top_k=-1).top_k == TOP_K_DISABLED
+    assert SamplingParams(top_k=0).top_k == TOP_K_DISABLED
+    assert SamplingParams(top_k=7).top_k == 7
+
+
+def test_stop_normalised_to_list() -> None:
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=["a", "bc"]).stop == ["a", "bc"]
+    assert SamplingParams(stop=("x",)).stop == ["x"]
+    assert SamplingParams(stop=None).stop == []
+    assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
+
+
+def test_numbers_are_stored_as_floats() -> None:
+    p = SamplingParams(temperature=1, top_p=1, presence_penalty=1, repetition_penalty=2)
+    assert isinstance(p.temperature, float) and isinstance(p.top_p, float)
+    assert isinstance(p.presence_penalty, float) and isinstance(p.repetition_penalty, float)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "greedy"),
+    [
+        (0.0, True),
+        (0, True),
+        (GREEDY_TEMPERATURE_EPS / 2, True),
+        (GREEDY_TEMPERATURE_EPS, False),
+        (0.7, False),
+    ],
+)
+def test_is_greedy(temperature: float, greedy: bool) -> None:
+    assert SamplingParams(temperature=temperature).is_greedy is greedy
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(n=3, temperature=0.0, seed=123, max_tokens=None, min_tokens=5),
+        dict(top_p=1e-6, top_k=1, min_p=1.0, logprobs=0),
+        dict(logprobs=MAX_LOGPROBS, presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=1e-3),
+        dict(seed=-5, stop=["\n\n", "END"], stop_token_ids=[0, 2], ignore_eos=True),
+        dict(max_tokens=1, min_tokens=1, skip_special_tokens=False, include_stop_str_in_output=True),
+    ],
+)
+def test_valid_values_construct(kwargs: dict) -> None:
+    p = SamplingParams(**kwargs)
+    for key, value in kwargs.items():
+        if key not in ("stop",):
+            assert getattr(p, key) == value
+
+
+def test_exact_messages() -> None:
+    with pytest.raises(ValueError, match=r"^temperature must be >= 0, got -1\.0$"):
+        SamplingParams(temperature=-1.0)
+    with pytest.raises(ValueError, match=r"^top_p must be in \(0, 1\], got 0$"):
+        SamplingParams(top_p=0)
+
+
+INVALID = [
+    ("n", 0),
+    ("n", -1),
+    ("n", 1.0),
+    ("n", True),
+    ("temperature", -0.1),
+    ("temperature", math.nan),
+    ("temperature", math.inf),
+    ("temperature", "0.5"),
+    ("temperature", None),
+    ("temperature", True),
+    ("top_p", 0.0),
+    ("top_p", 1.0001),
+    ("top_p", -0.5),
+    ("top_p", math.nan),
+    ("top_k", -2),
+    ("top_k", 2.0),
+    ("top_k", "5"),
+    ("min_p", -0.01),
+    ("min_p", 1.5),
+    ("min_p", math.nan),
+    ("seed", 1.5),
+    ("seed", "42"),
+    ("seed", False),
+    ("max_tokens", 0),
+    ("max_tokens", -3),
+    ("max_tokens", "5"),
+    ("max_tokens", 5.0),
+    ("max_tokens", True),
+    ("min_tokens", -1),
+    ("min_tokens", 17),  # > default max_tokens=16
+    ("min_tokens", None),
+    ("stop", ""),
+    ("stop", ["ok", ""]),
+    ("stop", ["ok", 3]),
+    ("stop", 3),
+    ("stop_token_ids", [1, -1]),
+    ("stop_token_ids", [1, "2"]),
+    ("stop_token_ids", [True]),
+    ("stop_token_ids", 5),
+    ("ignore_eos", 1),
+    ("ignore_eos", "yes"),
+    ("logprobs", -1),
+    ("logprobs", MAX_LOGPROBS + 1),
+    ("logprobs", 2.0),
+    ("logprobs", True),
+    ("presence_penalty", 2.5),
+    ("presence_penalty", -2.01),
+    ("presence_penalty", math.inf),
+    ("frequency_penalty", -3),
+    ("frequency_penalty", math.nan),
+    ("repetition_penalty", 0.0),
+    ("repetition_penalty", -1.0),
+    ("repetition_penalty", math.nan),
+    ("skip_special_tokens", None),
+    ("include_stop_str_in_output", 0),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), INVALID, ids=[f"{f}={v!r}" for f, v in INVALID])
+def test_invalid_value_raises_naming_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        SamplingParams(**{field: value})
+    message = str(excinfo.value)
+    assert message.startswith(field), message
+    if not isinstance(value, (list, str)):
+        shown = {repr(value), str(value)} | ({f"{value:g}"} if isinstance(value, float) else set())
+        assert any(s in message for s in shown), message
+
+
+def test_replace_revalidates() -> None:
+    p = SamplingParams(temperature=0.5)
+    assert dataclasses.replace(p, top_k=-1).top_k == TOP_K_DISABLED
+    with pytest.raises(ValueError, match="temperature"):
+        dataclasses.replace(p, temperature=-2.0)
