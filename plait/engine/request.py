@@ -39,6 +39,9 @@ class Request:
     # Set by the scheduler.
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in this request's blocks
+    # Tokens to compute before the next sample: the prompt, or prompt + outputs after a preemption
+    # by recompute. Set at creation and by the scheduler when it preempts.
+    num_prefill_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # KV block table, in token order
     num_preemptions: int = 0
 
@@ -46,6 +49,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    def __post_init__(self) -> None:
+        self.num_prefill_tokens = len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -62,9 +68,9 @@ class Request:
 
     @property
     def is_prefilling(self) -> bool:
-        """True while the known tokens (prompt, plus earlier outputs after a preemption) need more
-        than the one last token computed; decided from progress, never from a chunk's length."""
-        return self.num_computed_tokens < self.num_tokens - 1 or self.num_computed_tokens == 0
+        """True until the prompt (plus earlier outputs after a preemption) is all in the KV cache;
+        decided from progress, never from how many tokens are left or a chunk's length."""
+        return self.num_computed_tokens < self.num_prefill_tokens
 
     @property
     def is_finished(self) -> bool:

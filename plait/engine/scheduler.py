@@ -127,6 +127,11 @@ class Scheduler:
                 step.num_partial_prefills -= 1
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
+        if step.plan.preempted:
+            # KV blocks ran out this step. Re-admitting the victim now (it is at the front) would only
+            # restart it from scratch and, under prefill_first, take the budget from the decodes that
+            # could run: a request that preempts itself would loop forever without progress.
+            return
         while self.waiting and step.has_room():
             request = self.waiting[0]
             num_new = step.chunk_size(request)
@@ -158,6 +163,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
+        request.num_prefill_tokens = request.num_tokens  # its outputs so far are re-prefilled
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
