@@ -29,7 +29,8 @@ def make_request(name: str, prompt: list[int], outputs: list[int] = (), computed
 
 def row(request: Request, num_new: int) -> ScheduledRow:
     """The row the scheduler would make for ``request`` now."""
-    return ScheduledRow(request, request.num_computed_tokens, num_new, request.is_prefilling)
+    return ScheduledRow(request, request.num_computed_tokens, num_new, request.is_prefilling,
+                        samples=num_new == request.num_remaining_tokens)
 
 
 def check_batch(plan: StepPlan, batch: ForwardBatch, block_size: int) -> None:

@@ -18,16 +18,13 @@ class ScheduledRow:
     start: int  # num_computed_tokens before this step: the position of the row's first token
     num_new_tokens: int
     is_prefill: bool  # request.is_prefilling when scheduled (progress-based, never query length)
+    # A row samples iff it reaches the end of the request's known tokens when scheduled: a chunk
+    # that completes the prompt, or a decode. A chunk that stops short has no next token.
+    samples: bool
 
     @property
     def is_first_chunk(self) -> bool:
         return self.start == 0
-
-    @property
-    def samples(self) -> bool:
-        """A row samples iff it reaches the end of the request's known tokens: a chunk that
-        completes the prompt, or a decode. A chunk that stops short has no next token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
 
 
 @dataclass
@@ -190,7 +187,8 @@ class _StepBuilder:
 
     def add(self, request: Request, num_new: int) -> None:
         self.plan.rows.append(
-            ScheduledRow(request, request.num_computed_tokens, num_new, request.is_prefilling)
+            ScheduledRow(request, request.num_computed_tokens, num_new, request.is_prefilling,
+                         samples=num_new == request.num_remaining_tokens)
         )
         self.token_budget -= num_new
 

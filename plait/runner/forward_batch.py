@@ -57,6 +57,8 @@ class ForwardBatch:
 
 def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> ForwardBatch:
     """Turn a scheduler plan into tensors: numpy on the host, then one copy to ``device``."""
+    if plan.is_empty:
+        raise ValueError("an empty plan has no forward batch; the engine skips empty steps")
     rows = plan.rows
     num_rows = len(rows)
     query_lens = np.array([r.num_new_tokens for r in rows], dtype=np.int64)
