@@ -35,6 +35,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None  # None = sized from kv_cache_memory_fraction / CPU budget
     kv_cache_memory_fraction: float = 0.9  # GPU: share of device memory for weights + KV cache
     max_model_len: int | None = None  # None = the model's max_position_embeddings
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier requests
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
@@ -47,6 +48,9 @@ class EngineConfig:
             _check_int("num_kv_blocks", self.num_kv_blocks, minimum=1)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, minimum=2)
+        if not isinstance(self.enable_prefix_caching, bool):
+            value = self.enable_prefix_caching
+            raise ValueError(f"enable_prefix_caching must be true or false, got {value!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"

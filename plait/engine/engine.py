@@ -53,7 +53,8 @@ class LLMEngine:
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
-        self.kv_cache = KVCacheManager(self.runner.num_kv_blocks, config.block_size)
+        self.kv_cache = KVCacheManager(self.runner.num_kv_blocks, config.block_size,
+                                       self._prefix_caching_allowed())
         max_len_fits = self.kv_cache.num_usable_blocks * config.block_size
         if self.max_model_len > max_len_fits:
             if config.max_model_len is not None:
@@ -72,6 +73,16 @@ class LLMEngine:
         self._step_index = itertools.count()
         self.record_timeline = False
         self.timeline: list[StepStats] = []
+
+    def _prefix_caching_allowed(self) -> bool:
+        if not self.config.enable_prefix_caching:
+            return False
+        if not getattr(self.runner.model, "supports_prefix_caching", True):
+            # Recurrent layers keep state that a cached KV block cannot restore.
+            logger.warning("prefix caching is off: %s has layers whose state cannot be reused from "
+                           "cached KV blocks", self.model_config.architecture)
+            return False
+        return True
 
     def _eos_token_ids(self) -> frozenset[int]:
         ids = set(self.model_config.eos_token_ids)
@@ -266,7 +277,8 @@ class LLMEngine:
         metrics = {"arrival_time": tracked.arrival_time, "first_token_time": tracked.first_token_time,
                    "now": now, "num_preemptions": request.num_preemptions}
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids, [completion],
-                             finished=request.is_finished, metrics=metrics)
+                             finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
+                             metrics=metrics)
 
     # -- introspection used by tests and tools ---------------------------------------------
 

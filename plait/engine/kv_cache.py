@@ -1,29 +1,71 @@
-"""The KV block pool: fixed-size blocks, per-request block tables, all-or-nothing allocation."""
+"""The KV block pool: block tables, reference counts, and prefix caching of full blocks."""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
 
 from plait.engine.request import Request
 
 # Block 0 is never handed out: padded block-table entries and padded slot_mapping rows point at it,
 # so a padded (graph-captured) forward writes its junk K/V somewhere harmless.
 PAD_BLOCK_ID = 0
+# Hash of the (absent) parent of a request's first block.
+ROOT_HASH = b""
+_HASH_BYTES = 16
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    """Owns which block belongs to which request. Pure Python: the tensors live in the runner."""
+def block_hash(parent: bytes, token_ids: list[int], extra_key: bytes = b"") -> bytes:
+    """Chained hash of a full block: its parent's hash, its tokens, and anything else that changes
+    its K/V (a LoRA or multimodal id), so two different contexts never share a block."""
+    h = hashlib.blake2b(parent, digest_size=_HASH_BYTES)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    h.update(extra_key)
+    return h.digest()
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+
+@dataclass
+class PrefixCacheStats:
+    """Counters since start (set by KVCacheManager). Queries and hits count prompt tokens."""
+
+    queries: int = 0  # tokens looked up at admission
+    hits: int = 0  # of those, tokens found cached
+    evicted_blocks: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Owns which block belongs to which request. Pure Python: the tensors live in the runner.
+
+    A block is in use while its reference count is > 0. Free blocks sit in one LRU queue; a free
+    block that still holds a full, hashed block of some earlier request stays findable by its hash
+    until a new allocation evicts it (least recently freed first).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is the pad block), got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(1, num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = PrefixCacheStats()
+        self._ref_count = [0] * num_blocks
+        self._hash_of: list[bytes | None] = [None] * num_blocks
+        self._block_of: dict[bytes, int] = {}  # hash -> the block holding it
+        # Free blocks, next to be reused first. Values unused: an ordered set with O(1) removal.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+
+    # -- sizes ------------------------------------------------------------------------------
 
     @property
     def num_usable_blocks(self) -> int:
@@ -31,6 +73,7 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds, cached or not."""
         return len(self._free)
 
     @property
@@ -38,8 +81,18 @@ class KVCacheManager:
         return self.num_usable_blocks - len(self._free)
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Blocks findable by hash (held by a request or free-but-cached)."""
+        return len(self._block_of)
+
+    @property
     def usage(self) -> float:
         return self.num_used_blocks / self.num_usable_blocks
+
+    def ref_count(self, block_id: int) -> int:
+        return self._ref_count[block_id]
+
+    # -- allocation -------------------------------------------------------------------------
 
     def num_blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
@@ -50,11 +103,83 @@ class KVCacheManager:
         needed = self.num_blocks_needed(request, num_new_tokens)
         if needed > len(self._free):
             return False
-        request.block_ids.extend(self._free.popleft() for _ in range(needed))
+        for _ in range(needed):
+            block, _ = self._free.popitem(last=False)
+            self._evict(block)
+            self._ref_count[block] = 1
+            request.block_ids.append(block)
         return True
 
     def free(self, request: Request) -> None:
-        # Freed blocks go to the back: recently used blocks are reused last, which prefix caching
-        # will want, and which makes use-after-free bugs show up in tests instead of hiding.
-        self._free.extend(request.block_ids)
+        """Drop the request's references. Tail blocks are queued for reuse before head blocks, and
+        unhashed blocks before cached ones, so shared prefixes survive longest."""
+        for block in reversed(request.block_ids):
+            if self._ref_count[block] <= 0:
+                raise RuntimeError(f"block {block} freed while not referenced (request {request.request_id})")
+            self._ref_count[block] -= 1
+            if self._ref_count[block] == 0:
+                self._free[block] = None
+                if self._hash_of[block] is None:
+                    self._free.move_to_end(block, last=False)
         request.block_ids = []
+        request.num_hashed_blocks = 0
+
+    def _evict(self, block: int) -> None:
+        h = self._hash_of[block]
+        if h is not None:
+            self._hash_of[block] = None
+            del self._block_of[h]
+            self.stats.evicted_blocks += 1
+
+    # -- prefix caching ---------------------------------------------------------------------
+
+    def match_prefix(self, request: Request) -> int:
+        """Give a request that holds no blocks the longest cached prefix of its known tokens, always
+        leaving at least one token to compute so that it samples normally. Returns the number of
+        tokens now counted as computed (0 when caching is off)."""
+        if not self.enable_prefix_caching or request.block_ids:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._hashes(request, max_blocks)
+        for h in hashes:
+            block = self._block_of.get(h)
+            if block is None:
+                break
+            if self._ref_count[block] == 0:
+                del self._free[block]
+            self._ref_count[block] += 1
+            request.block_ids.append(block)
+        request.num_computed_tokens = len(request.block_ids) * self.block_size
+        request.num_hashed_blocks = len(request.block_ids)
+        return request.num_computed_tokens
+
+    def record_admission(self, request: Request) -> None:
+        """Count one admission's lookup (only admissions that happen, not retries)."""
+        if self.enable_prefix_caching:
+            self.stats.queries += request.num_tokens
+            self.stats.hits += request.num_computed_tokens
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Make the request's newly filled blocks findable. Called after every step it ran in."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = request.num_computed_tokens // self.block_size
+        hashes = self._hashes(request, num_full)
+        for i in range(request.num_hashed_blocks, num_full):
+            block, h = request.block_ids[i], hashes[i]
+            # If another request computed the same block first, keep its copy findable; ours is
+            # simply not cached and is reused like any unhashed block when freed.
+            if self._hash_of[block] is None and h not in self._block_of:
+                self._hash_of[block] = h
+                self._block_of[h] = block
+        request.num_hashed_blocks = max(request.num_hashed_blocks, num_full)
+
+    def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
+        """The chained hashes of the request's first ``num_blocks`` full blocks (memoised)."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(block_hash(parent, request.token_ids(i * bs, (i + 1) * bs), request.cache_key))
+        return hashes[:num_blocks]

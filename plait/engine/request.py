@@ -43,6 +43,11 @@ class Request:
     # by recompute. Set at creation and by the scheduler when it preempts.
     num_prefill_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # KV block table, in token order
+    # Set by the KV cache manager (prefix caching).
+    block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, memoised
+    num_hashed_blocks: int = 0  # leading blocks already registered in (or taken from) the cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+    cache_key: bytes = b""  # extra hash input (LoRA, multimodal ids) so unlike contexts never share
     num_preemptions: int = 0
 
     # Set by the engine after each step that samples this request.

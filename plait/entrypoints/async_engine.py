@@ -1,0 +1,409 @@
+"""AsyncLLMEngine: the engine's step loop in its own thread, fed by and streaming to asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, TypeVar
+
+from plait.engine.engine import LLMEngine, StepStats
+from plait.engine.request import Request
+from plait.outputs import RequestOutput
+from plait.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+# A prompt as the engine takes it, or a function that builds one on the loop thread (for work that
+# needs the engine's tokenizer, which only the loop thread may use once the loop runs).
+PromptInput = str | Sequence[int] | Callable[[LLMEngine], "str | list[int]"]
+# Extra checks on a made request before it is queued; raise ValueError to refuse it.
+Validator = Callable[[Request, LLMEngine], None]
+StepCallback = Callable[[StepStats], None]
+
+# How long shutdown waits for the loop thread to finish the step it is in.
+SHUTDOWN_JOIN_TIMEOUT_S = 60.0
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop is not running (never started, shut down, or crashed)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine failed while running a request (a step raised); the request was aborted."""
+
+
+class RequestTimeoutError(TimeoutError):
+    """A request ran past its deadline and was aborted."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of engine state, published by the loop thread for readers on other threads."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_usage: float = 0.0  # fraction of usable KV blocks held by requests
+    num_steps: int = 0
+    num_failed_steps: int = 0
+
+
+class RequestStream:
+    """Outputs of one HTTP request's engine requests (several for n > 1 or a prompt batch).
+
+    Iterate with ``async for index, output in stream``; ``index`` is the child's position in the list
+    given to ``AsyncLLMEngine.add``. Leaving ``async with stream`` aborts whatever is unfinished, so a
+    cancelled consumer (client gone) frees its KV blocks at the next step.
+    """
+
+    def __init__(self, owner: AsyncLLMEngine, request_ids: list[str], deadline: float | None) -> None:
+        self._owner = owner
+        self.request_ids = request_ids
+        self._index = {rid: i for i, rid in enumerate(request_ids)}
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._unfinished = set(request_ids)
+        self._deadline = deadline
+        # Set by AsyncLLMEngine.add: the prompt token ids of each child, as the engine tokenized them.
+        self.prompt_token_ids: list[list[int]] = []
+        self.aborted: list[int] = []  # indices of children aborted before they finished
+
+    @property
+    def finished(self) -> bool:
+        return not self._unfinished
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestOutput]:
+        if not self._unfinished:
+            raise StopAsyncIteration
+        if self._deadline is None:
+            item = await self._queue.get()
+        else:
+            try:
+                item = await asyncio.wait_for(self._queue.get(), max(0.0, self._deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                self.abort()
+                raise RequestTimeoutError("the request timed out and was aborted") from None
+        if isinstance(item, BaseException):
+            self.abort()
+            raise item
+        if item.finished:
+            self._unfinished.discard(item.request_id)
+        return self._index[item.request_id], item
+
+    def abort(self) -> None:
+        """Abort the unfinished children (idempotent)."""
+        if not self._unfinished:
+            return
+        ids = sorted(self._unfinished, key=self._index.__getitem__)
+        self.aborted.extend(self._index[rid] for rid in ids)
+        self._unfinished.clear()
+        self._owner._forget(ids)
+        self._owner.abort(ids)
+
+    async def __aenter__(self) -> RequestStream:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort()
+
+    # Called on the event loop by AsyncLLMEngine.
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put_nowait(item)
+
+
+_STOP = object()  # command that ends the loop thread
+
+
+class AsyncLLMEngine:
+    """Runs ``LLMEngine.step()`` in a dedicated thread; add, abort and stream from asyncio.
+
+    Only the loop thread touches the engine once ``start()`` has run: requests, aborts and any
+    other engine work are commands on a thread-safe queue, run between steps. Outputs go back to
+    the event loop with one ``call_soon_threadsafe`` per step, into per-request asyncio queues.
+    A step that raises aborts the requests it was running (their streams raise RequestFailedError)
+    and the loop goes on serving.
+    """
+
+    def __init__(self, engine: LLMEngine, on_step: StepCallback | None = None) -> None:
+        self._engine = engine
+        self._on_step = on_step
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: str | None = "not started"
+        # Event-loop side: live request id -> its stream.
+        self._streams: dict[str, RequestStream] = {}
+        # Loop-thread side: ids this engine enqueued that have not finished.
+        self._live: set[str] = set()
+        self._id_prefix = uuid.uuid4().hex[:8]
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+
+    # -- lifecycle (event loop) --------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the loop thread; call from the event loop that will consume the outputs."""
+        if self._thread is not None:
+            raise RuntimeError("AsyncLLMEngine already started")
+        self._loop = asyncio.get_running_loop()
+        if self._on_step is not None:
+            self._engine.record_timeline = True
+        self._dead = None
+        self._publish_stats(0, 0)
+        self._thread = threading.Thread(target=self._run, name="plait-engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the loop thread after its current step; unfinished requests are aborted."""
+        if self._thread is None:
+            return
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join, SHUTDOWN_JOIN_TIMEOUT_S)
+        self._dead = "shut down"
+        self._fail(list(self._streams), EngineDeadError("the server is shutting down"))
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and self._thread is not None and self._thread.is_alive()
+
+    def _check_alive(self) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine loop is not running ({self._dead or 'thread exited'})")
+
+    # -- requests (event loop) ---------------------------------------------------------------
+
+    async def add(
+        self,
+        children: Sequence[tuple[PromptInput, SamplingParams]],
+        validate: Validator | None = None,
+        timeout_s: float | None = None,
+    ) -> RequestStream:
+        """Validate and queue one engine request per (prompt, params); all or none are queued.
+
+        Validation errors (ValueError, TypeError, or what a prompt builder raises) are raised here,
+        before any of the requests enters the engine.
+        """
+        self._check_alive()
+        base = f"{self._id_prefix}-{next(self._ids)}"
+        ids = [f"{base}-{k}" for k in range(len(children))]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        stream = RequestStream(self, ids, deadline)
+        for rid in ids:
+            self._streams[rid] = stream
+        future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
+        self._commands.put(partial(self._do_add, list(zip(ids, children)), validate, future))
+        try:
+            stream.prompt_token_ids = await future
+        except asyncio.CancelledError:
+            # The caller left while the add was queued; the loop may still run it, so abort after it.
+            self._forget(ids)
+            self.abort(ids)
+            raise
+        except BaseException:
+            self._forget(ids)
+            raise
+        return stream
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests at the next gap between steps (thread-safe, never blocks)."""
+        if request_ids:
+            self._commands.put(partial(self._do_abort, list(request_ids)))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the loop thread between steps and return its result."""
+        self._check_alive()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+        def run(engine: LLMEngine) -> None:
+            try:
+                result: Any = fn(engine)
+            except Exception as err:  # returned to the caller, never raised in the loop
+                result = err
+            self._post(self._resolve, future, result)
+
+        self._commands.put(run)
+        return await future
+
+    def _forget(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._streams.pop(rid, None)
+
+    # -- event-loop callbacks, posted by the loop thread ----------------------------------------
+
+    @staticmethod
+    def _resolve(future: asyncio.Future, result: Any) -> None:
+        if future.done():  # cancelled by a caller that left
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its consumer; this output was made before the abort ran
+            if out.finished:
+                del self._streams[out.request_id]
+            stream._put(out)
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._put(error)
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Schedule ``fn(*args)`` on the event loop from the loop thread."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[union-attr]
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is left to tell
+
+    # -- the loop thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self._engine
+        num_steps = num_failed = 0
+        try:
+            while True:
+                if not self._run_commands(block=not engine.has_unfinished_requests()):
+                    break
+                if engine.has_unfinished_requests():
+                    num_steps += 1
+                    if not self._step():
+                        num_failed += 1
+                self._publish_stats(num_steps, num_failed)
+        except BaseException as err:  # a bug in the loop itself: say so, and fail every waiter
+            logger.exception("the engine loop crashed")
+            self._dead = f"crashed: {err!r}"
+            self._post(lambda: self._fail(list(self._streams), EngineDeadError(self._dead or "crashed")))
+            return
+        self._abort_all(engine)
+        self._publish_stats(num_steps, num_failed)
+
+    def _run_commands(self, block: bool) -> bool:
+        """Run queued commands (waiting for one if ``block``); False once told to stop."""
+        try:
+            command = self._commands.get() if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if command is _STOP:
+                return False
+            try:
+                command(self._engine)
+            except Exception:  # commands report their own errors; this is a last resort
+                logger.exception("engine command failed")
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _step(self) -> bool:
+        engine = self._engine
+        try:
+            outputs = engine.step()
+        except Exception as err:
+            # The step cannot say which request broke it, so every request it may have touched is
+            # aborted (freeing its blocks); the loop keeps serving new requests.
+            logger.exception("engine step failed; aborting the %d requests in flight", len(self._live))
+            failed = self._abort_all(engine)
+            self._post(self._fail, failed, RequestFailedError(f"the engine failed running this request: {err}"))
+            if engine.has_unfinished_requests():
+                # Requests this loop does not know about would fail every step from now on.
+                self._dead = "the engine holds requests it cannot run after a failed step"
+                raise RuntimeError(self._dead) from err
+            return False
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        if engine.record_timeline and engine.timeline:
+            # The engine appends to an unbounded list; a server keeps only what it reports.
+            stats = engine.timeline[-1]
+            engine.timeline.clear()
+            self._report_step(stats)
+        if outputs:
+            self._post(self._deliver, outputs)
+        return True
+
+    def _report_step(self, stats: StepStats) -> None:
+        if self._on_step is None:
+            return
+        try:
+            self._on_step(stats)
+        except Exception:
+            logger.exception("on_step callback failed")
+
+    def _abort_all(self, engine: LLMEngine) -> list[str]:
+        failed = sorted(self._live)
+        for rid in failed:
+            try:
+                engine.abort_request(rid)
+            except Exception:
+                logger.exception("could not abort request %s", rid)
+        self._live.clear()
+        return failed
+
+    def _publish_stats(self, num_steps: int, num_failed: int) -> None:
+        engine = self._engine
+        self.stats = EngineStats(
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
+            kv_blocks_used=engine.kv_cache.num_used_blocks,
+            kv_usage=engine.kv_cache.usage,
+            num_steps=num_steps,
+            num_failed_steps=num_failed,
+        )
+
+    # -- commands (run on the loop thread) ------------------------------------------------------
+
+    def _do_add(
+        self,
+        children: list[tuple[str, tuple[PromptInput, SamplingParams]]],
+        validate: Validator | None,
+        future: asyncio.Future,
+    ) -> None:
+        engine = self._engine
+        made: list[tuple[Request, str | None]] = []
+        try:
+            for rid, (prompt, params) in children:
+                if callable(prompt):
+                    prompt = prompt(engine)
+                request, text = engine.make_request(prompt, params, rid)
+                if validate is not None:
+                    validate(request, engine)
+                made.append((request, text))
+        except Exception as err:  # nothing was queued: the caller gets the error
+            self._post(self._resolve, future, err)
+            return
+        try:
+            for request, text in made:
+                engine.enqueue(request, text)
+                self._live.add(request.request_id)
+        except Exception as err:  # all or none: take back what was queued
+            self._do_abort([r.request_id for r, _ in made])
+            self._post(self._resolve, future, err)
+            return
+        self._post(self._resolve, future, [list(r.prompt_token_ids) for r, _ in made])
+
+    def _do_abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            if rid in self._live:
+                self._live.discard(rid)
+                try:
+                    self._engine.abort_request(rid)
+                except Exception:
+                    logger.exception("could not abort request %s", rid)
