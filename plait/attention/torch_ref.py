@@ -12,9 +12,15 @@ if TYPE_CHECKING:
     from plait.runner.forward_batch import ForwardBatch
 
 
+# Largest padded score tensor (elements) for which all rows are attended in one batched call;
+# above it (long chunks beside long contexts) rows go one at a time to bound memory.
+MAX_PADDED_SCORES = 1 << 24
+
+
 @register_backend
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
+    max_padded_scores = MAX_PADDED_SCORES
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> None:
         # kv_cache: [2, num_blocks, block_size, Hkv, D] viewed as [2, slots, Hkv, D]
@@ -31,6 +37,48 @@ class TorchRefBackend(AttentionBackend):
         sliding_window: int | None = None,
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        num_heads = q.shape[1]
+        block_size = kv_cache.shape[2]
+        max_keys = batch.block_tables.shape[1] * block_size
+        if batch.num_rows * num_heads * batch.max_query_len * max_keys <= self.max_padded_scores:
+            out, lse = self._attend_padded(q, kv_cache, batch, scale, sliding_window)
+        else:
+            out, lse = self._attend_per_row(q, kv_cache, batch, scale, sliding_window)
+        return (out, lse) if return_lse else out
+
+    def _attend_padded(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+        sliding_window: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row at once, queries and keys padded to the batch maximum and masked."""
+        num_tokens, num_heads, head_dim = q.shape
+        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        group = num_heads // num_kv_heads
+        key = ("torch_ref", sliding_window)
+        meta = batch.backend_state.get(key)
+        if meta is None:
+            meta = batch.backend_state[key] = _padded_metadata(batch, block_size, sliding_window)
+        token_index, valid, visible = meta
+        num_rows, max_q = token_index.shape
+        # q: [T, Hq, D] -> [R, Hkv, group, maxq, D]
+        qp = q.float()[token_index].view(num_rows, max_q, num_kv_heads, group, head_dim)
+        qp = qp.permute(0, 2, 3, 1, 4)
+        # k, v: [R, L, Hkv, D] -> [R, Hkv, 1, L, D], L = max_blocks * block_size
+        k = kv_cache[0][batch.block_tables.long()].flatten(1, 2).float().permute(0, 2, 1, 3).unsqueeze(2)
+        v = kv_cache[1][batch.block_tables.long()].flatten(1, 2).float().permute(0, 2, 1, 3).unsqueeze(2)
+        scores = torch.matmul(qp, k.transpose(-1, -2)) * scale  # [R, Hkv, group, maxq, L]
+        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
+        row_lse = torch.logsumexp(scores, dim=-1)  # [R, Hkv, group, maxq]
+        probs = torch.exp(scores - row_lse.unsqueeze(-1))
+        out = torch.matmul(probs, v)  # [R, Hkv, group, maxq, D]
+        out = out.permute(0, 3, 1, 2, 4).reshape(num_rows * max_q, num_heads, head_dim)[valid]
+        lse = row_lse.permute(0, 3, 1, 2).reshape(num_rows * max_q, num_heads)[valid]
+        return out.to(q.dtype), lse
+
+    def _attend_per_row(
+        self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+        sliding_window: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, num_heads, head_dim = q.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         group = num_heads // num_kv_heads
@@ -56,7 +104,26 @@ class TorchRefBackend(AttentionBackend):
             probs = torch.exp(scores - row_lse.unsqueeze(-1))
             out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
             lse[q_start:q_end] = row_lse.transpose(0, 1)
-        return (out, lse) if return_lse else out
+        return out, lse
+
+
+def _padded_metadata(
+    batch: ForwardBatch, block_size: int, sliding_window: int | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token_index [R, maxq]: flat token of each padded query slot, clamped for padding;
+    valid [R * maxq]: which slots are real; visible [R, maxq, L]: causal (+window) key mask)."""
+    device = batch.input_ids.device
+    qsl = batch.query_start_loc.long()
+    starts, query_lens = qsl[:-1], qsl[1:] - qsl[:-1]
+    offsets = torch.arange(batch.max_query_len, device=device)
+    valid = offsets.unsqueeze(0) < query_lens.unsqueeze(1)  # [R, maxq]
+    token_index = (starts.unsqueeze(1) + offsets).clamp(max=max(batch.num_tokens - 1, 0))
+    q_pos = batch.context_lens.long().unsqueeze(1) + offsets  # [R, maxq]
+    k_pos = torch.arange(batch.block_tables.shape[1] * block_size, device=device)
+    visible = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)
+    if sliding_window is not None:
+        visible &= k_pos.view(1, 1, -1) > q_pos.unsqueeze(-1) - sliding_window
+    return token_index, valid.flatten(), visible
 
 
 def _visible(

@@ -55,6 +55,8 @@ class EngineStats:
     kv_usage: float = 0.0  # fraction of usable KV blocks held by requests
     num_steps: int = 0
     num_failed_steps: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 class RequestStream:
@@ -321,7 +323,8 @@ class AsyncLLMEngine:
             # aborted (freeing its blocks); the loop keeps serving new requests.
             logger.exception("engine step failed; aborting the %d requests in flight", len(self._live))
             failed = self._abort_all(engine)
-            self._post(self._fail, failed, RequestFailedError(f"the engine failed running this request: {err}"))
+            error = RequestFailedError(f"the engine failed while running this request: {err}")
+            self._post(self._fail, failed, error)
             if engine.has_unfinished_requests():
                 # Requests this loop does not know about would fail every step from now on.
                 self._dead = "the engine holds requests it cannot run after a failed step"
@@ -366,6 +369,8 @@ class AsyncLLMEngine:
             kv_usage=engine.kv_cache.usage,
             num_steps=num_steps,
             num_failed_steps=num_failed,
+            prefix_cache_queries=engine.kv_cache.stats.queries,
+            prefix_cache_hits=engine.kv_cache.stats.hits,
         )
 
     # -- commands (run on the loop thread) ------------------------------------------------------

@@ -1,9 +1,10 @@
-"""The ``plait`` command: generate, chat (one-shot or interactive)."""
+"""The ``plait`` command: generate, chat (one-shot or interactive), serve (OpenAI-compatible HTTP)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 import typing
 from typing import Any
@@ -97,6 +98,28 @@ def _cmd_chat(args: argparse.Namespace) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+# Kept in step with plait.entrypoints.server, which is not imported until `serve` runs (it needs the
+# optional server dependencies).
+_DEFAULT_HOST = "127.0.0.1"
+_DEFAULT_PORT = 8000
+_API_KEY_ENV = "PLAIT_API_KEY"
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        from plait.entrypoints.server import ServerConfig, serve
+    except ImportError as err:
+        hint = "pip install 'plait[serve]'"
+        raise ValueError(f"`plait serve` needs the server dependencies: {hint} ({err})") from err
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get(_API_KEY_ENV) or None
+    config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
+                          served_model_name=args.served_model_name, request_timeout_s=args.request_timeout,
+                          log_level=args.log_level)
+    serve(_engine_config(args), config)
+    return 0
+
+
 def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) -> str:
     """Run one request alone, printing text as it arrives."""
     request_id = engine.add_request(prompt, params)
@@ -127,6 +150,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat)
     chat.set_defaults(func=_cmd_chat)
+
+    srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    srv.add_argument("--host", default=_DEFAULT_HOST,
+                     help=f"address to bind (default: {_DEFAULT_HOST}, this machine only)")
+    srv.add_argument("--port", type=int, default=_DEFAULT_PORT,
+                     help=f"(default: {_DEFAULT_PORT}; 0 = any free port)")
+    srv.add_argument("--api-key", default=None,
+                     help=f"require 'Authorization: Bearer <key>' on every endpoint but /health "
+                          f"(default: ${_API_KEY_ENV} if set)")
+    srv.add_argument("--served-model-name", default=None,
+                     help="the model name clients send (default: the model file's stem or folder's name)")
+    srv.add_argument("--request-timeout", type=float, default=None,
+                     help="abort requests running longer than this many seconds (default: never)")
+    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_engine_args(srv)
+    srv.set_defaults(func=_cmd_serve)
     return parser
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -36,6 +36,8 @@ class ForwardBatch:
     max_seq_len: int
     attn_backend: AttentionBackend | None = None  # set by the runner
     kv_caches: list[torch.Tensor] | None = None  # set by the runner: one [2, blocks, bs, Hkv, D] per layer
+    # Set by the attention backend: metadata it derives from this batch once and reuses in every layer.
+    backend_state: dict = field(default_factory=dict)
 
     @property
     def num_rows(self) -> int:

@@ -1,0 +1,893 @@
+"""The OpenAI-compatible HTTP server: completions, chat completions, models, health and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import jinja2
+import prometheus_client as prom
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from plait import __version__
+from plait.config import EngineConfig
+from plait.engine.engine import LLMEngine, StepStats
+from plait.engine.request import Request as EngineRequest
+from plait.entrypoints.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineStats,
+    PromptInput,
+    RequestFailedError,
+    RequestStream,
+    RequestTimeoutError,
+)
+from plait.entrypoints.llm import _fan_out, apply_chat_template
+from plait.entrypoints.protocol import (
+    MAX_SEQUENCES_PER_REQUEST,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobEntry,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    ProtocolError,
+    UsageInfo,
+)
+from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from plait.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the server is an explicit choice (--host 0.0.0.0)
+DEFAULT_PORT = 8000
+API_KEY_ENV = "PLAIT_API_KEY"
+# Far above any prompt that fits a context window (128k tokens as ids is ~1 MB of JSON), far
+# below what would hurt the server to buffer.
+DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
+UNAUTHENTICATED_PATHS = frozenset({"/health"})
+# Logprobs are clamped to this so responses never hold -inf (not JSON); the same floor as vLLM.
+MIN_LOGPROB = -9999.0
+SSE_DONE = "data: [DONE]\n\n"
+# Status for a client that left before its non-streamed answer was ready (nginx's convention;
+# nobody reads it).
+CLIENT_CLOSED_REQUEST = 499
+GRACEFUL_SHUTDOWN_S = 5
+
+FINISH_REASONS = ("stop", "length", "abort", "error")
+TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
+STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+STEP_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+# Error responses documented in the OpenAPI schema (FastAPI's 422 is replaced by 400).
+_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 500, 503)
+}
+
+
+# -- configuration ----------------------------------------------------------------------------
+
+
+@dataclass
+class ServerConfig:
+    """Knobs of the HTTP server (the engine's are in EngineConfig)."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT  # 0 = any free port
+    api_key: str | None = None  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
+    served_model_name: str | None = None  # None: the model file's stem or folder's name
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
+    request_timeout_s: float | None = None  # abort requests running longer than this; None = never
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty")
+
+
+def default_served_model_name(model: str | None) -> str:
+    """The name clients use in "model": the GGUF file's stem or the HF folder's name.
+
+    The default model is served as ``SmolLM2-135M-Instruct.Q4_1``.
+    """
+    from plait.loader.hf import resolve_model
+
+    path = resolve_model(model).path
+    return path.stem if path.is_file() else Path(path).name
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+class APIError(Exception):
+    """An error answered with OpenAI's error JSON."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+
+def _error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
+    error = ErrorInfo(message=message, type=type_, param=param, code=code)
+    return ErrorResponse(error=error).model_dump_json().encode()
+
+
+def _error_response(err: APIError) -> JSONResponse:
+    info = ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code)
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=err.status)
+
+
+# Fields whose name starts an engine / SamplingParams error message ("top_p must be in ...").
+_KNOWN_PARAMS = frozenset({
+    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
+    "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "logprobs",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt",
+})
+
+
+def _bad_request(err: Exception, prompt_param: str = "prompt") -> APIError:
+    """A 400 for a ValueError/TypeError from validation, naming the field the message starts with."""
+    if isinstance(err, ProtocolError):
+        return APIError(400, str(err), param=err.param, code=err.code)
+    message = str(err) or type(err).__name__
+    first = message.split(" ", 1)[0]
+    param = first if first in _KNOWN_PARAMS else None
+    if param == "prompt":
+        param = prompt_param
+    return APIError(400, message, param=param)
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI's 422 as OpenAI's 400, naming the first bad field."""
+    errors = exc.errors()
+    if not errors:
+        return APIError(400, "invalid request body")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
+        return APIError(400, f"invalid JSON in the request body: {detail}")
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    if not loc:
+        return APIError(400, f"invalid request body: {first.get('msg', '')}{more}")
+    param = loc[0]
+    where = f" at {'.'.join(loc)}" if len(loc) > 1 else ""
+    return APIError(400, f"invalid value for '{param}'{where}: {first.get('msg', '')}{more}", param=param)
+
+
+# -- middleware: API key and body size ---------------------------------------------------------
+
+
+async def _send_error(send: Send, status: int, body: bytes, extra_headers: Sequence[tuple[bytes, bytes]] = ()
+                      ) -> None:
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+               *extra_headers]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GuardMiddleware:
+    """Checks the API key, then buffers the body up to a size limit, before the app sees a request.
+
+    Pure ASGI (no BaseHTTPMiddleware), so streamed responses and disconnects pass straight through.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope.get("headers") or [])
+        if self.api_key is not None and scope.get("path") not in UNAUTHENTICATED_PATHS:
+            if not self._authorized(headers.get(b"authorization", b"")):
+                body = _error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
+                                   "invalid_request_error", code="invalid_api_key")
+                await _send_error(send, 401, body, [(b"www-authenticate", b"Bearer")])
+                return
+        declared = headers.get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
+            await self._too_large(send)
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:  # the declared length may be absent (chunked) or a lie: count what arrives
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                await self._too_large(send)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Message:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()  # after the body: waits for the client to disconnect
+
+        await self.app(scope, replay, send)
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.partition(b" ")
+        assert self.api_key is not None
+        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
+
+    async def _too_large(self, send: Send) -> None:
+        body = _error_body(f"the request body is larger than the limit of {self.max_body_bytes} bytes",
+                           "invalid_request_error", code="request_too_large")
+        await _send_error(send, 413, body)
+
+
+# -- metrics ----------------------------------------------------------------------------------
+
+
+class ServerMetrics:
+    """Prometheus metrics in a registry of their own, so servers in one process do not collide."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = prom.CollectorRegistry()
+        r = self.registry
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> prom.Histogram:
+            return prom.Histogram(name, doc, buckets=buckets, registry=r)
+
+        self.requests_finished = prom.Counter(
+            "plait_requests_finished", "Engine requests (one per choice) finished, by finish reason",
+            ["finished_reason"], registry=r)
+        for reason in FINISH_REASONS:
+            self.requests_finished.labels(reason)  # every series exists from the first scrape
+        self.prompt_tokens = prom.Counter("plait_prompt_tokens", "Prompt tokens of admitted requests",
+                                          registry=r)
+        self.generation_tokens = prom.Counter("plait_generation_tokens", "Generated tokens", registry=r)
+        self.ttft = histogram("plait_time_to_first_token_seconds", "Time from arrival to the first token",
+                              TTFT_BUCKETS_S)
+        self.itl = histogram("plait_inter_token_latency_seconds", "Time between two tokens of a request",
+                             ITL_BUCKETS_S)
+        self.e2e = histogram("plait_e2e_request_latency_seconds", "Time from arrival to the last token",
+                             E2E_BUCKETS_S)
+        self.step_prefill = histogram("plait_step_prefill_tokens", "Prompt tokens computed per engine step",
+                                      STEP_TOKEN_BUCKETS)
+        self.step_decode = histogram("plait_step_decode_tokens", "Decode tokens computed per engine step",
+                                     STEP_TOKEN_BUCKETS)
+        self.step_duration = histogram("plait_step_duration_seconds", "Wall time of one engine step",
+                                       STEP_DURATION_BUCKETS_S)
+        self.preemptions = prom.Counter("plait_preemptions", "Requests preempted by recompute", registry=r)
+        r.register(_EngineStatsCollector(stats))
+
+    def observe_step(self, stats: StepStats) -> None:
+        """Called on the engine's loop thread after every step (prometheus_client is thread-safe)."""
+        self.step_prefill.observe(stats.num_prefill_tokens)
+        self.step_decode.observe(stats.num_decode_tokens)
+        self.step_duration.observe(stats.duration_s)
+        if stats.num_preempted:
+            self.preemptions.inc(stats.num_preempted)
+
+    def render(self) -> bytes:
+        return prom.generate_latest(self.registry)
+
+
+class _EngineStatsCollector(Collector):
+    """Engine state read at scrape time from the snapshot the loop thread publishes."""
+
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        s = self._stats()
+        gauges = {
+            "plait_num_requests_running": ("Requests holding KV blocks", s.num_running),
+            "plait_num_requests_waiting": ("Requests queued for admission", s.num_waiting),
+            "plait_kv_cache_usage_perc": ("Fraction of usable KV blocks held by requests (0-1)", s.kv_usage),
+            "plait_kv_cache_used_blocks": ("KV blocks held by requests", s.kv_blocks_used),
+        }
+        for name, (doc, value) in gauges.items():
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = {
+            "plait_engine_steps": ("Engine steps run", s.num_steps),
+            "plait_engine_failed_steps": ("Engine steps that raised", s.num_failed_steps),
+            "plait_prefix_cache_queries": ("Prompt tokens looked up in the cache", s.prefix_cache_queries),
+            "plait_prefix_cache_hits": ("Prompt tokens found in the cache", s.prefix_cache_hits),
+        }
+        for name, (doc, value) in counters.items():
+            yield CounterMetricFamily(name, doc, value=value)
+
+
+class _RequestTracker:
+    """Per-HTTP-request latency and token accounting, fed by the outputs as they are consumed."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float, stream: RequestStream) -> None:
+        self._m = metrics
+        self._arrival = arrival
+        self._stream = stream
+        n = len(stream.request_ids)
+        self._last: list[float | None] = [None] * n
+        self._done = [False] * n
+        self._closed = False
+        metrics.prompt_tokens.inc(sum(len(p) for p in stream.prompt_token_ids))
+
+    def observe(self, index: int, out: RequestOutput) -> None:
+        now = out.metrics.get("now") or time.monotonic()
+        completion = out.outputs[0]
+        self._m.generation_tokens.inc(len(completion.delta_token_ids))
+        last = self._last[index]
+        if last is None:
+            self._m.ttft.observe(max(0.0, now - self._arrival))
+        else:
+            self._m.itl.observe(max(0.0, now - last))
+        self._last[index] = now
+        if out.finished and not self._done[index]:
+            self._done[index] = True
+            self._m.e2e.observe(max(0.0, now - self._arrival))
+            self._m.requests_finished.labels(completion.finish_reason or "stop").inc()
+
+    def close(self, error: bool = False) -> None:
+        """Count every child that did not finish as aborted (client gone) or failed (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        reason = "error" if error else "abort"
+        unfinished = self._done.count(False)
+        if unfinished:
+            self._m.requests_finished.labels(reason).inc(unfinished)
+
+
+class _EngineStreamResponse(StreamingResponse):
+    """An SSE response that aborts its engine requests however it ends.
+
+    A client may leave before the body iterator has even started, in which case the generator's
+    own cleanup never runs; this wrapper's does.
+    """
+
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream, tracker: _RequestTracker) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._engine_stream = stream
+        self._tracker = tracker
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._engine_stream.abort()
+            self._tracker.close()
+
+
+def _sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def _sse_error(err: Exception, status: int) -> str:
+    body = _error_body(str(err), _error_type(status)).decode()
+    return f"data: {body}\n\n"
+
+
+def _error_type(status: int) -> str:
+    return {408: "timeout_error", 500: "internal_error", 503: "service_unavailable"}.get(
+        status, "invalid_request_error")
+
+
+_ENGINE_ERROR_STATUS: dict[type[Exception], int] = {
+    RequestTimeoutError: 408, RequestFailedError: 500, EngineDeadError: 503,
+}
+_ENGINE_ERRORS = tuple(_ENGINE_ERROR_STATUS)
+
+
+def _new_logprobs(completion: CompletionOutput) -> list[TokenLogprobs]:
+    """The logprobs of the tokens this output added (the engine's list is cumulative)."""
+    logprobs = completion.logprobs or []
+    return logprobs[len(logprobs) - len(completion.delta_token_ids):]
+
+
+def _clamp(logprob: float) -> float:
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # also maps NaN to the floor
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# -- the server ---------------------------------------------------------------------------------
+
+
+class OpenAIServer:
+    """The FastAPI app around an AsyncLLMEngine; ``app`` is what uvicorn runs.
+
+    The engine's loop thread starts with the app's lifespan and stops with it.
+    """
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None) -> None:
+        self.config = config if config is not None else ServerConfig()
+        self.model_name = self.config.served_model_name or default_served_model_name(engine.config.model)
+        self.max_model_len = engine.max_model_len  # fixed at load; safe to read from any thread
+        # The loop thread detokenizes with the engine's tokenizer; the event loop gets its own copy
+        # (chat templates, logprob token strings), so no tokenizer object is shared between threads.
+        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self._token_strings: dict[int, str] = {}
+        self.engine = AsyncLLMEngine(engine, on_step=self._on_step)
+        self.metrics = ServerMetrics(lambda: self.engine.stats)
+        self.app = self._build_app()
+
+    def _on_step(self, stats: StepStats) -> None:
+        self.metrics.observe_step(stats)
+
+    # -- app ---------------------------------------------------------------------------------
+
+    def _build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+            self.engine.start()
+            try:
+                yield
+            finally:
+                await self.engine.shutdown()
+
+        app = FastAPI(title="plait", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+        self._add_error_handlers(app)
+
+        @app.get("/health", responses={503: {"model": ErrorResponse}})
+        async def health() -> Response:
+            if not self.engine.is_alive:
+                raise APIError(503, "the engine loop is not running", _error_type(503))
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/metrics", response_class=Response, responses={401: {"model": ErrorResponse}})
+        async def metrics() -> Response:
+            return Response(self.metrics.render(), media_type=prom.CONTENT_TYPE_LATEST)
+
+        @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
+        async def models() -> ModelList:
+            return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+
+        @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
+        async def completions(body: CompletionRequest, raw: Request) -> Response:
+            return await self.create_completion(body, raw)
+
+        @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERROR_RESPONSES)
+        async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+            return await self.create_chat_completion(body, raw)
+
+        app.openapi = lambda: self._openapi(app)  # type: ignore[method-assign]
+        app.add_middleware(GuardMiddleware, api_key=self.config.api_key,
+                           max_body_bytes=self.config.max_request_body_bytes)
+        return app
+
+    @staticmethod
+    def _openapi(app: FastAPI) -> dict[str, Any]:
+        """FastAPI's schema with its 422 responses removed: validation errors here are 400s."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path_item in schema.get("paths", {}).values():
+                for operation in path_item.values():
+                    operation.get("responses", {}).pop("422", None)
+            for name in ("HTTPValidationError", "ValidationError"):
+                schema.get("components", {}).get("schemas", {}).pop(name, None)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    def _add_error_handlers(self, app: FastAPI) -> None:
+        async def on_api_error(_: Request, exc: Exception) -> Response:
+            assert isinstance(exc, APIError)
+            return _error_response(exc)
+
+        async def on_validation(_: Request, exc: Exception) -> Response:
+            assert isinstance(exc, RequestValidationError)
+            return _error_response(_validation_error(exc))
+
+        async def on_http(_: Request, exc: Exception) -> Response:
+            assert isinstance(exc, StarletteHTTPException)
+            code = "not_found" if exc.status_code == 404 else None
+            return _error_response(APIError(exc.status_code, str(exc.detail), _error_type(exc.status_code),
+                                            code=code))
+
+        async def on_engine_error(_: Request, exc: Exception) -> Response:
+            status = next(s for t, s in _ENGINE_ERROR_STATUS.items() if isinstance(exc, t))
+            return _error_response(APIError(status, str(exc), _error_type(status)))
+
+        async def on_unexpected(_: Request, exc: Exception) -> Response:
+            logger.error("unhandled error", exc_info=exc)
+            return _error_response(APIError(500, "internal server error", "internal_error"))
+
+        app.add_exception_handler(APIError, on_api_error)
+        app.add_exception_handler(RequestValidationError, on_validation)
+        app.add_exception_handler(StarletteHTTPException, on_http)
+        for error_type in _ENGINE_ERRORS:
+            app.add_exception_handler(error_type, on_engine_error)
+        app.add_exception_handler(Exception, on_unexpected)
+
+    # -- shared request plumbing --------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+    @staticmethod
+    def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                logprobs: int | None, num_prompts: int) -> SamplingParams:
+        try:
+            body.check_supported()
+            params = body.sampling_params(max_tokens, logprobs)
+        except (ValueError, TypeError) as err:
+            raise _bad_request(err) from err
+        if num_prompts * params.n > MAX_SEQUENCES_PER_REQUEST:
+            raise APIError(400, f"{num_prompts} prompt(s) x n={params.n} is more than the "
+                                f"{MAX_SEQUENCES_PER_REQUEST} sequences one request may ask for", param="n")
+        return params
+
+    def _check_fits(self, request: EngineRequest, engine: LLMEngine) -> None:
+        """Runs on the loop thread: refuse prompt + max_tokens beyond the context, as vLLM does."""
+        max_tokens = request.sampling_params.max_tokens
+        num_prompt = request.num_prompt_tokens
+        if max_tokens is not None and num_prompt + max_tokens > engine.max_model_len:
+            raise ProtocolError(
+                f"this model's maximum context length is {engine.max_model_len} tokens, but "
+                f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, {max_tokens} for the "
+                f"completion); shorten the prompt or lower max_tokens",
+                param="max_tokens", code="context_length_exceeded")
+
+    async def _start(self, children: list[tuple[PromptInput, SamplingParams]], prompt_param: str
+                     ) -> RequestStream:
+        try:
+            return await self.engine.add(children, validate=self._check_fits,
+                                         timeout_s=self.config.request_timeout_s)
+        except (ValueError, TypeError) as err:
+            raise _bad_request(err, prompt_param) from err
+
+    async def _collect(self, stream: RequestStream, tracker: _RequestTracker) -> list[RequestOutput]:
+        """Run a non-streamed request to its end; the final output of every child, in order."""
+        finals: list[RequestOutput | None] = [None] * len(stream.request_ids)
+        error = False
+        try:
+            async with stream:
+                async for index, out in stream:
+                    tracker.observe(index, out)
+                    if out.finished:
+                        finals[index] = out
+        except _ENGINE_ERRORS:
+            error = True
+            raise
+        finally:
+            tracker.close(error)
+        return [f for f in finals if f is not None]
+
+    async def _unless_disconnected(self, raw: Request, work: Awaitable[T]) -> T | None:
+        """Await ``work``, cancelling it (and so aborting its requests) if the client leaves first."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+        try:
+            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        return task.result() if not task.cancelled() else None
+
+    def _usage(self, stream: RequestStream, n: int, completion_tokens: int) -> UsageInfo:
+        # Each prompt is counted once however many choices it has (as OpenAI and vLLM do).
+        prompt_tokens = sum(len(ids) for ids in stream.prompt_token_ids[::n])
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
+    def _token_str(self, token_id: int) -> str:
+        text = self._token_strings.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False) if self.tokenizer else ""
+            self._token_strings[token_id] = text  # bounded by the vocabulary
+        return text
+
+    # -- /v1/completions ----------------------------------------------------------------------
+
+    async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
+        self._check_model(body.model)
+        arrival = time.monotonic()
+        prompts = body.prompts()
+        params = self._params(body, body.max_tokens, body.logprobs, len(prompts))
+        children: list[tuple[PromptInput, SamplingParams]] = [
+            (p, child) for p in prompts for child in _fan_out(params)]
+        stream = await self._start(children, "prompt")
+        tracker = _RequestTracker(self.metrics, arrival, stream)
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        try:
+            if body.stream:
+                events = self._completion_events(body, stream, tracker, response_id, params.n)
+                return _EngineStreamResponse(events, stream, tracker)
+            finals = await self._unless_disconnected(raw, self._collect(stream, tracker))
+        finally:
+            if not body.stream:
+                stream.abort()  # no-op unless something above failed
+        if finals is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        choices = []
+        for index, out in enumerate(finals):
+            completion = out.outputs[0]
+            logprobs = None
+            if body.logprobs is not None and completion.logprobs is not None:
+                logprobs, _ = self._completion_logprobs(completion.logprobs, body.logprobs, 0)
+            choices.append(CompletionChoice(index=index, text=completion.text, logprobs=logprobs,
+                                            finish_reason=completion.finish_reason,
+                                            stop_reason=completion.stop_reason))
+        usage = self._usage(stream, params.n, sum(len(o.outputs[0].token_ids) for o in finals))
+        result = CompletionResponse(id=response_id, model=self.model_name, choices=choices, usage=usage)
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    async def _completion_events(self, body: CompletionRequest, stream: RequestStream,
+                                 tracker: _RequestTracker, response_id: str, n: int) -> AsyncIterator[str]:
+        created = int(time.time())
+        offsets = [0] * len(stream.request_ids)  # text_offset of each choice's next token
+        completion_tokens = 0
+        error = False
+
+        def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
+            return _sse(CompletionStreamResponse(id=response_id, created=created, model=self.model_name,
+                                                 choices=choices, usage=usage))
+
+        try:
+            async with stream:
+                async for index, out in stream:
+                    tracker.observe(index, out)
+                    completion = out.outputs[0]
+                    completion_tokens += len(completion.delta_token_ids)
+                    logprobs = None
+                    if body.logprobs is not None and completion.logprobs is not None:
+                        logprobs, offsets[index] = self._completion_logprobs(
+                            _new_logprobs(completion), body.logprobs, offsets[index])
+                    if not completion.delta_text and completion.finish_reason is None and logprobs is None:
+                        continue  # tokens held back mid-character or a stop string candidate
+                    choice = CompletionChoice(index=index, text=completion.delta_text, logprobs=logprobs,
+                                              finish_reason=completion.finish_reason,
+                                              stop_reason=completion.stop_reason)
+                    yield chunk([choice])
+            if body.include_usage:
+                yield chunk([], self._usage(stream, n, completion_tokens))
+        except _ENGINE_ERRORS as err:
+            error = True
+            yield _sse_error(err, _ENGINE_ERROR_STATUS[type(err)])
+        finally:
+            tracker.close(error)
+        yield SSE_DONE
+
+    def _completion_logprobs(self, entries: Sequence[TokenLogprobs], num_top: int, offset: int
+                             ) -> tuple[CompletionLogprobs, int]:
+        result = CompletionLogprobs()
+        for entry in entries:
+            token = self._token_str(entry.token_id)
+            top = {self._token_str(t): _clamp(lp) for t, lp in list(entry.top.items())[:num_top]}
+            top.setdefault(token, _clamp(entry.logprob))  # OpenAI always includes the sampled token
+            result.tokens.append(token)
+            result.token_logprobs.append(_clamp(entry.logprob))
+            result.top_logprobs.append(top)
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result, offset
+
+    # -- /v1/chat/completions -----------------------------------------------------------------
+
+    async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self._check_model(body.model)
+        arrival = time.monotonic()
+        params = self._params(body, body.requested_max_tokens, body.requested_logprobs, 1)
+        try:
+            prompt = apply_chat_template(self.tokenizer, [m.as_template_message() for m in body.messages],
+                                         add_generation_prompt=body.add_generation_prompt)
+        except (ValueError, TypeError, jinja2.TemplateError) as err:
+            raise APIError(400, f"could not apply the chat template: {err}", param="messages") from err
+        stream = await self._start([(prompt, child) for child in _fan_out(params)], "messages")
+        tracker = _RequestTracker(self.metrics, arrival, stream)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        try:
+            if body.stream:
+                return _EngineStreamResponse(self._chat_events(body, stream, tracker, response_id, params.n),
+                                             stream, tracker)
+            finals = await self._unless_disconnected(raw, self._collect(stream, tracker))
+        finally:
+            if not body.stream:
+                stream.abort()
+        if finals is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        num_top = body.top_logprobs or 0
+        choices = []
+        for index, out in enumerate(finals):
+            completion = out.outputs[0]
+            logprobs = None
+            if body.logprobs and completion.logprobs is not None:
+                logprobs = self._chat_logprobs(completion.logprobs, num_top)
+            choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=completion.text),
+                                      logprobs=logprobs, finish_reason=completion.finish_reason,
+                                      stop_reason=completion.stop_reason))
+        usage = self._usage(stream, params.n, sum(len(o.outputs[0].token_ids) for o in finals))
+        result = ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices, usage=usage)
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    async def _chat_events(self, body: ChatCompletionRequest, stream: RequestStream, tracker: _RequestTracker,
+                           response_id: str, n: int) -> AsyncIterator[str]:
+        created = int(time.time())
+        num_top = body.top_logprobs or 0
+        completion_tokens = 0
+        error = False
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            return _sse(ChatCompletionStreamResponse(id=response_id, created=created, model=self.model_name,
+                                                     choices=choices, usage=usage))
+
+        try:
+            async with stream:
+                for index in range(len(stream.request_ids)):
+                    role = DeltaMessage(role="assistant", content="")
+                    yield chunk([ChatStreamChoice(index=index, delta=role)])
+                async for index, out in stream:
+                    tracker.observe(index, out)
+                    completion = out.outputs[0]
+                    completion_tokens += len(completion.delta_token_ids)
+                    logprobs = None
+                    if body.logprobs and completion.logprobs is not None:
+                        logprobs = self._chat_logprobs(_new_logprobs(completion), num_top)
+                    if not completion.delta_text and completion.finish_reason is None and logprobs is None:
+                        continue
+                    delta = DeltaMessage(content=completion.delta_text or None)
+                    yield chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
+                                                  finish_reason=completion.finish_reason,
+                                                  stop_reason=completion.stop_reason)])
+            if body.include_usage:
+                yield chunk([], self._usage(stream, n, completion_tokens))
+        except _ENGINE_ERRORS as err:
+            error = True
+            yield _sse_error(err, _ENGINE_ERROR_STATUS[type(err)])
+        finally:
+            tracker.close(error)
+        yield SSE_DONE
+
+    def _chat_logprobs(self, entries: Sequence[TokenLogprobs], num_top: int) -> ChatLogprobs:
+        content = []
+        for entry in entries:
+            token = self._token_str(entry.token_id)
+            top = []
+            for top_id, top_lp in list(entry.top.items())[:num_top]:
+                top_token = self._token_str(top_id)
+                top.append(ChatTokenLogprob(token=top_token, logprob=_clamp(top_lp),
+                                            bytes=list(top_token.encode())))
+            content.append(ChatLogprobEntry(token=token, logprob=_clamp(entry.logprob),
+                                            bytes=list(token.encode()), top_logprobs=top))
+        return ChatLogprobs(content=content)
+
+
+# -- running it ---------------------------------------------------------------------------------
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port); port 0 picks a free one."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(address)
+    sock.listen()
+    sock.set_inheritable(True)
+    return sock
+
+
+def base_url(sock: socket.socket) -> str:
+    """http://host:port of a bound socket, with a wildcard address shown as loopback."""
+    host, port = sock.getsockname()[:2]
+    if host in ("0.0.0.0", "::"):
+        host = "127.0.0.1" if host == "0.0.0.0" else "::1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def _uvicorn_server(server: OpenAIServer) -> uvicorn.Server:
+    config = uvicorn.Config(server.app, log_level=server.config.log_level,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    return uvicorn.Server(config)
+
+
+def banner(server: OpenAIServer, url: str) -> str:
+    """What `plait serve` prints: where it listens and a curl to try."""
+    auth = f" \\\n    -H \"Authorization: Bearer ${API_KEY_ENV}\"" if server.config.api_key else ""
+    payload = json.dumps({"model": server.model_name, "messages": [{"role": "user", "content": "Hello!"}],
+                          "max_tokens": 32})
+    return (f"plait: serving '{server.model_name}' on {url} (OpenAI API at {url}/v1)\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f"    -d '{payload}'")
+
+
+def serve(engine_config: EngineConfig, config: ServerConfig, echo: Callable[[str], None] = print) -> None:
+    """Load the model and serve until interrupted (what `plait serve` runs)."""
+    if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning("serving on %s without an API key: anyone who can reach it can use it", config.host)
+    engine = LLMEngine(engine_config)
+    server = OpenAIServer(engine, config)
+    sock = bind_socket(config.host, config.port)
+    echo(banner(server, base_url(sock)))
+    _uvicorn_server(server).run(sockets=[sock])
+
+
+class BackgroundServer:
+    """Runs an OpenAIServer on a thread of this process (tests, notebooks, benchmarks).
+
+    ``with BackgroundServer(server) as url:`` serves on a free loopback port until the block ends.
+    """
+
+    def __init__(self, server: OpenAIServer, host: str = DEFAULT_HOST, port: int = 0) -> None:
+        self.server = server
+        self._sock = bind_socket(host, port)
+        self.url = base_url(self._sock)
+        self._uvicorn = _uvicorn_server(server)
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._sock]},
+                                        name="plait-http", daemon=True)
+
+    def start(self, timeout_s: float = 60.0) -> str:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the HTTP server did not start")
+            time.sleep(0.02)
+        return self.url
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout_s)
+        self._sock.close()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
