@@ -131,3 +131,20 @@ def _check_counts(kv: KVCacheManager, sched: Scheduler) -> None:
         assert kv.ref_count(b) >= 0
         assert kv.ref_count(b) == holders.get(b, 0), f"block {b}: refcount != holders"
     assert kv.num_free_blocks == sum(1 for b in range(1, kv.num_blocks) if kv.ref_count(b) == 0)
+
+
+def test_models_that_cannot_reuse_kv_turn_caching_off_with_a_reason(tiny_llama, monkeypatch, caplog):
+    from plait.models.llama import LlamaForCausalLM
+
+    monkeypatch.setattr(LlamaForCausalLM, "supports_prefix_caching", False)  # as a recurrent model says
+    with caplog.at_level("WARNING"):
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=BLOCK))
+    assert not engine.kv_cache.enable_prefix_caching
+    assert "prefix caching is off" in caplog.text
+
+
+def test_switch_turns_caching_off(engines):
+    engine = engines(False, 512)
+    prompts = _shared_prefix_prompts(3 * BLOCK, seed=1)
+    run_greedy(engine, prompts + prompts, MAX_TOKENS)
+    assert engine.kv_cache.stats.queries == 0 and engine.kv_cache.num_cached_blocks == 0
