@@ -237,6 +237,12 @@ class AsyncLLMEngine:
         self._commands.put(run)
         return await future
 
+    def call_threadsafe(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = None) -> T:
+        """``call`` from a thread other than the event loop's (tests, tools); blocks for the result."""
+        self._check_alive()
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(self.call(fn), self._loop).result(timeout_s)
+
     def _forget(self, request_ids: Sequence[str]) -> None:
         for rid in request_ids:
             self._streams.pop(rid, None)
@@ -380,8 +386,8 @@ class AsyncLLMEngine:
         children: list[tuple[str, tuple[PromptInput, SamplingParams]]],
         validate: Validator | None,
         future: asyncio.Future,
+        engine: LLMEngine,
     ) -> None:
-        engine = self._engine
         made: list[tuple[Request, str | None]] = []
         try:
             for rid, (prompt, params) in children:
@@ -404,7 +410,7 @@ class AsyncLLMEngine:
             return
         self._post(self._resolve, future, [list(r.prompt_token_ids) for r, _ in made])
 
-    def _do_abort(self, request_ids: list[str]) -> None:
+    def _do_abort(self, request_ids: list[str], engine: LLMEngine | None = None) -> None:
         for rid in request_ids:
             if rid in self._live:
                 self._live.discard(rid)

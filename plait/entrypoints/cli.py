@@ -158,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"(default: {_DEFAULT_PORT}; 0 = any free port)")
     srv.add_argument("--api-key", default=None,
                      help=f"require 'Authorization: Bearer <key>' on every endpoint but /health "
-                          f"(default: ${_API_KEY_ENV} if set)")
+                          f"(default: ${_API_KEY_ENV} if set; prefer it, as flags show in `ps`)")
     srv.add_argument("--served-model-name", default=None,
                      help="the model name clients send (default: the model file's stem or folder's name)")
     srv.add_argument("--request-timeout", type=float, default=None,

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import time
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from plait.sampling_params import SamplingParams
+from plait.sampling_params import MAX_LOGPROBS, PENALTY_BOUND, SamplingParams
 
 # Sequences one request may ask for (n), and in all (prompts x n): a single HTTP request must not be
 # able to fill the engine on its own.
@@ -18,6 +18,26 @@ MAX_STOP_STRINGS = 16
 # OpenAI's default temperature / top_p when a request does not say.
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
+
+
+
+
+def _integral_float_to_int(value: Any) -> Any:
+    # JSON Schema's "integer" includes 5.0, and some JSON encoders write whole numbers that way;
+    # 5.5, true and "5" still fail the strict int check that follows.
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# An int in a request: strict (no bools, no strings), but 5.0 counts as 5.
+Int = Annotated[int, BeforeValidator(_integral_float_to_int)]
+# Bounds in the schema mirror SamplingParams' checks, so clients (and fuzzers) can read them from
+# /openapi.json; SamplingParams still checks everything again.
+TokenId = Annotated[Int, Field(ge=0)]
+Penalty = Annotated[float, Field(ge=-PENALTY_BOUND, le=PENALTY_BOUND)]
+NumLogprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
+PositiveInt = Annotated[Int, Field(ge=1)]
 
 
 class ProtocolError(ValueError):
@@ -43,20 +63,20 @@ class _SamplingRequest(_RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None  # None: the served model
-    max_tokens: int | None = None  # None: up to the end of the context
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # vLLM extension; 0 or -1 = off
-    min_p: float | None = None  # vLLM extension
-    seed: int | None = None
+    max_tokens: PositiveInt | None = None  # None: up to the end of the context
+    temperature: Annotated[float, Field(ge=0)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: Annotated[Int, Field(ge=-1)] | None = None  # vLLM extension; 0 or -1 = off
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None  # vLLM extension
+    seed: Int | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    stop_token_ids: Annotated[list[int], Field(max_length=MAX_STOP_STRINGS)] | None = None
-    n: int = Field(default=1, ge=1, le=MAX_N)
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None  # vLLM extension
+    stop_token_ids: Annotated[list[TokenId], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    n: Int = Field(default=1, ge=1, le=MAX_N)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None  # vLLM extension
     ignore_eos: bool = False  # vLLM extension
-    min_tokens: int = 0  # vLLM extension
+    min_tokens: Int = Field(default=0, ge=0)  # vLLM extension
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stream: bool = False
@@ -100,10 +120,10 @@ class _SamplingRequest(_RequestModel):
 
 class CompletionRequest(_SamplingRequest):
     # One prompt (text or token ids) or a batch of them.
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None  # top-n logprobs per token
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    logprobs: NumLogprobs | None = None  # top-n logprobs per token
     echo: bool = False
-    best_of: int | None = None
+    best_of: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -150,9 +170,9 @@ class ChatMessage(_RequestModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins if both set
+    max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name for max_tokens; wins if both set
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True  # vLLM extension
 
     def check_supported(self) -> None:

@@ -154,9 +154,9 @@ def _error_body(message: str, type_: str, param: str | None = None, code: str | 
     return ErrorResponse(error=error).model_dump_json().encode()
 
 
-def _error_response(err: APIError) -> JSONResponse:
+def _error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     info = ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code)
-    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=err.status)
+    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=err.status, headers=headers)
 
 
 # Fields whose name starts an engine / SamplingParams error message ("top_p must be in ...").
@@ -184,7 +184,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
     if not errors:
         return APIError(400, "invalid request body")
-    first = errors[0]
+    # Of the alternatives of a union that all failed, the one that got furthest says the most.
+    first = max(errors, key=lambda e: len(e.get("loc", ())))
     if first.get("type") == "json_invalid":
         detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
         return APIError(400, f"invalid JSON in the request body: {detail}")
@@ -501,21 +502,27 @@ class OpenAIServer:
         async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
             return await self.create_chat_completion(body, raw)
 
-        app.openapi = lambda: self._openapi(app)  # type: ignore[method-assign]
+        app.openapi = lambda: self._openapi(app, self.model_name)  # type: ignore[method-assign]
         app.add_middleware(GuardMiddleware, api_key=self.config.api_key,
                            max_body_bytes=self.config.max_request_body_bytes)
         return app
 
     @staticmethod
-    def _openapi(app: FastAPI) -> dict[str, Any]:
-        """FastAPI's schema with its 422 responses removed: validation errors here are 400s."""
+    def _openapi(app: FastAPI, model_name: str) -> dict[str, Any]:
+        """FastAPI's schema, without its 422 responses (validation errors here are 400s), and with
+        the one model name this server accepts."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             for path_item in schema.get("paths", {}).values():
                 for operation in path_item.values():
                     operation.get("responses", {}).pop("422", None)
+            components = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
-                schema.get("components", {}).get("schemas", {}).pop(name, None)
+                components.pop(name, None)
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                model = components.get(name, {}).get("properties", {}).get("model")
+                if model is not None:
+                    model["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -531,8 +538,8 @@ class OpenAIServer:
         async def on_http(_: Request, exc: Exception) -> Response:
             assert isinstance(exc, StarletteHTTPException)
             code = "not_found" if exc.status_code == 404 else None
-            return _error_response(APIError(exc.status_code, str(exc.detail), _error_type(exc.status_code),
-                                            code=code))
+            error = APIError(exc.status_code, str(exc.detail), _error_type(exc.status_code), code=code)
+            return _error_response(error, exc.headers)  # e.g. Allow on a 405
 
         async def on_engine_error(_: Request, exc: Exception) -> Response:
             status = next(s for t, s in _ENGINE_ERROR_STATUS.items() if isinstance(exc, t))
@@ -598,8 +605,8 @@ class OpenAIServer:
                     tracker.observe(index, out)
                     if out.finished:
                         finals[index] = out
-        except _ENGINE_ERRORS:
-            error = True
+        except _ENGINE_ERRORS as err:
+            error = not isinstance(err, RequestTimeoutError)  # a timeout is an abort, not a failure
             raise
         finally:
             tracker.close(error)
@@ -611,6 +618,8 @@ class OpenAIServer:
         watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
         try:
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not task.done() and watcher.exception() is not None:
+                await asyncio.wait({task})  # the watcher broke, not the connection: just finish
         finally:
             watcher.cancel()
             if not task.done():
@@ -697,7 +706,7 @@ class OpenAIServer:
             if body.include_usage:
                 yield chunk([], self._usage(stream, n, completion_tokens))
         except _ENGINE_ERRORS as err:
-            error = True
+            error = not isinstance(err, RequestTimeoutError)
             yield _sse_error(err, _ENGINE_ERROR_STATUS[type(err)])
         finally:
             tracker.close(error)
@@ -787,7 +796,7 @@ class OpenAIServer:
             if body.include_usage:
                 yield chunk([], self._usage(stream, n, completion_tokens))
         except _ENGINE_ERRORS as err:
-            error = True
+            error = not isinstance(err, RequestTimeoutError)
             yield _sse_error(err, _ENGINE_ERROR_STATUS[type(err)])
         finally:
             tracker.close(error)
@@ -847,7 +856,12 @@ def banner(server: OpenAIServer, url: str) -> str:
             f"    -d '{payload}'")
 
 
-def serve(engine_config: EngineConfig, config: ServerConfig, echo: Callable[[str], None] = print) -> None:
+def _print_now(text: str) -> None:
+    print(text, flush=True)  # stdout may be a pipe (a supervisor, a test): do not sit in its buffer
+
+
+def serve(engine_config: EngineConfig, config: ServerConfig,
+          echo: Callable[[str], None] = _print_now) -> None:
     """Load the model and serve until interrupted (what `plait serve` runs)."""
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", config.host)
@@ -855,7 +869,10 @@ def serve(engine_config: EngineConfig, config: ServerConfig, echo: Callable[[str
     server = OpenAIServer(engine, config)
     sock = bind_socket(config.host, config.port)
     echo(banner(server, base_url(sock)))
-    _uvicorn_server(server).run(sockets=[sock])
+    try:
+        _uvicorn_server(server).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass  # uvicorn re-raises Ctrl-C after its graceful shutdown; for a server it is the normal stop
 
 
 class BackgroundServer:

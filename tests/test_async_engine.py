@@ -1,0 +1,137 @@
+"""AsyncLLMEngine: the step loop in its own thread survives failing steps, bad input and aborts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from plait.config import EngineConfig
+from plait.engine.engine import LLMEngine
+from plait.entrypoints.async_engine import AsyncLLMEngine, RequestFailedError, RequestTimeoutError
+from plait.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+TIMEOUT_S = 120.0
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama):
+    return LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=64, block_size=8))
+
+
+def _run(engine: LLMEngine, scenario) -> None:
+    async def main() -> None:
+        aengine = AsyncLLMEngine(engine)
+        aengine.start()
+        try:
+            await asyncio.wait_for(scenario(aengine), TIMEOUT_S)
+            for _ in range(100):  # aborts land at the loop's next gap
+                if await aengine.call(lambda e: e.is_idle_and_clean()):
+                    break
+                await asyncio.sleep(0.01)
+            assert await aengine.call(lambda e: e.is_idle_and_clean())
+        finally:
+            await aengine.shutdown()
+
+    asyncio.run(main())
+
+
+async def _collect(stream) -> list[list[int]]:
+    outs: dict[int, list[int]] = {}
+    async with stream:
+        async for index, out in stream:
+            if out.finished:
+                outs[index] = out.outputs[0].token_ids
+    return [outs[i] for i in sorted(outs)]
+
+
+def test_streams_match_the_offline_engine(engine, tiny_llama):
+    offline = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=64, block_size=8))
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [20] * 9]
+    expected = []
+    for p in prompts:
+        offline.add_request(p, GREEDY)
+        while offline.has_unfinished_requests():
+            for out in offline.step():
+                if out.finished:
+                    expected.append(out.outputs[0].token_ids)
+
+    async def scenario(aengine: AsyncLLMEngine) -> None:
+        streams = [await aengine.add([(p, GREEDY)]) for p in prompts]
+        results = await asyncio.gather(*(_collect(s) for s in streams))
+        assert [r[0] for r in results] == expected
+        assert [s.prompt_token_ids[0] for s in streams] == prompts
+
+    _run(engine, scenario)
+
+
+def test_bad_input_is_raised_before_anything_is_queued(engine):
+    async def scenario(aengine: AsyncLLMEngine) -> None:
+        with pytest.raises(ValueError, match="empty"):
+            await aengine.add([([5, 6], GREEDY), ([], GREEDY)])  # one bad child: none is queued
+        assert await aengine.call(lambda e: not e.has_unfinished_requests())
+
+        def refuse(request, engine):
+            raise ValueError("refused by the validator")
+
+        with pytest.raises(ValueError, match="refused"):
+            await aengine.add([([5, 6], GREEDY)], validate=refuse)
+        assert (await _collect(await aengine.add([([5, 6], GREEDY)])))[0]  # still serving
+
+    _run(engine, scenario)
+
+
+def test_a_failing_step_fails_its_requests_but_not_the_loop(engine):
+    async def scenario(aengine: AsyncLLMEngine) -> None:
+        streams = [await aengine.add([([5, 6, 7], LONG)]), await aengine.add([([8, 9], LONG)])]
+        await streams[0].__anext__()  # both are running
+
+        def break_next_step(e: LLMEngine) -> None:
+            real_step = e.step
+
+            def failing_step():
+                e.step = real_step  # only this once
+                raise RuntimeError("injected failure")
+
+            e.step = failing_step
+
+        await aengine.call(break_next_step)
+        for stream in streams:
+            with pytest.raises(RequestFailedError, match="injected failure"):
+                async for _ in stream:
+                    pass
+        assert aengine.is_alive
+        assert await aengine.call(lambda e: e.is_idle_and_clean())
+        assert len((await _collect(await aengine.add([([5, 6, 7], GREEDY)])))[0]) == GREEDY.max_tokens
+
+    _run(engine, scenario)
+
+
+def test_leaving_a_stream_aborts_it(engine):
+    async def scenario(aengine: AsyncLLMEngine) -> None:
+        stream = await aengine.add([([5, 6, 7], LONG), ([8, 9], LONG)])  # n = 2, say
+        async with stream:
+            await stream.__anext__()
+        assert sorted(stream.aborted) == [0, 1]
+
+        # A caller cancelled while its add is still queued leaves nothing behind either.
+        task = asyncio.ensure_future(aengine.add([([5, 6, 7], LONG)]))
+        await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    _run(engine, scenario)
+
+
+def test_a_request_past_its_deadline_is_aborted(engine):
+    async def scenario(aengine: AsyncLLMEngine) -> None:
+        stream = await aengine.add([([5, 6, 7], LONG)], timeout_s=1e-6)
+        with pytest.raises(RequestTimeoutError):
+            async for _ in stream:
+                pass
+        assert stream.aborted == [0]
+
+    _run(engine, scenario)

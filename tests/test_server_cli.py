@@ -1,0 +1,85 @@
+"""`plait serve`: flags reach the server config, and a real process prints its address and serves."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+ROOT = Path(__file__).resolve().parent.parent
+STARTUP_TIMEOUT_S = 180.0
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def _fuzz_script():
+    spec = importlib.util.spec_from_file_location("fuzz_server", ROOT / "scripts" / "fuzz_server.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_serve_flags_reach_the_configs(monkeypatch):
+    import plait.entrypoints.server as server
+    from plait.entrypoints import cli
+
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append((engine_config, config)))
+    monkeypatch.setenv("PLAIT_API_KEY", "from-env")
+    assert cli.main(["serve", "--port", "0", "--max-num-batched-tokens", "64"]) == 0
+    assert cli.main(["serve", "--api-key", "from-flag", "--host", "0.0.0.0", "--served-model-name", "m"]) == 0
+    (engine_a, config_a), (_, config_b) = seen
+    assert engine_a.max_num_batched_tokens == 64
+    assert (config_a.host, config_a.port, config_a.api_key) == ("127.0.0.1", 0, "from-env")
+    assert (config_b.host, config_b.api_key, config_b.served_model_name) == ("0.0.0.0", "from-flag", "m")
+
+
+def test_plait_serve_process(tmp_path):
+    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PLAIT_API_KEY="cli-key")
+    log = open(tmp_path / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "plait.entrypoints.cli", "serve", "--model", str(model), "--port", "0",
+         "--max-model-len", "128", "--num-kv-blocks", "64", "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        banner = ""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while "-d '" not in banner:
+            assert proc.poll() is None, (tmp_path / "server.log").read_text()
+            try:
+                banner += lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no banner from `plait serve`; got {banner!r}")
+        url = re.search(r"on (http://127\.0\.0\.1:\d+) ", banner).group(1)
+        assert "tiny-model" in banner  # the served name: the model folder's name
+        assert f"curl {url}/v1/chat/completions" in banner and "Bearer $PLAIT_API_KEY" in banner
+        while httpx.get(f"{url}/health").status_code != 200:
+            time.sleep(0.1)
+        body = {"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer cli-key"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 401
+    finally:
+        proc.send_signal(signal.SIGINT)  # uvicorn shuts down gracefully on SIGINT
+        try:
+            proc.wait(SHUTDOWN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+    assert proc.returncode == 0, (tmp_path / "server.log").read_text()
