@@ -9,6 +9,8 @@ from typing import Any, Literal
 SchedulingPolicy = Literal["mixed", "prefill_first"]
 SCHEDULING_POLICIES: tuple[str, ...] = ("mixed", "prefill_first")
 
+ATTENTION_BACKENDS: tuple[str, ...] = ("torch_ref", "triton")
+
 # long_prefill_token_threshold value that means "no per-request chunk cap".
 NO_CHUNK_CAP = 0
 # Memory handed to the KV cache on CPU when num_kv_blocks is not given: the whole
@@ -32,10 +34,13 @@ class EngineConfig:
     max_num_partial_prefills: int = 4  # requests allowed to be mid-prompt at once
     scheduling_policy: SchedulingPolicy = "mixed"
     block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # None = sized from kv_cache_memory_fraction / CPU budget
-    kv_cache_memory_fraction: float = 0.9  # GPU: share of device memory for weights + KV cache
+    num_kv_blocks: int | None = None  # None = sized from gpu_memory_utilization / CPU budget
+    # GPU: share of the device's memory plait may use (weights, activations, graphs, KV cache).
+    gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier requests
+    attention_backend: str | None = None  # None = "triton" on CUDA (when triton imports), else "torch_ref"
+    enforce_eager: bool = False  # True: never capture or replay CUDA graphs
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
@@ -57,9 +62,15 @@ class EngineConfig:
             )
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        fraction = self.kv_cache_memory_fraction
+        fraction = self.gpu_memory_utilization
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 1], got {fraction!r}")
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction!r}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
+            )
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 

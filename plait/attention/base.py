@@ -21,6 +21,9 @@ class AttentionBackend(ABC):
     """
 
     name: str = ""
+    # True if attend/store_kv never read host-side batch data (``*_cpu`` lists) or sync with the host,
+    # so a forward through this backend can be captured in a CUDA graph.
+    graph_safe: bool = False
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> None:

@@ -39,7 +39,7 @@ class TorchRefBackend(AttentionBackend):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_heads = q.shape[1]
         block_size = kv_cache.shape[2]
-        max_keys = batch.block_tables.shape[1] * block_size
+        max_keys = _num_key_blocks(batch, block_size) * block_size
         if batch.num_rows * num_heads * batch.max_query_len * max_keys <= self.max_padded_scores:
             out, lse = self._attend_padded(q, kv_cache, batch, scale, sliding_window)
         else:
@@ -64,8 +64,9 @@ class TorchRefBackend(AttentionBackend):
         qp = q.float()[token_index].view(num_rows, max_q, num_kv_heads, group, head_dim)
         qp = qp.permute(0, 2, 3, 1, 4)
         # k, v: [R, L, Hkv, D] -> [R, Hkv, 1, L, D], L = max_blocks * block_size
-        k = kv_cache[0][batch.block_tables.long()].flatten(1, 2).float().permute(0, 2, 1, 3).unsqueeze(2)
-        v = kv_cache[1][batch.block_tables.long()].flatten(1, 2).float().permute(0, 2, 1, 3).unsqueeze(2)
+        tables = batch.block_tables[:, : _num_key_blocks(batch, block_size)].long()
+        k = kv_cache[0][tables].flatten(1, 2).float().permute(0, 2, 1, 3).unsqueeze(2)
+        v = kv_cache[1][tables].flatten(1, 2).float().permute(0, 2, 1, 3).unsqueeze(2)
         scores = torch.matmul(qp, k.transpose(-1, -2)) * scale  # [R, Hkv, group, maxq, L]
         scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # [R, Hkv, group, maxq]
@@ -107,6 +108,11 @@ class TorchRefBackend(AttentionBackend):
         return out, lse
 
 
+def _num_key_blocks(batch: ForwardBatch, block_size: int) -> int:
+    """Block-table columns any row of this step can use (the runner's tables may be wider)."""
+    return max(1, -(-batch.max_seq_len // block_size))
+
+
 def _padded_metadata(
     batch: ForwardBatch, block_size: int, sliding_window: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -119,7 +125,7 @@ def _padded_metadata(
     valid = offsets.unsqueeze(0) < query_lens.unsqueeze(1)  # [R, maxq]
     token_index = (starts.unsqueeze(1) + offsets).clamp(max=max(batch.num_tokens - 1, 0))
     q_pos = batch.context_lens.long().unsqueeze(1) + offsets  # [R, maxq]
-    k_pos = torch.arange(batch.block_tables.shape[1] * block_size, device=device)
+    k_pos = torch.arange(_num_key_blocks(batch, block_size) * block_size, device=device)
     visible = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)
     if sliding_window is not None:
         visible &= k_pos.view(1, 1, -1) > q_pos.unsqueeze(-1) - sliding_window

@@ -200,16 +200,24 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         if plan.is_empty:
             return []
+        scheduled = time.monotonic()
         result = self.runner.execute(plan)
+        executed = time.monotonic()
         self.scheduler.advance(plan)
         outputs = self._postprocess(result)
+        end = time.monotonic()
+        breakdown = self.runner.breakdown
+        breakdown.add("schedule", scheduled - start)
+        breakdown.add("postprocess", end - executed)
+        breakdown.wall_s += end - start
+        breakdown.steps += 1
         if self.record_timeline:
-            self._record(plan, start)
+            self._record(plan, start, end)
         return outputs
 
-    def _record(self, plan: StepPlan, start: float) -> None:
+    def _record(self, plan: StepPlan, start: float, end: float) -> None:
         self.timeline.append(StepStats(
-            index=next(self._step_index), start_time=start, duration_s=time.monotonic() - start,
+            index=next(self._step_index), start_time=start, duration_s=end - start,
             num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
             num_rows=len(plan.rows), num_preempted=len(plan.preempted),
             kv_blocks_used=self.kv_cache.num_used_blocks,

@@ -16,7 +16,8 @@ from plait.sampling_params import SamplingParams
 _ENGINE_FLAGS = (
     "model", "load_format", "device", "dtype", "max_num_batched_tokens", "max_num_seqs",
     "long_prefill_token_threshold", "max_num_partial_prefills", "scheduling_policy", "block_size",
-    "num_kv_blocks", "kv_cache_memory_fraction", "max_model_len",
+    "num_kv_blocks", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
+    "attention_backend", "enforce_eager",
 )
 
 
@@ -26,8 +27,12 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         if f.name not in _ENGINE_FLAGS:
             continue
-        kind = _arg_type(hints[f.name])
-        group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
+        flag = f"--{f.name.replace('_', '-')}"
+        if hints[f.name] is bool:  # --enforce-eager / --no-enforce-eager
+            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=f"(default: {f.default!r})")
+            continue
+        group.add_argument(flag, dest=f.name, type=_arg_type(hints[f.name]), default=None,
                            help=f"(default: {f.default!r})")
 
 

@@ -13,52 +13,39 @@ from plait.engine.scheduler import StepPlan
 
 
 @dataclass
-class ForwardBatch:
-    """Flattened tokens of every row, in plan order. All fields set by ``build_forward_batch``.
+class StepArrays:
+    """A step's inputs on the host, compact (no padding), all int64. Set by ``build_step_arrays``."""
 
-    Device tensors come from a single host-to-device copy; the ``*_cpu`` twins are the same
-    numbers on the host, so Python loops never synchronise with the device.
-    """
-
-    input_ids: torch.Tensor  # [T] int64
-    positions: torch.Tensor  # [T] int64: position of each token in its request
-    query_start_loc: torch.Tensor  # [R + 1] int32: row r's tokens are [qsl[r], qsl[r + 1])
-    context_lens: torch.Tensor  # [R] int32: tokens already cached before this step
-    seq_lens: torch.Tensor  # [R] int32: context_lens + this step's tokens
-    is_first_chunk: torch.Tensor  # [R] bool: num_computed_tokens == 0 (never inferred from length)
-    block_tables: torch.Tensor  # [R, max_blocks] int32, padded with PAD_BLOCK_ID
-    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
-    sample_indices: torch.Tensor  # [S] int64: last token of each sampling row, in row order
-    sample_rows: list[int]  # [S] the rows that sample (chunks that end the known tokens, decodes)
-    query_start_loc_cpu: list[int]
-    seq_lens_cpu: list[int]
-    max_query_len: int
-    max_seq_len: int
-    attn_backend: AttentionBackend | None = None  # set by the runner
-    kv_caches: list[torch.Tensor] | None = None  # set by the runner: one [2, blocks, bs, Hkv, D] per layer
-    # Set by the attention backend: metadata it derives from this batch once and reuses in every layer.
-    backend_state: dict = field(default_factory=dict)
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]: position of each token in its request
+    slot_mapping: np.ndarray  # [T]: cache slot of each new token's K/V
+    query_start_loc: np.ndarray  # [R + 1]: row r's tokens are [qsl[r], qsl[r + 1])
+    context_lens: np.ndarray  # [R]: tokens already cached before this step
+    seq_lens: np.ndarray  # [R]: context_lens + this step's tokens
+    is_first_chunk: np.ndarray  # [R]: 1 iff num_computed_tokens == 0 (never inferred from length)
+    block_tables: np.ndarray  # [R, max_blocks in this step], padded with PAD_BLOCK_ID
+    sample_indices: np.ndarray  # [S]: last token of each sampling row, in row order
+    sample_rows: list[int]  # [S]: the rows that sample (chunks that end the known tokens, decodes)
 
     @property
     def num_rows(self) -> int:
-        return len(self.seq_lens_cpu)
+        return len(self.seq_lens)
 
     @property
     def num_tokens(self) -> int:
-        return self.query_start_loc_cpu[-1]
+        return len(self.input_ids)
 
-    def attention(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-        sliding_window: int | None = None,
-    ) -> torch.Tensor:
-        """Store this step's k, v for layer ``layer_idx`` and attend with q over the paged cache."""
-        cache = self.kv_caches[layer_idx]
-        self.attn_backend.store_kv(k, v, cache, self)
-        return self.attn_backend.attend(q, cache, self, scale, sliding_window)
+    @property
+    def max_query_len(self) -> int:
+        return int((self.seq_lens - self.context_lens).max(initial=0))
+
+    @property
+    def max_seq_len(self) -> int:
+        return int(self.seq_lens.max(initial=0))
 
 
-def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> ForwardBatch:
-    """Turn a scheduler plan into tensors: numpy on the host, then one copy to ``device``."""
+def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
+    """Turn a scheduler plan into host arrays: the only place a plan becomes numbers."""
     if plan.is_empty:
         raise ValueError("an empty plan has no forward batch; the engine skips empty steps")
     rows = plan.rows
@@ -68,48 +55,140 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     query_start_loc = np.zeros(num_rows + 1, dtype=np.int64)
     np.cumsum(query_lens, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
-    seq_lens = starts + query_lens
 
+    # Every row's input tokens come from its own request's token list (hazard 10: no placeholders).
     input_ids = np.fromiter(
         (t for r in rows for t in r.request.token_ids(r.start, r.start + r.num_new_tokens)),
         dtype=np.int64,
         count=num_tokens,
     )
-    # positions: for each token, its row's start plus its offset within the row
     row_of_token = np.repeat(np.arange(num_rows), query_lens)
     positions = starts[row_of_token] + (np.arange(num_tokens) - query_start_loc[row_of_token])
 
-    max_blocks = max((len(r.request.block_ids) for r in rows), default=1)
-    block_tables = np.full((num_rows, max(max_blocks, 1)), PAD_BLOCK_ID, dtype=np.int64)
+    max_blocks = max(max(len(r.request.block_ids) for r in rows), 1)
+    block_tables = np.full((num_rows, max_blocks), PAD_BLOCK_ID, dtype=np.int64)
     for i, r in enumerate(rows):
         block_tables[i, : len(r.request.block_ids)] = r.request.block_ids
     slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
 
     sample_rows = [i for i, r in enumerate(rows) if r.samples]
-    sample_indices = query_start_loc[1:][sample_rows] - 1
-    is_first = np.array([r.is_first_chunk for r in rows], dtype=np.int64)
-
-    # One contiguous int64 buffer, one copy; the device tensors are views into it.
-    parts = [input_ids, positions, query_start_loc, starts, seq_lens, is_first,
-             block_tables.reshape(-1), slot_mapping, np.asarray(sample_indices, dtype=np.int64)]
-    host = torch.from_numpy(np.concatenate(parts))
-    if device.type == "cuda":
-        host = host.pin_memory()
-    dev = host.to(device, non_blocking=True)
-    views = torch.split(dev, [len(p) for p in parts])
-    return ForwardBatch(
-        input_ids=views[0],
-        positions=views[1],
-        query_start_loc=views[2].int(),
-        context_lens=views[3].int(),
-        seq_lens=views[4].int(),
-        is_first_chunk=views[5].bool(),
-        block_tables=views[6].view(num_rows, -1).int(),
-        slot_mapping=views[7],
-        sample_indices=views[8],
+    return StepArrays(
+        input_ids=input_ids,
+        positions=positions,
+        slot_mapping=slot_mapping,
+        query_start_loc=query_start_loc,
+        context_lens=starts,
+        seq_lens=starts + query_lens,
+        is_first_chunk=np.array([r.is_first_chunk for r in rows], dtype=np.int64),
+        block_tables=block_tables,
+        sample_indices=query_start_loc[1:][sample_rows] - 1,
         sample_rows=sample_rows,
-        query_start_loc_cpu=query_start_loc.tolist(),
-        seq_lens_cpu=seq_lens.tolist(),
-        max_query_len=int(query_lens.max(initial=0)),
-        max_seq_len=int(seq_lens.max(initial=0)),
+    )
+
+
+@dataclass
+class ForwardBatch:
+    """Flattened tokens of every row, in plan order. Made by ``ForwardBatch.from_int64`` from device
+    views of one host-to-device copy (or, on CPU, of the host arrays themselves).
+
+    Under a CUDA graph the tensors are views of the runner's static buffers and the host-side
+    numbers are the graph's bucket bounds; ``*_cpu`` lists are then None (no backend that needs
+    them is ever captured).
+    """
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64: position of each token in its request
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    context_lens: torch.Tensor  # [R] int32: tokens already cached before this step
+    seq_lens: torch.Tensor  # [R] int32: context_lens + this step's tokens
+    is_first_chunk: torch.Tensor  # [R] bool: num_computed_tokens == 0 (never inferred from length)
+    block_tables: torch.Tensor  # [R, W] int32, padded with PAD_BLOCK_ID
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
+    sample_indices: torch.Tensor  # [S] int64: last token of each sampling row, in row order
+    sample_rows: list[int]  # [S] the rows that sample
+    num_rows: int
+    num_tokens: int
+    max_query_len: int  # an upper bound under graphs
+    max_seq_len: int  # an upper bound under graphs
+    query_start_loc_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+    attn_backend: AttentionBackend | None = None  # set by the runner
+    kv_caches: list[torch.Tensor] | None = None  # set by the runner: one [2, blocks, bs, Hkv, D] per layer
+    # Set by the attention backend: metadata it derives from this batch once and reuses in every layer.
+    backend_state: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_int64(
+        cls,
+        views: dict[str, torch.Tensor],
+        sample_rows: list[int],
+        max_query_len: int,
+        max_seq_len: int,
+        host: StepArrays | None = None,
+    ) -> ForwardBatch:
+        """Build from int64 tensors named like StepArrays' fields (device views of one copy). The
+        narrowing casts run here, on the device, so a CUDA graph that builds its batch inside the
+        capture replays them too."""
+        return cls(
+            input_ids=views["input_ids"],
+            positions=views["positions"],
+            query_start_loc=views["query_start_loc"].int(),
+            context_lens=views["context_lens"].int(),
+            seq_lens=views["seq_lens"].int(),
+            is_first_chunk=views["is_first_chunk"].bool(),
+            block_tables=views["block_tables"].int(),
+            slot_mapping=views["slot_mapping"],
+            sample_indices=views["sample_indices"],
+            sample_rows=sample_rows,
+            num_rows=views["seq_lens"].shape[0],
+            num_tokens=views["input_ids"].shape[0],
+            max_query_len=max_query_len,
+            max_seq_len=max_seq_len,
+            query_start_loc_cpu=None if host is None else host.query_start_loc.tolist(),
+            seq_lens_cpu=None if host is None else host.seq_lens.tolist(),
+        )
+
+    def attention(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Store this step's k, v for layer ``layer_idx`` and attend with q over the paged cache."""
+        cache = self.kv_caches[layer_idx]
+        self.attn_backend.store_kv(k, v, cache, self)
+        return self.attn_backend.attend(q, cache, self, scale, sliding_window)
+
+
+STEP_FIELDS = (
+    "input_ids",
+    "positions",
+    "slot_mapping",
+    "query_start_loc",
+    "context_lens",
+    "seq_lens",
+    "is_first_chunk",
+    "block_tables",
+    "sample_indices",
+)
+
+
+def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> ForwardBatch:
+    """A plan's ForwardBatch without persistent buffers (CPU runs and tests): on CPU the tensors
+    are the host arrays themselves; elsewhere one copy of one concatenated buffer."""
+    arrays = build_step_arrays(plan, block_size)
+    return forward_batch_from_arrays(arrays, device)
+
+
+def forward_batch_from_arrays(arrays: StepArrays, device: torch.device) -> ForwardBatch:
+    parts = [getattr(arrays, name) for name in STEP_FIELDS]
+    host = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]))
+    dev = host.to(device)  # a plain (synchronous) copy: this path keeps no staging buffer alive
+    flat = torch.split(dev, [p.size for p in parts])
+    views = {name: t.view(p.shape) for name, t, p in zip(STEP_FIELDS, flat, parts)}
+    return ForwardBatch.from_int64(
+        views, arrays.sample_rows, arrays.max_query_len, arrays.max_seq_len, host=arrays
     )

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from plait.attention.base import get_backend
@@ -13,14 +15,21 @@ from plait.engine.kv_cache import cdiv
 from plait.engine.request import Request
 from plait.engine.scheduler import StepPlan
 from plait.loader.model_loader import load_model, resolve_device_dtype
-from plait.runner.forward_batch import ForwardBatch, build_forward_batch
+from plait.runner.cuda_graphs import DecodeGraphs
+from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
+from plait.runner.input_buffers import InputBuffers, Layout
 from plait.runner.sampler import Logprobs, Sampler, SamplingRow
+from plait.runner.step_timer import StepBreakdown
+from plait.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-# Share of the device memory left after the weights that is held back for activations and the
-# allocator's slack when the KV cache is sized on a GPU.
-GPU_ACTIVATION_RESERVE = 0.1
+# GPU memory held back from the KV cache beyond the profiled peak: CUDA-graph pools, allocator
+# fragmentation, and the sampler's work on batches the profile did not shape exactly.
+GPU_MEMORY_MARGIN_BYTES = 1 << 30
+# Sampling settings of the profiling step: top-p forces a full-vocabulary sort, the sampler's most
+# memory-hungry path.
+PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
 
 
 @dataclass
@@ -34,6 +43,7 @@ class SampledToken:
 class StepOutput:
     sampled: list[SampledToken]  # one per sampling row, in row order
     logits: torch.Tensor | None  # [S, vocab] fp32: the rows that were sampled (for tests/tools)
+    used_cuda_graph: bool = False
 
 
 class ModelRunner:
@@ -49,10 +59,37 @@ class ModelRunner:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{self.model_config.max_position_embeddings}"
             )
+        self.attn_backend = get_backend(self._backend_name())
+        self.sampler = Sampler()
+        self.breakdown = StepBreakdown()
         self.num_kv_blocks = self._choose_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
-        self.attn_backend = get_backend("torch_ref")
-        self.sampler = Sampler()
+        self.buffers: InputBuffers | None = None
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda":
+            self.buffers = InputBuffers(self._layout(), self.device)
+            if not config.enforce_eager and self.attn_backend.graph_safe:
+                self.graphs = self._capture_graphs()
+
+    def _backend_name(self) -> str:
+        if self.config.attention_backend is not None:
+            return self.config.attention_backend
+        if self.device.type == "cuda":
+            try:
+                import triton  # noqa: F401
+            except ImportError:
+                logger.warning("triton is not installed: attending with the slow torch_ref backend")
+                return "torch_ref"
+            return "triton"
+        return "torch_ref"
+
+    def _layout(self) -> Layout:
+        cfg = self.config
+        return Layout(
+            max_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
+            max_rows=cfg.max_num_seqs,
+            block_table_width=cdiv(self.max_model_len, cfg.block_size),
+        )
 
     # -- memory -----------------------------------------------------------------------------
 
@@ -65,35 +102,146 @@ class ModelRunner:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            budget = free - total * (1 - self.config.kv_cache_memory_fraction) - free * GPU_ACTIVATION_RESERVE
-        else:
-            budget = CPU_KV_CACHE_BYTES
+            return max(2, int(self._gpu_kv_budget() // self._bytes_per_block()))
         # Never more blocks than every sequence at full length could use: saves host memory on CPU.
         needed = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size) + 1
-        return max(2, min(int(budget // self._bytes_per_block()), needed))
+        return max(2, min(int(CPU_KV_CACHE_BYTES // self._bytes_per_block()), needed))
+
+    def _gpu_kv_budget(self) -> float:
+        """Memory left for the KV cache after a profiling step at the largest token budget."""
+        torch.cuda.synchronize(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_step()
+        peak_extra = torch.cuda.max_memory_allocated(self.device) - allocated
+        torch.cuda.empty_cache()
+        used_now = total - free  # weights, CUDA context, other processes
+        budget = total * self.config.gpu_memory_utilization - used_now - peak_extra - GPU_MEMORY_MARGIN_BYTES
+        logger.info(
+            "GPU memory: %.1f GiB total, %.1f GiB in use, profiled step peak %.2f GiB, KV budget %.1f GiB",
+            total / 2**30,
+            used_now / 2**30,
+            peak_extra / 2**30,
+            budget / 2**30,
+        )
+        if budget <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache (gpu_memory_utilization="
+                f"{self.config.gpu_memory_utilization}); raise it or lower max_num_batched_tokens"
+            )
+        return budget
+
+    @torch.inference_mode()
+    def _profile_step(self) -> None:
+        """One forward at the full token budget (rows of at most max_model_len tokens) and one sampling
+        of max_num_seqs rows, on a throwaway KV cache just big enough for it."""
+        bs = self.config.block_size
+        num_tokens = self.config.max_num_batched_tokens
+        row_len = min(num_tokens, self.max_model_len)
+        lens = [row_len] * (num_tokens // row_len) + ([num_tokens % row_len] if num_tokens % row_len else [])
+        blocks_per_row = cdiv(row_len, bs)
+        kv = self._allocate_kv_caches(1 + len(lens) * blocks_per_row)
+        arrays = _profile_arrays(lens, bs, blocks_per_row)
+        batch = forward_batch_from_arrays(arrays, self.device)
+        batch.attn_backend, batch.kv_caches = self.attn_backend, kv
+        hidden = self.model(batch.input_ids, batch.positions, batch)
+        rows = min(self.config.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
+        self.sampler(logits, [SamplingRow(PROFILE_SAMPLING, [0], [])] * rows)
+        del kv, batch, hidden, logits
+        torch.cuda.synchronize(self.device)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         c = self.model_config
         shape = (2, num_blocks, self.config.block_size, c.num_key_value_heads, c.head_dim)
         return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_hidden_layers)]
 
-    # -- one step ---------------------------------------------------------------------------
+    # -- CUDA graphs --------------------------------------------------------------------------
 
-    def prepare(self, plan: StepPlan) -> ForwardBatch:
-        batch = build_forward_batch(plan, self.config.block_size, self.device)
-        batch.attn_backend, batch.kv_caches = self.attn_backend, self.kv_caches
-        return batch
+    def _capture_graphs(self) -> DecodeGraphs:
+        def make_batch(views: dict[str, torch.Tensor], size: int) -> ForwardBatch:
+            # Upper bounds, so the kernels' launch shapes hold for any step the graph replays.
+            batch = ForwardBatch.from_int64(views, [], max_query_len=1, max_seq_len=self.max_model_len)
+            batch.attn_backend, batch.kv_caches = self.attn_backend, self.kv_caches
+            return batch
+
+        graphs = DecodeGraphs(
+            self.buffers,
+            make_batch,
+            self._run_model,
+            self.config.max_num_seqs,
+            self.model_config.hidden_size,
+            self.dtype,
+        )
+        start = time.perf_counter()
+        graphs.capture()
+        logger.info("CUDA graph capture took %.1f s", time.perf_counter() - start)
+        return graphs
+
+    def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
+        return self.model(batch.input_ids, batch.positions, batch)  # [T, hidden]
+
+    # -- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
-        batch = self.prepare(plan)
-        hidden = self.model(batch.input_ids, batch.positions, batch)  # [T, hidden]
-        if not batch.sample_rows:
+        t0 = time.perf_counter()
+        arrays = build_step_arrays(plan, self.config.block_size)
+        single_token = arrays.num_tokens == arrays.num_rows
+        bucket = self.graphs.bucket_for(arrays.num_rows) if self.graphs is not None and single_token else None
+        views = None if self.buffers is None else self.buffers.stage(arrays, bucket)
+        t1 = time.perf_counter()
+        events = self._gpu_events()
+        if bucket is not None:
+            hidden = self.graphs.replay(bucket)
+        else:
+            batch = self._eager_batch(arrays, views)
+            hidden = self._run_model(batch)
+        if events is not None:
+            events[1].record()
+            self.breakdown.add_gpu_interval(*events)
+        t2 = time.perf_counter()
+        sample_indices = (
+            views["sample_indices"] if views is not None else torch.from_numpy(arrays.sample_indices)
+        )
+        output = self._sample(plan, arrays, hidden, sample_indices)
+        output.used_cuda_graph = bucket is not None
+        t3 = time.perf_counter()
+        b = self.breakdown
+        b.add("prepare", t1 - t0)
+        b.add("launch", t2 - t1)
+        b.add("sample", t3 - t2)
+        b.single_token_steps += single_token
+        b.graph_steps += bucket is not None
+        b.resolve()
+        return output
+
+    def _gpu_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
+        if self.device.type != "cuda":
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        return start, end
+
+    def _eager_batch(self, arrays: StepArrays, views: dict[str, torch.Tensor] | None) -> ForwardBatch:
+        if views is None:
+            batch = forward_batch_from_arrays(arrays, self.device)
+        else:
+            batch = ForwardBatch.from_int64(
+                views, arrays.sample_rows, arrays.max_query_len, arrays.max_seq_len, host=arrays
+            )
+        batch.attn_backend, batch.kv_caches = self.attn_backend, self.kv_caches
+        return batch
+
+    def _sample(
+        self, plan: StepPlan, arrays: StepArrays, hidden: torch.Tensor, sample_indices: torch.Tensor
+    ) -> StepOutput:
+        if not arrays.sample_rows:
             return StepOutput([], None)
         # lm_head only where a token is sampled: one logits row per sampling request.
-        logits = self.model.compute_logits(hidden[batch.sample_indices])  # [S, vocab]
-        requests = [plan.rows[i].request for i in batch.sample_rows]
+        logits = self.model.compute_logits(hidden[sample_indices])  # [S, vocab]
+        requests = [plan.rows[i].request for i in arrays.sample_rows]
         rows = [
             SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids)
             for r in requests
@@ -101,3 +249,25 @@ class ModelRunner:
         out = self.sampler(logits, rows)
         sampled = [SampledToken(r, t, lp) for r, t, lp in zip(requests, out.token_ids, out.logprobs)]
         return StepOutput(sampled, logits)
+
+
+def _profile_arrays(lens: list[int], block_size: int, blocks_per_row: int) -> StepArrays:
+    """Host arrays of fresh prompts of the given lengths over blocks 1.. of a throwaway cache."""
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    positions = np.concatenate([np.arange(n) for n in lens]).astype(np.int64)
+    tables = 1 + np.arange(len(lens) * blocks_per_row, dtype=np.int64).reshape(len(lens), blocks_per_row)
+    row_of_token = np.repeat(np.arange(len(lens)), lens)
+    slots = tables[row_of_token, positions // block_size] * block_size + positions % block_size
+    num_rows = len(lens)
+    return StepArrays(
+        input_ids=np.zeros(int(qsl[-1]), dtype=np.int64),
+        positions=positions,
+        slot_mapping=slots,
+        query_start_loc=qsl,
+        context_lens=np.zeros(num_rows, dtype=np.int64),
+        seq_lens=np.array(lens, dtype=np.int64),
+        is_first_chunk=np.ones(num_rows, dtype=np.int64),
+        block_tables=tables,
+        sample_indices=qsl[1:] - 1,
+        sample_rows=list(range(num_rows)),
+    )

@@ -1,0 +1,215 @@
+"""`plait bench throughput`: offline workloads W1-W3 with random weights, beside the GPU's limits."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from tqdm import tqdm
+
+from plait.config import EngineConfig
+from plait.engine.engine import LLMEngine
+from plait.sampling_params import SamplingParams
+
+TIMED_SEED, WARMUP_SEED = 1, 2  # WORKLOADS.md: warm up on other tokens so no prefix cache helps
+# vLLM 0.26 on one H200 (WORKLOADS.md): output tok/s for W1/W2, ms per token for W3.
+VLLM_H200 = {"W1": 29295.0, "W2": 9992.0, "W3": 4.69}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def shared_bench_dir(explicit: str | None = None) -> Path:
+    """The shared benchmark folder (workloads, model configs, roofline): --shared, $PLAIT_SHARED,
+    <repo>/shared/bench or <repo>/../shared/bench, whichever exists first."""
+    candidates = [
+        explicit,
+        os.environ.get("PLAIT_SHARED"),
+        REPO / "shared" / "bench",
+        REPO.parent / "shared" / "bench",
+    ]
+    for c in candidates:
+        if c and (Path(c) / "workloads.py").is_file():
+            return Path(c)
+    raise FileNotFoundError(
+        "the shared benchmark folder (with workloads.py) was not found: pass --shared DIR or set PLAIT_SHARED"
+    )
+
+
+def _load(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def measure_roofline(shared: Path) -> dict:
+    """Run shared/bench/roofline.py in a child process (it takes GBs while it runs) and parse it."""
+    out = subprocess.run(
+        [sys.executable, str(shared / "roofline.py")], capture_output=True, text=True, check=True
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _engine(model_dir: Path, max_model_len: int, args: argparse.Namespace) -> LLMEngine:
+    config = EngineConfig(
+        model=str(model_dir),
+        load_format="dummy",
+        max_model_len=max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
+        enable_prefix_caching=False,
+    )
+    return LLMEngine(config)
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, desc: str) -> tuple[float, int]:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    start = time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, params)
+    produced = 0
+    with tqdm(total=len(prompts) * output_len, desc=desc, unit="tok", leave=False) as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                produced += len(out.outputs[0].delta_token_ids)
+                bar.update(len(out.outputs[0].delta_token_ids))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, produced
+
+
+def floor_seconds(engine: LLMEngine, prompts: list[list[int]], output_len: int, roof: dict) -> dict:
+    """The physical floor of the workload on this GPU: every decode step reads all weights once plus
+    the K/V of every running sequence at the measured read bandwidth; every prompt token costs its
+    matmul FLOPs at the measured bf16 rate. (A lower bound: no engine overlaps them perfectly.)"""
+    model = engine.runner.model
+    c = engine.model_config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed_bytes = model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    if c.tie_word_embeddings:
+        embed_bytes = 0  # the table is read whole as the lm_head
+    read_per_step = weight_bytes - embed_bytes
+    kv_per_token = engine.runner._bytes_per_block() / engine.config.block_size
+    bw = roof["read_GBps"] * 1e9
+    decode = (
+        sum(read_per_step + kv_per_token * sum(len(p) + i for p in prompts) for i in range(output_len)) / bw
+    )
+    matmul_params = (weight_bytes - embed_bytes) / engine.runner.model.lm_head.weight.element_size()
+    prefill = 2 * matmul_params * sum(len(p) for p in prompts) / (roof["bf16_TFLOPs"] * 1e12)
+    return {
+        "decode_read_s": decode,
+        "prefill_matmul_s": prefill,
+        "total_s": decode + prefill,
+        "weight_read_floor_ms_per_step": weight_bytes / bw * 1e3,
+    }
+
+
+def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Namespace) -> dict:
+    workloads = _load(shared / "workloads.py")
+    model_name, num, lo, hi, output_len = workloads.OFFLINE[name]
+    model_dir = shared / "models" / model_name
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    engine = _engine(model_dir, hi + output_len, args)
+    warm = workloads.random_prompts(num, lo, hi, vocab, WARMUP_SEED)
+    timed = workloads.random_prompts(num, lo, hi, vocab, TIMED_SEED)
+    _run(engine, warm, output_len, f"{name} warm-up")
+    engine.runner.breakdown.reset()
+    seconds, produced = _run(engine, timed, output_len, name)
+    result = {
+        "workload": name,
+        "model": model_name,
+        "requests": num,
+        "prompt_len": [lo, hi],
+        "output_len": output_len,
+        "output_tokens": produced,
+        "seconds": seconds,
+        "output_tok_per_s": produced / seconds,
+        "ms_per_token": seconds / output_len * 1e3 if num == 1 else None,
+        "num_kv_blocks": engine.runner.num_kv_blocks,
+        "attention_backend": engine.runner.attn_backend.name,
+        "cuda_graphs": engine.runner.graphs is not None,
+        "step_breakdown": engine.runner.breakdown.as_dict(),
+    }
+    if roof is not None:
+        floor = floor_seconds(engine, timed, output_len, roof)
+        result["floor"] = floor
+        result["ratio_to_floor"] = seconds / floor["total_s"]
+        if num == 1:
+            result["ratio_to_weight_read_floor"] = (
+                result["ms_per_token"] / floor["weight_read_floor_ms_per_step"]
+            )
+    peer = VLLM_H200[name]
+    result["vllm_h200"] = peer
+    result["ratio_to_vllm_h200"] = (
+        (peer / result["ms_per_token"]) if num == 1 else result["output_tok_per_s"] / peer
+    )
+    del engine
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return result
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "throughput", help="offline workloads W1-W3 (random weights) and the GPU's limits"
+    )
+    p.add_argument("--workloads", default="W1,W2,W3")
+    p.add_argument(
+        "--shared", default=None, help="the shared benchmark folder (default: found near the repo)"
+    )
+    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--no-roofline", action="store_true", help="skip measuring the GPU's limits")
+    p.set_defaults(func=main)
+
+
+def main(args: argparse.Namespace) -> int:
+    shared = shared_bench_dir(args.shared)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    roof = None if args.no_roofline or not torch.cuda.is_available() else measure_roofline(shared)
+    results = [run_workload(w.strip(), shared, roof, args) for w in args.workloads.split(",")]
+    report = {"device": device, "torch": torch.__version__, "roofline": roof, "workloads": results}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2))
+    print(format_table(report))
+    return 0
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"device: {report['device']}",
+        "workload | tok/s | ms/tok | vs vLLM H200 | vs floor | graph replay | "
+        "host s (sched/prep/launch/sample/post) | gpu fwd s | wall s",
+    ]
+    for r in report["workloads"]:
+        b = r["step_breakdown"]
+        host = "/".join(
+            f"{b['host_s'][k]:.2f}" for k in ("schedule", "prepare", "launch", "sample", "postprocess")
+        )
+        rate = b["graph_replay_rate_of_single_token_steps"]
+        lines.append(
+            f"{r['workload']} | {r['output_tok_per_s']:.0f} | {r['ms_per_token'] or 0:.2f} | "
+            f"{r['ratio_to_vllm_h200']:.2f}x | {r.get('ratio_to_floor', 0):.2f}x | "
+            f"{'-' if rate is None else f'{rate:.0%}'} | {host} | "
+            f"{b['gpu_forward_s']:.2f} | {b['wall_s']:.2f}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="plait bench")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args()
+    sys.exit(ns.func(ns))
