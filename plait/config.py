@@ -41,6 +41,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier requests
     attention_backend: str | None = None  # None = "triton" on CUDA (when triton imports), else "torch_ref"
     enforce_eager: bool = False  # True: never capture or replay CUDA graphs
+    # Launch step N+1 before step N's sampled ids reach the host, so host work overlaps the device.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
@@ -69,8 +71,9 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "async_scheduling"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 

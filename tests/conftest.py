@@ -74,15 +74,16 @@ def run_greedy(engine, prompts: list[list[int]], max_tokens: int, arrive_every: 
     logits: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prompts))}
     ids = {}
     if capture_logits:
-        execute = engine.runner.execute
+        collect = engine.runner.collect
 
-        def capturing(plan):
-            out = execute(plan)
+        def capturing(step):
+            out = collect(step)
             for k, s in enumerate(out.sampled):
-                logits[int(s.request.request_id.split("-")[1])].append(out.logits[k].clone())
+                if not s.request.is_finished:  # an overlapped step's row for a finished request
+                    logits[int(s.request.request_id.split("-")[1])].append(out.logits[k].clone())
             return out
 
-        engine.runner.execute = capturing
+        engine.runner.collect = capturing
     outputs: dict[int, list[int]] = {}
     pending = list(enumerate(prompts))
     step = 0
@@ -95,5 +96,5 @@ def run_greedy(engine, prompts: list[list[int]], max_tokens: int, arrive_every: 
                 outputs[int(out.request_id.split("-")[1])] = out.outputs[0].token_ids
         step += 1
     if capture_logits:
-        engine.runner.execute = execute
+        engine.runner.collect = collect
     return outputs, logits

@@ -14,7 +14,8 @@ from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import FinishReason, Request
 from plait.engine.scheduler import Scheduler, StepPlan
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from plait.runner.model_runner import ModelRunner, StepOutput
+from plait.runner.model_runner import InFlightStep, ModelRunner, StepOutput
+from plait.runner.sampler import needs_penalties
 from plait.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,7 @@ class StepStats:
     num_rows: int
     num_preempted: int
     kv_blocks_used: int
+    used_cuda_graph: bool = False
 
 
 @dataclass
@@ -72,6 +74,7 @@ class LLMEngine:
         self._auto_ids = itertools.count()
         self._step_index = itertools.count()
         self.record_timeline = False
+        self._in_flight: tuple[StepPlan, InFlightStep] | None = None  # launched, not yet collected
         self.timeline: list[StepStats] = []
 
     def _prefix_caching_allowed(self) -> bool:
@@ -182,6 +185,9 @@ class LLMEngine:
             self.scheduler.finish(tracked.request, FinishReason.ABORT)
 
     def has_unfinished_requests(self) -> bool:
+        """True while a request is queued or running. (A request in a launched, uncollected step is
+        still running; an uncollected step whose requests all finished or were aborted holds
+        nothing anyone waits for, and the next step drops it.)"""
         return self.scheduler.num_unfinished > 0
 
     @property
@@ -195,32 +201,62 @@ class LLMEngine:
     # -- the step loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One engine step; returns an output for every request that produced a token or finished."""
+        """One engine step; returns an output for every request that produced a token or finished.
+
+        With ``async_scheduling`` the step launched here is collected by the next call: the host
+        schedules and stages step N+1 while the device runs step N, so host work hides behind the
+        GPU. Tokens still in flight count as the requests' pending tokens; a decode whose input is
+        one of them reads it from the previous step's sampled ids on the device.
+        """
         start = time.monotonic()
+        outputs: list[RequestOutput] = []
+        if self._in_flight is not None and not self._can_overlap(self._in_flight[1]):
+            outputs += self._collect()
         plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
         scheduled = time.monotonic()
-        result = self.runner.execute(plan)
+        launched = None
+        if not plan.is_empty:
+            launched = self.runner.launch(plan, self._in_flight[1] if self._in_flight else None)
+            self.scheduler.advance(plan)
+            for request in launched.requests:
+                request.num_pending_tokens += 1
         executed = time.monotonic()
-        self.scheduler.advance(plan)
-        outputs = self._postprocess(result)
+        if self._in_flight is not None:
+            outputs += self._collect()
+        self._in_flight = (plan, launched) if launched is not None else None
         end = time.monotonic()
         breakdown = self.runner.breakdown
         breakdown.add("schedule", scheduled - start)
         breakdown.add("postprocess", end - executed)
         breakdown.wall_s += end - start
         breakdown.steps += 1
-        if self.record_timeline:
-            self._record(plan, start, end)
+        if self.record_timeline and launched is not None:
+            self._record(plan, launched.used_cuda_graph, start, end)
         return outputs
 
-    def _record(self, plan: StepPlan, start: float, end: float) -> None:
+    def _can_overlap(self, step: InFlightStep) -> bool:
+        """Whether the next step may launch before ``step``'s ids are on the host: not when overlap
+        is off, nor when a request in it applies penalties (they need the ids themselves)."""
+        return self.config.async_scheduling and not any(
+            needs_penalties(r.sampling_params) for r in step.requests
+        )
+
+    def _collect(self) -> list[RequestOutput]:
+        plan, launched = self._in_flight
+        self._in_flight = None
+        result = self.runner.collect(launched)
+        for request in launched.requests:
+            request.num_pending_tokens -= 1
+        for row in plan.rows:
+            self.kv_cache.cache_full_blocks(row.request)
+        return self._postprocess(result)
+
+    def _record(self, plan: StepPlan, used_cuda_graph: bool, start: float, end: float) -> None:
         self.timeline.append(StepStats(
             index=next(self._step_index), start_time=start, duration_s=end - start,
             num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
             num_rows=len(plan.rows), num_preempted=len(plan.preempted),
-            kv_blocks_used=self.kv_cache.num_used_blocks,
+            kv_blocks_used=self.kv_cache.num_used_blocks, used_cuda_graph=used_cuda_graph,
         ))
 
     def _postprocess(self, result: StepOutput) -> list[RequestOutput]:
@@ -228,7 +264,9 @@ class LLMEngine:
         outputs = []
         for sampled in result.sampled:
             request = sampled.request
-            tracked = self._tracked[request.request_id]
+            tracked = self._tracked.get(request.request_id)
+            if tracked is None or tracked.request is not request or request.is_finished:
+                continue  # aborted, or finished by a token collected before this overlapped step's
             request.output_token_ids.append(sampled.token_id)
             if tracked.first_token_time is None:
                 tracked.first_token_time = now
@@ -262,7 +300,7 @@ class LLMEngine:
                 request.finish_reason = FinishReason.STOP
                 request.stop_reason = tracked.detokenizer.stop_reason
         if request.finish_reason is None and (
-            num_out >= request.max_tokens or request.num_tokens >= self.max_model_len
+            num_out >= request.max_tokens or request.num_known_tokens >= self.max_model_len
         ):
             request.finish_reason = FinishReason.LENGTH
         if request.finish_reason is not None and tracked.detokenizer is not None:

@@ -160,10 +160,11 @@ class KVCacheManager:
             self.stats.hits += request.num_computed_tokens
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Make the request's newly filled blocks findable. Called after every step it ran in."""
-        if not self.enable_prefix_caching:
+        """Make the request's newly filled blocks findable. Called when a step it ran in is collected."""
+        if not self.enable_prefix_caching or request.is_finished:
             return
-        num_full = request.num_computed_tokens // self.block_size
+        # A block is hashed from its token ids, so only blocks whose tokens are all on the host count.
+        num_full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_size
         hashes = self._hashes(request, num_full)
         for i in range(request.num_hashed_blocks, num_full):
             block, h = request.block_ids[i], hashes[i]

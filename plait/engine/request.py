@@ -52,6 +52,9 @@ class Request:
 
     # Set by the engine after each step that samples this request.
     output_token_ids: list[int] = field(default_factory=list)
+    # Tokens sampled by launched steps whose ids have not reached the host yet (0, 1, or 2 while one
+    # step is collected as the next is launched). Set by the engine at launch and at collection.
+    num_pending_tokens: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
@@ -64,7 +67,23 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Known tokens plus pending ones: what the scheduler plans with."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose ids are on the host."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Outputs sampled so far, pending ones included."""
+        return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def awaits_final_token(self) -> bool:
+        """Its last token (max_tokens) is sampled but not yet on the host: nothing left to run."""
+        return self.num_output_tokens >= self.max_tokens
 
     @property
     def num_remaining_tokens(self) -> int:
@@ -82,7 +101,7 @@ class Request:
         return self.status is RequestStatus.FINISHED
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Known tokens [start, end) across the prompt/output boundary."""
+        """Known tokens [start, end) across the prompt/output boundary (end <= num_known_tokens)."""
         n_prompt = self.num_prompt_tokens
         if end <= n_prompt:
             return self.prompt_token_ids[start:end]

@@ -100,15 +100,18 @@ class Scheduler:
         return step.plan
 
     def advance(self, plan: StepPlan) -> None:
-        """Record that the plan ran: every row's tokens are now in the KV cache."""
+        """Record that the plan was launched: every row's tokens are (or will be, in stream order)
+        in the KV cache. Full blocks become findable by the prefix cache once their tokens are known
+        on the host (``KVCacheManager.cache_full_blocks``, called when a step is collected)."""
         for row in plan.rows:
             row.request.num_computed_tokens = row.start + row.num_new_tokens
-            self.kv_cache.cache_full_blocks(row.request)
 
     def _schedule_decodes(self, step: _StepBuilder) -> None:
         for request in list(self.running):
             if request.is_prefilling or request.status is not RequestStatus.RUNNING:
                 continue
+            if request.awaits_final_token:
+                continue  # finishes when its last sampled token reaches the host
             if not step.has_room():
                 return
             self._schedule_running(step, request, step.chunk_size(request))
@@ -132,6 +135,10 @@ class Scheduler:
             return
         while self.waiting and step.has_room():
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                # Preempted while its last sample was in flight: it resumes once that token is known,
+                # since a prompt is prefilled from host token ids. FCFS: nobody overtakes it.
+                return
             request.num_cached_tokens = self.kv_cache.match_prefix(request)
             num_new = step.chunk_size(request)
             completes_prompt = num_new == request.num_remaining_tokens
@@ -166,7 +173,7 @@ class Scheduler:
         self.running.remove(request)
         self.kv_cache.free(request)
         request.num_computed_tokens = 0
-        request.num_prefill_tokens = request.num_tokens  # its outputs so far are re-prefilled
+        request.num_prefill_tokens = request.num_tokens  # outputs so far, pending too, are re-prefilled
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)

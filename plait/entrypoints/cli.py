@@ -17,7 +17,7 @@ _ENGINE_FLAGS = (
     "model", "load_format", "device", "dtype", "max_num_batched_tokens", "max_num_seqs",
     "long_prefill_token_threshold", "max_num_partial_prefills", "scheduling_policy", "block_size",
     "num_kv_blocks", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
-    "attention_backend", "enforce_eager",
+    "attention_backend", "enforce_eager", "async_scheduling",
 )
 
 

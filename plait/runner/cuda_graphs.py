@@ -91,6 +91,10 @@ class DecodeGraphs:
         batch = self.make_batch(views, size)
         self.hidden[:size].copy_(self.run_model(batch))
 
+    def input_ids(self, size: int) -> torch.Tensor:
+        """The static input ids the bucket's graph reads (patched for pending tokens before replay)."""
+        return self.buffers.views(size, size, 0)["input_ids"]
+
     def replay(self, size: int) -> torch.Tensor:
         """Run the bucket's graph on what was staged last; returns hidden [size, hidden]."""
         self._graphs[size].replay()

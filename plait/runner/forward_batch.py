@@ -11,6 +11,9 @@ from plait.attention.base import AttentionBackend
 from plait.engine.kv_cache import PAD_BLOCK_ID
 from plait.engine.scheduler import StepPlan
 
+# input_ids value of a token whose id is still on the device (patched before the forward runs).
+PENDING_INPUT_ID = 0
+
 
 @dataclass
 class StepArrays:
@@ -26,6 +29,10 @@ class StepArrays:
     block_tables: np.ndarray  # [R, max_blocks in this step], padded with PAD_BLOCK_ID
     sample_indices: np.ndarray  # [S]: last token of each sampling row, in row order
     sample_rows: list[int]  # [S]: the rows that sample (chunks that end the known tokens, decodes)
+    # Rows whose input token was sampled by the step still in flight: its id is not on the host, so
+    # the runner copies it on the device from that step's sampled ids (hazard 10: the request's own
+    # token, never a placeholder). input_ids holds PENDING_INPUT_ID there until it is patched.
+    pending_rows: list[int] = field(default_factory=list)
 
     @property
     def num_rows(self) -> int:
@@ -56,12 +63,20 @@ def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
     np.cumsum(query_lens, out=query_start_loc[1:])
     num_tokens = int(query_start_loc[-1])
 
-    # Every row's input tokens come from its own request's token list (hazard 10: no placeholders).
-    input_ids = np.fromiter(
-        (t for r in rows for t in r.request.token_ids(r.start, r.start + r.num_new_tokens)),
-        dtype=np.int64,
-        count=num_tokens,
-    )
+    # Every row's input tokens come from its own request's token list, or (a decode whose last token
+    # is still on the device) from the previous step's sampled ids.
+    input_ids = np.full(num_tokens, PENDING_INPUT_ID, dtype=np.int64)
+    pending_rows = []
+    for i, r in enumerate(rows):
+        end = r.start + r.num_new_tokens
+        known_end = min(end, r.request.num_known_tokens)
+        if end - known_end > 1:
+            raise ValueError(f"request {r.request.request_id} has {end - known_end} unknown input tokens")
+        if known_end > r.start:
+            q = query_start_loc[i]
+            input_ids[q : q + known_end - r.start] = r.request.token_ids(r.start, known_end)
+        if known_end < end:
+            pending_rows.append(i)
     row_of_token = np.repeat(np.arange(num_rows), query_lens)
     positions = starts[row_of_token] + (np.arange(num_tokens) - query_start_loc[row_of_token])
 
@@ -83,6 +98,7 @@ def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
         block_tables=block_tables,
         sample_indices=query_start_loc[1:][sample_rows] - 1,
         sample_rows=sample_rows,
+        pending_rows=pending_rows,
     )
 
 

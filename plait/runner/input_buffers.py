@@ -20,6 +20,10 @@ PAD_TOKEN_ID = 0
 PAD_SLOT = PAD_BLOCK_ID  # slot 0 of the pad block (block_size * PAD_BLOCK_ID + 0)
 
 
+# The buffer's sections, block tables last so that a step copies only the prefix it uses.
+_FIELDS = tuple(n for n in STEP_FIELDS if n != "block_tables") + ("pending", "block_tables")
+
+
 @dataclass(frozen=True)
 class Layout:
     """Fixed offsets (in int64 elements) of each field in the one flat buffer. Block tables come last
@@ -36,14 +40,16 @@ class Layout:
             return self.max_rows + 1
         if name == "block_tables":
             return self.max_rows * self.block_table_width
+        if name == "pending":  # destinations then sources of the pending input tokens
+            return 2 * self.max_rows
         return self.max_rows
 
     def offset(self, name: str) -> int:
-        return sum(self.capacity(n) for n in STEP_FIELDS[: STEP_FIELDS.index(name)])
+        return sum(self.capacity(n) for n in _FIELDS[: _FIELDS.index(name)])
 
     @property
     def size(self) -> int:
-        return sum(self.capacity(n) for n in STEP_FIELDS)
+        return sum(self.capacity(n) for n in _FIELDS)
 
 
 class InputBuffers:
@@ -80,9 +86,11 @@ class InputBuffers:
             out[name] = self.device_buffer[start : start + length]
         return out
 
-    def stage(self, arrays: StepArrays, num_rows: int | None = None) -> dict[str, torch.Tensor]:
+    def stage(self, arrays: StepArrays, num_rows: int | None = None, pending_src: np.ndarray | None = None
+              ) -> dict[str, torch.Tensor]:
         """Copy ``arrays`` to the device buffer, padded to ``num_rows`` one-token rows (a graph bucket)
-        when given. Returns the device views of the step."""
+        when given. Returns the device views of the step, plus ``pending_dst`` / ``pending_src``:
+        the input tokens to take from the previous step's sampled ids, and which of them."""
         padded_rows = num_rows or arrays.num_rows
         pad = padded_rows - arrays.num_rows
         num_tokens = arrays.num_tokens + pad
@@ -92,12 +100,20 @@ class InputBuffers:
             self._copied[i].synchronize()  # never overwrite pinned memory a copy may still read
         host = self._host[i]
         used = self._fill(host, arrays, pad)
+        num_pending = len(arrays.pending_rows)
+        start = self.layout.offset("pending")
+        host[start : start + num_pending] = arrays.query_start_loc[1:][arrays.pending_rows] - 1
+        host[start + num_pending : start + 2 * num_pending] = pending_src if num_pending else ()
+        used = max(used, start + 2 * num_pending)
         self.device_buffer[:used].copy_(self._pinned[i][:used], non_blocking=True)
         event = self._copied[i] = self._copied[i] or torch.cuda.Event()
         event.record()
         # Eager steps read only the columns this step uses; graphs keep the full static width.
         width = None if num_rows else arrays.block_tables.shape[1]
-        return self.views(padded_rows, num_tokens, len(arrays.sample_indices), width)
+        views = self.views(padded_rows, num_tokens, len(arrays.sample_indices), width)
+        views["pending_dst"] = self.device_buffer[start : start + num_pending]
+        views["pending_src"] = self.device_buffer[start + num_pending : start + 2 * num_pending]
+        return views
 
     def _fill(self, host: np.ndarray, arrays: StepArrays, pad: int) -> int:
         """Write the arrays (and ``pad`` padded rows) at their offsets; return the elements to copy."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -70,6 +70,13 @@ class ModelRunner:
             self.buffers = InputBuffers(self._layout(), self.device)
             if not config.enforce_eager and self.attn_backend.graph_safe:
                 self.graphs = self._capture_graphs()
+        # Pinned landing places for sampled ids, used in turn: one step is collected while the
+        # next one's copy may already be in flight.
+        pin = self.device.type == "cuda"
+        self._host_ids = [
+            torch.zeros(config.max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)
+        ]
+        self._next_host_ids = 0
 
     def _backend_name(self) -> str:
         if self.config.attention_backend is not None:
@@ -186,27 +193,44 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepOutput:
+        """Launch and collect one step (no overlap): what tests and simple callers use."""
+        return self.collect(self.launch(plan, None))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, prev: InFlightStep | None) -> InFlightStep:
+        """Stage the step's inputs, run the forward and sample, without waiting for the device.
+
+        ``prev`` is the step still in flight, if any: a row whose input token it sampled reads that
+        token from ``prev``'s sampled ids on the device.
+        """
         t0 = time.perf_counter()
         arrays = build_step_arrays(plan, self.config.block_size)
+        pending_src = self._pending_sources(plan, arrays, prev)
         single_token = arrays.num_tokens == arrays.num_rows
         bucket = self.graphs.bucket_for(arrays.num_rows) if self.graphs is not None and single_token else None
-        views = None if self.buffers is None else self.buffers.stage(arrays, bucket)
+        if self.buffers is not None:
+            views = self.buffers.stage(arrays, bucket, pending_src)
+        else:
+            views = {
+                "sample_indices": torch.from_numpy(arrays.sample_indices),
+                "pending_dst": torch.from_numpy(arrays.query_start_loc[1:][arrays.pending_rows] - 1),
+                "pending_src": torch.from_numpy(pending_src),
+            }
         t1 = time.perf_counter()
         events = self._gpu_events()
         if bucket is not None:
+            self._patch_pending(self.graphs.input_ids(bucket), views, prev)
             hidden = self.graphs.replay(bucket)
         else:
             batch = self._eager_batch(arrays, views)
+            self._patch_pending(batch.input_ids, views, prev)
             hidden = self._run_model(batch)
         if events is not None:
             events[1].record()
             self.breakdown.add_gpu_interval(*events)
         t2 = time.perf_counter()
-        sample_indices = (
-            views["sample_indices"] if views is not None else torch.from_numpy(arrays.sample_indices)
-        )
-        output = self._sample(plan, arrays, hidden, sample_indices)
-        output.used_cuda_graph = bucket is not None
+        step = self._sample(plan, arrays, hidden, views["sample_indices"])
+        step.used_cuda_graph = bucket is not None
         t3 = time.perf_counter()
         b = self.breakdown
         b.add("prepare", t1 - t0)
@@ -214,8 +238,39 @@ class ModelRunner:
         b.add("sample", t3 - t2)
         b.single_token_steps += single_token
         b.graph_steps += bucket is not None
-        b.resolve()
-        return output
+        return step
+
+    def collect(self, step: InFlightStep) -> StepOutput:
+        """Wait for a launched step's sampled ids and hand them out, one per sampling row."""
+        t0 = time.perf_counter()
+        if step.copied is not None:
+            step.copied.synchronize()
+        ids = step.host_ids.tolist()
+        self.breakdown.add("sample", time.perf_counter() - t0)
+        self.breakdown.resolve()
+        sampled = [SampledToken(r, t, lp) for r, t, lp in zip(step.requests, ids, step.logprobs)]
+        return StepOutput(sampled, step.logits, step.used_cuda_graph)
+
+    @staticmethod
+    def _pending_sources(plan: StepPlan, arrays: StepArrays, prev: InFlightStep | None) -> np.ndarray:
+        """For each row whose input is pending: where ``prev`` put that request's sampled id."""
+        sources = []
+        for row in arrays.pending_rows:
+            request = plan.rows[row].request
+            if prev is None or request not in prev.sample_index:
+                raise RuntimeError(f"request {request.request_id}'s input token is in no step in flight")
+            sources.append(prev.sample_index[request])
+        return np.array(sources, dtype=np.int64)
+
+    @staticmethod
+    def _patch_pending(
+        input_ids: torch.Tensor, views: dict[str, torch.Tensor], prev: InFlightStep | None
+    ) -> None:
+        """input_ids[dst] = prev's sampled ids[src], on the device (stream order: after prev sampled)."""
+        if views["pending_dst"].numel():
+            input_ids.index_copy_(
+                0, views["pending_dst"], prev.token_ids.index_select(0, views["pending_src"])
+            )
 
     def _gpu_events(self) -> tuple[torch.cuda.Event, torch.cuda.Event] | None:
         if self.device.type != "cuda":
@@ -224,8 +279,8 @@ class ModelRunner:
         start.record()
         return start, end
 
-    def _eager_batch(self, arrays: StepArrays, views: dict[str, torch.Tensor] | None) -> ForwardBatch:
-        if views is None:
+    def _eager_batch(self, arrays: StepArrays, views: dict[str, torch.Tensor]) -> ForwardBatch:
+        if self.buffers is None:
             batch = forward_batch_from_arrays(arrays, self.device)
         else:
             batch = ForwardBatch.from_int64(
@@ -236,19 +291,49 @@ class ModelRunner:
 
     def _sample(
         self, plan: StepPlan, arrays: StepArrays, hidden: torch.Tensor, sample_indices: torch.Tensor
-    ) -> StepOutput:
-        if not arrays.sample_rows:
-            return StepOutput([], None)
+    ) -> InFlightStep:
+        requests = [plan.rows[i].request for i in arrays.sample_rows]
+        if not requests:
+            empty = torch.zeros(0, dtype=torch.long)
+            return InFlightStep(requests, empty, empty, None, [], None)
         # lm_head only where a token is sampled: one logits row per sampling request.
         logits = self.model.compute_logits(hidden[sample_indices])  # [S, vocab]
-        requests = [plan.rows[i].request for i in arrays.sample_rows]
         rows = [
-            SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.eos_token_ids)
+            SamplingRow(
+                r.sampling_params,
+                r.prompt_token_ids,
+                r.output_token_ids,
+                r.eos_token_ids,
+                num_output_tokens=r.num_output_tokens,
+            )
             for r in requests
         ]
-        out = self.sampler(logits, rows)
-        sampled = [SampledToken(r, t, lp) for r, t, lp in zip(requests, out.token_ids, out.logprobs)]
-        return StepOutput(sampled, logits)
+        token_ids, logprobs = self.sampler.sample(logits, rows)
+        if self.device.type != "cuda":
+            return InFlightStep(requests, token_ids, token_ids, None, logprobs, logits)
+        host_ids = self._host_ids[self._next_host_ids][: len(requests)]
+        self._next_host_ids = (self._next_host_ids + 1) % len(self._host_ids)
+        host_ids.copy_(token_ids, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return InFlightStep(requests, token_ids, host_ids, copied, logprobs, logits)
+
+
+@dataclass
+class InFlightStep:
+    """A launched step whose sampled ids may still be on their way to the host (made by launch)."""
+
+    requests: list[Request]  # the sampling rows' requests, in row order
+    token_ids: torch.Tensor  # [S] int64 on the device: what the next step's pending inputs read
+    host_ids: torch.Tensor  # [S] int64 on the host (pinned on CUDA), filled by a non-blocking copy
+    copied: torch.cuda.Event | None  # recorded after that copy; None where the copy is synchronous
+    logprobs: list[Logprobs | None]
+    logits: torch.Tensor | None  # [S, vocab] fp32 (tests and tools read it)
+    used_cuda_graph: bool = False
+    sample_index: dict[Request, int] = field(default_factory=dict)  # request -> its row in token_ids
+
+    def __post_init__(self) -> None:
+        self.sample_index = {r: i for i, r in enumerate(self.requests)}
 
 
 def _profile_arrays(lens: list[int], block_size: int, blocks_per_row: int) -> StepArrays:

@@ -34,14 +34,22 @@ class SamplingRow:
 
     eos_token_ids: the model's EOS ids (tokenizer EOS plus generation-config EOS ids), needed so that
     min_tokens can block them. Together with params.stop_token_ids they are masked while
-    len(output_token_ids) < params.min_tokens, unless params.ignore_eos (as vLLM: ignored EOS ids are
+    num_output_tokens < params.min_tokens, unless params.ignore_eos (as vLLM: ignored EOS ids are
     not stop tokens, so they need no blocking).
     """
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
-    output_token_ids: Sequence[int]  # tokens generated so far (before this step)
+    output_token_ids: Sequence[int]  # tokens generated so far whose ids are on the host
     eos_token_ids: Collection[int] = ()
+    # Outputs generated so far, including those still on the device (overlapped steps); None means
+    # len(output_token_ids). min_tokens and seeded draws depend on this count only; penalties need
+    # the ids themselves, so the engine never overlaps a step whose rows use them.
+    num_output_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_output_tokens is None:
+            self.num_output_tokens = len(self.output_token_ids)
 
 
 @dataclass
@@ -60,7 +68,7 @@ class SamplerOutput:
     logprobs: list[Logprobs | None]  # None where params.logprobs is None
 
 
-def _needs_penalties(p: SamplingParams) -> bool:
+def needs_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
@@ -141,19 +149,28 @@ class Sampler:
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """Sample and bring the ids to the host."""
+        token_ids, logprobs = self.sample(logits, rows)
+        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+
+    def sample(
+        self, logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> tuple[torch.Tensor, list[Logprobs | None]]:
+        """Sample without waiting for the device: ids stay a device tensor [len(rows)] (int64).
+        Logprobs, when any row asks for them, are copied to the host (a sync)."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows)={len(rows)}, vocab], got {tuple(logits.shape)}")
         if not rows:
-            return SamplerOutput(token_ids=[], logprobs=[])
+            return torch.zeros(0, dtype=torch.long, device=logits.device), []
         params = [r.params for r in rows]
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
-        min_tokens_rows = [i for i, r in enumerate(rows) if len(r.output_token_ids) < r.params.min_tokens]
-        penalty_rows = [i for i, p in enumerate(params) if _needs_penalties(p)]
+        min_tokens_rows = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
+        penalty_rows = [i for i, p in enumerate(params) if needs_penalties(p)]
         all_greedy = all(p.is_greedy for p in params)
 
         if all_greedy and not want_logprobs and not min_tokens_rows and not penalty_rows:
             # Fast path: argmax is exact in any float dtype, so no fp32 copy is needed.
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=[None] * len(rows))
+            return logits.argmax(dim=-1), [None] * len(rows)
 
         device = logits.device
         raw_logprobs = None
@@ -175,7 +192,7 @@ class Sampler:
         logprobs: list[Logprobs | None] = [None] * len(rows)
         if raw_logprobs is not None:
             self._gather_logprobs(raw_logprobs, token_ids, rows, want_logprobs, logprobs)
-        return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
+        return token_ids, logprobs
 
     @staticmethod
     def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]) -> None:
@@ -277,7 +294,7 @@ class Sampler:
             for i in seeded:
                 # Seeded from (seed, position) only, so the draw is independent of batch composition and
                 # identical after preemption/recompute.
-                gen.manual_seed(step_seed(rows[i].params.seed, len(rows[i].output_token_ids)))
+                gen.manual_seed(step_seed(rows[i].params.seed, rows[i].num_output_tokens))
                 noise[i].exponential_(generator=gen)
         # exponential_ can return exactly 0; 0/0 would be NaN and win the argmax for a filtered id.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
