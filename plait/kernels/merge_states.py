@@ -32,13 +32,14 @@ def _merge_states_kernel(
 
     dims = tl.arange(0, DIM_PAD)
     dim_ok = dims < HEAD_DIM
-    # An empty side's out is never read, so whatever it holds (NaN, inf) cannot leak in.
-    out_a = tl.load(out_a_ptr + token * stride_at + head * stride_ah + dims, mask=dim_ok & (w_a > 0), other=0.0)
-    out_b = tl.load(out_b_ptr + token * stride_bt + head * stride_bh + dims, mask=dim_ok & (w_b > 0), other=0.0)
+    out_a = tl.load(out_a_ptr + token * stride_at + head * stride_ah + dims, mask=dim_ok, other=0.0)
+    out_b = tl.load(out_b_ptr + token * stride_bt + head * stride_bh + dims, mask=dim_ok, other=0.0)
+    # An empty side is selected away, not multiplied by 0, so whatever it holds (NaN, inf) cannot leak in.
     part_a = tl.where(w_a > 0, out_a.to(tl.float32) * (w_a * inv), 0.0)
     part_b = tl.where(w_b > 0, out_b.to(tl.float32) * (w_b * inv), 0.0)
     merged = part_a + part_b
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, merged.to(out_ptr.dtype.element_ty), mask=dim_ok)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, merged.to(out_ptr.dtype.element_ty),
+             mask=dim_ok)
     lse = tl.where(both_empty, lse_max, safe_max + tl.log(tl.where(both_empty, 1.0, denom)))
     tl.store(lse_ptr + token * stride_lse_t + head, lse)
 
@@ -63,7 +64,8 @@ def merge_attn_states(
         return out, lse
     _merge_states_kernel[(num_tokens, num_heads)](
         out, lse, out_a, lse_a, out_b, lse_b,
-        num_heads, out.stride(0), out.stride(1), out_a.stride(0), out_a.stride(1), out_b.stride(0), out_b.stride(1),
+        num_heads, out.stride(0), out.stride(1), out_a.stride(0), out_a.stride(1),
+        out_b.stride(0), out_b.stride(1),
         lse.stride(0), lse_a.stride(0), lse_b.stride(0),
         HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
     )

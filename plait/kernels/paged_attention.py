@@ -1,4 +1,4 @@
-"""paged_attention: one Triton launch for a whole mixed batch (prefill chunks + decodes) over the paged KV cache.
+"""paged_attention: one Triton launch for a whole mixed batch (prefill chunks + decodes) over paged KV.
 
 Layout. q, out: [T, Hq, D] (row r's tokens are ``query_start_loc[r]:query_start_loc[r + 1]``);
 k_cache, v_cache: [num_blocks, block_size, Hkv, D]; key position ``p`` of row r lives in block
@@ -45,6 +45,7 @@ PREFILL_BLOCK_M = {64: 128, 128: 128, 256: 64}
 PREFILL_TILE_N = {64: 64, 128: 64, 256: 32}
 DECODE_TILE_N = {64: 128, 128: 64, 256: 32}
 PREFILL_NUM_STAGES = {64: 3, 128: 2, 256: 2}
+PREFILL_8_WARPS_ACC = 64 * 256
 DECODE_NUM_STAGES = 3
 # fp32 (interpreter tests, GPU debugging) doubles the bytes per tile: keep tiles small and unpipelined.
 FP32_MAX_BLOCK_M = 64
@@ -80,7 +81,7 @@ class PagedAttentionPlan:
     split_lse: torch.Tensor | None = None  # [T, Hq, num_splits] fp32: each split's LSE (log2 domain)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return CPU_NUM_SMS
@@ -96,48 +97,63 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, tile_n
     return max(1, min(wanted, useful, MAX_KV_SPLITS))
 
 
+def _default_tiles(
+    head_dim: int, group: int, dtype: torch.dtype, max_query_len: int
+) -> tuple[int, int, int, int]:
+    """(block_m, tile_n, num_warps, num_stages) by head_dim, group size, dtype and batch kind."""
+    group_rows = max(MIN_DOT, triton.next_power_of_2(group))
+    dim_key = max(head_dim, 64)
+    if max_query_len <= 1:  # decode-only: one token x the group per tile, wide K/V tiles for bandwidth
+        block_m, tile_n, warps, stages = group_rows, DECODE_TILE_N[dim_key], 4, DECODE_NUM_STAGES
+    else:
+        wanted_m = triton.next_power_of_2(max_query_len * group)
+        block_m = max(group_rows, min(PREFILL_BLOCK_M[dim_key], wanted_m))
+        tile_n, stages = PREFILL_TILE_N[dim_key], PREFILL_NUM_STAGES[dim_key]
+        # 8 warps once the fp32 accumulator reaches 16K elements (4 would spill at D=128, M=128).
+        warps = 8 if block_m >= 128 or block_m * head_dim >= PREFILL_8_WARPS_ACC else 4
+    if dtype == torch.float32:
+        block_m = max(group_rows, min(block_m, FP32_MAX_BLOCK_M))
+        tile_n, stages = min(tile_n, FP32_MAX_TILE_N), 1
+    return block_m, tile_n, warps, stages
+
+
 def launch_config(
     head_dim: int, group: int, dtype: torch.dtype, max_query_len: int, num_rows: int, num_kv_heads: int,
     max_seq_len: int, num_sms: int, num_kv_splits: int | None = None, tile_n: int | None = None,
+    block_m: int | None = None,
 ) -> LaunchConfig:
-    """Tile sizes by head_dim, group size and dtype; ``num_kv_splits`` / ``tile_n`` override the choice
-    (tests force split-KV and small tiles with them; 1 turns split-KV off)."""
+    """The heuristic tiles, with overrides: ``num_kv_splits`` (1: split-KV off; > 1: forced, decode-only),
+    ``tile_n`` and ``block_m`` (powers of two; tests use small ones to cross many tiles cheaply)."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} not supported; one of {SUPPORTED_HEAD_DIMS}")
-    group_rows = max(MIN_DOT, triton.next_power_of_2(group))
+    default_m, default_n, warps, stages = _default_tiles(head_dim, group, dtype, max_query_len)
+    block_m, tile_n = block_m or default_m, tile_n or default_n
+    pow2 = all(x & (x - 1) == 0 for x in (block_m, tile_n))
+    if not pow2 or block_m < max(MIN_DOT, group) or tile_n < MIN_DOT:
+        raise ValueError(f"block_m {block_m} / tile_n {tile_n}: powers of two >= {MIN_DOT} and the group")
     is_decode = max_query_len <= 1
-    if is_decode:
-        block_m, tile, stages, warps = group_rows, DECODE_TILE_N[max(head_dim, 64)], DECODE_NUM_STAGES, 4
-    else:
-        wanted_m = triton.next_power_of_2(max_query_len * group)
-        block_m = max(group_rows, min(PREFILL_BLOCK_M[max(head_dim, 64)], wanted_m))
-        tile, stages = PREFILL_TILE_N[max(head_dim, 64)], PREFILL_NUM_STAGES[max(head_dim, 64)]
-        warps = 8 if block_m >= 128 else 4
-    if dtype == torch.float32:
-        block_m = max(group_rows, min(block_m, FP32_MAX_BLOCK_M))
-        tile, stages = min(tile, FP32_MAX_TILE_N), 1
-    tile = tile_n or tile
-    if num_kv_splits is None:
-        num_kv_splits = choose_num_splits(num_rows, num_kv_heads, max_seq_len, tile, num_sms) if is_decode else 1
+    if num_kv_splits is None and is_decode:
+        num_kv_splits = choose_num_splits(num_rows, num_kv_heads, max_seq_len, tile_n, num_sms)
+    num_kv_splits = num_kv_splits or 1
     if num_kv_splits > 1 and not is_decode:
         raise ValueError("split-KV serves decode-only batches (max_query_len == 1)")
-    return LaunchConfig(block_m=block_m, block_q=block_m // group, tile_n=tile, num_warps=warps,
+    return LaunchConfig(block_m=block_m, block_q=block_m // group, tile_n=tile_n, num_warps=warps,
                         num_stages=stages, num_splits=max(1, num_kv_splits))
 
 
 def plan_paged_attention(
     num_tokens: int, num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     max_query_len: int, max_seq_len: int, device: torch.device, num_kv_splits: int | None = None,
-    tile_n: int | None = None,
+    tile_n: int | None = None, block_m: int | None = None,
 ) -> PagedAttentionPlan:
     """The launch config and split-KV scratch for a step; shapes come from host ints only."""
     config = launch_config(head_dim, num_heads // num_kv_heads, dtype, max_query_len, num_rows, num_kv_heads,
-                           max_seq_len, _num_sms(device), num_kv_splits, tile_n)
+                           max_seq_len, _num_sms(device), num_kv_splits, tile_n, block_m)
     plan = PagedAttentionPlan(config)
     if config.num_splits > 1:
-        plan.split_out = torch.empty(num_tokens, num_heads, config.num_splits, head_dim,
-                                     dtype=torch.float32, device=device)
-        plan.split_lse = torch.empty(num_tokens, num_heads, config.num_splits, dtype=torch.float32, device=device)
+        shape = (num_tokens, num_heads, config.num_splits)
+        plan.split_out = torch.empty(*shape, head_dim, dtype=torch.float32, device=device)
+        plan.split_lse = torch.empty(*shape, dtype=torch.float32, device=device)
     return plan
 
 
@@ -162,8 +178,8 @@ def _find_row(query_start_loc_ptr, tile_idx, num_rows, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale, tile,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
+    tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -287,11 +303,11 @@ def _split_kv_kernel(
     block_tables_ptr, qk_scale,
     stride_qt, stride_qh, stride_so_t, stride_so_h, stride_sl_t, stride_sl_h,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    NUM_SPLITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    num_splits, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    """Grid (R, Hkv, NUM_SPLITS): one decode token's GROUP heads over one split of the row's KV range.
+    """Grid (R, Hkv, num_splits): one decode token's GROUP heads over one split of the row's KV range.
 
     Every split of a row with a token writes its partial (zeros, lse -inf when it got no tile), so the
     reduce never reads unwritten scratch."""
@@ -319,7 +335,7 @@ def _split_kv_kernel(
         key_lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
     first_tile = key_lo // TILE_N
     end_tile = tl.cdiv(seq_len, TILE_N)
-    per_split = tl.cdiv(end_tile - first_tile, NUM_SPLITS)
+    per_split = tl.cdiv(end_tile - first_tile, num_splits)
     tile_lo = first_tile + split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, end_tile)
 
@@ -341,7 +357,7 @@ def _split_kv_kernel(
 def _reduce_splits_kernel(
     out_ptr, lse_ptr, split_out_ptr, split_lse_ptr,
     stride_ot, stride_oh, stride_lse_t, stride_so_t, stride_so_h, stride_sl_t, stride_sl_h,
-    NUM_SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr,
+    num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr,
 ):
     """Grid (T, Hq): combine a token's per-split partials by their LSEs; empty splits weigh nothing."""
     token = tl.program_id(0).to(tl.int64)
@@ -349,7 +365,7 @@ def _reduce_splits_kernel(
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     lse2 = tl.load(split_lse_ptr + token * stride_sl_t + head * stride_sl_h + offs_s,
-                   mask=offs_s < NUM_SPLITS, other=float("-inf"))
+                   mask=offs_s < num_splits, other=float("-inf"))
     lse_max = tl.max(lse2, 0)
     safe_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     weight = tl.exp2(lse2 - safe_max)  # exactly 0 for an empty split
@@ -398,7 +414,8 @@ def paged_attention(
     common = dict(
         GROUP=num_heads // num_kv_heads, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], SLIDING_WINDOW=sliding_window,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        # fp32 (tests, debugging) must not silently drop to tf32; 16-bit inputs keep Triton's default.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         INTERPRETED=bool(triton.knobs.runtime.interpret),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -420,24 +437,26 @@ def paged_attention(
     _split_kv_kernel[(num_rows, num_kv_heads, cfg.num_splits)](
         split_out, split_lse, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, qk_scale,
         q.stride(0), q.stride(1), split_out.stride(0), split_out.stride(1), split_lse.stride(0),
-        split_lse.stride(1), *cache_strides, NUM_SPLITS=cfg.num_splits, **common)
+        split_lse.stride(1), *cache_strides, cfg.num_splits, **common)
     _reduce_splits_kernel[(num_tokens, num_heads)](
         out, lse_arg, split_out, split_lse,
         out.stride(0), out.stride(1), lse_arg.stride(0), split_out.stride(0), split_out.stride(1),
         split_lse.stride(0), split_lse.stride(1),
-        NUM_SPLITS=cfg.num_splits, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits), HEAD_DIM=head_dim,
+        cfg.num_splits, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits), HEAD_DIM=head_dim,
         STORE_LSE=lse is not None)
     return out
 
 
 def _check_attention_args(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, lse: torch.Tensor | None,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+    lse: torch.Tensor | None,
 ) -> None:
     """Shape / layout checks on metadata only (no device reads)."""
     num_tokens, num_heads, head_dim = q.shape
     if out.shape != q.shape or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, cache {tuple(k_cache.shape)}")
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, "
+                         f"cache {tuple(k_cache.shape)}")
     if num_heads % k_cache.shape[2]:
         raise ValueError(f"{num_heads} query heads do not group over {k_cache.shape[2]} kv heads")
     if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:

@@ -10,7 +10,8 @@ import triton.language as tl
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
 ):
     # One program per token: its [Hkv, D] K and V rows move to one cache slot.
@@ -54,7 +55,8 @@ def _check_store_args(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or k_cache.shape != v_cache.shape:
-        raise ValueError(f"shape mismatch: k {tuple(k.shape)}, v {tuple(v.shape)}, cache {tuple(k_cache.shape)}")
+        raise ValueError(f"shape mismatch: k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"cache {tuple(k_cache.shape)}")
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("k and v need a contiguous last (head_dim) dimension")
     for cache in (k_cache, v_cache):
