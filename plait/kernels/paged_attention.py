@@ -45,6 +45,7 @@ PREFILL_BLOCK_M = {64: 128, 128: 128, 256: 64}
 PREFILL_TILE_N = {64: 64, 128: 64, 256: 32}
 DECODE_TILE_N = {64: 128, 128: 64, 256: 32}
 PREFILL_NUM_STAGES = {64: 3, 128: 2, 256: 2}
+# Prefill tiles take 8 warps from this many fp32 accumulator elements (BLOCK_M x D) up.
 PREFILL_8_WARPS_ACC = 64 * 256
 DECODE_NUM_STAGES = 3
 # fp32 (interpreter tests, GPU debugging) doubles the bytes per tile: keep tiles small and unpipelined.
@@ -181,48 +182,63 @@ def _attend_tile(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
     tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """One online-softmax step of q ([BLOCK_M, D]) over K/V tile ``tile`` of one row and kv head."""
+    """One online-softmax step of q ([BLOCK_M, D]) over K/V tile ``tile`` of one row and kv head.
+
+    Unmasked tiles (MASKED False) must lie wholly inside every valid query's visible range; padding
+    query rows then see finite junk that is never stored."""
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
     k_pos = tile * TILE_N + offs_n
     k_in = k_pos < seq_len
-    # Positions past seq_len point at the pad block and are masked, so no table entry past the row's
-    # blocks is ever read and no cache slot holding junk (even NaN) reaches the sums.
-    block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=k_in, other=0).to(tl.int64)
+    # Past seq_len, positions read the pad block and are masked, so no table entry past the row's blocks
+    # is read and no cache slot holding junk (even NaN) reaches the sums.
+    if MASKED:
+        block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=k_in, other=0).to(tl.int64)
+    else:
+        block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE).to(tl.int64)
     offset = k_pos % BLOCK_SIZE
     k_off = block * stride_kb + offset * stride_ks + kv_head * stride_kh
-    k = tl.load(k_cache_ptr + k_off[:, None] + offs_d[None, :], mask=k_in[:, None], other=0.0)
+    v_off = block * stride_vb + offset * stride_vs + kv_head * stride_vh
+    k_ptrs = k_cache_ptr + k_off[:, None] + offs_d[None, :]
+    v_ptrs = v_cache_ptr + v_off[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=k_in[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
-    visible = q_ok[:, None] & k_in[None, :] & (k_pos[None, :] <= q_pos[:, None])
-    if SLIDING_WINDOW > 0:
-        visible = visible & (k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
-    s = tl.where(visible, s, float("-inf"))
+    if MASKED:
+        visible = q_ok[:, None] & k_in[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+        s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    # A row with nothing visible yet keeps m = -inf; shifting by 0 instead avoids -inf - -inf = NaN.
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    if MASKED:
+        # A row with nothing visible yet keeps m = -inf; shifting by 0 avoids -inf - -inf = NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v_off = block * stride_vb + offset * stride_vs + kv_head * stride_vh
-    v = tl.load(v_cache_ptr + v_off[:, None] + offs_d[None, :], mask=k_in[:, None], other=0.0)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
 @triton.jit
 def _attend_tiles(
-    q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
+    tile_lo, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
 ):
-    """Online softmax of q over K/V tiles [tile_lo, tile_hi) -> (acc [BLOCK_M, D], m, l [BLOCK_M]),
-    unnormalised, in the log2 domain. A query that saw no key keeps m = -inf, l = 0, acc = 0."""
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    """Online softmax over K/V tiles [tile_lo, tile_hi), carrying (acc [BLOCK_M, D], m, l [BLOCK_M]):
+    unnormalised, log2 domain. A query that saw no key keeps m = -inf, l = 0, acc = 0."""
     if INTERPRETED:
         # Triton 3.6's interpreter cannot use tensor bounds in range() under numpy 2; a while loop runs
         # the same steps there (on the GPU the for loop is kept: only it is software-pipelined).
@@ -231,14 +247,41 @@ def _attend_tiles(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
                 qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION)
+                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, MASKED)
             tile += 1
     else:
         for tile in range(tile_lo, tile_hi):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
                 qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION)
+                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, MASKED)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_range(
+    q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
+    tile_lo, tile_hi, first_q_pos,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Attend q over K/V tiles [tile_lo, tile_hi): tiles wholly at or before ``first_q_pos`` (the first
+    query of the tile) skip the masks; the rest, and every tile under a sliding window, are masked."""
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    mid = tile_lo
+    if SLIDING_WINDOW == 0:
+        mid = tl.minimum(tl.maximum((first_q_pos + 1) // TILE_N, tile_lo), tile_hi)
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
+            qk_scale, tile_lo, mid, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, False)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
+        qk_scale, mid, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, True)
     return acc, m_i, l_i
 
 
@@ -281,9 +324,9 @@ def _paged_attention_kernel(
     if SLIDING_WINDOW > 0:
         tile_lo = tl.maximum(context_len + q_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0) // TILE_N
 
-    acc, m_i, l_i = _attend_tiles(
+    acc, m_i, l_i = _attend_range(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
-        q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi,
+        q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi, context_len + q_tile * BLOCK_Q,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED)
 
@@ -339,9 +382,9 @@ def _split_kv_kernel(
     tile_lo = first_tile + split * per_split
     tile_hi = tl.minimum(tile_lo + per_split, end_tile)
 
-    acc, m_i, l_i = _attend_tiles(
+    acc, m_i, l_i = _attend_range(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
-        q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi,
+        q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi, seq_len - 1,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED)
 
