@@ -103,7 +103,7 @@ def _default_tiles(
 ) -> tuple[int, int, int, int]:
     """(block_m, tile_n, num_warps, num_stages) by head_dim, group size, dtype and batch kind."""
     group_rows = max(MIN_DOT, triton.next_power_of_2(group))
-    dim_key = max(head_dim, 64)
+    dim_key = max(head_dim, 64)  # head dims 16 and 32 take the D=64 tiles
     if max_query_len <= 1:  # decode-only: one token x the group per tile, wide K/V tiles for bandwidth
         block_m, tile_n, warps, stages = group_rows, DECODE_TILE_N[dim_key], 4, DECODE_NUM_STAGES
     else:
