@@ -55,6 +55,17 @@ def get_backend(name: str) -> AttentionBackend:
     # Import for the side effect of registration; GPU backends register only where they import.
     import plait.attention.torch_ref  # noqa: F401
 
+    if name == "triton" and name not in _REGISTRY:
+        _import_triton_backend()
     if name not in _REGISTRY:
         raise ValueError(f"unknown attention backend {name!r}; available: {sorted(_REGISTRY)}")
     return _REGISTRY[name]()
+
+
+def _import_triton_backend() -> None:
+    """Register the Triton backend on demand, so importing plait never needs triton."""
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is None:
+        raise ImportError("attention backend 'triton' needs the 'triton' package (pip install triton)")
+    import plait.attention.triton_backend  # noqa: F401

@@ -1,0 +1,182 @@
+"""Triton paged-attention benchmark (GPU): decode KV-read bandwidth with split-KV on/off, prefill TFLOP/s
+against SDPA on contiguous tensors, and a big ``x.sum()`` as the read-bandwidth ceiling.
+
+    PYTHONPATH=. python benchmarks/kernels/attention_bench.py --out benchmarks/results/attention_h200.json
+
+Times are triton.testing.do_bench medians (L2 flushed between runs) after a warm-up call that compiles.
+Decode GB/s counts the K and V bytes the rows actually need (rows x context x Hkv x D x 2 x bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from plait.kernels.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
+
+# (name, Hq, Hkv, D)
+MODELS = [("qwen3-0.6b", 16, 8, 128), ("llama-8b", 32, 8, 128)]
+DECODE_ROWS = [1, 8, 64, 256]
+DECODE_CONTEXTS = [512, 1024, 4096, 32768]
+# (name, [(context_len, query_len) per row])
+PREFILLS = [("4x512 fresh", [(0, 512)] * 4), ("1x2048 after 2048 cached", [(2048, 2048)])]
+BLOCK_SIZE = 16
+DTYPE = torch.bfloat16
+SUM_BYTES = 4 << 30
+WARMUP_MS, REP_MS = 25, 100
+
+
+def median_ms(fn) -> float:
+    fn()  # compile / first touch outside the timing
+    torch.cuda.synchronize()
+    return do_bench(fn, warmup=WARMUP_MS, rep=REP_MS, return_mode="median")
+
+
+class PagedSetup:
+    """One shared KV pool (big enough for the largest case) and per-case metadata over shuffled blocks."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, rows: list[tuple[int, int]],
+                 device: torch.device) -> None:
+        self.num_blocks = 1 + sum(triton.cdiv(c + n, BLOCK_SIZE) for c, n in rows)
+        shape = (self.num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+        self.k_cache = torch.empty(shape, dtype=DTYPE, device=device).normal_()
+        self.v_cache = torch.empty(shape, dtype=DTYPE, device=device).normal_()
+        self.device = device
+
+    def metadata(self, rows: list[tuple[int, int]], seed: int):
+        """(query_start_loc, seq_lens, block_tables) for rows of (context_len, query_len)."""
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        perm = torch.randperm(self.num_blocks - 1, generator=g, device=self.device) + 1
+        blocks = [triton.cdiv(c + n, BLOCK_SIZE) for c, n in rows]
+        width = max(blocks)
+        tables = torch.zeros(len(rows), width, dtype=torch.int32, device=self.device)
+        start = 0
+        for i, nb in enumerate(blocks):
+            tables[i, :nb] = perm[start: start + nb].int()
+            start += nb
+        qsl = torch.tensor([0] + [n for _, n in rows], device=self.device).cumsum(0).int()
+        seq_lens = torch.tensor([c + n for c, n in rows], dtype=torch.int32, device=self.device)
+        return qsl, seq_lens, tables
+
+
+def run_paged(
+    setup: PagedSetup, q: torch.Tensor, rows: list[tuple[int, int]], plan: PagedAttentionPlan, scale: float
+) -> tuple[float, torch.Tensor]:
+    qsl, seq_lens, tables = setup.metadata(rows, seed=len(rows))
+    out = torch.empty_like(q)
+    max_q, max_s = max(n for _, n in rows), max(c + n for c, n in rows)
+    fn = lambda: paged_attention(q, setup.k_cache, setup.v_cache, out, qsl, seq_lens, tables, scale,
+                                 max_q, max_s, plan=plan)
+    return median_ms(fn), out
+
+
+def bench_decode(device: torch.device) -> list[dict]:
+    results = []
+    largest = [(max(DECODE_CONTEXTS), 1)] * max(DECODE_ROWS)
+    for name, hq, hkv, d in MODELS:
+        setup = PagedSetup(hkv, d, largest, device)
+        for rows in DECODE_ROWS:
+            for context in DECODE_CONTEXTS:
+                spec = [(context, 1)] * rows
+                q = torch.randn(rows, hq, d, dtype=DTYPE, device=device)
+                kv_bytes = rows * (context + 1) * hkv * d * 2 * DTYPE.itemsize
+                for split in ("auto", "off"):
+                    plan = plan_paged_attention(rows, rows, hq, hkv, d, DTYPE, 1, context + 1, device,
+                                                None if split == "auto" else 1)
+                    ms, _ = run_paged(setup, q, spec, plan, d**-0.5)
+                    results.append(dict(model=name, rows=rows, context=context, split=split, ms=ms,
+                                        num_splits=plan.config.num_splits, kv_gbps=kv_bytes / ms / 1e6))
+        del setup
+        torch.cuda.empty_cache()
+    return results
+
+
+def causal_pairs(rows: list[tuple[int, int]]) -> int:
+    """(query, key) pairs a causal mask lets through: query i of a row sees context + i + 1 keys."""
+    return sum(n * c + n * (n + 1) // 2 for c, n in rows)
+
+
+def sdpa_peer(rows, hq: int, hkv: int, d: int, device: torch.device):
+    """SDPA on the same sizes laid out contiguously ([B, H, S, D], K/V heads expanded for GQA), with a
+    bottom-right causal mask where queries follow cached context."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    (context, n), count = rows[0], len(rows)
+    assert all(r == rows[0] for r in rows), "the peer batches equal rows"
+    q = torch.randn(count, hq, n, d, dtype=DTYPE, device=device)
+    k = torch.randn(count, hq, context + n, d, dtype=DTYPE, device=device)
+    v = torch.randn_like(k)
+    if context == 0:
+        return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    mask = causal_lower_right(n, context + n)
+    return lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def bench_prefill(device: torch.device) -> list[dict]:
+    results = []
+    for name, hq, hkv, d in MODELS:
+        for case, rows in PREFILLS:
+            setup = PagedSetup(hkv, d, rows, device)
+            tokens = sum(n for _, n in rows)
+            q = torch.randn(tokens, hq, d, dtype=DTYPE, device=device)
+            plan = plan_paged_attention(tokens, len(rows), hq, hkv, d, DTYPE, max(n for _, n in rows),
+                                        max(c + n for c, n in rows), device)
+            ms, _ = run_paged(setup, q, rows, plan, d**-0.5)
+            flops = 4 * hq * d * causal_pairs(rows)
+            peer_ms = median_ms(sdpa_peer(rows, hq, hkv, d, device))
+            results.append(dict(model=name, case=case, ms=ms, tflops=flops / ms / 1e9,
+                                sdpa_ms=peer_ms, sdpa_tflops=flops / peer_ms / 1e9))
+    return results
+
+
+def bench_read_bandwidth(device: torch.device) -> dict:
+    x = torch.ones(SUM_BYTES // 2, dtype=DTYPE, device=device)
+    ms = median_ms(lambda: x.sum())
+    return dict(bytes=SUM_BYTES, ms=ms, gbps=SUM_BYTES / ms / 1e6)
+
+
+def print_tables(result: dict) -> None:
+    print(f"\n{result['device']}  (x.sum read: {result['read_bandwidth']['gbps']:.0f} GB/s)")
+    print("\ndecode: KV read GB/s (split auto [num splits] / split off)")
+    ctx_header = "".join(f"{c:>22}" for c in DECODE_CONTEXTS)
+    print(f"{'model':12}{'rows':>6}{ctx_header}")
+    by_key = {(r["model"], r["rows"], r["context"], r["split"]): r for r in result["decode"]}
+    for name, *_ in MODELS:
+        for rows in DECODE_ROWS:
+            cells = []
+            for c in DECODE_CONTEXTS:
+                on, off = by_key[(name, rows, c, "auto")], by_key[(name, rows, c, "off")]
+                cells.append(f"{on['kv_gbps']:6.0f} [{on['num_splits']:2d}] / {off['kv_gbps']:6.0f}")
+            print(f"{name:12}{rows:>6}" + "".join(f"{cell:>22}" for cell in cells))
+    print("\nprefill: TFLOP/s (causal FLOPs), triton paged vs SDPA contiguous")
+    for r in result["prefill"]:
+        print(f"{r['model']:12} {r['case']:26} triton {r['tflops']:6.1f} ({r['ms']:.3f} ms)   "
+              f"sdpa {r['sdpa_tflops']:6.1f} ({r['sdpa_ms']:.3f} ms)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    started = time.time()
+    result = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__,
+                  triton=triton.__version__, dtype=str(DTYPE), block_size=BLOCK_SIZE)
+    result["read_bandwidth"] = bench_read_bandwidth(device)
+    result["decode"] = bench_decode(device)
+    result["prefill"] = bench_prefill(device)
+    result["wall_s"] = time.time() - started
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    print_tables(result)
+    print(f"\nwall {result['wall_s']:.0f} s; JSON: {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,556 @@
+"""paged_attention: one Triton launch for a whole mixed batch (prefill chunks + decodes) over paged KV.
+
+Layout. q, out: [T, Hq, D] (row r's tokens are ``query_start_loc[r]:query_start_loc[r + 1]``);
+k_cache, v_cache: [num_blocks, block_size, Hkv, D]; key position ``p`` of row r lives in block
+``block_tables[r, p // block_size]`` at offset ``p % block_size``. Query ``i`` of row r sits at position
+``context_len + i`` (``context_len = seq_len - query_len``) and sees keys at positions ``<= its own``
+(and, with a sliding window W > 0, ``> its own - W``).
+
+Two paths, chosen on the host from host ints only (CUDA-graph safe, no device sync):
+
+- the unified kernel: a 2-D grid (query tile, kv head). A query tile packs ``BLOCK_Q`` tokens of one
+  row times the ``GROUP`` query heads sharing a kv head into ``BLOCK_M = BLOCK_Q * GROUP`` (padded)
+  rows, so each K/V tile is read once per group; its row is found by binary search over
+  ``query_start_loc``. K/V are walked in tiles of ``TILE_N`` positions, independent of block_size:
+  the block id is gathered per key position.
+- split-KV (flash-decoding), for decode-only batches (max_query_len == 1) too small to fill the GPU:
+  a 3-D grid (row, kv head, split); each split takes its balanced share of the row's KV tiles, computed
+  on the device from the row's seq_len, writes a partial output + LSE to fp32 scratch, and a reduce
+  kernel combines the splits (an empty split has LSE -inf and contributes nothing).
+
+Scores are kept in the log2 domain (log2(e) folded into the scale, exp2 throughout); LSEs returned to
+callers are natural logs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+# ln(2) inside kernels: LSEs are accumulated in the log2 domain and handed out as natural logs.
+_LN2 = tl.constexpr(math.log(2.0))
+
+# ---- Launch heuristics: every tile size / warp count / stage count lives here. ----------------------
+# Smallest M, N, K that tl.dot accepts; packed (token x group head) rows are padded up to it.
+MIN_DOT = 16
+# Query-tile rows (tokens x group heads) for prefill-carrying batches; smaller when every chunk is short.
+PREFILL_BLOCK_M = {64: 128, 128: 128, 256: 64}
+# Key positions per K/V tile: large tiles for decode (bandwidth), square-ish for prefill (tl.dot).
+PREFILL_TILE_N = {64: 64, 128: 64, 256: 32}
+DECODE_TILE_N = {64: 128, 128: 64, 256: 32}
+PREFILL_NUM_STAGES = {64: 3, 128: 2, 256: 2}
+# Prefill tiles take 8 warps from this many fp32 accumulator elements (BLOCK_M x D) up.
+PREFILL_8_WARPS_ACC = 64 * 256
+DECODE_NUM_STAGES = 3
+# fp32 (interpreter tests, GPU debugging) doubles the bytes per tile: keep tiles small and unpipelined.
+FP32_MAX_BLOCK_M = 64
+FP32_MAX_TILE_N = 32
+# Split-KV: split until about this many programs per multiprocessor are in flight ...
+SPLIT_TARGET_PROGRAMS_PER_SM = 4
+# ... but give every split at least this many key positions, and never more than this many splits.
+MIN_KEYS_PER_SPLIT = 256
+MAX_KV_SPLITS = 64
+# Multiprocessor count assumed where there is no CUDA device (the Triton interpreter on CPU).
+CPU_NUM_SMS = 8
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Compile-time tile shape of one paged_attention call; derived from host ints only."""
+
+    block_m: int  # rows of a query tile: block_q tokens x group heads, padded to a power of two
+    block_q: int  # tokens of one row per query tile
+    tile_n: int  # key positions per K/V tile
+    num_warps: int
+    num_stages: int
+    num_splits: int  # 1: the unified kernel; > 1: split-KV (decode-only batches)
+
+
+@dataclass
+class PagedAttentionPlan:
+    """Everything paged_attention derives on the host for one step: build once, reuse in every layer."""
+
+    config: LaunchConfig
+    split_out: torch.Tensor | None = None  # [T, Hq, num_splits, D] fp32: each split's normalised output
+    split_lse: torch.Tensor | None = None  # [T, Hq, num_splits] fp32: each split's LSE (log2 domain)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return CPU_NUM_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int) -> int:
+    """Splits per row for a decode-only batch: enough programs to fill the GPU, none shorter than
+    MIN_KEYS_PER_SPLIT keys at the longest row. Host ints only, so a captured graph stays valid."""
+    programs = max(num_rows * num_kv_heads, 1)
+    wanted = triton.cdiv(SPLIT_TARGET_PROGRAMS_PER_SM * num_sms, programs)
+    useful = triton.cdiv(max_seq_len, max(MIN_KEYS_PER_SPLIT, tile_n))
+    return max(1, min(wanted, useful, MAX_KV_SPLITS))
+
+
+def _default_tiles(
+    head_dim: int, group: int, dtype: torch.dtype, max_query_len: int
+) -> tuple[int, int, int, int]:
+    """(block_m, tile_n, num_warps, num_stages) by head_dim, group size, dtype and batch kind."""
+    group_rows = max(MIN_DOT, triton.next_power_of_2(group))
+    dim_key = max(head_dim, 64)  # head dims 16 and 32 take the D=64 tiles
+    if max_query_len <= 1:  # decode-only: one token x the group per tile, wide K/V tiles for bandwidth
+        block_m, tile_n, warps, stages = group_rows, DECODE_TILE_N[dim_key], 4, DECODE_NUM_STAGES
+    else:
+        wanted_m = triton.next_power_of_2(max_query_len * group)
+        block_m = max(group_rows, min(PREFILL_BLOCK_M[dim_key], wanted_m))
+        tile_n, stages = PREFILL_TILE_N[dim_key], PREFILL_NUM_STAGES[dim_key]
+        # 8 warps once the fp32 accumulator reaches 16K elements (4 would spill at D=128, M=128).
+        warps = 8 if block_m >= 128 or block_m * head_dim >= PREFILL_8_WARPS_ACC else 4
+    if dtype == torch.float32:
+        block_m = max(group_rows, min(block_m, FP32_MAX_BLOCK_M))
+        tile_n, stages = min(tile_n, FP32_MAX_TILE_N), 1
+    return block_m, tile_n, warps, stages
+
+
+def launch_config(
+    head_dim: int, group: int, dtype: torch.dtype, max_query_len: int, num_rows: int, num_kv_heads: int,
+    max_seq_len: int, num_sms: int, num_kv_splits: int | None = None, tile_n: int | None = None,
+    block_m: int | None = None,
+) -> LaunchConfig:
+    """The heuristic tiles, with overrides: ``num_kv_splits`` (1: split-KV off; > 1: forced, decode-only),
+    ``tile_n`` and ``block_m`` (powers of two; tests use small ones to cross many tiles cheaply)."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {head_dim} not supported; one of {SUPPORTED_HEAD_DIMS}")
+    default_m, default_n, warps, stages = _default_tiles(head_dim, group, dtype, max_query_len)
+    block_m, tile_n = block_m or default_m, tile_n or default_n
+    pow2 = all(x & (x - 1) == 0 for x in (block_m, tile_n))
+    if not pow2 or block_m < max(MIN_DOT, group) or tile_n < MIN_DOT:
+        raise ValueError(f"block_m {block_m} / tile_n {tile_n}: powers of two >= {MIN_DOT} and the group")
+    is_decode = max_query_len <= 1
+    if num_kv_splits is None and is_decode:
+        num_kv_splits = choose_num_splits(num_rows, num_kv_heads, max_seq_len, tile_n, num_sms)
+    num_kv_splits = num_kv_splits or 1
+    if num_kv_splits > 1 and not is_decode:
+        raise ValueError("split-KV serves decode-only batches (max_query_len == 1)")
+    return LaunchConfig(block_m=block_m, block_q=block_m // group, tile_n=tile_n, num_warps=warps,
+                        num_stages=stages, num_splits=max(1, num_kv_splits))
+
+
+def plan_paged_attention(
+    num_tokens: int, num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+    max_query_len: int, max_seq_len: int, device: torch.device, num_kv_splits: int | None = None,
+    tile_n: int | None = None, block_m: int | None = None,
+) -> PagedAttentionPlan:
+    """The launch config and split-KV scratch for a step; shapes come from host ints only."""
+    config = launch_config(head_dim, num_heads // num_kv_heads, dtype, max_query_len, num_rows, num_kv_heads,
+                           max_seq_len, _num_sms(device), num_kv_splits, tile_n, block_m)
+    plan = PagedAttentionPlan(config)
+    if config.num_splits > 1:
+        shape = (num_tokens, num_heads, config.num_splits)
+        plan.split_out = torch.empty(*shape, head_dim, dtype=torch.float32, device=device)
+        plan.split_lse = torch.empty(*shape, dtype=torch.float32, device=device)
+    return plan
+
+
+# ---- Kernels ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _find_row(query_start_loc_ptr, tile_idx, num_rows, BLOCK_Q: tl.constexpr):
+    """Row r owns query tiles [qsl[r] // BLOCK_Q + r, qsl[r + 1] // BLOCK_Q + r + 1), at least
+    cdiv(query_len, BLOCK_Q) of them; the owner of ``tile_idx`` is the last row starting at or before it."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_rows
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile_idx:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def _attend_tile(
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
+    tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+):
+    """One online-softmax step of q ([BLOCK_M, D]) over K/V tile ``tile`` of one row and kv head.
+
+    Unmasked tiles (MASKED False) must lie wholly inside every valid query's visible range; padding
+    query rows then see finite junk that is never stored."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_pos = tile * TILE_N + offs_n
+    k_in = k_pos < seq_len
+    # Past seq_len, positions read the pad block and are masked, so no table entry past the row's blocks
+    # is read and no cache slot holding junk (even NaN) reaches the sums.
+    if MASKED:
+        block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE, mask=k_in, other=0).to(tl.int64)
+    else:
+        block = tl.load(block_table_ptr + k_pos // BLOCK_SIZE).to(tl.int64)
+    offset = k_pos % BLOCK_SIZE
+    k_off = block * stride_kb + offset * stride_ks + kv_head * stride_kh
+    v_off = block * stride_vb + offset * stride_vs + kv_head * stride_vh
+    k_ptrs = k_cache_ptr + k_off[:, None] + offs_d[None, :]
+    v_ptrs = v_cache_ptr + v_off[:, None] + offs_d[None, :]
+    if MASKED:
+        k = tl.load(k_ptrs, mask=k_in[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+    if MASKED:
+        visible = q_ok[:, None] & k_in[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        if SLIDING_WINDOW > 0:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MASKED:
+        # A row with nothing visible yet keeps m = -inf; shifting by 0 avoids -inf - -inf = NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_safe = m_new
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _attend_tiles(
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
+    tile_lo, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
+):
+    """Online softmax over K/V tiles [tile_lo, tile_hi), carrying (acc [BLOCK_M, D], m, l [BLOCK_M]):
+    unnormalised, log2 domain. A query that saw no key keeps m = -inf, l = 0, acc = 0."""
+    if INTERPRETED:
+        # Triton 3.6's interpreter cannot use tensor bounds in range() under numpy 2; a while loop runs
+        # the same steps there (on the GPU the for loop is kept: only it is software-pipelined).
+        tile = tile_lo
+        while tile < tile_hi:
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
+                qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, MASKED)
+            tile += 1
+    else:
+        for tile in range(tile_lo, tile_hi):
+            acc, m_i, l_i = _attend_tile(
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
+                qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, MASKED)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _attend_range(
+    q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
+    tile_lo, tile_hi, first_q_pos,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Attend q over K/V tiles [tile_lo, tile_hi): tiles wholly at or before ``first_q_pos`` (the first
+    query of the tile) skip the masks; the rest, and every tile under a sliding window, are masked."""
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    mid = tile_lo
+    if SLIDING_WINDOW == 0:
+        mid = tl.minimum(tl.maximum((first_q_pos + 1) // TILE_N, tile_lo), tile_hi)
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
+            qk_scale, tile_lo, mid, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, False)
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
+        qk_scale, mid, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, True)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale, num_rows,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_t,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, STORE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Grid (T // BLOCK_Q + R, Hkv): one query tile of one row, all GROUP query heads of one kv head."""
+    tile_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = _find_row(query_start_loc_ptr, tile_idx, num_rows, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + row)
+    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
+    q_tile = tile_idx - (q_start // BLOCK_Q + row)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + row)
+    context_len = seq_len - q_len
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_idx = q_tile * BLOCK_Q + offs_m // GROUP  # token within the row's chunk
+    head = kv_head * GROUP + offs_m % GROUP
+    q_ok = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
+    q_pos = context_len + q_idx
+    token = (q_start + q_idx).to(tl.int64)
+    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=q_ok[:, None], other=0.0)
+
+    # Keys this tile can see: up to its last query's position, from its first query's window start.
+    last_q = tl.minimum((q_tile + 1) * BLOCK_Q, q_len) - 1
+    tile_hi = tl.cdiv(context_len + last_q + 1, TILE_N)
+    tile_lo = 0
+    if SLIDING_WINDOW > 0:
+        tile_lo = tl.maximum(context_len + q_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0) // TILE_N
+
+    acc, m_i, l_i = _attend_range(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
+        q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi, context_len + q_tile * BLOCK_Q,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED)
+
+    # A query that saw no key: zeros and lse -inf, never 0/0.
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_ok[:, None])
+    if STORE_LSE:
+        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+        tl.store(lse_ptr + token * stride_lse_t + head, lse, mask=q_ok)
+
+
+@triton.jit
+def _split_kv_kernel(
+    split_out_ptr, split_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr,
+    block_tables_ptr, qk_scale,
+    stride_qt, stride_qh, stride_so_t, stride_so_h, stride_sl_t, stride_sl_h,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    num_splits, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+):
+    """Grid (R, Hkv, num_splits): one decode token's GROUP heads over one split of the row's KV range.
+
+    Every split of a row with a token writes its partial (zeros, lse -inf when it got no tile), so the
+    reduce never reads unwritten scratch."""
+    row = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + row)
+    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
+    if q_len == 0:
+        return
+    seq_len = tl.load(seq_lens_ptr + row)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head = kv_head * GROUP + offs_m
+    q_ok = offs_m < GROUP
+    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
+    token = q_start.to(tl.int64)
+    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=q_ok[:, None], other=0.0)
+
+    # Balanced on the device: split s takes its share of the tiles this row's query can see.
+    key_lo = 0
+    if SLIDING_WINDOW > 0:
+        key_lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
+    first_tile = key_lo // TILE_N
+    end_tile = tl.cdiv(seq_len, TILE_N)
+    per_split = tl.cdiv(end_tile - first_tile, num_splits)
+    tile_lo = first_tile + split * per_split
+    tile_hi = tl.minimum(tile_lo + per_split, end_tile)
+
+    acc, m_i, l_i = _attend_range(
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
+        q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi, seq_len - 1,
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED)
+
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    so = split_out_ptr + token * stride_so_t + split * HEAD_DIM
+    tl.store(so + head[:, None] * stride_so_h + offs_d[None, :], out, mask=q_ok[:, None])
+    tl.store(split_lse_ptr + token * stride_sl_t + head * stride_sl_h + split, lse2, mask=q_ok)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr, lse_ptr, split_out_ptr, split_lse_ptr,
+    stride_ot, stride_oh, stride_lse_t, stride_so_t, stride_so_h, stride_sl_t, stride_sl_h,
+    num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr,
+):
+    """Grid (T, Hq): combine a token's per-split partials by their LSEs; empty splits weigh nothing."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse2 = tl.load(split_lse_ptr + token * stride_sl_t + head * stride_sl_h + offs_s,
+                   mask=offs_s < num_splits, other=float("-inf"))
+    lse_max = tl.max(lse2, 0)
+    safe_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
+    weight = tl.exp2(lse2 - safe_max)  # exactly 0 for an empty split
+    used = weight > 0
+    part = tl.load(split_out_ptr + token * stride_so_t + head * stride_so_h + offs_s[:, None] * HEAD_DIM
+                   + offs_d[None, :], mask=used[:, None], other=0.0)
+    denom = tl.sum(weight, 0)
+    seen = denom > 0
+    out = tl.sum(part * weight[:, None], 0) / tl.where(seen, denom, 1.0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    if STORE_LSE:
+        lse = tl.where(seen, (safe_max + tl.log2(tl.where(seen, denom, 1.0))) * _LN2,
+                       float("-inf"))
+        tl.store(lse_ptr + token * stride_lse_t + head, lse)
+
+
+# ---- Entry point ----------------------------------------------------------------------------------------
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+    max_query_len: int, max_seq_len: int, sliding_window: int = 0, lse: torch.Tensor | None = None,
+    plan: PagedAttentionPlan | None = None, num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Attention of every query token of a mixed batch over its row's paged K/V; writes and returns out.
+
+    q, out: [T, Hq, D] (last dim contiguous); k_cache, v_cache: [num_blocks, block_size, Hkv, D];
+    query_start_loc: [R + 1] int32; seq_lens: [R] int32 (cached context + this step's tokens);
+    block_tables: [R, max_blocks] int32; max_query_len / max_seq_len: host-side upper bounds;
+    sliding_window: 0 for none, else key p is visible to query position i iff i - W < p <= i;
+    lse: optional [T, Hq] fp32 output (natural log, -inf where a query saw no key).
+    plan: from ``plan_paged_attention`` (built here when None); num_kv_splits: override the split
+    count when no plan is given (1: never split). Never synchronises with the device.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    num_rows = seq_lens.shape[0]
+    if num_tokens == 0:
+        return out
+    _check_attention_args(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, lse)
+    if plan is None:
+        plan = plan_paged_attention(num_tokens, num_rows, num_heads, num_kv_heads, head_dim, q.dtype,
+                                    max_query_len, max_seq_len, q.device, num_kv_splits)
+    cfg = plan.config
+    common = dict(
+        GROUP=num_heads // num_kv_heads, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, HEAD_DIM=head_dim,
+        BLOCK_SIZE=k_cache.shape[1], SLIDING_WINDOW=sliding_window,
+        # fp32 (tests, debugging) must not silently drop to tf32; 16-bit inputs keep Triton's default.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        INTERPRETED=bool(triton.knobs.runtime.interpret),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                     v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
+    qk_scale = scale * LOG2E
+    lse_arg = lse if lse is not None else out  # never written when STORE_LSE is off
+    if cfg.num_splits == 1:
+        grid = (num_tokens // cfg.block_q + num_rows, num_kv_heads)
+        _paged_attention_kernel[grid](
+            out, lse_arg, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, qk_scale, num_rows,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0), *cache_strides,
+            BLOCK_Q=cfg.block_q, STORE_LSE=lse is not None, **common)
+        return out
+    split_out, split_lse = plan.split_out, plan.split_lse
+    if split_out is None or split_out.shape[0] < num_tokens or split_out.shape[1:] != (
+            num_heads, cfg.num_splits, head_dim):
+        raise ValueError("plan scratch does not fit this call; plan with the same shapes")
+    _split_kv_kernel[(num_rows, num_kv_heads, cfg.num_splits)](
+        split_out, split_lse, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, qk_scale,
+        q.stride(0), q.stride(1), split_out.stride(0), split_out.stride(1), split_lse.stride(0),
+        split_lse.stride(1), *cache_strides, cfg.num_splits, **common)
+    _reduce_splits_kernel[(num_tokens, num_heads)](
+        out, lse_arg, split_out, split_lse,
+        out.stride(0), out.stride(1), lse_arg.stride(0), split_out.stride(0), split_out.stride(1),
+        split_lse.stride(0), split_lse.stride(1),
+        cfg.num_splits, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits), HEAD_DIM=head_dim,
+        STORE_LSE=lse is not None)
+    return out
+
+
+def _check_attention_args(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+    lse: torch.Tensor | None,
+) -> None:
+    """Shape / layout checks on metadata only (no device reads)."""
+    num_tokens, num_heads, head_dim = q.shape
+    if out.shape != q.shape or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, "
+                         f"cache {tuple(k_cache.shape)}")
+    if num_heads % k_cache.shape[2]:
+        raise ValueError(f"{num_heads} query heads do not group over {k_cache.shape[2]} kv heads")
+    if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
+        raise ValueError("q, out and the caches need a contiguous last (head_dim) dimension")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q ({q.dtype}) and the cache ({k_cache.dtype}) must share a dtype")
+    num_rows = seq_lens.shape[0]
+    if query_start_loc.shape != (num_rows + 1,) or block_tables.shape[0] != num_rows:
+        raise ValueError("query_start_loc must be [R + 1] and block_tables [R, max_blocks]")
+    if block_tables.stride(1) != 1:
+        raise ValueError("block_tables rows must be contiguous")
+    if lse is not None and (lse.shape != (num_tokens, num_heads) or lse.dtype != torch.float32
+                            or lse.stride(1) != 1):
+        raise ValueError("lse must be a [T, Hq] float32 tensor with contiguous heads")
+
+
+# ---- Torch reference ----------------------------------------------------------------------------------
+
+
+def paged_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, sliding_window: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same attention through ``plait.attention.torch_ref`` (fp32 math; reads tensors on the host).
+
+    Returns (out [T, Hq, D] in q's dtype, lse [T, Hq] fp32)."""
+    from plait.attention.torch_ref import TorchRefBackend
+    from plait.runner.forward_batch import ForwardBatch
+
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    query_lens = [b - a for a, b in zip(qsl[:-1], qsl[1:])]
+    device = q.device
+    as_int = dict(dtype=torch.int32, device=device)
+    batch = ForwardBatch(
+        input_ids=torch.zeros(q.shape[0], dtype=torch.int64, device=device),
+        positions=torch.tensor([s - n + i for s, n in zip(lens, query_lens) for i in range(n)],
+                               dtype=torch.int64, device=device),
+        query_start_loc=query_start_loc.to(**as_int),
+        context_lens=torch.tensor([s - n for s, n in zip(lens, query_lens)], **as_int),
+        seq_lens=seq_lens.to(**as_int),
+        is_first_chunk=torch.tensor([s == n for s, n in zip(lens, query_lens)], device=device),
+        block_tables=block_tables.to(**as_int),
+        slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64, device=device),
+        sample_indices=torch.zeros(0, dtype=torch.int64, device=device),
+        sample_rows=[],
+        query_start_loc_cpu=qsl,
+        seq_lens_cpu=lens,
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(lens, default=0),
+    )
+    kv_cache = torch.stack([k_cache, v_cache])
+    out, lse = TorchRefBackend().attend(q, kv_cache, batch, scale, sliding_window or None, return_lse=True)
+    return out, lse

@@ -1,0 +1,359 @@
+"""Triton paged_attention (unified kernel and split-KV) and the triton backend against torch_ref.
+
+Without CUDA these run in the Triton interpreter on tiny shapes (fp32, fp16); the ``gpu`` tests sweep
+real shapes in bf16/fp16 on CUDA and capture the kernel in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from plait.attention.base import get_backend  # noqa: E402
+from plait.config import EngineConfig  # noqa: E402
+from plait.engine.kv_cache import PAD_BLOCK_ID, KVCacheManager, cdiv  # noqa: E402
+from plait.engine.request import Request  # noqa: E402
+from plait.engine.scheduler import Scheduler  # noqa: E402
+from plait.kernels.paged_attention import (  # noqa: E402
+    MAX_KV_SPLITS,
+    choose_num_splits,
+    paged_attention,
+    paged_attention_ref,
+    plan_paged_attention,
+)
+from plait.runner.forward_batch import build_forward_batch  # noqa: E402
+from plait.sampling_params import SamplingParams  # noqa: E402
+
+CPU = torch.device("cpu")
+HAS_CUDA = torch.cuda.is_available()
+# A row padded into a captured batch: one query token, seq_len 1, every table entry the pad block.
+PAD_ROW = "pad"
+
+
+@dataclass
+class PagedBatch:
+    """Tensors of one paged_attention call, the cache with only live slots set, and a NaN-poisoned twin."""
+
+    q: torch.Tensor  # [T, Hq, D]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D], junk slots hold finite noise
+    v_cache: torch.Tensor
+    k_poisoned: torch.Tensor  # the same with every slot no row may read set to NaN
+    v_poisoned: torch.Tensor
+    query_start_loc: torch.Tensor  # [R + 1] int32
+    seq_lens: torch.Tensor  # [R] int32
+    block_tables: torch.Tensor  # [R, max_blocks] int32
+    max_query_len: int
+    max_seq_len: int
+
+
+def make_batch(specs, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+               device: torch.device, seed: int, spare_blocks: int = 3, table_slack: int = 1) -> PagedBatch:
+    """specs: (context_len, query_len) per row, or PAD_ROW. Blocks are shuffled over the pool (block 0 is
+    the pad block, never handed out); tables have ``table_slack`` extra PAD columns."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [(0, 1) if s == PAD_ROW else s for s in specs]
+    blocks_per_row = [0 if s == PAD_ROW else cdiv(c + n, block_size) for s, (c, n) in zip(specs, rows)]
+    num_blocks = 1 + sum(blocks_per_row) + spare_blocks
+    pool = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    width = max(max(blocks_per_row), 1) + table_slack
+    tables = []
+    for k in blocks_per_row:
+        tables.append(pool[:k] + [PAD_BLOCK_ID] * (width - k))
+        pool = pool[k:]
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for (c, n), table in zip(rows, tables):
+        pos = torch.arange(c + n)
+        live[torch.tensor(table)[pos // block_size] * block_size + pos % block_size] = True
+    k_poisoned, v_poisoned = k_cache.clone(), v_cache.clone()
+    k_poisoned.view(-1, num_kv_heads, head_dim)[~live] = float("nan")
+    v_poisoned.view(-1, num_kv_heads, head_dim)[~live] = float("nan")
+    query_lens = [n for _, n in rows]
+    qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(query_lens).cumsum(0)
+    q = torch.randn(int(qsl[-1]), num_heads, head_dim, generator=g).to(dtype)
+    seq_lens = torch.tensor([c + n for c, n in rows], dtype=torch.int32)
+    tensors = (q, k_cache, v_cache, k_poisoned, v_poisoned, qsl, seq_lens, block_tables)
+    return PagedBatch(*(t.to(device) for t in tensors), max(query_lens), max(c + n for c, n in rows))
+
+
+def run_kernel(b: PagedBatch, scale: float, window: int = 0, num_kv_splits: int | None = None,
+               tile_n: int | None = None, block_m: int | None = None, query_len_slack: int = 0,
+               seq_len_slack: int = 0):
+    """paged_attention on the poisoned cache into NaN-filled out / lse, with upper-bound maxima."""
+    out = torch.full_like(b.q, float("nan"))
+    lse = torch.full(b.q.shape[:2], float("nan"), device=b.q.device)
+    max_q, max_s = b.max_query_len + query_len_slack, b.max_seq_len + seq_len_slack
+    (num_tokens, num_heads, head_dim), num_rows = b.q.shape, b.seq_lens.shape[0]
+    plan = plan_paged_attention(num_tokens, num_rows, num_heads, b.k_cache.shape[2], head_dim, b.q.dtype,
+                                max_q, max_s, b.q.device, num_kv_splits, tile_n, block_m)
+    result = paged_attention(b.q, b.k_poisoned, b.v_poisoned, out, b.query_start_loc, b.seq_lens,
+                             b.block_tables, scale, max_q, max_s, window, lse, plan=plan)
+    assert result is out
+    return out, lse, plan
+
+
+def reference(b: PagedBatch, scale: float, window: int = 0):
+    """torch_ref in fp32 over the clean cache (its masked products would turn the poison into NaN)."""
+    return paged_attention_ref(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.query_start_loc,
+                               b.seq_lens, b.block_tables, scale, window)
+
+
+def assert_matches(out, lse, ref_out, ref_lse, atol: float, rtol: float = 0.0):
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), "an output element was never written"
+    torch.testing.assert_close(out.float(), ref_out, atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse, ref_lse, atol=atol, rtol=rtol)
+
+
+# Every kind of row in one batch (block_size 4): first chunks, a chunk with context crossing block
+# boundaries, decodes, a 1-token prompt, rows with no tokens this step, a chunk spanning several
+# 16-row query tiles, and a padded graph row.
+MIXED = [(0, 5), (7, 4), (9, 1), (0, 1), (3, 1), (5, 0), (2, 23), (0, 0), (37, 1), PAD_ROW]
+ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+
+
+@pytest.mark.parametrize(("dtype", "heads"), [
+    (torch.float32, (2, 2)), (torch.float32, (4, 2)), (torch.float32, (6, 2)), (torch.float16, (4, 2)),
+], ids=["fp32-group1", "fp32-group2", "fp32-group3", "fp16-group2"])
+def test_mixed_batch_matches_torch_ref(dtype, heads):
+    b = make_batch(MIXED, 4, *heads, 32, dtype, CPU, seed=sum(heads))
+    out, lse, plan = run_kernel(b, 0.3, tile_n=16, block_m=16, query_len_slack=3, seq_len_slack=9)
+    assert plan.config.num_splits == 1 and plan.config.block_q < 23  # the long chunk spans query tiles
+    assert_matches(out, lse, *reference(b, 0.3), ATOL[dtype])
+
+
+@pytest.mark.parametrize("window", [1, 6])
+def test_sliding_window_matches_torch_ref(window):
+    b = make_batch(MIXED, 4, 4, 2, 32, torch.float32, CPU, seed=window)
+    out, lse, _ = run_kernel(b, 0.25, window, tile_n=16, block_m=16)
+    assert_matches(out, lse, *reference(b, 0.25, window), ATOL[torch.float32])
+
+
+def test_default_tiles_and_block_size_one():
+    """The config chosen for fp32 (no tile override); block_size 1 makes every key its own block."""
+    b = make_batch([(0, 3), (6, 20), (40, 1), (2, 1)], 1, 4, 2, 64, torch.float32, CPU, seed=5)
+    out, lse, plan = run_kernel(b, 0.125)
+    assert plan.config.tile_n == 32 and plan.config.block_m == 64
+    assert_matches(out, lse, *reference(b, 0.125), ATOL[torch.float32])
+
+
+# Decode-only: rows of different lengths, one shorter than a tile, a row without a token, a pad row.
+DECODES = [(9, 1), (0, 1), (30, 1), (5, 0), (61, 1), PAD_ROW]
+
+
+@pytest.mark.parametrize(("dtype", "heads", "splits", "window"), [
+    (torch.float32, (6, 2), 2, 0),
+    (torch.float32, (2, 1), 6, 0),  # more splits than most rows have tiles: empty splits
+    (torch.float32, (4, 2), 3, 7),
+    (torch.float16, (6, 2), 4, 0),
+])
+def test_split_kv_matches_torch_ref(dtype, heads, splits, window):
+    b = make_batch(DECODES, 4, *heads, 32, dtype, CPU, seed=splits + window)
+    out, lse, plan = run_kernel(b, 0.3, window, num_kv_splits=splits, tile_n=16, seq_len_slack=100)
+    assert plan.config.num_splits == splits and plan.split_out.shape == (b.q.shape[0], heads[0], splits, 32)
+    assert_matches(out, lse, *reference(b, 0.3, window), ATOL[dtype])
+
+
+def test_split_kv_is_refused_for_prefill_batches():
+    with pytest.raises(ValueError, match="decode-only"):
+        plan_paged_attention(8, 2, 4, 2, 32, torch.float32, 5, 64, CPU, num_kv_splits=2)
+
+
+def test_split_count_heuristic():
+    sms = 132
+    # Enough programs to fill the GPU, or contexts too short to split: no split.
+    assert choose_num_splits(256, 8, 32768, 64, sms) == 1
+    assert choose_num_splits(1, 8, 200, 64, sms) == 1
+    # One long row: as many splits as fill the GPU, within the cap and the keys-per-split floor.
+    n = choose_num_splits(1, 8, 32768, 64, sms)
+    assert 8 * n >= sms and n <= MAX_KV_SPLITS
+    assert choose_num_splits(1, 8, 1024, 64, sms) == 4
+    # Decided from host ints only; prefill-carrying batches never split.
+    plan = plan_paged_attention(1, 1, 16, 8, 128, torch.bfloat16, 1, 32768, CPU)
+    assert plan.config.num_splits > 1 and plan.split_out.shape == (1, 16, plan.config.num_splits, 128)
+    assert plan_paged_attention(4, 1, 16, 8, 128, torch.bfloat16, 4, 32768, CPU).config.num_splits == 1
+
+
+def _schedule_steps(num_steps: int, block_size: int, prompt_lens: list[int], budget: int, seed: int):
+    """(plan, batch) of a few real scheduler steps: first chunks, later chunks, decodes, side by side."""
+    rng = random.Random(seed)
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=budget, block_size=block_size),
+                      KVCacheManager(96, block_size))
+    for i, n in enumerate(prompt_lens):
+        sched.add(Request(f"p{i}", [rng.randrange(3, 500) for _ in range(n)], SamplingParams(), max_tokens=6))
+    for _ in range(num_steps):
+        plan = sched.schedule()
+        yield plan, build_forward_batch(plan, block_size, CPU)
+        sched.advance(plan)
+        for row in plan.rows:
+            if row.samples:
+                row.request.output_token_ids.append(rng.randrange(3, 500))
+
+
+def test_backend_matches_torch_ref_over_scheduled_steps():
+    """store_kv + attend of the triton backend against torch_ref's, step after step of a real schedule;
+    split-KV forced on, so decode-only steps take it and mixed steps the unified kernel."""
+    torch.manual_seed(0)
+    bs, hq, hkv, d = 4, 4, 2, 32
+    triton_backend = get_backend("triton")
+    triton_backend.num_kv_splits = 2
+    ref_backend = get_backend("torch_ref")
+    caches = [torch.zeros(2, 96, bs, hkv, d) for _ in range(2)]
+    kinds = set()
+    for step, (_, batch) in enumerate(_schedule_steps(5, bs, [1, 9, 5], budget=12, seed=0)):
+        q = torch.randn(batch.num_tokens, hq, d)
+        kv = torch.randn(batch.num_tokens, 2 * hkv, d)
+        k, v = kv[:, :hkv], kv[:, hkv:]  # strided views, as a fused projection hands them over
+        outs = []
+        for backend, cache in zip((triton_backend, ref_backend), caches):
+            backend.store_kv(k, v, cache, batch)
+            outs.append(backend.attend(q, cache, batch, 0.2, return_lse=True))
+        assert torch.equal(caches[0], caches[1])
+        assert_matches(*outs[0], *outs[1], ATOL[torch.float32])
+        plans = [v for key, v in batch.backend_state.items() if key[0] == "triton"]
+        assert len(plans) == 1
+        kinds.add(plans[0].config.num_splits)
+        if step == 0:  # a second layer reuses the step's plan and gets the same answer
+            assert torch.equal(triton_backend.attend(q, caches[0], batch, 0.2), outs[0][0])
+            assert [v for key, v in batch.backend_state.items() if key[0] == "triton"] == plans
+    assert kinds == {1, 2}  # mixed steps and decode-only steps both ran
+
+
+def test_backend_is_registered_lazily(monkeypatch):
+    assert type(get_backend("triton")).__name__ == "TritonBackend"
+    # Where triton is missing, asking for the backend names the package instead of a bare KeyError.
+    import importlib.util
+
+    from plait.attention import base
+
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, *args):
+        return None if name == "triton" else real_find_spec(name, *args)
+
+    monkeypatch.delitem(base._REGISTRY, "triton")
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(ImportError, match="'triton' package"):
+        get_backend("triton")
+
+
+# ---- GPU: real shapes, bf16/fp16, against torch_ref in fp32 ---------------------------------------------
+
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+GPU_ATOL = GPU_RTOL = 1.5e-2
+
+
+def gpu(test):
+    """Marks a test as needing CUDA; it skips where there is none."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")(test))
+
+
+def _random_specs(rng: random.Random, num_rows: int, max_context: int, decode_only: bool):
+    """Rows of every kind: empty context, 1-token chunks, chunks crossing blocks, long contexts."""
+    specs = []
+    for _ in range(num_rows):
+        kind = rng.random()
+        if decode_only or kind < 0.5:
+            context = int(2 ** rng.uniform(0, 15)) if rng.random() < 0.9 else rng.randint(0, 16)
+            specs.append((min(context, max_context), 1))
+        elif kind < 0.7:
+            specs.append((0, rng.randint(1, 300)))  # a first chunk
+        else:
+            specs.append((rng.randint(1, min(max_context, 4096)), rng.randint(1, 200)))  # a later chunk
+    return specs
+
+
+def _gpu_cases() -> list[dict]:
+    """Batch sizes 1..256 with contexts up to 32k; head dims, dtypes, groups and block sizes rotate."""
+    cases = []
+    for i, (rows, max_context) in enumerate([(1, 32768), (3, 32768), (8, 8192), (64, 2048), (256, 600)]):
+        for decode_only in (False, True):
+            cases.append(dict(rows=rows, max_context=max_context, decode_only=decode_only,
+                              head_dim=[64, 128][(i + decode_only) % 2], dtype=GPU_DTYPES[i % 2],
+                              group=[1, 2, 4, 8][(i + 2 * decode_only) % 4],
+                              block_size=[16, 32][(i // 2) % 2],
+                              window=1000 if (i + decode_only) % 3 == 1 else 0, seed=i * 2 + decode_only))
+    return cases
+
+
+def _case_id(case: dict) -> str:
+    return "r{rows}-d{head_dim}-g{group}-bs{block_size}-w{window}-dec{decode_only:d}".format(**case)
+
+
+@pytest.mark.parametrize("case", _gpu_cases(), ids=_case_id)
+@pytest.mark.parametrize("splits", [None, 1, 3], ids=["split-auto", "split-off", "split-3"])
+@gpu
+def test_gpu_sweep_matches_torch_ref(case, splits):
+    if splits == 3 and not case["decode_only"]:
+        pytest.skip("split-KV serves decode-only batches")
+    rng = random.Random(case["seed"])
+    specs = _random_specs(rng, case["rows"], case["max_context"], case["decode_only"])
+    if case["rows"] > 2:
+        specs[-1] = PAD_ROW
+    num_kv_heads = 8 if case["group"] < 8 else 4
+    b = make_batch(specs, case["block_size"], num_kv_heads * case["group"], num_kv_heads, case["head_dim"],
+                   case["dtype"], torch.device("cuda"), case["seed"])
+    scale = case["head_dim"] ** -0.5
+    out, lse, plan = run_kernel(b, scale, case["window"], num_kv_splits=splits, seq_len_slack=1000)
+    if splits is not None:
+        assert plan.config.num_splits == splits
+    assert_matches(out, lse, *reference(b, scale, case["window"]), atol=GPU_ATOL, rtol=GPU_RTOL)
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("splits", [None, 1], ids=["split-auto", "split-off"])
+@gpu
+def test_gpu_cuda_graph_replay_with_new_metadata(dtype, splits):
+    """Captured once for max_seq_len = max_model_len with padded rows; replayed after the metadata
+    tensors are rewritten in place (other contexts, other blocks): no host sync, right answers."""
+    dev = torch.device("cuda")
+    bs, hq, hkv, d, max_model_len = 16, 16, 8, 128, 8192
+    width = max_model_len // bs
+    steps = [[(100, 1), (3000, 1), PAD_ROW, PAD_ROW], [(5000, 1), (0, 1), (700, 1), PAD_ROW]]
+    batches = [make_batch(s, bs, hq, hkv, d, dtype, dev, seed=i, table_slack=0) for i, s in enumerate(steps)]
+    num_blocks = max(b.k_cache.shape[0] for b in batches)
+    caches = [torch.zeros(num_blocks, bs, hkv, d, dtype=dtype, device=dev) for _ in range(2)]
+    num_rows = len(steps[0])
+    q = torch.empty_like(batches[0].q)
+    qsl = torch.empty(num_rows + 1, dtype=torch.int32, device=dev)
+    seq_lens = torch.empty(num_rows, dtype=torch.int32, device=dev)
+    tables = torch.empty(num_rows, width, dtype=torch.int32, device=dev)
+    out = torch.empty_like(q)
+    lse = torch.empty(q.shape[:2], device=dev)
+    plan = plan_paged_attention(q.shape[0], num_rows, hq, hkv, d, dtype, 1, max_model_len, dev, splits)
+    if splits is None:
+        assert plan.config.num_splits > 1  # 4 rows x 8 kv heads never fill a GPU
+
+    def load(b: PagedBatch) -> None:
+        for static, new in ((q, b.q), (qsl, b.query_start_loc), (seq_lens, b.seq_lens)):
+            static.copy_(new)
+        tables.fill_(PAD_BLOCK_ID)
+        tables[:, : b.block_tables.shape[1]].copy_(b.block_tables)
+        for cache, new in zip(caches, (b.k_poisoned, b.v_poisoned)):
+            cache.fill_(float("nan"))
+            cache[: new.shape[0]].copy_(new)
+
+    def step() -> None:
+        paged_attention(q, caches[0], caches[1], out, qsl, seq_lens, tables, d**-0.5, 1, max_model_len,
+                        lse=lse, plan=plan)
+
+    load(batches[0])
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for b in batches:
+        load(b)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, lse, *reference(b, d**-0.5), atol=GPU_ATOL, rtol=GPU_RTOL)
