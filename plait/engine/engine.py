@@ -32,6 +32,7 @@ class StepStats:
     num_rows: int
     num_preempted: int
     kv_blocks_used: int
+    used_cuda_graph: bool = False  # the step replayed a captured CUDA graph (set by the GPU runner)
 
 
 @dataclass

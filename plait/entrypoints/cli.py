@@ -1,9 +1,10 @@
-"""The ``plait`` command: generate, chat (one-shot or interactive), serve (OpenAI-compatible HTTP)."""
+"""The ``plait`` command: generate, chat (one-shot or interactive), serve (OpenAI-compatible HTTP), bench."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import sys
 import typing
@@ -13,18 +14,23 @@ from plait.config import EngineConfig
 from plait.sampling_params import SamplingParams
 
 # Engine fields that get their own CLI flag (the rest keep their defaults).
-_ENGINE_FLAGS = (
+ENGINE_FLAGS = (
     "model", "load_format", "device", "dtype", "max_num_batched_tokens", "max_num_seqs",
     "long_prefill_token_threshold", "max_num_partial_prefills", "scheduling_policy", "block_size",
     "num_kv_blocks", "kv_cache_memory_fraction", "max_model_len",
 )
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+# `plait bench` subcommands: each module has add_parser(subparsers) and main(args) -> exit status.
+BENCH_MODULES = ("plait.bench.serve_client", "plait.bench.w4", "plait.bench.timeline")
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per ENGINE_FLAGS field (but ``exclude``), each defaulting to None (= EngineConfig's)."""
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
-        if f.name not in _ENGINE_FLAGS:
+        if f.name not in ENGINE_FLAGS or f.name in exclude:
             continue
         kind = _arg_type(hints[f.name])
         group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
@@ -50,9 +56,10 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    given = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
-    return EngineConfig(**given)
+def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    """The EngineConfig of the engine flags given (see add_engine_args), with ``overrides`` on top."""
+    given = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
+    return EngineConfig(**{**given, **overrides})
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -64,7 +71,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from plait.engine.engine import LLMEngine
 
     params = _sampling_params(args)  # bad values fail before the model loads
-    engine = LLMEngine(_engine_config(args))
+    engine = LLMEngine(engine_config(args))
     for prompt in args.prompts:
         _stream(engine, prompt, params)
     return 0
@@ -75,7 +82,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from plait.entrypoints.llm import apply_chat_template
 
     params = _sampling_params(args)
-    engine = LLMEngine(_engine_config(args))
+    engine = LLMEngine(engine_config(args))
     history: list[dict] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -116,7 +123,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
                           served_model_name=args.served_model_name, request_timeout_s=args.request_timeout,
                           log_level=args.log_level)
-    serve(_engine_config(args), config)
+    serve(engine_config(args), config)
     return 0
 
 
@@ -140,14 +147,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete one or more prompts (raw text, no chat template)")
     gen.add_argument("prompts", nargs="+")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
     chat = sub.add_parser("chat", help="chat with the model; interactive when no message is given")
     chat.add_argument("message", nargs="?", default=None)
     chat.add_argument("--system", default=None, help="system prompt")
-    _add_engine_args(chat)
+    add_engine_args(chat)
     _add_sampling_args(chat)
     chat.set_defaults(func=_cmd_chat)
 
@@ -164,8 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--request-timeout", type=float, default=None,
                      help="abort requests running longer than this many seconds (default: never)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    _add_engine_args(srv)
+    add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), w4 (mminf workload), timeline")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for module in BENCH_MODULES:
+        importlib.import_module(module).add_parser(bench_sub)
     return parser
 
 
