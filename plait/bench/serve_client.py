@@ -374,7 +374,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     out.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                      help="SLOs for goodput, e.g. --goodput ttft:1000 tpot:50 (names: ttft, tpot, e2el)")
     out.add_argument("--percentiles", default=",".join(f"{p:g}" for p in DEFAULT_PERCENTILES),
-                     help="comma-separated (default: 50,90,99)")
+                     help="comma-separated, besides the median (default: 90,99)")
     out.add_argument("--result-file", default=None, help="write the result JSON here")
     out.add_argument("--plot", default=None, metavar="DIR", help="write PNGs here (needs matplotlib)")
     out.add_argument("--disable-tqdm", action="store_true")

@@ -125,13 +125,13 @@ def _plot_rows(ax: Any, steps: Sequence[Mapping[str, Any]], marks: Mapping[str, 
 
 
 def plot_timelines(panels: Mapping[str, Panel], path: str | Path) -> Path:
-    """One column per panel (side by side, same token scale): tokens and step time above, rows and
+    """One column per panel (side by side, same time and token scales): tokens and step time above, rows and
     KV blocks below, with each panel's marks as vertical lines."""
     if not panels:
         raise ValueError("there is no timeline to plot")
     plt = pyplot()
     fig, axes = plt.subplots(2, len(panels), figsize=(7 * len(panels), 6.5), squeeze=False,
-                             sharex="col", sharey="row", gridspec_kw={"height_ratios": [3, 1]})
+                             sharex=True, sharey="row", gridspec_kw={"height_ratios": [3, 1]})
     twins: list[tuple[Any, Any]] = []
     for col, (name, (steps, marks)) in enumerate(panels.items()):
         twins.append((_plot_tokens(axes[0][col], steps, name, marks), _plot_rows(axes[1][col], steps, marks)))
