@@ -7,7 +7,8 @@ rate through `plait bench serve`'s client, one table per policy and a plot of p9
 Arguments after ``--`` go to `plait serve` (engine knobs). Each rate gets prompts of its own (seed +
 the rate's index), the same under every policy, so no prompt is served twice by a server's prefix
 cache. Writes, in --out: w5.json (every rate's metrics), w5.md (the tables), w5.png, a detailed
-result per policy and rate, and each server's log.
+result per policy and rate, and each server's log. Policies may be swept by separate commands into
+one --out: the tables and the plot cover every policy swept there with the same settings.
 """
 
 from __future__ import annotations
@@ -178,20 +179,44 @@ def markdown(results: dict[str, list[dict[str, Any]]], args: argparse.Namespace)
     return "\n".join(lines)
 
 
+def combined(out: Path, settings: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
+    """Every policy swept into ``out`` with the same settings, this run's and earlier runs' (so each
+    policy may run as a command of its own), in SCHEDULING_POLICIES order."""
+    results = {}
+    for policy in SCHEDULING_POLICIES:
+        path = out / f"w5_{policy}.json"
+        if not path.is_file():
+            continue
+        saved = json.loads(path.read_text())
+        if saved["settings"] != settings:
+            print(f"w5_sweep: leaving out {path}: it was swept with other settings", file=sys.stderr)
+            continue
+        results[policy] = saved["rows"]
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     args, serve_args = parse_args(argv)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
     if not rates or not all(r > 0 and not math.isinf(r) for r in rates):
         raise SystemExit(f"w5_sweep: --rates must be positive finite numbers, got {args.rates!r}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies or not set(policies) <= set(SCHEDULING_POLICIES):
+        raise SystemExit(f"w5_sweep: --policies must name some of {SCHEDULING_POLICIES}, "
+                         f"got {args.policies!r}")
     vocab = vocab_size(args, serve_args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results = {policy: sweep_policy(policy, args, serve_args, vocab, rates, out) for policy in policies}
-    summary = {"workload": "W5", "serve_args": serve_args, "num_prompts": args.num_prompts,
-               "prompt_mix": args.prompt_mix, "output_len": args.output_len, "vocab_size": vocab,
-               "seed": args.seed, "goodput": args.goodput, "rates": rates, "policies": results}
-    (out / "w5.json").write_text(json.dumps(summary, indent=1))
+    settings = {"serve_args": serve_args, "num_prompts": args.num_prompts, "prompt_mix": args.prompt_mix,
+                "output_len": args.output_len, "vocab_size": vocab, "seed": args.seed,
+                "goodput": args.goodput, "rates": rates}
+    failed = 0
+    for policy in policies:
+        rows = sweep_policy(policy, args, serve_args, vocab, rates, out)
+        failed += sum(row["failed"] for row in rows)
+        (out / f"w5_{policy}.json").write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
+    results = combined(out, settings)
+    (out / "w5.json").write_text(json.dumps({"workload": "W5", **settings, "policies": results}, indent=1))
     (out / "w5.md").write_text(markdown(results, args))
     print(markdown(results, args))
     try:
@@ -200,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"plot: {plot_sweep(results, out / 'w5.png')}")
     except ValueError as err:  # no matplotlib: the tables are still written
         print(f"w5_sweep: no plot: {err}", file=sys.stderr)
-    return 0 if all(row["failed"] == 0 for rows in results.values() for row in rows) else 1
+    return 0 if failed == 0 else 1
 
 
 if __name__ == "__main__":
