@@ -266,13 +266,12 @@ W4_BUDGET = 64
 
 
 def test_w4_tiny_both_policies(tiny_llama, shared_bench, tmp_path):
-    pytest.importorskip("matplotlib")
     from plait.entrypoints.cli import main
 
-    out, png = tmp_path / "w4.json", tmp_path / "w4.png"
+    out = tmp_path / "w4.json"
     shape = [f"--{k.replace('_', '-')}={v}" for k, v in W4_TINY.items()]
     status = main(["bench", "w4", "--model", str(tiny_llama), "--max-num-batched-tokens", str(W4_BUDGET),
-                   "--shared", str(shared_bench), *shape, "--result-file", str(out), "--plot", str(png)])
+                   "--shared", str(shared_bench), *shape, "--result-file", str(out)])
     assert status == 0
     result = json.loads(out.read_text())
     assert set(result["policies"]) == {"mixed", "prefill_first"}
@@ -299,7 +298,14 @@ def test_w4_tiny_both_policies(tiny_llama, shared_bench, tmp_path):
         # mixed plaits the long prompt into the running decodes; prefill_first stalls them.
         assert (not stalled) if policy == "mixed" else stalled, policy
     assert result["comparison"]["ttft_long_mixed_over_prefill_first"] > 0
-    assert png.stat().st_size > 0 and (tmp_path / "w4_itl.png").stat().st_size > 0
+    pytest.importorskip("matplotlib")
+    from plait.bench.w4 import plot_w4
+
+    pngs = plot_w4(result, tmp_path / "w4.png")
+    assert [p.name for p in pngs] == ["w4.png", "w4_itl.png"] and all(p.stat().st_size > 0 for p in pngs)
+    # `plait bench timeline` reads a w4 result too: one panel per policy.
+    assert main(["bench", "timeline", str(out), "--plot", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 0
 
 
 def test_timeline_dump_load_plot(tiny_llama, tmp_path):
