@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import importlib.util
 import json
@@ -295,15 +296,13 @@ def plot_w4(result: dict[str, Any], path: str | Path) -> list[Path]:
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `plait bench w4`."""
-    from plait.entrypoints.cli import add_engine_args
+    from plait.entrypoints.cli import _add_engine_args
 
     p = subparsers.add_parser("w4", help="the mminf workload (W4) through the async engine, per policy",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", dest="model", default=None, metavar="DIR",
                    help="a folder with a config.json (with --load-format dummy: random weights); "
                         "same as --model")
-    p.add_argument("--policies", default=",".join(SCHEDULING_POLICIES),
-                   help=f"comma-separated (default: {','.join(SCHEDULING_POLICIES)})")
     p.add_argument("--shared", default=None, metavar="DIR",
                    help=f"the shared/bench folder (default: ${SHARED_ENV}, <repo>/shared/bench or "
                         f"<repo>/../shared/bench)")
@@ -315,22 +314,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--result-file", default=None, help="write the result JSON here")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="write the timelines side by side here, and the streams' ITL to <PNG stem>_itl.png")
-    add_engine_args(p, exclude=("scheduling_policy",))
+    _add_engine_args(p)  # --scheduling-policy runs that policy alone (default: each in turn)
     p.set_defaults(func=main)
     return p
 
 
 def main(args: argparse.Namespace) -> int:
-    from plait.entrypoints.cli import engine_config
+    from plait.entrypoints.cli import _engine_config
 
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in SCHEDULING_POLICIES]
-    if not policies or unknown:
-        raise ValueError(f"--policies must name some of {SCHEDULING_POLICIES}, got {args.policies!r}")
+    base = _engine_config(args)  # bad engine flags fail before anything loads
+    policies = [args.scheduling_policy] if args.scheduling_policy else list(SCHEDULING_POLICIES)
     shape = W4Shape(**{name: getattr(args, name) for name in asdict(W4Shape())})
     shared = find_shared(args.shared)
-    result = run_w4(lambda policy: engine_config(args, scheduling_policy=policy), policies, shape, shared,
-                    seed=args.seed, warmup=args.warmup)
+    config_for = lambda policy: dataclasses.replace(base, scheduling_policy=policy)
+    result = run_w4(config_for, policies, shape, shared, seed=args.seed, warmup=args.warmup)
     print(summary_text(result))
     if args.result_file:
         Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)

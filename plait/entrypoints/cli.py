@@ -14,23 +14,18 @@ from plait.config import EngineConfig
 from plait.sampling_params import SamplingParams
 
 # Engine fields that get their own CLI flag (the rest keep their defaults).
-ENGINE_FLAGS = (
+_ENGINE_FLAGS = (
     "model", "load_format", "device", "dtype", "max_num_batched_tokens", "max_num_seqs",
     "long_prefill_token_threshold", "max_num_partial_prefills", "scheduling_policy", "block_size",
     "num_kv_blocks", "kv_cache_memory_fraction", "max_model_len",
 )
 
 
-# `plait bench` subcommands: each module has add_parser(subparsers) and main(args) -> exit status.
-BENCH_MODULES = ("plait.bench.serve_client", "plait.bench.w4", "plait.bench.timeline")
-
-
-def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """One flag per ENGINE_FLAGS field (but ``exclude``), each defaulting to None (= EngineConfig's)."""
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
     for f in dataclasses.fields(EngineConfig):
-        if f.name not in ENGINE_FLAGS or f.name in exclude:
+        if f.name not in _ENGINE_FLAGS:
             continue
         kind = _arg_type(hints[f.name])
         group.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=kind, default=None,
@@ -56,10 +51,9 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
-def engine_config(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
-    """The EngineConfig of the engine flags given (see add_engine_args), with ``overrides`` on top."""
-    given = {name: getattr(args, name) for name in ENGINE_FLAGS if getattr(args, name, None) is not None}
-    return EngineConfig(**{**given, **overrides})
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    given = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
+    return EngineConfig(**given)
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -71,7 +65,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from plait.engine.engine import LLMEngine
 
     params = _sampling_params(args)  # bad values fail before the model loads
-    engine = LLMEngine(engine_config(args))
+    engine = LLMEngine(_engine_config(args))
     for prompt in args.prompts:
         _stream(engine, prompt, params)
     return 0
@@ -82,7 +76,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     from plait.entrypoints.llm import apply_chat_template
 
     params = _sampling_params(args)
-    engine = LLMEngine(engine_config(args))
+    engine = LLMEngine(_engine_config(args))
     history: list[dict] = []
     if args.system:
         history.append({"role": "system", "content": args.system})
@@ -123,7 +117,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
                           served_model_name=args.served_model_name, request_timeout_s=args.request_timeout,
                           log_level=args.log_level)
-    serve(engine_config(args), config)
+    serve(_engine_config(args), config)
     return 0
 
 
@@ -141,20 +135,25 @@ def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) -> str
     return text
 
 
+# `plait bench` subcommands: each module has add_parser(subparsers) and main(args) -> exit status, and
+# imports torch only inside its functions (parsing must stay light: `bench serve` is a client).
+BENCH_MODULES = ("plait.bench.serve_client", "plait.bench.w4", "plait.bench.timeline")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description="plait: LLM inference and serving")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="complete one or more prompts (raw text, no chat template)")
     gen.add_argument("prompts", nargs="+")
-    add_engine_args(gen)
+    _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=_cmd_generate)
 
     chat = sub.add_parser("chat", help="chat with the model; interactive when no message is given")
     chat.add_argument("message", nargs="?", default=None)
     chat.add_argument("--system", default=None, help="system prompt")
-    add_engine_args(chat)
+    _add_engine_args(chat)
     _add_sampling_args(chat)
     chat.set_defaults(func=_cmd_chat)
 
@@ -171,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--request-timeout", type=float, default=None,
                      help="abort requests running longer than this many seconds (default: never)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    add_engine_args(srv)
+    _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="benchmarks: serve (load generator), w4 (mminf workload), timeline")
