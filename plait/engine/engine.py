@@ -33,7 +33,7 @@ class StepStats:
     num_rows: int
     num_preempted: int
     kv_blocks_used: int
-    used_cuda_graph: bool = False
+    used_cuda_graph: bool = False  # the step replayed a captured CUDA graph (set by the GPU runner)
 
 
 @dataclass

@@ -1,9 +1,10 @@
-"""The ``plait`` command: generate, chat (one-shot or interactive), serve (OpenAI-compatible HTTP)."""
+"""The ``plait`` command: generate, chat (one-shot or interactive), serve (OpenAI-compatible HTTP), bench."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 import sys
 import typing
@@ -139,6 +140,11 @@ def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) -> str
     return text
 
 
+# `plait bench` subcommands: each module has add_parser(subparsers) and main(args) -> exit status, and
+# imports torch only inside its functions (parsing must stay light: `bench serve` is a client).
+BENCH_MODULES = ("plait.bench.serve_client", "plait.bench.w4", "plait.bench.timeline")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plait", description="plait: LLM inference and serving")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -171,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), w4 (mminf workload), timeline")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    for module in BENCH_MODULES:
+        importlib.import_module(module).add_parser(bench_sub)
     return parser
 
 

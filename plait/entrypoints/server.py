@@ -697,7 +697,10 @@ class OpenAIServer:
                     if body.logprobs is not None and completion.logprobs is not None:
                         logprobs, offsets[index] = self._completion_logprobs(
                             _new_logprobs(completion), body.logprobs, offsets[index])
-                    if not completion.delta_text and completion.finish_reason is None and logprobs is None:
+                    held_back = not completion.delta_text and completion.finish_reason is None
+                    # Without a tokenizer no text is ever made, so each token streams as an empty chunk
+                    # (as vLLM does) rather than all of them arriving with the last one.
+                    if held_back and logprobs is None and self.tokenizer is not None:
                         continue  # tokens held back mid-character or a stop string candidate
                     choice = CompletionChoice(index=index, text=completion.delta_text, logprobs=logprobs,
                                               finish_reason=completion.finish_reason,

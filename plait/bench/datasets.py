@@ -1,0 +1,131 @@
+"""Benchmark prompts: random token-id length mixes (WORKLOADS.md W5) and a file of prompts."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# W5: 80% of prompts uniform in 128..512 tokens and 20% in 2,048..8,192; outputs uniform in 64..512.
+W5_PROMPT_MIX = "0.8:128-512,0.2:2048-8192"
+W5_OUTPUT_LENS = "64-512"
+# Random prompt ids start here, as in shared/bench/workloads.py: most vocabularies keep their
+# special tokens (BOS, EOS, padding) at the bottom.
+MIN_RANDOM_TOKEN_ID = 10
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One request to send: a prompt (text or token ids) and how many tokens to ask for."""
+
+    prompt: str | list[int]
+    output_len: int
+    prompt_len: int | None = None  # known for token ids; a text prompt is counted by the server
+
+
+@dataclass(frozen=True)
+class LengthRange:
+    """Lengths uniform in [low, high], both included."""
+
+    low: int
+    high: int
+
+    @classmethod
+    def parse(cls, text: str) -> LengthRange:
+        """'128-512' or '128' (a single length)."""
+        low, sep, high = text.strip().partition("-")
+        try:
+            lo, hi = int(low), int(high) if sep else int(low)
+        except ValueError:
+            raise ValueError(f"length range {text!r} must be N or LOW-HIGH (whole numbers)") from None
+        if lo < 1 or hi < lo:
+            raise ValueError(f"length range {text!r} must have 1 <= LOW <= HIGH")
+        return cls(lo, hi)
+
+    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
+        return rng.integers(self.low, self.high + 1, size=n).tolist()
+
+
+def parse_mix(text: str) -> list[tuple[float, LengthRange]]:
+    """'0.8:128-512,0.2:2048-8192' -> [(0.8, 128..512), (0.2, 2048..8192)]; weights are normalised."""
+    parts = []
+    for item in text.split(","):
+        weight, sep, lengths = item.partition(":")
+        if not sep:
+            raise ValueError(f"prompt mix item {item!r} must be WEIGHT:LOW-HIGH")
+        try:
+            w = float(weight)
+        except ValueError:
+            raise ValueError(f"prompt mix item {item!r}: {weight!r} is not a number") from None
+        if not w > 0:
+            raise ValueError(f"prompt mix item {item!r}: the weight must be positive")
+        parts.append((w, LengthRange.parse(lengths)))
+    total = sum(w for w, _ in parts)
+    return [(w / total, r) for w, r in parts]
+
+
+def _component_counts(weights: Sequence[float], n: int) -> list[int]:
+    """Split n into integer counts proportional to ``weights`` (largest remainder), so a small run
+    has the mix's proportions as closely as n allows rather than as luck gives them."""
+    exact = [w * n for w in weights]
+    counts = [int(x) for x in exact]
+    by_remainder = sorted(range(len(weights)), key=lambda i: exact[i] - counts[i], reverse=True)
+    for i in by_remainder[:n - sum(counts)]:
+        counts[i] += 1
+    return counts
+
+
+def random_requests(n: int, vocab_size: int, seed: int, prompt_mix: str = W5_PROMPT_MIX,
+                    output_lens: str = W5_OUTPUT_LENS) -> list[SampleRequest]:
+    """n requests of random token ids, prompt lengths drawn from ``prompt_mix``, in a seeded order."""
+    if n < 1:
+        raise ValueError(f"the number of requests must be >= 1, got {n}")
+    if vocab_size <= MIN_RANDOM_TOKEN_ID:
+        raise ValueError(f"vocab_size must be > {MIN_RANDOM_TOKEN_ID}, got {vocab_size}")
+    mix = parse_mix(prompt_mix)
+    rng = np.random.default_rng(seed)
+    components = [i for i, c in enumerate(_component_counts([w for w, _ in mix], n)) for _ in range(c)]
+    components = [components[k] for k in rng.permutation(n)]
+    outputs = LengthRange.parse(output_lens).sample(rng, n)
+    requests = []
+    for component, out_len in zip(components, outputs):
+        (length,) = mix[component][1].sample(rng, 1)
+        ids = rng.integers(MIN_RANDOM_TOKEN_ID, vocab_size, size=length).tolist()
+        requests.append(SampleRequest(prompt=ids, output_len=out_len, prompt_len=length))
+    return requests
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a file: one per line, or JSON Lines with a "prompt" field (blank lines skipped)."""
+    path = Path(path)
+    prompts = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                record = json.loads(line)
+                prompt = record["prompt"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"{path}:{number}: expected a JSON object with a \"prompt\" field") from None
+            if not isinstance(prompt, str) or not prompt:
+                raise ValueError(f"{path}:{number}: \"prompt\" must be a non-empty string")
+            prompts.append(prompt)
+        else:
+            prompts.append(line)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def file_requests(path: str | Path, n: int | None, output_lens: str, seed: int) -> list[SampleRequest]:
+    """The file's prompts in order (cycled to reach ``n``; all of them once when ``n`` is None)."""
+    prompts = read_prompts(path)
+    n = len(prompts) if n is None else n
+    if n < 1:
+        raise ValueError(f"the number of requests must be >= 1, got {n}")
+    outputs = LengthRange.parse(output_lens).sample(np.random.default_rng(seed), n)
+    return [SampleRequest(prompt=prompts[i % len(prompts)], output_len=outputs[i]) for i in range(n)]

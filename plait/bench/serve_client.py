@@ -1,0 +1,430 @@
+"""`plait bench serve`: a streaming load generator for any OpenAI-compatible server, with vLLM's metrics.
+
+Requests stream (SSE, parsed here: no OpenAI SDK) from /v1/completions or /v1/chat/completions with
+``stream_options.include_usage``, so token counts are the server's own. A chunk carries a token when it
+has a choice; for chat, the choice must also carry content or a finish reason, because servers send an
+opening role-only chunk that may leave before any token exists. See plait.bench.metrics for the metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from plait.bench.datasets import (
+    W5_OUTPUT_LENS,
+    W5_PROMPT_MIX,
+    SampleRequest,
+    file_requests,
+    random_requests,
+)
+from plait.bench.metrics import (
+    DEFAULT_PERCENTILES,
+    RequestResult,
+    calculate_metrics,
+    parse_goodput,
+    percentile_key,
+)
+
+ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+ARRIVALS = ("poisson", "fixed")
+API_KEY_ENVS = ("OPENAI_API_KEY", "PLAIT_API_KEY")
+DEFAULT_BASE_URL = "http://127.0.0.1:8000"
+DEFAULT_NUM_PROMPTS = 200  # W5's count
+# Random token ids must fit the served model's vocabulary, which the API does not report; 32,000 fits
+# every common family (Llama 2 has exactly that many).
+DEFAULT_VOCAB_SIZE = 32000
+DEFAULT_TIMEOUT_S = 6 * 3600.0  # vLLM's client limit: no benchmark request should take longer
+CONNECT_TIMEOUT_S = 30.0
+MAX_ERROR_CHARS = 500
+SSE_DATA = "data:"
+SSE_DONE = "[DONE]"
+
+
+@dataclass
+class ServeBenchConfig:
+    """How to send the requests."""
+
+    base_url: str = DEFAULT_BASE_URL
+    endpoint_type: str = "completions"
+    model: str | None = None  # None: the first model the server lists
+    api_key: str | None = None
+    request_rate: float = math.inf  # requests per second; inf = all at once
+    arrival: str = "poisson"  # gaps between requests: "poisson" (seeded) or "fixed"
+    seed: int = 0
+    max_concurrency: int | None = None  # at most this many requests in flight
+    ignore_eos: bool = True  # so every request generates exactly its output length
+    temperature: float = 0.0
+    percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+    goodput: dict[str, float] = field(default_factory=dict)  # SLOs in ms, e.g. {"ttft": 1000}
+    num_warmups: int = 0  # requests sent (and not measured) before the timed run
+    show_progress: bool = True
+    timeout_s: float = DEFAULT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.endpoint_type not in ENDPOINT_PATHS:
+            raise ValueError(f"endpoint type must be one of {sorted(ENDPOINT_PATHS)}, "
+                             f"got {self.endpoint_type!r}")
+        if self.arrival not in ARRIVALS:
+            raise ValueError(f"arrival must be one of {ARRIVALS}, got {self.arrival!r}")
+        if not self.request_rate > 0:
+            raise ValueError(f"request rate must be positive (inf = all at once), got {self.request_rate}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"max concurrency must be >= 1, got {self.max_concurrency}")
+        if self.num_warmups < 0:
+            raise ValueError(f"the number of warm-up requests must be >= 0, got {self.num_warmups}")
+        self.base_url = self.base_url.rstrip("/")
+
+
+@dataclass
+class ServeBenchRun:
+    """A finished run: what was asked, what each request saw, and the metrics."""
+
+    config: ServeBenchConfig
+    model: str
+    results: list[RequestResult]  # start times relative to the run's start
+    metrics: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        """vLLM's result layout: settings, the metrics, then per-request lists."""
+        c = self.config
+        return {
+            "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "base_url": c.base_url, "endpoint_type": c.endpoint_type, "model": self.model,
+            "num_prompts": len(self.results),
+            "request_rate": "inf" if math.isinf(c.request_rate) else c.request_rate,
+            "arrival": c.arrival, "seed": c.seed, "max_concurrency": c.max_concurrency,
+            "ignore_eos": c.ignore_eos, "goodput_slos_ms": c.goodput, "percentiles": list(c.percentiles),
+            **self.metrics,
+            "input_lens": [r.prompt_len for r in self.results],
+            "output_lens": [r.num_output_tokens for r in self.results],
+            "start_times": [r.start_time for r in self.results],
+            "ttfts": [r.ttft for r in self.results],
+            "latencies": [r.latency for r in self.results],
+            "itls": [r.itl for r in self.results],
+            "errors": [r.error for r in self.results],
+        }
+
+
+def arrival_offsets(n: int, rate: float, arrival: str, seed: int) -> list[float]:
+    """When each request is sent, in seconds after the start, as `vllm bench serve` schedules them.
+
+    Each request waits one gap (1/rate, or exponential with mean 1/rate for Poisson) after the one
+    before it. Poisson gaps are then scaled so the last request goes at n / rate, as vLLM does, so
+    throughput does not move with the seed's luck.
+    """
+    if math.isinf(rate):
+        return [0.0] * n
+    if arrival == "fixed":
+        return [(i + 1) / rate for i in range(n)]
+    offsets = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, size=n))
+    return (offsets * (n / rate / offsets[-1])).tolist()
+
+
+def build_payload(sample: SampleRequest, config: ServeBenchConfig, model: str) -> dict[str, Any]:
+    """The JSON body of one streamed request."""
+    payload: dict[str, Any] = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                               "temperature": config.temperature}
+    if config.ignore_eos:
+        payload["ignore_eos"] = True  # vLLM extension, which plait honours
+    if config.endpoint_type == "completions":
+        payload.update(prompt=sample.prompt, max_tokens=sample.output_len)
+    else:
+        if not isinstance(sample.prompt, str):
+            raise ValueError("chat requests need text prompts: random token ids go to "
+                             "--endpoint-type completions")
+        payload.update(messages=[{"role": "user", "content": sample.prompt}],
+                       max_completion_tokens=sample.output_len)
+    return payload
+
+
+def _sse_data(line: str) -> str | None:
+    """The payload of an SSE data line; None for comments, other fields and blank lines."""
+    if not line.startswith(SSE_DATA):
+        return None
+    return line[len(SSE_DATA):].strip()
+
+
+def _is_token_chunk(event: dict[str, Any], endpoint_type: str) -> bool:
+    choices = event.get("choices")
+    if not choices:
+        return False  # e.g. the closing usage chunk
+    if endpoint_type == "completions":
+        return True  # the text may be empty (a special token) and it is still a token
+    choice = choices[0]
+    delta = choice.get("delta") or {}
+    return bool(delta.get("content")) or choice.get("finish_reason") is not None
+
+
+async def send_request(client: Any, url: str, payload: dict[str, Any], headers: dict[str, str],
+                       endpoint_type: str, prompt_len: int | None) -> RequestResult:
+    """Send one streamed request and time its token chunks (start_time on time.perf_counter's clock)."""
+    result = RequestResult(prompt_len=prompt_len or 0)
+    start = last = time.perf_counter()
+    result.start_time = start
+    got_token = False
+    try:
+        async with client.stream("POST", url, json=payload, headers=headers) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode(errors="replace")
+                result.error = f"HTTP {response.status_code}: {body[:MAX_ERROR_CHARS]}"
+                return result
+            async for line in response.aiter_lines():
+                data = _sse_data(line)
+                if not data:
+                    continue
+                if data == SSE_DONE:
+                    break
+                now = time.perf_counter()
+                event = json.loads(data)
+                if "error" in event:
+                    result.error = f"server error mid-stream: {json.dumps(event['error'])[:MAX_ERROR_CHARS]}"
+                    return result
+                if _is_token_chunk(event, endpoint_type):
+                    if got_token:
+                        result.itl.append(now - last)
+                    else:
+                        result.ttft = now - start
+                        got_token = True
+                    last = now
+                usage = event.get("usage")
+                if usage:
+                    result.output_tokens = int(usage.get("completion_tokens") or 0)
+                    if usage.get("prompt_tokens") is not None:
+                        result.prompt_len = int(usage["prompt_tokens"])
+    except Exception as err:  # any failure is this request's, recorded, and never ends the run
+        result.error = f"{type(err).__name__}: {err}"[:MAX_ERROR_CHARS]
+        return result
+    if not got_token:
+        result.error = "the stream ended without a token chunk"
+        return result
+    result.success = True
+    result.latency = last - start
+    return result
+
+
+def _headers(config: ServeBenchConfig) -> dict[str, str]:
+    key = config.api_key
+    if key is None:
+        key = next((os.environ[k] for k in API_KEY_ENVS if os.environ.get(k)), None)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+async def first_model(client: Any, base_url: str, headers: dict[str, str]) -> str:
+    """The id of the first model the server lists at /v1/models."""
+    import httpx
+
+    try:
+        response = await client.get(f"{base_url}/v1/models", headers=headers)
+    except httpx.HTTPError as err:
+        raise ValueError(f"cannot reach the server at {base_url}: {type(err).__name__}: {err}") from err
+    if response.status_code != 200:
+        raise ValueError(f"{base_url}/v1/models answered {response.status_code}: "
+                         f"{response.text[:MAX_ERROR_CHARS]}")
+    models = response.json().get("data") or []
+    if not models:
+        raise ValueError(f"the server at {base_url} lists no models")
+    return models[0]["id"]
+
+
+async def run_benchmark(samples: Sequence[SampleRequest], config: ServeBenchConfig) -> ServeBenchRun:
+    """Send every sample on the configured arrival schedule; measure them all."""
+    try:
+        import httpx
+    except ImportError as err:
+        raise ValueError(f"`plait bench serve` needs httpx: pip install 'plait[bench]' ({err})") from err
+    if not samples:
+        raise ValueError("there are no requests to send")
+    headers = _headers(config)
+    # No pool limit without --max-concurrency: a request waiting for a connection would count the
+    # wait in its TTFT.
+    limits = httpx.Limits(max_connections=config.max_concurrency,
+                          max_keepalive_connections=config.max_concurrency)
+    timeout = httpx.Timeout(config.timeout_s, connect=CONNECT_TIMEOUT_S)
+    # trust_env=False: no proxy from the environment stands between the benchmark and the server.
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        model = config.model or await first_model(client, config.base_url, headers)
+        url = config.base_url + ENDPOINT_PATHS[config.endpoint_type]
+        payloads = [build_payload(s, config, model) for s in samples]
+        for _ in range(config.num_warmups):
+            warm = await send_request(client, url, payloads[0], headers, config.endpoint_type, None)
+            if not warm.success:
+                raise ValueError(f"the warm-up request failed: {warm.error}")
+        results, duration = await _timed_run(client, url, headers, samples, payloads, config)
+    return ServeBenchRun(config, model, results,
+                         calculate_metrics(results, duration, config.percentiles, config.goodput or None))
+
+
+async def _timed_run(client: Any, url: str, headers: dict[str, str], samples: Sequence[SampleRequest],
+                     payloads: list[dict[str, Any]], config: ServeBenchConfig
+                     ) -> tuple[list[RequestResult], float]:
+    offsets = arrival_offsets(len(samples), config.request_rate, config.arrival, config.seed)
+    gate = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    progress = tqdm(total=len(samples), desc="requests", unit="req", disable=not config.show_progress)
+    t0 = time.perf_counter()
+
+    async def one(i: int) -> RequestResult:
+        delay = t0 + offsets[i] - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if gate is None:
+            result = await send_request(client, url, payloads[i], headers, config.endpoint_type,
+                                        samples[i].prompt_len)
+        else:
+            async with gate:  # the clock starts once the request is really sent, as in vLLM
+                result = await send_request(client, url, payloads[i], headers, config.endpoint_type,
+                                            samples[i].prompt_len)
+        progress.update(1)
+        return result
+
+    try:
+        results = list(await asyncio.gather(*(one(i) for i in range(len(samples)))))
+    finally:
+        progress.close()
+    duration = time.perf_counter() - t0
+    for r in results:
+        r.start_time -= t0
+    return results, duration
+
+
+def summary_text(run: ServeBenchRun) -> str:
+    """The run's metrics as a `vllm bench serve`-style table."""
+    m = run.metrics
+    lines = ["============ Serving Benchmark Result ============"]
+
+    def row(label: str, value: Any, fmt: str = "{:<10.2f}") -> None:
+        lines.append(f"{label:<40}" + (fmt.format(value) if value is not None else "-"))
+
+    row("Successful requests:", m["completed"], "{:<10}")
+    row("Failed requests:", m["failed"], "{:<10}")
+    row("Benchmark duration (s):", m["duration"])
+    row("Total input tokens:", m["total_input_tokens"], "{:<10}")
+    row("Total generated tokens:", m["total_output_tokens"], "{:<10}")
+    row("Request throughput (req/s):", m["request_throughput"])
+    if run.config.goodput:
+        row("Request goodput (req/s):", m["request_goodput"])
+    row("Output token throughput (tok/s):", m["output_throughput"])
+    row("Peak output token throughput (tok/s):", m["max_output_tokens_per_s"])
+    row("Peak concurrent requests:", m["max_concurrent_requests"], "{:<10}")
+    row("Total token throughput (tok/s):", m["total_token_throughput"])
+    titles = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
+              "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+    for name, title in titles.items():
+        lines.append(f"{title:-^50}")
+        row(f"Mean {name.upper()} (ms):", m[f"mean_{name}_ms"])
+        row(f"Median {name.upper()} (ms):", m[f"median_{name}_ms"])
+        for p in run.config.percentiles:
+            key = percentile_key(p)
+            row(f"{key.upper()} {name.upper()} (ms):", m[f"{key}_{name}_ms"])
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `plait bench serve`."""
+    p = subparsers.add_parser("serve", help="load-test an OpenAI-compatible server (vLLM's metrics)",
+                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"(default: {DEFAULT_BASE_URL})")
+    p.add_argument("--endpoint-type", choices=sorted(ENDPOINT_PATHS), default="completions")
+    p.add_argument("--model", default=None, help="model name to send (default: the first the server lists)")
+    p.add_argument("--api-key", default=None, help=f"(default: ${' or $'.join(API_KEY_ENVS)})")
+    data = p.add_argument_group("requests")
+    data.add_argument("--dataset", choices=["random", "file"], default="random",
+                      help="random token ids (completions only), or --dataset-path's prompts")
+    data.add_argument("--dataset-path", default=None,
+                      help="one prompt per line, or .jsonl with a \"prompt\" field")
+    data.add_argument("--num-prompts", type=int, default=None,
+                      help=f"(default: {DEFAULT_NUM_PROMPTS} random, or every prompt of the file once)")
+    data.add_argument("--prompt-mix", default=W5_PROMPT_MIX,
+                      help=f"random prompt lengths, WEIGHT:LOW-HIGH,... (default: W5's {W5_PROMPT_MIX})")
+    data.add_argument("--output-len", default=W5_OUTPUT_LENS,
+                      help=f"output tokens per request, N or LOW-HIGH (default: W5's {W5_OUTPUT_LENS})")
+    data.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
+                      help=f"random token ids are drawn below this (default: {DEFAULT_VOCAB_SIZE})")
+    data.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                      help="let requests stop at EOS (default: ignore it, so output lengths are exact)")
+    data.add_argument("--temperature", type=float, default=0.0)
+    load = p.add_argument_group("load")
+    load.add_argument("--request-rate", type=float, default=math.inf,
+                      help="requests/s (default: inf, all at once)")
+    load.add_argument("--arrival", choices=ARRIVALS, default="poisson", help="gaps between requests")
+    load.add_argument("--seed", type=int, default=0, help="seed of the prompts and the Poisson gaps")
+    load.add_argument("--max-concurrency", type=int, default=None)
+    load.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent first")
+    load.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="per-request limit, seconds")
+    out = p.add_argument_group("results")
+    out.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
+                     help="SLOs for goodput, e.g. --goodput ttft:1000 tpot:50 (names: ttft, tpot, e2el)")
+    out.add_argument("--percentiles", default=",".join(f"{p:g}" for p in DEFAULT_PERCENTILES),
+                     help="comma-separated, besides the median (default: 90,99)")
+    out.add_argument("--result-file", default=None, help="write the result JSON here")
+    out.add_argument("--plot", default=None, metavar="DIR", help="write PNGs here (needs matplotlib)")
+    out.add_argument("--disable-tqdm", action="store_true")
+    p.set_defaults(func=main)
+    return p
+
+
+def parse_percentiles(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"percentiles {text!r} must be comma-separated numbers") from None
+    if not values or not all(0 <= v <= 100 for v in values):
+        raise ValueError(f"percentiles {text!r} must be numbers in [0, 100]")
+    return values
+
+
+def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
+    return ServeBenchConfig(
+        base_url=args.base_url, endpoint_type=args.endpoint_type, model=args.model, api_key=args.api_key,
+        request_rate=args.request_rate, arrival=args.arrival, seed=args.seed,
+        max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
+        percentiles=parse_percentiles(args.percentiles), goodput=parse_goodput(args.goodput),
+        num_warmups=args.num_warmups, show_progress=not args.disable_tqdm, timeout_s=args.timeout)
+
+
+def samples_from_args(args: argparse.Namespace) -> list[SampleRequest]:
+    if args.dataset == "file":
+        if not args.dataset_path:
+            raise ValueError("--dataset file needs --dataset-path")
+        return file_requests(args.dataset_path, args.num_prompts, args.output_len, args.seed)
+    if args.dataset_path:
+        raise ValueError("--dataset-path is for --dataset file")
+    n = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
+    return random_requests(n, args.vocab_size, args.seed, args.prompt_mix, args.output_len)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `plait bench serve`; exit status 1 when any request failed."""
+    config = config_from_args(args)
+    samples = samples_from_args(args)
+    run = asyncio.run(run_benchmark(samples, config))
+    print(summary_text(run))
+    for error in sorted({r.error for r in run.results if r.error})[:10]:
+        print(f"failed: {error}", file=sys.stderr)
+    if args.result_file:
+        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.result_file).write_text(json.dumps(run.to_json(), indent=1))
+        print(f"result: {args.result_file}")
+    if args.plot:
+        from plait.bench.plots import plot_serve
+
+        for path in plot_serve(run.results, args.plot):
+            print(f"plot: {path}")
+    return 0 if run.metrics["failed"] == 0 else 1

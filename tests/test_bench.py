@@ -1,0 +1,370 @@
+"""plait bench: vLLM's serving metrics on hand-made timings, `plait bench serve` against a live server (its
+counts equal the server's /metrics), a tiny W4 under both policies, the step timeline, the W5 sweep."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from plait.bench.datasets import LengthRange, file_requests, parse_mix, random_requests
+from plait.bench.metrics import RequestResult, calculate_metrics, parse_goodput, peak_output_rate, summarize
+from plait.bench.serve_client import ServeBenchConfig, _is_token_chunk, arrival_offsets, build_payload
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# -- metrics on hand-made timings -------------------------------------------------------------------
+
+
+def _hand_made() -> list[RequestResult]:
+    return [
+        # sent at 0.0; chunks at 0.5, 0.6, 0.8, 1.1: TTFT 0.5, TPOT (1.1 - 0.5) / 3 = 0.2
+        RequestResult(True, 0.0, 0.5, [0.1, 0.2, 0.3], 1.1, prompt_len=10, output_tokens=4),
+        # one token: no TPOT, and TPOT 0 for goodput
+        RequestResult(True, 1.0, 0.2, [], 0.2, prompt_len=20, output_tokens=1),
+        RequestResult(False, 0.2, error="HTTP 500"),
+        # sent at 0.5; chunks at 0.8, 1.2: TPOT 0.4
+        RequestResult(True, 0.5, 0.3, [0.4], 0.7, prompt_len=30, output_tokens=2),
+    ]
+
+
+def test_metrics_match_vllm_definitions_by_hand():
+    m = calculate_metrics(_hand_made(), duration_s=2.0, percentiles=(50, 90, 99),
+                          goodput={"ttft": 400.0, "tpot": 300.0})
+    assert (m["completed"], m["failed"]) == (3, 1)
+    assert (m["total_input_tokens"], m["total_output_tokens"]) == (60, 7)
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["output_throughput"] == pytest.approx(3.5)
+    assert m["total_token_throughput"] == pytest.approx(33.5)
+    # Only the one-token request meets TTFT <= 400 ms and TPOT <= 300 ms.
+    assert m["request_goodput"] == pytest.approx(0.5)
+    expected_ms = {
+        "ttft": (1000 / 3, 300, 460, 496),  # [200, 300, 500]
+        "tpot": (300, 300, 380, 398),  # [200, 400]: the one-token request has none
+        "itl": (250, 250, 370, 397),  # [100, 200, 300, 400], pooled over requests
+        "e2el": (2000 / 3, 700, 1020, 1092),  # [200, 700, 1100]
+    }
+    for name, (mean, median, p90, p99) in expected_ms.items():
+        got = [m[f"mean_{name}_ms"], m[f"median_{name}_ms"], m[f"p90_{name}_ms"], m[f"p99_{name}_ms"]]
+        assert got == pytest.approx([mean, median, p90, p99]), name
+    assert m["std_itl_ms"] == pytest.approx(float(np.std([100, 200, 300, 400])))
+    # Chunks per one-second bucket: 0.5 0.6 0.8 0.8 | 1.1 1.2 1.2; all three in flight at t=1.0.
+    assert (m["max_output_tokens_per_s"], m["max_concurrent_requests"]) == (4.0, 3)
+
+
+def test_metric_edge_cases():
+    no_goodput = calculate_metrics(_hand_made(), duration_s=2.0)
+    assert no_goodput["request_goodput"] is None
+    assert summarize("ttft", [], (99,)) == {"mean_ttft_ms": 0.0, "median_ttft_ms": 0.0, "std_ttft_ms": 0.0,
+                                            "p99_ttft_ms": 0.0}
+    # A server that reports no usage: the token chunks are counted instead.
+    unreported = RequestResult(True, 0.0, 0.1, [0.1, 0.1], 0.3)
+    assert unreported.num_output_tokens == 3 and unreported.tpot == pytest.approx(0.1)
+    assert unreported.chunk_times == pytest.approx([0.1, 0.2, 0.3])
+    assert peak_output_rate([RequestResult(False)]) == (0.0, 0)
+    assert parse_goodput(["ttft:1000", "TPOT:50", "e2el:2.5"]) == {"ttft": 1000.0, "tpot": 50.0, "e2el": 2.5}
+    for bad in (["ttft"], ["itl:5"], ["ttft:x"], ["ttft:0"], ["tpot:-1"]):
+        with pytest.raises(ValueError):
+            parse_goodput(bad)
+    with pytest.raises(ValueError):
+        calculate_metrics([], duration_s=0.0)
+
+
+def test_arrivals():
+    assert arrival_offsets(3, math.inf, "poisson", 0) == [0.0, 0.0, 0.0]
+    assert arrival_offsets(4, 2.0, "fixed", 0) == pytest.approx([0.5, 1.0, 1.5, 2.0])
+    poisson = arrival_offsets(50, 4.0, "poisson", seed=7)
+    assert poisson == arrival_offsets(50, 4.0, "poisson", seed=7)
+    assert poisson != arrival_offsets(50, 4.0, "poisson", seed=8)
+    assert all(b >= a for a, b in zip(poisson, poisson[1:])) and poisson[0] > 0
+    assert poisson[-1] == pytest.approx(50 / 4.0)  # scaled to n / rate, as vLLM does
+    gaps = np.diff(poisson)
+    assert gaps.std() > 0.5 * gaps.mean()  # exponential gaps, not a fixed rate
+
+
+def test_random_requests_follow_the_mix():
+    mix = "0.8:16-32,0.2:100-120"
+    requests = random_requests(10, vocab_size=500, seed=3, prompt_mix=mix, output_lens="4-9")
+    assert requests == random_requests(10, vocab_size=500, seed=3, prompt_mix=mix, output_lens="4-9")
+    lens = [r.prompt_len for r in requests]
+    assert sum(16 <= n <= 32 for n in lens) == 8 and sum(100 <= n <= 120 for n in lens) == 2
+    assert all(len(r.prompt) == r.prompt_len for r in requests)
+    assert all(10 <= t < 500 for r in requests for t in r.prompt)
+    assert all(4 <= r.output_len <= 9 for r in requests)
+    assert parse_mix("3:1-2,1:5") == [(0.75, LengthRange(1, 2)), (0.25, LengthRange(5, 5))]
+    for bad in ("0:1-2", "1:5-2", "x:1", "1-2"):
+        with pytest.raises(ValueError):
+            parse_mix(bad)
+
+
+def test_file_requests(tmp_path):
+    text = tmp_path / "prompts.txt"
+    text.write_text("Name a color.\n\nWhat is 2 + 2?\n")
+    assert [r.prompt for r in file_requests(text, None, "5", 0)] == ["Name a color.", "What is 2 + 2?"]
+    cycled = file_requests(text, 3, "5", 0)
+    assert [r.prompt for r in cycled][2] == "Name a color." and all(r.output_len == 5 for r in cycled)
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text('{"prompt": "Hi"}\n{"prompt": "Bye", "other": 1}\n')
+    assert [r.prompt for r in file_requests(jsonl, None, "5", 0)] == ["Hi", "Bye"]
+    jsonl.write_text('{"text": "Hi"}\n')
+    with pytest.raises(ValueError, match="prompt"):
+        file_requests(jsonl, None, "5", 0)
+
+
+def test_token_chunks_and_payloads():
+    role_only = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+    assert not _is_token_chunk(role_only, "chat")
+    assert _is_token_chunk({"choices": [{"delta": {"content": "Hi"}}]}, "chat")
+    assert _is_token_chunk({"choices": [{"delta": {}, "finish_reason": "length"}]}, "chat")
+    assert _is_token_chunk({"choices": [{"text": ""}]}, "completions")  # an empty token is still a token
+    assert not _is_token_chunk({"choices": [], "usage": {"completion_tokens": 3}}, "completions")
+    config = ServeBenchConfig(endpoint_type="chat")
+    with pytest.raises(ValueError, match="text prompts"):
+        build_payload(random_requests(1, 100, 0, "1:4", "2")[0], config, "m")
+
+
+# -- `plait bench serve` against a live server -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def served():
+    pytest.importorskip("fastapi")
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    engine = LLMEngine(EngineConfig(max_num_batched_tokens=256))
+    vocab = engine.model_config.vocab_size
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        yield url, vocab
+
+
+def _counters(url: str) -> dict[str, float]:
+    """The server's request and token counters from /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = {"requests": 0.0}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for s in family.samples:
+            if s.name == "plait_requests_finished_total":
+                samples["requests"] += s.value
+            elif s.name in ("plait_prompt_tokens_total", "plait_generation_tokens_total"):
+                samples[s.name] = s.value
+    return samples
+
+
+def _bench(argv: list[str]) -> int:
+    from plait.entrypoints.cli import main
+
+    return main(["bench", "serve", "--disable-tqdm", *argv])
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in before}
+
+
+def _assert_all_metrics(result: dict) -> None:
+    for name in ("ttft", "tpot", "itl", "e2el"):
+        for stat in ("mean", "median", "std", "p90", "p99"):
+            value = result[f"{stat}_{name}_ms"]
+            assert math.isfinite(value) and value >= 0, (stat, name)
+        assert result[f"median_{name}_ms"] > 0, name
+    for key in ("request_throughput", "request_goodput", "output_throughput", "total_token_throughput",
+                "max_output_tokens_per_s", "duration"):
+        assert math.isfinite(result[key]) and result[key] > 0, key
+
+
+def test_bench_serve_counts_match_server_metrics(served, tmp_path):
+    url, vocab = served
+    before = _counters(url)
+    out = tmp_path / "serve.json"
+    status = _bench(["--base-url", url, "--num-prompts", "6", "--prompt-mix", "1:8-40", "--output-len", "8",
+                     "--vocab-size", str(vocab), "--request-rate", "20", "--arrival", "poisson",
+                     "--seed", "5", "--max-concurrency", "3", "--goodput", "ttft:60000", "tpot:60000",
+                     "--result-file", str(out)])
+    delta = _delta(before, _counters(url))
+    assert status == 0
+    result = json.loads(out.read_text())
+    _assert_all_metrics(result)
+    assert (result["completed"], result["failed"]) == (6, 0)
+    assert result["max_concurrent_requests"] <= 3
+    # Everything met the loose SLOs, so goodput is the request throughput.
+    assert result["request_goodput"] == pytest.approx(result["request_throughput"])
+    assert result["output_lens"] == [8] * 6
+    assert result["input_lens"] == [r.prompt_len for r in random_requests(6, vocab, 5, "1:8-40", "8")]
+    assert delta == {"requests": 6, "plait_prompt_tokens_total": result["total_input_tokens"],
+                     "plait_generation_tokens_total": result["total_output_tokens"]}
+    assert result["total_output_tokens"] == 48
+
+
+def test_bench_serve_chat_file_dataset(served, tmp_path):
+    url, _ = served
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "Name a color."}\n{"prompt": "What do bees make?"}\n')
+    before = _counters(url)
+    out = tmp_path / "chat.json"
+    status = _bench(["--base-url", url, "--endpoint-type", "chat", "--dataset", "file", "--dataset-path",
+                     str(prompts), "--output-len", "6", "--result-file", str(out)])
+    delta = _delta(before, _counters(url))
+    result = json.loads(out.read_text())
+    assert status == 0 and (result["completed"], result["total_output_tokens"]) == (2, 12)
+    assert result["mean_ttft_ms"] > 0 and result["request_goodput"] is None
+    assert delta == {"requests": 2, "plait_prompt_tokens_total": result["total_input_tokens"],
+                     "plait_generation_tokens_total": 12}
+
+
+def test_bench_serve_plots(served, tmp_path):
+    pytest.importorskip("matplotlib")
+    from plait.bench.plots import SERVE_PLOTS
+
+    url, vocab = served
+    status = _bench(["--base-url", url, "--num-prompts", "3", "--prompt-mix", "1:8-16", "--output-len", "4",
+                     "--vocab-size", str(vocab), "--plot", str(tmp_path / "plots")])
+    assert status == 0
+    for name in SERVE_PLOTS:
+        assert (tmp_path / "plots" / name).stat().st_size > 0
+
+
+def test_bench_serve_reports_failures(served, tmp_path):
+    url, _ = served
+    out = tmp_path / "bad.json"
+    # Token ids beyond the vocabulary: the server refuses every request (400), and the run says so.
+    status = _bench(["--base-url", url, "--num-prompts", "2", "--prompt-mix", "1:4", "--output-len", "2",
+                     "--vocab-size", "10000000", "--result-file", str(out)])
+    result = json.loads(out.read_text())
+    assert status == 1 and (result["completed"], result["failed"]) == (0, 2)
+    assert all(e.startswith("HTTP 400") for e in result["errors"])
+
+
+# -- W4 and the step timeline ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shared_bench() -> Path:
+    from plait.bench.w4 import find_shared
+
+    try:
+        return find_shared()
+    except FileNotFoundError as err:
+        pytest.skip(str(err))
+
+
+# The long prompt is no multiple of the budget, so under prefill_first too its last chunk leaves room
+# for the streams' decodes in the step that makes its first token.
+W4_TINY = dict(num_streams=4, stream_prompt_len=16, stream_output_len=48, long_prompt_len=200,
+               long_output_len=8, arrive_after=16)
+W4_BUDGET = 64
+
+
+def test_w4_tiny_both_policies(tiny_llama, shared_bench, tmp_path):
+    from plait.entrypoints.cli import main
+
+    out = tmp_path / "w4.json"
+    shape = [f"--{k.replace('_', '-')}={v}" for k, v in W4_TINY.items()]
+    status = main(["bench", "w4", "--model", str(tiny_llama), "--max-num-batched-tokens", str(W4_BUDGET),
+                   "--shared", str(shared_bench), *shape, "--result-file", str(out)])
+    assert status == 0
+    result = json.loads(out.read_text())
+    assert set(result["policies"]) == {"mixed", "prefill_first"}
+    for policy, run in result["policies"].items():
+        metrics = run["metrics"]
+        for key in ("ttft_long_ms", "steady_itl_p50_ms", "steady_itl_p99_ms", "window_itl_p50_ms",
+                    "window_itl_p99_ms", "window_itl_max_ms", "output_tok_s", "p99_itl_window_over_steady"):
+            value = metrics[key]
+            assert value is not None and math.isfinite(value) and value > 0, (policy, key)
+        assert metrics["n_steady"] > 0 and metrics["n_window"] > 0
+        outputs = W4_TINY["num_streams"] * W4_TINY["stream_output_len"] + W4_TINY["long_output_len"]
+        assert run["num_output_tokens"] == outputs
+        steps = run["timeline"]
+        # The timeline holds exactly the timed run: every prompt token once, and every output token
+        # but the five made by a last prefill chunk as a decode token.
+        prompts = W4_TINY["num_streams"] * W4_TINY["stream_prompt_len"] + W4_TINY["long_prompt_len"]
+        assert sum(s["num_prefill_tokens"] for s in steps) == prompts
+        assert sum(s["num_decode_tokens"] for s in steps) == outputs - (W4_TINY["num_streams"] + 1)
+        assert all(s["num_prefill_tokens"] + s["num_decode_tokens"] <= W4_BUDGET for s in steps)
+        arrival = run["marks"]["long request arrives"]
+        long_prefill = [s for s in steps if s["start_time"] >= arrival and s["num_prefill_tokens"] > 0]
+        assert long_prefill
+        stalled = [s for s in long_prefill if s["num_decode_tokens"] == 0]
+        # mixed plaits the long prompt into the running decodes; prefill_first stalls them.
+        assert (not stalled) if policy == "mixed" else stalled, policy
+    assert result["comparison"]["ttft_long_mixed_over_prefill_first"] > 0
+    pytest.importorskip("matplotlib")
+    from plait.bench.w4 import plot_w4
+
+    pngs = plot_w4(result, tmp_path / "w4.png")
+    assert [p.name for p in pngs] == ["w4.png", "w4_itl.png"] and all(p.stat().st_size > 0 for p in pngs)
+    # `plait bench timeline` reads a w4 result too: one panel per policy.
+    assert main(["bench", "timeline", str(out), "--plot", str(tmp_path / "again.png")]) == 0
+    assert (tmp_path / "again.png").stat().st_size > 0
+
+
+def test_timeline_dump_load_plot(tiny_llama, tmp_path):
+    from conftest import random_prompts, run_greedy
+
+    from plait.bench import timeline
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_num_batched_tokens=32))
+    engine.record_timeline = True
+    prompts = random_prompts(3, 20, 40, seed=11)
+    run_greedy(engine, prompts, max_tokens=6, arrive_every=2)
+    steps = engine.timeline
+    assert steps and not any(s.used_cuda_graph for s in steps)  # CPU: no CUDA graphs
+    path = timeline.dump(steps, tmp_path / "timeline.json", marks={"start": 0.0})
+    (name, (loaded, marks)), = timeline.load(path).items()
+    assert marks == {"start": 0.0} and len(loaded) == len(steps)
+    assert loaded[0]["start_time"] == 0.0
+    for record, step in zip(loaded, steps):
+        assert record["start_time"] == pytest.approx(step.start_time - steps[0].start_time)
+        assert {k: v for k, v in record.items() if k != "start_time"} == {
+            k: v for k, v in vars(step).items() if k != "start_time"}
+    summary = timeline.summarize(loaded)
+    assert summary["prefill_tokens"] == sum(len(p) for p in prompts)
+    assert summary["decode_tokens"] == 3 * 6 - 3
+    assert summary["steps"] == len(steps) and summary["cuda_graph_steps"] == 0
+    pytest.importorskip("matplotlib")
+    from plait.entrypoints.cli import main
+
+    png = tmp_path / "timeline.png"
+    assert main(["bench", "timeline", str(path), "--plot", str(png)]) == 0
+    assert png.stat().st_size > 0
+
+
+# -- the W5 sweep script --------------------------------------------------------------------------------
+
+
+def test_w5_sweep_smoke(tiny_llama, tmp_path):
+    """One policy, one rate, four requests on a tiny model's config with random weights: the script's
+    whole path, as the GPU run takes it."""
+    pytest.importorskip("fastapi")
+    from conftest import TINY_VOCAB
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    shutil.copy(tiny_llama / "config.json", model / "config.json")  # no weights, no tokenizer
+    out = tmp_path / "w5"
+    cmd = [sys.executable, str(REPO / "scripts" / "w5_sweep.py"), "--out", str(out), "--rates", "8",
+           "--policies", "mixed", "--num-prompts", "4", "--prompt-mix", "0.5:8-16,0.5:40-60", "--output-len",
+           "3-6", "--disable-tqdm", "--", "--model", str(model), "--load-format", "dummy"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    summary = json.loads((out / "w5.json").read_text())
+    (row,) = summary["policies"]["mixed"]
+    assert summary["vocab_size"] == TINY_VOCAB  # read from the model's config.json
+    assert (row["completed"], row["failed"], row["request_rate"]) == (4, 0, 8.0)
+    # A model without a tokenizer still streams every token: one gap per token after the first.
+    detail = json.loads((out / "mixed_rate8.json").read_text())
+    assert [len(itl) for itl in detail["itls"]] == [n - 1 for n in detail["output_lens"]]
+    assert "| 8 | 4 | 0 |" in (out / "w5.md").read_text()
