@@ -250,7 +250,7 @@ def test_bench_serve_reports_failures(served, tmp_path):
 
 @pytest.fixture(scope="module")
 def shared_bench() -> Path:
-    from plait.bench.w4 import find_shared
+    from plait.bench.shared import find_shared
 
     try:
         return find_shared()

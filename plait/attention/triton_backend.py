@@ -23,6 +23,7 @@ class TritonBackend(AttentionBackend):
     carrying prefill chunks never split."""
 
     name = "triton"
+    graph_safe = True
 
     def __init__(self, num_kv_splits: int | None = None) -> None:
         self.num_kv_splits = num_kv_splits

@@ -3,50 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
+from typing import TYPE_CHECKING
 
-import torch
-from tqdm import tqdm
+from plait.bench.shared import find_shared, load_shared_module
 
-from plait.config import EngineConfig
-from plait.engine.engine import LLMEngine
-from plait.sampling_params import SamplingParams
+if TYPE_CHECKING:  # torch and the engine load only when the benchmark runs, not with the CLI
+    from plait.engine.engine import LLMEngine
 
 TIMED_SEED, WARMUP_SEED = 1, 2  # WORKLOADS.md: warm up on other tokens so no prefix cache helps
 # vLLM 0.26 on one H200 (WORKLOADS.md): output tok/s for W1/W2, ms per token for W3.
 VLLM_H200 = {"W1": 29295.0, "W2": 9992.0, "W3": 4.69}
-REPO = Path(__file__).resolve().parents[2]
-
-
-def shared_bench_dir(explicit: str | None = None) -> Path:
-    """The shared benchmark folder (workloads, model configs, roofline): --shared, $PLAIT_SHARED,
-    <repo>/shared/bench or <repo>/../shared/bench, whichever exists first."""
-    candidates = [
-        explicit,
-        os.environ.get("PLAIT_SHARED"),
-        REPO / "shared" / "bench",
-        REPO.parent / "shared" / "bench",
-    ]
-    for c in candidates:
-        if c and (Path(c) / "workloads.py").is_file():
-            return Path(c)
-    raise FileNotFoundError(
-        "the shared benchmark folder (with workloads.py) was not found: pass --shared DIR or set PLAIT_SHARED"
-    )
-
-
-def _load(path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def measure_roofline(shared: Path) -> dict:
@@ -58,6 +29,9 @@ def measure_roofline(shared: Path) -> dict:
 
 
 def _engine(model_dir: Path, max_model_len: int, args: argparse.Namespace) -> LLMEngine:
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
     config = EngineConfig(
         model=str(model_dir),
         load_format="dummy",
@@ -72,6 +46,11 @@ def _engine(model_dir: Path, max_model_len: int, args: argparse.Namespace) -> LL
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, desc: str) -> tuple[float, int]:
+    import torch
+    from tqdm import tqdm
+
+    from plait.sampling_params import SamplingParams
+
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     for p in prompts:
@@ -114,7 +93,9 @@ def floor_seconds(engine: LLMEngine, prompts: list[list[int]], output_len: int, 
 
 
 def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Namespace) -> dict:
-    workloads = _load(shared / "workloads.py")
+    import torch
+
+    workloads = load_shared_module(shared, "workloads.py")
     model_name, num, lo, hi, output_len = workloads.OFFLINE[name]
     model_dir = shared / "models" / model_name
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
@@ -175,7 +156,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    shared = shared_bench_dir(args.shared)
+    import torch
+
+    shared = find_shared(args.shared, required="workloads.py")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     roof = None if args.no_roofline or not torch.cuda.is_available() else measure_roofline(shared)
     results = [run_workload(w.strip(), shared, roof, args) for w in args.workloads.split(",")]

@@ -15,9 +15,7 @@ import argparse
 import asyncio
 import dataclasses
 import gc
-import importlib.util
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,9 +23,9 @@ from types import ModuleType
 from typing import Any
 
 from plait.bench import timeline as timeline_io
+from plait.bench.shared import SHARED_ENV, find_shared, load_shared_module
 from plait.config import SCHEDULING_POLICIES
 
-SHARED_ENV = "PLAIT_SHARED"
 W4_METRICS_FILE = "w4_metrics.py"
 WORKLOADS_FILE = "workloads.py"
 TIMED_SEED = 1  # WORKLOADS.md: seed 1 prompts for the timed run, seed 2 for the warm-up
@@ -63,38 +61,6 @@ class W4Shape:
             raise ValueError(f"arrive_after ({self.arrive_after}) must be below stream_output_len "
                              f"({self.stream_output_len}): the streams must still run when the long one "
                              f"arrives")
-
-
-# -- shared/bench helpers ----------------------------------------------------------------------------
-
-
-def find_shared(explicit: str | None = None) -> Path:
-    """The shared/bench folder: ``explicit``, else the first of $PLAIT_SHARED, <repo>/shared/bench,
-    <repo>/../shared/bench that holds w4_metrics.py."""
-    repo = Path(__file__).resolve().parents[2]
-    if explicit:
-        candidates = [Path(explicit)]
-    else:
-        env = os.environ.get(SHARED_ENV)
-        candidates = [Path(env)] if env else []
-        candidates += [repo / "shared" / "bench", repo.parent / "shared" / "bench"]
-    for folder in candidates:
-        if (folder / W4_METRICS_FILE).is_file():
-            return folder
-    tried = ", ".join(str(c) for c in candidates)
-    raise FileNotFoundError(f"no shared/bench folder with {W4_METRICS_FILE} found (tried {tried}); "
-                            f"pass --shared DIR or set ${SHARED_ENV}")
-
-
-def load_shared_module(shared: Path, filename: str) -> ModuleType:
-    """Import a file of shared/bench by path (it is not part of the package)."""
-    path = shared / filename
-    spec = importlib.util.spec_from_file_location(f"plait_shared_{path.stem}", path)
-    if spec is None or spec.loader is None:
-        raise FileNotFoundError(f"cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def make_prompts(workloads: ModuleType, shape: W4Shape, vocab_size: int, seed: int

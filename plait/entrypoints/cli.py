@@ -142,7 +142,9 @@ def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) -> str
 
 # `plait bench` subcommands: each module has add_parser(subparsers) and main(args) -> exit status, and
 # imports torch only inside its functions (parsing must stay light: `bench serve` is a client).
-BENCH_MODULES = ("plait.bench.serve_client", "plait.bench.w4", "plait.bench.timeline")
+BENCH_MODULES = (
+    "plait.bench.throughput", "plait.bench.serve_client", "plait.bench.w4", "plait.bench.timeline",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,40 @@
+"""The shared benchmark folder beside the repo (workloads, W4 metrics, model configs, roofline)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+from types import ModuleType
+
+SHARED_ENV = "PLAIT_SHARED"
+REPO = Path(__file__).resolve().parents[2]
+
+
+def find_shared(explicit: str | None = None, required: str = "w4_metrics.py") -> Path:
+    """The shared/bench folder: ``explicit``, else the first of $PLAIT_SHARED, <repo>/shared/bench,
+    <repo>/../shared/bench that holds ``required``. It is never copied into the repo: the same files
+    measured the peers."""
+    if explicit:
+        candidates = [Path(explicit)]
+    else:
+        env = os.environ.get(SHARED_ENV)
+        candidates = [Path(env)] if env else []
+        candidates += [REPO / "shared" / "bench", REPO.parent / "shared" / "bench"]
+    for folder in candidates:
+        if (folder / required).is_file():
+            return folder
+    tried = ", ".join(str(c) for c in candidates)
+    raise FileNotFoundError(f"no shared/bench folder with {required} found (tried {tried}); "
+                            f"pass --shared DIR or set ${SHARED_ENV}")
+
+
+def load_shared_module(shared: Path, filename: str) -> ModuleType:
+    """Import a file of shared/bench by path (it is not part of the package)."""
+    path = shared / filename
+    spec = importlib.util.spec_from_file_location(f"plait_shared_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise FileNotFoundError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
