@@ -30,7 +30,8 @@ def _store_case(num_tokens: int, num_kv_heads: int, head_dim: int, dtype: torch.
     """Strided k/v (slices of a fused projection), a shuffled cache, slots in random blocks plus two
     padded rows that write to the pad block."""
     g = torch.Generator().manual_seed(seed)
-    block_size, num_blocks = 4, 6
+    block_size = 4
+    num_blocks = max(6, -(-num_tokens // block_size) + 2)  # room for every token outside the pad block
     fused = torch.randn(num_tokens, 3 * num_kv_heads, head_dim, generator=g)
     k, v = fused[:, num_kv_heads: 2 * num_kv_heads], fused[:, 2 * num_kv_heads:]
     real = torch.randperm((num_blocks - 1) * block_size, generator=g)[: num_tokens - 2] + block_size
@@ -164,7 +165,10 @@ def test_gpu_store_kv_matches_index_copy(dtype):
     expected = cache.clone()
     store_kv_ref(k, v, expected[0], expected[1], slots)
     store_kv(k, v, cache[0], cache[1], slots)
-    assert torch.equal(cache, expected)
+    # The two padded rows both write the pad block: which lands last is unordered on the GPU, and
+    # nothing ever reads it. Every real block must match exactly.
+    real = [b for b in range(cache.shape[1]) if b != PAD_BLOCK_ID]
+    assert torch.equal(cache[:, real], expected[:, real])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

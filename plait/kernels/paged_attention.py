@@ -546,6 +546,8 @@ def paged_attention_ref(
         slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64, device=device),
         sample_indices=torch.zeros(0, dtype=torch.int64, device=device),
         sample_rows=[],
+        num_rows=len(lens),
+        num_tokens=q.shape[0],
         query_start_loc_cpu=qsl,
         seq_lens_cpu=lens,
         max_query_len=max(query_lens, default=0),
