@@ -27,11 +27,20 @@ VOCAB = 8192
 def _config(tmp_path, head_dim: int) -> str:
     heads = 16
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": heads * head_dim,
-        "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": heads,
-        "num_key_value_heads": 4, "head_dim": head_dim, "vocab_size": VOCAB,
-        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "hidden_act": "silu",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": heads * head_dim,
+        "intermediate_size": 2816,
+        "num_hidden_layers": 4,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 4,
+        "head_dim": head_dim,
+        "vocab_size": VOCAB,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
     }
     folder = tmp_path / f"llama-d{head_dim}"
     folder.mkdir()
@@ -66,15 +75,26 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]], arrive_every: int) -> l
 LM_HEAD_SCALE = 8.0
 # Each GPU configuration beside the reference (torch_ref, eager, no overlap): name -> engine knobs.
 VARIANTS = {
+    # Differs from the reference in its token budget only: what bf16 batching noise alone does.
+    "torch_ref-eager-sync": dict(attention_backend="torch_ref", enforce_eager=True, async_scheduling=False),
     "triton-eager-sync": dict(attention_backend="triton", enforce_eager=True, async_scheduling=False),
     "torch_ref-eager-async": dict(attention_backend="torch_ref", enforce_eager=True),
     "triton-graphs-async": dict(attention_backend="triton"),
 }
 
 
-def _engine(model: str, **knobs) -> LLMEngine:
-    config = EngineConfig(model=model, load_format="dummy", seed=7, max_model_len=1024, num_kv_blocks=2048,
-                          max_num_seqs=64, enable_prefix_caching=False, **knobs)
+def _engine(model: str, dtype: str, **knobs) -> LLMEngine:
+    config = EngineConfig(
+        model=model,
+        load_format="dummy",
+        seed=7,
+        dtype=dtype,
+        max_model_len=1024,
+        num_kv_blocks=2048,
+        max_num_seqs=64,
+        enable_prefix_caching=False,
+        **knobs,
+    )
     engine = LLMEngine(config)
     with torch.no_grad():
         engine.runner.model.lm_head.weight.mul_(LM_HEAD_SCALE)
@@ -85,24 +105,37 @@ def _first_fork(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+# fp32 (IEEE dots in the kernels): every path computes the same function up to fp32 rounding, so
+# forks are rare and a low agreement means a bug. bf16: the bar, rounding forks allowed.
+@pytest.mark.parametrize("dtype,bar", [("float32", 0.95), ("bfloat16", AGREEMENT)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_paths_agree_with_torch_ref(tmp_path, head_dim):
+def test_gpu_paths_agree_with_torch_ref(tmp_path, head_dim, dtype, bar):
     model = _config(tmp_path, head_dim)
     prompts = _prompts(head_dim)
-    ref = _greedy(_engine(model, attention_backend="torch_ref", enforce_eager=True, async_scheduling=False,
-                          max_num_batched_tokens=4096), prompts, 0)
+    ref = _greedy(
+        _engine(
+            model,
+            dtype,
+            attention_backend="torch_ref",
+            enforce_eager=True,
+            async_scheduling=False,
+            max_num_batched_tokens=4096,
+        ),
+        prompts,
+        0,
+    )
     report = {}
     for name, knobs in VARIANTS.items():
-        engine = _engine(model, max_num_batched_tokens=256, **knobs)
+        engine = _engine(model, dtype, max_num_batched_tokens=256, **knobs)
         got = _greedy(engine, prompts, arrive_every=2)  # mixed steps, chunked prompts, pure decodes
         forks = [_first_fork(a, b) for a, b in zip(got, ref)]
         report[name] = (sum(f is None for f in forks) / len(ref), sorted(f for f in forks if f is not None))
         if engine.runner.graphs is not None:
             b = engine.runner.breakdown
             assert b.single_token_steps > 0 and b.graph_steps == b.single_token_steps
-    print("\nagreement with torch_ref (share of prompts, first fork positions):", report)
+    print(f"\n{dtype} d{head_dim}: agreement with torch_ref (share of prompts, first forks):", report)
     for name, (agree, forks) in report.items():
-        assert agree >= AGREEMENT, f"{name}: {agree:.0%} of prompts agree on {NEW_TOKENS} tokens; {forks}"
+        assert agree >= bar, f"{name}: {agree:.0%} of prompts agree on {NEW_TOKENS} tokens; {forks}"
 
 
 def test_staging_never_overwrites_a_copy_in_flight():
@@ -117,10 +150,17 @@ def test_staging_never_overwrites_a_copy_in_flight():
         torch.cuda._sleep(2_000_000)  # keep the stream busy so copies queue up behind it
         ids = np.arange(step * 100, step * 100 + 5, dtype=np.int64)
         arrays = StepArrays(
-            input_ids=ids, positions=np.arange(5), slot_mapping=np.arange(5) + 16,
-            query_start_loc=np.array([0, 5]), context_lens=np.array([0]), seq_lens=np.array([5]),
-            is_first_chunk=np.array([1]), block_tables=np.array([[1]]), sample_indices=np.array([4]),
-            sample_rows=[0])
+            input_ids=ids,
+            positions=np.arange(5),
+            slot_mapping=np.arange(5) + 16,
+            query_start_loc=np.array([0, 5]),
+            context_lens=np.array([0]),
+            seq_lens=np.array([5]),
+            is_first_chunk=np.array([1]),
+            block_tables=np.array([[1]]),
+            sample_indices=np.array([4]),
+            sample_rows=[0],
+        )
         views = buffers.stage(arrays)
         seen.append(views["input_ids"].clone())  # stream-ordered after the step's copy
         expected.append(ids)
