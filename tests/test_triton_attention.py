@@ -171,11 +171,13 @@ def test_split_count_heuristic():
     sms = 132
     # Enough programs to fill the GPU, or contexts too short to split: no split.
     assert choose_num_splits(256, 8, 32768, 64, sms) == 1
-    assert choose_num_splits(1, 8, 200, 64, sms) == 1
-    # One long row: as many splits as fill the GPU, within the cap and the keys-per-split floor.
+    assert choose_num_splits(1, 8, 64, 64, sms) == 1
+    # One long row: as many splits as fill the GPU, within the cap and the keys-per-split floor
+    # (one 64-key tile: a short context spreads over one tile per split).
     n = choose_num_splits(1, 8, 32768, 64, sms)
     assert 8 * n >= sms and n <= MAX_KV_SPLITS
-    assert choose_num_splits(1, 8, 1024, 64, sms) == 4
+    assert choose_num_splits(1, 8, 200, 64, sms) == 4
+    assert choose_num_splits(1, 8, 1024, 64, sms) == 16
     # Decided from host ints only; prefill-carrying batches never split.
     plan = plan_paged_attention(1, 1, 16, 8, 128, torch.bfloat16, 1, 32768, CPU)
     assert plan.config.num_splits > 1 and plan.split_out.shape == (1, 16, plan.config.num_splits, 128)

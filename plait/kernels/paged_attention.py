@@ -54,7 +54,7 @@ FP32_MAX_TILE_N = 32
 # Split-KV: split until about this many programs per multiprocessor are in flight ...
 SPLIT_TARGET_PROGRAMS_PER_SM = 4
 # ... but give every split at least this many key positions, and never more than this many splits.
-MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT = 64  # one decode tile: small batches are latency-bound, so spread wide
 MAX_KV_SPLITS = 64
 # Multiprocessor count assumed where there is no CUDA device (the Triton interpreter on CPU).
 CPU_NUM_SMS = 8
