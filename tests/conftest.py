@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run on CPU tensors through the interpreter (set before triton imports).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Two cores: more threads than that only adds contention.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
