@@ -80,8 +80,10 @@ def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> tor
 # -- tiny shapes (interpreter on CPU) --------------------------------------------------------------
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# fp32 norms differ from torch by the order of the sum of squares, a few fp32 ulps at most.
-NORM_ULPS = {torch.float32: 4, torch.float16: 1, torch.bfloat16: 1}
+# fp32 norms differ from torch by the order of the sum of squares, a few fp32 ulps at most. In
+# fp16/bf16 that can flip the rounding of the normalised value, which the weight multiply turns
+# into up to 2 ulps of the output.
+NORM_ULPS = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -160,7 +162,7 @@ def test_rotary_inplace_writes_views():
 # ulp of exact, may be 2 ulps apart; through 1 + e, the division and the product with up that is
 # up to 4 fp32 ulps of the output. In fp16/bf16 it can flip the rounded silu: 2 ulps after the
 # product. On the GPU both sides use CUDA's expf.
-SILU_ULPS = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 1}
+SILU_ULPS = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -327,14 +329,14 @@ def test_gpu_norms_real_shapes(model, t):
     c = MODELS[model]
     x, res = randn(t, c["hidden"], dtype=BF16, seed=30), randn(t, c["hidden"], dtype=BF16, seed=31)
     w = randn(c["hidden"], dtype=BF16, seed=32, scale=0.1) + 1
-    assert_within_ulps(rms_norm.rms_norm(x, w, EPS), rms_norm.rms_norm_ref(x, w, EPS), 1)
+    assert_within_ulps(rms_norm.rms_norm(x, w, EPS), rms_norm.rms_norm_ref(x, w, EPS), NORM_ULPS[BF16])
     normed, new_res = rms_norm.fused_add_rms_norm(x, res, w, EPS)
     assert torch.equal(new_res, x + res)
-    assert_within_ulps(normed, rms_norm.rms_norm_ref(x + res, w, EPS), 1)
+    assert_within_ulps(normed, rms_norm.rms_norm_ref(x + res, w, EPS), NORM_ULPS[BF16])
     qkv = randn(t, (c["heads"] + 2 * c["kv_heads"]) * c["head_dim"], dtype=BF16, seed=33)
     q = qkv[:, : c["heads"] * c["head_dim"]].view(t, c["heads"], c["head_dim"])
     wq = randn(c["head_dim"], dtype=BF16, seed=34)
-    assert_within_ulps(rms_norm.rms_norm(q, wq, EPS), rms_norm.rms_norm_ref(q, wq, EPS), 1)
+    assert_within_ulps(rms_norm.rms_norm(q, wq, EPS), rms_norm.rms_norm_ref(q, wq, EPS), NORM_ULPS[BF16])
 
 
 @pytest.mark.gpu
@@ -359,7 +361,8 @@ def test_gpu_rotary_real_shapes_exact(model, t):
 @pytest.mark.parametrize("t", [1, 300])
 def test_gpu_silu_and_mul_real_shapes(model, t):
     gate_up = randn(t, 2 * MODELS[model]["inter"], dtype=BF16, seed=36, scale=3.0)
-    assert_within_ulps(activation.silu_and_mul(gate_up), activation.silu_and_mul_ref(gate_up), 1)
+    got, want = activation.silu_and_mul(gate_up), activation.silu_and_mul_ref(gate_up)
+    assert_within_ulps(got, want, SILU_ULPS[BF16])
 
 
 @pytest.mark.gpu
@@ -426,8 +429,9 @@ def test_gpu_tiny_model_same_greedy_tokens_with_and_without_triton(tiny_models, 
     for label, triton_on in [("triton", True), ("torch", False)]:
         monkeypatch.setattr(dispatch, "_enabled", triton_on)
         monkeypatch.setattr(linear_layer, "_skinny_enabled", triton_on)
+        # A fixed small KV pool: the default takes most of the GPU, and two engines are alive here.
         engine = LLMEngine(EngineConfig(model=str(tiny_models[family]), device="cuda", dtype="bfloat16",
-                                        max_num_batched_tokens=32, block_size=8))
+                                        max_num_batched_tokens=32, block_size=8, num_kv_blocks=128))
         runs[label] = run_greedy(engine, prompts, 8, capture_logits=True)
     (tok_a, logits_a), (tok_b, logits_b) = runs["triton"], runs["torch"]
     assert tok_a == tok_b

@@ -30,8 +30,10 @@ DOT_BLOCK_M = 16
 PROGRAMS_PER_SM = 3
 # SM count assumed off-GPU (the interpreter), where it only shapes the heuristic's choice.
 DEFAULT_NUM_SMS = 132
-# Upper bound on the CUDA-core accumulator, BLOCK_M * BLOCK_N * BLOCK_K fp32 values per program.
-FMA_ACC_ELEMENTS = 8192
+# Upper bound on the CUDA-core accumulator, BLOCK_M * BLOCK_N * BLOCK_K fp32 values per program
+# (x2 for gate/up): 32 registers a thread at 4 warps, which with the double-buffered tiles keeps a
+# program near 100 registers (ptxas for sm_90), so 4-5 programs fit on an SM.
+FMA_ACC_ELEMENTS = 4096
 # Split-K is never finer than this many K elements per program.
 MIN_K_PER_SPLIT = 512
 MAX_SPLIT_K = 16
@@ -80,6 +82,16 @@ def _sm_count(device: torch.device) -> int:
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def split_for(programs: int, k: int, block_k: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """Smallest power-of-two split of K that gives PROGRAMS_PER_SM programs per SM, within limits."""
+    target = PROGRAMS_PER_SM * num_sms
+    split = 1
+    while (programs * split < target and split < MAX_SPLIT_K
+           and k // (2 * split) >= max(MIN_K_PER_SPLIT, block_k)):
+        split *= 2
+    return split
+
+
 def heuristic_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, halves: int = 1) -> SkinnyConfig:
     """A reasonable config for an (M, N, K) not in the tables; halves=2 for the fused gate/up kernel.
 
@@ -87,23 +99,17 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, hal
     still gives PROGRAMS_PER_SM programs per SM. M > 2: tl.dot on 16-row tiles, 32 weight rows x
     128 K per stage, 4 stages. Either way split-K fills the GPU where N alone cannot.
     """
-    target = PROGRAMS_PER_SM * num_sms
     bm = m_bucket(m)
     if bm <= 2:
         block_k = 512
         block_n = max(1, FMA_ACC_ELEMENTS // (bm * block_k * halves))
-        while block_n > 1 and triton.cdiv(n, block_n) < target:
+        while block_n > 1 and triton.cdiv(n, block_n) < PROGRAMS_PER_SM * num_sms:
             block_n //= 2
         cfg = dict(block_n=block_n, block_k=block_k, use_dot=False, num_warps=4, num_stages=1)
     else:
         block_n, block_k = 32, 128
         cfg = dict(block_n=block_n, block_k=block_k, use_dot=True, num_warps=4, num_stages=4)
-    split = 1
-    programs = triton.cdiv(n, block_n)
-    while (programs * split < target and split < MAX_SPLIT_K
-           and k // (2 * split) >= max(MIN_K_PER_SPLIT, block_k)):
-        split *= 2
-    return SkinnyConfig(split_k=split, **cfg)
+    return SkinnyConfig(split_k=split_for(triton.cdiv(n, block_n), k, block_k, num_sms), **cfg)
 
 
 def get_config(m: int, n: int, k: int, device: torch.device, gate_up: bool = False) -> SkinnyConfig:
@@ -117,17 +123,57 @@ def get_config(m: int, n: int, k: int, device: torch.device, gate_up: bool = Fal
 @triton.jit
 def _mac(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # x: [BLOCK_M, BLOCK_K]; w: [BLOCK_N, BLOCK_K]
+    # (if/else rather than an early return: Triton generates code after a constexpr-if return too.)
     if USE_DOT:
-        return tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    # acc: [BLOCK_M, BLOCK_N, BLOCK_K]: lanes accumulate independently; reduced once after the loop.
-    return acc + x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    else:
+        # acc: [BLOCK_M, BLOCK_N, BLOCK_K]: lanes accumulate independently; reduced once after the loop.
+        acc = acc + x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _trip_count(STATIC_K_ITERS: tl.constexpr, k_iters):
+    # The Triton interpreter under numpy >= 2.4 cannot loop to a runtime bound, so there the trip
+    # count is baked in (STATIC_K_ITERS > 0); compiled kernels take k_iters at run time, so one
+    # binary serves every K. (Returned, never assigned: the interpreter turns assigned ints into
+    # tensors, which range() then rejects.)
+    if STATIC_K_ITERS > 0:
+        return STATIC_K_ITERS
+    else:
+        return k_iters
+
+
+@triton.jit
+def _load_step(x_ptrs, w_ptrs, up_off, step, k_lo, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               GATE_UP: tl.constexpr):
+    """x, gate-or-plain and up weight tiles of K step `step` (w_up is w when there is no up half)."""
+    shift = step * BLOCK_K
+    if EVEN_K:
+        x = tl.load(x_ptrs + shift)
+        w = tl.load(w_ptrs + shift)
+        if GATE_UP:
+            w_up = tl.load(w_ptrs + up_off + shift)
+        else:
+            w_up = w
+    else:
+        k_mask = (k_lo + shift + offs_k) < K
+        x = tl.load(x_ptrs + shift, mask=k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs + shift, mask=k_mask[None, :], other=0.0)
+        if GATE_UP:
+            w_up = tl.load(w_ptrs + up_off + shift, mask=k_mask[None, :], other=0.0)
+        else:
+            w_up = w
+    return x, w, w_up
 
 
 @triton.jit
 def _finish(acc, USE_DOT: tl.constexpr):
     if USE_DOT:
-        return acc
-    return tl.sum(acc, axis=2)
+        out = acc
+    else:
+        out = tl.sum(acc, axis=2)
+    return out
 
 
 @triton.jit
@@ -137,18 +183,20 @@ def _epilogue(acc_g, acc_u, b_ptr, offs_n, n_mask, out_dtype: tl.constexpr,
     if GATE_UP:
         gate = acc_g.to(out_dtype).to(tl.float32)  # F.linear's output rounding
         up = acc_u.to(out_dtype).to(tl.float32)
-        return (silu_rounded(gate, out_dtype, PRECISE) * up).to(out_dtype)
-    if HAS_BIAS:
-        acc_g += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
-    return acc_g.to(out_dtype)
+        y = (silu_rounded(gate, out_dtype, PRECISE) * up).to(out_dtype)
+    else:
+        if HAS_BIAS:
+            acc_g += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = acc_g.to(out_dtype)
+    return y
 
 
 @triton.jit
 def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om, up_rows,
-    K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    M, N, K, stride_xm, stride_wn, stride_om, up_rows, k_iters,
+    STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TO_WORKSPACE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
 ):
@@ -163,43 +211,45 @@ def _skinny_kernel(
     # stay unpredicated along K; those results are dropped at the store.
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
     rows_m = tl.minimum(offs_m, M - 1)
-    # K_ITERS is a compile-time trip count: one compile per distinct K (a model has two or three),
-    # and the Triton interpreter under numpy >= 2.4 cannot loop to a runtime bound.
-    k_lo = pid_k * (K_ITERS * BLOCK_K)
+    k_lo = pid_k * (_trip_count(STATIC_K_ITERS, k_iters) * BLOCK_K)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    up_off = up_rows * stride_wn
     if USE_DOT:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = acc_g
-    for it in range(K_ITERS):
-        if EVEN_K:
-            x = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_mask = (k_lo + it * BLOCK_K + offs_k) < K
-            x = tl.load(x_ptrs, mask=k_mask[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0)
-        acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
-        if GATE_UP:
-            if EVEN_K:
-                w_up = tl.load(w_ptrs + up_rows * stride_wn)
-            else:
-                w_up = tl.load(w_ptrs + up_rows * stride_wn, mask=k_mask[None, :], other=0.0)
-            acc_u = _mac(acc_u, x, w_up, USE_DOT, DOT_PRECISION)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+    if USE_DOT:
+        # num_stages pipelines these loads through shared memory (cp.async).
+        for it in range(_trip_count(STATIC_K_ITERS, k_iters)):
+            x, w, w_up = _load_step(x_ptrs, w_ptrs, up_off, it, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
+            acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
+            if GATE_UP:
+                acc_u = _mac(acc_u, x, w_up, USE_DOT, DOT_PRECISION)
+    else:
+        # Triton does not pipeline loads that feed no tl.dot, so double-buffer in registers: the next
+        # step's tiles are requested before this step's FMAs wait on theirs (the last step re-reads
+        # its own tiles, from cache, to keep the loop uniform).
+        x, w, w_up = _load_step(x_ptrs, w_ptrs, up_off, 0, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
+        for it in range(_trip_count(STATIC_K_ITERS, k_iters)):
+            nxt = tl.minimum(it + 1, _trip_count(STATIC_K_ITERS, k_iters) - 1)
+            x_n, w_n, w_up_n = _load_step(x_ptrs, w_ptrs, up_off, nxt, k_lo, offs_k, K, BLOCK_K, EVEN_K,
+                                          GATE_UP)
+            acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
+            if GATE_UP:
+                acc_u = _mac(acc_u, x, w_up, USE_DOT, DOT_PRECISION)
+            x, w, w_up = x_n, w_n, w_up_n
     sum_g = _finish(acc_g, USE_DOT)
     sum_u = _finish(acc_u, USE_DOT)
     n_mask = offs_n < N
     mask = (offs_m < M)[:, None] & n_mask[None, :]
-    if SPLIT_K == 1:
+    if not TO_WORKSPACE:
         y = _epilogue(sum_g, sum_u, b_ptr, offs_n, n_mask, out_ptr.dtype.element_ty,
                       HAS_BIAS, GATE_UP, PRECISE)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
     else:
-        # part: [SPLIT_K, M, N] fp32, or [SPLIT_K, M, 2N] (gate then up) for GATE_UP.
+        # part: [split_k, M, N] fp32, or [split_k, M, 2N] (gate then up) for GATE_UP.
         width = 2 * N if GATE_UP else N
         part = part_ptr + pid_k * M * width + offs_m[:, None] * width + offs_n[None, :]
         tl.store(part, sum_g, mask=mask)
@@ -213,7 +263,7 @@ def _split_k_reduce_kernel(
     SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr,
     PRECISE: tl.constexpr,
 ):
-    # Sums the split-K partials in a fixed order (deterministic), then the same epilogue as SPLIT_K=1.
+    # Sums the split-K partials in a fixed order (deterministic), then the same epilogue as an unsplit launch.
     m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_mask = offs_n < N
@@ -245,8 +295,9 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     _skinny_kernel[grid](
         x2, weight, bias_arg, out, part, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
-        n, K_ITERS=k_per_split // cfg.block_k, BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        SPLIT_K=cfg.split_k,
+        n, k_per_split // cfg.block_k, STATIC_K_ITERS=0 if x2.is_cuda else k_per_split // cfg.block_k,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        TO_WORKSPACE=cfg.split_k > 1,
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         EVEN_K=even_k, HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
