@@ -77,7 +77,7 @@ def apply_rotary(
         q = q.contiguous()
     if k.stride(-1) != 1:
         k = k.contiguous()
-    cos_sin = cos_sin.contiguous()
+    cos_sin, positions = cos_sin.contiguous(), positions.contiguous()
     q_out = q if inplace else torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = k if inplace else torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if t == 0:

@@ -1,14 +1,14 @@
-"""Decode-sized matmuls (M <= 16 rows) that stream the weight at close to HBM bandwidth, in Triton.
+"""Decode-sized matmuls (M <= 16 rows) in Triton that stream the weight at close to HBM bandwidth."""
 
-At batch 1 a decode step is the time to read every weight once; cuBLAS reads at ~81% of HBM
-bandwidth for M = 1 (shared GPU-NOTES.md). Each program here owns BLOCK_N weight rows and one
-slice of K (split-K when N alone gives too few programs), loads [BLOCK_N, BLOCK_K] tiles with
-wide coalesced loads along K, and either multiplies-and-accumulates on CUDA cores (small M:
-the per-lane partial sums are reduced once after the loop) or feeds tensor cores through tl.dot
-with x padded to 16 rows. Split-K partials go to an fp32 workspace reduced by a second launch, in a
-fixed order, so results are deterministic. No host syncs and shape-determined allocations:
-CUDA-graph capturable. Configs come from a table plus a heuristic, never launch-time autotuning.
-"""
+# At batch 1 a decode step is the time to read every weight once; cuBLAS reads at ~81% of HBM
+# bandwidth for M = 1 (shared GPU-NOTES.md). Each program here owns BLOCK_N weight rows and one
+# slice of K (split-K when N alone gives too few programs), loads [BLOCK_N, BLOCK_K] tiles with
+# wide coalesced loads along K, and either multiplies-and-accumulates on CUDA cores (small M:
+# per-lane partial sums, reduced once after the loop, tiles double-buffered in registers) or feeds
+# tensor cores through tl.dot with x padded to 16 rows (loads pipelined by num_stages). Split-K
+# partials go to an fp32 workspace reduced by a second launch in a fixed order, so results are
+# deterministic. No host syncs and shape-determined allocations: CUDA-graph capturable. Configs
+# come from a table plus a heuristic, never launch-time autotuning.
 
 from __future__ import annotations
 
