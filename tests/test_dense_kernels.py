@@ -72,8 +72,9 @@ def assert_matmul_close(
 
 
 def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g) * scale).to(device=DEVICE, dtype=dtype)
+    # Drawn on the device: real-shape weights (up to 1 GB) would be slow to draw on the host.
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(dtype)
 
 
 # -- tiny shapes (interpreter on CPU) --------------------------------------------------------------
@@ -304,6 +305,49 @@ def test_skinny_switch_env_parsing(monkeypatch):
     monkeypatch.setenv(name, "yes")
     with pytest.raises(ValueError):
         linear_layer._env_switch(name, False)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the gpu test below runs the same check compiled")
+def test_tiny_model_through_interpreted_kernels_matches_torch(tiny_models, monkeypatch):
+    # Every layer routed to its kernel under the interpreter, fp16 so the skinny GEMM applies: a
+    # first step of more than SKINNY_MAX_M tokens (F.linear + silu_and_mul), then decodes (skinny
+    # projections, fused gate/up + SiLU, skinny lm_head); norms on strided q/k views, rotary. Same
+    # greedy tokens as the torch layers, logits within fp16 noise.
+    from conftest import random_prompts, run_greedy
+
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
+    # One "SM" for the heuristic: wide row blocks, so the interpreter runs few programs per launch.
+    monkeypatch.setattr(skinny_gemm, "DEFAULT_NUM_SMS", 1)
+    calls = {}
+    for module, name in [(rms_norm, "rms_norm"), (rms_norm, "fused_add_rms_norm"), (rotary, "apply_rotary"),
+                         (activation, "silu_and_mul"), (skinny_gemm, "skinny_linear"),
+                         (skinny_gemm, "skinny_gate_up_silu")]:
+        monkeypatch.setattr(module, name, _counted(getattr(module, name), name, calls))
+    prompts = random_prompts(2, 10, 14, seed=4)
+    runs = {}
+    for kernels in (False, True):
+        monkeypatch.setattr(dispatch, "_cpu_interpreter", kernels)
+        monkeypatch.setattr(linear_layer, "_skinny_enabled", kernels)
+        engine = LLMEngine(EngineConfig(model=str(tiny_models["qwen3"]), device="cpu", dtype="float16",
+                                        max_num_batched_tokens=32, block_size=8, num_kv_blocks=16))
+        runs[kernels] = run_greedy(engine, prompts, 3, capture_logits=True)
+        assert bool(calls) == kernels
+    assert len(calls) == 6, f"kernels never called: {sorted(calls)}"
+    (tok_torch, logits_torch), (tok_kernels, logits_kernels) = runs[False], runs[True]
+    assert tok_kernels == tok_torch
+    for i in range(len(prompts)):
+        a, b = torch.stack(logits_kernels[i]), torch.stack(logits_torch[i])
+        torch.testing.assert_close(a, b, rtol=0, atol=0.01 * b.abs().max().item())
+
+
+def _counted(fn, name: str, calls: dict):
+    def counted(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*args, **kwargs)
+
+    return counted
 
 
 # -- real shapes on the GPU ------------------------------------------------------------------------

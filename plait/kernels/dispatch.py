@@ -15,6 +15,9 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Read once: the check runs several times per layer per step, and os.environ lookups are not free.
 # Tests flip it with set_triton_enabled().
 _enabled = os.environ.get(DISABLE_TRITON_ENV, "0") != "1"
+# Tests only: with TRITON_INTERPRET=1, CPU tensors take the kernel path too, so a whole model's
+# wiring to the kernels can be checked without a GPU.
+_cpu_interpreter = False
 
 
 @functools.cache
@@ -36,6 +39,14 @@ def triton_enabled() -> bool:
     return _enabled
 
 
+def set_cpu_interpreter(enabled: bool) -> None:
+    """Tests only: send CPU tensors through the kernels (needs TRITON_INTERPRET=1 set before import)."""
+    global _cpu_interpreter
+    if enabled and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("CPU tensors can only run Triton kernels under TRITON_INTERPRET=1")
+    _cpu_interpreter = enabled
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when ``t`` lives on CUDA, triton imports, the switch is on and no gradient is wanted.
 
@@ -43,7 +54,7 @@ def use_triton(t: torch.Tensor) -> bool:
     """
     return (
         _enabled
-        and t.is_cuda
+        and (t.is_cuda or _cpu_interpreter)
         and t.dtype in TRITON_DTYPES
         and not torch.is_grad_enabled()
         and triton_importable()

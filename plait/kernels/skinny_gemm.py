@@ -34,6 +34,8 @@ DEFAULT_NUM_SMS = 132
 # (x2 for gate/up): 32 registers a thread at 4 warps, which with the double-buffered tiles keeps a
 # program near 100 registers (ptxas for sm_90), so 4-5 programs fit on an SM.
 FMA_ACC_ELEMENTS = 4096
+MAX_FMA_BLOCK_N = 32
+MIN_BLOCK_K = 16  # tl.dot's smallest K
 # Split-K is never finer than this many K elements per program.
 MIN_K_PER_SPLIT = 512
 MAX_SPLIT_K = 16
@@ -100,14 +102,15 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, hal
     128 K per stage, 4 stages. Either way split-K fills the GPU where N alone cannot.
     """
     bm = m_bucket(m)
+    k_pow2 = max(MIN_BLOCK_K, triton.next_power_of_2(k))  # no K step wider than K itself
     if bm <= 2:
-        block_k = 512
-        block_n = max(1, FMA_ACC_ELEMENTS // (bm * block_k * halves))
+        block_k = min(512, k_pow2)
+        block_n = max(1, min(MAX_FMA_BLOCK_N, FMA_ACC_ELEMENTS // (bm * block_k * halves)))
         while block_n > 1 and triton.cdiv(n, block_n) < PROGRAMS_PER_SM * num_sms:
             block_n //= 2
         cfg = dict(block_n=block_n, block_k=block_k, use_dot=False, num_warps=4, num_stages=1)
     else:
-        block_n, block_k = 32, 128
+        block_n, block_k = 32, min(128, k_pow2)
         cfg = dict(block_n=block_n, block_k=block_k, use_dot=True, num_warps=4, num_stages=4)
     return SkinnyConfig(split_k=split_for(triton.cdiv(n, block_n), k, block_k, num_sms), **cfg)
 

@@ -51,7 +51,7 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
-        if use_triton(q) and self.cos_sin.is_cuda:
+        if use_triton(q) and self.cos_sin.device == q.device:
             from plait.kernels.rotary import apply_rotary
 
             return apply_rotary(positions, q, k, self.cos_sin)
