@@ -43,6 +43,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2I] -> [T, I]: silu(gate) * up, each step rounded as torch rounds it; equals silu_and_mul_ref."""
     # gate_up: [T, 2 * I]
     two_i = gate_up.shape[-1]
+    if two_i % 2:
+        raise ValueError(f"gate_up's last dim must be even (gate then up), got {two_i}")
     x = gate_up.reshape(-1, two_i)
     if x.stride(-1) != 1:
         x = x.contiguous()

@@ -94,6 +94,7 @@ def split_for(programs: int, k: int, block_k: int, num_sms: int = DEFAULT_NUM_SM
     return split
 
 
+@functools.cache  # pure in its ints; called on every launch of a shape the tables do not hold
 def heuristic_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, halves: int = 1) -> SkinnyConfig:
     """A reasonable config for an (M, N, K) not in the tables; halves=2 for the fused gate/up kernel.
 
@@ -350,6 +351,8 @@ def skinny_gate_up_silu(
     """silu(x @ w_gate[:I].T) * (x @ w_gate_up[I:].T), rounded where the unfused path rounds."""
     # x: [..., K]; w_gate_up: [2I, K] (gate rows then up rows) -> [..., I]
     _check(x, w_gate_up)
+    if w_gate_up.shape[0] % 2:
+        raise ValueError(f"w_gate_up needs gate rows then as many up rows, got {w_gate_up.shape[0]} rows")
     x2 = _rows(x)
     m, inter = x2.shape[0], w_gate_up.shape[0] // 2
     if m == 0 or m > SKINNY_MAX_M:
