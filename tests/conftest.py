@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU, Triton kernels run on CPU tensors through the interpreter (set before triton imports).
+# Without CUDA, Triton kernels run in its CPU interpreter; it must be chosen before triton is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
