@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from plait.kernels.dispatch import use_triton
+
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -16,5 +18,9 @@ def get_activation(name: str):
 
 def act_and_mul(gate_up: torch.Tensor, act) -> torch.Tensor:
     # gate_up: [T, 2 * I] -> [T, I]
+    if act is F.silu and use_triton(gate_up):
+        from plait.kernels.activation import silu_and_mul
+
+        return silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return act(gate) * up

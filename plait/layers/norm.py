@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from plait.kernels.dispatch import use_triton
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -14,6 +16,11 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., hidden_size]; the variance is taken in fp32 so bf16 inputs do not lose range.
+        if use_triton(x):
+            from plait.kernels import rms_norm as kernels
+
+            if kernels.supported_hidden(x.shape[-1]):
+                return kernels.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -21,5 +28,10 @@ class RMSNorm(nn.Module):
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the pre-norm block's add-then-normalise, one call."""
+        if use_triton(x) and x.shape == residual.shape:
+            from plait.kernels import rms_norm as kernels
+
+            if kernels.supported_hidden(x.shape[-1]):
+                return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self.forward(residual), residual

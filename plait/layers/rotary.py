@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from plait.kernels.dispatch import use_triton
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -49,6 +51,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+        if use_triton(q) and self.cos_sin.device == q.device:
+            from plait.kernels.rotary import apply_rotary
+
+            return apply_rotary(positions, q, k, self.cos_sin)
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # each [T, 1, D/2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 

@@ -1,0 +1,154 @@
+"""RMSNorm and fused residual-add + RMSNorm in Triton, with the torch reference they must match."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# One program normalises one row held whole in registers; wider rows go to the torch path.
+MAX_FUSED_HIDDEN = 16384
+# One warp per 256 elements of a row: each thread holds 8 values (one 16-byte bf16 load).
+ELEMENTS_PER_WARP = 256
+MAX_WARPS = 16
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """plait.layers.norm.RMSNorm.forward: variance in fp32, cast to x's dtype, then times weight."""
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def fused_add_rms_norm_ref(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    residual = x + residual
+    return rms_norm_ref(residual, weight, eps), residual
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, res_ptr, res_out_ptr,
+    n_inner, sx_outer, sx_inner, so_outer, so_inner, s_res, s_res_out,
+    H, eps,
+    HAS_RESIDUAL: tl.constexpr, PRECISE: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # Row r of the flattened [..., H] input sits at (r // n_inner) * s_outer + (r % n_inner) * s_inner:
+    # that covers [T, H] and the strided [T, heads, head_dim] views q/k-norm get from the qkv split.
+    row = tl.program_id(0).to(tl.int64)
+    outer, inner = row // n_inner, row % n_inner
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    x = tl.load(x_ptr + outer * sx_outer + inner * sx_inner + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * s_res + cols, mask=mask, other=0.0).to(tl.float32)
+        # Rounded to the activation dtype first, as torch's x + residual is.
+        summed = (x + r).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * s_res_out + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+    mean_sq = tl.sum(x * x, axis=0) / H
+    if PRECISE:
+        inv = libdevice.rsqrt(mean_sq + eps)  # CUDA's rsqrtf, as torch.rsqrt uses
+    else:
+        inv = 1.0 / tl.sqrt(mean_sq + eps)  # the interpreter has no libdevice
+    # HF casts the normalised value to the activation dtype before the weight multiply.
+    if HAS_RESIDUAL:
+        normed = (x * inv).to(res_out_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        normed = (x * inv).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # Both factors are exact in fp32 (<= 24 mantissa bits together), so this is torch's one rounding.
+    tl.store(out_ptr + outer * so_outer + inner * so_inner + cols, (w * normed).to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def _row_layout(t: torch.Tensor) -> tuple[int, int, int, int]:
+    """(rows, n_inner, outer stride, inner stride) of a [..., H] tensor with unit stride along H."""
+    if t.dim() == 2:
+        return t.shape[0], 1, t.stride(0), 0
+    return t.shape[0] * t.shape[1], t.shape[1], t.stride(0), t.stride(1)
+
+
+def _as_rows(t: torch.Tensor) -> torch.Tensor:
+    # The kernel addresses 2-D and 3-D tensors with unit stride along H; anything else is reshaped.
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    if t.dim() == 1:
+        return t.unsqueeze(0)
+    if t.dim() > 3:
+        return t.reshape(-1, t.shape[-1])
+    return t
+
+
+def _launch_config(h: int) -> tuple[int, int]:
+    block_h = triton.next_power_of_2(h)
+    return block_h, max(1, min(MAX_WARPS, block_h // ELEMENTS_PER_WARP))
+
+
+def supported_hidden(h: int) -> bool:
+    return h <= MAX_FUSED_HIDDEN
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of x ([T, H] or [T, heads, D]); equals rms_norm_ref.
+
+    inplace=True writes the result into x's storage (only when weight's dtype gives x's dtype back).
+    """
+    # x: [..., H]; weight: [H]
+    h = x.shape[-1]
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    rows_view = _as_rows(x)
+    if inplace and out_dtype == x.dtype and rows_view.data_ptr() == x.data_ptr():
+        out_view = rows_view
+    else:
+        inplace = False
+        out_view = torch.empty(rows_view.shape, dtype=out_dtype, device=x.device)
+    n_rows, n_inner, sx_o, sx_i = _row_layout(rows_view)
+    if n_rows == 0:
+        return out_view.view(x.shape)
+    _, _, so_o, so_i = _row_layout(out_view)
+    block_h, num_warps = _launch_config(h)
+    _rms_norm_kernel[(n_rows,)](
+        rows_view, weight, out_view, rows_view, rows_view, n_inner, sx_o, sx_i, so_o, so_i, 0, 0, h, eps,
+        HAS_RESIDUAL=False, PRECISE=x.is_cuda, BLOCK_H=block_h, num_warps=num_warps,
+    )
+    return x if inplace else out_view.view(x.shape)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual), x + residual) in one pass; equals fused_add_rms_norm_ref.
+
+    inplace=True writes the normed rows into x and the sum into residual (vLLM's convention) and
+    returns them; it saves two allocations, not memory traffic. The layers use the out-of-place form.
+    """
+    # x, residual: [T, H]; weight: [H]
+    if x.shape != residual.shape:
+        raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} must have one shape")
+    h = x.shape[-1]
+    act_dtype = torch.promote_types(x.dtype, residual.dtype)
+    out_dtype = torch.promote_types(weight.dtype, act_dtype)
+    x2, r2 = x.reshape(-1, h), residual.reshape(-1, h)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if r2.stride(-1) != 1:
+        r2 = r2.contiguous()
+    can_inplace = (out_dtype == x.dtype and act_dtype == residual.dtype
+                   and x2.data_ptr() == x.data_ptr() and r2.data_ptr() == residual.data_ptr())
+    inplace = inplace and can_inplace
+    out = x2 if inplace else torch.empty(x2.shape, dtype=out_dtype, device=x.device)
+    res_out = r2 if inplace else torch.empty(r2.shape, dtype=act_dtype, device=x.device)
+    if x2.shape[0] > 0:
+        block_h, num_warps = _launch_config(h)
+        _rms_norm_kernel[(x2.shape[0],)](
+            x2, weight, out, r2, res_out, 1, x2.stride(0), 0, out.stride(0), 0,
+            r2.stride(0), res_out.stride(0), h, eps,
+            HAS_RESIDUAL=True, PRECISE=x.is_cuda, BLOCK_H=block_h, num_warps=num_warps,
+        )
+    if inplace:
+        return x, residual
+    return out.view(x.shape), res_out.view(x.shape)

@@ -1,0 +1,361 @@
+"""Decode-sized matmuls (M <= 16 rows) in Triton that stream the weight at close to HBM bandwidth."""
+
+# At batch 1 a decode step is the time to read every weight once; cuBLAS reads at ~81% of HBM
+# bandwidth for M = 1 (shared GPU-NOTES.md). Each program here owns BLOCK_N weight rows and one
+# slice of K (split-K when N alone gives too few programs), loads [BLOCK_N, BLOCK_K] tiles with
+# wide coalesced loads along K, and either multiplies-and-accumulates on CUDA cores (small M:
+# per-lane partial sums, reduced once after the loop, tiles double-buffered in registers) or feeds
+# tensor cores through tl.dot with x padded to 16 rows (loads pipelined by num_stages). Split-K
+# partials go to an fp32 workspace reduced by a second launch in a fixed order, so results are
+# deterministic. No host syncs and shape-determined allocations: CUDA-graph capturable. Configs
+# come from a table plus a heuristic, never launch-time autotuning.
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from plait.kernels.activation import silu_and_mul_ref, silu_rounded
+
+# Largest row count routed here; beyond it the matmul is no longer bound by reading the weight.
+SKINNY_MAX_M = 16
+# tl.dot needs at least 16 rows, so the tensor-core variant pads x to this many.
+DOT_BLOCK_M = 16
+# Programs the heuristic aims for per SM: enough loads in flight to cover HBM latency.
+PROGRAMS_PER_SM = 3
+# SM count assumed off-GPU (the interpreter), where it only shapes the heuristic's choice.
+DEFAULT_NUM_SMS = 132
+# Upper bound on the CUDA-core accumulator, BLOCK_M * BLOCK_N * BLOCK_K fp32 values per program
+# (x2 for gate/up): 32 registers a thread at 4 warps, which with the double-buffered tiles keeps a
+# program near 100 registers (ptxas for sm_90), so 4-5 programs fit on an SM.
+FMA_ACC_ELEMENTS = 4096
+MAX_FMA_BLOCK_N = 32
+MIN_BLOCK_K = 16  # tl.dot's smallest K
+# Split-K is never finer than this many K elements per program.
+MIN_K_PER_SPLIT = 512
+MAX_SPLIT_K = 16
+REDUCE_BLOCK = 1024
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    block_n: int  # weight rows per program (for gate/up: rows of each half)
+    block_k: int  # K elements per loop step
+    split_k: int = 1  # programs along K; > 1 adds a reduction launch over an fp32 workspace
+    use_dot: bool = False  # tensor cores on x padded to 16 rows, else CUDA-core multiply-accumulate
+    num_warps: int = 4
+    num_stages: int = 2  # software-pipelining depth of the K loop (used by the tl.dot variant)
+
+
+# Measured winners, keyed by (M bucket, N, K); for skinny_gate_up_silu N is the intermediate size I.
+# M bucket = next power of two of M (1, 2, 4, 8, 16). benchmarks/kernels/dense_bench.py prints lines
+# to paste here. Shapes not listed use heuristic_config().
+SKINNY_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
+GATE_UP_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
+
+
+def skinny_linear_ref(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    return F.linear(x, weight, bias)
+
+
+def skinny_gate_up_silu_ref(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul_ref(F.linear(x, w_gate_up))
+
+
+def m_bucket(m: int) -> int:
+    return triton.next_power_of_2(max(m, 1))
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_NUM_SMS
+    return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def split_for(programs: int, k: int, block_k: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """Smallest power-of-two split of K that gives PROGRAMS_PER_SM programs per SM, within limits."""
+    target = PROGRAMS_PER_SM * num_sms
+    split = 1
+    while (programs * split < target and split < MAX_SPLIT_K
+           and k // (2 * split) >= max(MIN_K_PER_SPLIT, block_k)):
+        split *= 2
+    return split
+
+
+@functools.cache  # pure in its ints; called on every launch of a shape the tables do not hold
+def heuristic_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, halves: int = 1) -> SkinnyConfig:
+    """A reasonable config for an (M, N, K) not in the tables; halves=2 for the fused gate/up kernel.
+
+    M <= 2: CUDA-core accumulation (no padding waste), 512-wide K steps, the widest row block that
+    still gives PROGRAMS_PER_SM programs per SM. M > 2: tl.dot on 16-row tiles, 32 weight rows x
+    128 K per stage, 4 stages. Either way split-K fills the GPU where N alone cannot.
+    """
+    bm = m_bucket(m)
+    k_pow2 = max(MIN_BLOCK_K, triton.next_power_of_2(k))  # no K step wider than K itself
+    if bm <= 2:
+        block_k = min(512, k_pow2)
+        block_n = max(1, min(MAX_FMA_BLOCK_N, FMA_ACC_ELEMENTS // (bm * block_k * halves)))
+        while block_n > 1 and triton.cdiv(n, block_n) < PROGRAMS_PER_SM * num_sms:
+            block_n //= 2
+        cfg = dict(block_n=block_n, block_k=block_k, use_dot=False, num_warps=4, num_stages=1)
+    else:
+        block_n, block_k = 32, min(128, k_pow2)
+        cfg = dict(block_n=block_n, block_k=block_k, use_dot=True, num_warps=4, num_stages=4)
+    return SkinnyConfig(split_k=split_for(triton.cdiv(n, block_n), k, block_k, num_sms), **cfg)
+
+
+def get_config(m: int, n: int, k: int, device: torch.device, gate_up: bool = False) -> SkinnyConfig:
+    table = GATE_UP_CONFIGS if gate_up else SKINNY_CONFIGS
+    cfg = table.get((m_bucket(m), n, k))
+    if cfg is None:
+        cfg = heuristic_config(m, n, k, _sm_count(device), halves=2 if gate_up else 1)
+    return cfg
+
+
+@triton.jit
+def _mac(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    # x: [BLOCK_M, BLOCK_K]; w: [BLOCK_N, BLOCK_K]
+    # (if/else rather than an early return: Triton generates code after a constexpr-if return too.)
+    if USE_DOT:
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    else:
+        # acc: [BLOCK_M, BLOCK_N, BLOCK_K]: lanes accumulate independently; reduced once after the loop.
+        acc = acc + x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32)
+    return acc
+
+
+@triton.jit
+def _trip_count(STATIC_K_ITERS: tl.constexpr, k_iters):
+    # The Triton interpreter under numpy >= 2.4 cannot loop to a runtime bound, so there the trip
+    # count is baked in (STATIC_K_ITERS > 0); compiled kernels take k_iters at run time, so one
+    # binary serves every K. (Returned, never assigned: the interpreter turns assigned ints into
+    # tensors, which range() then rejects.)
+    if STATIC_K_ITERS > 0:
+        return STATIC_K_ITERS
+    else:
+        return k_iters
+
+
+@triton.jit
+def _load_step(x_ptrs, w_ptrs, up_off, step, k_lo, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               GATE_UP: tl.constexpr):
+    """x, gate-or-plain and up weight tiles of K step `step` (w_up is w when there is no up half)."""
+    shift = step * BLOCK_K
+    if EVEN_K:
+        x = tl.load(x_ptrs + shift)
+        w = tl.load(w_ptrs + shift)
+        if GATE_UP:
+            w_up = tl.load(w_ptrs + up_off + shift)
+        else:
+            w_up = w
+    else:
+        k_mask = (k_lo + shift + offs_k) < K
+        x = tl.load(x_ptrs + shift, mask=k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs + shift, mask=k_mask[None, :], other=0.0)
+        if GATE_UP:
+            w_up = tl.load(w_ptrs + up_off + shift, mask=k_mask[None, :], other=0.0)
+        else:
+            w_up = w
+    return x, w, w_up
+
+
+@triton.jit
+def _finish(acc, USE_DOT: tl.constexpr):
+    if USE_DOT:
+        out = acc
+    else:
+        out = tl.sum(acc, axis=2)
+    return out
+
+
+@triton.jit
+def _epilogue(acc_g, acc_u, b_ptr, offs_n, n_mask, out_dtype: tl.constexpr,
+              HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr, PRECISE: tl.constexpr):
+    """fp32 sums -> output values; the gate/up form rounds where the unfused torch path does."""
+    if GATE_UP:
+        gate = acc_g.to(out_dtype).to(tl.float32)  # F.linear's output rounding
+        up = acc_u.to(out_dtype).to(tl.float32)
+        y = (silu_rounded(gate, out_dtype, PRECISE) * up).to(out_dtype)
+    else:
+        if HAS_BIAS:
+            acc_g += tl.load(b_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+        y = acc_g.to(out_dtype)
+    return y
+
+
+@triton.jit
+def _skinny_kernel(
+    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, up_rows, k_iters,
+    STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TO_WORKSPACE: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
+):
+    # out[m, n] = sum_k x[m, k] * w[n, k]; GATE_UP: out[m, n] = silu(gate[m, n]) * up[m, n] with the
+    # up row of output n at weight row up_rows + n.
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past the end re-read the last valid row instead of being masked, so weight and x loads
+    # stay unpredicated along K; those results are dropped at the store.
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_m = tl.minimum(offs_m, M - 1)
+    k_lo = pid_k * (_trip_count(STATIC_K_ITERS, k_iters) * BLOCK_K)
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    up_off = up_rows * stride_wn
+    if USE_DOT:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = acc_g
+    if USE_DOT:
+        # num_stages pipelines these loads through shared memory (cp.async).
+        for it in range(_trip_count(STATIC_K_ITERS, k_iters)):
+            x, w, w_up = _load_step(x_ptrs, w_ptrs, up_off, it, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
+            acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
+            if GATE_UP:
+                acc_u = _mac(acc_u, x, w_up, USE_DOT, DOT_PRECISION)
+    else:
+        # Triton does not pipeline loads that feed no tl.dot, so double-buffer in registers: the next
+        # step's tiles are requested before this step's FMAs wait on theirs (the last step re-reads
+        # its own tiles, from cache, to keep the loop uniform).
+        x, w, w_up = _load_step(x_ptrs, w_ptrs, up_off, 0, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
+        for it in range(_trip_count(STATIC_K_ITERS, k_iters)):
+            nxt = tl.minimum(it + 1, _trip_count(STATIC_K_ITERS, k_iters) - 1)
+            x_n, w_n, w_up_n = _load_step(x_ptrs, w_ptrs, up_off, nxt, k_lo, offs_k, K, BLOCK_K, EVEN_K,
+                                          GATE_UP)
+            acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
+            if GATE_UP:
+                acc_u = _mac(acc_u, x, w_up, USE_DOT, DOT_PRECISION)
+            x, w, w_up = x_n, w_n, w_up_n
+    sum_g = _finish(acc_g, USE_DOT)
+    sum_u = _finish(acc_u, USE_DOT)
+    n_mask = offs_n < N
+    mask = (offs_m < M)[:, None] & n_mask[None, :]
+    if not TO_WORKSPACE:
+        y = _epilogue(sum_g, sum_u, b_ptr, offs_n, n_mask, out_ptr.dtype.element_ty,
+                      HAS_BIAS, GATE_UP, PRECISE)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
+    else:
+        # part: [split_k, M, N] fp32, or [split_k, M, 2N] (gate then up) for GATE_UP.
+        width = 2 * N if GATE_UP else N
+        part = part_ptr + pid_k * M * width + offs_m[:, None] * width + offs_n[None, :]
+        tl.store(part, sum_g, mask=mask)
+        if GATE_UP:
+            tl.store(part + N, sum_u, mask=mask)
+
+
+@triton.jit
+def _split_k_reduce_kernel(
+    part_ptr, b_ptr, out_ptr, M, N, stride_om,
+    SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr,
+    PRECISE: tl.constexpr,
+):
+    # Sums the split-K partials in a fixed order (deterministic), then the same epilogue as an unsplit launch.
+    m = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    n_mask = offs_n < N
+    width = 2 * N if GATE_UP else N
+    acc_g = tl.zeros((1, BLOCK), dtype=tl.float32)
+    acc_u = tl.zeros((1, BLOCK), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        row = part_ptr + (s * M + m) * width + offs_n
+        acc_g += tl.load(row, mask=n_mask, other=0.0)[None, :]
+        if GATE_UP:
+            acc_u += tl.load(row + N, mask=n_mask, other=0.0)[None, :]
+    y = _epilogue(acc_g, acc_u, b_ptr, offs_n, n_mask, out_ptr.dtype.element_ty, HAS_BIAS, GATE_UP, PRECISE)
+    tl.store(out_ptr + m * stride_om + offs_n[None, :], y, mask=n_mask[None, :])
+
+
+def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, cfg: SkinnyConfig,
+            gate_up: bool) -> torch.Tensor:
+    # x2: [M, K]; weight: [N, K] (or [2N, K] for gate_up) -> out: [M, N]
+    m, k = x2.shape
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    even_k = k_per_split * cfg.split_k == k
+    block_m = DOT_BLOCK_M if cfg.use_dot else m_bucket(m)
+    width = 2 * n if gate_up else n
+    part = (torch.empty((cfg.split_k, m, width), dtype=torch.float32, device=x2.device)
+            if cfg.split_k > 1 else out)
+    bias_arg = bias if bias is not None else out
+    precise = x2.is_cuda
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _skinny_kernel[grid](
+        x2, weight, bias_arg, out, part, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
+        n, k_per_split // cfg.block_k, STATIC_K_ITERS=0 if x2.is_cuda else k_per_split // cfg.block_k,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        TO_WORKSPACE=cfg.split_k > 1,
+        USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
+        EVEN_K=even_k, HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if cfg.split_k > 1:
+        block = min(REDUCE_BLOCK, triton.next_power_of_2(n))
+        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
+            part, bias_arg, out, m, n, out.stride(0), SPLIT_K=cfg.split_k, BLOCK=block,
+            HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise, num_warps=4,
+        )
+    return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if weight.dim() != 2 or weight.stride(1) != 1:
+        raise ValueError(f"weight must be [N, K] with unit stride along K, got {tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1] or x.dtype != weight.dtype:
+        raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match weight {tuple(weight.shape)} "
+                         f"{weight.dtype}")
+
+
+def skinny_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    config: SkinnyConfig | None = None,
+) -> torch.Tensor:
+    """F.linear(x, weight, bias) for at most SKINNY_MAX_M rows; config overrides the table/heuristic."""
+    # x: [..., K]; weight: [N, K]; bias: [N] -> [..., N]
+    _check(x, weight)
+    x2 = _rows(x)
+    m, n = x2.shape[0], weight.shape[0]
+    if m == 0 or m > SKINNY_MAX_M:
+        raise ValueError(f"skinny_linear takes 1..{SKINNY_MAX_M} rows, got {m}")
+    cfg = config or get_config(m, n, x2.shape[1], x2.device)
+    return _launch(x2, weight, bias, n, cfg, gate_up=False).view(*x.shape[:-1], n)
+
+
+def skinny_gate_up_silu(
+    x: torch.Tensor, w_gate_up: torch.Tensor, config: SkinnyConfig | None = None
+) -> torch.Tensor:
+    """silu(x @ w_gate[:I].T) * (x @ w_gate_up[I:].T), rounded where the unfused path rounds."""
+    # x: [..., K]; w_gate_up: [2I, K] (gate rows then up rows) -> [..., I]
+    _check(x, w_gate_up)
+    if w_gate_up.shape[0] % 2:
+        raise ValueError(f"w_gate_up needs gate rows then as many up rows, got {w_gate_up.shape[0]} rows")
+    x2 = _rows(x)
+    m, inter = x2.shape[0], w_gate_up.shape[0] // 2
+    if m == 0 or m > SKINNY_MAX_M:
+        raise ValueError(f"skinny_gate_up_silu takes 1..{SKINNY_MAX_M} rows, got {m}")
+    cfg = config or get_config(m, inter, x2.shape[1], x2.device, gate_up=True)
+    return _launch(x2, w_gate_up, None, inter, cfg, gate_up=True).view(*x.shape[:-1], inter)

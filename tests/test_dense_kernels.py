@@ -1,0 +1,485 @@
+"""Dense Triton kernels (RMSNorm, rotary, SiLU-and-mul, skinny GEMM) against their torch references."""
+
+# Unmarked tests use tiny shapes: through the Triton interpreter on CPU, compiled on a GPU when there
+# is one. `gpu` tests use real Llama-8B / Qwen3-0.6B layer shapes in bf16.
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from plait.kernels import activation, dispatch, rms_norm, rotary, skinny_gemm  # noqa: E402
+from plait.kernels.skinny_gemm import SkinnyConfig  # noqa: E402
+from plait.layers import linear as linear_layer  # noqa: E402
+from plait.layers.activation import act_and_mul  # noqa: E402
+from plait.layers.norm import RMSNorm  # noqa: E402
+from plait.layers.rotary import RotaryEmbedding  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+MANTISSA_BITS = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
+FP32_UNIT_ROUNDOFF = 2.0**-24
+# The interpreter casts fp32 -> bf16 by truncation, not round-to-nearest-even (triton 3.6
+# interpreter.py, _convert_float): off the GPU every bf16 rounding in a kernel may land one ulp
+# from torch's. fp16 and fp32 casts are numpy's and round correctly.
+BF16_TRUNCATION_ULPS = 0 if ON_GPU else 1
+EPS = 1e-6
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+
+
+def ulps(t: torch.Tensor) -> torch.Tensor:
+    """Spacing of t's dtype at each element of t, in fp64."""
+    mag = t.double().abs()
+    _, exp = torch.frexp(mag)
+    subnormal_step = torch.finfo(t.dtype).smallest_normal * torch.finfo(t.dtype).eps
+    return torch.ldexp(torch.ones_like(mag), exp - 1 - MANTISSA_BITS[t.dtype]).clamp_min(subnormal_step)
+
+
+def assert_within_ulps(got: torch.Tensor, want: torch.Tensor, n: int) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    err = (got.double() - want.double()).abs()
+    scale = torch.maximum(ulps(got), ulps(want))
+    worst = (err / scale).max().item() if err.numel() else 0.0
+    assert worst <= n, f"{worst:.2f} ulps apart (allowed {n})"
+
+
+def bf16_slack(dtype: torch.dtype, roundings: int) -> int:
+    return BF16_TRUNCATION_ULPS * roundings if dtype == torch.bfloat16 else 0
+
+
+def assert_matmul_close(
+    got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None
+) -> None:
+    """got is a rounding of some fp32 summation of x @ w.T + bias.
+
+    Any order of summing K products in fp32 is within gamma_K * sum|x w| of the exact value
+    (Higham, Accuracy and Stability, 3.1), gamma_K ~ K u; doubled for tensor-core accumulators, which
+    align products with truncation. The final cast adds half an ulp of the output dtype. A wrong row,
+    a lost K slice or a misplaced partial misses this bound by orders of magnitude.
+    """
+    exact = x.double() @ w.double().T
+    mag = x.double().abs() @ w.double().abs().T
+    if bias is not None:
+        exact, mag = exact + bias.double(), mag + bias.double().abs()
+    k = x.shape[-1] + 1
+    bound = 2 * k * FP32_UNIT_ROUNDOFF * mag + 0.5 * torch.maximum(ulps(got), ulps(exact.to(got.dtype)))
+    excess = ((got.double() - exact).abs() - bound).max().item()
+    assert excess <= 0, f"matmul error exceeds its bound by {excess:.3g}"
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    # Drawn on the device: real-shape weights (up to 1 GB) would be slow to draw on the host.
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(dtype)
+
+
+# -- tiny shapes (interpreter on CPU) --------------------------------------------------------------
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# fp32 norms differ from torch by the order of the sum of squares, a few fp32 ulps at most. In
+# fp16/bf16 that can flip the rounding of the normalised value, which the weight multiply turns
+# into up to 2 ulps of the output.
+NORM_ULPS = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 40), (5, 48), (3, 2, 24)])
+def test_rms_norm_matches_ref(dtype, shape):
+    x = randn(*shape, dtype=dtype, seed=1)
+    w = randn(shape[-1], dtype=dtype, seed=2)
+    got = rms_norm.rms_norm(x, w, EPS)
+    assert_within_ulps(got, rms_norm.rms_norm_ref(x, w, EPS), NORM_ULPS[dtype] + bf16_slack(dtype, 2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rms_norm_on_strided_head_view(dtype):
+    # q-norm input: the q slice of a qkv projection viewed as [T, heads, head_dim], rows not uniform.
+    t, heads, d = 3, 2, 24
+    qkv = randn(t, heads * d + 2 * d, dtype=dtype, seed=3)
+    q = qkv[:, : heads * d].view(t, heads, d)
+    w = randn(d, dtype=dtype, seed=4)
+    want = rms_norm.rms_norm_ref(q, w, EPS)
+    assert_within_ulps(rms_norm.rms_norm(q, w, EPS), want, NORM_ULPS[dtype])
+    inplace = rms_norm.rms_norm(q, w, EPS, inplace=True)
+    assert inplace.data_ptr() == qkv.data_ptr()
+    assert_within_ulps(qkv[:, : heads * d].view(t, heads, d), want, NORM_ULPS[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_fused_add_rms_norm_matches_ref(dtype, rows):
+    x, res = randn(rows, 40, dtype=dtype, seed=5), randn(rows, 40, dtype=dtype, seed=6)
+    w = randn(40, dtype=dtype, seed=7)
+    normed, new_res = rms_norm.fused_add_rms_norm(x, res, w, EPS)
+    assert_within_ulps(new_res, x + res, bf16_slack(dtype, 1))
+    # Normed is checked against the kernel's own sum so a truncated bf16 sum does not count twice.
+    want = rms_norm.rms_norm_ref(new_res, w, EPS)
+    assert_within_ulps(normed, want, NORM_ULPS[dtype] + bf16_slack(dtype, 2))
+
+
+def test_fused_add_rms_norm_inplace_writes_inputs():
+    x, res = randn(3, 40, dtype=torch.float16, seed=8), randn(3, 40, dtype=torch.float16, seed=9)
+    w = randn(40, dtype=torch.float16, seed=10)
+    want_normed, want_res = rms_norm.fused_add_rms_norm_ref(x, res, w, EPS)
+    normed, new_res = rms_norm.fused_add_rms_norm(x, res, w, EPS, inplace=True)
+    assert normed is x and new_res is res
+    assert torch.equal(res, want_res)
+    assert_within_ulps(x, want_normed, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,hq,hkv,d", [(1, 3, 1, 16), (4, 4, 2, 12), (2, 20, 2, 8)])
+def test_rotary_matches_ref(dtype, t, hq, hkv, d):
+    # d=12: half-dim 6 is not a power of two; hq=20 spans two head blocks of the launch.
+    cos_sin = RotaryEmbedding(d, 64, 10000.0).cos_sin.to(DEVICE)
+    qkv = randn(t, (hq + 2 * hkv) * d, dtype=dtype, seed=11)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    positions = torch.randint(0, 64, (t,), generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    got_q, got_k = rotary.apply_rotary(positions, q, k, cos_sin)
+    want_q, want_k = rotary.rotary_ref(positions, q, k, cos_sin)
+    assert_within_ulps(got_q, want_q, bf16_slack(dtype, 1))
+    assert_within_ulps(got_k, want_k, bf16_slack(dtype, 1))
+
+
+def test_rotary_inplace_writes_views():
+    cos_sin = RotaryEmbedding(16, 32, 10000.0).cos_sin.to(DEVICE)
+    qkv = randn(2, 4 * 16, dtype=torch.float32, seed=13)
+    q, k = qkv[:, :32].view(2, 2, 16), qkv[:, 32:48].view(2, 1, 16)
+    positions = torch.tensor([3, 31], device=DEVICE)
+    want_q, want_k = rotary.rotary_ref(positions, q, k, cos_sin)
+    v_before = qkv[:, 48:].clone()
+    rotary.apply_rotary(positions, q, k, cos_sin, inplace=True)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert torch.equal(qkv[:, 48:], v_before)
+
+
+# silu: two exp implementations (numpy in the interpreter, Sleef in torch on CPU), each within an
+# ulp of exact, may be 2 ulps apart; through 1 + e, the division and the product with up that is
+# up to 4 fp32 ulps of the output. In fp16/bf16 it can flip the rounded silu: 2 ulps after the
+# product. On the GPU both sides use CUDA's expf.
+SILU_ULPS = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 37), (3, 1030)])
+def test_silu_and_mul_matches_ref(dtype, rows, inter):
+    # inter=1030 crosses the 1024-column block of one program.
+    gate_up = randn(rows, 2 * inter, dtype=dtype, seed=14, scale=3.0)
+    got = activation.silu_and_mul(gate_up)
+    assert_within_ulps(got, activation.silu_and_mul_ref(gate_up), SILU_ULPS[dtype] + bf16_slack(dtype, 2))
+
+
+# Configs that force each code path on tiny shapes: CUDA-core and tensor-core accumulation, split-K
+# with an uneven last split (K=100 is no multiple of 3 x 32), one-row blocks. N=21 leaves a partial
+# last row block.
+FORCED_CONFIGS = {
+    "fma_split3": SkinnyConfig(block_n=8, block_k=32, split_k=3),
+    "dot_split2": SkinnyConfig(block_n=16, block_k=32, split_k=2, use_dot=True),
+    "fma_rows1": SkinnyConfig(block_n=1, block_k=64),
+}
+SKINNY_DTYPES = [torch.float32, torch.float16]  # bf16 tl.dot is wrong in the interpreter
+
+
+@pytest.mark.parametrize("dtype", SKINNY_DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_skinny_linear_heuristic_config(dtype, m):
+    x, w = randn(m, 100, dtype=dtype, seed=15), randn(21, 100, dtype=dtype, seed=16)
+    bias = randn(21, dtype=dtype, seed=17)
+    assert_matmul_close(skinny_gemm.skinny_linear(x, w, bias), x, w, bias)
+
+
+@pytest.mark.parametrize("dtype", SKINNY_DTYPES)
+@pytest.mark.parametrize("name", sorted(FORCED_CONFIGS))
+def test_skinny_linear_forced_configs(dtype, name):
+    x, w = randn(3, 100, dtype=dtype, seed=18), randn(21, 100, dtype=dtype, seed=19)
+    got = skinny_gemm.skinny_linear(x, w, None, config=FORCED_CONFIGS[name])
+    assert_matmul_close(got, x, w, None)
+
+
+def test_skinny_linear_keeps_leading_dims_and_rejects_large_m():
+    x, w = randn(2, 1, 64, dtype=torch.float32, seed=20), randn(16, 64, dtype=torch.float32, seed=21)
+    got = skinny_gemm.skinny_linear(x, w)
+    assert got.shape == (2, 1, 16)
+    assert_matmul_close(got.view(2, 16), x.view(2, 64), w, None)
+    with pytest.raises(ValueError):
+        skinny_gemm.skinny_linear(randn(17, 64, dtype=torch.float32, seed=22), w)
+
+
+@pytest.mark.parametrize("name", ["fma_split3", "dot_split2", None])
+def test_skinny_gate_up_silu_equals_unfused_kernels(name):
+    # fp16: the fused epilogue rounds gate and up as F.linear's output would, then silu, then the
+    # product: with the same config it must reproduce skinny_linear + silu_and_mul bit for bit.
+    cfg = FORCED_CONFIGS[name] if name else None
+    x, w = randn(3, 100, dtype=torch.float16, seed=23), randn(2 * 19, 100, dtype=torch.float16, seed=24)
+    fused = skinny_gemm.skinny_gate_up_silu(x, w, config=cfg)
+    unfused_cfg = cfg or skinny_gemm.get_config(3, 19, 100, x.device, gate_up=True)
+    gate_up = torch.cat([skinny_gemm.skinny_linear(x, w[:19], config=unfused_cfg),
+                         skinny_gemm.skinny_linear(x, w[19:], config=unfused_cfg)], dim=-1)
+    assert torch.equal(fused, activation.silu_and_mul(gate_up))
+
+
+def test_heuristic_splits_k_only_when_rows_are_too_few():
+    sms = 132
+    wide = skinny_gemm.heuristic_config(1, 128256, 4096, sms)
+    assert wide.split_k == 1 and not wide.use_dot
+    narrow = skinny_gemm.heuristic_config(16, 1024, 3072, sms)
+    assert narrow.use_dot and narrow.split_k > 1
+    assert 3072 // narrow.split_k >= skinny_gemm.MIN_K_PER_SPLIT
+    for m in (1, 2, 4, 8, 16):
+        for n, k in [(6144, 4096), (4096, 14336), (1024, 2048), (151936, 1024)]:
+            cfg = skinny_gemm.heuristic_config(m, n, k, sms)
+            assert cfg.split_k <= skinny_gemm.MAX_SPLIT_K and cfg.block_n >= 1
+            if not cfg.use_dot:
+                assert skinny_gemm.m_bucket(m) * cfg.block_n * cfg.block_k <= skinny_gemm.FMA_ACC_ELEMENTS
+
+
+def test_config_table_overrides_heuristic(monkeypatch):
+    cfg = SkinnyConfig(block_n=2, block_k=64, split_k=2)
+    monkeypatch.setitem(skinny_gemm.SKINNY_CONFIGS, (4, 24, 80), cfg)
+    assert skinny_gemm.get_config(3, 24, 80, torch.device("cpu")) == cfg
+    assert skinny_gemm.get_config(5, 24, 80, torch.device("cpu")) != cfg
+
+
+# -- dispatch --------------------------------------------------------------------------------------
+
+
+def test_torch_references_are_the_layers_torch_code():
+    # The references the kernels are held to must be exactly what the layers compute off the GPU.
+    x = torch.randn(3, 2, 24)
+    norm = RMSNorm(24, EPS)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(24))
+    assert torch.equal(norm(x), rms_norm.rms_norm_ref(x, norm.weight, EPS))
+    res = torch.randn(3, 2, 24)
+    want_pair = rms_norm.fused_add_rms_norm_ref(x, res, norm.weight, EPS)
+    for got, want in zip(norm.forward_residual(x, res), want_pair):
+        assert torch.equal(got, want)
+    rope = RotaryEmbedding(24, 16, 10000.0)
+    pos, q, k = torch.tensor([0, 5, 15]), torch.randn(3, 4, 24), torch.randn(3, 2, 24)
+    for got, want in zip(rope(pos, q, k), rotary.rotary_ref(pos, q, k, rope.cos_sin)):
+        assert torch.equal(got, want)
+    gate_up = torch.randn(3, 40)
+    assert torch.equal(act_and_mul(gate_up, F.silu), activation.silu_and_mul_ref(gate_up))
+
+
+def test_use_triton_only_for_cuda_without_autograd(monkeypatch):
+    monkeypatch.setattr(dispatch, "_enabled", True)
+    x = torch.randn(2, 4)
+    assert not dispatch.use_triton(x)
+    assert dispatch.triton_importable()
+    if ON_GPU:
+        xc = x.cuda()
+        with torch.no_grad():
+            assert dispatch.use_triton(xc)
+            dispatch.set_triton_enabled(False)
+            assert not dispatch.use_triton(xc)
+            dispatch.set_triton_enabled(True)
+        assert not dispatch.use_triton(xc)  # grad mode on: the kernels have no backward
+
+
+def test_linear_is_a_drop_in_for_nn_linear():
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(24, 10, bias=True)
+    lin = linear_layer.Linear(24, 10, bias=True)
+    assert list(lin.state_dict()) == list(ref.state_dict())
+    lin.load_state_dict(ref.state_dict())
+    x = torch.randn(3, 24)
+    assert torch.equal(lin(x), ref(x))
+    assert not lin.uses_skinny(x)
+    assert linear_layer.Linear(24, 10, bias=False).bias is None
+
+
+def test_skinny_switch_env_parsing(monkeypatch):
+    name = "PLAIT_TEST_SWITCH"
+    monkeypatch.delenv(name, raising=False)
+    assert linear_layer._env_switch(name, True) is True
+    monkeypatch.setenv(name, "0")
+    assert linear_layer._env_switch(name, True) is False
+    monkeypatch.setenv(name, "1")
+    assert linear_layer._env_switch(name, False) is True
+    monkeypatch.setenv(name, "yes")
+    with pytest.raises(ValueError):
+        linear_layer._env_switch(name, False)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the gpu test below runs the same check compiled")
+def test_tiny_model_through_interpreted_kernels_matches_torch(tiny_models, monkeypatch):
+    # Every layer routed to its kernel under the interpreter, fp16 so the skinny GEMM applies: a
+    # first step of more than SKINNY_MAX_M tokens (F.linear + silu_and_mul), then decodes (skinny
+    # projections, fused gate/up + SiLU, skinny lm_head); norms on strided q/k views, rotary. Same
+    # greedy tokens as the torch layers, logits within fp16 noise.
+    from conftest import random_prompts, run_greedy
+
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
+    # One "SM" for the heuristic: wide row blocks, so the interpreter runs few programs per launch.
+    monkeypatch.setattr(skinny_gemm, "DEFAULT_NUM_SMS", 1)
+    calls = {}
+    for module, name in [(rms_norm, "rms_norm"), (rms_norm, "fused_add_rms_norm"), (rotary, "apply_rotary"),
+                         (activation, "silu_and_mul"), (skinny_gemm, "skinny_linear"),
+                         (skinny_gemm, "skinny_gate_up_silu")]:
+        monkeypatch.setattr(module, name, _counted(getattr(module, name), name, calls))
+    prompts = random_prompts(2, 10, 14, seed=4)
+    runs = {}
+    for kernels in (False, True):
+        monkeypatch.setattr(dispatch, "_cpu_interpreter", kernels)
+        monkeypatch.setattr(linear_layer, "_skinny_enabled", kernels)
+        engine = LLMEngine(EngineConfig(model=str(tiny_models["qwen3"]), device="cpu", dtype="float16",
+                                        max_num_batched_tokens=32, block_size=8, num_kv_blocks=16))
+        runs[kernels] = run_greedy(engine, prompts, 3, capture_logits=True)
+        assert bool(calls) == kernels
+    assert len(calls) == 6, f"kernels never called: {sorted(calls)}"
+    (tok_torch, logits_torch), (tok_kernels, logits_kernels) = runs[False], runs[True]
+    assert tok_kernels == tok_torch
+    for i in range(len(prompts)):
+        a, b = torch.stack(logits_kernels[i]), torch.stack(logits_torch[i])
+        torch.testing.assert_close(a, b, rtol=0, atol=0.01 * b.abs().max().item())
+
+
+def _counted(fn, name: str, calls: dict):
+    def counted(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*args, **kwargs)
+
+    return counted
+
+
+# -- real shapes on the GPU ------------------------------------------------------------------------
+
+LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336, vocab=128256, theta=500000.0)
+QWEN3_06B = dict(hidden=1024, heads=16, kv_heads=8, head_dim=128, inter=3072, vocab=151936, theta=1e6)
+MODELS = {"llama8b": LLAMA_8B, "qwen3_0.6b": QWEN3_06B}
+BF16 = torch.bfloat16
+
+
+def linear_shapes(c: dict) -> dict[str, tuple[int, int]]:
+    qkv = (c["heads"] + 2 * c["kv_heads"]) * c["head_dim"]
+    return {"qkv": (qkv, c["hidden"]), "o": (c["hidden"], c["heads"] * c["head_dim"]),
+            "gate_up": (2 * c["inter"], c["hidden"]), "down": (c["hidden"], c["inter"]),
+            "lm_head": (c["vocab"], c["hidden"])}
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("t", [1, 257])
+def test_gpu_norms_real_shapes(model, t):
+    c = MODELS[model]
+    x, res = randn(t, c["hidden"], dtype=BF16, seed=30), randn(t, c["hidden"], dtype=BF16, seed=31)
+    w = randn(c["hidden"], dtype=BF16, seed=32, scale=0.1) + 1
+    assert_within_ulps(rms_norm.rms_norm(x, w, EPS), rms_norm.rms_norm_ref(x, w, EPS), NORM_ULPS[BF16])
+    normed, new_res = rms_norm.fused_add_rms_norm(x, res, w, EPS)
+    assert torch.equal(new_res, x + res)
+    assert_within_ulps(normed, rms_norm.rms_norm_ref(x + res, w, EPS), NORM_ULPS[BF16])
+    qkv = randn(t, (c["heads"] + 2 * c["kv_heads"]) * c["head_dim"], dtype=BF16, seed=33)
+    q = qkv[:, : c["heads"] * c["head_dim"]].view(t, c["heads"], c["head_dim"])
+    wq = randn(c["head_dim"], dtype=BF16, seed=34)
+    assert_within_ulps(rms_norm.rms_norm(q, wq, EPS), rms_norm.rms_norm_ref(q, wq, EPS), NORM_ULPS[BF16])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("t", [1, 300])
+def test_gpu_rotary_real_shapes_exact(model, t):
+    c = MODELS[model]
+    rope = RotaryEmbedding(c["head_dim"], 8192, c["theta"])
+    cos_sin = rope.cos_sin.cuda()
+    hq, hkv, d = c["heads"], c["kv_heads"], c["head_dim"]
+    qkv = randn(t, (hq + 2 * hkv) * d, dtype=BF16, seed=35)
+    q, k = qkv[:, : hq * d].view(t, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    positions = torch.randint(0, 8192, (t,), device="cuda")
+    got, want = rotary.apply_rotary(positions, q, k, cos_sin), rotary.rotary_ref(positions, q, k, cos_sin)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("t", [1, 300])
+def test_gpu_silu_and_mul_real_shapes(model, t):
+    gate_up = randn(t, 2 * MODELS[model]["inter"], dtype=BF16, seed=36, scale=3.0)
+    got, want = activation.silu_and_mul(gate_up), activation.silu_and_mul_ref(gate_up)
+    assert_within_ulps(got, want, SILU_ULPS[BF16])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("proj", ["qkv", "o", "gate_up", "down", "lm_head"])
+@pytest.mark.parametrize("m", [1, 2, 5, 16])
+def test_gpu_skinny_linear_real_shapes(model, proj, m):
+    n, k = linear_shapes(MODELS[model])[proj]
+    x = randn(m, k, dtype=BF16, seed=37)
+    w = randn(n, k, dtype=BF16, seed=38, scale=0.02)
+    bias = randn(n, dtype=BF16, seed=39, scale=0.02) if proj == "qkv" else None
+    assert_matmul_close(skinny_gemm.skinny_linear(x, w, bias), x, w, bias)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_gpu_skinny_gate_up_silu_real_shapes(model, m):
+    c = MODELS[model]
+    x = randn(m, c["hidden"], dtype=BF16, seed=40)
+    w = randn(2 * c["inter"], c["hidden"], dtype=BF16, seed=41, scale=0.02)
+    got = skinny_gemm.skinny_gate_up_silu(x, w)
+    want = activation.silu_and_mul_ref(F.linear(x, w))
+    # gate and up may each sit an ulp from cuBLAS's (summation order); silu and the product add a
+    # rounding each: a few bf16 ulps of the result's scale.
+    torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_skinny_linear_replays_in_a_cuda_graph():
+    x, w = randn(4, 4096, dtype=BF16, seed=42), randn(1024, 4096, dtype=BF16, seed=43, scale=0.02)
+    split = SkinnyConfig(block_n=16, block_k=128, split_k=4, use_dot=True, num_stages=4)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        skinny_gemm.skinny_linear(x, w, config=split)
+        skinny_gemm.skinny_gate_up_silu(x, w, config=split)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny_gemm.skinny_linear(x, w, config=split)
+        fused = skinny_gemm.skinny_gate_up_silu(x, w, config=split)
+    x.copy_(randn(4, 4096, dtype=BF16, seed=44))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_matmul_close(out, x, w, None)
+    assert torch.equal(fused, skinny_gemm.skinny_gate_up_silu(x, w, config=split))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gpu_tiny_model_same_greedy_tokens_with_and_without_triton(tiny_models, family, monkeypatch):
+    from conftest import random_prompts, run_greedy
+
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
+    prompts = random_prompts(4, 1, 40, seed=3)
+    runs = {}
+    for label, triton_on in [("triton", True), ("torch", False)]:
+        monkeypatch.setattr(dispatch, "_enabled", triton_on)
+        monkeypatch.setattr(linear_layer, "_skinny_enabled", triton_on)
+        # A fixed small KV pool: the default takes most of the GPU, and two engines are alive here.
+        engine = LLMEngine(EngineConfig(model=str(tiny_models[family]), device="cuda", dtype="bfloat16",
+                                        max_num_batched_tokens=32, block_size=8, num_kv_blocks=128))
+        runs[label] = run_greedy(engine, prompts, 8, capture_logits=True)
+    (tok_a, logits_a), (tok_b, logits_b) = runs["triton"], runs["torch"]
+    assert tok_a == tok_b
+    for i in range(len(prompts)):
+        a, b = torch.stack(logits_a[i]), torch.stack(logits_b[i])
+        # Two bf16 layers: each kernel may round an ulp apart from torch; 2% of the logit range.
+        torch.testing.assert_close(a, b, rtol=0, atol=0.02 * b.abs().max().item())
