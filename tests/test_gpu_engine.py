@@ -21,6 +21,7 @@ pytestmark = [
 NUM_PROMPTS = 64
 NEW_TOKENS = 32
 AGREEMENT = 0.9  # bf16: rounding may fork a few greedy continuations late
+FP32_AGREEMENT = 0.95
 VOCAB = 8192
 
 
@@ -70,72 +71,63 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]], arrive_every: int) -> l
     return [outputs[i] for i in range(len(prompts))]
 
 
-# Random weights give flat logits; a larger lm_head makes greedy choices decisive, so a fork between
-# backends means a real difference, not a bf16 coin toss between two near-equal logits.
-LM_HEAD_SCALE = 8.0
-# Each GPU configuration beside the reference (torch_ref, eager, no overlap): name -> engine knobs.
+# Each GPU path beside the reference (torch_ref, eager, no overlap, budget 4096): name -> engine knobs.
 VARIANTS = {
-    # Differs from the reference in its token budget only: what bf16 batching noise alone does.
     "torch_ref-eager-sync": dict(attention_backend="torch_ref", enforce_eager=True, async_scheduling=False),
     "triton-eager-sync": dict(attention_backend="triton", enforce_eager=True, async_scheduling=False),
     "torch_ref-eager-async": dict(attention_backend="torch_ref", enforce_eager=True),
     "triton-graphs-async": dict(attention_backend="triton"),
 }
+BUDGET = 256  # the variants chunk prompts; the fp32 reference takes each prompt in one step
 
 
 def _engine(model: str, dtype: str, **knobs) -> LLMEngine:
-    config = EngineConfig(
-        model=model,
-        load_format="dummy",
-        seed=7,
-        dtype=dtype,
-        max_model_len=1024,
-        num_kv_blocks=2048,
-        max_num_seqs=64,
-        enable_prefix_caching=False,
-        **knobs,
-    )
-    engine = LLMEngine(config)
-    with torch.no_grad():
-        engine.runner.model.lm_head.weight.mul_(LM_HEAD_SCALE)
-    return engine
+    config = EngineConfig(model=model, load_format="dummy", seed=7, dtype=dtype, max_model_len=1024,
+                          num_kv_blocks=2048, max_num_seqs=64, enable_prefix_caching=False, **knobs)
+    return LLMEngine(config)
 
 
 def _first_fork(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
-# fp32 (IEEE dots in the kernels): every path computes the same function up to fp32 rounding, so
-# forks are rare and a low agreement means a bug. bf16: the issue's bar, rounding forks allowed.
-@pytest.mark.parametrize("dtype,bar", [("float32", 0.95), ("bfloat16", AGREEMENT)])
+def _agreement(got: list[list[int]], ref: list[list[int]]) -> tuple[float, list[int]]:
+    forks = [_first_fork(a, b) for a, b in zip(got, ref)]
+    return sum(f is None for f in forks) / len(ref), sorted(f for f in forks if f is not None)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_gpu_paths_agree_with_torch_ref(tmp_path, head_dim, dtype, bar):
+def test_every_gpu_path_computes_the_reference_function_in_fp32(tmp_path, head_dim):
+    """fp32 with IEEE dots in the kernels: chunking, overlap, graphs and Triton attention change only
+    fp32 rounding, so a fork would mean a bug (a wrong token, row, slot or padded row)."""
     model = _config(tmp_path, head_dim)
     prompts = _prompts(head_dim)
-    ref = _greedy(
-        _engine(
-            model,
-            dtype,
-            attention_backend="torch_ref",
-            enforce_eager=True,
-            async_scheduling=False,
-            max_num_batched_tokens=4096,
-        ),
-        prompts,
-        0,
-    )
-    report = {}
+    ref = _greedy(_engine(model, "float32", attention_backend="torch_ref", enforce_eager=True,
+                          async_scheduling=False, max_num_batched_tokens=4096), prompts, 0)
     for name, knobs in VARIANTS.items():
-        engine = _engine(model, dtype, max_num_batched_tokens=256, **knobs)
-        got = _greedy(engine, prompts, arrive_every=2)  # mixed steps, chunked prompts, pure decodes
-        forks = [_first_fork(a, b) for a, b in zip(got, ref)]
-        report[name] = (sum(f is None for f in forks) / len(ref), sorted(f for f in forks if f is not None))
+        engine = _engine(model, "float32", max_num_batched_tokens=BUDGET, **knobs)
+        agree, forks = _agreement(_greedy(engine, prompts, arrive_every=2), ref)
+        assert agree >= FP32_AGREEMENT, f"{name}: {agree:.0%} agree; first forks at {forks}"
         if engine.runner.graphs is not None:
             b = engine.runner.breakdown
             assert b.single_token_steps > 0 and b.graph_steps == b.single_token_steps
-    print(f"\n{dtype} d{head_dim}: agreement with torch_ref (share of prompts, first forks):", report)
-    for name, (agree, forks) in report.items():
-        assert agree >= bar, f"{name}: {agree:.0%} of prompts agree on {NEW_TOKENS} tokens; {forks}"
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_triton_agrees_with_torch_ref_in_bf16(tmp_path, head_dim):
+    """The issue's bar: with batching held fixed (same budget, arrivals, eager, no overlap) the only
+    difference is the attention backend, and greedy bf16 outputs agree on the first 32 tokens for at
+    least 90% of prompts. (Random weights have flat logits: a different batching alone changes GEMM
+    shapes and forks about half the prompts in bf16, which is why the fp32 test above is the one that
+    checks the other paths.)"""
+    model = _config(tmp_path, head_dim)
+    prompts = _prompts(head_dim)
+    same = dict(enforce_eager=True, async_scheduling=False, max_num_batched_tokens=BUDGET)
+    ref = _greedy(_engine(model, "bfloat16", attention_backend="torch_ref", **same), prompts, 2)
+    got = _greedy(_engine(model, "bfloat16", attention_backend="triton", **same), prompts, 2)
+    agree, forks = _agreement(got, ref)
+    print(f"\nbf16 d{head_dim}: triton vs torch_ref {agree:.0%} agree; first forks at {forks}")
+    assert agree >= AGREEMENT, f"{agree:.0%} agree; first forks at {forks}"
 
 
 def test_staging_never_overwrites_a_copy_in_flight():
