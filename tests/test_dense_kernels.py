@@ -294,17 +294,24 @@ def test_linear_is_a_drop_in_for_nn_linear():
     assert linear_layer.Linear(24, 10, bias=False).bias is None
 
 
-def test_skinny_switch_env_parsing(monkeypatch):
+def test_skinny_mode_env_parsing(monkeypatch):
     name = "PLAIT_TEST_SWITCH"
     monkeypatch.delenv(name, raising=False)
-    assert linear_layer._env_switch(name, True) is True
-    monkeypatch.setenv(name, "0")
-    assert linear_layer._env_switch(name, True) is False
-    monkeypatch.setenv(name, "1")
-    assert linear_layer._env_switch(name, False) is True
+    assert linear_layer._env_mode(name, "auto") == "auto"
+    for mode in ("0", "1", "auto"):
+        monkeypatch.setenv(name, mode)
+        assert linear_layer._env_mode(name, "auto") == mode
     monkeypatch.setenv(name, "yes")
     with pytest.raises(ValueError):
-        linear_layer._env_switch(name, False)
+        linear_layer._env_mode(name, "auto")
+
+
+def test_auto_mode_takes_only_measured_winners():
+    # A shape listed in SKINNY_CONFIGS (qwen3-0.6b o at M=1) goes to the skinny kernel; an unlisted one
+    # (llama-8b gate_up, where cuBLAS won) stays with F.linear; M past the skinny range never goes.
+    assert skinny_gemm.measured_faster(1, 1024, 2048) and skinny_gemm.measured_faster(2, 1024, 2048)
+    assert not skinny_gemm.measured_faster(1, 28672, 4096)
+    assert skinny_gemm.measured_faster(3, 1024, 3072)  # M=3 takes the M=4 measurement
 
 
 @pytest.mark.skipif(ON_GPU, reason="the gpu test below runs the same check compiled")
@@ -329,7 +336,7 @@ def test_tiny_model_through_interpreted_kernels_matches_torch(tiny_models, monke
     runs = {}
     for kernels in (False, True):
         monkeypatch.setattr(dispatch, "_cpu_interpreter", kernels)
-        monkeypatch.setattr(linear_layer, "_skinny_enabled", kernels)
+        monkeypatch.setattr(linear_layer, "_skinny_mode", "1" if kernels else "0")
         engine = LLMEngine(EngineConfig(model=str(tiny_models["qwen3"]), device="cpu", dtype="float16",
                                         max_num_batched_tokens=32, block_size=8, num_kv_blocks=16))
         runs[kernels] = run_greedy(engine, prompts, 3, capture_logits=True)
@@ -472,7 +479,7 @@ def test_gpu_tiny_model_same_greedy_tokens_with_and_without_triton(tiny_models, 
     runs = {}
     for label, triton_on in [("triton", True), ("torch", False)]:
         monkeypatch.setattr(dispatch, "_enabled", triton_on)
-        monkeypatch.setattr(linear_layer, "_skinny_enabled", triton_on)
+        monkeypatch.setattr(linear_layer, "_skinny_mode", "1" if triton_on else "0")
         # A fixed small KV pool: the default takes most of the GPU, and two engines are alive here.
         engine = LLMEngine(EngineConfig(model=str(tiny_models[family]), device="cuda", dtype="bfloat16",
                                         max_num_batched_tokens=32, block_size=8, num_kv_blocks=128))

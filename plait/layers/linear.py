@@ -10,53 +10,62 @@ from torch import nn
 
 from plait.kernels.dispatch import use_triton
 
-# Whether decode-sized matmuls use the skinny Triton GEMM unless PLAIT_SKINNY_GEMM says otherwise.
-# The lead sets this from GPU measurements (benchmarks/kernels/dense_bench.py).
-SKINNY_GEMM_DEFAULT = False
-SKINNY_GEMM_ENV = "PLAIT_SKINNY_GEMM"  # "1" on, "0" off
+# Which decode-sized matmuls use the skinny Triton GEMM: "auto" only the shapes where it measured faster
+# than cuBLAS (plait.kernels.skinny_gemm.SKINNY_CONFIGS), "1" all of them, "0" none.
+SKINNY_GEMM_DEFAULT = "auto"
+SKINNY_GEMM_ENV = "PLAIT_SKINNY_GEMM"
+SKINNY_MODES = ("auto", "0", "1")
 # Row counts up to this go to the skinny GEMM (plait.kernels.skinny_gemm.SKINNY_MAX_M, repeated so
 # the CPU path never imports triton).
 SKINNY_MAX_M = 16
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
-# With the skinny GEMM on, a silu-gated MLP's gate/up projection and silu-and-mul run as one kernel.
+# Where the skinny GEMM takes a silu-gated MLP's gate/up projection (GATE_UP_CONFIGS, or mode "1"),
+# the projection and silu-and-mul run as one kernel.
 FUSE_GATE_UP_SILU = True
 
 
-def _env_switch(name: str, default: bool) -> bool:
-    value = os.environ.get(name)
-    if value is None or value == "":
-        return default
-    if value not in ("0", "1"):
-        raise ValueError(f"{name} must be 0 or 1, got {value!r}")
-    return value == "1"
+def _env_mode(name: str, default: str) -> str:
+    value = os.environ.get(name) or default
+    if value not in SKINNY_MODES:
+        raise ValueError(f"{name} must be one of {SKINNY_MODES}, got {value!r}")
+    return value
 
 
-# Read once at import: forward runs hundreds of times per step. Tests flip it with set_skinny_enabled().
-_skinny_enabled = _env_switch(SKINNY_GEMM_ENV, SKINNY_GEMM_DEFAULT)
+# Read once at import: forward runs hundreds of times per step. Tests flip it with set_skinny_mode().
+_skinny_mode = _env_mode(SKINNY_GEMM_ENV, SKINNY_GEMM_DEFAULT)
 
 
-def set_skinny_enabled(enabled: bool) -> None:
-    global _skinny_enabled
-    _skinny_enabled = enabled
+def set_skinny_mode(mode: str) -> None:
+    global _skinny_mode
+    if mode not in SKINNY_MODES:
+        raise ValueError(f"skinny mode must be one of {SKINNY_MODES}, got {mode!r}")
+    _skinny_mode = mode
 
 
-def skinny_enabled() -> bool:
-    return _skinny_enabled
+def skinny_mode() -> str:
+    return _skinny_mode
 
 
 class Linear(nn.Linear):
     """Drop-in nn.Linear (same parameters, init and state dict); see uses_skinny for the GPU route."""
 
-    def uses_skinny(self, x: torch.Tensor) -> bool:
+    def uses_skinny(self, x: torch.Tensor, gate_up: bool = False) -> bool:
         """True when this x goes through the skinny Triton GEMM rather than F.linear."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return (
-            _skinny_enabled
+        if not (
+            _skinny_mode != "0"
             and 0 < rows <= SKINNY_MAX_M
             and x.dtype in SKINNY_DTYPES
             and x.dtype == self.weight.dtype
             and use_triton(x)
-        )
+        ):
+            return False
+        if _skinny_mode == "1":
+            return True
+        from plait.kernels.skinny_gemm import measured_faster
+
+        n = self.out_features // 2 if gate_up else self.out_features
+        return measured_faster(rows, n, self.in_features, gate_up)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
@@ -68,7 +77,7 @@ class Linear(nn.Linear):
 
     def fuses_gate_up_silu(self, x: torch.Tensor) -> bool:
         """True when gate_up_silu(x) runs as one fused skinny kernel (this layer being [gate; up])."""
-        return FUSE_GATE_UP_SILU and self.bias is None and self.uses_skinny(x)
+        return FUSE_GATE_UP_SILU and self.bias is None and self.uses_skinny(x, gate_up=True)
 
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
         """silu(x @ gate.T) * (x @ up.T) for this fused [gate; up] weight; needs fuses_gate_up_silu(x)."""
