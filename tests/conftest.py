@@ -8,6 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# Triton kernels run in the interpreter on CPU-only machines (must be set before triton is imported).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Two cores: more threads than that only adds contention.
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 

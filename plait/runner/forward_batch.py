@@ -26,6 +26,7 @@ class ForwardBatch:
     context_lens: torch.Tensor  # [R] int32: tokens already cached before this step
     seq_lens: torch.Tensor  # [R] int32: context_lens + this step's tokens
     is_first_chunk: torch.Tensor  # [R] bool: num_computed_tokens == 0 (never inferred from length)
+    state_slots: torch.Tensor  # [R] int64: the request's recurrent-state slot (NO_STATE_SLOT if none)
     block_tables: torch.Tensor  # [R, max_blocks] int32, padded with PAD_BLOCK_ID
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
     sample_indices: torch.Tensor  # [S] int64: last token of each sampling row, in row order
@@ -36,6 +37,8 @@ class ForwardBatch:
     max_seq_len: int
     attn_backend: AttentionBackend | None = None  # set by the runner
     kv_caches: list[torch.Tensor] | None = None  # set by the runner: one [2, blocks, bs, Hkv, D] per layer
+    # Set by the runner for models with recurrent layers: one MambaLayerState per Mamba layer.
+    recurrent_states: list | None = None
     # Set by the attention backend: metadata it derives from this batch once and reuses in every layer.
     backend_state: dict = field(default_factory=dict)
 
@@ -88,10 +91,11 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
     sample_rows = [i for i, r in enumerate(rows) if r.samples]
     sample_indices = query_start_loc[1:][sample_rows] - 1
     is_first = np.array([r.is_first_chunk for r in rows], dtype=np.int64)
+    state_slots = np.array([r.request.state_slot for r in rows], dtype=np.int64)
 
     # One contiguous int64 buffer, one copy; the device tensors are views into it.
     parts = [input_ids, positions, query_start_loc, starts, seq_lens, is_first,
-             block_tables.reshape(-1), slot_mapping, np.asarray(sample_indices, dtype=np.int64)]
+             block_tables.reshape(-1), slot_mapping, np.asarray(sample_indices, dtype=np.int64), state_slots]
     host = torch.from_numpy(np.concatenate(parts))
     if device.type == "cuda":
         host = host.pin_memory()
@@ -107,6 +111,7 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
         block_tables=views[6].view(num_rows, -1).int(),
         slot_mapping=views[7],
         sample_indices=views[8],
+        state_slots=views[9],
         sample_rows=sample_rows,
         query_start_loc_cpu=query_start_loc.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
