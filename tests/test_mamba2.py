@@ -291,3 +291,21 @@ def test_kv_caches_only_for_attention_layers(recurrent_models):
     # One row per slot plus the pad slot; the default capacity is max_num_seqs.
     assert mamba.runner.recurrent_states[0].ssm.shape[0] == 4 + 1
     assert mamba.state_slots.capacity == 4
+
+
+# -- the GPU path (Triton kernels inside the engine) -----------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("budget", [7, 33, 256])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gpu_engine_matches_cpu_reference(recurrent_models, prompts, single_shot, arch, budget):
+    """fp32 on CUDA through the Triton kernels, mixed and chunked, against the CPU torch path."""
+    engine = _engine(recurrent_models[arch], device="cuda", dtype="float32", max_num_batched_tokens=budget)
+    outs, logits = run_greedy(engine, prompts, MAX_TOKENS, capture_logits=True)
+    ref_outs, ref_logits = single_shot[arch]
+    for i in range(len(prompts)):
+        assert outs[i] == ref_outs[i], f"{arch} prompt {i}: GPU tokens differ from the CPU reference"
+        torch.testing.assert_close(torch.stack(logits[i]).cpu(), ref_logits[i], atol=1e-3, rtol=0)
+    assert engine.is_idle_and_clean()
