@@ -143,7 +143,8 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg.get("intermediate_size", 0),  # 0: no MLP (Mamba2)
-            num_hidden_layers=cfg["num_hidden_layers"],
+            # NemotronH gives its layers as a list of kinds instead of a count.
+            num_hidden_layers=cfg.get("num_hidden_layers") or len(cfg.get("layers_block_type") or []),
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,

@@ -17,15 +17,16 @@ from plait.sampling_params import SamplingParams
 
 LOGITS_ATOL = 1e-4
 MAX_TOKENS = 8
-ARCHS = ["mamba2", "bamba"]
-# Random init gives tiny logits; projections are scaled up so greedy has clear winners. Not the
-# SSM's own parameters (A_log, dt_bias, D), which set the decay and must stay in a sane range.
-WEIGHT_SCALE = 4.0
+ARCHS = ["mamba2", "bamba", "nemotron_h"]
+# Random init gives tiny logits; projections are scaled up so greedy has clear winners (logits of
+# order 10, where fp32 still resolves 1e-4). Not the SSM's own parameters (A_log, dt_bias, D),
+# which set the decay and must stay in a sane range.
+WEIGHT_SCALE = {"mamba2": 4.0, "bamba": 4.0, "nemotron_h": 8.0}
 _SSM_PARAMS = ("A_log", "dt_bias", ".D")
 
 
 def _tiny_hf_configs() -> dict:
-    from transformers import BambaConfig, Mamba2Config
+    from transformers import BambaConfig, Mamba2Config, NemotronHConfig
 
     # SSD chunk 16 so that prompts and step budgets cross chunk boundaries; n_groups 2 in Mamba2
     # so the group-to-head mapping is exercised.
@@ -38,6 +39,14 @@ def _tiny_hf_configs() -> dict:
                              num_attention_heads=4, num_key_value_heads=2, vocab_size=TINY_VOCAB,
                              attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=1,
                              mamba_d_state=16, mamba_chunk_size=16, max_position_embeddings=512),
+        # Mamba, MLP, Mamba, attention (no rotary), MLP, Mamba. NemotronH floors dt at time_step_min
+        # in HF's scan but not in its one-token decode step; a floor that never binds keeps the
+        # oracle consistent with itself (the floor itself is tested on the kernels).
+        "nemotron_h": NemotronHConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_key_value_heads=2, head_dim=16, vocab_size=TINY_VOCAB,
+                                      hybrid_override_pattern="M-M*-M", mamba_num_heads=8, mamba_head_dim=16,
+                                      ssm_state_size=16, n_groups=2, chunk_size=16, time_step_min=1e-9,
+                                      max_position_embeddings=512),
     }
 
 
@@ -53,7 +62,7 @@ def recurrent_models(tmp_path_factory) -> dict:
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" not in name and not name.endswith(_SSM_PARAMS):
-                    p.mul_(WEIGHT_SCALE)
+                    p.mul_(WEIGHT_SCALE[arch])
         folder = tmp_path_factory.mktemp(f"tiny-{arch}")
         model.save_pretrained(folder)
         folders[arch] = folder
@@ -286,6 +295,8 @@ def test_prefix_caching_is_off_with_a_logged_reason(recurrent_models, caplog):
 def test_kv_caches_only_for_attention_layers(recurrent_models):
     bamba = _engine(recurrent_models["bamba"], max_num_batched_tokens=64, max_num_seqs=4)
     assert len(bamba.runner.kv_caches) == 1 and len(bamba.runner.recurrent_states) == 2
+    nemotron = _engine(recurrent_models["nemotron_h"], max_num_batched_tokens=64, max_num_seqs=4)
+    assert len(nemotron.runner.kv_caches) == 1 and len(nemotron.runner.recurrent_states) == 3
     mamba = _engine(recurrent_models["mamba2"], max_num_batched_tokens=64, max_num_seqs=4)
     assert mamba.runner.kv_caches == [] and len(mamba.runner.recurrent_states) == 2
     # One row per slot plus the pad slot; the default capacity is max_num_seqs.

@@ -18,7 +18,7 @@ from plait.layers.norm import RMSNorm
 from plait.layers.rotary import RotaryEmbedding
 from plait.models.llama import MLP, Attention
 from plait.models.mamba2 import check_activation, time_step_limit
-from plait.models.weights import load_checked
+from plait.models.weights import STACKED_PROJECTIONS, load_checked
 from plait.runner.forward_batch import ForwardBatch
 
 ATTENTION, MAMBA = "full_attention", "linear_attention"
@@ -151,4 +151,4 @@ class BambaForCausalLM(nn.Module):
                 return None
             return name
 
-        load_checked(self, weights, sizes, rename)
+        load_checked(self, weights, STACKED_PROJECTIONS, sizes, rename)

@@ -116,4 +116,4 @@ class Mamba2ForCausalLM(nn.Module):
             # Old Mamba2 checkpoints call the embedding "embedding" (HF renames it at load too).
             return name.replace("backbone.embedding.", "backbone.embeddings.")
 
-        load_checked(self, weights, {}, rename, frozenset({"lm_head.weight"}) if tied else frozenset())
+        load_checked(self, weights, {}, {}, rename, frozenset({"lm_head.weight"}) if tied else frozenset())

@@ -12,6 +12,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
     "Mamba2ForCausalLM": ("plait.models.mamba2", "Mamba2ForCausalLM"),
     "BambaForCausalLM": ("plait.models.bamba", "BambaForCausalLM"),
+    "NemotronHForCausalLM": ("plait.models.nemotron_h", "NemotronHForCausalLM"),
 }
 
 

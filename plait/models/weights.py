@@ -29,14 +29,16 @@ def fused_target(name: str, stacked: dict[str, tuple[str, int]]) -> tuple[str, i
 def load_checked(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: dict[str, tuple[str, int]],
     shard_sizes: dict[str, list[int]],
     rename: Callable[[str], str | None] = lambda name: name,
     not_in_checkpoint: frozenset[str] = frozenset(),
 ) -> None:
     """Copy every tensor into its parameter, shape-checked; every parameter must be covered.
 
-    ``rename`` maps a checkpoint name to the model's (None: skip the tensor); ``shard_sizes`` maps a
-    fused parameter's last name part (e.g. ``qkv_proj``) to its shards' row counts;
+    ``rename`` maps a checkpoint name to the model's (None: skip the tensor); ``stacked`` says which
+    projections are fused (e.g. STACKED_PROJECTIONS) and ``shard_sizes`` maps a fused parameter's
+    module name (e.g. ``qkv_proj``) to its shards' row counts;
     ``not_in_checkpoint`` names parameters the checkpoint may omit (a tied lm_head).
     """
     params = dict(model.named_parameters())
@@ -45,7 +47,7 @@ def load_checked(
         name = rename(raw_name)
         if name is None:
             continue
-        target, shard = fused_target(name, STACKED_PROJECTIONS if shard_sizes else {})
+        target, shard = fused_target(name, stacked)
         if target not in params:
             raise ValueError(f"checkpoint tensor {raw_name!r} has no place in {type(model).__name__}")
         dst = params[target]
