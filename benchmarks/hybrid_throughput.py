@@ -23,6 +23,8 @@ from plait.engine.engine import LLMEngine
 from plait.sampling_params import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
+# Where shared/bench (the workloads' prompt generator) may sit: beside or inside the checkout.
+WORKLOADS_DIRS = (REPO / "shared" / "bench", REPO.parent / "shared" / "bench", Path("/work/shared/bench"))
 # Kernel-name substrings -> family, first match wins (Triton kernels keep their Python names).
 KERNEL_FAMILIES = (
     ("mamba_scan", ("_scan_kernel",)),
@@ -104,8 +106,9 @@ def _sync() -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="benchmarks/configs/bamba-1b")
-    parser.add_argument("--workloads", default=str(REPO.parent / "shared" / "bench"),
-                        help="folder holding shared/bench/workloads.py")
+    parser.add_argument("--workloads", default=None,
+                        help="folder holding shared/bench/workloads.py (default: the first of "
+                             f"{[str(d) for d in WORKLOADS_DIRS]} that exists)")
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--min-prompt", type=int, default=100)
     parser.add_argument("--max-prompt", type=int, default=1024)
@@ -116,7 +119,10 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/hybrid_throughput.json")
     args = parser.parse_args()
 
-    workloads = load_workloads(Path(args.workloads))
+    found = [d for d in WORKLOADS_DIRS if (d / "workloads.py").is_file()]
+    if args.workloads is None and not found:
+        raise SystemExit("shared/bench/workloads.py not found; pass --workloads")
+    workloads = load_workloads(Path(args.workloads) if args.workloads else found[0])
     engine = LLMEngine(EngineConfig(model=args.config, load_format="dummy", max_num_seqs=args.requests,
                                     max_num_batched_tokens=args.budget,
                                     max_model_len=args.max_prompt + args.output + 1))

@@ -80,6 +80,9 @@ def one_thread():
 
 
 def _engine(folder, **kw) -> LLMEngine:
+    # The CPU fp32 torch path unless a test asks for another: the 1e-4 comparisons need it.
+    kw.setdefault("device", "cpu")
+    kw.setdefault("dtype", "float32")
     return LLMEngine(EngineConfig(model=str(folder), block_size=8, **kw))
 
 

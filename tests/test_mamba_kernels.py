@@ -17,6 +17,8 @@ from plait.layers.mamba_ops import (
 )
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+# Tiny-shape kernel tests run in the Triton interpreter on CPU-only machines, on the GPU elsewhere.
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NO_LIMIT = (0.0, float("inf"))
 
 
@@ -174,19 +176,19 @@ def _check_ssd(dtype, device, lens, first, slots, heads, head_dim, state, groups
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_conv_kernel_matches_reference(dtype, atol):
-    _check_conv(dtype, "cpu", MIXED_LENS, MIXED_FIRST, MIXED_SLOTS, dim=40, atol=atol)
+    _check_conv(dtype, KERNEL_DEVICE, MIXED_LENS, MIXED_FIRST, MIXED_SLOTS, dim=40, atol=atol)
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
 def test_ssd_kernels_match_reference(dtype, atol):
     """The scan (rows of 2+ tokens) and the single step (one-token rows) in one mixed step."""
-    _check_ssd(dtype, "cpu", MIXED_LENS, MIXED_FIRST, MIXED_SLOTS, heads=4, head_dim=16, state=16, groups=2,
-               atol=atol)
+    _check_ssd(dtype, KERNEL_DEVICE, MIXED_LENS, MIXED_FIRST, MIXED_SLOTS, heads=4, head_dim=16, state=16,
+               groups=2, atol=atol)
 
 
 def test_ssd_kernels_apply_the_time_step_limit():
-    _check_ssd(torch.float32, "cpu", [1, 20], [False, True], [1, 2], heads=2, head_dim=16, state=16, groups=1,
-               atol=1e-5, dt_limit=(0.05, 0.5))
+    _check_ssd(torch.float32, KERNEL_DEVICE, [1, 20], [False, True], [1, 2], heads=2, head_dim=16, state=16,
+               groups=1, atol=1e-5, dt_limit=(0.05, 0.5))
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
@@ -194,9 +196,9 @@ def test_gated_norm_kernel_matches_reference(dtype, atol):
     from plait.kernels.mamba_norm import gated_rms_norm
 
     g = torch.Generator().manual_seed(4)
-    yz = torch.randn(5, 2 * 48 + 3, generator=g).to(dtype)
+    yz = torch.randn(5, 2 * 48 + 3, generator=g).to(device=KERNEL_DEVICE, dtype=dtype)
     y, z = yz[:, :48], yz[:, 48:96]
-    weight = torch.randn(48, generator=g).to(dtype)
+    weight = torch.randn(48, generator=g).to(device=KERNEL_DEVICE, dtype=dtype)
     got = gated_rms_norm(y, z, weight, 24, 1e-5)
     torch.testing.assert_close(got, gated_rms_norm_ref(y, z, weight, 24, 1e-5), atol=atol, rtol=atol)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -149,8 +150,11 @@ class Mamba2Mixer(nn.Module):
 
 @dataclass(frozen=True)
 class _Ops:
-    conv: object
-    ssd: object
+    """The mixer's stateful operations: Triton kernels over the whole batch on a GPU, the torch
+    reference (row by row) elsewhere. Both have the same signatures and contract."""
+
+    conv: Callable[..., torch.Tensor]  # causal conv1d with state
+    ssd: Callable[..., torch.Tensor]  # SSD scan / one-step update with state
 
 
 def _torch_ops() -> _Ops:
