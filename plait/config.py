@@ -43,6 +43,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: never capture or replay CUDA graphs
     # Launch step N+1 before step N's sampled ids reach the host, so host work overlaps the device.
     async_scheduling: bool = True
+    # Models with recurrent (Mamba) layers: requests that can hold state at once; admission waits
+    # when all are taken. None = max_num_seqs. Ignored by attention-only models.
+    max_num_state_slots: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
@@ -55,6 +58,8 @@ class EngineConfig:
             _check_int("num_kv_blocks", self.num_kv_blocks, minimum=1)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, minimum=2)
+        if self.max_num_state_slots is not None:
+            _check_int("max_num_state_slots", self.max_num_state_slots, minimum=1)
         if not isinstance(self.enable_prefix_caching, bool):
             value = self.enable_prefix_caching
             raise ValueError(f"enable_prefix_caching must be true or false, got {value!r}")
@@ -128,8 +133,9 @@ class ModelConfig:
         if not archs:
             raise ValueError("model config has no 'architectures' field; cannot choose a model class")
         model_type = cfg.get("model_type", "")
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        # Attention-free models (Mamba2) have no attention heads; their "head_dim" is the SSM's.
+        heads = cfg.get("num_attention_heads", 0)
+        head_dim = (cfg.get("head_dim") or cfg["hidden_size"] // heads) if heads else 0
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         # Qwen2 has q/k/v bias without saying so in its config; Llama-style configs say it.
@@ -150,12 +156,13 @@ class ModelConfig:
             architecture=archs[0],
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
+            intermediate_size=cfg.get("intermediate_size", 0),  # 0: no MLP (Mamba2)
+            # NemotronH gives its layers as a list of kinds instead of a count.
+            num_hidden_layers=cfg.get("num_hidden_layers") or len(cfg.get("layers_block_type") or []),
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-6)),
             rope_theta=float(rope_theta or 10000.0),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

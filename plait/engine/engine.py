@@ -13,6 +13,7 @@ from plait.engine.detokenizer import Detokenizer
 from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import FinishReason, Request
 from plait.engine.scheduler import Scheduler, StepPlan
+from plait.engine.state_slots import StateSlotPool
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from plait.runner.model_runner import InFlightStep, ModelRunner, StepOutput
 from plait.runner.sampler import needs_penalties
@@ -67,7 +68,10 @@ class LLMEngine:
                 )
             logger.warning("max_model_len lowered to %d to fit the KV cache", max_len_fits)
             self.max_model_len = max_len_fits
-        self.scheduler = Scheduler(config, self.kv_cache)
+        # Models with recurrent layers: one state slot per request that can hold state at once.
+        slots = self.runner.num_state_slots
+        self.state_slots = StateSlotPool(slots) if slots else None
+        self.scheduler = Scheduler(config, self.kv_cache, self.state_slots)
         self.eos_token_ids = self._eos_token_ids()
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
@@ -329,7 +333,8 @@ class LLMEngine:
     # -- introspection used by tests and tools ---------------------------------------------
 
     def is_idle_and_clean(self) -> bool:
-        """Idle with every KV block back in the pool (invariant 8)."""
-        return (not self.has_unfinished_requests()
+        """Idle with every KV block and every state slot back in its pool (invariant 8)."""
+        slots_free = self.state_slots is None or self.state_slots.num_used == 0
+        return (not self.has_unfinished_requests() and slots_free
                 and self.kv_cache.num_free_blocks == self.kv_cache.num_usable_blocks)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from plait.engine.state_slots import NO_STATE_SLOT
 from plait.sampling_params import SamplingParams
 
 
@@ -43,6 +44,9 @@ class Request:
     # by recompute. Set at creation and by the scheduler when it preempts.
     num_prefill_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)  # KV block table, in token order
+    # Row of every recurrent layer's state tensors (models with Mamba layers); held from admission to
+    # finish, abort or preemption.
+    state_slot: int = NO_STATE_SLOT
     # Set by the KV cache manager (prefix caching).
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, memoised
     num_hashed_blocks: int = 0  # leading blocks already registered in (or taken from) the cache

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from plait.config import NO_CHUNK_CAP, EngineConfig
 from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import FinishReason, Request, RequestStatus
+from plait.engine.state_slots import NO_STATE_SLOT, StateSlotPool
 
 
 @dataclass(frozen=True)
@@ -58,11 +59,17 @@ class Scheduler:
     ``prefill_first`` swaps the two, for comparison. Running requests that need a KV block when
     none is free preempt the newest running request by recompute; it goes to the front of the
     waiting queue, so it is the next to resume and nothing starves.
+
+    For models with recurrent layers, ``state_slots`` is the slot pool: a request takes a slot when
+    it is admitted (admission waits, FCFS, while none is free) and gives it back when it finishes,
+    is aborted or is preempted.
     """
 
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager,
+                 state_slots: StateSlotPool | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.state_slots = state_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is the newest
 
@@ -78,6 +85,7 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         self.kv_cache.free(request)
+        self._free_state_slot(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
@@ -143,7 +151,7 @@ class Scheduler:
             num_new = step.chunk_size(request)
             completes_prompt = num_new == request.num_remaining_tokens
             fits = completes_prompt or step.num_partial_prefills < self.config.max_num_partial_prefills
-            if not (fits and self.kv_cache.allocate(request, num_new)):
+            if not (fits and self._state_slot_available() and self.kv_cache.allocate(request, num_new)):
                 # FCFS: a later request never overtakes one that is merely waiting its turn. The
                 # cached prefix is let go, so waiting requests never pin blocks.
                 self.kv_cache.free(request)
@@ -151,6 +159,8 @@ class Scheduler:
                 return
             self.kv_cache.record_admission(request)
             self.waiting.popleft()
+            if self.state_slots is not None:
+                request.state_slot = self.state_slots.allocate()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.add(request, num_new)
@@ -172,12 +182,22 @@ class Scheduler:
         step.remove(request)
         self.running.remove(request)
         self.kv_cache.free(request)
+        # Its recurrent state is dropped with its KV: it restarts as a first chunk, from zero state.
+        self._free_state_slot(request)
         request.num_computed_tokens = 0
         request.num_prefill_tokens = request.num_tokens  # outputs so far, pending too, are re-prefilled
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.waiting.appendleft(request)
         step.plan.preempted.append(request)
+
+    def _state_slot_available(self) -> bool:
+        return self.state_slots is None or self.state_slots.num_free > 0
+
+    def _free_state_slot(self, request: Request) -> None:
+        if request.state_slot != NO_STATE_SLOT:
+            self.state_slots.free(request.state_slot)
+            request.state_slot = NO_STATE_SLOT
 
 
 class _StepBuilder:

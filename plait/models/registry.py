@@ -10,6 +10,9 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
+    "Mamba2ForCausalLM": ("plait.models.mamba2", "Mamba2ForCausalLM"),
+    "BambaForCausalLM": ("plait.models.bamba", "BambaForCausalLM"),
+    "NemotronHForCausalLM": ("plait.models.nemotron_h", "NemotronHForCausalLM"),
 }
 
 

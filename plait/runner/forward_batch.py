@@ -95,6 +95,7 @@ def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
         context_lens=starts,
         seq_lens=starts + query_lens,
         is_first_chunk=np.array([r.is_first_chunk for r in rows], dtype=np.int64),
+        state_slots=np.array([r.request.state_slot for r in rows], dtype=np.int64),
         block_tables=block_tables,
         sample_indices=query_start_loc[1:][sample_rows] - 1,
         sample_rows=sample_rows,
@@ -118,6 +119,7 @@ class ForwardBatch:
     context_lens: torch.Tensor  # [R] int32: tokens already cached before this step
     seq_lens: torch.Tensor  # [R] int32: context_lens + this step's tokens
     is_first_chunk: torch.Tensor  # [R] bool: num_computed_tokens == 0 (never inferred from length)
+    state_slots: torch.Tensor  # [R] int64: the request's recurrent-state slot (NO_STATE_SLOT if none)
     block_tables: torch.Tensor  # [R, W] int32, padded with PAD_BLOCK_ID
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
     sample_indices: torch.Tensor  # [S] int64: last token of each sampling row, in row order
@@ -130,6 +132,8 @@ class ForwardBatch:
     seq_lens_cpu: list[int] | None = None
     attn_backend: AttentionBackend | None = None  # set by the runner
     kv_caches: list[torch.Tensor] | None = None  # set by the runner: one [2, blocks, bs, Hkv, D] per layer
+    # Set by the runner for models with recurrent layers: one MambaLayerState per Mamba layer.
+    recurrent_states: list | None = None
     # Set by the attention backend: metadata it derives from this batch once and reuses in every layer.
     backend_state: dict = field(default_factory=dict)
 
@@ -152,6 +156,7 @@ class ForwardBatch:
             context_lens=views["context_lens"].int(),
             seq_lens=views["seq_lens"].int(),
             is_first_chunk=views["is_first_chunk"].bool(),
+            state_slots=views["state_slots"],
             block_tables=views["block_tables"].int(),
             slot_mapping=views["slot_mapping"],
             sample_indices=views["sample_indices"],

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from plait.engine.kv_cache import PAD_BLOCK_ID
+from plait.engine.state_slots import PAD_STATE_SLOT
 from plait.runner.forward_batch import STEP_FIELDS, StepArrays
 
 # Pinned staging buffers used in turn. A buffer is written only after the copy that last read it
@@ -15,7 +16,8 @@ from plait.runner.forward_batch import STEP_FIELDS, StepArrays
 # (FIELD-NOTES hazard 9).
 NUM_STAGING_BUFFERS = 2
 # What padded rows of a CUDA-graph bucket hold: one token at position 0 of a one-token sequence in
-# the pad block, so they attend to something finite and write their K/V where nothing reads it.
+# the pad block (and the pad state slot), so they attend to something finite and write their K/V
+# and recurrent state where nothing reads it.
 PAD_TOKEN_ID = 0
 PAD_SLOT = PAD_BLOCK_ID  # slot 0 of the pad block (block_size * PAD_BLOCK_ID + 0)
 
@@ -131,6 +133,7 @@ class InputBuffers:
             "context_lens": 0,
             "seq_lens": 1,
             "is_first_chunk": 1,
+            "state_slots": PAD_STATE_SLOT,
         }
         for name in STEP_FIELDS:
             if name == "block_tables":
@@ -165,6 +168,7 @@ def empty_step_arrays() -> StepArrays:
         context_lens=none,
         seq_lens=none,
         is_first_chunk=none,
+        state_slots=none,
         block_tables=np.zeros((0, 1), dtype=np.int64),
         sample_indices=none,
         sample_rows=[],

@@ -14,6 +14,8 @@ from plait.config import CPU_KV_CACHE_BYTES, EngineConfig
 from plait.engine.kv_cache import cdiv
 from plait.engine.request import Request
 from plait.engine.scheduler import StepPlan
+from plait.engine.state_slots import PAD_STATE_SLOT
+from plait.layers.mamba import allocate_mamba_states
 from plait.loader.model_loader import load_model, resolve_device_dtype
 from plait.runner.cuda_graphs import DecodeGraphs
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
@@ -62,6 +64,15 @@ class ModelRunner:
         self.attn_backend = get_backend(self._backend_name())
         self.sampler = Sampler()
         self.breakdown = StepBreakdown()
+        # Recurrent (Mamba) state first, so that on a GPU the KV cache is sized from what is left.
+        specs_of = getattr(self.model, "recurrent_state_specs", None)
+        state_specs = specs_of() if specs_of is not None else []
+        self.num_state_slots = (config.max_num_state_slots or config.max_num_seqs) if state_specs else 0
+        # One extra row per tensor: the pad slot (PAD_STATE_SLOT), where padded graph rows write.
+        self.recurrent_states = (
+            allocate_mamba_states(state_specs, self.num_state_slots + 1, self.dtype, self.device)
+            if state_specs else None
+        )
         self.num_kv_blocks = self._choose_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         self.buffers: InputBuffers | None = None
@@ -103,15 +114,22 @@ class ModelRunner:
     def _bytes_per_block(self) -> int:
         c = self.model_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * c.num_hidden_layers * self.config.block_size * c.num_key_value_heads * c.head_dim * elem
+        return 2 * self._num_kv_layers() * self.config.block_size * c.num_key_value_heads * c.head_dim * elem
+
+    def _num_kv_layers(self) -> int:
+        # Hybrid models keep KV only for their attention layers (each knows its cache index).
+        return getattr(self.model, "num_kv_cache_layers", self.model_config.num_hidden_layers)
 
     def _choose_num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
+        # Every sequence at full length: all an attention-free model's blocks are (bookkeeping only),
+        # and the cap on CPU, where more would only take host memory.
+        needed = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size) + 1
+        if self._bytes_per_block() == 0:
+            return needed
         if self.device.type == "cuda":
             return max(2, int(self._gpu_kv_budget() // self._bytes_per_block()))
-        # Never more blocks than every sequence at full length could use: saves host memory on CPU.
-        needed = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size) + 1
         return max(2, min(int(CPU_KV_CACHE_BYTES // self._bytes_per_block()), needed))
 
     def _gpu_kv_budget(self) -> float:
@@ -151,7 +169,8 @@ class ModelRunner:
         kv = self._allocate_kv_caches(1 + len(lens) * blocks_per_row)
         arrays = _profile_arrays(lens, bs, blocks_per_row)
         batch = forward_batch_from_arrays(arrays, self.device)
-        batch.attn_backend, batch.kv_caches = self.attn_backend, kv
+        self._attach(batch)
+        batch.kv_caches = kv
         hidden = self.model(batch.input_ids, batch.positions, batch)
         rows = min(self.config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
@@ -162,7 +181,8 @@ class ModelRunner:
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         c = self.model_config
         shape = (2, num_blocks, self.config.block_size, c.num_key_value_heads, c.head_dim)
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_hidden_layers)]
+        num_layers = self._num_kv_layers()
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
@@ -170,7 +190,7 @@ class ModelRunner:
         def make_batch(views: dict[str, torch.Tensor], size: int) -> ForwardBatch:
             # Upper bounds, so the kernels' launch shapes hold for any step the graph replays.
             batch = ForwardBatch.from_int64(views, [], max_query_len=1, max_seq_len=self.max_model_len)
-            batch.attn_backend, batch.kv_caches = self.attn_backend, self.kv_caches
+            self._attach(batch)
             return batch
 
         graphs = DecodeGraphs(
@@ -286,8 +306,13 @@ class ModelRunner:
             batch = ForwardBatch.from_int64(
                 views, arrays.sample_rows, arrays.max_query_len, arrays.max_seq_len, host=arrays
             )
-        batch.attn_backend, batch.kv_caches = self.attn_backend, self.kv_caches
+        self._attach(batch)
         return batch
+
+    def _attach(self, batch: ForwardBatch) -> None:
+        """Hand a batch the device state its layers read: attention backend, KV caches, recurrent state."""
+        batch.attn_backend, batch.kv_caches = self.attn_backend, self.kv_caches
+        batch.recurrent_states = self.recurrent_states
 
     def _sample(
         self, plan: StepPlan, arrays: StepArrays, hidden: torch.Tensor, sample_indices: torch.Tensor
@@ -352,6 +377,7 @@ def _profile_arrays(lens: list[int], block_size: int, blocks_per_row: int) -> St
         context_lens=np.zeros(num_rows, dtype=np.int64),
         seq_lens=np.array(lens, dtype=np.int64),
         is_first_chunk=np.ones(num_rows, dtype=np.int64),
+        state_slots=np.full(num_rows, PAD_STATE_SLOT, dtype=np.int64),
         block_tables=tables,
         sample_indices=qsl[1:] - 1,
         sample_rows=list(range(num_rows)),

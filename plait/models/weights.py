@@ -1,0 +1,63 @@
+"""Checked copying of HF-named checkpoint tensors into a plait model, with fused projections."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+# HF projection name -> (plait fused parameter, shard index): q/k/v and gate/up are concatenated
+# at load so each layer runs one projection GEMM instead of three (or two).
+STACKED_PROJECTIONS = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def fused_target(name: str, stacked: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
+    """The plait parameter a checkpoint tensor goes to, and its shard index (None: the whole)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in stacked:
+            fused, shard = stacked[part]
+            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
+    return name, None
+
+
+@torch.no_grad()
+def load_checked(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    stacked: dict[str, tuple[str, int]],
+    shard_sizes: dict[str, list[int]],
+    rename: Callable[[str], str | None] = lambda name: name,
+    not_in_checkpoint: frozenset[str] = frozenset(),
+) -> None:
+    """Copy every tensor into its parameter, shape-checked; every parameter must be covered.
+
+    ``rename`` maps a checkpoint name to the model's (None: skip the tensor); ``stacked`` says which
+    projections are fused (e.g. STACKED_PROJECTIONS) and ``shard_sizes`` maps a fused parameter's
+    module name (e.g. ``qkv_proj``) to its shards' row counts;
+    ``not_in_checkpoint`` names parameters the checkpoint may omit (a tied lm_head).
+    """
+    params = dict(model.named_parameters())
+    loaded: set[str] = set()
+    for raw_name, tensor in weights:
+        name = rename(raw_name)
+        if name is None:
+            continue
+        target, shard = fused_target(name, stacked)
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {raw_name!r} has no place in {type(model).__name__}")
+        dst = params[target]
+        if shard is not None:
+            dst = dst.split(shard_sizes[target.split(".")[-2]], dim=0)[shard]
+        if dst.shape != tensor.shape:
+            raise ValueError(f"tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+        loaded.add(target)
+    missing = sorted(set(params) - loaded - not_in_checkpoint)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
