@@ -81,10 +81,20 @@ VARIANTS = {
 BUDGET = 256  # the variants chunk prompts; the fp32 reference takes each prompt in one step
 
 
+# Random weights (std 0.02) make every layer's output larger than the embedding it adds to, so the
+# residual stream is all layer outputs, each carrying its bf16 rounding, and greedy picks between
+# near-equal logits: batching alone then forks half the prompts. Larger embeddings (std 2) make the
+# token's own embedding dominate, as in trained models, while attention still moves the logits.
+EMBED_SCALE = 100.0
+
+
 def _engine(model: str, dtype: str, **knobs) -> LLMEngine:
     config = EngineConfig(model=model, load_format="dummy", seed=7, dtype=dtype, max_model_len=1024,
                           num_kv_blocks=2048, max_num_seqs=64, enable_prefix_caching=False, **knobs)
-    return LLMEngine(config)
+    engine = LLMEngine(config)
+    with torch.no_grad():
+        engine.runner.model.model.embed_tokens.weight.mul_(EMBED_SCALE)
+    return engine
 
 
 def _first_fork(a: list[int], b: list[int]) -> int | None:
@@ -149,6 +159,7 @@ def test_staging_never_overwrites_a_copy_in_flight():
             context_lens=np.array([0]),
             seq_lens=np.array([5]),
             is_first_chunk=np.array([1]),
+            state_slots=np.array([0]),
             block_tables=np.array([[1]]),
             sample_indices=np.array([4]),
             sample_rows=[0],

@@ -168,17 +168,21 @@ def _run(engine: LLMEngine, specs: list[_Spec]) -> _Run:
     """Run requests, each added at its arrival step."""
     steps: list[list[tuple]] = []
     logits: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(specs))}
-    execute = engine.runner.execute
+    launch, collect = engine.runner.launch, engine.runner.collect
 
-    def recording(plan):
+    def recording_launch(plan, prev):
         steps.append([(int(r.request.request_id[2:]), r.start, r.num_new_tokens, r.is_prefill,
                        r.request.state_slot) for r in plan.rows])
-        out = execute(plan)
+        return launch(plan, prev)
+
+    def recording_collect(step):
+        out = collect(step)
         for k, sampled in enumerate(out.sampled):
-            logits[int(sampled.request.request_id[2:])].append(out.logits[k].clone())
+            if not sampled.request.is_finished:  # an overlapped step's row for a finished request
+                logits[int(sampled.request.request_id[2:])].append(out.logits[k].clone())
         return out
 
-    engine.runner.execute = recording
+    engine.runner.launch, engine.runner.collect = recording_launch, recording_collect
     outputs, order, step = {}, [], 0
     pending = sorted(enumerate(specs), key=lambda item: item[1].arrival_step)
     while pending or engine.has_unfinished_requests():
@@ -191,7 +195,7 @@ def _run(engine: LLMEngine, specs: list[_Spec]) -> _Run:
                 outputs[int(out.request_id[2:])] = out.outputs[0].token_ids
                 order.append(int(out.request_id[2:]))
         step += 1
-    engine.runner.execute = execute
+    engine.runner.launch, engine.runner.collect = launch, collect
     return _Run(outputs, logits, steps, order)
 
 

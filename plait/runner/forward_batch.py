@@ -26,6 +26,7 @@ class StepArrays:
     context_lens: np.ndarray  # [R]: tokens already cached before this step
     seq_lens: np.ndarray  # [R]: context_lens + this step's tokens
     is_first_chunk: np.ndarray  # [R]: 1 iff num_computed_tokens == 0 (never inferred from length)
+    state_slots: np.ndarray  # [R]: the request's recurrent-state slot (NO_STATE_SLOT if it has none)
     block_tables: np.ndarray  # [R, max_blocks in this step], padded with PAD_BLOCK_ID
     sample_indices: np.ndarray  # [S]: last token of each sampling row, in row order
     sample_rows: list[int]  # [S]: the rows that sample (chunks that end the known tokens, decodes)
@@ -192,6 +193,7 @@ STEP_FIELDS = (
     "context_lens",
     "seq_lens",
     "is_first_chunk",
+    "state_slots",
     "block_tables",
     "sample_indices",
 )
