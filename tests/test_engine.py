@@ -105,3 +105,12 @@ def test_abort_frees_blocks(tiny_llama):
         engine.abort_request(f"a-{i}")
     assert engine.is_idle_and_clean()
     assert engine.step() == []
+
+
+def test_profiling_step_runs_at_the_full_budget(tiny_llama):
+    """The step that sizes the GPU KV cache (a forward at max_num_batched_tokens on a throwaway cache,
+    rows capped at max_model_len, and a top-p sampling of max_num_seqs rows) runs on any device."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_num_batched_tokens=100, max_model_len=64,
+                                    max_num_seqs=8))
+    engine.runner._profile_step()
+    assert engine.is_idle_and_clean()

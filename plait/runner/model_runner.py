@@ -169,14 +169,15 @@ class ModelRunner:
         kv = self._allocate_kv_caches(1 + len(lens) * blocks_per_row)
         arrays = _profile_arrays(lens, bs, blocks_per_row)
         batch = forward_batch_from_arrays(arrays, self.device)
-        self._attach(batch)
-        batch.kv_caches = kv
+        batch.attn_backend, batch.kv_caches = self.attn_backend, kv
+        batch.recurrent_states = self.recurrent_states
         hidden = self.model(batch.input_ids, batch.positions, batch)
         rows = min(self.config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
         self.sampler(logits, [SamplingRow(PROFILE_SAMPLING, [0], [])] * rows)
         del kv, batch, hidden, logits
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         c = self.model_config
