@@ -2,8 +2,9 @@
 
     PYTHONPATH=. python benchmarks/profile_steps.py --config shared/bench/models/llama-8b --out prof.json
 
-Profiles three step kinds, eager (so every kernel shows; graphs hide them): a prefill step of the
-full token budget, a decode step of --rows rows at --context tokens, and a batch-1 decode step.
+Profiles four step kinds, eager (so every kernel shows; graphs hide them): a prefill step of the
+full token budget, a mixed step (decode rows beside prompt chunks), a decode step of --rows rows at
+--context tokens, and a batch-1 decode step.
 Prints the top kernels of each by device time.
 """
 
@@ -58,21 +59,29 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.config, load_format="dummy", enforce_eager=True,
                                     max_num_batched_tokens=args.budget, max_num_seqs=args.rows,
                                     max_model_len=4096, enable_prefix_caching=False))
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    # Long enough that no request finishes before every prompt is in: the decode step has --rows rows.
+    params = SamplingParams(temperature=0.0, max_tokens=1024, ignore_eos=True)
     results = []
     # Prefill: prompts of 512 tokens, so each step carries budget/512 of them.
     for _ in range(4 * args.budget // 512):
         engine.add_request(torch.randint(10, vocab, (512,), generator=g).tolist(), params)
     results.append(_profile(engine, f"prefill step ({args.budget} tokens)", 2))
-    while engine.has_unfinished_requests():
-        engine.step()
+    for request in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+        engine.abort_request(request.request_id)
+    engine.step()
     for _ in range(args.rows):
         engine.add_request(torch.randint(10, vocab, (args.context,), generator=g).tolist(), params)
+    mixed_profiled = False
     while any(r.is_prefilling for r in engine.scheduler.running + list(engine.scheduler.waiting)):
+        decodes = sum(not r.is_prefilling for r in engine.scheduler.running)
+        if not mixed_profiled and decodes >= args.rows // 2:
+            results.append(_profile(engine, f"mixed step ({decodes}+ decode rows beside prompt chunks)", 2))
+            mixed_profiled = True
         engine.step()
     results.append(_profile(engine, f"decode step ({args.rows} rows, context ~{args.context})", 5))
-    while engine.has_unfinished_requests():
-        engine.step()
+    for request in list(engine.scheduler.running):
+        engine.abort_request(request.request_id)
+    engine.step()
     engine.add_request(torch.randint(10, vocab, (args.context,), generator=g).tolist(), params)
     engine.step()
     results.append(_profile(engine, "decode step (1 row)", 10))

@@ -174,7 +174,7 @@ def format_table(report: dict) -> str:
     lines = [
         f"device: {report['device']}",
         "workload | tok/s | ms/tok | vs vLLM H200 | vs floor | graph replay | "
-        "host s (sched/prep/launch/sample/post) | gpu fwd s | wall s",
+        "host s (sched/prep/launch/sample/post) | gpu fwd s (graph steps + eager steps, count) | wall s",
     ]
     for r in report["workloads"]:
         b = r["step_breakdown"]
@@ -186,7 +186,9 @@ def format_table(report: dict) -> str:
             f"{r['workload']} | {r['output_tok_per_s']:.0f} | {r['ms_per_token'] or 0:.2f} | "
             f"{r['ratio_to_vllm_h200']:.2f}x | {r.get('ratio_to_floor', 0):.2f}x | "
             f"{'-' if rate is None else f'{rate:.0%}'} | {host} | "
-            f"{b['gpu_forward_s']:.2f} | {b['wall_s']:.2f}"
+            f"{b['gpu_forward_graph_s']:.2f} ({b['graph_steps']}) + "
+            f"{b['gpu_forward_s'] - b['gpu_forward_graph_s']:.2f} ({b['steps'] - b['graph_steps']}) | "
+            f"{b['wall_s']:.2f}"
         )
     return "\n".join(lines)
 

@@ -79,6 +79,8 @@ class LLMEngine:
         self._step_index = itertools.count()
         self.record_timeline = False
         self._in_flight: tuple[StepPlan, InFlightStep] | None = None  # launched, not yet collected
+        # Steps that ran a forward (a call that only collects the previous step's tokens is not one).
+        self.num_steps = 0
         self.timeline: list[StepStats] = []
 
     def _prefix_caching_allowed(self) -> bool:
@@ -233,7 +235,9 @@ class LLMEngine:
         breakdown.add("schedule", scheduled - start)
         breakdown.add("postprocess", end - executed)
         breakdown.wall_s += end - start
-        breakdown.steps += 1
+        if launched is not None:
+            breakdown.steps += 1
+            self.num_steps += 1
         if self.record_timeline and launched is not None:
             self._record(plan, launched.used_cuda_graph, start, end)
         return outputs

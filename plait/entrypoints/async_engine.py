@@ -284,23 +284,21 @@ class AsyncLLMEngine:
 
     def _run(self) -> None:
         engine = self._engine
-        num_steps = num_failed = 0
+        num_failed = 0
         try:
             while True:
                 if not self._run_commands(block=not engine.has_unfinished_requests()):
                     break
-                if engine.has_unfinished_requests():
-                    num_steps += 1
-                    if not self._step():
-                        num_failed += 1
-                self._publish_stats(num_steps, num_failed)
+                if engine.has_unfinished_requests() and not self._step():
+                    num_failed += 1
+                self._publish_stats(engine.num_steps + num_failed, num_failed)
         except BaseException as err:  # a bug in the loop itself: say so, and fail every waiter
             logger.exception("the engine loop crashed")
             self._dead = f"crashed: {err!r}"
             self._post(lambda: self._fail(list(self._streams), EngineDeadError(self._dead or "crashed")))
             return
         self._abort_all(engine)
-        self._publish_stats(num_steps, num_failed)
+        self._publish_stats(engine.num_steps + num_failed, num_failed)
 
     def _run_commands(self, block: bool) -> bool:
         """Run queued commands (waiting for one if ``block``); False once told to stop."""

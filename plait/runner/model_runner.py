@@ -248,7 +248,7 @@ class ModelRunner:
             hidden = self._run_model(batch)
         if events is not None:
             events[1].record()
-            self.breakdown.add_gpu_interval(*events)
+            self.breakdown.add_gpu_interval(*events, graph=bucket is not None)
         t2 = time.perf_counter()
         step = self._sample(plan, arrays, hidden, views["sample_indices"])
         step.used_cuda_graph = bucket is not None

@@ -21,23 +21,26 @@ class StepBreakdown:
     graph_steps: int = 0  # of those, steps that replayed a CUDA graph
     wall_s: float = 0.0
     gpu_forward_s: float = 0.0
+    gpu_forward_graph_s: float = 0.0  # the part spent in graph replays (the rest: eager, mixed steps)
     host_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HOST_PHASES, 0.0))
-    _pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list, repr=False)
+    _pending: list[tuple[torch.cuda.Event, torch.cuda.Event, bool]] = field(default_factory=list, repr=False)
 
     def add(self, phase: str, seconds: float) -> None:
         self.host_s[phase] += seconds
 
-    def add_gpu_interval(self, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
-        self._pending.append((start, end))
+    def add_gpu_interval(self, start: torch.cuda.Event, end: torch.cuda.Event, graph: bool) -> None:
+        self._pending.append((start, end, graph))
 
     def resolve(self) -> None:
         """Fold finished event pairs into gpu_forward_s (call after a sync, e.g. the sampler's)."""
         still = []
-        for start, end in self._pending:
+        for start, end, graph in self._pending:
             if end.query():
-                self.gpu_forward_s += start.elapsed_time(end) / 1e3
+                seconds = start.elapsed_time(end) / 1e3
+                self.gpu_forward_s += seconds
+                self.gpu_forward_graph_s += seconds if graph else 0.0
             else:
-                still.append((start, end))
+                still.append((start, end, graph))
         self._pending = still
 
     def reset(self) -> None:
