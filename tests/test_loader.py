@@ -6,11 +6,13 @@ import functools
 import time
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 import torch
-from transformers import (
+
+# GGUF loading needs the gguf package (installed by the test set-up; absent on some GPU images).
+gguf = pytest.importorskip("gguf")
+from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
@@ -19,12 +21,12 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
-from transformers.initialization import no_init_weights
+from transformers.initialization import no_init_weights  # noqa: E402
 
-from plait.loader import tokenizer as tokenizer_mod
-from plait.loader.gguf import default_model_path, load_gguf, read_gguf_config
-from plait.loader.hf import ModelSource, load_hf_folder, resolve_model
-from plait.loader.tokenizer import load_tokenizer, tokenizer_cache_dir
+from plait.loader import tokenizer as tokenizer_mod  # noqa: E402
+from plait.loader.gguf import default_model_path, load_gguf, read_gguf_config  # noqa: E402
+from plait.loader.hf import ModelSource, load_hf_folder, resolve_model  # noqa: E402
+from plait.loader.tokenizer import load_tokenizer, tokenizer_cache_dir  # noqa: E402
 
 CHAT = [{"role": "user", "content": "What is 2+2?"}]
 ROUND_TRIP_TEXT = "Hello, world! Ça va? 日本語 1234  two  spaces\n<|im_start|>user"
