@@ -139,20 +139,20 @@ def test_a_first_chunk_ignores_whatever_its_slot_held(length):
 # -- Triton kernels against the reference ---------------------------------------------------------
 
 
-def _conv_case(dtype: torch.dtype, device: str, lens: list[int], dim: int, seed: int = 0):
+def _conv_case(dtype: torch.dtype, device: str, lens: list[int], dim: int, num_slots: int, seed: int = 0):
     g = torch.Generator(device=device).manual_seed(seed)
     wide = torch.randn(sum(lens), dim + 10, generator=g, device=device).to(dtype)
     x = wide[:, 3 : 3 + dim]  # strided rows, as the split of the projection output
     w = torch.randn(dim, 4, generator=g, device=device).to(dtype)
     b = torch.randn(dim, generator=g, device=device).to(dtype)
-    state = torch.randn(max(MIXED_SLOTS) + 1, 3, dim, generator=g, device=device).to(dtype)
+    state = torch.randn(num_slots, 3, dim, generator=g, device=device).to(dtype)
     return x, w, b, state
 
 
 def _check_conv(dtype, device, lens, first, slots, dim, atol):
     from plait.kernels.mamba_conv import causal_conv1d_varlen
 
-    x, w, b, state = _conv_case(dtype, device, lens, dim)
+    x, w, b, state = _conv_case(dtype, device, lens, dim, max(slots) + 1)
     rows = _rows(lens, first, slots, device)
     ref_state, got_state = state.clone(), state.clone()
     ref = causal_conv1d_ref(x, w, b, ref_state, rows)

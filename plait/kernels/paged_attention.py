@@ -47,7 +47,9 @@ DECODE_TILE_N = {64: 128, 128: 64, 256: 32}
 PREFILL_NUM_STAGES = {64: 3, 128: 2, 256: 2}
 # Prefill tiles take 8 warps from this many fp32 accumulator elements (BLOCK_M x D) up.
 PREFILL_8_WARPS_ACC = 64 * 256
-DECODE_NUM_STAGES = 3
+# 2 stages beat 3 at every decode shape measured (H200, 256 rows, contexts 800 / 2048: 3869 vs 3488 and
+# 4245 vs 3882 GB/s; benchmarks/results/decode_tune_h200.json).
+DECODE_NUM_STAGES = 2
 # fp32 (interpreter tests, GPU debugging) doubles the bytes per tile: keep tiles small and unpipelined.
 FP32_MAX_BLOCK_M = 64
 FP32_MAX_TILE_N = 32
@@ -542,6 +544,7 @@ def paged_attention_ref(
         context_lens=torch.tensor([s - n for s, n in zip(lens, query_lens)], **as_int),
         seq_lens=seq_lens.to(**as_int),
         is_first_chunk=torch.tensor([s == n for s, n in zip(lens, query_lens)], device=device),
+        state_slots=torch.zeros(len(lens), dtype=torch.int64, device=device),
         block_tables=block_tables.to(**as_int),
         slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64, device=device),
         sample_indices=torch.zeros(0, dtype=torch.int64, device=device),
