@@ -63,6 +63,7 @@ def _dot(block_n: int, block_k: int, split_k: int, num_stages: int) -> SkinnyCon
 
 
 # Shapes where the skinny GEMM measured faster than cuBLAS, keyed by (M bucket, N, K), with the best
+# config found. (The lm_heads, where it also won at M=16, now take fp32-output GEMMs: logits_fp32.)
 # config found (H200, benchmarks/results/dense_kernels_h200.json). plait.layers.linear sends a matmul
 # here only for these keys (unless PLAIT_SKINNY_GEMM=1 forces it for all, with heuristic_config()).
 # M bucket = next power of two of M (1, 2, 4, 8, 16). benchmarks/kernels/dense_bench.py prints lines
@@ -70,8 +71,6 @@ def _dot(block_n: int, block_k: int, split_k: int, num_stages: int) -> SkinnyCon
 SKINNY_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     # llama-8b o: 2839 vs cuBLAS 2524 GB/s
     (1, 4096, 4096): _fma(block_n=8, block_k=512, num_warps=4),
-    # llama-8b lm_head: 4317 vs cuBLAS 4146 GB/s
-    (16, 128256, 4096): _dot(block_n=64, block_k=128, split_k=1, num_stages=4),
     # qwen3-0.6b qkv: 1632 vs cuBLAS 1506 GB/s
     (1, 4096, 1024): _fma(block_n=8, block_k=1024, num_warps=8),
     # qwen3-0.6b o: 983 / 969 / 693 vs cuBLAS 327 / 329 / 513 GB/s
@@ -84,8 +83,6 @@ SKINNY_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
     (4, 1024, 3072): _dot(block_n=32, block_k=256, split_k=4, num_stages=3),
     (8, 1024, 3072): _dot(block_n=32, block_k=128, split_k=4, num_stages=4),
     (16, 1024, 3072): _dot(block_n=32, block_k=128, split_k=4, num_stages=4),
-    # qwen3-0.6b lm_head: 4042 vs cuBLAS 3832 GB/s
-    (16, 151936, 1024): _dot(block_n=64, block_k=128, split_k=1, num_stages=4),
 }
 # The fused gate/up + SiLU kernel never beat cuBLAS followed by the Triton silu_and_mul on the H200
 # (e.g. llama-8b M=8: 59.6 vs 58.1 us), so no shape is listed and the MLP keeps the two launches.

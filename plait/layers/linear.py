@@ -85,3 +85,28 @@ class Linear(nn.Linear):
         from plait.kernels.skinny_gemm import skinny_gate_up_silu
 
         return skinny_gate_up_silu(x, self.weight)
+
+
+# Whether torch.mm can write fp32 from 16-bit inputs on this device (aten::mm.dtype; CUDA only).
+# None until the first try.
+_mm_fp32_out: bool | None = None
+
+
+def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden @ weight.T with fp32 output: [S, H] x [V, H] -> [S, V].
+
+    Logits rounded to bf16 keep 8 bits of mantissa, so across a vocabulary of 10^4-10^5 the top two
+    tie exactly now and then, and greedy decoding would break such ties by rounding noise. The GEMM
+    accumulates in fp32 anyway; writing its fp32 result costs no more than writing bf16 and widening.
+    """
+    global _mm_fp32_out
+    if hidden.dtype == torch.float32:
+        return F.linear(hidden, weight)
+    if hidden.is_cuda and _mm_fp32_out is not False:
+        try:
+            out = torch.mm(hidden, weight.t(), out_dtype=torch.float32)
+            _mm_fp32_out = True
+            return out
+        except (RuntimeError, TypeError):  # a torch without mm(out_dtype=...) for this device
+            _mm_fp32_out = False
+    return F.linear(hidden, weight).float()

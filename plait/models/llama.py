@@ -10,7 +10,7 @@ from torch import nn
 
 from plait.config import ModelConfig
 from plait.layers.activation import act_and_mul, get_activation
-from plait.layers.linear import Linear
+from plait.layers.linear import Linear, logits_fp32
 from plait.layers.norm import RMSNorm
 from plait.layers.rotary import RotaryEmbedding
 from plait.runner.forward_batch import ForwardBatch
@@ -119,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] (only the sampled positions) -> [S, vocab] in fp32
-        return self.lm_head(hidden).float()
+        return logits_fp32(hidden, self.lm_head.weight)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

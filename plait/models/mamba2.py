@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from plait.config import ModelConfig
+from plait.layers.linear import logits_fp32
 from plait.layers.mamba import Mamba2Dims, Mamba2Mixer, MambaStateSpec
 from plait.layers.norm import RMSNorm
 from plait.models.weights import load_checked
@@ -105,7 +106,7 @@ class Mamba2ForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> [S, vocab] in fp32
-        return self.lm_head(hidden).float()
+        return logits_fp32(hidden, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = self.config.tie_word_embeddings

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.config import ModelConfig
+from plait.layers.linear import logits_fp32
 from plait.layers.mamba import Mamba2Dims, Mamba2Mixer, MambaStateSpec
 from plait.layers.norm import RMSNorm
 from plait.models.llama import Attention
@@ -144,7 +145,7 @@ class NemotronHForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> [S, vocab] in fp32
-        return self.lm_head(hidden).float()
+        return logits_fp32(hidden, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         cfg, tied = self.config, self.config.tie_word_embeddings
