@@ -527,6 +527,7 @@ def paged_attention_ref(
 
     Returns (out [T, Hq, D] in q's dtype, lse [T, Hq] fp32)."""
     from plait.attention.torch_ref import TorchRefBackend
+    from plait.engine.state_slots import NO_STATE_SLOT
     from plait.runner.forward_batch import ForwardBatch
 
     qsl = query_start_loc.tolist()
@@ -542,6 +543,7 @@ def paged_attention_ref(
         context_lens=torch.tensor([s - n for s, n in zip(lens, query_lens)], **as_int),
         seq_lens=seq_lens.to(**as_int),
         is_first_chunk=torch.tensor([s == n for s, n in zip(lens, query_lens)], device=device),
+        state_slots=torch.full((len(lens),), NO_STATE_SLOT, dtype=torch.int64, device=device),
         block_tables=block_tables.to(**as_int),
         slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64, device=device),
         sample_indices=torch.zeros(0, dtype=torch.int64, device=device),
