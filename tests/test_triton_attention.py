@@ -1,8 +1,7 @@
 """Triton paged_attention (unified kernel and split-KV) and the triton backend against torch_ref.
 
 Without CUDA these run in the Triton interpreter on tiny shapes (fp32, fp16); the ``gpu`` tests sweep
-real shapes in bf16/fp16 on CUDA (decode-only, mixed, and mixed with leading short rows) and capture
-the kernel in a CUDA graph.
+real shapes in bf16/fp16 on CUDA and capture the kernel in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -21,16 +20,11 @@ from plait.engine.kv_cache import PAD_BLOCK_ID, KVCacheManager, cdiv  # noqa: E4
 from plait.engine.request import Request  # noqa: E402
 from plait.engine.scheduler import Scheduler  # noqa: E402
 from plait.kernels.paged_attention import (  # noqa: E402
-    DECODE_NUM_WARPS,
-    DECODE_TILE_N,
     MAX_KV_SPLITS,
     choose_num_splits,
-    launch_config,
-    num_leading_short_rows,
     paged_attention,
     paged_attention_ref,
     plan_paged_attention,
-    short_row_max_query_len,
 )
 from plait.runner.forward_batch import build_forward_batch  # noqa: E402
 from plait.sampling_params import SamplingParams  # noqa: E402
@@ -93,17 +87,14 @@ def make_batch(specs, block_size: int, num_heads: int, num_kv_heads: int, head_d
 
 def run_kernel(b: PagedBatch, scale: float, window: int = 0, num_kv_splits: int | None = None,
                tile_n: int | None = None, block_m: int | None = None, query_len_slack: int = 0,
-               seq_len_slack: int = 0, num_short_rows: int = 0, short_tile_n: int | None = None,
-               with_lse: bool = True):
-    """paged_attention on the poisoned cache into NaN-filled out / lse, with upper-bound maxima
-    (lse None when ``with_lse`` is off)."""
+               seq_len_slack: int = 0):
+    """paged_attention on the poisoned cache into NaN-filled out / lse, with upper-bound maxima."""
     out = torch.full_like(b.q, float("nan"))
-    lse = torch.full(b.q.shape[:2], float("nan"), device=b.q.device) if with_lse else None
+    lse = torch.full(b.q.shape[:2], float("nan"), device=b.q.device)
     max_q, max_s = b.max_query_len + query_len_slack, b.max_seq_len + seq_len_slack
     (num_tokens, num_heads, head_dim), num_rows = b.q.shape, b.seq_lens.shape[0]
     plan = plan_paged_attention(num_tokens, num_rows, num_heads, b.k_cache.shape[2], head_dim, b.q.dtype,
-                                max_q, max_s, b.q.device, num_kv_splits, tile_n, block_m, num_short_rows,
-                                short_tile_n)
+                                max_q, max_s, b.q.device, num_kv_splits, tile_n, block_m)
     result = paged_attention(b.q, b.k_poisoned, b.v_poisoned, out, b.query_start_loc, b.seq_lens,
                              b.block_tables, scale, max_q, max_s, window, lse, plan=plan)
     assert result is out
@@ -117,12 +108,9 @@ def reference(b: PagedBatch, scale: float, window: int = 0):
 
 
 def assert_matches(out, lse, ref_out, ref_lse, atol: float, rtol: float = 0.0):
-    """out (and lse, unless None) written everywhere and equal to the reference's."""
-    assert torch.isfinite(out).all(), "an output element was never written"
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any(), "an output element was never written"
     torch.testing.assert_close(out.float(), ref_out, atol=atol, rtol=rtol)
-    if lse is not None:
-        assert not torch.isnan(lse).any(), "an lse element was never written"
-        torch.testing.assert_close(lse, ref_lse, atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse, ref_lse, atol=atol, rtol=rtol)
 
 
 # Every kind of row in one batch (block_size 4): first chunks, a chunk with context crossing block
@@ -196,78 +184,6 @@ def test_split_count_heuristic():
     assert plan_paged_attention(4, 1, 16, 8, 128, torch.bfloat16, 4, 32768, CPU).config.num_splits == 1
 
 
-# Mixed batches laid out as the scheduler does, [short rows..., long rows...] (block_size 4). SEVERAL
-# leads with 6 rows that fit a short tile at groups 1-4: decodes with block-crossing, empty and short
-# contexts, a 1-token prompt, a row without tokens, a 3-token chunk; after them fresh chunks and
-# chunks with context spanning several query tiles, a short chunk and a decode handled as long rows.
-SEVERAL = [(9, 1), (0, 1), (3, 1), (5, 0), (0, 3), (37, 1), (0, 23), (7, 12), (2, 9), (11, 1)]
-ONE = [(13, 1), (0, 20), (6, 9)]
-LONG_FIRST = [(0, 20), (9, 1), (0, 1)]  # a long row first: no short rows
-ALL_SHORT = [(9, 1), (0, 2), (30, 1), (5, 0), (17, 2), PAD_ROW]  # prompt-free short chunks only
-
-
-def _leading_short(b: PagedBatch) -> int:
-    return num_leading_short_rows(b.query_start_loc.tolist(), b.q.shape[1] // b.k_cache.shape[2])
-
-
-@pytest.mark.parametrize(("specs", "dtype", "heads", "window", "with_lse", "num_short"), [
-    (SEVERAL, torch.float32, (2, 2), 0, True, 6),
-    (SEVERAL, torch.float32, (4, 2), 5, True, 6),
-    (SEVERAL, torch.float32, (6, 2), 0, True, 6),  # group 3: short tiles hold 5 tokens
-    (SEVERAL, torch.float32, (8, 2), 0, False, 6),
-    (SEVERAL, torch.float16, (4, 2), 0, True, 6),
-    (SEVERAL, torch.float32, (4, 2), 0, True, 3),  # fewer than fit: any leading run is valid
-    (ONE, torch.float32, (4, 2), 6, True, 1),
-    (LONG_FIRST, torch.float32, (8, 2), 0, True, 0),
-    (ALL_SHORT, torch.float32, (4, 2), 3, True, len(ALL_SHORT)),
-], ids=["fp32-g1", "fp32-g2-window", "fp32-g3", "fp32-g4-nolse", "fp16-g2", "fp32-g2-partial",
-        "fp32-one-window", "fp32-none", "fp32-all-short-window"])
-def test_short_rows_match_torch_ref(specs, dtype, heads, window, with_lse, num_short):
-    """Leading short rows on decode-shaped tiles (their default K/V tiles), the rest on 16-row prefill
-    tiles with 16-key K/V tiles, in one launch."""
-    b = make_batch(specs, 4, *heads, 32, dtype, CPU, seed=num_short + heads[0])
-    if num_short != 3:
-        assert _leading_short(b) == num_short
-    out, lse, plan = run_kernel(b, 0.3, window, tile_n=16, block_m=16, query_len_slack=2, seq_len_slack=5,
-                                num_short_rows=num_short, with_lse=with_lse)
-    cfg = plan.config
-    assert cfg.num_short_rows == num_short and cfg.num_splits == 1
-    if num_short:
-        short_n = 32 if dtype == torch.float32 else DECODE_TILE_N[64]  # D=32 takes the D=64 tiles
-        group = heads[0] // heads[1]
-        assert (cfg.short.block_m, cfg.short.tile_n, cfg.short.block_q) == (16, short_n, 16 // group)
-    assert_matches(out, lse, *reference(b, 0.3, window), ATOL[dtype])
-
-
-def test_short_rows_cross_short_kv_tiles():
-    """16-key short K/V tiles: the decodes of 37 and 13 keys cross several, with a sliding window too."""
-    for window in (0, 7):
-        b = make_batch(SEVERAL, 4, 4, 2, 32, torch.float32, CPU, seed=window)
-        out, lse, plan = run_kernel(b, 0.3, window, tile_n=16, block_m=32, num_short_rows=6, short_tile_n=16)
-        assert plan.config.short.tile_n == 16 and plan.config.block_q == 16
-        assert_matches(out, lse, *reference(b, 0.3, window), ATOL[torch.float32])
-
-
-def test_short_row_count_and_config():
-    # Group 2 pads to 16 rows: up to 8 tokens a short row; group 16 fills them with one token.
-    assert short_row_max_query_len(2) == 8 and short_row_max_query_len(16) == 1
-    assert short_row_max_query_len(3) == 5 and short_row_max_query_len(32) == 1
-    assert num_leading_short_rows([0, 1, 2, 10, 19, 20], 2) == 3  # 8 tokens fit, 9 end the run
-    assert num_leading_short_rows([0, 1, 2, 11, 12], 2) == 2
-    assert num_leading_short_rows([0, 0, 1, 2], 4) == 3  # every row short
-    assert num_leading_short_rows([0], 4) == 0
-    cfg = launch_config(128, 2, torch.bfloat16, 2048, 257, 8, 4096, 132, num_short_rows=256)
-    assert (cfg.block_m, cfg.num_warps, cfg.num_short_rows) == (128, 8, 256)
-    assert (cfg.short.block_m, cfg.short.tile_n) == (16, DECODE_TILE_N[128])
-    all_short = launch_config(128, 2, torch.bfloat16, 4, 3, 8, 4096, 132, num_short_rows=3)
-    assert all_short.num_warps == DECODE_NUM_WARPS
-    # Decode-only batches already run decode tiles (and may split): the count is not used.
-    decode = launch_config(128, 2, torch.bfloat16, 1, 3, 8, 4096, 132, num_short_rows=3)
-    assert decode.num_short_rows == 0 and decode.short is None
-    with pytest.raises(ValueError, match="num_short_rows"):
-        launch_config(128, 2, torch.bfloat16, 8, 3, 8, 4096, 132, num_short_rows=4)
-
-
 def _schedule_steps(num_steps: int, block_size: int, prompt_lens: list[int], budget: int, seed: int):
     """(plan, batch) of a few real scheduler steps: first chunks, later chunks, decodes, side by side."""
     rng = random.Random(seed)
@@ -286,8 +202,7 @@ def _schedule_steps(num_steps: int, block_size: int, prompt_lens: list[int], bud
 
 def test_backend_matches_torch_ref_over_scheduled_steps():
     """store_kv + attend of the triton backend against torch_ref's, step after step of a real schedule;
-    split-KV forced on, so decode-only steps take it and mixed steps the unified kernel, their leading
-    decodes on short tiles."""
+    split-KV forced on, so decode-only steps take it and mixed steps the unified kernel."""
     torch.manual_seed(0)
     bs, hq, hkv, d = 4, 4, 2, 32
     triton_backend = get_backend("triton")
@@ -307,15 +222,11 @@ def test_backend_matches_torch_ref_over_scheduled_steps():
         assert_matches(*outs[0], *outs[1], ATOL[torch.float32])
         plans = [v for key, v in batch.backend_state.items() if key[0] == "triton"]
         assert len(plans) == 1
-        cfg = plans[0].config
-        assert cfg.num_short_rows == num_leading_short_rows(batch.query_start_loc_cpu, hq // hkv) or (
-            batch.max_query_len == 1 and cfg.num_short_rows == 0)
-        kinds.add((cfg.num_splits, 0 < cfg.num_short_rows < batch.num_rows))
+        kinds.add(plans[0].config.num_splits)
         if step == 0:  # a second layer reuses the step's plan and gets the same answer
             assert torch.equal(triton_backend.attend(q, caches[0], batch, 0.2), outs[0][0])
             assert [v for key, v in batch.backend_state.items() if key[0] == "triton"] == plans
-    # Decode-only steps, and mixed steps both with and without leading short rows, all ran.
-    assert kinds == {(2, False), (1, False), (1, True)}
+    assert kinds == {1, 2}  # mixed steps and decode-only steps both ran
 
 
 def test_backend_is_registered_lazily(monkeypatch):
@@ -396,52 +307,6 @@ def test_gpu_sweep_matches_torch_ref(case, splits):
     out, lse, plan = run_kernel(b, scale, case["window"], num_kv_splits=splits, seq_len_slack=1000)
     if splits is not None:
         assert plan.config.num_splits == splits
-    assert_matches(out, lse, *reference(b, scale, case["window"]), atol=GPU_ATOL, rtol=GPU_RTOL)
-
-
-def _mixed_gpu_cases() -> list[dict]:
-    """Leading decode rows (1..256, contexts up to 4k) next to 1..3 prefill chunks of up to 2048 tokens;
-    head dims 64/128 x bf16/fp16 each met by every 4 consecutive cases; groups, block sizes rotate."""
-    cases = []
-    shapes = [(1, 1, 4096), (7, 2, 4096), (64, 3, 2048), (256, 1, 1000), (256, 3, 4096), (33, 2, 300),
-              (128, 1, 4096), (256, 2, 800)]
-    for i, (decodes, chunks, max_context) in enumerate(shapes):
-        cases.append(dict(decodes=decodes, chunks=chunks, max_context=max_context, head_dim=[64, 128][i % 2],
-                          dtype=GPU_DTYPES[(i // 2) % 2], group=[1, 2, 4, 8][i % 4],
-                          block_size=[16, 32][(i // 4) % 2], window=1000 if i % 3 == 2 else 0, seed=100 + i))
-    return cases
-
-
-def _mixed_specs(rng: random.Random, case: dict):
-    """Decodes (a few with empty or sub-block contexts, one a 1-token prompt) then chunks, fresh or not."""
-    decodes = []
-    for _ in range(case["decodes"]):
-        context = int(2 ** rng.uniform(0, 12)) if rng.random() < 0.9 else rng.randint(0, 16)
-        decodes.append((min(context, case["max_context"]), 1))
-    if len(decodes) > 2:
-        decodes[1] = (0, 1)
-    chunks = [(0 if rng.random() < 0.5 else rng.randint(1, 2048), rng.randint(17, 2048))
-              for _ in range(case["chunks"])]
-    chunks[0] = (0, 2048) if case["seed"] % 2 else chunks[0]
-    return decodes + chunks
-
-
-def _mixed_case_id(case: dict) -> str:
-    return "dec{decodes}-ch{chunks}-d{head_dim}-g{group}-bs{block_size}-w{window}".format(**case)
-
-
-@pytest.mark.parametrize("case", _mixed_gpu_cases(), ids=_mixed_case_id)
-@gpu
-def test_gpu_mixed_short_rows_match_torch_ref(case):
-    specs = _mixed_specs(random.Random(case["seed"]), case)
-    num_kv_heads = 8 if case["group"] < 8 else 4
-    b = make_batch(specs, case["block_size"], num_kv_heads * case["group"], num_kv_heads, case["head_dim"],
-                   case["dtype"], torch.device("cuda"), case["seed"])
-    num_short = _leading_short(b)
-    assert num_short == case["decodes"]
-    scale = case["head_dim"] ** -0.5
-    out, lse, plan = run_kernel(b, scale, case["window"], num_short_rows=num_short)
-    assert plan.config.num_short_rows == num_short and plan.config.short is not None
     assert_matches(out, lse, *reference(b, scale, case["window"]), atol=GPU_ATOL, rtol=GPU_RTOL)
 
 

@@ -1,7 +1,5 @@
 """Triton paged-attention benchmark (GPU): decode KV-read bandwidth with split-KV on/off, prefill TFLOP/s
-against SDPA on contiguous tensors, a mixed step (decodes first, then a prefill chunk) with and without
-decode-shaped tiles for its leading short rows against separate launches, and a big ``x.sum()`` as the
-read-bandwidth ceiling.
+against SDPA on contiguous tensors, and a big ``x.sum()`` as the read-bandwidth ceiling.
 
     PYTHONPATH=. python benchmarks/kernels/attention_bench.py --out benchmarks/results/attention_h200.json
 
@@ -20,12 +18,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from plait.kernels.paged_attention import (
-    PagedAttentionPlan,
-    num_leading_short_rows,
-    paged_attention,
-    plan_paged_attention,
-)
+from plait.kernels.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
 
 # (name, Hq, Hkv, D)
 MODELS = [("qwen3-0.6b", 16, 8, 128), ("llama-8b", 32, 8, 128)]
@@ -33,12 +26,6 @@ DECODE_ROWS = [1, 8, 64, 256]
 DECODE_CONTEXTS = [512, 1024, 4096, 32768]
 # (name, [(context_len, query_len) per row])
 PREFILLS = [("4x512 fresh", [(0, 512)] * 4), ("1x2048 after 2048 cached", [(2048, 2048)])]
-# A mixed step as the scheduler lays it out: decodes (contexts spread around ~800) first, then one chunk.
-MIXED_DECODES = 256
-MIXED_CONTEXTS = (600, 1000)
-MIXED_CHUNK = 2048
-# Short-row K/V tiles tried in the mixed launch besides the default (None).
-MIXED_SHORT_TILE_N = [None, 32, 128]
 BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 SUM_BYTES = 4 << 30
@@ -148,81 +135,6 @@ def bench_prefill(device: torch.device) -> list[dict]:
     return results
 
 
-def mixed_rows() -> list[tuple[int, int]]:
-    lo, hi = MIXED_CONTEXTS
-    decodes = [(lo + (i * 37) % (hi - lo), 1) for i in range(MIXED_DECODES)]
-    return decodes + [(0, MIXED_CHUNK)]
-
-
-class MixedStep:
-    """One mixed step's q, cache and metadata; launches over all of it or over a contiguous run of rows."""
-
-    def __init__(self, hq: int, hkv: int, d: int, device: torch.device) -> None:
-        self.rows = mixed_rows()
-        self.setup = PagedSetup(hkv, d, self.rows, device)
-        self.qsl, self.seq_lens, self.tables = self.setup.metadata(self.rows, seed=len(self.rows))
-        self.qsl_cpu = self.qsl.tolist()
-        self.q = torch.randn(self.qsl_cpu[-1], hq, d, dtype=DTYPE, device=device)
-        self.max_seq_len = max(c + n for c, n in self.rows)
-        self.shape = (hq, hkv, d)
-        self.device = device
-
-    def plan(self, rows: slice, **overrides) -> PagedAttentionPlan:
-        hq, hkv, d = self.shape
-        part = self.rows[rows]
-        return plan_paged_attention(sum(n for _, n in part), len(part), hq, hkv, d, DTYPE,
-                                    max(n for _, n in part), self.max_seq_len, self.device, **overrides)
-
-    def launch(self, out: torch.Tensor, plan: PagedAttentionPlan, rows: slice):
-        """A call of paged_attention over rows ``rows`` (their tokens of q and out, their metadata)."""
-        first, last = rows.indices(len(self.rows))[:2]
-        tokens = slice(self.qsl_cpu[first], self.qsl_cpu[last])
-        qsl = self.qsl[first: last + 1] - self.qsl_cpu[first]
-        max_q = max(n for _, n in self.rows[rows])
-        args = (self.q[tokens], self.setup.k_cache, self.setup.v_cache, out[tokens], qsl, self.seq_lens[rows],
-                self.tables[rows], self.shape[2] ** -0.5, max_q, self.max_seq_len)
-        return lambda: paged_attention(*args, plan=plan)
-
-
-def bench_mixed_step(name: str, hq: int, hkv: int, d: int, device: torch.device) -> dict:
-    """One mixed step timed (a) as one launch whose leading decodes take short tiles (each short K/V tile
-    tried), (b) as one launch with prefill tiles for every row (the old behaviour), (c) as a decode-only
-    and a prefill-only launch (each alone, and back to back in one timed call). Outputs are compared."""
-    step = MixedStep(hq, hkv, d, device)
-    every, decodes, chunk = slice(None), slice(0, MIXED_DECODES), slice(MIXED_DECODES, None)
-    num_short = num_leading_short_rows(step.qsl_cpu, hq // hkv)
-    assert num_short == MIXED_DECODES
-    entry = dict(model=name, decodes=MIXED_DECODES, contexts=list(MIXED_CONTEXTS), chunk=MIXED_CHUNK)
-    outs = {}
-    for short_tile_n in MIXED_SHORT_TILE_N:
-        plan = step.plan(every, num_short_rows=num_short, short_tile_n=short_tile_n)
-        key = f"short_tiles_n{plan.config.short.tile_n}" + ("" if short_tile_n else "_default")
-        outs[key] = torch.full_like(step.q, float("nan"))  # unwritten shows as NaN
-        entry[f"{key}_ms"] = median_ms(step.launch(outs[key], plan, every))
-    outs["prefill_tiles"] = torch.full_like(step.q, float("nan"))  # unwritten shows as NaN
-    entry["prefill_tiles_ms"] = median_ms(step.launch(outs["prefill_tiles"], step.plan(every), every))
-    outs["separate"] = torch.full_like(step.q, float("nan"))  # unwritten shows as NaN
-    decode_plan = step.plan(decodes)
-    decode_fn = step.launch(outs["separate"], decode_plan, decodes)
-    prefill_fn = step.launch(outs["separate"], step.plan(chunk), chunk)
-    entry["decode_only_ms"] = median_ms(decode_fn)
-    entry["decode_only_num_splits"] = decode_plan.config.num_splits
-    entry["prefill_only_ms"] = median_ms(prefill_fn)
-    entry["separate_sum_ms"] = entry["decode_only_ms"] + entry["prefill_only_ms"]
-    entry["separate_back_to_back_ms"] = median_ms(lambda: (decode_fn(), prefill_fn()))
-    ref = outs["separate"].float()
-    entry["max_abs_diff_vs_separate"] = {k: (v.float() - ref).abs().max().item() for k, v in outs.items()}
-    return entry
-
-
-def bench_mixed(device: torch.device) -> list[dict]:
-    results = []
-    for name, hq, hkv, d in MODELS:
-        results.append(bench_mixed_step(name, hq, hkv, d, device))
-        torch.cuda.empty_cache()
-    return results
-
-
 def bench_read_bandwidth(device: torch.device) -> dict:
     x = torch.ones(SUM_BYTES // 2, dtype=DTYPE, device=device)
     ms = median_ms(lambda: x.sum())
@@ -246,16 +158,6 @@ def print_tables(result: dict) -> None:
     for r in result["prefill"]:
         print(f"{r['model']:12} {r['case']:26} triton {r['tflops']:6.1f} ({r['ms']:.3f} ms)   "
               f"sdpa {r['sdpa_tflops']:6.1f} ({r['sdpa_ms']:.3f} ms)")
-    print(f"\nmixed step: {MIXED_DECODES} decodes (context {MIXED_CONTEXTS[0]}..{MIXED_CONTEXTS[1]}) + one "
-          f"{MIXED_CHUNK}-token fresh chunk, ms")
-    for r in result["mixed"]:
-        short = {k[: -len("_ms")]: v for k, v in r.items() if k.startswith("short_tiles_")}
-        print(f"{r['model']:12} " + "  ".join(f"{k} {v:.3f}" for k, v in short.items()))
-        print(f"{'':12} prefill_tiles {r['prefill_tiles_ms']:.3f}  decode_only {r['decode_only_ms']:.3f} + "
-              f"prefill_only {r['prefill_only_ms']:.3f} = {r['separate_sum_ms']:.3f}  "
-              f"(back to back {r['separate_back_to_back_ms']:.3f})")
-        worst = torch.tensor(list(r["max_abs_diff_vs_separate"].values())).max().item()  # NaN shows
-        print(f"{'':12} largest |out - separate launches| over all variants: {worst:.2e}")
 
 
 def main() -> None:
@@ -269,7 +171,6 @@ def main() -> None:
     result["read_bandwidth"] = bench_read_bandwidth(device)
     result["decode"] = bench_decode(device)
     result["prefill"] = bench_prefill(device)
-    result["mixed"] = bench_mixed(device)
     result["wall_s"] = time.time() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

@@ -7,12 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.attention.base import AttentionBackend, register_backend
-from plait.kernels.paged_attention import (
-    PagedAttentionPlan,
-    num_leading_short_rows,
-    paged_attention,
-    plan_paged_attention,
-)
+from plait.kernels.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
 from plait.kernels.store_kv import store_kv
 
 if TYPE_CHECKING:
@@ -25,16 +20,13 @@ class TritonBackend(AttentionBackend):
     so a batch padded for a CUDA graph (upper-bound maxima, pad rows) works unchanged.
 
     ``num_kv_splits`` overrides the split-KV choice for decode-only steps (None: heuristic; 1: off); steps
-    carrying prefill chunks never split. In those steps the leading rows whose query fits a decode-shaped
-    tile (the decodes the scheduler puts first) get decode tiles in the same launch; ``short_tiles``
-    False gives every row the prefill tiles instead (for comparison)."""
+    carrying prefill chunks never split."""
 
     name = "triton"
     graph_safe = True
 
-    def __init__(self, num_kv_splits: int | None = None, short_tiles: bool = True) -> None:
+    def __init__(self, num_kv_splits: int | None = None) -> None:
         self.num_kv_splits = num_kv_splits
-        self.short_tiles = short_tiles
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> None:
         # kv_cache: [2, num_blocks, block_size, Hkv, D]
@@ -59,21 +51,14 @@ class TritonBackend(AttentionBackend):
         return (out, lse) if return_lse else out
 
     def _plan(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> PagedAttentionPlan:
-        """Launch config and split-KV scratch, made by the first layer of a step and reused by the rest.
-
-        The short-row count comes from the host copy of query_start_loc, present in eager steps; captured
-        steps are decode-only and have none (nor need one)."""
+        """Launch config and split-KV scratch, made by the first layer of a step and reused by the rest."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[3]
         key = ("triton", num_tokens, num_heads, num_kv_heads, head_dim, q.dtype)
         plan = batch.backend_state.get(key)
         if plan is None:
-            decode_only = batch.max_query_len <= 1
-            num_short = 0
-            if self.short_tiles and not decode_only and batch.query_start_loc_cpu is not None:
-                num_short = num_leading_short_rows(batch.query_start_loc_cpu, num_heads // num_kv_heads)
+            splits = self.num_kv_splits if batch.max_query_len <= 1 else None
             plan = batch.backend_state[key] = plan_paged_attention(
                 num_tokens, batch.block_tables.shape[0], num_heads, num_kv_heads, head_dim, q.dtype,
-                batch.max_query_len, batch.max_seq_len, q.device, self.num_kv_splits if decode_only else None,
-                num_short_rows=num_short)
+                batch.max_query_len, batch.max_seq_len, q.device, splits)
         return plan

@@ -12,12 +12,7 @@ Two paths, chosen on the host from host ints only (CUDA-graph safe, no device sy
   row times the ``GROUP`` query heads sharing a kv head into ``BLOCK_M = BLOCK_Q * GROUP`` (padded)
   rows, so each K/V tile is read once per group; its row is found by binary search over
   ``query_start_loc``. K/V are walked in tiles of ``TILE_N`` positions, independent of block_size:
-  the block id is gathered per key position. A mixed batch laid out [short rows..., long rows...]
-  (the scheduler puts decodes first) runs as two program regions of the same launch: the
-  ``num_short_rows`` leading rows, whose query fits one decode-shaped tile (the group padded to
-  MIN_DOT rows, decode K/V tiles and pipeline depth), one program each, no search; the rest with the
-  prefill tiles, searching only their own rows. Without it a decode row would occupy a whole prefill
-  tile (up to 128 query rows) of which only ``GROUP`` rows are real.
+  the block id is gathered per key position.
 - split-KV (flash-decoding), for decode-only batches (max_query_len == 1) too small to fill the GPU:
   a 3-D grid (row, kv head, split); each split takes its balanced share of the row's KV tiles, computed
   on the device from the row's seq_len, writes a partial output + LSE to fp32 scratch, and a reduce
@@ -31,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,7 +50,6 @@ PREFILL_8_WARPS_ACC = 64 * 256
 # 2 stages beat 3 at every decode shape measured (H200, 256 rows, contexts 800 / 2048: 3869 vs 3488 and
 # 4245 vs 3882 GB/s; benchmarks/results/decode_tune_h200.json).
 DECODE_NUM_STAGES = 2
-DECODE_NUM_WARPS = 4
 # fp32 (interpreter tests, GPU debugging) doubles the bytes per tile: keep tiles small and unpipelined.
 FP32_MAX_BLOCK_M = 64
 FP32_MAX_TILE_N = 32
@@ -71,21 +64,8 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
 @dataclass(frozen=True)
-class ShortTiles:
-    """Decode-shaped tiles for the leading short rows of a mixed batch: one query tile per row."""
-
-    block_m: int  # the group padded to MIN_DOT
-    block_q: int  # tokens a short row may have: block_m // group
-    tile_n: int
-    num_stages: int  # software-pipeline depth of this region's K/V loops
-
-
-@dataclass(frozen=True)
 class LaunchConfig:
-    """Compile-time tile shape of one paged_attention call; derived from host ints only.
-
-    block_m .. num_stages describe the rows after the leading short ones (every row when
-    num_short_rows is 0); num_warps is one for the whole launch, so the short region runs with it too."""
+    """Compile-time tile shape of one paged_attention call; derived from host ints only."""
 
     block_m: int  # rows of a query tile: block_q tokens x group heads, padded to a power of two
     block_q: int  # tokens of one row per query tile
@@ -93,8 +73,6 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     num_splits: int  # 1: the unified kernel; > 1: split-KV (decode-only batches)
-    num_short_rows: int = 0  # leading rows that take ``short`` tiles, one program per row and kv head
-    short: ShortTiles | None = None
 
 
 @dataclass
@@ -122,110 +100,58 @@ def choose_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, tile_n
     return max(1, min(wanted, useful, MAX_KV_SPLITS))
 
 
-def _group_rows(group: int) -> int:
-    """Query-tile rows of one token's group of heads: the decode tile height."""
-    return max(MIN_DOT, triton.next_power_of_2(group))
-
-
-def short_row_max_query_len(group: int) -> int:
-    """The most query tokens a row may have to take a short (decode-shaped) tile."""
-    return _group_rows(group) // group
-
-
-def num_leading_short_rows(query_start_loc: Sequence[int], group: int) -> int:
-    """Length of the leading run of rows whose query fits one decode-shaped tile: the ``num_short_rows``
-    for a mixed batch laid out [short rows..., long rows...]. A tile-shape choice made from host
-    query lengths only; it says nothing about a row being a decode or a prompt chunk."""
-    limit = short_row_max_query_len(group)
-    for row in range(len(query_start_loc) - 1):
-        if query_start_loc[row + 1] - query_start_loc[row] > limit:
-            return row
-    return max(len(query_start_loc) - 1, 0)
-
-
-def _decode_tiles(head_dim: int, group: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(block_m, tile_n, num_stages) of a decode tile: one token x the group, wide K/V tiles."""
-    tile_n, stages = DECODE_TILE_N[max(head_dim, 64)], DECODE_NUM_STAGES
-    if dtype == torch.float32:
-        tile_n, stages = min(tile_n, FP32_MAX_TILE_N), 1
-    return _group_rows(group), tile_n, stages
-
-
 def _default_tiles(
     head_dim: int, group: int, dtype: torch.dtype, max_query_len: int
 ) -> tuple[int, int, int, int]:
     """(block_m, tile_n, num_warps, num_stages) by head_dim, group size, dtype and batch kind."""
-    if max_query_len <= 1:  # decode-only
-        block_m, tile_n, stages = _decode_tiles(head_dim, group, dtype)
-        return block_m, tile_n, DECODE_NUM_WARPS, stages
-    group_rows = _group_rows(group)
+    group_rows = max(MIN_DOT, triton.next_power_of_2(group))
     dim_key = max(head_dim, 64)  # head dims 16 and 32 take the D=64 tiles
-    wanted_m = triton.next_power_of_2(max_query_len * group)
-    block_m = max(group_rows, min(PREFILL_BLOCK_M[dim_key], wanted_m))
-    tile_n, stages = PREFILL_TILE_N[dim_key], PREFILL_NUM_STAGES[dim_key]
-    # 8 warps once the fp32 accumulator reaches 16K elements (4 would spill at D=128, M=128).
-    warps = 8 if block_m >= 128 or block_m * head_dim >= PREFILL_8_WARPS_ACC else 4
+    if max_query_len <= 1:  # decode-only: one token x the group per tile, wide K/V tiles for bandwidth
+        block_m, tile_n, warps, stages = group_rows, DECODE_TILE_N[dim_key], 4, DECODE_NUM_STAGES
+    else:
+        wanted_m = triton.next_power_of_2(max_query_len * group)
+        block_m = max(group_rows, min(PREFILL_BLOCK_M[dim_key], wanted_m))
+        tile_n, stages = PREFILL_TILE_N[dim_key], PREFILL_NUM_STAGES[dim_key]
+        # 8 warps once the fp32 accumulator reaches 16K elements (4 would spill at D=128, M=128).
+        warps = 8 if block_m >= 128 or block_m * head_dim >= PREFILL_8_WARPS_ACC else 4
     if dtype == torch.float32:
         block_m = max(group_rows, min(block_m, FP32_MAX_BLOCK_M))
         tile_n, stages = min(tile_n, FP32_MAX_TILE_N), 1
     return block_m, tile_n, warps, stages
 
 
-def _check_tiles(block_m: int, tile_n: int, group: int) -> None:
-    pow2 = all(x & (x - 1) == 0 for x in (block_m, tile_n))
-    if not pow2 or block_m < max(MIN_DOT, group) or tile_n < MIN_DOT:
-        raise ValueError(f"block_m {block_m} / tile_n {tile_n}: powers of two >= {MIN_DOT} and the group")
-
-
 def launch_config(
     head_dim: int, group: int, dtype: torch.dtype, max_query_len: int, num_rows: int, num_kv_heads: int,
     max_seq_len: int, num_sms: int, num_kv_splits: int | None = None, tile_n: int | None = None,
-    block_m: int | None = None, num_short_rows: int = 0, short_tile_n: int | None = None,
+    block_m: int | None = None,
 ) -> LaunchConfig:
     """The heuristic tiles, with overrides: ``num_kv_splits`` (1: split-KV off; > 1: forced, decode-only),
-    ``tile_n`` and ``block_m`` (powers of two; tests use small ones to cross many tiles cheaply).
-
-    ``num_short_rows``: the leading rows get decode-shaped tiles (each must have at most
-    ``short_row_max_query_len(group)`` query tokens; ``num_leading_short_rows`` counts them), the rest the
-    prefill tiles; ``short_tile_n`` overrides their K/V tile. Ignored for decode-only batches
-    (max_query_len <= 1), whose tiles are decode-shaped already and which keep split-KV."""
+    ``tile_n`` and ``block_m`` (powers of two; tests use small ones to cross many tiles cheaply)."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} not supported; one of {SUPPORTED_HEAD_DIMS}")
-    if not 0 <= num_short_rows <= num_rows:
-        raise ValueError(f"num_short_rows {num_short_rows} outside [0, {num_rows}]")
     default_m, default_n, warps, stages = _default_tiles(head_dim, group, dtype, max_query_len)
     block_m, tile_n = block_m or default_m, tile_n or default_n
-    _check_tiles(block_m, tile_n, group)
+    pow2 = all(x & (x - 1) == 0 for x in (block_m, tile_n))
+    if not pow2 or block_m < max(MIN_DOT, group) or tile_n < MIN_DOT:
+        raise ValueError(f"block_m {block_m} / tile_n {tile_n}: powers of two >= {MIN_DOT} and the group")
     is_decode = max_query_len <= 1
     if num_kv_splits is None and is_decode:
         num_kv_splits = choose_num_splits(num_rows, num_kv_heads, max_seq_len, tile_n, num_sms)
     num_kv_splits = num_kv_splits or 1
     if num_kv_splits > 1 and not is_decode:
         raise ValueError("split-KV serves decode-only batches (max_query_len == 1)")
-    short = None
-    num_short_rows = 0 if is_decode else num_short_rows
-    if num_short_rows:
-        short_m, short_n, short_stages = _decode_tiles(head_dim, group, dtype)
-        short_n = short_tile_n or short_n
-        _check_tiles(short_m, short_n, group)
-        short = ShortTiles(block_m=short_m, block_q=short_m // group, tile_n=short_n, num_stages=short_stages)
-        if num_short_rows == num_rows:  # no long rows: the launch is decode-shaped throughout
-            warps, stages = DECODE_NUM_WARPS, short_stages
     return LaunchConfig(block_m=block_m, block_q=block_m // group, tile_n=tile_n, num_warps=warps,
-                        num_stages=stages, num_splits=max(1, num_kv_splits), num_short_rows=num_short_rows,
-                        short=short)
+                        num_stages=stages, num_splits=max(1, num_kv_splits))
 
 
 def plan_paged_attention(
     num_tokens: int, num_rows: int, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
     max_query_len: int, max_seq_len: int, device: torch.device, num_kv_splits: int | None = None,
-    tile_n: int | None = None, block_m: int | None = None, num_short_rows: int = 0,
-    short_tile_n: int | None = None,
+    tile_n: int | None = None, block_m: int | None = None,
 ) -> PagedAttentionPlan:
     """The launch config and split-KV scratch for a step; shapes come from host ints only."""
     config = launch_config(head_dim, num_heads // num_kv_heads, dtype, max_query_len, num_rows, num_kv_heads,
-                           max_seq_len, _num_sms(device), num_kv_splits, tile_n, block_m, num_short_rows,
-                           short_tile_n)
+                           max_seq_len, _num_sms(device), num_kv_splits, tile_n, block_m)
     plan = PagedAttentionPlan(config)
     if config.num_splits > 1:
         shape = (num_tokens, num_heads, config.num_splits)
@@ -238,21 +164,15 @@ def plan_paged_attention(
 
 
 @triton.jit
-def _first_tile(query_start_loc_ptr, row, row_lo, token_lo, BLOCK_Q: tl.constexpr):
-    """Index of row's first query tile among the tiles of rows [row_lo, ...), whose tokens start at
-    token_lo: row r owns tiles [first(r), first(r + 1)), at least cdiv(query_len, BLOCK_Q) of them."""
-    return (tl.load(query_start_loc_ptr + row) - token_lo) // BLOCK_Q + (row - row_lo)
-
-
-@triton.jit
-def _find_row(query_start_loc_ptr, tile_idx, row_lo, row_hi, token_lo, BLOCK_Q: tl.constexpr):
-    """The row of [row_lo, row_hi) owning query tile ``tile_idx``: the last one whose first tile is at or
-    before it (binary search; rows without tokens own one empty tile each)."""
-    lo: tl.int32 = row_lo
-    hi: tl.int32 = row_hi
+def _find_row(query_start_loc_ptr, tile_idx, num_rows, BLOCK_Q: tl.constexpr):
+    """Row r owns query tiles [qsl[r] // BLOCK_Q + r, qsl[r + 1] // BLOCK_Q + r + 1), at least
+    cdiv(query_len, BLOCK_Q) of them; the owner of ``tile_idx`` is the last row starting at or before it."""
+    lo: tl.int32 = 0
+    hi: tl.int32 = num_rows
     while lo < hi:
         mid = (lo + hi) // 2
-        if _first_tile(query_start_loc_ptr, mid, row_lo, token_lo, BLOCK_Q) <= tile_idx:
+        first_tile = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid
+        if first_tile <= tile_idx:
             lo = mid + 1
         else:
             hi = mid
@@ -317,12 +237,10 @@ def _attend_tiles(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
     tile_lo, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
 ):
     """Online softmax over K/V tiles [tile_lo, tile_hi), carrying (acc [BLOCK_M, D], m, l [BLOCK_M]):
-    unnormalised, log2 domain. A query that saw no key keeps m = -inf, l = 0, acc = 0.
-
-    NUM_STAGES pipelines this loop on its own, so the two regions of a mixed launch keep their depths."""
+    unnormalised, log2 domain. A query that saw no key keeps m = -inf, l = 0, acc = 0."""
     if INTERPRETED:
         # Triton 3.6's interpreter cannot use tensor bounds in range() under numpy 2; a while loop runs
         # the same steps there (on the GPU the for loop is kept: only it is software-pipelined).
@@ -334,7 +252,7 @@ def _attend_tiles(
                 BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, MASKED)
             tile += 1
     else:
-        for tile in tl.range(tile_lo, tile_hi, num_stages=NUM_STAGES):
+        for tile in range(tile_lo, tile_hi):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
                 qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -349,7 +267,6 @@ def _attend_range(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
 ):
     """Attend q over K/V tiles [tile_lo, tile_hi): tiles wholly at or before ``first_q_pos`` (the first
     query of the tile) skip the masks; the rest, and every tile under a sliding window, are masked."""
@@ -362,27 +279,36 @@ def _attend_range(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
             qk_scale, tile_lo, mid, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, False, NUM_STAGES)
+            BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, False)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
         qk_scale, mid, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, True, NUM_STAGES)
+        BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, True)
     return acc, m_i, l_i
 
 
 @triton.jit
-def _attend_query_tile(
-    out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, qk_scale,
-    q_start, q_len, q_tile, seq_len, kv_head,
+def _paged_attention_kernel(
+    out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale, num_rows,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_t,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, STORE_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
-    """Query tile ``q_tile`` of one row (BLOCK_Q tokens x the GROUP heads of ``kv_head``, padded to
-    BLOCK_M rows) over the row's K/V; stores its out (and lse) rows."""
+    """Grid (T // BLOCK_Q + R, Hkv): one query tile of one row, all GROUP query heads of one kv head."""
+    tile_idx = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    row = _find_row(query_start_loc_ptr, tile_idx, num_rows, BLOCK_Q)
+    q_start = tl.load(query_start_loc_ptr + row)
+    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
+    q_tile = tile_idx - (q_start // BLOCK_Q + row)
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + row)
     context_len = seq_len - q_len
+
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q_idx = q_tile * BLOCK_Q + offs_m // GROUP  # token within the row's chunk
@@ -401,10 +327,10 @@ def _attend_query_tile(
         tile_lo = tl.maximum(context_len + q_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0) // TILE_N
 
     acc, m_i, l_i = _attend_range(
-        q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head,
+        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
         q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi, context_len + q_tile * BLOCK_Q,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, NUM_STAGES)
+        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED)
 
     # A query that saw no key: zeros and lse -inf, never 0/0.
     seen = l_i > 0
@@ -417,111 +343,6 @@ def _attend_query_tile(
 
 
 @triton.jit
-def _short_program(
-    row, kv_head, out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr,
-    block_tables_ptr, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_t,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-):
-    """A short row (at most BLOCK_Q tokens, so one decode-shaped query tile) and one kv head."""
-    q_start = tl.load(query_start_loc_ptr + row)
-    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
-    if q_len > 0:
-        _attend_query_tile(
-            out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-            block_tables_ptr + row.to(tl.int64) * stride_bt, qk_scale, q_start, q_len, 0,
-            tl.load(seq_lens_ptr + row), kv_head,
-            stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_t,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            GROUP, BLOCK_Q, BLOCK_M, TILE_N, NUM_STAGES, HEAD_DIM, BLOCK_SIZE, SLIDING_WINDOW, STORE_LSE,
-            DOT_PRECISION, INTERPRETED)
-
-
-@triton.jit
-def _long_program(
-    tile_idx, kv_head, row_lo, row_hi, out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr,
-    seq_lens_ptr, block_tables_ptr, qk_scale,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_t,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    STORE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-):
-    """Query tile ``tile_idx`` of the rows [row_lo, row_hi) and one kv head; tiles past a row's tokens
-    (the grid is an upper bound) do nothing."""
-    token_lo = tl.load(query_start_loc_ptr + row_lo)
-    row = _find_row(query_start_loc_ptr, tile_idx, row_lo, row_hi, token_lo, BLOCK_Q)
-    q_start = tl.load(query_start_loc_ptr + row)
-    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
-    q_tile = tile_idx - _first_tile(query_start_loc_ptr, row, row_lo, token_lo, BLOCK_Q)
-    if q_tile * BLOCK_Q < q_len:
-        _attend_query_tile(
-            out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-            block_tables_ptr + row.to(tl.int64) * stride_bt, qk_scale, q_start, q_len, q_tile,
-            tl.load(seq_lens_ptr + row), kv_head,
-            stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_t,
-            stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            GROUP, BLOCK_Q, BLOCK_M, TILE_N, NUM_STAGES, HEAD_DIM, BLOCK_SIZE, SLIDING_WINDOW, STORE_LSE,
-            DOT_PRECISION, INTERPRETED)
-
-
-# num_short_rows == 1 would otherwise compile a variant of its own.
-@triton.jit(do_not_specialize=["num_short_rows"])
-def _paged_attention_kernel(
-    out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_rows, num_short_rows,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_t,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    NUM_STAGES: tl.constexpr, SHORT_BLOCK_Q: tl.constexpr, SHORT_BLOCK_M: tl.constexpr,
-    SHORT_TILE_N: tl.constexpr, SHORT_NUM_STAGES: tl.constexpr, HAS_SHORT: tl.constexpr,
-    HAS_LONG: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, STORE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
-):
-    """Grid (S + L, Hkv), all GROUP query heads of one kv head per program: programs [0, S) take the S
-    leading short rows, one decode-shaped tile (SHORT_*) each; programs [S, S + L) the query tiles
-    (BLOCK_Q tokens) of rows [S, R), L an upper bound on their count. HAS_SHORT / HAS_LONG leave a region
-    out of the compiled kernel when the launch has none, so pure batches compile only their own body."""
-    pid = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    if HAS_SHORT and HAS_LONG:
-        if pid < num_short_rows:
-            _short_program(
-                pid, kv_head, out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr,
-                seq_lens_ptr, block_tables_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-                stride_lse_t, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-                GROUP, SHORT_BLOCK_Q, SHORT_BLOCK_M, SHORT_TILE_N, SHORT_NUM_STAGES, HEAD_DIM, BLOCK_SIZE,
-                SLIDING_WINDOW, STORE_LSE, DOT_PRECISION, INTERPRETED)
-        else:
-            _long_program(
-                pid - num_short_rows, kv_head, num_short_rows, num_rows, out_ptr, lse_ptr, q_ptr, k_cache_ptr,
-                v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, stride_qt,
-                stride_qh, stride_ot, stride_oh, stride_lse_t, stride_kb, stride_ks, stride_kh, stride_vb,
-                stride_vs, stride_vh, stride_bt,
-                GROUP, BLOCK_Q, BLOCK_M, TILE_N, NUM_STAGES, HEAD_DIM, BLOCK_SIZE, SLIDING_WINDOW, STORE_LSE,
-                DOT_PRECISION, INTERPRETED)
-    elif HAS_SHORT:
-        _short_program(
-            pid, kv_head, out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr,
-            seq_lens_ptr, block_tables_ptr, qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
-            stride_lse_t, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-            GROUP, SHORT_BLOCK_Q, SHORT_BLOCK_M, SHORT_TILE_N, SHORT_NUM_STAGES, HEAD_DIM, BLOCK_SIZE,
-            SLIDING_WINDOW, STORE_LSE, DOT_PRECISION, INTERPRETED)
-    else:
-        _long_program(
-            pid, kv_head, 0, num_rows, out_ptr, lse_ptr, q_ptr, k_cache_ptr,
-            v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, stride_qt,
-            stride_qh, stride_ot, stride_oh, stride_lse_t, stride_kb, stride_ks, stride_kh, stride_vb,
-            stride_vs, stride_vh, stride_bt,
-            GROUP, BLOCK_Q, BLOCK_M, TILE_N, NUM_STAGES, HEAD_DIM, BLOCK_SIZE, SLIDING_WINDOW, STORE_LSE,
-            DOT_PRECISION, INTERPRETED)
-
-
-@triton.jit
 def _split_kv_kernel(
     split_out_ptr, split_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr,
     block_tables_ptr, qk_scale,
@@ -529,7 +350,7 @@ def _split_kv_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     num_splits, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, NUM_STAGES: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     """Grid (R, Hkv, num_splits): one decode token's GROUP heads over one split of the row's KV range.
 
@@ -567,7 +388,7 @@ def _split_kv_kernel(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
         q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi, seq_len - 1,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, NUM_STAGES)
+        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -613,7 +434,7 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     max_query_len: int, max_seq_len: int, sliding_window: int = 0, lse: torch.Tensor | None = None,
-    plan: PagedAttentionPlan | None = None, num_kv_splits: int | None = None, num_short_rows: int = 0,
+    plan: PagedAttentionPlan | None = None, num_kv_splits: int | None = None,
 ) -> torch.Tensor:
     """Attention of every query token of a mixed batch over its row's paged K/V; writes and returns out.
 
@@ -623,10 +444,7 @@ def paged_attention(
     sliding_window: 0 for none, else key p is visible to query position i iff i - W < p <= i;
     lse: optional [T, Hq] fp32 output (natural log, -inf where a query saw no key).
     plan: from ``plan_paged_attention`` (built here when None); num_kv_splits: override the split
-    count when no plan is given (1: never split); num_short_rows (used when no plan is given): how many
-    leading rows take decode-shaped tiles, each with at most ``short_row_max_query_len(group)`` query
-    tokens (``num_leading_short_rows`` counts them; 0: every row takes the batch's tiles).
-    Never synchronises with the device.
+    count when no plan is given (1: never split). Never synchronises with the device.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -636,14 +454,10 @@ def paged_attention(
     _check_attention_args(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, lse)
     if plan is None:
         plan = plan_paged_attention(num_tokens, num_rows, num_heads, num_kv_heads, head_dim, q.dtype,
-                                    max_query_len, max_seq_len, q.device, num_kv_splits,
-                                    num_short_rows=num_short_rows)
+                                    max_query_len, max_seq_len, q.device, num_kv_splits)
     cfg = plan.config
-    if cfg.num_short_rows > num_rows:
-        raise ValueError(f"the plan has {cfg.num_short_rows} short rows; this batch has {num_rows} rows")
     common = dict(
-        GROUP=num_heads // num_kv_heads, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, NUM_STAGES=cfg.num_stages,
-        HEAD_DIM=head_dim,
+        GROUP=num_heads // num_kv_heads, BLOCK_M=cfg.block_m, TILE_N=cfg.tile_n, HEAD_DIM=head_dim,
         BLOCK_SIZE=k_cache.shape[1], SLIDING_WINDOW=sliding_window,
         # fp32 (tests, debugging) must not silently drop to tf32; 16-bit inputs keep Triton's default.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
@@ -655,18 +469,11 @@ def paged_attention(
     qk_scale = scale * LOG2E
     lse_arg = lse if lse is not None else out  # never written when STORE_LSE is off
     if cfg.num_splits == 1:
-        num_short = cfg.num_short_rows
-        # Rows [S, R) own at most (their tokens) // block_q + (their count) tiles; tokens <= T.
-        num_long_programs = 0 if num_short == num_rows else num_tokens // cfg.block_q + num_rows - num_short
-        # Unused shapes of a region left out still key the compile cache: pass the long ones, fixed.
-        short = cfg.short or ShortTiles(cfg.block_m, cfg.block_q, cfg.tile_n, cfg.num_stages)
-        _paged_attention_kernel[(num_short + num_long_programs, num_kv_heads)](
+        grid = (num_tokens // cfg.block_q + num_rows, num_kv_heads)
+        _paged_attention_kernel[grid](
             out, lse_arg, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, qk_scale, num_rows,
-            num_short, q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0),
-            *cache_strides,
-            BLOCK_Q=cfg.block_q, SHORT_BLOCK_Q=short.block_q, SHORT_BLOCK_M=short.block_m,
-            SHORT_TILE_N=short.tile_n, SHORT_NUM_STAGES=short.num_stages, HAS_SHORT=num_short > 0,
-            HAS_LONG=num_long_programs > 0, STORE_LSE=lse is not None, **common)
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0), *cache_strides,
+            BLOCK_Q=cfg.block_q, STORE_LSE=lse is not None, **common)
         return out
     split_out, split_lse = plan.split_out, plan.split_lse
     if split_out is None or split_out.shape[0] < num_tokens or split_out.shape[1:] != (
@@ -722,7 +529,6 @@ def paged_attention_ref(
 
     Returns (out [T, Hq, D] in q's dtype, lse [T, Hq] fp32)."""
     from plait.attention.torch_ref import TorchRefBackend
-    from plait.engine.state_slots import NO_STATE_SLOT
     from plait.runner.forward_batch import ForwardBatch
 
     qsl = query_start_loc.tolist()
@@ -738,7 +544,7 @@ def paged_attention_ref(
         context_lens=torch.tensor([s - n for s, n in zip(lens, query_lens)], **as_int),
         seq_lens=seq_lens.to(**as_int),
         is_first_chunk=torch.tensor([s == n for s, n in zip(lens, query_lens)], device=device),
-        state_slots=torch.full((len(lens),), NO_STATE_SLOT, dtype=torch.int64, device=device),
+        state_slots=torch.zeros(len(lens), dtype=torch.int64, device=device),
         block_tables=block_tables.to(**as_int),
         slot_mapping=torch.zeros(q.shape[0], dtype=torch.int64, device=device),
         sample_indices=torch.zeros(0, dtype=torch.int64, device=device),
