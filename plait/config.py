@@ -11,7 +11,7 @@ SCHEDULING_POLICIES: tuple[str, ...] = ("mixed", "prefill_first")
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("torch_ref", "triton")
 
-# long_prefill_token_threshold value that means "no per-request chunk cap".
+# long_prefill_token_threshold / max_prefill_tokens_beside_decodes value that means "no cap".
 NO_CHUNK_CAP = 0
 # Memory handed to the KV cache on CPU when num_kv_blocks is not given: the whole
 # machine is shared with the OS and the Python process, so take a modest slice.
@@ -31,6 +31,11 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
     max_num_seqs: int = 256  # rows (requests) in one step
     long_prefill_token_threshold: int = NO_CHUNK_CAP  # per-request chunk cap; 0 = off
+    # Prompt tokens a step may carry beside running decodes (policy "mixed"); 0 = no cap. A decode step
+    # reads every weight once however few rows it has, so it can carry prompt tokens up to about
+    # compute / bandwidth (~190 on an H200) almost for free; much more and every stream's next token
+    # waits for the prompt's matmuls.
+    max_prefill_tokens_beside_decodes: int = 256
     max_num_partial_prefills: int = 4  # requests allowed to be mid-prompt at once
     scheduling_policy: SchedulingPolicy = "mixed"
     block_size: int = 16  # tokens per KV block
@@ -51,6 +56,7 @@ class EngineConfig:
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
+        _check_int("max_prefill_tokens_beside_decodes", self.max_prefill_tokens_beside_decodes, minimum=0)
         _check_int("max_num_partial_prefills", self.max_num_partial_prefills, minimum=1)
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("seed", self.seed, minimum=0)

@@ -61,6 +61,7 @@ def scenarios(draw) -> Scenario:
         max_num_batched_tokens=draw(st.one_of(st.integers(1, 16), st.integers(1, 600))),
         max_num_seqs=draw(st.integers(1, 16)),
         long_prefill_token_threshold=draw(st.one_of(st.just(0), st.integers(1, 64))),
+        max_prefill_tokens_beside_decodes=draw(st.one_of(st.just(0), st.integers(1, 64))),
         max_num_partial_prefills=draw(st.integers(1, 4)),
         scheduling_policy=draw(st.sampled_from(["mixed", "prefill_first"])),
         block_size=block_size,
@@ -138,6 +139,9 @@ class Checker:
         # Budget and rows.
         assert plan.num_tokens <= cfg.max_num_batched_tokens
         assert len(rows) <= cfg.max_num_seqs
+        cap = cfg.max_prefill_tokens_beside_decodes
+        if cfg.scheduling_policy == "mixed" and cap and plan.num_decode_tokens:
+            assert plan.num_prefill_tokens <= cap, "prompt tokens beside decodes over the cap"
         assert len({id(r.request) for r in rows}) == len(rows), "a request appears twice in one plan"
         for row in rows:
             req = row.request
@@ -445,3 +449,21 @@ def test_prefill_first_does_not_livelock_when_a_prompt_cannot_fit_beside_a_decod
     assert sched.num_unfinished == 0, (len(a.output_token_ids), len(b.output_token_ids), b.num_preemptions)
     assert len(a.output_token_ids) == 20 and len(b.output_token_ids) == 4
     assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_prompts_beside_decodes_are_capped_but_always_progress():
+    """Under mixed, a step with decode rows carries at most max_prefill_tokens_beside_decodes prompt
+    tokens, so a long prompt is spread over decode-sized steps; a step without decodes takes the full
+    budget; and when decodes alone nearly fill the budget the prompt still gets what is left."""
+    sched, _ = _scheduler(max_num_batched_tokens=64, max_prefill_tokens_beside_decodes=8, block_size=4)
+    long = make_request(1, 100, 5)
+    sched.add(long)
+    assert describe(sched.schedule()) == [("r1", 0, 64, True, False)]  # no decodes: the whole budget
+    sched, _ = _scheduler(max_num_batched_tokens=64, max_prefill_tokens_beside_decodes=8, block_size=4)
+    _start_decoding(sched, [make_request(0, 2, 10)])
+    sched.add(make_request(1, 100, 5))
+    assert describe(sched.schedule()) == [("r0", 2, 1, False, True), ("r1", 0, 8, True, False)]
+    sched, _ = _scheduler(max_num_batched_tokens=4, max_prefill_tokens_beside_decodes=8, block_size=4)
+    _start_decoding(sched, [make_request(i, 1, 10) for i in range(3)])
+    sched.add(make_request(3, 100, 5))
+    assert describe(sched.schedule())[-1] == ("r3", 0, 1, True, False)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from plait.bench.shared import find_shared, load_shared_module
+from plait.config import EngineConfig
 
 if TYPE_CHECKING:  # torch and the engine load only when the benchmark runs, not with the CLI
     from plait.engine.engine import LLMEngine
@@ -29,7 +30,6 @@ def measure_roofline(shared: Path) -> dict:
 
 
 def _engine(model_dir: Path, max_model_len: int, args: argparse.Namespace) -> LLMEngine:
-    from plait.config import EngineConfig
     from plait.engine.engine import LLMEngine
 
     config = EngineConfig(
@@ -39,6 +39,7 @@ def _engine(model_dir: Path, max_model_len: int, args: argparse.Namespace) -> LL
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager,
+        max_prefill_tokens_beside_decodes=args.max_prefill_tokens_beside_decodes,
         attention_backend=args.attention_backend,
         enable_prefix_caching=False,
     )
@@ -149,6 +150,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-prefill-tokens-beside-decodes", type=int,
+                   default=EngineConfig.max_prefill_tokens_beside_decodes, help="0 = no cap")
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the GPU's limits")

@@ -99,6 +99,7 @@ class Scheduler:
         step = _StepBuilder(self.config)
         if self.config.scheduling_policy == "mixed":
             self._schedule_decodes(step)
+            step.cap_prefill_beside_decodes()
             self._schedule_running_prefills(step)
             self._schedule_waiting(step)
         else:
@@ -211,6 +212,12 @@ class _StepBuilder:
 
     def has_room(self) -> bool:
         return self.token_budget > 0 and len(self.plan.rows) < self.config.max_num_seqs
+
+    def cap_prefill_beside_decodes(self) -> None:
+        """Once decodes are in the step, prompt chunks get at most max_prefill_tokens_beside_decodes."""
+        cap = self.config.max_prefill_tokens_beside_decodes
+        if cap != NO_CHUNK_CAP and self.plan.rows:
+            self.token_budget = min(self.token_budget, cap)
 
     def chunk_size(self, request: Request) -> int:
         size = min(request.num_remaining_tokens, self.token_budget)
