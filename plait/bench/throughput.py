@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -134,8 +135,12 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
     result["ratio_to_vllm_h200"] = (
         (peer / result["ms_per_token"]) if num == 1 else result["output_tok_per_s"] / peer
     )
+    # The runner and its graphs reference each other: collect the cycle, or the next workload's engine
+    # finds this one's KV cache still holding the GPU.
     del engine
-    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return result
 
 
