@@ -122,7 +122,7 @@ def test_every_gpu_path_computes_the_reference_function_in_fp32(tmp_path, head_d
         assert agree >= FP32_AGREEMENT, f"{name}: {agree:.0%} agree; first forks at {forks}"
         if engine.runner.graphs is not None:
             b = engine.runner.breakdown
-            assert b.single_token_steps > 0 and b.graph_steps == b.single_token_steps
+            assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
 
 
 def _greedy_with_logits(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:

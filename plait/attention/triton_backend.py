@@ -28,8 +28,8 @@ class _Part:
 
 @register_backend
 class TritonBackend(AttentionBackend):
-    """Reads only query_start_loc, seq_lens, block_tables, slot_mapping, max_query_len and max_seq_len
-    (plus, for eager steps, query_start_loc_cpu), so a batch padded for a CUDA graph works unchanged.
+    """Reads only query_start_loc, seq_lens, block_tables, slot_mapping and the host ints max_query_len,
+    max_seq_len and num_leading_single_token_rows, so a batch padded for a CUDA graph works unchanged.
 
     The kernel takes any mix of rows in one launch. A mixed step whose leading rows are one-token rows
     (the ``mixed`` policy schedules running decodes first) is attended in two launches instead:
@@ -84,15 +84,17 @@ class TritonBackend(AttentionBackend):
 
     def _split(self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, head_dim: int,
                dtype: torch.dtype) -> list[_Part]:
-        qsl = batch.query_start_loc_cpu  # host list: eager steps only (graph steps are all one-token)
-        short = _leading_one_token_rows(qsl) if self.split_mixed_steps and qsl is not None else 0
+        # Leading one-token rows have one token each, so the token split is the row split: no host data
+        # is needed, and a CUDA graph of a mixed step (its decode part padded to a bucket) splits too.
+        short = batch.num_leading_single_token_rows if self.split_mixed_steps else 0
         if short == 0 or short == batch.num_rows:
             bounds = [(0, batch.num_rows, batch.max_query_len)]
         else:
             bounds = [(0, short, 1), (short, batch.num_rows, batch.max_query_len)]
         parts = []
         for first, last, max_query_len in bounds:
-            t0, t1 = (qsl[first], qsl[last]) if qsl is not None else (0, batch.num_tokens)
+            t0 = first  # one token per row before the split
+            t1 = batch.num_tokens if last == batch.num_rows else last
             starts = batch.query_start_loc[first : last + 1]
             starts = starts - t0 if t0 else starts  # one small kernel per step, not per layer
             splits = self.num_kv_splits if max_query_len <= 1 else None
@@ -100,11 +102,3 @@ class TritonBackend(AttentionBackend):
                                         max_query_len, batch.max_seq_len, starts.device, splits)
             parts.append(_Part(slice(t0, t1), slice(first, last), starts, max_query_len, plan))
         return parts
-
-
-def _leading_one_token_rows(query_start_loc: list[int]) -> int:
-    """How many rows at the front of the step have exactly one query token."""
-    count = 0
-    while count + 1 < len(query_start_loc) and query_start_loc[count + 1] - query_start_loc[count] == 1:
-        count += 1
-    return count

@@ -51,6 +51,12 @@ class StepArrays:
     def max_seq_len(self) -> int:
         return int(self.seq_lens.max(initial=0))
 
+    @property
+    def num_leading_single_token_rows(self) -> int:
+        """Rows at the front with exactly one new token (running decodes come first under ``mixed``)."""
+        not_one = np.flatnonzero(np.diff(self.query_start_loc) != 1)
+        return int(not_one[0]) if len(not_one) else self.num_rows
+
 
 def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
     """Turn a scheduler plan into host arrays: the only place a plan becomes numbers."""
@@ -129,6 +135,9 @@ class ForwardBatch:
     num_tokens: int
     max_query_len: int  # an upper bound under graphs
     max_seq_len: int  # an upper bound under graphs
+    # Rows at the front with exactly one token (decodes first, under ``mixed``); a backend may give them
+    # decode-shaped work. Under a graph: the shape's decode part.
+    num_leading_single_token_rows: int = 0
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
     attn_backend: AttentionBackend | None = None  # set by the runner
@@ -146,6 +155,7 @@ class ForwardBatch:
         max_query_len: int,
         max_seq_len: int,
         host: StepArrays | None = None,
+        num_leading_single_token_rows: int = 0,
     ) -> ForwardBatch:
         """Build from int64 tensors named like StepArrays' fields (device views of one copy). The
         narrowing casts run here, on the device, so a CUDA graph that builds its batch inside the
@@ -166,6 +176,7 @@ class ForwardBatch:
             num_tokens=views["input_ids"].shape[0],
             max_query_len=max_query_len,
             max_seq_len=max_seq_len,
+            num_leading_single_token_rows=num_leading_single_token_rows,
             query_start_loc_cpu=None if host is None else host.query_start_loc.tolist(),
             seq_lens_cpu=None if host is None else host.seq_lens.tolist(),
         )
@@ -213,5 +224,6 @@ def forward_batch_from_arrays(arrays: StepArrays, device: torch.device) -> Forwa
     flat = torch.split(dev, [p.size for p in parts])
     views = {name: t.view(p.shape) for name, t, p in zip(STEP_FIELDS, flat, parts)}
     return ForwardBatch.from_int64(
-        views, arrays.sample_rows, arrays.max_query_len, arrays.max_seq_len, host=arrays
+        views, arrays.sample_rows, arrays.max_query_len, arrays.max_seq_len, host=arrays,
+        num_leading_single_token_rows=arrays.num_leading_single_token_rows,
     )

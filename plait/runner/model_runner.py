@@ -17,9 +17,10 @@ from plait.engine.scheduler import StepPlan
 from plait.engine.state_slots import PAD_STATE_SLOT
 from plait.layers.mamba import allocate_mamba_states
 from plait.loader.model_loader import load_model, resolve_device_dtype
-from plait.runner.cuda_graphs import DecodeGraphs
+from plait.runner.cuda_graphs import PROMPT_BUCKETS, StepGraphs, graph_shapes
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
 from plait.runner.input_buffers import InputBuffers, Layout
+from plait.runner.padding import GraphShape
 from plait.runner.sampler import Logprobs, Sampler, SamplingRow
 from plait.runner.step_timer import StepBreakdown
 from plait.sampling_params import SamplingParams
@@ -71,16 +72,16 @@ class ModelRunner:
         # One extra row per tensor: the pad slot (PAD_STATE_SLOT), where padded graph rows write.
         self.recurrent_states = (
             allocate_mamba_states(state_specs, self.num_state_slots + 1, self.dtype, self.device)
-            if state_specs else None
+            if state_specs
+            else None
         )
         self.num_kv_blocks = self._choose_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
-        self.buffers: InputBuffers | None = None
-        self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda":
-            self.buffers = InputBuffers(self._layout(), self.device)
-            if not config.enforce_eager and self.attn_backend.graph_safe:
-                self.graphs = self._capture_graphs()
+        # The same staging on every device (on CPU the "copy" is a plain one), so CPU runs exercise it.
+        self.buffers = InputBuffers(self._layout(), self.device)
+        self.graphs: StepGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.graph_safe:
+            self.graphs = self._capture_graphs()
         # Pinned landing places for sampled ids, used in turn: one step is collected while the
         # next one's copy may already be in flight.
         pin = self.device.type == "cuda"
@@ -103,9 +104,10 @@ class ModelRunner:
 
     def _layout(self) -> Layout:
         cfg = self.config
+        # Room for a graph shape's padding: decode rows, a prompt bucket, and one spare pad row.
         return Layout(
-            max_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs),
-            max_rows=cfg.max_num_seqs,
+            max_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs + max(PROMPT_BUCKETS)),
+            max_rows=cfg.max_num_seqs + 1,
             block_table_width=cdiv(self.max_model_len, cfg.block_size),
         )
 
@@ -187,18 +189,29 @@ class ModelRunner:
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
-    def _capture_graphs(self) -> DecodeGraphs:
-        def make_batch(views: dict[str, torch.Tensor], size: int) -> ForwardBatch:
+    def _capture_graphs(self) -> StepGraphs:
+        def make_batch(views: dict[str, torch.Tensor], shape: GraphShape) -> ForwardBatch:
             # Upper bounds, so the kernels' launch shapes hold for any step the graph replays.
-            batch = ForwardBatch.from_int64(views, [], max_query_len=1, max_seq_len=self.max_model_len)
+            batch = ForwardBatch.from_int64(
+                views,
+                [],
+                max_query_len=max(1, shape.prompt_tokens),
+                max_seq_len=self.max_model_len,
+                num_leading_single_token_rows=shape.decode_rows,
+            )
             self._attach(batch)
             return batch
 
-        graphs = DecodeGraphs(
+        cfg = self.config
+        # Mixed-step shapes pad prompt rows with empty rows, which recurrent layers are not built for.
+        max_prompt = 0 if self.recurrent_states is not None else cfg.max_prefill_tokens_beside_decodes
+        shapes = graph_shapes(cfg.max_num_seqs, min(max_prompt, cfg.max_num_batched_tokens))
+        graphs = StepGraphs(
             self.buffers,
             make_batch,
             self._run_model,
-            self.config.max_num_seqs,
+            shapes,
+            cfg.block_size,
             self.model_config.hidden_size,
             self.dtype,
         )
@@ -227,38 +240,34 @@ class ModelRunner:
         t0 = time.perf_counter()
         arrays = build_step_arrays(plan, self.config.block_size)
         pending_src = self._pending_sources(plan, arrays, prev)
-        single_token = arrays.num_tokens == arrays.num_rows
-        bucket = self.graphs.bucket_for(arrays.num_rows) if self.graphs is not None and single_token else None
-        if self.buffers is not None:
-            views = self.buffers.stage(arrays, bucket, pending_src)
+        shape = self.graphs.shape_for(arrays) if self.graphs is not None else None
+        if shape is not None:
+            views = self.buffers.stage(self.graphs.pad(arrays, shape), pending_src, full_width=True)
         else:
-            views = {
-                "sample_indices": torch.from_numpy(arrays.sample_indices),
-                "pending_dst": torch.from_numpy(arrays.query_start_loc[1:][arrays.pending_rows] - 1),
-                "pending_src": torch.from_numpy(pending_src),
-            }
+            views = self.buffers.stage(arrays, pending_src)
         t1 = time.perf_counter()
         events = self._gpu_events()
-        if bucket is not None:
-            self._patch_pending(self.graphs.input_ids(bucket), views, prev)
-            hidden = self.graphs.replay(bucket)
+        if shape is not None:
+            self._patch_pending(views["input_ids"], views, prev)  # the graph's static inputs
+            hidden = self.graphs.replay(shape)
         else:
             batch = self._eager_batch(arrays, views)
             self._patch_pending(batch.input_ids, views, prev)
             hidden = self._run_model(batch)
         if events is not None:
             events[1].record()
-            self.breakdown.add_gpu_interval(*events, graph=bucket is not None)
+            self.breakdown.add_gpu_interval(*events, graph=shape is not None)
         t2 = time.perf_counter()
         step = self._sample(plan, arrays, hidden, views["sample_indices"])
-        step.used_cuda_graph = bucket is not None
+        step.used_cuda_graph = shape is not None
         t3 = time.perf_counter()
         b = self.breakdown
         b.add("prepare", t1 - t0)
         b.add("launch", t2 - t1)
         b.add("sample", t3 - t2)
-        b.single_token_steps += single_token
-        b.graph_steps += bucket is not None
+        b.single_token_steps += arrays.num_tokens == arrays.num_rows
+        b.graph_steps += shape is not None
+        b.graph_single_token_steps += shape is not None and arrays.num_tokens == arrays.num_rows
         return step
 
     def collect(self, step: InFlightStep) -> StepOutput:
@@ -301,12 +310,14 @@ class ModelRunner:
         return start, end
 
     def _eager_batch(self, arrays: StepArrays, views: dict[str, torch.Tensor]) -> ForwardBatch:
-        if self.buffers is None:
-            batch = forward_batch_from_arrays(arrays, self.device)
-        else:
-            batch = ForwardBatch.from_int64(
-                views, arrays.sample_rows, arrays.max_query_len, arrays.max_seq_len, host=arrays
-            )
+        batch = ForwardBatch.from_int64(
+            views,
+            arrays.sample_rows,
+            arrays.max_query_len,
+            arrays.max_seq_len,
+            host=arrays,
+            num_leading_single_token_rows=arrays.num_leading_single_token_rows,
+        )
         self._attach(batch)
         return batch
 

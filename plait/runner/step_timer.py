@@ -18,7 +18,8 @@ class StepBreakdown:
 
     steps: int = 0
     single_token_steps: int = 0  # steps whose rows all have one new token (pure decodes, mostly)
-    graph_steps: int = 0  # of those, steps that replayed a CUDA graph
+    graph_single_token_steps: int = 0  # of those, steps that replayed a CUDA graph
+    graph_steps: int = 0  # steps that replayed a CUDA graph (mixed steps too)
     wall_s: float = 0.0
     gpu_forward_s: float = 0.0
     gpu_forward_graph_s: float = 0.0  # the part spent in graph replays (the rest: eager, mixed steps)
@@ -52,7 +53,7 @@ class StepBreakdown:
         out = asdict(self)
         out.pop("_pending")
         out["graph_replay_rate_of_single_token_steps"] = (
-            self.graph_steps / self.single_token_steps if self.single_token_steps else None
+            self.graph_single_token_steps / self.single_token_steps if self.single_token_steps else None
         )
         out["host_total_s"] = sum(self.host_s.values())
         return out
