@@ -490,3 +490,16 @@ def test_gpu_tiny_model_same_greedy_tokens_with_and_without_triton(tiny_models, 
         a, b = torch.stack(logits_a[i]), torch.stack(logits_b[i])
         # Two bf16 layers: each kernel may round an ulp apart from torch; 2% of the logit range.
         torch.testing.assert_close(a, b, rtol=0, atol=0.02 * b.abs().max().item())
+
+
+def test_skinny_logits_in_fp32():
+    """fp32 logits from 16-bit activations: the fp32 accumulator is written unrounded, as the lm_head's
+    LOGITS_CONFIG does (bf16 logits would tie at the top of a large vocabulary)."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 96, generator=g).half()
+    w = (torch.randn(200, 96, generator=g) * 0.1).half()
+    got = skinny_gemm.skinny_linear(x, w, config=skinny_gemm.LOGITS_CONFIG, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    want = x.double() @ w.double().T
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)  # far inside one fp16 ulp
+    assert (got.half().float() != got).any(), "the result was rounded to fp16 on the way"

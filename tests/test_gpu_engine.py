@@ -197,7 +197,7 @@ def test_staging_never_overwrites_a_copy_in_flight():
             sample_indices=np.array([4]),
             sample_rows=[0],
         )
-        views = buffers.stage(arrays)
+        views = buffers.stage(arrays, np.zeros(0, dtype=np.int64))
         seen.append(views["input_ids"].clone())  # stream-ordered after the step's copy
         expected.append(ids)
     torch.cuda.synchronize()
