@@ -19,7 +19,7 @@ from plait.layers.norm import RMSNorm
 from plait.layers.rotary import RotaryEmbedding
 from plait.models.llama import MLP, Attention
 from plait.models.mamba2 import check_activation, time_step_limit
-from plait.models.weights import STACKED_PROJECTIONS, load_checked
+from plait.models.weights import load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
 
 ATTENTION, MAMBA = "full_attention", "linear_attention"
@@ -143,13 +143,4 @@ class BambaForCausalLM(nn.Module):
         return logits_fp32(hidden, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        cfg, tied = self.config, self.config.tie_word_embeddings
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
-
-        def rename(name: str) -> str | None:
-            if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
-                return None
-            return name
-
-        load_checked(self, weights, STACKED_PROJECTIONS, sizes, rename)
+        load_decoder_weights(self, weights)

@@ -13,14 +13,8 @@ from plait.layers.activation import act_and_mul, get_activation
 from plait.layers.linear import Linear, logits_fp32
 from plait.layers.norm import RMSNorm
 from plait.layers.rotary import RotaryEmbedding
+from plait.models.weights import load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
-
-# HF checkpoint names -> (plait fused parameter, shard index). q/k/v and gate/up are concatenated
-# at load so each layer runs one projection GEMM instead of three (or two).
-_STACKED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-}
 
 
 class Attention(nn.Module):
@@ -121,50 +115,6 @@ class LlamaForCausalLM(nn.Module):
         # hidden: [S, hidden] (only the sampled positions) -> [S, vocab] in fp32
         return logits_fp32(hidden, self.lm_head.weight)
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
-                continue
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                continue  # tied checkpoints sometimes store a copy of the embedding
-            target, shard = _fused_target(name)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param = params[target]
-            if shard is None:
-                _copy(param, tensor, name)
-            else:
-                _copy(self._shard(target, param, shard), tensor, name)
-            loaded.add(target)
-        tied = {"lm_head.weight"} if self.config.tie_word_embeddings else set()
-        missing = sorted(set(params) - loaded - tied)
-        if missing:
-            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
-
-    def _shard(self, target: str, param: torch.Tensor, shard: int) -> torch.Tensor:
-        cfg = self.config
-        if ".qkv_proj." in target:
-            q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-            sizes = [q, kv, kv]
-        else:
-            sizes = [cfg.intermediate_size] * 2
-        return param.split(sizes, dim=0)[shard]
-
-
-def _fused_target(name: str) -> tuple[str, int | None]:
-    parts = name.split(".")
-    for i, part in enumerate(parts):
-        if part in _STACKED:
-            fused, shard = _STACKED[part]
-            return ".".join(parts[:i] + [fused] + parts[i + 1 :]), shard
-    return name, None
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    if dst.shape != src.shape:
-        raise ValueError(f"tensor {name!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-    dst.copy_(src)
+        load_decoder_weights(self, weights)

@@ -61,3 +61,18 @@ def load_checked(
     missing = sorted(set(params) - loaded - not_in_checkpoint)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+
+
+def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """A Llama-style checkpoint (q/k/v and gate/up fused at load, rotary tables skipped, a tied
+    lm_head's stored copy skipped) into ``model``, whose ``config`` is a ModelConfig."""
+    cfg = model.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+
+    def rename(name: str) -> str | None:
+        if "rotary_emb.inv_freq" in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+            return None  # tied checkpoints sometimes store a copy of the embedding
+        return name
+
+    load_checked(model, weights, STACKED_PROJECTIONS, sizes, rename)
