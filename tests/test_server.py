@@ -350,3 +350,20 @@ def test_metrics_move_with_traffic(served, client, model):
     assert delta("plait_step_prefill_tokens_sum") >= 1
     assert delta("plait_engine_steps_total") == steps
     assert after["plait_kv_cache_usage_perc"] == 0.0
+
+
+def test_prefix_cache_metrics_move(served, client, model):
+    """A prompt sent twice is served from the prefix cache the second time, and /metrics says so."""
+    server, url = served
+    prompt = "Here is a long preamble that both requests share, word for word. " * 4
+    client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0.0)
+    _wait_idle(server)
+    before = _metrics(url)
+    client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0.0)
+    _wait_idle(server)
+    after = _metrics(url)
+    assert _delta(before, after, "plait_prefix_cache_hits_total") > 0
+    assert _delta(before, after, "plait_prefix_cache_queries_total") > 0
+    assert after["plait_prefix_cache_blocks"] > 0
+    assert 0 < after["plait_prefix_cache_hit_rate"] <= 1
+    assert "plait_prefix_cache_evicted_blocks_total" in after

@@ -57,6 +57,8 @@ class EngineStats:
     num_failed_steps: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    prefix_cache_blocks: int = 0  # blocks findable by hash (held, or free but cached)
+    prefix_cache_evicted_blocks: int = 0
 
 
 class RequestStream:
@@ -375,6 +377,8 @@ class AsyncLLMEngine:
             num_failed_steps=num_failed,
             prefix_cache_queries=engine.kv_cache.stats.queries,
             prefix_cache_hits=engine.kv_cache.stats.hits,
+            prefix_cache_blocks=engine.kv_cache.num_cached_blocks,
+            prefix_cache_evicted_blocks=engine.kv_cache.stats.evicted_blocks,
         )
 
     # -- commands (run on the loop thread) ------------------------------------------------------

@@ -332,6 +332,11 @@ class _EngineStatsCollector(Collector):
             "plait_num_requests_waiting": ("Requests queued for admission", s.num_waiting),
             "plait_kv_cache_usage_perc": ("Fraction of usable KV blocks held by requests (0-1)", s.kv_usage),
             "plait_kv_cache_used_blocks": ("KV blocks held by requests", s.kv_blocks_used),
+            "plait_prefix_cache_blocks": ("KV blocks findable by prefix hash (held or free-but-cached)",
+                                          s.prefix_cache_blocks),
+            "plait_prefix_cache_hit_rate": ("Share of looked-up prompt tokens found in the cache (0-1)",
+                                            s.prefix_cache_hits / s.prefix_cache_queries
+                                            if s.prefix_cache_queries else 0.0),
         }
         for name, (doc, value) in gauges.items():
             yield GaugeMetricFamily(name, doc, value=value)
@@ -340,6 +345,8 @@ class _EngineStatsCollector(Collector):
             "plait_engine_failed_steps": ("Engine steps that raised", s.num_failed_steps),
             "plait_prefix_cache_queries": ("Prompt tokens looked up in the cache", s.prefix_cache_queries),
             "plait_prefix_cache_hits": ("Prompt tokens found in the cache", s.prefix_cache_hits),
+            "plait_prefix_cache_evicted_blocks": ("Cached blocks evicted for new allocations",
+                                                  s.prefix_cache_evicted_blocks),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
