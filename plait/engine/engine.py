@@ -1,4 +1,4 @@
-"""LLMEngine: validates requests, then runs the step loop: schedule(), run(), postprocess()."""
+"""LLMEngine: validates requests, then runs the step loop: schedule(), launch(), collect() the step before."""
 
 from __future__ import annotations
 

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from plait.config import ModelConfig
-from plait.layers.linear import logits_fp32
 from plait.layers.mamba import Mamba2Dims, Mamba2Mixer, MambaStateSpec
 from plait.layers.norm import RMSNorm
 from plait.layers.rotary import RotaryEmbedding
+from plait.models.base import CausalLM
 from plait.models.llama import MLP, Attention
 from plait.models.mamba2 import check_activation, time_step_limit
 from plait.models.weights import load_decoder_weights
@@ -109,7 +109,7 @@ class BambaModel(nn.Module):
         return x
 
 
-class BambaForCausalLM(nn.Module):
+class BambaForCausalLM(CausalLM):
     """forward(input_ids, positions, batch) -> hidden states; logits on request."""
 
     # Mamba state cannot be restored from cached KV blocks: prefix caching is turned off (logged).
@@ -134,13 +134,7 @@ class BambaForCausalLM(nn.Module):
         """Per-slot state shapes, one per Mamba layer in state_index order."""
         return [self.dims.state_spec()] * self.num_mamba_layers
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # input_ids, positions: [T] -> hidden: [T, hidden]; positions are read from batch by rotary
-        return self.model(input_ids, batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [S, hidden] -> [S, vocab] in fp32
-        return logits_fp32(hidden, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_decoder_weights(self, weights)

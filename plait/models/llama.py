@@ -10,9 +10,10 @@ from torch import nn
 
 from plait.config import ModelConfig
 from plait.layers.activation import act_and_mul, get_activation
-from plait.layers.linear import Linear, logits_fp32
+from plait.layers.linear import Linear
 from plait.layers.norm import RMSNorm
 from plait.layers.rotary import RotaryEmbedding
+from plait.models.base import CausalLM
 from plait.models.weights import load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
 
@@ -94,10 +95,9 @@ class LlamaModel(nn.Module):
         return x
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(CausalLM):
     """Pure model: forward(input_ids, positions, batch) -> hidden states; logits on request."""
 
-    supports_prefix_caching = True  # attention-only: a cached KV block is all a token's past needs
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -107,13 +107,7 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # input_ids, positions: [T] -> hidden: [T, hidden]; positions are read from batch by rotary
-        return self.model(input_ids, batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [S, hidden] (only the sampled positions) -> [S, vocab] in fp32
-        return logits_fp32(hidden, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered."""

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from plait.config import ModelConfig
-from plait.layers.linear import logits_fp32
 from plait.layers.mamba import Mamba2Dims, Mamba2Mixer, MambaStateSpec
 from plait.layers.norm import RMSNorm
+from plait.models.base import CausalLM
 from plait.models.weights import load_checked
 from plait.runner.forward_batch import ForwardBatch
 
@@ -80,7 +80,7 @@ class Mamba2Backbone(nn.Module):
         return self.norm_f(x).to(dtype)
 
 
-class Mamba2ForCausalLM(nn.Module):
+class Mamba2ForCausalLM(CausalLM):
     """forward(input_ids, positions, batch) -> hidden states; state lives in batch.recurrent_states."""
 
     # A cached KV block cannot restore a recurrent state: prefix caching is turned off (and logged).
@@ -104,9 +104,6 @@ class Mamba2ForCausalLM(nn.Module):
         # input_ids, positions: [T] -> hidden: [T, hidden]; a recurrent model needs no positions
         return self.backbone(input_ids, batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [S, hidden] -> [S, vocab] in fp32
-        return logits_fp32(hidden, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = self.config.tie_word_embeddings

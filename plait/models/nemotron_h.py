@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.config import ModelConfig
-from plait.layers.linear import logits_fp32
 from plait.layers.mamba import Mamba2Dims, Mamba2Mixer, MambaStateSpec
 from plait.layers.norm import RMSNorm
+from plait.models.base import CausalLM
 from plait.models.llama import Attention
 from plait.models.mamba2 import check_activation
 from plait.models.weights import load_checked
@@ -111,7 +111,7 @@ class NemotronHModel(nn.Module):
         return self.norm_f(x)
 
 
-class NemotronHForCausalLM(nn.Module):
+class NemotronHForCausalLM(CausalLM):
     """forward(input_ids, positions, batch) -> hidden states; logits on request."""
 
     # Mamba state cannot be restored from cached KV blocks: prefix caching is turned off (logged).
@@ -139,13 +139,7 @@ class NemotronHForCausalLM(nn.Module):
         """Per-slot state shapes, one per Mamba layer in state_index order."""
         return [self.dims.state_spec()] * self.num_mamba_layers
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # input_ids, positions: [T] -> hidden: [T, hidden]
-        return self.model(input_ids, batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # hidden: [S, hidden] -> [S, vocab] in fp32
-        return logits_fp32(hidden, self.lm_head.weight)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         cfg, tied = self.config, self.config.tie_word_embeddings

@@ -1,0 +1,31 @@
+"""CausalLM: what the runner calls on every model family."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from plait.layers.linear import logits_fp32
+from plait.runner.forward_batch import ForwardBatch
+
+
+class CausalLM(nn.Module):
+    """A pure model: hidden states from a ForwardBatch, logits only where the runner samples.
+
+    Subclasses set ``model`` (the trunk: ``(input_ids, batch) -> hidden``) and ``lm_head``, and define
+    ``load_weights(weights)`` for HF-named tensors; recurrent ones add ``recurrent_state_specs()`` and
+    turn prefix caching off.
+    """
+
+    # Whether cached KV blocks are all a token's past needs (False where layers keep recurrent state).
+    supports_prefix_caching = True
+    model: nn.Module
+    lm_head: nn.Linear
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # input_ids, positions: [T] -> hidden: [T, hidden]; layers read positions from the batch
+        return self.model(input_ids, batch)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [S, hidden] (only the sampled positions) -> [S, vocab] in fp32
+        return logits_fp32(hidden, self.lm_head.weight)
