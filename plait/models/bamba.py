@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from plait.config import ModelConfig
-from plait.layers.mamba import Mamba2Dims, Mamba2Mixer, MambaStateSpec
+from plait.layers.mamba import Mamba2Dims, Mamba2Mixer
 from plait.layers.norm import RMSNorm
 from plait.layers.rotary import RotaryEmbedding
-from plait.models.base import CausalLM
+from plait.models.base import RecurrentCausalLM
 from plait.models.llama import MLP, Attention
 from plait.models.mamba2 import check_activation, time_step_limit
 from plait.models.weights import load_decoder_weights
@@ -109,11 +109,8 @@ class BambaModel(nn.Module):
         return x
 
 
-class BambaForCausalLM(CausalLM):
+class BambaForCausalLM(RecurrentCausalLM):
     """forward(input_ids, positions, batch) -> hidden states; logits on request."""
-
-    # Mamba state cannot be restored from cached KV blocks: prefix caching is turned off (logged).
-    supports_prefix_caching = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -129,12 +126,6 @@ class BambaForCausalLM(CausalLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def recurrent_state_specs(self) -> list[MambaStateSpec]:
-        """Per-slot state shapes, one per Mamba layer in state_index order."""
-        return [self.dims.state_spec()] * self.num_mamba_layers
-
-
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_decoder_weights(self, weights)

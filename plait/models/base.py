@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from plait.layers.linear import logits_fp32
+from plait.layers.mamba import Mamba2Dims, MambaStateSpec
 from plait.runner.forward_batch import ForwardBatch
 
 
@@ -29,3 +30,16 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] (only the sampled positions) -> [S, vocab] in fp32
         return logits_fp32(hidden, self.lm_head.weight)
+
+
+class RecurrentCausalLM(CausalLM):
+    """A model with Mamba2 layers: their state lives in slots the runner allocates from these specs."""
+
+    # A cached KV block cannot restore a recurrent state: prefix caching is turned off (and logged).
+    supports_prefix_caching = False
+    dims: Mamba2Dims
+    num_mamba_layers: int  # set by the subclass
+
+    def recurrent_state_specs(self) -> list[MambaStateSpec]:
+        """Per-slot state shapes, one per Mamba layer in state_index order."""
+        return [self.dims.state_spec()] * self.num_mamba_layers

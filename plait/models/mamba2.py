@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from plait.config import ModelConfig
-from plait.layers.mamba import Mamba2Dims, Mamba2Mixer, MambaStateSpec
+from plait.layers.mamba import Mamba2Dims, Mamba2Mixer
 from plait.layers.norm import RMSNorm
-from plait.models.base import CausalLM
+from plait.models.base import RecurrentCausalLM
 from plait.models.weights import load_checked
 from plait.runner.forward_batch import ForwardBatch
 
@@ -80,30 +80,24 @@ class Mamba2Backbone(nn.Module):
         return self.norm_f(x).to(dtype)
 
 
-class Mamba2ForCausalLM(CausalLM):
+class Mamba2ForCausalLM(RecurrentCausalLM):
     """forward(input_ids, positions, batch) -> hidden states; state lives in batch.recurrent_states."""
 
-    # A cached KV block cannot restore a recurrent state: prefix caching is turned off (and logged).
-    supports_prefix_caching = False
     num_kv_cache_layers = 0  # attention-free
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
         self.dims = mamba2_dims(cfg.raw)
+        self.num_mamba_layers = cfg.num_hidden_layers  # every layer
         self.backbone = Mamba2Backbone(cfg, self.dims)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.backbone.embeddings.weight
 
-    def recurrent_state_specs(self) -> list[MambaStateSpec]:
-        """Per-slot state shapes, one per Mamba layer in state_index order."""
-        return [self.dims.state_spec()] * self.config.num_hidden_layers
-
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]; a recurrent model needs no positions
         return self.backbone(input_ids, batch)
-
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         tied = self.config.tie_word_embeddings

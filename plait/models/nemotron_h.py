@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.config import ModelConfig
-from plait.layers.mamba import Mamba2Dims, Mamba2Mixer, MambaStateSpec
+from plait.layers.mamba import Mamba2Dims, Mamba2Mixer
 from plait.layers.norm import RMSNorm
-from plait.models.base import CausalLM
+from plait.models.base import RecurrentCausalLM
 from plait.models.llama import Attention
 from plait.models.mamba2 import check_activation
 from plait.models.weights import load_checked
@@ -111,11 +111,8 @@ class NemotronHModel(nn.Module):
         return self.norm_f(x)
 
 
-class NemotronHForCausalLM(CausalLM):
+class NemotronHForCausalLM(RecurrentCausalLM):
     """forward(input_ids, positions, batch) -> hidden states; logits on request."""
-
-    # Mamba state cannot be restored from cached KV blocks: prefix caching is turned off (logged).
-    supports_prefix_caching = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -134,12 +131,6 @@ class NemotronHForCausalLM(CausalLM):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embeddings.weight
-
-    def recurrent_state_specs(self) -> list[MambaStateSpec]:
-        """Per-slot state shapes, one per Mamba layer in state_index order."""
-        return [self.dims.state_spec()] * self.num_mamba_layers
-
-
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         cfg, tied = self.config, self.config.tie_word_embeddings
