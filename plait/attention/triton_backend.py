@@ -44,9 +44,8 @@ class TritonBackend(AttentionBackend):
     name = "triton"
     graph_safe = True
 
-    def __init__(self, num_kv_splits: int | None = None, split_mixed_steps: bool = True) -> None:
+    def __init__(self, num_kv_splits: int | None = None) -> None:
         self.num_kv_splits = num_kv_splits
-        self.split_mixed_steps = split_mixed_steps
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> None:
         # kv_cache: [2, num_blocks, block_size, Hkv, D]
@@ -86,7 +85,7 @@ class TritonBackend(AttentionBackend):
                dtype: torch.dtype) -> list[_Part]:
         # Leading one-token rows have one token each, so the token split is the row split: no host data
         # is needed, and a CUDA graph of a mixed step (its decode part padded to a bucket) splits too.
-        short = batch.num_leading_single_token_rows if self.split_mixed_steps else 0
+        short = batch.num_leading_single_token_rows
         if short == 0 or short == batch.num_rows:
             bounds = [(0, batch.num_rows, batch.max_query_len)]
         else:

@@ -101,10 +101,15 @@ def _plot_tokens(ax: Any, steps: Sequence[Mapping[str, Any]], title: str, marks:
         step_ms.scatter(*zip(*preempted), color="red", marker="x", zorder=3, label="preemption")
     step_ms.set_ylabel("step time (ms)")
     step_ms.set_ylim(bottom=0)
-    handles, labels = ax.get_legend_handles_labels()
-    more_handles, more_labels = step_ms.get_legend_handles_labels()
-    ax.legend(handles + more_handles, labels + more_labels, loc="upper right", fontsize="small")
+    _legend(ax, step_ms)
     return step_ms
+
+
+def _legend(ax: Any, twin: Any) -> None:
+    """One legend for an axis and its twin."""
+    handles, labels = ax.get_legend_handles_labels()
+    more_handles, more_labels = twin.get_legend_handles_labels()
+    ax.legend(handles + more_handles, labels + more_labels, loc="upper right", fontsize="small")
 
 
 def _plot_rows(ax: Any, steps: Sequence[Mapping[str, Any]], marks: Mapping[str, float]) -> Any:
@@ -118,9 +123,7 @@ def _plot_rows(ax: Any, steps: Sequence[Mapping[str, Any]], marks: Mapping[str, 
                 label="KV blocks")
     blocks.set_ylabel("KV blocks in use")
     blocks.set_ylim(bottom=0)
-    handles, labels = ax.get_legend_handles_labels()
-    more_handles, more_labels = blocks.get_legend_handles_labels()
-    ax.legend(handles + more_handles, labels + more_labels, loc="upper right", fontsize="small")
+    _legend(ax, blocks)
     return blocks
 
 

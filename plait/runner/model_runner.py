@@ -171,8 +171,7 @@ class ModelRunner:
         kv = self._allocate_kv_caches(1 + len(lens) * blocks_per_row)
         arrays = _profile_arrays(lens, bs, blocks_per_row)
         batch = forward_batch_from_arrays(arrays, self.device)
-        batch.attn_backend, batch.kv_caches = self.attn_backend, kv
-        batch.recurrent_states = self.recurrent_states
+        self._attach(batch, kv)
         hidden = self.model(batch.input_ids, batch.positions, batch)
         rows = min(self.config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
@@ -224,11 +223,6 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, batch)  # [T, hidden]
 
     # -- one step ---------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepOutput:
-        """Launch and collect one step (no overlap): what tests and simple callers use."""
-        return self.collect(self.launch(plan, None))
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, prev: InFlightStep | None) -> InFlightStep:
@@ -321,9 +315,11 @@ class ModelRunner:
         self._attach(batch)
         return batch
 
-    def _attach(self, batch: ForwardBatch) -> None:
-        """Hand a batch the device state its layers read: attention backend, KV caches, recurrent state."""
-        batch.attn_backend, batch.kv_caches = self.attn_backend, self.kv_caches
+    def _attach(self, batch: ForwardBatch, kv_caches: list[torch.Tensor] | None = None) -> None:
+        """Hand a batch the device state its layers read: attention backend, KV caches (the runner's,
+        or a throwaway one while profiling), recurrent state."""
+        batch.attn_backend = self.attn_backend
+        batch.kv_caches = self.kv_caches if kv_caches is None else kv_caches
         batch.recurrent_states = self.recurrent_states
 
     def _sample(
