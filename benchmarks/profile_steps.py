@@ -32,6 +32,41 @@ def _profile(engine: LLMEngine, label: str, steps: int) -> dict:
         for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
+    return _summarise(prof, label, steps)
+
+
+def profile_workload(config: str, name: str, budget: int, steps: int) -> list[dict]:
+    """Eager profiles of the first ``steps`` steps of an offline workload (its prompt-carrying steps)."""
+    from plait.bench.shared import find_shared, load_shared_module
+
+    workloads = load_shared_module(find_shared(None, required="workloads.py"), "workloads.py")
+    _, num, lo, hi, output_len = workloads.OFFLINE[name]
+    vocab = json.loads((Path(config) / "config.json").read_text())["vocab_size"]
+    engine = LLMEngine(EngineConfig(model=config, load_format="dummy", enforce_eager=True,
+                                    max_num_batched_tokens=budget, max_model_len=hi + output_len,
+                                    max_prefill_tokens_beside_decodes=0, enable_prefix_caching=False))
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    engine.record_timeline = True
+    for warm in (True, False):  # the first pass compiles every kernel these step shapes use
+        for p in workloads.random_prompts(num, lo, hi, vocab, 2 if warm else 1):
+            engine.add_request(p, params)
+        results = []
+        for i in range(steps):
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                engine.step()
+                torch.cuda.synchronize()
+            if not warm:
+                s = engine.timeline[-1]
+                label = f"{name} step {i} ({s.num_prefill_tokens} prompt + {s.num_decode_tokens} decode)"
+                results.append(_summarise(prof, label, 1))
+        for request in list(engine.scheduler.running) + list(engine.scheduler.waiting):
+            engine.abort_request(request.request_id)
+        engine.step()
+    return results
+
+
+def _summarise(prof, label: str, steps: int) -> dict:
     events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
     total = sum(e.self_device_time_total for e in events)
     top = sorted(events, key=lambda e: e.self_device_time_total, reverse=True)[:TOP_KERNELS]
@@ -53,7 +88,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=640)
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--workload", default=None,
+                        help="profile this offline workload's first steps instead")
+    parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
+    if args.workload:
+        results = profile_workload(args.config, args.workload, args.budget, args.steps)
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        return
     vocab = json.loads((Path(args.config) / "config.json").read_text())["vocab_size"]
     g = torch.Generator().manual_seed(0)
     engine = LLMEngine(EngineConfig(model=args.config, load_format="dummy", enforce_eager=True,

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 SchedulingPolicy = Literal["mixed", "prefill_first"]
+Usage = Literal["offline", "serve"]
+USAGES: tuple[str, ...] = ("offline", "serve")
 SCHEDULING_POLICIES: tuple[str, ...] = ("mixed", "prefill_first")
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("torch_ref", "triton")
@@ -28,7 +30,10 @@ class EngineConfig:
     dtype: str | None = None  # None = float32 on CPU, bfloat16 on GPU
     seed: int = 0  # seed for dummy weights
 
-    max_num_batched_tokens: int = 2048  # token budget of one step (decodes + prefill chunks)
+    # Token budget of one step (decodes + prefill chunks). None = vLLM's defaults for the device and the
+    # usage (see default_token_budget): large GPUs take 16,384 offline and 8,192 when serving.
+    max_num_batched_tokens: int | None = None
+    usage: Usage = "offline"  # who drives the engine: the LLM class/CLI ("offline") or `plait serve`
     max_num_seqs: int = 256  # rows (requests) in one step
     long_prefill_token_threshold: int = NO_CHUNK_CAP  # per-request chunk cap; 0 = off
     # Prompt tokens a step may carry beside running decodes (policy "mixed"); 0 = no cap. A decode step
@@ -36,6 +41,10 @@ class EngineConfig:
     # compute / bandwidth (~190 on an H200) almost for free; much more and every stream's next token
     # waits for the prompt's matmuls.
     max_prefill_tokens_beside_decodes: int = 256
+    # ... unless prompts pile up: with B prompt tokens waiting to be computed, a step beside decodes may
+    # carry up to B / prefill_drain_steps of them, so a burst of prompts drains in about this many steps
+    # instead of queueing behind the cap (a lone long prompt still rides in small chunks). 0 = fixed cap.
+    prefill_drain_steps: int = 16
     max_num_partial_prefills: int = 4  # requests allowed to be mid-prompt at once
     scheduling_policy: SchedulingPolicy = "mixed"
     block_size: int = 16  # tokens per KV block
@@ -53,10 +62,14 @@ class EngineConfig:
     max_num_state_slots: int | None = None
 
     def __post_init__(self) -> None:
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        if self.max_num_batched_tokens is not None:
+            _check_int("max_num_batched_tokens", self.max_num_batched_tokens, minimum=1)
+        if self.usage not in USAGES:
+            raise ValueError(f"usage must be one of {USAGES}, got {self.usage!r}")
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
         _check_int("max_prefill_tokens_beside_decodes", self.max_prefill_tokens_beside_decodes, minimum=0)
+        _check_int("prefill_drain_steps", self.prefill_drain_steps, minimum=0)
         _check_int("max_num_partial_prefills", self.max_num_partial_prefills, minimum=1)
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("seed", self.seed, minimum=0)
@@ -88,6 +101,14 @@ class EngineConfig:
         if self.dtype is not None and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
+    def with_token_budget(self, device_type: str, total_memory: int = 0,
+                          device_name: str = "") -> EngineConfig:
+        """This config with max_num_batched_tokens chosen where it was left to the default."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        budget = default_token_budget(self.usage, device_type, total_memory, device_name)
+        return dataclasses.replace(self, max_num_batched_tokens=budget)
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from keyword arguments, naming any unknown knob instead of a bare TypeError."""
@@ -96,6 +117,29 @@ class EngineConfig:
         if unknown:
             raise TypeError(f"unknown engine option(s) {unknown}; known options: {sorted(names)}")
         return cls(**kwargs)
+
+
+# Token budgets by device and usage, as vLLM chooses them (EngineArgs.get_batch_defaults): a GPU of at
+# least LARGE_GPU_BYTES (H100, H200, MI300X; not the A100, where vLLM measured large budgets slower)
+# takes big prefill steps, whose matmuls run near peak and whose kernel launches are few; smaller GPUs
+# take less. On CPU a step of 2,048 tokens already takes seconds.
+LARGE_GPU_BYTES = 70 * 1024**3
+TOKEN_BUDGETS = {
+    "large_gpu": {"offline": 16384, "serve": 8192},
+    "gpu": {"offline": 8192, "serve": 2048},
+    "cpu": {"offline": 2048, "serve": 2048},
+}
+
+
+def default_token_budget(usage: str, device_type: str, total_memory: int = 0, device_name: str = "") -> int:
+    """The step token budget for ``usage`` ("offline" or "serve") on a device of this type and size."""
+    if device_type != "cuda":
+        tier = "cpu"
+    elif total_memory >= LARGE_GPU_BYTES and "a100" not in device_name.lower():
+        tier = "large_gpu"
+    else:
+        tier = "gpu"
+    return TOKEN_BUDGETS[tier][usage]
 
 
 _DTYPES = {"float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto"}

@@ -109,6 +109,24 @@ def test_rms_norm_on_strided_head_view(dtype):
     assert_within_ulps(qkv[:, : heads * d].view(t, heads, d), want, NORM_ULPS[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_many_narrow_rows_share_programs(dtype):
+    # 37 tokens x 5 heads of 128: 185 rows, 16 to a program, the last program part-filled; and 37 rows
+    # of 1024 through the fused add, two to a program.
+    t, heads, d = 37, 5, 128
+    qkv = randn(t, (heads + 2) * d, dtype=dtype, seed=13)
+    q = qkv[:, : heads * d].view(t, heads, d)
+    w = randn(d, dtype=dtype, seed=14)
+    assert_within_ulps(rms_norm.rms_norm(q, w, EPS), rms_norm.rms_norm_ref(q, w, EPS),
+                       NORM_ULPS[dtype] + bf16_slack(dtype, 2))
+    x, res, w_wide = randn(t, 1024, dtype=dtype, seed=15), randn(t, 1024, dtype=dtype, seed=16), randn(
+        1024, dtype=dtype, seed=17)
+    normed, new_res = rms_norm.fused_add_rms_norm(x, res, w_wide, EPS)
+    assert_within_ulps(new_res, x + res, bf16_slack(dtype, 1))
+    want = rms_norm.rms_norm_ref(new_res, w_wide, EPS)
+    assert_within_ulps(normed, want, NORM_ULPS[dtype] + bf16_slack(dtype, 2))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5])
 def test_fused_add_rms_norm_matches_ref(dtype, rows):

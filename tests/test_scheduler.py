@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from plait.config import EngineConfig
 from plait.engine.kv_cache import PAD_BLOCK_ID, KVCacheManager, cdiv
 from plait.engine.request import FinishReason, Request, RequestStatus
-from plait.engine.scheduler import Scheduler, StepPlan
+from plait.engine.scheduler import Scheduler, StepPlan, prefill_cap
 from plait.sampling_params import SamplingParams
 
 PARAMS = SamplingParams()
@@ -62,6 +62,7 @@ def scenarios(draw) -> Scenario:
         max_num_seqs=draw(st.integers(1, 16)),
         long_prefill_token_threshold=draw(st.one_of(st.just(0), st.integers(1, 64))),
         max_prefill_tokens_beside_decodes=draw(st.one_of(st.just(0), st.integers(1, 64))),
+        prefill_drain_steps=draw(st.one_of(st.just(0), st.integers(1, 8))),
         max_num_partial_prefills=draw(st.integers(1, 4)),
         scheduling_policy=draw(st.sampled_from(["mixed", "prefill_first"])),
         block_size=block_size,
@@ -129,6 +130,7 @@ class Checker:
         decodes_before = [r for r in running_before if not r.is_prefilling]
         computed_before = {id(r): r.num_computed_tokens for r in running_before + list(sched.waiting)}
         num_unfinished = sched.num_unfinished
+        backlog = sched.prompt_backlog()
 
         plan = sched.schedule()
         rows = plan.rows
@@ -139,7 +141,8 @@ class Checker:
         # Budget and rows.
         assert plan.num_tokens <= cfg.max_num_batched_tokens
         assert len(rows) <= cfg.max_num_seqs
-        cap = cfg.max_prefill_tokens_beside_decodes
+        cap = prefill_cap(cfg, backlog)
+        assert cap >= cfg.max_prefill_tokens_beside_decodes or not cfg.max_prefill_tokens_beside_decodes
         if cfg.scheduling_policy == "mixed" and cap and plan.num_decode_tokens:
             assert plan.num_prefill_tokens <= cap, "prompt tokens beside decodes over the cap"
         assert len({id(r.request) for r in rows}) == len(rows), "a request appears twice in one plan"
@@ -449,6 +452,26 @@ def test_prefill_first_does_not_livelock_when_a_prompt_cannot_fit_beside_a_decod
     assert sched.num_unfinished == 0, (len(a.output_token_ids), len(b.output_token_ids), b.num_preemptions)
     assert len(a.output_token_ids) == 20 and len(b.output_token_ids) == 4
     assert kv.num_free_blocks == kv.num_usable_blocks
+
+
+def test_prompt_backlog_raises_the_cap_beside_decodes():
+    """A pile of prompt tokens drains in about prefill_drain_steps steps: the cap beside decodes rises
+    to backlog / prefill_drain_steps, never below max_prefill_tokens_beside_decodes; 0 keeps it fixed."""
+    kw = dict(max_num_batched_tokens=512, max_prefill_tokens_beside_decodes=8, block_size=4)
+    for drain, want in ((4, 50), (0, 8), (100, 8)):  # backlog 200: 200/4 = 50; fixed; 2 < 8
+        sched, _ = _scheduler(prefill_drain_steps=drain, **kw)
+        _start_decoding(sched, [make_request(0, 2, 10)])
+        sched.add(make_request(1, 120, 5))
+        sched.add(make_request(2, 80, 5))
+        assert sched.prompt_backlog() == 200
+        plan = sched.schedule()
+        assert plan.num_decode_tokens == 1 and plan.num_prefill_tokens == want
+    # The backlog counts only what is not yet computed.
+    sched, _ = _scheduler(prefill_drain_steps=4, **kw)
+    _start_decoding(sched, [make_request(0, 2, 10)])
+    sched.add(make_request(1, 120, 5))
+    sched.advance(sched.schedule())  # 30 of r1's 120 tokens (120 / 4) are computed
+    assert sched.prompt_backlog() == 90
 
 
 def test_prompts_beside_decodes_are_capped_but_always_progress():

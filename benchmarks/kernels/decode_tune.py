@@ -56,6 +56,8 @@ def _sweep(name: str, rows: int, context: int) -> dict:
     base = plan_paged_attention(rows, rows, hq, hkv, d, torch.bfloat16, 1, context, case[0].device,
                                 num_kv_splits=1)
     default_s = _time(case, base, context)
+    other_order = replace(base.config, heads_fastest=not base.config.heads_fastest)
+    other_order_s = _time(case, PagedAttentionPlan(other_order), context)
     timings = []
     for tile_n, warps, stages in CANDIDATES:
         cfg = replace(base.config, tile_n=tile_n, num_warps=warps, num_stages=stages)
@@ -66,10 +68,12 @@ def _sweep(name: str, rows: int, context: int) -> dict:
     best = min(timings)
     row = {"model": name, "rows": rows, "context": context, "default": vars(base.config),
            "default_GBps": kv_bytes / default_s / 1e9, "best_GBps": kv_bytes / best[0] / 1e9,
+           "other_launch_order_GBps": kv_bytes / other_order_s / 1e9,
            "best": {"tile_n": best[1], "num_warps": best[2], "num_stages": best[3]},
            "all": [[t[1], t[2], t[3], kv_bytes / t[0] / 1e9] for t in timings]}
     print(f"{name:11s} rows {rows:3d} ctx {context:5d}: default {row['default_GBps']:6.0f} GB/s "
-          f"(tile {base.config.tile_n} w{base.config.num_warps} s{base.config.num_stages}), best "
+          f"(tile {base.config.tile_n} w{base.config.num_warps} s{base.config.num_stages}, heads fastest "
+          f"{base.config.heads_fastest}; other order {row['other_launch_order_GBps']:6.0f}), best "
           f"{row['best_GBps']:6.0f} (tile {best[1]} w{best[2]} s{best[3]})", flush=True)
     return row
 

@@ -288,7 +288,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def main(args: argparse.Namespace) -> int:
     from plait.entrypoints.cli import _engine_config
 
-    base = _engine_config(args)  # bad engine flags fail before anything loads
+    # W4 is a serving workload: the engine takes its serving defaults (the token budget), as vLLM's did.
+    base = dataclasses.replace(_engine_config(args), usage="serve")  # bad flags fail before anything loads
     policies = [args.scheduling_policy] if args.scheduling_policy else list(SCHEDULING_POLICIES)
     shape = W4Shape(**{name: getattr(args, name) for name in asdict(W4Shape())})
     shared = find_shared(args.shared)

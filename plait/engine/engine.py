@@ -15,7 +15,7 @@ from plait.engine.request import FinishReason, Request
 from plait.engine.scheduler import Scheduler, StepPlan
 from plait.engine.state_slots import StateSlotPool
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from plait.runner.model_runner import InFlightStep, ModelRunner, StepOutput
+from plait.runner.model_runner import InFlightStep, ModelRunner, StepOutput, with_device_token_budget
 from plait.runner.sampler import needs_penalties
 from plait.sampling_params import SamplingParams
 
@@ -51,7 +51,7 @@ class _Tracked:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        self.config = config = with_device_token_budget(config)
         self.runner = ModelRunner(config)
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.tokenizer

@@ -67,7 +67,9 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager,
                  state_slots: StateSlotPool | None = None) -> None:
-        self.config = config
+        # The engine hands over a config with its budget chosen for the device; a scheduler built alone
+        # (tests, tools) takes the CPU default.
+        self.config = config.with_token_budget("cpu")
         self.kv_cache = kv_cache
         self.state_slots = state_slots
         self.waiting: deque[Request] = deque()
@@ -93,13 +95,18 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self.waiting) + len(self.running)
 
+    def prompt_backlog(self) -> int:
+        """Prompt tokens (re-prefilled outputs of preempted requests too) not yet in the KV cache."""
+        return sum(r.num_prefill_tokens - r.num_computed_tokens
+                   for queue in (self.running, self.waiting) for r in queue if r.is_prefilling)
+
     # -- one step ---------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
         step = _StepBuilder(self.config)
         if self.config.scheduling_policy == "mixed":
             self._schedule_decodes(step)
-            step.cap_prefill_beside_decodes()
+            step.cap_prefill_beside_decodes(self.prompt_backlog())
             self._schedule_running_prefills(step)
             self._schedule_waiting(step)
         else:
@@ -201,6 +208,15 @@ class Scheduler:
             request.state_slot = NO_STATE_SLOT
 
 
+def prefill_cap(config: EngineConfig, backlog: int) -> int:
+    """Prompt tokens a step may carry beside decodes under ``mixed`` (NO_CHUNK_CAP: no cap), with
+    ``backlog`` prompt tokens waiting: max_prefill_tokens_beside_decodes, raised to drain a pile-up."""
+    cap = config.max_prefill_tokens_beside_decodes
+    if cap == NO_CHUNK_CAP or config.prefill_drain_steps == 0:
+        return cap
+    return max(cap, -(-backlog // config.prefill_drain_steps))
+
+
 class _StepBuilder:
     """The plan being built, with the budget it has left."""
 
@@ -213,9 +229,9 @@ class _StepBuilder:
     def has_room(self) -> bool:
         return self.token_budget > 0 and len(self.plan.rows) < self.config.max_num_seqs
 
-    def cap_prefill_beside_decodes(self) -> None:
-        """Once decodes are in the step, prompt chunks get at most max_prefill_tokens_beside_decodes."""
-        cap = self.config.max_prefill_tokens_beside_decodes
+    def cap_prefill_beside_decodes(self, backlog: int) -> None:
+        """Once decodes are in the step, prompt chunks get at most prefill_cap(config, backlog)."""
+        cap = prefill_cap(self.config, backlog)
         if cap != NO_CHUNK_CAP and self.plan.rows:
             self.token_budget = min(self.token_budget, cap)
 

@@ -16,7 +16,8 @@ from plait.sampling_params import SamplingParams
 # Engine fields that get their own CLI flag (the rest keep their defaults).
 _ENGINE_FLAGS = (
     "model", "load_format", "device", "dtype", "max_num_batched_tokens", "max_num_seqs",
-    "long_prefill_token_threshold", "max_prefill_tokens_beside_decodes", "max_num_partial_prefills",
+    "long_prefill_token_threshold", "max_prefill_tokens_beside_decodes", "prefill_drain_steps",
+    "max_num_partial_prefills",
     "scheduling_policy", "block_size",
     "num_kv_blocks", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
     "attention_backend", "enforce_eager", "async_scheduling",

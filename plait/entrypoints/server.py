@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import dataclasses
 import json
 import logging
 import secrets
@@ -875,7 +876,8 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
     """Load the model and serve until interrupted (what `plait serve` runs)."""
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", config.host)
-    engine = LLMEngine(engine_config)
+    # Serving defaults (the token budget) differ from offline ones, as in vLLM.
+    engine = LLMEngine(dataclasses.replace(engine_config, usage="serve"))
     server = OpenAIServer(engine, config)
     sock = bind_socket(config.host, config.port)
     echo(banner(server, base_url(sock)))

@@ -50,6 +50,8 @@ PREFILL_8_WARPS_ACC = 64 * 256
 # 2 stages beat 3 at every decode shape measured (H200, 256 rows, contexts 800 / 2048: 3869 vs 3488 and
 # 4245 vs 3882 GB/s; benchmarks/results/decode_tune_h200.json).
 DECODE_NUM_STAGES = 2
+# Decode launches walk a row's kv heads back to back, so together they read each cache block whole.
+DECODE_HEADS_FASTEST = True
 # Split-KV programs walk a few tiles each; one more stage in flight measured better there (Llama-8B at
 # batch 1 on an H200: 4.52 ms a token with 3 stages, 4.68 with 2).
 SPLIT_NUM_STAGES = 3
@@ -63,6 +65,7 @@ MIN_KEYS_PER_SPLIT = 64  # one decode tile: small batches are latency-bound, so 
 MAX_KV_SPLITS = 64
 # Multiprocessor count assumed where there is no CUDA device (the Triton interpreter on CPU).
 CPU_NUM_SMS = 8
+MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
@@ -76,6 +79,9 @@ class LaunchConfig:
     num_warps: int
     num_stages: int
     num_splits: int  # 1: the unified kernel; > 1: split-KV (decode-only batches)
+    # Launch order of the unified kernel: a row's kv heads one after another (their K/V rows lie side by
+    # side in each cache block), rather than one kv head's rows one after another.
+    heads_fastest: bool = False
 
 
 @dataclass
@@ -146,7 +152,8 @@ def launch_config(
     if num_kv_splits > 1 and dtype != torch.float32:
         stages = SPLIT_NUM_STAGES
     return LaunchConfig(block_m=block_m, block_q=block_m // group, tile_n=tile_n, num_warps=warps,
-                        num_stages=stages, num_splits=max(1, num_kv_splits))
+                        num_stages=stages, num_splits=max(1, num_kv_splits),
+                        heads_fastest=is_decode and DECODE_HEADS_FASTEST)
 
 
 def plan_paged_attention(
@@ -166,6 +173,15 @@ def plan_paged_attention(
 
 
 # ---- Kernels ------------------------------------------------------------------------------------------
+
+# Triton compiles a kernel anew for every combination of "int == 1", "int % 16 == 0" and "pointer 16-byte
+# aligned" it meets. Some arguments change from step to step: the row count, the block-table width of an
+# eager step, the split count (and so the split scratch's strides), and the alignment of the per-row
+# arrays a mixed step slices at its decode/prompt split. An eager step meeting a combination no earlier
+# step had stopped for a compile (seen: 640-670 ms in W1's timed run). They are only used for addresses
+# and gathers, never for vector loads, so the kernels take them unspecialised.
+_SLICED_ROW_ARRAYS = ["query_start_loc_ptr", "seq_lens_ptr", "block_tables_ptr"]
+_SPLIT_ARGS = ["num_splits", "stride_so_t", "stride_so_h", "stride_sl_t", "stride_sl_h"]
 
 
 @triton.jit
@@ -292,7 +308,7 @@ def _attend_range(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "stride_bt"], do_not_specialize_on_alignment=_SLICED_ROW_ARRAYS)
 def _paged_attention_kernel(
     out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
     qk_scale, num_rows,
@@ -300,11 +316,16 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, STORE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, HEADS_FASTEST: tl.constexpr,
 ):
-    """Grid (T // BLOCK_Q + R, Hkv): one query tile of one row, all GROUP query heads of one kv head."""
-    tile_idx = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    """Grid (T // BLOCK_Q + R, Hkv), or (Hkv, T // BLOCK_Q + R) with HEADS_FASTEST: one query tile of one
+    row, all GROUP query heads of one kv head."""
+    if HEADS_FASTEST:
+        kv_head = tl.program_id(0)
+        tile_idx = tl.program_id(1)
+    else:
+        tile_idx = tl.program_id(0)
+        kv_head = tl.program_id(1)
     row = _find_row(query_start_loc_ptr, tile_idx, num_rows, BLOCK_Q)
     q_start = tl.load(query_start_loc_ptr + row)
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
@@ -347,7 +368,7 @@ def _paged_attention_kernel(
         tl.store(lse_ptr + token * stride_lse_t + head, lse, mask=q_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt", *_SPLIT_ARGS], do_not_specialize_on_alignment=_SLICED_ROW_ARRAYS)
 def _split_kv_kernel(
     split_out_ptr, split_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr,
     block_tables_ptr, qk_scale,
@@ -403,7 +424,7 @@ def _split_kv_kernel(
     tl.store(split_lse_ptr + token * stride_sl_t + head * stride_sl_h + split, lse2, mask=q_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_SPLIT_ARGS)
 def _reduce_splits_kernel(
     out_ptr, lse_ptr, split_out_ptr, split_lse_ptr,
     stride_ot, stride_oh, stride_lse_t, stride_so_t, stride_so_h, stride_sl_t, stride_sl_h,
@@ -474,11 +495,13 @@ def paged_attention(
     qk_scale = scale * LOG2E
     lse_arg = lse if lse is not None else out  # never written when STORE_LSE is off
     if cfg.num_splits == 1:
-        grid = (num_tokens // cfg.block_q + num_rows, num_kv_heads)
+        num_tiles = num_tokens // cfg.block_q + num_rows
+        heads_fastest = cfg.heads_fastest and num_tiles <= MAX_GRID_Y
+        grid = (num_kv_heads, num_tiles) if heads_fastest else (num_tiles, num_kv_heads)
         _paged_attention_kernel[grid](
             out, lse_arg, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, qk_scale, num_rows,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0), *cache_strides,
-            BLOCK_Q=cfg.block_q, STORE_LSE=lse is not None, **common)
+            BLOCK_Q=cfg.block_q, STORE_LSE=lse is not None, HEADS_FASTEST=heads_fastest, **common)
         return out
     split_out, split_lse = plan.split_out, plan.split_lse
     if split_out is None or split_out.shape[0] < num_tokens or split_out.shape[1:] != (

@@ -233,7 +233,9 @@ def _epilogue(acc_g, acc_u, b_ptr, offs_n, n_mask, out_dtype: tl.constexpr,
     return y
 
 
-@triton.jit
+# M (the step's row count) changes from step to step; specialising on M == 16 would compile a second
+# binary mid-run (see plait.kernels.paged_attention on per-step arguments).
+@triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, up_rows, k_iters,
@@ -299,7 +301,7 @@ def _skinny_kernel(
             tl.store(part + N, sum_u, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])
 def _split_k_reduce_kernel(
     part_ptr, b_ptr, out_ptr, M, N, stride_om,
     SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr,

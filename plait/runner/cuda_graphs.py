@@ -19,9 +19,11 @@ logger = logging.getLogger(__name__)
 # so the padding never wastes more than 16 rows where batches are large and little where they are small.
 SMALL_BUCKETS = (1, 2, 4, 8)
 MID_STEP, MID_LIMIT, LARGE_STEP = 8, 64, 16
-# Prompt-token buckets of mixed-step graphs, up to max_prefill_tokens_beside_decodes. Eager, such a step
-# costs ~15 ms of Python kernel launches on a Llama-8B (measured on an H200), three times its GPU time.
-PROMPT_BUCKETS = (32, 128, 256)
+# Prompt-token buckets of mixed-step graphs, up to max_prefill_tokens_beside_decodes (which is a bucket
+# too). Eager, such a step costs ~15 ms of Python kernel launches on a Llama-8B (measured on an H200),
+# three times its GPU time. Past MAX_GRAPH_PROMPT_TOKENS a step's GPU time hides its launches.
+PROMPT_BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024)
+MAX_GRAPH_PROMPT_TOKENS = PROMPT_BUCKETS[-1]
 WARMUP_RUNS = 2  # eager runs before a capture: compile kernels, settle library workspaces
 
 
@@ -35,13 +37,20 @@ def decode_buckets(max_rows: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def prompt_buckets(max_prompt_tokens: int) -> list[int]:
+    """The prompt parts of mixed-step graphs: the buckets below ``max_prompt_tokens`` (at most
+    MAX_GRAPH_PROMPT_TOKENS), and that cap itself, so a step that uses its whole cap pads nothing."""
+    cap = min(max_prompt_tokens, MAX_GRAPH_PROMPT_TOKENS)
+    return [p for p in PROMPT_BUCKETS if p < cap] + ([cap] if cap > 0 else [])
+
+
 def graph_shapes(max_rows: int, max_prompt_tokens: int) -> list[GraphShape]:
     """Decode-only shapes (one row per bucket), and mixed shapes: decode buckets (or none) beside each
     prompt bucket up to ``max_prompt_tokens``, over max_rows + 1 rows (one row takes pad tokens)."""
     decodes = decode_buckets(max_rows)
     shapes = [GraphShape(b, 0, b) for b in decodes]
-    prompt_buckets = [p for p in PROMPT_BUCKETS if p <= max_prompt_tokens]
-    shapes += [GraphShape(d, p, max_rows + 1) for d in [0, *decodes] for p in prompt_buckets]
+    prompts = prompt_buckets(max_prompt_tokens)
+    shapes += [GraphShape(d, p, max_rows + 1) for d in [0, *decodes] for p in prompts]
     return shapes
 
 

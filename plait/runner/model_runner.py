@@ -10,14 +10,14 @@ import numpy as np
 import torch
 
 from plait.attention.base import get_backend
-from plait.config import CPU_KV_CACHE_BYTES, EngineConfig
+from plait.config import CPU_KV_CACHE_BYTES, NO_CHUNK_CAP, EngineConfig
 from plait.engine.kv_cache import cdiv
 from plait.engine.request import Request
 from plait.engine.scheduler import StepPlan
 from plait.engine.state_slots import PAD_STATE_SLOT
 from plait.layers.mamba import allocate_mamba_states
 from plait.loader.model_loader import load_model, resolve_device_dtype
-from plait.runner.cuda_graphs import PROMPT_BUCKETS, StepGraphs, graph_shapes
+from plait.runner.cuda_graphs import StepGraphs, graph_shapes, prompt_buckets
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
 from plait.runner.input_buffers import InputBuffers, Layout
 from plait.runner.padding import GraphShape
@@ -30,6 +30,9 @@ logger = logging.getLogger(__name__)
 # GPU memory held back from the KV cache beyond the profiled peak: CUDA-graph pools, allocator
 # fragmentation, and the sampler's work on batches the profile did not shape exactly.
 GPU_MEMORY_MARGIN_BYTES = 1 << 30
+# Mixed-step graphs reach this many prompt tokens where a backlog can raise the cap beside decodes;
+# larger steps run eager, their GPU time hiding their ~15 ms of kernel launches.
+DRAINED_GRAPH_PROMPT_TOKENS = 512
 # Sampling settings of the profiling step: top-p forces a full-vocabulary sort, the sampler's most
 # memory-hungry path.
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
@@ -49,9 +52,18 @@ class StepOutput:
     used_cuda_graph: bool = False
 
 
+def with_device_token_budget(config: EngineConfig) -> EngineConfig:
+    """``config`` with its token budget chosen for the device it will run on, where left to the default."""
+    device, _ = resolve_device_dtype(config)
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return config.with_token_budget("cuda", props.total_memory, props.name)
+    return config.with_token_budget(device.type)
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
+        self.config = config = with_device_token_budget(config)
         self.device, self.dtype = resolve_device_dtype(config)
         loaded = load_model(config, self.device, self.dtype)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
@@ -105,8 +117,9 @@ class ModelRunner:
     def _layout(self) -> Layout:
         cfg = self.config
         # Room for a graph shape's padding: decode rows, a prompt bucket, and one spare pad row.
+        largest_prompt_bucket = max(prompt_buckets(self._max_graph_prompt_tokens()), default=0)
         return Layout(
-            max_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs + max(PROMPT_BUCKETS)),
+            max_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs + largest_prompt_bucket),
             max_rows=cfg.max_num_seqs + 1,
             block_table_width=cdiv(self.max_model_len, cfg.block_size),
         )
@@ -202,9 +215,7 @@ class ModelRunner:
             return batch
 
         cfg = self.config
-        # Mixed-step shapes pad prompt rows with empty rows, which recurrent layers are not built for.
-        max_prompt = 0 if self.recurrent_states is not None else cfg.max_prefill_tokens_beside_decodes
-        shapes = graph_shapes(cfg.max_num_seqs, min(max_prompt, cfg.max_num_batched_tokens))
+        shapes = graph_shapes(cfg.max_num_seqs, self._max_graph_prompt_tokens())
         graphs = StepGraphs(
             self.buffers,
             make_batch,
@@ -218,6 +229,17 @@ class ModelRunner:
         graphs.capture()
         logger.info("CUDA graph capture took %.1f s", time.perf_counter() - start)
         return graphs
+
+    def _max_graph_prompt_tokens(self) -> int:
+        """Prompt tokens a mixed-step graph may carry: the cap beside decodes, or more where a backlog
+        can raise it (plait.engine.scheduler.prefill_cap)."""
+        cfg = self.config
+        if self.recurrent_states is not None or cfg.max_prefill_tokens_beside_decodes == NO_CHUNK_CAP:
+            return 0  # Mamba layers cannot take the empty pad rows of mixed shapes; no cap: steps are big
+        cap = cfg.max_prefill_tokens_beside_decodes
+        if cfg.prefill_drain_steps:
+            cap = max(cap, DRAINED_GRAPH_PROMPT_TOKENS)
+        return min(cap, cfg.max_num_batched_tokens)
 
     def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch.input_ids, batch.positions, batch)  # [T, hidden]
