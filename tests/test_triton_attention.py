@@ -130,6 +130,23 @@ def test_mixed_batch_matches_torch_ref(dtype, heads):
     assert_matches(out, lse, *reference(b, 0.3), ATOL[dtype])
 
 
+def head_major(cache: torch.Tensor) -> torch.Tensor:
+    """The same [num_blocks, block_size, Hkv, D] values stored head-major, as the runner stores them."""
+    return cache.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_head_major_cache_matches_torch_ref(splits):
+    # The runner's cache layout ([blocks, Hkv, block_size, D] storage): the kernels go by strides alone.
+    specs = MIXED if splits == 1 else [(9, 1), (0, 1), (37, 1), (3, 1)]
+    b = make_batch(specs, 4, 4, 2, 32, torch.float32, CPU, seed=11)
+    b.k_poisoned, b.v_poisoned = head_major(b.k_poisoned), head_major(b.v_poisoned)
+    assert b.k_poisoned.stride(1) == 32 and b.k_poisoned.stride(2) == 4 * 32
+    out, lse, plan = run_kernel(b, 0.3, num_kv_splits=splits, tile_n=16, block_m=16)
+    assert plan.config.num_splits == splits
+    assert_matches(out, lse, *reference(b, 0.3), ATOL[torch.float32])
+
+
 @pytest.mark.parametrize("window", [1, 6])
 def test_sliding_window_matches_torch_ref(window):
     b = make_batch(MIXED, 4, 4, 2, 32, torch.float32, CPU, seed=window)

@@ -49,6 +49,19 @@ def test_store_kv_matches_index_copy(dtype):
     assert torch.equal(cache, expected)
 
 
+def test_store_kv_into_head_major_cache():
+    # The runner's layout: [2, blocks, Hkv, block_size, D] storage seen as [2, blocks, block_size, Hkv, D].
+    k, v, cache, slots = _store_case(9, 2, 32, torch.float32, "cpu", seed=3)
+    head_major = cache.transpose(2, 3).contiguous().transpose(2, 3)
+    expected = cache.clone()
+    store_kv_ref(k, v, expected[0], expected[1], slots)
+    store_kv(k, v, head_major[0], head_major[1], slots)
+    assert torch.equal(head_major, expected)
+    ref_head_major = cache.transpose(2, 3).contiguous().transpose(2, 3)
+    store_kv_ref(k, v, ref_head_major[0], ref_head_major[1], slots)
+    assert torch.equal(ref_head_major, expected)
+
+
 def test_store_kv_pads_odd_head_counts_and_dims():
     k, v, cache, slots = _store_case(5, 3, 24, torch.float32, "cpu", seed=1)
     expected = cache.clone()
@@ -98,7 +111,9 @@ def test_merge_matches_torch_and_full_attention(scale):
     torch.testing.assert_close(out, out_ref, atol=1e-5, rtol=0)
     torch.testing.assert_close(lse, lse_ref, atol=1e-4, rtol=1e-6)
     out_full, lse_full = attention(q, k, v)
-    torch.testing.assert_close(out, out_full, atol=1e-5, rtol=0)
+    # Full attention sums in another order, from scores whose fp32 ulp at scale 60 (hundreds) is ~3e-5:
+    # the two agree to that, not to the merge's own 1e-5 (this CPU measured 1.3e-5 apart).
+    torch.testing.assert_close(out, out_full, atol=1e-5 * scale ** 0.5, rtol=0)
 
 
 @pytest.mark.parametrize("garbage", [float("nan"), float("inf"), 1e30])

@@ -23,10 +23,11 @@ class TorchRefBackend(AttentionBackend):
     max_padded_scores = MAX_PADDED_SCORES
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> None:
-        # kv_cache: [2, num_blocks, block_size, Hkv, D] viewed as [2, slots, Hkv, D]
-        flat = kv_cache.view(2, -1, *kv_cache.shape[3:])
-        flat[0].index_copy_(0, batch.slot_mapping, k.to(kv_cache.dtype))
-        flat[1].index_copy_(0, batch.slot_mapping, v.to(kv_cache.dtype))
+        # kv_cache: [2, num_blocks, block_size, Hkv, D] (any strides); a slot is block * block_size + offset
+        block_size = kv_cache.shape[2]
+        block, pos = batch.slot_mapping // block_size, batch.slot_mapping % block_size
+        kv_cache[0, block, pos] = k.to(kv_cache.dtype)
+        kv_cache[1, block, pos] = v.to(kv_cache.dtype)
 
     def attend(
         self,

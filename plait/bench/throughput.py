@@ -50,7 +50,9 @@ def _engine(model_dir: Path, max_model_len: int, args: argparse.Namespace) -> LL
     return LLMEngine(config)
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, desc: str) -> tuple[float, int]:
+def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, desc: str
+         ) -> tuple[float, int, float]:
+    """(seconds, output tokens, seconds of them spent adding the requests) of one timed call."""
     import torch
     from tqdm import tqdm
 
@@ -60,6 +62,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, desc: str
     start = time.perf_counter()
     for p in prompts:
         engine.add_request(p, params)
+    added = time.perf_counter()
     produced = 0
     with tqdm(total=len(prompts) * output_len, desc=desc, unit="tok", leave=False) as bar:
         while engine.has_unfinished_requests():
@@ -69,7 +72,26 @@ def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, desc: str
             bar.update(new)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return time.perf_counter() - start, produced
+    return time.perf_counter() - start, produced, added - start
+
+
+@contextmanager
+def gc_pauses() -> Iterator[list[float]]:
+    """Seconds of each Python garbage collection inside the block (they stall the host between steps)."""
+    pauses: list[float] = []
+    started: list[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(callback)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(callback)
 
 
 @contextmanager
@@ -144,8 +166,8 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
     engine.runner.breakdown.reset()
     engine.timeline.clear()
     engine.record_timeline = True
-    with triton_compiles() as compiled:
-        seconds, produced = _run(engine, timed, output_len, name)
+    with triton_compiles() as compiled, gc_pauses() as pauses:
+        seconds, produced, add_s = _run(engine, timed, output_len, name)
     engine.record_timeline = False
     result = {
         "workload": name,
@@ -156,6 +178,8 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
         "output_tokens": produced,
         "seconds": seconds,
         "output_tok_per_s": produced / seconds,
+        "add_requests_s": add_s,
+        "gc_pauses": {"count": len(pauses), "seconds": sum(pauses), "max_s": max(pauses, default=0.0)},
         "ms_per_token": seconds / output_len * 1e3 if num == 1 else None,
         "num_kv_blocks": engine.runner.num_kv_blocks,
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,

@@ -11,20 +11,22 @@ import triton.language as tl
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_kc_slot, stride_kc_head, stride_vc_slot, stride_vc_head,
-    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    stride_kc_block, stride_kc_pos, stride_kc_head, stride_vc_block, stride_vc_pos, stride_vc_head,
+    BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr,
 ):
     # One program per token: its [Hkv, D] K and V rows move to one cache slot.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
+    block, pos = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     heads = tl.arange(0, HEADS_PAD)[:, None]
     dims = tl.arange(0, DIM_PAD)[None, :]
     mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
     k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
     v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
-    tl.store(k_cache_ptr + slot * stride_kc_slot + heads * stride_kc_head + dims,
+    tl.store(k_cache_ptr + block * stride_kc_block + pos * stride_kc_pos + heads * stride_kc_head + dims,
              k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + slot * stride_vc_slot + heads * stride_vc_head + dims,
+    tl.store(v_cache_ptr + block * stride_vc_block + pos * stride_vc_pos + heads * stride_vc_head + dims,
              v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -33,20 +35,20 @@ def store_kv(
 ) -> None:
     """k, v: [T, Hkv, D]; k_cache, v_cache: [num_blocks, block_size, Hkv, D]; slot_mapping: [T] int64.
 
-    Token ``t``'s K/V land at flat slot ``slot_mapping[t]`` (block * block_size + offset), cast to the
-    cache dtype. k and v may be strided views (e.g. slices of a fused qkv output) if their last dim is
-    contiguous.
+    Token ``t``'s K/V land at slot ``slot_mapping[t]`` (block * block_size + offset), cast to the cache
+    dtype. k, v and the caches may be strided views (a fused qkv output's slices; the runner's
+    head-major cache seen as [blocks, block_size, Hkv, D]) if their last dim is contiguous.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     _check_store_args(k, v, k_cache, v_cache, slot_mapping)
-    # The two cache halves viewed as [slots, Hkv, D]: a slot's stride is the block-offset stride.
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
-        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
     )
 
@@ -60,9 +62,8 @@ def _check_store_args(
     if k.stride(2) != 1 or v.stride(2) != 1:
         raise ValueError("k and v need a contiguous last (head_dim) dimension")
     for cache in (k_cache, v_cache):
-        # Slots are addressed as block * block_size + offset: blocks must be evenly strided.
-        if cache.stride(3) != 1 or cache.stride(0) != cache.stride(1) * cache.shape[1]:
-            raise ValueError("each cache half must be laid out [blocks, block_size, Hkv, D] without gaps")
+        if cache.stride(3) != 1:
+            raise ValueError("each cache half needs a contiguous last (head_dim) dimension")
     if slot_mapping.dtype != torch.int64 or slot_mapping.shape != k.shape[:1]:
         raise ValueError("slot_mapping must be int64 of shape [T]")
 
@@ -70,6 +71,8 @@ def _check_store_args(
 def store_kv_ref(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """The torch reference of ``store_kv``: index_copy into the caches viewed as [slots, Hkv, D]."""
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    """The torch reference of ``store_kv``: each token's rows written at its (block, offset)."""
+    block_size = k_cache.shape[1]
+    block, pos = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[block, pos] = k.to(k_cache.dtype)
+    v_cache[block, pos] = v.to(v_cache.dtype)
