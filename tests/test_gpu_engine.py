@@ -203,3 +203,17 @@ def test_staging_never_overwrites_a_copy_in_flight():
     torch.cuda.synchronize()
     for got, want in zip(seen, expected):
         assert got.cpu().tolist() == want.tolist()
+
+
+def test_gpu_engine_with_graphs_is_freed_without_the_cycle_collector(tmp_path):
+    """The CUDA engine froze the heap at start-up; its graphs must not tie it into a reference cycle, or
+    a dropped engine would keep its KV cache on the GPU for good."""
+    import gc
+
+    from test_engine import dropped_engine_refs
+
+    frozen_before = gc.get_freeze_count()
+    refs = dropped_engine_refs(model=_config(tmp_path, 64), load_format="dummy", max_model_len=256,
+                               num_kv_blocks=64, max_num_seqs=8)
+    assert gc.get_freeze_count() > frozen_before
+    assert [r() is None for r in refs] == [True] * len(refs)

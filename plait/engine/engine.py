@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import logging
 import time
@@ -49,6 +50,16 @@ class _Tracked:
     first_token_time: float | None = None
 
 
+def freeze_long_lived_objects() -> None:
+    """Take every object alive now (modules, weights' wrappers, graphs, imported libraries) out of the
+    cyclic collector's view. The step loop allocates thousands of objects a step; each full collection
+    then walked this whole heap: W1 on an H200 spent 0.35 s of its 4.5 in 1,026 collections, one of them
+    0.19 s. (vLLM freezes its heap after start-up too.) Frozen objects are still freed by reference
+    counting: an engine holds no reference cycle (tested), so dropping one frees its GPU memory."""
+    gc.collect()
+    gc.freeze()
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config = with_device_token_budget(config)
@@ -82,6 +93,9 @@ class LLMEngine:
         # Steps that ran a forward (a call that only collects the previous step's tokens is not one).
         self.num_steps = 0
         self.timeline: list[StepStats] = []
+        if self.runner.device.type == "cuda":
+            freeze_long_lived_objects()
+
 
     def _prefix_caching_allowed(self) -> bool:
         if not self.config.enable_prefix_caching:

@@ -94,6 +94,9 @@ class StepGraphs:
                 self._graphs[shape] = self._capture_one(shape, pool)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
+        # Replays need neither: letting go of them (closures over the runner, which holds these graphs)
+        # leaves no reference cycle, so a dropped engine is freed at once, frozen heap or not.
+        self.make_batch = self.run_model = None
         logger.info("captured CUDA graphs for %d step shapes", len(self.shapes))
 
     def _capture_one(self, shape: GraphShape, pool: object) -> torch.cuda.CUDAGraph:

@@ -239,7 +239,8 @@ class ModelRunner:
         cap = cfg.max_prefill_tokens_beside_decodes
         if cfg.prefill_drain_steps:
             cap = max(cap, DRAINED_GRAPH_PROMPT_TOKENS)
-        return min(cap, cfg.max_num_batched_tokens)
+        # A shape's pad tokens sit in one row, whose block table must fit max_model_len.
+        return min(cap, cfg.max_num_batched_tokens, self.max_model_len)
 
     def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch.input_ids, batch.positions, batch)  # [T, hidden]
