@@ -36,6 +36,22 @@ def _hand_made() -> list[RequestResult]:
     ]
 
 
+def test_throughput_bench_counts_gc_pauses_and_compiles():
+    """What `plait bench throughput` reports beside its timed run: garbage collections (each stalls the
+    host between steps) and Triton compiles (a timed run should have none)."""
+    import gc
+
+    from plait.bench.throughput import gc_pauses, triton_compiles
+
+    with gc_pauses() as pauses:
+        gc.collect()
+        gc.collect()
+    assert len(pauses) == 2 and all(p >= 0 for p in pauses)
+    with triton_compiles() as compiled:
+        pass
+    assert compiled == []
+
+
 def test_metrics_match_vllm_definitions_by_hand():
     m = calculate_metrics(_hand_made(), duration_s=2.0, percentiles=(50, 90, 99),
                           goodput={"ttft": 400.0, "tpot": 300.0})

@@ -46,6 +46,26 @@ def test_serve_flags_reach_the_configs(monkeypatch):
     assert (config_b.host, config_b.api_key, config_b.served_model_name) == ("0.0.0.0", "from-flag", "m")
 
 
+def test_serve_runs_the_engine_with_serving_defaults(monkeypatch):
+    """`plait serve` builds its engine with usage "serve" (vLLM's serving token budget on a GPU)."""
+    import plait.entrypoints.server as server
+    from plait.config import EngineConfig
+
+    built = []
+
+    class Stop(Exception):
+        pass
+
+    def fake_engine(config):
+        built.append(config)
+        raise Stop
+
+    monkeypatch.setattr(server, "LLMEngine", fake_engine)
+    with pytest.raises(Stop):
+        server.serve(EngineConfig(model="m"), server.ServerConfig())
+    assert built[0].usage == "serve" and built[0].model == "m"
+
+
 def test_plait_serve_process(tmp_path):
     model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
     env = dict(os.environ, PYTHONPATH=str(ROOT), PLAIT_API_KEY="cli-key")

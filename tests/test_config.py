@@ -1,0 +1,55 @@
+"""Engine defaults that depend on where and how the engine runs: the step token budget."""
+
+from __future__ import annotations
+
+import pytest
+
+from plait.config import EngineConfig, default_token_budget
+from plait.runner.cuda_graphs import graph_shapes, prompt_buckets
+
+GB = 1024**3
+
+
+@pytest.mark.parametrize(("usage", "device", "memory", "name", "budget"), [
+    ("offline", "cuda", 141 * GB, "NVIDIA H200", 16384),  # vLLM's LLM class on an H200
+    ("serve", "cuda", 141 * GB, "NVIDIA H200", 8192),  # `vllm serve` there: WORKLOADS.md's W4 peer
+    ("offline", "cuda", 80 * GB, "NVIDIA H100 80GB HBM3", 16384),
+    ("offline", "cuda", 80 * GB, "NVIDIA A100-SXM4-80GB", 8192),  # vLLM measured big budgets slower there
+    ("serve", "cuda", 80 * GB, "NVIDIA A100-SXM4-80GB", 2048),
+    ("offline", "cuda", 24 * GB, "NVIDIA L4", 8192),
+    ("serve", "cuda", 24 * GB, "NVIDIA L4", 2048),
+    ("offline", "cpu", 0, "", 2048),
+    ("serve", "cpu", 0, "", 2048),
+])
+def test_default_token_budget_follows_vllm(usage, device, memory, name, budget):
+    assert default_token_budget(usage, device, memory, name) == budget
+    config = EngineConfig(usage=usage).with_token_budget(device, memory, name)
+    assert config.max_num_batched_tokens == budget
+
+
+def test_a_given_budget_is_kept_and_bad_usage_refused():
+    config = EngineConfig(max_num_batched_tokens=64, usage="serve")
+    assert config.with_token_budget("cuda", 141 * GB, "NVIDIA H200") is config
+    with pytest.raises(ValueError, match="usage"):
+        EngineConfig(usage="batch")
+    with pytest.raises(ValueError, match="prefill_drain_steps"):
+        EngineConfig(prefill_drain_steps=-1)
+
+
+def test_cpu_engine_takes_the_cpu_budget(tiny_llama):
+    from plait.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), num_kv_blocks=16, max_model_len=64))
+    assert engine.config.max_num_batched_tokens == 2048
+    assert engine.scheduler.config is engine.config and engine.runner.config is engine.config
+
+
+def test_mixed_graph_prompt_buckets_end_at_the_cap():
+    assert prompt_buckets(0) == []
+    assert prompt_buckets(256) == [32, 64, 128, 256]
+    assert prompt_buckets(300) == [32, 64, 128, 256, 300]  # a step using its whole cap pads nothing
+    assert prompt_buckets(512) == [32, 64, 128, 256, 384, 512]
+    assert prompt_buckets(10**6)[-1] == 1024  # past that a step's GPU time hides its launches
+    shapes = graph_shapes(8, 128)
+    assert {s.prompt_tokens for s in shapes} == {0, 32, 64, 128}
+    assert all(s.num_rows == 9 for s in shapes if s.prompt_tokens)  # a spare row for the pad tokens
