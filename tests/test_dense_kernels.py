@@ -521,3 +521,58 @@ def test_skinny_logits_in_fp32():
     want = x.double() @ w.double().T
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-4)  # far inside one fp16 ulp
     assert (got.half().float() != got).any(), "the result was rounded to fp16 on the way"
+
+
+def test_pdl_launches_only_where_the_device_has_it():
+    from plait.kernels import pdl
+
+    assert not pdl.use_pdl(torch.zeros(1))  # CPU (and the interpreter) never launch with PDL
+    if ON_GPU:
+        cuda = torch.zeros(1, device="cuda")
+        assert pdl.use_pdl(cuda) == (torch.cuda.get_device_capability() >= pdl.MIN_CAPABILITY)
+        pdl.set_pdl_enabled(False)
+        try:
+            assert not pdl.use_pdl(cuda)
+        finally:
+            pdl.set_pdl_enabled(True)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_pdl_chain_in_a_graph_equals_plain_launches():
+    """A decode layer's kernel chain (norm, skinny GEMV, rotary, silu) captured in a CUDA graph and replayed
+    on new inputs: with PDL each kernel starts while the one before drains, and must still see its
+    writes, so the results equal plain launches bit for bit."""
+    from plait.kernels import pdl
+
+    hidden, heads, d = 4096, 32, 128
+    x = randn(1, hidden, dtype=BF16, seed=40)
+    w_norm = randn(hidden, dtype=BF16, seed=41, scale=0.1) + 1
+    w_qkv, w_up = randn(heads * d, hidden, dtype=BF16, seed=42), randn(2 * 2048, hidden, dtype=BF16, seed=43)
+    cos_sin = RotaryEmbedding(d, 4096, 10000.0).cos_sin.cuda()
+    positions = torch.tensor([17], device="cuda")
+
+    def chain(inp):
+        h = rms_norm.rms_norm(inp, w_norm, EPS)
+        q = skinny_gemm.skinny_linear(h, w_qkv).view(1, heads, d)
+        q, _ = rotary.apply_rotary(positions, q, q[:, :8], cos_sin)
+        g = activation.silu_and_mul(skinny_gemm.skinny_linear(q.reshape(1, hidden), w_up))
+        return rms_norm.rms_norm(torch.cat([g, g], dim=-1), w_norm, EPS)
+
+    results = {}
+    for enabled in (False, True):
+        pdl.set_pdl_enabled(enabled)
+        try:
+            static = x.clone()
+            chain(static)  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain(static)
+            static.copy_(randn(1, hidden, dtype=BF16, seed=44))
+            graph.replay()
+            torch.cuda.synchronize()
+            results[enabled] = out.clone()
+        finally:
+            pdl.set_pdl_enabled(True)
+    want = chain(randn(1, hidden, dtype=BF16, seed=44))
+    assert torch.equal(results[True], results[False]) and torch.equal(results[True], want)

@@ -8,6 +8,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from plait.kernels.pdl import pdl_prologue, use_pdl
+
 # Output columns per program: 4 warps x 32 threads x 8 values (16-byte bf16 stores).
 BLOCK_COLS = 1024
 
@@ -29,7 +31,9 @@ def silu_rounded(g, out_dtype: tl.constexpr, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, s_x, s_out, PRECISE: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, inter, s_x, s_out, PRECISE: tl.constexpr, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr):
+    pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -53,5 +57,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if x.shape[0] > 0 and inter > 0:
         grid = (x.shape[0], triton.cdiv(inter, BLOCK_COLS))
         _silu_and_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), PRECISE=gate_up.is_cuda,
-                                   BLOCK=min(BLOCK_COLS, triton.next_power_of_2(inter)), num_warps=4)
+                                   BLOCK=min(BLOCK_COLS, triton.next_power_of_2(inter)), num_warps=4,
+                                   PDL=use_pdl(x), launch_pdl=use_pdl(x))
     return out.view(*gate_up.shape[:-1], inter)

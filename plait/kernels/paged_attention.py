@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.kernels.pdl import pdl_prologue, use_pdl
+
 LOG2E = math.log2(math.e)
 # ln(2) inside kernels: LSEs are accumulated in the log2 domain and handed out as natural logs.
 _LN2 = tl.constexpr(math.log(2.0))
@@ -316,10 +318,11 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, STORE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, HEADS_FASTEST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (T // BLOCK_Q + R, Hkv), or (Hkv, T // BLOCK_Q + R) with HEADS_FASTEST: one query tile of one
     row, all GROUP query heads of one kv head."""
+    pdl_prologue(PDL)
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
         tile_idx = tl.program_id(1)
@@ -376,12 +379,13 @@ def _split_kv_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     num_splits, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (R, Hkv, num_splits): one decode token's GROUP heads over one split of the row's KV range.
 
     Every split of a row with a token writes its partial (zeros, lse -inf when it got no tile), so the
     reduce never reads unwritten scratch."""
+    pdl_prologue(PDL)
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -428,9 +432,10 @@ def _split_kv_kernel(
 def _reduce_splits_kernel(
     out_ptr, lse_ptr, split_out_ptr, split_lse_ptr,
     stride_ot, stride_oh, stride_lse_t, stride_so_t, stride_so_h, stride_sl_t, stride_sl_h,
-    num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr,
+    num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (T, Hq): combine a token's per-split partials by their LSEs; empty splits weigh nothing."""
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, SPLITS_PAD)
@@ -488,7 +493,7 @@ def paged_attention(
         # fp32 (tests, debugging) must not silently drop to tf32; 16-bit inputs keep Triton's default.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         INTERPRETED=bool(triton.knobs.runtime.interpret),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=use_pdl(q), launch_pdl=use_pdl(q),
     )
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
@@ -516,7 +521,7 @@ def paged_attention(
         out.stride(0), out.stride(1), lse_arg.stride(0), split_out.stride(0), split_out.stride(1),
         split_lse.stride(0), split_lse.stride(1),
         cfg.num_splits, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits), HEAD_DIM=head_dim,
-        STORE_LSE=lse is not None)
+        STORE_LSE=lse is not None, PDL=use_pdl(q), launch_pdl=use_pdl(q))
     return out
 
 

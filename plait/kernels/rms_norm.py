@@ -7,6 +7,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from plait.kernels.pdl import pdl_prologue, use_pdl
+
 # A program normalises rows held whole in registers; wider rows go to the torch path.
 MAX_FUSED_HIDDEN = 16384
 # One warp per 256 elements: each thread holds 8 values (one 16-byte bf16 load).
@@ -39,10 +41,12 @@ def _rms_norm_kernel(
     n_rows, n_inner, sx_outer, sx_inner, so_outer, so_inner, s_res, s_res_out,
     H, eps,
     HAS_RESIDUAL: tl.constexpr, PRECISE: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Row r of the flattened [..., H] input sits at (r // n_inner) * s_outer + (r % n_inner) * s_inner:
     # that covers [T, H] and the strided [T, heads, head_dim] views q/k-norm get from the qkv split.
     # A program takes ROWS rows: narrow ones (q/k-norm's head_dim) in bulk, wide ones alone.
+    pdl_prologue(PDL)
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     outer, inner = rows // n_inner, rows % n_inner
     cols = tl.arange(0, BLOCK_H)
@@ -122,6 +126,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = 
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         rows_view, weight, out_view, rows_view, rows_view, n_rows, n_inner, sx_o, sx_i, so_o, so_i, 0, 0,
         h, eps, HAS_RESIDUAL=False, PRECISE=x.is_cuda, BLOCK_H=block_h, ROWS=rows, num_warps=num_warps,
+        PDL=use_pdl(x), launch_pdl=use_pdl(x),
     )
     return x if inplace else out_view.view(x.shape)
 
@@ -156,6 +161,7 @@ def fused_add_rms_norm(
             x2, weight, out, r2, res_out, x2.shape[0], 1, x2.stride(0), 0, out.stride(0), 0,
             r2.stride(0), res_out.stride(0), h, eps,
             HAS_RESIDUAL=True, PRECISE=x.is_cuda, BLOCK_H=block_h, ROWS=rows, num_warps=num_warps,
+            PDL=use_pdl(x), launch_pdl=use_pdl(x),
         )
     if inplace:
         return x, residual

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.kernels.pdl import pdl_prologue, use_pdl
+
 # Heads rotated by one program: a decode token's q and k heads take a couple of programs, not dozens.
 HEADS_PER_PROGRAM = 16
 
@@ -44,9 +46,10 @@ def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cs_ptr,
     sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t, sko_h, s_cs,
     HQ, HKV, q_blocks,
-    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (token, head block): the first q_blocks head blocks are q's, the rest k's.
+    pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     pos = tl.load(pos_ptr + tok).to(tl.int64)
@@ -91,6 +94,6 @@ def apply_rotary(
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
         hq, hkv, q_blocks,
         HALF=d // 2, BLOCK_D=triton.next_power_of_2(d // 2), BLOCK_H=block_h,
-        num_warps=4, enable_fp_fusion=False,
+        PDL=use_pdl(q), num_warps=4, enable_fp_fusion=False, launch_pdl=use_pdl(q),
     )
     return q_out, k_out

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from plait.kernels.activation import silu_and_mul_ref, silu_rounded
+from plait.kernels.pdl import pdl_prologue, use_pdl
 
 # Largest row count routed here; beyond it the matmul is no longer bound by reading the weight.
 SKINNY_MAX_M = 16
@@ -242,10 +243,11 @@ def _skinny_kernel(
     STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TO_WORKSPACE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
+    GATE_UP: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k]; GATE_UP: out[m, n] = silu(gate[m, n]) * up[m, n] with the
     # up row of output n at weight row up_rows + n.
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -305,9 +307,10 @@ def _skinny_kernel(
 def _split_k_reduce_kernel(
     part_ptr, b_ptr, out_ptr, M, N, stride_om,
     SPLIT_K: tl.constexpr, BLOCK: tl.constexpr, HAS_BIAS: tl.constexpr, GATE_UP: tl.constexpr,
-    PRECISE: tl.constexpr,
+    PRECISE: tl.constexpr, PDL: tl.constexpr,
 ):
     # Sums the split-K partials in a fixed order (deterministic), then the same epilogue as an unsplit launch.
+    pdl_prologue(PDL)
     m = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     n_mask = offs_n < N
@@ -344,13 +347,14 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
         TO_WORKSPACE=cfg.split_k > 1,
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         EVEN_K=even_k, HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=use_pdl(x2), launch_pdl=use_pdl(x2),
     )
     if cfg.split_k > 1:
         block = min(REDUCE_BLOCK, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
             part, bias_arg, out, m, n, out.stride(0), SPLIT_K=cfg.split_k, BLOCK=block,
             HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise, num_warps=4,
+            PDL=use_pdl(x2), launch_pdl=use_pdl(x2),
         )
     return out
 

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.kernels.pdl import pdl_prologue, use_pdl
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -13,9 +15,10 @@ def _store_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kc_block, stride_kc_pos, stride_kc_head, stride_vc_block, stride_vc_pos, stride_vc_head,
     BLOCK_SIZE: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HEADS_PAD: tl.constexpr,
-    DIM_PAD: tl.constexpr,
+    DIM_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     # One program per token: its [Hkv, D] K and V rows move to one cache slot.
+    pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     block, pos = slot // BLOCK_SIZE, slot % BLOCK_SIZE
@@ -50,6 +53,7 @@ def store_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
+        PDL=use_pdl(k), launch_pdl=use_pdl(k),
     )
 
 
