@@ -24,6 +24,16 @@ _ENGINE_FLAGS = (
 )
 
 
+# Flags whose default is decided at start-up rather than written in EngineConfig.
+_FLAG_HELP = {
+    "max_num_batched_tokens": "the step's token budget (default: vLLM's for the device: 16384 offline "
+                              "and 8192 serving on GPUs of 70 GB and more, 8192 / 2048 on smaller ones, "
+                              "2048 on CPU)",
+    "device": "(default: cuda where available, else cpu)",
+    "dtype": "(default: bfloat16 on GPU, float32 on CPU)",
+}
+
+
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
@@ -36,7 +46,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                                help=f"(default: {f.default!r})")
             continue
         group.add_argument(flag, dest=f.name, type=_arg_type(hints[f.name]), default=None,
-                           help=f"(default: {f.default!r})")
+                           help=_FLAG_HELP.get(f.name, f"(default: {f.default!r})"))
 
 
 def _arg_type(hint: Any) -> type:
