@@ -16,7 +16,7 @@ from plait.engine.request import FinishReason, Request
 from plait.engine.scheduler import Scheduler, StepPlan
 from plait.engine.state_slots import StateSlotPool
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from plait.runner.model_runner import InFlightStep, ModelRunner, StepOutput, with_device_token_budget
+from plait.runner.model_runner import InFlightStep, ModelRunner, StepOutput
 from plait.runner.sampler import needs_penalties
 from plait.sampling_params import SamplingParams
 
@@ -62,8 +62,9 @@ def freeze_long_lived_objects() -> None:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config = with_device_token_budget(config)
         self.runner = ModelRunner(config)
+        # The runner chose the device's defaults (the token budget) where the config left them open.
+        self.config = config = self.runner.config
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.tokenizer
         self.max_model_len = self.runner.max_model_len
@@ -95,7 +96,6 @@ class LLMEngine:
         self.timeline: list[StepStats] = []
         if self.runner.device.type == "cuda":
             freeze_long_lived_objects()
-
 
     def _prefix_caching_allowed(self) -> bool:
         if not self.config.enable_prefix_caching:

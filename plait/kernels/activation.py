@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from plait.kernels.pdl import pdl_prologue, use_pdl
+from plait.kernels.pdl import pdl_args, pdl_prologue
 
 # Output columns per program: 4 warps x 32 threads x 8 values (16-byte bf16 stores).
 BLOCK_COLS = 1024
@@ -58,5 +58,5 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         grid = (x.shape[0], triton.cdiv(inter, BLOCK_COLS))
         _silu_and_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), PRECISE=gate_up.is_cuda,
                                    BLOCK=min(BLOCK_COLS, triton.next_power_of_2(inter)), num_warps=4,
-                                   PDL=use_pdl(x), launch_pdl=use_pdl(x))
+                                   **pdl_args(x))
     return out.view(*gate_up.shape[:-1], inter)

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plait.kernels.pdl import pdl_prologue, use_pdl
+from plait.kernels.pdl import pdl_args, pdl_prologue
 
 LOG2E = math.log2(math.e)
 # ln(2) inside kernels: LSEs are accumulated in the log2 domain and handed out as natural logs.
@@ -493,7 +493,7 @@ def paged_attention(
         # fp32 (tests, debugging) must not silently drop to tf32; 16-bit inputs keep Triton's default.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
         INTERPRETED=bool(triton.knobs.runtime.interpret),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=use_pdl(q), launch_pdl=use_pdl(q),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q),
     )
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
@@ -521,7 +521,7 @@ def paged_attention(
         out.stride(0), out.stride(1), lse_arg.stride(0), split_out.stride(0), split_out.stride(1),
         split_lse.stride(0), split_lse.stride(1),
         cfg.num_splits, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits), HEAD_DIM=head_dim,
-        STORE_LSE=lse is not None, PDL=use_pdl(q), launch_pdl=use_pdl(q))
+        STORE_LSE=lse is not None, **pdl_args(q))
     return out
 
 

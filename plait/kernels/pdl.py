@@ -39,6 +39,12 @@ def use_pdl(t: torch.Tensor) -> bool:
             and _device_supports(t.device.index if t.device.index is not None else 0))
 
 
+def pdl_args(t: torch.Tensor) -> dict[str, bool]:
+    """Launch keywords for a kernel with a ``PDL`` constexpr: the flag, and the launch attribute."""
+    pdl = use_pdl(t)
+    return {"PDL": pdl, "launch_pdl": pdl}
+
+
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
     """First statement of a PDL-launched kernel: wait for the previous kernel's writes, then let the next

@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from plait.kernels.pdl import pdl_prologue, use_pdl
+from plait.kernels.pdl import pdl_args, pdl_prologue
 
 # A program normalises rows held whole in registers; wider rows go to the torch path.
 MAX_FUSED_HIDDEN = 16384
@@ -126,7 +126,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = 
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         rows_view, weight, out_view, rows_view, rows_view, n_rows, n_inner, sx_o, sx_i, so_o, so_i, 0, 0,
         h, eps, HAS_RESIDUAL=False, PRECISE=x.is_cuda, BLOCK_H=block_h, ROWS=rows, num_warps=num_warps,
-        PDL=use_pdl(x), launch_pdl=use_pdl(x),
+        **pdl_args(x),
     )
     return x if inplace else out_view.view(x.shape)
 
@@ -161,7 +161,7 @@ def fused_add_rms_norm(
             x2, weight, out, r2, res_out, x2.shape[0], 1, x2.stride(0), 0, out.stride(0), 0,
             r2.stride(0), res_out.stride(0), h, eps,
             HAS_RESIDUAL=True, PRECISE=x.is_cuda, BLOCK_H=block_h, ROWS=rows, num_warps=num_warps,
-            PDL=use_pdl(x), launch_pdl=use_pdl(x),
+            **pdl_args(x),
         )
     if inplace:
         return x, residual

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plait.kernels.pdl import pdl_prologue, use_pdl
+from plait.kernels.pdl import pdl_args, pdl_prologue
 
 # Heads rotated by one program: a decode token's q and k heads take a couple of programs, not dozens.
 HEADS_PER_PROGRAM = 16
@@ -94,6 +94,6 @@ def apply_rotary(
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), cos_sin.stride(0),
         hq, hkv, q_blocks,
         HALF=d // 2, BLOCK_D=triton.next_power_of_2(d // 2), BLOCK_H=block_h,
-        PDL=use_pdl(q), num_warps=4, enable_fp_fusion=False, launch_pdl=use_pdl(q),
+        num_warps=4, enable_fp_fusion=False, **pdl_args(q),
     )
     return q_out, k_out

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from plait.kernels.activation import silu_and_mul_ref, silu_rounded
-from plait.kernels.pdl import pdl_prologue, use_pdl
+from plait.kernels.pdl import pdl_args, pdl_prologue
 
 # Largest row count routed here; beyond it the matmul is no longer bound by reading the weight.
 SKINNY_MAX_M = 16
@@ -347,14 +347,14 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
         TO_WORKSPACE=cfg.split_k > 1,
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         EVEN_K=even_k, HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, PDL=use_pdl(x2), launch_pdl=use_pdl(x2),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2),
     )
     if cfg.split_k > 1:
         block = min(REDUCE_BLOCK, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
             part, bias_arg, out, m, n, out.stride(0), SPLIT_K=cfg.split_k, BLOCK=block,
             HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise, num_warps=4,
-            PDL=use_pdl(x2), launch_pdl=use_pdl(x2),
+            **pdl_args(x2),
         )
     return out
 

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plait.kernels.pdl import pdl_prologue, use_pdl
+from plait.kernels.pdl import pdl_args, pdl_prologue
 
 
 @triton.jit
@@ -53,7 +53,7 @@ def store_kv(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         BLOCK_SIZE=k_cache.shape[1], NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         HEADS_PAD=triton.next_power_of_2(num_kv_heads), DIM_PAD=triton.next_power_of_2(head_dim),
-        PDL=use_pdl(k), launch_pdl=use_pdl(k),
+        **pdl_args(k),
     )
 
 

@@ -52,9 +52,8 @@ class StepOutput:
     used_cuda_graph: bool = False
 
 
-def with_device_token_budget(config: EngineConfig) -> EngineConfig:
-    """``config`` with its token budget chosen for the device it will run on, where left to the default."""
-    device, _ = resolve_device_dtype(config)
+def with_device_token_budget(config: EngineConfig, device: torch.device) -> EngineConfig:
+    """``config`` with its token budget chosen for ``device``, where left to the default."""
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return config.with_token_budget("cuda", props.total_memory, props.name)
@@ -63,8 +62,8 @@ def with_device_token_budget(config: EngineConfig) -> EngineConfig:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config = with_device_token_budget(config)
         self.device, self.dtype = resolve_device_dtype(config)
+        self.config = config = with_device_token_budget(config, self.device)
         loaded = load_model(config, self.device, self.dtype)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path = loaded.source
