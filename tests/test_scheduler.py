@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from plait.config import EngineConfig
 from plait.engine.kv_cache import PAD_BLOCK_ID, KVCacheManager, cdiv
 from plait.engine.request import FinishReason, Request, RequestStatus
-from plait.engine.scheduler import Scheduler, StepPlan, prefill_cap
+from plait.engine.scheduler import Scheduler, StepPlan, aligned_prefill_cap, prefill_cap
 from plait.sampling_params import SamplingParams
 
 PARAMS = SamplingParams()
@@ -490,3 +490,20 @@ def test_prompts_beside_decodes_are_capped_but_always_progress():
     _start_decoding(sched, [make_request(i, 1, 10) for i in range(3)])
     sched.add(make_request(3, 100, 5))
     assert describe(sched.schedule())[-1] == ("r3", 0, 1, True, False)
+
+
+def test_prompt_tokens_beside_decodes_end_the_step_on_a_row_tile():
+    """The cap beside decodes is trimmed so the step's tokens fill whole GEMM row tiles (4 rows past a
+    tile cost a whole tile), unless that would keep less than half of the cap."""
+    assert aligned_prefill_cap(4, 256) == 252
+    assert aligned_prefill_cap(3, 256) == 253
+    assert aligned_prefill_cap(200, 256) == 184  # 384 in all
+    assert aligned_prefill_cap(0, 256) == 256
+    assert aligned_prefill_cap(4, 32) == 32  # trimming to a tile would take all of it
+    assert aligned_prefill_cap(100, 100) == 100  # 128 - 100 = 28 < half
+    kw = dict(max_num_batched_tokens=2048, max_prefill_tokens_beside_decodes=256, prefill_drain_steps=0)
+    sched, _ = _scheduler(block_size=16, num_blocks=512, **kw)
+    _start_decoding(sched, [make_request(i, 2, 100) for i in range(4)])
+    sched.add(make_request(9, 4096, 5))
+    plan = sched.schedule()
+    assert (plan.num_decode_tokens, plan.num_prefill_tokens) == (4, 252)
