@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from plait.config import EngineConfig, default_token_budget
-from plait.runner.cuda_graphs import graph_shapes, prompt_buckets
+from plait.runner.cuda_graphs import graph_shapes, token_buckets
 
 GB = 1024**3
 
@@ -44,12 +44,16 @@ def test_cpu_engine_takes_the_cpu_budget(tiny_llama):
     assert engine.scheduler.config is engine.config and engine.runner.config is engine.config
 
 
-def test_mixed_graph_prompt_buckets_end_at_the_cap():
-    assert prompt_buckets(0) == []
-    assert prompt_buckets(256) == [32, 64, 128, 256]
-    assert prompt_buckets(300) == [32, 64, 128, 256, 300]  # a step using its whole cap pads nothing
-    assert prompt_buckets(512) == [32, 64, 128, 256, 384, 512]
-    assert prompt_buckets(10**6)[-1] == 1024  # past that a step's GPU time hides its launches
-    shapes = graph_shapes(8, 128)
-    assert {s.prompt_tokens for s in shapes} == {0, 32, 64, 128}
-    assert all(s.num_rows == 9 for s in shapes if s.prompt_tokens)  # a spare row for the pad tokens
+def test_mixed_graph_token_buckets_are_whole_row_tiles_up_to_the_cap():
+    assert token_buckets(0, 0, 4096) == []
+    # Whole GEMM row tiles, up to the first with room for the cap beside a full decode part.
+    assert token_buckets(4, 256, 4096) == [32, 64, 128, 256, 384]
+    assert token_buckets(0, 256, 4096) == [32, 64, 128, 256]
+    assert token_buckets(208, 512, 4096) == [256, 384, 512, 640, 768]
+    assert token_buckets(4, 28, 4096) == [32]  # small steps: the cap itself, so a full step pads nothing
+    assert token_buckets(4, 10**6, 4096)[-1] == 1152  # past 1024 prompt tokens the GPU hides launches
+    assert token_buckets(4, 256, 200) == [32, 64, 128, 200]  # pad tokens are one sequence: max_model_len
+    shapes = graph_shapes(8, 128, 4096)
+    assert {s.num_tokens for s in shapes if s.is_mixed} == {32, 64, 128, 256}
+    assert all(s.num_rows == 9 for s in shapes if s.is_mixed)  # a spare row for the pad tokens
+    assert {s.decode_rows for s in shapes if not s.is_mixed} == {1, 2, 4, 8}

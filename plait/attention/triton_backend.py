@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 class _Part:
     """A run of rows attended by one launch (built once per step, reused by every layer)."""
 
-    tokens: slice  # the rows' query tokens
+    tokens: slice  # the query tokens the launch reads: from 0, through the part's last row's tokens
     rows: slice
-    query_start_loc: torch.Tensor  # [rows + 1] int32, from 0
+    query_start_loc: torch.Tensor  # [rows + 1] int32: the rows' token offsets into the step
     max_query_len: int
     plan: PagedAttentionPlan
 
@@ -83,21 +83,20 @@ class TritonBackend(AttentionBackend):
 
     def _split(self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, head_dim: int,
                dtype: torch.dtype) -> list[_Part]:
-        # Leading one-token rows have one token each, so the token split is the row split: no host data
-        # is needed, and a CUDA graph of a mixed step (its decode part padded to a bucket) splits too.
+        # The decode part's rows hold at most one token each, and its tokens come first: its launch reads
+        # tokens [0, rows) (a CUDA graph of a mixed step pads it with empty rows, which take none). The
+        # prompt part reads its rows' token offsets from query_start_loc as they are, over all the
+        # step's tokens, so it needs no host data and no copy of the offsets either.
         short = batch.num_leading_single_token_rows
         if short == 0 or short == batch.num_rows:
-            bounds = [(0, batch.num_rows, batch.max_query_len)]
+            bounds = [(0, batch.num_rows, batch.max_query_len, batch.num_tokens)]
         else:
-            bounds = [(0, short, 1), (short, batch.num_rows, batch.max_query_len)]
+            bounds = [(0, short, 1, short), (short, batch.num_rows, batch.max_query_len, batch.num_tokens)]
         parts = []
-        for first, last, max_query_len in bounds:
-            t0 = first  # one token per row before the split
-            t1 = batch.num_tokens if last == batch.num_rows else last
+        for first, last, max_query_len, num_tokens in bounds:
             starts = batch.query_start_loc[first : last + 1]
-            starts = starts - t0 if t0 else starts  # one small kernel per step, not per layer
             splits = self.num_kv_splits if max_query_len <= 1 else None
-            plan = plan_paged_attention(t1 - t0, last - first, num_heads, num_kv_heads, head_dim, dtype,
+            plan = plan_paged_attention(num_tokens, last - first, num_heads, num_kv_heads, head_dim, dtype,
                                         max_query_len, batch.max_seq_len, starts.device, splits)
-            parts.append(_Part(slice(t0, t1), slice(first, last), starts, max_query_len, plan))
+            parts.append(_Part(slice(0, num_tokens), slice(first, last), starts, max_query_len, plan))
         return parts

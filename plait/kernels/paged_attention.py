@@ -330,6 +330,8 @@ def _paged_attention_kernel(
         tile_idx = tl.program_id(0)
         kv_head = tl.program_id(1)
     row = _find_row(query_start_loc_ptr, tile_idx, num_rows, BLOCK_Q)
+    if row < 0:
+        return  # a tile before the first row's tokens (a launch over a later part of the step's rows)
     q_start = tl.load(query_start_loc_ptr + row)
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
     q_tile = tile_idx - (q_start // BLOCK_Q + row)

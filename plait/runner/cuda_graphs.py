@@ -9,6 +9,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from plait.engine.scheduler import STEP_TOKEN_ALIGNMENT
 from plait.runner.forward_batch import ForwardBatch, StepArrays
 from plait.runner.input_buffers import InputBuffers
 from plait.runner.padding import GraphShape, empty_step_arrays, fits, pad_to_shape
@@ -19,11 +20,12 @@ logger = logging.getLogger(__name__)
 # so the padding never wastes more than 16 rows where batches are large and little where they are small.
 SMALL_BUCKETS = (1, 2, 4, 8)
 MID_STEP, MID_LIMIT, LARGE_STEP = 8, 64, 16
-# Prompt-token buckets of mixed-step graphs, up to max_prefill_tokens_beside_decodes (which is a bucket
-# too). Eager, such a step costs ~15 ms of Python kernel launches on a Llama-8B (measured on an H200),
-# three times its GPU time. Past MAX_GRAPH_PROMPT_TOKENS a step's GPU time hides its launches.
-PROMPT_BUCKETS = (32, 64, 128, 256, 384, 512, 768, 1024)
-MAX_GRAPH_PROMPT_TOKENS = PROMPT_BUCKETS[-1]
+# Token counts of mixed-step graphs: small ones, then whole GEMM row tiles (STEP_TOKEN_ALIGNMENT, which
+# the scheduler aligns mixed steps to), up to a decode part plus MAX_GRAPH_PROMPT_TOKENS. Eager, such a
+# step costs ~15 ms of Python kernel launches on a Llama-8B (measured on an H200), three times its GPU
+# time; past MAX_GRAPH_PROMPT_TOKENS prompt tokens a step's GPU time hides its launches.
+SMALL_TOKEN_BUCKETS = (32, 64)
+MAX_GRAPH_PROMPT_TOKENS = 1024
 WARMUP_RUNS = 2  # eager runs before a capture: compile kernels, settle library workspaces
 
 
@@ -37,20 +39,30 @@ def decode_buckets(max_rows: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def prompt_buckets(max_prompt_tokens: int) -> list[int]:
-    """The prompt parts of mixed-step graphs: the buckets below ``max_prompt_tokens`` (at most
-    MAX_GRAPH_PROMPT_TOKENS), and that cap itself, so a step that uses its whole cap pads nothing."""
+def token_buckets(decode_rows: int, max_prompt_tokens: int, max_tokens: int) -> list[int]:
+    """Token counts of the mixed shapes over a decode part of ``decode_rows`` rows: every bucket with
+    room for a prompt token, up to the first with room for ``max_prompt_tokens`` (at most
+    MAX_GRAPH_PROMPT_TOKENS) beside a full decode part, and none over ``max_tokens`` (a shape's pad
+    tokens are one sequence, which must fit max_model_len)."""
     cap = min(max_prompt_tokens, MAX_GRAPH_PROMPT_TOKENS)
-    return [p for p in PROMPT_BUCKETS if p < cap] + ([cap] if cap > 0 else [])
+    need = decode_rows + cap
+    tiles = -(-need // STEP_TOKEN_ALIGNMENT)
+    last = need if need <= SMALL_TOKEN_BUCKETS[-1] else tiles * STEP_TOKEN_ALIGNMENT
+    last = min(last, max_tokens)
+    if cap <= 0 or last <= decode_rows:
+        return []
+    sizes = [*SMALL_TOKEN_BUCKETS, *range(STEP_TOKEN_ALIGNMENT, last, STEP_TOKEN_ALIGNMENT)]
+    return sorted({s for s in sizes if decode_rows < s < last} | {last})
 
 
-def graph_shapes(max_rows: int, max_prompt_tokens: int) -> list[GraphShape]:
-    """Decode-only shapes (one row per bucket), and mixed shapes: decode buckets (or none) beside each
-    prompt bucket up to ``max_prompt_tokens``, over max_rows + 1 rows (one row takes pad tokens)."""
+def graph_shapes(max_rows: int, max_prompt_tokens: int, max_tokens: int) -> list[GraphShape]:
+    """Decode-only shapes (one row per bucket), and mixed shapes: decode parts of each bucket (or none)
+    beside token buckets for up to ``max_prompt_tokens`` prompt tokens (at most ``max_tokens`` in all),
+    over max_rows + 1 rows (one row takes the pad tokens)."""
     decodes = decode_buckets(max_rows)
-    shapes = [GraphShape(b, 0, b) for b in decodes]
-    prompts = prompt_buckets(max_prompt_tokens)
-    shapes += [GraphShape(d, p, max_rows + 1) for d in [0, *decodes] for p in prompts]
+    shapes = [GraphShape(b, b, b) for b in decodes]
+    for d in [0, *decodes]:
+        shapes += [GraphShape(d, t, max_rows + 1) for t in token_buckets(d, max_prompt_tokens, max_tokens)]
     return shapes
 
 

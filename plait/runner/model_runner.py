@@ -17,7 +17,7 @@ from plait.engine.scheduler import StepPlan
 from plait.engine.state_slots import PAD_STATE_SLOT
 from plait.layers.mamba import allocate_mamba_states
 from plait.loader.model_loader import load_model, resolve_device_dtype
-from plait.runner.cuda_graphs import StepGraphs, graph_shapes, prompt_buckets
+from plait.runner.cuda_graphs import StepGraphs, graph_shapes
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
 from plait.runner.input_buffers import InputBuffers, Layout
 from plait.runner.padding import GraphShape
@@ -88,11 +88,12 @@ class ModelRunner:
         )
         self.num_kv_blocks = self._choose_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+        use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.graph_safe
+        shapes = (graph_shapes(config.max_num_seqs, self._max_graph_prompt_tokens(), self.max_model_len)
+                  if use_graphs else [])
         # The same staging on every device (on CPU the "copy" is a plain one), so CPU runs exercise it.
-        self.buffers = InputBuffers(self._layout(), self.device)
-        self.graphs: StepGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.graph_safe:
-            self.graphs = self._capture_graphs()
+        self.buffers = InputBuffers(self._layout(shapes), self.device)
+        self.graphs: StepGraphs | None = self._capture_graphs(shapes) if use_graphs else None
         # Pinned landing places for sampled ids, used in turn: one step is collected while the
         # next one's copy may already be in flight.
         pin = self.device.type == "cuda"
@@ -113,12 +114,11 @@ class ModelRunner:
             return "triton"
         return "torch_ref"
 
-    def _layout(self) -> Layout:
+    def _layout(self, shapes: list[GraphShape]) -> Layout:
         cfg = self.config
-        # Room for a graph shape's padding: decode rows, a prompt bucket, and one spare pad row.
-        largest_prompt_bucket = max(prompt_buckets(self._max_graph_prompt_tokens()), default=0)
+        # Room for every graph shape's tokens, and for one spare pad row beside max_num_seqs real rows.
         return Layout(
-            max_tokens=max(cfg.max_num_batched_tokens, cfg.max_num_seqs + largest_prompt_bucket),
+            max_tokens=max([cfg.max_num_batched_tokens, *(s.num_tokens for s in shapes)]),
             max_rows=cfg.max_num_seqs + 1,
             block_table_width=cdiv(self.max_model_len, cfg.block_size),
         )
@@ -200,13 +200,13 @@ class ModelRunner:
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
-    def _capture_graphs(self) -> StepGraphs:
+    def _capture_graphs(self, shapes: list[GraphShape]) -> StepGraphs:
         def make_batch(views: dict[str, torch.Tensor], shape: GraphShape) -> ForwardBatch:
             # Upper bounds, so the kernels' launch shapes hold for any step the graph replays.
             batch = ForwardBatch.from_int64(
                 views,
                 [],
-                max_query_len=max(1, shape.prompt_tokens),
+                max_query_len=shape.max_query_len,
                 max_seq_len=self.max_model_len,
                 num_leading_single_token_rows=shape.decode_rows,
             )
@@ -214,7 +214,6 @@ class ModelRunner:
             return batch
 
         cfg = self.config
-        shapes = graph_shapes(cfg.max_num_seqs, self._max_graph_prompt_tokens())
         graphs = StepGraphs(
             self.buffers,
             make_batch,
@@ -238,8 +237,7 @@ class ModelRunner:
         cap = cfg.max_prefill_tokens_beside_decodes
         if cfg.prefill_drain_steps:
             cap = max(cap, DRAINED_GRAPH_PROMPT_TOKENS)
-        # A shape's pad tokens sit in one row, whose block table must fit max_model_len.
-        return min(cap, cfg.max_num_batched_tokens, self.max_model_len)
+        return min(cap, cfg.max_num_batched_tokens)
 
     def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
         return self.model(batch.input_ids, batch.positions, batch)  # [T, hidden]

@@ -1,4 +1,4 @@
-"""Padding a step to a CUDA-graph shape: decode rows, then prompt rows, each part padded to its bucket."""
+"""Padding a step to a CUDA-graph shape: a decode part of rows, then prompt rows, in whole token buckets."""
 
 from __future__ import annotations
 
@@ -18,76 +18,91 @@ PAD_SLOT = PAD_BLOCK_ID  # slot 0 of the pad block (block_size * PAD_BLOCK_ID + 
 
 @dataclass(frozen=True, order=True)
 class GraphShape:
-    """A captured step shape: ``decode_rows`` one-token rows, then prompt rows holding ``prompt_tokens``
-    tokens in all, ``num_rows`` rows in all (prompt rows past the real ones are empty, but the last,
-    which takes the prompt part's pad tokens)."""
+    """A captured step shape of ``num_tokens`` tokens over ``num_rows`` rows, whose first ``decode_rows``
+    rows hold at most one token each (the decode part, attended with decode-shaped work).
+
+    A decode-only shape (``num_tokens == decode_rows == num_rows``) pads with one-token rows. A mixed
+    shape pads its decode part with empty rows, so prompt tokens follow the real decodes directly and
+    every token the shape has is the step's to use: ``num_tokens`` is the matmuls' row count, chosen
+    in whole GEMM tiles (plait.engine.scheduler.STEP_TOKEN_ALIGNMENT). Rows past the real prompt rows
+    are empty but the last, which takes the pad tokens."""
 
     decode_rows: int
-    prompt_tokens: int
+    num_tokens: int
     num_rows: int
 
     @property
-    def num_tokens(self) -> int:
-        return self.decode_rows + self.prompt_tokens
+    def is_mixed(self) -> bool:
+        return self.num_tokens > self.decode_rows
+
+    @property
+    def max_query_len(self) -> int:
+        """An upper bound on a row's tokens in a step of this shape (the kernels size tiles by it)."""
+        return self.num_tokens if self.is_mixed else 1
 
 
 def fits(arrays: StepArrays, shape: GraphShape) -> bool:
-    """Whether the step can be padded to ``shape``: its leading one-token rows fit the decode part and
-    the rest (prompt chunks) the prompt part, with a row to spare for the pad tokens."""
+    """Whether the step can be padded to ``shape``: its leading one-token rows fit the decode part, its
+    tokens the shape's tokens, and its prompt rows the rows left, with one to spare for the pad tokens."""
     d = arrays.num_leading_single_token_rows
     prompt_rows = arrays.num_rows - d
-    prompt_tokens = arrays.num_tokens - d
-    if shape.prompt_tokens == 0:
-        return prompt_rows == 0 and d <= shape.decode_rows == shape.num_rows
-    return (d <= shape.decode_rows and prompt_tokens <= shape.prompt_tokens
+    if not shape.is_mixed:
+        return prompt_rows == 0 and d <= shape.decode_rows
+    return (d <= shape.decode_rows and arrays.num_tokens <= shape.num_tokens
             and shape.decode_rows + prompt_rows + 1 <= shape.num_rows)
 
 
 def pad_to_shape(arrays: StepArrays, shape: GraphShape, block_size: int) -> StepArrays:
-    """The step laid out as ``shape``: [real decode rows | one-token pad rows | real prompt rows | empty
-    pad rows, the last holding the prompt part's pad tokens]. Real rows keep their data; their tokens
-    move by the decode pad, which sample_indices follow (sample_rows still name plan rows)."""
+    """The step laid out as ``shape``. Decode-only: [real decode rows | one-token pad rows]. Mixed:
+    [real decode rows | empty rows | real prompt rows | empty rows, the last holding the pad tokens],
+    tokens [real tokens | pad tokens]. Real rows and tokens keep their data and, in mixed shapes, their
+    token indices (sample_indices follow the decode-only shapes' pad rows; sample_rows name plan rows)."""
     if not fits(arrays, shape):
         raise ValueError(f"a step of {arrays.num_rows} rows / {arrays.num_tokens} tokens does not fit "
                          f"{shape}")
     d = arrays.num_leading_single_token_rows
-    qsl = arrays.query_start_loc
-    decode_pad = shape.decode_rows - d
     prompt_rows = arrays.num_rows - d
+    decode_pad_rows = shape.decode_rows - d
     prompt_pad_rows = shape.num_rows - shape.decode_rows - prompt_rows
-    prompt_pad_tokens = shape.prompt_tokens - (arrays.num_tokens - d)
-    pad_row_lens = [0] * (prompt_pad_rows - 1) + [prompt_pad_tokens] if prompt_pad_rows else []
+    pad_tokens = shape.num_tokens - arrays.num_tokens
+    if shape.is_mixed:
+        # Empty decode pad rows; every pad token in the last row, a sequence at positions 0.. of the pad
+        # block (empty rows take no tokens, so a mixed step's tokens need not move).
+        decode_pad_lens = [0] * decode_pad_rows
+        prompt_pad_lens = [0] * (prompt_pad_rows - 1) + [pad_tokens]
+        token_pad_at = arrays.num_tokens
+    else:
+        decode_pad_lens, prompt_pad_lens, token_pad_at = [1] * decode_pad_rows, [], d
 
-    def tokens(name: str, pad_value: int, pad_positions: bool = False) -> np.ndarray:
+    def tokens(name: str, fill: np.ndarray) -> np.ndarray:
         real = getattr(arrays, name)
-        decode_fill = np.zeros(decode_pad, np.int64) if pad_positions else np.full(decode_pad, pad_value)
-        prompt_fill = (np.arange(prompt_pad_tokens) if pad_positions
-                       else np.full(prompt_pad_tokens, pad_value))
-        return np.concatenate([real[:d], decode_fill, real[d:], prompt_fill]).astype(np.int64)
+        return np.concatenate([real[:token_pad_at], fill, real[token_pad_at:]]).astype(np.int64)
 
-    def rows(name: str, decode_value: int, prompt_values: list[int] | int) -> np.ndarray:
+    def rows(name: str, decode_fill: list[int] | int, prompt_fill: list[int] | int) -> np.ndarray:
         real = getattr(arrays, name)
-        fill = np.broadcast_to(np.asarray(prompt_values, np.int64), (prompt_pad_rows,))
-        return np.concatenate([real[:d], np.full(decode_pad, decode_value), real[d:], fill]).astype(np.int64)
+        dfill = np.broadcast_to(np.asarray(decode_fill, np.int64), (decode_pad_rows,))
+        pfill = np.broadcast_to(np.asarray(prompt_fill, np.int64), (prompt_pad_rows,))
+        return np.concatenate([real[:d], dfill, real[d:], pfill]).astype(np.int64)
 
-    lens = np.concatenate([np.diff(qsl[: d + 1]), np.ones(decode_pad, np.int64), np.diff(qsl[d:]),
-                           np.asarray(pad_row_lens, np.int64)])
+    qsl = arrays.query_start_loc
+    lens = np.concatenate([np.diff(qsl[: d + 1]), np.asarray(decode_pad_lens, np.int64), np.diff(qsl[d:]),
+                           np.asarray(prompt_pad_lens, np.int64)])
     query_start_loc = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
     # Every column a pad row's keys reach points at the pad block (staging writes only these columns).
-    pad_cols = -(-max(pad_row_lens, default=1) // block_size)
+    pad_cols = -(-max(decode_pad_lens + prompt_pad_lens, default=1) // block_size)
     width = max(arrays.block_tables.shape[1], pad_cols, 1)
     tables = np.full((shape.num_rows, width), PAD_BLOCK_ID, np.int64)
     tables[:d, : arrays.block_tables.shape[1]] = arrays.block_tables[:d]
     real_prompt = slice(shape.decode_rows, shape.decode_rows + prompt_rows)
     tables[real_prompt, : arrays.block_tables.shape[1]] = arrays.block_tables[d:]
-    shift = np.where(arrays.sample_indices >= d, decode_pad, 0)
+    shift = np.where(arrays.sample_indices >= token_pad_at, pad_tokens, 0)
     return StepArrays(
-        input_ids=tokens("input_ids", PAD_TOKEN_ID),
-        positions=tokens("positions", 0, pad_positions=True),
-        slot_mapping=tokens("slot_mapping", PAD_SLOT),
+        input_ids=tokens("input_ids", np.full(pad_tokens, PAD_TOKEN_ID)),
+        positions=tokens("positions", np.zeros(pad_tokens) if not shape.is_mixed else np.arange(pad_tokens)),
+        slot_mapping=tokens("slot_mapping", np.full(pad_tokens, PAD_SLOT)),
         query_start_loc=query_start_loc,
         context_lens=rows("context_lens", 0, 0),
-        seq_lens=rows("seq_lens", 1, pad_row_lens),
+        seq_lens=rows("seq_lens", decode_pad_lens, prompt_pad_lens),
         is_first_chunk=rows("is_first_chunk", 1, 1),
         state_slots=rows("state_slots", PAD_STATE_SLOT, PAD_STATE_SLOT),
         block_tables=tables,
