@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from plait.runner.sampler import Sampler, SamplingRow
+from plait.runner.sampler import ARGMAX_FEW_ROWS, Sampler, SamplingRow, argmax_rows
 from plait.sampling_params import SamplingParams
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -364,3 +364,23 @@ def test_min_tokens_blocks_every_eos_id() -> None:
     logits[0, [5, 7]] = torch.tensor([30.0, 29.0])  # e.g. <|endoftext|> and <|im_end|>
     r = SamplingRow(SamplingParams(temperature=0.0, min_tokens=1), [], [], frozenset({5, 7}))
     assert Sampler()(logits, [r]).token_ids == [0]
+
+
+@pytest.mark.parametrize("vocab", [128256, 49152, 4096, 1000, 997])
+@pytest.mark.parametrize("rows", [1, 3, ARGMAX_FEW_ROWS])
+def test_chunked_argmax_is_argmax_with_first_maximum_winning(vocab: int, rows: int) -> None:
+    """Few wide rows are reduced chunk by chunk; ties (inside a chunk, across chunks, a whole row) and
+    infinities still give torch's answer: the first maximal index."""
+    g = torch.Generator().manual_seed(vocab + rows)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(rows, vocab, generator=g).to(dtype)
+        assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+        tied = logits.clone()
+        top = tied.max() + 1
+        for r, cols in enumerate([(5, vocab - 1), (vocab // 2 + 1, vocab // 2 + 2), (0, vocab - 3)][:rows]):
+            tied[r, list(cols)] = top  # the same maximum twice: the lower index wins
+        if rows > 3:
+            tied[3] = 0.0  # a flat row: index 0
+            tied[4, 7] = float("inf")
+        assert torch.equal(argmax_rows(tied), tied.argmax(dim=-1))
+        assert argmax_rows(tied)[0] == 5
