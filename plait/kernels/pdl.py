@@ -20,6 +20,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 PDL_ENV = "PLAIT_PDL"
 _enabled = os.environ.get(PDL_ENV, "1") != "0"
 MIN_CAPABILITY = (9, 0)
+# PLAIT_PDL_EARLY=0: a kernel lets its successor launch only after its own wait (A/B comparisons). Read
+# once at import: the kernels are compiled with it.
+PDL_EARLY_ENV = "PLAIT_PDL_EARLY"
+_EARLY = tl.constexpr(os.environ.get(PDL_EARLY_ENV, "1") != "0")
 
 
 @functools.cache
@@ -47,8 +51,26 @@ def pdl_args(t: torch.Tensor) -> dict[str, bool]:
 
 @triton.jit
 def pdl_prologue(PDL: tl.constexpr):
-    """First statement of a PDL-launched kernel: wait for the previous kernel's writes, then let the next
-    kernel begin launching. Without PDL it compiles to nothing."""
+    """First statement of a PDL-launched kernel: let the next kernel begin launching, then wait for the
+    previous kernel's writes. Without PDL it compiles to nothing.
+
+    Letting the successor launch before waiting is safe (its own wait is for this whole grid to finish)
+    and starts a chain early: behind the latency-bound kernels of a decode step (rotary, store-KV,
+    attention) the next matmul's programs are already resident and pulling their weights
+    (``prefetch_l2``) while attention runs. A kernel's whole grid must have launched before its
+    successor's programs are placed, so a large grid is never starved by the one behind it."""
     if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+        if _EARLY:
+            gdc_launch_dependents()
+            gdc_wait()
+        else:
+            gdc_wait()
+            gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs):
+    """Ask L2 for the lines at ``ptrs`` (one address per 128-byte line is enough) without waiting for
+    them: what a kernel may do before its PDL wait with memory no earlier kernel writes (weights)."""
+    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
