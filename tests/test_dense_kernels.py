@@ -1,4 +1,4 @@
-"""Dense Triton kernels (RMSNorm, rotary, SiLU-and-mul, skinny GEMM) against their torch references."""
+"""Dense Triton kernels (RMSNorm, rotary, rotary + KV store, SiLU-and-mul, skinny GEMM) vs torch reference."""
 
 # Unmarked tests use tiny shapes: through the Triton interpreter on CPU, compiled on a GPU when there
 # is one. `gpu` tests use real Llama-8B / Qwen3-0.6B layer shapes in bf16.
@@ -11,12 +11,17 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from plait.kernels import activation, dispatch, rms_norm, rotary, skinny_gemm  # noqa: E402
+from plait.attention import triton_backend  # noqa: E402
+from plait.attention.base import get_backend  # noqa: E402
+from plait.engine.kv_cache import PAD_BLOCK_ID  # noqa: E402
+from plait.kernels import activation, dispatch, rms_norm, rope_store, rotary, skinny_gemm  # noqa: E402
 from plait.kernels.skinny_gemm import SkinnyConfig  # noqa: E402
 from plait.layers import linear as linear_layer  # noqa: E402
 from plait.layers.activation import act_and_mul  # noqa: E402
 from plait.layers.norm import RMSNorm  # noqa: E402
 from plait.layers.rotary import RotaryEmbedding  # noqa: E402
+from plait.models.bamba import PartialRotaryEmbedding  # noqa: E402
+from plait.models.nemotron_h import NoRotary  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -174,6 +179,123 @@ def test_rotary_inplace_writes_views():
     rotary.apply_rotary(positions, q, k, cos_sin, inplace=True)
     assert torch.equal(q, want_q) and torch.equal(k, want_k)
     assert torch.equal(qkv[:, 48:], v_before)
+
+
+ROPE_BLOCK_SIZE = 4
+ROPE_MAX_POSITIONS = 64
+
+
+def rope_store_case(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed: int,
+                    head_major: bool = False) -> tuple[torch.Tensor, ...]:
+    """q, k, v as views of one fused qkv row; a cache of noise in shuffled blocks (head-major: allocated
+    [2, blocks, Hkv, block_size, D] and seen as [2, blocks, block_size, Hkv, D]); slots in random blocks,
+    the last two tokens padded rows that both write the pad block; random positions."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = randn(t, (hq + 2 * hkv) * d, dtype=dtype, seed=seed)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    num_blocks = max(6, -(-t // ROPE_BLOCK_SIZE) + 2)
+    real = torch.randperm((num_blocks - 1) * ROPE_BLOCK_SIZE, generator=g)[: t - 2] + ROPE_BLOCK_SIZE
+    slots = torch.cat([real, torch.full((2,), PAD_BLOCK_ID * ROPE_BLOCK_SIZE + 1)])
+    cache = torch.randn(2, num_blocks, ROPE_BLOCK_SIZE, hkv, d, generator=g).to(dtype)
+    if head_major:
+        cache = cache.transpose(2, 3).contiguous().transpose(2, 3)
+    positions = torch.randint(0, ROPE_MAX_POSITIONS, (t,), generator=g)
+    return q, k, v, cache.to(DEVICE), slots.to(DEVICE), positions.to(DEVICE)
+
+
+def assert_caches_match(got: torch.Tensor, want: torch.Tensor, n_ulps: int) -> None:
+    # Both padded rows write the pad block, in no set order on the GPU; nothing reads it.
+    real = [b for b in range(got.shape[1]) if b != PAD_BLOCK_ID]
+    assert_within_ulps(got[:, real], want[:, real], n_ulps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,hq,hkv,d,rot", [
+    (6, 4, 2, 32, 32),  # GQA
+    (5, 5, 3, 12, 12),  # odd head counts; half-dim 6 is not a power of two
+    (3, 20, 2, 16, 16),  # q spans two head blocks
+    (3, 32, 8, 128, 128),  # a Llama-8B token
+    (4, 4, 4, 64, 64),  # MHA at D 64
+    (3, 4, 2, 24, 12),  # partial rotary (Bamba): the last 12 channels pass through
+    (3, 3, 1, 13, 8),  # an odd head dim, 5 channels passed through
+])
+def test_rope_store_matches_rotary_then_store_kv(dtype, t, hq, hkv, d, rot):
+    q, k, v, cache, slots, positions = rope_store_case(t, hq, hkv, d, dtype, seed=20)
+    cos_sin = RotaryEmbedding(rot, ROPE_MAX_POSITIONS, 10000.0).cos_sin.to(DEVICE)
+    qkv_before = q.clone(), k.clone(), v.clone()
+    want_cache = cache.clone()
+    want_q = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots)
+    got_q = rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots)
+    # The reference's arithmetic, rounding by rounding: exact but for the interpreter's bf16 truncation.
+    assert_within_ulps(got_q, want_q, bf16_slack(dtype, 1))
+    assert_caches_match(cache, want_cache, bf16_slack(dtype, 1))
+    if rot == d and dtype != torch.bfloat16:  # the reference is the two kernels it replaces
+        two_q, two_k = rotary.apply_rotary(positions, q, k, cos_sin)
+        assert torch.equal(got_q, two_q)
+        assert torch.equal(cache[0, slots[:-2] // ROPE_BLOCK_SIZE, slots[:-2] % ROPE_BLOCK_SIZE], two_k[:-2])
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), qkv_before))  # inputs untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_rope_store_into_head_major_cache(dtype):
+    q, k, v, cache, slots, positions = rope_store_case(7, 6, 3, 32, dtype, seed=21, head_major=True)
+    assert cache.stride(2) == 32 and cache.stride(3) == ROPE_BLOCK_SIZE * 32
+    cos_sin = RotaryEmbedding(32, ROPE_MAX_POSITIONS, 10000.0).cos_sin.to(DEVICE)
+    want_cache = cache.clone()
+    want_q = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots)
+    got_q = rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots)
+    assert torch.equal(got_q, want_q)
+    assert_caches_match(cache, want_cache, 0)
+
+
+def test_rope_store_casts_into_a_wider_cache_and_rejects_bad_args():
+    # fp16 activations into an fp32 cache: rounded to fp16 first, as rotary then store_kv round.
+    q, k, v, cache, slots, positions = rope_store_case(5, 4, 2, 16, torch.float16, seed=22)
+    cache = cache.float()
+    cos_sin = RotaryEmbedding(16, ROPE_MAX_POSITIONS, 10000.0).cos_sin.to(DEVICE)
+    want_cache = cache.clone()
+    want_q = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots)
+    got_q = rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots)
+    assert torch.equal(got_q, want_q)
+    assert_caches_match(cache, want_cache, 0)
+    none = slice(0, 0)
+    empty = rope_store.rope_store_kv(positions[none], q[none], k[none], v[none], cos_sin, cache[0], cache[1],
+                                     slots[none])
+    assert empty.shape == (0, 4, 16)
+    with pytest.raises(ValueError):
+        rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots.int())
+    with pytest.raises(ValueError):  # a table wider than the head
+        rope_store.rope_store_kv(positions, q, k, v, cos_sin.repeat(1, 2), cache[0], cache[1], slots)
+
+
+@pytest.mark.parametrize("rope", ["full", "partial", "none"])
+def test_backend_fused_rotate_and_store_equals_the_default(rope, monkeypatch):
+    """The Triton backend's fused rotate_and_store against the interface's default (rotary module, then
+    store_kv) through both backends; a rotary without a table (NemotronH's) takes the default."""
+    from types import SimpleNamespace
+
+    t, hq, hkv, d = 6, 4, 2, 32
+    rotaries = {"full": RotaryEmbedding(d, ROPE_MAX_POSITIONS, 10000.0),
+                "partial": PartialRotaryEmbedding(d // 2, ROPE_MAX_POSITIONS, 10000.0, None),
+                "none": NoRotary()}
+    calls = {}
+    monkeypatch.setattr(triton_backend, "rope_store_kv",
+                        _counted(triton_backend.rope_store_kv, "rope_store_kv", calls))
+    q, k, v, cache, slots, positions = rope_store_case(t, hq, hkv, d, torch.float16, seed=23)
+    batch = SimpleNamespace(positions=positions, slot_mapping=slots)  # all rotate_and_store reads
+    caches, outs = {}, {}
+    for name in ("triton", "torch_ref"):  # the reference through the torch layers where there is no GPU
+        monkeypatch.setattr(dispatch, "_cpu_interpreter", name == "triton" and not ON_GPU)
+        caches[name] = cache.clone()
+        with torch.inference_mode():
+            outs[name] = get_backend(name).rotate_and_store(q, k, v, caches[name], batch, rotaries[rope])
+    assert bool(calls) == (rope != "none")
+    assert torch.equal(outs["triton"], outs["torch_ref"])
+    assert_caches_match(caches["triton"], caches["torch_ref"], 0)
+    if rope == "none":
+        assert outs["triton"] is q
 
 
 # silu: two exp implementations (numpy in the interpreter, Sleef in torch on CPU), each within an
@@ -336,8 +458,9 @@ def test_auto_mode_takes_only_measured_winners():
 def test_tiny_model_through_interpreted_kernels_matches_torch(tiny_models, monkeypatch):
     # Every layer routed to its kernel under the interpreter, fp16 so the skinny GEMM applies: a
     # first step of more than SKINNY_MAX_M tokens (F.linear + silu_and_mul), then decodes (skinny
-    # projections, fused gate/up + SiLU, skinny lm_head); norms on strided q/k views, rotary. Same
-    # greedy tokens as the torch layers, logits within fp16 noise.
+    # projections, fused gate/up + SiLU, skinny lm_head); norms on strided q/k views; rotary fused with
+    # the KV store by the Triton attention backend, never launched alone. Same greedy tokens as the
+    # torch layers and the torch_ref backend, logits within fp16 noise.
     from conftest import random_prompts, run_greedy
 
     from plait.config import EngineConfig
@@ -347,8 +470,8 @@ def test_tiny_model_through_interpreted_kernels_matches_torch(tiny_models, monke
     monkeypatch.setattr(skinny_gemm, "DEFAULT_NUM_SMS", 1)
     calls = {}
     for module, name in [(rms_norm, "rms_norm"), (rms_norm, "fused_add_rms_norm"), (rotary, "apply_rotary"),
-                         (activation, "silu_and_mul"), (skinny_gemm, "skinny_linear"),
-                         (skinny_gemm, "skinny_gate_up_silu")]:
+                         (triton_backend, "rope_store_kv"), (activation, "silu_and_mul"),
+                         (skinny_gemm, "skinny_linear"), (skinny_gemm, "skinny_gate_up_silu")]:
         monkeypatch.setattr(module, name, _counted(getattr(module, name), name, calls))
     prompts = random_prompts(2, 10, 14, seed=4)
     runs = {}
@@ -356,9 +479,11 @@ def test_tiny_model_through_interpreted_kernels_matches_torch(tiny_models, monke
         monkeypatch.setattr(dispatch, "_cpu_interpreter", kernels)
         monkeypatch.setattr(linear_layer, "_skinny_mode", "1" if kernels else "0")
         engine = LLMEngine(EngineConfig(model=str(tiny_models["qwen3"]), device="cpu", dtype="float16",
-                                        max_num_batched_tokens=32, block_size=8, num_kv_blocks=16))
+                                        max_num_batched_tokens=32, block_size=8, num_kv_blocks=16,
+                                        attention_backend="triton" if kernels else "torch_ref"))
         runs[kernels] = run_greedy(engine, prompts, 3, capture_logits=True)
         assert bool(calls) == kernels
+    assert "apply_rotary" not in calls, "q and k were rotated apart from the KV store"
     assert len(calls) == 6, f"kernels never called: {sorted(calls)}"
     (tok_torch, logits_torch), (tok_kernels, logits_kernels) = runs[False], runs[True]
     assert tok_kernels == tok_torch
@@ -422,6 +547,38 @@ def test_gpu_rotary_real_shapes_exact(model, t):
     positions = torch.randint(0, 8192, (t,), device="cuda")
     got, want = rotary.apply_rotary(positions, q, k, cos_sin), rotary.rotary_ref(positions, q, k, cos_sin)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("t", [1, 300])
+def test_gpu_rope_store_real_shapes_exact(model, t):
+    """Bit-exact against rotary then store_kv at real shapes in bf16, launched plainly and replayed in a
+    CUDA graph (with PDL where the device has it) on new inputs."""
+    c = MODELS[model]
+    hq, hkv, d, block_size = c["heads"], c["kv_heads"], c["head_dim"], 16
+    cos_sin = RotaryEmbedding(d, 8192, c["theta"]).cos_sin.cuda()
+    qkv = randn(t, (hq + 2 * hkv) * d, dtype=BF16, seed=36)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k, v = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d), qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+    num_blocks = -(-t // block_size) + 4
+    cache = randn(2, num_blocks, block_size, hkv, d, dtype=BF16, seed=37)
+    slots = torch.randperm(num_blocks * block_size, device="cuda")[:t]  # distinct slots
+    positions = torch.randint(0, 8192, (t,), device="cuda")
+    want_cache = cache.clone()
+    want = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots)
+    got = rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots)
+    assert torch.equal(got, want) and torch.equal(cache, want_cache)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots)
+    qkv.copy_(randn(t, qkv.shape[1], dtype=BF16, seed=38))
+    want_cache = cache.clone()
+    want = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed, want) and torch.equal(cache, want_cache)
 
 
 @pytest.mark.gpu

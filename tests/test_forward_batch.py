@@ -298,3 +298,24 @@ def test_torch_ref_padded_path_equals_per_row_path():
         for row in plan.rows:
             if row.samples:
                 row.request.output_token_ids.append(5)
+
+
+def test_attention_with_rotary_rotates_then_stores_and_attends():
+    """batch.attention(..., rotary=) equals rotating q and k first and attending without it: the same cache
+    written, the same output."""
+    from plait.layers.rotary import RotaryEmbedding
+
+    torch.manual_seed(1)
+    sched = Scheduler(EngineConfig(max_num_batched_tokens=16, block_size=BS), KVCacheManager(16, BS))
+    for i, n in enumerate([7, 3]):
+        sched.add(make_request(f"p{i}", list(range(3, 3 + n))))
+    batch = build_forward_batch(sched.schedule(), BS, CPU)
+    rope = RotaryEmbedding(HD, 32, 10000.0)
+    q, k, v = (torch.randn(batch.num_tokens, h, HD) for h in (HQ, HKV, HKV))
+    batch.attn_backend = get_backend("torch_ref")
+    batch.kv_caches = [torch.zeros(2, 16, BS, HKV, HD), torch.zeros(2, 16, BS, HKV, HD)]
+    fused = batch.attention(0, q, k, v, 0.3, rotary=rope)
+    q_rot, k_rot = rope(batch.positions, q, k)
+    apart = batch.attention(1, q_rot, k_rot, v, 0.3)
+    assert torch.equal(batch.kv_caches[0], batch.kv_caches[1])
+    assert torch.equal(fused, apart)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 if TYPE_CHECKING:
     from plait.runner.forward_batch import ForwardBatch
+
+# (positions [T], q [T, Hq, D], k [T, Hkv, D]) -> rotated (q, k): plait.layers.rotary.RotaryEmbedding and kin.
+Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 class AttentionBackend(ABC):
@@ -28,6 +32,17 @@ class AttentionBackend(ABC):
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> None:
         """Write k, v ([T, Hkv, D]) at ``batch.slot_mapping``."""
+
+    def rotate_and_store(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
+        rotary: Rotary,
+    ) -> torch.Tensor:
+        """Rotate q and k at ``batch.positions``, store the rotated k and v as ``store_kv`` does, and return
+        the rotated q. A backend may fuse this where ``rotary`` has a ``cos_sin`` table (RotaryEmbedding's:
+        [max_positions, R] fp32, cos then sin, the neox rotation of each head's first R channels)."""
+        q, k = rotary(batch.positions, q, k)
+        self.store_kv(k, v, kv_cache, batch)
+        return q
 
     @abstractmethod
     def attend(

@@ -27,15 +27,20 @@ def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 @triton.jit
+def rotate_halves(x1, x2, cos, sin):
+    """x1, x2: [heads, D/2] fp32 halves; cos, sin: [D/2]. _rotate_ref's arithmetic: products and
+    differences rounded one by one as torch does, so launches must turn off FMA contraction."""
+    return x1 * cos[None, :] - x2 * sin[None, :], x2 * cos[None, :] + x1 * sin[None, :]
+
+
+@triton.jit
 def _rotate_heads(src_ptr, dst_ptr, tok, heads, n_heads, s_tok, s_head, so_tok, so_head, cos, sin,
                   d, d_mask, HALF: tl.constexpr):
     mask = (heads < n_heads)[:, None] & d_mask[None, :]
     src = src_ptr + tok * s_tok + heads[:, None] * s_head + d[None, :]
     x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
-    # Products and differences rounded one by one as torch does (the launch turns off FMA contraction).
-    out1 = x1 * cos[None, :] - x2 * sin[None, :]
-    out2 = x2 * cos[None, :] + x1 * sin[None, :]
+    out1, out2 = rotate_halves(x1, x2, cos, sin)
     dst = dst_ptr + tok * so_tok + heads[:, None] * so_head + d[None, :]
     tl.store(dst, out1.to(dst_ptr.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, out2.to(dst_ptr.dtype.element_ty), mask=mask)

@@ -45,7 +45,7 @@ def store_kv(
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
-    _check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    check_store_args(k, v, k_cache, v_cache, slot_mapping)
     _store_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -57,9 +57,10 @@ def store_kv(
     )
 
 
-def _check_store_args(
+def check_store_args(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
+    """Raise ValueError unless k, v, the caches and slot_mapping have the shapes and layout store_kv takes."""
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or k_cache.shape != v_cache.shape:
         raise ValueError(f"shape mismatch: k {tuple(k.shape)}, v {tuple(v.shape)}, "
                          f"cache {tuple(k_cache.shape)}")

@@ -36,13 +36,17 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """Applies rotary embeddings to q and k at arbitrary (per-token) positions."""
+    """Applies rotary embeddings to q and k at arbitrary (per-token) positions.
+
+    ``cos_sin`` is the whole rotation: an attention backend that fuses the rotation into its KV store
+    (AttentionBackend.rotate_and_store) reads this table instead of calling forward.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         inv_freq = _inv_freq(head_dim, theta, scaling)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        # cos_sin: [max_positions, head_dim]; first half cos, second half sin (of the half-dim freqs).
+        # cos_sin: [max_positions, head_dim] fp32; first half cos, second half sin (of the half-dim freqs).
         # A plain attribute, not a buffer, so casting the model to bf16 leaves it fp32; it is made on
         # the device the model is constructed under (``with torch.device(...)``).
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)

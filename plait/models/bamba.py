@@ -56,6 +56,12 @@ class PartialRotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.rotary = RotaryEmbedding(rotary_dim, max_positions, theta, scaling)
 
+    @property
+    def cos_sin(self) -> torch.Tensor:
+        """[max_positions, rotary_dim] fp32: narrower than the head, so a fused kernel (the attention
+        backend's rotate_and_store) rotates the first rotary_dim channels and copies the rest, as here."""
+        return self.rotary.cos_sin
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D]; k: [T, Hkv, D]

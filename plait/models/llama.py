@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.attention.base import Rotary
 from plait.config import ModelConfig
 from plait.layers.activation import act_and_mul, get_activation
 from plait.layers.linear import Linear
@@ -33,7 +34,7 @@ class Attention(nn.Module):
         self.sliding_window = cfg.sliding_window
         self.scale = self.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, rotary: RotaryEmbedding, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, hidden]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
@@ -41,8 +42,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(batch.positions, q, k)
-        out = batch.attention(self.layer_idx, q, k, v, self.scale, self.sliding_window)
+        # The backend rotates q and k with the KV store: one kernel for both on the GPU.
+        out = batch.attention(self.layer_idx, q, k, v, self.scale, self.sliding_window, rotary=rotary)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 

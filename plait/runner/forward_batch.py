@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from plait.attention.base import AttentionBackend
+from plait.attention.base import AttentionBackend, Rotary
 from plait.engine.kv_cache import PAD_BLOCK_ID
 from plait.engine.scheduler import StepPlan
 
@@ -189,10 +189,16 @@ class ForwardBatch:
         v: torch.Tensor,
         scale: float,
         sliding_window: int | None = None,
+        rotary: Rotary | None = None,
     ) -> torch.Tensor:
-        """Store this step's k, v for layer ``layer_idx`` and attend with q over the paged cache."""
+        """Store this step's k, v for layer ``layer_idx`` and attend with q over the paged cache. With
+        ``rotary``, q and k are rotated at ``self.positions`` first, by the backend (which may fuse the
+        rotation with the store)."""
         cache = self.kv_caches[layer_idx]
-        self.attn_backend.store_kv(k, v, cache, self)
+        if rotary is None:
+            self.attn_backend.store_kv(k, v, cache, self)
+        else:
+            q = self.attn_backend.rotate_and_store(q, k, v, cache, self, rotary)
         return self.attn_backend.attend(q, cache, self, scale, sliding_window)
 
 

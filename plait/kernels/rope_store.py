@@ -1,0 +1,138 @@
+"""Rotary of q and k fused with the paged-cache store of k and v in one Triton launch; the torch reference."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from plait.kernels.pdl import pdl_args, pdl_prologue
+from plait.kernels.rotary import HEADS_PER_PROGRAM, rotary_ref, rotate_halves
+from plait.kernels.store_kv import check_store_args, store_kv_ref
+
+# Warps per program, as the rotary and store_kv launches this replaces use.
+NUM_WARPS = 4
+
+
+def rope_store_kv_ref(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """rotary_ref then store_kv_ref; returns the rotated q. A cos_sin table narrower than the head rotates
+    only the leading channels and passes the rest through (plait.models.bamba.PartialRotaryEmbedding)."""
+    r = cos_sin.shape[1]
+    q_rot, k_rot = rotary_ref(positions, q[..., :r], k[..., :r], cos_sin)
+    if r < q.shape[-1]:
+        q_rot, k_rot = torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+    store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping)
+    return q_rot
+
+
+@triton.jit
+def _rotate_rows(src, dst, heads, n_heads, s_head, so_head, cos, sin, d, d_mask,
+                 HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr):
+    # src, dst: one token's row of heads (dst may be a cache slot); heads: [BLOCK_H] head indices.
+    head_mask = (heads < n_heads)[:, None]
+    mask = head_mask & d_mask[None, :]
+    src_rows = src + heads[:, None] * s_head
+    dst_rows = dst + heads[:, None] * so_head
+    x1 = tl.load(src_rows + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_rows + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    out1, out2 = rotate_halves(x1, x2, cos, sin)
+    # Rounded to the input's dtype first, then to the destination's: the reference rotates into q/k's dtype
+    # and store_kv casts that to the cache's (both no-ops when the dtypes agree).
+    out1 = out1.to(src.dtype.element_ty).to(dst.dtype.element_ty)
+    out2 = out2.to(src.dtype.element_ty).to(dst.dtype.element_ty)
+    tl.store(dst_rows + d[None, :], out1, mask=mask)
+    tl.store(dst_rows + HALF + d[None, :], out2, mask=mask)
+    if PASS > 0:  # channels past the rotary dim are copied unchanged
+        p = tl.arange(0, BLOCK_PASS)
+        p_mask = head_mask & (p < PASS)[None, :]
+        x = tl.load(src_rows + 2 * HALF + p[None, :], mask=p_mask)
+        tl.store(dst_rows + 2 * HALF + p[None, :], x.to(dst.dtype.element_ty), mask=p_mask)
+
+
+@triton.jit
+def _rope_store_kernel(
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cs_ptr,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h,
+    skc_block, skc_pos, skc_head, svc_block, svc_pos, svc_head, s_cs,
+    HQ, HKV, q_blocks,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PDL: tl.constexpr,
+):
+    # Program (token, head block): the first q_blocks blocks rotate q heads into q_out; each later one
+    # rotates a block of k heads into the token's cache slot and copies the same v heads beside them.
+    pdl_prologue(PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK_HALF)
+    d_mask = d < HALF
+    cos = tl.load(cs_ptr + pos * s_cs + d, mask=d_mask, other=0.0)
+    sin = tl.load(cs_ptr + pos * s_cs + HALF + d, mask=d_mask, other=0.0)
+    if hb < q_blocks:
+        heads = hb * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
+        _rotate_rows(q_ptr + tok * sq_t, q_out_ptr + tok * sqo_t, heads, HQ, sq_h, sqo_h, cos, sin, d, d_mask,
+                     HALF, PASS, BLOCK_PASS)
+    else:
+        slot = tl.load(slot_ptr + tok)
+        block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+        heads = (hb - q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)
+        k_dst = k_cache_ptr + block * skc_block + offset * skc_pos
+        _rotate_rows(k_ptr + tok * sk_t, k_dst, heads, HKV, sk_h, skc_head, cos, sin, d, d_mask,
+                     HALF, PASS, BLOCK_PASS)
+        dims = tl.arange(0, BLOCK_D)[None, :]
+        mask = (heads < HKV)[:, None] & (dims < HEAD_DIM)
+        v = tl.load(v_ptr + tok * sv_t + heads[:, None] * sv_h + dims, mask=mask)
+        v_dst = v_cache_ptr + block * svc_block + offset * svc_pos + heads[:, None] * svc_head + dims
+        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_store_kv(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """apply_rotary + store_kv in one launch; returns the rotated q (a new tensor). Equals rope_store_kv_ref.
+
+    Token ``t``'s q and k heads are rotated at ``positions[t]`` (neox layout, fp32 math); its rotated k and
+    its v land at cache slot ``slot_mapping[t]`` (block * block_size + offset), cast to the cache dtype.
+    cos_sin: [max_positions, R] fp32, cos then sin; R < D rotates the first R channels of each head and
+    copies the rest. positions index it unchecked (no host sync): callers keep them below max_positions.
+    q, k, v may be strided views (a fused qkv output's slices) and the caches any strides, as store_kv
+    takes them, if their last dim is contiguous.
+    """
+    # positions, slot_mapping: [T]; q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [num_blocks, block_size, Hkv, D]
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    rot = cos_sin.shape[1]
+    if rot % 2 or not 0 < rot <= d or q.shape[::2] != k.shape[::2]:
+        raise ValueError(f"rotary dim {rot} does not fit q {tuple(q.shape)} and k {tuple(k.shape)}")
+    check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    cos_sin, positions = cos_sin.contiguous(), positions.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if t == 0:
+        return q_out
+    # Heads per program as apply_rotary: a batch-1 Llama-8B decode token is two q programs of 16 heads
+    # and one of its 8 k + 8 v heads, so every program moves about the same bytes.
+    block_hq = min(HEADS_PER_PROGRAM, triton.next_power_of_2(hq))
+    block_hkv = min(HEADS_PER_PROGRAM, triton.next_power_of_2(hkv))
+    q_blocks = triton.cdiv(hq, block_hq)
+    grid = (t, q_blocks + triton.cdiv(hkv, block_hkv))
+    half, passed = rot // 2, d - rot
+    _rope_store_kernel[grid](
+        q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q_out.stride(0), q_out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), cos_sin.stride(0),
+        hq, hkv, q_blocks,
+        BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, HALF=half, PASS=passed,
+        BLOCK_HALF=triton.next_power_of_2(half), BLOCK_PASS=triton.next_power_of_2(max(passed, 1)),
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv,
+        num_warps=NUM_WARPS, enable_fp_fusion=False, **pdl_args(q),
+    )
+    return q_out
