@@ -25,6 +25,8 @@ from plait.kernels.paged_attention import (  # noqa: E402
     paged_attention,
     paged_attention_ref,
     plan_paged_attention,
+    precise_pv_enabled,
+    set_precise_pv,
 )
 from plait.runner.forward_batch import build_forward_batch  # noqa: E402
 from plait.sampling_params import SamplingParams  # noqa: E402
@@ -87,9 +89,9 @@ def make_batch(specs, block_size: int, num_heads: int, num_kv_heads: int, head_d
 
 def run_kernel(b: PagedBatch, scale: float, window: int = 0, num_kv_splits: int | None = None,
                tile_n: int | None = None, block_m: int | None = None, query_len_slack: int = 0,
-               seq_len_slack: int = 0):
+               seq_len_slack: int = 0, out_dtype: torch.dtype | None = None):
     """paged_attention on the poisoned cache into NaN-filled out / lse, with upper-bound maxima."""
-    out = torch.full_like(b.q, float("nan"))
+    out = torch.full_like(b.q, float("nan"), dtype=out_dtype or b.q.dtype)
     lse = torch.full(b.q.shape[:2], float("nan"), device=b.q.device)
     max_q, max_s = b.max_query_len + query_len_slack, b.max_seq_len + seq_len_slack
     (num_tokens, num_heads, head_dim), num_rows = b.q.shape, b.seq_lens.shape[0]
@@ -177,6 +179,42 @@ def test_split_kv_matches_torch_ref(dtype, heads, splits, window):
     out, lse, plan = run_kernel(b, 0.3, window, num_kv_splits=splits, tile_n=16, seq_len_slack=100)
     assert plan.config.num_splits == splits and plan.split_out.shape == (b.q.shape[0], heads[0], splits, 32)
     assert_matches(out, lse, *reference(b, 0.3, window), ATOL[dtype])
+
+
+@pytest.fixture
+def precise_pv_switch():
+    """set_precise_pv for one test; the module's setting is restored after it."""
+    before = precise_pv_enabled()
+    yield set_precise_pv
+    set_precise_pv(before)
+
+
+def unrounded_reference(b: PagedBatch, scale: float, window: int = 0) -> torch.Tensor:
+    """torch_ref's fp32 output before any rounding to the inputs' dtype."""
+    return paged_attention_ref(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.query_start_loc,
+                               b.seq_lens, b.block_tables, scale, window)[0]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_precise_pv_tracks_fp32_reference(precise_pv_switch, splits):
+    """fp16 inputs, fp32 out (the kernel's result before its final rounding): with P split into two fp16
+    terms the error is fp32 summation noise (~1e-7 here); P rounded once to fp16 costs ~3e-5 on average.
+    The bounds leave ~10x margin on both sides."""
+    specs = MIXED if splits == 1 else DECODES
+    b = make_batch(specs, 4, 4, 2, 32, torch.float16, CPU, seed=splits)
+    ref = unrounded_reference(b, 0.3)
+    errors, agree = {}, {}
+    for precise in (True, False):
+        precise_pv_switch(precise)
+        out, _, plan = run_kernel(b, 0.3, num_kv_splits=splits, tile_n=16, block_m=16,
+                                  out_dtype=torch.float32)
+        assert plan.config.num_splits == splits
+        errors[precise] = (out - ref).abs()
+        agree[precise] = (out.half() == ref.half()).float().mean()
+    assert errors[True].max() < 1e-5
+    assert errors[False].mean() > 10 * errors[True].mean()
+    # Rounded to fp16, the precise output is the reference's rounding almost everywhere.
+    assert agree[True] > 0.98 and agree[False] < 0.95
 
 
 def test_split_kv_is_refused_for_prefill_batches():
@@ -379,3 +417,20 @@ def test_gpu_cuda_graph_replay_with_new_metadata(dtype, splits):
         graph.replay()
         torch.cuda.synchronize()
         assert_matches(out, lse, *reference(b, d**-0.5), atol=GPU_ATOL, rtol=GPU_RTOL)
+
+
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
+@gpu
+def test_gpu_precise_pv_tracks_fp32_reference(precise_pv_switch, decode_only):
+    """bf16 inputs, fp32 out: P in two bf16 terms cuts the error against torch_ref's fp32 math by far
+    more than the 8x asserted (P rounded once to bf16 has 8 mantissa bits, the pair ~16)."""
+    rng = random.Random(7)
+    specs = _random_specs(rng, 8, 4096, decode_only)
+    b = make_batch(specs, 16, 32, 8, 128, torch.bfloat16, torch.device("cuda"), seed=7)
+    ref = unrounded_reference(b, 128**-0.5)
+    errors = {}
+    for precise in (True, False):
+        precise_pv_switch(precise)
+        out, _, _ = run_kernel(b, 128**-0.5, out_dtype=torch.float32)
+        errors[precise] = (out - ref).abs().mean().item()
+    assert errors[False] > 8 * errors[True], errors

@@ -19,13 +19,16 @@ Two paths, chosen on the host from host ints only (CUDA-graph safe, no device sy
   kernel combines the splits (an empty split has LSE -inf and contributes nothing).
 
 Scores are kept in the log2 domain (log2(e) folded into the scale, exp2 throughout); LSEs returned to
-callers are natural logs.
+callers are natural logs. With 16-bit inputs P.V is computed as two 16-bit dots (P = P_hi + P_lo), so P
+carries ~16 mantissa bits instead of bf16's 8 (``PLAIT_ATTN_PRECISE_PV=0``: P rounded once, as flash
+attention does).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +72,24 @@ MAX_KV_SPLITS = 64
 CPU_NUM_SMS = 8
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+# P.V with P split into two 16-bit terms for 16-bit inputs. Rounding P to bf16 once (8 mantissa bits) is
+# the largest error beside torch_ref's fp32 math (QK^T of bf16 inputs is exact in fp32): greedy bf16
+# decoding of a random model forked from torch_ref on 16-39% of prompts, always at near-tied logits.
+# PLAIT_ATTN_PRECISE_PV=0 turns it off (A/B of cost and agreement).
+PRECISE_PV_ENV = "PLAIT_ATTN_PRECISE_PV"
+_precise_pv = os.environ.get(PRECISE_PV_ENV, "1") != "0"
+
+
+def set_precise_pv(enabled: bool) -> None:
+    """Turn the two-term P.V of 16-bit inputs on or off for later launches (tests, benchmarks)."""
+    global _precise_pv
+    _precise_pv = enabled
+
+
+def precise_pv_enabled() -> bool:
+    """Whether 16-bit launches split P into two terms (PLAIT_ATTN_PRECISE_PV, or the last set_precise_pv)."""
+    return _precise_pv
 
 
 @dataclass(frozen=True)
@@ -207,7 +228,7 @@ def _attend_tile(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
     tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One online-softmax step of q ([BLOCK_M, D]) over K/V tile ``tile`` of one row and kv head.
 
@@ -251,7 +272,13 @@ def _attend_tile(
         v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None]
+    p_hi = p.to(v.dtype)
+    if PRECISE_PV:
+        # What rounding p to 16 bits lost, itself in 16 bits: p_hi + p_lo holds ~16 mantissa bits.
+        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        acc = tl.dot(p_lo, v, acc, input_precision=DOT_PRECISION)
+    acc = tl.dot(p_hi, v, acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -260,7 +287,7 @@ def _attend_tiles(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
     tile_lo, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
 ):
     """Online softmax over K/V tiles [tile_lo, tile_hi), carrying (acc [BLOCK_M, D], m, l [BLOCK_M]):
     unnormalised, log2 domain. A query that saw no key keeps m = -inf, l = 0, acc = 0."""
@@ -272,14 +299,14 @@ def _attend_tiles(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
                 qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, MASKED)
+                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, MASKED)
             tile += 1
     else:
         for tile in range(tile_lo, tile_hi):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
                 qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, MASKED)
+                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, MASKED)
     return acc, m_i, l_i
 
 
@@ -289,7 +316,8 @@ def _attend_range(
     tile_lo, tile_hi, first_q_pos,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """Attend q over K/V tiles [tile_lo, tile_hi): tiles wholly at or before ``first_q_pos`` (the first
     query of the tile) skip the masks; the rest, and every tile under a sliding window, are masked."""
@@ -302,11 +330,11 @@ def _attend_range(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
             qk_scale, tile_lo, mid, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, False)
+            BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED, False)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
         qk_scale, mid, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, True)
+        BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED, True)
     return acc, m_i, l_i
 
 
@@ -318,7 +346,8 @@ def _paged_attention_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, STORE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr,
+    HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (T // BLOCK_Q + R, Hkv), or (Hkv, T // BLOCK_Q + R) with HEADS_FASTEST: one query tile of one
     row, all GROUP query heads of one kv head."""
@@ -359,7 +388,7 @@ def _paged_attention_kernel(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
         q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi, context_len + q_tile * BLOCK_Q,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED)
+        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED)
 
     # A query that saw no key: zeros and lse -inf, never 0/0.
     seen = l_i > 0
@@ -379,7 +408,7 @@ def _split_kv_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
     num_splits, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (R, Hkv, num_splits): one decode token's GROUP heads over one split of the row's KV range.
 
@@ -418,7 +447,7 @@ def _split_kv_kernel(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
         q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi, seq_len - 1,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED)
+        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED)
 
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -469,7 +498,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of every query token of a mixed batch over its row's paged K/V; writes and returns out.
 
-    q, out: [T, Hq, D] (last dim contiguous); k_cache, v_cache: [num_blocks, block_size, Hkv, D];
+    q, out: [T, Hq, D] (last dim contiguous; out in q's dtype, or fp32 to keep the result unrounded);
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D];
     query_start_loc: [R + 1] int32; seq_lens: [R] int32 (cached context + this step's tokens);
     block_tables: [R, max_blocks] int32; max_query_len / max_seq_len: host-side upper bounds;
     sliding_window: 0 for none, else key p is visible to query position i iff i - W < p <= i;
@@ -492,6 +522,7 @@ def paged_attention(
         BLOCK_SIZE=k_cache.shape[1], SLIDING_WINDOW=sliding_window,
         # fp32 (tests, debugging) must not silently drop to tf32; 16-bit inputs keep Triton's default.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        PRECISE_PV=_precise_pv and q.dtype != torch.float32,
         INTERPRETED=bool(triton.knobs.runtime.interpret),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q),
     )
