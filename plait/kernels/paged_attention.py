@@ -1,4 +1,4 @@
-"""paged_attention: one Triton launch for a whole mixed batch (prefill chunks + decodes) over paged KV.
+"""paged_attention: one Triton kernel for a whole mixed batch (prefill chunks + decodes) over paged KV.
 
 Layout. q, out: [T, Hq, D] (row r's tokens are ``query_start_loc[r]:query_start_loc[r + 1]``);
 k_cache, v_cache: [num_blocks, block_size, Hkv, D]; key position ``p`` of row r lives in block
@@ -6,17 +6,17 @@ k_cache, v_cache: [num_blocks, block_size, Hkv, D]; key position ``p`` of row r 
 ``context_len + i`` (``context_len = seq_len - query_len``) and sees keys at positions ``<= its own``
 (and, with a sliding window W > 0, ``> its own - W``).
 
-Two paths, chosen on the host from host ints only (CUDA-graph safe, no device sync):
+One kernel, its launch shape chosen on the host from host ints only (CUDA-graph safe, no device sync):
 
-- the unified kernel: a 2-D grid (query tile, kv head). A query tile packs ``BLOCK_Q`` tokens of one
-  row times the ``GROUP`` query heads sharing a kv head into ``BLOCK_M = BLOCK_Q * GROUP`` (padded)
-  rows, so each K/V tile is read once per group; its row is found by binary search over
-  ``query_start_loc``. K/V are walked in tiles of ``TILE_N`` positions, independent of block_size:
-  the block id is gathered per key position.
-- split-KV (flash-decoding), for decode-only batches (max_query_len == 1) too small to fill the GPU:
-  a 3-D grid (row, kv head, split); each split takes its balanced share of the row's KV tiles, computed
-  on the device from the row's seq_len, writes a partial output + LSE to fp32 scratch, and a reduce
-  kernel combines the splits (an empty split has LSE -inf and contributes nothing).
+- a 2-D grid (query tile, kv head). A query tile packs ``BLOCK_Q`` tokens of one row times the ``GROUP``
+  query heads sharing a kv head into ``BLOCK_M = BLOCK_Q * GROUP`` (padded) rows, so each K/V tile is
+  read once per group; its row is found by binary search over ``query_start_loc``. K/V are walked in
+  tiles of ``TILE_N`` positions, independent of block_size: the block id is gathered per key position.
+- split-KV (flash-decoding), for launches with too few query tiles to fill the GPU (small decode
+  batches, a prompt chunk of a few hundred tokens over a long context): a third grid dimension cuts each
+  query tile's visible K/V tiles into splits, balanced on the device from the row's seq_len (at most
+  ``num_splits``, at least ``MIN_SPLIT_TILES`` tiles each); each split writes a partial output + LSE to
+  fp32 scratch, and a reduce kernel combines them (an empty split has LSE -inf and contributes nothing).
 
 Scores are kept in the log2 domain (log2(e) folded into the scale, exp2 throughout); LSEs returned to
 callers are natural logs. With 16-bit inputs P.V is computed as two 16-bit dots (P = P_hi + P_lo), so P
@@ -63,11 +63,20 @@ SPLIT_NUM_STAGES = 3
 # fp32 (interpreter tests, GPU debugging) doubles the bytes per tile: keep tiles small and unpipelined.
 FP32_MAX_BLOCK_M = 64
 FP32_MAX_TILE_N = 32
-# Split-KV: split until about this many programs per multiprocessor are in flight ...
+# Split-KV of decode-only batches: split until about this many programs per multiprocessor are in flight ...
 SPLIT_TARGET_PROGRAMS_PER_SM = 4
 # ... but give every split at least this many key positions, and never more than this many splits.
 MIN_KEYS_PER_SPLIT = 64  # one decode tile: small batches are latency-bound, so spread wide
 MAX_KV_SPLITS = 64
+# Split-KV of prefill-carrying batches. A prefill program (BLOCK_M 128, 8 warps) fills a multiprocessor's
+# registers, so about one runs per SM at a time: the split count is the most that keeps the programs
+# within this many per SM (whole waves; a third, part-filled wave would cost as much as a full one) ...
+PREFILL_SPLIT_PROGRAMS_PER_SM = 2
+# ... with every split at least this many K/V tiles (checked on the device against each query tile's
+# real range, so a graph captured for max_model_len does not split short contexts), ...
+PREFILL_MIN_SPLIT_TILES = 4
+# ... and the fp32 partials (T x Hq x splits x (D + 1) x 4 bytes) within this much memory.
+MAX_SPLIT_SCRATCH_BYTES = 64 << 20
 # Multiprocessor count assumed where there is no CUDA device (the Triton interpreter on CPU).
 CPU_NUM_SMS = 8
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
@@ -101,10 +110,12 @@ class LaunchConfig:
     tile_n: int  # key positions per K/V tile
     num_warps: int
     num_stages: int
-    num_splits: int  # 1: the unified kernel; > 1: split-KV (decode-only batches)
+    num_splits: int  # 1: each program walks its query tile's whole key range; > 1: split-KV
     # Launch order of the unified kernel: a row's kv heads one after another (their K/V rows lie side by
     # side in each cache block), rather than one kv head's rows one after another.
     heads_fastest: bool = False
+    # Split-KV: a query tile's key range is cut into at most num_splits parts of at least this many tiles.
+    min_split_tiles: int = 1
 
 
 @dataclass
@@ -123,13 +134,27 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int) -> int:
-    """Splits per row for a decode-only batch: enough programs to fill the GPU, none shorter than
-    MIN_KEYS_PER_SPLIT keys at the longest row. Host ints only, so a captured graph stays valid."""
-    programs = max(num_rows * num_kv_heads, 1)
-    wanted = triton.cdiv(SPLIT_TARGET_PROGRAMS_PER_SM * num_sms, programs)
-    useful = triton.cdiv(max_seq_len, max(MIN_KEYS_PER_SPLIT, tile_n))
-    return max(1, min(wanted, useful, MAX_KV_SPLITS))
+def choose_num_splits(
+    num_rows: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int, *, num_tokens: int = 0,
+    max_query_len: int = 1, block_q: int = 1, scratch_bytes_per_split: int = 0,
+) -> int:
+    """Splits of each query tile's key range: enough programs to fill the GPU, none shorter than a few
+    keys at the longest row. Host ints only (max_seq_len may be an upper bound), so a captured graph
+    stays valid.
+
+    Decode-only batches (max_query_len <= 1) count one program per row and kv head. Prefill-carrying
+    batches count the fewest query tiles ``num_tokens`` can fill (``block_q`` tokens each: a graph's
+    padded rows hold no tokens), and keep the partials within MAX_SPLIT_SCRATCH_BYTES."""
+    if max_query_len <= 1:
+        programs = max(num_rows * num_kv_heads, 1)
+        wanted = triton.cdiv(SPLIT_TARGET_PROGRAMS_PER_SM * num_sms, programs)
+        useful = triton.cdiv(max_seq_len, max(MIN_KEYS_PER_SPLIT, tile_n))
+        return max(1, min(wanted, useful, MAX_KV_SPLITS))
+    programs = max(triton.cdiv(num_tokens, block_q) * num_kv_heads, 1)
+    wanted = PREFILL_SPLIT_PROGRAMS_PER_SM * num_sms // programs
+    useful = triton.cdiv(triton.cdiv(max_seq_len, tile_n), PREFILL_MIN_SPLIT_TILES)
+    affordable = MAX_SPLIT_SCRATCH_BYTES // max(scratch_bytes_per_split, 1)
+    return max(1, min(wanted, useful, affordable, MAX_KV_SPLITS))
 
 
 def _default_tiles(
@@ -155,10 +180,11 @@ def _default_tiles(
 def launch_config(
     head_dim: int, group: int, dtype: torch.dtype, max_query_len: int, num_rows: int, num_kv_heads: int,
     max_seq_len: int, num_sms: int, num_kv_splits: int | None = None, tile_n: int | None = None,
-    block_m: int | None = None,
+    block_m: int | None = None, num_tokens: int | None = None,
 ) -> LaunchConfig:
-    """The heuristic tiles, with overrides: ``num_kv_splits`` (1: split-KV off; > 1: forced, decode-only),
-    ``tile_n`` and ``block_m`` (powers of two; tests use small ones to cross many tiles cheaply)."""
+    """The heuristic tiles, with overrides: ``num_kv_splits`` (1: split-KV off; > 1: forced, down to one
+    K/V tile per split), ``tile_n`` and ``block_m`` (powers of two; tests use small ones to cross many
+    tiles cheaply). ``num_tokens`` (default: one per row) sizes prefill splits and their scratch."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} not supported; one of {SUPPORTED_HEAD_DIMS}")
     default_m, default_n, warps, stages = _default_tiles(head_dim, group, dtype, max_query_len)
@@ -167,16 +193,23 @@ def launch_config(
     if not pow2 or block_m < max(MIN_DOT, group) or tile_n < MIN_DOT:
         raise ValueError(f"block_m {block_m} / tile_n {tile_n}: powers of two >= {MIN_DOT} and the group")
     is_decode = max_query_len <= 1
-    if num_kv_splits is None and is_decode:
-        num_kv_splits = choose_num_splits(num_rows, num_kv_heads, max_seq_len, tile_n, num_sms)
-    num_kv_splits = num_kv_splits or 1
-    if num_kv_splits > 1 and not is_decode:
-        raise ValueError("split-KV serves decode-only batches (max_query_len == 1)")
-    if num_kv_splits > 1 and dtype != torch.float32:
+    block_q = block_m // group
+    num_tokens = num_rows if num_tokens is None else num_tokens
+    min_split_tiles = 1
+    if num_kv_splits is None:
+        num_heads = group * num_kv_heads
+        num_kv_splits = choose_num_splits(
+            num_rows, num_kv_heads, max_seq_len, tile_n, num_sms, num_tokens=num_tokens,
+            max_query_len=max_query_len, block_q=block_q,
+            scratch_bytes_per_split=num_tokens * num_heads * (head_dim + 1) * torch.float32.itemsize)
+        min_split_tiles = (triton.cdiv(MIN_KEYS_PER_SPLIT, tile_n) if is_decode
+                           else PREFILL_MIN_SPLIT_TILES)
+    num_kv_splits = max(1, num_kv_splits)
+    if num_kv_splits > 1 and is_decode and dtype != torch.float32:
         stages = SPLIT_NUM_STAGES
-    return LaunchConfig(block_m=block_m, block_q=block_m // group, tile_n=tile_n, num_warps=warps,
-                        num_stages=stages, num_splits=max(1, num_kv_splits),
-                        heads_fastest=is_decode and DECODE_HEADS_FASTEST)
+    return LaunchConfig(block_m=block_m, block_q=block_q, tile_n=tile_n, num_warps=warps,
+                        num_stages=stages, num_splits=num_kv_splits,
+                        heads_fastest=is_decode and DECODE_HEADS_FASTEST, min_split_tiles=min_split_tiles)
 
 
 def plan_paged_attention(
@@ -186,7 +219,7 @@ def plan_paged_attention(
 ) -> PagedAttentionPlan:
     """The launch config and split-KV scratch for a step; shapes come from host ints only."""
     config = launch_config(head_dim, num_heads // num_kv_heads, dtype, max_query_len, num_rows, num_kv_heads,
-                           max_seq_len, _num_sms(device), num_kv_splits, tile_n, block_m)
+                           max_seq_len, _num_sms(device), num_kv_splits, tile_n, block_m, num_tokens)
     plan = PagedAttentionPlan(config)
     if config.num_splits > 1:
         shape = (num_tokens, num_heads, config.num_splits)
@@ -338,19 +371,25 @@ def _attend_range(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_rows", "stride_bt"], do_not_specialize_on_alignment=_SLICED_ROW_ARRAYS)
+@triton.jit(do_not_specialize=["num_rows", "stride_bt", *_SPLIT_ARGS],
+            do_not_specialize_on_alignment=_SLICED_ROW_ARRAYS)
 def _paged_attention_kernel(
-    out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_rows,
+    out_ptr, lse_ptr, split_out_ptr, split_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr,
+    seq_lens_ptr, block_tables_ptr, qk_scale, num_rows,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_t,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_so_t, stride_so_h, stride_sl_t, stride_sl_h,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, num_splits,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, STORE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr,
-    HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid (T // BLOCK_Q + R, Hkv), or (Hkv, T // BLOCK_Q + R) with HEADS_FASTEST: one query tile of one
-    row, all GROUP query heads of one kv head."""
+    """Grid (T // BLOCK_Q + R, Hkv[, num_splits]), or (Hkv, T // BLOCK_Q + R[, num_splits]) with
+    HEADS_FASTEST: one query tile of one row, all GROUP query heads of one kv head, and with SPLIT_KV
+    one split of the keys that tile sees.
+
+    With SPLIT_KV every split of a query tile writes its partial (zeros, lse -inf when it got no K/V
+    tile), so the reduce never reads unwritten scratch."""
     pdl_prologue(PDL)
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -383,6 +422,15 @@ def _paged_attention_kernel(
     tile_lo = 0
     if SLIDING_WINDOW > 0:
         tile_lo = tl.maximum(context_len + q_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0) // TILE_N
+    if SPLIT_KV:
+        # Balanced on the device: split s takes its share of those tiles, at least MIN_SPLIT_TILES of
+        # them (num_splits is a host-side bound, possibly from max_model_len).
+        split = tl.program_id(2)
+        num_kv_tiles = tile_hi - tile_lo
+        used_splits = tl.maximum(tl.minimum(tl.cdiv(num_kv_tiles, MIN_SPLIT_TILES), num_splits), 1)
+        per_split = tl.cdiv(num_kv_tiles, used_splits)
+        tile_lo = tile_lo + split * per_split
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
     acc, m_i, l_i = _attend_range(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
@@ -393,68 +441,16 @@ def _paged_attention_kernel(
     # A query that saw no key: zeros and lse -inf, never 0/0.
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=q_ok[:, None])
-    if STORE_LSE:
-        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
-        tl.store(lse_ptr + token * stride_lse_t + head, lse, mask=q_ok)
-
-
-@triton.jit(do_not_specialize=["stride_bt", *_SPLIT_ARGS], do_not_specialize_on_alignment=_SLICED_ROW_ARRAYS)
-def _split_kv_kernel(
-    split_out_ptr, split_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr,
-    block_tables_ptr, qk_scale,
-    stride_qt, stride_qh, stride_so_t, stride_so_h, stride_sl_t, stride_sl_h,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    num_splits, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr,
-):
-    """Grid (R, Hkv, num_splits): one decode token's GROUP heads over one split of the row's KV range.
-
-    Every split of a row with a token writes its partial (zeros, lse -inf when it got no tile), so the
-    reduce never reads unwritten scratch."""
-    pdl_prologue(PDL)
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + row)
-    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
-    if q_len == 0:
-        return
-    seq_len = tl.load(seq_lens_ptr + row)
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    head = kv_head * GROUP + offs_m
-    q_ok = offs_m < GROUP
-    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
-    token = q_start.to(tl.int64)
-    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=q_ok[:, None], other=0.0)
-
-    # Balanced on the device: split s takes its share of the tiles this row's query can see.
-    key_lo = 0
-    if SLIDING_WINDOW > 0:
-        key_lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
-    first_tile = key_lo // TILE_N
-    end_tile = tl.cdiv(seq_len, TILE_N)
-    per_split = tl.cdiv(end_tile - first_tile, num_splits)
-    tile_lo = first_tile + split * per_split
-    tile_hi = tl.minimum(tile_lo + per_split, end_tile)
-
-    acc, m_i, l_i = _attend_range(
-        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
-        q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi, seq_len - 1,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED)
-
-    seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    so = split_out_ptr + token * stride_so_t + split * HEAD_DIM
-    tl.store(so + head[:, None] * stride_so_h + offs_d[None, :], out, mask=q_ok[:, None])
-    tl.store(split_lse_ptr + token * stride_sl_t + head * stride_sl_h + split, lse2, mask=q_ok)
+    if SPLIT_KV:
+        so = split_out_ptr + token[:, None] * stride_so_t + head[:, None] * stride_so_h + split * HEAD_DIM
+        tl.store(so + offs_d[None, :], out, mask=q_ok[:, None])
+        tl.store(split_lse_ptr + token * stride_sl_t + head * stride_sl_h + split, lse2, mask=q_ok)
+    else:
+        tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_ok[:, None])
+        if STORE_LSE:
+            tl.store(lse_ptr + token * stride_lse_t + head, lse2 * _LN2, mask=q_ok)
 
 
 @triton.jit(do_not_specialize=_SPLIT_ARGS)
@@ -530,29 +526,31 @@ def paged_attention(
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     qk_scale = scale * LOG2E
     lse_arg = lse if lse is not None else out  # never written when STORE_LSE is off
-    if cfg.num_splits == 1:
-        num_tiles = num_tokens // cfg.block_q + num_rows
-        heads_fastest = cfg.heads_fastest and num_tiles <= MAX_GRID_Y
-        grid = (num_kv_heads, num_tiles) if heads_fastest else (num_tiles, num_kv_heads)
-        _paged_attention_kernel[grid](
-            out, lse_arg, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, qk_scale, num_rows,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0), *cache_strides,
-            BLOCK_Q=cfg.block_q, STORE_LSE=lse is not None, HEADS_FASTEST=heads_fastest, **common)
-        return out
-    split_out, split_lse = plan.split_out, plan.split_lse
-    if split_out is None or split_out.shape[0] < num_tokens or split_out.shape[1:] != (
-            num_heads, cfg.num_splits, head_dim):
-        raise ValueError("plan scratch does not fit this call; plan with the same shapes")
-    _split_kv_kernel[(num_rows, num_kv_heads, cfg.num_splits)](
-        split_out, split_lse, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, qk_scale,
-        q.stride(0), q.stride(1), split_out.stride(0), split_out.stride(1), split_lse.stride(0),
-        split_lse.stride(1), *cache_strides, cfg.num_splits, **common)
-    _reduce_splits_kernel[(num_tokens, num_heads)](
-        out, lse_arg, split_out, split_lse,
-        out.stride(0), out.stride(1), lse_arg.stride(0), split_out.stride(0), split_out.stride(1),
-        split_lse.stride(0), split_lse.stride(1),
-        cfg.num_splits, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits), HEAD_DIM=head_dim,
-        STORE_LSE=lse is not None, **pdl_args(q))
+    num_tiles = num_tokens // cfg.block_q + num_rows
+    heads_fastest = cfg.heads_fastest and num_tiles <= MAX_GRID_Y
+    grid = (num_kv_heads, num_tiles) if heads_fastest else (num_tiles, num_kv_heads)
+    split_kv = cfg.num_splits > 1
+    if split_kv:
+        split_out, split_lse = plan.split_out, plan.split_lse
+        if split_out is None or split_out.shape[0] < num_tokens or split_out.shape[1:] != (
+                num_heads, cfg.num_splits, head_dim):
+            raise ValueError("plan scratch does not fit this call; plan with the same shapes")
+        grid = (*grid, cfg.num_splits)
+    else:
+        split_out = split_lse = out  # never touched without SPLIT_KV
+    _paged_attention_kernel[grid](
+        out, lse_arg, split_out, split_lse, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
+        qk_scale, num_rows, q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0),
+        split_out.stride(0), split_out.stride(1), split_lse.stride(0), split_lse.stride(1), *cache_strides,
+        cfg.num_splits, BLOCK_Q=cfg.block_q, STORE_LSE=lse is not None, SPLIT_KV=split_kv,
+        MIN_SPLIT_TILES=cfg.min_split_tiles, HEADS_FASTEST=heads_fastest, **common)
+    if split_kv:
+        _reduce_splits_kernel[(num_tokens, num_heads)](
+            out, lse_arg, split_out, split_lse,
+            out.stride(0), out.stride(1), lse_arg.stride(0), split_out.stride(0), split_out.stride(1),
+            split_lse.stride(0), split_lse.stride(1),
+            cfg.num_splits, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits), HEAD_DIM=head_dim,
+            STORE_LSE=lse is not None, **pdl_args(q))
     return out
 
 
