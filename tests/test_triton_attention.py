@@ -244,6 +244,30 @@ def test_prefill_split_kv_matches_torch_ref(dtype, heads, splits, window):
     assert_matches(out, lse, *reference(b, 0.3, window), ATOL[dtype])
 
 
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_fused_reduce_resets_its_counters(kind):
+    """The last split of a query tile combines the partials and zeroes the tile's counter, so the same
+    plan serves the next layer (and the next graph replay) unchanged: counters are zero after every
+    call, a second call gives the same bits, and no partial of an earlier call is read (scratch is
+    poisoned with NaN in between)."""
+    specs = DECODES if kind == "decode" else PREFILL_SPLIT_ROWS
+    b = make_batch(specs, 4, 4, 2, 32, torch.float32, CPU, seed=12)
+    out, lse, plan = run_kernel(b, 0.3, num_kv_splits=3, tile_n=16, block_m=16, seq_len_slack=30)
+    counters = plan.split_counters
+    num_tiles = b.q.shape[0] // plan.config.block_q + b.seq_lens.shape[0]
+    assert counters.shape == (num_tiles, 2) and counters.dtype == torch.int32
+    assert not counters.any()
+    assert_matches(out, lse, *reference(b, 0.3), ATOL[torch.float32])
+    plan.split_out.fill_(float("nan"))
+    plan.split_lse.fill_(float("nan"))
+    again = torch.full_like(out, float("nan"))
+    again_lse = torch.full_like(lse, float("nan"))
+    paged_attention(b.q, b.k_poisoned, b.v_poisoned, again, b.query_start_loc, b.seq_lens, b.block_tables,
+                    0.3, b.max_query_len, b.max_seq_len + 30, lse=again_lse, plan=plan)
+    assert torch.equal(again, out) and torch.equal(again_lse, lse)
+    assert not counters.any()
+
+
 def test_prefill_split_heuristic_balances_on_the_device():
     """The heuristic split count is an upper bound from host ints (max_seq_len as a graph would pass it:
     far past the real contexts); on the device every query tile takes at most one split per
