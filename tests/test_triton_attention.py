@@ -21,10 +21,15 @@ from plait.engine.request import Request  # noqa: E402
 from plait.engine.scheduler import Scheduler  # noqa: E402
 from plait.kernels.paged_attention import (  # noqa: E402
     MAX_KV_SPLITS,
+    MAX_SPLIT_SCRATCH_BYTES,
+    PREFILL_MIN_SPLIT_TILES,
     choose_num_splits,
+    launch_config,
     paged_attention,
     paged_attention_ref,
     plan_paged_attention,
+    precise_pv_enabled,
+    set_precise_pv,
 )
 from plait.runner.forward_batch import build_forward_batch  # noqa: E402
 from plait.sampling_params import SamplingParams  # noqa: E402
@@ -87,9 +92,9 @@ def make_batch(specs, block_size: int, num_heads: int, num_kv_heads: int, head_d
 
 def run_kernel(b: PagedBatch, scale: float, window: int = 0, num_kv_splits: int | None = None,
                tile_n: int | None = None, block_m: int | None = None, query_len_slack: int = 0,
-               seq_len_slack: int = 0):
+               seq_len_slack: int = 0, out_dtype: torch.dtype | None = None):
     """paged_attention on the poisoned cache into NaN-filled out / lse, with upper-bound maxima."""
-    out = torch.full_like(b.q, float("nan"))
+    out = torch.full_like(b.q, float("nan"), dtype=out_dtype or b.q.dtype)
     lse = torch.full(b.q.shape[:2], float("nan"), device=b.q.device)
     max_q, max_s = b.max_query_len + query_len_slack, b.max_seq_len + seq_len_slack
     (num_tokens, num_heads, head_dim), num_rows = b.q.shape, b.seq_lens.shape[0]
@@ -179,9 +184,100 @@ def test_split_kv_matches_torch_ref(dtype, heads, splits, window):
     assert_matches(out, lse, *reference(b, 0.3, window), ATOL[dtype])
 
 
-def test_split_kv_is_refused_for_prefill_batches():
-    with pytest.raises(ValueError, match="decode-only"):
-        plan_paged_attention(8, 2, 4, 2, 32, torch.float32, 5, 64, CPU, num_kv_splits=2)
+@pytest.fixture
+def precise_pv_switch():
+    """set_precise_pv for one test; the module's setting is restored after it."""
+    before = precise_pv_enabled()
+    yield set_precise_pv
+    set_precise_pv(before)
+
+
+def unrounded_reference(b: PagedBatch, scale: float, window: int = 0) -> torch.Tensor:
+    """torch_ref's fp32 output before any rounding to the inputs' dtype."""
+    return paged_attention_ref(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.query_start_loc,
+                               b.seq_lens, b.block_tables, scale, window)[0]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_precise_pv_tracks_fp32_reference(precise_pv_switch, splits):
+    """fp16 inputs, fp32 out (the kernel's result before its final rounding): with P split into two fp16
+    terms the error is fp32 summation noise (~1e-7 here); P rounded once to fp16 costs ~3e-5 on average.
+    The bounds leave ~10x margin on both sides."""
+    specs = MIXED if splits == 1 else DECODES
+    b = make_batch(specs, 4, 4, 2, 32, torch.float16, CPU, seed=splits)
+    ref = unrounded_reference(b, 0.3)
+    errors, agree = {}, {}
+    for precise in (True, False):
+        precise_pv_switch(precise)
+        out, _, plan = run_kernel(b, 0.3, num_kv_splits=splits, tile_n=16, block_m=16,
+                                  out_dtype=torch.float32)
+        assert plan.config.num_splits == splits
+        errors[precise] = (out - ref).abs()
+        agree[precise] = (out.half() == ref.half()).float().mean()
+    assert errors[True].max() < 1e-5
+    assert errors[False].mean() > 10 * errors[True].mean()
+    # Rounded to fp16, the precise output is the reference's rounding almost everywhere.
+    assert agree[True] > 0.98 and agree[False] < 0.95
+
+
+# Prompt chunks beside decodes over contexts crossing many 16-key tiles (block_size 4): an empty context, a
+# 1-token chunk, chunks crossing block boundaries, a chunk spanning several query tiles, a row without
+# tokens and a padded graph row.
+PREFILL_SPLIT_ROWS = [(61, 1), (0, 9), (45, 1), (38, 7), (0, 1), (5, 0), (13, 22), (70, 3), PAD_ROW]
+
+
+@pytest.mark.parametrize(("dtype", "heads", "splits", "window"), [
+    (torch.float32, (2, 2), 2, 0),
+    (torch.float32, (4, 2), 3, 0),
+    (torch.float32, (8, 2), 5, 0),
+    (torch.float32, (4, 2), 9, 0),  # more splits than any query tile has K/V tiles: empty splits
+    (torch.float32, (4, 2), 3, 20),
+    (torch.float32, (2, 2), 4, 1),
+    (torch.float16, (8, 2), 3, 0),
+], ids=["group1", "group2", "group4", "more-splits-than-tiles", "window20", "window1", "fp16-group4"])
+def test_prefill_split_kv_matches_torch_ref(dtype, heads, splits, window):
+    b = make_batch(PREFILL_SPLIT_ROWS, 4, *heads, 32, dtype, CPU, seed=splits + window)
+    out, lse, plan = run_kernel(b, 0.3, window, num_kv_splits=splits, tile_n=16, block_m=16,
+                                query_len_slack=5, seq_len_slack=40)
+    assert plan.config.num_splits == splits and plan.config.block_q < 22  # the long chunk spans query tiles
+    assert plan.split_out.shape == (b.q.shape[0], heads[0], splits, 32)
+    assert_matches(out, lse, *reference(b, 0.3, window), ATOL[dtype])
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_fused_reduce_resets_its_counters(kind):
+    """The last split of a query tile combines the partials and zeroes the tile's counter, so the same
+    plan serves the next layer (and the next graph replay) unchanged: counters are zero after every
+    call, a second call gives the same bits, and no partial of an earlier call is read (scratch is
+    poisoned with NaN in between)."""
+    specs = DECODES if kind == "decode" else PREFILL_SPLIT_ROWS
+    b = make_batch(specs, 4, 4, 2, 32, torch.float32, CPU, seed=12)
+    out, lse, plan = run_kernel(b, 0.3, num_kv_splits=3, tile_n=16, block_m=16, seq_len_slack=30)
+    counters = plan.split_counters
+    num_tiles = b.q.shape[0] // plan.config.block_q + b.seq_lens.shape[0]
+    assert counters.shape == (num_tiles, 2) and counters.dtype == torch.int32
+    assert not counters.any()
+    assert_matches(out, lse, *reference(b, 0.3), ATOL[torch.float32])
+    plan.split_out.fill_(float("nan"))
+    plan.split_lse.fill_(float("nan"))
+    again = torch.full_like(out, float("nan"))
+    again_lse = torch.full_like(lse, float("nan"))
+    paged_attention(b.q, b.k_poisoned, b.v_poisoned, again, b.query_start_loc, b.seq_lens, b.block_tables,
+                    0.3, b.max_query_len, b.max_seq_len + 30, lse=again_lse, plan=plan)
+    assert torch.equal(again, out) and torch.equal(again_lse, lse)
+    assert not counters.any()
+
+
+def test_prefill_split_heuristic_balances_on_the_device():
+    """The heuristic split count is an upper bound from host ints (max_seq_len as a graph would pass it:
+    far past the real contexts); on the device every query tile takes at most one split per
+    PREFILL_MIN_SPLIT_TILES of its own K/V tiles, so short rows stay whole and long ones split."""
+    specs = [(150, 4), (3, 2), (0, 1), (90, 3)]
+    b = make_batch(specs, 4, 2, 1, 32, torch.float32, CPU, seed=3)
+    out, lse, plan = run_kernel(b, 0.3, tile_n=16, block_m=16, query_len_slack=60, seq_len_slack=500)
+    # 10 tokens fill at least 2 query tiles of 8 tokens: 2 programs, wanted 2 * CPU_NUM_SMS // 2 = 8.
+    assert plan.config.num_splits == 8 and plan.config.min_split_tiles == PREFILL_MIN_SPLIT_TILES
+    assert_matches(out, lse, *reference(b, 0.3), ATOL[torch.float32])
 
 
 def test_split_count_heuristic():
@@ -195,10 +291,38 @@ def test_split_count_heuristic():
     assert 8 * n >= sms and n <= MAX_KV_SPLITS
     assert choose_num_splits(1, 8, 200, 64, sms) == 4
     assert choose_num_splits(1, 8, 1024, 64, sms) == 16
-    # Decided from host ints only; prefill-carrying batches never split.
+    # Decided from host ints only.
     plan = plan_paged_attention(1, 1, 16, 8, 128, torch.bfloat16, 1, 32768, CPU)
     assert plan.config.num_splits > 1 and plan.split_out.shape == (1, 16, plan.config.num_splits, 128)
-    assert plan_paged_attention(4, 1, 16, 8, 128, torch.bfloat16, 4, 32768, CPU).config.num_splits == 1
+
+
+def test_prefill_split_count_heuristic():
+    """Llama-8B shapes (32 q heads, 8 kv heads, D 128) on 132 SMs."""
+    sms, scratch = 132, 32 * 129 * 4  # bytes of partials per token and split
+
+    def splits(num_tokens: int, max_seq_len: int, num_rows: int = 1) -> int:
+        block_q = 128 // 4  # BLOCK_M 128 over the group of 4
+        return choose_num_splits(num_rows, 8, max_seq_len, 64, sms, num_tokens=num_tokens,
+                                 max_query_len=min(num_tokens, 256), block_q=block_q,
+                                 scratch_bytes_per_split=num_tokens * scratch)
+
+    # A 256-token chunk: 8 query tiles x 8 kv heads = 64 programs; 4 splits make 256, two per SM.
+    assert splits(256, 2048 + 256) == 4
+    assert splits(256, 8192, num_rows=200) == 4  # a graph: max_model_len, padded rows
+    # A 2048-token chunk fills the GPU alone; a short context gives no split PREFILL_MIN_SPLIT_TILES tiles.
+    assert splits(2048, 4096) == 1
+    assert splits(256, 256) == 1
+    assert splits(32, 1 << 17) == 2 * sms // 8  # one query tile: 33 splits
+    # The partials stay within MAX_SPLIT_SCRATCH_BYTES (with these shapes they need ~17 MB at most).
+    assert choose_num_splits(1, 8, 1 << 17, 64, sms, num_tokens=32, max_query_len=32, block_q=32,
+                             scratch_bytes_per_split=MAX_SPLIT_SCRATCH_BYTES // 3) == 3
+    cfg = launch_config(128, 4, torch.bfloat16, 256, 1, 8, 2304, sms, num_tokens=256)
+    assert (cfg.block_m, cfg.num_splits, cfg.min_split_tiles) == (128, 4, PREFILL_MIN_SPLIT_TILES)
+    # Forced counts are taken as they are, down to one K/V tile per split.
+    cfg = launch_config(128, 4, torch.bfloat16, 256, 1, 8, 2304, sms, num_kv_splits=3, num_tokens=256)
+    assert (cfg.num_splits, cfg.min_split_tiles) == (3, 1)
+    plan = plan_paged_attention(4, 1, 16, 8, 128, torch.bfloat16, 4, 32768, CPU)
+    assert plan.config.num_splits > 1 and plan.split_out.shape == (4, 16, plan.config.num_splits, 128)
 
 
 def _schedule_steps(num_steps: int, block_size: int, prompt_lens: list[int], budget: int, seed: int):
@@ -219,8 +343,9 @@ def _schedule_steps(num_steps: int, block_size: int, prompt_lens: list[int], bud
 
 def test_backend_matches_torch_ref_over_scheduled_steps():
     """store_kv + attend of the triton backend against torch_ref's, step after step of a real schedule;
-    split-KV forced on, so decode-only launches take it. A mixed step whose leading rows are decodes is
-    attended in two launches (decode rows, then the chunks), any other step in one."""
+    split-KV forced on, so every launch takes it (the 45-token prompt's later chunks see two 32-key tiles
+    and split). A mixed step whose leading rows are decodes is attended in two launches (decode rows, then
+    the chunks), any other step in one."""
     torch.manual_seed(0)
     bs, hq, hkv, d = 4, 4, 2, 32
     triton_backend = get_backend("triton")
@@ -228,7 +353,7 @@ def test_backend_matches_torch_ref_over_scheduled_steps():
     ref_backend = get_backend("torch_ref")
     caches = [torch.zeros(2, 96, bs, hkv, d) for _ in range(2)]
     kinds = set()
-    for step, (_, batch) in enumerate(_schedule_steps(5, bs, [9, 1, 5], budget=12, seed=0)):
+    for step, (_, batch) in enumerate(_schedule_steps(7, bs, [9, 1, 45], budget=12, seed=0)):
         q = torch.randn(batch.num_tokens, hq, d)
         kv = torch.randn(batch.num_tokens, 2 * hkv, d)
         k, v = kv[:, :hkv], kv[:, hkv:]  # strided views, as a fused projection hands them over
@@ -240,13 +365,14 @@ def test_backend_matches_torch_ref_over_scheduled_steps():
         assert_matches(*outs[0], *outs[1], ATOL[torch.float32])
         plans = [v for key, v in batch.backend_state.items() if key[0] == "triton"]
         assert len(plans) == 1
-        kinds.add(tuple(part.plan.config.num_splits for part in plans[0]))
+        assert all(part.plan.config.num_splits == 2 for part in plans[0])
+        kinds.add(tuple("prompt" if part.max_query_len > 1 else "decode" for part in plans[0]))
         if step == 0:  # a second layer reuses the step's plan and gets the same answer
             assert torch.equal(triton_backend.attend(q, caches[0], batch, 0.2), outs[0][0])
             assert [v for key, v in batch.backend_state.items() if key[0] == "triton"] == plans
-    # One-launch steps with prompt chunks, two-launch mixed steps (split decodes, then chunks), and
-    # decode-only steps all ran.
-    assert kinds == {(1,), (2, 1), (2,)}
+    # One-launch steps with prompt chunks, two-launch mixed steps (decodes, then chunks), and decode-only
+    # steps all ran.
+    assert kinds == {("prompt",), ("decode", "prompt"), ("decode",)}
 
 
 def test_backend_is_registered_lazily(monkeypatch):
@@ -314,8 +440,6 @@ def _case_id(case: dict) -> str:
 @pytest.mark.parametrize("splits", [None, 1, 3], ids=["split-auto", "split-off", "split-3"])
 @gpu
 def test_gpu_sweep_matches_torch_ref(case, splits):
-    if splits == 3 and not case["decode_only"]:
-        pytest.skip("split-KV serves decode-only batches")
     rng = random.Random(case["seed"])
     specs = _random_specs(rng, case["rows"], case["max_context"], case["decode_only"])
     if case["rows"] > 2:
@@ -330,16 +454,25 @@ def test_gpu_sweep_matches_torch_ref(case, splits):
     assert_matches(out, lse, *reference(b, scale, case["window"]), atol=GPU_ATOL, rtol=GPU_RTOL)
 
 
+# Steps replayed through one graph: the same row and token counts, other contexts, chunks and blocks.
+GRAPH_STEPS = {
+    "decode": [[(100, 1), (3000, 1), PAD_ROW, PAD_ROW], [(5000, 1), (0, 1), (700, 1), PAD_ROW]],
+    "mixed": [[(100, 1), (3000, 40), (0, 7), PAD_ROW], [(5000, 1), (0, 16), (700, 31), PAD_ROW]],
+}
+
+
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
 @pytest.mark.parametrize("splits", [None, 1], ids=["split-auto", "split-off"])
+@pytest.mark.parametrize("kind", list(GRAPH_STEPS))
 @gpu
-def test_gpu_cuda_graph_replay_with_new_metadata(dtype, splits):
+def test_gpu_cuda_graph_replay_with_new_metadata(dtype, splits, kind):
     """Captured once for max_seq_len = max_model_len with padded rows; replayed after the metadata
     tensors are rewritten in place (other contexts, other blocks): no host sync, right answers."""
     dev = torch.device("cuda")
     bs, hq, hkv, d, max_model_len = 16, 16, 8, 128, 8192
     width = max_model_len // bs
-    steps = [[(100, 1), (3000, 1), PAD_ROW, PAD_ROW], [(5000, 1), (0, 1), (700, 1), PAD_ROW]]
+    steps = GRAPH_STEPS[kind]
+    max_query_len = 1 if kind == "decode" else 64  # a graph's bound: its prompt-token bucket
     batches = [make_batch(s, bs, hq, hkv, d, dtype, dev, seed=i, table_slack=0) for i, s in enumerate(steps)]
     num_blocks = max(b.k_cache.shape[0] for b in batches)
     caches = [torch.zeros(num_blocks, bs, hkv, d, dtype=dtype, device=dev) for _ in range(2)]
@@ -350,9 +483,10 @@ def test_gpu_cuda_graph_replay_with_new_metadata(dtype, splits):
     tables = torch.empty(num_rows, width, dtype=torch.int32, device=dev)
     out = torch.empty_like(q)
     lse = torch.empty(q.shape[:2], device=dev)
-    plan = plan_paged_attention(q.shape[0], num_rows, hq, hkv, d, dtype, 1, max_model_len, dev, splits)
+    plan = plan_paged_attention(q.shape[0], num_rows, hq, hkv, d, dtype, max_query_len, max_model_len, dev,
+                                splits)
     if splits is None:
-        assert plan.config.num_splits > 1  # 4 rows x 8 kv heads never fill a GPU
+        assert plan.config.num_splits > 1  # 4 rows (or one 64-token tile) x 8 kv heads never fill a GPU
 
     def load(b: PagedBatch) -> None:
         for static, new in ((q, b.q), (qsl, b.query_start_loc), (seq_lens, b.seq_lens)):
@@ -364,8 +498,8 @@ def test_gpu_cuda_graph_replay_with_new_metadata(dtype, splits):
             cache[: new.shape[0]].copy_(new)
 
     def step() -> None:
-        paged_attention(q, caches[0], caches[1], out, qsl, seq_lens, tables, d**-0.5, 1, max_model_len,
-                        lse=lse, plan=plan)
+        paged_attention(q, caches[0], caches[1], out, qsl, seq_lens, tables, d**-0.5, max_query_len,
+                        max_model_len, lse=lse, plan=plan)
 
     load(batches[0])
     step()  # compile outside the capture
@@ -379,3 +513,20 @@ def test_gpu_cuda_graph_replay_with_new_metadata(dtype, splits):
         graph.replay()
         torch.cuda.synchronize()
         assert_matches(out, lse, *reference(b, d**-0.5), atol=GPU_ATOL, rtol=GPU_RTOL)
+
+
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
+@gpu
+def test_gpu_precise_pv_tracks_fp32_reference(precise_pv_switch, decode_only):
+    """bf16 inputs, fp32 out: P in two bf16 terms cuts the error against torch_ref's fp32 math by far
+    more than the 8x asserted (P rounded once to bf16 has 8 mantissa bits, the pair ~16)."""
+    rng = random.Random(7)
+    specs = _random_specs(rng, 8, 4096, decode_only)
+    b = make_batch(specs, 16, 32, 8, 128, torch.bfloat16, torch.device("cuda"), seed=7)
+    ref = unrounded_reference(b, 128**-0.5)
+    errors = {}
+    for precise in (True, False):
+        precise_pv_switch(precise)
+        out, _, _ = run_kernel(b, 128**-0.5, out_dtype=torch.float32)
+        errors[precise] = (out - ref).abs().mean().item()
+    assert errors[False] > 8 * errors[True], errors

@@ -1,10 +1,15 @@
 """Triton paged-attention benchmark (GPU): decode KV-read bandwidth with split-KV on/off, prefill TFLOP/s
-against SDPA on contiguous tensors, and a big ``x.sum()`` as the read-bandwidth ceiling.
+against SDPA on contiguous tensors, a big ``x.sum()`` as the read-bandwidth ceiling, and whole steps of a
+32-layer Llama-8B replayed from a CUDA graph: mixed steps (decodes beside a 256-token chunk) and batch-1
+decode, with split-KV off / heuristic / forced and precise P.V on / off.
 
     PYTHONPATH=. python benchmarks/kernels/attention_bench.py --out benchmarks/results/attention_h200.json
+    PYTHONPATH=. python benchmarks/kernels/attention_bench.py --cases steps --out /tmp/steps.json
 
 Times are triton.testing.do_bench medians (L2 flushed between runs) after a warm-up call that compiles.
 Decode GB/s counts the K and V bytes the rows actually need (rows x context x Hkv x D x 2 x bytes).
+Step times are CUDA-graph replays of every layer's launches (each layer its own KV cache, so nothing
+stays in L2 from one layer to the next), as the runner replays a step.
 """
 
 from __future__ import annotations
@@ -18,7 +23,13 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from plait.kernels.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
+from plait.kernels.paged_attention import (
+    PagedAttentionPlan,
+    paged_attention,
+    plan_paged_attention,
+    precise_pv_enabled,
+    set_precise_pv,
+)
 
 # (name, Hq, Hkv, D)
 MODELS = [("qwen3-0.6b", 16, 8, 128), ("llama-8b", 32, 8, 128)]
@@ -30,6 +41,24 @@ BLOCK_SIZE = 16
 DTYPE = torch.bfloat16
 SUM_BYTES = 4 << 30
 WARMUP_MS, REP_MS = 25, 100
+# Whole steps: Llama-8B's attention shapes and layer count, each step's launches replayed from a graph.
+STEP_MODEL = ("llama-8b", 32, 8, 128)
+NUM_LAYERS = 32
+# (name, decode rows, prompt rows), rows as (context_len, query_len): W4's mixed step and its chunk alone.
+MIXED_STEPS = [
+    ("4 dec@2200 + 256 after 2048", [(2200, 1)] * 4, [(2048, 256)]),
+    ("4 dec@2200 + 256 after 3840", [(2200, 1)] * 4, [(3840, 256)]),
+    ("256 after 2048 alone", [], [(2048, 256)]),
+    ("256 after 3840 alone", [], [(3840, 256)]),
+]
+DECODE_B1_CONTEXTS = [512, 4096]
+# Split settings: None is the heuristic, 1 is off, the rest are forced counts.
+STEP_SPLITS = [1, None, 2, 4, 8]
+# A CUDA graph's bounds for the "graph" variant: max_seq_len = max_model_len, and the prompt part padded
+# to this many rows (max_num_seqs + 1 less the decode bucket), all but the real one empty.
+GRAPH_MAX_MODEL_LEN = 8192
+GRAPH_PROMPT_ROWS = 253
+STEP_REPLAYS = 20
 
 
 def median_ms(fn) -> float:
@@ -135,13 +164,116 @@ def bench_prefill(device: torch.device) -> list[dict]:
     return results
 
 
+class StepPart:
+    """One launch of a step (decode rows, or prompt rows) in every layer, each layer over its own cache."""
+
+    def __init__(self, rows: list[tuple[int, int]], hq: int, hkv: int, d: int, device: torch.device,
+                 pad_rows: int = 0, max_seq_len: int | None = None) -> None:
+        self.setups = [PagedSetup(hkv, d, rows, device) for _ in range(NUM_LAYERS)]
+        padded = rows + [(0, 0)] * pad_rows
+        self.qsl, self.seq_lens, self.tables = self.setups[0].metadata(padded, seed=len(rows))
+        self.num_tokens = sum(n for _, n in rows)
+        self.q = torch.randn(self.num_tokens, hq, d, dtype=DTYPE, device=device)
+        self.out = torch.empty_like(self.q)
+        self.max_query_len = max(n for _, n in rows)
+        self.max_seq_len = max_seq_len or max(c + n for c, n in rows)
+        self.num_rows, self.hq, self.hkv, self.d = len(padded), hq, hkv, d
+
+    def plan(self, splits: int | None) -> PagedAttentionPlan:
+        return plan_paged_attention(self.num_tokens, self.num_rows, self.hq, self.hkv, self.d, DTYPE,
+                                    self.max_query_len, self.max_seq_len, self.q.device, splits)
+
+    def launch(self, layer: int, plan: PagedAttentionPlan) -> None:
+        setup = self.setups[layer]
+        paged_attention(self.q, setup.k_cache, setup.v_cache, self.out, self.qsl, self.seq_lens, self.tables,
+                        self.d**-0.5, self.max_query_len, self.max_seq_len, plan=plan)
+
+
+def step_ms(parts: list[StepPart], plans: list[PagedAttentionPlan]) -> float:
+    """Median ms of one step (every layer's launches) replayed from a CUDA graph."""
+    def step() -> None:
+        for layer in range(NUM_LAYERS):
+            for part, plan in zip(parts, plans):
+                part.launch(layer, plan)
+
+    step()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()  # first replay uploads the graph
+    times = []
+    for _ in range(STEP_REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def _split_name(splits: int | None) -> str:
+    return "auto" if splits is None else "off" if splits == 1 else str(splits)
+
+
+def bench_steps(device: torch.device) -> list[dict]:
+    """Mixed steps and batch-1 decode steps of a 32-layer Llama-8B, precise P.V on / off. Split-KV off /
+    heuristic / forced applies to the prompt launch of a mixed step (its decode launch keeps the
+    heuristic, as before prompt launches could split) and to the launch of a decode step; every step also
+    runs the heuristic under a graph's bounds (max_seq_len = max_model_len, padded prompt rows)."""
+    name, hq, hkv, d = STEP_MODEL
+    precise_before = precise_pv_enabled()
+    cases = [(case, decodes, prompts) for case, decodes, prompts in MIXED_STEPS]
+    cases += [(f"batch-1 decode @{c}", [(c, 1)], []) for c in DECODE_B1_CONTEXTS]
+    results = []
+    for case, decodes, prompts in cases:
+        for graph_bounds in (False, True):
+            bound = GRAPH_MAX_MODEL_LEN if graph_bounds else None
+            parts = [StepPart(decodes, hq, hkv, d, device, max_seq_len=bound)] if decodes else []
+            if prompts:
+                pad_rows = GRAPH_PROMPT_ROWS - len(prompts) if graph_bounds else 0
+                parts.append(StepPart(prompts, hq, hkv, d, device, pad_rows=pad_rows, max_seq_len=bound))
+            for splits in [None] if graph_bounds else STEP_SPLITS:
+                # The last part's split count varies; decodes beside a prompt keep the heuristic.
+                plans = [part.plan(None) for part in parts[:-1]] + [parts[-1].plan(splits)]
+                for precise in (True, False):
+                    set_precise_pv(precise)
+                    ms = step_ms(parts, plans)
+                    results.append(dict(model=name, case=case, split=_split_name(splits),
+                                        graph_bounds=graph_bounds, precise_pv=precise, ms=ms,
+                                        us_per_layer=ms * 1e3 / NUM_LAYERS,
+                                        num_splits=[p.config.num_splits for p in plans]))
+            del parts, plans
+            torch.cuda.empty_cache()
+    set_precise_pv(precise_before)
+    return results
+
+
 def bench_read_bandwidth(device: torch.device) -> dict:
     x = torch.ones(SUM_BYTES // 2, dtype=DTYPE, device=device)
     ms = median_ms(lambda: x.sum())
     return dict(bytes=SUM_BYTES, ms=ms, gbps=SUM_BYTES / ms / 1e6)
 
 
+def print_step_table(steps: list[dict]) -> None:
+    print(f"\nsteps: ms per step of {NUM_LAYERS} layers from a CUDA graph, precise P.V on / off "
+          "[splits per launch: decodes, prompt]; the split setting is the prompt launch's where there is one")
+    for case in dict.fromkeys(r["case"] for r in steps):
+        print(f"  {case}")
+        rows = [r for r in steps if r["case"] == case]
+        for key in dict.fromkeys((r["split"], r["graph_bounds"]) for r in rows):
+            on, off = (next(r for r in rows if (r["split"], r["graph_bounds"], r["precise_pv"]) == (*key, p))
+                       for p in (True, False))
+            label = f"split {key[0]}" + (" (graph bounds)" if key[1] else "")
+            print(f"    {label:28} {on['ms']:7.3f} / {off['ms']:7.3f}   {on['num_splits']}")
+
+
 def print_tables(result: dict) -> None:
+    if "read_bandwidth" not in result:
+        print_step_table(result["steps"])
+        return
     print(f"\n{result['device']}  (x.sum read: {result['read_bandwidth']['gbps']:.0f} GB/s)")
     print("\ndecode: KV read GB/s (split auto [num splits] / split off)")
     ctx_header = "".join(f"{c:>22}" for c in DECODE_CONTEXTS)
@@ -158,19 +290,26 @@ def print_tables(result: dict) -> None:
     for r in result["prefill"]:
         print(f"{r['model']:12} {r['case']:26} triton {r['tflops']:6.1f} ({r['ms']:.3f} ms)   "
               f"sdpa {r['sdpa_tflops']:6.1f} ({r['sdpa_ms']:.3f} ms)")
+    if "steps" in result:
+        print_step_table(result["steps"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
+    parser.add_argument("--cases", choices=("all", "kernels", "steps"), default="all",
+                        help="kernels: decode / prefill / read bandwidth; steps: whole graph-replayed steps")
     args = parser.parse_args()
     device = torch.device("cuda")
     started = time.time()
     result = dict(device=torch.cuda.get_device_name(device), torch=torch.__version__,
                   triton=triton.__version__, dtype=str(DTYPE), block_size=BLOCK_SIZE)
-    result["read_bandwidth"] = bench_read_bandwidth(device)
-    result["decode"] = bench_decode(device)
-    result["prefill"] = bench_prefill(device)
+    if args.cases in ("all", "kernels"):
+        result["read_bandwidth"] = bench_read_bandwidth(device)
+        result["decode"] = bench_decode(device)
+        result["prefill"] = bench_prefill(device)
+    if args.cases in ("all", "steps"):
+        result["steps"] = bench_steps(device)
     result["wall_s"] = time.time() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))

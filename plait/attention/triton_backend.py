@@ -40,7 +40,10 @@ class TritonBackend(AttentionBackend):
     prefill tiles and 0.46 ms in one launch with two tile regions
     (benchmarks/results/attention_mixed_step_h200.json).
 
-    ``num_kv_splits`` overrides the split-KV choice for decode-only launches (None: heuristic; 1: off).
+    Either launch may split its rows' key ranges over more programs (split-KV) when it has too few query
+    tiles to fill the GPU: decodes of small batches, or a prompt chunk of a few hundred tokens beside a
+    long cached context. The plan holds the split scratch, sized by the launch's token count.
+    ``num_kv_splits`` overrides the split count of every launch (None: heuristic; 1: off).
     """
 
     name = "triton"
@@ -107,8 +110,7 @@ class TritonBackend(AttentionBackend):
         parts = []
         for first, last, max_query_len, num_tokens in bounds:
             starts = batch.query_start_loc[first : last + 1]
-            splits = self.num_kv_splits if max_query_len <= 1 else None
             plan = plan_paged_attention(num_tokens, last - first, num_heads, num_kv_heads, head_dim, dtype,
-                                        max_query_len, batch.max_seq_len, starts.device, splits)
+                                        max_query_len, batch.max_seq_len, starts.device, self.num_kv_splits)
             parts.append(_Part(slice(0, num_tokens), slice(first, last), starts, max_query_len, plan))
         return parts

@@ -1,4 +1,4 @@
-"""paged_attention: one Triton launch for a whole mixed batch (prefill chunks + decodes) over paged KV.
+"""paged_attention: one Triton kernel for a whole mixed batch (prefill chunks + decodes) over paged KV.
 
 Layout. q, out: [T, Hq, D] (row r's tokens are ``query_start_loc[r]:query_start_loc[r + 1]``);
 k_cache, v_cache: [num_blocks, block_size, Hkv, D]; key position ``p`` of row r lives in block
@@ -6,26 +6,30 @@ k_cache, v_cache: [num_blocks, block_size, Hkv, D]; key position ``p`` of row r 
 ``context_len + i`` (``context_len = seq_len - query_len``) and sees keys at positions ``<= its own``
 (and, with a sliding window W > 0, ``> its own - W``).
 
-Two paths, chosen on the host from host ints only (CUDA-graph safe, no device sync):
+One kernel, its launch shape chosen on the host from host ints only (CUDA-graph safe, no device sync):
 
-- the unified kernel: a 2-D grid (query tile, kv head). A query tile packs ``BLOCK_Q`` tokens of one
-  row times the ``GROUP`` query heads sharing a kv head into ``BLOCK_M = BLOCK_Q * GROUP`` (padded)
-  rows, so each K/V tile is read once per group; its row is found by binary search over
-  ``query_start_loc``. K/V are walked in tiles of ``TILE_N`` positions, independent of block_size:
-  the block id is gathered per key position.
-- split-KV (flash-decoding), for decode-only batches (max_query_len == 1) too small to fill the GPU:
-  a 3-D grid (row, kv head, split); each split takes its balanced share of the row's KV tiles, computed
-  on the device from the row's seq_len, writes a partial output + LSE to fp32 scratch, and a reduce
-  kernel combines the splits (an empty split has LSE -inf and contributes nothing).
+- a 2-D grid (query tile, kv head). A query tile packs ``BLOCK_Q`` tokens of one row times the ``GROUP``
+  query heads sharing a kv head into ``BLOCK_M = BLOCK_Q * GROUP`` (padded) rows, so each K/V tile is
+  read once per group; its row is found by binary search over ``query_start_loc``. K/V are walked in
+  tiles of ``TILE_N`` positions, independent of block_size: the block id is gathered per key position.
+- split-KV (flash-decoding), for launches with too few query tiles to fill the GPU (small decode
+  batches, a prompt chunk of a few hundred tokens over a long context): a third grid dimension cuts each
+  query tile's visible K/V tiles into splits, balanced on the device from the row's seq_len (at most
+  ``num_splits``, at least ``MIN_SPLIT_TILES`` tiles each). Each split stores a partial output + LSE to
+  fp32 scratch and bumps the tile's counter; the last split to arrive combines the partials by their
+  LSEs, writes out and resets the counter, so no second launch is needed.
 
 Scores are kept in the log2 domain (log2(e) folded into the scale, exp2 throughout); LSEs returned to
-callers are natural logs.
+callers are natural logs. With 16-bit inputs P.V is computed as two 16-bit dots (P = P_hi + P_lo), so P
+carries ~16 mantissa bits instead of bf16's 8 (``PLAIT_ATTN_PRECISE_PV=0``: P rounded once, as flash
+attention does).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -60,15 +64,42 @@ SPLIT_NUM_STAGES = 3
 # fp32 (interpreter tests, GPU debugging) doubles the bytes per tile: keep tiles small and unpipelined.
 FP32_MAX_BLOCK_M = 64
 FP32_MAX_TILE_N = 32
-# Split-KV: split until about this many programs per multiprocessor are in flight ...
+# Split-KV of decode-only batches: split until about this many programs per multiprocessor are in flight ...
 SPLIT_TARGET_PROGRAMS_PER_SM = 4
 # ... but give every split at least this many key positions, and never more than this many splits.
 MIN_KEYS_PER_SPLIT = 64  # one decode tile: small batches are latency-bound, so spread wide
 MAX_KV_SPLITS = 64
+# Split-KV of prefill-carrying batches. A prefill program (BLOCK_M 128, 8 warps) fills a multiprocessor's
+# registers, so about one runs per SM at a time: the split count is the most that keeps the programs
+# within this many per SM (whole waves; a third, part-filled wave would cost as much as a full one) ...
+PREFILL_SPLIT_PROGRAMS_PER_SM = 2
+# ... with every split at least this many K/V tiles (checked on the device against each query tile's
+# real range, so a graph captured for max_model_len does not split short contexts), ...
+PREFILL_MIN_SPLIT_TILES = 4
+# ... and the fp32 partials (T x Hq x splits x (D + 1) x 4 bytes) within this much memory.
+MAX_SPLIT_SCRATCH_BYTES = 64 << 20
 # Multiprocessor count assumed where there is no CUDA device (the Triton interpreter on CPU).
 CPU_NUM_SMS = 8
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+# P.V with P split into two 16-bit terms for 16-bit inputs. Rounding P to bf16 once (8 mantissa bits) is
+# the largest error beside torch_ref's fp32 math (QK^T of bf16 inputs is exact in fp32): greedy bf16
+# decoding of a random model forked from torch_ref on 16-39% of prompts, always at near-tied logits.
+# PLAIT_ATTN_PRECISE_PV=0 turns it off (A/B of cost and agreement).
+PRECISE_PV_ENV = "PLAIT_ATTN_PRECISE_PV"
+_precise_pv = os.environ.get(PRECISE_PV_ENV, "1") != "0"
+
+
+def set_precise_pv(enabled: bool) -> None:
+    """Turn the two-term P.V of 16-bit inputs on or off for later launches (tests, benchmarks)."""
+    global _precise_pv
+    _precise_pv = enabled
+
+
+def precise_pv_enabled() -> bool:
+    """Whether 16-bit launches split P into two terms (PLAIT_ATTN_PRECISE_PV, or the last set_precise_pv)."""
+    return _precise_pv
 
 
 @dataclass(frozen=True)
@@ -80,10 +111,12 @@ class LaunchConfig:
     tile_n: int  # key positions per K/V tile
     num_warps: int
     num_stages: int
-    num_splits: int  # 1: the unified kernel; > 1: split-KV (decode-only batches)
+    num_splits: int  # 1: each program walks its query tile's whole key range; > 1: split-KV
     # Launch order of the unified kernel: a row's kv heads one after another (their K/V rows lie side by
     # side in each cache block), rather than one kv head's rows one after another.
     heads_fastest: bool = False
+    # Split-KV: a query tile's key range is cut into at most num_splits parts of at least this many tiles.
+    min_split_tiles: int = 1
 
 
 @dataclass
@@ -93,6 +126,9 @@ class PagedAttentionPlan:
     config: LaunchConfig
     split_out: torch.Tensor | None = None  # [T, Hq, num_splits, D] fp32: each split's normalised output
     split_lse: torch.Tensor | None = None  # [T, Hq, num_splits] fp32: each split's LSE (log2 domain)
+    # [query tiles, Hkv] int32: the splits of a query tile that have stored their partials; zero between
+    # launches (the last split resets it), so every layer and every graph replay starts from zero.
+    split_counters: torch.Tensor | None = None
 
 
 @functools.cache
@@ -102,13 +138,27 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(num_rows: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int) -> int:
-    """Splits per row for a decode-only batch: enough programs to fill the GPU, none shorter than
-    MIN_KEYS_PER_SPLIT keys at the longest row. Host ints only, so a captured graph stays valid."""
-    programs = max(num_rows * num_kv_heads, 1)
-    wanted = triton.cdiv(SPLIT_TARGET_PROGRAMS_PER_SM * num_sms, programs)
-    useful = triton.cdiv(max_seq_len, max(MIN_KEYS_PER_SPLIT, tile_n))
-    return max(1, min(wanted, useful, MAX_KV_SPLITS))
+def choose_num_splits(
+    num_rows: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int, *, num_tokens: int = 0,
+    max_query_len: int = 1, block_q: int = 1, scratch_bytes_per_split: int = 0,
+) -> int:
+    """Splits of each query tile's key range: enough programs to fill the GPU, none shorter than a few
+    keys at the longest row. Host ints only (max_seq_len may be an upper bound), so a captured graph
+    stays valid.
+
+    Decode-only batches (max_query_len <= 1) count one program per row and kv head. Prefill-carrying
+    batches count the fewest query tiles ``num_tokens`` can fill (``block_q`` tokens each: a graph's
+    padded rows hold no tokens), and keep the partials within MAX_SPLIT_SCRATCH_BYTES."""
+    if max_query_len <= 1:
+        programs = max(num_rows * num_kv_heads, 1)
+        wanted = triton.cdiv(SPLIT_TARGET_PROGRAMS_PER_SM * num_sms, programs)
+        useful = triton.cdiv(max_seq_len, max(MIN_KEYS_PER_SPLIT, tile_n))
+        return max(1, min(wanted, useful, MAX_KV_SPLITS))
+    programs = max(triton.cdiv(num_tokens, block_q) * num_kv_heads, 1)
+    wanted = PREFILL_SPLIT_PROGRAMS_PER_SM * num_sms // programs
+    useful = triton.cdiv(triton.cdiv(max_seq_len, tile_n), PREFILL_MIN_SPLIT_TILES)
+    affordable = MAX_SPLIT_SCRATCH_BYTES // max(scratch_bytes_per_split, 1)
+    return max(1, min(wanted, useful, affordable, MAX_KV_SPLITS))
 
 
 def _default_tiles(
@@ -134,10 +184,11 @@ def _default_tiles(
 def launch_config(
     head_dim: int, group: int, dtype: torch.dtype, max_query_len: int, num_rows: int, num_kv_heads: int,
     max_seq_len: int, num_sms: int, num_kv_splits: int | None = None, tile_n: int | None = None,
-    block_m: int | None = None,
+    block_m: int | None = None, num_tokens: int | None = None,
 ) -> LaunchConfig:
-    """The heuristic tiles, with overrides: ``num_kv_splits`` (1: split-KV off; > 1: forced, decode-only),
-    ``tile_n`` and ``block_m`` (powers of two; tests use small ones to cross many tiles cheaply)."""
+    """The heuristic tiles, with overrides: ``num_kv_splits`` (1: split-KV off; > 1: forced, down to one
+    K/V tile per split), ``tile_n`` and ``block_m`` (powers of two; tests use small ones to cross many
+    tiles cheaply). ``num_tokens`` (default: one per row) sizes prefill splits and their scratch."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"head_dim {head_dim} not supported; one of {SUPPORTED_HEAD_DIMS}")
     default_m, default_n, warps, stages = _default_tiles(head_dim, group, dtype, max_query_len)
@@ -146,16 +197,23 @@ def launch_config(
     if not pow2 or block_m < max(MIN_DOT, group) or tile_n < MIN_DOT:
         raise ValueError(f"block_m {block_m} / tile_n {tile_n}: powers of two >= {MIN_DOT} and the group")
     is_decode = max_query_len <= 1
-    if num_kv_splits is None and is_decode:
-        num_kv_splits = choose_num_splits(num_rows, num_kv_heads, max_seq_len, tile_n, num_sms)
-    num_kv_splits = num_kv_splits or 1
-    if num_kv_splits > 1 and not is_decode:
-        raise ValueError("split-KV serves decode-only batches (max_query_len == 1)")
-    if num_kv_splits > 1 and dtype != torch.float32:
+    block_q = block_m // group
+    num_tokens = num_rows if num_tokens is None else num_tokens
+    min_split_tiles = 1
+    if num_kv_splits is None:
+        num_heads = group * num_kv_heads
+        num_kv_splits = choose_num_splits(
+            num_rows, num_kv_heads, max_seq_len, tile_n, num_sms, num_tokens=num_tokens,
+            max_query_len=max_query_len, block_q=block_q,
+            scratch_bytes_per_split=num_tokens * num_heads * (head_dim + 1) * torch.float32.itemsize)
+        min_split_tiles = (triton.cdiv(MIN_KEYS_PER_SPLIT, tile_n) if is_decode
+                           else PREFILL_MIN_SPLIT_TILES)
+    num_kv_splits = max(1, num_kv_splits)
+    if num_kv_splits > 1 and is_decode and dtype != torch.float32:
         stages = SPLIT_NUM_STAGES
-    return LaunchConfig(block_m=block_m, block_q=block_m // group, tile_n=tile_n, num_warps=warps,
-                        num_stages=stages, num_splits=max(1, num_kv_splits),
-                        heads_fastest=is_decode and DECODE_HEADS_FASTEST)
+    return LaunchConfig(block_m=block_m, block_q=block_q, tile_n=tile_n, num_warps=warps,
+                        num_stages=stages, num_splits=num_kv_splits,
+                        heads_fastest=is_decode and DECODE_HEADS_FASTEST, min_split_tiles=min_split_tiles)
 
 
 def plan_paged_attention(
@@ -165,12 +223,14 @@ def plan_paged_attention(
 ) -> PagedAttentionPlan:
     """The launch config and split-KV scratch for a step; shapes come from host ints only."""
     config = launch_config(head_dim, num_heads // num_kv_heads, dtype, max_query_len, num_rows, num_kv_heads,
-                           max_seq_len, _num_sms(device), num_kv_splits, tile_n, block_m)
+                           max_seq_len, _num_sms(device), num_kv_splits, tile_n, block_m, num_tokens)
     plan = PagedAttentionPlan(config)
     if config.num_splits > 1:
         shape = (num_tokens, num_heads, config.num_splits)
         plan.split_out = torch.empty(*shape, head_dim, dtype=torch.float32, device=device)
         plan.split_lse = torch.empty(*shape, dtype=torch.float32, device=device)
+        num_tiles = num_tokens // config.block_q + num_rows
+        plan.split_counters = torch.zeros(num_tiles, num_kv_heads, dtype=torch.int32, device=device)
     return plan
 
 
@@ -207,7 +267,7 @@ def _attend_tile(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
     tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, MASKED: tl.constexpr,
 ):
     """One online-softmax step of q ([BLOCK_M, D]) over K/V tile ``tile`` of one row and kv head.
 
@@ -251,7 +311,13 @@ def _attend_tile(
         v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
     else:
         v = tl.load(v_ptrs)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None]
+    p_hi = p.to(v.dtype)
+    if PRECISE_PV:
+        # What rounding p to 16 bits lost, itself in 16 bits: p_hi + p_lo holds ~16 mantissa bits.
+        p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+        acc = tl.dot(p_lo, v, acc, input_precision=DOT_PRECISION)
+    acc = tl.dot(p_hi, v, acc, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
 
 
@@ -260,7 +326,7 @@ def _attend_tiles(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
     tile_lo, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
 ):
     """Online softmax over K/V tiles [tile_lo, tile_hi), carrying (acc [BLOCK_M, D], m, l [BLOCK_M]):
     unnormalised, log2 domain. A query that saw no key keeps m = -inf, l = 0, acc = 0."""
@@ -272,14 +338,14 @@ def _attend_tiles(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
                 qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, MASKED)
+                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, MASKED)
             tile += 1
     else:
         for tile in range(tile_lo, tile_hi):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
                 qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, MASKED)
+                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, MASKED)
     return acc, m_i, l_i
 
 
@@ -289,7 +355,8 @@ def _attend_range(
     tile_lo, tile_hi, first_q_pos,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-    SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr,
+    SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """Attend q over K/V tiles [tile_lo, tile_hi): tiles wholly at or before ``first_q_pos`` (the first
     query of the tile) skip the masks; the rest, and every tile under a sliding window, are masked."""
@@ -302,26 +369,33 @@ def _attend_range(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
             qk_scale, tile_lo, mid, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, False)
+            BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED, False)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
         qk_scale, mid, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED, True)
+        BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED, True)
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_rows", "stride_bt"], do_not_specialize_on_alignment=_SLICED_ROW_ARRAYS)
+@triton.jit(do_not_specialize=["num_rows", "stride_bt", *_SPLIT_ARGS],
+            do_not_specialize_on_alignment=_SLICED_ROW_ARRAYS)
 def _paged_attention_kernel(
-    out_ptr, lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale, num_rows,
+    out_ptr, lse_ptr, split_out_ptr, split_lse_ptr, split_counters_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, num_rows,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_t,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
+    stride_so_t, stride_so_h, stride_sl_t, stride_sl_h, stride_counter,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, num_splits,
     GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, STORE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid (T // BLOCK_Q + R, Hkv), or (Hkv, T // BLOCK_Q + R) with HEADS_FASTEST: one query tile of one
-    row, all GROUP query heads of one kv head."""
+    """Grid (T // BLOCK_Q + R, Hkv[, num_splits]), or (Hkv, T // BLOCK_Q + R[, num_splits]) with
+    HEADS_FASTEST: one query tile of one row, all GROUP query heads of one kv head, and with SPLIT_KV
+    one split of the keys that tile sees.
+
+    With SPLIT_KV a query tile whose keys make one split is written by that split alone; otherwise each
+    of its splits stores its partial and counts itself in, and the last to arrive combines them."""
     pdl_prologue(PDL)
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
@@ -356,108 +430,96 @@ def _paged_attention_kernel(
     tile_lo = 0
     if SLIDING_WINDOW > 0:
         tile_lo = tl.maximum(context_len + q_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0) // TILE_N
+    if SPLIT_KV:
+        # Balanced on the device: split s takes its share of those tiles, at least MIN_SPLIT_TILES of
+        # them (num_splits is a host-side bound, possibly from max_model_len).
+        split = tl.program_id(2)
+        num_kv_tiles = tile_hi - tile_lo
+        used_splits = tl.maximum(tl.minimum(tl.cdiv(num_kv_tiles, MIN_SPLIT_TILES), num_splits), 1)
+        per_split = tl.maximum(tl.cdiv(num_kv_tiles, used_splits), 1)
+        used_splits = tl.cdiv(num_kv_tiles, per_split)  # the rounding up may leave the last ones empty
+        if split >= used_splits:  # no keys here, and the tile's last split does not wait for this one
+            return
+        # Never negative; saying so spares the K/V address math its signed-division fixups (~40% more
+        # integer instructions in the loop at Llama-8B prefill tiles, per the SASS).
+        tile_lo = tl.maximum(tile_lo + split * per_split, 0)
+        tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
     acc, m_i, l_i = _attend_range(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
         q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi, context_len + q_tile * BLOCK_Q,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED)
+        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED)
 
     # A query that saw no key: zeros and lse -inf, never 0/0.
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    tl.store(out_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=q_ok[:, None])
-    if STORE_LSE:
-        lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
-        tl.store(lse_ptr + token * stride_lse_t + head, lse, mask=q_ok)
+    lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    out_rows = out_ptr + token * stride_ot + head * stride_oh  # [BLOCK_M]
+    lse_rows = lse_ptr + token * stride_lse_t + head
+    if SPLIT_KV:
+        if used_splits == 1:
+            _store_out(out_rows, lse_rows, out, lse2, q_ok, HEAD_DIM, STORE_LSE)
+        else:
+            split_rows = split_out_ptr + token * stride_so_t + head * stride_so_h  # [BLOCK_M], at split 0
+            split_lses = split_lse_ptr + token * stride_sl_t + head * stride_sl_h
+            tl.store(split_rows[:, None] + split * HEAD_DIM + offs_d[None, :], out, mask=q_ok[:, None])
+            tl.store(split_lses + split, lse2, mask=q_ok)
+            # Every thread's stores precede the count: the barrier orders them within the program, the
+            # release half of the gpu-scope atomic publishes them to the program that arrives last.
+            tl.debug_barrier()
+            counter = split_counters_ptr + tile_idx * stride_counter + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == used_splits - 1:
+                # The acquire half makes the other splits' partials visible; the barrier orders every
+                # thread's loads after it.
+                tl.debug_barrier()
+                final, final_lse = _combine_splits(used_splits, split_rows, split_lses, q_ok, BLOCK_M,
+                                                   HEAD_DIM)
+                _store_out(out_rows, lse_rows, final, final_lse, q_ok, HEAD_DIM, STORE_LSE)
+                tl.store(counter, 0)  # every split has counted in: ready for the next launch
+    else:
+        _store_out(out_rows, lse_rows, out, lse2, q_ok, HEAD_DIM, STORE_LSE)
 
 
-@triton.jit(do_not_specialize=["stride_bt", *_SPLIT_ARGS], do_not_specialize_on_alignment=_SLICED_ROW_ARRAYS)
-def _split_kv_kernel(
-    split_out_ptr, split_lse_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr,
-    block_tables_ptr, qk_scale,
-    stride_qt, stride_qh, stride_so_t, stride_so_h, stride_sl_t, stride_sl_h,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt,
-    num_splits, GROUP: tl.constexpr, BLOCK_M: tl.constexpr, TILE_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, INTERPRETED: tl.constexpr, PDL: tl.constexpr,
-):
-    """Grid (R, Hkv, num_splits): one decode token's GROUP heads over one split of the row's KV range.
-
-    Every split of a row with a token writes its partial (zeros, lse -inf when it got no tile), so the
-    reduce never reads unwritten scratch."""
-    pdl_prologue(PDL)
-    row = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + row)
-    q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
-    if q_len == 0:
-        return
-    seq_len = tl.load(seq_lens_ptr + row)
-
-    offs_m = tl.arange(0, BLOCK_M)
+@triton.jit
+def _store_out(out_rows, lse_rows, out, lse2, q_ok, HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr):
+    """out [BLOCK_M, D] in out's dtype at row pointers ``out_rows`` and, if asked, lse2 [BLOCK_M] (log2
+    domain) as a natural log."""
     offs_d = tl.arange(0, HEAD_DIM)
-    head = kv_head * GROUP + offs_m
-    q_ok = offs_m < GROUP
-    q_pos = tl.zeros([BLOCK_M], dtype=tl.int32) + (seq_len - 1)
-    token = q_start.to(tl.int64)
-    q = tl.load(q_ptr + token * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=q_ok[:, None], other=0.0)
+    tl.store(out_rows[:, None] + offs_d[None, :], out.to(out_rows.dtype.element_ty), mask=q_ok[:, None])
+    if STORE_LSE:
+        tl.store(lse_rows, lse2 * _LN2, mask=q_ok)
 
-    # Balanced on the device: split s takes its share of the tiles this row's query can see.
-    key_lo = 0
-    if SLIDING_WINDOW > 0:
-        key_lo = tl.maximum(seq_len - SLIDING_WINDOW, 0)
-    first_tile = key_lo // TILE_N
-    end_tile = tl.cdiv(seq_len, TILE_N)
-    per_split = tl.cdiv(end_tile - first_tile, num_splits)
-    tile_lo = first_tile + split * per_split
-    tile_hi = tl.minimum(tile_lo + per_split, end_tile)
 
-    acc, m_i, l_i = _attend_range(
-        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
-        q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi, seq_len - 1,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, INTERPRETED)
-
+@triton.jit
+def _combine_splits(used_splits, split_rows, split_lses, q_ok, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The query tile's partials (split s at ``split_rows + s * HEAD_DIM``, its LSE at ``split_lses + s``)
+    merged by their LSEs (log2 domain): (out [BLOCK_M, D], lse2 [BLOCK_M]). A row no split saw gets zeros
+    and lse -inf, never NaN."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # weights relative to m_i
+    s = 0
+    while s < used_splits:
+        # Straight from L2 (.cg): other multiprocessors stored these, and this one's L1 may hold stale
+        # lines of the same scratch from an earlier layer.
+        lse_s = tl.load(split_lses + s, mask=q_ok, other=float("-inf"), cache_modifier=".cg")
+        part = tl.load(split_rows[:, None] + s * HEAD_DIM + offs_d[None, :], mask=q_ok[:, None], other=0.0,
+                       cache_modifier=".cg")
+        m_new = tl.maximum(m_i, lse_s)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        weight = tl.exp2(lse_s - m_safe)  # exactly 0 for a row this split did not see
+        acc = acc * alpha[:, None] + part * weight[:, None]
+        l_i = l_i * alpha + weight
+        m_i = m_new
+        s += 1
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    so = split_out_ptr + token * stride_so_t + split * HEAD_DIM
-    tl.store(so + head[:, None] * stride_so_h + offs_d[None, :], out, mask=q_ok[:, None])
-    tl.store(split_lse_ptr + token * stride_sl_t + head * stride_sl_h + split, lse2, mask=q_ok)
-
-
-@triton.jit(do_not_specialize=_SPLIT_ARGS)
-def _reduce_splits_kernel(
-    out_ptr, lse_ptr, split_out_ptr, split_lse_ptr,
-    stride_ot, stride_oh, stride_lse_t, stride_so_t, stride_so_h, stride_sl_t, stride_sl_h,
-    num_splits, SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr, PDL: tl.constexpr,
-):
-    """Grid (T, Hq): combine a token's per-split partials by their LSEs; empty splits weigh nothing."""
-    pdl_prologue(PDL)
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
-    lse2 = tl.load(split_lse_ptr + token * stride_sl_t + head * stride_sl_h + offs_s,
-                   mask=offs_s < num_splits, other=float("-inf"))
-    lse_max = tl.max(lse2, 0)
-    safe_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
-    weight = tl.exp2(lse2 - safe_max)  # exactly 0 for an empty split
-    used = weight > 0
-    part = tl.load(split_out_ptr + token * stride_so_t + head * stride_so_h + offs_s[:, None] * HEAD_DIM
-                   + offs_d[None, :], mask=used[:, None], other=0.0)
-    denom = tl.sum(weight, 0)
-    seen = denom > 0
-    out = tl.sum(part * weight[:, None], 0) / tl.where(seen, denom, 1.0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
-    if STORE_LSE:
-        lse = tl.where(seen, (safe_max + tl.log2(tl.where(seen, denom, 1.0))) * _LN2,
-                       float("-inf"))
-        tl.store(lse_ptr + token * stride_lse_t + head, lse)
+    return out, lse2
 
 
 # ---- Entry point ----------------------------------------------------------------------------------------
@@ -471,7 +533,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of every query token of a mixed batch over its row's paged K/V; writes and returns out.
 
-    q, out: [T, Hq, D] (last dim contiguous); k_cache, v_cache: [num_blocks, block_size, Hkv, D];
+    q, out: [T, Hq, D] (last dim contiguous; out in q's dtype, or fp32 to keep the result unrounded);
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D];
     query_start_loc: [R + 1] int32; seq_lens: [R] int32 (cached context + this step's tokens);
     block_tables: [R, max_blocks] int32; max_query_len / max_seq_len: host-side upper bounds;
     sliding_window: 0 for none, else key p is visible to query position i iff i - W < p <= i;
@@ -494,6 +557,7 @@ def paged_attention(
         BLOCK_SIZE=k_cache.shape[1], SLIDING_WINDOW=sliding_window,
         # fp32 (tests, debugging) must not silently drop to tf32; 16-bit inputs keep Triton's default.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
+        PRECISE_PV=_precise_pv and q.dtype != torch.float32,
         INTERPRETED=bool(triton.knobs.runtime.interpret),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q),
     )
@@ -501,29 +565,25 @@ def paged_attention(
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     qk_scale = scale * LOG2E
     lse_arg = lse if lse is not None else out  # never written when STORE_LSE is off
-    if cfg.num_splits == 1:
-        num_tiles = num_tokens // cfg.block_q + num_rows
-        heads_fastest = cfg.heads_fastest and num_tiles <= MAX_GRID_Y
-        grid = (num_kv_heads, num_tiles) if heads_fastest else (num_tiles, num_kv_heads)
-        _paged_attention_kernel[grid](
-            out, lse_arg, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, qk_scale, num_rows,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), lse_arg.stride(0), *cache_strides,
-            BLOCK_Q=cfg.block_q, STORE_LSE=lse is not None, HEADS_FASTEST=heads_fastest, **common)
-        return out
-    split_out, split_lse = plan.split_out, plan.split_lse
-    if split_out is None or split_out.shape[0] < num_tokens or split_out.shape[1:] != (
-            num_heads, cfg.num_splits, head_dim):
-        raise ValueError("plan scratch does not fit this call; plan with the same shapes")
-    _split_kv_kernel[(num_rows, num_kv_heads, cfg.num_splits)](
-        split_out, split_lse, q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, qk_scale,
-        q.stride(0), q.stride(1), split_out.stride(0), split_out.stride(1), split_lse.stride(0),
-        split_lse.stride(1), *cache_strides, cfg.num_splits, **common)
-    _reduce_splits_kernel[(num_tokens, num_heads)](
-        out, lse_arg, split_out, split_lse,
-        out.stride(0), out.stride(1), lse_arg.stride(0), split_out.stride(0), split_out.stride(1),
-        split_lse.stride(0), split_lse.stride(1),
-        cfg.num_splits, SPLITS_PAD=triton.next_power_of_2(cfg.num_splits), HEAD_DIM=head_dim,
-        STORE_LSE=lse is not None, **pdl_args(q))
+    num_tiles = num_tokens // cfg.block_q + num_rows
+    heads_fastest = cfg.heads_fastest and num_tiles <= MAX_GRID_Y
+    grid = (num_kv_heads, num_tiles) if heads_fastest else (num_tiles, num_kv_heads)
+    split_kv = cfg.num_splits > 1
+    if split_kv:
+        split_out, split_lse, counters = plan.split_out, plan.split_lse, plan.split_counters
+        if (split_out is None or counters is None or split_out.shape[0] < num_tokens
+                or split_out.shape[1:] != (num_heads, cfg.num_splits, head_dim)
+                or counters.shape[0] < num_tiles or counters.shape[1] != num_kv_heads):
+            raise ValueError("plan scratch does not fit this call; plan with the same shapes")
+        grid = (*grid, cfg.num_splits)
+    else:
+        split_out = split_lse = counters = out  # never touched without SPLIT_KV
+    _paged_attention_kernel[grid](
+        out, lse_arg, split_out, split_lse, counters, q, k_cache, v_cache, query_start_loc, seq_lens,
+        block_tables, qk_scale, num_rows, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        lse_arg.stride(0), split_out.stride(0), split_out.stride(1), split_lse.stride(0), split_lse.stride(1),
+        counters.stride(0), *cache_strides, cfg.num_splits, BLOCK_Q=cfg.block_q, STORE_LSE=lse is not None,
+        SPLIT_KV=split_kv, MIN_SPLIT_TILES=cfg.min_split_tiles, HEADS_FASTEST=heads_fastest, **common)
     return out
 
 
