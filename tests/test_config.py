@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from plait.config import EngineConfig, default_token_budget
-from plait.runner.cuda_graphs import graph_shapes, token_buckets
+from plait.runner.cuda_graphs import FEW_PROMPT_ROWS, graph_shapes, token_buckets
 
 GB = 1024**3
 
@@ -57,3 +57,14 @@ def test_mixed_graph_token_buckets_are_whole_row_tiles_up_to_the_cap():
     assert {s.num_tokens for s in shapes if s.is_mixed} == {32, 64, 128, 256}
     assert all(s.num_rows == 9 for s in shapes if s.is_mixed)  # a spare row for the pad tokens
     assert {s.decode_rows for s in shapes if not s.is_mixed} == {1, 2, 4, 8}
+
+
+def test_mixed_graph_shapes_come_with_few_prompt_rows_first():
+    """Every prompt row owns attention tiles, empty or not: each mixed size has a shape with room for
+    FEW_PROMPT_ROWS prompt rows, tried before the one with room for every row."""
+    shapes = graph_shapes(64, 256, 4096)
+    for d in (0, 4, 64):
+        rows = sorted({s.num_rows for s in shapes if s.decode_rows == d and s.num_tokens == 256})
+        assert rows == sorted({min(d + FEW_PROMPT_ROWS, 64) + 1, 65})
+    graphs = sorted(shapes, key=lambda s: (s.num_tokens, s.num_rows))
+    assert next(s for s in graphs if s.is_mixed and s.decode_rows == 4).num_rows == 4 + FEW_PROMPT_ROWS + 1

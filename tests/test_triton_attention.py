@@ -275,8 +275,8 @@ def test_prefill_split_heuristic_balances_on_the_device():
     specs = [(150, 4), (3, 2), (0, 1), (90, 3)]
     b = make_batch(specs, 4, 2, 1, 32, torch.float32, CPU, seed=3)
     out, lse, plan = run_kernel(b, 0.3, tile_n=16, block_m=16, query_len_slack=60, seq_len_slack=500)
-    # 10 tokens fill at least 2 query tiles of 8 tokens: 2 programs, wanted 2 * CPU_NUM_SMS // 2 = 8.
-    assert plan.config.num_splits == 8 and plan.config.min_split_tiles == PREFILL_MIN_SPLIT_TILES
+    # 10 tokens fill at least 2 query tiles of 8 tokens: 2 programs, wanted CPU_NUM_SMS // 2 = 4.
+    assert plan.config.num_splits == 4 and plan.config.min_split_tiles == PREFILL_MIN_SPLIT_TILES
     assert_matches(out, lse, *reference(b, 0.3), ATOL[torch.float32])
 
 
@@ -306,22 +306,22 @@ def test_prefill_split_count_heuristic():
                                  max_query_len=min(num_tokens, 256), block_q=block_q,
                                  scratch_bytes_per_split=num_tokens * scratch)
 
-    # A 256-token chunk: 8 query tiles x 8 kv heads = 64 programs; 4 splits make 256, two per SM.
-    assert splits(256, 2048 + 256) == 4
-    assert splits(256, 8192, num_rows=200) == 4  # a graph: max_model_len, padded rows
+    # A 256-token chunk: 8 query tiles x 8 kv heads = 64 programs; 2 splits make 128, one wave.
+    assert splits(256, 2048 + 256) == 2
+    assert splits(256, 8192, num_rows=200) == 2  # a graph: max_model_len, padded rows
     # A 2048-token chunk fills the GPU alone; a short context gives no split PREFILL_MIN_SPLIT_TILES tiles.
     assert splits(2048, 4096) == 1
     assert splits(256, 256) == 1
-    assert splits(32, 1 << 17) == 2 * sms // 8  # one query tile: 33 splits
+    assert splits(32, 1 << 17) == sms // 8  # one query tile: 16 splits
     # The partials stay within MAX_SPLIT_SCRATCH_BYTES (with these shapes they need ~17 MB at most).
     assert choose_num_splits(1, 8, 1 << 17, 64, sms, num_tokens=32, max_query_len=32, block_q=32,
                              scratch_bytes_per_split=MAX_SPLIT_SCRATCH_BYTES // 3) == 3
     cfg = launch_config(128, 4, torch.bfloat16, 256, 1, 8, 2304, sms, num_tokens=256)
-    assert (cfg.block_m, cfg.num_splits, cfg.min_split_tiles) == (128, 4, PREFILL_MIN_SPLIT_TILES)
+    assert (cfg.block_m, cfg.num_splits, cfg.min_split_tiles) == (128, 2, PREFILL_MIN_SPLIT_TILES)
     # Forced counts are taken as they are, down to one K/V tile per split.
     cfg = launch_config(128, 4, torch.bfloat16, 256, 1, 8, 2304, sms, num_kv_splits=3, num_tokens=256)
     assert (cfg.num_splits, cfg.min_split_tiles) == (3, 1)
-    plan = plan_paged_attention(4, 1, 16, 8, 128, torch.bfloat16, 4, 32768, CPU)
+    plan = plan_paged_attention(4, 1, 16, 2, 128, torch.bfloat16, 4, 32768, CPU)  # 2 programs on 8 SMs
     assert plan.config.num_splits > 1 and plan.split_out.shape == (4, 16, plan.config.num_splits, 128)
 
 

@@ -71,8 +71,9 @@ MIN_KEYS_PER_SPLIT = 64  # one decode tile: small batches are latency-bound, so 
 MAX_KV_SPLITS = 64
 # Split-KV of prefill-carrying batches. A prefill program (BLOCK_M 128, 8 warps) fills a multiprocessor's
 # registers, so about one runs per SM at a time: the split count is the most that keeps the programs
-# within this many per SM (whole waves; a third, part-filled wave would cost as much as a full one) ...
-PREFILL_SPLIT_PROGRAMS_PER_SM = 2
+# within one wave. (H200, W4's 256-token chunk after 2048 / 3840 cached, 32 layers: 2 splits 1.61 / 2.44
+# ms, 4 splits 2.23 / 3.04, none 2.23 / 3.84; benchmarks/results/attention_steps_h200.json) ...
+PREFILL_SPLIT_PROGRAMS_PER_SM = 1
 # ... with every split at least this many K/V tiles (checked on the device against each query tile's
 # real range, so a graph captured for max_model_len does not split short contexts), ...
 PREFILL_MIN_SPLIT_TILES = 4

@@ -72,21 +72,23 @@ def _rope_store_kernel(
     d_mask = d < HALF
     cos = tl.load(cs_ptr + pos * s_cs + d, mask=d_mask, other=0.0)
     sin = tl.load(cs_ptr + pos * s_cs + HALF + d, mask=d_mask, other=0.0)
+    # (The branches name their head blocks apart: compiled Triton merges a name bound in both branches,
+    # and the two blocks differ in size.)
     if hb < q_blocks:
-        heads = hb * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
-        _rotate_rows(q_ptr + tok * sq_t, q_out_ptr + tok * sqo_t, heads, HQ, sq_h, sqo_h, cos, sin, d, d_mask,
-                     HALF, PASS, BLOCK_PASS)
+        q_heads = hb * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
+        _rotate_rows(q_ptr + tok * sq_t, q_out_ptr + tok * sqo_t, q_heads, HQ, sq_h, sqo_h, cos, sin, d,
+                     d_mask, HALF, PASS, BLOCK_PASS)
     else:
         slot = tl.load(slot_ptr + tok)
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
-        heads = (hb - q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)
+        kv_heads = (hb - q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)
         k_dst = k_cache_ptr + block * skc_block + offset * skc_pos
-        _rotate_rows(k_ptr + tok * sk_t, k_dst, heads, HKV, sk_h, skc_head, cos, sin, d, d_mask,
+        _rotate_rows(k_ptr + tok * sk_t, k_dst, kv_heads, HKV, sk_h, skc_head, cos, sin, d, d_mask,
                      HALF, PASS, BLOCK_PASS)
         dims = tl.arange(0, BLOCK_D)[None, :]
-        mask = (heads < HKV)[:, None] & (dims < HEAD_DIM)
-        v = tl.load(v_ptr + tok * sv_t + heads[:, None] * sv_h + dims, mask=mask)
-        v_dst = v_cache_ptr + block * svc_block + offset * svc_pos + heads[:, None] * svc_head + dims
+        mask = (kv_heads < HKV)[:, None] & (dims < HEAD_DIM)
+        v = tl.load(v_ptr + tok * sv_t + kv_heads[:, None] * sv_h + dims, mask=mask)
+        v_dst = v_cache_ptr + block * svc_block + offset * svc_pos + kv_heads[:, None] * svc_head + dims
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 

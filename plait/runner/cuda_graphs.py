@@ -27,6 +27,12 @@ MID_STEP, MID_LIMIT, LARGE_STEP = 8, 64, 16
 SMALL_TOKEN_BUCKETS = (32, 64)
 MAX_GRAPH_PROMPT_TOKENS = 1024
 WARMUP_RUNS = 2  # eager runs before a capture: compile kernels, settle library workspaces
+# Prompt rows of the first mixed shape of each size. Every row owns at least one query tile of the
+# prompt part's attention launch, empty or not; with room for max_num_seqs rows W4's 256-token chunk
+# launched ~250 tiles of empty rows per kv head and split, and its attention took 4.84 ms a step
+# instead of 3.03 (H200, 32 layers; benchmarks/results/attention_steps_h200.json). A step with more
+# prompt rows takes the shape with room for all.
+FEW_PROMPT_ROWS = 8
 
 
 def decode_buckets(max_rows: int) -> list[int]:
@@ -58,11 +64,13 @@ def token_buckets(decode_rows: int, max_prompt_tokens: int, max_tokens: int) -> 
 def graph_shapes(max_rows: int, max_prompt_tokens: int, max_tokens: int) -> list[GraphShape]:
     """Decode-only shapes (one row per bucket), and mixed shapes: decode parts of each bucket (or none)
     beside token buckets for up to ``max_prompt_tokens`` prompt tokens (at most ``max_tokens`` in all),
-    over max_rows + 1 rows (one row takes the pad tokens)."""
+    with room for FEW_PROMPT_ROWS prompt rows or for max_rows rows in all (and one for the pad tokens)."""
     decodes = decode_buckets(max_rows)
     shapes = [GraphShape(b, b, b) for b in decodes]
     for d in [0, *decodes]:
-        shapes += [GraphShape(d, t, max_rows + 1) for t in token_buckets(d, max_prompt_tokens, max_tokens)]
+        row_counts = sorted({min(d + FEW_PROMPT_ROWS, max_rows) + 1, max_rows + 1})
+        shapes += [GraphShape(d, t, r) for t in token_buckets(d, max_prompt_tokens, max_tokens)
+                   for r in row_counts]
     return shapes
 
 
