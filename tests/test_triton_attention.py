@@ -28,7 +28,7 @@ from plait.kernels.paged_attention import (  # noqa: E402
     paged_attention,
     paged_attention_ref,
     plan_paged_attention,
-    precise_pv_enabled,
+    precise_pv_mode,
     set_precise_pv,
 )
 from plait.runner.forward_batch import build_forward_batch  # noqa: E402
@@ -187,7 +187,7 @@ def test_split_kv_matches_torch_ref(dtype, heads, splits, window):
 @pytest.fixture
 def precise_pv_switch():
     """set_precise_pv for one test; the module's setting is restored after it."""
-    before = precise_pv_enabled()
+    before = precise_pv_mode()
     yield set_precise_pv
     set_precise_pv(before)
 
@@ -207,8 +207,12 @@ def test_precise_pv_tracks_fp32_reference(precise_pv_switch, splits):
     b = make_batch(specs, 4, 4, 2, 32, torch.float16, CPU, seed=splits)
     ref = unrounded_reference(b, 0.3)
     errors, agree = {}, {}
-    for precise in (True, False):
-        precise_pv_switch(precise)
+    # "decode" (the default) splits P in decode-only launches alone: the decode batch (run with splits)
+    # is precise under it, the mixed batch is not.
+    decode_only = splits > 1
+    modes = [(True, "all"), (False, "off"), (decode_only, "decode")]
+    for precise, mode in modes:
+        precise_pv_switch(mode)
         out, _, plan = run_kernel(b, 0.3, num_kv_splits=splits, tile_n=16, block_m=16,
                                   out_dtype=torch.float32)
         assert plan.config.num_splits == splits

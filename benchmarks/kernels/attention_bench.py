@@ -27,7 +27,7 @@ from plait.kernels.paged_attention import (
     PagedAttentionPlan,
     paged_attention,
     plan_paged_attention,
-    precise_pv_enabled,
+    precise_pv_mode,
     set_precise_pv,
 )
 
@@ -224,7 +224,7 @@ def bench_steps(device: torch.device) -> list[dict]:
     heuristic, as before prompt launches could split) and to the launch of a decode step; every step also
     runs the heuristic under a graph's bounds (max_seq_len = max_model_len, padded prompt rows)."""
     name, hq, hkv, d = STEP_MODEL
-    precise_before = precise_pv_enabled()
+    precise_before = precise_pv_mode()
     cases = [(case, decodes, prompts) for case, decodes, prompts in MIXED_STEPS]
     cases += [(f"batch-1 decode @{c}", [(c, 1)], []) for c in DECODE_B1_CONTEXTS]
     results = []
@@ -239,7 +239,7 @@ def bench_steps(device: torch.device) -> list[dict]:
                 # The last part's split count varies; decodes beside a prompt keep the heuristic.
                 plans = [part.plan(None) for part in parts[:-1]] + [parts[-1].plan(splits)]
                 for precise in (True, False):
-                    set_precise_pv(precise)
+                    set_precise_pv("all" if precise else "off")
                     ms = step_ms(parts, plans)
                     results.append(dict(model=name, case=case, split=_split_name(splits),
                                         graph_bounds=graph_bounds, precise_pv=precise, ms=ms,

@@ -20,9 +20,8 @@ One kernel, its launch shape chosen on the host from host ints only (CUDA-graph 
   LSEs, writes out and resets the counter, so no second launch is needed.
 
 Scores are kept in the log2 domain (log2(e) folded into the scale, exp2 throughout); LSEs returned to
-callers are natural logs. With 16-bit inputs P.V is computed as two 16-bit dots (P = P_hi + P_lo), so P
-carries ~16 mantissa bits instead of bf16's 8 (``PLAIT_ATTN_PRECISE_PV=0``: P rounded once, as flash
-attention does).
+callers are natural logs. With 16-bit inputs a decode launch computes P.V as two 16-bit dots (P = P_hi +
+P_lo), so P carries ~16 mantissa bits instead of bf16's 8 (``PLAIT_ATTN_PRECISE_PV``: off, decode, all).
 """
 
 from __future__ import annotations
@@ -85,22 +84,38 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 # P.V with P split into two 16-bit terms for 16-bit inputs. Rounding P to bf16 once (8 mantissa bits) is
-# the largest error beside torch_ref's fp32 math (QK^T of bf16 inputs is exact in fp32): greedy bf16
-# decoding of a random model forked from torch_ref on 16-39% of prompts, always at near-tied logits.
-# PLAIT_ATTN_PRECISE_PV=0 turns it off (A/B of cost and agreement).
+# the largest error beside torch_ref's fp32 math (QK^T of bf16 inputs is exact in fp32). Where it is done:
+# "decode" (the default): launches of one-token rows only. They are bound by reading K/V, so the second
+#   dot is almost free (+0.4 us a Llama-8B layer at batch 1, H200).
+# "all": prompt chunks too, where tl.dot is the work: +25% attention time on W4's 256-token chunks
+#   (benchmarks/results/attention_steps_h200.json). Greedy bf16 decoding of a random model then agreed
+#   with torch_ref on 84% / 77% of prompts (head dims 64 / 128) for 32 tokens, against 83% / 61% with
+#   "off": any last-bit difference grows through bf16 activations, and random logits tie often.
+# "off": P rounded once, as flash attention does.
 PRECISE_PV_ENV = "PLAIT_ATTN_PRECISE_PV"
-_precise_pv = os.environ.get(PRECISE_PV_ENV, "1") != "0"
+PRECISE_PV_MODES = ("off", "decode", "all")
+_precise_pv = os.environ.get(PRECISE_PV_ENV) or "decode"
+if _precise_pv not in PRECISE_PV_MODES:
+    raise ValueError(f"{PRECISE_PV_ENV} must be one of {PRECISE_PV_MODES}, got {_precise_pv!r}")
 
 
-def set_precise_pv(enabled: bool) -> None:
-    """Turn the two-term P.V of 16-bit inputs on or off for later launches (tests, benchmarks)."""
+def set_precise_pv(mode: str) -> None:
+    """Where later launches split P into two terms: "off", "decode" or "all" (tests, benchmarks)."""
     global _precise_pv
-    _precise_pv = enabled
+    if mode not in PRECISE_PV_MODES:
+        raise ValueError(f"precise P.V mode must be one of {PRECISE_PV_MODES}, got {mode!r}")
+    _precise_pv = mode
 
 
-def precise_pv_enabled() -> bool:
-    """Whether 16-bit launches split P into two terms (PLAIT_ATTN_PRECISE_PV, or the last set_precise_pv)."""
+def precise_pv_mode() -> str:
+    """Where 16-bit launches split P into two terms (PLAIT_ATTN_PRECISE_PV, or the last set_precise_pv)."""
     return _precise_pv
+
+
+def _uses_precise_pv(dtype: torch.dtype, max_query_len: int) -> bool:
+    if dtype == torch.float32:
+        return False  # fp32 inputs already take IEEE dots
+    return _precise_pv == "all" or (_precise_pv == "decode" and max_query_len <= 1)
 
 
 @dataclass(frozen=True)
@@ -558,7 +573,7 @@ def paged_attention(
         BLOCK_SIZE=k_cache.shape[1], SLIDING_WINDOW=sliding_window,
         # fp32 (tests, debugging) must not silently drop to tf32; 16-bit inputs keep Triton's default.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else None,
-        PRECISE_PV=_precise_pv and q.dtype != torch.float32,
+        PRECISE_PV=_uses_precise_pv(q.dtype, max_query_len),
         INTERPRETED=bool(triton.knobs.runtime.interpret),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(q),
     )

@@ -55,10 +55,11 @@ def pdl_prologue(PDL: tl.constexpr):
     previous kernel's writes. Without PDL it compiles to nothing.
 
     Letting the successor launch before waiting is safe (its own wait is for this whole grid to finish)
-    and starts a chain early: behind the latency-bound kernels of a decode step (rotary, store-KV,
-    attention) the next matmul's programs are already resident and pulling their weights
-    (``prefetch_l2``) while attention runs. A kernel's whole grid must have launched before its
-    successor's programs are placed, so a large grid is never starved by the one behind it."""
+    and starts a chain of small kernels early: each is resident and waiting when its predecessor ends.
+    A kernel's whole grid must have launched before its successor's programs are placed, so a large
+    grid is never starved by the one behind it. (Having the o projection also pull its weights into L2
+    before its wait, behind attention, measured slower on an H200: 4.72 vs 4.58 ms a batch-1 Llama-8B
+    token, the prefetches crowding attention's loads.)"""
     if PDL:
         if _EARLY:
             gdc_launch_dependents()
@@ -67,10 +68,3 @@ def pdl_prologue(PDL: tl.constexpr):
             gdc_wait()
             gdc_launch_dependents()
 
-
-@triton.jit
-def prefetch_l2(ptrs):
-    """Ask L2 for the lines at ``ptrs`` (one address per 128-byte line is enough) without waiting for
-    them: what a kernel may do before its PDL wait with memory no earlier kernel writes (weights)."""
-    tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +21,7 @@ import triton
 import triton.language as tl
 
 from plait.kernels.activation import silu_and_mul_ref, silu_rounded
-from plait.kernels.pdl import pdl_args, pdl_prologue, prefetch_l2
+from plait.kernels.pdl import pdl_args, pdl_prologue
 
 # Largest row count routed here; beyond it the matmul is no longer bound by reading the weight.
 SKINNY_MAX_M = 16
@@ -42,12 +41,6 @@ MIN_BLOCK_K = 16  # tl.dot's smallest K
 MIN_K_PER_SPLIT = 512
 MAX_SPLIT_K = 16
 REDUCE_BLOCK = 1024
-# Weights up to this size are pulled into L2 before the PDL wait (prefetch_l2): the o projection of a
-# Llama-8B layer (33.5 MB) fits an H200's 60 MB L2 beside the KV it attends over; an lm_head (1 GB)
-# would only evict itself. PLAIT_GEMV_PREFETCH=0 turns it off (A/B comparisons).
-PREFETCH_MAX_BYTES = 40 << 20
-L2_LINE_BYTES = 128
-_prefetch_enabled = os.environ.get("PLAIT_GEMV_PREFETCH", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -250,8 +243,7 @@ def _skinny_kernel(
     STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TO_WORKSPACE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATE_UP: tl.constexpr, PRECISE: tl.constexpr, PREFETCH: tl.constexpr, LINE_ELEMS: tl.constexpr,
-    PDL: tl.constexpr,
+    GATE_UP: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k]; GATE_UP: out[m, n] = silu(gate[m, n]) * up[m, n] with the
     # up row of output n at weight row up_rows + n.
@@ -268,15 +260,6 @@ def _skinny_kernel(
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     up_off = up_rows * stride_wn
-    if PREFETCH:
-        # No earlier kernel writes the weights: pull this program's tile into L2 while the kernels before
-        # it (attention, at a decode step) still run, then read it from there after the wait.
-        line_k = k_lo + tl.arange(0, BLOCK_K // LINE_ELEMS) * LINE_ELEMS  # one address per line
-        lines = w_ptr + rows_n[:, None] * stride_wn + line_k[None, :]
-        for it in range(_trip_count(STATIC_K_ITERS, k_iters)):
-            prefetch_l2(lines + it * BLOCK_K)
-            if GATE_UP:
-                prefetch_l2(lines + up_off + it * BLOCK_K)
     pdl_prologue(PDL)
     if USE_DOT:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -356,10 +339,6 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
             if cfg.split_k > 1 else out)
     bias_arg = bias if bias is not None else out
     precise = x2.is_cuda
-    line_elems = L2_LINE_BYTES // weight.element_size()
-    pdl = pdl_args(x2)
-    prefetch = (_prefetch_enabled and pdl["PDL"] and cfg.block_k >= line_elems
-                and weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     _skinny_kernel[grid](
         x2, weight, bias_arg, out, part, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
@@ -368,7 +347,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
         TO_WORKSPACE=cfg.split_k > 1,
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         EVEN_K=even_k, HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise,
-        PREFETCH=prefetch, LINE_ELEMS=line_elems, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2),
     )
     if cfg.split_k > 1:
         block = min(REDUCE_BLOCK, triton.next_power_of_2(n))
