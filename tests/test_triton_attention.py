@@ -207,8 +207,8 @@ def test_precise_pv_tracks_fp32_reference(precise_pv_switch, splits):
     b = make_batch(specs, 4, 4, 2, 32, torch.float16, CPU, seed=splits)
     ref = unrounded_reference(b, 0.3)
     errors, agree = {}, {}
-    # "decode" (the default) splits P in decode-only launches alone: the decode batch (run with splits)
-    # is precise under it, the mixed batch is not.
+    # "decode" splits P in decode-only launches alone: the decode batch (run with splits) is precise under
+    # it, the mixed batch is not.
     decode_only = splits > 1
     modes = [(True, "all"), (False, "off"), (decode_only, "decode")]
     for precise, mode in modes:

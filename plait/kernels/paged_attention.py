@@ -20,8 +20,8 @@ One kernel, its launch shape chosen on the host from host ints only (CUDA-graph 
   LSEs, writes out and resets the counter, so no second launch is needed.
 
 Scores are kept in the log2 domain (log2(e) folded into the scale, exp2 throughout); LSEs returned to
-callers are natural logs. With 16-bit inputs a decode launch computes P.V as two 16-bit dots (P = P_hi +
-P_lo), so P carries ~16 mantissa bits instead of bf16's 8 (``PLAIT_ATTN_PRECISE_PV``: off, decode, all).
+callers are natural logs. With 16-bit inputs P.V can be computed as two 16-bit dots (P = P_hi + P_lo), so
+P carries ~16 mantissa bits instead of bf16's 8 (``PLAIT_ATTN_PRECISE_PV``: off, the default; decode; all).
 """
 
 from __future__ import annotations
@@ -84,17 +84,16 @@ MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 # P.V with P split into two 16-bit terms for 16-bit inputs. Rounding P to bf16 once (8 mantissa bits) is
-# the largest error beside torch_ref's fp32 math (QK^T of bf16 inputs is exact in fp32). Where it is done:
-# "decode" (the default): launches of one-token rows only. They are bound by reading K/V, so the second
-#   dot is almost free (+0.4 us a Llama-8B layer at batch 1, H200).
-# "all": prompt chunks too, where tl.dot is the work: +25% attention time on W4's 256-token chunks
-#   (benchmarks/results/attention_steps_h200.json). Greedy bf16 decoding of a random model then agreed
-#   with torch_ref on 84% / 77% of prompts (head dims 64 / 128) for 32 tokens, against 83% / 61% with
-#   "off": any last-bit difference grows through bf16 activations, and random logits tie often.
-# "off": P rounded once, as flash attention does.
+# the largest error beside torch_ref's fp32 math (QK^T of bf16 inputs is exact in fp32), but any last-bit
+# difference grows through bf16 activations, so fidelity buys little agreement: greedy bf16 decoding of a
+# random model agreed with torch_ref on 83% / 61% of prompts (head dims 64 / 128) for 32 tokens with
+# "off", 88% / 73% with "decode", 84% / 77% with "all" (one H200 run each). The cost: "decode" slowed
+# W1's decode steps by 5% (3.91 vs 3.71 s, same H200), "all" W4's 256-token chunks' attention by 25%.
+# "off" (the default): P rounded once, as flash attention does; "decode": launches of one-token rows
+# only; "all": prompt chunks too.
 PRECISE_PV_ENV = "PLAIT_ATTN_PRECISE_PV"
 PRECISE_PV_MODES = ("off", "decode", "all")
-_precise_pv = os.environ.get(PRECISE_PV_ENV) or "decode"
+_precise_pv = os.environ.get(PRECISE_PV_ENV) or "off"
 if _precise_pv not in PRECISE_PV_MODES:
     raise ValueError(f"{PRECISE_PV_ENV} must be one of {PRECISE_PV_MODES}, got {_precise_pv!r}")
 

@@ -247,6 +247,7 @@ def _skinny_kernel(
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k]; GATE_UP: out[m, n] = silu(gate[m, n]) * up[m, n] with the
     # up row of output n at weight row up_rows + n.
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -260,7 +261,6 @@ def _skinny_kernel(
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     up_off = up_rows * stride_wn
-    pdl_prologue(PDL)
     if USE_DOT:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
