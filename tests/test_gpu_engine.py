@@ -150,9 +150,10 @@ def test_triton_agrees_with_torch_ref_in_bf16(tmp_path, head_dim):
 
     The issue's bar (identical first 32 tokens on 90% of 64 prompts) assumes the decisive logits of
     a trained model. Random weights put the top two logits within 0.5% of a standard deviation on
-    about 2% of tokens, which bf16 attention rounding (P rounded to bf16 before P.V, as flash
-    attention does) flips: measured on an H200, 61-81% of prompts agreed, every fork at a gap of
-    0.0002-0.006 logit std, and the reference agreed with itself 100%."""
+    about 2% of tokens, and any last-bit difference in attention grows through the bf16 activations
+    until it flips such a tie: measured on an H200, 83% / 61% of prompts agreed (head dims 64 / 128),
+    every fork at a gap of 0.0002-0.009 logit std, and the reference agreed with itself 100%. Computing
+    P.V to fp32 accuracy (PLAIT_ATTN_PRECISE_PV) only moved that to 84-88% / 73-77%."""
     model = _config(tmp_path, head_dim)
     prompts = _prompts(head_dim)
     same = dict(enforce_eager=True, async_scheduling=False, max_num_batched_tokens=BUDGET)
