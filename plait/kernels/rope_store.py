@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from plait.kernels.pdl import pdl_args, pdl_prologue
-from plait.kernels.rotary import HEADS_PER_PROGRAM, rotary_ref, rotate_halves
+from plait.kernels.rotary import HEADS_PER_PROGRAM, load_cos_sin, rotary_ref, rotate_halves
 from plait.kernels.store_kv import check_store_args, store_kv_ref
 
 # Warps per program, as the rotary and store_kv launches this replaces use.
@@ -67,11 +67,7 @@ def _rope_store_kernel(
     pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    d = tl.arange(0, BLOCK_HALF)
-    d_mask = d < HALF
-    cos = tl.load(cs_ptr + pos * s_cs + d, mask=d_mask, other=0.0)
-    sin = tl.load(cs_ptr + pos * s_cs + HALF + d, mask=d_mask, other=0.0)
+    d, d_mask, cos, sin = load_cos_sin(cs_ptr, pos_ptr, tok, s_cs, HALF, BLOCK_HALF)
     # (The branches name their head blocks apart: compiled Triton merges a name bound in both branches,
     # and the two blocks differ in size.)
     if hb < q_blocks:

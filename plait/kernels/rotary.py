@@ -47,6 +47,17 @@ def _rotate_heads(src_ptr, dst_ptr, tok, heads, n_heads, s_tok, s_head, so_tok, 
 
 
 @triton.jit
+def load_cos_sin(cs_ptr, pos_ptr, tok, s_cs, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """(d, d_mask, cos, sin): the half-dim lanes and token ``tok``'s cos and sin at its position."""
+    pos = tl.load(pos_ptr + tok).to(tl.int64)
+    d = tl.arange(0, BLOCK)
+    d_mask = d < HALF
+    cos = tl.load(cs_ptr + pos * s_cs + d, mask=d_mask, other=0.0)
+    sin = tl.load(cs_ptr + pos * s_cs + HALF + d, mask=d_mask, other=0.0)
+    return d, d_mask, cos, sin
+
+
+@triton.jit
 def _rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, pos_ptr, cs_ptr,
     sq_t, sq_h, sk_t, sk_h, sqo_t, sqo_h, sko_t, sko_h, s_cs,
@@ -57,11 +68,7 @@ def _rotary_kernel(
     pdl_prologue(PDL)
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    d_mask = d < HALF
-    cos = tl.load(cs_ptr + pos * s_cs + d, mask=d_mask, other=0.0)
-    sin = tl.load(cs_ptr + pos * s_cs + HALF + d, mask=d_mask, other=0.0)
+    d, d_mask, cos, sin = load_cos_sin(cs_ptr, pos_ptr, tok, s_cs, HALF, BLOCK_D)
     if hb < q_blocks:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         _rotate_heads(q_ptr, q_out_ptr, tok, heads, HQ, sq_t, sq_h, sqo_t, sqo_h, cos, sin, d, d_mask, HALF)
