@@ -205,6 +205,15 @@ def rope_store_case(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype, seed:
     return q, k, v, cache.to(DEVICE), slots.to(DEVICE), positions.to(DEVICE)
 
 
+def rope_store_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         cos_sin: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotated q, a copy of ``cache`` after the reference's store): what the fused kernel must give."""
+    want_cache = cache.clone()
+    want_q = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots)
+    return want_q, want_cache
+
+
 def assert_caches_match(got: torch.Tensor, want: torch.Tensor, n_ulps: int) -> None:
     # Both padded rows write the pad block, in no set order on the GPU; nothing reads it.
     real = [b for b in range(got.shape[1]) if b != PAD_BLOCK_ID]
@@ -225,8 +234,7 @@ def test_rope_store_matches_rotary_then_store_kv(dtype, t, hq, hkv, d, rot):
     q, k, v, cache, slots, positions = rope_store_case(t, hq, hkv, d, dtype, seed=20)
     cos_sin = RotaryEmbedding(rot, ROPE_MAX_POSITIONS, 10000.0).cos_sin.to(DEVICE)
     qkv_before = q.clone(), k.clone(), v.clone()
-    want_cache = cache.clone()
-    want_q = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots)
+    want_q, want_cache = rope_store_reference(positions, q, k, v, cos_sin, cache, slots)
     got_q = rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots)
     # The reference's arithmetic, rounding by rounding: exact but for the interpreter's bf16 truncation.
     assert_within_ulps(got_q, want_q, bf16_slack(dtype, 1))
@@ -243,8 +251,7 @@ def test_rope_store_into_head_major_cache(dtype):
     q, k, v, cache, slots, positions = rope_store_case(7, 6, 3, 32, dtype, seed=21, head_major=True)
     assert cache.stride(2) == 32 and cache.stride(3) == ROPE_BLOCK_SIZE * 32
     cos_sin = RotaryEmbedding(32, ROPE_MAX_POSITIONS, 10000.0).cos_sin.to(DEVICE)
-    want_cache = cache.clone()
-    want_q = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots)
+    want_q, want_cache = rope_store_reference(positions, q, k, v, cos_sin, cache, slots)
     got_q = rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots)
     assert torch.equal(got_q, want_q)
     assert_caches_match(cache, want_cache, 0)
@@ -255,8 +262,7 @@ def test_rope_store_casts_into_a_wider_cache_and_rejects_bad_args():
     q, k, v, cache, slots, positions = rope_store_case(5, 4, 2, 16, torch.float16, seed=22)
     cache = cache.float()
     cos_sin = RotaryEmbedding(16, ROPE_MAX_POSITIONS, 10000.0).cos_sin.to(DEVICE)
-    want_cache = cache.clone()
-    want_q = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots)
+    want_q, want_cache = rope_store_reference(positions, q, k, v, cos_sin, cache, slots)
     got_q = rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots)
     assert torch.equal(got_q, want_q)
     assert_caches_match(cache, want_cache, 0)
@@ -566,16 +572,14 @@ def test_gpu_rope_store_real_shapes_exact(model, t):
     cache = randn(2, num_blocks, block_size, hkv, d, dtype=BF16, seed=37)
     slots = torch.randperm(num_blocks * block_size, device="cuda")[:t]  # distinct slots
     positions = torch.randint(0, 8192, (t,), device="cuda")
-    want_cache = cache.clone()
-    want = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots)
+    want, want_cache = rope_store_reference(positions, q, k, v, cos_sin, cache, slots)
     got = rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots)
     assert torch.equal(got, want) and torch.equal(cache, want_cache)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         graphed = rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots)
     qkv.copy_(randn(t, qkv.shape[1], dtype=BF16, seed=38))
-    want_cache = cache.clone()
-    want = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots)
+    want, want_cache = rope_store_reference(positions, q, k, v, cos_sin, cache, slots)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(graphed, want) and torch.equal(cache, want_cache)
