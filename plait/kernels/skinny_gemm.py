@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -51,9 +50,6 @@ REDUCE_BLOCK = 1024
 PROLOGUE_NONE = tl.constexpr(0)
 PROLOGUE_ADD_RMS_NORM = tl.constexpr(1)  # x := rms_norm(x + residual) * norm_w; x + residual also stored
 PROLOGUE_SILU_MUL = tl.constexpr(2)  # x := silu(gate) * up, x being a gate/up output [M, 2K]
-# PLAIT_SKINNY_EARLY_WEIGHTS=0: load the first weight tile after the PDL wait (A/B runs). Read once.
-EARLY_WEIGHTS_ENV = "PLAIT_SKINNY_EARLY_WEIGHTS"
-_early_weights = os.environ.get(EARLY_WEIGHTS_ENV, "1") != "0"
 # The add-norm prologue holds whole rows (BLOCK_M x next_pow2(K) fp32) in registers to take their
 # mean square in one round of loads: 32 values a thread at 4 warps for a 4096-wide row.
 MAX_NORM_PROLOGUE_ELEMENTS = 8192
@@ -212,6 +208,33 @@ def _trip_count(STATIC_K_ITERS: tl.constexpr, k_iters):
 
 
 @triton.jit
+def _load_step(x_ptrs, w_ptrs, res_ptrs, nw_ptrs, inv, up_off, step, k_lo, offs_k, K, BLOCK_K: tl.constexpr,
+               EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PROLOGUE: tl.constexpr, PRECISE: tl.constexpr):
+    """x (through the prologue), gate-or-plain and up weight tiles of K step `step` (w_up is w when
+    there is no up half)."""
+    shift = step * BLOCK_K
+    if EVEN_K:
+        k_mask = None
+        x = tl.load(x_ptrs + shift)
+        w = tl.load(w_ptrs + shift)
+        if GATE_UP:
+            w_up = tl.load(w_ptrs + up_off + shift)
+        else:
+            w_up = w
+    else:
+        k_mask = ((k_lo + shift + offs_k) < K)[None, :]
+        x = tl.load(x_ptrs + shift, mask=k_mask, other=0.0)
+        w = tl.load(w_ptrs + shift, mask=k_mask, other=0.0)
+        if GATE_UP:
+            w_up = tl.load(w_ptrs + up_off + shift, mask=k_mask, other=0.0)
+        else:
+            w_up = w
+    x = _prologue(x, x_ptrs + shift, res_ptrs + shift, nw_ptrs + shift, k_mask, inv, K, EVEN_K, PROLOGUE,
+                  PRECISE)
+    return x, w, w_up
+
+
+@triton.jit
 def _load_k(ptrs, k_mask, EVEN_K: tl.constexpr):
     if EVEN_K:
         t = tl.load(ptrs)
@@ -221,60 +244,20 @@ def _load_k(ptrs, k_mask, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _k_mask(step, k_lo, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        mask = None
-    else:
-        mask = ((k_lo + step * BLOCK_K + offs_k) < K)[None, :]
-    return mask
-
-
-@triton.jit
-def _load_w(w_ptrs, up_off, step, k_lo, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-            GATE_UP: tl.constexpr):
-    """Gate-or-plain and up weight tiles of K step `step` (w_up is w when there is no up half)."""
-    shift = step * BLOCK_K
-    k_mask = _k_mask(step, k_lo, offs_k, K, BLOCK_K, EVEN_K)
-    w = _load_k(w_ptrs + shift, k_mask, EVEN_K)
-    if GATE_UP:
-        w_up = _load_k(w_ptrs + up_off + shift, k_mask, EVEN_K)
-    else:
-        w_up = w
-    return w, w_up
-
-
-@triton.jit
-def _load_x(x_ptrs, res_ptrs, nw_ptrs, step, k_lo, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-            PROLOGUE: tl.constexpr):
-    """The raw tiles the prologue makes x's K step `step` from: x, and the up half (silu-mul) or the
-    residual and norm weight (add-norm); unused slots repeat x. Loaded a step ahead of their use."""
-    shift = step * BLOCK_K
-    k_mask = _k_mask(step, k_lo, offs_k, K, BLOCK_K, EVEN_K)
-    x = _load_k(x_ptrs + shift, k_mask, EVEN_K)
-    if PROLOGUE == PROLOGUE_SILU_MUL:
-        aux = _load_k(x_ptrs + K + shift, k_mask, EVEN_K)  # the up half sits K along
-        nw = x
-    elif PROLOGUE == PROLOGUE_ADD_RMS_NORM:
-        aux = _load_k(res_ptrs + shift, k_mask, EVEN_K)
-        nw = _load_k(nw_ptrs + shift, k_mask, EVEN_K)
-    else:
-        aux = x
-        nw = x
-    return x, aux, nw
-
-
-@triton.jit
-def _prologue(x, aux, nw, inv, PROLOGUE: tl.constexpr, PRECISE: tl.constexpr):
-    """The multiply's x from its raw tiles, rounded at every step where the unfused kernels round
-    (fused_add_rms_norm, silu_and_mul), so fusing changes no value. Runs when the step is used, not
-    when it is loaded, so the next step's loads stay in flight meanwhile."""
+def _prologue(x, x_ptrs, res_ptrs, nw_ptrs, k_mask, inv, K, EVEN_K: tl.constexpr, PROLOGUE: tl.constexpr,
+              PRECISE: tl.constexpr):
+    """The multiply's x from the loaded tile, rounded at every step where the unfused kernels round
+    (fused_add_rms_norm, silu_and_mul), so fusing changes no value."""
     dtype = x.dtype
     if PROLOGUE == PROLOGUE_SILU_MUL:
-        x = (silu_rounded(x.to(tl.float32), dtype, PRECISE) * aux.to(tl.float32)).to(dtype)
+        up = _load_k(x_ptrs + K, k_mask, EVEN_K).to(tl.float32)  # the up half sits K along
+        x = (silu_rounded(x.to(tl.float32), dtype, PRECISE) * up).to(dtype)
     elif PROLOGUE == PROLOGUE_ADD_RMS_NORM:
-        summed = (x.to(tl.float32) + aux.to(tl.float32)).to(dtype).to(tl.float32)
+        res = _load_k(res_ptrs, k_mask, EVEN_K).to(tl.float32)
+        nw = _load_k(nw_ptrs, k_mask, EVEN_K).to(tl.float32)
+        summed = (x.to(tl.float32) + res).to(dtype).to(tl.float32)
         normed = (summed * inv[:, None]).to(dtype).to(tl.float32)
-        x = (nw.to(tl.float32) * normed).to(dtype)
+        x = (nw * normed).to(dtype)
     return x
 
 
@@ -335,10 +318,11 @@ def _skinny_kernel(
     TO_WORKSPACE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATE_UP: tl.constexpr, PRECISE: tl.constexpr, PROLOGUE: tl.constexpr, K_POW2: tl.constexpr,
-    EARLY_W: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k]; GATE_UP: out[m, n] = silu(gate[m, n]) * up[m, n] with the
     # up row of output n at weight row up_rows + n. x is first made by PROLOGUE (see _prologue).
+    pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -354,18 +338,8 @@ def _skinny_kernel(
     res_ptrs = res_ptr + rows_m[:, None] * stride_rm + (k_lo + offs_k)[None, :]
     nw_ptrs = nw_ptr + (k_lo + offs_k)[None, :]
     up_off = up_rows * stride_wn
-    if EARLY_W and not USE_DOT:
-        # Weights are never written by the kernel this launch waits on: the first tile's loads go out
-        # before the wait, so under PDL they overlap the previous kernel's tail.
-        w, w_up = _load_w(w_ptrs, up_off, 0, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
-    pdl_prologue(PDL)
-    if not USE_DOT:
-        if not EARLY_W:
-            w, w_up = _load_w(w_ptrs, up_off, 0, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
-        x, aux, nw = _load_x(x_ptrs, res_ptrs, nw_ptrs, 0, k_lo, offs_k, K, BLOCK_K, EVEN_K, PROLOGUE)
     if PROLOGUE == PROLOGUE_ADD_RMS_NORM:
-        # Every program needs each row's rms; the first also writes x + residual. Issued after the
-        # first step's loads so the two rounds of loads overlap.
+        # Every program needs each row's rms; the first also writes x + residual.
         store = (pid_n == 0) & (pid_k == 0)
         inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows_m, offs_m, M, K, stride_xm, stride_rm, eps,
                            store, BLOCK_M, K_POW2, PRECISE)
@@ -379,26 +353,25 @@ def _skinny_kernel(
     if USE_DOT:
         # num_stages pipelines these loads through shared memory (cp.async).
         for it in range(_trip_count(STATIC_K_ITERS, k_iters)):
-            w, w_up = _load_w(w_ptrs, up_off, it, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
-            x, aux, nw = _load_x(x_ptrs, res_ptrs, nw_ptrs, it, k_lo, offs_k, K, BLOCK_K, EVEN_K, PROLOGUE)
-            xp = _prologue(x, aux, nw, inv, PROLOGUE, PRECISE)
-            acc_g = _mac(acc_g, xp, w, USE_DOT, DOT_PRECISION)
+            x, w, w_up = _load_step(x_ptrs, w_ptrs, res_ptrs, nw_ptrs, inv, up_off, it, k_lo, offs_k, K,
+                                    BLOCK_K, EVEN_K, GATE_UP, PROLOGUE, PRECISE)
+            acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
             if GATE_UP:
-                acc_u = _mac(acc_u, xp, w_up, USE_DOT, DOT_PRECISION)
+                acc_u = _mac(acc_u, x, w_up, USE_DOT, DOT_PRECISION)
     else:
         # Triton does not pipeline loads that feed no tl.dot, so double-buffer in registers: the next
-        # step's tiles are requested before this step's prologue and FMAs wait on theirs (the last
-        # step re-reads its own tiles, from cache, to keep the loop uniform).
+        # step's tiles are requested before this step's FMAs wait on theirs (the last step re-reads
+        # its own tiles, from cache, to keep the loop uniform).
+        x, w, w_up = _load_step(x_ptrs, w_ptrs, res_ptrs, nw_ptrs, inv, up_off, 0, k_lo, offs_k, K, BLOCK_K,
+                                EVEN_K, GATE_UP, PROLOGUE, PRECISE)
         for it in range(_trip_count(STATIC_K_ITERS, k_iters)):
             nxt = tl.minimum(it + 1, _trip_count(STATIC_K_ITERS, k_iters) - 1)
-            w_n, w_up_n = _load_w(w_ptrs, up_off, nxt, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
-            x_n, aux_n, nw_n = _load_x(x_ptrs, res_ptrs, nw_ptrs, nxt, k_lo, offs_k, K, BLOCK_K, EVEN_K,
-                                       PROLOGUE)
-            xp = _prologue(x, aux, nw, inv, PROLOGUE, PRECISE)
-            acc_g = _mac(acc_g, xp, w, USE_DOT, DOT_PRECISION)
+            x_n, w_n, w_up_n = _load_step(x_ptrs, w_ptrs, res_ptrs, nw_ptrs, inv, up_off, nxt, k_lo, offs_k,
+                                          K, BLOCK_K, EVEN_K, GATE_UP, PROLOGUE, PRECISE)
+            acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
             if GATE_UP:
-                acc_u = _mac(acc_u, xp, w_up, USE_DOT, DOT_PRECISION)
-            x, aux, nw, w, w_up = x_n, aux_n, nw_n, w_n, w_up_n
+                acc_u = _mac(acc_u, x, w_up, USE_DOT, DOT_PRECISION)
+            x, w, w_up = x_n, w_n, w_up_n
     sum_g = _finish(acc_g, USE_DOT)
     sum_u = _finish(acc_u, USE_DOT)
     n_mask = offs_n < N
@@ -469,8 +442,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         EVEN_K=even_k, HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise,
         PROLOGUE=prologue, K_POW2=triton.next_power_of_2(k) if prologue == PROLOGUE_ADD_RMS_NORM else 1,
-        EARLY_W=_early_weights and x2.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **pdl_args(x2),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2),
     )
     if cfg.split_k > 1:
         block = min(REDUCE_BLOCK, triton.next_power_of_2(n))
