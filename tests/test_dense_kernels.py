@@ -369,59 +369,6 @@ def test_skinny_gate_up_silu_equals_unfused_kernels(name):
     assert torch.equal(fused, activation.silu_and_mul(gate_up))
 
 
-@pytest.mark.parametrize("dtype", SKINNY_DTYPES)
-@pytest.mark.parametrize("name", ["fma_split3", "dot_split2", None])
-@pytest.mark.parametrize("m", [1, 3])
-def test_skinny_add_rms_norm_linear_matches_unfused(dtype, name, m):
-    # The add-norm prologue: x + residual stored exactly as fused_add_rms_norm stores it, and the
-    # product the GEMM of the normed rows (fp16 rounds the normed rows, so there it is the unfused
-    # kernels' result bit for bit; fp32 keeps the mean square's summation order as a last-bit
-    # difference, inside the matmul bound). K=100 leaves a ragged last K step; N=21 a partial row block.
-    cfg = FORCED_CONFIGS[name] if name else None
-    x, res = randn(m, 100, dtype=dtype, seed=40), randn(m, 100, dtype=dtype, seed=41)
-    nw = (1.0 + 0.5 * randn(100, dtype=torch.float32, seed=42)).to(dtype)
-    w, bias = randn(21, 100, dtype=dtype, seed=43), randn(21, dtype=dtype, seed=44)
-    out, summed = skinny_gemm.skinny_add_rms_norm_linear(x, res, nw, EPS, w, bias, config=cfg)
-    normed, summed_ref = rms_norm.fused_add_rms_norm_ref(x, res, nw, EPS)
-    assert torch.equal(summed, summed_ref)
-    if dtype == torch.float16:
-        unfused_cfg = cfg or skinny_gemm.prologue_config(m, 21, 100, x.device)
-        normed_kernel, _ = rms_norm.fused_add_rms_norm(x, res, nw, EPS)
-        assert torch.equal(out, skinny_gemm.skinny_linear(normed_kernel, w, bias, config=unfused_cfg))
-    assert_matmul_close(out, normed, w, bias)
-    want_out, want_summed = skinny_gemm.skinny_add_rms_norm_linear_ref(x, res, nw, EPS, w, bias)
-    assert torch.equal(summed, want_summed) and out.shape == want_out.shape
-
-
-def test_skinny_add_rms_norm_linear_rejects_what_it_cannot_hold():
-    x = randn(1, 64, dtype=torch.float32, seed=45)
-    w = randn(8, 64, dtype=torch.float32, seed=46)
-    with pytest.raises(ValueError):  # residual of another shape
-        skinny_gemm.skinny_add_rms_norm_linear(x, randn(2, 64, dtype=torch.float32, seed=47), x[0], EPS, w)
-    wide = randn(1, 9000, dtype=torch.float32, seed=48)
-    with pytest.raises(ValueError):  # a row too wide for the prologue's registers
-        skinny_gemm.skinny_add_rms_norm_linear(wide, wide, wide[0], EPS, randn(4, 9000, dtype=torch.float32,
-                                                                                seed=49))
-    assert skinny_gemm.add_norm_fusable(1, 4096) and skinny_gemm.add_norm_fusable(2, 4096)
-    assert not skinny_gemm.add_norm_fusable(3, 4096) and not skinny_gemm.add_norm_fusable(1, 16384)
-
-
-@pytest.mark.parametrize("dtype", SKINNY_DTYPES)
-@pytest.mark.parametrize("name", ["fma_split3", "dot_split2", None])
-def test_skinny_silu_mul_linear_equals_unfused_kernels(dtype, name):
-    # The silu-and-mul prologue rounds silu and the product as silu_and_mul does, so with the same
-    # config the product is the unfused kernels' bit for bit.
-    cfg = FORCED_CONFIGS[name] if name else None
-    gate_up, w = randn(3, 200, dtype=dtype, seed=50, scale=3.0), randn(21, 100, dtype=dtype, seed=51)
-    got = skinny_gemm.skinny_silu_mul_linear(gate_up, w, config=cfg)
-    unfused_cfg = cfg or skinny_gemm.prologue_config(3, 21, 100, gate_up.device)
-    act = activation.silu_and_mul(gate_up)
-    assert torch.equal(got, skinny_gemm.skinny_linear(act, w, config=unfused_cfg))
-    assert_matmul_close(got, act, w, None)
-    with pytest.raises(ValueError):
-        skinny_gemm.skinny_silu_mul_linear(gate_up[:, :150], w)
-
-
 def test_heuristic_splits_k_only_when_rows_are_too_few():
     sms = 132
     wide = skinny_gemm.heuristic_config(1, 128256, 4096, sms)
@@ -514,14 +461,12 @@ def test_auto_mode_takes_only_measured_winners():
 
 
 @pytest.mark.skipif(ON_GPU, reason="the gpu test below runs the same check compiled")
-@pytest.mark.parametrize("fuse_gate_up", [True, False])
-def test_tiny_model_through_interpreted_kernels_matches_torch(tiny_models, monkeypatch, fuse_gate_up):
+def test_tiny_model_through_interpreted_kernels_matches_torch(tiny_models, monkeypatch):
     # Every layer routed to its kernel under the interpreter, fp16 so the skinny GEMM applies: a
-    # first step of more than SKINNY_MAX_M tokens (F.linear + silu_and_mul), then two-row decodes
-    # (skinny projections, qkv with the add-norm made in its prologue, skinny lm_head, and either the
-    # fused gate/up + SiLU or the down projection with silu-and-mul in its prologue); norms on strided
-    # q/k views; rotary fused with the KV store by the Triton attention backend, never launched alone.
-    # Same greedy tokens as the torch layers and the torch_ref backend, logits within fp16 noise.
+    # first step of more than SKINNY_MAX_M tokens (F.linear + silu_and_mul), then decodes (skinny
+    # projections, fused gate/up + SiLU, skinny lm_head); norms on strided q/k views; rotary fused with
+    # the KV store by the Triton attention backend, never launched alone. Same greedy tokens as the
+    # torch layers and the torch_ref backend, logits within fp16 noise.
     from conftest import random_prompts, run_greedy
 
     from plait.config import EngineConfig
@@ -529,13 +474,10 @@ def test_tiny_model_through_interpreted_kernels_matches_torch(tiny_models, monke
 
     # One "SM" for the heuristic: wide row blocks, so the interpreter runs few programs per launch.
     monkeypatch.setattr(skinny_gemm, "DEFAULT_NUM_SMS", 1)
-    monkeypatch.setattr(linear_layer, "FUSE_GATE_UP_SILU", fuse_gate_up)
     calls = {}
     for module, name in [(rms_norm, "rms_norm"), (rms_norm, "fused_add_rms_norm"), (rotary, "apply_rotary"),
                          (triton_backend, "rope_store_kv"), (activation, "silu_and_mul"),
-                         (skinny_gemm, "skinny_linear"), (skinny_gemm, "skinny_gate_up_silu"),
-                         (skinny_gemm, "skinny_add_rms_norm_linear"),
-                         (skinny_gemm, "skinny_silu_mul_linear")]:
+                         (skinny_gemm, "skinny_linear"), (skinny_gemm, "skinny_gate_up_silu")]:
         monkeypatch.setattr(module, name, _counted(getattr(module, name), name, calls))
     prompts = random_prompts(2, 10, 14, seed=4)
     runs = {}
@@ -548,9 +490,7 @@ def test_tiny_model_through_interpreted_kernels_matches_torch(tiny_models, monke
         runs[kernels] = run_greedy(engine, prompts, 3, capture_logits=True)
         assert bool(calls) == kernels
     assert "apply_rotary" not in calls, "q and k were rotated apart from the KV store"
-    mlp = "skinny_gate_up_silu" if fuse_gate_up else "skinny_silu_mul_linear"
-    assert set(calls) == {"rms_norm", "fused_add_rms_norm", "rope_store_kv", "silu_and_mul", "skinny_linear",
-                          "skinny_add_rms_norm_linear", mlp}, f"kernels called: {sorted(calls)}"
+    assert len(calls) == 6, f"kernels never called: {sorted(calls)}"
     (tok_torch, logits_torch), (tok_kernels, logits_kernels) = runs[False], runs[True]
     assert tok_kernels == tok_torch
     for i in range(len(prompts)):
@@ -681,30 +621,6 @@ def test_gpu_skinny_gate_up_silu_real_shapes(model, m):
     # gate and up may each sit an ulp from cuBLAS's (summation order); silu and the product add a
     # rounding each: a few bf16 ulps of the result's scale.
     torch.testing.assert_close(got, want, rtol=2.0**-6, atol=2.0**-6 * want.abs().max().item())
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("m", [1, 2])
-def test_gpu_skinny_prologues_real_shapes(model, m):
-    # qkv with the add-norm prologue and down with the silu-and-mul prologue, at the batch sizes the
-    # layers fuse them (M <= 2), against the unfused kernels on the same config.
-    c = MODELS[model]
-    (n_qkv, hidden), (n_down, inter) = linear_shapes(c)["qkv"], linear_shapes(c)["down"]
-    x, res = randn(m, hidden, dtype=BF16, seed=52), randn(m, hidden, dtype=BF16, seed=53)
-    nw = (1.0 + 0.1 * randn(hidden, dtype=torch.float32, seed=54)).to(BF16)
-    w_qkv = randn(n_qkv, hidden, dtype=BF16, seed=55, scale=0.02)
-    out, summed = skinny_gemm.skinny_add_rms_norm_linear(x, res, nw, EPS, w_qkv)
-    normed, summed_ref = rms_norm.fused_add_rms_norm(x, res, nw, EPS)
-    assert torch.equal(summed, summed_ref)
-    # The mean square's summation order may move a normed value by an ulp: within the matmul bound.
-    assert_matmul_close(out, normed, w_qkv, None)
-    gate_up = randn(m, 2 * inter, dtype=BF16, seed=56, scale=3.0)
-    w_down = randn(n_down, inter, dtype=BF16, seed=57, scale=0.02)
-    got = skinny_gemm.skinny_silu_mul_linear(gate_up, w_down)
-    cfg = skinny_gemm.prologue_config(m, n_down, inter, gate_up.device)
-    assert torch.equal(got, skinny_gemm.skinny_linear(activation.silu_and_mul(gate_up), w_down, config=cfg))
 
 
 @pytest.mark.gpu

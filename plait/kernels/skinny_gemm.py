@@ -19,11 +19,9 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from plait.kernels.activation import silu_and_mul_ref, silu_rounded
 from plait.kernels.pdl import pdl_args, pdl_prologue
-from plait.kernels.rms_norm import fused_add_rms_norm_ref
 
 # Largest row count routed here; beyond it the matmul is no longer bound by reading the weight.
 SKINNY_MAX_M = 16
@@ -33,8 +31,6 @@ DOT_BLOCK_M = 16
 PROGRAMS_PER_SM = 3
 # SM count assumed off-GPU (the interpreter), where it only shapes the heuristic's choice.
 DEFAULT_NUM_SMS = 132
-# The heuristic takes the CUDA-core path up to this many rows (M bucket), tl.dot beyond.
-FMA_MAX_M = 2
 # Upper bound on the CUDA-core accumulator, BLOCK_M * BLOCK_N * BLOCK_K fp32 values per program
 # (x2 for gate/up): 32 registers a thread at 4 warps, which with the double-buffered tiles keeps a
 # program near 100 registers (ptxas for sm_90), so 4-5 programs fit on an SM.
@@ -45,14 +41,6 @@ MIN_BLOCK_K = 16  # tl.dot's smallest K
 MIN_K_PER_SPLIT = 512
 MAX_SPLIT_K = 16
 REDUCE_BLOCK = 1024
-# What the kernel does to x on its way into the multiply (constexpr PROLOGUE). Each fused prologue
-# saves the launch (and at batch 1 the ~2 us) of the small kernel that would otherwise make x.
-PROLOGUE_NONE = tl.constexpr(0)
-PROLOGUE_ADD_RMS_NORM = tl.constexpr(1)  # x := rms_norm(x + residual) * norm_w; x + residual also stored
-PROLOGUE_SILU_MUL = tl.constexpr(2)  # x := silu(gate) * up, x being a gate/up output [M, 2K]
-# The add-norm prologue holds whole rows (BLOCK_M x next_pow2(K) fp32) in registers to take their
-# mean square in one round of loads: 32 values a thread at 4 warps for a 4096-wide row.
-MAX_NORM_PROLOGUE_ELEMENTS = 8192
 
 
 @dataclass(frozen=True)
@@ -100,14 +88,6 @@ SKINNY_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
 # The fused gate/up + SiLU kernel never beat cuBLAS followed by the Triton silu_and_mul on the H200
 # (e.g. llama-8b M=8: 59.6 vs 58.1 us), so no shape is listed and the MLP keeps the two launches.
 GATE_UP_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
-# Configs for GEMMs with a fused prologue (skinny_add_rms_norm_linear, skinny_silu_mul_linear), where
-# they differ from SKINNY_CONFIGS: the best plain config of the shape against cuBLAS (H200,
-# dense_kernels_h200.json), on which the prologue rides. llama-8b qkv: 15.6 vs cuBLAS 15.4 us;
-# down: 31.9 vs 32.0 us; both then drop the norm or silu kernel (~2 us each at batch 1).
-PROLOGUE_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
-    (1, 6144, 4096): _fma(block_n=8, block_k=256, num_warps=4),
-    (1, 4096, 14336): _fma(block_n=8, block_k=1024, num_warps=8),
-}
 # lm_heads (fp32 logits, plait.layers.linear.logits_fp32): this config won at every M of both
 # vocabularies measured, within 0.2% of cuBLAS's bf16 GEMV or faster at Llama-8B's.
 LOGITS_CONFIG = _dot(block_n=64, block_k=128, split_k=1, num_stages=4)
@@ -163,7 +143,7 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, hal
     """
     bm = m_bucket(m)
     k_pow2 = max(MIN_BLOCK_K, triton.next_power_of_2(k))  # no K step wider than K itself
-    if bm <= FMA_MAX_M:
+    if bm <= 2:
         block_k = min(512, k_pow2)
         block_n = max(1, min(MAX_FMA_BLOCK_N, FMA_ACC_ELEMENTS // (bm * block_k * halves)))
         while block_n > 1 and triton.cdiv(n, block_n) < PROGRAMS_PER_SM * num_sms:
@@ -208,13 +188,11 @@ def _trip_count(STATIC_K_ITERS: tl.constexpr, k_iters):
 
 
 @triton.jit
-def _load_step(x_ptrs, w_ptrs, res_ptrs, nw_ptrs, inv, up_off, step, k_lo, offs_k, K, BLOCK_K: tl.constexpr,
-               EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PROLOGUE: tl.constexpr, PRECISE: tl.constexpr):
-    """x (through the prologue), gate-or-plain and up weight tiles of K step `step` (w_up is w when
-    there is no up half)."""
+def _load_step(x_ptrs, w_ptrs, up_off, step, k_lo, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+               GATE_UP: tl.constexpr):
+    """x, gate-or-plain and up weight tiles of K step `step` (w_up is w when there is no up half)."""
     shift = step * BLOCK_K
     if EVEN_K:
-        k_mask = None
         x = tl.load(x_ptrs + shift)
         w = tl.load(w_ptrs + shift)
         if GATE_UP:
@@ -222,66 +200,14 @@ def _load_step(x_ptrs, w_ptrs, res_ptrs, nw_ptrs, inv, up_off, step, k_lo, offs_
         else:
             w_up = w
     else:
-        k_mask = ((k_lo + shift + offs_k) < K)[None, :]
-        x = tl.load(x_ptrs + shift, mask=k_mask, other=0.0)
-        w = tl.load(w_ptrs + shift, mask=k_mask, other=0.0)
+        k_mask = (k_lo + shift + offs_k) < K
+        x = tl.load(x_ptrs + shift, mask=k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs + shift, mask=k_mask[None, :], other=0.0)
         if GATE_UP:
-            w_up = tl.load(w_ptrs + up_off + shift, mask=k_mask, other=0.0)
+            w_up = tl.load(w_ptrs + up_off + shift, mask=k_mask[None, :], other=0.0)
         else:
             w_up = w
-    x = _prologue(x, x_ptrs + shift, res_ptrs + shift, nw_ptrs + shift, k_mask, inv, K, EVEN_K, PROLOGUE,
-                  PRECISE)
     return x, w, w_up
-
-
-@triton.jit
-def _load_k(ptrs, k_mask, EVEN_K: tl.constexpr):
-    if EVEN_K:
-        t = tl.load(ptrs)
-    else:
-        t = tl.load(ptrs, mask=k_mask, other=0.0)
-    return t
-
-
-@triton.jit
-def _prologue(x, x_ptrs, res_ptrs, nw_ptrs, k_mask, inv, K, EVEN_K: tl.constexpr, PROLOGUE: tl.constexpr,
-              PRECISE: tl.constexpr):
-    """The multiply's x from the loaded tile, rounded at every step where the unfused kernels round
-    (fused_add_rms_norm, silu_and_mul), so fusing changes no value."""
-    dtype = x.dtype
-    if PROLOGUE == PROLOGUE_SILU_MUL:
-        up = _load_k(x_ptrs + K, k_mask, EVEN_K).to(tl.float32)  # the up half sits K along
-        x = (silu_rounded(x.to(tl.float32), dtype, PRECISE) * up).to(dtype)
-    elif PROLOGUE == PROLOGUE_ADD_RMS_NORM:
-        res = _load_k(res_ptrs, k_mask, EVEN_K).to(tl.float32)
-        nw = _load_k(nw_ptrs, k_mask, EVEN_K).to(tl.float32)
-        summed = (x.to(tl.float32) + res).to(dtype).to(tl.float32)
-        normed = (summed * inv[:, None]).to(dtype).to(tl.float32)
-        x = (nw * normed).to(dtype)
-    return x
-
-
-@triton.jit
-def _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows_m, offs_m, M, K, stride_xm, stride_rm, eps, store,
-                 BLOCK_M: tl.constexpr, K_POW2: tl.constexpr, PRECISE: tl.constexpr):
-    """1 / rms of each row of x + residual, from whole rows loaded at once (one round of loads, not a
-    loop of them); where ``store``, also writes x + residual (fused_add_rms_norm's residual output)."""
-    # rows: [BLOCK_M, K_POW2]
-    cols = tl.arange(0, K_POW2)
-    cmask = (cols < K)[None, :]
-    x = tl.load(x_ptr + rows_m[:, None] * stride_xm + cols[None, :], mask=cmask, other=0.0)
-    res = tl.load(res_ptr + rows_m[:, None] * stride_rm + cols[None, :], mask=cmask, other=0.0)
-    summed = (x.to(tl.float32) + res.to(tl.float32)).to(x.dtype)
-    if store:
-        rows_ok = (offs_m < M)[:, None]
-        tl.store(res_out_ptr + offs_m[:, None] * K + cols[None, :], summed, mask=rows_ok & cmask)
-    s = summed.to(tl.float32)
-    mean_sq = tl.sum(s * s, axis=1) / K
-    if PRECISE:
-        inv = libdevice.rsqrt(mean_sq + eps)  # CUDA's rsqrtf, as torch.rsqrt and the norm kernel use
-    else:
-        inv = 1.0 / tl.sqrt(mean_sq + eps)  # the interpreter has no libdevice
-    return inv
 
 
 @triton.jit
@@ -312,16 +238,15 @@ def _epilogue(acc_g, acc_u, b_ptr, offs_n, n_mask, out_dtype: tl.constexpr,
 # binary mid-run (see plait.kernels.paged_attention on per-step arguments).
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, res_ptr, res_out_ptr, nw_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om, stride_rm, up_rows, k_iters, eps,
+    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, up_rows, k_iters,
     STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TO_WORKSPACE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATE_UP: tl.constexpr, PRECISE: tl.constexpr, PROLOGUE: tl.constexpr, K_POW2: tl.constexpr,
-    PDL: tl.constexpr,
+    GATE_UP: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k]; GATE_UP: out[m, n] = silu(gate[m, n]) * up[m, n] with the
-    # up row of output n at weight row up_rows + n. x is first made by PROLOGUE (see _prologue).
+    # up row of output n at weight row up_rows + n.
     pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -335,16 +260,7 @@ def _skinny_kernel(
     k_lo = pid_k * (_trip_count(STATIC_K_ITERS, k_iters) * BLOCK_K)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
-    res_ptrs = res_ptr + rows_m[:, None] * stride_rm + (k_lo + offs_k)[None, :]
-    nw_ptrs = nw_ptr + (k_lo + offs_k)[None, :]
     up_off = up_rows * stride_wn
-    if PROLOGUE == PROLOGUE_ADD_RMS_NORM:
-        # Every program needs each row's rms; the first also writes x + residual.
-        store = (pid_n == 0) & (pid_k == 0)
-        inv = _row_inv_rms(x_ptr, res_ptr, res_out_ptr, rows_m, offs_m, M, K, stride_xm, stride_rm, eps,
-                           store, BLOCK_M, K_POW2, PRECISE)
-    else:
-        inv = tl.zeros((BLOCK_M,), dtype=tl.float32)
     if USE_DOT:
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
@@ -353,8 +269,7 @@ def _skinny_kernel(
     if USE_DOT:
         # num_stages pipelines these loads through shared memory (cp.async).
         for it in range(_trip_count(STATIC_K_ITERS, k_iters)):
-            x, w, w_up = _load_step(x_ptrs, w_ptrs, res_ptrs, nw_ptrs, inv, up_off, it, k_lo, offs_k, K,
-                                    BLOCK_K, EVEN_K, GATE_UP, PROLOGUE, PRECISE)
+            x, w, w_up = _load_step(x_ptrs, w_ptrs, up_off, it, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
             acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
             if GATE_UP:
                 acc_u = _mac(acc_u, x, w_up, USE_DOT, DOT_PRECISION)
@@ -362,12 +277,11 @@ def _skinny_kernel(
         # Triton does not pipeline loads that feed no tl.dot, so double-buffer in registers: the next
         # step's tiles are requested before this step's FMAs wait on theirs (the last step re-reads
         # its own tiles, from cache, to keep the loop uniform).
-        x, w, w_up = _load_step(x_ptrs, w_ptrs, res_ptrs, nw_ptrs, inv, up_off, 0, k_lo, offs_k, K, BLOCK_K,
-                                EVEN_K, GATE_UP, PROLOGUE, PRECISE)
+        x, w, w_up = _load_step(x_ptrs, w_ptrs, up_off, 0, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
         for it in range(_trip_count(STATIC_K_ITERS, k_iters)):
             nxt = tl.minimum(it + 1, _trip_count(STATIC_K_ITERS, k_iters) - 1)
-            x_n, w_n, w_up_n = _load_step(x_ptrs, w_ptrs, res_ptrs, nw_ptrs, inv, up_off, nxt, k_lo, offs_k,
-                                          K, BLOCK_K, EVEN_K, GATE_UP, PROLOGUE, PRECISE)
+            x_n, w_n, w_up_n = _load_step(x_ptrs, w_ptrs, up_off, nxt, k_lo, offs_k, K, BLOCK_K, EVEN_K,
+                                          GATE_UP)
             acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
             if GATE_UP:
                 acc_u = _mac(acc_u, x, w_up, USE_DOT, DOT_PRECISION)
@@ -413,13 +327,9 @@ def _split_k_reduce_kernel(
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, cfg: SkinnyConfig,
-            gate_up: bool, out_dtype: torch.dtype | None = None, prologue: int = PROLOGUE_NONE,
-            residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-            eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(out, x + residual for the add-norm prologue else None)."""
-    # x2: [M, K] ([M, 2K] gate then up for PROLOGUE_SILU_MUL); weight: [N, K] (or [2N, K] for gate_up)
-    # -> out: [M, N] in out_dtype (default x's)
-    m, k = x2.shape[0], weight.shape[1]
+            gate_up: bool, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    # x2: [M, K]; weight: [N, K] (or [2N, K] for gate_up) -> out: [M, N] in out_dtype (default x's)
+    m, k = x2.shape
     out = torch.empty((m, n), dtype=out_dtype or x2.dtype, device=x2.device)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     even_k = k_per_split * cfg.split_k == k
@@ -428,20 +338,15 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
     part = (torch.empty((cfg.split_k, m, width), dtype=torch.float32, device=x2.device)
             if cfg.split_k > 1 else out)
     bias_arg = bias if bias is not None else out
-    res_out = torch.empty((m, k), dtype=x2.dtype, device=x2.device) if residual is not None else None
-    res_arg = residual if residual is not None else x2
     precise = x2.is_cuda
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     _skinny_kernel[grid](
-        x2, weight, bias_arg, out, part, res_arg, res_out if res_out is not None else x2,
-        norm_weight if norm_weight is not None else x2,
-        m, n, k, x2.stride(0), weight.stride(0), out.stride(0), res_arg.stride(0),
-        n, k_per_split // cfg.block_k, eps, STATIC_K_ITERS=0 if x2.is_cuda else k_per_split // cfg.block_k,
+        x2, weight, bias_arg, out, part, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
+        n, k_per_split // cfg.block_k, STATIC_K_ITERS=0 if x2.is_cuda else k_per_split // cfg.block_k,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         TO_WORKSPACE=cfg.split_k > 1,
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         EVEN_K=even_k, HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise,
-        PROLOGUE=prologue, K_POW2=triton.next_power_of_2(k) if prologue == PROLOGUE_ADD_RMS_NORM else 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2),
     )
     if cfg.split_k > 1:
@@ -451,7 +356,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
             HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise, num_warps=4,
             **pdl_args(x2),
         )
-    return out, res_out
+    return out
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -483,7 +388,7 @@ def skinny_linear(
     if m == 0 or m > SKINNY_MAX_M:
         raise ValueError(f"skinny_linear takes 1..{SKINNY_MAX_M} rows, got {m}")
     cfg = config or get_config(m, n, x2.shape[1], x2.device)
-    return _launch(x2, weight, bias, n, cfg, gate_up=False, out_dtype=out_dtype)[0].view(*x.shape[:-1], n)
+    return _launch(x2, weight, bias, n, cfg, gate_up=False, out_dtype=out_dtype).view(*x.shape[:-1], n)
 
 
 def skinny_gate_up_silu(
@@ -499,76 +404,4 @@ def skinny_gate_up_silu(
     if m == 0 or m > SKINNY_MAX_M:
         raise ValueError(f"skinny_gate_up_silu takes 1..{SKINNY_MAX_M} rows, got {m}")
     cfg = config or get_config(m, inter, x2.shape[1], x2.device, gate_up=True)
-    return _launch(x2, w_gate_up, None, inter, cfg, gate_up=True)[0].view(*x.shape[:-1], inter)
-
-
-def add_norm_fusable(m: int, k: int) -> bool:
-    """Whether skinny_add_rms_norm_linear takes m rows of width k: the CUDA-core path (M <= 2), whose
-    whole rows fit the prologue's registers."""
-    return 0 < m <= FMA_MAX_M and m_bucket(m) * triton.next_power_of_2(k) <= MAX_NORM_PROLOGUE_ELEMENTS
-
-
-def prologue_config(m: int, n: int, k: int, device: torch.device) -> SkinnyConfig:
-    """The config of a skinny GEMM with a fused prologue: the measured table, else the plain table,
-    else the heuristic (which takes the CUDA-core path at M <= 2)."""
-    cfg = PROLOGUE_CONFIGS.get((m_bucket(m), n, k)) or SKINNY_CONFIGS.get((m_bucket(m), n, k))
-    return cfg or heuristic_config(m, n, k, _sm_count(device))
-
-
-def skinny_add_rms_norm_linear_ref(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    normed, summed = fused_add_rms_norm_ref(x, residual, norm_weight, eps)
-    return F.linear(normed, weight, bias), summed
-
-
-def skinny_add_rms_norm_linear(
-    x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-    bias: torch.Tensor | None = None, config: SkinnyConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(F.linear(rms_norm(x + residual) * norm_weight, weight, bias), x + residual) in one kernel: the
-    pre-norm block's add-norm made inside the GEMM's loads, rounded as fused_add_rms_norm rounds."""
-    # x, residual: [..., K]; norm_weight: [K]; weight: [N, K] -> ([..., N], [..., K])
-    _check(x, weight)
-    if residual.shape != x.shape or residual.dtype != x.dtype or norm_weight.dtype != x.dtype:
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} and norm weight "
-                         f"{norm_weight.dtype} must match x {tuple(x.shape)} {x.dtype}")
-    x2, r2 = _rows(x), _rows(residual)
-    m, n, k = x2.shape[0], weight.shape[0], weight.shape[1]
-    if m == 0 or m > SKINNY_MAX_M:
-        raise ValueError(f"skinny_add_rms_norm_linear takes 1..{SKINNY_MAX_M} rows, got {m}")
-    cfg = config or prologue_config(m, n, k, x2.device)
-    block_m = DOT_BLOCK_M if cfg.use_dot else m_bucket(m)
-    if block_m * triton.next_power_of_2(k) > MAX_NORM_PROLOGUE_ELEMENTS:
-        raise ValueError(f"the add-norm prologue holds {block_m} rows of {k} in registers: more than "
-                         f"{MAX_NORM_PROLOGUE_ELEMENTS} values (add_norm_fusable says which shapes fit)")
-    out, summed = _launch(x2, weight, bias, n, cfg, gate_up=False, prologue=PROLOGUE_ADD_RMS_NORM,
-                          residual=r2, norm_weight=norm_weight, eps=eps)
-    return out.view(*x.shape[:-1], n), summed.view(x.shape)
-
-
-def skinny_silu_mul_linear_ref(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> torch.Tensor:
-    return F.linear(silu_and_mul_ref(gate_up), weight, bias)
-
-
-def skinny_silu_mul_linear(
-    gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    config: SkinnyConfig | None = None,
-) -> torch.Tensor:
-    """F.linear(silu(gate) * up, weight, bias) in one kernel: the gated MLP's down projection with
-    silu_and_mul made inside its loads, rounded as silu_and_mul rounds."""
-    # gate_up: [..., 2K] (gate then up); weight: [N, K] -> [..., N]
-    k = weight.shape[1]
-    if gate_up.shape[-1] != 2 * k:
-        raise ValueError(f"gate_up's last dim must be 2 x {k} (gate then up), got {gate_up.shape[-1]}")
-    _check(gate_up[..., :k], weight)
-    x2 = _rows(gate_up)
-    m, n = x2.shape[0], weight.shape[0]
-    if m == 0 or m > SKINNY_MAX_M:
-        raise ValueError(f"skinny_silu_mul_linear takes 1..{SKINNY_MAX_M} rows, got {m}")
-    cfg = config or prologue_config(m, n, k, x2.device)
-    out, _ = _launch(x2, weight, bias, n, cfg, gate_up=False, prologue=PROLOGUE_SILU_MUL)
-    return out.view(*gate_up.shape[:-1], n)
+    return _launch(x2, w_gate_up, None, inter, cfg, gate_up=True).view(*x.shape[:-1], inter)

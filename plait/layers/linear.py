@@ -9,8 +9,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from plait.kernels.dispatch import use_triton
-from plait.layers.activation import act_and_mul
-from plait.layers.norm import RMSNorm
 
 # Which decode-sized matmuls use the skinny Triton GEMM: "auto" only the shapes where it measured faster
 # than cuBLAS (plait.kernels.skinny_gemm.SKINNY_CONFIGS), "1" all of them, "0" none.
@@ -21,13 +19,6 @@ SKINNY_MODES = ("auto", "0", "1")
 # the CPU path never imports triton).
 SKINNY_MAX_M = 16
 SKINNY_DTYPES = (torch.bfloat16, torch.float16)
-# Whether decode-sized GEMMs on the CUDA-core skinny path (M <= 2) make their own input: the pre-norm
-# add + RMSNorm before qkv, and silu-and-mul before the MLP's down projection (one launch instead of
-# two; PLAIT_SKINNY_PROLOGUES=0 keeps them apart for A/B runs).
-SKINNY_PROLOGUES_ENV = "PLAIT_SKINNY_PROLOGUES"
-_fuse_prologues = os.environ.get(SKINNY_PROLOGUES_ENV, "1") != "0"
-# Row counts (M) whose skinny GEMM takes the CUDA-core path (plait.kernels.skinny_gemm.FMA_MAX_M).
-PROLOGUE_MAX_M = 2
 # Where the skinny GEMM takes a silu-gated MLP's gate/up projection (GATE_UP_CONFIGS, or mode "1"),
 # the projection and silu-and-mul run as one kernel.
 FUSE_GATE_UP_SILU = True
@@ -55,33 +46,24 @@ def skinny_mode() -> str:
     return _skinny_mode
 
 
-def set_fuse_prologues(enabled: bool) -> None:
-    global _fuse_prologues
-    _fuse_prologues = enabled
-
-
 class Linear(nn.Linear):
     """Drop-in nn.Linear (same parameters, init and state dict); see uses_skinny for the GPU route."""
 
-    def _skinny_eligible(self, x: torch.Tensor, max_rows: int = SKINNY_MAX_M) -> bool:
+    def uses_skinny(self, x: torch.Tensor, gate_up: bool = False) -> bool:
+        """True when this x goes through the skinny Triton GEMM rather than F.linear."""
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return (
+        if not (
             _skinny_mode != "0"
-            and 0 < rows <= max_rows
+            and 0 < rows <= SKINNY_MAX_M
             and x.dtype in SKINNY_DTYPES
             and x.dtype == self.weight.dtype
             and use_triton(x)
-        )
-
-    def uses_skinny(self, x: torch.Tensor, gate_up: bool = False) -> bool:
-        """True when this x goes through the skinny Triton GEMM rather than F.linear."""
-        if not self._skinny_eligible(x):
+        ):
             return False
         if _skinny_mode == "1":
             return True
         from plait.kernels.skinny_gemm import measured_faster
 
-        rows = x.numel() // x.shape[-1]
         n = self.out_features // 2 if gate_up else self.out_features
         return measured_faster(rows, n, self.in_features, gate_up)
 
@@ -92,37 +74,6 @@ class Linear(nn.Linear):
 
             return skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
-
-    def fuses_add_norm(self, x: torch.Tensor, norm: RMSNorm) -> bool:
-        """True when forward_add_norm(x, residual, norm) runs as one skinny kernel."""
-        if not (_fuse_prologues and self._skinny_eligible(x, PROLOGUE_MAX_M)
-                and norm.weight.dtype == x.dtype):
-            return False
-        from plait.kernels.skinny_gemm import add_norm_fusable
-
-        return add_norm_fusable(x.numel() // x.shape[-1], x.shape[-1])
-
-    def forward_add_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual): a pre-norm block's add-norm and projection."""
-        # x, residual: [T, in_features] -> ([T, out_features], [T, in_features])
-        if x.shape == residual.shape and residual.dtype == x.dtype and self.fuses_add_norm(x, norm):
-            from plait.kernels.skinny_gemm import skinny_add_rms_norm_linear
-
-            return skinny_add_rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
-        normed, residual = norm.forward_residual(x, residual)
-        return self(normed), residual
-
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu(gate) * up) for gate_up = [gate, up] along its last dim (a gated MLP's down)."""
-        # gate_up: [T, 2 * in_features] -> [T, out_features]
-        if _fuse_prologues and gate_up.shape[-1] == 2 * self.in_features and self._skinny_eligible(
-                gate_up, PROLOGUE_MAX_M):
-            from plait.kernels.skinny_gemm import skinny_silu_mul_linear
-
-            return skinny_silu_mul_linear(gate_up, self.weight, self.bias)
-        return self(act_and_mul(gate_up, F.silu))
 
     def fuses_gate_up_silu(self, x: torch.Tensor) -> bool:
         """True when gate_up_silu(x) runs as one fused skinny kernel (this layer being [gate; up])."""

@@ -36,12 +36,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, hidden]
-        return self.attend(self.qkv_proj(x), rotary, batch)
-
-    def attend(self, qkv: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
-        """Attention and the o projection from the qkv projection's output."""
-        # qkv: [T, q_size + 2 * kv_size] -> [T, hidden]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -62,8 +57,6 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act is F.silu and self.gate_up_proj.fuses_gate_up_silu(x):
             return self.down_proj(self.gate_up_proj.gate_up_silu(x))
-        if self.act is F.silu:
-            return self.down_proj.forward_silu_mul(self.gate_up_proj(x))
         return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
 
 
@@ -78,14 +71,11 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding, batch: ForwardBatch
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv_proj = self.self_attn.qkv_proj
         if residual is None:
             residual, x = x, self.input_layernorm(x)
-            qkv = qkv_proj(x)
         else:
-            # On the skinny path (batch-1 decode) one kernel adds, normalises and projects.
-            qkv, residual = qkv_proj.forward_add_norm(x, residual, self.input_layernorm)
-        x = self.self_attn.attend(qkv, rotary, batch)
+            x, residual = self.input_layernorm.forward_residual(x, residual)
+        x = self.self_attn(x, rotary, batch)
         x, residual = self.post_attention_layernorm.forward_residual(x, residual)
         return self.mlp(x), residual
 
