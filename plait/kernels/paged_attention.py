@@ -47,12 +47,9 @@ MIN_DOT = 16
 # Query-tile rows (tokens x group heads) for prefill-carrying batches; smaller when every chunk is short.
 PREFILL_BLOCK_M = {64: 128, 128: 128, 256: 64}
 # Key positions per K/V tile: large tiles for decode (bandwidth), square-ish for prefill (tl.dot).
-# Head dim 128: 128-key tiles, 3 stages (H200, 32 Llama-8B layers: a 256-token chunk after 3,840 cached
-# 2.33 vs 2.44 ms, 4,096 fresh tokens 13.8 vs 14.8 ms, against 64-key tiles and 2 stages; best of 18
-# settings in benchmarks/results/prefill_tile_sweep_h200.json).
-PREFILL_TILE_N = {64: 64, 128: 128, 256: 32}
+PREFILL_TILE_N = {64: 64, 128: 64, 256: 32}
 DECODE_TILE_N = {64: 128, 128: 64, 256: 32}
-PREFILL_NUM_STAGES = {64: 3, 128: 3, 256: 2}
+PREFILL_NUM_STAGES = {64: 3, 128: 2, 256: 2}
 # Prefill tiles take 8 warps from this many fp32 accumulator elements (BLOCK_M x D) up.
 PREFILL_8_WARPS_ACC = 64 * 256
 # 2 stages beat 3 at every decode shape measured (H200, 256 rows, contexts 800 / 2048: 3869 vs 3488 and
