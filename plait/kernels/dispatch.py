@@ -47,6 +47,13 @@ def set_cpu_interpreter(enabled: bool) -> None:
     _cpu_interpreter = enabled
 
 
+def checked_mode(value: str, modes: tuple[str, ...], what: str) -> str:
+    """value if it is one of modes, else a ValueError naming what was set (an env var, a setter)."""
+    if value not in modes:
+        raise ValueError(f"{what} must be one of {modes}, got {value!r}")
+    return value
+
+
 def use_triton(t: torch.Tensor) -> bool:
     """True when ``t`` lives on CUDA, triton imports, the switch is on and no gradient is wanted.
 

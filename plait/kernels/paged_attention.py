@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.kernels.dispatch import checked_mode
 from plait.kernels.pdl import pdl_args, pdl_prologue
 
 LOG2E = math.log2(math.e)
@@ -93,17 +94,13 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 # only; "all": prompt chunks too.
 PRECISE_PV_ENV = "PLAIT_ATTN_PRECISE_PV"
 PRECISE_PV_MODES = ("off", "decode", "all")
-_precise_pv = os.environ.get(PRECISE_PV_ENV) or "off"
-if _precise_pv not in PRECISE_PV_MODES:
-    raise ValueError(f"{PRECISE_PV_ENV} must be one of {PRECISE_PV_MODES}, got {_precise_pv!r}")
+_precise_pv = checked_mode(os.environ.get(PRECISE_PV_ENV) or "off", PRECISE_PV_MODES, PRECISE_PV_ENV)
 
 
 def set_precise_pv(mode: str) -> None:
     """Where later launches split P into two terms: "off", "decode" or "all" (tests, benchmarks)."""
     global _precise_pv
-    if mode not in PRECISE_PV_MODES:
-        raise ValueError(f"precise P.V mode must be one of {PRECISE_PV_MODES}, got {mode!r}")
-    _precise_pv = mode
+    _precise_pv = checked_mode(mode, PRECISE_PV_MODES, "precise P.V mode")
 
 
 def precise_pv_mode() -> str:

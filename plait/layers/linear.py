@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.kernels.dispatch import use_triton
+from plait.kernels.dispatch import checked_mode, use_triton
 
 # Which decode-sized matmuls use the skinny Triton GEMM: "auto" only the shapes where it measured faster
 # than cuBLAS (plait.kernels.skinny_gemm.SKINNY_CONFIGS), "1" all of them, "0" none.
@@ -25,10 +25,7 @@ FUSE_GATE_UP_SILU = True
 
 
 def _env_mode(name: str, default: str) -> str:
-    value = os.environ.get(name) or default
-    if value not in SKINNY_MODES:
-        raise ValueError(f"{name} must be one of {SKINNY_MODES}, got {value!r}")
-    return value
+    return checked_mode(os.environ.get(name) or default, SKINNY_MODES, name)
 
 
 # Read once at import: forward runs hundreds of times per step. Tests flip it with set_skinny_mode().
@@ -37,9 +34,7 @@ _skinny_mode = _env_mode(SKINNY_GEMM_ENV, SKINNY_GEMM_DEFAULT)
 
 def set_skinny_mode(mode: str) -> None:
     global _skinny_mode
-    if mode not in SKINNY_MODES:
-        raise ValueError(f"skinny mode must be one of {SKINNY_MODES}, got {mode!r}")
-    _skinny_mode = mode
+    _skinny_mode = checked_mode(mode, SKINNY_MODES, "skinny mode")
 
 
 def skinny_mode() -> str:
