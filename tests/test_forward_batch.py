@@ -319,3 +319,52 @@ def test_attention_with_rotary_rotates_then_stores_and_attends():
     apart = batch.attention(1, q_rot, k_rot, v, 0.3)
     assert torch.equal(batch.kv_caches[0], batch.kv_caches[1])
     assert torch.equal(fused, apart)
+
+
+def _step_arrays(num_tokens: int, num_rows: int, first_id: int):
+    """A prompt step of ``num_rows`` rows sharing ``num_tokens`` tokens (ids counting from first_id)."""
+    import numpy as np
+
+    from plait.runner.forward_batch import StepArrays
+
+    lens = [num_tokens // num_rows] * num_rows
+    lens[-1] += num_tokens - sum(lens)
+    qsl = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    return StepArrays(
+        input_ids=np.arange(first_id, first_id + num_tokens, dtype=np.int64),
+        positions=np.concatenate([np.arange(n) for n in lens]).astype(np.int64),
+        slot_mapping=np.arange(num_tokens, dtype=np.int64) + 32,
+        query_start_loc=qsl,
+        context_lens=np.zeros(num_rows, dtype=np.int64),
+        seq_lens=np.array(lens, dtype=np.int64),
+        is_first_chunk=np.ones(num_rows, dtype=np.int64),
+        state_slots=np.arange(num_rows, dtype=np.int64),
+        block_tables=np.arange(num_rows * 3, dtype=np.int64).reshape(num_rows, 3) + first_id,
+        sample_indices=qsl[1:] - 1,
+        sample_rows=list(range(num_rows)),
+    )
+
+
+def test_compact_and_full_layouts_share_the_input_buffer():
+    """Steps that fit the compact layout stage there (fixed addresses for graphs, a short copy); larger
+    ones use the full layout of the same buffer. Alternating them, every step reads its own arrays."""
+    import numpy as np
+
+    from plait.runner.input_buffers import InputBuffers, Layout
+
+    layout = Layout(max_tokens=512, max_rows=9, block_table_width=4)
+    buffers = InputBuffers(layout, CPU, compact_tokens=16)
+    assert buffers.layout_for(16) == Layout(16, 9, 4) and buffers.layout_for(17) == layout
+    none = np.zeros(0, dtype=np.int64)
+    compact_ptrs = set()
+    for step, (tokens, rows) in enumerate([(8, 8), (300, 3), (16, 4), (512, 9), (1, 1)]):
+        arrays = _step_arrays(tokens, rows, first_id=1000 * step)
+        views = buffers.stage(arrays, none)
+        for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
+                     "state_slots", "block_tables", "sample_indices"):
+            assert views[name].tolist() == getattr(arrays, name).tolist(), (step, name)
+        if tokens <= 16:
+            compact_ptrs.add(views["block_tables"].data_ptr())
+    assert len(compact_ptrs) == 1  # a graph captured on the compact layout reads where later steps stage
+    with pytest.raises(ValueError, match="exceeds the input buffers"):
+        buffers.stage(_step_arrays(513, 2, 0), none)

@@ -44,6 +44,9 @@ class TritonBackend(AttentionBackend):
     tiles to fill the GPU: decodes of small batches, or a prompt chunk of a few hundred tokens beside a
     long cached context. The plan holds the split scratch, sized by the launch's token count.
     ``num_kv_splits`` overrides the split count of every launch (None: heuristic; 1: off).
+
+    The row metadata is converted when the step's ForwardBatch is made, kernels before the first
+    layer's attention, so the kernel may read it before its PDL wait (``metadata_ready``).
     """
 
     name = "triton"
@@ -83,7 +86,7 @@ class TritonBackend(AttentionBackend):
             paged_attention(
                 q[t], kv_cache[0], kv_cache[1], out[t], part.query_start_loc, batch.seq_lens[r],
                 batch.block_tables[r], scale, part.max_query_len, batch.max_seq_len, sliding_window or 0,
-                None if lse is None else lse[t], plan=part.plan)
+                None if lse is None else lse[t], plan=part.plan, metadata_ready=True)
         return (out, lse) if return_lse else out
 
     def _parts(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> list[_Part]:

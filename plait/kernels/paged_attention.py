@@ -401,6 +401,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, STORE_LSE: tl.constexpr,
     SPLIT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr,
+    ONE_TOKEN_ROWS: tl.constexpr, METADATA_READY: tl.constexpr,
 ):
     """Grid (T // BLOCK_Q + R, Hkv[, num_splits]), or (Hkv, T // BLOCK_Q + R[, num_splits]) with
     HEADS_FASTEST: one query tile of one row, all GROUP query heads of one kv head, and with SPLIT_KV
@@ -408,22 +409,34 @@ def _paged_attention_kernel(
 
     With SPLIT_KV a query tile whose keys make one split is written by that split alone; otherwise each
     of its splits stores its partial and counts itself in, and the last to arrive combines them."""
-    pdl_prologue(PDL)
+    # With METADATA_READY the row metadata (query_start_loc, seq_lens) is read before the PDL wait,
+    # while the kernel before this one still runs; q and the K/V cache (it writes them) wait for it.
+    if not METADATA_READY:
+        pdl_prologue(PDL)
     if HEADS_FASTEST:
         kv_head = tl.program_id(0)
         tile_idx = tl.program_id(1)
     else:
         tile_idx = tl.program_id(0)
         kv_head = tl.program_id(1)
-    row = _find_row(query_start_loc_ptr, tile_idx, num_rows, BLOCK_Q)
+    if ONE_TOKEN_ROWS:
+        row = tile_idx  # one query tile per row: no search (log2(rows) dependent loads at large batches)
+    else:
+        row = _find_row(query_start_loc_ptr, tile_idx, num_rows, BLOCK_Q)
     if row < 0:
+        if METADATA_READY:
+            pdl_prologue(PDL)  # every program waits, so that this grid completes after its predecessor
         return  # a tile before the first row's tokens (a launch over a later part of the step's rows)
     q_start = tl.load(query_start_loc_ptr + row)
     q_len = tl.load(query_start_loc_ptr + row + 1) - q_start
     q_tile = tile_idx - (q_start // BLOCK_Q + row)
+    if ONE_TOKEN_ROWS:
+        q_tile = 0
+    seq_len = tl.load(seq_lens_ptr + row)
+    if METADATA_READY:
+        pdl_prologue(PDL)
     if q_tile * BLOCK_Q >= q_len:
         return
-    seq_len = tl.load(seq_lens_ptr + row)
     context_len = seq_len - q_len
 
     offs_m = tl.arange(0, BLOCK_M)
@@ -487,7 +500,7 @@ def _paged_attention_kernel(
                 # thread's loads after it.
                 tl.debug_barrier()
                 final, final_lse = _combine_splits(used_splits, split_rows, split_lses, q_ok, BLOCK_M,
-                                                   HEAD_DIM)
+                                                   HEAD_DIM, INTERPRETED)
                 _store_out(out_rows, lse_rows, final, final_lse, q_ok, HEAD_DIM, STORE_LSE)
                 tl.store(counter, 0)  # every split has counted in: ready for the next launch
     else:
@@ -505,29 +518,41 @@ def _store_out(out_rows, lse_rows, out, lse2, q_ok, HEAD_DIM: tl.constexpr, STOR
 
 
 @triton.jit
-def _combine_splits(used_splits, split_rows, split_lses, q_ok, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+def _combine_split(acc, m_i, l_i, s, split_rows, split_lses, q_ok, HEAD_DIM: tl.constexpr):
+    """Fold split ``s``'s partial into the running (acc, m, l) of ``_combine_splits``."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    # Straight from L2 (.cg): other multiprocessors stored these, and this one's L1 may hold stale
+    # lines of the same scratch from an earlier layer.
+    lse_s = tl.load(split_lses + s, mask=q_ok, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(split_rows[:, None] + s * HEAD_DIM + offs_d[None, :], mask=q_ok[:, None], other=0.0,
+                   cache_modifier=".cg")
+    m_new = tl.maximum(m_i, lse_s)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    weight = tl.exp2(lse_s - m_safe)  # exactly 0 for a row this split did not see
+    acc = acc * alpha[:, None] + part * weight[:, None]
+    l_i = l_i * alpha + weight
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _combine_splits(used_splits, split_rows, split_lses, q_ok, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    INTERPRETED: tl.constexpr):
     """The query tile's partials (split s at ``split_rows + s * HEAD_DIM``, its LSE at ``split_lses + s``)
     merged by their LSEs (log2 domain): (out [BLOCK_M, D], lse2 [BLOCK_M]). A row no split saw gets zeros
     and lse -inf, never NaN."""
-    offs_d = tl.arange(0, HEAD_DIM)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # weights relative to m_i
-    s = 0
-    while s < used_splits:
-        # Straight from L2 (.cg): other multiprocessors stored these, and this one's L1 may hold stale
-        # lines of the same scratch from an earlier layer.
-        lse_s = tl.load(split_lses + s, mask=q_ok, other=float("-inf"), cache_modifier=".cg")
-        part = tl.load(split_rows[:, None] + s * HEAD_DIM + offs_d[None, :], mask=q_ok[:, None], other=0.0,
-                       cache_modifier=".cg")
-        m_new = tl.maximum(m_i, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        weight = tl.exp2(lse_s - m_safe)  # exactly 0 for a row this split did not see
-        acc = acc * alpha[:, None] + part * weight[:, None]
-        l_i = l_i * alpha + weight
-        m_i = m_new
-        s += 1
+    if INTERPRETED:  # tensor bounds in range() fail in Triton 3.6's interpreter (see _attend_tiles)
+        s = 0
+        while s < used_splits:
+            acc, m_i, l_i = _combine_split(acc, m_i, l_i, s, split_rows, split_lses, q_ok, HEAD_DIM)
+            s += 1
+    else:
+        # A for loop, so the partials' loads are pipelined rather than one L2 round trip after another.
+        for s in range(0, used_splits):
+            acc, m_i, l_i = _combine_split(acc, m_i, l_i, s, split_rows, split_lses, q_ok, HEAD_DIM)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
@@ -541,7 +566,7 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     max_query_len: int, max_seq_len: int, sliding_window: int = 0, lse: torch.Tensor | None = None,
-    plan: PagedAttentionPlan | None = None, num_kv_splits: int | None = None,
+    plan: PagedAttentionPlan | None = None, num_kv_splits: int | None = None, metadata_ready: bool = False,
 ) -> torch.Tensor:
     """Attention of every query token of a mixed batch over its row's paged K/V; writes and returns out.
 
@@ -552,7 +577,10 @@ def paged_attention(
     sliding_window: 0 for none, else key p is visible to query position i iff i - W < p <= i;
     lse: optional [T, Hq] fp32 output (natural log, -inf where a query saw no key).
     plan: from ``plan_paged_attention`` (built here when None); num_kv_splits: override the split
-    count when no plan is given (1: never split). Never synchronises with the device.
+    count when no plan is given (1: never split). metadata_ready: query_start_loc and seq_lens were
+    written before the kernel launched just before this one, so under PDL they are read while that
+    kernel drains (a step's staged metadata is; a tensor made by the previous kernel is not).
+    Never synchronises with the device.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -577,7 +605,8 @@ def paged_attention(
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     qk_scale = scale * LOG2E
     lse_arg = lse if lse is not None else out  # never written when STORE_LSE is off
-    num_tiles = num_tokens // cfg.block_q + num_rows
+    one_token_rows = max_query_len <= 1
+    num_tiles = num_rows if one_token_rows else num_tokens // cfg.block_q + num_rows
     heads_fastest = cfg.heads_fastest and num_tiles <= MAX_GRID_Y
     grid = (num_kv_heads, num_tiles) if heads_fastest else (num_tiles, num_kv_heads)
     split_kv = cfg.num_splits > 1
@@ -595,7 +624,8 @@ def paged_attention(
         block_tables, qk_scale, num_rows, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         lse_arg.stride(0), split_out.stride(0), split_out.stride(1), split_lse.stride(0), split_lse.stride(1),
         counters.stride(0), *cache_strides, cfg.num_splits, BLOCK_Q=cfg.block_q, STORE_LSE=lse is not None,
-        SPLIT_KV=split_kv, MIN_SPLIT_TILES=cfg.min_split_tiles, HEADS_FASTEST=heads_fastest, **common)
+        SPLIT_KV=split_kv, MIN_SPLIT_TILES=cfg.min_split_tiles, HEADS_FASTEST=heads_fastest,
+        ONE_TOKEN_ROWS=one_token_rows, METADATA_READY=metadata_ready, **common)
     return out
 
 

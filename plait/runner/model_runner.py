@@ -92,7 +92,9 @@ class ModelRunner:
         shapes = (graph_shapes(config.max_num_seqs, self._max_graph_prompt_tokens(), self.max_model_len)
                   if use_graphs else [])
         # The same staging on every device (on CPU the "copy" is a plain one), so CPU runs exercise it.
-        self.buffers = InputBuffers(self._layout(shapes), self.device)
+        # Decode steps and every graph shape stage into the compact layout (a short copy a step).
+        compact = max([config.max_num_seqs + 1, *(s.num_tokens for s in shapes)])
+        self.buffers = InputBuffers(self._layout(shapes), self.device, compact_tokens=compact)
         self.graphs: StepGraphs | None = self._capture_graphs(shapes) if use_graphs else None
         # Pinned landing places for sampled ids, used in turn: one step is collected while the
         # next one's copy may already be in flight.
