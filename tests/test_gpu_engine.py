@@ -153,7 +153,9 @@ def test_triton_agrees_with_torch_ref_in_bf16(tmp_path, head_dim):
     about 2% of tokens, and any last-bit difference in attention grows through the bf16 activations
     until it flips such a tie: measured on an H200, 83% / 61% of prompts agreed (head dims 64 / 128),
     every fork at a gap of 0.0002-0.009 logit std, and the reference agreed with itself 100%. Computing
-    P.V to fp32 accuracy (PLAIT_ATTN_PRECISE_PV) only moved that to 84-88% / 73-77%."""
+    P.V with P in two bf16 terms (PLAIT_ATTN_PRECISE_PV) only moved that to 84-88% / 73-77%; P in three
+    terms and QK^T in fp32 FMA (patched, benchmarks/results/bf16_agreement_precision_h200.json) gave
+    88-91% / 67-73%: summation order alone forks a third of the head-dim-128 prompts."""
     model = _config(tmp_path, head_dim)
     prompts = _prompts(head_dim)
     same = dict(enforce_eager=True, async_scheduling=False, max_num_batched_tokens=BUDGET)
