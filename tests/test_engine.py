@@ -143,3 +143,51 @@ def test_a_dropped_engine_is_freed_without_the_cycle_collector(tiny_llama):
     only reference counting frees what it holds, so it must hold no reference cycle."""
     refs = dropped_engine_refs(model=str(tiny_llama), num_kv_blocks=32, max_model_len=128)
     assert [r() is None for r in refs] == [True] * len(refs)
+
+
+def _collections_while_decoding(folder, gen0: int) -> int:
+    """Cyclic-GC runs while 256 requests decode 16 tokens each, with generation 0's threshold at gen0."""
+    engine = _engine(folder, max_num_batched_tokens=4096, max_num_seqs=256, num_kv_blocks=1024)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for prompt in random_prompts(256, 4, 12, seed=5):
+        engine.add_request(prompt, params)
+    engine.step()  # the prompts: start counting once every request decodes
+    runs = []
+
+    def count(phase: str, info: dict) -> None:
+        if phase == "start":
+            runs.append(info["generation"])
+
+    saved = gc.get_threshold()
+    gc.collect()
+    gc.set_threshold(gen0, *saved[1:])
+    gc.callbacks.append(count)
+    try:
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        gc.callbacks.remove(count)
+        gc.set_threshold(*saved)
+    return len(runs)
+
+
+def test_the_raised_gc_threshold_keeps_the_step_loop_free_of_collections(tiny_llama):
+    """On CUDA the engine raises generation 0's threshold (raise_gc_threshold): at Python's default the
+    step loop's short-lived objects start collections every few steps, each a pause between GPU steps."""
+    from plait.engine.engine import STEP_LOOP_GC_GEN0_THRESHOLD, raise_gc_threshold
+
+    assert _collections_while_decoding(tiny_llama, 700) > 0
+    assert _collections_while_decoding(tiny_llama, STEP_LOOP_GC_GEN0_THRESHOLD) == 0
+    saved = gc.get_threshold()
+    try:
+        gc.set_threshold(700, *saved[1:])
+        raise_gc_threshold()
+        assert gc.get_threshold()[0] == STEP_LOOP_GC_GEN0_THRESHOLD
+        gc.set_threshold(10**6, *saved[1:])
+        raise_gc_threshold()  # never lowers a larger one
+        assert gc.get_threshold()[0] == 10**6
+        gc.set_threshold(0)
+        raise_gc_threshold()  # nor turns automatic collection back on
+        assert gc.get_threshold()[0] == 0
+    finally:
+        gc.set_threshold(*saved)
