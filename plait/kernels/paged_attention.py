@@ -405,7 +405,8 @@ def _paged_attention_kernel(
 ):
     """Grid (T // BLOCK_Q + R, Hkv[, num_splits]), or (Hkv, T // BLOCK_Q + R[, num_splits]) with
     HEADS_FASTEST: one query tile of one row, all GROUP query heads of one kv head, and with SPLIT_KV
-    one split of the keys that tile sees.
+    one split of the keys that tile sees. A decode launch (ONE_TOKEN_ROWS) has R tiles instead, tile r
+    holding row r's one token (or none).
 
     With SPLIT_KV a query tile whose keys make one split is written by that split alone; otherwise each
     of its splits stores its partial and counts itself in, and the last to arrive combines them."""
