@@ -384,3 +384,59 @@ def test_w5_sweep_smoke(tiny_llama, tmp_path):
     detail = json.loads((out / "mixed_rate8.json").read_text())
     assert [len(itl) for itl in detail["itls"]] == [n - 1 for n in detail["output_lens"]]
     assert "| 8 | 4 | 0 |" in (out / "w5.md").read_text()
+
+
+def test_run_isolated_runs_in_a_fresh_process_and_raises_its_errors():
+    """`plait bench throughput` runs each workload through run_isolated, so that no workload's numbers
+    depend on what an earlier one left in the process (heap, GPU allocator, compiled kernels)."""
+    import os
+
+    from plait.bench.shared import run_isolated
+
+    assert run_isolated(os.getpid) != os.getpid()
+    assert run_isolated(divmod, 17, 5) == (3, 2)
+    with pytest.raises(ValueError, match="invalid literal"):
+        run_isolated(int, "not a number")
+
+
+def _tiny_shared(tmp_path, tiny_llama):
+    """A shared/bench folder whose W3 is a tiny random Llama: workloads.py from ../shared's shape."""
+    import shutil
+
+    shared = tmp_path / "bench"
+    (shared / "models").mkdir(parents=True)
+    (shared / "models" / "tiny").mkdir()
+    shutil.copy(tiny_llama / "config.json", shared / "models" / "tiny" / "config.json")
+    (shared / "workloads.py").write_text(
+        "import torch\n"
+        "def random_prompts(n, min_len, max_len, vocab_size, seed):\n"
+        "    g = torch.Generator().manual_seed(seed)\n"
+        "    lens = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()\n"
+        "    return [torch.randint(10, vocab_size, (int(k),), generator=g).tolist() for k in lens]\n"
+        "OFFLINE = {'W3': ('tiny', 1, 8, 8, 6), 'W1': ('tiny', 4, 4, 12, 5)}\n")
+    return shared
+
+
+@pytest.mark.parametrize("in_process", [False, True])
+def test_throughput_bench_end_to_end_on_cpu(tmp_path, tiny_llama, in_process):
+    """`plait bench throughput` on CPU over a tiny model: every workload runs (in a fresh process each,
+    by default), produces its output tokens, and the report carries the device and the step breakdown."""
+    import argparse
+    import json
+
+    from plait.bench import throughput
+
+    parser = argparse.ArgumentParser()
+    throughput.add_parser(parser.add_subparsers())
+    out = tmp_path / "result.json"
+    argv = ["throughput", "--shared", str(_tiny_shared(tmp_path, tiny_llama)), "--workloads", "W3,W1",
+            "--max-num-seqs", "4", "--out", str(out)] + (["--in-process"] if in_process else [])
+    args = parser.parse_args(argv)
+    assert args.func(args) == 0
+    report = json.loads(out.read_text())
+    assert report["device"] == "cpu" and report["isolated"] is not in_process
+    w3, w1 = report["workloads"]
+    assert (w3["workload"], w3["output_tokens"], w3["requests"]) == ("W3", 6, 1)
+    assert (w1["workload"], w1["output_tokens"], w1["requests"]) == ("W1", 4 * 5, 4)
+    assert w3["ms_per_token"] > 0 and w1["output_tok_per_s"] > 0
+    assert w1["step_breakdown"]["steps"] >= 5

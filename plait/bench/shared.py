@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
+import multiprocessing
 import os
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 SHARED_ENV = "PLAIT_SHARED"
 REPO = Path(__file__).resolve().parents[2]
@@ -38,3 +41,13 @@ def load_shared_module(shared: Path, filename: str) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def run_isolated(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` in a fresh Python process, spawned so that it inherits no heap, GPU context or
+    allocator state, and its result (an exception there is raised here). ``fn`` and the arguments must
+    pickle: a module-level function and plain data. A benchmark runs each workload in one, so that its
+    numbers do not depend on what ran before it: on an H200 W3 ran up to 2% slower in later engines of
+    one process, and W1 ~2% slower after W3 (benchmarks/results/throughput_h200_history/README.md)."""
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from plait.bench.shared import find_shared, load_shared_module
+from plait.bench.shared import find_shared, load_shared_module, run_isolated
 from plait.config import EngineConfig
 
 if TYPE_CHECKING:  # torch and the engine load only when the benchmark runs, not with the CLI
@@ -171,6 +171,7 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
     engine.record_timeline = False
     result = {
         "workload": name,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "model": model_name,
         "requests": num,
         "prompt_len": [lo, hi],
@@ -232,6 +233,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--attention-backend", default=None)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the GPU's limits")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the workloads one after another in this process (default: each in a fresh one)")
     p.set_defaults(func=main)
 
 
@@ -239,10 +242,15 @@ def main(args: argparse.Namespace) -> int:
     import torch
 
     shared = find_shared(args.shared, required="workloads.py")
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     roof = None if args.no_roofline or not torch.cuda.is_available() else measure_roofline(shared)
-    results = [run_workload(w.strip(), shared, roof, args) for w in args.workloads.split(",")]
-    report = {"device": device, "torch": torch.__version__, "roofline": roof, "workloads": results}
+    names = [w.strip() for w in args.workloads.split(",")]
+    if args.in_process:
+        results = [run_workload(name, shared, roof, args) for name in names]
+    else:
+        results = [run_isolated(run_workload, name, shared, roof, args) for name in names]
+    device = results[0]["device"] if results else "cpu"
+    report = {"device": device, "torch": torch.__version__, "roofline": roof, "isolated": not args.in_process,
+              "workloads": results}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(report, indent=2))
