@@ -5,8 +5,6 @@ from pathlib import Path
 
 from plait.bench import throughput as tp
 
-orig_run = tp._run
-
 
 def run(engine, prompts, output_len, desc):
     import torch
