@@ -1,9 +1,15 @@
-"""W1's timed loop, instrumented: time inside engine.step() against the rest of the bench loop (GPU)."""
+"""W1's timed loop, instrumented: time inside engine.step() against the rest of the bench loop (GPU).
+
+    PYTHONPATH=. python benchmarks/w1_loop_overhead.py
+
+Runs in this process (the patched loop would not reach a spawned one); finds shared/bench as
+`plait bench` does.
+"""
 import argparse
 import time
-from pathlib import Path
 
 from plait.bench import throughput as tp
+from plait.bench.shared import find_shared
 
 
 def run(engine, prompts, output_len, desc):
@@ -36,8 +42,13 @@ def run(engine, prompts, output_len, desc):
     return t2 - t0, 0, t1 - t0
 
 
-tp._run = run
-p = argparse.ArgumentParser()
-tp.add_parser(p.add_subparsers())
-args = p.parse_args(["throughput", "--workloads", "W1", "--no-roofline"])
-tp.run_workload("W1", Path("shared/bench"), None, args)
+def main() -> None:
+    tp._run = run
+    p = argparse.ArgumentParser()
+    tp.add_parser(p.add_subparsers())
+    args = p.parse_args(["throughput", "--workloads", "W1", "--no-roofline", "--in-process"])
+    tp.run_workload("W1", find_shared(required="workloads.py"), None, args)
+
+
+if __name__ == "__main__":
+    main()
