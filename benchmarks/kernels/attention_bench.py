@@ -5,6 +5,11 @@ decode, with split-KV off / heuristic / forced and precise P.V on / off.
 
     PYTHONPATH=. python benchmarks/kernels/attention_bench.py --out benchmarks/results/attention_h200.json
     PYTHONPATH=. python benchmarks/kernels/attention_bench.py --cases steps --out /tmp/steps.json
+    PYTHONPATH=. python benchmarks/kernels/attention_bench.py --cases chunks --out /tmp/chunks.json
+
+``--cases chunks`` sets W4's prompt chunks (Llama-8B) beside each of torch's SDPA backends (flash, cuDNN,
+memory-efficient) on the same sizes laid out contiguously: how far the paged kernel is from the fastest
+attention this GPU's torch has, before counting what gathering paged K/V into that layout would cost.
 
 Times are triton.testing.do_bench medians (L2 flushed between runs) after a warm-up call that compiles.
 Decode GB/s counts the K and V bytes the rows actually need (rows x context x Hkv x D x 2 x bytes).
@@ -52,6 +57,10 @@ MIXED_STEPS = [
     ("256 after 3840 alone", [], [(3840, 256)]),
 ]
 DECODE_B1_CONTEXTS = [512, 4096]
+# W4's prompt chunks as (context_len, query_len): its 256-token chunks early and late, a 384-token one, and
+# the whole 4,096-token prompt in one step (prefill_first).
+CHUNK_CASES = [(2048, 256), (3840, 256), (2048, 384), (0, 4096)]
+SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
 # Split settings: None is the heuristic, 1 is off, the rest are forced counts.
 STEP_SPLITS = [1, None, 2, 4, 8]
 # A CUDA graph's bounds for the "graph" variant: max_seq_len = max_model_len, and the prompt part padded
@@ -164,6 +173,35 @@ def bench_prefill(device: torch.device) -> list[dict]:
     return results
 
 
+def bench_chunks(device: torch.device) -> list[dict]:
+    """Llama-8B prompt chunks: the paged kernel (heuristic plan) against each SDPA backend, TFLOP/s."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    _, hq, hkv, d = STEP_MODEL
+    results = []
+    for context, n in CHUNK_CASES:
+        rows = [(context, n)]
+        setup = PagedSetup(hkv, d, rows, device)
+        q = torch.randn(n, hq, d, dtype=DTYPE, device=device)
+        plan = plan_paged_attention(n, 1, hq, hkv, d, DTYPE, n, context + n, device)
+        ms, _ = run_paged(setup, q, rows, plan, d**-0.5)
+        flops = 4 * hq * d * causal_pairs(rows)
+        entry = dict(case=f"{n} after {context}", triton_ms=ms, triton_tflops=flops / ms / 1e9,
+                     num_splits=plan.config.num_splits, sdpa={})
+        peer = sdpa_peer(rows, hq, hkv, d, device)
+        for name in SDPA_BACKENDS:
+            try:
+                with sdpa_kernel(getattr(SDPBackend, name)):
+                    peer_ms = median_ms(peer)
+                entry["sdpa"][name] = dict(ms=peer_ms, tflops=flops / peer_ms / 1e9)
+            except RuntimeError as exc:  # a backend that does not take this mask / shape on this build
+                entry["sdpa"][name] = dict(error=str(exc).splitlines()[0][:200])
+        results.append(entry)
+        del setup
+        torch.cuda.empty_cache()
+    return results
+
+
 class StepPart:
     """One launch of a step (decode rows, or prompt rows) in every layer, each layer over its own cache."""
 
@@ -270,9 +308,21 @@ def print_step_table(steps: list[dict]) -> None:
             print(f"    {label:28} {on['ms']:7.3f} / {off['ms']:7.3f}   {on['num_splits']}")
 
 
+def print_chunk_table(chunks: list[dict]) -> None:
+    print("\nLlama-8B prompt chunks: TFLOP/s (causal FLOPs), triton paged vs SDPA backends, contiguous K/V")
+    for r in chunks:
+        peers = "   ".join(f"{name.split('_')[0].lower()} "
+                            + (f"{p['tflops']:6.1f}" if "tflops" in p else " n/a")
+                           for name, p in r["sdpa"].items())
+        print(f"  {r['case']:18} triton {r['triton_tflops']:6.1f} ({r['triton_ms']:.3f} ms)   {peers}")
+
+
 def print_tables(result: dict) -> None:
     if "read_bandwidth" not in result:
-        print_step_table(result["steps"])
+        if "steps" in result:
+            print_step_table(result["steps"])
+        if "chunks" in result:
+            print_chunk_table(result["chunks"])
         return
     print(f"\n{result['device']}  (x.sum read: {result['read_bandwidth']['gbps']:.0f} GB/s)")
     print("\ndecode: KV read GB/s (split auto [num splits] / split off)")
@@ -292,13 +342,16 @@ def print_tables(result: dict) -> None:
               f"sdpa {r['sdpa_tflops']:6.1f} ({r['sdpa_ms']:.3f} ms)")
     if "steps" in result:
         print_step_table(result["steps"])
+    if "chunks" in result:
+        print_chunk_table(result["chunks"])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON results")
-    parser.add_argument("--cases", choices=("all", "kernels", "steps"), default="all",
-                        help="kernels: decode / prefill / read bandwidth; steps: whole graph-replayed steps")
+    parser.add_argument("--cases", choices=("all", "kernels", "steps", "chunks"), default="all",
+                        help="kernels: decode / prefill / read bandwidth; steps: whole graph-replayed steps; "
+                             "chunks: W4's prompt chunks against every SDPA backend")
     args = parser.parse_args()
     device = torch.device("cuda")
     started = time.time()
@@ -310,6 +363,8 @@ def main() -> None:
         result["prefill"] = bench_prefill(device)
     if args.cases in ("all", "steps"):
         result["steps"] = bench_steps(device)
+    if args.cases in ("all", "chunks"):
+        result["chunks"] = bench_chunks(device)
     result["wall_s"] = time.time() - started
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
