@@ -27,8 +27,12 @@ class EngineConfig:
     model: str | None = None  # path to a .gguf file or an HF folder; None = the default model
     load_format: Literal["auto", "dummy"] = "auto"  # "dummy": random weights of the model's config
     device: str | None = None  # None = best available ("cuda" if present, else "cpu")
-    dtype: str | None = None  # None = float32 on CPU, bfloat16 on GPU
-    seed: int = 0  # seed for dummy weights
+    # None or "auto" = float32 on CPU, bfloat16 on GPU; vLLM's aliases ("half", "float"...) are accepted
+    # and stored under their canonical name (see DTYPE_ALIASES).
+    dtype: str | None = None
+    # Seeds the engine's random sampling (requests without their own seed) and dummy weights, so two
+    # engines with the same seed given the same requests in the same order sample the same tokens.
+    seed: int = 0
 
     # Token budget of one step (decodes + prefill chunks). None = vLLM's defaults for the device and the
     # usage (see default_token_budget): large GPUs take 16,384 offline and 8,192 when serving.
@@ -98,8 +102,8 @@ class EngineConfig:
         for name in ("enforce_eager", "async_scheduling"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
-        if self.dtype is not None and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype is not None:
+            self.dtype = canonical_dtype(self.dtype)
 
     def with_token_budget(self, device_type: str, total_memory: int = 0,
                           device_name: str = "") -> EngineConfig:
@@ -142,7 +146,21 @@ def default_token_budget(usage: str, device_type: str, total_memory: int = 0, de
     return TOKEN_BUDGETS[tier][usage]
 
 
-_DTYPES = {"float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "auto"}
+# Every dtype name plait accepts (vLLM's --dtype choices and short forms) -> the one it is stored as.
+DTYPE_ALIASES = {
+    "auto": "auto",
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+}
+
+
+def canonical_dtype(name: str) -> str:
+    """The canonical name of a dtype alias ("half" -> "float16"); ValueError for an unknown one."""
+    canonical = DTYPE_ALIASES.get(name) if isinstance(name, str) else None
+    if canonical is None:
+        raise ValueError(f"dtype must be one of {sorted(DTYPE_ALIASES)}, got {name!r}")
+    return canonical
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

@@ -1,4 +1,4 @@
-"""The plait CLI end to end: generate and one-shot chat with the default model, and clear errors."""
+"""The plait CLI end to end: generate and one-shot chat with the default model, clear errors, and parsing."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,3 +42,29 @@ def test_cli_errors_are_clear(tmp_path):
     assert res.returncode == 2 and "does not exist" in res.stderr
     res = _plait("generate", "hi", "--temperature", "-2")
     assert res.returncode == 2 and "temperature" in res.stderr
+
+
+def test_serve_takes_the_model_as_positional_or_flag(capsys):
+    from plait.entrypoints.cli import _engine_config, parse_args
+
+    assert _engine_config(parse_args(["serve", "m.gguf"])).model == "m.gguf"  # as `vllm serve MODEL`
+    assert _engine_config(parse_args(["serve", "--model", "m.gguf"])).model == "m.gguf"
+    assert parse_args(["serve", "m.gguf", "--model", "m.gguf", "--port", "0"]).model == "m.gguf"  # agreeing
+    assert parse_args(["serve"]).model is None  # the default model
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["serve", "a.gguf", "--model", "b.gguf"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "'a.gguf'" in err and "'b.gguf'" in err
+
+
+def test_seed_and_dtype_aliases_are_engine_flags():
+    from plait.entrypoints.cli import _engine_config, parse_args
+
+    for command in (["serve"], ["generate", "hi"], ["chat", "hi"]):
+        config = _engine_config(parse_args([*command, "--seed", "7", "--dtype", "half"]))
+        assert (config.seed, config.dtype) == (7, "float16")
+    assert _engine_config(parse_args(["serve", "--dtype", "float"])).dtype == "float32"
+    # `bench w4 --seed` keeps seeding its prompts; the engine keeps its default seed there.
+    args = parse_args(["bench", "w4", "--seed", "3"])
+    assert args.seed == 3 and _engine_config(args).seed == 0

@@ -1,8 +1,9 @@
-"""Engine defaults that depend on where and how the engine runs: the step token budget."""
+"""Engine defaults that depend on where and how the engine runs (the step token budget), and dtype names."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from plait.config import EngineConfig, default_token_budget
 from plait.runner.cuda_graphs import FEW_PROMPT_ROWS, graph_shapes, token_buckets
@@ -68,3 +69,27 @@ def test_mixed_graph_shapes_come_with_few_prompt_rows_first():
         assert rows == sorted({min(d + FEW_PROMPT_ROWS, 64) + 1, 65})
     graphs = sorted(shapes, key=lambda s: (s.num_tokens, s.num_rows))
     assert next(s for s in graphs if s.is_mixed and s.decode_rows == 4).num_rows == 4 + FEW_PROMPT_ROWS + 1
+
+
+@pytest.mark.parametrize(("given", "stored", "dtype"), [
+    ("half", "float16", torch.float16),  # vLLM's aliases
+    ("float", "float32", torch.float32),
+    ("float16", "float16", torch.float16),
+    ("bfloat16", "bfloat16", torch.bfloat16),
+    ("float32", "float32", torch.float32),
+    ("fp16", "float16", torch.float16),
+    ("bf16", "bfloat16", torch.bfloat16),
+    ("fp32", "float32", torch.float32),
+    ("auto", "auto", torch.float32),  # float32 on CPU
+])
+def test_dtype_aliases_are_stored_under_one_name(given, stored, dtype):
+    from plait.loader.model_loader import resolve_device_dtype
+
+    config = EngineConfig(dtype=given, device="cpu")
+    assert config.dtype == stored
+    assert resolve_device_dtype(config) == (torch.device("cpu"), dtype)
+
+
+def test_unknown_dtype_is_refused_with_the_accepted_names():
+    with pytest.raises(ValueError, match="dtype must be one of .*'half'.*got 'int8'"):
+        EngineConfig(dtype="int8")

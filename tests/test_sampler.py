@@ -193,13 +193,25 @@ def test_seed_stream_depends_on_seed_and_position_only() -> None:
     assert len({sample(3, s) for s in range(10)}) > 5
 
 
-def test_unseeded_rows_use_default_generator() -> None:
-    logits = torch.zeros(8, 1000)
-    torch.manual_seed(123)
-    a = Sampler()(logits, [row() for _ in range(8)]).token_ids
-    torch.manual_seed(123)
-    b = Sampler()(logits, [row() for _ in range(8)]).token_ids
-    assert a == b
+def test_unseeded_rows_follow_the_engine_seed() -> None:
+    logits = torch.zeros(8, 1000)  # uniform: the tokens are the noise's alone
+
+    def steps(sampler: Sampler) -> list[list[int]]:
+        return [sampler(logits, [row() for _ in range(8)]).token_ids for _ in range(3)]
+
+    torch.manual_seed(1)
+    a = steps(Sampler(seed=123))
+    torch.manual_seed(2)  # torch's global RNG no longer matters
+    assert steps(Sampler(seed=123)) == a
+    assert len({tuple(t) for t in a}) == 3  # each step draws on from where the last one stopped
+    # Another seed, another stream: 24 draws from 1000 ids cannot all agree by chance.
+    assert steps(Sampler(seed=124)) != a
+
+
+def test_seeded_rows_ignore_the_engine_seed() -> None:
+    logits = make_logits(3, 4, 1000, scale=0.5)
+    rows = [row(seed=10 + i, top_p=0.9) for i in range(4)]
+    assert Sampler(seed=1)(logits, rows).token_ids == Sampler(seed=2)(logits, rows).token_ids
 
 
 # --------------------------------------------------------------------------- distribution

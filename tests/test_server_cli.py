@@ -40,10 +40,13 @@ def test_serve_flags_reach_the_configs(monkeypatch):
     monkeypatch.setenv("PLAIT_API_KEY", "from-env")
     assert cli.main(["serve", "--port", "0", "--max-num-batched-tokens", "64"]) == 0
     assert cli.main(["serve", "--api-key", "from-flag", "--host", "0.0.0.0", "--served-model-name", "m"]) == 0
-    (engine_a, config_a), (_, config_b) = seen
+    assert cli.main(["serve", "--served-model-name", "a", "b", "--trust-request-chat-template"]) == 0
+    (engine_a, config_a), (_, config_b), (_, config_c) = seen
     assert engine_a.max_num_batched_tokens == 64
     assert (config_a.host, config_a.port, config_a.api_key) == ("127.0.0.1", 0, "from-env")
-    assert (config_b.host, config_b.api_key, config_b.served_model_name) == ("0.0.0.0", "from-flag", "m")
+    assert not config_a.trust_request_chat_template
+    assert (config_b.host, config_b.api_key, config_b.served_model_name) == ("0.0.0.0", "from-flag", ["m"])
+    assert config_c.served_model_names == ("a", "b") and config_c.trust_request_chat_template
 
 
 def test_serve_runs_the_engine_with_serving_defaults(monkeypatch):

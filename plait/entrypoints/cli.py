@@ -10,12 +10,12 @@ import sys
 import typing
 from typing import Any
 
-from plait.config import EngineConfig
+from plait.config import DTYPE_ALIASES, EngineConfig
 from plait.sampling_params import SamplingParams
 
 # Engine fields that get their own CLI flag (the rest keep their defaults).
 _ENGINE_FLAGS = (
-    "model", "load_format", "device", "dtype", "max_num_batched_tokens", "max_num_seqs",
+    "model", "load_format", "device", "dtype", "seed", "max_num_batched_tokens", "max_num_seqs",
     "long_prefill_token_threshold", "max_prefill_tokens_beside_decodes", "prefill_drain_steps",
     "max_num_partial_prefills",
     "scheduling_policy", "block_size",
@@ -30,23 +30,34 @@ _FLAG_HELP = {
                               "and 8192 serving on GPUs of 70 GB and more, 8192 / 2048 on smaller ones, "
                               "2048 on CPU)",
     "device": "(default: cuda where available, else cpu)",
-    "dtype": "(default: bfloat16 on GPU, float32 on CPU)",
+    "dtype": f"one of {', '.join(DTYPE_ALIASES)} (default: bfloat16 on GPU, float32 on CPU)",
+    "seed": "seed of random sampling for requests without their own seed, and of dummy weights: the same "
+            "seed and the same requests give the same tokens (default: 0)",
 }
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per engine knob of _ENGINE_FLAGS, but those the command already uses for its own ends
+    (`bench w4 --seed` seeds its prompts); args.engine_flags names the knobs that got a flag."""
     group = parser.add_argument_group("engine")
     hints = typing.get_type_hints(EngineConfig)
+    added = []
     for f in dataclasses.fields(EngineConfig):
         if f.name not in _ENGINE_FLAGS:
             continue
         flag = f"--{f.name.replace('_', '-')}"
         if hints[f.name] is bool:  # --enforce-eager / --no-enforce-eager
-            group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=None,
-                               help=f"(default: {f.default!r})")
+            kwargs: dict[str, Any] = {"action": argparse.BooleanOptionalAction,
+                                      "help": f"(default: {f.default!r})"}
+        else:
+            kwargs = {"type": _arg_type(hints[f.name]),
+                      "help": _FLAG_HELP.get(f.name, f"(default: {f.default!r})")}
+        try:
+            group.add_argument(flag, dest=f.name, default=None, **kwargs)
+        except argparse.ArgumentError:  # the command's own flag of that name stays
             continue
-        group.add_argument(flag, dest=f.name, type=_arg_type(hints[f.name]), default=None,
-                           help=_FLAG_HELP.get(f.name, f"(default: {f.default!r})"))
+        added.append(f.name)
+    parser.set_defaults(engine_flags=tuple(added))
 
 
 def _arg_type(hint: Any) -> type:
@@ -64,18 +75,20 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=0)
     group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--seed", type=int, default=None)
+    # No per-request --seed: each command runs a fresh engine, so the engine's --seed already makes its
+    # samples reproducible, and one flag keeps one meaning across generate, chat and serve (as vLLM's).
     group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    given = {name: getattr(args, name) for name in _ENGINE_FLAGS if getattr(args, name) is not None}
+    names = getattr(args, "engine_flags", _ENGINE_FLAGS)
+    given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return EngineConfig(**given)
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
+                          top_k=args.top_k, min_p=args.min_p, stop=args.stop)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -133,6 +146,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key if args.api_key is not None else os.environ.get(_API_KEY_ENV) or None
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
                           served_model_name=args.served_model_name, request_timeout_s=args.request_timeout,
+                          trust_request_chat_template=args.trust_request_chat_template,
                           log_level=args.log_level)
     serve(_engine_config(args), config)
     return 0
@@ -177,15 +191,22 @@ def build_parser() -> argparse.ArgumentParser:
     chat.set_defaults(func=_cmd_chat)
 
     srv = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API")
+    # `plait serve MODEL`, as `vllm serve MODEL`. Only serve takes it: the positionals of generate and
+    # chat are prompts, so a model there could not be told from a prompt.
+    srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                     help="path to a .gguf file or an HF folder (the same as --model)")
     srv.add_argument("--host", default=_DEFAULT_HOST,
                      help=f"address to bind (default: {_DEFAULT_HOST}, this machine only)")
     srv.add_argument("--port", type=int, default=_DEFAULT_PORT,
                      help=f"(default: {_DEFAULT_PORT}; 0 = any free port)")
     srv.add_argument("--api-key", default=None,
-                     help=f"require 'Authorization: Bearer <key>' on every endpoint but /health "
+                     help=f"require 'Authorization: Bearer <key>' on the /v1 endpoints, as vLLM "
                           f"(default: ${_API_KEY_ENV} if set; prefer it, as flags show in `ps`)")
-    srv.add_argument("--served-model-name", default=None,
-                     help="the model name clients send (default: the model file's stem or folder's name)")
+    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                     help="the model name(s) clients send; the first is the one responses report "
+                          "(default: the model file's stem or folder's name)")
+    srv.add_argument("--trust-request-chat-template", action="store_true",
+                     help="let chat requests bring their own chat template (a Jinja program)")
     srv.add_argument("--request-timeout", type=float, default=None,
                      help="abort requests running longer than this many seconds (default: never)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
@@ -199,8 +220,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse a command line; a positional MODEL lands in args.model, as --model does."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        if args.model is not None and args.model != tag:
+            parser.error(f"the model is given twice, as {tag!r} and as --model {args.model!r}; give one")
+        args.model = tag
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, TypeError, FileNotFoundError) as err:

@@ -62,14 +62,28 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to one conversation (a list of messages) or many."""
+        """Apply the chat template (the model's, or ``chat_template``) to one conversation (a list of
+        messages) or many, and generate; each output's ``prompt`` is its rendered conversation.
+
+        ``continue_final_message`` leaves the last message open, so the model continues it (an assistant
+        prefill) instead of starting a new one; it excludes ``add_generation_prompt``, as in vLLM.
+        ``chat_template_kwargs`` become variables of the template.
+        """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs)
-                   for c in conversations]
-        return self.generate([{"prompt_token_ids": ids} for ids in prompts], sampling_params, use_tqdm)
+        tokenizer = self.engine.tokenizer
+        texts = [render_chat(tokenizer, c, add_generation_prompt, chat_template_kwargs,
+                             continue_final_message=continue_final_message, chat_template=chat_template)
+                 for c in conversations]
+        prompts = [{"prompt_token_ids": _encode_rendered(tokenizer, text)} for text in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        for out, text in zip(outputs, texts, strict=True):
+            out.prompt = text
+        return outputs
 
     def apply_chat_template(
         self, conversation: list[Message], add_generation_prompt: bool = True, kwargs: dict | None = None
@@ -96,16 +110,45 @@ def apply_chat_template(
     conversation: list[Message],
     add_generation_prompt: bool = True,
     kwargs: dict | None = None,
+    *,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
 ) -> list[int]:
-    """Token ids of a conversation under the model's chat template."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+    """Token ids of a conversation under the model's chat template (or ``chat_template``)."""
+    text = render_chat(tokenizer, conversation, add_generation_prompt, kwargs,
+                       continue_final_message=continue_final_message, chat_template=chat_template)
+    return _encode_rendered(tokenizer, text)
+
+
+def render_chat(
+    tokenizer: Any,
+    conversation: list[Message],
+    add_generation_prompt: bool = True,
+    kwargs: dict | None = None,
+    *,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+) -> str:
+    """A conversation as prompt text under the model's chat template (or ``chat_template``).
+
+    continue_final_message: end on the last message's text, without the template's end-of-turn after it.
+    """
+    if add_generation_prompt and continue_final_message:
+        # As vLLM: opening a new assistant turn and leaving the last message open exclude each other.
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true; "
+                         "pass add_generation_prompt=False to continue the final message")
+    if tokenizer is None or not (chat_template or getattr(tokenizer, "chat_template", None)):
         raise ValueError("this model has no chat template; use generate() with a plain prompt")
     for m in conversation:
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
-    text = tokenizer.apply_chat_template(
-        conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **(kwargs or {})
+    return tokenizer.apply_chat_template(
+        conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message, chat_template=chat_template, **(kwargs or {}),
     )
+
+
+def _encode_rendered(tokenizer: Any, text: str) -> list[int]:
     # The template already wrote any special tokens; adding them again would double BOS.
     return list(tokenizer.encode(text, add_special_tokens=False))
 

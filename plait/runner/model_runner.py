@@ -74,7 +74,7 @@ class ModelRunner:
                 f"{self.model_config.max_position_embeddings}"
             )
         self.attn_backend = get_backend(self._backend_name())
-        self.sampler = Sampler()
+        self.sampler = Sampler(config.seed)
         self.breakdown = StepBreakdown()
         # Recurrent (Mamba) state first, so that on a GPU the KV cache is sized from what is left.
         specs_of = getattr(self.model, "recurrent_state_specs", None)

@@ -163,9 +163,15 @@ def _on_rows(logits: torch.Tensor, row_ids: list[int], fn: Callable[[torch.Tenso
 class Sampler:
     """Samples one token per row. Only the final ids (and requested logprobs) are copied to the host."""
 
-    def __init__(self) -> None:
-        # One reusable generator per device; reseeding is safe after a launch because CUDA kernels take
-        # the philox seed/offset by value.
+    def __init__(self, seed: int = 0) -> None:
+        """seed: the engine seed, which the draws of rows without their own seed follow."""
+        self.seed = seed
+        # Per device, the generator rows without a seed draw from: seeded once with the engine seed, never
+        # reseeded, so its stream (and the tokens) follow from the seed and the order of the steps, and
+        # no longer from torch's global RNG, which anything in the process may draw from or reseed.
+        self._engine_generators: dict[torch.device, torch.Generator] = {}
+        # Per device, one reusable generator for seeded rows; reseeding is safe after a launch because
+        # CUDA kernels take the philox seed/offset by value.
         self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
@@ -302,13 +308,21 @@ class Sampler:
             gen = self._generators[device] = torch.Generator(device=device)
         return gen
 
+    def engine_generator(self, device: torch.device) -> torch.Generator:
+        """The generator rows without their own seed draw from on ``device``, seeded with the engine seed
+        when first used (setting a seed is host-side state: no sync, nothing captured in a graph)."""
+        gen = self._engine_generators.get(device)
+        if gen is None:
+            gen = self._engine_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
+        return gen
+
     def _exponential_noise(
         self, probs: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]
     ) -> torch.Tensor:
         noise = torch.empty_like(probs)
         seeded = [i for i, r in enumerate(rows) if r.params.seed is not None and not greedy[i]]
         if len(seeded) < len(rows):
-            noise.exponential_()
+            noise.exponential_(generator=self.engine_generator(probs.device))
         if seeded:
             gen = self._generator(probs.device)
             for i in seeded:
