@@ -21,8 +21,8 @@ def _assert_untouched(engine):
 
 @pytest.mark.parametrize("prompt,match", [
     ([], "empty"),
-    ([1] * 64, "max_model_len"),
-    ([1] * 500, "500 tokens"),
+    ([1] * 64, "maximum context length is 64 tokens"),
+    ([1] * 500, "500 input tokens"),
     ([1, 99999], "out of range"),
     ([1, -3], "out of range"),
     ("text but no tokenizer", "no tokenizer"),

@@ -15,10 +15,11 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
+from plait import __version__  # noqa: E402
 from plait.config import EngineConfig  # noqa: E402
 from plait.engine.engine import LLMEngine  # noqa: E402
 from plait.entrypoints.llm import apply_chat_template  # noqa: E402
-from plait.entrypoints.protocol import MAX_N  # noqa: E402
+from plait.entrypoints.protocol import DEFAULT_COMPLETION_MAX_TOKENS, MAX_N, CompletionRequest  # noqa: E402
 from plait.entrypoints.server import (  # noqa: E402
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     BackgroundServer,
@@ -37,6 +38,9 @@ NUM_DISCONNECTING = 8
 DISCONNECT_MAX_TOKENS = 400
 CLIENT_TIMEOUT_S = 240.0
 IDLE_TIMEOUT_S = 30.0
+# What a client of /v1/completions that leaves max_tokens out waits for at most (16 tokens take ~1 s); a
+# server that ignored the default would run to the end of the 8k context.
+DEFAULT_MAX_TOKENS_TIMEOUT_S = 60.0
 QUESTIONS = [
     "Name a color.", "What is 2 + 2?", "Say hello in French.", "Name a planet.",
     "What is the opposite of hot?", "Name a fruit.", "What do bees make?", "Name a large animal.",
@@ -64,6 +68,11 @@ def model(served) -> str:
 
 def _messages(question: str) -> list[dict]:
     return [{"role": "user", "content": question}]
+
+
+def _post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                      timeout=CLIENT_TIMEOUT_S)
 
 
 def _metrics(url: str) -> dict[str, float]:
@@ -165,6 +174,179 @@ def test_n_and_prompt_batch(served, client, model):
     stop = client.completions.create(model=model, prompt="1, 2, 3, 4,", max_tokens=MAX_TOKENS,
                                      temperature=0.0, stop=[","])
     assert stop.choices[0].finish_reason == "stop" and "," not in stop.choices[0].text
+
+
+def test_completions_default_to_16_tokens(client, model):
+    """As OpenAI and vLLM: /v1/completions without max_tokens stops after 16 tokens (chat has no such cap)."""
+    r = client.with_options(timeout=DEFAULT_MAX_TOKENS_TIMEOUT_S).completions.create(
+        model=model, prompt="Once upon a time", temperature=0.0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == DEFAULT_COMPLETION_MAX_TOKENS == 16
+    assert r.choices[0].finish_reason == "length"
+    # An explicit null lifts the cap, as in vLLM (its benchmark client sends null for "no limit").
+    assert CompletionRequest.model_validate({"prompt": "x"}).requested_max_tokens == 16
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).requested_max_tokens is None
+
+
+def test_context_overflow_uses_vllm_wording(served, model):
+    """Clients match vLLM's context-length messages word for word (e.g. to trim a conversation)."""
+    server, url = served
+    limit = server.max_model_len
+    prompt = [1] * (limit - 8)  # fits, but not with the default 16 completion tokens
+    error = _post(url, "/v1/completions", {"model": model, "prompt": prompt}).json()["error"]
+    assert error["message"] == (
+        f"This model's maximum context length is {limit} tokens. However, you requested {limit + 8} tokens "
+        f"({limit - 8} in the messages, 16 in the completion). Please reduce the length of the messages or "
+        f"completion.")
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "max_tokens")
+    full = {"model": model, "prompt": [1] * limit, "max_tokens": 1}  # no room for one token
+    error = _post(url, "/v1/completions", full).json()["error"]
+    assert error["message"] == (
+        f"This model's maximum context length is {limit} tokens. However, your request has {limit} input "
+        f"tokens. Please reduce the length of the input messages.")
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "prompt")
+    long_chat = {"model": model, "messages": _messages("hi " * limit), "max_tokens": 1}
+    error = _post(url, "/v1/chat/completions", long_chat).json()["error"]
+    assert error["message"].startswith(f"This model's maximum context length is {limit} tokens. ")
+    assert (error["code"], error["param"]) == ("context_length_exceeded", "messages")
+
+
+# Every optional field of the requests as null, which OpenAI's spec allows and SDKs of other languages
+# send for "not set": each takes its default.
+NULL_SAMPLING_FIELDS = dict.fromkeys([
+    "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
+    "skip_special_tokens", "include_stop_str_in_output", "stream", "stream_options", "logit_bias", "user",
+])
+
+
+def test_null_fields_mean_default(served, model):
+    _, url = served
+    completion = {**NULL_SAMPLING_FIELDS, **dict.fromkeys(["logprobs", "echo", "best_of", "suffix"]),
+                  "prompt": "The sky is", "max_tokens": 2}
+    r = _post(url, "/v1/completions", completion)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] <= 2
+    chat = {**NULL_SAMPLING_FIELDS, **dict.fromkeys(["max_tokens", "logprobs", "top_logprobs",
+                                                     "add_generation_prompt"]),
+            "messages": [{"role": "user", "content": "Hi", "name": None}], "max_completion_tokens": 2}
+    r = _post(url, "/v1/chat/completions", chat)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    options = {"include_usage": None, "continuous_usage_stats": None}
+    streamed = {**chat, "stream": True, "stream_options": options}
+    events = [line for line in _post(url, "/v1/chat/completions", streamed).text.splitlines() if line]
+    assert events[-1] == "data: [DONE]" and '"usage":{' in events[-2]  # include_usage: null = its default
+
+
+def test_harmless_unknown_fields_are_accepted(client, model):
+    """Fields plait has no use for but that change nothing are ignored, as before."""
+    r = client.chat.completions.create(
+        model=model, messages=_messages("Hi"), max_tokens=2, user="u", metadata={"k": "v"}, store=False,
+        service_tier="auto", parallel_tool_calls=False, tool_choice="none", response_format={"type": "text"},
+        extra_body={"tools": [], "guided_json": None, "prompt_logprobs": None, "some_future_field": 1})
+    assert r.usage.completion_tokens >= 1
+
+
+def test_stream_options_as_vllm(client, model):
+    """stream_options at all asks for the usage chunk (include_usage defaults to true, as in vLLM);
+    continuous_usage_stats puts the usage so far on every chunk."""
+    kwargs = dict(model=model, messages=_messages("Name a color."), max_tokens=4, temperature=0.0,
+                  stream=True, extra_body={"ignore_eos": True})
+
+    def chunks(**options) -> list:
+        return list(client.chat.completions.create(**kwargs, **options))
+
+    assert all(c.usage is None for c in chunks())  # no stream_options: no usage
+    assert all(c.usage is None for c in chunks(stream_options={"include_usage": False}))
+    assert all(c.usage is None for c in chunks(stream_options={"include_usage": False,
+                                                              "continuous_usage_stats": True}))
+    plain = chunks(stream_options={})
+    assert plain[-1].choices == [] and plain[-1].usage.completion_tokens == 4
+    assert all(c.usage is None for c in plain[:-1])
+    continuous = chunks(stream_options={"continuous_usage_stats": True})
+    assert [c.choices for c in continuous[:-1]] == [c.choices for c in plain[:-1]]
+    usages = [c.usage for c in continuous]
+    assert all(u is not None and u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    assert usages[0].completion_tokens == 0  # the role chunk, before any token
+    assert [u.completion_tokens for u in usages] == sorted(u.completion_tokens for u in usages)
+    assert usages[-2] == usages[-1] == plain[-1].usage  # the last token's chunk, then the usage chunk
+
+    completion = list(client.completions.create(
+        model=model, prompt="The sky is", max_tokens=4, temperature=0.0, stream=True,
+        stream_options={"continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    assert all(c.usage is not None for c in completion)
+    assert completion[-1].choices == [] and completion[-1].usage.completion_tokens == 4
+
+
+def test_tokenize_detokenize_and_version(served, model):
+    """vLLM's /tokenize, /detokenize and /version: the ids the completion endpoints feed the engine."""
+    server, url = served
+    prompt = "The capital of France is"
+    ids = list(server.tokenizer.encode(prompt))
+    r = _post(url, "/tokenize", {"model": model, "prompt": prompt})
+    assert r.json() == {"count": len(ids), "max_model_len": server.max_model_len, "tokens": ids,
+                        "token_strs": None}
+    with_strs = _post(url, "/tokenize", {"prompt": prompt, "return_token_strs": True}).json()
+    assert with_strs["token_strs"] == server.tokenizer.convert_ids_to_tokens(ids)
+    messages = _messages("Name three rivers.")
+    chat = _post(url, "/tokenize", {"model": model, "messages": messages}).json()
+    assert chat["tokens"] == apply_chat_template(server.tokenizer, messages)  # what chat completions run
+    bare = _post(url, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()
+    assert bare["count"] < chat["count"] and chat["tokens"][:bare["count"]] == bare["tokens"]
+    assert _post(url, "/detokenize", {"model": model, "tokens": ids}).json() == {"prompt": prompt}
+    assert httpx.get(f"{url}/version").json() == {"version": __version__}
+
+
+def test_chat_template_controls(served, client, model):
+    """vLLM's chat extensions: continue_final_message prefills the assistant's answer; a request's own
+    template and its variables (chat_template_kwargs) run only on a server started trusting them."""
+    server, _ = served
+    messages = [{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The Nile is"}]
+    options = {"continue_final_message": True, "add_generation_prompt": False}
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0.0,
+                                           extra_body=options)
+    continued = apply_chat_template(server.tokenizer, messages, add_generation_prompt=False,
+                                    continue_final_message=True)
+    closed = apply_chat_template(server.tokenizer, messages, add_generation_prompt=False)
+    assert reply.usage.prompt_tokens == len(continued) < len(closed)  # no end-of-turn after "The Nile is"
+    template = "{% for m in messages %}{{ m['content'] }}|{% endfor %}{{ greeting }}"
+    own = {"chat_template": template, "chat_template_kwargs": {"greeting": "Hi"}}
+    with pytest.raises(openai.BadRequestError, match="trust-request-chat-template"):
+        client.chat.completions.create(model=model, messages=messages[:1], max_tokens=2, extra_body=own)
+    trusting = OpenAIServer(LLMEngine(EngineConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)),
+                            ServerConfig(trust_request_chat_template=True, log_level="warning"))
+    with BackgroundServer(trusting) as url:
+        r = httpx.post(f"{url}/v1/chat/completions",
+                       json={"messages": messages[:1], "max_tokens": 2, **own}, timeout=CLIENT_TIMEOUT_S)
+        assert r.status_code == 200, r.text
+        rendered = list(trusting.tokenizer.encode("Name a river.|Hi", add_special_tokens=False))
+        assert r.json()["usage"]["prompt_tokens"] == len(rendered)
+
+
+def test_api_key_guards_only_the_v1_routes(served):
+    """As vLLM's --api-key: Prometheus scrapes /metrics without it; /tokenize and /version are open too."""
+    _, url = served
+    assert httpx.get(f"{url}/metrics").status_code == 200
+    assert httpx.get(f"{url}/version").status_code == 200
+    assert httpx.post(f"{url}/tokenize", json={"prompt": "hi"}).status_code == 200
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [1]}).status_code == 200
+    for path in ("/v1/models", "/v1/nothing"):
+        assert httpx.get(f"{url}{path}").status_code == 401
+
+
+def test_several_served_model_names(tiny_llama):
+    """vLLM's --served-model-name a b: responses report the first name, requests may use any."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=64, block_size=8))
+    server = OpenAIServer(engine, ServerConfig(served_model_name=["first", "alias"], log_level="warning"))
+    with BackgroundServer(server) as url:
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["first", "alias"]
+        body = {"model": "alias", "prompt": [5, 6, 7], "max_tokens": 2}
+        r = httpx.post(f"{url}/v1/completions", json=body)
+        assert r.status_code == 200 and r.json()["model"] == "first"
+        r = httpx.post(f"{url}/v1/completions", json={**body, "model": "other"})
+        assert r.status_code == 404 and "'first', 'alias'" in r.json()["error"]["message"]
+    with pytest.raises(ValueError, match="served_model_name"):
+        ServerConfig(served_model_name=[])
 
 
 # -- concurrency and disconnects -----------------------------------------------------------------
@@ -273,7 +455,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
     ("/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt", "out of range"),
     ("/v1/completions", {"prompt": [1, -3]}, 400, "prompt", "greater than or equal to 0"),
-    ("/v1/completions", {"prompt": [1] * TOO_LONG}, 400, "prompt", "max_model_len"),
+    ("/v1/completions", {"prompt": [1] * TOO_LONG}, 400, "prompt", "maximum context length"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**5}, 400, "max_tokens", "maximum context length"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
@@ -288,6 +470,46 @@ BAD_REQUESTS = [
      "top_logprobs", "requires logprobs"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "max_completion_tokens": 10**5}, 400, "max_tokens", "maximum context length"),
+    # features plait does not implement get a 400 naming them, never output that ignored them
+    *[(path, {**base, field: value}, 400, field, "not supported") for path, base in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "x"}),
+    ) for field, value in (
+        ("response_format", {"type": "json_object"}),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("tool_choice", "auto"),
+        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("functions", [{"name": "f"}]),
+        ("function_call", "auto"),
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "[0-9]+"),
+        ("guided_choice", ["yes", "no"]),
+        ("guided_grammar", "root ::= 'x'"),
+        ("structured_outputs", {"json": {"type": "object"}}),
+        ("prompt_logprobs", 0),
+    )],
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo",
+     "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "continue_final_message": True}, 400, "continue_final_message", "cannot both"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ x }}"},
+     400, "chat_template", "trust-request-chat-template"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "chat_template_kwargs": {"chat_template": "{{ x }}"}}, 400, "chat_template",
+     "trust-request-chat-template"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": "x"},
+     400, "chat_template_kwargs", "valid dictionary"),
+    ("/tokenize", {}, 400, "prompt", "either prompt or messages"),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "hi"}]}, 400, "prompt", "either"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt", "valid string"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}, 400,
+     "add_special_tokens", "not supported"),
+    ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", "out of range"),
+    ("/detokenize", {"tokens": ["a"]}, 400, "tokens", "valid integer"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens", "greater than or equal to 0"),
+    ("/detokenize", {}, 400, "tokens", "required"),
 ]
 
 

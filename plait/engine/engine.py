@@ -211,9 +211,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is out of range for a vocabulary of {vocab}")
         if len(token_ids) >= self.max_model_len:
+            # vLLM's words, which OpenAI clients match to spot a prompt beyond the context.
             raise ValueError(
-                f"prompt has {len(token_ids)} tokens, which leaves no room to generate within "
-                f"max_model_len={self.max_model_len}"
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
+                f"has {len(token_ids)} input tokens. Please reduce the length of the input messages."
             )
 
     def abort_request(self, request_id: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from plait.sampling_params import MAX_LOGPROBS, PENALTY_BOUND, SamplingParams
 
@@ -18,8 +18,49 @@ MAX_STOP_STRINGS = 16
 # OpenAI's default temperature / top_p when a request does not say.
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
+# OpenAI's and vLLM's max_tokens for /v1/completions that do not say. (Chat has none: it runs to the end
+# of the context, as in vLLM.)
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+# Fields of OpenAI's or vLLM's API that change what the output means and that plait does not implement,
+# with what they ask for: a request that asks for one gets a 400 naming it, never plausible output that
+# silently ignored it. (Fields plait has no use for but that change nothing, such as user, metadata,
+# store or service_tier, are accepted and ignored.)
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "response_format": "structured output; only {'type': 'text'} is supported",
+    "tools": "tool calling",
+    "tool_choice": "tool calling; only 'none' is supported",
+    "functions": "function calling",
+    "function_call": "function calling; only 'none' is supported",
+    "guided_json": "guided decoding",
+    "guided_regex": "guided decoding",
+    "guided_choice": "guided decoding",
+    "guided_grammar": "guided decoding",
+    "structural_tag": "guided decoding",
+    "structured_outputs": "structured output",
+    "prompt_logprobs": "prompt logprobs",
+    "allowed_token_ids": "a restricted vocabulary",
+    "bad_words": "banned words",
+    "logits_processors": "custom logits processors",
+    "use_beam_search": "beam search",
+    "truncate_prompt_tokens": "prompt truncation",
+    "prompt_embeds": "prompt embeddings",
+    "return_tokens_as_token_ids": "logprob tokens as token ids",
+    "echo": "echoing the prompt",  # chat's (CompletionRequest declares and checks its own)
+}
+# The values of tool_choice / function_call that ask for no tool.
+_NO_TOOL = "none"
 
 
+def _asks_for(name: str, value: Any) -> bool:
+    """Whether an unsupported field's value asks for the feature (null, false, empty and "no" do not)."""
+    if value is None or value is False or (isinstance(value, (list, dict, str)) and not value):
+        return False
+    if name == "response_format":
+        return not (isinstance(value, dict) and value.get("type") == "text")
+    if name in ("tool_choice", "function_call"):
+        return value != _NO_TOOL
+    return True
 
 
 def _integral_float_to_int(value: Any) -> Any:
@@ -49,21 +90,64 @@ class ProtocolError(ValueError):
         self.code = code
 
 
+def _allows_null(prop: dict[str, Any]) -> bool:
+    return prop.get("type") == "null" or any(alt.get("type") == "null" for alt in prop.get("anyOf", ()))
+
+
+def _request_schema(schema: dict[str, Any]) -> None:
+    """The JSON schema says what _null_means_default accepts: null for every optional field.
+
+    Extra fields are accepted (and only looked at for unsupported features), which JSON schema already
+    means when additionalProperties is absent; "true" would only invite fuzzers to invent them.
+    """
+    schema.pop("additionalProperties", None)
+    required = set(schema.get("required", ()))
+    properties = schema.get("properties", {})
+    for name, prop in properties.items():
+        if name in required or _allows_null(prop):
+            continue
+        outer = {k: v for k, v in prop.items() if k in ("title", "default", "description")}
+        inner = {k: v for k, v in prop.items() if k not in outer}
+        alternatives = inner["anyOf"] if list(inner) == ["anyOf"] else [inner]
+        properties[name] = {**outer, "anyOf": [*alternatives, {"type": "null"}]}
+
+
+def _has_default(model: type[BaseModel], name: str) -> bool:
+    field = model.model_fields.get(name)
+    return field is not None and not field.is_required() and field.default is not None
+
+
 class _RequestModel(BaseModel):
     # Strict: "5" is not an int and true is not a number; a wrong type is a 400, never a guess.
     # Unknown fields are ignored, as OpenAI clients send fields this server has no use for.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="ignore", json_schema_extra=_request_schema)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI's spec marks optional fields nullable, and SDKs of other languages send null for "not
+        # set": null takes the field's default. (Required fields still refuse it; a field whose default
+        # is None keeps its null, which may mean something: see CompletionRequest.requested_max_tokens.)
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None or not _has_default(cls, k)}
 
 
 class StreamOptions(_RequestModel):
-    include_usage: bool = False
+    # As vLLM's: stream_options at all (even {}) asks for the closing usage chunk unless include_usage
+    # is false; continuous_usage_stats (with include_usage) puts the usage so far on every chunk.
+    include_usage: bool = True
+    continuous_usage_stats: bool = False
 
 
 class _SamplingRequest(_RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
+    # Extra fields are kept (and otherwise ignored) only so that check_supported can see them.
+    model_config = ConfigDict(extra="allow")
+
     model: str | None = None  # None: the served model
-    max_tokens: PositiveInt | None = None  # None: up to the end of the context
+    max_tokens: PositiveInt | None = None  # chat: None runs to the end of the context; completions: 16
     temperature: Annotated[float, Field(ge=0)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
     top_k: Annotated[Int, Field(ge=-1)] | None = None  # vLLM extension; 0 or -1 = off
@@ -88,12 +172,23 @@ class _SamplingRequest(_RequestModel):
         """Reject fields that are well-typed but that this server cannot honour."""
         if self.logit_bias:
             raise ProtocolError("logit_bias is not supported", "logit_bias")
-        if self.stream_options is not None and not self.stream:
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_FIELDS and _asks_for(name, value):
+                raise ProtocolError(f"{name} is not supported by this server ({UNSUPPORTED_FIELDS[name]})",
+                                    name)
+        # As vLLM: an empty stream_options without streaming asks for nothing.
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise ProtocolError("stream_options can only be set when stream is true", "stream_options")
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        # As vLLM: the usage so far on every chunk only where the closing usage chunk is asked for too.
+        options = self.stream_options
+        return options is not None and options.include_usage and options.continuous_usage_stats
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """The engine's SamplingParams; raises ValueError naming the bad field."""
@@ -125,6 +220,14 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     best_of: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # Left out: 16, as OpenAI and vLLM. An explicit null runs to the end of the context, as vLLM
+        # does (its own benchmark client sends null to lift the limit).
+        if "max_tokens" not in self.model_fields_set:
+            return DEFAULT_COMPLETION_MAX_TOKENS
+        return self.max_tokens
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -174,9 +277,18 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
     add_generation_prompt: bool = True  # vLLM extension
+    # vLLM extensions: leave the last message open for the model to continue (an assistant prefill), a
+    # Jinja template instead of the model's, and extra variables for the template (e.g. enable_thinking).
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true; set "
+                                "add_generation_prompt to false to continue the final message",
+                                "continue_final_message")
         if self.top_logprobs and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs to be true", "top_logprobs")
 
@@ -187,6 +299,29 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(_RequestModel):
+    """vLLM's /tokenize: a prompt, or chat messages under the chat template (exactly one of them)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (as vLLM)
+    add_generation_prompt: bool = True  # messages only
+    return_token_strs: bool = False
+
+    def check_supported(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ProtocolError("give either prompt or messages (one of them)", "prompt")
+        if self.messages is not None and self.add_special_tokens:
+            raise ProtocolError("add_special_tokens is not supported with messages: the chat template "
+                                "writes the special tokens", "add_special_tokens")
+
+
+class DetokenizeRequest(_RequestModel):
+    model: str | None = None
+    tokens: list[TokenId]
 
 
 # -- responses ---------------------------------------------------------------------------------
@@ -291,6 +426,21 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # with return_token_strs
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
 
 
 class ModelCard(BaseModel):

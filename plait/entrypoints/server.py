@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: completions, chat completions, models, health and metrics."""
+"""The OpenAI-compatible HTTP server: completions, chat completions, models, (de)tokenize, version, health
+and metrics."""
 
 from __future__ import annotations
 
@@ -53,6 +54,7 @@ from plait.entrypoints.protocol import (
     ChatCompletionStreamResponse,
     ChatLogprobEntry,
     ChatLogprobs,
+    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
@@ -62,12 +64,17 @@ from plait.entrypoints.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
     ProtocolError,
+    TokenizeRequest,
+    TokenizeResponse,
     UsageInfo,
+    VersionResponse,
 )
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from plait.sampling_params import SamplingParams
@@ -81,7 +88,12 @@ API_KEY_ENV = "PLAIT_API_KEY"
 # Far above any prompt that fits a context window (128k tokens as ids is ~1 MB of JSON), far
 # below what would hurt the server to buffer.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
-UNAUTHENTICATED_PATHS = frozenset({"/health"})
+# As vLLM's --api-key: the key guards the OpenAI API under /v1 only, so /health, /metrics (Prometheus
+# scrapes), /tokenize, /detokenize and /version stay open.
+API_KEY_GUARDED_PREFIX = "/v1"
+# vLLM's words for a request beyond the context, which clients match case-sensitively.
+CONTEXT_LENGTH_MESSAGE_START = "This model's maximum context length is"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 # Logprobs are clamped to this so responses never hold -inf (not JSON); the same floor as vLLM.
 MIN_LOGPROB = -9999.0
 SSE_DONE = "data: [DONE]\n\n"
@@ -101,6 +113,11 @@ STEP_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 500, 503)
 }
+_TOKENIZER_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 404, 413)
+}
+# Request schemas whose "model" field the OpenAPI document restricts to the served names.
+_MODEL_NAMED_REQUESTS = ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest")
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -112,10 +129,15 @@ class ServerConfig:
 
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT  # 0 = any free port
-    api_key: str | None = None  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
-    served_model_name: str | None = None  # None: the model file's stem or folder's name
+    api_key: str | None = None  # when set, every /v1 endpoint needs "Authorization: Bearer <key>"
+    # None: the model file's stem or folder's name. Several names (vLLM's --served-model-name a b): the
+    # first is the one responses report, and "model" may be any of them.
+    served_model_name: str | Sequence[str] | None = None
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     request_timeout_s: float | None = None  # abort requests running longer than this; None = never
+    # Whether a request may bring its own chat template (a Jinja program run on the server). Off by
+    # default, as vLLM's --trust-request-chat-template: only a trusted client should choose the template.
+    trust_request_chat_template: bool = False
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -125,6 +147,16 @@ class ServerConfig:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty")
+        names = self.served_model_names
+        if names is not None and (not names or not all(isinstance(n, str) and n for n in names)):
+            raise ValueError(f"served_model_name must be one or more non-empty names, got {names!r}")
+
+    @property
+    def served_model_names(self) -> tuple[str, ...] | None:
+        name = self.served_model_name
+        if name is None or isinstance(name, str):
+            return None if name is None else (name,)
+        return tuple(name)
 
 
 def default_served_model_name(model: str | None) -> str:
@@ -173,6 +205,8 @@ def _bad_request(err: Exception, prompt_param: str = "prompt") -> APIError:
     if isinstance(err, ProtocolError):
         return APIError(400, str(err), param=err.param, code=err.code)
     message = str(err) or type(err).__name__
+    if message.startswith(CONTEXT_LENGTH_MESSAGE_START):  # the engine's: the prompt alone is too long
+        return APIError(400, message, param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
     first = message.split(" ", 1)[0]
     param = first if first in _KNOWN_PARAMS else None
     if param == "prompt":
@@ -226,7 +260,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope.get("path") not in UNAUTHENTICATED_PATHS:
+        if self.api_key is not None and scope["path"].startswith(API_KEY_GUARDED_PREFIX):
             if not self._authorized(headers.get(b"authorization", b"")):
                 body = _error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
                                    "invalid_request_error", code="invalid_api_key")
@@ -461,8 +495,11 @@ class OpenAIServer:
 
     def __init__(self, engine: LLMEngine, config: ServerConfig | None = None) -> None:
         self.config = config if config is not None else ServerConfig()
-        self.model_name = self.config.served_model_name or default_served_model_name(engine.config.model)
+        self.served_model_names = (self.config.served_model_names
+                                   or (default_served_model_name(engine.config.model),))
+        self.model_name = self.served_model_names[0]  # the one responses report
         self.max_model_len = engine.max_model_len  # fixed at load; safe to read from any thread
+        self.vocab_size = engine.model_config.vocab_size
         # The loop thread detokenizes with the engine's tokenizer; the event loop gets its own copy
         # (chat templates, logprob token strings), so no tokenizer object is shared between threads.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
@@ -494,13 +531,26 @@ class OpenAIServer:
                 raise APIError(503, "the engine loop is not running", _error_type(503))
             return JSONResponse({"status": "ok"})
 
-        @app.get("/metrics", response_class=Response, responses={401: {"model": ErrorResponse}})
+        @app.get("/metrics", response_class=Response)
         async def metrics() -> Response:
             return Response(self.metrics.render(), media_type=prom.CONTENT_TYPE_LATEST)
 
+        @app.get("/version", response_model=VersionResponse)
+        async def version() -> VersionResponse:
+            return VersionResponse(version=__version__)
+
+        @app.post("/tokenize", response_model=TokenizeResponse, responses=_TOKENIZER_ERROR_RESPONSES)
+        async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+            return self.tokenize(body)
+
+        @app.post("/detokenize", response_model=DetokenizeResponse, responses=_TOKENIZER_ERROR_RESPONSES)
+        async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+            return self.detokenize(body)
+
         @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
         async def models() -> ModelList:
-            return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+            return ModelList(data=[ModelCard(id=name, max_model_len=self.max_model_len)
+                                   for name in self.served_model_names])
 
         @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
         async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -510,15 +560,15 @@ class OpenAIServer:
         async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
             return await self.create_chat_completion(body, raw)
 
-        app.openapi = lambda: self._openapi(app, self.model_name)  # type: ignore[method-assign]
+        app.openapi = lambda: self._openapi(app, self.served_model_names)  # type: ignore[method-assign]
         app.add_middleware(GuardMiddleware, api_key=self.config.api_key,
                            max_body_bytes=self.config.max_request_body_bytes)
         return app
 
     @staticmethod
-    def _openapi(app: FastAPI, model_name: str) -> dict[str, Any]:
+    def _openapi(app: FastAPI, model_names: Sequence[str]) -> dict[str, Any]:
         """FastAPI's schema, without its 422 responses (validation errors here are 400s), and with
-        the one model name this server accepts."""
+        the model names this server accepts."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             for path_item in schema.get("paths", {}).values():
@@ -527,10 +577,10 @@ class OpenAIServer:
             components = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 components.pop(name, None)
-            for name in ("CompletionRequest", "ChatCompletionRequest"):
+            for name in _MODEL_NAMED_REQUESTS:
                 model = components.get(name, {}).get("properties", {}).get("model")
                 if model is not None:
-                    model["anyOf"] = [{"type": "string", "enum": [model_name]}, {"type": "null"}]
+                    model["anyOf"] = [{"type": "string", "enum": list(model_names)}, {"type": "null"}]
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -567,9 +617,31 @@ class OpenAIServer:
     # -- shared request plumbing --------------------------------------------------------------
 
     def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model '{model}' does not exist; this server serves '{self.model_name}'",
+        if model is not None and model not in self.served_model_names:
+            served = ", ".join(f"'{name}'" for name in self.served_model_names)
+            raise APIError(404, f"the model '{model}' does not exist; this server serves {served}",
                            param="model", code="model_not_found")
+
+    def _chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                     body: ChatCompletionRequest | None = None) -> list[int]:
+        """The token ids of a conversation under the model's chat template (or the request's own, with
+        its template variables and continue_final_message)."""
+        options = {} if body is None else dict(continue_final_message=body.continue_final_message,
+                                               chat_template=body.chat_template)
+        if body is not None and self._brings_template(body) and not self.config.trust_request_chat_template:
+            raise APIError(400, "a chat template was passed with the request, but the server was not "
+                                "started with --trust-request-chat-template", param="chat_template")
+        try:
+            return apply_chat_template(self.tokenizer, [m.as_template_message() for m in messages],
+                                       add_generation_prompt=add_generation_prompt,
+                                       kwargs=None if body is None else body.chat_template_kwargs, **options)
+        except (ValueError, TypeError, jinja2.TemplateError) as err:
+            raise APIError(400, f"could not apply the chat template: {err}", param="messages") from err
+
+    @staticmethod
+    def _brings_template(body: ChatCompletionRequest) -> bool:
+        kwargs = body.chat_template_kwargs or {}
+        return body.chat_template is not None or kwargs.get("chat_template") is not None
 
     @staticmethod
     def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
@@ -590,10 +662,10 @@ class OpenAIServer:
         num_prompt = request.num_prompt_tokens
         if max_tokens is not None and num_prompt + max_tokens > engine.max_model_len:
             raise ProtocolError(
-                f"this model's maximum context length is {engine.max_model_len} tokens, but "
-                f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, {max_tokens} for the "
-                f"completion); shorten the prompt or lower max_tokens",
-                param="max_tokens", code="context_length_exceeded")
+                f"{CONTEXT_LENGTH_MESSAGE_START} {engine.max_model_len} tokens. However, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the messages, {max_tokens} in the "
+                f"completion). Please reduce the length of the messages or completion.",
+                param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
 
     async def _start(self, children: list[tuple[PromptInput, SamplingParams]], prompt_param: str
                      ) -> RequestStream:
@@ -649,13 +721,46 @@ class OpenAIServer:
             self._token_strings[token_id] = text  # bounded by the vocabulary
         return text
 
+    # -- /tokenize, /detokenize ---------------------------------------------------------------
+
+    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+        self._check_model(body.model)
+        try:
+            body.check_supported()
+        except ProtocolError as err:
+            raise _bad_request(err) from err
+        tokenizer = self._require_tokenizer("messages" if body.messages is not None else "prompt")
+        if body.messages is not None:
+            tokens = self._chat_prompt(body.messages, body.add_generation_prompt)
+        else:
+            assert body.prompt is not None  # check_supported: one of the two
+            add_special_tokens = body.add_special_tokens is not False  # a prompt's default: true
+            tokens = list(tokenizer.encode(body.prompt, add_special_tokens=add_special_tokens))
+        strs = list(tokenizer.convert_ids_to_tokens(tokens)) if body.return_token_strs else None
+        return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens,
+                                token_strs=strs)
+
+    def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
+        self._check_model(body.model)
+        tokenizer = self._require_tokenizer("tokens")
+        bad = next((t for t in body.tokens if t >= self.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range for a vocabulary of {self.vocab_size}",
+                           param="tokens")
+        return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+
+    def _require_tokenizer(self, param: str) -> Any:
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param=param)
+        return self.tokenizer
+
     # -- /v1/completions ----------------------------------------------------------------------
 
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
         arrival = time.monotonic()
         prompts = body.prompts()
-        params = self._params(body, body.max_tokens, body.logprobs, len(prompts))
+        params = self._params(body, body.requested_max_tokens, body.logprobs, len(prompts))
         children: list[tuple[PromptInput, SamplingParams]] = [
             (p, child) for p in prompts for child in _fan_out(params)]
         stream = await self._start(children, "prompt")
@@ -695,6 +800,9 @@ class OpenAIServer:
             return _sse(CompletionStreamResponse(id=response_id, created=created, model=self.model_name,
                                                  choices=choices, usage=usage))
 
+        def usage_so_far() -> UsageInfo | None:  # stream_options.continuous_usage_stats
+            return self._usage(stream, n, completion_tokens) if body.continuous_usage else None
+
         try:
             async with stream:
                 async for index, out in stream:
@@ -713,7 +821,7 @@ class OpenAIServer:
                     choice = CompletionChoice(index=index, text=completion.delta_text, logprobs=logprobs,
                                               finish_reason=completion.finish_reason,
                                               stop_reason=completion.stop_reason)
-                    yield chunk([choice])
+                    yield chunk([choice], usage_so_far())
             if body.include_usage:
                 yield chunk([], self._usage(stream, n, completion_tokens))
         except _ENGINE_ERRORS as err:
@@ -743,11 +851,7 @@ class OpenAIServer:
         self._check_model(body.model)
         arrival = time.monotonic()
         params = self._params(body, body.requested_max_tokens, body.requested_logprobs, 1)
-        try:
-            prompt = apply_chat_template(self.tokenizer, [m.as_template_message() for m in body.messages],
-                                         add_generation_prompt=body.add_generation_prompt)
-        except (ValueError, TypeError, jinja2.TemplateError) as err:
-            raise APIError(400, f"could not apply the chat template: {err}", param="messages") from err
+        prompt = self._chat_prompt(body.messages, body.add_generation_prompt, body)
         stream = await self._start([(prompt, child) for child in _fan_out(params)], "messages")
         tracker = _RequestTracker(self.metrics, arrival, stream)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -786,11 +890,14 @@ class OpenAIServer:
             return _sse(ChatCompletionStreamResponse(id=response_id, created=created, model=self.model_name,
                                                      choices=choices, usage=usage))
 
+        def usage_so_far() -> UsageInfo | None:  # stream_options.continuous_usage_stats
+            return self._usage(stream, n, completion_tokens) if body.continuous_usage else None
+
         try:
             async with stream:
                 for index in range(len(stream.request_ids)):
                     role = DeltaMessage(role="assistant", content="")
-                    yield chunk([ChatStreamChoice(index=index, delta=role)])
+                    yield chunk([ChatStreamChoice(index=index, delta=role)], usage_so_far())
                 async for index, out in stream:
                     tracker.observe(index, out)
                     completion = out.outputs[0]
@@ -803,7 +910,7 @@ class OpenAIServer:
                     delta = DeltaMessage(content=completion.delta_text or None)
                     yield chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
                                                   finish_reason=completion.finish_reason,
-                                                  stop_reason=completion.stop_reason)])
+                                                  stop_reason=completion.stop_reason)], usage_so_far())
             if body.include_usage:
                 yield chunk([], self._usage(stream, n, completion_tokens))
         except _ENGINE_ERRORS as err:
