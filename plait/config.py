@@ -30,6 +30,11 @@ class EngineConfig:
     # None or "auto" = float32 on CPU, bfloat16 on GPU; vLLM's aliases ("half", "float"...) are accepted
     # and stored under their canonical name (see DTYPE_ALIASES).
     dtype: str | None = None
+    # The generation_config.json whose sampling defaults (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens) apply where a request leaves them out, as vLLM's
+    # --generation-config: "auto" = the model folder's, "vllm" = none (plait's and vLLM's own defaults), or
+    # a folder holding one. Its eos_token_id ids stop generation under every choice, as in vLLM.
+    generation_config: str = "auto"
     # Seeds the engine's random sampling (requests without their own seed) and dummy weights, so two
     # engines with the same seed given the same requests in the same order sample the same tokens.
     seed: int = 0
@@ -104,6 +109,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype is not None:
             self.dtype = canonical_dtype(self.dtype)
+        source = self.generation_config
+        if not isinstance(source, str) or not source:
+            raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
 
     def with_token_budget(self, device_type: str, total_memory: int = 0,
                           device_name: str = "") -> EngineConfig:

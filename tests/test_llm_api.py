@@ -1,10 +1,11 @@
-"""vLLM's offline API on the default model: the engine seed, and LLM.chat's template options."""
+"""vLLM's offline API on the default model: the engine seed, LLM.chat's template options, default params."""
 
 from __future__ import annotations
 
 import pytest
 
 from plait import LLM, SamplingParams
+from plait.generation_config import GenerationDefaults
 
 PROMPTS = ["The capital of France is", "Once upon a time", "My favourite colour is", "Rivers flow"]
 # Random sampling with no per-request seed: only the engine seed decides the tokens.
@@ -50,3 +51,9 @@ def test_chat_passes_template_and_its_kwargs(llm):
     assert out.prompt == "Hello: hi"
     default = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0]
     assert default.prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_gguf_model_keeps_the_default_sampling_params(llm):
+    """A GGUF file carries no generation_config.json: nothing changes (as vLLM reads none for it)."""
+    assert llm.engine.generation_defaults == GenerationDefaults()
+    assert llm.get_default_sampling_params() == SamplingParams()

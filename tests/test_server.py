@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 
@@ -22,10 +24,12 @@ from plait.entrypoints.llm import apply_chat_template  # noqa: E402
 from plait.entrypoints.protocol import DEFAULT_COMPLETION_MAX_TOKENS, MAX_N, CompletionRequest  # noqa: E402
 from plait.entrypoints.server import (  # noqa: E402
     DEFAULT_MAX_REQUEST_BODY_BYTES,
+    SSE_DONE,
     BackgroundServer,
     OpenAIServer,
     ServerConfig,
 )
+from plait.sampling_params import SamplingParams  # noqa: E402
 
 API_KEY = "test-key-1234"
 MAX_NUM_BATCHED_TOKENS = 256
@@ -347,6 +351,132 @@ def test_several_served_model_names(tiny_llama):
         assert r.status_code == 404 and "'first', 'alias'" in r.json()["error"]["message"]
     with pytest.raises(ValueError, match="served_model_name"):
         ServerConfig(served_model_name=[])
+
+
+# -- CORS -----------------------------------------------------------------------------------------
+
+PAGE_ORIGIN = "https://page.example"
+OTHER_ORIGIN = "https://other.example"
+
+
+def _preflight(origin: str = PAGE_ORIGIN, method: str = "POST", headers: str = "authorization, content-type"
+               ) -> dict[str, str]:
+    """What a browser sends before a cross-origin POST with an API key: no key of its own."""
+    return {"Origin": origin, "Access-Control-Request-Method": method,
+            "Access-Control-Request-Headers": headers}
+
+
+def test_cors_as_vllm_defaults(served, model):
+    """vLLM's CORS defaults (any origin, method and header): a preflight to a /v1 route passes without the
+    key, and responses, refusals and streams alike, let the page read them."""
+    _, url = served
+    r = httpx.options(f"{url}/v1/chat/completions", headers=_preflight())
+    assert r.status_code == 200, r.text
+    assert r.headers["access-control-allow-origin"] == "*"
+    assert "POST" in r.headers["access-control-allow-methods"]
+    assert r.headers["access-control-allow-headers"] == "authorization, content-type"
+    assert "access-control-allow-credentials" not in r.headers  # --allow-credentials is off by default
+    assert httpx.options(f"{url}/v1/models").status_code == 405  # no preflight: the app's answer, not a 401
+    keyed = {"Origin": PAGE_ORIGIN, "Authorization": f"Bearer {API_KEY}"}
+    ok = httpx.get(f"{url}/v1/models", headers=keyed)
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "*"
+    refused = httpx.get(f"{url}/v1/models", headers={"Origin": PAGE_ORIGIN})
+    assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "*"
+    body = {"model": model, "prompt": "Hi", "max_tokens": 1, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=keyed) as streamed:
+        assert streamed.status_code == 200 and streamed.headers["access-control-allow-origin"] == "*"
+        assert [line for line in streamed.iter_lines() if line][-1] == SSE_DONE.strip()
+
+
+def test_cors_flags_restrict(tiny_llama):
+    """The CORS flags (--allowed-origins, -methods, -headers, --allow-credentials) reach the middleware."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=64, block_size=8))
+    config = ServerConfig(allowed_origins=[PAGE_ORIGIN], allowed_methods=["POST"],
+                          allowed_headers=["content-type"], allow_credentials=True, log_level="warning")
+    with BackgroundServer(OpenAIServer(engine, config)) as url:
+        allowed = _preflight(headers="content-type")
+        r = httpx.options(f"{url}/v1/completions", headers=allowed)
+        assert r.status_code == 200, r.text
+        assert r.headers["access-control-allow-origin"] == PAGE_ORIGIN
+        assert r.headers["access-control-allow-credentials"] == "true"
+        for refused in (_preflight(OTHER_ORIGIN, headers="content-type"), _preflight(method="DELETE",
+                        headers="content-type"), _preflight(headers="x-secret")):
+            assert httpx.options(f"{url}/v1/completions", headers=refused).status_code == 400
+        r = httpx.get(f"{url}/v1/models", headers={"Origin": PAGE_ORIGIN})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == PAGE_ORIGIN
+        r = httpx.get(f"{url}/v1/models", headers={"Origin": OTHER_ORIGIN})
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    with pytest.raises(ValueError, match="allowed_origins"):
+        ServerConfig(allowed_origins="*")
+
+
+# -- generation_config.json -----------------------------------------------------------------------
+
+# Sampling defaults a model's generation_config.json may set (do_sample is ignored, as vLLM ignores it).
+MODEL_SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 0.9, "top_k": 7, "min_p": 0.05,
+                           "repetition_penalty": 1.1, "max_new_tokens": 5, "do_sample": True}
+TINY_MAX_MODEL_LEN = 64
+
+
+def _model_with_generation_config(tiny_llama: Path, folder: Path, generation_config: dict) -> Path:
+    shutil.copytree(tiny_llama, folder)
+    (folder / "generation_config.json").write_text(json.dumps(generation_config))
+    return folder
+
+
+def _record_params(server: OpenAIServer) -> list[SamplingParams]:
+    """The SamplingParams of every engine request the server makes from now on."""
+    seen: list[SamplingParams] = []
+    add = server.engine.add
+
+    async def recording(children, **kwargs):
+        seen.extend(params for _, params in children)
+        return await add(children, **kwargs)
+
+    server.engine.add = recording
+    return seen
+
+
+def test_generation_config_defaults_as_vllm(tiny_llama, tmp_path):
+    """As vLLM's --generation-config auto: the model's generation_config.json sets what a request leaves out
+    (its max_new_tokens being max_tokens), the request's own values win, and "vllm" ignores the file."""
+    folder = _model_with_generation_config(tiny_llama, tmp_path / "model", MODEL_SAMPLING_DEFAULTS)
+    prompt = [5, 6, 7, 8, 9]
+    unset = {"prompt": prompt, "max_tokens": None, "logprobs": 0, "ignore_eos": True}  # null: the default
+
+    def served(generation_config: str):
+        engine = LLMEngine(EngineConfig(model=str(folder), max_model_len=TINY_MAX_MODEL_LEN, block_size=8,
+                                        generation_config=generation_config))
+        server = OpenAIServer(engine, ServerConfig(log_level="warning"))
+        return server, _record_params(server)
+
+    server, seen = served("auto")
+    with BackgroundServer(server) as url:
+        default = httpx.post(f"{url}/v1/completions", json=unset).json()
+        greedy = httpx.post(f"{url}/v1/completions", json={**unset, "temperature": 0.0}).json()
+        own = {"temperature": 0.7, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0,
+               "max_tokens": 9, "seed": 1}
+        assert httpx.post(f"{url}/v1/completions", json={**unset, **own}).status_code == 200
+        # A default max_tokens is cut to the room left; a request's own beyond the context is refused.
+        long_prompt = list(range(3, TINY_MAX_MODEL_LEN - 2 + 3))
+        cut = httpx.post(f"{url}/v1/completions", json={**unset, "prompt": long_prompt}).json()
+        too_long = httpx.post(f"{url}/v1/completions", json={**unset, "prompt": long_prompt, "max_tokens": 5})
+    first, _, mine = seen[:3]
+    assert (first.temperature, first.top_p, first.top_k, first.min_p, first.repetition_penalty,
+            first.max_tokens) == (0.0, 0.9, 7, 0.05, 1.1, 5)
+    assert default["choices"][0]["finish_reason"] == "length" and default["usage"]["completion_tokens"] == 5
+    assert default["choices"][0]["logprobs"] == greedy["choices"][0]["logprobs"]  # the same greedy tokens
+    assert (mine.temperature, mine.top_p, mine.top_k, mine.min_p, mine.repetition_penalty,
+            mine.max_tokens) == (0.7, 1.0, 0, 0.0, 1.0, 9)
+    assert cut["usage"]["completion_tokens"] == 2 and cut["choices"][0]["finish_reason"] == "length"
+    assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+
+    server, seen = served("vllm")
+    with BackgroundServer(server) as url:
+        assert httpx.post(f"{url}/v1/completions", json={**unset, "max_tokens": 3}).status_code == 200
+    (plain,) = seen
+    assert (plain.temperature, plain.top_p, plain.top_k, plain.min_p, plain.repetition_penalty,
+            plain.max_tokens) == (1.0, 1.0, 0, 0.0, 1.0, 3)
 
 
 # -- concurrency and disconnects -----------------------------------------------------------------

@@ -49,6 +49,29 @@ def test_serve_flags_reach_the_configs(monkeypatch):
     assert config_c.served_model_names == ("a", "b") and config_c.trust_request_chat_template
 
 
+def test_serve_cors_and_generation_config_flags(monkeypatch, capsys):
+    """vLLM's --allowed-origins / --allowed-methods / --allowed-headers (JSON lists), --allow-credentials and
+    --generation-config."""
+    import plait.entrypoints.server as server
+    from plait.entrypoints import cli
+
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append((engine_config, config)))
+    assert cli.main(["serve"]) == 0
+    assert cli.main(["serve", "--allowed-origins", '["https://a.example"]',
+                     "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["content-type"]',
+                     "--allow-credentials", "--generation-config", "vllm"]) == 0
+    (engine_a, config_a), (engine_b, config_b) = seen
+    assert (config_a.allowed_origins, config_a.allowed_methods, config_a.allowed_headers) == (("*",),) * 3
+    assert not config_a.allow_credentials and engine_a.generation_config == "auto"
+    assert (config_b.allowed_origins, config_b.allowed_methods, config_b.allowed_headers) == (
+        ["https://a.example"], ["GET", "POST"], ["content-type"])
+    assert config_b.allow_credentials and engine_b.generation_config == "vllm"
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--allowed-origins", "https://a.example"])  # not JSON
+    assert "JSON list of strings" in capsys.readouterr().err
+
+
 def test_serve_runs_the_engine_with_serving_defaults(monkeypatch):
     """`plait serve` builds its engine with usage "serve" (vLLM's serving token budget on a GPU)."""
     import plait.entrypoints.server as server

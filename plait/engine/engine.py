@@ -15,6 +15,7 @@ from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import FinishReason, Request
 from plait.engine.scheduler import Scheduler, StepPlan
 from plait.engine.state_slots import StateSlotPool
+from plait.generation_config import GenerationDefaults, load_generation_defaults
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from plait.runner.model_runner import InFlightStep, ModelRunner, StepOutput
 from plait.runner.sampler import needs_penalties
@@ -77,8 +78,16 @@ def raise_gc_threshold(gen0: int = STEP_LOOP_GC_GEN0_THRESHOLD) -> None:
         gc.set_threshold(gen0, *threshold[1:])
 
 
+def _generation_defaults(config: EngineConfig) -> GenerationDefaults:
+    from plait.loader.hf import resolve_model
+
+    return load_generation_defaults(config.generation_config, resolve_model(config.model).path)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
+        # Before the weights load, so a bad generation_config.json fails in a second, not after minutes.
+        self.generation_defaults = _generation_defaults(config)
         self.runner = ModelRunner(config)
         # The runner chose the device's defaults (the token budget) where the config left them open.
         self.config = config = self.runner.config
@@ -126,7 +135,8 @@ class LLMEngine:
         return True
 
     def _eos_token_ids(self) -> frozenset[int]:
-        ids = set(self.model_config.eos_token_ids)
+        # generation_config.json may list more (Llama 3: end of text, of message, of turn), as vLLM reads it.
+        ids = set(self.model_config.eos_token_ids) | self.generation_defaults.eos_token_ids
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
         return frozenset(ids)

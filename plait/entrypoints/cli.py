@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
 import os
 import sys
 import typing
@@ -15,7 +16,8 @@ from plait.sampling_params import SamplingParams
 
 # Engine fields that get their own CLI flag (the rest keep their defaults).
 _ENGINE_FLAGS = (
-    "model", "load_format", "device", "dtype", "seed", "max_num_batched_tokens", "max_num_seqs",
+    "model", "load_format", "device", "dtype", "seed", "generation_config", "max_num_batched_tokens",
+    "max_num_seqs",
     "long_prefill_token_threshold", "max_prefill_tokens_beside_decodes", "prefill_drain_steps",
     "max_num_partial_prefills",
     "scheduling_policy", "block_size",
@@ -33,6 +35,11 @@ _FLAG_HELP = {
     "dtype": f"one of {', '.join(DTYPE_ALIASES)} (default: bfloat16 on GPU, float32 on CPU)",
     "seed": "seed of random sampling for requests without their own seed, and of dummy weights: the same "
             "seed and the same requests give the same tokens (default: 0)",
+    "generation_config": "as vLLM's: 'auto' (default): the sampling defaults (temperature, top_p, top_k, "
+                         "min_p, repetition_penalty, max_new_tokens) of the model folder's "
+                         "generation_config.json apply to requests that leave them out; 'vllm': plait's "
+                         "own defaults; or a folder holding a generation_config.json (its max_new_tokens "
+                         "then caps every request). Its eos_token_id always stops generation",
 }
 
 
@@ -134,6 +141,18 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 _DEFAULT_HOST = "127.0.0.1"
 _DEFAULT_PORT = 8000
 _API_KEY_ENV = "PLAIT_API_KEY"
+_CORS_ANY = ("*",)
+
+
+def _json_string_list(text: str) -> list[str]:
+    """A CORS flag's value: a JSON list of strings, as vLLM's (--allowed-origins '["https://a.example"]')."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"expected a JSON list of strings, such as '[\"*\"]', got {text!r}")
+    return value
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -147,9 +166,23 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
                           served_model_name=args.served_model_name, request_timeout_s=args.request_timeout,
                           trust_request_chat_template=args.trust_request_chat_template,
-                          log_level=args.log_level)
+                          log_level=args.log_level, allowed_origins=args.allowed_origins,
+                          allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
+                          allow_credentials=args.allow_credentials)
     serve(_engine_config(args), config)
     return 0
+
+
+def _add_cors_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's CORS flags: which web pages' scripts may call the server from a browser."""
+    group = parser.add_argument_group("CORS")
+    for flag, what in (("--allowed-origins", "origins"), ("--allowed-methods", "methods"),
+                       ("--allowed-headers", "request headers")):
+        group.add_argument(flag, type=_json_string_list, default=_CORS_ANY, metavar="JSON",
+                           help=f"allowed {what}, a JSON list (default: '[\"*\"]': any)")
+    group.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
+                       help="let browsers send cookies and HTTP auth with cross-origin requests "
+                            "(default: off)")
 
 
 def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) -> str:
@@ -210,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--request-timeout", type=float, default=None,
                      help="abort requests running longer than this many seconds (default: never)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_cors_args(srv)
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
 

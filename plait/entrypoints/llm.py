@@ -32,6 +32,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The params generate and chat use when given none, as vLLM's: SamplingParams' defaults under the
+        sampling defaults of the model's generation_config.json (none with ``generation_config="vllm"``)."""
+        return SamplingParams(**self.engine.generation_defaults.sampling)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -41,9 +46,12 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order.
 
         A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, or a list of
-        token ids. All prompts are validated before any enters the engine.
+        token ids. All prompts are validated before any enters the engine. Without sampling_params,
+        get_default_sampling_params() (the model's generation_config.json may set them, as in vLLM).
         """
         prompts = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
         batch = self._batch_ids
         self._batch_ids += 1
@@ -106,18 +114,12 @@ class LLM:
 
 
 def apply_chat_template(
-    tokenizer: Any,
-    conversation: list[Message],
-    add_generation_prompt: bool = True,
-    kwargs: dict | None = None,
-    *,
-    continue_final_message: bool = False,
-    chat_template: str | None = None,
+    tokenizer: Any, conversation: list[Message], add_generation_prompt: bool = True,
+    kwargs: dict | None = None, **options: Any,
 ) -> list[int]:
-    """Token ids of a conversation under the model's chat template (or ``chat_template``)."""
-    text = render_chat(tokenizer, conversation, add_generation_prompt, kwargs,
-                       continue_final_message=continue_final_message, chat_template=chat_template)
-    return _encode_rendered(tokenizer, text)
+    """Token ids of a conversation: render_chat's text (``options``: its keyword-only ones), encoded."""
+    return _encode_rendered(tokenizer, render_chat(tokenizer, conversation, add_generation_prompt, kwargs,
+                                                   **options))
 
 
 def render_chat(
@@ -163,9 +165,7 @@ def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptTy
     raise TypeError(f"prompts must be a string, a dict, or a list of them, got {type(prompts).__name__}")
 
 
-def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * n
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -18,6 +19,12 @@ MAX_STOP_STRINGS = 16
 # OpenAI's default temperature / top_p when a request does not say.
 DEFAULT_TEMPERATURE = 1.0
 DEFAULT_TOP_P = 1.0
+# What a request that leaves these out gets where the model's generation_config.json does not say either
+# (vLLM's _DEFAULT_SAMPLING_PARAMS).
+SAMPLING_DEFAULTS: dict[str, Any] = {
+    "temperature": DEFAULT_TEMPERATURE, "top_p": DEFAULT_TOP_P, "top_k": 0, "min_p": 0.0,
+    "repetition_penalty": 1.0,
+}
 # OpenAI's and vLLM's max_tokens for /v1/completions that do not say. (Chat has none: it runs to the end
 # of the context, as in vLLM.)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -190,14 +197,25 @@ class _SamplingRequest(_RequestModel):
         options = self.stream_options
         return options is not None and options.include_usage and options.continuous_usage_stats
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The engine's SamplingParams; raises ValueError naming the bad field."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The engine's SamplingParams; raises ValueError naming the bad field.
+
+        ``defaults`` (the model's generation_config.json, by SamplingParams name) fill the fields of
+        SAMPLING_DEFAULTS that the request leaves out or sends as null, as vLLM's to_sampling_params.
+        """
+        defaults = defaults or {}
+
+        def pick(name: str) -> Any:
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, SAMPLING_DEFAULTS[name])
+
         return SamplingParams(
             n=self.n,
-            temperature=DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
-            top_p=DEFAULT_TOP_P if self.top_p is None else self.top_p,
-            top_k=0 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=pick("top_k"),
+            min_p=pick("min_p"),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -207,7 +225,7 @@ class _SamplingRequest(_RequestModel):
             logprobs=logprobs,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            repetition_penalty=pick("repetition_penalty"),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )

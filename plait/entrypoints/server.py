@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import copy
 import dataclasses
+import functools
 import json
 import logging
 import secrets
@@ -24,6 +25,7 @@ import prometheus_client as prom
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -91,6 +93,11 @@ DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
 # As vLLM's --api-key: the key guards the OpenAI API under /v1 only, so /health, /metrics (Prometheus
 # scrapes), /tokenize, /detokenize and /version stay open.
 API_KEY_GUARDED_PREFIX = "/v1"
+# Browsers send a CORS preflight as OPTIONS without credentials; like vLLM's, the key check lets every
+# OPTIONS through (one that is not a preflight reaches the app and gets a 405).
+API_KEY_EXEMPT_METHOD = "OPTIONS"
+# vLLM's CORS defaults (--allowed-origins, --allowed-methods, --allowed-headers): any.
+CORS_ANY = ("*",)
 # vLLM's words for a request beyond the context, which clients match case-sensitively.
 CONTEXT_LENGTH_MESSAGE_START = "This model's maximum context length is"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -139,6 +146,12 @@ class ServerConfig:
     # default, as vLLM's --trust-request-chat-template: only a trusted client should choose the template.
     trust_request_chat_template: bool = False
     log_level: str = "info"
+    # CORS, as vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials: which
+    # web pages' scripts may call the server from a browser (the API key, where set, still applies).
+    allowed_origins: Sequence[str] = CORS_ANY
+    allowed_methods: Sequence[str] = CORS_ANY
+    allowed_headers: Sequence[str] = CORS_ANY
+    allow_credentials: bool = False
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1:
@@ -150,6 +163,12 @@ class ServerConfig:
         names = self.served_model_names
         if names is not None and (not names or not all(isinstance(n, str) and n for n in names)):
             raise ValueError(f"served_model_name must be one or more non-empty names, got {names!r}")
+        for name in ("allowed_origins", "allowed_methods", "allowed_headers"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"{name} must be a list of strings, got {value!r}")
+        if not isinstance(self.allow_credentials, bool):
+            raise ValueError(f"allow_credentials must be true or false, got {self.allow_credentials!r}")
 
     @property
     def served_model_names(self) -> tuple[str, ...] | None:
@@ -160,14 +179,17 @@ class ServerConfig:
 
 
 def default_served_model_name(model: str | None) -> str:
-    """The name clients use in "model": the GGUF file's stem or the HF folder's name.
+    """The name clients use in "model": the Hub id a model was found under in the HF cache (as vLLM
+    serves it), else the GGUF file's stem or the HF folder's name.
 
     The default model is served as ``SmolLM2-135M-Instruct.Q4_1``.
     """
     from plait.loader.hf import resolve_model
 
-    path = resolve_model(model).path
-    return path.stem if path.is_file() else Path(path).name
+    source = resolve_model(model)
+    if source.repo_id is not None:
+        return source.repo_id  # its folder is the cache's snapshots/<commit hash>
+    return source.path.stem if source.path.is_file() else Path(source.path).name
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -260,7 +282,7 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope.get("headers") or [])
-        if self.api_key is not None and scope["path"].startswith(API_KEY_GUARDED_PREFIX):
+        if self._needs_key(scope):
             if not self._authorized(headers.get(b"authorization", b"")):
                 body = _error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
                                    "invalid_request_error", code="invalid_api_key")
@@ -294,6 +316,10 @@ class GuardMiddleware:
             return await receive()  # after the body: waits for the client to disconnect
 
         await self.app(scope, replay, send)
+
+    def _needs_key(self, scope: Scope) -> bool:
+        return (self.api_key is not None and scope["method"] != API_KEY_EXEMPT_METHOD
+                and scope["path"].startswith(API_KEY_GUARDED_PREFIX))
 
     def _authorized(self, header: bytes) -> bool:
         scheme, _, token = header.partition(b" ")
@@ -500,6 +526,8 @@ class OpenAIServer:
         self.model_name = self.served_model_names[0]  # the one responses report
         self.max_model_len = engine.max_model_len  # fixed at load; safe to read from any thread
         self.vocab_size = engine.model_config.vocab_size
+        # The model's generation_config.json: defaults of what requests leave out (fixed at load).
+        self.generation_defaults = engine.generation_defaults
         # The loop thread detokenizes with the engine's tokenizer; the event loop gets its own copy
         # (chat templates, logprob token strings), so no tokenizer object is shared between threads.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
@@ -563,6 +591,12 @@ class OpenAIServer:
         app.openapi = lambda: self._openapi(app, self.served_model_names)  # type: ignore[method-assign]
         app.add_middleware(GuardMiddleware, api_key=self.config.api_key,
                            max_body_bytes=self.config.max_request_body_bytes)
+        # Added last, so outermost: it answers preflights before the key check, and its headers reach every
+        # response, the guard's 401 and 413 included, so a page's script can read why it was refused.
+        app.add_middleware(CORSMiddleware, allow_origins=list(self.config.allowed_origins),
+                           allow_methods=list(self.config.allowed_methods),
+                           allow_headers=list(self.config.allowed_headers),
+                           allow_credentials=self.config.allow_credentials)
         return app
 
     @staticmethod
@@ -643,12 +677,14 @@ class OpenAIServer:
         kwargs = body.chat_template_kwargs or {}
         return body.chat_template is not None or kwargs.get("chat_template") is not None
 
-    @staticmethod
-    def _params(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+    def _params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                 logprobs: int | None, num_prompts: int) -> SamplingParams:
+        """The request's SamplingParams; ``max_tokens`` is its own (None: not set), which the model's
+        generation_config.json may default or cap, as its other sampling fields may default."""
+        defaults = self.generation_defaults
         try:
             body.check_supported()
-            params = body.sampling_params(max_tokens, logprobs)
+            params = body.sampling_params(defaults.max_tokens(max_tokens), logprobs, defaults.sampling)
         except (ValueError, TypeError) as err:
             raise _bad_request(err) from err
         if num_prompts * params.n > MAX_SEQUENCES_PER_REQUEST:
@@ -656,9 +692,10 @@ class OpenAIServer:
                                 f"{MAX_SEQUENCES_PER_REQUEST} sequences one request may ask for", param="n")
         return params
 
-    def _check_fits(self, request: EngineRequest, engine: LLMEngine) -> None:
-        """Runs on the loop thread: refuse prompt + max_tokens beyond the context, as vLLM does."""
-        max_tokens = request.sampling_params.max_tokens
+    @staticmethod
+    def _check_fits(request: EngineRequest, engine: LLMEngine, max_tokens: int | None) -> None:
+        """Runs on the loop thread: refuse prompt + the request's own max_tokens beyond the context, as vLLM
+        does (a default from generation_config.json is cut to the room left instead, by the engine)."""
         num_prompt = request.num_prompt_tokens
         if max_tokens is not None and num_prompt + max_tokens > engine.max_model_len:
             raise ProtocolError(
@@ -667,11 +704,12 @@ class OpenAIServer:
                 f"completion). Please reduce the length of the messages or completion.",
                 param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
 
-    async def _start(self, children: list[tuple[PromptInput, SamplingParams]], prompt_param: str
-                     ) -> RequestStream:
+    async def _start(self, children: list[tuple[PromptInput, SamplingParams]], prompt_param: str,
+                     max_tokens: int | None) -> RequestStream:
+        """Queue the children; ``max_tokens`` is the request's own, checked against the context."""
+        validate = functools.partial(self._check_fits, max_tokens=max_tokens)
         try:
-            return await self.engine.add(children, validate=self._check_fits,
-                                         timeout_s=self.config.request_timeout_s)
+            return await self.engine.add(children, validate=validate, timeout_s=self.config.request_timeout_s)
         except (ValueError, TypeError) as err:
             raise _bad_request(err, prompt_param) from err
 
@@ -763,7 +801,7 @@ class OpenAIServer:
         params = self._params(body, body.requested_max_tokens, body.logprobs, len(prompts))
         children: list[tuple[PromptInput, SamplingParams]] = [
             (p, child) for p in prompts for child in _fan_out(params)]
-        stream = await self._start(children, "prompt")
+        stream = await self._start(children, "prompt", body.requested_max_tokens)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         try:
@@ -852,7 +890,8 @@ class OpenAIServer:
         arrival = time.monotonic()
         params = self._params(body, body.requested_max_tokens, body.requested_logprobs, 1)
         prompt = self._chat_prompt(body.messages, body.add_generation_prompt, body)
-        stream = await self._start([(prompt, child) for child in _fan_out(params)], "messages")
+        stream = await self._start([(prompt, child) for child in _fan_out(params)], "messages",
+                                   body.requested_max_tokens)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
