@@ -178,5 +178,5 @@ def test_server_serves_a_hub_id_under_that_name(hub_cache, tiny_llama) -> None:
     from plait.entrypoints.server import default_served_model_name
 
     _add_to_cache(hub_cache, REPO_ID, tiny_llama)
-    assert default_served_model_name(REPO_ID) == REPO_ID
-    assert default_served_model_name(str(tiny_llama)) == tiny_llama.name
+    assert default_served_model_name(resolve_model(REPO_ID)) == REPO_ID
+    assert default_served_model_name(resolve_model(str(tiny_llama))) == tiny_llama.name

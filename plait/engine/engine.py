@@ -15,7 +15,8 @@ from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import FinishReason, Request
 from plait.engine.scheduler import Scheduler, StepPlan
 from plait.engine.state_slots import StateSlotPool
-from plait.generation_config import GenerationDefaults, load_generation_defaults
+from plait.generation_config import load_generation_defaults
+from plait.loader.hf import resolve_model
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from plait.runner.model_runner import InFlightStep, ModelRunner, StepOutput
 from plait.runner.sampler import needs_penalties
@@ -78,16 +79,12 @@ def raise_gc_threshold(gen0: int = STEP_LOOP_GC_GEN0_THRESHOLD) -> None:
         gc.set_threshold(gen0, *threshold[1:])
 
 
-def _generation_defaults(config: EngineConfig) -> GenerationDefaults:
-    from plait.loader.hf import resolve_model
-
-    return load_generation_defaults(config.generation_config, resolve_model(config.model).path)
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        # Before the weights load, so a bad generation_config.json fails in a second, not after minutes.
-        self.generation_defaults = _generation_defaults(config)
+        # Where the model is (the server names it from this too); its generation_config.json is read
+        # before the weights load, so a bad one fails in a second, not after minutes.
+        self.model_source = resolve_model(config.model)
+        self.generation_defaults = load_generation_defaults(config.generation_config, self.model_source.path)
         self.runner = ModelRunner(config)
         # The runner chose the device's defaults (the token budget) where the config left them open.
         self.config = config = self.runner.config

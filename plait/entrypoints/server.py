@@ -78,6 +78,7 @@ from plait.entrypoints.protocol import (
     UsageInfo,
     VersionResponse,
 )
+from plait.loader.hf import ModelSource
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from plait.sampling_params import SamplingParams
 
@@ -178,15 +179,12 @@ class ServerConfig:
         return tuple(name)
 
 
-def default_served_model_name(model: str | None) -> str:
+def default_served_model_name(source: ModelSource) -> str:
     """The name clients use in "model": the Hub id a model was found under in the HF cache (as vLLM
     serves it), else the GGUF file's stem or the HF folder's name.
 
     The default model is served as ``SmolLM2-135M-Instruct.Q4_1``.
     """
-    from plait.loader.hf import resolve_model
-
-    source = resolve_model(model)
     if source.repo_id is not None:
         return source.repo_id  # its folder is the cache's snapshots/<commit hash>
     return source.path.stem if source.path.is_file() else Path(source.path).name
@@ -522,7 +520,7 @@ class OpenAIServer:
     def __init__(self, engine: LLMEngine, config: ServerConfig | None = None) -> None:
         self.config = config if config is not None else ServerConfig()
         self.served_model_names = (self.config.served_model_names
-                                   or (default_served_model_name(engine.config.model),))
+                                   or (default_served_model_name(engine.model_source),))
         self.model_name = self.served_model_names[0]  # the one responses report
         self.max_model_len = engine.max_model_len  # fixed at load; safe to read from any thread
         self.vocab_size = engine.model_config.vocab_size
