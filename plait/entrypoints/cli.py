@@ -28,6 +28,8 @@ _ENGINE_FLAGS = (
 
 # Flags whose default is decided at start-up rather than written in EngineConfig.
 _FLAG_HELP = {
+    "model": "a .gguf file, an HF folder, or a Hub id (org/name) in the local HF cache; plait never "
+             "downloads (default: the bundled SmolLM2-135M-Instruct)",
     "max_num_batched_tokens": "the step's token budget (default: vLLM's for the device: 16384 offline "
                               "and 8192 serving on GPUs of 70 GB and more, 8192 / 2048 on smaller ones, "
                               "2048 on CPU)",
@@ -227,7 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     # `plait serve MODEL`, as `vllm serve MODEL`. Only serve takes it: the positionals of generate and
     # chat are prompts, so a model there could not be told from a prompt.
     srv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                     help="path to a .gguf file or an HF folder (the same as --model)")
+                     help="a .gguf file, an HF folder, or a Hub id in the local HF cache (as --model)")
     srv.add_argument("--host", default=_DEFAULT_HOST,
                      help=f"address to bind (default: {_DEFAULT_HOST}, this machine only)")
     srv.add_argument("--port", type=int, default=_DEFAULT_PORT,
