@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,6 +19,14 @@ MAX_LOGPROBS = 20
 
 # OpenAI-style presence/frequency penalties are bounded to [-2, 2].
 PENALTY_BOUND = 2.0
+
+# OpenAI's logit_bias values lie in [-100, 100] (a bias of +-100 already bans or forces a token).
+LOGIT_BIAS_BOUND = 100.0
+# Entries one request may bring: the sampler builds index lists of them every step. vLLM's GPU model
+# runner caps both at 1024 (MAX_NUM_LOGIT_BIAS_TOKENS, MAX_NUM_ALLOWED_TOKEN_IDS); OpenAI's logit_bias
+# takes at most 300, so every OpenAI or vLLM request fits.
+MAX_LOGIT_BIAS_ENTRIES = 1024
+MAX_ALLOWED_TOKEN_IDS = 1024
 
 
 def _describe(value: Any) -> str:
@@ -39,6 +48,14 @@ def _check_float(name: str, value: Any) -> float:
     value = float(value)
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_bias(token_id: int, value: Any) -> float:
+    value = _check_float("logit_bias value", value)
+    if not -LOGIT_BIAS_BOUND <= value <= LOGIT_BIAS_BOUND:
+        bounds = f"[-{LOGIT_BIAS_BOUND:g}, {LOGIT_BIAS_BOUND:g}]"
+        raise ValueError(f"logit_bias values must be in {bounds}, got {value:g} for token id {token_id}")
     return value
 
 
@@ -71,6 +88,10 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Token id -> bias added to its logit before sampling (OpenAI's and vLLM's logit_bias); {} means None.
+    logit_bias: dict[int, float] | None = None
+    # vLLM's allowed_token_ids: only these ids may be sampled (None: any).
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -129,6 +150,10 @@ class SamplingParams:
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty:g}")
 
+        # Ids are checked against the model's vocabulary by the engine, which knows it.
+        self.logit_bias = self._normalise_logit_bias(self.logit_bias)
+        self.allowed_token_ids = self._normalise_allowed_token_ids(self.allowed_token_ids)
+
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:
         if stop is None:
@@ -156,6 +181,42 @@ class SamplingParams:
             _check_int("stop_token_ids element", t)
             if t < 0:
                 raise ValueError(f"stop_token_ids must be non-negative token ids, got {t}")
+        return list(ids)
+
+    @staticmethod
+    def _normalise_logit_bias(bias: Any) -> dict[int, float] | None:
+        if bias is None:
+            return None
+        if not isinstance(bias, Mapping):
+            raise ValueError(f"logit_bias must be a dict of token id -> bias, got {_describe(bias)}")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS_ENTRIES} entries, "
+                             f"got {len(bias)}")
+        normalised: dict[int, float] = {}
+        for token_id, value in bias.items():
+            _check_int("logit_bias token id", token_id)
+            if token_id < 0:
+                raise ValueError(f"logit_bias token ids must be non-negative, got {token_id}")
+            normalised[token_id] = _check_bias(token_id, value)
+        # Empty asks for nothing, so the sampler only has to look for None.
+        return normalised or None
+
+    @staticmethod
+    def _normalise_allowed_token_ids(ids: Any) -> list[int] | None:
+        if ids is None:
+            return None
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"allowed_token_ids must be a list of int, got {_describe(ids)}")
+        if not ids:
+            # As vLLM: an empty list would allow nothing at all.
+            raise ValueError("allowed_token_ids must not be empty (None allows every token)")
+        if len(ids) > MAX_ALLOWED_TOKEN_IDS:
+            raise ValueError(f"allowed_token_ids must have at most {MAX_ALLOWED_TOKEN_IDS} ids, "
+                             f"got {len(ids)}")
+        for t in ids:
+            _check_int("allowed_token_ids element", t)
+            if t < 0:
+                raise ValueError(f"allowed_token_ids must be non-negative token ids, got {t}")
         return list(ids)
 
     @property

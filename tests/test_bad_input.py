@@ -35,6 +35,18 @@ def test_bad_prompts_rejected(engine, prompt, match):
     _assert_untouched(engine)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    ({"logit_bias": {3: 1.0, 512: 1.0}}, "logit_bias token id 512 is out of range for a vocabulary of 512"),
+    ({"allowed_token_ids": [1, 10**6]}, "allowed_token_ids token id 1000000 is out of range"),
+])
+def test_sampling_token_ids_beyond_the_vocabulary_rejected(engine, kwargs, match):
+    """The tiny model's vocabulary is 512 ids: an id beyond it would index past the logits row on the
+    device, so it is refused when the request is added, as an out-of-range prompt id is."""
+    with pytest.raises(ValueError, match=match):
+        engine.add_request([1, 2, 3], SamplingParams(**kwargs))
+    _assert_untouched(engine)
+
+
 @pytest.mark.parametrize("kwargs,field", [
     ({"temperature": -1.0}, "temperature"),
     ({"top_p": 0.0}, "top_p"),

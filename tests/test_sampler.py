@@ -2,11 +2,13 @@
 
 import math
 import random
+from collections import Counter
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch.overrides import TorchFunctionMode
 
 from plait.runner.sampler import ARGMAX_FEW_ROWS, Sampler, SamplingRow, argmax_rows
 from plait.sampling_params import SamplingParams
@@ -396,3 +398,152 @@ def test_chunked_argmax_is_argmax_with_first_maximum_winning(vocab: int, rows: i
             tied[4, 7] = float("inf")
         assert torch.equal(argmax_rows(tied), tied.argmax(dim=-1))
         assert argmax_rows(tied)[0] == 5
+
+
+# --------------------------------------------------------------------------- logit_bias, allowed_token_ids
+
+
+class CallCounter(TorchFunctionMode):
+    """Counts the torch calls (each a kernel launch or more on a device) made inside the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls[getattr(func, "__name__", str(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logit_bias_plus_100_makes_greedy_pick_it(dtype: torch.dtype) -> None:
+    logits = make_logits(20, 4, 1000).to(dtype)
+    target = int(logits[2].argmin())  # the least likely id of row 2
+    rows = [row(temperature=0.0) for _ in range(4)]
+    rows[2] = row(temperature=0.0, logit_bias={target: 100.0})
+    out = Sampler()(logits, rows).token_ids
+    argmax = logits.argmax(dim=-1).tolist()
+    assert out == [argmax[0], argmax[1], target, argmax[3]]
+
+
+def test_logit_bias_minus_100_bans_the_argmax() -> None:
+    logits = torch.zeros(1, 50)
+    logits[0, 7] = 10.0  # e^10 times as likely as any other id
+    banned = {7: -100.0}
+    greedy = Sampler()(logits, [row(temperature=0.0, logit_bias=banned)]).token_ids
+    assert greedy == [0]  # the first of the ties left
+    n = 2000
+    draws = Sampler(seed=3)(logits.expand(n, -1).contiguous(), [row(logit_bias=banned) for _ in range(n)])
+    assert 7 not in draws.token_ids
+    unbiased = Sampler(seed=3)(logits.expand(n, -1).contiguous(), [row() for _ in range(n)]).token_ids
+    assert unbiased.count(7) > n // 2  # without the bias it is the usual pick
+
+
+def test_logit_bias_shifts_the_distribution_by_exp_bias() -> None:
+    logits = torch.tensor([1.0, 0.0, 0.5, -1.0])
+    bias = {1: 2.0, 3: -0.5}
+    n = 20000
+    rows = [row(logit_bias=bias, temperature=0.9) for _ in range(n)]
+    out = Sampler()(logits.expand(n, -1).contiguous(), rows)
+    biased = logits + torch.tensor([0.0, 2.0, 0.0, -0.5])
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=4).tolist()
+    assert chi_square(counts, torch.softmax(biased / 0.9, dim=0).tolist()) < CHI2_BOUND, counts
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_allowed_token_ids_restrict_random_sampling(seeded: bool) -> None:
+    vocab, n = 1000, 2000
+    logits = make_logits(21, 1, vocab)[0]
+    allowed = [3, 17, 500, 999]
+    rows = [row(allowed_token_ids=allowed, top_p=0.99, seed=i if seeded else None) for i in range(n)]
+    out = Sampler(seed=4)(logits.expand(n, -1).contiguous(), rows).token_ids
+    assert set(out) <= set(allowed)
+    counts = [out.count(t) for t in allowed]
+    kept = torch.softmax(logits[allowed], dim=0).tolist()
+    assert all(c > 0 for c, p in zip(counts, kept, strict=True) if p > 0.01), (counts, kept)
+
+
+def test_allowed_token_ids_pick_the_best_allowed_id_greedily() -> None:
+    logits = make_logits(22, 3, 300)
+    allowed = [[5, 6, 7], [int(logits[1].argmax())], [0, 299]]
+    out = Sampler()(logits, [row(temperature=0.0, allowed_token_ids=a) for a in allowed]).token_ids
+    assert out == [a[int(logits[i, a].argmax())] for i, a in enumerate(allowed)]
+
+
+def test_allowed_token_ids_and_logit_bias_together() -> None:
+    logits = torch.zeros(1, 10)
+    logits[0, 4] = 5.0
+    # The bias may lift an allowed id above the others, but never brings back a disallowed one.
+    r = row(temperature=0.0, allowed_token_ids=[1, 2], logit_bias={2: 1.0, 4: 100.0})
+    assert Sampler()(logits, [r]).token_ids == [2]
+
+
+def test_logprobs_stay_raw_under_bias_and_allowed_ids() -> None:
+    """As vLLM's default logprobs_mode (raw_logprobs): the model's own distribution, before any processing."""
+    logits = make_logits(23, 2, 40)
+    rows = [row(temperature=0.0, logprobs=3, logit_bias={11: 100.0}),
+            row(temperature=0.8, logprobs=3, allowed_token_ids=[2, 9], seed=1)]
+    out = Sampler()(logits, rows)
+    ref = torch.log_softmax(logits, dim=-1)
+    assert out.token_ids[0] == 11 and out.token_ids[1] in (2, 9)
+    for i in range(2):
+        lp = out.logprobs[i]
+        assert lp.token_logprob == pytest.approx(ref[i, out.token_ids[i]].item(), abs=1e-5)
+        assert lp.top_ids == torch.topk(ref[i], 3).indices.tolist()
+
+
+def _mixed_rows(trial: int) -> list[SamplingRow]:
+    """Rows of every kind, none using logit_bias or allowed_token_ids."""
+    kinds = [dict(temperature=0.0), dict(temperature=0.0, logprobs=2), dict(top_p=0.9), dict(seed=5 + trial),
+             dict(top_k=20, min_p=0.05, seed=9), dict(temperature=0.7, presence_penalty=0.5, logprobs=1),
+             dict(min_tokens=2), dict()]
+    return [row(output=[1, 2], eos=3, **kw) for kw in kinds]
+
+
+def test_rows_without_bias_or_allowed_ids_are_unchanged_beside_rows_with_them() -> None:
+    vocab = 500
+    for trial in range(3):
+        logits = make_logits(24 + trial, 12, vocab)
+        plain = _mixed_rows(trial) + _mixed_rows(trial)[:4]
+        using = _mixed_rows(trial) + [
+            row(temperature=0.0, logit_bias={1: 50.0}), row(allowed_token_ids=[4, 5], logprobs=1),
+            row(seed=3, logit_bias={2: -3.0, 8: 4.0}, allowed_token_ids=list(range(0, vocab, 3))),
+            row(temperature=0.0, logprobs=2, allowed_token_ids=[7]),
+        ]
+        before = Sampler(seed=trial)(logits, plain)
+        after = Sampler(seed=trial)(logits, using)
+        assert after.token_ids[:8] == before.token_ids[:8]
+        assert after.logprobs[:8] == before.logprobs[:8]
+        assert after.token_ids[8] == 1 and after.token_ids[9] in (4, 5) and after.token_ids[11] == 7
+
+
+def test_seeded_rows_with_bias_are_independent_of_their_batch() -> None:
+    vocab = 300
+    base = make_logits(25, 1, vocab, scale=1.0)
+    seeded = row(output=[1] * 3, seed=42, top_p=0.95, logit_bias={5: 2.0, 6: -1.0},
+                 allowed_token_ids=list(range(100)))
+    alone = Sampler()(base, [seeded]).token_ids[0]
+    others = make_logits(26, 5, vocab, scale=1.0)
+    for position in range(6):
+        logits = torch.cat([others[:position], base, others[position:]])
+        rows = [row(temperature=1.2, logit_bias={position: 3.0}) for _ in range(5)]
+        rows.insert(position, seeded)
+        assert Sampler(seed=position)(logits, rows).token_ids[position] == alone
+
+
+def test_launches_do_not_grow_with_the_rows_using_bias_or_allowed_ids() -> None:
+    """Each feature is one scatter over (rows x ids) built on the host, not a loop of launches per row;
+    batches that use neither make none of those calls."""
+    logits = make_logits(27, 16, 200)
+
+    def calls(rows: list[SamplingRow]) -> Counter[str]:
+        with CallCounter() as counter:
+            Sampler()(logits, rows)
+        return counter.calls
+
+    one = [row(logit_bias={1: 5.0}, allowed_token_ids=[1, 2, 3])] + [row() for _ in range(15)]
+    every = [row(logit_bias={i: 5.0, i + 1: -2.0}, allowed_token_ids=list(range(i, 2 * i + 5)))
+             for i in range(16)]
+    assert calls(one) == calls(every)
+    plain = calls([row() for _ in range(16)])
+    assert not {"index_put_", "index_fill_", "pin_memory"} & set(plain)

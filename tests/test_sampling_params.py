@@ -5,7 +5,15 @@ import math
 
 import pytest
 
-from plait.sampling_params import GREEDY_TEMPERATURE_EPS, MAX_LOGPROBS, TOP_K_DISABLED, SamplingParams
+from plait.sampling_params import (
+    GREEDY_TEMPERATURE_EPS,
+    LOGIT_BIAS_BOUND,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    TOP_K_DISABLED,
+    SamplingParams,
+)
 
 
 def test_defaults_match_vllm() -> None:
@@ -167,3 +175,51 @@ def test_replace_revalidates() -> None:
     assert dataclasses.replace(p, top_k=-1).top_k == TOP_K_DISABLED
     with pytest.raises(ValueError, match="temperature"):
         dataclasses.replace(p, temperature=-2.0)
+
+
+def test_logit_bias_and_allowed_token_ids_normalised() -> None:
+    p = SamplingParams()
+    assert p.logit_bias is None and p.allowed_token_ids is None  # vLLM's defaults
+    p = SamplingParams(logit_bias={5: 1, 0: -100, 7: 100.0}, allowed_token_ids=(3, 1, 3))
+    assert p.logit_bias == {5: 1.0, 0: -100.0, 7: 100.0} and isinstance(p.logit_bias[5], float)
+    assert p.allowed_token_ids == [3, 1, 3]
+    assert SamplingParams(logit_bias={}).logit_bias is None  # asks for nothing
+    assert dataclasses.replace(p, n=2).logit_bias == p.logit_bias  # fan-out revalidates the same values
+    full = SamplingParams(logit_bias=dict.fromkeys(range(MAX_LOGIT_BIAS_ENTRIES), 1.0),
+                          allowed_token_ids=list(range(MAX_ALLOWED_TOKEN_IDS)))
+    assert len(full.logit_bias) == len(full.allowed_token_ids) == 1024
+
+
+INVALID_TOKEN_MAPS = [
+    ("logit_bias", {-1: 1.0}, "non-negative"),
+    ("logit_bias", {True: 1.0}, "must be an int"),
+    ("logit_bias", {"5": 1.0}, "must be an int"),
+    ("logit_bias", {1.0: 1.0}, "must be an int"),
+    ("logit_bias", {5: LOGIT_BIAS_BOUND + 0.5}, "[-100, 100], got 100.5"),
+    ("logit_bias", {5: -101}, "got -101"),
+    ("logit_bias", {5: math.nan}, "finite"),
+    ("logit_bias", {5: math.inf}, "finite"),
+    ("logit_bias", {5: "1"}, "a number"),
+    ("logit_bias", {5: True}, "a number"),
+    ("logit_bias", [(5, 1.0)], "dict"),
+    ("logit_bias", dict.fromkeys(range(MAX_LOGIT_BIAS_ENTRIES + 1), 1.0), "at most 1024 entries"),
+    ("allowed_token_ids", [], "must not be empty"),
+    ("allowed_token_ids", [1, -1], "non-negative"),
+    ("allowed_token_ids", [1, "2"], "must be an int"),
+    ("allowed_token_ids", [True], "must be an int"),
+    ("allowed_token_ids", 5, "list of int"),
+    ("allowed_token_ids", {1, 2}, "list of int"),
+    ("allowed_token_ids", list(range(MAX_ALLOWED_TOKEN_IDS + 1)), "at most 1024 ids"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "words"), INVALID_TOKEN_MAPS,
+                         ids=[f"{f}-{i}" for i, (f, _, _) in enumerate(INVALID_TOKEN_MAPS)])
+def test_bad_logit_bias_and_allowed_token_ids_raise_naming_the_field(field: str, value: object,
+                                                                     words: str) -> None:
+    with pytest.raises(ValueError) as excinfo:
+        SamplingParams(**{field: value})
+    message = str(excinfo.value)
+    # The server names the field from the message's first word.
+    assert message.split(" ", 1)[0] == field, message
+    assert words in message, message

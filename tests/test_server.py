@@ -29,7 +29,11 @@ from plait.entrypoints.server import (  # noqa: E402
     OpenAIServer,
     ServerConfig,
 )
-from plait.sampling_params import SamplingParams  # noqa: E402
+from plait.sampling_params import (  # noqa: E402
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    SamplingParams,
+)
 
 API_KEY = "test-key-1234"
 MAX_NUM_BATCHED_TOKENS = 256
@@ -219,7 +223,8 @@ def test_context_overflow_uses_vllm_wording(served, model):
 NULL_SAMPLING_FIELDS = dict.fromkeys([
     "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
-    "skip_special_tokens", "include_stop_str_in_output", "stream", "stream_options", "logit_bias", "user",
+    "skip_special_tokens", "include_stop_str_in_output", "stream", "stream_options", "logit_bias",
+    "allowed_token_ids", "user",
 ])
 
 
@@ -240,6 +245,50 @@ def test_null_fields_mean_default(served, model):
     streamed = {**chat, "stream": True, "stream_options": options}
     events = [line for line in _post(url, "/v1/chat/completions", streamed).text.splitlines() if line]
     assert events[-1] == "data: [DONE]" and '"usage":{' in events[-2]  # include_usage: null = its default
+
+
+def _one_token(server: OpenAIServer, text: str) -> int:
+    (token_id,) = server.tokenizer.encode(text, add_special_tokens=False)
+    return token_id
+
+
+def test_logit_bias_forces_a_token(served, client, model):
+    """OpenAI's logit_bias ({"<id>": bias}, the ids as strings): +100 makes greedy decoding pick that id
+    at every position, on both endpoints and streamed too."""
+    server, _ = served
+    river = _one_token(server, " river")
+    kwargs = dict(model=model, max_tokens=4, temperature=0.0, logit_bias={str(river): 100},
+                  extra_body={"ignore_eos": True})
+    completion = client.completions.create(prompt="Name a color:", **kwargs)
+    assert completion.choices[0].text == " river" * 4
+    chat = client.chat.completions.create(messages=_messages("Name a color."), logprobs=True, **kwargs)
+    assert [entry.token for entry in chat.choices[0].logprobs.content] == [" river"] * 4
+    streamed = client.chat.completions.create(messages=_messages("Name a color."), stream=True, **kwargs)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content
+    # A ban moves greedy decoding off the token it would pick.
+    plain = client.completions.create(model=model, prompt="The sky is", max_tokens=1, temperature=0.0)
+    first = _one_token(server, plain.choices[0].text)
+    banned = client.completions.create(model=model, prompt="The sky is", max_tokens=1, temperature=0.0,
+                                       logit_bias={str(first): -100})
+    assert banned.choices[0].text not in ("", plain.choices[0].text)
+
+
+def test_allowed_token_ids_restrict_the_output(served, client, model):
+    """vLLM's allowed_token_ids (extra_body with the openai client): random sampling draws only those ids."""
+    server, url = served
+    words = [" yes", " no", " maybe"]
+    allowed = [_one_token(server, w) for w in words]
+    extra = {"allowed_token_ids": allowed, "ignore_eos": True}
+    chat = client.chat.completions.create(model=model, messages=_messages("Is the sky blue?"), max_tokens=8,
+                                          temperature=1.0, seed=3, n=2, logprobs=True, extra_body=extra)
+    for choice in chat.choices:
+        assert {entry.token for entry in choice.logprobs.content} <= set(words)
+        tokens = _post(url, "/tokenize", {"prompt": choice.message.content}).json()["tokens"]
+        assert set(tokens) <= set(allowed)
+    completion = client.completions.create(model=model, prompt="Answer:", max_tokens=6, temperature=1.5,
+                                           logprobs=1, extra_body=extra)
+    assert set(completion.choices[0].logprobs.tokens) <= set(words)
 
 
 def test_harmless_unknown_fields_are_accepted(client, model):
@@ -588,7 +637,30 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [1] * TOO_LONG}, 400, "prompt", "maximum context length"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**5}, 400, "max_tokens", "maximum context length"),
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
-    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
+    # logit_bias: OpenAI's bounds, ids as digit strings, within the vocabulary (49152 ids), few enough
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 100.5}}, 400, "logit_bias", "less than or equal"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": -101}}, 400, "logit_bias", "greater than or"),
+    ("/v1/completions", b'{"prompt": "x", "logit_bias": {"1": NaN}}', 400, "logit_bias", "finite"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"1": "5"}}, 400, "logit_bias", "valid number"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"one": 5}}, 400, "logit_bias", "pattern"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"-1": 5}}, 400, "logit_bias", "pattern"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": [[1, 5]]}, 400, "logit_bias", "valid dictionary"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {"49152": 5}}, 400, "logit_bias",
+     "logit_bias token id 49152 is out of range for a vocabulary of 49152"),
+    ("/v1/completions", {"prompt": "x", "logit_bias": {str(i): 1 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}},
+     400, "logit_bias", "at most 1024 items"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"10000000": 1}},
+     400, "logit_bias", "out of range"),
+    # allowed_token_ids: not empty, ids within the vocabulary, few enough
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids", "at least 1"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": [-1]}, 400, "allowed_token_ids",
+     "greater than or equal to 0"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": ["5"]}, 400, "allowed_token_ids", "integer"),
+    ("/v1/completions", {"prompt": "x", "allowed_token_ids": list(range(MAX_ALLOWED_TOKEN_IDS + 1))}, 400,
+     "allowed_token_ids", "at most 1024 items"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "allowed_token_ids": [5, 49152]},
+     400, "allowed_token_ids", "allowed_token_ids token id 49152 is out of range"),
     ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "stream"),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),

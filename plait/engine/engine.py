@@ -169,6 +169,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         self._validate_prompt(token_ids)
+        self._validate_sampling_token_ids(params)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(
@@ -223,6 +224,15 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
                 f"has {len(token_ids)} input tokens. Please reduce the length of the input messages."
             )
+
+    def _validate_sampling_token_ids(self, params: SamplingParams) -> None:
+        """logit_bias and allowed_token_ids index the logits row on the device, where an id beyond it
+        would be a device-side error, not a 400; SamplingParams does not know the vocabulary."""
+        vocab = self.model_config.vocab_size
+        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
+            bad = next((t for t in ids or () if t >= vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name} token id {bad} is out of range for a vocabulary of {vocab}")
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are free before the next step is scheduled."""

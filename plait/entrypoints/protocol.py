@@ -8,7 +8,14 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from plait.sampling_params import MAX_LOGPROBS, PENALTY_BOUND, SamplingParams
+from plait.sampling_params import (
+    LOGIT_BIAS_BOUND,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_LOGPROBS,
+    PENALTY_BOUND,
+    SamplingParams,
+)
 
 # Sequences one request may ask for (n), and in all (prompts x n): a single HTTP request must not be
 # able to fill the engine on its own.
@@ -46,7 +53,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "structural_tag": "guided decoding",
     "structured_outputs": "structured output",
     "prompt_logprobs": "prompt logprobs",
-    "allowed_token_ids": "a restricted vocabulary",
     "bad_words": "banned words",
     "logits_processors": "custom logits processors",
     "use_beam_search": "beam search",
@@ -86,6 +92,13 @@ TokenId = Annotated[Int, Field(ge=0)]
 Penalty = Annotated[float, Field(ge=-PENALTY_BOUND, le=PENALTY_BOUND)]
 NumLogprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
 PositiveInt = Annotated[Int, Field(ge=1)]
+# logit_bias keys: JSON object keys are strings, OpenAI's hold token ids. ASCII digits only (int() would
+# take " 1", "1_0" and other scripts' digits) and no leading zeros, so two keys never name one id; ten
+# digits are more than any vocabulary needs. The engine checks the ids against the vocabulary.
+LogitBiasKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]
+LogitBiasValue = Annotated[float, Field(ge=-LOGIT_BIAS_BOUND, le=LOGIT_BIAS_BOUND, allow_inf_nan=False)]
+LogitBias = Annotated[dict[LogitBiasKey, LogitBiasValue], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
+AllowedTokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]
 
 
 class ProtocolError(ValueError):
@@ -172,13 +185,12 @@ class _SamplingRequest(_RequestModel):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias | None = None
+    allowed_token_ids: AllowedTokenIds | None = None  # vLLM extension: only these ids may be sampled
     user: str | None = None
 
     def check_supported(self) -> None:
         """Reject fields that are well-typed but that this server cannot honour."""
-        if self.logit_bias:
-            raise ProtocolError("logit_bias is not supported", "logit_bias")
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED_FIELDS and _asks_for(name, value):
                 raise ProtocolError(f"{name} is not supported by this server ({UNSUPPORTED_FIELDS[name]})",
@@ -228,6 +240,8 @@ class _SamplingRequest(_RequestModel):
             repetition_penalty=pick("repetition_penalty"),
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
         )
 
 

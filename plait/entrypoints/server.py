@@ -216,7 +216,8 @@ def _error_response(err: APIError, headers: dict[str, str] | None = None) -> JSO
 _KNOWN_PARAMS = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "logprobs",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "prompt",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
+    "prompt",
 })
 
 

@@ -1,4 +1,5 @@
-"""Batched, device-agnostic token sampler (penalties, greedy, temperature, top-k/top-p/min-p, logprobs)."""
+"""Batched, device-agnostic token sampler (allowed tokens, logit bias, penalties, greedy, temperature,
+top-k/top-p/min-p, logprobs)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ class SamplingRow:
     min_tokens can block them. Together with params.stop_token_ids they are masked while
     num_output_tokens < params.min_tokens, unless params.ignore_eos (as vLLM: ignored EOS ids are
     not stop tokens, so they need no blocking).
+    The ids of params.logit_bias and params.allowed_token_ids index the logits row as they are: the engine
+    has checked them against the vocabulary when the request was added.
     """
 
     params: SamplingParams
@@ -74,7 +77,8 @@ class SamplingRow:
 
 @dataclass
 class Logprobs:
-    """Logprobs of one sampled token, from the raw model logits (before penalties and temperature)."""
+    """Logprobs of one sampled token, from the raw model logits (before allowed-token masks, logit bias,
+    penalties and temperature), as vLLM's default logprobs_mode ("raw_logprobs")."""
 
     token_logprob: float
     top_ids: list[int]  # params.logprobs most likely ids, most likely first
@@ -90,6 +94,16 @@ class SamplerOutput:
 
 def needs_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
+
+
+def _to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on ``device`` without making the host wait: a copy from pageable memory
+    waits for all the work queued before it (the forward pass), so on CUDA the list goes through pinned
+    memory and a non-blocking copy (the caching host allocator keeps the buffer until the copy is done)."""
+    host = torch.tensor(values, dtype=dtype, device="cpu")  # on the host whatever the default device
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _pad(seqs: list[Sequence[int]], pad: int) -> torch.Tensor:
@@ -192,19 +206,30 @@ class Sampler:
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         min_tokens_rows = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
         penalty_rows = [i for i, p in enumerate(params) if needs_penalties(p)]
+        allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        bias_rows = [i for i, p in enumerate(params) if p.logit_bias is not None]
         all_greedy = all(p.is_greedy for p in params)
+        changes_logits = min_tokens_rows or penalty_rows or allowed_rows or bias_rows
 
-        if all_greedy and not want_logprobs and not min_tokens_rows and not penalty_rows:
+        if all_greedy and not want_logprobs and not changes_logits:
             # Fast path: argmax is exact in any float dtype, so no fp32 copy is needed.
             return argmax_rows(logits), [None] * len(rows)
 
         device = logits.device
         raw_logprobs = None
         if want_logprobs:
+            # Raw, as plait always returned them and as vLLM's default logprobs_mode: from the model's
+            # logits, before the allowed-token mask, logit bias, penalties and temperature below.
             lp_idx = torch.tensor(want_logprobs, device=device)
             raw_logprobs = torch.log_softmax(logits.index_select(0, lp_idx).float(), dim=-1)
 
         logits = logits.to(torch.float32, copy=True)
+        # vLLM's order: the allowed-token mask, then the processors that can change the argmax (min
+        # tokens, logit bias), then penalties; so greedy rows (argmax below) see all of them too.
+        if allowed_rows:
+            self._mask_disallowed_tokens(logits, rows, allowed_rows)
+        if bias_rows:
+            self._add_logit_bias(logits, rows, bias_rows)
         if min_tokens_rows:
             self._mask_stop_tokens(logits, rows, min_tokens_rows)
         if penalty_rows:
@@ -219,6 +244,39 @@ class Sampler:
         if raw_logprobs is not None:
             self._gather_logprobs(raw_logprobs, token_ids, rows, want_logprobs, logprobs)
         return token_ids, logprobs
+
+    @staticmethod
+    def _mask_disallowed_tokens(logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]) -> None:
+        """-inf everywhere in ``row_ids`` but at each row's allowed_token_ids: save those logits, fill the
+        rows, put them back (three launches and one copy to the device, however many rows)."""
+        r_idx: list[int] = []
+        t_idx: list[int] = []
+        for i in row_ids:
+            ids = rows[i].params.allowed_token_ids or ()
+            r_idx += [i] * len(ids)
+            t_idx += ids
+        n = len(r_idx)
+        flat = _to_device(r_idx + t_idx + row_ids, torch.long, logits.device)
+        idx = (flat[:n], flat[n : 2 * n])
+        kept = logits[idx]
+        logits.index_fill_(0, flat[2 * n :], float("-inf"))
+        logits.index_put_(idx, kept)
+
+    @staticmethod
+    def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]) -> None:
+        """Adds each row's logit_bias to its logits in one launch (ids within a row are distinct)."""
+        r_idx: list[int] = []
+        t_idx: list[int] = []
+        values: list[float] = []
+        for i in row_ids:
+            bias = rows[i].params.logit_bias or {}
+            r_idx += [i] * len(bias)
+            t_idx += bias.keys()
+            values += bias.values()
+        n = len(r_idx)
+        flat = _to_device(r_idx + t_idx, torch.long, logits.device)
+        bias_values = _to_device(values, torch.float32, logits.device)
+        logits.index_put_((flat[:n], flat[n:]), bias_values, accumulate=True)
 
     @staticmethod
     def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]) -> None:
