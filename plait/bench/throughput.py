@@ -50,7 +50,7 @@ def _engine(model_dir: Path, max_model_len: int, args: argparse.Namespace) -> LL
     return LLMEngine(config)
 
 
-def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, desc: str
+def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, desc: str, args: argparse.Namespace
          ) -> tuple[float, int, float]:
     """(seconds, output tokens, seconds of them spent adding the requests) of one timed call."""
     import torch
@@ -58,7 +58,8 @@ def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, desc: str
 
     from plait.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=output_len,
+                            ignore_eos=True)
     start = time.perf_counter()
     for p in prompts:
         engine.add_request(p, params)
@@ -162,12 +163,12 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
     engine = _engine(model_dir, hi + output_len, args)
     warm = workloads.random_prompts(num, lo, hi, vocab, WARMUP_SEED)
     timed = workloads.random_prompts(num, lo, hi, vocab, TIMED_SEED)
-    _run(engine, warm, output_len, f"{name} warm-up")
+    _run(engine, warm, output_len, f"{name} warm-up", args)
     engine.runner.breakdown.reset()
     engine.timeline.clear()
     engine.record_timeline = True
     with triton_compiles() as compiled, gc_pauses() as pauses:
-        seconds, produced, add_s = _run(engine, timed, output_len, name)
+        seconds, produced, add_s = _run(engine, timed, output_len, name, args)
     engine.record_timeline = False
     result = {
         "workload": name,
@@ -186,6 +187,7 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "max_prefill_tokens_beside_decodes": engine.config.max_prefill_tokens_beside_decodes,
         "attention_backend": engine.runner.attn_backend.name,
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p},
         "cuda_graphs": engine.runner.graphs is not None,
         "step_breakdown": engine.runner.breakdown.as_dict(),
         "prompt_steps": _prompt_steps(engine.timeline),
@@ -231,6 +233,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prefill-tokens-beside-decodes", type=int, default=OFFLINE_PREFILL_CAP,
                    help=f"0 = no cap (default {OFFLINE_PREFILL_CAP}: offline)")
     p.add_argument("--attention-backend", default=None)
+    # WORKLOADS.md's workloads decode greedily (the peers' numbers are greedy); served traffic mostly
+    # samples, which takes the sampler's other path.
+    p.add_argument("--temperature", type=float, default=0.0, help="(default 0: greedy, as WORKLOADS.md)")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the GPU's limits")
     p.add_argument("--in-process", action="store_true",
