@@ -547,3 +547,32 @@ def test_launches_do_not_grow_with_the_rows_using_bias_or_allowed_ids() -> None:
     assert calls(one) == calls(every)
     plain = calls([row() for _ in range(16)])
     assert not {"index_put_", "index_fill_", "pin_memory"} & set(plain)
+
+
+# --------------------------------------------------------------------------- no host waits (GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sampling_never_makes_the_host_wait_for_the_gpu() -> None:
+    """Every sampling feature but logprobs (whose values the host reads) launches without a host sync:
+    a copy from pageable memory would wait for the forward pass queued before it, and the host could not
+    prepare the next step meanwhile (overlap lost for every step that samples)."""
+    vocab = 4096
+    rows = [
+        row(temperature=0.0), row(temperature=0.8), row(temperature=1.0, top_k=20), row(top_p=0.9),
+        row(min_p=0.05), row(temperature=0.7, seed=5),
+        row(output=[3, 4, 4], prompt=[1, 2], presence_penalty=0.5, frequency_penalty=0.3,
+            repetition_penalty=1.2),
+        row(min_tokens=4, eos=2, stop_token_ids=[7]), row(logit_bias={9: 5.0}), row(allowed_token_ids=[1, 2]),
+    ]
+    logits = make_logits(0, len(rows), vocab).cuda()
+    sampler = Sampler()
+    sampler.sample(logits, rows)  # warm up (allocators, generators), outside the check
+    torch.cuda._sleep(50_000_000)  # work queued ahead, as the forward pass is when the sampler runs
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ids, _ = sampler.sample(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert ids.shape == (len(rows),) and bool((ids < vocab).all())

@@ -96,11 +96,16 @@ def needs_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
-def _to_device(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a tensor on ``device`` without making the host wait: a copy from pageable memory
-    waits for all the work queued before it (the forward pass), so on CUDA the list goes through pinned
-    memory and a non-blocking copy (the caching host allocator keeps the buffer until the copy is done)."""
-    host = torch.tensor(values, dtype=dtype, device="cpu")  # on the host whatever the default device
+def _to_device(values: Sequence[object] | torch.Tensor, dtype: torch.dtype, device: torch.device
+               ) -> torch.Tensor:
+    """Host values (a list, or a CPU tensor) as a tensor on ``device`` without making the host wait.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory and then waits for all the work
+    queued before it, the forward pass included: a step that samples would hold the host until the GPU
+    is idle, and the next step could not be prepared meanwhile. On CUDA the values go through pinned
+    memory and a non-blocking copy instead (the caching host allocator keeps the buffer until the copy
+    is done). Every per-step host-to-device copy of the sampler goes through here."""
+    host = torch.as_tensor(values, dtype=dtype, device="cpu")  # on the host whatever the default device
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
@@ -123,7 +128,7 @@ def _bin_counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
 def _mask_top_k(x: torch.Tensor, ks: list[int]) -> None:
     """Keeps exactly k ids per row: the k largest, ties going to the lowest ids (as a stable sort ranks
     them), so top_k=1 agrees with argmax."""
-    k = torch.tensor(ks, device=x.device)[:, None]
+    k = _to_device(ks, torch.long, x.device)[:, None]
     kth = torch.topk(x, max(ks), dim=-1).values.gather(1, k - 1)
     greater = x > kth
     tied = x == kth
@@ -147,7 +152,7 @@ def _mask_top_p(x: torch.Tensor, top_ps: list[float], candidates: int | None) ->
         vals, ids = vals.gather(1, order), ids.gather(1, order)
     else:
         vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
-    top_p = torch.tensor(top_ps, device=x.device)[:, None]
+    top_p = _to_device(top_ps, torch.float32, x.device)[:, None]
     probs = torch.softmax(vals, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
     # Drop an id once the more likely ids already cover top_p; the most likely id always survives.
@@ -159,7 +164,7 @@ def _mask_top_p(x: torch.Tensor, top_ps: list[float], candidates: int | None) ->
 def _mask_min_p(x: torch.Tensor, min_ps: list[float]) -> None:
     """Drops ids whose probability is below min_p times that of the most likely id."""
     probs = torch.softmax(x, dim=-1)
-    threshold = torch.tensor(min_ps, device=x.device)[:, None] * probs.amax(dim=-1, keepdim=True)
+    threshold = _to_device(min_ps, torch.float32, x.device)[:, None] * probs.amax(dim=-1, keepdim=True)
     x.masked_fill_(probs < threshold, float("-inf"))
 
 
@@ -168,7 +173,7 @@ def _on_rows(logits: torch.Tensor, row_ids: list[int], fn: Callable[[torch.Tenso
     if len(row_ids) == logits.shape[0]:
         fn(logits)
         return
-    idx = torch.tensor(row_ids, device=logits.device)
+    idx = _to_device(row_ids, torch.long, logits.device)
     sub = logits.index_select(0, idx)
     fn(sub)
     logits.index_copy_(0, idx, sub)
@@ -220,7 +225,7 @@ class Sampler:
         if want_logprobs:
             # Raw, as plait always returned them and as vLLM's default logprobs_mode: from the model's
             # logits, before the allowed-token mask, logit bias, penalties and temperature below.
-            lp_idx = torch.tensor(want_logprobs, device=device)
+            lp_idx = _to_device(want_logprobs, torch.long, device)
             raw_logprobs = torch.log_softmax(logits.index_select(0, lp_idx).float(), dim=-1)
 
         logits = logits.to(torch.float32, copy=True)
@@ -293,8 +298,9 @@ class Sampler:
                     r_idx.append(i)
                     t_idx.append(t)
         if r_idx:
-            idx = (torch.tensor(r_idx, device=logits.device), torch.tensor(t_idx, device=logits.device))
-            logits.index_put_(idx, torch.tensor(float("-inf"), device=logits.device))
+            flat = _to_device(r_idx + t_idx, torch.long, logits.device)
+            n = len(r_idx)
+            logits.index_put_((flat[:n], flat[n:]), logits.new_full((), float("-inf")))
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]) -> None:
@@ -302,23 +308,24 @@ class Sampler:
         device = logits.device
         vocab = logits.shape[1]
         sel = [rows[i] for i in row_ids]
-        idx = torch.tensor(row_ids, device=device)
+        idx = _to_device(row_ids, torch.long, device)
         sub = logits.index_select(0, idx)
 
-        output_counts = _bin_counts(_pad([r.output_token_ids for r in sel], vocab).to(device), vocab)
+        outputs = _pad([r.output_token_ids for r in sel], vocab)
+        output_counts = _bin_counts(_to_device(outputs, torch.long, device), vocab)
         output_mask = output_counts > 0
 
         if any(r.params.repetition_penalty != 1.0 for r in sel):
-            rep = torch.tensor([r.params.repetition_penalty for r in sel], device=device)
+            rep = _to_device([r.params.repetition_penalty for r in sel], torch.float32, device)
             # Prompts are only transferred for rows that actually use a repetition penalty.
             prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else () for r in sel]
-            prompt_mask = _bin_counts(_pad(prompts, vocab).to(device), vocab) > 0
+            prompt_mask = _bin_counts(_to_device(_pad(prompts, vocab), torch.long, device), vocab) > 0
             penalties = torch.where(prompt_mask | output_mask, rep[:, None], 1.0)
             # Positive logits are divided by the penalty, negative ones multiplied, so both move down.
             sub *= torch.where(sub > 0, 1.0 / penalties, penalties)
 
-        freq = torch.tensor([r.params.frequency_penalty for r in sel], device=device)
-        presence = torch.tensor([r.params.presence_penalty for r in sel], device=device)
+        freq = _to_device([r.params.frequency_penalty for r in sel], torch.float32, device)
+        presence = _to_device([r.params.presence_penalty for r in sel], torch.float32, device)
         sub -= freq[:, None] * output_counts
         sub -= presence[:, None] * output_mask
         logits.index_copy_(0, idx, sub)
@@ -332,7 +339,7 @@ class Sampler:
 
         # Greedy rows get temperature 1 just to keep the arithmetic finite; their result is replaced below.
         temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
-        logits.div_(torch.tensor(temps, device=device)[:, None])
+        logits.div_(_to_device(temps, torch.float32, device)[:, None])
 
         top_k_rows = [i for i, p in enumerate(params) if not greedy[i] and TOP_K_DISABLED < p.top_k < vocab]
         if top_k_rows:
@@ -358,7 +365,7 @@ class Sampler:
         random_ids = probs.div_(noise).argmax(dim=-1)
         if greedy_ids is None:
             return random_ids
-        return torch.where(torch.tensor(greedy, device=device), greedy_ids, random_ids)
+        return torch.where(_to_device(greedy, torch.bool, device), greedy_ids, random_ids)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
@@ -400,7 +407,7 @@ class Sampler:
         out: list[Logprobs | None],
     ) -> None:
         device = raw_logprobs.device
-        sampled = token_ids.index_select(0, torch.tensor(row_ids, device=device))
+        sampled = token_ids.index_select(0, _to_device(row_ids, torch.long, device))
         token_lp = raw_logprobs.gather(1, sampled[:, None])
         ranks = (raw_logprobs >= token_lp).sum(dim=-1)
         max_n = max(rows[i].params.logprobs or 0 for i in row_ids)
