@@ -70,6 +70,10 @@ def _dot(block_n: int, block_k: int, split_k: int, num_stages: int) -> SkinnyCon
 # M bucket = next power of two of M (1, 2, 4, 8, 16). benchmarks/kernels/dense_bench.py prints lines
 # to paste here.
 SKINNY_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
+    # llama-8b qkv and down at batch 1: inside the PDL chain (cuBLAS stays out of it), W3 took 4.50 ms
+    # a token against 4.59 with cuBLAS (one H200, two rounds each; w3_skinny_qkv_down_h200.json)
+    (1, 6144, 4096): _fma(block_n=8, block_k=256, num_warps=4),
+    (1, 4096, 14336): _fma(block_n=8, block_k=1024, num_warps=8),
     # llama-8b o: 2839 vs cuBLAS 2524 GB/s
     (1, 4096, 4096): _fma(block_n=8, block_k=512, num_warps=4),
     # qwen3-0.6b qkv: 1632 vs cuBLAS 1506 GB/s
