@@ -6,7 +6,7 @@ import gc
 import itertools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from plait.config import EngineConfig
@@ -214,10 +214,7 @@ class LLMEngine:
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError("prompt is empty: it must have at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range for a vocabulary of {vocab}")
+        self._check_in_vocabulary("prompt", token_ids)
         if len(token_ids) >= self.max_model_len:
             # vLLM's words, which OpenAI clients match to spot a prompt beyond the context.
             raise ValueError(
@@ -228,11 +225,14 @@ class LLMEngine:
     def _validate_sampling_token_ids(self, params: SamplingParams) -> None:
         """logit_bias and allowed_token_ids index the logits row on the device, where an id beyond it
         would be a device-side error, not a 400; SamplingParams does not know the vocabulary."""
+        self._check_in_vocabulary("logit_bias", params.logit_bias or ())
+        self._check_in_vocabulary("allowed_token_ids", params.allowed_token_ids or ())
+
+    def _check_in_vocabulary(self, name: str, token_ids: Iterable[int]) -> None:
         vocab = self.model_config.vocab_size
-        for name, ids in (("logit_bias", params.logit_bias), ("allowed_token_ids", params.allowed_token_ids)):
-            bad = next((t for t in ids or () if t >= vocab), None)
-            if bad is not None:
-                raise ValueError(f"{name} token id {bad} is out of range for a vocabulary of {vocab}")
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{name} token id {bad} is out of range for a vocabulary of {vocab}")
 
     def abort_request(self, request_id: str) -> None:
         """Cancel a request; its KV blocks are free before the next step is scheduled."""
