@@ -576,3 +576,104 @@ def test_sampling_never_makes_the_host_wait_for_the_gpu() -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert ids.shape == (len(rows),) and bool((ids < vocab).all())
+
+
+# --------------------------------------------------------------------------- the race kernel (Triton)
+
+HAS_CUDA = torch.cuda.is_available()
+RACE_DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA,
+                                                                                  reason="needs CUDA")])]
+
+
+def _race_case(seed: int, rows: int, vocab: int, device: str):
+    """Logits with the awkward cases in fixed rows: tied maxima, a masked (-inf) stretch, coarse values
+    with many ties at the top-k and top-p cuts, a near-flat row; the filters drawn per row."""
+    from plait.runner.sampler import NO_TOP_K_KTH, NO_TOP_K_ROOM, top_k_cut
+
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(rows, vocab, generator=g) * (0.5 + 4 * torch.rand(rows, 1, generator=g))
+    z[0, :5] = z[0].max() + 1
+    z[1, vocab // 10: vocab // 3] = float("-inf")
+    z[2] = torch.round(z[2])
+    z[3] *= 0.01
+    noise = torch.empty(rows, vocab).exponential_(generator=g).clamp_min_(torch.finfo(torch.float32).tiny)
+    ks = torch.randint(1, 64, (rows,), generator=g)
+    ks[4] = vocab
+    kth, room = top_k_cut(z, ks, int(ks.max()))
+    kth[5], room[5] = NO_TOP_K_KTH, NO_TOP_K_ROOM
+    top_p = torch.rand(rows, generator=g) * 0.95 + 0.04
+    top_p[6] = 1.0
+    min_p = torch.rand(rows, generator=g) * 0.3
+    min_p[7] = 0.0
+    sampled = torch.tensor([i for i in range(rows) if i != 8])  # row 8 is left alone (a greedy row)
+    to = (lambda t: t.to(device))
+    return to(z), to(noise), to(sampled), (to(kth), to(room)), to(top_p), to(min_p)
+
+
+FILTERS = [(), ("top_k",), ("top_p",), ("min_p",), ("top_k", "top_p"), ("top_p", "min_p"),
+           ("top_k", "top_p", "min_p")]
+
+
+@pytest.mark.parametrize("device", RACE_DEVICES)
+@pytest.mark.parametrize("filters", FILTERS, ids="+".join)
+def test_race_kernel_matches_the_sorting_reference(device: str, filters: tuple[str, ...]) -> None:
+    """The sort-free race picks exactly the id the sort-based torch reference picks, for every filter mix,
+    with ties at the cuts, masked ids, top_k = vocab and rows whose filters are off."""
+    pytest.importorskip("triton")
+    from plait.kernels.sampling import race_sample
+    from plait.runner.sampler import race_sample_ref
+
+    for seed in range(3):
+        z, noise, sampled, top_k, top_p, min_p = _race_case(seed, 12, 1000, device)
+        args = dict(top_k=top_k if "top_k" in filters else None, top_p=top_p if "top_p" in filters else None,
+                    min_p=min_p if "min_p" in filters else None)
+        got = torch.full((12,), -1, dtype=torch.long, device=device)
+        want = got.clone()
+        race_sample(z, noise, sampled, got, **args)
+        race_sample_ref(z, noise, sampled, want, **args)
+        assert torch.equal(got, want), f"seed {seed}: {got.tolist()} != {want.tolist()}"
+        assert got[8] == -1, "a row outside `rows` was written"
+
+
+def test_sampler_kernel_path_matches_its_torch_path(monkeypatch) -> None:
+    """The whole sampler, routed through the race kernel (the CPU interpreter here, CUDA on a GPU), draws
+    the same ids as its torch path for a batch mixing greedy, temperature, every filter and seeds."""
+    pytest.importorskip("triton")
+    from plait.kernels import dispatch
+
+    rows = [row(temperature=0.0), row(temperature=0.7), row(temperature=1.0, top_k=5), row(top_p=0.8),
+            row(min_p=0.1), row(top_k=40, top_p=0.9, min_p=0.02, seed=3), row(temperature=1.3, seed=11),
+            row(temperature=0.9, top_p=0.5, logit_bias={7: 2.0})]
+    logits = make_logits(5, len(rows), 500, ties=True)
+    draws = {}
+    for kernel in (False, True):
+        monkeypatch.setattr(dispatch, "_cpu_interpreter", kernel and not HAS_CUDA)
+        dispatch.set_triton_enabled(kernel)
+        try:
+            device = "cuda" if HAS_CUDA else "cpu"  # one device: CPU and CUDA generators differ
+            draws[kernel] = Sampler(seed=1).sample(logits.to(device), rows)[0].tolist()
+        finally:
+            dispatch.set_triton_enabled(True)
+    assert draws[True] == draws[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("scale", [0.05, 1.0, 8.0])  # near-flat (many rejection rounds) to peaked
+def test_gpu_race_kernel_matches_the_reference_at_a_real_vocabulary(scale: float) -> None:
+    """Qwen's 151,936-id vocabulary, 64 rows, every filter: the same ids as the sorting reference."""
+    from plait.kernels.sampling import race_sample
+    from plait.runner.sampler import race_sample_ref
+
+    z, noise, sampled, top_k, top_p, min_p = _race_case(0, 64, 151_936, "cuda")
+    z *= scale
+    for args in (dict(top_p=top_p), dict(top_k=top_k, top_p=top_p, min_p=min_p), dict(min_p=min_p)):
+        if "top_k" in args:  # recomputed for the scaled logits
+            from plait.runner.sampler import top_k_cut
+            ks = torch.randint(1, 64, (64,), generator=torch.Generator().manual_seed(1)).cuda()
+            args["top_k"] = top_k_cut(z, ks, 64)
+        got = torch.full((64,), -1, dtype=torch.long, device="cuda")
+        want = got.clone()
+        race_sample(z, noise, sampled, got, **args)
+        race_sample_ref(z, noise, sampled, want, **args)
+        assert torch.equal(got, want), f"{list(args)}: {(got != want).sum()} rows differ"

@@ -58,8 +58,8 @@ def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, desc: str
 
     from plait.sampling_params import SamplingParams
 
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=output_len,
-                            ignore_eos=True)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            min_p=args.min_p, max_tokens=output_len, ignore_eos=True)
     start = time.perf_counter()
     for p in prompts:
         engine.add_request(p, params)
@@ -187,7 +187,8 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "max_prefill_tokens_beside_decodes": engine.config.max_prefill_tokens_beside_decodes,
         "attention_backend": engine.runner.attn_backend.name,
-        "sampling": {"temperature": args.temperature, "top_p": args.top_p},
+        "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                     "min_p": args.min_p},
         "cuda_graphs": engine.runner.graphs is not None,
         "step_breakdown": engine.runner.breakdown.as_dict(),
         "prompt_steps": _prompt_steps(engine.timeline),
@@ -237,6 +238,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     # samples, which takes the sampler's other path.
     p.add_argument("--temperature", type=float, default=0.0, help="(default 0: greedy, as WORKLOADS.md)")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="(default 0: off)")
+    p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the GPU's limits")
     p.add_argument("--in-process", action="store_true",

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ import triton
 import triton.language as tl
 
 from plait.kernels.activation import silu_and_mul_ref, silu_rounded
+from plait.kernels.interpreter import static_iters, trip_count
 from plait.kernels.pdl import pdl_args, pdl_prologue
 
 # Largest row count routed here; beyond it the matmul is no longer bound by reading the weight.
@@ -41,6 +43,10 @@ MIN_BLOCK_K = 16  # tl.dot's smallest K
 MIN_K_PER_SPLIT = 512
 MAX_SPLIT_K = 16
 REDUCE_BLOCK = 1024
+# PLAIT_GEMV_EARLY_WEIGHTS=0 makes the CUDA-core GEMV wait for its predecessor before its first weight
+# load (A/B comparisons).
+EARLY_WEIGHTS_ENV = "PLAIT_GEMV_EARLY_WEIGHTS"
+_early_weights = os.environ.get(EARLY_WEIGHTS_ENV, "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -180,18 +186,6 @@ def _mac(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _trip_count(STATIC_K_ITERS: tl.constexpr, k_iters):
-    # The Triton interpreter under numpy >= 2.4 cannot loop to a runtime bound, so there the trip
-    # count is baked in (STATIC_K_ITERS > 0); compiled kernels take k_iters at run time, so one
-    # binary serves every K. (Returned, never assigned: the interpreter turns assigned ints into
-    # tensors, which range() then rejects.)
-    if STATIC_K_ITERS > 0:
-        return STATIC_K_ITERS
-    else:
-        return k_iters
-
-
-@triton.jit
 def _load_step(x_ptrs, w_ptrs, up_off, step, k_lo, offs_k, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                GATE_UP: tl.constexpr):
     """x, gate-or-plain and up weight tiles of K step `step` (w_up is w when there is no up half)."""
@@ -247,11 +241,12 @@ def _skinny_kernel(
     STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TO_WORKSPACE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GATE_UP: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
+    GATE_UP: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr, EARLY_W: tl.constexpr,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k]; GATE_UP: out[m, n] = silu(gate[m, n]) * up[m, n] with the
     # up row of output n at weight row up_rows + n.
-    pdl_prologue(PDL)
+    if not EARLY_W:
+        pdl_prologue(PDL)
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -261,7 +256,7 @@ def _skinny_kernel(
     # stay unpredicated along K; those results are dropped at the store.
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
     rows_m = tl.minimum(offs_m, M - 1)
-    k_lo = pid_k * (_trip_count(STATIC_K_ITERS, k_iters) * BLOCK_K)
+    k_lo = pid_k * (trip_count(STATIC_K_ITERS, k_iters) * BLOCK_K)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     up_off = up_rows * stride_wn
@@ -272,7 +267,7 @@ def _skinny_kernel(
     acc_u = acc_g
     if USE_DOT:
         # num_stages pipelines these loads through shared memory (cp.async).
-        for it in range(_trip_count(STATIC_K_ITERS, k_iters)):
+        for it in range(trip_count(STATIC_K_ITERS, k_iters)):
             x, w, w_up = _load_step(x_ptrs, w_ptrs, up_off, it, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
             acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
             if GATE_UP:
@@ -281,9 +276,16 @@ def _skinny_kernel(
         # Triton does not pipeline loads that feed no tl.dot, so double-buffer in registers: the next
         # step's tiles are requested before this step's FMAs wait on theirs (the last step re-reads
         # its own tiles, from cache, to keep the loop uniform).
-        x, w, w_up = _load_step(x_ptrs, w_ptrs, up_off, 0, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
-        for it in range(_trip_count(STATIC_K_ITERS, k_iters)):
-            nxt = tl.minimum(it + 1, _trip_count(STATIC_K_ITERS, k_iters) - 1)
+        if EARLY_W:
+            # Weights are never written by an earlier kernel, so the first tile is requested before
+            # the PDL wait: its HBM latency overlaps the predecessor's tail instead of following it.
+            _, w, w_up = _load_step(x_ptrs, w_ptrs, up_off, 0, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
+            pdl_prologue(PDL)
+            x, _, _ = _load_step(x_ptrs, w_ptrs, up_off, 0, k_lo, offs_k, K, BLOCK_K, EVEN_K, False)
+        else:
+            x, w, w_up = _load_step(x_ptrs, w_ptrs, up_off, 0, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
+        for it in range(trip_count(STATIC_K_ITERS, k_iters)):
+            nxt = tl.minimum(it + 1, trip_count(STATIC_K_ITERS, k_iters) - 1)
             x_n, w_n, w_up_n = _load_step(x_ptrs, w_ptrs, up_off, nxt, k_lo, offs_k, K, BLOCK_K, EVEN_K,
                                           GATE_UP)
             acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
@@ -346,11 +348,12 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     _skinny_kernel[grid](
         x2, weight, bias_arg, out, part, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
-        n, k_per_split // cfg.block_k, STATIC_K_ITERS=0 if x2.is_cuda else k_per_split // cfg.block_k,
+        n, k_per_split // cfg.block_k, STATIC_K_ITERS=static_iters(x2.is_cuda, k_per_split // cfg.block_k),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         TO_WORKSPACE=cfg.split_k > 1,
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         EVEN_K=even_k, HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise,
+        EARLY_W=_early_weights and not cfg.use_dot,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2),
     )
     if cfg.split_k > 1:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from plait.kernels.dispatch import use_triton
 from plait.sampling_params import TOP_K_DISABLED, SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -125,47 +126,48 @@ def _bin_counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return counts[:, :vocab]
 
 
-def _mask_top_k(x: torch.Tensor, ks: list[int]) -> None:
-    """Keeps exactly k ids per row: the k largest, ties going to the lowest ids (as a stable sort ranks
-    them), so top_k=1 agrees with argmax."""
-    k = _to_device(ks, torch.long, x.device)[:, None]
-    kth = torch.topk(x, max(ks), dim=-1).values.gather(1, k - 1)
-    greater = x > kth
-    tied = x == kth
-    room = k - greater.sum(dim=-1, keepdim=True)
-    # int32 halves the memory traffic of the vocab-wide cumsum.
-    keep = greater | (tied & (torch.cumsum(tied, dim=-1, dtype=torch.int32) <= room))
-    x.masked_fill_(~keep, float("-inf"))
+# kth and room of a row without top-k in a batch where other rows have it: every id is kept.
+NO_TOP_K_KTH = float("-inf")
+NO_TOP_K_ROOM = 2**31 - 1
 
 
-def _mask_top_p(x: torch.Tensor, top_ps: list[float], candidates: int | None) -> None:
-    """Keeps the most likely ids until their mass reaches top_p (at least one id).
-
-    candidates: if not None, no row has more than this many finite logits (top-k already applied).
-    """
-    if candidates is not None:
-        vals, ids = torch.topk(x, candidates, dim=-1, sorted=False)
-        # Rank by (logit desc, id asc), like the stable full sort below, so ties resolve the same way.
-        by_id = ids.argsort(dim=-1)
-        vals, ids = vals.gather(1, by_id), ids.gather(1, by_id)
-        order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
-        vals, ids = vals.gather(1, order), ids.gather(1, order)
-    else:
+def race_sample_ref(z: torch.Tensor, noise: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+                    top_k: tuple[torch.Tensor, torch.Tensor] | None = None, top_p: torch.Tensor | None = None,
+                    min_p: torch.Tensor | None = None) -> None:
+    """race_sample in torch: mask each filter's cut with -inf in vLLM's order (top-k, top-p by a stable
+    sort, min-p), softmax, race."""
+    if rows.numel() == 0:
+        return
+    x = z.index_select(0, rows)
+    if top_k is not None:
+        kth, room = (t.index_select(0, rows)[:, None] for t in top_k)
+        tied = x == kth
+        # int32 halves the memory traffic of the vocab-wide cumsum.
+        keep = (x > kth) | (tied & (torch.cumsum(tied, dim=-1, dtype=torch.int32) <= room))
+        x.masked_fill_(~keep, float("-inf"))
+    if top_p is not None:
+        p = top_p.index_select(0, rows)[:, None]
         vals, ids = torch.sort(x, dim=-1, descending=True, stable=True)
-    top_p = _to_device(top_ps, torch.float32, x.device)[:, None]
-    probs = torch.softmax(vals, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    # Drop an id once the more likely ids already cover top_p; the most likely id always survives.
-    drop = mass_before >= top_p
-    drop[:, 0] = False
-    x.scatter_(1, ids, vals.masked_fill_(drop, float("-inf")))
-
-
-def _mask_min_p(x: torch.Tensor, min_ps: list[float]) -> None:
-    """Drops ids whose probability is below min_p times that of the most likely id."""
+        probs = torch.softmax(vals, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop = (mass_before >= p) & (p < 1.0)
+        drop[:, 0] = False
+        x.scatter_(1, ids, vals.masked_fill_(drop, float("-inf")))
+    if min_p is not None:
+        probs = torch.softmax(x, dim=-1)
+        x.masked_fill_(probs < min_p.index_select(0, rows)[:, None] * probs.amax(dim=-1, keepdim=True),
+                       float("-inf"))
     probs = torch.softmax(x, dim=-1)
-    threshold = _to_device(min_ps, torch.float32, x.device)[:, None] * probs.amax(dim=-1, keepdim=True)
-    x.masked_fill_(probs < threshold, float("-inf"))
+    out.index_copy_(0, rows, probs.div_(noise.index_select(0, rows)).argmax(dim=-1))
+
+
+def top_k_cut(z: torch.Tensor, ks: torch.Tensor, max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k-th largest logit and how many ids equal to it top-k keeps (the lowest ids first)."""
+    # z: [R, V]; ks: [R] int64 in [1, max_k], max_k <= V -> kth: [R] fp32, room: [R] int32
+    vals = torch.topk(z, max_k, dim=-1).values  # sorted, largest first
+    kth = vals.gather(1, ks[:, None] - 1)
+    above = ((vals > kth) & (torch.arange(max_k, device=z.device) < ks[:, None])).sum(dim=-1)
+    return kth.squeeze(1), (ks - above).to(torch.int32)
 
 
 def _on_rows(logits: torch.Tensor, row_ids: list[int], fn: Callable[[torch.Tensor], None]) -> None:
@@ -335,37 +337,34 @@ class Sampler:
         vocab = logits.shape[1]
         params = [r.params for r in rows]
         greedy = [p.is_greedy for p in params]
-        greedy_ids = argmax_rows(logits) if any(greedy) else None
+        token_ids = argmax_rows(logits) if any(greedy) else torch.empty(len(rows), dtype=torch.long,
+                                                                        device=device)
 
-        # Greedy rows get temperature 1 just to keep the arithmetic finite; their result is replaced below.
+        # Greedy rows get temperature 1 just to keep the arithmetic finite; the race skips them.
         temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
         logits.div_(_to_device(temps, torch.float32, device)[:, None])
-
-        top_k_rows = [i for i, p in enumerate(params) if not greedy[i] and TOP_K_DISABLED < p.top_k < vocab]
+        sampled = [i for i, g in enumerate(greedy) if not g]
+        top_k_rows = [i for i in sampled if TOP_K_DISABLED < params[i].top_k < vocab]
+        top_k = None
         if top_k_rows:
             ks = [params[i].top_k for i in top_k_rows]
-            _on_rows(logits, top_k_rows, lambda x: _mask_top_k(x, ks))
-        top_p_rows = [i for i, p in enumerate(params) if not greedy[i] and p.top_p < 1.0]
-        if top_p_rows:
-            top_ps = [params[i].top_p for i in top_p_rows]
-            ks = [params[i].top_k for i in top_p_rows]
-            # When every row already kept only its top-k ids, ranking those candidates is enough, which
-            # is far cheaper than sorting the whole vocabulary.
-            candidates = max(ks) if all(TOP_K_DISABLED < k < vocab for k in ks) else None
-            _on_rows(logits, top_p_rows, lambda x: _mask_top_p(x, top_ps, candidates))
-        min_p_rows = [i for i, p in enumerate(params) if not greedy[i] and p.min_p > 0.0]
-        if min_p_rows:
-            min_ps = [params[i].min_p for i in min_p_rows]
-            _on_rows(logits, min_p_rows, lambda x: _mask_min_p(x, min_ps))
+            idx = _to_device(top_k_rows, torch.long, device)
+            kth, room = top_k_cut(logits.index_select(0, idx), _to_device(ks, torch.long, device), max(ks))
+            top_k = (torch.full((len(rows),), NO_TOP_K_KTH, device=device).index_copy_(0, idx, kth),
+                     torch.full((len(rows),), NO_TOP_K_ROOM, dtype=torch.int32, device=device)
+                     .index_copy_(0, idx, room))
+        top_p = min_p = None
+        if any(params[i].top_p < 1.0 for i in sampled):
+            top_p = _to_device([p.top_p for p in params], torch.float32, device)
+        if any(params[i].min_p > 0.0 for i in sampled):
+            min_p = _to_device([p.min_p for p in params], torch.float32, device)
 
-        probs = torch.softmax(logits, dim=-1)
-        noise = self._exponential_noise(probs, rows, greedy)
-        # Exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) is distributed as Categorical(p) and avoids
-        # the host sync of torch.multinomial.
-        random_ids = probs.div_(noise).argmax(dim=-1)
-        if greedy_ids is None:
-            return random_ids
-        return torch.where(_to_device(greedy, torch.bool, device), greedy_ids, random_ids)
+        noise = self._exponential_noise(logits, rows, greedy)
+        race = race_sample_ref
+        if use_triton(logits):
+            from plait.kernels.sampling import race_sample as race
+        race(logits, noise, _to_device(sampled, torch.long, device), token_ids, top_k, top_p, min_p)
+        return token_ids
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)

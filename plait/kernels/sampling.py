@@ -1,0 +1,157 @@
+"""Top-k / top-p / min-p sampling as an exponential race that never sorts the vocabulary."""
+
+# Sampling draws argmax_i p_i / E_i over the ids the filters keep, with E_i ~ Exp(1) noise (an
+# exponential race: distributed as Categorical(p) over those ids). Each filter keeps a prefix of the
+# ids ranked by (logit desc, id asc): top-k its first k, top-p those whose more likely ids hold less
+# than top_p of the mass, min-p those at least min_p times as likely as the first. top-k and min-p are
+# cuts on a value known after a first pass (the k-th logit, the largest probability), so the race just
+# skips the ids below them. top-p needs no sort either: if the race's winner c is kept by top-p, it is
+# also the winner among the kept ids, a subset; if not, no id ranked after c is kept, so race again
+# among the ids ranked before c. One pass over the row per round, with the mass before c in the same
+# pass. A round rejects only when the race lands in the tail top-p cuts (about 1 - top_p of the time),
+# so a row usually costs three passes: max and normaliser, the first race, one check. The torch
+# reference, race_sample_ref in plait.runner.sampler, sorts.
+#
+# top-k itself comes in as each row's k-th largest logit (kth) and how many ids equal to it are kept
+# (room, the lowest ids first), from torch.topk: a k-th order statistic needs a selection, not a race.
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from plait.kernels.interpreter import static_iters, trip_count
+
+# Ids per loop step of the kernel: 4,096 fp32 logits plus their noise per step keep ~128 loads in
+# flight a warp at 8 warps.
+RACE_BLOCK = 4096
+RACE_WARPS = 8
+
+
+@triton.jit
+def _top_k_keep(z, valid, kth, room, ties_before, HAS_TOP_K: tl.constexpr):
+    """Which ids of this block top-k keeps: above the k-th value, or equal to it within the first `room`
+    such ids of the row (ties_before of them lie in earlier blocks)."""
+    if HAS_TOP_K:
+        tie = (z == kth) & valid
+        block_ties = tl.sum(tie.to(tl.int32), axis=0)
+        keep = valid & (z > kth)
+        if block_ties > 0:  # rare but for the block holding the k-th value: skip the scan elsewhere
+            rank = ties_before + tl.cumsum(tie.to(tl.int32), axis=0) - 1
+            keep = keep | (tie & (rank < room))
+        ties_after = ties_before + block_ties
+    else:
+        keep = valid
+        ties_after = ties_before
+    return keep, ties_after
+
+
+@triton.jit
+def _race_kernel(
+    z_ptr, noise_ptr, rows_ptr, kth_ptr, room_ptr, top_p_ptr, min_p_ptr, out_ptr,
+    V, stride_z, stride_noise, n_blocks, STATIC_BLOCKS: tl.constexpr,
+    HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # z, noise: [R, V] fp32 (logits after processors and temperature; Exp(1) draws, > 0); rows: the
+    # rows to sample, one program each; kth, room, top_p, min_p: [R]; out: [R] int64, written at rows.
+    row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    z_row = z_ptr + row * stride_z
+    noise_row = noise_ptr + row * stride_noise
+    kth = tl.load(kth_ptr + row) if HAS_TOP_K else float("-inf")
+    room = tl.load(room_ptr + row) if HAS_TOP_K else 0
+    # As tensors either way, so that the rounds' loop condition is never a Python constant.
+    top_p = tl.load(top_p_ptr + row) if HAS_TOP_P else tl.full((), 1.0, tl.float32)
+    min_p = tl.load(min_p_ptr + row) if HAS_MIN_P else tl.full((), 0.0, tl.float32)
+    offs = tl.arange(0, BLOCK)
+
+    # Pass 1: the largest kept logit and the normaliser sum(exp(z - max)) over the kept ids, online.
+    m_lane = tl.full((BLOCK,), float("-inf"), tl.float32)
+    s_lane = tl.zeros((BLOCK,), tl.float32)
+    ties = tl.zeros((), tl.int32)
+    for blk in range(trip_count(STATIC_BLOCKS, n_blocks)):
+        ids = blk * BLOCK + offs
+        valid = ids < V
+        z = tl.load(z_row + ids, mask=valid, other=float("-inf"))
+        keep, ties = _top_k_keep(z, valid, kth, room, ties, HAS_TOP_K)
+        zk = tl.where(keep, z, float("-inf"))
+        m_new = tl.maximum(m_lane, zk)
+        shift = tl.where(m_new > float("-inf"), m_new, 0.0)  # a lane with nothing kept yet: no -inf - -inf
+        s_lane = s_lane * tl.exp(m_lane - shift) + tl.exp(zk - shift)
+        m_lane = m_new
+    z_max = tl.max(m_lane, axis=0)
+    total = tl.sum(s_lane * tl.exp(m_lane - z_max), axis=0)
+
+    # Pass 2: the race over every id top-k keeps (all are ranked before a last place at -inf, id V).
+    _, _, c, c_z = _mass_and_race_before(z_row, noise_row, V, kth, room, z_max, min_p, float("-inf"), V,
+                                         n_blocks, STATIC_BLOCKS, HAS_TOP_K, BLOCK)
+    # Rounds: one pass finds the mass ranked before c (is c kept?) and the race among those ids (the
+    # next candidate if it is not).
+    if HAS_TOP_P:
+        done = top_p >= 1.0
+        while not done:
+            mass, before, nxt, nxt_z = _mass_and_race_before(
+                z_row, noise_row, V, kth, room, z_max, min_p, c_z, c, n_blocks, STATIC_BLOCKS, HAS_TOP_K,
+                BLOCK)
+            # top_p = 1 keeps every id even where rounding makes the mass before one reach 1; the most
+            # likely id always survives top-p.
+            done = (top_p >= 1.0) | (mass / total < top_p) | (before == 0)
+            if not done:
+                c = nxt
+                c_z = nxt_z
+    tl.store(out_ptr + row, c.to(tl.int64))
+
+
+@triton.jit
+def _mass_and_race_before(z_row, noise_row, V, kth, room, z_max, min_p, bound_z, bound_id, n_blocks,
+                          STATIC_BLOCKS: tl.constexpr, HAS_TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    """Over the ids top-k keeps ranked before (bound_z, bound_id) by (logit desc, id asc): their mass
+    sum(exp(z - z_max)) and how many there are (what top-p needs), and the race's winner among those
+    min-p keeps too (argmax of exp(z - z_max) / noise, the first on ties) with its logit."""
+    offs = tl.arange(0, BLOCK)
+    best = tl.full((BLOCK,), -1.0, tl.float32)
+    best_id = tl.full((BLOCK,), V, tl.int32)
+    mass_lane = tl.zeros((BLOCK,), tl.float32)
+    count_lane = tl.zeros((BLOCK,), tl.int32)
+    ties = tl.zeros((), tl.int32)
+    for blk in range(trip_count(STATIC_BLOCKS, n_blocks)):
+        ids = blk * BLOCK + offs
+        valid = ids < V
+        z = tl.load(z_row + ids, mask=valid, other=float("-inf"))
+        keep, ties = _top_k_keep(z, valid, kth, room, ties, HAS_TOP_K)
+        keep = keep & ((z > bound_z) | ((z == bound_z) & (ids < bound_id)))
+        e = tl.load(noise_row + ids, mask=keep, other=1.0)
+        p = tl.where(keep, tl.exp(z - z_max), 0.0)
+        mass_lane += p
+        count_lane += keep.to(tl.int32)
+        # min-p is a cut on p alone (the most likely id, p = 1, always passes), so it needs no rounds.
+        score = tl.where(keep & (p >= min_p), p / e, -1.0)
+        # Strictly greater: within a lane ids only grow, so the first maximum stays.
+        better = score > best
+        best = tl.where(better, score, best)
+        best_id = tl.where(better, ids, best_id)
+    top = tl.max(best, axis=0)
+    c = tl.min(tl.where(best == top, best_id, V), axis=0)
+    c_z = tl.load(z_row + tl.minimum(c, V - 1))
+    return tl.sum(mass_lane, axis=0), tl.sum(count_lane, axis=0), c, c_z
+
+
+def race_sample(z: torch.Tensor, noise: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+                top_k: tuple[torch.Tensor, torch.Tensor] | None = None, top_p: torch.Tensor | None = None,
+                min_p: torch.Tensor | None = None) -> None:
+    """Writes out[rows] = the exponential race's winner among the ids top-k, top-p and min-p keep.
+
+    top_k: (kth, room) from plait.runner.sampler.top_k_cut, None when no row has top-k; top_p, min_p:
+    None when no row has one (a row without sets 1.0, 0.0). The torch reference: race_sample_ref."""
+    # z, noise: [R, V] fp32; rows: [S] int64; kth: [R] fp32; room: [R] int32; top_p, min_p: [R] fp32;
+    # out: [R] int64
+    if rows.numel() == 0:
+        return
+    kth, room = top_k if top_k is not None else (z, z)  # unread placeholders when absent
+    n_blocks = triton.cdiv(z.shape[1], RACE_BLOCK)
+    _race_kernel[(rows.numel(),)](
+        z, noise, rows, kth, room, top_p if top_p is not None else z, min_p if min_p is not None else z,
+        out, z.shape[1], z.stride(0), noise.stride(0), n_blocks, static_iters(z.is_cuda, n_blocks),
+        HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None,
+        BLOCK=RACE_BLOCK, num_warps=RACE_WARPS,
+    )
