@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class TokenLogprobs:
-    """Logprob of one generated token and the top-n alternatives at its position."""
+    """Logprob of one token (generated, or of the prompt) and the top-n alternatives at its position."""
 
     token_id: int
     logprob: float
@@ -37,4 +37,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no
+    # context), complete from the first output that carries a generated token on.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: dict = field(default_factory=dict)  # arrival/first-token/finish times (seconds)

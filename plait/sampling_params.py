@@ -83,6 +83,10 @@ class SamplingParams:
     # Number of top logprobs to return per sampled token (the sampled token's own logprob is always
     # returned when this is not None).
     logprobs: int | None = None
+    # Logprobs of the prompt's own tokens (each given the tokens before it) with this many top
+    # alternatives per position; the first prompt token has none. As vLLM, such a request computes
+    # its whole prompt: no prefix-cache hit.
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -139,6 +143,9 @@ class SamplingParams:
         _check_int("logprobs", self.logprobs, optional=True)
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        _check_int("prompt_logprobs", self.prompt_logprobs, optional=True)
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
 
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))

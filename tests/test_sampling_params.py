@@ -80,7 +80,7 @@ def test_is_greedy(temperature: float, greedy: bool) -> None:
     "kwargs",
     [
         dict(n=3, temperature=0.0, seed=123, max_tokens=None, min_tokens=5),
-        dict(top_p=1e-6, top_k=1, min_p=1.0, logprobs=0),
+        dict(top_p=1e-6, top_k=1, min_p=1.0, logprobs=0, prompt_logprobs=0),
         dict(logprobs=MAX_LOGPROBS, presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=1e-3),
         dict(seed=-5, stop=["\n\n", "END"], stop_token_ids=[0, 2], ignore_eos=True),
         dict(max_tokens=1, min_tokens=1, skip_special_tokens=False, include_stop_str_in_output=True),
@@ -144,6 +144,9 @@ INVALID = [
     ("ignore_eos", "yes"),
     ("logprobs", -1),
     ("logprobs", MAX_LOGPROBS + 1),
+    ("prompt_logprobs", -1),
+    ("prompt_logprobs", MAX_LOGPROBS + 1),
+    ("prompt_logprobs", 1.5),
     ("logprobs", 2.0),
     ("logprobs", True),
     ("presence_penalty", 2.5),

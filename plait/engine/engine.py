@@ -50,6 +50,8 @@ class _Tracked:
     logprobs: list[TokenLogprobs] | None
     arrival_time: float
     first_token_time: float | None = None
+    # With prompt_logprobs: entries for the prompt positions computed so far (the first is None).
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 def freeze_long_lived_objects() -> None:
@@ -191,7 +193,10 @@ class LLMEngine:
         if self.tokenizer is not None:
             detok = Detokenizer(self.tokenizer, request.prompt_token_ids, params)
         logprobs = [] if params.logprobs is not None else None
-        self._tracked[request.request_id] = _Tracked(request, prompt_text, detok, logprobs, time.monotonic())
+        tracked = _Tracked(request, prompt_text, detok, logprobs, time.monotonic())
+        if params.prompt_logprobs is not None:
+            tracked.prompt_logprobs = [None]
+        self._tracked[request.request_id] = tracked
         self.scheduler.add(request)
 
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
@@ -317,9 +322,21 @@ class LLMEngine:
             kv_blocks_used=self.kv_cache.num_used_blocks, used_cuda_graph=used_cuda_graph,
         ))
 
+    def _record_prompt_logprobs(self, result: StepOutput) -> None:
+        for run in result.prompt_logprobs:
+            tracked = self._tracked.get(run.request.request_id)
+            if tracked is None or tracked.request is not run.request or tracked.prompt_logprobs is None:
+                continue
+            prompt, have = run.request.prompt_token_ids, tracked.prompt_logprobs
+            for pos, lp in enumerate(run.entries, start=run.start):
+                if pos == len(have):  # positions a recompute after preemption computes again are kept once
+                    top = dict(zip(lp.top_ids, lp.top_logprobs))
+                    have.append(TokenLogprobs(prompt[pos], lp.token_logprob, top))
+
     def _postprocess(self, result: StepOutput) -> list[RequestOutput]:
         now = time.monotonic()
         outputs = []
+        self._record_prompt_logprobs(result)
         for sampled in result.sampled:
             request = sampled.request
             tracked = self._tracked.get(request.request_id)
@@ -380,9 +397,10 @@ class LLMEngine:
         )
         metrics = {"arrival_time": tracked.arrival_time, "first_token_time": tracked.first_token_time,
                    "now": now, "num_preemptions": request.num_preemptions}
+        prompt_logprobs = list(tracked.prompt_logprobs) if tracked.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids, [completion],
                              finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
-                             metrics=metrics)
+                             prompt_logprobs=prompt_logprobs, metrics=metrics)
 
     # -- introspection used by tests and tools ---------------------------------------------
 

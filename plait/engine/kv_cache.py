@@ -139,6 +139,8 @@ class KVCacheManager:
         tokens now counted as computed (0 when caching is off)."""
         if not self.enable_prefix_caching or request.block_ids:
             return 0
+        if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
+            return 0  # every prompt position must be computed for its logprobs
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes(request, max_blocks)
         for h in hashes:

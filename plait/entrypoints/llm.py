@@ -208,5 +208,6 @@ def _gather(prompts: list[PromptType], params: list[SamplingParams],
             completions.append(completion)
         first = outs[0]
         results.append(RequestOutput(str(i), first.prompt, first.prompt_token_ids, completions, True,
-                                     metrics=first.metrics))
+                                     num_cached_tokens=first.num_cached_tokens,
+                                     prompt_logprobs=first.prompt_logprobs, metrics=first.metrics))
     return results

@@ -21,7 +21,14 @@ from plait.runner.cuda_graphs import StepGraphs, graph_shapes
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
 from plait.runner.input_buffers import InputBuffers, Layout
 from plait.runner.padding import GraphShape
-from plait.runner.sampler import Logprobs, Sampler, SamplingRow
+from plait.runner.sampler import (
+    Logprobs,
+    Sampler,
+    SamplingRow,
+    host_to_device,
+    logprob_table,
+    unpack_logprobs,
+)
 from plait.runner.step_timer import StepBreakdown
 from plait.sampling_params import SamplingParams
 
@@ -33,8 +40,8 @@ GPU_MEMORY_MARGIN_BYTES = 1 << 30
 # Mixed-step graphs reach this many prompt tokens where a backlog can raise the cap beside decodes;
 # larger steps run eager, their GPU time hiding their ~15 ms of kernel launches.
 DRAINED_GRAPH_PROMPT_TOKENS = 512
-# Sampling settings of the profiling step: top-p forces a full-vocabulary sort, the sampler's most
-# memory-hungry path.
+# Sampling settings of the profiling step: top-p is the sampler's most memory-hungry path (a
+# full-vocabulary sort on the torch path, the race's noise on the GPU).
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
 
 
@@ -46,10 +53,20 @@ class SampledToken:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of a run of one request's prompt tokens, computed by a step that prefilled them."""
+
+    request: Request
+    start: int  # the prompt position of entries[0] (>= 1: the first prompt token has no context)
+    entries: list[Logprobs]  # prompt tokens start, start + 1, ...
+
+
+@dataclass
 class StepOutput:
     sampled: list[SampledToken]  # one per sampling row, in row order
     logits: torch.Tensor | None  # [S, vocab] fp32: the rows that were sampled (for tests/tools)
     used_cuda_graph: bool = False
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 def with_device_token_budget(config: EngineConfig, device: torch.device) -> EngineConfig:
@@ -275,6 +292,7 @@ class ModelRunner:
             self.breakdown.add_gpu_interval(*events, graph=shape is not None)
         t2 = time.perf_counter()
         step = self._sample(plan, arrays, hidden, views["sample_indices"])
+        step.prompt_logprobs = self._prompt_logprobs(plan, arrays, hidden)
         step.used_cuda_graph = shape is not None
         t3 = time.perf_counter()
         b = self.breakdown
@@ -295,7 +313,7 @@ class ModelRunner:
         self.breakdown.add("sample", time.perf_counter() - t0)
         self.breakdown.resolve()
         sampled = [SampledToken(r, t, lp) for r, t, lp in zip(step.requests, ids, step.logprobs)]
-        return StepOutput(sampled, step.logits, step.used_cuda_graph)
+        return StepOutput(sampled, step.logits, step.used_cuda_graph, self._unpack_prompt_logprobs(step))
 
     @staticmethod
     def _pending_sources(plan: StepPlan, arrays: StepArrays, prev: InFlightStep | None) -> np.ndarray:
@@ -344,6 +362,50 @@ class ModelRunner:
         batch.kv_caches = self.kv_caches if kv_caches is None else kv_caches
         batch.recurrent_states = self.recurrent_states
 
+    def _prompt_logprobs(self, plan: StepPlan, arrays: StepArrays, hidden: torch.Tensor
+                         ) -> tuple[list[tuple[Request, int, int, int]], torch.Tensor] | None:
+        """For the rows whose requests want prompt logprobs, each chunk position's logprob of the prompt
+        token after it, left on the device: ([(request, first prompt position, count, top n)], table)."""
+        runs, index, targets = [], [], []
+        for i, row in enumerate(plan.rows):
+            top_n = row.request.sampling_params.prompt_logprobs
+            prompt = row.request.prompt_token_ids
+            # Position p predicts token p + 1; the prompt's last position predicts the first output.
+            count = min(row.num_new_tokens, len(prompt) - 1 - row.start)
+            if top_n is None or count <= 0:
+                continue
+            first_token = int(arrays.query_start_loc[i])  # real tokens keep their indices when padded
+            runs.append((row.request, row.start + 1, count, top_n))
+            index.append(np.arange(first_token, first_token + count))
+            targets.append(prompt[row.start + 1: row.start + 1 + count])
+        if not runs:
+            return None
+        index_t = host_to_device(np.concatenate(index), torch.long, self.device)
+        target_t = host_to_device([t for run in targets for t in run], torch.long, self.device)
+        max_n = max(run[3] for run in runs)
+        # lm_head over at most max_num_seqs rows at a time: the logits the sampler's largest batch makes.
+        step = self.config.max_num_seqs
+        tables = []
+        for lo in range(0, len(index_t), step):
+            logits = self.model.compute_logits(hidden[index_t[lo: lo + step]])  # [n, vocab]
+            raw = torch.log_softmax(logits.float(), dim=-1)
+            tables.append(logprob_table(raw, target_t[lo: lo + step], max_n))
+        return runs, torch.cat(tables)
+
+    @staticmethod
+    def _unpack_prompt_logprobs(step: InFlightStep) -> list[PromptLogprobs]:
+        if step.prompt_logprobs is None:
+            return []
+        runs, table = step.prompt_logprobs
+        rows = table.tolist()  # waits for the step: only steps that computed prompt logprobs
+        max_n = (len(rows[0]) - 2) // 2
+        out, at = [], 0
+        for request, start, count, top_n in runs:
+            out.append(PromptLogprobs(request, start, [unpack_logprobs(r, top_n, max_n)
+                                                       for r in rows[at: at + count]]))
+            at += count
+        return out
+
     def _sample(
         self, plan: StepPlan, arrays: StepArrays, hidden: torch.Tensor, sample_indices: torch.Tensor
     ) -> InFlightStep:
@@ -386,6 +448,8 @@ class InFlightStep:
     logits: torch.Tensor | None  # [S, vocab] fp32 (tests and tools read it)
     used_cuda_graph: bool = False
     sample_index: dict[Request, int] = field(default_factory=dict)  # request -> its row in token_ids
+    # Set by launch where rows want prompt logprobs: (runs, device table), unpacked by collect.
+    prompt_logprobs: tuple[list[tuple[Request, int, int, int]], torch.Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.sample_index = {r: i for i, r in enumerate(self.requests)}

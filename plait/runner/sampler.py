@@ -97,7 +97,7 @@ def needs_penalties(p: SamplingParams) -> bool:
     return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0
 
 
-def _to_device(values: Sequence[object] | torch.Tensor, dtype: torch.dtype, device: torch.device
+def host_to_device(values: Sequence[object] | torch.Tensor, dtype: torch.dtype, device: torch.device
                ) -> torch.Tensor:
     """Host values (a list, or a CPU tensor) as a tensor on ``device`` without making the host wait.
 
@@ -170,12 +170,28 @@ def top_k_cut(z: torch.Tensor, ks: torch.Tensor, max_k: int) -> tuple[torch.Tens
     return kth.squeeze(1), (ks - above).to(torch.int32)
 
 
+def logprob_table(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, max_n: int) -> torch.Tensor:
+    """Per row, on the device: the token's logprob, its rank, the max_n best logprobs and their ids, packed
+    so that one device-to-host copy carries them all (fp32 holds ids and ranks exactly below 2**24)."""
+    # raw_logprobs: [N, V] fp32; token_ids: [N] -> [N, 2 + 2 * max_n]
+    token_lp = raw_logprobs.gather(1, token_ids[:, None])
+    ranks = (raw_logprobs >= token_lp).sum(dim=-1)
+    top_lp, top_ids = torch.topk(raw_logprobs, max_n, dim=-1, sorted=True)
+    return torch.cat([token_lp, ranks[:, None].float(), top_lp, top_ids.float()], dim=1)
+
+
+def unpack_logprobs(row: list[float], n: int, max_n: int) -> Logprobs:
+    """One row of logprob_table (as a host list), keeping the n best of its max_n."""
+    return Logprobs(token_logprob=row[0], top_ids=[int(t) for t in row[2 + max_n: 2 + max_n + n]],
+                    top_logprobs=row[2: 2 + n], rank=int(row[1]))
+
+
 def _on_rows(logits: torch.Tensor, row_ids: list[int], fn: Callable[[torch.Tensor], None]) -> None:
     """Applies an in-place, row-wise filter to some rows only; the others stay untouched."""
     if len(row_ids) == logits.shape[0]:
         fn(logits)
         return
-    idx = _to_device(row_ids, torch.long, logits.device)
+    idx = host_to_device(row_ids, torch.long, logits.device)
     sub = logits.index_select(0, idx)
     fn(sub)
     logits.index_copy_(0, idx, sub)
@@ -227,7 +243,7 @@ class Sampler:
         if want_logprobs:
             # Raw, as plait always returned them and as vLLM's default logprobs_mode: from the model's
             # logits, before the allowed-token mask, logit bias, penalties and temperature below.
-            lp_idx = _to_device(want_logprobs, torch.long, device)
+            lp_idx = host_to_device(want_logprobs, torch.long, device)
             raw_logprobs = torch.log_softmax(logits.index_select(0, lp_idx).float(), dim=-1)
 
         logits = logits.to(torch.float32, copy=True)
@@ -263,7 +279,7 @@ class Sampler:
             r_idx += [i] * len(ids)
             t_idx += ids
         n = len(r_idx)
-        flat = _to_device(r_idx + t_idx + row_ids, torch.long, logits.device)
+        flat = host_to_device(r_idx + t_idx + row_ids, torch.long, logits.device)
         idx = (flat[:n], flat[n : 2 * n])
         kept = logits[idx]
         logits.index_fill_(0, flat[2 * n :], float("-inf"))
@@ -281,8 +297,8 @@ class Sampler:
             t_idx += bias.keys()
             values += bias.values()
         n = len(r_idx)
-        flat = _to_device(r_idx + t_idx, torch.long, logits.device)
-        bias_values = _to_device(values, torch.float32, logits.device)
+        flat = host_to_device(r_idx + t_idx, torch.long, logits.device)
+        bias_values = host_to_device(values, torch.float32, logits.device)
         logits.index_put_((flat[:n], flat[n:]), bias_values, accumulate=True)
 
     @staticmethod
@@ -300,7 +316,7 @@ class Sampler:
                     r_idx.append(i)
                     t_idx.append(t)
         if r_idx:
-            flat = _to_device(r_idx + t_idx, torch.long, logits.device)
+            flat = host_to_device(r_idx + t_idx, torch.long, logits.device)
             n = len(r_idx)
             logits.index_put_((flat[:n], flat[n:]), logits.new_full((), float("-inf")))
 
@@ -310,24 +326,24 @@ class Sampler:
         device = logits.device
         vocab = logits.shape[1]
         sel = [rows[i] for i in row_ids]
-        idx = _to_device(row_ids, torch.long, device)
+        idx = host_to_device(row_ids, torch.long, device)
         sub = logits.index_select(0, idx)
 
         outputs = _pad([r.output_token_ids for r in sel], vocab)
-        output_counts = _bin_counts(_to_device(outputs, torch.long, device), vocab)
+        output_counts = _bin_counts(host_to_device(outputs, torch.long, device), vocab)
         output_mask = output_counts > 0
 
         if any(r.params.repetition_penalty != 1.0 for r in sel):
-            rep = _to_device([r.params.repetition_penalty for r in sel], torch.float32, device)
+            rep = host_to_device([r.params.repetition_penalty for r in sel], torch.float32, device)
             # Prompts are only transferred for rows that actually use a repetition penalty.
             prompts = [r.prompt_token_ids if r.params.repetition_penalty != 1.0 else () for r in sel]
-            prompt_mask = _bin_counts(_to_device(_pad(prompts, vocab), torch.long, device), vocab) > 0
+            prompt_mask = _bin_counts(host_to_device(_pad(prompts, vocab), torch.long, device), vocab) > 0
             penalties = torch.where(prompt_mask | output_mask, rep[:, None], 1.0)
             # Positive logits are divided by the penalty, negative ones multiplied, so both move down.
             sub *= torch.where(sub > 0, 1.0 / penalties, penalties)
 
-        freq = _to_device([r.params.frequency_penalty for r in sel], torch.float32, device)
-        presence = _to_device([r.params.presence_penalty for r in sel], torch.float32, device)
+        freq = host_to_device([r.params.frequency_penalty for r in sel], torch.float32, device)
+        presence = host_to_device([r.params.presence_penalty for r in sel], torch.float32, device)
         sub -= freq[:, None] * output_counts
         sub -= presence[:, None] * output_mask
         logits.index_copy_(0, idx, sub)
@@ -342,28 +358,29 @@ class Sampler:
 
         # Greedy rows get temperature 1 just to keep the arithmetic finite; the race skips them.
         temps = [1.0 if g else p.temperature for g, p in zip(greedy, params, strict=True)]
-        logits.div_(_to_device(temps, torch.float32, device)[:, None])
+        logits.div_(host_to_device(temps, torch.float32, device)[:, None])
         sampled = [i for i, g in enumerate(greedy) if not g]
         top_k_rows = [i for i in sampled if TOP_K_DISABLED < params[i].top_k < vocab]
         top_k = None
         if top_k_rows:
             ks = [params[i].top_k for i in top_k_rows]
-            idx = _to_device(top_k_rows, torch.long, device)
-            kth, room = top_k_cut(logits.index_select(0, idx), _to_device(ks, torch.long, device), max(ks))
+            idx = host_to_device(top_k_rows, torch.long, device)
+            ks_t = host_to_device(ks, torch.long, device)
+            kth, room = top_k_cut(logits.index_select(0, idx), ks_t, max(ks))
             top_k = (torch.full((len(rows),), NO_TOP_K_KTH, device=device).index_copy_(0, idx, kth),
                      torch.full((len(rows),), NO_TOP_K_ROOM, dtype=torch.int32, device=device)
                      .index_copy_(0, idx, room))
         top_p = min_p = None
         if any(params[i].top_p < 1.0 for i in sampled):
-            top_p = _to_device([p.top_p for p in params], torch.float32, device)
+            top_p = host_to_device([p.top_p for p in params], torch.float32, device)
         if any(params[i].min_p > 0.0 for i in sampled):
-            min_p = _to_device([p.min_p for p in params], torch.float32, device)
+            min_p = host_to_device([p.min_p for p in params], torch.float32, device)
 
         noise = self._exponential_noise(logits, rows, greedy)
         race = race_sample_ref
         if use_triton(logits):
             from plait.kernels.sampling import race_sample as race
-        race(logits, noise, _to_device(sampled, torch.long, device), token_ids, top_k, top_p, min_p)
+        race(logits, noise, host_to_device(sampled, torch.long, device), token_ids, top_k, top_p, min_p)
         return token_ids
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -405,20 +422,8 @@ class Sampler:
         row_ids: list[int],
         out: list[Logprobs | None],
     ) -> None:
-        device = raw_logprobs.device
-        sampled = token_ids.index_select(0, _to_device(row_ids, torch.long, device))
-        token_lp = raw_logprobs.gather(1, sampled[:, None])
-        ranks = (raw_logprobs >= token_lp).sum(dim=-1)
+        sampled = token_ids.index_select(0, host_to_device(row_ids, torch.long, raw_logprobs.device))
         max_n = max(rows[i].params.logprobs or 0 for i in row_ids)
-        top_lp, top_ids = torch.topk(raw_logprobs, max_n, dim=-1, sorted=True)
-        # One device->host copy for everything; fp32 holds ids and ranks exactly below 2**24 (any real vocab).
-        packed = torch.cat([token_lp, ranks[:, None].float(), top_lp, top_ids.float()], dim=1).tolist()
+        table = logprob_table(raw_logprobs, sampled, max_n).tolist()
         for j, i in enumerate(row_ids):
-            n = rows[i].params.logprobs or 0
-            row = packed[j]
-            out[i] = Logprobs(
-                token_logprob=row[0],
-                top_ids=[int(t) for t in row[2 + max_n : 2 + max_n + n]],
-                top_logprobs=row[2 : 2 + n],
-                rank=int(row[1]),
-            )
+            out[i] = unpack_logprobs(table[j], rows[i].params.logprobs or 0, max_n)
