@@ -368,6 +368,8 @@ class ModelRunner:
         token after it, left on the device: ([(request, first prompt position, count, top n)], table)."""
         runs, index, targets = [], [], []
         for i, row in enumerate(plan.rows):
+            if not row.is_prefill:
+                continue
             top_n = row.request.sampling_params.prompt_logprobs
             prompt = row.request.prompt_token_ids
             # Position p predicts token p + 1; the prompt's last position predicts the first output.
