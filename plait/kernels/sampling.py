@@ -155,3 +155,43 @@ def race_sample(z: torch.Tensor, noise: torch.Tensor, rows: torch.Tensor, out: t
         HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None,
         BLOCK=RACE_BLOCK, num_warps=RACE_WARPS,
     )
+
+
+# Seeded rows' noise: a counter-based hash of (the row's 64-bit key, token id), so that every seeded row
+# of a batch is drawn in one launch and its draws depend on its key alone (torch's generators would
+# need one launch per row). The torch twin, seeded_exponential_ref in plait.runner.sampler, computes
+# the same 32-bit values with int64 arithmetic.
+NOISE_BLOCK = 2048
+
+
+@triton.jit
+def _mix32(x):
+    # lowbias32 (Wellons): a bijection on 32 bits with good avalanche.
+    x ^= x >> 16
+    x *= 0x7FEB352D
+    x ^= x >> 15
+    x *= 0x846CA68B
+    x ^= x >> 16
+    return x
+
+
+@triton.jit
+def _seeded_exponential_kernel(noise_ptr, rows_ptr, keys_ptr, V, stride_noise, BLOCK: tl.constexpr):
+    # noise: [R, V] fp32, rows [S] int64 written; keys: [S, 2] int64 (low and high 32 bits of a key)
+    j = tl.program_id(0)
+    row = tl.load(rows_ptr + j).to(tl.int64)
+    k_lo = tl.load(keys_ptr + 2 * j).to(tl.uint32)
+    k_hi = tl.load(keys_ptr + 2 * j + 1).to(tl.uint32)
+    ids = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    h = _mix32(_mix32(ids.to(tl.uint32) ^ k_lo) ^ k_hi)
+    u = ((h >> 8) + 1).to(tl.float32) * (1.0 / 16777216.0)  # (0, 1], exact in fp32
+    tl.store(noise_ptr + row * stride_noise + ids, -tl.log(u), mask=ids < V)
+
+
+def seeded_exponential(noise: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
+    """noise[rows[j]] = Exp(1) draws hashed from keys[j] and the token ids (one launch for all rows)."""
+    # noise: [R, V] fp32; rows: [S] int64; keys: [S, 2] int64 in [0, 2**32)
+    if rows.numel():
+        grid = (rows.numel(), triton.cdiv(noise.shape[1], NOISE_BLOCK))
+        _seeded_exponential_kernel[grid](noise, rows, keys, noise.shape[1], noise.stride(0),
+                                         BLOCK=NOISE_BLOCK)

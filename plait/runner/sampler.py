@@ -170,6 +170,33 @@ def top_k_cut(z: torch.Tensor, ks: torch.Tensor, max_k: int) -> tuple[torch.Tens
     return kth.squeeze(1), (ks - above).to(torch.int32)
 
 
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32) in int64 without overflowing it: 16-bit halves of x."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seeded_exponential_ref(noise: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
+    """plait.kernels.sampling.seeded_exponential in torch: the same hash of (key, token id), in int64."""
+    if rows.numel() == 0:
+        return
+    ids = torch.arange(noise.shape[1], device=noise.device)
+    h = _mix32(_mix32(ids[None, :] ^ keys[:, :1]) ^ keys[:, 1:])  # [S, V]
+    u = ((h >> 8) + 1).float() * (1.0 / 16777216.0)
+    noise.index_copy_(0, rows, -torch.log(u))
+
+
 def logprob_table(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, max_n: int) -> torch.Tensor:
     """Per row, on the device: the token's logprob, its rank, the max_n best logprobs and their ids, packed
     so that one device-to-host copy carries them all (fp32 holds ids and ranks exactly below 2**24)."""
@@ -207,9 +234,6 @@ class Sampler:
         # reseeded, so its stream (and the tokens) follow from the seed and the order of the steps, and
         # no longer from torch's global RNG, which anything in the process may draw from or reseed.
         self._engine_generators: dict[torch.device, torch.Generator] = {}
-        # Per device, one reusable generator for seeded rows; reseeding is safe after a launch because
-        # CUDA kernels take the philox seed/offset by value.
-        self._generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Sample and bring the ids to the host."""
@@ -383,12 +407,6 @@ class Sampler:
         race(logits, noise, host_to_device(sampled, torch.long, device), token_ids, top_k, top_p, min_p)
         return token_ids
 
-    def _generator(self, device: torch.device) -> torch.Generator:
-        gen = self._generators.get(device)
-        if gen is None:
-            gen = self._generators[device] = torch.Generator(device=device)
-        return gen
-
     def engine_generator(self, device: torch.device) -> torch.Generator:
         """The generator rows without their own seed draw from on ``device``, seeded with the engine seed
         when first used (setting a seed is host-side state: no sync, nothing captured in a graph)."""
@@ -405,12 +423,14 @@ class Sampler:
         if len(seeded) < len(rows):
             noise.exponential_(generator=self.engine_generator(probs.device))
         if seeded:
-            gen = self._generator(probs.device)
-            for i in seeded:
-                # Seeded from (seed, position) only, so the draw is independent of batch composition and
-                # identical after preemption/recompute.
-                gen.manual_seed(step_seed(rows[i].params.seed, rows[i].num_output_tokens))
-                noise[i].exponential_(generator=gen)
+            # Keyed by (seed, position) only, so the draws are independent of the batch and identical
+            # after preemption/recompute; all seeded rows in one launch.
+            keys = [step_seed(rows[i].params.seed, rows[i].num_output_tokens) for i in seeded]
+            keys_t = host_to_device([[k & _MASK32, k >> 32] for k in keys], torch.long, probs.device)
+            fill = seeded_exponential_ref
+            if use_triton(probs):
+                from plait.kernels.sampling import seeded_exponential as fill
+            fill(noise, host_to_device(seeded, torch.long, probs.device), keys_t)
         # exponential_ can return exactly 0; 0/0 would be NaN and win the argmax for a filtered id.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
