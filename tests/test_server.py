@@ -224,7 +224,7 @@ NULL_SAMPLING_FIELDS = dict.fromkeys([
     "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
     "skip_special_tokens", "include_stop_str_in_output", "stream", "stream_options", "logit_bias",
-    "allowed_token_ids", "user",
+    "allowed_token_ids", "prompt_logprobs", "user",
 ])
 
 
@@ -329,6 +329,114 @@ def test_stream_options_as_vllm(client, model):
         stream_options={"continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
     assert all(c.usage is not None for c in completion)
     assert completion[-1].choices == [] and completion[-1].usage.completion_tokens == 4
+
+
+# -- echo and prompt logprobs -----------------------------------------------------------------------
+
+ECHO_PROMPT = "The capital of France is Paris"
+
+
+def _prefix_top(url: str, prompt_ids: list[int]) -> tuple[str, float]:
+    """The most likely next token after these ids and its logprob, by a plain greedy completion."""
+    body = {"prompt": prompt_ids, "max_tokens": 1, "logprobs": 1, "temperature": 0.0}
+    logprobs = _post(url, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    return logprobs["tokens"][0], logprobs["token_logprobs"][0]
+
+
+def test_completion_echo_returns_the_prompt_first(served, client, model):
+    """vLLM's echo: the choice's text is the prompt's (token ids decoded) and then the completion's; the
+    usage counts what it did without echo."""
+    server, _ = served
+    kwargs = dict(model=model, max_tokens=3, temperature=0.0)
+    plain = client.completions.create(prompt=ECHO_PROMPT, **kwargs)
+    echoed = client.completions.create(prompt=ECHO_PROMPT, echo=True, **kwargs)
+    assert echoed.choices[0].text == ECHO_PROMPT + plain.choices[0].text
+    assert echoed.usage == plain.usage
+    ids = list(server.tokenizer.encode(ECHO_PROMPT))
+    by_ids = client.completions.create(prompt=ids, echo=True, **kwargs)
+    assert by_ids.choices[0].text == server.tokenizer.decode(ids) + plain.choices[0].text
+    batch = client.completions.create(prompt=[ECHO_PROMPT, "Hi"], echo=True, n=2, **kwargs)
+    for choice, prompt in zip(batch.choices, [ECHO_PROMPT, ECHO_PROMPT, "Hi", "Hi"], strict=True):
+        assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+
+
+def test_echo_logprobs_score_the_prompt_as_lm_eval(served):
+    """What lm-evaluation-harness's local-completions sends for loglikelihoods: the prompt's tokens lead
+    the logprobs, the first with nulls, each next one with its logprob given the ones before it."""
+    server, url = served
+    ids = list(server.tokenizer.encode(ECHO_PROMPT))
+    body = {"prompt": ECHO_PROMPT, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0}
+    r = _post(url, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == len(ids) + 1
+    assert lp["tokens"][:len(ids)] == [server.tokenizer.decode([t]) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    for token, logprob, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert -1e4 < logprob <= 0.0 and top[token] == logprob and 1 <= len(top) <= 2
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids) + 1)]
+    assert choice["text"] == ECHO_PROMPT + lp["tokens"][-1]
+    assert r.json()["usage"]["prompt_tokens"] == len(ids) and r.json()["usage"]["completion_tokens"] == 1
+    # Each prompt position holds the distribution a completion of the ids before it samples from.
+    for i in (1, len(ids) - 1):
+        best, best_logprob = _prefix_top(url, ids[:i])
+        assert lp["top_logprobs"][i][best] == pytest.approx(best_logprob, abs=1e-3)
+
+
+def test_streamed_echo_sends_the_prompt_with_the_first_chunk(served, model):
+    """As vLLM: the prompt's text and logprobs open each choice's stream; the chunks add up to the answer
+    without streaming."""
+    _, url = served
+    body = {"model": model, "prompt": ECHO_PROMPT, "max_tokens": 3, "logprobs": 1, "echo": True,
+            "temperature": 0.0, "ignore_eos": True}
+    full = _post(url, "/v1/completions", body).json()["choices"][0]
+    events = _post(url, "/v1/completions", {**body, "stream": True}).text.split("\n\n")
+    chunks = [json.loads(e.removeprefix("data: "))["choices"][0] for e in events[:-2]]  # [DONE], ""
+    assert events[-2:] == [SSE_DONE.strip(), ""]
+    assert chunks[0]["text"].startswith(ECHO_PROMPT)
+    assert chunks[0]["logprobs"]["token_logprobs"][0] is None
+    assert "".join(c["text"] for c in chunks) == full["text"]
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert [v for c in chunks for v in c["logprobs"][key]] == full["logprobs"][key], key
+
+
+def _check_prompt_logprobs(server: OpenAIServer, entries: list, prompt_ids: list[int], num_top: int) -> None:
+    """vLLM's format: null, then per token {id: {logprob, rank, decoded_token}}: the token and the top-n,
+    ranked 1..n best first (the token's own rank is null where it is not among them)."""
+    assert len(entries) == len(prompt_ids) and entries[0] is None
+    for token_id, entry in zip(prompt_ids[1:], entries[1:], strict=True):
+        own = entry[str(token_id)]
+        assert -1e4 < own["logprob"] <= 0.0 and own["decoded_token"] == server.tokenizer.decode([token_id])
+        top = sorted((e["rank"], e["logprob"]) for e in entry.values() if e["rank"] is not None)
+        assert [rank for rank, _ in top] == list(range(1, num_top + 1))
+        assert [logprob for _, logprob in top] == sorted((lp for _, lp in top), reverse=True)
+        assert len(entry) == num_top + (own["rank"] is None)
+
+
+def test_prompt_logprobs_as_vllm(served, model):
+    """vLLM's prompt_logprobs extension: on each choice of a completion, at the top of a chat response."""
+    server, url = served
+    ids = list(server.tokenizer.encode(ECHO_PROMPT))
+    body = {"model": model, "prompt": ECHO_PROMPT, "max_tokens": 2, "temperature": 0.0}
+    r = _post(url, "/v1/completions", {**body, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    _check_prompt_logprobs(server, r.json()["choices"][0]["prompt_logprobs"], ids, 2)
+    # With echo and logprobs too: the same numbers in both places.
+    both = _post(url, "/v1/completions", {**body, "prompt_logprobs": 1, "echo": True, "logprobs": 1}).json()
+    choice = both["choices"][0]
+    _check_prompt_logprobs(server, choice["prompt_logprobs"], ids, 1)
+    assert [e and e[str(t)]["logprob"] for t, e in zip(ids, choice["prompt_logprobs"])] == (
+        choice["logprobs"]["token_logprobs"][:len(ids)])
+    assert _post(url, "/v1/completions", body).json()["choices"][0]["prompt_logprobs"] is None
+
+    messages = _messages("Name a color.")
+    chat = _post(url, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 2,
+                                               "n": 2, "prompt_logprobs": 0})
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["choices"]) == 2  # one prompt_logprobs for the prompt they share
+    prompt_ids = apply_chat_template(server.tokenizer, messages)
+    _check_prompt_logprobs(server, chat.json()["prompt_logprobs"], prompt_ids, 0)
 
 
 def test_tokenize_detokenize_and_version(served, model):
@@ -636,7 +744,12 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [1, -3]}, 400, "prompt", "greater than or equal to 0"),
     ("/v1/completions", {"prompt": [1] * TOO_LONG}, 400, "prompt", "maximum context length"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**5}, 400, "max_tokens", "maximum context length"),
-    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", "not supported"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", "less than or equal"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs", "greater than or"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs",
+     "stream"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 21}, 400,
+     "prompt_logprobs", "less than or equal to 20"),
     # logit_bias: OpenAI's bounds, ids as digit strings, within the vocabulary (49152 ids), few enough
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 100.5}}, 400, "logit_bias", "less than or equal"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": -101}}, 400, "logit_bias", "greater than or"),
@@ -689,7 +802,6 @@ BAD_REQUESTS = [
         ("guided_choice", ["yes", "no"]),
         ("guided_grammar", "root ::= 'x'"),
         ("structured_outputs", {"json": {"type": "object"}}),
-        ("prompt_logprobs", 0),
     )],
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo",
      "not supported"),

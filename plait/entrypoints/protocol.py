@@ -52,14 +52,13 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "guided_grammar": "guided decoding",
     "structural_tag": "guided decoding",
     "structured_outputs": "structured output",
-    "prompt_logprobs": "prompt logprobs",
     "bad_words": "banned words",
     "logits_processors": "custom logits processors",
     "use_beam_search": "beam search",
     "truncate_prompt_tokens": "prompt truncation",
     "prompt_embeds": "prompt embeddings",
     "return_tokens_as_token_ids": "logprob tokens as token ids",
-    "echo": "echoing the prompt",  # chat's (CompletionRequest declares and checks its own)
+    "echo": "echoing the prompt",  # chat's (CompletionRequest declares and serves its own)
 }
 # The values of tool_choice / function_call that ask for no tool.
 _NO_TOOL = "none"
@@ -187,6 +186,8 @@ class _SamplingRequest(_RequestModel):
     stream_options: StreamOptions | None = None
     logit_bias: LogitBias | None = None
     allowed_token_ids: AllowedTokenIds | None = None  # vLLM extension: only these ids may be sampled
+    # vLLM extension: each prompt token's logprob and the top-n at its position (non-streamed answers only).
+    prompt_logprobs: NumLogprobs | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -198,6 +199,15 @@ class _SamplingRequest(_RequestModel):
         # As vLLM: an empty stream_options without streaming asks for nothing.
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise ProtocolError("stream_options can only be set when stream is true", "stream_options")
+        # Streamed chunks have no place for them: vLLM refuses any above 0 and ignores 0, which is refused
+        # here too rather than silently ignored.
+        if self.prompt_logprobs is not None and self.stream:
+            raise ProtocolError("prompt_logprobs is not available when stream is true", "prompt_logprobs")
+
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        """How many alternatives the engine computes per prompt position (None: no prompt logprobs)."""
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -242,6 +252,7 @@ class _SamplingRequest(_RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
+            prompt_logprobs=self.requested_prompt_logprobs,
         )
 
 
@@ -261,10 +272,17 @@ class CompletionRequest(_SamplingRequest):
             return DEFAULT_COMPLETION_MAX_TOKENS
         return self.max_tokens
 
+    @property
+    def requested_prompt_logprobs(self) -> int | None:
+        # echo with logprobs lists the prompt's tokens with their logprobs too (what lm-evaluation-harness
+        # scores loglikelihoods with), so the engine computes them, as vLLM does; with prompt_logprobs
+        # also set, enough alternatives for both, each answer cut to its own n.
+        if not (self.echo and self.logprobs is not None):
+            return self.prompt_logprobs
+        return max(self.logprobs, self.prompt_logprobs or 0)
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise ProtocolError("echo is not supported", "echo")
         if self.suffix:
             raise ProtocolError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -384,12 +402,29 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None  # vLLM extension: the stop string or token id that ended it
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's Logprob, as in its prompt_logprobs."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token; None: not known (see OpenAIServer._prompt_logprobs)
+    decoded_token: str | None = None
+
+
+# vLLM's prompt_logprobs: one entry per prompt token, None for the first (it has no context), else the
+# prompt token and the top-n at its position by token id (JSON object keys: the ids as strings).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
+class CompletionResponseChoice(CompletionChoice):
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension (non-streamed only)
+
+
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
     model: str
-    choices: list[CompletionChoice]
+    choices: list[CompletionResponseChoice]
     usage: UsageInfo
 
 
@@ -436,6 +471,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM extension: of the one prompt all choices share
 
 
 class DeltaMessage(BaseModel):

@@ -64,6 +64,7 @@ from plait.entrypoints.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    CompletionResponseChoice,
     CompletionStreamResponse,
     DeltaMessage,
     DetokenizeRequest,
@@ -72,6 +73,8 @@ from plait.entrypoints.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptLogprob,
+    PromptLogprobs,
     ProtocolError,
     TokenizeRequest,
     TokenizeResponse,
@@ -217,7 +220,7 @@ _KNOWN_PARAMS = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
-    "prompt",
+    "prompt_logprobs", "prompt",
 })
 
 
@@ -496,6 +499,23 @@ def _new_logprobs(completion: CompletionOutput) -> list[TokenLogprobs]:
     """The logprobs of the tokens this output added (the engine's list is cumulative)."""
     logprobs = completion.logprobs or []
     return logprobs[len(logprobs) - len(completion.delta_token_ids):]
+
+
+# A row of a completion's logprobs: a token id and its logprobs, None for the prompt's first token (echo).
+LogprobRow = tuple[int, TokenLogprobs | None]
+
+
+def _generated_rows(entries: Sequence[TokenLogprobs]) -> list[LogprobRow]:
+    return [(entry.token_id, entry) for entry in entries]
+
+
+def _prompt_rows(out: RequestOutput) -> list[LogprobRow]:
+    """The prompt's tokens with their logprobs, which echo lists before the generated ones (vLLM's)."""
+    entries = out.prompt_logprobs
+    # The engine completes them before the first generated token; the request asked for them (echo with
+    # logprobs sets SamplingParams.prompt_logprobs).
+    assert entries is not None and len(entries) == len(out.prompt_token_ids), "prompt logprobs missing"
+    return list(zip(out.prompt_token_ids, entries))
 
 
 def _clamp(logprob: float) -> float:
@@ -816,12 +836,16 @@ class OpenAIServer:
         choices = []
         for index, out in enumerate(finals):
             completion = out.outputs[0]
+            text = self._prompt_text(out) + completion.text if body.echo else completion.text
             logprobs = None
             if body.logprobs is not None and completion.logprobs is not None:
-                logprobs, _ = self._completion_logprobs(completion.logprobs, body.logprobs, 0)
-            choices.append(CompletionChoice(index=index, text=completion.text, logprobs=logprobs,
-                                            finish_reason=completion.finish_reason,
-                                            stop_reason=completion.stop_reason))
+                rows = _generated_rows(completion.logprobs)
+                logprobs, _ = self._completion_logprobs(_prompt_rows(out) + rows if body.echo else rows,
+                                                        body.logprobs, 0)
+            choices.append(CompletionResponseChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=completion.finish_reason,
+                stop_reason=completion.stop_reason,
+                prompt_logprobs=self._prompt_logprobs(out, body.prompt_logprobs)))
         usage = self._usage(stream, params.n, sum(len(o.outputs[0].token_ids) for o in finals))
         result = CompletionResponse(id=response_id, model=self.model_name, choices=choices, usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
@@ -830,6 +854,7 @@ class OpenAIServer:
                                  tracker: _RequestTracker, response_id: str, n: int) -> AsyncIterator[str]:
         created = int(time.time())
         offsets = [0] * len(stream.request_ids)  # text_offset of each choice's next token
+        echoed = [not body.echo] * len(stream.request_ids)  # whether each choice's prompt went out
         completion_tokens = 0
         error = False
 
@@ -846,16 +871,20 @@ class OpenAIServer:
                     tracker.observe(index, out)
                     completion = out.outputs[0]
                     completion_tokens += len(completion.delta_token_ids)
+                    # echo, as vLLM: the prompt (and its logprobs) goes out with the choice's first chunk.
+                    echo_now, echoed[index] = not echoed[index], True
+                    text = (self._prompt_text(out) if echo_now else "") + completion.delta_text
                     logprobs = None
                     if body.logprobs is not None and completion.logprobs is not None:
+                        rows = _generated_rows(_new_logprobs(completion))
                         logprobs, offsets[index] = self._completion_logprobs(
-                            _new_logprobs(completion), body.logprobs, offsets[index])
-                    held_back = not completion.delta_text and completion.finish_reason is None
+                            _prompt_rows(out) + rows if echo_now else rows, body.logprobs, offsets[index])
+                    held_back = not text and completion.finish_reason is None
                     # Without a tokenizer no text is ever made, so each token streams as an empty chunk
                     # (as vLLM does) rather than all of them arriving with the last one.
                     if held_back and logprobs is None and self.tokenizer is not None:
                         continue  # tokens held back mid-character or a stop string candidate
-                    choice = CompletionChoice(index=index, text=completion.delta_text, logprobs=logprobs,
+                    choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                               finish_reason=completion.finish_reason,
                                               stop_reason=completion.stop_reason)
                     yield chunk([choice], usage_so_far())
@@ -868,19 +897,56 @@ class OpenAIServer:
             tracker.close(error)
         yield SSE_DONE
 
-    def _completion_logprobs(self, entries: Sequence[TokenLogprobs], num_top: int, offset: int
+    def _completion_logprobs(self, rows: Sequence[LogprobRow], num_top: int, offset: int
                              ) -> tuple[CompletionLogprobs, int]:
+        """OpenAI's logprobs of these tokens, the first at text_offset ``offset``; and the next offset."""
         result = CompletionLogprobs()
-        for entry in entries:
-            token = self._token_str(entry.token_id)
-            top = {self._token_str(t): _clamp(lp) for t, lp in list(entry.top.items())[:num_top]}
-            top.setdefault(token, _clamp(entry.logprob))  # OpenAI always includes the sampled token
+        for token_id, entry in rows:
+            token = self._token_str(token_id)
             result.tokens.append(token)
-            result.token_logprobs.append(_clamp(entry.logprob))
-            result.top_logprobs.append(top)
             result.text_offset.append(offset)
             offset += len(token)
+            if entry is None:  # the prompt's first token has no context: null and null, as in vLLM
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            top = {self._token_str(t): _clamp(lp) for t, lp in list(entry.top.items())[:num_top]}
+            top.setdefault(token, _clamp(entry.logprob))  # OpenAI always includes the sampled token
+            result.token_logprobs.append(_clamp(entry.logprob))
+            result.top_logprobs.append(top)
         return result, offset
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        """The prompt as echo shows it: its own text, or its token ids decoded (special tokens kept, as
+        vLLM decodes them)."""
+        if out.prompt is not None:
+            return out.prompt
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False)
+
+    def _prompt_logprobs(self, out: RequestOutput, num_top: int | None) -> PromptLogprobs | None:
+        """vLLM's prompt_logprobs of an output, where the request asked for them (``num_top``)."""
+        if num_top is None or out.prompt_logprobs is None:
+            return None
+        result: PromptLogprobs = []
+        for entry in out.prompt_logprobs:
+            if entry is None:
+                result.append(None)
+                continue
+            # The engine keeps no ranks, only the top alternatives best first: each one's rank is its place
+            # (1-based), and the prompt token's is its place among them, or null (unknown) when it is not
+            # one of them (vLLM ranks it in the whole vocabulary).
+            top = list(entry.top.items())
+            rank = next((place for place, (t, _) in enumerate(top, 1) if t == entry.token_id), None)
+            listed = {entry.token_id: self._prompt_logprob(entry.token_id, entry.logprob, rank)}
+            for place, (token_id, logprob) in enumerate(top[:num_top], 1):
+                listed[token_id] = self._prompt_logprob(token_id, logprob, place)  # the prompt token: same
+            result.append(listed)
+        return result
+
+    def _prompt_logprob(self, token_id: int, logprob: float, rank: int | None) -> PromptLogprob:
+        return PromptLogprob(logprob=_clamp(logprob), rank=rank, decoded_token=self._token_str(token_id))
 
     # -- /v1/chat/completions -----------------------------------------------------------------
 
@@ -914,7 +980,9 @@ class OpenAIServer:
                                       logprobs=logprobs, finish_reason=completion.finish_reason,
                                       stop_reason=completion.stop_reason))
         usage = self._usage(stream, params.n, sum(len(o.outputs[0].token_ids) for o in finals))
-        result = ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices, usage=usage)
+        prompt_logprobs = self._prompt_logprobs(finals[0], body.prompt_logprobs) if finals else None
+        result = ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices, usage=usage,
+                                        prompt_logprobs=prompt_logprobs)
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _chat_events(self, body: ChatCompletionRequest, stream: RequestStream, tracker: _RequestTracker,
