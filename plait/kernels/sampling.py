@@ -70,18 +70,19 @@ def _top_k_cut(z_row, V, k, n_blocks, STATIC_BLOCKS: tl.constexpr, BLOCK: tl.con
     prefix = tl.zeros((), tl.uint32)
     need = k
     for d in tl.static_range(4):
-        # Byte d from the top: keys shifted right by 24 - 8d; the d bytes above it are fixed in prefix.
+        shift: tl.constexpr = 24 - 8 * d
+        known: tl.constexpr = (0xFFFFFFFF << (32 - 8 * d)) & 0xFFFFFFFF  # the bytes fixed so far
         hist = tl.zeros((256,), tl.int32)
         for blk in range(trip_count(STATIC_BLOCKS, n_blocks)):
             ids = blk * BLOCK + offs
             valid = ids < V
             key = _order_key(tl.load(z_row + ids, mask=valid, other=float("-inf")))
-            match = valid & ((key & ((0xFFFFFFFF << (32 - 8 * d)) & 0xFFFFFFFF)) == prefix)
-            hist += tl.histogram(((key >> (24 - 8 * d)) & 0xFF).to(tl.int32), 256, mask=match)
+            match = valid & ((key & known) == prefix)
+            hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=match)
         above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # [256]: matching keys in higher bins
         digit = tl.max(tl.where(above + hist >= need, bins, -1), axis=0)
         need -= tl.sum(tl.where(bins == digit, above, 0), axis=0)
-        prefix = prefix | (digit.to(tl.uint32) << (24 - 8 * d))
+        prefix = prefix | (digit.to(tl.uint32) << shift)
     return _key_value(prefix), need
 
 
