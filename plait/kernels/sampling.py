@@ -12,9 +12,8 @@
 # so a row usually costs three passes: max and normaliser, the first race, one check. The torch
 # reference, race_sample_ref in plait.runner.sampler, sorts.
 #
-# top-k's cut, each row's k-th largest logit (kth) and how many ids equal to it are kept (room, the
-# lowest ids first), is a selection, not a race: a radix select over the logits' order-preserving 32-bit
-# keys, one byte a pass (four passes, a 256-bin histogram each), in the same program.
+# top-k itself comes in as each row's k-th largest logit (kth) and how many ids equal to it are kept
+# (room, the lowest ids first), from torch.topk: a k-th order statistic needs a selection, not a race.
 
 from __future__ import annotations
 
@@ -49,62 +48,18 @@ def _top_k_keep(z, valid, kth, room, ties_before, HAS_TOP_K: tl.constexpr):
 
 
 @triton.jit
-def _order_key(z):
-    """uint32 keys that order as the fp32 values do (-0 taken as +0, so that equal floats get equal keys)."""
-    bits = tl.where(z == 0.0, 0, z.to(tl.uint32, bitcast=True)).to(tl.uint32)
-    return tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
-
-
-@triton.jit
-def _key_value(key):
-    bits = tl.where((key >> 31) != 0, key ^ 0x80000000, key ^ 0xFFFFFFFF)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _top_k_cut(z_row, V, k, n_blocks, STATIC_BLOCKS: tl.constexpr, BLOCK: tl.constexpr):
-    """The row's k-th largest logit, and k minus the number of logits above it (how many equal to it
-    top-k keeps), by radix select: each pass fixes one more byte of the k-th largest key."""
-    offs = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
-    prefix = tl.zeros((), tl.uint32)
-    need = k
-    for d in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * d
-        known: tl.constexpr = (0xFFFFFFFF << (32 - 8 * d)) & 0xFFFFFFFF  # the bytes fixed so far
-        hist = tl.zeros((256,), tl.int32)
-        for blk in range(trip_count(STATIC_BLOCKS, n_blocks)):
-            ids = blk * BLOCK + offs
-            valid = ids < V
-            key = _order_key(tl.load(z_row + ids, mask=valid, other=float("-inf")))
-            match = valid & ((key & known) == prefix)
-            hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=match)
-        above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0)  # [256]: matching keys in higher bins
-        digit = tl.max(tl.where(above + hist >= need, bins, -1), axis=0)
-        need -= tl.sum(tl.where(bins == digit, above, 0), axis=0)
-        prefix = prefix | (digit.to(tl.uint32) << shift)
-    return _key_value(prefix), need
-
-
-@triton.jit
 def _race_kernel(
-    z_ptr, noise_ptr, rows_ptr, k_ptr, top_p_ptr, min_p_ptr, out_ptr,
+    z_ptr, noise_ptr, rows_ptr, kth_ptr, room_ptr, top_p_ptr, min_p_ptr, out_ptr,
     V, stride_z, stride_noise, n_blocks, STATIC_BLOCKS: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # z, noise: [R, V] fp32 (logits after processors and temperature; Exp(1) draws, > 0); rows: the
-    # rows to sample, one program each; k (0: no top-k), top_p, min_p: [R]; out: [R] int64, at rows.
+    # rows to sample, one program each; kth, room, top_p, min_p: [R]; out: [R] int64, written at rows.
     row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
     z_row = z_ptr + row * stride_z
     noise_row = noise_ptr + row * stride_noise
-    kth = tl.full((), float("-inf"), tl.float32)
-    room = tl.full((), 0, tl.int32)
-    if HAS_TOP_K:
-        k = tl.load(k_ptr + row)
-        if k > 0:
-            kth, room = _top_k_cut(z_row, V, k, n_blocks, STATIC_BLOCKS, BLOCK)
-        else:
-            room = tl.full((), V, tl.int32)  # kth = -inf and every tie kept: no cut
+    kth = tl.load(kth_ptr + row) if HAS_TOP_K else float("-inf")
+    room = tl.load(room_ptr + row) if HAS_TOP_K else 0
     # As tensors either way, so that the rounds' loop condition is never a Python constant.
     top_p = tl.load(top_p_ptr + row) if HAS_TOP_P else tl.full((), 1.0, tl.float32)
     min_p = tl.load(min_p_ptr + row) if HAS_MIN_P else tl.full((), 0.0, tl.float32)
@@ -182,20 +137,20 @@ def _mass_and_race_before(z_row, noise_row, V, kth, room, z_max, min_p, bound_z,
 
 
 def race_sample(z: torch.Tensor, noise: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                top_k: tuple[torch.Tensor, int] | None = None, top_p: torch.Tensor | None = None,
+                top_k: tuple[torch.Tensor, torch.Tensor] | None = None, top_p: torch.Tensor | None = None,
                 min_p: torch.Tensor | None = None) -> None:
     """Writes out[rows] = the exponential race's winner among the ids top-k, top-p and min-p keep.
 
-    top_k: (k per row, 0 for none; the largest k), None when no row has top-k; top_p, min_p:
+    top_k: (kth, room) from plait.runner.sampler.top_k_cut, None when no row has top-k; top_p, min_p:
     None when no row has one (a row without sets 1.0, 0.0). The torch reference: race_sample_ref."""
-    # z, noise: [R, V] fp32; rows: [S] int64; k: [R] int32; top_p, min_p: [R] fp32;
+    # z, noise: [R, V] fp32; rows: [S] int64; kth: [R] fp32; room: [R] int32; top_p, min_p: [R] fp32;
     # out: [R] int64
     if rows.numel() == 0:
         return
-    ks = top_k[0] if top_k is not None else z  # an unread placeholder when absent
+    kth, room = top_k if top_k is not None else (z, z)  # unread placeholders when absent
     n_blocks = triton.cdiv(z.shape[1], RACE_BLOCK)
     _race_kernel[(rows.numel(),)](
-        z, noise, rows, ks, top_p if top_p is not None else z, min_p if min_p is not None else z,
+        z, noise, rows, kth, room, top_p if top_p is not None else z, min_p if min_p is not None else z,
         out, z.shape[1], z.stride(0), noise.stride(0), n_blocks, static_iters(z.is_cuda, n_blocks),
         HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None,
         BLOCK=RACE_BLOCK, num_warps=RACE_WARPS,
@@ -240,25 +195,3 @@ def seeded_exponential(noise: torch.Tensor, rows: torch.Tensor, keys: torch.Tens
         grid = (rows.numel(), triton.cdiv(noise.shape[1], NOISE_BLOCK))
         _seeded_exponential_kernel[grid](noise, rows, keys, noise.shape[1], noise.stride(0),
                                          BLOCK=NOISE_BLOCK)
-
-
-@triton.jit
-def _top_k_cut_kernel(z_ptr, k_ptr, kth_ptr, room_ptr, V, stride_z, n_blocks, STATIC_BLOCKS: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    kth, room = _top_k_cut(z_ptr + row * stride_z, V, tl.load(k_ptr + row), n_blocks, STATIC_BLOCKS, BLOCK)
-    tl.store(kth_ptr + row, kth)
-    tl.store(room_ptr + row, room)
-
-
-def top_k_cuts(z: torch.Tensor, ks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The race's radix select on its own: each row's k-th largest value and how many equal to it top-k
-    keeps (plait.runner.sampler.top_k_cut is the torch reference)."""
-    # z: [R, V] fp32; ks: [R] int32 in [1, V] -> kth: [R] fp32, room: [R] int32
-    kth = torch.empty(z.shape[0], dtype=torch.float32, device=z.device)
-    room = torch.empty(z.shape[0], dtype=torch.int32, device=z.device)
-    n_blocks = triton.cdiv(z.shape[1], RACE_BLOCK)
-    _top_k_cut_kernel[(z.shape[0],)](z, ks, kth, room, z.shape[1], z.stride(0), n_blocks,
-                                     static_iters(z.is_cuda, n_blocks), BLOCK=RACE_BLOCK,
-                                     num_warps=RACE_WARPS)
-    return kth, room

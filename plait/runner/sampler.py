@@ -126,8 +126,13 @@ def _bin_counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
     return counts[:, :vocab]
 
 
+# kth and room of a row without top-k in a batch where other rows have it: every id is kept.
+NO_TOP_K_KTH = float("-inf")
+NO_TOP_K_ROOM = 2**31 - 1
+
+
 def race_sample_ref(z: torch.Tensor, noise: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
-                    top_k: tuple[torch.Tensor, int] | None = None, top_p: torch.Tensor | None = None,
+                    top_k: tuple[torch.Tensor, torch.Tensor] | None = None, top_p: torch.Tensor | None = None,
                     min_p: torch.Tensor | None = None) -> None:
     """race_sample in torch: mask each filter's cut with -inf in vLLM's order (top-k, top-p by a stable
     sort, min-p), softmax, race."""
@@ -135,12 +140,7 @@ def race_sample_ref(z: torch.Tensor, noise: torch.Tensor, rows: torch.Tensor, ou
         return
     x = z.index_select(0, rows)
     if top_k is not None:
-        ks, max_k = top_k
-        k = ks.index_select(0, rows).long()
-        kth, room = top_k_cut(x, k.clamp_min(1), max_k)
-        on = k > 0  # k = 0: no top-k for the row
-        kth = torch.where(on, kth, float("-inf"))[:, None]
-        room = torch.where(on, room, x.shape[1])[:, None]
+        kth, room = (t.index_select(0, rows)[:, None] for t in top_k)
         tied = x == kth
         # int32 halves the memory traffic of the vocab-wide cumsum.
         keep = (x > kth) | (tied & (torch.cumsum(tied, dim=-1, dtype=torch.int32) <= room))
@@ -387,9 +387,13 @@ class Sampler:
         top_k_rows = [i for i in sampled if TOP_K_DISABLED < params[i].top_k < vocab]
         top_k = None
         if top_k_rows:
-            on = set(top_k_rows)
-            ks = [params[i].top_k if i in on else 0 for i in range(len(rows))]
-            top_k = (host_to_device(ks, torch.int32, device), max(ks))
+            ks = [params[i].top_k for i in top_k_rows]
+            idx = host_to_device(top_k_rows, torch.long, device)
+            ks_t = host_to_device(ks, torch.long, device)
+            kth, room = top_k_cut(logits.index_select(0, idx), ks_t, max(ks))
+            top_k = (torch.full((len(rows),), NO_TOP_K_KTH, device=device).index_copy_(0, idx, kth),
+                     torch.full((len(rows),), NO_TOP_K_ROOM, dtype=torch.int32, device=device)
+                     .index_copy_(0, idx, room))
         top_p = min_p = None
         if any(params[i].top_p < 1.0 for i in sampled):
             top_p = host_to_device([p.top_p for p in params], torch.float32, device)
