@@ -164,17 +164,18 @@ def served():
 
 
 def _counters(url: str) -> dict[str, float]:
-    """The server's request and token counters from /metrics."""
+    """The server's request and token counters from /metrics, by vLLM's names (which plait's server
+    exports), summed over their labels (model_name, finished_reason): so it reads a vLLM server too."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    samples = {"requests": 0.0}
+    names = {"vllm:request_success_total": "requests", "vllm:prompt_tokens_total": "prompt_tokens",
+             "vllm:generation_tokens_total": "generation_tokens"}
+    samples = dict.fromkeys(names.values(), 0.0)
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
         for s in family.samples:
-            if s.name == "plait_requests_finished_total":
-                samples["requests"] += s.value
-            elif s.name in ("plait_prompt_tokens_total", "plait_generation_tokens_total"):
-                samples[s.name] = s.value
+            if s.name in names:
+                samples[names[s.name]] += s.value
     return samples
 
 
@@ -217,8 +218,8 @@ def test_bench_serve_counts_match_server_metrics(served, tmp_path):
     assert result["request_goodput"] == pytest.approx(result["request_throughput"])
     assert result["output_lens"] == [8] * 6
     assert result["input_lens"] == [r.prompt_len for r in random_requests(6, vocab, 5, "1:8-40", "8")]
-    assert delta == {"requests": 6, "plait_prompt_tokens_total": result["total_input_tokens"],
-                     "plait_generation_tokens_total": result["total_output_tokens"]}
+    assert delta == {"requests": 6, "prompt_tokens": result["total_input_tokens"],
+                     "generation_tokens": result["total_output_tokens"]}
     assert result["total_output_tokens"] == 48
 
 
@@ -234,8 +235,8 @@ def test_bench_serve_chat_file_dataset(served, tmp_path):
     result = json.loads(out.read_text())
     assert status == 0 and (result["completed"], result["total_output_tokens"]) == (2, 12)
     assert result["mean_ttft_ms"] > 0 and result["request_goodput"] is None
-    assert delta == {"requests": 2, "plait_prompt_tokens_total": result["total_input_tokens"],
-                     "plait_generation_tokens_total": 12}
+    assert delta == {"requests": 2, "prompt_tokens": result["total_input_tokens"],
+                     "generation_tokens": 12}
 
 
 def test_bench_serve_plots(served, tmp_path):

@@ -101,6 +101,12 @@ def _delta(before: dict[str, float], after: dict[str, float], name: str) -> floa
     return after[name] - before.get(name, 0.0)
 
 
+def _vllm(name: str, model: str, le: str | None = None, **labels: str) -> str:
+    """The key _metrics gives a vLLM-named sample: its labels, model_name among them, folded in."""
+    folded = ",".join(f"{k}={v}" for k, v in sorted({**labels, "model_name": model}.items()))
+    return f"vllm:{name}{{{folded}}}" + (f"[le={le}]" if le is not None else "")
+
+
 def _wait_idle(server: OpenAIServer) -> None:
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -504,8 +510,17 @@ def test_several_served_model_names(tiny_llama):
         body = {"model": "alias", "prompt": [5, 6, 7], "max_tokens": 2}
         r = httpx.post(f"{url}/v1/completions", json=body)
         assert r.status_code == 200 and r.json()["model"] == "first"
+        usage = r.json()["usage"]
         r = httpx.post(f"{url}/v1/completions", json={**body, "model": "other"})
         assert r.status_code == 404 and "'first', 'alias'" in r.json()["error"]["message"]
+        # /metrics labels every vllm:* series with the first name, as vLLM's does, whichever was asked.
+        after = _metrics(url)
+        assert sum(after[_vllm("request_success_total", "first", finished_reason=reason)]
+                   for reason in ("stop", "length", "abort", "error")) == 1
+        assert after[_vllm("prompt_tokens_total", "first")] == usage["prompt_tokens"] == 3
+        assert after[_vllm("generation_tokens_total", "first")] == usage["completion_tokens"]
+        labelled = [key for key in after if key.startswith("vllm:")]
+        assert labelled and all("model_name=first" in key for key in labelled)
     with pytest.raises(ValueError, match="served_model_name"):
         ServerConfig(served_model_name=[])
 
@@ -684,12 +699,12 @@ def test_concurrent_streams_with_disconnects(served, client, model):
             assert finish is None, f"client {i} should have left before the end"
     _wait_idle(server)
     after = _metrics(url)
-    assert after["plait_kv_cache_usage_perc"] == 0.0
-    assert after["plait_num_requests_running"] == after["plait_num_requests_waiting"] == 0
+    assert after[_vllm("kv_cache_usage_perc", model)] == 0.0
+    assert after[_vllm("num_requests_running", model)] == after[_vllm("num_requests_waiting", model)] == 0
     assert server.engine.call_threadsafe(lambda e: e.is_idle_and_clean(), IDLE_TIMEOUT_S)
-    aborted = "plait_requests_finished_total{finished_reason=abort}"
+    aborted = _vllm("request_success_total", model, finished_reason="abort")
     assert after[aborted] - before[aborted] == NUM_DISCONNECTING
-    finished = sum(_delta(before, after, f"plait_requests_finished_total{{finished_reason={r}}}")
+    finished = sum(_delta(before, after, _vllm("request_success_total", model, finished_reason=r))
                    for r in ("stop", "length"))
     assert finished == NUM_CLIENTS - NUM_DISCONNECTING
     # They really ran together: some step decoded for more than 8 of them at once.
@@ -708,9 +723,9 @@ def test_non_streaming_client_timeout_aborts(served, model):
                    timeout=httpx.Timeout(10.0, read=1.0))
     _wait_idle(server)
     after = _metrics(url)
-    aborted = "plait_requests_finished_total{finished_reason=abort}"
+    aborted = _vllm("request_success_total", model, finished_reason="abort")
     assert after[aborted] - before[aborted] == 1
-    assert after["plait_kv_cache_usage_perc"] == 0.0
+    assert after[_vllm("kv_cache_usage_perc", model)] == 0.0
 
 
 # -- bad input ---------------------------------------------------------------------------------
@@ -874,18 +889,31 @@ def test_metrics_move_with_traffic(served, client, model):
                                   extra_body={"ignore_eos": True})
     after = _metrics(url)
     delta = lambda name: _delta(before, after, name)
-    assert delta("plait_requests_finished_total{finished_reason=length}") == 1
-    assert delta("plait_prompt_tokens_total") == r.usage.prompt_tokens
-    assert delta("plait_generation_tokens_total") == 5
-    assert delta("plait_time_to_first_token_seconds_count") == 1
-    assert delta("plait_inter_token_latency_seconds_count") == 4  # between 5 tokens
-    assert delta("plait_e2e_request_latency_seconds_count") == 1
+    # vLLM's names, types and model_name label, so dashboards built for vLLM read these as they are.
+    vllm = lambda name, **labels: _vllm(name, model, **labels)
+    assert delta(vllm("request_success_total", finished_reason="length")) == 1
+    assert delta(vllm("prompt_tokens_total")) == r.usage.prompt_tokens
+    assert delta(vllm("generation_tokens_total")) == 5
+    assert delta(vllm("time_to_first_token_seconds_count")) == 1
+    assert delta(vllm("inter_token_latency_seconds_count")) == 4  # between 5 tokens
+    assert delta(vllm("e2e_request_latency_seconds_count")) == 1
+    assert delta(vllm("e2e_request_latency_seconds_sum")) > 0
+    # plait's own per-step histograms, and vLLM's tokens-per-step one that adds them up.
     steps = delta("plait_step_decode_tokens_count")
     assert steps >= 5  # one prefill step (which samples the first token), then 4 decodes
     assert delta("plait_step_decode_tokens_sum") == 4
     assert delta("plait_step_prefill_tokens_sum") >= 1
     assert delta("plait_engine_steps_total") == steps
-    assert after["plait_kv_cache_usage_perc"] == 0.0
+    assert delta(vllm("iteration_tokens_total_count")) == steps
+    assert delta(vllm("iteration_tokens_total_sum")) == (delta("plait_step_prefill_tokens_sum")
+                                                          + delta("plait_step_decode_tokens_sum"))
+    assert after[vllm("kv_cache_usage_perc")] == 0.0
+    assert after[vllm("num_requests_running")] == after[vllm("num_requests_waiting")] == 0
+    assert after[vllm("num_preemptions_total")] >= 0
+    # Nothing left under the old plait_ names that vLLM has a name for.
+    for old in ("plait_requests_finished_total", "plait_prompt_tokens_total", "plait_kv_cache_usage_perc",
+                "plait_time_to_first_token_seconds_count", "plait_num_requests_running"):
+        assert not any(key.startswith(old) for key in after), old
 
 
 def test_prefix_cache_metrics_move(served, client, model):
@@ -898,8 +926,8 @@ def test_prefix_cache_metrics_move(served, client, model):
     client.completions.create(model=model, prompt=prompt, max_tokens=2, temperature=0.0)
     _wait_idle(server)
     after = _metrics(url)
-    assert _delta(before, after, "plait_prefix_cache_hits_total") > 0
-    assert _delta(before, after, "plait_prefix_cache_queries_total") > 0
+    assert _delta(before, after, _vllm("prefix_cache_hits_total", model)) > 0
+    assert _delta(before, after, _vllm("prefix_cache_queries_total", model)) > 0
     assert after["plait_prefix_cache_blocks"] > 0
     assert 0 < after["plait_prefix_cache_hit_rate"] <= 1
     assert "plait_prefix_cache_evicted_blocks_total" in after

@@ -114,6 +114,8 @@ CLIENT_CLOSED_REQUEST = 499
 GRACEFUL_SHUTDOWN_S = 5
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# The label every vllm:* metric carries: the (first) served model name.
+MODEL_NAME_LABEL = "model_name"
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
@@ -338,42 +340,61 @@ class GuardMiddleware:
 
 
 class ServerMetrics:
-    """Prometheus metrics in a registry of their own, so servers in one process do not collide."""
+    """Prometheus metrics in a registry of their own, so servers in one process do not collide.
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    Where vLLM (v1) has a metric for the same thing, it has vLLM's name, type and ``model_name`` label
+    (the first served model name, as vLLM's), so dashboards and alerts built for vLLM read plait as
+    they are; what vLLM lacks is named ``plait_*`` and has no label.
+    """
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
         self.registry = prom.CollectorRegistry()
+        self.model_name = model_name
         r = self.registry
+        model = [MODEL_NAME_LABEL]
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> prom.Histogram:
             return prom.Histogram(name, doc, buckets=buckets, registry=r)
 
-        self.requests_finished = prom.Counter(
-            "plait_requests_finished", "Engine requests (one per choice) finished, by finish reason",
-            ["finished_reason"], registry=r)
+        def vllm_histogram(name: str, doc: str, buckets: Sequence[float]) -> prom.Histogram:
+            return prom.Histogram(name, doc, model, buckets=buckets, registry=r).labels(model_name)
+
+        def vllm_counter(name: str, doc: str) -> prom.Counter:
+            return prom.Counter(name, doc, model, registry=r).labels(model_name)
+
+        self._request_success = prom.Counter(
+            "vllm:request_success", "Engine requests (one per choice) finished, by finish reason",
+            [MODEL_NAME_LABEL, "finished_reason"], registry=r)
         for reason in FINISH_REASONS:
-            self.requests_finished.labels(reason)  # every series exists from the first scrape
-        self.prompt_tokens = prom.Counter("plait_prompt_tokens", "Prompt tokens of admitted requests",
-                                          registry=r)
-        self.generation_tokens = prom.Counter("plait_generation_tokens", "Generated tokens", registry=r)
-        self.ttft = histogram("plait_time_to_first_token_seconds", "Time from arrival to the first token",
-                              TTFT_BUCKETS_S)
-        self.itl = histogram("plait_inter_token_latency_seconds", "Time between two tokens of a request",
-                             ITL_BUCKETS_S)
-        self.e2e = histogram("plait_e2e_request_latency_seconds", "Time from arrival to the last token",
-                             E2E_BUCKETS_S)
+            self._request_success.labels(model_name, reason)  # every series exists from the first scrape
+        self.prompt_tokens = vllm_counter("vllm:prompt_tokens", "Prompt tokens of admitted requests")
+        self.generation_tokens = vllm_counter("vllm:generation_tokens", "Generated tokens")
+        self.ttft = vllm_histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first token",
+                                   TTFT_BUCKETS_S)
+        self.itl = vllm_histogram("vllm:inter_token_latency_seconds", "Time between two tokens of a request",
+                                  ITL_BUCKETS_S)
+        self.e2e = vllm_histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token",
+                                  E2E_BUCKETS_S)
+        self.iteration_tokens = vllm_histogram("vllm:iteration_tokens_total",
+                                               "Tokens (prompt and decode) computed per engine step",
+                                               STEP_TOKEN_BUCKETS)
+        self.preemptions = vllm_counter("vllm:num_preemptions", "Requests preempted by recompute")
         self.step_prefill = histogram("plait_step_prefill_tokens", "Prompt tokens computed per engine step",
                                       STEP_TOKEN_BUCKETS)
         self.step_decode = histogram("plait_step_decode_tokens", "Decode tokens computed per engine step",
                                      STEP_TOKEN_BUCKETS)
         self.step_duration = histogram("plait_step_duration_seconds", "Wall time of one engine step",
                                        STEP_DURATION_BUCKETS_S)
-        self.preemptions = prom.Counter("plait_preemptions", "Requests preempted by recompute", registry=r)
-        r.register(_EngineStatsCollector(stats))
+        r.register(_EngineStatsCollector(stats, model_name))
+
+    def request_finished(self, reason: str, count: int = 1) -> None:
+        self._request_success.labels(self.model_name, reason).inc(count)
 
     def observe_step(self, stats: StepStats) -> None:
         """Called on the engine's loop thread after every step (prometheus_client is thread-safe)."""
         self.step_prefill.observe(stats.num_prefill_tokens)
         self.step_decode.observe(stats.num_decode_tokens)
+        self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
         self.step_duration.observe(stats.duration_s)
         if stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
@@ -385,15 +406,31 @@ class ServerMetrics:
 class _EngineStatsCollector(Collector):
     """Engine state read at scrape time from the snapshot the loop thread publishes."""
 
-    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
         self._stats = stats
+        self._model_name = model_name
 
     def collect(self) -> Iterable[Metric]:
         s = self._stats()
+        vllm_gauges = {
+            "vllm:num_requests_running": ("Requests holding KV blocks", s.num_running),
+            "vllm:num_requests_waiting": ("Requests queued for admission", s.num_waiting),
+            "vllm:kv_cache_usage_perc": ("Fraction of usable KV blocks held by requests (0-1)", s.kv_usage),
+        }
+        for name, (doc, value) in vllm_gauges.items():
+            gauge = GaugeMetricFamily(name, doc, labels=[MODEL_NAME_LABEL])
+            gauge.add_metric([self._model_name], value)
+            yield gauge
+        vllm_counters = {
+            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
+                                          s.prefix_cache_queries),
+            "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache", s.prefix_cache_hits),
+        }
+        for name, (doc, value) in vllm_counters.items():
+            counter = CounterMetricFamily(name, doc, labels=[MODEL_NAME_LABEL])
+            counter.add_metric([self._model_name], value)
+            yield counter
         gauges = {
-            "plait_num_requests_running": ("Requests holding KV blocks", s.num_running),
-            "plait_num_requests_waiting": ("Requests queued for admission", s.num_waiting),
-            "plait_kv_cache_usage_perc": ("Fraction of usable KV blocks held by requests (0-1)", s.kv_usage),
             "plait_kv_cache_used_blocks": ("KV blocks held by requests", s.kv_blocks_used),
             "plait_prefix_cache_blocks": ("KV blocks findable by prefix hash (held or free-but-cached)",
                                           s.prefix_cache_blocks),
@@ -406,8 +443,6 @@ class _EngineStatsCollector(Collector):
         counters = {
             "plait_engine_steps": ("Engine steps run", s.num_steps),
             "plait_engine_failed_steps": ("Engine steps that raised", s.num_failed_steps),
-            "plait_prefix_cache_queries": ("Prompt tokens looked up in the cache", s.prefix_cache_queries),
-            "plait_prefix_cache_hits": ("Prompt tokens found in the cache", s.prefix_cache_hits),
             "plait_prefix_cache_evicted_blocks": ("Cached blocks evicted for new allocations",
                                                   s.prefix_cache_evicted_blocks),
         }
@@ -441,7 +476,7 @@ class _RequestTracker:
         if out.finished and not self._done[index]:
             self._done[index] = True
             self._m.e2e.observe(max(0.0, now - self._arrival))
-            self._m.requests_finished.labels(completion.finish_reason or "stop").inc()
+            self._m.request_finished(completion.finish_reason or "stop")
 
     def close(self, error: bool = False) -> None:
         """Count every child that did not finish as aborted (client gone) or failed (idempotent)."""
@@ -451,7 +486,7 @@ class _RequestTracker:
         reason = "error" if error else "abort"
         unfinished = self._done.count(False)
         if unfinished:
-            self._m.requests_finished.labels(reason).inc(unfinished)
+            self._m.request_finished(reason, unfinished)
 
 
 class _EngineStreamResponse(StreamingResponse):
@@ -552,7 +587,7 @@ class OpenAIServer:
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self._token_strings: dict[int, str] = {}
         self.engine = AsyncLLMEngine(engine, on_step=self._on_step)
-        self.metrics = ServerMetrics(lambda: self.engine.stats)
+        self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
         self.app = self._build_app()
 
     def _on_step(self, stats: StepStats) -> None:
