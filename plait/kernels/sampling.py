@@ -48,6 +48,15 @@ def _top_k_keep(z, valid, kth, room, ties_before, HAS_TOP_K: tl.constexpr):
 
 
 @triton.jit
+def _load_block(z_row, ids, V, kth, room, ties_before, HAS_TOP_K: tl.constexpr):
+    """One block of a row's logits (-inf past the end) and which of them top-k keeps."""
+    valid = ids < V
+    z = tl.load(z_row + ids, mask=valid, other=float("-inf"))
+    keep, ties = _top_k_keep(z, valid, kth, room, ties_before, HAS_TOP_K)
+    return ids, z, keep, ties
+
+
+@triton.jit
 def _race_kernel(
     z_ptr, noise_ptr, rows_ptr, kth_ptr, room_ptr, top_p_ptr, min_p_ptr, out_ptr,
     V, stride_z, stride_noise, n_blocks, STATIC_BLOCKS: tl.constexpr,
@@ -70,10 +79,7 @@ def _race_kernel(
     s_lane = tl.zeros((BLOCK,), tl.float32)
     ties = tl.zeros((), tl.int32)
     for blk in range(trip_count(STATIC_BLOCKS, n_blocks)):
-        ids = blk * BLOCK + offs
-        valid = ids < V
-        z = tl.load(z_row + ids, mask=valid, other=float("-inf"))
-        keep, ties = _top_k_keep(z, valid, kth, room, ties, HAS_TOP_K)
+        ids, z, keep, ties = _load_block(z_row, blk * BLOCK + offs, V, kth, room, ties, HAS_TOP_K)
         zk = tl.where(keep, z, float("-inf"))
         m_new = tl.maximum(m_lane, zk)
         shift = tl.where(m_new > float("-inf"), m_new, 0.0)  # a lane with nothing kept yet: no -inf - -inf
@@ -115,10 +121,7 @@ def _mass_and_race_before(z_row, noise_row, V, kth, room, z_max, min_p, bound_z,
     count_lane = tl.zeros((BLOCK,), tl.int32)
     ties = tl.zeros((), tl.int32)
     for blk in range(trip_count(STATIC_BLOCKS, n_blocks)):
-        ids = blk * BLOCK + offs
-        valid = ids < V
-        z = tl.load(z_row + ids, mask=valid, other=float("-inf"))
-        keep, ties = _top_k_keep(z, valid, kth, room, ties, HAS_TOP_K)
+        ids, z, keep, ties = _load_block(z_row, blk * BLOCK + offs, V, kth, room, ties, HAS_TOP_K)
         keep = keep & ((z > bound_z) | ((z == bound_z) & (ids < bound_id)))
         e = tl.load(noise_row + ids, mask=keep, other=1.0)
         p = tl.where(keep, tl.exp(z - z_max), 0.0)
