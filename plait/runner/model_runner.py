@@ -386,12 +386,12 @@ class ModelRunner:
         target_t = host_to_device([t for run in targets for t in run], torch.long, self.device)
         max_n = max(run[3] for run in runs)
         # lm_head over at most max_num_seqs rows at a time: the logits the sampler's largest batch makes.
-        step = self.config.max_num_seqs
+        at_once = self.config.max_num_seqs
         tables = []
-        for lo in range(0, len(index_t), step):
-            logits = self.model.compute_logits(hidden[index_t[lo: lo + step]])  # [n, vocab]
+        for lo in range(0, len(index_t), at_once):
+            logits = self.model.compute_logits(hidden[index_t[lo: lo + at_once]])  # [n, vocab]
             raw = torch.log_softmax(logits.float(), dim=-1)
-            tables.append(logprob_table(raw, target_t[lo: lo + step], max_n))
+            tables.append(logprob_table(raw, target_t[lo: lo + at_once], max_n))
         return runs, torch.cat(tables)
 
     @staticmethod

@@ -98,7 +98,7 @@ def needs_penalties(p: SamplingParams) -> bool:
 
 
 def host_to_device(values: Sequence[object] | torch.Tensor, dtype: torch.dtype, device: torch.device
-               ) -> torch.Tensor:
+                   ) -> torch.Tensor:
     """Host values (a list, or a CPU tensor) as a tensor on ``device`` without making the host wait.
 
     ``torch.tensor(values, device="cuda")`` copies from pageable memory and then waits for all the work
