@@ -27,6 +27,8 @@ LOGIT_BIAS_BOUND = 100.0
 # takes at most 300, so every OpenAI or vLLM request fits.
 MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ALLOWED_TOKEN_IDS = 1024
+# Choices of one guided_choice request: each is tokenized at admission and matched on the host every step.
+MAX_GUIDED_CHOICES = 256
 
 
 def _describe(value: Any) -> str:
@@ -96,6 +98,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # vLLM's allowed_token_ids: only these ids may be sampled (None: any).
     allowed_token_ids: list[int] | None = None
+    # vLLM's guided choice (structured_outputs choice): the output is exactly one of these strings,
+    # each as the tokenizer encodes it on its own.
+    guided_choice: list[str] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -160,6 +165,9 @@ class SamplingParams:
         # Ids are checked against the model's vocabulary by the engine, which knows it.
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         self.allowed_token_ids = self._normalise_allowed_token_ids(self.allowed_token_ids)
+        self.guided_choice = self._normalise_guided_choice(self.guided_choice)
+        if self.guided_choice is not None and self.allowed_token_ids is not None:
+            raise ValueError("guided_choice and allowed_token_ids cannot be combined")
 
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:
@@ -207,6 +215,19 @@ class SamplingParams:
             normalised[token_id] = _check_bias(token_id, value)
         # Empty asks for nothing, so the sampler only has to look for None.
         return normalised or None
+
+    @staticmethod
+    def _normalise_guided_choice(choices: Any) -> list[str] | None:
+        if choices is None:
+            return None
+        if not isinstance(choices, (list, tuple)) or not all(isinstance(c, str) for c in choices):
+            raise ValueError(f"guided_choice must be a list of str, got {_describe(choices)}")
+        if not choices or not all(choices):
+            raise ValueError("guided_choice must hold at least one choice, and no empty string")
+        if len(choices) > MAX_GUIDED_CHOICES:
+            raise ValueError(f"guided_choice must have at most {MAX_GUIDED_CHOICES} choices, "
+                             f"got {len(choices)}")
+        return list(choices)
 
     @staticmethod
     def _normalise_allowed_token_ids(ids: Any) -> list[int] | None:

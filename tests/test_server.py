@@ -306,6 +306,22 @@ def test_harmless_unknown_fields_are_accepted(client, model):
     assert r.usage.completion_tokens >= 1
 
 
+def test_guided_choice_as_vllm(client, model):
+    """vLLM's guided_choice and structured_outputs={"choice": ...}: every answer is one of the choices,
+    sampled or greedy, on both endpoints, streamed too."""
+    choices = ["red", "green", "blue", "light blue"]
+    for body in ({"guided_choice": choices}, {"structured_outputs": {"choice": choices}}):
+        r = client.completions.create(model=model, prompt="My favourite colour is", max_tokens=10, n=3,
+                                      temperature=1.2, seed=3, extra_body=body)
+        assert all(c.text in choices and c.finish_reason == "stop" for c in r.choices), r.choices
+        r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "A colour?"}],
+                                           max_tokens=10, temperature=0.0, extra_body=body)
+        assert r.choices[0].message.content in choices
+    stream = client.completions.create(model=model, prompt="Sky:", max_tokens=10, stream=True,
+                                       extra_body={"guided_choice": choices})
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) in choices
+
+
 def test_stream_options_as_vllm(client, model):
     """stream_options at all asks for the usage chunk (include_usage defaults to true, as in vLLM);
     continuous_usage_stats puts the usage so far on every chunk."""
@@ -814,10 +830,16 @@ BAD_REQUESTS = [
         ("function_call", "auto"),
         ("guided_json", {"type": "object"}),
         ("guided_regex", "[0-9]+"),
-        ("guided_choice", ["yes", "no"]),
         ("guided_grammar", "root ::= 'x'"),
         ("structured_outputs", {"json": {"type": "object"}}),
+        ("structured_outputs", {"choice": ["a", "b"], "regex": "[ab]"}),
     )],
+    ("/v1/completions", {"prompt": "x", "guided_choice": []}, 400, "guided_choice", "at least 1"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["a", ""]}, 400, "guided_choice", "empty string"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["a"], "structured_outputs": {"choice": ["b"]}}, 400,
+     "guided_choice", "cannot both"),
+    ("/v1/completions", {"prompt": "x", "guided_choice": ["a"], "allowed_token_ids": [1]}, 400,
+     "guided_choice", "cannot be combined"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo",
      "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],

@@ -180,6 +180,7 @@ class LLMEngine:
             sampling_params=params,
             max_tokens=max_tokens,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            choice_token_ids=self._tokenize_choices(params.guided_choice),
         )
         return request, text
 
@@ -226,6 +227,13 @@ class LLMEngine:
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
                 f"has {len(token_ids)} input tokens. Please reduce the length of the input messages."
             )
+
+    def _tokenize_choices(self, choices: list[str] | None) -> tuple[tuple[int, ...], ...] | None:
+        if choices is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("guided_choice needs the model's tokenizer; this model has none")
+        return tuple(tuple(self.tokenizer.encode(c, add_special_tokens=False)) for c in choices)
 
     def _validate_sampling_token_ids(self, params: SamplingParams) -> None:
         """logit_bias and allowed_token_ids index the logits row on the device, where an id beyond it
@@ -299,9 +307,10 @@ class LLMEngine:
 
     def _can_overlap(self, step: InFlightStep) -> bool:
         """Whether the next step may launch before ``step``'s ids are on the host: not when overlap
-        is off, nor when a request in it applies penalties (they need the ids themselves)."""
+        is off, nor when a request in it applies penalties or a guided choice (they need the ids
+        themselves)."""
         return self.config.async_scheduling and not any(
-            needs_penalties(r.sampling_params) for r in step.requests
+            needs_penalties(r.sampling_params) or r.choice_token_ids is not None for r in step.requests
         )
 
     def _collect(self) -> list[RequestOutput]:
@@ -374,6 +383,8 @@ class LLMEngine:
             if tracked.detokenizer.stop_reason is not None and request.finish_reason is None and min_reached:
                 request.finish_reason = FinishReason.STOP
                 request.stop_reason = tracked.detokenizer.stop_reason
+        if request.finish_reason is None and request.is_whole_choice():
+            request.finish_reason = FinishReason.STOP  # nothing but EOS could follow
         if request.finish_reason is None and (
             num_out >= request.max_tokens or request.num_known_tokens >= self.max_model_len
         ):

@@ -35,6 +35,8 @@ class Request:
     sampling_params: SamplingParams
     max_tokens: int  # resolved by the engine from sampling_params and max_model_len
     eos_token_ids: frozenset[int] = frozenset()  # set by the engine from the model; empty if ignore_eos
+    # sampling_params.guided_choice, tokenized by the engine: the outputs allowed, as token ids.
+    choice_token_ids: tuple[tuple[int, ...], ...] | None = None
     arrival_index: int | None = None  # set by LLMEngine.enqueue: FCFS order
 
     # Set by the scheduler.
@@ -64,6 +66,26 @@ class Request:
 
     def __post_init__(self) -> None:
         self.num_prefill_tokens = len(self.prompt_token_ids)
+
+    def choice_continuations(self) -> list[int] | None:
+        """The ids a guided-choice request may sample next: each choice's next token where the output so
+        far is its prefix, and EOS where it is already a whole choice (None: no guided choice)."""
+        if self.choice_token_ids is None:
+            return None
+        out = tuple(self.output_token_ids)
+        n = len(out)
+        allowed = {c[n] for c in self.choice_token_ids if len(c) > n and c[:n] == out}
+        if out in self.choice_token_ids:
+            allowed |= self.eos_token_ids
+        return sorted(allowed)
+
+    def is_whole_choice(self) -> bool:
+        """Whether the output is one of the choices and no longer choice continues it."""
+        if self.choice_token_ids is None:
+            return False
+        out = tuple(self.output_token_ids)
+        return out in self.choice_token_ids and not any(
+            len(c) > len(out) and c[: len(out)] == out for c in self.choice_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

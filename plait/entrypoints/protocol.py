@@ -11,6 +11,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_valida
 from plait.sampling_params import (
     LOGIT_BIAS_BOUND,
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_GUIDED_CHOICES,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     PENALTY_BOUND,
@@ -48,10 +49,9 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "function_call": "function calling; only 'none' is supported",
     "guided_json": "guided decoding",
     "guided_regex": "guided decoding",
-    "guided_choice": "guided decoding",
     "guided_grammar": "guided decoding",
     "structural_tag": "guided decoding",
-    "structured_outputs": "structured output",
+    "structured_outputs": "structured output; only {'choice': [...]} is supported",
     "bad_words": "banned words",
     "logits_processors": "custom logits processors",
     "use_beam_search": "beam search",
@@ -72,6 +72,8 @@ def _asks_for(name: str, value: Any) -> bool:
         return not (isinstance(value, dict) and value.get("type") == "text")
     if name in ("tool_choice", "function_call"):
         return value != _NO_TOOL
+    if name == "structured_outputs":  # a choice is served (guided_choice); anything else is not
+        return not isinstance(value, dict) or any(_asks_for("", v) for k, v in value.items() if k != "choice")
     return True
 
 
@@ -188,6 +190,8 @@ class _SamplingRequest(_RequestModel):
     allowed_token_ids: AllowedTokenIds | None = None  # vLLM extension: only these ids may be sampled
     # vLLM extension: each prompt token's logprob and the top-n at its position (non-streamed answers only).
     prompt_logprobs: NumLogprobs | None = None
+    # vLLM extension: the output is exactly one of these strings (also as structured_outputs' "choice").
+    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)] | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -203,6 +207,13 @@ class _SamplingRequest(_RequestModel):
         # here too rather than silently ignored.
         if self.prompt_logprobs is not None and self.stream:
             raise ProtocolError("prompt_logprobs is not available when stream is true", "prompt_logprobs")
+        if self.guided_choice is not None and self._structured_choice() is not None:
+            raise ProtocolError("guided_choice and structured_outputs.choice cannot both be set",
+                                "guided_choice")
+
+    def _structured_choice(self) -> Any:
+        structured = (self.model_extra or {}).get("structured_outputs")
+        return structured.get("choice") if isinstance(structured, dict) else None
 
     @property
     def requested_prompt_logprobs(self) -> int | None:
@@ -253,6 +264,7 @@ class _SamplingRequest(_RequestModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
             prompt_logprobs=self.requested_prompt_logprobs,
+            guided_choice=self.guided_choice if self.guided_choice is not None else self._structured_choice(),
         )
 
 

@@ -222,7 +222,7 @@ _KNOWN_PARAMS = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
-    "prompt_logprobs", "prompt",
+    "prompt_logprobs", "guided_choice", "prompt",
 })
 
 

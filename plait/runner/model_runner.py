@@ -424,6 +424,7 @@ class ModelRunner:
                 r.output_token_ids,
                 r.eos_token_ids,
                 num_output_tokens=r.num_output_tokens,
+                allowed_now=r.choice_continuations(),
             )
             for r in requests
         ]

@@ -70,10 +70,16 @@ class SamplingRow:
     # len(output_token_ids). min_tokens and seeded draws depend on this count only; penalties need
     # the ids themselves, so the engine never overlaps a step whose rows use them.
     num_output_tokens: int | None = None
+    # This step's own allowed ids (a guided choice's continuations), instead of params.allowed_token_ids.
+    allowed_now: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_output_tokens is None:
             self.num_output_tokens = len(self.output_token_ids)
+
+    def allowed_token_ids(self) -> Sequence[int] | None:
+        """The ids this row may sample (None: any); SamplingParams never sets both sources."""
+        return self.allowed_now if self.allowed_now is not None else self.params.allowed_token_ids
 
 
 @dataclass
@@ -253,7 +259,7 @@ class Sampler:
         want_logprobs = [i for i, p in enumerate(params) if p.logprobs is not None]
         min_tokens_rows = [i for i, r in enumerate(rows) if r.num_output_tokens < r.params.min_tokens]
         penalty_rows = [i for i, p in enumerate(params) if needs_penalties(p)]
-        allowed_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        allowed_rows = [i for i, r in enumerate(rows) if r.allowed_token_ids() is not None]
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias is not None]
         all_greedy = all(p.is_greedy for p in params)
         changes_logits = min_tokens_rows or penalty_rows or allowed_rows or bias_rows
@@ -299,7 +305,7 @@ class Sampler:
         r_idx: list[int] = []
         t_idx: list[int] = []
         for i in row_ids:
-            ids = rows[i].params.allowed_token_ids or ()
+            ids = rows[i].allowed_token_ids() or ()
             r_idx += [i] * len(ids)
             t_idx += ids
         n = len(r_idx)
