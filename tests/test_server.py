@@ -322,6 +322,18 @@ def test_guided_choice_as_vllm(client, model):
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) in choices
 
 
+def test_a_batch_of_prompts_times_n_in_one_request(client, model):
+    """A batch of prompts, each sampled n times, in one call (as RL rollouts ask): 20 x 4 = 80 sequences,
+    more than the old cap of 64; choice i * n + k is prompt i's k-th sample, as OpenAI and vLLM order them."""
+    prompts = [f"Count to {i}:" for i in range(20)]
+    r = client.completions.create(model=model, prompt=prompts, n=4, max_tokens=2, temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == list(range(80))
+    for i in range(20):  # greedy: the n samples of one prompt agree
+        assert len({c.text for c in r.choices[4 * i: 4 * i + 4]}) == 1
+    assert r.usage.completion_tokens == 160
+
+
 def test_stream_options_as_vllm(client, model):
     """stream_options at all asks for the usage chunk (include_usage defaults to true, as in vLLM);
     continuous_usage_stats puts the usage so far on every chunk."""
@@ -769,7 +781,7 @@ BAD_REQUESTS = [
      "min_tokens must be <= max_tokens"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", "empty string"),
     ("/v1/completions", {"prompt": "x", "n": MAX_N + 1}, 400, "n", "less than or equal to"),
-    ("/v1/completions", {"prompt": ["x"] * 8, "n": MAX_N}, 400, "n", "sequences"),
+    ("/v1/completions", {"prompt": ["x"] * 33, "n": MAX_N}, 400, "n", "sequences"),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
     ("/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt", "out of range"),
     ("/v1/completions", {"prompt": [1, -3]}, 400, "prompt", "greater than or equal to 0"),

@@ -18,10 +18,11 @@ from plait.sampling_params import (
     SamplingParams,
 )
 
-# Sequences one request may ask for (n), and in all (prompts x n): a single HTTP request must not be
-# able to fill the engine on its own.
-MAX_N = 16
-MAX_SEQUENCES_PER_REQUEST = 64
+# Sequences one request may ask for: n at most OpenAI's own cap, and in all (prompts x n) a bound on
+# what one HTTP body can queue; the engine admits them FCFS like any other requests. (Sampling many
+# completions of a batch of prompts in one call, as RL rollouts do, is ordinary use: 64 prompts x 8.)
+MAX_N = 128
+MAX_SEQUENCES_PER_REQUEST = 4096
 # Stop strings are checked against the text after every token, so their number is bounded.
 MAX_STOP_STRINGS = 16
 # OpenAI's default temperature / top_p when a request does not say.
