@@ -67,25 +67,26 @@ class Request:
     def __post_init__(self) -> None:
         self.num_prefill_tokens = len(self.prompt_token_ids)
 
-    def choice_continuations(self) -> list[int] | None:
-        """The ids a guided-choice request may sample next: each choice's next token where the output so
-        far is its prefix, and EOS where it is already a whole choice (None: no guided choice)."""
-        if self.choice_token_ids is None:
-            return None
+    def _next_choice_tokens(self) -> set[int]:
+        """Each choice's next token where the output so far is a proper prefix of it."""
         out = tuple(self.output_token_ids)
         n = len(out)
-        allowed = {c[n] for c in self.choice_token_ids if len(c) > n and c[:n] == out}
-        if out in self.choice_token_ids:
+        return {c[n] for c in self.choice_token_ids or () if len(c) > n and c[:n] == out}
+
+    def choice_continuations(self) -> list[int] | None:
+        """The ids a guided-choice request may sample next: the choices' next tokens, and EOS where the
+        output is already a whole choice (None: no guided choice)."""
+        if self.choice_token_ids is None:
+            return None
+        allowed = self._next_choice_tokens()
+        if tuple(self.output_token_ids) in self.choice_token_ids:
             allowed |= self.eos_token_ids
         return sorted(allowed)
 
     def is_whole_choice(self) -> bool:
         """Whether the output is one of the choices and no longer choice continues it."""
-        if self.choice_token_ids is None:
-            return False
-        out = tuple(self.output_token_ids)
-        return out in self.choice_token_ids and not any(
-            len(c) > len(out) and c[: len(out)] == out for c in self.choice_token_ids)
+        return (self.choice_token_ids is not None and tuple(self.output_token_ids) in self.choice_token_ids
+                and not self._next_choice_tokens())
 
     @property
     def num_prompt_tokens(self) -> int:
