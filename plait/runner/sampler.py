@@ -3,7 +3,7 @@ top-k/top-p/min-p, logprobs)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -217,17 +217,6 @@ def unpack_logprobs(row: list[float], n: int, max_n: int) -> Logprobs:
     """One row of logprob_table (as a host list), keeping the n best of its max_n."""
     return Logprobs(token_logprob=row[0], top_ids=[int(t) for t in row[2 + max_n: 2 + max_n + n]],
                     top_logprobs=row[2: 2 + n], rank=int(row[1]))
-
-
-def _on_rows(logits: torch.Tensor, row_ids: list[int], fn: Callable[[torch.Tensor], None]) -> None:
-    """Applies an in-place, row-wise filter to some rows only; the others stay untouched."""
-    if len(row_ids) == logits.shape[0]:
-        fn(logits)
-        return
-    idx = host_to_device(row_ids, torch.long, logits.device)
-    sub = logits.index_select(0, idx)
-    fn(sub)
-    logits.index_copy_(0, idx, sub)
 
 
 class Sampler:
