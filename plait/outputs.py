@@ -19,8 +19,10 @@ class CompletionOutput:
     index: int
     text: str  # cumulative output text
     token_ids: list[int]  # cumulative output token ids
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" | None while running
+    # The stop string or stop token id that ended it; with "error", what went wrong (a structured output's
+    # grammar failed).
+    stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None  # one per token when requested
     delta_text: str = ""  # text produced by the step that made this output
     delta_token_ids: list[int] = field(default_factory=list)

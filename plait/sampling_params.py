@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 # top_k value meaning "no top-k filtering". vLLM also accepts -1 for this; it is normalised to 0.
@@ -29,6 +30,8 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ALLOWED_TOKEN_IDS = 1024
 # Choices of one guided_choice request: each is tokenized at admission and matched on the host every step.
 MAX_GUIDED_CHOICES = 256
+# The constraint kinds of StructuredOutputsParams, exactly one of which a request sets.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "grammar", "choice", "json_object")
 
 
 def _describe(value: Any) -> str:
@@ -67,6 +70,67 @@ def _check_bool(name: str, value: Any) -> None:
 
 
 @dataclass
+class StructuredOutputsParams:
+    """vLLM's StructuredOutputsParams: the output must match one constraint, compiled by llguidance
+    (plait/engine/grammar.py) except ``choice``, which SamplingParams.guided_choice serves."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema (a dict, or its JSON text)
+    regex: str | None = None  # the whole output matches it (Rust regex syntax, as llguidance reads it)
+    # A context-free grammar: Lark as llguidance reads it, or llama.cpp's GBNF (text with "::=").
+    grammar: str | None = None
+    choice: list[str] | None = None  # exactly one of these strings (as SamplingParams.guided_choice)
+    json_object: bool = False  # any JSON object
+    # vLLM's: no whitespace between JSON tokens (json, json_object), where by default any is allowed.
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        if self.json is not None:
+            self.json = self._normalise_schema(self.json)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs {name} must be a non-empty str, got {_describe(value)}")
+        if self.choice is not None:
+            self.choice = SamplingParams._normalise_guided_choice(self.choice)
+        _check_bool("structured_outputs json_object", self.json_object)
+        _check_bool("structured_outputs disable_any_whitespace", self.disable_any_whitespace)
+        kinds = self.kinds()
+        if len(kinds) != 1:
+            got = " and ".join(kinds) if kinds else "none"
+            raise ValueError(f"structured_outputs must set exactly one of "
+                             f"{', '.join(STRUCTURED_OUTPUT_KINDS)}; got {got}")
+
+    def kinds(self) -> list[str]:
+        """The constraint kinds set (json_object only when true)."""
+        return [name for name in STRUCTURED_OUTPUT_KINDS if getattr(self, name) not in (None, False)]
+
+    @property
+    def kind(self) -> str:
+        """The one constraint kind set."""
+        return self.kinds()[0]
+
+    @staticmethod
+    def _normalise_schema(schema: Any) -> dict[str, Any]:
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"structured_outputs json is not valid JSON: {err}") from err
+        if not isinstance(schema, dict):
+            raise ValueError(f"structured_outputs json must be a JSON schema object, got {_describe(schema)}")
+        return schema
+
+    @classmethod
+    def from_mapping(cls, value: Mapping[str, Any]) -> StructuredOutputsParams:
+        """From a dict of the same fields (vLLM's LLM API accepts its own class only; a dict is handier)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown field(s) {', '.join(unknown)}")
+        return cls(**value)
+
+
+@dataclass
 class SamplingParams:
     """Sampling parameters for one request; see vLLM's SamplingParams for the meaning of each field."""
 
@@ -101,6 +165,9 @@ class SamplingParams:
     # vLLM's guided choice (structured_outputs choice): the output is exactly one of these strings,
     # each as the tokenizer encodes it on its own.
     guided_choice: list[str] | None = None
+    # vLLM's structured outputs (JSON schema, JSON object, regex, grammar, choice); a choice is served as
+    # guided_choice, the others by a grammar the engine compiles with llguidance at add_request.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -166,8 +233,36 @@ class SamplingParams:
         self.logit_bias = self._normalise_logit_bias(self.logit_bias)
         self.allowed_token_ids = self._normalise_allowed_token_ids(self.allowed_token_ids)
         self.guided_choice = self._normalise_guided_choice(self.guided_choice)
+        self._resolve_structured_outputs()
         if self.guided_choice is not None and self.allowed_token_ids is not None:
             raise ValueError("guided_choice and allowed_token_ids cannot be combined")
+        if self.structured_outputs is not None and self.allowed_token_ids is not None:
+            raise ValueError("structured_outputs and allowed_token_ids cannot be combined")
+
+    def _resolve_structured_outputs(self) -> None:
+        """Take a dict as StructuredOutputsParams, and serve its choice as guided_choice (which a copy made
+        with dataclasses.replace already holds, so an equal guided_choice is no conflict)."""
+        structured = self.structured_outputs
+        if isinstance(structured, Mapping):
+            structured = self.structured_outputs = StructuredOutputsParams.from_mapping(structured)
+        if structured is None:
+            return
+        if not isinstance(structured, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or a dict, "
+                             f"got {_describe(structured)}")
+        if structured.choice is None:
+            if self.guided_choice is not None:
+                raise ValueError("guided_choice and structured_outputs cannot both be set")
+            return
+        if self.guided_choice is not None and self.guided_choice != structured.choice:
+            raise ValueError("guided_choice and structured_outputs.choice cannot both be set")
+        self.guided_choice = list(structured.choice)
+
+    @property
+    def grammar_spec(self) -> StructuredOutputsParams | None:
+        """The structured output a grammar serves (json, regex, grammar, json_object); None for a choice."""
+        structured = self.structured_outputs
+        return structured if structured is not None and structured.choice is None else None
 
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:

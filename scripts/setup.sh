@@ -15,8 +15,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     "${PIP[@]}" torch==2.13.0
 fi
 
-# The server's dependencies (FastAPI, uvicorn, prometheus_client) come with `serve`; --test adds the
-# test tools (and the server's dependencies too).
+# The server's dependencies (FastAPI, uvicorn, prometheus_client, llguidance for structured outputs) come
+# with `serve`; --test adds the test tools (and the server's dependencies too).
 extras="[serve]"
 if [ "${1:-}" = "--test" ]; then
     extras="[test]"

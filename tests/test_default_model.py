@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+import json
+import re
+
 import pytest
 import torch
 
-from plait import LLM, SamplingParams
+from plait import LLM, SamplingParams, StructuredOutputsParams
 
 NEW_TOKENS = 64
 CHATS = [
@@ -106,3 +110,115 @@ def test_guided_choice_is_refused_with_allowed_token_ids_or_empty():
         SamplingParams(guided_choice=["a", ""])
     with pytest.raises(ValueError, match="list of str"):
         SamplingParams(guided_choice="abc")
+
+
+# --------------------------------------------------------------------------- structured outputs
+
+needs_llguidance = pytest.mark.skipif(importlib.util.find_spec("llguidance") is None,
+                                      reason="llguidance is not installed")
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["name", "age", "color"],
+    "additionalProperties": False,
+}
+PERSON_CHAT = [{"role": "user", "content": "Describe a person as JSON: name, age and favourite color."}]
+PHONE = r"[0-9]{3}-[0-9]{4}"
+
+
+def _is_person(text: str) -> bool:
+    value = json.loads(text)
+    return (set(value) == {"name", "age", "color"} and isinstance(value["name"], str)
+            and isinstance(value["age"], int) and value["color"] in ("red", "green", "blue"))
+
+
+@needs_llguidance
+def test_json_schema_outputs_satisfy_the_schema_beside_an_unconstrained_request(llm):
+    """Greedy and sampled (seeded, and n > 1: each sequence its own matcher) outputs parse and satisfy the
+    schema; an unconstrained greedy request in the same batches produces what it produces alone."""
+    structured = StructuredOutputsParams(json=PERSON)
+    free = SamplingParams(temperature=0.0, max_tokens=24)
+    alone = llm.chat([PERSON_CHAT], free, use_tqdm=False)[0].outputs[0].token_ids
+    constrained = [SamplingParams(temperature=t, seed=11, n=n, max_tokens=48, structured_outputs=structured)
+                   for t, n in ((0.0, 1), (1.0, 2))]
+    outs = llm.chat([PERSON_CHAT] * 3, [*constrained, free], use_tqdm=False)
+    completions = [c for o in outs[:2] for c in o.outputs]
+    assert len(completions) == 3
+    for c in completions:
+        assert c.finish_reason == "stop" and _is_person(c.text), (c.text, c.finish_reason)
+    assert outs[2].outputs[0].token_ids == alone
+    assert llm.engine.is_idle_and_clean()
+
+
+@needs_llguidance
+def test_regex_json_object_lark_and_gbnf_outputs_match(llm):
+    kinds = {
+        "regex": (StructuredOutputsParams(regex=PHONE), lambda t: re.fullmatch(PHONE, t)),
+        "json_object": (StructuredOutputsParams(json_object=True, disable_any_whitespace=True),
+                        lambda t: isinstance(json.loads(t), dict) and " " not in t),
+        "lark": (StructuredOutputsParams(grammar='start: ("yes" | "no") ", " NUM\nNUM: /[0-9]{1,2}/'),
+                 lambda t: re.fullmatch(r"(yes|no), [0-9]{1,2}", t)),
+        "gbnf": (StructuredOutputsParams(grammar='root ::= ("red" | "blue") " " [0-9] [0-9]?'),
+                 lambda t: re.fullmatch(r"(red|blue) [0-9]{1,2}", t)),
+    }
+    prompts = {"regex": "Call me at",
+               "json_object": 'Point as JSON: {"x": 1, "y": 2}. Another point as JSON:',
+               "lark": "Is water wet? Answer and rate 0-99:",
+               "gbnf": "A colour and a number:"}
+    params = [SamplingParams(temperature=t, seed=3, max_tokens=48, structured_outputs=spec)
+              for spec, _ in kinds.values() for t in (0.0, 1.0)]
+    outs = llm.generate([prompts[k] for k in kinds for _ in range(2)], params, use_tqdm=False)
+    for i, (kind, (_, matches)) in enumerate(kinds.items()):
+        for out in outs[2 * i: 2 * i + 2]:  # greedy, then sampled
+            c = out.outputs[0]
+            assert c.finish_reason == "stop" and matches(c.text), (kind, c.text, c.finish_reason)
+
+
+@needs_llguidance
+@pytest.mark.parametrize("spec,words", [
+    (dict(json={"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}}), "minimum"),
+    (dict(regex="[0-9"), "unclosed character class"),
+])
+def test_bad_schema_or_regex_is_refused_at_add_request(llm, spec, words):
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
+    with pytest.raises(ValueError, match=words):
+        llm.engine.add_request("Hi", params)
+    assert llm.engine.is_idle_and_clean()
+
+
+@needs_llguidance
+def test_grammar_steps_are_not_overlapped(llm):
+    """The next mask depends on the token just sampled: a step with a grammar row is collected before the
+    next one launches (with overlap, the mask would lag a token and let a digit in where "-" goes)."""
+    engine = llm.engine
+    assert engine.config.async_scheduling
+    phone = StructuredOutputsParams(regex=PHONE)
+    params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=phone)
+    request_id = engine.add_request("My number is", params)
+    free_id = engine.add_request("Count: one, two,", SamplingParams(temperature=0.0, max_tokens=12))
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0]
+        if engine._in_flight is not None:  # a launched step that carries the grammar row may not overlap
+            in_flight = engine._in_flight[1]
+            carries_grammar = any(r.grammar is not None for r in in_flight.requests)
+            assert engine._can_overlap(in_flight) is not carries_grammar
+    assert re.fullmatch(PHONE, finished[request_id].text) and finished[request_id].finish_reason == "stop"
+    assert finished[free_id].finish_reason == "length"
+
+
+@needs_llguidance
+def test_a_failing_grammar_finishes_its_request_with_error_and_others_go_on(llm):
+    """min_tokens bans EOS where the grammar allows nothing else: the forced token fails the grammar, and
+    that request alone ends, with finish_reason "error" and the reason in stop_reason."""
+    broken = SamplingParams(temperature=0.0, max_tokens=8, min_tokens=2,
+                            structured_outputs=StructuredOutputsParams(regex="a{0}"))
+    free = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate(["Hello", "Hello"], [broken, free], use_tqdm=False)
+    failed = outs[0].outputs[0]
+    assert failed.finish_reason == "error" and "structured output failed" in failed.stop_reason
+    assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 6
+    assert llm.engine.is_idle_and_clean()

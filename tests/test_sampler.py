@@ -4,13 +4,14 @@ import math
 import random
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
-from plait.runner.sampler import ARGMAX_FEW_ROWS, Sampler, SamplingRow, argmax_rows
+from plait.runner.sampler import ARGMAX_FEW_ROWS, Sampler, SamplingRow, argmax_rows, unpack_token_bitmask
 from plait.sampling_params import SamplingParams
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -492,6 +493,53 @@ def test_logprobs_stay_raw_under_bias_and_allowed_ids() -> None:
         assert lp.top_ids == torch.topk(ref[i], 3).indices.tolist()
 
 
+def _pack_bitmask(allowed: torch.Tensor) -> np.ndarray:
+    """[V] bool -> int32 words as llguidance packs them: bit t % 32 of word t // 32."""
+    padded = np.zeros(-(-allowed.shape[0] // 32) * 32, dtype=np.uint8)
+    padded[: allowed.shape[0]] = allowed.numpy()
+    return np.packbits(padded, bitorder="little").view(np.int32)
+
+
+def _bitmask_reference(mask: np.ndarray, width: int) -> torch.Tensor:
+    """Which of ``width`` ids a packed mask allows, bit by bit in Python ints (none past its words)."""
+    words = [int(w) & 0xFFFFFFFF for w in mask]
+    return torch.tensor([t // 32 < len(words) and bool(words[t // 32] >> (t % 32) & 1) for t in range(width)])
+
+
+def test_token_bitmask_masks_as_a_plain_torch_reference() -> None:
+    """A grammar's packed mask leaves -inf wherever its bit is 0 and past its words (logits rows wider than
+    the tokenizer's vocabulary), for greedy, sampled and seeded rows, and changes no other row."""
+    vocab, width, n = 70, 100, 400  # 3 words of mask for 70 ids; ids 70-99 exist only in the logits
+    gen = torch.Generator().manual_seed(31)
+    allowed = torch.rand(3, vocab, generator=gen) < 0.3
+    allowed[0, 31] = allowed[1, 63] = True  # the sign bit of a word
+    allowed[2, 69] = True
+    masks = [_pack_bitmask(a) for a in allowed]
+    assert masks[0][0] < 0 and masks[1][1] < 0
+    reference = torch.stack([_bitmask_reference(m, width) for m in masks])
+    assert torch.equal(reference[:, :vocab], allowed) and not reference[:, vocab:].any()
+    assert torch.equal(unpack_token_bitmask(torch.from_numpy(np.stack(masks)), width), reference)
+    assert torch.equal(unpack_token_bitmask(torch.from_numpy(np.stack(masks)), 40), reference[:, :40])
+
+    logits = make_logits(32, 4, width)
+    logits[:, vocab:] += 100.0  # ids past the vocabulary would win everywhere if left in
+    rows = [row(temperature=0.0, logprobs=1 if i == 1 else None) for i in range(4)]
+    for r, m in zip(rows, masks, strict=False):
+        r.token_bitmask = m
+    out = Sampler()(logits, rows)
+    expected = logits[:3].masked_fill(~reference, float("-inf")).argmax(dim=-1).tolist()
+    assert out.token_ids == expected + [int(logits[3].argmax())]  # the row without a mask is untouched
+    raw = torch.log_softmax(logits[1], dim=-1)[expected[1]].item()  # logprobs stay raw
+    assert out.logprobs[1].token_logprob == pytest.approx(raw)
+
+    for seeded in (False, True):
+        sampled = [row(temperature=1.0, top_p=0.99, seed=i if seeded else None) for i in range(n)]
+        for r in sampled:
+            r.token_bitmask = masks[2]
+        ids = Sampler(seed=5)(logits[2:3].expand(n, -1).contiguous(), sampled).token_ids
+        assert set(ids) <= set(reference[2].nonzero().flatten().tolist()) and len(set(ids)) > 1
+
+
 def _mixed_rows(trial: int) -> list[SamplingRow]:
     """Rows of every kind, none using logit_bias or allowed_token_ids."""
     kinds = [dict(temperature=0.0), dict(temperature=0.0, logprobs=2), dict(top_p=0.9), dict(seed=5 + trial),
@@ -565,7 +613,9 @@ def test_sampling_never_makes_the_host_wait_for_the_gpu() -> None:
         row(output=[3, 4, 4], prompt=[1, 2], presence_penalty=0.5, frequency_penalty=0.3,
             repetition_penalty=1.2),
         row(min_tokens=4, eos=2, stop_token_ids=[7]), row(logit_bias={9: 5.0}), row(allowed_token_ids=[1, 2]),
+        row(temperature=0.9),
     ]
+    rows[-1].token_bitmask = _pack_bitmask(torch.arange(vocab - 100) % 3 == 0)  # a grammar's, narrower
     logits = make_logits(0, len(rows), vocab).cuda()
     sampler = Sampler()
     sampler.sample(logits, rows)  # warm up (allocators, generators), outside the check
@@ -596,7 +646,7 @@ def _race_case(seed: int, rows: int, vocab: int, device: str):
     z[1, vocab // 10: vocab // 3] = float("-inf")
     z[2] = torch.round(z[2])
     z[3] *= 0.01
-    noise = torch.empty(rows, vocab).exponential_(generator=g).clamp_min_(torch.finfo(torch.float32).tiny)
+    keys = torch.randint(0, 2**32, (rows - 1, 2), generator=g)
     ks = torch.randint(1, 64, (rows,), generator=g)
     ks[4] = vocab
     kth, room = top_k_cut(z, ks, int(ks.max()))
@@ -607,7 +657,16 @@ def _race_case(seed: int, rows: int, vocab: int, device: str):
     min_p[7] = 0.0
     sampled = torch.tensor([i for i in range(rows) if i != 8])  # row 8 is left alone (a greedy row)
     to = (lambda t: t.to(device))
-    return to(z), to(noise), to(sampled), (to(kth), to(room)), to(top_p), to(min_p)
+    return to(z), to(keys), to(sampled), (to(kth), to(room)), to(top_p), to(min_p)
+
+
+def _noise(z: torch.Tensor, sampled: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """The noise race_sample hashes from ``keys``, as the torch reference reads it."""
+    from plait.runner.sampler import hashed_exponential_ref
+
+    noise = torch.full_like(z, float("nan"))  # rows outside `sampled` must never be read
+    hashed_exponential_ref(noise, sampled, keys)
+    return noise
 
 
 FILTERS = [(), ("top_k",), ("top_p",), ("min_p",), ("top_k", "top_p"), ("top_p", "min_p"),
@@ -624,13 +683,13 @@ def test_race_kernel_matches_the_sorting_reference(device: str, filters: tuple[s
     from plait.runner.sampler import race_sample_ref
 
     for seed in range(3):
-        z, noise, sampled, top_k, top_p, min_p = _race_case(seed, 12, 1000, device)
+        z, keys, sampled, top_k, top_p, min_p = _race_case(seed, 12, 1000, device)
         args = dict(top_k=top_k if "top_k" in filters else None, top_p=top_p if "top_p" in filters else None,
                     min_p=min_p if "min_p" in filters else None)
         got = torch.full((12,), -1, dtype=torch.long, device=device)
         want = got.clone()
-        race_sample(z, noise, sampled, got, **args)
-        race_sample_ref(z, noise, sampled, want, **args)
+        race_sample(z, keys, sampled, got, **args)
+        race_sample_ref(z, _noise(z, sampled, keys), sampled, want, **args)
         assert torch.equal(got, want), f"seed {seed}: {got.tolist()} != {want.tolist()}"
         assert got[8] == -1, "a row outside `rows` was written"
 
@@ -650,7 +709,7 @@ def test_sampler_kernel_path_matches_its_torch_path(monkeypatch) -> None:
         monkeypatch.setattr(dispatch, "_cpu_interpreter", kernel and not HAS_CUDA)
         dispatch.set_triton_enabled(kernel)
         try:
-            device = "cuda" if HAS_CUDA else "cpu"  # one device: CPU and CUDA generators differ
+            device = "cuda" if HAS_CUDA else "cpu"
             draws[kernel] = Sampler(seed=1).sample(logits.to(device), rows)[0].tolist()
         finally:
             dispatch.set_triton_enabled(True)
@@ -665,8 +724,9 @@ def test_gpu_race_kernel_matches_the_reference_at_a_real_vocabulary(scale: float
     from plait.kernels.sampling import race_sample
     from plait.runner.sampler import race_sample_ref
 
-    z, noise, sampled, top_k, top_p, min_p = _race_case(0, 64, 151_936, "cuda")
+    z, keys, sampled, top_k, top_p, min_p = _race_case(0, 64, 151_936, "cuda")
     z *= scale
+    noise = _noise(z, sampled, keys)
     for args in (dict(top_p=top_p), dict(top_k=top_k, top_p=top_p, min_p=min_p), dict(min_p=min_p)):
         if "top_k" in args:  # recomputed for the scaled logits
             from plait.runner.sampler import top_k_cut
@@ -674,31 +734,28 @@ def test_gpu_race_kernel_matches_the_reference_at_a_real_vocabulary(scale: float
             args["top_k"] = top_k_cut(z, ks, 64)
         got = torch.full((64,), -1, dtype=torch.long, device="cuda")
         want = got.clone()
-        race_sample(z, noise, sampled, got, **args)
+        race_sample(z, keys, sampled, got, **args)
         race_sample_ref(z, noise, sampled, want, **args)
         assert torch.equal(got, want), f"{list(args)}: {(got != want).sum()} rows differ"
 
 
 @pytest.mark.parametrize("device", RACE_DEVICES)
-def test_seeded_noise_kernel_matches_its_torch_twin(device: str) -> None:
-    """Seeded rows' Exp(1) draws, hashed from (key, token id): the Triton kernel and the torch twin give
-    the same values, only the named rows are written, and the draws look like Exp(1)."""
+def test_hashed_noise_looks_exponential_and_the_kernel_draws_the_same(device: str) -> None:
+    """The Exp(1) draws hashed from (key, token id) look like Exp(1), keys one apart give unrelated
+    streams, and the race kernel draws the same ones as the torch twin: over flat logits the race picks
+    each row's smallest draw."""
     pytest.importorskip("triton")
-    from plait.kernels.sampling import seeded_exponential
-    from plait.runner.sampler import seeded_exponential_ref
+    from plait.kernels.sampling import race_sample
 
     vocab = 20_000
     keys = torch.tensor([[0, 0], [2**32 - 1, 2**32 - 1], [12345, 678], [12346, 678]], device=device)
     rows = torch.tensor([4, 0, 2, 3], device=device)
-    got = torch.full((5, vocab), -1.0, device=device)
-    want = got.clone()
-    seeded_exponential(got, rows, keys)
-    seeded_exponential_ref(want, rows, keys)
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
-    assert bool((got[1] == -1).all()), "a row outside `rows` was written"
-    draws = want[[4, 0, 2, 3]].cpu()
-    assert bool((draws >= 0).all())
+    z = torch.zeros(5, vocab, device=device)
+    draws = _noise(z, rows, keys)[[4, 0, 2, 3]].cpu()
+    assert bool((draws > 0).all())
     for d in draws:
         assert abs(d.mean().item() - 1.0) < 0.03 and abs((d > 1).float().mean().item() - math.exp(-1)) < 0.015
-    # Keys one apart give unrelated streams.
     assert abs(torch.corrcoef(draws[2:4])[0, 1].item()) < 0.03
+    got = torch.full((5,), -1, dtype=torch.long, device=device)
+    race_sample(z, keys, rows, got)
+    assert got[[4, 0, 2, 3]].tolist() == draws.argmin(dim=-1).tolist() and got[1] == -1

@@ -1,7 +1,9 @@
 """Tests for SamplingParams defaults, normalisation and validation."""
 
 import dataclasses
+import json
 import math
+import re
 
 import pytest
 
@@ -13,6 +15,7 @@ from plait.sampling_params import (
     MAX_LOGPROBS,
     TOP_K_DISABLED,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 
@@ -226,3 +229,52 @@ def test_bad_logit_bias_and_allowed_token_ids_raise_naming_the_field(field: str,
     # The server names the field from the message's first word.
     assert message.split(" ", 1)[0] == field, message
     assert words in message, message
+
+
+# --------------------------------------------------------------------------- structured outputs
+
+BAD_STRUCTURED_OUTPUTS = [
+    (dict(), "exactly one of json, regex, grammar, choice, json_object; got none"),
+    (dict(json_object=False), "got none"),
+    (dict(regex="a", grammar="start: 'a'"), "got regex and grammar"),
+    (dict(json={"type": "object"}, json_object=True), "got json and json_object"),
+    (dict(json="{not json"), "not valid JSON"),
+    (dict(json="[1, 2]"), "JSON schema object"),
+    (dict(json=5), "JSON schema object"),
+    (dict(regex=""), "non-empty str"),
+    (dict(grammar=5), "non-empty str"),
+    (dict(choice=[]), "at least one"),
+    (dict(json_object=1), "must be a bool"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "words"), BAD_STRUCTURED_OUTPUTS,
+                         ids=[str(i) for i in range(len(BAD_STRUCTURED_OUTPUTS))])
+def test_structured_outputs_set_exactly_one_valid_constraint(kwargs: dict, words: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(words)) as excinfo:
+        StructuredOutputsParams(**kwargs)
+    # The server names the field from the message's first word.
+    assert excinfo.value.args[0].split(" ", 1)[0] in ("structured_outputs", "guided_choice")
+
+
+def test_structured_outputs_in_sampling_params() -> None:
+    schema = {"type": "object"}
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=json.dumps(schema)))
+    assert params.structured_outputs.json == schema and params.grammar_spec is params.structured_outputs
+    assert SamplingParams(structured_outputs={"regex": "[ab]+"}).structured_outputs.kind == "regex"
+    # A choice is served as guided_choice, which a copy (n > 1 fans out with dataclasses.replace) keeps.
+    choice = SamplingParams(n=2, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
+    assert choice.guided_choice == ["a", "b"] and choice.grammar_spec is None
+    assert dataclasses.replace(choice, n=1).guided_choice == ["a", "b"]
+    with pytest.raises(ValueError, match="cannot be combined"):
+        SamplingParams(structured_outputs={"regex": "a"}, allowed_token_ids=[1])
+    with pytest.raises(ValueError, match="cannot be combined"):
+        SamplingParams(structured_outputs={"choice": ["a"]}, allowed_token_ids=[1])
+    with pytest.raises(ValueError, match="cannot both be set"):
+        SamplingParams(guided_choice=["a"], structured_outputs={"choice": ["b"]})
+    with pytest.raises(ValueError, match="cannot both be set"):
+        SamplingParams(guided_choice=["a"], structured_outputs={"json_object": True})
+    with pytest.raises(ValueError, match="unknown field"):
+        SamplingParams(structured_outputs={"schema": {}})
+    with pytest.raises(ValueError, match="StructuredOutputsParams"):
+        SamplingParams(structured_outputs="json")

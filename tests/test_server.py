@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -320,6 +322,44 @@ def test_guided_choice_as_vllm(client, model):
     stream = client.completions.create(model=model, prompt="Sky:", max_tokens=10, stream=True,
                                        extra_body={"guided_choice": choices})
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) in choices
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["name", "age", "color"],
+    "additionalProperties": False,
+}
+PHONE = r"[0-9]{3}-[0-9]{4}"
+
+
+def _is_person(text: str) -> bool:
+    value = json.loads(text)
+    return (set(value) == {"name", "age", "color"} and isinstance(value["name"], str)
+            and isinstance(value["age"], int) and value["color"] in ("red", "green", "blue"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llguidance") is None, reason="llguidance is not installed")
+def test_structured_outputs_through_the_openai_client(client, model):
+    """OpenAI's response_format json_schema (streamed too), vLLM's guided_regex (n > 1) and structured_outputs
+    on both endpoints: every answer matches, and ends with "stop"."""
+    messages = _messages("Describe a person as JSON: name, age and favourite color.")
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model=model, messages=messages, response_format=fmt, max_tokens=48,
+                                       temperature=0.0)
+    assert r.choices[0].finish_reason == "stop" and _is_person(r.choices[0].message.content)
+    stream = client.chat.completions.create(model=model, messages=messages, response_format=fmt,
+                                            max_tokens=48, temperature=1.0, seed=5, stream=True)
+    chunks = [chunk for chunk in stream if chunk.choices]
+    assert _is_person("".join(c.choices[0].delta.content or "" for c in chunks))
+    assert chunks[-1].choices[0].finish_reason == "stop"
+    r = client.completions.create(model=model, prompt="Call me at", max_tokens=16, n=2, temperature=1.0,
+                                  seed=2, extra_body={"guided_regex": PHONE})
+    assert all(c.finish_reason == "stop" and re.fullmatch(PHONE, c.text) for c in r.choices), r.choices
+    stream = client.completions.create(model=model, prompt="Call me at", max_tokens=16, stream=True,
+                                       extra_body={"structured_outputs": {"regex": PHONE}})
+    assert re.fullmatch(PHONE, "".join(chunk.choices[0].text for chunk in stream if chunk.choices))
 
 
 def test_a_batch_of_prompts_times_n_in_one_request(client, model):
@@ -833,19 +873,37 @@ BAD_REQUESTS = [
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
         ("/v1/completions", {"prompt": "x"}),
     ) for field, value in (
-        ("response_format", {"type": "json_object"}),
-        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
         ("tools", [{"type": "function", "function": {"name": "f"}}]),
         ("tool_choice", "auto"),
         ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
-        ("guided_json", {"type": "object"}),
-        ("guided_regex", "[0-9]+"),
-        ("guided_grammar", "root ::= 'x'"),
-        ("structured_outputs", {"json": {"type": "object"}}),
-        ("structured_outputs", {"choice": ["a", "b"], "regex": "[ab]"}),
+        ("structural_tag", "{}"),
+        ("response_format", {"type": "xml"}),
+        ("structured_outputs", {"json": {"type": "object"}, "structural_tag": "{}"}),
     )],
+    # structured outputs: well-formed requests, schemas, regexes and grammars (llguidance's own messages)
+    *[(path, {**base, field: value}, 400, field, words) for path, base in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {"prompt": "x"}),
+    ) for field, value, words in (
+        ("response_format", {"type": "json_schema"}, "needs json_schema"),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x"}}, "required"),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": "{}"}},
+         "valid dictionary"),
+        ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"required": 5}}},
+         "required"),
+        ("guided_json", {"type": "bogus"}, "bogus"),
+        ("guided_json", "{not json", "not valid JSON"),
+        ("guided_regex", "[0-9", "unclosed character class"),
+        ("guided_grammar", "start: nothing_defined", "unknown name"),
+        ("structured_outputs", {"choice": ["a", "b"], "regex": "[ab]"}, "exactly one"),
+        ("structured_outputs", {"regex": 5}, "valid string"),
+    )],
+    ("/v1/completions", {"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, 400,
+     "guided_regex", "cannot both"),
+    ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a"}, "allowed_token_ids": [1]}, 400,
+     "structured_outputs", "cannot be combined"),
     ("/v1/completions", {"prompt": "x", "guided_choice": []}, 400, "guided_choice", "at least 1"),
     ("/v1/completions", {"prompt": "x", "guided_choice": ["a", ""]}, 400, "guided_choice", "empty string"),
     ("/v1/completions", {"prompt": "x", "guided_choice": ["a"], "structured_outputs": {"choice": ["b"]}}, 400,

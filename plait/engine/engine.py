@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from plait.config import EngineConfig
 from plait.engine.detokenizer import Detokenizer
+from plait.engine.grammar import Grammar, GrammarCompiler
 from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import FinishReason, Request
 from plait.engine.scheduler import Scheduler, StepPlan
@@ -110,6 +111,7 @@ class LLMEngine:
         self.state_slots = StateSlotPool(slots) if slots else None
         self.scheduler = Scheduler(config, self.kv_cache, self.state_slots)
         self.eos_token_ids = self._eos_token_ids()
+        self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
@@ -181,6 +183,7 @@ class LLMEngine:
             max_tokens=max_tokens,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             choice_token_ids=self._tokenize_choices(params.guided_choice),
+            grammar=self._compile_grammar(params),
         )
         return request, text
 
@@ -234,6 +237,12 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("guided_choice needs the model's tokenizer; this model has none")
         return tuple(tuple(self.tokenizer.encode(c, add_special_tokens=False)) for c in choices)
+
+    def _compile_grammar(self, params: SamplingParams) -> Grammar | None:
+        """This sequence's own matcher for a JSON schema, JSON object, regex or grammar (a choice is
+        guided_choice's); a bad one is a ValueError here, before the request enters the engine."""
+        spec = params.grammar_spec
+        return None if spec is None else self.grammars.compile(spec)
 
     def _validate_sampling_token_ids(self, params: SamplingParams) -> None:
         """logit_bias and allowed_token_ids index the logits row on the device, where an id beyond it
@@ -307,10 +316,11 @@ class LLMEngine:
 
     def _can_overlap(self, step: InFlightStep) -> bool:
         """Whether the next step may launch before ``step``'s ids are on the host: not when overlap
-        is off, nor when a request in it applies penalties or a guided choice (they need the ids
-        themselves)."""
+        is off, nor when a request in it applies penalties, a guided choice or a grammar (they need the
+        ids themselves: a grammar's next mask depends on the token it consumes first)."""
         return self.config.async_scheduling and not any(
-            needs_penalties(r.sampling_params) or r.choice_token_ids is not None for r in step.requests
+            needs_penalties(r.sampling_params) or r.choice_token_ids is not None or r.grammar is not None
+            for r in step.requests
         )
 
     def _collect(self) -> list[RequestOutput]:
@@ -383,6 +393,8 @@ class LLMEngine:
             if tracked.detokenizer.stop_reason is not None and request.finish_reason is None and min_reached:
                 request.finish_reason = FinishReason.STOP
                 request.stop_reason = tracked.detokenizer.stop_reason
+        if request.grammar is not None:
+            self._advance_grammar(request, token_id)
         if request.finish_reason is None and request.is_whole_choice():
             request.finish_reason = FinishReason.STOP  # nothing but EOS could follow
         if request.finish_reason is None and (
@@ -392,6 +404,21 @@ class LLMEngine:
         if request.finish_reason is not None and tracked.detokenizer is not None:
             delta += tracked.detokenizer.flush()
         return delta
+
+    @staticmethod
+    def _advance_grammar(request: Request, token_id: int) -> None:
+        """Feed the token (EOS too) to the request's grammar. Where the grammar failed (it refused the
+        token, or hit a resource limit) that request alone ends with "error", even on EOS: its output
+        does not match. Otherwise it stops where nothing but EOS could follow."""
+        grammar = request.grammar
+        grammar.consume(token_id)
+        error = grammar.error
+        if error is not None:
+            logger.warning("request %s: structured output failed: %s", request.request_id, error)
+            request.finish_reason = FinishReason.ERROR
+            request.stop_reason = f"structured output failed: {error}"
+        elif request.finish_reason is None and grammar.is_terminated():
+            request.finish_reason = FinishReason.STOP
 
     def _make_output(self, tracked: _Tracked, delta: str, delta_ids: list[int], now: float) -> RequestOutput:
         request = tracked.request

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from plait.engine.state_slots import NO_STATE_SLOT
 from plait.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from plait.engine.grammar import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -19,6 +23,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # the request's grammar failed (vLLM's name); stop_reason says why
 
 
 @dataclass(eq=False)  # identity semantics: requests live in sets and as dict keys
@@ -37,6 +42,9 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()  # set by the engine from the model; empty if ignore_eos
     # sampling_params.guided_choice, tokenized by the engine: the outputs allowed, as token ids.
     choice_token_ids: tuple[tuple[int, ...], ...] | None = None
+    # sampling_params.structured_outputs (json, regex, grammar, json_object), compiled by the engine: this
+    # sequence's own matcher, which has consumed every output token on the host.
+    grammar: Grammar | None = None
     arrival_index: int | None = None  # set by LLMEngine.enqueue: FCFS order
 
     # Set by the scheduler.
@@ -62,7 +70,8 @@ class Request:
     # step is collected as the next is launched). Set by the engine at launch and at collection.
     num_pending_tokens: int = 0
     finish_reason: FinishReason | None = None
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    # The stop string or stop token id that ended it; with FinishReason.ERROR, what went wrong.
+    stop_reason: str | int | None = None
 
     def __post_init__(self) -> None:
         self.num_prefill_tokens = len(self.prompt_token_ids)

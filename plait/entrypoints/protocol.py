@@ -16,6 +16,7 @@ from plait.sampling_params import (
     MAX_LOGPROBS,
     PENALTY_BOUND,
     SamplingParams,
+    StructuredOutputsParams,
 )
 
 # Sequences one request may ask for: n at most OpenAI's own cap, and in all (prompts x n) a bound on
@@ -43,16 +44,11 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 # silently ignored it. (Fields plait has no use for but that change nothing, such as user, metadata,
 # store or service_tier, are accepted and ignored.)
 UNSUPPORTED_FIELDS: dict[str, str] = {
-    "response_format": "structured output; only {'type': 'text'} is supported",
     "tools": "tool calling",
     "tool_choice": "tool calling; only 'none' is supported",
     "functions": "function calling",
     "function_call": "function calling; only 'none' is supported",
-    "guided_json": "guided decoding",
-    "guided_regex": "guided decoding",
-    "guided_grammar": "guided decoding",
-    "structural_tag": "guided decoding",
-    "structured_outputs": "structured output; only {'choice': [...]} is supported",
+    "structural_tag": "structural tags",
     "bad_words": "banned words",
     "logits_processors": "custom logits processors",
     "use_beam_search": "beam search",
@@ -61,20 +57,25 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "return_tokens_as_token_ids": "logprob tokens as token ids",
     "echo": "echoing the prompt",  # chat's (CompletionRequest declares and serves its own)
 }
+# The same for the keys of structured_outputs beside its constraint (vLLM's; disable_fallback and the
+# backend's name change nothing here and are ignored).
+UNSUPPORTED_STRUCTURED_OUTPUTS_FIELDS: dict[str, str] = {
+    "structural_tag": "structural tags",
+    "whitespace_pattern": "a whitespace pattern",
+    "disable_additional_properties": "disabling additional properties",
+}
 # The values of tool_choice / function_call that ask for no tool.
 _NO_TOOL = "none"
+# response_format types: plain text, any JSON object, or JSON matching a schema.
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 
 def _asks_for(name: str, value: Any) -> bool:
     """Whether an unsupported field's value asks for the feature (null, false, empty and "no" do not)."""
     if value is None or value is False or (isinstance(value, (list, dict, str)) and not value):
         return False
-    if name == "response_format":
-        return not (isinstance(value, dict) and value.get("type") == "text")
     if name in ("tool_choice", "function_call"):
         return value != _NO_TOOL
-    if name == "structured_outputs":  # a choice is served (guided_choice); anything else is not
-        return not isinstance(value, dict) or any(_asks_for("", v) for k, v in value.items() if k != "choice")
     return True
 
 
@@ -101,6 +102,9 @@ LogitBiasKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")]
 LogitBiasValue = Annotated[float, Field(ge=-LOGIT_BIAS_BOUND, le=LOGIT_BIAS_BOUND, allow_inf_nan=False)]
 LogitBias = Annotated[dict[LogitBiasKey, LogitBiasValue], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
 AllowedTokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]
+GuidedChoice = Annotated[list[str], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)]
+# A JSON schema: the object, or (as vLLM's guided_json takes it too) its JSON text.
+JsonSchema = dict[str, Any] | str
 
 
 class ProtocolError(ValueError):
@@ -162,6 +166,66 @@ class StreamOptions(_RequestModel):
     continuous_usage_stats: bool = False
 
 
+class JsonSchemaFormat(_RequestModel):
+    """response_format's json_schema (OpenAI's): the output is JSON matching ``schema``. It is always
+    enforced, so ``strict`` changes nothing."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")  # "schema" would shadow pydantic's BaseModel.schema
+    strict: bool | None = None
+
+
+class ResponseFormat(_RequestModel):
+    # Any string, so that an unknown type gets a 400 naming the types served, not a pydantic enum error.
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        """The StructuredOutputsParams fields it asks for (None: plain text)."""
+        if self.type not in RESPONSE_FORMAT_TYPES:
+            raise ProtocolError(f"response_format type {self.type!r} is not supported (only "
+                                f"{', '.join(RESPONSE_FORMAT_TYPES)})", "response_format")
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise ProtocolError("response_format of type json_schema needs json_schema: {'name': ..., "
+                                    "'schema': {...}}", "response_format")
+            return {"json": self.json_schema.schema_}
+        return None
+
+
+class StructuredOutputsRequest(_RequestModel):
+    """vLLM's structured_outputs: one of json, regex, grammar, choice, json_object (SamplingParams checks
+    that exactly one is set)."""
+
+    # Extra keys are kept only so that check_supported can refuse the ones that change the output.
+    model_config = ConfigDict(extra="allow")
+
+    json_: JsonSchema | None = Field(default=None, alias="json")  # "json" would shadow BaseModel.json
+    regex: str | None = None
+    grammar: str | None = None  # Lark, or GBNF (text with "::=")
+    choice: GuidedChoice | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def check_supported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_STRUCTURED_OUTPUTS_FIELDS and _asks_for(name, value):
+                raise ProtocolError(f"structured_outputs.{name} is not supported by this server "
+                                    f"({UNSUPPORTED_STRUCTURED_OUTPUTS_FIELDS[name]})", "structured_outputs")
+
+    def structured_outputs(self) -> dict[str, Any] | None:
+        """The StructuredOutputsParams fields it sets (None where it sets no constraint, as {})."""
+        fields = {"json": self.json_, "regex": self.regex, "grammar": self.grammar,
+                  "choice": self.choice, "json_object": self.json_object}
+        fields = {k: v for k, v in fields.items() if v is not None}
+        if not fields:
+            return None
+        return {**fields, "disable_any_whitespace": self.disable_any_whitespace}
+
+
 class _SamplingRequest(_RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -192,7 +256,14 @@ class _SamplingRequest(_RequestModel):
     # vLLM extension: each prompt token's logprob and the top-n at its position (non-streamed answers only).
     prompt_logprobs: NumLogprobs | None = None
     # vLLM extension: the output is exactly one of these strings (also as structured_outputs' "choice").
-    guided_choice: Annotated[list[str], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)] | None = None
+    guided_choice: GuidedChoice | None = None
+    # Structured outputs: OpenAI's response_format, and vLLM's guided_* and structured_outputs; a request
+    # asks for one of them at most.
+    response_format: ResponseFormat | None = None
+    guided_json: JsonSchema | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None  # Lark, or GBNF (text with "::=")
+    structured_outputs: StructuredOutputsRequest | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -208,13 +279,36 @@ class _SamplingRequest(_RequestModel):
         # here too rather than silently ignored.
         if self.prompt_logprobs is not None and self.stream:
             raise ProtocolError("prompt_logprobs is not available when stream is true", "prompt_logprobs")
-        if self.guided_choice is not None and self._structured_choice() is not None:
-            raise ProtocolError("guided_choice and structured_outputs.choice cannot both be set",
-                                "guided_choice")
+        if self.structured_outputs is not None:
+            self.structured_outputs.check_supported()
+        self._structured_request()
 
-    def _structured_choice(self) -> Any:
-        structured = (self.model_extra or {}).get("structured_outputs")
-        return structured.get("choice") if isinstance(structured, dict) else None
+    def _structured_request(self) -> tuple[str, dict[str, Any]] | None:
+        """The one structured output the request asks for: (the field that asks, StructuredOutputsParams
+        fields), or None. Two fields asking is a ProtocolError naming the first (vLLM refuses it too)."""
+        asked: dict[str, dict[str, Any] | None] = {
+            "guided_choice": None if self.guided_choice is None else {"choice": self.guided_choice},
+            "guided_json": None if self.guided_json is None else {"json": self.guided_json},
+            "guided_regex": None if self.guided_regex is None else {"regex": self.guided_regex},
+            "guided_grammar": None if self.guided_grammar is None else {"grammar": self.guided_grammar},
+            "response_format": self.response_format and self.response_format.structured_outputs(),
+            "structured_outputs": self.structured_outputs and self.structured_outputs.structured_outputs(),
+        }
+        asking = [(name, fields) for name, fields in asked.items() if fields]
+        if len(asking) > 1:
+            (first, _), (second, _) = asking[:2]
+            raise ProtocolError(f"{first} and {second} cannot both be set (a request asks for one structured "
+                                f"output at most)", first)
+        return asking[0] if asking else None
+
+    @property
+    def structured_outputs_param(self) -> str:
+        """The field that asks for the request's structured output, which errors about it name (never
+        raises: it names the field of an error _structured_request may have raised)."""
+        fields = ("guided_choice", "guided_json", "guided_regex", "guided_grammar", "structured_outputs")
+        if self.response_format is not None and self.response_format.type != "text":
+            return "response_format"
+        return next((name for name in fields if getattr(self, name) is not None), "structured_outputs")
 
     @property
     def requested_prompt_logprobs(self) -> int | None:
@@ -265,8 +359,15 @@ class _SamplingRequest(_RequestModel):
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
             prompt_logprobs=self.requested_prompt_logprobs,
-            guided_choice=self.guided_choice if self.guided_choice is not None else self._structured_choice(),
+            guided_choice=self.guided_choice,
+            structured_outputs=self._structured_outputs_params(),
         )
+
+    def _structured_outputs_params(self) -> StructuredOutputsParams | None:
+        asked = self._structured_request()
+        if asked is None or asked[0] == "guided_choice":  # guided_choice is SamplingParams' own field
+            return None
+        return StructuredOutputsParams(**asked[1])
 
 
 class CompletionRequest(_SamplingRequest):

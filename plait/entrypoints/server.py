@@ -222,12 +222,14 @@ _KNOWN_PARAMS = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
-    "prompt_logprobs", "guided_choice", "prompt",
+    "prompt_logprobs", "guided_choice", "prompt", "structured_outputs",
 })
 
 
-def _bad_request(err: Exception, prompt_param: str = "prompt") -> APIError:
-    """A 400 for a ValueError/TypeError from validation, naming the field the message starts with."""
+def _bad_request(err: Exception, prompt_param: str = "prompt",
+                 structured_param: str = "structured_outputs") -> APIError:
+    """A 400 for a ValueError/TypeError from validation, naming the field the message starts with (the
+    prompt's and the structured output's as the request named them: messages, response_format...)."""
     if isinstance(err, ProtocolError):
         return APIError(400, str(err), param=err.param, code=err.code)
     message = str(err) or type(err).__name__
@@ -237,6 +239,8 @@ def _bad_request(err: Exception, prompt_param: str = "prompt") -> APIError:
     param = first if first in _KNOWN_PARAMS else None
     if param == "prompt":
         param = prompt_param
+    elif param == "structured_outputs":
+        param = structured_param
     return APIError(400, message, param=param)
 
 
@@ -740,7 +744,7 @@ class OpenAIServer:
             body.check_supported()
             params = body.sampling_params(defaults.max_tokens(max_tokens), logprobs, defaults.sampling)
         except (ValueError, TypeError) as err:
-            raise _bad_request(err) from err
+            raise _bad_request(err, structured_param=body.structured_outputs_param) from err
         if num_prompts * params.n > MAX_SEQUENCES_PER_REQUEST:
             raise APIError(400, f"{num_prompts} prompt(s) x n={params.n} is more than the "
                                 f"{MAX_SEQUENCES_PER_REQUEST} sequences one request may ask for", param="n")
@@ -759,13 +763,14 @@ class OpenAIServer:
                 param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
 
     async def _start(self, children: list[tuple[PromptInput, SamplingParams]], prompt_param: str,
-                     max_tokens: int | None) -> RequestStream:
-        """Queue the children; ``max_tokens`` is the request's own, checked against the context."""
+                     max_tokens: int | None, structured_param: str) -> RequestStream:
+        """Queue the children; ``max_tokens`` is the request's own, checked against the context. A bad
+        grammar (its schema, regex or grammar) is found here, where the engine compiles it."""
         validate = functools.partial(self._check_fits, max_tokens=max_tokens)
         try:
             return await self.engine.add(children, validate=validate, timeout_s=self.config.request_timeout_s)
         except (ValueError, TypeError) as err:
-            raise _bad_request(err, prompt_param) from err
+            raise _bad_request(err, prompt_param, structured_param) from err
 
     async def _collect(self, stream: RequestStream, tracker: _RequestTracker) -> list[RequestOutput]:
         """Run a non-streamed request to its end; the final output of every child, in order."""
@@ -855,7 +860,8 @@ class OpenAIServer:
         params = self._params(body, body.requested_max_tokens, body.logprobs, len(prompts))
         children: list[tuple[PromptInput, SamplingParams]] = [
             (p, child) for p in prompts for child in _fan_out(params)]
-        stream = await self._start(children, "prompt", body.requested_max_tokens)
+        stream = await self._start(children, "prompt", body.requested_max_tokens,
+                                   body.structured_outputs_param)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         try:
@@ -991,7 +997,7 @@ class OpenAIServer:
         params = self._params(body, body.requested_max_tokens, body.requested_logprobs, 1)
         prompt = self._chat_prompt(body.messages, body.add_generation_prompt, body)
         stream = await self._start([(prompt, child) for child in _fan_out(params)], "messages",
-                                   body.requested_max_tokens)
+                                   body.requested_max_tokens, body.structured_outputs_param)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:

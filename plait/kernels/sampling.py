@@ -23,8 +23,7 @@ import triton.language as tl
 
 from plait.kernels.interpreter import static_iters, trip_count
 
-# Ids per loop step of the kernel: 4,096 fp32 logits plus their noise per step keep ~128 loads in
-# flight a warp at 8 warps.
+# Ids per loop step of the kernel: 4,096 fp32 logits per step keep ~64 loads in flight a warp at 8 warps.
 RACE_BLOCK = 4096
 RACE_WARPS = 8
 
@@ -58,15 +57,17 @@ def _load_block(z_row, ids, V, kth, room, ties_before, HAS_TOP_K: tl.constexpr):
 
 @triton.jit
 def _race_kernel(
-    z_ptr, noise_ptr, rows_ptr, kth_ptr, room_ptr, top_p_ptr, min_p_ptr, out_ptr,
-    V, stride_z, stride_noise, n_blocks, STATIC_BLOCKS: tl.constexpr,
+    z_ptr, keys_ptr, rows_ptr, kth_ptr, room_ptr, top_p_ptr, min_p_ptr, out_ptr,
+    V, stride_z, n_blocks, STATIC_BLOCKS: tl.constexpr,
     HAS_TOP_K: tl.constexpr, HAS_TOP_P: tl.constexpr, HAS_MIN_P: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # z, noise: [R, V] fp32 (logits after processors and temperature; Exp(1) draws, > 0); rows: the
-    # rows to sample, one program each; kth, room, top_p, min_p: [R]; out: [R] int64, written at rows.
-    row = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    # z: [R, V] fp32 (logits after processors and temperature); rows: [S] the rows to sample, one
+    # program each; keys: [S, 2] int64, the low and high 32 bits of each one's noise key; kth, room,
+    # top_p, min_p: [R]; out: [R] int64, written at rows.
+    j = tl.program_id(0)
+    row = tl.load(rows_ptr + j).to(tl.int64)
     z_row = z_ptr + row * stride_z
-    noise_row = noise_ptr + row * stride_noise
+    key = (tl.load(keys_ptr + 2 * j).to(tl.uint32), tl.load(keys_ptr + 2 * j + 1).to(tl.uint32))
     kth = tl.load(kth_ptr + row) if HAS_TOP_K else float("-inf")
     room = tl.load(room_ptr + row) if HAS_TOP_K else 0
     # As tensors either way, so that the rounds' loop condition is never a Python constant.
@@ -89,7 +90,7 @@ def _race_kernel(
     total = tl.sum(s_lane * tl.exp(m_lane - z_max), axis=0)
 
     # Pass 2: the race over every id top-k keeps (all are ranked before a last place at -inf, id V).
-    _, _, c, c_z = _mass_and_race_before(z_row, noise_row, V, kth, room, z_max, min_p, float("-inf"), V,
+    _, _, c, c_z = _mass_and_race_before(z_row, key, V, kth, room, z_max, min_p, float("-inf"), V,
                                          n_blocks, STATIC_BLOCKS, HAS_TOP_K, BLOCK)
     # Rounds: one pass finds the mass ranked before c (is c kept?) and the race among those ids (the
     # next candidate if it is not).
@@ -97,7 +98,7 @@ def _race_kernel(
         done = top_p >= 1.0
         while not done:
             mass, before, nxt, nxt_z = _mass_and_race_before(
-                z_row, noise_row, V, kth, room, z_max, min_p, c_z, c, n_blocks, STATIC_BLOCKS, HAS_TOP_K,
+                z_row, key, V, kth, room, z_max, min_p, c_z, c, n_blocks, STATIC_BLOCKS, HAS_TOP_K,
                 BLOCK)
             # top_p = 1 keeps every id even where rounding makes the mass before one reach 1; the most
             # likely id always survives top-p.
@@ -109,7 +110,7 @@ def _race_kernel(
 
 
 @triton.jit
-def _mass_and_race_before(z_row, noise_row, V, kth, room, z_max, min_p, bound_z, bound_id, n_blocks,
+def _mass_and_race_before(z_row, key, V, kth, room, z_max, min_p, bound_z, bound_id, n_blocks,
                           STATIC_BLOCKS: tl.constexpr, HAS_TOP_K: tl.constexpr, BLOCK: tl.constexpr):
     """Over the ids top-k keeps ranked before (bound_z, bound_id) by (logit desc, id asc): their mass
     sum(exp(z - z_max)) and how many there are (what top-p needs), and the race's winner among those
@@ -123,7 +124,7 @@ def _mass_and_race_before(z_row, noise_row, V, kth, room, z_max, min_p, bound_z,
     for blk in range(trip_count(STATIC_BLOCKS, n_blocks)):
         ids, z, keep, ties = _load_block(z_row, blk * BLOCK + offs, V, kth, room, ties, HAS_TOP_K)
         keep = keep & ((z > bound_z) | ((z == bound_z) & (ids < bound_id)))
-        e = tl.load(noise_row + ids, mask=keep, other=1.0)
+        e = _hashed_exponential(key, ids)
         p = tl.where(keep, tl.exp(z - z_max), 0.0)
         mass_lane += p
         count_lane += keep.to(tl.int32)
@@ -139,32 +140,35 @@ def _mass_and_race_before(z_row, noise_row, V, kth, room, z_max, min_p, bound_z,
     return tl.sum(mass_lane, axis=0), tl.sum(count_lane, axis=0), c, c_z
 
 
-def race_sample(z: torch.Tensor, noise: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
+def race_sample(z: torch.Tensor, keys: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
                 top_k: tuple[torch.Tensor, torch.Tensor] | None = None, top_p: torch.Tensor | None = None,
                 min_p: torch.Tensor | None = None) -> None:
-    """Writes out[rows] = the exponential race's winner among the ids top-k, top-p and min-p keep.
+    """Writes out[rows] = the exponential race's winner among the ids top-k, top-p and min-p keep, each
+    row's Exp(1) noise hashed from its key and the token ids as the race reads them.
 
     top_k: (kth, room) from plait.runner.sampler.top_k_cut, None when no row has top-k; top_p, min_p:
-    None when no row has one (a row without sets 1.0, 0.0). The torch reference: race_sample_ref."""
-    # z, noise: [R, V] fp32; rows: [S] int64; kth: [R] fp32; room: [R] int32; top_p, min_p: [R] fp32;
-    # out: [R] int64
+    None when no row has one (a row without sets 1.0, 0.0). The torch reference: race_sample_ref over
+    the noise hashed_exponential_ref draws from the same keys."""
+    # z: [R, V] fp32; keys: [S, 2] int64 in [0, 2**32); rows: [S] int64; kth: [R] fp32; room: [R] int32;
+    # top_p, min_p: [R] fp32; out: [R] int64
     if rows.numel() == 0:
         return
     kth, room = top_k if top_k is not None else (z, z)  # unread placeholders when absent
     n_blocks = triton.cdiv(z.shape[1], RACE_BLOCK)
     _race_kernel[(rows.numel(),)](
-        z, noise, rows, kth, room, top_p if top_p is not None else z, min_p if min_p is not None else z,
-        out, z.shape[1], z.stride(0), noise.stride(0), n_blocks, static_iters(z.is_cuda, n_blocks),
+        z, keys, rows, kth, room, top_p if top_p is not None else z, min_p if min_p is not None else z,
+        out, z.shape[1], z.stride(0), n_blocks, static_iters(z.is_cuda, n_blocks),
         HAS_TOP_K=top_k is not None, HAS_TOP_P=top_p is not None, HAS_MIN_P=min_p is not None,
         BLOCK=RACE_BLOCK, num_warps=RACE_WARPS,
     )
 
 
-# Seeded rows' noise: a counter-based hash of (the row's 64-bit key, token id), so that every seeded row
-# of a batch is drawn in one launch and its draws depend on its key alone (torch's generators would
-# need one launch per row). The torch twin, seeded_exponential_ref in plait.runner.sampler, computes
-# the same 32-bit values with int64 arithmetic.
-NOISE_BLOCK = 2048
+# The race's noise: a counter-based hash of (the row's 64-bit key, token id), drawn where the race reads
+# it, so no [rows, vocab] noise is written or read and every row's draws depend on its key alone. The
+# torch twin, hashed_exponential_ref in plait.runner.sampler, computes the same 32-bit values with int64
+# arithmetic.
+# Smallest draw: -log(1) = 0 would make p / e infinite.
+_TINY = tl.constexpr(1.1754943508222875e-38)
 
 
 @triton.jit
@@ -179,22 +183,8 @@ def _mix32(x):
 
 
 @triton.jit
-def _seeded_exponential_kernel(noise_ptr, rows_ptr, keys_ptr, V, stride_noise, BLOCK: tl.constexpr):
-    # noise: [R, V] fp32, rows [S] int64 written; keys: [S, 2] int64 (low and high 32 bits of a key)
-    j = tl.program_id(0)
-    row = tl.load(rows_ptr + j).to(tl.int64)
-    k_lo = tl.load(keys_ptr + 2 * j).to(tl.uint32)
-    k_hi = tl.load(keys_ptr + 2 * j + 1).to(tl.uint32)
-    ids = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    h = _mix32(_mix32(ids.to(tl.uint32) ^ k_lo) ^ k_hi)
+def _hashed_exponential(key, ids):
+    """Exp(1) draws for token ``ids`` of the row keyed by ``key`` (its low and high 32 bits)."""
+    h = _mix32(_mix32(ids.to(tl.uint32) ^ key[0]) ^ key[1])
     u = ((h >> 8) + 1).to(tl.float32) * (1.0 / 16777216.0)  # (0, 1], exact in fp32
-    tl.store(noise_ptr + row * stride_noise + ids, -tl.log(u), mask=ids < V)
-
-
-def seeded_exponential(noise: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
-    """noise[rows[j]] = Exp(1) draws hashed from keys[j] and the token ids (one launch for all rows)."""
-    # noise: [R, V] fp32; rows: [S] int64; keys: [S, 2] int64 in [0, 2**32)
-    if rows.numel():
-        grid = (rows.numel(), triton.cdiv(noise.shape[1], NOISE_BLOCK))
-        _seeded_exponential_kernel[grid](noise, rows, keys, noise.shape[1], noise.stride(0),
-                                         BLOCK=NOISE_BLOCK)
+    return tl.maximum(-tl.log(u), _TINY)

@@ -41,7 +41,7 @@ GPU_MEMORY_MARGIN_BYTES = 1 << 30
 # larger steps run eager, their GPU time hiding their ~15 ms of kernel launches.
 DRAINED_GRAPH_PROMPT_TOKENS = 512
 # Sampling settings of the profiling step: top-p is the sampler's most memory-hungry path (a
-# full-vocabulary sort on the torch path, the race's noise on the GPU).
+# full-vocabulary sort on the torch path, an fp32 copy of the logits on the GPU).
 PROFILE_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, seed=0)
 
 
@@ -425,6 +425,8 @@ class ModelRunner:
                 r.eos_token_ids,
                 num_output_tokens=r.num_output_tokens,
                 allowed_now=r.choice_continuations(),
+                # The grammar has consumed every output: its steps are never overlapped (LLMEngine).
+                token_bitmask=r.grammar.next_token_bitmask() if r.grammar is not None else None,
             )
             for r in requests
         ]

@@ -3,9 +3,11 @@ top-k/top-p/min-p, logprobs)."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from plait.kernels.dispatch import use_triton
@@ -16,6 +18,8 @@ _MASK64 = (1 << 64) - 1
 _GOLDEN_GAMMA = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
 _MIX2 = 0x94D049BB133111EB
+# Mixed into the engine seed to key unseeded rows' noise (any constant apart from small positions).
+_ENGINE_STREAM = 0x5EED5EED5EED5EED
 
 
 def _splitmix64(x: int) -> int:
@@ -72,6 +76,10 @@ class SamplingRow:
     num_output_tokens: int | None = None
     # This step's own allowed ids (a guided choice's continuations), instead of params.allowed_token_ids.
     allowed_now: Sequence[int] | None = None
+    # The ids a structured output's grammar allows this step, one bit each (int32 [ceil(V / 32)], bit
+    # t % 32 of word t // 32): set by the model runner from Request.grammar (plait/engine/grammar.py).
+    # Ids past the mask's width (logits rows may be wider than the tokenizer's vocabulary) are disallowed.
+    token_bitmask: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.num_output_tokens is None:
@@ -116,6 +124,25 @@ def host_to_device(values: Sequence[object] | torch.Tensor, dtype: torch.dtype, 
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+# A token bitmask's word holds this many ids (llguidance's layout, which plait.engine.grammar fills: bit
+# t % 32 of word t // 32).
+BITMASK_WORD_BITS = 32
+
+
+def unpack_token_bitmask(bitmask: torch.Tensor, width: int) -> torch.Tensor:
+    """Packed int32 bitmasks as booleans over ``width`` ids, on their device; ids past the masks' bits
+    are False (a logits row may be wider than the tokenizer's vocabulary)."""
+    # bitmask: [R, W] int32 -> [R, width] bool
+    shifts = torch.arange(BITMASK_WORD_BITS, dtype=torch.int32, device=bitmask.device)
+    # The sign bit shifts in ones on the right, which "& 1" drops: every bit reads true to its word.
+    bits = ((bitmask[:, :, None] >> shifts) & 1).view(bitmask.shape[0], -1).bool()  # [R, W * 32]
+    if bits.shape[1] >= width:
+        return bits[:, :width]
+    allowed = bits.new_zeros(bitmask.shape[0], width)
+    allowed[:, : bits.shape[1]] = bits
+    return allowed
 
 
 def _pad(seqs: list[Sequence[int]], pad: int) -> torch.Tensor:
@@ -193,14 +220,17 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def seeded_exponential_ref(noise: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
-    """plait.kernels.sampling.seeded_exponential in torch: the same hash of (key, token id), in int64."""
+def hashed_exponential_ref(noise: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> None:
+    """noise[rows[j]] = the Exp(1) draws race_sample hashes from keys[j] and the token ids, in torch (the
+    same 32-bit arithmetic, in int64)."""
+    # noise: [R, V] fp32; rows: [S] int64; keys: [S, 2] int64 in [0, 2**32)
     if rows.numel() == 0:
         return
     ids = torch.arange(noise.shape[1], device=noise.device)
     h = _mix32(_mix32(ids[None, :] ^ keys[:, :1]) ^ keys[:, 1:])  # [S, V]
     u = ((h >> 8) + 1).float() * (1.0 / 16777216.0)
-    noise.index_copy_(0, rows, -torch.log(u))
+    # -log(1) = 0 would make p / e infinite.
+    noise.index_copy_(0, rows, (-torch.log(u)).clamp_min_(torch.finfo(torch.float32).tiny))
 
 
 def logprob_table(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, max_n: int) -> torch.Tensor:
@@ -225,10 +255,12 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         """seed: the engine seed, which the draws of rows without their own seed follow."""
         self.seed = seed
-        # Per device, the generator rows without a seed draw from: seeded once with the engine seed, never
-        # reseeded, so its stream (and the tokens) follow from the seed and the order of the steps, and
-        # no longer from torch's global RNG, which anything in the process may draw from or reseed.
-        self._engine_generators: dict[torch.device, torch.Generator] = {}
+        # Rows without a seed key their noise on the engine seed and a count of such draws: the tokens
+        # follow from the seed and the order of the steps, never from torch's global RNG, which anything
+        # in the process may draw from or reseed. The stream's key is mixed apart from step_seed(seed, n),
+        # so it does not repeat a request whose own seed equals the engine's.
+        self._stream_key = _splitmix64(_splitmix64(seed & _MASK64) ^ _ENGINE_STREAM)
+        self._unseeded_draws = itertools.count()
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """Sample and bring the ids to the host."""
@@ -250,8 +282,9 @@ class Sampler:
         penalty_rows = [i for i, p in enumerate(params) if needs_penalties(p)]
         allowed_rows = [i for i, r in enumerate(rows) if r.allowed_token_ids() is not None]
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias is not None]
+        grammar_rows = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
         all_greedy = all(p.is_greedy for p in params)
-        changes_logits = min_tokens_rows or penalty_rows or allowed_rows or bias_rows
+        changes_logits = min_tokens_rows or penalty_rows or allowed_rows or bias_rows or grammar_rows
 
         if all_greedy and not want_logprobs and not changes_logits:
             # Fast path: argmax is exact in any float dtype, so no fp32 copy is needed.
@@ -270,6 +303,8 @@ class Sampler:
         # tokens, logit bias), then penalties; so greedy rows (argmax below) see all of them too.
         if allowed_rows:
             self._mask_disallowed_tokens(logits, rows, allowed_rows)
+        if grammar_rows:
+            self._mask_by_bitmask(logits, rows, grammar_rows)
         if bias_rows:
             self._add_logit_bias(logits, rows, bias_rows)
         if min_tokens_rows:
@@ -303,6 +338,16 @@ class Sampler:
         kept = logits[idx]
         logits.index_fill_(0, flat[2 * n :], float("-inf"))
         logits.index_put_(idx, kept)
+
+    @staticmethod
+    def _mask_by_bitmask(logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]) -> None:
+        """-inf at every id a row's token_bitmask leaves out, all rows in one copy to the device and one
+        masked fill (the bits are unpacked on the device: the mask crosses at 1 bit an id)."""
+        device = logits.device
+        masks = host_to_device(np.stack([rows[i].token_bitmask for i in row_ids]), torch.int32, device)
+        idx = host_to_device(row_ids, torch.long, device)
+        allowed = unpack_token_bitmask(masks, logits.shape[1])
+        logits.index_copy_(0, idx, logits.index_select(0, idx).masked_fill_(~allowed, float("-inf")))
 
     @staticmethod
     def _add_logit_bias(logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]) -> None:
@@ -395,39 +440,31 @@ class Sampler:
         if any(params[i].min_p > 0.0 for i in sampled):
             min_p = host_to_device([p.min_p for p in params], torch.float32, device)
 
-        noise = self._exponential_noise(logits, rows, greedy)
-        race = race_sample_ref
+        keys = host_to_device([[k & _MASK32, k >> 32] for k in self._noise_keys(rows, sampled)], torch.long,
+                              device)
+        sampled_t = host_to_device(sampled, torch.long, device)
         if use_triton(logits):
-            from plait.kernels.sampling import race_sample as race
-        race(logits, noise, host_to_device(sampled, torch.long, device), token_ids, top_k, top_p, min_p)
+            from plait.kernels.sampling import race_sample
+            race_sample(logits, keys, sampled_t, token_ids, top_k, top_p, min_p)
+        else:
+            noise = torch.empty_like(logits)
+            hashed_exponential_ref(noise, sampled_t, keys)
+            race_sample_ref(logits, noise, sampled_t, token_ids, top_k, top_p, min_p)
         return token_ids
 
-    def engine_generator(self, device: torch.device) -> torch.Generator:
-        """The generator rows without their own seed draw from on ``device``, seeded with the engine seed
-        when first used (setting a seed is host-side state: no sync, nothing captured in a graph)."""
-        gen = self._engine_generators.get(device)
-        if gen is None:
-            gen = self._engine_generators[device] = torch.Generator(device=device).manual_seed(self.seed)
-        return gen
-
-    def _exponential_noise(
-        self, probs: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]
-    ) -> torch.Tensor:
-        noise = torch.empty_like(probs)
-        seeded = [i for i, r in enumerate(rows) if r.params.seed is not None and not greedy[i]]
-        if len(seeded) < len(rows):
-            noise.exponential_(generator=self.engine_generator(probs.device))
-        if seeded:
-            # Keyed by (seed, position) only, so the draws are independent of the batch and identical
-            # after preemption/recompute; all seeded rows in one launch.
-            keys = [step_seed(rows[i].params.seed, rows[i].num_output_tokens) for i in seeded]
-            keys_t = host_to_device([[k & _MASK32, k >> 32] for k in keys], torch.long, probs.device)
-            fill = seeded_exponential_ref
-            if use_triton(probs):
-                from plait.kernels.sampling import seeded_exponential as fill
-            fill(noise, host_to_device(seeded, torch.long, probs.device), keys_t)
-        # exponential_ can return exactly 0; 0/0 would be NaN and win the argmax for a filtered id.
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+    def _noise_keys(self, rows: list[SamplingRow], sampled: list[int]) -> list[int]:
+        """The 64-bit key of each sampled row's noise. A seeded row's comes from (its seed, its position)
+        alone, so its draws do not depend on the batch and repeat after preemption and recompute. The
+        others take the engine's stream: the engine seed and how many unseeded draws came before, so the
+        same requests in the same steps draw the same tokens."""
+        keys = []
+        for i in sampled:
+            seed = rows[i].params.seed
+            if seed is None:
+                keys.append(_splitmix64(self._stream_key ^ next(self._unseeded_draws)))
+            else:
+                keys.append(step_seed(seed, rows[i].num_output_tokens))
+        return keys
 
     @staticmethod
     def _gather_logprobs(

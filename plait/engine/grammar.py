@@ -1,0 +1,143 @@
+"""Grammar: a sequence's structured output (JSON schema, regex, Lark or GBNF), matched by llguidance."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Collection
+from typing import Any
+
+import numpy as np
+
+from plait.runner.sampler import BITMASK_WORD_BITS
+from plait.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+# Compiled grammars kept for reuse: a request's n sequences (and requests repeating a schema) share one
+# compile (~1-2 ms, far more for large schemas) and each deep-copies its matcher (~15 us).
+COMPILED_GRAMMAR_CACHE_SIZE = 32
+# What marks a grammar as llama.cpp's GBNF (vLLM's guided_grammar takes it) rather than Lark.
+GBNF_RULE_MARK = "::="
+# A JSON object, whatever its properties (response_format {"type": "json_object"}).
+ANY_JSON_OBJECT_SCHEMA = {"type": "object"}
+# The matcher's own logging is off: its errors reach the caller as ValueError or a finish reason.
+LLGUIDANCE_SILENT = 0
+
+
+def _import_llguidance() -> Any:
+    # Lazily, so the engine imports and runs without it (the GPU image has no llguidance); only a request
+    # that asks for a grammar needs it.
+    try:
+        import llguidance
+        import llguidance.gbnf_to_lark
+        import llguidance.hf
+    except ImportError as err:
+        raise ValueError("structured outputs (json, regex, grammar, json_object) need the llguidance "
+                         "package: pip install llguidance") from err
+    return llguidance
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of a next-token bitmask over ``vocab_size`` token ids."""
+    return (vocab_size + BITMASK_WORD_BITS - 1) // BITMASK_WORD_BITS
+
+
+class Grammar:
+    """One sequence's matcher (made by GrammarCompiler.compile): the next-token bitmask, the sampled
+    tokens fed back, and whether only EOS may follow. Never raises for what the tokens do: a token the
+    grammar refuses puts it in an error state, which ``error`` reports."""
+
+    def __init__(self, matcher: Any, vocab_size: int) -> None:
+        self._matcher = matcher
+        self.num_words = mask_words(vocab_size)
+
+    def next_token_bitmask(self) -> np.ndarray:
+        """The ids allowed next, one bit each: int32 [num_words], EOS set where the output may end."""
+        mask = np.zeros(self.num_words, dtype=np.int32)
+        self._matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        return mask
+
+    def consume(self, token_id: int) -> None:
+        """Advance past a sampled token (a refused one leaves the grammar in its error state)."""
+        self._matcher.consume_token(token_id)
+
+    @property
+    def error(self) -> str | None:
+        """Why the grammar failed (a token it refused, a resource limit), in one line; None if it has not."""
+        if not self._matcher.is_error():
+            return None
+        message = self._matcher.get_error().strip().splitlines()
+        return message[0] if message else "the grammar failed"
+
+    def is_terminated(self) -> bool:
+        """The output is complete: nothing but EOS may follow (after an EOS too)."""
+        return self._matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams into Grammars for one engine's tokenizer. The llguidance tokenizer
+    is built at the first grammar (~0.5 s for SmolLM2's) and kept for the engine's life."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: Collection[int]) -> None:
+        self._tokenizer = tokenizer
+        self._eos_token_ids = sorted(eos_token_ids)
+        self._ll_tokenizer: Any = None
+        self._compiled: OrderedDict[str, Any] = OrderedDict()  # llguidance grammar -> unused matcher
+
+    def compile(self, spec: StructuredOutputsParams) -> Grammar:
+        """A fresh Grammar for ``spec``; raises ValueError with llguidance's message for a bad schema,
+        regex or grammar, or where llguidance or the tokenizer is missing."""
+        llguidance = _import_llguidance()
+        ll_tokenizer = self._llguidance_tokenizer(llguidance)
+        try:
+            grammar = _grammar_text(llguidance, spec)
+        except (ValueError, TypeError) as err:  # a schema llguidance cannot even read
+            raise ValueError(f"structured_outputs {spec.kind} is invalid: {err}") from err
+        template = self._compiled.get(grammar)
+        if template is None:
+            # Runtime errors in one line, without the parser's state (which would echo the schema).
+            limits = llguidance.LLParserLimits(verbose_errors=False)
+            template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=LLGUIDANCE_SILENT, limits=limits)
+            if template.is_error():
+                raise ValueError(f"structured_outputs {spec.kind} is invalid: {template.get_error().strip()}")
+            self._remember(grammar, template)
+        self._compiled.move_to_end(grammar)
+        return Grammar(template.deep_copy(), ll_tokenizer.vocab_size)
+
+    def _remember(self, grammar: str, matcher: Any) -> None:
+        self._compiled[grammar] = matcher
+        if len(self._compiled) > COMPILED_GRAMMAR_CACHE_SIZE:
+            self._compiled.popitem(last=False)
+
+    def _llguidance_tokenizer(self, llguidance: Any) -> Any:
+        if self._ll_tokenizer is None:
+            if self._tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer; this model has none")
+            # Every EOS id of the engine (generation_config.json may add some) ends a complete output.
+            self._ll_tokenizer = llguidance.hf.from_tokenizer(self._tokenizer,
+                                                              eos_token=self._eos_token_ids or None)
+        return self._ll_tokenizer
+
+
+def _grammar_text(llguidance: Any, spec: StructuredOutputsParams) -> str:
+    """llguidance's grammar for ``spec`` (json, regex, grammar or json_object; choice is served elsewhere)."""
+    json_options = {"whitespace_flexible": not spec.disable_any_whitespace}
+    matcher = llguidance.LLMatcher
+    if spec.json is not None or spec.json_object:
+        schema = spec.json if spec.json is not None else ANY_JSON_OBJECT_SCHEMA
+        return matcher.grammar_from_json_schema(schema, defaults=json_options)
+    if spec.regex is not None:
+        return matcher.grammar_from_regex(spec.regex)
+    if spec.grammar is not None:
+        return matcher.grammar_from_lark(_as_lark(llguidance, spec.grammar))
+    raise ValueError("a choice is served as guided_choice, not by a grammar")
+
+
+def _as_lark(llguidance: Any, grammar: str) -> str:
+    if GBNF_RULE_MARK not in grammar:
+        return grammar
+    try:
+        return llguidance.gbnf_to_lark.gbnf_to_lark(grammar)
+    except Exception as err:  # GbnfToLarkError and whatever its parser trips on: all the grammar's fault
+        raise ValueError(f"not valid GBNF: {err}") from err

@@ -1,0 +1,97 @@
+"""Grammar and GrammarCompiler against llguidance and the default model's tokenizer (no model weights)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from plait.engine.grammar import GrammarCompiler, mask_words
+from plait.sampling_params import StructuredOutputsParams
+
+pytest.importorskip("llguidance")
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+          "required": ["name", "age"]}
+EOS = 2  # SmolLM2's <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from plait.loader.gguf import default_model_path
+    from plait.loader.tokenizer import load_tokenizer
+
+    return load_tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def compiler(tokenizer) -> GrammarCompiler:
+    return GrammarCompiler(tokenizer, {EOS})
+
+
+def _allowed(mask: np.ndarray) -> set[int]:
+    return set(np.flatnonzero(np.unpackbits(mask.view(np.uint8), bitorder="little")).tolist())
+
+
+def test_a_schema_allows_only_matching_tokens_and_ends_where_the_json_does(tokenizer, compiler) -> None:
+    grammar = compiler.compile(StructuredOutputsParams(json=SCHEMA))
+    text = '{"name": "Ada", "age": 36}'
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for i, token in enumerate(ids):
+        mask = grammar.next_token_bitmask()
+        assert mask.dtype == np.int32 and mask.shape == (mask_words(len(tokenizer)),)
+        allowed = _allowed(mask)
+        assert token in allowed and (EOS in allowed) == (i == len(ids)), (i, tokenizer.decode([token]))
+        assert not grammar.is_terminated()
+        grammar.consume(token)
+        assert grammar.error is None
+    assert grammar.is_terminated() and _allowed(grammar.next_token_bitmask()) == {EOS}
+    assert json.loads(tokenizer.decode(ids)) == {"name": "Ada", "age": 36}
+
+
+def test_sequences_of_one_spec_have_their_own_matchers(tokenizer, compiler) -> None:
+    """A request's n sequences share the compiled grammar, never its state."""
+    spec = StructuredOutputsParams(regex="[0-9]{3}-[0-9]{4}")
+    first, second = compiler.compile(spec), compiler.compile(spec)
+    for token in tokenizer.encode("123-", add_special_tokens=False):
+        first.consume(token)
+    dash = tokenizer.encode("-", add_special_tokens=False)[0]
+    assert dash not in _allowed(first.next_token_bitmask())
+    assert dash not in _allowed(second.next_token_bitmask())  # still at its start: digits only
+    assert _allowed(second.next_token_bitmask()) == _allowed(compiler.compile(spec).next_token_bitmask())
+
+
+def test_a_refused_token_is_an_error_not_an_exception(tokenizer, compiler) -> None:
+    grammar = compiler.compile(StructuredOutputsParams(regex="[0-9]+"))
+    grammar.consume(tokenizer.encode("x", add_special_tokens=False)[0])
+    assert grammar.error is not None and "\n" not in grammar.error
+
+
+@pytest.mark.parametrize("spec,words", [
+    (dict(json={"type": "object", "properties": 5}), "properties must be an object"),
+    (dict(json={"type": "bogus"}), "bogus"),
+    (dict(regex="[0-9"), "unclosed character class"),
+    (dict(grammar="start: missing_rule"), "unknown name"),
+    (dict(grammar='root ::= "a" (', ), "GBNF"),
+])
+def test_bad_specs_are_value_errors_with_llguidance_s_message(compiler, spec, words) -> None:
+    kind = next(iter(spec))
+    with pytest.raises(ValueError, match=f"structured_outputs {kind} is invalid") as err:
+        compiler.compile(StructuredOutputsParams(**spec))
+    assert words in str(err.value)
+
+
+def test_gbnf_and_lark_compile_alike(tokenizer, compiler) -> None:
+    lark = compiler.compile(StructuredOutputsParams(grammar='start: "yes" | "no"'))
+    gbnf = compiler.compile(StructuredOutputsParams(grammar='root ::= "yes" | "no"'))
+    assert _allowed(lark.next_token_bitmask()) == _allowed(gbnf.next_token_bitmask())
+
+
+def test_without_llguidance_or_a_tokenizer_a_grammar_is_a_clear_value_error(monkeypatch, tokenizer) -> None:
+    with pytest.raises(ValueError, match="tokenizer"):
+        GrammarCompiler(None, {EOS}).compile(StructuredOutputsParams(json_object=True))
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # what `import llguidance` meets where it is missing
+    with pytest.raises(ValueError, match="pip install llguidance"):
+        GrammarCompiler(tokenizer, {EOS}).compile(StructuredOutputsParams(json_object=True))
