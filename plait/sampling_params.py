@@ -30,6 +30,8 @@ MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_ALLOWED_TOKEN_IDS = 1024
 # Choices of one guided_choice request: each is tokenized at admission and matched on the host every step.
 MAX_GUIDED_CHOICES = 256
+# Words one bad_words request may ban (vLLM's bound on a request's bad words).
+MAX_BAD_WORDS = 128
 # The constraint kinds of StructuredOutputsParams, exactly one of which a request sets.
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "grammar", "choice", "json_object")
 
@@ -168,6 +170,10 @@ class SamplingParams:
     # vLLM's structured outputs (JSON schema, JSON object, regex, grammar, choice); a choice is served as
     # guided_choice, the others by a grammar the engine compiles with llguidance at add_request.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's bad_words: none of these words is generated. Each is tokenized on its own, with and without a
+    # leading space; a word's last token is banned wherever the output so far ends with its other tokens
+    # (a one-token word: everywhere).
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -234,6 +240,7 @@ class SamplingParams:
         self.allowed_token_ids = self._normalise_allowed_token_ids(self.allowed_token_ids)
         self.guided_choice = self._normalise_guided_choice(self.guided_choice)
         self._resolve_structured_outputs()
+        self.bad_words = self._normalise_bad_words(self.bad_words)
         if self.guided_choice is not None and self.allowed_token_ids is not None:
             raise ValueError("guided_choice and allowed_token_ids cannot be combined")
         if self.structured_outputs is not None and self.allowed_token_ids is not None:
@@ -323,6 +330,18 @@ class SamplingParams:
             raise ValueError(f"guided_choice must have at most {MAX_GUIDED_CHOICES} choices, "
                              f"got {len(choices)}")
         return list(choices)
+
+    @staticmethod
+    def _normalise_bad_words(words: Any) -> list[str] | None:
+        if words is None:
+            return None
+        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+            raise ValueError(f"bad_words must be a list of str, got {_describe(words)}")
+        if not all(w.strip() for w in words):
+            raise ValueError("bad_words must not hold an empty or blank word")
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words must have at most {MAX_BAD_WORDS} words, got {len(words)}")
+        return list(words) or None
 
     @staticmethod
     def _normalise_allowed_token_ids(ids: Any) -> list[int] | None:

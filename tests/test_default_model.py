@@ -222,3 +222,36 @@ def test_a_failing_grammar_finishes_its_request_with_error_and_others_go_on(llm)
     assert failed.finish_reason == "error" and "structured output failed" in failed.stop_reason
     assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 6
     assert llm.engine.is_idle_and_clean()
+
+
+def _contains(ids: list[int], seq: tuple[int, ...]) -> bool:
+    return any(tuple(ids[i: i + len(seq)]) == seq for i in range(len(ids) - len(seq) + 1))
+
+
+def test_bad_words_are_never_generated_and_neighbours_are_unchanged(llm):
+    """vLLM's bad_words: words the free output uses (one of one token, one of several) never appear, in
+    any of the tokenizations the engine bans, greedy or sampled; an unconstrained request in the same
+    batch answers as it does alone."""
+    prompts = ["The capital of France is", "Write one sentence about the sea:"]
+    free = SamplingParams(max_tokens=24, temperature=0.0)
+    outs = [o.outputs[0] for o in llm.generate(prompts, free)]
+    words = sorted({w.strip(".,:;!?\"'") for o in outs for w in o.text.split()}, key=len)
+    banned = [w for w in words if w][-2:]  # the two longest: usually several tokens each
+    tokenizer = llm.get_tokenizer()
+    sequences = {tuple(tokenizer.encode(p + w, add_special_tokens=False)) for w in banned for p in ("", " ")}
+    assert any(len(s) > 1 for s in sequences), "the test wants a word of several tokens"
+    assert any(_contains(o.token_ids, s) for o in outs for s in sequences)  # the free output has them
+    for params in (SamplingParams(max_tokens=24, temperature=0.0, bad_words=banned),
+                   SamplingParams(max_tokens=24, temperature=1.0, seed=3, bad_words=banned)):
+        got = llm.generate(prompts + prompts[:1], [params, params, free])
+        for o in got[:2]:
+            out = o.outputs[0]
+            assert not any(_contains(out.token_ids, s) for s in sequences), (out.text, banned)
+        assert got[2].outputs[0].token_ids == outs[0].token_ids
+
+
+def test_bad_words_are_checked():
+    for bad, match in (("word", "list of str"), (["ok", " "], "blank"), (["w"] * 129, "at most 128")):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams(bad_words=bad)
+    assert SamplingParams(bad_words=[]).bad_words is None

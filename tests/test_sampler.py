@@ -759,3 +759,29 @@ def test_hashed_noise_looks_exponential_and_the_kernel_draws_the_same(device: st
     got = torch.full((5,), -1, dtype=torch.long, device=device)
     race_sample(z, keys, rows, got)
     assert got[[4, 0, 2, 3]].tolist() == draws.argmin(dim=-1).tolist() and got[1] == -1
+
+
+def test_banned_ids_are_never_sampled_and_bad_words_ban_their_last_token():
+    """A row's banned ids (bad words it would complete) get -inf: greedy takes the next best, sampling
+    never draws them; Request.banned_next_tokens bans a one-token word always and a longer word's last
+    token only after the rest of it."""
+    from plait.engine.request import Request
+
+    logits = make_logits(4, 3, 50)
+    top2 = logits.topk(2, dim=-1).indices
+    rows = [row(temperature=0.0), row(temperature=0.0), None]
+    rows[0].banned_now = [int(top2[0, 0])]
+    for seed in range(20):
+        rows[2] = row(temperature=1.0, seed=seed)
+        rows[2].banned_now = list(range(0, 50, 2))
+        ids = Sampler(seed=0).sample(logits.clone(), rows)[0].tolist()
+        assert ids[0] == int(top2[0, 1]) and ids[1] == int(top2[1, 0]) and ids[2] % 2 == 1
+    words = ((5,), (7, 8), (1, 2, 3))
+    request = Request("r", [1, 2], SamplingParams(), max_tokens=8, bad_words_token_ids=words)
+    assert request.banned_next_tokens() == [5]
+    request.output_token_ids += [9, 7]
+    assert request.banned_next_tokens() == [5, 8]
+    request.output_token_ids += [1, 2]
+    assert request.banned_next_tokens() == [3, 5]  # the prompt's own 1, 2 never counted: outputs only
+    assert request.needs_last_token and not Request("q", [1], SamplingParams(), max_tokens=1,
+                                                    bad_words_token_ids=((5,),)).needs_last_token

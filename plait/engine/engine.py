@@ -184,6 +184,7 @@ class LLMEngine:
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             choice_token_ids=self._tokenize_choices(params.guided_choice),
             grammar=self._compile_grammar(params),
+            bad_words_token_ids=self._tokenize_bad_words(params.bad_words),
         )
         return request, text
 
@@ -237,6 +238,16 @@ class LLMEngine:
         if self.tokenizer is None:
             raise ValueError("guided_choice needs the model's tokenizer; this model has none")
         return tuple(tuple(self.tokenizer.encode(c, add_special_tokens=False)) for c in choices)
+
+    def _tokenize_bad_words(self, words: list[str] | None) -> tuple[tuple[int, ...], ...] | None:
+        """Each word as the tokenizer encodes it alone, and after a space (mid-sentence), as vLLM does."""
+        if words is None:
+            return None
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs the model's tokenizer; this model has none")
+        sequences = {tuple(self.tokenizer.encode(prefix + w.lstrip(), add_special_tokens=False))
+                     for w in words for prefix in ("", " ")}
+        return tuple(sorted(s for s in sequences if s))
 
     def _compile_grammar(self, params: SamplingParams) -> Grammar | None:
         """This sequence's own matcher for a JSON schema, JSON object, regex or grammar (a choice is
@@ -316,11 +327,11 @@ class LLMEngine:
 
     def _can_overlap(self, step: InFlightStep) -> bool:
         """Whether the next step may launch before ``step``'s ids are on the host: not when overlap
-        is off, nor when a request in it applies penalties, a guided choice or a grammar (they need the
-        ids themselves: a grammar's next mask depends on the token it consumes first)."""
+        is off, nor when a request in it applies penalties, a guided choice, a grammar or a bad word of
+        several tokens (they need the ids themselves: a grammar's next mask depends on the token it
+        consumes first)."""
         return self.config.async_scheduling and not any(
-            needs_penalties(r.sampling_params) or r.choice_token_ids is not None or r.grammar is not None
-            for r in step.requests
+            needs_penalties(r.sampling_params) or r.needs_last_token for r in step.requests
         )
 
     def _collect(self) -> list[RequestOutput]:

@@ -45,6 +45,8 @@ class Request:
     # sampling_params.structured_outputs (json, regex, grammar, json_object), compiled by the engine: this
     # sequence's own matcher, which has consumed every output token on the host.
     grammar: Grammar | None = None
+    # sampling_params.bad_words, tokenized by the engine: the token sequences the output must not contain.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     arrival_index: int | None = None  # set by LLMEngine.enqueue: FCFS order
 
     # Set by the scheduler.
@@ -91,6 +93,21 @@ class Request:
         if tuple(self.output_token_ids) in self.choice_token_ids:
             allowed |= self.eos_token_ids
         return sorted(allowed)
+
+    def banned_next_tokens(self) -> list[int] | None:
+        """The ids that would complete a bad word here: each word's last token where the output so far
+        ends with the tokens before it (None: no bad words)."""
+        if self.bad_words_token_ids is None:
+            return None
+        out = self.output_token_ids
+        return sorted({w[-1] for w in self.bad_words_token_ids if _ends_with(out, w[:-1])})
+
+    @property
+    def needs_last_token(self) -> bool:
+        """Whether this step's sampling depends on the token sampled last (a guided choice, a grammar, a
+        bad word longer than a token): the engine does not launch the next step before it is on the host."""
+        return (self.choice_token_ids is not None or self.grammar is not None
+                or any(len(w) > 1 for w in self.bad_words_token_ids or ()))
 
     def is_whole_choice(self) -> bool:
         """Whether the output is one of the choices and no longer choice continues it."""
@@ -144,3 +161,7 @@ class Request:
         if start >= n_prompt:
             return self.output_token_ids[start - n_prompt : end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
+
+def _ends_with(seq: list[int], tail: tuple[int, ...]) -> bool:
+    return not tail or (len(seq) >= len(tail) and tuple(seq[len(seq) - len(tail):]) == tail)

@@ -427,6 +427,7 @@ class ModelRunner:
                 allowed_now=r.choice_continuations(),
                 # The grammar has consumed every output: its steps are never overlapped (LLMEngine).
                 token_bitmask=r.grammar.next_token_bitmask() if r.grammar is not None else None,
+                banned_now=r.banned_next_tokens(),
             )
             for r in requests
         ]

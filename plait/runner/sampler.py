@@ -80,6 +80,9 @@ class SamplingRow:
     # t % 32 of word t // 32): set by the model runner from Request.grammar (plait/engine/grammar.py).
     # Ids past the mask's width (logits rows may be wider than the tokenizer's vocabulary) are disallowed.
     token_bitmask: np.ndarray | None = None
+    # Ids this step must not sample (the last tokens of bad words the output would complete): set by the
+    # model runner from Request.banned_next_tokens.
+    banned_now: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
         if self.num_output_tokens is None:
@@ -283,8 +286,10 @@ class Sampler:
         allowed_rows = [i for i, r in enumerate(rows) if r.allowed_token_ids() is not None]
         bias_rows = [i for i, p in enumerate(params) if p.logit_bias is not None]
         grammar_rows = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
+        banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_now or ()]
         all_greedy = all(p.is_greedy for p in params)
-        changes_logits = min_tokens_rows or penalty_rows or allowed_rows or bias_rows or grammar_rows
+        changes_logits = (min_tokens_rows or penalty_rows or allowed_rows or bias_rows or grammar_rows
+                          or banned)
 
         if all_greedy and not want_logprobs and not changes_logits:
             # Fast path: argmax is exact in any float dtype, so no fp32 copy is needed.
@@ -305,6 +310,8 @@ class Sampler:
             self._mask_disallowed_tokens(logits, rows, allowed_rows)
         if grammar_rows:
             self._mask_by_bitmask(logits, rows, grammar_rows)
+        if banned:
+            self._ban(logits, banned)
         if bias_rows:
             self._add_logit_bias(logits, rows, bias_rows)
         if min_tokens_rows:
@@ -367,21 +374,23 @@ class Sampler:
 
     @staticmethod
     def _mask_stop_tokens(logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]) -> None:
-        vocab = logits.shape[1]
-        r_idx: list[int] = []
-        t_idx: list[int] = []
+        pairs = []
         for i in row_ids:
             p = rows[i].params
             stop_ids = set(p.stop_token_ids)
             if not p.ignore_eos:
                 stop_ids.update(rows[i].eos_token_ids)
-            for t in stop_ids:
-                if t < vocab:
-                    r_idx.append(i)
-                    t_idx.append(t)
-        if r_idx:
-            flat = host_to_device(r_idx + t_idx, torch.long, logits.device)
-            n = len(r_idx)
+            pairs += [(i, t) for t in stop_ids]
+        Sampler._ban(logits, pairs)
+
+    @staticmethod
+    def _ban(logits: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """-inf at each (row, id) of ``pairs`` within the vocabulary, in one copy and one launch."""
+        vocab = logits.shape[1]
+        pairs = [(i, t) for i, t in pairs if t < vocab]
+        if pairs:
+            flat = host_to_device([i for i, _ in pairs] + [t for _, t in pairs], torch.long, logits.device)
+            n = len(pairs)
             logits.index_put_((flat[:n], flat[n:]), logits.new_full((), float("-inf")))
 
     @staticmethod
