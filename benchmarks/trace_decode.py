@@ -26,6 +26,8 @@ from plait.sampling_params import SamplingParams
 
 WARMUP_STEPS = 32
 TOP = 16
+# A step's lm_head is its longest kernel by far (W3: ~245 us, the next ~60): the mark of a step boundary.
+BOUNDARY_KERNEL_US = 150
 
 
 def kernel_events(prof) -> list[tuple[str, float, float]]:
@@ -70,6 +72,20 @@ def summarise(events: list[tuple[str, float, float]], steps: int) -> dict:
     return result
 
 
+def boundary(events: list[tuple[str, float, float]], before: int = 4, after: int = 16) -> list[dict]:
+    """The kernels around one step boundary in the middle of the trace (the lm_head, what follows it up
+    to the next graph's first kernels), with the idle time before each."""
+    marks = [i for i, (_, _, dur) in enumerate(events) if dur > BOUNDARY_KERNEL_US]
+    if not marks:
+        return []
+    i = marks[len(marks) // 2]
+    rows, end = [], None
+    for name, start, dur in events[max(i - before, 0): i + after]:
+        rows.append({"kernel": name, "us": dur, "idle_before_us": None if end is None else start - end})
+        end = start + dur
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--config", default="shared/bench/models/llama-8b")
@@ -77,6 +93,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--boundary", action="store_true",
+                        help="also list the kernels between two graph replays (lm_head, sampling, copies)")
     args = parser.parse_args()
     vocab = json.loads((Path(args.config) / "config.json").read_text())["vocab_size"]
     engine = LLMEngine(EngineConfig(model=args.config, load_format="dummy", max_model_len=2048,
@@ -92,7 +110,10 @@ def main() -> None:
         for _ in range(args.steps):
             engine.step()
         torch.cuda.synchronize()
-    result = summarise(kernel_events(prof), args.steps)
+    events = kernel_events(prof)
+    result = summarise(events, args.steps)
+    if args.boundary:
+        result["boundary"] = boundary(events)
     result["rows"] = args.rows
     result["device"] = torch.cuda.get_device_name()
     print(f"{result['device']}, {args.rows} rows: span {result['span_us_per_step']:.1f} us/step, kernels "
@@ -102,6 +123,9 @@ def main() -> None:
         per_step, calls, mean = k["us_per_step"], k["calls_per_step"], k["mean_us"]
         print(f"  {per_step:8.1f} us x{calls:<4.0f} ({mean:6.2f}) {k['name'][:72]}")
     print("idle before:", {k[:40]: round(v, 1) for k, v in result["idle_before_kernel_us_per_step"].items()})
+    for row in result.get("boundary", []):
+        idle = "" if row["idle_before_us"] is None else f"idle {row['idle_before_us']:6.1f}"
+        print(f"  {idle:12s} {row['us']:7.1f} us  {row['kernel'][:80]}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2))
 
