@@ -616,6 +616,7 @@ def test_sampling_never_makes_the_host_wait_for_the_gpu() -> None:
         row(temperature=0.9),
     ]
     rows[-1].token_bitmask = _pack_bitmask(torch.arange(vocab - 100) % 3 == 0)  # a grammar's, narrower
+    rows[1].banned_now = [5, 6]  # bad words' last tokens
     logits = make_logits(0, len(rows), vocab).cuda()
     sampler = Sampler()
     sampler.sample(logits, rows)  # warm up (allocators, generators), outside the check
