@@ -49,6 +49,11 @@ def test_chat_passes_template_and_its_kwargs(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, chat_template=template,
                    chat_template_kwargs={"greeting": "Hello"})[0]
     assert out.prompt == "Hello: hi"
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]  # the template's tools, as vLLM's
+    listed = "{% for t in tools %}{{ t['function']['name'] }} {% endfor %}{{ messages[0]['content'] }}"
+    out = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False, chat_template=listed,
+                   tools=tools)[0]
+    assert out.prompt == "get_weather hi"
     default = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0]
     assert default.prompt.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 

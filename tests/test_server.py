@@ -282,6 +282,20 @@ def test_logit_bias_forces_a_token(served, client, model):
     assert banned.choices[0].text not in ("", plain.choices[0].text)
 
 
+def test_bad_words_keep_words_out_of_the_output(client, model):
+    """vLLM's bad_words (extra_body with the openai client): a word the free answer uses is absent once
+    banned, in chat and completions alike."""
+    prompt = "The capital of France is"
+    free = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0.0)
+    word = max(free.choices[0].text.split(), key=len).strip(".,")
+    banned = client.completions.create(model=model, prompt=prompt, max_tokens=12, temperature=0.0,
+                                       extra_body={"bad_words": [word]})
+    assert word in free.choices[0].text and word not in banned.choices[0].text
+    chat = client.chat.completions.create(model=model, messages=_messages(prompt), max_tokens=12,
+                                          temperature=0.0, extra_body={"bad_words": [word]})
+    assert word not in chat.choices[0].message.content
+
+
 def test_allowed_token_ids_restrict_the_output(served, client, model):
     """vLLM's allowed_token_ids (extra_body with the openai client): random sampling draws only those ids."""
     server, url = served
@@ -800,6 +814,8 @@ def test_non_streaming_client_timeout_aborts(served, model):
 
 
 TOO_LONG = 9000  # token ids: more than the default model's 8192-token context
+TOOL_F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+NAMED_F = {"type": "function", "function": {"name": "f"}}
 
 BAD_REQUESTS = [
     # (path, body (dict, or raw bytes), status, param, words the message must contain)
@@ -847,6 +863,10 @@ BAD_REQUESTS = [
      400, "logit_bias", "at most 1024 items"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"10000000": 1}},
      400, "logit_bias", "out of range"),
+    # bad_words: a list of words, none blank, few enough
+    ("/v1/completions", {"prompt": "x", "bad_words": "word"}, 400, "bad_words", "valid list"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["ok", " "]}, 400, "bad_words", "blank"),
+    ("/v1/completions", {"prompt": "x", "bad_words": ["w"] * 129}, 400, "bad_words", "at most 128 items"),
     # allowed_token_ids: not empty, ids within the vocabulary, few enough
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": []}, 400, "allowed_token_ids", "at least 1"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [-1]}, 400, "allowed_token_ids",
@@ -873,15 +893,40 @@ BAD_REQUESTS = [
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
         ("/v1/completions", {"prompt": "x"}),
     ) for field, value in (
-        ("tools", [{"type": "function", "function": {"name": "f"}}]),
-        ("tool_choice", "auto"),
-        ("tool_choice", {"type": "function", "function": {"name": "f"}}),
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
         ("structural_tag", "{}"),
         ("response_format", {"type": "xml"}),
         ("structured_outputs", {"json": {"type": "object"}, "structural_tag": "{}"}),
     )],
+    # tool calling: chat's only (as OpenAI's); vLLM's checks, in its words where it has them
+    *[("/v1/completions", {"prompt": "x", field: value}, 400, field, "not supported") for field, value in (
+        ("tools", [TOOL_F]), ("tool_choice", "auto"), ("tool_choice", NAMED_F))],
+    *[("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **fields}, 400, param, words)
+      for fields, param, words in (
+        ({"tools": [TOOL_F]}, "tool_choice",  # "auto", the default with tools; this server has no parser
+         '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'),
+        ({"tool_choice": "required"}, "tool_choice", "`tools` must be set"),
+        ({"tool_choice": "auto", "tools": []}, "tool_choice", "`tools` must be set"),
+        ({"tool_choice": NAMED_F}, "tool_choice", "`tools` must be set"),
+        ({"tools": [TOOL_F], "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice",
+         "does not match any of the specified `tools`"),
+        ({"tools": [TOOL_F], "tool_choice": "any"}, "tool_choice", "'required'"),
+        ({"tools": [TOOL_F], "tool_choice": NAMED_F, "response_format": {"type": "json_object"}},
+         "tool_choice", "cannot both"),
+        ({"tools": [TOOL_F, TOOL_F], "tool_choice": "required"}, "tools", "unique"),
+        ({"tools": [{"type": "function"}], "tool_choice": "required"}, "tools", "required"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools", "'function'"),
+        ({"tools": [{"function": {"name": ""}}]}, "tools", "at least 1"),
+        ({"tools": [{"function": {"name": "f", "parameters": "{}"}}]}, "tools", "valid dictionary"),
+        ({"tools": [{"function": {"name": "f", "parameters": {"type": "bogus"}}}], "tool_choice": "required"},
+         "tools", "bogus"),  # llguidance's message
+        ({"tools": [{"function": {"name": "f", "parameters": {"$defs": {"A": {}}}}},
+                    {"function": {"name": "g", "parameters": {"$defs": {"A": {"type": "string"}}}}}],
+          "tool_choice": "required"}, "tools", "differently"),
+    )],
+    ("/v1/chat/completions", {"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "function": {
+        "name": "f"}}]}]}, 400, "messages", "required"),  # a tool call without its arguments
     # structured outputs: well-formed requests, schemas, regexes and grammars (llguidance's own messages)
     *[(path, {**base, field: value}, 400, field, words) for path, base in (
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),

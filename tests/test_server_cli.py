@@ -49,6 +49,34 @@ def test_serve_flags_reach_the_configs(monkeypatch):
     assert config_c.served_model_names == ("a", "b") and config_c.trust_request_chat_template
 
 
+def test_serve_chat_template_and_tool_calling_flags(monkeypatch, capsys, tmp_path):
+    """vLLM's --chat-template (a file or the template's text), --enable-auto-tool-choice and
+    --tool-call-parser; a bad combination or an unreadable template fails before the model loads."""
+    import plait.entrypoints.server as server
+    from plait.entrypoints import cli
+
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append(config))
+    template = tmp_path / "tools.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    assert cli.main(["serve", "--chat-template", str(template), "--enable-auto-tool-choice",
+                     "--tool-call-parser", "hermes"]) == 0
+    assert cli.main(["serve", "--chat-template", "{{ messages[0]['content'] }}!"]) == 0
+    assert cli.main(["serve"]) == 0
+    (a, b, c) = seen
+    assert a.chat_template_text == template.read_text() and a.enable_auto_tool_choice
+    assert a.tool_call_parser == "hermes"
+    assert b.chat_template_text == "{{ messages[0]['content'] }}!" and not b.enable_auto_tool_choice
+    assert c.chat_template_text is None and c.tool_call_parser is None
+    assert cli.main(["serve", "--enable-auto-tool-choice"]) == 2
+    assert "needs a tool_call_parser" in capsys.readouterr().err
+    assert cli.main(["serve", "--chat-template", str(tmp_path / "missing.jinja")]) == 2
+    assert "looks like a file's path" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--tool-call-parser", "nope"])
+    assert len(seen) == 3
+
+
 def test_serve_cors_and_generation_config_flags(monkeypatch, capsys):
     """vLLM's --allowed-origins / --allowed-methods / --allowed-headers (JSON lists), --allow-credentials and
     --generation-config."""

@@ -168,7 +168,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
                           served_model_name=args.served_model_name, request_timeout_s=args.request_timeout,
                           trust_request_chat_template=args.trust_request_chat_template,
-                          log_level=args.log_level, allowed_origins=args.allowed_origins,
+                          chat_template=args.chat_template,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_call_parser=args.tool_call_parser, log_level=args.log_level,
+                          allowed_origins=args.allowed_origins,
                           allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
                           allow_credentials=args.allow_credentials)
     serve(_engine_config(args), config)
@@ -185,6 +188,22 @@ def _add_cors_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--allow-credentials", action=argparse.BooleanOptionalAction, default=False,
                        help="let browsers send cookies and HTTP auth with cross-origin requests "
                             "(default: off)")
+
+
+def _add_tool_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's chat template and tool-calling flags."""
+    from plait.entrypoints.tool_parsers import TOOL_PARSERS  # no server dependencies
+
+    group = parser.add_argument_group("chat template and tool calling")
+    group.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                       help="a Jinja chat template (a file, or the template's text) instead of the model's, "
+                            "e.g. one that renders tools and tool calls")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="serve tool_choice 'auto' (the default where tools are given): the model's tool "
+                            "calls are read by --tool-call-parser")
+    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                       help="the model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
+                            "(Llama 3.x)")
 
 
 def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) -> str:
@@ -242,6 +261,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: the model file's stem or folder's name)")
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="let chat requests bring their own chat template (a Jinja program)")
+    _add_tool_args(srv)
     srv.add_argument("--request-timeout", type=float, default=None,
                      help="abort requests running longer than this many seconds (default: never)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -74,18 +74,21 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template (the model's, or ``chat_template``) to one conversation (a list of
         messages) or many, and generate; each output's ``prompt`` is its rendered conversation.
 
         ``continue_final_message`` leaves the last message open, so the model continues it (an assistant
         prefill) instead of starting a new one; it excludes ``add_generation_prompt``, as in vLLM.
-        ``chat_template_kwargs`` become variables of the template.
+        ``chat_template_kwargs`` become variables of the template; ``tools`` (OpenAI-style function
+        definitions) its ``tools``, as in vLLM.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
         texts = [render_chat(tokenizer, c, add_generation_prompt, chat_template_kwargs,
-                             continue_final_message=continue_final_message, chat_template=chat_template)
+                             continue_final_message=continue_final_message, chat_template=chat_template,
+                             tools=tools)
                  for c in conversations]
         prompts = [{"prompt_token_ids": _encode_rendered(tokenizer, text)} for text in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm)
@@ -130,10 +133,12 @@ def render_chat(
     *,
     continue_final_message: bool = False,
     chat_template: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
     """A conversation as prompt text under the model's chat template (or ``chat_template``).
 
     continue_final_message: end on the last message's text, without the template's end-of-turn after it.
+    tools: OpenAI-style tool definitions, the template's ``tools`` (a template that knows tools lists them).
     """
     if add_generation_prompt and continue_final_message:
         # As vLLM: opening a new assistant turn and leaving the last message open exclude each other.
@@ -146,7 +151,8 @@ def render_chat(
             raise ValueError(f"each chat message needs 'role' and 'content', got {m!r}")
     return tokenizer.apply_chat_template(
         conversation, tokenize=False, add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message, chat_template=chat_template, **(kwargs or {}),
+        continue_final_message=continue_final_message, chat_template=chat_template, tools=tools,
+        **(kwargs or {}),
     )
 
 

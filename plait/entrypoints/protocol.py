@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Mapping
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
+from plait.entrypoints.tools import named_tool_schema, required_tools_schema
 from plait.sampling_params import (
     LOGIT_BIAS_BOUND,
     MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORDS,
     MAX_GUIDED_CHOICES,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
@@ -44,18 +47,21 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 # silently ignored it. (Fields plait has no use for but that change nothing, such as user, metadata,
 # store or service_tier, are accepted and ignored.)
 UNSUPPORTED_FIELDS: dict[str, str] = {
-    "tools": "tool calling",
-    "tool_choice": "tool calling; only 'none' is supported",
-    "functions": "function calling",
+    "functions": "function calling (the legacy API; use tools)",
     "function_call": "function calling; only 'none' is supported",
     "structural_tag": "structural tags",
-    "bad_words": "banned words",
     "logits_processors": "custom logits processors",
     "use_beam_search": "beam search",
     "truncate_prompt_tokens": "prompt truncation",
     "prompt_embeds": "prompt embeddings",
     "return_tokens_as_token_ids": "logprob tokens as token ids",
     "echo": "echoing the prompt",  # chat's (CompletionRequest declares and serves its own)
+}
+# Chat's tool fields, which /v1/completions does not serve (as OpenAI's completions have no tools).
+COMPLETION_UNSUPPORTED_FIELDS: dict[str, str] = {
+    **UNSUPPORTED_FIELDS,
+    "tools": "tool calling (a /v1/chat/completions feature)",
+    "tool_choice": "tool calling (a /v1/chat/completions feature); only 'none' is supported",
 }
 # The same for the keys of structured_outputs beside its constraint (vLLM's; disable_fallback and the
 # backend's name change nothing here and are ignored).
@@ -66,6 +72,8 @@ UNSUPPORTED_STRUCTURED_OUTPUTS_FIELDS: dict[str, str] = {
 }
 # The values of tool_choice / function_call that ask for no tool.
 _NO_TOOL = "none"
+# The field errors about forced tool calls' schemas name (they are the tools' parameters).
+TOOLS_PARAM = "tools"
 # response_format types: plain text, any JSON object, or JSON matching a schema.
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
@@ -103,6 +111,7 @@ LogitBiasValue = Annotated[float, Field(ge=-LOGIT_BIAS_BOUND, le=LOGIT_BIAS_BOUN
 LogitBias = Annotated[dict[LogitBiasKey, LogitBiasValue], Field(max_length=MAX_LOGIT_BIAS_ENTRIES)]
 AllowedTokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)]
 GuidedChoice = Annotated[list[str], Field(min_length=1, max_length=MAX_GUIDED_CHOICES)]
+BadWords = Annotated[list[str], Field(max_length=MAX_BAD_WORDS)]
 # A JSON schema: the object, or (as vLLM's guided_json takes it too) its JSON text.
 JsonSchema = dict[str, Any] | str
 
@@ -231,6 +240,8 @@ class _SamplingRequest(_RequestModel):
 
     # Extra fields are kept (and otherwise ignored) only so that check_supported can see them.
     model_config = ConfigDict(extra="allow")
+    # The fields it refuses (check_supported).
+    unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
 
     model: str | None = None  # None: the served model
     max_tokens: PositiveInt | None = None  # chat: None runs to the end of the context; completions: 16
@@ -253,6 +264,7 @@ class _SamplingRequest(_RequestModel):
     stream_options: StreamOptions | None = None
     logit_bias: LogitBias | None = None
     allowed_token_ids: AllowedTokenIds | None = None  # vLLM extension: only these ids may be sampled
+    bad_words: BadWords | None = None  # vLLM extension: words never generated
     # vLLM extension: each prompt token's logprob and the top-n at its position (non-streamed answers only).
     prompt_logprobs: NumLogprobs | None = None
     # vLLM extension: the output is exactly one of these strings (also as structured_outputs' "choice").
@@ -269,9 +281,9 @@ class _SamplingRequest(_RequestModel):
     def check_supported(self) -> None:
         """Reject fields that are well-typed but that this server cannot honour."""
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED_FIELDS and _asks_for(name, value):
-                raise ProtocolError(f"{name} is not supported by this server ({UNSUPPORTED_FIELDS[name]})",
-                                    name)
+            if name in self.unsupported_fields and _asks_for(name, value):
+                what = self.unsupported_fields[name]
+                raise ProtocolError(f"{name} is not supported by this server ({what})", name)
         # As vLLM: an empty stream_options without streaming asks for nothing.
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise ProtocolError("stream_options can only be set when stream is true", "stream_options")
@@ -358,6 +370,7 @@ class _SamplingRequest(_RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             prompt_logprobs=self.requested_prompt_logprobs,
             guided_choice=self.guided_choice,
             structured_outputs=self._structured_outputs_params(),
@@ -371,6 +384,8 @@ class _SamplingRequest(_RequestModel):
 
 
 class CompletionRequest(_SamplingRequest):
+    unsupported_fields: ClassVar[dict[str, str]] = COMPLETION_UNSUPPORTED_FIELDS
+
     # One prompt (text or token ids) or a batch of them.
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: NumLogprobs | None = None  # top-n logprobs per token
@@ -417,22 +432,87 @@ class ContentPart(_RequestModel):
     text: str
 
 
+class FunctionCallParam(_RequestModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+    def as_template_function(self) -> dict[str, Any]:
+        """As HF chat templates (and vLLM) pass it: the arguments parsed, where they are a JSON object
+        (templates write them with tojson or iterate their items); other text is passed as it is."""
+        try:
+            arguments = json.loads(self.arguments)
+        except (json.JSONDecodeError, RecursionError):  # not JSON, or nested deeper than Python recurses
+            arguments = None
+        return {"name": self.name, "arguments": arguments if isinstance(arguments, dict) else self.arguments}
+
+
+class ToolCallParam(_RequestModel):
+    """A tool call of an earlier assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessage(_RequestModel):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant message's calls (its content may be null)
+    tool_call_id: str | None = None  # a "tool" message: the call it answers
 
-    def as_template_message(self) -> dict[str, str]:
-        """The message as the chat template expects it: text parts joined, no content as ""."""
+    def as_template_message(self) -> dict[str, Any]:
+        """The message as the chat template expects it: text parts joined, no content as "", tool calls
+        with their arguments as objects."""
         content = self.content
         if content is None:
             content = ""
         elif isinstance(content, list):
             content = "".join(part.text for part in content)
-        message = {"role": self.role, "content": content}
+        message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [
+                {"id": call.id, "type": call.type, "function": call.function.as_template_function()}
+                for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionDefinition(_RequestModel):
+    name: Annotated[str, Field(min_length=1)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments; None: any (no) arguments
+    strict: bool | None = None  # named and "required" tool choices always enforce the schema
+
+
+class ChatTool(_RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+    def as_template_tool(self) -> dict[str, Any]:
+        """As chat templates receive tools (OpenAI's shape, unset fields left out)."""
+        f = self.function
+        fields = {"name": f.name, "description": f.description, "parameters": f.parameters,
+                  "strict": f.strict}
+        return {"type": self.type, "function": {k: v for k, v in fields.items() if v is not None}}
+
+
+class NamedFunction(_RequestModel):
+    name: str
+
+
+class NamedToolChoice(_RequestModel):
+    """tool_choice naming one function: the answer is a call to it."""
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+# tool_choice: no call, the model's choice (needs a tool call parser), at least one call, or a named one.
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -446,8 +526,14 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling: the functions the model may call, and whether and which it must call (None: "auto"
+    # where tools are given, else "none", as OpenAI and vLLM); parallel_tool_calls false allows one call.
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
+        self._check_tools()  # before the structured output, which a forced tool call sets
         super().check_supported()
         if self.continue_final_message and self.add_generation_prompt:
             raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true; set "
@@ -463,6 +549,73 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    # -- tools ----------------------------------------------------------------------------------
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else _NO_TOOL
+
+    @property
+    def named_tool(self) -> str | None:
+        """The function a named tool_choice calls (None: not named)."""
+        choice = self.effective_tool_choice
+        return choice.function.name if isinstance(choice, NamedToolChoice) else None
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """Whether tool_choice forces the answer to be calls (named or "required"), by a structured output."""
+        return self.named_tool is not None or self.effective_tool_choice == "required"
+
+    @property
+    def max_tool_calls(self) -> int | None:
+        return 1 if self.parallel_tool_calls is False else None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template receives them (None: no tools)."""
+        return [tool.as_template_tool() for tool in self.tools] if self.tools else None
+
+    def _check_tools(self) -> None:
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) < len(names):
+            twice = next(name for i, name in enumerate(names) if name in names[:i])
+            raise ProtocolError(f"tool names must be unique; '{twice}' is given twice", "tools")
+        if self.effective_tool_choice != _NO_TOOL and not names:
+            # vLLM's words
+            raise ProtocolError("When using `tool_choice`, `tools` must be set.", "tool_choice")
+        if self.named_tool is not None and self.named_tool not in names:
+            raise ProtocolError(f"The tool specified in `tool_choice` ('{self.named_tool}') does not match "
+                                f"any of the specified `tools`", "tool_choice")
+
+    def _structured_request(self) -> tuple[str, dict[str, Any]] | None:
+        asked = super()._structured_request()
+        forced = self._forced_tool_schema()
+        if forced is None:
+            return asked
+        if asked is not None:  # vLLM refuses a named tool_choice beside a structured output too
+            raise ProtocolError(f"tool_choice {self._tool_choice_words()} and {asked[0]} cannot both be set "
+                                f"(a forced tool call is a structured output)", "tool_choice")
+        return TOOLS_PARAM, {"json": forced}
+
+    def _forced_tool_schema(self) -> dict[str, Any] | None:
+        functions = {tool.function.name: tool.function.parameters for tool in self.tools or ()}
+        try:
+            if self.named_tool is not None:
+                return named_tool_schema(functions[self.named_tool])
+            if self.effective_tool_choice == "required":
+                return required_tools_schema(functions, parallel=self.parallel_tool_calls is not False)
+        except ValueError as err:
+            raise ProtocolError(str(err), TOOLS_PARAM) from err
+        return None
+
+    def _tool_choice_words(self) -> str:
+        return f"naming '{self.named_tool}'" if self.named_tool is not None else '"required"'
+
+    @property
+    def structured_outputs_param(self) -> str:
+        return TOOLS_PARAM if self.forces_tool_call else super().structured_outputs_param
 
 
 class TokenizeRequest(_RequestModel):
@@ -565,9 +718,30 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry] | None = None
 
 
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+# A response field left out where it is None (as OpenAI and vLLM leave out tool_calls and a delta's unset
+# parts, which clients accumulate with +=).
+Omitted = Field(default=None, exclude_if=_is_none)
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallOut] | None = Omitted
 
 
 class ChatChoice(BaseModel):
@@ -588,9 +762,25 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM extension: of the one prompt all choices share
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = Omitted  # in a call's first delta
+    arguments: str | None = Omitted  # the next piece of the arguments' JSON text
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of one tool call: the first of a call has its id, type and name, and the ones after add to
+    its arguments."""
+
+    index: int
+    id: str | None = Omitted
+    type: Literal["function"] | None = Omitted
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = Omitted
 
 
 class ChatStreamChoice(BaseModel):

@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -50,6 +50,7 @@ from plait.entrypoints.async_engine import (
 from plait.entrypoints.llm import _fan_out, apply_chat_template
 from plait.entrypoints.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
+    TOOLS_PARAM,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -66,11 +67,14 @@ from plait.entrypoints.protocol import (
     CompletionResponse,
     CompletionResponseChoice,
     CompletionStreamResponse,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
+    FunctionCallOut,
     ModelCard,
     ModelList,
     PromptLogprob,
@@ -78,8 +82,17 @@ from plait.entrypoints.protocol import (
     ProtocolError,
     TokenizeRequest,
     TokenizeResponse,
+    ToolCallOut,
     UsageInfo,
     VersionResponse,
+)
+from plait.entrypoints.tool_parsers import ToolOutputParser, get_tool_parser
+from plait.entrypoints.tools import (
+    NamedToolOutput,
+    RequiredToolsOutput,
+    ToolCallDelta,
+    ToolCallStream,
+    make_tool_call_id,
 )
 from plait.loader.hf import ModelSource
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
@@ -105,6 +118,11 @@ CORS_ANY = ("*",)
 # vLLM's words for a request beyond the context, which clients match case-sensitively.
 CONTEXT_LENGTH_MESSAGE_START = "This model's maximum context length is"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+# What tells a --chat-template value that is template text from a file's path (vLLM's test).
+JINJA_CHARS = "{}\n"
+# vLLM's words for tool_choice "auto" on a server not started to parse tool calls.
+AUTO_TOOL_CHOICE_MESSAGE = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to '
+                            'be set')
 # Logprobs are clamped to this so responses never hold -inf (not JSON); the same floor as vLLM.
 MIN_LOGPROB = -9999.0
 SSE_DONE = "data: [DONE]\n\n"
@@ -151,6 +169,13 @@ class ServerConfig:
     # Whether a request may bring its own chat template (a Jinja program run on the server). Off by
     # default, as vLLM's --trust-request-chat-template: only a trusted client should choose the template.
     trust_request_chat_template: bool = False
+    # vLLM's --chat-template: a file, or the template's text, used instead of the model's (so a model whose
+    # own template knows nothing of tools can be served with one that does); a trusted request's wins.
+    chat_template: str | None = None
+    # vLLM's --enable-auto-tool-choice and --tool-call-parser: tool_choice "auto" (the default where tools
+    # are given) reads the model's tool calls with that parser; without them it is refused, as in vLLM.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
     log_level: str = "info"
     # CORS, as vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials: which
     # web pages' scripts may call the server from a browser (the API key, where set, still applies).
@@ -158,6 +183,7 @@ class ServerConfig:
     allowed_methods: Sequence[str] = CORS_ANY
     allowed_headers: Sequence[str] = CORS_ANY
     allow_credentials: bool = False
+    chat_template_text: str | None = field(default=None, init=False, repr=False)  # what chat_template names
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1:
@@ -175,6 +201,12 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a list of strings, got {value!r}")
         if not isinstance(self.allow_credentials, bool):
             raise ValueError(f"allow_credentials must be true or false, got {self.allow_credentials!r}")
+        if self.chat_template is not None:
+            self.chat_template_text = load_chat_template(self.chat_template)
+        if self.tool_call_parser is not None:
+            get_tool_parser(self.tool_call_parser)  # an unknown name fails here, at start-up
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser NAME)")
 
     @property
     def served_model_names(self) -> tuple[str, ...] | None:
@@ -182,6 +214,18 @@ class ServerConfig:
         if name is None or isinstance(name, str):
             return None if name is None else (name,)
         return tuple(name)
+
+
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template: the text of the file it names, or the template itself (text with Jinja's
+    braces or a newline); a path that cannot be read is a ValueError."""
+    try:
+        return Path(value).read_text()
+    except (OSError, ValueError) as err:  # ValueError: a NUL in the name
+        if not any(char in value for char in JINJA_CHARS):
+            raise ValueError(f"the chat template {value!r} looks like a file's path, but it could not be "
+                             f"read: {err}") from err
+        return value
 
 
 def default_served_model_name(source: ModelSource) -> str:
@@ -222,7 +266,7 @@ _KNOWN_PARAMS = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
-    "prompt_logprobs", "guided_choice", "prompt", "structured_outputs",
+    "prompt_logprobs", "guided_choice", "bad_words", "prompt", "structured_outputs",
 })
 
 
@@ -241,6 +285,9 @@ def _bad_request(err: Exception, prompt_param: str = "prompt",
         param = prompt_param
     elif param == "structured_outputs":
         param = structured_param
+        if param == TOOLS_PARAM:  # the schema is the tools' parameters, forced by tool_choice
+            detail = message.split(": ", 1)[-1]
+            message = f"a tool's parameters are not a schema tool_choice can enforce: {detail}"
     return APIError(400, message, param=param)
 
 
@@ -557,6 +604,39 @@ def _prompt_rows(out: RequestOutput) -> list[LogprobRow]:
     return list(zip(out.prompt_token_ids, entries))
 
 
+def _chat_message(completion: CompletionOutput, tools: ToolCallStream | None
+                  ) -> tuple[ChatResponseMessage, str | None]:
+    """A finished choice's message and finish_reason: its text, or where tools are in play, its content
+    (null when none) and tool calls."""
+    if tools is None:
+        return ChatResponseMessage(content=completion.text), completion.finish_reason
+    content, deltas = tools.feed(completion.text, final=True)
+    calls = [ToolCallOut(id=d.id or make_tool_call_id(), function=FunctionCallOut(name=d.name or "",
+                                                                                   arguments=d.arguments))
+             for d in deltas]  # fed whole, each delta is a whole call, id and name included
+    return (ChatResponseMessage(content=content or None, tool_calls=calls or None),
+            tools.finish_reason(completion.finish_reason))
+
+
+def _chat_delta(completion: CompletionOutput, tools: ToolCallStream | None
+                ) -> tuple[DeltaMessage | None, str | None]:
+    """A streamed choice's new delta (None: nothing to send yet) and its finish_reason."""
+    if tools is None:
+        text = completion.delta_text
+        return (DeltaMessage(content=text) if text else None), completion.finish_reason
+    content, deltas = tools.feed(completion.delta_text, final=completion.finish_reason is not None)
+    delta = None
+    if content or deltas:
+        calls = [_delta_tool_call(d) for d in deltas]
+        delta = DeltaMessage(content=content or None, tool_calls=calls or None)
+    return delta, tools.finish_reason(completion.finish_reason)
+
+
+def _delta_tool_call(delta: ToolCallDelta) -> DeltaToolCall:
+    return DeltaToolCall(index=delta.index, id=delta.id, type="function" if delta.id else None,
+                         function=DeltaFunctionCall(name=delta.name, arguments=delta.arguments))
+
+
 def _clamp(logprob: float) -> float:
     return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # also maps NaN to the floor
 
@@ -716,18 +796,24 @@ class OpenAIServer:
 
     def _chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
                      body: ChatCompletionRequest | None = None) -> list[int]:
-        """The token ids of a conversation under the model's chat template (or the request's own, with
-        its template variables and continue_final_message)."""
-        options = {} if body is None else dict(continue_final_message=body.continue_final_message,
-                                               chat_template=body.chat_template)
+        """The token ids of a conversation under the chat template: the request's own (where trusted),
+        else --chat-template's, else the model's; with the request's tools, template variables and
+        continue_final_message."""
+        template = self.config.chat_template_text
+        options: dict[str, Any] = {}
+        if body is not None:
+            template = body.chat_template if body.chat_template is not None else template
+            options = dict(continue_final_message=body.continue_final_message, tools=body.template_tools())
         if body is not None and self._brings_template(body) and not self.config.trust_request_chat_template:
             raise APIError(400, "a chat template was passed with the request, but the server was not "
                                 "started with --trust-request-chat-template", param="chat_template")
         try:
             return apply_chat_template(self.tokenizer, [m.as_template_message() for m in messages],
                                        add_generation_prompt=add_generation_prompt,
-                                       kwargs=None if body is None else body.chat_template_kwargs, **options)
-        except (ValueError, TypeError, jinja2.TemplateError) as err:
+                                       kwargs=None if body is None else body.chat_template_kwargs,
+                                       chat_template=template, **options)
+        except (ValueError, TypeError, RecursionError, jinja2.TemplateError) as err:
+            # RecursionError: a message's tool call arguments nested too deep for the template's tojson
             raise APIError(400, f"could not apply the chat template: {err}", param="messages") from err
 
     @staticmethod
@@ -995,15 +1081,17 @@ class OpenAIServer:
         self._check_model(body.model)
         arrival = time.monotonic()
         params = self._params(body, body.requested_max_tokens, body.requested_logprobs, 1)
+        self._check_auto_tool_choice(body)
         prompt = self._chat_prompt(body.messages, body.add_generation_prompt, body)
         stream = await self._start([(prompt, child) for child in _fan_out(params)], "messages",
                                    body.requested_max_tokens, body.structured_outputs_param)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        tools = [self._tool_call_stream(body) for _ in stream.request_ids]  # each choice its own calls
         try:
             if body.stream:
-                return _EngineStreamResponse(self._chat_events(body, stream, tracker, response_id, params.n),
-                                             stream, tracker)
+                events = self._chat_events(body, stream, tracker, response_id, params.n, tools)
+                return _EngineStreamResponse(events, stream, tracker)
             finals = await self._unless_disconnected(raw, self._collect(stream, tracker))
         finally:
             if not body.stream:
@@ -1017,9 +1105,9 @@ class OpenAIServer:
             logprobs = None
             if body.logprobs and completion.logprobs is not None:
                 logprobs = self._chat_logprobs(completion.logprobs, num_top)
-            choices.append(ChatChoice(index=index, message=ChatResponseMessage(content=completion.text),
-                                      logprobs=logprobs, finish_reason=completion.finish_reason,
-                                      stop_reason=completion.stop_reason))
+            message, finish_reason = _chat_message(completion, tools[index])
+            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs,
+                                      finish_reason=finish_reason, stop_reason=completion.stop_reason))
         usage = self._usage(stream, params.n, sum(len(o.outputs[0].token_ids) for o in finals))
         prompt_logprobs = self._prompt_logprobs(finals[0], body.prompt_logprobs) if finals else None
         result = ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices, usage=usage,
@@ -1027,7 +1115,8 @@ class OpenAIServer:
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _chat_events(self, body: ChatCompletionRequest, stream: RequestStream, tracker: _RequestTracker,
-                           response_id: str, n: int) -> AsyncIterator[str]:
+                           response_id: str, n: int, tools: Sequence[ToolCallStream | None]
+                           ) -> AsyncIterator[str]:
         created = int(time.time())
         num_top = body.top_logprobs or 0
         completion_tokens = 0
@@ -1052,11 +1141,12 @@ class OpenAIServer:
                     logprobs = None
                     if body.logprobs and completion.logprobs is not None:
                         logprobs = self._chat_logprobs(_new_logprobs(completion), num_top)
-                    if not completion.delta_text and completion.finish_reason is None and logprobs is None:
-                        continue
-                    delta = DeltaMessage(content=completion.delta_text or None)
+                    delta, finish_reason = _chat_delta(completion, tools[index])
+                    if delta is None and finish_reason is None and logprobs is None:
+                        continue  # nothing new, or text held back until it is known whether it is a call
+                    delta = delta or DeltaMessage()
                     yield chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
-                                                  finish_reason=completion.finish_reason,
+                                                  finish_reason=finish_reason,
                                                   stop_reason=completion.stop_reason)], usage_so_far())
             if body.include_usage:
                 yield chunk([], self._usage(stream, n, completion_tokens))
@@ -1066,6 +1156,25 @@ class OpenAIServer:
         finally:
             tracker.close(error)
         yield SSE_DONE
+
+    def _check_auto_tool_choice(self, body: ChatCompletionRequest) -> None:
+        if body.effective_tool_choice == "auto" and body.tools and not self.config.enable_auto_tool_choice:
+            raise APIError(400, AUTO_TOOL_CHOICE_MESSAGE, param="tool_choice")
+
+    def _tool_call_stream(self, body: ChatCompletionRequest) -> ToolCallStream | None:
+        """How one choice's output is read as tool calls (None: it is all content): the whole of it as
+        the named function's arguments, "required"'s array of calls, or under "auto" the model's own
+        format, by the server's tool call parser."""
+        choice = body.effective_tool_choice
+        if body.named_tool is not None:
+            parser: ToolOutputParser = NamedToolOutput(body.named_tool)
+        elif choice == "required":
+            parser = RequiredToolsOutput()
+        elif choice == "auto" and body.tools and self.config.tool_call_parser is not None:
+            parser = get_tool_parser(self.config.tool_call_parser)()
+        else:
+            return None
+        return ToolCallStream(parser, body.max_tool_calls)
 
     def _chat_logprobs(self, entries: Sequence[TokenLogprobs], num_top: int) -> ChatLogprobs:
         content = []

@@ -1,0 +1,187 @@
+"""Tool calling on /v1/chat/completions end to end: a real server started with --chat-template (a tool-aware
+template for the default model, whose own knows no tools) and --tool-call-parser hermes, the openai client."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("llguidance")  # named and "required" tool choices are structured outputs
+openai = pytest.importorskip("openai")
+
+from plait.config import EngineConfig  # noqa: E402
+from plait.engine.engine import LLMEngine  # noqa: E402
+from plait.entrypoints.llm import apply_chat_template  # noqa: E402
+from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig  # noqa: E402
+from plait.entrypoints.tools import TOOL_CALL_ID_PREFIX  # noqa: E402
+
+TEMPLATE = Path(__file__).resolve().parent / "tool_chat_template.jinja"
+MAX_NUM_BATCHED_TOKENS = 256
+CLIENT_TIMEOUT_S = 240.0
+# Enough for one call to either tool (its strings are bounded by maxLength), not for a long answer.
+CALL_MAX_TOKENS = 48
+# "required" with parallel calls allowed: the model may start a second call, which this cuts short.
+PARALLEL_MAX_TOKENS = 60
+CITY_MAX_LENGTH = 20
+UNITS = ["celsius", "fahrenheit"]
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": CITY_MAX_LENGTH},
+                                  "unit": {"enum": UNITS}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The current time in a timezone",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["timezone"], "properties": {
+        "timezone": {"type": "string", "maxLength": CITY_MAX_LENGTH}}}}}
+TOOLS = [WEATHER, TIME]
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# Steers the model into Hermes' format under tool_choice "auto" (the 135M model does not call tools by
+# itself): some content, then two calls.
+HERMES_OUTPUT_REGEX = ("Checking\\.\n<tool_call>"
+                       '\\{"name":"get_weather","arguments":\\{"city":"Paris","unit":"celsius"\\}\\}'
+                       "</tool_call>\n<tool_call>"
+                       '\\{"name":"get_time","arguments":\\{"timezone":"CET"\\}\\}</tool_call>')
+
+
+@pytest.fixture(scope="module")
+def served():
+    engine = LLMEngine(EngineConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS))
+    config = ServerConfig(log_level="warning", chat_template=str(TEMPLATE), enable_auto_tool_choice=True,
+                          tool_call_parser="hermes", trust_request_chat_template=True)
+    server = OpenAIServer(engine, config)
+    with BackgroundServer(server) as url:
+        yield server, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                                    timeout=CLIENT_TIMEOUT_S)
+
+
+def _is_valid_call(name: str, arguments: str) -> bool:
+    """Whether a call names one of TOOLS with arguments its parameters' schema allows."""
+    args = json.loads(arguments)
+    if name == "get_weather":
+        return (set(args) == {"city", "unit"} and isinstance(args["city"], str)
+                and len(args["city"]) <= CITY_MAX_LENGTH and args["unit"] in UNITS)
+    return name == "get_time" and set(args) == {"timezone"} and isinstance(args["timezone"], str)
+
+
+def _accumulate(stream) -> dict[int, dict]:
+    """Each choice's content, tool calls, finish reason and logprob count, from the chunks, as openai SDK
+    users accumulate them (a call's first delta has its id and name, the others add to its arguments)."""
+    choices: dict[int, dict] = {}
+    for chunk in stream:
+        for c in chunk.choices:
+            choice = choices.setdefault(c.index, {"content": "", "calls": {}, "finish": None, "logprobs": 0})
+            choice["content"] += c.delta.content or ""
+            for tc in c.delta.tool_calls or []:
+                call = choice["calls"].setdefault(tc.index, {"id": None, "name": None, "arguments": ""})
+                call["id"] = call["id"] or tc.id
+                call["name"] = call["name"] or tc.function.name
+                call["arguments"] += tc.function.arguments or ""
+            choice["finish"] = c.finish_reason or choice["finish"]
+            choice["logprobs"] += len(c.logprobs.content) if c.logprobs and c.logprobs.content else 0
+    return choices
+
+
+def _calls(message) -> list[tuple[str, str]]:
+    return [(call.function.name, call.function.arguments) for call in message.tool_calls or []]
+
+
+def test_named_tool_choice_calls_that_function(served):
+    """The answer is a call to the named function (its arguments match its schema), content null, finish
+    "stop" (OpenAI's and vLLM's for a named choice); streamed, the same call in delta.tool_calls."""
+    server, client = served
+    kwargs = dict(model=server.model_name, messages=MESSAGES, tools=TOOLS, tool_choice=NAMED,
+                  max_tokens=CALL_MAX_TOKENS, temperature=0.0)
+    r = client.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    (call,) = choice.message.tool_calls
+    assert choice.message.content is None and choice.finish_reason == "stop"
+    assert call.type == "function" and call.id.startswith(TOOL_CALL_ID_PREFIX)
+    assert call.function.name == "get_weather" and _is_valid_call("get_weather", call.function.arguments)
+    # --chat-template rendered the request's tools into the prompt
+    rendered = apply_chat_template(server.tokenizer, MESSAGES, chat_template=TEMPLATE.read_text(),
+                                   tools=TOOLS)
+    assert r.usage.prompt_tokens == len(rendered)
+    (streamed,) = _accumulate(client.chat.completions.create(**kwargs, stream=True)).values()
+    assert streamed["content"] == "" and streamed["finish"] == "stop"
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == _calls(choice.message)
+    assert streamed["calls"][0]["id"].startswith(TOOL_CALL_ID_PREFIX)
+
+
+def test_required_tool_choice_calls_tools(served):
+    """"required": at least one call, each to one of the tools with valid arguments, finish "tool_calls";
+    parallel_tool_calls false: exactly one; n > 1: each choice its own; logprobs and usage as ever."""
+    server, client = served
+    r = client.chat.completions.create(model=server.model_name, messages=MESSAGES, tools=TOOLS,
+                                       tool_choice="required", parallel_tool_calls=False, n=2,
+                                       temperature=1.0, seed=7, logprobs=True, max_tokens=CALL_MAX_TOKENS)
+    for choice in r.choices:
+        (call,) = _calls(choice.message)
+        assert _is_valid_call(*call) and choice.finish_reason == "tool_calls"
+        assert choice.message.content is None
+    assert len({c.message.tool_calls[0].id for c in r.choices}) == 2
+    assert sum(len(c.logprobs.content) for c in r.choices) == r.usage.completion_tokens
+    stream = client.chat.completions.create(model=server.model_name, messages=MESSAGES, tools=TOOLS,
+                                            tool_choice="required", max_tokens=PARALLEL_MAX_TOKENS,
+                                            temperature=0.0, stream=True)
+    (choice,) = _accumulate(stream).values()
+    calls = choice["calls"].values()
+    assert calls and all(_is_valid_call(c["name"], c["arguments"]) for c in calls)
+    assert choice["finish"] in ("tool_calls", "length")  # a further call may be cut short (its text: content)
+
+
+def test_a_conversation_with_tool_calls_and_results_renders(served):
+    """An assistant message with tool_calls (content null) and the tool's result render under the template
+    (arguments as objects, the result in <tool_response>) and get an answer."""
+    server, client = served
+
+    def assistant(arguments: str | dict) -> dict:
+        function = {"name": "get_weather", "arguments": arguments}
+        return {"role": "assistant", "content": None,
+                "tool_calls": [{"id": "call-1", "type": "function", "function": function}]}
+
+    result = {"role": "tool", "tool_call_id": "call-1", "content": "18 degrees and sunny"}
+    messages = [*MESSAGES, assistant('{"city": "Paris", "unit": "celsius"}'), result]
+    r = client.chat.completions.create(model=server.model_name, messages=messages, tools=TOOLS,
+                                       tool_choice="none", max_tokens=8, temperature=0.0)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+    parsed = {**assistant({"city": "Paris", "unit": "celsius"}), "content": ""}  # as templates get it
+    as_templates_get_it = [*MESSAGES, parsed, result]
+    rendered = apply_chat_template(server.tokenizer, as_templates_get_it, chat_template=TEMPLATE.read_text(),
+                                   tools=TOOLS)
+    assert r.usage.prompt_tokens == len(rendered)
+    assert "<tool_response>\n18 degrees and sunny" in server.tokenizer.decode(rendered)
+
+
+def test_auto_tool_choice_reads_hermes_calls(served):
+    """tool_choice "auto" (the default with tools) under --tool-call-parser hermes: the output's
+    <tool_call> blocks become tool calls, the text before them content, finish "tool_calls"; streamed
+    the same (parallel_tool_calls false: the first call only), with text held back while it may be a
+    call, and logprobs and usage for every token."""
+    server, client = served
+    kwargs = dict(model=server.model_name, messages=MESSAGES, tools=TOOLS, max_tokens=80, temperature=0.0,
+                  extra_body={"guided_regex": HERMES_OUTPUT_REGEX})
+    r = client.chat.completions.create(**kwargs)
+    choice = r.choices[0]
+    assert choice.message.content == "Checking." and choice.finish_reason == "tool_calls"
+    assert [(n, json.loads(a)) for n, a in _calls(choice.message)] == [
+        ("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"timezone": "CET"})]
+    stream = client.chat.completions.create(**kwargs, stream=True, logprobs=True, parallel_tool_calls=False,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    (streamed,) = _accumulate(chunks).values()
+    assert streamed["content"] == "Checking." and streamed["finish"] == "tool_calls"
+    assert [(c["name"], c["arguments"]) for c in streamed["calls"].values()] == _calls(choice.message)[:1]
+    assert streamed["logprobs"] == chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_a_trusted_request_template_wins_over_the_servers(served):
+    server, client = served
+    r = client.chat.completions.create(model=server.model_name, messages=MESSAGES, max_tokens=1,
+                                       extra_body={"chat_template": "{{ messages[0]['content'] }}"})
+    content = server.tokenizer.encode(MESSAGES[0]["content"], add_special_tokens=False)
+    assert r.usage.prompt_tokens == len(content)
