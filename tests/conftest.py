@@ -102,3 +102,14 @@ def run_greedy(engine, prompts: list[list[int]], max_tokens: int, arrive_every: 
     if capture_logits:
         engine.runner.collect = collect
     return outputs, logits
+
+
+# Structured outputs' test constraints (the engine's and the server's tests): a JSON schema and a regex.
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                   "color": {"enum": ["red", "green", "blue"]}},
+    "required": ["name", "age", "color"],
+    "additionalProperties": False,
+}
+PHONE = r"[0-9]{3}-[0-9]{4}"

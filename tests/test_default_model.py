@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from conftest import PERSON, PHONE
 
 from plait import LLM, SamplingParams, StructuredOutputsParams
 
@@ -116,15 +117,7 @@ def test_guided_choice_is_refused_with_allowed_token_ids_or_empty():
 
 needs_llguidance = pytest.mark.skipif(importlib.util.find_spec("llguidance") is None,
                                       reason="llguidance is not installed")
-PERSON = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                   "color": {"enum": ["red", "green", "blue"]}},
-    "required": ["name", "age", "color"],
-    "additionalProperties": False,
-}
 PERSON_CHAT = [{"role": "user", "content": "Describe a person as JSON: name, age and favourite color."}]
-PHONE = r"[0-9]{3}-[0-9]{4}"
 
 
 def _is_person(text: str) -> bool:

@@ -19,6 +19,8 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
+from conftest import PERSON, PHONE  # noqa: E402
+
 from plait import __version__  # noqa: E402
 from plait.config import EngineConfig  # noqa: E402
 from plait.engine.engine import LLMEngine  # noqa: E402
@@ -338,14 +340,6 @@ def test_guided_choice_as_vllm(client, model):
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) in choices
 
 
-PERSON = {
-    "type": "object",
-    "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
-                   "color": {"enum": ["red", "green", "blue"]}},
-    "required": ["name", "age", "color"],
-    "additionalProperties": False,
-}
-PHONE = r"[0-9]{3}-[0-9]{4}"
 
 
 def _is_person(text: str) -> bool:
