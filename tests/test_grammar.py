@@ -95,3 +95,23 @@ def test_without_llguidance_or_a_tokenizer_a_grammar_is_a_clear_value_error(monk
     monkeypatch.setitem(sys.modules, "llguidance", None)  # what `import llguidance` meets where it is missing
     with pytest.raises(ValueError, match="pip install llguidance"):
         GrammarCompiler(tokenizer, {EOS}).compile(StructuredOutputsParams(json_object=True))
+
+
+def test_a_steps_masks_filled_in_parallel_equal_each_grammars_own(tokenizer, compiler) -> None:
+    """next_token_bitmasks fills several rows on llguidance's threads: each row is exactly the mask its
+    grammar gives alone, whatever state each is in."""
+    from plait.engine.grammar import next_token_bitmasks
+
+    specs = [dict(json=SCHEMA), dict(regex=r"[0-9]{3}-[0-9]{4}"), dict(json_object=True)] * 3
+    grammars = [compiler.compile(StructuredOutputsParams(**spec)) for spec in specs]
+    prefixes = ['{"name": "A', "55", '{"', '{"name": "Bo", "age": 4', "555-", "{"]
+    for grammar, prefix in zip(grammars[3:], prefixes):  # the first three stay at their starts
+        for t in tokenizer.encode(prefix, add_special_tokens=False):
+            grammar.consume(t)
+    assert all(g.error is None for g in grammars)
+    together = next_token_bitmasks(grammars)
+    assert together.shape == (len(grammars), grammars[0].num_words)
+    for row, grammar in zip(together, grammars):
+        assert np.array_equal(row, grammar.next_token_bitmask())
+    assert len({row.tobytes() for row in together}) > 3
+    assert next_token_bitmasks([]).shape[0] == 0

@@ -11,6 +11,7 @@ import torch
 
 from plait.attention.base import get_backend
 from plait.config import CPU_KV_CACHE_BYTES, NO_CHUNK_CAP, EngineConfig
+from plait.engine.grammar import next_token_bitmasks
 from plait.engine.kv_cache import cdiv
 from plait.engine.request import Request
 from plait.engine.scheduler import StepPlan
@@ -417,6 +418,10 @@ class ModelRunner:
             return InFlightStep(requests, empty, empty, None, [], None)
         # lm_head only where a token is sampled: one logits row per sampling request.
         logits = self.model.compute_logits(hidden[sample_indices])  # [S, vocab]
+        # Grammar rows' masks all at once (in parallel); each grammar has consumed every output, since its
+        # steps are never overlapped (LLMEngine).
+        grammars = [r.grammar for r in requests if r.grammar is not None]
+        masks = iter(next_token_bitmasks(grammars) if grammars else ())
         rows = [
             SamplingRow(
                 r.sampling_params,
@@ -425,8 +430,7 @@ class ModelRunner:
                 r.eos_token_ids,
                 num_output_tokens=r.num_output_tokens,
                 allowed_now=r.choice_continuations(),
-                # The grammar has consumed every output: its steps are never overlapped (LLMEngine).
-                token_bitmask=r.grammar.next_token_bitmask() if r.grammar is not None else None,
+                token_bitmask=next(masks) if r.grammar is not None else None,
                 banned_now=r.banned_next_tokens(),
             )
             for r in requests
