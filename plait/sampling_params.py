@@ -66,6 +66,15 @@ def _check_bias(token_id: int, value: Any) -> float:
     return value
 
 
+def _str_list(name: str, value: Any, limit: int, noun: str) -> list[str]:
+    """``value``, a list or tuple of at most ``limit`` strings, as a list."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{name} must be a list of str, got {_describe(value)}")
+    if len(value) > limit:
+        raise ValueError(f"{name} must have at most {limit} {noun}, got {len(value)}")
+    return list(value)
+
+
 def _check_bool(name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {_describe(value)}")
@@ -322,26 +331,19 @@ class SamplingParams:
     def _normalise_guided_choice(choices: Any) -> list[str] | None:
         if choices is None:
             return None
-        if not isinstance(choices, (list, tuple)) or not all(isinstance(c, str) for c in choices):
-            raise ValueError(f"guided_choice must be a list of str, got {_describe(choices)}")
+        choices = _str_list("guided_choice", choices, MAX_GUIDED_CHOICES, "choices")
         if not choices or not all(choices):
             raise ValueError("guided_choice must hold at least one choice, and no empty string")
-        if len(choices) > MAX_GUIDED_CHOICES:
-            raise ValueError(f"guided_choice must have at most {MAX_GUIDED_CHOICES} choices, "
-                             f"got {len(choices)}")
-        return list(choices)
+        return choices
 
     @staticmethod
     def _normalise_bad_words(words: Any) -> list[str] | None:
         if words is None:
             return None
-        if not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
-            raise ValueError(f"bad_words must be a list of str, got {_describe(words)}")
+        words = _str_list("bad_words", words, MAX_BAD_WORDS, "words")
         if not all(w.strip() for w in words):
             raise ValueError("bad_words must not hold an empty or blank word")
-        if len(words) > MAX_BAD_WORDS:
-            raise ValueError(f"bad_words must have at most {MAX_BAD_WORDS} words, got {len(words)}")
-        return list(words) or None
+        return words or None
 
     @staticmethod
     def _normalise_allowed_token_ids(ids: Any) -> list[int] | None:
