@@ -61,18 +61,21 @@ class TorchRefBackend(AttentionBackend):
             meta = batch.backend_state[key] = _padded_metadata(batch, block_size, sliding_window)
         token_index, valid, visible = meta
         num_rows, max_q = token_index.shape
-        # q: [T, Hq, D] -> [R, Hkv, group, maxq, D]
+        # q: [T, Hq, D] -> [R, Hkv, group * maxq, D]: a kv head's group of query heads share one matmul,
+        # so K and V are laid out once per kv head, never copied per query head.
         qp = q.float()[token_index].view(num_rows, max_q, num_kv_heads, group, head_dim)
-        qp = qp.permute(0, 2, 3, 1, 4)
-        # k, v: [R, L, Hkv, D] -> [R, Hkv, 1, L, D], L = max_blocks * block_size
+        qp = qp.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, group * max_q, head_dim)
+        # k, v: [R, L, Hkv, D] -> [R, Hkv, L, D], L = max_blocks * block_size
         tables = batch.block_tables[:, : _num_key_blocks(batch, block_size)].long()
-        k = kv_cache[0][tables].flatten(1, 2).float().permute(0, 2, 1, 3).unsqueeze(2)
-        v = kv_cache[1][tables].flatten(1, 2).float().permute(0, 2, 1, 3).unsqueeze(2)
-        scores = torch.matmul(qp, k.transpose(-1, -2)) * scale  # [R, Hkv, group, maxq, L]
+        k = kv_cache[0][tables].flatten(1, 2).float().permute(0, 2, 1, 3)
+        v = kv_cache[1][tables].flatten(1, 2).float().permute(0, 2, 1, 3)
+        scores = torch.matmul(qp, k.transpose(-1, -2)) * scale  # [R, Hkv, group * maxq, L]
+        scores = scores.view(num_rows, num_kv_heads, group, max_q, -1)
         scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # [R, Hkv, group, maxq]
         probs = torch.exp(scores - row_lse.unsqueeze(-1))
-        out = torch.matmul(probs, v)  # [R, Hkv, group, maxq, D]
+        out = torch.matmul(probs.view(num_rows, num_kv_heads, group * max_q, -1), v)  # [R, Hkv, G * maxq, D]
+        out = out.view(num_rows, num_kv_heads, group, max_q, head_dim)
         out = out.permute(0, 3, 1, 2, 4).reshape(num_rows * max_q, num_heads, head_dim)[valid]
         lse = row_lse.permute(0, 3, 1, 2).reshape(num_rows * max_q, num_heads)[valid]
         return out.to(q.dtype), lse
