@@ -3,6 +3,12 @@ SmolLM2 tokenizer and a small random Llama over its vocabulary: every constraine
 
     python benchmarks/structured_outputs_gpu.py --prepare DIR   # where gguf is installed (this machine)
     PYTHONPATH=.:<llguidance's folder> python benchmarks/structured_outputs_gpu.py DIR   # on the GPU
+    ... structured_outputs_gpu.py DIR --throughput 256 --out result.json   # JSON mode's cost at scale
+
+--throughput N runs N requests at once through a Qwen3-0.6B-sized random Llama over the same vocabulary:
+unconstrained, under a regex no output can end before max_tokens (the same token count, so the cost of
+the masks and of the steps not overlapping), as JSON objects (which end early), and unconstrained again;
+output tokens a second for each.
 
 --prepare writes DIR: the default model's tokenizer (save_pretrained) and a config.json for random weights.
 The GPU image has neither gguf nor llguidance: carry DIR and an unpacked llguidance wheel with the tree.
@@ -63,12 +69,63 @@ def contains(ids: list[int], seq: tuple[int, ...]) -> bool:
     return any(tuple(ids[i: i + len(seq)]) == seq for i in range(len(ids) - len(seq) + 1))
 
 
+# --throughput's model: Qwen3-0.6B's dimensions over SmolLM2's vocabulary.
+THROUGHPUT_CONFIG = dict(CONFIG, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                         num_attention_heads=16, num_key_value_heads=8, head_dim=128)
+THROUGHPUT_TOKENS = 128
+# Lower-case words, as long as the model likes (it rarely picks EOS among the ~10K tokens allowed), and the
+# same with a minimum length: a counted repetition makes a lexer state per count, which llguidance's mask
+# cache cannot share across rows or steps.
+LONG_TEXT = r"[a-z ]+"
+COUNTED_TEXT = r"[a-z ]{2000,}"
+
+
+def throughput(folder: Path, num: int) -> dict:
+    """Output tok/s of ``num`` requests at once, unconstrained and as JSON objects (ignore_eos off: a JSON
+    object ends when its grammar does)."""
+    import shutil
+    import tempfile
+    import time
+
+    big = Path(tempfile.mkdtemp())
+    for f in folder.iterdir():
+        if f.name != "config.json":
+            shutil.copy(f, big / f.name)
+    (big / "config.json").write_text(json.dumps(THROUGHPUT_CONFIG))
+    engine = LLMEngine(EngineConfig(model=str(big), load_format="dummy", max_model_len=1024,
+                                    max_num_seqs=num))
+    json_mode = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    result = {}
+    runs = (("unconstrained", None), ("regex " + LONG_TEXT, StructuredOutputsParams(regex=LONG_TEXT)),
+            ("regex " + COUNTED_TEXT, StructuredOutputsParams(regex=COUNTED_TEXT)),
+            ("json_object", json_mode), ("unconstrained again", None))
+    for name, structured in runs:
+        for i in range(num):
+            engine.add_request(f"Item {i}: describe it as JSON.", SamplingParams(
+                max_tokens=THROUGHPUT_TOKENS, temperature=1.0, seed=i, structured_outputs=structured))
+        start, steps = time.perf_counter(), engine.num_steps
+        outs = run_all(engine)
+        seconds, steps = time.perf_counter() - start, engine.num_steps - steps
+        tokens = sum(len(o.token_ids) for o in outs.values())
+        result[name] = dict(output_tokens=tokens, seconds=seconds, output_tok_per_s=tokens / seconds,
+                            steps=steps, ms_per_step=1e3 * seconds / steps)
+        print(name, result[name], flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("folder", type=Path)
     parser.add_argument("--prepare", action="store_true")
+    parser.add_argument("--throughput", type=int, default=0, metavar="N")
+    parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.throughput:
+        result = throughput(args.folder, args.throughput)
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=1))
+        return
     if args.prepare:
         args.folder.mkdir(parents=True, exist_ok=True)
         prepare(args.folder)
