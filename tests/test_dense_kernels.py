@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from plait.attention import triton_backend  # noqa: E402
 from plait.attention.base import get_backend  # noqa: E402
@@ -18,7 +18,7 @@ from plait.kernels import activation, dispatch, rms_norm, rope_store, rotary, sk
 from plait.kernels.skinny_gemm import SkinnyConfig  # noqa: E402
 from plait.layers import linear as linear_layer  # noqa: E402
 from plait.layers.activation import act_and_mul  # noqa: E402
-from plait.layers.norm import RMSNorm  # noqa: E402
+from plait.layers.norm import RMSNorm, RowNorm  # noqa: E402
 from plait.layers.rotary import RotaryEmbedding  # noqa: E402
 from plait.models.bamba import PartialRotaryEmbedding  # noqa: E402
 from plait.models.nemotron_h import NoRotary  # noqa: E402
@@ -369,6 +369,58 @@ def test_skinny_gate_up_silu_equals_unfused_kernels(name):
     assert torch.equal(fused, activation.silu_and_mul(gate_up))
 
 
+# Configs the residual-add form takes (unsplit, CUDA cores): several programs along N,
+# a partial last row block (N=21), K in one and in several steps.
+FUSABLE_CONFIGS = {
+    "fma_rows8": SkinnyConfig(block_n=8, block_k=32),
+    "fma_rows1": SkinnyConfig(block_n=1, block_k=128),
+}
+
+
+@pytest.mark.parametrize("dtype", SKINNY_DTYPES)
+@pytest.mark.parametrize("name", sorted(FUSABLE_CONFIGS))
+@pytest.mark.parametrize("m", [1, 2])
+def test_skinny_linear_add_matches_ref(dtype, name, m):
+    # The output projection's residual add: out rounds as torch's F.linear(x, w) + residual does
+    # (two roundings), and the partials sum to each row's sum of squares of the rounded out.
+    x, w = randn(m, 100, dtype=dtype, seed=30), randn(21, 100, dtype=dtype, seed=31)
+    residual = randn(m, 21, dtype=dtype, seed=32, scale=4.0)
+    got, parts = skinny_gemm.skinny_linear_add(x, w, residual, config=FUSABLE_CONFIGS[name])
+    want, want_sq = skinny_gemm.skinny_linear_add_ref(x, w, residual)
+    assert parts.shape == (m, triton.cdiv(21, FUSABLE_CONFIGS[name].block_n))
+    # Some fp32 order of the matmul's sum (bounded as in assert_matmul_close), rounded, then the add,
+    # rounded: half an ulp of each rounding on top (a whole one each where the interpreter truncates).
+    exact = x.double() @ w.double().T + residual.double()
+    mag = x.double().abs() @ w.double().abs().T
+    halves = 0.5 + bf16_slack(dtype, 1)
+    bound = (2 * 101 * FP32_UNIT_ROUNDOFF * mag
+             + halves * (ulps(F.linear(x, w)) + torch.maximum(ulps(got), ulps(want))))
+    assert ((got.double() - exact).abs() <= bound).all()
+    torch.testing.assert_close(parts.sum(-1, keepdim=True), got.float().pow(2).sum(-1, keepdim=True),
+                               rtol=1e-5, atol=0)
+    torch.testing.assert_close(parts.sum(-1, keepdim=True), want_sq, rtol=0.02, atol=0)
+
+
+def test_skinny_linear_add_refuses_split_and_tensor_core_configs():
+    x, w = randn(1, 100, dtype=torch.float16, seed=37), randn(21, 100, dtype=torch.float16, seed=38)
+    residual = randn(1, 21, dtype=torch.float16, seed=39)
+    for name in ("fma_split3", "dot_split2"):
+        with pytest.raises(ValueError, match="unsplit CUDA-core"):
+            skinny_gemm.skinny_linear_add(x, w, residual, config=FORCED_CONFIGS[name])
+    with pytest.raises(ValueError, match="residual must be"):
+        skinny_gemm.skinny_linear_add(x, w, residual.float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_with_row_norm_matches_ref(dtype):
+    rows, inter = 3, 1030
+    gate_up = randn(rows, 2 * inter, dtype=dtype, seed=40, scale=30.0)  # un-normalised stream's scale
+    norm = RowNorm(randn(rows, 5, dtype=torch.float32, seed=41).abs() * 100, 64, EPS)
+    got = activation.silu_and_mul(gate_up, norm)
+    want = activation.silu_and_mul_rms_ref(gate_up, norm)
+    assert_within_ulps(got, want, SILU_ULPS[dtype] + bf16_slack(dtype, 2))
+
+
 def test_heuristic_splits_k_only_when_rows_are_too_few():
     sms = 132
     wide = skinny_gemm.heuristic_config(1, 128256, 4096, sms)
@@ -491,6 +543,61 @@ def test_tiny_model_through_interpreted_kernels_matches_torch(tiny_models, monke
         assert bool(calls) == kernels
     assert "apply_rotary" not in calls, "q and k were rotated apart from the KV store"
     assert len(calls) == 6, f"kernels never called: {sorted(calls)}"
+    (tok_torch, logits_torch), (tok_kernels, logits_kernels) = runs[False], runs[True]
+    assert tok_kernels == tok_torch
+    for i in range(len(prompts)):
+        a, b = torch.stack(logits_kernels[i]), torch.stack(logits_torch[i])
+        torch.testing.assert_close(a, b, rtol=0, atol=0.01 * b.abs().max().item())
+
+
+def _counting_fused_norms(monkeypatch, calls: dict) -> None:
+    """Count the launches that carry the MLP norm: o's residual add, silu-and-mul with the norm's scale."""
+    monkeypatch.setattr(skinny_gemm, "skinny_linear_add",
+                        _counted(skinny_gemm.skinny_linear_add, "add", calls))
+    silu = activation.silu_and_mul
+
+    def silu_counted(gate_up, row_norm=None):
+        calls["silu_norm"] = calls.get("silu_norm", 0) + (row_norm is not None)
+        return silu(gate_up, row_norm)
+
+    monkeypatch.setattr(activation, "silu_and_mul", silu_counted)
+
+
+@pytest.mark.skipif(ON_GPU, reason="the gpu engine tests run folded models compiled")
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_folded_norms_fused_into_decode_matmuls_match_torch(tiny_models, monkeypatch, family):
+    # The MLP norms' weights (made random here: HF initialises them to 1) folded into gate/up: one- and
+    # two-row decode steps take the fused path (o adds the residual and leaves the sums of squares,
+    # silu-and-mul takes the norm's scale from them), three-row and prompt steps the ordinary path on
+    # the folded weights. Same greedy tokens as the torch layers on the unfolded model (qwen2 brings a
+    # qkv bias, qwen3 q/k norms).
+    from conftest import random_prompts, run_greedy
+
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
+    monkeypatch.setattr(skinny_gemm, "DEFAULT_NUM_SMS", 1)
+    monkeypatch.setattr(linear_layer, "FUSE_GATE_UP_SILU", False)
+    calls = {}
+    _counting_fused_norms(monkeypatch, calls)
+    prompts = random_prompts(3, 6, 12, seed=5)
+    runs = {}
+    for kernels in (False, True):
+        monkeypatch.setattr(dispatch, "_cpu_interpreter", kernels)
+        monkeypatch.setattr(linear_layer, "_skinny_mode", "1" if kernels else "0")
+        engine = LLMEngine(EngineConfig(model=str(tiny_models[family]), device="cpu", dtype="float16",
+                                        max_num_batched_tokens=32, block_size=8, num_kv_blocks=16,
+                                        attention_backend="triton" if kernels else "torch_ref"))
+        model = engine.runner.model
+        g = torch.Generator().manual_seed(6)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                    norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=g))
+        if kernels:
+            model.fold_norm_weights()
+        runs[kernels] = run_greedy(engine, prompts, 4, arrive_every=2, capture_logits=True)
+    assert calls["add"] > 0 and calls["silu_norm"] > 0
     (tok_torch, logits_torch), (tok_kernels, logits_kernels) = runs[False], runs[True]
     assert tok_kernels == tok_torch
     for i in range(len(prompts)):
@@ -669,6 +776,87 @@ def test_gpu_tiny_model_same_greedy_tokens_with_and_without_triton(tiny_models, 
         a, b = torch.stack(logits_a[i]), torch.stack(logits_b[i])
         # Two bf16 layers: each kernel may round an ulp apart from torch; 2% of the logit range.
         torch.testing.assert_close(a, b, rtol=0, atol=0.02 * b.abs().max().item())
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_gpu_tiny_model_folded_norms_same_greedy_tokens(tiny_models, family, monkeypatch):
+    """The fused-norm decode path compiled (test_folded_norms_fused_into_decode_matmuls_match_torch's
+    check on the GPU), eager and replayed from CUDA graphs with overlapped steps: random MLP norm
+    weights folded into gate/up, 1-2 row decode steps applying the norm in o's and silu-and-mul's
+    launches; the torch layers on the unfolded model are the reference."""
+    from conftest import random_prompts, run_greedy
+
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
+    monkeypatch.setattr(linear_layer, "FUSE_GATE_UP_SILU", False)
+    calls = {}
+    _counting_fused_norms(monkeypatch, calls)
+    prompts = random_prompts(3, 1, 40, seed=3)
+    runs = {}
+    for label, triton_on, eager in [("eager", True, True), ("graphs", True, False), ("torch", False, True)]:
+        monkeypatch.setattr(dispatch, "_enabled", triton_on)
+        monkeypatch.setattr(linear_layer, "_skinny_mode", "1" if triton_on else "0")
+        engine = LLMEngine(EngineConfig(model=str(tiny_models[family]), device="cuda", dtype="bfloat16",
+                                        max_num_batched_tokens=32, block_size=8, num_kv_blocks=128,
+                                        enforce_eager=eager))
+        model = engine.runner.model
+        assert model.model.norms_folded == triton_on  # folded at load (HF's norms are all ones)
+        g = torch.Generator().manual_seed(6)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+                    norm.weight.copy_(0.5 + torch.rand(norm.weight.shape, generator=g))
+        if triton_on:  # in place, so graphs captured at load read the folded random norms
+            model.fold_norm_weights()
+        runs[label] = run_greedy(engine, prompts, 8, arrive_every=3, capture_logits=True)
+    assert calls["add"] > 0 and calls["silu_norm"] > 0, "no step took the fused-norm path"
+    tok_ref, logits_ref = runs.pop("torch")
+    for label, (tokens, logits) in runs.items():
+        for i in range(len(prompts)):
+            # bf16 roundings in other places (the folded weights, the scale applied to unrounded sums)
+            # may flip a near-tie; up to a fork, logits agree within bf16 noise, and at a fork the
+            # reference's own top two were within that noise (a wrong row or scale is far outside it).
+            fork = next((j for j, (x, y) in enumerate(zip(tokens[i], tok_ref[i])) if x != y), len(tok_ref[i]))
+            a, b = torch.stack(logits[i][: fork + 1]), torch.stack(logits_ref[i][: fork + 1])
+            noise = 0.03 * b.abs().max().item()
+            where = f"{label}, prompt {i}"
+            torch.testing.assert_close(a, b, rtol=0, atol=noise, msg=lambda m, where=where: f"{where}: {m}")
+            if fork < len(tok_ref[i]):
+                gap = b[fork, tok_ref[i][fork]] - b[fork, tokens[i][fork]]
+                assert gap <= noise, f"{where}: fork at a confident token ({gap:.3g} > {noise:.3g})"
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_gpu_fused_norm_layer_chain_real_shapes(model):
+    """A decode token's MLP at M=1 with its norm applied late (o + residual -> gate/up on the
+    un-normalised stream -> silu-and-mul with the norm's scale -> down) against the unfused chain:
+    add, norm, matmul, silu-and-mul, each as torch rounds it."""
+    c = MODELS[model]
+    shapes = linear_shapes(c)
+    w = {p: randn(*shapes[p], dtype=BF16, seed=50 + i, scale=0.02) for i, p in enumerate(shapes)}
+    w_post = randn(c["hidden"], dtype=BF16, seed=60, scale=0.2) + 1
+    h = randn(1, c["hidden"], dtype=BF16, seed=62, scale=3.0)
+    attn = randn(1, shapes["o"][1], dtype=BF16, seed=63)
+    eps = 1e-5
+
+    h2, parts = skinny_gemm.skinny_linear_add(attn, w["o"], h)
+    gate_up_folded = (w["gate_up"].float() * w_post.float()).to(BF16)
+    act = activation.silu_and_mul(F.linear(h2, gate_up_folded), RowNorm(parts, c["hidden"], eps))
+    out = skinny_gemm.skinny_linear(act, w["down"])
+
+    ref_h2 = F.linear(attn, w["o"]) + h
+    ref_act = activation.silu_and_mul_ref(F.linear(rms_norm.rms_norm_ref(ref_h2, w_post, eps), w["gate_up"]))
+    ref_out = F.linear(ref_act, w["down"])
+    for got, want in [(h2, ref_h2), (act, ref_act), (out, ref_out)]:
+        # bf16 roundings in other places (the folded weight, the scale applied to unrounded sums): a
+        # few bf16 ulps of each result's scale.
+        torch.testing.assert_close(got, want, rtol=2.0**-5, atol=2.0**-5 * want.abs().max().item())
+    torch.testing.assert_close(parts.sum(-1), h2.float().pow(2).sum(-1), rtol=1e-5, atol=0)
 
 
 def test_skinny_logits_in_fp32():

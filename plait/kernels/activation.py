@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -9,6 +11,10 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from plait.kernels.pdl import pdl_args, pdl_prologue
+from plait.kernels.rms_norm import rms_scale
+
+if TYPE_CHECKING:
+    from plait.layers.norm import RowNorm
 
 # Output columns per program: 4 warps x 32 threads x 8 values (16-byte bf16 stores).
 BLOCK_COLS = 1024
@@ -31,20 +37,36 @@ def silu_rounded(g, out_dtype: tl.constexpr, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, s_x, s_out, PRECISE: tl.constexpr, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, ss_ptr, inter, s_x, s_out, n_parts, width, eps,
+                         PRECISE: tl.constexpr, BLOCK: tl.constexpr, ROW_RMS: tl.constexpr,
+                         BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    # ROW_RMS: gate_up came from the un-normalised stream through a weight with the norm's weight
+    # folded in, so both halves take the row's RowNorm scale first.
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     g = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * s_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if ROW_RMS:
+        scale = rms_scale(ss_ptr, row, n_parts, width, eps, BLOCK_P, PRECISE)
+        g, u = g * scale, u * scale
     s = silu_rounded(g, out_ptr.dtype.element_ty, PRECISE)
     tl.store(out_ptr + row * s_out + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """[T, 2I] -> [T, I]: silu(gate) * up, each step rounded as torch rounds it; equals silu_and_mul_ref."""
+def silu_and_mul_rms_ref(gate_up: torch.Tensor, row_norm: RowNorm) -> torch.Tensor:
+    """silu_and_mul_ref of gate_up with each row first scaled by row_norm's scale (in fp32)."""
+    gate, up = (gate_up.float() * row_norm.scale()).chunk(2, dim=-1)
+    return (F.silu(gate).to(gate_up.dtype).float() * up).to(gate_up.dtype)
+
+
+def silu_and_mul(gate_up: torch.Tensor, row_norm: RowNorm | None = None) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: silu(gate) * up, each step rounded as torch rounds it; equals silu_and_mul_ref.
+
+    With row_norm, gate_up is (un-normalised h) @ (W with the norm's weight folded in), and each row
+    is first scaled by rsqrt(mean(h^2) + eps): the RMSNorm before the MLP without a launch of its own;
+    equals silu_and_mul_rms_ref."""
     # gate_up: [T, 2 * I]
     two_i = gate_up.shape[-1]
     if two_i % 2:
@@ -56,7 +78,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((x.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
     if x.shape[0] > 0 and inter > 0:
         grid = (x.shape[0], triton.cdiv(inter, BLOCK_COLS))
-        _silu_and_mul_kernel[grid](x, out, inter, x.stride(0), out.stride(0), PRECISE=gate_up.is_cuda,
-                                   BLOCK=min(BLOCK_COLS, triton.next_power_of_2(inter)), num_warps=4,
-                                   **pdl_args(x))
+        parts = row_norm.sum_sq_parts if row_norm is not None else out
+        n_parts = parts.shape[1] if row_norm is not None else 1
+        _silu_and_mul_kernel[grid](
+            x, out, parts, inter, x.stride(0), out.stride(0), n_parts,
+            row_norm.width if row_norm is not None else 1, row_norm.eps if row_norm is not None else 0.0,
+            PRECISE=gate_up.is_cuda, BLOCK=min(BLOCK_COLS, triton.next_power_of_2(inter)),
+            ROW_RMS=row_norm is not None, BLOCK_P=triton.next_power_of_2(n_parts), num_warps=4,
+            **pdl_args(x))
     return out.view(*gate_up.shape[:-1], inter)

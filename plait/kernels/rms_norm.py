@@ -34,6 +34,17 @@ def fused_add_rms_norm_ref(
     return rms_norm_ref(residual, weight, eps), residual
 
 
+@triton.jit
+def rms_scale(ss_ptr, row, n_parts, width, eps, BLOCK_P: tl.constexpr, PRECISE: tl.constexpr):
+    """RowNorm's scale for one row: 1 / sqrt(mean(h^2) + eps) from the row's n_parts partials."""
+    offs_p = tl.arange(0, BLOCK_P)
+    parts = tl.load(ss_ptr + row * n_parts + offs_p, mask=offs_p < n_parts, other=0.0)
+    mean_sq = tl.sum(parts, axis=0) / width
+    if PRECISE:
+        return libdevice.rsqrt(mean_sq + eps)  # CUDA's rsqrtf, as torch.rsqrt uses
+    return 1.0 / tl.sqrt(mean_sq + eps)  # the interpreter has no libdevice
+
+
 # n_rows changes from step to step: unspecialised, so no step compiles a variant mid-run.
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(

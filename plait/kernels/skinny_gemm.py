@@ -236,15 +236,19 @@ def _epilogue(acc_g, acc_u, b_ptr, offs_n, n_mask, out_dtype: tl.constexpr,
 # binary mid-run (see plait.kernels.paged_attention on per-step arguments).
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr,
-    M, N, K, stride_xm, stride_wn, stride_om, up_rows, k_iters,
+    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, res_ptr, ss_out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, stride_rm, up_rows, k_iters,
     STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TO_WORKSPACE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATE_UP: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr, EARLY_W: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k]; GATE_UP: out[m, n] = silu(gate[m, n]) * up[m, n] with the
     # up row of output n at weight row up_rows + n.
+    # ADD_RESIDUAL: out = round(round(x @ w^T) + res), as torch's residual add, plus this program's sum
+    # of out^2 per row into ss_out[m, program]: what the next RMSNorm needs, so that norm can ride on a
+    # later kernel (silu_and_mul) instead of taking a launch of its own.
     if not EARLY_W:
         pdl_prologue(PDL)
     pid_n = tl.program_id(0)
@@ -284,6 +288,11 @@ def _skinny_kernel(
             x, _, _ = _load_step(x_ptrs, w_ptrs, up_off, 0, k_lo, offs_k, K, BLOCK_K, EVEN_K, False)
         else:
             x, w, w_up = _load_step(x_ptrs, w_ptrs, up_off, 0, k_lo, offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
+        # Past the PDL wait, requested before the loop and used after it: its latency hides behind the
+        # weight stream instead of adding to the kernel's tail.
+        if ADD_RESIDUAL:
+            res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :],
+                          mask=(offs_m < M)[:, None] & (offs_n < N)[None, :], other=0.0)
         for it in range(trip_count(STATIC_K_ITERS, k_iters)):
             nxt = tl.minimum(it + 1, trip_count(STATIC_K_ITERS, k_iters) - 1)
             x_n, w_n, w_up_n = _load_step(x_ptrs, w_ptrs, up_off, nxt, k_lo, offs_k, K, BLOCK_K, EVEN_K,
@@ -299,6 +308,11 @@ def _skinny_kernel(
     if not TO_WORKSPACE:
         y = _epilogue(sum_g, sum_u, b_ptr, offs_n, n_mask, out_ptr.dtype.element_ty,
                       HAS_BIAS, GATE_UP, PRECISE)
+        if ADD_RESIDUAL:
+            y = (y.to(tl.float32) + res.to(tl.float32)).to(out_ptr.dtype.element_ty)
+            y32 = tl.where(mask, y.to(tl.float32), 0.0)
+            tl.store(ss_out_ptr + offs_m * tl.num_programs(0) + pid_n, tl.sum(y32 * y32, axis=1),
+                     mask=offs_m < M)
         tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y, mask=mask)
     else:
         # part: [split_k, M, N] fp32, or [split_k, M, 2N] (gate then up) for GATE_UP.
@@ -333,10 +347,17 @@ def _split_k_reduce_kernel(
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, cfg: SkinnyConfig,
-            gate_up: bool, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    # x2: [M, K]; weight: [N, K] (or [2N, K] for gate_up) -> out: [M, N] in out_dtype (default x's)
+            gate_up: bool, out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # x2: [M, K]; weight: [N, K] (or [2N, K] for gate_up) -> out: [M, N] in out_dtype (default x's),
+    # and with a residual the [M, programs] sum-of-squares partials of out.
     m, k = x2.shape
+    if residual is not None and (cfg.use_dot or cfg.split_k > 1 or gate_up):
+        raise ValueError(f"a residual add needs an unsplit CUDA-core config, got {cfg}")
     out = torch.empty((m, n), dtype=out_dtype or x2.dtype, device=x2.device)
+    programs_n = triton.cdiv(n, cfg.block_n)
+    sum_sq = (torch.empty((m, programs_n), dtype=torch.float32, device=x2.device)
+              if residual is not None else out)
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     even_k = k_per_split * cfg.split_k == k
     block_m = DOT_BLOCK_M if cfg.use_dot else m_bucket(m)
@@ -345,15 +366,18 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
             if cfg.split_k > 1 else out)
     bias_arg = bias if bias is not None else out
     precise = x2.is_cuda
-    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    grid = (programs_n, cfg.split_k)
+    res = residual if residual is not None else out
     _skinny_kernel[grid](
-        x2, weight, bias_arg, out, part, m, n, k, x2.stride(0), weight.stride(0), out.stride(0),
-        n, k_per_split // cfg.block_k, STATIC_K_ITERS=static_iters(x2.is_cuda, k_per_split // cfg.block_k),
+        x2, weight, bias_arg, out, part, res, sum_sq, m, n, k, x2.stride(0), weight.stride(0),
+        out.stride(0), res.stride(0), n, k_per_split // cfg.block_k,
+        STATIC_K_ITERS=static_iters(x2.is_cuda, k_per_split // cfg.block_k),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         TO_WORKSPACE=cfg.split_k > 1,
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         EVEN_K=even_k, HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise,
         EARLY_W=_early_weights and not cfg.use_dot,
+        ADD_RESIDUAL=residual is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2),
     )
     if cfg.split_k > 1:
@@ -363,7 +387,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
             HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise, num_warps=4,
             **pdl_args(x2),
         )
-    return out
+    return out, (sum_sq if residual is not None else None)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -395,7 +419,7 @@ def skinny_linear(
     if m == 0 or m > SKINNY_MAX_M:
         raise ValueError(f"skinny_linear takes 1..{SKINNY_MAX_M} rows, got {m}")
     cfg = config or get_config(m, n, x2.shape[1], x2.device)
-    return _launch(x2, weight, bias, n, cfg, gate_up=False, out_dtype=out_dtype).view(*x.shape[:-1], n)
+    return _launch(x2, weight, bias, n, cfg, gate_up=False, out_dtype=out_dtype)[0].view(*x.shape[:-1], n)
 
 
 def skinny_gate_up_silu(
@@ -411,4 +435,37 @@ def skinny_gate_up_silu(
     if m == 0 or m > SKINNY_MAX_M:
         raise ValueError(f"skinny_gate_up_silu takes 1..{SKINNY_MAX_M} rows, got {m}")
     cfg = config or get_config(m, inter, x2.shape[1], x2.device, gate_up=True)
-    return _launch(x2, w_gate_up, None, inter, cfg, gate_up=True).view(*x.shape[:-1], inter)
+    return _launch(x2, w_gate_up, None, inter, cfg, gate_up=True)[0].view(*x.shape[:-1], inter)
+
+
+def skinny_linear_add_ref(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ weight.T + residual, each row's sum of squares as [M, 1]) the way torch rounds them."""
+    h = F.linear(x, weight) + residual
+    return h, h.float().pow(2).sum(-1, keepdim=True)
+
+
+def skinny_linear_add(
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, config: SkinnyConfig | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x @ weight.T + residual, its rows' sum-of-squares partials) in one launch: a decoder's output
+    projection and the pre-norm residual add, leaving what the next matmul needs to fuse the RMSNorm
+    (plait.kernels.rms_norm.RowNorm). The partials are [M, programs] fp32, summed by the consumer in a
+    fixed order."""
+    # x: [M, K]; weight: [N, K]; residual: [M, N] -> ([M, N], [M, programs])
+    _check(x, weight)
+    x2 = _rows(x)
+    m, n = x2.shape[0], weight.shape[0]
+    if residual.shape != (m, n) or residual.stride(-1) != 1 or residual.dtype != x.dtype:
+        raise ValueError(f"residual must be [{m}, {n}] {x.dtype} with unit stride, got "
+                         f"{tuple(residual.shape)} {residual.dtype}")
+    cfg = config or get_config(m, n, x2.shape[1], x2.device)
+    out, sum_sq = _launch(x2, weight, None, n, cfg, gate_up=False, residual=residual)
+    return out, sum_sq
+
+
+def fusable_config(m: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether the (M, N, K) matmul's config can take a residual add (unsplit, CUDA cores)."""
+    cfg = get_config(m, n, k, device)
+    return not cfg.use_dot and cfg.split_k == 1

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.kernels.dispatch import use_triton
+from plait.layers.norm import RowNorm
 
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -24,3 +25,13 @@ def act_and_mul(gate_up: torch.Tensor, act) -> torch.Tensor:
         return silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return act(gate) * up
+
+
+def silu_and_mul_rms(gate_up: torch.Tensor, row_norm: RowNorm) -> torch.Tensor:
+    """silu-and-mul of gate_up = h @ W.T, W holding the MLP norm's weight and h the un-normalised
+    stream: each row first takes row_norm's scale, so the norm needs no launch of its own (the fused
+    decode path; Triton only)."""
+    # gate_up: [T, 2 * I] -> [T, I]
+    from plait.kernels.activation import silu_and_mul
+
+    return silu_and_mul(gate_up, row_norm)

@@ -70,6 +70,31 @@ class Linear(nn.Linear):
             return skinny_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
+    def adds_residual(self, x: torch.Tensor) -> bool:
+        """True when a matmul of this layer over x's rows can add the residual in its own launch
+        (forward_add)."""
+        if not self.uses_skinny(x):
+            return False
+        from plait.kernels.skinny_gemm import fusable_config
+
+        rows = x.numel() // x.shape[-1]
+        return fusable_config(rows, self.out_features, self.in_features, x.device)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x @ W.T + residual, its rows' sum-of-squares partials [T, parts] fp32, what a RowNorm of
+        the sum needs) in one launch; needs adds_residual(x)."""
+        # x: [T, in_features]; residual: [T, out_features]
+        from plait.kernels.skinny_gemm import skinny_linear_add
+
+        return skinny_linear_add(x, self.weight, residual)
+
+    @torch.no_grad()
+    def fold_norm_weight(self, norm_weight: torch.Tensor) -> None:
+        """W <- W * norm_weight along the input: this layer then takes the norm's un-weighted output, or
+        the un-normalised stream itself with the norm's row scale applied to its output further on.
+        One more bf16 rounding of each weight; the runner does it only for 16-bit GPU models."""
+        self.weight.copy_((self.weight.float() * norm_weight.float()).to(self.weight.dtype))
+
     def fuses_gate_up_silu(self, x: torch.Tensor) -> bool:
         """True when gate_up_silu(x) runs as one fused skinny kernel (this layer being [gate; up])."""
         return FUSE_GATE_UP_SILU and self.bias is None and self.uses_skinny(x, gate_up=True)

@@ -2,10 +2,29 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from plait.kernels.dispatch import use_triton
+
+
+@dataclass(frozen=True)
+class RowNorm:
+    """An RMSNorm applied late, as a per-row scale: the sum-of-squares partials ([T, parts] fp32) of
+    the un-normalised rows h that the kernel writing h left (plait.kernels.skinny_gemm's
+    skinny_linear_add), h's width and the norm's eps. The norm's weight is folded into the matmul
+    that reads h, whose output takes rsqrt(mean(h^2) + eps) in a kernel further on (silu_and_mul)
+    instead of a norm launch of its own."""
+
+    sum_sq_parts: torch.Tensor
+    width: int
+    eps: float
+
+    def scale(self) -> torch.Tensor:
+        """[T, 1] fp32: rsqrt(mean(h^2) + eps), as the kernels compute it."""
+        return torch.rsqrt(self.sum_sq_parts.sum(-1, keepdim=True) / self.width + self.eps)
 
 
 class RMSNorm(nn.Module):

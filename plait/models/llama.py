@@ -10,9 +10,9 @@ from torch import nn
 
 from plait.attention.base import Rotary
 from plait.config import ModelConfig
-from plait.layers.activation import act_and_mul, get_activation
+from plait.layers.activation import act_and_mul, get_activation, silu_and_mul_rms
 from plait.layers.linear import Linear
-from plait.layers.norm import RMSNorm
+from plait.layers.norm import RMSNorm, RowNorm
 from plait.layers.rotary import RotaryEmbedding
 from plait.models.base import CausalLM
 from plait.models.weights import load_decoder_weights
@@ -36,7 +36,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, hidden]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return self.o_proj(self.attend(self.qkv_proj(x), rotary, batch))
+
+    def attend(self, qkv: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
+        # qkv: [T, (Hq + 2 Hkv) D] -> attention output before o_proj: [T, Hq D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -44,7 +48,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         # The backend rotates q and k with the KV store: one kernel for both on the GPU.
         out = batch.attention(self.layer_idx, q, k, v, self.scale, self.sliding_window, rotary=rotary)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return out.reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -59,6 +63,12 @@ class MLP(nn.Module):
             return self.down_proj(self.gate_up_proj.gate_up_silu(x))
         return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
 
+    def forward_normed(self, h: torch.Tensor, norm: RowNorm) -> torch.Tensor:
+        """forward(RMSNorm(h)) for gate/up holding the norm's weight: gate/up reads the un-normalised h
+        and silu-and-mul applies the norm's row scale, so the norm takes no launch of its own."""
+        # h: [T, hidden] -> [T, hidden]
+        return self.down_proj(silu_and_mul_rms(self.gate_up_proj(h), norm))
+
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
@@ -69,15 +79,30 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding, batch: ForwardBatch
+        self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding, batch: ForwardBatch,
+        fuse_mlp_norm: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [T, hidden] -> (the MLP's output, the residual stream before it)
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.forward_residual(x, residual)
-        x = self.self_attn(x, rotary, batch)
-        x, residual = self.post_attention_layernorm.forward_residual(x, residual)
+        attn = self.self_attn
+        out = attn.attend(attn.qkv_proj(x), rotary, batch)
+        if fuse_mlp_norm:
+            # o adds the residual in its own launch and leaves the sum's squares, from which silu-and-mul
+            # takes the MLP norm's scale (its weight is in gate/up: LlamaForCausalLM.fold_norm_weights).
+            residual, sum_sq = attn.o_proj.forward_add(out, residual)
+            norm = RowNorm(sum_sq, residual.shape[-1], self.post_attention_layernorm.eps)
+            return self.mlp.forward_normed(residual, norm), residual
+        x, residual = self.post_attention_layernorm.forward_residual(attn.o_proj(out), residual)
         return self.mlp(x), residual
+
+    @torch.no_grad()
+    def fold_mlp_norm(self) -> None:
+        """Move the MLP norm's weight into gate/up (the norm keeps weight 1: the same function)."""
+        self.mlp.gate_up_proj.fold_norm_weight(self.post_attention_layernorm.weight)
+        self.post_attention_layernorm.weight.fill_(1.0)
 
 
 class LlamaModel(nn.Module):
@@ -87,13 +112,26 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # Set by LlamaForCausalLM.fold_norm_weights: the MLP norms' weights live in gate/up.
+        self.norms_folded = False
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
+        fuse = self.fuses_mlp_norm(x)
         for layer in self.layers:
-            x, residual = layer(x, residual, self.rotary, batch)
+            x, residual = layer(x, residual, self.rotary, batch, fuse)
         x, _ = self.norm.forward_residual(x, residual)
         return x
+
+    def fuses_mlp_norm(self, x: torch.Tensor) -> bool:
+        """Whether this step's layers fold the MLP norm into o's and silu-and-mul's launches: the norms'
+        weights are in gate/up, and o of x's row count adds the residual in its launch (a skinny GEMM
+        config: decode-sized steps)."""
+        if not self.norms_folded or not self.layers:
+            return False
+        layer = self.layers[0]
+        return (layer.mlp.act is F.silu and not layer.mlp.gate_up_proj.fuses_gate_up_silu(x)
+                and layer.self_attn.o_proj.adds_residual(x))
 
 
 class LlamaForCausalLM(CausalLM):
@@ -109,6 +147,14 @@ class LlamaForCausalLM(CausalLM):
             self.lm_head.weight = self.model.embed_tokens.weight
 
 
+
+    def fold_norm_weights(self) -> None:
+        """Fold every MLP norm's weight into gate/up, so that decode-sized steps can apply that norm
+        in o's and silu-and-mul's launches (LlamaModel.fuses_mlp_norm). The function is unchanged, but
+        each folded weight takes one more rounding, so the runner does this for 16-bit GPU models."""
+        for layer in self.model.layers:
+            layer.fold_mlp_norm()
+        self.model.norms_folded = True
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered."""

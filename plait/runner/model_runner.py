@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ from plait.engine.kv_cache import cdiv
 from plait.engine.request import Request
 from plait.engine.scheduler import StepPlan
 from plait.engine.state_slots import PAD_STATE_SLOT
+from plait.kernels.dispatch import triton_enabled, triton_importable
 from plait.layers.mamba import allocate_mamba_states
 from plait.loader.model_loader import load_model, resolve_device_dtype
 from plait.runner.cuda_graphs import StepGraphs, graph_shapes
@@ -38,6 +40,9 @@ logger = logging.getLogger(__name__)
 # GPU memory held back from the KV cache beyond the profiled peak: CUDA-graph pools, allocator
 # fragmentation, and the sampler's work on batches the profile did not shape exactly.
 GPU_MEMORY_MARGIN_BYTES = 1 << 30
+# PLAIT_FOLD_NORMS=0 keeps the MLP norms' weights out of gate/up, and so the norms in launches of
+# their own on decode steps (A/B comparisons).
+FOLD_NORMS_ENV = "PLAIT_FOLD_NORMS"
 # Mixed-step graphs reach this many prompt tokens where a backlog can raise the cap beside decodes;
 # larger steps run eager, their GPU time hiding their ~15 ms of kernel launches.
 DRAINED_GRAPH_PROMPT_TOKENS = 512
@@ -85,6 +90,8 @@ class ModelRunner:
         loaded = load_model(config, self.device, self.dtype)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path = loaded.source
+        if self._folds_norms():
+            self.model.fold_norm_weights()
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
@@ -121,6 +128,15 @@ class ModelRunner:
             torch.zeros(config.max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)
         ]
         self._next_host_ids = 0
+
+    def _folds_norms(self) -> bool:
+        """Whether the model's MLP norm weights move into gate/up: on the Triton path of a 16-bit GPU
+        model that can (decode-sized steps then apply those norms in o's and silu-and-mul's launches,
+        plait.models.llama.LlamaModel.fuses_mlp_norm); PLAIT_FOLD_NORMS=0 keeps them apart."""
+        return (os.environ.get(FOLD_NORMS_ENV, "1") != "0"
+                and hasattr(self.model, "fold_norm_weights")
+                and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+                and triton_enabled() and triton_importable())
 
     def _backend_name(self) -> str:
         if self.config.attention_backend is not None:
