@@ -83,7 +83,8 @@ def _check_bool(name: str, value: Any) -> None:
 @dataclass
 class StructuredOutputsParams:
     """vLLM's StructuredOutputsParams: the output must match one constraint, compiled by llguidance
-    (plait/engine/grammar.py) except ``choice``, which SamplingParams.guided_choice serves."""
+    (plait/engine/grammar.py) except ``choice``, which SamplingParams.guided_choice serves (by a grammar too
+    where it waits for SamplingParams.reasoning_end)."""
 
     json: dict[str, Any] | str | None = None  # a JSON schema (a dict, or its JSON text)
     regex: str | None = None  # the whole output matches it (Rust regex syntax, as llguidance reads it)
@@ -177,12 +178,18 @@ class SamplingParams:
     # each as the tokenizer encodes it on its own.
     guided_choice: list[str] | None = None
     # vLLM's structured outputs (JSON schema, JSON object, regex, grammar, choice); a choice is served as
-    # guided_choice, the others by a grammar the engine compiles with llguidance at add_request.
+    # guided_choice, the others by a grammar the engine compiles with llguidance at add_request (a choice
+    # too where it must wait for reasoning_end).
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's bad_words: none of these words is generated. Each is tokenized on its own, with and without a
     # leading space; a word's last token is banned wherever the output so far ends with its other tokens
     # (a one-token word: everywhere).
     bad_words: list[str] | None = None
+    # The text that ends the model's reasoning (a reasoning parser's end tag, such as "</think>"): the
+    # structured output or guided choice applies only once the output's last tokens are this text as the
+    # tokenizer encodes it, so the model reasons freely first, as vLLM under --reasoning-parser. None: from
+    # the first token.
+    reasoning_end: str | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -250,6 +257,9 @@ class SamplingParams:
         self.guided_choice = self._normalise_guided_choice(self.guided_choice)
         self._resolve_structured_outputs()
         self.bad_words = self._normalise_bad_words(self.bad_words)
+        end = self.reasoning_end
+        if end is not None and (not isinstance(end, str) or not end):
+            raise ValueError(f"reasoning_end must be a non-empty str or None, got {_describe(end)}")
         if self.guided_choice is not None and self.allowed_token_ids is not None:
             raise ValueError("guided_choice and allowed_token_ids cannot be combined")
         if self.structured_outputs is not None and self.allowed_token_ids is not None:
@@ -276,9 +286,16 @@ class SamplingParams:
 
     @property
     def grammar_spec(self) -> StructuredOutputsParams | None:
-        """The structured output a grammar serves (json, regex, grammar, json_object); None for a choice."""
-        structured = self.structured_outputs
-        return structured if structured is not None and structured.choice is None else None
+        """The structured output a grammar serves: json, regex, grammar, json_object, and a choice that waits
+        for the reasoning's end (only a grammar can wait); None for the other choices."""
+        if self.guided_choice is None:
+            return self.structured_outputs
+        return StructuredOutputsParams(choice=self.guided_choice) if self.reasoning_end is not None else None
+
+    @property
+    def host_choices(self) -> list[str] | None:
+        """guided_choice where the engine matches it on the host (not where a grammar serves it)."""
+        return self.guided_choice if self.reasoning_end is None else None
 
     @staticmethod
     def _normalise_stop(stop: Any) -> list[str]:

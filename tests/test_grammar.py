@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from plait.engine.grammar import GrammarCompiler, mask_words
+from plait.engine.grammar import GrammarCompiler, mask_words, next_token_bitmasks
 from plait.sampling_params import StructuredOutputsParams
 
 pytest.importorskip("llguidance")
@@ -115,3 +115,27 @@ def test_a_steps_masks_filled_in_parallel_equal_each_grammars_own(tokenizer, com
         assert np.array_equal(row, grammar.next_token_bitmask())
     assert len({row.tobytes() for row in together}) > 3
     assert next_token_bitmasks([]).shape[0] == 0
+
+
+def test_a_grammar_waits_for_the_reasoning_end(tokenizer, compiler) -> None:
+    """SamplingParams.reasoning_end (a reasoning parser's end tag): the grammar, a guided choice's too, allows
+    every token and consumes none until the output ends with the tag's tokens, then constrains as ever."""
+    from plait.sampling_params import SamplingParams
+
+    params = SamplingParams(guided_choice=["yes", "no"], reasoning_end="</think>")
+    assert params.host_choices is None and params.grammar_spec.choice == ["yes", "no"]
+    end = tokenizer.encode("</think>", add_special_tokens=False)
+    waiting, at_once = compiler.compile(params.grammar_spec, end), compiler.compile(params.grammar_spec)
+    word = tokenizer.encode(" maybe", add_special_tokens=False)[0]
+    for token in [word, *end[:-1], word, *end]:  # half the tag, then the whole tag
+        assert not waiting.active and (waiting.next_token_bitmask() == -1).all()
+        assert waiting.error is None and not waiting.is_terminated()
+        waiting.consume(token)
+    assert waiting.active and waiting.error is None and not waiting.is_terminated()
+    both = next_token_bitmasks([waiting, at_once, compiler.compile(params.grammar_spec, end)])
+    assert (both[0] == both[1]).all() and _allowed(both[0]) != _allowed(both[2])  # the third still waits
+    assert (both[2] == -1).all()
+    for token in tokenizer.encode("yes", add_special_tokens=False):
+        waiting.consume(token)
+    assert waiting.is_terminated() and waiting.error is None
+    assert SamplingParams(guided_choice=["yes"]).host_choices == ["yes"]  # without reasoning: on the host

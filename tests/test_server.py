@@ -143,6 +143,7 @@ def test_chat_stream_equals_non_stream_with_usage(served, client, model):
     full = client.chat.completions.create(**kwargs, logprobs=True, top_logprobs=2)
     choice = full.choices[0]
     assert choice.message.role == "assistant" and choice.message.content
+    assert not choice.message.model_extra  # no reasoning field without --reasoning-parser
     prompt_ids = apply_chat_template(server.tokenizer, messages)
     assert full.usage.prompt_tokens == len(prompt_ids)
     assert full.usage.completion_tokens == len(choice.logprobs.content) <= MAX_TOKENS
@@ -154,6 +155,7 @@ def test_chat_stream_equals_non_stream_with_usage(served, client, model):
     chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options=usage_opts))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == choice.message.content
+    assert not any(c.choices[0].delta.model_extra for c in chunks if c.choices)
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
         choice.finish_reason]
     assert chunks[0].choices[0].delta.role == "assistant"

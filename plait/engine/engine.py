@@ -182,7 +182,7 @@ class LLMEngine:
             sampling_params=params,
             max_tokens=max_tokens,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-            choice_token_ids=self._tokenize_choices(params.guided_choice),
+            choice_token_ids=self._tokenize_choices(params.host_choices),
             grammar=self._compile_grammar(params),
             bad_words_token_ids=self._tokenize_bad_words(params.bad_words),
         )
@@ -251,9 +251,16 @@ class LLMEngine:
 
     def _compile_grammar(self, params: SamplingParams) -> Grammar | None:
         """This sequence's own matcher for a JSON schema, JSON object, regex or grammar (a choice is
-        guided_choice's); a bad one is a ValueError here, before the request enters the engine."""
+        guided_choice's, unless it waits for reasoning_end); a bad one is a ValueError here, before the
+        request enters the engine."""
         spec = params.grammar_spec
-        return None if spec is None else self.grammars.compile(spec)
+        return None if spec is None else self.grammars.compile(spec, self._reasoning_end_ids(params))
+
+    def _reasoning_end_ids(self, params: SamplingParams) -> tuple[int, ...]:
+        """reasoning_end's tokens, after which the grammar applies (none: from the first token)."""
+        if params.reasoning_end is None or self.tokenizer is None:  # no tokenizer: compile refuses anyway
+            return ()
+        return tuple(self.tokenizer.encode(params.reasoning_end, add_special_tokens=False))
 
     def _validate_sampling_token_ids(self, params: SamplingParams) -> None:
         """logit_bias and allowed_token_ids index the logits row on the device, where an id beyond it

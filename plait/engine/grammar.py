@@ -24,6 +24,8 @@ GBNF_RULE_MARK = "::="
 ANY_JSON_OBJECT_SCHEMA = {"type": "object"}
 # The matcher's own logging is off: its errors reach the caller as ValueError or a finish reason.
 LLGUIDANCE_SILENT = 0
+# A bitmask word with every bit set: an inactive grammar's row (the model still reasons) allows every id.
+ALL_ALLOWED = -1
 
 
 def _import_llguidance() -> Any:
@@ -34,8 +36,8 @@ def _import_llguidance() -> Any:
         import llguidance.gbnf_to_lark
         import llguidance.hf
     except ImportError as err:
-        raise ValueError("structured outputs (json, regex, grammar, json_object) need the llguidance "
-                         "package: pip install llguidance") from err
+        raise ValueError("structured outputs (json, regex, grammar, json_object, and a choice that waits for "
+                         "the reasoning's end) need the llguidance package: pip install llguidance") from err
     return llguidance
 
 
@@ -47,11 +49,19 @@ def mask_words(vocab_size: int) -> int:
 class Grammar:
     """One sequence's matcher (made by GrammarCompiler.compile): the next-token bitmask, the sampled
     tokens fed back, and whether only EOS may follow. Never raises for what the tokens do: a token the
-    grammar refuses puts it in an error state, which ``error`` reports."""
+    grammar refuses puts it in an error state, which ``error`` reports.
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    Given ``after`` (the tokens of a reasoning parser's end tag), it is inactive until the output's last
+    tokens are those: every token is allowed and none is fed to the matcher, so the model reasons freely
+    and the structured output is its answer, as vLLM enforces it under --reasoning-parser.
+    """
+
+    def __init__(self, matcher: Any, vocab_size: int, after: Sequence[int] = ()) -> None:
         self._matcher = matcher
         self.num_words = mask_words(vocab_size)
+        self._after = tuple(after)
+        self._recent: tuple[int, ...] = ()  # the last tokens while inactive, as many as ``after`` has
+        self.active = not self._after
 
     def next_token_bitmask(self) -> np.ndarray:
         """The ids allowed next, one bit each: int32 [num_words], EOS set where the output may end."""
@@ -59,7 +69,11 @@ class Grammar:
 
     def consume(self, token_id: int) -> None:
         """Advance past a sampled token (a refused one leaves the grammar in its error state)."""
-        self._matcher.consume_token(token_id)
+        if self.active:
+            self._matcher.consume_token(token_id)
+            return
+        self._recent = (*self._recent, token_id)[-len(self._after):]
+        self.active = self._recent == self._after
 
     @property
     def error(self) -> str | None:
@@ -71,7 +85,7 @@ class Grammar:
 
     def is_terminated(self) -> bool:
         """The output is complete: nothing but EOS may follow (after an EOS too)."""
-        return self._matcher.is_stopped()
+        return self.active and self._matcher.is_stopped()
 
 
 def next_token_bitmasks(grammars: Sequence[Grammar]) -> np.ndarray:
@@ -79,11 +93,14 @@ def next_token_bitmasks(grammars: Sequence[Grammar]) -> np.ndarray:
     llguidance's threads where there are several (a mask takes ~0.1 ms or more, and a step with grammar
     rows waits for every one of them, since it is never overlapped with the step before)."""
     masks = np.zeros((len(grammars), grammars[0].num_words if grammars else 0), dtype=np.int32)
-    if len(grammars) == 1:
-        grammars[0]._matcher.unsafe_compute_mask_ptr(masks.ctypes.data, masks.nbytes)
-    elif grammars:
-        _executor().unsafe_compute_mask_ptr([(g._matcher, i) for i, g in enumerate(grammars)],
-                                            masks.ctypes.data, masks.shape[1] * masks.itemsize, len(grammars))
+    rows = [(g._matcher, i) for i, g in enumerate(grammars) if g.active]
+    masks[[i for i, g in enumerate(grammars) if not g.active]] = ALL_ALLOWED
+    if len(rows) == 1:
+        matcher, i = rows[0]
+        matcher.unsafe_compute_mask_ptr(masks[i].ctypes.data, masks[i].nbytes)
+    elif rows:
+        _executor().unsafe_compute_mask_ptr(rows, masks.ctypes.data, masks.shape[1] * masks.itemsize,
+                                            len(grammars))
     return masks
 
 
@@ -102,9 +119,10 @@ class GrammarCompiler:
         self._ll_tokenizer: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()  # llguidance grammar -> unused matcher
 
-    def compile(self, spec: StructuredOutputsParams) -> Grammar:
-        """A fresh Grammar for ``spec``; raises ValueError with llguidance's message for a bad schema,
-        regex or grammar, or where llguidance or the tokenizer is missing."""
+    def compile(self, spec: StructuredOutputsParams, after: Sequence[int] = ()) -> Grammar:
+        """A fresh Grammar for ``spec``, inactive until the output ends with the tokens ``after``; raises
+        ValueError with llguidance's message for a bad schema, regex or grammar, or where llguidance or the
+        tokenizer is missing."""
         llguidance = _import_llguidance()
         ll_tokenizer = self._llguidance_tokenizer(llguidance)
         try:
@@ -120,7 +138,7 @@ class GrammarCompiler:
                 raise ValueError(f"structured_outputs {spec.kind} is invalid: {template.get_error().strip()}")
             self._remember(grammar, template)
         self._compiled.move_to_end(grammar)
-        return Grammar(template.deep_copy(), ll_tokenizer.vocab_size)
+        return Grammar(template.deep_copy(), ll_tokenizer.vocab_size, after)
 
     def _remember(self, grammar: str, matcher: Any) -> None:
         self._compiled[grammar] = matcher
@@ -138,7 +156,8 @@ class GrammarCompiler:
 
 
 def _grammar_text(llguidance: Any, spec: StructuredOutputsParams) -> str:
-    """llguidance's grammar for ``spec`` (json, regex, grammar or json_object; choice is served elsewhere)."""
+    """llguidance's grammar for ``spec``: json, regex, grammar, json_object, or a choice (which only comes
+    here where it waits for the reasoning's end; otherwise guided_choice serves it on the host)."""
     json_options = {"whitespace_flexible": not spec.disable_any_whitespace}
     matcher = llguidance.LLMatcher
     if spec.json is not None or spec.json_object:
@@ -148,7 +167,7 @@ def _grammar_text(llguidance: Any, spec: StructuredOutputsParams) -> str:
         return matcher.grammar_from_regex(spec.regex)
     if spec.grammar is not None:
         return matcher.grammar_from_lark(_as_lark(llguidance, spec.grammar))
-    raise ValueError("a choice is served as guided_choice, not by a grammar")
+    return llguidance.grammar_from("choice", spec.choice)
 
 
 def _as_lark(llguidance: Any, grammar: str) -> str:

@@ -40,10 +40,10 @@ class Request:
     sampling_params: SamplingParams
     max_tokens: int  # resolved by the engine from sampling_params and max_model_len
     eos_token_ids: frozenset[int] = frozenset()  # set by the engine from the model; empty if ignore_eos
-    # sampling_params.guided_choice, tokenized by the engine: the outputs allowed, as token ids.
+    # sampling_params.host_choices (guided_choice), tokenized by the engine: the outputs allowed, as ids.
     choice_token_ids: tuple[tuple[int, ...], ...] | None = None
-    # sampling_params.structured_outputs (json, regex, grammar, json_object), compiled by the engine: this
-    # sequence's own matcher, which has consumed every output token on the host.
+    # sampling_params.grammar_spec (json, regex, grammar, json_object, or a choice after reasoning_end),
+    # compiled by the engine: this sequence's own matcher, which has seen every output token on the host.
     grammar: Grammar | None = None
     # sampling_params.bad_words, tokenized by the engine: the token sequences the output must not contain.
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None

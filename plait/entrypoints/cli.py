@@ -170,7 +170,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           trust_request_chat_template=args.trust_request_chat_template,
                           chat_template=args.chat_template,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          tool_call_parser=args.tool_call_parser, log_level=args.log_level,
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                          log_level=args.log_level,
                           allowed_origins=args.allowed_origins,
                           allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
                           allow_credentials=args.allow_credentials)
@@ -191,10 +192,11 @@ def _add_cors_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_tool_args(parser: argparse.ArgumentParser) -> None:
-    """vLLM's chat template and tool-calling flags."""
-    from plait.entrypoints.tool_parsers import TOOL_PARSERS  # no server dependencies
+    """vLLM's chat template, tool-calling and reasoning flags."""
+    from plait.entrypoints.reasoning_parsers import REASONING_PARSERS  # no server dependencies
+    from plait.entrypoints.tool_parsers import TOOL_PARSERS
 
-    group = parser.add_argument_group("chat template and tool calling")
+    group = parser.add_argument_group("chat template, tool calling and reasoning")
     group.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                        help="a Jinja chat template (a file, or the template's text) instead of the model's, "
                             "e.g. one that renders tools and tool calls")
@@ -204,6 +206,9 @@ def _add_tool_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
                             "(Llama 3.x)")
+    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split chat answers' reasoning (<think>...</think>) into 'reasoning': qwen3, "
+                            "deepseek_r1 (also QwQ), deepseek_v3 (DeepSeek-V3.1, reasoning only when asked)")
 
 
 def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) -> str:

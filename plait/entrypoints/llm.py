@@ -90,7 +90,7 @@ class LLM:
                              continue_final_message=continue_final_message, chat_template=chat_template,
                              tools=tools)
                  for c in conversations]
-        prompts = [{"prompt_token_ids": _encode_rendered(tokenizer, text)} for text in texts]
+        prompts = [{"prompt_token_ids": encode_rendered(tokenizer, text)} for text in texts]
         outputs = self.generate(prompts, sampling_params, use_tqdm)
         for out, text in zip(outputs, texts, strict=True):
             out.prompt = text
@@ -121,8 +121,8 @@ def apply_chat_template(
     kwargs: dict | None = None, **options: Any,
 ) -> list[int]:
     """Token ids of a conversation: render_chat's text (``options``: its keyword-only ones), encoded."""
-    return _encode_rendered(tokenizer, render_chat(tokenizer, conversation, add_generation_prompt, kwargs,
-                                                   **options))
+    return encode_rendered(tokenizer, render_chat(tokenizer, conversation, add_generation_prompt, kwargs,
+                                                  **options))
 
 
 def render_chat(
@@ -156,7 +156,8 @@ def render_chat(
     )
 
 
-def _encode_rendered(tokenizer: Any, text: str) -> list[int]:
+def encode_rendered(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a prompt render_chat wrote."""
     # The template already wrote any special tokens; adding them again would double BOS.
     return list(tokenizer.encode(text, add_special_tokens=False))
 

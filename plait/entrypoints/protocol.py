@@ -531,6 +531,8 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM extension: false leaves the reasoning (split off by --reasoning-parser) out of the answer.
+    include_reasoning: bool = True
 
     def check_supported(self) -> None:
         self._check_tools()  # before the structured output, which a forced tool call sets
@@ -744,9 +746,16 @@ class ChatResponseMessage(BaseModel):
     tool_calls: list[ToolCallOut] | None = Omitted
 
 
+class ReasoningChatResponseMessage(ChatResponseMessage):
+    """The message under --reasoning-parser: vLLM's ``reasoning`` beside the answer, null where there is none
+    (or the request's include_reasoning is false)."""
+
+    reasoning: str | None = None
+
+
 class ChatChoice(BaseModel):
     index: int
-    message: ChatResponseMessage
+    message: ReasoningChatResponseMessage | ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -780,6 +789,7 @@ class DeltaToolCall(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning: str | None = Omitted  # vLLM's: the next piece of the reasoning (--reasoning-parser)
     tool_calls: list[DeltaToolCall] | None = Omitted
 
 

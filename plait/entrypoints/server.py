@@ -47,7 +47,7 @@ from plait.entrypoints.async_engine import (
     RequestStream,
     RequestTimeoutError,
 )
-from plait.entrypoints.llm import _fan_out, apply_chat_template
+from plait.entrypoints.llm import _fan_out, encode_rendered, render_chat
 from plait.entrypoints.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
     TOOLS_PARAM,
@@ -80,11 +80,18 @@ from plait.entrypoints.protocol import (
     PromptLogprob,
     PromptLogprobs,
     ProtocolError,
+    ReasoningChatResponseMessage,
     TokenizeRequest,
     TokenizeResponse,
     ToolCallOut,
     UsageInfo,
     VersionResponse,
+)
+from plait.entrypoints.reasoning_parsers import (
+    ReasoningDelta,
+    ReasoningParser,
+    get_reasoning_parser,
+    split_reasoning,
 )
 from plait.entrypoints.tool_parsers import ToolOutputParser, get_tool_parser
 from plait.entrypoints.tools import (
@@ -176,6 +183,9 @@ class ServerConfig:
     # are given) reads the model's tool calls with that parser; without them it is refused, as in vLLM.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # vLLM's --reasoning-parser: chat answers carry the model's reasoning in "reasoning", apart from the
+    # content, and structured outputs apply after it.
+    reasoning_parser: str | None = None
     log_level: str = "info"
     # CORS, as vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials: which
     # web pages' scripts may call the server from a browser (the API key, where set, still applies).
@@ -207,6 +217,8 @@ class ServerConfig:
             get_tool_parser(self.tool_call_parser)  # an unknown name fails here, at start-up
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser NAME)")
+        if self.reasoning_parser is not None:
+            get_reasoning_parser(self.reasoning_parser)  # an unknown name fails here, at start-up
 
     @property
     def served_model_names(self) -> tuple[str, ...] | None:
@@ -604,32 +616,61 @@ def _prompt_rows(out: RequestOutput) -> list[LogprobRow]:
     return list(zip(out.prompt_token_ids, entries))
 
 
-def _chat_message(completion: CompletionOutput, tools: ToolCallStream | None
+@dataclass
+class _ChoiceReader:
+    """How one choice's output becomes a chat message: its reasoning split off first (--reasoning-parser),
+    then, where tools are in play, tool calls read from the rest, the answer alone (as vLLM reads them)."""
+
+    tools: ToolCallStream | None = None
+    reasoning: ReasoningParser | None = None
+    include_reasoning: bool = True  # the request's: false leaves the reasoning out
+
+    def whole(self, text: str) -> tuple[str | None, str | None]:
+        """A finished output's reasoning (None without a parser) and the text after it."""
+        return (None, text) if self.reasoning is None else split_reasoning(self.reasoning, text)
+
+    def feed(self, delta: str, final: bool) -> ReasoningDelta:
+        """What a streamed piece of the output adds to the reasoning and to the text after it."""
+        return ReasoningDelta(content=delta) if self.reasoning is None else self.reasoning.feed(delta, final)
+
+    def shown(self, reasoning: str | None) -> str | None:
+        return reasoning if self.include_reasoning else None
+
+
+def _chat_message(completion: CompletionOutput, reader: _ChoiceReader
                   ) -> tuple[ChatResponseMessage, str | None]:
     """A finished choice's message and finish_reason: its text, or where tools are in play, its content
-    (null when none) and tool calls."""
-    if tools is None:
-        return ChatResponseMessage(content=completion.text), completion.finish_reason
-    content, deltas = tools.feed(completion.text, final=True)
-    calls = [ToolCallOut(id=d.id or make_tool_call_id(), function=FunctionCallOut(name=d.name or "",
-                                                                                   arguments=d.arguments))
-             for d in deltas]  # fed whole, each delta is a whole call, id and name included
-    return (ChatResponseMessage(content=content or None, tool_calls=calls or None),
-            tools.finish_reason(completion.finish_reason))
+    (null when none) and tool calls; under a reasoning parser, its reasoning too."""
+    reasoning, content = reader.whole(completion.text)
+    calls, finish_reason = None, completion.finish_reason
+    if reader.tools is not None:
+        content, deltas = reader.tools.feed(content or "", final=True)
+        content = content or None
+        calls = [ToolCallOut(id=d.id or make_tool_call_id(),
+                             function=FunctionCallOut(name=d.name or "", arguments=d.arguments))
+                 for d in deltas] or None  # fed whole, each delta is a whole call, id and name included
+        finish_reason = reader.tools.finish_reason(finish_reason)
+    if reader.reasoning is None:
+        return ChatResponseMessage(content=content, tool_calls=calls), finish_reason
+    shown = reader.shown(reasoning)
+    return ReasoningChatResponseMessage(content=content, tool_calls=calls, reasoning=shown), finish_reason
 
 
-def _chat_delta(completion: CompletionOutput, tools: ToolCallStream | None
+def _chat_delta(completion: CompletionOutput, reader: _ChoiceReader
                 ) -> tuple[DeltaMessage | None, str | None]:
     """A streamed choice's new delta (None: nothing to send yet) and its finish_reason."""
-    if tools is None:
-        text = completion.delta_text
-        return (DeltaMessage(content=text) if text else None), completion.finish_reason
-    content, deltas = tools.feed(completion.delta_text, final=completion.finish_reason is not None)
-    delta = None
-    if content or deltas:
+    final = completion.finish_reason is not None
+    piece = reader.feed(completion.delta_text, final)
+    content, calls, finish_reason = piece.content, [], completion.finish_reason
+    if reader.tools is not None:
+        content, deltas = reader.tools.feed(content, final)
         calls = [_delta_tool_call(d) for d in deltas]
-        delta = DeltaMessage(content=content or None, tool_calls=calls or None)
-    return delta, tools.finish_reason(completion.finish_reason)
+        finish_reason = reader.tools.finish_reason(finish_reason)
+    reasoning = reader.shown(piece.reasoning)
+    if not (content or calls or reasoning):
+        return None, finish_reason
+    delta = DeltaMessage(content=content or None, reasoning=reasoning or None, tool_calls=calls or None)
+    return delta, finish_reason
 
 
 def _delta_tool_call(delta: ToolCallDelta) -> DeltaToolCall:
@@ -670,6 +711,8 @@ class OpenAIServer:
         # (chat templates, logprob token strings), so no tokenizer object is shared between threads.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
         self._token_strings: dict[int, str] = {}
+        name = self.config.reasoning_parser
+        self.reasoning_parser = get_reasoning_parser(name) if name is not None else None
         self.engine = AsyncLLMEngine(engine, on_step=self._on_step)
         self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
         self.app = self._build_app()
@@ -796,8 +839,13 @@ class OpenAIServer:
 
     def _chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
                      body: ChatCompletionRequest | None = None) -> list[int]:
-        """The token ids of a conversation under the chat template: the request's own (where trusted),
-        else --chat-template's, else the model's; with the request's tools, template variables and
+        """The token ids of a conversation under the chat template (see _chat_prompt_text)."""
+        return encode_rendered(self.tokenizer, self._chat_prompt_text(messages, add_generation_prompt, body))
+
+    def _chat_prompt_text(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
+                          body: ChatCompletionRequest | None = None) -> str:
+        """A conversation as text under the chat template: the request's own (where trusted), else
+        --chat-template's, else the model's; with the request's tools, template variables and
         continue_final_message."""
         template = self.config.chat_template_text
         options: dict[str, Any] = {}
@@ -808,10 +856,10 @@ class OpenAIServer:
             raise APIError(400, "a chat template was passed with the request, but the server was not "
                                 "started with --trust-request-chat-template", param="chat_template")
         try:
-            return apply_chat_template(self.tokenizer, [m.as_template_message() for m in messages],
-                                       add_generation_prompt=add_generation_prompt,
-                                       kwargs=None if body is None else body.chat_template_kwargs,
-                                       chat_template=template, **options)
+            return render_chat(self.tokenizer, [m.as_template_message() for m in messages],
+                               add_generation_prompt=add_generation_prompt,
+                               kwargs=None if body is None else body.chat_template_kwargs,
+                               chat_template=template, **options)
         except (ValueError, TypeError, RecursionError, jinja2.TemplateError) as err:
             # RecursionError: a message's tool call arguments nested too deep for the template's tojson
             raise APIError(400, f"could not apply the chat template: {err}", param="messages") from err
@@ -1082,15 +1130,19 @@ class OpenAIServer:
         arrival = time.monotonic()
         params = self._params(body, body.requested_max_tokens, body.requested_logprobs, 1)
         self._check_auto_tool_choice(body)
-        prompt = self._chat_prompt(body.messages, body.add_generation_prompt, body)
+        prompt_text = self._chat_prompt_text(body.messages, body.add_generation_prompt, body)
+        readers = [self._choice_reader(body, prompt_text) for _ in range(params.n)]  # each choice its own
+        reasoning = readers[0].reasoning
+        if reasoning is not None and reasoning.thinks:  # structured outputs apply after the reasoning
+            params = dataclasses.replace(params, reasoning_end=reasoning.END)
+        prompt = encode_rendered(self.tokenizer, prompt_text)
         stream = await self._start([(prompt, child) for child in _fan_out(params)], "messages",
                                    body.requested_max_tokens, body.structured_outputs_param)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        tools = [self._tool_call_stream(body) for _ in stream.request_ids]  # each choice its own calls
         try:
             if body.stream:
-                events = self._chat_events(body, stream, tracker, response_id, params.n, tools)
+                events = self._chat_events(body, stream, tracker, response_id, params.n, readers)
                 return _EngineStreamResponse(events, stream, tracker)
             finals = await self._unless_disconnected(raw, self._collect(stream, tracker))
         finally:
@@ -1103,9 +1155,9 @@ class OpenAIServer:
         for index, out in enumerate(finals):
             completion = out.outputs[0]
             logprobs = None
-            if body.logprobs and completion.logprobs is not None:
+            if self._shows_logprobs(body) and completion.logprobs is not None:
                 logprobs = self._chat_logprobs(completion.logprobs, num_top)
-            message, finish_reason = _chat_message(completion, tools[index])
+            message, finish_reason = _chat_message(completion, readers[index])
             choices.append(ChatChoice(index=index, message=message, logprobs=logprobs,
                                       finish_reason=finish_reason, stop_reason=completion.stop_reason))
         usage = self._usage(stream, params.n, sum(len(o.outputs[0].token_ids) for o in finals))
@@ -1115,8 +1167,7 @@ class OpenAIServer:
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _chat_events(self, body: ChatCompletionRequest, stream: RequestStream, tracker: _RequestTracker,
-                           response_id: str, n: int, tools: Sequence[ToolCallStream | None]
-                           ) -> AsyncIterator[str]:
+                           response_id: str, n: int, readers: Sequence[_ChoiceReader]) -> AsyncIterator[str]:
         created = int(time.time())
         num_top = body.top_logprobs or 0
         completion_tokens = 0
@@ -1139,9 +1190,9 @@ class OpenAIServer:
                     completion = out.outputs[0]
                     completion_tokens += len(completion.delta_token_ids)
                     logprobs = None
-                    if body.logprobs and completion.logprobs is not None:
+                    if self._shows_logprobs(body) and completion.logprobs is not None:
                         logprobs = self._chat_logprobs(_new_logprobs(completion), num_top)
-                    delta, finish_reason = _chat_delta(completion, tools[index])
+                    delta, finish_reason = _chat_delta(completion, readers[index])
                     if delta is None and finish_reason is None and logprobs is None:
                         continue  # nothing new, or text held back until it is known whether it is a call
                     delta = delta or DeltaMessage()
@@ -1160,6 +1211,19 @@ class OpenAIServer:
     def _check_auto_tool_choice(self, body: ChatCompletionRequest) -> None:
         if body.effective_tool_choice == "auto" and body.tools and not self.config.enable_auto_tool_choice:
             raise APIError(400, AUTO_TOOL_CHOICE_MESSAGE, param="tool_choice")
+
+    def _choice_reader(self, body: ChatCompletionRequest, prompt_text: str) -> _ChoiceReader:
+        """How one choice's output is read: reasoning (where the server has a reasoning parser; the
+        template's variables and the prompt say whether there is any), then tool calls."""
+        reasoning = None
+        if self.reasoning_parser is not None:
+            reasoning = self.reasoning_parser(body.chat_template_kwargs, prompt_text)
+        return _ChoiceReader(self._tool_call_stream(body), reasoning, body.include_reasoning)
+
+    def _shows_logprobs(self, body: ChatCompletionRequest) -> bool:
+        """Whether the answer carries logprobs: as vLLM, not where it leaves the reasoning out, which their
+        tokens would show."""
+        return body.logprobs and (self.reasoning_parser is None or body.include_reasoning)
 
     def _tool_call_stream(self, body: ChatCompletionRequest) -> ToolCallStream | None:
         """How one choice's output is read as tool calls (None: it is all content): the whole of it as

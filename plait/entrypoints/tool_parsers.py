@@ -106,7 +106,7 @@ def call_events(value: Any, argument_keys: tuple[str, ...] = ARGUMENT_KEYS) -> l
     return [ToolCallStart(value["name"]), ToolCallArguments(text)]
 
 
-def _partial_tag_length(text: str, tag: str, start: int) -> int:
+def partial_tag_length(text: str, tag: str, start: int) -> int:
     """Length of the longest end of ``text[start:]`` that begins ``tag`` (so may become it)."""
     for length in range(min(len(tag) - 1, len(text) - start), 0, -1):
         if text.endswith(tag[:length]):
@@ -170,7 +170,7 @@ class HermesToolParser(ToolParser):
         """Content up to the next call's tag (or up to text that may begin one); whether a tag is next."""
         start = self.text.find(HERMES_CALL_OPEN, self.pos)
         if start < 0:
-            held = 0 if final else _partial_tag_length(self.text, HERMES_CALL_OPEN, self.pos)
+            held = 0 if final else partial_tag_length(self.text, HERMES_CALL_OPEN, self.pos)
             start = len(self.text) - held
         if start > self.pos:
             events.append(self.text[self.pos:start])

@@ -1,0 +1,167 @@
+"""Reasoning parsers: a model's output split into its reasoning and its answer, whole or as it streams."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+from plait.entrypoints.tool_parsers import partial_tag_length
+
+# The tags around DeepSeek-R1's, Qwen3's and DeepSeek-V3.1's reasoning (one vocabulary token each there).
+THINK_START = "<think>"
+THINK_END = "</think>"
+# Where a parser is in the output: before anything is decided, in the reasoning, in the answer.
+_START, _REASONING, _CONTENT = "start", "reasoning", "content"
+
+
+class ReasoningDelta(NamedTuple):
+    """What one piece of the output adds to the reasoning and to the content."""
+
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningParser:
+    """One choice's output as it grows, split where its reasoning ends (vLLM's --reasoning-parser).
+
+    ``feed`` the new text (``final`` with the last); it returns the reasoning and content it decides,
+    holding back only text that may still become a tag, so fed whole or in any pieces the pieces
+    concatenate to the same reasoning and content.
+
+    As vLLM's: a START the output opens with (after whitespace) is dropped, and so is the first START
+    inside the reasoning; the reasoning runs to the first END, the content is all after it (a later END is
+    text); an output that never writes END is all reasoning (it was cut short while reasoning). Where
+    the request turned thinking off (``thinking_on``), or its prompt already closed the reasoning (a
+    template that writes ``<think>\\n\\n</think>`` for it), the output is all content.
+    """
+
+    name = ""
+    START = THINK_START
+    END = THINK_END
+
+    def __init__(self, chat_template_kwargs: Mapping[str, Any] | None = None, prompt: str = "") -> None:
+        # Whether the output begins in the reasoning at all.
+        self.thinks = self.thinking_on(chat_template_kwargs or {}) and not self.reasoning_over(prompt)
+        self.phase = _START if self.thinks else _CONTENT
+        self._pending = ""  # text fed but not yet returned
+        self._start_dropped = False
+
+    @classmethod
+    def thinking_on(cls, chat_template_kwargs: Mapping[str, Any]) -> bool:
+        """Whether the request lets the model reason (the template variables that switch it)."""
+        return True
+
+    @classmethod
+    def reasoning_over(cls, prompt: str) -> bool:
+        """Whether the prompt closed the reasoning before the output begins. vLLM looks for the last think
+        tag anywhere in the prompt; only its end counts here, so a tag in an earlier turn does not."""
+        return prompt.rstrip().endswith(cls.END)
+
+    def feed(self, delta: str, final: bool = False) -> ReasoningDelta:
+        self._pending += delta
+        reasoning = content = ""
+        if self.phase == _START:
+            self._take_start(final)
+        if self.phase == _REASONING:
+            reasoning = self._take_reasoning(final)
+        if self.phase == _CONTENT:
+            content, self._pending = self._pending, ""
+        return ReasoningDelta(reasoning, content)
+
+    def _take_start(self, final: bool) -> None:
+        body = self._pending.lstrip()
+        if body.startswith(self.START):
+            self._pending, self._start_dropped = body[len(self.START):], True
+        elif not final and self.START.startswith(body):
+            return  # only whitespace, or the beginning of START, so far
+        self.phase = _REASONING
+
+    def _take_reasoning(self, final: bool) -> str:
+        head = self._drop_first_start()
+        end = self._pending.find(self.END)
+        if end >= 0:
+            reasoning, self._pending = head + self._pending[:end], self._pending[end + len(self.END):]
+            self.phase = _CONTENT
+            return reasoning
+        cut = len(self._pending) - (0 if final else self._held_back())
+        reasoning, self._pending = head + self._pending[:cut], self._pending[cut:]
+        return reasoning
+
+    def _drop_first_start(self) -> str:
+        """Where the first START inside the reasoning comes before any END: drop it (as vLLM's streaming
+        does), return the reasoning before it and keep what follows pending."""
+        if self._start_dropped:
+            return ""
+        start, end = self._pending.find(self.START), self._pending.find(self.END)
+        if start < 0 or 0 <= end < start:
+            return ""
+        head, self._pending = self._pending[:start], self._pending[start + len(self.START):]
+        self._start_dropped = True
+        return head
+
+    def _held_back(self) -> int:
+        """Length of the end of the pending text that may still become a tag."""
+        held = partial_tag_length(self._pending, self.END, 0)
+        if not self._start_dropped:
+            held = max(held, partial_tag_length(self._pending, self.START, 0))
+        return held
+
+
+def split_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, str | None]:
+    """A whole output as vLLM's extract_reasoning gives it: (reasoning, content). Reasoning is None where the
+    output has none to split off (thinking off), else a string, empty too; content is None where nothing
+    follows the reasoning."""
+    delta = parser.feed(text, final=True)
+    if not parser.thinks:
+        return None, delta.content
+    return delta.reasoning, delta.content or None
+
+
+# -- registry ------------------------------------------------------------------------------------
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}
+
+
+def register_reasoning_parser(cls: type[ReasoningParser]) -> type[ReasoningParser]:
+    """Class decorator: makes the parser available under its ``name``."""
+    REASONING_PARSERS[cls.name] = cls
+    return cls
+
+
+def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    """The parser class registered under ``name``; a ValueError naming the known ones otherwise."""
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}")
+    return REASONING_PARSERS[name]
+
+
+@register_reasoning_parser
+class DeepSeekR1ReasoningParser(ReasoningParser):
+    """DeepSeek-R1 (and QwQ): its template may open <think> in the prompt, so the output may hold only the
+    end."""
+
+    name = "deepseek_r1"
+
+
+@register_reasoning_parser
+class Qwen3ReasoningParser(ReasoningParser):
+    """Qwen3: as deepseek_r1, but ``chat_template_kwargs={"enable_thinking": False}`` makes it all content."""
+
+    name = "qwen3"
+
+    @classmethod
+    def thinking_on(cls, chat_template_kwargs: Mapping[str, Any]) -> bool:
+        return bool(chat_template_kwargs.get("enable_thinking", True))
+
+
+@register_reasoning_parser
+class DeepSeekV3ReasoningParser(ReasoningParser):
+    """DeepSeek-V3.1: reasons only when asked (``thinking`` or ``enable_thinking`` true), then as
+    deepseek_r1; otherwise all content."""
+
+    name = "deepseek_v3"
+
+    @classmethod
+    def thinking_on(cls, chat_template_kwargs: Mapping[str, Any]) -> bool:
+        return bool(chat_template_kwargs.get("thinking")) or bool(chat_template_kwargs.get("enable_thinking"))

@@ -1,0 +1,132 @@
+"""Reasoning parsers (plait/entrypoints/reasoning_parsers.py) on strings: whole outputs split as vLLM's
+extract_reasoning splits them, and the same outputs streamed in random pieces, which must concatenate to the
+same reasoning and content."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from plait.entrypoints.reasoning_parsers import (
+    REASONING_PARSERS,
+    ReasoningParser,
+    get_reasoning_parser,
+    split_reasoning,
+)
+
+NUM_SPLITS = 60  # random splittings of each output
+MAX_PIECE = 5  # characters per streamed piece at most
+THINKING_OFF = {"enable_thinking": False}
+# Qwen3's template with enable_thinking false closes the reasoning in the prompt.
+CLOSED_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+OPEN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+# (parser, chat_template_kwargs, prompt, output, reasoning, content) with vLLM's None and "" as it gives them.
+CASES = [
+    # the model writes both tags (DeepSeek-R1-0528, Qwen3 before 2507)
+    ("deepseek_r1", None, "", "<think>\nAdd them.\n</think>\n\n4", "\nAdd them.\n", "\n\n4"),
+    ("qwen3", None, "", "<think>\nAdd them.\n</think>\n\n4", "\nAdd them.\n", "\n\n4"),
+    ("deepseek_r1", None, "", "\n <think>R</think>C", "R", "C"),  # whitespace before the tag goes with it
+    # the template opened <think> in the prompt: only the end is in the output
+    ("deepseek_r1", None, OPEN_PROMPT, "Add them.\n</think>\n\n4", "Add them.\n", "\n\n4"),
+    ("qwen3", None, OPEN_PROMPT, "Add them.\n</think>\n\n4", "Add them.\n", "\n\n4"),
+    # the end never comes (max_tokens cut the reasoning short): all reasoning
+    ("deepseek_r1", None, "", "<think>\nStill thinking", "\nStill thinking", None),
+    ("qwen3", None, OPEN_PROMPT, "Still thinking", "Still thinking", None),
+    ("qwen3", None, "", "No tags at all.", "No tags at all.", None),
+    ("deepseek_r1", None, "", "a <thin and </thi", "a <thin and </thi", None),  # tag beginnings stay text
+    # nothing after the end: content null; nothing before it: reasoning ""
+    ("qwen3", None, "", "<think>R</think>", "R", None),
+    ("deepseek_r1", None, "", "</think>C", "", "C"),
+    ("qwen3", None, "", "", "", None),
+    # only the first end splits; a later one is the answer's text
+    ("deepseek_r1", None, "", "R</think>C</think>D", "R", "C</think>D"),
+    # the first <think> inside the reasoning is dropped (as vLLM's streaming drops it), the text around kept
+    ("qwen3", None, OPEN_PROMPT, "R<think>S</think>C", "RS", "C"),
+    ("qwen3", None, "", "<think>R<think>S</think>C", "R<think>S", "C"),  # only one start tag is dropped
+    # Qwen3 with thinking off: all content, as its template closes the reasoning in the prompt
+    ("qwen3", THINKING_OFF, CLOSED_PROMPT, "4", None, "4"),
+    ("qwen3", THINKING_OFF, "", "<think>R</think>C", None, "<think>R</think>C"),
+    ("qwen3", None, CLOSED_PROMPT, "4", None, "4"),  # a prompt that closed it, whatever the variables
+    ("deepseek_r1", None, CLOSED_PROMPT, "R</think>C", None, "R</think>C"),
+    ("qwen3", THINKING_OFF, CLOSED_PROMPT, "", None, ""),  # no reasoning to split: the content as it is
+    # DeepSeek-V3.1 reasons only when asked ("thinking", or "enable_thinking")
+    ("deepseek_v3", None, "", "R</think>C", None, "R</think>C"),
+    ("deepseek_v3", {"thinking": True}, "", "R</think>C", "R", "C"),
+    ("deepseek_v3", {"enable_thinking": True}, "", "<think>R", "R", None),
+]
+
+
+def _streamed(parser: ReasoningParser, text: str, seed: int) -> tuple[str, str]:
+    rng = random.Random(seed)
+    reasoning, content, start = [], [], 0
+    while start < len(text):
+        size = rng.randint(1, MAX_PIECE)
+        piece = parser.feed(text[start:start + size])
+        reasoning.append(piece.reasoning)
+        content.append(piece.content)
+        start += size
+    last = parser.feed("", final=True)
+    return "".join(reasoning) + last.reasoning, "".join(content) + last.content
+
+
+@pytest.mark.parametrize("name,kwargs,prompt,text,reasoning,content", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_parsers_split_reasoning_whole_and_streamed(name, kwargs, prompt, text, reasoning, content):
+    parser = get_reasoning_parser(name)
+    assert split_reasoning(parser(kwargs, prompt), text) == (reasoning, content)
+    for seed in range(NUM_SPLITS):
+        assert _streamed(parser(kwargs, prompt), text, seed) == (reasoning or "", content or ""), seed
+
+
+def test_random_outputs_stream_as_they_split_whole():
+    """Outputs made of tag pieces, whole tags and text, in any order: streamed in random pieces, the same
+    reasoning and content as whole, whatever the parser and prompt."""
+    fragments = ["<think>", "</think>", "<", "</", "think", ">", "<thi", "a", " ", "\n"]
+    rng = random.Random(0)
+    for i in range(300):
+        text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 12)))
+        name, prompt = rng.choice(sorted(REASONING_PARSERS)), rng.choice(["", OPEN_PROMPT, CLOSED_PROMPT])
+        kwargs = {"thinking": True} if name == "deepseek_v3" else None
+        parser = get_reasoning_parser(name)
+        reasoning, content = split_reasoning(parser(kwargs, prompt), text)
+        whole = (reasoning or "", content or "")
+        for seed in range(5):
+            assert _streamed(parser(kwargs, prompt), text, seed) == whole, (i, text)
+
+
+def test_streaming_holds_back_only_what_may_be_a_tag():
+    parser = get_reasoning_parser("qwen3")()
+    assert parser.feed("  ") == parser.feed("<thi") == ("", "")  # may still be the opening tag
+    assert parser.feed("nk>Let me see") == ("Let me see", "")
+    assert parser.feed(" </th") == (" ", "")  # "</th" may end the reasoning
+    assert parser.feed("ink>\n\n") == ("", "\n\n")
+    assert parser.feed("The answer: </think>") == ("", "The answer: </think>")  # the answer holds nothing
+    cut = get_reasoning_parser("deepseek_r1")()
+    assert cut.feed("a </thi") == ("a ", "") and cut.feed("", final=True) == ("</thi", "")
+
+
+def test_registry_names_vllms_parsers():
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "deepseek_v3"}
+    known = "known: deepseek_r1, deepseek_v3, qwen3"
+    with pytest.raises(ValueError, match=f"unknown reasoning parser 'nope'; {known}"):
+        get_reasoning_parser("nope")
+
+
+def test_unknown_parser_names_fail_at_start_up(monkeypatch, capsys):
+    pytest.importorskip("fastapi")
+    import plait.entrypoints.server as server
+    from plait.entrypoints import cli
+
+    with pytest.raises(ValueError, match="unknown reasoning parser 'nope'; known: deepseek_r1"):
+        server.ServerConfig(reasoning_parser="nope")
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append(config))
+    assert cli.main(["serve", "--reasoning-parser", "qwen3"]) == 0
+    assert cli.main(["serve"]) == 0
+    assert [c.reasoning_parser for c in seen] == ["qwen3", None]
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--reasoning-parser", "nope"])
+    assert "deepseek_r1" in capsys.readouterr().err  # argparse lists the choices
+
