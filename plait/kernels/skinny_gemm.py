@@ -450,9 +450,9 @@ def skinny_linear_add(
     x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, config: SkinnyConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x @ weight.T + residual, its rows' sum-of-squares partials) in one launch: a decoder's output
-    projection and the pre-norm residual add, leaving what the next matmul needs to fuse the RMSNorm
-    (plait.kernels.rms_norm.RowNorm). The partials are [M, programs] fp32, summed by the consumer in a
-    fixed order."""
+    projection and the pre-norm residual add, leaving what a later kernel needs to apply the next
+    RMSNorm as a row scale (plait.layers.norm.RowNorm). The partials are [M, programs] fp32, summed by
+    the consumer in a fixed order."""
     # x: [M, K]; weight: [N, K]; residual: [M, N] -> ([M, N], [M, programs])
     _check(x, weight)
     x2 = _rows(x)
@@ -461,8 +461,7 @@ def skinny_linear_add(
         raise ValueError(f"residual must be [{m}, {n}] {x.dtype} with unit stride, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
     cfg = config or get_config(m, n, x2.shape[1], x2.device)
-    out, sum_sq = _launch(x2, weight, None, n, cfg, gate_up=False, residual=residual)
-    return out, sum_sq
+    return _launch(x2, weight, None, n, cfg, gate_up=False, residual=residual)
 
 
 def fusable_config(m: int, n: int, k: int, device: torch.device) -> bool:
