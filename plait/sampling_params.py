@@ -32,6 +32,9 @@ MAX_ALLOWED_TOKEN_IDS = 1024
 MAX_GUIDED_CHOICES = 256
 # Words one bad_words request may ban (vLLM's bound on a request's bad words).
 MAX_BAD_WORDS = 128
+# truncate_prompt_tokens' value for "as many of the prompt's last tokens as the context leaves room for"
+# (vLLM's -1).
+TRUNCATE_TO_CONTEXT = -1
 # The constraint kinds of StructuredOutputsParams, exactly one of which a request sets.
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "grammar", "choice", "json_object")
 
@@ -190,6 +193,11 @@ class SamplingParams:
     # tokenizer encodes it, so the model reasons freely first, as vLLM under --reasoning-parser. None: from
     # the first token.
     reasoning_end: str | None = None
+    # vLLM's truncate_prompt_tokens: k keeps only the prompt's last k tokens (left truncation), -1 as many
+    # as leave room for max_tokens (for one token where max_tokens is None); None keeps the whole prompt.
+    # The engine truncates at add_request (it knows max_model_len); usage, echo and prompt_logprobs then
+    # count and show the truncated prompt.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -264,6 +272,15 @@ class SamplingParams:
             raise ValueError("guided_choice and allowed_token_ids cannot be combined")
         if self.structured_outputs is not None and self.allowed_token_ids is not None:
             raise ValueError("structured_outputs and allowed_token_ids cannot be combined")
+        self._check_truncate_prompt_tokens()
+
+    def _check_truncate_prompt_tokens(self) -> None:
+        k = self.truncate_prompt_tokens
+        _check_int("truncate_prompt_tokens", k, optional=True)
+        if k is not None and k < 1 and k != TRUNCATE_TO_CONTEXT:
+            # vLLM's words (its SamplingParams), with what -1 means
+            raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 for as many as the context "
+                             f"leaves room for; got {k}")
 
     def _resolve_structured_outputs(self) -> None:
         """Take a dict as StructuredOutputsParams, and serve its choice as guided_choice (which a copy made

@@ -1,10 +1,12 @@
-"""vLLM's offline API on the default model: the engine seed, LLM.chat's template options, default params."""
+"""vLLM's offline API on the default model: the engine seed, LLM.chat's template options, default params,
+truncate_prompt_tokens."""
 
 from __future__ import annotations
 
 import pytest
 
 from plait import LLM, SamplingParams
+from plait.entrypoints.llm import apply_chat_template
 from plait.generation_config import GenerationDefaults
 
 PROMPTS = ["The capital of France is", "Once upon a time", "My favourite colour is", "Rivers flow"]
@@ -62,3 +64,59 @@ def test_gguf_model_keeps_the_default_sampling_params(llm):
     """A GGUF file carries no generation_config.json: nothing changes (as vLLM reads none for it)."""
     assert llm.engine.generation_defaults == GenerationDefaults()
     assert llm.get_default_sampling_params() == SamplingParams()
+
+
+# A context short enough that truncate_prompt_tokens=-1 can be seen cutting a prompt.
+SHORT_CONTEXT = 64
+LONG_PROMPT = "The capital of France is Paris. " * 4 + "The capital of Italy is"
+KEEP = 5
+
+
+@pytest.fixture(scope="module")
+def short_llm() -> LLM:
+    return LLM(max_model_len=SHORT_CONTEXT)
+
+
+def _greedy(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=4, **kwargs)
+
+
+def test_truncated_generate_equals_generate_on_the_truncated_ids(llm):
+    """vLLM's truncate_prompt_tokens: the prompt's last k tokens (left truncation), for text and token-id
+    prompts alike; the output's prompt is what the model saw, and a shorter prompt is left whole."""
+    ids = llm.get_tokenizer().encode(LONG_PROMPT)
+    assert len(ids) > KEEP
+    expected = llm.generate({"prompt_token_ids": ids[-KEEP:]}, _greedy(), use_tqdm=False)[0]
+    short = "Hi there"
+    text, by_ids, whole = llm.generate([LONG_PROMPT, ids, short], _greedy(truncate_prompt_tokens=KEEP),
+                                       use_tqdm=False)
+    for out in (text, by_ids):
+        assert out.prompt_token_ids == ids[-KEEP:]
+        assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert text.prompt == llm.get_tokenizer().decode(ids[-KEEP:]) and by_ids.prompt is None
+    assert whole.prompt == short and whole.prompt_token_ids == llm.get_tokenizer().encode(short)
+
+
+def test_truncated_chat_keeps_the_end_of_the_conversation(llm):
+    """A conversation is truncated as rendered: its last k tokens, shown as the prompt."""
+    options = dict(add_generation_prompt=False, continue_final_message=True)
+    ids = apply_chat_template(llm.get_tokenizer(), CONVERSATION, **options)
+    expected = llm.generate({"prompt_token_ids": ids[-KEEP:]}, _greedy(), use_tqdm=False)[0]
+    out = llm.chat(CONVERSATION, _greedy(truncate_prompt_tokens=KEEP), use_tqdm=False, **options)[0]
+    assert out.prompt_token_ids == ids[-KEEP:] and out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert out.prompt == llm.get_tokenizer().decode(ids[-KEEP:]) and out.prompt.endswith("The Nile")
+
+
+def test_truncate_to_the_context_leaves_room_for_max_tokens(short_llm):
+    """-1: as many of the last tokens as leave room for max_tokens (for one token where it is None); more
+    than the context is vLLM's error."""
+    ids = short_llm.get_tokenizer().encode("one two three four five six seven eight nine ten " * 8)
+    assert len(ids) > SHORT_CONTEXT
+    out = short_llm.generate({"prompt_token_ids": ids}, _greedy(truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-(SHORT_CONTEXT - 4):] and len(out.outputs[0].token_ids) == 4
+    unbounded = SamplingParams(temperature=0.0, max_tokens=None, truncate_prompt_tokens=-1)
+    out = short_llm.generate({"prompt_token_ids": ids}, unbounded, use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) == SHORT_CONTEXT - 1 and len(out.outputs[0].token_ids) == 1
+    words = r"^truncate_prompt_tokens value \(65\) is greater than max_model_len \(64\)\. Please, select a "
+    with pytest.raises(ValueError, match=words + r"smaller truncation size\.$"):
+        short_llm.generate("x", _greedy(truncate_prompt_tokens=SHORT_CONTEXT + 1), use_tqdm=False)

@@ -87,6 +87,8 @@ def test_is_greedy(temperature: float, greedy: bool) -> None:
         dict(logprobs=MAX_LOGPROBS, presence_penalty=-2, frequency_penalty=2.0, repetition_penalty=1e-3),
         dict(seed=-5, stop=["\n\n", "END"], stop_token_ids=[0, 2], ignore_eos=True),
         dict(max_tokens=1, min_tokens=1, skip_special_tokens=False, include_stop_str_in_output=True),
+        dict(truncate_prompt_tokens=1),
+        dict(truncate_prompt_tokens=-1, max_tokens=None),  # vLLM's -1: as many as the context allows
     ],
 )
 def test_valid_values_construct(kwargs: dict) -> None:
@@ -162,6 +164,11 @@ INVALID = [
     ("repetition_penalty", math.nan),
     ("skip_special_tokens", None),
     ("include_stop_str_in_output", 0),
+    ("truncate_prompt_tokens", 0),
+    ("truncate_prompt_tokens", -2),
+    ("truncate_prompt_tokens", 5.0),
+    ("truncate_prompt_tokens", "5"),
+    ("truncate_prompt_tokens", True),
 ]
 
 
@@ -174,6 +181,18 @@ def test_invalid_value_raises_naming_field(field: str, value: object) -> None:
     if not isinstance(value, (list, str)):
         shown = {repr(value), str(value)} | ({f"{value:g}"} if isinstance(value, float) else set())
         assert any(s in message for s in shown), message
+
+
+def test_truncate_prompt_tokens_as_vllm() -> None:
+    """Off by default; k >= 1 keeps the prompt's last k tokens, -1 as many as fit (the engine knows how
+    many); 0 would keep nothing, so it is refused with what the values mean."""
+    assert SamplingParams().truncate_prompt_tokens is None
+    assert SamplingParams(truncate_prompt_tokens=None).truncate_prompt_tokens is None
+    with pytest.raises(ValueError, match=r"^truncate_prompt_tokens must be >= 1, or -1 for as many as the "
+                                         r"context leaves room for; got 0$"):
+        SamplingParams(truncate_prompt_tokens=0)
+    with pytest.raises(ValueError, match=r"^truncate_prompt_tokens must be an int or None, got float 2\.0$"):
+        SamplingParams(truncate_prompt_tokens=2.0)
 
 
 def test_replace_revalidates() -> None:

@@ -236,7 +236,7 @@ NULL_SAMPLING_FIELDS = dict.fromkeys([
     "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
     "skip_special_tokens", "include_stop_str_in_output", "stream", "stream_options", "logit_bias",
-    "allowed_token_ids", "prompt_logprobs", "user",
+    "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens", "truncation_side", "user",
 ])
 
 
@@ -521,6 +521,55 @@ def test_prompt_logprobs_as_vllm(served, model):
     assert len(chat.json()["choices"]) == 2  # one prompt_logprobs for the prompt they share
     prompt_ids = apply_chat_template(server.tokenizer, messages)
     _check_prompt_logprobs(server, chat.json()["prompt_logprobs"], prompt_ids, 0)
+
+
+def test_truncate_prompt_tokens_as_vllm(served, client, model):
+    """vLLM's truncate_prompt_tokens: each prompt of a batch keeps its last k tokens (a shorter one stays
+    whole), a chat its rendered prompt's; usage counts what was kept, and echo and prompt_logprobs show it."""
+    server, url = served
+    tokenizer = server.tokenizer
+    ids, keep = list(tokenizer.encode(ECHO_PROMPT)), 3
+    kwargs = dict(model=model, max_tokens=2, temperature=0.0)
+    expected = client.completions.create(prompt=ids[-keep:], **kwargs).choices[0].text
+    hi = list(tokenizer.encode("Hi"))
+    for batch in ([ECHO_PROMPT, "Hi"], [ids, hi]):  # text prompts, token-id prompts
+        r = client.completions.create(prompt=batch, echo=True, logprobs=1, **kwargs,
+                                      extra_body={"truncate_prompt_tokens": keep, "prompt_logprobs": 0})
+        cut, whole = r.choices
+        assert cut.text == tokenizer.decode(ids[-keep:]) + expected
+        assert cut.logprobs.tokens[:keep] == [tokenizer.decode([t]) for t in ids[-keep:]]
+        _check_prompt_logprobs(server, cut.prompt_logprobs, ids[-keep:], 0)
+        assert whole.text.startswith("Hi") and len(whole.prompt_logprobs) == len(hi)
+        assert r.usage.prompt_tokens == keep + len(hi)
+
+    messages = _messages("Name a color.")
+    rendered = apply_chat_template(tokenizer, messages)
+    chat = _post(url, "/v1/chat/completions", {**kwargs, "messages": messages, "truncate_prompt_tokens": keep,
+                                               "prompt_logprobs": 0}).json()
+    assert chat["usage"]["prompt_tokens"] == keep
+    _check_prompt_logprobs(server, chat["prompt_logprobs"], rendered[-keep:], 0)
+    plain = client.completions.create(prompt=rendered[-keep:], **kwargs).choices[0].text
+    assert chat["choices"][0]["message"]["content"] == plain
+
+
+def test_truncate_prompt_tokens_against_max_tokens(served, client, model):
+    """As vLLM's server: k may not exceed the context less the request's max_tokens (its words), and -1
+    keeps exactly that many (a guided choice keeps the answer short however large max_tokens is)."""
+    server, url = served
+    ids, keep = list(server.tokenizer.encode(ECHO_PROMPT)), 3
+    room = server.max_model_len - keep
+    body = {"model": model, "prompt": ids, "max_tokens": room, "guided_choice": ["yes", "no"]}
+    r = _post(url, "/v1/completions", {**body, "truncate_prompt_tokens": -1})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == keep, r.text
+    error = _post(url, "/v1/completions", {**body, "truncate_prompt_tokens": keep + 1}).json()["error"]
+    assert error["message"] == (f"truncate_prompt_tokens={keep + 1} cannot be greater than max_model_len - "
+                                f"max_tokens = {keep}. Please request a smaller truncation size.")
+    assert error["param"] == "truncate_prompt_tokens"
+    words = f"cannot be greater than max_model_len - max_completion_tokens = {keep}\\."
+    with pytest.raises(openai.BadRequestError, match=words) as e:
+        client.chat.completions.create(model=model, messages=_messages("hi"), max_completion_tokens=room,
+                                       extra_body={"truncate_prompt_tokens": keep + 1})
+    assert e.value.status_code == 400 and e.value.body["param"] == "truncate_prompt_tokens"
 
 
 def test_tokenize_detokenize_and_version(served, model):
@@ -968,6 +1017,20 @@ BAD_REQUESTS = [
     ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "add_special_tokens": True}, 400,
      "add_special_tokens", "not supported"),
     ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
+    ("/tokenize", {"prompt": "x", "tools": [TOOL_F]}, 400, "tools", "messages only"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, 400,
+     "continue_final_message", "cannot both"),
+    # truncate_prompt_tokens: -1 or at least 1 (vLLM's bound in pydantic's words), within the context
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": -2}, 400, "truncate_prompt_tokens",
+     "greater than or equal to -1"),
+    ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens",
+     "truncate_prompt_tokens must be >= 1, or -1"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "truncate_prompt_tokens": "5"},
+     400, "truncate_prompt_tokens", "valid integer"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                              "truncate_prompt_tokens": TOO_LONG}, 400, "truncate_prompt_tokens",
+     "cannot be greater than max_model_len - max_tokens = 8192."),  # chat's max_tokens: none, so 0
+    ("/v1/completions", {"prompt": "x", "truncation_side": "right"}, 400, "truncation_side", "'left'"),
     ("/detokenize", {"tokens": [1, 10**9]}, 400, "tokens", "out of range"),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens", "valid integer"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens", "greater than or equal to 0"),

@@ -12,6 +12,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("llguidance")  # named and "required" tool choices are structured outputs
 openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
 
 from plait.config import EngineConfig  # noqa: E402
 from plait.engine.engine import LLMEngine  # noqa: E402
@@ -185,3 +186,31 @@ def test_a_trusted_request_template_wins_over_the_servers(served):
                                        extra_body={"chat_template": "{{ messages[0]['content'] }}"})
     content = server.tokenizer.encode(MESSAGES[0]["content"], add_special_tokens=False)
     assert r.usage.prompt_tokens == len(content)
+
+
+def test_tokenize_counts_exactly_the_prompt_a_tool_calling_chat_runs(served):
+    """vLLM's /tokenize takes chat completions' template fields, tools among them: the ids it returns for a
+    chat body are those a chat completion of the same body runs (its usage.prompt_tokens counts them), so a
+    client can count a tool-calling prompt before sending it. The tools are rendered whatever tool_choice
+    says, as vLLM renders them."""
+    server, client = served
+    url = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    prefill = [*MESSAGES, {"role": "assistant", "content": "Let me check"}]
+    open_end = dict(continue_final_message=True, add_generation_prompt=False)
+    bodies = [
+        ({"messages": MESSAGES, "tools": TOOLS}, {}),  # tool_choice "auto", the default with tools
+        ({"messages": MESSAGES, "tools": TOOLS, "tool_choice": "none"}, {}),
+        ({"messages": prefill, "tools": TOOLS, "chat_template_kwargs": {"unused": 1}, **open_end}, open_end),
+    ]
+    for body, options in bodies:
+        body = {"model": server.model_name, **body}
+        tokenized = httpx.post(f"{url}/tokenize", json=body).json()
+        chat = httpx.post(f"{url}/v1/chat/completions", json={**body, "max_tokens": 1},
+                          timeout=CLIENT_TIMEOUT_S)
+        assert chat.status_code == 200, chat.text
+        assert tokenized["count"] == len(tokenized["tokens"]) == chat.json()["usage"]["prompt_tokens"]
+        rendered = apply_chat_template(server.tokenizer, body["messages"], chat_template=TEMPLATE.read_text(),
+                                       tools=TOOLS, **options)
+        assert tokenized["tokens"] == rendered
+    bare = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
+    assert bare["count"] < tokenized["count"] and "get_weather" not in server.tokenizer.decode(bare["tokens"])

@@ -21,7 +21,7 @@ from plait.loader.hf import resolve_model
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from plait.runner.model_runner import InFlightStep, ModelRunner, StepOutput
 from plait.runner.sampler import needs_penalties
-from plait.sampling_params import SamplingParams
+from plait.sampling_params import TRUNCATE_TO_CONTEXT, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,9 @@ class LLMEngine:
         self.config = config = self.runner.config
         self.model_config = self.runner.model_config
         self.tokenizer = self.runner.tokenizer
+        if self.tokenizer is not None:
+            # truncate_prompt_tokens keeps a prompt's end, as vLLM sets its tokenizers up.
+            self.tokenizer.truncation_side = "left"
         self.max_model_len = self.runner.max_model_len
         self.kv_cache = KVCacheManager(self.runner.num_kv_blocks, config.block_size,
                                        self._prefix_caching_allowed())
@@ -172,6 +175,7 @@ class LLMEngine:
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
+        text, token_ids = self._truncate(text, token_ids, self._prompt_tokens_to_keep(params))
         self._validate_prompt(token_ids)
         self._validate_sampling_token_ids(params)
         room = self.max_model_len - len(token_ids)
@@ -216,6 +220,35 @@ class LLMEngine:
                 raise TypeError("prompt token ids must all be integers")
             return None, list(prompt)
         raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    def _prompt_tokens_to_keep(self, params: SamplingParams) -> int | None:
+        """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all of them)."""
+        k = params.truncate_prompt_tokens
+        if k == TRUNCATE_TO_CONTEXT:
+            # Room for max_tokens, or for one token where it is None: a prompt that fills the context could
+            # generate nothing (vLLM's -1 is the whole context, which then fails there).
+            return max(1, self.max_model_len - (params.max_tokens or 1))
+        if k is not None and k > self.max_model_len:
+            # vLLM's words (its LLM API's check)
+            raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
+                             f"({self.max_model_len}). Please, select a smaller truncation size.")
+        return k
+
+    def _truncate(self, text: str | None, token_ids: list[int], keep: int | None
+                  ) -> tuple[str | None, list[int]]:
+        """The prompt's last ``keep`` tokens (vLLM's left truncation) and their text (None for token ids)."""
+        if keep is None or len(token_ids) <= keep:
+            return text, token_ids
+        if text is None:
+            return None, token_ids[-keep:]
+        # The tokenizer truncates a text itself (from the left, see __init__), so the special tokens it adds,
+        # a BOS, stay in front, as in vLLM; the slice after it is vLLM's too, for a keep shorter than those
+        # special tokens, where the tokenizer truncates nothing. The text becomes what the model sees, so
+        # echo shows the same prompt that the ids, usage and prompt_logprobs describe.
+        special = self._add_special_tokens()
+        kept = self.tokenizer.encode(text, add_special_tokens=special, truncation=True, max_length=keep)
+        kept = list(kept)[-keep:]
+        return self.tokenizer.decode(kept, skip_special_tokens=False), kept
 
     def _add_special_tokens(self) -> bool:
         # HF tokenizers add BOS themselves when their template says so; SmolLM2 adds none.

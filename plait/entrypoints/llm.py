@@ -82,7 +82,7 @@ class LLM:
         ``continue_final_message`` leaves the last message open, so the model continues it (an assistant
         prefill) instead of starting a new one; it excludes ``add_generation_prompt``, as in vLLM.
         ``chat_template_kwargs`` become variables of the template; ``tools`` (OpenAI-style function
-        definitions) its ``tools``, as in vLLM.
+        definitions) its ``tools``, as in vLLM. ``truncate_prompt_tokens`` cuts the rendered conversation.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
@@ -90,10 +90,12 @@ class LLM:
                              continue_final_message=continue_final_message, chat_template=chat_template,
                              tools=tools)
                  for c in conversations]
-        prompts = [{"prompt_token_ids": encode_rendered(tokenizer, text)} for text in texts]
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
-        for out, text in zip(outputs, texts, strict=True):
-            out.prompt = text
+        ids = [encode_rendered(tokenizer, text) for text in texts]
+        outputs = self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm)
+        for out, text, whole in zip(outputs, texts, ids, strict=True):
+            # A conversation truncate_prompt_tokens cut is shown as the part the model saw.
+            kept = out.prompt_token_ids
+            out.prompt = text if kept == whole else tokenizer.decode(kept, skip_special_tokens=False)
         return outputs
 
     def apply_chat_template(

@@ -18,6 +18,7 @@ from plait.sampling_params import (
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     PENALTY_BOUND,
+    TRUNCATE_TO_CONTEXT,
     SamplingParams,
     StructuredOutputsParams,
 )
@@ -52,7 +53,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "structural_tag": "structural tags",
     "logits_processors": "custom logits processors",
     "use_beam_search": "beam search",
-    "truncate_prompt_tokens": "prompt truncation",
     "prompt_embeds": "prompt embeddings",
     "return_tokens_as_token_ids": "logprob tokens as token ids",
     "echo": "echoing the prompt",  # chat's (CompletionRequest declares and serves its own)
@@ -276,6 +276,12 @@ class _SamplingRequest(_RequestModel):
     guided_regex: str | None = None
     guided_grammar: str | None = None  # Lark, or GBNF (text with "::=")
     structured_outputs: StructuredOutputsRequest | None = None
+    # vLLM extension: keep only the prompt's last k tokens (-1: as many as leave room for max_tokens); each
+    # prompt of a batch alone, a chat's rendered prompt as a whole.
+    truncate_prompt_tokens: Annotated[Int, Field(ge=TRUNCATE_TO_CONTEXT)] | None = None
+    # vLLM's side to truncate from: only its default, the left (keeping the end), is served, so "right" is a
+    # 400, never silently the other side.
+    truncation_side: Literal["left"] | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -328,6 +334,11 @@ class _SamplingRequest(_RequestModel):
         return self.prompt_logprobs
 
     @property
+    def max_tokens_param(self) -> str:
+        """The field that sets the request's max_tokens, which errors about it name."""
+        return "max_tokens"
+
+    @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
@@ -374,6 +385,7 @@ class _SamplingRequest(_RequestModel):
             prompt_logprobs=self.requested_prompt_logprobs,
             guided_choice=self.guided_choice,
             structured_outputs=self._structured_outputs_params(),
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
     def _structured_outputs_params(self) -> StructuredOutputsParams | None:
@@ -515,20 +527,40 @@ class NamedToolChoice(_RequestModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class ChatCompletionRequest(_SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name for max_tokens; wins if both set
-    logprobs: bool = False
-    top_logprobs: NumLogprobs | None = None
+class ChatTemplateRequest(_RequestModel):
+    """The fields that make messages a prompt under the chat template: chat completions', which /tokenize
+    takes too (as vLLM's TokenizeChatRequest), so it counts exactly the prompt a chat completion runs."""
+
     add_generation_prompt: bool = True  # vLLM extension
     # vLLM extensions: leave the last message open for the model to continue (an assistant prefill), a
     # Jinja template instead of the model's, and extra variables for the template (e.g. enable_thinking).
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # Tool calling: the functions the model may call, and whether and which it must call (None: "auto"
-    # where tools are given, else "none", as OpenAI and vLLM); parallel_tool_calls false allows one call.
+    # The functions the model may call, which the template lists (whatever tool_choice says, as vLLM does
+    # unless --exclude-tools-when-tool-choice-none, which plait does not have).
     tools: list[ChatTool] | None = None
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template receives them (None: no tools)."""
+        return [tool.as_template_tool() for tool in self.tools] if self.tools else None
+
+    def _check_template_options(self) -> None:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true; set "
+                                "add_generation_prompt to false to continue the final message",
+                                "continue_final_message")
+
+
+# The template's fields come first: pydantic merges the bases' model_config in order, and the sampling
+# fields' (extra fields kept, for check_supported) must win.
+class ChatCompletionRequest(ChatTemplateRequest, _SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name for max_tokens; wins if both set
+    logprobs: bool = False
+    top_logprobs: NumLogprobs | None = None
+    # Tool calling (the tools are the template's): whether and which function the model must call (None:
+    # "auto" where tools are given, else "none", as OpenAI and vLLM); parallel_tool_calls false allows one.
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     # vLLM extension: false leaves the reasoning (split off by --reasoning-parser) out of the answer.
@@ -537,10 +569,7 @@ class ChatCompletionRequest(_SamplingRequest):
     def check_supported(self) -> None:
         self._check_tools()  # before the structured output, which a forced tool call sets
         super().check_supported()
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true; set "
-                                "add_generation_prompt to false to continue the final message",
-                                "continue_final_message")
+        self._check_template_options()
         if self.top_logprobs and not self.logprobs:
             raise ProtocolError("top_logprobs requires logprobs to be true", "top_logprobs")
 
@@ -551,6 +580,10 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def max_tokens_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
     # -- tools ----------------------------------------------------------------------------------
 
@@ -574,10 +607,6 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def max_tool_calls(self) -> int | None:
         return 1 if self.parallel_tool_calls is False else None
-
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template receives them (None: no tools)."""
-        return [tool.as_template_tool() for tool in self.tools] if self.tools else None
 
     def _check_tools(self) -> None:
         names = [tool.function.name for tool in self.tools or ()]
@@ -620,14 +649,18 @@ class ChatCompletionRequest(_SamplingRequest):
         return TOOLS_PARAM if self.forces_tool_call else super().structured_outputs_param
 
 
-class TokenizeRequest(_RequestModel):
-    """vLLM's /tokenize: a prompt, or chat messages under the chat template (exactly one of them)."""
+# The chat template's fields that a /tokenize prompt (not messages) cannot use.
+_MESSAGES_ONLY_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "continue_final_message")
+
+
+class TokenizeRequest(ChatTemplateRequest):
+    """vLLM's /tokenize: a prompt, or chat messages under the chat template (exactly one of them), the
+    latter with chat completions' template fields (tools too), so a chat body's prompt can be counted."""
 
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None  # None: true for a prompt, false for messages (as vLLM)
-    add_generation_prompt: bool = True  # messages only
     return_token_strs: bool = False
 
     def check_supported(self) -> None:
@@ -636,6 +669,10 @@ class TokenizeRequest(_RequestModel):
         if self.messages is not None and self.add_special_tokens:
             raise ProtocolError("add_special_tokens is not supported with messages: the chat template "
                                 "writes the special tokens", "add_special_tokens")
+        used = [name for name in _MESSAGES_ONLY_FIELDS if self.prompt is not None and getattr(self, name)]
+        if used:
+            raise ProtocolError(f"{used[0]} applies to messages only, not to a prompt", used[0])
+        self._check_template_options()
 
 
 class DetokenizeRequest(_RequestModel):

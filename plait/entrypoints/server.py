@@ -60,6 +60,7 @@ from plait.entrypoints.protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
+    ChatTemplateRequest,
     ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
@@ -103,7 +104,7 @@ from plait.entrypoints.tools import (
 )
 from plait.loader.hf import ModelSource
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from plait.sampling_params import SamplingParams
+from plait.sampling_params import TRUNCATE_TO_CONTEXT, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -278,7 +279,7 @@ _KNOWN_PARAMS = frozenset({
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
-    "prompt_logprobs", "guided_choice", "bad_words", "prompt", "structured_outputs",
+    "prompt_logprobs", "guided_choice", "bad_words", "prompt", "structured_outputs", "truncate_prompt_tokens",
 })
 
 
@@ -837,35 +838,28 @@ class OpenAIServer:
             raise APIError(404, f"the model '{model}' does not exist; this server serves {served}",
                            param="model", code="model_not_found")
 
-    def _chat_prompt(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                     body: ChatCompletionRequest | None = None) -> list[int]:
-        """The token ids of a conversation under the chat template (see _chat_prompt_text)."""
-        return encode_rendered(self.tokenizer, self._chat_prompt_text(messages, add_generation_prompt, body))
-
-    def _chat_prompt_text(self, messages: Sequence[ChatMessage], add_generation_prompt: bool,
-                          body: ChatCompletionRequest | None = None) -> str:
+    def _chat_prompt_text(self, body: ChatTemplateRequest, messages: Sequence[ChatMessage]) -> str:
         """A conversation as text under the chat template: the request's own (where trusted), else
-        --chat-template's, else the model's; with the request's tools, template variables and
-        continue_final_message."""
+        --chat-template's, else the model's; with the request's tools, template variables,
+        add_generation_prompt and continue_final_message (/tokenize renders exactly what chat completions
+        run)."""
         template = self.config.chat_template_text
-        options: dict[str, Any] = {}
-        if body is not None:
-            template = body.chat_template if body.chat_template is not None else template
-            options = dict(continue_final_message=body.continue_final_message, tools=body.template_tools())
-        if body is not None and self._brings_template(body) and not self.config.trust_request_chat_template:
+        template = body.chat_template if body.chat_template is not None else template
+        if self._brings_template(body) and not self.config.trust_request_chat_template:
             raise APIError(400, "a chat template was passed with the request, but the server was not "
                                 "started with --trust-request-chat-template", param="chat_template")
         try:
             return render_chat(self.tokenizer, [m.as_template_message() for m in messages],
-                               add_generation_prompt=add_generation_prompt,
-                               kwargs=None if body is None else body.chat_template_kwargs,
-                               chat_template=template, **options)
+                               add_generation_prompt=body.add_generation_prompt,
+                               kwargs=body.chat_template_kwargs, chat_template=template,
+                               continue_final_message=body.continue_final_message,
+                               tools=body.template_tools())
         except (ValueError, TypeError, RecursionError, jinja2.TemplateError) as err:
             # RecursionError: a message's tool call arguments nested too deep for the template's tojson
             raise APIError(400, f"could not apply the chat template: {err}", param="messages") from err
 
     @staticmethod
-    def _brings_template(body: ChatCompletionRequest) -> bool:
+    def _brings_template(body: ChatTemplateRequest) -> bool:
         kwargs = body.chat_template_kwargs or {}
         return body.chat_template is not None or kwargs.get("chat_template") is not None
 
@@ -879,10 +873,28 @@ class OpenAIServer:
             params = body.sampling_params(defaults.max_tokens(max_tokens), logprobs, defaults.sampling)
         except (ValueError, TypeError) as err:
             raise _bad_request(err, structured_param=body.structured_outputs_param) from err
+        if params.truncate_prompt_tokens is not None:
+            keep = self._tokens_to_keep(params.truncate_prompt_tokens, max_tokens, body.max_tokens_param)
+            params = dataclasses.replace(params, truncate_prompt_tokens=keep)
         if num_prompts * params.n > MAX_SEQUENCES_PER_REQUEST:
             raise APIError(400, f"{num_prompts} prompt(s) x n={params.n} is more than the "
                                 f"{MAX_SEQUENCES_PER_REQUEST} sequences one request may ask for", param="n")
         return params
+
+    def _tokens_to_keep(self, k: int, max_tokens: int | None, max_tokens_param: str) -> int:
+        """truncate_prompt_tokens checked as vLLM's server checks it, against the context less the request's
+        own max_tokens (a default from generation_config.json is cut to the room left instead); -1 resolved
+        to that, or to one token less than the context where max_tokens is not set, so one can be made."""
+        limit = self.max_model_len - (max_tokens or 0)
+        if limit < 1:  # max_tokens alone fills the context: _check_fits says so, in vLLM's words
+            return k if k != TRUNCATE_TO_CONTEXT else 1
+        if k == TRUNCATE_TO_CONTEXT:
+            return min(limit, self.max_model_len - 1)
+        if k > limit:  # vLLM's words
+            raise APIError(400, f"truncate_prompt_tokens={k} cannot be greater than max_model_len - "
+                                f"{max_tokens_param} = {limit}. Please request a smaller truncation size.",
+                           param="truncate_prompt_tokens")
+        return k
 
     @staticmethod
     def _check_fits(request: EngineRequest, engine: LLMEngine, max_tokens: int | None) -> None:
@@ -962,7 +974,7 @@ class OpenAIServer:
             raise _bad_request(err) from err
         tokenizer = self._require_tokenizer("messages" if body.messages is not None else "prompt")
         if body.messages is not None:
-            tokens = self._chat_prompt(body.messages, body.add_generation_prompt)
+            tokens = encode_rendered(tokenizer, self._chat_prompt_text(body, body.messages))
         else:
             assert body.prompt is not None  # check_supported: one of the two
             add_special_tokens = body.add_special_tokens is not False  # a prompt's default: true
@@ -1130,7 +1142,7 @@ class OpenAIServer:
         arrival = time.monotonic()
         params = self._params(body, body.requested_max_tokens, body.requested_logprobs, 1)
         self._check_auto_tool_choice(body)
-        prompt_text = self._chat_prompt_text(body.messages, body.add_generation_prompt, body)
+        prompt_text = self._chat_prompt_text(body, body.messages)
         readers = [self._choice_reader(body, prompt_text) for _ in range(params.n)]  # each choice its own
         reasoning = readers[0].reasoning
         if reasoning is not None and reasoning.thinks:  # structured outputs apply after the reasoning
