@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import importlib.util
 import json
 import random
@@ -25,7 +26,12 @@ from plait import __version__  # noqa: E402
 from plait.config import EngineConfig  # noqa: E402
 from plait.engine.engine import LLMEngine  # noqa: E402
 from plait.entrypoints.llm import apply_chat_template  # noqa: E402
-from plait.entrypoints.protocol import DEFAULT_COMPLETION_MAX_TOKENS, MAX_N, CompletionRequest  # noqa: E402
+from plait.entrypoints.protocol import (  # noqa: E402
+    DEFAULT_COMPLETION_MAX_TOKENS,
+    MAX_N,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
 from plait.entrypoints.server import (  # noqa: E402
     DEFAULT_MAX_REQUEST_BODY_BYTES,
     SSE_DONE,
@@ -236,7 +242,8 @@ NULL_SAMPLING_FIELDS = dict.fromkeys([
     "model", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "n",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens",
     "skip_special_tokens", "include_stop_str_in_output", "stream", "stream_options", "logit_bias",
-    "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens", "truncation_side", "user",
+    "allowed_token_ids", "prompt_logprobs", "truncate_prompt_tokens", "truncation_side",
+    "return_tokens_as_token_ids", "user",
 ])
 
 
@@ -248,7 +255,7 @@ def test_null_fields_mean_default(served, model):
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 1 and r.json()["usage"]["completion_tokens"] <= 2
     chat = {**NULL_SAMPLING_FIELDS, **dict.fromkeys(["max_tokens", "logprobs", "top_logprobs",
-                                                     "add_generation_prompt"]),
+                                                     "add_generation_prompt", "echo"]),
             "messages": [{"role": "user", "content": "Hi", "name": None}], "max_completion_tokens": 2}
     r = _post(url, "/v1/chat/completions", chat)
     assert r.status_code == 200, r.text
@@ -570,6 +577,122 @@ def test_truncate_prompt_tokens_against_max_tokens(served, client, model):
         client.chat.completions.create(model=model, messages=_messages("hi"), max_completion_tokens=room,
                                        extra_body={"truncate_prompt_tokens": keep + 1})
     assert e.value.status_code == 400 and e.value.body["param"] == "truncate_prompt_tokens"
+
+
+# -- vLLM's return_tokens_as_token_ids and chat echo ---------------------------------------------------
+
+AS_IDS = {"return_tokens_as_token_ids": True}
+# Two runs of one request may differ in their last float bits (a prefix-cache hit computes less of it).
+LOGPROB_TOLERANCE = 1e-4
+TOKEN_ID_NAME = re.compile(r"token_id:(\d+)")
+
+
+def _named_text(server: OpenAIServer, name: str) -> str:
+    """The text of the token a "token_id:<id>" name names (what logprobs name it by without the option)."""
+    match = TOKEN_ID_NAME.fullmatch(name)
+    assert match is not None, name
+    return server.tokenizer.decode([int(match.group(1))], skip_special_tokens=False)
+
+
+def test_return_tokens_as_token_ids_in_chat(served, client, model):
+    """vLLM's return_tokens_as_token_ids: chat logprobs name the chosen tokens and their alternatives
+    "token_id:<id>", the ids of the tokens the plain answer names by text; as vLLM gives them, a chosen
+    token's bytes stay its text's, an alternative's are its name's; streamed the same."""
+    server, _ = served
+    kwargs = dict(model=model, messages=_messages("Name a color."), max_tokens=4, temperature=0.0,
+                  logprobs=True, top_logprobs=2)
+    close = functools.partial(pytest.approx, abs=LOGPROB_TOLERANCE)
+    plain = client.chat.completions.create(**kwargs).choices[0].logprobs.content
+    by_id = client.chat.completions.create(**kwargs, extra_body=AS_IDS).choices[0].logprobs.content
+    assert len(by_id) == len(plain) == 4
+    for text_entry, id_entry in zip(plain, by_id, strict=True):
+        assert _named_text(server, id_entry.token) == text_entry.token
+        assert (id_entry.logprob, id_entry.bytes) == (close(text_entry.logprob), text_entry.bytes)
+        assert [(_named_text(server, t.token), t.logprob) for t in id_entry.top_logprobs] == [
+            (t.token, close(t.logprob)) for t in text_entry.top_logprobs]
+        assert all(t.bytes == list(t.token.encode()) for t in id_entry.top_logprobs)
+    stream = client.chat.completions.create(**kwargs, stream=True, extra_body=AS_IDS)
+    assert [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content
+            ] == by_id
+
+
+def test_return_tokens_as_token_ids_in_completions(served, model, monkeypatch):
+    """The same on /v1/completions, the echoed prompt's tokens too, top_logprobs keyed by the names, streamed
+    or not; text_offset still indexes the text, and prompt_logprobs keep their decoded text (vLLM's do).
+    --return-tokens-as-token-ids makes it the default, which a request's false (not its null) turns off."""
+    server, url = served
+    ids = list(server.tokenizer.encode(ECHO_PROMPT))
+    body = {"model": model, "prompt": ECHO_PROMPT, "max_tokens": 3, "logprobs": 2, "echo": True,
+            "temperature": 0.0, "ignore_eos": True}
+    plain = _post(url, "/v1/completions", {**body, "prompt_logprobs": 1}).json()["choices"][0]
+    by_id = _post(url, "/v1/completions", {**body, "prompt_logprobs": 1, **AS_IDS}).json()["choices"][0]
+    lp, plain_lp = by_id["logprobs"], plain["logprobs"]
+    assert lp["tokens"][:len(ids)] == [f"token_id:{t}" for t in ids]
+    assert [_named_text(server, t) for t in lp["tokens"]] == plain_lp["tokens"]
+    assert lp["text_offset"] == plain_lp["text_offset"]
+    assert lp["token_logprobs"][1:] == pytest.approx(plain_lp["token_logprobs"][1:], abs=LOGPROB_TOLERANCE)
+    assert lp["top_logprobs"][0] is None
+    for top, plain_top in zip(lp["top_logprobs"][1:], plain_lp["top_logprobs"][1:], strict=True):
+        assert {_named_text(server, t): v for t, v in top.items()} == pytest.approx(plain_top,
+                                                                                    abs=LOGPROB_TOLERANCE)
+    assert by_id["text"] == plain["text"]
+    assert [e and {t: v["decoded_token"] for t, v in e.items()} for e in by_id["prompt_logprobs"]] == [
+        e and {t: v["decoded_token"] for t, v in e.items()} for e in plain["prompt_logprobs"]]
+    events = _post(url, "/v1/completions", {**body, **AS_IDS, "stream": True}).text.split("\n\n")[:-2]
+    chunks = [json.loads(e.removeprefix("data: "))["choices"][0]["logprobs"] for e in events]
+    for key in ("tokens", "text_offset", "top_logprobs"):
+        assert [v for c in chunks for v in c[key]] == lp[key], key
+
+    monkeypatch.setattr(server.config, "return_tokens_as_token_ids", True)  # --return-tokens-as-token-ids
+    short = {"model": model, "prompt": "Hi", "max_tokens": 1, "logprobs": 0}
+    for asked, named in ((None, True), (False, False), (True, True)):
+        r = _post(url, "/v1/completions", {**short, "return_tokens_as_token_ids": asked}).json()
+        assert bool(TOKEN_ID_NAME.fullmatch(r["choices"][0]["logprobs"]["tokens"][0])) == named, asked
+
+
+CHAT_ECHO_CASES = [
+    # (messages, request options, what echo puts before the answer): vLLM echoes the last message where its
+    # role is the answer's, which is the assistant's, or the last message's own without a generation prompt.
+    ([{"role": "user", "content": "hi"}], {}, ""),
+    ([{"role": "user", "content": "hi"}], {"add_generation_prompt": False}, "hi"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}], {}, "Hello"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}],
+     {"continue_final_message": True, "add_generation_prompt": False}, "Hello"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello"}], {"echo": False}, ""),
+    ([{"role": "assistant", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}], {},
+     "a\nb"),  # text parts joined by newlines, as vLLM's chat parser joins them
+    ([{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}], {}, ""),
+]
+
+
+@pytest.mark.parametrize("messages,options,echoed", CHAT_ECHO_CASES)
+def test_chat_echo_text_as_vllm(messages, options, echoed):
+    body = ChatCompletionRequest.model_validate({"messages": messages, "echo": True, **options})
+    assert body.echo_text() == echoed
+
+
+def test_chat_echo_as_vllm(client, model):
+    """vLLM's chat echo: the continued assistant message comes back whole (its text, then the model's), in a
+    chunk of its own after each choice's role when streamed; a user's last message is not echoed."""
+    prefill = [{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The Nile is"}]
+    options = {"continue_final_message": True, "add_generation_prompt": False}
+    kwargs = dict(model=model, max_tokens=3, temperature=0.0)
+    plain = client.chat.completions.create(messages=prefill, extra_body=options, **kwargs)
+    echoed = client.chat.completions.create(messages=prefill, extra_body={**options, "echo": True}, **kwargs)
+    assert echoed.choices[0].message.content == "The Nile is" + plain.choices[0].message.content
+    assert echoed.usage == plain.usage
+    stream = client.chat.completions.create(messages=prefill, extra_body={**options, "echo": True}, n=2,
+                                            stream=True, **kwargs)
+    deltas = [(c.choices[0].index, c.choices[0].delta) for c in stream if c.choices]
+    assert [(i, d.role, d.content) for i, d in deltas[:4]] == [
+        (0, "assistant", ""), (1, "assistant", ""), (0, None, "The Nile is"), (1, None, "The Nile is")]
+    for index in (0, 1):
+        assert "".join(d.content or "" for i, d in deltas if i == index) == echoed.choices[0].message.content
+    question = _messages("Name a river.")
+    answers = [client.chat.completions.create(messages=question, extra_body=extra, **kwargs)
+               for extra in ({}, {"echo": True})]
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
 
 
 def test_tokenize_detokenize_and_version(served, model):
@@ -1000,8 +1123,10 @@ BAD_REQUESTS = [
      "guided_choice", "cannot both"),
     ("/v1/completions", {"prompt": "x", "guided_choice": ["a"], "allowed_token_ids": [1]}, 400,
      "guided_choice", "cannot be combined"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "echo",
-     "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "echo": "yes"}, 400, "echo",
+     "valid boolean"),
+    ("/v1/completions", {"prompt": "x", "return_tokens_as_token_ids": 1}, 400, "return_tokens_as_token_ids",
+     "valid boolean"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                               "continue_final_message": True}, 400, "continue_final_message", "cannot both"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ x }}"},
@@ -1018,6 +1143,7 @@ BAD_REQUESTS = [
      "add_special_tokens", "not supported"),
     ("/tokenize", {"prompt": "x", "model": "gpt-4"}, 404, "model", "does not exist"),
     ("/tokenize", {"prompt": "x", "tools": [TOOL_F]}, 400, "tools", "messages only"),
+    ("/tokenize", {"prompt": "x", "tool_choice": "none"}, 400, "tool_choice", "messages only"),
     ("/tokenize", {"messages": [{"role": "user", "content": "hi"}], "continue_final_message": True}, 400,
      "continue_final_message", "cannot both"),
     # truncate_prompt_tokens: -1 or at least 1 (vLLM's bound in pydantic's words), within the context

@@ -77,6 +77,21 @@ def test_serve_chat_template_and_tool_calling_flags(monkeypatch, capsys, tmp_pat
     assert len(seen) == 3
 
 
+def test_serve_exclude_tools_and_token_ids_flags(monkeypatch):
+    """vLLM's --exclude-tools-when-tool-choice-none and --return-tokens-as-token-ids reach the server config,
+    off by default as in vLLM."""
+    import plait.entrypoints.server as server
+    from plait.entrypoints import cli
+
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append(config))
+    assert cli.main(["serve", "--exclude-tools-when-tool-choice-none", "--return-tokens-as-token-ids"]) == 0
+    assert cli.main(["serve"]) == 0
+    on, off = seen
+    assert on.exclude_tools_when_tool_choice_none and on.return_tokens_as_token_ids
+    assert not (off.exclude_tools_when_tool_choice_none or off.return_tokens_as_token_ids)
+
+
 def test_serve_cors_and_generation_config_flags(monkeypatch, capsys):
     """vLLM's --allowed-origins / --allowed-methods / --allowed-headers (JSON lists), --allow-credentials and
     --generation-config."""

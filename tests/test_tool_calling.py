@@ -192,7 +192,7 @@ def test_tokenize_counts_exactly_the_prompt_a_tool_calling_chat_runs(served):
     """vLLM's /tokenize takes chat completions' template fields, tools among them: the ids it returns for a
     chat body are those a chat completion of the same body runs (its usage.prompt_tokens counts them), so a
     client can count a tool-calling prompt before sending it. The tools are rendered whatever tool_choice
-    says, as vLLM renders them."""
+    says, as vLLM renders them (without --exclude-tools-when-tool-choice-none)."""
     server, client = served
     url = str(client.base_url).removesuffix("/").removesuffix("/v1")
     prefill = [*MESSAGES, {"role": "assistant", "content": "Let me check"}]
@@ -214,3 +214,22 @@ def test_tokenize_counts_exactly_the_prompt_a_tool_calling_chat_runs(served):
         assert tokenized["tokens"] == rendered
     bare = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
     assert bare["count"] < tokenized["count"] and "get_weather" not in server.tokenizer.decode(bare["tokens"])
+
+
+def test_exclude_tools_when_tool_choice_none(served, monkeypatch):
+    """vLLM's --exclude-tools-when-tool-choice-none: a request's tool_choice "none" renders no tools, in the
+    chat completion and in /tokenize of the same body alike (vLLM's /tokenize, having no tool_choice, would
+    still render them); "auto", said or not, still renders them."""
+    server, client = served
+    monkeypatch.setattr(server.config, "exclude_tools_when_tool_choice_none", True)
+    url = str(client.base_url).removesuffix("/").removesuffix("/v1")
+    template = TEMPLATE.read_text()
+    bare = apply_chat_template(server.tokenizer, MESSAGES, chat_template=template)
+    with_tools = apply_chat_template(server.tokenizer, MESSAGES, chat_template=template, tools=TOOLS)
+    assert len(bare) < len(with_tools)
+    cases = [({"tool_choice": "none"}, bare), ({}, with_tools), ({"tool_choice": "auto"}, with_tools)]
+    for choice, rendered in cases:
+        body = {"model": server.model_name, "messages": MESSAGES, "tools": TOOLS, **choice}
+        assert httpx.post(f"{url}/tokenize", json=body).json()["tokens"] == rendered, choice
+        chat = client.chat.completions.create(**body, max_tokens=1)
+        assert chat.usage.prompt_tokens == len(rendered), choice

@@ -171,6 +171,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           chat_template=args.chat_template,
                           enable_auto_tool_choice=args.enable_auto_tool_choice,
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                          exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                           log_level=args.log_level,
                           allowed_origins=args.allowed_origins,
                           allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
@@ -206,6 +208,9 @@ def _add_tool_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
                        help="the model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
                             "(Llama 3.x)")
+    group.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help="leave a request's tools out of the prompt when its tool_choice is 'none' (also "
+                            "in /tokenize)")
     group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split chat answers' reasoning (<think>...</think>) into 'reasoning': qwen3, "
                             "deepseek_r1 (also QwQ), deepseek_v3 (DeepSeek-V3.1, reasoning only when asked)")
@@ -266,6 +271,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(default: the model file's stem or folder's name)")
     srv.add_argument("--trust-request-chat-template", action="store_true",
                      help="let chat requests bring their own chat template (a Jinja program)")
+    srv.add_argument("--return-tokens-as-token-ids", action="store_true",
+                     help="logprobs name tokens 'token_id:<id>' (as vLLM) unless a request sets "
+                          "return_tokens_as_token_ids false")
     _add_tool_args(srv)
     srv.add_argument("--request-timeout", type=float, default=None,
                      help="abort requests running longer than this many seconds (default: never)")

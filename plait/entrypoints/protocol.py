@@ -54,8 +54,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "logits_processors": "custom logits processors",
     "use_beam_search": "beam search",
     "prompt_embeds": "prompt embeddings",
-    "return_tokens_as_token_ids": "logprob tokens as token ids",
-    "echo": "echoing the prompt",  # chat's (CompletionRequest declares and serves its own)
 }
 # Chat's tool fields, which /v1/completions does not serve (as OpenAI's completions have no tools).
 COMPLETION_UNSUPPORTED_FIELDS: dict[str, str] = {
@@ -72,6 +70,10 @@ UNSUPPORTED_STRUCTURED_OUTPUTS_FIELDS: dict[str, str] = {
 }
 # The values of tool_choice / function_call that ask for no tool.
 _NO_TOOL = "none"
+# The role of every chat answer (vLLM's --response-role default), which chat's echo compares with.
+RESPONSE_ROLE = "assistant"
+# vLLM's chat echo joins a message's text parts with this, as its chat parser joins them.
+ECHO_PART_SEPARATOR = "\n"
 # The field errors about forced tool calls' schemas name (they are the tools' parameters).
 TOOLS_PARAM = "tools"
 # response_format types: plain text, any JSON object, or JSON matching a schema.
@@ -282,6 +284,10 @@ class _SamplingRequest(_RequestModel):
     # vLLM's side to truncate from: only its default, the left (keeping the end), is served, so "right" is a
     # 400, never silently the other side.
     truncation_side: Literal["left"] | None = None
+    # vLLM extension: logprobs name each token (chosen and alternatives) "token_id:<id>", which identifies
+    # tokens whose text alone does not (a piece of a UTF-8 character, two ids of one text); None: the
+    # server's --return-tokens-as-token-ids.
+    return_tokens_as_token_ids: bool | None = None
     user: str | None = None
 
     def check_supported(self) -> None:
@@ -473,6 +479,13 @@ class ChatMessage(_RequestModel):
     tool_calls: list[ToolCallParam] | None = None  # an assistant message's calls (its content may be null)
     tool_call_id: str | None = None  # a "tool" message: the call it answers
 
+    def echo_text(self) -> str:
+        """The content as vLLM's chat echo repeats it: text parts joined by newlines (as vLLM's chat parser
+        joins them), no content as ""."""
+        if isinstance(self.content, list):
+            return ECHO_PART_SEPARATOR.join(part.text for part in self.content)
+        return self.content or ""
+
     def as_template_message(self) -> dict[str, Any]:
         """The message as the chat template expects it: text parts joined, no content as "", tool calls
         with their arguments as objects."""
@@ -537,13 +550,21 @@ class ChatTemplateRequest(_RequestModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    # The functions the model may call, which the template lists (whatever tool_choice says, as vLLM does
-    # unless --exclude-tools-when-tool-choice-none, which plait does not have).
+    # The functions the model may call, which the template lists whatever tool_choice says, as vLLM does,
+    # unless the server has --exclude-tools-when-tool-choice-none and tool_choice is "none".
     tools: list[ChatTool] | None = None
+    # Whether and which function the model must call (None: "auto" where tools are given, else "none", as
+    # OpenAI and vLLM). Here because "none" may keep the tools out of the prompt (above), which /tokenize
+    # must render alike; ChatCompletionRequest serves the rest of it.
+    tool_choice: ToolChoice | None = None
 
-    def template_tools(self) -> list[dict[str, Any]] | None:
-        """The tools as the chat template receives them (None: no tools)."""
-        return [tool.as_template_tool() for tool in self.tools] if self.tools else None
+    def template_tools(self, exclude_when_none: bool = False) -> list[dict[str, Any]] | None:
+        """The tools as the chat template receives them (None: no tools); ``exclude_when_none`` is the
+        server's --exclude-tools-when-tool-choice-none, which leaves them out under tool_choice "none"
+        (as vLLM, only where the request says "none" itself)."""
+        if not self.tools or (exclude_when_none and self.tool_choice == _NO_TOOL):
+            return None
+        return [tool.as_template_tool() for tool in self.tools]
 
     def _check_template_options(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
@@ -559,10 +580,11 @@ class ChatCompletionRequest(ChatTemplateRequest, _SamplingRequest):
     max_completion_tokens: PositiveInt | None = None  # OpenAI's newer name for max_tokens; wins if both set
     logprobs: bool = False
     top_logprobs: NumLogprobs | None = None
-    # Tool calling (the tools are the template's): whether and which function the model must call (None:
-    # "auto" where tools are given, else "none", as OpenAI and vLLM); parallel_tool_calls false allows one.
-    tool_choice: ToolChoice | None = None
+    # Tool calling (tools and tool_choice are the template's): parallel_tool_calls false allows one call.
     parallel_tool_calls: bool | None = None
+    # vLLM extension: the answer starts with the last message's content where that message's role is the
+    # answer's (see echo_text).
+    echo: bool = False
     # vLLM extension: false leaves the reasoning (split off by --reasoning-parser) out of the answer.
     include_reasoning: bool = True
 
@@ -584,6 +606,14 @@ class ChatCompletionRequest(ChatTemplateRequest, _SamplingRequest):
     @property
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
+
+    def echo_text(self) -> str:
+        """What echo puts before each choice's content, as vLLM: the last message's content where its role
+        is the answer's role, which is the last message's own under add_generation_prompt false (so with
+        continue_final_message the prefilled message comes back whole); "" otherwise."""
+        last = self.messages[-1]
+        role = RESPONSE_ROLE if self.add_generation_prompt else last.role
+        return last.echo_text() if self.echo and last.role == role else ""
 
     # -- tools ----------------------------------------------------------------------------------
 
@@ -650,12 +680,17 @@ class ChatCompletionRequest(ChatTemplateRequest, _SamplingRequest):
 
 
 # The chat template's fields that a /tokenize prompt (not messages) cannot use.
-_MESSAGES_ONLY_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "continue_final_message")
+_MESSAGES_ONLY_FIELDS = ("tools", "tool_choice", "chat_template", "chat_template_kwargs",
+                         "continue_final_message")
 
 
 class TokenizeRequest(ChatTemplateRequest):
     """vLLM's /tokenize: a prompt, or chat messages under the chat template (exactly one of them), the
-    latter with chat completions' template fields (tools too), so a chat body's prompt can be counted."""
+    latter with chat completions' template fields (tools too), so a chat body's prompt can be counted.
+
+    Unlike vLLM's, it reads tool_choice too: under --exclude-tools-when-tool-choice-none, "none" leaves the
+    tools out here as in the chat completion of the same body (vLLM's /tokenize has no tool_choice and
+    renders them, so its count would not be the prompt chat runs)."""
 
     model: str | None = None
     prompt: str | None = None

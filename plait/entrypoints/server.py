@@ -133,6 +133,8 @@ AUTO_TOOL_CHOICE_MESSAGE = ('"auto" tool choice requires --enable-auto-tool-choi
                             'be set')
 # Logprobs are clamped to this so responses never hold -inf (not JSON); the same floor as vLLM.
 MIN_LOGPROB = -9999.0
+# How logprobs name a token under return_tokens_as_token_ids: vLLM's "token_id:<id>".
+TOKEN_ID_PREFIX = "token_id:"
 SSE_DONE = "data: [DONE]\n\n"
 # Status for a client that left before its non-streamed answer was ready (nginx's convention;
 # nobody reads it).
@@ -187,6 +189,13 @@ class ServerConfig:
     # vLLM's --reasoning-parser: chat answers carry the model's reasoning in "reasoning", apart from the
     # content, and structured outputs apply after it.
     reasoning_parser: str | None = None
+    # vLLM's --exclude-tools-when-tool-choice-none: a chat request's tool_choice "none" keeps its tools out
+    # of the prompt (and out of /tokenize's rendering of the same body), so the model is not shown what it
+    # may not call.
+    exclude_tools_when_tool_choice_none: bool = False
+    # vLLM's --return-tokens-as-token-ids: logprobs name tokens "token_id:<id>" unless a request's
+    # return_tokens_as_token_ids says otherwise.
+    return_tokens_as_token_ids: bool = False
     log_level: str = "info"
     # CORS, as vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials: which
     # web pages' scripts may call the server from a browser (the API key, where set, still applies).
@@ -853,7 +862,7 @@ class OpenAIServer:
                                add_generation_prompt=body.add_generation_prompt,
                                kwargs=body.chat_template_kwargs, chat_template=template,
                                continue_final_message=body.continue_final_message,
-                               tools=body.template_tools())
+                               tools=body.template_tools(self.config.exclude_tools_when_tool_choice_none))
         except (ValueError, TypeError, RecursionError, jinja2.TemplateError) as err:
             # RecursionError: a message's tool call arguments nested too deep for the template's tojson
             raise APIError(400, f"could not apply the chat template: {err}", param="messages") from err
@@ -964,6 +973,15 @@ class OpenAIServer:
             self._token_strings[token_id] = text  # bounded by the vocabulary
         return text
 
+    def _logprob_token(self, token_id: int, as_ids: bool) -> str:
+        """A token as logprobs name it: its text, or under return_tokens_as_token_ids "token_id:<id>"."""
+        return f"{TOKEN_ID_PREFIX}{token_id}" if as_ids else self._token_str(token_id)
+
+    def _tokens_as_ids(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
+        """Whether logprobs name tokens by id: the request's return_tokens_as_token_ids, else the server's."""
+        asked = body.return_tokens_as_token_ids
+        return asked if asked is not None else self.config.return_tokens_as_token_ids
+
     # -- /tokenize, /detokenize ---------------------------------------------------------------
 
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
@@ -1028,7 +1046,7 @@ class OpenAIServer:
             if body.logprobs is not None and completion.logprobs is not None:
                 rows = _generated_rows(completion.logprobs)
                 logprobs, _ = self._completion_logprobs(_prompt_rows(out) + rows if body.echo else rows,
-                                                        body.logprobs, 0)
+                                                        body.logprobs, 0, self._tokens_as_ids(body))
             choices.append(CompletionResponseChoice(
                 index=index, text=text, logprobs=logprobs, finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
@@ -1042,6 +1060,7 @@ class OpenAIServer:
         created = int(time.time())
         offsets = [0] * len(stream.request_ids)  # text_offset of each choice's next token
         echoed = [not body.echo] * len(stream.request_ids)  # whether each choice's prompt went out
+        as_ids = self._tokens_as_ids(body)
         completion_tokens = 0
         error = False
 
@@ -1065,7 +1084,8 @@ class OpenAIServer:
                     if body.logprobs is not None and completion.logprobs is not None:
                         rows = _generated_rows(_new_logprobs(completion))
                         logprobs, offsets[index] = self._completion_logprobs(
-                            _prompt_rows(out) + rows if echo_now else rows, body.logprobs, offsets[index])
+                            _prompt_rows(out) + rows if echo_now else rows, body.logprobs, offsets[index],
+                            as_ids)
                     held_back = not text and completion.finish_reason is None
                     # Without a tokenizer no text is ever made, so each token streams as an empty chunk
                     # (as vLLM does) rather than all of them arriving with the last one.
@@ -1084,20 +1104,23 @@ class OpenAIServer:
             tracker.close(error)
         yield SSE_DONE
 
-    def _completion_logprobs(self, rows: Sequence[LogprobRow], num_top: int, offset: int
+    def _completion_logprobs(self, rows: Sequence[LogprobRow], num_top: int, offset: int, as_ids: bool
                              ) -> tuple[CompletionLogprobs, int]:
-        """OpenAI's logprobs of these tokens, the first at text_offset ``offset``; and the next offset."""
+        """OpenAI's logprobs of these tokens, the first at text_offset ``offset``; and the next offset.
+        ``as_ids``: tokens named "token_id:<id>" (return_tokens_as_token_ids)."""
         result = CompletionLogprobs()
         for token_id, entry in rows:
-            token = self._token_str(token_id)
+            token = self._logprob_token(token_id, as_ids)
             result.tokens.append(token)
             result.text_offset.append(offset)
-            offset += len(token)
+            # Offsets index the text whatever names the tokens (vLLM's grow by the "token_id:<id>" names
+            # unstreamed and by the text streamed; the text is the one thing both agree on).
+            offset += len(self._token_str(token_id))
             if entry is None:  # the prompt's first token has no context: null and null, as in vLLM
                 result.token_logprobs.append(None)
                 result.top_logprobs.append(None)
                 continue
-            top = {self._token_str(t): _clamp(lp) for t, lp in list(entry.top.items())[:num_top]}
+            top = {self._logprob_token(t, as_ids): _clamp(lp) for t, lp in list(entry.top.items())[:num_top]}
             top.setdefault(token, _clamp(entry.logprob))  # OpenAI always includes the sampled token
             result.token_logprobs.append(_clamp(entry.logprob))
             result.top_logprobs.append(top)
@@ -1162,26 +1185,32 @@ class OpenAIServer:
                 stream.abort()
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        num_top = body.top_logprobs or 0
-        choices = []
-        for index, out in enumerate(finals):
-            completion = out.outputs[0]
-            logprobs = None
-            if self._shows_logprobs(body) and completion.logprobs is not None:
-                logprobs = self._chat_logprobs(completion.logprobs, num_top)
-            message, finish_reason = _chat_message(completion, readers[index])
-            choices.append(ChatChoice(index=index, message=message, logprobs=logprobs,
-                                      finish_reason=finish_reason, stop_reason=completion.stop_reason))
+        choices = [self._chat_choice(body, index, out, readers[index]) for index, out in enumerate(finals)]
         usage = self._usage(stream, params.n, sum(len(o.outputs[0].token_ids) for o in finals))
         prompt_logprobs = self._prompt_logprobs(finals[0], body.prompt_logprobs) if finals else None
         result = ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices, usage=usage,
                                         prompt_logprobs=prompt_logprobs)
         return Response(result.model_dump_json(), media_type="application/json")
 
+    def _chat_choice(self, body: ChatCompletionRequest, index: int, out: RequestOutput, reader: _ChoiceReader
+                     ) -> ChatChoice:
+        """A finished choice of a non-streamed chat completion."""
+        completion = out.outputs[0]
+        logprobs = None
+        if self._shows_logprobs(body) and completion.logprobs is not None:
+            num_top = body.top_logprobs or 0
+            logprobs = self._chat_logprobs(completion.logprobs, num_top, self._tokens_as_ids(body))
+        message, finish_reason = _chat_message(completion, reader)
+        if body.echo:  # as vLLM, whose content is then a string even with nothing to echo
+            message.content = body.echo_text() + (message.content or "")
+        return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish_reason,
+                          stop_reason=completion.stop_reason)
+
     async def _chat_events(self, body: ChatCompletionRequest, stream: RequestStream, tracker: _RequestTracker,
                            response_id: str, n: int, readers: Sequence[_ChoiceReader]) -> AsyncIterator[str]:
         created = int(time.time())
         num_top = body.top_logprobs or 0
+        as_ids = self._tokens_as_ids(body)
         completion_tokens = 0
         error = False
 
@@ -1197,13 +1226,16 @@ class OpenAIServer:
                 for index in range(len(stream.request_ids)):
                     role = DeltaMessage(role="assistant", content="")
                     yield chunk([ChatStreamChoice(index=index, delta=role)], usage_so_far())
+                echo = DeltaMessage(content=body.echo_text())
+                for index in range(len(stream.request_ids)) if echo.content else ():  # after every role's
+                    yield chunk([ChatStreamChoice(index=index, delta=echo)], usage_so_far())
                 async for index, out in stream:
                     tracker.observe(index, out)
                     completion = out.outputs[0]
                     completion_tokens += len(completion.delta_token_ids)
                     logprobs = None
                     if self._shows_logprobs(body) and completion.logprobs is not None:
-                        logprobs = self._chat_logprobs(_new_logprobs(completion), num_top)
+                        logprobs = self._chat_logprobs(_new_logprobs(completion), num_top, as_ids)
                     delta, finish_reason = _chat_delta(completion, readers[index])
                     if delta is None and finish_reason is None and logprobs is None:
                         continue  # nothing new, or text held back until it is known whether it is a call
@@ -1252,17 +1284,21 @@ class OpenAIServer:
             return None
         return ToolCallStream(parser, body.max_tool_calls)
 
-    def _chat_logprobs(self, entries: Sequence[TokenLogprobs], num_top: int) -> ChatLogprobs:
+    def _chat_logprobs(self, entries: Sequence[TokenLogprobs], num_top: int, as_ids: bool) -> ChatLogprobs:
+        """OpenAI's logprobs of these tokens; ``as_ids``: named "token_id:<id>" (return_tokens_as_token_ids).
+        As vLLM gives them, a chosen token's bytes are its text's however it is named, and an alternative's
+        are those of its name."""
         content = []
         for entry in entries:
-            token = self._token_str(entry.token_id)
             top = []
             for top_id, top_lp in list(entry.top.items())[:num_top]:
-                top_token = self._token_str(top_id)
+                top_token = self._logprob_token(top_id, as_ids)
                 top.append(ChatTokenLogprob(token=top_token, logprob=_clamp(top_lp),
                                             bytes=list(top_token.encode())))
-            content.append(ChatLogprobEntry(token=token, logprob=_clamp(entry.logprob),
-                                            bytes=list(token.encode()), top_logprobs=top))
+            content.append(ChatLogprobEntry(token=self._logprob_token(entry.token_id, as_ids),
+                                            logprob=_clamp(entry.logprob),
+                                            bytes=list(self._token_str(entry.token_id).encode()),
+                                            top_logprobs=top))
         return ChatLogprobs(content=content)
 
 
