@@ -2,7 +2,7 @@
 
 from plait.config import EngineConfig
 from plait.outputs import CompletionOutput, RequestOutput
-from plait.sampling_params import SamplingParams, StructuredOutputsParams
+from plait.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -16,5 +16,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'plait' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams",
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams",
            "StructuredOutputsParams"]

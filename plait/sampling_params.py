@@ -401,3 +401,37 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature ~ 0)."""
         return self.temperature < GREEDY_TEMPERATURE_EPS
+
+
+# Each beam search step asks for 2 x beam_width candidates per beam (vLLM's), within the logprobs cap.
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's BeamSearchParams: ``LLM.beam_search`` keeps the ``beam_width`` most likely sequences of up to
+    ``max_tokens`` tokens, ranked at the end by cumulative logprob over length ** ``length_penalty``.
+
+    ``temperature`` is accepted for vLLM's signature only: candidates are the raw logprobs' top
+    2 x beam_width, so it changes nothing (vLLM's can add one sampled candidate per beam)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width)
+        if not 1 <= self.beam_width <= MAX_BEAM_WIDTH:
+            raise ValueError(f"beam_width must be in [1, {MAX_BEAM_WIDTH}], got {self.beam_width}")
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        _check_bool("ignore_eos", self.ignore_eos)
+        _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        self.temperature = _check_float("temperature", self.temperature)
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        self.length_penalty = _check_float("length_penalty", self.length_penalty)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from plait import LLM, SamplingParams
+from plait import LLM, BeamSearchParams, SamplingParams
 from plait.entrypoints.llm import apply_chat_template
 from plait.generation_config import GenerationDefaults
 
@@ -64,6 +64,21 @@ def test_gguf_model_keeps_the_default_sampling_params(llm):
     """A GGUF file carries no generation_config.json: nothing changes (as vLLM reads none for it)."""
     assert llm.engine.generation_defaults == GenerationDefaults()
     assert llm.get_default_sampling_params() == SamplingParams()
+
+
+def test_beam_search_returns_vllms_sequences(llm):
+    """vLLM's LLM.beam_search: beam_width sequences, best first, each with its tokens (the prompt's first),
+    the logprobs of its own, their sum, and its text (all of its tokens decoded)."""
+    prompt = PROMPTS[0]
+    prompt_ids = llm.get_tokenizer().encode(prompt)
+    (out,) = llm.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))
+    assert len(out.sequences) == 2
+    for sequence in out.sequences:
+        assert sequence.tokens[:len(prompt_ids)] == prompt_ids and len(sequence.tokens) == len(prompt_ids) + 3
+        assert sequence.cum_logprob == pytest.approx(sum(entry.logprob for entry in sequence.logprobs))
+        assert sequence.text == llm.get_tokenizer().decode(sequence.tokens)
+        assert sequence.text.startswith(prompt)
+    assert out.sequences[0].cum_logprob >= out.sequences[1].cum_logprob
 
 
 # A context short enough that truncate_prompt_tokens=-1 can be seen cutting a prompt.

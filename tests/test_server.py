@@ -202,6 +202,67 @@ def test_n_and_prompt_batch(served, client, model):
     assert stop.choices[0].finish_reason == "stop" and "," not in stop.choices[0].text
 
 
+BEAM_PROMPT = "The capital of France is"
+
+
+def _beams(client, model: str, n: int, max_tokens: int, **extra) -> object:
+    return client.completions.create(model=model, prompt=BEAM_PROMPT, n=n, max_tokens=max_tokens,
+                                     extra_body={"use_beam_search": True, **extra})
+
+
+def test_beam_search_completions_as_vllm(client, model):
+    """vLLM's use_beam_search: n beams as n choices, best first; usage counts the prompt once, every beam."""
+    greedy = client.completions.create(model=model, prompt=BEAM_PROMPT, max_tokens=4, temperature=0.0,
+                                       extra_body={"ignore_eos": True})
+    one = _beams(client, model, 1, 4, ignore_eos=True)  # one beam without EOS is greedy decoding
+    assert one.choices[0].text == greedy.choices[0].text
+    three = _beams(client, model, 3, 4, ignore_eos=True)
+    assert [c.index for c in three.choices] == [0, 1, 2] and three.choices[0].text == greedy.choices[0].text
+    assert len({c.text for c in three.choices}) == 3
+    assert {c.finish_reason for c in three.choices} == {"length"}
+    assert three.usage.completion_tokens == 3 * 4 and three.usage.prompt_tokens == greedy.usage.prompt_tokens
+    # EOS ends a beam ("stop", vLLM's stop_reason: the EOS id) that still ranks against the live ones, by
+    # cumulative logprob over length ** length_penalty: a steep penalty favours the longer live beams.
+    stopped = _beams(client, model, 3, 6)
+    assert stopped.choices[0].finish_reason == "stop" and stopped.choices[0].text == " Paris."
+    assert stopped.choices[0].stop_reason == 2  # SmolLM2's <|im_end|>
+    with_eos = _beams(client, model, 3, 6, include_stop_str_in_output=True)
+    assert with_eos.usage.completion_tokens == stopped.usage.completion_tokens + 1  # its EOS is counted
+    steep = _beams(client, model, 3, 6, length_penalty=2.0)
+    assert {c.finish_reason for c in steep.choices} == {"length"}  # " Paris." ranks below them all now
+
+
+def test_beam_search_chat_streams_as_vllm(client, model):
+    """Chat streams use_beam_search too, as vLLM: each beam whole in one chunk once the search ends."""
+    kwargs = dict(model=model, messages=_messages("What is 2 + 2?"), n=2, max_tokens=6,
+                  extra_body={"use_beam_search": True})
+    whole = client.chat.completions.create(**kwargs)
+    assert [c.index for c in whole.choices] == [0, 1]
+    usage = {"include_usage": True}
+    chunks = list(client.chat.completions.create(stream=True, stream_options=usage, **kwargs))
+    content = {c.choices[0].index: c.choices[0].delta.content for c in chunks if c.choices
+               and c.choices[0].finish_reason}
+    assert content == {c.index: c.message.content for c in whole.choices}
+    assert chunks[-1].usage == whole.usage
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/completions", {"stream": True}, "stream"),  # vLLM's completions refuse it, in vLLM's words
+    ("/v1/completions", {"stop": ["."]}, "stop"),
+    ("/v1/completions", {"n": 11}, "n"),  # 2 x n candidates a step, within 20 logprobs
+    ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+])
+def test_beam_search_refuses_what_it_cannot_honour(served, path, extra, param):
+    _, url = served
+    body = {"max_tokens": 2, "use_beam_search": True, **extra}
+    body.update({"prompt": BEAM_PROMPT} if path == "/v1/completions" else {"messages": _messages("Hi")})
+    r = _post(url, path, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+    if param == "stream":
+        assert r.json()["error"]["message"] == "Streaming is not currently supported with beam search"
+
+
 def test_completions_default_to_16_tokens(client, model):
     """As OpenAI and vLLM: /v1/completions without max_tokens stops after 16 tokens (chat has no such cap)."""
     r = client.with_options(timeout=DEFAULT_MAX_TOKENS_TIMEOUT_S).completions.create(

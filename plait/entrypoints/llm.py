@@ -11,8 +11,15 @@ from tqdm.auto import tqdm
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine
 from plait.engine.request import Request
+from plait.entrypoints.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    advance_all,
+    pending_beams,
+    step_params,
+)
 from plait.outputs import RequestOutput
-from plait.sampling_params import SamplingParams
+from plait.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict | Sequence[int]
 Message = dict[str, Any]
@@ -64,6 +71,35 @@ class LLM:
             self.engine.enqueue(request, text)
         finished = self._run_to_completion(len(children), use_tqdm)
         return _gather(prompts, params, finished, batch)
+
+    def beam_search(
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: the ``params.beam_width`` most likely sequences of each prompt, best first.
+
+        Each step scores every live beam of every prompt in one batch of 1-token requests (prefix caching
+        makes their shared prefixes cheap). As vLLM's, a sequence's ``tokens`` start with the prompt's, a
+        finished one's end with its EOS, and ``text`` is all of them decoded, special tokens included.
+        """
+        step = step_params(params)
+        prompt_ids = [self._tokenize(prompt, step) for prompt in _as_prompt_list(prompts)]
+        searches = [BeamSearch(ids, params, self.engine.eos_token_ids, self.engine.max_model_len)
+                    for ids in prompt_ids]
+        with tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm) as bar:
+            while any(pending := pending_beams(searches)):
+                beams = [{"prompt_token_ids": tokens} for beam_list in pending for tokens in beam_list]
+                advance_all(searches, pending, self.generate(beams, step, use_tqdm=False))
+                bar.update(1)
+        outputs = [BeamSearchOutput(search.best()) for search in searches]
+        tokenizer = self.engine.tokenizer
+        for sequence in (s for out in outputs for s in out.sequences if tokenizer is not None):
+            sequence.text = tokenizer.decode(sequence.tokens, skip_special_tokens=False)
+        return outputs
+
+    def _tokenize(self, prompt: PromptType, params: SamplingParams) -> list[int]:
+        """A prompt's token ids, as the engine makes them for ``params`` (validated, nothing queued)."""
+        request, _ = self.engine.make_request(_prompt_payload(prompt), params)
+        return list(request.prompt_token_ids)
 
     def chat(
         self,

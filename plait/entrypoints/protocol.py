@@ -14,11 +14,13 @@ from plait.sampling_params import (
     LOGIT_BIAS_BOUND,
     MAX_ALLOWED_TOKEN_IDS,
     MAX_BAD_WORDS,
+    MAX_BEAM_WIDTH,
     MAX_GUIDED_CHOICES,
     MAX_LOGIT_BIAS_ENTRIES,
     MAX_LOGPROBS,
     PENALTY_BOUND,
     TRUNCATE_TO_CONTEXT,
+    BeamSearchParams,
     SamplingParams,
     StructuredOutputsParams,
 )
@@ -52,7 +54,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "function_call": "function calling; only 'none' is supported",
     "structural_tag": "structural tags",
     "logits_processors": "custom logits processors",
-    "use_beam_search": "beam search",
     "prompt_embeds": "prompt embeddings",
 }
 # Chat's tool fields, which /v1/completions does not serve (as OpenAI's completions have no tools).
@@ -68,6 +69,21 @@ UNSUPPORTED_STRUCTURED_OUTPUTS_FIELDS: dict[str, str] = {
     "whitespace_pattern": "a whitespace pattern",
     "disable_additional_properties": "disabling additional properties",
 }
+# Fields beam search does not honour (vLLM's silently ignores them): beside use_beam_search, a value of one
+# that asks for something is a 400 naming it, never an answer that ignored it. temperature and seed are
+# accepted: the search is deterministic (see BeamSearchParams).
+BEAM_SEARCH_UNSERVED_FIELDS = (
+    "echo", "logprobs", "prompt_logprobs", "stop", "stop_token_ids", "min_tokens", "top_p", "top_k", "min_p",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
+    "bad_words", "truncate_prompt_tokens",
+)
+# The values of those fields that ask for nothing, beside null, false and empty ones.
+_BEAM_SEARCH_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,),
+    "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "min_tokens": (0,),
+}
+# vLLM's words for a streamed beam search on /v1/completions (its chat streams the finished beams instead).
+BEAM_SEARCH_STREAM_MESSAGE = "Streaming is not currently supported with beam search"
 # The values of tool_choice / function_call that ask for no tool.
 _NO_TOOL = "none"
 # The role of every chat answer (vLLM's --response-role default), which chat's echo compares with.
@@ -288,10 +304,18 @@ class _SamplingRequest(_RequestModel):
     # tokens whose text alone does not (a piece of a UTF-8 character, two ids of one text); None: the
     # server's --return-tokens-as-token-ids.
     return_tokens_as_token_ids: bool | None = None
+    # vLLM extensions: beam search, n beams returned as n choices, ranked by cumulative logprob over length **
+    # length_penalty.
+    use_beam_search: bool = False
+    length_penalty: Annotated[float, Field(allow_inf_nan=False)] = 1.0
     user: str | None = None
+    # Whether a streamed beam search is served (chat's, as vLLM's: the finished beams in one chunk each).
+    streams_beam_search: ClassVar[bool] = True
 
     def check_supported(self) -> None:
         """Reject fields that are well-typed but that this server cannot honour."""
+        if self.use_beam_search:
+            self._check_beam_search()
         for name, value in (self.model_extra or {}).items():
             if name in self.unsupported_fields and _asks_for(name, value):
                 what = self.unsupported_fields[name]
@@ -306,6 +330,26 @@ class _SamplingRequest(_RequestModel):
         if self.structured_outputs is not None:
             self.structured_outputs.check_supported()
         self._structured_request()
+
+    def _check_beam_search(self) -> None:
+        if self.stream and not self.streams_beam_search:
+            raise ProtocolError(BEAM_SEARCH_STREAM_MESSAGE, "stream")
+        if self.n > MAX_BEAM_WIDTH:  # each step asks for 2 x n candidates, within the logprobs cap
+            raise ProtocolError(f"n (the beam width) must be at most {MAX_BEAM_WIDTH} with use_beam_search, "
+                                f"got {self.n}", "n")
+        for name in BEAM_SEARCH_UNSERVED_FIELDS:
+            value = getattr(self, name, None)
+            if _asks_for(name, value) and value not in _BEAM_SEARCH_NEUTRAL_VALUES.get(name, ()):
+                raise ProtocolError(f"{name} is not supported with use_beam_search", name)
+        asked = self._structured_request()
+        if asked is not None:
+            raise ProtocolError(f"{asked[0]} is not supported with use_beam_search", asked[0])
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        """The BeamSearchParams of a use_beam_search request (vLLM's to_beam_search_params): n beams."""
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output)
 
     def _structured_request(self) -> tuple[str, dict[str, Any]] | None:
         """The one structured output the request asks for: (the field that asks, StructuredOutputsParams
@@ -403,6 +447,7 @@ class _SamplingRequest(_RequestModel):
 
 class CompletionRequest(_SamplingRequest):
     unsupported_fields: ClassVar[dict[str, str]] = COMPLETION_UNSUPPORTED_FIELDS
+    streams_beam_search: ClassVar[bool] = False  # vLLM's completions refuse it
 
     # One prompt (text or token ids) or a batch of them.
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]

@@ -47,6 +47,7 @@ from plait.entrypoints.async_engine import (
     RequestStream,
     RequestTimeoutError,
 )
+from plait.entrypoints.beam_search import BeamSearch, advance_all, pending_beams, served_outputs, step_params
 from plait.entrypoints.llm import _fan_out, encode_rendered, render_chat
 from plait.entrypoints.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
@@ -104,7 +105,7 @@ from plait.entrypoints.tools import (
 )
 from plait.loader.hf import ModelSource
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from plait.sampling_params import TRUNCATE_TO_CONTEXT, SamplingParams
+from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -715,6 +716,7 @@ class OpenAIServer:
         self.model_name = self.served_model_names[0]  # the one responses report
         self.max_model_len = engine.max_model_len  # fixed at load; safe to read from any thread
         self.vocab_size = engine.model_config.vocab_size
+        self.eos_token_ids = engine.eos_token_ids  # fixed at load; beam search finishes beams on them
         # The model's generation_config.json: defaults of what requests leave out (fixed at load).
         self.generation_defaults = engine.generation_defaults
         # The loop thread detokenizes with the engine's tokenizer; the event loop gets its own copy
@@ -982,6 +984,135 @@ class OpenAIServer:
         asked = body.return_tokens_as_token_ids
         return asked if asked is not None else self.config.return_tokens_as_token_ids
 
+    # -- beam search (use_beam_search on both endpoints) ----------------------------------------
+
+    def _beam_params(self, body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
+                     ) -> BeamSearchParams:
+        """The request's BeamSearchParams; its max_tokens defaulted and capped as a sampled request's, and
+        where none is set, the search runs to the end of the context."""
+        try:
+            body.check_supported()
+            limit = self.generation_defaults.max_tokens(max_tokens)
+            return body.beam_search_params(limit if limit is not None else self.max_model_len)
+        except (ValueError, TypeError) as err:
+            raise _bad_request(err) from err
+
+    async def _start_beam_search(self, prompts: Sequence[PromptInput], params: BeamSearchParams,
+                                 prompt_param: str, max_tokens: int | None) -> RequestStream:
+        """The first step of each prompt's search: the prompts themselves, so the engine validates and
+        tokenizes them (a 400 here, before any answer starts)."""
+        step = step_params(params)
+        return await self._start([(prompt, step) for prompt in prompts], prompt_param, max_tokens,
+                                 "structured_outputs")
+
+    async def _finish_beam_search(self, stream: RequestStream, tracker: _RequestTracker,
+                                  params: BeamSearchParams, skip_special_tokens: bool) -> list[RequestOutput]:
+        """Run the searches the first step started, as vLLM's server runs them: every step, each live beam of
+        every prompt is a 1-token request. One output per prompt, its choices the beams, best first."""
+        prompt_ids = stream.prompt_token_ids
+        searches = [BeamSearch(ids, params, self.eos_token_ids, self.max_model_len) for ids in prompt_ids]
+        pending: list[list[list[int]]] = [[ids] for ids in prompt_ids]
+        step = step_params(params)
+        while True:
+            advance_all(searches, pending, await self._collect(stream, tracker))
+            pending = pending_beams(searches)
+            if not any(pending):
+                break
+            stream = await self._start([(beam, step) for beams in pending for beam in beams], "prompt", None,
+                                       "structured_outputs")
+            tracker = _RequestTracker(self.metrics, time.monotonic(), stream)
+
+        def decode(ids: list[int]) -> str:
+            tokenizer = self.tokenizer
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if tokenizer else ""
+
+        return [RequestOutput(f"beam-{i}", None, list(ids), served_outputs(search, decode), True)
+                for i, (ids, search) in enumerate(zip(prompt_ids, searches))]
+
+    @staticmethod
+    def _beam_usage(results: Sequence[RequestOutput]) -> UsageInfo:
+        # As vLLM: each prompt once, and every returned beam's tokens.
+        prompt_tokens = sum(len(out.prompt_token_ids) for out in results)
+        completion_tokens = sum(len(c.token_ids) for out in results for c in out.outputs)
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens)
+
+    async def _beam_search_completion(self, body: CompletionRequest, raw: Request, arrival: float
+                                      ) -> Response:
+        params = self._beam_params(body, body.requested_max_tokens)
+        prompts = body.prompts()
+        if len(prompts) * params.beam_width > MAX_SEQUENCES_PER_REQUEST:  # the beams of one step
+            raise APIError(400, f"{len(prompts)} prompt(s) x n={params.beam_width} is more than the "
+                                f"{MAX_SEQUENCES_PER_REQUEST} sequences one request may ask for", param="n")
+        stream = await self._start_beam_search(prompts, params, "prompt", body.requested_max_tokens)
+        tracker = _RequestTracker(self.metrics, arrival, stream)
+        try:
+            work = self._finish_beam_search(stream, tracker, params, body.skip_special_tokens)
+            results = await self._unless_disconnected(raw, work)
+        finally:
+            stream.abort()
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        choices = [CompletionResponseChoice(index=i * params.beam_width + c.index, text=c.text,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for i, out in enumerate(results) for c in out.outputs]
+        result = CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=self.model_name, choices=choices,
+                                    usage=self._beam_usage(results))
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    async def _beam_search_chat(self, body: ChatCompletionRequest, raw: Request, arrival: float) -> Response:
+        params = self._beam_params(body, body.requested_max_tokens)
+        self._check_auto_tool_choice(body)
+        prompt_text = self._chat_prompt_text(body, body.messages)
+        readers = [self._choice_reader(body, prompt_text) for _ in range(params.beam_width)]
+        prompt = encode_rendered(self.tokenizer, prompt_text)
+        stream = await self._start_beam_search([prompt], params, "messages", body.requested_max_tokens)
+        tracker = _RequestTracker(self.metrics, arrival, stream)
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.stream:
+            events = self._beam_chat_events(body, stream, tracker, params, response_id, readers)
+            return _EngineStreamResponse(events, stream, tracker)
+        try:
+            work = self._finish_beam_search(stream, tracker, params, body.skip_special_tokens)
+            results = await self._unless_disconnected(raw, work)
+        finally:
+            stream.abort()
+        if results is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        (out,) = results
+        choices = [self._chat_choice(body, c.index, dataclasses.replace(out, outputs=[c]), readers[c.index])
+                   for c in out.outputs]
+        result = ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices,
+                                        usage=self._beam_usage(results))
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    async def _beam_chat_events(self, body: ChatCompletionRequest, stream: RequestStream,
+                                tracker: _RequestTracker, params: BeamSearchParams, response_id: str,
+                                readers: Sequence[_ChoiceReader]) -> AsyncIterator[str]:
+        """A streamed beam search, as vLLM's chat streams it: each choice's role at once, then, when the
+        search is over, each beam whole in one chunk with its finish_reason."""
+        created = int(time.time())
+
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+            return _sse(ChatCompletionStreamResponse(id=response_id, created=created, model=self.model_name,
+                                                     choices=choices, usage=usage))
+
+        for index in range(len(readers)):
+            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        try:
+            (out,) = await self._finish_beam_search(stream, tracker, params, body.skip_special_tokens)
+        except _ENGINE_ERRORS as err:
+            yield _sse_error(err, _ENGINE_ERROR_STATUS[type(err)])
+            yield SSE_DONE
+            return
+        for completion in out.outputs:
+            delta, finish_reason = _chat_delta(completion, readers[completion.index])
+            yield chunk([ChatStreamChoice(index=completion.index, delta=delta or DeltaMessage(),
+                                          finish_reason=finish_reason, stop_reason=completion.stop_reason)])
+        if body.include_usage:
+            yield chunk([], self._beam_usage([out]))
+        yield SSE_DONE
+
     # -- /tokenize, /detokenize ---------------------------------------------------------------
 
     def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
@@ -1020,6 +1151,8 @@ class OpenAIServer:
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
         arrival = time.monotonic()
+        if body.use_beam_search:
+            return await self._beam_search_completion(body, raw, arrival)
         prompts = body.prompts()
         params = self._params(body, body.requested_max_tokens, body.logprobs, len(prompts))
         children: list[tuple[PromptInput, SamplingParams]] = [
@@ -1163,6 +1296,8 @@ class OpenAIServer:
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self._check_model(body.model)
         arrival = time.monotonic()
+        if body.use_beam_search:
+            return await self._beam_search_chat(body, raw, arrival)
         params = self._params(body, body.requested_max_tokens, body.requested_logprobs, 1)
         self._check_auto_tool_choice(body)
         prompt_text = self._chat_prompt_text(body, body.messages)
