@@ -1046,11 +1046,7 @@ class OpenAIServer:
                                 f"{MAX_SEQUENCES_PER_REQUEST} sequences one request may ask for", param="n")
         stream = await self._start_beam_search(prompts, params, "prompt", body.requested_max_tokens)
         tracker = _RequestTracker(self.metrics, arrival, stream)
-        try:
-            work = self._finish_beam_search(stream, tracker, params, body.skip_special_tokens)
-            results = await self._unless_disconnected(raw, work)
-        finally:
-            stream.abort()
+        results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = [CompletionResponseChoice(index=i * params.beam_width + c.index, text=c.text,
@@ -1059,6 +1055,16 @@ class OpenAIServer:
         result = CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=self.model_name, choices=choices,
                                     usage=self._beam_usage(results))
         return Response(result.model_dump_json(), media_type="application/json")
+
+    async def _beam_results(self, raw: Request, stream: RequestStream, tracker: _RequestTracker,
+                            params: BeamSearchParams, skip_special_tokens: bool
+                            ) -> list[RequestOutput] | None:
+        """A non-streamed search's results (None: the client left), its last step aborted either way."""
+        try:
+            work = self._finish_beam_search(stream, tracker, params, skip_special_tokens)
+            return await self._unless_disconnected(raw, work)
+        finally:
+            stream.abort()
 
     async def _beam_search_chat(self, body: ChatCompletionRequest, raw: Request, arrival: float) -> Response:
         params = self._beam_params(body, body.requested_max_tokens)
@@ -1072,11 +1078,7 @@ class OpenAIServer:
         if body.stream:
             events = self._beam_chat_events(body, stream, tracker, params, response_id, readers)
             return _EngineStreamResponse(events, stream, tracker)
-        try:
-            work = self._finish_beam_search(stream, tracker, params, body.skip_special_tokens)
-            results = await self._unless_disconnected(raw, work)
-        finally:
-            stream.abort()
+        results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         (out,) = results
