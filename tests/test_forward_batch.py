@@ -59,7 +59,7 @@ def check_batch(plan: StepPlan, batch: ForwardBatch, block_size: int) -> None:
     assert batch.context_lens.tolist() == [r.request.num_computed_tokens for r in rows]
     seq_lens = [r.request.num_computed_tokens + r.num_new_tokens for r in rows]
     assert batch.seq_lens.tolist() == seq_lens and batch.seq_lens_cpu == seq_lens
-    assert batch.is_first_chunk.dtype == torch.bool
+    assert batch.is_first_chunk.dtype == torch.int32 and batch.block_tables.dtype == torch.int32
     assert batch.is_first_chunk.tolist() == [r.request.num_computed_tokens == 0 for r in rows]
     assert batch.slot_mapping.dtype == torch.int64 and batch.slot_mapping.tolist() == slots
     width = max(len(r.request.block_ids) for r in rows)
@@ -368,3 +368,23 @@ def test_compact_and_full_layouts_share_the_input_buffer():
     assert len(compact_ptrs) == 1  # a graph captured on the compact layout reads where later steps stage
     with pytest.raises(ValueError, match="exceeds the input buffers"):
         buffers.stage(_step_arrays(513, 2, 0), none)
+
+
+def test_staged_pending_ids_land_from_the_previous_steps_sampled_ids():
+    """A row whose input id is still on the device is staged as a marker and lands as the previous step's
+    sampled id at its source index; every other token keeps its own id, and the int32 fields land in
+    the mirror."""
+    import numpy as np
+
+    from plait.runner.input_buffers import InputBuffers, Layout
+
+    buffers = InputBuffers(Layout(max_tokens=64, max_rows=9, block_table_width=4), CPU)
+    arrays = _step_arrays(12, 4, first_id=500)
+    arrays.pending_rows = [1, 3]
+    prev_ids = torch.tensor([70, 71, 72])
+    views = buffers.stage(arrays, np.array([2, 0]), prev_ids)
+    want = arrays.input_ids.copy()
+    want[arrays.query_start_loc[2] - 1], want[arrays.query_start_loc[4] - 1] = 72, 70
+    assert views["input_ids"].tolist() == want.tolist()
+    assert views["query_start_loc"].dtype == torch.int32
+    assert views["query_start_loc"].tolist() == arrays.query_start_loc.tolist()

@@ -178,7 +178,10 @@ def test_triton_agrees_with_torch_ref_in_bf16(tmp_path, head_dim):
 
 def test_staging_never_overwrites_a_copy_in_flight():
     """Hazard 9: the host fills pinned buffers while the stream is held up; every step must still
-    arrive intact, so a buffer is reused only after the copy that read it completed."""
+    arrive intact, so a buffer is reused only after the copy that read it completed. The copies run on
+    their own stream ahead of the compute stream, so this also checks that a staging buffer is not
+    overwritten before the landing launch that reads it, and that an input id still on the device is
+    read after the step that samples it (each step's prev ids are written late, behind a sleep)."""
     from plait.runner.forward_batch import StepArrays
     from plait.runner.input_buffers import InputBuffers, Layout
 
@@ -186,9 +189,11 @@ def test_staging_never_overwrites_a_copy_in_flight():
     seen, expected = [], []
     for step in range(12):
         torch.cuda._sleep(2_000_000)  # keep the stream busy so copies queue up behind it
+        prev_ids = torch.full((3,), -5, dtype=torch.long, device="cuda")
+        prev_ids.fill_(9000 + step)  # "sampled" behind the sleep, in stream order
         ids = np.arange(step * 100, step * 100 + 5, dtype=np.int64)
         arrays = StepArrays(
-            input_ids=ids,
+            input_ids=ids.copy(),
             positions=np.arange(5),
             slot_mapping=np.arange(5) + 16,
             query_start_loc=np.array([0, 5]),
@@ -196,16 +201,19 @@ def test_staging_never_overwrites_a_copy_in_flight():
             seq_lens=np.array([5]),
             is_first_chunk=np.array([1]),
             state_slots=np.array([0]),
-            block_tables=np.array([[1]]),
+            block_tables=np.array([[step]]),
             sample_indices=np.array([4]),
             sample_rows=[0],
+            pending_rows=[0] if step % 2 else [],
         )
-        views = buffers.stage(arrays, np.zeros(0, dtype=np.int64))
-        seen.append(views["input_ids"].clone())  # stream-ordered after the step's copy
-        expected.append(ids)
+        views = buffers.stage(arrays, np.array([2] if step % 2 else [], dtype=np.int64), prev_ids)
+        seen.append((views["input_ids"].clone(), views["block_tables"].clone()))  # stream-ordered
+        ids[4] = 9000 + step if step % 2 else ids[4]
+        expected.append((ids, step))
     torch.cuda.synchronize()
-    for got, want in zip(seen, expected):
-        assert got.cpu().tolist() == want.tolist()
+    for (got_ids, got_table), (want_ids, want_table) in zip(seen, expected):
+        assert got_ids.cpu().tolist() == want_ids.tolist()
+        assert got_table.dtype == torch.int32 and got_table.cpu().tolist() == [[want_table]]
 
 
 def test_gpu_engine_with_graphs_is_freed_without_the_cycle_collector(tmp_path):

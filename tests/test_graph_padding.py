@@ -24,7 +24,7 @@ PROMPT_CAP = 32
 
 def _graph_batch(engine: LLMEngine, views: dict, shape: GraphShape) -> ForwardBatch:
     runner = engine.runner
-    batch = ForwardBatch.from_int64(views, [], shape.max_query_len, runner.max_model_len,
+    batch = ForwardBatch.from_views(views, [], shape.max_query_len, runner.max_model_len,
                                     num_leading_single_token_rows=shape.decode_rows)
     runner._attach(batch)
     return batch

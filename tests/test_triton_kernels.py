@@ -203,3 +203,51 @@ def test_gpu_merge_matches_torch_with_empty_sides(dtype):
     torch.testing.assert_close(out.float(), out_ref.float(), atol=atol, rtol=0)
     torch.testing.assert_close(lse, lse_ref, atol=1e-5, rtol=1e-6)
     assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+
+
+# ---- prepare_step_inputs ---------------------------------------------------------------------------------
+
+
+def _staged_step(used: int, num_tokens: int, num_prev: int, seed: int):
+    """A flat staged step: token ids (some of them pending markers into prev_ids), then other fields."""
+    from plait.runner.input_buffers import pending_marker
+
+    g = torch.Generator().manual_seed(seed)
+    staged = torch.randint(0, 50_000, (used,), generator=g)
+    prev_ids = torch.randint(0, 50_000, (num_prev,), generator=g)
+    if num_prev:
+        dst = torch.randperm(num_tokens, generator=g)[: min(num_prev, num_tokens)]
+        src = torch.randint(0, num_prev, (len(dst),), generator=g)
+        staged[dst] = torch.tensor([pending_marker(int(s)) for s in src])
+    staged[num_tokens:][::7] = -1  # negative values past the ids (pad ids elsewhere) are copied as they are
+    return staged, prev_ids
+
+
+@pytest.mark.parametrize("used,num_tokens,num_prev", [(1, 1, 1), (37, 5, 3), (3000, 1024, 256), (2050, 7, 0)])
+def test_prepare_step_inputs_matches_reference(used, num_tokens, num_prev):
+    from plait.kernels.step_inputs import prepare_step_inputs
+    from plait.runner.input_buffers import prepare_step_inputs_ref
+
+    staged, prev_ids = _staged_step(used, num_tokens, num_prev, seed=used)
+    want64, want32 = torch.full((used + 9,), 7), torch.full((used + 9,), 7, dtype=torch.int32)
+    prepare_step_inputs_ref(staged, num_tokens, prev_ids if num_prev else None, want64, want32)
+    got64, got32 = torch.full((used + 9,), 7), torch.full((used + 9,), 7, dtype=torch.int32)
+    prepare_step_inputs(staged, num_tokens, prev_ids if num_prev else None, got64, got32)
+    assert torch.equal(got64, want64) and torch.equal(got32, want32)
+    assert (want64[:num_tokens] >= 0).all()  # every marker was replaced by its source's id
+    assert (want64[used:] == 7).all()  # nothing past the staged prefix is touched
+    assert torch.equal(want32[:used], want64[:used].int())
+
+
+@gpu
+def test_gpu_prepare_step_inputs_matches_reference():
+    from plait.kernels.step_inputs import prepare_step_inputs
+    from plait.runner.input_buffers import prepare_step_inputs_ref
+
+    staged, prev_ids = _staged_step(40_000, 2048, 256, seed=3)
+    want64, want32 = torch.zeros(40_000, dtype=torch.long), torch.zeros(40_000, dtype=torch.int32)
+    prepare_step_inputs_ref(staged, 2048, prev_ids, want64, want32)
+    got64 = torch.zeros(40_000, dtype=torch.long, device="cuda")
+    got32 = torch.zeros(40_000, dtype=torch.int32, device="cuda")
+    prepare_step_inputs(staged.cuda(), 2048, prev_ids.cuda(), got64, got32)
+    assert torch.equal(got64.cpu(), want64) and torch.equal(got32.cpu(), want32)

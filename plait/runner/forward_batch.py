@@ -32,7 +32,8 @@ class StepArrays:
     sample_rows: list[int]  # [S]: the rows that sample (chunks that end the known tokens, decodes)
     # Rows whose input token was sampled by the step still in flight: its id is not on the host, so
     # the runner copies it on the device from that step's sampled ids (hazard 10: the request's own
-    # token, never a placeholder). input_ids holds PENDING_INPUT_ID there until it is patched.
+    # token, never a placeholder). input_ids holds PENDING_INPUT_ID there; the input buffers stage a
+    # marker naming the sampled id in its place, which the step's landing launch replaces.
     pending_rows: list[int] = field(default_factory=list)
 
     @property
@@ -112,7 +113,7 @@ def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
 
 @dataclass
 class ForwardBatch:
-    """Flattened tokens of every row, in plan order. Made by ``ForwardBatch.from_int64`` from device
+    """Flattened tokens of every row, in plan order. Made by ``ForwardBatch.from_views`` from device
     views of one host-to-device copy (or, on CPU, of the host arrays themselves).
 
     Under a CUDA graph the tensors are views of the runner's static buffers and the host-side
@@ -125,7 +126,7 @@ class ForwardBatch:
     query_start_loc: torch.Tensor  # [R + 1] int32
     context_lens: torch.Tensor  # [R] int32: tokens already cached before this step
     seq_lens: torch.Tensor  # [R] int32: context_lens + this step's tokens
-    is_first_chunk: torch.Tensor  # [R] bool: num_computed_tokens == 0 (never inferred from length)
+    is_first_chunk: torch.Tensor  # [R] int32: 1 iff num_computed_tokens == 0 (never inferred from length)
     state_slots: torch.Tensor  # [R] int64: the request's recurrent-state slot (NO_STATE_SLOT if none)
     block_tables: torch.Tensor  # [R, W] int32, padded with PAD_BLOCK_ID
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
@@ -148,7 +149,7 @@ class ForwardBatch:
     backend_state: dict = field(default_factory=dict)
 
     @classmethod
-    def from_int64(
+    def from_views(
         cls,
         views: dict[str, torch.Tensor],
         sample_rows: list[int],
@@ -157,18 +158,18 @@ class ForwardBatch:
         host: StepArrays | None = None,
         num_leading_single_token_rows: int = 0,
     ) -> ForwardBatch:
-        """Build from int64 tensors named like StepArrays' fields (device views of one copy). The
-        narrowing casts run here, on the device, so a CUDA graph that builds its batch inside the
-        capture replays them too."""
+        """Build from device tensors named like StepArrays' fields, already in the dtypes the fields
+        hold (INT32_FIELDS int32, the rest int64): views of the runner's fixed buffers, so a CUDA
+        graph that builds its batch inside the capture launches nothing for it."""
         return cls(
             input_ids=views["input_ids"],
             positions=views["positions"],
-            query_start_loc=views["query_start_loc"].int(),
-            context_lens=views["context_lens"].int(),
-            seq_lens=views["seq_lens"].int(),
-            is_first_chunk=views["is_first_chunk"].bool(),
+            query_start_loc=views["query_start_loc"],
+            context_lens=views["context_lens"],
+            seq_lens=views["seq_lens"],
+            is_first_chunk=views["is_first_chunk"],
             state_slots=views["state_slots"],
-            block_tables=views["block_tables"].int(),
+            block_tables=views["block_tables"],
             slot_mapping=views["slot_mapping"],
             sample_indices=views["sample_indices"],
             sample_rows=sample_rows,
@@ -214,6 +215,8 @@ STEP_FIELDS = (
     "block_tables",
     "sample_indices",
 )
+# The fields kernels read as int32 (the input buffers keep an int32 mirror for them); the rest are int64.
+INT32_FIELDS = ("query_start_loc", "context_lens", "seq_lens", "is_first_chunk", "block_tables")
 
 
 def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -> ForwardBatch:
@@ -229,7 +232,8 @@ def forward_batch_from_arrays(arrays: StepArrays, device: torch.device) -> Forwa
     dev = host.to(device)  # a plain (synchronous) copy: this path keeps no staging buffer alive
     flat = torch.split(dev, [p.size for p in parts])
     views = {name: t.view(p.shape) for name, t, p in zip(STEP_FIELDS, flat, parts)}
-    return ForwardBatch.from_int64(
+    views.update({name: views[name].int() for name in INT32_FIELDS})
+    return ForwardBatch.from_views(
         views, arrays.sample_rows, arrays.max_query_len, arrays.max_seq_len, host=arrays,
         num_leading_single_token_rows=arrays.num_leading_single_token_rows,
     )

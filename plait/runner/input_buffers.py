@@ -7,14 +7,38 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from plait.runner.forward_batch import STEP_FIELDS, StepArrays
+from plait.kernels.dispatch import triton_enabled, triton_importable
+from plait.runner.forward_batch import INT32_FIELDS, STEP_FIELDS, StepArrays
 
 # Pinned staging buffers used in turn. A buffer is written only after the copy that last read it
 # has completed (its event), so two let the host fill one while the other's copy is in flight
 # (FIELD-NOTES hazard 9).
 NUM_STAGING_BUFFERS = 2
 # The buffer's sections, block tables last so that a step copies only the prefix it uses.
-_FIELDS = tuple(n for n in STEP_FIELDS if n != "block_tables") + ("pending", "block_tables")
+_FIELDS = tuple(n for n in STEP_FIELDS if n != "block_tables") + ("block_tables",)
+
+
+def pending_marker(source: int) -> int:
+    """How the host stages an input id still on the device: -(its index in the previous step's
+    sampled ids) - 1, so every marker is negative and no real token id (>= 0) is one."""
+    return -source - 1
+
+
+def prepare_step_inputs_ref(
+    staged: torch.Tensor, num_tokens: int, prev_ids: torch.Tensor | None, out64: torch.Tensor,
+    out32: torch.Tensor,
+) -> None:
+    """Land a staged step (the torch reference of plait.kernels.step_inputs, and the CPU path).
+
+    staged: [used] int64, the input ids first (``num_tokens`` of them, pending ones as markers);
+    prev_ids: [S] int64, the previous step's sampled ids, or None; out64, out32: [>= used]."""
+    used = staged.shape[0]
+    out64[:used].copy_(staged)
+    if prev_ids is not None and prev_ids.numel():  # the runner stages markers only beside a prev
+        ids = out64[:num_tokens]
+        source = (-ids - 1).clamp_(0, prev_ids.numel() - 1)  # no host sync: real ids read a dummy
+        ids.copy_(torch.where(ids < 0, prev_ids[source], ids))
+    out32[:used].copy_(out64[:used])
 
 
 @dataclass(frozen=True)
@@ -33,8 +57,6 @@ class Layout:
             return self.max_rows + 1
         if name == "block_tables":
             return self.max_rows * self.block_table_width
-        if name == "pending":  # destinations then sources of the pending input tokens
-            return 2 * self.max_rows
         return self.max_rows
 
     def offset(self, name: str) -> int:
@@ -46,9 +68,14 @@ class Layout:
 
 
 class InputBuffers:
-    """Stages a step's arrays into pinned memory and copies them to one fixed device buffer with a
-    single non-blocking copy. Tensors of every step (and of every captured graph) are views of that
-    device buffer at fixed addresses, so a graph replay reads the step that was staged before it.
+    """Stages a step's arrays into pinned memory, copies them to the device with a single non-blocking
+    copy, and lands them in one fixed device buffer (and its int32 mirror) with one launch that also
+    patches the input ids still on the device. Tensors of every step (and of every captured graph)
+    are views of those fixed buffers, so a graph replay reads the step that was staged before it.
+
+    On CUDA the copy runs on its own stream into one of two device staging buffers, so it overlaps
+    the step still running (which reads the fixed buffers); only the landing launch waits for that
+    step, on the compute stream.
 
     Two layouts share the buffer: a compact one, room for ``compact_tokens`` tokens, for the steps
     that fit it (decodes, and every CUDA-graph shape: the runner sizes it so), and the full one for
@@ -62,12 +89,19 @@ class InputBuffers:
         self.compact_layout = replace(layout, max_tokens=compact)
         self.device = device
         self.device_buffer = torch.zeros(layout.size, dtype=torch.int64, device=device)
-        pin = device.type == "cuda"
-        self._pinned = [
-            torch.zeros(layout.size, dtype=torch.int64, pin_memory=pin) for _ in range(NUM_STAGING_BUFFERS)
-        ]
+        # The fields the kernels read as int32 are views of this mirror, at the same offsets.
+        self.device_buffer32 = torch.zeros(layout.size, dtype=torch.int32, device=device)
+        on_cuda = device.type == "cuda"
+        self._pinned = [torch.zeros(layout.size, dtype=torch.int64, pin_memory=on_cuda)
+                        for _ in range(NUM_STAGING_BUFFERS)]
         self._host = [t.numpy() for t in self._pinned]
+        # CUDA only: where each copy lands, the stream that copies, and per buffer the events that
+        # order it: its copy is done (pinned memory free, staging readable), its landing launch is done
+        # (staging free).
+        self._staging = [torch.zeros_like(self.device_buffer) for _ in self._pinned] if on_cuda else []
+        self._copy_stream = torch.cuda.Stream(device) if on_cuda else None
         self._copied: list[torch.cuda.Event | None] = [None] * NUM_STAGING_BUFFERS
+        self._landed: list[torch.cuda.Event | None] = [None] * NUM_STAGING_BUFFERS
         self._next = 0
 
     def layout_for(self, num_tokens: int) -> Layout:
@@ -77,28 +111,31 @@ class InputBuffers:
     def views(
         self, num_rows: int, num_tokens: int, num_samples: int, block_table_width: int | None = None
     ) -> dict[str, torch.Tensor]:
-        """Device views of the fixed buffer for a step of this shape (graph capture uses these)."""
+        """Device views of the fixed buffers for a step of this shape (graph capture uses these): int32
+        for INT32_FIELDS, int64 for the rest."""
         layout = self.layout_for(num_tokens)
         width = layout.block_table_width
         out = {}
         for name in STEP_FIELDS:
             start = layout.offset(name)
+            buffer = self.device_buffer32 if name in INT32_FIELDS else self.device_buffer
             if name == "block_tables":
-                table = self.device_buffer[start : start + num_rows * width].view(num_rows, width)
+                table = buffer[start : start + num_rows * width].view(num_rows, width)
                 out[name] = table[:, :block_table_width] if block_table_width else table
                 continue
             length = {"query_start_loc": num_rows + 1, "sample_indices": num_samples}.get(
                 name, num_tokens if name in ("input_ids", "positions", "slot_mapping") else num_rows
             )
-            out[name] = self.device_buffer[start : start + length]
+            out[name] = buffer[start : start + length]
         return out
 
-    def stage(self, arrays: StepArrays, pending_src: np.ndarray, full_width: bool = False
-              ) -> dict[str, torch.Tensor]:
-        """Copy ``arrays`` (padded to a graph shape already, if it is one) to the device buffer. Returns
-        the device views of the step, plus ``pending_dst`` / ``pending_src``: the input tokens to take
-        from the previous step's sampled ids, and which of them. Graphs read the block tables at the
-        full static width; eager steps only the columns the step uses."""
+    def stage(self, arrays: StepArrays, pending_src: np.ndarray, prev_ids: torch.Tensor | None = None,
+              full_width: bool = False) -> dict[str, torch.Tensor]:
+        """Copy ``arrays`` (padded to a graph shape already, if it is one) to the fixed buffers, in stream
+        order before whatever is launched next. Row ``pending_rows[j]``'s input id is
+        ``prev_ids[pending_src[j]]``: the previous step's sampled id, still on the device. Returns the
+        device views of the step. Graphs read the block tables at the full static width; eager steps
+        only the columns the step uses."""
         i = self._next
         self._next = (i + 1) % NUM_STAGING_BUFFERS
         if self._copied[i] is not None:
@@ -106,19 +143,32 @@ class InputBuffers:
         host = self._host[i]
         layout = self.layout_for(arrays.num_tokens)
         used = self._fill(host, arrays, layout)
-        num_pending = len(arrays.pending_rows)
-        start = layout.offset("pending")
-        host[start : start + num_pending] = arrays.query_start_loc[1:][arrays.pending_rows] - 1
-        host[start + num_pending : start + 2 * num_pending] = pending_src
-        self.device_buffer[:used].copy_(self._pinned[i][:used], non_blocking=True)
-        if self.device.type == "cuda":
-            event = self._copied[i] = self._copied[i] or torch.cuda.Event()
-            event.record()
+        last_tokens = arrays.query_start_loc[1:][arrays.pending_rows] - 1
+        host[last_tokens] = [pending_marker(int(s)) for s in pending_src]
+        if self._copy_stream is None:
+            prepare_step_inputs_ref(self._pinned[i][:used], arrays.num_tokens, prev_ids,
+                                    self.device_buffer, self.device_buffer32)
+        else:
+            self._copy_and_land(i, used, arrays.num_tokens, prev_ids)
         width = None if full_width else arrays.block_tables.shape[1]
-        views = self.views(arrays.num_rows, arrays.num_tokens, len(arrays.sample_indices), width)
-        views["pending_dst"] = self.device_buffer[start : start + num_pending]
-        views["pending_src"] = self.device_buffer[start + num_pending : start + 2 * num_pending]
-        return views
+        return self.views(arrays.num_rows, arrays.num_tokens, len(arrays.sample_indices), width)
+
+    def _copy_and_land(self, i: int, used: int, num_tokens: int, prev_ids: torch.Tensor | None) -> None:
+        land = prepare_step_inputs_ref
+        if triton_enabled() and triton_importable():
+            from plait.kernels.step_inputs import prepare_step_inputs as land
+
+        compute = torch.cuda.current_stream(self.device)
+        staging = self._staging[i][:used]
+        copied = self._copied[i] = self._copied[i] or torch.cuda.Event()
+        landed = self._landed[i] = self._landed[i] or torch.cuda.Event()
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(landed)  # the landing launch two steps back read this staging
+            staging.copy_(self._pinned[i][:used], non_blocking=True)
+            copied.record()
+        compute.wait_event(copied)
+        land(staging, num_tokens, prev_ids, self.device_buffer, self.device_buffer32)
+        landed.record(compute)
 
     def _fill(self, host: np.ndarray, arrays: StepArrays, layout: Layout) -> int:
         """Write the arrays at ``layout``'s offsets; return how many leading elements the copy must cover."""
