@@ -381,26 +381,6 @@ def test_min_tokens_blocks_every_eos_id() -> None:
     assert Sampler()(logits, [r]).token_ids == [0]
 
 
-@pytest.mark.parametrize("vocab", [128256, 49152, 4096, 1000, 997])
-@pytest.mark.parametrize("rows", [1, 3, ARGMAX_FEW_ROWS])
-def test_chunked_argmax_is_argmax_with_first_maximum_winning(vocab: int, rows: int) -> None:
-    """Few wide rows are reduced chunk by chunk; ties (inside a chunk, across chunks, a whole row) and
-    infinities still give torch's answer: the first maximal index."""
-    g = torch.Generator().manual_seed(vocab + rows)
-    for dtype in (torch.float32, torch.bfloat16):
-        logits = torch.randn(rows, vocab, generator=g).to(dtype)
-        assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
-        tied = logits.clone()
-        top = tied.max() + 1
-        for r, cols in enumerate([(5, vocab - 1), (vocab // 2 + 1, vocab // 2 + 2), (0, vocab - 3)][:rows]):
-            tied[r, list(cols)] = top  # the same maximum twice: the lower index wins
-        if rows > 3:
-            tied[3] = 0.0  # a flat row: index 0
-            tied[4, 7] = float("inf")
-        assert torch.equal(argmax_rows(tied), tied.argmax(dim=-1))
-        assert argmax_rows(tied)[0] == 5
-
-
 # --------------------------------------------------------------------------- logit_bias, allowed_token_ids
 
 
@@ -760,6 +740,149 @@ def test_hashed_noise_looks_exponential_and_the_kernel_draws_the_same(device: st
     got = torch.full((5,), -1, dtype=torch.long, device=device)
     race_sample(z, keys, rows, got)
     assert got[[4, 0, 2, 3]].tolist() == draws.argmin(dim=-1).tolist() and got[1] == -1
+
+
+# --------------------------------------------------------------------------- the argmax kernel (Triton)
+
+# The kernel's device: CUDA where there is one, else the CPU through Triton's interpreter.
+KERNEL_DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+
+def _argmax_case(seed: int, rows: int, vocab: int) -> torch.Tensor:
+    """Random logits with the awkward rows planted first: a maximum tied at three ids (across chunks
+    when the row has several), a row of -inf alone, one of -inf but its last id, NaN twice after +inf
+    (torch ranks NaN highest), +inf twice."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, vocab, generator=g)
+    inf = float("inf")
+    row_plants = [
+        [([vocab - 1, vocab // 2, vocab // 3], float(x.max()) + 1)],
+        [(slice(None), -inf)],
+        [(slice(0, vocab - 1), -inf)],
+        [([0], inf), ([vocab - 1, vocab // 2], float("nan"))],
+        [([vocab // 3, vocab - 1], inf)],
+    ]
+    for i, plants in enumerate(row_plants[:rows]):
+        for cols, value in plants:
+            x[i, cols] = value
+    return x
+
+
+def _scratch_counters(device: str, chunks: int) -> torch.Tensor:
+    from plait.kernels.sampling import _argmax_scratch
+
+    return _argmax_scratch(torch.empty(0, device=device).device, ARGMAX_FEW_ROWS, chunks)[2]
+
+
+# (rows, vocab, chunk, block): the default chunks (one id, fewer ids than a chunk, a last chunk of 7),
+# then small ones crossing several chunks of several tiles, the last cut short. Few programs: the
+# interpreter takes ~10 ms each.
+ARGMAX_CASES = [(1, 1, None, None), (5, 7, None, None), (3, 1000, None, None), (4, 1031, None, None),
+                (2, 2, 32, 16), (5, 65, 32, 16), (3, 200, 32, 16), (3, 333, 64, 16)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_kernel_is_torch_argmax(dtype: torch.dtype) -> None:
+    """The one-launch argmax gives torch.argmax's ids over vocabularies of one id, odd sizes, narrower
+    than a chunk or crossing many, with ties across chunks, rows of -inf, infinities and NaN."""
+    pytest.importorskip("triton")
+    from plait.kernels.sampling import argmax_few_rows
+
+    for seed, (rows, vocab, chunk, block) in enumerate(ARGMAX_CASES):
+        if dtype != torch.float32 and chunk is not None and vocab != 65:
+            continue  # the conversion is the same in every case: one with several chunks is enough
+        sizes = {} if chunk is None else dict(chunk=chunk, block=block)
+        logits = _argmax_case(seed, rows, vocab).to(KERNEL_DEVICE, dtype)
+        got = argmax_few_rows(logits, ARGMAX_FEW_ROWS, **sizes)
+        assert torch.equal(got, logits.argmax(dim=-1)), f"{rows} x {vocab}: {got.tolist()}"
+    # Rows sliced from a wider tensor (a row stride past the vocabulary).
+    wide = _argmax_case(9, 4, 300).to(KERNEL_DEVICE, dtype)[1:, :250]
+    assert torch.equal(argmax_few_rows(wide, ARGMAX_FEW_ROWS, chunk=64, block=16), wide.argmax(dim=-1))
+
+
+def test_argmax_kernel_resets_its_counters_for_the_next_launch() -> None:
+    """Launches in a row share one set of cached partials and counters (a CUDA graph replays the same
+    addresses): each row's last program sets its counter back to zero, so the next launch, with other
+    logits and fewer rows, still combines every row."""
+    pytest.importorskip("triton")
+    from plait.kernels.sampling import argmax_few_rows
+
+    vocab, chunk, block = 120, 32, 16  # 4 chunks a row
+    counters = _scratch_counters(KERNEL_DEVICE, 4)
+    for seed, rows in enumerate([3, 3, 2]):
+        x = _argmax_case(seed, rows, vocab).to(KERNEL_DEVICE)
+        x[:, 40 * seed] = 100.0  # the maximum in another chunk each launch
+        got = argmax_few_rows(x, ARGMAX_FEW_ROWS, chunk=chunk, block=block)
+        assert torch.equal(got, x.argmax(dim=-1)), f"launch {seed}"
+        assert _scratch_counters(KERNEL_DEVICE, 4) is counters and not bool(counters.any())
+
+
+def test_argmax_kernel_at_a_sizeable_vocabulary() -> None:
+    """The default chunks over SmolLM's 49,152 ids (48 chunks): the maximum tied across the first chunk's
+    end, the second's start and the last chunk."""
+    pytest.importorskip("triton")
+    from plait.kernels.sampling import argmax_few_rows
+
+    x = torch.randn(1, 49_152, generator=torch.Generator().manual_seed(3))
+    x[0, [49_151, 1024, 1023]] = 9.0
+    x = x.to(KERNEL_DEVICE)
+    got = argmax_few_rows(x, ARGMAX_FEW_ROWS)
+    assert got.tolist() == [1023] and torch.equal(got, x.argmax(dim=-1))
+
+
+def test_argmax_rows_takes_the_kernel_for_few_rows_only(monkeypatch) -> None:
+    """argmax_rows (and so greedy sampling) sends fewer than ARGMAX_FEW_ROWS rows through the kernel and
+    more to torch.argmax; both give torch's first maximum."""
+    pytest.importorskip("triton")
+    from plait.kernels import dispatch, sampling
+
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", not HAS_CUDA)
+    launches = []
+    kernel = sampling.argmax_few_rows
+    monkeypatch.setattr(sampling, "argmax_few_rows", lambda *a, **k: launches.append(1) or kernel(*a, **k))
+    with torch.no_grad():  # as the engine samples (inference mode): the kernels have no backward
+        for rows in (1, 3, ARGMAX_FEW_ROWS - 1, ARGMAX_FEW_ROWS):
+            logits = make_logits(rows, rows, 997, ties=True).to(KERNEL_DEVICE)
+            launches.clear()
+            assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1))
+            assert len(launches) == (rows < ARGMAX_FEW_ROWS)
+        logits = make_logits(0, 3, 300, ties=True).to(KERNEL_DEVICE)
+        launches.clear()
+        assert Sampler()(logits, [row(temperature=0.0)] * 3).token_ids == logits.argmax(dim=-1).tolist()
+        assert launches
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@torch.no_grad()  # as the engine samples: argmax_rows keeps torch's path where autograd records
+def test_gpu_argmax_kernel_at_a_real_vocabulary_and_in_a_cuda_graph() -> None:
+    """Llama-3's 128,256 ids in fp32 and bf16: torch.argmax's ids eagerly, without a host sync, and from a
+    captured CUDA graph replayed on new logits (the counters reset inside the graph too)."""
+    from plait.kernels.sampling import argmax_few_rows
+
+    vocab = 128_256
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows in (1, 5, ARGMAX_FEW_ROWS - 1):
+            logits = _argmax_case(rows, rows, vocab).to("cuda", dtype)
+            assert torch.equal(argmax_rows(logits), logits.argmax(dim=-1)), f"{dtype}, {rows} rows"
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            argmax_few_rows(logits, ARGMAX_FEW_ROWS)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+        static = _argmax_case(0, 5, vocab).to("cuda", dtype)
+        argmax_rows(static)  # compiled and its scratch allocated outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = argmax_rows(static)
+        for seed in (1, 2):
+            new = _argmax_case(seed, 5, vocab).to("cuda", dtype)
+            new[4, 1000 * seed] = float("inf")  # +inf before the planted ones: the first wins
+            static.copy_(new)
+            graph.replay()
+            assert torch.equal(out, new.argmax(dim=-1)), f"{dtype}, replay {seed}"
 
 
 def test_banned_ids_are_never_sampled_and_bad_words_ban_their_last_token():

@@ -1,4 +1,5 @@
-"""Top-k / top-p / min-p sampling as an exponential race that never sorts the vocabulary."""
+"""Top-k / top-p / min-p sampling as an exponential race that never sorts the vocabulary, and greedy
+argmax of few wide rows in one launch."""
 
 # Sampling draws argmax_i p_i / E_i over the ids the filters keep, with E_i ~ Exp(1) noise (an
 # exponential race: distributed as Categorical(p) over those ids). Each filter keeps a prefix of the
@@ -17,11 +18,14 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from plait.kernels.interpreter import static_iters, trip_count
+from plait.kernels.pdl import pdl_args, pdl_prologue
 
 # Ids per loop step of the kernel: 4,096 fp32 logits per step keep ~64 loads in flight a warp at 8 warps.
 RACE_BLOCK = 4096
@@ -188,3 +192,131 @@ def _hashed_exponential(key, ids):
     h = _mix32(_mix32(ids.to(tl.uint32) ^ key[0]) ^ key[1])
     u = ((h >> 8) + 1).to(tl.float32) * (1.0 / 16777216.0)  # (0, 1], exact in fp32
     return tl.maximum(-tl.log(u), _TINY)
+
+
+# ---- Greedy: the argmax of few wide rows in one launch ------------------------------------------------
+# torch's CUDA argmax reduces a row in one thread block (37 us for a 128,256-wide row on an H200), and
+# doing it in two torch passes instead took 5 launches (~22 us of a 4.4 ms batch-1 Llama-8B token). Here
+# each row is cut into chunks, one program each: a program stores its chunk's maximum and the first id
+# holding it, then counts itself in on the row's counter; the program that arrives last combines the
+# row's partials (the largest, the lowest id on ties), writes the id and resets the counter for the next
+# launch, as split-KV attention does (plait.kernels.paged_attention). The reference is
+# logits.argmax(dim=-1), matched exactly, NaN included: torch ranks NaN above every value, so the first
+# NaN of a row wins.
+
+# Ids per program: a 128,256-id vocabulary spreads over 126 programs, about one per SM of an H100 / H200
+# (132), each reading one tile, so a row costs one load round trip and then the combine's.
+ARGMAX_CHUNK = 1024
+ARGMAX_BLOCK = 1024  # ids per loop step: 8 a thread at 4 warps (one 16-byte load of bf16, two of fp32)
+ARGMAX_WARPS = 4
+# Most chunks a row is cut into (vocabularies past 1,048,576 ids get wider chunks): the last program of a
+# row loads all its partials in one go.
+ARGMAX_MAX_CHUNKS = 1024
+# An id past any row: never the lowest among real ones.
+_NO_ID = tl.constexpr(2**31 - 1)
+
+
+@functools.cache
+def _argmax_scratch(device: torch.device, max_rows: int, chunks: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """argmax_few_rows' partials and counters for one device and shape, allocated once: every launch,
+    and every replay of a CUDA graph that captured one, uses the same. The counters start at zero and
+    each row's last program sets its own back to zero."""
+    # values: [max_rows, chunks] fp32; ids: [max_rows, chunks] int32; counters: [max_rows] int32
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # Zeros allocated under capture would be filled only when the graph replays.
+        raise RuntimeError("argmax_few_rows: call it once outside CUDA-graph capture first (it allocates "
+                           "its counters)")
+    return (torch.empty(max_rows, chunks, dtype=torch.float32, device=device),
+            torch.empty(max_rows, chunks, dtype=torch.int32, device=device),
+            torch.zeros(max_rows, dtype=torch.int32, device=device))
+
+
+@triton.jit
+def _first_max(values, ids):
+    """The largest of ``values`` (NaN above everything, as torch.argmax ranks it) and the lowest of
+    ``ids`` holding it: (value, id)."""
+    # values: [N] fp32; ids: [N] int32 -> (scalar fp32, scalar int32)
+    nan = values != values
+    top = tl.max(tl.where(nan, float("-inf"), values), axis=0)
+    any_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    hit = tl.where(any_nan, nan, values == top)
+    return tl.where(any_nan, float("nan"), top), tl.min(tl.where(hit, ids, _NO_ID), axis=0)
+
+
+@triton.jit
+def _argmax_kernel(
+    x_ptr, out_ptr, part_val_ptr, part_id_ptr, counters_ptr, V, stride_x, chunks, tiles,
+    STATIC_TILES: tl.constexpr, CHUNKS_POW2: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+):
+    """Grid (S, chunks): chunk ``program_id(1)`` (``tiles`` tiles of BLOCK ids) of row ``program_id(0)``;
+    the row's last program to finish writes its argmax."""
+    # x: [S, V] float logits, unit stride along V; out: [S] int64; part_val, part_id: [>= S, chunks] fp32 /
+    # int32 scratch; counters: [>= S] int32, zero between launches.
+    pdl_prologue(PDL)
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    start = chunk * tiles * BLOCK
+    x_row = x_ptr + row.to(tl.int64) * stride_x
+    offs = tl.arange(0, BLOCK)
+    # Each lane keeps the first of its largest values: only a strictly greater one (or a first NaN)
+    # replaces it, and a lane's ids only grow. Lanes start at the chunk's first id, the answer for a chunk
+    # of -inf alone (every chunk holds at least one id of the row).
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_id = tl.zeros((BLOCK,), tl.int32) + start
+    for t in range(trip_count(STATIC_TILES, tiles)):
+        ids = start + t * BLOCK + offs
+        x = tl.load(x_row + ids, mask=ids < V, other=float("-inf")).to(tl.float32)
+        better = (x > best) | ((x != x) & (best == best))
+        best = tl.where(better, x, best)
+        best_id = tl.where(better, ids, best_id)
+    value, first = _first_max(best, best_id)
+    part = row * chunks + chunk
+    tl.store(part_val_ptr + part, value)
+    tl.store(part_id_ptr + part, first)
+    # Every thread's stores precede the count: the barrier orders them within the program, the release
+    # half of the gpu-scope atomic publishes them to the program that arrives last.
+    tl.debug_barrier()
+    counter = counters_ptr + row
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    if arrived == chunks - 1:
+        # The acquire half makes the other chunks' partials visible; the barrier orders every thread's
+        # loads after it. Straight from L2 (.cg): other multiprocessors stored them, and this one's L1 may
+        # hold stale lines of the same scratch from an earlier launch.
+        tl.debug_barrier()
+        c = tl.arange(0, CHUNKS_POW2)
+        have = c < chunks
+        vals = tl.load(part_val_ptr + row * chunks + c, mask=have, other=float("-inf"), cache_modifier=".cg")
+        firsts = tl.load(part_id_ptr + row * chunks + c, mask=have, other=_NO_ID, cache_modifier=".cg")
+        _, first = _first_max(vals, firsts)
+        tl.store(out_ptr + row, first.to(tl.int64))
+        tl.store(counter, 0)  # every chunk has counted in: ready for the next launch
+
+
+def argmax_few_rows(logits: torch.Tensor, max_rows: int, chunk: int = ARGMAX_CHUNK,
+                    block: int = ARGMAX_BLOCK) -> torch.Tensor:
+    """logits.argmax(dim=-1) in one launch, each row spread over many programs (for batches too small to
+    fill the GPU a row each): the first maximum wins, NaN above all, as in torch.
+
+    max_rows: the most rows any call passes; the partials and counters are cached per (device, max_rows,
+    chunks), so the launch allocates nothing but its output, never waits for the device and can be
+    captured in a CUDA graph (after one call outside capture). Launches sharing that scratch must not run
+    concurrently (one stream). chunk, block: ids per program and per loop step (chunk a multiple of
+    block, a power of two; tests use small ones to cross many chunks cheaply)."""
+    # logits: [S, V] fp32 / fp16 / bf16, unit stride along V, 0 < S <= max_rows, V > 0 -> [S] int64
+    rows, vocab = logits.shape
+    if not 0 < rows <= max_rows or vocab == 0 or logits.stride(1) != 1:
+        raise ValueError(f"argmax_few_rows: logits {tuple(logits.shape)} (stride {logits.stride()}) needs "
+                         f"1..{max_rows} rows, a vocabulary and unit stride along it")
+    if block & (block - 1) or chunk % block:
+        raise ValueError(f"argmax_few_rows: block {block} must be a power of two dividing chunk {chunk}")
+    tiles = max(chunk // block, triton.cdiv(triton.cdiv(vocab, ARGMAX_MAX_CHUNKS), block))  # per chunk
+    chunks = triton.cdiv(vocab, tiles * block)
+    part_val, part_id, counters = _argmax_scratch(logits.device, max_rows, chunks)
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    _argmax_kernel[(rows, chunks)](
+        logits, out, part_val, part_id, counters, vocab, logits.stride(0), chunks, tiles,
+        static_iters(logits.is_cuda, tiles), CHUNKS_POW2=triton.next_power_of_2(chunks), BLOCK=block,
+        num_warps=ARGMAX_WARPS, **pdl_args(logits),
+    )
+    return out

@@ -30,23 +30,20 @@ def _splitmix64(x: int) -> int:
 
 
 # torch's CUDA argmax reduces each row in one thread block: one 128,256-wide row took 37 us on an H200,
-# 0.8% of a batch-1 Llama-8B token. Batches of fewer rows than this are reduced in chunks first.
+# 0.8% of a batch-1 Llama-8B token. Batches of fewer rows than this go through one Triton launch that
+# spreads each row over many programs; more rows fill the GPU a row a block.
 ARGMAX_FEW_ROWS = 32
-ARGMAX_CHUNKS = 128  # at most; a power of two that divides the vocabulary (most do: 128256 = 128 x 1002)
-ARGMAX_MIN_CHUNKS = 8
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
-    """logits.argmax(dim=-1), the first maximum of each row winning, in two passes for few wide rows."""
+    """logits.argmax(dim=-1) (its reference): the first maximum of each row, NaN above all; few rows on
+    CUDA in one Triton launch (plait.kernels.sampling.argmax_few_rows)."""
     # logits: [S, V] -> [S] int64
     rows, vocab = logits.shape
-    chunks = min(ARGMAX_CHUNKS, vocab & -vocab)
-    if rows >= ARGMAX_FEW_ROWS or chunks < ARGMAX_MIN_CHUNKS:
-        return logits.argmax(dim=-1)
-    width = vocab // chunks
-    best, index = logits.view(rows, chunks, width).max(dim=-1)  # [S, chunks]: first maximum in each
-    chunk = best.argmax(dim=-1, keepdim=True)  # the first chunk holding the row's maximum
-    return (chunk * width + index.gather(1, chunk)).squeeze(1)
+    if 0 < rows < ARGMAX_FEW_ROWS and vocab > 0 and logits.stride(1) == 1 and use_triton(logits):
+        from plait.kernels.sampling import argmax_few_rows
+        return argmax_few_rows(logits, ARGMAX_FEW_ROWS)
+    return logits.argmax(dim=-1)
 
 
 def step_seed(seed: int, step: int) -> int:
