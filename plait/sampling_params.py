@@ -36,7 +36,7 @@ MAX_BAD_WORDS = 128
 # (vLLM's -1).
 TRUNCATE_TO_CONTEXT = -1
 # The constraint kinds of StructuredOutputsParams, exactly one of which a request sets.
-STRUCTURED_OUTPUT_KINDS = ("json", "regex", "grammar", "choice", "json_object")
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "grammar", "choice", "json_object", "structural_tag")
 
 
 def _describe(value: Any) -> str:
@@ -95,12 +95,22 @@ class StructuredOutputsParams:
     grammar: str | None = None
     choice: list[str] | None = None  # exactly one of these strings (as SamplingParams.guided_choice)
     json_object: bool = False  # any JSON object
-    # vLLM's: no whitespace between JSON tokens (json, json_object), where by default any is allowed.
+    # vLLM's: no whitespace between JSON tokens (json, json_object, structural_tag's schemas), where by
+    # default any is allowed.
     disable_any_whitespace: bool = False
+    # vLLM's structural tag (its JSON text, or the object): {"structures": [{"begin": ..., "schema": {...},
+    # "end": ...}, ...], "triggers": [...]}. The output is free text, except that wherever it writes a
+    # trigger, it goes on with the rest of one structure's begin, JSON matching that structure's schema, and
+    # its end, then free text again. Held as that object once checked (xgrammar's and llguidance's rules, as
+    # vLLM enforces them): at least one structure, non-empty triggers none of which starts another, and
+    # every begin starting with a trigger.
+    structural_tag: dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         if self.json is not None:
             self.json = self._normalise_schema(self.json)
+        if self.structural_tag is not None:
+            self.structural_tag = _normalise_structural_tag(self.structural_tag)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
@@ -145,6 +155,70 @@ class StructuredOutputsParams:
         return cls(**value)
 
 
+def _normalise_structural_tag(tag: Any) -> dict[str, Any]:
+    """vLLM's structural tag (JSON text or the object) as {"structures": [...], "triggers": [...]}, each
+    structure {"begin", "schema", "end"}; a ValueError names what is wrong. The checks are those vLLM's
+    backends make: its pydantic model's types (begin, end and triggers strings), llguidance's (at least one
+    structure, with a schema; no empty trigger) and xgrammar's (no trigger a prefix of another, every begin
+    starting with a trigger)."""
+    name = "structured_outputs structural_tag"
+    if isinstance(tag, str):
+        try:
+            tag = json.loads(tag)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{name} is not valid JSON: {err}") from err
+    if not isinstance(tag, Mapping):
+        raise ValueError(f"{name} must be an object with structures and triggers, got {_describe(tag)}")
+    if tag.get("type", "structural_tag") != "structural_tag":
+        raise ValueError(f"{name} type must be 'structural_tag', got {tag['type']!r}")
+    if "structures" not in tag and "format" in tag:
+        raise ValueError(f"{name}: the format form (xgrammar's structural tag format) is not supported by "
+                         f"this server; give structures and triggers")
+    for key in ("structures", "triggers"):
+        if key not in tag:
+            raise ValueError(f"{name} needs {key}")
+    structures, triggers = tag["structures"], tag["triggers"]
+    if not isinstance(structures, list) or not structures:
+        raise ValueError(f"{name} structures must be a non-empty list, got {_describe(structures)}")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"{name} triggers must be a list of non-empty str, got {_describe(triggers)}")
+    # xgrammar's check, as it makes it: sorted, a trigger that starts another starts the one after it (a
+    # duplicate starts its twin).
+    ordered = sorted(triggers)
+    for shorter, longer in zip(ordered, ordered[1:]):
+        if longer.startswith(shorter):
+            raise ValueError(f"{name} triggers should not be mutually inclusive, but {shorter!r} is a prefix "
+                             f"of {longer!r}")
+    checked = []
+    for i, structure in enumerate(structures):
+        where = f"{name} structures[{i}]"
+        if not isinstance(structure, Mapping):
+            raise ValueError(f"{where} must be an object with begin, schema and end, got "
+                             f"{_describe(structure)}")
+        for key in ("begin", "end"):
+            if not isinstance(structure.get(key), str):
+                raise ValueError(f"{where} {key} must be a str, got {_describe(structure.get(key))}")
+        schema = structure.get("schema")
+        if not isinstance(schema, dict):
+            raise ValueError(f"{where} schema must be a JSON schema object, got {_describe(schema)}")
+        checked.append({"begin": structure["begin"], "schema": schema, "end": structure["end"]})
+    tag = {"structures": checked, "triggers": triggers}
+    for i, trigger in enumerate(structural_tag_triggers(tag)):
+        if trigger is None:  # xgrammar's words
+            raise ValueError(f"{name} structures[{i}] begin {checked[i]['begin']!r} does not match any "
+                             f"trigger (it must start with one of the triggers)")
+    return tag
+
+
+def structural_tag_triggers(tag: Mapping[str, Any]) -> list[str | None]:
+    """The trigger each structure's begin starts with (at most one does, none being a prefix of another),
+    None where none does; in time linear in the structures, not their product with the triggers."""
+    triggers = set(tag["triggers"])
+    lengths = sorted({len(t) for t in triggers})
+    return [next((s["begin"][:n] for n in lengths if s["begin"][:n] in triggers), None)
+            for s in tag["structures"]]
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters for one request; see vLLM's SamplingParams for the meaning of each field."""
@@ -180,9 +254,9 @@ class SamplingParams:
     # vLLM's guided choice (structured_outputs choice): the output is exactly one of these strings,
     # each as the tokenizer encodes it on its own.
     guided_choice: list[str] | None = None
-    # vLLM's structured outputs (JSON schema, JSON object, regex, grammar, choice); a choice is served as
-    # guided_choice, the others by a grammar the engine compiles with llguidance at add_request (a choice
-    # too where it must wait for reasoning_end).
+    # vLLM's structured outputs (JSON schema, JSON object, regex, grammar, choice, structural tag); a choice
+    # is served as guided_choice, the others by a grammar the engine compiles with llguidance at add_request
+    # (a choice too where it must wait for reasoning_end).
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's bad_words: none of these words is generated. Each is tokenized on its own, with and without a
     # leading space; a word's last token is banned wherever the output so far ends with its other tokens
@@ -303,8 +377,8 @@ class SamplingParams:
 
     @property
     def grammar_spec(self) -> StructuredOutputsParams | None:
-        """The structured output a grammar serves: json, regex, grammar, json_object, and a choice that waits
-        for the reasoning's end (only a grammar can wait); None for the other choices."""
+        """The structured output a grammar serves: json, regex, grammar, json_object, structural_tag, and a
+        choice that waits for the reasoning's end (only a grammar can wait); None for the other choices."""
         if self.guided_choice is None:
             return self.structured_outputs
         return StructuredOutputsParams(choice=self.guided_choice) if self.reasoning_end is not None else None

@@ -168,6 +168,35 @@ def test_regex_json_object_lark_and_gbnf_outputs_match(llm):
             assert c.finish_reason == "stop" and matches(c.text), (kind, c.text, c.finish_reason)
 
 
+WEATHER_PROMPT = ('Q: weather in Paris?\nA: <function=get_weather>{"city": "Paris"}</function>\n'
+                  'Q: weather in Oslo?\nA:')
+WEATHER_CALL = {"type": "object", "properties": {"city": {"type": "string"},
+                                                 "unit": {"enum": ["celsius", "fahrenheit"]}},
+                "required": ["city", "unit"], "additionalProperties": False}
+
+
+@needs_llguidance
+def test_a_structural_tag_forces_the_schema_after_the_trigger(llm):
+    """vLLM's structural tag, as its JSON text: greedy, the model writes the free text it writes
+    unconstrained, then the trigger, and from there JSON of the structure's schema (which its own greedy JSON
+    is not: no "unit") in compact form, then the end."""
+    tag = {"type": "structural_tag", "triggers": ["<function="],
+           "structures": [{"begin": "<function=get_weather>", "schema": WEATHER_CALL, "end": "</function>"}]}
+    structured = StructuredOutputsParams(structural_tag=json.dumps(tag), disable_any_whitespace=True)
+    free, constrained = (SamplingParams(temperature=0.0, max_tokens=24, stop=["\n"], structured_outputs=s)
+                         for s in (None, structured))
+    outs = [o.outputs[0] for o in llm.generate([WEATHER_PROMPT] * 2, [free, constrained], use_tqdm=False)]
+    call = re.compile(r"(.*)<function=get_weather>(.*)</function>", re.DOTALL)
+    unforced, forced = call.fullmatch(outs[0].text), call.fullmatch(outs[1].text)
+    assert unforced and "unit" not in json.loads(unforced[2]), outs[0].text  # what it writes freely
+    assert forced and outs[1].finish_reason == "stop", (outs[1].text, outs[1].finish_reason)
+    assert forced[1] == unforced[1]  # the free text before the trigger is the model's own
+    call_args = json.loads(forced[2])
+    assert set(call_args) == {"city", "unit"} and isinstance(call_args["city"], str), forced[2]
+    assert call_args["unit"] in ("celsius", "fahrenheit") and " " not in forced[2]
+    assert llm.engine.is_idle_and_clean()
+
+
 @needs_llguidance
 @pytest.mark.parametrize("spec,words", [
     (dict(json={"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}}), "minimum"),

@@ -139,3 +139,75 @@ def test_a_grammar_waits_for_the_reasoning_end(tokenizer, compiler) -> None:
         waiting.consume(token)
     assert waiting.is_terminated() and waiting.error is None
     assert SamplingParams(guided_choice=["yes"]).host_choices == ["yes"]  # without reasoning: on the host
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+           "additionalProperties": False}
+STRUCTURAL_TAG = {
+    "structures": [{"begin": "<function=get_weather>", "schema": WEATHER, "end": "</function>"},
+                   {"begin": "<function=get_time>", "schema": {"type": "object", "properties": {
+                       "tz": {"type": "string"}}, "required": ["tz"]}, "end": "</function>"},
+                   {"begin": "<tool_call>", "schema": {"type": "integer"}, "end": "</tool_call>"}],
+    "triggers": ["<function=", "<tool_call>"],
+}
+
+
+def _feed(tokenizer, grammar, text: str) -> None:
+    for token in tokenizer.encode(text, add_special_tokens=False):
+        grammar.consume(token)
+
+
+def test_a_structural_tag_constrains_only_what_follows_a_trigger(tokenizer, compiler) -> None:
+    """vLLM's structural tag: free text, and after a trigger one of its structures' begins, JSON of that
+    structure's schema and its end; then free text again, EOS allowed wherever the text is free. A trigger
+    written "<...>" is text (as xgrammar reads it), not a special token's name."""
+    spec = StructuredOutputsParams(structural_tag=json.dumps({"type": "structural_tag", **STRUCTURAL_TAG}))
+    grammar = compiler.compile(spec)
+    x = tokenizer.encode("x", add_special_tokens=False)[0]
+    assert {x, EOS} <= _allowed(grammar.next_token_bitmask())  # free text, which may end at once
+    steps = [("Let me check. ", True), ("<function=", False), ("get_weather>", False),
+             ('{"city": "Paris"}', False), ("</function>", True), (" Also <function=get_time>", False),
+             ('{"tz":"CET"}</function>', True), ("\nAnd <tool_call>", False), ("42</tool_call>", True),
+             (" Done: <function=get_weathe", False), ('r>{ "city" : "Rome" }</function>.', True)]
+    for text, free in steps:
+        _feed(tokenizer, grammar, text)
+        assert grammar.error is None, (text, grammar.error)
+        allowed = _allowed(grammar.next_token_bitmask())
+        assert (x in allowed) == free and (EOS in allowed) == free, text
+        assert not grammar.is_terminated()
+    grammar.consume(EOS)
+    assert grammar.error is None and grammar.is_terminated()
+
+
+@pytest.mark.parametrize("after_trigger", [
+    '{"town": "Paris"}',  # not the schema's property (additionalProperties is false)
+    '{"city": 5}',  # the property, of the wrong type
+    "get_other>{}",  # a begin of no structure
+    'get_weather>{"city": "Paris"} </function>',  # the end, not text, must follow the JSON
+    'get_time>{"tz": "UTC"}</tool_call>',  # another structure's end
+])
+def test_a_structural_tag_refuses_what_breaks_a_structure(tokenizer, compiler, after_trigger) -> None:
+    grammar = compiler.compile(StructuredOutputsParams(structural_tag=STRUCTURAL_TAG))
+    prefix = "<function=" if after_trigger[0] in "gt" else "<function=get_weather>"
+    _feed(tokenizer, grammar, "Sure: " + prefix)
+    assert grammar.error is None
+    _feed(tokenizer, grammar, after_trigger)
+    assert grammar.error is not None and "\n" not in grammar.error
+
+
+def test_a_structural_tags_schemas_follow_disable_any_whitespace(tokenizer, compiler) -> None:
+    spec = StructuredOutputsParams(structural_tag=STRUCTURAL_TAG, disable_any_whitespace=True)
+    compact, spaced = compiler.compile(spec), compiler.compile(spec)
+    _feed(tokenizer, compact, '<function=get_weather>{"city":"Oslo"}</function>')
+    assert compact.error is None
+    _feed(tokenizer, spaced, '<function=get_weather>{"city": "Oslo"}')
+    assert spaced.error is not None
+
+
+def test_a_structural_tags_bad_schema_names_its_structure(compiler) -> None:
+    structures = [*STRUCTURAL_TAG["structures"], {"begin": "<tool_call>x", "schema": {"type": "bogus"},
+                                                   "end": ""}]
+    spec = StructuredOutputsParams(structural_tag={**STRUCTURAL_TAG, "structures": structures})
+    words = r"structured_outputs structural_tag is invalid: structures\[3\] schema: Invalid type: bogus$"
+    with pytest.raises(ValueError, match=words):
+        compiler.compile(spec)

@@ -252,8 +252,10 @@ def test_bad_logit_bias_and_allowed_token_ids_raise_naming_the_field(field: str,
 
 # --------------------------------------------------------------------------- structured outputs
 
+TAG_A = {"begin": "<a>", "schema": {"type": "object"}, "end": "</a>"}
+TAG = {"structures": [TAG_A], "triggers": ["<a"]}  # vLLM's structural tag
 BAD_STRUCTURED_OUTPUTS = [
-    (dict(), "exactly one of json, regex, grammar, choice, json_object; got none"),
+    (dict(), "exactly one of json, regex, grammar, choice, json_object, structural_tag; got none"),
     (dict(json_object=False), "got none"),
     (dict(regex="a", grammar="start: 'a'"), "got regex and grammar"),
     (dict(json={"type": "object"}, json_object=True), "got json and json_object"),
@@ -264,6 +266,20 @@ BAD_STRUCTURED_OUTPUTS = [
     (dict(grammar=5), "non-empty str"),
     (dict(choice=[]), "at least one"),
     (dict(json_object=1), "must be a bool"),
+    # structural tags, as vLLM's backends check them (llguidance's and xgrammar's rules)
+    (dict(structural_tag="{not json"), "not valid JSON"),
+    (dict(structural_tag=[]), "object with structures and triggers"),
+    (dict(structural_tag={"format": {"type": "any_text"}}), "format form"),
+    (dict(structural_tag={"type": "json", **TAG}), "type must be 'structural_tag'"),
+    (dict(structural_tag={"structures": [TAG_A]}), "needs triggers"),
+    (dict(structural_tag={**TAG, "structures": []}), "structures must be a non-empty list"),
+    (dict(structural_tag={**TAG, "structures": ["<a>"]}), "structures[0] must be an object"),
+    (dict(structural_tag={**TAG, "structures": [{**TAG_A, "end": None}]}), "structures[0] end must be a str"),
+    (dict(structural_tag={**TAG, "structures": [{**TAG_A, "schema": "{}"}]}), "JSON schema object"),
+    (dict(structural_tag={**TAG, "triggers": ["<b"]}), "begin '<a>' does not match any trigger"),
+    (dict(structural_tag={**TAG, "triggers": ["<a", "<a"]}), "'<a' is a prefix of '<a'"),
+    (dict(structural_tag={**TAG, "triggers": ["<a", ""]}), "non-empty str"),
+    (dict(structural_tag=TAG, json_object=True), "got json_object and structural_tag"),
 ]
 
 
@@ -281,6 +297,11 @@ def test_structured_outputs_in_sampling_params() -> None:
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json=json.dumps(schema)))
     assert params.structured_outputs.json == schema and params.grammar_spec is params.structured_outputs
     assert SamplingParams(structured_outputs={"regex": "[ab]+"}).structured_outputs.kind == "regex"
+    # A structural tag (as vLLM's server passes it on: its JSON text, with its type) is held as the object.
+    text = json.dumps({"type": "structural_tag", **TAG})
+    tag = SamplingParams(n=2, structured_outputs={"structural_tag": text})
+    assert tag.grammar_spec.kind == "structural_tag" and tag.structured_outputs.structural_tag == TAG
+    assert dataclasses.replace(tag, n=1).structured_outputs.structural_tag == TAG
     # A choice is served as guided_choice, which a copy (n > 1 fans out with dataclasses.replace) keeps.
     choice = SamplingParams(n=2, structured_outputs=StructuredOutputsParams(choice=["a", "b"]))
     assert choice.guided_choice == ["a", "b"] and choice.grammar_spec is None

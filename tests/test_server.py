@@ -440,6 +440,41 @@ def test_structured_outputs_through_the_openai_client(client, model):
     assert re.fullmatch(PHONE, "".join(chunk.choices[0].text for chunk in stream if chunk.choices))
 
 
+WEATHER_CALL = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+                "required": ["city", "unit"], "additionalProperties": False}
+WEATHER_TAG = {"type": "structural_tag", "triggers": ["<function="], "structures": [
+    {"begin": "<function=get_weather>", "schema": WEATHER_CALL, "end": "</function>"}]}
+WEATHER_CALL_TEXT = re.compile(r"(.*)<function=get_weather>(.*)</function>(.*)", re.DOTALL)
+
+
+def _weather_call(text: str) -> dict:
+    """The arguments of the one get_weather call in ``text``, checked against WEATHER_CALL."""
+    match = WEATHER_CALL_TEXT.fullmatch(text)
+    assert match, text
+    arguments = json.loads(match[2])
+    assert set(arguments) == {"city", "unit"} and arguments["unit"] in ("C", "F"), text
+    return arguments
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llguidance") is None, reason="llguidance is not installed")
+def test_structural_tag_through_the_openai_client(client, model):
+    """vLLM's response_format structural_tag on chat (the model, shown one call, writes another: JSON of the
+    schema, which its own lacks, between begin and end), and structured_outputs' structural_tag (its JSON
+    text; compact JSON, which the stop string cannot cut) on a streamed completion."""
+    messages = [{"role": "user", "content": "Weather in Paris?"},
+                {"role": "assistant", "content": '<function=get_weather>{"city": "Paris"}</function>'},
+                {"role": "user", "content": "Weather in Oslo?"}]
+    r = client.chat.completions.create(model=model, messages=messages, response_format=WEATHER_TAG,
+                                       max_tokens=24, temperature=0.0)
+    assert r.choices[0].finish_reason == "stop", r.choices[0]
+    assert isinstance(_weather_call(r.choices[0].message.content)["city"], str)
+    prompt = f"Q: weather in Paris?\nA: {messages[1]['content']}\nQ: weather in Oslo?\nA:"
+    body = {"structured_outputs": {"structural_tag": json.dumps(WEATHER_TAG), "disable_any_whitespace": True}}
+    stream = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0.0,
+                                       stop=["\n"], stream=True, extra_body=body)
+    _weather_call("".join(chunk.choices[0].text for chunk in stream if chunk.choices))
+
+
 def test_a_batch_of_prompts_times_n_in_one_request(client, model):
     """A batch of prompts, each sampled n times, in one call (as RL rollouts ask): 20 x 4 = 80 sequences,
     more than the old cap of 64; choice i * n + k is prompt i's k-th sample, as OpenAI and vLLM order them."""
@@ -1045,6 +1080,14 @@ def test_non_streaming_client_timeout_aborts(served, model):
 TOO_LONG = 9000  # token ids: more than the default model's 8192-token context
 TOOL_F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 NAMED_F = {"type": "function", "function": {"name": "f"}}
+TAG_A = {"begin": "<a>", "schema": {"type": "object"}, "end": "</a>"}  # a structural tag's structure
+
+
+def _tag(structures: list | None = None, triggers: list | None = None) -> dict:
+    """A structural_tag response_format (as vLLM's structural_tag fields take its JSON too)."""
+    return {"type": "structural_tag", "structures": [TAG_A] if structures is None else structures,
+            "triggers": ["<a"] if triggers is None else triggers}
+
 
 BAD_REQUESTS = [
     # (path, body (dict, or raw bytes), status, param, words the message must contain)
@@ -1124,9 +1167,10 @@ BAD_REQUESTS = [
     ) for field, value in (
         ("functions", [{"name": "f"}]),
         ("function_call", "auto"),
-        ("structural_tag", "{}"),
         ("response_format", {"type": "xml"}),
-        ("structured_outputs", {"json": {"type": "object"}, "structural_tag": "{}"}),
+        ("structured_outputs", {"json": {"type": "object"}, "whitespace_pattern": " "}),
+        ("response_format", {"type": "structural_tag", "format": {"type": "triggered_tags"}}),
+        ("structured_outputs", {"structural_tag": json.dumps({"format": {"type": "any_text"}})}),
     )],
     # tool calling: chat's only (as OpenAI's); vLLM's checks, in its words where it has them
     *[("/v1/completions", {"prompt": "x", field: value}, 400, field, "not supported") for field, value in (
@@ -1173,7 +1217,26 @@ BAD_REQUESTS = [
         ("guided_grammar", "start: nothing_defined", "unknown name"),
         ("structured_outputs", {"choice": ["a", "b"], "regex": "[ab]"}, "exactly one"),
         ("structured_outputs", {"regex": 5}, "valid string"),
+        # structural tags: vLLM's model's types, and its backends' checks (llguidance's and xgrammar's)
+        ("response_format", {"type": "structural_tag"}, "needs structures"),
+        ("response_format", {"type": "structural_tag", "structures": [TAG_A]}, "and triggers"),
+        ("response_format", _tag([]), "non-empty"),
+        ("response_format", _tag([{**TAG_A, "begin": 5}]), "valid string"),
+        ("response_format", _tag([{"begin": "<a>", "end": ""}]), "schema must be a JSON schema object"),
+        ("response_format", _tag(triggers=["<b"]), "begin '<a>' does not match any trigger"),
+        ("response_format", _tag(triggers=["<", "<a"]), "mutually inclusive"),
+        ("response_format", _tag(triggers=[""]), "non-empty str"),
+        ("structural_tag", "{}", "needs structures"),
+        ("structural_tag", json.dumps(_tag([{**TAG_A, "schema": {"type": "bogus"}}])),
+         "structures[0] schema: Invalid type: bogus"),  # llguidance's message, from the engine
+        ("structured_outputs", {"structural_tag": "{not json"}, "not valid JSON"),
+        ("structured_outputs", {"structural_tag": 5}, "valid dictionary"),
     )],
+    ("/v1/completions", {"prompt": "x", "structural_tag": json.dumps(_tag()), "guided_regex": "a"}, 400,
+     "guided_regex", "cannot both"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "response_format": _tag(),
+                              "structured_outputs": {"structural_tag": _tag()}}, 400, "response_format",
+     "cannot both"),
     ("/v1/completions", {"prompt": "x", "guided_regex": "a", "response_format": {"type": "json_object"}}, 400,
      "guided_regex", "cannot both"),
     ("/v1/completions", {"prompt": "x", "structured_outputs": {"regex": "a"}, "allowed_token_ids": [1]}, 400,

@@ -1,9 +1,11 @@
-"""Grammar: a sequence's structured output (JSON schema, regex, Lark or GBNF), matched by llguidance."""
+"""Grammar: a sequence's structured output (JSON schema, regex, Lark, GBNF or structural tag), matched by
+llguidance."""
 
 from __future__ import annotations
 
 import functools
 import logging
+import re
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Any
@@ -11,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from plait.runner.sampler import BITMASK_WORD_BITS
-from plait.sampling_params import StructuredOutputsParams
+from plait.sampling_params import StructuredOutputsParams, structural_tag_triggers
 
 logger = logging.getLogger(__name__)
 
@@ -26,6 +28,9 @@ ANY_JSON_OBJECT_SCHEMA = {"type": "object"}
 LLGUIDANCE_SILENT = 0
 # A bitmask word with every bit set: an inactive grammar's row (the model still reasons) allows every id.
 ALL_ALLOWED = -1
+# Where a Lark grammar's error message names its line and column ("at 7(8): ", "6(36): "), which for a
+# structural tag is a line of the grammar plait wrote, not of anything the request holds.
+LARK_POSITION = re.compile(r"^(at )?\d+\(\d+\): ")
 
 
 def _import_llguidance() -> Any:
@@ -36,8 +41,9 @@ def _import_llguidance() -> Any:
         import llguidance.gbnf_to_lark
         import llguidance.hf
     except ImportError as err:
-        raise ValueError("structured outputs (json, regex, grammar, json_object, and a choice that waits for "
-                         "the reasoning's end) need the llguidance package: pip install llguidance") from err
+        raise ValueError("structured outputs (json, regex, grammar, json_object, structural_tag, and a "
+                         "choice that waits for the reasoning's end) need the llguidance package: pip "
+                         "install llguidance") from err
     return llguidance
 
 
@@ -135,7 +141,10 @@ class GrammarCompiler:
             limits = llguidance.LLParserLimits(verbose_errors=False)
             template = llguidance.LLMatcher(ll_tokenizer, grammar, log_level=LLGUIDANCE_SILENT, limits=limits)
             if template.is_error():
-                raise ValueError(f"structured_outputs {spec.kind} is invalid: {template.get_error().strip()}")
+                message = template.get_error().strip()
+                if spec.structural_tag is not None:
+                    message = _structural_tag_error(llguidance, spec, message)
+                raise ValueError(f"structured_outputs {spec.kind} is invalid: {message}")
             self._remember(grammar, template)
         self._compiled.move_to_end(grammar)
         return Grammar(template.deep_copy(), ll_tokenizer.vocab_size, after)
@@ -156,8 +165,9 @@ class GrammarCompiler:
 
 
 def _grammar_text(llguidance: Any, spec: StructuredOutputsParams) -> str:
-    """llguidance's grammar for ``spec``: json, regex, grammar, json_object, or a choice (which only comes
-    here where it waits for the reasoning's end; otherwise guided_choice serves it on the host)."""
+    """llguidance's grammar for ``spec``: json, regex, grammar, json_object, structural_tag, or a choice
+    (which only comes here where it waits for the reasoning's end; otherwise guided_choice serves it on the
+    host)."""
     json_options = {"whitespace_flexible": not spec.disable_any_whitespace}
     matcher = llguidance.LLMatcher
     if spec.json is not None or spec.json_object:
@@ -167,7 +177,49 @@ def _grammar_text(llguidance: Any, spec: StructuredOutputsParams) -> str:
         return matcher.grammar_from_regex(spec.regex)
     if spec.grammar is not None:
         return matcher.grammar_from_lark(_as_lark(llguidance, spec.grammar))
+    if spec.structural_tag is not None:
+        return matcher.grammar_from_lark(structural_tag_lark(llguidance, spec))
     return llguidance.grammar_from("choice", spec.choice)
+
+
+def structural_tag_lark(llguidance: Any, spec: StructuredOutputsParams) -> str:
+    """The Lark grammar of ``spec``'s structural tag, as llguidance's StructTag writes it: free text (a
+    greedy lexeme) and, for each structure, a lazy lexeme of free text ending in its trigger (matched as soon
+    as the trigger is written), then the rest of its begin, ``%json`` of its schema and its end; any number
+    of those, then free text to the end. Triggers are text, as xgrammar (vLLM's default backend) reads them,
+    never special tokens by name (StructTag's default for "<...>", which a trigger such as "<tool_call>"
+    would fail to compile against most vocabularies)."""
+    tag = spec.structural_tag
+    assert isinstance(tag, dict)  # StructuredOutputsParams has checked and normalised it
+    tags = [llguidance.StructTag(trigger=trigger, begin=s["begin"], end=s["end"],
+                                 grammar=_with_whitespace(s["schema"], not spec.disable_any_whitespace))
+            for s, trigger in zip(tag["structures"], structural_tag_triggers(tag))]
+    return llguidance.StructTag.to_grammar(tags, assume_special=False)
+
+
+def _with_whitespace(schema: dict[str, Any], flexible: bool) -> dict[str, Any]:
+    """``schema`` with llguidance's whitespace option (what grammar_from_json_schema's defaults set for json),
+    unless the schema sets it itself."""
+    options = schema.get("x-guidance", {})
+    if not isinstance(options, dict):  # not llguidance's options: its compiler says so
+        return schema
+    return {**schema, "x-guidance": {"whitespace_flexible": flexible, **options}}
+
+
+def _structural_tag_error(llguidance: Any, spec: StructuredOutputsParams, message: str) -> str:
+    """llguidance's error for a structural tag's grammar, in terms of the request: the first structure whose
+    schema fails on its own, with its message; otherwise the grammar's message, without the grammar's lines
+    (which are plait's, not the request's)."""
+    tag = spec.structural_tag
+    assert isinstance(tag, dict)
+    matcher = llguidance.LLMatcher
+    for i, structure in enumerate(tag["structures"]):
+        schema = _with_whitespace(structure["schema"], not spec.disable_any_whitespace)
+        error = matcher.validate_grammar(matcher.grammar_from_json_schema(schema))
+        if error:
+            return f"structures[{i}] schema: {error.strip().splitlines()[0]}"
+    lines = message.splitlines()
+    return LARK_POSITION.sub("", lines[0]) if lines else "the grammar failed"
 
 
 def _as_lark(llguidance: Any, grammar: str) -> str:

@@ -52,7 +52,6 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "functions": "function calling (the legacy API; use tools)",
     "function_call": "function calling; only 'none' is supported",
-    "structural_tag": "structural tags",
     "logits_processors": "custom logits processors",
     "prompt_embeds": "prompt embeddings",
 }
@@ -65,7 +64,6 @@ COMPLETION_UNSUPPORTED_FIELDS: dict[str, str] = {
 # The same for the keys of structured_outputs beside its constraint (vLLM's; disable_fallback and the
 # backend's name change nothing here and are ignored).
 UNSUPPORTED_STRUCTURED_OUTPUTS_FIELDS: dict[str, str] = {
-    "structural_tag": "structural tags",
     "whitespace_pattern": "a whitespace pattern",
     "disable_additional_properties": "disabling additional properties",
 }
@@ -92,8 +90,9 @@ RESPONSE_ROLE = "assistant"
 ECHO_PART_SEPARATOR = "\n"
 # The field errors about forced tool calls' schemas name (they are the tools' parameters).
 TOOLS_PARAM = "tools"
-# response_format types: plain text, any JSON object, or JSON matching a schema.
-RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+# response_format types: plain text, any JSON object, JSON matching a schema, or vLLM's structural tag (free
+# text with JSON of a schema after each trigger).
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema", "structural_tag")
 
 
 def _asks_for(name: str, value: Any) -> bool:
@@ -132,6 +131,9 @@ GuidedChoice = Annotated[list[str], Field(min_length=1, max_length=MAX_GUIDED_CH
 BadWords = Annotated[list[str], Field(max_length=MAX_BAD_WORDS)]
 # A JSON schema: the object, or (as vLLM's guided_json takes it too) its JSON text.
 JsonSchema = dict[str, Any] | str
+# vLLM's structural tag ({"structures": [...], "triggers": [...]}): its JSON text, as vLLM's structural_tag
+# fields take it, or the object; StructuredOutputsParams checks it.
+StructuralTag = dict[str, Any] | str
 
 
 class ProtocolError(ValueError):
@@ -203,10 +205,27 @@ class JsonSchemaFormat(_RequestModel):
     strict: bool | None = None
 
 
+class StructuralTagStructure(_RequestModel):
+    """One structure of a structural_tag response_format (vLLM's): after ``begin`` (which starts with one of
+    the triggers), JSON matching ``schema``, then ``end``."""
+
+    begin: str
+    # Optional in vLLM's model too, but neither of its backends compiles a structure without one:
+    # StructuredOutputsParams refuses it.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    end: str
+
+
 class ResponseFormat(_RequestModel):
     # Any string, so that an unknown type gets a 400 naming the types served, not a pydantic enum error.
     type: str
     json_schema: JsonSchemaFormat | None = None
+    # type structural_tag (vLLM's form of it): the structures, and the triggers that begin them.
+    structures: list[StructuralTagStructure] | None = None
+    triggers: list[str] | None = None
+    # type structural_tag in xgrammar's format form (newer vLLM's), which this server does not serve: kept
+    # only to refuse it by name.
+    format: Any = None
 
     def structured_outputs(self) -> dict[str, Any] | None:
         """The StructuredOutputsParams fields it asks for (None: plain text)."""
@@ -220,12 +239,25 @@ class ResponseFormat(_RequestModel):
                 raise ProtocolError("response_format of type json_schema needs json_schema: {'name': ..., "
                                     "'schema': {...}}", "response_format")
             return {"json": self.json_schema.schema_}
+        if self.type == "structural_tag":
+            return {"structural_tag": self._structural_tag()}
         return None
+
+    def _structural_tag(self) -> dict[str, Any]:
+        if self.structures is None or self.triggers is None:
+            if self.format is not None:
+                raise ProtocolError("response_format of type structural_tag in the format form (xgrammar's "
+                                    "structural tag format) is not supported by this server; give structures "
+                                    "and triggers", "response_format")
+            raise ProtocolError("response_format of type structural_tag needs structures: [{'begin': ..., "
+                                "'schema': {...}, 'end': ...}] and triggers: [...]", "response_format")
+        structures = [{"begin": s.begin, "schema": s.schema_, "end": s.end} for s in self.structures]
+        return {"structures": structures, "triggers": self.triggers}
 
 
 class StructuredOutputsRequest(_RequestModel):
-    """vLLM's structured_outputs: one of json, regex, grammar, choice, json_object (SamplingParams checks
-    that exactly one is set)."""
+    """vLLM's structured_outputs: one of json, regex, grammar, choice, json_object, structural_tag
+    (SamplingParams checks that exactly one is set)."""
 
     # Extra keys are kept only so that check_supported can refuse the ones that change the output.
     model_config = ConfigDict(extra="allow")
@@ -235,6 +267,7 @@ class StructuredOutputsRequest(_RequestModel):
     grammar: str | None = None  # Lark, or GBNF (text with "::=")
     choice: GuidedChoice | None = None
     json_object: bool | None = None
+    structural_tag: StructuralTag | None = None
     disable_any_whitespace: bool = False
 
     def check_supported(self) -> None:
@@ -245,8 +278,8 @@ class StructuredOutputsRequest(_RequestModel):
 
     def structured_outputs(self) -> dict[str, Any] | None:
         """The StructuredOutputsParams fields it sets (None where it sets no constraint, as {})."""
-        fields = {"json": self.json_, "regex": self.regex, "grammar": self.grammar,
-                  "choice": self.choice, "json_object": self.json_object}
+        fields = {"json": self.json_, "regex": self.regex, "grammar": self.grammar, "choice": self.choice,
+                  "json_object": self.json_object, "structural_tag": self.structural_tag}
         fields = {k: v for k, v in fields.items() if v is not None}
         if not fields:
             return None
@@ -293,6 +326,7 @@ class _SamplingRequest(_RequestModel):
     guided_json: JsonSchema | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None  # Lark, or GBNF (text with "::=")
+    structural_tag: StructuralTag | None = None  # vLLM's older place for it (as guided_*)
     structured_outputs: StructuredOutputsRequest | None = None
     # vLLM extension: keep only the prompt's last k tokens (-1: as many as leave room for max_tokens); each
     # prompt of a batch alone, a chat's rendered prompt as a whole.
@@ -354,11 +388,13 @@ class _SamplingRequest(_RequestModel):
     def _structured_request(self) -> tuple[str, dict[str, Any]] | None:
         """The one structured output the request asks for: (the field that asks, StructuredOutputsParams
         fields), or None. Two fields asking is a ProtocolError naming the first (vLLM refuses it too)."""
+        tag = self.structural_tag
         asked: dict[str, dict[str, Any] | None] = {
             "guided_choice": None if self.guided_choice is None else {"choice": self.guided_choice},
             "guided_json": None if self.guided_json is None else {"json": self.guided_json},
             "guided_regex": None if self.guided_regex is None else {"regex": self.guided_regex},
             "guided_grammar": None if self.guided_grammar is None else {"grammar": self.guided_grammar},
+            "structural_tag": None if tag is None else {"structural_tag": tag},
             "response_format": self.response_format and self.response_format.structured_outputs(),
             "structured_outputs": self.structured_outputs and self.structured_outputs.structured_outputs(),
         }
@@ -373,7 +409,8 @@ class _SamplingRequest(_RequestModel):
     def structured_outputs_param(self) -> str:
         """The field that asks for the request's structured output, which errors about it name (never
         raises: it names the field of an error _structured_request may have raised)."""
-        fields = ("guided_choice", "guided_json", "guided_regex", "guided_grammar", "structured_outputs")
+        fields = ("guided_choice", "guided_json", "guided_regex", "guided_grammar", "structural_tag",
+                  "structured_outputs")
         if self.response_format is not None and self.response_format.type != "text":
             return "response_format"
         return next((name for name in fields if getattr(self, name) is not None), "structured_outputs")
