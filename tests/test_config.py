@@ -58,6 +58,12 @@ def test_mixed_graph_token_buckets_are_whole_row_tiles_up_to_the_cap():
     assert {s.num_tokens for s in shapes if s.is_mixed} == {32, 64, 128, 256}
     assert all(s.num_rows == 9 for s in shapes if s.is_mixed)  # a spare row for the pad tokens
     assert {s.decode_rows for s in shapes if not s.is_mixed} == {1, 2, 4, 8}
+    # No cap beside decodes (offline): prompt chunks alone still get graphs, decodes beside them do not.
+    shapes = graph_shapes(8, 0, 4096, max_prompt_only_tokens=256)
+    mixed = {(s.decode_rows, s.num_tokens) for s in shapes if s.is_mixed}
+    assert mixed == {(0, t) for t in (32, 64, 128, 256)}
+    beside = graph_shapes(8, 128, 4096, 512)
+    assert {s.num_tokens for s in beside if s.decode_rows == 4 and s.is_mixed} == {32, 64, 128, 256}
 
 
 def test_mixed_graph_shapes_come_with_few_prompt_rows_first():

@@ -61,16 +61,18 @@ def token_buckets(decode_rows: int, max_prompt_tokens: int, max_tokens: int) -> 
     return sorted({s for s in sizes if decode_rows < s < last} | {last})
 
 
-def graph_shapes(max_rows: int, max_prompt_tokens: int, max_tokens: int) -> list[GraphShape]:
-    """Decode-only shapes (one row per bucket), and mixed shapes: decode parts of each bucket (or none)
-    beside token buckets for up to ``max_prompt_tokens`` prompt tokens (at most ``max_tokens`` in all),
-    with room for FEW_PROMPT_ROWS prompt rows or for max_rows rows in all (and one for the pad tokens)."""
+def graph_shapes(max_rows: int, max_prompt_tokens: int, max_tokens: int,
+                 max_prompt_only_tokens: int = 0) -> list[GraphShape]:
+    """Decode-only shapes (one row per bucket), and mixed shapes: decode parts of each bucket beside
+    token buckets for up to ``max_prompt_tokens`` prompt tokens, or no decode part and up to
+    ``max(max_prompt_tokens, max_prompt_only_tokens)`` of them (at most ``max_tokens`` in all), with room
+    for FEW_PROMPT_ROWS prompt rows or for max_rows rows in all (and one for the pad tokens)."""
     decodes = decode_buckets(max_rows)
     shapes = [GraphShape(b, b, b) for b in decodes]
     for d in [0, *decodes]:
         row_counts = sorted({min(d + FEW_PROMPT_ROWS, max_rows) + 1, max_rows + 1})
-        shapes += [GraphShape(d, t, r) for t in token_buckets(d, max_prompt_tokens, max_tokens)
-                   for r in row_counts]
+        cap = max(max_prompt_tokens, max_prompt_only_tokens) if d == 0 else max_prompt_tokens
+        shapes += [GraphShape(d, t, r) for t in token_buckets(d, cap, max_tokens) for r in row_counts]
     return shapes
 
 
