@@ -137,10 +137,7 @@ class StructuredOutputsParams:
     @staticmethod
     def _normalise_schema(schema: Any) -> dict[str, Any]:
         if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"structured_outputs json is not valid JSON: {err}") from err
+            schema = _loads(schema, "structured_outputs json")
         if not isinstance(schema, dict):
             raise ValueError(f"structured_outputs json must be a JSON schema object, got {_describe(schema)}")
         return schema
@@ -155,6 +152,14 @@ class StructuredOutputsParams:
         return cls(**value)
 
 
+def _loads(text: str, name: str) -> Any:
+    """JSON text a request gave for ``name``, or a ValueError naming it."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{name} is not valid JSON: {err}") from err
+
+
 def _normalise_structural_tag(tag: Any) -> dict[str, Any]:
     """vLLM's structural tag (JSON text or the object) as {"structures": [...], "triggers": [...]}, each
     structure {"begin", "schema", "end"}; a ValueError names what is wrong. The checks are those vLLM's
@@ -163,10 +168,7 @@ def _normalise_structural_tag(tag: Any) -> dict[str, Any]:
     starting with a trigger)."""
     name = "structured_outputs structural_tag"
     if isinstance(tag, str):
-        try:
-            tag = json.loads(tag)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{name} is not valid JSON: {err}") from err
+        tag = _loads(tag, name)
     if not isinstance(tag, Mapping):
         raise ValueError(f"{name} must be an object with structures and triggers, got {_describe(tag)}")
     if tag.get("type", "structural_tag") != "structural_tag":
