@@ -1,6 +1,7 @@
 """plait: an LLM inference and serving engine where every step plaits prefill chunks and decodes."""
 
 from plait.config import EngineConfig
+from plait.lora.request import LoRARequest
 from plait.outputs import CompletionOutput, RequestOutput
 from plait.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -16,5 +17,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'plait' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EngineConfig", "RequestOutput", "SamplingParams",
-           "StructuredOutputsParams"]
+__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EngineConfig", "LoRARequest", "RequestOutput",
+           "SamplingParams", "StructuredOutputsParams"]

@@ -69,6 +69,14 @@ class EngineConfig:
     # Models with recurrent (Mamba) layers: requests that can hold state at once; admission waits
     # when all are taken. None = max_num_seqs. Ignored by attention-only models.
     max_num_state_slots: int | None = None
+    # Multi-LoRA serving (vLLM's knobs and defaults): requests may name a PEFT LoRA adapter of rank up to
+    # max_lora_rank; up to max_loras adapters are on the device at once (a request waits for a slot while
+    # all serve other adapters' running requests), and up to max_cpu_loras (None = max_loras) stay read on
+    # the host. Llama-family models only.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is not None:
@@ -88,6 +96,10 @@ class EngineConfig:
             _check_int("max_model_len", self.max_model_len, minimum=2)
         if self.max_num_state_slots is not None:
             _check_int("max_num_state_slots", self.max_num_state_slots, minimum=1)
+        _check_int("max_loras", self.max_loras, minimum=1)
+        _check_int("max_lora_rank", self.max_lora_rank, minimum=1)
+        if self.max_cpu_loras is not None:
+            _check_int("max_cpu_loras", self.max_cpu_loras, minimum=self.max_loras)
         if not isinstance(self.enable_prefix_caching, bool):
             value = self.enable_prefix_caching
             raise ValueError(f"enable_prefix_caching must be true or false, got {value!r}")
@@ -104,7 +116,7 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        for name in ("enforce_eager", "async_scheduling"):
+        for name in ("enforce_eager", "async_scheduling", "enable_lora"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype is not None:

@@ -67,8 +67,10 @@ def random_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
 
 
 def run_greedy(engine, prompts: list[list[int]], max_tokens: int, arrive_every: int = 0,
-               capture_logits: bool = False) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
-    """Run prompts through ``engine`` greedily; request i is added after ``i * arrive_every`` steps.
+               capture_logits: bool = False, loras: list | None = None
+               ) -> tuple[dict[int, list[int]], dict[int, list[torch.Tensor]]]:
+    """Run prompts through ``engine`` greedily; request i is added after ``i * arrive_every`` steps, with
+    LoRA adapter ``loras[i]`` where given.
 
     Returns (index -> output token ids, index -> logits rows sampled for it, if captured).
     """
@@ -94,7 +96,8 @@ def run_greedy(engine, prompts: list[list[int]], max_tokens: int, arrive_every: 
     while pending or engine.has_unfinished_requests():
         while pending and (arrive_every == 0 or step >= pending[0][0] * arrive_every):
             i, p = pending.pop(0)
-            ids[i] = engine.add_request(p, params, request_id=f"r-{i}")
+            ids[i] = engine.add_request(p, params, request_id=f"r-{i}",
+                                        lora_request=loras[i] if loras is not None else None)
         for out in engine.step():
             if out.finished:
                 outputs[int(out.request_id.split("-")[1])] = out.outputs[0].token_ids
@@ -113,3 +116,46 @@ PERSON = {
     "additionalProperties": False,
 }
 PHONE = r"[0-9]{3}-[0-9]{4}"
+
+
+# LoRA adapters' projections: the decoder-layer module holding each (HF names).
+LORA_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+                "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def lora_projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
+    """HF projection -> (in, out) features, for an HF config.json dict of a Llama-family model."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+
+
+def make_lora_adapter(folder: Path, model_folder: Path, targets: list[str], rank: int, alpha: float,
+                      seed: int, use_rslora: bool = False, layers: list[int] | None = None, std: float = 0.1,
+                      config_overrides: dict | None = None) -> Path:
+    """A random PEFT LoRA adapter for the model in ``model_folder``, as PEFT saves one: adapter_config.json
+    and adapter_model.safetensors (lora_A [r, in], lora_B [out, r] per targeted projection and layer)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config = json.loads((model_folder / "config.json").read_text())
+    shapes = lora_projection_shapes(config)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in layers if layers is not None else range(config["num_hidden_layers"]):
+        for name in targets:
+            fan_in, fan_out = shapes[name]
+            prefix = f"base_model.model.model.layers.{layer}.{LORA_MODULES[name]}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+                      "target_modules": targets, "use_rslora": use_rslora, "fan_in_fan_out": False,
+                      "bias": "none", "use_dora": False, "lora_dropout": 0.0,
+                      "base_model_name_or_path": str(model_folder), **(config_overrides or {})}
+    (folder / "adapter_config.json").write_text(json.dumps(adapter_config))
+    return folder

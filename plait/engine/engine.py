@@ -18,6 +18,10 @@ from plait.engine.scheduler import Scheduler, StepPlan
 from plait.engine.state_slots import StateSlotPool
 from plait.generation_config import load_generation_defaults
 from plait.loader.hf import resolve_model
+from plait.lora.adapter import LoRAAdapter
+from plait.lora.registry import LoRARegistry
+from plait.lora.request import LoRARequest
+from plait.lora.slots import LoRASlotPool
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from plait.runner.model_runner import InFlightStep, ModelRunner, StepOutput
 from plait.runner.sampler import needs_penalties
@@ -112,7 +116,12 @@ class LLMEngine:
         # Models with recurrent layers: one state slot per request that can hold state at once.
         slots = self.runner.num_state_slots
         self.state_slots = StateSlotPool(slots) if slots else None
-        self.scheduler = Scheduler(config, self.kv_cache, self.state_slots)
+        # LoRA: adapters read and checked at a request's validation, served from max_loras device slots.
+        lora = self.runner.lora
+        cached = config.max_cpu_loras or config.max_loras
+        self.loras = LoRARegistry(lora.targets, config.max_lora_rank, cached) if lora is not None else None
+        self.lora_slots = LoRASlotPool(config.max_loras) if lora is not None else None
+        self.scheduler = Scheduler(config, self.kv_cache, self.state_slots, self.lora_slots)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
@@ -152,9 +161,10 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> str:
         """Validate and queue one request; raises ValueError/TypeError before it enters the engine."""
-        request, text = self.make_request(prompt, params, request_id)
+        request, text = self.make_request(prompt, params, request_id, lora_request)
         self.enqueue(request, text)
         return request.request_id
 
@@ -163,9 +173,11 @@ class LLMEngine:
         prompt: str | Sequence[int],
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize without queueing, so a batch can be checked whole before any of
-        it enters the engine. Returns the request and its prompt text (None for token ids)."""
+        it enters the engine. Returns the request and its prompt text (None for token ids).
+        ``lora_request`` names the LoRA adapter it runs with (read and checked here)."""
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -178,6 +190,7 @@ class LLMEngine:
         text, token_ids = self._truncate(text, token_ids, self._prompt_tokens_to_keep(params))
         self._validate_prompt(token_ids)
         self._validate_sampling_token_ids(params)
+        lora = self.lora_adapter(lora_request)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(
@@ -189,8 +202,20 @@ class LLMEngine:
             choice_token_ids=self._tokenize_choices(params.host_choices),
             grammar=self._compile_grammar(params),
             bad_words_token_ids=self._tokenize_bad_words(params.bad_words),
+            lora=lora,
+            # Blocks computed under one adapter are never served to another, nor to the base model.
+            cache_key=lora.request.cache_key if lora is not None else b"",
         )
         return request, text
+
+    def lora_adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
+        """The adapter ``lora_request`` names, read and checked (ValueError if it cannot be served)."""
+        if lora_request is None:
+            return None
+        if self.loras is None:
+            raise ValueError("a LoRA adapter was requested, but LoRA is not enabled: create the engine with "
+                             "enable_lora=True (plait serve --enable-lora)")
+        return self.loras.get(lora_request)
 
     def enqueue(self, request: Request, prompt_text: str | None = None) -> None:
         """Queue a request made by make_request."""
@@ -494,8 +519,9 @@ class LLMEngine:
     # -- introspection used by tests and tools ---------------------------------------------
 
     def is_idle_and_clean(self) -> bool:
-        """Idle with every KV block and every state slot back in its pool (invariant 8)."""
+        """Idle with every KV block, state slot and LoRA slot back in its pool (invariant 8)."""
         slots_free = self.state_slots is None or self.state_slots.num_used == 0
+        slots_free = slots_free and (self.lora_slots is None or self.lora_slots.num_used == 0)
         return (not self.has_unfinished_requests() and slots_free
                 and self.kv_cache.num_free_blocks == self.kv_cache.num_usable_blocks)
 

@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from plait.engine.state_slots import NO_STATE_SLOT
+from plait.lora.slots import NO_LORA_SLOT
 from plait.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from plait.engine.grammar import Grammar
+    from plait.lora.adapter import LoRAAdapter
 
 
 class RequestStatus(enum.Enum):
@@ -47,6 +49,8 @@ class Request:
     grammar: Grammar | None = None
     # sampling_params.bad_words, tokenized by the engine: the token sequences the output must not contain.
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
+    # The LoRA adapter it runs with (read and checked by the engine), or None for the base model.
+    lora: LoRAAdapter | None = None
     arrival_index: int | None = None  # set by LLMEngine.enqueue: FCFS order
 
     # Set by the scheduler.
@@ -59,6 +63,8 @@ class Request:
     # Row of every recurrent layer's state tensors (models with Mamba layers); held from admission to
     # finish, abort or preemption.
     state_slot: int = NO_STATE_SLOT
+    # The LoRA slot holding its adapter on the device; held from admission to finish, abort or preemption.
+    lora_slot: int = NO_LORA_SLOT
     # Set by the KV cache manager (prefix caching).
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, memoised
     num_hashed_blocks: int = 0  # leading blocks already registered in (or taken from) the cache

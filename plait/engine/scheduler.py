@@ -9,6 +9,7 @@ from plait.config import NO_CHUNK_CAP, EngineConfig
 from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import FinishReason, Request, RequestStatus
 from plait.engine.state_slots import NO_STATE_SLOT, StateSlotPool
+from plait.lora.slots import NO_LORA_SLOT, LoRASlotPool
 
 
 @dataclass(frozen=True)
@@ -63,15 +64,21 @@ class Scheduler:
     For models with recurrent layers, ``state_slots`` is the slot pool: a request takes a slot when
     it is admitted (admission waits, FCFS, while none is free) and gives it back when it finishes,
     is aborted or is preempted.
+
+    With LoRA, ``lora_slots`` is the adapters' slot pool: a request with an adapter takes its slot at
+    admission (loaded by the runner if the slot held another adapter) and gives it back as a state slot.
+    While every slot serves other adapters' running requests it waits, and so do later requests with
+    adapters; later ones without an adapter may be admitted past it, as in vLLM.
     """
 
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager,
-                 state_slots: StateSlotPool | None = None) -> None:
+                 state_slots: StateSlotPool | None = None, lora_slots: LoRASlotPool | None = None) -> None:
         # The engine hands over a config with its budget chosen for the device; a scheduler built alone
         # (tests, tools) takes the CPU default.
         self.config = config.with_token_budget("cpu")
         self.kv_cache = kv_cache
         self.state_slots = state_slots
+        self.lora_slots = lora_slots
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is the newest
 
@@ -88,6 +95,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv_cache.free(request)
         self._free_state_slot(request)
+        self._free_lora_slot(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
@@ -149,8 +157,17 @@ class Scheduler:
             # restart it from scratch and, under prefill_first, take the budget from the decodes that
             # could run: a request that preempts itself would loop forever without progress.
             return
-        while self.waiting and step.has_room():
-            request = self.waiting[0]
+        # Where a request waits for a LoRA slot, later requests without an adapter may pass it (as in vLLM,
+        # so base traffic is not held up by slots), but none with an adapter: among those FCFS holds, and a
+        # stream of requests for the adapters in the slots cannot starve it.
+        waiting_for_slot = False
+        index = 0
+        while index < len(self.waiting) and step.has_room():
+            request = self.waiting[index]
+            if request.lora is not None and (waiting_for_slot or not self._lora_slot_available(request)):
+                waiting_for_slot = True
+                index += 1
+                continue
             if request.num_pending_tokens:
                 # Preempted while its last sample was in flight: it resumes once that token is known,
                 # since a prompt is prefilled from host token ids. FCFS: nobody overtakes it.
@@ -166,9 +183,11 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 return
             self.kv_cache.record_admission(request)
-            self.waiting.popleft()
+            del self.waiting[index]
             if self.state_slots is not None:
                 request.state_slot = self.state_slots.allocate()
+            if request.lora is not None:
+                request.lora_slot = self.lora_slots.take(request.lora.request.lora_int_id)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.add(request, num_new)
@@ -192,6 +211,7 @@ class Scheduler:
         self.kv_cache.free(request)
         # Its recurrent state is dropped with its KV: it restarts as a first chunk, from zero state.
         self._free_state_slot(request)
+        self._free_lora_slot(request)
         request.num_computed_tokens = 0
         request.num_prefill_tokens = request.num_tokens  # outputs so far, pending too, are re-prefilled
         request.status = RequestStatus.WAITING
@@ -206,6 +226,18 @@ class Scheduler:
         if request.state_slot != NO_STATE_SLOT:
             self.state_slots.free(request.state_slot)
             request.state_slot = NO_STATE_SLOT
+
+    def _lora_slot_available(self, request: Request) -> bool:
+        if request.lora is None:
+            return True
+        if self.lora_slots is None:
+            raise RuntimeError(f"request {request.request_id} has a LoRA adapter, but LoRA is not enabled")
+        return self.lora_slots.can_take(request.lora.request.lora_int_id)
+
+    def _free_lora_slot(self, request: Request) -> None:
+        if request.lora_slot != NO_LORA_SLOT:
+            self.lora_slots.give_back(request.lora_slot)
+            request.lora_slot = NO_LORA_SLOT
 
 
 # A step with decodes has its prompt tokens trimmed so that the step's token count is a multiple of this:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from plait.engine.engine import LLMEngine, StepStats
 from plait.engine.request import Request
+from plait.lora.request import LoRARequest
 from plait.outputs import RequestOutput
 from plait.sampling_params import SamplingParams
 
@@ -192,8 +193,10 @@ class AsyncLLMEngine:
         children: Sequence[tuple[PromptInput, SamplingParams]],
         validate: Validator | None = None,
         timeout_s: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Validate and queue one engine request per (prompt, params); all or none are queued.
+        """Validate and queue one engine request per (prompt, params), all with ``lora_request``'s adapter
+        (None: the base model); all or none are queued.
 
         Validation errors (ValueError, TypeError, or what a prompt builder raises) are raised here,
         before any of the requests enters the engine.
@@ -206,7 +209,7 @@ class AsyncLLMEngine:
         for rid in ids:
             self._streams[rid] = stream
         future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
-        self._commands.put(partial(self._do_add, list(zip(ids, children)), validate, future))
+        self._commands.put(partial(self._do_add, list(zip(ids, children)), validate, future, lora_request))
         try:
             stream.prompt_token_ids = await future
         except asyncio.CancelledError:
@@ -388,6 +391,7 @@ class AsyncLLMEngine:
         children: list[tuple[str, tuple[PromptInput, SamplingParams]]],
         validate: Validator | None,
         future: asyncio.Future,
+        lora_request: LoRARequest | None,
         engine: LLMEngine,
     ) -> None:
         made: list[tuple[Request, str | None]] = []
@@ -395,7 +399,7 @@ class AsyncLLMEngine:
             for rid, (prompt, params) in children:
                 if callable(prompt):
                     prompt = prompt(engine)
-                request, text = engine.make_request(prompt, params, rid)
+                request, text = engine.make_request(prompt, params, rid, lora_request)
                 if validate is not None:
                     validate(request, engine)
                 made.append((request, text))

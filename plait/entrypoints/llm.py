@@ -18,10 +18,12 @@ from plait.entrypoints.beam_search import (
     pending_beams,
     step_params,
 )
+from plait.lora.request import LoRARequest
 from plait.outputs import RequestOutput
 from plait.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict | Sequence[int]
+LoRAInput = LoRARequest | Sequence[LoRARequest | None] | None  # one adapter for all prompts, or one each
 Message = dict[str, Any]
 
 
@@ -49,23 +51,28 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRAInput = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
         A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, or a list of
         token ids. All prompts are validated before any enters the engine. Without sampling_params,
         get_default_sampling_params() (the model's generation_config.json may set them, as in vLLM).
+        ``lora_request`` (under ``enable_lora``): the LoRA adapter of every prompt, or a list with one per
+        prompt (None: the base model), as vLLM's.
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
+        loras = _as_lora_list(lora_request, len(prompts))
         batch = self._batch_ids
         self._batch_ids += 1
         children: list[tuple[int, Request, str | None]] = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
             for k, child in enumerate(_fan_out(p)):
-                request, text = self.engine.make_request(_prompt_payload(prompt), child, f"{batch}-{i}-{k}")
+                request_id = f"{batch}-{i}-{k}"
+                request, text = self.engine.make_request(_prompt_payload(prompt), child, request_id, lora)
                 children.append((i, request, text))
         for _, request, text in children:
             self.engine.enqueue(request, text)
@@ -73,22 +80,28 @@ class LLM:
         return _gather(prompts, params, finished, batch)
 
     def beam_search(
-        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False
+        self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False,
+        lora_request: LoRAInput = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's LLM.beam_search: the ``params.beam_width`` most likely sequences of each prompt, best first.
 
         Each step scores every live beam of every prompt in one batch of 1-token requests (prefix caching
         makes their shared prefixes cheap). As vLLM's, a sequence's ``tokens`` start with the prompt's, a
         finished one's end with its EOS, and ``text`` is all of them decoded, special tokens included.
+        ``lora_request``: as generate's; every beam of a prompt runs with that prompt's adapter.
         """
         step = step_params(params)
-        prompt_ids = [self._tokenize(prompt, step) for prompt in _as_prompt_list(prompts)]
+        prompts = _as_prompt_list(prompts)
+        loras = _as_lora_list(lora_request, len(prompts))
+        prompt_ids = [self._tokenize(prompt, step, lora) for prompt, lora in zip(prompts, loras)]
         searches = [BeamSearch(ids, params, self.engine.eos_token_ids, self.engine.max_model_len)
                     for ids in prompt_ids]
         with tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm) as bar:
             while any(pending := pending_beams(searches)):
                 beams = [{"prompt_token_ids": tokens} for beam_list in pending for tokens in beam_list]
-                advance_all(searches, pending, self.generate(beams, step, use_tqdm=False))
+                beam_loras = [lora for lora, beam_list in zip(loras, pending) for _ in beam_list]
+                advance_all(searches, pending, self.generate(beams, step, use_tqdm=False,
+                                                             lora_request=beam_loras))
                 bar.update(1)
         outputs = [BeamSearchOutput(search.best()) for search in searches]
         tokenizer = self.engine.tokenizer
@@ -96,9 +109,10 @@ class LLM:
             sequence.text = tokenizer.decode(sequence.tokens, skip_special_tokens=False)
         return outputs
 
-    def _tokenize(self, prompt: PromptType, params: SamplingParams) -> list[int]:
+    def _tokenize(self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None = None
+                  ) -> list[int]:
         """A prompt's token ids, as the engine makes them for ``params`` (validated, nothing queued)."""
-        request, _ = self.engine.make_request(_prompt_payload(prompt), params)
+        request, _ = self.engine.make_request(_prompt_payload(prompt), params, lora_request=lora)
         return list(request.prompt_token_ids)
 
     def chat(
@@ -111,6 +125,7 @@ class LLM:
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRAInput = None,
     ) -> list[RequestOutput]:
         """Apply the chat template (the model's, or ``chat_template``) to one conversation (a list of
         messages) or many, and generate; each output's ``prompt`` is its rendered conversation.
@@ -119,6 +134,7 @@ class LLM:
         prefill) instead of starting a new one; it excludes ``add_generation_prompt``, as in vLLM.
         ``chat_template_kwargs`` become variables of the template; ``tools`` (OpenAI-style function
         definitions) its ``tools``, as in vLLM. ``truncate_prompt_tokens`` cuts the rendered conversation.
+        ``lora_request``: as generate's, one per conversation.
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
@@ -127,7 +143,8 @@ class LLM:
                              tools=tools)
                  for c in conversations]
         ids = [encode_rendered(tokenizer, text) for text in texts]
-        outputs = self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm)
+        outputs = self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm,
+                                lora_request)
         for out, text, whole in zip(outputs, texts, ids, strict=True):
             # A conversation truncate_prompt_tokens cut is shown as the part the model saw.
             kept = out.prompt_token_ids
@@ -217,6 +234,16 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams], n: int) -
     if len(params) != n:
         raise ValueError(f"got {len(params)} sampling params for {n} prompts")
     return params
+
+
+def _as_lora_list(lora: LoRAInput, n: int) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    if not isinstance(lora, (list, tuple)):
+        raise TypeError(f"lora_request must be a LoRARequest or a list of them, got {type(lora).__name__}")
+    if len(lora) != n:
+        raise ValueError(f"got {len(lora)} LoRA requests for {n} prompts")
+    return list(lora)
 
 
 def _prompt_payload(prompt: PromptType) -> str | list[int]:

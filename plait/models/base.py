@@ -20,6 +20,8 @@ class CausalLM(nn.Module):
 
     # Whether cached KV blocks are all a token's past needs (False where layers keep recurrent state).
     supports_prefix_caching = True
+    # Whether LoRA adapters may wrap its projections from outside (plait.lora.model.lora_targets).
+    supports_lora = False
     model: nn.Module
     lm_head: nn.Linear
 

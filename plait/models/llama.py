@@ -137,6 +137,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     """Pure model: forward(input_ids, positions, batch) -> hidden states; logits on request."""
 
+    supports_lora = True
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -10,6 +11,9 @@ import torch
 from plait.attention.base import AttentionBackend, Rotary
 from plait.engine.kv_cache import PAD_BLOCK_ID
 from plait.engine.scheduler import StepPlan
+
+if TYPE_CHECKING:
+    from plait.lora.layer import LoRAMapping
 
 # input_ids value of a token whose id is still on the device (patched before the forward runs).
 PENDING_INPUT_ID = 0
@@ -147,6 +151,9 @@ class ForwardBatch:
     recurrent_states: list | None = None
     # Set by the attention backend: metadata it derives from this batch once and reuses in every layer.
     backend_state: dict = field(default_factory=dict)
+    # Set by the runner where a row runs a LoRA adapter (eager steps only): each slot's tokens, which the
+    # LoRA-wrapped layers read (plait.lora.layer.LoRALinear).
+    lora_mapping: LoRAMapping | None = None
 
     @classmethod
     def from_views(

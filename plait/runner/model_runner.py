@@ -20,6 +20,8 @@ from plait.engine.state_slots import PAD_STATE_SLOT
 from plait.kernels.dispatch import triton_enabled, triton_importable
 from plait.layers.mamba import allocate_mamba_states
 from plait.loader.model_loader import load_model, resolve_device_dtype
+from plait.lora.layer import LoRAMapping
+from plait.lora.model import LoRAModel
 from plait.runner.cuda_graphs import MAX_GRAPH_PROMPT_TOKENS, StepGraphs, graph_shapes
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
 from plait.runner.input_buffers import InputBuffers, Layout
@@ -92,6 +94,10 @@ class ModelRunner:
         self.model_path = loaded.source
         if self._folds_norms():
             self.model.fold_norm_weights()
+        # LoRA layers wrap their targets before the KV cache is sized (their slots take memory) and before
+        # any graph is captured (graphs replay the base path; steps with LoRA rows run eager).
+        self.lora = (LoRAModel(self.model, config.max_loras, config.max_lora_rank)
+                     if config.enable_lora else None)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         if self.max_model_len > self.model_config.max_position_embeddings:
             raise ValueError(
@@ -136,6 +142,7 @@ class ModelRunner:
         model that can (decode-sized steps then apply those norms in o's and silu-and-mul's launches,
         plait.models.llama.LlamaModel.fuses_mlp_norm); PLAIT_FOLD_NORMS=0 keeps them apart."""
         return (os.environ.get(FOLD_NORMS_ENV, "1") != "0"
+                and not self.config.enable_lora  # adapters' A read the norms' weighted output
                 and hasattr(self.model, "fold_norm_weights")
                 and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
                 and triton_enabled() and triton_importable())
@@ -222,7 +229,9 @@ class ModelRunner:
         arrays = _profile_arrays(lens, bs, blocks_per_row)
         batch = forward_batch_from_arrays(arrays, self.device)
         self._attach(batch, kv)
-        hidden = self.model(batch.input_ids, batch.positions, batch)
+        if self.lora is not None:  # a LoRA step's deltas take memory beside the base layers' outputs
+            batch.lora_mapping = LoRAMapping([(0, torch.arange(num_tokens, device=self.device))])
+        hidden = self._run_model(batch)
         rows = min(self.config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
         self.sampler(logits, [SamplingRow(PROFILE_SAMPLING, [0], [])] * rows)
@@ -287,7 +296,10 @@ class ModelRunner:
         return min(MAX_GRAPH_PROMPT_TOKENS, self.config.max_num_batched_tokens)
 
     def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
-        return self.model(batch.input_ids, batch.positions, batch)  # [T, hidden]
+        if batch.lora_mapping is None:
+            return self.model(batch.input_ids, batch.positions, batch)  # [T, hidden]
+        with self.lora.running(batch):  # the LoRA layers add their deltas for this batch only
+            return self.model(batch.input_ids, batch.positions, batch)
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -302,7 +314,12 @@ class ModelRunner:
         arrays = build_step_arrays(plan, self.config.block_size)
         pending_src = self._pending_sources(plan, arrays, prev)
         prev_ids = prev.token_ids if prev is not None else None
-        shape = self.graphs.shape_for(arrays) if self.graphs is not None else None
+        lora = None
+        if self.lora is not None:
+            requests = [row.request for row in plan.rows]
+            lora = self.lora.step_mapping(requests, arrays.query_start_loc, self.device)
+        # No graph is captured with LoRA deltas: a step with a LoRA row runs eager (correct, not fast).
+        shape = self.graphs.shape_for(arrays) if self.graphs is not None and lora is None else None
         if shape is not None:  # the graph's static inputs
             views = self.buffers.stage(self.graphs.pad(arrays, shape), pending_src, prev_ids, full_width=True)
         else:
@@ -312,7 +329,7 @@ class ModelRunner:
         if shape is not None:
             hidden = self.graphs.replay(shape)
         else:
-            hidden = self._run_model(self._eager_batch(arrays, views))
+            hidden = self._run_model(self._eager_batch(arrays, views, lora))
         if events is not None:
             events[1].record()
             self.breakdown.add_gpu_interval(*events, graph=shape is not None)
@@ -328,6 +345,7 @@ class ModelRunner:
         b.single_token_steps += arrays.num_tokens == arrays.num_rows
         b.graph_steps += shape is not None
         b.graph_single_token_steps += shape is not None and arrays.num_tokens == arrays.num_rows
+        b.lora_steps += lora is not None
         return step
 
     def collect(self, step: InFlightStep) -> StepOutput:
@@ -359,7 +377,8 @@ class ModelRunner:
         start.record()
         return start, end
 
-    def _eager_batch(self, arrays: StepArrays, views: dict[str, torch.Tensor]) -> ForwardBatch:
+    def _eager_batch(self, arrays: StepArrays, views: dict[str, torch.Tensor],
+                     lora: LoRAMapping | None = None) -> ForwardBatch:
         batch = ForwardBatch.from_views(
             views,
             arrays.sample_rows,
@@ -369,6 +388,7 @@ class ModelRunner:
             num_leading_single_token_rows=arrays.num_leading_single_token_rows,
         )
         self._attach(batch)
+        batch.lora_mapping = lora
         return batch
 
     def _attach(self, batch: ForwardBatch, kv_caches: list[torch.Tensor] | None = None) -> None:

@@ -1,0 +1,103 @@
+"""LoRAModel: a model's LoRA-wrapped layers, the adapters in their slots, and each step's tokens by slot."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from plait.layers.linear import Linear
+from plait.lora.adapter import LoRAAdapter, LoRATarget
+from plait.lora.layer import LoRAContext, LoRALinear, LoRAMapping
+from plait.lora.slots import NO_LORA_SLOT
+from plait.runner.sampler import host_to_device
+
+if TYPE_CHECKING:
+    from plait.engine.request import Request
+    from plait.runner.forward_batch import ForwardBatch
+
+
+def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
+    """The Linear layers of a Llama-family model adapters may change, by plait name, with their output
+    slices as the loader fuses them (plait.models.weights.load_decoder_weights)."""
+    if not getattr(model, "supports_lora", False):
+        raise ValueError(f"LoRA is not supported for {type(model).__name__}; it serves the Llama family "
+                         f"(Llama, Mistral, Qwen2, Qwen3)")
+    cfg = model.config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    slices = {
+        "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+        "o_proj": (("o_proj", cfg.hidden_size),),
+        "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)),
+        "down_proj": (("down_proj", cfg.hidden_size),),
+    }
+    targets = {}
+    for name, module in model.named_modules():
+        kind = name.rsplit(".", 1)[-1]
+        if kind in slices and isinstance(module, Linear):
+            targets[name] = LoRATarget(module.in_features, slices[kind])
+    return targets
+
+
+class LoRAModel:
+    """Wraps every LoRA target of ``model`` in a LoRALinear with ``num_slots`` slots of rank up to
+    ``max_rank`` (before any CUDA graph is captured, so graphs replay the base path), loads adapters into
+    slots, and maps a step's tokens to their slots."""
+
+    def __init__(self, model: nn.Module, num_slots: int, max_rank: int) -> None:
+        self.targets = lora_targets(model)
+        self.context = LoRAContext()
+        self.layers: dict[str, LoRALinear] = {}
+        for name, target in self.targets.items():
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            layer = LoRALinear(getattr(parent, child), target, num_slots, max_rank, self.context)
+            setattr(parent, child, layer)
+            self.layers[name] = layer
+        self._loaded: list[int | None] = [None] * num_slots  # the adapter id each slot's weights hold
+        self.num_loads = 0
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Copy ``adapter`` into ``slot`` of every layer. On a GPU the copies queue behind the steps
+        launched before, so a step still running reads the adapter it was launched with."""
+        for name, layer in self.layers.items():
+            layer.load_slot(slot, adapter.layers.get(name, []), adapter.scaling)
+        self._loaded[slot] = adapter.request.lora_int_id
+        self.num_loads += 1
+
+    def step_mapping(self, requests: Sequence[Request], query_start_loc: np.ndarray,
+                     device: torch.device) -> LoRAMapping | None:
+        """The step's tokens grouped by slot (None: no row has an adapter), after loading any adapter
+        its slot does not hold yet. ``requests`` are the step's rows, ``query_start_loc`` their tokens'."""
+        row_slots = np.array([r.lora_slot for r in requests], dtype=np.int64)  # [R]
+        used = np.unique(row_slots[row_slots != NO_LORA_SLOT])
+        if not len(used):
+            return None
+        for request in requests:
+            slot = request.lora_slot
+            if slot != NO_LORA_SLOT and self._loaded[slot] != request.lora.request.lora_int_id:
+                self.load(slot, request.lora)
+        token_slots = np.repeat(row_slots, np.diff(query_start_loc))  # [T]
+        groups = []
+        for slot in used.tolist():
+            index = np.flatnonzero(token_slots == slot)
+            whole = len(index) == len(token_slots)
+            groups.append((slot, None if whole else _device_index(index, device)))
+        return LoRAMapping(groups)
+
+    @contextlib.contextmanager
+    def running(self, batch: ForwardBatch) -> Iterator[None]:
+        """The LoRA layers add ``batch.lora_mapping``'s deltas inside this block, and nothing after it."""
+        self.context.batch = batch
+        try:
+            yield
+        finally:
+            self.context.batch = None
+
+
+def _device_index(index: np.ndarray, device: torch.device) -> torch.Tensor:
+    return host_to_device(torch.from_numpy(index), torch.long, device)  # pinned and non-blocking on CUDA

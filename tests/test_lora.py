@@ -1,0 +1,378 @@
+"""Multi-LoRA serving on tiny random models (fp32 CPU): each adapter matches HF with the adapter merged into
+its weights, a request's output does not depend on the adapters beside it, slots are shared in turn, and the
+prefix cache keeps adapters apart; bad adapters are refused before they enter the engine."""
+
+from __future__ import annotations
+
+import gc
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LORA_MODULES, make_lora_adapter, random_prompts, run_greedy
+
+from plait import LLM, BeamSearchParams, LoRARequest
+from plait.config import EngineConfig
+from plait.engine.engine import LLMEngine
+from plait.lora.model import LoRAModel
+from plait.lora.slots import LoRASlotPool
+from plait.sampling_params import SamplingParams
+
+LOGITS_ATOL = 1e-4
+MAX_TOKENS = 8
+ALL_TARGETS = list(LORA_MODULES)
+
+
+def _adapters(model_folder: Path, root: Path) -> dict[str, LoRARequest]:
+    """Three adapters unlike each other: the classic q/v, all seven projections under rsLoRA, and an MLP-heavy
+    one of rank 16 on the last layer only (k and the first layer untouched)."""
+    made = {
+        "qv": make_lora_adapter(root / "qv", model_folder, ["q_proj", "v_proj"], rank=8, alpha=16, seed=1),
+        "all": make_lora_adapter(root / "all", model_folder, ALL_TARGETS, rank=4, alpha=8, seed=2,
+                                 use_rslora=True),
+        "mlp": make_lora_adapter(root / "mlp", model_folder, ["o_proj", "gate_proj", "down_proj"], rank=16,
+                                 alpha=32, seed=3, layers=[1]),
+    }
+    return {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(made.items())}
+
+
+@pytest.fixture(scope="module")
+def llama_loras(tiny_llama, tmp_path_factory) -> dict[str, LoRARequest]:
+    return _adapters(tiny_llama, tmp_path_factory.mktemp("llama-loras"))
+
+
+def _lora_engine(folder: Path, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(folder), block_size=8, enable_lora=True, **kw))
+
+
+def _merged_hf(model_folder: Path, lora: LoRARequest | None):
+    """HF transformers' model with the adapter merged into a copy of its weights: W + scale * B @ A."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_folder, dtype=torch.float32).eval()
+    if lora is None:
+        return hf
+    config = json.loads((Path(lora.lora_path) / "adapter_config.json").read_text())
+    rank, alpha = config["r"], config["lora_alpha"]
+    scale = alpha / rank**0.5 if config["use_rslora"] else alpha / rank
+    tensors = load_file(Path(lora.lora_path) / "adapter_model.safetensors")
+    with torch.no_grad():
+        for key, a in tensors.items():
+            if key.endswith(".lora_A.weight"):
+                module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = tensors[key.replace(".lora_A.", ".lora_B.")]
+                hf.get_submodule(module).weight += scale * b @ a
+    return hf
+
+
+def _alone(engine: LLMEngine, prompts: list[list[int]], loras: list, max_tokens: int = MAX_TOKENS
+           ) -> tuple[dict[int, list[int]], dict[int, torch.Tensor]]:
+    """Each prompt run alone on ``engine``, one after another: (tokens, logits) by index."""
+    outs, logits = {}, {}
+    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+        o, lg = run_greedy(engine, [prompt], max_tokens, capture_logits=True, loras=[lora])
+        outs[i], logits[i] = o[0], torch.stack(lg[0])
+    return outs, logits
+
+
+def _lora_id(request) -> int | None:
+    return request.lora.request.lora_int_id if request.lora is not None else None
+
+
+def _record_plans(engine: LLMEngine) -> list[list[tuple[str, int | None]]]:
+    """Every step's rows from now on, as (request id, its adapter's id)."""
+    plans: list[list[tuple[str, int | None]]] = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        plans.append([(row.request.request_id, _lora_id(row.request)) for row in plan.rows])
+        return plan
+
+    engine.scheduler.schedule = recording
+    return plans
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_adapters_match_hf_with_merged_weights(tiny_models, tmp_path, family):
+    """Greedy tokens and logits (1e-4, fp32) of each adapter equal HF's with that adapter merged into the
+    weights; prompts are chunked, and three adapters share two slots beside base requests."""
+    folder = tiny_models[family]
+    loras = _adapters(folder, tmp_path)
+    order = [loras["qv"], loras["all"], loras["mlp"], None, loras["all"], loras["qv"]]
+    prompts = random_prompts(len(order), 1, 70, seed=7)
+    engine = _lora_engine(folder, max_num_batched_tokens=48, max_loras=2)
+    outs, logits = run_greedy(engine, prompts, MAX_TOKENS, capture_logits=True, loras=order)
+    base, _ = run_greedy(LLMEngine(EngineConfig(model=str(folder), block_size=8)), prompts, MAX_TOKENS)
+    references = {}
+    for i, (prompt, lora) in enumerate(zip(prompts, order)):
+        name = lora.lora_name if lora else None
+        hf = references.setdefault(name, _merged_hf(folder, lora))
+        with torch.no_grad():
+            ref_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            ref_logits = hf(torch.tensor([prompt + outs[i]])).logits[0, len(prompt) - 1: -1]
+        assert outs[i] == ref_ids, f"{family} prompt {i} ({name}): greedy tokens differ from merged HF"
+        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
+    changed = sum(outs[i] != base[i] for i, lora in enumerate(order) if lora)
+    assert changed >= 4, "the adapters changed nothing"
+    assert engine.runner.breakdown.lora_steps > 0
+    assert engine.is_idle_and_clean()
+
+
+def test_mixed_adapters_equal_alone(tiny_llama, llama_loras):
+    """Base, adapter 1, adapter 2, adapter 1 again... of different lengths, arriving step by step and chunked
+    under a small budget: each request gets the tokens (and logits) it gets alone."""
+    qv, every = llama_loras["qv"], llama_loras["all"]
+    order = [None, qv, every, qv, None, every, qv, None]
+    prompts = random_prompts(len(order), 5, 60, seed=11)
+    solo = _alone(_lora_engine(tiny_llama, max_num_batched_tokens=512, max_loras=2), prompts, order)
+    engine = _lora_engine(tiny_llama, max_num_batched_tokens=16, long_prefill_token_threshold=8, max_loras=2)
+    plans = _record_plans(engine)
+    outs, logits = run_greedy(engine, prompts, MAX_TOKENS, arrive_every=1, capture_logits=True, loras=order)
+    for i in range(len(prompts)):
+        assert outs[i] == solo[0][i], f"prompt {i}: tokens depend on the adapters beside it"
+        torch.testing.assert_close(torch.stack(logits[i]), solo[1][i], atol=LOGITS_ATOL, rtol=0)
+    # Steps really mixed the base model and both adapters.
+    assert any({lora for _, lora in plan} == {None, qv.lora_int_id, every.lora_int_id} for plan in plans)
+    assert engine.is_idle_and_clean()
+
+
+def test_one_slot_serves_two_adapters_in_turn(tiny_llama, llama_loras):
+    """max_loras=1: a request for the second adapter waits for the slot, then both finish as they would alone;
+    a base request arriving after it is admitted past it (it needs no slot)."""
+    order = [llama_loras["qv"], llama_loras["mlp"], None]
+    prompts = random_prompts(len(order), 10, 30, seed=5)
+    solo = _alone(_lora_engine(tiny_llama, max_num_batched_tokens=512), prompts, order)
+    engine = _lora_engine(tiny_llama, max_num_batched_tokens=64)
+    plans = _record_plans(engine)
+    outs, _ = run_greedy(engine, prompts, MAX_TOKENS, loras=order)
+    assert outs == solo[0]
+    assert all(len({lora for _, lora in plan} - {None}) <= 1 for plan in plans), "two adapters in one slot"
+    steps = {rid: [k for k, plan in enumerate(plans) if rid in dict(plan)] for rid in ("r-0", "r-1", "r-2")}
+    first, last_of_first = {rid: ks[0] for rid, ks in steps.items()}, steps["r-0"][-1]
+    assert first["r-1"] > last_of_first, "the second adapter ran before the slot was free"
+    assert first["r-2"] < first["r-1"], "the base request waited for a LoRA slot it does not need"
+    assert engine.runner.lora.num_loads == 2
+    assert engine.is_idle_and_clean()
+
+
+def test_prefix_cache_keeps_adapters_apart(tiny_llama, llama_loras):
+    """The same prompt under two adapters and the base model: each gets its own answer, none is served
+    another's KV blocks, and a repeat under the same adapter still hits the cache."""
+    prompt = random_prompts(1, 41, 41, seed=13)[0]
+    order = [llama_loras["qv"], llama_loras["all"], None, llama_loras["qv"]]
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    uncached = _alone(_lora_engine(tiny_llama, max_loras=2, enable_prefix_caching=False), [prompt] * 4, order)
+    engine = _lora_engine(tiny_llama, max_loras=2, enable_prefix_caching=True)
+    finals = []
+    for i, lora in enumerate(order):  # one after another, so each could hit what the last cached
+        engine.add_request(prompt, params, request_id=f"p-{i}", lora_request=lora)
+        while engine.has_unfinished_requests():
+            finals += [out for out in engine.step() if out.finished]
+    assert [out.outputs[0].token_ids for out in finals] == [uncached[0][i] for i in range(4)]
+    assert len({tuple(out.outputs[0].token_ids) for out in finals}) == 3
+    assert [out.num_cached_tokens for out in finals[:3]] == [0, 0, 0]
+    assert finals[3].num_cached_tokens == 40  # five full blocks of the first request's adapter
+    assert engine.is_idle_and_clean()
+
+
+def test_steps_with_lora_rows_never_replay_a_graph(tiny_llama, llama_loras):
+    """The runner asks its CUDA graphs for a shape only for steps without a LoRA row (graphs replay the base
+    path); a stand-in for the graphs records what it was asked (no GPU here)."""
+    engine = _lora_engine(tiny_llama, max_num_batched_tokens=32)
+    asked: list[int] = []
+
+    class Graphs:
+        def shape_for(self, arrays):
+            asked.append(arrays.num_tokens)
+            return None  # run eager all the same
+
+    engine.runner.graphs = Graphs()
+    plans = _record_plans(engine)
+    order = [None, llama_loras["qv"], None]
+    prompts = random_prompts(len(order), 5, 20, seed=17)
+    run_greedy(engine, prompts, MAX_TOKENS, arrive_every=3, loras=order)
+    with_lora = sum(any(lora is not None for _, lora in plan) for plan in plans if plan)
+    assert engine.runner.breakdown.lora_steps == with_lora > 0
+    assert len(asked) == sum(bool(plan) for plan in plans) - with_lora > 0
+    assert engine.runner.breakdown.graph_steps == 0
+
+
+def _generate_one(llm: LLM, prompt: dict, lora: LoRARequest, params: SamplingParams):
+    return llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
+
+
+def test_the_profiling_step_runs_a_lora_delta(tiny_llama):
+    """The step that sizes the GPU KV cache runs its tokens through a LoRA slot too (the deltas' memory), and
+    leaves the layers adding nothing afterwards."""
+    engine = _lora_engine(tiny_llama, max_num_batched_tokens=100, max_model_len=64, max_num_seqs=8)
+    calls = []
+    layer = next(iter(engine.runner.lora.layers.values()))
+    layer.register_forward_hook(lambda module, args, out: calls.append(module.context.mapping is not None))
+    engine.runner._profile_step()
+    assert calls == [True] and engine.runner.lora.context.batch is None
+    assert engine.is_idle_and_clean()
+
+
+def test_llm_generate_takes_one_lora_request_or_one_per_prompt(tiny_llama, llama_loras):
+    llm = LLM(str(tiny_llama), enable_lora=True, max_loras=2, block_size=8)
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(3, 4, 12, seed=19)]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    qv, mlp = llama_loras["qv"], llama_loras["mlp"]
+    each = llm.generate(prompts, params, use_tqdm=False, lora_request=[qv, None, mlp])
+    same = llm.generate(prompts, params, use_tqdm=False, lora_request=qv)
+    base = llm.generate(prompts, params, use_tqdm=False)
+    assert each[0].outputs[0].token_ids == same[0].outputs[0].token_ids
+    assert each[1].outputs[0].token_ids == base[1].outputs[0].token_ids
+    assert same[2].outputs[0].token_ids != base[2].outputs[0].token_ids
+    with pytest.raises(ValueError, match="2 LoRA requests for 3 prompts"):
+        llm.generate(prompts, params, use_tqdm=False, lora_request=[qv, None])
+    # A beam search of width 1 keeps the greedy sequence: each beam runs its prompt's adapter.
+    beams = llm.beam_search(prompts[:2], BeamSearchParams(beam_width=1, max_tokens=4, ignore_eos=True),
+                            lora_request=[mlp, qv])
+    for out, prompt, want in zip(beams, prompts, (_generate_one(llm, prompts[0], mlp, params), same[1])):
+        assert out.sequences[0].tokens == prompt["prompt_token_ids"] + want.outputs[0].token_ids
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def _bad_adapter(root: Path, model: Path, name: str) -> tuple[str, str]:
+    """An adapter folder plait must refuse, and words its error must contain."""
+    folder = root / name
+    good = {"targets": ["q_proj"], "rank": 4, "alpha": 8, "seed": 0}
+    if name == "rank_above_max":
+        make_lora_adapter(folder, model, ["q_proj"], rank=16, alpha=16, seed=0)
+        return str(folder), "LoRA rank 16 is greater than max_lora_rank 8."
+    if name == "missing_folder":
+        return str(folder), "no adapter_config.json"
+    if name == "missing_weights":
+        make_lora_adapter(folder, model, **good)
+        (folder / "adapter_model.safetensors").unlink()
+        return str(folder), "no adapter_model.safetensors"
+    if name == "lm_head_target":
+        make_lora_adapter(folder, model, **good, config_overrides={"target_modules": ["q_proj", "lm_head"]})
+        return str(folder), "['lm_head'] are not supported"
+    if name == "embedding_weights":  # a regex target: only the tensors say what it adapted
+        make_lora_adapter(folder, model, **good, config_overrides={"target_modules": ".*"})
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(folder / "adapter_model.safetensors")
+        tensors["base_model.model.model.embed_tokens.lora_embedding_A"] = torch.zeros(4, 512)
+        save_file(tensors, folder / "adapter_model.safetensors")
+        return str(folder), "not a LoRA A or B weight"
+    if name == "dora":
+        make_lora_adapter(folder, model, **good, config_overrides={"use_dora": True})
+        return str(folder), "use_dora=True is not supported"
+    if name == "bias":
+        make_lora_adapter(folder, model, **good, config_overrides={"bias": "lora_only"})
+        return str(folder), "bias 'lora_only' is not supported"
+    if name == "modules_to_save":
+        make_lora_adapter(folder, model, **good, config_overrides={"modules_to_save": ["lm_head"]})
+        return str(folder), "modules_to_save"
+    if name == "layer_not_in_model":
+        make_lora_adapter(folder, model, ["q_proj"], rank=4, alpha=8, seed=0, layers=[7])
+        return str(folder), "'model.layers.7.self_attn.q_proj' is not in the model"
+    if name == "other_model_shapes":  # made for a model twice as wide
+        config = json.loads((model / "config.json").read_text())
+        other = root / "wide-model"
+        other.mkdir(exist_ok=True)
+        (other / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
+        make_lora_adapter(folder, other, ["v_proj"], rank=4, alpha=8, seed=0)
+        return str(folder), "expected (4, 64)"
+    raise AssertionError(name)
+
+
+BAD_ADAPTERS = ["rank_above_max", "missing_folder", "missing_weights", "lm_head_target", "embedding_weights",
+                "dora", "bias", "modules_to_save", "layer_not_in_model", "other_model_shapes"]
+
+
+@pytest.fixture(scope="module")
+def small_rank_engine(tiny_llama) -> LLMEngine:
+    return _lora_engine(tiny_llama, max_lora_rank=8, max_model_len=64)
+
+
+@pytest.mark.parametrize("name", BAD_ADAPTERS)
+def test_bad_adapters_are_refused_before_they_enter_the_engine(small_rank_engine, tiny_llama, tmp_path, name):
+    path, words = _bad_adapter(tmp_path, tiny_llama, name)
+    engine = small_rank_engine
+    lora_id = 100 + 2 * BAD_ADAPTERS.index(name)  # the engine is shared: an id per folder
+    with pytest.raises(ValueError, match=re.escape(words)):
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=2),
+                           lora_request=LoRARequest(name, lora_id, path))
+    assert engine.is_idle_and_clean()
+    good = make_lora_adapter(tmp_path / "good", tiny_llama, ["q_proj"], rank=8, alpha=8, seed=4)
+    outs, _ = run_greedy(engine, [[5, 6, 7]], 2, loras=[LoRARequest("good", lora_id + 1, str(good))])
+    assert len(outs[0]) == 2 and engine.is_idle_and_clean()  # and it goes on serving
+
+
+def test_lora_requests_are_checked(tiny_llama, llama_loras, tmp_path):
+    """No LoRA without enable_lora; ids are >= 1 and name one folder; only Llama-family models take LoRA."""
+    base = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8))
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        base.add_request([5, 6], lora_request=llama_loras["qv"])
+    assert base.is_idle_and_clean()
+    with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
+        LoRARequest("zero", 0, "/x")
+    engine = _lora_engine(tiny_llama)
+    engine.add_request([5, 6], SamplingParams(max_tokens=1), "a", llama_loras["qv"])
+    moved = shutil.copytree(llama_loras["qv"].lora_path, tmp_path / "copy")
+    with pytest.raises(ValueError, match="already names the adapter"):
+        engine.add_request([5, 6], SamplingParams(max_tokens=1), "b", LoRARequest("qv", 1, str(moved)))
+    with pytest.raises(ValueError, match="LoRA is not supported for Linear"):
+        LoRAModel(torch.nn.Linear(2, 2), num_slots=1, max_rank=4)
+    with pytest.raises(ValueError, match="max_cpu_loras must be >= 2"):
+        EngineConfig(enable_lora=True, max_loras=2, max_cpu_loras=1)
+
+
+def test_slot_pool_keeps_adapters_and_evicts_the_least_recently_used():
+    pool = LoRASlotPool(2)
+    a = pool.take(10)
+    assert pool.take(10) == a and pool.num_used == 1  # one slot, two users
+    b = pool.take(20)
+    assert {a, b} == {0, 1} and not pool.can_take(30)  # both slots busy with others' requests
+    pool.give_back(a)
+    assert not pool.can_take(30)  # adapter 10 still has a user
+    pool.give_back(a)
+    pool.give_back(b)
+    assert pool.take(10) == a  # still loaded: no eviction needed
+    pool.give_back(a)
+    assert pool.take(30) == b  # adapter 20's slot was used least recently
+    assert pool.adapter_in(b) == 30 and pool.adapter_in(a) == 10
+    with pytest.raises(RuntimeError):
+        pool.give_back(a)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_adapters_beside_graphed_base_steps(tiny_llama, llama_loras):
+    """On CUDA in fp32 with Triton kernels, CUDA graphs and overlapped steps: adapters' logits match HF's
+    merged weights (computed on the CPU), base-only steps still replay graphs, steps with an adapter run
+    eager, and each request's tokens are what it gets alone."""
+    qv, every = llama_loras["qv"], llama_loras["all"]
+    order = [None, qv, every, None, qv]
+    prompts = random_prompts(len(order), 5, 40, seed=21)
+    knobs = dict(dtype="float32", max_loras=2, max_num_seqs=8)
+    alone = _lora_engine(tiny_llama, **knobs)
+    solo = [run_greedy(alone, [p], MAX_TOKENS, loras=[lora])[0][0] for p, lora in zip(prompts, order)]
+    del alone  # its KV cache holds most of the GPU (no logit hook: a dropped engine is freed at once)
+    gc.collect()
+    torch.cuda.empty_cache()
+    engine = _lora_engine(tiny_llama, max_num_batched_tokens=32, **knobs)
+    assert engine.runner.device.type == "cuda" and engine.runner.graphs is not None
+    outs, logits = run_greedy(engine, prompts, MAX_TOKENS, arrive_every=1, capture_logits=True, loras=order)
+    b = engine.runner.breakdown
+    assert b.lora_steps > 0 and b.graph_steps > 0
+    assert b.graph_steps + b.lora_steps <= b.steps  # never both in one step
+    for i, lora in enumerate(order):
+        assert outs[i] == solo[i], f"prompt {i}: tokens depend on the adapters beside it"
+        hf = _merged_hf(tiny_llama, lora)
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompts[i] + outs[i]])).logits[0, len(prompts[i]) - 1: -1]
+        torch.testing.assert_close(torch.stack(logits[i]).cpu(), ref, atol=1e-3, rtol=0)
+    assert engine.is_idle_and_clean()
