@@ -62,7 +62,7 @@ def load_generation_defaults(source: str, model_path: Path) -> GenerationDefault
     path = _config_path(source, model_path)
     if path is None:
         return GenerationDefaults()
-    raw = _read_json(path)
+    raw = read_json_object(path)
     sampling = {} if source == VLLM_DEFAULTS else _sampling_defaults(raw, path)
     if sampling:
         # vLLM warns the same way: output changes without any request saying so.
@@ -85,7 +85,8 @@ def _config_path(source: str, model_path: Path) -> Path | None:
     return folder / GENERATION_CONFIG_FILE
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON file holding an object, or a ValueError naming the file."""
     try:
         raw = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:

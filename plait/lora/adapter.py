@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 import torch
 
+from plait.generation_config import read_json_object
 from plait.lora.request import LoRARequest
 from plait.models.weights import STACKED_PROJECTIONS, fused_target
 
@@ -83,11 +83,9 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_rank:
             raise ValueError(f"{where}: no {needed.name} there; a PEFT LoRA folder holds "
                              f"{ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE}")
     try:
-        config = json.loads(config_file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{where}: cannot read {ADAPTER_CONFIG_FILE}: {err}") from err
-    if not isinstance(config, dict):
-        raise ValueError(f"{where}: {ADAPTER_CONFIG_FILE} is not a JSON object")
+        config = read_json_object(config_file)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from err
     rank, scaling = _check_config(config, where, max_rank)
     try:
         from safetensors.torch import load_file
