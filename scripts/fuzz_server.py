@@ -16,6 +16,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +32,10 @@ TINY_KV_HEADS = 2
 TINY_INTERMEDIATE = 128
 REQUEST_TIMEOUT_S = 60.0
 SSE_DONE = "data: [DONE]"
+# The Responses API's streams end, as OpenAI's, with the event that finishes the response (no [DONE]); an
+# error in one is an event of its own.
+RESPONSES_STREAM_ENDS = ("event: response.completed", "event: response.incomplete", "event: response.failed")
+RESPONSES_STREAM_ERROR = "event: error"
 
 
 @dataclass
@@ -65,9 +70,11 @@ def make_tiny_model(folder: Path) -> Path:
     return folder
 
 
-def fuzz(url: str, api_key: str | None, max_examples: int, verbose: bool = False
+def fuzz(url: str, api_key: str | None, max_examples: int, verbose: bool = False,
+         max_examples_by_operation: Mapping[str, int] | None = None
          ) -> tuple[list[Failure], dict[str, Counter]]:
-    """Run schema-valid and schema-violating cases against every operation.
+    """Run schema-valid and schema-violating cases against every operation (``max_examples`` of each, or
+    what ``max_examples_by_operation`` gives an operation's label, such as "POST /v1/responses").
 
     Returns the failures and, per operation and mode, how many responses had each status.
 
@@ -90,7 +97,8 @@ def fuzz(url: str, api_key: str | None, max_examples: int, verbose: bool = False
             label = f"{operation.label} [{mode.value}]"
             statuses[label] = Counter()
             run = _case_runner(url, headers, session, label, failures, statuses[label], verbose)
-            counter = settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
+            examples = (max_examples_by_operation or {}).get(operation.label, max_examples)
+            counter = settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                                phases=[Phase.explicit, Phase.generate],
                                suppress_health_check=list(HealthCheck))(
                 given(case=operation.as_strategy(generation_mode=mode))(run))
@@ -138,12 +146,13 @@ def _check_case(case: Any, url: str, headers: dict, session: Any) -> tuple[str |
         return None, status, error["message"]
     elif content_type.startswith("text/event-stream"):
         lines = [line for line in response.text.splitlines() if line]
-        if any(line.startswith("data: {\"error\"") for line in lines):
+        if any(line.startswith("data: {\"error\"") or line == RESPONSES_STREAM_ERROR for line in lines):
             return f"stream carries an error: {response.text[-300:]}", status, response.text
         # schemathesis hangs up after a few events: a client disconnect, which the server must survive
         # (and whose requests it must abort: checked once the run is over).
-        if not response.stream_cut_short and (not lines or lines[-1] != SSE_DONE):
-            return f"stream does not end with [DONE]: {response.text[-300:]}", status, response.text
+        ended = bool(lines) and lines[-1] == SSE_DONE or len(lines) > 1 and lines[-2] in RESPONSES_STREAM_ENDS
+        if not response.stream_cut_short and not ended:
+            return f"stream does not end as it should: {response.text[-300:]}", status, response.text
     return None, status, response.text
 
 

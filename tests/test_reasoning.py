@@ -178,3 +178,32 @@ def test_tool_calls_are_read_from_the_answer_only(served):
     (call,) = r.choices[0].message.tool_calls
     assert r.choices[0].message.model_extra == {"reasoning": reasoning}
     assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"city"}
+
+
+def test_responses_carry_the_reasoning_as_a_reasoning_item(served):
+    """The Responses API under --reasoning-parser, as vLLM's: a reasoning item (its text in content) before
+    the message, the reasoning's tokens counted in usage; streamed, its reasoning_text events first, the
+    SDK's stream helper ending with the same items; reasoning.effort "none" turns thinking off."""
+    server, client = served
+    kwargs = dict(model=server.model_name, input=GREETING, max_output_tokens=MAX_TOKENS, temperature=0.0)
+    r = client.responses.create(**kwargs)
+    reasoning, message = r.output
+    assert reasoning.type == "reasoning" and [c.text for c in reasoning.content] == [REASONING]
+    assert reasoning.summary == [] and reasoning.id.startswith("rs_")
+    assert message.type == "message" and r.output_text == ANSWER and r.status == "completed"
+    assert 0 < r.usage.output_tokens_details.reasoning_tokens < r.usage.output_tokens
+    with client.responses.stream(**kwargs) as stream:
+        types = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    assert final.output[0].content[0].text == REASONING and final.output_text == ANSWER
+    assert types[2:5] == ["response.output_item.added", "response.content_part.added",
+                          "response.reasoning_text.delta"]
+    done = types.index("response.reasoning_text.done")
+    assert types[done:done + 4] == ["response.reasoning_text.done", "response.content_part.done",
+                                    "response.output_item.done", "response.output_item.added"]
+    assert "response.reasoning_text.delta" not in types[done:] and types[-1] == "response.completed"
+    off = client.responses.create(**{**kwargs, "max_output_tokens": THINKING_OFF_MAX_TOKENS},
+                                  reasoning={"effort": "none"}, store=False)
+    assert [item.type for item in off.output] == ["message"] and off.output_text
+    assert off.usage.output_tokens_details.reasoning_tokens == 0

@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
-from conftest import PERSON, PHONE  # noqa: E402
+from conftest import LORA_MODULES, PERSON, PHONE, make_lora_adapter, run_greedy  # noqa: E402
 
 from plait import __version__  # noqa: E402
 from plait.config import EngineConfig  # noqa: E402
@@ -39,6 +39,7 @@ from plait.entrypoints.server import (  # noqa: E402
     OpenAIServer,
     ServerConfig,
 )
+from plait.lora.request import LoRAModulePath  # noqa: E402
 from plait.sampling_params import (  # noqa: E402
     MAX_ALLOWED_TOKEN_IDS,
     MAX_LOGIT_BIAS_ENTRIES,
@@ -871,6 +872,100 @@ def test_several_served_model_names(tiny_llama):
         ServerConfig(served_model_name=[])
 
 
+# -- LoRA adapters --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_served(tiny_llama, tmp_path_factory):
+    """A tiny model serving two LoRA adapters under their own names (one slot: they take turns), with
+    runtime loading on."""
+    root = tmp_path_factory.mktemp("served-loras")
+    sql = make_lora_adapter(root / "sql", tiny_llama, ["q_proj", "v_proj"], rank=8, alpha=16, seed=1)
+    chat = make_lora_adapter(root / "chat", tiny_llama, list(LORA_MODULES), rank=4, alpha=8, seed=2)
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=64, block_size=8, enable_lora=True))
+    modules = [LoRAModulePath("sql", str(sql)), LoRAModulePath("chat", str(chat), base_model_name="tiny")]
+    config = ServerConfig(served_model_name="tiny", lora_modules=modules, allow_runtime_lora_updating=True,
+                          log_level="warning")
+    server = OpenAIServer(engine, config)
+    with BackgroundServer(server) as url:
+        yield server, url
+
+
+def _greedy_token_ids(client, model: str, prompt: list[int], max_tokens: int) -> list[int]:
+    as_ids = {"return_tokens_as_token_ids": True, "ignore_eos": True}
+    r = client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0.0,
+                                  logprobs=1, extra_body=as_ids)
+    assert r.model == model  # responses name the adapter that ran, as vLLM's
+    return [int(token.split(":")[1]) for token in r.choices[0].logprobs.tokens]
+
+
+def test_a_lora_adapter_is_selected_by_model_name(lora_served, tiny_llama):
+    """"model" naming an adapter runs it: the tokens the offline engine gives with that adapter."""
+    server, url = lora_served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    prompt = [5, 6, 7, 8, 9]
+    got = {model: _greedy_token_ids(client, model, prompt, 6) for model in ("sql", "chat", "tiny")}
+    offline = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8, enable_lora=True))
+    for model in ("sql", "chat", "tiny"):
+        expected, _ = run_greedy(offline, [prompt], 6, loras=[server.lora_requests.get(model)])
+        assert got[model] == expected[0], model
+    assert got["sql"] != got["tiny"] and got["chat"] != got["tiny"]
+    chunks = list(client.completions.create(model="chat", prompt=prompt, max_tokens=3, stream=True))
+    assert {chunk.model for chunk in chunks} == {"chat"}
+
+
+def test_models_lists_lora_adapters_with_their_parent(lora_served, tiny_llama):
+    """As vLLM's /v1/models: the base model, then each adapter with the base as its parent and its folder as
+    its root."""
+    server, url = lora_served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    cards = [m.model_dump() for m in client.models.list().data]
+    assert [(c["id"], c["parent"]) for c in cards] == [("tiny", None), ("sql", "tiny"), ("chat", "tiny")]
+    assert cards[0]["root"] == str(Path(tiny_llama).resolve()) and cards[0]["max_model_len"] == 64
+    assert cards[1]["root"] == server.lora_requests["sql"].lora_path
+
+
+def test_unknown_models_and_bad_adapters_get_4xx(lora_served, tiny_llama, tmp_path):
+    """An unknown model is vLLM's 404; an adapter plait cannot serve is a 400 at /v1/load_lora_adapter and
+    stops the server at start-up; loaded adapters are served until unloaded."""
+    server, url = lora_served
+    r = httpx.post(f"{url}/v1/completions", json={"model": "nope", "prompt": [5, 6], "max_tokens": 1})
+    assert r.status_code == 404, r.text
+    error = r.json()["error"]
+    assert error["type"] == "NotFoundError" and error["param"] == "model"
+    assert error["message"].startswith("The model `nope` does not exist.")
+    big = make_lora_adapter(tmp_path / "big", tiny_llama, ["q_proj"], rank=32, alpha=32, seed=3)
+    small = make_lora_adapter(tmp_path / "small", tiny_llama, ["o_proj"], rank=2, alpha=4, seed=4)
+
+    def load(name: str, path: Path) -> httpx.Response:
+        return httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+
+    for name, path, words in (("big", big, "LoRA rank 32 is greater than max_lora_rank 16."),
+                              ("gone", tmp_path / "gone", "no adapter_config.json"),
+                              ("sql", small, "has already been loaded"),
+                              ("tiny", small, "served model name")):
+        r = load(name, path)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert load("small", small).text == "Success: LoRA adapter 'small' added successfully."
+    assert "small" in [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]]
+    body = {"model": "small", "prompt": [5, 6], "max_tokens": 2}
+    r = httpx.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["model"] == "small"
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "small"}).status_code == 200
+    assert httpx.post(f"{url}/v1/completions", json=body).status_code == 404
+    assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "small"}).status_code == 404
+    # At start-up: a bad adapter, a name taken, or adapters without --enable-lora.
+    config = {"model": str(tiny_llama), "max_model_len": 64, "block_size": 8}
+    lora_engine = LLMEngine(EngineConfig(**config, enable_lora=True))
+    for modules, words in (([LoRAModulePath("big", str(big))], "greater than max_lora_rank"),
+                           ([LoRAModulePath("x", str(small))] * 2, "has already been loaded")):
+        with pytest.raises(ValueError, match=words):
+            OpenAIServer(lora_engine, ServerConfig(lora_modules=modules))
+    with pytest.raises(ValueError, match="LoRA is not enabled"):
+        OpenAIServer(LLMEngine(EngineConfig(**config)),
+                     ServerConfig(lora_modules=[LoRAModulePath("s", str(small))]))
+
+
 # -- CORS -----------------------------------------------------------------------------------------
 
 PAGE_ORIGIN = "https://page.example"
@@ -1377,3 +1472,163 @@ def test_prefix_cache_metrics_move(served, client, model):
     assert after["plait_prefix_cache_blocks"] > 0
     assert 0 < after["plait_prefix_cache_hit_rate"] <= 1
     assert "plait_prefix_cache_evicted_blocks_total" in after
+
+
+# -- the Responses API ---------------------------------------------------------------------------
+
+
+RESPONSES_QUESTION = "What is 2 + 2?"  # answered in ~12 tokens, ending with EOS
+RESPONSES_MAX_TOKENS = 40
+CHAIN_MAX_TOKENS = 8  # enough for a few words of each turn
+INSTRUCTIONS = "Answer in one short sentence."
+WEATHER_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER_CALL}
+
+
+def _chat_answer(client, model: str, messages: list[dict], max_tokens: int):
+    return client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                          temperature=0.0)
+
+
+def _usage_counts(usage) -> tuple[int, int, int]:
+    return usage.input_tokens, usage.output_tokens, usage.total_tokens
+
+
+def test_responses_create_stream_and_chain_as_the_chat_completion(client, model):
+    """Greedy, a response's text and usage are those of the chat completion of the same messages, its
+    instructions a system message first; include logprobs gives one per output token; it is stored, and reads
+    back whole. Streamed: OpenAI's events in OpenAI's order, numbered from 0, which the SDK's stream helper
+    accumulates into the same text. A next turn after previous_response_id is the chat completion of the
+    whole conversation."""
+    messages = [{"role": "system", "content": INSTRUCTIONS}, *_messages(RESPONSES_QUESTION)]
+    chat = _chat_answer(client, model, messages, RESPONSES_MAX_TOKENS)
+    kwargs = dict(model=model, instructions=INSTRUCTIONS, input=RESPONSES_QUESTION,
+                  max_output_tokens=RESPONSES_MAX_TOKENS, temperature=0.0)
+    r = client.responses.create(**kwargs, metadata={"k": "v"}, include=["message.output_text.logprobs"],
+                                top_logprobs=2)
+    assert chat.choices[0].finish_reason == "stop"
+    assert r.status == "completed" and r.incomplete_details is None
+    assert r.output_text == chat.choices[0].message.content
+    u = chat.usage
+    assert _usage_counts(r.usage) == (u.prompt_tokens, u.completion_tokens, u.total_tokens)
+    (message,) = r.output
+    assert message.type == "message" and message.status == "completed" and message.id.startswith("msg_")
+    logprobs = message.content[0].logprobs
+    assert len(logprobs) == r.usage.output_tokens and all(len(lp.top_logprobs) == 2 for lp in logprobs)
+    assert (r.id.startswith("resp_") and r.model == model and r.instructions == INSTRUCTIONS
+            and r.metadata == {"k": "v"} and r.store and r.temperature == 0.0)
+    assert client.responses.retrieve(r.id).model_dump() == r.model_dump()
+
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert final.output_text == r.output_text and final.status == "completed"
+    assert _usage_counts(final.usage) == _usage_counts(r.usage)
+    types = [event.type for event in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    assert set(types[4:-4]) == {"response.output_text.delta"}
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == r.output_text
+    assert events[0].response.status == "in_progress" and events[0].response.id == final.id
+    assert client.responses.retrieve(final.id).output_text == final.output_text  # stored too
+
+    # previous_response_id: the stored input and output come first, so the answer is the chat completion of
+    # the whole conversation; the instructions are not carried on (OpenAI's rule).
+    second = client.responses.create(model=model, previous_response_id=r.id, input="And 3 + 3?",
+                                     max_output_tokens=CHAIN_MAX_TOKENS, temperature=0.0)
+    messages = [*_messages(RESPONSES_QUESTION), {"role": "assistant", "content": r.output_text},
+                *_messages("And 3 + 3?")]
+    chat = _chat_answer(client, model, messages, CHAIN_MAX_TOKENS)
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens
+    assert second.previous_response_id == r.id and second.instructions is None
+
+
+def test_responses_cut_short_unstored_and_abandoned(served, client, model):
+    """An answer cut by max_output_tokens is incomplete (reason max_output_tokens), streamed or not, and is
+    the chat completion's (items as input: developer as system, input_text parts); store false keeps nothing;
+    a client that hangs up mid-stream aborts the request."""
+    server, url = served
+    items = [{"role": "developer", "content": [{"type": "input_text", "text": INSTRUCTIONS}]},
+             {"role": "user", "content": [{"type": "input_text", "text": "Name three rivers."}]}]
+    cut = client.responses.create(model=model, input=items, max_output_tokens=3, temperature=0.0, store=False)
+    chat = _chat_answer(client, model, [{"role": "system", "content": INSTRUCTIONS},
+                                        *_messages("Name three rivers.")], 3)
+    assert chat.choices[0].finish_reason == "length" and cut.output_text == chat.choices[0].message.content
+    assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert cut.output[0].status == "incomplete" and cut.usage.output_tokens == 3
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(cut.id)
+    events = list(client.responses.create(model=model, input=items, max_output_tokens=2, stream=True))
+    assert events[-1].type == "response.incomplete" and events[-1].response.output[0].status == "incomplete"
+
+    _wait_idle(server)
+    before = _metrics(url)
+    with client.responses.stream(model=model, input=items, max_output_tokens=DISCONNECT_MAX_TOKENS,
+                                 extra_body={"ignore_eos": True}) as stream:
+        for _ in zip(range(6), stream):  # a few events, then hang up
+            pass
+    _wait_idle(server)
+    aborted = _vllm("request_success_total", model, finished_reason="abort")
+    assert _metrics(url)[aborted] - before[aborted] == 1
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llguidance") is None, reason="llguidance is not installed")
+def test_responses_text_format_json_schema(client, model):
+    """text.format json_schema is chat's response_format: the output text is JSON matching the schema."""
+    fmt = {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}
+    question = "Describe a person as JSON: name, age and favourite color."
+    r = client.responses.create(model=model, input=question, text={"format": fmt}, max_output_tokens=48,
+                                temperature=0.0, store=False)
+    assert r.status == "completed" and _is_person(r.output_text)
+    assert r.text.format.type == "json_schema" and r.text.format.name == "person"
+
+
+RESPONSES_BAD_REQUESTS = [
+    # (fields beside model and input, status, param)
+    ({"background": True}, 400, "background"),
+    ({"prompt": {"id": "pmpt_1"}}, 400, "prompt"),
+    ({"tools": [{"type": "web_search"}]}, 400, "tools"),
+    ({"tools": [{"type": "code_interpreter", "container": {"type": "auto"}}]}, 400, "tools"),
+    ({"tools": [WEATHER_TOOL]}, 400, "tool_choice"),  # "auto" needs --enable-auto-tool-choice, as in chat
+    ({"tool_choice": "required"}, 400, "tool_choice"),  # no tools
+    ({"tool_choice": {"type": "file_search"}}, 400, "tool_choice"),
+    ({"include": ["reasoning.encrypted_content"]}, 400, "include"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}]},
+     400, "input"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, 400, "input"),
+    ({"input": []}, 400, "input"),
+    ({"input": [{"role": "robot", "content": "hi"}]}, 400, "input"),
+    ({"text": {"format": {"type": "xml"}}}, 400, "text"),
+    ({"text": {"format": {"type": "json_schema", "name": "x"}}}, 400, "text"),
+    ({"max_output_tokens": 0}, 400, "max_output_tokens"),
+    ({"max_output_tokens": 9000}, 400, "max_output_tokens"),  # beyond the context: vLLM's words
+    ({"temperature": "hot"}, 400, "temperature"),
+    ({"previous_response_id": "resp_unknown"}, 404, "previous_response_id"),
+]
+
+
+@pytest.mark.parametrize("fields,status,param", RESPONSES_BAD_REQUESTS,
+                         ids=[f"{i}-{case[2]}" for i, case in enumerate(RESPONSES_BAD_REQUESTS)])
+def test_responses_bad_requests_get_openai_errors(served, model, fields, status, param):
+    _, url = served
+    r = _post(url, "/v1/responses", {"model": model, "input": "Hi", "max_output_tokens": 1, **fields})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+
+
+def test_responses_retrieve_and_cancel_as_vllm(served, client, model):
+    """GET and cancel of an unknown id: 404; cancel of a stored (so finished) response: vLLM's 400."""
+    _, url = served
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    for path in ("/v1/responses/resp_unknown", "/v1/responses/resp_unknown/cancel"):
+        call = httpx.get if not path.endswith("cancel") else httpx.post
+        r = call(f"{url}{path}", headers=auth)
+        assert r.status_code == 404 and "resp_unknown" in r.json()["error"]["message"]
+    done = client.responses.create(model=model, input="Hi", max_output_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
+        client.responses.cancel(done.id)
+    assert client.responses.retrieve(done.id).status == "incomplete"

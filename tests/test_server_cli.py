@@ -49,6 +49,32 @@ def test_serve_flags_reach_the_configs(monkeypatch):
     assert config_c.served_model_names == ("a", "b") and config_c.trust_request_chat_template
 
 
+def test_serve_lora_flags_reach_the_configs(monkeypatch, capsys):
+    """vLLM's --enable-lora, --max-loras, --max-lora-rank (defaults off, 1, 16) and --lora-modules
+    (name=path or JSON); runtime loading under vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING; a malformed module
+    fails at parsing."""
+    import plait.entrypoints.server as server
+    from plait.entrypoints import cli
+    from plait.lora.request import LoRAModulePath
+
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append((engine_config, config)))
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    assert cli.main(["serve", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "32", "--lora-modules",
+                     "sql=/a/sql", '{"name": "chat", "path": "/b", "base_model_name": "m"}']) == 0
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    assert cli.main(["serve"]) == 0
+    (engine, config), (plain_engine, plain) = seen
+    assert (engine.enable_lora, engine.max_loras, engine.max_lora_rank) == (True, 2, 32)
+    assert config.lora_modules == [LoRAModulePath("sql", "/a/sql"), LoRAModulePath("chat", "/b", "m")]
+    assert not config.allow_runtime_lora_updating
+    assert (plain_engine.enable_lora, plain_engine.max_loras, plain_engine.max_lora_rank) == (False, 1, 16)
+    assert plain.lora_modules == () and plain.allow_runtime_lora_updating
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--lora-modules", "nameonly"])
+    assert "a LoRA module is name=path or a JSON object" in capsys.readouterr().err
+
+
 def test_serve_chat_template_and_tool_calling_flags(monkeypatch, capsys, tmp_path):
     """vLLM's --chat-template (a file or the template's text), --enable-auto-tool-choice and
     --tool-call-parser; a bad combination or an unreadable template fails before the model loads."""

@@ -233,3 +233,47 @@ def test_exclude_tools_when_tool_choice_none(served, monkeypatch):
         assert httpx.post(f"{url}/tokenize", json=body).json()["tokens"] == rendered, choice
         chat = client.chat.completions.create(**body, max_tokens=1)
         assert chat.usage.prompt_tokens == len(rendered), choice
+
+
+def test_responses_function_call_round_trip(served):
+    """The Responses API on the chat path: a named tool_choice's answer is a function_call item, the chat
+    completion's call (its name and arguments, a call_id), streamed through the function-call argument events
+    (cut short, non-streamed: an incomplete call, its arguments so far); its output in the next turn, after
+    previous_response_id, gets the chat completion's answer to the conversation with the assistant's call and
+    the tool's result."""
+    server, client = served
+    tools = [{"type": "function", **tool["function"]} for tool in TOOLS]  # the Responses API's flat form
+    kwargs = dict(model=server.model_name, input=MESSAGES[0]["content"], tools=tools,
+                  tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=CALL_MAX_TOKENS,
+                  temperature=0.0)
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)
+        first = stream.get_final_response()
+    chat = client.chat.completions.create(model=server.model_name, messages=MESSAGES, tools=TOOLS,
+                                          tool_choice=NAMED, max_tokens=CALL_MAX_TOKENS, temperature=0.0)
+    (call,) = first.output
+    assert call.type == "function_call" and call.status == "completed" and first.status == "completed"
+    assert [(call.name, call.arguments)] == _calls(chat.choices[0].message)
+    assert call.call_id.startswith(TOOL_CALL_ID_PREFIX) and call.id.startswith("fc_")
+    assert first.usage.input_tokens == chat.usage.prompt_tokens
+    types = [event.type for event in events]
+    assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert set(types[3:-3]) == {"response.function_call_arguments.delta"}
+    assert types[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"]
+    assert "".join(e.delta for e in events if e.type.endswith("arguments.delta")) == call.arguments
+    cut = client.responses.create(**{**kwargs, "max_output_tokens": 3}, store=False)
+    (partial,) = cut.output
+    assert cut.status == partial.status == "incomplete" and call.arguments.startswith(partial.arguments)
+
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}
+    second = client.responses.create(model=server.model_name, previous_response_id=first.id, input=[result],
+                                     tools=tools, tool_choice="none", max_output_tokens=8, temperature=0.0)
+    function = {"name": call.name, "arguments": call.arguments}
+    messages = [*MESSAGES, {"role": "assistant", "content": None,
+                            "tool_calls": [{"id": call.call_id, "type": "function", "function": function}]},
+                {"role": "tool", "tool_call_id": call.call_id, "content": "18 degrees and sunny"}]
+    chat = client.chat.completions.create(model=server.model_name, messages=messages, tools=TOOLS,
+                                          tool_choice="none", max_tokens=8, temperature=0.0)
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens

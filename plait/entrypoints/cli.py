@@ -23,6 +23,7 @@ _ENGINE_FLAGS = (
     "scheduling_policy", "block_size",
     "num_kv_blocks", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
     "attention_backend", "enforce_eager", "async_scheduling",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
 )
 
 
@@ -42,6 +43,11 @@ _FLAG_HELP = {
                          "generation_config.json apply to requests that leave them out; 'vllm': plait's "
                          "own defaults; or a folder holding a generation_config.json (its max_new_tokens "
                          "then caps every request). Its eos_token_id always stops generation",
+    "enable_lora": "serve requests with PEFT LoRA adapters (Llama-family models; steps with an adapter's "
+                   "rows run without CUDA graphs) (default: off)",
+    "max_loras": "LoRA adapters on the device at once; a request waits while all serve others (default: 1)",
+    "max_lora_rank": "the largest LoRA rank served (default: 16)",
+    "max_cpu_loras": "LoRA adapters kept read on the host (default: --max-loras)",
 }
 
 
@@ -57,7 +63,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         flag = f"--{f.name.replace('_', '-')}"
         if hints[f.name] is bool:  # --enforce-eager / --no-enforce-eager
             kwargs: dict[str, Any] = {"action": argparse.BooleanOptionalAction,
-                                      "help": f"(default: {f.default!r})"}
+                                      "help": _FLAG_HELP.get(f.name, f"(default: {f.default!r})")}
         else:
             kwargs = {"type": _arg_type(hints[f.name]),
                       "help": _FLAG_HELP.get(f.name, f"(default: {f.default!r})")}
@@ -143,6 +149,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 _DEFAULT_HOST = "127.0.0.1"
 _DEFAULT_PORT = 8000
 _API_KEY_ENV = "PLAIT_API_KEY"
+_RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 _CORS_ANY = ("*",)
 
 
@@ -155,6 +162,16 @@ def _json_string_list(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError(f"expected a JSON list of strings, such as '[\"*\"]', got {text!r}")
     return value
+
+
+def _lora_module(text: str) -> Any:
+    """A --lora-modules value: name=path, or vLLM's JSON form."""
+    from plait.lora.request import LoRAModulePath  # no torch
+
+    try:
+        return LoRAModulePath.parse(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from err
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -176,7 +193,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           log_level=args.log_level,
                           allowed_origins=args.allowed_origins,
                           allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
-                          allow_credentials=args.allow_credentials)
+                          allow_credentials=args.allow_credentials,
+                          lora_modules=args.lora_modules or (),
+                          allow_runtime_lora_updating=args.allow_runtime_lora_updating)
     serve(_engine_config(args), config)
     return 0
 
@@ -214,6 +233,19 @@ def _add_tool_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split chat answers' reasoning (<think>...</think>) into 'reasoning': qwen3, "
                             "deepseek_r1 (also QwQ), deepseek_v3 (DeepSeek-V3.1, reasoning only when asked)")
+
+
+def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+    """vLLM's LoRA serving flags (--enable-lora, --max-loras and --max-lora-rank are engine knobs)."""
+    group = parser.add_argument_group("LoRA adapters")
+    group.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                       help="PEFT LoRA adapters served under their own model names (needs --enable-lora): "
+                            "name=path, or JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    runtime = os.environ.get(_RUNTIME_LORA_ENV, "").lower() in ("1", "true")
+    group.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
+                       default=runtime,
+                       help=f"serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (default: "
+                            f"${_RUNTIME_LORA_ENV}, vLLM's switch, if true; else off)")
 
 
 def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) -> str:
@@ -275,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="logprobs name tokens 'token_id:<id>' (as vLLM) unless a request sets "
                           "return_tokens_as_token_ids false")
     _add_tool_args(srv)
+    _add_lora_args(srv)
     srv.add_argument("--request-timeout", type=float, default=None,
                      help="abort requests running longer than this many seconds (default: never)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])

@@ -797,6 +797,20 @@ class DetokenizeRequest(_RequestModel):
     tokens: list[TokenId]
 
 
+class LoadLoRAAdapterRequest(_RequestModel):
+    """vLLM's /v1/load_lora_adapter: serve the PEFT adapter at lora_path under the model name lora_name."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(_RequestModel):
+    """vLLM's /v1/unload_lora_adapter: stop serving the adapter named lora_name."""
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; the name alone decides here
+
+
 # -- responses ---------------------------------------------------------------------------------
 
 
@@ -984,6 +998,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int = Field(default_factory=_now)
     owned_by: str = "plait"
+    root: str | None = None  # as vLLM's: the base model's source, or a LoRA adapter's folder
+    parent: str | None = None  # as vLLM's: a LoRA adapter's base model (its served name); None for a base
     max_model_len: int | None = None
 
 

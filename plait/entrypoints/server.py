@@ -8,6 +8,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import itertools
 import json
 import logging
 import secrets
@@ -77,6 +78,7 @@ from plait.entrypoints.protocol import (
     ErrorInfo,
     ErrorResponse,
     FunctionCallOut,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     PromptLogprob,
@@ -86,6 +88,7 @@ from plait.entrypoints.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     ToolCallOut,
+    UnloadLoRAAdapterRequest,
     UsageInfo,
     VersionResponse,
 )
@@ -104,6 +107,7 @@ from plait.entrypoints.tools import (
     make_tool_call_id,
 )
 from plait.loader.hf import ModelSource
+from plait.lora.request import LoRAModulePath, LoRARequest
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, SamplingParams
 
@@ -158,8 +162,12 @@ _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
 _TOKENIZER_ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 404, 413)
 }
+_LORA_ERROR_RESPONSES = _TOKENIZER_ERROR_RESPONSES
+# The error type of vLLM's 404s (an unknown model, an unknown adapter).
+_NOT_FOUND_ERROR = "NotFoundError"
 # Request schemas whose "model" field the OpenAPI document restricts to the served names.
-_MODEL_NAMED_REQUESTS = ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest")
+_MODEL_NAMED_REQUESTS = ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest",
+                         "ResponsesRequest")
 
 
 # -- configuration ----------------------------------------------------------------------------
@@ -204,6 +212,12 @@ class ServerConfig:
     allowed_methods: Sequence[str] = CORS_ANY
     allowed_headers: Sequence[str] = CORS_ANY
     allow_credentials: bool = False
+    # vLLM's --lora-modules (under the engine's enable_lora): each adapter is served under its own model
+    # name, which /v1/models lists with the base model as its parent.
+    lora_modules: Sequence[LoRAModulePath] = ()
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and
+    # remove adapters while serving.
+    allow_runtime_lora_updating: bool = False
     chat_template_text: str | None = field(default=None, init=False, repr=False)  # what chat_template names
 
     def __post_init__(self) -> None:
@@ -230,6 +244,9 @@ class ServerConfig:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser NAME)")
         if self.reasoning_parser is not None:
             get_reasoning_parser(self.reasoning_parser)  # an unknown name fails here, at start-up
+        if isinstance(self.lora_modules, (str, LoRAModulePath)) or not all(
+                isinstance(m, LoRAModulePath) for m in self.lora_modules):
+            raise ValueError(f"lora_modules must be a list of LoRAModulePath, got {self.lora_modules!r}")
 
     @property
     def served_model_names(self) -> tuple[str, ...] | None:
@@ -715,6 +732,8 @@ class OpenAIServer:
                                    or (default_served_model_name(engine.model_source),))
         self.model_name = self.served_model_names[0]  # the one responses report
         self.max_model_len = engine.max_model_len  # fixed at load; safe to read from any thread
+        source = engine.model_source
+        self.model_root = source.repo_id or str(source.path)  # /v1/models' root, as vLLM's
         self.vocab_size = engine.model_config.vocab_size
         self.eos_token_ids = engine.eos_token_ids  # fixed at load; beam search finishes beams on them
         # The model's generation_config.json: defaults of what requests leave out (fixed at load).
@@ -725,6 +744,14 @@ class OpenAIServer:
         self._token_strings: dict[int, str] = {}
         name = self.config.reasoning_parser
         self.reasoning_parser = get_reasoning_parser(name) if name is not None else None
+        # LoRA adapters by the model name that selects them (--lora-modules, /v1/load_lora_adapter); each is
+        # read and checked here, before the loop starts, so a bad one stops the server from starting.
+        self.lora_requests: dict[str, LoRARequest] = {}
+        self._lora_ids = itertools.count(1)
+        for module in self.config.lora_modules:
+            lora = self._new_lora(module.name, module.path, module.base_model_name)
+            engine.lora_adapter(lora)
+            self.lora_requests[lora.lora_name] = lora
         self.engine = AsyncLLMEngine(engine, on_step=self._on_step)
         self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
         self.app = self._build_app()
@@ -770,8 +797,16 @@ class OpenAIServer:
 
         @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
         async def models() -> ModelList:
-            return ModelList(data=[ModelCard(id=name, max_model_len=self.max_model_len)
-                                   for name in self.served_model_names])
+            return self.models()
+
+        if self.config.allow_runtime_lora_updating:
+            @app.post("/v1/load_lora_adapter", response_class=Response, responses=_LORA_ERROR_RESPONSES)
+            async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+                return await self.load_lora_adapter(body)
+
+            @app.post("/v1/unload_lora_adapter", response_class=Response, responses=_LORA_ERROR_RESPONSES)
+            async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+                return self.unload_lora_adapter(body)
 
         @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERROR_RESPONSES)
         async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -781,7 +816,13 @@ class OpenAIServer:
         async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
             return await self.create_chat_completion(body, raw)
 
-        app.openapi = lambda: self._openapi(app, self.served_model_names)  # type: ignore[method-assign]
+        # The Responses API, on the chat path; imported here, as it builds on this module.
+        from plait.entrypoints.responses import ResponsesAPI
+
+        self.responses = ResponsesAPI(self)
+        self.responses.add_routes(app)
+
+        app.openapi = lambda: self._openapi(app, self.model_names)  # type: ignore[method-assign]
         app.add_middleware(GuardMiddleware, api_key=self.config.api_key,
                            max_body_bytes=self.config.max_request_body_bytes)
         # Added last, so outermost: it answers preflights before the key check, and its headers reach every
@@ -843,11 +884,70 @@ class OpenAIServer:
 
     # -- shared request plumbing --------------------------------------------------------------
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            served = ", ".join(f"'{name}'" for name in self.served_model_names)
-            raise APIError(404, f"the model '{model}' does not exist; this server serves {served}",
-                           param="model", code="model_not_found")
+    @property
+    def model_names(self) -> list[str]:
+        """Every name a request's "model" may take: the served names, then the LoRA adapters'."""
+        return [*self.served_model_names, *self.lora_requests]
+
+    def _check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's "model" names (None: the base model); vLLM's 404 for unknown names."""
+        if model is None or model in self.served_model_names:
+            return None
+        lora = self.lora_requests.get(model)
+        if lora is None:
+            served = ", ".join(f"'{name}'" for name in self.model_names)
+            raise APIError(404, f"The model `{model}` does not exist. This server serves {served}.",
+                           _NOT_FOUND_ERROR, param="model", code="model_not_found")
+        return lora
+
+    def _reported_model(self, lora: LoRARequest | None) -> str:
+        """The "model" of a response: the adapter's name where one ran (as vLLM), else the served name."""
+        return lora.lora_name if lora is not None else self.model_name
+
+    # -- LoRA adapters: /v1/models, /v1/load_lora_adapter, /v1/unload_lora_adapter --------------
+
+    def models(self) -> ModelList:
+        base = [ModelCard(id=name, root=self.model_root, max_model_len=self.max_model_len)
+                for name in self.served_model_names]
+        adapters = [ModelCard(id=lora.lora_name, root=lora.lora_path,
+                              parent=lora.base_model_name or self.model_name)
+                    for lora in self.lora_requests.values()]
+        return ModelList(data=base + adapters)
+
+    def _new_lora(self, name: str, path: str, base_model_name: str | None = None) -> LoRARequest:
+        """A request for a new adapter served under ``name``, with an id of its own."""
+        if name in self.lora_requests:  # vLLM's words
+            raise ValueError(f"The lora adapter '{name}' has already been loaded.")
+        if name in self.served_model_names:
+            raise ValueError(f"the LoRA adapter name '{name}' is already a served model name")
+        parent = base_model_name if base_model_name in self.served_model_names else None
+        return LoRARequest(name, next(self._lora_ids), path, parent)
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> Response:
+        try:
+            lora = self._new_lora(body.lora_name, body.lora_path)
+        except ValueError as err:
+            raise APIError(400, str(err), param="lora_name") from err
+        try:
+            await self.engine.call(lambda engine: engine.lora_adapter(lora))  # read and checked there
+        except (ValueError, TypeError) as err:
+            raise APIError(400, str(err), param="lora_path") from err
+        name = lora.lora_name
+        if name in self.lora_requests:  # another load of that name finished meanwhile
+            raise APIError(400, f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+        self.lora_requests[name] = lora
+        self.app.openapi_schema = None  # its model names changed
+        logger.info("loaded LoRA adapter '%s' from %s", name, lora.lora_path)
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> Response:
+        """Stop serving an adapter; requests already running with it finish with it."""
+        if self.lora_requests.pop(body.lora_name, None) is None:  # vLLM's words
+            raise APIError(404, f"The lora adapter '{body.lora_name}' cannot be found.", _NOT_FOUND_ERROR,
+                           param="lora_name")
+        self.app.openapi_schema = None
+        message = f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+        return Response(message, media_type="text/plain")
 
     def _chat_prompt_text(self, body: ChatTemplateRequest, messages: Sequence[ChatMessage]) -> str:
         """A conversation as text under the chat template: the request's own (where trusted), else
@@ -920,12 +1020,15 @@ class OpenAIServer:
                 param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
 
     async def _start(self, children: list[tuple[PromptInput, SamplingParams]], prompt_param: str,
-                     max_tokens: int | None, structured_param: str) -> RequestStream:
-        """Queue the children; ``max_tokens`` is the request's own, checked against the context. A bad
-        grammar (its schema, regex or grammar) is found here, where the engine compiles it."""
+                     max_tokens: int | None, structured_param: str, lora: LoRARequest | None = None
+                     ) -> RequestStream:
+        """Queue the children, with ``lora``'s adapter where given; ``max_tokens`` is the request's own,
+        checked against the context. A bad grammar (its schema, regex or grammar) is found here, where the
+        engine compiles it."""
         validate = functools.partial(self._check_fits, max_tokens=max_tokens)
         try:
-            return await self.engine.add(children, validate=validate, timeout_s=self.config.request_timeout_s)
+            return await self.engine.add(children, validate=validate, timeout_s=self.config.request_timeout_s,
+                                         lora_request=lora)
         except (ValueError, TypeError) as err:
             raise _bad_request(err, prompt_param, structured_param) from err
 
@@ -998,15 +1101,17 @@ class OpenAIServer:
             raise _bad_request(err) from err
 
     async def _start_beam_search(self, prompts: Sequence[PromptInput], params: BeamSearchParams,
-                                 prompt_param: str, max_tokens: int | None) -> RequestStream:
+                                 prompt_param: str, max_tokens: int | None, lora: LoRARequest | None
+                                 ) -> RequestStream:
         """The first step of each prompt's search: the prompts themselves, so the engine validates and
         tokenizes them (a 400 here, before any answer starts)."""
         step = step_params(params)
         return await self._start([(prompt, step) for prompt in prompts], prompt_param, max_tokens,
-                                 "structured_outputs")
+                                 "structured_outputs", lora)
 
     async def _finish_beam_search(self, stream: RequestStream, tracker: _RequestTracker,
-                                  params: BeamSearchParams, skip_special_tokens: bool) -> list[RequestOutput]:
+                                  params: BeamSearchParams, skip_special_tokens: bool,
+                                  lora: LoRARequest | None) -> list[RequestOutput]:
         """Run the searches the first step started, as vLLM's server runs them: every step, each live beam of
         every prompt is a 1-token request. One output per prompt, its choices the beams, best first."""
         prompt_ids = stream.prompt_token_ids
@@ -1019,7 +1124,7 @@ class OpenAIServer:
             if not any(pending):
                 break
             stream = await self._start([(beam, step) for beams in pending for beam in beams], "prompt", None,
-                                       "structured_outputs")
+                                       "structured_outputs", lora)
             tracker = _RequestTracker(self.metrics, time.monotonic(), stream)
 
         def decode(ids: list[int]) -> str:
@@ -1037,72 +1142,75 @@ class OpenAIServer:
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                          total_tokens=prompt_tokens + completion_tokens)
 
-    async def _beam_search_completion(self, body: CompletionRequest, raw: Request, arrival: float
-                                      ) -> Response:
+    async def _beam_search_completion(self, body: CompletionRequest, raw: Request, arrival: float,
+                                      lora: LoRARequest | None) -> Response:
         params = self._beam_params(body, body.requested_max_tokens)
         prompts = body.prompts()
         if len(prompts) * params.beam_width > MAX_SEQUENCES_PER_REQUEST:  # the beams of one step
             raise APIError(400, f"{len(prompts)} prompt(s) x n={params.beam_width} is more than the "
                                 f"{MAX_SEQUENCES_PER_REQUEST} sequences one request may ask for", param="n")
-        stream = await self._start_beam_search(prompts, params, "prompt", body.requested_max_tokens)
+        stream = await self._start_beam_search(prompts, params, "prompt", body.requested_max_tokens, lora)
         tracker = _RequestTracker(self.metrics, arrival, stream)
-        results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens)
+        results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens, lora)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = [CompletionResponseChoice(index=i * params.beam_width + c.index, text=c.text,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for i, out in enumerate(results) for c in out.outputs]
-        result = CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=self.model_name, choices=choices,
-                                    usage=self._beam_usage(results))
+        result = CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=self._reported_model(lora),
+                                    choices=choices, usage=self._beam_usage(results))
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _beam_results(self, raw: Request, stream: RequestStream, tracker: _RequestTracker,
-                            params: BeamSearchParams, skip_special_tokens: bool
+                            params: BeamSearchParams, skip_special_tokens: bool, lora: LoRARequest | None
                             ) -> list[RequestOutput] | None:
         """A non-streamed search's results (None: the client left), its last step aborted either way."""
         try:
-            work = self._finish_beam_search(stream, tracker, params, skip_special_tokens)
+            work = self._finish_beam_search(stream, tracker, params, skip_special_tokens, lora)
             return await self._unless_disconnected(raw, work)
         finally:
             stream.abort()
 
-    async def _beam_search_chat(self, body: ChatCompletionRequest, raw: Request, arrival: float) -> Response:
+    async def _beam_search_chat(self, body: ChatCompletionRequest, raw: Request, arrival: float,
+                                lora: LoRARequest | None) -> Response:
         params = self._beam_params(body, body.requested_max_tokens)
         self._check_auto_tool_choice(body)
         prompt_text = self._chat_prompt_text(body, body.messages)
         readers = [self._choice_reader(body, prompt_text) for _ in range(params.beam_width)]
         prompt = encode_rendered(self.tokenizer, prompt_text)
-        stream = await self._start_beam_search([prompt], params, "messages", body.requested_max_tokens)
+        stream = await self._start_beam_search([prompt], params, "messages", body.requested_max_tokens, lora)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            events = self._beam_chat_events(body, stream, tracker, params, response_id, readers)
+            events = self._beam_chat_events(body, stream, tracker, params, response_id, readers, lora)
             return _EngineStreamResponse(events, stream, tracker)
-        results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens)
+        results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens, lora)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         (out,) = results
         choices = [self._chat_choice(body, c.index, dataclasses.replace(out, outputs=[c]), readers[c.index])
                    for c in out.outputs]
-        result = ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices,
+        result = ChatCompletionResponse(id=response_id, model=self._reported_model(lora), choices=choices,
                                         usage=self._beam_usage(results))
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _beam_chat_events(self, body: ChatCompletionRequest, stream: RequestStream,
                                 tracker: _RequestTracker, params: BeamSearchParams, response_id: str,
-                                readers: Sequence[_ChoiceReader]) -> AsyncIterator[str]:
+                                readers: Sequence[_ChoiceReader], lora: LoRARequest | None
+                                ) -> AsyncIterator[str]:
         """A streamed beam search, as vLLM's chat streams it: each choice's role at once, then, when the
         search is over, each beam whole in one chunk with its finish_reason."""
         created = int(time.time())
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-            return _sse(ChatCompletionStreamResponse(id=response_id, created=created, model=self.model_name,
+            return _sse(ChatCompletionStreamResponse(id=response_id, created=created, model=model,
                                                      choices=choices, usage=usage))
 
+        model = self._reported_model(lora)
         for index in range(len(readers)):
             yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         try:
-            (out,) = await self._finish_beam_search(stream, tracker, params, body.skip_special_tokens)
+            (out,) = await self._finish_beam_search(stream, tracker, params, body.skip_special_tokens, lora)
         except _ENGINE_ERRORS as err:
             yield _sse_error(err, _ENGINE_ERROR_STATUS[type(err)])
             yield SSE_DONE
@@ -1151,21 +1259,22 @@ class OpenAIServer:
     # -- /v1/completions ----------------------------------------------------------------------
 
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         arrival = time.monotonic()
         if body.use_beam_search:
-            return await self._beam_search_completion(body, raw, arrival)
+            return await self._beam_search_completion(body, raw, arrival, lora)
         prompts = body.prompts()
         params = self._params(body, body.requested_max_tokens, body.logprobs, len(prompts))
         children: list[tuple[PromptInput, SamplingParams]] = [
             (p, child) for p in prompts for child in _fan_out(params)]
         stream = await self._start(children, "prompt", body.requested_max_tokens,
-                                   body.structured_outputs_param)
+                                   body.structured_outputs_param, lora)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         try:
             if body.stream:
-                events = self._completion_events(body, stream, tracker, response_id, params.n)
+                events = self._completion_events(body, stream, tracker, response_id, params.n,
+                                                 self._reported_model(lora))
                 return _EngineStreamResponse(events, stream, tracker)
             finals = await self._unless_disconnected(raw, self._collect(stream, tracker))
         finally:
@@ -1187,11 +1296,13 @@ class OpenAIServer:
                 stop_reason=completion.stop_reason,
                 prompt_logprobs=self._prompt_logprobs(out, body.prompt_logprobs)))
         usage = self._usage(stream, params.n, sum(len(o.outputs[0].token_ids) for o in finals))
-        result = CompletionResponse(id=response_id, model=self.model_name, choices=choices, usage=usage)
+        result = CompletionResponse(id=response_id, model=self._reported_model(lora), choices=choices,
+                                    usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _completion_events(self, body: CompletionRequest, stream: RequestStream,
-                                 tracker: _RequestTracker, response_id: str, n: int) -> AsyncIterator[str]:
+                                 tracker: _RequestTracker, response_id: str, n: int, model: str
+                                 ) -> AsyncIterator[str]:
         created = int(time.time())
         offsets = [0] * len(stream.request_ids)  # text_offset of each choice's next token
         echoed = [not body.echo] * len(stream.request_ids)  # whether each choice's prompt went out
@@ -1200,7 +1311,7 @@ class OpenAIServer:
         error = False
 
         def chunk(choices: list[CompletionChoice], usage: UsageInfo | None = None) -> str:
-            return _sse(CompletionStreamResponse(id=response_id, created=created, model=self.model_name,
+            return _sse(CompletionStreamResponse(id=response_id, created=created, model=model,
                                                  choices=choices, usage=usage))
 
         def usage_so_far() -> UsageInfo | None:  # stream_options.continuous_usage_stats
@@ -1296,25 +1407,17 @@ class OpenAIServer:
     # -- /v1/chat/completions -----------------------------------------------------------------
 
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        self._check_model(body.model)
+        lora = self._check_model(body.model)
         arrival = time.monotonic()
         if body.use_beam_search:
-            return await self._beam_search_chat(body, raw, arrival)
-        params = self._params(body, body.requested_max_tokens, body.requested_logprobs, 1)
-        self._check_auto_tool_choice(body)
-        prompt_text = self._chat_prompt_text(body, body.messages)
-        readers = [self._choice_reader(body, prompt_text) for _ in range(params.n)]  # each choice its own
-        reasoning = readers[0].reasoning
-        if reasoning is not None and reasoning.thinks:  # structured outputs apply after the reasoning
-            params = dataclasses.replace(params, reasoning_end=reasoning.END)
-        prompt = encode_rendered(self.tokenizer, prompt_text)
-        stream = await self._start([(prompt, child) for child in _fan_out(params)], "messages",
-                                   body.requested_max_tokens, body.structured_outputs_param)
+            return await self._beam_search_chat(body, raw, arrival, lora)
+        params, readers, stream = await self._start_chat(body, lora)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             if body.stream:
-                events = self._chat_events(body, stream, tracker, response_id, params.n, readers)
+                events = self._chat_events(body, stream, tracker, response_id, params.n, readers,
+                                           self._reported_model(lora))
                 return _EngineStreamResponse(events, stream, tracker)
             finals = await self._unless_disconnected(raw, self._collect(stream, tracker))
         finally:
@@ -1325,9 +1428,26 @@ class OpenAIServer:
         choices = [self._chat_choice(body, index, out, readers[index]) for index, out in enumerate(finals)]
         usage = self._usage(stream, params.n, sum(len(o.outputs[0].token_ids) for o in finals))
         prompt_logprobs = self._prompt_logprobs(finals[0], body.prompt_logprobs) if finals else None
-        result = ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices, usage=usage,
-                                        prompt_logprobs=prompt_logprobs)
+        result = ChatCompletionResponse(id=response_id, model=self._reported_model(lora), choices=choices,
+                                        usage=usage, prompt_logprobs=prompt_logprobs)
         return Response(result.model_dump_json(), media_type="application/json")
+
+    async def _start_chat(self, body: ChatCompletionRequest, lora: LoRARequest | None,
+                          prompt_param: str = "messages"
+                          ) -> tuple[SamplingParams, list[_ChoiceReader], RequestStream]:
+        """Queue a chat request (chat completions', or the Responses API's conversation as one): its
+        SamplingParams, how each choice's output is read, and its engine stream."""
+        params = self._params(body, body.requested_max_tokens, body.requested_logprobs, 1)
+        self._check_auto_tool_choice(body)
+        prompt_text = self._chat_prompt_text(body, body.messages)
+        readers = [self._choice_reader(body, prompt_text) for _ in range(params.n)]  # each choice its own
+        reasoning = readers[0].reasoning
+        if reasoning is not None and reasoning.thinks:  # structured outputs apply after the reasoning
+            params = dataclasses.replace(params, reasoning_end=reasoning.END)
+        prompt = encode_rendered(self.tokenizer, prompt_text)
+        stream = await self._start([(prompt, child) for child in _fan_out(params)], prompt_param,
+                                   body.requested_max_tokens, body.structured_outputs_param, lora)
+        return params, readers, stream
 
     def _chat_choice(self, body: ChatCompletionRequest, index: int, out: RequestOutput, reader: _ChoiceReader
                      ) -> ChatChoice:
@@ -1344,7 +1464,8 @@ class OpenAIServer:
                           stop_reason=completion.stop_reason)
 
     async def _chat_events(self, body: ChatCompletionRequest, stream: RequestStream, tracker: _RequestTracker,
-                           response_id: str, n: int, readers: Sequence[_ChoiceReader]) -> AsyncIterator[str]:
+                           response_id: str, n: int, readers: Sequence[_ChoiceReader], model: str
+                           ) -> AsyncIterator[str]:
         created = int(time.time())
         num_top = body.top_logprobs or 0
         as_ids = self._tokens_as_ids(body)
@@ -1352,7 +1473,7 @@ class OpenAIServer:
         error = False
 
         def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
-            return _sse(ChatCompletionStreamResponse(id=response_id, created=created, model=self.model_name,
+            return _sse(ChatCompletionStreamResponse(id=response_id, created=created, model=model,
                                                      choices=choices, usage=usage))
 
         def usage_so_far() -> UsageInfo | None:  # stream_options.continuous_usage_stats
