@@ -18,9 +18,10 @@ NUM_STAGING_BUFFERS = 2
 _FIELDS = tuple(n for n in STEP_FIELDS if n != "block_tables") + ("block_tables",)
 
 
-def pending_marker(source: int) -> int:
+def pending_marker(source: int | np.ndarray) -> int | np.ndarray:
     """How the host stages an input id still on the device: -(its index in the previous step's
-    sampled ids) - 1, so every marker is negative and no real token id (>= 0) is one."""
+    sampled ids) - 1, so every marker is negative and no real token id (>= 0) is one (elementwise
+    for an array of sources)."""
     return -source - 1
 
 
@@ -144,7 +145,7 @@ class InputBuffers:
         layout = self.layout_for(arrays.num_tokens)
         used = self._fill(host, arrays, layout)
         last_tokens = arrays.query_start_loc[1:][arrays.pending_rows] - 1
-        host[last_tokens] = [pending_marker(int(s)) for s in pending_src]
+        host[last_tokens] = pending_marker(pending_src)  # one numpy op, not a Python loop a row
         if self._copy_stream is None:
             prepare_step_inputs_ref(self._pinned[i][:used], arrays.num_tokens, prev_ids,
                                     self.device_buffer, self.device_buffer32)
