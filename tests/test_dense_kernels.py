@@ -327,6 +327,9 @@ FORCED_CONFIGS = {
     "fma_split3": SkinnyConfig(block_n=8, block_k=32, split_k=3),
     "dot_split2": SkinnyConfig(block_n=16, block_k=32, split_k=2, use_dot=True),
     "fma_rows1": SkinnyConfig(block_n=1, block_k=64),
+    # deeper prefetch rings, with fewer K steps (K=100 over 32-wide steps: 4) and more than the ring
+    "fma_prefetch2": SkinnyConfig(block_n=8, block_k=32, prefetch=2),
+    "fma_prefetch3": SkinnyConfig(block_n=4, block_k=16, prefetch=3),
 }
 SKINNY_DTYPES = [torch.float32, torch.float16]  # bf16 tl.dot is wrong in the interpreter
 
@@ -356,7 +359,7 @@ def test_skinny_linear_keeps_leading_dims_and_rejects_large_m():
         skinny_gemm.skinny_linear(randn(17, 64, dtype=torch.float32, seed=22), w)
 
 
-@pytest.mark.parametrize("name", ["fma_split3", "dot_split2", None])
+@pytest.mark.parametrize("name", ["fma_split3", "dot_split2", "fma_prefetch3", None])
 def test_skinny_gate_up_silu_equals_unfused_kernels(name):
     # fp16: the fused epilogue rounds gate and up as F.linear's output would, then silu, then the
     # product: with the same config it must reproduce skinny_linear + silu_and_mul bit for bit.
@@ -374,6 +377,7 @@ def test_skinny_gate_up_silu_equals_unfused_kernels(name):
 FUSABLE_CONFIGS = {
     "fma_rows8": SkinnyConfig(block_n=8, block_k=32),
     "fma_rows1": SkinnyConfig(block_n=1, block_k=128),
+    "fma_rows8_prefetch2": SkinnyConfig(block_n=8, block_k=32, prefetch=2),
 }
 
 
@@ -506,9 +510,10 @@ def test_skinny_mode_env_parsing(monkeypatch):
 
 def test_auto_mode_takes_only_measured_winners():
     # A shape listed in SKINNY_CONFIGS (qwen3-0.6b o at M=1) goes to the skinny kernel; an unlisted one
-    # (llama-8b gate_up, where cuBLAS won) stays with F.linear; M past the skinny range never goes.
+    # (qwen3-0.6b gate_up, where cuBLAS won) stays with F.linear; M past the skinny range never goes.
     assert skinny_gemm.measured_faster(1, 1024, 2048) and skinny_gemm.measured_faster(2, 1024, 2048)
-    assert not skinny_gemm.measured_faster(1, 28672, 4096)
+    assert not skinny_gemm.measured_faster(1, 6144, 1024)
+    assert skinny_gemm.measured_faster(1, 28672, 4096) and not skinny_gemm.measured_faster(2, 28672, 4096)
     assert skinny_gemm.measured_faster(3, 1024, 3072)  # M=3 takes the M=4 measurement
 
 

@@ -47,7 +47,9 @@ ELEMENTWISE_T = (1, 256, 2048)
 LLAMA = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, inter=14336)
 
 # Alternatives tried per M bucket, beside the heuristic's pick; split-K is filled in per shape.
-FMA_CANDIDATES = [(4, 512, 4), (8, 512, 4), (8, 256, 4), (16, 256, 8), (8, 1024, 8)]
+# (block_n, block_k, warps, prefetch): prefetch = K steps whose tiles are in flight ahead of the FMAs
+FMA_CANDIDATES = [(4, 512, 4, 1), (8, 512, 4, 1), (8, 256, 4, 1), (16, 256, 8, 1), (8, 1024, 8, 1),
+                  (8, 128, 4, 2)]
 DOT_CANDIDATES = [(16, 256, 3), (32, 128, 4), (64, 128, 4), (32, 256, 3)]
 # Past this many seconds the remaining shapes are swept --quick, so a run stays under 3 minutes.
 SWEEP_BUDGET_S = 130
@@ -80,10 +82,11 @@ def candidates(m: int, n: int, k: int, sms: int, halves: int) -> list[SkinnyConf
     bm = m_bucket(m)
     out = [heuristic_config(m, n, k, sms, halves)]
     if bm <= 4:
-        for bn, bk, warps in FMA_CANDIDATES:
+        for bn, bk, warps, prefetch in FMA_CANDIDATES:
             if bm * bn * bk * halves <= FMA_MAX_ELEMENTS:
                 split = split_for(triton.cdiv(n, bn), k, bk, sms)
-                out.append(SkinnyConfig(bn, bk, split, use_dot=False, num_warps=warps, num_stages=1))
+                out.append(SkinnyConfig(bn, bk, split, use_dot=False, num_warps=warps, num_stages=1,
+                                        prefetch=prefetch))
     for bn, bk, stages in DOT_CANDIDATES:
         split = split_for(triton.cdiv(n, bn), k, bk, sms)
         out.append(SkinnyConfig(bn, bk, split, use_dot=True, num_warps=4, num_stages=stages))

@@ -57,11 +57,12 @@ class SkinnyConfig:
     use_dot: bool = False  # tensor cores on x padded to 16 rows, else CUDA-core multiply-accumulate
     num_warps: int = 4
     num_stages: int = 2  # software-pipelining depth of the K loop (used by the tl.dot variant)
+    prefetch: int = 1  # CUDA-core variant: K steps whose tiles are in flight ahead of the FMAs (1..3)
 
 
-def _fma(block_n: int, block_k: int, num_warps: int) -> SkinnyConfig:
+def _fma(block_n: int, block_k: int, num_warps: int, prefetch: int = 1) -> SkinnyConfig:
     return SkinnyConfig(block_n=block_n, block_k=block_k, split_k=1, use_dot=False, num_warps=num_warps,
-                        num_stages=1)
+                        num_stages=1, prefetch=prefetch)
 
 
 def _dot(block_n: int, block_k: int, split_k: int, num_stages: int) -> SkinnyConfig:
@@ -76,10 +77,15 @@ def _dot(block_n: int, block_k: int, split_k: int, num_stages: int) -> SkinnyCon
 # M bucket = next power of two of M (1, 2, 4, 8, 16). benchmarks/kernels/dense_bench.py prints lines
 # to paste here.
 SKINNY_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {
-    # llama-8b qkv and down at batch 1: inside the PDL chain (cuBLAS stays out of it), W3 took 4.50 ms
-    # a token against 4.59 with cuBLAS (one H200, two rounds each; w3_skinny_qkv_down_h200.json)
+    # llama-8b qkv, down and gate/up at batch 1: inside the PDL chain (cuBLAS stays out of it), W3 took
+    # 4.50 ms a token against 4.59 with cuBLAS for qkv and down (w3_skinny_qkv_down_h200.json); then
+    # gate/up here (8 rows, 128-wide K steps, two steps in flight) and down on 4-row blocks: 4.26
+    # against 4.35, alternated one process a run on one H200 (w3_gemv_configs_h200.json). Chosen by
+    # whole W3 runs, not kernel timings: a 32-layer GEMV chain favoured other picks (o on 4-row blocks,
+    # qkv with three steps in flight) that each cost W3 0.03-0.06 ms.
     (1, 6144, 4096): _fma(block_n=8, block_k=256, num_warps=4),
-    (1, 4096, 14336): _fma(block_n=8, block_k=1024, num_warps=8),
+    (1, 4096, 14336): _fma(block_n=4, block_k=512, num_warps=4),
+    (1, 28672, 4096): _fma(block_n=8, block_k=128, num_warps=4, prefetch=2),
     # llama-8b o: 2839 vs cuBLAS 2524 GB/s
     (1, 4096, 4096): _fma(block_n=8, block_k=512, num_warps=4),
     # qwen3-0.6b qkv: 1632 vs cuBLAS 1506 GB/s
@@ -242,7 +248,7 @@ def _skinny_kernel(
     TO_WORKSPACE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATE_UP: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr, EARLY_W: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k]; GATE_UP: out[m, n] = silu(gate[m, n]) * up[m, n] with the
     # up row of output n at weight row up_rows + n.
@@ -293,14 +299,36 @@ def _skinny_kernel(
         if ADD_RESIDUAL:
             res = tl.load(res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :],
                           mask=(offs_m < M)[:, None] & (offs_n < N)[None, :], other=0.0)
-        for it in range(trip_count(STATIC_K_ITERS, k_iters)):
-            nxt = tl.minimum(it + 1, trip_count(STATIC_K_ITERS, k_iters) - 1)
-            x_n, w_n, w_up_n = _load_step(x_ptrs, w_ptrs, up_off, nxt, k_lo, offs_k, K, BLOCK_K, EVEN_K,
-                                          GATE_UP)
-            acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
-            if GATE_UP:
-                acc_u = _mac(acc_u, x, w_up, USE_DOT, DOT_PRECISION)
-            x, w, w_up = x_n, w_n, w_up_n
+        last = trip_count(STATIC_K_ITERS, k_iters) - 1
+        if PREFETCH == 1:
+            for it in range(trip_count(STATIC_K_ITERS, k_iters)):
+                x_n, w_n, w_up_n = _load_step(x_ptrs, w_ptrs, up_off, tl.minimum(it + 1, last), k_lo, offs_k,
+                                              K, BLOCK_K, EVEN_K, GATE_UP)
+                acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
+                if GATE_UP:
+                    acc_u = _mac(acc_u, x, w_up, USE_DOT, DOT_PRECISION)
+                x, w, w_up = x_n, w_n, w_up_n
+        else:
+            # Deeper ring: the tiles of the next PREFETCH steps are in flight while this step's FMAs run.
+            x1, w1, w_up1 = _load_step(x_ptrs, w_ptrs, up_off, tl.minimum(1, last), k_lo, offs_k, K,
+                                       BLOCK_K, EVEN_K, GATE_UP)
+            x2, w2, w_up2 = x1, w1, w_up1
+            if PREFETCH == 3:
+                x2, w2, w_up2 = _load_step(x_ptrs, w_ptrs, up_off, tl.minimum(2, last), k_lo, offs_k, K,
+                                           BLOCK_K, EVEN_K, GATE_UP)
+            for it in range(trip_count(STATIC_K_ITERS, k_iters)):
+                x_n, w_n, w_up_n = _load_step(x_ptrs, w_ptrs, up_off, tl.minimum(it + PREFETCH, last), k_lo,
+                                              offs_k, K, BLOCK_K, EVEN_K, GATE_UP)
+                acc_g = _mac(acc_g, x, w, USE_DOT, DOT_PRECISION)
+                if GATE_UP:
+                    acc_u = _mac(acc_u, x, w_up, USE_DOT, DOT_PRECISION)
+                if PREFETCH == 3:
+                    x, w, w_up = x1, w1, w_up1
+                    x1, w1, w_up1 = x2, w2, w_up2
+                    x2, w2, w_up2 = x_n, w_n, w_up_n
+                else:
+                    x, w, w_up = x1, w1, w_up1
+                    x1, w1, w_up1 = x_n, w_n, w_up_n
     sum_g = _finish(acc_g, USE_DOT)
     sum_u = _finish(acc_u, USE_DOT)
     n_mask = offs_n < N
@@ -377,7 +405,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         EVEN_K=even_k, HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise,
         EARLY_W=_early_weights and not cfg.use_dot,
-        ADD_RESIDUAL=residual is not None,
+        ADD_RESIDUAL=residual is not None, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2),
     )
     if cfg.split_k > 1:
