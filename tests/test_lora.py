@@ -18,7 +18,7 @@ from plait import LLM, BeamSearchParams, LoRARequest
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine
 from plait.lora.model import LoRAModel
-from plait.lora.slots import LoRASlotPool
+from plait.lora.slots import NO_LORA_SLOT, LoRASlotPool
 from plait.sampling_params import SamplingParams
 
 LOGITS_ATOL = 1e-4
@@ -181,15 +181,16 @@ def test_prefix_cache_keeps_adapters_apart(tiny_llama, llama_loras):
     assert engine.is_idle_and_clean()
 
 
-def test_steps_with_lora_rows_never_replay_a_graph(tiny_llama, llama_loras):
-    """The runner asks its CUDA graphs for a shape only for steps without a LoRA row (graphs replay the base
-    path); a stand-in for the graphs records what it was asked (no GPU here)."""
+def test_steps_with_lora_rows_ask_for_graphs_too(tiny_llama, llama_loras):
+    """Graphs capture the LoRA deltas (every token's slot is an input of the step), so the runner asks its
+    CUDA graphs for a shape whatever adapters the step's rows use, and hands them each token's slot; a
+    stand-in for the graphs records what it was asked (no GPU here)."""
     engine = _lora_engine(tiny_llama, max_num_batched_tokens=32)
-    asked: list[int] = []
+    asked: list[list[int]] = []
 
     class Graphs:
         def shape_for(self, arrays):
-            asked.append(arrays.num_tokens)
+            asked.append(arrays.lora_slots.tolist())
             return None  # run eager all the same
 
     engine.runner.graphs = Graphs()
@@ -199,7 +200,9 @@ def test_steps_with_lora_rows_never_replay_a_graph(tiny_llama, llama_loras):
     run_greedy(engine, prompts, MAX_TOKENS, arrive_every=3, loras=order)
     with_lora = sum(any(lora is not None for _, lora in plan) for plan in plans if plan)
     assert engine.runner.breakdown.lora_steps == with_lora > 0
-    assert len(asked) == sum(bool(plan) for plan in plans) - with_lora > 0
+    assert len(asked) == sum(bool(plan) for plan in plans)
+    assert sum(any(slot != NO_LORA_SLOT for slot in slots) for slots in asked) == with_lora
+    assert all(set(slots) <= {NO_LORA_SLOT, 0} for slots in asked)  # one slot (max_loras=1) or none
     assert engine.runner.breakdown.graph_steps == 0
 
 
@@ -213,7 +216,7 @@ def test_the_profiling_step_runs_a_lora_delta(tiny_llama):
     engine = _lora_engine(tiny_llama, max_num_batched_tokens=100, max_model_len=64, max_num_seqs=8)
     calls = []
     layer = next(iter(engine.runner.lora.layers.values()))
-    layer.register_forward_hook(lambda module, args, out: calls.append(module.context.mapping is not None))
+    layer.register_forward_hook(lambda module, args, out: calls.append(module.context.batch is not None))
     engine.runner._profile_step()
     assert calls == [True] and engine.runner.lora.context.batch is None
     assert engine.is_idle_and_clean()
@@ -352,8 +355,8 @@ def test_slot_pool_keeps_adapters_and_evicts_the_least_recently_used():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_adapters_beside_graphed_base_steps(tiny_llama, llama_loras):
     """On CUDA in fp32 with Triton kernels, CUDA graphs and overlapped steps: adapters' logits match HF's
-    merged weights (computed on the CPU), base-only steps still replay graphs, steps with an adapter run
-    eager, and each request's tokens are what it gets alone."""
+    merged weights (computed on the CPU), steps with adapters' rows replay graphs as base-only steps do
+    (every pure-decode step), and each request's tokens are what it gets alone."""
     qv, every = llama_loras["qv"], llama_loras["all"]
     order = [None, qv, every, None, qv]
     prompts = random_prompts(len(order), 5, 40, seed=21)
@@ -368,7 +371,7 @@ def test_gpu_adapters_beside_graphed_base_steps(tiny_llama, llama_loras):
     outs, logits = run_greedy(engine, prompts, MAX_TOKENS, arrive_every=1, capture_logits=True, loras=order)
     b = engine.runner.breakdown
     assert b.lora_steps > 0 and b.graph_steps > 0
-    assert b.graph_steps + b.lora_steps <= b.steps  # never both in one step
+    assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
     for i, lora in enumerate(order):
         assert outs[i] == solo[i], f"prompt {i}: tokens depend on the adapters beside it"
         hf = _merged_hf(tiny_llama, lora)
@@ -376,3 +379,35 @@ def test_gpu_adapters_beside_graphed_base_steps(tiny_llama, llama_loras):
             ref = hf(torch.tensor([prompts[i] + outs[i]])).logits[0, len(prompts[i]) - 1: -1]
         torch.testing.assert_close(torch.stack(logits[i]).cpu(), ref, atol=1e-3, rtol=0)
     assert engine.is_idle_and_clean()
+
+
+def test_lora_layer_adds_each_tokens_own_slot_and_nothing_to_base_tokens():
+    """The graph-capturable form: every token through every slot's A, other slots' columns zeroed. A base
+    token's output is the base layer's exactly, and a token's delta is its own slot's x @ A.T @ B.T."""
+    from types import SimpleNamespace
+
+    from plait.layers.linear import Linear
+    from plait.lora.adapter import LoRAShard, LoRATarget
+    from plait.lora.layer import LoRAContext, LoRALinear
+
+    torch.manual_seed(3)
+    base = Linear(12, 10, bias=False)
+    context = LoRAContext()
+    layer = LoRALinear(base, LoRATarget(12, (("q", 6), ("v", 4))), num_slots=3, max_rank=4, context=context)
+    pairs = {}
+    for slot in (0, 2):
+        shards = [LoRAShard(0, torch.randn(3, 12), torch.randn(6, 3)), LoRAShard(1, torch.randn(2, 12),
+                                                                                 torch.randn(4, 2))]
+        layer.load_slot(slot, shards, scaling=0.5)
+        pairs[slot] = shards
+    x = torch.randn(5, 12)
+    slots = torch.tensor([NO_LORA_SLOT, 0, 2, 0, 1])  # slot 1 holds nothing: zeros
+    context.batch = SimpleNamespace(lora_slots=slots)
+    got = layer(x)
+    context.batch = None
+    want = base(x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[4], want[4])
+    for t in (1, 2, 3):
+        q, v = pairs[int(slots[t])]
+        delta = torch.cat([x[t] @ q.a.T @ q.b.T, x[t] @ v.a.T @ v.b.T]) * 0.5
+        torch.testing.assert_close(got[t], want[t] + delta, rtol=1e-5, atol=1e-5)

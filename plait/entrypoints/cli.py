@@ -43,8 +43,7 @@ _FLAG_HELP = {
                          "generation_config.json apply to requests that leave them out; 'vllm': plait's "
                          "own defaults; or a folder holding a generation_config.json (its max_new_tokens "
                          "then caps every request). Its eos_token_id always stops generation",
-    "enable_lora": "serve requests with PEFT LoRA adapters (Llama-family models; steps with an adapter's "
-                   "rows run without CUDA graphs) (default: off)",
+    "enable_lora": "serve requests with PEFT LoRA adapters (Llama-family models) (default: off)",
     "max_loras": "LoRA adapters on the device at once; a request waits while all serve others (default: 1)",
     "max_lora_rank": "the largest LoRA rank served (default: 16)",
     "max_cpu_loras": "LoRA adapters kept read on the host (default: --max-loras)",

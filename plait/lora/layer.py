@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -15,35 +14,45 @@ if TYPE_CHECKING:
     from plait.runner.forward_batch import ForwardBatch
 
 
-@dataclass(frozen=True)
-class LoRAMapping:
-    """Which of a step's tokens run which adapter slot (``ForwardBatch.lora_mapping``, made by the runner):
-    for each slot in use, the indices of its tokens, or None where that is every token of the step. Tokens
-    in no group run the base weights alone."""
-
-    groups: list[tuple[int, torch.Tensor | None]]  # (slot, [t] int64 token indices on the device)
-
-
 class LoRAContext:
-    """The batch the LoRA layers of one model are running: set by the runner around each forward whose
-    step has LoRA rows, None otherwise (base steps, graph capture, the profiling step)."""
+    """The batch the LoRA layers of one model are running: set by the runner around each forward that may
+    have LoRA tokens (eager steps with an adapter's rows, every CUDA-graph capture, the profiling step),
+    None otherwise. The layers read each token's slot from ``batch.lora_slots``."""
 
     def __init__(self) -> None:
-        self.batch: ForwardBatch | None = None
+        self._batch: ForwardBatch | None = None
+        self._own: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
     @property
-    def mapping(self) -> LoRAMapping | None:
-        return None if self.batch is None else self.batch.lora_mapping
+    def batch(self) -> ForwardBatch | None:
+        return self._batch
+
+    @batch.setter
+    def batch(self, batch: ForwardBatch | None) -> None:
+        self._batch, self._own = batch, {}
+
+    def own_columns(self, column_slot: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[T, columns] 1 where a column's slot is the token's own, else 0: made once a forward per column
+        layout (the layers of one kind share it), not once a layer."""
+        key = (column_slot.shape[0], dtype)
+        own = self._own.get(key)
+        if own is None:
+            own = self._own[key] = (self._batch.lora_slots[:, None] == column_slot).to(dtype)
+        return own
 
 
 class LoRALinear(nn.Module):
-    """Wraps a model's Linear from outside (the model's code is unchanged): ``base(x)`` plus, for the
-    tokens of each slot in the running batch's LoRAMapping, ``x @ A.T @ B.T`` of that slot's adapter.
+    """Wraps a model's Linear from outside (the model's code is unchanged): ``base(x)`` plus, for each token
+    of the running batch, ``x @ A.T @ B.T`` of the adapter in the token's slot (``batch.lora_slots``).
 
     Each slot holds one adapter's pairs for all of this layer's output slices (q/k/v of a fused qkv, or
     gate/up) as one A of ``slices x max_rank`` rows and one block-diagonal B, its scaling folded in; ranks
-    below max_rank and slices the adapter leaves alone are zeros, which add exactly nothing. Tokens are
-    grouped by slot, not sorted: per slot one gather, two small matmuls and one scatter-add.
+    below max_rank and slices the adapter leaves alone are zeros, which add exactly nothing. Every token
+    goes through every slot's A at once, the columns of slots other than its own are zeroed, and one
+    matmul with every slot's B side by side adds its own adapter's delta: shapes depend on the token
+    count alone, so the step can be captured in a CUDA graph, and a token's delta is the same whatever
+    slots its neighbours use (a base token's is exactly zero). The cost, slots x rank extra columns, is
+    small beside the layer's own matmul at the slot counts served (vLLM's default max_loras is 1).
     """
 
     def __init__(self, base: Linear, target: LoRATarget, num_slots: int, max_rank: int,
@@ -61,8 +70,12 @@ class LoRALinear(nn.Module):
         # Not in the state dict: adapters come and go, the model's weights stay the checkpoint's.
         self.register_buffer("lora_a", torch.zeros(num_slots, rank_rows, target.in_features, **like),
                              persistent=False)  # [slots, slices * R, in]
-        self.register_buffer("lora_b", torch.zeros(num_slots, target.out_features, rank_rows, **like),
-                             persistent=False)  # [slots, out, slices * R]
+        # B with the slots side by side along its columns, so that one matmul takes every slot's.
+        self.register_buffer("lora_b", torch.zeros(target.out_features, num_slots, rank_rows, **like),
+                             persistent=False)  # [out, slots, slices * R]
+        # The slot each column of the concatenated A's output belongs to.
+        self.register_buffer("column_slot", torch.arange(num_slots * rank_rows, device=base.weight.device)
+                             // rank_rows, persistent=False)  # [slots * slices * R] int64
         starts = [0]
         for _, rows in target.shards:
             starts.append(starts[-1] + rows)
@@ -71,20 +84,17 @@ class LoRALinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in_features] -> [T, out_features]
         out = self.base(x)
-        mapping = self.context.mapping
-        if mapping is not None:
-            for slot, index in mapping.groups:
-                a, b = self.lora_a[slot], self.lora_b[slot]
-                if index is None:
-                    out += (x @ a.t()) @ b.t()
-                else:
-                    out.index_add_(0, index, (x.index_select(0, index) @ a.t()) @ b.t())  # [t, out]
+        if self.context.batch is not None:
+            slots, rank_rows = self.lora_a.shape[:2]
+            h = x @ self.lora_a.view(slots * rank_rows, -1).t()  # [T, slots * slices * R]
+            h.mul_(self.context.own_columns(self.column_slot, h.dtype))  # other slots' columns -> 0
+            out.addmm_(h, self.lora_b.view(self.out_features, -1).t())  # [T, out]
         return out
 
     @torch.no_grad()
     def load_slot(self, slot: int, shards: list[LoRAShard], scaling: float) -> None:
         """Put one adapter's pairs for this layer into ``slot`` (zeros where it has none: no delta)."""
-        a, b = self.lora_a[slot], self.lora_b[slot]
+        a, b = self.lora_a[slot], self.lora_b[:, slot]  # [slices * R, in], [out, slices * R]
         a.zero_()
         b.zero_()
         for shard in shards:
@@ -116,13 +126,13 @@ class LoRALinear(nn.Module):
 
     # The fused kernels below skip forward, so the delta: a step with LoRA rows takes the plain path.
     def adds_residual(self, x: torch.Tensor) -> bool:
-        return self.context.mapping is None and self.base.adds_residual(x)
+        return self.context.batch is None and self.base.adds_residual(x)
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return self.base.forward_add(x, residual)
 
     def fuses_gate_up_silu(self, x: torch.Tensor) -> bool:
-        return self.context.mapping is None and self.base.fuses_gate_up_silu(x)
+        return self.context.batch is None and self.base.fuses_gate_up_silu(x)
 
     def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
         return self.base.gate_up_silu(x)

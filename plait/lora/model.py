@@ -6,15 +6,12 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
 from torch import nn
 
 from plait.layers.linear import Linear
 from plait.lora.adapter import LoRAAdapter, LoRATarget
-from plait.lora.layer import LoRAContext, LoRALinear, LoRAMapping
+from plait.lora.layer import LoRAContext, LoRALinear
 from plait.lora.slots import NO_LORA_SLOT
-from plait.runner.sampler import host_to_device
 
 if TYPE_CHECKING:
     from plait.engine.request import Request
@@ -45,8 +42,8 @@ def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
 
 class LoRAModel:
     """Wraps every LoRA target of ``model`` in a LoRALinear with ``num_slots`` slots of rank up to
-    ``max_rank`` (before any CUDA graph is captured, so graphs replay the base path), loads adapters into
-    slots, and maps a step's tokens to their slots."""
+    ``max_rank`` (before any CUDA graph is captured: graphs capture the deltas too, reading the slots'
+    weights in place), and loads adapters into slots."""
 
     def __init__(self, model: nn.Module, num_slots: int, max_rank: int) -> None:
         self.targets = lora_targets(model)
@@ -69,35 +66,24 @@ class LoRAModel:
         self._loaded[slot] = adapter.request.lora_int_id
         self.num_loads += 1
 
-    def step_mapping(self, requests: Sequence[Request], query_start_loc: np.ndarray,
-                     device: torch.device) -> LoRAMapping | None:
-        """The step's tokens grouped by slot (None: no row has an adapter), after loading any adapter
-        its slot does not hold yet. ``requests`` are the step's rows, ``query_start_loc`` their tokens'."""
-        row_slots = np.array([r.lora_slot for r in requests], dtype=np.int64)  # [R]
-        used = np.unique(row_slots[row_slots != NO_LORA_SLOT])
-        if not len(used):
-            return None
+    def prepare(self, requests: Sequence[Request]) -> bool:
+        """Load any adapter a row of the step needs that its slot does not hold yet; whether any row has
+        one. ``requests`` are the step's rows (their tokens' slots travel in the step's inputs)."""
+        has_lora = False
         for request in requests:
             slot = request.lora_slot
-            if slot != NO_LORA_SLOT and self._loaded[slot] != request.lora.request.lora_int_id:
-                self.load(slot, request.lora)
-        token_slots = np.repeat(row_slots, np.diff(query_start_loc))  # [T]
-        groups = []
-        for slot in used.tolist():
-            index = np.flatnonzero(token_slots == slot)
-            whole = len(index) == len(token_slots)
-            groups.append((slot, None if whole else _device_index(index, device)))
-        return LoRAMapping(groups)
+            if slot != NO_LORA_SLOT:
+                has_lora = True
+                if self._loaded[slot] != request.lora.request.lora_int_id:
+                    self.load(slot, request.lora)
+        return has_lora
 
     @contextlib.contextmanager
     def running(self, batch: ForwardBatch) -> Iterator[None]:
-        """The LoRA layers add ``batch.lora_mapping``'s deltas inside this block, and nothing after it."""
+        """The LoRA layers add the deltas of ``batch.lora_slots`` inside this block, and nothing after it."""
         self.context.batch = batch
         try:
             yield
         finally:
             self.context.batch = None
 
-
-def _device_index(index: np.ndarray, device: torch.device) -> torch.Tensor:
-    return host_to_device(torch.from_numpy(index), torch.long, device)  # pinned and non-blocking on CUDA

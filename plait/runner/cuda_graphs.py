@@ -77,7 +77,7 @@ def graph_shapes(max_rows: int, max_prompt_tokens: int, max_tokens: int,
 
 
 # The model under a graph: a ForwardBatch in, hidden states [T, hidden] out.
-RunModel = Callable[[ForwardBatch], torch.Tensor]
+RunModel = Callable[[ForwardBatch, bool], torch.Tensor]  # (batch, with the LoRA deltas) -> hidden
 MakeBatch = Callable[[dict[str, torch.Tensor], GraphShape], ForwardBatch]
 
 
@@ -85,16 +85,22 @@ class StepGraphs:
     """One CUDA graph per step shape. A step is padded to the smallest shape it fits: its leading
     one-token rows (decodes, or one-token prompt chunks: the same computation) to a decode bucket, the
     rest (prompt chunks) to a prompt-token bucket. The graph reads the runner's fixed input buffers and
-    writes hidden states to a static buffer; the lm_head and sampling run after it on the real rows."""
+    writes hidden states to a static buffer; the lm_head and sampling run after it on the real rows.
+
+    With ``lora`` each shape is captured twice, sharing one memory pool: as the base model, and with the
+    LoRA layers adding the deltas of the tokens' slots (a step input). Steps without an adapter's row
+    replay the first, so serving adapters costs base requests nothing."""
 
     def __init__(self, buffers: InputBuffers, make_batch: MakeBatch, run_model: RunModel,
-                 shapes: list[GraphShape], block_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+                 shapes: list[GraphShape], block_size: int, hidden_size: int, dtype: torch.dtype,
+                 lora: bool = False) -> None:
         self.buffers, self.make_batch, self.run_model = buffers, make_batch, run_model
+        self.variants = (False, True) if lora else (False,)  # captured with the LoRA deltas or not
         self.shapes = sorted(shapes, key=lambda s: (s.num_tokens, s.num_rows))
         self.block_size = block_size
         max_tokens = max(s.num_tokens for s in shapes)
         self.hidden = torch.zeros(max_tokens, hidden_size, dtype=dtype, device=buffers.device)
-        self._graphs: dict[GraphShape, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[GraphShape, bool], torch.cuda.CUDAGraph] = {}
         self._sizes = [s.num_tokens for s in self.shapes]
 
     def shape_for(self, arrays: StepArrays) -> GraphShape | None:
@@ -113,29 +119,31 @@ class StepGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for shape in reversed(self.shapes):
-                self._graphs[shape] = self._capture_one(shape, pool)
+                for lora in self.variants:
+                    self._graphs[shape, lora] = self._capture_one(shape, pool, lora)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         # Replays need neither: letting go of them (closures over the runner, which holds these graphs)
         # leaves no reference cycle, so a dropped engine is freed at once, frozen heap or not.
         self.make_batch = self.run_model = None
-        logger.info("captured CUDA graphs for %d step shapes", len(self.shapes))
+        logger.info("captured CUDA graphs for %d step shapes (x%d)", len(self.shapes), len(self.variants))
 
-    def _capture_one(self, shape: GraphShape, pool: object) -> torch.cuda.CUDAGraph:
+    def _capture_one(self, shape: GraphShape, pool: object, lora: bool) -> torch.cuda.CUDAGraph:
         no_pending = np.zeros(0, dtype=np.int64)
         views = self.buffers.stage(self.pad(empty_step_arrays(), shape), no_pending, full_width=True)
         for _ in range(WARMUP_RUNS):
-            self._forward(views, shape)
+            self._forward(views, shape, lora)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.current_stream()):
-            self._forward(views, shape)
+            self._forward(views, shape, lora)
         return graph
 
-    def _forward(self, views: dict[str, torch.Tensor], shape: GraphShape) -> None:
+    def _forward(self, views: dict[str, torch.Tensor], shape: GraphShape, lora: bool) -> None:
         batch = self.make_batch(views, shape)
-        self.hidden[: shape.num_tokens].copy_(self.run_model(batch))
+        self.hidden[: shape.num_tokens].copy_(self.run_model(batch, lora))
 
-    def replay(self, shape: GraphShape) -> torch.Tensor:
-        """Run the shape's graph on what was staged last; returns hidden [num_tokens, hidden]."""
-        self._graphs[shape].replay()
+    def replay(self, shape: GraphShape, lora: bool = False) -> torch.Tensor:
+        """Run the shape's graph (with the LoRA deltas, if ``lora``) on what was staged last; returns hidden
+        [num_tokens, hidden]."""
+        self._graphs[shape, lora].replay()
         return self.hidden[: shape.num_tokens]

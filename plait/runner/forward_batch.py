@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -11,9 +10,7 @@ import torch
 from plait.attention.base import AttentionBackend, Rotary
 from plait.engine.kv_cache import PAD_BLOCK_ID
 from plait.engine.scheduler import StepPlan
-
-if TYPE_CHECKING:
-    from plait.lora.layer import LoRAMapping
+from plait.lora.slots import NO_LORA_SLOT
 
 # input_ids value of a token whose id is still on the device (patched before the forward runs).
 PENDING_INPUT_ID = 0
@@ -39,6 +36,12 @@ class StepArrays:
     # token, never a placeholder). input_ids holds PENDING_INPUT_ID there; the input buffers stage a
     # marker naming the sampled id in its place, which the step's landing launch replaces.
     pending_rows: list[int] = field(default_factory=list)
+    # [T]: each token's LoRA adapter slot (NO_LORA_SLOT: the base weights alone); None: every token's.
+    lora_slots: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if self.lora_slots is None:
+            self.lora_slots = np.full(len(self.input_ids), NO_LORA_SLOT, dtype=np.int64)
 
     @property
     def num_rows(self) -> int:
@@ -112,6 +115,7 @@ def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
         sample_indices=query_start_loc[1:][sample_rows] - 1,
         sample_rows=sample_rows,
         pending_rows=pending_rows,
+        lora_slots=np.array([r.request.lora_slot for r in rows], dtype=np.int64)[row_of_token],
     )
 
 
@@ -143,6 +147,9 @@ class ForwardBatch:
     # Rows at the front with exactly one token (decodes first, under ``mixed``); a backend may give them
     # decode-shaped work. Under a graph: the shape's decode part.
     num_leading_single_token_rows: int = 0
+    # [T] int64: each token's LoRA slot (NO_LORA_SLOT: base weights alone), read by the LoRA layers while
+    # the runner has them on; None in batches built outside the runner (kernel references, tests).
+    lora_slots: torch.Tensor | None = None
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
     attn_backend: AttentionBackend | None = None  # set by the runner
@@ -151,9 +158,6 @@ class ForwardBatch:
     recurrent_states: list | None = None
     # Set by the attention backend: metadata it derives from this batch once and reuses in every layer.
     backend_state: dict = field(default_factory=dict)
-    # Set by the runner where a row runs a LoRA adapter (eager steps only): each slot's tokens, which the
-    # LoRA-wrapped layers read (plait.lora.layer.LoRALinear).
-    lora_mapping: LoRAMapping | None = None
 
     @classmethod
     def from_views(
@@ -179,6 +183,7 @@ class ForwardBatch:
             block_tables=views["block_tables"],
             slot_mapping=views["slot_mapping"],
             sample_indices=views["sample_indices"],
+            lora_slots=views["lora_slots"],
             sample_rows=sample_rows,
             num_rows=views["seq_lens"].shape[0],
             num_tokens=views["input_ids"].shape[0],
@@ -214,6 +219,7 @@ STEP_FIELDS = (
     "input_ids",
     "positions",
     "slot_mapping",
+    "lora_slots",
     "query_start_loc",
     "context_lens",
     "seq_lens",

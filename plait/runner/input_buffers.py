@@ -16,6 +16,8 @@ from plait.runner.forward_batch import INT32_FIELDS, STEP_FIELDS, StepArrays
 NUM_STAGING_BUFFERS = 2
 # The buffer's sections, block tables last so that a step copies only the prefix it uses.
 _FIELDS = tuple(n for n in STEP_FIELDS if n != "block_tables") + ("block_tables",)
+# The fields with one entry per token (the rest have one per row, or per sampling row).
+TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "lora_slots")
 
 
 def pending_marker(source: int | np.ndarray) -> int | np.ndarray:
@@ -52,7 +54,7 @@ class Layout:
     block_table_width: int
 
     def capacity(self, name: str) -> int:
-        if name in ("input_ids", "positions", "slot_mapping"):
+        if name in TOKEN_FIELDS:
             return self.max_tokens
         if name == "query_start_loc":
             return self.max_rows + 1
@@ -125,7 +127,7 @@ class InputBuffers:
                 out[name] = table[:, :block_table_width] if block_table_width else table
                 continue
             length = {"query_start_loc": num_rows + 1, "sample_indices": num_samples}.get(
-                name, num_tokens if name in ("input_ids", "positions", "slot_mapping") else num_rows
+                name, num_tokens if name in TOKEN_FIELDS else num_rows
             )
             out[name] = buffer[start : start + length]
         return out

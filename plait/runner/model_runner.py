@@ -20,7 +20,6 @@ from plait.engine.state_slots import PAD_STATE_SLOT
 from plait.kernels.dispatch import triton_enabled, triton_importable
 from plait.layers.mamba import allocate_mamba_states
 from plait.loader.model_loader import load_model, resolve_device_dtype
-from plait.lora.layer import LoRAMapping
 from plait.lora.model import LoRAModel
 from plait.runner.cuda_graphs import MAX_GRAPH_PROMPT_TOKENS, StepGraphs, graph_shapes
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
@@ -95,7 +94,7 @@ class ModelRunner:
         if self._folds_norms():
             self.model.fold_norm_weights()
         # LoRA layers wrap their targets before the KV cache is sized (their slots take memory) and before
-        # any graph is captured (graphs replay the base path; steps with LoRA rows run eager).
+        # any graph is captured (graphs capture the deltas of whatever slots a step's tokens name).
         self.lora = (LoRAModel(self.model, config.max_loras, config.max_lora_rank)
                      if config.enable_lora else None)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
@@ -227,11 +226,11 @@ class ModelRunner:
         blocks_per_row = cdiv(row_len, bs)
         kv = self._allocate_kv_caches(1 + len(lens) * blocks_per_row)
         arrays = _profile_arrays(lens, bs, blocks_per_row)
+        if self.lora is not None:  # a LoRA step's deltas take memory beside the base layers' outputs
+            arrays.lora_slots = np.zeros(num_tokens, dtype=np.int64)
         batch = forward_batch_from_arrays(arrays, self.device)
         self._attach(batch, kv)
-        if self.lora is not None:  # a LoRA step's deltas take memory beside the base layers' outputs
-            batch.lora_mapping = LoRAMapping([(0, torch.arange(num_tokens, device=self.device))])
-        hidden = self._run_model(batch)
+        hidden = self._run_model(batch, lora=self.lora is not None)
         rows = min(self.config.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
         self.sampler(logits, [SamplingRow(PROFILE_SAMPLING, [0], [])] * rows)
@@ -269,6 +268,7 @@ class ModelRunner:
             cfg.block_size,
             self.model_config.hidden_size,
             self.dtype,
+            lora=self.lora is not None,
         )
         start = time.perf_counter()
         graphs.capture()
@@ -295,10 +295,12 @@ class ModelRunner:
             return 0  # Mamba layers cannot take the empty pad rows of mixed shapes
         return min(MAX_GRAPH_PROMPT_TOKENS, self.config.max_num_batched_tokens)
 
-    def _run_model(self, batch: ForwardBatch) -> torch.Tensor:
-        if batch.lora_mapping is None:
+    def _run_model(self, batch: ForwardBatch, lora: bool = False) -> torch.Tensor:
+        """The model's forward; with ``lora``, the LoRA layers add the deltas of the batch's token slots
+        (base tokens get exactly zero, so a step without LoRA rows may leave it off)."""
+        if not lora:
             return self.model(batch.input_ids, batch.positions, batch)  # [T, hidden]
-        with self.lora.running(batch):  # the LoRA layers add their deltas for this batch only
+        with self.lora.running(batch):
             return self.model(batch.input_ids, batch.positions, batch)
 
     # -- one step ---------------------------------------------------------------------------
@@ -314,12 +316,8 @@ class ModelRunner:
         arrays = build_step_arrays(plan, self.config.block_size)
         pending_src = self._pending_sources(plan, arrays, prev)
         prev_ids = prev.token_ids if prev is not None else None
-        lora = None
-        if self.lora is not None:
-            requests = [row.request for row in plan.rows]
-            lora = self.lora.step_mapping(requests, arrays.query_start_loc, self.device)
-        # No graph is captured with LoRA deltas: a step with a LoRA row runs eager (correct, not fast).
-        shape = self.graphs.shape_for(arrays) if self.graphs is not None and lora is None else None
+        lora = self.lora is not None and self.lora.prepare([row.request for row in plan.rows])
+        shape = self.graphs.shape_for(arrays) if self.graphs is not None else None
         if shape is not None:  # the graph's static inputs
             views = self.buffers.stage(self.graphs.pad(arrays, shape), pending_src, prev_ids, full_width=True)
         else:
@@ -327,9 +325,9 @@ class ModelRunner:
         t1 = time.perf_counter()
         events = self._gpu_events()
         if shape is not None:
-            hidden = self.graphs.replay(shape)
+            hidden = self.graphs.replay(shape, lora)
         else:
-            hidden = self._run_model(self._eager_batch(arrays, views, lora))
+            hidden = self._run_model(self._eager_batch(arrays, views), lora=lora)
         if events is not None:
             events[1].record()
             self.breakdown.add_gpu_interval(*events, graph=shape is not None)
@@ -345,7 +343,7 @@ class ModelRunner:
         b.single_token_steps += arrays.num_tokens == arrays.num_rows
         b.graph_steps += shape is not None
         b.graph_single_token_steps += shape is not None and arrays.num_tokens == arrays.num_rows
-        b.lora_steps += lora is not None
+        b.lora_steps += lora
         return step
 
     def collect(self, step: InFlightStep) -> StepOutput:
@@ -377,8 +375,7 @@ class ModelRunner:
         start.record()
         return start, end
 
-    def _eager_batch(self, arrays: StepArrays, views: dict[str, torch.Tensor],
-                     lora: LoRAMapping | None = None) -> ForwardBatch:
+    def _eager_batch(self, arrays: StepArrays, views: dict[str, torch.Tensor]) -> ForwardBatch:
         batch = ForwardBatch.from_views(
             views,
             arrays.sample_rows,
@@ -388,7 +385,6 @@ class ModelRunner:
             num_leading_single_token_rows=arrays.num_leading_single_token_rows,
         )
         self._attach(batch)
-        batch.lora_mapping = lora
         return batch
 
     def _attach(self, batch: ForwardBatch, kv_caches: list[torch.Tensor] | None = None) -> None:

@@ -8,6 +8,7 @@ import numpy as np
 
 from plait.engine.kv_cache import PAD_BLOCK_ID
 from plait.engine.state_slots import PAD_STATE_SLOT
+from plait.lora.slots import NO_LORA_SLOT
 from plait.runner.forward_batch import StepArrays
 
 # What pad rows hold: tokens at positions 0.. of a sequence in the pad block (and the pad state
@@ -100,6 +101,7 @@ def pad_to_shape(arrays: StepArrays, shape: GraphShape, block_size: int) -> Step
         input_ids=tokens("input_ids", np.full(pad_tokens, PAD_TOKEN_ID)),
         positions=tokens("positions", np.zeros(pad_tokens) if not shape.is_mixed else np.arange(pad_tokens)),
         slot_mapping=tokens("slot_mapping", np.full(pad_tokens, PAD_SLOT)),
+        lora_slots=tokens("lora_slots", np.full(pad_tokens, NO_LORA_SLOT)),
         query_start_loc=query_start_loc,
         context_lens=rows("context_lens", 0, 0),
         seq_lens=rows("seq_lens", decode_pad_lens, prompt_pad_lens),
