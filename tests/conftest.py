@@ -18,6 +18,43 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 TINY_VOCAB = 512
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _gguf_files_read_once():
+    """Engines of one GGUF file get their weights from one read of it per session.
+
+    A dozen test engines load the default model, and reading its GGUF file (parsing its metadata and
+    dequantising every tensor) is ~3.5 s of each load. `plait.loader.gguf.load_gguf` is a pure function of
+    the file, so the engines' loader gets a copy of the first read's config and tensors (keyed by path, size
+    and mtime) instead of reading it again. test_loader calls the real function itself: its output stays
+    checked bit for bit against transformers'.
+    """
+    try:
+        from plait.loader import gguf as gguf_loader
+    except ImportError:  # no gguf package: nothing reads GGUF files
+        yield
+        return
+    import copy
+
+    read = gguf_loader.load_gguf
+    last: dict[tuple, tuple[dict, dict[str, torch.Tensor]]] = {}  # the last file read (only one is kept)
+
+    def read_once(path):
+        resolved = Path(path).resolve()
+        if not resolved.is_file():
+            return read(path)  # its error, as ever
+        stat = resolved.stat()
+        key = (resolved, stat.st_size, stat.st_mtime_ns)
+        if key not in last:
+            last.clear()
+            last[key] = read(path)
+        config, tensors = last[key]
+        return copy.deepcopy(config), {name: t.clone() for name, t in tensors.items()}
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gguf_loader, "load_gguf", read_once)
+        yield
+
+
 def _tiny_configs() -> dict:
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -58,6 +95,53 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
+
+
+# The token budget of serving_engine: prompts of the server tests take several steps' chunks.
+SERVING_MAX_NUM_BATCHED_TOKENS = 256
+
+
+@pytest.fixture(scope="session")
+def serving_engine():
+    """The default model's engine that the end-to-end server tests' servers serve in turn (test_bench,
+    test_reasoning, test_server, test_tool_calling each wrap it in an OpenAIServer of their own config):
+    one load and one 2 GB KV cache (~5 s of page faults and copies) instead of one per module.
+
+    A server's AsyncLLMEngine runs the engine only while that server is up and aborts what is left when it
+    stops, so each server starts on an idle engine; what carries over is the prefix cache and the stream of
+    unseeded samples, on which no test's assertions depend. /metrics counts each server's own traffic."""
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(max_num_batched_tokens=SERVING_MAX_NUM_BATCHED_TOKENS))
+
+
+def idle_serving_engine(engine):
+    """serving_engine, checked idle and clean before another server takes it."""
+    assert engine.is_idle_and_clean(), "a server left serving_engine with requests or blocks in use"
+    return engine
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model() -> torch.nn.Module:
+    """transformers' own GGUF load of the default model (fp32, eval): the reference for plait's GGUF loader
+    and for the default model's greedy outputs. Loaded once per session (~10 s); no test may modify it."""
+    import functools
+
+    gguf = pytest.importorskip("gguf")
+    from transformers import AutoModelForCausalLM
+
+    from plait.loader.gguf import default_model_path
+
+    path = default_model_path()
+    with pytest.MonkeyPatch.context() as mp:
+        # transformers rebuilds the same (arch, n_layers) name map once per submodule (~400 times, ~9 s)
+        # and parses the file's header twice (config, then tensors; ~5 s): memoising these pure functions
+        # of their arguments changes no result, only the load time.
+        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
+        mp.setattr(gguf, "GGUFReader", functools.lru_cache(maxsize=None)(gguf.GGUFReader))
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    return model.eval()
 
 
 def random_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:

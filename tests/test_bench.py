@@ -151,13 +151,13 @@ def test_token_chunks_and_payloads():
 
 
 @pytest.fixture(scope="module")
-def served():
+def served(serving_engine):
     pytest.importorskip("fastapi")
-    from plait.config import EngineConfig
-    from plait.engine.engine import LLMEngine
+    from conftest import idle_serving_engine
+
     from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
 
-    engine = LLMEngine(EngineConfig(max_num_batched_tokens=256))
+    engine = idle_serving_engine(serving_engine)  # the default model under a 256-token budget
     vocab = engine.model_config.vocab_size
     with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
         yield url, vocab

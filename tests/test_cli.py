@@ -18,21 +18,35 @@ def _plait(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
                           text=True, input=stdin, env=env, timeout=300)
 
 
-def test_generate_and_chat_with_default_model():
+def _plait_main(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`plait ARGS` through the CLI's main() in this process, its exit status and output as _plait gives them:
+    a fresh process per command would spend ~10 s starting up (imports, the model read again)."""
+    from plait.entrypoints.cli import main
+
+    capsys.readouterr()  # only this command's output
+    status = main(list(args))
+    out, err = capsys.readouterr()
+    return subprocess.CompletedProcess(list(args), status, out, err)
+
+
+def test_generate_and_chat_with_default_model(capsys):
     from plait import LLM, SamplingParams
 
     llm = LLM()
     expected = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                         SamplingParams(temperature=0.0, max_tokens=12), use_tqdm=False)[0].outputs[0].text
-    res = _plait("chat", "What is the capital of France?", "--max-tokens", "12")
+    del llm
+    res = _plait_main(capsys, "chat", "What is the capital of France?", "--max-tokens", "12")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == expected.strip()
 
+    # A real `python -m plait.entrypoints.cli` process (its entry point, exit status, stdin and stdout).
     res = _plait("chat", "--max-tokens", "8", stdin="Name a colour.\n/exit\n")  # interactive
     assert res.returncode == 0, res.stderr
     assert "you> " in res.stdout and len(res.stdout.split("you> ")[1].strip()) > 0
 
-    res = _plait("generate", "The capital of France is", "--max-tokens", "5", "--max-num-batched-tokens", "4")
+    res = _plait_main(capsys, "generate", "The capital of France is", "--max-tokens", "5",
+                      "--max-num-batched-tokens", "4")
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip()
 

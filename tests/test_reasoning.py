@@ -16,14 +16,13 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("llguidance")  # structured outputs after the reasoning
 openai = pytest.importorskip("openai")
 
-from plait.config import EngineConfig  # noqa: E402
-from plait.engine.engine import LLMEngine  # noqa: E402
+from conftest import idle_serving_engine  # noqa: E402
+
 from plait.entrypoints.llm import apply_chat_template  # noqa: E402
 from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig  # noqa: E402
 from plait.entrypoints.tool_parsers import get_tool_parser, parse_whole  # noqa: E402
 
 TEMPLATE = Path(__file__).resolve().parent / "reasoning_chat_template.jinja"
-MAX_NUM_BATCHED_TOKENS = 256
 CLIENT_TIMEOUT_S = 240.0
 MAX_TOKENS = 48  # the greeting's answers take 15-25 tokens and end with EOS
 CALL_MAX_TOKENS = 80  # reasoning and a call: ~55 tokens
@@ -54,8 +53,8 @@ CALL_REGEX = '<tool_call>\n\\{"name": "get_weather", "arguments": \\{"city": "Pa
 
 
 @pytest.fixture(scope="module")
-def served():
-    engine = LLMEngine(EngineConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS))
+def served(serving_engine):
+    engine = idle_serving_engine(serving_engine)  # the default model under a 256-token budget
     config = ServerConfig(log_level="warning", chat_template=str(TEMPLATE), reasoning_parser="qwen3",
                           enable_auto_tool_choice=True, tool_call_parser="hermes")
     server = OpenAIServer(engine, config)

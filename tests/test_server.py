@@ -20,7 +20,14 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 prometheus_parser = pytest.importorskip("prometheus_client.parser")
 
-from conftest import LORA_MODULES, PERSON, PHONE, make_lora_adapter, run_greedy  # noqa: E402
+from conftest import (  # noqa: E402
+    LORA_MODULES,
+    PERSON,
+    PHONE,
+    idle_serving_engine,
+    make_lora_adapter,
+    run_greedy,
+)
 
 from plait import __version__  # noqa: E402
 from plait.config import EngineConfig  # noqa: E402
@@ -47,7 +54,6 @@ from plait.sampling_params import (  # noqa: E402
 )
 
 API_KEY = "test-key-1234"
-MAX_NUM_BATCHED_TOKENS = 256
 # Short answers keep the module within a few minutes on two busy cores.
 MAX_TOKENS = 12
 CONCURRENT_MAX_TOKENS = 16
@@ -67,8 +73,9 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def served():
-    engine = LLMEngine(EngineConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS))
+def served(serving_engine):
+    """The default model (conftest's serving_engine: a 256-token budget) behind an API key."""
+    engine = idle_serving_engine(serving_engine)
     server = OpenAIServer(engine, ServerConfig(api_key=API_KEY, log_level="warning"))
     with BackgroundServer(server) as url:
         yield server, url
@@ -811,10 +818,10 @@ def test_tokenize_detokenize_and_version(served, model):
     assert httpx.get(f"{url}/version").json() == {"version": __version__}
 
 
-def test_chat_template_controls(served, client, model):
+def test_chat_template_controls(served, client, model, monkeypatch):
     """vLLM's chat extensions: continue_final_message prefills the assistant's answer; a request's own
     template and its variables (chat_template_kwargs) run only on a server started trusting them."""
-    server, _ = served
+    server, url = served
     messages = [{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The Nile is"}]
     options = {"continue_final_message": True, "add_generation_prompt": False}
     reply = client.chat.completions.create(model=model, messages=messages, max_tokens=4, temperature=0.0,
@@ -827,14 +834,13 @@ def test_chat_template_controls(served, client, model):
     own = {"chat_template": template, "chat_template_kwargs": {"greeting": "Hi"}}
     with pytest.raises(openai.BadRequestError, match="trust-request-chat-template"):
         client.chat.completions.create(model=model, messages=messages[:1], max_tokens=2, extra_body=own)
-    trusting = OpenAIServer(LLMEngine(EngineConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)),
-                            ServerConfig(trust_request_chat_template=True, log_level="warning"))
-    with BackgroundServer(trusting) as url:
-        r = httpx.post(f"{url}/v1/chat/completions",
-                       json={"messages": messages[:1], "max_tokens": 2, **own}, timeout=CLIENT_TIMEOUT_S)
-        assert r.status_code == 200, r.text
-        rendered = list(trusting.tokenizer.encode("Name a river.|Hi", add_special_tokens=False))
-        assert r.json()["usage"]["prompt_tokens"] == len(rendered)
+    # --trust-request-chat-template, on the shared server for this test only (the flag is read per request,
+    # as test_tool_calling's server, started with it, shows too): no second engine to load.
+    monkeypatch.setattr(server.config, "trust_request_chat_template", True)
+    r = _post(url, "/v1/chat/completions", {"messages": messages[:1], "max_tokens": 2, **own})
+    assert r.status_code == 200, r.text
+    rendered = list(server.tokenizer.encode("Name a river.|Hi", add_special_tokens=False))
+    assert r.json()["usage"]["prompt_tokens"] == len(rendered)
 
 
 def test_api_key_guards_only_the_v1_routes(served):

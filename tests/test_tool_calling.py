@@ -14,14 +14,13 @@ pytest.importorskip("llguidance")  # named and "required" tool choices are struc
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from plait.config import EngineConfig  # noqa: E402
-from plait.engine.engine import LLMEngine  # noqa: E402
+from conftest import idle_serving_engine  # noqa: E402
+
 from plait.entrypoints.llm import apply_chat_template  # noqa: E402
 from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig  # noqa: E402
 from plait.entrypoints.tools import TOOL_CALL_ID_PREFIX  # noqa: E402
 
 TEMPLATE = Path(__file__).resolve().parent / "tool_chat_template.jinja"
-MAX_NUM_BATCHED_TOKENS = 256
 CLIENT_TIMEOUT_S = 240.0
 # Enough for one call to either tool (its strings are bounded by maxLength), not for a long answer.
 CALL_MAX_TOKENS = 48
@@ -50,8 +49,8 @@ HERMES_OUTPUT_REGEX = ("Checking\\.\n<tool_call>"
 
 
 @pytest.fixture(scope="module")
-def served():
-    engine = LLMEngine(EngineConfig(max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS))
+def served(serving_engine):
+    engine = idle_serving_engine(serving_engine)  # the default model under a 256-token budget
     config = ServerConfig(log_level="warning", chat_template=str(TEMPLATE), enable_auto_tool_choice=True,
                           tool_call_parser="hermes", trust_request_chat_template=True)
     server = OpenAIServer(engine, config)
