@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 from torch import nn
 
 from plait.layers.linear import Linear
@@ -66,17 +67,18 @@ class LoRAModel:
         self._loaded[slot] = adapter.request.lora_int_id
         self.num_loads += 1
 
-    def prepare(self, requests: Sequence[Request]) -> bool:
-        """Load any adapter a row of the step needs that its slot does not hold yet; whether any row has
-        one. ``requests`` are the step's rows (their tokens' slots travel in the step's inputs)."""
-        has_lora = False
+    def prepare(self, requests: Sequence[Request], query_start_loc: np.ndarray) -> np.ndarray | None:
+        """Load any adapter a row of the step needs that its slot does not hold yet; return each token's
+        slot ([T], the step input StepArrays.lora_slots), or None where no row has an adapter.
+        ``requests`` are the step's rows, ``query_start_loc`` their tokens'."""
+        row_slots = np.array([r.lora_slot for r in requests], dtype=np.int64)  # [R]
+        if not (row_slots != NO_LORA_SLOT).any():
+            return None
         for request in requests:
             slot = request.lora_slot
-            if slot != NO_LORA_SLOT:
-                has_lora = True
-                if self._loaded[slot] != request.lora.request.lora_int_id:
-                    self.load(slot, request.lora)
-        return has_lora
+            if slot != NO_LORA_SLOT and self._loaded[slot] != request.lora.request.lora_int_id:
+                self.load(slot, request.lora)
+        return np.repeat(row_slots, np.diff(query_start_loc))
 
     @contextlib.contextmanager
     def running(self, batch: ForwardBatch) -> Iterator[None]:

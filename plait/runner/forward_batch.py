@@ -36,7 +36,8 @@ class StepArrays:
     # token, never a placeholder). input_ids holds PENDING_INPUT_ID there; the input buffers stage a
     # marker naming the sampled id in its place, which the step's landing launch replaces.
     pending_rows: list[int] = field(default_factory=list)
-    # [T]: each token's LoRA adapter slot (NO_LORA_SLOT: the base weights alone); None: every token's.
+    # [T]: each token's LoRA adapter slot (NO_LORA_SLOT: the base weights alone), set by the runner where a
+    # row has an adapter (LoRAModel.prepare); None: every token's is NO_LORA_SLOT.
     lora_slots: np.ndarray | None = None
 
     def __post_init__(self) -> None:
@@ -115,7 +116,6 @@ def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
         sample_indices=query_start_loc[1:][sample_rows] - 1,
         sample_rows=sample_rows,
         pending_rows=pending_rows,
-        lora_slots=np.array([r.request.lora_slot for r in rows], dtype=np.int64)[row_of_token],
     )
 
 

@@ -316,7 +316,11 @@ class ModelRunner:
         arrays = build_step_arrays(plan, self.config.block_size)
         pending_src = self._pending_sources(plan, arrays, prev)
         prev_ids = prev.token_ids if prev is not None else None
-        lora = self.lora is not None and self.lora.prepare([row.request for row in plan.rows])
+        lora = False
+        if self.lora is not None:
+            token_slots = self.lora.prepare([row.request for row in plan.rows], arrays.query_start_loc)
+            if token_slots is not None:
+                arrays.lora_slots, lora = token_slots, True
         shape = self.graphs.shape_for(arrays) if self.graphs is not None else None
         if shape is not None:  # the graph's static inputs
             views = self.buffers.stage(self.graphs.pad(arrays, shape), pending_src, prev_ids, full_width=True)
