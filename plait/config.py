@@ -12,6 +12,7 @@ USAGES: tuple[str, ...] = ("offline", "serve")
 SCHEDULING_POLICIES: tuple[str, ...] = ("mixed", "prefill_first")
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("torch_ref", "triton")
+QUANTIZATION_METHODS: tuple[str, ...] = ("fp8",)
 
 # long_prefill_token_threshold / max_prefill_tokens_beside_decodes value that means "no cap".
 NO_CHUNK_CAP = 0
@@ -30,6 +31,9 @@ class EngineConfig:
     # None or "auto" = float32 on CPU, bfloat16 on GPU; vLLM's aliases ("half", "float"...) are accepted
     # and stored under their canonical name (see DTYPE_ALIASES).
     dtype: str | None = None
+    # vLLM's --quantization for an unquantised checkpoint: None, or "fp8" (every linear layer but the
+    # lm_head keeps FP8 weights with per-row scales; activations stay in dtype: plait.layers.fp8).
+    quantization: str | None = None
     # The generation_config.json whose sampling defaults (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_new_tokens) apply where a request leaves them out, as vLLM's
     # --generation-config: "auto" = the model folder's, "vllm" = none (plait's and vLLM's own defaults), or
@@ -121,6 +125,12 @@ class EngineConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype is not None:
             self.dtype = canonical_dtype(self.dtype)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or unset, got "
+                             f"{self.quantization!r}")
+        if self.quantization is not None and self.enable_lora:
+            raise ValueError("LoRA adapters on a quantized model are not supported: drop --quantization or "
+                             "--enable-lora")
         source = self.generation_config
         if not isinstance(source, str) or not source:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")

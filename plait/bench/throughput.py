@@ -46,6 +46,7 @@ def _engine(model_dir: Path, max_model_len: int, args: argparse.Namespace) -> LL
         max_prefill_tokens_beside_decodes=args.max_prefill_tokens_beside_decodes,
         attention_backend=args.attention_backend,
         enable_prefix_caching=False,
+        quantization=args.quantization,
     )
     return LLMEngine(config)
 
@@ -133,17 +134,20 @@ def floor_seconds(engine: LLMEngine, prompts: list[list[int]], output_len: int, 
     matmul FLOPs at the measured bf16 rate. (A lower bound: no engine overlaps them perfectly.)"""
     model = engine.runner.model
     c = engine.model_config
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    embed_bytes = model.model.embed_tokens.weight.numel() * model.model.embed_tokens.weight.element_size()
+    # FP8 layers (quantization="fp8") hold 1-byte weights plus an fp32 scale per row, read with them.
+    scales = [b for name, b in model.named_buffers() if name.endswith("weight_scale")]
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*model.parameters(), *scales])
+    embed = model.model.embed_tokens.weight
+    embed_bytes, embed_numel = embed.numel() * embed.element_size(), embed.numel()
     if c.tie_word_embeddings:
-        embed_bytes = 0  # the table is read whole as the lm_head
+        embed_bytes = embed_numel = 0  # the table is read whole as the lm_head
     read_per_step = weight_bytes - embed_bytes
     kv_per_token = engine.runner._bytes_per_block() / engine.config.block_size
     bw = roof["read_GBps"] * 1e9
     decode = (
         sum(read_per_step + kv_per_token * sum(len(p) + i for p in prompts) for i in range(output_len)) / bw
     )
-    matmul_params = (weight_bytes - embed_bytes) / engine.runner.model.lm_head.weight.element_size()
+    matmul_params = sum(p.numel() for p in model.parameters()) - embed_numel
     prefill = 2 * matmul_params * sum(len(p) for p in prompts) / (roof["bf16_TFLOPs"] * 1e12)
     return {
         "decode_read_s": decode,
@@ -187,6 +191,7 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "max_prefill_tokens_beside_decodes": engine.config.max_prefill_tokens_beside_decodes,
         "attention_backend": engine.runner.attn_backend.name,
+        "quantization": engine.config.quantization,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                      "min_p": args.min_p},
         "cuda_graphs": engine.runner.graphs is not None,
@@ -241,6 +246,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="(default 0: off)")
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--quantization", default=None,
+                   help="'fp8': FP8 weights (vLLM's peer numbers are bf16; the floors count the bytes read)")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the GPU's limits")
     p.add_argument("--in-process", action="store_true",
                    help="run the workloads one after another in this process (default: each in a fresh one)")

@@ -23,7 +23,7 @@ _ENGINE_FLAGS = (
     "scheduling_policy", "block_size",
     "num_kv_blocks", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
     "attention_backend", "enforce_eager", "async_scheduling",
-    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
+    "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
 )
 
 
@@ -46,6 +46,8 @@ _FLAG_HELP = {
     "enable_lora": "serve requests with PEFT LoRA adapters (Llama-family models) (default: off)",
     "max_loras": "LoRA adapters on the device at once; a request waits while all serve others (default: 1)",
     "max_lora_rank": "the largest LoRA rank served (default: 16)",
+    "quantization": "as vLLM's --quantization on an unquantised checkpoint: 'fp8' keeps every linear layer "
+                    "but the lm_head in FP8 with per-row scales, activations in --dtype (default: none)",
     "max_cpu_loras": "LoRA adapters kept read on the host (default: --max-loras)",
 }
 
