@@ -32,7 +32,8 @@ class EngineConfig:
     # and stored under their canonical name (see DTYPE_ALIASES).
     dtype: str | None = None
     # vLLM's --quantization for an unquantised checkpoint: None, or "fp8" (every linear layer but the
-    # lm_head keeps FP8 weights with per-row scales; activations stay in dtype: plait.layers.fp8).
+    # lm_head keeps FP8 weights with per-row scales, and quantises its input per token: W8A8,
+    # plait.layers.fp8).
     quantization: str | None = None
     # The generation_config.json whose sampling defaults (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_new_tokens) apply where a request leaves them out, as vLLM's

@@ -1,6 +1,6 @@
-"""FP8 weight-only quantisation (plait.layers.fp8, `quantization="fp8"`): the rounding, the skinny GEMM on
-8-bit weights against its torch reference, and the engine computing exactly the model whose weights are
-the FP8 ones (tiny random models, fp32 on CPU; the `gpu` tests take real shapes in bf16)."""
+"""FP8 quantisation (plait.layers.fp8, `quantization="fp8"`, W8A8): the rounding, the kernels against
+their torch references, and the engine computing exactly the model whose weights and linear-layer inputs
+are rounded to FP8 (tiny random models, fp32 on CPU; the `gpu` tests take real shapes in bf16)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ from torch import nn
 
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine
-from plait.layers.fp8 import FP8_MAX, Fp8Linear, dequantize_rows, quantize_model, quantize_rows
+from plait.layers.fp8 import (
+    FP8_MAX,
+    Fp8Linear,
+    dequantize_rows,
+    fp8_linear_ref,
+    quantize_model,
+    quantize_rows,
+)
 
 ON_GPU = torch.cuda.is_available()
 # float8_e4m3fn keeps 3 mantissa bits: a normal value rounds within 2^-4 of itself; below 2^-6 the
@@ -35,46 +42,62 @@ def test_quantize_rows_rounds_each_row_on_its_own_scale():
     assert torch.equal(back[5], torch.zeros(200)) and scale[5] > 0
 
 
-def test_fp8_linear_computes_the_dequantized_weight():
+def _fake_quantized(x: torch.Tensor) -> torch.Tensor:
+    """x with each row replaced by its FP8 rounding on its own scale (fp32)."""
+    codes, scale = quantize_rows(x.reshape(-1, x.shape[-1]))
+    return dequantize_rows(codes, scale, torch.float32).view(x.shape)
+
+
+def test_fp8_linear_quantizes_weight_and_each_input_row():
     torch.manual_seed(1)
     linear = nn.Linear(48, 24, bias=True)
     fp8 = Fp8Linear.from_linear(linear)
     assert fp8.weight.dtype == torch.float8_e4m3fn and fp8.compute_dtype == torch.float32
-    x = torch.randn(5, 48)
-    want = torch.nn.functional.linear(x, dequantize_rows(fp8.weight, fp8.weight_scale, torch.float32),
-                                      linear.bias)
-    assert torch.equal(fp8(x), want)
+    # Rows of very different magnitudes: each is rounded on its own scale.
+    x = torch.randn(2, 5, 48) * torch.logspace(-2, 2, 5)[None, :, None]
+    want = torch.nn.functional.linear(_fake_quantized(x), fp8.dequantized(torch.float32), linear.bias)
+    got = fp8(x)
+    assert got.shape == (2, 5, 24) and torch.equal(got, want)
+    # A row's scale is its own: alone, a row rounds to the same codes (equal up to the BLAS's summation
+    # order, which depends on the batch's shape on CPU).
+    torch.testing.assert_close(fp8(x[1, 3:4]), got[1, 3:4], rtol=1e-6, atol=1e-5)
+    # The input rounding is real: the unrounded input gives other numbers.
+    assert not torch.equal(got, torch.nn.functional.linear(x, fp8.dequantized(torch.float32), linear.bias))
     with pytest.raises(RuntimeError, match="before quantising"):
         fp8.fold_norm_weight(torch.ones(48))
 
 
-def _dequantized_copy(engine: LLMEngine) -> None:
-    """Replace every linear weight of engine's model but the lm_head with its FP8 rounding, in place."""
+def _fp8_reference(engine: LLMEngine) -> None:
+    """Make engine's model the FP8 one with plain layers: every linear weight but the lm_head replaced by
+    its FP8 rounding, and those layers' inputs rounded per row before the matmul (a forward pre-hook)."""
     with torch.no_grad():
         for name, module in engine.runner.model.named_modules():
             if isinstance(module, nn.Linear) and not name.endswith("lm_head"):
                 module.weight.copy_(dequantize_rows(*quantize_rows(module.weight), module.weight.dtype))
+                module.register_forward_pre_hook(lambda _m, args: (_fake_quantized(args[0]),))
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_fp8_engine_is_the_model_with_fp8_weights(tiny_models, family):
-    """quantization="fp8" in fp32 on CPU computes F.linear on code * scale: the same arithmetic as an
-    unquantised engine whose weights were replaced by their FP8 roundings, so tokens and logits agree
-    exactly, with chunked prompts and decodes batched together."""
-    kw = dict(model=str(tiny_models[family]), block_size=8, max_num_batched_tokens=24, max_model_len=96)
+def test_fp8_engine_is_the_model_with_fp8_weights_and_inputs(tiny_models, family):
+    """quantization="fp8" in fp32 on CPU computes F.linear on dequantised FP8 codes of both the weight
+    and each token's input: the same arithmetic as an unquantised engine whose weights were replaced by
+    their FP8 roundings and whose linear layers round their inputs, so tokens and logits agree exactly,
+    with chunked prompts and decodes batched together."""
+    kw = dict(model=str(tiny_models[family]), block_size=8, max_num_batched_tokens=24, max_model_len=96,
+              device="cpu")
     quantized = LLMEngine(EngineConfig(quantization="fp8", **kw))
     layers = [m for m in quantized.runner.model.modules() if isinstance(m, Fp8Linear)]
     assert len(layers) == 4 * 2  # qkv, o, gate/up, down in each of 2 layers; the lm_head stays
     assert not isinstance(quantized.runner.model.lm_head, Fp8Linear)
     reference = LLMEngine(EngineConfig(**kw))
-    _dequantized_copy(reference)
+    _fp8_reference(reference)
     prompts = random_prompts(6, 3, 40, seed=11)
     got, got_logits = run_greedy(quantized, prompts, max_tokens=8, arrive_every=1, capture_logits=True)
     want, want_logits = run_greedy(reference, prompts, max_tokens=8, arrive_every=1, capture_logits=True)
     assert got == want
     for i in want_logits:
         assert all(torch.equal(a, b) for a, b in zip(got_logits[i], want_logits[i]))
-    # ... and FP8 weights are a real change: the unrounded model's logits differ.
+    # ... and FP8 is a real change: the unrounded model's logits differ.
     plain, plain_logits = run_greedy(LLMEngine(EngineConfig(**kw)), prompts, max_tokens=8, arrive_every=1,
                                      capture_logits=True)
     assert any(not torch.equal(a, b) for i in plain_logits for a, b in zip(plain_logits[i], got_logits[i]))
@@ -93,45 +116,85 @@ def test_quantization_is_validated_and_reaches_the_cli():
     assert _engine_config(args).quantization == "fp8"
 
 
-# ---- the skinny GEMM on 8-bit weights (Triton interpreter on CPU, compiled on a GPU) -------------------
+# ---- the kernels (Triton interpreter on CPU, compiled on a GPU) -------------------------------------------
 
-triton_configs = {
-    "fma_split3": dict(block_n=8, block_k=32, split_k=3),
-    "fma_prefetch2": dict(block_n=4, block_k=32, prefetch=2),
-    "dot_split2": dict(block_n=16, block_k=32, split_k=2, use_dot=True),
+DEVICE = "cuda" if ON_GPU else "cpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [100, 2500])  # one ragged step; several steps, the last ragged
+@pytest.mark.parametrize("rows", [5, 20])  # K in chunks of one program each; one program a row
+def test_quantize_rows_kernel_is_the_reference_bit_for_bit(dtype, k, rows):
+    pytest.importorskip("triton")
+    from plait.kernels.fp8_gemm import quantize_rows_fp8
+
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(rows, k, generator=g) * torch.logspace(-3, 3, rows)[:, None]
+    # A few entries far below their row's amax: their codes are FP8 subnormals (below 2^-6).
+    x[:, 7:10] = x.abs().amax(dim=1, keepdim=True) * torch.tensor([3e-5, -1.7e-5, 4e-6])
+    x = x.to(device=DEVICE, dtype=dtype)
+    x[2] = 0.0
+    codes, scale = quantize_rows_fp8(x)
+    want_codes, want_scale = quantize_rows(x)
+    assert torch.equal(scale, want_scale)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    live = torch.arange(rows) != 2
+    assert codes.float().abs().amax(dim=1)[live].eq(FP8_MAX).all()
+
+
+def _exact(codes, scale, w_codes, w_scale, bias):
+    """The kernel's function in fp64, and the magnitude its fp32 sums' error scales with."""
+    xd = codes.double() * scale.double()[:, None]
+    wd = w_codes.double() * w_scale.double()[:, None]
+    b = bias.double() if bias is not None else 0.0
+    return xd @ wd.T + b, xd.abs() @ wd.abs().T
+
+
+gemv_configs = {
+    "unsplit": dict(block_n=64, block_k=32, split_k=1, num_stages=2),
+    "split3": dict(block_n=64, block_k=32, split_k=3, num_stages=1),
+    "wide_k": dict(block_n=64, block_k=128, split_k=1, num_stages=3),
 }
 
 
-@pytest.mark.parametrize("name", sorted(triton_configs))
-@pytest.mark.parametrize("m", [1, 3])
-def test_skinny_gemm_on_fp8_weights_matches_its_reference(name, m):
+@pytest.mark.parametrize("name", sorted(gemv_configs))
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_fp8_gemv_matches_its_reference(name, m):
     pytest.importorskip("triton")
-    from plait.kernels import skinny_gemm
-    from plait.kernels.skinny_gemm import SkinnyConfig
+    from plait.kernels.fp8_gemm import Fp8GemvConfig, fp8_skinny, quantize_rows_fp8
 
-    device = "cuda" if ON_GPU else "cpu"
     g = torch.Generator().manual_seed(m)
-    x = torch.randn(m, 100, generator=g).to(device=device, dtype=torch.float16)
-    codes, scale = quantize_rows(torch.randn(21, 100, generator=g).to(device))
-    bias = torch.randn(21, generator=g).to(device=device, dtype=torch.float16)
-    cfg = SkinnyConfig(**triton_configs[name])
-    got = skinny_gemm.skinny_linear(x, codes, bias, config=cfg, weight_scale=scale)
-    # Exact in fp64, then the kernel's fp32 sum (K + 2 roundings of the products' magnitudes: the scale
-    # multiplies the sum) and its final fp16 rounding (half an ulp).
-    w = codes.double() * scale.double()[:, None]
-    exact = x.double() @ w.T + bias.double()
-    mag = x.double().abs() @ w.abs().T + bias.double().abs()
-    ulp = torch.finfo(torch.float16).eps * exact.abs().clamp_min(2.0**-14)
-    assert ((got.double() - exact).abs() <= 2 * 103 * 2.0**-24 * mag + ulp).all()
-    if not cfg.use_dot and cfg.split_k == 1:  # the residual-add form of the same launch
-        residual = torch.randn(m, 21, generator=g).to(device=device, dtype=torch.float16)
-        h, parts = skinny_gemm.skinny_linear_add(x, codes, residual, config=cfg, weight_scale=scale)
-        want, want_sq = skinny_gemm.skinny_linear_add_ref(x, codes, residual, weight_scale=scale)
-        torch.testing.assert_close(h, want, rtol=2e-3, atol=2e-3)
-        torch.testing.assert_close(parts.sum(-1, keepdim=True), h.float().pow(2).sum(-1, keepdim=True),
-                                   rtol=1e-5, atol=0)
-    with pytest.raises(ValueError, match="weight scale"):
-        skinny_gemm.skinny_linear(x, codes, None, config=cfg, weight_scale=scale[:-1])
+    k, n = 200, 70  # ragged K for every block_k; a partial last block of weight rows
+    x = torch.randn(m, k, generator=g).to(device=DEVICE, dtype=torch.bfloat16)
+    w_codes, w_scale = quantize_rows(torch.randn(n, k, generator=g).to(DEVICE))
+    bias = torch.randn(n, generator=g).to(device=DEVICE, dtype=torch.bfloat16)
+    codes, scale = quantize_rows_fp8(x)
+    got = fp8_skinny(codes, scale, w_codes, w_scale, bias, torch.bfloat16,
+                     config=Fp8GemvConfig(**gemv_configs[name]))
+    exact, mag = _exact(codes, scale, w_codes, w_scale, bias)
+    # Products of FP8 codes are exact in fp32; the sum of K of them, the scales and the bias add a few
+    # fp32 roundings, and the bf16 output an ulp (Triton's CPU interpreter truncates to bf16).
+    bound = (k + 4) * 2.0**-24 * (mag + bias.double().abs()) + 2.0**-7 * exact.abs()
+    assert ((got.double() - exact).abs() <= bound).all()
+    with pytest.raises(ValueError, match="rows"):
+        fp8_skinny(codes[:0], scale[:0], w_codes, w_scale, None, torch.bfloat16)
+
+
+@pytest.mark.parametrize("m", [1, 20, 37])
+def test_fp8_linear_matches_its_reference(m):
+    """The dispatch: the GEMV up to 16 rows, cuBLASLt's FP8 GEMM beyond (16 rows a launch where a shape is
+    not a multiple of 16), against fp8_linear_ref."""
+    pytest.importorskip("triton")
+    from plait.kernels.fp8_gemm import fp8_linear
+
+    g = torch.Generator().manual_seed(m)
+    for k, n in ((128, 48), (100, 45)):  # _scaled_mm's shapes, and ragged ones it refuses
+        x = torch.randn(2, m, k, generator=g).to(device=DEVICE, dtype=torch.bfloat16)
+        w_codes, w_scale = quantize_rows(torch.randn(n, k, generator=g).to(DEVICE))
+        bias = torch.randn(n, generator=g).to(device=DEVICE, dtype=torch.bfloat16)
+        got = fp8_linear(x, w_codes, w_scale, bias)
+        assert got.shape == (2, m, n) and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, fp8_linear_ref(x, w_codes, w_scale, bias), rtol=2e-2, atol=2e-2)
 
 
 # ---- GPU: real shapes, bf16, CUDA graphs -----------------------------------------------------------------
@@ -141,26 +204,28 @@ gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("m", [1, 4, 16, 256])
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096)])
-def test_skinny_fp8_real_shapes_match_the_dequantized_matmul(m, n, k):
-    from plait.kernels import skinny_gemm
+def test_fp8_linear_real_shapes_match_the_exact_product(m, n, k):
+    """Llama-8B's qkv, down and gate/up with the default configs (the GEMV's split-K chosen for the GPU,
+    cuBLASLt at 256 rows) against the product of the same codes in fp64."""
+    from plait.kernels.fp8_gemm import fp8_linear, quantize_rows_fp8
 
     g = torch.Generator(device="cuda").manual_seed(n + m)
     x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
-    codes, scale = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.02)
-    got = skinny_gemm.skinny_linear(x, codes, weight_scale=scale).double()
-    want = x.double() @ (codes.double() * scale.double()[:, None]).T
-    # bf16 output: half an ulp (2^-8 relative) plus the fp32 sum's error.
-    mag = x.double().abs() @ (codes.double().abs() * scale.double()[:, None]).T
-    assert ((got - want).abs() <= 2.0**-8 * want.abs() + 2 * k * 2.0**-24 * mag + 1e-30).all()
+    w_codes, w_scale = quantize_rows(torch.randn(n, k, device="cuda", generator=g) * 0.02)
+    got = fp8_linear(x, w_codes, w_scale).double()
+    codes, scale = quantize_rows_fp8(x)
+    exact, mag = _exact(codes, scale, w_codes, w_scale, None)
+    # bf16 output: half an ulp (2^-8 relative) plus the fp32 sums' error (cuBLASLt's included).
+    assert ((got - exact).abs() <= 2.0**-8 * exact.abs() + 2 * k * 2.0**-24 * mag + 1e-30).all()
 
 
 @pytest.mark.gpu
 @gpu
 def test_fp8_engine_on_gpu_graphs_and_eager_agree(tiny_models):
-    """bf16 on the GPU: FP8 decode steps (skinny kernel on 8-bit weights, CUDA graphs, overlapped steps)
-    give the tokens that eager, synchronous steps give, and the weights take half the bytes."""
+    """bf16 on the GPU: FP8 steps (the GEMV and cuBLASLt's FP8 GEMM, CUDA graphs, overlapped steps) give
+    the tokens that eager, synchronous steps give."""
     kw = dict(model=str(tiny_models["llama"]), block_size=16, max_model_len=256, num_kv_blocks=256,
               quantization="fp8", dtype="bfloat16")
     graphed = LLMEngine(EngineConfig(**kw))
@@ -173,8 +238,12 @@ def test_fp8_engine_on_gpu_graphs_and_eager_agree(tiny_models):
     assert sum(got[i] == want[i] for i in want) >= len(want) - 1
     b = graphed.runner.breakdown
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
-    fp8_bytes = sum(m.weight.numel() for m in graphed.runner.model.modules() if isinstance(m, Fp8Linear))
-    assert fp8_bytes > 0
+    assert all(m.weight.dtype == torch.float8_e4m3fn for m in graphed.runner.model.modules()
+               if isinstance(m, Fp8Linear))
+    # FP8 is an approximation, not garbage: on these decisive tiny models most answers are bf16's.
+    plain, _ = run_greedy(LLMEngine(EngineConfig(**{**kw, "quantization": None})), prompts, max_tokens=16,
+                          arrive_every=1)
+    assert sum(got[i] == plain[i] for i in plain) >= len(plain) // 2
 
 
 def test_bench_floors_count_the_bytes_an_fp8_model_reads(tiny_models):
@@ -183,7 +252,7 @@ def test_bench_floors_count_the_bytes_an_fp8_model_reads(tiny_models):
     from plait.bench.throughput import floor_seconds
 
     roof = {"read_GBps": 1.0, "bf16_TFLOPs": 1.0}  # 1 GB/s: the floor in ms is the bytes / 1e6
-    kw = dict(model=str(tiny_models["llama"]), block_size=8, max_model_len=64)
+    kw = dict(model=str(tiny_models["llama"]), block_size=8, max_model_len=64, device="cpu")
     plain, fp8 = LLMEngine(EngineConfig(**kw)), LLMEngine(EngineConfig(quantization="fp8", **kw))
     prompts, out_len = [[5, 6, 7]], 2
     layers = [m for m in fp8.runner.model.modules() if isinstance(m, Fp8Linear)]
@@ -192,18 +261,3 @@ def test_bench_floors_count_the_bytes_an_fp8_model_reads(tiny_models):
     got, ref = floor_seconds(fp8, prompts, out_len, roof), floor_seconds(plain, prompts, out_len, roof)
     assert got["weight_read_floor_ms_per_step"] == pytest.approx(want_ms, rel=1e-12)
     assert got["prefill_matmul_s"] == pytest.approx(ref["prefill_matmul_s"], rel=1e-12)
-
-
-@pytest.mark.parametrize("m", [1, 37])
-def test_fp8_gemm_matches_its_reference(m):
-    pytest.importorskip("triton")
-    from plait.kernels.fp8_gemm import GemmConfig, fp8_linear, fp8_linear_ref
-
-    device = "cuda" if ON_GPU else "cpu"
-    g = torch.Generator().manual_seed(m)
-    x = torch.randn(m, 100, generator=g).to(device=device, dtype=torch.float16)
-    codes, scale = quantize_rows(torch.randn(45, 100, generator=g).to(device))
-    bias = torch.randn(45, generator=g).to(device=device, dtype=torch.float16)
-    for cfg in (GemmConfig(16, 16, 32, 4, 1), GemmConfig(32, 16, 16, 4, 2, group_m=2)):  # K=100: ragged
-        got = fp8_linear(x, codes, scale, bias, config=cfg)
-        torch.testing.assert_close(got, fp8_linear_ref(x, codes, scale, bias), rtol=2e-3, atol=2e-2)

@@ -47,7 +47,8 @@ _FLAG_HELP = {
     "max_loras": "LoRA adapters on the device at once; a request waits while all serve others (default: 1)",
     "max_lora_rank": "the largest LoRA rank served (default: 16)",
     "quantization": "as vLLM's --quantization on an unquantised checkpoint: 'fp8' keeps every linear layer "
-                    "but the lm_head in FP8 with per-row scales, activations in --dtype (default: none)",
+                    "but the lm_head in FP8 with per-row scales, its input quantised per token (W8A8) "
+                    "(default: none)",
     "max_cpu_loras": "LoRA adapters kept read on the host (default: --max-loras)",
 }
 

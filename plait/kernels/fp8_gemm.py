@@ -1,10 +1,18 @@
-"""W8A16 matmul in Triton: 16-bit activations times FP8 weights with per-row scales (prompt-sized steps)."""
+"""W8A8 FP8 matmuls: per-token activation quantisation, a decode-sized FP8 GEMV, and the dispatch to them."""
 
-# Each program computes a [BLOCK_M, BLOCK_N] tile of x @ (code * scale)^T: the weight tile is loaded as
-# 8-bit codes (half the bytes of bf16), widened exactly to x's dtype in registers and fed to tl.dot with
-# fp32 accumulation; the row scales multiply the fp32 sums once, in the epilogue. Widening inside the
-# kernel, instead of materialising a 16-bit copy of the weight per matmul, keeps the weight traffic at
-# one byte per element, so prompt-sized FP8 steps cost about what 16-bit ones do.
+# A matmul of an Fp8Linear runs in three parts on CUDA:
+#   1. quantize_rows_fp8: each row of x gets its own scale (amax / 448) and is rounded to float8_e4m3fn
+#      codes, one Triton launch. A row's codes depend on that row alone, so no token's arithmetic depends
+#      on what else is in the step.
+#   2a. up to SKINNY_MAX_M rows: fp8_skinny, a GEMV-shaped kernel that streams the 8-bit weight at HBM
+#      bandwidth and multiplies codes on tensor cores (tl.dot of FP8 operands, accumulated in fp32) with
+#      the roles swapped: the weight tile is the dot's M side (BLOCK_N >= 64 rows, what Hopper's wgmma
+#      takes) and the few x rows its N side, padded to 16. No code is widened on CUDA cores, which is
+#      what bounded a 16-bit-activation version at ~50% of bandwidth.
+#   2b. more rows: torch._scaled_mm (cuBLASLt's FP8 GEMM) with row-wise scales.
+#   3. both apply scale_x[m] * scale_w[n] to the fp32 sums, then the bias, then round to x's dtype.
+# plait.layers.fp8.fp8_linear_ref is the same function in torch (fp32 arithmetic on the dequantised
+# codes): the CPU path, and the oracle of the tests.
 
 from __future__ import annotations
 
@@ -15,100 +23,258 @@ import triton
 import triton.language as tl
 
 from plait.kernels.interpreter import static_iters, trip_count
-from plait.layers.fp8 import dequantize_rows
+from plait.kernels.pdl import pdl_args, pdl_prologue
+from plait.kernels.skinny_gemm import reduce_splits
+from plait.layers.fp8 import FP8_MAX, MIN_SCALE
+
+# Rows up to this take the FP8 GEMV; more take cuBLASLt's FP8 GEMM.
+SKINNY_MAX_M = 16
+# tl.dot's smallest N: x rows are padded up to it.
+DOT_N = 16
+# K elements a quantisation program reads per loop step.
+QUANT_BLOCK_K = 1024
 
 
 @dataclass(frozen=True)
-class GemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    group_m: int = 8  # M tiles walked together, so a band of weight tiles stays in L2 across them
+class Fp8GemvConfig:
+    block_n: int = 64  # weight rows per program: the dot's M side (>= 64 for Hopper's wgmma)
+    block_k: int = 512  # K codes per loop step (512 bytes a weight row)
+    split_k: int = 0  # programs along K; 0 = chosen to fill the GPU (split_for_gemv)
+    num_warps: int = 4
+    num_stages: int = 4  # loads in flight through shared memory
 
 
-# Tiles by the step's row count (the last entry whose bound is >= M); measured on an H200.
-CONFIGS: list[tuple[int, GemmConfig]] = [
-    (64, GemmConfig(64, 128, 128, 4, 4)),
-    (1 << 62, GemmConfig(128, 128, 64, 8, 4)),
-]
+def _c(block_n: int, block_k: int, split_k: int, num_stages: int = 4) -> Fp8GemvConfig:
+    return Fp8GemvConfig(block_n, block_k, split_k, 4, num_stages)
 
 
-def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.nn.functional.linear(x, dequantize_rows(weight, weight_scale, x.dtype), bias)
+# Measured shapes, keyed by (M bucket: 1, 4 or 16, N, K): the fastest of a sweep over block_n 64/128,
+# block_k 128-512, split 1-8 and 3-4 stages, each timed alone in a CUDA graph over 8 weight copies (H200,
+# benchmarks/results/fp8_w8a8_h200.json). Others take Fp8GemvConfig() with split_for_gemv's split.
+FP8_GEMV_CONFIGS: dict[tuple[int, int, int], Fp8GemvConfig] = {
+    # llama-8b qkv: 9.4 / 9.3 / 8.5 us against an FP8 read floor of 5.8 (bf16 skinny 16.6)
+    (1, 6144, 4096): _c(128, 256, 2),
+    (4, 6144, 4096): _c(128, 256, 2),
+    (16, 6144, 4096): _c(64, 256, 1),
+    # llama-8b o: 7.6 / 7.1 / 6.7 us against 3.9 (bf16 skinny 9.7)
+    (1, 4096, 4096): _c(64, 512, 1),
+    (4, 4096, 4096): _c(64, 512, 1),
+    (16, 4096, 4096): _c(64, 512, 1),
+    # llama-8b gate/up: 32.8 / 31.6 / 29.6 us against 27.2 (bf16 skinny 56.4)
+    (1, 28672, 4096): _c(128, 128, 2, num_stages=3),
+    (4, 28672, 4096): _c(128, 256, 1),
+    (16, 28672, 4096): _c(64, 128, 1, num_stages=3),
+    # llama-8b down: 17.2 / 17.3 / 17.0 us against 13.6 (bf16 skinny 28.3)
+    (1, 4096, 14336): _c(128, 256, 4),
+    (4, 4096, 14336): _c(64, 512, 2),
+    (16, 4096, 14336): _c(64, 512, 1),
+}
+# The default config's split-K stops short of this many programs per SM: one wave, each program with
+# num_stages tiles in flight, measured as fast as more, smaller programs.
+GEMV_PROGRAMS_PER_SM = 1.5
 
 
-def config_for(m: int) -> GemmConfig:
-    return next(cfg for bound, cfg in CONFIGS if m <= bound)
+def m_bucket(m: int) -> int:
+    return 1 if m == 1 else 4 if m <= 4 else 16
+
+
+def split_for_gemv(programs: int, k: int, block_k: int, num_sms: int) -> int:
+    """The largest power-of-two split of K that keeps the launch within GEMV_PROGRAMS_PER_SM programs per
+    SM, each split at least two K steps."""
+    split = 1
+    while programs * split * 2 <= GEMV_PROGRAMS_PER_SM * num_sms and k // (split * 2) >= 2 * block_k:
+        split *= 2
+    return split
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (fp32, |v| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, as an fp32.
+
+    Rounding here, then converting an exactly representable value, gives torch's codes bit for bit on
+    any backend (Triton's CPU interpreter rounds fp8 conversions that carry into the exponent wrongly)."""
+    # Normal range: keep 3 of fp32's 23 mantissa bits, round half to even on the 20 dropped.
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = (bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    # Subnormals (below 2^-6) sit on a grid of 2^-9: adding and taking away 1.5 * 2^23 rounds to it.
+    sub = ((v * 512.0 + 12582912.0) - 12582912.0) / 512.0
+    return tl.where(tl.abs(v) < 0.015625, sub, normal)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _fp8_gemm_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, k_iters,
-    STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+def _quantize_rows_kernel(x_ptr, codes_ptr, scale_ptr, M, K, stride_xm, row_iters, chunk_iters,
+                          STATIC_ROW_ITERS: tl.constexpr, STATIC_CHUNK_ITERS: tl.constexpr,
+                          BLOCK_K: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr,
+                          PDL: tl.constexpr):
+    # Program (row, chunk): the row's amax over all of K, scale = amax / FP8_MAX, then the codes of its
+    # chunk of K, round_to_nearest_even(x / scale). Every chunk of a row computes the same scale.
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    chunk = tl.program_id(1)
+    offs = tl.arange(0, BLOCK_K)
+    amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for it in range(trip_count(STATIC_ROW_ITERS, row_iters)):
+        k = it * BLOCK_K + offs
+        x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    # IEEE division (div_rn), as torch's: the codes must be the reference's bit for bit.
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), MIN_SCALE_)
+    if chunk == 0:
+        tl.store(scale_ptr + row, scale)
+    k_lo = chunk * trip_count(STATIC_CHUNK_ITERS, chunk_iters) * BLOCK_K
+    for it in range(trip_count(STATIC_CHUNK_ITERS, chunk_iters)):
+        k = k_lo + it * BLOCK_K + offs
+        x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX_), FP8_MAX_)
+        tl.store(codes_ptr + row * K + k, _round_to_e4m3(q).to(tl.float8e4nv), mask=k < K)
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """plait.layers.fp8.quantize_rows in one Triton launch: (codes [M, K] float8_e4m3fn, scales [M] fp32)."""
+    # x: [M, K] (unit stride along K)
+    m, k = x.shape
+    codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m,), dtype=torch.float32, device=x.device)
+    if m == 0:
+        return codes, scale
+    block = min(QUANT_BLOCK_K, triton.next_power_of_2(k))
+    row_iters = triton.cdiv(k, block)
+    # Decode-sized steps: a row's K is cut into chunks, one program each (each reads the whole row for
+    # its amax, from L2), so a 14,336-wide row is not one program's serial walk. Prompt-sized steps have
+    # rows enough to fill the GPU: one program a row reads it once for the amax, once for the codes.
+    chunk_iters = 1 if m <= SKINNY_MAX_M else row_iters
+    _quantize_rows_kernel[(m, triton.cdiv(row_iters, chunk_iters))](
+        x, codes, scale, m, k, x.stride(0), row_iters, chunk_iters,
+        STATIC_ROW_ITERS=static_iters(x.is_cuda, row_iters),
+        STATIC_CHUNK_ITERS=static_iters(x.is_cuda, chunk_iters),
+        BLOCK_K=block, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE, num_warps=4, **pdl_args(x),
+    )
+    return codes, scale
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_gemv_kernel(
+    xq_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, part_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, k_iters,
+    STATIC_K_ITERS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+    TO_WORKSPACE: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    rows_in_group = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % rows_in_group
-    pid_n = (pid % (GROUP_M * tiles_n)) // rows_in_group
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    # out[m, n] = sx[m] * sw[n] * sum_k xq[m, k] * w[n, k] (+ bias[n]), for M <= BLOCK_M rows.
+    pdl_prologue(PDL)
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    # Rows past the end re-read the last valid one (results dropped at the store), keeping loads unmasked.
-    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+    # Rows past the end re-read the last valid row rather than being masked (unpredicated loads along
+    # K); their results are dropped at the store.
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + offs_k[None, :]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    rows_m = tl.minimum(offs_m, M - 1)
+    k_lo = pid_k * (trip_count(STATIC_K_ITERS, k_iters) * BLOCK_K)
+    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
+    x_ptrs = xq_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for it in range(trip_count(STATIC_K_ITERS, k_iters)):
-        k0 = it * BLOCK_K
+        shift = it * BLOCK_K
         if EVEN_K:
-            x = tl.load(x_ptrs + k0)
-            w = tl.load(w_ptrs + k0)
+            w = tl.load(w_ptrs + shift)
+            x = tl.load(x_ptrs + shift)
         else:
-            k_ok = (k0 + offs_k) < K
-            x = tl.load(x_ptrs + k0, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs + k0, mask=k_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc)
-    acc = acc * tl.load(s_ptr + rows_n)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + rows_n).to(tl.float32)[None, :]
+            k_mask = (k_lo + shift + offs_k) < K
+            w = tl.load(w_ptrs + shift, mask=k_mask[None, :], other=0.0)
+            x = tl.load(x_ptrs + shift, mask=k_mask[None, :], other=0.0)
+        # acc: [BLOCK_N, BLOCK_M] += w: [BLOCK_N, BLOCK_K] @ x^T: [BLOCK_K, BLOCK_M]
+        acc = tl.dot(w, tl.trans(x), acc)
+    sw = tl.load(sw_ptr + rows_n)
+    sx = tl.load(sx_ptr + rows_m)
+    y = tl.trans(acc * sw[:, None] * sx[None, :])  # [BLOCK_M, BLOCK_N]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    out = acc.to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out, mask=mask)
+    if TO_WORKSPACE:
+        # part: [split_k, M, N] fp32, summed in a fixed order by the reduce launch (which adds the bias).
+        tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], y, mask=mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+                 y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _sm_count(device: torch.device) -> int:
+    from plait.kernels.skinny_gemm import _sm_count as sm_count
+
+    return sm_count(device)
+
+
+def gemv_config(m: int, n: int, k: int, device: torch.device) -> Fp8GemvConfig:
+    cfg = FP8_GEMV_CONFIGS.get((m_bucket(m), n, k))
+    if cfg is not None:
+        return cfg
+    cfg = Fp8GemvConfig()
+    block_k = min(cfg.block_k, max(DOT_N * 2, triton.next_power_of_2(k)))
+    split = split_for_gemv(triton.cdiv(n, cfg.block_n), k, block_k, _sm_count(device))
+    return Fp8GemvConfig(cfg.block_n, block_k, split, cfg.num_warps, cfg.num_stages)
+
+
+def fp8_skinny(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+               bias: torch.Tensor | None, out_dtype: torch.dtype, config: Fp8GemvConfig | None = None
+               ) -> torch.Tensor:
+    """(codes * scale) @ (weight * weight_scale)^T (+ bias) for at most SKINNY_MAX_M rows, in out_dtype."""
+    # codes: [M, K] fp8; scale: [M] fp32; weight: [N, K] fp8; weight_scale: [N] fp32 -> [M, N]
+    m, k = codes.shape
+    n = weight.shape[0]
+    if not 0 < m <= SKINNY_MAX_M:
+        raise ValueError(f"fp8_skinny takes 1..{SKINNY_MAX_M} rows, got {m}")
+    cfg = config or gemv_config(m, n, k, codes.device)
+    out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    part = (torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=codes.device)
+            if cfg.split_k > 1 else out)
+    bias_arg = bias if bias is not None else out
+    iters = k_per_split // cfg.block_k
+    _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+        codes, scale, weight, weight_scale, bias_arg, out, part, m, n, k, codes.stride(0), weight.stride(0),
+        out.stride(0), iters, STATIC_K_ITERS=static_iters(codes.is_cuda, iters),
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, BLOCK_M=DOT_N, TO_WORKSPACE=cfg.split_k > 1,
+        EVEN_K=k_per_split * cfg.split_k == k, HAS_BIAS=bias is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(codes),
+    )
+    if cfg.split_k > 1:
+        reduce_splits(part, bias, out)
+    return out
+
+
+def scaled_mm_usable(n: int, k: int) -> bool:
+    """cuBLASLt's FP8 GEMM wants K and N in multiples of 16."""
+    return n % 16 == 0 and k % 16 == 0 and hasattr(torch, "_scaled_mm")
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-               bias: torch.Tensor | None = None, config: GemmConfig | None = None) -> torch.Tensor:
-    """x @ (weight * weight_scale[:, None]).T + bias for 8-bit ``weight`` codes; equals fp8_linear_ref up
-    to fp32 summation order and the output's rounding."""
-    # x: [..., K] 16-bit; weight: [N, K] float8_e4m3fn; weight_scale: [N] fp32; bias: [N] -> [..., N]
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """fp8_linear_ref on CUDA: x quantised per row, then the FP8 GEMV or cuBLASLt's FP8 GEMM."""
+    # x: [..., K] bf16/fp16; weight: [N, K] float8_e4m3fn; weight_scale: [N] fp32 -> [..., N]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    m, k = x2.shape
-    n = weight.shape[0]
-    if weight.shape[1] != k or weight.element_size() != 1 or weight_scale.shape != (n,):
-        raise ValueError(f"fp8_linear: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)} "
-                         f"{weight.dtype} with scales {tuple(weight_scale.shape)}")
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    m, n = x2.shape[0], weight.shape[0]
+    codes, scale = quantize_rows_fp8(x2)
     if m == 0:
-        return out.view(*x.shape[:-1], n)
-    cfg = config or config_for(m)
-    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
-    _fp8_gemm_kernel[grid](
-        x2, weight, weight_scale, bias if bias is not None else out, out, m, n, k,
-        x2.stride(0), weight.stride(0), out.stride(0), triton.cdiv(k, cfg.block_k),
-        STATIC_K_ITERS=static_iters(x2.is_cuda, triton.cdiv(k, cfg.block_k)),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m,
-        HAS_BIAS=bias is not None, EVEN_K=k % cfg.block_k == 0,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
+        out = x2.new_empty((0, n))
+    elif m <= SKINNY_MAX_M or not scaled_mm_usable(n, x2.shape[1]):
+        out = fp8_skinny_rows(codes, scale, weight, weight_scale, bias, x.dtype)
+    else:
+        # Row-wise scales need a bf16 result (cuBLASLt); an fp16 model rounds that once more.
+        out = torch._scaled_mm(codes, weight.t(), scale_a=scale[:, None], scale_b=weight_scale[None, :],
+                               bias=bias.to(torch.bfloat16) if bias is not None else None,
+                               out_dtype=torch.bfloat16)
+        out = out.to(x.dtype)
     return out.view(*x.shape[:-1], n)
+
+
+def fp8_skinny_rows(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+                    weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+                    ) -> torch.Tensor:
+    """fp8_skinny over any number of rows, SKINNY_MAX_M at a time (shapes cuBLASLt refuses)."""
+    parts = [fp8_skinny(codes[i:i + SKINNY_MAX_M], scale[i:i + SKINNY_MAX_M], weight, weight_scale, bias,
+                        out_dtype) for i in range(0, codes.shape[0], SKINNY_MAX_M)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)

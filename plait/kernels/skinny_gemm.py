@@ -24,7 +24,6 @@ import triton.language as tl
 from plait.kernels.activation import silu_and_mul_ref, silu_rounded
 from plait.kernels.interpreter import static_iters, trip_count
 from plait.kernels.pdl import pdl_args, pdl_prologue
-from plait.layers.fp8 import dequantize_rows
 
 # Largest row count routed here; beyond it the matmul is no longer bound by reading the weight.
 SKINNY_MAX_M = 16
@@ -108,10 +107,6 @@ GATE_UP_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
 # lm_heads (fp32 logits, plait.layers.linear.logits_fp32): this config won at every M of both
 # vocabularies measured, within 0.2% of cuBLAS's bf16 GEMV or faster at Llama-8B's.
 LOGITS_CONFIG = _dot(block_n=64, block_k=128, split_k=1, num_stages=4)
-# 8-bit (FP8) weights with per-row scales (plait.layers.fp8): keyed as SKINNY_CONFIGS. Every decode-sized
-# FP8 matmul takes the skinny kernel (cuBLAS has no FP8-weight, 16-bit-activation GEMV); shapes not listed
-# take heuristic_config with weight_bytes=1.
-FP8_CONFIGS: dict[tuple[int, int, int], SkinnyConfig] = {}
 
 
 def measured_faster(m: int, n: int, k: int, gate_up: bool = False) -> bool:
@@ -120,11 +115,8 @@ def measured_faster(m: int, n: int, k: int, gate_up: bool = False) -> bool:
 
 
 def skinny_linear_ref(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    weight_scale: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    if weight_scale is not None:
-        weight = dequantize_rows(weight, weight_scale, x.dtype)
     return F.linear(x, weight, bias)
 
 
@@ -158,19 +150,17 @@ def split_for(programs: int, k: int, block_k: int, num_sms: int = DEFAULT_NUM_SM
 
 
 @functools.cache  # pure in its ints; called on every launch of a shape the tables do not hold
-def heuristic_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, halves: int = 1,
-                     weight_bytes: int = 2) -> SkinnyConfig:
+def heuristic_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, halves: int = 1) -> SkinnyConfig:
     """A reasonable config for an (M, N, K) not in the tables; halves=2 for the fused gate/up kernel.
 
-    M <= 2: CUDA-core accumulation (no padding waste), 1 KB K steps of each weight row (512 16-bit
-    weights, 1,024 8-bit ones), the widest row block that still gives PROGRAMS_PER_SM programs per SM.
-    M > 2: tl.dot on 16-row tiles, 32 weight rows x 128 K per stage, 4 stages. Either way split-K fills
-    the GPU where N alone cannot.
+    M <= 2: CUDA-core accumulation (no padding waste), 512-wide K steps, the widest row block that
+    still gives PROGRAMS_PER_SM programs per SM. M > 2: tl.dot on 16-row tiles, 32 weight rows x
+    128 K per stage, 4 stages. Either way split-K fills the GPU where N alone cannot.
     """
     bm = m_bucket(m)
     k_pow2 = max(MIN_BLOCK_K, triton.next_power_of_2(k))  # no K step wider than K itself
     if bm <= 2:
-        block_k = min(1024 // weight_bytes, k_pow2)
+        block_k = min(512, k_pow2)
         block_n = max(1, min(MAX_FMA_BLOCK_N, FMA_ACC_ELEMENTS // (bm * block_k * halves)))
         while block_n > 1 and triton.cdiv(n, block_n) < PROGRAMS_PER_SM * num_sms:
             block_n //= 2
@@ -181,13 +171,11 @@ def heuristic_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS, hal
     return SkinnyConfig(split_k=split_for(triton.cdiv(n, block_n), k, block_k, num_sms), **cfg)
 
 
-def get_config(m: int, n: int, k: int, device: torch.device, gate_up: bool = False,
-               fp8: bool = False) -> SkinnyConfig:
-    table = FP8_CONFIGS if fp8 else GATE_UP_CONFIGS if gate_up else SKINNY_CONFIGS
+def get_config(m: int, n: int, k: int, device: torch.device, gate_up: bool = False) -> SkinnyConfig:
+    table = GATE_UP_CONFIGS if gate_up else SKINNY_CONFIGS
     cfg = table.get((m_bucket(m), n, k))
     if cfg is None:
-        cfg = heuristic_config(m, n, k, _sm_count(device), halves=2 if gate_up else 1,
-                               weight_bytes=1 if fp8 else 2)
+        cfg = heuristic_config(m, n, k, _sm_count(device), halves=2 if gate_up else 1)
     return cfg
 
 
@@ -196,8 +184,7 @@ def _mac(acc, x, w, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # x: [BLOCK_M, BLOCK_K]; w: [BLOCK_N, BLOCK_K]
     # (if/else rather than an early return: Triton generates code after a constexpr-if return too.)
     if USE_DOT:
-        # (an 8-bit weight widens exactly to x's 16-bit type first: tl.dot takes one input type)
-        acc = tl.dot(x, tl.trans(w.to(x.dtype)), acc, input_precision=DOT_PRECISION)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     else:
         # acc: [BLOCK_M, BLOCK_N, BLOCK_K]: lanes accumulate independently; reduced once after the loop.
         acc = acc + x[:, None, :].to(tl.float32) * w[None, :, :].to(tl.float32)
@@ -255,18 +242,16 @@ def _epilogue(acc_g, acc_u, b_ptr, offs_n, n_mask, out_dtype: tl.constexpr,
 # binary mid-run (see plait.kernels.paged_attention on per-step arguments).
 @triton.jit(do_not_specialize=["M"])
 def _skinny_kernel(
-    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, res_ptr, ss_out_ptr, ws_ptr,
+    x_ptr, w_ptr, b_ptr, out_ptr, part_ptr, res_ptr, ss_out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, stride_rm, up_rows, k_iters,
     STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     TO_WORKSPACE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr, EVEN_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     GATE_UP: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr, EARLY_W: tl.constexpr,
-    ADD_RESIDUAL: tl.constexpr, PREFETCH: tl.constexpr, W_SCALE: tl.constexpr,
+    ADD_RESIDUAL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     # out[m, n] = sum_k x[m, k] * w[n, k]; GATE_UP: out[m, n] = silu(gate[m, n]) * up[m, n] with the
     # up row of output n at weight row up_rows + n.
-    # W_SCALE: w holds 8-bit codes and ws[n] each row's scale (weight = code * scale): the fp32 sums are
-    # scaled per row before anything else, split-K partials included (the scale is linear).
     # ADD_RESIDUAL: out = round(round(x @ w^T) + res), as torch's residual add, plus this program's sum
     # of out^2 per row into ss_out[m, program]: what the next RMSNorm needs, so that norm can ride on a
     # later kernel (silu_and_mul) instead of taking a launch of its own.
@@ -346,10 +331,6 @@ def _skinny_kernel(
                     x1, w1, w_up1 = x_n, w_n, w_up_n
     sum_g = _finish(acc_g, USE_DOT)
     sum_u = _finish(acc_u, USE_DOT)
-    if W_SCALE:
-        sum_g = sum_g * tl.load(ws_ptr + rows_n)[None, :]
-        if GATE_UP:
-            sum_u = sum_u * tl.load(ws_ptr + up_rows + rows_n)[None, :]
     n_mask = offs_n < N
     mask = (offs_m < M)[:, None] & n_mask[None, :]
     if not TO_WORKSPACE:
@@ -394,8 +375,8 @@ def _split_k_reduce_kernel(
 
 
 def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, cfg: SkinnyConfig,
-            gate_up: bool, out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None,
-            weight_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+            gate_up: bool, out_dtype: torch.dtype | None = None, residual: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     # x2: [M, K]; weight: [N, K] (or [2N, K] for gate_up) -> out: [M, N] in out_dtype (default x's),
     # and with a residual the [M, programs] sum-of-squares partials of out.
     m, k = x2.shape
@@ -416,8 +397,7 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
     grid = (programs_n, cfg.split_k)
     res = residual if residual is not None else out
     _skinny_kernel[grid](
-        x2, weight, bias_arg, out, part, res, sum_sq, weight_scale if weight_scale is not None else out,
-        m, n, k, x2.stride(0), weight.stride(0),
+        x2, weight, bias_arg, out, part, res, sum_sq, m, n, k, x2.stride(0), weight.stride(0),
         out.stride(0), res.stride(0), n, k_per_split // cfg.block_k,
         STATIC_K_ITERS=static_iters(x2.is_cuda, k_per_split // cfg.block_k),
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
@@ -425,17 +405,25 @@ def _launch(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n
         USE_DOT=cfg.use_dot, DOT_PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
         EVEN_K=even_k, HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise,
         EARLY_W=_early_weights and not cfg.use_dot,
-        ADD_RESIDUAL=residual is not None, PREFETCH=cfg.prefetch, W_SCALE=weight_scale is not None,
+        ADD_RESIDUAL=residual is not None, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2),
     )
     if cfg.split_k > 1:
-        block = min(REDUCE_BLOCK, triton.next_power_of_2(n))
-        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
-            part, bias_arg, out, m, n, out.stride(0), SPLIT_K=cfg.split_k, BLOCK=block,
-            HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=precise, num_warps=4,
-            **pdl_args(x2),
-        )
+        reduce_splits(part, bias, out, gate_up)
     return out, (sum_sq if residual is not None else None)
+
+
+def reduce_splits(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, gate_up: bool = False
+                  ) -> None:
+    """out = the split-K partials summed in a fixed order, plus bias, rounded as an unsplit launch would."""
+    # part: [split_k, M, N] fp32 ([split_k, M, 2N] gate then up for gate_up); out: [M, N]
+    split_k, m = part.shape[:2]
+    n = out.shape[1]
+    block = min(REDUCE_BLOCK, triton.next_power_of_2(n))
+    _split_k_reduce_kernel[(m, triton.cdiv(n, block))](
+        part, bias if bias is not None else out, out, m, n, out.stride(0), SPLIT_K=split_k, BLOCK=block,
+        HAS_BIAS=bias is not None, GATE_UP=gate_up, PRECISE=part.is_cuda, num_warps=4, **pdl_args(part),
+    )
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -443,19 +431,12 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if weight.dim() != 2 or weight.stride(1) != 1:
         raise ValueError(f"weight must be [N, K] with unit stride along K, got {tuple(weight.shape)}")
-    # An 8-bit weight comes with its per-row scales; any other weight has x's dtype.
-    want = weight.dtype if weight_scale is None else x.dtype
-    if x.shape[-1] != weight.shape[1] or x.dtype != want:
+    if x.shape[-1] != weight.shape[1] or x.dtype != weight.dtype:
         raise ValueError(f"x {tuple(x.shape)} {x.dtype} does not match weight {tuple(weight.shape)} "
                          f"{weight.dtype}")
-    if weight_scale is not None and (weight.element_size() != 1 or weight_scale.dtype != torch.float32
-                                     or weight_scale.shape != (weight.shape[0],)
-                                     or not weight_scale.is_contiguous()):
-        raise ValueError(f"a weight scale must be [{weight.shape[0]}] fp32 beside an 8-bit weight, got "
-                         f"{tuple(weight_scale.shape)} {weight_scale.dtype} beside {weight.dtype}")
 
 
 def skinny_linear(
@@ -464,20 +445,17 @@ def skinny_linear(
     bias: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     out_dtype: torch.dtype | None = None,
-    weight_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) for at most SKINNY_MAX_M rows; config overrides the table/heuristic;
-    out_dtype (e.g. fp32 logits) is what the fp32 accumulator is rounded to (default: x's dtype).
-    With weight_scale, weight holds 8-bit codes (float8_e4m3fn) and row n stands for code * scale[n]."""
-    # x: [..., K]; weight: [N, K]; bias: [N]; weight_scale: [N] fp32 -> [..., N]
-    _check(x, weight, weight_scale)
+    out_dtype (e.g. fp32 logits) is what the fp32 accumulator is rounded to (default: x's dtype)."""
+    # x: [..., K]; weight: [N, K]; bias: [N] -> [..., N]
+    _check(x, weight)
     x2 = _rows(x)
     m, n = x2.shape[0], weight.shape[0]
     if m == 0 or m > SKINNY_MAX_M:
         raise ValueError(f"skinny_linear takes 1..{SKINNY_MAX_M} rows, got {m}")
-    cfg = config or get_config(m, n, x2.shape[1], x2.device, fp8=weight_scale is not None)
-    return _launch(x2, weight, bias, n, cfg, gate_up=False, out_dtype=out_dtype,
-                   weight_scale=weight_scale)[0].view(*x.shape[:-1], n)
+    cfg = config or get_config(m, n, x2.shape[1], x2.device)
+    return _launch(x2, weight, bias, n, cfg, gate_up=False, out_dtype=out_dtype)[0].view(*x.shape[:-1], n)
 
 
 def skinny_gate_up_silu(
@@ -497,33 +475,32 @@ def skinny_gate_up_silu(
 
 
 def skinny_linear_add_ref(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, weight_scale: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x @ weight.T + residual, each row's sum of squares as [M, 1]) the way torch rounds them."""
-    h = skinny_linear_ref(x, weight, None, weight_scale) + residual
+    h = F.linear(x, weight) + residual
     return h, h.float().pow(2).sum(-1, keepdim=True)
 
 
 def skinny_linear_add(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, config: SkinnyConfig | None = None,
-    weight_scale: torch.Tensor | None = None,
+    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, config: SkinnyConfig | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x @ weight.T + residual, its rows' sum-of-squares partials) in one launch: a decoder's output
     projection and the pre-norm residual add, leaving what a later kernel needs to apply the next
     RMSNorm as a row scale (plait.layers.norm.RowNorm). The partials are [M, programs] fp32, summed by
     the consumer in a fixed order."""
     # x: [M, K]; weight: [N, K]; residual: [M, N] -> ([M, N], [M, programs])
-    _check(x, weight, weight_scale)
+    _check(x, weight)
     x2 = _rows(x)
     m, n = x2.shape[0], weight.shape[0]
     if residual.shape != (m, n) or residual.stride(-1) != 1 or residual.dtype != x.dtype:
         raise ValueError(f"residual must be [{m}, {n}] {x.dtype} with unit stride, got "
                          f"{tuple(residual.shape)} {residual.dtype}")
-    cfg = config or get_config(m, n, x2.shape[1], x2.device, fp8=weight_scale is not None)
-    return _launch(x2, weight, None, n, cfg, gate_up=False, residual=residual, weight_scale=weight_scale)
+    cfg = config or get_config(m, n, x2.shape[1], x2.device)
+    return _launch(x2, weight, None, n, cfg, gate_up=False, residual=residual)
 
 
-def fusable_config(m: int, n: int, k: int, device: torch.device, fp8: bool = False) -> bool:
+def fusable_config(m: int, n: int, k: int, device: torch.device) -> bool:
     """Whether the (M, N, K) matmul's config can take a residual add (unsplit, CUDA cores)."""
-    cfg = get_config(m, n, k, device, fp8=fp8)
+    cfg = get_config(m, n, k, device)
     return not cfg.use_dot and cfg.split_k == 1

@@ -1,11 +1,12 @@
-"""FP8 weight-only quantisation: Fp8Linear, and the pass that swaps it in for a model's Linear layers."""
+"""FP8 quantisation (W8A8): Fp8Linear, and the pass that swaps it in for a model's Linear layers."""
 
 # vLLM's `--quantization fp8` on an unquantised checkpoint: every linear layer but the lm_head keeps its
-# weight as float8_e4m3fn codes with one fp32 scale per output row (amax / 448), half the bytes of bf16.
-# Activations stay 16-bit (W8A16): a matmul computes x @ (code * scale)^T with the product summed in fp32,
-# so every row of a batch sees the same weight whatever else is in the step. Decode-sized steps read the
-# 8-bit weight directly (plait.kernels.skinny_gemm, the scale applied to the fp32 sums); larger ones
-# widen the weight to x's dtype and run F.linear, where matmuls are compute-bound anyway.
+# weight as float8_e4m3fn codes with one fp32 scale per output row (amax / 448), half the bytes of bf16,
+# and each matmul quantises its input the same way per token (dynamic per-token scales, as vLLM's
+# fp8 on Hopper), so the product runs on FP8 tensor cores: x @ W^T = sx[m] * sw[n] * (codes_x @ codes_w^T),
+# the code products summed in fp32. A token's scale depends on that token alone, so every row of a batch
+# computes the same function whatever else is in the step. The kernels are plait.kernels.fp8_gemm; off
+# CUDA the same arithmetic runs in torch (fp32 on the dequantised codes).
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MIN_SCALE = 1e-12
 # Layers left in 16 bits: the lm_head (the logits' precision; tied to the embedding in some models).
 SKIPPED_LAYERS = ("lm_head",)
-SKINNY_MAX_M = 16  # plait.kernels.skinny_gemm.SKINNY_MAX_M (repeated so the CPU path never imports triton)
-SKINNY_DTYPES = (torch.bfloat16, torch.float16)
+# Dtypes whose matmuls take the CUDA kernels (cuBLASLt's FP8 GEMM writes bf16; fp16 is rounded from it).
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -39,6 +40,18 @@ def dequantize_rows(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: tor
     """code * scale per row in fp32, rounded to dtype: the weight that codes and scales stand for."""
     # weight: [N, K] 8-bit; weight_scale: [N] fp32 -> [N, K] dtype
     return (weight.float() * weight_scale[:, None]).to(dtype)
+
+
+def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x's rows quantised to FP8 on their own scales, times the FP8 weight, in fp32; rounded to x's dtype."""
+    # x: [..., K]; weight: [N, K] float8_e4m3fn; weight_scale: [N] fp32; bias: [N] -> [..., N]
+    x2 = x.reshape(-1, x.shape[-1])
+    codes, scale = quantize_rows(x2)
+    xd = codes.float() * scale[:, None]
+    wd = weight.float() * weight_scale[:, None]
+    out = F.linear(xd, wd, bias.float() if bias is not None else None)
+    return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 
 class Fp8Linear(nn.Module):
@@ -63,42 +76,21 @@ class Fp8Linear(nn.Module):
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_rows(self.weight, self.weight_scale, dtype)
 
-    def uses_skinny(self, x: torch.Tensor, gate_up: bool = False) -> bool:
-        """True when x's rows go through the skinny Triton GEMM, reading the 8-bit weight."""
-        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        return (not gate_up and 0 < rows <= SKINNY_MAX_M and x.dtype in SKINNY_DTYPES and use_triton(x))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
-        if self.uses_skinny(x):
-            from plait.kernels.skinny_gemm import skinny_linear
-
-            return skinny_linear(x, self.weight, self.bias, weight_scale=self.weight_scale)
-        if x.dtype in SKINNY_DTYPES and use_triton(x):  # widen the weight inside the matmul, not before it
+        if x.dtype in KERNEL_DTYPES and use_triton(x):
             from plait.kernels.fp8_gemm import fp8_linear
 
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
-        return F.linear(x, self.dequantized(x.dtype), self.bias)
+        return fp8_linear_ref(x, self.weight, self.weight_scale, self.bias)
 
+    # The fused decode paths of plait.layers.linear.Linear are 16-bit-weight kernels: the model takes its
+    # plain path (a norm launch of its own, gate/up then silu-and-mul).
     def adds_residual(self, x: torch.Tensor) -> bool:
-        if not self.uses_skinny(x) or self.bias is not None:
-            return False
-        from plait.kernels.skinny_gemm import fusable_config
-
-        rows = x.numel() // x.shape[-1]
-        return fusable_config(rows, self.out_features, self.in_features, x.device, fp8=True)
-
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """As Linear.forward_add: (x @ W.T + residual, its rows' sum-of-squares partials)."""
-        from plait.kernels.skinny_gemm import skinny_linear_add
-
-        return skinny_linear_add(x, self.weight, residual, weight_scale=self.weight_scale)
+        return False
 
     def fuses_gate_up_silu(self, x: torch.Tensor) -> bool:
-        return False  # gate/up + SiLU in one launch is a 16-bit-weight kernel
-
-    def gate_up_silu(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError("Fp8Linear has no fused gate/up + SiLU (fuses_gate_up_silu is False)")
+        return False
 
     def fold_norm_weight(self, norm_weight: torch.Tensor) -> None:
         raise RuntimeError("fold norm weights into a layer before quantising it, not after")

@@ -94,7 +94,7 @@ class ModelRunner:
         self.model_path = loaded.source
         if self._folds_norms():
             self.model.fold_norm_weights()
-        if config.quantization is not None:  # after the fold: it moves norm weights into 16-bit weights
+        if config.quantization is not None:  # replaces the layers from outside the model
             quantize_model(self.model, config.quantization)
             if self.device.type == "cuda":  # hand the 16-bit weights' memory back before sizing the KV cache
                 torch.cuda.empty_cache()
@@ -147,6 +147,7 @@ class ModelRunner:
         plait.models.llama.LlamaModel.fuses_mlp_norm); PLAIT_FOLD_NORMS=0 keeps them apart."""
         return (os.environ.get(FOLD_NORMS_ENV, "1") != "0"
                 and not self.config.enable_lora  # adapters' A read the norms' weighted output
+                and self.config.quantization is None  # FP8 layers have no fused norm paths to use it
                 and hasattr(self.model, "fold_norm_weights")
                 and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
                 and triton_enabled() and triton_importable())
