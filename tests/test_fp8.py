@@ -221,29 +221,47 @@ def test_fp8_linear_real_shapes_match_the_exact_product(m, n, k):
     assert ((got - exact).abs() <= 2.0**-8 * exact.abs() + 2 * k * 2.0**-24 * mag + 1e-30).all()
 
 
+def _logit_gaps(got, got_logits, want, want_logits) -> list[float]:
+    """Per prompt and step, while the two greedy outputs still agree: max |logits difference| over the
+    reference's logit std (so a wrong row or weight, ~1, stands apart from rounding, ~0.01)."""
+    gaps = []
+    for i in want:
+        for t, (a, b) in enumerate(zip(got_logits[i], want_logits[i])):
+            if got[i][:t] != want[i][:t]:
+                break
+            gaps.append(float((a.float() - b.float()).abs().max() / b.float().std()))
+    return gaps
+
+
 @pytest.mark.gpu
 @gpu
 def test_fp8_engine_on_gpu_graphs_and_eager_agree(tiny_models):
     """bf16 on the GPU: FP8 steps (the GEMV and cuBLASLt's FP8 GEMM, CUDA graphs, overlapped steps) give
-    the tokens that eager, synchronous steps give."""
+    the logits that eager, synchronous steps give, up to rounding, and stay near the unquantised model's.
+
+    Tokens are compared only up to the first fork: graph padding changes a step's row count, so its
+    matmuls may take other kernels (other summation orders), and a last-bit change of an activation can
+    move its FP8 code a whole step (2^-4), which in these 64-wide tiny models forks a few greedy outputs."""
     kw = dict(model=str(tiny_models["llama"]), block_size=16, max_model_len=256, num_kv_blocks=256,
               quantization="fp8", dtype="bfloat16")
     graphed = LLMEngine(EngineConfig(**kw))
     eager = LLMEngine(EngineConfig(enforce_eager=True, async_scheduling=False, **kw))
     prompts = random_prompts(8, 3, 60, seed=5)
-    got, _ = run_greedy(graphed, prompts, max_tokens=16, arrive_every=1)
-    want, _ = run_greedy(eager, prompts, max_tokens=16, arrive_every=1)
-    # Graph padding changes a step's row count, so its matmuls may take other kernel configs (other
-    # summation orders): bf16 rounding may fork a sequence, rarely, on these decisive tiny models.
-    assert sum(got[i] == want[i] for i in want) >= len(want) - 1
+    got, got_logits = run_greedy(graphed, prompts, max_tokens=16, arrive_every=1, capture_logits=True)
+    want, want_logits = run_greedy(eager, prompts, max_tokens=16, arrive_every=1, capture_logits=True)
     b = graphed.runner.breakdown
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
     assert all(m.weight.dtype == torch.float8_e4m3fn for m in graphed.runner.model.modules()
                if isinstance(m, Fp8Linear))
-    # FP8 is an approximation, not garbage: on these decisive tiny models most answers are bf16's.
-    plain, _ = run_greedy(LLMEngine(EngineConfig(**{**kw, "quantization": None})), prompts, max_tokens=16,
-                          arrive_every=1)
-    assert sum(got[i] == plain[i] for i in plain) >= len(plain) // 2
+    plain, plain_logits = run_greedy(LLMEngine(EngineConfig(**{**kw, "quantization": None})), prompts,
+                                     max_tokens=16, arrive_every=1, capture_logits=True)
+    same = _logit_gaps(got, got_logits, want, want_logits)
+    quant = _logit_gaps(got, got_logits, plain, plain_logits)
+    print(f"\nfp8 graphed vs eager: {sum(got[i] == want[i] for i in want)}/8 agree, logit gaps max "
+          f"{max(same):.4f}; vs bf16: {sum(got[i] == plain[i] for i in plain)}/8, max {max(quant):.4f}")
+    assert len(same) >= len(prompts) and max(same) < 0.1
+    # FP8 is an approximation, not garbage: the quantised logits stay near the unquantised ones.
+    assert len(quant) >= len(prompts) and max(quant) < 0.5
 
 
 def test_bench_floors_count_the_bytes_an_fp8_model_reads(tiny_models):

@@ -5,10 +5,9 @@
 #      codes, one Triton launch. A row's codes depend on that row alone, so no token's arithmetic depends
 #      on what else is in the step.
 #   2a. up to SKINNY_MAX_M rows: fp8_skinny, a GEMV-shaped kernel that streams the 8-bit weight at HBM
-#      bandwidth and multiplies codes on tensor cores (tl.dot of FP8 operands, accumulated in fp32) with
-#      the roles swapped: the weight tile is the dot's M side (BLOCK_N >= 64 rows, what Hopper's wgmma
-#      takes) and the few x rows its N side, padded to 16. No code is widened on CUDA cores, which is
-#      what bounded a 16-bit-activation version at ~50% of bandwidth.
+#      bandwidth and multiplies codes on tensor cores (tl.dot of FP8 operands, x's rows padded to 16,
+#      accumulated in fp32). No code is widened on CUDA cores, which is what bounded a
+#      16-bit-activation version at ~50% of bandwidth.
 #   2b. more rows: torch._scaled_mm (cuBLASLt's FP8 GEMM) with row-wise scales.
 #   3. both apply scale_x[m] * scale_w[n] to the fp32 sums, then the bias, then round to x's dtype.
 # plait.layers.fp8.fp8_linear_ref is the same function in torch (fp32 arithmetic on the dequantised
@@ -25,7 +24,7 @@ import triton.language as tl
 from plait.kernels.interpreter import static_iters, trip_count
 from plait.kernels.pdl import pdl_args, pdl_prologue
 from plait.kernels.skinny_gemm import reduce_splits
-from plait.layers.fp8 import FP8_MAX, MIN_SCALE
+from plait.layers.fp8 import FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
 # Rows up to this take the FP8 GEMV; more take cuBLASLt's FP8 GEMM.
 SKINNY_MAX_M = 16
@@ -37,7 +36,7 @@ QUANT_BLOCK_K = 1024
 
 @dataclass(frozen=True)
 class Fp8GemvConfig:
-    block_n: int = 64  # weight rows per program: the dot's M side (>= 64 for Hopper's wgmma)
+    block_n: int = 64  # weight rows per program
     block_k: int = 512  # K codes per loop step (512 bytes a weight row)
     split_k: int = 0  # programs along K; 0 = chosen to fill the GPU (split_for_gemv)
     num_warps: int = 4
@@ -52,22 +51,22 @@ def _c(block_n: int, block_k: int, split_k: int, num_stages: int = 4) -> Fp8Gemv
 # block_k 128-512, split 1-8 and 3-4 stages, each timed alone in a CUDA graph over 8 weight copies (H200,
 # benchmarks/results/fp8_w8a8_h200.json). Others take Fp8GemvConfig() with split_for_gemv's split.
 FP8_GEMV_CONFIGS: dict[tuple[int, int, int], Fp8GemvConfig] = {
-    # llama-8b qkv: 9.4 / 9.3 / 8.5 us against an FP8 read floor of 5.8 (bf16 skinny 16.6)
+    # llama-8b qkv: 10.0 / 10.0 / 9.6 us against an FP8 read floor of 5.9 (bf16 skinny 16.5 at M=1)
     (1, 6144, 4096): _c(128, 256, 2),
     (4, 6144, 4096): _c(128, 256, 2),
-    (16, 6144, 4096): _c(64, 256, 1),
-    # llama-8b o: 7.6 / 7.1 / 6.7 us against 3.9 (bf16 skinny 9.7)
-    (1, 4096, 4096): _c(64, 512, 1),
-    (4, 4096, 4096): _c(64, 512, 1),
-    (16, 4096, 4096): _c(64, 512, 1),
-    # llama-8b gate/up: 32.8 / 31.6 / 29.6 us against 27.2 (bf16 skinny 56.4)
-    (1, 28672, 4096): _c(128, 128, 2, num_stages=3),
-    (4, 28672, 4096): _c(128, 256, 1),
-    (16, 28672, 4096): _c(64, 128, 1, num_stages=3),
-    # llama-8b down: 17.2 / 17.3 / 17.0 us against 13.6 (bf16 skinny 28.3)
+    (16, 6144, 4096): _c(64, 512, 1, num_stages=3),
+    # llama-8b o: 8.2 / 7.9 / 7.7 us against an FP8 read floor of 3.9 (bf16 skinny 9.8 at M=1)
+    (1, 4096, 4096): _c(64, 128, 4),
+    (4, 4096, 4096): _c(64, 128, 4),
+    (16, 4096, 4096): _c(64, 256, 4, num_stages=3),
+    # llama-8b gate/up: 34.5 / 33.5 / 31.0 us against an FP8 read floor of 27.5 (bf16 skinny 57.3 at M=1)
+    (1, 28672, 4096): _c(128, 256, 4, num_stages=3),
+    (4, 28672, 4096): _c(64, 512, 1, num_stages=3),
+    (16, 28672, 4096): _c(128, 128, 1),
+    # llama-8b down: 18.4 / 18.3 / 17.9 us against an FP8 read floor of 13.8 (bf16 skinny 28.8 at M=1)
     (1, 4096, 14336): _c(128, 256, 4),
-    (4, 4096, 14336): _c(64, 512, 2),
-    (16, 4096, 14336): _c(64, 512, 1),
+    (4, 4096, 14336): _c(128, 256, 4),
+    (16, 4096, 14336): _c(64, 512, 2),
 }
 # The default config's split-K stops short of this many programs per SM: one wave, each program with
 # num_stages tiles in flight, measured as fast as more, smaller programs.
@@ -105,8 +104,8 @@ def _round_to_e4m3(v):
 @triton.jit(do_not_specialize=["M"])
 def _quantize_rows_kernel(x_ptr, codes_ptr, scale_ptr, M, K, stride_xm, row_iters, chunk_iters,
                           STATIC_ROW_ITERS: tl.constexpr, STATIC_CHUNK_ITERS: tl.constexpr,
-                          BLOCK_K: tl.constexpr, FP8_MAX_: tl.constexpr, MIN_SCALE_: tl.constexpr,
-                          PDL: tl.constexpr):
+                          BLOCK_K: tl.constexpr, FP8_MAX_: tl.constexpr, INV_FP8_MAX_: tl.constexpr,
+                          MIN_SCALE_: tl.constexpr, PDL: tl.constexpr):
     # Program (row, chunk): the row's amax over all of K, scale = amax / FP8_MAX, then the codes of its
     # chunk of K, round_to_nearest_even(x / scale). Every chunk of a row computes the same scale.
     pdl_prologue(PDL)
@@ -118,8 +117,9 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scale_ptr, M, K, stride_xm, row_iter
         k = it * BLOCK_K + offs
         x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    # IEEE division (div_rn), as torch's: the codes must be the reference's bit for bit.
-    scale = tl.maximum(tl.math.div_rn(tl.max(amax, axis=0), FP8_MAX_), MIN_SCALE_)
+    # As the reference: amax times fp32(1 / FP8_MAX), then IEEE division (div_rn, as torch's tensor
+    # division) for the codes, so they are the reference's bit for bit.
+    scale = tl.maximum(tl.max(amax, axis=0) * INV_FP8_MAX_, MIN_SCALE_)
     if chunk == 0:
         tl.store(scale_ptr + row, scale)
     k_lo = chunk * trip_count(STATIC_CHUNK_ITERS, chunk_iters) * BLOCK_K
@@ -148,7 +148,8 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, codes, scale, m, k, x.stride(0), row_iters, chunk_iters,
         STATIC_ROW_ITERS=static_iters(x.is_cuda, row_iters),
         STATIC_CHUNK_ITERS=static_iters(x.is_cuda, chunk_iters),
-        BLOCK_K=block, FP8_MAX_=FP8_MAX, MIN_SCALE_=MIN_SCALE, num_warps=4, **pdl_args(x),
+        BLOCK_K=block, FP8_MAX_=FP8_MAX, INV_FP8_MAX_=INV_FP8_MAX, MIN_SCALE_=MIN_SCALE, num_warps=4,
+        **pdl_args(x),
     )
     return codes, scale
 
@@ -172,23 +173,25 @@ def _fp8_gemv_kernel(
     rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
     rows_m = tl.minimum(offs_m, M - 1)
     k_lo = pid_k * (trip_count(STATIC_K_ITERS, k_iters) * BLOCK_K)
-    w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = xq_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
-    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    # The weight is loaded as its transpose, [BLOCK_K, BLOCK_N] with K contiguous: the K-major B operand
+    # FP8 dots take. (The weight as the dot's M side, x^T as its N side, gave wrong sums for M > 1.)
+    wt_ptrs = w_ptr + rows_n[None, :] * stride_wn + (k_lo + offs_k)[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for it in range(trip_count(STATIC_K_ITERS, k_iters)):
         shift = it * BLOCK_K
         if EVEN_K:
-            w = tl.load(w_ptrs + shift)
             x = tl.load(x_ptrs + shift)
+            wt = tl.load(wt_ptrs + shift)
         else:
             k_mask = (k_lo + shift + offs_k) < K
-            w = tl.load(w_ptrs + shift, mask=k_mask[None, :], other=0.0)
             x = tl.load(x_ptrs + shift, mask=k_mask[None, :], other=0.0)
-        # acc: [BLOCK_N, BLOCK_M] += w: [BLOCK_N, BLOCK_K] @ x^T: [BLOCK_K, BLOCK_M]
-        acc = tl.dot(w, tl.trans(x), acc)
+            wt = tl.load(wt_ptrs + shift, mask=k_mask[:, None], other=0.0)
+        # acc: [BLOCK_M, BLOCK_N] += x: [BLOCK_M, BLOCK_K] @ w^T: [BLOCK_K, BLOCK_N]
+        acc = tl.dot(x, wt, acc)
     sw = tl.load(sw_ptr + rows_n)
     sx = tl.load(sx_ptr + rows_m)
-    y = tl.trans(acc * sw[:, None] * sx[None, :])  # [BLOCK_M, BLOCK_N]
+    y = acc * sx[:, None] * sw[None, :]  # [BLOCK_M, BLOCK_N]
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if TO_WORKSPACE:
         # part: [split_k, M, N] fp32, summed in a fixed order by the reduce launch (which adds the bias).

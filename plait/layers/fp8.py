@@ -19,6 +19,7 @@ from plait.kernels.dispatch import use_triton
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+INV_FP8_MAX = 1.0 / FP8_MAX  # (rounded to fp32 where it multiplies an fp32 tensor)
 # A row of zeros still gets a positive scale, so that dequantising never divides by zero.
 MIN_SCALE = 1e-12
 # Layers left in 16 bits: the lm_head (the logits' precision; tied to the embedding in some models).
@@ -31,7 +32,9 @@ def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales): each row scaled so its largest magnitude lands on FP8_MAX, rounded to FP8."""
     # weight: [N, K] -> codes: [N, K] float8_e4m3fn; scales: [N] fp32
     w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp_min(MIN_SCALE)
+    # amax times fp32(1 / FP8_MAX), not amax / FP8_MAX: torch divides by a scalar that way on CUDA and
+    # truly on CPU, and the kernels must give the same scale on every device.
+    scale = (w.abs().amax(dim=1) * INV_FP8_MAX).clamp_min(MIN_SCALE)
     codes = (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
     return codes, scale
 
