@@ -4,6 +4,8 @@ are rounded to FP8 (tiny random models, fp32 on CPU; the `gpu` tests take real s
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import random_prompts, run_greedy
@@ -233,35 +235,55 @@ def _logit_gaps(got, got_logits, want, want_logits) -> list[float]:
     return gaps
 
 
+def _random_llama(tmp_path) -> str:
+    """A random-weight Llama of modest width (weights drawn at load: load_format="dummy")."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+           "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 2048, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    return str(tmp_path)
+
+
 @pytest.mark.gpu
 @gpu
-def test_fp8_engine_on_gpu_graphs_and_eager_agree(tiny_models):
+def test_fp8_engine_on_gpu_graphs_and_eager_agree(tmp_path):
     """bf16 on the GPU: FP8 steps (the GEMV and cuBLASLt's FP8 GEMM, CUDA graphs, overlapped steps) give
     the logits that eager, synchronous steps give, up to rounding, and stay near the unquantised model's.
 
-    Tokens are compared only up to the first fork: graph padding changes a step's row count, so its
-    matmuls may take other kernels (other summation orders), and a last-bit change of an activation can
-    move its FP8 code a whole step (2^-4), which in these 64-wide tiny models forks a few greedy outputs."""
-    kw = dict(model=str(tiny_models["llama"]), block_size=16, max_model_len=256, num_kv_blocks=256,
-              quantization="fp8", dtype="bfloat16")
-    graphed = LLMEngine(EngineConfig(**kw))
-    eager = LLMEngine(EngineConfig(enforce_eager=True, async_scheduling=False, **kw))
-    prompts = random_prompts(8, 3, 60, seed=5)
+    Logits are compared only up to each output's first fork: graph padding changes a step's row count,
+    so its matmuls may take other kernels (other summation orders), and a last-bit change of an
+    activation can move its FP8 code a whole step. On CPU in fp32 this model's FP8 logits differ from
+    the unquantised ones by at most 0.03 logit std; a wrong row or weight moves them by ~1."""
+    kw = dict(model=_random_llama(tmp_path), load_format="dummy", seed=3, block_size=16, max_model_len=256,
+              num_kv_blocks=256, quantization="fp8", dtype="bfloat16")
+
+    def engine(**knobs) -> LLMEngine:
+        e = LLMEngine(EngineConfig(**{**kw, **knobs}))
+        with torch.no_grad():  # as tests/test_gpu_engine.py: the token's own embedding dominates
+            e.runner.model.model.embed_tokens.weight.mul_(100.0)
+        return e
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 2048, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 60, (8,), generator=g)]
+    graphed = engine()
     got, got_logits = run_greedy(graphed, prompts, max_tokens=16, arrive_every=1, capture_logits=True)
-    want, want_logits = run_greedy(eager, prompts, max_tokens=16, arrive_every=1, capture_logits=True)
+    want, want_logits = run_greedy(engine(enforce_eager=True, async_scheduling=False), prompts, max_tokens=16,
+                                   arrive_every=1, capture_logits=True)
     b = graphed.runner.breakdown
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
     assert all(m.weight.dtype == torch.float8_e4m3fn for m in graphed.runner.model.modules()
                if isinstance(m, Fp8Linear))
-    plain, plain_logits = run_greedy(LLMEngine(EngineConfig(**{**kw, "quantization": None})), prompts,
-                                     max_tokens=16, arrive_every=1, capture_logits=True)
+    plain, plain_logits = run_greedy(engine(quantization=None), prompts, max_tokens=16, arrive_every=1,
+                                     capture_logits=True)
     same = _logit_gaps(got, got_logits, want, want_logits)
     quant = _logit_gaps(got, got_logits, plain, plain_logits)
     print(f"\nfp8 graphed vs eager: {sum(got[i] == want[i] for i in want)}/8 agree, logit gaps max "
           f"{max(same):.4f}; vs bf16: {sum(got[i] == plain[i] for i in plain)}/8, max {max(quant):.4f}")
-    assert len(same) >= len(prompts) and max(same) < 0.1
+    assert len(same) >= len(prompts) and max(same) < 0.05
     # FP8 is an approximation, not garbage: the quantised logits stay near the unquantised ones.
-    assert len(quant) >= len(prompts) and max(quant) < 0.5
+    assert len(quant) >= len(prompts) and max(quant) < 0.15
 
 
 def test_bench_floors_count_the_bytes_an_fp8_model_reads(tiny_models):
