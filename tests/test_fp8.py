@@ -239,8 +239,8 @@ def _random_llama(tmp_path) -> str:
     """A random-weight Llama of modest width (weights drawn at load: load_format="dummy")."""
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
            "intermediate_size": 1408, "num_hidden_layers": 4, "num_attention_heads": 8,
-           "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 2048, "max_position_embeddings": 1024, "rms_norm_eps": 1e-5,
-           "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+           "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 2048, "max_position_embeddings": 1024,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return str(tmp_path)
 
