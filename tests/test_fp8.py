@@ -281,7 +281,7 @@ def test_fp8_engine_on_gpu_graphs_and_eager_agree(tmp_path):
     quant = _logit_gaps(got, got_logits, plain, plain_logits)
     print(f"\nfp8 graphed vs eager: {sum(got[i] == want[i] for i in want)}/8 agree, logit gaps max "
           f"{max(same):.4f}; vs bf16: {sum(got[i] == plain[i] for i in plain)}/8, max {max(quant):.4f}")
-    assert len(same) >= len(prompts) and max(same) < 0.05
+    assert len(same) >= len(prompts) and max(same) < 0.1
     # FP8 is an approximation, not garbage: the quantised logits stay near the unquantised ones.
     assert len(quant) >= len(prompts) and max(quant) < 0.15
 

@@ -46,13 +46,14 @@ def dequantize_rows(weight: torch.Tensor, weight_scale: torch.Tensor, dtype: tor
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x's rows quantised to FP8 on their own scales, times the FP8 weight, in fp32; rounded to x's dtype."""
+                   bias: torch.Tensor | None = None, dequantized: torch.Tensor | None = None) -> torch.Tensor:
+    """x's rows quantised to FP8 on their own scales, times the FP8 weight, in fp32; rounded to x's dtype.
+    ``dequantized``: weight * weight_scale in fp32, where the caller keeps it."""
     # x: [..., K]; weight: [N, K] float8_e4m3fn; weight_scale: [N] fp32; bias: [N] -> [..., N]
     x2 = x.reshape(-1, x.shape[-1])
     codes, scale = quantize_rows(x2)
     xd = codes.float() * scale[:, None]
-    wd = weight.float() * weight_scale[:, None]
+    wd = dequantized if dequantized is not None else dequantize_rows(weight, weight_scale, torch.float32)
     out = F.linear(xd, wd, bias.float() if bias is not None else None)
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
@@ -69,6 +70,9 @@ class Fp8Linear(nn.Module):
         self.register_buffer("weight_scale", scale.contiguous())  # [N] fp32
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.compute_dtype = compute_dtype  # the model's dtype: what x and the output are
+        # Off CUDA: code * scale in fp32, made at the first forward and kept (the torch path would
+        # otherwise widen the whole weight at every call; there FP8 buys numerics, not memory).
+        self._reference_weight: torch.Tensor | None = None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
@@ -85,7 +89,9 @@ class Fp8Linear(nn.Module):
             from plait.kernels.fp8_gemm import fp8_linear
 
             return fp8_linear(x, self.weight, self.weight_scale, self.bias)
-        return fp8_linear_ref(x, self.weight, self.weight_scale, self.bias)
+        if self._reference_weight is None:
+            self._reference_weight = self.dequantized(torch.float32)
+        return fp8_linear_ref(x, self.weight, self.weight_scale, self.bias, self._reference_weight)
 
     # The fused decode paths of plait.layers.linear.Linear are 16-bit-weight kernels: the model takes its
     # plain path (a norm launch of its own, gate/up then silu-and-mul).
