@@ -23,7 +23,7 @@ import triton.language as tl
 
 from plait.kernels.interpreter import static_iters, trip_count
 from plait.kernels.pdl import pdl_args, pdl_prologue
-from plait.kernels.skinny_gemm import reduce_splits
+from plait.kernels.skinny_gemm import program_tile, reduce_splits
 from plait.layers.fp8 import FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
 # Rows up to this take the FP8 GEMV; more take cuBLASLt's FP8 GEMM.
@@ -163,16 +163,8 @@ def _fp8_gemv_kernel(
 ):
     # out[m, n] = sx[m] * sw[n] * sum_k xq[m, k] * w[n, k] (+ bias[n]), for M <= BLOCK_M rows.
     pdl_prologue(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Rows past the end re-read the last valid row rather than being masked (unpredicated loads along
-    # K); their results are dropped at the store.
-    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-    rows_m = tl.minimum(offs_m, M - 1)
-    k_lo = pid_k * (trip_count(STATIC_K_ITERS, k_iters) * BLOCK_K)
+    pid_n, pid_k, offs_n, offs_m, offs_k, rows_n, rows_m, k_lo = program_tile(
+        M, N, k_iters, STATIC_K_ITERS, BLOCK_M, BLOCK_N, BLOCK_K)
     x_ptrs = xq_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     # The weight is loaded as its transpose, [BLOCK_K, BLOCK_N] with K contiguous: the K-major B operand
     # FP8 dots take. (The weight as the dot's M side, x^T as its N side, gave wrong sums for M > 1.)

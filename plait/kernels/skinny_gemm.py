@@ -238,6 +238,25 @@ def _epilogue(acc_g, acc_u, b_ptr, offs_n, n_mask, out_dtype: tl.constexpr,
     return y
 
 
+@triton.jit
+def program_tile(M, N, k_iters, STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """A GEMV program's place: (pid_n, pid_k, offs_n, offs_m, offs_k, rows_n, rows_m, k_lo) for grid
+    (weight-row blocks, K splits), each split k_iters steps of BLOCK_K.
+
+    Rows past the end (rows_n, rows_m) re-read the last valid row instead of being masked, so weight
+    and x loads stay unpredicated along K; those results are dropped at the store."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_m = tl.minimum(offs_m, M - 1)
+    k_lo = pid_k * (trip_count(STATIC_K_ITERS, k_iters) * BLOCK_K)
+    return pid_n, pid_k, offs_n, offs_m, offs_k, rows_n, rows_m, k_lo
+
+
 # M (the step's row count) changes from step to step; specialising on M == 16 would compile a second
 # binary mid-run (see plait.kernels.paged_attention on per-step arguments).
 @triton.jit(do_not_specialize=["M"])
@@ -257,16 +276,8 @@ def _skinny_kernel(
     # later kernel (silu_and_mul) instead of taking a launch of its own.
     if not EARLY_W:
         pdl_prologue(PDL)
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Rows past the end re-read the last valid row instead of being masked, so weight and x loads
-    # stay unpredicated along K; those results are dropped at the store.
-    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
-    rows_m = tl.minimum(offs_m, M - 1)
-    k_lo = pid_k * (trip_count(STATIC_K_ITERS, k_iters) * BLOCK_K)
+    pid_n, pid_k, offs_n, offs_m, offs_k, rows_n, rows_m, k_lo = program_tile(
+        M, N, k_iters, STATIC_K_ITERS, BLOCK_M, BLOCK_N, BLOCK_K)
     w_ptrs = w_ptr + rows_n[:, None] * stride_wn + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]
     up_off = up_rows * stride_wn
