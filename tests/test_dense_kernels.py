@@ -283,9 +283,10 @@ def test_backend_fused_rotate_and_store_equals_the_default(rope, monkeypatch):
     from types import SimpleNamespace
 
     t, hq, hkv, d = 6, 4, 2, 32
-    rotaries = {"full": RotaryEmbedding(d, ROPE_MAX_POSITIONS, 10000.0),
-                "partial": PartialRotaryEmbedding(d // 2, ROPE_MAX_POSITIONS, 10000.0, None),
-                "none": NoRotary()}
+    with torch.device(DEVICE):  # the tables are made on the device a model is built under
+        rotaries = {"full": RotaryEmbedding(d, ROPE_MAX_POSITIONS, 10000.0),
+                    "partial": PartialRotaryEmbedding(d // 2, ROPE_MAX_POSITIONS, 10000.0, None),
+                    "none": NoRotary()}
     calls = {}
     monkeypatch.setattr(triton_backend, "rope_store_kv",
                         _counted(triton_backend.rope_store_kv, "rope_store_kv", calls))
@@ -868,8 +869,8 @@ def test_skinny_logits_in_fp32():
     """fp32 logits from 16-bit activations: the fp32 accumulator is written unrounded, as the lm_head's
     LOGITS_CONFIG does (bf16 logits would tie at the top of a large vocabulary)."""
     g = torch.Generator().manual_seed(11)
-    x = torch.randn(3, 96, generator=g).half()
-    w = (torch.randn(200, 96, generator=g) * 0.1).half()
+    x = torch.randn(3, 96, generator=g).half().to(DEVICE)
+    w = (torch.randn(200, 96, generator=g) * 0.1).half().to(DEVICE)
     got = skinny_gemm.skinny_linear(x, w, config=skinny_gemm.LOGITS_CONFIG, out_dtype=torch.float32)
     assert got.dtype == torch.float32
     want = x.double() @ w.double().T
