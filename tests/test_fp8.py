@@ -105,6 +105,28 @@ def test_fp8_engine_is_the_model_with_fp8_weights_and_inputs(tiny_models, family
     assert any(not torch.equal(a, b) for i in plain_logits for a, b in zip(plain_logits[i], got_logits[i]))
 
 
+def test_quantized_models_never_hold_their_16_bit_weights(tiny_models, monkeypatch):
+    """The Llama family's linear layers are built on the meta device under quantization and each
+    checkpoint tensor is quantised as it is read: no 16-bit copy of a quantised layer is made (what lets
+    a model that fits only in FP8 load at all). Random weights take the unquantised model's draws."""
+    made_from = []
+    real = Fp8Linear.from_linear.__func__
+    monkeypatch.setattr(Fp8Linear, "from_linear",
+                        classmethod(lambda cls, linear, device=None: (made_from.append(linear.weight.is_meta),
+                                                                      real(cls, linear, device))[1]))
+    kw = dict(model=str(tiny_models["llama"]), block_size=8, max_model_len=64, device="cpu")
+    LLMEngine(EngineConfig(quantization="fp8", **kw))
+    assert made_from and all(made_from)
+    dummy = LLMEngine(EngineConfig(quantization="fp8", load_format="dummy", **kw)).runner.model
+    plain = LLMEngine(EngineConfig(load_format="dummy", **kw)).runner.model
+    for name, module in dummy.named_modules():
+        if isinstance(module, Fp8Linear):
+            codes, scale = quantize_rows(plain.get_submodule(name).weight)
+            assert torch.equal(module.weight.view(torch.uint8), codes.view(torch.uint8))
+            assert torch.equal(module.weight_scale, scale)
+    assert torch.equal(dummy.lm_head.weight, plain.lm_head.weight)
+
+
 def test_quantization_is_validated_and_reaches_the_cli():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int4")

@@ -310,6 +310,22 @@ def test_hf_folder_sharded(tmp_path: Path) -> None:
     assert all(torch.equal(state_dict[k], reference[k]) for k in reference)
 
 
+def test_hf_weights_stream_shard_by_shard(tmp_path: Path, monkeypatch) -> None:
+    """The engine reads a sharded checkpoint a shard at a time: the first tensor arrives before the second
+    file is opened, so a model larger than host memory still loads."""
+    from plait.loader import hf
+
+    _tiny_llama(tie=False).save_pretrained(tmp_path, max_shard_size="50KB")
+    opened = []
+    real_open = hf.safe_open
+    monkeypatch.setattr(hf, "safe_open", lambda file, **kw: (opened.append(file), real_open(file, **kw))[1])
+    stream = hf.iter_hf_weights(tmp_path)
+    next(stream)
+    assert len(opened) == 1
+    rest = list(stream)
+    assert len(opened) > 1 and len(rest) + 1 == len(_tiny_llama(tie=False).state_dict())
+
+
 # --- (d) resolve_model --------------------------------------------------------------------------
 
 

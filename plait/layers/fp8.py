@@ -75,10 +75,27 @@ class Fp8Linear(nn.Module):
         self._reference_weight: torch.Tensor | None = None
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
-        codes, scale = quantize_rows(linear.weight.detach())
+    def from_linear(cls, linear: nn.Linear, device: torch.device | None = None) -> Fp8Linear:
+        """The layer's weight quantised; a layer on the meta device (deferred_weights) gives an empty
+        one on ``device``, for load_weight_rows to fill."""
+        w = linear.weight
+        if w.is_meta:
+            n, k = w.shape
+            bias = torch.zeros(n, dtype=w.dtype, device=device) if linear.bias is not None else None
+            return cls(torch.zeros((n, k), dtype=FP8_DTYPE, device=device),
+                       torch.ones(n, dtype=torch.float32, device=device), bias, w.dtype)
+        codes, scale = quantize_rows(w.detach())
         bias = linear.bias.detach() if linear.bias is not None else None
-        return cls(codes, scale, bias, linear.weight.dtype)
+        return cls(codes, scale, bias, w.dtype)
+
+    @torch.no_grad()
+    def load_weight_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Quantise checkpoint rows ``start:start + len(rows)`` of the weight in place (each row has its own
+        scale, so a fused layer's shards quantise alone as they would together)."""
+        # rows: [n, in_features] in the checkpoint's (or the model's) dtype
+        codes, scale = quantize_rows(rows)
+        self.weight[start:start + rows.shape[0]].copy_(codes)
+        self.weight_scale[start:start + rows.shape[0]].copy_(scale)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_rows(self.weight, self.weight_scale, dtype)
@@ -109,17 +126,22 @@ class Fp8Linear(nn.Module):
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str) -> int:
+def quantize_model(model: nn.Module, method: str, device: torch.device | None = None) -> int:
     """Replace every nn.Linear of ``model`` but SKIPPED_LAYERS with its quantised form, from outside the
-    model (its code is unchanged); returns how many layers were replaced."""
+    model (its code is unchanged); returns how many layers were replaced. Layers built on the meta device
+    (plait.layers.linear.deferred_weights) become empty FP8 layers on ``device``, and skipped ones empty
+    16-bit layers there, for the checkpoint to fill."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
-    targets = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in SKIPPED_LAYERS]
+    linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    targets = [(name, m) for name, m in linears if name.rsplit(".", 1)[-1] not in SKIPPED_LAYERS]
+    for name, module in linears:
+        if name.rsplit(".", 1)[-1] in SKIPPED_LAYERS and module.weight.is_meta:
+            module.to_empty(device=device)
     count = len(targets)
     while targets:  # popped one by one, so each 16-bit weight is freed once its layer is replaced
         name, module = targets.pop()
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp8Linear.from_linear(module))
+        setattr(parent, child, Fp8Linear.from_linear(module, device))
     return count

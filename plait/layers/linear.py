@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -41,8 +43,30 @@ def skinny_mode() -> str:
     return _skinny_mode
 
 
+# Set while a model is built for quantisation (plait.loader.model_loader): Linear layers are made on the
+# meta device, so the 16-bit weights that quantised layers replace never take memory (a 70B model need
+# not fit in bf16 to be served in FP8).
+_defer_weights = False
+
+
+@contextmanager
+def deferred_weights(enabled: bool = True) -> Iterator[None]:
+    """Within it, every Linear made has its parameters on the meta device (shapes, no memory)."""
+    global _defer_weights
+    before, _defer_weights = _defer_weights, enabled
+    try:
+        yield
+    finally:
+        _defer_weights = before
+
+
 class Linear(nn.Linear):
     """Drop-in nn.Linear (same parameters, init and state dict); see uses_skinny for the GPU route."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__(in_features, out_features, bias, device="meta" if _defer_weights else device,
+                         dtype=dtype)
 
     def uses_skinny(self, x: torch.Tensor, gate_up: bool = False) -> bool:
         """True when this x goes through the skinny Triton GEMM rather than F.linear."""

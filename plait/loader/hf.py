@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from plait.loader.source import cached_hub_snapshot, default_model_path, is_gguf_file
 
@@ -73,12 +74,21 @@ def load_hf_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
     file in the folder is read. Tied checkpoints keep whatever the files hold (save_pretrained omits
     lm_head.weight when it is tied).
     """
-    path = Path(path)
-    config_path = path / CONFIG_FILE
+    config = read_hf_config(path)
+    return config, dict(iter_hf_weights(path))
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    config_path = Path(path) / CONFIG_FILE
     if not config_path.is_file():
         raise FileNotFoundError(f"{str(path)!r} has no {CONFIG_FILE}")
-    config = json.loads(config_path.read_text())
+    return json.loads(config_path.read_text())
 
+
+def iter_hf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's tensors one at a time, shard after shard (only the tensor in hand is in memory), as
+    load_hf_folder finds them; a name in two files is an error."""
+    path = Path(path)
     index_path = path / SAFETENSORS_INDEX_FILE
     if index_path.is_file():
         weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
@@ -90,12 +100,14 @@ def load_hf_folder(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Te
             f"{str(path)!r} has no *.safetensors weights (plait does not read pytorch_model.bin); "
             "convert them with transformers' save_pretrained(..., safe_serialization=True)"
         )
-    state_dict: dict[str, torch.Tensor] = {}
+    seen: set[str] = set()
     for file in files:
-        shard = load_file(file)
-        duplicated = state_dict.keys() & shard.keys()
-        if duplicated:
-            names = sorted(duplicated)[:3]
-            raise ValueError(f"tensor(s) {names} appear in more than one file of {str(path)!r}")
-        state_dict.update(shard)
-    return config, state_dict
+        with safe_open(file, framework="pt") as shard:
+            names = list(shard.keys())
+            duplicated = seen.intersection(names)
+            if duplicated:
+                raise ValueError(f"tensor(s) {sorted(duplicated)[:3]} appear in more than one file of "
+                                 f"{str(path)!r}")
+            seen.update(names)
+            for name in names:
+                yield name, shard.get_tensor(name)

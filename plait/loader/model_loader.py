@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from plait.config import EngineConfig, ModelConfig
+from plait.layers.linear import deferred_weights
 from plait.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -50,31 +51,41 @@ def load_model(
     model_config = ModelConfig.from_hf(hf_config)
     cls = get_model_class(model_config.architecture)
     positions = max_positions or model_config.max_position_embeddings
-    with torch.device(device):
+    # Quantised: linear layers are made without memory and replaced before any weight arrives, so each
+    # checkpoint tensor is quantised as it is read and no 16-bit copy of the model ever exists.
+    quantize = config.quantization is not None
+    with torch.device(device), deferred_weights(quantize):
         model = cls(model_config, positions)
     model.to(dtype)  # rotary tables are plain attributes, so they stay fp32
+    if quantize:
+        from plait.layers.fp8 import quantize_model
+
+        quantize_model(model, config.quantization, device)
     if weights is None:
         _init_dummy(model, config.seed)
     else:
-        model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights.items())
+        model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights)
     model.eval()
     tokenizer = _load_tokenizer(source)
     return LoadedModel(model, model_config, tokenizer, source.path)
 
 
-def _read_source(source: Any, load_format: str) -> tuple[dict, dict[str, torch.Tensor] | None]:
+def _read_source(source: Any, load_format: str) -> tuple[dict, Iterable[tuple[str, torch.Tensor]] | None]:
+    """(config, the checkpoint's (name, tensor) pairs, or None for random weights); an HF folder's are
+    read lazily, shard by shard."""
     if source.kind == "gguf":
         from plait.loader.gguf import load_gguf, read_gguf_config
 
         if load_format == "dummy":
             return read_gguf_config(source.path), None
-        return load_gguf(source.path)
-    hf_config = json.loads((source.path / "config.json").read_text())
+        config, tensors = load_gguf(source.path)
+        return config, tensors.items()
+    from plait.loader.hf import iter_hf_weights, read_hf_config
+
+    hf_config = read_hf_config(source.path)
     if load_format == "dummy":
         return hf_config, None
-    from plait.loader.hf import load_hf_folder
-
-    return load_hf_folder(source.path)
+    return hf_config, iter_hf_weights(source.path)
 
 
 def _load_tokenizer(source: Any) -> Any | None:
@@ -86,10 +97,19 @@ def _load_tokenizer(source: Any) -> Any | None:
 @torch.no_grad()
 def _init_dummy(model: nn.Module, seed: int) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    modules = dict(model.named_modules())
     for name, param in model.named_parameters():
+        owner_name, _, param_name = name.rpartition(".")
+        load_rows = getattr(modules[owner_name], "load_weight_rows", None) if param_name == "weight" else None
         if "norm" in name:
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
+        elif load_rows is not None:
+            # A quantised layer: the same draws as the unquantised model's weight, then quantised, so
+            # both random models are one model up to the rounding.
+            owner = modules[owner_name]
+            weight = torch.empty(param.shape, dtype=owner.compute_dtype, device=param.device)
+            load_rows(0, weight.normal_(0.0, DUMMY_INIT_STD, generator=gen))
         else:
             param.normal_(0.0, DUMMY_INIT_STD, generator=gen)

@@ -42,6 +42,7 @@ def load_checked(
     ``not_in_checkpoint`` names parameters the checkpoint may omit (a tied lm_head).
     """
     params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
     loaded: set[str] = set()
     for raw_name, tensor in weights:
         name = rename(raw_name)
@@ -50,13 +51,20 @@ def load_checked(
         target, shard = fused_target(name, stacked)
         if target not in params:
             raise ValueError(f"checkpoint tensor {raw_name!r} has no place in {type(model).__name__}")
-        dst = params[target]
+        dst, start = params[target], 0
         if shard is not None:
-            dst = dst.split(shard_sizes[target.split(".")[-2]], dim=0)[shard]
+            sizes = shard_sizes[target.split(".")[-2]]
+            dst, start = dst.split(sizes, dim=0)[shard], sum(sizes[:shard])
         if dst.shape != tensor.shape:
             raise ValueError(f"tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dst.shape)}")
-        dst.copy_(tensor)
+        owner_name, _, param_name = target.rpartition(".")
+        # A quantised layer (plait.layers.fp8.Fp8Linear) takes its weight rows through its own quantiser.
+        load_rows = getattr(modules[owner_name], "load_weight_rows", None) if param_name == "weight" else None
+        if load_rows is not None:
+            load_rows(start, tensor)
+        else:
+            dst.copy_(tensor)
         loaded.add(target)
     missing = sorted(set(params) - loaded - not_in_checkpoint)
     if missing:

@@ -18,7 +18,6 @@ from plait.engine.request import Request
 from plait.engine.scheduler import StepPlan
 from plait.engine.state_slots import PAD_STATE_SLOT
 from plait.kernels.dispatch import triton_enabled, triton_importable
-from plait.layers.fp8 import quantize_model
 from plait.layers.mamba import allocate_mamba_states
 from plait.loader.model_loader import load_model, resolve_device_dtype
 from plait.lora.model import LoRAModel
@@ -94,10 +93,6 @@ class ModelRunner:
         self.model_path = loaded.source
         if self._folds_norms():
             self.model.fold_norm_weights()
-        if config.quantization is not None:  # replaces the layers from outside the model
-            quantize_model(self.model, config.quantization)
-            if self.device.type == "cuda":  # hand the 16-bit weights' memory back before sizing the KV cache
-                torch.cuda.empty_cache()
         # LoRA layers wrap their targets before the KV cache is sized (their slots take memory) and before
         # any graph is captured (graphs capture the deltas of whatever slots a step's tokens name).
         self.lora = (LoRAModel(self.model, config.max_loras, config.max_lora_rank)
