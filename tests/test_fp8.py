@@ -127,6 +127,115 @@ def test_quantized_models_never_hold_their_16_bit_weights(tiny_models, monkeypat
     assert torch.equal(dummy.lm_head.weight, plain.lm_head.weight)
 
 
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _fp8_checkpoint(src, dst, method: str) -> dict:
+    """dst: src's checkpoint with every decoder linear weight in FP8, as llm-compressor ("compressed-tensors",
+    per-channel scales [N, 1], dynamic per-token inputs) or AutoFP8 ("fp8", one scale per tensor and a
+    static input scale) write them; returns the codes and scales written, by HF name."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    tensors, written = {}, {}
+    for f in sorted(src.glob("*.safetensors")):
+        for name, t in load_file(f).items():
+            if name.rsplit(".", 2)[-2] in LINEARS and name.endswith(".weight"):
+                if method == "fp8":  # one scale for the whole tensor
+                    scale = (t.float().abs().amax() * (1.0 / FP8_MAX)).reshape(())
+                    codes = (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+                    tensors[name.replace(".weight", ".input_scale")] = torch.tensor(0.05)
+                else:
+                    codes, scale = quantize_rows(t)
+                    scale = scale[:, None]
+                tensors[name], tensors[name.replace(".weight", ".weight_scale")] = codes, scale
+                written[name] = (codes, scale)
+            else:
+                tensors[name] = t
+    save_file(tensors, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    if method == "fp8":
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static",
+                                      "ignored_layers": ["lm_head"]}
+    else:
+        cfg["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {
+                "targets": ["Linear"],
+                "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False},
+                "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}}}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return written
+
+
+def test_an_fp8_checkpoint_is_served_as_it_is(tiny_models, tmp_path):
+    """An llm-compressor FP8-dynamic checkpoint (per-channel scales) loads without --quantization, its codes
+    and scales kept: the same engine as quantising the original checkpoint, logits for logits. An AutoFP8
+    checkpoint (one scale per tensor, a static input scale plait replaces by per-token ones) loads with
+    each fused layer's shards keeping their own tensor's scale."""
+    src = tiny_models["llama"]
+    _fp8_checkpoint(src, tmp_path / "ct", "compressed-tensors")
+    kw = dict(block_size=8, max_num_batched_tokens=24, max_model_len=96, device="cpu")
+    served = LLMEngine(EngineConfig(model=str(tmp_path / "ct"), **kw))
+    assert served.runner.quantization == "fp8"
+    assert sum(isinstance(m, Fp8Linear) for m in served.runner.model.modules()) == 8
+    quantized = LLMEngine(EngineConfig(model=str(src), quantization="fp8", **kw))
+    prompts = random_prompts(4, 3, 30, seed=2)
+    got, got_logits = run_greedy(served, prompts, max_tokens=6, arrive_every=1, capture_logits=True)
+    want, want_logits = run_greedy(quantized, prompts, max_tokens=6, arrive_every=1, capture_logits=True)
+    assert got == want
+    assert all(torch.equal(a, b) for i in want_logits for a, b in zip(got_logits[i], want_logits[i]))
+
+    written = _fp8_checkpoint(src, tmp_path / "autofp8", "fp8")
+    model = LLMEngine(EngineConfig(model=str(tmp_path / "autofp8"), **kw)).runner.model
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    q_codes, q_scale = written["model.layers.1.self_attn.q_proj.weight"]
+    k_codes, k_scale = written["model.layers.1.self_attn.k_proj.weight"]
+    q_rows, k_rows = q_codes.shape[0], k_codes.shape[0]
+    assert torch.equal(qkv.weight[:q_rows].view(torch.uint8), q_codes.view(torch.uint8))
+    assert torch.equal(qkv.weight[q_rows:q_rows + k_rows].view(torch.uint8), k_codes.view(torch.uint8))
+    assert torch.equal(qkv.weight_scale[:q_rows], q_scale.expand(q_rows))
+    assert torch.equal(qkv.weight_scale[q_rows:q_rows + k_rows], k_scale.expand(k_rows))
+    assert not torch.equal(q_scale, k_scale)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda q: q.update(quant_method="awq"), "quant_method 'awq' is not supported"),
+    (lambda q: q.update(quant_method="fp8", weight_block_size=[128, 128]), "block-wise scales"),
+    (lambda q: q["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4),
+     "weights .* not supported"),
+    (lambda q: q.update(ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "other than the lm_head"),
+])
+def test_unsupported_checkpoint_quantization_is_refused_by_name(tiny_models, tmp_path, change, message):
+    folder = tmp_path / "ct"
+    _fp8_checkpoint(tiny_models["llama"], folder, "compressed-tensors")
+    cfg = json.loads((folder / "config.json").read_text())
+    change(cfg["quantization_config"])
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(EngineConfig(model=str(folder), device="cpu", max_model_len=64))
+
+
+def test_an_fp8_checkpoint_without_its_scales_is_refused(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "ct"
+    _fp8_checkpoint(tiny_models["llama"], folder, "compressed-tensors")
+    tensors = {k: v for k, v in load_file(folder / "model.safetensors").items()
+               if k != "model.layers.0.mlp.down_proj.weight_scale"}
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="without its weight_scale"):
+        LLMEngine(EngineConfig(model=str(folder), device="cpu", max_model_len=64))
+    with pytest.raises(ValueError, match="LoRA adapters on a quantized model"):
+        _fp8_checkpoint(tiny_models["llama"], tmp_path / "ok", "compressed-tensors")
+        LLMEngine(EngineConfig(model=str(tmp_path / "ok"), device="cpu", max_model_len=64, enable_lora=True))
+
+
 def test_quantization_is_validated_and_reaches_the_cli():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int4")

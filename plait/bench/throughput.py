@@ -191,7 +191,7 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "max_prefill_tokens_beside_decodes": engine.config.max_prefill_tokens_beside_decodes,
         "attention_backend": engine.runner.attn_backend.name,
-        "quantization": engine.config.quantization,
+        "quantization": engine.runner.quantization,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                      "min_p": args.min_p},
         "cuda_graphs": engine.runner.graphs is not None,

@@ -28,6 +28,53 @@ SKIPPED_LAYERS = ("lm_head",)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
+# Checkpoint tensors FP8 checkpoints carry beside their weights that plait does not use: static input
+# scales (plait quantises every input per token, at least as fine as one scale per tensor) and FP8 KV-cache
+# scales (plait's KV cache stays in the model's dtype).
+UNUSED_CHECKPOINT_SCALES = ("input_scale", "k_scale", "v_scale")
+# Checkpoint layers left unquantised that plait can honour: those it leaves in 16 bits anyway.
+IGNORABLE = {"lm_head", "re:.*lm_head"}
+
+
+def checkpoint_quantization(hf_config: dict) -> str | None:
+    """"fp8" when config.json's quantization_config describes FP8 weights plait can load as they are (one
+    scale per tensor or per output channel: llm-compressor's compressed-tensors "float-quantized", and the
+    "fp8" method of AutoFP8 / vLLM), None when there is no quantization_config; anything else is a
+    ValueError naming what plait does not load."""
+    q = hf_config.get("quantization_config")
+    if not q:
+        return None
+    method = q.get("quant_method")
+    if method == "fp8":
+        if q.get("weight_block_size"):
+            raise ValueError(f"FP8 checkpoints with block-wise scales (weight_block_size "
+                             f"{q['weight_block_size']}) are not supported; per-tensor and per-channel are")
+        ignored = q.get("ignored_layers") or []
+    elif method == "compressed-tensors":
+        groups = list((q.get("config_groups") or {}).values())
+        for group in groups:
+            w = group.get("weights") or {}
+            if not (w.get("type") == "float" and w.get("num_bits") == 8
+                    and w.get("strategy") in ("tensor", "channel")):
+                raise ValueError(f"compressed-tensors weights {w} are not supported: plait loads 8-bit float "
+                                 "weights with per-tensor or per-channel scales")
+            a = group.get("input_activations")
+            if a and not (a.get("type") == "float" and a.get("num_bits") == 8):
+                raise ValueError(f"compressed-tensors input activations {a} are not supported (FP8 only)")
+        if not groups:
+            raise ValueError("compressed-tensors quantization_config without config_groups")
+        ignored = q.get("ignore") or []
+    else:
+        raise ValueError(f"quantization_config quant_method {method!r} is not supported: plait loads FP8 "
+                         "checkpoints ('fp8', 'compressed-tensors' float-quantized), or quantises an "
+                         "unquantised one with --quantization fp8")
+    extra = sorted(set(ignored) - IGNORABLE)
+    if extra:
+        raise ValueError(f"FP8 checkpoints leaving layers other than the lm_head unquantised ({extra[:4]}) "
+                         "are not supported")
+    return "fp8"
+
+
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(codes, scales): each row scaled so its largest magnitude lands on FP8_MAX, rounded to FP8."""
     # weight: [N, K] -> codes: [N, K] float8_e4m3fn; scales: [N] fp32
@@ -83,19 +130,39 @@ class Fp8Linear(nn.Module):
             n, k = w.shape
             bias = torch.zeros(n, dtype=w.dtype, device=device) if linear.bias is not None else None
             return cls(torch.zeros((n, k), dtype=FP8_DTYPE, device=device),
-                       torch.ones(n, dtype=torch.float32, device=device), bias, w.dtype)
+                       torch.full((n,), float("nan"), dtype=torch.float32, device=device), bias, w.dtype)
         codes, scale = quantize_rows(w.detach())
         bias = linear.bias.detach() if linear.bias is not None else None
         return cls(codes, scale, bias, w.dtype)
 
     @torch.no_grad()
     def load_weight_rows(self, start: int, rows: torch.Tensor) -> None:
-        """Quantise checkpoint rows ``start:start + len(rows)`` of the weight in place (each row has its own
-        scale, so a fused layer's shards quantise alone as they would together)."""
+        """Checkpoint rows ``start:start + len(rows)`` of the weight: 16/32-bit rows are quantised here (each
+        row has its own scale, so a fused layer's shards quantise alone as they would together); FP8 rows
+        (an FP8 checkpoint) are kept as they are, their scale coming as "weight_scale" (load_scale_rows)."""
         # rows: [n, in_features] in the checkpoint's (or the model's) dtype
+        end = start + rows.shape[0]
+        if rows.dtype == FP8_DTYPE:
+            self.weight[start:end].copy_(rows)
+            return
         codes, scale = quantize_rows(rows)
-        self.weight[start:start + rows.shape[0]].copy_(codes)
-        self.weight_scale[start:start + rows.shape[0]].copy_(scale)
+        self.weight[start:end].copy_(codes)
+        self.weight_scale[start:end].copy_(scale)
+
+    @torch.no_grad()
+    def load_scale_rows(self, start: int, num_rows: int, scale: torch.Tensor) -> None:
+        """An FP8 checkpoint's weight_scale for rows ``start:start + num_rows``: one per tensor (a single
+        value, spread over the rows) or one per output channel."""
+        # scale: [], [1], [num_rows] or [num_rows, 1]
+        if scale.numel() not in (1, num_rows):
+            raise ValueError(f"weight_scale of {tuple(scale.shape)} for {num_rows} rows: per-tensor or "
+                             "per-channel scales only")
+        self.weight_scale[start:start + num_rows].copy_(scale.float().reshape(-1).expand(num_rows))
+
+    def check_loaded(self) -> None:
+        """Every row has its scale (an FP8 checkpoint without weight_scale would leave a NaN)."""
+        if torch.isnan(self.weight_scale).any():
+            raise ValueError("an FP8 checkpoint tensor came without its weight_scale")
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_rows(self.weight, self.weight_scale, dtype)

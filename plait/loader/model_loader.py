@@ -28,6 +28,7 @@ class LoadedModel:
     config: ModelConfig
     tokenizer: Any | None  # a transformers tokenizer, or None (random-weight configs have none)
     source: Path
+    quantization: str | None = None  # config.quantization, or what the checkpoint itself holds ("fp8")
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -51,23 +52,33 @@ def load_model(
     model_config = ModelConfig.from_hf(hf_config)
     cls = get_model_class(model_config.architecture)
     positions = max_positions or model_config.max_position_embeddings
+    # An FP8 checkpoint is served in FP8 without --quantization, as vLLM reads its quantization_config.
+    from plait.layers.fp8 import checkpoint_quantization, quantize_model
+
+    quantization = config.quantization or checkpoint_quantization(hf_config)
     # Quantised: linear layers are made without memory and replaced before any weight arrives, so each
-    # checkpoint tensor is quantised as it is read and no 16-bit copy of the model ever exists.
-    quantize = config.quantization is not None
-    with torch.device(device), deferred_weights(quantize):
+    # checkpoint tensor is quantised (or, already FP8, kept) as it is read and no 16-bit copy of the model
+    # ever exists.
+    with torch.device(device), deferred_weights(quantization is not None):
         model = cls(model_config, positions)
     model.to(dtype)  # rotary tables are plain attributes, so they stay fp32
-    if quantize:
-        from plait.layers.fp8 import quantize_model
-
-        quantize_model(model, config.quantization, device)
+    if quantization is not None:
+        quantize_model(model, quantization, device)
     if weights is None:
         _init_dummy(model, config.seed)
     else:
-        model.load_weights((name, t.to(device=device, dtype=dtype)) for name, t in weights)
+        model.load_weights((name, _to_model(name, t, device, dtype)) for name, t in weights)
     model.eval()
     tokenizer = _load_tokenizer(source)
-    return LoadedModel(model, model_config, tokenizer, source.path)
+    return LoadedModel(model, model_config, tokenizer, source.path, quantization)
+
+
+def _to_model(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A checkpoint tensor on the device, in the model's dtype unless it is FP8 codes or the scale of an
+    FP8 checkpoint (kept as they are: the codes are what is served, the scales multiply fp32 sums)."""
+    if t.dtype == torch.float8_e4m3fn or name.endswith("_scale"):
+        return t.to(device=device)
+    return t.to(device=device, dtype=dtype)
 
 
 def _read_source(source: Any, load_format: str) -> tuple[dict, Iterable[tuple[str, torch.Tensor]] | None]:

@@ -7,6 +7,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from plait.layers.fp8 import UNUSED_CHECKPOINT_SCALES
+
 # HF projection name -> (plait fused parameter, shard index): q/k/v and gate/up are concatenated
 # at load so each layer runs one projection GEMM instead of three (or two).
 STACKED_PROJECTIONS = {
@@ -46,21 +48,26 @@ def load_checked(
     loaded: set[str] = set()
     for raw_name, tensor in weights:
         name = rename(raw_name)
-        if name is None:
+        if name is None or name.rpartition(".")[2] in UNUSED_CHECKPOINT_SCALES:
             continue
         target, shard = fused_target(name, stacked)
+        owner_name, _, param_name = target.rpartition(".")
+        owner = modules.get(owner_name)
+        sizes = shard_sizes[target.split(".")[-2]] if shard is not None else None
+        if param_name == "weight_scale" and hasattr(owner, "load_scale_rows"):  # an FP8 checkpoint's
+            start, rows = (sum(sizes[:shard]), sizes[shard]) if sizes else (0, owner.out_features)
+            owner.load_scale_rows(start, rows, tensor)
+            continue
         if target not in params:
             raise ValueError(f"checkpoint tensor {raw_name!r} has no place in {type(model).__name__}")
         dst, start = params[target], 0
-        if shard is not None:
-            sizes = shard_sizes[target.split(".")[-2]]
+        if sizes is not None:
             dst, start = dst.split(sizes, dim=0)[shard], sum(sizes[:shard])
         if dst.shape != tensor.shape:
             raise ValueError(f"tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dst.shape)}")
-        owner_name, _, param_name = target.rpartition(".")
         # A quantised layer (plait.layers.fp8.Fp8Linear) takes its weight rows through its own quantiser.
-        load_rows = getattr(modules[owner_name], "load_weight_rows", None) if param_name == "weight" else None
+        load_rows = getattr(owner, "load_weight_rows", None) if param_name == "weight" else None
         if load_rows is not None:
             load_rows(start, tensor)
         else:
@@ -69,6 +76,9 @@ def load_checked(
     missing = sorted(set(params) - loaded - not_in_checkpoint)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
+    for module in modules.values():
+        if hasattr(module, "check_loaded"):
+            module.check_loaded()
 
 
 def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

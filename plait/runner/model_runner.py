@@ -91,6 +91,12 @@ class ModelRunner:
         loaded = load_model(config, self.device, self.dtype)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path = loaded.source
+        # config.quantization, or what an FP8 checkpoint holds without it
+        self.quantization = loaded.quantization
+        if self.quantization is not None and config.enable_lora:
+            raise ValueError(f"LoRA adapters on a quantized model are not supported "
+                             f"({str(self.model_path)!r} is {self.quantization}): serve an unquantised "
+                             "checkpoint with --enable-lora")
         if self._folds_norms():
             self.model.fold_norm_weights()
         # LoRA layers wrap their targets before the KV cache is sized (their slots take memory) and before
@@ -142,7 +148,7 @@ class ModelRunner:
         plait.models.llama.LlamaModel.fuses_mlp_norm); PLAIT_FOLD_NORMS=0 keeps them apart."""
         return (os.environ.get(FOLD_NORMS_ENV, "1") != "0"
                 and not self.config.enable_lora  # adapters' A read the norms' weighted output
-                and self.config.quantization is None  # FP8 layers have no fused norm paths to use it
+                and self.quantization is None  # FP8 layers have no fused norm paths to use it
                 and hasattr(self.model, "fold_norm_weights")
                 and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
                 and triton_enabled() and triton_importable())
