@@ -43,9 +43,9 @@ def skinny_mode() -> str:
     return _skinny_mode
 
 
-# Set while a model is built for quantisation (plait.loader.model_loader): Linear layers are made on the
-# meta device, so the 16-bit weights that quantised layers replace never take memory (a 70B model need
-# not fit in bf16 to be served in FP8).
+# Set while the loader builds a model (plait.loader.model_loader): Linear layers are made on the meta
+# device, so no random init is drawn for weights the checkpoint overwrites, and the 16-bit weights that
+# quantised layers replace never take memory (a 70B model need not fit in bf16 to be served in FP8).
 _defer_weights = False
 
 
@@ -58,6 +58,14 @@ def deferred_weights(enabled: bool = True) -> Iterator[None]:
         yield
     finally:
         _defer_weights = before
+
+
+def materialize_deferred(model: nn.Module, device: torch.device) -> None:
+    """Give every module left on the meta device by deferred_weights uninitialised memory on ``device``
+    (the checkpoint, or random weights, fill it next)."""
+    for module in model.modules():
+        if any(p.is_meta for p in module.parameters(recurse=False)):
+            module.to_empty(device=device, recurse=False)
 
 
 class Linear(nn.Linear):

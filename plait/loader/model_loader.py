@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from plait.config import EngineConfig, ModelConfig
-from plait.layers.linear import deferred_weights
+from plait.layers.linear import deferred_weights, materialize_deferred
 from plait.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -56,14 +56,17 @@ def load_model(
     from plait.layers.fp8 import checkpoint_quantization, quantize_model
 
     quantization = config.quantization or checkpoint_quantization(hf_config)
-    # Quantised: linear layers are made without memory and replaced before any weight arrives, so each
-    # checkpoint tensor is quantised (or, already FP8, kept) as it is read and no 16-bit copy of the model
-    # ever exists.
-    with torch.device(device), deferred_weights(quantization is not None):
+    # Linear layers are made without memory (every weight is written below: drawing random ones that
+    # loading overwrites would only cost start-up time). Quantised, they are replaced before any weight
+    # arrives, so each checkpoint tensor is quantised (or, already FP8, kept) as it is read and no 16-bit
+    # copy of the model ever exists.
+    with torch.device(device), deferred_weights():
         model = cls(model_config, positions)
     model.to(dtype)  # rotary tables are plain attributes, so they stay fp32
     if quantization is not None:
         quantize_model(model, quantization, device)
+    else:
+        materialize_deferred(model, device)
     if weights is None:
         _init_dummy(model, config.seed)
     else:
