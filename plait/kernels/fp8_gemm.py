@@ -106,8 +106,8 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scale_ptr, M, K, stride_xm, row_iter
                           STATIC_ROW_ITERS: tl.constexpr, STATIC_CHUNK_ITERS: tl.constexpr,
                           BLOCK_K: tl.constexpr, FP8_MAX_: tl.constexpr, INV_FP8_MAX_: tl.constexpr,
                           MIN_SCALE_: tl.constexpr, PDL: tl.constexpr):
-    # Program (row, chunk): the row's amax over all of K, scale = amax / FP8_MAX, then the codes of its
-    # chunk of K, round_to_nearest_even(x / scale). Every chunk of a row computes the same scale.
+    # Program (row, chunk): the row's amax over all of K, scale = amax * fp32(1 / FP8_MAX), then the codes
+    # of its chunk of K, round_to_nearest_even(x / scale). Every chunk of a row computes the same scale.
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)

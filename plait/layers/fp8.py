@@ -37,10 +37,10 @@ IGNORABLE = {"lm_head", "re:.*lm_head"}
 
 
 def checkpoint_quantization(hf_config: dict) -> str | None:
-    """"fp8" when config.json's quantization_config describes FP8 weights plait can load as they are (one
+    """What config.json's quantization_config asks for: "fp8" for FP8 weights plait loads as they are (one
     scale per tensor or per output channel: llm-compressor's compressed-tensors "float-quantized", and the
-    "fp8" method of AutoFP8 / vLLM), None when there is no quantization_config; anything else is a
-    ValueError naming what plait does not load."""
+    "fp8" method of AutoFP8 / vLLM), None where there is none; anything else is a ValueError naming what
+    plait does not load."""
     q = hf_config.get("quantization_config")
     if not q:
         return None

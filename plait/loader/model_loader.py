@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from plait.config import EngineConfig, ModelConfig
+from plait.layers.fp8 import checkpoint_quantization, quantize_model
 from plait.layers.linear import deferred_weights, materialize_deferred
 from plait.models.registry import get_model_class
 
@@ -53,8 +54,6 @@ def load_model(
     cls = get_model_class(model_config.architecture)
     positions = max_positions or model_config.max_position_embeddings
     # An FP8 checkpoint is served in FP8 without --quantization, as vLLM reads its quantization_config.
-    from plait.layers.fp8 import checkpoint_quantization, quantize_model
-
     quantization = config.quantization or checkpoint_quantization(hf_config)
     # Linear layers are made without memory (every weight is written below: drawing random ones that
     # loading overwrites would only cost start-up time). Quantised, they are replaced before any weight
