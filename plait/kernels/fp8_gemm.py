@@ -23,7 +23,7 @@ import triton.language as tl
 
 from plait.kernels.interpreter import static_iters, trip_count
 from plait.kernels.pdl import pdl_args, pdl_prologue
-from plait.kernels.skinny_gemm import program_tile, reduce_splits
+from plait.kernels.skinny_gemm import program_tile, reduce_splits, sm_count
 from plait.layers.fp8 import FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
 # Rows up to this take the FP8 GEMV; more take cuBLASLt's FP8 GEMM.
@@ -195,19 +195,13 @@ def _fp8_gemv_kernel(
                  y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _sm_count(device: torch.device) -> int:
-    from plait.kernels.skinny_gemm import _sm_count as sm_count
-
-    return sm_count(device)
-
-
 def gemv_config(m: int, n: int, k: int, device: torch.device) -> Fp8GemvConfig:
     cfg = FP8_GEMV_CONFIGS.get((m_bucket(m), n, k))
     if cfg is not None:
         return cfg
     cfg = Fp8GemvConfig()
     block_k = min(cfg.block_k, max(DOT_N * 2, triton.next_power_of_2(k)))
-    split = split_for_gemv(triton.cdiv(n, cfg.block_n), k, block_k, _sm_count(device))
+    split = split_for_gemv(triton.cdiv(n, cfg.block_n), k, block_k, sm_count(device))
     return Fp8GemvConfig(cfg.block_n, block_k, split, cfg.num_warps, cfg.num_stages)
 
 

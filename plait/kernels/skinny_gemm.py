@@ -133,7 +133,8 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _sm_count(device: torch.device) -> int:
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of ``device`` (DEFAULT_NUM_SMS off the GPU, where only heuristics read it)."""
     if device.type != "cuda":
         return DEFAULT_NUM_SMS
     return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
@@ -175,7 +176,7 @@ def get_config(m: int, n: int, k: int, device: torch.device, gate_up: bool = Fal
     table = GATE_UP_CONFIGS if gate_up else SKINNY_CONFIGS
     cfg = table.get((m_bucket(m), n, k))
     if cfg is None:
-        cfg = heuristic_config(m, n, k, _sm_count(device), halves=2 if gate_up else 1)
+        cfg = heuristic_config(m, n, k, sm_count(device), halves=2 if gate_up else 1)
     return cfg
 
 

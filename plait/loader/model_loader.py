@@ -15,6 +15,7 @@ from plait.config import EngineConfig, ModelConfig
 from plait.layers.fp8 import checkpoint_quantization, quantize_model
 from plait.layers.linear import deferred_weights, materialize_deferred
 from plait.models.registry import get_model_class
+from plait.models.weights import weight_row_loader
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +113,7 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
-        owner_name, _, param_name = name.rpartition(".")
-        load_rows = getattr(modules[owner_name], "load_weight_rows", None) if param_name == "weight" else None
+        load_rows = weight_row_loader(modules, name)
         if "norm" in name:
             param.fill_(1.0)
         elif name.endswith(".bias"):
@@ -121,8 +121,8 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
         elif load_rows is not None:
             # A quantised layer: the same draws as the unquantised model's weight, then quantised, so
             # both random models are one model up to the rounding.
-            owner = modules[owner_name]
-            weight = torch.empty(param.shape, dtype=owner.compute_dtype, device=param.device)
+            dtype = modules[name.rpartition(".")[0]].compute_dtype
+            weight = torch.empty(param.shape, dtype=dtype, device=param.device)
             load_rows(0, weight.normal_(0.0, DUMMY_INIT_STD, generator=gen))
         else:
             param.normal_(0.0, DUMMY_INIT_STD, generator=gen)

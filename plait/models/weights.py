@@ -27,6 +27,13 @@ def fused_target(name: str, stacked: dict[str, tuple[str, int]]) -> tuple[str, i
     return name, None
 
 
+def weight_row_loader(modules: dict[str, nn.Module], name: str) -> Callable[[int, torch.Tensor], None] | None:
+    """For the weight of a quantised layer (plait.layers.fp8.Fp8Linear), the method that takes its rows
+    through the layer's own quantiser; None for any other parameter (copied as it is)."""
+    owner_name, _, param_name = name.rpartition(".")
+    return getattr(modules[owner_name], "load_weight_rows", None) if param_name == "weight" else None
+
+
 @torch.no_grad()
 def load_checked(
     model: nn.Module,
@@ -66,8 +73,7 @@ def load_checked(
         if dst.shape != tensor.shape:
             raise ValueError(f"tensor {raw_name!r} has shape {tuple(tensor.shape)}, "
                              f"expected {tuple(dst.shape)}")
-        # A quantised layer (plait.layers.fp8.Fp8Linear) takes its weight rows through its own quantiser.
-        load_rows = getattr(owner, "load_weight_rows", None) if param_name == "weight" else None
+        load_rows = weight_row_loader(modules, target)
         if load_rows is not None:
             load_rows(start, tensor)
         else:
