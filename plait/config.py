@@ -13,6 +13,8 @@ SCHEDULING_POLICIES: tuple[str, ...] = ("mixed", "prefill_first")
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("torch_ref", "triton")
 QUANTIZATION_METHODS: tuple[str, ...] = ("fp8",)
+# vLLM's --kv-cache-dtype choices plait takes -> the one stored. "auto": the model's dtype.
+KV_CACHE_DTYPES: dict[str, str] = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
 # long_prefill_token_threshold / max_prefill_tokens_beside_decodes value that means "no cap".
 NO_CHUNK_CAP = 0
@@ -35,6 +37,11 @@ class EngineConfig:
     # lm_head keeps FP8 weights with per-row scales, and quantises its input per token: W8A8,
     # plait.layers.fp8).
     quantization: str | None = None
+    # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or "fp8" (alias "fp8_e4m3"): K and V are stored as
+    # float8_e4m3fn codes, half the bytes of bf16, so twice the tokens fit and decode attention reads half as
+    # much. A code times its layer's scale (1.0, as vLLM's default, or the checkpoint's k_scale / v_scale)
+    # is the value; values beyond +-448 x scale saturate.
+    kv_cache_dtype: str = "auto"
     # The generation_config.json whose sampling defaults (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_new_tokens) apply where a request leaves them out, as vLLM's
     # --generation-config: "auto" = the model folder's, "vllm" = none (plait's and vLLM's own defaults), or
@@ -129,6 +136,10 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or unset, got "
                              f"{self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
+        self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
         if self.quantization is not None and self.enable_lora:
             raise ValueError("LoRA adapters on a quantized model are not supported: drop --quantization or "
                              "--enable-lora")

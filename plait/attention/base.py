@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from plait.attention.fp8_kv import UNIT_SCALES, KVScales
+
 if TYPE_CHECKING:
     from plait.runner.forward_batch import ForwardBatch
 
@@ -22,6 +24,9 @@ class AttentionBackend(ABC):
     and V of token ``t`` of a request live at slot ``block_table[t // block_size] * block_size
     + t % block_size``. Every backend handles any mix of first chunks, later chunks and decodes
     in one call; none looks at query lengths to decide what a row is.
+
+    A cache in the model's dtype holds K/V as they are; an FP8 cache (plait.attention.fp8_kv) holds codes
+    that stand for code * ``kv_scales.k`` (or ``.v``), written and read with the layer's ``kv_scales``.
     """
 
     name: str = ""
@@ -30,18 +35,19 @@ class AttentionBackend(ABC):
     graph_safe: bool = False
 
     @abstractmethod
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> None:
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
+                 kv_scales: KVScales = UNIT_SCALES) -> None:
         """Write k, v ([T, Hkv, D]) at ``batch.slot_mapping``."""
 
     def rotate_and_store(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
-        rotary: Rotary,
+        rotary: Rotary, kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
         """Rotate q and k at ``batch.positions``, store the rotated k and v as ``store_kv`` does, and return
         the rotated q. A backend may fuse this where ``rotary`` has a ``cos_sin`` table (RotaryEmbedding's:
         [max_positions, R] fp32, cos then sin, the neox rotation of each head's first R channels)."""
         q, k = rotary(batch.positions, q, k)
-        self.store_kv(k, v, kv_cache, batch)
+        self.store_kv(k, v, kv_cache, batch, kv_scales)
         return q
 
     @abstractmethod
@@ -53,6 +59,7 @@ class AttentionBackend(ABC):
         scale: float,
         sliding_window: int | None = None,
         return_lse: bool = False,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D] -> out [T, Hq, D] (and lse [T, Hq] if asked). Each query token sees its
         request's cached context and its own chunk up to itself."""

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.attention.base import AttentionBackend, register_backend
+from plait.attention.fp8_kv import UNIT_SCALES, KVScales, from_cache, to_cache
 
 if TYPE_CHECKING:
     from plait.runner.forward_batch import ForwardBatch
@@ -22,12 +23,14 @@ class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
     max_padded_scores = MAX_PADDED_SCORES
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> None:
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
+                 kv_scales: KVScales = UNIT_SCALES) -> None:
         # kv_cache: [2, num_blocks, block_size, Hkv, D] (any strides); a slot is block * block_size + offset
         block_size = kv_cache.shape[2]
         block, pos = batch.slot_mapping // block_size, batch.slot_mapping % block_size
-        kv_cache[0, block, pos] = k.to(kv_cache.dtype)
-        kv_cache[1, block, pos] = v.to(kv_cache.dtype)
+        inv_k, inv_v = kv_scales.inverse
+        kv_cache[0, block, pos] = to_cache(k, kv_cache.dtype, inv_k)
+        kv_cache[1, block, pos] = to_cache(v, kv_cache.dtype, inv_v)
 
     def attend(
         self,
@@ -37,19 +40,20 @@ class TorchRefBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         return_lse: bool = False,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_heads = q.shape[1]
         block_size = kv_cache.shape[2]
         max_keys = _num_key_blocks(batch, block_size) * block_size
         if batch.num_rows * num_heads * batch.max_query_len * max_keys <= self.max_padded_scores:
-            out, lse = self._attend_padded(q, kv_cache, batch, scale, sliding_window)
+            out, lse = self._attend_padded(q, kv_cache, batch, scale, sliding_window, kv_scales)
         else:
-            out, lse = self._attend_per_row(q, kv_cache, batch, scale, sliding_window)
+            out, lse = self._attend_per_row(q, kv_cache, batch, scale, sliding_window, kv_scales)
         return (out, lse) if return_lse else out
 
     def _attend_padded(
         self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
-        sliding_window: int | None,
+        sliding_window: int | None, kv_scales: KVScales,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row at once, queries and keys padded to the batch maximum and masked."""
         num_tokens, num_heads, head_dim = q.shape
@@ -67,8 +71,8 @@ class TorchRefBackend(AttentionBackend):
         qp = qp.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, group * max_q, head_dim)
         # k, v: [R, L, Hkv, D] -> [R, Hkv, L, D], L = max_blocks * block_size
         tables = batch.block_tables[:, : _num_key_blocks(batch, block_size)].long()
-        k = kv_cache[0][tables].flatten(1, 2).float().permute(0, 2, 1, 3)
-        v = kv_cache[1][tables].flatten(1, 2).float().permute(0, 2, 1, 3)
+        k = from_cache(kv_cache[0][tables].flatten(1, 2), kv_scales.k).permute(0, 2, 1, 3)
+        v = from_cache(kv_cache[1][tables].flatten(1, 2), kv_scales.v).permute(0, 2, 1, 3)
         scores = torch.matmul(qp, k.transpose(-1, -2)) * scale  # [R, Hkv, group * maxq, L]
         scores = scores.view(num_rows, num_kv_heads, group, max_q, -1)
         scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
@@ -82,7 +86,7 @@ class TorchRefBackend(AttentionBackend):
 
     def _attend_per_row(
         self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
-        sliding_window: int | None,
+        sliding_window: int | None, kv_scales: KVScales,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, num_heads, head_dim = q.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -97,8 +101,8 @@ class TorchRefBackend(AttentionBackend):
             num_blocks = -(-seq_len // block_size)
             blocks = batch.block_tables[i, :num_blocks].long()
             # k, v: [seq_len, Hkv, D] -> [Hq, seq_len, D] (GQA: each kv head serves `group` q heads)
-            k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)
-            v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float().transpose(0, 1)
+            k = from_cache(kv_cache[0, blocks].flatten(0, 1)[:seq_len], kv_scales.k).transpose(0, 1)
+            v = from_cache(kv_cache[1, blocks].flatten(0, 1)[:seq_len], kv_scales.v).transpose(0, 1)
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
             qi = q[q_start:q_end].float().transpose(0, 1)  # [Hq, n, D]

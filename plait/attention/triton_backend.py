@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from plait.attention.base import AttentionBackend, Rotary, register_backend
+from plait.attention.fp8_kv import UNIT_SCALES, KVScales
 from plait.kernels.dispatch import use_triton
 from plait.kernels.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
 from plait.kernels.rope_store import rope_store_kv
@@ -55,19 +56,21 @@ class TritonBackend(AttentionBackend):
     def __init__(self, num_kv_splits: int | None = None) -> None:
         self.num_kv_splits = num_kv_splits
 
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> None:
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
+                 kv_scales: KVScales = UNIT_SCALES) -> None:
         # kv_cache: [2, num_blocks, block_size, Hkv, D]
-        store_kv(k, v, kv_cache[0], kv_cache[1], batch.slot_mapping)
+        store_kv(k, v, kv_cache[0], kv_cache[1], batch.slot_mapping, kv_scales)
 
     def rotate_and_store(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
-        rotary: Rotary,
+        rotary: Rotary, kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor:
         # One launch instead of rotary's and store_kv's: a launch fewer per layer in every step.
         cos_sin = getattr(rotary, "cos_sin", None)
         if cos_sin is None or not use_triton(q) or cos_sin.device != q.device:
-            return super().rotate_and_store(q, k, v, kv_cache, batch, rotary)
-        return rope_store_kv(batch.positions, q, k, v, cos_sin, kv_cache[0], kv_cache[1], batch.slot_mapping)
+            return super().rotate_and_store(q, k, v, kv_cache, batch, rotary, kv_scales)
+        return rope_store_kv(batch.positions, q, k, v, cos_sin, kv_cache[0], kv_cache[1], batch.slot_mapping,
+                             kv_scales)
 
     def attend(
         self,
@@ -77,6 +80,7 @@ class TritonBackend(AttentionBackend):
         scale: float,
         sliding_window: int | None = None,
         return_lse: bool = False,
+        kv_scales: KVScales = UNIT_SCALES,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -86,7 +90,8 @@ class TritonBackend(AttentionBackend):
             paged_attention(
                 q[t], kv_cache[0], kv_cache[1], out[t], part.query_start_loc, batch.seq_lens[r],
                 batch.block_tables[r], scale, part.max_query_len, batch.max_seq_len, sliding_window or 0,
-                None if lse is None else lse[t], plan=part.plan, metadata_ready=True)
+                None if lse is None else lse[t], plan=part.plan, metadata_ready=True, k_scale=kv_scales.k,
+                v_scale=kv_scales.v)
         return (out, lse) if return_lse else out
 
     def _parts(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> list[_Part]:

@@ -24,6 +24,7 @@ _ENGINE_FLAGS = (
     "num_kv_blocks", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
     "attention_backend", "enforce_eager", "async_scheduling",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
+    "kv_cache_dtype",
 )
 
 
@@ -49,6 +50,8 @@ _FLAG_HELP = {
     "quantization": "as vLLM's --quantization on an unquantised checkpoint: 'fp8' keeps every linear layer "
                     "but the lm_head in FP8 with per-row scales, its input quantised per token (W8A8) "
                     "(default: none)",
+    "kv_cache_dtype": "as vLLM's --kv-cache-dtype: 'auto' (default: the model's dtype) or 'fp8' (alias "
+                      "'fp8_e4m3'): K/V stored in FP8, twice the tokens in the same memory",
     "max_cpu_loras": "LoRA adapters kept read on the host (default: --max-loras)",
 }
 

@@ -87,18 +87,21 @@ def split_for_gemv(programs: int, k: int, block_k: int, num_sms: int) -> int:
 
 
 @triton.jit
-def _round_to_e4m3(v):
+def round_to_e4m3(v):
     """v (fp32, |v| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, as an fp32.
 
     Rounding here, then converting an exactly representable value, gives torch's codes bit for bit on
     any backend (Triton's CPU interpreter rounds fp8 conversions that carry into the exponent wrongly)."""
     # Normal range: keep 3 of fp32's 23 mantissa bits, round half to even on the 20 dropped.
     bits = v.to(tl.uint32, bitcast=True)
-    bits = (bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000
-    normal = bits.to(tl.float32, bitcast=True)
-    # Subnormals (below 2^-6) sit on a grid of 2^-9: adding and taking away 1.5 * 2^23 rounds to it.
-    sub = ((v * 512.0 + 12582912.0) - 12582912.0) / 512.0
-    return tl.where(tl.abs(v) < 0.015625, sub, normal)
+    normal = ((bits + (0x7FFFF + ((bits >> 20) & 1))) & 0xFFF00000).to(tl.float32, bitcast=True)
+    # Subnormals (below 2^-6) sit on a grid of 2^-9: adding and taking away 1.5 * 2^23 rounds to it. On the
+    # magnitude, with the sign put back after, so that what rounds to zero keeps its sign (-0, as torch).
+    magnitude = tl.abs(v)
+    # (The sign goes back in as a bit: Triton negates as 0 - x, which turns -0 into +0.)
+    sub = ((magnitude * 512.0 + 12582912.0) - 12582912.0) / 512.0
+    sub = (sub.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)
+    return tl.where(magnitude < 0.015625, sub, normal)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -127,7 +130,7 @@ def _quantize_rows_kernel(x_ptr, codes_ptr, scale_ptr, M, K, stride_xm, row_iter
         k = k_lo + it * BLOCK_K + offs
         x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
         q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX_), FP8_MAX_)
-        tl.store(codes_ptr + row * K + k, _round_to_e4m3(q).to(tl.float8e4nv), mask=k < K)
+        tl.store(codes_ptr + row * K + k, round_to_e4m3(q).to(tl.float8e4nv), mask=k < K)
 
 
 def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

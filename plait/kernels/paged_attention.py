@@ -37,6 +37,7 @@ import triton.language as tl
 
 from plait.kernels.dispatch import checked_mode
 from plait.kernels.pdl import pdl_args, pdl_prologue
+from plait.layers.fp8 import FP8_DTYPE
 
 LOG2E = math.log2(math.e)
 # ln(2) inside kernels: LSEs are accumulated in the log2 domain and handed out as natural logs.
@@ -300,10 +301,11 @@ def _attend_tile(
     v_off = block * stride_vb + offset * stride_vs + kv_head * stride_vh
     k_ptrs = k_cache_ptr + k_off[:, None] + offs_d[None, :]
     v_ptrs = v_cache_ptr + v_off[:, None] + offs_d[None, :]
+    # An FP8 cache's codes are widened to q's dtype (exactly) here; their scales are applied outside.
     if MASKED:
-        k = tl.load(k_ptrs, mask=k_in[:, None], other=0.0)
+        k = tl.load(k_ptrs, mask=k_in[:, None], other=0.0).to(q.dtype)
     else:
-        k = tl.load(k_ptrs)
+        k = tl.load(k_ptrs).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
     if MASKED:
         visible = q_ok[:, None] & k_in[None, :] & (k_pos[None, :] <= q_pos[:, None])
@@ -320,9 +322,9 @@ def _attend_tile(
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if MASKED:
-        v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0).to(q.dtype)
     else:
-        v = tl.load(v_ptrs)
+        v = tl.load(v_ptrs).to(q.dtype)
     acc = acc * alpha[:, None]
     p_hi = p.to(v.dtype)
     if PRECISE_PV:
@@ -393,7 +395,7 @@ def _attend_range(
             do_not_specialize_on_alignment=_SLICED_ROW_ARRAYS)
 def _paged_attention_kernel(
     out_ptr, lse_ptr, split_out_ptr, split_lse_ptr, split_counters_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, num_rows,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, v_scale, num_rows,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_t,
     stride_so_t, stride_so_h, stride_sl_t, stride_sl_h, stride_counter,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, num_splits,
@@ -401,7 +403,7 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, SLIDING_WINDOW: tl.constexpr, STORE_LSE: tl.constexpr,
     SPLIT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr,
-    ONE_TOKEN_ROWS: tl.constexpr, METADATA_READY: tl.constexpr,
+    ONE_TOKEN_ROWS: tl.constexpr, METADATA_READY: tl.constexpr, SCALE_V: tl.constexpr,
 ):
     """Grid (T // BLOCK_Q + R, Hkv[, num_splits]), or (Hkv, T // BLOCK_Q + R[, num_splits]) with
     HEADS_FASTEST: one query tile of one row, all GROUP query heads of one kv head, and with SPLIT_KV
@@ -480,6 +482,8 @@ def _paged_attention_kernel(
     # A query that saw no key: zeros and lse -inf, never 0/0.
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if SCALE_V:  # an FP8 cache's V codes stand for code * v_scale (split partials too: they combine linearly)
+        out = out * v_scale
     lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     out_rows = out_ptr + token * stride_ot + head * stride_oh  # [BLOCK_M]
     lse_rows = lse_ptr + token * stride_lse_t + head
@@ -568,11 +572,13 @@ def paged_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     max_query_len: int, max_seq_len: int, sliding_window: int = 0, lse: torch.Tensor | None = None,
     plan: PagedAttentionPlan | None = None, num_kv_splits: int | None = None, metadata_ready: bool = False,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of every query token of a mixed batch over its row's paged K/V; writes and returns out.
 
     q, out: [T, Hq, D] (last dim contiguous; out in q's dtype, or fp32 to keep the result unrounded);
-    k_cache, v_cache: [num_blocks, block_size, Hkv, D];
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D], in q's dtype or FP8 codes standing for code * k_scale
+    (v_scale): plait.attention.fp8_kv;
     query_start_loc: [R + 1] int32; seq_lens: [R] int32 (cached context + this step's tokens);
     block_tables: [R, max_blocks] int32; max_query_len / max_seq_len: host-side upper bounds;
     sliding_window: 0 for none, else key p is visible to query position i iff i - W < p <= i;
@@ -604,7 +610,7 @@ def paged_attention(
     )
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
-    qk_scale = scale * LOG2E
+    qk_scale = scale * LOG2E * k_scale
     lse_arg = lse if lse is not None else out  # never written when STORE_LSE is off
     one_token_rows = max_query_len <= 1
     num_tiles = num_rows if one_token_rows else num_tokens // cfg.block_q + num_rows
@@ -622,11 +628,11 @@ def paged_attention(
         split_out = split_lse = counters = out  # never touched without SPLIT_KV
     _paged_attention_kernel[grid](
         out, lse_arg, split_out, split_lse, counters, q, k_cache, v_cache, query_start_loc, seq_lens,
-        block_tables, qk_scale, num_rows, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables, qk_scale, v_scale, num_rows, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         lse_arg.stride(0), split_out.stride(0), split_out.stride(1), split_lse.stride(0), split_lse.stride(1),
         counters.stride(0), *cache_strides, cfg.num_splits, BLOCK_Q=cfg.block_q, STORE_LSE=lse is not None,
         SPLIT_KV=split_kv, MIN_SPLIT_TILES=cfg.min_split_tiles, HEADS_FASTEST=heads_fastest,
-        ONE_TOKEN_ROWS=one_token_rows, METADATA_READY=metadata_ready, **common)
+        ONE_TOKEN_ROWS=one_token_rows, METADATA_READY=metadata_ready, SCALE_V=v_scale != 1.0, **common)
     return out
 
 
@@ -644,8 +650,9 @@ def _check_attention_args(
         raise ValueError(f"{num_heads} query heads do not group over {k_cache.shape[2]} kv heads")
     if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
         raise ValueError("q, out and the caches need a contiguous last (head_dim) dimension")
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q ({q.dtype}) and the cache ({k_cache.dtype}) must share a dtype")
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype, FP8_DTYPE):
+        raise ValueError(f"the cache ({k_cache.dtype}, {v_cache.dtype}) must be in q's dtype ({q.dtype}) "
+                         "or FP8")
     num_rows = seq_lens.shape[0]
     if query_start_loc.shape != (num_rows + 1,) or block_tables.shape[0] != num_rows:
         raise ValueError("query_start_loc must be [R + 1] and block_tables [R, max_blocks]")
@@ -662,10 +669,12 @@ def _check_attention_args(
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, sliding_window: int = 0,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same attention through ``plait.attention.torch_ref`` (fp32 math; reads tensors on the host).
 
     Returns (out [T, Hq, D] in q's dtype, lse [T, Hq] fp32)."""
+    from plait.attention.fp8_kv import KVScales
     from plait.attention.torch_ref import TorchRefBackend
     from plait.runner.forward_batch import ForwardBatch
 
@@ -695,5 +704,6 @@ def paged_attention_ref(
         max_seq_len=max(lens, default=0),
     )
     kv_cache = torch.stack([k_cache, v_cache])
-    out, lse = TorchRefBackend().attend(q, kv_cache, batch, scale, sliding_window or None, return_lse=True)
+    out, lse = TorchRefBackend().attend(q, kv_cache, batch, scale, sliding_window or None, return_lse=True,
+                                        kv_scales=KVScales(k_scale, v_scale))
     return out, lse

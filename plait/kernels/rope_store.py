@@ -6,9 +6,10 @@ import torch
 import triton
 import triton.language as tl
 
+from plait.attention.fp8_kv import UNIT_SCALES, KVScales
 from plait.kernels.pdl import pdl_args, pdl_prologue
 from plait.kernels.rotary import HEADS_PER_PROGRAM, load_cos_sin, rotary_ref, rotate_halves
-from plait.kernels.store_kv import check_store_args, store_kv_ref
+from plait.kernels.store_kv import check_store_args, store_kv_ref, to_cache_dtype
 
 # Warps per program, as the rotary and store_kv launches this replaces use.
 NUM_WARPS = 4
@@ -17,6 +18,7 @@ NUM_WARPS = 4
 def rope_store_kv_ref(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:
     """rotary_ref then store_kv_ref; returns the rotated q. A cos_sin table narrower than the head rotates
     only the leading channels and passes the rest through (plait.models.bamba.PartialRotaryEmbedding)."""
@@ -24,14 +26,15 @@ def rope_store_kv_ref(
     q_rot, k_rot = rotary_ref(positions, q[..., :r], k[..., :r], cos_sin)
     if r < q.shape[-1]:
         q_rot, k_rot = torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
-    store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping)
+    store_kv_ref(k_rot, v, k_cache, v_cache, slot_mapping, kv_scales)
     return q_rot
 
 
 @triton.jit
-def _rotate_rows(src, dst, heads, n_heads, s_head, so_head, cos, sin, d, d_mask,
+def _rotate_rows(src, dst, heads, n_heads, s_head, so_head, cos, sin, d, d_mask, inv_scale,
                  HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr):
-    # src, dst: one token's row of heads (dst may be a cache slot); heads: [BLOCK_H] head indices.
+    # src, dst: one token's row of heads (dst may be a cache slot, inv_scale its FP8 codes' 1 / scale);
+    # heads: [BLOCK_H] head indices.
     head_mask = (heads < n_heads)[:, None]
     mask = head_mask & d_mask[None, :]
     src_rows = src + heads[:, None] * s_head
@@ -40,22 +43,22 @@ def _rotate_rows(src, dst, heads, n_heads, s_head, so_head, cos, sin, d, d_mask,
     x2 = tl.load(src_rows + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
     out1, out2 = rotate_halves(x1, x2, cos, sin)
     # Rounded to the input's dtype first, then to the destination's: the reference rotates into q/k's dtype
-    # and store_kv casts that to the cache's (both no-ops when the dtypes agree).
-    out1 = out1.to(src.dtype.element_ty).to(dst.dtype.element_ty)
-    out2 = out2.to(src.dtype.element_ty).to(dst.dtype.element_ty)
+    # and store_kv converts that to the cache's (both no-ops when the dtypes agree).
+    out1 = to_cache_dtype(out1.to(src.dtype.element_ty), dst, inv_scale)
+    out2 = to_cache_dtype(out2.to(src.dtype.element_ty), dst, inv_scale)
     tl.store(dst_rows + d[None, :], out1, mask=mask)
     tl.store(dst_rows + HALF + d[None, :], out2, mask=mask)
     if PASS > 0:  # channels past the rotary dim are copied unchanged
         p = tl.arange(0, BLOCK_PASS)
         p_mask = head_mask & (p < PASS)[None, :]
         x = tl.load(src_rows + 2 * HALF + p[None, :], mask=p_mask)
-        tl.store(dst_rows + 2 * HALF + p[None, :], x.to(dst.dtype.element_ty), mask=p_mask)
+        tl.store(dst_rows + 2 * HALF + p[None, :], to_cache_dtype(x, dst, inv_scale), mask=p_mask)
 
 
 @triton.jit
 def _rope_store_kernel(
     q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cs_ptr,
-    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h,
+    inv_k_scale, inv_v_scale, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h,
     skc_block, skc_pos, skc_head, svc_block, svc_pos, svc_head, s_cs,
     HQ, HKV, q_blocks,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
@@ -73,29 +76,31 @@ def _rope_store_kernel(
     if hb < q_blocks:
         q_heads = hb * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
         _rotate_rows(q_ptr + tok * sq_t, q_out_ptr + tok * sqo_t, q_heads, HQ, sq_h, sqo_h, cos, sin, d,
-                     d_mask, HALF, PASS, BLOCK_PASS)
+                     d_mask, 1.0, HALF, PASS, BLOCK_PASS)
     else:
         slot = tl.load(slot_ptr + tok)
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         kv_heads = (hb - q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)
         k_dst = k_cache_ptr + block * skc_block + offset * skc_pos
         _rotate_rows(k_ptr + tok * sk_t, k_dst, kv_heads, HKV, sk_h, skc_head, cos, sin, d, d_mask,
-                     HALF, PASS, BLOCK_PASS)
+                     inv_k_scale, HALF, PASS, BLOCK_PASS)
         dims = tl.arange(0, BLOCK_D)[None, :]
         mask = (kv_heads < HKV)[:, None] & (dims < HEAD_DIM)
         v = tl.load(v_ptr + tok * sv_t + kv_heads[:, None] * sv_h + dims, mask=mask)
         v_dst = v_cache_ptr + block * svc_block + offset * svc_pos + kv_heads[:, None] * svc_head + dims
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_dst, to_cache_dtype(v, v_cache_ptr, inv_v_scale), mask=mask)
 
 
 def rope_store_kv(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scales: KVScales = UNIT_SCALES,
 ) -> torch.Tensor:
     """apply_rotary + store_kv in one launch; returns the rotated q (a new tensor). Equals rope_store_kv_ref.
 
     Token ``t``'s q and k heads are rotated at ``positions[t]`` (neox layout, fp32 math); its rotated k and
-    its v land at cache slot ``slot_mapping[t]`` (block * block_size + offset), cast to the cache dtype.
+    its v land at cache slot ``slot_mapping[t]`` (block * block_size + offset), cast to the cache dtype (FP8
+    codes of k / kv_scales.k and v / kv_scales.v for an FP8 cache).
     cos_sin: [max_positions, R] fp32, cos then sin; R < D rotates the first R channels of each head and
     copies the rest. positions index it unchecked (no host sync): callers keep them below max_positions.
     q, k, v may be strided views (a fused qkv output's slices) and the caches any strides, as store_kv
@@ -121,8 +126,9 @@ def rope_store_kv(
     q_blocks = triton.cdiv(hq, block_hq)
     grid = (t, q_blocks + triton.cdiv(hkv, block_hkv))
     half, passed = rot // 2, d - rot
+    inv_k, inv_v = kv_scales.inverse
     _rope_store_kernel[grid](
-        q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin,
+        q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, inv_k, inv_v,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -31,6 +31,9 @@ class LoadedModel:
     tokenizer: Any | None  # a transformers tokenizer, or None (random-weight configs have none)
     source: Path
     quantization: str | None = None  # config.quantization, or what the checkpoint itself holds ("fp8")
+    # Per attention layer (in KV-cache order), the checkpoint's FP8 KV-cache scales (k_scale, v_scale), where
+    # it has them and kv_cache_dtype is "fp8"; None otherwise (an FP8 cache then takes 1.0, as vLLM).
+    kv_scales: list[tuple[float, float]] | None = None
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from plait.attention.base import AttentionBackend, Rotary
+from plait.attention.fp8_kv import UNIT_SCALES, KVScales
 from plait.engine.kv_cache import PAD_BLOCK_ID
 from plait.engine.scheduler import StepPlan
 from plait.lora.slots import NO_LORA_SLOT
@@ -154,6 +155,7 @@ class ForwardBatch:
     seq_lens_cpu: list[int] | None = None
     attn_backend: AttentionBackend | None = None  # set by the runner
     kv_caches: list[torch.Tensor] | None = None  # set by the runner: one [2, blocks, bs, Hkv, D] per layer
+    kv_scales: list[KVScales] | None = None  # set by the runner for an FP8 cache: one per layer (None: 1.0)
     # Set by the runner for models with recurrent layers: one MambaLayerState per Mamba layer.
     recurrent_states: list | None = None
     # Set by the attention backend: metadata it derives from this batch once and reuses in every layer.
@@ -208,11 +210,12 @@ class ForwardBatch:
         ``rotary``, q and k are rotated at ``self.positions`` first, by the backend (which may fuse the
         rotation with the store)."""
         cache = self.kv_caches[layer_idx]
+        scales = UNIT_SCALES if self.kv_scales is None else self.kv_scales[layer_idx]
         if rotary is None:
-            self.attn_backend.store_kv(k, v, cache, self)
+            self.attn_backend.store_kv(k, v, cache, self, scales)
         else:
-            q = self.attn_backend.rotate_and_store(q, k, v, cache, self, rotary)
-        return self.attn_backend.attend(q, cache, self, scale, sliding_window)
+            q = self.attn_backend.rotate_and_store(q, k, v, cache, self, rotary, scales)
+        return self.attn_backend.attend(q, cache, self, scale, sliding_window, kv_scales=scales)
 
 
 STEP_FIELDS = (

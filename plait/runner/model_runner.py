@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from plait.attention.base import get_backend
+from plait.attention.fp8_kv import UNIT_SCALES, KVScales, cache_torch_dtype
 from plait.config import CPU_KV_CACHE_BYTES, NO_CHUNK_CAP, EngineConfig
 from plait.engine.grammar import next_token_bitmasks
 from plait.engine.kv_cache import cdiv
@@ -18,6 +19,7 @@ from plait.engine.request import Request
 from plait.engine.scheduler import StepPlan
 from plait.engine.state_slots import PAD_STATE_SLOT
 from plait.kernels.dispatch import triton_enabled, triton_importable
+from plait.layers.fp8 import FP8_DTYPE
 from plait.layers.mamba import allocate_mamba_states
 from plait.loader.model_loader import load_model, resolve_device_dtype
 from plait.lora.model import LoRAModel
@@ -122,6 +124,11 @@ class ModelRunner:
             if state_specs
             else None
         )
+        # K/V in the model's dtype, or FP8 codes with a (k, v) scale pair per layer (plait.attention.fp8_kv).
+        self.kv_cache_dtype = cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        self.kv_scales = [KVScales(*pair) for pair in loaded.kv_scales] if loaded.kv_scales else None
+        if self.kv_cache_dtype == FP8_DTYPE and self.kv_scales is None:
+            self.kv_scales = [UNIT_SCALES] * self._num_kv_layers()
         self.num_kv_blocks = self._choose_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.graph_safe
@@ -178,7 +185,7 @@ class ModelRunner:
 
     def _bytes_per_block(self) -> int:
         c = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
         return 2 * self._num_kv_layers() * self.config.block_size * c.num_key_value_heads * c.head_dim * elem
 
     def _num_kv_layers(self) -> int:
@@ -249,7 +256,7 @@ class ModelRunner:
         c = self.model_config
         shape = (2, num_blocks, self.config.block_size, c.num_key_value_heads, c.head_dim)
         num_layers = self._num_kv_layers()
-        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(num_layers)]
+        return [torch.zeros(shape, dtype=self.kv_cache_dtype, device=self.device) for _ in range(num_layers)]
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
@@ -403,6 +410,7 @@ class ModelRunner:
         or a throwaway one while profiling), recurrent state."""
         batch.attn_backend = self.attn_backend
         batch.kv_caches = self.kv_caches if kv_caches is None else kv_caches
+        batch.kv_scales = self.kv_scales
         batch.recurrent_states = self.recurrent_states
 
     def _prompt_logprobs(self, plan: StepPlan, arrays: StepArrays, hidden: torch.Tensor
