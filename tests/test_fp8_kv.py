@@ -198,16 +198,17 @@ def test_attention_refuses_a_cache_of_another_dtype():
 
 
 class QuantizingCache:
-    """An HF DynamicCache whose every update rounds the new K/V through FP8 first (scale 1.0), so HF's
-    attention sees what plait's FP8 cache holds: its own chunk's K/V included, as plait reads them from
-    the cache."""
+    """An HF DynamicCache whose every update rounds the new K/V through FP8 first (``scales[layer]``, else
+    1.0), so HF's attention sees what plait's FP8 cache holds: its own chunk's K/V included, as plait reads
+    them from the cache."""
 
-    def __new__(cls):
+    def __new__(cls, scales: list[KVScales] | None = None):
         from transformers import DynamicCache
 
         class _Cache(DynamicCache):
             def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-                return super().update(fake_quant(key_states, 1.0), fake_quant(value_states, 1.0), layer_idx,
+                s = UNIT_SCALES if scales is None else scales[layer_idx]
+                return super().update(fake_quant(key_states, s.k), fake_quant(value_states, s.v), layer_idx,
                                       *args, **kwargs)
 
         return _Cache()
@@ -218,15 +219,13 @@ class QuantizingCache:
 FP8_LOGITS_ATOL = 2e-3
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
-def test_engine_with_fp8_cache_matches_hf_with_fp8_rounded_kv(tiny_models, family):
+def assert_matches_hf_with_fp8_kv(folder, engine: LLMEngine, scales: list[KVScales] | None = None):
+    """Greedy tokens equal to HF's with K/V rounded through FP8 (``scales``), logits within fp32 noise of
+    them and visibly away from the unquantised model's."""
     from transformers import AutoModelForCausalLM
 
-    folder = tiny_models[family]
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     prompts = random_prompts(5, 1, 60, seed=17)
-    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=40, block_size=8,
-                                    kv_cache_dtype="fp8", device="cpu"))
     assert engine.runner.kv_caches[0].dtype == FP8
     outputs, logits = run_greedy(engine, prompts, 10, capture_logits=True)
     moved = 0.0
@@ -234,17 +233,66 @@ def test_engine_with_fp8_cache_matches_hf_with_fp8_rounded_kv(tiny_models, famil
         full = torch.tensor([prompt + outputs[i]])
         with torch.no_grad():
             ref_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0, past_key_values=QuantizingCache())
+                                  eos_token_id=None, pad_token_id=0, past_key_values=QuantizingCache(scales))
             ref_ids = ref_ids[0, len(prompt):].tolist()
-            ref_logits = hf(full, past_key_values=QuantizingCache(), use_cache=True).logits
+            ref_logits = hf(full, past_key_values=QuantizingCache(scales), use_cache=True).logits
             ref_logits = ref_logits[0, len(prompt) - 1:-1]
             plain_logits = hf(full).logits[0, len(prompt) - 1:-1]
-        assert outputs[i] == ref_ids, f"{family} prompt {i}: greedy tokens differ from HF with FP8 K/V"
+        assert outputs[i] == ref_ids, f"prompt {i}: greedy tokens differ from HF with FP8 K/V"
         got = torch.stack(logits[i])
         torch.testing.assert_close(got, ref_logits, atol=FP8_LOGITS_ATOL, rtol=0)
         moved = max(moved, float((got - plain_logits).abs().max()))
     assert moved > 5 * FP8_LOGITS_ATOL, "the FP8 cache computed what the unquantised one does"
     assert engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen3"])
+def test_engine_with_fp8_cache_matches_hf_with_fp8_rounded_kv(tiny_models, family):
+    engine = LLMEngine(EngineConfig(model=str(tiny_models[family]), max_num_batched_tokens=40, block_size=8,
+                                    kv_cache_dtype="fp8", device="cpu"))
+    assert engine.runner.kv_scales == [UNIT_SCALES] * 2
+    assert_matches_hf_with_fp8_kv(tiny_models[family], engine)
+
+
+def with_kv_scales(folder, tmp_path, scales: list[KVScales], style: str):
+    """A copy of a tiny checkpoint carrying FP8 KV-cache scales, named as compressed-tensors does
+    ("attn": self_attn.k_scale) or as older checkpoints ("proj": self_attn.k_proj.output_scale)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path / f"scaled-{style}"
+    shutil.copytree(folder, out)
+    tensors = load_file(out / "model.safetensors")
+    for layer, s in enumerate(scales):
+        for which, value in (("k", s.k), ("v", s.v)):
+            name = f"{which}_scale" if style == "attn" else f"{which}_proj.output_scale"
+            tensors[f"model.layers.{layer}.self_attn.{name}"] = torch.tensor([value])
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("style", ["attn", "proj"])
+def test_checkpoint_kv_scales_are_used_by_an_fp8_cache_and_ignored_by_others(tiny_llama, tmp_path, style):
+    # fp32 values, as a checkpoint stores them; small, so that the codes span the format's range.
+    pairs = ((0.011, 0.0062), (0.0075, 0.019))
+    scales = [KVScales(*(float(torch.tensor(x)) for x in pair)) for pair in pairs]
+    folder = with_kv_scales(tiny_llama, tmp_path, scales, style)
+    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=40, block_size=8,
+                                    kv_cache_dtype="fp8", device="cpu"))
+    assert engine.runner.kv_scales == scales
+    assert_matches_hf_with_fp8_kv(folder, engine, scales)
+    # A cache in the model's dtype loads the same checkpoint and leaves the scales be.
+    prompts = random_prompts(3, 5, 30, seed=2)
+    plain, scaled = (run_greedy(LLMEngine(EngineConfig(model=str(f), device="cpu")), prompts, 6)[0]
+                     for f in (tiny_llama, folder))
+    assert plain == scaled
+
+
+def test_checkpoint_with_kv_scales_for_some_layers_is_refused(tiny_llama, tmp_path):
+    folder = with_kv_scales(tiny_llama, tmp_path, [KVScales(0.5, 0.5)], "attn")  # layer 0 of 2
+    with pytest.raises(ValueError, match="KV-cache scales for 1 of 2"):
+        LLMEngine(EngineConfig(model=str(folder), kv_cache_dtype="fp8", device="cpu"))
 
 
 def test_fp8_cache_holds_twice_the_blocks_and_answers_do_not_depend_on_batching(tiny_llama):

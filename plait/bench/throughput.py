@@ -47,6 +47,7 @@ def _engine(model_dir: Path, max_model_len: int, args: argparse.Namespace) -> LL
         attention_backend=args.attention_backend,
         enable_prefix_caching=False,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     return LLMEngine(config)
 
@@ -192,6 +193,7 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
         "max_prefill_tokens_beside_decodes": engine.config.max_prefill_tokens_beside_decodes,
         "attention_backend": engine.runner.attn_backend.name,
         "quantization": engine.runner.quantization,
+        "kv_cache_dtype": engine.config.kv_cache_dtype,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                      "min_p": args.min_p},
         "cuda_graphs": engine.runner.graphs is not None,
@@ -248,6 +250,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--quantization", default=None,
                    help="'fp8': FP8 weights (vLLM's peer numbers are bf16; the floors count the bytes read)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="'fp8': FP8 K/V (default: auto, the model's dtype)")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the GPU's limits")
     p.add_argument("--in-process", action="store_true",
                    help="run the workloads one after another in this process (default: each in a fresh one)")

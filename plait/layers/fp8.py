@@ -28,10 +28,11 @@ SKIPPED_LAYERS = ("lm_head",)
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
 
-# Checkpoint tensors FP8 checkpoints carry beside their weights that plait does not use: static input
-# scales (plait quantises every input per token, at least as fine as one scale per tensor) and FP8 KV-cache
-# scales (plait's KV cache stays in the model's dtype).
-UNUSED_CHECKPOINT_SCALES = ("input_scale", "k_scale", "v_scale")
+# Checkpoint tensors FP8 checkpoints carry beside their weights that no layer takes: static input scales
+# (plait quantises every input per token, at least as fine as one scale per tensor) and FP8 KV-cache scales
+# (k_scale / v_scale, or the older k_proj / v_proj output_scale), which the loader hands to an FP8 KV cache
+# (plait.loader.model_loader) and which are unused by a cache in the model's dtype.
+UNUSED_CHECKPOINT_SCALES = ("input_scale", "k_scale", "v_scale", "output_scale")
 # Checkpoint layers left unquantised that plait can honour: those it leaves in 16 bits anyway.
 IGNORABLE = {"lm_head", "re:.*lm_head"}
 

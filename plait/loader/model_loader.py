@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import math
+import re
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,13 +72,46 @@ def load_model(
         quantize_model(model, quantization, device)
     else:
         materialize_deferred(model, device)
+    kv_scales: dict[int, dict[str, float]] = {}
     if weights is None:
         _init_dummy(model, config.seed)
     else:
+        weights = _tap_kv_scales(weights, kv_scales)
         model.load_weights((name, _to_model(name, t, device, dtype)) for name, t in weights)
     model.eval()
     tokenizer = _load_tokenizer(source)
-    return LoadedModel(model, model_config, tokenizer, source.path, quantization)
+    fp8_cache = config.kv_cache_dtype == "fp8"
+    cache_scales = _kv_cache_scales(kv_scales, model) if fp8_cache and kv_scales else None
+    return LoadedModel(model, model_config, tokenizer, source.path, quantization, cache_scales)
+
+
+# An FP8 checkpoint's KV-cache scales: compressed-tensors' self_attn.k_scale / v_scale, or the older
+# k_proj / v_proj output_scale.
+KV_SCALE_NAME = re.compile(r"layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
+
+
+def _tap_kv_scales(weights: Iterable[tuple[str, torch.Tensor]], found: dict[int, dict[str, float]]
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, passed on; the KV-cache scales among them are also kept in ``found``
+    (decoder layer -> {"k": scale, "v": scale}; the largest element, where a scale has several)."""
+    for name, tensor in weights:
+        match = KV_SCALE_NAME.search(name)
+        if match:
+            found.setdefault(int(match.group(1)), {})[match.group(2) or match.group(3)] = float(tensor.max())
+        yield name, tensor
+
+
+def _kv_cache_scales(found: dict[int, dict[str, float]], model: nn.Module) -> list[tuple[float, float]]:
+    """The checkpoint's (k_scale, v_scale) per KV-cache layer: its attention layers in order."""
+    num_kv_layers = getattr(model, "num_kv_cache_layers", model.config.num_hidden_layers)
+    complete = [layer for layer, pair in sorted(found.items()) if set(pair) == {"k", "v"}]
+    if len(complete) != len(found) or len(found) != num_kv_layers:
+        raise ValueError(f"the checkpoint has KV-cache scales for {len(complete)} of {num_kv_layers} "
+                         "attention layers: serve it without --kv-cache-dtype fp8, or one that has them all")
+    bad = [layer for layer in complete if not all(math.isfinite(v) and v > 0 for v in found[layer].values())]
+    if bad:
+        raise ValueError(f"KV-cache scales of layers {bad} are not positive finite numbers")
+    return [(found[layer]["k"], found[layer]["v"]) for layer in complete]
 
 
 def _to_model(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
