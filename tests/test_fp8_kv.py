@@ -160,7 +160,7 @@ def run_fp8(b, scale: float, scales: KVScales, num_kv_splits=None, window: int =
     return out, lse, plan
 
 
-ATOL = {torch.float32: 2e-5, torch.float16: 3e-3}
+ATOL = {torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.parametrize(("specs", "splits", "window"), [
@@ -183,6 +183,24 @@ def test_attention_over_fp8_codes_matches_torch_ref(dtype, scales, specs, splits
     torch.testing.assert_close(ref_lse, plain_lse, atol=1e-6, rtol=1e-6)
     assert torch.isfinite(out).all() and not lse.isnan().any()
     torch.testing.assert_close(out.float(), ref_out, atol=ATOL[dtype] * (1 + abs(scales.v)), rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=ATOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_over_fp8_codes_takes_its_own_tiles(dtype):
+    """Decode launches over an FP8 cache take FP8_DECODE_TILE_N / FP8_DECODE_NUM_STAGES; bf16 queries
+    take their dots in fp16 (exact widening of q and of the codes)."""
+    from plait.kernels.paged_attention import FP8_DECODE_NUM_STAGES, FP8_DECODE_TILE_N
+
+    scales = SCALES[2]
+    b = fp8_batch([(130, 1), (0, 1), (301, 1), (5, 0), (64, 1), PAD_ROW], (4, 2), dtype, scales, seed=4)
+    out, lse, plan = run_fp8(b, 0.3, scales, num_kv_splits=None, cache_dtype=FP8)
+    assert plan.config.tile_n == FP8_DECODE_TILE_N[64] and plan.config.num_stages >= FP8_DECODE_NUM_STAGES
+    ref_out, ref_lse = paged_attention_ref(b.q.float(), b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens,
+                                           b.block_tables, 0.3, 0, scales.k, scales.v)
+    # bf16 outputs: one rounding (a truncation in the interpreter) of values up to ~5.
+    rtol = 2**-7 if dtype == torch.bfloat16 else 0.0
+    torch.testing.assert_close(out.float(), ref_out, atol=ATOL[dtype], rtol=rtol)
     torch.testing.assert_close(lse, ref_lse, atol=ATOL[dtype], rtol=0)
 
 

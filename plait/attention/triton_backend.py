@@ -98,14 +98,15 @@ class TritonBackend(AttentionBackend):
         """The step's launches, made by its first layer and reused by the rest."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[3]
-        key = ("triton", num_tokens, num_heads, num_kv_heads, head_dim, q.dtype)
+        key = ("triton", num_tokens, num_heads, num_kv_heads, head_dim, q.dtype, kv_cache.dtype)
         parts = batch.backend_state.get(key)
         if parts is None:
-            parts = batch.backend_state[key] = self._split(batch, num_heads, num_kv_heads, head_dim, q.dtype)
+            parts = batch.backend_state[key] = self._split(batch, num_heads, num_kv_heads, head_dim, q.dtype,
+                                                           kv_cache.dtype)
         return parts
 
     def _split(self, batch: ForwardBatch, num_heads: int, num_kv_heads: int, head_dim: int,
-               dtype: torch.dtype) -> list[_Part]:
+               dtype: torch.dtype, cache_dtype: torch.dtype) -> list[_Part]:
         # The decode part's rows hold at most one token each, and its tokens come first: its launch reads
         # tokens [0, rows) (a CUDA graph of a mixed step pads it with empty rows, which take none). The
         # prompt part reads its rows' token offsets from query_start_loc as they are, over all the
@@ -119,6 +120,7 @@ class TritonBackend(AttentionBackend):
         for first, last, max_query_len, num_tokens in bounds:
             starts = batch.query_start_loc[first : last + 1]
             plan = plan_paged_attention(num_tokens, last - first, num_heads, num_kv_heads, head_dim, dtype,
-                                        max_query_len, batch.max_seq_len, starts.device, self.num_kv_splits)
+                                        max_query_len, batch.max_seq_len, starts.device, self.num_kv_splits,
+                                        cache_dtype=cache_dtype)
             parts.append(_Part(slice(0, num_tokens), slice(first, last), starts, max_query_len, plan))
         return parts
