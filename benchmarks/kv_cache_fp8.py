@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--config", default="benchmarks/configs/llama-8b")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=4096)
-    parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--output", type=int, default=512)
     parser.add_argument("--out", default="benchmarks/results/kv_cache_fp8.json")
     args = parser.parse_args()
     runs = {dtype: run_isolated(measure, dtype, args) for dtype in ("auto", "fp8")}
