@@ -329,6 +329,22 @@ def test_fp8_cache_holds_twice_the_blocks_and_answers_do_not_depend_on_batching(
     assert results[0] == results[1]
 
 
+def test_prefix_cache_hits_read_fp8_blocks_as_written(tiny_llama):
+    """Cached FP8 blocks are reused as they are: cache on answers as cache off, with hits."""
+    g = torch.Generator().manual_seed(9)
+    prefix = torch.randint(3, 500, (43,), generator=g).tolist()
+    prompts = [prefix + torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 1, 13, 0, 9)]
+    runs = {}
+    for caching in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(tiny_llama), device="cpu", kv_cache_dtype="fp8",
+                                        block_size=8, max_num_batched_tokens=32,
+                                        enable_prefix_caching=caching))
+        runs[caching] = run_greedy(engine, prompts, 8, arrive_every=4)[0]
+        if caching:
+            assert engine.kv_cache.stats.hits > 0
+    assert runs[True] == runs[False]
+
+
 # -- on a GPU --------------------------------------------------------------------------------------------
 
 

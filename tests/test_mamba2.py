@@ -311,6 +311,18 @@ def test_kv_caches_only_for_attention_layers(recurrent_models):
     assert mamba.state_slots.capacity == 4
 
 
+@pytest.mark.parametrize("arch", ["bamba", "nemotron_h"])
+def test_fp8_kv_cache_on_the_attention_layers_keeps_chunking_invisible(recurrent_models, prompts, arch):
+    """kv_cache_dtype="fp8" on a hybrid: FP8 caches for its attention layers alone (one scale pair each),
+    and a prompt chunked into 7-token steps answers as it does in one step."""
+    engines = [_engine(recurrent_models[arch], kv_cache_dtype="fp8", max_num_batched_tokens=budget)
+               for budget in (7, 512)]
+    runner = engines[0].runner
+    assert [c.dtype for c in runner.kv_caches] == [torch.float8_e4m3fn] and len(runner.kv_scales) == 1
+    chunked, whole = (run_greedy(e, prompts, MAX_TOKENS, arrive_every=2)[0] for e in engines)
+    assert chunked == whole
+
+
 # -- the GPU path (Triton kernels inside the engine) -----------------------------------------------
 
 
