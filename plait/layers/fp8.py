@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import json
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -39,31 +41,37 @@ IGNORABLE = {"lm_head", "re:.*lm_head"}
 
 def checkpoint_quantization(hf_config: dict) -> str | None:
     """What config.json's quantization_config asks for: "fp8" for FP8 weights plait loads as they are (one
-    scale per tensor or per output channel: llm-compressor's compressed-tensors "float-quantized", and the
-    "fp8" method of AutoFP8 / vLLM), None where there is none; anything else is a ValueError naming what
-    plait does not load."""
+    scale per tensor, per output channel or per block: llm-compressor's compressed-tensors
+    "float-quantized", and the "fp8" method of AutoFP8 / vLLM / DeepSeek / Qwen), None where there is none;
+    anything else is a ValueError naming what plait does not load. checkpoint_weight_block says whether the
+    scales are block-wise."""
     q = hf_config.get("quantization_config")
     if not q:
         return None
     method = q.get("quant_method")
     if method == "fp8":
-        if q.get("weight_block_size"):
-            raise ValueError(f"FP8 checkpoints with block-wise scales (weight_block_size "
-                             f"{q['weight_block_size']}) are not supported; per-tensor and per-channel are")
-        ignored = q.get("ignored_layers") or []
+        if q.get("weight_block_size") and q.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError("block-wise FP8 checkpoints with static activation scales are not supported "
+                             "(dynamic per-token-group scales are)")
+        ignored = q.get("ignored_layers") or q.get("modules_to_not_convert") or []
     elif method == "compressed-tensors":
         groups = list((q.get("config_groups") or {}).values())
         for group in groups:
             w = group.get("weights") or {}
             if not (w.get("type") == "float" and w.get("num_bits") == 8
-                    and w.get("strategy") in ("tensor", "channel")):
+                    and w.get("strategy") in ("tensor", "channel", "block")):
                 raise ValueError(f"compressed-tensors weights {w} are not supported: plait loads 8-bit float "
-                                 "weights with per-tensor or per-channel scales")
+                                 "weights with per-tensor, per-channel or block scales")
             a = group.get("input_activations")
             if a and not (a.get("type") == "float" and a.get("num_bits") == 8):
                 raise ValueError(f"compressed-tensors input activations {a} are not supported (FP8 only)")
+            if w.get("strategy") == "block" and a and not a.get("dynamic", False):
+                raise ValueError("compressed-tensors block weights with static input scales are not "
+                                 "supported")
         if not groups:
             raise ValueError("compressed-tensors quantization_config without config_groups")
+        if len({json.dumps((g.get("weights") or {}).get("block_structure")) for g in groups}) > 1:
+            raise ValueError("compressed-tensors groups with different weight blocks are not supported")
         ignored = q.get("ignore") or []
     else:
         raise ValueError(f"quantization_config quant_method {method!r} is not supported: plait loads FP8 "
@@ -73,7 +81,23 @@ def checkpoint_quantization(hf_config: dict) -> str | None:
     if extra:
         raise ValueError(f"FP8 checkpoints leaving layers other than the lm_head unquantised ({extra[:4]}) "
                          "are not supported")
+    checkpoint_weight_block(hf_config)  # refuses blocks the kernels do not take
     return "fp8"
+
+
+def checkpoint_weight_block(hf_config: dict) -> tuple[int, int] | None:
+    """(block_n, block_k) of a checkpoint with block-wise FP8 scales (quant_method "fp8" with
+    weight_block_size, or compressed-tensors weights of strategy "block"); None for any other."""
+    q = hf_config.get("quantization_config") or {}
+    block = q.get("weight_block_size")
+    if q.get("quant_method") == "compressed-tensors":
+        weights = [(g.get("weights") or {}) for g in (q.get("config_groups") or {}).values()]
+        block = next((w.get("block_structure") for w in weights if w.get("strategy") == "block"), None)
+    if not block:
+        return None
+    from plait.layers.fp8_block import check_block
+
+    return check_block(tuple(block))
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -194,11 +218,13 @@ class Fp8Linear(nn.Module):
 
 
 @torch.no_grad()
-def quantize_model(model: nn.Module, method: str, device: torch.device | None = None) -> int:
+def quantize_model(model: nn.Module, method: str, device: torch.device | None = None,
+                   block: tuple[int, int] | None = None) -> int:
     """Replace every nn.Linear of ``model`` but SKIPPED_LAYERS with its quantised form, from outside the
     model (its code is unchanged); returns how many layers were replaced. Layers built on the meta device
     (plait.layers.linear.deferred_weights) become empty FP8 layers on ``device``, and skipped ones empty
-    16-bit layers there, for the checkpoint to fill."""
+    16-bit layers there, for the checkpoint to fill. ``block``: block-wise scales of that (block_n,
+    block_k) (plait.layers.fp8_block.Fp8BlockLinear), as a block-wise checkpoint holds them."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
@@ -211,5 +237,10 @@ def quantize_model(model: nn.Module, method: str, device: torch.device | None = 
         name, module = targets.pop()
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Fp8Linear.from_linear(module, device))
+        if block is None:
+            setattr(parent, child, Fp8Linear.from_linear(module, device))
+        else:
+            from plait.layers.fp8_block import Fp8BlockLinear
+
+            setattr(parent, child, Fp8BlockLinear.from_linear(module, device, block))
     return count

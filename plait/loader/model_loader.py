@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from plait.config import EngineConfig, ModelConfig
-from plait.layers.fp8 import checkpoint_quantization, quantize_model
+from plait.layers.fp8 import checkpoint_quantization, checkpoint_weight_block, quantize_model
 from plait.layers.linear import deferred_weights, materialize_deferred
 from plait.models.registry import get_model_class
 from plait.models.weights import weight_row_loader
@@ -59,8 +59,10 @@ def load_model(
     model_config = ModelConfig.from_hf(hf_config)
     cls = get_model_class(model_config.architecture)
     positions = max_positions or model_config.max_position_embeddings
-    # An FP8 checkpoint is served in FP8 without --quantization, as vLLM reads its quantization_config.
-    quantization = config.quantization or checkpoint_quantization(hf_config)
+    # An FP8 checkpoint is served in FP8 without --quantization, as vLLM reads its quantization_config, and
+    # its scheme (per-row or block-wise scales) is the checkpoint's whether or not the flag is given.
+    quantization = checkpoint_quantization(hf_config) or config.quantization
+    block = checkpoint_weight_block(hf_config)
     # Linear layers are made without memory (every weight is written below: drawing random ones that
     # loading overwrites would only cost start-up time). Quantised, they are replaced before any weight
     # arrives, so each checkpoint tensor is quantised (or, already FP8, kept) as it is read and no 16-bit
@@ -69,7 +71,7 @@ def load_model(
         model = cls(model_config, positions)
     model.to(dtype)  # rotary tables are plain attributes, so they stay fp32
     if quantization is not None:
-        quantize_model(model, quantization, device)
+        quantize_model(model, quantization, device, block)
     else:
         materialize_deferred(model, device)
     kv_scales: dict[int, dict[str, float]] = {}
@@ -117,7 +119,7 @@ def _kv_cache_scales(found: dict[int, dict[str, float]], model: nn.Module) -> li
 def _to_model(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A checkpoint tensor on the device, in the model's dtype unless it is FP8 codes or the scale of an
     FP8 checkpoint (kept as they are: the codes are what is served, the scales multiply fp32 sums)."""
-    if t.dtype == torch.float8_e4m3fn or name.endswith("_scale"):
+    if t.dtype == torch.float8_e4m3fn or name.endswith(("_scale", "_scale_inv")):
         return t.to(device=device)
     return t.to(device=device, dtype=dtype)
 

@@ -61,7 +61,8 @@ def load_checked(
         owner_name, _, param_name = target.rpartition(".")
         owner = modules.get(owner_name)
         sizes = shard_sizes[target.split(".")[-2]] if shard is not None else None
-        if param_name == "weight_scale" and hasattr(owner, "load_scale_rows"):  # an FP8 checkpoint's
+        # An FP8 checkpoint's weight scales (weight_scale_inv: DeepSeek / Qwen block-wise checkpoints).
+        if param_name in ("weight_scale", "weight_scale_inv") and hasattr(owner, "load_scale_rows"):
             start, rows = (sum(sizes[:shard]), sizes[shard]) if sizes else (0, owner.out_features)
             owner.load_scale_rows(start, rows, tensor)
             continue

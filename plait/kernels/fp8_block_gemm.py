@@ -1,0 +1,158 @@
+"""Block-wise FP8 matmuls (DeepSeek / Qwen FP8 checkpoints): per-token-group input quantisation, the GEMM."""
+
+# A block-wise FP8 layer (plait.layers.fp8_block) holds weight codes with one fp32 scale per
+# [block_n, block_k] tile, and quantises its input per token and per group of block_k along K, so
+#   out[m, n] = sum over K blocks kb of  sx[m, kb] * sw[n // block_n, kb] * sum_{k in kb} cx[m, k] * cw[n, k]
+# On CUDA: quantize_groups_fp8 (one Triton launch) then _fp8_block_gemm_kernel, whose programs walk K one
+# block at a time, take each block's FP8 dot on tensor cores (x as the dot's M side, the weight loaded as
+# its transpose) and scale it into an fp32 accumulator. Decode-sized steps (<= 16 rows) also split K over
+# programs, their fp32 partials summed in a fixed order by skinny_gemm.reduce_splits, so the weight streams
+# from enough programs to fill the GPU. plait.layers.fp8_block.fp8_block_linear_ref is the same function in
+# torch (fp32 on the dequantised codes): the CPU path and the tests' oracle.
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from plait.kernels.fp8_gemm import round_to_e4m3, split_for_gemv
+from plait.kernels.interpreter import static_iters, trip_count
+from plait.kernels.pdl import pdl_args, pdl_prologue
+from plait.kernels.skinny_gemm import reduce_splits, sm_count
+from plait.layers.fp8 import FP8_MAX, INV_FP8_MAX, MIN_SCALE
+
+# Rows up to this are a decode-sized step: 16-row tiles, K split over programs.
+SKINNY_MAX_M = 16
+DOT_M = 16  # tl.dot's smallest M: decode rows are padded to it
+# Output columns per program, within one weight block row (block_n is a multiple of it or smaller).
+BLOCK_N = 128
+SKINNY_BLOCK_N = 64
+# Prompt-sized steps: 64 rows a program up to this many rows, 128 beyond.
+SMALL_M = 64
+NUM_STAGES = 3
+
+
+@triton.jit(do_not_specialize=["M"])
+def _quantize_groups_kernel(x_ptr, codes_ptr, scale_ptr, M, K, stride_xm, stride_sm,
+                            GROUP: tl.constexpr, FP8_MAX_: tl.constexpr, INV_FP8_MAX_: tl.constexpr,
+                            MIN_SCALE_: tl.constexpr, PDL: tl.constexpr):
+    # Program (row, group): scale = amax * fp32(1 / FP8_MAX) of the group's GROUP elements, then their codes,
+    # round_to_nearest_even(x / scale) with IEEE division, as the torch reference.
+    pdl_prologue(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    k = group * GROUP + tl.arange(0, GROUP)
+    x = tl.load(x_ptr + row * stride_xm + k, mask=k < K, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) * INV_FP8_MAX_, MIN_SCALE_)
+    tl.store(scale_ptr + row * stride_sm + group, scale)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -FP8_MAX_), FP8_MAX_)
+    tl.store(codes_ptr + row * K + k, round_to_e4m3(q).to(tl.float8e4nv), mask=k < K)
+
+
+def quantize_groups_fp8(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """plait.layers.fp8_block.quantize_groups in one launch: (codes [M, K] float8_e4m3fn, scales [M, cdiv(K,
+    group)] fp32), each group of ``group`` elements of a row on its own scale."""
+    # x: [M, K] (unit stride along K)
+    m, k = x.shape
+    groups = triton.cdiv(k, group)
+    codes = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_groups_kernel[(m, groups)](
+            x, codes, scale, m, k, x.stride(0), scale.stride(0), GROUP=group, FP8_MAX_=FP8_MAX,
+            INV_FP8_MAX_=INV_FP8_MAX, MIN_SCALE_=MIN_SCALE, num_warps=4, **pdl_args(x))
+    return codes, scale
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_block_gemm_kernel(
+    xq_ptr, sx_ptr, w_ptr, sw_ptr, b_ptr, out_ptr, part_ptr,
+    M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_om, kb_per_split,
+    STATIC_KB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    WEIGHT_BLOCK_N: tl.constexpr, TO_WORKSPACE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+):
+    # Grid (M tiles, N tiles, K splits); BLOCK_K is the weight's block_k (one scale pair per step), and a
+    # program's BLOCK_N columns lie in one weight block row (BLOCK_N divides WEIGHT_BLOCK_N or equals it).
+    pdl_prologue(PDL)
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows past the end re-read the last valid row (dropped at the store), so loads stay unmasked but for K.
+    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    w_block_row = (pid_n * BLOCK_N) // WEIGHT_BLOCK_N
+    kb_lo = pid_k * trip_count(STATIC_KB, kb_per_split)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for it in range(trip_count(STATIC_KB, kb_per_split)):
+        kb = kb_lo + it
+        k = kb * BLOCK_K + offs_k
+        k_in = k < K
+        x = tl.load(xq_ptr + rows_m[:, None] * stride_xm + k[None, :], mask=k_in[None, :], other=0.0)
+        # The weight as its transpose, [BLOCK_K, BLOCK_N], K contiguous: the B operand FP8 dots take.
+        wt = tl.load(w_ptr + rows_n[None, :] * stride_wn + k[:, None], mask=k_in[:, None], other=0.0)
+        # A split's last steps may lie past K (kb_per_split rounds up): their loads are masked to zeros.
+        sx = tl.load(sx_ptr + rows_m * stride_sxm + kb, mask=kb * BLOCK_K < K, other=0.0)  # [BLOCK_M]
+        sw = tl.load(sw_ptr + w_block_row * stride_swn + kb, mask=kb * BLOCK_K < K, other=0.0)
+        acc += tl.dot(x, wt) * (sx[:, None] * sw)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    if TO_WORKSPACE:
+        # part: [split_k, M, N] fp32, summed in a fixed order by the reduce launch (which adds the bias).
+        tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def fp8_block_gemm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                   block: tuple[int, int], bias: torch.Tensor | None, out_dtype: torch.dtype,
+                   split_k: int | None = None) -> torch.Tensor:
+    """Block-scaled (codes * scale) @ (weight * weight_scale)^T (+ bias), in out_dtype. ``split_k``
+    overrides the split of K (decode-sized steps only; tests)."""
+    # codes: [M, K] fp8; scale: [M, cdiv(K, bk)] fp32; weight: [N, K] fp8; weight_scale: [cdiv(N, bn),
+    # cdiv(K, bk)] fp32 -> [M, N]
+    m, k = codes.shape
+    n = weight.shape[0]
+    block_n, block_k = block
+    out = torch.empty((m, n), dtype=out_dtype, device=codes.device)
+    if m == 0:
+        return out
+    num_kb = triton.cdiv(k, block_k)
+    if m <= SKINNY_MAX_M:
+        block_m, tile_n, warps = DOT_M, min(SKINNY_BLOCK_N, block_n), 4
+        programs = triton.cdiv(n, tile_n)
+        split = split_k or split_for_gemv(programs, k, block_k, sm_count(codes.device))
+        split = max(1, min(split, num_kb))
+    else:
+        block_m, warps = (SMALL_M, 4) if m <= SMALL_M else (2 * SMALL_M, 8)
+        tile_n, split = min(BLOCK_N, block_n), 1
+    kb_per_split = triton.cdiv(num_kb, split)
+    split = triton.cdiv(num_kb, kb_per_split)  # no split left without blocks
+    part = torch.empty((split, m, n), dtype=torch.float32, device=codes.device) if split > 1 else out
+    _fp8_block_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, tile_n), split)](
+        codes, scale, weight, weight_scale, bias if bias is not None else out, out, part,
+        m, n, k, codes.stride(0), scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
+        kb_per_split, STATIC_KB=static_iters(codes.is_cuda, kb_per_split), BLOCK_M=block_m, BLOCK_N=tile_n,
+        BLOCK_K=block_k, WEIGHT_BLOCK_N=block_n, TO_WORKSPACE=split > 1, HAS_BIAS=bias is not None,
+        num_warps=warps, num_stages=NUM_STAGES, **pdl_args(codes),
+    )
+    if split > 1:
+        reduce_splits(part, bias, out)
+    return out
+
+
+def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                     block: tuple[int, int], bias: torch.Tensor | None = None) -> torch.Tensor:
+    """plait.layers.fp8_block.fp8_block_linear_ref on CUDA: x quantised per token and K group, the GEMM."""
+    # x: [..., K] bf16/fp16 -> [..., N]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    codes, scale = quantize_groups_fp8(x2, block[1])
+    out = fp8_block_gemm(codes, scale, weight, weight_scale, block, bias, x.dtype)
+    return out.view(*x.shape[:-1], weight.shape[0])
