@@ -206,7 +206,7 @@ def test_an_fp8_checkpoint_is_served_as_it_is(tiny_models, tmp_path):
 
 @pytest.mark.parametrize("change, message", [
     (lambda q: q.update(quant_method="awq"), "quant_method 'awq' is not supported"),
-    (lambda q: q.update(quant_method="fp8", weight_block_size=[128, 128]), "block-wise scales"),
+    (lambda q: q.update(quant_method="fp8", weight_block_size=[100, 128]), "powers of two"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4),
      "weights .* not supported"),
     (lambda q: q.update(ignore=["lm_head", "model.layers.0.mlp.down_proj"]), "other than the lm_head"),
