@@ -244,31 +244,53 @@ def test_random_weights_of_a_block_fp8_config(tiny_models, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-@pytest.mark.parametrize("m", [1, 4, 16, 100, 512])
+@pytest.mark.parametrize("m", [1, 4, 16, 37, 512])  # 37: padded to cuBLASLt's row multiple
 @pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (28672, 4096)])
 def test_block_linear_real_shapes_match_the_exact_product(m, n, k):
+    """The Triton kernel (fp32 out): decode-sized tiles to fp32 rounding; prompt-sized tiles within Hopper's
+    FP8 accumulation (promoted every IMPRECISE_ACC_K elements: ~1e-4 of the largest output). The layer's
+    dispatch (cuBLASLt's block-scaled GEMM beyond 16 rows) to its bf16 output."""
+    from plait.kernels.fp8_block_gemm import cublas_block_scaling
+
     g = torch.Generator(device="cuda").manual_seed(m)
     w_codes, w_scale = quantize_blocks(torch.randn(n, k, device="cuda", generator=g) * 0.02, (128, 128))
     x = torch.randn(m, k, device="cuda", generator=g, dtype=torch.bfloat16)
     codes, scale = quantize_groups_fp8(x, 128)
     want = exact_product(codes, scale, w_codes, w_scale, (128, 128))
+    largest = want.abs().max().item()
     got = fp8_block_gemm(codes, scale, w_codes, w_scale, (128, 128), None, torch.float32).double()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    tolerance = 1e-5 if m <= 16 else 3e-4
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=tolerance * largest)
     out = fp8_block_linear(x, w_codes, w_scale, (128, 128))
-    torch.testing.assert_close(out.double(), want, rtol=2**-7, atol=2**-7 * want.abs().max().item())
+    torch.testing.assert_close(out.double(), want, rtol=2**-7, atol=2**-8 * largest)
+    assert cublas_block_scaling(x.device)  # torch 2.11 + CUDA 13 on Hopper has it
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
-def test_block_fp8_engine_on_gpu_graphs_eager_and_cpu_reference_agree(tiny_models, tmp_path):
-    """A block-FP8 Qwen3 checkpoint (bf16 on the GPU): CUDA graphs, eager and the fp32 CPU engine."""
+def test_block_fp8_engine_on_gpu_and_each_layer_against_its_reference(tiny_models, tmp_path):
+    """A block-FP8 Qwen3 checkpoint in bf16 on the GPU: CUDA graphs and eager agree token for token, and each
+    of the engine's block layers (32 x 32 tiles: the Triton kernel at every size), on the same bf16 input,
+    gives its torch reference's output to bf16 rounding at decode and prompt sizes. Whole engines on the
+    kernels and on torch code are not compared token for token: a last-bit difference in an activation
+    crosses an FP8 rounding boundary about one time in 16, so two correct paths fork at the first near-tie."""
     block_checkpoint(tiny_models["qwen3"], tmp_path / "ckpt", "fp8")
-    prompts = random_prompts(8, 3, 60, seed=4)
-    kw = dict(model=str(tmp_path / "ckpt"), block_size=8, max_num_batched_tokens=64, max_model_len=128)
+    prompts = random_prompts(16, 3, 60, seed=4)
+    kw = dict(model=str(tmp_path / "ckpt"), block_size=8, max_num_batched_tokens=64, max_model_len=128,
+              num_kv_blocks=512)  # two engines in one process: each sized, not from free memory
     runs = {name: run_greedy(LLMEngine(EngineConfig(**kw, **knobs)), prompts, 12, arrive_every=1)[0]
-            for name, knobs in {"graphs": {}, "eager": dict(enforce_eager=True),
-                                "cpu": dict(device="cpu")}.items()}
-    for name in ("eager", "cpu"):
-        agree = sum(runs[name][i] == runs["graphs"][i] for i in range(len(prompts))) / len(prompts)
-        print(f"\nblock FP8: graphs vs {name}: {agree:.0%} agree")
-        assert agree >= 0.75
+            for name, knobs in {"graphs": {}, "eager": dict(enforce_eager=True)}.items()}
+    agree = sum(runs["eager"][i] == runs["graphs"][i] for i in range(len(prompts))) / len(prompts)
+    assert agree >= 0.9, f"graphs vs eager: {agree:.0%} agree"
+    model = LLMEngine(EngineConfig(**kw, enforce_eager=True)).runner.model
+    layers = [m for m in model.modules() if isinstance(m, Fp8BlockLinear)]
+    assert len(layers) == 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with torch.no_grad():
+        for layer in layers:
+            for m in (3, 16, 37, 64):
+                x = torch.randn(m, layer.in_features, device="cuda", generator=g, dtype=torch.bfloat16)
+                want = fp8_block_linear_ref(x, layer.weight, layer.weight_scale, layer.block, layer.bias)
+                got = layer(x)
+                torch.testing.assert_close(got.float(), want.float(), rtol=2**-7,
+                                           atol=2**-8 * want.float().abs().max().item())

@@ -163,7 +163,7 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
 
     workloads = load_shared_module(shared, "workloads.py")
     model_name, num, lo, hi, output_len = workloads.OFFLINE[name]
-    model_dir = shared / "models" / model_name
+    model_dir = Path(args.config) if args.config else shared / "models" / model_name
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     engine = _engine(model_dir, hi + output_len, args)
     warm = workloads.random_prompts(num, lo, hi, vocab, WARMUP_SEED)
@@ -178,7 +178,7 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
     result = {
         "workload": name,
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-        "model": model_name,
+        "model": str(args.config) if args.config else model_name,
         "requests": num,
         "prompt_len": [lo, hi],
         "output_len": output_len,
@@ -250,6 +250,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--quantization", default=None,
                    help="'fp8': FP8 weights (vLLM's peer numbers are bf16; the floors count the bytes read)")
+    p.add_argument("--config", default=None,
+                   help="a model folder to run the workloads on instead of theirs (e.g. a block-FP8 config: "
+                        "benchmarks/configs/llama-8b-fp8-block)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="'fp8': FP8 K/V (default: auto, the model's dtype)")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the GPU's limits")

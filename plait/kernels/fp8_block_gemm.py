@@ -3,14 +3,22 @@
 # A block-wise FP8 layer (plait.layers.fp8_block) holds weight codes with one fp32 scale per
 # [block_n, block_k] tile, and quantises its input per token and per group of block_k along K, so
 #   out[m, n] = sum over K blocks kb of  sx[m, kb] * sw[n // block_n, kb] * sum_{k in kb} cx[m, k] * cw[n, k]
-# On CUDA: quantize_groups_fp8 (one Triton launch) then _fp8_block_gemm_kernel, whose programs walk K one
-# block at a time, take each block's FP8 dot on tensor cores (x as the dot's M side, the weight loaded as
-# its transpose) and scale it into an fp32 accumulator. Decode-sized steps (<= 16 rows) also split K over
-# programs, their fp32 partials summed in a fixed order by skinny_gemm.reduce_splits, so the weight streams
-# from enough programs to fill the GPU. plait.layers.fp8_block.fp8_block_linear_ref is the same function in
-# torch (fp32 on the dequantised codes): the CPU path and the tests' oracle.
+# On CUDA: quantize_groups_fp8 (one Triton launch), then
+#   - decode-sized steps (<= 16 rows): _fp8_block_gemm_kernel, whose programs walk K one block at a time,
+#     take each block's FP8 dot on tensor cores (x as the dot's M side, the weight loaded as its transpose)
+#     and scale it into an fp32 accumulator, K split over programs (fp32 partials summed in a fixed order by
+#     skinny_gemm.reduce_splits) so that the weight streams from enough of them: as fast as the per-row FP8
+#     GEMV (Llama-8B layers on an H200, benchmarks/results/fp8_block_h200.json);
+#   - more rows: cuBLASLt's block-scaled FP8 GEMM (torch._scaled_mm with 1x128 / 128x128 scales, the
+#     DeepSeek recipe), 1.8-2x faster there than the Triton kernel, which takes the blocks cuBLASLt does not
+#     (sides other than 128) and the torch / CUDA builds without it.
+# plait.layers.fp8_block.fp8_block_linear_ref is the same function in torch (fp32 on the dequantised codes):
+# the CPU path and the tests' oracle.
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -25,12 +33,37 @@ from plait.layers.fp8 import FP8_MAX, INV_FP8_MAX, MIN_SCALE
 # Rows up to this are a decode-sized step: 16-row tiles, K split over programs.
 SKINNY_MAX_M = 16
 DOT_M = 16  # tl.dot's smallest M: decode rows are padded to it
-# Output columns per program, within one weight block row (block_n is a multiple of it or smaller).
-BLOCK_N = 128
-SKINNY_BLOCK_N = 64
-# Prompt-sized steps: 64 rows a program up to this many rows, 128 beyond.
-SMALL_M = 64
-NUM_STAGES = 3
+# Prompt-sized steps on the Triton kernel: rows a program.
+PROMPT_BLOCK_M = 64
+# Hopper's FP8 tensor cores accumulate with fewer bits than fp32; Triton adds their partial sums into an
+# fp32 accumulator every this many K elements (its default: never within a dot). At Llama-8B prompt shapes
+# on an H200, 64 gave half the default's error (9e-5 against 1.6e-4 of the largest output) at the same
+# speed; 32 cost 1.4x, full precision 2.2x.
+IMPRECISE_ACC_K = 64
+# cuBLASLt's block-scaled FP8 GEMM takes these tiles only, and row counts in multiples of this (others
+# are padded with zero rows: CUBLAS_STATUS_NOT_SUPPORTED at 17, 255, 257 rows on an H200, torch 2.11).
+CUBLAS_BLOCK = (128, 128)
+CUBLAS_ROW_MULTIPLE = 4
+
+
+@dataclass(frozen=True)
+class BlockGemmConfig:
+    block_m: int  # rows a program (16: decode-sized steps)
+    block_n: int  # output columns a program, within one weight block row
+    split_k: int = 0  # programs along K; 0 = chosen to fill the GPU (decode-sized steps)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def block_gemm_config(m: int, block: tuple[int, int]) -> BlockGemmConfig:
+    """The launch shape for ``m`` rows of a layer with weight blocks ``block``: of a sweep over Llama-8B's
+    layers on an H200 (block_n 32-128, split 1-8, 3-5 stages; benchmarks/results/fp8_block_h200.json), the
+    one within 3% of each shape's best at 1 and 16 rows (11.0 / 8.0 / 36.6 / 19.9 us at M=1 for qkv / o /
+    gate_up / down, against 10.6 / 8.3 / 36.0 / 18.7 for the per-row FP8 GEMV), and at prompt sizes the
+    Triton kernel's fastest (64 x 128 tiles)."""
+    if m <= SKINNY_MAX_M:
+        return BlockGemmConfig(DOT_M, min(128, block[0]), num_stages=4)
+    return BlockGemmConfig(PROMPT_BLOCK_M, min(128, block[0]), num_stages=4)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -71,6 +104,7 @@ def _fp8_block_gemm_kernel(
     M, N, K, stride_xm, stride_sxm, stride_wn, stride_swn, stride_om, kb_per_split,
     STATIC_KB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     WEIGHT_BLOCK_N: tl.constexpr, TO_WORKSPACE: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
+    IMPRECISE_ACC: tl.constexpr,
 ):
     # Grid (M tiles, N tiles, K splits); BLOCK_K is the weight's block_k (one scale pair per step), and a
     # program's BLOCK_N columns lie in one weight block row (BLOCK_N divides WEIGHT_BLOCK_N or equals it).
@@ -97,7 +131,7 @@ def _fp8_block_gemm_kernel(
         # A split's last steps may lie past K (kb_per_split rounds up): their loads are masked to zeros.
         sx = tl.load(sx_ptr + rows_m * stride_sxm + kb, mask=kb * BLOCK_K < K, other=0.0)  # [BLOCK_M]
         sw = tl.load(sw_ptr + w_block_row * stride_swn + kb, mask=kb * BLOCK_K < K, other=0.0)
-        acc += tl.dot(x, wt) * (sx[:, None] * sw)
+        acc += tl.dot(x, wt, max_num_imprecise_acc=IMPRECISE_ACC) * (sx[:, None] * sw)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if TO_WORKSPACE:
         # part: [split_k, M, N] fp32, summed in a fixed order by the reduce launch (which adds the bias).
@@ -111,9 +145,9 @@ def _fp8_block_gemm_kernel(
 
 def fp8_block_gemm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    block: tuple[int, int], bias: torch.Tensor | None, out_dtype: torch.dtype,
-                   split_k: int | None = None) -> torch.Tensor:
+                   split_k: int | None = None, config: BlockGemmConfig | None = None) -> torch.Tensor:
     """Block-scaled (codes * scale) @ (weight * weight_scale)^T (+ bias), in out_dtype. ``split_k``
-    overrides the split of K (decode-sized steps only; tests)."""
+    overrides the split of K, ``config`` the launch shape (tests, sweeps)."""
     # codes: [M, K] fp8; scale: [M, cdiv(K, bk)] fp32; weight: [N, K] fp8; weight_scale: [cdiv(N, bn),
     # cdiv(K, bk)] fp32 -> [M, N]
     m, k = codes.shape
@@ -123,14 +157,15 @@ def fp8_block_gemm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tenso
     if m == 0:
         return out
     num_kb = triton.cdiv(k, block_k)
-    if m <= SKINNY_MAX_M:
-        block_m, tile_n, warps = DOT_M, min(SKINNY_BLOCK_N, block_n), 4
-        programs = triton.cdiv(n, tile_n)
-        split = split_k or split_for_gemv(programs, k, block_k, sm_count(codes.device))
-        split = max(1, min(split, num_kb))
-    else:
-        block_m, warps = (SMALL_M, 4) if m <= SMALL_M else (2 * SMALL_M, 8)
-        tile_n, split = min(BLOCK_N, block_n), 1
+    cfg = config or block_gemm_config(m, block)
+    block_m, tile_n = cfg.block_m, cfg.block_n
+    if block_n % tile_n:
+        raise ValueError(f"{tile_n} columns a program do not divide the weight's {block_n}-row blocks")
+    split = split_k or cfg.split_k
+    if not split:
+        programs = triton.cdiv(m, block_m) * triton.cdiv(n, tile_n)
+        split = split_for_gemv(programs, k, block_k, sm_count(codes.device)) if m <= SKINNY_MAX_M else 1
+    split = max(1, min(split, num_kb))
     kb_per_split = triton.cdiv(num_kb, split)
     split = triton.cdiv(num_kb, kb_per_split)  # no split left without blocks
     part = torch.empty((split, m, n), dtype=torch.float32, device=codes.device) if split > 1 else out
@@ -139,11 +174,40 @@ def fp8_block_gemm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tenso
         m, n, k, codes.stride(0), scale.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0),
         kb_per_split, STATIC_KB=static_iters(codes.is_cuda, kb_per_split), BLOCK_M=block_m, BLOCK_N=tile_n,
         BLOCK_K=block_k, WEIGHT_BLOCK_N=block_n, TO_WORKSPACE=split > 1, HAS_BIAS=bias is not None,
-        num_warps=warps, num_stages=NUM_STAGES, **pdl_args(codes),
+        IMPRECISE_ACC=min(IMPRECISE_ACC_K, block_k), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **pdl_args(codes),
     )
     if split > 1:
         reduce_splits(part, bias, out)
     return out
+
+
+@functools.cache
+def cublas_block_scaling(device: torch.device) -> bool:
+    """Whether this torch / cuBLASLt runs block-scaled FP8 GEMMs (CUDA 12.9+ on Hopper): tried once."""
+    a = torch.ones((128, 128), dtype=torch.float8_e4m3fn, device=device)
+    try:
+        two = torch.full((1, 1), 2.0, device=device)
+        out = cublas_block_gemm(a, torch.ones((128, 1), device=device), a, two, None, torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return bool((out == 256.0).all())
+
+
+def cublas_block_gemm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor,
+                      weight_scale: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+                      ) -> torch.Tensor:
+    """fp8_block_gemm for 128 x 128 weight tiles through cuBLASLt (torch._scaled_mm's DeepSeek recipe: x's
+    scales M-major, the weight's as the transpose of its [N / 128, K / 128] grid)."""
+    m = codes.shape[0]
+    pad = -m % CUBLAS_ROW_MULTIPLE
+    if pad:
+        codes = torch.cat([codes, codes.new_zeros((pad, codes.shape[1]))])
+        scale = torch.cat([scale, scale.new_ones((pad, scale.shape[1]))])
+    bias16 = bias.to(torch.bfloat16) if bias is not None else None
+    out = torch._scaled_mm(codes, weight.t(), scale_a=scale.t().contiguous().t(), scale_b=weight_scale.t(),
+                           bias=bias16, out_dtype=torch.bfloat16)
+    return out[:m].to(out_dtype)
 
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -154,5 +218,10 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     codes, scale = quantize_groups_fp8(x2, block[1])
-    out = fp8_block_gemm(codes, scale, weight, weight_scale, block, bias, x.dtype)
-    return out.view(*x.shape[:-1], weight.shape[0])
+    m, (n, k) = codes.shape[0], weight.shape
+    if (m > SKINNY_MAX_M and block == CUBLAS_BLOCK and n % 16 == 0 and k % 16 == 0 and codes.is_cuda
+            and cublas_block_scaling(codes.device)):
+        out = cublas_block_gemm(codes, scale, weight, weight_scale, bias, x.dtype)
+    else:
+        out = fp8_block_gemm(codes, scale, weight, weight_scale, block, bias, x.dtype)
+    return out.view(*x.shape[:-1], n)
