@@ -58,8 +58,8 @@ class BlockGemmConfig:
 def block_gemm_config(m: int, block: tuple[int, int]) -> BlockGemmConfig:
     """The launch shape for ``m`` rows of a layer with weight blocks ``block``: of a sweep over Llama-8B's
     layers on an H200 (block_n 32-128, split 1-8, 3-5 stages; benchmarks/results/fp8_block_h200.json), the
-    one within 3% of each shape's best at 1 and 16 rows (11.0 / 8.0 / 36.6 / 19.9 us at M=1 for qkv / o /
-    gate_up / down, against 10.6 / 8.3 / 36.0 / 18.7 for the per-row FP8 GEMV), and at prompt sizes the
+    one close to each shape's best at 1 and 16 rows (10.5 / 8.0 / 35.8 / 21.6 us at M=1 for qkv / o /
+    gate_up / down, against 10.3 / 8.4 / 35.7 / 19.8 for the per-row FP8 GEMV), and at prompt sizes the
     Triton kernel's fastest (64 x 128 tiles)."""
     if m <= SKINNY_MAX_M:
         return BlockGemmConfig(DOT_M, min(128, block[0]), num_stages=4)
