@@ -191,6 +191,19 @@ def run_greedy(engine, prompts: list[list[int]], max_tokens: int, arrive_every: 
     return outputs, logits
 
 
+def assert_engines_agree(got_engine, want_engine, prompts: list[list[int]], max_tokens: int = 8,
+                         atol: float = 0.0) -> dict[int, list[torch.Tensor]]:
+    """Both engines' greedy tokens equal, and every sampled logits row within atol (0: bit for bit), with
+    request i added at step i; returns got_engine's logits rows."""
+    got, got_logits = run_greedy(got_engine, prompts, max_tokens, arrive_every=1, capture_logits=True)
+    want, want_logits = run_greedy(want_engine, prompts, max_tokens, arrive_every=1, capture_logits=True)
+    assert got == want
+    for i in want_logits:
+        for a, b in zip(got_logits[i], want_logits[i], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=atol)
+    return got_logits
+
+
 # Structured outputs' test constraints (the engine's and the server's tests): a JSON schema and a regex.
 PERSON = {
     "type": "object",

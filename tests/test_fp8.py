@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import random_prompts, run_greedy
+from conftest import assert_engines_agree, random_prompts, run_greedy
 from torch import nn
 
 from plait.config import EngineConfig
@@ -94,11 +94,7 @@ def test_fp8_engine_is_the_model_with_fp8_weights_and_inputs(tiny_models, family
     reference = LLMEngine(EngineConfig(**kw))
     _fp8_reference(reference)
     prompts = random_prompts(6, 3, 40, seed=11)
-    got, got_logits = run_greedy(quantized, prompts, max_tokens=8, arrive_every=1, capture_logits=True)
-    want, want_logits = run_greedy(reference, prompts, max_tokens=8, arrive_every=1, capture_logits=True)
-    assert got == want
-    for i in want_logits:
-        assert all(torch.equal(a, b) for a, b in zip(got_logits[i], want_logits[i]))
+    got_logits = assert_engines_agree(quantized, reference, prompts)
     # ... and FP8 is a real change: the unrounded model's logits differ.
     plain, plain_logits = run_greedy(LLMEngine(EngineConfig(**kw)), prompts, max_tokens=8, arrive_every=1,
                                      capture_logits=True)
@@ -186,10 +182,7 @@ def test_an_fp8_checkpoint_is_served_as_it_is(tiny_models, tmp_path):
     assert sum(isinstance(m, Fp8Linear) for m in served.runner.model.modules()) == 8
     quantized = LLMEngine(EngineConfig(model=str(src), quantization="fp8", **kw))
     prompts = random_prompts(4, 3, 30, seed=2)
-    got, got_logits = run_greedy(served, prompts, max_tokens=6, arrive_every=1, capture_logits=True)
-    want, want_logits = run_greedy(quantized, prompts, max_tokens=6, arrive_every=1, capture_logits=True)
-    assert got == want
-    assert all(torch.equal(a, b) for i in want_logits for a, b in zip(got_logits[i], want_logits[i]))
+    assert_engines_agree(served, quantized, prompts, max_tokens=6)
 
     written = _fp8_checkpoint(src, tmp_path / "autofp8", "fp8")
     model = LLMEngine(EngineConfig(model=str(tmp_path / "autofp8"), **kw)).runner.model

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from conftest import random_prompts, run_greedy
+from conftest import assert_engines_agree, random_prompts, run_greedy
 from torch import nn
 
 from plait.config import EngineConfig
@@ -197,12 +197,7 @@ def test_a_block_fp8_checkpoint_is_the_model_with_its_tiles_and_group_rounded_in
     reference = LLMEngine(EngineConfig(model=str(tiny_models[family]), **kw))
     block_reference(reference)
     prompts = random_prompts(6, 3, 40, seed=13)
-    got, got_logits = run_greedy(served, prompts, max_tokens=8, arrive_every=1, capture_logits=True)
-    want, want_logits = run_greedy(reference, prompts, max_tokens=8, arrive_every=1, capture_logits=True)
-    assert got == want
-    for i in want_logits:
-        for a, b in zip(got_logits[i], want_logits[i]):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    got_logits = assert_engines_agree(served, reference, prompts, atol=1e-5)
     # ... and the rounding is real: the per-row FP8 model's logits differ.
     per_row, per_row_logits = run_greedy(
         LLMEngine(EngineConfig(model=str(tiny_models[family]), quantization="fp8", **kw)), prompts,

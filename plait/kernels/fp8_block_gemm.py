@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plait.kernels.fp8_gemm import round_to_e4m3, split_for_gemv
+from plait.kernels.fp8_gemm import round_to_e4m3, split_for_gemv, store_tile
 from plait.kernels.interpreter import static_iters, trip_count
 from plait.kernels.pdl import pdl_args, pdl_prologue
 from plait.kernels.skinny_gemm import reduce_splits, sm_count
@@ -139,15 +139,7 @@ def _fp8_block_gemm_kernel(
         sx = tl.load(sx_ptr + rows_m * stride_sxm + kb * stride_sxk, mask=kb * BLOCK_K < K, other=0.0)
         sw = tl.load(sw_ptr + w_block_row * stride_swn + kb, mask=kb * BLOCK_K < K, other=0.0)
         acc += tl.dot(x, wt, max_num_imprecise_acc=IMPRECISE_ACC) * (sx[:, None] * sw)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    if TO_WORKSPACE:
-        # part: [split_k, M, N] fp32, summed in a fixed order by the reduce launch (which adds the bias).
-        tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], acc, mask=mask)
-    else:
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=mask)
+    store_tile(acc, out_ptr, part_ptr, b_ptr, offs_m, offs_n, M, N, stride_om, pid_k, TO_WORKSPACE, HAS_BIAS)
 
 
 def fp8_block_gemm(codes: torch.Tensor, scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

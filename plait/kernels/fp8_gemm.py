@@ -187,15 +187,23 @@ def _fp8_gemv_kernel(
     sw = tl.load(sw_ptr + rows_n)
     sx = tl.load(sx_ptr + rows_m)
     y = acc * sx[:, None] * sw[None, :]  # [BLOCK_M, BLOCK_N]
+    store_tile(y, out_ptr, part_ptr, b_ptr, offs_m, offs_n, M, N, stride_om, pid_k, TO_WORKSPACE, HAS_BIAS)
+
+
+@triton.jit
+def store_tile(y, out_ptr, part_ptr, b_ptr, offs_m, offs_n, M, N, stride_om, pid_k,
+               TO_WORKSPACE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A GEMV program's fp32 tile y [BLOCK_M, BLOCK_N] (rows offs_m, columns offs_n): to split pid_k's
+    partials, part [split_k, M, N], which the reduce launch sums in a fixed order and biases; or biased and
+    rounded to out."""
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     if TO_WORKSPACE:
-        # part: [split_k, M, N] fp32, summed in a fixed order by the reduce launch (which adds the bias).
         tl.store(part_ptr + pid_k * M * N + offs_m[:, None] * N + offs_n[None, :], y, mask=mask)
     else:
         if HAS_BIAS:
             y += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-                 y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def gemv_config(m: int, n: int, k: int, device: torch.device) -> Fp8GemvConfig:
