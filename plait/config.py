@@ -140,9 +140,6 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
-        if self.quantization is not None and self.enable_lora:
-            raise ValueError("LoRA adapters on a quantized model are not supported: drop --quantization or "
-                             "--enable-lora")
         source = self.generation_config
         if not isinstance(source, str) or not source:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")

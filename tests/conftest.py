@@ -192,11 +192,13 @@ def run_greedy(engine, prompts: list[list[int]], max_tokens: int, arrive_every: 
 
 
 def assert_engines_agree(got_engine, want_engine, prompts: list[list[int]], max_tokens: int = 8,
-                         atol: float = 0.0) -> dict[int, list[torch.Tensor]]:
+                         atol: float = 0.0, loras: list | None = None) -> dict[int, list[torch.Tensor]]:
     """Both engines' greedy tokens equal, and every sampled logits row within atol (0: bit for bit), with
-    request i added at step i; returns got_engine's logits rows."""
-    got, got_logits = run_greedy(got_engine, prompts, max_tokens, arrive_every=1, capture_logits=True)
-    want, want_logits = run_greedy(want_engine, prompts, max_tokens, arrive_every=1, capture_logits=True)
+    request i added at step i (with LoRA adapter loras[i] where given); returns got_engine's logits rows."""
+    got, got_logits = run_greedy(got_engine, prompts, max_tokens, arrive_every=1, capture_logits=True,
+                                 loras=loras)
+    want, want_logits = run_greedy(want_engine, prompts, max_tokens, arrive_every=1, capture_logits=True,
+                                   loras=loras)
     assert got == want
     for i in want_logits:
         for a, b in zip(got_logits[i], want_logits[i], strict=True):

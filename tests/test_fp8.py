@@ -224,16 +224,11 @@ def test_an_fp8_checkpoint_without_its_scales_is_refused(tiny_models, tmp_path):
     save_file(tensors, folder / "model.safetensors")
     with pytest.raises(ValueError, match="without its weight_scale"):
         LLMEngine(EngineConfig(model=str(folder), device="cpu", max_model_len=64))
-    with pytest.raises(ValueError, match="LoRA adapters on a quantized model"):
-        _fp8_checkpoint(tiny_models["llama"], tmp_path / "ok", "compressed-tensors")
-        LLMEngine(EngineConfig(model=str(tmp_path / "ok"), device="cpu", max_model_len=64, enable_lora=True))
 
 
 def test_quantization_is_validated_and_reaches_the_cli():
     with pytest.raises(ValueError, match="quantization must be one of"):
         EngineConfig(quantization="int4")
-    with pytest.raises(ValueError, match="LoRA adapters on a quantized model"):
-        EngineConfig(quantization="fp8", enable_lora=True)
     with pytest.raises(ValueError, match="quantization must be one of"):
         quantize_model(nn.Sequential(nn.Linear(2, 2)), "awq")
     from plait.entrypoints.cli import _engine_config, build_parser

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LORA_MODULES, make_lora_adapter, random_prompts, run_greedy
+from conftest import LORA_MODULES, assert_engines_agree, make_lora_adapter, random_prompts, run_greedy
 
 from plait import LLM, BeamSearchParams, LoRARequest
 from plait.config import EngineConfig
@@ -208,6 +208,28 @@ def test_steps_with_lora_rows_ask_for_graphs_too(tiny_llama, llama_loras):
 
 def _generate_one(llm: LLM, prompt: dict, lora: LoRARequest, params: SamplingParams):
     return llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
+
+
+def test_adapters_on_an_fp8_model_are_the_fp8_model_plus_16_bit_deltas(tiny_llama, llama_loras):
+    """--quantization fp8 with --enable-lora (as vLLM): each wrapped layer is the FP8 layer (weights and
+    inputs rounded to FP8) plus its adapter's delta on the unrounded input, in the model's dtype; the same
+    as an unquantised engine whose base layers were made the FP8 ones, tokens and logits exactly."""
+    from test_fp8 import _fp8_reference
+
+    from plait.layers.fp8 import Fp8Linear
+
+    kw = dict(max_num_batched_tokens=24, max_model_len=96, device="cpu", max_loras=2, max_lora_rank=16)
+    served = _lora_engine(tiny_llama, quantization="fp8", **kw)
+    assert isinstance(served.runner.lora.layers["model.layers.0.self_attn.qkv_proj"].base, Fp8Linear)
+    reference = _lora_engine(tiny_llama, **kw)
+    _fp8_reference(reference)  # hooks and FP8 weights on the base layers the LoRA layers wrap
+    prompts = random_prompts(5, 3, 30, seed=6)
+    loras = [llama_loras["qv"], None, llama_loras["all"], llama_loras["mlp"], llama_loras["qv"]]
+    logits = assert_engines_agree(served, reference, prompts, loras=loras)
+    # ... and the adapters are applied: without them the FP8 model answers otherwise.
+    unadapted = _lora_engine(tiny_llama, quantization="fp8", **kw)
+    plain = run_greedy(unadapted, prompts, MAX_TOKENS, arrive_every=1, capture_logits=True)[1]
+    assert not torch.equal(plain[0][0], logits[0][0]) and torch.equal(plain[1][0], logits[1][0])
 
 
 def test_the_profiling_step_runs_a_lora_delta(tiny_llama):

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from plait.layers.fp8 import Fp8Linear
 from plait.layers.linear import Linear
 from plait.lora.adapter import LoRAShard, LoRATarget
 
@@ -55,7 +56,7 @@ class LoRALinear(nn.Module):
     small beside the layer's own matmul at the slot counts served (vLLM's default max_loras is 1).
     """
 
-    def __init__(self, base: Linear, target: LoRATarget, num_slots: int, max_rank: int,
+    def __init__(self, base: Linear | Fp8Linear, target: LoRATarget, num_slots: int, max_rank: int,
                  context: LoRAContext) -> None:
         super().__init__()
         if (base.in_features, base.out_features) != (target.in_features, target.out_features):
@@ -66,7 +67,8 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.context = context
         rank_rows = len(target.shards) * max_rank
-        like = {"dtype": base.weight.dtype, "device": base.weight.device}
+        # An FP8 base (--quantization fp8) keeps 16-bit adapters: they read x unquantised, as in vLLM.
+        like = {"dtype": getattr(base, "compute_dtype", base.weight.dtype), "device": base.weight.device}
         # Not in the state dict: adapters come and go, the model's weights stay the checkpoint's.
         self.register_buffer("lora_a", torch.zeros(num_slots, rank_rows, target.in_features, **like),
                              persistent=False)  # [slots, slices * R, in]
@@ -120,9 +122,6 @@ class LoRALinear(nn.Module):
     @property
     def out_features(self) -> int:
         return self.base.out_features
-
-    def uses_skinny(self, x: torch.Tensor, gate_up: bool = False) -> bool:
-        return self.base.uses_skinny(x, gate_up)
 
     # The fused kernels below skip forward, so the delta: a step with LoRA rows takes the plain path.
     def adds_residual(self, x: torch.Tensor) -> bool:

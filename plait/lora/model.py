@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 from torch import nn
 
+from plait.layers.fp8 import Fp8Linear
 from plait.layers.linear import Linear
 from plait.lora.adapter import LoRAAdapter, LoRATarget
 from plait.lora.layer import LoRAContext, LoRALinear
@@ -36,7 +37,7 @@ def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
     targets = {}
     for name, module in model.named_modules():
         kind = name.rsplit(".", 1)[-1]
-        if kind in slices and isinstance(module, Linear):
+        if kind in slices and isinstance(module, (Linear, Fp8Linear)):
             targets[name] = LoRATarget(module.in_features, slices[kind])
     return targets
 

@@ -95,10 +95,6 @@ class ModelRunner:
         self.model_path = loaded.source
         # config.quantization, or what an FP8 checkpoint holds without it
         self.quantization = loaded.quantization
-        if self.quantization is not None and config.enable_lora:
-            raise ValueError(f"LoRA adapters on a quantized model are not supported "
-                             f"({str(self.model_path)!r} is {self.quantization}): serve an unquantised "
-                             "checkpoint with --enable-lora")
         if self._folds_norms():
             self.model.fold_norm_weights()
         # LoRA layers wrap their targets before the KV cache is sized (their slots take memory) and before
