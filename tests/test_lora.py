@@ -403,6 +403,26 @@ def test_gpu_adapters_beside_graphed_base_steps(tiny_llama, llama_loras):
     assert engine.is_idle_and_clean()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_adapters_on_an_fp8_model_replay_graphs(tiny_llama, llama_loras):
+    """bf16, --quantization fp8 with adapters on CUDA: steps with adapters' rows replay graphs, and the
+    graphed engine answers as the eager one (FP8 kernels under both)."""
+    qv, every = llama_loras["qv"], llama_loras["all"]
+    order = [None, qv, every, None, qv, every]
+    prompts = random_prompts(len(order), 5, 40, seed=22)
+    knobs = dict(quantization="fp8", max_loras=2, max_num_seqs=8, max_num_batched_tokens=32,
+                 num_kv_blocks=256)  # two engines in one process: each sized, not from free memory
+    graphed = _lora_engine(tiny_llama, **knobs)
+    outs = run_greedy(graphed, prompts, MAX_TOKENS, arrive_every=1, loras=order)[0]
+    b = graphed.runner.breakdown
+    assert b.lora_steps > 0 and b.single_token_steps > 0
+    assert b.graph_single_token_steps == b.single_token_steps
+    eager = run_greedy(_lora_engine(tiny_llama, enforce_eager=True, **knobs), prompts, MAX_TOKENS,
+                       arrive_every=1, loras=order)[0]
+    assert sum(outs[i] == eager[i] for i in range(len(order))) >= len(order) - 1
+
+
 def test_lora_layer_adds_each_tokens_own_slot_and_nothing_to_base_tokens():
     """The graph-capturable form: every token through every slot's A, other slots' columns zeroed. A base
     token's output is the base layer's exactly, and a token's delta is its own slot's x @ A.T @ B.T."""
