@@ -40,10 +40,6 @@ def cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dt
     return KV_CACHE_TORCH_DTYPES.get(kv_cache_dtype, model_dtype)
 
 
-def is_fp8(cache: torch.Tensor) -> bool:
-    return cache.dtype == FP8_DTYPE
-
-
 def to_cache(x: torch.Tensor, cache_dtype: torch.dtype, inv_scale: float) -> torch.Tensor:
     """x as a cache of ``cache_dtype`` stores it: a cast, or FP8 codes of x * inv_scale (fp32, saturated)."""
     if cache_dtype != FP8_DTYPE:
