@@ -329,6 +329,15 @@ def test_fp8_cache_holds_twice_the_blocks_and_answers_do_not_depend_on_batching(
     assert results[0] == results[1]
 
 
+def test_start_up_names_the_cache_it_made(tiny_llama, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="plait.runner.model_runner"):
+        LLMEngine(EngineConfig(model=str(tiny_llama), device="cpu", kv_cache_dtype="fp8", num_kv_blocks=40,
+                               block_size=8))
+    assert "KV cache: 40 blocks of 8 tokens (320 tokens), float8_e4m3fn" in caplog.text
+
+
 def test_prefix_cache_hits_read_fp8_blocks_as_written(tiny_llama):
     """Cached FP8 blocks are reused as they are: cache on answers as cache off, with hits."""
     g = torch.Generator().manual_seed(9)

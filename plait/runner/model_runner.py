@@ -127,6 +127,9 @@ class ModelRunner:
             self.kv_scales = [UNIT_SCALES] * self._num_kv_layers()
         self.num_kv_blocks = self._choose_num_blocks()
         self.kv_caches = self._allocate_kv_caches(self.num_kv_blocks)
+        # As vLLM's start-up line: what --kv-cache-dtype and gpu_memory_utilization bought.
+        logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", self.num_kv_blocks, config.block_size,
+                    self.num_kv_blocks * config.block_size, str(self.kv_cache_dtype).removeprefix("torch."))
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.graph_safe
         shapes = (graph_shapes(config.max_num_seqs, self._max_graph_prompt_tokens(), self.max_model_len,
                                self._max_graph_prompt_only_tokens())
