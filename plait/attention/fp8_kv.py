@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,7 +27,7 @@ class KVScales:
     k: float = 1.0
     v: float = 1.0
 
-    @property
+    @functools.cached_property  # read by every layer's store in every eager step
     def inverse(self) -> tuple[float, float]:
         """(1 / k, 1 / v) rounded to fp32: what a value is multiplied by before it is rounded to a code."""
         return float(np.float32(1.0) / np.float32(self.k)), float(np.float32(1.0) / np.float32(self.v))
