@@ -24,14 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from plait.kernels.fp8_gemm import round_to_e4m3, split_for_gemv, store_tile
+from plait.kernels.fp8_gemm import SKINNY_MAX_M, round_to_e4m3, scaled_mm_usable, split_for_gemv, store_tile
 from plait.kernels.interpreter import static_iters, trip_count
 from plait.kernels.pdl import pdl_args, pdl_prologue
 from plait.kernels.skinny_gemm import reduce_splits, sm_count
 from plait.layers.fp8 import FP8_MAX, INV_FP8_MAX, MIN_SCALE
 
-# Rows up to this are a decode-sized step: 16-row tiles, K split over programs.
-SKINNY_MAX_M = 16
+# Rows up to SKINNY_MAX_M (the per-row GEMV's bound) are decode-sized: 16-row tiles, K split over programs.
 DOT_M = 16  # tl.dot's smallest M: decode rows are padded to it
 # Prompt-sized steps on the Triton kernel: rows a program.
 PROMPT_BLOCK_M = 64
@@ -214,7 +213,7 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, (n, k) = x2.shape[0], weight.shape
-    if (m > SKINNY_MAX_M and block == CUBLAS_BLOCK and n % 16 == 0 and k % 16 == 0 and x2.is_cuda
+    if (m > SKINNY_MAX_M and block == CUBLAS_BLOCK and scaled_mm_usable(n, k) and x2.is_cuda
             and cublas_block_scaling(x2.device)):
         pad = -m % CUBLAS_ROW_MULTIPLE  # zero rows: codes 0, dropped from the output
         padded = torch.cat([x2, x2.new_zeros((pad, k))]) if pad else x2
