@@ -209,6 +209,39 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MoE blocks of a Mixtral / Qwen2-MoE / Qwen3-MoE config (read from its HF config.json)."""
+
+    num_experts: int
+    top_k: int  # experts each token is routed to (num_experts_per_tok)
+    intermediate_size: int  # of each routed expert (Qwen: moe_intermediate_size; Mixtral: intermediate_size)
+    renormalize: bool  # the top_k weights renormalised to sum to one (Mixtral always; Qwen: norm_topk_prob)
+    shared_intermediate_size: int  # Qwen2-MoE's gated shared expert; 0: none
+    # Qwen-MoE: layers in mlp_only_layers, or not at a multiple of decoder_sparse_step, keep a dense MLP.
+    dense_layers: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, cfg: dict) -> MoEConfig | None:
+        """None for a dense model."""
+        model_type = cfg.get("model_type", "")
+        num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
+        if not num_experts:
+            return None
+        mixtral = model_type == "mixtral"
+        step = cfg.get("decoder_sparse_step") or 1
+        only_mlp = set(cfg.get("mlp_only_layers") or [])
+        dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only_mlp or (i + 1) % step)
+        return cls(
+            num_experts=num_experts,
+            top_k=cfg.get("num_experts_per_tok", 2),
+            intermediate_size=cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"],
+            renormalize=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+            shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+            dense_layers=dense,
+        )
+
+
 @dataclass
 class ModelConfig:
     """The architecture of a decoder, read from an HF config.json dict (or a GGUF header)."""
@@ -232,6 +265,7 @@ class ModelConfig:
     hidden_act: str
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
+    moe: MoEConfig | None = None  # sparse MoE feed-forward blocks; None: dense MLPs
     raw: dict = field(default_factory=dict, repr=False)  # the original dict, for HF references
 
     @classmethod
@@ -245,10 +279,11 @@ class ModelConfig:
         head_dim = (cfg.get("head_dim") or cfg["hidden_size"] // heads) if heads else 0
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        # Qwen2 has q/k/v bias without saying so in its config; Llama-style configs say it.
-        attention_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
+        # Qwen2 has q/k/v bias without saying so (Qwen2-MoE: in qkv_bias); Llama-style configs say it.
+        qwen2_bias = cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe"))
+        attention_bias = bool(cfg.get("attention_bias", qwen2_bias))
         sliding = cfg.get("sliding_window")
-        if model_type == "qwen2" and not cfg.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding = None  # Qwen2 configs carry a window they do not use
         rope_theta = cfg.get("rope_theta")
         rope_scaling = cfg.get("rope_scaling")
@@ -274,11 +309,12 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             sliding_window=sliding,
             rope_scaling=rope_scaling,
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            moe=MoEConfig.from_hf(cfg),
             raw=cfg,
         )

@@ -60,6 +60,12 @@ def deferred_weights(enabled: bool = True) -> Iterator[None]:
         _defer_weights = before
 
 
+def deferred_device(device: torch.device | str | None = None) -> torch.device | str | None:
+    """Where a layer made now puts its parameters: the meta device inside deferred_weights, else ``device``
+    (layers with parameters of their own, e.g. plait.layers.moe.FusedMoE, follow Linear's deferral)."""
+    return "meta" if _defer_weights else device
+
+
 def materialize_deferred(model: nn.Module, device: torch.device) -> None:
     """Give every module left on the meta device by deferred_weights uninitialised memory on ``device``
     (the checkpoint, or random weights, fill it next)."""
@@ -73,8 +79,7 @@ class Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
-        super().__init__(in_features, out_features, bias, device="meta" if _defer_weights else device,
-                         dtype=dtype)
+        super().__init__(in_features, out_features, bias, device=deferred_device(device), dtype=dtype)
 
     def uses_skinny(self, x: torch.Tensor, gate_up: bool = False) -> bool:
         """True when this x goes through the skinny Triton GEMM rather than F.linear."""

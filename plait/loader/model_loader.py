@@ -63,6 +63,9 @@ def load_model(
     # its scheme (per-row or block-wise scales) is the checkpoint's whether or not the flag is given.
     quantization = checkpoint_quantization(hf_config) or config.quantization
     block = checkpoint_weight_block(hf_config)
+    if quantization is not None and not getattr(cls, "supports_fp8", True):
+        raise ValueError(f"{model_config.architecture} cannot be served in FP8 (--quantization fp8, or an "
+                         "FP8 checkpoint): plait does not quantise its routed experts; serve it in 16 bits")
     # Linear layers are made without memory (every weight is written below: drawing random ones that
     # loading overwrites would only cost start-up time). Quantised, they are replaced before any weight
     # arrives, so each checkpoint tensor is quantised (or, already FP8, kept) as it is read and no 16-bit

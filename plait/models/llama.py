@@ -1,4 +1,5 @@
-"""The Llama decoder family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM2 (tied)."""
+"""The Llama decoder family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM2 (tied), and its
+sparse-MoE members: Mixtral, Qwen2-MoE (a gated shared expert), Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from plait.attention.base import Rotary
 from plait.config import ModelConfig
 from plait.layers.activation import act_and_mul, get_activation, silu_and_mul_rms
 from plait.layers.linear import Linear
+from plait.layers.moe import FusedMoE
 from plait.layers.norm import RMSNorm, RowNorm
 from plait.layers.rotary import RotaryEmbedding
 from plait.models.base import CausalLM
@@ -52,10 +54,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=False)
         self.act = get_activation(cfg.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,11 +73,35 @@ class MLP(nn.Module):
         return self.down_proj(silu_and_mul_rms(self.gate_up_proj(h), norm))
 
 
+class SparseMoeBlock(nn.Module):
+    """A MoE feed-forward: the router (``gate``) sends each token to its top-k experts; Qwen2-MoE adds a
+    shared expert every token takes, scaled by a sigmoid gate."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        moe = cfg.moe
+        self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size,
+                                moe.renormalize)
+        self.shared_expert = self.shared_expert_gate = None
+        if moe.shared_intermediate_size:
+            self.shared_expert = MLP(cfg, moe.shared_intermediate_size)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        out = self.experts(x, self.gate(x))
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        sparse = cfg.moe is not None and layer_idx not in cfg.moe.dense_layers
+        self.mlp = SparseMoeBlock(cfg) if sparse else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -127,7 +154,7 @@ class LlamaModel(nn.Module):
         """Whether this step's layers fold the MLP norm into o's and silu-and-mul's launches: the norms'
         weights are in gate/up, and o of x's row count adds the residual in its launch (a skinny GEMM
         config: decode-sized steps)."""
-        if not self.norms_folded or not self.layers:
+        if not self.norms_folded or not self.layers or not isinstance(self.layers[0].mlp, MLP):
             return False
         layer = self.layers[0]
         return (layer.mlp.act is F.silu and not layer.mlp.gate_up_proj.fuses_gate_up_silu(x)
@@ -160,3 +187,15 @@ class LlamaForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered."""
         load_decoder_weights(self, weights)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """Mixtral, Qwen2-MoE and Qwen3-MoE: the Llama decoder with sparse MoE blocks (SparseMoeBlock)."""
+
+    # Adapters would need per-expert deltas inside the grouped GEMMs; vLLM serves none for these either.
+    supports_lora = False
+    # The routed experts are stacked 3-D weights that plait.layers.fp8 does not quantise.
+    supports_fp8 = False
+
+    def fold_norm_weights(self) -> None:
+        """Kept unfolded: the MLP norm feeds the router and every expert, which take no row scale."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -15,6 +16,22 @@ STACKED_PROJECTIONS = {
     "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
+
+# One routed expert's projection (HF's ``...mlp.experts.{e}.gate_proj.weight``): its FusedMoE stacks it.
+EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Mixtral's names for the same (block_sparse_moe.experts.{e}.w1 / w3 / w2): gate, up, down.
+MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(gate|experts\.(\d+)\.(w[123]))\.")
+
+
+def mixtral_name(name: str) -> str:
+    """A Mixtral checkpoint name in the Qwen-MoE / transformers 5 layout plait's MoE blocks use."""
+    def rename(match: re.Match) -> str:
+        if match[1] == "gate":
+            return ".mlp.gate."
+        return f".mlp.experts.{match[2]}.{MIXTRAL_EXPERT_NAMES[match[3]]}."
+
+    return MIXTRAL_EXPERT.sub(rename, name)
 
 
 def fused_target(name: str, stacked: dict[str, tuple[str, int]]) -> tuple[str, int | None]:
@@ -34,6 +51,13 @@ def weight_row_loader(modules: dict[str, nn.Module], name: str) -> Callable[[int
     return getattr(modules[owner_name], "load_weight_rows", None) if param_name == "weight" else None
 
 
+def _shard_sizes(shard_sizes: dict[str, list[int]], target: str) -> list[int]:
+    """The shard rows of a fused parameter: keyed by its module and parent ("shared_expert.gate_up_proj"),
+    else by its module alone ("qkv_proj")."""
+    parts = target.split(".")
+    return shard_sizes.get(".".join(parts[-3:-1])) or shard_sizes[parts[-2]]
+
+
 @torch.no_grad()
 def load_checked(
     model: nn.Module,
@@ -47,7 +71,8 @@ def load_checked(
 
     ``rename`` maps a checkpoint name to the model's (None: skip the tensor); ``stacked`` says which
     projections are fused (e.g. STACKED_PROJECTIONS) and ``shard_sizes`` maps a fused parameter's
-    module name (e.g. ``qkv_proj``) to its shards' row counts;
+    module name (e.g. ``qkv_proj``, or with its parent: ``shared_expert.gate_up_proj``) to its shards'
+    row counts; a routed expert's tensors go to their FusedMoE (EXPERT_TENSOR);
     ``not_in_checkpoint`` names parameters the checkpoint may omit (a tied lm_head).
     """
     params = dict(model.named_parameters())
@@ -57,10 +82,16 @@ def load_checked(
         name = rename(raw_name)
         if name is None or name.rpartition(".")[2] in UNUSED_CHECKPOINT_SCALES:
             continue
+        expert = EXPERT_TENSOR.match(name)
+        if expert and hasattr(modules.get(expert[1]), "load_expert"):
+            moe = modules[expert[1]]
+            moe.load_expert(int(expert[2]), expert[3], tensor)  # its check_loaded sees every piece came
+            loaded.update(f"{expert[1]}.{param}" for param, _ in moe.named_parameters())
+            continue
         target, shard = fused_target(name, stacked)
         owner_name, _, param_name = target.rpartition(".")
         owner = modules.get(owner_name)
-        sizes = shard_sizes[target.split(".")[-2]] if shard is not None else None
+        sizes = _shard_sizes(shard_sizes, target) if shard is not None else None
         # An FP8 checkpoint's weight scales (weight_scale_inv: DeepSeek / Qwen block-wise checkpoints).
         if param_name in ("weight_scale", "weight_scale_inv") and hasattr(owner, "load_scale_rows"):
             start, rows = (sum(sizes[:shard]), sizes[shard]) if sizes else (0, owner.out_features)
@@ -94,10 +125,12 @@ def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
     cfg = model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+    if cfg.moe is not None and cfg.moe.shared_intermediate_size:
+        sizes["shared_expert.gate_up_proj"] = [cfg.moe.shared_intermediate_size] * 2
 
     def rename(name: str) -> str | None:
         if "rotary_emb.inv_freq" in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
             return None  # tied checkpoints sometimes store a copy of the embedding
-        return name
+        return mixtral_name(name) if cfg.moe is not None else name
 
     load_checked(model, weights, STACKED_PROJECTIONS, sizes, rename)

@@ -1,0 +1,164 @@
+"""fused_moe benchmark (GPU): a Qwen3-30B-A3B MoE layer's routed experts in bf16, Triton vs the torch ref.
+
+    PYTHONPATH=. python benchmarks/kernels/fused_moe_bench.py --out benchmarks/results/fused_moe_h200.json
+    PYTHONPATH=. python benchmarks/kernels/fused_moe_bench.py --sweep --out /tmp/fused_moe_sweep.json
+
+fused_moe is timed as the median of CUDA-graph replays (triton.testing.do_bench_cudagraph), each graph a run
+of back-to-back calls as a captured step holds them; the calls cycle through several copies of the layer's
+weights, together at least L2_COPIES_FACTOR x the L2 size, so a call's experts are not in L2 when it reads
+them. fused_moe_ref syncs the host (it cannot be captured): it is timed plainly (triton.testing.do_bench).
+Per T it reports ms, the expert weights the routing touches (distinct experts x 3 x H x I x 2 bytes) over
+the time (GB/s: the figure that matters at decode sizes) and 6 x T x k x H x I FLOPs over the time
+(TFLOP/s: the one that matters at prompt sizes), and the kernel's largest error against the reference in
+fp32. --sweep also times SWEEP_CONFIGS per T and reports the best (block_k other than moe_config's gives up
+batch invariance of the K loop: note it before adopting one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from plait.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_config
+
+QWEN3_30B_A3B = dict(experts=128, top_k=8, hidden=2048, inter=768)
+T_VALUES = (1, 8, 64, 256, 1024, 4096)
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+L2_COPIES_FACTOR = 3  # weight copies read in turn cover this many L2 sizes
+MAX_COPIES = 8  # one layer's experts are 1.2 GB: 8 copies (9.7 GB) cover any L2 many times
+REP_MS = 20  # per graph replay; do_bench_cudagraph takes the median of its replays
+REF_REP_MS = 200
+# (block_m, block_n, block_k, group_m, num_warps, num_stages): tried per T beside moe_config's pick.
+SWEEP_CONFIGS = [
+    (16, 32, 64, 1, 4, 4), (16, 64, 64, 1, 4, 4), (16, 64, 128, 1, 4, 3), (16, 128, 64, 1, 4, 4),
+    (32, 64, 64, 8, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 8, 4), (64, 128, 64, 16, 8, 3),
+    (128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3),
+]
+
+
+def routing(t: int, experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of random logits, top k, renormalised (Qwen3-MoE's norm_topk_prob)."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    probs = F.softmax(torch.randn(t, experts, generator=g, device=DEVICE), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+def layer_copies(c: dict, l2_bytes: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    e, h, i = c["experts"], c["hidden"], c["inter"]
+    size = 3 * e * h * i * torch.finfo(DTYPE).bits // 8
+    count = max(2, min(MAX_COPIES, math.ceil(L2_COPIES_FACTOR * l2_bytes / size)))
+    return [(torch.randn(e, 2 * i, h, device=DEVICE, dtype=DTYPE) * h**-0.5,
+             torch.randn(e, h, i, device=DEVICE, dtype=DTYPE) * i**-0.5) for _ in range(count)]
+
+
+def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
+    state = {"i": 0}
+
+    def call() -> object:
+        fn = calls[state["i"] % len(calls)]
+        state["i"] += 1
+        return fn()
+
+    return call
+
+
+def graph_ms(layers, x, weights, ids, config: MoeConfig | None) -> float:
+    from triton.testing import do_bench_cudagraph
+
+    calls = [lambda w13=w13, w2=w2: fused_moe(x, w13, w2, weights, ids, config=config) for w13, w2 in layers]
+    for fn in calls[:1]:  # compile outside the capture
+        fn()
+    torch.cuda.synchronize()
+    return do_bench_cudagraph(rotating(calls), rep=REP_MS, return_mode="median")
+
+
+def rates(ms: float, touched_bytes: int, flops: int) -> dict:
+    return {"ms": ms, "weight_GBps": touched_bytes / (ms * 1e-3) / 1e9, "TFLOPs": flops / (ms * 1e-3) / 1e12}
+
+
+def bench_t(c: dict, layers, t: int, sweep: bool, with_ref: bool) -> dict:
+    from triton.testing import do_bench
+
+    e, k, h, i = c["experts"], c["top_k"], c["hidden"], c["inter"]
+    x = torch.randn(t, h, device=DEVICE, dtype=DTYPE)
+    weights, ids = routing(t, e, k, seed=t)
+    distinct = int(torch.unique(ids).numel())
+    touched = distinct * 3 * h * i * torch.finfo(DTYPE).bits // 8
+    flops = 6 * t * k * h * i
+    picked = moe_config(t, k, e, h, i, DTYPE)
+    row = {"T": t, "distinct_experts": distinct, "touched_bytes": touched, "flops": flops,
+           "config": asdict(picked)}
+    row["fused_moe"] = rates(graph_ms(layers, x, weights, ids, None), touched, flops)
+    w13, w2 = layers[0]
+    got = fused_moe(x, w13, w2, weights, ids)
+    want = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
+    row["max_err_over_max_out"] = ((got.float() - want).abs().max() / want.abs().max()).item()
+    del want
+    if with_ref:
+        ref_ms = do_bench(lambda: fused_moe_ref(x, w13, w2, weights, ids), rep=REF_REP_MS,
+                          return_mode="median")
+        row["fused_moe_ref"] = rates(ref_ms, touched, flops)
+    if sweep:
+        results = [{"config": asdict(picked), "ms": row["fused_moe"]["ms"]}]
+        for bm, bn, bk, gm, warps, stages in SWEEP_CONFIGS:
+            cfg = MoeConfig(bm, bn, bk, group_m=gm, num_warps=warps, num_stages=stages)
+            if cfg == picked:
+                continue
+            try:
+                ms = graph_ms(layers, x, weights, ids, cfg)
+            except Exception as exc:  # e.g. a config past the shared memory: recorded, skipped
+                results.append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
+                continue
+            results.append({"config": asdict(cfg), "ms": ms})
+        timed = [r for r in results if "ms" in r]
+        best = min(timed, key=lambda r: r["ms"])
+        row["sweep"] = results
+        row["best"] = {**best, **rates(best["ms"], touched, flops),
+                       "speedup_over_picked": row["fused_moe"]["ms"] / best["ms"]}
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--tokens", type=int, nargs="+", default=list(T_VALUES), help="batch sizes T")
+    parser.add_argument("--sweep", action="store_true", help="also time SWEEP_CONFIGS per T, report the best")
+    parser.add_argument("--no-ref", action="store_true", help="skip timing the torch reference")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("fused_moe_bench needs a CUDA device")
+    c = QWEN3_30B_A3B
+    props = torch.cuda.get_device_properties(0)
+    layers = layer_copies(c, props.L2_cache_size)
+    result = {"device": props.name, "model": "qwen3-30b-a3b", "dtype": str(DTYPE), "shape": c,
+              "weight_copies": len(layers), "rows": []}
+    t0 = time.perf_counter()
+    for t in args.tokens:
+        row = bench_t(c, layers, t, args.sweep, not args.no_ref)
+        result["rows"].append(row)
+        line = (f"T={t:5d} experts {row['distinct_experts']:3d}  fused_moe {row['fused_moe']['ms']:8.4f} ms "
+                f"{row['fused_moe']['weight_GBps']:7.0f} GB/s {row['fused_moe']['TFLOPs']:6.1f} TFLOP/s  "
+                f"err {row['max_err_over_max_out']:.2e}")
+        if "fused_moe_ref" in row:
+            line += f"  ref {row['fused_moe_ref']['ms']:8.3f} ms"
+        if "best" in row:
+            line += f"  best {row['best']['ms']:8.4f} ms {row['best']['config']}"
+        print(line, flush=True)
+    result["wall_s"] = time.perf_counter() - t0
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

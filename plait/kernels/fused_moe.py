@@ -1,0 +1,359 @@
+"""fused_moe: a sparse MoE block's routed experts in two grouped Triton GEMMs, with its torch reference."""
+
+# Every token picks top_k of E experts; expert e is a SiLU-gated MLP, w13[e] ([2I, H]: gate rows, then up
+# rows) and w2[e] ([H, I]). The T * k (token, slot) pairs, "entries" (entry id = token * k + slot), are
+# grouped by expert with moe_align (torch ops, no host sync): each expert's group is padded to a multiple of
+# block_m, so every block of block_m sorted entries belongs to one expert. Then three launches:
+#   1. _moe_gemm_kernel (GATE_UP): per block and column tile, x[entry // k] @ w13[e]^T for the gate and the
+#      up columns at once, then silu(gate) * up in the epilogue, rounded where torch rounds -> inter [T*k, I];
+#   2. _moe_gemm_kernel: inter[entry] @ w2[e]^T, the fp32 accumulator times the entry's routing
+#      weight, rounded once -> per-slot outputs [T*k, H];
+#   3. _moe_sum_kernel: each token's k slot rows summed in slot order in fp32 -> [T, H].
+# Rows are indexed by entry id, so no scatter needs atomics and every result is deterministic. Every buffer's
+# shape is a function of (T, k, E, H, I) and the grid is sized for the worst routing (programs past the real
+# padded length return at once): CUDA-graph capturable. fused_moe_ref is HF transformers 5's MixtralExperts
+# loop in torch: the CPU path and the tests' oracle.
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from plait.kernels.activation import silu_rounded
+from plait.kernels.interpreter import static_iters, trip_count
+from plait.kernels.pdl import pdl_args, pdl_prologue
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+ID_DTYPES = (torch.int32, torch.int64)
+
+# -- tile sizes ---------------------------------------------------------------------------------------------
+# Decode-sized batches: an expert gets few rows, so 16-row blocks (tl.dot's smallest M) waste little padding.
+DECODE_BLOCK_M = 16
+# Prompt-sized batches: 64-row blocks (the M of one Hopper warpgroup MMA) read a weight tile once per 64 rows.
+PROMPT_BLOCK_M = 64
+# Average rows per expert (T * k / E) up to which a batch counts as decode-sized: below it a 64-row block
+# would be mostly padding, and the step is bound by reading the routed experts' weights anyway.
+DECODE_ROWS_PER_EXPERT = 16
+# Average rows per expert from which wider column tiles pay (fewer re-reads of x, more work per program).
+WIDE_N_ROWS_PER_EXPERT = 128
+DECODE_BLOCK_N = 64  # enough column tiles that the few routed experts' weights stream from most SMs
+PROMPT_BLOCK_N = 128
+# Warps for PROMPT_BLOCK_N tiles: GEMM 1's two 64 x 128 fp32 accumulators (gate and up) take 131
+# registers a thread at 8 warps, every one of the 255 a thread may have at 4 (ptxas -v, sm_90a).
+WIDE_TILE_WARPS = 8
+# K step of 16-bit inputs, the same at every T (see "Batch invariance" below): 4 stages of 64-row x tiles
+# and two 128-column weight tiles (gate and up) are 160 KB of shared memory, within Hopper's 227 KB.
+BLOCK_K_16BIT = 64
+GPU_STAGES = 4
+GPU_WARPS = 4
+# fp32 (IEEE dots, 4-byte tiles: half the elements fit in the same shared memory).
+FP32_BLOCK_M = 16
+FP32_BLOCK_N = 64
+FP32_BLOCK_K = 32
+FP32_STAGES = 2
+# The CPU interpreter runs each program in Python: small tiles, nothing to pipeline.
+CPU_BLOCK_M = 16
+CPU_BLOCK_N = 32
+CPU_BLOCK_K = 32
+CPU_STAGES = 1
+# Column tiles of one weight tile's neighbouring row blocks run together, so they share it through L2.
+GROUP_M = 8
+MIN_DOT = 16  # tl.dot's smallest M, N and K
+SUM_BLOCK_H = 1024  # hidden columns a slot-sum program adds: 4 warps x 32 threads x 8 values
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    block_m: int  # sorted entries a program takes (moe_align pads each expert's group to a multiple of it)
+    block_n: int  # output columns a program takes (GEMM 1: of the gate and of the up half each)
+    block_k: int  # K elements a loop step takes
+    group_m: int = GROUP_M  # row blocks whose column tiles run together (L2 reuse of the weight tiles)
+    num_warps: int = GPU_WARPS
+    num_stages: int = GPU_STAGES  # software-pipelining depth of the K loop
+
+
+@dataclass(frozen=True)
+class MoeAlignment:
+    # The flattened entry ids (token * k + slot) grouped by expert in increasing expert order, each
+    # expert's entries in increasing id order, each group padded with pad_entry(T, k) to a multiple of
+    # block_m; positions past num_padded hold it too. [max_padded] int32
+    sorted_ids: torch.Tensor
+    # The expert of each block of block_m sorted entries; blocks at or past num_padded hold E - 1 (a valid
+    # id, never read: the kernels return before looking). [max_padded // block_m] int32
+    expert_ids: torch.Tensor
+    # How many of sorted_ids are in use: the sum of the padded group sizes, on the device. [1] int32
+    num_padded: torch.Tensor
+
+
+def pad_entry(num_tokens: int, top_k: int) -> int:
+    """The sentinel in sorted_ids for padding: one past the last entry id, so `entry < T * k` tells real
+    entries from padding (and the kernels store nothing for it)."""
+    return num_tokens * top_k
+
+
+def max_padded(num_entries: int, num_experts: int, block_m: int) -> int:
+    """The longest sorted_ids any routing of num_entries entries can need: every expert that gets an entry
+    (at most min(E, entries) of them) wastes at most block_m - 1 slots of padding. Host ints only, so a
+    CUDA graph's buffers do not depend on the routing."""
+    padded = num_entries + min(num_experts, num_entries) * (block_m - 1)
+    return triton.cdiv(padded, block_m) * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+    """Group the T * k entries by expert, each group padded to a multiple of block_m (see MoeAlignment).
+
+    Sync-free torch ops only (every shape a function of T, k, E, block_m), so it can be captured in a CUDA
+    graph. Ids must lie in [0, E): that is not checked (it would need a host sync); on CUDA an id past E
+    trips an indexing device-side assert."""
+    # topk_ids: [T, k] int32 / int64
+    num_entries = topk_ids.numel()
+    device = topk_ids.device
+    flat = topk_ids.reshape(-1).long()  # [T*k]; scatter and gather indices must be int64
+    padded_len = max_padded(num_entries, num_experts, block_m)
+    # A stable sort keeps each expert's entries in flattened (token-major) order, so where a token's entry
+    # lands within its expert's group never depends on what the other tokens picked, only on how many
+    # earlier entries picked the same expert.
+    experts, order = torch.sort(flat, stable=True)  # [T*k] each
+    # Each expert's first position among the sorted entries, and so its count: no atomics, no bincount
+    # (whose output size is read from the data: a host sync).
+    first_sorted = torch.searchsorted(experts, torch.arange(num_experts + 1, device=device))  # [E + 1]
+    counts = first_sorted.diff()  # [E]
+    padded_counts = (counts + (block_m - 1)) // block_m * block_m  # [E]
+    group_end = torch.cumsum(padded_counts, 0)  # [E]: where each expert's padded group ends
+    group_start = group_end - padded_counts  # [E]
+    rank = torch.arange(num_entries, device=device) - first_sorted[experts]  # position within its group
+    sorted_ids = torch.full((padded_len,), pad_entry(*topk_ids.shape), dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, group_start[experts] + rank, order.to(torch.int32))
+    block_starts = torch.arange(0, padded_len, block_m, device=device)  # [num_blocks]
+    # The expert whose group holds each block's first slot: groups are [start, end), and empty experts'
+    # (start == end) are skipped by right=True. Blocks past every group would get E: clamped to a valid id.
+    expert_ids = torch.searchsorted(group_end, block_starts, right=True, out_int32=True)
+    expert_ids.clamp_(max=num_experts - 1)
+    num_padded = group_end[-1:].to(torch.int32)
+    return MoeAlignment(sorted_ids=sorted_ids, expert_ids=expert_ids, num_padded=num_padded)
+
+
+# -- batch invariance --------------------------------------------------------------------------------------
+# A row's dot products never mix with other rows', so what a token gets depends on the batch only through
+# the config. Fixed for every T: block_k (a function of the dtype alone) and so the K loop's order and
+# steps, the fp32 epilogues, and the slot sum's order (slot 0 first, in fp32). Changing with T: block_m
+# (DECODE_BLOCK_M vs PROMPT_BLOCK_M), and block_n, warps and stages. On a GPU block_m can change the MMA
+# instruction (mma.sync for 16 rows, wgmma for 64 on Hopper), whose accumulation inside one K step may
+# differ in the last bit; block_n, warps and stages do not change a row's order of summation. So within one
+# block_m regime a token's output is bitwise independent of the batch; across regimes it may move by
+# fp32 roundoff before the final rounding.
+def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
+               dtype: torch.dtype, on_cuda: bool = True) -> MoeConfig:
+    """Launch shape for a batch of num_tokens, from the average rows an expert gets (T * k / E); hidden and
+    intermediate are not read yet (kept so that a tuned table can key on the layer's shape). Column and K
+    tiles wider than the layer are capped at the launch. on_cuda=False: the CPU interpreter's small tiles."""
+    if not on_cuda:
+        return MoeConfig(CPU_BLOCK_M, CPU_BLOCK_N, CPU_BLOCK_K, group_m=1, num_warps=GPU_WARPS,
+                         num_stages=CPU_STAGES)
+    rows_per_expert = num_tokens * top_k / num_experts
+    if dtype == torch.float32:
+        return MoeConfig(FP32_BLOCK_M, FP32_BLOCK_N, FP32_BLOCK_K, num_stages=FP32_STAGES)
+    if rows_per_expert <= DECODE_ROWS_PER_EXPERT:
+        return MoeConfig(DECODE_BLOCK_M, DECODE_BLOCK_N, BLOCK_K_16BIT)
+    if rows_per_expert >= WIDE_N_ROWS_PER_EXPERT:
+        return MoeConfig(PROMPT_BLOCK_M, PROMPT_BLOCK_N, BLOCK_K_16BIT, num_warps=WIDE_TILE_WARPS)
+    return MoeConfig(PROMPT_BLOCK_M, DECODE_BLOCK_N, BLOCK_K_16BIT)
+
+
+@triton.jit
+def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, IN_FP32: tl.constexpr):
+    # IN_FP32: Triton 3.6's interpreter multiplies bf16 tiles as their raw uint16 bits (np.matmul on its
+    # storage type), so there bf16 operands are widened first; exact, as their products are in fp32.
+    if IN_FP32:
+        acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+# The entry count changes every step; specialising on it (== 1, divisible by 16) would compile new binaries
+# mid-run.
+@triton.jit(do_not_specialize=["num_entries"])
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
+    num_entries, N, K, stride_am, stride_we, stride_wn, stride_om, up_rows, k_iters,
+    A_ROW_DIV: tl.constexpr, STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, BF16_DOT_IN_FP32: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
+):
+    # acc[entry, n] = sum_k a[entry // A_ROW_DIV, k] * w[expert, n, k] for the block's sorted entries.
+    # GATE_UP (GEMM 1): out = silu(acc) * (acc of weight row up_rows + n), rounded as torch rounds each step;
+    # else (GEMM 2): out = acc * topk_w[entry], in fp32 before its one rounding.
+    pdl_prologue(PDL)
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_m = tl.num_programs(0) // num_pid_n
+    # Grouped order: GROUP_M row blocks sweep the column tiles together (row-fastest within a group), so a
+    # weight tile of an expert with several blocks is read from HBM about once.
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    # The grid covers the worst routing; this step's blocks end at num_padded.
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    entries = tl.load(sorted_ids_ptr + offs_m)
+    real = entries < num_entries
+    # Padding rows re-read the last entry's row (dropped at the store), so loads need no row mask.
+    entries_in = tl.minimum(entries, num_entries - 1).to(tl.int64)
+    a_rows = entries_in // A_ROW_DIV
+    # int64: expert * stride_we passes 2^31 for large experts (Mixtral-8x7B: 7 * 28672 * 4096).
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # columns past N re-read the last row, dropped too
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
+    # The weight as its transpose, [BLOCK_K, BLOCK_N], K contiguous: tl.dot's B operand.
+    w_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None]
+    up_off = up_rows.to(tl.int64) * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for it in range(trip_count(STATIC_K_ITERS, k_iters)):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            k_in = offs_k < K - it * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
+        acc_g = _dot(a, w, acc_g, DOT_PRECISION, BF16_DOT_IN_FP32)
+        if GATE_UP:
+            if EVEN_K:
+                w_up = tl.load(w_ptrs + up_off)
+            else:
+                w_up = tl.load(w_ptrs + up_off, mask=k_in[:, None], other=0.0)
+            acc_u = _dot(a, w_up, acc_u, DOT_PRECISION, BF16_DOT_IN_FP32)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ty = out_ptr.dtype.element_ty
+    if GATE_UP:
+        # The reference rounds F.linear's output, then silu's, then the product: so does this.
+        gate = acc_g.to(out_ty).to(tl.float32)
+        up = acc_u.to(out_ty).to(tl.float32)
+        y = (silu_rounded(gate, out_ty, PRECISE) * up).to(out_ty)
+    else:
+        weight = tl.load(topk_w_ptr + entries_in)  # fp32 [BLOCK_M]
+        y = (acc_g * weight[:, None]).to(out_ty)
+    out_ptrs = out_ptr + entries_in[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, y, mask=real[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    # out[t] = sum over slots j of y[t * TOP_K + j], in slot order, in fp32: fixed order, no atomics.
+    pdl_prologue(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+           topk_ids: torch.Tensor) -> None:
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    (t, h), (e, two_i, h13) = x.shape, w13.shape
+    if two_i % 2:
+        raise ValueError(f"w13 needs gate rows then as many up rows, got {two_i} rows")
+    if h13 != h or w2.shape != (e, h, two_i // 2):
+        raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not agree "
+                         f"(want w13 [E, 2I, {h}] and w2 [E, {h}, I])")
+    if x.dtype not in FLOAT_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"x, w13 and w2 must share one of {FLOAT_DTYPES}, got {x.dtype}, {w13.dtype}, "
+                         f"{w2.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be [T={t}, k], got {tuple(topk_ids.shape)} "
+                         f"and {tuple(topk_weights.shape)}")
+    if topk_ids.dtype not in ID_DTYPES:
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
+
+
+def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """HF transformers 5's MixtralExperts.forward, in its order of operations (host syncs: the CPU path)."""
+    # x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] -> [T, H]
+    _check(x, w13, w2, topk_weights, topk_ids)
+    num_experts = w13.shape[0]
+    out = torch.zeros_like(x)
+    # [E + 1, k, T], as HF builds it: torch.where then yields each expert's entries by slot, then by token.
+    expert_mask = F.one_hot(topk_ids.long(), num_classes=num_experts + 1).permute(2, 1, 0)
+    hit = (expert_mask.sum(dim=(-1, -2)) > 0).nonzero()
+    for expert in hit[:, 0].tolist():
+        if expert == num_experts:
+            continue
+        k_pos, token_idx = torch.where(expert_mask[expert])
+        gate, up = F.linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
+        h = F.linear(F.silu(gate) * up, w2[expert])
+        h = h * topk_weights[token_idx, k_pos, None]
+        out.index_add_(0, token_idx, h.to(out.dtype))
+    return out
+
+
+def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor,
+                 align: MoeAlignment, n: int, a_row_div: int, cfg: MoeConfig, gate_up: bool) -> None:
+    # a: [rows, K]; w: [E, N (2N for gate_up), K]; out: [T*k, N], rows by entry id
+    k = a.shape[1]
+    block_n = min(cfg.block_n, max(MIN_DOT, triton.next_power_of_2(n)))
+    block_k = min(cfg.block_k, max(MIN_DOT, triton.next_power_of_2(k)))  # K's alone: same at every T
+    k_iters = triton.cdiv(k, block_k)
+    num_blocks = align.expert_ids.shape[0]
+    grid = (num_blocks * triton.cdiv(n, block_n),)
+    _moe_gemm_kernel[grid](
+        a, w, out, topk_w, align.sorted_ids, align.expert_ids, align.num_padded,
+        out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), n, k_iters,
+        A_ROW_DIV=a_row_div, STATIC_K_ITERS=static_iters(a.is_cuda, k_iters), BLOCK_M=cfg.block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        BF16_DOT_IN_FP32=a.dtype == torch.bfloat16 and not a.is_cuda,
+        PRECISE=a.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(a),
+    )
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+    """fused_moe_ref in Triton: no host syncs, no atomics, CUDA-graph capturable; config overrides
+    moe_config's pick (tests, sweeps).
+
+    Rounding differs from the reference where the reference rounds more: the down projection's fp32 sum
+    is multiplied by the routing weight before its one rounding, and the k slots are summed in fp32."""
+    # x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] -> [T, H]
+    _check(x, w13, w2, topk_weights, topk_ids)
+    if w13.stride(-1) != 1 or w2.stride(-1) != 1:
+        raise ValueError("w13 and w2 need unit stride along their last (input) dimension")
+    (num_tokens, hidden), (num_experts, two_i, _) = x.shape, w13.shape
+    top_k, inter = topk_ids.shape[1], two_i // 2
+    out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
+    if num_tokens == 0 or hidden == 0:
+        return out
+    if inter == 0:  # experts of width 0 add nothing
+        return out.zero_()
+    cfg = config or moe_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype, on_cuda=x.is_cuda)
+    x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided: the kernel takes stride(0)
+    topk_w = topk_weights.reshape(-1).contiguous()  # [T*k], by entry id
+    align = moe_align(topk_ids, num_experts, cfg.block_m)
+    num_entries = num_tokens * top_k
+    h = torch.empty((num_entries, inter), dtype=x.dtype, device=x.device)  # silu(gate) * up, by entry
+    _launch_gemm(x, w13, h, topk_w, align, inter, top_k, cfg, gate_up=True)
+    y = torch.empty((num_entries, hidden), dtype=x.dtype, device=x.device)  # weighted expert outputs
+    _launch_gemm(h, w2, y, topk_w, align, hidden, 1, cfg, gate_up=False)
+    block_h = min(SUM_BLOCK_H, triton.next_power_of_2(hidden))
+    _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        y, out, hidden, TOP_K=top_k, BLOCK_H=block_h, num_warps=4, **pdl_args(y))
+    return out

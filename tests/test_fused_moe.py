@@ -1,0 +1,386 @@
+"""fused_moe (Triton grouped GEMMs for a sparse MoE block's experts) vs its torch reference, and moe_align."""
+
+# Unmarked tests use tiny shapes (E=4, k=2, H=64, I=32): through the Triton interpreter on CPU, compiled on
+# a GPU when there is one. `gpu` tests use Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes in bf16.
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+triton = pytest.importorskip("triton")
+
+from plait.kernels import fused_moe as fm  # noqa: E402
+from plait.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_align, moe_config  # noqa: E402
+
+ON_GPU = torch.cuda.is_available()
+DEVICE = "cuda" if ON_GPU else "cpu"
+BF16 = torch.bfloat16
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+E, K, H, INTER = 4, 2, 64, 32  # experts, slots a token, hidden, intermediate
+
+gpu = pytest.mark.skipif(not ON_GPU, reason="needs CUDA")
+
+# fp32: the kernel and the reference sum the same products in different orders (and the kernel multiplies
+# the routing weight before rounding, sums slots in another order): a few fp32 roundings of the output's
+# scale, ~1e-7 relative; 1e-5 leaves room yet catches any wrong row, expert or weight.
+FP32_REL_TOL = 1e-5
+# fp16 / bf16, in units of the dtype's eps times the output's largest magnitude. Each side is within about
+# one such unit of the exact result: a wrong rounding of gate or up moves silu's output by an ulp of their
+# scale, and the down projection sums I such errors of random sign against weights of ~1/sqrt(I), so they
+# reach the output at about an ulp of its scale; the slot outputs and their sum add an ulp or less each
+# (measured at these shapes: up to 1.6 units each side vs fp64, 1.6 between them). Three units apart.
+HALF_REL_ULPS = 3
+# The interpreter casts fp32 -> bf16 by truncation, not round-to-nearest-even (triton 3.6 interpreter.py,
+# _convert_float): each of the kernel's roundings may land a whole ulp off, always toward zero, so its
+# errors no longer cancel; measured up to 4.9 units against the reference where round-to-nearest gives 1.6
+# (test_fused_moe_rounds_where_the_reference_does checks that this is the truncation and nothing else).
+BF16_TRUNCATION_REL_ULPS = 0 if ON_GPU else 3
+
+
+def randn(*shape: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(dtype)
+
+
+def experts(num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [E, 2I, H], w2 [E, H, INTER] scaled so that every activation is O(1)."""
+    w13 = randn(num_experts, 2 * inter, hidden, dtype=dtype, seed=seed, scale=hidden**-0.5)
+    w2 = randn(num_experts, hidden, inter, dtype=dtype, seed=seed + 1, scale=inter**-0.5)
+    return w13, w2
+
+
+def routing(num_tokens: int, num_experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] fp32, ids [T, k] int64): softmax of random logits, its top k, renormalised."""
+    logits = randn(num_tokens, num_experts, dtype=torch.float32, seed=seed, scale=2.0)
+    weights, ids = torch.topk(F.softmax(logits, dim=-1), top_k, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+def assert_close_to_ref(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if want.dtype == torch.float32:
+        units, allowed = torch.finfo(torch.float32).eps, FP32_REL_TOL / torch.finfo(torch.float32).eps
+    else:
+        units = torch.finfo(want.dtype).eps
+        allowed = HALF_REL_ULPS + (BF16_TRUNCATION_REL_ULPS if want.dtype == BF16 else 0)
+    scale = want.double().abs().max().item() * units
+    worst = (got.double() - want.double()).abs().max().item() / scale
+    assert worst <= allowed, f"{worst:.2f} units of eps x max|out| apart (allowed {allowed})"
+
+
+# -- moe_align ---------------------------------------------------------------------------------------------
+
+def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
+    align = moe_align(ids, num_experts, block_m)
+    flat = ids.reshape(-1).long().cpu()
+    n = flat.numel()
+    sorted_ids = align.sorted_ids.cpu()
+    expert_ids = align.expert_ids.cpu()
+    num_padded = int(align.num_padded.item())
+    assert sorted_ids.dtype == expert_ids.dtype == align.num_padded.dtype == torch.int32
+    assert sorted_ids.numel() == fm.max_padded(n, num_experts, block_m) == expert_ids.numel() * block_m
+    counts = torch.bincount(flat, minlength=num_experts)
+    assert num_padded == int(((counts + block_m - 1) // block_m * block_m).sum())
+    sentinel = fm.pad_entry(*ids.shape)
+    assert sentinel == n
+    # Every entry exactly once, all of them before num_padded; padding is the sentinel.
+    used = sorted_ids[:num_padded]
+    real = used[used != sentinel]
+    assert sorted(real.tolist()) == list(range(n))
+    assert bool((sorted_ids[num_padded:] == sentinel).all())
+    # Each block's real entries belong to its expert; experts' groups come in increasing order.
+    blocks = used.view(-1, block_m)
+    block_experts = expert_ids[: blocks.shape[0]]
+    for b, block in enumerate(blocks):
+        mine = block[block != sentinel]
+        assert bool((flat[mine.long()] == block_experts[b]).all())
+        # Padding only at a group's end: a block holds its real entries first.
+        assert bool((block[: mine.numel()] != sentinel).all())
+    assert bool((block_experts[1:] >= block_experts[:-1]).all())
+    assert bool(((expert_ids >= 0) & (expert_ids < num_experts)).all())
+    for e in range(num_experts):
+        pos = torch.nonzero(flat[real.long()] == e).flatten()
+        entries = real[pos]
+        assert entries.numel() == counts[e]
+        if entries.numel():
+            # Each group starts on a block boundary, holds its entries in increasing (token-major) order,
+            # and takes exactly ceil(count / block_m) blocks.
+            first = int(torch.nonzero(used == entries[0]).item())
+            assert first % block_m == 0
+            assert bool((entries[1:] > entries[:-1]).all())
+            assert int((block_experts == e).sum()) == -(-int(counts[e]) // block_m)
+        else:
+            assert not bool((block_experts == e).any())
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("case", ["random", "one_expert", "all_slots_same", "unused_expert", "k1", "e1"])
+def test_moe_align_properties(case, block_m):
+    t = 13
+    if case == "random":
+        ids = routing(t, 8, 3, seed=1)[1]
+        num_experts = 8
+    elif case == "one_expert":  # every token picks expert 2 (and expert 0 as its second)
+        ids = torch.tensor([[2, 0]] * t, device=DEVICE)
+        num_experts = 5
+    elif case == "all_slots_same":  # duplicates in a token's own slots
+        ids = torch.full((t, 3), 1, device=DEVICE)
+        num_experts = 4
+    elif case == "unused_expert":
+        ids = routing(t, 3, 2, seed=2)[1] * 2  # experts 0, 2, 4 of 6: 1, 3, 5 unused
+        num_experts = 6
+    elif case == "k1":
+        ids = routing(t, 4, 1, seed=3)[1]
+        num_experts = 4
+    else:
+        ids = torch.zeros((t, 1), dtype=torch.int64, device=DEVICE)
+        num_experts = 1
+    check_alignment(ids, num_experts, block_m)
+    check_alignment(ids.to(torch.int32), num_experts, block_m)
+
+
+# -- fused_moe vs reference --------------------------------------------------------------------------------
+
+def run_both(x, w13, w2, weights, ids, config=None):
+    got = fused_moe(x, w13, w2, weights, ids, config=config)
+    return got, fused_moe_ref(x, w13, w2, weights, ids)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [1, 5, 33])
+def test_fused_moe_matches_ref(dtype, t):
+    w13, w2 = experts(E, H, INTER, dtype, seed=10)
+    x = randn(t, H, dtype=dtype, seed=12)
+    weights, ids = routing(t, E, K, seed=13)
+    assert_close_to_ref(*run_both(x, w13, w2, weights, ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("case", ["one_expert", "same_expert_twice", "k1", "e1", "int32_ids"])
+def test_fused_moe_adversarial_routings(dtype, case):
+    t = 33
+    num_experts, top_k = (1, 1) if case == "e1" else (E, 1 if case == "k1" else K)
+    w13, w2 = experts(num_experts, H, INTER, dtype, seed=14)
+    x = randn(t, H, dtype=dtype, seed=16)
+    weights, ids = routing(t, num_experts, top_k, seed=17)
+    if case == "one_expert":  # all tokens on expert 3 (slot 0) and expert 1 (slot 1): 0 and 2 idle
+        ids = torch.tensor([[3, 1]] * t, device=DEVICE)
+    elif case == "same_expert_twice":
+        ids = torch.full((t, top_k), 2, device=DEVICE)
+    elif case == "int32_ids":
+        ids = ids.to(torch.int32)
+    got, want = run_both(x, w13, w2, weights, ids)
+    assert_close_to_ref(got, want)
+    if case == "int32_ids":
+        assert torch.equal(got, fused_moe(x, w13, w2, weights, ids.long()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("config", [
+    MoeConfig(block_m=32, block_n=16, block_k=16, group_m=4, num_stages=1),
+    MoeConfig(block_m=16, block_n=64, block_k=64, group_m=2, num_stages=1),
+])
+def test_fused_moe_configs_and_ragged_sizes(dtype, config):
+    # H=48, I=40: K steps past the end (masked loads), column tiles past N (masked stores, re-read rows).
+    hidden, inter, t = 48, 40, 21
+    w13, w2 = experts(E, hidden, inter, dtype, seed=18)
+    x = randn(t, hidden, dtype=dtype, seed=20)
+    weights, ids = routing(t, E, K, seed=21)
+    assert_close_to_ref(*run_both(x, w13, w2, weights, ids, config=config))
+
+
+def test_fused_moe_strided_x_and_empty_batch():
+    w13, w2 = experts(E, H, INTER, torch.float32, seed=22)
+    wide = randn(7, 2 * H, dtype=torch.float32, seed=24)
+    x = wide[:, :H]  # rows strided, as a slice of a fused projection's output would be
+    weights, ids = routing(7, E, K, seed=25)
+    assert_close_to_ref(*run_both(x, w13, w2, weights, ids))
+    empty = fused_moe(x[:0], w13, w2, weights[:0], ids[:0])
+    assert empty.shape == (0, H) and empty.dtype == torch.float32
+
+
+def test_fused_moe_is_deterministic():
+    w13, w2 = experts(E, H, INTER, BF16, seed=26)
+    x = randn(33, H, dtype=BF16, seed=28)
+    weights, ids = routing(33, E, K, seed=29)
+    assert torch.equal(fused_moe(x, w13, w2, weights, ids), fused_moe(x, w13, w2, weights, ids))
+
+
+def test_fused_moe_batch_invariant_fp32():
+    # moe_config's fp32 pick does not depend on T (nor does any block_k), rows of a block never mix, and a
+    # token's slots are summed in slot order: so a token's output is the same bits alone or in a batch.
+    t = 33
+    w13, w2 = experts(E, H, INTER, torch.float32, seed=30)
+    x = randn(t, H, dtype=torch.float32, seed=32)
+    weights, ids = routing(t, E, K, seed=33)
+    full = fused_moe(x, w13, w2, weights, ids)
+    for i in (0, 17, t - 1):
+        alone = fused_moe(x[i : i + 1], w13, w2, weights[i : i + 1], ids[i : i + 1])
+        assert torch.equal(alone[0], full[i])
+    # And inside a different batch (the token last, after others with their own routing).
+    others = randn(9, H, dtype=torch.float32, seed=34)
+    w_o, ids_o = routing(9, E, K, seed=35)
+    mixed = fused_moe(torch.cat([others, x[5:6]]), w13, w2, torch.cat([w_o, weights[5:6]]),
+                      torch.cat([ids_o, ids[5:6]]))
+    assert torch.equal(mixed[-1], full[5])
+
+
+def emulated(x, w13, w2, weights, ids, rnd):
+    """fused_moe's arithmetic in torch, fp32 between the roundings that ``rnd`` (fp32 -> dtype -> fp32)
+    makes where the kernel rounds: gate and up, silu, their product, each slot's weighted output, the sum."""
+    inter = w2.shape[-1]
+    flat = ids.reshape(-1).long()
+    rows = x.float()[torch.arange(x.shape[0], device=x.device).repeat_interleave(ids.shape[1])]
+    gate_up = torch.einsum("mh,mnh->mn", rows, w13.float()[flat])
+    gate, up = rnd(gate_up[:, :inter]), rnd(gate_up[:, inter:])
+    h = rnd(rnd(gate / (1 + torch.exp(-gate))) * up)
+    y = rnd(torch.einsum("mi,mhi->mh", h, w2.float()[flat]) * weights.reshape(-1, 1))
+    return rnd(y.view(*ids.shape, -1).sum(1))
+
+
+def truncated_bf16(t: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16 -> fp32 by truncation (the interpreter's cast): the low 16 bits cleared."""
+    return (t.float().contiguous().view(torch.int32) & ~0xFFFF).view(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, BF16])
+@pytest.mark.parametrize("t", [5, 33])
+def test_fused_moe_rounds_where_the_reference_does(dtype, t):
+    """The kernel rounds to the dtype at exactly the documented points (with the interpreter's truncating
+    bf16 casts off the GPU): against an emulation of those roundings only the order of the fp32 sums
+    differs, which may flip a rounding of gate or up: within one unit of eps x max|out|."""
+    w13, w2 = experts(E, H, INTER, dtype, seed=10)
+    x = randn(t, H, dtype=dtype, seed=12)
+    weights, ids = routing(t, E, K, seed=13)
+    truncating = dtype == BF16 and not ON_GPU
+    want = emulated(x, w13, w2, weights, ids, truncated_bf16 if truncating else lambda v: v.to(dtype).float())
+    err = (fused_moe(x, w13, w2, weights, ids).float() - want).abs().max().item()
+    assert err <= torch.finfo(dtype).eps * want.abs().max().item()
+
+
+def test_fused_moe_ref_is_transformers_mixtral_experts():
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=INTER, num_local_experts=E, num_experts_per_tok=K)
+    cfg._experts_implementation = "eager"  # the per-expert loop, not a grouped-mm kernel
+    for dtype in (torch.float32, BF16):
+        module = MixtralExperts(cfg).to(dtype)
+        w13, w2 = experts(E, H, INTER, dtype, seed=36)
+        x = randn(9, H, dtype=dtype, seed=38).cpu()
+        weights, ids = routing(9, E, K, seed=39)
+        with torch.no_grad():
+            module.gate_up_proj.copy_(w13.cpu())
+            module.down_proj.copy_(w2.cpu())
+            want = module(x, ids.cpu(), weights.cpu())
+        assert torch.equal(fused_moe_ref(x, w13.cpu(), w2.cpu(), weights.cpu(), ids.cpu()), want)
+
+
+def test_moe_config_heuristic():
+    qwen = dict(top_k=8, num_experts=128, hidden=2048, intermediate=768)
+    decode, prompt = moe_config(1, dtype=BF16, **qwen), moe_config(4096, dtype=BF16, **qwen)
+    assert decode.block_m == fm.DECODE_BLOCK_M and prompt.block_m == fm.PROMPT_BLOCK_M
+    # The same K steps at every batch size and dtype choice (batch invariance of the K loop).
+    for dtype in DTYPES:
+        assert len({moe_config(t, dtype=dtype, **qwen).block_k for t in (1, 8, 64, 256, 4096, 65536)}) == 1
+    assert moe_config(4096, dtype=torch.float32, **qwen) == moe_config(1, dtype=torch.float32, **qwen)
+    cpu = moe_config(4096, dtype=BF16, on_cuda=False, **qwen)
+    assert cpu.block_m * cpu.block_n * cpu.block_k <= fm.CPU_BLOCK_M * fm.CPU_BLOCK_N * fm.CPU_BLOCK_K
+    assert fm.max_padded(8, 128, 16) == 128  # a decode token's 8 entries: at most 8 groups of one block
+
+
+@pytest.mark.parametrize("bad", ["x_1d", "h_mismatch", "w2_shape", "odd_w13", "dtype_mix", "int_x",
+                                 "ids_float", "ids_int16", "weights_bf16", "weights_shape", "tokens"])
+def test_fused_moe_rejects_bad_arguments(bad):
+    w13, w2 = experts(E, H, INTER, torch.float32, seed=40)
+    x = randn(3, H, dtype=torch.float32, seed=42)
+    weights, ids = routing(3, E, K, seed=43)
+    args = dict(x=x, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids)
+    args.update({
+        "x_1d": dict(x=x[0]), "h_mismatch": dict(x=x[:, :-1]), "w2_shape": dict(w2=w2[:, :, :-1]),
+        "odd_w13": dict(w13=w13[:, :-1]), "dtype_mix": dict(w2=w2.to(BF16)), "int_x": dict(x=x.long()),
+        "ids_float": dict(topk_ids=ids.float()), "ids_int16": dict(topk_ids=ids.to(torch.int16)),
+        "weights_bf16": dict(topk_weights=weights.to(BF16)),
+        "weights_shape": dict(topk_weights=weights[:, :1]),
+        "tokens": dict(topk_ids=ids[:2], topk_weights=weights[:2]),
+    }[bad])
+    with pytest.raises(ValueError):
+        fused_moe(**args)
+    with pytest.raises(ValueError):
+        fused_moe_ref(**args)
+
+
+# -- real shapes (GPU) -------------------------------------------------------------------------------------
+
+MODELS = {
+    "qwen3-30b-a3b": dict(experts=128, top_k=8, hidden=2048, inter=768),
+    "mixtral-8x7b": dict(experts=8, top_k=2, hidden=4096, inter=14336),
+}
+
+
+@pytest.fixture(scope="module")
+def real_experts():
+    """model -> (w13, w2) in bf16 and their fp32 copies: drawn once a module (Mixtral's are 2.8 GB)."""
+    cache: dict[str, tuple[torch.Tensor, ...]] = {}
+
+    def get(model: str) -> tuple[torch.Tensor, ...]:
+        if model not in cache:
+            cache.clear()  # one model's weights at a time
+            c = MODELS[model]
+            w13, w2 = experts(c["experts"], c["hidden"], c["inter"], BF16, seed=50)
+            cache[model] = (w13, w2, w13.float(), w2.float())
+        return cache[model]
+
+    return get
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("t", [1, 4, 37, 256, 2048])
+def test_gpu_fused_moe_real_shapes(real_experts, model, t):
+    c = MODELS[model]
+    w13, w2, w13_32, w2_32 = real_experts(model)
+    x = randn(t, c["hidden"], dtype=BF16, seed=52)
+    weights, ids = routing(t, c["experts"], c["top_k"], seed=53)
+    got = fused_moe(x, w13, w2, weights, ids)
+    want = fused_moe_ref(x.float(), w13_32, w2_32, weights, ids)
+    # Against fp32 arithmetic on the same bf16 values, the kernel's bf16 roundings (gate, up, silu, their
+    # product, each slot's output, the sum) each err by up to 2^-8 relative; through the down projection's
+    # sum of I terms of random sign they reach the output at about 2^-8 of its RMS, while its largest value
+    # is 3.4-6 RMS. A torch emulation of these roundings (`emulated`) lands 0.4-0.6% of the largest value
+    # from fp32 at these shapes; 2e-2 (~2.5 bf16 ulps of it) leaves 3x room for the tensor cores' order of
+    # summation, and a dropped slot, a wrong expert or a lost K tile misses it by far.
+    err = (got.float() - want).abs().max().item()
+    assert err <= 2e-2 * want.abs().max().item(), f"max error {err:.3g} vs max |out| {want.abs().max():.3g}"
+    assert torch.equal(got, fused_moe(x, w13, w2, weights, ids))  # deterministic: no atomics
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_fused_moe_replays_in_a_cuda_graph(real_experts):
+    c = MODELS["qwen3-30b-a3b"]
+    w13, w2, _, _ = real_experts("qwen3-30b-a3b")
+    t = 8
+    x = randn(t, c["hidden"], dtype=BF16, seed=54)
+    weights, ids = routing(t, c["experts"], c["top_k"], seed=55)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        fused_moe(x, w13, w2, weights, ids)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = fused_moe(x, w13, w2, weights, ids)
+    # New inputs and a new routing (other experts, some shared by several tokens) written in place.
+    x.copy_(randn(t, c["hidden"], dtype=BF16, seed=56))
+    new_weights, new_ids = routing(t, c["experts"], c["top_k"], seed=57)
+    new_ids[: t // 2, 0] = 5  # half the tokens share expert 5 (a token may now hold it twice: allowed)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed, fused_moe(x, w13, w2, weights, ids))

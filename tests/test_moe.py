@@ -1,0 +1,195 @@
+"""Sparse MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE) against HF transformers (fp32 CPU), their checkpoint
+layouts and refusals; on a GPU (pytest -m gpu) the Triton experts and CUDA graphs against the torch path."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, assert_engines_agree, random_prompts, run_greedy
+
+from plait.config import EngineConfig, ModelConfig
+from plait.engine.engine import LLMEngine
+from plait.layers.moe import route
+
+LOGITS_ATOL = 1e-4
+MAX_TOKENS = 10
+# Larger than the tiny dense models' scale-up: the router's logits must separate the top_k experts
+# clearly, or HF and plait (equal up to fp32 rounding) could route a token differently.
+WEIGHT_SCALE = 8.0
+
+
+def _moe_configs() -> dict:
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=TINY_VOCAB, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2)
+    return {
+        "mixtral": MixtralConfig(**common, num_local_experts=6, num_experts_per_tok=2),
+        # A dense layer (mlp_only_layers) beside the sparse ones, and the gated shared expert.
+        "qwen2_moe": Qwen2MoeConfig(**common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                                    shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                                    norm_topk_prob=False),
+        "qwen3_moe": Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                                    head_dim=32, norm_topk_prob=True, tie_word_embeddings=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, object]:
+    """family -> (folder of a random tiny model as save_pretrained writes it, the HF model)."""
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+    for i, (family, cfg) in enumerate(_moe_configs().items()):
+        torch.manual_seed(2000 + i)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" not in name:
+                    p.mul_(WEIGHT_SCALE)
+        folder = tmp_path_factory.mktemp(f"tiny-{family}")
+        model.save_pretrained(folder)
+        models[family] = (folder, model)
+    return models
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_moe_logits_and_greedy_match_hf(moe_models, family):
+    folder, hf = moe_models[family]
+    # Prompts longer than the step budget, so rows mix prompt chunks and decodes in one step.
+    prompts = random_prompts(5, 1, 60, seed=11)
+    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=40, block_size=8))
+    outputs, logits = run_greedy(engine, prompts, MAX_TOKENS, arrive_every=1, capture_logits=True)
+    for i, prompt in enumerate(prompts):
+        with torch.no_grad():
+            ref_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            ref_logits = hf(torch.tensor([prompt + outputs[i]])).logits[0, len(prompt) - 1 : -1]
+        assert outputs[i] == ref_ids, f"{family} prompt {i}: greedy tokens differ from HF"
+        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
+    assert engine.is_idle_and_clean()
+
+
+def test_moe_config_reads_each_family(moe_models):
+    read = {f: ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+            for f, (folder, _) in moe_models.items()}
+    assert read["mixtral"].moe.renormalize and read["mixtral"].moe.intermediate_size == 96
+    assert read["mixtral"].moe.dense_layers == ()
+    qwen2 = read["qwen2_moe"]
+    assert qwen2.attention_bias and qwen2.sliding_window is None
+    assert qwen2.moe.shared_intermediate_size == 48 and qwen2.moe.dense_layers == (1,)
+    assert not qwen2.moe.renormalize
+    qwen3 = read["qwen3_moe"]
+    assert qwen3.qk_norm and qwen3.moe.top_k == 3 and qwen3.moe.renormalize and qwen3.moe.num_experts == 8
+    dense = ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "hidden_size": 8, "vocab_size": 8,
+                                 "num_attention_heads": 2})
+    assert dense.moe is None
+
+
+def test_moe_answers_do_not_depend_on_batching(moe_models):
+    """A prompt's greedy tokens are the same whether it runs alone in whole steps or chunked beside
+    others (the routed experts see different row sets in each)."""
+    folder, _ = moe_models["qwen2_moe"]
+    prompts = random_prompts(4, 20, 50, seed=5)
+    chunked = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=24, block_size=8))
+    whole = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=512, max_num_seqs=1))
+    assert_engines_agree(chunked, whole, prompts, max_tokens=6, atol=LOGITS_ATOL)
+
+
+def test_route_takes_the_softmax_top_k_and_renormalises_only_when_asked():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0]])
+    probs = torch.softmax(logits, -1)[0]
+    weights, ids = route(logits, 2, renormalize=False)
+    assert ids.tolist() == [[1, 2]]
+    torch.testing.assert_close(weights[0], probs[[1, 2]])
+    weights, _ = route(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights[0], probs[[1, 2]] / probs[[1, 2]].sum())
+    assert weights.dtype == torch.float32
+
+
+def _copy_model_folder(src, dst, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    dst.mkdir()
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in tensors.items()}, dst / "model.safetensors")
+
+
+def test_stacked_expert_checkpoint_loads_as_the_per_expert_one(moe_models, tmp_path):
+    """transformers 5 holds each block's experts as two stacked tensors (experts.gate_up_proj /
+    down_proj); a checkpoint written from its state dict serves the same model as save_pretrained's."""
+    folder, hf = moe_models["qwen3_moe"]
+    stacked = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied
+    assert any(k.endswith("experts.gate_up_proj") for k in stacked)
+    _copy_model_folder(folder, tmp_path / "stacked", stacked)
+    prompts = random_prompts(3, 5, 30, seed=3)
+    a = LLMEngine(EngineConfig(model=str(tmp_path / "stacked"), max_num_batched_tokens=64))
+    b = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=64))
+    assert_engines_agree(a, b, prompts, max_tokens=4)
+
+
+def test_checkpoint_missing_an_expert_is_refused(moe_models, tmp_path):
+    from safetensors.torch import load_file
+
+    folder, _ = moe_models["mixtral"]
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.2.block_sparse_moe.experts.3.w3.weight"]
+    _copy_model_folder(folder, tmp_path / "broken", tensors)
+    with pytest.raises(ValueError, match=r"missing 1 expert tensors.*\(3, 'up_proj'\)"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "broken")))
+
+
+def test_fp8_and_lora_are_refused_with_a_reason(moe_models):
+    folder, _ = moe_models["mixtral"]
+    with pytest.raises(ValueError, match="MixtralForCausalLM cannot be served in FP8"):
+        LLMEngine(EngineConfig(model=str(folder), quantization="fp8"))
+    with pytest.raises(ValueError, match="LoRA is not supported"):
+        LLMEngine(EngineConfig(model=str(folder), enable_lora=True))
+
+
+# ---- GPU (pytest -m gpu) ------------------------------------------------------------------------------
+
+GPU_VOCAB = 4096
+
+
+def _gpu_config(tmp_path) -> str:
+    """A Qwen3-MoE-shaped random model big enough to route every expert in each step."""
+    cfg = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 512,
+           "intermediate_size": 1024, "moe_intermediate_size": 256, "num_experts": 16,
+           "num_experts_per_tok": 4,
+           "norm_topk_prob": True, "num_hidden_layers": 3, "num_attention_heads": 8, "num_key_value_heads": 2,
+           "head_dim": 64, "vocab_size": GPU_VOCAB, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+           "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+    folder = tmp_path / "qwen3-moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_moe_with_graphs_computes_the_torch_path_in_fp32(tmp_path):
+    """fp32 on the GPU: the Triton experts under CUDA graphs and chunked mixed steps give the torch path's
+    tokens (eager, whole prompts, torch_ref attention); every pure-decode step replays a graph."""
+    from plait.kernels import dispatch
+
+    model = _gpu_config(tmp_path)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(10, GPU_VOCAB, (n,), generator=g).tolist() for n in (1, 7, 40, 130, 300, 5)]
+    common = dict(model=model, load_format="dummy", seed=3, dtype="float32", max_model_len=1024,
+                  num_kv_blocks=512, enable_prefix_caching=False)
+    dispatch.set_triton_enabled(False)
+    try:
+        ref_engine = LLMEngine(EngineConfig(**common, attention_backend="torch_ref", enforce_eager=True,
+                                            async_scheduling=False, max_num_batched_tokens=4096))
+        ref, _ = run_greedy(ref_engine, prompts, 16, arrive_every=2)
+    finally:
+        dispatch.set_triton_enabled(True)
+    engine = LLMEngine(EngineConfig(**common, max_num_batched_tokens=64))
+    got, _ = run_greedy(engine, prompts, 16, arrive_every=2)
+    assert got == ref
+    b = engine.runner.breakdown
+    assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
