@@ -144,18 +144,47 @@ def test_moe_align_properties(case, block_m):
 
 # -- fused_moe vs reference --------------------------------------------------------------------------------
 
-def run_both(x, w13, w2, weights, ids, config=None):
-    got = fused_moe(x, w13, w2, weights, ids, config=config)
+def run_both(x, w13, w2, weights, ids, config=None, gemv=None):
+    got = fused_moe(x, w13, w2, weights, ids, config=config, gemv=gemv)
     return got, fused_moe_ref(x, w13, w2, weights, ids)
+
+
+# Both paths at every size: the alignment-free GEMV (auto up to GEMV_MAX_ENTRIES) and the grouped GEMM.
+PATHS = {"auto": None, "gemv": True, "grouped": False}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("t", [1, 5, 33])
-def test_fused_moe_matches_ref(dtype, t):
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_fused_moe_matches_ref(dtype, t, path):
     w13, w2 = experts(E, H, INTER, dtype, seed=10)
     x = randn(t, H, dtype=dtype, seed=12)
     weights, ids = routing(t, E, K, seed=13)
-    assert_close_to_ref(*run_both(x, w13, w2, weights, ids))
+    assert_close_to_ref(*run_both(x, w13, w2, weights, ids, gemv=PATHS[path]))
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("num_experts, top_k", [(6, 2), (60, 4), (8, 8), (128, 8), (5, 1)])
+def test_moe_route_kernel_matches_the_torch_router(renormalize, num_experts, top_k):
+    from plait.layers.moe import route
+
+    logits = randn(37, num_experts, dtype=torch.float32, seed=60) * 3
+    logits[3, :] = 0.5  # all experts tied: the lowest ids first
+    got_w, got_i = fm.moe_route(logits, top_k, renormalize)
+    want_w, want_i = route(logits, top_k, renormalize)
+    assert got_i.dtype == torch.int32 and got_w.dtype == torch.float32
+    # Descending probability (the slot order is the order of the slot sum); torch.topk leaves the order of
+    # equal values unspecified, the kernel takes the lowest ids first.
+    untied = torch.arange(37) != 3
+    assert torch.equal(got_i.long()[untied], want_i[untied])
+    assert got_i[3].tolist() == list(range(top_k))
+    torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+    # Router logits in the model's dtype (bf16 ties are common: compare with the kernel on their fp32 values).
+    bf16 = logits.to(BF16)
+    assert all(torch.equal(a, b) for a, b in zip(fm.moe_route(bf16, top_k, renormalize),
+                                                 fm.moe_route(bf16.float(), top_k, renormalize)))
+    empty_w, empty_i = fm.moe_route(logits[:0], top_k, renormalize)
+    assert empty_w.shape == empty_i.shape == (0, top_k)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
@@ -209,22 +238,24 @@ def test_fused_moe_is_deterministic():
     assert torch.equal(fused_moe(x, w13, w2, weights, ids), fused_moe(x, w13, w2, weights, ids))
 
 
-def test_fused_moe_batch_invariant_fp32():
-    # moe_config's fp32 pick does not depend on T (nor does any block_k), rows of a block never mix, and a
-    # token's slots are summed in slot order: so a token's output is the same bits alone or in a batch.
+@pytest.mark.parametrize("gemv", [True, False])
+def test_fused_moe_batch_invariant_fp32(gemv):
+    # Within one path: moe_config's fp32 pick does not depend on T (nor does any block_k), rows of a block
+    # never mix, a GEMV program is one entry, and a token's slots are summed in slot order: so a token's
+    # output is the same bits alone or in a batch. (The two paths sum K in different orders.)
     t = 33
     w13, w2 = experts(E, H, INTER, torch.float32, seed=30)
     x = randn(t, H, dtype=torch.float32, seed=32)
     weights, ids = routing(t, E, K, seed=33)
-    full = fused_moe(x, w13, w2, weights, ids)
+    full = fused_moe(x, w13, w2, weights, ids, gemv=gemv)
     for i in (0, 17, t - 1):
-        alone = fused_moe(x[i : i + 1], w13, w2, weights[i : i + 1], ids[i : i + 1])
+        alone = fused_moe(x[i : i + 1], w13, w2, weights[i : i + 1], ids[i : i + 1], gemv=gemv)
         assert torch.equal(alone[0], full[i])
     # And inside a different batch (the token last, after others with their own routing).
     others = randn(9, H, dtype=torch.float32, seed=34)
     w_o, ids_o = routing(9, E, K, seed=35)
     mixed = fused_moe(torch.cat([others, x[5:6]]), w13, w2, torch.cat([w_o, weights[5:6]]),
-                      torch.cat([ids_o, ids[5:6]]))
+                      torch.cat([ids_o, ids[5:6]]), gemv=gemv)
     assert torch.equal(mixed[-1], full[5])
 
 
@@ -361,10 +392,10 @@ def test_gpu_fused_moe_real_shapes(real_experts, model, t):
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_fused_moe_replays_in_a_cuda_graph(real_experts):
+@pytest.mark.parametrize("t", [8, 37])  # 64 entries: the GEMV path; 296: the grouped GEMM
+def test_gpu_fused_moe_replays_in_a_cuda_graph(real_experts, t):
     c = MODELS["qwen3-30b-a3b"]
     w13, w2, _, _ = real_experts("qwen3-30b-a3b")
-    t = 8
     x = randn(t, c["hidden"], dtype=BF16, seed=54)
     weights, ids = routing(t, c["experts"], c["top_k"], seed=55)
     stream = torch.cuda.Stream()

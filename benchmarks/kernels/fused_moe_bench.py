@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from plait.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_config
 
 QWEN3_30B_A3B = dict(experts=128, top_k=8, hidden=2048, inter=768)
-T_VALUES = (1, 8, 64, 256, 1024, 4096)
+T_VALUES = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096)
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
 L2_COPIES_FACTOR = 3  # weight copies read in turn cover this many L2 sizes
@@ -72,10 +72,11 @@ def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
     return call
 
 
-def graph_ms(layers, x, weights, ids, config: MoeConfig | None) -> float:
+def graph_ms(layers, x, weights, ids, config: MoeConfig | None, gemv: bool | None = None) -> float:
     from triton.testing import do_bench_cudagraph
 
-    calls = [lambda w13=w13, w2=w2: fused_moe(x, w13, w2, weights, ids, config=config) for w13, w2 in layers]
+    calls = [lambda w13=w13, w2=w2: fused_moe(x, w13, w2, weights, ids, config=config, gemv=gemv)
+             for w13, w2 in layers]
     for fn in calls[:1]:  # compile outside the capture
         fn()
     torch.cuda.synchronize()
@@ -86,7 +87,29 @@ def rates(ms: float, touched_bytes: int, flops: int) -> dict:
     return {"ms": ms, "weight_GBps": touched_bytes / (ms * 1e-3) / 1e9, "TFLOPs": flops / (ms * 1e-3) / 1e12}
 
 
-def bench_t(c: dict, layers, t: int, sweep: bool, with_ref: bool) -> dict:
+GEMV_SWEEP = [(bn, bk, warps, stages) for bn in (8, 16, 32) for bk in (64, 128, 256) for warps in (2, 4)
+              for stages in (2, 3, 4)]
+GEMV_SWEEP_MAX_ENTRIES = 256
+
+
+def sweep_gemv(layers, x, weights, ids, touched: int, flops: int) -> list[dict]:
+    """The GEMV path's tiles (fused_moe's module constants, patched in turn), fastest first."""
+    import plait.kernels.fused_moe as fm
+
+    saved = (fm.GEMV_BLOCK_N, fm.GEMV_BLOCK_K, fm.GEMV_WARPS, fm.GEMV_STAGES)
+    results = []
+    try:
+        for bn, bk, warps, stages in GEMV_SWEEP:
+            fm.GEMV_BLOCK_N, fm.GEMV_BLOCK_K, fm.GEMV_WARPS, fm.GEMV_STAGES = bn, bk, warps, stages
+            ms = graph_ms(layers, x, weights, ids, None, gemv=True)
+            results.append({"block_n": bn, "block_k": bk, "warps": warps, "stages": stages,
+                            **rates(ms, touched, flops)})
+    finally:
+        fm.GEMV_BLOCK_N, fm.GEMV_BLOCK_K, fm.GEMV_WARPS, fm.GEMV_STAGES = saved
+    return sorted(results, key=lambda r: r["ms"])
+
+
+def bench_t(c: dict, layers, t: int, sweep: bool, with_ref: bool, gemv_sweep: bool = False) -> dict:
     from triton.testing import do_bench
 
     e, k, h, i = c["experts"], c["top_k"], c["hidden"], c["inter"]
@@ -99,6 +122,11 @@ def bench_t(c: dict, layers, t: int, sweep: bool, with_ref: bool) -> dict:
     row = {"T": t, "distinct_experts": distinct, "touched_bytes": touched, "flops": flops,
            "config": asdict(picked)}
     row["fused_moe"] = rates(graph_ms(layers, x, weights, ids, None), touched, flops)
+    # Both paths at this T: the alignment-free GEMV and the grouped GEMM (moe_config's tiles).
+    row["paths"] = {name: rates(graph_ms(layers, x, weights, ids, None, gemv=flag), touched, flops)
+                    for name, flag in (("gemv", True), ("grouped", False))}
+    if gemv_sweep and t * k <= GEMV_SWEEP_MAX_ENTRIES:
+        row["gemv_sweep"] = sweep_gemv(layers, x, weights, ids, touched, flops)
     w13, w2 = layers[0]
     got = fused_moe(x, w13, w2, weights, ids)
     want = fused_moe_ref(x.float(), w13.float(), w2.float(), weights, ids)
@@ -134,6 +162,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(T_VALUES), help="batch sizes T")
     parser.add_argument("--sweep", action="store_true", help="also time SWEEP_CONFIGS per T, report the best")
     parser.add_argument("--no-ref", action="store_true", help="skip timing the torch reference")
+    parser.add_argument("--gemv-sweep", action="store_true",
+                        help=f"time GEMV_SWEEP's tiles at T * k <= {GEMV_SWEEP_MAX_ENTRIES}")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("fused_moe_bench needs a CUDA device")
@@ -144,13 +174,19 @@ def main() -> None:
               "weight_copies": len(layers), "rows": []}
     t0 = time.perf_counter()
     for t in args.tokens:
-        row = bench_t(c, layers, t, args.sweep, not args.no_ref)
+        row = bench_t(c, layers, t, args.sweep, not args.no_ref, args.gemv_sweep)
         result["rows"].append(row)
         line = (f"T={t:5d} experts {row['distinct_experts']:3d}  fused_moe {row['fused_moe']['ms']:8.4f} ms "
                 f"{row['fused_moe']['weight_GBps']:7.0f} GB/s {row['fused_moe']['TFLOPs']:6.1f} TFLOP/s  "
                 f"err {row['max_err_over_max_out']:.2e}")
         if "fused_moe_ref" in row:
             line += f"  ref {row['fused_moe_ref']['ms']:8.3f} ms"
+        paths = row["paths"]
+        line += f"  gemv {paths['gemv']['ms']:.4f} / grouped {paths['grouped']['ms']:.4f} ms"
+        if "gemv_sweep" in row:
+            top = row["gemv_sweep"][0]
+            tiles = [top[k] for k in ("block_n", "block_k", "warps", "stages")]
+            line += f"  gemv best {top['ms']:.4f} ms {tiles}"
         if "best" in row:
             line += f"  best {row['best']['ms']:8.4f} ms {row['best']['config']}"
         print(line, flush=True)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from plait.kernels.activation import silu_rounded
 from plait.kernels.interpreter import static_iters, trip_count
@@ -64,6 +65,14 @@ CPU_STAGES = 1
 GROUP_M = 8
 MIN_DOT = 16  # tl.dot's smallest M, N and K
 SUM_BLOCK_H = 1024  # hidden columns a slot-sum program adds: 4 warps x 32 threads x 8 values
+# Entries (T * k) up to which fused_moe skips the alignment: a program per entry and column tile reads its
+# expert's weight rows directly (a batched GEMV), so a decode step pays for no sort and no padded block. Few
+# entries rarely share an expert, so the grouped GEMM's one read of a weight tile per block would save little.
+GEMV_MAX_ENTRIES = 64
+GEMV_BLOCK_N = 16  # weight rows a GEMV program reads (of the gate and of the up half each, for GEMM 1)
+GEMV_BLOCK_K = 128  # 16-bit inputs: 256-byte row segments
+GEMV_WARPS = 4
+GEMV_STAGES = 3
 
 
 @dataclass(frozen=True)
@@ -249,6 +258,105 @@ def _moe_gemm_kernel(
     tl.store(out_ptrs, y, mask=real[:, None] & (offs_n < N)[None, :])
 
 
+# The entry count changes every step: no specialisation on it (see _moe_gemm_kernel).
+@triton.jit(do_not_specialize=["num_entries"])
+def _moe_gemv_kernel(
+    a_ptr, w_ptr, out_ptr, topk_w_ptr, ids_ptr, num_entries, N, K, stride_am, stride_we, stride_wn, stride_om,
+    up_rows, k_iters, A_ROW_DIV: tl.constexpr, STATIC_K_ITERS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # _moe_gemm_kernel's result for one entry (grid: entries x column tiles) without the alignment: the
+    # entry's expert comes straight from topk_ids. Products add up along K in fp32 lanes, reduced at the end.
+    pdl_prologue(PDL)
+    entry = tl.program_id(0).to(tl.int64)
+    expert = tl.load(ids_ptr + entry).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # columns past N re-read the last row, never stored
+    a_ptrs = a_ptr + (entry // A_ROW_DIV) * stride_am + offs_k  # [BLOCK_K]
+    w_ptrs = w_ptr + expert * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    up_off = up_rows.to(tl.int64) * stride_wn
+    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for it in range(trip_count(STATIC_K_ITERS, k_iters)):
+        if EVEN_K:
+            a = tl.load(a_ptrs).to(tl.float32)
+            w = tl.load(w_ptrs)
+        else:
+            k_in = offs_k < K - it * BLOCK_K
+            a = tl.load(a_ptrs, mask=k_in, other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
+        acc_g += w.to(tl.float32) * a[None, :]
+        if GATE_UP:
+            if EVEN_K:
+                w_up = tl.load(w_ptrs + up_off)
+            else:
+                w_up = tl.load(w_ptrs + up_off, mask=k_in[None, :], other=0.0)
+            acc_u += w_up.to(tl.float32) * a[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out_ty = out_ptr.dtype.element_ty
+    if GATE_UP:
+        gate = tl.sum(acc_g, 1).to(out_ty).to(tl.float32)
+        up = tl.sum(acc_u, 1).to(out_ty).to(tl.float32)
+        y = (silu_rounded(gate, out_ty, PRECISE) * up).to(out_ty)
+    else:
+        y = (tl.sum(acc_g, 1) * tl.load(topk_w_ptr + entry)).to(out_ty)
+    tl.store(out_ptr + entry * stride_om + offs_n, y, mask=offs_n < N)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
+                  BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  PRECISE: tl.constexpr, PDL: tl.constexpr):
+    # One token: softmax over its experts' logits in fp32, the TOP_K largest probabilities in descending
+    # order (the lowest index first among equals), renormalised to sum to one if asked.
+    pdl_prologue(PDL)
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_E)
+    valid = offs < num_experts
+    logits = tl.load(logits_ptr + token * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
+    shifted = logits - tl.max(logits, 0)
+    if PRECISE:
+        e = libdevice.exp(shifted)  # CUDA's expf, as torch's softmax uses
+    else:
+        e = tl.exp(shifted)  # the interpreter has no libdevice
+    probs = tl.where(valid, e / tl.sum(e, 0), -1.0)  # -1: never picked
+    slots = tl.arange(0, BLOCK_TOP)
+    top_w = tl.zeros((BLOCK_TOP,), dtype=tl.float32)
+    top_i = tl.zeros((BLOCK_TOP,), dtype=tl.int32)
+    for j in tl.static_range(TOP_K):
+        best = tl.max(probs, 0)
+        pick = tl.min(tl.where(probs == best, offs, BLOCK_E), 0)
+        top_w = tl.where(slots == j, best, top_w)
+        top_i = tl.where(slots == j, pick, top_i)
+        probs = tl.where(offs == pick, -1.0, probs)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, 0)
+    keep = slots < TOP_K
+    tl.store(weights_ptr + token * TOP_K + slots, top_w, mask=keep)
+    tl.store(ids_ptr + token * TOP_K + slots, top_i, mask=keep)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """plait.layers.moe.route in one launch: (weights [T, k] fp32, ids [T, k] int32)."""
+    # router_logits: [T, E]
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=router_logits.device)
+    if num_tokens == 0:
+        return weights, ids
+    if router_logits.stride(-1) != 1:
+        router_logits = router_logits.contiguous()
+    _route_kernel[(num_tokens,)](
+        router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOP=triton.next_power_of_2(top_k),
+        RENORMALIZE=renormalize, PRECISE=router_logits.is_cuda, num_warps=4, **pdl_args(router_logits))
+    return weights, ids
+
+
 @triton.jit
 def _moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
     # out[t] = sum over slots j of y[t * TOP_K + j], in slot order, in fp32: fixed order, no atomics.
@@ -326,10 +434,28 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: to
     )
 
 
+def _launch_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor,
+                 topk_ids: torch.Tensor, n: int, a_row_div: int, gate_up: bool) -> None:
+    # a: [rows, K]; w: [E, N (2N for gate_up), K]; out: [T*k, N], rows by entry id
+    k = a.shape[1]
+    block_k = min(GEMV_BLOCK_K, max(MIN_DOT, triton.next_power_of_2(k)))
+    block_n = min(GEMV_BLOCK_N, max(MIN_DOT, triton.next_power_of_2(n)))
+    k_iters = triton.cdiv(k, block_k)
+    on_cuda = a.is_cuda
+    _moe_gemv_kernel[(out.shape[0], triton.cdiv(n, block_n))](
+        a, w, out, topk_w, topk_ids, out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        n, k_iters, A_ROW_DIV=a_row_div, STATIC_K_ITERS=static_iters(on_cuda, k_iters), BLOCK_N=block_n,
+        BLOCK_K=block_k, EVEN_K=k % block_k == 0, GATE_UP=gate_up, PRECISE=on_cuda,
+        num_warps=GEMV_WARPS, num_stages=GEMV_STAGES if on_cuda else CPU_STAGES, **pdl_args(a),
+    )
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoeConfig | None = None) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: MoeConfig | None = None, gemv: bool | None = None
+              ) -> torch.Tensor:
     """fused_moe_ref in Triton: no host syncs, no atomics, CUDA-graph capturable; config overrides
-    moe_config's pick (tests, sweeps).
+    moe_config's pick of grouped-GEMM tiles, gemv the choice of the alignment-free path for few entries
+    (None: up to GEMV_MAX_ENTRIES; tests and sweeps force either).
 
     Rounding differs from the reference where the reference rounds more: the down projection's fp32 sum
     is multiplied by the routing weight before its one rounding, and the k slots are summed in fp32."""
@@ -347,12 +473,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     cfg = config or moe_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype, on_cuda=x.is_cuda)
     x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided: the kernel takes stride(0)
     topk_w = topk_weights.reshape(-1).contiguous()  # [T*k], by entry id
-    align = moe_align(topk_ids, num_experts, cfg.block_m)
     num_entries = num_tokens * top_k
     h = torch.empty((num_entries, inter), dtype=x.dtype, device=x.device)  # silu(gate) * up, by entry
-    _launch_gemm(x, w13, h, topk_w, align, inter, top_k, cfg, gate_up=True)
     y = torch.empty((num_entries, hidden), dtype=x.dtype, device=x.device)  # weighted expert outputs
-    _launch_gemm(h, w2, y, topk_w, align, hidden, 1, cfg, gate_up=False)
+    if gemv if gemv is not None else (config is None and num_entries <= GEMV_MAX_ENTRIES):
+        flat_ids = topk_ids.reshape(-1).contiguous()  # [T*k], by entry id
+        _launch_gemv(x, w13, h, topk_w, flat_ids, inter, top_k, gate_up=True)
+        _launch_gemv(h, w2, y, topk_w, flat_ids, hidden, 1, gate_up=False)
+    else:
+        align = moe_align(topk_ids, num_experts, cfg.block_m)
+        _launch_gemm(x, w13, h, topk_w, align, inter, top_k, cfg, gate_up=True)
+        _launch_gemm(h, w2, y, topk_w, align, hidden, 1, cfg, gate_up=False)
     block_h = min(SUM_BLOCK_H, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
         y, out, hidden, TOP_K=top_k, BLOCK_H=block_h, num_warps=4, **pdl_args(y))

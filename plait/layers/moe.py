@@ -52,12 +52,14 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         # x: [T, H], router_logits: [T, E] -> [T, H]
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
         if use_triton(x):
-            from plait.kernels.fused_moe import fused_moe
+            from plait.kernels.fused_moe import fused_moe, moe_route
 
+            weights, ids = moe_route(router_logits, self.top_k, self.renormalize)
             return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids)
         from plait.kernels.fused_moe import fused_moe_ref
+
+        weights, ids = route(router_logits, self.top_k, self.renormalize)
 
         return fused_moe_ref(x, self.gate_up_proj, self.down_proj, weights, ids)
 
