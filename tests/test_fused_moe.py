@@ -1,7 +1,8 @@
 """fused_moe (Triton grouped GEMMs for a sparse MoE block's experts) vs its torch reference, and moe_align."""
 
 # Unmarked tests use tiny shapes (E=4, k=2, H=64, I=32): through the Triton interpreter on CPU, compiled on
-# a GPU when there is one. `gpu` tests use Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes in bf16.
+# a GPU when there is one. `gpu` tests use Qwen3-30B-A3B's and Mixtral-8x7B's expert shapes in bf16, and
+# Qwen3-30B-A3B's with block-wise FP8 experts.
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ triton = pytest.importorskip("triton")
 
 from plait.kernels import fused_moe as fm  # noqa: E402
 from plait.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_align, moe_config  # noqa: E402
+from plait.layers.fp8_block import dequantize_blocks, quantize_blocks, quantize_groups  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -344,6 +346,172 @@ def test_fused_moe_rejects_bad_arguments(bad):
         fused_moe_ref(**args)
 
 
+# -- block-wise FP8 experts -------------------------------------------------------------------------------
+
+FP8 = torch.float8_e4m3fn
+FP8_BLOCK = (32, 32)
+FP8_INTER = 64  # a multiple of the block's rows (32), as w13's up half must start on a tile row
+# The kernel and the FP8 reference quantise x and h bit for bit alike and round to the dtype at the same
+# points, so (but for the interpreter's bf16 casts) they differ by the order of their fp32 sums only: in
+# fp32 a few roundings of the output's scale (measured up to 4.4 units of eps x max|out| at these shapes),
+# in bf16 at most a flipped rounding of a slot output or of the sum (under a unit each; 0 measured).
+FP8_FP32_ULPS = 16
+FP8_HALF_ULPS = 2
+# The interpreter truncates fp32 -> bf16 (see BF16_TRUNCATION_REL_ULPS), and h's values then go through the
+# FP8 quantisation: a truncated h element may land on the neighbouring FP8 code or move its group's scale,
+# which moves the output by more than the truncation itself (up to 6.9 units against the reference in an
+# emulation over 100 seeds at these shapes). Against an emulation that truncates where the interpreter does,
+# the kernel matches to the bit here (test_fused_moe_fp8_matches_ref checks it within FP8_HALF_ULPS).
+FP8_BF16_TRUNCATION_REL_ULPS = 0 if ON_GPU else 8
+# Where two computations sum in different fp32 orders, an h element within an ulp or so of an FP8 rounding
+# boundary may round to the neighbouring code on one side only, and its token's row then moves by one FP8
+# step of that element through w2: fused_moe_ref against emulated_fp8 (per-expert F.linear against per-entry
+# einsum) at T=33 in fp32 showed this in 5 of 60 seeded cases, in 1-2 rows, by up to 3.6e-3 of max|out|
+# (in bf16 under half a unit). So up to FP8_FLIP_ROWS rows (never more than a quarter of them) may miss the
+# tight bound by such a step, within FP8_FLIP_REL_TOL x max|out|; a wrong tile, scale, expert or mask moves
+# every row by more (the interpreter's kernel cases here show none).
+FP8_FLIP_ROWS = 2
+FP8_FLIP_REL_TOL = 1e-2
+
+
+def fp8_experts(num_experts: int, hidden: int, inter: int, block: tuple[int, int], seed: int,
+                dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
+    """Random experts (``experts``, values in ``dtype``) quantised tile by tile per expert: w13, w2 FP8 codes
+    and their scales w13_scale [E, 2I / bn, cdiv(H, bk)], w2_scale [E, cdiv(H, bn), cdiv(I, bk)]."""
+    w13, w2 = experts(num_experts, hidden, inter, dtype, seed=seed)
+    q13 = [quantize_blocks(w, block) for w in w13]
+    q2 = [quantize_blocks(w, block) for w in w2]
+    return dict(w13=torch.stack([c for c, _ in q13]), w13_scale=torch.stack([sc for _, sc in q13]),
+                w2=torch.stack([c for c, _ in q2]), w2_scale=torch.stack([sc for _, sc in q2]))
+
+
+def group_dequantized(v: torch.Tensor, group: int) -> torch.Tensor:
+    codes, scale = quantize_groups(v, group)
+    return codes.float() * scale.repeat_interleave(group, dim=1)[:, : v.shape[1]]
+
+
+def emulated_fp8(x, w, block, weights, ids, rnd):
+    """The FP8 steps 1-4 (fused_moe_ref's docstring) written out per entry, vectorised: fp32 between the
+    roundings ``rnd`` makes (gate and up, silu, their product, each slot's weighted output, the sum)."""
+    inter, bk = w["w2"].shape[-1], block[1]
+    w13, w2 = (torch.stack([dequantize_blocks(c, sc, block, torch.float32) for c, sc in zip(w[name],
+                                                                                           w[f"{name}_scale"])])
+               for name in ("w13", "w2"))
+    flat = ids.reshape(-1).long()
+    xq = group_dequantized(x, bk)  # 1. x per token and bk-group
+    rows = xq[torch.arange(x.shape[0], device=x.device).repeat_interleave(ids.shape[1])]
+    gate_up = torch.einsum("mh,mnh->mn", rows, w13[flat])  # 2.
+    gate, up = rnd(gate_up[:, :inter]), rnd(gate_up[:, inter:])
+    h = rnd(rnd(gate / (1 + torch.exp(-gate))) * up)
+    hq = group_dequantized(h, bk)  # 3. h per entry row and bk-group
+    y = rnd(torch.einsum("mi,mhi->mh", hq, w2[flat]) * weights.reshape(-1, 1))  # 4.
+    return rnd(y.view(*ids.shape, -1).sum(1))
+
+
+def assert_fp8_close(got: torch.Tensor, want: torch.Tensor, allowed: float) -> None:
+    """got within ``allowed`` units of eps(dtype) x max|want| of want, but for FP8_FLIP_ROWS token rows (at
+    most a quarter) within FP8_FLIP_REL_TOL x max|want|."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    peak = want.double().abs().max().item()
+    unit = torch.finfo(want.dtype).eps * peak
+    row_err = (got.double() - want.double()).abs().amax(dim=1)
+    over = row_err > allowed * unit
+    worst = row_err.max().item() / unit
+    assert int(over.sum()) <= min(FP8_FLIP_ROWS, got.shape[0] // 4), (
+        f"{int(over.sum())} rows over {allowed} units of eps x max|out| (worst {worst:.2f})")
+    assert bool((row_err[over] <= FP8_FLIP_REL_TOL * peak).all()), f"a row {worst:.2f} units apart"
+
+
+def fp8_rounding(dtype: torch.dtype):
+    """fp32 -> dtype -> fp32 as the kernel rounds on this machine (the interpreter truncates to bf16)."""
+    if dtype == BF16 and not ON_GPU:
+        return truncated_bf16
+    return lambda v: v.to(dtype).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("t", [1, 5, 33])
+@pytest.mark.parametrize("gemv", [True, False])
+def test_fused_moe_fp8_matches_ref(dtype, t, gemv):
+    w = fp8_experts(E, H, FP8_INTER, FP8_BLOCK, seed=70)
+    x = randn(t, H, dtype=dtype, seed=72)
+    weights, ids = routing(t, E, K, seed=73)
+    got = fused_moe(x, w["w13"], w["w2"], weights, ids, gemv=gemv, **fp8_kw(w, FP8_BLOCK))
+    want = fused_moe_ref(x, w["w13"], w["w2"], weights, ids, **fp8_kw(w, FP8_BLOCK))
+    if dtype == torch.float32:
+        assert_fp8_close(got, want, FP8_FP32_ULPS)
+    else:
+        assert_fp8_close(got, want, FP8_HALF_ULPS + FP8_BF16_TRUNCATION_REL_ULPS)
+        # The truncation is all there is to the rest: the kernel rounds where the reference does.
+        emulated = emulated_fp8(x, w, FP8_BLOCK, weights, ids, fp8_rounding(dtype)).to(dtype)
+        assert_fp8_close(got, emulated, FP8_HALF_ULPS)
+
+
+def fp8_kw(w: dict[str, torch.Tensor], block: tuple[int, int]) -> dict:
+    return dict(w13_scale=w["w13_scale"], w2_scale=w["w2_scale"], block=block)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_fused_moe_fp8_ragged_blocks_and_strided_scales(dtype, path):
+    # Block (32, 64), H=80, I=96: GEMM 1's last K block has 16 of 64 columns and GEMM 2's 32 (masked
+    # loads; their input groups and weight tiles partial), w2's last tile row has 16 of 32 rows (column
+    # tiles past N). The scales come as non-contiguous views (the kernels take their strides), and the
+    # grouped path's config asks for 64 columns a program (capped to the 32-row tiles).
+    block, hidden, inter, t = (32, 64), 80, 96, 9
+    w = fp8_experts(E, hidden, inter, block, seed=74)
+    w = {**w, **{name: w[name].transpose(1, 2).contiguous().transpose(1, 2) for name in ("w13_scale",
+                                                                                          "w2_scale")}}
+    assert not w["w13_scale"].is_contiguous()
+    x = randn(t, hidden, dtype=dtype, seed=76)
+    weights, ids = routing(t, E, K, seed=77)
+    config = MoeConfig(block_m=16, block_n=64, block_k=64, group_m=2, num_stages=1)
+    got = fused_moe(x, w["w13"], w["w2"], weights, ids, config=None if path == "gemv" else config,
+                    gemv=path == "gemv", **fp8_kw(w, block))
+    want = emulated_fp8(x, w, block, weights, ids, fp8_rounding(dtype)).to(dtype)
+    assert_fp8_close(got, want, FP8_FP32_ULPS if dtype == torch.float32 else FP8_HALF_ULPS)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_fused_moe_ref_fp8_is_steps_1_to_4(dtype):
+    """The FP8 reference (HF's loop) is the written-out steps 1-4 with torch's roundings: only the order of
+    the fp32 sums differs (F.linear per expert against einsum per entry)."""
+    w = fp8_experts(E, H, FP8_INTER, FP8_BLOCK, seed=78, dtype=dtype)
+    x = randn(21, H, dtype=dtype, seed=80)
+    weights, ids = routing(21, E, K, seed=81)
+    got = fused_moe_ref(x, w["w13"], w["w2"], weights, ids, **fp8_kw(w, FP8_BLOCK))
+    want = emulated_fp8(x, w, FP8_BLOCK, weights, ids, lambda v: v.to(dtype).float()).to(dtype)
+    assert_fp8_close(got, want, FP8_FP32_ULPS if dtype == torch.float32 else FP8_HALF_ULPS)
+
+
+@pytest.mark.parametrize("bad", ["inter_off_tiles", "no_w13_scale", "no_w2_scale", "no_block",
+                                 "w13_scale_shape", "w2_scale_shape", "scale_bf16", "scale_fp64",
+                                 "block_not_pow2", "block_small", "half_fp8", "scales_for_bf16"])
+def test_fused_moe_fp8_rejects_bad_arguments(bad):
+    w = fp8_experts(E, H, FP8_INTER, FP8_BLOCK, seed=82)
+    x = randn(3, H, dtype=torch.float32, seed=84)
+    weights, ids = routing(3, E, K, seed=85)
+    args = dict(x=x, topk_weights=weights, topk_ids=ids, block=FP8_BLOCK, **w)
+    if bad == "inter_off_tiles":  # I = 48: the up half would start mid tile row
+        args.update(fp8_experts(E, H, 48, FP8_BLOCK, seed=82))
+    elif bad == "scales_for_bf16":
+        args.update(zip(("w13", "w2"), experts(E, H, FP8_INTER, BF16, seed=82)), x=x.to(BF16))
+    else:
+        args.update({
+            "no_w13_scale": dict(w13_scale=None), "no_w2_scale": dict(w2_scale=None),
+            "no_block": dict(block=None), "w13_scale_shape": dict(w13_scale=w["w13_scale"][:, :-1]),
+            "w2_scale_shape": dict(w2_scale=w["w2_scale"][:-1]),
+            "scale_bf16": dict(w13_scale=w["w13_scale"].to(BF16)),
+            "scale_fp64": dict(w2_scale=w["w2_scale"].double()),
+            "block_not_pow2": dict(block=(32, 48)), "block_small": dict(block=(16, 16)),
+            "half_fp8": dict(w2=w["w2"].float()),
+        }[bad])
+    with pytest.raises(ValueError):
+        fused_moe(**args)
+    with pytest.raises(ValueError):
+        fused_moe_ref(**args)
+
+
 # -- real shapes (GPU) -------------------------------------------------------------------------------------
 
 MODELS = {
@@ -415,3 +583,80 @@ def test_gpu_fused_moe_replays_in_a_cuda_graph(real_experts, t):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(graphed, fused_moe(x, w13, w2, weights, ids))
+
+
+QWEN_FP8_BLOCK = (128, 128)  # Qwen3-30B-A3B-FP8's weight_block_size
+
+
+@pytest.fixture(scope="module")
+def qwen_fp8_experts(real_experts):
+    """Qwen3-30B-A3B's random bf16 experts (real_experts) quantised tile by tile per expert: drawn once."""
+    cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def get() -> dict[str, torch.Tensor]:
+        if not cache:
+            w13, w2, _, _ = real_experts("qwen3-30b-a3b")
+            q13 = [quantize_blocks(w, QWEN_FP8_BLOCK) for w in w13]
+            q2 = [quantize_blocks(w, QWEN_FP8_BLOCK) for w in w2]
+            cache.update(w13=torch.stack([c for c, _ in q13]), w13_scale=torch.stack([sc for _, sc in q13]),
+                         w2=torch.stack([c for c, _ in q2]), w2_scale=torch.stack([sc for _, sc in q2]))
+        return cache
+
+    return get
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", [1, 4, 37, 256, 2048])
+def test_gpu_fused_moe_fp8_real_shapes(qwen_fp8_experts, t):
+    c = MODELS["qwen3-30b-a3b"]
+    w = qwen_fp8_experts()
+    kw = fp8_kw(w, QWEN_FP8_BLOCK)
+    x = randn(t, c["hidden"], dtype=BF16, seed=58)
+    weights, ids = routing(t, c["experts"], c["top_k"], seed=59)
+    got = fused_moe(x, w["w13"], w["w2"], weights, ids, **kw)
+    # The FP8 reference: fp32 arithmetic on the same quantised x, h and weights, rounded to bf16 where the
+    # kernel rounds. What differs is the order of the fp32 sums and the FP8 tensor cores' accumulation
+    # (Hopper's FP8 MMA keeps fewer bits than fp32; the kernel promotes into fp32 every 64 K elements), so
+    # an fp32 gate, up or y may land a rounding apart: that bf16 ulp, and the FP8 step of h it may cause,
+    # reach the output as at most about one bf16 ulp of its largest value. A torch emulation at these
+    # shapes (T = 37, 256) with fp32 results perturbed by 2^-16 of their RMS (reordering) lands 5.4e-3 of
+    # max|out| from the unperturbed one, with a pessimistic 2^-11 (imprecise accumulation) 1.1-1.3e-2;
+    # 2e-2 (2.5 bf16 ulps of max|out|) leaves room over that, and a wrong expert, tile scale or K block
+    # misses it by far. (Against the reference on fp32 x, no bf16 roundings at all, the emulation is
+    # 2.1-2.4e-2 apart: h's bf16 rounding changes its FP8 codes; hence the like-for-like reference.)
+    want = fused_moe_ref(x, w["w13"], w["w2"], weights, ids, **kw).float()
+    err = (got.float() - want).abs().max().item()
+    assert err <= 2e-2 * want.abs().max().item(), f"max error {err:.3g} vs max |out| {want.abs().max():.3g}"
+    assert torch.equal(got, fused_moe(x, w["w13"], w["w2"], weights, ids, **kw))  # deterministic
+    if t * c["top_k"] <= fm.GEMV_MAX_ENTRIES:  # the grouped GEMM too at decode sizes
+        grouped = fused_moe(x, w["w13"], w["w2"], weights, ids, gemv=False, **kw).float()
+        assert (grouped - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", [8, 37])  # 64 entries: the GEMV path; 296: the grouped GEMM
+def test_gpu_fused_moe_fp8_replays_in_a_cuda_graph(qwen_fp8_experts, t):
+    c = MODELS["qwen3-30b-a3b"]
+    w = qwen_fp8_experts()
+    kw = fp8_kw(w, QWEN_FP8_BLOCK)
+    x = randn(t, c["hidden"], dtype=BF16, seed=62)
+    weights, ids = routing(t, c["experts"], c["top_k"], seed=63)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        fused_moe(x, w["w13"], w["w2"], weights, ids, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = fused_moe(x, w["w13"], w["w2"], weights, ids, **kw)
+    # New inputs (so new activation scales) and a new routing written in place.
+    x.copy_(randn(t, c["hidden"], dtype=BF16, seed=64) * 3)
+    new_weights, new_ids = routing(t, c["experts"], c["top_k"], seed=65)
+    new_ids[: t // 2, 0] = 5  # half the tokens share expert 5
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed, fused_moe(x, w["w13"], w["w2"], weights, ids, **kw))

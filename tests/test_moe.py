@@ -30,7 +30,7 @@ def _moe_configs() -> dict:
         "mixtral": MixtralConfig(**common, num_local_experts=6, num_experts_per_tok=2),
         # A dense layer (mlp_only_layers) beside the sparse ones, and the gated shared expert.
         "qwen2_moe": Qwen2MoeConfig(**common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
-                                    shared_expert_intermediate_size=48, mlp_only_layers=[1],
+                                    shared_expert_intermediate_size=64, mlp_only_layers=[1],
                                     norm_topk_prob=False),
         "qwen3_moe": Qwen3MoeConfig(**common, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
                                     head_dim=32, norm_topk_prob=True, tie_word_embeddings=True),
@@ -80,7 +80,7 @@ def test_moe_config_reads_each_family(moe_models):
     assert read["mixtral"].moe.dense_layers == ()
     qwen2 = read["qwen2_moe"]
     assert qwen2.attention_bias and qwen2.sliding_window is None
-    assert qwen2.moe.shared_intermediate_size == 48 and qwen2.moe.dense_layers == (1,)
+    assert qwen2.moe.shared_intermediate_size == 64 and qwen2.moe.dense_layers == (1,)
     assert not qwen2.moe.renormalize
     qwen3 = read["qwen3_moe"]
     assert qwen3.qk_norm and qwen3.moe.top_k == 3 and qwen3.moe.renormalize and qwen3.moe.num_experts == 8
@@ -142,12 +142,132 @@ def test_checkpoint_missing_an_expert_is_refused(moe_models, tmp_path):
         LLMEngine(EngineConfig(model=str(tmp_path / "broken")))
 
 
-def test_fp8_and_lora_are_refused_with_a_reason(moe_models):
+def test_lora_is_refused_with_a_reason(moe_models):
     folder, _ = moe_models["mixtral"]
-    with pytest.raises(ValueError, match="MixtralForCausalLM cannot be served in FP8"):
-        LLMEngine(EngineConfig(model=str(folder), quantization="fp8"))
     with pytest.raises(ValueError, match="LoRA is not supported"):
         LLMEngine(EngineConfig(model=str(folder), enable_lora=True))
+
+
+# ---- FP8 ------------------------------------------------------------------------------------------------
+
+BLOCK = (32, 32)  # the tiny experts span several tiles each way (hidden 64, widths 32 / 96)
+# Every linear weight a block-wise FP8 MoE checkpoint quantises: attention, dense and shared-expert MLPs,
+# and each routed expert (Mixtral's w1 / w3 / w2 too); routers and the lm_head stay 16-bit.
+FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+
+
+def fp8_moe_checkpoint(src, dst, block=BLOCK) -> None:
+    """dst: src's checkpoint as Qwen's FP8 MoE releases are written (quant_method "fp8", weight_block_size,
+    per-tile weight_scale_inv; the routers listed in modules_to_not_convert and left 16-bit)."""
+    from safetensors.torch import load_file
+
+    from plait.layers.fp8_block import quantize_blocks
+
+    tensors, routers = {}, []
+    for name, t in load_file(src / "model.safetensors").items():
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in FP8_LINEARS:
+            tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")] = quantize_blocks(t, block)
+        else:
+            tensors[name] = t
+            if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+                routers.append(name.removesuffix(".weight"))
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block),
+                                  "modules_to_not_convert": ["lm_head", *routers]}
+    _copy_model_folder(src, dst, tensors)
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def fp8_reference(engine: LLMEngine, block=BLOCK) -> None:
+    """Make an unquantised engine's model the block-FP8 one: routed experts quantised in memory
+    (FusedMoE.quantize_fp8, whose CPU path rounds their inputs per token group), every other linear weight
+    but the routers' and the lm_head's replaced by its tile rounding and its input rounded per group."""
+    from torch import nn
+
+    from plait.layers.fp8_block import dequantize_blocks, quantize_blocks, quantize_groups
+    from plait.layers.moe import FusedMoE
+
+    def round_inputs(_module, args):
+        x = args[0]
+        codes, scale = quantize_groups(x.reshape(-1, x.shape[-1]), block[1])
+        return ((codes.float() * scale.repeat_interleave(block[1], 1)[:, : x.shape[-1]]).view(x.shape),)
+
+    with torch.no_grad():
+        for name, module in engine.runner.model.named_modules():
+            if isinstance(module, FusedMoE):
+                module.quantize_fp8(block)
+            elif isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] not in (
+                    "lm_head", "gate", "shared_expert_gate"):
+                module.weight.copy_(dequantize_blocks(*quantize_blocks(module.weight, block), block,
+                                                      module.weight.dtype))
+                module.register_forward_pre_hook(round_inputs)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_a_block_fp8_moe_checkpoint_is_the_model_with_its_tiles(moe_models, tmp_path, family):
+    """Codes and tile scales of every expert land where quantising the 16-bit experts in memory puts
+    them, routers stay 16-bit, and the whole model computes the block-FP8 function."""
+    from plait.layers.moe import FusedMoE
+
+    folder, _ = moe_models[family]
+    fp8_moe_checkpoint(folder, tmp_path / "fp8")
+    kw = dict(max_num_batched_tokens=40, block_size=8, max_model_len=128)
+    served = LLMEngine(EngineConfig(model=str(tmp_path / "fp8"), **kw))
+    moes = [m for m in served.runner.model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.block == BLOCK and m.gate_up_proj.dtype == torch.float8_e4m3fn for m in moes)
+    assert served.runner.model.model.layers[0].mlp.gate.weight.dtype == torch.float32  # the router
+    reference = LLMEngine(EngineConfig(model=str(folder), **kw))
+    fp8_reference(reference)
+    assert_engines_agree(served, reference, random_prompts(4, 3, 40, seed=17), max_tokens=6, atol=1e-5)
+
+
+def test_quantization_fp8_and_random_weights_make_fp8_experts(moe_models):
+    """--quantization fp8 on a 16-bit MoE checkpoint: experts on tiles of 128 columns (and rows as many as
+    divide the expert width: 32 here), close
+    to the 16-bit model; random weights: the unquantised model's draws, tiled."""
+    from plait.layers.fp8_block import dequantize_blocks, quantize_blocks
+    from plait.layers.moe import FusedMoE, default_fp8_block
+
+    folder, hf = moe_models["qwen3_moe"]
+    engine = LLMEngine(EngineConfig(model=str(folder), quantization="fp8", max_model_len=128))
+    moe = engine.runner.model.model.layers[1].mlp.experts
+    assert isinstance(moe, FusedMoE) and moe.block == default_fp8_block(32) == (32, 128)
+    want = hf.model.layers[1].mlp.experts.down_proj[2].detach()
+    got = dequantize_blocks(moe.down_proj[2], moe.down_scale[2], moe.block, torch.float32)
+    torch.testing.assert_close(got, want, rtol=2.0**-4, atol=want.abs().max().item() * 2.0**-9)
+    outputs, _ = run_greedy(engine, random_prompts(2, 5, 20, seed=3), 4)
+    assert all(len(o) == 4 for o in outputs.values())
+
+    kw = dict(model=str(folder), load_format="dummy", max_model_len=64)
+    fp8 = LLMEngine(EngineConfig(**kw, quantization="fp8")).runner.model.model.layers[0].mlp.experts
+    plain = LLMEngine(EngineConfig(**kw)).runner.model.model.layers[0].mlp.experts
+    codes, scale = quantize_blocks(plain.gate_up_proj[5], fp8.block)
+    assert torch.equal(fp8.gate_up_proj[5].view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(fp8.gate_up_scale[5], scale)
+
+
+def test_fp8_moe_checkpoints_plait_cannot_serve_are_refused(moe_models, tmp_path):
+    folder, _ = moe_models["qwen3_moe"]
+    fp8_moe_checkpoint(folder, tmp_path / "fp8")
+    cfg = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    per_channel = {**cfg, "quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(per_channel))
+    with pytest.raises(ValueError, match="per-tensor or per-channel scales are not supported"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "fp8")))
+    # Experts 32 wide cannot take 64-row tiles: the up rows would not start on a tile row.
+    fp8_moe_checkpoint(folder, tmp_path / "wide", block=(64, 32))
+    with pytest.raises(ValueError, match="not a multiple of the 64-row FP8 blocks"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "wide")))
+    # A missing tile scale.
+    from safetensors.torch import load_file
+
+    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.4.down_proj.weight_scale_inv"]
+    _copy_model_folder(folder, tmp_path / "noscale", tensors)
+    (tmp_path / "noscale" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="without their block scales"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "noscale")))
 
 
 # ---- GPU (pytest -m gpu) ------------------------------------------------------------------------------
@@ -191,5 +311,26 @@ def test_gpu_moe_with_graphs_computes_the_torch_path_in_fp32(tmp_path):
     engine = LLMEngine(EngineConfig(**common, max_num_batched_tokens=64))
     got, _ = run_greedy(engine, prompts, 16, arrive_every=2)
     assert got == ref
+    b = engine.runner.breakdown
+    assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fp8_moe_replays_graphs_and_answers_the_same_twice(tmp_path):
+    """bf16 with FP8 experts (--quantization fp8, random weights) on the Triton path: every pure-decode step
+    replays a graph, and the same requests get the same tokens again (no atomics, no stale graph inputs)."""
+    from plait.layers.moe import FusedMoE
+
+    model = _gpu_config(tmp_path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(10, GPU_VOCAB, (n,), generator=g).tolist() for n in (3, 90, 17, 260)]
+    engine = LLMEngine(EngineConfig(model=model, load_format="dummy", seed=5, quantization="fp8",
+                                    max_model_len=1024, num_kv_blocks=512, max_num_batched_tokens=64))
+    moe = engine.runner.model.model.layers[0].mlp.experts
+    assert isinstance(moe, FusedMoE) and moe.gate_up_proj.dtype == torch.float8_e4m3fn
+    first, _ = run_greedy(engine, prompts, 12, arrive_every=2)
+    again, _ = run_greedy(engine, prompts, 12, arrive_every=2)
+    assert first == again and all(len(t) == 12 for t in first.values())
     b = engine.runner.breakdown
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps

@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/kernels/fused_moe_bench.py --out benchmarks/results/fused_moe_h200.json
     PYTHONPATH=. python benchmarks/kernels/fused_moe_bench.py --sweep --out /tmp/fused_moe_sweep.json
+    PYTHONPATH=. python benchmarks/kernels/fused_moe_bench.py --fp8 --no-ref --out /tmp/fused_moe_fp8.json
 
 fused_moe is timed as the median of CUDA-graph replays (triton.testing.do_bench_cudagraph), each graph a run
 of back-to-back calls as a captured step holds them; the calls cycle through several copies of the layer's
@@ -12,6 +13,12 @@ the time (GB/s: the figure that matters at decode sizes) and 6 x T x k x H x I F
 (TFLOP/s: the one that matters at prompt sizes), and the kernel's largest error against the reference in
 fp32. --sweep also times SWEEP_CONFIGS per T and reports the best (block_k other than moe_config's gives up
 batch invariance of the K loop: note it before adopting one).
+
+--fp8 also times the block-wise FP8 experts (W8A8) at every T, beside bf16: the same random bf16 experts
+(every copy) quantised by plait.layers.fp8_block.quantize_blocks with FP8_BLOCK tiles per expert, x in bf16
+(quantised per token and K group inside fused_moe). Its touched bytes count the 1-byte codes and their fp32
+tile scales; its error is against the FP8 reference (fused_moe_ref with the scales, fp32 arithmetic rounded
+where the kernel rounds). The sweeps stay bf16-only (the FP8 kernels' K step is the tile's bk).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from plait.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_config
+from plait.layers.fp8_block import quantize_blocks
 
 QWEN3_30B_A3B = dict(experts=128, top_k=8, hidden=2048, inter=768)
 T_VALUES = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096)
@@ -37,6 +45,7 @@ L2_COPIES_FACTOR = 3  # weight copies read in turn cover this many L2 sizes
 MAX_COPIES = 8  # one layer's experts are 1.2 GB: 8 copies (9.7 GB) cover any L2 many times
 REP_MS = 20  # per graph replay; do_bench_cudagraph takes the median of its replays
 REF_REP_MS = 200
+FP8_BLOCK = (128, 128)  # Qwen3-30B-A3B-FP8's weight_block_size
 # (block_m, block_n, block_k, group_m, num_warps, num_stages): tried per T beside moe_config's pick.
 SWEEP_CONFIGS = [
     (16, 32, 64, 1, 4, 4), (16, 64, 64, 1, 4, 4), (16, 64, 128, 1, 4, 3), (16, 128, 64, 1, 4, 4),
@@ -61,6 +70,20 @@ def layer_copies(c: dict, l2_bytes: int) -> list[tuple[torch.Tensor, torch.Tenso
              torch.randn(e, h, i, device=DEVICE, dtype=DTYPE) * i**-0.5) for _ in range(count)]
 
 
+def quantized_layer(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One layer's experts quantised tile by tile per expert: fused_moe's FP8 weight arguments."""
+    q13 = [quantize_blocks(w, FP8_BLOCK) for w in w13]
+    q2 = [quantize_blocks(w, FP8_BLOCK) for w in w2]
+    return {"w13": torch.stack([c for c, _ in q13]), "w2": torch.stack([c for c, _ in q2]),
+            "w13_scale": torch.stack([sc for _, sc in q13]), "w2_scale": torch.stack([sc for _, sc in q2]),
+            "block": FP8_BLOCK}
+
+
+def expert_bytes(layer: dict) -> int:
+    """Bytes of one expert's weights (and FP8 tile scales) that a routed entry makes the kernels read."""
+    return sum(t[0].numel() * t.element_size() for name, t in layer.items() if name != "block")
+
+
 def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
     state = {"i": 0}
 
@@ -73,10 +96,12 @@ def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
 
 
 def graph_ms(layers, x, weights, ids, config: MoeConfig | None, gemv: bool | None = None) -> float:
+    """layers: (w13, w2) pairs, or dicts of fused_moe's weight arguments (FP8: w13, w2, scales, block)."""
     from triton.testing import do_bench_cudagraph
 
-    calls = [lambda w13=w13, w2=w2: fused_moe(x, w13, w2, weights, ids, config=config, gemv=gemv)
-             for w13, w2 in layers]
+    layers = [layer if isinstance(layer, dict) else {"w13": layer[0], "w2": layer[1]} for layer in layers]
+    calls = [lambda kw=kw: fused_moe(x, topk_weights=weights, topk_ids=ids, config=config, gemv=gemv, **kw)
+             for kw in layers]
     for fn in calls[:1]:  # compile outside the capture
         fn()
     torch.cuda.synchronize()
@@ -109,7 +134,30 @@ def sweep_gemv(layers, x, weights, ids, touched: int, flops: int) -> list[dict]:
     return sorted(results, key=lambda r: r["ms"])
 
 
-def bench_t(c: dict, layers, t: int, sweep: bool, with_ref: bool, gemv_sweep: bool = False) -> dict:
+def bench_fp8(fp8_layers: list[dict], x, weights, ids, distinct: int, flops: int,
+              with_ref: bool) -> dict:
+    """The FP8 experts at one T: moe_config's pick, both paths, the error against the FP8 reference."""
+    from triton.testing import do_bench
+
+    touched = distinct * expert_bytes(fp8_layers[0])
+    row = {"touched_bytes": touched, "fused_moe": rates(graph_ms(fp8_layers, x, weights, ids, None), touched,
+                                                       flops)}
+    row["paths"] = {name: rates(graph_ms(fp8_layers, x, weights, ids, None, gemv=flag), touched, flops)
+                    for name, flag in (("gemv", True), ("grouped", False))}
+    kw = fp8_layers[0]
+    got = fused_moe(x, topk_weights=weights, topk_ids=ids, **kw)
+    want = fused_moe_ref(x, topk_weights=weights, topk_ids=ids, **kw).float()
+    row["max_err_over_max_out"] = ((got.float() - want).abs().max() / want.abs().max()).item()
+    del want
+    if with_ref:
+        ref_ms = do_bench(lambda: fused_moe_ref(x, topk_weights=weights, topk_ids=ids, **kw), rep=REF_REP_MS,
+                          return_mode="median")
+        row["fused_moe_ref"] = rates(ref_ms, touched, flops)
+    return row
+
+
+def bench_t(c: dict, layers, t: int, sweep: bool, with_ref: bool, gemv_sweep: bool = False,
+            fp8_layers: list[dict] | None = None) -> dict:
     from triton.testing import do_bench
 
     e, k, h, i = c["experts"], c["top_k"], c["hidden"], c["inter"]
@@ -136,6 +184,8 @@ def bench_t(c: dict, layers, t: int, sweep: bool, with_ref: bool, gemv_sweep: bo
         ref_ms = do_bench(lambda: fused_moe_ref(x, w13, w2, weights, ids), rep=REF_REP_MS,
                           return_mode="median")
         row["fused_moe_ref"] = rates(ref_ms, touched, flops)
+    if fp8_layers:
+        row["fp8"] = bench_fp8(fp8_layers, x, weights, ids, distinct, flops, with_ref)
     if sweep:
         results = [{"config": asdict(picked), "ms": row["fused_moe"]["ms"]}]
         for bm, bn, bk, gm, warps, stages in SWEEP_CONFIGS:
@@ -164,17 +214,22 @@ def main() -> None:
     parser.add_argument("--no-ref", action="store_true", help="skip timing the torch reference")
     parser.add_argument("--gemv-sweep", action="store_true",
                         help=f"time GEMV_SWEEP's tiles at T * k <= {GEMV_SWEEP_MAX_ENTRIES}")
+    parser.add_argument("--fp8", action="store_true",
+                        help=f"also time block-wise FP8 experts (the same experts quantised in {FP8_BLOCK} "
+                             "tiles) at every T")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("fused_moe_bench needs a CUDA device")
     c = QWEN3_30B_A3B
     props = torch.cuda.get_device_properties(0)
     layers = layer_copies(c, props.L2_cache_size)
+    # FP8 copies of the same experts: half the bytes of the bf16 ones, which already cover the L2 many times.
+    fp8_layers = [quantized_layer(w13, w2) for w13, w2 in layers] if args.fp8 else None
     result = {"device": props.name, "model": "qwen3-30b-a3b", "dtype": str(DTYPE), "shape": c,
-              "weight_copies": len(layers), "rows": []}
+              "weight_copies": len(layers), "fp8_block": list(FP8_BLOCK) if args.fp8 else None, "rows": []}
     t0 = time.perf_counter()
     for t in args.tokens:
-        row = bench_t(c, layers, t, args.sweep, not args.no_ref, args.gemv_sweep)
+        row = bench_t(c, layers, t, args.sweep, not args.no_ref, args.gemv_sweep, fp8_layers)
         result["rows"].append(row)
         line = (f"T={t:5d} experts {row['distinct_experts']:3d}  fused_moe {row['fused_moe']['ms']:8.4f} ms "
                 f"{row['fused_moe']['weight_GBps']:7.0f} GB/s {row['fused_moe']['TFLOPs']:6.1f} TFLOP/s  "
@@ -190,6 +245,13 @@ def main() -> None:
         if "best" in row:
             line += f"  best {row['best']['ms']:8.4f} ms {row['best']['config']}"
         print(line, flush=True)
+        if "fp8" in row:
+            f8 = row["fp8"]
+            print(f"        fp8  fused_moe {f8['fused_moe']['ms']:8.4f} ms "
+                  f"{f8['fused_moe']['weight_GBps']:7.0f} GB/s {f8['fused_moe']['TFLOPs']:6.1f} TFLOP/s  "
+                  f"err {f8['max_err_over_max_out']:.2e}  "
+                  f"gemv {f8['paths']['gemv']['ms']:.4f} / grouped {f8['paths']['grouped']['ms']:.4f} ms  "
+                  f"bf16 / fp8 {row['fused_moe']['ms'] / f8['fused_moe']['ms']:.2f}x", flush=True)
     result["wall_s"] = time.perf_counter() - t0
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

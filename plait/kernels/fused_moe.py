@@ -13,6 +13,13 @@
 # shape is a function of (T, k, E, H, I) and the grid is sized for the worst routing (programs past the real
 # padded length return at once): CUDA-graph capturable. fused_moe_ref is HF transformers 5's MixtralExperts
 # loop in torch: the CPU path and the tests' oracle.
+#
+# Block-wise FP8 experts (W8A8, as plait.layers.fp8_block serves dense layers): w13 / w2 float8_e4m3fn codes
+# with one fp32 scale per [bn, bk] tile of each expert (w13_scale [E, 2I / bn, cdiv(H, bk)], w2_scale
+# [E, cdiv(H, bn), cdiv(I, bk)]). Each GEMM's input is quantised per row and per group of bk along K
+# (quantize_groups_fp8: x before GEMM 1, h before GEMM 2), and the kernels walk K one bk block at a time,
+# scaling each block's sum of code products by the row's and the tile's scales into an fp32 accumulator;
+# every rounding to x's dtype stays where it is for 16-bit weights.
 
 from __future__ import annotations
 
@@ -25,11 +32,14 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from plait.kernels.activation import silu_rounded
+from plait.kernels.fp8_block_gemm import IMPRECISE_ACC_K, quantize_groups_fp8
 from plait.kernels.interpreter import static_iters, trip_count
 from plait.kernels.pdl import pdl_args, pdl_prologue
+from plait.layers.fp8_block import check_block, dequantize_blocks, quantize_groups
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ID_DTYPES = (torch.int32, torch.int64)
+FP8_DTYPE = torch.float8_e4m3fn  # block-wise FP8 experts' codes
 
 # -- tile sizes ---------------------------------------------------------------------------------------------
 # Decode-sized batches: an expert gets few rows, so 16-row blocks (tl.dot's smallest M) waste little padding.
@@ -158,7 +168,8 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
 # instruction (mma.sync for 16 rows, wgmma for 64 on Hopper), whose accumulation inside one K step may
 # differ in the last bit; block_n, warps and stages do not change a row's order of summation. So within one
 # block_m regime a token's output is bitwise independent of the batch; across regimes it may move by
-# fp32 roundoff before the final rounding.
+# fp32 roundoff before the final rounding. FP8 experts step K by the weight's block_k whatever the config,
+# and quantise each row of x and h on its own: the same holds for them.
 def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
                dtype: torch.dtype, on_cuda: bool = True) -> MoeConfig:
     """Launch shape for a batch of num_tokens, from the average rows an expert gets (T * k / E); hidden and
@@ -194,13 +205,18 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, IN_FP32: tl.constexpr):
 def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     num_entries, N, K, stride_am, stride_we, stride_wn, stride_om, up_rows, k_iters,
+    sa_ptr, sw_ptr, stride_sam, stride_sak, stride_swe, stride_swn, stride_swk,
     A_ROW_DIV: tl.constexpr, STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BF16_DOT_IN_FP32: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
+    W8A8: tl.constexpr = False, WEIGHT_BLOCK_N: tl.constexpr = 1, IMPRECISE_ACC: tl.constexpr = 0,
 ):
     # acc[entry, n] = sum_k a[entry // A_ROW_DIV, k] * w[expert, n, k] for the block's sorted entries.
     # GATE_UP (GEMM 1): out = silu(acc) * (acc of weight row up_rows + n), rounded as torch rounds each step;
     # else (GEMM 2): out = acc * topk_w[entry], in fp32 before its one rounding.
+    # W8A8: a and w are FP8 codes; a's row r has scale sa[r, kb] for K block kb (BLOCK_K is the weight's bk)
+    # and weight row n of expert e scale sw[e, n // WEIGHT_BLOCK_N, kb]; a program's BLOCK_N columns (of the
+    # gate and of the up half each) lie in one tile row, so each K step takes one FP8 dot, scaled into acc.
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -230,6 +246,11 @@ def _moe_gemm_kernel(
     # The weight as its transpose, [BLOCK_K, BLOCK_N], K contiguous: tl.dot's B operand.
     w_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None]
     up_off = up_rows.to(tl.int64) * stride_wn
+    if W8A8:
+        sa_ptrs = sa_ptr + a_rows * stride_sam  # [BLOCK_M]: the rows' scales of K block 0
+        sw_g_ptr = sw_ptr + expert * stride_swe + ((pid_n * BLOCK_N) // WEIGHT_BLOCK_N) * stride_swn
+        # The up rows start on a tile row (I % bn == 0): row up_rows + n is in tile (up_rows + n) // bn.
+        sw_u_ptr = sw_ptr + expert * stride_swe + ((up_rows + pid_n * BLOCK_N) // WEIGHT_BLOCK_N) * stride_swn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for it in range(trip_count(STATIC_K_ITERS, k_iters)):
@@ -240,13 +261,22 @@ def _moe_gemm_kernel(
             k_in = offs_k < K - it * BLOCK_K
             a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
-        acc_g = _dot(a, w, acc_g, DOT_PRECISION, BF16_DOT_IN_FP32)
+        if W8A8:
+            sa = tl.load(sa_ptrs + it * stride_sak)  # fp32 [BLOCK_M]
+            sw_g = tl.load(sw_g_ptr + it * stride_swk)
+            acc_g += tl.dot(a, w, max_num_imprecise_acc=IMPRECISE_ACC) * (sa[:, None] * sw_g)
+        else:
+            acc_g = _dot(a, w, acc_g, DOT_PRECISION, BF16_DOT_IN_FP32)
         if GATE_UP:
             if EVEN_K:
                 w_up = tl.load(w_ptrs + up_off)
             else:
                 w_up = tl.load(w_ptrs + up_off, mask=k_in[:, None], other=0.0)
-            acc_u = _dot(a, w_up, acc_u, DOT_PRECISION, BF16_DOT_IN_FP32)
+            if W8A8:
+                sw_u = tl.load(sw_u_ptr + it * stride_swk)
+                acc_u += tl.dot(a, w_up, max_num_imprecise_acc=IMPRECISE_ACC) * (sa[:, None] * sw_u)
+            else:
+                acc_u = _dot(a, w_up, acc_u, DOT_PRECISION, BF16_DOT_IN_FP32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     out_ty = out_ptr.dtype.element_ty
@@ -266,23 +296,35 @@ def _moe_gemm_kernel(
 @triton.jit(do_not_specialize=["num_entries"])
 def _moe_gemv_kernel(
     a_ptr, w_ptr, out_ptr, topk_w_ptr, ids_ptr, num_entries, N, K, stride_am, stride_we, stride_wn, stride_om,
-    up_rows, k_iters, A_ROW_DIV: tl.constexpr, STATIC_K_ITERS: tl.constexpr, BLOCK_N: tl.constexpr,
+    up_rows, k_iters, sa_ptr, sw_ptr, stride_sam, stride_sak, stride_swe, stride_swn, stride_swk,
+    A_ROW_DIV: tl.constexpr, STATIC_K_ITERS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, W8A8: tl.constexpr = False, WEIGHT_BLOCK_N: tl.constexpr = 1,
 ):
     # _moe_gemm_kernel's result for one entry (grid: entries x column tiles) without the alignment: the
     # entry's expert comes straight from topk_ids. Products add up along K in fp32 lanes, reduced at the end.
+    # W8A8 (see _moe_gemm_kernel; BLOCK_K is the weight's bk, BLOCK_N divides bn): each K block's products
+    # of codes are reduced at once and scaled by the entry row's and the tile's scales into fp32 [BLOCK_N].
     pdl_prologue(PDL)
     entry = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + entry).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # columns past N re-read the last row, never stored
-    a_ptrs = a_ptr + (entry // A_ROW_DIV) * stride_am + offs_k  # [BLOCK_K]
+    a_row = entry // A_ROW_DIV
+    a_ptrs = a_ptr + a_row * stride_am + offs_k  # [BLOCK_K]
     w_ptrs = w_ptr + expert * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
     up_off = up_rows.to(tl.int64) * stride_wn
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    if W8A8:
+        sa_ptrs = sa_ptr + a_row * stride_sam  # the entry row's scale of K block 0
+        first_n = tl.program_id(1) * BLOCK_N
+        sw_g_ptr = sw_ptr + expert * stride_swe + (first_n // WEIGHT_BLOCK_N) * stride_swn
+        sw_u_ptr = sw_ptr + expert * stride_swe + ((up_rows + first_n) // WEIGHT_BLOCK_N) * stride_swn
+        acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for it in range(trip_count(STATIC_K_ITERS, k_iters)):
         if EVEN_K:
             a = tl.load(a_ptrs).to(tl.float32)
@@ -291,22 +333,35 @@ def _moe_gemv_kernel(
             k_in = offs_k < K - it * BLOCK_K
             a = tl.load(a_ptrs, mask=k_in, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
-        acc_g += w.to(tl.float32) * a[None, :]
+        if W8A8:
+            sa = tl.load(sa_ptrs + it * stride_sak)
+            sw_g = tl.load(sw_g_ptr + it * stride_swk)
+            acc_g += tl.sum(w.to(tl.float32) * a[None, :], 1) * (sa * sw_g)
+        else:
+            acc_g += w.to(tl.float32) * a[None, :]
         if GATE_UP:
             if EVEN_K:
                 w_up = tl.load(w_ptrs + up_off)
             else:
                 w_up = tl.load(w_ptrs + up_off, mask=k_in[None, :], other=0.0)
-            acc_u += w_up.to(tl.float32) * a[None, :]
+            if W8A8:
+                sw_u = tl.load(sw_u_ptr + it * stride_swk)
+                acc_u += tl.sum(w_up.to(tl.float32) * a[None, :], 1) * (sa * sw_u)
+            else:
+                acc_u += w_up.to(tl.float32) * a[None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if not W8A8:  # the fp32 lanes, reduced once
+        acc_g = tl.sum(acc_g, 1)
+        if GATE_UP:
+            acc_u = tl.sum(acc_u, 1)
     out_ty = out_ptr.dtype.element_ty
     if GATE_UP:
-        gate = tl.sum(acc_g, 1).to(out_ty).to(tl.float32)
-        up = tl.sum(acc_u, 1).to(out_ty).to(tl.float32)
+        gate = acc_g.to(out_ty).to(tl.float32)
+        up = acc_u.to(out_ty).to(tl.float32)
         y = (silu_rounded(gate, out_ty, PRECISE) * up).to(out_ty)
     else:
-        y = (tl.sum(acc_g, 1) * tl.load(topk_w_ptr + entry)).to(out_ty)
+        y = (acc_g * tl.load(topk_w_ptr + entry)).to(out_ty)
     tl.store(out_ptr + entry * stride_om + offs_n, y, mask=offs_n < N)
 
 
@@ -375,7 +430,10 @@ def _moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexp
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-           topk_ids: torch.Tensor) -> None:
+           topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+           w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None
+           ) -> tuple[int, int] | None:
+    """ValueError for arguments fused_moe does not take; FP8 weights' (bn, bk), None for 16/32-bit ones."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -385,7 +443,12 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
     if h13 != h or w2.shape != (e, h, two_i // 2):
         raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not agree "
                          f"(want w13 [E, 2I, {h}] and w2 [E, {h}, I])")
-    if x.dtype not in FLOAT_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+    fp8 = w13.dtype == FP8_DTYPE or w2.dtype == FP8_DTYPE
+    if fp8:
+        if x.dtype not in FLOAT_DTYPES or w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
+            raise ValueError(f"FP8 experts need both w13 and w2 in {FP8_DTYPE} and x in one of "
+                             f"{FLOAT_DTYPES}, got {w13.dtype}, {w2.dtype} and {x.dtype}")
+    elif x.dtype not in FLOAT_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"x, w13 and w2 must share one of {FLOAT_DTYPES}, got {x.dtype}, {w13.dtype}, "
                          f"{w2.dtype}")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
@@ -395,13 +458,48 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
         raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if topk_weights.dtype != torch.float32:
         raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
+    if not fp8:
+        if w13_scale is not None or w2_scale is not None or block is not None:
+            raise ValueError(f"w13_scale, w2_scale and block are for {FP8_DTYPE} experts, not {w13.dtype}")
+        return None
+    if w13_scale is None or w2_scale is None or block is None:
+        raise ValueError("FP8 experts need w13_scale, w2_scale and block")
+    bn, bk = check_block(tuple(block))
+    inter = two_i // 2
+    if inter % bn:
+        raise ValueError(f"the intermediate size {inter} must be a multiple of the {bn}-row weight blocks, "
+                         f"so that w13's up half starts on a tile row")
+    for name, scale, want in (("w13_scale", w13_scale, (e, two_i // bn, triton.cdiv(h, bk))),
+                              ("w2_scale", w2_scale, (e, triton.cdiv(h, bn), triton.cdiv(inter, bk)))):
+        if scale.dtype != torch.float32 or tuple(scale.shape) != want or scale.device != w13.device:
+            raise ValueError(f"{name} must be float32 {list(want)} (E, cdiv(rows, {bn}), cdiv(cols, {bk})) "
+                             f"on {w13.device}, got {scale.dtype} {list(scale.shape)} on {scale.device}")
+    return bn, bk
+
+
+def _group_dequantized(v: torch.Tensor, group: int) -> torch.Tensor:
+    """v quantised per row and group of ``group`` columns (quantize_groups), as fp32 values."""
+    codes, scale = quantize_groups(v, group)
+    return codes.float() * scale.repeat_interleave(group, dim=1)[:, : v.shape[1]]
 
 
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
-    """HF transformers 5's MixtralExperts.forward, in its order of operations (host syncs: the CPU path)."""
+                  topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """HF transformers 5's MixtralExperts.forward, in its order of operations (host syncs: the CPU path).
+
+    Block-wise FP8 experts (w13, w2 float8_e4m3fn with per-[bn, bk]-tile fp32 scales w13_scale
+    [E, 2I / bn, cdiv(H, bk)] and w2_scale [E, cdiv(H, bn), cdiv(I, bk)], block = (bn, bk)), in the same
+    loop, fp32 arithmetic on dequantised values, rounded to x's dtype where fused_moe rounds:
+      1. x quantised per token and group of bk (quantize_groups), dequantised: xq;
+      2. gate, up = xq @ w13[e]^T in fp32, each rounded to x's dtype; h = silu(gate) * up in x's dtype;
+      3. h quantised per entry row and group of bk, dequantised: hq;
+      4. y = hq @ w2[e]^T in fp32, times the routing weight, rounded once; each token's k slot outputs summed
+         in slot order in fp32, rounded."""
     # x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] -> [T, H]
-    _check(x, w13, w2, topk_weights, topk_ids)
+    fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
+    if fp8_block is not None:
+        return _fp8_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, fp8_block)
     num_experts = w13.shape[0]
     out = torch.zeros_like(x)
     # [E + 1, k, T], as HF builds it: torch.where then yields each expert's entries by slot, then by token.
@@ -418,54 +516,116 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return out
 
 
+def _fp8_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                 block: tuple[int, int]) -> torch.Tensor:
+    """fused_moe_ref's FP8 steps 1-4 (see there), in HF's loop over the experts."""
+    (num_tokens, hidden), (num_experts, two_i, _) = x.shape, w13.shape
+    top_k, inter, bk = topk_ids.shape[1], two_i // 2, block[1]
+    if num_tokens == 0 or hidden == 0 or inter == 0:
+        return torch.zeros_like(x)
+    xq = _group_dequantized(x, bk)  # [T, H] fp32
+    slots = torch.zeros((num_tokens, top_k, hidden), dtype=x.dtype, device=x.device)  # weighted outputs
+    expert_mask = F.one_hot(topk_ids.long(), num_classes=num_experts + 1).permute(2, 1, 0)
+    hit = (expert_mask.sum(dim=(-1, -2)) > 0).nonzero()
+    for expert in hit[:, 0].tolist():
+        if expert == num_experts:
+            continue
+        k_pos, token_idx = torch.where(expert_mask[expert])
+        w13_e = dequantize_blocks(w13[expert], w13_scale[expert], block, torch.float32)
+        w2_e = dequantize_blocks(w2[expert], w2_scale[expert], block, torch.float32)
+        gate, up = F.linear(xq[token_idx], w13_e).to(x.dtype).chunk(2, dim=-1)
+        h = F.silu(gate) * up  # [n, I] in x's dtype
+        y = F.linear(_group_dequantized(h, bk), w2_e) * topk_weights[token_idx, k_pos, None]
+        slots[token_idx, k_pos] = y.to(x.dtype)
+    out = slots[:, 0].float()
+    for j in range(1, top_k):
+        out = out + slots[:, j].float()
+    return out.to(x.dtype)
+
+
+@dataclass(frozen=True)
+class _Fp8Operands:
+    a_scale: torch.Tensor  # [rows, cdiv(K, bk)] fp32, any strides (quantize_groups_fp8's are M-major)
+    w_scale: torch.Tensor  # [E, cdiv(N, bn), cdiv(K, bk)] fp32, any strides
+    block: tuple[int, int]  # (bn, bk)
+
+
+def _fp8_args(fp8: _Fp8Operands | None, dummy: torch.Tensor) -> tuple:
+    """The kernels' scale pointers and strides (sa, sw, sa's 2 strides, sw's 3): unread placeholders
+    without FP8."""
+    if fp8 is None:
+        return (dummy, dummy, 0, 0, 0, 0, 0)
+    return (fp8.a_scale, fp8.w_scale, *fp8.a_scale.stride(), *fp8.w_scale.stride())
+
+
 def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor,
-                 align: MoeAlignment, n: int, a_row_div: int, cfg: MoeConfig, gate_up: bool) -> None:
+                 align: MoeAlignment, n: int, a_row_div: int, cfg: MoeConfig, gate_up: bool,
+                 fp8: _Fp8Operands | None = None) -> None:
     # a: [rows, K]; w: [E, N (2N for gate_up), K]; out: [T*k, N], rows by entry id
     k = a.shape[1]
     block_n = min(cfg.block_n, max(MIN_DOT, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(MIN_DOT, triton.next_power_of_2(k)))  # K's alone: same at every T
+    if fp8 is not None:
+        block_n = min(block_n, fp8.block[0])  # within one tile row (powers of two: divides bn)
+        block_k = fp8.block[1]  # one weight tile (and one input group) a step
     k_iters = triton.cdiv(k, block_k)
     num_blocks = align.expert_ids.shape[0]
     grid = (num_blocks * triton.cdiv(n, block_n),)
     _moe_gemm_kernel[grid](
         a, w, out, topk_w, align.sorted_ids, align.expert_ids, align.num_padded,
         out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), n, k_iters,
+        *_fp8_args(fp8, topk_w),
         A_ROW_DIV=a_row_div, STATIC_K_ITERS=static_iters(a.is_cuda, k_iters), BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BF16_DOT_IN_FP32=a.dtype == torch.bfloat16 and not a.is_cuda,
         PRECISE=a.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(a),
+        **({} if fp8 is None else dict(W8A8=True, WEIGHT_BLOCK_N=fp8.block[0],
+                                       IMPRECISE_ACC=min(IMPRECISE_ACC_K, block_k))),
     )
 
 
 def _launch_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor,
-                 topk_ids: torch.Tensor, n: int, a_row_div: int, gate_up: bool) -> None:
+                 topk_ids: torch.Tensor, n: int, a_row_div: int, gate_up: bool,
+                 fp8: _Fp8Operands | None = None) -> None:
     # a: [rows, K]; w: [E, N (2N for gate_up), K]; out: [T*k, N], rows by entry id
     k, on_cuda = a.shape[1], a.is_cuda
     # The interpreter runs each program in Python: few, wide ones there.
     tile_n, tile_k = (GEMV_BLOCK_N, GEMV_BLOCK_K) if on_cuda else (CPU_BLOCK_N, CPU_BLOCK_K)
     block_k = min(tile_k, max(MIN_DOT, triton.next_power_of_2(k)))
     block_n = min(tile_n, max(MIN_DOT, triton.next_power_of_2(n)))
+    if fp8 is not None:
+        block_n = min(block_n, fp8.block[0])
+        block_k = fp8.block[1]
     k_iters = triton.cdiv(k, block_k)
     _moe_gemv_kernel[(out.shape[0], triton.cdiv(n, block_n))](
         a, w, out, topk_w, topk_ids, out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        n, k_iters, A_ROW_DIV=a_row_div, STATIC_K_ITERS=static_iters(on_cuda, k_iters), BLOCK_N=block_n,
-        BLOCK_K=block_k, EVEN_K=k % block_k == 0, GATE_UP=gate_up, PRECISE=on_cuda,
+        n, k_iters, *_fp8_args(fp8, topk_w), A_ROW_DIV=a_row_div,
+        STATIC_K_ITERS=static_iters(on_cuda, k_iters), BLOCK_N=block_n, BLOCK_K=block_k,
+        EVEN_K=k % block_k == 0, GATE_UP=gate_up, PRECISE=on_cuda,
         num_warps=GEMV_WARPS, num_stages=GEMV_STAGES if on_cuda else CPU_STAGES, **pdl_args(a),
+        **({} if fp8 is None else dict(W8A8=True, WEIGHT_BLOCK_N=fp8.block[0])),
     )
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor, config: MoeConfig | None = None, gemv: bool | None = None
-              ) -> torch.Tensor:
+              topk_ids: torch.Tensor, config: MoeConfig | None = None, gemv: bool | None = None, *,
+              w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+              block: tuple[int, int] | None = None) -> torch.Tensor:
     """fused_moe_ref in Triton: no host syncs, no atomics, CUDA-graph capturable; config overrides
     moe_config's pick of grouped-GEMM tiles, gemv the choice of the alignment-free path for few entries
     (None: up to GEMV_MAX_ENTRIES; tests and sweeps force either).
 
     Rounding differs from the reference where the reference rounds more: the down projection's fp32 sum
-    is multiplied by the routing weight before its one rounding, and the k slots are summed in fp32."""
+    is multiplied by the routing weight before its one rounding, and the k slots are summed in fp32.
+
+    Block-wise FP8 experts: w13 / w2 float8_e4m3fn with w13_scale, w2_scale and block = (bn, bk) as
+    fused_moe_ref takes them (I a multiple of bn); x (bf16 / fp16; fp32 too) is quantised per token and
+    group of bk, so is h, both by quantize_groups_fp8, bit for bit as the reference; the reference rounds
+    where this does, so only the order of fp32 sums (and on Hopper the FP8 dots' accumulation) differs."""
     # x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] -> [T, H]
-    _check(x, w13, w2, topk_weights, topk_ids)
+    fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 need unit stride along their last (input) dimension")
     (num_tokens, hidden), (num_experts, two_i, _) = x.shape, w13.shape
@@ -481,14 +641,26 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_entries = num_tokens * top_k
     h = torch.empty((num_entries, inter), dtype=x.dtype, device=x.device)  # silu(gate) * up, by entry
     y = torch.empty((num_entries, hidden), dtype=x.dtype, device=x.device)  # weighted expert outputs
-    if gemv if gemv is not None else (config is None and num_entries <= GEMV_MAX_ENTRIES):
+    fp8_up = fp8_down = None
+    a_up = x
+    if fp8_block is not None:
+        a_up, x_scale = quantize_groups_fp8(x, fp8_block[1])  # codes [T, H], scales [T, cdiv(H, bk)]
+        fp8_up = _Fp8Operands(x_scale, w13_scale, fp8_block)
+    use_gemv = gemv if gemv is not None else (config is None and num_entries <= GEMV_MAX_ENTRIES)
+    if use_gemv:
         flat_ids = topk_ids.reshape(-1).contiguous()  # [T*k], by entry id
-        _launch_gemv(x, w13, h, topk_w, flat_ids, inter, top_k, gate_up=True)
-        _launch_gemv(h, w2, y, topk_w, flat_ids, hidden, 1, gate_up=False)
+        _launch_gemv(a_up, w13, h, topk_w, flat_ids, inter, top_k, gate_up=True, fp8=fp8_up)
     else:
         align = moe_align(topk_ids, num_experts, cfg.block_m)
-        _launch_gemm(x, w13, h, topk_w, align, inter, top_k, cfg, gate_up=True)
-        _launch_gemm(h, w2, y, topk_w, align, hidden, 1, cfg, gate_up=False)
+        _launch_gemm(a_up, w13, h, topk_w, align, inter, top_k, cfg, gate_up=True, fp8=fp8_up)
+    a_down = h
+    if fp8_block is not None:
+        a_down, h_scale = quantize_groups_fp8(h, fp8_block[1])  # codes [T*k, I], scales [T*k, cdiv(I, bk)]
+        fp8_down = _Fp8Operands(h_scale, w2_scale, fp8_block)
+    if use_gemv:
+        _launch_gemv(a_down, w2, y, topk_w, flat_ids, hidden, 1, gate_up=False, fp8=fp8_down)
+    else:
+        _launch_gemm(a_down, w2, y, topk_w, align, hidden, 1, cfg, gate_up=False, fp8=fp8_down)
     block_h = min(SUM_BLOCK_H, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
         y, out, hidden, TOP_K=top_k, BLOCK_H=block_h, num_warps=4, **pdl_args(y))

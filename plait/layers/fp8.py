@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import torch
 import torch.nn.functional as F
@@ -18,14 +19,16 @@ from torch import nn
 
 from plait.config import QUANTIZATION_METHODS
 from plait.kernels.dispatch import use_triton
+from plait.layers.moe import FusedMoE, default_fp8_block
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 INV_FP8_MAX = 1.0 / FP8_MAX  # (rounded to fp32 where it multiplies an fp32 tensor)
 # A row of zeros still gets a positive scale, so that dequantising never divides by zero.
 MIN_SCALE = 1e-12
-# Layers left in 16 bits: the lm_head (the logits' precision; tied to the embedding in some models).
-SKIPPED_LAYERS = ("lm_head",)
+# Layers left in 16 bits: the lm_head (the logits' precision; tied to the embedding in some models) and a MoE
+# block's routers (tiny; their logits pick the experts), as vLLM and the FP8 MoE checkpoints keep them.
+SKIPPED_LAYERS = ("lm_head", "gate", "shared_expert_gate")
 # Dtypes whose matmuls take the CUDA kernels (cuBLASLt's FP8 GEMM writes bf16; fp16 is rounded from it).
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 
@@ -37,6 +40,8 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 UNUSED_CHECKPOINT_SCALES = ("input_scale", "k_scale", "v_scale", "output_scale")
 # Checkpoint layers left unquantised that plait can honour: those it leaves in 16 bits anyway.
 IGNORABLE = {"lm_head", "re:.*lm_head"}
+# ... and the MoE routers it keeps in 16 bits (Qwen's FP8 MoE checkpoints list every layer's mlp.gate).
+IGNORABLE_ROUTER = re.compile(r"(^|\.)(mlp|block_sparse_moe)\.gate$|(^|\.)shared_expert_gate$")
 
 
 def checkpoint_quantization(hf_config: dict) -> str | None:
@@ -77,7 +82,7 @@ def checkpoint_quantization(hf_config: dict) -> str | None:
         raise ValueError(f"quantization_config quant_method {method!r} is not supported: plait loads FP8 "
                          "checkpoints ('fp8', 'compressed-tensors' float-quantized), or quantises an "
                          "unquantised one with --quantization fp8")
-    extra = sorted(set(ignored) - IGNORABLE)
+    extra = sorted(name for name in set(ignored) - IGNORABLE if not IGNORABLE_ROUTER.search(name))
     if extra:
         raise ValueError(f"FP8 checkpoints leaving layers other than the lm_head unquantised ({extra[:4]}) "
                          "are not supported")
@@ -224,7 +229,8 @@ def quantize_model(model: nn.Module, method: str, device: torch.device | None = 
     model (its code is unchanged); returns how many layers were replaced. Layers built on the meta device
     (plait.layers.linear.deferred_weights) become empty FP8 layers on ``device``, and skipped ones empty
     16-bit layers there, for the checkpoint to fill. ``block``: block-wise scales of that (block_n,
-    block_k) (plait.layers.fp8_block.Fp8BlockLinear), as a block-wise checkpoint holds them."""
+    block_k) (plait.layers.fp8_block.Fp8BlockLinear), as a block-wise checkpoint holds them. A MoE block's
+    experts (FusedMoE) take block-wise scales either way (``block``, else moe.default_fp8_block)."""
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
@@ -233,6 +239,9 @@ def quantize_model(model: nn.Module, method: str, device: torch.device | None = 
         if name.rsplit(".", 1)[-1] in SKIPPED_LAYERS and module.weight.is_meta:
             module.to_empty(device=device)
     count = len(targets)
+    for moe in [m for m in model.modules() if isinstance(m, FusedMoE)]:
+        moe.quantize_fp8(block or default_fp8_block(moe.intermediate_size), device)
+        count += 1
     while targets:  # popped one by one, so each 16-bit weight is freed once its layer is replaced
         name, module = targets.pop()
         parent_name, _, child = name.rpartition(".")

@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from plait.config import EngineConfig, ModelConfig
-from plait.layers.fp8 import checkpoint_quantization, checkpoint_weight_block, quantize_model
+from plait.layers.fp8 import FP8_DTYPE, checkpoint_quantization, checkpoint_weight_block, quantize_model
 from plait.layers.linear import deferred_weights, materialize_deferred
+from plait.layers.moe import FusedMoE
 from plait.models.registry import get_model_class
 from plait.models.weights import weight_row_loader
 
@@ -63,9 +64,9 @@ def load_model(
     # its scheme (per-row or block-wise scales) is the checkpoint's whether or not the flag is given.
     quantization = checkpoint_quantization(hf_config) or config.quantization
     block = checkpoint_weight_block(hf_config)
-    if quantization is not None and not getattr(cls, "supports_fp8", True):
-        raise ValueError(f"{model_config.architecture} cannot be served in FP8 (--quantization fp8, or an "
-                         "FP8 checkpoint): plait does not quantise its routed experts; serve it in 16 bits")
+    if model_config.moe is not None and checkpoint_quantization(hf_config) and block is None:
+        raise ValueError(f"{model_config.architecture}: FP8 MoE checkpoints with per-tensor or per-channel "
+                         "scales are not supported (block-wise ones, e.g. Qwen3-30B-A3B-FP8, are)")
     # Linear layers are made without memory (every weight is written below: drawing random ones that
     # loading overwrites would only cost start-up time). Quantised, they are replaced before any weight
     # arrives, so each checkpoint tensor is quantised (or, already FP8, kept) as it is read and no 16-bit
@@ -161,6 +162,13 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
+        elif isinstance(modules[name.rpartition(".")[0]], FusedMoE) and param.dtype == FP8_DTYPE:
+            # FP8 experts: the unquantised model's draws, each expert's quantised tile by tile.
+            moe, stacked = modules[name.rpartition(".")[0]], name.rpartition(".")[2]
+            weights = torch.empty(param.shape, dtype=moe.compute_dtype, device=param.device)
+            weights.normal_(0.0, DUMMY_INIT_STD, generator=gen)
+            for expert, weight in enumerate(weights):
+                moe.load_stacked(stacked, expert, weight)
         elif load_rows is not None:
             # A quantised layer: the same draws as the unquantised model's weight, then quantised, so
             # both random models are one model up to the rounding.

@@ -22,8 +22,6 @@ class CausalLM(nn.Module):
     supports_prefix_caching = True
     # Whether LoRA adapters may wrap its projections from outside (plait.lora.model.lora_targets).
     supports_lora = False
-    # Whether --quantization fp8 and FP8 checkpoints can be served (plait.layers.fp8 quantises its layers).
-    supports_fp8 = True
     model: nn.Module
     lm_head: nn.Linear
 

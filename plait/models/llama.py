@@ -192,10 +192,8 @@ class LlamaForCausalLM(CausalLM):
 class MoeForCausalLM(LlamaForCausalLM):
     """Mixtral, Qwen2-MoE and Qwen3-MoE: the Llama decoder with sparse MoE blocks (SparseMoeBlock)."""
 
-    # Adapters would need per-expert deltas inside the grouped GEMMs; vLLM serves none for these either.
+    # Adapters would need per-expert deltas inside the expert kernels.
     supports_lora = False
-    # The routed experts are stacked 3-D weights that plait.layers.fp8 does not quantise.
-    supports_fp8 = False
 
     def fold_norm_weights(self) -> None:
         """Kept unfolded: the MLP norm feeds the router and every expert, which take no row scale."""

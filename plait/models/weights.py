@@ -17,8 +17,10 @@ STACKED_PROJECTIONS = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 
-# One routed expert's projection (HF's ``...mlp.experts.{e}.gate_proj.weight``): its FusedMoE stacks it.
-EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# One routed expert's projection (HF's ``...mlp.experts.{e}.gate_proj.weight``, or an FP8 one's tile
+# scales): its FusedMoE stacks it.
+EXPERT_TENSOR = re.compile(
+    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale)$")
 # Mixtral's names for the same (block_sparse_moe.experts.{e}.w1 / w3 / w2): gate, up, down.
 MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(gate|experts\.(\d+)\.(w[123]))\.")
@@ -85,12 +87,18 @@ def load_checked(
         expert = EXPERT_TENSOR.match(name)
         if expert and hasattr(modules.get(expert[1]), "load_expert"):
             moe = modules[expert[1]]
-            moe.load_expert(int(expert[2]), expert[3], tensor)  # its check_loaded sees every piece came
+            moe.load_expert(int(expert[2]), expert[3], tensor, expert[4])  # check_loaded: every piece came
             loaded.update(f"{expert[1]}.{param}" for param, _ in moe.named_parameters())
             continue
         target, shard = fused_target(name, stacked)
         owner_name, _, param_name = target.rpartition(".")
         owner = modules.get(owner_name)
+        if hasattr(owner, "load_stacked") and param_name in ("gate_up_proj", "down_proj"):
+            # transformers 5's stacked experts ([E, rows, in]): one expert at a time, so FP8 experts quantise
+            for expert, rows in enumerate(tensor):
+                owner.load_stacked(param_name, expert, rows)
+            loaded.add(target)
+            continue
         sizes = _shard_sizes(shard_sizes, target) if shard is not None else None
         # An FP8 checkpoint's weight scales (weight_scale_inv: DeepSeek / Qwen block-wise checkpoints).
         if param_name in ("weight_scale", "weight_scale_inv") and hasattr(owner, "load_scale_rows"):
