@@ -325,8 +325,10 @@ def test_gpu_fp8_moe_replays_graphs_and_answers_the_same_twice(tmp_path):
     model = _gpu_config(tmp_path)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(10, GPU_VOCAB, (n,), generator=g).tolist() for n in (3, 90, 17, 260)]
+    # No prefix caching: the second run must take the first one's steps, not reuse its KV.
     engine = LLMEngine(EngineConfig(model=model, load_format="dummy", seed=5, quantization="fp8",
-                                    max_model_len=1024, num_kv_blocks=512, max_num_batched_tokens=64))
+                                    max_model_len=1024, num_kv_blocks=512, max_num_batched_tokens=64,
+                                    enable_prefix_caching=False))
     moe = engine.runner.model.model.layers[0].mlp.experts
     assert isinstance(moe, FusedMoE) and moe.gate_up_proj.dtype == torch.float8_e4m3fn
     first, _ = run_greedy(engine, prompts, 12, arrive_every=2)
