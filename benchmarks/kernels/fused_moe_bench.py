@@ -24,6 +24,7 @@ where the kernel rounds). The sweeps stay bf16-only (the FP8 kernels' K step is 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import time
@@ -85,14 +86,9 @@ def expert_bytes(layer: dict) -> int:
 
 
 def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
-    state = {"i": 0}
-
-    def call() -> object:
-        fn = calls[state["i"] % len(calls)]
-        state["i"] += 1
-        return fn()
-
-    return call
+    """One call that runs each of ``calls`` in turn (each weight copy, so none is found in L2)."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
 
 
 def graph_ms(layers, x, weights, ids, config: MoeConfig | None, gemv: bool | None = None) -> float:

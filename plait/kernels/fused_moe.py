@@ -279,17 +279,27 @@ def _moe_gemm_kernel(
                 acc_u = _dot(a, w_up, acc_u, DOT_PRECISION, BF16_DOT_IN_FP32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    out_ty = out_ptr.dtype.element_ty
     if GATE_UP:
-        # The reference rounds F.linear's output, then silu's, then the product: so does this.
+        y = _epilogue(acc_g, acc_u, acc_g, out_ptr.dtype.element_ty, GATE_UP, PRECISE)
+    else:
+        weight = tl.load(topk_w_ptr + entries_in)  # fp32 [BLOCK_M]
+        y = _epilogue(acc_g, acc_u, weight[:, None], out_ptr.dtype.element_ty, GATE_UP, PRECISE)
+    out_ptrs = out_ptr + entries_in[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, y, mask=real[:, None] & (offs_n < N)[None, :])
+
+
+@triton.jit
+def _epilogue(acc_g, acc_u, weight, out_ty: tl.constexpr, GATE_UP: tl.constexpr, PRECISE: tl.constexpr):
+    """Both GEMMs' fp32 sums to their outputs in out_ty. GATE_UP: silu(gate) * up, rounded where the
+    reference rounds (F.linear's output, silu's, the product); else the sum times the routing weight
+    (``weight``, fp32, broadcast to it), rounded once."""
+    if GATE_UP:
         gate = acc_g.to(out_ty).to(tl.float32)
         up = acc_u.to(out_ty).to(tl.float32)
         y = (silu_rounded(gate, out_ty, PRECISE) * up).to(out_ty)
     else:
-        weight = tl.load(topk_w_ptr + entries_in)  # fp32 [BLOCK_M]
-        y = (acc_g * weight[:, None]).to(out_ty)
-    out_ptrs = out_ptr + entries_in[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, y, mask=real[:, None] & (offs_n < N)[None, :])
+        y = (acc_g * weight).to(out_ty)
+    return y
 
 
 # The entry count changes every step: no specialisation on it (see _moe_gemm_kernel).
@@ -355,13 +365,8 @@ def _moe_gemv_kernel(
         acc_g = tl.sum(acc_g, 1)
         if GATE_UP:
             acc_u = tl.sum(acc_u, 1)
-    out_ty = out_ptr.dtype.element_ty
-    if GATE_UP:
-        gate = acc_g.to(out_ty).to(tl.float32)
-        up = acc_u.to(out_ty).to(tl.float32)
-        y = (silu_rounded(gate, out_ty, PRECISE) * up).to(out_ty)
-    else:
-        y = (acc_g * tl.load(topk_w_ptr + entry)).to(out_ty)
+    weight = acc_g if GATE_UP else tl.load(topk_w_ptr + entry)
+    y = _epilogue(acc_g, acc_u, weight, out_ptr.dtype.element_ty, GATE_UP, PRECISE)
     tl.store(out_ptr + entry * stride_om + offs_n, y, mask=offs_n < N)
 
 
