@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -505,20 +506,25 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
     if fp8_block is not None:
         return _fp8_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, fp8_block)
-    num_experts = w13.shape[0]
     out = torch.zeros_like(x)
-    # [E + 1, k, T], as HF builds it: torch.where then yields each expert's entries by slot, then by token.
-    expert_mask = F.one_hot(topk_ids.long(), num_classes=num_experts + 1).permute(2, 1, 0)
-    hit = (expert_mask.sum(dim=(-1, -2)) > 0).nonzero()
-    for expert in hit[:, 0].tolist():
-        if expert == num_experts:
-            continue
-        k_pos, token_idx = torch.where(expert_mask[expert])
+    for expert, k_pos, token_idx in _routed_entries(topk_ids, w13.shape[0]):
         gate, up = F.linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
         h = F.linear(F.silu(gate) * up, w2[expert])
         h = h * topk_weights[token_idx, k_pos, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out
+
+
+def _routed_entries(topk_ids: torch.Tensor, num_experts: int
+                    ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(expert, slots, tokens) for each expert some token picked, in increasing expert order; its entries by
+    slot, then by token, as HF's loop takes them from its [E + 1, k, T] one-hot mask."""
+    expert_mask = F.one_hot(topk_ids.long(), num_classes=num_experts + 1).permute(2, 1, 0)
+    hit = (expert_mask.sum(dim=(-1, -2)) > 0).nonzero()
+    for expert in hit[:, 0].tolist():
+        if expert != num_experts:
+            k_pos, token_idx = torch.where(expert_mask[expert])
+            yield expert, k_pos, token_idx
 
 
 def _fp8_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -531,12 +537,7 @@ def _fp8_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weig
         return torch.zeros_like(x)
     xq = _group_dequantized(x, bk)  # [T, H] fp32
     slots = torch.zeros((num_tokens, top_k, hidden), dtype=x.dtype, device=x.device)  # weighted outputs
-    expert_mask = F.one_hot(topk_ids.long(), num_classes=num_experts + 1).permute(2, 1, 0)
-    hit = (expert_mask.sum(dim=(-1, -2)) > 0).nonzero()
-    for expert in hit[:, 0].tolist():
-        if expert == num_experts:
-            continue
-        k_pos, token_idx = torch.where(expert_mask[expert])
+    for expert, k_pos, token_idx in _routed_entries(topk_ids, num_experts):
         w13_e = dequantize_blocks(w13[expert], w13_scale[expert], block, torch.float32)
         w2_e = dequantize_blocks(w2[expert], w2_scale[expert], block, torch.float32)
         gate, up = F.linear(xq[token_idx], w13_e).to(x.dtype).chunk(2, dim=-1)
