@@ -17,8 +17,7 @@
 # Block-wise FP8 experts (W8A8, as plait.layers.fp8_block serves dense layers): w13 / w2 float8_e4m3fn codes
 # with one fp32 scale per [bn, bk] tile of each expert (w13_scale [E, 2I / bn, cdiv(H, bk)], w2_scale
 # [E, cdiv(H, bn), cdiv(I, bk)]). Each GEMM's input is quantised per row and per group of bk along K
-# (quantize_groups_fp8: x before GEMM 1, h before GEMM 2; the GEMV path quantises its own blocks, with the
-# same arithmetic), and the kernels walk K one bk block at a time,
+# (quantize_groups_fp8: x before GEMM 1, h before GEMM 2), and the kernels walk K one bk block at a time,
 # scaling each block's sum of code products by the row's and the tile's scales into an fp32 accumulator;
 # every rounding to x's dtype stays where it is for 16-bit weights.
 
@@ -35,10 +34,8 @@ from triton.language.extra import libdevice
 
 from plait.kernels.activation import silu_rounded
 from plait.kernels.fp8_block_gemm import IMPRECISE_ACC_K, quantize_groups_fp8
-from plait.kernels.fp8_gemm import round_to_e4m3
 from plait.kernels.interpreter import static_iters, trip_count
 from plait.kernels.pdl import pdl_args, pdl_prologue
-from plait.layers.fp8 import FP8_MAX, INV_FP8_MAX, MIN_SCALE
 from plait.layers.fp8_block import check_block, dequantize_blocks, quantize_groups
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -314,15 +311,11 @@ def _moe_gemv_kernel(
     A_ROW_DIV: tl.constexpr, STATIC_K_ITERS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
     PDL: tl.constexpr, W8A8: tl.constexpr = False, WEIGHT_BLOCK_N: tl.constexpr = 1,
-    QUANT_A: tl.constexpr = False, FP8_MAX_: tl.constexpr = 448.0, INV_FP8_MAX_: tl.constexpr = 1.0 / 448.0,
-    MIN_SCALE_: tl.constexpr = 1e-12,
 ):
     # _moe_gemm_kernel's result for one entry (grid: entries x column tiles) without the alignment: the
     # entry's expert comes straight from topk_ids. Products add up along K in fp32 lanes, reduced at the end.
     # W8A8 (see _moe_gemm_kernel; BLOCK_K is the weight's bk, BLOCK_N divides bn): each K block's products
     # of codes are reduced at once and scaled by the entry row's and the tile's scales into fp32 [BLOCK_N].
-    # QUANT_A: a is the 16-bit input itself, each K block quantised here as quantize_groups_fp8 does it (the
-    # same scale and codes, bit for bit), which spares a decode step two quantiser launches a layer.
     pdl_prologue(PDL)
     entry = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + entry).to(tl.int64)
@@ -352,11 +345,7 @@ def _moe_gemv_kernel(
             a = tl.load(a_ptrs, mask=k_in, other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         if W8A8:
-            if QUANT_A:  # masked lanes are zeros, which leave the group's amax as it is
-                sa = tl.maximum(tl.max(tl.abs(a), 0) * INV_FP8_MAX_, MIN_SCALE_)
-                a = round_to_e4m3(tl.minimum(tl.maximum(tl.math.div_rn(a, sa), -FP8_MAX_), FP8_MAX_))
-            else:
-                sa = tl.load(sa_ptrs + it * stride_sak)
+            sa = tl.load(sa_ptrs + it * stride_sak)
             sw_g = tl.load(sw_g_ptr + it * stride_swk)
             acc_g += tl.sum(w.to(tl.float32) * a[None, :], 1) * (sa * sw_g)
         else:
@@ -563,8 +552,7 @@ def _fp8_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weig
 
 @dataclass(frozen=True)
 class _Fp8Operands:
-    # [rows, cdiv(K, bk)] fp32, any strides (quantize_groups_fp8's are M-major); None: the GEMV quantises a
-    a_scale: torch.Tensor | None
+    a_scale: torch.Tensor  # [rows, cdiv(K, bk)] fp32, any strides (quantize_groups_fp8's are M-major)
     w_scale: torch.Tensor  # [E, cdiv(N, bn), cdiv(K, bk)] fp32, any strides
     block: tuple[int, int]  # (bn, bk)
 
@@ -574,8 +562,6 @@ def _fp8_args(fp8: _Fp8Operands | None, dummy: torch.Tensor) -> tuple:
     without FP8."""
     if fp8 is None:
         return (dummy, dummy, 0, 0, 0, 0, 0)
-    if fp8.a_scale is None:
-        return (dummy, fp8.w_scale, 0, 0, *fp8.w_scale.stride())
     return (fp8.a_scale, fp8.w_scale, *fp8.a_scale.stride(), *fp8.w_scale.stride())
 
 
@@ -625,8 +611,7 @@ def _launch_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: to
         STATIC_K_ITERS=static_iters(on_cuda, k_iters), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, GATE_UP=gate_up, PRECISE=on_cuda,
         num_warps=GEMV_WARPS, num_stages=GEMV_STAGES if on_cuda else CPU_STAGES, **pdl_args(a),
-        **({} if fp8 is None else dict(W8A8=True, WEIGHT_BLOCK_N=fp8.block[0], QUANT_A=fp8.a_scale is None,
-                                       FP8_MAX_=FP8_MAX, INV_FP8_MAX_=INV_FP8_MAX, MIN_SCALE_=MIN_SCALE)),
+        **({} if fp8 is None else dict(W8A8=True, WEIGHT_BLOCK_N=fp8.block[0])),
     )
 
 
@@ -643,9 +628,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     Block-wise FP8 experts: w13 / w2 float8_e4m3fn with w13_scale, w2_scale and block = (bn, bk) as
     fused_moe_ref takes them (I a multiple of bn); x (bf16 / fp16; fp32 too) is quantised per token and
-    group of bk, so is h (by quantize_groups_fp8, or inside the GEMV), bit for bit as the reference; the
-    reference rounds where this does, so only the order of fp32 sums (and on Hopper the FP8 dots'
-    accumulation) differs."""
+    group of bk, so is h, both by quantize_groups_fp8, bit for bit as the reference; the reference rounds
+    where this does, so only the order of fp32 sums (and on Hopper the FP8 dots' accumulation) differs."""
     # x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] -> [T, H]
     fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
@@ -663,14 +647,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_entries = num_tokens * top_k
     h = torch.empty((num_entries, inter), dtype=x.dtype, device=x.device)  # silu(gate) * up, by entry
     y = torch.empty((num_entries, hidden), dtype=x.dtype, device=x.device)  # weighted expert outputs
-    use_gemv = gemv if gemv is not None else (config is None and num_entries <= GEMV_MAX_ENTRIES)
     fp8_up = fp8_down = None
     a_up = x
-    if fp8_block is not None and use_gemv:  # the GEMV quantises its inputs itself
-        fp8_up = _Fp8Operands(None, w13_scale, fp8_block)
-    elif fp8_block is not None:
+    if fp8_block is not None:
         a_up, x_scale = quantize_groups_fp8(x, fp8_block[1])  # codes [T, H], scales [T, cdiv(H, bk)]
         fp8_up = _Fp8Operands(x_scale, w13_scale, fp8_block)
+    use_gemv = gemv if gemv is not None else (config is None and num_entries <= GEMV_MAX_ENTRIES)
     if use_gemv:
         flat_ids = topk_ids.reshape(-1).contiguous()  # [T*k], by entry id
         _launch_gemv(a_up, w13, h, topk_w, flat_ids, inter, top_k, gate_up=True, fp8=fp8_up)
@@ -678,9 +660,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         align = moe_align(topk_ids, num_experts, cfg.block_m)
         _launch_gemm(a_up, w13, h, topk_w, align, inter, top_k, cfg, gate_up=True, fp8=fp8_up)
     a_down = h
-    if fp8_block is not None and use_gemv:
-        fp8_down = _Fp8Operands(None, w2_scale, fp8_block)
-    elif fp8_block is not None:
+    if fp8_block is not None:
         a_down, h_scale = quantize_groups_fp8(h, fp8_block[1])  # codes [T*k, I], scales [T*k, cdiv(I, bk)]
         fp8_down = _Fp8Operands(h_scale, w2_scale, fp8_block)
     if use_gemv:
