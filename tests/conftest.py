@@ -191,6 +191,17 @@ def run_greedy(engine, prompts: list[list[int]], max_tokens: int, arrive_every: 
     return outputs, logits
 
 
+def hf_greedy_reference(hf, prompt: list[int], output: list[int], max_tokens: int
+                        ) -> tuple[list[int], torch.Tensor]:
+    """HF's greedy continuation of ``prompt`` (max_tokens, no EOS stop), and its logits at the positions
+    that produced ``output`` (teacher-forced: [len(output), vocab])."""
+    with torch.no_grad():
+        ids = hf.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False,
+                          eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        logits = hf(torch.tensor([prompt + output])).logits[0, len(prompt) - 1: -1]
+    return ids, logits
+
+
 def assert_engines_agree(got_engine, want_engine, prompts: list[list[int]], max_tokens: int = 8,
                          atol: float = 0.0, loras: list | None = None) -> dict[int, list[torch.Tensor]]:
     """Both engines' greedy tokens equal, and every sampled logits row within atol (0: bit for bit), with

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_prompts, run_greedy
+from conftest import hf_greedy_reference, random_prompts, run_greedy
 
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine
@@ -25,11 +25,7 @@ def test_logits_and_greedy_match_hf(tiny_models, family):
     outputs, logits = run_greedy(engine, prompts, MAX_TOKENS, capture_logits=True)
 
     for i, prompt in enumerate(prompts):
-        with torch.no_grad():
-            ref_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-            full = torch.tensor([prompt + outputs[i]])
-            ref_logits = hf(full).logits[0, len(prompt) - 1 : -1]
+        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], MAX_TOKENS)
         assert outputs[i] == ref_ids, f"{family} prompt {i}: greedy tokens differ from HF"
         got = torch.stack(logits[i])
         assert got.shape == ref_logits.shape

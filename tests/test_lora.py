@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LORA_MODULES, assert_engines_agree, make_lora_adapter, random_prompts, run_greedy
+from conftest import (
+    LORA_MODULES,
+    assert_engines_agree,
+    hf_greedy_reference,
+    make_lora_adapter,
+    random_prompts,
+    run_greedy,
+)
 
 from plait import LLM, BeamSearchParams, LoRARequest
 from plait.config import EngineConfig
@@ -112,10 +119,7 @@ def test_adapters_match_hf_with_merged_weights(tiny_models, tmp_path, family):
     for i, (prompt, lora) in enumerate(zip(prompts, order)):
         name = lora.lora_name if lora else None
         hf = references.setdefault(name, _merged_hf(folder, lora))
-        with torch.no_grad():
-            ref_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-            ref_logits = hf(torch.tensor([prompt + outs[i]])).logits[0, len(prompt) - 1: -1]
+        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outs[i], MAX_TOKENS)
         assert outs[i] == ref_ids, f"{family} prompt {i} ({name}): greedy tokens differ from merged HF"
         torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
     changed = sum(outs[i] != base[i] for i, lora in enumerate(order) if lora)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, assert_engines_agree, random_prompts, run_greedy
+from conftest import TINY_VOCAB, assert_engines_agree, hf_greedy_reference, random_prompts, run_greedy
 
 from plait.config import EngineConfig, ModelConfig
 from plait.engine.engine import LLMEngine
@@ -64,10 +64,7 @@ def test_moe_logits_and_greedy_match_hf(moe_models, family):
     engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=40, block_size=8))
     outputs, logits = run_greedy(engine, prompts, MAX_TOKENS, arrive_every=1, capture_logits=True)
     for i, prompt in enumerate(prompts):
-        with torch.no_grad():
-            ref_ids = hf.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
-            ref_logits = hf(torch.tensor([prompt + outputs[i]])).logits[0, len(prompt) - 1 : -1]
+        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], MAX_TOKENS)
         assert outputs[i] == ref_ids, f"{family} prompt {i}: greedy tokens differ from HF"
         torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
     assert engine.is_idle_and_clean()
