@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -89,6 +90,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's speculative_config: None (off), or {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m} as a SpeculativeConfig, a dict or its JSON text (the
+    # CLI's --speculative-config). Stored as a SpeculativeConfig.
+    speculative_config: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is not None:
@@ -140,6 +145,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         source = self.generation_config
         if not isinstance(source, str) or not source:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
@@ -207,6 +213,61 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+# vLLM's n-gram lengths where a config names neither prompt_lookup_max nor prompt_lookup_min.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM's ``speculative_config``. Method "ngram" (prompt lookup): each decode
+    row proposes up to ``num_speculative_tokens`` draft tokens, the tokens that followed the latest earlier
+    occurrence of the row's last n tokens (n from prompt_lookup_max down to prompt_lookup_min), and one step
+    scores them all; the tokens the model would have produced anyway are kept."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {SPECULATIVE_METHODS} (plait has no "
+                             f"draft-model speculation yet), got {self.method!r}")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        # vLLM's defaults: both 5 where neither is given, else the one given for both.
+        lookup_max = self.prompt_lookup_max or self.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP
+        lookup_min = self.prompt_lookup_min or self.prompt_lookup_max or DEFAULT_PROMPT_LOOKUP
+        _check_int("prompt_lookup_min", lookup_min, minimum=1)
+        _check_int("prompt_lookup_max", lookup_max, minimum=lookup_min)
+        object.__setattr__(self, "prompt_lookup_max", lookup_max)
+        object.__setattr__(self, "prompt_lookup_min", lookup_min)
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
+        """A SpeculativeConfig from a dict or its JSON text (None, {} and "" are off)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        if not value:
+            return None
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(names)}")
+        if "num_speculative_tokens" not in value:
+            raise ValueError("speculative_config needs num_speculative_tokens")
+        return cls(**value)
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,10 @@ def test_mixed_graph_token_buckets_are_whole_row_tiles_up_to_the_cap():
     assert mixed == {(0, t) for t in (32, 64, 128, 256)}
     beside = graph_shapes(8, 128, 4096, 512)
     assert {s.num_tokens for s in beside if s.decode_rows == 4 and s.is_mixed} == {32, 64, 128, 256}
+    # Speculative decoding: rows of 1 + drafts alone take 8- and 16-token shapes too.
+    spec = graph_shapes(8, 128, 4096, speculative=True)
+    assert {s.num_tokens for s in spec if s.decode_rows == 0} == {8, 16, 32, 64, 128}
+    assert {s.num_tokens for s in spec if s.decode_rows == 4 and s.is_mixed} == {32, 64, 128, 256}
 
 
 def test_mixed_graph_shapes_come_with_few_prompt_rows_first():

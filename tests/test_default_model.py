@@ -226,9 +226,9 @@ def test_grammar_steps_are_not_overlapped(llm):
             if out.finished:
                 finished[out.request_id] = out.outputs[0]
         if engine._in_flight is not None:  # a launched step that carries the grammar row may not overlap
-            in_flight = engine._in_flight[1]
+            plan, in_flight = engine._in_flight
             carries_grammar = any(r.grammar is not None for r in in_flight.requests)
-            assert engine._can_overlap(in_flight) is not carries_grammar
+            assert engine._can_overlap(plan, in_flight) is not carries_grammar
     assert re.fullmatch(PHONE, finished[request_id].text) and finished[request_id].finish_reason == "stop"
     assert finished[free_id].finish_reason == "length"
 

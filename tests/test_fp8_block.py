@@ -22,6 +22,7 @@ from plait.layers.fp8_block import (
     quantize_blocks,
     quantize_groups,
 )
+from plait.layers.linear import linear as padded_linear
 
 triton = pytest.importorskip("triton")
 
@@ -114,7 +115,8 @@ def test_block_layer_rounds_inputs_per_group_and_refuses_misaligned_shards():
     x[:, 32:] *= 1e-3
     codes, scale = quantize_groups(x, 32)
     xd = codes.float() * scale.repeat_interleave(32, 1)
-    assert torch.equal(layer(x), nn.functional.linear(xd, layer.dequantized(torch.float32), linear.bias))
+    # plait's linear: F.linear, its 3 rows padded to 4 on CPU (plait.layers.linear.CPU_GEMM_MIN_ROWS)
+    assert torch.equal(layer(x), padded_linear(xd, layer.dequantized(torch.float32), linear.bias))
     per_row = Fp8Linear.from_linear(linear)
     assert not torch.equal(layer(x), per_row(x))
     with pytest.raises(ValueError, match="32-row blocks"):

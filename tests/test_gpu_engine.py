@@ -79,6 +79,10 @@ VARIANTS = {
     "triton-eager-sync": dict(attention_backend="triton", enforce_eager=True, async_scheduling=False),
     "torch_ref-eager-async": dict(attention_backend="torch_ref", enforce_eager=True),
     "triton-graphs-async": dict(attention_backend="triton"),
+    # Speculative decoding: rows of 1 + drafts tokens replayed in mixed-shape graphs, rejected drafts' KV
+    # left behind num_computed_tokens; 1-token n-grams, so random prompts draft too.
+    "triton-graphs-ngram": dict(attention_backend="triton", speculative_config={
+        "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
 }
 BUDGET = 256  # the variants chunk prompts; the fp32 reference takes each prompt in one step
 
@@ -123,6 +127,9 @@ def test_every_gpu_path_computes_the_reference_function_in_fp32(tmp_path, head_d
         if engine.runner.graphs is not None:
             b = engine.runner.breakdown
             assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
+        if engine.drafter is not None:
+            spec = engine.spec_stats
+            assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, spec
 
 
 def _greedy_with_logits(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from plait.config import EngineConfig
 from plait.engine.detokenizer import Detokenizer
+from plait.engine.drafter import NgramDrafter
 from plait.engine.grammar import Grammar, GrammarCompiler
 from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import FinishReason, Request
@@ -23,7 +24,7 @@ from plait.lora.registry import LoRARegistry
 from plait.lora.request import LoRARequest
 from plait.lora.slots import LoRASlotPool
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from plait.runner.model_runner import InFlightStep, ModelRunner, StepOutput
+from plait.runner.model_runner import InFlightStep, ModelRunner, SampledToken, StepOutput
 from plait.runner.sampler import needs_penalties
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, SamplingParams
 
@@ -43,6 +44,27 @@ class StepStats:
     num_preempted: int
     kv_blocks_used: int
     used_cuda_graph: bool = False  # the step replayed a captured CUDA graph (set by the GPU runner)
+    num_draft_tokens: int = 0  # speculative decoding's draft tokens, counted in num_decode_tokens too
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counts since the engine started (vLLM's spec_decode metrics), set by
+    LLMEngine._verify: rows that carried drafts, draft tokens scored, and those kept."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] | None = None  # [k]: drafts kept at each draft position
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a drafting row produced per step on average: its kept drafts plus its own sample."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
 @dataclass
@@ -121,7 +143,9 @@ class LLMEngine:
         cached = config.max_cpu_loras or config.max_loras
         self.loras = LoRARegistry(lora.targets, config.max_lora_rank, cached) if lora is not None else None
         self.lora_slots = LoRASlotPool(config.max_loras) if lora is not None else None
-        self.scheduler = Scheduler(config, self.kv_cache, self.state_slots, self.lora_slots)
+        self.drafter = self._make_drafter()
+        self.spec_stats = SpecDecodeStats()
+        self.scheduler = Scheduler(config, self.kv_cache, self.state_slots, self.lora_slots, self.drafter)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
@@ -136,6 +160,18 @@ class LLMEngine:
         if self.runner.device.type == "cuda":
             freeze_long_lived_objects()
             raise_gc_threshold()
+
+    def _make_drafter(self) -> NgramDrafter | None:
+        spec = self.config.speculative_config
+        if spec is None:
+            return None
+        if self.state_slots is not None:
+            # A recurrent layer's state has taken in every draft by the time they are verified; it cannot
+            # be rolled back to the last kept one as KV can.
+            arch = self.model_config.architecture
+            raise ValueError(f"speculative decoding needs attention-only models: {arch} has recurrent "
+                             "(Mamba) layers whose state cannot drop rejected draft tokens")
+        return NgramDrafter(spec)
 
     def _prefix_caching_allowed(self) -> bool:
         if not self.config.enable_prefix_caching:
@@ -364,7 +400,7 @@ class LLMEngine:
         """
         start = time.monotonic()
         outputs: list[RequestOutput] = []
-        if self._in_flight is not None and not self._can_overlap(self._in_flight[1]):
+        if self._in_flight is not None and not self._can_overlap(*self._in_flight):
             outputs += self._collect()
         plan = self.scheduler.schedule()
         scheduled = time.monotonic()
@@ -390,12 +426,14 @@ class LLMEngine:
             self._record(plan, launched.used_cuda_graph, start, end)
         return outputs
 
-    def _can_overlap(self, step: InFlightStep) -> bool:
+    def _can_overlap(self, plan: StepPlan, step: InFlightStep) -> bool:
         """Whether the next step may launch before ``step``'s ids are on the host: not when overlap
         is off, nor when a request in it applies penalties, a guided choice, a grammar or a bad word of
         several tokens (they need the ids themselves: a grammar's next mask depends on the token it
-        consumes first)."""
-        return self.config.async_scheduling and not any(
+        consumes first), nor when it carries draft tokens (a row's next position depends on how many of
+        its drafts are kept). Rows with their last token in flight still draft (NgramDrafter.propose), so
+        speculation costs the overlap only of steps after one that drafted."""
+        return self.config.async_scheduling and not plan.num_draft_tokens and not any(
             needs_penalties(r.sampling_params) or r.needs_last_token for r in step.requests
         )
 
@@ -405,9 +443,47 @@ class LLMEngine:
         result = self.runner.collect(launched)
         for request in launched.requests:
             request.num_pending_tokens -= 1
+        kept = self._verify(plan, result.sampled)
         for row in plan.rows:
             self.kv_cache.cache_full_blocks(row.request)
-        return self._postprocess(result)
+        return self._postprocess(result, kept)
+
+    def _verify(self, plan: StepPlan, sampled: list[SampledToken]) -> list[list[SampledToken]]:
+        """Group the step's samples by row and keep, for a row with drafts, its samples up to the first that
+        differs from the draft at its position (that one included: the token the model chose there). Each
+        kept sample is the token the row would have sampled without speculation: same logits, same draw.
+        The KV of rejected drafts is left behind ``num_computed_tokens``, to be overwritten."""
+        groups: list[list[SampledToken]] = []
+        for s in sampled:
+            if s.draft_position == 0:
+                groups.append([])
+            groups[-1].append(s)
+        drafts = {row.request: row.draft_token_ids for row in plan.rows if row.draft_token_ids}
+        if not drafts:
+            return groups
+        kept_groups = []
+        for group in groups:
+            request = group[0].request
+            draft = drafts.get(request, ())
+            accepted = 0
+            while accepted < len(draft) and group[accepted].token_id == draft[accepted]:
+                accepted += 1
+            if draft:
+                request.num_computed_tokens -= len(draft) - accepted
+                self._count_drafts(len(draft), accepted)
+            kept_groups.append(group[: accepted + 1])
+        return kept_groups
+
+    def _count_drafts(self, num_drafts: int, accepted: int) -> None:
+        stats = self.spec_stats
+        k = self.config.speculative_config.num_speculative_tokens
+        if stats.accepted_per_position is None:
+            stats.accepted_per_position = [0] * k
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafts
+        stats.num_accepted_tokens += accepted
+        for j in range(accepted):
+            stats.accepted_per_position[j] += 1
 
     def _record(self, plan: StepPlan, used_cuda_graph: bool, start: float, end: float) -> None:
         self.timeline.append(StepStats(
@@ -415,6 +491,7 @@ class LLMEngine:
             num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
             num_rows=len(plan.rows), num_preempted=len(plan.preempted),
             kv_blocks_used=self.kv_cache.num_used_blocks, used_cuda_graph=used_cuda_graph,
+            num_draft_tokens=plan.num_draft_tokens,
         ))
 
     def _record_prompt_logprobs(self, result: StepOutput) -> None:
@@ -428,29 +505,39 @@ class LLMEngine:
                     top = dict(zip(lp.top_ids, lp.top_logprobs))
                     have.append(TokenLogprobs(prompt[pos], lp.token_logprob, top))
 
-    def _postprocess(self, result: StepOutput) -> list[RequestOutput]:
+    def _postprocess(self, result: StepOutput, kept: list[list[SampledToken]]) -> list[RequestOutput]:
+        """One output per request that got tokens: ``kept`` holds each sampling row's tokens (one, or
+        several where drafts were kept), appended in turn until one finishes the request."""
         now = time.monotonic()
         outputs = []
         self._record_prompt_logprobs(result)
-        for sampled in result.sampled:
-            request = sampled.request
+        for group in kept:
+            request = group[0].request
             tracked = self._tracked.get(request.request_id)
             if tracked is None or tracked.request is not request or request.is_finished:
                 continue  # aborted, or finished by a token collected before this overlapped step's
-            request.output_token_ids.append(sampled.token_id)
             if tracked.first_token_time is None:
                 tracked.first_token_time = now
-            if tracked.logprobs is not None and sampled.logprobs is not None:
-                lp = sampled.logprobs
-                tracked.logprobs.append(TokenLogprobs(sampled.token_id, lp.token_logprob,
-                                                      dict(zip(lp.top_ids, lp.top_logprobs))))
-            delta = self._check_stop(tracked, sampled.token_id)
-            if request.finish_reason is not None:
-                self.scheduler.finish(request, request.finish_reason)
-            outputs.append(self._make_output(tracked, delta, [sampled.token_id], now))
+            delta, delta_ids = "", []
+            for sampled in group:
+                self._append(tracked, sampled)
+                delta += self._check_stop(tracked, sampled.token_id)
+                delta_ids.append(sampled.token_id)
+                if request.finish_reason is not None:
+                    self.scheduler.finish(request, request.finish_reason)
+                    break
+            outputs.append(self._make_output(tracked, delta, delta_ids, now))
             if request.is_finished:
                 del self._tracked[request.request_id]
         return outputs
+
+    @staticmethod
+    def _append(tracked: _Tracked, sampled: SampledToken) -> None:
+        tracked.request.output_token_ids.append(sampled.token_id)
+        if tracked.logprobs is not None and sampled.logprobs is not None:
+            lp = sampled.logprobs
+            tracked.logprobs.append(TokenLogprobs(sampled.token_id, lp.token_logprob,
+                                                  dict(zip(lp.top_ids, lp.top_logprobs))))
 
     def _check_stop(self, tracked: _Tracked, token_id: int) -> str:
         """Set the request's finish reason if it must stop; return the new text to emit."""

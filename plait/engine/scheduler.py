@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from plait.config import NO_CHUNK_CAP, EngineConfig
+from plait.engine.drafter import NgramDrafter
 from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import FinishReason, Request, RequestStatus
 from plait.engine.state_slots import NO_STATE_SLOT, StateSlotPool
@@ -23,6 +24,10 @@ class ScheduledRow:
     # A row samples iff it reaches the end of the request's known tokens when scheduled: a chunk
     # that completes the prompt, or a decode. A chunk that stops short has no next token.
     samples: bool
+    # Speculative decoding: the draft tokens a decode row computes after its one known (or pending) token,
+    # counted in num_new_tokens. The row samples at each of its 1 + len(draft_token_ids) tokens, and the
+    # engine keeps the samples up to the first that differs from its draft (LLMEngine._verify).
+    draft_token_ids: tuple[int, ...] = ()
 
     @property
     def is_first_chunk(self) -> bool:
@@ -49,6 +54,10 @@ class StepPlan:
         return self.num_tokens - self.num_decode_tokens
 
     @property
+    def num_draft_tokens(self) -> int:
+        return sum(len(r.draft_token_ids) for r in self.rows)
+
+    @property
     def is_empty(self) -> bool:
         return not self.rows
 
@@ -69,16 +78,22 @@ class Scheduler:
     admission (loaded by the runner if the slot held another adapter) and gives it back as a state slot.
     While every slot serves other adapters' running requests it waits, and so do later requests with
     adapters; later ones without an adapter may be admitted past it, as in vLLM.
+
+    With ``drafter`` (speculative decoding), a running decode whose last token is on the host gets the
+    drafter's tokens after it, as far as the budget, its max_tokens and free KV blocks allow (drafts never
+    preempt anyone); the engine rolls ``num_computed_tokens`` back past the drafts it rejects.
     """
 
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager,
-                 state_slots: StateSlotPool | None = None, lora_slots: LoRASlotPool | None = None) -> None:
+                 state_slots: StateSlotPool | None = None, lora_slots: LoRASlotPool | None = None,
+                 drafter: NgramDrafter | None = None) -> None:
         # The engine hands over a config with its budget chosen for the device; a scheduler built alone
         # (tests, tools) takes the CPU default.
         self.config = config.with_token_budget("cpu")
         self.kv_cache = kv_cache
         self.state_slots = state_slots
         self.lora_slots = lora_slots
+        self.drafter = drafter
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is the newest
 
@@ -96,6 +111,8 @@ class Scheduler:
         self.kv_cache.free(request)
         self._free_state_slot(request)
         self._free_lora_slot(request)
+        if self.drafter is not None:
+            self.drafter.forget(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
 
@@ -138,7 +155,21 @@ class Scheduler:
                 continue  # finishes when its last sampled token reaches the host
             if not step.has_room():
                 return
-            self._schedule_running(step, request, step.chunk_size(request))
+            num_new = step.chunk_size(request)
+            drafts = self._drafts(step, request, num_new)
+            if drafts and self.kv_cache.allocate(request, num_new + len(drafts)):
+                step.add(request, num_new, drafts)
+            else:
+                self._schedule_running(step, request, num_new)
+
+    def _drafts(self, step: _StepBuilder, request: Request, num_new: int) -> tuple[int, ...]:
+        """The drafter's tokens for a decode row: none where its sampling needs the last token on the host (a
+        grammar, a guided choice), and never past the step's budget or the request's max_tokens (the row's
+        last sample is one more)."""
+        if self.drafter is None or request.needs_last_token:
+            return ()
+        room = min(step.token_budget - num_new, request.max_tokens - request.num_output_tokens - 1)
+        return self.drafter.propose(request, room)
 
     def _schedule_running_prefills(self, step: _StepBuilder) -> None:
         for request in list(self.running):
@@ -294,12 +325,12 @@ class _StepBuilder:
             size = min(size, self.config.long_prefill_token_threshold)
         return size
 
-    def add(self, request: Request, num_new: int) -> None:
-        row = ScheduledRow(request, request.num_computed_tokens, num_new, request.is_prefilling,
-                           samples=num_new == request.num_remaining_tokens)
+    def add(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> None:
+        row = ScheduledRow(request, request.num_computed_tokens, num_new + len(drafts), request.is_prefilling,
+                           samples=num_new == request.num_remaining_tokens, draft_token_ids=drafts)
         self.plan.rows.append(row)
-        self.token_budget -= num_new
-        self.prefill_budget -= num_new if row.is_prefill else 0
+        self.token_budget -= row.num_new_tokens
+        self.prefill_budget -= row.num_new_tokens if row.is_prefill else 0
 
     def remove(self, request: Request) -> None:
         for i, row in enumerate(self.plan.rows):

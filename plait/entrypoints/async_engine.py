@@ -60,6 +60,11 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     prefix_cache_blocks: int = 0  # blocks findable by hash (held, or free but cached)
     prefix_cache_evicted_blocks: int = 0
+    # Speculative decoding (None: off): rows that carried drafts, draft tokens, kept ones, kept by position.
+    spec_num_drafts: int | None = None
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
 
 class RequestStream:
@@ -382,6 +387,7 @@ class AsyncLLMEngine:
             prefix_cache_hits=engine.kv_cache.stats.hits,
             prefix_cache_blocks=engine.kv_cache.num_cached_blocks,
             prefix_cache_evicted_blocks=engine.kv_cache.stats.evicted_blocks,
+            **_spec_stats(engine),
         )
 
     # -- commands (run on the loop thread) ------------------------------------------------------
@@ -424,3 +430,14 @@ class AsyncLLMEngine:
                     self._engine.abort_request(rid)
                 except Exception:
                     logger.exception("could not abort request %s", rid)
+
+
+def _spec_stats(engine: LLMEngine) -> dict:
+    """EngineStats' speculative-decoding fields (none where it is off)."""
+    if engine.drafter is None:
+        return {}
+    spec = engine.spec_stats
+    k = engine.config.speculative_config.num_speculative_tokens
+    return dict(spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+                spec_num_accepted_tokens=spec.num_accepted_tokens,
+                spec_accepted_per_position=tuple(spec.accepted_per_position or [0] * k))

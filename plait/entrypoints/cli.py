@@ -24,7 +24,7 @@ _ENGINE_FLAGS = (
     "num_kv_blocks", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
     "attention_backend", "enforce_eager", "async_scheduling",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
-    "kv_cache_dtype",
+    "kv_cache_dtype", "speculative_config",
 )
 
 
@@ -53,6 +53,9 @@ _FLAG_HELP = {
     "kv_cache_dtype": "as vLLM's --kv-cache-dtype: 'auto' (default: the model's dtype) or 'fp8' (alias "
                       "'fp8_e4m3'): K/V stored in FP8, twice the tokens in the same memory",
     "max_cpu_loras": "LoRA adapters kept read on the host (default: --max-loras)",
+    "speculative_config": "as vLLM's, a JSON object: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
+                          "4, \"prompt_lookup_max\": 4}' drafts up to 4 tokens a step by prompt lookup and "
+                          "keeps those the model would have produced anyway (default: off)",
 }
 
 

@@ -517,10 +517,23 @@ class _EngineStatsCollector(Collector):
                                           s.prefix_cache_queries),
             "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache", s.prefix_cache_hits),
         }
+        if s.spec_num_drafts is not None:  # as vLLM, only where speculative decoding is on
+            vllm_counters.update({
+                "vllm:spec_decode_num_drafts": ("Rows that carried draft tokens", s.spec_num_drafts),
+                "vllm:spec_decode_num_draft_tokens": ("Draft tokens scored", s.spec_num_draft_tokens),
+                "vllm:spec_decode_num_accepted_tokens": ("Draft tokens kept", s.spec_num_accepted_tokens),
+            })
         for name, (doc, value) in vllm_counters.items():
             counter = CounterMetricFamily(name, doc, labels=[MODEL_NAME_LABEL])
             counter.add_metric([self._model_name], value)
             yield counter
+        if s.spec_num_drafts is not None:
+            per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                               "Draft tokens kept at each draft position",
+                                               labels=[MODEL_NAME_LABEL, "position"])
+            for position, value in enumerate(s.spec_accepted_per_position):
+                per_position.add_metric([self._model_name, str(position)], value)
+            yield per_position
         gauges = {
             "plait_kv_cache_used_blocks": ("KV blocks held by requests", s.kv_blocks_used),
             "plait_prefix_cache_blocks": ("KV blocks findable by prefix hash (held or free-but-cached)",

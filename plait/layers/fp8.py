@@ -14,11 +14,11 @@ import json
 import re
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from plait.config import QUANTIZATION_METHODS
 from plait.kernels.dispatch import use_triton
+from plait.layers.linear import linear
 from plait.layers.moe import FusedMoE, default_fp8_block
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -131,7 +131,7 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Te
     codes, scale = quantize_rows(x2)
     xd = codes.float() * scale[:, None]
     wd = dequantized if dequantized is not None else dequantize_rows(weight, weight_scale, torch.float32)
-    out = F.linear(xd, wd, bias.float() if bias is not None else None)
+    out = linear(xd, wd, bias.float() if bias is not None else None)
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 

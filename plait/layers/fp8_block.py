@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from plait.kernels.dispatch import use_triton
 from plait.layers.fp8 import FP8_DTYPE, FP8_MAX, INV_FP8_MAX, KERNEL_DTYPES, MIN_SCALE, Fp8Linear
+from plait.layers.linear import linear
 
 # Block sides the kernels take: powers of two, at least the FP8 dot's smallest K.
 MIN_BLOCK = 32
@@ -72,7 +73,7 @@ def fp8_block_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: to
     xd = codes.float() * scale.repeat_interleave(block[1], dim=1)[:, : x2.shape[1]]
     if dequantized is None:
         dequantized = dequantize_blocks(weight, weight_scale, block, torch.float32)
-    out = F.linear(xd, dequantized, bias.float() if bias is not None else None)
+    out = linear(xd, dequantized, bias.float() if bias is not None else None)
     return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
 

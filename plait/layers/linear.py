@@ -26,6 +26,25 @@ SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 FUSE_GATE_UP_SILU = True
 
 
+# CPU torch (oneDNN / MKL) runs a linear of 2 or 3 rows as that many matrix-vector products, each reading
+# the whole weight: the SmolLM2 lm_head took 9 / 20 / 31 / 15 ms at 1 / 2 / 3 / 4 rows on 2 cores, so a
+# step that verifies 2 draft tokens, or decodes 3 requests, paid 3x its weight reads. Such inputs are
+# padded with zero rows up to this many, which takes the matrix-matrix kernel.
+CPU_GEMM_MIN_ROWS = 4
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, with 2-3 rows on CPU padded to CPU_GEMM_MIN_ROWS (the rows' results are F.linear's of a
+    4-row input, whatever the padding holds)."""
+    # x: [..., in_features] -> [..., out_features]
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if x.device.type != "cpu" or not 1 < rows < CPU_GEMM_MIN_ROWS:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, x.shape[-1])
+    padded = torch.cat([flat, flat.new_zeros(CPU_GEMM_MIN_ROWS - rows, flat.shape[1])])
+    return F.linear(padded, weight, bias)[:rows].reshape(*x.shape[:-1], weight.shape[0])
+
+
 def _env_mode(name: str, default: str) -> str:
     return checked_mode(os.environ.get(name) or default, SKINNY_MODES, name)
 
@@ -105,7 +124,7 @@ class Linear(nn.Linear):
             from plait.kernels.skinny_gemm import skinny_linear
 
             return skinny_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def adds_residual(self, x: torch.Tensor) -> bool:
         """True when a matmul of this layer over x's rows can add the residual in its own launch
@@ -158,7 +177,7 @@ def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """
     global _mm_fp32_out
     if hidden.dtype == torch.float32:
-        return F.linear(hidden, weight)
+        return linear(hidden, weight)
     rows = hidden.shape[0]
     if 0 < rows <= SKINNY_MAX_M and hidden.dtype in SKINNY_DTYPES and use_triton(hidden):
         # Decode-sized: the skinny kernel reads the lm_head as fast as cuBLAS and writes fp32 directly
@@ -173,4 +192,4 @@ def logits_fp32(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             return out
         except (RuntimeError, TypeError):  # a torch without mm(out_dtype=...) for this device
             _mm_fp32_out = False
-    return F.linear(hidden, weight).float()
+    return linear(hidden, weight).float()

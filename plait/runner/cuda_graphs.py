@@ -25,6 +25,9 @@ MID_STEP, MID_LIMIT, LARGE_STEP = 8, 64, 16
 # step costs ~15 ms of Python kernel launches on a Llama-8B (measured on an H200), three times its GPU
 # time; past MAX_GRAPH_PROMPT_TOKENS prompt tokens a step's GPU time hides its launches.
 SMALL_TOKEN_BUCKETS = (32, 64)
+# Under speculative decoding, also shapes of 8 and 16 tokens with no decode part: a few rows of 1 + drafts
+# tokens (batch 1-3 at 4 drafts) then take the skinny GEMMs that decode rows take, not 32-row matmuls.
+SPEC_TOKEN_BUCKETS = (8, 16)
 MAX_GRAPH_PROMPT_TOKENS = 1024
 WARMUP_RUNS = 2  # eager runs before a capture: compile kernels, settle library workspaces
 # Prompt rows of the first mixed shape of each size. Every row owns at least one query tile of the
@@ -45,34 +48,39 @@ def decode_buckets(max_rows: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def token_buckets(decode_rows: int, max_prompt_tokens: int, max_tokens: int) -> list[int]:
+def token_buckets(decode_rows: int, max_prompt_tokens: int, max_tokens: int,
+                  small: tuple[int, ...] = SMALL_TOKEN_BUCKETS) -> list[int]:
     """Token counts of the mixed shapes over a decode part of ``decode_rows`` rows: every bucket with
-    room for a prompt token, up to the first with room for ``max_prompt_tokens`` (at most
-    MAX_GRAPH_PROMPT_TOKENS) beside a full decode part, and none over ``max_tokens`` (a shape's pad
-    tokens are one sequence, which must fit max_model_len)."""
+    room for a prompt token (``small`` ones, then whole tiles), up to the first with room for
+    ``max_prompt_tokens`` (at most MAX_GRAPH_PROMPT_TOKENS) beside a full decode part, and none over
+    ``max_tokens`` (a shape's pad tokens are one sequence, which must fit max_model_len)."""
     cap = min(max_prompt_tokens, MAX_GRAPH_PROMPT_TOKENS)
     need = decode_rows + cap
     tiles = -(-need // STEP_TOKEN_ALIGNMENT)
-    last = need if need <= SMALL_TOKEN_BUCKETS[-1] else tiles * STEP_TOKEN_ALIGNMENT
+    last = need if need <= small[-1] else tiles * STEP_TOKEN_ALIGNMENT
     last = min(last, max_tokens)
     if cap <= 0 or last <= decode_rows:
         return []
-    sizes = [*SMALL_TOKEN_BUCKETS, *range(STEP_TOKEN_ALIGNMENT, last, STEP_TOKEN_ALIGNMENT)]
+    sizes = [*small, *range(STEP_TOKEN_ALIGNMENT, last, STEP_TOKEN_ALIGNMENT)]
     return sorted({s for s in sizes if decode_rows < s < last} | {last})
 
 
 def graph_shapes(max_rows: int, max_prompt_tokens: int, max_tokens: int,
-                 max_prompt_only_tokens: int = 0) -> list[GraphShape]:
+                 max_prompt_only_tokens: int = 0, speculative: bool = False) -> list[GraphShape]:
     """Decode-only shapes (one row per bucket), and mixed shapes: decode parts of each bucket beside
     token buckets for up to ``max_prompt_tokens`` prompt tokens, or no decode part and up to
     ``max(max_prompt_tokens, max_prompt_only_tokens)`` of them (at most ``max_tokens`` in all), with room
-    for FEW_PROMPT_ROWS prompt rows or for max_rows rows in all (and one for the pad tokens)."""
+    for FEW_PROMPT_ROWS prompt rows or for max_rows rows in all (and one for the pad tokens). With
+    ``speculative``, the shapes without a decode part start at SPEC_TOKEN_BUCKETS."""
     decodes = decode_buckets(max_rows)
     shapes = [GraphShape(b, b, b) for b in decodes]
     for d in [0, *decodes]:
         row_counts = sorted({min(d + FEW_PROMPT_ROWS, max_rows) + 1, max_rows + 1})
         cap = max(max_prompt_tokens, max_prompt_only_tokens) if d == 0 else max_prompt_tokens
-        shapes += [GraphShape(d, t, r) for t in token_buckets(d, cap, max_tokens) for r in row_counts]
+        small = SMALL_TOKEN_BUCKETS
+        if speculative and d == 0:
+            small = (*SPEC_TOKEN_BUCKETS, *small)
+        shapes += [GraphShape(d, t, r) for t in token_buckets(d, cap, max_tokens, small) for r in row_counts]
     return shapes
 
 

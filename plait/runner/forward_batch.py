@@ -30,13 +30,20 @@ class StepArrays:
     is_first_chunk: np.ndarray  # [R]: 1 iff num_computed_tokens == 0 (never inferred from length)
     state_slots: np.ndarray  # [R]: the request's recurrent-state slot (NO_STATE_SLOT if it has none)
     block_tables: np.ndarray  # [R, max_blocks in this step], padded with PAD_BLOCK_ID
-    sample_indices: np.ndarray  # [S]: last token of each sampling row, in row order
+    # [P]: the tokens whose logits are sampled, in row order: each sampling row's last token, or every token
+    # of a row with draft tokens (speculative decoding: its 1 + drafts positions).
+    sample_indices: np.ndarray
     sample_rows: list[int]  # [S]: the rows that sample (chunks that end the known tokens, decodes)
     # Rows whose input token was sampled by the step still in flight: its id is not on the host, so
     # the runner copies it on the device from that step's sampled ids (hazard 10: the request's own
     # token, never a placeholder). input_ids holds PENDING_INPUT_ID there; the input buffers stage a
     # marker naming the sampled id in its place, which the step's landing launch replaces.
     pending_rows: list[int] = field(default_factory=list)
+    # [len(pending_rows)]: the token index of each pending row's input (its first token; the last but where
+    # drafts follow it). None: each row's last token.
+    pending_tokens: np.ndarray | None = None
+    # [S]: how many of sample_indices each sampling row has (1 + its draft tokens); None: one each.
+    samples_per_row: list[int] | None = None
     # [T]: each token's LoRA adapter slot (NO_LORA_SLOT: the base weights alone), set by the runner where a
     # row has an adapter (LoRAModel.prepare); None: every token's is NO_LORA_SLOT.
     lora_slots: np.ndarray | None = None
@@ -44,10 +51,19 @@ class StepArrays:
     def __post_init__(self) -> None:
         if self.lora_slots is None:
             self.lora_slots = np.full(len(self.input_ids), NO_LORA_SLOT, dtype=np.int64)
+        if self.samples_per_row is None:
+            self.samples_per_row = [1] * len(self.sample_rows)
 
     @property
     def num_rows(self) -> int:
         return len(self.seq_lens)
+
+    @property
+    def pending_token_indices(self) -> np.ndarray:
+        """The token index of each pending row's input (pending_tokens, or each row's last token)."""
+        if self.pending_tokens is not None:
+            return self.pending_tokens
+        return self.query_start_loc[1:][self.pending_rows] - 1
 
     @property
     def num_tokens(self) -> int:
@@ -83,17 +99,21 @@ def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
     # Every row's input tokens come from its own request's token list, or (a decode whose last token
     # is still on the device) from the previous step's sampled ids.
     input_ids = np.full(num_tokens, PENDING_INPUT_ID, dtype=np.int64)
-    pending_rows = []
+    pending_rows, pending_tokens = [], []
     for i, r in enumerate(rows):
-        end = r.start + r.num_new_tokens
+        q = query_start_loc[i]
+        num_drafts = len(r.draft_token_ids)
+        end = r.start + r.num_new_tokens - num_drafts  # the row's drafts follow its own tokens
         known_end = min(end, r.request.num_known_tokens)
         if end - known_end > 1:
             raise ValueError(f"request {r.request.request_id} has {end - known_end} unknown input tokens")
         if known_end > r.start:
-            q = query_start_loc[i]
             input_ids[q : q + known_end - r.start] = r.request.token_ids(r.start, known_end)
         if known_end < end:
             pending_rows.append(i)
+            pending_tokens.append(q + known_end - r.start)
+        if num_drafts:
+            input_ids[q + end - r.start : q + r.num_new_tokens] = r.draft_token_ids
     row_of_token = np.repeat(np.arange(num_rows), query_lens)
     positions = starts[row_of_token] + (np.arange(num_tokens) - query_start_loc[row_of_token])
 
@@ -104,6 +124,12 @@ def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
     slot_mapping = block_tables[row_of_token, positions // block_size] * block_size + positions % block_size
 
     sample_rows = [i for i, r in enumerate(rows) if r.samples]
+    samples_per_row = [1 + len(rows[i].draft_token_ids) for i in sample_rows]
+    ends = query_start_loc[1:][sample_rows]
+    if sum(samples_per_row) == len(sample_rows):
+        sample_indices = ends - 1
+    else:  # a row with drafts samples at each of its last 1 + drafts tokens
+        sample_indices = np.concatenate([np.arange(e - n, e) for e, n in zip(ends, samples_per_row)])
     return StepArrays(
         input_ids=input_ids,
         positions=positions,
@@ -114,9 +140,11 @@ def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
         is_first_chunk=np.array([r.is_first_chunk for r in rows], dtype=np.int64),
         state_slots=np.array([r.request.state_slot for r in rows], dtype=np.int64),
         block_tables=block_tables,
-        sample_indices=query_start_loc[1:][sample_rows] - 1,
+        sample_indices=sample_indices.astype(np.int64),
         sample_rows=sample_rows,
         pending_rows=pending_rows,
+        pending_tokens=np.array(pending_tokens, dtype=np.int64),
+        samples_per_row=samples_per_row,
     )
 
 
@@ -139,7 +167,7 @@ class ForwardBatch:
     state_slots: torch.Tensor  # [R] int64: the request's recurrent-state slot (NO_STATE_SLOT if none)
     block_tables: torch.Tensor  # [R, W] int32, padded with PAD_BLOCK_ID
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token's K/V
-    sample_indices: torch.Tensor  # [S] int64: last token of each sampling row, in row order
+    sample_indices: torch.Tensor  # [P] int64: the tokens sampled (StepArrays.sample_indices), in row order
     sample_rows: list[int]  # [S] the rows that sample
     num_rows: int
     num_tokens: int

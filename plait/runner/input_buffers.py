@@ -54,7 +54,8 @@ class Layout:
     block_table_width: int
 
     def capacity(self, name: str) -> int:
-        if name in TOKEN_FIELDS:
+        # Any token may be sampled (speculative decoding samples every token of a row with drafts).
+        if name in TOKEN_FIELDS or name == "sample_indices":
             return self.max_tokens
         if name == "query_start_loc":
             return self.max_rows + 1
@@ -146,8 +147,7 @@ class InputBuffers:
         host = self._host[i]
         layout = self.layout_for(arrays.num_tokens)
         used = self._fill(host, arrays, layout)
-        last_tokens = arrays.query_start_loc[1:][arrays.pending_rows] - 1
-        host[last_tokens] = pending_marker(pending_src)  # one numpy op, not a Python loop a row
+        host[arrays.pending_token_indices] = pending_marker(pending_src)  # one numpy op, no loop a row
         if self._copy_stream is None:
             prepare_step_inputs_ref(self._pinned[i][:used], arrays.num_tokens, prev_ids,
                                     self.device_buffer, self.device_buffer32)

@@ -59,6 +59,9 @@ class SampledToken:
     request: Request
     token_id: int
     logprobs: Logprobs | None
+    # Speculative decoding: j, where this token was sampled after the row's first j draft tokens (0: after
+    # its known tokens alone, as every row without drafts samples).
+    draft_position: int = 0
 
 
 @dataclass
@@ -132,7 +135,8 @@ class ModelRunner:
                     self.num_kv_blocks * config.block_size, str(self.kv_cache_dtype).removeprefix("torch."))
         use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.graph_safe
         shapes = (graph_shapes(config.max_num_seqs, self._max_graph_prompt_tokens(), self.max_model_len,
-                               self._max_graph_prompt_only_tokens())
+                               self._max_graph_prompt_only_tokens(),
+                               speculative=config.speculative_config is not None)
                   if use_graphs else [])
         # The same staging on every device (on CPU the "copy" is a plain one), so CPU runs exercise it.
         # Decode steps and every graph shape stage into the compact layout (a short copy a step).
@@ -142,8 +146,11 @@ class ModelRunner:
         # Pinned landing places for sampled ids, used in turn: one step is collected while the
         # next one's copy may already be in flight.
         pin = self.device.type == "cuda"
+        spec = config.speculative_config
+        samples_per_row = 1 + (spec.num_speculative_tokens if spec is not None else 0)
         self._host_ids = [
-            torch.zeros(config.max_num_seqs, dtype=torch.long, pin_memory=pin) for _ in range(2)
+            torch.zeros(config.max_num_seqs * samples_per_row, dtype=torch.long, pin_memory=pin)
+            for _ in range(2)
         ]
         self._next_host_ids = 0
         self._copy_out_stream = torch.cuda.Stream(self.device) if pin else None
@@ -206,6 +213,9 @@ class ModelRunner:
     def _gpu_kv_budget(self) -> float:
         """Memory left for the KV cache after a profiling step at the largest token budget."""
         torch.cuda.synchronize(self.device)
+        # Memory an engine dropped earlier in this process still sits in torch's caching allocator, where
+        # mem_get_info counts it as used: hand it back first, or a second engine finds no room.
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         allocated = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -371,7 +381,8 @@ class ModelRunner:
         ids = step.host_ids.tolist()
         self.breakdown.add("sample", time.perf_counter() - t0)
         self.breakdown.resolve()
-        sampled = [SampledToken(r, t, lp) for r, t, lp in zip(step.requests, ids, step.logprobs)]
+        positions = [(r, j) for r, n in zip(step.requests, step.samples_per_row) for j in range(n)]
+        sampled = [SampledToken(r, t, lp, j) for (r, j), t, lp in zip(positions, ids, step.logprobs)]
         return StepOutput(sampled, step.logits, step.used_cuda_graph, self._unpack_prompt_logprobs(step))
 
     @staticmethod
@@ -462,35 +473,21 @@ class ModelRunner:
         self, plan: StepPlan, arrays: StepArrays, hidden: torch.Tensor, sample_indices: torch.Tensor
     ) -> InFlightStep:
         requests = [plan.rows[i].request for i in arrays.sample_rows]
+        per_row = arrays.samples_per_row
         if not requests:
             empty = torch.zeros(0, dtype=torch.long)
             return InFlightStep(requests, empty, empty, None, [], None)
-        # lm_head only where a token is sampled: one logits row per sampling request. Where those are
-        # the step's first rows' only tokens (decode steps), a slice: no gather launch.
+        # lm_head only where a token is sampled: one logits row per sampled position. Where those are
+        # the step's first tokens (decode steps), a slice: no gather launch.
         num_samples = len(arrays.sample_indices)
-        leading = arrays.sample_indices[-1] == num_samples - 1  # indices increase: 0..S-1 exactly
+        leading = arrays.sample_indices[-1] == num_samples - 1  # indices increase: 0..P-1 exactly
         logits = self.model.compute_logits(hidden[:num_samples] if leading else hidden[sample_indices])
-        # Grammar rows' masks all at once (in parallel); each grammar has consumed every output, since its
-        # steps are never overlapped (LLMEngine).
-        grammars = [r.grammar for r in requests if r.grammar is not None]
-        masks = iter(next_token_bitmasks(grammars) if grammars else ())
-        rows = [
-            SamplingRow(
-                r.sampling_params,
-                r.prompt_token_ids,
-                r.output_token_ids,
-                r.eos_token_ids,
-                num_output_tokens=r.num_output_tokens,
-                allowed_now=r.choice_continuations(),
-                token_bitmask=next(masks) if r.grammar is not None else None,
-                banned_now=r.banned_next_tokens(),
-            )
-            for r in requests
-        ]
+        rows = self._sampling_rows(plan, arrays.sample_rows)
         token_ids, logprobs = self.sampler.sample(logits, rows)
         if self.device.type != "cuda":
-            return InFlightStep(requests, token_ids, token_ids, None, logprobs, logits)
-        host_ids = self._host_ids[self._next_host_ids][: len(requests)]
+            return InFlightStep(requests, token_ids, token_ids, None, logprobs, logits,
+                                samples_per_row=per_row)
+        host_ids = self._host_ids[self._next_host_ids][: num_samples]
         self._next_host_ids = (self._next_host_ids + 1) % len(self._host_ids)
         # The copy to the host on a stream of its own: the next step's launches queue behind the
         # sampling, not behind this copy's round trip (~9 us of a batch-1 decode token on an H200).
@@ -502,26 +499,64 @@ class ModelRunner:
             token_ids.record_stream(self._copy_out_stream)  # its memory outlives the copy
             host_ids.copy_(token_ids, non_blocking=True)
             copied.record()
-        return InFlightStep(requests, token_ids, host_ids, copied, logprobs, logits)
+        return InFlightStep(requests, token_ids, host_ids, copied, logprobs, logits, samples_per_row=per_row)
+
+    @staticmethod
+    def _sampling_rows(plan: StepPlan, sample_rows: list[int]) -> list[SamplingRow]:
+        """One SamplingRow per sampled position: a row's own, then one after each of its draft tokens, which
+        samples as if the drafts before it were outputs already (penalties count them, min_tokens and a
+        seeded row's draw see their positions), so a kept draft is the token the row would have sampled."""
+        # Grammar rows' masks all at once (in parallel); each grammar has consumed every output, since its
+        # steps are never overlapped (LLMEngine). Rows with a grammar, a guided choice or a bad word of
+        # several tokens get no drafts (Scheduler._drafts), so their one position reads the request as is.
+        requests = [plan.rows[i].request for i in sample_rows]
+        grammars = [r.grammar for r in requests if r.grammar is not None]
+        masks = iter(next_token_bitmasks(grammars) if grammars else ())
+        rows = []
+        for i, r in zip(sample_rows, requests):
+            drafts = plan.rows[i].draft_token_ids
+            banned = r.banned_next_tokens()  # one-token bad words only where there are drafts: the same
+            rows.append(SamplingRow(
+                r.sampling_params,
+                r.prompt_token_ids,
+                r.output_token_ids,
+                r.eos_token_ids,
+                num_output_tokens=r.num_output_tokens,
+                allowed_now=r.choice_continuations(),
+                token_bitmask=next(masks) if r.grammar is not None else None,
+                banned_now=banned,
+            ))
+            rows += [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids + list(drafts[:j]),
+                                 r.eos_token_ids, num_output_tokens=r.num_output_tokens + j,
+                                 banned_now=banned)
+                     for j in range(1, len(drafts) + 1)]
+        return rows
 
 
 @dataclass
 class InFlightStep:
     """A launched step whose sampled ids may still be on their way to the host (made by launch)."""
 
-    requests: list[Request]  # the sampling rows' requests, in row order
-    token_ids: torch.Tensor  # [S] int64 on the device: what the next step's pending inputs read
-    host_ids: torch.Tensor  # [S] int64 on the host (pinned on CUDA), filled by a non-blocking copy
+    requests: list[Request]  # [S] the sampling rows' requests, in row order
+    # [P] int64 on the device, each sampling row's positions in turn (one each but with drafts): what the
+    # next step's pending inputs read
+    token_ids: torch.Tensor
+    host_ids: torch.Tensor  # [P] int64 on the host (pinned on CUDA), filled by a non-blocking copy
     copied: torch.cuda.Event | None  # recorded after that copy; None where the copy is synchronous
     logprobs: list[Logprobs | None]
     logits: torch.Tensor | None  # [S, vocab] fp32 (tests and tools read it)
     used_cuda_graph: bool = False
-    sample_index: dict[Request, int] = field(default_factory=dict)  # request -> its row in token_ids
+    sample_index: dict[Request, int] = field(default_factory=dict)  # request -> its first entry in token_ids
     # Set by launch where rows want prompt logprobs: (runs, device table), unpacked by collect.
     prompt_logprobs: tuple[list[tuple[Request, int, int, int]], torch.Tensor] | None = None
+    samples_per_row: list[int] | None = None  # [S]: each row's entries in token_ids (None: one each)
 
     def __post_init__(self) -> None:
-        self.sample_index = {r: i for i, r in enumerate(self.requests)}
+        if self.samples_per_row is None:
+            self.samples_per_row = [1] * len(self.requests)
+        # A row with drafts is never an input in flight (LLMEngine does not overlap a step that drafts).
+        firsts = np.cumsum([0, *self.samples_per_row[:-1]])
+        self.sample_index = {r: int(i) for r, i in zip(self.requests, firsts)}
 
 
 def _profile_arrays(lens: list[int], block_size: int, blocks_per_row: int) -> StepArrays:

@@ -111,6 +111,8 @@ def pad_to_shape(arrays: StepArrays, shape: GraphShape, block_size: int) -> Step
         sample_indices=arrays.sample_indices + shift,
         sample_rows=arrays.sample_rows,
         pending_rows=arrays.pending_rows,  # decode rows only: they keep their place
+        pending_tokens=arrays.pending_tokens,  # so do their tokens (decode-only shapes pad after them)
+        samples_per_row=arrays.samples_per_row,
     )
 
 

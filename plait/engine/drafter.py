@@ -1,0 +1,104 @@
+"""NgramDrafter: proposes speculative decoding's draft tokens by looking a context's last tokens up in it."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from plait.config import SpeculativeConfig
+from plait.engine.request import Request
+
+# Room a request's token history starts with, and grows by doubling from.
+_INITIAL_CAPACITY = 256
+
+
+class _History:
+    """A request's known token ids as one growing numpy array, so a lookup costs no list conversion."""
+
+    def __init__(self) -> None:
+        self.ids = np.zeros(_INITIAL_CAPACITY, dtype=np.int64)
+        self.length = 0
+
+    def sync(self, request: Request) -> np.ndarray:
+        """The request's known tokens (prompt + outputs on the host), appending only what is new."""
+        known = request.num_known_tokens
+        if known < self.length:  # never shrinks in practice; rebuild rather than trust a stale prefix
+            self.length = 0
+        if known > len(self.ids):
+            grown = np.zeros(max(known, 2 * len(self.ids)), dtype=np.int64)
+            grown[: self.length] = self.ids[: self.length]
+            self.ids = grown
+        if known > self.length:
+            self.ids[self.length: known] = request.token_ids(self.length, known)
+            self.length = known
+        return self.ids[:known]
+
+
+def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
+    """Prompt lookup: for n from ``max_n`` down to ``min_n``, find the earlier occurrences of the last n
+    tokens and return the (at most ``k``) tokens that followed one: the latest followed by k tokens (the
+    freshest context), else the earliest (the longest continuation; a loop shorter than k still drafts k
+    tokens); [] where no n-gram recurs."""
+    # tokens: [L] int64
+    length = len(tokens)
+    if k <= 0:
+        return []
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        # Windows starting at 0 .. L-1-n: every earlier occurrence, never the suffix itself.
+        windows = sliding_window_view(tokens[: length - 1], n)
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            full = hits[hits + n + k <= length]
+            start = int(full[-1] if full.size else hits[0]) + n
+            return tokens[start: start + k].tolist()
+    return []
+
+
+class NgramDrafter:
+    """vLLM's "ngram" speculative method (prompt lookup decoding): drafts come from the request's own
+    context, so they cost no model. Set by the engine from ``EngineConfig.speculative_config``; called by
+    the scheduler for running decodes."""
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.num_speculative_tokens = config.num_speculative_tokens
+        self.min_n = config.prompt_lookup_min
+        self.max_n = config.prompt_lookup_max
+        self._histories: dict[Request, _History] = {}
+
+    def propose(self, request: Request, limit: int) -> tuple[int, ...]:
+        """Up to min(num_speculative_tokens, ``limit``) tokens to follow the request's tokens. Where its last
+        token is still on the device (an overlapped step sampled it), the lookup's first token stands in for
+        it and the drafts are the tokens after: a wrong guess only gets the drafts rejected, since a draft is
+        kept only where the model sampled it."""
+        k = min(self.num_speculative_tokens, limit)
+        if k <= 0:
+            return ()
+        history = self._histories.get(request)
+        if history is None:
+            history = self._histories[request] = _History()
+        tokens = history.sync(request)
+        if not request.num_pending_tokens:
+            return tuple(ngram_lookup(tokens, self.min_n, self.max_n, k))
+        return tuple(ngram_lookup(tokens, self.min_n, self.max_n, k + request.num_pending_tokens)[
+            request.num_pending_tokens:])
+
+    def forget(self, request: Request) -> None:
+        """Drop a finished, aborted or preempted request's history."""
+        self._histories.pop(request, None)
+
+
+class ReplayDrafter(NgramDrafter):
+    """Drafts the tokens a reference run produced for the same request id (an engine without speculation
+    given the same requests): every draft is kept where the model computes what it computed there, so this
+    is the ceiling any drafter could reach, and what a step that verifies k drafts costs. For benchmarks and
+    tests; not a serving option."""
+
+    def __init__(self, config: SpeculativeConfig, reference: dict[str, list[int]]) -> None:
+        super().__init__(config)
+        self.reference = reference  # request id -> its output token ids
+
+    def propose(self, request: Request, limit: int) -> tuple[int, ...]:
+        k = min(self.num_speculative_tokens, limit)
+        done = request.num_output_tokens  # pending ones too: the drafts follow them
+        return tuple(self.reference.get(request.request_id, ())[done: done + max(k, 0)])
