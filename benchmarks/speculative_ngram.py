@@ -116,6 +116,20 @@ def serve(engine: LLMEngine, prompts: list, args: argparse.Namespace, bar: tqdm,
     return [outputs[i] for i in ids]
 
 
+def step_times(engine: LLMEngine) -> dict:
+    """Where a step's time goes: mean wall ms of steps with and without drafts (the engine's timeline),
+    and the forwards' device time and each host phase, ms a step (the runner's breakdown)."""
+    with_drafts = [s.duration_s for s in engine.timeline if s.num_draft_tokens]
+    without = [s.duration_s for s in engine.timeline if not s.num_draft_tokens]
+    mean_ms = lambda xs: round(1000 * sum(xs) / len(xs), 3) if xs else None
+    b = engine.runner.breakdown
+    b.resolve()
+    steps = max(b.steps, 1)
+    return {"step_ms_with_drafts": mean_ms(with_drafts), "step_ms_without_drafts": mean_ms(without),
+            "gpu_forward_ms_per_step": round(1000 * b.gpu_forward_s / steps, 3),
+            "host_ms_per_step": {k: round(1000 * v / steps, 3) for k, v in b.host_s.items()}}
+
+
 def run_k(args: argparse.Namespace, k: int, replay: dict[str, list[list[int]]] | None = None) -> dict:
     """Each workload's numbers with k drafts a step (0: off); with ``replay`` (k=0's outputs by workload),
     drafted by ReplayDrafter from them."""
@@ -124,14 +138,19 @@ def run_k(args: argparse.Namespace, k: int, replay: dict[str, list[list[int]]] |
         reference = {f"{name}-{i}": out for name, outs in replay.items() for i, out in enumerate(outs)}
         engine.drafter = engine.scheduler.drafter = ReplayDrafter(engine.config.speculative_config, reference)
     workloads = prompts_of(engine, args)
-    first = next(iter(workloads.values()))
-    with tqdm(total=args.max_tokens, desc=f"k={k} warm-up", leave=False) as bar:
-        serve(engine, first[:1], args, bar, "warm-up")  # compiles kernels, graphs' first replays
+    # One prompt of each workload first: kernels compiled, every prompt shape's graph replayed once (on an
+    # H200 the first workload otherwise ran its plain steps 1.54 ms apart against 1.13 in the others).
+    firsts = [prompts[0] for prompts in workloads.values()]
+    with tqdm(total=args.max_tokens * len(firsts), desc=f"k={k} warm-up", leave=False) as bar:
+        serve(engine, firsts, args, bar, "warm-up")
     results = {}
     for name, prompts in workloads.items():
         spec_before = (engine.spec_stats.num_drafts, engine.spec_stats.num_draft_tokens,
                        engine.spec_stats.num_accepted_tokens)
         steps_before, graphs_before = engine.num_steps, engine.runner.breakdown.graph_steps
+        engine.runner.breakdown.reset()
+        engine.timeline.clear()
+        engine.record_timeline = True
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         with tqdm(total=args.max_tokens * len(prompts), desc=f"k={k} {name}", unit="tok") as bar:
@@ -150,6 +169,7 @@ def run_k(args: argparse.Namespace, k: int, replay: dict[str, list[list[int]]] |
             "draft_rows": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,
             "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
             "outputs": outputs,
+            **step_times(engine),
         }
     del engine
     return results

@@ -39,6 +39,27 @@ def test_lookup_takes_the_latest_occurrence_of_the_longest_suffix():
     assert ngram_lookup(np.array([8, 1, 2, 9, 1, 2, 5, 1, 2]), 2, 2, 5) == [9, 1, 2, 5, 1]
 
 
+def _lookup_by_windows(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """ngram_lookup's definition, spelled out: every window of n tokens, n from max_n down."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        hits = [s for s in range(length - n) if tokens[s: s + n] == tokens[length - n:]]
+        if hits:
+            full = [s for s in hits if s + n + k <= length]
+            start = (full[-1] if full else hits[0]) + n
+            return tokens[start: start + k]
+    return []
+
+
+def test_lookup_matches_its_definition_on_random_contexts():
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        tokens = rng.integers(0, 4, size=int(rng.integers(1, 40))).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n, k = min_n + int(rng.integers(0, 4)), int(rng.integers(1, 6))
+        assert ngram_lookup(np.array(tokens), min_n, max_n, k) == _lookup_by_windows(tokens, min_n, max_n, k)
+
+
 def test_lookup_without_a_recurring_ngram_proposes_nothing():
     assert ngram_lookup(np.array([1, 2, 3, 4]), 1, 3, 4) == []
     assert ngram_lookup(np.array([4, 1, 2, 4]), 2, 3, 4) == []  # "4" recurs, but min_n is 2

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from plait.config import SpeculativeConfig
 from plait.engine.request import Request
@@ -41,18 +40,25 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
     tokens); [] where no n-gram recurs."""
     # tokens: [L] int64
     length = len(tokens)
-    if k <= 0:
+    if k <= 0 or length < 2:
         return []
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n:]
-        # Windows starting at 0 .. L-1-n: every earlier occurrence, never the suffix itself.
-        windows = sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if hits.size:
-            full = hits[hits + n + k <= length]
-            start = int(full[-1] if full.size else hits[0]) + n
-            return tokens[start: start + k].tolist()
-    return []
+    # Candidates: earlier positions holding the last token (never the last itself); then how far back each
+    # agrees with the context's end, one comparison a step over the few candidates. This runs for every
+    # decode row every step: a sliding-window comparison per n took ~0.2 ms at a few hundred tokens.
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # [C]
+    matched = np.ones(len(ends), dtype=np.int64)  # [C]: tokens agreeing, the candidate's own included
+    alive = np.ones(len(ends), dtype=bool)
+    for j in range(1, min(max_n, length - 1)):  # a candidate ends at L-2 at most: j <= L-2
+        alive &= ends >= j
+        alive[alive] = tokens[ends[alive] - j] == tokens[length - 1 - j]
+        matched += alive
+    n = int(matched.max(initial=0))
+    if n < min_n:
+        return []
+    hits = ends[matched >= n]  # every occurrence of the last n tokens, in order
+    full = hits[hits + 1 + k <= length]
+    start = int(full[-1] if full.size else hits[0]) + 1
+    return tokens[start: start + k].tolist()
 
 
 class NgramDrafter:
