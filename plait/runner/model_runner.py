@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -381,8 +382,11 @@ class ModelRunner:
         ids = step.host_ids.tolist()
         self.breakdown.add("sample", time.perf_counter() - t0)
         self.breakdown.resolve()
-        positions = [(r, j) for r, n in zip(step.requests, step.samples_per_row) for j in range(n)]
-        sampled = [SampledToken(r, t, lp, j) for (r, j), t, lp in zip(positions, ids, step.logprobs)]
+        if len(ids) == len(step.requests):  # one sample a row: no drafts
+            sampled = [SampledToken(r, t, lp) for r, t, lp in zip(step.requests, ids, step.logprobs)]
+        else:
+            positions = [(r, j) for r, n in zip(step.requests, step.samples_per_row) for j in range(n)]
+            sampled = [SampledToken(r, t, lp, j) for (r, j), t, lp in zip(positions, ids, step.logprobs)]
         return StepOutput(sampled, step.logits, step.used_cuda_graph, self._unpack_prompt_logprobs(step))
 
     @staticmethod
@@ -554,9 +558,11 @@ class InFlightStep:
     def __post_init__(self) -> None:
         if self.samples_per_row is None:
             self.samples_per_row = [1] * len(self.requests)
+        if len(self.token_ids) == len(self.requests):  # one sample a row: no drafts
+            self.sample_index = {r: i for i, r in enumerate(self.requests)}
+            return
         # A row with drafts is never an input in flight (LLMEngine does not overlap a step that drafts).
-        firsts = np.cumsum([0, *self.samples_per_row[:-1]])
-        self.sample_index = {r: int(i) for r, i in zip(self.requests, firsts)}
+        self.sample_index = dict(zip(self.requests, itertools.accumulate([0, *self.samples_per_row[:-1]])))
 
 
 def _profile_arrays(lens: list[int], block_size: int, blocks_per_row: int) -> StepArrays:
