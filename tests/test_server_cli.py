@@ -40,8 +40,10 @@ def test_serve_flags_reach_the_configs(monkeypatch):
     monkeypatch.setenv("PLAIT_API_KEY", "from-env")
     assert cli.main(["serve", "--port", "0", "--max-num-batched-tokens", "64"]) == 0
     assert cli.main(["serve", "--api-key", "from-flag", "--host", "0.0.0.0", "--served-model-name", "m"]) == 0
-    assert cli.main(["serve", "--served-model-name", "a", "b", "--trust-request-chat-template"]) == 0
+    assert cli.main(["serve", "--served-model-name", "a", "b", "--trust-request-chat-template",
+                     "--disable-log-stats"]) == 0
     (engine_a, config_a), (_, config_b), (_, config_c) = seen
+    assert not config_a.disable_log_stats and config_c.disable_log_stats
     assert engine_a.max_num_batched_tokens == 64
     assert (config_a.host, config_a.port, config_a.api_key) == ("127.0.0.1", 0, "from-env")
     assert not config_a.trust_request_chat_template

@@ -5,6 +5,7 @@ output without speculation; only the number of steps changes."""
 from __future__ import annotations
 
 import importlib.util
+import logging
 import re
 
 import numpy as np
@@ -374,10 +375,11 @@ def test_cli_flag_takes_vllm_json():
     assert _engine_config(args).speculative_config == SpeculativeConfig("ngram", 2, 5, 5)
 
 
-def test_server_streams_kept_drafts_and_counts_them(serving_engine):
+def test_server_streams_kept_drafts_and_counts_them(serving_engine, caplog):
     """A real server on an engine with n-gram speculation, the official openai client streaming a chat
-    answer that repeats the prompt: the text equals the answer of an engine without speculation, and
-    /metrics has vLLM's spec_decode counters, moved by exactly the engine's counts."""
+    answer that repeats the prompt: the text equals the answer of an engine without speculation, /metrics
+    has vLLM's spec_decode counters, moved by exactly the engine's counts, and the periodic stats lines
+    (vLLM's, every log_stats_interval_s) report the throughput and the speculation."""
     openai = pytest.importorskip("openai")
     httpx = pytest.importorskip("httpx")
     parser = pytest.importorskip("prometheus_client.parser")
@@ -389,7 +391,9 @@ def test_server_streams_kept_drafts_and_counts_them(serving_engine):
     engine = _engine_default_with_ngram()
     passage = "Roses are red, violets are blue, sugar is sweet, and so are you."
     messages = [{"role": "user", "content": f"Repeat after me, word for word: {passage}"}]
-    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+    caplog.set_level(logging.INFO, logger="plait.entrypoints.stat_logger")
+    config = ServerConfig(log_level="warning", log_stats_interval_s=0.05)
+    with BackgroundServer(OpenAIServer(engine, config)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=240)
         model = client.models.list().data[0].id
         drafts_before = engine.spec_stats.num_draft_tokens, engine.spec_stats.num_accepted_tokens
@@ -414,6 +418,11 @@ def test_server_streams_kept_drafts_and_counts_them(serving_engine):
     assert metrics[("vllm:spec_decode_num_drafts_total", None)] == spec.num_drafts
     per_position = [metrics[("vllm:spec_decode_num_accepted_tokens_per_pos_total", str(j))] for j in range(3)]
     assert sum(per_position) == engine.spec_stats.num_accepted_tokens and drafted > 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "plait.entrypoints.stat_logger"]
+    throughput = [float(m.split("Avg generation throughput: ")[1].split()[0]) for m in lines
+                  if m.startswith("Avg prompt throughput")]
+    assert throughput and max(throughput) > 0
+    assert any(m.startswith("SpecDecoding metrics: Mean acceptance length: ") for m in lines)
     # The same answer without speculation (the shared serving engine, run directly while no server holds it).
     plain = idle_serving_engine(serving_engine)
     prompt = apply_chat_template(plain.tokenizer, messages)
@@ -424,3 +433,30 @@ def test_server_streams_kept_drafts_and_counts_them(serving_engine):
             if out.finished:
                 want = out.outputs[0]
     assert text == want.text and usage.completion_tokens == len(want.token_ids)
+
+
+def test_stat_logger_reports_each_interval_and_stays_quiet_when_idle(caplog):
+    """vLLM's periodic lines from the deltas of one interval; nothing while the engine idles."""
+    from plait.entrypoints.async_engine import EngineStats
+    from plait.entrypoints.stat_logger import StatLogger, TokenTotals
+
+    now = EngineStats(spec_num_drafts=0, spec_accepted_per_position=(0, 0))
+    totals = TokenTotals()
+    stat_logger = StatLogger(lambda: now, totals)
+    caplog.set_level(logging.INFO, logger="plait.entrypoints.stat_logger")
+    assert not stat_logger.log(10.0) and not caplog.records
+    totals.prompt, totals.generation = 1000, 50
+    now = EngineStats(num_running=2, kv_usage=0.125, prefix_cache_queries=400, prefix_cache_hits=100,
+                      spec_num_drafts=10, spec_num_draft_tokens=20, spec_num_accepted_tokens=15,
+                      spec_accepted_per_position=(9, 6))
+    assert stat_logger.log(10.0)
+    assert [r.getMessage() for r in caplog.records] == [
+        "Avg prompt throughput: 100.0 tokens/s, Avg generation throughput: 5.0 tokens/s, Running: 2 reqs, "
+        "Waiting: 0 reqs, GPU KV cache usage: 12.5%, Prefix cache hit rate: 25.0%",
+        "SpecDecoding metrics: Mean acceptance length: 2.50, Accepted throughput: 1.50 tokens/s, Drafted "
+        "throughput: 2.00 tokens/s, Accepted: 15 tokens, Drafted: 20 tokens, Per-position acceptance rate: "
+        "0.900, 0.600, Avg Draft acceptance rate: 75.0%",
+    ]
+    now = EngineStats(spec_num_drafts=10, spec_num_draft_tokens=20, spec_num_accepted_tokens=15,
+                      spec_accepted_per_position=(9, 6))
+    assert not stat_logger.log(10.0)  # idle again: the totals did not move

@@ -198,7 +198,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                           exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                           return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                          log_level=args.log_level,
+                          log_level=args.log_level, disable_log_stats=args.disable_log_stats,
                           allowed_origins=args.allowed_origins,
                           allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
                           allow_credentials=args.allow_credentials,
@@ -319,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--request-timeout", type=float, default=None,
                      help="abort requests running longer than this many seconds (default: never)")
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    srv.add_argument("--disable-log-stats", action="store_true",
+                     help="no periodic stats lines (throughputs, queue, KV cache, speculation), as vLLM's")
     _add_cors_args(srv)
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)

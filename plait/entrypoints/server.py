@@ -98,6 +98,7 @@ from plait.entrypoints.reasoning_parsers import (
     get_reasoning_parser,
     split_reasoning,
 )
+from plait.entrypoints.stat_logger import DEFAULT_LOG_STATS_INTERVAL_S, StatLogger, TokenTotals
 from plait.entrypoints.tool_parsers import ToolOutputParser, get_tool_parser
 from plait.entrypoints.tools import (
     NamedToolOutput,
@@ -206,6 +207,10 @@ class ServerConfig:
     # return_tokens_as_token_ids says otherwise.
     return_tokens_as_token_ids: bool = False
     log_level: str = "info"
+    # vLLM's periodic stats lines (throughputs, queue, KV cache, speculation) every log_stats_interval_s
+    # while the engine has work; --disable-log-stats turns them off.
+    disable_log_stats: bool = False
+    log_stats_interval_s: float = DEFAULT_LOG_STATS_INTERVAL_S
     # CORS, as vLLM's --allowed-origins / --allowed-methods / --allowed-headers / --allow-credentials: which
     # web pages' scripts may call the server from a browser (the API key, where set, still applies).
     allowed_origins: Sequence[str] = CORS_ANY
@@ -223,6 +228,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1:
             raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes}")
+        if not self.log_stats_interval_s > 0:
+            raise ValueError(f"log_stats_interval_s must be > 0, got {self.log_stats_interval_s}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.api_key is not None and not self.api_key:
@@ -476,6 +483,7 @@ class ServerMetrics:
                                      STEP_TOKEN_BUCKETS)
         self.step_duration = histogram("plait_step_duration_seconds", "Wall time of one engine step",
                                        STEP_DURATION_BUCKETS_S)
+        self.totals = TokenTotals()  # what the periodic stats lines report (StatLogger)
         r.register(_EngineStatsCollector(stats, model_name))
 
     def request_finished(self, reason: str, count: int = 1) -> None:
@@ -487,6 +495,7 @@ class ServerMetrics:
         self.step_decode.observe(stats.num_decode_tokens)
         self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
         self.step_duration.observe(stats.duration_s)
+        self.totals.prompt += stats.num_prefill_tokens
         if stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
 
@@ -571,6 +580,7 @@ class _RequestTracker:
         now = out.metrics.get("now") or time.monotonic()
         completion = out.outputs[0]
         self._m.generation_tokens.inc(len(completion.delta_token_ids))
+        self._m.totals.generation += len(completion.delta_token_ids)
         last = self._last[index]
         if last is None:
             self._m.ttft.observe(max(0.0, now - self._arrival))
@@ -772,15 +782,25 @@ class OpenAIServer:
     def _on_step(self, stats: StepStats) -> None:
         self.metrics.observe_step(stats)
 
+    async def _log_stats(self) -> None:
+        stat_logger = StatLogger(lambda: self.engine.stats, self.metrics.totals)
+        interval = self.config.log_stats_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            stat_logger.log(interval)
+
     # -- app ---------------------------------------------------------------------------------
 
     def _build_app(self) -> FastAPI:
         @contextlib.asynccontextmanager
         async def lifespan(app: FastAPI) -> AsyncIterator[None]:
             self.engine.start()
+            stats = None if self.config.disable_log_stats else asyncio.create_task(self._log_stats())
             try:
                 yield
             finally:
+                if stats is not None:
+                    stats.cancel()
                 await self.engine.shutdown()
 
         app = FastAPI(title="plait", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
