@@ -315,8 +315,8 @@ def test_prefix_cache_keeps_only_verified_blocks(tiny_llama, plain_engine):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llguidance") is None, reason="llguidance is not installed")
-def test_structured_output_rows_decode_without_drafts():
-    spec = _engine_default_with_ngram()
+def test_structured_output_rows_decode_without_drafts(default_with_ngram):
+    spec = default_with_ngram
     drafted = spec.spec_stats.num_drafts
     params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs={"regex": PHONE})
     spec.add_request("Call me at", params, request_id="phone")
@@ -329,18 +329,15 @@ def test_structured_output_rows_decode_without_drafts():
     assert spec.spec_stats.num_drafts == drafted
 
 
-_DEFAULT_WITH_NGRAM: list[LLMEngine] = []
+@pytest.fixture(scope="module")
+def default_with_ngram() -> LLMEngine:
+    """The default model with n-gram speculation, loaded once for this module's tests."""
+    return LLMEngine(EngineConfig(num_kv_blocks=64, speculative_config=NGRAM))
 
 
-def _engine_default_with_ngram() -> LLMEngine:
-    if not _DEFAULT_WITH_NGRAM:
-        _DEFAULT_WITH_NGRAM.append(LLMEngine(EngineConfig(num_kv_blocks=64, speculative_config=NGRAM)))
-    return _DEFAULT_WITH_NGRAM[0]
-
-
-def test_default_model_copies_text_in_fewer_steps():
+def test_default_model_copies_text_in_fewer_steps(default_with_ngram):
     """SmolLM2 asked to repeat a passage: the passage's tokens are drafted from the prompt and kept."""
-    engine = _engine_default_with_ngram()
+    engine = default_with_ngram
     passage = "The quick brown fox jumps over the lazy dog while the cat sleeps on the warm mat."
     prompt = f"Repeat this sentence exactly: {passage}\nSentence: {passage}\nSentence:"
     before = engine.num_steps, engine.spec_stats.num_accepted_tokens
@@ -375,7 +372,7 @@ def test_cli_flag_takes_vllm_json():
     assert _engine_config(args).speculative_config == SpeculativeConfig("ngram", 2, 5, 5)
 
 
-def test_server_streams_kept_drafts_and_counts_them(serving_engine, caplog):
+def test_server_streams_kept_drafts_and_counts_them(serving_engine, default_with_ngram, caplog):
     """A real server on an engine with n-gram speculation, the official openai client streaming a chat
     answer that repeats the prompt: the text equals the answer of an engine without speculation, /metrics
     has vLLM's spec_decode counters, moved by exactly the engine's counts, and the periodic stats lines
@@ -388,7 +385,7 @@ def test_server_streams_kept_drafts_and_counts_them(serving_engine, caplog):
     from plait.entrypoints.llm import apply_chat_template
     from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
 
-    engine = _engine_default_with_ngram()
+    engine = default_with_ngram
     passage = "Roses are red, violets are blue, sugar is sweet, and so are you."
     messages = [{"role": "user", "content": f"Repeat after me, word for word: {passage}"}]
     caplog.set_level(logging.INFO, logger="plait.entrypoints.stat_logger")

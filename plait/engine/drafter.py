@@ -90,7 +90,7 @@ class NgramDrafter:
             request.num_pending_tokens:])
 
     def forget(self, request: Request) -> None:
-        """Drop a finished, aborted or preempted request's history."""
+        """Drop a finished or aborted request's history (a preempted one keeps it: its tokens stand)."""
         self._histories.pop(request, None)
 
 

@@ -7,7 +7,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from plait.config import EngineConfig
 from plait.engine.detokenizer import Detokenizer
@@ -55,16 +55,7 @@ class SpecDecodeStats:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    accepted_per_position: list[int] | None = None  # [k]: drafts kept at each draft position
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """Tokens a drafting row produced per step on average: its kept drafts plus its own sample."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts kept at each draft position
 
 
 @dataclass
@@ -144,7 +135,8 @@ class LLMEngine:
         self.loras = LoRARegistry(lora.targets, config.max_lora_rank, cached) if lora is not None else None
         self.lora_slots = LoRASlotPool(config.max_loras) if lora is not None else None
         self.drafter = self._make_drafter()
-        self.spec_stats = SpecDecodeStats()
+        num_drafts = config.speculative_config.num_speculative_tokens if self.drafter is not None else 0
+        self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * num_drafts)
         self.scheduler = Scheduler(config, self.kv_cache, self.state_slots, self.lora_slots, self.drafter)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
@@ -476,9 +468,6 @@ class LLMEngine:
 
     def _count_drafts(self, num_drafts: int, accepted: int) -> None:
         stats = self.spec_stats
-        k = self.config.speculative_config.num_speculative_tokens
-        if stats.accepted_per_position is None:
-            stats.accepted_per_position = [0] * k
         stats.num_drafts += 1
         stats.num_draft_tokens += num_drafts
         stats.num_accepted_tokens += accepted

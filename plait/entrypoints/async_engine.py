@@ -437,7 +437,6 @@ def _spec_stats(engine: LLMEngine) -> dict:
     if engine.drafter is None:
         return {}
     spec = engine.spec_stats
-    k = engine.config.speculative_config.num_speculative_tokens
     return dict(spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
                 spec_num_accepted_tokens=spec.num_accepted_tokens,
-                spec_accepted_per_position=tuple(spec.accepted_per_position or [0] * k))
+                spec_accepted_per_position=tuple(spec.accepted_per_position))
