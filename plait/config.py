@@ -11,6 +11,9 @@ SchedulingPolicy = Literal["mixed", "prefill_first"]
 Usage = Literal["offline", "serve"]
 USAGES: tuple[str, ...] = ("offline", "serve")
 SCHEDULING_POLICIES: tuple[str, ...] = ("mixed", "prefill_first")
+# What the engine runs the model for, as vLLM's --runner: "generate" (text), "pooling" (embeddings), or
+# "auto": pooling for a checkpoint of a base model (LlamaModel, Qwen3Model, ...: no LM head), else generate.
+RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("torch_ref", "triton")
 QUANTIZATION_METHODS: tuple[str, ...] = ("fp8",)
@@ -94,6 +97,12 @@ class EngineConfig:
     # "prompt_lookup_max": n, "prompt_lookup_min": m} as a SpeculativeConfig, a dict or its JSON text (the
     # CLI's --speculative-config). Stored as a SpeculativeConfig.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # vLLM's --runner (RUNNERS): under "pooling" each request's prompt is run once and pooled into an
+    # embedding (LLM.embed, /v1/embeddings); nothing is generated.
+    runner: str = "auto"
+    # vLLM's --pooler-config: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}, a dict or its JSON
+    # text; fields left out come from the model's sentence-transformers config, else LAST and normalize.
+    pooler_config: PoolerConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is not None:
@@ -146,6 +155,11 @@ class EngineConfig:
                              f"got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
         self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        if self.runner not in RUNNERS:
+            raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        if self.pooler_config is not None and self.runner == "generate":
+            raise ValueError("pooler_config applies to pooling models: it needs runner 'pooling' (or 'auto')")
         source = self.generation_config
         if not isinstance(source, str) or not source:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
@@ -267,6 +281,51 @@ class SpeculativeConfig:
             raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(names)}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
+        return cls(**value)
+
+
+POOLING_TYPES: tuple[str, ...] = ("LAST", "MEAN", "CLS")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How a pooling model turns a prompt's hidden states into one embedding, as vLLM's ``pooler_config``:
+    ``pooling_type`` LAST (the last token's, as decoder embedding models are trained), MEAN (the average over
+    the prompt) or CLS (the first token's); ``normalize``: L2-normalised. None: the model's own (its
+    sentence-transformers config), else LAST and normalised."""
+
+    pooling_type: str | None = None
+    normalize: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            kind = str(self.pooling_type).upper()
+            if kind not in POOLING_TYPES:
+                raise ValueError(f"pooling_type must be one of {POOLING_TYPES}, got {self.pooling_type!r}")
+            object.__setattr__(self, "pooling_type", kind)
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config normalize must be true or false, got {self.normalize!r}")
+
+    @classmethod
+    def parse(cls, value: PoolerConfig | dict | str | None) -> PoolerConfig | None:
+        """A PoolerConfig from a dict or its JSON text (None, {} and "" leave the model's own)."""
+        if value is None or isinstance(value, PoolerConfig):
+            return value
+        if isinstance(value, str):
+            if not value.strip():
+                return None
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"pooler_config is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"pooler_config must be a JSON object, got {value!r}")
+        if not value:
+            return None
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown pooler_config key(s) {unknown}; known: {sorted(names)}")
         return cls(**value)
 
 

@@ -1,8 +1,12 @@
-"""What the engine hands back: vLLM-shaped RequestOutput and CompletionOutput."""
+"""What the engine hands back: vLLM-shaped RequestOutput and CompletionOutput, and pooling models' outputs."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -43,3 +47,50 @@ class RequestOutput:
     # context), complete from the first output that carries a generated token on.
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     metrics: dict = field(default_factory=dict)  # arrival/first-token/finish times (seconds)
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling model's output for one prompt (vLLM's name)."""
+
+    data: torch.Tensor  # [dimensions] fp32 on the host: the embedding
+
+
+@dataclass
+class PoolingRequestOutput:
+    """What the engine hands back for an embedding request, once, when its prompt has been pooled (vLLM's
+    name); ``finished`` is always true."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)  # arrival and finish times (seconds)
+
+
+@dataclass
+class EmbeddingOutput:
+    """One embedding as a list of floats (vLLM's ``EmbeddingOutput``)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """``LLM.embed``'s result for one prompt (vLLM's ``EmbeddingRequestOutput``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        return cls(output.request_id, output.prompt_token_ids, EmbeddingOutput(output.outputs.data.tolist()),
+                   output.finished)

@@ -23,12 +23,19 @@ from plait.lora.adapter import LoRAAdapter
 from plait.lora.registry import LoRARegistry
 from plait.lora.request import LoRARequest
 from plait.lora.slots import LoRASlotPool
-from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from plait.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
+from plait.pooling_params import PoolingParams
 from plait.runner.model_runner import InFlightStep, ModelRunner, SampledToken, StepOutput
 from plait.runner.sampler import needs_penalties
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# What the pooling runner says to a generation request, and the generate runner to an embedding request.
+POOLING_MODEL_MESSAGE = ("this engine runs a pooling model (runner 'pooling'): it makes embeddings "
+                         "(LLM.embed, /v1/embeddings), not text")
+GENERATE_MODEL_MESSAGE = ("embeddings need a pooling model: create the engine with runner='pooling' "
+                          "(plait serve --runner pooling)")
 
 
 @dataclass
@@ -114,6 +121,8 @@ class LLMEngine:
             # truncate_prompt_tokens keeps a prompt's end, as vLLM sets its tokenizers up.
             self.tokenizer.truncation_side = "left"
         self.max_model_len = self.runner.max_model_len
+        self.pooler = self.runner.pooler  # set under the pooling runner: requests are embedded, not generated
+        self._check_pooling_config()
         self.kv_cache = KVCacheManager(self.runner.num_kv_blocks, config.block_size,
                                        self._prefix_caching_allowed())
         max_len_fits = self.kv_cache.num_usable_blocks * config.block_size
@@ -165,8 +174,23 @@ class LLMEngine:
                              "(Mamba) layers whose state cannot drop rejected draft tokens")
         return NgramDrafter(spec)
 
+    def _check_pooling_config(self) -> None:
+        if self.pooler is None:
+            return
+        if self.config.speculative_config is not None:
+            raise ValueError("speculative decoding needs a generating model; this one runs as a pooling "
+                             "model")
+        if self.config.enable_lora:
+            raise ValueError("LoRA adapters are not supported with pooling models yet")
+
     def _prefix_caching_allowed(self) -> bool:
         if not self.config.enable_prefix_caching:
+            return False
+        if self.pooler is not None and self.pooler.spec.needs_every_position:
+            # A cached token's hidden state is never computed, and MEAN / CLS pooling read them (vLLM turns it
+            # off for them too); LAST pooling always computes the last token.
+            logger.info("prefix caching is off: %s pooling reads every prompt position",
+                        self.pooler.spec.pooling_type)
             return False
         if not getattr(self.runner.model, "supports_prefix_caching", True):
             # Recurrent layers keep state that a cached KV block cannot restore.
@@ -187,7 +211,7 @@ class LLMEngine:
     def add_request(
         self,
         prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> str:
@@ -199,21 +223,25 @@ class LLMEngine:
     def make_request(
         self,
         prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize without queueing, so a batch can be checked whole before any of
         it enters the engine. Returns the request and its prompt text (None for token ids).
-        ``lora_request`` names the LoRA adapter it runs with (read and checked here)."""
-        params = params if params is not None else SamplingParams()
+        ``lora_request`` names the LoRA adapter it runs with (read and checked here). A pooling model's
+        requests take PoolingParams (the default there), every other model's SamplingParams."""
+        if params is None:
+            params = PoolingParams() if self.pooler is not None else SamplingParams()
+        if isinstance(params, PoolingParams):
+            return self._make_pooling_request(prompt, params, request_id, lora_request)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if self.pooler is not None:
+            raise ValueError(POOLING_MODEL_MESSAGE)
         if params.n != 1:
             raise ValueError("the engine runs one sequence per request; fan n > 1 out before add_request")
-        request_id = request_id if request_id is not None else f"req-{next(self._auto_ids)}"
-        if request_id in self._tracked:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        request_id = self._new_request_id(request_id)
         text, token_ids = self._tokenize(prompt)
         text, token_ids = self._truncate(text, token_ids, self._prompt_tokens_to_keep(params))
         self._validate_prompt(token_ids)
@@ -236,6 +264,41 @@ class LLMEngine:
         )
         return request, text
 
+    def _new_request_id(self, request_id: str | None) -> str:
+        request_id = request_id if request_id is not None else f"req-{next(self._auto_ids)}"
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        return request_id
+
+    def _make_pooling_request(self, prompt: str | Sequence[int], params: PoolingParams,
+                              request_id: str | None, lora_request: LoRARequest | None
+                              ) -> tuple[Request, str | None]:
+        """An embedding request: its prompt (truncated as asked; it may fill the whole context, since nothing
+        follows it), checked against the pooler (dimensions), sampling nothing."""
+        if self.pooler is None:
+            raise ValueError(GENERATE_MODEL_MESSAGE)
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported with pooling models yet")
+        request_id = self._new_request_id(request_id)
+        text, token_ids = self._tokenize(prompt)
+        keep = params.truncate_prompt_tokens
+        if keep == TRUNCATE_TO_CONTEXT:
+            keep = self.max_model_len
+        elif keep is not None and keep > self.max_model_len:
+            raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
+                             f"({self.max_model_len}). Please, select a smaller truncation size.")
+        text, token_ids = self._truncate(text, token_ids, keep)
+        self._validate_prompt(token_ids, max_len=self.max_model_len)
+        self.pooler.spec.check(params, self.model_name)
+        request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=SamplingParams(),
+                          max_tokens=0, pooling_params=params)
+        return request, text
+
+    @property
+    def model_name(self) -> str:
+        """The model's name as a user gave it: its Hub id, else its file or folder name."""
+        return self.model_source.repo_id or self.model_source.path.name
+
     def lora_adapter(self, lora_request: LoRARequest | None) -> LoRAAdapter | None:
         """The adapter ``lora_request`` names, read and checked (ValueError if it cannot be served)."""
         if lora_request is None:
@@ -252,7 +315,7 @@ class LLMEngine:
         request.arrival_index = next(self._arrivals)
         params = request.sampling_params
         detok = None
-        if self.tokenizer is not None:
+        if self.tokenizer is not None and request.pooling_params is None:
             detok = Detokenizer(self.tokenizer, request.prompt_token_ids, params)
         logprobs = [] if params.logprobs is not None else None
         tracked = _Tracked(request, prompt_text, detok, logprobs, time.monotonic())
@@ -307,11 +370,13 @@ class LLMEngine:
         # HF tokenizers add BOS themselves when their template says so; SmolLM2 adds none.
         return True
 
-    def _validate_prompt(self, token_ids: list[int]) -> None:
+    def _validate_prompt(self, token_ids: list[int], max_len: int | None = None) -> None:
+        """A prompt of at most ``max_len`` tokens (default: one less than max_model_len, leaving room for one
+        output) of the vocabulary's ids."""
         if not token_ids:
             raise ValueError("prompt is empty: it must have at least one token")
         self._check_in_vocabulary("prompt", token_ids)
-        if len(token_ids) >= self.max_model_len:
+        if len(token_ids) > (max_len if max_len is not None else self.max_model_len - 1):
             # vLLM's words, which OpenAI clients match to spot a prompt beyond the context.
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
@@ -382,7 +447,7 @@ class LLMEngine:
 
     # -- the step loop ----------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         """One engine step; returns an output for every request that produced a token or finished.
 
         With ``async_scheduling`` the step launched here is collected by the next call: the host
@@ -429,7 +494,7 @@ class LLMEngine:
             needs_penalties(r.sampling_params) or r.needs_last_token for r in step.requests
         )
 
-    def _collect(self) -> list[RequestOutput]:
+    def _collect(self) -> list[RequestOutput | PoolingRequestOutput]:
         plan, launched = self._in_flight
         self._in_flight = None
         result = self.runner.collect(launched)
@@ -438,7 +503,25 @@ class LLMEngine:
         kept = self._verify(plan, result.sampled)
         for row in plan.rows:
             self.kv_cache.cache_full_blocks(row.request)
-        return self._postprocess(result, kept)
+        return self._postprocess(result, kept) + self._finish_pooled(result.pooled)
+
+    def _finish_pooled(self, pooled: list) -> list[PoolingRequestOutput]:
+        """Finish each embedding request whose prompt the step pooled: its embedding as it asked for it."""
+        now = time.monotonic()
+        outputs = []
+        for request, vector in pooled:
+            tracked = self._tracked.get(request.request_id)
+            if tracked is None or tracked.request is not request or request.is_finished:
+                continue  # aborted while its last chunk ran
+            data = self.pooler.finish(vector, request.pooling_params)
+            self.scheduler.finish(request, FinishReason.STOP)
+            del self._tracked[request.request_id]
+            metrics = {"arrival_time": tracked.arrival_time, "first_token_time": now, "now": now,
+                       "num_preemptions": request.num_preemptions}
+            outputs.append(PoolingRequestOutput(
+                request.request_id, tracked.prompt, request.prompt_token_ids, PoolingOutput(data),
+                num_cached_tokens=request.num_cached_tokens, metrics=metrics))
+        return outputs
 
     def _verify(self, plan: StepPlan, sampled: list[SampledToken]) -> list[list[SampledToken]]:
         """Group the step's samples by row and keep, for a row with drafts, its samples up to the first that

@@ -13,6 +13,7 @@ from plait.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from plait.engine.grammar import Grammar
     from plait.lora.adapter import LoRAAdapter
+    from plait.pooling_params import PoolingParams
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +53,9 @@ class Request:
     # The LoRA adapter it runs with (read and checked by the engine), or None for the base model.
     lora: LoRAAdapter | None = None
     arrival_index: int | None = None  # set by LLMEngine.enqueue: FCFS order
+    # Set for an embedding request (the pooling runner): its prompt is run and pooled, nothing is sampled
+    # (max_tokens 0), and it finishes when the step that computes the prompt's end is collected.
+    pooling_params: PoolingParams | None = None
 
     # Set by the scheduler.
     status: RequestStatus = RequestStatus.WAITING

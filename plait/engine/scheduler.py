@@ -22,7 +22,8 @@ class ScheduledRow:
     num_new_tokens: int
     is_prefill: bool  # request.is_prefilling when scheduled (progress-based, never query length)
     # A row samples iff it reaches the end of the request's known tokens when scheduled: a chunk
-    # that completes the prompt, or a decode. A chunk that stops short has no next token.
+    # that completes the prompt, or a decode. A chunk that stops short has no next token, and an
+    # embedding request's last chunk is pooled instead (ModelRunner._pool).
     samples: bool
     # Speculative decoding: the draft tokens a decode row computes after its one known (or pending) token,
     # counted in num_new_tokens. The row samples at each of its 1 + len(draft_token_ids) tokens, and the
@@ -326,8 +327,9 @@ class _StepBuilder:
         return size
 
     def add(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> None:
+        samples = num_new == request.num_remaining_tokens and request.pooling_params is None
         row = ScheduledRow(request, request.num_computed_tokens, num_new + len(drafts), request.is_prefilling,
-                           samples=num_new == request.num_remaining_tokens, draft_token_ids=drafts)
+                           samples=samples, draft_token_ids=drafts)
         self.plan.rows.append(row)
         self.token_budget -= row.num_new_tokens
         self.prefill_budget -= row.num_new_tokens if row.is_prefill else 0

@@ -1,4 +1,5 @@
-"""The offline API: ``LLM(model).generate(prompts, params)`` and ``.chat(messages)``, as in vLLM."""
+"""The offline API: ``LLM(model).generate(prompts, params)``, ``.chat(messages)`` and, for pooling models,
+``.embed(prompts)``, as in vLLM."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ from plait.entrypoints.beam_search import (
     step_params,
 )
 from plait.lora.request import LoRARequest
-from plait.outputs import RequestOutput
+from plait.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from plait.pooling_params import PoolingParams
 from plait.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict | Sequence[int]
@@ -78,6 +80,46 @@ class LLM:
             self.engine.enqueue(request, text)
         finished = self._run_to_completion(len(children), use_tqdm)
         return _gather(prompts, params, finished, batch)
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """A pooling model's output for every prompt, in prompt order (vLLM's ``LLM.encode``): each
+        ``outputs.data`` is the prompt's pooled vector. Prompts as generate's; all are validated before any
+        enters the engine. ``truncate_prompt_tokens`` (where given) keeps each prompt's last k tokens."""
+        prompts = _as_prompt_list(prompts)
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        params = [params] * len(prompts) if isinstance(params, PoolingParams) else list(params)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} pooling params for {len(prompts)} prompts")
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        batch = self._batch_ids
+        self._batch_ids += 1
+        made = [self.engine.make_request(_prompt_payload(prompt), p, f"{batch}-{i}")
+                for i, (prompt, p) in enumerate(zip(prompts, params))]
+        for request, text in made:
+            self.engine.enqueue(request, text)
+        finished = self._run_to_completion(len(made), use_tqdm, desc="embedding")
+        return [finished[request.request_id] for request, _ in made]
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Every prompt's embedding, in prompt order (vLLM's ``LLM.embed``): ``outputs.embedding`` is a list
+        of floats, L2-normalised unless the pooler or ``PoolingParams.normalize`` says otherwise, of
+        ``PoolingParams.dimensions`` entries where a Matryoshka model is asked for fewer. Needs a pooling
+        model (``LLM(model, runner="pooling")``, or a base model's checkpoint)."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(out) for out in outputs]
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False,
@@ -156,9 +198,10 @@ class LLM:
     ) -> list[int]:
         return apply_chat_template(self.engine.tokenizer, conversation, add_generation_prompt, kwargs)
 
-    def _run_to_completion(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+    def _run_to_completion(self, total: int, use_tqdm: bool, desc: str = "generating"
+                           ) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=total, desc="generating", unit="req", disable=not use_tqdm) as bar:
+        with tqdm(total=total, desc=desc, unit="req", disable=not use_tqdm) as bar:
             for out in self._drain():
                 finished[out.request_id] = out
                 bar.update(1)

@@ -17,7 +17,7 @@ from plait.config import EngineConfig, ModelConfig
 from plait.layers.fp8 import FP8_DTYPE, checkpoint_quantization, checkpoint_weight_block, quantize_model
 from plait.layers.linear import deferred_weights, materialize_deferred
 from plait.layers.moe import FusedMoE
-from plait.models.registry import get_model_class
+from plait.models.registry import BASE_MODEL_ARCHITECTURES, get_model_class, resolve_runner
 from plait.models.weights import weight_row_loader
 
 logger = logging.getLogger(__name__)
@@ -37,6 +37,7 @@ class LoadedModel:
     # Per attention layer (in KV-cache order), the checkpoint's FP8 KV-cache scales (k_scale, v_scale), where
     # it has them and kv_cache_dtype is "fp8"; None otherwise (an FP8 cache then takes 1.0, as vLLM).
     kv_scales: list[tuple[float, float]] | None = None
+    runner: str = "generate"  # EngineConfig.runner resolved for this model (resolve_runner)
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -58,6 +59,7 @@ def load_model(
     source = resolve_model(config.model)
     hf_config, weights = _read_source(source, config.load_format)
     model_config = ModelConfig.from_hf(hf_config)
+    runner = resolve_runner(config.runner, model_config.architecture)
     cls = get_model_class(model_config.architecture)
     positions = max_positions or model_config.max_position_embeddings
     # An FP8 checkpoint is served in FP8 without --quantization, as vLLM reads its quantization_config, and
@@ -73,6 +75,8 @@ def load_model(
     # copy of the model ever exists.
     with torch.device(device), deferred_weights():
         model = cls(model_config, positions)
+        if runner == "pooling":
+            model.lm_head = None  # embeddings come from the trunk's hidden states: no logits, no memory
     model.to(dtype)  # rotary tables are plain attributes, so they stay fp32
     if quantization is not None:
         quantize_model(model, quantization, device, block)
@@ -83,12 +87,24 @@ def load_model(
         _init_dummy(model, config.seed)
     else:
         weights = _tap_kv_scales(weights, kv_scales)
+        if runner == "pooling":
+            weights = _trunk_weights(weights, model_config.architecture in BASE_MODEL_ARCHITECTURES)
         model.load_weights((name, _to_model(name, t, device, dtype)) for name, t in weights)
     model.eval()
     tokenizer = _load_tokenizer(source)
     fp8_cache = config.kv_cache_dtype == "fp8"
     cache_scales = _kv_cache_scales(kv_scales, model) if fp8_cache and kv_scales else None
-    return LoadedModel(model, model_config, tokenizer, source.path, quantization, cache_scales)
+    return LoadedModel(model, model_config, tokenizer, source.path, quantization, cache_scales, runner)
+
+
+def _trunk_weights(weights: Iterable[tuple[str, torch.Tensor]], base_model: bool
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A checkpoint's tensors for a pooling model: the LM head's left out (the model has none), and a base
+    model's names (``layers.0...``, saved from an HF ``...Model``) under the ``model.`` trunk of plait's."""
+    for name, tensor in weights:
+        if name.startswith("lm_head."):
+            continue
+        yield (f"model.{name}" if base_model and not name.startswith("model.") else name), tensor
 
 
 # An FP8 checkpoint's KV-cache scales: compressed-tensors' self_attn.k_scale / v_scale, or the older

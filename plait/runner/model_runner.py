@@ -28,6 +28,7 @@ from plait.runner.cuda_graphs import MAX_GRAPH_PROMPT_TOKENS, StepGraphs, graph_
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
 from plait.runner.input_buffers import InputBuffers, Layout
 from plait.runner.padding import GraphShape
+from plait.runner.pooler import Pooler, resolve_pooling
 from plait.runner.sampler import (
     Logprobs,
     Sampler,
@@ -80,6 +81,9 @@ class StepOutput:
     logits: torch.Tensor | None  # [S, vocab] fp32: the rows that were sampled (for tests/tools)
     used_cuda_graph: bool = False
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # Pooling runner: each request whose prompt ended in the step, and its pooled vector [hidden] fp32 on the
+    # host (before dimensions and normalisation: Pooler.finish).
+    pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
 
 
 def with_device_token_budget(config: EngineConfig, device: torch.device) -> EngineConfig:
@@ -97,6 +101,11 @@ class ModelRunner:
         loaded = load_model(config, self.device, self.dtype)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         self.model_path = loaded.source
+        # "pooling": prompts pooled into embeddings (the model has no lm_head); "generate": tokens sampled.
+        self.runner_type = loaded.runner
+        self.pooler = (Pooler(resolve_pooling(config.pooler_config, loaded.source, self.model_config.raw,
+                                              self.model_config.hidden_size))
+                       if loaded.runner == "pooling" else None)
         # config.quantization, or what an FP8 checkpoint holds without it
         self.quantization = loaded.quantization
         if self._folds_norms():
@@ -255,10 +264,12 @@ class ModelRunner:
         batch = forward_batch_from_arrays(arrays, self.device)
         self._attach(batch, kv)
         hidden = self._run_model(batch, lora=self.lora is not None)
-        rows = min(self.config.max_num_seqs, num_tokens)
-        logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
-        self.sampler(logits, [SamplingRow(PROFILE_SAMPLING, [0], [])] * rows)
-        del kv, batch, hidden, logits
+        if self.pooler is None:  # a pooling model has no lm_head, and its pooled vectors take next to nothing
+            rows = min(self.config.max_num_seqs, num_tokens)
+            logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
+            self.sampler(logits, [SamplingRow(PROFILE_SAMPLING, [0], [])] * rows)
+            del logits
+        del kv, batch, hidden
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -362,6 +373,8 @@ class ModelRunner:
         t2 = time.perf_counter()
         step = self._sample(plan, arrays, hidden, views["sample_indices"])
         step.prompt_logprobs = self._prompt_logprobs(plan, arrays, hidden)
+        if self.pooler is not None:
+            step.pooled = self._pool(plan, arrays, hidden)
         step.used_cuda_graph = shape is not None
         t3 = time.perf_counter()
         b = self.breakdown
@@ -387,7 +400,35 @@ class ModelRunner:
         else:
             positions = [(r, j) for r, n in zip(step.requests, step.samples_per_row) for j in range(n)]
             sampled = [SampledToken(r, t, lp, j) for (r, j), t, lp in zip(positions, ids, step.logprobs)]
-        return StepOutput(sampled, step.logits, step.used_cuda_graph, self._unpack_prompt_logprobs(step))
+        pooled = []
+        if step.pooled is not None:
+            requests, host_vectors, copied = step.pooled
+            if copied is not None:
+                copied.synchronize()
+            pooled = list(zip(requests, host_vectors))
+        return StepOutput(sampled, step.logits, step.used_cuda_graph, self._unpack_prompt_logprobs(step),
+                          pooled)
+
+    def _pool(self, plan: StepPlan, arrays: StepArrays, hidden: torch.Tensor
+              ) -> tuple[list[Request], torch.Tensor, torch.cuda.Event | None] | None:
+        """The pooled vectors of the rows whose prompt ends in this step, on their way to the host: (requests,
+        host tensor [n, hidden], the event its copy records; None off CUDA, where the copy is synchronous)."""
+        pooled = self.pooler.pool(plan, arrays.query_start_loc, hidden)
+        if pooled is None:
+            return None
+        requests, vectors = pooled
+        if self.device.type != "cuda":
+            return requests, vectors, None
+        # As sampled ids: copied on the copy-out stream, so collecting this step never waits for the next.
+        host = torch.empty(vectors.shape, dtype=vectors.dtype, pin_memory=True)
+        ready, copied = torch.cuda.Event(), torch.cuda.Event()
+        ready.record()
+        with torch.cuda.stream(self._copy_out_stream):
+            self._copy_out_stream.wait_event(ready)
+            vectors.record_stream(self._copy_out_stream)
+            host.copy_(vectors, non_blocking=True)
+            copied.record()
+        return requests, host, copied
 
     @staticmethod
     def _pending_sources(plan: StepPlan, arrays: StepArrays, prev: InFlightStep | None) -> np.ndarray:
@@ -554,6 +595,9 @@ class InFlightStep:
     # Set by launch where rows want prompt logprobs: (runs, device table), unpacked by collect.
     prompt_logprobs: tuple[list[tuple[Request, int, int, int]], torch.Tensor] | None = None
     samples_per_row: list[int] | None = None  # [S]: each row's entries in token_ids (None: one each)
+    # Set by launch under the pooling runner: (requests whose prompt ended, their vectors on the host once
+    # the event is done (None: already there)), or None where no prompt ended.
+    pooled: tuple[list[Request], torch.Tensor, torch.cuda.Event | None] | None = None
 
     def __post_init__(self) -> None:
         if self.samples_per_row is None:

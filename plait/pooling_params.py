@@ -1,0 +1,37 @@
+"""Per-request pooling parameters (embeddings), with vLLM's field names and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from plait.sampling_params import TRUNCATE_TO_CONTEXT
+
+
+@dataclass
+class PoolingParams:
+    """What an embedding request asks of a pooling model (``LLM.embed``, ``/v1/embeddings``).
+
+    ``dimensions``: keep the first d of the pooled vector (a Matryoshka model's shorter embedding), before
+    it is normalised. ``normalize``: L2-normalise the embedding (None: the model's pooler decides; on by
+    default, off where a sentence-transformers config has no Normalize module). ``truncate_prompt_tokens``:
+    keep the prompt's last k tokens (-1: as many as the context holds), as SamplingParams' does.
+    """
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    truncate_prompt_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        d = self.dimensions
+        if d is not None and (isinstance(d, bool) or not isinstance(d, int)):
+            raise ValueError(f"dimensions must be an int or None, got {d!r}")
+        if d is not None and d < 1:
+            raise ValueError("Dimensions must be greater than 0")  # vLLM's words
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"normalize must be true, false or None, got {self.normalize!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None:
+            if isinstance(k, bool) or not isinstance(k, int):
+                raise ValueError(f"truncate_prompt_tokens must be an int or None, got {k!r}")
+            if k < 1 and k != TRUNCATE_TO_CONTEXT:
+                raise ValueError(f"truncate_prompt_tokens must be >= 1 or {TRUNCATE_TO_CONTEXT}, got {k}")

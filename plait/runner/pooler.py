@@ -1,0 +1,178 @@
+"""Pooler: a pooling model's embeddings, pooled from each prompt's hidden states chunk by chunk."""
+
+from __future__ import annotations
+
+import json
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from plait.config import PoolerConfig
+from plait.engine.request import Request
+from plait.engine.scheduler import StepPlan
+from plait.pooling_params import PoolingParams
+
+# sentence-transformers' module list (modules.json) and the module types plait reads from it.
+SENTENCE_TRANSFORMERS_MODULES = "modules.json"
+ST_POOLING = "sentence_transformers.models.Pooling"
+ST_NORMALIZE = "sentence_transformers.models.Normalize"
+ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+# A sentence-transformers Pooling config's modes, as plait's pooling types.
+ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
+                    "pooling_mode_cls_token": "CLS"}
+# What a decoder embedding model is trained for, and vLLM's default for one: the last token's hidden state,
+# L2-normalised.
+DEFAULT_POOLING_TYPE = "LAST"
+
+
+@dataclass(frozen=True)
+class PoolingSpec:
+    """A pooling model's pooler, resolved at start-up (resolve_pooling)."""
+
+    pooling_type: str  # "LAST", "MEAN" or "CLS"
+    normalize: bool  # the default of requests that leave PoolingParams.normalize unset
+    hidden_size: int
+    # Matryoshka models (config.json's is_matryoshka / matryoshka_dimensions) may be asked for shorter
+    # embeddings; None: any dimensions up to hidden_size where is_matryoshka.
+    is_matryoshka: bool = False
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+    @property
+    def needs_every_position(self) -> bool:
+        """Whether the pooled vector reads positions before the last: then no prompt token may be served
+        from the prefix cache (a cached token's hidden state is never computed)."""
+        return self.pooling_type != "LAST"
+
+    def check(self, params: PoolingParams, model_name: str) -> None:
+        """Refuse what this pooler cannot give (vLLM's words), before the request enters the engine."""
+        d = params.dimensions
+        if d is None:
+            return
+        if not self.is_matryoshka:
+            raise ValueError(f'Model "{model_name}" does not support matryoshka representation, changing '
+                             "output dimensions will lead to poor results.")
+        if self.matryoshka_dimensions and d not in self.matryoshka_dimensions:
+            raise ValueError(f'Model "{model_name}" only supports {list(self.matryoshka_dimensions)} '
+                             "matryoshka dimensions, use other output dimensions will lead to poor results.")
+        if d > self.hidden_size:
+            raise ValueError(f"dimensions {d} is more than the model's hidden size {self.hidden_size}")
+
+
+def resolve_pooling(config: PoolerConfig | None, model_path: Path, hf_config: dict, hidden_size: int
+                    ) -> PoolingSpec:
+    """The pooler of a model: ``config``'s fields where given, else the folder's sentence-transformers config
+    (its Pooling module's mode, Normalize present or not), else LAST and normalised, as vLLM resolves it."""
+    st_type, st_normalize = _sentence_transformers_pooling(model_path)
+    pooling_type = (config and config.pooling_type) or st_type or DEFAULT_POOLING_TYPE
+    normalize = config.normalize if config is not None and config.normalize is not None else None
+    if normalize is None:
+        normalize = st_normalize if st_normalize is not None else True
+    dims = hf_config.get("matryoshka_dimensions")
+    return PoolingSpec(
+        pooling_type=pooling_type,
+        normalize=normalize,
+        hidden_size=hidden_size,
+        is_matryoshka=bool(hf_config.get("is_matryoshka")) or bool(dims),
+        matryoshka_dimensions=tuple(dims) if dims else None,
+    )
+
+
+def _sentence_transformers_pooling(model_path: Path) -> tuple[str | None, bool | None]:
+    """(pooling type, normalize) from a sentence-transformers folder's modules.json; (None, None) where the
+    folder has none. Modules that change the vector beyond pooling and normalising are refused by name."""
+    modules_file = model_path / SENTENCE_TRANSFORMERS_MODULES if model_path.is_dir() else None
+    if modules_file is None or not modules_file.is_file():
+        return None, None
+    modules = json.loads(modules_file.read_text())
+    pooling_type, normalize = None, False
+    for module in modules:
+        kind = module.get("type", "")
+        if kind == ST_POOLING:
+            pooling_type = _st_pooling_mode(model_path / module.get("path", ""))
+        elif kind == ST_NORMALIZE:
+            normalize = True
+        elif kind != ST_TRANSFORMER:
+            raise ValueError(f"the model's sentence-transformers module {kind!r} ({module.get('path')}) is "
+                             "not supported: plait pools and normalises only")
+    return pooling_type, normalize
+
+
+def _st_pooling_mode(folder: Path) -> str:
+    config = json.loads((folder / "config.json").read_text())
+    modes = [kind for key, kind in ST_POOLING_MODES.items() if config.get(key)]
+    others = sorted(k for k, v in config.items() if k.startswith("pooling_mode_") and v
+                    and k not in ST_POOLING_MODES)
+    if others or len(modes) != 1:
+        raise ValueError(f"the model's sentence-transformers pooling ({folder / 'config.json'}) sets "
+                         f"{[k for k, v in config.items() if k.startswith('pooling_mode_') and v]}; plait "
+                         "supports exactly one of lasttoken, mean_tokens or cls_token")
+    return modes[0]
+
+
+class Pooler:
+    """Pools each pooling row of a step (every row, under the pooling runner): the last token's hidden state
+    (LAST), the first's (CLS) or their mean (MEAN), in fp32. A prompt that runs in several chunks keeps what
+    its earlier chunks gave (a running sum, or the first token's state) until its last chunk, so an
+    embedding does not depend on how the prompt was chunked; a first chunk (a preempted request's restart
+    too) starts afresh."""
+
+    def __init__(self, spec: PoolingSpec) -> None:
+        self.spec = spec
+        # A prompt's state between its chunks (MEAN: the sum so far; CLS: the first token's), dropped with the
+        # request (an aborted one's too).
+        self._partial: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.WeakKeyDictionary()
+
+    def pool(self, plan: StepPlan, query_start_loc: np.ndarray, hidden: torch.Tensor
+             ) -> tuple[list[Request], torch.Tensor] | None:
+        """The rows whose prompt ends in this step, and their pooled vectors [n, hidden] fp32 on the device
+        (before dimensions and normalisation: finish()); None where no prompt ends."""
+        # hidden: [T, hidden] (a graph's padded rows after the real ones)
+        kind = self.spec.pooling_type
+        if kind == "MEAN":
+            return self._pool_mean(plan, query_start_loc, hidden)
+        done, index = [], []
+        for i, row in enumerate(plan.rows):
+            first, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
+            ends_prompt = row.start + row.num_new_tokens == row.request.num_prompt_tokens
+            if kind == "CLS" and row.start == 0 and not ends_prompt:
+                self._partial[row.request] = hidden[first].to(torch.float32, copy=True)  # outlives hidden
+            if ends_prompt:
+                done.append(row)
+                index.append(end - 1 if kind == "LAST" else first)
+        if not done:
+            return None
+        vectors = hidden[torch.tensor(index, device=hidden.device)].float()
+        if kind == "CLS":
+            rows = [k for k, row in enumerate(done) if row.start > 0]
+            if rows:  # the first token was in an earlier chunk
+                vectors[rows] = torch.stack([self._partial.pop(done[k].request) for k in rows])
+        return [row.request for row in done], vectors
+
+    def _pool_mean(self, plan: StepPlan, query_start_loc: np.ndarray, hidden: torch.Tensor
+                   ) -> tuple[list[Request], torch.Tensor] | None:
+        num_rows = len(plan.rows)
+        lens = np.diff(query_start_loc[: num_rows + 1])
+        row_of_token = torch.from_numpy(np.repeat(np.arange(num_rows), lens)).to(hidden.device)
+        sums = torch.zeros(num_rows, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+        sums.index_add_(0, row_of_token, hidden[: int(lens.sum())].float())  # [R, hidden]
+        done, vectors = [], []
+        for i, row in enumerate(plan.rows):
+            total = sums[i] if row.start == 0 else self._partial.pop(row.request) + sums[i]
+            if row.start + row.num_new_tokens == row.request.num_prompt_tokens:
+                done.append(row.request)
+                vectors.append(total / row.request.num_prompt_tokens)
+            else:
+                self._partial[row.request] = total
+        return (done, torch.stack(vectors)) if done else None
+
+    def finish(self, vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
+        """A pooled vector [hidden] as the request asked for it: its first ``dimensions`` entries, then
+        L2-normalised unless the request (or else the pooler) says not to."""
+        if params.dimensions is not None:
+            vector = vector[: params.dimensions]
+        normalize = params.normalize if params.normalize is not None else self.spec.normalize
+        return F.normalize(vector, p=2, dim=-1) if normalize else vector
