@@ -36,7 +36,8 @@ def hf_trunks(tiny_models) -> dict:
 
 
 def _reference(trunk, ids: list[int], kind: str = "LAST", normalize: bool = True) -> torch.Tensor:
-    """What a pooling model should give for ``ids``: HF's final hidden states (after the final norm), pooled."""
+    """What a pooling model should give for ``ids``: HF's final hidden states (after the final norm),
+    pooled."""
     with torch.no_grad():
         hidden = trunk(torch.tensor([ids])).last_hidden_state[0]  # [n, hidden]
     vector = {"LAST": hidden[-1], "MEAN": hidden.mean(0), "CLS": hidden[0]}[kind]
@@ -180,9 +181,11 @@ def test_sentence_transformers_config_chooses_the_pooler(tiny_llama, hf_trunks, 
     assert (spec.pooling_type, spec.normalize) == ("MEAN", False)
     prompts = _prompts(9, [12, 40])
     _check(llm.embed(prompts, use_tqdm=False), hf_trunks["llama"], prompts, "MEAN", normalize=False)
-    overridden = LLM(str(folder), runner="pooling", pooler_config='{"pooling_type": "cls", "normalize": true}')
+    overridden = LLM(str(folder), runner="pooling",
+                     pooler_config='{"pooling_type": "cls", "normalize": true}')
     _check(overridden.embed(prompts, use_tqdm=False), hf_trunks["llama"], prompts, "CLS")
-    dense = {"modules": [{"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"}]}
+    dense = {"modules": [{"idx": 3, "name": "3", "path": "3_Dense",
+                          "type": "sentence_transformers.models.Dense"}]}
     bad = _sentence_transformers_folder(tiny_llama, tmp_path / "dense", "pooling_mode_lasttoken", True, dense)
     with pytest.raises(ValueError, match="sentence_transformers.models.Dense"):
         LLM(str(bad), runner="pooling")
