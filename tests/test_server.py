@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -1638,3 +1639,97 @@ def test_responses_retrieve_and_cancel_as_vllm(served, client, model):
     with pytest.raises(openai.BadRequestError, match="Cannot cancel a synchronous response"):
         client.responses.cancel(done.id)
     assert client.responses.retrieve(done.id).status == "incomplete"
+
+
+# -- embeddings (a pooling model) ---------------------------------------------------------------
+
+EMBED_TEXTS = ["The cat sat on the mat.", "A cat was sitting on a mat.",
+               "Quarterly revenue rose by 4 percent.", "Bonjour !"]
+
+
+@pytest.fixture(scope="module")
+def embedding_server():
+    """The default model as a pooling model (LAST pooling, normalised) behind an API key, and its engine's
+    own embeddings of EMBED_TEXTS, made before the server took the engine."""
+    engine = LLMEngine(EngineConfig(runner="pooling", max_num_batched_tokens=16))
+    for i, text in enumerate(EMBED_TEXTS):
+        engine.add_request(text, request_id=str(i))
+    offline = {}
+    while engine.has_unfinished_requests():
+        offline.update({int(o.request_id): o for o in engine.step()})
+    server = OpenAIServer(engine, ServerConfig(api_key=API_KEY, log_level="warning"))
+    with BackgroundServer(server) as url:
+        yield server, url, [offline[i] for i in range(len(EMBED_TEXTS))]
+
+
+def test_embeddings_with_the_openai_client(embedding_server):
+    """client.embeddings.create as OpenAI's docs use it (base64 on the wire, the client's default), and with
+    floats: each input's embedding, in input order, equal to the engine's own; usage counts the prompts."""
+    server, url, offline = embedding_server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    before = _metrics(url)
+    r = client.embeddings.create(model=server.model_name, input=EMBED_TEXTS)
+    floats = client.embeddings.create(model=server.model_name, input=EMBED_TEXTS, encoding_format="float")
+    after = _metrics(url)
+    assert r.object == "list" and r.model == server.model_name and r.id.startswith("embd-")
+    for response in (r, floats):
+        assert [d.index for d in response.data] == [0, 1, 2, 3]
+        assert all(d.object == "embedding" for d in response.data)
+        for d, out in zip(response.data, offline):
+            assert len(d.embedding) == 576
+            torch.testing.assert_close(torch.tensor(d.embedding), out.outputs.data, atol=1e-5, rtol=0)
+    num_prompt = sum(len(o.prompt_token_ids) for o in offline)
+    assert r.usage.prompt_tokens == r.usage.total_tokens == num_prompt
+    vllm = lambda name, **labels: _vllm(name, server.model_name, **labels)
+    assert _delta(before, after, vllm("prompt_tokens_total")) == 2 * num_prompt
+    assert _delta(before, after, vllm("request_success_total", finished_reason="stop")) == 8
+    assert _delta(before, after, vllm("generation_tokens_total")) == 0
+    # One input, and inputs as token ids, as OpenAI's API takes them.
+    one = client.embeddings.create(model=server.model_name, input=EMBED_TEXTS[2])
+    ids = client.embeddings.create(model=server.model_name, input=offline[2].prompt_token_ids)
+    batch = client.embeddings.create(model=server.model_name, input=[o.prompt_token_ids for o in offline])
+    for response, expected in ((one, [offline[2]]), (ids, [offline[2]]), (batch, offline)):
+        got = torch.tensor([d.embedding for d in response.data])
+        torch.testing.assert_close(got, torch.stack([o.outputs.data for o in expected]), atol=1e-5, rtol=0)
+
+
+def test_embeddings_extensions_and_bad_input(embedding_server):
+    """vLLM's truncate_prompt_tokens; 400s, OpenAI-style, for what a request cannot have, while the server
+    keeps serving; the text endpoints are closed on a pooling model."""
+    server, url, offline = embedding_server
+    body = {"model": server.model_name, "input": EMBED_TEXTS[0], "encoding_format": "float"}
+    cut = _post(url, "/v1/embeddings", {**body, "truncate_prompt_tokens": 3})
+    assert cut.status_code == 200 and cut.json()["usage"]["prompt_tokens"] == 3
+    plain = _post(url, "/v1/embeddings", {**body, "add_special_tokens": False, "normalize": False})
+    assert plain.status_code == 200
+    vector = torch.tensor(plain.json()["data"][0]["embedding"])
+    assert abs(vector.norm().item() - 1) > 1e-3  # not normalised
+    torch.testing.assert_close(torch.nn.functional.normalize(vector, dim=-1), offline[0].outputs.data,
+                               atol=1e-5, rtol=0)
+    cases = [
+        ({**body, "dimensions": 8}, "does not support matryoshka representation", "dimensions"),
+        ({**body, "input": []}, "input is empty", "input"),
+        ({**body, "input": [""]}, "prompt is empty", "input"),
+        ({**body, "input": [[1, 2], [10**6]]}, "out of range", "input"),
+        ({**body, "input": "word " * 9000}, "maximum context length is 8192 tokens", "input"),
+        ({**body, "encoding_format": "bytes"}, "encoding_format", "encoding_format"),
+        ({**body, "model": "other"}, "does not exist", "model"),
+    ]
+    for request, message, param in cases:
+        r = _post(url, "/v1/embeddings", request)
+        error = r.json()["error"]
+        assert r.status_code == (404 if param == "model" else 400), (request, r.text)
+        assert message in error["message"] and error["param"] == param, (request, error)
+    chat = {"model": server.model_name, "messages": [{"role": "user", "content": "hi"}]}
+    for path, body_, api in (("/v1/chat/completions", chat, "Chat Completions API"),
+                             ("/v1/completions", {"prompt": "hi"}, "Completions API"),
+                             ("/v1/responses", {"input": "hi"}, "Responses API")):
+        r = _post(url, path, body_)
+        assert r.status_code == 400 and f"does not support {api}" in r.json()["error"]["message"]
+    assert _post(url, "/v1/embeddings", body).status_code == 200
+    assert server.engine.is_alive
+
+
+def test_generating_model_refuses_embeddings(served, client, model):
+    with pytest.raises(openai.BadRequestError, match="does not support Embeddings API"):
+        client.embeddings.create(model=model, input="hello")

@@ -17,7 +17,8 @@ from typing import Any, TypeVar
 from plait.engine.engine import LLMEngine, StepStats
 from plait.engine.request import Request
 from plait.lora.request import LoRARequest
-from plait.outputs import RequestOutput
+from plait.outputs import PoolingRequestOutput, RequestOutput
+from plait.pooling_params import PoolingParams
 from plait.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> tuple[int, RequestOutput]:
+    async def __anext__(self) -> tuple[int, RequestOutput | PoolingRequestOutput]:
         if not self._unfinished:
             raise StopAsyncIteration
         if self._deadline is None:
@@ -195,7 +196,7 @@ class AsyncLLMEngine:
 
     async def add(
         self,
-        children: Sequence[tuple[PromptInput, SamplingParams]],
+        children: Sequence[tuple[PromptInput, SamplingParams | PoolingParams]],
         validate: Validator | None = None,
         timeout_s: float | None = None,
         lora_request: LoRARequest | None = None,
@@ -268,7 +269,7 @@ class AsyncLLMEngine:
         else:
             future.set_result(result)
 
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
+    def _deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
@@ -394,7 +395,7 @@ class AsyncLLMEngine:
 
     def _do_add(
         self,
-        children: list[tuple[str, tuple[PromptInput, SamplingParams]]],
+        children: list[tuple[str, tuple[PromptInput, SamplingParams | PoolingParams]]],
         validate: Validator | None,
         future: asyncio.Future,
         lora_request: LoRARequest | None,

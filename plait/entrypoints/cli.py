@@ -24,7 +24,7 @@ _ENGINE_FLAGS = (
     "num_kv_blocks", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
     "attention_backend", "enforce_eager", "async_scheduling",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
-    "kv_cache_dtype", "speculative_config",
+    "kv_cache_dtype", "speculative_config", "runner", "pooler_config",
 )
 
 
@@ -56,6 +56,12 @@ _FLAG_HELP = {
     "speculative_config": "as vLLM's, a JSON object: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
                           "4, \"prompt_lookup_max\": 4}' drafts up to 4 tokens a step by prompt lookup and "
                           "keeps those the model would have produced anyway (default: off)",
+    "runner": "as vLLM's --runner: 'pooling' serves the model's embeddings (/v1/embeddings), 'generate' its "
+              "text; 'auto' (default) pools a base model's checkpoint (LlamaModel, Qwen3Model, ...) and "
+              "generates with any other",
+    "pooler_config": "as vLLM's, a JSON object for a pooling model: '{\"pooling_type\": \"MEAN\", "
+                     "\"normalize\": false}' (LAST, MEAN or CLS; default: the model's sentence-transformers "
+                     "config, else LAST, normalised)",
 }
 
 

@@ -797,6 +797,42 @@ class DetokenizeRequest(_RequestModel):
     tokens: list[TokenId]
 
 
+# OpenAI's limit on the inputs of one /v1/embeddings request.
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class EmbeddingRequest(_RequestModel):
+    """OpenAI's /v1/embeddings body, with vLLM's extensions (a pooling model's server)."""
+
+    model: str | None = None
+    # One input (text or token ids) or a batch of them, each embedded alone.
+    input: str | list[TokenId] | list[str] | list[list[TokenId]]
+    # "base64": each embedding's float32 values, little-endian, base64-encoded (the openai client's default).
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = None  # a Matryoshka model's shorter embedding
+    user: str | None = None
+    # vLLM extensions: keep each input's last k tokens (-1: as many as the context holds); add the tokenizer's
+    # special tokens (a BOS, an EOS) to text inputs; L2-normalise (None: the model's pooler decides).
+    truncate_prompt_tokens: Annotated[Int, Field(ge=TRUNCATE_TO_CONTEXT)] | None = None
+    add_special_tokens: bool = True
+    normalize: bool | None = None
+
+    def inputs(self) -> list[str | list[int]]:
+        """The batch of inputs: a single text or token-id input is a batch of one."""
+        p = self.input
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [list(p)]  # type: ignore[arg-type]
+        if not p:
+            raise ProtocolError("input is empty: give a text, a list of token ids, or a list of them",
+                                "input")
+        if len(p) > MAX_EMBEDDING_INPUTS:
+            raise ProtocolError(f"input has {len(p)} entries; at most {MAX_EMBEDDING_INPUTS} may be embedded "
+                                "in one request", "input")
+        return list(p)  # type: ignore[arg-type]
+
+
 class LoadLoRAAdapterRequest(_RequestModel):
     """vLLM's /v1/load_lora_adapter: serve the PEFT adapter at lora_path under the model name lora_name."""
 
@@ -976,6 +1012,21 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+class EmbeddingData(BaseModel):
+    index: int
+    object: Literal["embedding"] = "embedding"
+    embedding: list[float] | str  # a str with encoding_format "base64"
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[EmbeddingData]
+    usage: UsageInfo
 
 
 class TokenizeResponse(BaseModel):

@@ -775,6 +775,7 @@ class ResponsesAPI:
 
     async def create(self, body: ResponsesRequest, raw: Request) -> Response:
         server = self.server
+        server.check_generates("Responses API")
         lora = server._check_model(body.model)
         arrival = time.monotonic()
         with _named_as_responses():

@@ -4,6 +4,7 @@ and metrics."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import dataclasses
@@ -75,6 +76,9 @@ from plait.entrypoints.protocol import (
     DeltaToolCall,
     DetokenizeRequest,
     DetokenizeResponse,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
     ErrorInfo,
     ErrorResponse,
     FunctionCallOut,
@@ -109,7 +113,8 @@ from plait.entrypoints.tools import (
 )
 from plait.loader.hf import ModelSource
 from plait.lora.request import LoRAModulePath, LoRARequest
-from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from plait.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
+from plait.pooling_params import PoolingParams
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -576,8 +581,14 @@ class _RequestTracker:
         self._closed = False
         metrics.prompt_tokens.inc(sum(len(p) for p in stream.prompt_token_ids))
 
-    def observe(self, index: int, out: RequestOutput) -> None:
+    def observe(self, index: int, out: RequestOutput | PoolingRequestOutput) -> None:
         now = out.metrics.get("now") or time.monotonic()
+        if isinstance(out, PoolingRequestOutput):  # one output, the embedding: its first and last
+            self._m.ttft.observe(max(0.0, now - self._arrival))
+            self._done[index] = True
+            self._m.e2e.observe(max(0.0, now - self._arrival))
+            self._m.request_finished("stop")
+            return
         completion = out.outputs[0]
         self._m.generation_tokens.inc(len(completion.delta_token_ids))
         self._m.totals.generation += len(completion.delta_token_ids)
@@ -622,6 +633,14 @@ class _EngineStreamResponse(StreamingResponse):
         finally:
             self._engine_stream.abort()
             self._tracker.close()
+
+
+def _encode_embedding(vector: Any, encoding_format: str) -> list[float] | str:
+    """An embedding (a host fp32 tensor) as a JSON list of floats, or as base64 of its little-endian float32
+    bytes (what the openai client asks for, and decodes with numpy)."""
+    if encoding_format == "base64":
+        return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
 
 
 def _sse(payload: BaseModel) -> str:
@@ -758,6 +777,9 @@ class OpenAIServer:
         source = engine.model_source
         self.model_root = source.repo_id or str(source.path)  # /v1/models' root, as vLLM's
         self.vocab_size = engine.model_config.vocab_size
+        # A pooling model serves /v1/embeddings and no text endpoint; any other model the reverse (as vLLM).
+        self.pooling = engine.pooler is not None
+        self.pooling_spec = engine.pooler.spec if engine.pooler is not None else None  # fixed at load
         self.eos_token_ids = engine.eos_token_ids  # fixed at load; beam search finishes beams on them
         # The model's generation_config.json: defaults of what requests leave out (fixed at load).
         self.generation_defaults = engine.generation_defaults
@@ -848,6 +870,10 @@ class OpenAIServer:
         @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERROR_RESPONSES)
         async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
             return await self.create_chat_completion(body, raw)
+
+        @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERROR_RESPONSES)
+        async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
+            return await self.create_embedding(body, raw)
 
         # The Responses API, on the chat path; imported here, as it builds on this module.
         from plait.entrypoints.responses import ResponsesAPI
@@ -1052,9 +1078,9 @@ class OpenAIServer:
                 f"completion). Please reduce the length of the messages or completion.",
                 param="max_tokens", code=CONTEXT_LENGTH_EXCEEDED)
 
-    async def _start(self, children: list[tuple[PromptInput, SamplingParams]], prompt_param: str,
-                     max_tokens: int | None, structured_param: str, lora: LoRARequest | None = None
-                     ) -> RequestStream:
+    async def _start(self, children: list[tuple[PromptInput, SamplingParams | PoolingParams]],
+                     prompt_param: str, max_tokens: int | None, structured_param: str,
+                     lora: LoRARequest | None = None) -> RequestStream:
         """Queue the children, with ``lora``'s adapter where given; ``max_tokens`` is the request's own,
         checked against the context. A bad grammar (its schema, regex or grammar) is found here, where the
         engine compiles it."""
@@ -1291,7 +1317,64 @@ class OpenAIServer:
 
     # -- /v1/completions ----------------------------------------------------------------------
 
+    def check_generates(self, api: str) -> None:
+        """vLLM's 400 for a text endpoint of a pooling model."""
+        if self.pooling:
+            raise APIError(400, f"The model does not support {api}: it is served as a pooling model "
+                                "(embeddings at /v1/embeddings)")
+
+    async def create_embedding(self, body: EmbeddingRequest, raw: Request) -> Response:
+        """OpenAI's /v1/embeddings: each input's embedding, in input order ("float" lists, or "base64" of
+        their little-endian float32 bytes, as the openai client asks by default)."""
+        if not self.pooling:
+            raise APIError(400, "The model does not support Embeddings API: serve an embedding model (plait "
+                                "serve MODEL --runner pooling)")
+        if self._check_model(body.model) is not None:
+            raise APIError(400, "LoRA adapters are not supported with pooling models", param="model")
+        arrival = time.monotonic()
+        try:
+            inputs = body.inputs()
+            params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize,
+                                   truncate_prompt_tokens=body.truncate_prompt_tokens)
+            self.pooling_spec.check(params, self.model_name)  # named as this server serves the model
+        except ValueError as err:
+            param = err.param if isinstance(err, ProtocolError) else "dimensions"
+            raise APIError(400, str(err), param=param) from err
+        children: list[tuple[PromptInput, PoolingParams]] = [
+            (self._embedding_prompt(p, body.add_special_tokens), params) for p in inputs]
+        stream = await self._start(children, "input", None, "input")
+        tracker = _RequestTracker(self.metrics, arrival, stream)
+        try:
+            finals = await self._unless_disconnected(raw, self._collect(stream, tracker))
+        finally:
+            stream.abort()  # no-op unless something above failed
+        if finals is None:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        data = [EmbeddingData(index=i, embedding=_encode_embedding(out.outputs.data, body.encoding_format))
+                for i, out in enumerate(finals)]
+        prompt_tokens = sum(len(ids) for ids in stream.prompt_token_ids)
+        result = EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", model=self.model_name, data=data,
+                                   usage=UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens))
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    @staticmethod
+    def _embedding_prompt(prompt: str | list[int], add_special_tokens: bool) -> PromptInput:
+        """A text input without the tokenizer's special tokens is tokenized on the loop thread (the engine's
+        tokenizer belongs to it); anything else goes to the engine as it is."""
+        if add_special_tokens or not isinstance(prompt, str):
+            return prompt
+        if not prompt:
+            raise APIError(400, "prompt is empty: it must have at least one token", param="input")
+
+        def tokenize(engine: LLMEngine) -> list[int]:
+            if engine.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
+            return list(engine.tokenizer.encode(prompt, add_special_tokens=False))
+
+        return tokenize
+
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
+        self.check_generates("Completions API")
         lora = self._check_model(body.model)
         arrival = time.monotonic()
         if body.use_beam_search:
@@ -1440,6 +1523,7 @@ class OpenAIServer:
     # -- /v1/chat/completions -----------------------------------------------------------------
 
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_generates("Chat Completions API")
         lora = self._check_model(body.model)
         arrival = time.monotonic()
         if body.use_beam_search:
@@ -1626,10 +1710,15 @@ def _uvicorn_server(server: OpenAIServer) -> uvicorn.Server:
 def banner(server: OpenAIServer, url: str) -> str:
     """What `plait serve` prints: where it listens and a curl to try."""
     auth = f" \\\n    -H \"Authorization: Bearer ${API_KEY_ENV}\"" if server.config.api_key else ""
-    payload = json.dumps({"model": server.model_name, "messages": [{"role": "user", "content": "Hello!"}],
-                          "max_tokens": 32})
+    if server.pooling:
+        endpoint = "embeddings"
+        payload = json.dumps({"model": server.model_name, "input": ["Hello!", "Hi there."]})
+    else:
+        endpoint = "chat/completions"
+        payload = json.dumps({"model": server.model_name, "messages": [{"role": "user", "content": "Hello!"}],
+                              "max_tokens": 32})
     return (f"plait: serving '{server.model_name}' on {url} (OpenAI API at {url}/v1)\n"
-            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f"  curl {url}/v1/{endpoint} -H 'Content-Type: application/json'{auth} \\\n"
             f"    -d '{payload}'")
 
 
