@@ -441,3 +441,23 @@ def test_throughput_bench_end_to_end_on_cpu(tmp_path, tiny_llama, in_process):
     assert (w1["workload"], w1["output_tokens"], w1["requests"]) == ("W1", 4 * 5, 4)
     assert w3["ms_per_token"] > 0 and w1["output_tok_per_s"] > 0
     assert w1["step_breakdown"]["steps"] >= 5
+
+
+def test_embedding_throughput_bench_on_cpu(tmp_path, tiny_models):
+    """benchmarks/embedding_throughput.py over a tiny Qwen3 config: plait and transformers embed the same
+    prompts with the same saved weights, so their embeddings agree (fp32), and the report has both sides."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    try:
+        import embedding_throughput
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "embed.json"
+    report = embedding_throughput.main(["--config", str(tiny_models["qwen3"]), "--num-prompts", "24",
+                                        "--lengths", "5-90", "--dtype", "float32", "--hf-batch", "8",
+                                        "--warmup-prompts", "2", "--max-num-batched-tokens", "64",
+                                        "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert report["device"] == "cpu" and report["roofline"] is None and report["num_prompts"] == 24
+    assert report["cosine_plait_vs_transformers"]["min"] > 0.99999
+    assert report["plait"]["steps"] >= report["tokens"] // 64  # chunked under the 64-token budget
+    assert report["plait"]["tokens_per_s"] > 0 and report["transformers"]["tokens_per_s"] > 0

@@ -68,6 +68,9 @@ def test_mixed_graph_token_buckets_are_whole_row_tiles_up_to_the_cap():
     spec = graph_shapes(8, 128, 4096, speculative=True)
     assert {s.num_tokens for s in spec if s.decode_rows == 0} == {8, 16, 32, 64, 128}
     assert {s.num_tokens for s in spec if s.decode_rows == 4 and s.is_mixed} == {32, 64, 128, 256}
+    # A pooling model's steps are prompt chunks alone: no shape with a decode part is captured.
+    pooling = graph_shapes(8, 128, 4096, 512, decodes=False)
+    assert {(s.decode_rows, s.num_tokens) for s in pooling} == {(0, t) for t in (32, 64, 128, 256, 384, 512)}
 
 
 def test_mixed_graph_shapes_come_with_few_prompt_rows_first():

@@ -66,15 +66,17 @@ def token_buckets(decode_rows: int, max_prompt_tokens: int, max_tokens: int,
 
 
 def graph_shapes(max_rows: int, max_prompt_tokens: int, max_tokens: int,
-                 max_prompt_only_tokens: int = 0, speculative: bool = False) -> list[GraphShape]:
+                 max_prompt_only_tokens: int = 0, speculative: bool = False,
+                 decodes: bool = True) -> list[GraphShape]:
     """Decode-only shapes (one row per bucket), and mixed shapes: decode parts of each bucket beside
     token buckets for up to ``max_prompt_tokens`` prompt tokens, or no decode part and up to
     ``max(max_prompt_tokens, max_prompt_only_tokens)`` of them (at most ``max_tokens`` in all), with room
     for FEW_PROMPT_ROWS prompt rows or for max_rows rows in all (and one for the pad tokens). With
-    ``speculative``, the shapes without a decode part start at SPEC_TOKEN_BUCKETS."""
-    decodes = decode_buckets(max_rows)
-    shapes = [GraphShape(b, b, b) for b in decodes]
-    for d in [0, *decodes]:
+    ``speculative``, the shapes without a decode part start at SPEC_TOKEN_BUCKETS. Without ``decodes`` (a
+    pooling model's steps are prompt chunks alone) only the shapes without a decode part."""
+    buckets = decode_buckets(max_rows) if decodes else []
+    shapes = [GraphShape(b, b, b) for b in buckets]
+    for d in [0, *buckets]:
         row_counts = sorted({min(d + FEW_PROMPT_ROWS, max_rows) + 1, max_rows + 1})
         cap = max(max_prompt_tokens, max_prompt_only_tokens) if d == 0 else max_prompt_tokens
         small = SMALL_TOKEN_BUCKETS
