@@ -69,6 +69,19 @@ def _hf_embed(model: torch.nn.Module, prompts: list[list[int]], batch: int, devi
     return out, time.perf_counter() - start
 
 
+def _profile(llm: LLM, prompts: list[list[int]]) -> list[dict]:
+    """The CUDA kernels that took most of the device time while ``prompts`` were embedded."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        llm.embed(prompts, use_tqdm=False)
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events)
+    return [{"kernel": e.key[:120], "ms": e.device_time_total / 1e3, "share": e.device_time_total / total,
+             "calls": e.count} for e in events[:12]]
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -99,12 +112,17 @@ def run(args: argparse.Namespace) -> dict:
                   max_model_len=max(high, 16), **({"max_num_batched_tokens": args.max_num_batched_tokens}
                                                   if args.max_num_batched_tokens else {}))
         llm.embed(warmup, use_tqdm=False)
-        steps_before, graph_steps_before = llm.engine.num_steps, llm.engine.runner.breakdown.graph_steps
+        llm.engine.runner.breakdown.reset()
+        steps_before = llm.engine.num_steps
         _sync(device)
         start = time.perf_counter()
         outputs = llm.encode(prompts, PoolingParams())
         _sync(device)
         plait_s = time.perf_counter() - start
+        breakdown = llm.engine.runner.breakdown.as_dict()
+        # Fresh prompts: the warm-up ones would be served from the prefix cache but for their last block.
+        fresh = _prompts(args.warmup_prompts, (low, high), cfg["vocab_size"], args.seed + 2)
+        kernels = _profile(llm, fresh) if args.profile and device.type == "cuda" else None
     plait_vectors = torch.stack([o.outputs.data for o in outputs])
     cosine = F.cosine_similarity(plait_vectors, hf_vectors)
     tokens = sum(len(p) for p in prompts)
@@ -133,12 +151,45 @@ def run(args: argparse.Namespace) -> dict:
         "roofline": roofline,
         "plait": side(plait_s) | {"max_num_batched_tokens": llm.engine.config.max_num_batched_tokens,
                                   "steps": llm.engine.num_steps - steps_before,
-                                  "graph_steps": llm.engine.runner.breakdown.graph_steps
-                                  - graph_steps_before},
+                                  "step_breakdown": breakdown, "top_kernels": kernels},
         "transformers": side(hf_s) | {"batch": args.hf_batch},
         "plait_over_transformers": hf_s / plait_s,
         "cosine_plait_vs_transformers": {"min": cosine.min().item(), "mean": cosine.mean().item()},
     }
+
+
+def plot(reports: list[dict], path: str) -> None:
+    """Tokens/s of plait and transformers per workload (bars, with plait's speed-up), and each side's share of
+    the measured bf16 matmul peak."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{Path(r['config']).name}\n{r['num_prompts']} prompts of {r['prompt_lengths'][0]}"
+              + (f"-{r['prompt_lengths'][1]}" if r["prompt_lengths"][1] != r["prompt_lengths"][0] else "")
+              + " tokens" for r in reports]
+    fig, (ax, share) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    x = range(len(reports))
+    for offset, side, color in ((-0.2, "plait", "tab:blue"), (0.2, "transformers", "tab:gray")):
+        ax.bar([i + offset for i in x], [r[side]["tokens_per_s"] / 1e3 for r in reports], 0.4, label=side,
+               color=color)
+        shares = [100 * r[side].get("of_bf16_matmul_peak", 0) for r in reports]
+        share.bar([i + offset for i in x], shares, 0.4, color=color)
+    for i, r in enumerate(reports):
+        ax.annotate(f"{r['plait_over_transformers']:.2f}x", (i - 0.2, r["plait"]["tokens_per_s"] / 1e3),
+                    ha="center", va="bottom")
+    ax.set_xticks(list(x), labels, fontsize=8)
+    short = [f"{Path(r['config']).name}\n{r['prompt_lengths'][0]}-{r['prompt_lengths'][1]} tok"
+             for r in reports]
+    share.set_xticks(list(x), short, fontsize=8)
+    ax.set_ylabel("thousand prompt tokens / s")
+    share.set_ylabel("% of the bf16 matmul peak measured in the run")
+    ax.legend()
+    first = reports[0]
+    fig.suptitle(f"Embedding throughput (LAST pooling, same weights), {first['device']}, {first['dtype']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -156,14 +207,25 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shared", default=None, help="the shared/bench folder (for roofline.py)")
+    p.add_argument("--profile", action="store_true",
+                   help="record the top CUDA kernels of the warm-up prompts")
     p.add_argument("--out", default=None)
+    p.add_argument("--plot-from", nargs="+", default=None, metavar="JSON",
+                   help="plot these result files (to --plot) instead of running")
+    p.add_argument("--plot", default=None, help="a PNG of the results")
     args = p.parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
+    if args.plot_from:
+        reports = [json.loads(Path(f).read_text()) for f in args.plot_from]
+        plot(reports, args.plot or "embedding_throughput.png")
+        return {"plotted": args.plot_from}
     report = run(args)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
         Path(args.out).write_text(text + "\n")
+    if args.plot:
+        plot([report], args.plot)
     return report
 
 

@@ -15,6 +15,7 @@ from plait.config import PoolerConfig
 from plait.engine.request import Request
 from plait.engine.scheduler import StepPlan
 from plait.pooling_params import PoolingParams
+from plait.runner.sampler import host_to_device
 
 # sentence-transformers' module list (modules.json) and the module types plait reads from it.
 SENTENCE_TRANSFORMERS_MODULES = "modules.json"
@@ -145,7 +146,7 @@ class Pooler:
                 index.append(end - 1 if kind == "LAST" else first)
         if not done:
             return None
-        vectors = hidden[torch.tensor(index, device=hidden.device)].float()
+        vectors = hidden[host_to_device(index, torch.long, hidden.device)].float()
         if kind == "CLS":
             rows = [k for k, row in enumerate(done) if row.start > 0]
             if rows:  # the first token was in an earlier chunk
@@ -156,7 +157,7 @@ class Pooler:
                    ) -> tuple[list[Request], torch.Tensor] | None:
         num_rows = len(plan.rows)
         lens = np.diff(query_start_loc[: num_rows + 1])
-        row_of_token = torch.from_numpy(np.repeat(np.arange(num_rows), lens)).to(hidden.device)
+        row_of_token = host_to_device(np.repeat(np.arange(num_rows), lens), torch.long, hidden.device)
         sums = torch.zeros(num_rows, hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, row_of_token, hidden[: int(lens.sum())].float())  # [R, hidden]
         done, vectors = [], []
