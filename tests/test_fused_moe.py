@@ -605,15 +605,20 @@ def qwen_fp8_experts(real_experts):
     return get
 
 
+def _qwen_fp8_case(qwen_fp8_experts, t: int, seed: int) -> tuple:
+    """Qwen3-30B-A3B's shape, its FP8 experts and kernel arguments, and t tokens' inputs and routing."""
+    c = MODELS["qwen3-30b-a3b"]
+    w = qwen_fp8_experts()
+    x = randn(t, c["hidden"], dtype=BF16, seed=seed)
+    weights, ids = routing(t, c["experts"], c["top_k"], seed=seed + 1)
+    return c, w, fp8_kw(w, QWEN_FP8_BLOCK), x, weights, ids
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("t", [1, 4, 37, 256, 2048])
 def test_gpu_fused_moe_fp8_real_shapes(qwen_fp8_experts, t):
-    c = MODELS["qwen3-30b-a3b"]
-    w = qwen_fp8_experts()
-    kw = fp8_kw(w, QWEN_FP8_BLOCK)
-    x = randn(t, c["hidden"], dtype=BF16, seed=58)
-    weights, ids = routing(t, c["experts"], c["top_k"], seed=59)
+    c, w, kw, x, weights, ids = _qwen_fp8_case(qwen_fp8_experts, t, seed=58)
     got = fused_moe(x, w["w13"], w["w2"], weights, ids, **kw)
     # The FP8 reference: fp32 arithmetic on the same quantised x, h and weights, rounded to bf16 where the
     # kernel rounds. What differs is the order of the fp32 sums and the FP8 tensor cores' accumulation
@@ -638,11 +643,7 @@ def test_gpu_fused_moe_fp8_real_shapes(qwen_fp8_experts, t):
 @gpu
 @pytest.mark.parametrize("t", [8, 37])  # 64 entries: the GEMV path; 296: the grouped GEMM
 def test_gpu_fused_moe_fp8_replays_in_a_cuda_graph(qwen_fp8_experts, t):
-    c = MODELS["qwen3-30b-a3b"]
-    w = qwen_fp8_experts()
-    kw = fp8_kw(w, QWEN_FP8_BLOCK)
-    x = randn(t, c["hidden"], dtype=BF16, seed=62)
-    weights, ids = routing(t, c["experts"], c["top_k"], seed=63)
+    c, w, kw, x, weights, ids = _qwen_fp8_case(qwen_fp8_experts, t, seed=62)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile and warm up outside the capture
