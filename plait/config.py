@@ -229,6 +229,27 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
+def _config_object(name: str, value: dict | str, cls: type) -> dict | None:
+    """A JSON-object knob (a dict, or its JSON text as the CLI gives it) whose keys must be ``cls``'s fields;
+    None where it is empty ({} or "")."""
+    if isinstance(value, str):
+        if not value.strip():
+            return None
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {value!r}")
+    if not value:
+        return None
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ValueError(f"unknown {name} key(s) {unknown}; known: {sorted(names)}")
+    return value
+
+
 SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
 # vLLM's n-gram lengths where a config names neither prompt_lookup_max nor prompt_lookup_min.
 DEFAULT_PROMPT_LOOKUP = 5
@@ -264,21 +285,9 @@ class SpeculativeConfig:
         """A SpeculativeConfig from a dict or its JSON text (None, {} and "" are off)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
-        if not value:
+        value = _config_object("speculative_config", value, cls)
+        if value is None:
             return None
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"unknown speculative_config key(s) {unknown}; known: {sorted(names)}")
         if "num_speculative_tokens" not in value:
             raise ValueError("speculative_config needs num_speculative_tokens")
         return cls(**value)
@@ -311,22 +320,8 @@ class PoolerConfig:
         """A PoolerConfig from a dict or its JSON text (None, {} and "" leave the model's own)."""
         if value is None or isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            if not value.strip():
-                return None
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config must be a JSON object, got {value!r}")
-        if not value:
-            return None
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"unknown pooler_config key(s) {unknown}; known: {sorted(names)}")
-        return cls(**value)
+        value = _config_object("pooler_config", value, cls)
+        return cls(**value) if value is not None else None
 
 
 @dataclass(frozen=True)
