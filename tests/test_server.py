@@ -1710,6 +1710,7 @@ def test_embeddings_extensions_and_bad_input(embedding_server):
         ({**body, "dimensions": 8}, "does not support matryoshka representation", "dimensions"),
         ({**body, "input": []}, "input is empty", "input"),
         ({**body, "input": [""]}, "prompt is empty", "input"),
+        ({**body, "input": "", "add_special_tokens": False}, "prompt is empty", "input"),
         ({**body, "input": [[1, 2], [10**6]]}, "out of range", "input"),
         ({**body, "input": "word " * 9000}, "maximum context length is 8192 tokens", "input"),
         ({**body, "encoding_format": "bytes"}, "encoding_format", "encoding_format"),

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from plait.config import EngineConfig
 from plait.engine.detokenizer import Detokenizer
@@ -28,6 +29,9 @@ from plait.pooling_params import PoolingParams
 from plait.runner.model_runner import InFlightStep, ModelRunner, SampledToken, StepOutput
 from plait.runner.sampler import needs_penalties
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -243,7 +247,10 @@ class LLMEngine:
             raise ValueError("the engine runs one sequence per request; fan n > 1 out before add_request")
         request_id = self._new_request_id(request_id)
         text, token_ids = self._tokenize(prompt)
-        text, token_ids = self._truncate(text, token_ids, self._prompt_tokens_to_keep(params))
+        # Room for max_tokens, or for one token where it is None: a prompt that fills the context could
+        # generate nothing (vLLM's -1 is the whole context, which then fails there).
+        keep = self._prompt_tokens_to_keep(params.truncate_prompt_tokens, params.max_tokens or 1)
+        text, token_ids = self._truncate(text, token_ids, keep)
         self._validate_prompt(token_ids)
         self._validate_sampling_token_ids(params)
         lora = self.lora_adapter(lora_request)
@@ -281,12 +288,7 @@ class LLMEngine:
             raise ValueError("LoRA adapters are not supported with pooling models yet")
         request_id = self._new_request_id(request_id)
         text, token_ids = self._tokenize(prompt)
-        keep = params.truncate_prompt_tokens
-        if keep == TRUNCATE_TO_CONTEXT:
-            keep = self.max_model_len
-        elif keep is not None and keep > self.max_model_len:
-            raise ValueError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len "
-                             f"({self.max_model_len}). Please, select a smaller truncation size.")
+        keep = self._prompt_tokens_to_keep(params.truncate_prompt_tokens, reserved=0)  # nothing follows
         text, token_ids = self._truncate(text, token_ids, keep)
         self._validate_prompt(token_ids, max_len=self.max_model_len)
         self.pooler.spec.check(params, self.model_name)
@@ -324,26 +326,28 @@ class LLMEngine:
         self._tracked[request.request_id] = tracked
         self.scheduler.add(request)
 
+    def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt's token ids, with or without the tokenizer's special tokens (a BOS, an EOS)."""
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
             if not prompt:
                 raise ValueError("prompt is empty")
-            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=self._add_special_tokens()))
+            return prompt, self.encode_text(prompt, add_special_tokens=self._add_special_tokens())
         if isinstance(prompt, (list, tuple)):
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
                 raise TypeError("prompt token ids must all be integers")
             return None, list(prompt)
         raise TypeError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
-    def _prompt_tokens_to_keep(self, params: SamplingParams) -> int | None:
-        """How many of the prompt's last tokens truncate_prompt_tokens keeps (None: all of them)."""
-        k = params.truncate_prompt_tokens
+    def _prompt_tokens_to_keep(self, k: int | None, reserved: int) -> int | None:
+        """How many of the prompt's last tokens truncate_prompt_tokens ``k`` keeps (None: all of them), where
+        ``reserved`` tokens must follow the prompt in the context (TRUNCATE_TO_CONTEXT keeps the rest)."""
         if k == TRUNCATE_TO_CONTEXT:
-            # Room for max_tokens, or for one token where it is None: a prompt that fills the context could
-            # generate nothing (vLLM's -1 is the whole context, which then fails there).
-            return max(1, self.max_model_len - (params.max_tokens or 1))
+            return max(1, self.max_model_len - reserved)
         if k is not None and k > self.max_model_len:
             # vLLM's words (its LLM API's check)
             raise ValueError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len "
@@ -505,7 +509,7 @@ class LLMEngine:
             self.kv_cache.cache_full_blocks(row.request)
         return self._postprocess(result, kept) + self._finish_pooled(result.pooled)
 
-    def _finish_pooled(self, pooled: list) -> list[PoolingRequestOutput]:
+    def _finish_pooled(self, pooled: list[tuple[Request, torch.Tensor]]) -> list[PoolingRequestOutput]:
         """Finish each embedding request whose prompt the step pooled: its embedding as it asked for it."""
         now = time.monotonic()
         outputs = []

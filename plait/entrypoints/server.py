@@ -777,9 +777,9 @@ class OpenAIServer:
         source = engine.model_source
         self.model_root = source.repo_id or str(source.path)  # /v1/models' root, as vLLM's
         self.vocab_size = engine.model_config.vocab_size
-        # A pooling model serves /v1/embeddings and no text endpoint; any other model the reverse (as vLLM).
-        self.pooling = engine.pooler is not None
-        self.pooling_spec = engine.pooler.spec if engine.pooler is not None else None  # fixed at load
+        # A pooling model's pooler (fixed at load), None for any other: a pooling model serves /v1/embeddings
+        # and no text endpoint; any other model the reverse (as vLLM).
+        self.pooling_spec = engine.pooler.spec if engine.pooler is not None else None
         self.eos_token_ids = engine.eos_token_ids  # fixed at load; beam search finishes beams on them
         # The model's generation_config.json: defaults of what requests leave out (fixed at load).
         self.generation_defaults = engine.generation_defaults
@@ -1315,7 +1315,11 @@ class OpenAIServer:
             raise APIError(400, "this model has no tokenizer", param=param)
         return self.tokenizer
 
-    # -- /v1/completions ----------------------------------------------------------------------
+    # -- /v1/embeddings -----------------------------------------------------------------------
+
+    @property
+    def pooling(self) -> bool:
+        return self.pooling_spec is not None
 
     def check_generates(self, api: str) -> None:
         """vLLM's 400 for a text endpoint of a pooling model."""
@@ -1363,15 +1367,9 @@ class OpenAIServer:
         tokenizer belongs to it); anything else goes to the engine as it is."""
         if add_special_tokens or not isinstance(prompt, str):
             return prompt
-        if not prompt:
-            raise APIError(400, "prompt is empty: it must have at least one token", param="input")
+        return functools.partial(LLMEngine.encode_text, text=prompt, add_special_tokens=False)
 
-        def tokenize(engine: LLMEngine) -> list[int]:
-            if engine.tokenizer is None:
-                raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
-            return list(engine.tokenizer.encode(prompt, add_special_tokens=False))
-
-        return tokenize
+    # -- /v1/completions ----------------------------------------------------------------------
 
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_generates("Completions API")
