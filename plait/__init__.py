@@ -2,7 +2,13 @@
 
 from plait.config import EngineConfig
 from plait.lora.request import LoRARequest
-from plait.outputs import CompletionOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from plait.outputs import (
+    ClassificationRequestOutput,
+    CompletionOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from plait.pooling_params import PoolingParams
 from plait.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
@@ -18,6 +24,6 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'plait' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "BeamSearchParams", "CompletionOutput", "EmbeddingRequestOutput", "EngineConfig",
-           "LoRARequest", "PoolingParams", "PoolingRequestOutput", "RequestOutput", "SamplingParams",
-           "StructuredOutputsParams"]
+__all__ = ["LLM", "BeamSearchParams", "ClassificationRequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput", "EngineConfig", "LoRARequest", "PoolingParams", "PoolingRequestOutput",
+           "RequestOutput", "SamplingParams", "StructuredOutputsParams"]

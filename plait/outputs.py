@@ -94,3 +94,29 @@ class EmbeddingRequestOutput:
     def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
         return cls(output.request_id, output.prompt_token_ids, EmbeddingOutput(output.outputs.data.tolist()),
                    output.finished)
+
+
+@dataclass
+class ClassificationOutput:
+    """A classifier's probabilities for one prompt, one per label (vLLM's ``ClassificationOutput``)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """``LLM.classify``'s result for one prompt (vLLM's ``ClassificationRequestOutput``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> ClassificationRequestOutput:
+        probs = ClassificationOutput(output.outputs.data.tolist())
+        return cls(output.request_id, output.prompt_token_ids, probs, output.finished)

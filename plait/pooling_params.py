@@ -6,6 +6,9 @@ from dataclasses import dataclass
 
 from plait.sampling_params import TRUNCATE_TO_CONTEXT
 
+# What a pooling model gives: an embedding, or a classifier's probabilities.
+POOLING_TASKS = ("embed", "classify")
+
 
 @dataclass
 class PoolingParams:
@@ -14,12 +17,15 @@ class PoolingParams:
     ``dimensions``: keep the first d of the pooled vector (a Matryoshka model's shorter embedding), before
     it is normalised. ``normalize``: L2-normalise the embedding (None: the model's pooler decides; on by
     default, off where a sentence-transformers config has no Normalize module). ``truncate_prompt_tokens``:
-    keep the prompt's last k tokens (-1: as many as the context holds), as SamplingParams' does.
+    keep the prompt's last k tokens (-1: as many as the context holds), as SamplingParams' does. ``task``:
+    "embed" or "classify", what the caller expects of the model (LLM.embed and LLM.classify set it; None:
+    whatever the model does).
     """
 
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
+    task: str | None = None
 
     def __post_init__(self) -> None:
         d = self.dimensions
@@ -29,6 +35,8 @@ class PoolingParams:
             raise ValueError("Dimensions must be greater than 0")  # vLLM's words
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"normalize must be true, false or None, got {self.normalize!r}")
+        if self.task not in (None, *POOLING_TASKS):
+            raise ValueError(f"task must be one of {POOLING_TASKS} or None, got {self.task!r}")
         k = self.truncate_prompt_tokens
         if k is not None:
             if isinstance(k, bool) or not isinstance(k, int):

@@ -1724,7 +1724,8 @@ def test_embeddings_extensions_and_bad_input(embedding_server):
     chat = {"model": server.model_name, "messages": [{"role": "user", "content": "hi"}]}
     for path, body_, api in (("/v1/chat/completions", chat, "Chat Completions API"),
                              ("/v1/completions", {"prompt": "hi"}, "Completions API"),
-                             ("/v1/responses", {"input": "hi"}, "Responses API")):
+                             ("/v1/responses", {"input": "hi"}, "Responses API"),
+                             ("/classify", {"input": "hi"}, "Classification API")):
         r = _post(url, path, body_)
         assert r.status_code == 400 and f"does not support {api}" in r.json()["error"]["message"]
     assert _post(url, "/v1/embeddings", body).status_code == 200

@@ -56,9 +56,10 @@ _FLAG_HELP = {
     "speculative_config": "as vLLM's, a JSON object: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
                           "4, \"prompt_lookup_max\": 4}' drafts up to 4 tokens a step by prompt lookup and "
                           "keeps those the model would have produced anyway (default: off)",
-    "runner": "as vLLM's --runner: 'pooling' serves the model's embeddings (/v1/embeddings), 'generate' its "
-              "text; 'auto' (default) pools a base model's checkpoint (LlamaModel, Qwen3Model, ...) and "
-              "generates with any other",
+    "runner": "as vLLM's --runner: 'pooling' serves the model's embeddings (/v1/embeddings) or, for a "
+              "...ForSequenceClassification checkpoint, its class probabilities (/classify); 'generate' its "
+              "text; 'auto' (default) pools base-model and classifier checkpoints and generates with any "
+              "other",
     "pooler_config": "as vLLM's, a JSON object for a pooling model: '{\"pooling_type\": \"MEAN\", "
                      "\"normalize\": false}' (LAST, MEAN or CLS; default: the model's sentence-transformers "
                      "config, else LAST, normalised)",

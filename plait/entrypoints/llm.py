@@ -20,7 +20,12 @@ from plait.entrypoints.beam_search import (
     step_params,
 )
 from plait.lora.request import LoRARequest
-from plait.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from plait.outputs import (
+    ClassificationRequestOutput,
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+)
 from plait.pooling_params import PoolingParams
 from plait.sampling_params import BeamSearchParams, SamplingParams
 
@@ -118,8 +123,22 @@ class LLM:
         of floats, L2-normalised unless the pooler or ``PoolingParams.normalize`` says otherwise, of
         ``PoolingParams.dimensions`` entries where a Matryoshka model is asked for fewer. Needs a pooling
         model (``LLM(model, runner="pooling")``, or a base model's checkpoint)."""
-        outputs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        outputs = self.encode(prompts, _with_task(pooling_params, "embed"), use_tqdm, truncate_prompt_tokens)
         return [EmbeddingRequestOutput.from_base(out) for out in outputs]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Every prompt's class probabilities, in prompt order (vLLM's ``LLM.classify``): ``outputs.probs``,
+        one per label of the model's config (``id2label``). Needs a classifier or reward model's checkpoint
+        (``...ForSequenceClassification``): the score head's logits at the prompt's last token, through a
+        softmax, or a sigmoid for a single label or a multi-label problem (none for regression)."""
+        params = PoolingParams(task="classify")
+        outputs = self.encode(prompts, params, use_tqdm, truncate_prompt_tokens)
+        return [ClassificationRequestOutput.from_base(out) for out in outputs]
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False,
@@ -299,6 +318,14 @@ def _prompt_payload(prompt: PromptType) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     return list(prompt)
+
+
+def _with_task(params: PoolingParams | Sequence[PoolingParams] | None, task: str
+               ) -> PoolingParams | list[PoolingParams]:
+    """Pooling params that ask the model for ``task`` (each of a list, or the defaults)."""
+    if params is None or isinstance(params, PoolingParams):
+        return dataclasses.replace(params or PoolingParams(), task=task)
+    return [dataclasses.replace(p, task=task) for p in params]
 
 
 def _fan_out(params: SamplingParams) -> list[SamplingParams]:

@@ -801,21 +801,17 @@ class DetokenizeRequest(_RequestModel):
 MAX_EMBEDDING_INPUTS = 2048
 
 
-class EmbeddingRequest(_RequestModel):
-    """OpenAI's /v1/embeddings body, with vLLM's extensions (a pooling model's server)."""
+class PoolingInputRequest(_RequestModel):
+    """What a pooling model's endpoints (/v1/embeddings, /classify) take: inputs to run once each."""
 
     model: str | None = None
-    # One input (text or token ids) or a batch of them, each embedded alone.
+    # One input (text or token ids) or a batch of them, each pooled alone.
     input: str | list[TokenId] | list[str] | list[list[TokenId]]
-    # "base64": each embedding's float32 values, little-endian, base64-encoded (the openai client's default).
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Int | None = None  # a Matryoshka model's shorter embedding
     user: str | None = None
     # vLLM extensions: keep each input's last k tokens (-1: as many as the context holds); add the tokenizer's
-    # special tokens (a BOS, an EOS) to text inputs; L2-normalise (None: the model's pooler decides).
+    # special tokens (a BOS, an EOS) to text inputs.
     truncate_prompt_tokens: Annotated[Int, Field(ge=TRUNCATE_TO_CONTEXT)] | None = None
     add_special_tokens: bool = True
-    normalize: bool | None = None
 
     def inputs(self) -> list[str | list[int]]:
         """The batch of inputs: a single text or token-id input is a batch of one."""
@@ -831,6 +827,19 @@ class EmbeddingRequest(_RequestModel):
             raise ProtocolError(f"input has {len(p)} entries; at most {MAX_EMBEDDING_INPUTS} may be embedded "
                                 "in one request", "input")
         return list(p)  # type: ignore[arg-type]
+
+
+class EmbeddingRequest(PoolingInputRequest):
+    """OpenAI's /v1/embeddings body, with vLLM's extensions (an embedding model's server)."""
+
+    # "base64": each embedding's float32 values, little-endian, base64-encoded (the openai client's default).
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Int | None = None  # a Matryoshka model's shorter embedding
+    normalize: bool | None = None  # vLLM extension: L2-normalise (None: the model's pooler decides)
+
+
+class ClassificationRequest(PoolingInputRequest):
+    """vLLM's /classify body (a classifier's server)."""
 
 
 class LoadLoRAAdapterRequest(_RequestModel):
@@ -1026,6 +1035,22 @@ class EmbeddingResponse(BaseModel):
     created: int = Field(default_factory=_now)
     model: str
     data: list[EmbeddingData]
+    usage: UsageInfo
+
+
+class ClassificationData(BaseModel):
+    index: int
+    label: str  # the most probable label's name (the config's id2label)
+    probs: list[float]
+    num_classes: int
+
+
+class ClassificationResponse(BaseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int = Field(default_factory=_now)
+    model: str
+    data: list[ClassificationData]
     usage: UsageInfo
 
 

@@ -65,6 +65,9 @@ from plait.entrypoints.protocol import (
     ChatStreamChoice,
     ChatTemplateRequest,
     ChatTokenLogprob,
+    ClassificationData,
+    ClassificationRequest,
+    ClassificationResponse,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -85,6 +88,7 @@ from plait.entrypoints.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
+    PoolingInputRequest,
     PromptLogprob,
     PromptLogprobs,
     ProtocolError,
@@ -875,6 +879,10 @@ class OpenAIServer:
         async def embeddings(body: EmbeddingRequest, raw: Request) -> Response:
             return await self.create_embedding(body, raw)
 
+        @app.post("/classify", response_model=ClassificationResponse, responses=_ERROR_RESPONSES)
+        async def classify(body: ClassificationRequest, raw: Request) -> Response:
+            return await self.create_classification(body, raw)
+
         # The Responses API, on the chat path; imported here, as it builds on this module.
         from plait.entrypoints.responses import ResponsesAPI
 
@@ -1315,7 +1323,7 @@ class OpenAIServer:
             raise APIError(400, "this model has no tokenizer", param=param)
         return self.tokenizer
 
-    # -- /v1/embeddings -----------------------------------------------------------------------
+    # -- pooling models: /v1/embeddings, /classify ------------------------------------------------
 
     @property
     def pooling(self) -> bool:
@@ -1324,28 +1332,57 @@ class OpenAIServer:
     def check_generates(self, api: str) -> None:
         """vLLM's 400 for a text endpoint of a pooling model."""
         if self.pooling:
-            raise APIError(400, f"The model does not support {api}: it is served as a pooling model "
-                                "(embeddings at /v1/embeddings)")
+            raise APIError(400, f"The model does not support {api}: it is served as a pooling model")
 
     async def create_embedding(self, body: EmbeddingRequest, raw: Request) -> Response:
         """OpenAI's /v1/embeddings: each input's embedding, in input order ("float" lists, or "base64" of
         their little-endian float32 bytes, as the openai client asks by default)."""
-        if not self.pooling:
-            raise APIError(400, "The model does not support Embeddings API: serve an embedding model (plait "
-                                "serve MODEL --runner pooling)")
+        params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize, task="embed")
+        pooled = await self._pool(body, params, raw, "Embeddings API")
+        if isinstance(pooled, Response):
+            return pooled
+        finals, usage = pooled
+        data = [EmbeddingData(index=i, embedding=_encode_embedding(out.outputs.data, body.encoding_format))
+                for i, out in enumerate(finals)]
+        result = EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", model=self.model_name, data=data,
+                                   usage=usage)
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    async def create_classification(self, body: ClassificationRequest, raw: Request) -> Response:
+        """vLLM's /classify: each input's class probabilities and most probable label, in input order."""
+        pooled = await self._pool(body, PoolingParams(task="classify"), raw, "Classification API")
+        if isinstance(pooled, Response):
+            return pooled
+        finals, usage = pooled
+        labels = self.pooling_spec.labels
+        data = []
+        for i, out in enumerate(finals):
+            probs = out.outputs.data.tolist()
+            data.append(ClassificationData(index=i, label=labels[int(out.outputs.data.argmax())], probs=probs,
+                                           num_classes=len(probs)))
+        result = ClassificationResponse(id=f"classify-{uuid.uuid4().hex}", model=self.model_name, data=data,
+                                        usage=usage)
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    async def _pool(self, body: PoolingInputRequest, params: PoolingParams, raw: Request, api: str
+                    ) -> tuple[list[PoolingRequestOutput], UsageInfo] | Response:
+        """Run each input of a pooling endpoint once: the outputs in input order and the usage (a Response
+        where the client left first). ``params.task`` must be the model's (else vLLM's 400 naming ``api``)."""
+        spec = self.pooling_spec
+        if spec is None or spec.task != params.task:
+            raise APIError(400, f"The model does not support {api}")
         if self._check_model(body.model) is not None:
             raise APIError(400, "LoRA adapters are not supported with pooling models", param="model")
         arrival = time.monotonic()
+        params = dataclasses.replace(params, truncate_prompt_tokens=body.truncate_prompt_tokens)
         try:
             inputs = body.inputs()
-            params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize,
-                                   truncate_prompt_tokens=body.truncate_prompt_tokens)
-            self.pooling_spec.check(params, self.model_name)  # named as this server serves the model
+            spec.check(params, self.model_name)  # named as this server serves the model
         except ValueError as err:
             param = err.param if isinstance(err, ProtocolError) else "dimensions"
             raise APIError(400, str(err), param=param) from err
         children: list[tuple[PromptInput, PoolingParams]] = [
-            (self._embedding_prompt(p, body.add_special_tokens), params) for p in inputs]
+            (self._pooling_prompt(p, body.add_special_tokens), params) for p in inputs]
         stream = await self._start(children, "input", None, "input")
         tracker = _RequestTracker(self.metrics, arrival, stream)
         try:
@@ -1354,15 +1391,11 @@ class OpenAIServer:
             stream.abort()  # no-op unless something above failed
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        data = [EmbeddingData(index=i, embedding=_encode_embedding(out.outputs.data, body.encoding_format))
-                for i, out in enumerate(finals)]
         prompt_tokens = sum(len(ids) for ids in stream.prompt_token_ids)
-        result = EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", model=self.model_name, data=data,
-                                   usage=UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens))
-        return Response(result.model_dump_json(), media_type="application/json")
+        return finals, UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
 
     @staticmethod
-    def _embedding_prompt(prompt: str | list[int], add_special_tokens: bool) -> PromptInput:
+    def _pooling_prompt(prompt: str | list[int], add_special_tokens: bool) -> PromptInput:
         """A text input without the tokenizer's special tokens is tokenized on the loop thread (the engine's
         tokenizer belongs to it); anything else goes to the engine as it is."""
         if add_special_tokens or not isinstance(prompt, str):

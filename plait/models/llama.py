@@ -12,7 +12,7 @@ from torch import nn
 from plait.attention.base import Rotary
 from plait.config import ModelConfig
 from plait.layers.activation import act_and_mul, get_activation, silu_and_mul_rms
-from plait.layers.linear import Linear
+from plait.layers.linear import Linear, logits_fp32
 from plait.layers.moe import FusedMoE
 from plait.layers.norm import RMSNorm, RowNorm
 from plait.layers.rotary import RotaryEmbedding
@@ -187,6 +187,28 @@ class LlamaForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered."""
         load_decoder_weights(self, weights)
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """A Llama-family classifier or reward model (HF's ``...ForSequenceClassification``): the decoder, then
+    ``score`` (hidden -> num_labels) in place of the LM head, read at the prompt's last token. The pooling
+    runner pools that token's hidden state and calls ``classify``."""
+
+    supports_lora = False
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        self.lm_head = None
+        self.score = Linear(cfg.hidden_size, num_labels(cfg.raw), bias=False)
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        # pooled: [n, hidden] fp32 -> logits: [n, num_labels] fp32
+        return logits_fp32(pooled.to(self.score.weight.dtype), self.score.weight)
+
+
+def num_labels(hf_config: dict) -> int:
+    """A classifier's label count, as transformers reads its config (id2label, else num_labels, else 2)."""
+    return len(hf_config.get("id2label") or {}) or int(hf_config.get("num_labels") or 2)
 
 
 class MoeForCausalLM(LlamaForCausalLM):

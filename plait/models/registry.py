@@ -24,6 +24,11 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3Model": ("plait.models.llama", "LlamaForCausalLM"),
 }
 BASE_MODEL_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+# Classifiers and reward models (a score head on the last token), run only by the pooling runner.
+CLASSIFIER_ARCHITECTURES = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
+                                      "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
+_MODELS.update({arch: ("plait.models.llama", "LlamaForSequenceClassification")
+                for arch in CLASSIFIER_ARCHITECTURES})
 
 
 def supported_architectures() -> list[str]:
@@ -31,13 +36,14 @@ def supported_architectures() -> list[str]:
 
 
 def resolve_runner(runner: str, architecture: str) -> str:
-    """"generate" or "pooling" for EngineConfig.runner: "auto" pools a base model's checkpoint and generates
-    with any other; a base model cannot generate (it has no LM head)."""
+    """"generate" or "pooling" for EngineConfig.runner: "auto" pools a base model's or a classifier's
+    checkpoint and generates with any other; neither of those can generate (they have no LM head)."""
+    pools = architecture in BASE_MODEL_ARCHITECTURES or architecture in CLASSIFIER_ARCHITECTURES
     if runner == "auto":
-        return "pooling" if architecture in BASE_MODEL_ARCHITECTURES else "generate"
-    if runner == "generate" and architecture in BASE_MODEL_ARCHITECTURES:
-        raise ValueError(f"{architecture} is a base model without an LM head: it cannot generate text; "
-                         "serve it with runner 'pooling' (plait serve --runner pooling) for embeddings")
+        return "pooling" if pools else "generate"
+    if runner == "generate" and pools:
+        raise ValueError(f"{architecture} has no LM head: it cannot generate text; serve it with runner "
+                         "'pooling' (plait serve --runner pooling)")
     return runner
 
 

@@ -104,7 +104,8 @@ class ModelRunner:
         # "pooling": prompts pooled into embeddings (the model has no lm_head); "generate": tokens sampled.
         self.runner_type = loaded.runner
         self.pooler = (Pooler(resolve_pooling(config.pooler_config, loaded.source, self.model_config.raw,
-                                              self.model_config.hidden_size))
+                                              self.model_config.hidden_size,
+                                              classifier=hasattr(self.model, "classify")))
                        if loaded.runner == "pooling" else None)
         # config.quantization, or what an FP8 checkpoint holds without it
         self.quantization = loaded.quantization
@@ -418,6 +419,8 @@ class ModelRunner:
         if pooled is None:
             return None
         requests, vectors = pooled
+        if self.pooler.spec.task == "classify":
+            vectors = self.model.classify(vectors)  # [n, num_labels] logits
         if self.device.type != "cuda":
             return requests, vectors, None
         # As sampled ids: copied on the copy-out stream, so collecting this step never waits for the next.

@@ -26,8 +26,12 @@ ST_TRANSFORMER = "sentence_transformers.models.Transformer"
 ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
                     "pooling_mode_cls_token": "CLS"}
 # What a decoder embedding model is trained for, and vLLM's default for one: the last token's hidden state,
-# L2-normalised.
+# L2-normalised. Classifiers read the last token too (transformers' ...ForSequenceClassification).
 DEFAULT_POOLING_TYPE = "LAST"
+# A classifier's activation over its logits, by its config's problem_type, as transformers' losses read it
+# (and vLLM): softmax for one label of several, a sigmoid per label where several may hold (or where there is
+# a single label, a score), none for regression.
+ACTIVATIONS = {"regression": "none", "multi_label_classification": "sigmoid"}
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,11 @@ class PoolingSpec:
     pooling_type: str  # "LAST", "MEAN" or "CLS"
     normalize: bool  # the default of requests that leave PoolingParams.normalize unset
     hidden_size: int
+    # "embed" (the pooled hidden state), or "classify" (a ...ForSequenceClassification model: its score head's
+    # logits through ``activation``, one probability per label of ``labels``).
+    task: str = "embed"
+    activation: str = "none"  # "softmax", "sigmoid" or "none"
+    labels: tuple[str, ...] = ()
     # Matryoshka models (config.json's is_matryoshka / matryoshka_dimensions) may be asked for shorter
     # embeddings; None: any dimensions up to hidden_size where is_matryoshka.
     is_matryoshka: bool = False
@@ -50,9 +59,15 @@ class PoolingSpec:
 
     def check(self, params: PoolingParams, model_name: str) -> None:
         """Refuse what this pooler cannot give (vLLM's words), before the request enters the engine."""
+        if params.task is not None and params.task != self.task:
+            kind = "an embedding" if self.task == "embed" else "a classification"
+            raise ValueError(f'Model "{model_name}" is {kind} model: it does not support the {params.task} '
+                             "task")
         d = params.dimensions
         if d is None:
             return
+        if self.task != "embed":
+            raise ValueError("dimensions applies to embeddings, not to a classifier's probabilities")
         if not self.is_matryoshka:
             raise ValueError(f'Model "{model_name}" does not support matryoshka representation, changing '
                              "output dimensions will lead to poor results.")
@@ -63,10 +78,13 @@ class PoolingSpec:
             raise ValueError(f"dimensions {d} is more than the model's hidden size {self.hidden_size}")
 
 
-def resolve_pooling(config: PoolerConfig | None, model_path: Path, hf_config: dict, hidden_size: int
-                    ) -> PoolingSpec:
+def resolve_pooling(config: PoolerConfig | None, model_path: Path, hf_config: dict, hidden_size: int,
+                    classifier: bool = False) -> PoolingSpec:
     """The pooler of a model: ``config``'s fields where given, else the folder's sentence-transformers config
-    (its Pooling module's mode, Normalize present or not), else LAST and normalised, as vLLM resolves it."""
+    (its Pooling module's mode, Normalize present or not), else LAST and normalised, as vLLM resolves it. A
+    ``classifier`` (a score head) pools LAST, unnormalised, its logits through its config's activation."""
+    if classifier:
+        return _classifier_pooling(config, hf_config, hidden_size)
     st_type, st_normalize = _sentence_transformers_pooling(model_path)
     pooling_type = (config and config.pooling_type) or st_type or DEFAULT_POOLING_TYPE
     normalize = config.normalize if config is not None and config.normalize is not None else None
@@ -80,6 +98,17 @@ def resolve_pooling(config: PoolerConfig | None, model_path: Path, hf_config: di
         is_matryoshka=bool(hf_config.get("is_matryoshka")) or bool(dims),
         matryoshka_dimensions=tuple(dims) if dims else None,
     )
+
+
+def _classifier_pooling(config: PoolerConfig | None, hf_config: dict, hidden_size: int) -> PoolingSpec:
+    from plait.models.llama import num_labels
+
+    count = num_labels(hf_config)
+    id2label = hf_config.get("id2label") or {}
+    labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
+    activation = ACTIVATIONS.get(hf_config.get("problem_type") or "", "sigmoid" if count < 2 else "softmax")
+    return PoolingSpec(pooling_type=(config and config.pooling_type) or DEFAULT_POOLING_TYPE, normalize=False,
+                       hidden_size=hidden_size, task="classify", activation=activation, labels=labels)
 
 
 def _sentence_transformers_pooling(model_path: Path) -> tuple[str | None, bool | None]:
@@ -171,8 +200,14 @@ class Pooler:
         return (done, torch.stack(vectors)) if done else None
 
     def finish(self, vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
-        """A pooled vector [hidden] as the request asked for it: its first ``dimensions`` entries, then
-        L2-normalised unless the request (or else the pooler) says not to."""
+        """A pooled vector as the request asked for it. An embedding [hidden]: its first ``dimensions``
+        entries, then L2-normalised unless the request (or else the pooler) says not to. A classifier's
+        logits [num_labels]: through its activation (probabilities)."""
+        if self.spec.task == "classify":
+            activation = self.spec.activation
+            if activation == "softmax":
+                return torch.softmax(vector, dim=-1)
+            return torch.sigmoid(vector) if activation == "sigmoid" else vector
         if params.dimensions is not None:
             vector = vector[: params.dimensions]
         normalize = params.normalize if params.normalize is not None else self.spec.normalize

@@ -1,0 +1,133 @@
+"""Classifiers and reward models (HF ...ForSequenceClassification) on the pooling runner: plait's class
+probabilities against transformers' for each activation, chunked and batched; vLLM's /classify."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait import LLM
+from plait.engine.engine import POOLING_MODEL_MESSAGE
+from plait.pooling_params import PoolingParams
+from plait.sampling_params import SamplingParams
+from tests.conftest import TINY_VOCAB
+
+ATOL = 2e-5
+LABELS = {0: "negative", 1: "neutral", 2: "positive"}
+# name -> (transformers config class, config extras, the activation transformers' losses imply)
+CLASSIFIERS = {
+    "llama-3-labels": ("LlamaConfig", dict(id2label=LABELS, label2id={v: k for k, v in LABELS.items()}),
+                       "softmax"),
+    "qwen3-score": ("Qwen3Config", dict(num_labels=1, head_dim=32), "sigmoid"),
+    "mistral-multi-label": ("MistralConfig", dict(num_labels=4, problem_type="multi_label_classification"),
+                            "sigmoid"),
+    "qwen2-regression": ("Qwen2Config", dict(num_labels=2, problem_type="regression"), "none"),
+}
+
+
+@pytest.fixture(scope="module")
+def classifiers(tmp_path_factory) -> dict:
+    """name -> (folder of a random tiny ...ForSequenceClassification checkpoint, the HF model, activation)."""
+    import transformers
+
+    models = {}
+    for i, (name, (config_cls, extra, activation)) in enumerate(CLASSIFIERS.items()):
+        cfg = getattr(transformers, config_cls)(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=TINY_VOCAB, max_position_embeddings=256, **extra)
+        torch.manual_seed(300 + i)
+        model = transformers.AutoModelForSequenceClassification.from_config(cfg, dtype=torch.float32).eval()
+        with torch.no_grad():
+            model.score.weight.mul_(20.0)  # logits of a few units, so the activations are far from flat
+        folder = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folder)
+        models[name] = (folder, model, activation)
+    return models
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, TINY_VOCAB, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _reference(model, ids: list[int], activation: str) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0]  # batch 1: the last token's
+    activate = {"softmax": lambda x: x.softmax(-1), "sigmoid": torch.sigmoid, "none": lambda x: x}
+    return activate[activation](logits)
+
+
+@pytest.mark.parametrize("name", list(CLASSIFIERS))
+def test_class_probabilities_match_transformers(classifiers, name):
+    """A classifier checkpoint is a pooling model by default; its probabilities (softmax over labels, a
+    sigmoid for a single score or a multi-label problem, raw for regression) equal transformers', prompts
+    chunked 16 tokens at a time beside each other."""
+    folder, model, activation = classifiers[name]
+    llm = LLM(str(folder), max_num_batched_tokens=16)
+    spec = llm.engine.pooler.spec
+    assert (spec.task, spec.activation) == ("classify", activation)
+    assert llm.engine.runner.model.lm_head is None
+    prompts = _prompts(1, [1, 9, 16, 41, 77])
+    outputs = llm.classify(prompts, use_tqdm=False)
+    for out, ids in zip(outputs, prompts):
+        assert out.prompt_token_ids == ids
+        assert out.outputs.num_classes == model.config.num_labels
+        torch.testing.assert_close(torch.tensor(out.outputs.probs), _reference(model, ids, activation),
+                                   atol=ATOL, rtol=0)
+    assert llm.engine.is_idle_and_clean()
+
+
+def test_classifier_requests_are_checked(classifiers, tiny_llama):
+    folder, _, _ = classifiers["llama-3-labels"]
+    llm = LLM(str(folder))
+    assert llm.engine.pooler.spec.labels == ("negative", "neutral", "positive")
+    with pytest.raises(ValueError) as err:
+        llm.generate([[5, 6]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert str(err.value) == POOLING_MODEL_MESSAGE
+    with pytest.raises(ValueError, match="is a classification model: it does not support the embed task"):
+        llm.embed([[5, 6]], use_tqdm=False)
+    with pytest.raises(ValueError, match="dimensions applies to embeddings"):
+        llm.encode([[5, 6]], PoolingParams(dimensions=2), use_tqdm=False)
+    with pytest.raises(ValueError, match="cannot generate text"):
+        LLM(str(folder), runner="generate")
+    embedder = LLM(str(tiny_llama), runner="pooling")
+    with pytest.raises(ValueError, match="is an embedding model: it does not support the classify task"):
+        embedder.classify([[5, 6]], use_tqdm=False)
+    with pytest.raises(ValueError, match="task must be one of"):
+        PoolingParams(task="score")
+
+
+def test_classify_endpoint(classifiers):
+    """vLLM's /classify: each input's probabilities and most probable label, in input order, equal to the
+    engine's own; the text and embedding endpoints are closed on a classifier."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    folder, model, activation = classifiers["llama-3-labels"]
+    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=16))
+    prompts = _prompts(2, [5, 30, 12])
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        r = httpx.post(f"{url}/classify", json={"input": prompts}, timeout=60)
+        one = httpx.post(f"{url}/classify", json={"input": prompts[1], "truncate_prompt_tokens": 4},
+                         timeout=60)
+        refused = [httpx.post(f"{url}{path}", json=body, timeout=60) for path, body in (
+            ("/v1/embeddings", {"input": prompts[0]}),
+            ("/v1/completions", {"prompt": prompts[0]}),
+            ("/classify", {"input": []}))]
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and body["id"].startswith("classify-")
+    assert body["usage"]["prompt_tokens"] == body["usage"]["total_tokens"] == sum(map(len, prompts))
+    for item, ids in zip(body["data"], prompts):
+        want = _reference(model, ids, activation)
+        torch.testing.assert_close(torch.tensor(item["probs"]), want, atol=ATOL, rtol=0)
+        assert item["label"] == LABELS[int(want.argmax())] and item["num_classes"] == 3
+    assert [item["index"] for item in body["data"]] == [0, 1, 2]
+    torch.testing.assert_close(torch.tensor(one.json()["data"][0]["probs"]),
+                               _reference(model, prompts[1][-4:], activation), atol=ATOL, rtol=0)
+    messages = ["does not support Embeddings API", "does not support Completions API", "input is empty"]
+    for response, message in zip(refused, messages):
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
