@@ -4,6 +4,7 @@ with the torch_ref backend; every pure-decode step replays a graph; pinned stagi
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -276,7 +277,8 @@ def test_prompt_logprobs_on_the_gpu_path_match_the_reference_in_fp32(tmp_path):
 
 
 def _embed(engine: LLMEngine, prompts: list[list[int]], arrive_every: int) -> torch.Tensor:
-    """Every prompt's embedding [N, hidden], prompts arriving every ``arrive_every`` steps."""
+    """Every prompt's pooled output (an embedding [N, hidden], a classifier's probabilities [N, labels]),
+    prompts arriving every ``arrive_every`` steps."""
     got, pending, step = {}, list(enumerate(prompts)), 0
     while pending or engine.has_unfinished_requests():
         while pending and step >= pending[0][0] * arrive_every:
@@ -306,3 +308,22 @@ def test_embeddings_on_the_gpu_path_match_the_reference(tmp_path, pooling_type):
     bf16 = _engine(model, "bfloat16", max_num_batched_tokens=BUDGET, attention_backend="triton", **pooling)
     cosine = torch.nn.functional.cosine_similarity(_embed(bf16, prompts, arrive_every=2), ref)
     assert cosine.min() > 0.99, cosine
+
+
+def test_classifier_on_the_gpu_path_matches_the_reference(tmp_path):
+    """A ...ForSequenceClassification model's probabilities from the Triton path (chunked, overlapped,
+    graph-replayed) equal the torch_ref engine's in fp32, and stay close in bf16."""
+    folder = tmp_path / "classifier"
+    shutil.copytree(_config(tmp_path, 64), folder)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(architectures=["LlamaForSequenceClassification"], id2label={"0": "a", "1": "b", "2": "c"})
+    (folder / "config.json").write_text(json.dumps(cfg))
+    prompts = _prompts(5)[:24]
+    ref = _embed(_engine(str(folder), "float32", attention_backend="torch_ref", enforce_eager=True,
+                         async_scheduling=False, max_num_batched_tokens=4096), prompts, 0)
+    fast = _engine(str(folder), "float32", max_num_batched_tokens=BUDGET, attention_backend="triton")
+    assert fast.pooler.spec.task == "classify" and ref.shape == (24, 3)
+    torch.testing.assert_close(_embed(fast, prompts, arrive_every=2), ref, atol=1e-4, rtol=0)
+    assert fast.runner.breakdown.graph_steps > 0
+    bf16 = _engine(str(folder), "bfloat16", max_num_batched_tokens=BUDGET, attention_backend="triton")
+    assert (_embed(bf16, prompts, arrive_every=2) - ref).abs().max() < 0.05

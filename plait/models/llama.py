@@ -12,7 +12,7 @@ from torch import nn
 from plait.attention.base import Rotary
 from plait.config import ModelConfig
 from plait.layers.activation import act_and_mul, get_activation, silu_and_mul_rms
-from plait.layers.linear import Linear, logits_fp32
+from plait.layers.linear import Linear
 from plait.layers.moe import FusedMoE
 from plait.layers.norm import RMSNorm, RowNorm
 from plait.layers.rotary import RotaryEmbedding
@@ -202,8 +202,8 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
         self.score = Linear(cfg.hidden_size, num_labels(cfg.raw), bias=False)
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
-        # pooled: [n, hidden] fp32 -> logits: [n, num_labels] fp32
-        return logits_fp32(pooled.to(self.score.weight.dtype), self.score.weight)
+        # pooled: [n, hidden] fp32 -> logits: [n, num_labels] fp32. A head of a few rows: fp32 costs nothing.
+        return pooled @ self.score.weight.float().t()
 
 
 def num_labels(hf_config: dict) -> int:
