@@ -1029,13 +1029,18 @@ class EmbeddingData(BaseModel):
     embedding: list[float] | str  # a str with encoding_format "base64"
 
 
-class EmbeddingResponse(BaseModel):
+class _PoolingResponse(BaseModel):
+    """A pooling endpoint's answer: a list of ``data`` (one per input, in input order) and the usage."""
+
     id: str
     object: Literal["list"] = "list"
     created: int = Field(default_factory=_now)
     model: str
-    data: list[EmbeddingData]
     usage: UsageInfo
+
+
+class EmbeddingResponse(_PoolingResponse):
+    data: list[EmbeddingData]
 
 
 class ClassificationData(BaseModel):
@@ -1045,13 +1050,8 @@ class ClassificationData(BaseModel):
     num_classes: int
 
 
-class ClassificationResponse(BaseModel):
-    id: str
-    object: Literal["list"] = "list"
-    created: int = Field(default_factory=_now)
-    model: str
+class ClassificationResponse(_PoolingResponse):
     data: list[ClassificationData]
-    usage: UsageInfo
 
 
 class TokenizeResponse(BaseModel):
