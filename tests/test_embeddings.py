@@ -257,3 +257,13 @@ def test_default_model_embeddings_match_transformers(hf_gguf_model):
     prompts = [o.prompt_token_ids for o in outputs]
     assert prompts == [llm.get_tokenizer().encode(t) for t in texts]
     _check(outputs, hf_gguf_model.model, prompts)
+
+
+def test_cli_flags_take_vllm_forms():
+    """`plait serve MODEL --runner pooling --pooler-config JSON`, as vllm serve takes them."""
+    from plait.entrypoints.cli import _engine_config, parse_args
+
+    args = parse_args(["serve", "m", "--runner", "pooling", "--pooler-config", '{"pooling_type": "mean"}'])
+    config = _engine_config(args)
+    assert (config.runner, config.pooler_config) == ("pooling", PoolerConfig(pooling_type="MEAN"))
+    assert _engine_config(parse_args(["serve", "m"])).runner == "auto"
