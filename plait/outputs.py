@@ -120,3 +120,21 @@ class ClassificationRequestOutput:
     def from_base(cls, output: PoolingRequestOutput) -> ClassificationRequestOutput:
         probs = ClassificationOutput(output.outputs.data.tolist())
         return cls(output.request_id, output.prompt_token_ids, probs, output.finished)
+
+
+@dataclass
+class ScoringOutput:
+    """How alike two inputs are (vLLM's ``ScoringOutput``): the cosine similarity of their embeddings."""
+
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """``LLM.score``'s result for one pair (vLLM's ``ScoringRequestOutput``): ``prompt_token_ids`` are the
+    first input's then the second's."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput
+    finished: bool = True

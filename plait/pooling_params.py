@@ -43,3 +43,16 @@ class PoolingParams:
                 raise ValueError(f"truncate_prompt_tokens must be an int or None, got {k!r}")
             if k < 1 and k != TRUNCATE_TO_CONTEXT:
                 raise ValueError(f"truncate_prompt_tokens must be >= 1 or {TRUNCATE_TO_CONTEXT}, got {k}")
+
+
+def score_pairs(num_first: int, num_second: int) -> list[tuple[int, int]]:
+    """The (first, second) input indices a score request compares, as vLLM pairs them: one first input with
+    every second one, else the two lists in order (they must then be as long)."""
+    if num_first == 0 or num_second == 0:
+        raise ValueError("scoring needs at least one input on each side")
+    if num_first == 1:
+        return [(0, j) for j in range(num_second)]
+    if num_first != num_second:
+        raise ValueError(f"scoring pairs the inputs in order: got {num_first} first inputs and {num_second} "
+                         "second ones (give one first input to compare with every second one)")
+    return [(i, i) for i in range(num_first)]

@@ -116,7 +116,8 @@ def test_classify_endpoint(classifiers):
         refused = [httpx.post(f"{url}{path}", json=body, timeout=60) for path, body in (
             ("/v1/embeddings", {"input": prompts[0]}),
             ("/v1/completions", {"prompt": prompts[0]}),
-            ("/classify", {"input": []}))]
+            ("/classify", {"input": []}),
+            ("/score", {"text_1": "t5", "text_2": "t6"}))]
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "list" and body["id"].startswith("classify-")
@@ -128,6 +129,7 @@ def test_classify_endpoint(classifiers):
     assert [item["index"] for item in body["data"]] == [0, 1, 2]
     torch.testing.assert_close(torch.tensor(one.json()["data"][0]["probs"]),
                                _reference(model, prompts[1][-4:], activation), atol=ATOL, rtol=0)
-    messages = ["does not support Embeddings API", "does not support Completions API", "input is empty"]
+    messages = ["does not support Embeddings API", "does not support Completions API", "input is empty",
+                "does not support Score API"]
     for response, message in zip(refused, messages):
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text

@@ -267,3 +267,21 @@ def test_cli_flags_take_vllm_forms():
     config = _engine_config(args)
     assert (config.runner, config.pooler_config) == ("pooling", PoolerConfig(pooling_type="MEAN"))
     assert _engine_config(parse_args(["serve", "m"])).runner == "auto"
+
+
+def test_score_is_the_cosine_of_the_embeddings(tiny_llama):
+    """LLM.score with an embedding model: each pair's cosine similarity, one first input against every second
+    one or the two lists in pairs; mismatched lists are refused."""
+    llm = LLM(str(tiny_llama), runner="pooling", pooler_config={"normalize": False})
+    a, b, c = _prompts(11, [7, 19, 33])
+    vectors = {tuple(p): torch.tensor(o.outputs.embedding) for p, o in zip((a, b, c), llm.embed([a, b, c],
+                                                                                             use_tqdm=False))}
+    cosine = lambda x, y: F.cosine_similarity(vectors[tuple(x)], vectors[tuple(y)], dim=0).item()  # noqa: E731
+    one_to_many = llm.score([a], [b, c], use_tqdm=False)
+    assert [o.outputs.score for o in one_to_many] == pytest.approx([cosine(a, b), cosine(a, c)], abs=1e-6)
+    assert one_to_many[1].prompt_token_ids == a + c
+    pairs = llm.score([a, b], [c, a], use_tqdm=False)
+    assert [o.outputs.score for o in pairs] == pytest.approx([cosine(a, c), cosine(b, a)], abs=1e-6)
+    assert llm.score([b], [b], use_tqdm=False)[0].outputs.score == pytest.approx(1.0, abs=1e-6)
+    with pytest.raises(ValueError, match="pairs the inputs in order"):
+        llm.score([a, b], [a, b, c], use_tqdm=False)

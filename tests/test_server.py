@@ -1735,3 +1735,32 @@ def test_embeddings_extensions_and_bad_input(embedding_server):
 def test_generating_model_refuses_embeddings(served, client, model):
     with pytest.raises(openai.BadRequestError, match="does not support Embeddings API"):
         client.embeddings.create(model=model, input="hello")
+
+
+def test_score_and_rerank(embedding_server):
+    """vLLM's /score and the Jina / Cohere /rerank it serves (also at /v1/rerank, /v2/rerank), on an
+    embedding model: cosine similarities of the engine's own embeddings, documents best first, top_n."""
+    server, url, offline = embedding_server
+    vectors = [o.outputs.data for o in offline]
+    cosine = lambda i, j: torch.nn.functional.cosine_similarity(vectors[i], vectors[j], dim=0).item()  # noqa: E731
+    r = _post(url, "/score", {"text_1": EMBED_TEXTS[0], "text_2": EMBED_TEXTS[1:]})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "list" and [d["object"] for d in body["data"]] == ["score"] * 3
+    assert [d["score"] for d in body["data"]] == pytest.approx([cosine(0, j) for j in (1, 2, 3)], abs=1e-5)
+    assert body["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in offline)
+    pairs = _post(url, "/v1/score", {"text_1": EMBED_TEXTS[:2], "text_2": EMBED_TEXTS[2:]}).json()
+    assert [d["score"] for d in pairs["data"]] == pytest.approx([cosine(0, 2), cosine(1, 3)], abs=1e-5)
+    query, documents = EMBED_TEXTS[0], EMBED_TEXTS[1:]
+    want = sorted(((cosine(0, j + 1), j) for j in range(3)), reverse=True)
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        ranked = _post(url, path, {"query": query, "documents": documents, "top_n": 2}).json()
+        assert [(x["index"], x["document"]["text"]) for x in ranked["results"]] == [
+            (j, documents[j]) for _, j in want[:2]]
+        assert [x["relevance_score"] for x in ranked["results"]] == pytest.approx([s for s, _ in want[:2]],
+                                                                                  abs=1e-5)
+    everything = _post(url, "/rerank", {"query": query, "documents": documents}).json()
+    assert len(everything["results"]) == 3 and everything["usage"]["total_tokens"] > 0
+    bad = _post(url, "/score", {"text_1": EMBED_TEXTS[:2], "text_2": EMBED_TEXTS[:3]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    assert _post(url, "/rerank", {"query": query, "documents": []}).status_code == 400

@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import torch
 from tqdm.auto import tqdm
 
 from plait.config import EngineConfig
@@ -25,8 +26,10 @@ from plait.outputs import (
     EmbeddingRequestOutput,
     PoolingRequestOutput,
     RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
 )
-from plait.pooling_params import PoolingParams
+from plait.pooling_params import PoolingParams, score_pairs
 from plait.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | dict | Sequence[int]
@@ -139,6 +142,27 @@ class LLM:
         params = PoolingParams(task="classify")
         outputs = self.encode(prompts, params, use_tqdm, truncate_prompt_tokens)
         return [ClassificationRequestOutput.from_base(out) for out in outputs]
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """How alike each pair of inputs is, as vLLM's ``LLM.score`` with an embedding model: the cosine
+        similarity of their embeddings. One ``data_1`` input is paired with every ``data_2`` input; otherwise
+        the two lists pair up in order (score_pairs)."""
+        first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
+        pairs = score_pairs(len(first), len(second))
+        embedded = self.encode(first + second, PoolingParams(task="embed"), use_tqdm, truncate_prompt_tokens)
+        outputs = []
+        for k, (i, j) in enumerate(pairs):
+            a, b = embedded[i], embedded[len(first) + j]
+            similarity = float(torch.nn.functional.cosine_similarity(a.outputs.data, b.outputs.data, dim=0))
+            outputs.append(ScoringRequestOutput(str(k), a.prompt_token_ids + b.prompt_token_ids,
+                                                ScoringOutput(similarity)))
+        return outputs
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False,

@@ -10,6 +10,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from plait.entrypoints.tools import named_tool_schema, required_tools_schema
+from plait.pooling_params import score_pairs
 from plait.sampling_params import (
     LOGIT_BIAS_BOUND,
     MAX_ALLOWED_TOKEN_IDS,
@@ -801,17 +802,25 @@ class DetokenizeRequest(_RequestModel):
 MAX_EMBEDDING_INPUTS = 2048
 
 
-class PoolingInputRequest(_RequestModel):
-    """What a pooling model's endpoints (/v1/embeddings, /classify) take: inputs to run once each."""
+class PoolingBody(_RequestModel):
+    """What every pooling endpoint takes beside its inputs (``inputs()``, each run once)."""
 
     model: str | None = None
-    # One input (text or token ids) or a batch of them, each pooled alone.
-    input: str | list[TokenId] | list[str] | list[list[TokenId]]
     user: str | None = None
     # vLLM extensions: keep each input's last k tokens (-1: as many as the context holds); add the tokenizer's
     # special tokens (a BOS, an EOS) to text inputs.
     truncate_prompt_tokens: Annotated[Int, Field(ge=TRUNCATE_TO_CONTEXT)] | None = None
     add_special_tokens: bool = True
+
+    def inputs(self) -> list[str | list[int]]:
+        raise NotImplementedError
+
+
+class PoolingInputRequest(PoolingBody):
+    """What /v1/embeddings and /classify take: an input or a batch of them."""
+
+    # One input (text or token ids) or a batch of them, each pooled alone.
+    input: str | list[TokenId] | list[str] | list[list[TokenId]]
 
     def inputs(self) -> list[str | list[int]]:
         """The batch of inputs: a single text or token-id input is a batch of one."""
@@ -840,6 +849,39 @@ class EmbeddingRequest(PoolingInputRequest):
 
 class ClassificationRequest(PoolingInputRequest):
     """vLLM's /classify body (a classifier's server)."""
+
+
+class ScoreRequest(PoolingBody):
+    """vLLM's /score body (an embedding model's server): how alike text_1's inputs are to text_2's (one text_1
+    against every text_2, else in pairs)."""
+
+    text_1: str | Annotated[list[str], Field(max_length=MAX_EMBEDDING_INPUTS)]
+    text_2: str | Annotated[list[str], Field(max_length=MAX_EMBEDDING_INPUTS)]
+
+    def sides(self) -> tuple[list[str], list[str]]:
+        first = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
+        second = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
+        return first, second
+
+    def inputs(self) -> list[str | list[int]]:
+        first, second = self.sides()
+        try:
+            score_pairs(len(first), len(second))
+        except ValueError as err:
+            raise ProtocolError(str(err), "text_2") from None
+        return [*first, *second]
+
+
+class RerankRequest(PoolingBody):
+    """The Jina / Cohere rerank body vLLM serves at /rerank, /v1/rerank and /v2/rerank: the documents ranked
+    by how alike each is to the query."""
+
+    query: str
+    documents: Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    top_n: Int = Field(default=0, ge=0)  # the best n (0: all of them)
+
+    def inputs(self) -> list[str | list[int]]:
+        return [self.query, *self.documents]
 
 
 class LoadLoRAAdapterRequest(_RequestModel):
@@ -1052,6 +1094,37 @@ class ClassificationData(BaseModel):
 
 class ClassificationResponse(_PoolingResponse):
     data: list[ClassificationData]
+
+
+class ScoreData(BaseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(_PoolingResponse):
+    data: list[ScoreData]
+
+
+class RerankDocument(BaseModel):
+    text: str
+
+
+class RerankResult(BaseModel):
+    index: int  # the document's index in the request
+    document: RerankDocument
+    relevance_score: float
+
+
+class RerankUsage(BaseModel):
+    total_tokens: int
+
+
+class RerankResponse(BaseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]  # best first
 
 
 class TokenizeResponse(BaseModel):

@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 
 import jinja2
 import prometheus_client as prom
+import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -88,11 +89,19 @@ from plait.entrypoints.protocol import (
     LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
-    PoolingInputRequest,
+    PoolingBody,
     PromptLogprob,
     PromptLogprobs,
     ProtocolError,
     ReasoningChatResponseMessage,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    ScoreData,
+    ScoreRequest,
+    ScoreResponse,
     TokenizeRequest,
     TokenizeResponse,
     ToolCallOut,
@@ -118,7 +127,7 @@ from plait.entrypoints.tools import (
 from plait.loader.hf import ModelSource
 from plait.lora.request import LoRAModulePath, LoRARequest
 from plait.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
-from plait.pooling_params import PoolingParams
+from plait.pooling_params import PoolingParams, score_pairs
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -647,6 +656,19 @@ def _encode_embedding(vector: Any, encoding_format: str) -> list[float] | str:
     return vector.tolist()
 
 
+def _pair_scores(outputs: Sequence[PoolingRequestOutput], num_first: int, num_second: int
+                 ) -> list[tuple[int, float]]:
+    """Each pair's (second input's index, cosine similarity of the two embeddings); ``outputs`` holds the
+    first inputs' embeddings, then the second ones'."""
+    vectors = torch.stack([out.outputs.data for out in outputs])
+    first, second = vectors[:num_first], vectors[num_first:]
+    pairs = score_pairs(num_first, num_second)
+    a = first[[i for i, _ in pairs]]
+    b = second[[j for _, j in pairs]]
+    similarity = torch.nn.functional.cosine_similarity(a, b, dim=-1).tolist()
+    return [(j, s) for (_, j), s in zip(pairs, similarity)]
+
+
 def _sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json()}\n\n"
 
@@ -882,6 +904,16 @@ class OpenAIServer:
         @app.post("/classify", response_model=ClassificationResponse, responses=_ERROR_RESPONSES)
         async def classify(body: ClassificationRequest, raw: Request) -> Response:
             return await self.create_classification(body, raw)
+
+        for path in ("/score", "/v1/score"):
+            @app.post(path, response_model=ScoreResponse, responses=_ERROR_RESPONSES)
+            async def score(body: ScoreRequest, raw: Request) -> Response:
+                return await self.create_score(body, raw)
+
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            @app.post(path, response_model=RerankResponse, responses=_ERROR_RESPONSES)
+            async def rerank(body: RerankRequest, raw: Request) -> Response:
+                return await self.create_rerank(body, raw)
 
         # The Responses API, on the chat path; imported here, as it builds on this module.
         from plait.entrypoints.responses import ResponsesAPI
@@ -1364,7 +1396,35 @@ class OpenAIServer:
                                         usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
 
-    async def _pool(self, body: PoolingInputRequest, params: PoolingParams, raw: Request, api: str
+    async def create_score(self, body: ScoreRequest, raw: Request) -> Response:
+        """vLLM's /score with an embedding model: the cosine similarity of each pair's embeddings (one text_1
+        against every text_2, else in pairs)."""
+        pooled = await self._pool(body, PoolingParams(task="embed"), raw, "Score API")
+        if isinstance(pooled, Response):
+            return pooled
+        finals, usage = pooled
+        first, second = body.sides()
+        scores = _pair_scores(finals, len(first), len(second))
+        data = [ScoreData(index=k, score=score) for k, (_, score) in enumerate(scores)]
+        result = ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=self.model_name, data=data, usage=usage)
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    async def create_rerank(self, body: RerankRequest, raw: Request) -> Response:
+        """The Jina / Cohere rerank API vLLM serves: the documents, best first, by the cosine similarity of
+        their embeddings to the query's; the best ``top_n`` (0: all)."""
+        pooled = await self._pool(body, PoolingParams(task="embed"), raw, "Rerank API")
+        if isinstance(pooled, Response):
+            return pooled
+        finals, usage = pooled
+        scores = _pair_scores(finals, 1, len(body.documents))
+        ranked = sorted(scores, key=lambda pair: -pair[1])[: body.top_n or None]
+        results = [RerankResult(index=j, document=RerankDocument(text=body.documents[j]),
+                                relevance_score=score) for j, score in ranked]
+        result = RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=self.model_name,
+                                usage=RerankUsage(total_tokens=usage.total_tokens), results=results)
+        return Response(result.model_dump_json(), media_type="application/json")
+
+    async def _pool(self, body: PoolingBody, params: PoolingParams, raw: Request, api: str
                     ) -> tuple[list[PoolingRequestOutput], UsageInfo] | Response:
         """Run each input of a pooling endpoint once: the outputs in input order and the usage (a Response
         where the client left first). ``params.task`` must be the model's (else vLLM's 400 naming ``api``)."""
