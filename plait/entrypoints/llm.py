@@ -154,15 +154,11 @@ class LLM:
         similarity of their embeddings. One ``data_1`` input is paired with every ``data_2`` input; otherwise
         the two lists pair up in order (score_pairs)."""
         first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
-        pairs = score_pairs(len(first), len(second))
+        score_pairs(len(first), len(second))  # refuse lists that do not pair before anything runs
         embedded = self.encode(first + second, PoolingParams(task="embed"), use_tqdm, truncate_prompt_tokens)
-        outputs = []
-        for k, (i, j) in enumerate(pairs):
-            a, b = embedded[i], embedded[len(first) + j]
-            similarity = float(torch.nn.functional.cosine_similarity(a.outputs.data, b.outputs.data, dim=0))
-            outputs.append(ScoringRequestOutput(str(k), a.prompt_token_ids + b.prompt_token_ids,
-                                                ScoringOutput(similarity)))
-        return outputs
+        ids = [out.prompt_token_ids for out in embedded]
+        return [ScoringRequestOutput(str(k), ids[i] + ids[len(first) + j], ScoringOutput(similarity))
+                for k, (i, j, similarity) in enumerate(pair_scores(embedded, len(first), len(second)))]
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False,
@@ -342,6 +338,18 @@ def _prompt_payload(prompt: PromptType) -> str | list[int]:
     if isinstance(prompt, str):
         return prompt
     return list(prompt)
+
+
+def pair_scores(outputs: Sequence[PoolingRequestOutput], num_first: int, num_second: int
+                ) -> list[tuple[int, int, float]]:
+    """Each scored pair's (first input's index, second input's index, cosine similarity of their
+    embeddings), paired as score_pairs pairs them; ``outputs`` holds the first inputs' embeddings, then the second ones'."""
+    vectors = torch.stack([out.outputs.data for out in outputs])
+    first, second = vectors[:num_first], vectors[num_first:]
+    pairs = score_pairs(num_first, num_second)
+    a, b = first[[i for i, _ in pairs]], second[[j for _, j in pairs]]
+    similarity = torch.nn.functional.cosine_similarity(a, b, dim=-1).tolist()
+    return [(i, j, s) for (i, j), s in zip(pairs, similarity)]
 
 
 def _with_task(params: PoolingParams | Sequence[PoolingParams] | None, task: str

@@ -24,7 +24,6 @@ from typing import Any, TypeVar
 
 import jinja2
 import prometheus_client as prom
-import torch
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,7 +50,7 @@ from plait.entrypoints.async_engine import (
     RequestTimeoutError,
 )
 from plait.entrypoints.beam_search import BeamSearch, advance_all, pending_beams, served_outputs, step_params
-from plait.entrypoints.llm import _fan_out, encode_rendered, render_chat
+from plait.entrypoints.llm import _fan_out, encode_rendered, pair_scores, render_chat
 from plait.entrypoints.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
     TOOLS_PARAM,
@@ -127,7 +126,7 @@ from plait.entrypoints.tools import (
 from plait.loader.hf import ModelSource
 from plait.lora.request import LoRAModulePath, LoRARequest
 from plait.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
-from plait.pooling_params import PoolingParams, score_pairs
+from plait.pooling_params import PoolingParams
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -654,19 +653,6 @@ def _encode_embedding(vector: Any, encoding_format: str) -> list[float] | str:
     if encoding_format == "base64":
         return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()
-
-
-def _pair_scores(outputs: Sequence[PoolingRequestOutput], num_first: int, num_second: int
-                 ) -> list[tuple[int, float]]:
-    """Each pair's (second input's index, cosine similarity of the two embeddings); ``outputs`` holds the
-    first inputs' embeddings, then the second ones'."""
-    vectors = torch.stack([out.outputs.data for out in outputs])
-    first, second = vectors[:num_first], vectors[num_first:]
-    pairs = score_pairs(num_first, num_second)
-    a = first[[i for i, _ in pairs]]
-    b = second[[j for _, j in pairs]]
-    similarity = torch.nn.functional.cosine_similarity(a, b, dim=-1).tolist()
-    return [(j, s) for (_, j), s in zip(pairs, similarity)]
 
 
 def _sse(payload: BaseModel) -> str:
@@ -1404,8 +1390,8 @@ class OpenAIServer:
             return pooled
         finals, usage = pooled
         first, second = body.sides()
-        scores = _pair_scores(finals, len(first), len(second))
-        data = [ScoreData(index=k, score=score) for k, (_, score) in enumerate(scores)]
+        scores = pair_scores(finals, len(first), len(second))
+        data = [ScoreData(index=k, score=score) for k, (_, _, score) in enumerate(scores)]
         result = ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=self.model_name, data=data, usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
 
@@ -1416,10 +1402,10 @@ class OpenAIServer:
         if isinstance(pooled, Response):
             return pooled
         finals, usage = pooled
-        scores = _pair_scores(finals, 1, len(body.documents))
-        ranked = sorted(scores, key=lambda pair: -pair[1])[: body.top_n or None]
+        scores = pair_scores(finals, 1, len(body.documents))
+        ranked = sorted(scores, key=lambda pair: -pair[2])[: body.top_n or None]
         results = [RerankResult(index=j, document=RerankDocument(text=body.documents[j]),
-                                relevance_score=score) for j, score in ranked]
+                                relevance_score=score) for _, j, score in ranked]
         result = RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=self.model_name,
                                 usage=RerankUsage(total_tokens=usage.total_tokens), results=results)
         return Response(result.model_dump_json(), media_type="application/json")
