@@ -343,7 +343,8 @@ def _prompt_payload(prompt: PromptType) -> str | list[int]:
 def pair_scores(outputs: Sequence[PoolingRequestOutput], num_first: int, num_second: int
                 ) -> list[tuple[int, int, float]]:
     """Each scored pair's (first input's index, second input's index, cosine similarity of their
-    embeddings), paired as score_pairs pairs them; ``outputs`` holds the first inputs' embeddings, then the second ones'."""
+    embeddings), paired as score_pairs pairs them; ``outputs`` holds the first inputs' embeddings, then the
+    second ones'."""
     vectors = torch.stack([out.outputs.data for out in outputs])
     first, second = vectors[:num_first], vectors[num_first:]
     pairs = score_pairs(num_first, num_second)
