@@ -309,6 +309,9 @@ def test_w4_tiny_both_policies(tiny_llama, shared_bench, tmp_path):
         assert sum(s["num_decode_tokens"] for s in steps) == outputs - (W4_TINY["num_streams"] + 1)
         assert all(s["num_prefill_tokens"] + s["num_decode_tokens"] <= W4_BUDGET for s in steps)
         arrival = run["marks"]["long request arrives"]
+        # The streams' prompts share the first step, so the steady state before the arrival is decodes only.
+        assert steps[0]["num_prefill_tokens"] == W4_TINY["num_streams"] * W4_TINY["stream_prompt_len"]
+        assert all(s["num_prefill_tokens"] == 0 for s in steps[1:] if s["start_time"] < arrival), policy
         long_prefill = [s for s in steps if s["start_time"] >= arrival and s["num_prefill_tokens"] > 0]
         assert long_prefill
         stalled = [s for s in long_prefill if s["num_decode_tokens"] == 0]
