@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import json
@@ -34,6 +35,8 @@ WARMUP_SEED = 2
 # (a prefix-cache hit would shorten its prefill).
 LONG_PROMPT_SEED_OFFSET = 1000
 WARMUP_OUTPUT_TOKENS = 8
+WARMUP_ARRIVE_AFTER = 4  # stream tokens before the warm-up's long request arrives
+WARMUP_IDLE_POLL_S = 0.01
 # WORKLOADS.md's goal: window p99 ITL at most 1.5x steady p99 under mixed, and the long request's
 # TTFT within 1.2x of prefill_first's, both at once.
 GOAL_ITL_RATIO = 1.5
@@ -87,18 +90,22 @@ async def _consume(stream: Any, times: list[list[float]], on_token: Any = None) 
                 on_token(index, len(times[index]))
 
 
-async def _warmup(engine: Any, prompts: list[list[int]], long_prompt: list[int]) -> None:
-    """Every prompt shape at once, a few tokens each: first-call costs are paid before the timed run."""
-    from plait.sampling_params import SamplingParams
+async def _warmup(engine: Any, shape: W4Shape, prompts: list[list[int]], long_prompt: list[int]) -> None:
+    """The timed run in miniature (other prompts, the long one arriving after a few tokens, the streams
+    stopped once it has its tokens), so that every kind of step the timed run takes has run once: a
+    kind first met there would pay its first-call costs inside the measured window."""
+    warm = dataclasses.replace(shape, arrive_after=min(WARMUP_ARRIVE_AFTER, shape.arrive_after),
+                               long_output_len=WARMUP_OUTPUT_TOKENS)
+    await _timed(engine, warm, prompts, long_prompt, stop_streams=True)
+    # The aborts reach the engine at its next step: wait until they have, so no warm-up step is recorded.
+    while await engine.call(lambda e: e.has_unfinished_requests()):
+        await asyncio.sleep(WARMUP_IDLE_POLL_S)
 
-    params = SamplingParams(temperature=0.0, max_tokens=WARMUP_OUTPUT_TOKENS, ignore_eos=True)
-    everything = [*prompts, long_prompt]
-    await _consume(await engine.add([(p, params) for p in everything]), [[] for _ in everything])
 
-
-async def _timed(engine: Any, shape: W4Shape, prompts: list[list[int]], long_prompt: list[int]
-                 ) -> dict[str, Any]:
-    """The W4 run itself; times on time.monotonic's clock (the engine's step clock)."""
+async def _timed(engine: Any, shape: W4Shape, prompts: list[list[int]], long_prompt: list[int],
+                 stop_streams: bool = False) -> dict[str, Any]:
+    """The W4 run itself; times on time.monotonic's clock (the engine's step clock). With
+    ``stop_streams`` the streams are aborted once the long request has finished."""
     from plait.sampling_params import SamplingParams
 
     stream_params = SamplingParams(temperature=0.0, max_tokens=shape.stream_output_len, ignore_eos=True)
@@ -130,7 +137,10 @@ async def _timed(engine: Any, shape: W4Shape, prompts: list[list[int]], long_pro
     arrival = time.monotonic()
     long_times: list[list[float]] = [[]]
     await _consume(await engine.add([(long_prompt, long_params)]), long_times)
-    await streams
+    if stop_streams:
+        streams.cancel()  # leaving _consume's `async with` aborts the streams' requests
+    with contextlib.suppress(asyncio.CancelledError):
+        await streams
     return {"t_start": t_start, "t_end": time.monotonic(), "arrival": arrival, "streams": times,
             "long": long_times[0]}
 
@@ -153,7 +163,7 @@ async def _run_on(engine: Any, shape: W4Shape, prompts: Prompts, warmup_prompts:
     async_engine.start()
     try:
         if warmup_prompts is not None:
-            await _warmup(async_engine, *warmup_prompts)
+            await _warmup(async_engine, shape, *warmup_prompts)
         recording = True
         raw = await _timed(async_engine, shape, *prompts)
     finally:

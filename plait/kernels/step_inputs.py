@@ -17,7 +17,12 @@ import triton.language as tl
 BLOCK = 1024
 
 
-@triton.jit
+# Triton compiles a kernel anew for every "== 1" / "% 16 == 0" pattern of its int arguments and every
+# alignment of its pointers. A step's element and token counts change from step to step (a decode step's
+# 4 tokens, a mixed step's 256), and the previous step's sampled ids may be a slice at any offset: each new
+# combination stopped a step for a ~90 ms compile (W4's first mixed step on an H200). None of them is used
+# for vector loads, so the kernel takes them unspecialised.
+@triton.jit(do_not_specialize=["used", "num_tokens"], do_not_specialize_on_alignment=["prev_ids_ptr"])
 def _prepare_kernel(staged_ptr, prev_ids_ptr, out64_ptr, out32_ptr, used, num_tokens,
                     HAS_PREV: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
