@@ -4,6 +4,7 @@ SmolLM2 tokenizer and a small random Llama over its vocabulary: every constraine
     python benchmarks/structured_outputs_gpu.py --prepare DIR   # where gguf is installed (this machine)
     PYTHONPATH=.:<llguidance's folder> python benchmarks/structured_outputs_gpu.py DIR   # on the GPU
     ... structured_outputs_gpu.py DIR --throughput 256 --out result.json   # JSON mode's cost at scale
+    ... structured_outputs_gpu.py DIR --throughput 256 --collect-first    # and without late sampling
 
 --throughput N runs N requests at once through a Qwen3-0.6B-sized random Llama over the same vocabulary:
 unconstrained, under a regex no output can end before max_tokens (the same token count, so the cost of
@@ -78,11 +79,13 @@ THROUGHPUT_TOKENS = 128
 # cache cannot share across rows or steps.
 LONG_TEXT = r"[a-z ]+"
 COUNTED_TEXT = r"[a-z ]{2000,}"
+PENALTIES = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.1)
 
 
-def throughput(folder: Path, num: int) -> dict:
+def throughput(folder: Path, num: int, collect_first: bool = False) -> dict:
     """Output tok/s of ``num`` requests at once, unconstrained and as JSON objects (ignore_eos off: a JSON
-    object ends when its grammar does)."""
+    object ends when its grammar does); with ``collect_first`` the constrained runs again without late
+    sampling."""
     import shutil
     import tempfile
     import time
@@ -95,14 +98,22 @@ def throughput(folder: Path, num: int) -> dict:
     engine = LLMEngine(EngineConfig(model=str(big), load_format="dummy", max_model_len=1024,
                                     max_num_seqs=num))
     json_mode = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    samples_late = engine._samples_late
     result = {}
-    runs = (("unconstrained", None), ("regex " + LONG_TEXT, StructuredOutputsParams(regex=LONG_TEXT)),
-            ("regex " + COUNTED_TEXT, StructuredOutputsParams(regex=COUNTED_TEXT)),
-            ("json_object", json_mode), ("unconstrained again", None))
-    for name, structured in runs:
+    long_text = StructuredOutputsParams(regex=LONG_TEXT)
+    runs = [("unconstrained", {}), ("regex " + LONG_TEXT, dict(structured_outputs=long_text)),
+            ("regex " + COUNTED_TEXT, dict(structured_outputs=StructuredOutputsParams(regex=COUNTED_TEXT))),
+            ("json_object", dict(structured_outputs=json_mode)), ("penalties", PENALTIES),
+            ("unconstrained again", {})]
+    if collect_first:
+        # The same runs with the steps after grammar / penalty rows collected before the next launch (the
+        # engine before late sampling): their forward no longer overlaps the host's masks.
+        runs += [(f"{name}, collect first", kw) for name, kw in runs[1:5]]
+    for name, kw in runs:
+        engine._samples_late = (lambda plan, step: False) if name.endswith("collect first") else samples_late
         for i in range(num):
             engine.add_request(f"Item {i}: describe it as JSON.", SamplingParams(
-                max_tokens=THROUGHPUT_TOKENS, temperature=1.0, seed=i, structured_outputs=structured))
+                max_tokens=THROUGHPUT_TOKENS, temperature=1.0, seed=i, **kw))
         start, steps = time.perf_counter(), engine.num_steps
         outs = run_all(engine)
         seconds, steps = time.perf_counter() - start, engine.num_steps - steps
@@ -119,10 +130,13 @@ def main() -> None:
     parser.add_argument("folder", type=Path)
     parser.add_argument("--prepare", action="store_true")
     parser.add_argument("--throughput", type=int, default=0, metavar="N")
+    parser.add_argument("--collect-first", action="store_true",
+                        help="with --throughput: the constrained runs again, collecting each step before "
+                             "the next launches (no late sampling)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.throughput:
-        result = throughput(args.folder, args.throughput)
+        result = throughput(args.folder, args.throughput, args.collect_first)
         if args.out:
             Path(args.out).write_text(json.dumps(result, indent=1))
         return

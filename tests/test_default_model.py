@@ -211,26 +211,58 @@ def test_bad_schema_or_regex_is_refused_at_add_request(llm, spec, words):
 
 
 @needs_llguidance
-def test_grammar_steps_are_not_overlapped(llm):
-    """The next mask depends on the token just sampled: a step with a grammar row is collected before the
-    next one launches (with overlap, the mask would lag a token and let a digit in where "-" goes)."""
+def test_steps_after_grammar_or_penalty_rows_overlap_their_forward_and_sample_as_without_overlap(llm):
+    """A row's next mask (a grammar's, a guided choice's, a bad word's) or penalty depends on the token
+    just sampled, so the next step launches its forward first and samples once that token is collected:
+    with the mask a token behind, a digit could go where "-" goes. Every output, sampled and seeded
+    ones too, equals the run without overlap (async_scheduling=False)."""
+    phone = StructuredOutputsParams(regex=PHONE)
+    person = StructuredOutputsParams(json=PERSON)
+    batch = [
+        ("My number is", SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=phone)),
+        ("Describe a person as JSON:", SamplingParams(temperature=1.0, seed=7, max_tokens=40,
+                                                       structured_outputs=person)),
+        ("Pick a colour:", SamplingParams(temperature=0.8, seed=3, max_tokens=8, guided_choice=CHOICES)),
+        ("Count: one, two,", SamplingParams(temperature=0.9, seed=5, max_tokens=20, presence_penalty=0.8,
+                                            frequency_penalty=0.4, repetition_penalty=1.3)),
+        ("The capital of France is", SamplingParams(temperature=0.0, max_tokens=16,
+                                                    bad_words=["Paris", " Paris is"])),
+        ("Write one sentence about the sea:", SamplingParams(temperature=1.0, seed=9, max_tokens=20)),
+    ]
     engine = llm.engine
     assert engine.config.async_scheduling
-    phone = StructuredOutputsParams(regex=PHONE)
-    params = SamplingParams(temperature=0.0, max_tokens=16, structured_outputs=phone)
-    request_id = engine.add_request("My number is", params)
-    free_id = engine.add_request("Count: one, two,", SamplingParams(temperature=0.0, max_tokens=12))
+    launches = []
+    launch = engine.runner.launch
+
+    def spy(plan, prev, sample=True):
+        launches.append((sample, prev is not None and engine._needs_last_tokens(prev)))
+        return launch(plan, prev, sample)
+
+    engine.runner.launch = spy
+    try:
+        overlapped = _run_batch(engine, batch)
+    finally:
+        del engine.runner.launch
+    # Every step after one with such rows sampled late; none other did.
+    assert all(sample is not late for sample, late in launches), launches
+    assert sum(not sample for sample, _ in launches) >= 8
+    assert re.fullmatch(PHONE, overlapped[0].text)
+    assert _is_person(overlapped[1].text) and overlapped[2].text in CHOICES
+    serial = LLM(max_num_batched_tokens=256, async_scheduling=False)
+    expected = _run_batch(serial.engine, batch)
+    assert [o.token_ids for o in overlapped] == [o.token_ids for o in expected]
+    assert [o.finish_reason for o in overlapped] == [o.finish_reason for o in expected]
+    assert engine.is_idle_and_clean()
+
+
+def _run_batch(engine, batch):
+    ids = [engine.add_request(prompt, params) for prompt, params in batch]
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.outputs[0]
-        if engine._in_flight is not None:  # a launched step that carries the grammar row may not overlap
-            plan, in_flight = engine._in_flight
-            carries_grammar = any(r.grammar is not None for r in in_flight.requests)
-            assert engine._can_overlap(plan, in_flight) is not carries_grammar
-    assert re.fullmatch(PHONE, finished[request_id].text) and finished[request_id].finish_reason == "stop"
-    assert finished[free_id].finish_reason == "length"
+    return [finished[i] for i in ids]
 
 
 @needs_llguidance

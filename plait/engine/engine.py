@@ -457,18 +457,28 @@ class LLMEngine:
         With ``async_scheduling`` the step launched here is collected by the next call: the host
         schedules and stages step N+1 while the device runs step N, so host work hides behind the
         GPU. Tokens still in flight count as the requests' pending tokens; a decode whose input is
-        one of them reads it from the previous step's sampled ids on the device.
+        one of them reads it from the previous step's sampled ids on the device. Where step N+1's
+        sampling needs step N's tokens on the host (a grammar's next mask, penalties: ``_samples_late``),
+        its forward is launched first and sampled once step N is collected.
         """
         start = time.monotonic()
         outputs: list[RequestOutput] = []
-        if self._in_flight is not None and not self._can_overlap(*self._in_flight):
+        late = self._in_flight is not None and self._samples_late(*self._in_flight)
+        if self._in_flight is not None and not late and not self._can_overlap(*self._in_flight):
             outputs += self._collect()
         plan = self.scheduler.schedule()
         scheduled = time.monotonic()
         launched = None
         if not plan.is_empty:
-            launched = self.runner.launch(plan, self._in_flight[1] if self._in_flight else None)
-            self.scheduler.advance(plan)
+            prev = self._in_flight[1] if self._in_flight else None
+            if late:
+                forward = self.runner.launch(plan, prev, sample=False)
+                self.scheduler.advance(plan)
+                outputs += self._collect()  # the forward runs meanwhile
+                launched = self.runner.sample(forward)
+            else:
+                launched = self.runner.launch(plan, prev)
+                self.scheduler.advance(plan)
             for request in launched.requests:
                 request.num_pending_tokens += 1
         executed = time.monotonic()
@@ -488,15 +498,25 @@ class LLMEngine:
         return outputs
 
     def _can_overlap(self, plan: StepPlan, step: InFlightStep) -> bool:
-        """Whether the next step may launch before ``step``'s ids are on the host: not when overlap
-        is off, nor when a request in it applies penalties, a guided choice, a grammar or a bad word of
-        several tokens (they need the ids themselves: a grammar's next mask depends on the token it
-        consumes first), nor when it carries draft tokens (a row's next position depends on how many of
-        its drafts are kept). Rows with their last token in flight still draft (NgramDrafter.propose), so
-        speculation costs the overlap only of steps after one that drafted."""
-        return self.config.async_scheduling and not plan.num_draft_tokens and not any(
-            needs_penalties(r.sampling_params) or r.needs_last_token for r in step.requests
-        )
+        """Whether the next step may launch before ``step``'s ids are on the host: not when overlap is off,
+        nor when ``step`` carries draft tokens (a row's next position depends on how many of its drafts
+        are kept). Rows with their last token in flight still draft (NgramDrafter.propose), so speculation
+        costs the overlap only of steps after one that drafted. Rows whose sampling needs ``step``'s ids
+        (``_samples_late``) overlap their next step's forward only."""
+        return (self.config.async_scheduling and not plan.num_draft_tokens
+                and not self._needs_last_tokens(step))
+
+    def _samples_late(self, plan: StepPlan, step: InFlightStep) -> bool:
+        """Whether the next step launches its forward before ``step`` is collected and samples after: a
+        request in ``step`` applies penalties, a guided choice, a grammar or a bad word of several tokens
+        (its next sampling needs the ids themselves: a grammar's next mask depends on the token it consumes
+        first). As vLLM applies structured outputs' bitmasks after the forward."""
+        return (self.config.async_scheduling and not plan.num_draft_tokens
+                and self._needs_last_tokens(step))
+
+    @staticmethod
+    def _needs_last_tokens(step: InFlightStep) -> bool:
+        return any(needs_penalties(r.sampling_params) or r.needs_last_token for r in step.requests)
 
     def _collect(self) -> list[RequestOutput | PoolingRequestOutput]:
         plan, launched = self._in_flight

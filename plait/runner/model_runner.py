@@ -343,11 +343,15 @@ class ModelRunner:
     # -- one step ---------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, prev: InFlightStep | None) -> InFlightStep:
-        """Stage the step's inputs, run the forward and sample, without waiting for the device.
+    def launch(self, plan: StepPlan, prev: InFlightStep | None, sample: bool = True
+               ) -> InFlightStep | LaunchedForward:
+        """Stage the step's inputs, run the forward and (with ``sample``) sample, without waiting for the
+        device.
 
         ``prev`` is the step still in flight, if any: a row whose input token it sampled reads that
-        token from ``prev``'s sampled ids on the device.
+        token from ``prev``'s sampled ids on the device. Without ``sample`` the forward alone is
+        launched, and ``sample(forward)`` samples it later: the host may first collect ``prev`` (a
+        grammar's next mask, or a penalty, needs the token it sampled) while the forward runs.
         """
         t0 = time.perf_counter()
         arrays = build_step_arrays(plan, self.config.block_size)
@@ -372,21 +376,29 @@ class ModelRunner:
         if events is not None:
             events[1].record()
             self.breakdown.add_gpu_interval(*events, graph=shape is not None)
-        t2 = time.perf_counter()
-        step = self._sample(plan, arrays, hidden, views["sample_indices"])
-        step.prompt_logprobs = self._prompt_logprobs(plan, arrays, hidden)
-        if self.pooler is not None:
-            step.pooled = self._pool(plan, arrays, hidden)
-        step.used_cuda_graph = shape is not None
-        t3 = time.perf_counter()
         b = self.breakdown
         b.add("prepare", t1 - t0)
-        b.add("launch", t2 - t1)
-        b.add("sample", t3 - t2)
+        b.add("launch", time.perf_counter() - t1)
         b.single_token_steps += arrays.num_tokens == arrays.num_rows
         b.graph_steps += shape is not None
         b.graph_single_token_steps += shape is not None and arrays.num_tokens == arrays.num_rows
         b.lora_steps += lora
+        forward = LaunchedForward(plan, arrays, hidden, views["sample_indices"], shape is not None)
+        return self.sample(forward) if sample else forward
+
+    @torch.inference_mode()
+    def sample(self, forward: LaunchedForward) -> InFlightStep:
+        """Sample a launched forward (and pool it, and take its prompt logprobs), without waiting for the
+        device. The sampling rows are read from their requests now: outputs, grammars and choices as
+        they stand."""
+        t0 = time.perf_counter()
+        plan, arrays, hidden = forward.plan, forward.arrays, forward.hidden
+        step = self._sample(plan, arrays, hidden, forward.sample_indices)
+        step.prompt_logprobs = self._prompt_logprobs(plan, arrays, hidden)
+        if self.pooler is not None:
+            step.pooled = self._pool(plan, arrays, hidden)
+        step.used_cuda_graph = forward.used_cuda_graph
+        self.breakdown.add("sample", time.perf_counter() - t0)
         return step
 
     def collect(self, step: InFlightStep) -> StepOutput:
@@ -556,23 +568,26 @@ class ModelRunner:
         samples as if the drafts before it were outputs already (penalties count them, min_tokens and a
         seeded row's draw see their positions), so a kept draft is the token the row would have sampled."""
         # Grammar rows' masks all at once (in parallel); each grammar has consumed every output, since its
-        # steps are never overlapped (LLMEngine). Rows with a grammar, a guided choice or a bad word of
-        # several tokens get no drafts (Scheduler._drafts), so their one position reads the request as is.
+        # steps sample only once the step before is collected (LLMEngine). Rows with a grammar, a guided
+        # choice or a bad word of several tokens get no drafts (Scheduler._drafts), so their one position
+        # reads the request as is. A request that the collect just finished is sampled unguided: its
+        # grammar or choice may allow nothing more, and its token is dropped anyway.
         requests = [plan.rows[i].request for i in sample_rows]
-        grammars = [r.grammar for r in requests if r.grammar is not None]
+        grammars = [r.grammar for r in requests if r.grammar is not None and not r.is_finished]
         masks = iter(next_token_bitmasks(grammars) if grammars else ())
         rows = []
         for i, r in zip(sample_rows, requests):
             drafts = plan.rows[i].draft_token_ids
-            banned = r.banned_next_tokens()  # one-token bad words only where there are drafts: the same
+            guided = not r.is_finished
+            banned = r.banned_next_tokens() if guided else None  # one-token bad words only with drafts
             rows.append(SamplingRow(
                 r.sampling_params,
                 r.prompt_token_ids,
                 r.output_token_ids,
                 r.eos_token_ids,
                 num_output_tokens=r.num_output_tokens,
-                allowed_now=r.choice_continuations(),
-                token_bitmask=next(masks) if r.grammar is not None else None,
+                allowed_now=r.choice_continuations() if guided else None,
+                token_bitmask=next(masks) if guided and r.grammar is not None else None,
                 banned_now=banned,
             ))
             rows += [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids + list(drafts[:j]),
@@ -580,6 +595,22 @@ class ModelRunner:
                                  banned_now=banned)
                      for j in range(1, len(drafts) + 1)]
         return rows
+
+
+@dataclass
+class LaunchedForward:
+    """A step whose forward is launched and not yet sampled (``ModelRunner.launch(sample=False)``)."""
+
+    plan: StepPlan
+    arrays: StepArrays
+    hidden: torch.Tensor  # [T, hidden]: the forward's output (a graph's static buffer until its next replay)
+    sample_indices: torch.Tensor  # [P] the device view of the step's sampled positions
+    used_cuda_graph: bool
+
+    @property
+    def requests(self) -> list[Request]:
+        """The sampling rows' requests, in row order (InFlightStep.requests once sampled)."""
+        return [self.plan.rows[i].request for i in self.arrays.sample_rows]
 
 
 @dataclass
