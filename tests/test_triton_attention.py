@@ -320,8 +320,14 @@ def test_prefill_split_count_heuristic():
     # The partials stay within MAX_SPLIT_SCRATCH_BYTES (with these shapes they need ~17 MB at most).
     assert choose_num_splits(1, 8, 1 << 17, 64, sms, num_tokens=32, max_query_len=32, block_q=32,
                              scratch_bytes_per_split=MAX_SPLIT_SCRATCH_BYTES // 3) == 3
+    # Head dim 128 takes 64-row tiles of 4 warps, two programs to an SM: a 252-token chunk's 16 query tiles
+    # x 8 kv heads make 128 programs, 2 splits two waves' worth; a 124-token chunk's 64 programs, 4 splits.
     cfg = launch_config(128, 4, torch.bfloat16, 256, 1, 8, 2304, sms, num_tokens=256)
-    assert (cfg.block_m, cfg.num_splits, cfg.min_split_tiles) == (128, 2, PREFILL_MIN_SPLIT_TILES)
+    assert (cfg.block_m, cfg.num_warps, cfg.num_splits, cfg.min_split_tiles) == (
+        64, 4, 2, PREFILL_MIN_SPLIT_TILES)
+    cfg = launch_config(128, 4, torch.bfloat16, 124, 1, 8, 4092, sms, num_tokens=124)
+    assert (cfg.block_m, cfg.num_splits) == (64, 4)
+    assert launch_config(128, 4, torch.bfloat16, 4096, 1, 8, 4096, sms, num_tokens=4096).num_splits == 1
     # Forced counts are taken as they are, down to one K/V tile per split.
     cfg = launch_config(128, 4, torch.bfloat16, 256, 1, 8, 2304, sms, num_kv_splits=3, num_tokens=256)
     assert (cfg.num_splits, cfg.min_split_tiles) == (3, 1)

@@ -47,7 +47,12 @@ _LN2 = tl.constexpr(math.log(2.0))
 # Smallest M, N, K that tl.dot accepts; packed (token x group head) rows are padded up to it.
 MIN_DOT = 16
 # Query-tile rows (tokens x group heads) for prefill-carrying batches; smaller when every chunk is short.
-PREFILL_BLOCK_M = {64: 128, 128: 128, 256: 64}
+# Head dim 128 takes 64-row tiles of 4 warps, two programs to a multiprocessor: against 128-row tiles of 8
+# warps (one each), Llama-8B's 32 layers on an H200 took 0.32 vs 0.37 ms for a 252-token chunk over an
+# empty context, 1.61 vs 1.62 after 2,048 cached, 2.43 vs 2.46 after 3,840, 1.75 vs 1.80 for 124 tokens
+# after 3,968, 5.97 vs 6.48 for 16 fresh 512-token prompts, 14.4 vs 14.9 for a fresh 4,096
+# (benchmarks/results/chunk_attention_sweep_h200.json, each with this file's split heuristic).
+PREFILL_BLOCK_M = {64: 128, 128: 64, 256: 64}
 # Key positions per K/V tile: large tiles for decode (bandwidth), square-ish for prefill (tl.dot).
 PREFILL_TILE_N = {64: 64, 128: 64, 256: 32}
 DECODE_TILE_N = {64: 128, 128: 64, 256: 32}
@@ -76,11 +81,13 @@ SPLIT_TARGET_PROGRAMS_PER_SM = 4
 # ... but give every split at least this many key positions, and never more than this many splits.
 MIN_KEYS_PER_SPLIT = 64  # one decode tile: small batches are latency-bound, so spread wide
 MAX_KV_SPLITS = 64
-# Split-KV of prefill-carrying batches. A prefill program (BLOCK_M 128, 8 warps) fills a multiprocessor's
-# registers, so about one runs per SM at a time: the split count is the most that keeps the programs
-# within one wave. (H200, W4's 256-token chunk after 2048 / 3840 cached, 32 layers: 2 splits 1.61 / 2.44
-# ms, 4 splits 2.23 / 3.04, none 2.23 / 3.84; benchmarks/results/attention_steps_h200.json) ...
-PREFILL_SPLIT_PROGRAMS_PER_SM = 1
+# Split-KV of prefill-carrying batches. A prefill program of 8 warps (BLOCK_M 128) fills a multiprocessor's
+# registers, so about one runs per SM at a time; one of 4 warps, two: the split count is the most that
+# keeps the programs within one wave. (H200, W4's 256-token chunk after 2048 / 3840 cached, 32 layers, 8
+# warps: 2 splits 1.61 / 2.44 ms, 4 splits 2.23 / 3.04, none 2.23 / 3.84,
+# benchmarks/results/attention_steps_h200.json; 4 warps: 2 splits 1.61 / 2.43, none 1.92 / 3.30, and 4
+# splits best for a 124-token chunk after 3,968, chunk_attention_sweep_h200.json) ...
+PREFILL_SPLIT_PROGRAMS_PER_SM = {4: 2, 8: 1}  # by the program's warps
 # ... with every split at least this many K/V tiles (checked on the device against each query tile's
 # real range, so a graph captured for max_model_len does not split short contexts), ...
 PREFILL_MIN_SPLIT_TILES = 4
@@ -159,7 +166,7 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_num_splits(
     num_rows: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int, *, num_tokens: int = 0,
-    max_query_len: int = 1, block_q: int = 1, scratch_bytes_per_split: int = 0,
+    max_query_len: int = 1, block_q: int = 1, scratch_bytes_per_split: int = 0, num_warps: int = 8,
 ) -> int:
     """Splits of each query tile's key range: enough programs to fill the GPU, none shorter than a few
     keys at the longest row. Host ints only (max_seq_len may be an upper bound), so a captured graph
@@ -174,7 +181,7 @@ def choose_num_splits(
         useful = triton.cdiv(max_seq_len, max(MIN_KEYS_PER_SPLIT, tile_n))
         return max(1, min(wanted, useful, MAX_KV_SPLITS))
     programs = max(triton.cdiv(num_tokens, block_q) * num_kv_heads, 1)
-    wanted = PREFILL_SPLIT_PROGRAMS_PER_SM * num_sms // programs
+    wanted = PREFILL_SPLIT_PROGRAMS_PER_SM.get(num_warps, 1) * num_sms // programs
     useful = triton.cdiv(triton.cdiv(max_seq_len, tile_n), PREFILL_MIN_SPLIT_TILES)
     affordable = MAX_SPLIT_SCRATCH_BYTES // max(scratch_bytes_per_split, 1)
     return max(1, min(wanted, useful, affordable, MAX_KV_SPLITS))
@@ -227,7 +234,7 @@ def launch_config(
         num_heads = group * num_kv_heads
         num_kv_splits = choose_num_splits(
             num_rows, num_kv_heads, max_seq_len, tile_n, num_sms, num_tokens=num_tokens,
-            max_query_len=max_query_len, block_q=block_q,
+            max_query_len=max_query_len, block_q=block_q, num_warps=warps,
             scratch_bytes_per_split=num_tokens * num_heads * (head_dim + 1) * torch.float32.itemsize)
         min_split_tiles = (triton.cdiv(MIN_KEYS_PER_SPLIT, tile_n) if is_decode
                            else PREFILL_MIN_SPLIT_TILES)
