@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import os
 import weakref
 
 import pytest
@@ -191,3 +192,29 @@ def test_the_raised_gc_threshold_keeps_the_step_loop_free_of_collections(tiny_ll
         assert gc.get_threshold()[0] == 0
     finally:
         gc.set_threshold(*saved)
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux's /proc")
+def test_a_cpu_kv_cache_is_zeros_that_take_memory_only_when_written():
+    """The CPU KV cache is zeros (torch_ref multiplies padded keys' zero probabilities by their V: junk there
+    could be NaN) whose pages the OS fills as blocks are first written: a 2 GiB cache costs no start-up time
+    and no resident memory before use."""
+    from plait.runner.model_runner import zeroed
+
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        t = zeroed((2, 3, 16, 2, 8), dtype, torch.device("cpu"))
+        assert t.shape == (2, 3, 16, 2, 8) and t.dtype == dtype and t.is_contiguous()
+        assert not t.float().any()
+        t[1, 2] = 1  # writable, in place
+        assert t.float().sum() == 16 * 2 * 8
+    gc.collect()
+    before = _resident_bytes()
+    big = zeroed((64, 1024, 1024), torch.float32, torch.device("cpu"))  # 256 MiB
+    assert _resident_bytes() - before < (32 << 20)
+    big[0].fill_(1.0)  # one 4 MiB slice written: roughly that much becomes resident
+    assert _resident_bytes() - before < (48 << 20) and big[1].sum() == 0
