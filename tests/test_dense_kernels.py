@@ -246,6 +246,39 @@ def test_rope_store_matches_rotary_then_store_kv(dtype, t, hq, hkv, d, rot):
     assert all(torch.equal(a, b) for a, b in zip((q, k, v), qkv_before))  # inputs untouched
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t,hq,hkv,d", [(6, 4, 2, 32), (3, 16, 8, 128), (5, 5, 3, 12)])
+def test_rope_store_with_qk_norm_matches_norms_then_rotary_then_store_kv(dtype, t, hq, hkv, d):
+    """Qwen3's q/k RMSNorms in the same launch: as rms_norm_ref of each head row, then the rotation and the
+    store, within the norm's sum-order slack (rounded once more by the rotation)."""
+    q, k, v, cache, slots, positions = rope_store_case(t, hq, hkv, d, dtype, seed=22)
+    cos_sin = RotaryEmbedding(d, ROPE_MAX_POSITIONS, 10000.0).cos_sin.to(DEVICE)
+    # Weights away from 1, scaled so the rows' norms matter (inputs x 3): a kernel that skipped a weight, the
+    # normalisation or used the other head's weight would be far off.
+    qw = (1.0 + 0.5 * randn(1, d, dtype=torch.float32, seed=23)[0]).to(dtype).to(DEVICE)
+    kw = (1.0 - 0.5 * randn(1, d, dtype=torch.float32, seed=24)[0]).to(dtype).to(DEVICE)
+    q, k = q * 3, k * 3
+    norm = rope_store.QKNorm(qw, kw, 1e-6)
+    want_cache = cache.clone()
+    want_q = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots,
+                                          qk_norm=norm)
+    got_q = rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots, qk_norm=norm)
+    # A last-bit difference of a normalised input (the sum of squares' order) becomes many ulps of a rotated
+    # value that cancels to near zero, so the bound is absolute as well as relative, at the O(1) scale of a
+    # normalised row: a few roundings of the dtype.
+    tol = 8 * 2.0 ** -MANTISSA_BITS[dtype]
+    real = [b for b in range(cache.shape[1]) if b != PAD_BLOCK_ID]
+    torch.testing.assert_close(got_q.float(), want_q.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(cache[:, real].float(), want_cache[:, real].float(), rtol=tol, atol=tol)
+    # Not the unnormalised rotation: the norm did something.
+    plain = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0].clone(),
+                                         want_cache[1].clone(), slots)
+    assert (plain.float() - got_q.float()).abs().max() > 0.1
+    with pytest.raises(ValueError, match="whole-head rotation"):
+        half = RotaryEmbedding(d // 2, ROPE_MAX_POSITIONS, 10000.0).cos_sin.to(DEVICE)
+        rope_store.rope_store_kv(positions, q, k, v, half, cache[0], cache[1], slots, qk_norm=norm)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_store_into_head_major_cache(dtype):
     q, k, v, cache, slots, positions = rope_store_case(7, 6, 3, 32, dtype, seed=21, head_major=True)

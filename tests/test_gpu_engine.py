@@ -29,11 +29,11 @@ FP32_AGREEMENT = 0.95
 VOCAB = 8192
 
 
-def _config(tmp_path, head_dim: int) -> str:
+def _config(tmp_path, head_dim: int, arch: str = "llama") -> str:
     heads = 16
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [{"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]],
+        "model_type": arch,
         "hidden_size": heads * head_dim,
         "intermediate_size": 2816,
         "num_hidden_layers": 4,
@@ -47,7 +47,7 @@ def _config(tmp_path, head_dim: int) -> str:
         "tie_word_embeddings": False,
         "hidden_act": "silu",
     }
-    folder = tmp_path / f"llama-d{head_dim}"
+    folder = tmp_path / f"{arch}-d{head_dim}"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(cfg))
     return str(folder)
@@ -132,6 +132,33 @@ def test_every_gpu_path_computes_the_reference_function_in_fp32(tmp_path, head_d
         if engine.drafter is not None:
             spec = engine.spec_stats
             assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, spec
+
+
+def test_qwen3_q_k_norms_fused_with_rotary_compute_the_reference_function_in_fp32(tmp_path):
+    """Qwen3's per-head q/k RMSNorms run inside the rotary + KV-store launch on the Triton path (graphs,
+    overlap, chunks): greedy fp32 outputs equal the reference's, where they are separate torch ops."""
+    import plait.attention.triton_backend as tb
+    from plait.kernels import rope_store
+
+    model = _config(tmp_path, 128, arch="qwen3")
+    prompts = _prompts(3)[:16]
+    ref = _greedy(_engine(model, "float32", attention_backend="torch_ref", enforce_eager=True,
+                          async_scheduling=False, max_num_batched_tokens=4096), prompts, 0)
+    fused = []
+    launch = rope_store.rope_store_kv
+
+    def counting(*args, **kwargs):
+        fused.append(kwargs.get("qk_norm", args[9] if len(args) > 9 else None) is not None)
+        return launch(*args, **kwargs)
+
+    rope_store.rope_store_kv = tb.rope_store_kv = counting
+    try:
+        engine = _engine(model, "float32", attention_backend="triton", max_num_batched_tokens=BUDGET)
+        agree, forks = _agreement(_greedy(engine, prompts, arrive_every=2), ref)
+    finally:
+        rope_store.rope_store_kv = tb.rope_store_kv = launch
+    assert fused and all(fused)  # every layer's norms went through the fused launch
+    assert agree >= FP32_AGREEMENT, f"{agree:.0%} agree; first forks at {forks}"
 
 
 def _greedy_with_logits(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,8 @@ if TYPE_CHECKING:
 
 # (positions [T], q [T, Hq, D], k [T, Hkv, D]) -> rotated (q, k): plait.layers.rotary.RotaryEmbedding and kin.
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# (q_norm, k_norm): per-head RMSNorms applied before the rotation (plait.layers.norm.RMSNorm: .weight, .eps).
+QKNormModules = tuple[Any, Any]
 
 
 class AttentionBackend(ABC):
@@ -41,11 +43,14 @@ class AttentionBackend(ABC):
 
     def rotate_and_store(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
-        rotary: Rotary, kv_scales: KVScales = UNIT_SCALES,
+        rotary: Rotary, kv_scales: KVScales = UNIT_SCALES, qk_norm: QKNormModules | None = None,
     ) -> torch.Tensor:
-        """Rotate q and k at ``batch.positions``, store the rotated k and v as ``store_kv`` does, and return
-        the rotated q. A backend may fuse this where ``rotary`` has a ``cos_sin`` table (RotaryEmbedding's:
-        [max_positions, R] fp32, cos then sin, the neox rotation of each head's first R channels)."""
+        """[Normalise q's and k's head rows with ``qk_norm``,] rotate q and k at ``batch.positions``, store
+        the rotated k and v as ``store_kv`` does, and return the rotated q. A backend may fuse this where
+        ``rotary`` has a ``cos_sin`` table (RotaryEmbedding's: [max_positions, R] fp32, cos then sin, the
+        neox rotation of each head's first R channels)."""
+        if qk_norm is not None:
+            q, k = qk_norm[0](q), qk_norm[1](k)
         q, k = rotary(batch.positions, q, k)
         self.store_kv(k, v, kv_cache, batch, kv_scales)
         return q

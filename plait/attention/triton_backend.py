@@ -7,11 +7,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from plait.attention.base import AttentionBackend, Rotary, register_backend
+from plait.attention.base import AttentionBackend, QKNormModules, Rotary, register_backend
 from plait.attention.fp8_kv import UNIT_SCALES, KVScales
 from plait.kernels.dispatch import use_triton
 from plait.kernels.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
-from plait.kernels.rope_store import rope_store_kv
+from plait.kernels.rope_store import QKNorm, rope_store_kv
 from plait.kernels.store_kv import store_kv
 
 if TYPE_CHECKING:
@@ -63,14 +63,17 @@ class TritonBackend(AttentionBackend):
 
     def rotate_and_store(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
-        rotary: Rotary, kv_scales: KVScales = UNIT_SCALES,
+        rotary: Rotary, kv_scales: KVScales = UNIT_SCALES, qk_norm: QKNormModules | None = None,
     ) -> torch.Tensor:
-        # One launch instead of rotary's and store_kv's: a launch fewer per layer in every step.
+        # One launch instead of rotary's and store_kv's (and q/k norms', which Qwen3 has): launches fewer
+        # per layer in every step.
         cos_sin = getattr(rotary, "cos_sin", None)
-        if cos_sin is None or not use_triton(q) or cos_sin.device != q.device:
-            return super().rotate_and_store(q, k, v, kv_cache, batch, rotary, kv_scales)
+        if (cos_sin is None or not use_triton(q) or cos_sin.device != q.device
+                or (qk_norm is not None and cos_sin.shape[1] != q.shape[-1])):
+            return super().rotate_and_store(q, k, v, kv_cache, batch, rotary, kv_scales, qk_norm)
+        norm = None if qk_norm is None else QKNorm(qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
         return rope_store_kv(batch.positions, q, k, v, cos_sin, kv_cache[0], kv_cache[1], batch.slot_mapping,
-                             kv_scales)
+                             kv_scales, norm)
 
     def attend(
         self,

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from plait.attention.fp8_kv import UNIT_SCALES, KVScales
 from plait.kernels.pdl import pdl_args, pdl_prologue
+from plait.kernels.rms_norm import rms_norm_ref
 from plait.kernels.rotary import HEADS_PER_PROGRAM, load_cos_sin, rotary_ref, rotate_halves
 from plait.kernels.store_kv import check_store_args, store_kv_ref, to_cache_dtype
 
@@ -15,13 +19,26 @@ from plait.kernels.store_kv import check_store_args, store_kv_ref, to_cache_dtyp
 NUM_WARPS = 4
 
 
+@dataclass(frozen=True)
+class QKNorm:
+    """Per-head RMSNorms of q and k before the rotation (Qwen3's q_norm / k_norm): weights [D], one eps."""
+
+    q_weight: torch.Tensor
+    k_weight: torch.Tensor
+    eps: float
+
+
 def rope_store_kv_ref(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    kv_scales: KVScales = UNIT_SCALES,
+    kv_scales: KVScales = UNIT_SCALES, qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
-    """rotary_ref then store_kv_ref; returns the rotated q. A cos_sin table narrower than the head rotates
-    only the leading channels and passes the rest through (plait.models.bamba.PartialRotaryEmbedding)."""
+    """[rms_norm_ref of q and k,] rotary_ref, then store_kv_ref; returns the rotated q. A cos_sin table
+    narrower than the head rotates only the leading channels and passes the rest through
+    (plait.models.bamba.PartialRotaryEmbedding)."""
+    if qk_norm is not None:
+        q = rms_norm_ref(q, qk_norm.q_weight, qk_norm.eps)
+        k = rms_norm_ref(k, qk_norm.k_weight, qk_norm.eps)
     r = cos_sin.shape[1]
     q_rot, k_rot = rotary_ref(positions, q[..., :r], k[..., :r], cos_sin)
     if r < q.shape[-1]:
@@ -31,16 +48,35 @@ def rope_store_kv_ref(
 
 
 @triton.jit
-def _rotate_rows(src, dst, heads, n_heads, s_head, so_head, cos, sin, d, d_mask, inv_scale,
-                 HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr):
+def _norm_halves(x1, x2, w_ptr, eps, d, d_mask, dtype, HALF: tl.constexpr, PRECISE: tl.constexpr):
+    """RMSNorm of head rows given as halves ([BLOCK_H, D/2] fp32 each, masked lanes 0) with weight w_ptr [D]:
+    rms_norm_ref's roundings (normalised to the activation dtype, then times the weight, rounded again)."""
+    mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
+    if PRECISE:
+        inv = libdevice.rsqrt(mean_sq + eps)  # CUDA's rsqrtf, as torch.rsqrt uses
+    else:
+        inv = 1.0 / tl.sqrt(mean_sq + eps)  # the interpreter has no libdevice
+    w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
+    w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
+    n1 = (x1 * inv[:, None]).to(dtype).to(tl.float32)
+    n2 = (x2 * inv[:, None]).to(dtype).to(tl.float32)
+    return (w1[None, :] * n1).to(dtype).to(tl.float32), (w2[None, :] * n2).to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _rotate_rows(src, dst, heads, n_heads, s_head, so_head, cos, sin, d, d_mask, inv_scale, w_ptr, eps,
+                 HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, NORM: tl.constexpr,
+                 PRECISE: tl.constexpr):
     # src, dst: one token's row of heads (dst may be a cache slot, inv_scale its FP8 codes' 1 / scale);
-    # heads: [BLOCK_H] head indices.
+    # heads: [BLOCK_H] head indices; with NORM, each head row is RMS-normalised (weight w_ptr) first.
     head_mask = (heads < n_heads)[:, None]
     mask = head_mask & d_mask[None, :]
     src_rows = src + heads[:, None] * s_head
     dst_rows = dst + heads[:, None] * so_head
     x1 = tl.load(src_rows + d[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_rows + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    if NORM:
+        x1, x2 = _norm_halves(x1, x2, w_ptr, eps, d, d_mask, src.dtype.element_ty, HALF, PRECISE)
     out1, out2 = rotate_halves(x1, x2, cos, sin)
     # Rounded to the input's dtype first, then to the destination's: the reference rotates into q/k's dtype
     # and store_kv converts that to the cache's (both no-ops when the dtypes agree).
@@ -57,13 +93,14 @@ def _rotate_rows(src, dst, heads, n_heads, s_head, so_head, cos, sin, d, d_mask,
 
 @triton.jit
 def _rope_store_kernel(
-    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cs_ptr,
-    inv_k_scale, inv_v_scale, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h,
+    q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, pos_ptr, slot_ptr, cs_ptr, qw_ptr, kw_ptr,
+    norm_eps, inv_k_scale, inv_v_scale, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sqo_t, sqo_h,
     skc_block, skc_pos, skc_head, svc_block, svc_pos, svc_head, s_cs,
     HQ, HKV, q_blocks,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, NORM: tl.constexpr, PRECISE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (token, head block): the first q_blocks blocks rotate q heads into q_out; each later one
     # rotates a block of k heads into the token's cache slot and copies the same v heads beside them.
@@ -76,14 +113,14 @@ def _rope_store_kernel(
     if hb < q_blocks:
         q_heads = hb * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
         _rotate_rows(q_ptr + tok * sq_t, q_out_ptr + tok * sqo_t, q_heads, HQ, sq_h, sqo_h, cos, sin, d,
-                     d_mask, 1.0, HALF, PASS, BLOCK_PASS)
+                     d_mask, 1.0, qw_ptr, norm_eps, HALF, PASS, BLOCK_PASS, NORM, PRECISE)
     else:
         slot = tl.load(slot_ptr + tok)
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         kv_heads = (hb - q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)
         k_dst = k_cache_ptr + block * skc_block + offset * skc_pos
         _rotate_rows(k_ptr + tok * sk_t, k_dst, kv_heads, HKV, sk_h, skc_head, cos, sin, d, d_mask,
-                     inv_k_scale, HALF, PASS, BLOCK_PASS)
+                     inv_k_scale, kw_ptr, norm_eps, HALF, PASS, BLOCK_PASS, NORM, PRECISE)
         dims = tl.arange(0, BLOCK_D)[None, :]
         mask = (kv_heads < HKV)[:, None] & (dims < HEAD_DIM)
         v = tl.load(v_ptr + tok * sv_t + kv_heads[:, None] * sv_h + dims, mask=mask)
@@ -94,9 +131,12 @@ def _rope_store_kernel(
 def rope_store_kv(
     positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos_sin: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-    kv_scales: KVScales = UNIT_SCALES,
+    kv_scales: KVScales = UNIT_SCALES, qk_norm: QKNorm | None = None,
 ) -> torch.Tensor:
     """apply_rotary + store_kv in one launch; returns the rotated q (a new tensor). Equals rope_store_kv_ref.
+
+    With ``qk_norm`` (a whole-head rotation only), q's and k's head rows are RMS-normalised first, in the
+    same launch: Qwen3's q_norm and k_norm take no launches of their own.
 
     Token ``t``'s q and k heads are rotated at ``positions[t]`` (neox layout, fp32 math); its rotated k and
     its v land at cache slot ``slot_mapping[t]`` (block * block_size + offset), cast to the cache dtype (FP8
@@ -113,6 +153,8 @@ def rope_store_kv(
     if rot % 2 or not 0 < rot <= d or q.shape[::2] != k.shape[::2]:
         raise ValueError(f"rotary dim {rot} does not fit q {tuple(q.shape)} and k {tuple(k.shape)}")
     check_store_args(k, v, k_cache, v_cache, slot_mapping)
+    if qk_norm is not None and rot != d:
+        raise ValueError(f"a fused q/k norm needs a whole-head rotation (rotary dim {rot}, head dim {d})")
     if q.stride(-1) != 1:
         q = q.contiguous()
     cos_sin, positions = cos_sin.contiguous(), positions.contiguous()
@@ -127,8 +169,10 @@ def rope_store_kv(
     grid = (t, q_blocks + triton.cdiv(hkv, block_hkv))
     half, passed = rot // 2, d - rot
     inv_k, inv_v = kv_scales.inverse
+    norm = qk_norm if qk_norm is not None else QKNorm(cos_sin, cos_sin, 0.0)  # never read without NORM
     _rope_store_kernel[grid](
-        q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, inv_k, inv_v,
+        q, k, v, q_out, k_cache, v_cache, positions, slot_mapping, cos_sin, norm.q_weight, norm.k_weight,
+        norm.eps, inv_k, inv_v,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         q_out.stride(0), q_out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -137,6 +181,7 @@ def rope_store_kv(
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, HALF=half, PASS=passed,
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_PASS=triton.next_power_of_2(max(passed, 1)),
         BLOCK_D=triton.next_power_of_2(d), BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv,
+        NORM=qk_norm is not None, PRECISE=q.is_cuda,
         num_warps=NUM_WARPS, enable_fp_fusion=False, **pdl_args(q),
     )
     return q_out

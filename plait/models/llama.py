@@ -46,10 +46,11 @@ class Attention(nn.Module):
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        # The backend rotates q and k with the KV store: one kernel for both on the GPU.
-        out = batch.attention(self.layer_idx, q, k, v, self.scale, self.sliding_window, rotary=rotary)
+        # The backend normalises (Qwen3's q/k norms) and rotates q and k with the KV store: one kernel on
+        # the GPU.
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
+        out = batch.attention(self.layer_idx, q, k, v, self.scale, self.sliding_window, rotary=rotary,
+                              qk_norm=qk_norm)
         return out.reshape(-1, self.q_size)
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from plait.attention.base import AttentionBackend, Rotary
+from plait.attention.base import AttentionBackend, QKNormModules, Rotary
 from plait.attention.fp8_kv import UNIT_SCALES, KVScales
 from plait.engine.kv_cache import PAD_BLOCK_ID
 from plait.engine.scheduler import StepPlan
@@ -233,16 +233,20 @@ class ForwardBatch:
         scale: float,
         sliding_window: int | None = None,
         rotary: Rotary | None = None,
+        qk_norm: QKNormModules | None = None,
     ) -> torch.Tensor:
         """Store this step's k, v for layer ``layer_idx`` and attend with q over the paged cache. With
         ``rotary``, q and k are rotated at ``self.positions`` first, by the backend (which may fuse the
-        rotation with the store)."""
+        rotation with the store); with ``qk_norm`` (q_norm, k_norm), their head rows are normalised before
+        that (fused too)."""
         cache = self.kv_caches[layer_idx]
         scales = UNIT_SCALES if self.kv_scales is None else self.kv_scales[layer_idx]
         if rotary is None:
+            if qk_norm is not None:
+                q, k = qk_norm[0](q), qk_norm[1](k)
             self.attn_backend.store_kv(k, v, cache, self, scales)
         else:
-            q = self.attn_backend.rotate_and_store(q, k, v, cache, self, rotary, scales)
+            q = self.attn_backend.rotate_and_store(q, k, v, cache, self, rotary, scales, qk_norm)
         return self.attn_backend.attend(q, cache, self, scale, sliding_window, kv_scales=scales)
 
 
