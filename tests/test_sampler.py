@@ -306,6 +306,22 @@ def test_penalties_are_per_row() -> None:
     assert Sampler()(logits, rows).token_ids == [1, 0]
 
 
+def test_penalties_count_each_rows_own_outputs_of_any_length() -> None:
+    """Rows' outputs of different lengths (one empty, one a tuple) are padded into one batch: each row's
+    frequency penalty counts its own ids only, the padding none."""
+    from plait.runner.sampler import _pad
+
+    assert _pad([[1, 2, 3], [], (4,)], 9).tolist() == [[1, 2, 3], [9, 9, 9], [4, 9, 9]]
+    assert _pad([], 9).shape == (0, 0) and _pad([[], []], 9).shape == (2, 0)
+    logits = torch.zeros(3, 6)
+    logits[:, 5] = -2.5  # the runner-up every row falls back to
+    outputs = [[0, 0, 0], [], (0, 1)]
+    rows = [row(output=o, temperature=0.0, frequency_penalty=1.0) for o in outputs]
+    # Row 0 penalises token 0 (3x): token 1 is first of the untouched; row 1 nothing: token 0; row 2 tokens 0
+    # and 1: token 2. Counts leaking across rows or from the padding would move these.
+    assert Sampler()(logits, rows).token_ids == [1, 0, 2]
+
+
 # --------------------------------------------------------------------------- logprobs
 
 

@@ -146,10 +146,15 @@ def unpack_token_bitmask(bitmask: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def _pad(seqs: list[Sequence[int]], pad: int) -> torch.Tensor:
-    width = max((len(s) for s in seqs), default=0)
-    return torch.tensor([list(s) + [pad] * (width - len(s)) for s in seqs], dtype=torch.long).reshape(
-        len(seqs), width
-    )
+    """[len(seqs), longest] int64 on the host, each row ``pad``-filled past its sequence. Built by numpy from
+    one flat pass over the ids: penalties send every row's outputs each step, and nested lists through
+    torch.tensor took ~2 ms for 256 rows of ~64 ids (~8 ms at 512) on the step's critical path."""
+    lengths = np.fromiter((len(s) for s in seqs), dtype=np.int64, count=len(seqs))
+    width = int(lengths.max()) if len(seqs) else 0
+    out = np.full((len(seqs), width), pad, dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(seqs), dtype=np.int64, count=int(lengths.sum()))
+    out[np.arange(width)[None, :] < lengths[:, None]] = flat  # row-major: each row's ids in order
+    return torch.from_numpy(out)
 
 
 def _bin_counts(tokens: torch.Tensor, vocab: int) -> torch.Tensor:
