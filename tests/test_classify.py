@@ -99,7 +99,7 @@ def test_classifier_requests_are_checked(classifiers, tiny_llama):
 
 def test_classify_endpoint(classifiers):
     """vLLM's /classify: each input's probabilities and most probable label, in input order, equal to the
-    engine's own; the text and embedding endpoints are closed on a classifier."""
+    engine's own (and /pooling's data); the text and embedding endpoints are closed on a classifier."""
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("fastapi")
     from plait.config import EngineConfig
@@ -113,6 +113,7 @@ def test_classify_endpoint(classifiers):
         r = httpx.post(f"{url}/classify", json={"input": prompts}, timeout=60)
         one = httpx.post(f"{url}/classify", json={"input": prompts[1], "truncate_prompt_tokens": 4},
                          timeout=60)
+        pooled = httpx.post(f"{url}/pooling", json={"input": prompts}, timeout=60)  # vLLM's: the probs
         refused = [httpx.post(f"{url}{path}", json=body, timeout=60) for path, body in (
             ("/v1/embeddings", {"input": prompts[0]}),
             ("/v1/completions", {"prompt": prompts[0]}),
@@ -127,6 +128,7 @@ def test_classify_endpoint(classifiers):
         torch.testing.assert_close(torch.tensor(item["probs"]), want, atol=ATOL, rtol=0)
         assert item["label"] == LABELS[int(want.argmax())] and item["num_classes"] == 3
     assert [item["index"] for item in body["data"]] == [0, 1, 2]
+    assert [d["data"] for d in pooled.json()["data"]] == [item["probs"] for item in body["data"]]
     torch.testing.assert_close(torch.tensor(one.json()["data"][0]["probs"]),
                                _reference(model, prompts[1][-4:], activation), atol=ATOL, rtol=0)
     messages = ["does not support Embeddings API", "does not support Completions API", "input is empty",

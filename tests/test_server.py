@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import functools
 import importlib.util
 import json
@@ -12,6 +13,7 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -1735,6 +1737,50 @@ def test_embeddings_extensions_and_bad_input(embedding_server):
 def test_generating_model_refuses_embeddings(served, client, model):
     with pytest.raises(openai.BadRequestError, match="does not support Embeddings API"):
         client.embeddings.create(model=model, input="hello")
+    r = _post(served[1], "/pooling", {"input": "hello"})
+    assert r.status_code == 400 and "does not support Pooling API" in r.json()["error"]["message"]
+
+
+def test_chat_embeddings_and_the_pooling_endpoint(embedding_server):
+    """vLLM's chat form of /v1/embeddings: messages rendered under the model's chat template (no generation
+    prompt by default), pooled as that text is; vLLM's /pooling gives the model's pooled output (here the
+    embedding) for inputs or messages; 400s for bodies that mix or miss them."""
+    server, url, offline = embedding_server
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": EMBED_TEXTS[0]}]
+    rendered = server.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    as_text = _post(url, "/v1/embeddings", {"input": rendered, "add_special_tokens": False}).json()
+    chat = _post(url, "/v1/embeddings", {"messages": messages})
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["data"][0]["embedding"] == as_text["data"][0]["embedding"]
+    assert chat.json()["usage"]["prompt_tokens"] == as_text["usage"]["prompt_tokens"] > 10
+    prompted = _post(url, "/v1/embeddings", {"messages": messages, "add_generation_prompt": True}).json()
+    assert prompted["usage"]["prompt_tokens"] > chat.json()["usage"]["prompt_tokens"]
+    pooled = _post(url, "/pooling", {"input": EMBED_TEXTS}).json()
+    assert pooled["object"] == "list" and pooled["id"].startswith("pool-")
+    assert [(d["index"], d["object"]) for d in pooled["data"]] == [(i, "pooling") for i in range(4)]
+    for d, o in zip(pooled["data"], offline):
+        torch.testing.assert_close(torch.tensor(d["data"]), o.outputs.data, atol=1e-6, rtol=0)
+    packed = _post(url, "/pooling", {"input": EMBED_TEXTS[1], "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(packed["data"][0]["data"]), dtype="<f4")
+    torch.testing.assert_close(torch.from_numpy(decoded.copy()), offline[1].outputs.data, atol=1e-6, rtol=0)
+    pooled_chat = _post(url, "/pooling", {"messages": messages}).json()
+    assert pooled_chat["data"][0]["data"] == pytest.approx(chat.json()["data"][0]["embedding"], abs=1e-6)
+    cases = [
+        ({"input": "hi", "messages": messages}, "either input or messages", "input"),
+        ({"encoding_format": "float"}, "either input or messages", "input"),
+        ({"messages": messages, "add_special_tokens": True}, "add_special_tokens is not supported", None),
+        ({"input": "hi", "chat_template": "{{ 1 }}"}, "applies to messages only", "chat_template"),
+        ({"messages": messages, "continue_final_message": True, "add_generation_prompt": True},
+         "cannot both be true", "continue_final_message"),
+    ]
+    for path in ("/v1/embeddings", "/pooling"):
+        for body, message, param in cases:
+            r = _post(url, path, body)
+            error = r.json()["error"]
+            assert r.status_code == 400 and message in error["message"], (path, body, r.text)
+            assert param is None or error["param"] == param, (path, body, error)
+    assert server.engine.is_alive
+
 
 
 def test_score_and_rerank(embedding_server):

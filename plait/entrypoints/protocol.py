@@ -810,21 +810,49 @@ class PoolingBody(_RequestModel):
     # vLLM extensions: keep each input's last k tokens (-1: as many as the context holds); add the tokenizer's
     # special tokens (a BOS, an EOS) to text inputs.
     truncate_prompt_tokens: Annotated[Int, Field(ge=TRUNCATE_TO_CONTEXT)] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # None: true for text inputs, false for messages (as vLLM)
 
     def inputs(self) -> list[str | list[int]]:
         raise NotImplementedError
 
+    @property
+    def messages_given(self) -> bool:
+        """Whether the body is a conversation to render under the chat template (PoolingInputRequest)."""
+        return False
 
-class PoolingInputRequest(PoolingBody):
-    """What /v1/embeddings and /classify take: an input or a batch of them."""
+    def check_supported(self) -> None:
+        """Refuse combinations of fields (ProtocolError, a 400 naming the field)."""
+
+
+class PoolingInputRequest(PoolingBody, ChatTemplateRequest):
+    """What /v1/embeddings, /classify and /pooling take: an input or a batch of them, or (vLLM's chat form)
+    messages, rendered under the chat template into one input."""
 
     # One input (text or token ids) or a batch of them, each pooled alone.
-    input: str | list[TokenId] | list[str] | list[list[TokenId]]
+    input: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = False  # a conversation is pooled as it stands (vLLM's pooling default)
+
+    @property
+    def messages_given(self) -> bool:
+        return self.messages is not None
+
+    def check_supported(self) -> None:
+        if (self.input is None) == (self.messages is None):
+            raise ProtocolError("give either input or messages (one of them)", "input")
+        if self.messages is not None and self.add_special_tokens:
+            raise ProtocolError("add_special_tokens is not supported with messages: the chat template "
+                                "writes the special tokens", "add_special_tokens")
+        used = [name for name in _MESSAGES_ONLY_FIELDS if self.input is not None and getattr(self, name)]
+        if used:
+            raise ProtocolError(f"{used[0]} applies to messages only, not to an input", used[0])
+        self._check_template_options()
 
     def inputs(self) -> list[str | list[int]]:
         """The batch of inputs: a single text or token-id input is a batch of one."""
         p = self.input
+        if p is None:
+            raise ProtocolError("messages are rendered under the chat template, not read as inputs", "input")
         if isinstance(p, str):
             return [p]
         if p and isinstance(p[0], int):
@@ -849,6 +877,13 @@ class EmbeddingRequest(PoolingInputRequest):
 
 class ClassificationRequest(PoolingInputRequest):
     """vLLM's /classify body (a classifier's server)."""
+
+
+class PoolingRequest(PoolingInputRequest):
+    """vLLM's /pooling body: each input's pooled output as the model's task makes it (an embedding model's
+    vectors, a classifier's class probabilities)."""
+
+    encoding_format: Literal["float", "base64"] = "float"
 
 
 class ScoreRequest(PoolingBody):
@@ -1083,6 +1118,16 @@ class _PoolingResponse(BaseModel):
 
 class EmbeddingResponse(_PoolingResponse):
     data: list[EmbeddingData]
+
+
+class PoolingData(BaseModel):
+    index: int
+    object: Literal["pooling"] = "pooling"
+    data: list[float] | str  # a str with encoding_format "base64"
+
+
+class PoolingResponse(_PoolingResponse):
+    data: list[PoolingData]
 
 
 class ClassificationData(BaseModel):

@@ -89,6 +89,10 @@ from plait.entrypoints.protocol import (
     ModelCard,
     ModelList,
     PoolingBody,
+    PoolingData,
+    PoolingInputRequest,
+    PoolingRequest,
+    PoolingResponse,
     PromptLogprob,
     PromptLogprobs,
     ProtocolError,
@@ -891,6 +895,10 @@ class OpenAIServer:
         async def classify(body: ClassificationRequest, raw: Request) -> Response:
             return await self.create_classification(body, raw)
 
+        @app.post("/pooling", response_model=PoolingResponse, responses=_ERROR_RESPONSES)
+        async def pooling(body: PoolingRequest, raw: Request) -> Response:
+            return await self.create_pooling(body, raw)
+
         for path in ("/score", "/v1/score"):
             @app.post(path, response_model=ScoreResponse, responses=_ERROR_RESPONSES)
             async def score(body: ScoreRequest, raw: Request) -> Response:
@@ -1382,6 +1390,20 @@ class OpenAIServer:
                                         usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
 
+    async def create_pooling(self, body: PoolingRequest, raw: Request) -> Response:
+        """vLLM's /pooling: each input's pooled output as the model's task makes it (an embedding, or a
+        classifier's class probabilities), in input order."""
+        spec = self.pooling_spec
+        api = "Pooling API"
+        pooled = await self._pool(body, PoolingParams(task=spec.task if spec else "embed"), raw, api)
+        if isinstance(pooled, Response):
+            return pooled
+        finals, usage = pooled
+        data = [PoolingData(index=i, data=_encode_embedding(out.outputs.data, body.encoding_format))
+                for i, out in enumerate(finals)]
+        result = PoolingResponse(id=f"pool-{uuid.uuid4().hex}", model=self.model_name, data=data, usage=usage)
+        return Response(result.model_dump_json(), media_type="application/json")
+
     async def create_score(self, body: ScoreRequest, raw: Request) -> Response:
         """vLLM's /score with an embedding model: the cosine similarity of each pair's embeddings (one text_1
         against every text_2, else in pairs)."""
@@ -1422,13 +1444,13 @@ class OpenAIServer:
         arrival = time.monotonic()
         params = dataclasses.replace(params, truncate_prompt_tokens=body.truncate_prompt_tokens)
         try:
-            inputs = body.inputs()
+            body.check_supported()
+            prompts = self._pooling_prompts(body)
             spec.check(params, self.model_name)  # named as this server serves the model
         except ValueError as err:
             param = err.param if isinstance(err, ProtocolError) else "dimensions"
             raise APIError(400, str(err), param=param) from err
-        children: list[tuple[PromptInput, PoolingParams]] = [
-            (self._pooling_prompt(p, body.add_special_tokens), params) for p in inputs]
+        children: list[tuple[PromptInput, PoolingParams]] = [(p, params) for p in prompts]
         stream = await self._start(children, "input", None, "input")
         tracker = _RequestTracker(self.metrics, arrival, stream)
         try:
@@ -1439,6 +1461,13 @@ class OpenAIServer:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         prompt_tokens = sum(len(ids) for ids in stream.prompt_token_ids)
         return finals, UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+
+    def _pooling_prompts(self, body: PoolingBody) -> list[PromptInput]:
+        """The body's inputs as engine prompts; messages are one input, the conversation rendered under the
+        chat template (which writes the special tokens) as chat completions render it."""
+        if isinstance(body, PoolingInputRequest) and body.messages is not None:
+            return [self._pooling_prompt(self._chat_prompt_text(body, body.messages), False)]
+        return [self._pooling_prompt(p, body.add_special_tokens is not False) for p in body.inputs()]
 
     @staticmethod
     def _pooling_prompt(prompt: str | list[int], add_special_tokens: bool) -> PromptInput:
