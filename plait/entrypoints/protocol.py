@@ -649,6 +649,20 @@ class ChatTemplateRequest(_RequestModel):
             return None
         return [tool.as_template_tool() for tool in self.tools]
 
+    def _check_text_or_messages(self, name: str, text: object, messages: object,
+                                add_special_tokens: bool | None) -> None:
+        """A body of text (field ``name``) or messages, exactly one: the template's own fields and a false
+        add_special_tokens (the template writes them) go with messages only."""
+        if (text is None) == (messages is None):
+            raise ProtocolError(f"give either {name} or messages (one of them)", name)
+        if messages is not None and add_special_tokens:
+            raise ProtocolError("add_special_tokens is not supported with messages: the chat template "
+                                "writes the special tokens", "add_special_tokens")
+        used = [field for field in _MESSAGES_ONLY_FIELDS if text is not None and getattr(self, field)]
+        if used:
+            raise ProtocolError(f"{used[0]} applies to messages only, not to {name}", used[0])
+        self._check_template_options()
+
     def _check_template_options(self) -> None:
         if self.continue_final_message and self.add_generation_prompt:
             raise ProtocolError("continue_final_message and add_generation_prompt cannot both be true; set "
@@ -782,15 +796,7 @@ class TokenizeRequest(ChatTemplateRequest):
     return_token_strs: bool = False
 
     def check_supported(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise ProtocolError("give either prompt or messages (one of them)", "prompt")
-        if self.messages is not None and self.add_special_tokens:
-            raise ProtocolError("add_special_tokens is not supported with messages: the chat template "
-                                "writes the special tokens", "add_special_tokens")
-        used = [name for name in _MESSAGES_ONLY_FIELDS if self.prompt is not None and getattr(self, name)]
-        if used:
-            raise ProtocolError(f"{used[0]} applies to messages only, not to a prompt", used[0])
-        self._check_template_options()
+        self._check_text_or_messages("prompt", self.prompt, self.messages, self.add_special_tokens)
 
 
 class DetokenizeRequest(_RequestModel):
@@ -815,11 +821,6 @@ class PoolingBody(_RequestModel):
     def inputs(self) -> list[str | list[int]]:
         raise NotImplementedError
 
-    @property
-    def messages_given(self) -> bool:
-        """Whether the body is a conversation to render under the chat template (PoolingInputRequest)."""
-        return False
-
     def check_supported(self) -> None:
         """Refuse combinations of fields (ProtocolError, a 400 naming the field)."""
 
@@ -833,20 +834,8 @@ class PoolingInputRequest(PoolingBody, ChatTemplateRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_generation_prompt: bool = False  # a conversation is pooled as it stands (vLLM's pooling default)
 
-    @property
-    def messages_given(self) -> bool:
-        return self.messages is not None
-
     def check_supported(self) -> None:
-        if (self.input is None) == (self.messages is None):
-            raise ProtocolError("give either input or messages (one of them)", "input")
-        if self.messages is not None and self.add_special_tokens:
-            raise ProtocolError("add_special_tokens is not supported with messages: the chat template "
-                                "writes the special tokens", "add_special_tokens")
-        used = [name for name in _MESSAGES_ONLY_FIELDS if self.input is not None and getattr(self, name)]
-        if used:
-            raise ProtocolError(f"{used[0]} applies to messages only, not to an input", used[0])
-        self._check_template_options()
+        self._check_text_or_messages("input", self.input, self.messages, self.add_special_tokens)
 
     def inputs(self) -> list[str | list[int]]:
         """The batch of inputs: a single text or token-id input is a batch of one."""
