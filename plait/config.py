@@ -103,6 +103,10 @@ class EngineConfig:
     # vLLM's --pooler-config: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}, a dict or its JSON
     # text; fields left out come from the model's sentence-transformers config, else LAST and normalize.
     pooler_config: PoolerConfig | dict | str | None = None
+    # vLLM's --hf-overrides: keys merged into the checkpoint's config.json before the model is built (a dict
+    # or its JSON text; nested objects merge key by key), e.g. {"architectures":
+    # ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]} to serve Qwen3-Reranker.
+    hf_overrides: dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is not None:
@@ -158,6 +162,7 @@ class EngineConfig:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         self.pooler_config = PoolerConfig.parse(self.pooler_config)
+        self.hf_overrides = _json_object("hf_overrides", self.hf_overrides)
         if self.pooler_config is not None and self.runner == "generate":
             raise ValueError("pooler_config applies to pooling models: it needs runner 'pooling' (or 'auto')")
         source = self.generation_config
@@ -229,9 +234,10 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _config_object(name: str, value: dict | str, cls: type) -> dict | None:
-    """A JSON-object knob (a dict, or its JSON text as the CLI gives it) whose keys must be ``cls``'s fields;
-    None where it is empty ({} or "")."""
+def _json_object(name: str, value: dict | str | None) -> dict | None:
+    """A JSON-object knob: a dict, or its JSON text as the CLI gives it; None where it is unset or empty."""
+    if value is None:
+        return None
     if isinstance(value, str):
         if not value.strip():
             return None
@@ -241,7 +247,26 @@ def _config_object(name: str, value: dict | str, cls: type) -> dict | None:
             raise ValueError(f"{name} is not valid JSON: {e}") from None
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, got {value!r}")
-    if not value:
+    return value or None
+
+
+def merge_hf_overrides(hf_config: dict, overrides: dict | None) -> dict:
+    """``hf_config`` with ``overrides`` merged in (a new dict): nested objects key by key, anything else
+    replaced, as vLLM applies --hf-overrides."""
+    merged = dict(hf_config)
+    for key, value in (overrides or {}).items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = merge_hf_overrides(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def _config_object(name: str, value: dict | str, cls: type) -> dict | None:
+    """A JSON-object knob (a dict, or its JSON text as the CLI gives it) whose keys must be ``cls``'s fields;
+    None where it is empty ({} or "")."""
+    value = _json_object(name, value)
+    if value is None:
         return None
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(value) - names)

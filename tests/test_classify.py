@@ -135,3 +135,89 @@ def test_classify_endpoint(classifiers):
                 "does not support Score API"]
     for response, message in zip(refused, messages):
         assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+
+
+# vLLM's recipe for Qwen3-Reranker: its causal LM read as a classifier of one label, P("yes") against "no".
+RERANKER_OVERRIDES = {"architectures": ["Qwen3ForSequenceClassification"],
+                      "classifier_from_token": ["no", "yes"]}
+QUERY = "What is the capital of France?"
+DOCUMENTS = ["Paris is the capital of France.", "Bananas are rich in potassium.", "France borders Spain."]
+
+
+@pytest.fixture(scope="module")
+def reranker(tmp_path_factory):
+    """A random tiny Qwen3 causal LM over the default model's vocabulary and tokenizer (which has the words
+    "yes" and "no"), saved as a checkpoint of its own: (folder, the HF model, the tokenizer)."""
+    import transformers
+
+    from plait.loader.source import default_model_path
+    from plait.loader.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   vocab_size=len(tokenizer), max_position_embeddings=256,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(7)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(8.0)  # the tied head: logit gaps of a few units
+    folder = tmp_path_factory.mktemp("tiny-reranker")
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder, model, tokenizer
+
+
+def _yes_probability(model, tokenizer, query: str, document: str) -> float:
+    ids = tokenizer(query, text_pair=document)["input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, -1]
+    yes, no = tokenizer.convert_tokens_to_ids("yes"), tokenizer.convert_tokens_to_ids("no")
+    return torch.softmax(logits[[no, yes]], dim=-1)[1].item()
+
+
+def test_a_causal_lm_scores_pairs_as_a_cross_encoder_from_two_tokens(reranker):
+    """vLLM's --hf-overrides recipe for Qwen3-Reranker: the causal LM as a classifier of one label whose
+    score head is the LM head's "yes" row minus its "no" row, so its sigmoid is the softmax of the two
+    logits at "yes". LLM.score reads each (query, document) pair as one prompt, tokenized as a pair, chunked
+    here: every score equals transformers' P("yes") of the pair; /score and /rerank serve the same."""
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    folder, model, tokenizer = reranker
+    want = [_yes_probability(model, tokenizer, QUERY, d) for d in DOCUMENTS]
+    assert max(want) - min(want) > 0.01  # the scores tell the documents apart
+    llm = LLM(str(folder), hf_overrides=RERANKER_OVERRIDES, max_num_batched_tokens=8)
+    got = llm.score(QUERY, DOCUMENTS, use_tqdm=False)
+    assert [o.outputs.score for o in got] == pytest.approx(want, abs=ATOL)
+    pairs = llm.score(DOCUMENTS[:2], [QUERY, QUERY], use_tqdm=False)  # in pairs, either side first
+    assert [o.outputs.score for o in pairs] == pytest.approx(
+        [_yes_probability(model, tokenizer, d, QUERY) for d in DOCUMENTS[:2]], abs=ATOL)
+    # As a classifier of one label, with a prompt formed by hand (Qwen3-Reranker's clients template theirs).
+    ids = tokenizer(QUERY, text_pair=DOCUMENTS[0])["input_ids"]
+    assert llm.classify([{"prompt_token_ids": ids}], use_tqdm=False)[0].outputs.probs == pytest.approx(
+        [want[0]], abs=ATOL)
+    engine = LLMEngine(EngineConfig(model=str(folder), hf_overrides=RERANKER_OVERRIDES,
+                                    max_num_batched_tokens=16))
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        score = httpx.post(f"{url}/score", json={"text_1": QUERY, "text_2": DOCUMENTS}, timeout=60).json()
+        ranked = httpx.post(f"{url}/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=60).json()
+        unpaired = httpx.post(f"{url}/score", json={"text_1": DOCUMENTS[:2], "text_2": DOCUMENTS}, timeout=60)
+    assert [d["score"] for d in score["data"]] == pytest.approx(want, abs=ATOL)
+    assert score["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in got)
+    order = sorted(range(len(DOCUMENTS)), key=lambda j: -want[j])
+    assert [r["index"] for r in ranked["results"]] == order
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([want[j] for j in order],
+                                                                              abs=ATOL)
+    assert unpaired.status_code == 400 and unpaired.json()["error"]["param"] == "text_2"
+
+
+def test_classifier_from_token_needs_tokens_of_the_vocabulary(reranker):
+    folder, _, _ = reranker
+    with pytest.raises(ValueError, match="'zzzqqq' is not a token"):
+        LLM(str(folder), hf_overrides={**RERANKER_OVERRIDES, "classifier_from_token": ["no", "zzzqqq"]})
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+        LLM(str(folder), hf_overrides="[1]")

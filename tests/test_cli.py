@@ -82,3 +82,21 @@ def test_seed_and_dtype_aliases_are_engine_flags():
     # `bench w4 --seed` keeps seeding its prompts; the engine keeps its default seed there.
     args = parse_args(["bench", "w4", "--seed", "3"])
     assert args.seed == 3 and _engine_config(args).seed == 0
+
+
+def test_hf_overrides_is_vllms_json_flag():
+    from plait.config import merge_hf_overrides
+    from plait.entrypoints.cli import _engine_config, parse_args
+
+    flag = '{"architectures": ["Qwen3ForSequenceClassification"], "rope_scaling": {"factor": 2.0}}'
+    config = _engine_config(parse_args(["serve", "m", "--hf-overrides", flag]))
+    assert config.hf_overrides == {"architectures": ["Qwen3ForSequenceClassification"],
+                                   "rope_scaling": {"factor": 2.0}}
+    # Nested objects merge key by key; anything else is replaced.
+    merged = merge_hf_overrides({"architectures": ["Qwen3ForCausalLM"], "rope_scaling": {"type": "yarn"},
+                                 "vocab_size": 9}, config.hf_overrides)
+    assert merged == {"architectures": ["Qwen3ForSequenceClassification"],
+                      "rope_scaling": {"type": "yarn", "factor": 2.0}, "vocab_size": 9}
+    assert _engine_config(parse_args(["serve", "m"])).hf_overrides is None
+    with pytest.raises(ValueError, match="hf_overrides is not valid JSON"):
+        _engine_config(parse_args(["serve", "m", "--hf-overrides", "{nope"]))

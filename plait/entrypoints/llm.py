@@ -150,11 +150,20 @@ class LLM:
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
     ) -> list[ScoringRequestOutput]:
-        """How alike each pair of inputs is, as vLLM's ``LLM.score`` with an embedding model: the cosine
-        similarity of their embeddings. One ``data_1`` input is paired with every ``data_2`` input; otherwise
-        the two lists pair up in order (score_pairs)."""
+        """How alike each pair of inputs is, as vLLM's ``LLM.score``: with an embedding model, the cosine
+        similarity of their embeddings; with a cross-encoder (a classifier of one label, e.g. Qwen3-Reranker
+        under hf_overrides), its probability for the pair read as one prompt (``cross_encoder_prompt``). One
+        ``data_1`` input is paired with every ``data_2`` input; otherwise the two lists pair up in order
+        (score_pairs)."""
         first, second = _as_prompt_list(data_1), _as_prompt_list(data_2)
-        score_pairs(len(first), len(second))  # refuse lists that do not pair before anything runs
+        pairs = score_pairs(len(first), len(second))  # refuse lists that do not pair before anything runs
+        if cross_encodes(self.engine.pooler.spec if self.engine.pooler is not None else None):
+            prompts = [{"prompt_token_ids": cross_encoder_prompt(self.engine, first[i], second[j])}
+                       for i, j in pairs]
+            scored = self.encode(prompts, PoolingParams(task="classify"), use_tqdm, truncate_prompt_tokens)
+            return [ScoringRequestOutput(str(k), out.prompt_token_ids,
+                                         ScoringOutput(out.outputs.data[0].item()))
+                    for k, out in enumerate(scored)]
         embedded = self.encode(first + second, PoolingParams(task="embed"), use_tqdm, truncate_prompt_tokens)
         ids = [out.prompt_token_ids for out in embedded]
         return [ScoringRequestOutput(str(k), ids[i] + ids[len(first) + j], ScoringOutput(similarity))
@@ -337,6 +346,34 @@ def _prompt_payload(prompt: PromptType) -> str | list[int]:
         raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
     if isinstance(prompt, str):
         return prompt
+    return list(prompt)
+
+
+def cross_encodes(spec: Any) -> bool:
+    """Whether a model of this PoolingSpec (None: a generating model) scores pairs itself: a classifier of
+    one label (a cross-encoder), as vLLM serves /score with one. An embedding model scores by the cosine of
+    two embeddings instead."""
+    return spec is not None and spec.task == "classify" and len(spec.labels) == 1
+
+
+def cross_encoder_prompt(engine: Any, first: PromptType, second: PromptType) -> list[int]:
+    """A pair as one prompt for a cross-encoder, as vLLM forms it: two texts through the tokenizer as a pair
+    (its pair template, e.g. [BOS] a [SEP] b; plain concatenation where it has none), token ids joined."""
+    if isinstance(first, str) and isinstance(second, str):
+        if engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass token ids to score")
+        ids = list(engine.tokenizer(first, text_pair=second)["input_ids"])
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+    return [*_token_ids(engine, first), *_token_ids(engine, second)]
+
+
+def _token_ids(engine: Any, prompt: PromptType) -> list[int]:
+    if isinstance(prompt, str):
+        return engine.encode_text(prompt)
+    if isinstance(prompt, dict):
+        return list(prompt["prompt_token_ids"])
     return list(prompt)
 
 

@@ -50,7 +50,14 @@ from plait.entrypoints.async_engine import (
     RequestTimeoutError,
 )
 from plait.entrypoints.beam_search import BeamSearch, advance_all, pending_beams, served_outputs, step_params
-from plait.entrypoints.llm import _fan_out, encode_rendered, pair_scores, render_chat
+from plait.entrypoints.llm import (
+    _fan_out,
+    cross_encoder_prompt,
+    cross_encodes,
+    encode_rendered,
+    pair_scores,
+    render_chat,
+)
 from plait.entrypoints.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
     TOOLS_PARAM,
@@ -130,7 +137,7 @@ from plait.entrypoints.tools import (
 from plait.loader.hf import ModelSource
 from plait.lora.request import LoRAModulePath, LoRARequest
 from plait.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
-from plait.pooling_params import PoolingParams
+from plait.pooling_params import PoolingParams, score_pairs
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -1405,26 +1412,24 @@ class OpenAIServer:
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def create_score(self, body: ScoreRequest, raw: Request) -> Response:
-        """vLLM's /score with an embedding model: the cosine similarity of each pair's embeddings (one text_1
-        against every text_2, else in pairs)."""
-        pooled = await self._pool(body, PoolingParams(task="embed"), raw, "Score API")
-        if isinstance(pooled, Response):
-            return pooled
-        finals, usage = pooled
+        """vLLM's /score: each pair's score (one text_1 against every text_2, else in pairs), by
+        ``_pair_scores``."""
         first, second = body.sides()
-        scores = pair_scores(finals, len(first), len(second))
+        scored = await self._pair_scores(body, first, second, raw, "Score API")
+        if isinstance(scored, Response):
+            return scored
+        scores, usage = scored
         data = [ScoreData(index=k, score=score) for k, (_, _, score) in enumerate(scores)]
         result = ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=self.model_name, data=data, usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def create_rerank(self, body: RerankRequest, raw: Request) -> Response:
-        """The Jina / Cohere rerank API vLLM serves: the documents, best first, by the cosine similarity of
-        their embeddings to the query's; the best ``top_n`` (0: all)."""
-        pooled = await self._pool(body, PoolingParams(task="embed"), raw, "Rerank API")
-        if isinstance(pooled, Response):
-            return pooled
-        finals, usage = pooled
-        scores = pair_scores(finals, 1, len(body.documents))
+        """The Jina / Cohere rerank API vLLM serves: the documents, best first, by their score against the
+        query (``_pair_scores``); the best ``top_n`` (0: all)."""
+        scored = await self._pair_scores(body, [body.query], body.documents, raw, "Rerank API")
+        if isinstance(scored, Response):
+            return scored
+        scores, usage = scored
         ranked = sorted(scores, key=lambda pair: -pair[2])[: body.top_n or None]
         results = [RerankResult(index=j, document=RerankDocument(text=body.documents[j]),
                                 relevance_score=score) for _, j, score in ranked]
@@ -1432,10 +1437,36 @@ class OpenAIServer:
                                 usage=RerankUsage(total_tokens=usage.total_tokens), results=results)
         return Response(result.model_dump_json(), media_type="application/json")
 
-    async def _pool(self, body: PoolingBody, params: PoolingParams, raw: Request, api: str
+    async def _pair_scores(self, body: PoolingBody, first: list[str], second: list[str], raw: Request,
+                           api: str) -> tuple[list[tuple[int, int, float]], UsageInfo] | Response:
+        """Each pair's (first's index, second's index, score), paired as score_pairs pairs them, and the
+        usage: with an embedding model the cosine similarity of their embeddings (both sides embedded in one
+        batch); with a cross-encoder (a classifier of one label) its probability for the pair read as one
+        prompt (cross_encoder_prompt, tokenized on the loop thread), as vLLM scores with either."""
+        if not cross_encodes(self.pooling_spec):
+            pooled = await self._pool(body, PoolingParams(task="embed"), raw, api)
+            if isinstance(pooled, Response):
+                return pooled
+            finals, usage = pooled
+            return pair_scores(finals, len(first), len(second)), usage
+        try:
+            pairs = score_pairs(len(first), len(second))
+        except ValueError as err:
+            raise APIError(400, str(err), param="text_2") from None
+        prompts = [functools.partial(cross_encoder_prompt, first=first[i], second=second[j])
+                   for i, j in pairs]
+        pooled = await self._pool(body, PoolingParams(task="classify"), raw, api, prompts)
+        if isinstance(pooled, Response):
+            return pooled
+        finals, usage = pooled
+        return [(i, j, out.outputs.data[0].item()) for (i, j), out in zip(pairs, finals)], usage
+
+    async def _pool(self, body: PoolingBody, params: PoolingParams, raw: Request, api: str,
+                    prompts: list[PromptInput] | None = None
                     ) -> tuple[list[PoolingRequestOutput], UsageInfo] | Response:
         """Run each input of a pooling endpoint once: the outputs in input order and the usage (a Response
-        where the client left first). ``params.task`` must be the model's (else vLLM's 400 naming ``api``)."""
+        where the client left first). ``params.task`` must be the model's (else vLLM's 400 naming ``api``).
+        ``prompts`` replace the body's inputs (which are still checked)."""
         spec = self.pooling_spec
         if spec is None or spec.task != params.task:
             raise APIError(400, f"The model does not support {api}")
@@ -1445,7 +1476,8 @@ class OpenAIServer:
         params = dataclasses.replace(params, truncate_prompt_tokens=body.truncate_prompt_tokens)
         try:
             body.check_supported()
-            prompts = self._pooling_prompts(body)
+            inputs = self._pooling_prompts(body)
+            prompts = inputs if prompts is None else prompts
             spec.check(params, self.model_name)  # named as this server serves the model
         except ValueError as err:
             param = err.param if isinstance(err, ProtocolError) else "dimensions"

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.config import EngineConfig, ModelConfig
+from plait.config import EngineConfig, ModelConfig, merge_hf_overrides
 from plait.layers.fp8 import FP8_DTYPE, checkpoint_quantization, checkpoint_weight_block, quantize_model
 from plait.layers.linear import deferred_weights, materialize_deferred
 from plait.layers.moe import FusedMoE
@@ -58,6 +58,7 @@ def load_model(
 
     source = resolve_model(config.model)
     hf_config, weights = _read_source(source, config.load_format)
+    hf_config = merge_hf_overrides(hf_config, config.hf_overrides)
     model_config = ModelConfig.from_hf(hf_config)
     runner = resolve_runner(config.runner, model_config.architecture)
     cls = get_model_class(model_config.architecture)
@@ -83,18 +84,56 @@ def load_model(
     else:
         materialize_deferred(model, device)
     kv_scales: dict[int, dict[str, float]] = {}
+    tokenizer = _load_tokenizer(source)
     if weights is None:
         _init_dummy(model, config.seed)
     else:
         weights = _tap_kv_scales(weights, kv_scales)
+        from_tokens = hf_config.get("classifier_from_token")
+        if from_tokens and hasattr(model, "classify"):
+            weights = _score_from_token_rows(weights, _token_ids(tokenizer, from_tokens, source.path))
         if runner == "pooling":
             weights = _trunk_weights(weights, model_config.architecture in BASE_MODEL_ARCHITECTURES)
         model.load_weights((name, _to_model(name, t, device, dtype)) for name, t in weights)
     model.eval()
-    tokenizer = _load_tokenizer(source)
     fp8_cache = config.kv_cache_dtype == "fp8"
     cache_scales = _kv_cache_scales(kv_scales, model) if fp8_cache and kv_scales else None
     return LoadedModel(model, model_config, tokenizer, source.path, quantization, cache_scales, runner)
+
+
+def _token_ids(tokenizer: Any, tokens: list[str], path: Path) -> list[int]:
+    """The vocabulary ids of ``tokens`` (classifier_from_token's), each a single token of the tokenizer."""
+    if tokenizer is None:
+        raise ValueError(f"classifier_from_token needs the model's tokenizer, and {str(path)!r} has none")
+    ids = []
+    for token in tokens:
+        token_id = tokenizer.convert_tokens_to_ids(token)
+        if not isinstance(token_id, int) or token_id == tokenizer.unk_token_id:
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of the model's vocabulary")
+        ids.append(token_id)
+    return ids
+
+
+def _score_from_token_rows(weights: Iterable[tuple[str, torch.Tensor]], token_ids: list[int]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """A causal LM's checkpoint as a classifier's (vLLM's classifier_from_token): the LM head's rows of
+    ``token_ids`` (the embeddings' where the head is tied to them) become the score head, and a pair of
+    tokens one label, the second's row minus the first's: its sigmoid is the softmax of the pair's logits
+    at the second token (Qwen3-Reranker's P("yes") of "no" / "yes")."""
+    head = embedded = None
+    index = torch.tensor(token_ids)
+    for name, tensor in weights:
+        if name == "lm_head.weight":
+            head = tensor[index.to(tensor.device)].clone()
+            continue  # the classifier has no LM head
+        if name == "model.embed_tokens.weight":
+            embedded = tensor[index.to(tensor.device)].clone()
+        yield name, tensor
+    rows = head if head is not None else embedded
+    if rows is None:
+        raise ValueError("classifier_from_token: the checkpoint has neither lm_head.weight nor "
+                         "model.embed_tokens.weight to read the tokens' rows from")
+    yield "score.weight", rows[1:] - rows[:1] if len(token_ids) == 2 else rows
 
 
 def _trunk_weights(weights: Iterable[tuple[str, torch.Tensor]], base_model: bool

@@ -208,7 +208,12 @@ class LlamaForSequenceClassification(LlamaForCausalLM):
 
 
 def num_labels(hf_config: dict) -> int:
-    """A classifier's label count, as transformers reads its config (id2label, else num_labels, else 2)."""
+    """A classifier's label count, as transformers reads its config (id2label, else num_labels, else 2); a
+    classifier made from a causal LM's token logits (vLLM's ``classifier_from_token``) has one label for a
+    pair of tokens (the second's logit minus the first's) and one a token otherwise."""
+    tokens = hf_config.get("classifier_from_token")
+    if tokens:
+        return 1 if len(tokens) == 2 else len(tokens)
     return len(hf_config.get("id2label") or {}) or int(hf_config.get("num_labels") or 2)
 
 
