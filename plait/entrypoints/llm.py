@@ -366,10 +366,10 @@ def cross_encoder_prompt(engine: Any, first: PromptType, second: PromptType) -> 
         if not ids:
             raise ValueError("prompt is empty")
         return ids
-    return [*_token_ids(engine, first), *_token_ids(engine, second)]
+    return [*_prompt_ids(engine, first), *_prompt_ids(engine, second)]
 
 
-def _token_ids(engine: Any, prompt: PromptType) -> list[int]:
+def _prompt_ids(engine: Any, prompt: PromptType) -> list[int]:
     if isinstance(prompt, str):
         return engine.encode_text(prompt)
     if isinstance(prompt, dict):

@@ -133,6 +133,7 @@ def _score_from_token_rows(weights: Iterable[tuple[str, torch.Tensor]], token_id
     if rows is None:
         raise ValueError("classifier_from_token: the checkpoint has neither lm_head.weight nor "
                          "model.embed_tokens.weight to read the tokens' rows from")
+    rows = rows.float()  # a 16-bit checkpoint's rows differ exactly in fp32; the loader casts after
     yield "score.weight", rows[1:] - rows[:1] if len(token_ids) == 2 else rows
 
 
