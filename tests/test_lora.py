@@ -475,3 +475,39 @@ def test_speculative_decoding_with_adapters_changes_no_output(tiny_llama, llama_
                                                           {f"r-{i}": out for i, out in want.items()})
     assert run_greedy(spec, prompts, 2 * MAX_TOKENS, arrive_every=1, loras=loras)[0] == want
     assert spec.spec_stats.num_accepted_tokens > 0 and spec.num_steps < plain.num_steps
+
+
+def test_embeddings_with_adapters_match_hf_with_merged_weights(tiny_llama, llama_loras):
+    """An embedding model serves LoRA adapters as a generating one does (vLLM's LoRA for pooling models):
+    each prompt's LAST-pooled, normalised embedding under its adapter equals HF's trunk with that adapter
+    merged into the weights; adapters and base prompts share chunked batches, two slots for three adapters."""
+    order = [llama_loras["qv"], None, llama_loras["all"], llama_loras["mlp"], llama_loras["qv"]]
+    prompts = random_prompts(len(order), 3, 50, seed=11)
+    llm = LLM(str(tiny_llama), runner="pooling", enable_lora=True, max_loras=2, block_size=8,
+              max_num_batched_tokens=32)
+    got = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False, lora_request=order)
+    references = {}
+    for out, prompt, lora in zip(got, prompts, order):
+        name = lora.lora_name if lora else None
+        hf = references.setdefault(name, _merged_hf(tiny_llama, lora))
+        with torch.no_grad():
+            state = hf.model(torch.tensor([prompt])).last_hidden_state[0, -1]
+        want = torch.nn.functional.normalize(state, dim=-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=2e-5, rtol=0)
+    base = {lora.lora_name if lora else None: o.outputs.embedding for o, lora in zip(got, order)}
+    assert all(base[name] != base[None] for name in ("qv", "all", "mlp"))  # every adapter changed something
+    assert llm.engine.runner.breakdown.lora_steps > 0 and llm.engine.is_idle_and_clean()
+    # The server: an adapter's name as the model of /v1/embeddings runs with that adapter.
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("fastapi")
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+    from plait.lora.request import LoRAModulePath
+
+    modules = [LoRAModulePath("qv", llama_loras["qv"].lora_path)]
+    with BackgroundServer(OpenAIServer(llm.engine, ServerConfig(log_level="warning", lora_modules=modules))
+                          ) as url:
+        served = [httpx.post(f"{url}/v1/embeddings", json={"model": model, "input": prompts[i]}, timeout=60)
+                  for model, i in (("qv", 0), (None, 1))]  # order[0] is qv's, order[1] the base model's
+    assert [r.status_code for r in served] == [200, 200], served[0].text
+    assert served[0].json()["data"][0]["embedding"] == pytest.approx(got[0].outputs.embedding, abs=1e-6)
+    assert served[1].json()["data"][0]["embedding"] == pytest.approx(base[None], abs=1e-6)

@@ -184,8 +184,6 @@ class LLMEngine:
         if self.config.speculative_config is not None:
             raise ValueError("speculative decoding needs a generating model; this one runs as a pooling "
                              "model")
-        if self.config.enable_lora:
-            raise ValueError("LoRA adapters are not supported with pooling models yet")
 
     def _prefix_caching_allowed(self) -> bool:
         if not self.config.enable_prefix_caching:
@@ -284,16 +282,16 @@ class LLMEngine:
         follows it), checked against the pooler (dimensions), sampling nothing."""
         if self.pooler is None:
             raise ValueError(GENERATE_MODEL_MESSAGE)
-        if lora_request is not None:
-            raise ValueError("LoRA adapters are not supported with pooling models yet")
         request_id = self._new_request_id(request_id)
         text, token_ids = self._tokenize(prompt)
         keep = self._prompt_tokens_to_keep(params.truncate_prompt_tokens, reserved=0)  # nothing follows
         text, token_ids = self._truncate(text, token_ids, keep)
         self._validate_prompt(token_ids, max_len=self.max_model_len)
         self.pooler.spec.check(params, self.model_name)
+        lora = self.lora_adapter(lora_request)
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=SamplingParams(),
-                          max_tokens=0, pooling_params=params)
+                          max_tokens=0, pooling_params=params, lora=lora,
+                          cache_key=lora.request.cache_key if lora is not None else b"")
         return request, text
 
     @property

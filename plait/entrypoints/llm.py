@@ -95,11 +95,14 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
+        lora_request: LoRAInput = None,
     ) -> list[PoolingRequestOutput]:
         """A pooling model's output for every prompt, in prompt order (vLLM's ``LLM.encode``): each
         ``outputs.data`` is the prompt's pooled vector. Prompts as generate's; all are validated before any
-        enters the engine. ``truncate_prompt_tokens`` (where given) keeps each prompt's last k tokens."""
+        enters the engine. ``truncate_prompt_tokens`` (where given) keeps each prompt's last k tokens;
+        ``lora_request`` as generate's (an embedding model under ``enable_lora``)."""
         prompts = _as_prompt_list(prompts)
+        loras = _as_lora_list(lora_request, len(prompts))
         params = pooling_params if pooling_params is not None else PoolingParams()
         params = [params] * len(prompts) if isinstance(params, PoolingParams) else list(params)
         if len(params) != len(prompts):
@@ -108,8 +111,8 @@ class LLM:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         batch = self._batch_ids
         self._batch_ids += 1
-        made = [self.engine.make_request(_prompt_payload(prompt), p, f"{batch}-{i}")
-                for i, (prompt, p) in enumerate(zip(prompts, params))]
+        made = [self.engine.make_request(_prompt_payload(prompt), p, f"{batch}-{i}", lora)
+                for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras))]
         for request, text in made:
             self.engine.enqueue(request, text)
         finished = self._run_to_completion(len(made), use_tqdm, desc="embedding")
@@ -121,12 +124,15 @@ class LLM:
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
+        lora_request: LoRAInput = None,
     ) -> list[EmbeddingRequestOutput]:
         """Every prompt's embedding, in prompt order (vLLM's ``LLM.embed``): ``outputs.embedding`` is a list
         of floats, L2-normalised unless the pooler or ``PoolingParams.normalize`` says otherwise, of
         ``PoolingParams.dimensions`` entries where a Matryoshka model is asked for fewer. Needs a pooling
-        model (``LLM(model, runner="pooling")``, or a base model's checkpoint)."""
-        outputs = self.encode(prompts, _with_task(pooling_params, "embed"), use_tqdm, truncate_prompt_tokens)
+        model (``LLM(model, runner="pooling")``, or a base model's checkpoint). ``lora_request``: as
+        encode's."""
+        outputs = self.encode(prompts, _with_task(pooling_params, "embed"), use_tqdm, truncate_prompt_tokens,
+                              lora_request)
         return [EmbeddingRequestOutput.from_base(out) for out in outputs]
 
     def classify(

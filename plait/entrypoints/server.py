@@ -1470,8 +1470,7 @@ class OpenAIServer:
         spec = self.pooling_spec
         if spec is None or spec.task != params.task:
             raise APIError(400, f"The model does not support {api}")
-        if self._check_model(body.model) is not None:
-            raise APIError(400, "LoRA adapters are not supported with pooling models", param="model")
+        lora = self._check_model(body.model)  # an adapter's name runs with that adapter
         arrival = time.monotonic()
         params = dataclasses.replace(params, truncate_prompt_tokens=body.truncate_prompt_tokens)
         try:
@@ -1483,7 +1482,7 @@ class OpenAIServer:
             param = err.param if isinstance(err, ProtocolError) else "dimensions"
             raise APIError(400, str(err), param=param) from err
         children: list[tuple[PromptInput, PoolingParams]] = [(p, params) for p in prompts]
-        stream = await self._start(children, "input", None, "input")
+        stream = await self._start(children, "input", None, "input", lora)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         try:
             finals = await self._unless_disconnected(raw, self._collect(stream, tracker))
