@@ -509,5 +509,6 @@ def test_embeddings_with_adapters_match_hf_with_merged_weights(tiny_llama, llama
         served = [httpx.post(f"{url}/v1/embeddings", json={"model": model, "input": prompts[i]}, timeout=60)
                   for model, i in (("qv", 0), (None, 1))]  # order[0] is qv's, order[1] the base model's
     assert [r.status_code for r in served] == [200, 200], served[0].text
+    assert [r.json()["model"] for r in served] == ["qv", llm.engine.model_name]  # as vLLM reports them
     assert served[0].json()["data"][0]["embedding"] == pytest.approx(got[0].outputs.embedding, abs=1e-6)
     assert served[1].json()["data"][0]["embedding"] == pytest.approx(base[None], abs=1e-6)

@@ -1377,7 +1377,7 @@ class OpenAIServer:
         finals, usage = pooled
         data = [EmbeddingData(index=i, embedding=_encode_embedding(out.outputs.data, body.encoding_format))
                 for i, out in enumerate(finals)]
-        result = EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", model=self.model_name, data=data,
+        result = EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", model=self._pooled_model(body), data=data,
                                    usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
 
@@ -1393,8 +1393,8 @@ class OpenAIServer:
             probs = out.outputs.data.tolist()
             data.append(ClassificationData(index=i, label=labels[int(out.outputs.data.argmax())], probs=probs,
                                            num_classes=len(probs)))
-        result = ClassificationResponse(id=f"classify-{uuid.uuid4().hex}", model=self.model_name, data=data,
-                                        usage=usage)
+        result = ClassificationResponse(id=f"classify-{uuid.uuid4().hex}", model=self._pooled_model(body),
+                                        data=data, usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def create_pooling(self, body: PoolingRequest, raw: Request) -> Response:
@@ -1408,7 +1408,8 @@ class OpenAIServer:
         finals, usage = pooled
         data = [PoolingData(index=i, data=_encode_embedding(out.outputs.data, body.encoding_format))
                 for i, out in enumerate(finals)]
-        result = PoolingResponse(id=f"pool-{uuid.uuid4().hex}", model=self.model_name, data=data, usage=usage)
+        result = PoolingResponse(id=f"pool-{uuid.uuid4().hex}", model=self._pooled_model(body), data=data,
+                                 usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def create_score(self, body: ScoreRequest, raw: Request) -> Response:
@@ -1420,7 +1421,8 @@ class OpenAIServer:
             return scored
         scores, usage = scored
         data = [ScoreData(index=k, score=score) for k, (_, _, score) in enumerate(scores)]
-        result = ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=self.model_name, data=data, usage=usage)
+        result = ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=self._pooled_model(body), data=data,
+                               usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def create_rerank(self, body: RerankRequest, raw: Request) -> Response:
@@ -1433,7 +1435,7 @@ class OpenAIServer:
         ranked = sorted(scores, key=lambda pair: -pair[2])[: body.top_n or None]
         results = [RerankResult(index=j, document=RerankDocument(text=body.documents[j]),
                                 relevance_score=score) for _, j, score in ranked]
-        result = RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=self.model_name,
+        result = RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=self._pooled_model(body),
                                 usage=RerankUsage(total_tokens=usage.total_tokens), results=results)
         return Response(result.model_dump_json(), media_type="application/json")
 
@@ -1492,6 +1494,10 @@ class OpenAIServer:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         prompt_tokens = sum(len(ids) for ids in stream.prompt_token_ids)
         return finals, UsageInfo(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens)
+
+    def _pooled_model(self, body: PoolingBody) -> str:
+        """A pooling response's "model": the adapter's name where the body named one (as vLLM)."""
+        return self._reported_model(self._check_model(body.model))
 
     def _pooling_prompts(self, body: PoolingBody) -> list[PromptInput]:
         """The body's inputs as engine prompts; messages are one input, the conversation rendered under the
