@@ -174,7 +174,7 @@ def _sentence_transformers_folder(src, dst, pooling_mode: str, normalize: bool, 
 
 def test_sentence_transformers_config_chooses_the_pooler(tiny_llama, hf_trunks, tmp_path):
     """modules.json's Pooling mode and the presence of a Normalize module decide the pooler, as vLLM reads
-    them; pooler_config's fields win; a module that is neither (Dense) is refused by name."""
+    them; pooler_config's fields win; a module that is none of the known ones is refused by name."""
     folder = _sentence_transformers_folder(tiny_llama, tmp_path / "st", "pooling_mode_mean_tokens", False)
     llm = LLM(str(folder), runner="pooling")
     spec = llm.engine.pooler.spec
@@ -184,11 +184,52 @@ def test_sentence_transformers_config_chooses_the_pooler(tiny_llama, hf_trunks, 
     overridden = LLM(str(folder), runner="pooling",
                      pooler_config='{"pooling_type": "cls", "normalize": true}')
     _check(overridden.embed(prompts, use_tqdm=False), hf_trunks["llama"], prompts, "CLS")
-    dense = {"modules": [{"idx": 3, "name": "3", "path": "3_Dense",
-                          "type": "sentence_transformers.models.Dense"}]}
-    bad = _sentence_transformers_folder(tiny_llama, tmp_path / "dense", "pooling_mode_lasttoken", True, dense)
-    with pytest.raises(ValueError, match="sentence_transformers.models.Dense"):
+    other = {"modules": [{"idx": 3, "name": "3", "path": "3_LayerNorm",
+                          "type": "sentence_transformers.models.LayerNorm"}]}
+    bad = _sentence_transformers_folder(tiny_llama, tmp_path / "other", "pooling_mode_lasttoken", True, other)
+    with pytest.raises(ValueError, match="sentence_transformers.models.LayerNorm"):
         LLM(str(bad), runner="pooling")
+
+
+def _dense_folder(src, dst, activation: str, weight: torch.Tensor, bias: torch.Tensor, normalize_first=False):
+    """A sentence-transformers folder: the trunk, LAST pooling, a Dense module (64 -> out), Normalize."""
+    from safetensors.torch import save_file
+
+    folder = _sentence_transformers_folder(src, dst, "pooling_mode_lasttoken", False)
+    modules = json.loads((folder / "modules.json").read_text())
+    dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
+    norm = {"idx": 3, "name": "3", "path": "3_Normalize", "type": "sentence_transformers.models.Normalize"}
+    modules += [norm, dense] if normalize_first else [dense, norm]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    (folder / "2_Dense").mkdir()
+    (folder / "2_Dense" / "config.json").write_text(json.dumps({
+        "in_features": weight.shape[1], "out_features": weight.shape[0], "bias": True,
+        "activation_function": activation}))
+    save_file({"linear.weight": weight, "linear.bias": bias}, folder / "2_Dense" / "model.safetensors")
+    return folder
+
+
+def test_sentence_transformers_dense_modules_project_the_pooled_vector(tiny_llama, hf_trunks, tmp_path):
+    """A Dense module after the pooling (as stella-style models have) projects the vector on the device
+    before it is normalised: tanh(W h + b), as sentence-transformers computes it; an activation or an
+    order plait does not apply is refused by name."""
+    gen = torch.Generator().manual_seed(5)
+    weight, bias = torch.randn(32, 64, generator=gen) * 0.3, torch.randn(32, generator=gen)
+    folder = _dense_folder(tiny_llama, tmp_path / "dense", "torch.nn.modules.activation.Tanh", weight, bias)
+    llm = LLM(str(folder), runner="pooling", max_num_batched_tokens=16)
+    assert llm.engine.pooler.spec.output_size == 32
+    prompts = _prompts(12, [7, 30])
+    for out, ids in zip(llm.embed(prompts, use_tqdm=False), prompts):
+        want = F.normalize(torch.tanh(weight @ _reference(hf_trunks["llama"], ids, normalize=False) + bias),
+                           dim=-1)
+        torch.testing.assert_close(torch.tensor(out.outputs.embedding), want, atol=ATOL, rtol=0)
+    relu = _dense_folder(tiny_llama, tmp_path / "relu", "torch.nn.modules.activation.ReLU", weight, bias)
+    with pytest.raises(ValueError, match="torch.nn.modules.activation.ReLU"):
+        LLM(str(relu), runner="pooling")
+    late = _dense_folder(tiny_llama, tmp_path / "late", "torch.nn.modules.linear.Identity", weight, bias,
+                         normalize_first=True)
+    with pytest.raises(ValueError, match="after its Normalize module"):
+        LLM(str(late), runner="pooling")
 
 
 def test_matryoshka_dimensions(tiny_llama, hf_trunks, tmp_path):

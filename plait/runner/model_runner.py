@@ -116,7 +116,7 @@ class ModelRunner:
         self.runner_type = loaded.runner
         self.pooler = (Pooler(resolve_pooling(config.pooler_config, loaded.source, self.model_config.raw,
                                               self.model_config.hidden_size,
-                                              classifier=hasattr(self.model, "classify")))
+                                              classifier=hasattr(self.model, "classify")), self.device)
                        if loaded.runner == "pooling" else None)
         # config.quantization, or what an FP8 checkpoint holds without it
         self.quantization = loaded.quantization
@@ -444,6 +444,8 @@ class ModelRunner:
         requests, vectors = pooled
         if self.pooler.spec.task == "classify":
             vectors = self.model.classify(vectors)  # [n, num_labels] logits
+        else:
+            vectors = self.pooler.project(vectors)  # [n, output_size]: sentence-transformers Dense modules
         if self.device.type != "cuda":
             return requests, vectors, None
         # As sampled ids: copied on the copy-out stream, so collecting this step never waits for the next.

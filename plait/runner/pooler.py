@@ -22,6 +22,13 @@ SENTENCE_TRANSFORMERS_MODULES = "modules.json"
 ST_POOLING = "sentence_transformers.models.Pooling"
 ST_NORMALIZE = "sentence_transformers.models.Normalize"
 ST_TRANSFORMER = "sentence_transformers.models.Transformer"
+ST_DENSE = "sentence_transformers.models.Dense"
+# A Dense module's activation_function (sentence-transformers writes the class's path; Tanh is its default).
+ST_DENSE_ACTIVATIONS = {"torch.nn.modules.linear.Identity": "identity",
+                        "torch.nn.modules.activation.Tanh": "tanh"}
+ST_DENSE_DEFAULT_ACTIVATION = "torch.nn.modules.activation.Tanh"
+# Where a Dense module keeps its weights (newer sentence-transformers, then older).
+ST_DENSE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 # A sentence-transformers Pooling config's modes, as plait's pooling types.
 ST_POOLING_MODES = {"pooling_mode_lasttoken": "LAST", "pooling_mode_mean_tokens": "MEAN",
                     "pooling_mode_cls_token": "CLS"}
@@ -32,6 +39,17 @@ DEFAULT_POOLING_TYPE = "LAST"
 # (and vLLM): softmax for one label of several, a sigmoid per label where several may hold (or where there is
 # a single label, a score), none for regression.
 ACTIVATIONS = {"regression": "none", "multi_label_classification": "sigmoid"}
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """A sentence-transformers Dense module: activation(W x + b), its weights in ``path``."""
+
+    path: Path
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str  # "identity" or "tanh"
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,13 @@ class PoolingSpec:
     # embeddings; None: any dimensions up to hidden_size where is_matryoshka.
     is_matryoshka: bool = False
     matryoshka_dimensions: tuple[int, ...] | None = None
+    # sentence-transformers Dense modules after the pooling, in order: each a projection of the vector.
+    dense: tuple[DenseSpec, ...] = ()
+
+    @property
+    def output_size(self) -> int:
+        """An embedding's length before ``dimensions``: the last Dense module's, else the hidden size."""
+        return self.dense[-1].out_features if self.dense else self.hidden_size
 
     @property
     def needs_every_position(self) -> bool:
@@ -74,8 +99,8 @@ class PoolingSpec:
         if self.matryoshka_dimensions and d not in self.matryoshka_dimensions:
             raise ValueError(f'Model "{model_name}" only supports {list(self.matryoshka_dimensions)} '
                              "matryoshka dimensions, use other output dimensions will lead to poor results.")
-        if d > self.hidden_size:
-            raise ValueError(f"dimensions {d} is more than the model's hidden size {self.hidden_size}")
+        if d > self.output_size:
+            raise ValueError(f"dimensions {d} is more than the model's embedding size {self.output_size}")
 
 
 def resolve_pooling(config: PoolerConfig | None, model_path: Path, hf_config: dict, hidden_size: int,
@@ -85,7 +110,7 @@ def resolve_pooling(config: PoolerConfig | None, model_path: Path, hf_config: di
     ``classifier`` (a score head) pools LAST, unnormalised, its logits through its config's activation."""
     if classifier:
         return _classifier_pooling(config, hf_config, hidden_size)
-    st_type, st_normalize = _sentence_transformers_pooling(model_path)
+    st_type, st_normalize, dense = _sentence_transformers_pooling(model_path, hidden_size)
     pooling_type = (config and config.pooling_type) or st_type or DEFAULT_POOLING_TYPE
     normalize = config.normalize if config is not None and config.normalize is not None else None
     if normalize is None:
@@ -97,6 +122,7 @@ def resolve_pooling(config: PoolerConfig | None, model_path: Path, hf_config: di
         hidden_size=hidden_size,
         is_matryoshka=bool(hf_config.get("is_matryoshka")) or bool(dims),
         matryoshka_dimensions=tuple(dims) if dims else None,
+        dense=dense,
     )
 
 
@@ -111,24 +137,44 @@ def _classifier_pooling(config: PoolerConfig | None, hf_config: dict, hidden_siz
                        hidden_size=hidden_size, task="classify", activation=activation, labels=labels)
 
 
-def _sentence_transformers_pooling(model_path: Path) -> tuple[str | None, bool | None]:
-    """(pooling type, normalize) from a sentence-transformers folder's modules.json; (None, None) where the
-    folder has none. Modules that change the vector beyond pooling and normalising are refused by name."""
+def _sentence_transformers_pooling(model_path: Path, hidden_size: int
+                                   ) -> tuple[str | None, bool | None, tuple[DenseSpec, ...]]:
+    """(pooling type, normalize, Dense modules) from a sentence-transformers folder's modules.json; (None,
+    None, ()) where the folder has none. Other modules that change the vector are refused by name."""
     modules_file = model_path / SENTENCE_TRANSFORMERS_MODULES if model_path.is_dir() else None
     if modules_file is None or not modules_file.is_file():
-        return None, None
+        return None, None, ()
     modules = json.loads(modules_file.read_text())
-    pooling_type, normalize = None, False
+    pooling_type, normalize, dense = None, False, []
     for module in modules:
         kind = module.get("type", "")
         if kind == ST_POOLING:
             pooling_type = _st_pooling_mode(model_path / module.get("path", ""))
         elif kind == ST_NORMALIZE:
             normalize = True
+        elif kind == ST_DENSE:
+            if normalize:
+                raise ValueError(f"the model's sentence-transformers Dense module ({module.get('path')}) "
+                                 "comes after its Normalize module; plait projects before normalising only")
+            dense.append(_st_dense(model_path / module.get("path", ""),
+                                   dense[-1].out_features if dense else hidden_size))
         elif kind != ST_TRANSFORMER:
             raise ValueError(f"the model's sentence-transformers module {kind!r} ({module.get('path')}) is "
-                             "not supported: plait pools and normalises only")
-    return pooling_type, normalize
+                             "not supported: plait pools, projects (Dense) and normalises only")
+    return pooling_type, normalize, tuple(dense)
+
+
+def _st_dense(folder: Path, in_features: int) -> DenseSpec:
+    config = json.loads((folder / "config.json").read_text())
+    activation = config.get("activation_function", ST_DENSE_DEFAULT_ACTIVATION)
+    if activation not in ST_DENSE_ACTIVATIONS:
+        raise ValueError(f"the Dense module in {folder} uses {activation!r}; plait supports "
+                         f"{sorted(ST_DENSE_ACTIVATIONS)}")
+    if config.get("in_features") != in_features:
+        raise ValueError(f"the Dense module in {folder} takes {config.get('in_features')} features, but the "
+                         f"vector before it has {in_features}")
+    return DenseSpec(folder, in_features, int(config["out_features"]), bool(config.get("bias", True)),
+                     ST_DENSE_ACTIVATIONS[activation])
 
 
 def _st_pooling_mode(folder: Path) -> str:
@@ -150,8 +196,10 @@ class Pooler:
     embedding does not depend on how the prompt was chunked; a first chunk (a preempted request's restart
     too) starts afresh."""
 
-    def __init__(self, spec: PoolingSpec) -> None:
+    def __init__(self, spec: PoolingSpec, device: torch.device | str = "cpu") -> None:
         self.spec = spec
+        # The Dense modules' (weight [out, in], bias [out] or None, activation), fp32 on the device.
+        self._dense = [_load_dense(d, torch.device(device)) for d in spec.dense]
         # A prompt's state between its chunks (MEAN: the sum so far; CLS: the first token's), dropped with the
         # request (an aborted one's too).
         self._partial: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.WeakKeyDictionary()
@@ -199,6 +247,14 @@ class Pooler:
                 self._partial[row.request] = total
         return (done, torch.stack(vectors)) if done else None
 
+    def project(self, vectors: torch.Tensor) -> torch.Tensor:
+        """Pooled vectors [n, hidden] fp32 through the Dense modules, on their device: [n, output_size]."""
+        for weight, bias, activation in self._dense:
+            vectors = F.linear(vectors, weight, bias)
+            if activation == "tanh":
+                vectors = torch.tanh(vectors)
+        return vectors
+
     def finish(self, vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         """A pooled vector as the request asked for it. An embedding [hidden]: its first ``dimensions``
         entries, then L2-normalised unless the request (or else the pooler) says not to. A classifier's
@@ -212,3 +268,23 @@ class Pooler:
             vector = vector[: params.dimensions]
         normalize = params.normalize if params.normalize is not None else self.spec.normalize
         return F.normalize(vector, p=2, dim=-1) if normalize else vector
+
+
+def _load_dense(spec: DenseSpec, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None, str]:
+    """A Dense module's weights (``linear.weight``, ``linear.bias``) from its folder, fp32 on ``device``."""
+    path = next((spec.path / name for name in ST_DENSE_WEIGHT_FILES if (spec.path / name).is_file()), None)
+    if path is None:
+        names = " or ".join(ST_DENSE_WEIGHT_FILES)
+        raise ValueError(f"the Dense module in {spec.path} has no weights ({names})")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)
+    else:
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+    weight = tensors["linear.weight"].to(device=device, dtype=torch.float32)
+    if weight.shape != (spec.out_features, spec.in_features):
+        raise ValueError(f"the Dense module in {spec.path} has a {tuple(weight.shape)} weight; its config "
+                         f"says {(spec.out_features, spec.in_features)}")
+    bias = tensors["linear.bias"].to(device=device, dtype=torch.float32) if spec.bias else None
+    return weight, bias, spec.activation
