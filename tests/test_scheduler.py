@@ -507,3 +507,27 @@ def test_prompt_tokens_beside_decodes_end_the_step_on_a_row_tile():
     sched.add(make_request(9, 4096, 5))
     plan = sched.schedule()
     assert (plan.num_decode_tokens, plan.num_prefill_tokens) == (4, 252)
+
+
+def test_a_preemption_in_the_step_does_not_raise_the_cap_beside_decodes(monkeypatch):
+    """The cap beside decodes follows the backlog as the step starts: the tokens of a request that a decode
+    preempts in the same step (the pool is short of blocks, not of prompt room) do not raise it. Found by
+    test_scheduler_invariants_hold_at_every_step, whose checker takes the cap from the backlog before the
+    step."""
+    from plait.engine import scheduler as scheduler_module
+
+    # 3 usable 4-token blocks: a (4 tokens, 1 block) and b (8 tokens, 2 blocks) decode; a's first decode
+    # needs a fourth block, so b is preempted.
+    sched, _ = _scheduler(num_blocks=4, max_num_batched_tokens=64, block_size=4,
+                          max_prefill_tokens_beside_decodes=1, prefill_drain_steps=4)
+    a, b = make_request(0, 4, 5), make_request(1, 8, 5)
+    _start_decoding(sched, [a, b])
+    sched.add(make_request(2, 8, 1))
+    backlog = sched.prompt_backlog()
+    capped = []
+    cap = scheduler_module._StepBuilder.cap_prefill_beside_decodes
+    monkeypatch.setattr(scheduler_module._StepBuilder, "cap_prefill_beside_decodes",
+                        lambda step, given: (capped.append(given), cap(step, given))[1])
+    plan = sched.schedule()
+    assert plan.preempted == [b] and sched.prompt_backlog() == backlog + 9  # b's 8 + 1 tokens wait again
+    assert capped == [backlog] == [8]

@@ -131,8 +131,11 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         step = _StepBuilder(self.config)
         if self.config.scheduling_policy == "mixed":
+            # The backlog as the step starts: a decode that preempts a request below must not raise the cap
+            # with the preempted tokens (the pool is short of blocks then, not of prompt room).
+            backlog = self.prompt_backlog()
             self._schedule_decodes(step)
-            step.cap_prefill_beside_decodes(self.prompt_backlog())
+            step.cap_prefill_beside_decodes(backlog)
             self._schedule_running_prefills(step)
             self._schedule_waiting(step)
         else:
