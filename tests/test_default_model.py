@@ -235,7 +235,7 @@ def test_steps_after_grammar_or_penalty_rows_overlap_their_forward_and_sample_as
     launch = engine.runner.launch
 
     def spy(plan, prev, sample=True):
-        launches.append((sample, prev is not None and engine._needs_last_tokens(prev)))
+        launches.append((sample, prev is not None and prev.needs_last_tokens))
         return launch(plan, prev, sample)
 
     engine.runner.launch = spy

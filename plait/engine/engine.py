@@ -479,6 +479,9 @@ class LLMEngine:
                 self.scheduler.advance(plan)
             for request in launched.requests:
                 request.num_pending_tokens += 1
+            # Once a step, here: the next step's overlap checks read it (a pass over the rows each time).
+            launched.needs_last_tokens = any(needs_penalties(r.sampling_params) or r.needs_last_token
+                                             for r in launched.requests)
         executed = time.monotonic()
         if self._in_flight is not None:
             outputs += self._collect()
@@ -502,7 +505,7 @@ class LLMEngine:
         costs the overlap only of steps after one that drafted. Rows whose sampling needs ``step``'s ids
         (``_samples_late``) overlap their next step's forward only."""
         return (self.config.async_scheduling and not plan.num_draft_tokens
-                and not self._needs_last_tokens(step))
+                and not step.needs_last_tokens)
 
     def _samples_late(self, plan: StepPlan, step: InFlightStep) -> bool:
         """Whether the next step launches its forward before ``step`` is collected and samples after: a
@@ -510,11 +513,7 @@ class LLMEngine:
         (its next sampling needs the ids themselves: a grammar's next mask depends on the token it consumes
         first). As vLLM applies structured outputs' bitmasks after the forward."""
         return (self.config.async_scheduling and not plan.num_draft_tokens
-                and self._needs_last_tokens(step))
-
-    @staticmethod
-    def _needs_last_tokens(step: InFlightStep) -> bool:
-        return any(needs_penalties(r.sampling_params) or r.needs_last_token for r in step.requests)
+                and step.needs_last_tokens)
 
     def _collect(self) -> list[RequestOutput | PoolingRequestOutput]:
         plan, launched = self._in_flight

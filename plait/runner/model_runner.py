@@ -643,6 +643,9 @@ class InFlightStep:
     # Set by launch where rows want prompt logprobs: (runs, device table), unpacked by collect.
     prompt_logprobs: tuple[list[tuple[Request, int, int, int]], torch.Tensor] | None = None
     samples_per_row: list[int] | None = None  # [S]: each row's entries in token_ids (None: one each)
+    # Set by LLMEngine.step at launch: whether a row applies penalties, a guided choice, a grammar or a
+    # several-token bad word, so that its next sampling needs this step's ids on the host.
+    needs_last_tokens: bool = False
     # Set by launch under the pooling runner: (requests whose prompt ended, their vectors on the host once
     # the event is done (None: already there)), or None where no prompt ended.
     pooled: tuple[list[Request], torch.Tensor, torch.cuda.Event | None] | None = None
