@@ -413,6 +413,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("model config has no 'architectures' field; cannot choose a model class")
+        if cfg.get("model_type") in GEMMA_MODEL_TYPES:
+            cfg = gemma_text_config(cfg)
         model_type = cfg.get("model_type", "")
         # Attention-free models (Mamba2) have no attention heads; their "head_dim" is the SSM's.
         heads = cfg.get("num_attention_heads", 0)
@@ -449,12 +451,36 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=sliding,
             rope_scaling=rope_scaling,
-            hidden_act=cfg.get("hidden_act", "silu"),
+            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",  # Gemma: the latter
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             moe=MoEConfig.from_hf(cfg),
             raw=cfg,
         )
+
+
+# Gemma 2, Gemma 3's text decoder ("gemma3_text") and its image-text checkpoints ("gemma3", served text-only).
+GEMMA_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text")
+# A multimodal config's top-level keys that hold for its text decoder too.
+_GEMMA3_TOP_LEVEL_KEYS = ("architectures", "eos_token_id", "torch_dtype", "dtype", "quantization_config")
+
+
+def gemma_text_config(cfg: dict) -> dict:
+    """A Gemma 2 / Gemma 3 text decoder config with transformers' defaults filled in (Hub configs list only
+    what differs from them, a multimodal checkpoint's ``text_config`` most of all). A "gemma3" (image-text)
+    config gives its ``text_config`` under its own architecture, for serving text only."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    kind = cfg.get("model_type")
+    text = cfg.get("text_config") or {} if kind == "gemma3" else cfg
+    skip = ("architectures", "model_type", "text_config", "vision_config")
+    config_class = Gemma2Config if kind == "gemma2" else Gemma3TextConfig
+    full = config_class(**{k: v for k, v in text.items() if k not in skip}).to_dict()
+    for key in _GEMMA3_TOP_LEVEL_KEYS:
+        if key in cfg:
+            full[key] = cfg[key]
+    full["model_type"] = "gemma2" if kind == "gemma2" else "gemma3_text"
+    return full

@@ -56,7 +56,14 @@ def _gguf_files_read_once():
 
 
 def _tiny_configs() -> dict:
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=TINY_VOCAB, max_position_embeddings=512,
@@ -68,6 +75,21 @@ def _tiny_configs() -> dict:
         "qwen2": Qwen2Config(**common, tie_word_embeddings=True),
         # head_dim != hidden / heads, as in real Qwen3 checkpoints.
         "qwen3": Qwen3Config(**common, head_dim=32, tie_word_embeddings=True),
+        # Sliding layers (window 24, shorter than the test prompts) around a global one, each kind with
+        # its own rotary base (the global one linearly scaled), a query scale apart from head_dim, and
+        # soft-capped logits, so that every Gemma-specific piece changes the answer.
+        "gemma3": Gemma3TextConfig(
+            **(common | {"num_hidden_layers": 3}), head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50_000.0},
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 1_000.0}},
+            final_logit_softcapping=30.0, tie_word_embeddings=True),
+        # Gemma 2: soft-capped attention scores (a cap low enough to bind at these weights) and logits,
+        # sliding layers alternating with global ones, one rotary base for both.
+        "gemma2": Gemma2Config(
+            **(common | {"num_hidden_layers": 3}), head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
+            attn_logit_softcapping=5.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 5_000.0}),
     }
 
 
@@ -86,6 +108,8 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
             for name, p in model.named_parameters():
                 if "norm" not in name:
                     p.mul_(8.0)
+                elif family.startswith("gemma"):  # 1 + weight norms, zero-initialised: make them count
+                    p.normal_(0.0, 0.3)
         folder = tmp_path_factory.mktemp(f"tiny-{family}")
         model.save_pretrained(folder)
         folders[family] = folder

@@ -144,6 +144,29 @@ def test_fused_add_rms_norm_matches_ref(dtype, rows):
     assert_within_ulps(normed, want, NORM_ULPS[dtype] + bf16_slack(dtype, 2))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gemma_unit_offset_norms_match_ref(dtype):
+    """Gemma's norms scale by 1 + weight, the product in fp32 rounded once: the plain and the fused-add
+    launch, on [T, H] rows and on strided q-head views, against rms_norm_ref; a kernel that read the weight
+    as Llama's (no offset) would be off by the whole row."""
+    x, res = randn(5, 40, dtype=dtype, seed=31), randn(5, 40, dtype=dtype, seed=32)
+    w = randn(40, dtype=dtype, seed=33)
+    want = rms_norm.rms_norm_ref(x, w, EPS, unit_offset=True)
+    assert_within_ulps(rms_norm.rms_norm(x, w, EPS, unit_offset=True), want,
+                       NORM_ULPS[dtype] + bf16_slack(dtype, 1))
+    assert (want.float() - rms_norm.rms_norm_ref(x, w, EPS).float()).abs().max() > 0.5
+    normed, new_res = rms_norm.fused_add_rms_norm(x, res, w, EPS, unit_offset=True)
+    assert_within_ulps(new_res, x + res, bf16_slack(dtype, 1))
+    assert_within_ulps(normed, rms_norm.rms_norm_ref(new_res, w, EPS, unit_offset=True),
+                       NORM_ULPS[dtype] + bf16_slack(dtype, 1))
+    qkv = randn(3, 4 * 24, dtype=dtype, seed=34)
+    q = qkv[:, : 2 * 24].view(3, 2, 24)
+    wq = randn(24, dtype=dtype, seed=35)
+    assert_within_ulps(rms_norm.rms_norm(q, wq, EPS, unit_offset=True),
+                       rms_norm.rms_norm_ref(q, wq, EPS, unit_offset=True),
+                       NORM_ULPS[dtype] + bf16_slack(dtype, 1))
+
+
 def test_fused_add_rms_norm_inplace_writes_inputs():
     x, res = randn(3, 40, dtype=torch.float16, seed=8), randn(3, 40, dtype=torch.float16, seed=9)
     w = randn(40, dtype=torch.float16, seed=10)
@@ -279,6 +302,29 @@ def test_rope_store_with_qk_norm_matches_norms_then_rotary_then_store_kv(dtype, 
         rope_store.rope_store_kv(positions, q, k, v, half, cache[0], cache[1], slots, qk_norm=norm)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_store_with_gemma_qk_norm_matches_ref(dtype):
+    """Gemma's q/k norms (1 + weight, one rounding) in the fused launch, head dim 256 as Gemma 3's."""
+    t, hq, hkv, d = 3, 4, 1, 256
+    q, k, v, cache, slots, positions = rope_store_case(t, hq, hkv, d, dtype, seed=25)
+    cos_sin = RotaryEmbedding(d, ROPE_MAX_POSITIONS, 10000.0).cos_sin.to(DEVICE)
+    qw = (0.5 * randn(1, d, dtype=torch.float32, seed=26)[0]).to(dtype).to(DEVICE)
+    kw = (0.5 * randn(1, d, dtype=torch.float32, seed=27)[0]).to(dtype).to(DEVICE)
+    norm = rope_store.QKNorm(qw, kw, 1e-6, unit_offset=True)
+    want_cache = cache.clone()
+    want_q = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots,
+                                          qk_norm=norm)
+    got_q = rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots, qk_norm=norm)
+    tol = 8 * 2.0 ** -MANTISSA_BITS[dtype]
+    real = [b for b in range(cache.shape[1]) if b != PAD_BLOCK_ID]
+    torch.testing.assert_close(got_q.float(), want_q.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(cache[:, real].float(), want_cache[:, real].float(), rtol=tol, atol=tol)
+    llama_norm = rope_store.QKNorm(qw, kw, 1e-6)
+    llama = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0].clone(),
+                                         want_cache[1].clone(), slots, qk_norm=llama_norm)
+    assert (llama.float() - got_q.float()).abs().max() > 0.1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_rope_store_into_head_major_cache(dtype):
     q, k, v, cache, slots, positions = rope_store_case(7, 6, 3, 32, dtype, seed=21, head_major=True)
@@ -352,6 +398,31 @@ def test_silu_and_mul_matches_ref(dtype, rows, inter):
     gate_up = randn(rows, 2 * inter, dtype=dtype, seed=14, scale=3.0)
     got = activation.silu_and_mul(gate_up)
     assert_within_ulps(got, activation.silu_and_mul_ref(gate_up), SILU_ULPS[dtype] + bf16_slack(dtype, 2))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,inter", [(1, 37), (3, 1030)])
+def test_gelu_tanh_and_mul_matches_ref(dtype, rows, inter):
+    """Gemma's GeGLU (transformers' gelu_pytorch_tanh): the launch silu uses, GELU's tanh form in its place;
+    tanh through exp in the interpreter, CUDA's tanhf on the GPU, as torch's kernel."""
+    gate_up = randn(rows, 2 * inter, dtype=dtype, seed=15, scale=3.0)
+    got = activation.gelu_tanh_and_mul(gate_up)
+    want = activation.gelu_tanh_and_mul_ref(gate_up)
+    if ON_GPU:
+        assert_within_ulps(got, want, SILU_ULPS[dtype])
+    else:
+        # Off the GPU tanh goes through exp (the interpreter) against torch's Sleef tanh. Near tanh = -1 an
+        # fp32 ulp of 1 apart becomes, through 1 + tanh, ~2^-24 |gate x up| of absolute error: many ulps of a
+        # near-zero output, so the bound takes that on top of the ulps.
+        gate, up = gate_up.double().chunk(2, dim=-1)
+        err = (got.double() - want.double()).abs()
+        bound = (SILU_ULPS[dtype] + bf16_slack(dtype, 2)) * torch.maximum(ulps(got), ulps(want))
+        assert (err <= bound + 2.0**-21 * (gate * up).abs()).all(), (err - bound).max()
+    assert (want.float() - activation.silu_and_mul_ref(gate_up).float()).abs().max() > 0.1
+    from plait.layers.activation import gelu_tanh
+
+    if dispatch.use_triton(gate_up):  # the layer's dispatch takes the same launch
+        assert torch.equal(act_and_mul(gate_up, gelu_tanh), got)
 
 
 # Configs that force each code path on tiny shapes: CUDA-core and tensor-core accumulation, split-K

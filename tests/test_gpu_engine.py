@@ -161,6 +161,72 @@ def test_qwen3_q_k_norms_fused_with_rotary_compute_the_reference_function_in_fp3
     assert agree >= FP32_AGREEMENT, f"{agree:.0%} agree; first forks at {forks}"
 
 
+def _gemma_config(tmp_path, family: str) -> str:
+    """A Gemma config at its real head dim (256) with random weights: sliding layers with a window shorter
+    than most prompts beside global ones, GeGLU, soft-capped logits; Gemma 3's q/k norms and per-kind
+    rotary, Gemma 2's soft-capped attention scores."""
+    cfg = {
+        "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 256, "query_pre_attn_scalar": 256, "vocab_size": VOCAB,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "sliding_window": 64,
+        "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": 30.0,
+        "tie_word_embeddings": True,
+    }
+    sliding, full = "sliding_attention", "full_attention"
+    if family == "gemma3":
+        cfg |= {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                "layer_types": [sliding, sliding, full, sliding],
+                "rope_parameters": {full: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                    sliding: {"rope_type": "default", "rope_theta": 10000.0}}}
+    else:
+        cfg |= {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
+                "attn_logit_softcapping": 50.0}
+    folder = tmp_path / family
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_on_the_gpu_path_computes_the_reference_function_in_fp32(tmp_path, family):
+    """Gemma through Triton (per-layer windows and rotaries, Gemma 3's 1 + weight q/k norms fused into the
+    rotary launch, Gemma 2's capped scores, GeGLU), CUDA graphs and overlap, against torch_ref, eager and
+    synchronous, in fp32."""
+    from plait.attention import triton_backend as tb
+    from plait.kernels import rope_store
+
+    model = _gemma_config(tmp_path, family)
+    prompts = _prompts(5)[:24]
+    ref = _greedy(_engine(model, "float32", attention_backend="torch_ref", enforce_eager=True,
+                          async_scheduling=False, max_num_batched_tokens=4096), prompts, 0)
+    norms, caps = [], []
+    store, attend = rope_store.rope_store_kv, tb.paged_attention
+
+    def counting_store(*args, **kwargs):
+        norm = kwargs.get("qk_norm", args[9] if len(args) > 9 else None)
+        norms.append(norm is not None and norm.unit_offset)
+        return store(*args, **kwargs)
+
+    def counting_attend(*args, **kwargs):
+        caps.append(kwargs.get("softcap", 0.0))
+        return attend(*args, **kwargs)
+
+    rope_store.rope_store_kv = tb.rope_store_kv = counting_store
+    tb.paged_attention = counting_attend
+    try:
+        engine = _engine(model, "float32", attention_backend="triton", max_num_batched_tokens=BUDGET)
+        agree, forks = _agreement(_greedy(engine, prompts, arrive_every=2), ref)
+    finally:
+        rope_store.rope_store_kv = tb.rope_store_kv = store
+        tb.paged_attention = attend
+    # Every layer's Gemma 3 norms went through the fused launch, and every Gemma 2 launch capped its scores.
+    assert norms and all(norms) if family == "gemma3" else not any(norms)
+    assert caps and (all(c == 50.0 for c in caps) if family == "gemma2" else not any(caps))
+    assert agree >= FP32_AGREEMENT, f"{agree:.0%} agree; first forks at {forks}"
+    b = engine.runner.breakdown
+    assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
+
+
 def _greedy_with_logits(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
     """Greedy outputs, and each request's sampled logits rows (to weigh a fork by its logit gap)."""
     logits: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prompts))}

@@ -13,12 +13,13 @@ LOGITS_ATOL = 1e-4
 MAX_TOKENS = 12
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3"])
 def test_logits_and_greedy_match_hf(tiny_models, family):
     from transformers import AutoModelForCausalLM
 
     folder = tiny_models[family]
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    # Eager attention: the one transformers soft-caps Gemma 2's scores in.
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     # Several prompts at once, some longer than the step budget, so rows mix chunks and decodes.
     prompts = random_prompts(6, 1, 70, seed=7)
     engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=48, block_size=8))
@@ -68,4 +69,73 @@ def test_prompt_logprobs_match_hf(tiny_llama, prefix_caching):
             assert list(entry.top) == top.indices.tolist(), (i, pos)
             torch.testing.assert_close(torch.tensor(list(entry.top.values())), top.values,
                                        atol=LOGITS_ATOL, rtol=0)
+    assert engine.is_idle_and_clean()
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_multimodal(tmp_path_factory):
+    """A random image-text Gemma 3 checkpoint (a tiny SigLIP tower beside the text decoder), saved by
+    transformers, and the HF model."""
+    from conftest import TINY_VOCAB
+    from transformers import (
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3TextConfig,
+        SiglipVisionConfig,
+    )
+
+    text = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, vocab_size=TINY_VOCAB, sliding_window=16,
+                            max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"])
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                          image_token_index=TINY_VOCAB - 1, boi_token_index=TINY_VOCAB - 3,
+                          eoi_token_index=TINY_VOCAB - 2)
+    torch.manual_seed(11)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(0.0, 0.3)
+            else:
+                p.mul_(8.0)
+    folder = tmp_path_factory.mktemp("tiny-gemma3-mm")
+    model.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.mark.parametrize("layout", ["saved", "transformers5-names-and-hub-config"])
+def test_gemma3_image_text_checkpoint_serves_text_like_hf(tiny_gemma3_multimodal, tmp_path, layout):
+    """An image-text Gemma 3 checkpoint (Gemma3ForConditionalGeneration: 4B, 12B, 27B) served text-only:
+    its language model under either naming (``language_model.model.*`` as saved, ``model.language_model.*``
+    as transformers 5 names it in memory), the vision tower left out, and a Hub-style text_config that
+    lists only what differs from transformers' defaults; greedy tokens and logits equal HF's."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3TextConfig
+
+    folder, hf = tiny_gemma3_multimodal
+    if layout != "saved":
+        copy = tmp_path / "gemma3-mm"
+        shutil.copytree(folder, copy)
+        tensors = load_file(copy / "model.safetensors")
+        renamed = {n.replace("language_model.model.", "model.language_model."): t for n, t in tensors.items()}
+        save_file(renamed, copy / "model.safetensors")
+        config = json.loads((copy / "config.json").read_text())
+        defaults = Gemma3TextConfig().to_dict()
+        config["text_config"] = {k: v for k, v in config["text_config"].items() if defaults.get(k) != v}
+        assert "head_dim" not in config["text_config"] or config["text_config"]["head_dim"] != 256
+        (copy / "config.json").write_text(json.dumps(config))
+        folder = copy
+    prompts = random_prompts(4, 1, 40, seed=5)
+    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=32, block_size=8))
+    assert type(engine.runner.model).__name__ == "Gemma3ForConditionalGeneration"
+    outputs, logits = run_greedy(engine, prompts, MAX_TOKENS, capture_logits=True)
+    for i, prompt in enumerate(prompts):
+        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], MAX_TOKENS)
+        assert outputs[i] == ref_ids, f"prompt {i}: greedy tokens differ from HF"
+        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
     assert engine.is_idle_and_clean()

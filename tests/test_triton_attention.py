@@ -92,7 +92,7 @@ def make_batch(specs, block_size: int, num_heads: int, num_kv_heads: int, head_d
 
 def run_kernel(b: PagedBatch, scale: float, window: int = 0, num_kv_splits: int | None = None,
                tile_n: int | None = None, block_m: int | None = None, query_len_slack: int = 0,
-               seq_len_slack: int = 0, out_dtype: torch.dtype | None = None):
+               seq_len_slack: int = 0, out_dtype: torch.dtype | None = None, softcap: float = 0.0):
     """paged_attention on the poisoned cache into NaN-filled out / lse, with upper-bound maxima."""
     out = torch.full_like(b.q, float("nan"), dtype=out_dtype or b.q.dtype)
     lse = torch.full(b.q.shape[:2], float("nan"), device=b.q.device)
@@ -101,15 +101,15 @@ def run_kernel(b: PagedBatch, scale: float, window: int = 0, num_kv_splits: int 
     plan = plan_paged_attention(num_tokens, num_rows, num_heads, b.k_cache.shape[2], head_dim, b.q.dtype,
                                 max_q, max_s, b.q.device, num_kv_splits, tile_n, block_m)
     result = paged_attention(b.q, b.k_poisoned, b.v_poisoned, out, b.query_start_loc, b.seq_lens,
-                             b.block_tables, scale, max_q, max_s, window, lse, plan=plan)
+                             b.block_tables, scale, max_q, max_s, window, lse, plan=plan, softcap=softcap)
     assert result is out
     return out, lse, plan
 
 
-def reference(b: PagedBatch, scale: float, window: int = 0):
+def reference(b: PagedBatch, scale: float, window: int = 0, softcap: float = 0.0):
     """torch_ref in fp32 over the clean cache (its masked products would turn the poison into NaN)."""
     return paged_attention_ref(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.query_start_loc,
-                               b.seq_lens, b.block_tables, scale, window)
+                               b.seq_lens, b.block_tables, scale, window, softcap=softcap)
 
 
 def assert_matches(out, lse, ref_out, ref_lse, atol: float, rtol: float = 0.0):
@@ -157,6 +157,19 @@ def test_sliding_window_matches_torch_ref(window):
     b = make_batch(MIXED, 4, 4, 2, 32, torch.float32, CPU, seed=window)
     out, lse, _ = run_kernel(b, 0.25, window, tile_n=16, block_m=16)
     assert_matches(out, lse, *reference(b, 0.25, window), ATOL[torch.float32])
+
+
+@pytest.mark.parametrize(("splits", "window"), [(1, 0), (3, 0), (1, 6)])
+def test_logit_softcap_matches_torch_ref(splits, window):
+    """Gemma 2's soft-capped scores (c * tanh(s / c)) on mixed rows, split and windowed; the scale makes
+    scores large enough that the cap changes the answer."""
+    specs = MIXED if splits == 1 else DECODES
+    b = make_batch(specs, 4, 4, 2, 32, torch.float32, CPU, seed=20 + splits + window)
+    out, lse, plan = run_kernel(b, 1.5, window, num_kv_splits=splits, tile_n=16, block_m=16, softcap=5.0)
+    assert plan.config.num_splits == splits
+    assert_matches(out, lse, *reference(b, 1.5, window, softcap=5.0), ATOL[torch.float32])
+    uncapped, _ = reference(b, 1.5, window)
+    assert (uncapped - out.float()).abs().max() > 0.1
 
 
 def test_default_tiles_and_block_size_one():
@@ -462,6 +475,24 @@ def test_gpu_sweep_matches_torch_ref(case, splits):
     if splits is not None:
         assert plan.config.num_splits == splits
     assert_matches(out, lse, *reference(b, scale, case["window"]), atol=GPU_ATOL, rtol=GPU_RTOL)
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
+@pytest.mark.parametrize("splits", [None, 1], ids=["split-auto", "split-off"])
+@gpu
+def test_gpu_logit_softcap_matches_torch_ref(decode_only, splits):
+    """Gemma 2's shapes (head dim 256, group 2, window 4096 on half its layers) with its cap of 50 on the
+    scores, bf16, CUDA's tanhf in the kernel."""
+    rng = random.Random(40 + decode_only)
+    specs = _random_specs(rng, 24, 8192, decode_only)
+    b = make_batch(specs, 16, 16, 8, 256, torch.bfloat16, torch.device("cuda"), seed=41)
+    b.q.mul_(8.0)  # scores of tens: the cap binds
+    scale = 256**-0.5
+    for window in (0, 4096):
+        out, lse, plan = run_kernel(b, scale, window, num_kv_splits=splits, seq_len_slack=100, softcap=50.0)
+        ref_out, ref_lse = reference(b, scale, window, softcap=50.0)
+        assert_matches(out, lse, ref_out, ref_lse, atol=GPU_ATOL, rtol=GPU_RTOL)
+        assert (reference(b, scale, window)[0] - ref_out).abs().max() > 0.1  # the cap changed the answer
 
 
 # Steps replayed through one graph: the same row and token counts, other contexts, chunks and blocks.

@@ -65,9 +65,11 @@ class AttentionBackend(ABC):
         sliding_window: int | None = None,
         return_lse: bool = False,
         kv_scales: KVScales = UNIT_SCALES,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D] -> out [T, Hq, D] (and lse [T, Hq] if asked). Each query token sees its
-        request's cached context and its own chunk up to itself."""
+        request's cached context and its own chunk up to itself. ``logit_softcap`` c (Gemma 2): each
+        scaled score s becomes c * tanh(s / c) before the softmax."""
 
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}

@@ -41,19 +41,21 @@ class TorchRefBackend(AttentionBackend):
         sliding_window: int | None = None,
         return_lse: bool = False,
         kv_scales: KVScales = UNIT_SCALES,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_heads = q.shape[1]
         block_size = kv_cache.shape[2]
         max_keys = _num_key_blocks(batch, block_size) * block_size
         if batch.num_rows * num_heads * batch.max_query_len * max_keys <= self.max_padded_scores:
-            out, lse = self._attend_padded(q, kv_cache, batch, scale, sliding_window, kv_scales)
+            attend = self._attend_padded
         else:
-            out, lse = self._attend_per_row(q, kv_cache, batch, scale, sliding_window, kv_scales)
+            attend = self._attend_per_row
+        out, lse = attend(q, kv_cache, batch, scale, sliding_window, kv_scales, logit_softcap)
         return (out, lse) if return_lse else out
 
     def _attend_padded(
         self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
-        sliding_window: int | None, kv_scales: KVScales,
+        sliding_window: int | None, kv_scales: KVScales, logit_softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row at once, queries and keys padded to the batch maximum and masked."""
         num_tokens, num_heads, head_dim = q.shape
@@ -73,7 +75,8 @@ class TorchRefBackend(AttentionBackend):
         tables = batch.block_tables[:, : _num_key_blocks(batch, block_size)].long()
         k = from_cache(kv_cache[0][tables].flatten(1, 2), kv_scales.k).permute(0, 2, 1, 3)
         v = from_cache(kv_cache[1][tables].flatten(1, 2), kv_scales.v).permute(0, 2, 1, 3)
-        scores = torch.matmul(qp, k.transpose(-1, -2)) * scale  # [R, Hkv, group * maxq, L]
+        # scores: [R, Hkv, group * maxq, L]
+        scores = _softcap(torch.matmul(qp, k.transpose(-1, -2)) * scale, logit_softcap)
         scores = scores.view(num_rows, num_kv_heads, group, max_q, -1)
         scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # [R, Hkv, group, maxq]
@@ -86,7 +89,7 @@ class TorchRefBackend(AttentionBackend):
 
     def _attend_per_row(
         self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
-        sliding_window: int | None, kv_scales: KVScales,
+        sliding_window: int | None, kv_scales: KVScales, logit_softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, num_heads, head_dim = q.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -106,7 +109,7 @@ class TorchRefBackend(AttentionBackend):
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
             qi = q[q_start:q_end].float().transpose(0, 1)  # [Hq, n, D]
-            scores = torch.matmul(qi, k.transpose(1, 2)) * scale  # [Hq, n, seq_len]
+            scores = _softcap(torch.matmul(qi, k.transpose(1, 2)) * scale, logit_softcap)  # [Hq, n, seq_len]
             visible = _visible(q_end - q_start, seq_len, sliding_window, q.device)
             scores = scores.masked_fill(~visible, float("-inf"))
             row_lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
@@ -114,6 +117,11 @@ class TorchRefBackend(AttentionBackend):
             out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
             lse[q_start:q_end] = row_lse.transpose(0, 1)
         return out, lse
+
+
+def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """Gemma 2's soft-capped scores: cap * tanh(scores / cap) (None: as they are)."""
+    return scores if not cap else torch.tanh(scores / cap) * cap
 
 
 def _num_key_blocks(batch: ForwardBatch, block_size: int) -> int:

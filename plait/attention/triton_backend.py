@@ -71,7 +71,8 @@ class TritonBackend(AttentionBackend):
         if (cos_sin is None or not use_triton(q) or cos_sin.device != q.device
                 or (qk_norm is not None and cos_sin.shape[1] != q.shape[-1])):
             return super().rotate_and_store(q, k, v, kv_cache, batch, rotary, kv_scales, qk_norm)
-        norm = None if qk_norm is None else QKNorm(qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps)
+        norm = None if qk_norm is None else QKNorm(qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps,
+                                                   getattr(qk_norm[0], "unit_offset", False))
         return rope_store_kv(batch.positions, q, k, v, cos_sin, kv_cache[0], kv_cache[1], batch.slot_mapping,
                              kv_scales, norm)
 
@@ -84,6 +85,7 @@ class TritonBackend(AttentionBackend):
         sliding_window: int | None = None,
         return_lse: bool = False,
         kv_scales: KVScales = UNIT_SCALES,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -94,7 +96,7 @@ class TritonBackend(AttentionBackend):
                 q[t], kv_cache[0], kv_cache[1], out[t], part.query_start_loc, batch.seq_lens[r],
                 batch.block_tables[r], scale, part.max_query_len, batch.max_seq_len, sliding_window or 0,
                 None if lse is None else lse[t], plan=part.plan, metadata_ready=True, k_scale=kv_scales.k,
-                v_scale=kv_scales.v)
+                v_scale=kv_scales.v, softcap=logit_softcap or 0.0)
         return (out, lse) if return_lse else out
 
     def _parts(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> list[_Part]:

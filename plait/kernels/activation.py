@@ -1,4 +1,5 @@
-"""SiLU-and-multiply for gated MLPs in Triton, with its torch reference."""
+"""SiLU-and-multiply (and GELU(tanh)-and-multiply, Gemma's GeGLU) for gated MLPs in Triton, with their torch
+references."""
 
 from __future__ import annotations
 
@@ -36,10 +37,32 @@ def silu_rounded(g, out_dtype: tl.constexpr, PRECISE: tl.constexpr):
     return (g / (1.0 + e)).to(out_dtype).to(tl.float32)
 
 
+def gelu_tanh_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """plait.layers.activation.act_and_mul(gate_up, gelu_tanh): transformers' gelu_pytorch_tanh."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
+# GELU's tanh approximation: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), torch's constants.
+_GELU_BETA = tl.constexpr(0.7978845608028654)
+_GELU_KAPPA = tl.constexpr(0.044715)
+
+
+@triton.jit
+def gelu_tanh_rounded(g, out_dtype: tl.constexpr, PRECISE: tl.constexpr):
+    """gelu (tanh approximation) of fp32 g, rounded to out_dtype as torch's F.gelu output is, in fp32."""
+    inner = _GELU_BETA * (g + _GELU_KAPPA * (g * g * g))
+    if PRECISE:
+        t = libdevice.tanh(inner)  # CUDA's tanhf, as torch's gelu kernel uses
+    else:
+        t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # the interpreter has no libdevice
+    return (0.5 * g * (1.0 + t)).to(out_dtype).to(tl.float32)
+
+
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, ss_ptr, inter, s_x, s_out, n_parts, width, eps,
                          PRECISE: tl.constexpr, BLOCK: tl.constexpr, ROW_RMS: tl.constexpr,
-                         BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_P: tl.constexpr, GELU_TANH: tl.constexpr, PDL: tl.constexpr):
     # ROW_RMS: gate_up came from the un-normalised stream through a weight with the norm's weight
     # folded in, so both halves take the row's RowNorm scale first.
     pdl_prologue(PDL)
@@ -51,7 +74,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, ss_ptr, inter, s_x, s_out, n_parts, wid
     if ROW_RMS:
         scale = rms_scale(ss_ptr, row, n_parts, width, eps, BLOCK_P, PRECISE)
         g, u = g * scale, u * scale
-    s = silu_rounded(g, out_ptr.dtype.element_ty, PRECISE)
+    if GELU_TANH:
+        s = gelu_tanh_rounded(g, out_ptr.dtype.element_ty, PRECISE)
+    else:
+        s = silu_rounded(g, out_ptr.dtype.element_ty, PRECISE)
     tl.store(out_ptr + row * s_out + cols, (s * u).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -61,8 +87,16 @@ def silu_and_mul_rms_ref(gate_up: torch.Tensor, row_norm: RowNorm) -> torch.Tens
     return (F.silu(gate).to(gate_up.dtype).float() * up).to(gate_up.dtype)
 
 
-def silu_and_mul(gate_up: torch.Tensor, row_norm: RowNorm | None = None) -> torch.Tensor:
-    """[T, 2I] -> [T, I]: silu(gate) * up, each step rounded as torch rounds it; equals silu_and_mul_ref.
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: gelu_tanh(gate) * up, each step rounded as torch rounds it; equals
+    gelu_tanh_and_mul_ref."""
+    return silu_and_mul(gate_up, gelu_tanh=True)
+
+
+def silu_and_mul(gate_up: torch.Tensor, row_norm: RowNorm | None = None, gelu_tanh: bool = False
+                 ) -> torch.Tensor:
+    """[T, 2I] -> [T, I]: silu(gate) * up, each step rounded as torch rounds it; equals silu_and_mul_ref
+    (``gelu_tanh``: GELU's tanh approximation in place of silu, gelu_tanh_and_mul).
 
     With row_norm, gate_up is (un-normalised h) @ (W with the norm's weight folded in), and each row
     is first scaled by rsqrt(mean(h^2) + eps): the RMSNorm before the MLP without a launch of its own;
@@ -84,6 +118,7 @@ def silu_and_mul(gate_up: torch.Tensor, row_norm: RowNorm | None = None) -> torc
             x, out, parts, inter, x.stride(0), out.stride(0), n_parts,
             row_norm.width if row_norm is not None else 1, row_norm.eps if row_norm is not None else 0.0,
             PRECISE=gate_up.is_cuda, BLOCK=min(BLOCK_COLS, triton.next_power_of_2(inter)),
-            ROW_RMS=row_norm is not None, BLOCK_P=triton.next_power_of_2(n_parts), num_warps=4,
+            ROW_RMS=row_norm is not None, BLOCK_P=triton.next_power_of_2(n_parts), GELU_TANH=gelu_tanh,
+            num_warps=4,
             **pdl_args(x))
     return out.view(*gate_up.shape[:-1], inter)

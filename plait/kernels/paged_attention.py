@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from plait.kernels.dispatch import checked_mode
 from plait.kernels.pdl import pdl_args, pdl_prologue
@@ -297,9 +298,10 @@ def _find_row(query_start_loc_ptr, tile_idx, num_rows, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _attend_tile(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
-    tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, softcap_log2,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
+    INTERPRETED: tl.constexpr,
 ):
     """One online-softmax step of q ([BLOCK_M, D]) over K/V tile ``tile`` of one row and kv head.
 
@@ -326,6 +328,11 @@ def _attend_tile(
     else:
         k = tl.load(k_ptrs).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+    if SOFTCAP:  # qk_scale holds 1 / cap: the score becomes cap * tanh(score / cap), in log2 units
+        if INTERPRETED:
+            s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))  # the interpreter has no libdevice
+        else:
+            s = softcap_log2 * libdevice.tanh(s)
     if MASKED:
         visible = q_ok[:, None] & k_in[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if SLIDING_WINDOW > 0:
@@ -357,9 +364,10 @@ def _attend_tile(
 @triton.jit
 def _attend_tiles(
     acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
-    tile_lo, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    tile_lo, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, softcap_log2,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Online softmax over K/V tiles [tile_lo, tile_hi), carrying (acc [BLOCK_M, D], m, l [BLOCK_M]):
     unnormalised, log2 domain. A query that saw no key keeps m = -inf, l = 0, acc = 0."""
@@ -371,14 +379,16 @@ def _attend_tiles(
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
                 qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, MASKED)
+                softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, MASKED,
+                SOFTCAP, INTERPRETED)
             tile += 1
     else:
         for tile in range(tile_lo, tile_hi):
             acc, m_i, l_i = _attend_tile(
                 acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
                 qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, MASKED)
+                softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, MASKED,
+                SOFTCAP, INTERPRETED)
     return acc, m_i, l_i
 
 
@@ -386,10 +396,10 @@ def _attend_tiles(
 def _attend_range(
     q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
     tile_lo, tile_hi, first_q_pos,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, softcap_log2,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Attend q over K/V tiles [tile_lo, tile_hi): tiles wholly at or before ``first_q_pos`` (the first
     query of the tile) skip the masks; the rest, and every tile under a sliding window, are masked."""
@@ -402,11 +412,13 @@ def _attend_range(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
             qk_scale, tile_lo, mid, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-            BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED, False)
+            softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV,
+            INTERPRETED, False, SOFTCAP)
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
         qk_scale, mid, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED, True)
+        softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV,
+        INTERPRETED, True, SOFTCAP)
     return acc, m_i, l_i
 
 
@@ -414,7 +426,7 @@ def _attend_range(
             do_not_specialize_on_alignment=_SLICED_ROW_ARRAYS)
 def _paged_attention_kernel(
     out_ptr, lse_ptr, split_out_ptr, split_lse_ptr, split_counters_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, v_scale, num_rows,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, v_scale, softcap_log2, num_rows,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_t,
     stride_so_t, stride_so_h, stride_sl_t, stride_sl_h, stride_counter,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, num_splits,
@@ -423,7 +435,7 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr,
     ONE_TOKEN_ROWS: tl.constexpr, METADATA_READY: tl.constexpr, SCALE_V: tl.constexpr,
-    FP16_DOTS: tl.constexpr,
+    FP16_DOTS: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Grid (T // BLOCK_Q + R, Hkv[, num_splits]), or (Hkv, T // BLOCK_Q + R[, num_splits]) with
     HEADS_FASTEST: one query tile of one row, all GROUP query heads of one kv head, and with SPLIT_KV
@@ -502,8 +514,9 @@ def _paged_attention_kernel(
     acc, m_i, l_i = _attend_range(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
         q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi, context_len + q_tile * BLOCK_Q,
-        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED)
+        stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, softcap_log2,
+        BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED,
+        SOFTCAP)
 
     # A query that saw no key: zeros and lse -inf, never 0/0.
     seen = l_i > 0
@@ -598,7 +611,7 @@ def paged_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     max_query_len: int, max_seq_len: int, sliding_window: int = 0, lse: torch.Tensor | None = None,
     plan: PagedAttentionPlan | None = None, num_kv_splits: int | None = None, metadata_ready: bool = False,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of every query token of a mixed batch over its row's paged K/V; writes and returns out.
 
@@ -608,6 +621,7 @@ def paged_attention(
     query_start_loc: [R + 1] int32; seq_lens: [R] int32 (cached context + this step's tokens);
     block_tables: [R, max_blocks] int32; max_query_len / max_seq_len: host-side upper bounds;
     sliding_window: 0 for none, else key p is visible to query position i iff i - W < p <= i;
+    softcap: 0 for none, else c: each scaled score s becomes c * tanh(s / c) (Gemma 2);
     lse: optional [T, Hq] fp32 output (natural log, -inf where a query saw no key).
     plan: from ``plan_paged_attention`` (built here when None); num_kv_splits: override the split
     count when no plan is given (1: never split). metadata_ready: query_start_loc and seq_lens were
@@ -638,6 +652,9 @@ def paged_attention(
     cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                      v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     qk_scale = scale * LOG2E * k_scale
+    softcap_log2 = 1.0  # never read without SOFTCAP
+    if softcap:  # tanh takes the score in natural units, over the cap; the kernel brings it to log2 units
+        qk_scale, softcap_log2 = scale * k_scale / softcap, softcap * LOG2E
     lse_arg = lse if lse is not None else out  # never written when STORE_LSE is off
     one_token_rows = max_query_len <= 1
     num_tiles = num_rows if one_token_rows else num_tokens // cfg.block_q + num_rows
@@ -655,12 +672,13 @@ def paged_attention(
         split_out = split_lse = counters = out  # never touched without SPLIT_KV
     _paged_attention_kernel[grid](
         out, lse_arg, split_out, split_lse, counters, q, k_cache, v_cache, query_start_loc, seq_lens,
-        block_tables, qk_scale, v_scale, num_rows, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        block_tables, qk_scale, v_scale, softcap_log2, num_rows, q.stride(0), q.stride(1), out.stride(0),
+        out.stride(1),
         lse_arg.stride(0), split_out.stride(0), split_out.stride(1), split_lse.stride(0), split_lse.stride(1),
         counters.stride(0), *cache_strides, cfg.num_splits, BLOCK_Q=cfg.block_q, STORE_LSE=lse is not None,
         SPLIT_KV=split_kv, MIN_SPLIT_TILES=cfg.min_split_tiles, HEADS_FASTEST=heads_fastest,
         ONE_TOKEN_ROWS=one_token_rows, METADATA_READY=metadata_ready, SCALE_V=v_scale != 1.0,
-        FP16_DOTS=k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16,
+        FP16_DOTS=k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16, SOFTCAP=softcap > 0,
         **common)
     return out
 
@@ -698,7 +716,7 @@ def _check_attention_args(
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, sliding_window: int = 0,
-    k_scale: float = 1.0, v_scale: float = 1.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same attention through ``plait.attention.torch_ref`` (fp32 math; reads tensors on the host).
 
@@ -734,5 +752,5 @@ def paged_attention_ref(
     )
     kv_cache = torch.stack([k_cache, v_cache])
     out, lse = TorchRefBackend().attend(q, kv_cache, batch, scale, sliding_window or None, return_lse=True,
-                                        kv_scales=KVScales(k_scale, v_scale))
+                                        kv_scales=KVScales(k_scale, v_scale), logit_softcap=softcap or None)
     return out, lse

@@ -19,19 +19,24 @@ MAX_WARPS = 16
 ELEMENTS_PER_PROGRAM = 2048
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """plait.layers.norm.RMSNorm.forward: variance in fp32, cast to x's dtype, then times weight."""
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+                 ) -> torch.Tensor:
+    """plait.layers.norm.RMSNorm.forward: variance in fp32, cast to x's dtype, then times weight. With
+    ``unit_offset`` (Gemma's norms) the scale is 1 + weight, and the product is taken in fp32 and rounded
+    once, as transformers' GemmaRMSNorm does."""
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if unit_offset:
+        return (x32 * (1.0 + weight.float())).to(dtype)
     return weight * x32.to(dtype)
 
 
 def fused_add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     residual = x + residual
-    return rms_norm_ref(residual, weight, eps), residual
+    return rms_norm_ref(residual, weight, eps, unit_offset), residual
 
 
 @triton.jit
@@ -52,7 +57,7 @@ def _rms_norm_kernel(
     n_rows, n_inner, sx_outer, sx_inner, so_outer, so_inner, s_res, s_res_out,
     H, eps,
     HAS_RESIDUAL: tl.constexpr, PRECISE: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-    PDL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):
     # Row r of the flattened [..., H] input sits at (r // n_inner) * s_outer + (r % n_inner) * s_inner:
     # that covers [T, H] and the strided [T, heads, head_dim] views q/k-norm get from the qkv split.
@@ -75,12 +80,16 @@ def _rms_norm_kernel(
         inv = libdevice.rsqrt(mean_sq + eps)  # CUDA's rsqrtf, as torch.rsqrt uses
     else:
         inv = 1.0 / tl.sqrt(mean_sq + eps)  # the interpreter has no libdevice
-    # HF casts the normalised value to the activation dtype before the weight multiply.
-    if HAS_RESIDUAL:
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        # Gemma: scale by 1 + w, the product in fp32 and rounded once.
+        normed = x * inv[:, None]
+        w = w + 1.0
+    elif HAS_RESIDUAL:
+        # HF's Llama casts the normalised value to the activation dtype before the weight multiply.
         normed = (x * inv[:, None]).to(res_out_ptr.dtype.element_ty).to(tl.float32)
     else:
         normed = (x * inv[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
     # Both factors are exact in fp32 (<= 24 mantissa bits together), so this is torch's one rounding.
     out_offs = (outer * so_outer + inner * so_inner)[:, None] + cols[None, :]
     tl.store(out_ptr + out_offs, (w[None, :] * normed).to(out_ptr.dtype.element_ty), mask=mask)
@@ -115,8 +124,10 @@ def supported_hidden(h: int) -> bool:
     return h <= MAX_FUSED_HIDDEN
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = False) -> torch.Tensor:
-    """RMSNorm over the last dim of x ([T, H] or [T, heads, D]); equals rms_norm_ref.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = False,
+             unit_offset: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of x ([T, H] or [T, heads, D]); equals rms_norm_ref (``unit_offset``:
+    Gemma's 1 + weight).
 
     inplace=True writes the result into x's storage (only when weight's dtype gives x's dtype back).
     """
@@ -136,14 +147,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = 
     block_h, rows, num_warps = _launch_config(h)
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         rows_view, weight, out_view, rows_view, rows_view, n_rows, n_inner, sx_o, sx_i, so_o, so_i, 0, 0,
-        h, eps, HAS_RESIDUAL=False, PRECISE=x.is_cuda, BLOCK_H=block_h, ROWS=rows, num_warps=num_warps,
-        **pdl_args(x),
+        h, eps, HAS_RESIDUAL=False, PRECISE=x.is_cuda, BLOCK_H=block_h, ROWS=rows, UNIT_OFFSET=unit_offset,
+        num_warps=num_warps, **pdl_args(x),
     )
     return x if inplace else out_view.view(x.shape)
 
 
 def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = False
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = False,
+    unit_offset: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual) in one pass; equals fused_add_rms_norm_ref.
 
@@ -171,8 +183,8 @@ def fused_add_rms_norm(
         _rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
             x2, weight, out, r2, res_out, x2.shape[0], 1, x2.stride(0), 0, out.stride(0), 0,
             r2.stride(0), res_out.stride(0), h, eps,
-            HAS_RESIDUAL=True, PRECISE=x.is_cuda, BLOCK_H=block_h, ROWS=rows, num_warps=num_warps,
-            **pdl_args(x),
+            HAS_RESIDUAL=True, PRECISE=x.is_cuda, BLOCK_H=block_h, ROWS=rows, UNIT_OFFSET=unit_offset,
+            num_warps=num_warps, **pdl_args(x),
         )
     if inplace:
         return x, residual

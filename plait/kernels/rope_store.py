@@ -21,11 +21,13 @@ NUM_WARPS = 4
 
 @dataclass(frozen=True)
 class QKNorm:
-    """Per-head RMSNorms of q and k before the rotation (Qwen3's q_norm / k_norm): weights [D], one eps."""
+    """Per-head RMSNorms of q and k before the rotation (Qwen3's q_norm / k_norm): weights [D], one eps;
+    ``unit_offset``: Gemma's norms, which scale by 1 + weight (plait.layers.norm.GemmaRMSNorm)."""
 
     q_weight: torch.Tensor
     k_weight: torch.Tensor
     eps: float
+    unit_offset: bool = False
 
 
 def rope_store_kv_ref(
@@ -37,8 +39,8 @@ def rope_store_kv_ref(
     narrower than the head rotates only the leading channels and passes the rest through
     (plait.models.bamba.PartialRotaryEmbedding)."""
     if qk_norm is not None:
-        q = rms_norm_ref(q, qk_norm.q_weight, qk_norm.eps)
-        k = rms_norm_ref(k, qk_norm.k_weight, qk_norm.eps)
+        q = rms_norm_ref(q, qk_norm.q_weight, qk_norm.eps, qk_norm.unit_offset)
+        k = rms_norm_ref(k, qk_norm.k_weight, qk_norm.eps, qk_norm.unit_offset)
     r = cos_sin.shape[1]
     q_rot, k_rot = rotary_ref(positions, q[..., :r], k[..., :r], cos_sin)
     if r < q.shape[-1]:
@@ -48,9 +50,11 @@ def rope_store_kv_ref(
 
 
 @triton.jit
-def _norm_halves(x1, x2, w_ptr, eps, d, d_mask, dtype, HALF: tl.constexpr, PRECISE: tl.constexpr):
+def _norm_halves(x1, x2, w_ptr, eps, d, d_mask, dtype, HALF: tl.constexpr, PRECISE: tl.constexpr,
+                 UNIT_OFFSET: tl.constexpr):
     """RMSNorm of head rows given as halves ([BLOCK_H, D/2] fp32 each, masked lanes 0) with weight w_ptr [D]:
-    rms_norm_ref's roundings (normalised to the activation dtype, then times the weight, rounded again)."""
+    rms_norm_ref's roundings (normalised to the activation dtype, then times the weight, rounded again; with
+    UNIT_OFFSET, Gemma's: times 1 + weight in fp32, rounded once)."""
     mean_sq = (tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF)
     if PRECISE:
         inv = libdevice.rsqrt(mean_sq + eps)  # CUDA's rsqrtf, as torch.rsqrt uses
@@ -58,6 +62,9 @@ def _norm_halves(x1, x2, w_ptr, eps, d, d_mask, dtype, HALF: tl.constexpr, PRECI
         inv = 1.0 / tl.sqrt(mean_sq + eps)  # the interpreter has no libdevice
     w1 = tl.load(w_ptr + d, mask=d_mask, other=0.0).to(tl.float32)
     w2 = tl.load(w_ptr + HALF + d, mask=d_mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        return (((w1 + 1.0)[None, :] * (x1 * inv[:, None])).to(dtype).to(tl.float32),
+                ((w2 + 1.0)[None, :] * (x2 * inv[:, None])).to(dtype).to(tl.float32))
     n1 = (x1 * inv[:, None]).to(dtype).to(tl.float32)
     n2 = (x2 * inv[:, None]).to(dtype).to(tl.float32)
     return (w1[None, :] * n1).to(dtype).to(tl.float32), (w2[None, :] * n2).to(dtype).to(tl.float32)
@@ -66,7 +73,7 @@ def _norm_halves(x1, x2, w_ptr, eps, d, d_mask, dtype, HALF: tl.constexpr, PRECI
 @triton.jit
 def _rotate_rows(src, dst, heads, n_heads, s_head, so_head, cos, sin, d, d_mask, inv_scale, w_ptr, eps,
                  HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, NORM: tl.constexpr,
-                 PRECISE: tl.constexpr):
+                 PRECISE: tl.constexpr, UNIT_OFFSET: tl.constexpr):
     # src, dst: one token's row of heads (dst may be a cache slot, inv_scale its FP8 codes' 1 / scale);
     # heads: [BLOCK_H] head indices; with NORM, each head row is RMS-normalised (weight w_ptr) first.
     head_mask = (heads < n_heads)[:, None]
@@ -76,7 +83,8 @@ def _rotate_rows(src, dst, heads, n_heads, s_head, so_head, cos, sin, d, d_mask,
     x1 = tl.load(src_rows + d[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_rows + HALF + d[None, :], mask=mask, other=0.0).to(tl.float32)
     if NORM:
-        x1, x2 = _norm_halves(x1, x2, w_ptr, eps, d, d_mask, src.dtype.element_ty, HALF, PRECISE)
+        x1, x2 = _norm_halves(x1, x2, w_ptr, eps, d, d_mask, src.dtype.element_ty, HALF, PRECISE,
+                              UNIT_OFFSET)
     out1, out2 = rotate_halves(x1, x2, cos, sin)
     # Rounded to the input's dtype first, then to the destination's: the reference rotates into q/k's dtype
     # and store_kv converts that to the cache's (both no-ops when the dtypes agree).
@@ -100,7 +108,7 @@ def _rope_store_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, PASS: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HKV: tl.constexpr, NORM: tl.constexpr, PRECISE: tl.constexpr,
-    PDL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (token, head block): the first q_blocks blocks rotate q heads into q_out; each later one
     # rotates a block of k heads into the token's cache slot and copies the same v heads beside them.
@@ -113,14 +121,14 @@ def _rope_store_kernel(
     if hb < q_blocks:
         q_heads = hb * BLOCK_HQ + tl.arange(0, BLOCK_HQ)
         _rotate_rows(q_ptr + tok * sq_t, q_out_ptr + tok * sqo_t, q_heads, HQ, sq_h, sqo_h, cos, sin, d,
-                     d_mask, 1.0, qw_ptr, norm_eps, HALF, PASS, BLOCK_PASS, NORM, PRECISE)
+                     d_mask, 1.0, qw_ptr, norm_eps, HALF, PASS, BLOCK_PASS, NORM, PRECISE, UNIT_OFFSET)
     else:
         slot = tl.load(slot_ptr + tok)
         block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
         kv_heads = (hb - q_blocks) * BLOCK_HKV + tl.arange(0, BLOCK_HKV)
         k_dst = k_cache_ptr + block * skc_block + offset * skc_pos
         _rotate_rows(k_ptr + tok * sk_t, k_dst, kv_heads, HKV, sk_h, skc_head, cos, sin, d, d_mask,
-                     inv_k_scale, kw_ptr, norm_eps, HALF, PASS, BLOCK_PASS, NORM, PRECISE)
+                     inv_k_scale, kw_ptr, norm_eps, HALF, PASS, BLOCK_PASS, NORM, PRECISE, UNIT_OFFSET)
         dims = tl.arange(0, BLOCK_D)[None, :]
         mask = (kv_heads < HKV)[:, None] & (dims < HEAD_DIM)
         v = tl.load(v_ptr + tok * sv_t + kv_heads[:, None] * sv_h + dims, mask=mask)
@@ -181,7 +189,7 @@ def rope_store_kv(
         BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=d, HALF=half, PASS=passed,
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_PASS=triton.next_power_of_2(max(passed, 1)),
         BLOCK_D=triton.next_power_of_2(d), BLOCK_HQ=block_hq, BLOCK_HKV=block_hkv,
-        NORM=qk_norm is not None, PRECISE=q.is_cuda,
+        NORM=qk_norm is not None, PRECISE=q.is_cuda, UNIT_OFFSET=norm.unit_offset,
         num_warps=NUM_WARPS, enable_fp_fusion=False, **pdl_args(q),
     )
     return q_out

@@ -1,4 +1,4 @@
-"""Activations; SiLU-and-multiply for gated MLPs."""
+"""Activations; SiLU- (and GELU-tanh-) and-multiply for gated MLPs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import torch.nn.functional as F
 from plait.kernels.dispatch import use_triton
 from plait.layers.norm import RowNorm
 
-ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """transformers' gelu_pytorch_tanh (Gemma's GeGLU)."""
+    return F.gelu(x, approximate="tanh")
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": gelu_tanh}
 
 
 def get_activation(name: str):
@@ -19,10 +25,10 @@ def get_activation(name: str):
 
 def act_and_mul(gate_up: torch.Tensor, act) -> torch.Tensor:
     # gate_up: [T, 2 * I] -> [T, I]
-    if act is F.silu and use_triton(gate_up):
-        from plait.kernels.activation import silu_and_mul
+    if act in (F.silu, gelu_tanh) and use_triton(gate_up):
+        from plait.kernels.activation import gelu_tanh_and_mul, silu_and_mul
 
-        return silu_and_mul(gate_up)
+        return gelu_tanh_and_mul(gate_up) if act is gelu_tanh else silu_and_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return act(gate) * up
 

@@ -1,4 +1,4 @@
-"""RMSNorm, computed in fp32 the way Hugging Face transformers does it."""
+"""RMSNorm (and Gemma's 1 + weight form), computed in fp32 the way Hugging Face transformers does it."""
 
 from __future__ import annotations
 
@@ -28,9 +28,12 @@ class RowNorm:
 
 
 class RMSNorm(nn.Module):
+    # Gemma's norms scale by 1 + weight (GemmaRMSNorm); the kernels read the flag.
+    unit_offset = False
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.full((hidden_size,), 0.0 if self.unit_offset else 1.0))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -39,10 +42,12 @@ class RMSNorm(nn.Module):
             from plait.kernels import rms_norm as kernels
 
             if kernels.supported_hidden(x.shape[-1]):
-                return kernels.rms_norm(x, self.weight, self.eps)
+                return kernels.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +56,14 @@ class RMSNorm(nn.Module):
             from plait.kernels import rms_norm as kernels
 
             if kernels.supported_hidden(x.shape[-1]):
-                return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps)
+                return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps,
+                                                  unit_offset=self.unit_offset)
         residual = x + residual
         return self.forward(residual), residual
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: the checkpoint's weight w scales by 1 + w (zero-initialised), the product taken in
+    fp32 and rounded once."""
+
+    unit_offset = True

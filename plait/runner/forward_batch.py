@@ -234,11 +234,12 @@ class ForwardBatch:
         sliding_window: int | None = None,
         rotary: Rotary | None = None,
         qk_norm: QKNormModules | None = None,
+        logit_softcap: float | None = None,
     ) -> torch.Tensor:
         """Store this step's k, v for layer ``layer_idx`` and attend with q over the paged cache. With
         ``rotary``, q and k are rotated at ``self.positions`` first, by the backend (which may fuse the
         rotation with the store); with ``qk_norm`` (q_norm, k_norm), their head rows are normalised before
-        that (fused too)."""
+        that (fused too); ``logit_softcap``: Gemma 2's cap on the scores (AttentionBackend.attend)."""
         cache = self.kv_caches[layer_idx]
         scales = UNIT_SCALES if self.kv_scales is None else self.kv_scales[layer_idx]
         if rotary is None:
@@ -247,7 +248,8 @@ class ForwardBatch:
             self.attn_backend.store_kv(k, v, cache, self, scales)
         else:
             q = self.attn_backend.rotate_and_store(q, k, v, cache, self, rotary, scales, qk_norm)
-        return self.attn_backend.attend(q, cache, self, scale, sliding_window, kv_scales=scales)
+        return self.attn_backend.attend(q, cache, self, scale, sliding_window, kv_scales=scales,
+                                        logit_softcap=logit_softcap)
 
 
 STEP_FIELDS = (
