@@ -167,6 +167,27 @@ def test_gemma_unit_offset_norms_match_ref(dtype):
                        NORM_ULPS[dtype] + bf16_slack(dtype, 1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_fused_sandwich_norm_matches_ref(dtype, unit_offset):
+    """Gemma's sandwich in one launch: the sublayer's post-norm (pre_weight), the residual add and the next
+    pre-norm; the sum (the new residual) and the output against fused_add_rms_norm_ref, which applies the
+    post-norm as its own module (rounded) first. Without the pre-norm the sum would be far off."""
+    x, res = randn(5, 40, dtype=dtype, seed=36, scale=4.0), randn(5, 40, dtype=dtype, seed=37)
+    w, pre_w = randn(40, dtype=dtype, seed=38), randn(40, dtype=dtype, seed=39)
+    normed, new_res = rms_norm.fused_add_rms_norm(x, res, w, EPS, unit_offset=unit_offset,
+                                                  pre_weight=pre_w, pre_eps=1e-5)
+    want_normed, want_res = rms_norm.fused_add_rms_norm_ref(x, res, w, EPS, unit_offset, pre_w, 1e-5)
+    # The post-normed x may sit ulps from torch's (its sum of squares' order), and the add can cancel: the
+    # bound is in ulps of the addends' magnitudes, not of the sum.
+    addends = rms_norm.rms_norm_ref(x, pre_w, 1e-5, unit_offset).double().abs() + res.double().abs()
+    err = (new_res.double() - want_res.double()).abs()
+    assert (err <= (NORM_ULPS[dtype] + bf16_slack(dtype, 2)) * ulps(addends.to(dtype))).all()
+    assert_within_ulps(normed, rms_norm.rms_norm_ref(new_res, w, EPS, unit_offset),
+                       NORM_ULPS[dtype] + bf16_slack(dtype, 1))
+    assert (new_res.float() - (x + res).float()).abs().max() > 0.5
+
+
 def test_fused_add_rms_norm_inplace_writes_inputs():
     x, res = randn(3, 40, dtype=torch.float16, seed=8), randn(3, 40, dtype=torch.float16, seed=9)
     w = randn(40, dtype=torch.float16, seed=10)

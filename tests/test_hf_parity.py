@@ -139,3 +139,34 @@ def test_gemma3_image_text_checkpoint_serves_text_like_hf(tiny_gemma3_multimodal
         assert outputs[i] == ref_ids, f"prompt {i}: greedy tokens differ from HF"
         torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
     assert engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_gemma_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch, family):
+    """The GPU path's kernels (Triton's interpreter on CPU, fp32): the fused sandwich norms (post-norm, add,
+    pre-norm in one launch), 1 + weight q/k norms in the rotary launch, GeGLU, windowed and soft-capped
+    paged attention; greedy tokens and logits as HF's."""
+    from transformers import AutoModelForCausalLM
+
+    from plait.kernels import dispatch, rms_norm
+
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", True)
+    sandwiches = []
+    fused = rms_norm.fused_add_rms_norm
+
+    def counting(*args, **kwargs):
+        sandwiches.append(kwargs.get("pre_weight") is not None)
+        return fused(*args, **kwargs)
+
+    monkeypatch.setattr(rms_norm, "fused_add_rms_norm", counting)
+    folder = tiny_models[family]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = random_prompts(3, 20, 40, seed=9)
+    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=32, block_size=8,
+                                    attention_backend="triton"))
+    outputs, logits = run_greedy(engine, prompts, 4, capture_logits=True)
+    assert sandwiches and all(sandwiches)  # every add-and-normalise took its post-norm along
+    for i, prompt in enumerate(prompts):
+        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], 4)
+        assert outputs[i] == ref_ids, f"prompt {i}: greedy tokens differ from HF"
+        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)

@@ -33,8 +33,13 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset:
 
 
 def fused_add_rms_norm_ref(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False,
+    pre_weight: torch.Tensor | None = None, pre_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(x + residual), x + residual); with ``pre_weight``, x is first normalised by that norm (eps
+    ``pre_eps``, the same kind): Gemma's post-norm of a sublayer's output, before it joins the stream."""
+    if pre_weight is not None:
+        x = rms_norm_ref(x, pre_weight, pre_eps, unit_offset)
     residual = x + residual
     return rms_norm_ref(residual, weight, eps, unit_offset), residual
 
@@ -50,14 +55,37 @@ def rms_scale(ss_ptr, row, n_parts, width, eps, BLOCK_P: tl.constexpr, PRECISE: 
     return 1.0 / tl.sqrt(mean_sq + eps)  # the interpreter has no libdevice
 
 
+@triton.jit
+def _inv_rms(x, H, eps, PRECISE: tl.constexpr):
+    """1 / sqrt(mean(x^2) + eps) of each row of x ([ROWS, BLOCK_H] fp32, masked lanes 0)."""
+    mean_sq = tl.sum(x * x, axis=1) / H
+    if PRECISE:
+        return libdevice.rsqrt(mean_sq + eps)  # CUDA's rsqrtf, as torch.rsqrt uses
+    return 1.0 / tl.sqrt(mean_sq + eps)  # the interpreter has no libdevice
+
+
+@triton.jit
+def _normalize(x, w_ptr, cols, H, eps, dtype: tl.constexpr, PRECISE: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+    """rms_norm_ref of rows x ([ROWS, BLOCK_H] fp32) with weight w_ptr [H], left unrounded in fp32: its one
+    remaining rounding is to ``dtype``."""
+    inv = _inv_rms(x, H, eps, PRECISE)
+    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        # Gemma: scale by 1 + w, the product in fp32 and rounded once.
+        return (w + 1.0)[None, :] * (x * inv[:, None])
+    # HF's Llama casts the normalised value to the activation dtype before the weight multiply. Both
+    # factors are exact in fp32 (<= 24 mantissa bits together), so the product is torch's one rounding.
+    return w[None, :] * (x * inv[:, None]).to(dtype).to(tl.float32)
+
+
 # n_rows changes from step to step: unspecialised, so no step compiles a variant mid-run.
 @triton.jit(do_not_specialize=["n_rows"])
 def _rms_norm_kernel(
-    x_ptr, w_ptr, out_ptr, res_ptr, res_out_ptr,
+    x_ptr, w_ptr, out_ptr, res_ptr, res_out_ptr, pre_w_ptr,
     n_rows, n_inner, sx_outer, sx_inner, so_outer, so_inner, s_res, s_res_out,
-    H, eps,
+    H, eps, pre_eps,
     HAS_RESIDUAL: tl.constexpr, PRECISE: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr, PDL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr, PRE_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     # Row r of the flattened [..., H] input sits at (r // n_inner) * s_outer + (r % n_inner) * s_inner:
     # that covers [T, H] and the strided [T, heads, head_dim] views q/k-norm get from the qkv split.
@@ -69,30 +97,20 @@ def _rms_norm_kernel(
     mask = (rows < n_rows)[:, None] & (cols < H)[None, :]
     x_offs = (outer * sx_outer + inner * sx_inner)[:, None] + cols[None, :]
     x = tl.load(x_ptr + x_offs, mask=mask, other=0.0).to(tl.float32)  # [ROWS, BLOCK_H]
+    act_dtype = x_ptr.dtype.element_ty
     if HAS_RESIDUAL:
+        act_dtype = res_out_ptr.dtype.element_ty
+        if PRE_NORM:  # Gemma's post-norm of the sublayer's output, rounded as its own module's output is
+            x = _normalize(x, pre_w_ptr, cols, H, pre_eps, act_dtype, PRECISE, UNIT_OFFSET)
+            x = x.to(act_dtype).to(tl.float32)
         r = tl.load(res_ptr + (rows * s_res)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         # Rounded to the activation dtype first, as torch's x + residual is.
-        summed = (x + r).to(res_out_ptr.dtype.element_ty)
+        summed = (x + r).to(act_dtype)
         tl.store(res_out_ptr + (rows * s_res_out)[:, None] + cols[None, :], summed, mask=mask)
         x = summed.to(tl.float32)
-    mean_sq = tl.sum(x * x, axis=1) / H
-    if PRECISE:
-        inv = libdevice.rsqrt(mean_sq + eps)  # CUDA's rsqrtf, as torch.rsqrt uses
-    else:
-        inv = 1.0 / tl.sqrt(mean_sq + eps)  # the interpreter has no libdevice
-    w = tl.load(w_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
-    if UNIT_OFFSET:
-        # Gemma: scale by 1 + w, the product in fp32 and rounded once.
-        normed = x * inv[:, None]
-        w = w + 1.0
-    elif HAS_RESIDUAL:
-        # HF's Llama casts the normalised value to the activation dtype before the weight multiply.
-        normed = (x * inv[:, None]).to(res_out_ptr.dtype.element_ty).to(tl.float32)
-    else:
-        normed = (x * inv[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
-    # Both factors are exact in fp32 (<= 24 mantissa bits together), so this is torch's one rounding.
+    normed = _normalize(x, w_ptr, cols, H, eps, act_dtype, PRECISE, UNIT_OFFSET)
     out_offs = (outer * so_outer + inner * so_inner)[:, None] + cols[None, :]
-    tl.store(out_ptr + out_offs, (w[None, :] * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + out_offs, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _row_layout(t: torch.Tensor) -> tuple[int, int, int, int]:
@@ -146,18 +164,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = 
     _, _, so_o, so_i = _row_layout(out_view)
     block_h, rows, num_warps = _launch_config(h)
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
-        rows_view, weight, out_view, rows_view, rows_view, n_rows, n_inner, sx_o, sx_i, so_o, so_i, 0, 0,
-        h, eps, HAS_RESIDUAL=False, PRECISE=x.is_cuda, BLOCK_H=block_h, ROWS=rows, UNIT_OFFSET=unit_offset,
-        num_warps=num_warps, **pdl_args(x),
+        rows_view, weight, out_view, rows_view, rows_view, weight, n_rows, n_inner, sx_o, sx_i, so_o, so_i,
+        0, 0, h, eps, 0.0, HAS_RESIDUAL=False, PRECISE=x.is_cuda, BLOCK_H=block_h, ROWS=rows,
+        UNIT_OFFSET=unit_offset, PRE_NORM=False, num_warps=num_warps, **pdl_args(x),
     )
     return x if inplace else out_view.view(x.shape)
 
 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = False,
-    unit_offset: bool = False,
+    unit_offset: bool = False, pre_weight: torch.Tensor | None = None, pre_eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x + residual), x + residual) in one pass; equals fused_add_rms_norm_ref.
+    """(RMSNorm(x + residual), x + residual) in one pass; equals fused_add_rms_norm_ref. With
+    ``pre_weight`` x is first normalised by that norm (Gemma's sandwich: a sublayer's post-norm, the
+    residual add and the next pre-norm in one launch).
 
     inplace=True writes the normed rows into x and the sum into residual (vLLM's convention) and
     returns them; it saves two allocations, not memory traffic. The layers use the out-of-place form.
@@ -181,10 +201,10 @@ def fused_add_rms_norm(
     if x2.shape[0] > 0:
         block_h, rows, num_warps = _launch_config(h)
         _rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
-            x2, weight, out, r2, res_out, x2.shape[0], 1, x2.stride(0), 0, out.stride(0), 0,
-            r2.stride(0), res_out.stride(0), h, eps,
+            x2, weight, out, r2, res_out, weight if pre_weight is None else pre_weight, x2.shape[0], 1,
+            x2.stride(0), 0, out.stride(0), 0, r2.stride(0), res_out.stride(0), h, eps, pre_eps,
             HAS_RESIDUAL=True, PRECISE=x.is_cuda, BLOCK_H=block_h, ROWS=rows, UNIT_OFFSET=unit_offset,
-            num_warps=num_warps, **pdl_args(x),
+            PRE_NORM=pre_weight is not None, num_warps=num_warps, **pdl_args(x),
         )
     if inplace:
         return x, residual

@@ -50,14 +50,22 @@ class RMSNorm(nn.Module):
             return (x32 * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x32.to(dtype)
 
-    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the pre-norm block's add-then-normalise, one call."""
+    def forward_residual(self, x: torch.Tensor, residual: torch.Tensor, pre_norm: RMSNorm | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the pre-norm block's add-then-normalise, one call. With
+        ``pre_norm`` (a norm of the same kind) x is pre_norm(x) first: Gemma's sandwich, the sublayer's
+        post-norm, the add and the next pre-norm in one launch on the GPU."""
+        if pre_norm is not None and pre_norm.unit_offset != self.unit_offset:
+            raise ValueError("a fused pre_norm must be of the norm's own kind")
         if use_triton(x) and x.shape == residual.shape:
             from plait.kernels import rms_norm as kernels
 
             if kernels.supported_hidden(x.shape[-1]):
+                pre = {} if pre_norm is None else {"pre_weight": pre_norm.weight, "pre_eps": pre_norm.eps}
                 return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps,
-                                                  unit_offset=self.unit_offset)
+                                                  unit_offset=self.unit_offset, **pre)
+        if pre_norm is not None:
+            x = pre_norm(x)
         residual = x + residual
         return self.forward(residual), residual
 

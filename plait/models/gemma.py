@@ -116,8 +116,9 @@ class GemmaAttention(nn.Module):
 
 
 class GemmaDecoderLayer(nn.Module):
-    """Pre- and post-norms around both attention and MLP; each post-norm's output joins the residual
-    stream, which the next pre-norm reads (one fused add-and-normalise launch on the GPU)."""
+    """Pre- and post-norms around both attention and MLP. A post-norm's output joins the residual stream,
+    which the next pre-norm reads: the post-norm, the add and the pre-norm take one launch on the GPU, so
+    the MLP's post-norm is applied by the next layer (or the final norm)."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, kind: str) -> None:
         super().__init__()
@@ -131,17 +132,19 @@ class GemmaDecoderLayer(nn.Module):
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, batch: ForwardBatch,
+        self, x: torch.Tensor, residual: torch.Tensor | None, pending: GemmaRMSNorm | None, rotary: Rotary,
+        batch: ForwardBatch,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # x: the last layer's post-normed MLP output (the embeddings for the first), residual: the stream
-        # it joins ([T, hidden] each) -> the same pair for the next layer.
+        # x: the last layer's MLP output before its post-norm ``pending`` (the embeddings for the first
+        # layer), residual: the stream it joins ([T, hidden] each) -> this layer's pair.
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, h = x, self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm.forward_residual(x, residual)
-        attn = self.post_attention_layernorm(self.self_attn(x, rotary, batch))
-        x, residual = self.pre_feedforward_layernorm.forward_residual(attn, residual)
-        return self.post_feedforward_layernorm(self.mlp(x)), residual
+            h, residual = self.input_layernorm.forward_residual(x, residual, pre_norm=pending)
+        attn = self.self_attn(h, rotary, batch)
+        h, residual = self.pre_feedforward_layernorm.forward_residual(
+            attn, residual, pre_norm=self.post_attention_layernorm)
+        return self.mlp(h), residual
 
 
 class GemmaModel(nn.Module):
@@ -161,10 +164,11 @@ class GemmaModel(nn.Module):
         # transformers does (sqrt(3072) becomes 55.5 in bf16); a host number, so graphs capture no copy.
         x = self.embed_tokens(input_ids)
         x = x * rounded_to(self.embed_scale, x.dtype)
-        residual = None
+        residual, pending = None, None
         for layer in self.layers:
-            x, residual = layer(x, residual, self.rotary[layer.kind], batch)
-        x, _ = self.norm.forward_residual(x, residual)
+            x, residual = layer(x, residual, pending, self.rotary[layer.kind], batch)
+            pending = layer.post_feedforward_layernorm
+        x, _ = self.norm.forward_residual(x, residual, pre_norm=pending)
         return x
 
 
