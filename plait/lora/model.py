@@ -25,7 +25,7 @@ def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
     slices as the loader fuses them (plait.models.weights.load_decoder_weights)."""
     if not getattr(model, "supports_lora", False):
         raise ValueError(f"LoRA is not supported for {type(model).__name__}; it serves the Llama family "
-                         f"(Llama, Mistral, Qwen2, Qwen3)")
+                         f"(Llama, Mistral, Qwen2, Qwen3) and Gemma 2 / Gemma 3 text models")
     cfg = model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     slices = {

@@ -176,6 +176,9 @@ class GemmaForCausalLM(CausalLM):
     """Gemma 2 (2B, 9B, 27B) and Gemma 3's text decoder (Gemma3ForCausalLM: 270M, 1B), logits soft-capped
     where the config asks (Gemma 2)."""
 
+    # Its projections are the Llama family's (q/k/v, o, gate/up, down): plait.lora wraps them from outside.
+    supports_lora = True
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         check_gemma(cfg.raw)
@@ -203,6 +206,9 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
     """An image-text Gemma 3 checkpoint (4B, 12B, 27B) served as text only: its language model's tensors
     (``language_model.model.*``, or ``model.language_model.*`` as transformers 5 saves them) under the
     decoder's names; the vision tower and projector are not loaded, so prompts are text."""
+
+    # Adapters for these checkpoints name the multimodal model's modules (language_model.model...).
+    supports_lora = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_decoder_weights(self, ((name, t) for name, t in
