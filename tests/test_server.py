@@ -1710,6 +1710,9 @@ def test_embeddings_extensions_and_bad_input(embedding_server):
                                atol=1e-5, rtol=0)
     cases = [
         ({**body, "dimensions": 8}, "does not support matryoshka representation", "dimensions"),
+        # Found by the fuzzer: a 500 until the parameters' own check answered 400.
+        ({**body, "dimensions": -3}, "Dimensions must be greater than 0", "dimensions"),
+        ({**body, "dimensions": 0}, "Dimensions must be greater than 0", "dimensions"),
         ({**body, "input": []}, "input is empty", "input"),
         ({**body, "input": [""]}, "prompt is empty", "input"),
         ({**body, "input": "", "add_special_tokens": False}, "prompt is empty", "input"),

@@ -1370,7 +1370,10 @@ class OpenAIServer:
     async def create_embedding(self, body: EmbeddingRequest, raw: Request) -> Response:
         """OpenAI's /v1/embeddings: each input's embedding, in input order ("float" lists, or "base64" of
         their little-endian float32 bytes, as the openai client asks by default)."""
-        params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize, task="embed")
+        try:
+            params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize, task="embed")
+        except ValueError as err:  # vLLM's 400 for dimensions below 1
+            raise APIError(400, str(err), param="dimensions") from err
         pooled = await self._pool(body, params, raw, "Embeddings API")
         if isinstance(pooled, Response):
             return pooled
