@@ -406,6 +406,9 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoEConfig | None = None  # sparse MoE feed-forward blocks; None: dense MLPs
+    # The fraction of each head's channels the rotary turns (Phi-4-mini: 0.75), read for Phi-3 configs only:
+    # transformers' other Llama-family models ignore the key, and Bamba keeps its own (plait.models.bamba).
+    partial_rotary_factor: float = 1.0
     raw: dict = field(default_factory=dict, repr=False)  # the original dict, for HF references
 
     @classmethod
@@ -436,6 +439,9 @@ class ModelConfig:
                 rope_scaling = rope_scaling or params
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
+        partial_rotary_factor = 1.0
+        if model_type == PHI3_MODEL_TYPE:
+            rope_scaling, partial_rotary_factor = phi3_rope(cfg, rope_scaling)
         return cls(
             architecture=archs[0],
             vocab_size=cfg["vocab_size"],
@@ -458,6 +464,7 @@ class ModelConfig:
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             moe=MoEConfig.from_hf(cfg),
+            partial_rotary_factor=partial_rotary_factor,
             raw=cfg,
         )
 
@@ -484,3 +491,35 @@ def gemma_text_config(cfg: dict) -> dict:
             full[key] = cfg[key]
     full["model_type"] = "gemma2" if kind == "gemma2" else "gemma3_text"
     return full
+
+
+# Phi-3, Phi-3.5 and Phi-4 (Phi3ForCausalLM).
+PHI3_MODEL_TYPE = "phi3"
+# Phi3Config's default, which it keeps at the top level of every config and gives priority over the one in
+# rope_scaling (transformers' standardize_rope_params).
+PHI3_DEFAULT_ORIGINAL_MAX_POSITIONS = 4096
+# LongRoPE under the names Phi-3 configs have used: early Phi-3-128k configs say "su" (or "yarn"), which
+# Phi3Config reads as "longrope".
+PHI3_LONGROPE_NAMES = ("longrope", "su", "yarn")
+
+
+def phi3_rope(cfg: dict, scaling: dict | None) -> tuple[dict | None, float]:
+    """(rope_scaling, partial_rotary_factor) of a Phi-3 config as transformers' Phi3Config reads them: the
+    factor from the rope dict, else the top level, else 1; a LongRoPE scaling (the only kind Phi-3 takes)
+    with original_max_position_embeddings from the top level and, where the config gives no ``factor``,
+    max_position_embeddings / original_max_position_embeddings, from which its attention factor follows
+    (plait.layers.rotary.longrope_attention_factor)."""
+    given = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+    partial = float(given.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    if scaling is None:
+        return None, partial
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind not in PHI3_LONGROPE_NAMES:
+        raise ValueError(f"Phi-3 rope scaling {kind!r} is not supported: Phi-3 takes only 'longrope'")
+    original = int(cfg.get("original_max_position_embeddings", PHI3_DEFAULT_ORIGINAL_MAX_POSITIONS))
+    longrope = {key: value for key, value in scaling.items() if key != "type"}
+    longrope.update(rope_type="longrope", original_max_position_embeddings=original)
+    if longrope.get("factor") is None:
+        max_positions = cfg.get("max_position_embeddings", PHI3_DEFAULT_ORIGINAL_MAX_POSITIONS)
+        longrope["factor"] = max_positions / original
+    return longrope, partial

@@ -16,6 +16,8 @@ if not torch.cuda.is_available():
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 TINY_VOCAB = 512
+# The tiny LongRoPE Phi-3's pretraining length: past every test prompt and its outputs.
+TINY_PHI3_ORIGINAL_MAX_POSITIONS = 128
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -61,6 +63,7 @@ def _tiny_configs() -> dict:
         Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
+        Phi3Config,
         Qwen2Config,
         Qwen3Config,
     )
@@ -90,6 +93,17 @@ def _tiny_configs() -> dict:
             **(common | {"num_hidden_layers": 3}), head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
             attn_logit_softcapping=5.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 5_000.0}),
+        # Phi-3 (fused qkv_proj / gate_up_proj checkpoint tensors) with a window shorter than the test
+        # prompts, as Phi-3-mini-4k's 2047 of 4096 positions.
+        "phi3": Phi3Config(**common, pad_token_id=None, sliding_window=24),
+        # Phi-4-mini-like: 12 of 16 channels rotated, LongRoPE with distinct short and long factors (the
+        # prompts stay below original_max_position_embeddings: the short ones and the attention factor of a
+        # 4x stretched context apply), tied embeddings.
+        "phi3-longrope": Phi3Config(
+            **common, pad_token_id=None, tie_word_embeddings=True, partial_rotary_factor=0.75,
+            original_max_position_embeddings=TINY_PHI3_ORIGINAL_MAX_POSITIONS,
+            rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 1.9, 2.6, 3.4, 4.5],
+                          "long_factor": [2.0, 4.0, 8.0, 12.0, 20.0, 30.0]}),
     }
 
 

@@ -291,18 +291,23 @@ def test_rope_store_matches_rotary_then_store_kv(dtype, t, hq, hkv, d, rot):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t,hq,hkv,d", [(6, 4, 2, 32), (3, 16, 8, 128), (5, 5, 3, 12)])
-def test_rope_store_with_qk_norm_matches_norms_then_rotary_then_store_kv(dtype, t, hq, hkv, d):
-    """Qwen3's q/k RMSNorms in the same launch: as rms_norm_ref of each head row, then the rotation and the
-    store, within the norm's sum-order slack (rounded once more by the rotation)."""
+@pytest.mark.parametrize("t,hq,hkv,d,unit_offset", [
+    (6, 4, 2, 32, False), (3, 16, 8, 128, False), (5, 5, 3, 12, False),
+    (3, 4, 1, 256, True), (5, 5, 3, 12, True),
+], ids=["qwen3-d32", "qwen3-d128", "qwen3-d12", "gemma3-d256", "gemma-d12"])
+def test_rope_store_with_qk_norm_matches_norms_then_rotary_then_store_kv(dtype, t, hq, hkv, d, unit_offset):
+    """Qwen3's q/k RMSNorms (and Gemma 3's, which scale by 1 + weight and round once) in the same launch: as
+    rms_norm_ref of each head row, then the rotation and the store, within the norm's sum-order slack
+    (rounded once more by the rotation)."""
     q, k, v, cache, slots, positions = rope_store_case(t, hq, hkv, d, dtype, seed=22)
     cos_sin = RotaryEmbedding(d, ROPE_MAX_POSITIONS, 10000.0).cos_sin.to(DEVICE)
     # Weights away from 1, scaled so the rows' norms matter (inputs x 3): a kernel that skipped a weight, the
-    # normalisation or used the other head's weight would be far off.
-    qw = (1.0 + 0.5 * randn(1, d, dtype=torch.float32, seed=23)[0]).to(dtype).to(DEVICE)
-    kw = (1.0 - 0.5 * randn(1, d, dtype=torch.float32, seed=24)[0]).to(dtype).to(DEVICE)
+    # normalisation or used the other head's weight would be far off. Gemma's hold the offset from 1.
+    one = 0.0 if unit_offset else 1.0
+    qw = (one + 0.5 * randn(1, d, dtype=torch.float32, seed=23)[0]).to(dtype).to(DEVICE)
+    kw = (one - 0.5 * randn(1, d, dtype=torch.float32, seed=24)[0]).to(dtype).to(DEVICE)
     q, k = q * 3, k * 3
-    norm = rope_store.QKNorm(qw, kw, 1e-6)
+    norm = rope_store.QKNorm(qw, kw, 1e-6, unit_offset)
     want_cache = cache.clone()
     want_q = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots,
                                           qk_norm=norm)
@@ -314,36 +319,15 @@ def test_rope_store_with_qk_norm_matches_norms_then_rotary_then_store_kv(dtype, 
     real = [b for b in range(cache.shape[1]) if b != PAD_BLOCK_ID]
     torch.testing.assert_close(got_q.float(), want_q.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(cache[:, real].float(), want_cache[:, real].float(), rtol=tol, atol=tol)
-    # Not the unnormalised rotation: the norm did something.
-    plain = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0].clone(),
-                                         want_cache[1].clone(), slots)
-    assert (plain.float() - got_q.float()).abs().max() > 0.1
+    # Not the unnormalised rotation, nor the other kind of norm: the norm did what it should.
+    other = rope_store.QKNorm(qw, kw, 1e-6, not unit_offset)
+    for wrong in (None, other):
+        plain = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0].clone(),
+                                             want_cache[1].clone(), slots, qk_norm=wrong)
+        assert (plain.float() - got_q.float()).abs().max() > 0.1
     with pytest.raises(ValueError, match="whole-head rotation"):
         half = RotaryEmbedding(d // 2, ROPE_MAX_POSITIONS, 10000.0).cos_sin.to(DEVICE)
         rope_store.rope_store_kv(positions, q, k, v, half, cache[0], cache[1], slots, qk_norm=norm)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_store_with_gemma_qk_norm_matches_ref(dtype):
-    """Gemma's q/k norms (1 + weight, one rounding) in the fused launch, head dim 256 as Gemma 3's."""
-    t, hq, hkv, d = 3, 4, 1, 256
-    q, k, v, cache, slots, positions = rope_store_case(t, hq, hkv, d, dtype, seed=25)
-    cos_sin = RotaryEmbedding(d, ROPE_MAX_POSITIONS, 10000.0).cos_sin.to(DEVICE)
-    qw = (0.5 * randn(1, d, dtype=torch.float32, seed=26)[0]).to(dtype).to(DEVICE)
-    kw = (0.5 * randn(1, d, dtype=torch.float32, seed=27)[0]).to(dtype).to(DEVICE)
-    norm = rope_store.QKNorm(qw, kw, 1e-6, unit_offset=True)
-    want_cache = cache.clone()
-    want_q = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0], want_cache[1], slots,
-                                          qk_norm=norm)
-    got_q = rope_store.rope_store_kv(positions, q, k, v, cos_sin, cache[0], cache[1], slots, qk_norm=norm)
-    tol = 8 * 2.0 ** -MANTISSA_BITS[dtype]
-    real = [b for b in range(cache.shape[1]) if b != PAD_BLOCK_ID]
-    torch.testing.assert_close(got_q.float(), want_q.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(cache[:, real].float(), want_cache[:, real].float(), rtol=tol, atol=tol)
-    llama_norm = rope_store.QKNorm(qw, kw, 1e-6)
-    llama = rope_store.rope_store_kv_ref(positions, q, k, v, cos_sin, want_cache[0].clone(),
-                                         want_cache[1].clone(), slots, qk_norm=llama_norm)
-    assert (llama.float() - got_q.float()).abs().max() > 0.1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

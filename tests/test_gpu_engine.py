@@ -227,6 +227,61 @@ def test_gemma_on_the_gpu_path_computes_the_reference_function_in_fp32(tmp_path,
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
 
 
+# A Phi-4-mini-shaped LongRoPE Phi-3 pretrained on this many positions: most prompts and outputs cross it.
+PHI3_ORIGINAL_MAX_POSITIONS = 256
+
+
+def _phi3_config(tmp_path) -> str:
+    """A Phi-4-mini-shaped Phi-3 (heads of 128 channels, 96 of them rotated, LongRoPE) with random weights."""
+    rotary_half = 48
+    cfg = {
+        "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_size": 2048,
+        "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "vocab_size": VOCAB, "max_position_embeddings": 2048,
+        "original_max_position_embeddings": PHI3_ORIGINAL_MAX_POSITIONS, "partial_rotary_factor": 0.75,
+        "rope_theta": 10000.0, "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": True,
+        "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
+                         "long_factor": [1.0 + 2.0 * i for i in range(rotary_half)]},
+    }
+    folder = tmp_path / "phi3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+def test_phi3_longrope_on_the_gpu_path_computes_the_reference_function_in_fp32(tmp_path):
+    """A partial LongRoPE Phi-3 through Triton (the rotary of 96 of 128 channels in the KV store's launch),
+    chunks, CUDA graphs and overlap, against torch_ref taking each prompt in one step, in fp32: prompts and
+    outputs cross the pretraining length, and each position's short or long rotation is its own whatever
+    else is in its step."""
+    from plait.attention import triton_backend as tb
+    from plait.kernels import rope_store
+
+    model = _phi3_config(tmp_path)
+    prompts = _prompts(9)[:24]
+    assert sum(len(p) < PHI3_ORIGINAL_MAX_POSITIONS < len(p) + NEW_TOKENS for p in prompts) > 0
+    ref = _greedy(_engine(model, "float32", attention_backend="torch_ref", enforce_eager=True,
+                          async_scheduling=False, max_num_batched_tokens=4096), prompts, 0)
+    widths = []
+    store = rope_store.rope_store_kv
+
+    def counting_store(*args, **kwargs):
+        widths.append(args[4].shape[1])  # the cos_sin table's width: the rotated channels
+        return store(*args, **kwargs)
+
+    rope_store.rope_store_kv = tb.rope_store_kv = counting_store
+    try:
+        for name in ("torch_ref-eager-async", "triton-graphs-async"):
+            engine = _engine(model, "float32", max_num_batched_tokens=BUDGET, **VARIANTS[name])
+            agree, forks = _agreement(_greedy(engine, prompts, arrive_every=2), ref)
+            assert agree >= FP32_AGREEMENT, f"{name}: {agree:.0%} agree; first forks at {forks}"
+    finally:
+        rope_store.rope_store_kv = tb.rope_store_kv = store
+    assert widths and set(widths) == {96}
+    b = engine.runner.breakdown
+    assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
+
+
 def _greedy_with_logits(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
     """Greedy outputs, and each request's sampled logits rows (to weigh a fork by its logit gap)."""
     logits: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prompts))}

@@ -37,7 +37,7 @@ def rope_store_kv_ref(
 ) -> torch.Tensor:
     """[rms_norm_ref of q and k,] rotary_ref, then store_kv_ref; returns the rotated q. A cos_sin table
     narrower than the head rotates only the leading channels and passes the rest through
-    (plait.models.bamba.PartialRotaryEmbedding)."""
+    (plait.layers.rotary.PartialRotaryEmbedding)."""
     if qk_norm is not None:
         q = rms_norm_ref(q, qk_norm.q_weight, qk_norm.eps, qk_norm.unit_offset)
         k = rms_norm_ref(k, qk_norm.k_weight, qk_norm.eps, qk_norm.unit_offset)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (neox layout, as HF Llama/Qwen), with llama3 and linear scaling."""
+"""Rotary position embeddings (neox layout, as HF Llama/Qwen), with linear, llama3 and longrope scaling, over
+whole heads or their leading channels."""
 
 from __future__ import annotations
 
@@ -9,17 +10,31 @@ from torch import nn
 
 from plait.kernels.dispatch import use_triton
 
+LONGROPE = "longrope"
+
+
+def _rope_type(scaling: dict | None) -> str:
+    """A rope_scaling dict's kind ("rope_type", or the older "type"); "default" for none."""
+    if scaling is None:
+        return "default"
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    # theta ** (2i / head_dim) for i < head_dim / 2: [head_dim / 2] fp32
+    return theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    if scaling is None:
+    inv_freq = 1.0 / _base_inv_freq(head_dim, theta)
+    kind = _rope_type(scaling)
+    if kind == "default":
         return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3)")
+    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -35,6 +50,58 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
+def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, attention_factor: float = 1.0) -> torch.Tensor:
+    # positions: [P] int64; inv_freq: [D/2] -> [P, D] fp32: cos then sin, both times attention_factor
+    freqs = torch.outer(positions.float(), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1) * attention_factor
+
+
+def longrope_inv_freq(head_dim: int, theta: float, factors: list[float]) -> torch.Tensor:
+    """LongRoPE's frequencies: each of the head_dim / 2 base frequencies divided by its own factor (the
+    config's short_factor or long_factor), in transformers' arithmetic (_compute_longrope_parameters)."""
+    if len(factors) != head_dim // 2:
+        raise ValueError(f"longrope factors: {len(factors)} given, the rotary of {head_dim} channels needs "
+                         f"{head_dim // 2}")
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * _base_inv_freq(head_dim, theta))
+
+
+def longrope_attention_factor(s: dict) -> float:
+    """What LongRoPE multiplies cos and sin by: the config's attention_factor, else sqrt(1 + ln(factor) /
+    ln(original_max_position_embeddings)) for a context stretched by ``factor`` (1 if not stretched), where
+    ``factor`` is max_position_embeddings / original_max_position_embeddings unless the config gives one
+    (ModelConfig.from_hf fills it in, as transformers does)."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    factor = s["factor"]
+    if factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(factor) / math.log(s["original_max_position_embeddings"]))
+
+
+def _longrope_cos_sin(head_dim: int, max_positions: int, theta: float, s: dict) -> torch.Tensor:
+    # Phi-3 long-context checkpoints were trained with short factors up to original_max_position_embeddings
+    # and long factors past it. Each position takes its own: rows below the original length are the short
+    # factors', rows from it on the long ones', so a token's rotation never depends on what else is in its
+    # step (plait must not let an answer depend on batching). transformers instead rotates a whole forward
+    # with the long factors once its last position reaches the original length, so the two differ only for
+    # a sequence that has positions on both sides of it in one forward (a prompt longer than the original
+    # length), and after generation crosses it (transformers then recomputes the whole cache with the long
+    # factors; plait keeps the cached tokens' short rotation).
+    original = s["original_max_position_embeddings"]
+    scale = longrope_attention_factor(s)
+    positions = torch.arange(max_positions)
+    short = _cos_sin(positions[:original], longrope_inv_freq(head_dim, theta, s["short_factor"]), scale)
+    long = _cos_sin(positions[original:], longrope_inv_freq(head_dim, theta, s["long_factor"]), scale)
+    return torch.cat([short, long])
+
+
+def cos_sin_table(head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """[max_positions, head_dim] fp32: row p holds cos then sin of position p's half-dim angles."""
+    if _rope_type(scaling) == LONGROPE:
+        return _longrope_cos_sin(head_dim, max_positions, theta, scaling)
+    return _cos_sin(torch.arange(max_positions), _inv_freq(head_dim, theta, scaling))
+
+
 class RotaryEmbedding(nn.Module):
     """Applies rotary embeddings to q and k at arbitrary (per-token) positions.
 
@@ -44,12 +111,10 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
-        inv_freq = _inv_freq(head_dim, theta, scaling)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         # cos_sin: [max_positions, head_dim] fp32; first half cos, second half sin (of the half-dim freqs).
         # A plain attribute, not a buffer, so casting the model to bf16 leaves it fp32; it is made on
         # the device the model is constructed under (``with torch.device(...)``).
-        self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        self.cos_sin = cos_sin_table(head_dim, max_positions, theta, scaling)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
@@ -61,6 +126,39 @@ class RotaryEmbedding(nn.Module):
             return apply_rotary(positions, q, k, self.cos_sin)
         cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # each [T, 1, D/2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+class PartialRotaryEmbedding(nn.Module):
+    """Rotary embedding on the first ``rotary_dim`` channels of each head; the rest pass through (Bamba,
+    Phi-4-mini)."""
+
+    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
+        super().__init__()
+        self.rotary_dim = rotary_dim
+        self.rotary = RotaryEmbedding(rotary_dim, max_positions, theta, scaling)
+
+    @property
+    def cos_sin(self) -> torch.Tensor:
+        """[max_positions, rotary_dim] fp32: narrower than the head, so a fused kernel (the attention
+        backend's rotate_and_store) rotates the first rotary_dim channels and copies the rest, as here."""
+        return self.rotary.cos_sin
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # q: [T, Hq, D]; k: [T, Hkv, D]
+        r = self.rotary_dim
+        q_rot, k_rot = self.rotary(positions, q[..., :r], k[..., :r])
+        return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+
+
+def rotary_embedding(head_dim: int, max_positions: int, theta: float, scaling: dict | None = None,
+                     partial_rotary_factor: float = 1.0) -> RotaryEmbedding | PartialRotaryEmbedding:
+    """The rotary of heads of head_dim channels whose first int(head_dim * partial_rotary_factor) channels
+    turn (transformers' rounding): a whole-head RotaryEmbedding where that is all of them."""
+    rotary_dim = int(head_dim * partial_rotary_factor)
+    if rotary_dim == head_dim:
+        return RotaryEmbedding(head_dim, max_positions, theta, scaling)
+    return PartialRotaryEmbedding(rotary_dim, max_positions, theta, scaling)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

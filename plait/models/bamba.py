@@ -15,7 +15,7 @@ from torch import nn
 from plait.config import ModelConfig
 from plait.layers.mamba import Mamba2Dims, Mamba2Mixer
 from plait.layers.norm import RMSNorm
-from plait.layers.rotary import RotaryEmbedding
+from plait.layers.rotary import PartialRotaryEmbedding
 from plait.models.base import RecurrentCausalLM
 from plait.models.llama import MLP, Attention
 from plait.models.mamba2 import check_activation, time_step_limit
@@ -46,28 +46,6 @@ def bamba_dims(raw: dict) -> Mamba2Dims:
 def layer_types(raw: dict) -> list[str]:
     attention = set(raw.get("attn_layer_indices") or [])
     return [ATTENTION if i in attention else MAMBA for i in range(raw["num_hidden_layers"])]
-
-
-class PartialRotaryEmbedding(nn.Module):
-    """Rotary embedding on the first ``rotary_dim`` channels of each head; the rest pass through."""
-
-    def __init__(self, rotary_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
-        super().__init__()
-        self.rotary_dim = rotary_dim
-        self.rotary = RotaryEmbedding(rotary_dim, max_positions, theta, scaling)
-
-    @property
-    def cos_sin(self) -> torch.Tensor:
-        """[max_positions, rotary_dim] fp32: narrower than the head, so a fused kernel (the attention
-        backend's rotate_and_store) rotates the first rotary_dim channels and copies the rest, as here."""
-        return self.rotary.cos_sin
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [T, Hq, D]; k: [T, Hkv, D]
-        r = self.rotary_dim
-        q_rot, k_rot = self.rotary(positions, q[..., :r], k[..., :r])
-        return torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
 
 
 class BambaDecoderLayer(nn.Module):

@@ -17,7 +17,7 @@ from plait.layers.linear import Linear, logits_fp32
 from plait.layers.norm import GemmaRMSNorm
 from plait.layers.rotary import RotaryEmbedding
 from plait.models.base import CausalLM
-from plait.models.llama import MLP
+from plait.models.llama import MLP, Attention
 from plait.models.weights import load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
 
@@ -87,32 +87,19 @@ def rounded_to(value: float, dtype: torch.dtype) -> float:
     return torch.tensor(value, dtype=dtype).item()
 
 
-class GemmaAttention(nn.Module):
+class GemmaAttention(Attention):
+    """The Llama family's attention with Gemma's 1 + weight q/k norms (Gemma 3), a window on sliding layers,
+    the query scale query_pre_attn_scalar^-1/2, and Gemma 2's cap on the scores."""
+
+    norm_class = GemmaRMSNorm
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, sliding: bool) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
-        self.q_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = GemmaRMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        super().__init__(cfg, layer_idx)
+        if cfg.attention_bias:  # Gemma's o_proj takes the bias its q/k/v do
+            self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=True)
         self.sliding_window = cfg.raw.get("sliding_window") if sliding else None
         self.scale = float(cfg.raw.get("query_pre_attn_scalar") or self.head_dim) ** -0.5
-        self.logit_softcap = cfg.raw.get("attn_logit_softcapping")  # Gemma 2
-
-    def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
-        out = batch.attention(self.layer_idx, q, k, v, self.scale, self.sliding_window, rotary=rotary,
-                              qk_norm=qk_norm, logit_softcap=self.logit_softcap)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        self.logit_softcap = cfg.raw.get("attn_logit_softcapping")
 
 
 class GemmaDecoderLayer(nn.Module):

@@ -1,5 +1,6 @@
-"""The Llama decoder family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM2 (tied), and its
-sparse-MoE members: Mixtral, Qwen2-MoE (a gated shared expert), Qwen3-MoE."""
+"""The Llama decoder family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM2 (tied), Phi-3
+(fused checkpoint projections, partial rotary, LongRoPE), and its sparse-MoE members: Mixtral, Qwen2-MoE (a
+gated shared expert), Qwen3-MoE."""
 
 from __future__ import annotations
 
@@ -15,13 +16,17 @@ from plait.layers.activation import act_and_mul, get_activation, silu_and_mul_rm
 from plait.layers.linear import Linear
 from plait.layers.moe import FusedMoE
 from plait.layers.norm import RMSNorm, RowNorm
-from plait.layers.rotary import RotaryEmbedding
+from plait.layers.rotary import rotary_embedding
 from plait.models.base import CausalLM
 from plait.models.weights import load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):
+    # Gemma's attention is this one with its own norms (GemmaRMSNorm), window, scale and score cap.
+    norm_class = RMSNorm
+    logit_softcap: float | None = None
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -31,8 +36,8 @@ class Attention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.q_norm = self.norm_class(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = self.norm_class(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.sliding_window = cfg.sliding_window
         self.scale = self.head_dim**-0.5
 
@@ -50,7 +55,7 @@ class Attention(nn.Module):
         # the GPU.
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
         out = batch.attention(self.layer_idx, q, k, v, self.scale, self.sliding_window, rotary=rotary,
-                              qk_norm=qk_norm)
+                              qk_norm=qk_norm, logit_softcap=self.logit_softcap)
         return out.reshape(-1, self.q_size)
 
 
@@ -107,7 +112,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryEmbedding, batch: ForwardBatch,
+        self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, batch: ForwardBatch,
         fuse_mlp_norm: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # x, residual: [T, hidden] -> (the MLP's output, the residual stream before it)
@@ -139,7 +144,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = rotary_embedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
+                                       cfg.partial_rotary_factor)
         # Set by LlamaForCausalLM.fold_norm_weights: the MLP norms' weights live in gate/up.
         self.norms_folded = False
 
@@ -188,6 +194,17 @@ class LlamaForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered."""
         load_decoder_weights(self, weights)
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3, Phi-3.5 and Phi-4 (mini included): the Llama decoder. Their checkpoints store q/k/v and gate/up
+    already fused (``qkv_proj``: q, k, v rows; ``gate_up_proj``: gate, up rows), in the order and under the
+    names of the parameters plait fuses them into, so they load as they are; the config's partial rotary
+    factor and LongRoPE scaling are the rotary's (ModelConfig.from_hf, plait.layers.rotary)."""
+
+    # Phi-3 adapters target the fused qkv_proj / gate_up_proj, and plait.lora takes adapters of their
+    # q/k/v and gate/up slices only (SUPPORTED_TARGETS): LoRA is refused for the model as a whole.
+    supports_lora = False
 
 
 class LlamaForSequenceClassification(LlamaForCausalLM):

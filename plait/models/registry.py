@@ -10,6 +10,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
+    "Phi3ForCausalLM": ("plait.models.llama", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("plait.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForCausalLM": ("plait.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForConditionalGeneration": ("plait.models.gemma", "Gemma3ForConditionalGeneration"),
