@@ -61,6 +61,7 @@ def _tiny_configs() -> dict:
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        GraniteConfig,
         LlamaConfig,
         MistralConfig,
         Phi3Config,
@@ -93,6 +94,9 @@ def _tiny_configs() -> dict:
             **(common | {"num_hidden_layers": 3}), head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
             attn_logit_softcapping=5.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 5_000.0}),
+        # Granite's four multipliers, each far from 1 so that leaving one out changes the answer.
+        "granite": GraniteConfig(**common, embedding_multiplier=6.0, attention_multiplier=0.09,
+                                 residual_multiplier=0.3, logits_scaling=4.0, tie_word_embeddings=True),
         # Phi-3 (fused qkv_proj / gate_up_proj checkpoint tensors) with a window shorter than the test
         # prompts, as Phi-3-mini-4k's 2047 of 4096 positions.
         "phi3": Phi3Config(**common, pad_token_id=None, sliding_window=24),

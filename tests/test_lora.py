@@ -107,7 +107,11 @@ def _record_plans(engine: LLMEngine) -> list[list[tuple[str, int | None]]]:
     return plans
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma2", "gemma3"])
+# Answers the adapters must change, where sublayer outputs reach the stream damped (others: 4 of 5).
+DAMPED_FAMILIES = {"gemma2": 1, "gemma3": 1, "granite": 0}
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "granite", "gemma2", "gemma3"])
 def test_adapters_match_hf_with_merged_weights(tiny_models, tmp_path, family):
     """Greedy tokens and logits (1e-4, fp32) of each adapter equal HF's with that adapter merged into the
     weights; prompts are chunked, and three adapters share two slots beside base requests."""
@@ -128,9 +132,10 @@ def test_adapters_match_hf_with_merged_weights(tiny_models, tmp_path, family):
         torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
     moved = [(torch.stack(logits[i]) - torch.stack(base_logits[i])).abs().max() for i in range(len(order))]
     assert all(m > 0.05 for m, lora in zip(moved, order) if lora), f"an adapter left its logits: {moved}"
-    # Tiny Gemmas' scaled embeddings outweigh what their post-normed sublayers add, so fewer tokens flip.
+    # Tiny Gemmas' and Granite's scaled embeddings outweigh what their post-normed or scaled-down sublayers
+    # add, so fewer (Granite: no) tokens flip there; the logits above still moved.
     changed = sum(outs[i] != base[i] for i, lora in enumerate(order) if lora)
-    assert changed >= (1 if family.startswith("gemma") else 4), "the adapters changed no answer"
+    assert changed >= DAMPED_FAMILIES.get(family, 4), "the adapters changed no answer"
     assert engine.runner.breakdown.lora_steps > 0
     assert engine.is_idle_and_clean()
 

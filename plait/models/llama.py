@@ -139,10 +139,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class = DecoderLayer  # Granite's scales its sublayers' outputs (plait.models.granite)
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary_embedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                        cfg.partial_rotary_factor)
@@ -172,11 +174,12 @@ class LlamaForCausalLM(CausalLM):
     """Pure model: forward(input_ids, positions, batch) -> hidden states; logits on request."""
 
     supports_lora = True
+    model_class = LlamaModel
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, max_positions)
+        self.model = self.model_class(cfg, max_positions)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -12,6 +12,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
     "Phi3ForCausalLM": ("plait.models.llama", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("plait.models.gemma", "GemmaForCausalLM"),
+    "GraniteForCausalLM": ("plait.models.granite", "GraniteForCausalLM"),
     "Gemma3ForCausalLM": ("plait.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForConditionalGeneration": ("plait.models.gemma", "Gemma3ForConditionalGeneration"),
     "MixtralForCausalLM": ("plait.models.llama", "MoeForCausalLM"),

@@ -1,0 +1,77 @@
+"""Granite (IBM Granite 3.x, dense): the Llama decoder with four multipliers, on the embeddings, as the
+attention scale, on each sublayer's output before it joins the residual stream, and dividing the logits."""
+
+from __future__ import annotations
+
+import torch
+
+from plait.attention.base import Rotary
+from plait.config import ModelConfig
+from plait.layers.linear import logits_fp32
+from plait.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
+from plait.runner.forward_batch import ForwardBatch
+
+
+def check_granite(raw: dict) -> None:
+    """Refuse, by name, what plait's Granite does not compute."""
+    for key in ("attention_bias", "mlp_bias"):
+        if raw.get(key):
+            raise ValueError(f"Granite with {key} is not supported")
+
+
+class GraniteDecoderLayer(DecoderLayer):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        self.self_attn.scale = float(cfg.raw["attention_multiplier"])
+        self.residual_multiplier = float(cfg.raw["residual_multiplier"])
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, batch: ForwardBatch,
+        fuse_mlp_norm: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: the last layer's MLP output before its multiplier (the scaled embeddings for the first layer),
+        # residual: the stream it joins ([T, hidden] each) -> this layer's pair. Each output is scaled (and
+        # rounded) before the fused add-and-normalise, as transformers scales it before the add.
+        scale = self.residual_multiplier
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.forward_residual(x * scale, residual)
+        attn = self.self_attn(x, rotary, batch)
+        x, residual = self.post_attention_layernorm.forward_residual(attn * scale, residual)
+        return self.mlp(x), residual
+
+
+class GraniteModel(LlamaModel):
+    layer_class = GraniteDecoderLayer
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        self.embedding_multiplier = float(cfg.raw["embedding_multiplier"])
+        self.residual_multiplier = float(cfg.raw["residual_multiplier"])
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        # input_ids: [T] -> hidden: [T, hidden]
+        x, residual = self.embed_tokens(input_ids) * self.embedding_multiplier, None
+        for layer in self.layers:
+            x, residual = layer(x, residual, self.rotary, batch)
+        x, _ = self.norm.forward_residual(x * self.residual_multiplier, residual)
+        return x
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """GraniteForCausalLM (Granite 3.0-3.3 dense models); logits divided by logits_scaling."""
+
+    model_class = GraniteModel
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        check_granite(cfg.raw)
+        super().__init__(cfg, max_positions)
+        self.logits_scaling = float(cfg.raw.get("logits_scaling") or 1.0)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # hidden: [S, hidden] -> [S, vocab] fp32
+        return logits_fp32(hidden, self.lm_head.weight) / self.logits_scaling
+
+    def fold_norm_weights(self) -> None:
+        """Kept unfolded: the fused decode path adds o's output to the stream unscaled."""
