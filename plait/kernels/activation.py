@@ -55,7 +55,8 @@ def gelu_tanh_rounded(g, out_dtype: tl.constexpr, PRECISE: tl.constexpr):
     if PRECISE:
         t = libdevice.tanh(inner)  # CUDA's tanhf, as torch's gelu kernel uses
     else:
-        t = 1.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0)  # the interpreter has no libdevice
+        # The interpreter has no libdevice; past |2x| = 80, tanh is +-1 in fp32 and exp would overflow.
+        t = 1.0 - 2.0 / (tl.exp(tl.minimum(2.0 * inner, 80.0)) + 1.0)
     return (0.5 * g * (1.0 + t)).to(out_dtype).to(tl.float32)
 
 
