@@ -442,6 +442,8 @@ class ModelConfig:
         partial_rotary_factor = 1.0
         if model_type == PHI3_MODEL_TYPE:
             rope_scaling, partial_rotary_factor = phi3_rope(cfg, rope_scaling)
+        elif rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "yarn":
+            rope_scaling = yarn_rope(cfg, rope_scaling)
         return cls(
             architecture=archs[0],
             vocab_size=cfg["vocab_size"],
@@ -523,3 +525,15 @@ def phi3_rope(cfg: dict, scaling: dict | None) -> tuple[dict | None, float]:
         max_positions = cfg.get("max_position_embeddings", PHI3_DEFAULT_ORIGINAL_MAX_POSITIONS)
         longrope["factor"] = max_positions / original
     return longrope, partial
+
+
+def yarn_rope(cfg: dict, scaling: dict) -> dict:
+    """A YaRN rope_scaling as transformers completes it: original_max_position_embeddings from the config's
+    top level if it has one (else its max_position_embeddings), and where no ``factor`` is given,
+    max_position_embeddings over it."""
+    yarn = dict(scaling)
+    original = cfg.get("original_max_position_embeddings") or yarn.get("original_max_position_embeddings")
+    yarn["original_max_position_embeddings"] = int(original or cfg.get("max_position_embeddings"))
+    if yarn.get("factor") is None:
+        yarn["factor"] = cfg["max_position_embeddings"] / yarn["original_max_position_embeddings"]
+    return yarn

@@ -94,6 +94,10 @@ def _tiny_configs() -> dict:
             **(common | {"num_hidden_layers": 3}), head_dim=32, query_pre_attn_scalar=24, sliding_window=24,
             attn_logit_softcapping=5.0, final_logit_softcapping=30.0, tie_word_embeddings=True,
             rope_parameters={"rope_type": "default", "rope_theta": 5_000.0}),
+        # Qwen3 stretched by YaRN (its long-context recipe), the original length inside the test prompts.
+        "qwen3-yarn": Qwen3Config(**common, head_dim=32, tie_word_embeddings=True,
+                                  rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                "original_max_position_embeddings": 48}),
         # Granite's four multipliers, each far from 1 so that leaving one out changes the answer.
         "granite": GraniteConfig(**common, embedding_multiplier=6.0, attention_multiplier=0.09,
                                  residual_multiplier=0.3, logits_scaling=4.0, tie_word_embeddings=True),

@@ -1,5 +1,5 @@
-"""Rotary position embeddings (neox layout, as HF Llama/Qwen), with linear, llama3 and longrope scaling, over
-whole heads or their leading channels."""
+"""Rotary position embeddings (neox layout, as HF Llama/Qwen), with linear, llama3, YaRN and longrope scaling,
+over whole heads or their leading channels."""
 
 from __future__ import annotations
 
@@ -11,6 +11,11 @@ from torch import nn
 from plait.kernels.dispatch import use_triton
 
 LONGROPE = "longrope"
+YARN = "yarn"
+# YaRN's defaults where a config leaves them out (transformers' _compute_yarn_parameters): the rotation
+# counts bounding the band of channels blended between extrapolated and interpolated frequencies.
+YARN_BETA_FAST = 32
+YARN_BETA_SLOW = 1
 
 
 def _rope_type(scaling: dict | None) -> str:
@@ -34,7 +39,8 @@ def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ValueError(f"rope scaling type {kind!r} is not supported (supported: linear, llama3, longrope)")
+    raise ValueError(f"rope scaling type {kind!r} is not supported "
+                     "(supported: linear, llama3, yarn, longrope)")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -95,10 +101,49 @@ def _longrope_cos_sin(head_dim: int, max_positions: int, theta: float, s: dict) 
     return torch.cat([short, long])
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(s: dict) -> float:
+    """What YaRN multiplies cos and sin by: the config's attention_factor, else 0.1 ln(factor) + 1 (DeepSeek's
+    mscale / mscale_all_dim ratio where both are given)."""
+    if s.get("attention_factor") is not None:
+        return float(s["attention_factor"])
+    if s.get("mscale") and s.get("mscale_all_dim"):
+        return _yarn_mscale(s["factor"], s["mscale"]) / _yarn_mscale(s["factor"], s["mscale_all_dim"])
+    return _yarn_mscale(s["factor"])
+
+
+def yarn_inv_freq(head_dim: int, theta: float, s: dict) -> torch.Tensor:
+    """YaRN's frequencies (transformers' _compute_yarn_parameters): channels that turn many times within the
+    original context keep their frequency, slow ones are divided by ``factor``, and a linear ramp blends the
+    band between (bounded by beta_fast / beta_slow rotations, rounded outwards unless ``truncate`` is off)."""
+    factor, original = s["factor"], s["original_max_position_embeddings"]
+
+    def channel(rotations: float) -> float:  # the channel pair that turns ``rotations`` times in the original
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = channel(s.get("beta_fast") or YARN_BETA_FAST), channel(s.get("beta_slow") or YARN_BETA_SLOW)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolated = 1 - ramp  # [head_dim / 2]: 1 where the frequency is kept
+    pos_freqs = _base_inv_freq(head_dim, theta)
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolated) + (1.0 / pos_freqs) * extrapolated
+
+
 def cos_sin_table(head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """[max_positions, head_dim] fp32: row p holds cos then sin of position p's half-dim angles."""
-    if _rope_type(scaling) == LONGROPE:
+    kind = _rope_type(scaling)
+    if kind == LONGROPE:
         return _longrope_cos_sin(head_dim, max_positions, theta, scaling)
+    if kind == YARN:
+        return _cos_sin(torch.arange(max_positions), yarn_inv_freq(head_dim, theta, scaling),
+                        yarn_attention_factor(scaling))
     return _cos_sin(torch.arange(max_positions), _inv_freq(head_dim, theta, scaling))
 
 
