@@ -416,8 +416,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("model config has no 'architectures' field; cannot choose a model class")
-        if cfg.get("model_type") in GEMMA_MODEL_TYPES:
-            cfg = gemma_text_config(cfg)
+        if cfg.get("model_type") in COMPLETED_CONFIGS:
+            cfg = completed_text_config(cfg)
         model_type = cfg.get("model_type", "")
         # Attention-free models (Mamba2) have no attention heads; their "head_dim" is the SSM's.
         heads = cfg.get("num_attention_heads", 0)
@@ -471,27 +471,36 @@ class ModelConfig:
         )
 
 
-# Gemma 2, Gemma 3's text decoder ("gemma3_text") and its image-text checkpoints ("gemma3", served text-only).
-GEMMA_MODEL_TYPES = ("gemma2", "gemma3", "gemma3_text")
-# A multimodal config's top-level keys that hold for its text decoder too.
-_GEMMA3_TOP_LEVEL_KEYS = ("architectures", "eos_token_id", "torch_dtype", "dtype", "quantization_config")
+# Configs completed from transformers' defaults (Hub configs list only what differs from them, a multimodal
+# checkpoint's text_config most of all): model_type -> (transformers' config class, the text decoder's
+# model_type). Image-text checkpoints ("gemma3", "mistral3") are served as text, by their text_config.
+COMPLETED_CONFIGS = {
+    "gemma2": ("Gemma2Config", "gemma2"),
+    "gemma3_text": ("Gemma3TextConfig", "gemma3_text"),
+    "gemma3": ("Gemma3TextConfig", "gemma3_text"),
+    "mistral3": ("MistralConfig", "mistral"),
+}
+IMAGE_TEXT_MODEL_TYPES = ("gemma3", "mistral3")
+# A multimodal config's top-level keys that hold for its text decoder too (transformers 5 ties the
+# embeddings by the top-level flag).
+_IMAGE_TEXT_TOP_LEVEL_KEYS = ("architectures", "eos_token_id", "torch_dtype", "dtype", "quantization_config",
+                              "tie_word_embeddings")
 
 
-def gemma_text_config(cfg: dict) -> dict:
-    """A Gemma 2 / Gemma 3 text decoder config with transformers' defaults filled in (Hub configs list only
-    what differs from them, a multimodal checkpoint's ``text_config`` most of all). A "gemma3" (image-text)
-    config gives its ``text_config`` under its own architecture, for serving text only."""
-    from transformers import Gemma2Config, Gemma3TextConfig
+def completed_text_config(cfg: dict) -> dict:
+    """A COMPLETED_CONFIGS config with transformers' defaults filled in; for an image-text one, its
+    ``text_config`` under its own architecture."""
+    import transformers
 
-    kind = cfg.get("model_type")
-    text = cfg.get("text_config") or {} if kind == "gemma3" else cfg
+    kind = cfg["model_type"]
+    class_name, text_kind = COMPLETED_CONFIGS[kind]
+    text = cfg.get("text_config") or {} if kind in IMAGE_TEXT_MODEL_TYPES else cfg
     skip = ("architectures", "model_type", "text_config", "vision_config")
-    config_class = Gemma2Config if kind == "gemma2" else Gemma3TextConfig
-    full = config_class(**{k: v for k, v in text.items() if k not in skip}).to_dict()
-    for key in _GEMMA3_TOP_LEVEL_KEYS:
+    full = getattr(transformers, class_name)(**{k: v for k, v in text.items() if k not in skip}).to_dict()
+    for key in _IMAGE_TEXT_TOP_LEVEL_KEYS:
         if key in cfg:
             full[key] = cfg[key]
-    full["model_type"] = "gemma2" if kind == "gemma2" else "gemma3_text"
+    full["model_type"] = text_kind
     return full
 
 

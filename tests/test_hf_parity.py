@@ -73,67 +73,84 @@ def test_prompt_logprobs_match_hf(tiny_llama, prefix_caching):
     assert engine.is_idle_and_clean()
 
 
-@pytest.fixture(scope="module")
-def tiny_gemma3_multimodal(tmp_path_factory):
-    """A random image-text Gemma 3 checkpoint (a tiny SigLIP tower beside the text decoder), saved by
-    transformers, and the HF model."""
+def _image_text_model(kind: str):
+    """A random image-text model of ``kind`` with a tiny vision tower beside its text decoder: (HF model, the
+    transformers config class its text_config completes from)."""
+    import transformers
     from conftest import TINY_VOCAB
-    from transformers import (
-        Gemma3Config,
-        Gemma3ForConditionalGeneration,
-        Gemma3TextConfig,
-        SiglipVisionConfig,
-    )
 
-    text = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                            num_key_value_heads=2, head_dim=32, vocab_size=TINY_VOCAB, sliding_window=16,
-                            max_position_embeddings=512, layer_types=["sliding_attention", "full_attention"])
-    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                num_attention_heads=2, image_size=28, patch_size=14)
-    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
-                          image_token_index=TINY_VOCAB - 1, boi_token_index=TINY_VOCAB - 3,
-                          eoi_token_index=TINY_VOCAB - 2)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, vocab_size=TINY_VOCAB, max_position_embeddings=512)
+    if kind == "gemma3":
+        text_class = transformers.Gemma3TextConfig
+        vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, image_size=28, patch_size=14)
+        kinds = ["sliding_attention", "full_attention"]
+        config = transformers.Gemma3Config(
+            text_config=text_class(**text, sliding_window=16, layer_types=kinds),
+            vision_config=vision, mm_tokens_per_image=4, image_token_index=TINY_VOCAB - 1,
+            boi_token_index=TINY_VOCAB - 3, eoi_token_index=TINY_VOCAB - 2)
+        model_class = transformers.Gemma3ForConditionalGeneration
+    else:
+        text_class = transformers.MistralConfig
+        vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                  num_attention_heads=2, image_size=28, patch_size=14,
+                                                  head_dim=16)
+        config = transformers.Mistral3Config(text_config=text_class(**text, sliding_window=None),
+                                             vision_config=vision, image_token_index=TINY_VOCAB - 1)
+        model_class = transformers.Mistral3ForConditionalGeneration
     torch.manual_seed(11)
-    model = Gemma3ForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name:
-                p.normal_(0.0, 0.3)
-            else:
+            if "norm" not in name:
                 p.mul_(8.0)
-    folder = tmp_path_factory.mktemp("tiny-gemma3-mm")
-    model.save_pretrained(folder)
-    return folder, model
+            elif kind == "gemma3":  # 1 + weight norms, zero-initialised: make them count
+                p.normal_(0.0, 0.3)
+    return model, text_class
+
+
+@pytest.fixture(scope="module")
+def image_text_models(tmp_path_factory):
+    """kind -> (folder of the checkpoint as transformers saves it, HF model, text config class)."""
+    made = {}
+    for kind in ("gemma3", "mistral3"):
+        model, text_class = _image_text_model(kind)
+        folder = tmp_path_factory.mktemp(f"tiny-{kind}-image-text")
+        model.save_pretrained(folder)
+        made[kind] = folder, model, text_class
+    return made
 
 
 @pytest.mark.parametrize("layout", ["saved", "transformers5-names-and-hub-config"])
-def test_gemma3_image_text_checkpoint_serves_text_like_hf(tiny_gemma3_multimodal, tmp_path, layout):
-    """An image-text Gemma 3 checkpoint (Gemma3ForConditionalGeneration: 4B, 12B, 27B) served text-only:
-    its language model under either naming (``language_model.model.*`` as saved, ``model.language_model.*``
-    as transformers 5 names it in memory), the vision tower left out, and a Hub-style text_config that
-    lists only what differs from transformers' defaults; greedy tokens and logits equal HF's."""
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3"])
+def test_image_text_checkpoint_serves_text_like_hf(image_text_models, tmp_path, kind, layout):
+    """An image-text checkpoint served text-only (Gemma3ForConditionalGeneration: Gemma 3 4B, 12B, 27B;
+    Mistral3ForConditionalGeneration: Mistral-Small-3.1 / 3.2): its language model under either naming
+    (``language_model.model.*`` as saved, ``model.language_model.*`` as transformers 5 names it in memory),
+    the vision tower left out, and a Hub-style text_config that lists only what differs from transformers'
+    defaults; greedy tokens and logits equal HF's."""
     import json
     import shutil
 
     from safetensors.torch import load_file, save_file
-    from transformers import Gemma3TextConfig
 
-    folder, hf = tiny_gemma3_multimodal
+    folder, hf, text_class = image_text_models[kind]
     if layout != "saved":
-        copy = tmp_path / "gemma3-mm"
+        copy = tmp_path / kind
         shutil.copytree(folder, copy)
         tensors = load_file(copy / "model.safetensors")
         renamed = {n.replace("language_model.model.", "model.language_model."): t for n, t in tensors.items()}
         save_file(renamed, copy / "model.safetensors")
         config = json.loads((copy / "config.json").read_text())
-        defaults = Gemma3TextConfig().to_dict()
+        defaults = text_class().to_dict()
         config["text_config"] = {k: v for k, v in config["text_config"].items() if defaults.get(k) != v}
-        assert "head_dim" not in config["text_config"] or config["text_config"]["head_dim"] != 256
+        assert config["text_config"]["hidden_size"] == 64 and "rms_norm_eps" not in config["text_config"]
         (copy / "config.json").write_text(json.dumps(config))
         folder = copy
     prompts = random_prompts(4, 1, 40, seed=5)
     engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=32, block_size=8))
-    assert type(engine.runner.model).__name__ == "Gemma3ForConditionalGeneration"
+    assert type(engine.runner.model).__name__ == type(hf).__name__
     outputs, logits = run_greedy(engine, prompts, MAX_TOKENS, capture_logits=True)
     for i, prompt in enumerate(prompts):
         ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], MAX_TOKENS)

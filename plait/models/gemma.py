@@ -18,7 +18,7 @@ from plait.layers.norm import GemmaRMSNorm
 from plait.layers.rotary import RotaryEmbedding
 from plait.models.base import CausalLM
 from plait.models.llama import MLP, Attention
-from plait.models.weights import load_decoder_weights
+from plait.models.weights import language_model_weights, load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
 
 SLIDING = "sliding_attention"
@@ -198,16 +198,4 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
     supports_lora = False
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_decoder_weights(self, ((name, t) for name, t in
-                                    ((language_model_name(n), t) for n, t in weights) if name is not None))
-
-
-def language_model_name(name: str) -> str | None:
-    """A multimodal Gemma 3 tensor's name in the text decoder; None for the vision tower's and projector's."""
-    for prefix, to in (("language_model.model.", "model."), ("model.language_model.", "model."),
-                       ("language_model.lm_head.", "lm_head.")):
-        if name.startswith(prefix):
-            return to + name[len(prefix):]
-    if name.startswith("lm_head."):
-        return name
-    return None
+        load_decoder_weights(self, language_model_weights(weights))

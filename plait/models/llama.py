@@ -18,7 +18,7 @@ from plait.layers.moe import FusedMoE
 from plait.layers.norm import RMSNorm, RowNorm
 from plait.layers.rotary import rotary_embedding
 from plait.models.base import CausalLM
-from plait.models.weights import load_decoder_weights
+from plait.models.weights import language_model_weights, load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
 
 
@@ -208,6 +208,17 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     # Phi-3 adapters target the fused qkv_proj / gate_up_proj, and plait.lora takes adapters of their
     # q/k/v and gate/up slices only (SUPPORTED_TARGETS): LoRA is refused for the model as a whole.
     supports_lora = False
+
+
+class Mistral3ForConditionalGeneration(LlamaForCausalLM):
+    """An image-text Mistral 3 checkpoint (Mistral-Small-3.1 / 3.2) served as text: its Mistral decoder's
+    tensors under the decoder's names; the Pixtral vision tower and projector are not loaded."""
+
+    # Adapters for these checkpoints name the multimodal model's modules (language_model.model...).
+    supports_lora = False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_decoder_weights(self, language_model_weights(weights))
 
 
 class LlamaForSequenceClassification(LlamaForCausalLM):

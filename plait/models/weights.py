@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -142,3 +142,28 @@ def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
         return mixtral_name(name) if cfg.moe is not None else name
 
     load_checked(model, weights, STACKED_PROJECTIONS, sizes, rename)
+
+
+# An image-text checkpoint's text decoder, under transformers 4's and 5's names -> the decoder's own names.
+LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                           ("language_model.lm_head.", "lm_head."))
+
+
+def language_model_name(name: str) -> str | None:
+    """An image-text checkpoint's tensor under its text decoder's name; None for the vision tower's and the
+    projector's (served as text, the model loads neither)."""
+    for prefix, to in LANGUAGE_MODEL_PREFIXES:
+        if name.startswith(prefix):
+            return to + name[len(prefix):]
+    if name.startswith("lm_head."):
+        return name
+    return None
+
+
+def language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]
+                           ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The text decoder's tensors of an image-text checkpoint, renamed (language_model_name)."""
+    for name, tensor in weights:
+        renamed = language_model_name(name)
+        if renamed is not None:
+            yield renamed, tensor
