@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -15,70 +14,22 @@ from plait.attention.base import Rotary
 from plait.config import ModelConfig
 from plait.layers.linear import Linear, logits_fp32
 from plait.layers.norm import GemmaRMSNorm
-from plait.layers.rotary import RotaryEmbedding
 from plait.models.base import CausalLM
+from plait.models.layer_kinds import SLIDING, kind_rotaries, layer_ropes, layer_types
 from plait.models.llama import MLP, Attention
 from plait.models.weights import language_model_weights, load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
 
-SLIDING = "sliding_attention"
-FULL = "full_attention"
 # transformers' defaults where a config leaves them out (Gemma3TextConfig).
 DEFAULT_GLOBAL_THETA = 1_000_000.0
 DEFAULT_LOCAL_THETA = 10_000.0
 DEFAULT_SLIDING_PATTERN = 6  # Gemma 3: every sixth layer attends globally
 
 
-@dataclass(frozen=True)
-class LayerRope:
-    """The rotary base and scaling of one kind of layer."""
-
-    theta: float
-    scaling: dict | None
-
-
 def check_gemma(raw: dict) -> None:
     """Refuse, by name, what plait's Gemma does not compute."""
     if raw.get("use_bidirectional_attention"):
         raise ValueError("bidirectional Gemma 3 (EmbeddingGemma) is not supported")
-
-
-def layer_types(raw: dict) -> list[str]:
-    """Each layer's kind: the config's ``layer_types``, else older configs' ``sliding_window_pattern``
-    (ModelConfig fills ``layer_types`` in through transformers' own defaults: Gemma 2 alternates)."""
-    n = raw["num_hidden_layers"]
-    kinds = raw.get("layer_types")
-    if kinds:
-        if len(kinds) != n or set(kinds) - {SLIDING, FULL}:
-            raise ValueError(f"layer_types must name {n} layers, each {SLIDING!r} or {FULL!r}")
-        return list(kinds)
-    pattern = raw.get("sliding_window_pattern") or DEFAULT_SLIDING_PATTERN
-    return [SLIDING if (i + 1) % pattern else FULL for i in range(n)]
-
-
-def _scaling(params: dict | None) -> dict | None:
-    if not params or params.get("rope_type", params.get("type", "default")) == "default":
-        return None
-    return params
-
-
-def layer_ropes(raw: dict) -> dict[str, LayerRope]:
-    """The rotary of global and of sliding layers: Gemma 3's per-kind ``rope_parameters`` (transformers 5),
-    or one ``rope_parameters`` / ``rope_theta`` + ``rope_scaling`` for the global layers, which the sliding
-    ones share (Gemma 2) unless ``rope_local_base_freq`` gives them their own unscaled base (Gemma 3 as
-    transformers 4 writes it)."""
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and (FULL in params or SLIDING in params):
-        full, local = params.get(FULL) or {}, params.get(SLIDING) or {}
-        return {FULL: LayerRope(float(full.get("rope_theta", DEFAULT_GLOBAL_THETA)), _scaling(full)),
-                SLIDING: LayerRope(float(local.get("rope_theta", DEFAULT_LOCAL_THETA)), _scaling(local))}
-    if isinstance(params, dict):
-        full = LayerRope(float(params.get("rope_theta", DEFAULT_LOCAL_THETA)), _scaling(params))
-    else:
-        theta = float(raw.get("rope_theta") or DEFAULT_LOCAL_THETA)
-        full = LayerRope(theta, _scaling(raw.get("rope_scaling")))
-    local = raw.get("rope_local_base_freq")
-    return {FULL: full, SLIDING: full if local is None else LayerRope(float(local), None)}
 
 
 @functools.cache
@@ -137,14 +88,13 @@ class GemmaDecoderLayer(nn.Module):
 class GemmaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        kinds = layer_types(cfg.raw)
+        kinds = layer_types(cfg.raw, DEFAULT_SLIDING_PATTERN)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = cfg.hidden_size**0.5
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, kind) for i, kind in enumerate(kinds))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        ropes = layer_ropes(cfg.raw)
-        self.rotary = {kind: RotaryEmbedding(cfg.head_dim, max_positions, rope.theta, rope.scaling)
-                       for kind, rope in ropes.items()}
+        ropes = layer_ropes(cfg.raw, DEFAULT_GLOBAL_THETA, DEFAULT_LOCAL_THETA)
+        self.rotary = kind_rotaries(ropes, cfg.head_dim, max_positions)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # input_ids: [T] -> hidden: [T, hidden]. The scale is rounded to the weights' dtype first, as
