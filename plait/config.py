@@ -479,6 +479,8 @@ COMPLETED_CONFIGS = {
     "gemma3_text": ("Gemma3TextConfig", "gemma3_text"),
     "gemma3": ("Gemma3TextConfig", "gemma3_text"),
     "mistral3": ("MistralConfig", "mistral"),
+    "olmo2": ("Olmo2Config", "olmo2"),
+    "olmo3": ("Olmo3Config", "olmo3"),
 }
 IMAGE_TEXT_MODEL_TYPES = ("gemma3", "mistral3")
 # A multimodal config's top-level keys that hold for its text decoder too (transformers 5 ties the

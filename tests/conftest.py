@@ -64,6 +64,8 @@ def _tiny_configs() -> dict:
         GraniteConfig,
         LlamaConfig,
         MistralConfig,
+        Olmo2Config,
+        Olmo3Config,
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
@@ -98,6 +100,16 @@ def _tiny_configs() -> dict:
         "qwen3-yarn": Qwen3Config(**common, head_dim=32, tie_word_embeddings=True,
                                   rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                 "original_max_position_embeddings": 48}),
+        # OLMo 2: norms after the sublayers, q/k normalised across heads; OLMo 3 adds sliding layers (a window
+        # shorter than the test prompts) and a YaRN-stretched global one.
+        "olmo2": Olmo2Config(**common, tie_word_embeddings=False),
+        "olmo3": Olmo3Config(**(common | {"num_hidden_layers": 3}), sliding_window=24,
+                             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                             rope_parameters={"full_attention": {"rope_type": "yarn", "factor": 4.0,
+                                                                 "original_max_position_embeddings": 48,
+                                                                 "rope_theta": 50_000.0},
+                                              "sliding_attention": {"rope_type": "default",
+                                                                    "rope_theta": 5_000.0}}),
         # Granite's four multipliers, each far from 1 so that leaving one out changes the answer.
         "granite": GraniteConfig(**common, embedding_multiplier=6.0, attention_multiplier=0.09,
                                  residual_multiplier=0.3, logits_scaling=4.0, tie_word_embeddings=True),

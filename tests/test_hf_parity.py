@@ -13,8 +13,8 @@ LOGITS_ATOL = 1e-4
 MAX_TOKENS = 12
 
 
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3-yarn", "granite", "gemma2",
-                                    "gemma3", "phi3", "phi3-longrope"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3-yarn", "granite", "olmo2",
+                                    "olmo3", "gemma2", "gemma3", "phi3", "phi3-longrope"])
 def test_logits_and_greedy_match_hf(tiny_models, family):
     from transformers import AutoModelForCausalLM
 

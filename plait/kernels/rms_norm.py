@@ -19,16 +19,19 @@ MAX_WARPS = 16
 ELEMENTS_PER_PROGRAM = 2048
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False
-                 ) -> torch.Tensor:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool = False,
+                 round_once: bool = False) -> torch.Tensor:
     """plait.layers.norm.RMSNorm.forward: variance in fp32, cast to x's dtype, then times weight. With
     ``unit_offset`` (Gemma's norms) the scale is 1 + weight, and the product is taken in fp32 and rounded
-    once, as transformers' GemmaRMSNorm does."""
+    once, as transformers' GemmaRMSNorm does; ``round_once`` alone (OLMo's norms) takes that product without
+    the offset."""
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     if unit_offset:
         return (x32 * (1.0 + weight.float())).to(dtype)
+    if round_once:  # OLMo 2 / 3: the weight times the fp32 row, rounded once
+        return (weight.float() * x32).to(dtype)
     return weight * x32.to(dtype)
 
 
@@ -65,7 +68,8 @@ def _inv_rms(x, H, eps, PRECISE: tl.constexpr):
 
 
 @triton.jit
-def _normalize(x, w_ptr, cols, H, eps, dtype: tl.constexpr, PRECISE: tl.constexpr, UNIT_OFFSET: tl.constexpr):
+def _normalize(x, w_ptr, cols, H, eps, dtype: tl.constexpr, PRECISE: tl.constexpr, UNIT_OFFSET: tl.constexpr,
+               ROUND_ONCE: tl.constexpr):
     """rms_norm_ref of rows x ([ROWS, BLOCK_H] fp32) with weight w_ptr [H], left unrounded in fp32: its one
     remaining rounding is to ``dtype``."""
     inv = _inv_rms(x, H, eps, PRECISE)
@@ -73,6 +77,8 @@ def _normalize(x, w_ptr, cols, H, eps, dtype: tl.constexpr, PRECISE: tl.constexp
     if UNIT_OFFSET:
         # Gemma: scale by 1 + w, the product in fp32 and rounded once.
         return (w + 1.0)[None, :] * (x * inv[:, None])
+    if ROUND_ONCE:  # OLMo: w times the fp32 row, rounded once
+        return w[None, :] * (x * inv[:, None])
     # HF's Llama casts the normalised value to the activation dtype before the weight multiply. Both
     # factors are exact in fp32 (<= 24 mantissa bits together), so the product is torch's one rounding.
     return w[None, :] * (x * inv[:, None]).to(dtype).to(tl.float32)
@@ -85,7 +91,7 @@ def _rms_norm_kernel(
     n_rows, n_inner, sx_outer, sx_inner, so_outer, so_inner, s_res, s_res_out,
     H, eps, pre_eps,
     HAS_RESIDUAL: tl.constexpr, PRECISE: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-    UNIT_OFFSET: tl.constexpr, PRE_NORM: tl.constexpr, PDL: tl.constexpr,
+    UNIT_OFFSET: tl.constexpr, ROUND_ONCE: tl.constexpr, PRE_NORM: tl.constexpr, PDL: tl.constexpr,
 ):
     # Row r of the flattened [..., H] input sits at (r // n_inner) * s_outer + (r % n_inner) * s_inner:
     # that covers [T, H] and the strided [T, heads, head_dim] views q/k-norm get from the qkv split.
@@ -101,14 +107,14 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         act_dtype = res_out_ptr.dtype.element_ty
         if PRE_NORM:  # Gemma's post-norm of the sublayer's output, rounded as its own module's output is
-            x = _normalize(x, pre_w_ptr, cols, H, pre_eps, act_dtype, PRECISE, UNIT_OFFSET)
+            x = _normalize(x, pre_w_ptr, cols, H, pre_eps, act_dtype, PRECISE, UNIT_OFFSET, ROUND_ONCE)
             x = x.to(act_dtype).to(tl.float32)
         r = tl.load(res_ptr + (rows * s_res)[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         # Rounded to the activation dtype first, as torch's x + residual is.
         summed = (x + r).to(act_dtype)
         tl.store(res_out_ptr + (rows * s_res_out)[:, None] + cols[None, :], summed, mask=mask)
         x = summed.to(tl.float32)
-    normed = _normalize(x, w_ptr, cols, H, eps, act_dtype, PRECISE, UNIT_OFFSET)
+    normed = _normalize(x, w_ptr, cols, H, eps, act_dtype, PRECISE, UNIT_OFFSET, ROUND_ONCE)
     out_offs = (outer * so_outer + inner * so_inner)[:, None] + cols[None, :]
     tl.store(out_ptr + out_offs, normed.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -143,9 +149,9 @@ def supported_hidden(h: int) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = False,
-             unit_offset: bool = False) -> torch.Tensor:
+             unit_offset: bool = False, round_once: bool = False) -> torch.Tensor:
     """RMSNorm over the last dim of x ([T, H] or [T, heads, D]); equals rms_norm_ref (``unit_offset``:
-    Gemma's 1 + weight).
+    Gemma's 1 + weight; ``round_once``: OLMo's rounding).
 
     inplace=True writes the result into x's storage (only when weight's dtype gives x's dtype back).
     """
@@ -166,7 +172,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = 
     _rms_norm_kernel[(triton.cdiv(n_rows, rows),)](
         rows_view, weight, out_view, rows_view, rows_view, weight, n_rows, n_inner, sx_o, sx_i, so_o, so_i,
         0, 0, h, eps, 0.0, HAS_RESIDUAL=False, PRECISE=x.is_cuda, BLOCK_H=block_h, ROWS=rows,
-        UNIT_OFFSET=unit_offset, PRE_NORM=False, num_warps=num_warps, **pdl_args(x),
+        UNIT_OFFSET=unit_offset, ROUND_ONCE=round_once, PRE_NORM=False, num_warps=num_warps, **pdl_args(x),
     )
     return x if inplace else out_view.view(x.shape)
 
@@ -174,6 +180,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = 
 def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, inplace: bool = False,
     unit_offset: bool = False, pre_weight: torch.Tensor | None = None, pre_eps: float = 0.0,
+    round_once: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(RMSNorm(x + residual), x + residual) in one pass; equals fused_add_rms_norm_ref. With
     ``pre_weight`` x is first normalised by that norm (Gemma's sandwich: a sublayer's post-norm, the
@@ -204,7 +211,7 @@ def fused_add_rms_norm(
             x2, weight, out, r2, res_out, weight if pre_weight is None else pre_weight, x2.shape[0], 1,
             x2.stride(0), 0, out.stride(0), 0, r2.stride(0), res_out.stride(0), h, eps, pre_eps,
             HAS_RESIDUAL=True, PRECISE=x.is_cuda, BLOCK_H=block_h, ROWS=rows, UNIT_OFFSET=unit_offset,
-            PRE_NORM=pre_weight is not None, num_warps=num_warps, **pdl_args(x),
+            ROUND_ONCE=round_once, PRE_NORM=pre_weight is not None, num_warps=num_warps, **pdl_args(x),
         )
     if inplace:
         return x, residual

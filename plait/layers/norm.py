@@ -28,8 +28,10 @@ class RowNorm:
 
 
 class RMSNorm(nn.Module):
-    # Gemma's norms scale by 1 + weight (GemmaRMSNorm); the kernels read the flag.
+    # Gemma's norms scale by 1 + weight (GemmaRMSNorm); OLMo's take weight x row in fp32, rounded once (as
+    # Gemma's do): the kernels read both flags.
     unit_offset = False
+    round_once = False
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -42,12 +44,15 @@ class RMSNorm(nn.Module):
             from plait.kernels import rms_norm as kernels
 
             if kernels.supported_hidden(x.shape[-1]):
-                return kernels.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
+                return kernels.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset,
+                                        round_once=self.round_once)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
             return (x32 * (1.0 + self.weight.float())).to(dtype)
+        if self.round_once:
+            return (self.weight.float() * x32).to(dtype)
         return self.weight * x32.to(dtype)
 
     def forward_residual(self, x: torch.Tensor, residual: torch.Tensor, pre_norm: RMSNorm | None = None
@@ -55,7 +60,8 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual): the pre-norm block's add-then-normalise, one call. With
         ``pre_norm`` (a norm of the same kind) x is pre_norm(x) first: Gemma's sandwich, the sublayer's
         post-norm, the add and the next pre-norm in one launch on the GPU."""
-        if pre_norm is not None and pre_norm.unit_offset != self.unit_offset:
+        if pre_norm is not None and (pre_norm.unit_offset, pre_norm.round_once) != (self.unit_offset,
+                                                                                     self.round_once):
             raise ValueError("a fused pre_norm must be of the norm's own kind")
         if use_triton(x) and x.shape == residual.shape:
             from plait.kernels import rms_norm as kernels
@@ -63,7 +69,8 @@ class RMSNorm(nn.Module):
             if kernels.supported_hidden(x.shape[-1]):
                 pre = {} if pre_norm is None else {"pre_weight": pre_norm.weight, "pre_eps": pre_norm.eps}
                 return kernels.fused_add_rms_norm(x, residual, self.weight, self.eps,
-                                                  unit_offset=self.unit_offset, **pre)
+                                                  unit_offset=self.unit_offset, round_once=self.round_once,
+                                                  **pre)
         if pre_norm is not None:
             x = pre_norm(x)
         residual = x + residual
@@ -75,3 +82,9 @@ class GemmaRMSNorm(RMSNorm):
     fp32 and rounded once."""
 
     unit_offset = True
+
+
+class OlmoRMSNorm(RMSNorm):
+    """OLMo 2 / 3's RMSNorm: the weight times the fp32 row, rounded once (Llama's rounds the row first)."""
+
+    round_once = True

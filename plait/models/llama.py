@@ -23,9 +23,11 @@ from plait.runner.forward_batch import ForwardBatch
 
 
 class Attention(nn.Module):
-    # Gemma's attention is this one with its own norms (GemmaRMSNorm), window, scale and score cap.
+    # Gemma's attention is this one with its own norms (GemmaRMSNorm), window, scale and score cap; OLMo's
+    # normalises q and k across all heads at once (flat_qk_norm), before they are split into heads.
     norm_class = RMSNorm
     logit_softcap: float | None = None
+    flat_qk_norm = False
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -48,12 +50,14 @@ class Attention(nn.Module):
     def attend(self, qkv: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
         # qkv: [T, (Hq + 2 Hkv) D] -> attention output before o_proj: [T, Hq D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.flat_qk_norm:  # q: [T, Hq D], k: [T, Hkv D], each normalised as one row
+            q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         # The backend normalises (Qwen3's q/k norms) and rotates q and k with the KV store: one kernel on
         # the GPU.
-        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None else None
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and not self.flat_qk_norm else None
         out = batch.attention(self.layer_idx, q, k, v, self.scale, self.sliding_window, rotary=rotary,
                               qk_norm=qk_norm, logit_softcap=self.logit_softcap)
         return out.reshape(-1, self.q_size)

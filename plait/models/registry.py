@@ -15,6 +15,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GraniteForCausalLM": ("plait.models.granite", "GraniteForCausalLM"),
     "Gemma3ForCausalLM": ("plait.models.gemma", "GemmaForCausalLM"),
     "Gemma3ForConditionalGeneration": ("plait.models.gemma", "Gemma3ForConditionalGeneration"),
+    "Olmo2ForCausalLM": ("plait.models.olmo", "OlmoForCausalLM"),
+    "Olmo3ForCausalLM": ("plait.models.olmo", "OlmoForCausalLM"),
     "Mistral3ForConditionalGeneration": ("plait.models.llama", "Mistral3ForConditionalGeneration"),
     "MixtralForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
