@@ -227,6 +227,46 @@ def test_gemma_on_the_gpu_path_computes_the_reference_function_in_fp32(tmp_path,
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
 
 
+def _dense_family_config(tmp_path, family: str) -> str:
+    """Granite (its four multipliers) or OLMo 3 (post-sublayer norms, q/k normalised across heads, sliding
+    layers beside a YaRN-scaled global one) at Llama-8B's head dim, random weights."""
+    cfg = {
+        "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 8,
+        "num_key_value_heads": 2, "head_dim": 128, "vocab_size": VOCAB, "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": False,
+    }
+    sliding, full = "sliding_attention", "full_attention"
+    if family == "granite":
+        cfg |= {"architectures": ["GraniteForCausalLM"], "model_type": "granite", "rope_theta": 10000.0,
+                "embedding_multiplier": 12.0, "attention_multiplier": 0.0078125, "residual_multiplier": 0.22,
+                "logits_scaling": 8.0}
+    else:
+        cfg |= {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "sliding_window": 64,
+                "eos_token_id": 1, "layer_types": [sliding, sliding, sliding, full],
+                "rope_parameters": {full: {"rope_type": "yarn", "factor": 8.0, "rope_theta": 500000.0,
+                                           "original_max_position_embeddings": 256},
+                                    sliding: {"rope_type": "default", "rope_theta": 500000.0}}}
+    folder = tmp_path / family
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
+@pytest.mark.parametrize("family", ["granite", "olmo3"])
+def test_dense_families_on_the_gpu_path_compute_the_reference_function_in_fp32(tmp_path, family):
+    """Granite and OLMo 3 through Triton (OLMo's round-once norms over whole q/k rows, its windows and YaRN
+    table in the rotary launch), CUDA graphs and overlap, against torch_ref, eager and synchronous, fp32."""
+    model = _dense_family_config(tmp_path, family)
+    prompts = _prompts(6)[:24]
+    ref = _greedy(_engine(model, "float32", attention_backend="torch_ref", enforce_eager=True,
+                          async_scheduling=False, max_num_batched_tokens=4096), prompts, 0)
+    engine = _engine(model, "float32", attention_backend="triton", max_num_batched_tokens=BUDGET)
+    agree, forks = _agreement(_greedy(engine, prompts, arrive_every=2), ref)
+    assert agree >= FP32_AGREEMENT, f"{agree:.0%} agree; first forks at {forks}"
+    b = engine.runner.breakdown
+    assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
+
+
 # A Phi-4-mini-shaped LongRoPE Phi-3 pretrained on this many positions: most prompts and outputs cross it.
 PHI3_ORIGINAL_MAX_POSITIONS = 256
 
