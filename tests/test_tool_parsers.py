@@ -51,6 +51,18 @@ CASES = [
     ("llama3_json", "Paris is sunny {today}.", "Paris is sunny {today}.", []),
     ("llama3_json", '{"city": "Paris"}', '{"city": "Paris"}', []),  # JSON, but no call
     ("llama3_json", '{"name": "get_weather", "param', '{"name": "get_weather", "param', []),
+    ("granite", f"<|tool_call|>[{WEATHER}, {TIME}]", "",
+     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("granite", f"<tool_call>[{WEATHER}]", "", [("get_weather", {"city": "Paris"})]),  # the tag as text
+    ("granite", f"[{TIME}]", "", [("get_time", {})]),  # no tag
+    ("granite", "It is [sunny] today.", "It is [sunny] today.", []),
+    ("granite", f"<|tool_call|>[{WEATHER}, {{\"name\": 3}}]", ' {"name": 3}]',
+     [("get_weather", {"city": "Paris"})]),  # a malformed call after a good one is content
+    ("phi4_mini_json", f"functools[{WEATHER}, {TIME}]", "",
+     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("phi4_mini_json", f"[{WEATHER}]", f"[{WEATHER}]", []),  # without the word: content, as vLLM's
+    ("phi4_mini_json", "functional programming", "functional programming", []),
+    ("phi4_mini_json", "func", "func", []),  # the start of the word, never finished
 ]
 
 
@@ -84,7 +96,7 @@ def test_streaming_holds_back_only_what_may_be_a_call():
     assert parser.feed("_call>{") == []  # inside a call: nothing decided until it closes
     events = parser.feed('"name": "f", "arguments": {"a": 1}}</tool_call>')
     assert _calls(collect(events)[1]) == [("f", {"a": 1})]
-    assert TOOL_PARSERS.keys() >= {"hermes", "llama3_json"}
+    assert TOOL_PARSERS.keys() >= {"hermes", "llama3_json", "granite", "phi4_mini_json"}
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         get_tool_parser("nope")
 

@@ -13,6 +13,10 @@ HERMES_CALL_CLOSE = "</tool_call>"
 # Where Llama 3.x may begin its calls (a special token, so gone from the text unless special tokens are kept).
 LLAMA_PYTHON_TAG = "<|python_tag|>"
 LLAMA_CALL_SEPARATOR = ";"
+# Granite 3.x: a special token before its JSON array of calls (or the tag as plain text).
+GRANITE_CALL_TOKENS = ("<|tool_call|>", "<tool_call>")
+# Phi-4-mini: the word before its JSON array of calls.
+PHI4_MINI_CALL_PREFIX = "functools"
 # What decoding JSON the model wrote may raise: malformed, or nested deeper than Python recurses.
 JSON_ERRORS = (json.JSONDecodeError, RecursionError)
 # The keys a call's arguments come under: Hermes writes "arguments", Llama 3 "parameters"; both are read.
@@ -199,13 +203,15 @@ class HermesToolParser(ToolParser):
 
 class JsonCallsParser(ToolOutputParser):
     """Calls as JSON objects one after another: ``{"name": ..., <argument key>: {...}}``, SEPARATOR between
-    them, inside OPEN ... CLOSE where those are set, after an optional PREFIX. Output that does not begin
-    so is content; where it stops fitting, the rest is content (a malformed call is never dropped)."""
+    them, inside OPEN ... CLOSE where those are set, after one of PREFIXES (optional unless PREFIX_REQUIRED).
+    Output that does not begin so is content; where it stops fitting, the rest is content (a malformed call
+    is never dropped)."""
 
     OPEN = ""
     SEPARATOR = LLAMA_CALL_SEPARATOR
     CLOSE = ""
-    PREFIX = ""
+    PREFIXES: tuple[str, ...] = ()
+    PREFIX_REQUIRED = False
     ARGUMENT_KEYS: tuple[str, ...] = ARGUMENT_KEYS
 
     def __init__(self) -> None:
@@ -229,12 +235,16 @@ class JsonCallsParser(ToolOutputParser):
 
     def _start(self, at: int, final: bool, events: list[ToolEvent]) -> bool:
         rest = self.text[at:]
-        if self.PREFIX and not final and len(rest) < len(self.PREFIX) and self.PREFIX.startswith(rest):
-            return False  # may be the prefix
-        if self.PREFIX and rest.startswith(self.PREFIX):
-            at = _skip_whitespace(self.text, at + len(self.PREFIX))
+        if not final and any(len(rest) < len(p) and p.startswith(rest) for p in self.PREFIXES):
+            return False  # may be a prefix
+        prefix = next((p for p in self.PREFIXES if rest.startswith(p)), None)
+        if prefix is not None:
+            at = _skip_whitespace(self.text, at + len(prefix))
             if at == len(self.text) and not final:
                 return False
+        elif self.PREFIX_REQUIRED:
+            self.state = "content"
+            return True
         opener = self.OPEN or "{"
         if not self.text.startswith(opener, at):
             self.state = "content"
@@ -278,4 +288,25 @@ class Llama3JsonToolParser(JsonCallsParser, ToolParser):
     separated by ";", optionally after <|python_tag|>; any other output is content."""
 
     name = "llama3_json"
-    PREFIX = LLAMA_PYTHON_TAG
+    PREFIXES = (LLAMA_PYTHON_TAG,)
+
+
+@register_tool_parser
+class GraniteToolParser(JsonCallsParser, ToolParser):
+    """Granite 3.x (vLLM's "granite"): ``<|tool_call|>[{"name": ..., "arguments": {...}}, ...]``, the tag
+    optional; any other output is content."""
+
+    name = "granite"
+    PREFIXES = GRANITE_CALL_TOKENS
+    OPEN, SEPARATOR, CLOSE = "[", ",", "]"
+
+
+@register_tool_parser
+class Phi4MiniJsonToolParser(JsonCallsParser, ToolParser):
+    """Phi-4-mini (vLLM's "phi4_mini_json"): ``functools[{"name": ..., "arguments": {...}}, ...]``; output
+    without the word is content."""
+
+    name = "phi4_mini_json"
+    PREFIXES = (PHI4_MINI_CALL_PREFIX,)
+    PREFIX_REQUIRED = True
+    OPEN, SEPARATOR, CLOSE = "[", ",", "]"
