@@ -63,6 +63,15 @@ CASES = [
     ("phi4_mini_json", f"[{WEATHER}]", f"[{WEATHER}]", []),  # without the word: content, as vLLM's
     ("phi4_mini_json", "functional programming", "functional programming", []),
     ("phi4_mini_json", "func", "func", []),  # the start of the word, never finished
+    ("pythonic", '[get_weather(city="Paris", days=[1, 2]), get_time()]', "",
+     [("get_weather", {"city": "Paris", "days": [1, 2]}), ("get_time", {})]),
+    ("pythonic", ' [f(a=None, b=True, c={"k": 1.5})]', "", [("f", {"a": None, "b": True, "c": {"k": 1.5}})]),
+    ("pythonic", "The answer is 4.", "The answer is 4.", []),
+    ("pythonic", "[1, 2, 3]", "[1, 2, 3]", []),  # a list, but not of calls
+    ("pythonic", '[f("positional")]', '[f("positional")]', []),
+    ("pythonic", "[f(x=y)]", "[f(x=y)]", []),  # not a literal
+    ("pythonic", '[get_weather(city="Par', '[get_weather(city="Par', []),  # cut short: content
+    ("pythonic", "[f()] and more", "[f()] and more", []),  # text after the list: no call, whole or streamed
 ]
 
 
@@ -96,7 +105,7 @@ def test_streaming_holds_back_only_what_may_be_a_call():
     assert parser.feed("_call>{") == []  # inside a call: nothing decided until it closes
     events = parser.feed('"name": "f", "arguments": {"a": 1}}</tool_call>')
     assert _calls(collect(events)[1]) == [("f", {"a": 1})]
-    assert TOOL_PARSERS.keys() >= {"hermes", "llama3_json", "granite", "phi4_mini_json"}
+    assert TOOL_PARSERS.keys() >= {"hermes", "llama3_json", "granite", "phi4_mini_json", "pythonic"}
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         get_tool_parser("nope")
 

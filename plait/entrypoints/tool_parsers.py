@@ -310,3 +310,53 @@ class Phi4MiniJsonToolParser(JsonCallsParser, ToolParser):
     PREFIXES = (PHI4_MINI_CALL_PREFIX,)
     PREFIX_REQUIRED = True
     OPEN, SEPARATOR, CLOSE = "[", ",", "]"
+
+
+# -- Pythonic: [get_weather(city="Paris"), get_time()] --------------------------------------------
+
+
+@register_tool_parser
+class PythonicToolParser(ToolParser):
+    """Llama 3.2 / Llama 4 pythonic calls (vLLM's "pythonic"): the output is a Python list of calls with
+    keyword arguments of literal values, ``[get_weather(city="Paris"), get_time()]``. Any other output,
+    or a list that is not only such calls, is content. Output that begins with "[" is held to its end: only
+    the whole output can say it is nothing but calls."""
+
+    name = "pythonic"
+
+    def _scan(self, final: bool) -> list[ToolEvent]:
+        text = self.text[self.pos:]
+        if not text.strip() or (text.lstrip().startswith("[") and self.pos == 0):
+            if not final:
+                return []
+            calls = _pythonic_calls(text.strip()) if text.strip() else None
+            if calls is not None:
+                self.pos = len(self.text)
+                return calls
+        return self._rest_as_content()
+
+
+def _pythonic_calls(source: str) -> list[ToolEvent] | None:
+    """``source`` as the events of a list of calls with literal keyword arguments; None if it is not one
+    (yet)."""
+    import ast
+
+    try:
+        tree = ast.parse(source, mode="eval")
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    if not isinstance(tree.body, ast.List):
+        return None
+    events: list[ToolEvent] = []
+    for node in tree.body.elts:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            return None
+        try:
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
+            text = json.dumps(arguments, ensure_ascii=False)
+        except (ValueError, TypeError, SyntaxError, RecursionError):
+            return None
+        if len(arguments) != len(node.keywords):
+            return None  # **kwargs
+        events += [ToolCallStart(node.func.id), ToolCallArguments(text)]
+    return events
