@@ -131,7 +131,8 @@ def test_adapters_match_hf_with_merged_weights(tiny_models, tmp_path, family):
         assert outs[i] == ref_ids, f"{family} prompt {i} ({name}): greedy tokens differ from merged HF"
         torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
     moved = [(torch.stack(logits[i]) - torch.stack(base_logits[i])).abs().max() for i in range(len(order))]
-    assert all(m > 0.05 for m, lora in zip(moved, order) if lora), f"an adapter left its logits: {moved}"
+    # An adapter left out would leave its logits within float noise (~1e-6) of the base model's.
+    assert all(m > 0.01 for m, lora in zip(moved, order) if lora), f"an adapter left its logits: {moved}"
     # Tiny Gemmas' and Granite's scaled embeddings outweigh what their post-normed or scaled-down sublayers
     # add, so fewer (Granite: no) tokens flip there; the logits above still moved.
     changed = sum(outs[i] != base[i] for i, lora in enumerate(order) if lora)
