@@ -1713,6 +1713,8 @@ def test_embeddings_extensions_and_bad_input(embedding_server):
         # Found by the fuzzer: a 500 until the parameters' own check answered 400.
         ({**body, "dimensions": -3}, "Dimensions must be greater than 0", "dimensions"),
         ({**body, "dimensions": 0}, "Dimensions must be greater than 0", "dimensions"),
+        ({**body, "truncate_prompt_tokens": 0}, "truncate_prompt_tokens must be >= 1 or -1",
+         "truncate_prompt_tokens"),  # a 500 too, until the same fix (the fuzzer again)
         ({**body, "input": []}, "input is empty", "input"),
         ({**body, "input": [""]}, "prompt is empty", "input"),
         ({**body, "input": "", "add_special_tokens": False}, "prompt is empty", "input"),

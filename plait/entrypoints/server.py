@@ -1477,7 +1477,10 @@ class OpenAIServer:
             raise APIError(400, f"The model does not support {api}")
         lora = self._check_model(body.model)  # an adapter's name runs with that adapter
         arrival = time.monotonic()
-        params = dataclasses.replace(params, truncate_prompt_tokens=body.truncate_prompt_tokens)
+        try:
+            params = dataclasses.replace(params, truncate_prompt_tokens=body.truncate_prompt_tokens)
+        except ValueError as err:  # 0, or below -1: vLLM's 400
+            raise APIError(400, str(err), param="truncate_prompt_tokens") from err
         try:
             body.check_supported()
             inputs = self._pooling_prompts(body)
