@@ -31,14 +31,13 @@ def _load_script():
     return module
 
 
-def test_fuzzed_requests_never_get_a_server_error(tmp_path):
+def _fuzz_served(model: str, fuzz) -> dict:
+    """Fuzz a server of ``model``: no 5xx, the engine alive and clean after; the statuses per operation."""
     from plait.config import EngineConfig
     from plait.engine.engine import LLMEngine
     from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
 
-    fuzz = _load_script()
-    model = fuzz.make_tiny_model(tmp_path / "tiny")
-    engine = LLMEngine(EngineConfig(model=str(model), max_model_len=fuzz.FUZZ_MAX_MODEL_LEN,
+    engine = LLMEngine(EngineConfig(model=model, max_model_len=fuzz.FUZZ_MAX_MODEL_LEN,
                                     num_kv_blocks=fuzz.FUZZ_KV_BLOCKS))
     server = OpenAIServer(engine, ServerConfig(api_key=fuzz.API_KEY, log_level="critical"))
     with BackgroundServer(server) as url:
@@ -47,7 +46,27 @@ def test_fuzzed_requests_never_get_a_server_error(tmp_path):
         assert fuzz.wait_idle_and_clean(server)  # streams the fuzzer hung up on were aborted
     assert not failures, "\n".join(map(str, failures[:10]))
     assert sum(sum(c.values()) for c in statuses.values()) >= 4 * MAX_EXAMPLES
+    return statuses
+
+
+def test_fuzzed_requests_never_get_a_server_error(tmp_path):
+    fuzz = _load_script()
+    statuses = _fuzz_served(str(fuzz.make_tiny_model(tmp_path / "tiny")), fuzz)
     # The valid cases really ran generations, not only validation errors.
     assert statuses["POST /v1/completions [positive]"][200] > 0
     assert statuses["POST /v1/chat/completions [positive]"][200] > 0
     assert statuses["POST /v1/responses [positive]"][200] > 0
+
+
+def test_fuzzed_pooling_requests_never_get_a_server_error(tmp_path):
+    """The same against a pooling model, whose endpoints run past validation: a longer campaign found two
+    500s there (dimensions and truncate_prompt_tokens below their bounds) that a generating model's 400
+    ("does not support") had hidden."""
+    import json
+
+    fuzz = _load_script()
+    model = fuzz.make_tiny_model(tmp_path / "tiny")
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "architectures": ["LlamaModel"]}))
+    statuses = _fuzz_served(str(model), fuzz)
+    assert statuses["POST /v1/embeddings [positive]"][200] > 0  # valid cases ran the pooler
