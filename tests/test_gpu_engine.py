@@ -29,6 +29,13 @@ FP32_AGREEMENT = 0.95
 VOCAB = 8192
 
 
+def _write_config(folder, cfg: dict) -> str:
+    """A model folder holding only ``cfg`` as its config.json (the engines load random weights)."""
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return str(folder)
+
+
 def _config(tmp_path, head_dim: int, arch: str = "llama") -> str:
     heads = 16
     cfg = {
@@ -47,10 +54,7 @@ def _config(tmp_path, head_dim: int, arch: str = "llama") -> str:
         "tie_word_embeddings": False,
         "hidden_act": "silu",
     }
-    folder = tmp_path / f"{arch}-d{head_dim}"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return str(folder)
+    return _write_config(tmp_path / f"{arch}-d{head_dim}", cfg)
 
 
 def _prompts(seed: int) -> list[list[int]]:
@@ -181,10 +185,7 @@ def _gemma_config(tmp_path, family: str) -> str:
     else:
         cfg |= {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2",
                 "attn_logit_softcapping": 50.0}
-    folder = tmp_path / family
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return str(folder)
+    return _write_config(tmp_path / family, cfg)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
@@ -246,10 +247,7 @@ def _dense_family_config(tmp_path, family: str) -> str:
                 "rope_parameters": {full: {"rope_type": "yarn", "factor": 8.0, "rope_theta": 500000.0,
                                            "original_max_position_embeddings": 256},
                                     sliding: {"rope_type": "default", "rope_theta": 500000.0}}}
-    folder = tmp_path / family
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return str(folder)
+    return _write_config(tmp_path / family, cfg)
 
 
 @pytest.mark.parametrize("family", ["granite", "olmo3"])
@@ -283,10 +281,7 @@ def _phi3_config(tmp_path) -> str:
         "rope_scaling": {"type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(rotary_half)],
                          "long_factor": [1.0 + 2.0 * i for i in range(rotary_half)]},
     }
-    folder = tmp_path / "phi3"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return str(folder)
+    return _write_config(tmp_path / "phi3", cfg)
 
 
 def test_phi3_longrope_on_the_gpu_path_computes_the_reference_function_in_fp32(tmp_path):
