@@ -435,14 +435,14 @@ class ModelConfig:
         params = cfg.get("rope_parameters")  # transformers 5 keeps theta and scaling here
         if isinstance(params, dict):
             rope_theta = rope_theta or params.get("rope_theta")
-            if params.get("rope_type", "default") != "default":
+            if rope_kind(params) != "default":
                 rope_scaling = rope_scaling or params
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+        if rope_kind(rope_scaling) == "default":
             rope_scaling = None
         partial_rotary_factor = 1.0
         if model_type == PHI3_MODEL_TYPE:
             rope_scaling, partial_rotary_factor = phi3_rope(cfg, rope_scaling)
-        elif rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "yarn":
+        elif rope_kind(rope_scaling) == "yarn":
             rope_scaling = yarn_rope(cfg, rope_scaling)
         return cls(
             architecture=archs[0],
@@ -469,6 +469,13 @@ class ModelConfig:
             partial_rotary_factor=partial_rotary_factor,
             raw=cfg,
         )
+
+
+def rope_kind(scaling: dict | None) -> str:
+    """A rope_scaling / rope_parameters dict's kind ("rope_type", or the older "type"); "default" for none."""
+    if scaling is None:
+        return "default"
+    return scaling.get("rope_type", scaling.get("type", "default"))
 
 
 # Configs completed from transformers' defaults (Hub configs list only what differs from them, a multimodal
@@ -526,7 +533,7 @@ def phi3_rope(cfg: dict, scaling: dict | None) -> tuple[dict | None, float]:
     partial = float(given.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     if scaling is None:
         return None, partial
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = rope_kind(scaling)
     if kind not in PHI3_LONGROPE_NAMES:
         raise ValueError(f"Phi-3 rope scaling {kind!r} is not supported: Phi-3 takes only 'longrope'")
     original = int(cfg.get("original_max_position_embeddings", PHI3_DEFAULT_ORIGINAL_MAX_POSITIONS))

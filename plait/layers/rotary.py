@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from plait.config import rope_kind
 from plait.kernels.dispatch import use_triton
 
 LONGROPE = "longrope"
@@ -18,13 +19,6 @@ YARN_BETA_FAST = 32
 YARN_BETA_SLOW = 1
 
 
-def _rope_type(scaling: dict | None) -> str:
-    """A rope_scaling dict's kind ("rope_type", or the older "type"); "default" for none."""
-    if scaling is None:
-        return "default"
-    return scaling.get("rope_type", scaling.get("type", "default"))
-
-
 def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
     # theta ** (2i / head_dim) for i < head_dim / 2: [head_dim / 2] fp32
     return theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
@@ -32,7 +26,7 @@ def _base_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
     inv_freq = 1.0 / _base_inv_freq(head_dim, theta)
-    kind = _rope_type(scaling)
+    kind = rope_kind(scaling)
     if kind == "default":
         return inv_freq
     if kind == "linear":
@@ -138,7 +132,7 @@ def yarn_inv_freq(head_dim: int, theta: float, s: dict) -> torch.Tensor:
 
 def cos_sin_table(head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> torch.Tensor:
     """[max_positions, head_dim] fp32: row p holds cos then sin of position p's half-dim angles."""
-    kind = _rope_type(scaling)
+    kind = rope_kind(scaling)
     if kind == LONGROPE:
         return _longrope_cos_sin(head_dim, max_positions, theta, scaling)
     if kind == YARN:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from plait.config import rope_kind
 from plait.layers.rotary import RotaryEmbedding
 
 SLIDING = "sliding_attention"
@@ -33,7 +34,7 @@ def layer_types(raw: dict, default_pattern: int) -> list[str]:
 
 
 def _scaling(params: dict | None) -> dict | None:
-    if not params or params.get("rope_type", params.get("type", "default")) == "default":
+    if not params or rope_kind(params) == "default":
         return None
     return params
 
