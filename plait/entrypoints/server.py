@@ -1380,9 +1380,7 @@ class OpenAIServer:
         finals, usage = pooled
         data = [EmbeddingData(index=i, embedding=_encode_embedding(out.outputs.data, body.encoding_format))
                 for i, out in enumerate(finals)]
-        result = EmbeddingResponse(id=f"embd-{uuid.uuid4().hex}", model=self._pooled_model(body), data=data,
-                                   usage=usage)
-        return Response(result.model_dump_json(), media_type="application/json")
+        return self._pooled_response(EmbeddingResponse, "embd", body, data, usage)
 
     async def create_classification(self, body: ClassificationRequest, raw: Request) -> Response:
         """vLLM's /classify: each input's class probabilities and most probable label, in input order."""
@@ -1396,9 +1394,7 @@ class OpenAIServer:
             probs = out.outputs.data.tolist()
             data.append(ClassificationData(index=i, label=labels[int(out.outputs.data.argmax())], probs=probs,
                                            num_classes=len(probs)))
-        result = ClassificationResponse(id=f"classify-{uuid.uuid4().hex}", model=self._pooled_model(body),
-                                        data=data, usage=usage)
-        return Response(result.model_dump_json(), media_type="application/json")
+        return self._pooled_response(ClassificationResponse, "classify", body, data, usage)
 
     async def create_pooling(self, body: PoolingRequest, raw: Request) -> Response:
         """vLLM's /pooling: each input's pooled output as the model's task makes it (an embedding, or a
@@ -1411,8 +1407,14 @@ class OpenAIServer:
         finals, usage = pooled
         data = [PoolingData(index=i, data=_encode_embedding(out.outputs.data, body.encoding_format))
                 for i, out in enumerate(finals)]
-        result = PoolingResponse(id=f"pool-{uuid.uuid4().hex}", model=self._pooled_model(body), data=data,
-                                 usage=usage)
+        return self._pooled_response(PoolingResponse, "pool", body, data, usage)
+
+    def _pooled_response(self, response_class: type, id_prefix: str, body: Any, data: list, usage: Any
+                         ) -> Response:
+        """A pooling endpoint's JSON answer: its data under a fresh id, named by the model (or adapter) that
+        ran it."""
+        result = response_class(id=f"{id_prefix}-{uuid.uuid4().hex}", model=self._pooled_model(body),
+                                data=data, usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def create_score(self, body: ScoreRequest, raw: Request) -> Response:
