@@ -12,11 +12,10 @@ from torch import nn
 
 from plait.attention.base import Rotary
 from plait.config import ModelConfig
-from plait.layers.linear import Linear, logits_fp32
+from plait.layers.linear import Linear
 from plait.layers.norm import GemmaRMSNorm
-from plait.models.base import CausalLM
 from plait.models.layer_kinds import SLIDING, kind_rotaries, layer_ropes, layer_types
-from plait.models.llama import MLP, Attention
+from plait.models.llama import MLP, Attention, LlamaForCausalLM
 from plait.models.weights import language_model_weights, load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
 
@@ -109,34 +108,28 @@ class GemmaModel(nn.Module):
         return x
 
 
-class GemmaForCausalLM(CausalLM):
-    """Gemma 2 (2B, 9B, 27B) and Gemma 3's text decoder (Gemma3ForCausalLM: 270M, 1B), logits soft-capped
-    where the config asks (Gemma 2)."""
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma 2 (2B, 9B, 27B) and Gemma 3's text decoder (Gemma3ForCausalLM: 270M, 1B): the Llama family's
+    causal LM around GemmaModel (the same projections, so q/k/v and gate/up fuse at load and LoRA wraps them
+    from outside), logits soft-capped where the config asks (Gemma 2)."""
 
-    # Its projections are the Llama family's (q/k/v, o, gate/up, down): plait.lora wraps them from outside.
-    supports_lora = True
+    model_class = GemmaModel
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        super().__init__()
         check_gemma(cfg.raw)
-        self.config = cfg
-        self.model = GemmaModel(cfg, max_positions)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(cfg, max_positions)
         self.final_logit_softcapping = cfg.raw.get("final_logit_softcapping")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] -> [S, vocab] fp32
-        logits = logits_fp32(hidden, self.lm_head.weight)
+        logits = super().compute_logits(hidden)
         cap = self.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """HF-named tensors, q/k/v and gate/up fused at load; every parameter must be covered."""
-        load_decoder_weights(self, weights)
+    def fold_norm_weights(self) -> None:
+        """Kept unfolded: the pre-MLP norm is fused with the post-attention norm and the add instead."""
 
 
 class Gemma3ForConditionalGeneration(GemmaForCausalLM):
