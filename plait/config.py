@@ -17,6 +17,9 @@ RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("torch_ref", "triton")
 QUANTIZATION_METHODS: tuple[str, ...] = ("fp8",)
+# vLLM's --quantization names for what a GPTQ or AWQ checkpoint holds (its quantization_config says so; the
+# flag may only name it again, as vLLM's, whose *_marlin names are its kernels for the same checkpoints).
+CHECKPOINT_QUANTIZATION_METHODS: tuple[str, ...] = ("gptq", "awq", "gptq_marlin", "awq_marlin")
 # vLLM's --kv-cache-dtype choices plait takes -> the one stored. "auto": the model's dtype.
 KV_CACHE_DTYPES: dict[str, str] = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
@@ -39,7 +42,8 @@ class EngineConfig:
     dtype: str | None = None
     # vLLM's --quantization for an unquantised checkpoint: None, or "fp8" (every linear layer but the
     # lm_head keeps FP8 weights with per-row scales, and quantises its input per token: W8A8,
-    # plait.layers.fp8).
+    # plait.layers.fp8). A quantised checkpoint's own method needs no flag; "gptq" / "awq" (or vLLM's
+    # "*_marlin" names) only repeat it, and a mismatch is refused.
     quantization: str | None = None
     # vLLM's --kv-cache-dtype: "auto" (the model's dtype) or "fp8" (alias "fp8_e4m3"): K and V are stored as
     # float8_e4m3fn codes, half the bytes of bf16, so twice the tokens fit and decode attention reads half as
@@ -151,9 +155,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype is not None:
             self.dtype = canonical_dtype(self.dtype)
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} or unset, got "
-                             f"{self.quantization!r}")
+        methods = QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION_METHODS
+        if self.quantization is not None and self.quantization not in methods:
+            raise ValueError(f"quantization must be one of {methods} or unset, got {self.quantization!r}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")

@@ -80,8 +80,8 @@ def checkpoint_quantization(hf_config: dict) -> str | None:
         ignored = q.get("ignore") or []
     else:
         raise ValueError(f"quantization_config quant_method {method!r} is not supported: plait loads FP8 "
-                         "checkpoints ('fp8', 'compressed-tensors' float-quantized), or quantises an "
-                         "unquantised one with --quantization fp8")
+                         "checkpoints ('fp8', 'compressed-tensors' float-quantized), GPTQ and AWQ ones "
+                         "(plait.layers.wna16), or quantises an unquantised one with --quantization fp8")
     extra = sorted(name for name in set(ignored) - IGNORABLE if not IGNORABLE_ROUTER.search(name))
     if extra:
         raise ValueError(f"FP8 checkpoints leaving layers other than the lm_head unquantised ({extra[:4]}) "

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.config import EngineConfig, ModelConfig, merge_hf_overrides
+from plait.config import CHECKPOINT_QUANTIZATION_METHODS, EngineConfig, ModelConfig, merge_hf_overrides
+from plait.layers import wna16
 from plait.layers.fp8 import FP8_DTYPE, checkpoint_quantization, checkpoint_weight_block, quantize_model
 from plait.layers.linear import deferred_weights, materialize_deferred
 from plait.layers.moe import FusedMoE
@@ -63,13 +64,24 @@ def load_model(
     runner = resolve_runner(config.runner, model_config.architecture)
     cls = get_model_class(model_config.architecture)
     positions = max_positions or model_config.max_position_embeddings
-    # An FP8 checkpoint is served in FP8 without --quantization, as vLLM reads its quantization_config, and
-    # its scheme (per-row or block-wise scales) is the checkpoint's whether or not the flag is given.
-    quantization = checkpoint_quantization(hf_config) or config.quantization
-    block = checkpoint_weight_block(hf_config)
-    if model_config.moe is not None and checkpoint_quantization(hf_config) and block is None:
-        raise ValueError(f"{model_config.architecture}: FP8 MoE checkpoints with per-tensor or per-channel "
-                         "scales are not supported (block-wise ones, e.g. Qwen3-30B-A3B-FP8, are)")
+    # A quantised checkpoint is served as it is without --quantization, as vLLM reads its quantization_config:
+    # GPTQ / AWQ integer weights (the flag may only repeat the method), or FP8, whose scheme (per-row or
+    # block-wise scales) is the checkpoint's whether or not the flag is given.
+    int_spec = wna16.checkpoint_spec(hf_config)
+    block = None
+    if int_spec is not None:
+        wna16.check_method(int_spec, config.quantization, model_config.architecture)
+        quantization = int_spec.method
+    elif config.quantization in CHECKPOINT_QUANTIZATION_METHODS:
+        raise ValueError(f"--quantization {config.quantization} serves a checkpoint quantised so (its "
+                         "config.json's quantization_config says so); this one is not")
+    else:
+        quantization = checkpoint_quantization(hf_config) or config.quantization
+        block = checkpoint_weight_block(hf_config)
+        if model_config.moe is not None and checkpoint_quantization(hf_config) and block is None:
+            raise ValueError(f"{model_config.architecture}: FP8 MoE checkpoints with per-tensor or "
+                             "per-channel scales are not supported (block-wise ones, e.g. Qwen3-30B-A3B-FP8, "
+                             "are)")
     # Linear layers are made without memory (every weight is written below: drawing random ones that
     # loading overwrites would only cost start-up time). Quantised, they are replaced before any weight
     # arrives, so each checkpoint tensor is quantised (or, already FP8, kept) as it is read and no 16-bit
@@ -79,7 +91,9 @@ def load_model(
         if runner == "pooling":
             model.lm_head = None  # embeddings come from the trunk's hidden states: no logits, no memory
     model.to(dtype)  # rotary tables are plain attributes, so they stay fp32
-    if quantization is not None:
+    if int_spec is not None:
+        wna16.quantize_model(model, int_spec, device, wna16.unquantized_modules(hf_config))
+    elif quantization is not None:
         quantize_model(model, quantization, device, block)
     else:
         materialize_deferred(model, device)
@@ -177,9 +191,11 @@ def _kv_cache_scales(found: dict[int, dict[str, float]], model: nn.Module) -> li
 
 
 def _to_model(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """A checkpoint tensor on the device, in the model's dtype unless it is FP8 codes or the scale of an
-    FP8 checkpoint (kept as they are: the codes are what is served, the scales multiply fp32 sums)."""
-    if t.dtype == torch.float8_e4m3fn or name.endswith(("_scale", "_scale_inv")):
+    """A checkpoint tensor on the device, in the model's dtype unless it is codes (FP8, or a GPTQ / AWQ
+    checkpoint's packed integers) or a quantised checkpoint's scales (kept as they are: the codes are what is
+    served, the scales multiply fp32 values)."""
+    if (t.dtype == torch.float8_e4m3fn or not t.is_floating_point()
+            or name.endswith(("_scale", "_scale_inv", ".scales"))):
         return t.to(device=device)
     return t.to(device=device, dtype=dtype)
 
@@ -225,6 +241,14 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
             weights.normal_(0.0, DUMMY_INIT_STD, generator=gen)
             for expert, weight in enumerate(weights):
                 moe.load_stacked(stacked, expert, weight)
+        elif isinstance(modules[name.rpartition(".")[0]], wna16.WNA16Linear):
+            # Integer codes: the unquantised model's draws, quantised round-to-nearest (scales and zeros
+            # come with the codes).
+            layer = modules[name.rpartition(".")[0]]
+            if name.endswith(".codes"):
+                weight = torch.empty((layer.out_features, layer.in_features), dtype=layer.compute_dtype,
+                                     device=param.device)
+                layer.load_weight_rows(0, weight.normal_(0.0, DUMMY_INIT_STD, generator=gen))
         elif load_rows is not None:
             # A quantised layer: the same draws as the unquantised model's weight, then quantised, so
             # both random models are one model up to the rounding.

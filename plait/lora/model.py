@@ -11,6 +11,7 @@ from torch import nn
 
 from plait.layers.fp8 import Fp8Linear
 from plait.layers.linear import Linear
+from plait.layers.wna16 import WNA16Linear
 from plait.lora.adapter import LoRAAdapter, LoRATarget
 from plait.lora.layer import LoRAContext, LoRALinear
 from plait.lora.slots import NO_LORA_SLOT
@@ -37,7 +38,7 @@ def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
     targets = {}
     for name, module in model.named_modules():
         kind = name.rsplit(".", 1)[-1]
-        if kind in slices and isinstance(module, (Linear, Fp8Linear)):
+        if kind in slices and isinstance(module, (Linear, Fp8Linear, WNA16Linear)):
             targets[name] = LoRATarget(module.in_features, slices[kind])
     return targets
 

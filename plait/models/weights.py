@@ -17,6 +17,9 @@ STACKED_PROJECTIONS = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 
+# The tensors of a GPTQ / AWQ layer (plait.layers.wna16.WNA16Linear.load_shard).
+INTEGER_WEIGHT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+
 # One routed expert's projection (HF's ``...mlp.experts.{e}.gate_proj.weight``, or an FP8 one's tile
 # scales): its FusedMoE stacks it.
 EXPERT_TENSOR = re.compile(
@@ -104,6 +107,11 @@ def load_checked(
         if param_name in ("weight_scale", "weight_scale_inv") and hasattr(owner, "load_scale_rows"):
             start, rows = (sum(sizes[:shard]), sizes[shard]) if sizes else (0, owner.out_features)
             owner.load_scale_rows(start, rows, tensor)
+            continue
+        # A GPTQ / AWQ checkpoint's packed codes, zeros, scales and g_idx: the layer unpacks its columns.
+        if param_name in INTEGER_WEIGHT_TENSORS and hasattr(owner, "load_shard"):
+            start, rows = (sum(sizes[:shard]), sizes[shard]) if sizes else (0, owner.out_features)
+            loaded.add(f"{owner_name}.{owner.load_shard(param_name, start, rows, tensor)}")
             continue
         if target not in params:
             raise ValueError(f"checkpoint tensor {raw_name!r} has no place in {type(model).__name__}")

@@ -1,0 +1,418 @@
+"""Weight-only integer quantisation (W4A16 / W8A16): GPTQ and AWQ checkpoints, WNA16Linear, its reference."""
+
+# GPTQ and AWQ checkpoints (Qwen2.5-7B-Instruct-AWQ, Llama-3.1-8B-Instruct-GPTQ-INT4, ...) keep each linear
+# weight as 4-bit (GPTQ also 8-bit) integer codes with one scale and zero point per output column and group of
+# ``group_size`` input rows; activations stay 16-bit. Whatever the checkpoint's packing, plait holds a layer
+# as one layout, GPTQ's, which the kernels read:
+#   codes:  [K // pack, N] int32, pack = 32 // bits: the code of weight (n, k) is bits ``bits * (k % pack)``
+#           and up of word [k // pack, n] (unsigned);
+#   scales: [K // G, N] in the checkpoint's dtype (fp16 for GPTQ / AWQ);
+#   zeros:  [K // G, N] integers (uint8; int16 for 8 bits), already the zero point itself;
+#   weight(n, k) = (code - zero[g, n]) * scale[g, n] with g = k // G, computed in fp32.
+# The formats differ only in packing (unpack_gptq_*, unpack_awq_*):
+#   GPTQ: qweight [K / pack, N] packed along K (plait's own), qzeros [K / G, N / pack] packed along N, and
+#         (checkpoint_format "gptq", the usual) each zero stored less one, as GPTQ-for-LLaMa wrote it;
+#         "gptq_v2" stores the zero itself. With desc_act ("act-order") the rows are quantised in another
+#         order and g_idx [K] names each input row's group: the loader sorts the rows by group
+#         (WNA16Linear.perm) and each matmul gathers x's columns in that order.
+#   AWQ:  qweight [K, N / 8] and qzeros [K / G, N / 8] packed along N, the eight columns of a word in the
+#         order AWQ_PACK_ORDER; scales as GPTQ's.
+# Off CUDA a layer runs its dequantised weight through torch (wna16_linear_ref), which is what the kernels
+# (plait.kernels.wna16_gemm) are tested against.
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from plait.layers.linear import linear
+
+# Bit widths the layouts and kernels take, and the methods a checkpoint may name.
+SUPPORTED_BITS = (4, 8)
+METHODS = ("gptq", "awq")
+# GPTQ checkpoint formats: "gptq" stores each zero point less one (GPTQ_V1_ZERO_OFFSET), "gptq_v2" as it is.
+GPTQ_FORMATS = ("gptq", "gptq_v2")
+GPTQ_V1_ZERO_OFFSET = 1
+# Where AWQ's packer puts column j of a group of eight: nibble i of a word holds column AWQ_PACK_ORDER[i].
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+WORD_BITS = 32
+# Dtype of the scales of random (dummy) weights, as GPTQ and AWQ write them.
+DUMMY_SCALE_DTYPE = torch.float16
+
+
+@dataclass(frozen=True)
+class WNA16Spec:
+    """How a checkpoint's integer layers are quantised (checkpoint_spec reads it from quantization_config)."""
+
+    method: str  # "gptq" or "awq"
+    bits: int  # 4 or 8 (AWQ: 4)
+    group_size: int  # input rows per scale; 0 = one group spanning K (GPTQ's group_size -1)
+    sym: bool = True  # zero points fixed at 2^(bits - 1): what random weights are quantised with
+    desc_act: bool = False  # GPTQ act-order: rows carry their group in g_idx
+    zero_offset: int = 0  # added to each stored zero point (GPTQ_V1_ZERO_OFFSET for GPTQ's own format)
+
+    @property
+    def pack(self) -> int:
+        return WORD_BITS // self.bits
+
+    @property
+    def max_code(self) -> int:
+        return (1 << self.bits) - 1
+
+    def groups(self, in_features: int) -> int:
+        return in_features // self.group_size if self.group_size else 1
+
+    def group_rows(self, in_features: int) -> int:
+        return self.group_size or in_features
+
+    def zero_dtype(self) -> torch.dtype:
+        return torch.uint8 if self.bits == 4 else torch.int16
+
+
+def checkpoint_spec(hf_config: dict) -> WNA16Spec | None:
+    """The WNA16Spec of a GPTQ or AWQ checkpoint's quantization_config; None for any other; a ValueError
+    naming what plait does not load (another AWQ version, 3-bit codes, a quantised lm_head, ...)."""
+    q = hf_config.get("quantization_config") or {}
+    method = q.get("quant_method")
+    if method not in METHODS:
+        return None
+    bits = q.get("bits", q.get("w_bit"))
+    group = q.get("group_size", q.get("q_group_size", 128))
+    if method == "awq":
+        version = str(q.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"AWQ version {version!r} is not supported: plait loads AWQ's 'gemm' packing")
+        if bits != 4:
+            raise ValueError(f"AWQ with {bits}-bit weights is not supported (4 bits only)")
+        if not q.get("zero_point", True):
+            raise ValueError("AWQ without zero points (zero_point false) is not supported")
+        spec = WNA16Spec("awq", 4, _group(group), sym=False)
+    else:
+        if bits not in SUPPORTED_BITS:
+            raise ValueError(f"GPTQ with {bits}-bit weights is not supported (bits {list(SUPPORTED_BITS)})")
+        fmt = q.get("checkpoint_format", "gptq")
+        if fmt not in GPTQ_FORMATS:
+            raise ValueError(f"GPTQ checkpoint_format {fmt!r} is not supported (one of {list(GPTQ_FORMATS)})")
+        if q.get("lm_head"):
+            raise ValueError("GPTQ checkpoints with a quantised lm_head are not supported")
+        if q.get("dynamic"):
+            raise ValueError("GPTQ checkpoints with per-module 'dynamic' overrides are not supported")
+        spec = WNA16Spec("gptq", bits, _group(group), sym=bool(q.get("sym", True)),
+                         desc_act=bool(q.get("desc_act", False)),
+                         zero_offset=GPTQ_V1_ZERO_OFFSET if fmt == "gptq" else 0)
+    return spec
+
+
+def _group(group_size: int) -> int:
+    if group_size == -1:
+        return 0
+    if not isinstance(group_size, int) or group_size < 16 or group_size & (group_size - 1):
+        raise ValueError(f"quantization group_size {group_size}: plait takes -1 or a power of two >= 16")
+    return group_size
+
+
+def unquantized_modules(hf_config: dict) -> list[str]:
+    """The checkpoint's modules_to_not_convert (names, or parts of names, of layers left in 16 bits)."""
+    q = hf_config.get("quantization_config") or {}
+    return list(q.get("modules_to_not_convert") or [])
+
+
+# -- packing -------------------------------------------------------------------------------------------------
+
+def _shifts(bits: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(0, WORD_BITS, bits, dtype=torch.int32, device=device)
+
+
+def pack_rows(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [K, N] (0 .. 2^bits - 1) packed along K: [K // pack, N] int32, plait's (GPTQ's) layout."""
+    k, n = codes.shape
+    pack = WORD_BITS // bits
+    shifts = _shifts(bits, codes.device).to(torch.int64)[:, None]
+    parts = codes.to(torch.int64).view(k // pack, pack, n) << shifts
+    words = parts.sum(dim=1)  # disjoint bit ranges: the sum is the OR
+    return (words - ((words >> 31) << 32)).to(torch.int32)  # as the signed int32 of those 32 bits
+
+
+def unpack_rows(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """[K // pack, N] int32 packed along K -> codes [K, N] int32."""
+    rows, n = words.shape
+    codes = (words[:, None, :] >> _shifts(bits, words.device)[:, None]) & ((1 << bits) - 1)
+    return codes.reshape(rows * (WORD_BITS // bits), n)
+
+
+def unpack_columns(words: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """[R, N // pack] int32 packed along N -> [R, N] int32; ``order``: the column each position of a word
+    holds (AWQ_PACK_ORDER), else in sequence."""
+    rows, cols = words.shape
+    pack = WORD_BITS // bits
+    codes = (words[:, :, None] >> _shifts(bits, words.device)) & ((1 << bits) - 1)  # [R, cols, pack]
+    if order is not None:
+        codes = codes[:, :, torch.argsort(torch.tensor(order, device=words.device))]
+    return codes.reshape(rows, cols * pack)
+
+
+def pack_columns(codes: torch.Tensor, bits: int, order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """unpack_columns' inverse: [R, N] codes -> [R, N // pack] int32."""
+    rows, n = codes.shape
+    pack = WORD_BITS // bits
+    grouped = codes.to(torch.int64).view(rows, n // pack, pack)
+    if order is not None:
+        grouped = grouped[:, :, list(order)]
+    words = (grouped << _shifts(bits, codes.device).to(torch.int64)).sum(dim=2)
+    return (words - ((words >> 31) << 32)).to(torch.int32)
+
+
+# -- the arithmetic ------------------------------------------------------------------------------------------
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """The weight, [N, K] in ``dtype``, that plait-layout codes, scales and zeros stand for: (code - zero) *
+    scale in fp32, rounded once."""
+    # codes: [K // pack, N] int32; scales, zeros: [groups, N] -> [N, K]
+    q = unpack_rows(codes, bits)  # [K, N]
+    group_rows = q.shape[0] // scales.shape[0]
+    z = zeros.to(torch.int32).repeat_interleave(group_rows, dim=0)
+    s = scales.float().repeat_interleave(group_rows, dim=0)
+    return ((q - z).float() * s).t().to(dtype)
+
+
+def wna16_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                     bits: int, bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
+                     dequantized: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) with the weight dequantised to x's dtype, as torch's matmul computes it;
+    ``perm``: the input order of the rows (act-order), applied to x's columns; ``dequantized``: the weight
+    in x's dtype, where the caller keeps it."""
+    # x: [..., K] -> [..., N]
+    if perm is not None:
+        x = x.index_select(-1, perm)
+    weight = dequantized if dequantized is not None else dequantize(codes, scales, zeros, bits, x.dtype)
+    return linear(x, weight, bias)
+
+
+def quantize_rtn(weight: torch.Tensor, spec: WNA16Spec, scale_dtype: torch.dtype = DUMMY_SCALE_DTYPE
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest quantisation of a float weight [N, K] as ``spec`` lays it out (what random weights are
+    given): (codes [K, N] int32, unpacked; scales [groups, N]; zeros [groups, N]). Symmetric: zero 2^(bits-1),
+    scale amax / (2^(bits-1) - 1) ... as GPTQ's sym; else min/max over the group."""
+    n, k = weight.shape
+    rows = spec.group_rows(k)
+    w = weight.float().t().reshape(k // rows, rows, n)  # [groups, rows, N]
+    top = spec.max_code
+    if spec.sym:
+        amax = w.abs().amax(dim=1)
+        scales = (2 * amax / top).clamp_min(1e-8).to(scale_dtype)
+        zeros = torch.full_like(amax, (top + 1) // 2)
+    else:
+        lo, hi = w.amin(dim=1).clamp(max=0.0), w.amax(dim=1).clamp(min=0.0)
+        scales = ((hi - lo) / top).clamp_min(1e-8).to(scale_dtype)
+        zeros = torch.round(-lo / scales.float()).clamp(0, top)
+    q = torch.round(w / scales.float()[:, None, :] + zeros[:, None, :]).clamp(0, top)
+    return q.reshape(k, n).to(torch.int32), scales, zeros.to(torch.int32)
+
+
+# -- the layer -----------------------------------------------------------------------------------------------
+
+class WNA16Linear(nn.Module):
+    """A linear layer of integer codes with group scales and zero points (plait's layout, above), with
+    plait.layers.linear.Linear's interface. The checkpoint's pieces arrive through load_shard, one HF
+    projection (a column range of a fused layer) at a time."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, spec: WNA16Spec,
+                 compute_dtype: torch.dtype, device: torch.device | str | None = None,
+                 scale_dtype: torch.dtype = DUMMY_SCALE_DTYPE) -> None:
+        super().__init__()
+        rows = spec.group_rows(in_features)
+        if in_features % rows or rows % spec.pack:
+            raise ValueError(f"a layer of {in_features} inputs does not split into {rows}-row groups of "
+                             f"{spec.pack} codes a word")
+        self.in_features, self.out_features, self.spec = in_features, out_features, spec
+        self.compute_dtype = compute_dtype  # the model's dtype: what x and the output are
+        groups = spec.groups(in_features)
+        self.codes = nn.Parameter(torch.zeros(in_features // spec.pack, out_features, dtype=torch.int32,
+                                              device=device), requires_grad=False)  # [K // pack, N]
+        self.scales = nn.Parameter(torch.full((groups, out_features), float("nan"), dtype=scale_dtype,
+                                              device=device), requires_grad=False)  # [groups, N]
+        self.zeros = nn.Parameter(torch.zeros(groups, out_features, dtype=spec.zero_dtype(), device=device),
+                                  requires_grad=False)  # [groups, N]
+        self.bias = (nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device),
+                                  requires_grad=False) if bias else None)
+        # Act-order: the checkpoint's g_idx (kept until check_loaded sorts the rows by it), then the input
+        # order of the sorted rows, which x's columns are gathered in.
+        self._g_idx: torch.Tensor | None = None
+        self.register_buffer("perm", None)
+        self._reference_weight: torch.Tensor | None = None  # off CUDA: the dequantised weight, made once
+
+    @classmethod
+    def from_linear(cls, layer: nn.Linear, spec: WNA16Spec,
+                    device: torch.device | None = None) -> WNA16Linear:
+        """An empty layer of ``layer``'s shape on ``device``, for the checkpoint (or random weights)."""
+        n, k = layer.weight.shape
+        return cls(k, n, layer.bias is not None, spec, layer.weight.dtype, device)
+
+    # -- loading -----------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def load_shard(self, name: str, start: int, num_out: int, tensor: torch.Tensor) -> str:
+        """One checkpoint tensor (``qweight``, ``qzeros``, ``scales``, ``g_idx``) of output columns
+        ``start:start + num_out``, unpacked from the checkpoint's format; returns the parameter it filled."""
+        cols = slice(start, start + num_out)
+        spec, k = self.spec, self.in_features
+        if name == "qweight":
+            if spec.method == "awq":
+                _expect(tensor, (k, num_out // spec.pack), "qweight")
+                codes = unpack_columns(tensor.to(torch.int32), spec.bits, AWQ_PACK_ORDER)  # [K, n]
+                self.codes[:, cols] = pack_rows(codes, spec.bits)
+            else:
+                _expect(tensor, (k // spec.pack, num_out), "qweight")
+                self.codes[:, cols] = tensor.to(torch.int32)
+            return "codes"
+        if name == "qzeros":
+            _expect(tensor, (self.zeros.shape[0], num_out // spec.pack), "qzeros")
+            order = AWQ_PACK_ORDER if spec.method == "awq" else None
+            zeros = unpack_columns(tensor.to(torch.int32), spec.bits, order) + spec.zero_offset
+            self.zeros[:, cols] = zeros.to(self.zeros.dtype)
+            return "zeros"
+        if name == "scales":
+            _expect(tensor, (self.scales.shape[0], num_out), "scales")
+            if tensor.dtype != self.scales.dtype and torch.isnan(self.scales).all():
+                self.scales.data = self.scales.data.to(tensor.dtype)  # keep the checkpoint's precision
+            self.scales[:, cols] = tensor.to(self.scales.dtype)
+            return "scales"
+        if name == "g_idx":
+            _expect(tensor, (k,), "g_idx")
+            g_idx = tensor.to(device=self.codes.device, dtype=torch.int64)
+            if self._g_idx is not None and not torch.equal(self._g_idx, g_idx):
+                raise ValueError("the projections fused into one layer have different g_idx (act-order)")
+            self._g_idx = g_idx
+            return "g_idx"
+        raise ValueError(f"a {spec.method.upper()} layer has no tensor {name!r}")
+
+    @torch.no_grad()
+    def load_weight_rows(self, start: int, rows: torch.Tensor) -> None:
+        """Float rows ``start:start + len(rows)`` (random weights) quantised round-to-nearest here."""
+        # rows: [n, in_features]
+        codes, scales, zeros = quantize_rtn(rows, self.spec, self.scales.dtype)
+        cols = slice(start, start + rows.shape[0])
+        self.codes[:, cols] = pack_rows(codes, self.spec.bits)
+        self.scales[:, cols] = scales
+        self.zeros[:, cols] = zeros.to(self.zeros.dtype)
+
+    @torch.no_grad()
+    def check_loaded(self) -> None:
+        """Every column has its scales; act-order rows sorted by group (perm)."""
+        if torch.isnan(self.scales.float()).any():
+            raise ValueError(f"a {self.spec.method.upper()} layer came without the scales of some columns")
+        g_idx, self._g_idx = self._g_idx, None
+        rows = self.spec.group_rows(self.in_features)
+        if g_idx is None or torch.equal(g_idx, torch.arange(self.in_features, device=g_idx.device) // rows):
+            return  # rows already in group order (g_idx absent, or the trivial one desc_act false writes)
+        perm = torch.argsort(g_idx, stable=True)
+        if not torch.equal(g_idx[perm], torch.arange(self.in_features, device=g_idx.device) // rows):
+            raise ValueError(f"g_idx does not give each group {rows} rows")
+        codes = unpack_rows(self.codes.data, self.spec.bits)[perm]
+        self.codes.data = pack_rows(codes, self.spec.bits)
+        self.perm = perm
+
+    # -- running -----------------------------------------------------------------------------------------
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight [N, K] in ``dtype``, its columns in the input order of the sorted rows (perm)."""
+        return dequantize(self.codes, self.scales, self.zeros, self.spec.bits, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features] -> [..., out_features]
+        from plait.kernels.dispatch import use_triton
+
+        if x.dtype in (torch.bfloat16, torch.float16) and use_triton(x):
+            from plait.kernels.wna16_gemm import wna16_linear
+
+            if self.perm is not None:
+                x = x.index_select(-1, self.perm)
+            return wna16_linear(x, self.codes, self.scales, self.zeros, self.spec.bits, self.bias)
+        if self._reference_weight is None or self._reference_weight.dtype != x.dtype:
+            self._reference_weight = self.dequantized(x.dtype)
+        return wna16_linear_ref(x, self.codes, self.scales, self.zeros, self.spec.bits, self.bias, self.perm,
+                                self._reference_weight)
+
+    # The fused decode paths of plait.layers.linear.Linear are 16-bit-weight kernels: the model takes its
+    # plain path (a norm launch of its own, gate/up then silu-and-mul).
+    def adds_residual(self, x: torch.Tensor) -> bool:
+        return False
+
+    def fuses_gate_up_silu(self, x: torch.Tensor) -> bool:
+        return False
+
+    def fold_norm_weight(self, norm_weight: torch.Tensor) -> None:
+        raise RuntimeError("a quantised layer's weight cannot take a norm's weight")
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The codes: what LoRA wrappers read the layer's device from (the dtype is compute_dtype)."""
+        return self.codes
+
+    def extra_repr(self) -> str:
+        rows = self.spec.group_rows(self.in_features)
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.spec.method} "
+                f"{self.spec.bits}-bit, groups of {rows}" + (", act-order" if self.perm is not None else ""))
+
+
+def _expect(tensor: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} of shape {tuple(tensor.shape)}, expected {shape}")
+
+
+# Families whose GPTQ / AWQ checkpoints plait refuses by name: sparse MoE (no integer expert kernels yet) and
+# the recurrent models (their Mamba projections load under names of their own).
+REFUSED_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+                                   "Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM"})
+
+
+def check_method(spec: WNA16Spec, flag: str | None, architecture: str) -> None:
+    """A ValueError where ``--quantization`` names another method than the checkpoint's (vLLM's message), or
+    the model family has no integer-weight path."""
+    if flag is not None and flag not in (spec.method, f"{spec.method}_marlin"):
+        raise ValueError(f"Quantization method specified in the model config ({spec.method}) does not match "
+                         f"the quantization method specified in the `quantization` argument ({flag}).")
+    if architecture in REFUSED_ARCHITECTURES:
+        raise ValueError(f"{spec.method.upper()} checkpoints of {architecture} are not supported")
+
+
+# Layers a GPTQ / AWQ checkpoint leaves in 16 bits whatever it says: the lm_head (tied to the embedding in
+# some models; GPTQ's lm_head flag is refused above).
+SKIPPED_LAYERS = ("lm_head",)
+# plait's fused layers -> the HF projections they hold, for modules_to_not_convert's names.
+FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _left_unquantized(name: str, unquantized: list[str]) -> bool:
+    """Whether modules_to_not_convert covers layer ``name`` (transformers' rule: an entry is part of the
+    name); a fused layer only some of whose projections it covers is a ValueError."""
+    stem, _, leaf = name.rpartition(".")
+    hf_names = [f"{stem}.{part}" for part in FUSED_PARTS.get(leaf, (leaf,))]
+    covered = [any(key in hf for key in unquantized) for hf in hf_names]
+    if any(covered) and not all(covered):
+        raise ValueError(f"modules_to_not_convert leaves part of the fused layer {name} unquantised")
+    return all(covered)
+
+
+@torch.no_grad()
+def quantize_model(model: nn.Module, spec: WNA16Spec, device: torch.device | None = None,
+                   unquantized: list[str] = ()) -> int:
+    """Replace every nn.Linear of ``model`` but the lm_head and the checkpoint's modules_to_not_convert with
+    an empty WNA16Linear on ``device`` for the checkpoint to fill, from outside the model (its code is
+    unchanged); 16-bit layers left on the meta device (deferred_weights) get memory there. Returns how many
+    layers were replaced."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    count = 0
+    for name, module in linears:
+        if name.rsplit(".", 1)[-1] in SKIPPED_LAYERS or _left_unquantized(name, list(unquantized)):
+            if module.weight.is_meta:
+                module.to_empty(device=device)
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, WNA16Linear.from_linear(module, spec, device))
+        count += 1
+    return count

@@ -1,0 +1,311 @@
+"""GPTQ and AWQ checkpoints (W4A16 / W8A16): their formats, and a quantised model against transformers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_greedy_reference, random_prompts, run_greedy
+
+from plait.config import EngineConfig
+from plait.engine.engine import LLMEngine
+from plait.layers.wna16 import WNA16Linear, WNA16Spec, checkpoint_spec
+
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER_MAP = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's packer: nibble i of a word holds column order_map[i]
+LOGITS_ATOL = 1e-4
+
+
+# -- the formats, written here from their descriptions (AutoGPTQ, AutoAWQ), not from plait's code
+
+def _rtn(weight: torch.Tensor, bits: int, group: int, sym: bool, g_idx: np.ndarray):
+    """Round-to-nearest codes of a float weight [N, K] with one scale / zero per group of input rows (the
+    rows of group g being those with g_idx == g): (codes [K, N] int64, scales [G, N] fp16, zeros [G, N])."""
+    w = weight.double().numpy().T  # [K, N]
+    k, n = w.shape
+    top = 2**bits - 1
+    groups = k // group
+    scales, zeros = np.zeros((groups, n)), np.zeros((groups, n), dtype=np.int64)
+    codes = np.zeros((k, n), dtype=np.int64)
+    for g in range(groups):
+        rows = np.nonzero(g_idx == g)[0]
+        block = w[rows]
+        if sym:
+            s = np.float16(2 * np.abs(block).max(axis=0) / top).astype(np.float64)
+            z = np.full(n, (top + 1) // 2)
+        else:
+            lo, hi = np.minimum(block.min(axis=0), 0), np.maximum(block.max(axis=0), 0)
+            s = np.float16((hi - lo) / top).astype(np.float64)
+            z = np.clip(np.round(-lo / s), 0, top).astype(np.int64)
+        scales[g], zeros[g] = s, z
+        codes[rows] = np.clip(np.round(block / s + z), 0, top)
+    return codes, torch.tensor(scales, dtype=torch.float16), zeros
+
+
+def _as_int32(words: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(words.astype(np.uint32).view(np.int32).copy())
+
+
+def _gptq_tensors(codes: np.ndarray, scales: torch.Tensor, zeros: np.ndarray, bits: int, g_idx: np.ndarray
+                  ) -> dict[str, torch.Tensor]:
+    """GPTQ's packing: qweight [K / pack, N] (row k at bits * (k % pack) of word k // pack), qzeros
+    [G, N / pack] (column n at bits * (n % pack) of word n // pack), each zero stored less one."""
+    pack = 32 // bits
+    k, n = codes.shape
+    qweight = np.zeros((k // pack, n), dtype=np.uint64)
+    for j in range(pack):
+        qweight |= codes[j::pack].astype(np.uint64) << np.uint64(bits * j)
+    stored = (zeros - 1) & (2**bits - 1)
+    qzeros = np.zeros((zeros.shape[0], n // pack), dtype=np.uint64)
+    for j in range(pack):
+        qzeros |= stored[:, j::pack].astype(np.uint64) << np.uint64(bits * j)
+    return {"qweight": _as_int32(qweight), "qzeros": _as_int32(qzeros), "scales": scales,
+            "g_idx": torch.tensor(g_idx, dtype=torch.int32)}
+
+
+def _awq_tensors(codes: np.ndarray, scales: torch.Tensor, zeros: np.ndarray) -> dict[str, torch.Tensor]:
+    """AutoAWQ's GEMM packing: qweight [K, N / 8] and qzeros [G, N / 8], column col * 8 + order_map[i] at
+    nibble i of word col; zeros stored as they are."""
+    def pack(values: np.ndarray) -> torch.Tensor:
+        words = np.zeros((values.shape[0], values.shape[1] // 8), dtype=np.uint64)
+        for i, column in enumerate(AWQ_ORDER_MAP):
+            words |= values[:, column::8].astype(np.uint64) << np.uint64(4 * i)
+        return _as_int32(words)
+
+    return {"qweight": pack(codes), "qzeros": pack(zeros), "scales": scales}
+
+
+def _dequantized(codes: np.ndarray, scales: torch.Tensor, zeros: np.ndarray, g_idx: np.ndarray
+                 ) -> torch.Tensor:
+    """weight[n, k] = (code[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n], fp32, [N, K]."""
+    s = scales.double().numpy()[g_idx]
+    return torch.tensor(((codes - zeros[g_idx]) * s).T, dtype=torch.float32)
+
+
+def _quantize(weight: torch.Tensor, method: str, bits: int, group: int, sym: bool, act_order: bool, seed: int
+              ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A float weight [N, K] as a ``method`` checkpoint stores it, and the weight those tensors stand for;
+    ``group`` -1: one group of all K rows (GPTQ's spelling)."""
+    k = weight.shape[1]
+    group = group if group > 0 else k
+    g_idx = np.arange(k) // group
+    if act_order:  # GPTQ's desc_act: rows quantised in another order, row perm[i] in group i // group
+        perm = np.random.default_rng(seed).permutation(k)
+        g_idx = np.empty(k, dtype=np.int64)
+        g_idx[perm] = np.arange(k) // group
+    codes, scales, zeros = _rtn(weight, bits, group, sym, g_idx)
+    tensors = (_awq_tensors(codes, scales, zeros) if method == "awq"
+               else _gptq_tensors(codes, scales, zeros, bits, g_idx))
+    return tensors, _dequantized(codes, scales, zeros, g_idx)
+
+
+def _quantization_config(method: str, bits: int, group: int, sym: bool, act_order: bool) -> dict:
+    if method == "awq":
+        return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True,
+                "version": "gemm", "modules_to_not_convert": None}
+    return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": sym,
+            "damp_percent": 0.01, "true_sequential": True, "static_groups": False}
+
+
+def _quantized_checkpoint(src: Path, dst: Path, method: str, bits: int, group: int, sym: bool,
+                          act_order: bool) -> dict[str, torch.Tensor]:
+    """dst: src's checkpoint with every decoder projection quantised as ``method`` writes it; returns the
+    weights they stand for, by HF name (what transformers runs as the reference)."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    tensors, weights = {}, {}
+    for name, t in sorted(load_file(src / "model.safetensors").items()):
+        if name.rsplit(".", 2)[-2] in LINEARS and name.endswith(".weight"):
+            # Projections of one input (q/k/v, gate/up) share GPTQ's act-order: it follows the input's.
+            layer, projection = int(name.split(".")[2]), name.rsplit(".", 2)[-2]
+            seed = 10 * layer + {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 1, "up_proj": 1}.get(
+                projection, 2 + LINEARS.index(projection))
+            packed, weights[name] = _quantize(t, method, bits, group, sym, act_order, seed)
+            stem = name.removesuffix(".weight")
+            tensors.update({f"{stem}.{key}": value for key, value in packed.items()})
+        else:
+            tensors[name] = t
+    save_file(tensors, dst / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = _quantization_config(method, bits, group, sym, act_order)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return weights
+
+
+# -- the layer ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method,bits,sym,act_order", [("gptq", 4, True, False), ("gptq", 4, False, True),
+                                                      ("gptq", 8, True, True), ("awq", 4, False, False)])
+def test_a_layer_loads_each_format_to_the_weight_it_stands_for(method, bits, sym, act_order):
+    """Shards of a fused layer (three projections' columns side by side) in GPTQ's or AWQ's packing: the
+    layer's matmul is x times the weight those tensors stand for, act-order rows included."""
+    g = torch.Generator().manual_seed(0)
+    k, group, outs = 128, 32, (64, 32, 32)
+    spec = WNA16Spec(method, bits, group, sym=sym, desc_act=act_order, zero_offset=int(method == "gptq"))
+    layer = WNA16Linear(k, sum(outs), False, spec, torch.float32)
+    want, start = [], 0
+    for n in outs:
+        tensors, weight = _quantize(torch.randn(n, k, generator=g), method, bits, group, sym, act_order,
+                                    seed=0)  # one g_idx for the three: they share the input
+        for name, tensor in tensors.items():
+            layer.load_shard(name, start, n, tensor)
+        want.append(weight)
+        start += n
+    layer.check_loaded()
+    assert (layer.perm is not None) == act_order
+    x = torch.randn(5, k, generator=g)
+    torch.testing.assert_close(layer(x), x @ torch.cat(want).t(), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_shards_with_different_act_orders_are_refused():
+    spec = WNA16Spec("gptq", 4, 32, desc_act=True, zero_offset=1)
+    layer = WNA16Linear(64, 64, False, spec, torch.float32)
+    for seed, start in ((0, 0), (1, 32)):
+        tensors, _ = _quantize(torch.randn(32, 64), "gptq", 4, 32, True, True, seed)
+        if start:
+            with pytest.raises(ValueError, match="different g_idx"):
+                layer.load_shard("g_idx", start, 32, tensors["g_idx"])
+        else:
+            layer.load_shard("g_idx", start, 32, tensors["g_idx"])
+
+
+def test_quantization_configs_are_read_or_refused_by_name():
+    assert checkpoint_spec({"quantization_config": _quantization_config("gptq", 4, 128, True, False)}) == \
+        WNA16Spec("gptq", 4, 128, sym=True, desc_act=False, zero_offset=1)
+    assert checkpoint_spec({"quantization_config": {"quant_method": "awq", "w_bit": 4, "q_group_size": 64,
+                                                    "zero_point": True, "version": "GEMM"}}) == \
+        WNA16Spec("awq", 4, 64, sym=False)
+    v2 = {"quant_method": "gptq", "bits": 4, "group_size": -1, "checkpoint_format": "gptq_v2"}
+    assert checkpoint_spec({"quantization_config": v2}) == WNA16Spec("gptq", 4, 0, zero_offset=0)
+    assert checkpoint_spec({}) is None
+    assert checkpoint_spec({"quantization_config": {"quant_method": "fp8"}}) is None
+    refused = {
+        "version 'gemv'": {"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+        "3-bit": {"quant_method": "gptq", "bits": 3, "group_size": 128},
+        "quantised lm_head": {"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True},
+        "group_size 100": {"quant_method": "gptq", "bits": 4, "group_size": 100},
+        "checkpoint_format 'marlin'": {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                                       "checkpoint_format": "marlin"},
+        "zero_point false": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": False},
+    }
+    for message, config in refused.items():
+        with pytest.raises(ValueError, match=message):
+            checkpoint_spec({"quantization_config": config})
+
+
+# -- a whole model against transformers
+
+@pytest.mark.parametrize("family,method,bits,group,sym,act_order", [
+    ("llama", "gptq", 4, 32, True, False),
+    ("qwen2", "gptq", 4, 16, False, True),  # q/k/v biases, tied embeddings, act-order
+    ("qwen3", "awq", 4, 32, False, False),  # q/k norms, head_dim apart from hidden / heads
+    ("llama", "gptq", 8, -1, True, False),  # 8-bit, one group spanning each input
+])
+def test_a_quantized_checkpoint_matches_transformers_on_its_weights(tiny_models, tmp_path, family, method,
+                                                                     bits, group, sym, act_order):
+    """A GPTQ / AWQ checkpoint loads without --quantization and gives transformers' logits and greedy tokens
+    for the model of the weights it stands for, prompts chunked and batched with decodes."""
+    from transformers import AutoModelForCausalLM
+
+    dst = tmp_path / f"{family}-{method}"
+    weights = _quantized_checkpoint(tiny_models[family], dst, method, bits, group, sym, act_order)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models[family], dtype=torch.float32).eval()
+    state = hf.state_dict()
+    with torch.no_grad():
+        for name, weight in weights.items():
+            state[name].copy_(weight)
+    engine = LLMEngine(EngineConfig(model=str(dst), max_num_batched_tokens=48, block_size=8))
+    assert engine.runner.quantization == method
+    prompts = random_prompts(4, 1, 70, seed=3)
+    outputs, logits = run_greedy(engine, prompts, 8, capture_logits=True)
+    for i, prompt in enumerate(prompts):
+        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], 8)
+        assert outputs[i] == ref_ids, f"prompt {i}: greedy tokens differ from transformers"
+        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
+    assert engine.is_idle_and_clean()
+
+
+def test_mismatched_or_unsupported_quantization_is_refused(tiny_models, tmp_path):
+    dst = tmp_path / "gptq"
+    _quantized_checkpoint(tiny_models["llama"], dst, "gptq", 4, 32, True, False)
+    with pytest.raises(ValueError, match=r"model config \(gptq\) does not match .* argument \(awq\)"):
+        LLMEngine(EngineConfig(model=str(dst), quantization="awq"))
+    with pytest.raises(ValueError, match=r"model config \(gptq\) does not match .* argument \(fp8\)"):
+        LLMEngine(EngineConfig(model=str(dst), quantization="fp8"))
+    engine = LLMEngine(EngineConfig(model=str(dst), quantization="gptq_marlin"))  # vLLM's kernel name: same
+    assert engine.runner.quantization == "gptq"
+    with pytest.raises(ValueError, match="--quantization awq serves a checkpoint quantised so"):
+        LLMEngine(EngineConfig(model=str(tiny_models["llama"]), quantization="awq"))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineConfig(quantization="int4")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["q_proj"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="leaves part of the fused layer .*qkv_proj unquantised"):
+        LLMEngine(EngineConfig(model=str(dst)))
+
+
+def test_a_checkpoint_missing_a_shard_is_refused(tiny_models, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    dst = tmp_path / "awq"
+    _quantized_checkpoint(tiny_models["llama"], dst, "awq", 4, 32, False, False)
+    tensors = load_file(dst / "model.safetensors")
+    del tensors["model.layers.1.self_attn.k_proj.scales"]
+    save_file(tensors, dst / "model.safetensors")
+    with pytest.raises(ValueError, match="without the scales of some columns"):
+        LLMEngine(EngineConfig(model=str(dst)))
+
+
+def test_modules_to_not_convert_stay_16_bit(tiny_models, tmp_path):
+    """AWQ's modules_to_not_convert: those layers' checkpoint tensors are plain weights, loaded as such."""
+    from safetensors.torch import load_file, save_file
+
+    from plait.layers.linear import Linear
+
+    dst = tmp_path / "awq"
+    _quantized_checkpoint(tiny_models["llama"], dst, "awq", 4, 32, False, False)
+    tensors = load_file(dst / "model.safetensors")
+    original = load_file(tiny_models["llama"] / "model.safetensors")
+    for name in list(tensors):
+        if ".layers.0.mlp.down_proj." in name:
+            del tensors[name]
+    tensors["model.layers.0.mlp.down_proj.weight"] = original["model.layers.0.mlp.down_proj.weight"]
+    save_file(tensors, dst / "model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["layers.0.mlp.down_proj"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    engine = LLMEngine(EngineConfig(model=str(dst)))
+    layers = engine.runner.model.model.layers
+    assert isinstance(layers[0].mlp.down_proj, Linear) and isinstance(layers[1].mlp.down_proj, WNA16Linear)
+    kept = original["model.layers.0.mlp.down_proj.weight"]
+    torch.testing.assert_close(layers[0].mlp.down_proj.weight, kept)
+    assert run_greedy(engine, random_prompts(2, 3, 9, seed=1), 4)[0]
+
+
+def test_random_weights_of_a_quantized_config(tiny_models, tmp_path):
+    """load_format dummy with a GPTQ config.json (what the GPU benchmarks run): every projection is a
+    WNA16Linear holding the round-to-nearest codes of the 16-bit model's random draws, so the two random
+    models are one model up to that rounding."""
+    dst = tmp_path / "gptq-config"
+    dst.mkdir()
+    cfg = json.loads((tiny_models["llama"] / "config.json").read_text())
+    cfg["quantization_config"] = _quantization_config("gptq", 4, 32, True, False)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    quantized = LLMEngine(EngineConfig(model=str(dst), load_format="dummy"))
+    plain = LLMEngine(EngineConfig(model=str(tiny_models["llama"]), load_format="dummy"))
+    got, want = quantized.runner.model, plain.runner.model
+    layer = got.model.layers[1].self_attn.qkv_proj
+    assert isinstance(layer, WNA16Linear)
+    reference = want.model.layers[1].self_attn.qkv_proj.weight
+    step = layer.scales.float().max()  # one quantisation step, at most, from the 16-bit draw
+    assert 0 < (layer.dequantized(torch.float32) - reference).abs().max() <= step
+    assert run_greedy(quantized, random_prompts(2, 3, 9, seed=1), 4)[0]
