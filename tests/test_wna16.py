@@ -83,7 +83,7 @@ def _dequantized(codes: np.ndarray, scales: torch.Tensor, zeros: np.ndarray, g_i
                  ) -> torch.Tensor:
     """weight[n, k] = (code[k, n] - zero[g_idx[k], n]) * scale[g_idx[k], n], fp32, [N, K]."""
     s = scales.double().numpy()[g_idx]
-    return torch.tensor(((codes - zeros[g_idx]) * s).T, dtype=torch.float32)
+    return torch.tensor(((codes - zeros[g_idx]) * s).T, dtype=torch.float32).contiguous()
 
 
 def _quantize(weight: torch.Tensor, method: str, bits: int, group: int, sym: bool, act_order: bool, seed: int
@@ -309,3 +309,28 @@ def test_random_weights_of_a_quantized_config(tiny_models, tmp_path):
     step = layer.scales.float().max()  # one quantisation step, at most, from the 16-bit draw
     assert 0 < (layer.dequantized(torch.float32) - reference).abs().max() <= step
     assert run_greedy(quantized, random_prompts(2, 3, 9, seed=1), 4)[0]
+
+
+def test_lora_adapters_on_a_quantized_model_match_transformers(tiny_models, tmp_path):
+    """--enable-lora on a GPTQ checkpoint (as vLLM serves adapters on quantised bases): each adapter's tokens
+    and logits are transformers' on the dequantised weights with the adapter merged in; base rows beside
+    adapters' rows stay the base model's."""
+    from safetensors.torch import load_file, save_file
+    from test_lora import _adapters, _lora_engine, _merged_hf
+
+    folder = tiny_models["llama"]
+    weights = _quantized_checkpoint(folder, tmp_path / "gptq", "gptq", 4, 32, True, False)
+    dequantized = tmp_path / "dequantized"  # the HF checkpoint of the weights the GPTQ one stands for
+    shutil.copytree(folder, dequantized)
+    save_file(load_file(folder / "model.safetensors") | weights, dequantized / "model.safetensors")
+    loras = _adapters(folder, tmp_path / "adapters")
+    order = [loras["all"], None, loras["qv"], loras["mlp"]]
+    prompts = random_prompts(len(order), 1, 70, seed=5)
+    engine = _lora_engine(tmp_path / "gptq", max_num_batched_tokens=48, max_loras=2)
+    assert isinstance(engine.runner.lora.layers["model.layers.0.self_attn.qkv_proj"].base, WNA16Linear)
+    outs, logits = run_greedy(engine, prompts, 8, capture_logits=True, loras=order)
+    for i, (prompt, lora) in enumerate(zip(prompts, order)):
+        ref_ids, ref_logits = hf_greedy_reference(_merged_hf(dequantized, lora), prompt, outs[i], 8)
+        assert outs[i] == ref_ids, f"prompt {i}: greedy tokens differ from transformers"
+        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
+    assert engine.is_idle_and_clean()
