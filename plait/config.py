@@ -17,9 +17,10 @@ RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("torch_ref", "triton")
 QUANTIZATION_METHODS: tuple[str, ...] = ("fp8",)
-# vLLM's --quantization names for what a GPTQ or AWQ checkpoint holds (its quantization_config says so; the
+# vLLM's --quantization names for what a quantised checkpoint holds (its quantization_config says so; the
 # flag may only name it again, as vLLM's, whose *_marlin names are its kernels for the same checkpoints).
-CHECKPOINT_QUANTIZATION_METHODS: tuple[str, ...] = ("gptq", "awq", "gptq_marlin", "awq_marlin")
+CHECKPOINT_QUANTIZATION_METHODS: tuple[str, ...] = ("gptq", "awq", "gptq_marlin", "awq_marlin",
+                                                     "compressed-tensors")
 # vLLM's --kv-cache-dtype choices plait takes -> the one stored. "auto": the model's dtype.
 KV_CACHE_DTYPES: dict[str, str] = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 

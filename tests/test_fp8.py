@@ -198,7 +198,7 @@ def test_an_fp8_checkpoint_is_served_as_it_is(tiny_models, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda q: q.update(quant_method="awq"), "quant_method 'awq' is not supported"),
+    (lambda q: q.update(quant_method="bitsandbytes"), "quant_method 'bitsandbytes' is not supported"),
     (lambda q: q.update(quant_method="fp8", weight_block_size=[100, 128]), "powers of two"),
     (lambda q: q["config_groups"]["group_0"]["weights"].update(type="int", num_bits=4),
      "weights .* not supported"),

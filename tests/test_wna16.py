@@ -334,3 +334,73 @@ def test_lora_adapters_on_a_quantized_model_match_transformers(tiny_models, tmp_
         assert outs[i] == ref_ids, f"prompt {i}: greedy tokens differ from transformers"
         torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
     assert engine.is_idle_and_clean()
+
+
+def _compressed_tensors_checkpoint(src: Path, dst: Path, bits: int, group: int, sym: bool
+                                   ) -> dict[str, torch.Tensor]:
+    """dst: src's checkpoint as llm-compressor saves a W4A16 / W8A16 model ("pack-quantized"), written by the
+    compressed-tensors library itself, scales rounded to bf16 as the model's dtype stores them; returns the
+    weights the library decompresses them to (in fp32 arithmetic), by HF name."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from safetensors.torch import load_file, save_file
+
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=sym,
+                            strategy="group" if group else "channel", group_size=group or None)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, dst / f.name)
+    tensors, weights = {}, {}
+    for name, t in load_file(src / "model.safetensors").items():
+        if name.rsplit(".", 2)[-2] not in LINEARS or not name.endswith(".weight"):
+            tensors[name] = t
+            continue
+        grouped = t.view(t.shape[0], -1, group or t.shape[1])  # [N, G, rows]
+        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+        scale = scale.to(torch.bfloat16).float()
+        packed = PackedQuantizationCompressor.compress({"weight": t, "weight_scale": scale,
+                                                        "weight_zero_point": zero}, scheme)
+        weights[name] = PackedQuantizationCompressor.decompress(packed, scheme)["weight"].contiguous()
+        packed["weight_scale"] = packed["weight_scale"].to(torch.bfloat16)
+        stem = name.removesuffix(".weight")
+        tensors.update({f"{stem}.{key}": value for key, value in packed.items()})
+    save_file(tensors, dst / "model.safetensors")
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                                ignore=["lm_head"])
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = config.to_dict()
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return weights
+
+
+@pytest.mark.parametrize("family,bits,group,sym", [("llama", 4, 32, True), ("qwen2", 4, 16, False),
+                                                   ("qwen3", 8, 0, True)])
+def test_a_compressed_tensors_checkpoint_matches_transformers_on_its_weights(tiny_models, tmp_path, family,
+                                                                             bits, group, sym):
+    """llm-compressor's W4A16 / W8A16 ("pack-quantized", symmetric or not, per group or per channel), as the
+    compressed-tensors library writes it: transformers' logits and greedy tokens on the weights the library
+    decompresses it to."""
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    dst = tmp_path / "w4a16"
+    weights = _compressed_tensors_checkpoint(tiny_models[family], dst, bits, group, sym)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models[family], dtype=torch.float32).eval()
+    state = hf.state_dict()
+    with torch.no_grad():
+        for name, weight in weights.items():
+            state[name].copy_(weight)
+    engine = LLMEngine(EngineConfig(model=str(dst), max_num_batched_tokens=48, block_size=8,
+                                    quantization="compressed-tensors"))
+    assert engine.runner.quantization == "compressed-tensors"
+    layer = engine.runner.model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, WNA16Linear) and layer.scales.dtype == torch.bfloat16
+    prompts = random_prompts(4, 1, 70, seed=4)
+    outputs, logits = run_greedy(engine, prompts, 8, capture_logits=True)
+    for i, prompt in enumerate(prompts):
+        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], 8)
+        assert outputs[i] == ref_ids, f"prompt {i}: greedy tokens differ from transformers"
+        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)

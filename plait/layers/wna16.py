@@ -1,9 +1,9 @@
 """Weight-only integer quantisation (W4A16 / W8A16): GPTQ and AWQ checkpoints, WNA16Linear, its reference."""
 
-# GPTQ and AWQ checkpoints (Qwen2.5-7B-Instruct-AWQ, Llama-3.1-8B-Instruct-GPTQ-INT4, ...) keep each linear
-# weight as 4-bit (GPTQ also 8-bit) integer codes with one scale and zero point per output column and group of
-# ``group_size`` input rows; activations stay 16-bit. Whatever the checkpoint's packing, plait holds a layer
-# as one layout, GPTQ's, which the kernels read:
+# GPTQ, AWQ and llm-compressor's W4A16 / W8A16 checkpoints (Qwen2.5-7B-Instruct-AWQ, Llama-3.1-8B-Instruct-
+# GPTQ-INT4, RedHatAI's *-quantized.w4a16, ...) keep each linear weight as 4-bit or 8-bit integer codes with
+# one scale and zero point per output column and group of ``group_size`` input rows; activations stay 16-bit.
+# Whatever the checkpoint's packing, plait holds a layer as one layout, GPTQ's, which the kernels read:
 #   codes:  [K // pack, N] int32, pack = 32 // bits: the code of weight (n, k) is bits ``bits * (k % pack)``
 #           and up of word [k // pack, n] (unsigned);
 #   scales: [K // G, N] in the checkpoint's dtype (fp16 for GPTQ / AWQ);
@@ -17,11 +17,16 @@
 #         (WNA16Linear.perm) and each matmul gathers x's columns in that order.
 #   AWQ:  qweight [K, N / 8] and qzeros [K / G, N / 8] packed along N, the eight columns of a word in the
 #         order AWQ_PACK_ORDER; scales as GPTQ's.
+#   compressed-tensors "pack-quantized": weight_packed [N, K / pack] (GPTQ's words, transposed), codes signed
+#         and stored plus 2^(bits - 1), so that zero point is implied where the scheme is symmetric; an
+#         asymmetric one has weight_zero_point [N / pack, G] packed along N, stored the same way;
+#         weight_scale [N, G]; weight_g_idx [K] under actorder.
 # Off CUDA a layer runs its dequantised weight through torch (wna16_linear_ref), which is what the kernels
 # (plait.kernels.wna16_gemm) are tested against.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +36,9 @@ from plait.layers.linear import linear
 
 # Bit widths the layouts and kernels take, and the methods a checkpoint may name.
 SUPPORTED_BITS = (4, 8)
-METHODS = ("gptq", "awq")
+METHODS = ("gptq", "awq", "compressed-tensors")
+# compressed-tensors' tensors of a packed layer, and its formats plait reads.
+PACKED_FORMAT = "pack-quantized"
 # GPTQ checkpoint formats: "gptq" stores each zero point less one (GPTQ_V1_ZERO_OFFSET), "gptq_v2" as it is.
 GPTQ_FORMATS = ("gptq", "gptq_v2")
 GPTQ_V1_ZERO_OFFSET = 1
@@ -52,6 +59,8 @@ class WNA16Spec:
     sym: bool = True  # zero points fixed at 2^(bits - 1): what random weights are quantised with
     desc_act: bool = False  # GPTQ act-order: rows carry their group in g_idx
     zero_offset: int = 0  # added to each stored zero point (GPTQ_V1_ZERO_OFFSET for GPTQ's own format)
+    # Whether the checkpoint stores zero points (compressed-tensors' symmetric schemes imply 2^(bits - 1)).
+    stored_zeros: bool = True
 
     @property
     def pack(self) -> int:
@@ -76,6 +85,8 @@ def checkpoint_spec(hf_config: dict) -> WNA16Spec | None:
     naming what plait does not load (another AWQ version, 3-bit codes, a quantised lm_head, ...)."""
     q = hf_config.get("quantization_config") or {}
     method = q.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors_spec(q)
     if method not in METHODS:
         return None
     bits = q.get("bits", q.get("w_bit"))
@@ -105,6 +116,35 @@ def checkpoint_spec(hf_config: dict) -> WNA16Spec | None:
     return spec
 
 
+def _compressed_tensors_spec(q: dict) -> WNA16Spec | None:
+    """The spec of llm-compressor's weight-only integer schemes (W4A16, W8A16: "pack-quantized"); None where
+    the checkpoint holds float weights (FP8, plait.layers.fp8) or quantises its activations too."""
+    groups = list((q.get("config_groups") or {}).values())
+    weights = [group.get("weights") or {} for group in groups]
+    if not weights or any(w.get("type") != "int" for w in weights):
+        return None
+    if any(group.get("input_activations") for group in groups):
+        raise ValueError("compressed-tensors checkpoints with integer weights and quantised activations "
+                         "(W8A8, W4A8) are not supported: plait loads weight-only ones (W4A16, W8A16)")
+    if len({str(sorted(w.items())) for w in weights}) > 1:
+        raise ValueError("compressed-tensors config_groups with different weight schemes are not supported")
+    w = weights[0]
+    fmt = groups[0].get("format") or q.get("format")
+    if fmt != PACKED_FORMAT:
+        raise ValueError(f"compressed-tensors format {fmt!r} is not supported for integer weights "
+                         f"({PACKED_FORMAT!r} is)")
+    if w.get("num_bits") not in SUPPORTED_BITS:
+        raise ValueError(f"compressed-tensors {w.get('num_bits')}-bit weights are not supported "
+                         f"(bits {list(SUPPORTED_BITS)})")
+    strategy = w.get("strategy")
+    if strategy not in ("group", "channel"):
+        raise ValueError(f"compressed-tensors weight strategy {strategy!r} is not supported (group, channel)")
+    sym = bool(w.get("symmetric", True))
+    return WNA16Spec("compressed-tensors", w["num_bits"], _group(w.get("group_size")) if strategy == "group"
+                     else 0, sym=sym, desc_act=w.get("actorder") not in (None, False, "static"),
+                     stored_zeros=not sym)
+
+
 def _group(group_size: int) -> int:
     if group_size == -1:
         return 0
@@ -114,9 +154,10 @@ def _group(group_size: int) -> int:
 
 
 def unquantized_modules(hf_config: dict) -> list[str]:
-    """The checkpoint's modules_to_not_convert (names, or parts of names, of layers left in 16 bits)."""
+    """The layers the checkpoint leaves in 16 bits: AWQ's modules_to_not_convert (parts of names) or
+    compressed-tensors' ignore (names, or "re:" and a regular expression)."""
     q = hf_config.get("quantization_config") or {}
-    return list(q.get("modules_to_not_convert") or [])
+    return list(q.get("modules_to_not_convert") or q.get("ignore") or [])
 
 
 # -- packing -------------------------------------------------------------------------------------------------
@@ -212,6 +253,11 @@ def quantize_rtn(weight: torch.Tensor, spec: WNA16Spec, scale_dtype: torch.dtype
     return q.reshape(k, n).to(torch.int32), scales, zeros.to(torch.int32)
 
 
+# compressed-tensors' names -> GPTQ's, whose layout they have once transposed (weight_shape is only checked).
+COMPRESSED_TENSORS_NAMES = {"weight_packed": "qweight", "weight_zero_point": "qzeros",
+                            "weight_scale": "scales", "weight_g_idx": "g_idx", "weight_shape": "weight_shape"}
+
+
 # -- the layer -----------------------------------------------------------------------------------------------
 
 class WNA16Linear(nn.Module):
@@ -234,8 +280,12 @@ class WNA16Linear(nn.Module):
                                               device=device), requires_grad=False)  # [K // pack, N]
         self.scales = nn.Parameter(torch.full((groups, out_features), float("nan"), dtype=scale_dtype,
                                               device=device), requires_grad=False)  # [groups, N]
-        self.zeros = nn.Parameter(torch.zeros(groups, out_features, dtype=spec.zero_dtype(), device=device),
-                                  requires_grad=False)  # [groups, N]
+        zeros = torch.full((groups, out_features), 1 << (spec.bits - 1), dtype=spec.zero_dtype(),
+                           device=device)  # [groups, N]; the implied zero point until the checkpoint's
+        if spec.stored_zeros:
+            self.zeros = nn.Parameter(zeros, requires_grad=False)
+        else:
+            self.register_buffer("zeros", zeros)
         self.bias = (nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device),
                                   requires_grad=False) if bias else None)
         # Act-order: the checkpoint's g_idx (kept until check_loaded sorts the rows by it), then the input
@@ -255,10 +305,21 @@ class WNA16Linear(nn.Module):
 
     @torch.no_grad()
     def load_shard(self, name: str, start: int, num_out: int, tensor: torch.Tensor) -> str:
-        """One checkpoint tensor (``qweight``, ``qzeros``, ``scales``, ``g_idx``) of output columns
-        ``start:start + num_out``, unpacked from the checkpoint's format; returns the parameter it filled."""
+        """One checkpoint tensor (GPTQ's and AWQ's ``qweight``, ``qzeros``, ``scales``, ``g_idx``; compressed-
+        tensors' ``weight_packed``, ``weight_zero_point``, ``weight_scale``, ``weight_g_idx``,
+        ``weight_shape``) of output columns ``start:start + num_out``, unpacked from the checkpoint's format;
+        returns the parameter it filled."""
         cols = slice(start, start + num_out)
         spec, k = self.spec, self.in_features
+        if spec.method == "compressed-tensors" and name in COMPRESSED_TENSORS_NAMES:
+            if name == "weight_shape":
+                _expect(tensor, (2,), name)
+                if tensor.tolist() != [num_out, k]:
+                    raise ValueError(f"weight_shape {tensor.tolist()} of a projection of {num_out} x {k}")
+                return "weight_shape"
+            if name in ("weight_packed", "weight_zero_point", "weight_scale"):
+                tensor = tensor.t()  # [N, ...] -> GPTQ's [..., N]
+            name = COMPRESSED_TENSORS_NAMES[name]
         if name == "qweight":
             if spec.method == "awq":
                 _expect(tensor, (k, num_out // spec.pack), "qweight")
@@ -269,6 +330,8 @@ class WNA16Linear(nn.Module):
                 self.codes[:, cols] = tensor.to(torch.int32)
             return "codes"
         if name == "qzeros":
+            if not spec.stored_zeros:
+                raise ValueError("zero points in a checkpoint whose scheme is symmetric")
             _expect(tensor, (self.zeros.shape[0], num_out // spec.pack), "qzeros")
             order = AWQ_PACK_ORDER if spec.method == "awq" else None
             zeros = unpack_columns(tensor.to(torch.int32), spec.bits, order) + spec.zero_offset
@@ -391,7 +454,8 @@ def _left_unquantized(name: str, unquantized: list[str]) -> bool:
     name); a fused layer only some of whose projections it covers is a ValueError."""
     stem, _, leaf = name.rpartition(".")
     hf_names = [f"{stem}.{part}" for part in FUSED_PARTS.get(leaf, (leaf,))]
-    covered = [any(key in hf for key in unquantized) for hf in hf_names]
+    covered = [any(re.fullmatch(key[3:], hf) if key.startswith("re:") else key in hf for key in unquantized)
+               for hf in hf_names]
     if any(covered) and not all(covered):
         raise ValueError(f"modules_to_not_convert leaves part of the fused layer {name} unquantised")
     return all(covered)

@@ -72,7 +72,8 @@ def load_model(
     if int_spec is not None:
         wna16.check_method(int_spec, config.quantization, model_config.architecture)
         quantization = int_spec.method
-    elif config.quantization in CHECKPOINT_QUANTIZATION_METHODS:
+    elif (config.quantization in CHECKPOINT_QUANTIZATION_METHODS
+          and config.quantization != (hf_config.get("quantization_config") or {}).get("quant_method")):
         raise ValueError(f"--quantization {config.quantization} serves a checkpoint quantised so (its "
                          "config.json's quantization_config says so); this one is not")
     else:

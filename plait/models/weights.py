@@ -17,8 +17,9 @@ STACKED_PROJECTIONS = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
 }
 
-# The tensors of a GPTQ / AWQ layer (plait.layers.wna16.WNA16Linear.load_shard).
-INTEGER_WEIGHT_TENSORS = ("qweight", "qzeros", "scales", "g_idx")
+# The tensors of a GPTQ / AWQ / compressed-tensors integer layer (plait.layers.wna16.WNA16Linear.load_shard).
+INTEGER_WEIGHT_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_zero_point",
+                          "weight_scale", "weight_g_idx", "weight_shape")
 
 # One routed expert's projection (HF's ``...mlp.experts.{e}.gate_proj.weight``, or an FP8 one's tile
 # scales): its FusedMoE stacks it.
