@@ -267,7 +267,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--quantization", default=None,
-                   help="'fp8': FP8 weights (vLLM's peer numbers are bf16; the floors count the bytes read)")
+                   help="'fp8': FP8 weights (vLLM's peer numbers are bf16; the floors count the bytes read); "
+                        "a GPTQ / AWQ config (--config benchmarks/configs/llama-8b-gptq) needs none")
     p.add_argument("--config", default=None,
                    help="a model folder to run the workloads on instead of theirs (e.g. a block-FP8 config: "
                         "benchmarks/configs/llama-8b-fp8-block)")

@@ -49,7 +49,9 @@ _FLAG_HELP = {
     "max_lora_rank": "the largest LoRA rank served (default: 16)",
     "quantization": "as vLLM's --quantization on an unquantised checkpoint: 'fp8' keeps every linear layer "
                     "but the lm_head in FP8 with per-row scales, its input quantised per token (W8A8) "
-                    "(default: none)",
+                    "(default: none). A quantised checkpoint (FP8; GPTQ, AWQ or compressed-tensors W4A16 / "
+                    "W8A16) is served as it is without it; 'gptq', 'awq', their '_marlin' names and "
+                    "'compressed-tensors' may only repeat its method",
     "kv_cache_dtype": "as vLLM's --kv-cache-dtype: 'auto' (default: the model's dtype) or 'fp8' (alias "
                       "'fp8_e4m3'): K/V stored in FP8, twice the tokens in the same memory",
     "max_cpu_loras": "LoRA adapters kept read on the host (default: --max-loras)",
