@@ -8,7 +8,7 @@
 #           and up of word [k // pack, n] (unsigned);
 #   scales: [K // G, N] in the checkpoint's dtype (fp16 for GPTQ / AWQ);
 #   zeros:  [K // G, N] integers (uint8; int16 for 8 bits), already the zero point itself;
-#   weight(n, k) = (code - zero[g, n]) * scale[g, n] with g = k // G, computed in fp32.
+#   weight(n, k) = (code - zero[g, n]) * scale[g, n] with g = k // (K // G), computed in fp32.
 # The formats differ only in packing (unpack_gptq_*, unpack_awq_*):
 #   GPTQ: qweight [K / pack, N] packed along K (plait's own), qzeros [K / G, N / pack] packed along N, and
 #         (checkpoint_format "gptq", the usual) each zero stored less one, as GPTQ-for-LLaMa wrote it;
@@ -243,11 +243,11 @@ def quantize_rtn(weight: torch.Tensor, spec: WNA16Spec, scale_dtype: torch.dtype
     top = spec.max_code
     if spec.sym:
         amax = w.abs().amax(dim=1)
-        scales = (2 * amax / top).clamp_min(1e-8).to(scale_dtype)
+        scales = _scale_floor((2 * amax / top).to(scale_dtype))
         zeros = torch.full_like(amax, (top + 1) // 2)
     else:
         lo, hi = w.amin(dim=1).clamp(max=0.0), w.amax(dim=1).clamp(min=0.0)
-        scales = ((hi - lo) / top).clamp_min(1e-8).to(scale_dtype)
+        scales = _scale_floor(((hi - lo) / top).to(scale_dtype))
         zeros = torch.round(-lo / scales.float()).clamp(0, top)
     q = torch.round(w / scales.float()[:, None, :] + zeros[:, None, :]).clamp(0, top)
     return q.reshape(k, n).to(torch.int32), scales, zeros.to(torch.int32)
@@ -256,6 +256,11 @@ def quantize_rtn(weight: torch.Tensor, spec: WNA16Spec, scale_dtype: torch.dtype
 # compressed-tensors' names -> GPTQ's, whose layout they have once transposed (weight_shape is only checked).
 COMPRESSED_TENSORS_NAMES = {"weight_packed": "qweight", "weight_zero_point": "qzeros",
                             "weight_scale": "scales", "weight_g_idx": "g_idx", "weight_shape": "weight_shape"}
+
+
+def _scale_floor(scales: torch.Tensor) -> torch.Tensor:
+    """Scales of all-zero groups raised to the dtype's smallest normal number, so no code divides by zero."""
+    return scales.clamp_min(torch.finfo(scales.dtype).tiny)
 
 
 # -- the layer -----------------------------------------------------------------------------------------------
@@ -365,6 +370,7 @@ class WNA16Linear(nn.Module):
     @torch.no_grad()
     def check_loaded(self) -> None:
         """Every column has its scales; act-order rows sorted by group (perm)."""
+        self._reference_weight = None  # made again from what was loaded
         if torch.isnan(self.scales.float()).any():
             raise ValueError(f"a {self.spec.method.upper()} layer came without the scales of some columns")
         g_idx, self._g_idx = self._g_idx, None

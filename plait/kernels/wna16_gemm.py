@@ -1,0 +1,320 @@
+"""W4A16 / W8A16 matmuls (GPTQ and AWQ checkpoints): 16-bit activations against integer weight codes with
+group scales and zero points, dequantised in the K loop and multiplied on tensor cores."""
+
+# A WNA16Linear (plait.layers.wna16) holds its weight in plait's layout (GPTQ's):
+#   codes  [K // pack, N] int32, pack = 32 // bits: the code of weight (n, k) is bits bits * (k % pack) and
+#          up of word [k // pack, n];
+#   scales [G, N] (fp16, bf16 or fp32), zeros [G, N] (uint8 / int16); group_rows = K // G input rows a group;
+#   weight(n, k) = (code - zero[g, n]) * scale[g, n], g = k // group_rows, in fp32, rounded to x's dtype.
+# One kernel, _wna16_gemm_kernel, computes x @ weight^T on a grid of (BLOCK_M x BLOCK_N output tiles,
+# K splits), in two shapes:
+#   - decode-sized steps (M <= GEMV_MAX_M): one 16-row tile (x's rows padded to tl.dot's smallest M), the
+#     GEMV shape: each program streams BLOCK_N columns of codes over its slice of K, and K is split over
+#     programs (split_for) so that enough of them stream the weight at once to fill the GPU;
+#   - more rows: 64- or 128-row tiles in grouped order (Triton's matmul tutorial: GROUP_M tiles down M share
+#     one column of weight tiles while it is in L2), split only where the tiles alone leave SMs idle.
+# Each K step loads a [BLOCK_K // pack, BLOCK_N] tile of words (each word read once, 16 bytes a thread along
+# N), unpacks it by shifting each word by the pack positions ([words, pack, BLOCK_N], then reshaped to
+# [BLOCK_K, BLOCK_N], rows in K order), dequantises and takes tl.dot into an fp32 accumulator:
+#   - in fp32 (the general case): the code OR'd into the mantissa of 2^23 is 2^23 + code, less 2^23 + zero
+#     (integers below 2^24: exact) is code - zero, with no int -> float conversion (conversions issue at 16
+#     a clock per SM on Hopper by the CUDA guide's throughput table, against 128 FP32 adds); times the scale,
+#     rounded once to x's dtype: what plait.layers.wna16.dequantize computes, bit for bit;
+#   - in fp16 where x and the scales are fp16 (GPTQ / AWQ's scale dtype): the same with 1024 + code, two
+#     weights an instruction (HADD2 / HMUL2), still bit for bit (_dequantize says why).
+# Words, scales and zeros are loaded as 3-D [rows, 1, BLOCK_N] tensors so that the unpacking keeps the
+# loads' layout (each thread holds all pack codes of its words): unpacked from a 2-D load, Triton laid the
+# tile out one element a thread and stored it to shared memory two bytes at a time (sm_90 SASS).
+# Scales and zeros are read once per K step: a [BLOCK_N] row where the step lies in one group (BLOCK_K
+# divides group_rows, or G == 1), else one row per word row (a word's codes always share a group:
+# group_rows is a multiple of pack).
+# Split-K partials go to an fp32 workspace [split, M, N] that skinny_gemm.reduce_splits sums in a fixed
+# order (deterministic, no atomics) and biases. No host syncs, allocations fixed by the shapes: CUDA-graph
+# capturable. plait.layers.wna16.wna16_linear_ref is the torch reference (the tests' oracle); under
+# Triton's CPU interpreter bf16 takes INTERPRETED_BF16's work-arounds, so that the weights there are the
+# reference's bit for bit too.
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+
+from plait.kernels.interpreter import static_iters, trip_count
+from plait.kernels.pdl import pdl_args, pdl_prologue
+from plait.kernels.skinny_gemm import reduce_splits, sm_count
+from plait.layers.wna16 import SUPPORTED_BITS, WORD_BITS
+
+# Rows up to this take the GEMV shape (one 16-row tile, K split to fill the GPU).
+GEMV_MAX_M = 16
+# Rows up to this take MID_CONFIG's 64-row tiles, more LARGE_CONFIG's 128-row ones.
+MID_MAX_M = 64
+DOT_M = 16  # tl.dot's smallest M (and K): decode rows are padded to it
+MIN_BLOCK_K = 16
+# Split-K targets this many programs per SM in the GEMV shape (4-warp programs whose dequantisation keeps
+# the CUDA cores busy, so more than one a SM to hide HBM latency behind another's arithmetic), and one wave
+# for the tiled shapes.
+GEMV_PROGRAMS_PER_SM = 2
+TILED_PROGRAMS_PER_SM = 1
+# No split of K is shorter than this many K steps (the workspace round trip costs about one).
+MIN_STEPS_PER_SPLIT = 4
+MAX_SPLIT_K = 16
+# M buckets of the measured-config table: powers of two up to this, then one bucket.
+MAX_M_BUCKET = 4096
+
+
+@dataclass(frozen=True)
+class WNA16Config:
+    block_m: int  # rows a program (DOT_M: the GEMV shape)
+    block_n: int  # output columns a program (weight columns: BLOCK_N int32 words a word row)
+    block_k: int  # K elements a loop step (block_k // pack word rows); a power of two >= 16
+    split_k: int = 0  # programs along K; 0 = chosen to fill the GPU (split_for)
+    group_m: int = 8  # M tiles that walk one column of N tiles together (L2 reuse of the weight tiles)
+    num_warps: int = 4
+    num_stages: int = 4  # loads in flight through shared memory
+
+
+# Defaults until measured: the GEMV shape streams 64 columns x 128 K a step (4 KB of 4-bit words, 8 KB of
+# 8-bit ones), four steps in flight; 64 x 128 x 64 tiles for mid-sized steps and 128 x 128 x 64 for
+# prompt-sized ones, on 8 warps (Hopper's wgmma). Chosen on sm_90 SASS alone (no GPU timing yet): the
+# fewest loop instructions a weight without register spills or two-byte shared-memory stores (64 x 128
+# tiles on 4 warps got those).
+GEMV_CONFIG = WNA16Config(block_m=DOT_M, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)
+MID_CONFIG = WNA16Config(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
+LARGE_CONFIG = WNA16Config(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
+
+# Measured configs keyed by (bits, group_rows, M bucket, N, K): to be filled from H200 sweeps (as
+# fp8_gemm.FP8_GEMV_CONFIGS), each timed alone in a CUDA graph. Others take default_config's.
+WNA16_CONFIGS: dict[tuple[int, int, int, int, int], WNA16Config] = {}
+
+
+def m_bucket(m: int) -> int:
+    return min(triton.next_power_of_2(max(m, 1)), MAX_M_BUCKET)
+
+
+def split_for(tiles: int, k: int, block_k: int, programs_per_sm: float, num_sms: int) -> int:
+    """The largest power-of-two split of K that keeps the launch within programs_per_sm programs per SM,
+    each split at least MIN_STEPS_PER_SPLIT K steps."""
+    split = 1
+    while (tiles * split * 2 <= programs_per_sm * num_sms and split < MAX_SPLIT_K
+           and k // (split * 2) >= MIN_STEPS_PER_SPLIT * block_k):
+        split *= 2
+    return split
+
+
+@functools.cache  # pure in its ints; called on every launch of a shape the table does not hold
+def default_config(m: int, n: int, k: int, num_sms: int) -> WNA16Config:
+    """GEMV_CONFIG, MID_CONFIG or LARGE_CONFIG by M, the K step no wider than K, and K split to fill the
+    GPU (split_for)."""
+    cfg = GEMV_CONFIG if m <= GEMV_MAX_M else MID_CONFIG if m <= MID_MAX_M else LARGE_CONFIG
+    return _with_split(replace(cfg, block_k=min(cfg.block_k, max(MIN_BLOCK_K, triton.next_power_of_2(k)))),
+                       m, n, k, num_sms)
+
+
+def _with_split(cfg: WNA16Config, m: int, n: int, k: int, num_sms: int) -> WNA16Config:
+    if cfg.split_k:
+        return cfg
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    per_sm = GEMV_PROGRAMS_PER_SM if cfg.block_m == DOT_M else TILED_PROGRAMS_PER_SM
+    return replace(cfg, split_k=split_for(tiles, k, cfg.block_k, per_sm, num_sms))
+
+
+def get_config(m: int, n: int, k: int, bits: int, group_rows: int, device: torch.device) -> WNA16Config:
+    cfg = WNA16_CONFIGS.get((bits, group_rows, m_bucket(m), n, k))
+    if cfg is None:
+        return default_config(m, n, k, sm_count(device))
+    return _with_split(cfg, m, n, k, sm_count(device))
+
+
+@triton.jit
+def _round(v, dtype: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
+    """fp32 v rounded to nearest even in dtype. INTERPRETED_BF16 (bf16 in Triton's CPU interpreter, whose
+    conversion to bf16 truncates): rounded on the bits, then converted exactly."""
+    if INTERPRETED_BF16:
+        bits = v.to(tl.uint32, bitcast=True)
+        v = ((bits + (0x7FFF + ((bits >> 16) & 1))) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    return v.to(dtype)
+
+
+@triton.jit
+def _dequantize(words, scale, zero, dtype: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr,
+                HALF: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
+    """Weights [WORDS * PACK, BLOCK_N] in dtype, rows in K order, of a tile of words [WORDS, 1, BLOCK_N];
+    scale and zero are [1, 1, BLOCK_N] (one group) or [WORDS, 1, BLOCK_N] (each word row's group), in their
+    own dtypes. HALF (fp16 x and fp16 scales): the arithmetic in fp16, two weights an instruction."""
+    shifts = tl.arange(0, PACK) * BITS
+    codes = (words >> shifts[None, :, None]) & ((1 << BITS) - 1)  # [WORDS, PACK, BLOCK_N]
+    if HALF:
+        # 0x6400 is fp16's 1024, whose mantissa steps by 1: OR'd with a code (< 1024) it is 1024 + code.
+        # (1024 + code) - (1024 + zero) is exact (integers below 2048), and the fp16 product rounds the
+        # exact (code - zero) * scale once, as the reference's fp32 product (exact: 9 + 11 bits) rounded
+        # to fp16 does.
+        magic = (codes | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        w = (magic - (zero.to(tl.float16) + 1024.0)) * scale
+    else:
+        # 0x4B000000 is fp32's 2^23, whose mantissa steps by 1: OR'd with a code it is 2^23 + code,
+        # exactly (no int -> float conversion). Less 2^23 + zero (integers below 2^24: exact), that is the
+        # reference's int32 code - zero; times the scale in fp32, rounded once to dtype.
+        magic = (codes | 0x4B000000).to(tl.float32, bitcast=True)
+        w = (magic - (zero.to(tl.float32) + 8388608.0)) * scale.to(tl.float32)
+        w = _round(w, dtype, INTERPRETED_BF16)
+    return tl.reshape(w, (words.shape[0] * PACK, words.shape[2]))
+
+
+# M (the step's row count) changes from step to step; specialising on it would compile a binary per
+# row count (see plait.kernels.paged_attention on per-step arguments).
+@triton.jit(do_not_specialize=["M"])
+def _wna16_gemm_kernel(
+    x_ptr, c_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr,
+    M, N, K, G, group_rows, stride_xm, stride_cw, stride_sg, stride_zg, stride_om, k_iters,
+    STATIC_K_ITERS: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TILE_IN_GROUP: tl.constexpr,
+    EVEN_K: tl.constexpr, TO_WORKSPACE: tl.constexpr, HAS_BIAS: tl.constexpr, HALF: tl.constexpr,
+    INTERPRETED_BF16: tl.constexpr, PDL: tl.constexpr,
+):
+    # out[m, n] = sum_k x[m, k] * weight(n, k) (+ bias[n]); grid (M tiles x N tiles, K splits), each split
+    # k_iters steps of BLOCK_K (BLOCK_K // PACK word rows).
+    pdl_prologue(PDL)
+    pid = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    # Grouped order: GROUP_M consecutive programs take GROUP_M M tiles of one N tile.
+    tiles_m = tl.cdiv(M, BLOCK_M)
+    per_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+    first_m = (pid // per_group) * GROUP_M
+    group_size = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_size
+    pid_n = (pid % per_group) // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_w = tl.arange(0, BLOCK_K // PACK)
+    # Rows of x past M re-read the last one (dropped at the store); columns past N are masked, which keeps
+    # the loads of words, scales and zeros (contiguous along N) vectorised where N is a multiple of 16.
+    rows_m = tl.minimum(offs_m, M - 1).to(tl.int64)
+    n_in = offs_n < N
+    n_in3 = n_in[None, None, :]
+    k_lo = pid_k * (trip_count(STATIC_K_ITERS, k_iters) * BLOCK_K)
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + (k_lo + offs_k)[None, :]  # [BLOCK_M, BLOCK_K]
+    # Words, scales and zeros are loaded as [rows, 1, BLOCK_N]: the 3-D layout the loads get (BLOCK_N
+    # contiguous, 16 bytes a thread) is then the unpacking's, each thread holding all PACK codes of its
+    # words, and the reshape to [BLOCK_K, BLOCK_N] moves no data.
+    c_ptrs = c_ptr + (k_lo // PACK + offs_w)[:, None, None] * stride_cw + offs_n[None, None, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for it in range(trip_count(STATIC_K_ITERS, k_iters)):
+        k0 = k_lo + it * BLOCK_K
+        if EVEN_K:
+            x = tl.load(x_ptrs + it * BLOCK_K)
+            words = tl.load(c_ptrs + it * (BLOCK_K // PACK) * stride_cw, mask=n_in3, other=0)
+        else:
+            # (A split's last steps may lie past K: K rounds up to whole steps. K % PACK == 0, so a word
+            # is in K when its first row is.)
+            x = tl.load(x_ptrs + it * BLOCK_K, mask=(k0 + offs_k < K)[None, :], other=0.0)
+            words = tl.load(c_ptrs + it * (BLOCK_K // PACK) * stride_cw,
+                            mask=(k0 + offs_w * PACK < K)[:, None, None] & n_in3, other=0)
+        if TILE_IN_GROUP:
+            # The whole step lies in group g: one [BLOCK_N] row of scales and zeros.
+            g = tl.minimum(k0 // group_rows, G - 1)
+            scale = tl.load(s_ptr + g * stride_sg + offs_n[None, None, :], mask=n_in3, other=0.0)
+            zero = tl.load(z_ptr + g * stride_zg + offs_n[None, None, :], mask=n_in3, other=0)
+        else:
+            # Groups narrower than the step: each word row's own (a word's codes share a group).
+            g = tl.minimum((k0 + offs_w * PACK) // group_rows, G - 1)[:, None, None]
+            scale = tl.load(s_ptr + g * stride_sg + offs_n[None, None, :], mask=n_in3, other=0.0)
+            zero = tl.load(z_ptr + g * stride_zg + offs_n[None, None, :], mask=n_in3, other=0)
+        w = _dequantize(words, scale, zero, x_ptr.dtype.element_ty, BITS, PACK, HALF, INTERPRETED_BF16)
+        # acc: [BLOCK_M, BLOCK_N] += x: [BLOCK_M, BLOCK_K] @ w: [BLOCK_K, BLOCK_N]
+        if INTERPRETED_BF16:
+            # The interpreter multiplies bf16 operands as their uint16 bits: the same products in fp32
+            # (exact, as on tensor cores: 8-bit mantissas).
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    mask = (offs_m < M)[:, None] & n_in[None, :]
+    if TO_WORKSPACE:
+        # part: [split, M, N] fp32, summed and biased by reduce_splits.
+        tl.store(part_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :], acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :],
+                 _round(acc, out_ptr.dtype.element_ty, INTERPRETED_BF16), mask=mask)
+
+
+def _check(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+           bias: torch.Tensor | None) -> int:
+    """The group_rows of a valid call, else a ValueError naming what does not fit."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"{bits}-bit codes are not supported (bits {list(SUPPORTED_BITS)})")
+    if x2.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"x must be bf16 or fp16, got {x2.dtype}")
+    pack = WORD_BITS // bits
+    k, n, groups = x2.shape[1], codes.shape[1], scales.shape[0]
+    if codes.dtype != torch.int32 or codes.shape[0] * pack != k:
+        raise ValueError(f"codes {tuple(codes.shape)} {codes.dtype} do not pack x's {k} inputs at {bits} "
+                         "bits")
+    if scales.shape != (groups, n) or zeros.shape != (groups, n) or groups == 0 or k % groups:
+        raise ValueError(f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} do not give [G, {n}] "
+                         f"groups of {k} inputs")
+    group_rows = k // groups
+    if group_rows % pack:
+        raise ValueError(f"{group_rows}-row groups split words of {pack} codes")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)}, expected ({n},)")
+    return group_rows
+
+
+def _unit_n(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def wna16_gemm(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+               bias: torch.Tensor | None = None, config: WNA16Config | None = None) -> torch.Tensor:
+    """x2 @ dequantize(codes, scales, zeros, bits, x2.dtype).T (+ bias) for 2-D x2; ``config`` overrides the
+    table / default (tests, sweeps; its split_k 0 is chosen as the default's)."""
+    # x2: [M, K] bf16/fp16; codes: [K // pack, N] int32; scales, zeros: [G, N]; bias: [N] -> [M, N] x2.dtype
+    group_rows = _check(x2, codes, scales, zeros, bits, bias)
+    x2 = _unit_n(x2)
+    codes, scales, zeros = _unit_n(codes), _unit_n(scales), _unit_n(zeros)
+    (m, k), n, groups = x2.shape, codes.shape[1], scales.shape[0]
+    out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
+    if m == 0 or n == 0:
+        return out
+    if config is None:
+        cfg = get_config(m, n, k, bits, group_rows, x2.device)
+    else:
+        cfg = _with_split(config, m, n, k, sm_count(x2.device))
+    block_k = cfg.block_k
+    # Each split takes whole steps; no split is left without one.
+    steps = triton.cdiv(k, block_k)
+    iters = triton.cdiv(steps, max(1, min(cfg.split_k, steps)))
+    split = triton.cdiv(steps, iters)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    _wna16_gemm_kernel[(tiles, split)](
+        x2, codes, scales, zeros, bias if bias is not None else out, out, part,
+        m, n, k, groups, group_rows, x2.stride(0), codes.stride(0), scales.stride(0), zeros.stride(0),
+        out.stride(0), iters,
+        STATIC_K_ITERS=static_iters(x2.is_cuda, iters), BITS=bits, PACK=WORD_BITS // bits,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
+        TILE_IN_GROUP=groups == 1 or group_rows % block_k == 0, EVEN_K=iters * split * block_k == k,
+        TO_WORKSPACE=split > 1, HAS_BIAS=bias is not None,
+        HALF=x2.dtype == torch.float16 and scales.dtype == torch.float16,
+        INTERPRETED_BF16=not x2.is_cuda and x2.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2),
+    )
+    if split > 1:
+        reduce_splits(part, bias, out)
+    return out
+
+
+def wna16_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                 bias: torch.Tensor | None = None, config: WNA16Config | None = None) -> torch.Tensor:
+    """x @ dequantize(codes, scales, zeros, bits, x.dtype).T + bias, on CUDA (x: [..., K] bf16/fp16 ->
+    [..., N] x.dtype); ``config`` overrides the launch shape (tests, sweeps)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    n = codes.shape[1]
+    return wna16_gemm(x2, codes, scales, zeros, bits, bias, config).view(*x.shape[:-1], n)

@@ -1,0 +1,263 @@
+"""plait.kernels.wna16_gemm (W4A16 / W8A16 GEMV and GEMM) against plait.layers.wna16's reference: small shapes
+through Triton's CPU interpreter, Llama-8B's shapes and CUDA-graph replay on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from plait.kernels.wna16_gemm import (  # noqa: E402
+    GEMV_PROGRAMS_PER_SM,
+    TILED_PROGRAMS_PER_SM,
+    WNA16Config,
+    default_config,
+    wna16_linear,
+)
+from plait.layers.wna16 import (  # noqa: E402
+    WNA16Linear,
+    WNA16Spec,
+    dequantize,
+    pack_rows,
+    wna16_linear_ref,
+)
+
+HAS_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+# Relative error of one rounding to the output dtype, at most: an ulp (the interpreter's fp32 -> bf16
+# conversion, in the split-K reduction, truncates; compiled kernels round to nearest, half of it).
+OUTPUT_ULP = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}
+
+
+def gpu(test):
+    """Marks a test as needing CUDA; it skips where there is none."""
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")(test))
+
+
+def _layer(k: int, n: int, bits: int, group_rows: int, seed: int, scale_dtype: torch.dtype = torch.float16,
+           device: str = DEVICE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random codes, scales and zeros in plait's layout (group_rows 0: one group spanning K). Every bit
+    pattern occurs (words with their top bit set are negative int32s); zero points anywhere in the code
+    range; each group's scales 1x-8x apart from the others', so that a kernel reading the wrong group, or
+    ignoring the zero points, is far off."""
+    g = torch.Generator().manual_seed(seed)
+    top = (1 << bits) - 1
+    groups = k // group_rows if group_rows else 1
+    codes = pack_rows(torch.randint(0, top + 1, (k, n), generator=g, dtype=torch.int32), bits)
+    # |code - zero| * scale stays within ~2: outputs of a few units, well inside fp16.
+    scales = (torch.rand(groups, n, generator=g) * 7 + 1) * (2.0 / (8 * top))
+    zeros = torch.randint(0, top + 1, (groups, n), generator=g)
+    zero_dtype = torch.uint8 if bits == 4 else torch.int16
+    scales = scales.to(device=device, dtype=scale_dtype)
+    return codes.to(device), scales, zeros.to(device=device, dtype=zero_dtype)
+
+
+def _inputs(m: int, k: int, n: int, dtype: torch.dtype, bias: bool, seed: int, device: str = DEVICE
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(m, k, generator=g).to(device=device, dtype=dtype)
+    b = (torch.randn(n, generator=g) * 4).to(device=device, dtype=dtype) if bias else None
+    return x, b
+
+
+def _assert_matches(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+                    zeros: torch.Tensor, bits: int, bias: torch.Tensor | None) -> None:
+    """out against the reference (loosely, as torch's own matmul computes it), and against the exact product
+    of the same rounded weights (tightly: one rounding to the output dtype plus fp32 summation error)."""
+    ref = wna16_linear_ref(x, codes, scales, zeros, bits, bias, dequantized=None)
+    assert out.shape == ref.shape and out.dtype == ref.dtype == x.dtype
+    atol = 2e-2 * ref.float().abs().max().item()
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=atol)
+    x2 = x.reshape(-1, x.shape[-1]).double()
+    w = dequantize(codes, scales, zeros, bits, x.dtype).double()  # [N, K]
+    b = bias.double() if bias is not None else torch.zeros((), dtype=torch.float64, device=x.device)
+    exact = x2 @ w.T + b
+    mag = x2.abs() @ w.abs().T + b.abs()
+    bound = OUTPUT_ULP[x.dtype] * exact.abs() + (x.shape[-1] + 4) * 2.0**-23 * mag
+    err = (out.reshape(exact.shape).double() - exact).abs()
+    assert (err <= bound).all(), f"max error {err.max().item():.3g}, over its bound at {(err > bound).sum()}"
+
+
+# ---- the interpreter on CPU (compiled on a GPU) ----------------------------------------------------------
+
+# block_m 16: the GEMV shape; 32: a tiled one (several M tiles, grouped order). block_k against the groups:
+# 64 lies in one 64-row group, spans four 16-row ones.
+STEP_CONFIGS = {
+    "gemv": WNA16Config(block_m=16, block_n=32, block_k=64, split_k=1, group_m=1),
+    "gemv_split3": WNA16Config(block_m=16, block_n=64, block_k=16, split_k=3, group_m=1),
+    "tiled": WNA16Config(block_m=32, block_n=32, block_k=32, split_k=1, group_m=2),
+    "tiled_split2": WNA16Config(block_m=32, block_n=64, block_k=64, split_k=2, group_m=2),
+}
+
+
+@pytest.mark.parametrize("config", sorted(STEP_CONFIGS))
+@pytest.mark.parametrize("bits,group_rows", [(4, 16), (8, 64), (4, 0)])
+@pytest.mark.parametrize("dtype,scale_dtype", [
+    (torch.bfloat16, torch.float16), (torch.float16, torch.float16), (torch.float16, torch.bfloat16),
+    (torch.bfloat16, torch.float32),
+])
+def test_kernel_weights_are_the_references_bit_for_bit(config, bits, group_rows, dtype, scale_dtype):
+    """x = the identity: each output row is one input row of the weight the kernel dequantised (one exact
+    product, sums of zeros), so it must equal plait.layers.wna16.dequantize's bit for bit: every code's
+    position in its word, its group's scale and zero, and the fp32 arithmetic rounded once (the fp16 path
+    where x and the scales are fp16)."""
+    k, n = 128, 48  # n: a partial last block of 32 columns
+    codes, scales, zeros = _layer(k, n, bits, group_rows, seed=bits + group_rows, scale_dtype=scale_dtype)
+    x = torch.eye(k, device=DEVICE, dtype=dtype)
+    out = wna16_linear(x, codes, scales, zeros, bits, config=STEP_CONFIGS[config])
+    assert torch.equal(out, dequantize(codes, scales, zeros, bits, dtype).t())
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 17, 40])  # the GEMV shape up to 16 rows, 64-row tiles beyond
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k,n,group_rows", [(128, 80, 32), (256, 48, 0), (64, 96, 16)])
+def test_wna16_linear_matches_the_reference(m, bits, dtype, k, n, group_rows):
+    """The default configs (N not a multiple of the column block, groups narrower than a K step and one
+    group spanning K), with a bias on every other row count."""
+    codes, scales, zeros = _layer(k, n, bits, group_rows, seed=m + k)
+    x, bias = _inputs(m, k, n, dtype, bias=m % 2 == 1, seed=m)
+    _assert_matches(wna16_linear(x, codes, scales, zeros, bits, bias), x, codes, scales, zeros, bits, bias)
+
+
+@pytest.mark.parametrize("config", sorted(STEP_CONFIGS))
+def test_split_k_and_ragged_k_match_the_reference_deterministically(config):
+    """Explicit configs: K split over programs (3 splits of a K whose steps do not divide evenly), K not a
+    multiple of the step (one 40-row group), bias added once whatever the split; the same bits each run."""
+    for bits, k, group_rows in ((4, 40, 0), (8, 96, 32)):
+        codes, scales, zeros = _layer(k, 40, bits, group_rows, seed=k)
+        x, bias = _inputs(5, k, 40, torch.bfloat16, bias=True, seed=k)
+        cfg = STEP_CONFIGS[config]
+        out = wna16_linear(x, codes, scales, zeros, bits, bias, config=cfg)
+        _assert_matches(out, x, codes, scales, zeros, bits, bias)
+        assert torch.equal(out, wna16_linear(x, codes, scales, zeros, bits, bias, config=cfg))
+
+
+def test_batch_dims_strided_rows_and_empty_inputs():
+    k, n, bits = 64, 32, 4
+    codes, scales, zeros = _layer(k, n, bits, 32, seed=7)
+    x, bias = _inputs(6, k, n, torch.bfloat16, bias=True, seed=7)
+    flat = wna16_linear(x, codes, scales, zeros, bits, bias)
+    got = wna16_linear(x.view(2, 3, k), codes, scales, zeros, bits, bias)
+    assert got.shape == (2, 3, n) and torch.equal(got.view(6, n), flat)
+    # Rows of a wider tensor (a fused projection's slice): read in place, the same result.
+    wide = torch.cat([x, torch.full_like(x, float("nan"))], dim=1)[:, :k]
+    assert wide.stride(0) == 2 * k and torch.equal(wna16_linear(wide, codes, scales, zeros, bits, bias), flat)
+    # A non-unit stride along K: copied first.
+    columns = torch.stack([x, x], dim=2)[:, :, 0]
+    assert columns.stride(1) == 2
+    assert torch.equal(wna16_linear(columns, codes, scales, zeros, bits, bias), flat)
+    empty = wna16_linear(x[:0].view(2, 0, k), codes, scales, zeros, bits, bias)
+    assert empty.shape == (2, 0, n) and empty.dtype == torch.bfloat16
+
+
+def test_arguments_that_do_not_fit_are_refused():
+    codes, scales, zeros = _layer(64, 32, 4, 32, seed=3)
+    x = torch.randn(2, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bits"):
+        wna16_linear(x, codes, scales, zeros, 3)
+    with pytest.raises(ValueError, match="bf16 or fp16"):
+        wna16_linear(x.float(), codes, scales, zeros, 4)
+    with pytest.raises(ValueError, match="do not pack"):
+        wna16_linear(x[:, :32], codes, scales, zeros, 4)
+    with pytest.raises(ValueError, match="groups"):
+        wna16_linear(x, codes, scales[:, :16], zeros, 4)
+    with pytest.raises(ValueError, match="split words"):  # 4-row groups of 8-code words
+        wna16_linear(x, codes, scales.repeat(8, 1), zeros.repeat(8, 1), 4)
+    with pytest.raises(ValueError, match="bias"):
+        wna16_linear(x, codes, scales, zeros, 4, bias=torch.zeros(16, device=DEVICE, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 6144, 4096), (1, 28672, 4096), (4, 4096, 14336),
+                                   (64, 4096, 4096), (1024, 4096, 4096), (1, 64, 64)])
+def test_default_configs_fill_the_gpu_without_crowding_it(m, n, k):
+    num_sms = 132
+    cfg = default_config(m, n, k, num_sms)
+    tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    per_sm = GEMV_PROGRAMS_PER_SM if m <= 16 else TILED_PROGRAMS_PER_SM
+    assert cfg.block_k <= max(16, triton.next_power_of_2(k)) and cfg.split_k >= 1
+    assert cfg.split_k == 1 or tiles * cfg.split_k <= per_sm * num_sms
+    # A split never leaves a wave's worth of SMs idle that doubling it would have filled (K allowing).
+    assert tiles * cfg.split_k * 2 > per_sm * num_sms or k // (2 * cfg.split_k) < 4 * cfg.block_k
+
+
+def test_the_layer_runs_the_kernel_where_triton_runs(monkeypatch):
+    """WNA16Linear.forward on the kernel path (the interpreter taking CPU tensors; CUDA as it is): act-order's
+    gather of x's columns, then wna16_linear on the layer's codes, scales, zeros and bias."""
+    from plait.kernels import dispatch, wna16_gemm
+
+    calls = []
+    kernel = wna16_gemm.wna16_linear
+    monkeypatch.setattr(wna16_gemm, "wna16_linear", lambda *args: calls.append(args) or kernel(*args))
+    spec = WNA16Spec("gptq", 4, 32, sym=False)
+    layer = WNA16Linear(64, 48, bias=True, spec=spec, compute_dtype=torch.bfloat16, device=DEVICE)
+    g = torch.Generator().manual_seed(11)
+    layer.load_weight_rows(0, torch.randn(48, 64, generator=g).to(DEVICE))
+    layer.bias.copy_(torch.randn(48, generator=g))
+    layer.perm = torch.randperm(64, generator=g).to(DEVICE)
+    x = torch.randn(3, 64, generator=g).to(device=DEVICE, dtype=torch.bfloat16)
+    if not HAS_CUDA:
+        dispatch.set_cpu_interpreter(True)
+    try:
+        with torch.no_grad():
+            got = layer(x)
+    finally:
+        dispatch.set_cpu_interpreter(False)
+    assert len(calls) == 1
+    _assert_matches(got, x.index_select(-1, layer.perm), layer.codes, layer.scales, layer.zeros, 4,
+                    layer.bias)
+
+
+# ---- GPU: Llama-8B's shapes, CUDA graphs -----------------------------------------------------------------
+
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate/up, down: (N, K)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 256, 1024])
+@pytest.mark.parametrize("n,k", LLAMA_8B)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_real_shapes_match_the_reference(m, n, k, dtype):
+    """4-bit codes in groups of 128 with the default configs (the GEMV with K split to fill the GPU, the
+    tiled GEMM); fp16 takes the fp16 dequantisation (fp16 scales), bf16 the fp32 one."""
+    codes, scales, zeros = _layer(k, n, 4, 128, seed=n + m, device="cuda")
+    x, bias = _inputs(m, k, n, dtype, bias=m == 4, seed=m, device="cuda")
+    _assert_matches(wna16_linear(x, codes, scales, zeros, 4, bias), x, codes, scales, zeros, 4, bias)
+
+
+@gpu
+@pytest.mark.parametrize("bits,group_rows", [(8, 128), (4, 0), (4, 32)])
+@pytest.mark.parametrize("m", [1, 300])
+def test_other_widths_and_groups_on_real_shapes(bits, group_rows, m):
+    n, k = 4096, 4096
+    codes, scales, zeros = _layer(k, n, bits, group_rows, seed=bits + group_rows, scale_dtype=torch.bfloat16,
+                                  device="cuda")
+    x, bias = _inputs(m, k, n, torch.bfloat16, bias=True, seed=m, device="cuda")
+    _assert_matches(wna16_linear(x, codes, scales, zeros, bits, bias), x, codes, scales, zeros, bits, bias)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 16, 100])
+def test_cuda_graph_replays_the_kernel(m):
+    """Captured once (the split-K GEMV and its reduction at 1 and 16 rows, the tiled GEMM at 100), replayed
+    on new inputs written in place: the eager results, bit for bit."""
+    n, k = 4096, 4096
+    codes, scales, zeros = _layer(k, n, 4, 128, seed=m, device="cuda")
+    x, bias = _inputs(m, k, n, torch.bfloat16, bias=True, seed=m, device="cuda")
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        wna16_linear(static_x, codes, scales, zeros, 4, bias)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = wna16_linear(static_x, codes, scales, zeros, 4, bias)
+    for seed in (1, 2):
+        fresh, _ = _inputs(m, k, n, torch.bfloat16, bias=False, seed=100 * seed, device="cuda")
+        static_x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_out, wna16_linear(fresh, codes, scales, zeros, 4, bias))
+    _assert_matches(static_out, fresh, codes, scales, zeros, 4, bias)
