@@ -404,3 +404,45 @@ def test_a_compressed_tensors_checkpoint_matches_transformers_on_its_weights(tin
         ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], 8)
         assert outputs[i] == ref_ids, f"prompt {i}: greedy tokens differ from transformers"
         torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_gpu_int4_engine_with_graphs_matches_the_torch_path(tmp_path, method):
+    """bf16 on the GPU: a random GPTQ / AWQ model through the Triton GEMM (GEMV shape for decodes, tiles for
+    prompts), CUDA graphs and overlapped steps gives the logits of the torch path (dequantised weights,
+    torch_ref attention, eager, synchronous), up to rounding, until each output's first fork."""
+    from test_fp8 import _logit_gaps, _random_llama
+
+    from plait.kernels.dispatch import set_triton_enabled
+
+    folder = Path(_random_llama(tmp_path))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = _quantization_config(method, 4, 128, True, False)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    kw = dict(model=str(folder), load_format="dummy", seed=3, block_size=16, max_model_len=256,
+              num_kv_blocks=256, dtype="bfloat16")
+
+    def engine(**knobs) -> LLMEngine:
+        e = LLMEngine(EngineConfig(**{**kw, **knobs}))
+        with torch.no_grad():  # as tests/test_gpu_engine.py: the token's own embedding dominates
+            e.runner.model.model.embed_tokens.weight.mul_(100.0)
+        return e
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 2048, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 120, (12,), generator=g)]
+    graphed = engine()
+    assert graphed.runner.quantization == method
+    got, got_logits = run_greedy(graphed, prompts, max_tokens=16, arrive_every=1, capture_logits=True)
+    b = graphed.runner.breakdown
+    assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
+    reference = engine(enforce_eager=True, async_scheduling=False, attention_backend="torch_ref")
+    set_triton_enabled(False)  # every layer on its torch code: the dequantised weight through F.linear
+    try:
+        want, want_logits = run_greedy(reference, prompts, max_tokens=16, arrive_every=1, capture_logits=True)
+    finally:
+        set_triton_enabled(True)
+    gaps = _logit_gaps(got, got_logits, want, want_logits)
+    assert len(gaps) > 50 and max(gaps) < 0.05, f"largest logit gap {max(gaps):.3f} logit std"
