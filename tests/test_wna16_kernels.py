@@ -11,11 +11,14 @@ triton = pytest.importorskip("triton")
 from plait.kernels.wna16_gemm import (  # noqa: E402
     GEMV_PROGRAMS_PER_SM,
     TILED_PROGRAMS_PER_SM,
+    FmaConfig,
     WNA16Config,
     default_config,
+    fma_config,
     wna16_linear,
 )
 from plait.layers.wna16 import (  # noqa: E402
+    WORD_BITS,
     WNA16Linear,
     WNA16Spec,
     dequantize,
@@ -62,15 +65,19 @@ def _inputs(m: int, k: int, n: int, dtype: torch.dtype, bias: bool, seed: int, d
 
 
 def _assert_matches(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                    zeros: torch.Tensor, bits: int, bias: torch.Tensor | None) -> None:
+                    zeros: torch.Tensor, bits: int, bias: torch.Tensor | None,
+                    config: WNA16Config | FmaConfig | None = None) -> None:
     """out against the reference (loosely, as torch's own matmul computes it), and against the exact product
-    of the same rounded weights (tightly: one rounding to the output dtype plus fp32 summation error)."""
-    ref = wna16_linear_ref(x, codes, scales, zeros, bits, bias, dequantized=None)
+    of the same weights (tightly: one rounding to the output dtype plus fp32 summation error), rounded to x's
+    dtype, or in fp32 where the call (``config``: its override) took the one-row FMA kernel."""
+    k, n = x.shape[-1], codes.shape[1]
+    exact_weights = fma_config(x.numel() // k, n, k, scales.shape[0], bits, config) is not None
+    ref = wna16_linear_ref(x, codes, scales, zeros, bits, bias, exact_weights=exact_weights)
     assert out.shape == ref.shape and out.dtype == ref.dtype == x.dtype
     atol = 2e-2 * ref.float().abs().max().item()
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=atol)
     x2 = x.reshape(-1, x.shape[-1]).double()
-    w = dequantize(codes, scales, zeros, bits, x.dtype).double()  # [N, K]
+    w = dequantize(codes, scales, zeros, bits, torch.float32 if exact_weights else x.dtype).double()  # [N, K]
     b = bias.double() if bias is not None else torch.zeros((), dtype=torch.float64, device=x.device)
     exact = x2 @ w.T + b
     mag = x2.abs() @ w.abs().T + b.abs()
@@ -84,6 +91,9 @@ def _assert_matches(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, sca
 # block_m 16: the GEMV shape; 32: a tiled one (several M tiles, grouped order). block_k against the groups:
 # 64 lies in one 64-row group, spans four 16-row ones.
 STEP_CONFIGS = {
+    # The one-row FMA kernel: steps within a 64-row group, and steps spanning 16-row groups (ROW_GROUPS).
+    "fma": FmaConfig(block_n=32, block_w=8, split_k=1),
+    "fma_split2": FmaConfig(block_n=64, block_w=4, split_k=2),
     "gemv": WNA16Config(block_m=16, block_n=32, block_k=64, split_k=1, group_m=1),
     "gemv_split3": WNA16Config(block_m=16, block_n=64, block_k=16, split_k=3, group_m=1),
     "tiled": WNA16Config(block_m=32, block_n=32, block_k=32, split_k=1, group_m=2),
@@ -105,7 +115,18 @@ def test_kernel_weights_are_the_references_bit_for_bit(config, bits, group_rows,
     k, n = 128, 48  # n: a partial last block of 32 columns
     codes, scales, zeros = _layer(k, n, bits, group_rows, seed=bits + group_rows, scale_dtype=scale_dtype)
     x = torch.eye(k, device=DEVICE, dtype=dtype)
-    out = wna16_linear(x, codes, scales, zeros, bits, config=STEP_CONFIGS[config])
+    cfg = STEP_CONFIGS[config]
+    if isinstance(cfg, FmaConfig):  # one row a call: every 9th row of the identity
+        if dtype == torch.bfloat16 and cfg.split_k > 1 and not HAS_CUDA:
+            pytest.skip("the interpreter's split-K reduction truncates to bf16 (compiled kernels round)")
+        if k % (cfg.block_w * WORD_BITS // bits):
+            pytest.skip("K is not whole steps of this config")
+        rows = range(0, k, 9)
+        out = torch.cat([wna16_linear(x[i:i + 1], codes, scales, zeros, bits, config=cfg) for i in rows])
+        weights = dequantize(codes, scales, zeros, bits, torch.float32).t()[list(rows)].to(dtype)
+        assert torch.equal(out, weights)  # exact fp32 weights (q - z) * s, rounded once at the output
+        return
+    out = wna16_linear(x, codes, scales, zeros, bits, config=cfg)
     assert torch.equal(out, dequantize(codes, scales, zeros, bits, dtype).t())
 
 
@@ -129,8 +150,12 @@ def test_split_k_and_ragged_k_match_the_reference_deterministically(config):
         codes, scales, zeros = _layer(k, 40, bits, group_rows, seed=k)
         x, bias = _inputs(5, k, 40, torch.bfloat16, bias=True, seed=k)
         cfg = STEP_CONFIGS[config]
+        if isinstance(cfg, FmaConfig):
+            if k % (cfg.block_w * WORD_BITS // bits):
+                continue  # K is not whole steps of this config
+            x = x[:1]
         out = wna16_linear(x, codes, scales, zeros, bits, bias, config=cfg)
-        _assert_matches(out, x, codes, scales, zeros, bits, bias)
+        _assert_matches(out, x, codes, scales, zeros, bits, bias, cfg)
         assert torch.equal(out, wna16_linear(x, codes, scales, zeros, bits, bias, config=cfg))
 
 

@@ -23,18 +23,21 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from plait.kernels.wna16_gemm import WNA16Config, get_config, wna16_gemm
+from plait.kernels.wna16_gemm import FMA_MAX_M, FmaConfig, WNA16Config, get_config, wna16_gemm
 from plait.layers.wna16 import WNA16Spec, dequantize, pack_rows, quantize_rtn
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-M_VALUES = (1, 4, 16, 64, 256, 1024, 4096)
-SWEEP_M = (1, 16)
+M_VALUES = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
+SWEEP_M = (1, 4, 16)
 GROUP = 128
 L2_COPIES_FACTOR = 3
 READ_BYTES = 2 * 1024**3
 REP_MS = 20
-CANDIDATES = [WNA16Config(16, bn, bk, 0, 1, w, s) for bn in (32, 64, 128) for bk in (64, 128, 256)
-              for w in (4,) for s in (3, 4)]
+# Launch shapes tried: the FMA GEMV's up to FMA_MAX_M rows, the dot GEMV's above.
+DOT_CANDIDATES = [WNA16Config(16, bn, bk, 0, 1, w, s) for bn in (32, 64, 128) for bk in (64, 128, 256)
+                  for w in (4,) for s in (3, 4)]
+FMA_CANDIDATES = [FmaConfig(bn, bw, 0, w, s) for bn in (64, 128, 256) for bw in (16, 32, 64) for w in (4, 8)
+                  for s in (2, 3)]
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -76,7 +79,8 @@ def layer_bytes(layer: tuple[torch.Tensor, ...]) -> int:
     return codes.numel() * 4 + scales.numel() * 2 + zeros.numel()
 
 
-def bench_m(name: str, x: torch.Tensor, copies: list, dense: list[torch.Tensor], gbps: float) -> dict:
+def bench_m(name: str, x: torch.Tensor, copies: list, dense: list[torch.Tensor], gbps: float,
+            sweep: bool) -> dict:
     """One row count of one layer: the kernel (and at SWEEP_M its launch-shape sweep), cuBLAS bf16 on the
     dequantised weight, dequantising then cuBLAS, and the floor."""
     (m, k), n = x.shape, copies[0][0].shape[1]
@@ -91,34 +95,41 @@ def bench_m(name: str, x: torch.Tensor, copies: list, dense: list[torch.Tensor],
            "dequant_then_cublas_us": deq_us, "floor_us": floor_us, "x_floor": triton_us / floor_us,
            "tflops": 2 * m * n * k / triton_us / 1e6, "rel_err": err,
            "config": get_config(m, n, k, 4, GROUP, x.device).__dict__}
-    if m in SWEEP_M:
+    if sweep and m in SWEEP_M:
         timings = [(timed(rotating([lambda c=c, cand=cand: wna16_gemm(x, c[0], c[1], c[2], 4, config=cand)
-                                    for c in copies])), cand) for cand in CANDIDATES]
+                                    for c in copies])), cand)
+                   for cand in (FMA_CANDIDATES if m <= FMA_MAX_M else DOT_CANDIDATES)]
         best = min(timings, key=lambda t: t[0])
         row["sweep_best_us"], row["sweep_best"] = best[0], best[1].__dict__
     print(f"{name:8s} m={m:5d} triton {triton_us:8.1f} us ({row['x_floor']:.2f}x floor {floor_us:.1f}, "
           f"{row['tflops']:.0f} TFLOP/s) cublas-bf16 {cublas_us:8.1f} deq+cublas {deq_us:8.1f}"
-          + (f" sweep {row['sweep_best_us']:.1f} {row['sweep_best']}" if m in SWEEP_M else ""), flush=True)
+          + (f" sweep {row['sweep_best_us']:.1f} {row['sweep_best']}" if "sweep_best" in row else ""),
+          flush=True)
     return row
 
 
-def bench_shape(name: str, n: int, k: int, l2: int, gbps: float) -> list[dict]:
+def bench_shape(name: str, n: int, k: int, l2: int, gbps: float, m_values: tuple[int, ...],
+                sweep: bool) -> list[dict]:
     copies = layers(n, k, l2)
     dense = [copies[0][3].clone() for _ in range(max(2, math.ceil(L2_COPIES_FACTOR * l2 / (n * k * 2))))]
-    return [bench_m(name, torch.randn(m, k, device="cuda", dtype=torch.bfloat16), copies, dense, gbps)
-            for m in M_VALUES]
+    return [bench_m(name, torch.randn(m, k, device="cuda", dtype=torch.bfloat16), copies, dense, gbps, sweep)
+            for m in m_values]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", default=None)
+    p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="row counts (comma-separated)")
+    p.add_argument("--no-sweep", action="store_true", help="time the default launch shapes only")
     args = p.parse_args()
     props = torch.cuda.get_device_properties(0)
     l2 = props.L2_cache_size
     gbps = read_bandwidth()
     print(f"{props.name}: read {gbps:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB")
     start = time.time()
-    rows = [r for name, (n, k) in SHAPES.items() for r in bench_shape(name, n, k, l2, gbps)]
+    m_values = tuple(int(m) for m in args.m.split(","))
+    rows = [r for name, (n, k) in SHAPES.items()
+            for r in bench_shape(name, n, k, l2, gbps, m_values, not args.no_sweep)]
     result = {"device": props.name, "read_gbps": gbps, "group": GROUP, "bits": 4, "x_dtype": "bfloat16",
               "scale_dtype": "float16", "seconds": time.time() - start, "rows": rows}
     decode = [r for r in rows if r["m"] == 1]

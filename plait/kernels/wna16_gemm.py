@@ -244,6 +244,75 @@ def _wna16_gemm_kernel(
                  _round(acc, out_ptr.dtype.element_ty, INTERPRETED_BF16), mask=mask)
 
 
+@triton.jit
+def _code_minus_zero(words, jj: tl.constexpr, zero, BITS: tl.constexpr):
+    """(code - zero) * 2^(BITS * jj) in fp32, exactly, for the code in field jj of each word (its field ends
+    below the fp32 mantissa's top, bit 23): OR'd in place into the mantissa of 2^23 (one LOP3, no shift),
+    read as 2^23 + code * 2^(BITS * jj), less 2^23 + zero * 2^(BITS * jj)."""
+    field = words & (((1 << BITS) - 1) << (BITS * jj))
+    magic = (field | 0x4B000000).to(tl.float32, bitcast=True)
+    return magic - (zero * (1 << (BITS * jj)) + 8388608.0)
+
+
+@triton.jit
+def _wna16_fma_kernel(
+    x_ptr, c_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr,
+    N, K, G, group_rows, stride_cw, stride_sg, stride_zg, k_iters,
+    STATIC_K_ITERS: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr, ROW_GROUPS: tl.constexpr, TO_WORKSPACE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    INTERPRETED_BF16: tl.constexpr, PDL: tl.constexpr,
+):
+    # out[n] = sum_k x[k] * (code(k, n) - zero) * scale for one row x, on CUDA cores: no dot, so no layout
+    # change of the unpacked codes. Grid (N tiles, K splits); each step takes BLOCK_W word rows (BLOCK_W *
+    # PACK inputs), in one group or (ROW_GROUPS) each word row in its own. Per code: one LOP3, one FADD, one
+    # FFMA (_code_minus_zero; x's entries carry the 2^-(BITS * jj) that undoes its field's place, exactly);
+    # each word's sums take their group's scale once, and the word rows are summed at the end.
+    pdl_prologue(PDL)
+    DIRECT: tl.constexpr = 23 // BITS  # codes of a word whose field ends within the fp32 mantissa
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_w = tl.arange(0, BLOCK_W)
+    n_in = offs_n < N
+    w_lo = pid_k * trip_count(STATIC_K_ITERS, k_iters) * BLOCK_W  # first word row of this split
+    c_ptrs = c_ptr + (w_lo + offs_w)[:, None] * stride_cw + offs_n[None, :]  # [BLOCK_W, BLOCK_N]
+    acc = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
+    for it in range(trip_count(STATIC_K_ITERS, k_iters)):
+        w0 = w_lo + it * BLOCK_W
+        w_in = (w0 + offs_w) * PACK < K
+        words = tl.load(c_ptrs + it * BLOCK_W * stride_cw, mask=w_in[:, None] & n_in[None, :], other=0)
+        high = words >> (BITS * DIRECT)
+        if ROW_GROUPS:
+            # The step spans groups: each word row's own scale and zero (cached: rows of a group share them).
+            g2 = tl.minimum((w0 + offs_w) * PACK // group_rows, G - 1)[:, None]
+            scale = tl.load(s_ptr + g2 * stride_sg + offs_n[None, :], mask=n_in[None, :], other=0.0)
+            zero = tl.load(z_ptr + g2 * stride_zg + offs_n[None, :], mask=n_in[None, :], other=0)
+            scale, zero = scale.to(tl.float32), zero.to(tl.float32)
+        else:
+            g = tl.minimum((w0 * PACK) // group_rows, G - 1)
+            scale = tl.load(s_ptr + g * stride_sg + offs_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
+            zero = tl.load(z_ptr + g * stride_zg + offs_n, mask=n_in, other=0).to(tl.float32)[None, :]
+        step = tl.zeros((BLOCK_W, BLOCK_N), dtype=tl.float32)
+        for j in tl.static_range(PACK):
+            # Codes whose field ends past bit 23 are read from ``high``, the words shifted once for them all.
+            jj = j - DIRECT * (j >= DIRECT)  # the field's place in the word it is read from
+            if j < DIRECT:
+                w = _code_minus_zero(words, jj, zero, BITS)  # [BLOCK_W, BLOCK_N]
+            else:
+                w = _code_minus_zero(high, jj, zero, BITS)
+            # x's inputs (w0 + r) * PACK + j, r < BLOCK_W, times 2^-(BITS * jj): [BLOCK_W]
+            x = tl.load(x_ptr + (w0 + offs_w) * PACK + j, mask=w_in, other=0.0).to(tl.float32)
+            step += (x * (1.0 / (1 << (BITS * jj))))[:, None] * w
+        acc += step * scale
+    out = tl.sum(acc, axis=0)  # [BLOCK_N]
+    if TO_WORKSPACE:
+        tl.store(part_ptr + pid_k * N + offs_n, out, mask=n_in)
+    else:
+        if HAS_BIAS:
+            out += tl.load(b_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs_n, _round(out, out_ptr.dtype.element_ty, INTERPRETED_BF16), mask=n_in)
+
+
 def _check(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
            bias: torch.Tensor | None) -> int:
     """The group_rows of a valid call, else a ValueError naming what does not fit."""
@@ -271,8 +340,75 @@ def _unit_n(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+@dataclass(frozen=True)
+class FmaConfig:
+    block_n: int = 128  # output columns a program
+    block_w: int = 16  # word rows a step (block_w * pack inputs, within one group)
+    split_k: int = 0  # programs along K; 0 = chosen to fill the GPU (split_for)
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+# Rows up to this take the FMA GEMV (_wna16_fma_kernel): each code unpacked (one LOP3) and multiplied on
+# CUDA cores, which beats the dot's padded 16-row tile and its layout change of the unpacked weights at one
+# row (Llama-8B's four layers: 88 us against 120 on an H200). Its weights are exact fp32, (code - zero) *
+# scale unrounded: the reference's function with weights in fp32 (wna16_linear_ref's exact_weights).
+FMA_MAX_M = 1
+# 64 word rows a step (512 4-bit inputs, four 128-row groups) on 8 warps: the fastest of a sweep over block_n
+# 64-256, block_w 16-64, 4 / 8 warps and 2 / 3 stages on Llama-8B's o, gate/up and down at one row (H200,
+# benchmarks/results/wna16_kernels_h200.json); wider steps than one group beat group-sized ones by 15-30%.
+FMA_CONFIG = FmaConfig(block_n=64, block_w=64, num_warps=8, num_stages=2)
+# Measured FMA configs keyed by (bits, N, K) where they beat FMA_CONFIG (same sweep).
+FMA_CONFIGS: dict[tuple[int, int, int], FmaConfig] = {
+    (4, 6144, 4096): FmaConfig(block_n=128, block_w=64, num_warps=8, num_stages=2),  # llama-8b qkv
+}
+
+
+def fma_config(m: int, n: int, k: int, groups: int, bits: int,
+               config: WNA16Config | FmaConfig | None = None) -> FmaConfig | None:
+    """The FMA GEMV's config where it takes this call (``config`` an FmaConfig, or None and the table's or
+    FMA_CONFIG usable), else None: the dot kernel's."""
+    if isinstance(config, WNA16Config):
+        return None
+    cfg = config or FMA_CONFIGS.get((bits, n, k), FMA_CONFIG)
+    return cfg if fma_usable(m, k, groups, k // groups, bits, cfg) else None
+
+
+def fma_usable(m: int, k: int, groups: int, group_rows: int, bits: int, cfg: FmaConfig = FMA_CONFIG) -> bool:
+    """Whether _wna16_fma_kernel takes this call: one row, its steps (block_w words) whole groups or within
+    one, and K whole steps."""
+    step = cfg.block_w * (WORD_BITS // bits)
+    aligned = groups == 1 or group_rows % step == 0 or step % group_rows == 0
+    return 0 < m <= FMA_MAX_M and aligned and k % step == 0
+
+
+def _fma_gemv(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+              bias: torch.Tensor | None, out: torch.Tensor, group_rows: int, cfg: FmaConfig) -> None:
+    (m, k), n, groups = x2.shape, codes.shape[1], scales.shape[0]
+    pack = WORD_BITS // bits
+    word_rows = k // pack
+    steps = triton.cdiv(word_rows, cfg.block_w)
+    tiles = triton.cdiv(n, cfg.block_n)
+    split = cfg.split_k or split_for(tiles, k, cfg.block_w * pack, GEMV_PROGRAMS_PER_SM, sm_count(x2.device))
+    iters = triton.cdiv(steps, max(1, min(split, steps)))
+    split = triton.cdiv(steps, iters)
+    part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
+    _wna16_fma_kernel[(tiles, split)](
+        x2, codes, scales, zeros, bias if bias is not None else out, out, part,
+        n, k, groups, group_rows, codes.stride(0), scales.stride(0), zeros.stride(0),
+        iters, STATIC_K_ITERS=static_iters(x2.is_cuda, iters), BITS=bits, PACK=pack,
+        BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ROW_GROUPS=groups > 1 and cfg.block_w * pack > group_rows,
+        TO_WORKSPACE=split > 1,
+        HAS_BIAS=bias is not None, INTERPRETED_BF16=not x2.is_cuda and x2.dtype == torch.bfloat16,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2),
+    )
+    if split > 1:
+        reduce_splits(part, bias, out)
+
+
 def wna16_gemm(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-               bias: torch.Tensor | None = None, config: WNA16Config | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, config: WNA16Config | FmaConfig | None = None
+               ) -> torch.Tensor:
     """x2 @ dequantize(codes, scales, zeros, bits, x2.dtype).T (+ bias) for 2-D x2; ``config`` overrides the
     table / default (tests, sweeps; its split_k 0 is chosen as the default's)."""
     # x2: [M, K] bf16/fp16; codes: [K // pack, N] int32; scales, zeros: [G, N]; bias: [N] -> [M, N] x2.dtype
@@ -283,7 +419,11 @@ def wna16_gemm(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
         return out
-    if config is None:
+    fma = fma_config(m, n, k, groups, bits, config)
+    if fma is not None:
+        _fma_gemv(x2, codes, scales, zeros, bits, bias, out, group_rows, fma)
+        return out
+    if not isinstance(config, WNA16Config):
         cfg = get_config(m, n, k, bits, group_rows, x2.device)
     else:
         cfg = _with_split(config, m, n, k, sm_count(x2.device))

@@ -221,13 +221,17 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, b
 
 def wna16_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      bits: int, bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
-                     dequantized: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias) with the weight dequantised to x's dtype, as torch's matmul computes it;
-    ``perm``: the input order of the rows (act-order), applied to x's columns; ``dequantized``: the weight
-    in x's dtype, where the caller keeps it."""
+                     dequantized: torch.Tensor | None = None, exact_weights: bool = False) -> torch.Tensor:
+    """x @ weight.T (+ bias) with the weight dequantised to x's dtype, as torch's matmul computes it
+    (``exact_weights``: in fp32, unrounded, the sum rounded once to x's dtype: what the one-row kernel
+    computes); ``perm``: the input order of the rows (act-order), applied to x's columns; ``dequantized``:
+    the weight in x's dtype, where the caller keeps it."""
     # x: [..., K] -> [..., N]
     if perm is not None:
         x = x.index_select(-1, perm)
+    if exact_weights:
+        weight = dequantize(codes, scales, zeros, bits, torch.float32)
+        return linear(x.float(), weight, bias.float() if bias is not None else None).to(x.dtype)
     weight = dequantized if dequantized is not None else dequantize(codes, scales, zeros, bits, x.dtype)
     return linear(x, weight, bias)
 
