@@ -14,6 +14,7 @@ from plait.kernels.wna16_gemm import (  # noqa: E402
     FmaConfig,
     WNA16Config,
     default_config,
+    dequantize_kn,
     fma_config,
     wna16_linear,
 )
@@ -139,6 +140,20 @@ def test_wna16_linear_matches_the_reference(m, bits, dtype, k, n, group_rows):
     group spanning K), with a bias on every other row count."""
     codes, scales, zeros = _layer(k, n, bits, group_rows, seed=m + k)
     x, bias = _inputs(m, k, n, dtype, bias=m % 2 == 1, seed=m)
+    _assert_matches(wna16_linear(x, codes, scales, zeros, bits, bias), x, codes, scales, zeros, bits, bias)
+
+
+@pytest.mark.parametrize("bits,group_rows", [(4, 16), (8, 64), (4, 0)])
+@pytest.mark.parametrize("dtype,scale_dtype", [
+    (torch.bfloat16, torch.float16), (torch.float16, torch.float16), (torch.bfloat16, torch.bfloat16)])
+def test_prompt_sized_steps_take_the_references_weights(bits, group_rows, dtype, scale_dtype):
+    """From DEQUANT_MIN_M rows: dequantize_kn's [K, N] weights are dequantize's bit for bit (N and K not
+    multiples of its blocks), and the matmul on them is the reference's function."""
+    k, n = 96, 200
+    codes, scales, zeros = _layer(k, n, bits, group_rows, seed=bits, scale_dtype=scale_dtype)
+    assert torch.equal(dequantize_kn(codes, scales, zeros, bits, dtype),
+                       dequantize(codes, scales, zeros, bits, dtype).t())
+    x, bias = _inputs(256, k, n, dtype, bias=True, seed=bits)
     _assert_matches(wna16_linear(x, codes, scales, zeros, bits, bias), x, codes, scales, zeros, bits, bias)
 
 

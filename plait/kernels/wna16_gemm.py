@@ -313,6 +313,40 @@ def _wna16_fma_kernel(
         tl.store(out_ptr + offs_n, _round(out, out_ptr.dtype.element_ty, INTERPRETED_BF16), mask=n_in)
 
 
+@triton.jit
+def _dequantize_kernel(c_ptr, s_ptr, z_ptr, w_ptr, N, K, G, group_rows, stride_cw, stride_sg, stride_zg,
+                       BITS: tl.constexpr, PACK: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
+                       HALF: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
+    # w[k, n] = the weight of codes (k, n): BLOCK_W word rows x BLOCK_N columns a program, unpacked as the
+    # GEMM kernel unpacks them (_dequantize), each word row with its group's scale and zero.
+    offs_w = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask3 = ((offs_w * PACK < K)[:, None] & (offs_n < N)[None, :])[:, None, :]
+    words = tl.load(c_ptr + offs_w[:, None, None] * stride_cw + offs_n[None, None, :], mask=mask3, other=0)
+    g = tl.minimum(offs_w * PACK // group_rows, G - 1)[:, None, None]
+    scale = tl.load(s_ptr + g * stride_sg + offs_n[None, None, :], mask=mask3, other=0.0)
+    zero = tl.load(z_ptr + g * stride_zg + offs_n[None, None, :], mask=mask3, other=0)
+    w = _dequantize(words, scale, zero, w_ptr.dtype.element_ty, BITS, PACK, HALF, INTERPRETED_BF16)
+    offs_k = tl.program_id(0) * BLOCK_W * PACK + tl.arange(0, BLOCK_W * PACK)
+    tl.store(w_ptr + offs_k[:, None].to(tl.int64) * N + offs_n[None, :], w,
+             mask=(offs_k < K)[:, None] & (offs_n < N)[None, :])
+
+
+def dequantize_kn(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """plait.layers.wna16.dequantize transposed, [K, N] in dtype, in one launch: the weights bit for bit."""
+    pack = WORD_BITS // bits
+    k, n, groups = codes.shape[0] * pack, codes.shape[1], scales.shape[0]
+    w = torch.empty((k, n), dtype=dtype, device=codes.device)
+    _dequantize_kernel[(triton.cdiv(k // pack, DEQUANT_BLOCK_W), triton.cdiv(n, DEQUANT_BLOCK_N))](
+        codes, scales, zeros, w, n, k, groups, k // groups, codes.stride(0), scales.stride(0),
+        zeros.stride(0), BITS=bits, PACK=pack, BLOCK_W=DEQUANT_BLOCK_W, BLOCK_N=DEQUANT_BLOCK_N,
+        HALF=dtype == torch.float16 and scales.dtype == torch.float16,
+        INTERPRETED_BF16=not codes.is_cuda and dtype == torch.bfloat16, num_warps=4,
+    )
+    return w
+
+
 def _check(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
            bias: torch.Tensor | None) -> int:
     """The group_rows of a valid call, else a ValueError naming what does not fit."""
@@ -348,6 +382,14 @@ class FmaConfig:
     num_warps: int = 4
     num_stages: int = 3
 
+
+# Rows from this many on: the weights dequantised by one launch into a [K, N] scratch, then cuBLAS. Writing
+# and re-reading 16-bit weights costs ~70 us on Llama-8B's gate/up (H200), less than the dequantising
+# GEMM's shortfall against cuBLAS from ~256 rows on (188 against 104 + 70 us there; 649 against 364 + 70
+# at 1,024).
+DEQUANT_MIN_M = 256
+DEQUANT_BLOCK_W = 8  # word rows a dequantisation program (64 4-bit inputs)
+DEQUANT_BLOCK_N = 128
 
 # Rows up to this take the FMA GEMV (_wna16_fma_kernel): each code unpacked (one LOP3) and multiplied on
 # CUDA cores, which beats the dot's padded 16-row tile and its layout change of the unpacked weights at one
@@ -419,6 +461,10 @@ def wna16_gemm(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
         return out
+    if config is None and m >= DEQUANT_MIN_M:
+        # Prompt-sized: the weights dequantised once (the reference's, bit for bit), then cuBLAS.
+        w = dequantize_kn(codes, scales, zeros, bits, x2.dtype)
+        return torch.addmm(bias, x2, w) if bias is not None else torch.mm(x2, w)
     fma = fma_config(m, n, k, groups, bits, config)
     if fma is not None:
         _fma_gemv(x2, codes, scales, zeros, bits, bias, out, group_rows, fma)
