@@ -239,8 +239,8 @@ def wna16_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
 def quantize_rtn(weight: torch.Tensor, spec: WNA16Spec, scale_dtype: torch.dtype = DUMMY_SCALE_DTYPE
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Round-to-nearest quantisation of a float weight [N, K] as ``spec`` lays it out (what random weights are
-    given): (codes [K, N] int32, unpacked; scales [groups, N]; zeros [groups, N]). Symmetric: zero 2^(bits-1),
-    scale amax / (2^(bits-1) - 1) ... as GPTQ's sym; else min/max over the group."""
+    given): (codes [K, N] int32, unpacked; scales [groups, N]; zeros [groups, N]). Symmetric, as GPTQ's sym:
+    zero 2^(bits - 1), scale 2 * amax / (2^bits - 1); else the group's range (with 0) over 2^bits - 1."""
     n, k = weight.shape
     rows = spec.group_rows(k)
     w = weight.float().t().reshape(k // rows, rows, n)  # [groups, rows, N]
