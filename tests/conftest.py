@@ -260,6 +260,20 @@ def hf_greedy_reference(hf, prompt: list[int], output: list[int], max_tokens: in
     return ids, logits
 
 
+def assert_greedy_matches_hf(engine, hf, prompts: list[list[int]], max_tokens: int, atol: float = 1e-4,
+                             what: str = "") -> None:
+    """``engine``'s greedy tokens for ``prompts`` (run together, chunked and batched) are HF model ``hf``'s,
+    and its logits at each of them within atol of HF's; the engine ends idle and clean."""
+    outputs, logits = run_greedy(engine, prompts, max_tokens, capture_logits=True)
+    for i, prompt in enumerate(prompts):
+        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], max_tokens)
+        assert outputs[i] == ref_ids, f"{what} prompt {i}: greedy tokens differ from transformers"
+        got = torch.stack(logits[i])
+        assert got.shape == ref_logits.shape
+        torch.testing.assert_close(got, ref_logits, atol=atol, rtol=0)
+    assert engine.is_idle_and_clean()
+
+
 def assert_engines_agree(got_engine, want_engine, prompts: list[list[int]], max_tokens: int = 8,
                          atol: float = 0.0, loras: list | None = None) -> dict[int, list[torch.Tensor]]:
     """Both engines' greedy tokens equal, and every sampled logits row within atol (0: bit for bit), with

@@ -354,6 +354,15 @@ def _logit_gaps(got, got_logits, want, want_logits) -> list[float]:
     return gaps
 
 
+def _embedding_led_engine(**config) -> LLMEngine:
+    """An engine of EngineConfig(**config) (random weights) whose token embeddings are 100x larger, so that,
+    as in tests/test_gpu_engine.py, the token's own embedding dominates and greedy picks seldom tie."""
+    engine = LLMEngine(EngineConfig(**config))
+    with torch.no_grad():
+        engine.runner.model.model.embed_tokens.weight.mul_(100.0)
+    return engine
+
+
 def _random_llama(tmp_path) -> str:
     """A random-weight Llama of modest width (weights drawn at load: load_format="dummy")."""
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
@@ -378,10 +387,7 @@ def test_fp8_engine_on_gpu_graphs_and_eager_agree(tmp_path):
               num_kv_blocks=256, quantization="fp8", dtype="bfloat16")
 
     def engine(**knobs) -> LLMEngine:
-        e = LLMEngine(EngineConfig(**{**kw, **knobs}))
-        with torch.no_grad():  # as tests/test_gpu_engine.py: the token's own embedding dominates
-            e.runner.model.model.embed_tokens.weight.mul_(100.0)
-        return e
+        return _embedding_led_engine(**{**kw, **knobs})
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 2048, (int(n),), generator=g).tolist()

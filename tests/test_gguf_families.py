@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_VOCAB, hf_greedy_reference, random_prompts, run_greedy
+from conftest import TINY_VOCAB, assert_greedy_matches_hf, random_prompts
 
 gguf = pytest.importorskip("gguf")
 
@@ -298,12 +298,7 @@ def test_plait_serves_the_gguf_as_transformers(checkpoints, family, monkeypatch,
     model, path = checkpoints(family)
     prompts = random_prompts(3, 1, 40, seed=7)
     engine = LLMEngine(EngineConfig(model=str(path), max_num_batched_tokens=32, block_size=8))
-    outputs, logits = run_greedy(engine, prompts, MAX_TOKENS, capture_logits=True)
-    for i, prompt in enumerate(prompts):
-        ref_ids, ref_logits = hf_greedy_reference(model, prompt, outputs[i], MAX_TOKENS)
-        assert outputs[i] == ref_ids, f"{family} prompt {i}: greedy tokens differ from transformers"
-        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
-    assert engine.is_idle_and_clean()
+    assert_greedy_matches_hf(engine, model, prompts, MAX_TOKENS, LOGITS_ATOL, family)
 
 
 def _same_model_config(got: ModelConfig, want: ModelConfig) -> None:

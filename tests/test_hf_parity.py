@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import hf_greedy_reference, random_prompts, run_greedy
+from conftest import assert_greedy_matches_hf, random_prompts
 
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine
@@ -24,15 +24,7 @@ def test_logits_and_greedy_match_hf(tiny_models, family):
     # Several prompts at once, some longer than the step budget, so rows mix chunks and decodes.
     prompts = random_prompts(6, 1, 70, seed=7)
     engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=48, block_size=8))
-    outputs, logits = run_greedy(engine, prompts, MAX_TOKENS, capture_logits=True)
-
-    for i, prompt in enumerate(prompts):
-        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], MAX_TOKENS)
-        assert outputs[i] == ref_ids, f"{family} prompt {i}: greedy tokens differ from HF"
-        got = torch.stack(logits[i])
-        assert got.shape == ref_logits.shape
-        torch.testing.assert_close(got, ref_logits, atol=LOGITS_ATOL, rtol=0)
-    assert engine.is_idle_and_clean()
+    assert_greedy_matches_hf(engine, hf, prompts, MAX_TOKENS, LOGITS_ATOL, family)
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
@@ -151,12 +143,7 @@ def test_image_text_checkpoint_serves_text_like_hf(image_text_models, tmp_path, 
     prompts = random_prompts(4, 1, 40, seed=5)
     engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=32, block_size=8))
     assert type(engine.runner.model).__name__ == type(hf).__name__
-    outputs, logits = run_greedy(engine, prompts, MAX_TOKENS, capture_logits=True)
-    for i, prompt in enumerate(prompts):
-        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], MAX_TOKENS)
-        assert outputs[i] == ref_ids, f"prompt {i}: greedy tokens differ from HF"
-        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
-    assert engine.is_idle_and_clean()
+    assert_greedy_matches_hf(engine, hf, prompts, MAX_TOKENS, LOGITS_ATOL)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
@@ -182,9 +169,5 @@ def test_gemma_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch, f
     prompts = random_prompts(3, 20, 40, seed=9)
     engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=32, block_size=8,
                                     attention_backend="triton"))
-    outputs, logits = run_greedy(engine, prompts, 4, capture_logits=True)
+    assert_greedy_matches_hf(engine, hf, prompts, 4, LOGITS_ATOL)
     assert sandwiches and all(sandwiches)  # every add-and-normalise took its post-norm along
-    for i, prompt in enumerate(prompts):
-        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], 4)
-        assert outputs[i] == ref_ids, f"prompt {i}: greedy tokens differ from HF"
-        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)

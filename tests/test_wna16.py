@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import hf_greedy_reference, random_prompts, run_greedy
+from conftest import assert_greedy_matches_hf, hf_greedy_reference, random_prompts, run_greedy
 
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine
@@ -224,13 +224,7 @@ def test_a_quantized_checkpoint_matches_transformers_on_its_weights(tiny_models,
             state[name].copy_(weight)
     engine = LLMEngine(EngineConfig(model=str(dst), max_num_batched_tokens=48, block_size=8))
     assert engine.runner.quantization == method
-    prompts = random_prompts(4, 1, 70, seed=3)
-    outputs, logits = run_greedy(engine, prompts, 8, capture_logits=True)
-    for i, prompt in enumerate(prompts):
-        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], 8)
-        assert outputs[i] == ref_ids, f"prompt {i}: greedy tokens differ from transformers"
-        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
-    assert engine.is_idle_and_clean()
+    assert_greedy_matches_hf(engine, hf, random_prompts(4, 1, 70, seed=3), 8, LOGITS_ATOL)
 
 
 def test_mismatched_or_unsupported_quantization_is_refused(tiny_models, tmp_path):
@@ -253,33 +247,39 @@ def test_mismatched_or_unsupported_quantization_is_refused(tiny_models, tmp_path
         LLMEngine(EngineConfig(model=str(dst)))
 
 
-def test_a_checkpoint_missing_a_shard_is_refused(tiny_models, tmp_path):
+def _rewrite(folder: Path, change) -> None:
+    """The checkpoint in ``folder`` saved again after ``change`` (name -> tensor dict, edited in place)."""
     from safetensors.torch import load_file, save_file
 
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors")
+
+
+def test_a_checkpoint_missing_a_shard_is_refused(tiny_models, tmp_path):
     dst = tmp_path / "awq"
     _quantized_checkpoint(tiny_models["llama"], dst, "awq", 4, 32, False, False)
-    tensors = load_file(dst / "model.safetensors")
-    del tensors["model.layers.1.self_attn.k_proj.scales"]
-    save_file(tensors, dst / "model.safetensors")
+    _rewrite(dst, lambda tensors: tensors.pop("model.layers.1.self_attn.k_proj.scales"))
     with pytest.raises(ValueError, match="without the scales of some columns"):
         LLMEngine(EngineConfig(model=str(dst)))
 
 
 def test_modules_to_not_convert_stay_16_bit(tiny_models, tmp_path):
     """AWQ's modules_to_not_convert: those layers' checkpoint tensors are plain weights, loaded as such."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from plait.layers.linear import Linear
 
     dst = tmp_path / "awq"
     _quantized_checkpoint(tiny_models["llama"], dst, "awq", 4, 32, False, False)
-    tensors = load_file(dst / "model.safetensors")
     original = load_file(tiny_models["llama"] / "model.safetensors")
-    for name in list(tensors):
-        if ".layers.0.mlp.down_proj." in name:
+
+    def unquantize_down_proj(tensors: dict) -> None:
+        for name in [n for n in tensors if ".layers.0.mlp.down_proj." in n]:
             del tensors[name]
-    tensors["model.layers.0.mlp.down_proj.weight"] = original["model.layers.0.mlp.down_proj.weight"]
-    save_file(tensors, dst / "model.safetensors")
+        tensors["model.layers.0.mlp.down_proj.weight"] = original["model.layers.0.mlp.down_proj.weight"]
+
+    _rewrite(dst, unquantize_down_proj)
     cfg = json.loads((dst / "config.json").read_text())
     cfg["quantization_config"]["modules_to_not_convert"] = ["layers.0.mlp.down_proj"]
     (dst / "config.json").write_text(json.dumps(cfg))
@@ -398,12 +398,7 @@ def test_a_compressed_tensors_checkpoint_matches_transformers_on_its_weights(tin
     assert engine.runner.quantization == "compressed-tensors"
     layer = engine.runner.model.model.layers[0].mlp.down_proj
     assert isinstance(layer, WNA16Linear) and layer.scales.dtype == torch.bfloat16
-    prompts = random_prompts(4, 1, 70, seed=4)
-    outputs, logits = run_greedy(engine, prompts, 8, capture_logits=True)
-    for i, prompt in enumerate(prompts):
-        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outputs[i], 8)
-        assert outputs[i] == ref_ids, f"prompt {i}: greedy tokens differ from transformers"
-        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
+    assert_greedy_matches_hf(engine, hf, random_prompts(4, 1, 70, seed=4), 8, LOGITS_ATOL)
 
 
 @pytest.mark.gpu
@@ -413,7 +408,7 @@ def test_gpu_int4_engine_with_graphs_matches_the_torch_path(tmp_path, method):
     """bf16 on the GPU: a random GPTQ / AWQ model through the Triton GEMM (GEMV shape for decodes, tiles for
     prompts), CUDA graphs and overlapped steps gives the logits of the torch path (dequantised weights,
     torch_ref attention, eager, synchronous), up to rounding, until each output's first fork."""
-    from test_fp8 import _logit_gaps, _random_llama
+    from test_fp8 import _embedding_led_engine, _logit_gaps, _random_llama
 
     from plait.kernels.dispatch import set_triton_enabled
 
@@ -425,10 +420,7 @@ def test_gpu_int4_engine_with_graphs_matches_the_torch_path(tmp_path, method):
               num_kv_blocks=256, dtype="bfloat16")
 
     def engine(**knobs) -> LLMEngine:
-        e = LLMEngine(EngineConfig(**{**kw, **knobs}))
-        with torch.no_grad():  # as tests/test_gpu_engine.py: the token's own embedding dominates
-            e.runner.model.model.embed_tokens.weight.mul_(100.0)
-        return e
+        return _embedding_led_engine(**{**kw, **knobs})
 
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(3, 2048, (int(n),), generator=g).tolist()

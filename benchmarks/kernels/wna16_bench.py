@@ -1,10 +1,10 @@
 """W4A16 GEMM benchmark (GPU): plait's Triton kernel against cuBLAS bf16 and the weight-read floor.
 
-    PYTHONPATH=. python benchmarks/kernels/wna16_bench.py --out benchmarks/results/wna16_kernels_h200.json
+    PYTHONPATH=. python -m benchmarks.kernels.wna16_bench --out benchmarks/results/wna16_kernels_h200.json
 
 Llama-8B's projections as a GPTQ / AWQ checkpoint holds them (4-bit codes, fp16 scales and zeros per
 128-row group), x in bf16, at decode and prompt row counts. Times are medians of CUDA-graph replays
-(triton.testing.do_bench_cudagraph), each call reading the next of several weight copies that together
+(dense_bench.timed), each call reading the next of several weight copies that together
 exceed L2 three times over, so no weight is read from L2. The floor is the layer's bytes (codes, scales,
 zeros, x, out) at the read bandwidth of a large x.sum() measured in the same run. Decode row counts also try
 a small sweep of launch shapes; the best are printed as lines for WNA16_CONFIGS.
@@ -16,13 +16,12 @@ import argparse
 import json
 import math
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from triton.testing import do_bench_cudagraph
 
+from benchmarks.kernels.dense_bench import L2_COPIES_FACTOR, read_bandwidth, rotating, timed
 from plait.kernels.wna16_gemm import FMA_MAX_M, FmaConfig, WNA16Config, get_config, wna16_gemm
 from plait.layers.wna16 import WNA16Spec, dequantize, pack_rows, quantize_rtn
 
@@ -30,37 +29,11 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 M_VALUES = (1, 2, 4, 8, 16, 64, 256, 1024, 4096)
 SWEEP_M = (1, 4, 16)
 GROUP = 128
-L2_COPIES_FACTOR = 3
-READ_BYTES = 2 * 1024**3
-REP_MS = 20
 # Launch shapes tried: the FMA GEMV's up to FMA_MAX_M rows, the dot GEMV's above.
 DOT_CANDIDATES = [WNA16Config(16, bn, bk, 0, 1, w, s) for bn in (32, 64, 128) for bk in (64, 128, 256)
                   for w in (4,) for s in (3, 4)]
 FMA_CANDIDATES = [FmaConfig(bn, bw, 0, w, s) for bn in (64, 128, 256) for bw in (16, 32, 64) for w in (4, 8)
                   for s in (2, 3)]
-
-
-def timed(fn: Callable[[], object]) -> float:
-    """Median microseconds per call of fn inside a CUDA graph of back-to-back calls."""
-    return do_bench_cudagraph(fn, rep=REP_MS, return_mode="median") * 1e3
-
-
-def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
-    state = {"i": 0}
-
-    def call() -> object:
-        fn = calls[state["i"] % len(calls)]
-        state["i"] += 1
-        return fn()
-
-    return call
-
-
-def read_bandwidth() -> float:
-    """GB/s of a large x.sum() (what HBM reads reach)."""
-    t = torch.empty(READ_BYTES // 2, dtype=torch.bfloat16, device="cuda").normal_()
-    us = timed(lambda: t.sum())
-    return READ_BYTES / us / 1e3
 
 
 def layers(n: int, k: int, l2: int) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
