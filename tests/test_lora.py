@@ -16,6 +16,7 @@ from conftest import (
     LORA_MODULES,
     assert_engines_agree,
     hf_greedy_reference,
+    lora_projection_shapes,
     make_lora_adapter,
     random_prompts,
     run_greedy,
@@ -139,6 +140,117 @@ def test_adapters_match_hf_with_merged_weights(tiny_models, tmp_path, family):
     assert changed >= DAMPED_FAMILIES.get(family, 4), "the adapters changed no answer"
     assert engine.runner.breakdown.lora_steps > 0
     assert engine.is_idle_and_clean()
+
+
+# Phi-3's adapters name its fused projections, as its checkpoints do: the decoder-layer module holding each.
+PHI3_LORA_MODULES = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp",
+                     "down_proj": "mlp"}
+
+
+def make_fused_lora_adapter(folder: Path, model_folder: Path, targets: list[str], rank: int, alpha: float,
+                            seed: int, use_rslora: bool = False, layers: list[int] | None = None,
+                            std: float = 0.1, config_overrides: dict | None = None) -> Path:
+    """A random PEFT LoRA adapter for a Phi-3 model, as PEFT saves one: lora_A [r, in] and lora_B [out, r] of
+    each targeted fused projection (``qkv_proj``: q + 2 kv rows; ``gate_up_proj``: 2 x intermediate rows)."""
+    from safetensors.torch import save_file
+
+    config = json.loads((model_folder / "config.json").read_text())
+    hf = lora_projection_shapes(config)
+    shapes = {"qkv_proj": (hf["q_proj"][0], hf["q_proj"][1] + hf["k_proj"][1] + hf["v_proj"][1]),
+              "o_proj": hf["o_proj"], "gate_up_proj": (hf["gate_proj"][0], 2 * hf["gate_proj"][1]),
+              "down_proj": hf["down_proj"]}
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in layers if layers is not None else range(config["num_hidden_layers"]):
+        for name in targets:
+            fan_in, fan_out = shapes[name]
+            prefix = f"base_model.model.model.layers.{layer}.{PHI3_LORA_MODULES[name]}.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * std
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, folder / "adapter_model.safetensors")
+    adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+                      "target_modules": targets, "use_rslora": use_rslora, "fan_in_fan_out": False,
+                      "bias": "none", "use_dora": False, "lora_dropout": 0.0,
+                      "base_model_name_or_path": str(model_folder), **(config_overrides or {})}
+    (folder / "adapter_config.json").write_text(json.dumps(adapter_config))
+    return folder
+
+
+@pytest.mark.parametrize("family", ["phi3", "phi3-longrope"])
+def test_phi3_adapters_on_fused_layers_match_hf_with_merged_weights(tiny_models, tmp_path, family):
+    """Phi-3's adapters name its fused qkv_proj and gate_up_proj (one A and one B for the whole layer) beside
+    o_proj and down_proj: greedy tokens and logits (1e-4, fp32) equal HF's Phi3ForCausalLM with the adapter
+    merged into its fused weights; base rows beside them are the base model's; chunked prompts, two slots."""
+    folder = tiny_models[family]
+    made = {
+        "all": make_fused_lora_adapter(tmp_path / "all", folder, list(PHI3_LORA_MODULES), rank=4, alpha=8,
+                                       seed=2, use_rslora=True),
+        "fused": make_fused_lora_adapter(tmp_path / "fused", folder, ["qkv_proj", "gate_up_proj"], rank=8,
+                                         alpha=16, seed=1),
+        "mlp": make_fused_lora_adapter(tmp_path / "mlp", folder, ["gate_up_proj", "down_proj"], rank=16,
+                                       alpha=32, seed=3, layers=[1]),
+    }
+    loras = {name: LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(made.items())}
+    order = [loras["fused"], None, loras["all"], loras["mlp"], None, loras["all"], loras["fused"]]
+    prompts = random_prompts(len(order), 1, 70, seed=7)
+    engine = _lora_engine(folder, max_num_batched_tokens=48, max_loras=2)
+    # A whole-layer target is one slice (rank rows of A and one block of B spanning the layer's rows).
+    qkv = engine.runner.lora.layers["model.layers.0.self_attn.qkv_proj"]
+    assert qkv.target.shards == (("qkv_proj", qkv.out_features),) and qkv.lora_a.shape[1] == qkv.max_rank
+    outs, logits = run_greedy(engine, prompts, MAX_TOKENS, capture_logits=True, loras=order)
+    base_engine = LLMEngine(EngineConfig(model=str(folder), block_size=8, max_num_batched_tokens=48))
+    base, base_logits = run_greedy(base_engine, prompts, MAX_TOKENS, capture_logits=True)
+    references = {}
+    for i, (prompt, lora) in enumerate(zip(prompts, order)):
+        name = lora.lora_name if lora else None
+        hf = references.setdefault(name, _merged_hf(folder, lora))
+        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outs[i], MAX_TOKENS)
+        assert outs[i] == ref_ids, f"{family} prompt {i} ({name}): greedy tokens differ from merged HF"
+        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
+        if lora is None:  # base rows beside adapters' rows: the base engine's answer
+            assert outs[i] == base[i]
+            torch.testing.assert_close(torch.stack(logits[i]), torch.stack(base_logits[i]), atol=1e-5, rtol=0)
+    moved = [(torch.stack(logits[i]) - torch.stack(base_logits[i])).abs().max() for i in range(len(order))]
+    # An adapter left out (or a fused layer's delta dropped) would leave its logits near the base model's.
+    assert all(m > 0.01 for m, lora in zip(moved, order) if lora), f"an adapter left its logits: {moved}"
+    changed = sum(outs[i] != base[i] for i, lora in enumerate(order) if lora)
+    assert changed >= 3, "the adapters changed no answer"
+    assert engine.runner.breakdown.lora_steps > 0
+    assert engine.is_idle_and_clean()
+
+
+def test_adapters_naming_another_familys_projections_are_refused(tiny_models, tmp_path):
+    """Phi-3 has no q_proj .. up_proj (its adapters name the fused layers), and Llama-family models take no
+    adapter on their fused qkv_proj / gate_up_proj (their adapters name the slices): each is refused by name
+    before it runs, and the engine goes on serving."""
+    phi3, llama = tiny_models["phi3"], tiny_models["llama"]
+    fused_names = "qkv_proj, o_proj, gate_up_proj, down_proj"
+    sliced_names = ", ".join(LORA_MODULES)
+    cases = [
+        (phi3, make_lora_adapter(tmp_path / "q", phi3, ["q_proj", "o_proj"], rank=4, alpha=8, seed=0),
+         f"target_modules ['q_proj'] are not supported; an adapter of this model may target {fused_names}"),
+        # A regex target: only the tensors say what it adapted.
+        (phi3, make_lora_adapter(tmp_path / "up", phi3, ["up_proj"], rank=4, alpha=8, seed=0,
+                                 config_overrides={"target_modules": ".*proj"}),
+         f"LoRA on up_proj is not supported for this model, only on {fused_names}"),
+        (phi3, make_fused_lora_adapter(tmp_path / "qkv-rank", phi3, ["qkv_proj"], rank=4, alpha=8, seed=0,
+                                       config_overrides={"r": 2}),
+         "expected (2, 64) and (128, 2)"),
+        (llama, make_fused_lora_adapter(tmp_path / "fused", llama, ["qkv_proj"], rank=4, alpha=8, seed=0),
+         f"target_modules ['qkv_proj'] are not supported; an adapter of this model may target "
+         f"{sliced_names}"),
+    ]
+    engines = {folder: _lora_engine(folder, max_model_len=64) for folder in (phi3, llama)}
+    for i, (folder, path, words) in enumerate(cases):
+        engine = engines[folder]
+        with pytest.raises(ValueError, match=re.escape(words)):
+            engine.add_request([5, 6, 7], SamplingParams(max_tokens=2),
+                               lora_request=LoRARequest(f"bad-{i}", 10 + i, str(path)))
+        assert engine.is_idle_and_clean()
+    good = make_fused_lora_adapter(tmp_path / "good", phi3, ["qkv_proj"], rank=8, alpha=8, seed=4)
+    outs, _ = run_greedy(engines[phi3], [[5, 6, 7]], 2, loras=[LoRARequest("good", 99, str(good))])
+    assert len(outs[0]) == 2 and engines[phi3].is_idle_and_clean()
 
 
 def test_mixed_adapters_equal_alone(tiny_llama, llama_loras):
@@ -354,7 +466,8 @@ def test_bad_adapters_are_refused_before_they_enter_the_engine(small_rank_engine
 
 
 def test_lora_requests_are_checked(tiny_llama, llama_loras, tmp_path):
-    """No LoRA without enable_lora; ids are >= 1 and name one folder; only Llama-family models take LoRA."""
+    """No LoRA without enable_lora; ids are >= 1 and name one folder; only Llama-family (Phi-3 included)
+    models take LoRA."""
     base = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8))
     with pytest.raises(ValueError, match="LoRA is not enabled"):
         base.add_request([5, 6], lora_request=llama_loras["qv"])

@@ -170,14 +170,12 @@ def test_phi3_configs_are_read_as_transformers_reads_them():
     assert isinstance(plait_rotary(llama), RotaryEmbedding)
 
 
-def test_phi3_is_served_by_the_llama_decoder_without_lora(tiny_models):
-    from plait.engine.engine import LLMEngine
+def test_phi3_is_served_by_the_llama_decoder():
+    # LoRA included: adapters on its fused projections (tests/test_lora.py).
     from plait.models.llama import LlamaForCausalLM
 
     cls = get_model_class("Phi3ForCausalLM")
-    assert issubclass(cls, LlamaForCausalLM) and not cls.supports_lora
-    with pytest.raises(ValueError, match="LoRA is not supported for Phi3ForCausalLM"):
-        LLMEngine(EngineConfig(model=str(tiny_models["phi3"]), enable_lora=True))
+    assert issubclass(cls, LlamaForCausalLM) and cls.supports_lora
 
 
 def test_tiny_longrope_phi3_stays_below_its_original_length(tiny_models):

@@ -11,7 +11,6 @@ import torch
 
 from plait.generation_config import read_json_object
 from plait.lora.request import LoRARequest
-from plait.models.weights import STACKED_PROJECTIONS, fused_target
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -19,9 +18,6 @@ ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 LORA_A_SUFFIX = ".lora_A.weight"
 LORA_B_SUFFIX = ".lora_B.weight"
-# The projections an adapter may change (HF names); plait fuses q/k/v and gate/up, so each is one Linear
-# layer or one slice of its output (STACKED_PROJECTIONS).
-SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # adapter_config.json fields that change what the adapter computes and that plait does not implement;
 # each may be absent, null, false or empty.
 UNSUPPORTED_FIELDS = (
@@ -38,8 +34,10 @@ UNUSED_VALUES = (None, False, {}, [])
 
 @dataclass(frozen=True)
 class LoRATarget:
-    """A Linear layer adapters may change: its input width and its output's slices, in order, each an HF
-    projection and its row count (one slice for o_proj and down_proj)."""
+    """A Linear layer adapters may change: its input width and its output's slices, in order, each the
+    projection adapters name (HF's module name) and its row count. Llama-family adapters name q/k/v and
+    gate/up, slices of plait's fused qkv_proj and gate_up_proj; Phi-3's checkpoints, and so its adapters,
+    name the fused layers themselves, one slice each. o_proj and down_proj are one slice everywhere."""
 
     in_features: int
     shards: tuple[tuple[str, int], ...]
@@ -56,6 +54,18 @@ class LoRAShard:
     index: int  # the slice of the layer's output (LoRATarget.shards)
     a: torch.Tensor  # [r, in_features]
     b: torch.Tensor  # [slice rows, r]
+
+
+def target_projections(targets: dict[str, LoRATarget]) -> dict[str, tuple[str, int]]:
+    """The projections (module names) the model's adapters may change, in layer order, each with the plait
+    Linear it is part of (the last part of its name: ``qkv_proj``) and its slice of that Linear's output:
+    q_proj -> (qkv_proj, 0) for the Llama family, qkv_proj -> (qkv_proj, 0) for Phi-3."""
+    projections: dict[str, tuple[str, int]] = {}
+    for name, target in targets.items():
+        kind = name.rpartition(".")[2]
+        for index, (projection, _) in enumerate(target.shards):
+            projections.setdefault(projection, (kind, index))
+    return projections
 
 
 @dataclass(frozen=True)
@@ -86,18 +96,21 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_rank:
         config = read_json_object(config_file)
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from err
-    rank, scaling = _check_config(config, where, max_rank)
+    projections = target_projections(targets)
+    rank, scaling = _check_config(config, where, max_rank, tuple(projections))
     try:
         from safetensors.torch import load_file
 
         tensors = load_file(weights_file)
     except Exception as err:  # safetensors raises its own error types for a damaged file
         raise ValueError(f"{where}: cannot read {ADAPTER_WEIGHTS_FILE}: {err}") from err
-    return LoRAAdapter(request, rank, scaling, _layers(tensors, targets, rank, where))
+    return LoRAAdapter(request, rank, scaling, _layers(tensors, targets, projections, rank, where))
 
 
-def _check_config(config: dict[str, Any], where: str, max_rank: int) -> tuple[int, float]:
-    """The adapter's rank and scaling, once every field is one plait applies as PEFT does."""
+def _check_config(config: dict[str, Any], where: str, max_rank: int, supported: tuple[str, ...]
+                  ) -> tuple[int, float]:
+    """The adapter's rank and scaling, once every field is one plait applies as PEFT does; ``supported``:
+    the projections the model's adapters may target."""
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise ValueError(f"{where}: peft_type {peft_type!r} is not supported; only LORA adapters are")
@@ -117,17 +130,18 @@ def _check_config(config: dict[str, Any], where: str, max_rank: int) -> tuple[in
         raise ValueError(f"LoRA rank {rank} is greater than max_lora_rank {max_rank}.")
     targets = config.get("target_modules")
     if isinstance(targets, list):  # a string is a regex (or "all-linear"): the tensors say what it matched
-        unsupported = sorted({str(t) for t in targets if str(t).split(".")[-1] not in SUPPORTED_TARGETS})
+        unsupported = sorted({str(t) for t in targets if str(t).split(".")[-1] not in supported})
         if unsupported:
-            raise ValueError(f"{where}: target_modules {unsupported} are not supported; an adapter may "
-                             f"target {', '.join(SUPPORTED_TARGETS)}")
+            raise ValueError(f"{where}: target_modules {unsupported} are not supported; an adapter of this "
+                             f"model may target {', '.join(supported)}")
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora", False) else alpha / rank
     return rank, float(scaling)
 
 
-def _layers(tensors: dict[str, torch.Tensor], targets: dict[str, LoRATarget], rank: int, where: str
-            ) -> dict[str, list[LoRAShard]]:
-    """The file's A/B pairs grouped by plait Linear layer, each checked against its slice's shape."""
+def _layers(tensors: dict[str, torch.Tensor], targets: dict[str, LoRATarget],
+            projections: dict[str, tuple[str, int]], rank: int, where: str) -> dict[str, list[LoRAShard]]:
+    """The file's A/B pairs grouped by plait Linear layer, each checked against its slice's shape
+    (``projections``: target_projections(targets))."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         name = key.removeprefix(PEFT_PREFIX)
@@ -141,18 +155,18 @@ def _layers(tensors: dict[str, torch.Tensor], targets: dict[str, LoRATarget], ra
         raise ValueError(f"{where}: {ADAPTER_WEIGHTS_FILE} holds no LoRA weights")
     layers: dict[str, list[LoRAShard]] = {}
     for module, pair in sorted(pairs.items()):
-        projection = module.split(".")[-1]
-        if projection not in SUPPORTED_TARGETS:
-            raise ValueError(f"{where}: it adapts {module!r}; LoRA on {projection} is not supported, only "
-                             f"on {', '.join(SUPPORTED_TARGETS)}")
-        layer, shard = fused_target(module, STACKED_PROJECTIONS)
+        parent, _, projection = module.rpartition(".")
+        if projection not in projections:
+            raise ValueError(f"{where}: it adapts {module!r}; LoRA on {projection} is not supported for this "
+                             f"model, only on {', '.join(projections)}")
+        kind, index = projections[projection]
+        layer = f"{parent}.{kind}" if parent else kind
         target = targets.get(layer)
         if target is None:
             raise ValueError(f"{where}: module {module!r} is not in the model")
         if set(pair) != {"a", "b"}:
             missing = "lora_B" if "a" in pair else "lora_A"
             raise ValueError(f"{where}: module {module!r} has no {missing} weight")
-        index = shard or 0
         a, b = pair["a"], pair["b"]
         expected_a = (rank, target.in_features)
         expected_b = (target.shards[index][1], rank)

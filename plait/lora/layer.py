@@ -47,8 +47,9 @@ class LoRALinear(nn.Module):
     of the running batch, ``x @ A.T @ B.T`` of the adapter in the token's slot (``batch.lora_slots``).
 
     Each slot holds one adapter's pairs for all of this layer's output slices (q/k/v of a fused qkv, or
-    gate/up) as one A of ``slices x max_rank`` rows and one block-diagonal B, its scaling folded in; ranks
-    below max_rank and slices the adapter leaves alone are zeros, which add exactly nothing. Every token
+    gate/up; one slice spanning the layer where adapters name the fused layer itself: Phi-3) as one A of
+    ``slices x max_rank`` rows and one block-diagonal B, its scaling folded in; ranks below max_rank and
+    slices the adapter leaves alone are zeros, which add exactly nothing. Every token
     goes through every slot's A at once, the columns of slots other than its own are zeroed, and one
     matmul with every slot's B side by side adds its own adapter's delta: shapes depend on the token
     count alone, so the step can be captured in a CUDA graph, and a token's delta is the same whatever

@@ -15,6 +15,7 @@ from plait.layers.wna16 import WNA16Linear
 from plait.lora.adapter import LoRAAdapter, LoRATarget
 from plait.lora.layer import LoRAContext, LoRALinear
 from plait.lora.slots import NO_LORA_SLOT
+from plait.models.llama import Phi3ForCausalLM
 
 if TYPE_CHECKING:
     from plait.engine.request import Request
@@ -23,16 +24,25 @@ if TYPE_CHECKING:
 
 def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
     """The Linear layers of a Llama-family model adapters may change, by plait name, with their output
-    slices as the loader fuses them (plait.models.weights.load_decoder_weights)."""
+    slices as the loader fuses them (plait.models.weights.load_decoder_weights) and as the model's adapters
+    name them (vLLM's packed_modules_mapping): q/k/v and gate/up for most, the fused layers whole for
+    Phi-3 (fused_projection_names)."""
     if not getattr(model, "supports_lora", False):
         raise ValueError(f"LoRA is not supported for {type(model).__name__}; it serves the Llama family "
-                         f"(Llama, Mistral, Qwen2, Qwen3) and Gemma 2 / Gemma 3 text models")
+                         f"(Llama, Mistral, Qwen2, Qwen3), Granite, OLMo 2 / OLMo 3, Gemma 2 / Gemma 3 text "
+                         f"and Phi-3 / Phi-3.5 / Phi-4 models")
     cfg = model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    if fused_projection_names(model):
+        qkv: tuple[tuple[str, int], ...] = (("qkv_proj", q + 2 * kv),)
+        gate_up: tuple[tuple[str, int], ...] = (("gate_up_proj", 2 * cfg.intermediate_size),)
+    else:
+        qkv = (("q_proj", q), ("k_proj", kv), ("v_proj", kv))
+        gate_up = (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size))
     slices = {
-        "qkv_proj": (("q_proj", q), ("k_proj", kv), ("v_proj", kv)),
+        "qkv_proj": qkv,
         "o_proj": (("o_proj", cfg.hidden_size),),
-        "gate_up_proj": (("gate_proj", cfg.intermediate_size), ("up_proj", cfg.intermediate_size)),
+        "gate_up_proj": gate_up,
         "down_proj": (("down_proj", cfg.hidden_size),),
     }
     targets = {}
@@ -41,6 +51,14 @@ def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
         if kind in slices and isinstance(module, (Linear, Fp8Linear, WNA16Linear)):
             targets[name] = LoRATarget(module.in_features, slices[kind])
     return targets
+
+
+def fused_projection_names(model: nn.Module) -> bool:
+    """Whether the model's checkpoints, and so the PEFT adapters trained on them, name the fused
+    ``qkv_proj`` and ``gate_up_proj`` themselves (Phi-3, Phi-3.5, Phi-4): such an adapter has one A
+    ([r, in]) and one B ([q + 2 kv or 2 x intermediate, r]) for the whole fused layer, as vLLM's Phi-3
+    packs them, and q_proj .. up_proj name nothing in these models."""
+    return isinstance(model, Phi3ForCausalLM)
 
 
 class LoRAModel:

@@ -207,11 +207,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     """Phi-3, Phi-3.5 and Phi-4 (mini included): the Llama decoder. Their checkpoints store q/k/v and gate/up
     already fused (``qkv_proj``: q, k, v rows; ``gate_up_proj``: gate, up rows), in the order and under the
     names of the parameters plait fuses them into, so they load as they are; the config's partial rotary
-    factor and LongRoPE scaling are the rotary's (ModelConfig.from_hf, plait.layers.rotary)."""
-
-    # Phi-3 adapters target the fused qkv_proj / gate_up_proj, and plait.lora takes adapters of their
-    # q/k/v and gate/up slices only (SUPPORTED_TARGETS): LoRA is refused for the model as a whole.
-    supports_lora = False
+    factor and LongRoPE scaling are the rotary's (ModelConfig.from_hf, plait.layers.rotary). LoRA adapters
+    name the fused qkv_proj / gate_up_proj too, each changing the whole layer (plait.lora.model)."""
 
 
 class Mistral3ForConditionalGeneration(LlamaForCausalLM):
