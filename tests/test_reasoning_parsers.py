@@ -55,6 +55,26 @@ CASES = [
     ("deepseek_v3", None, "", "R</think>C", None, "R</think>C"),
     ("deepseek_v3", {"thinking": True}, "", "R</think>C", "R", "C"),
     ("deepseek_v3", {"enable_thinking": True}, "", "<think>R", "R", None),
+    # Magistral (vLLM's mistral, its tests' cases): reasoning only after [THINK], else all content
+    ("mistral", None, "", "[THINK]This is a reasoning section[/THINK]This is the rest",
+     "This is a reasoning section", "This is the rest"),
+    ("mistral", None, "", "[THINK]This\nThat[/THINK]This is the rest\nThat", "This\nThat",
+     "This is the rest\nThat"),
+    ("mistral", None, "", "[THINK]This is a reasoning section[/THINK]", "This is a reasoning section", None),
+    ("mistral", None, "", "[THINK]This is reasoning", "This is reasoning", None),  # cut short while reasoning
+    ("mistral", None, "", "This is content", None, "This is content"),
+    ("mistral", None, "", "", None, ""),
+    # a [/THINK] without [THINK] is dropped (the first); text before [THINK] is content
+    ("mistral", None, "", "This is a reasoning section[/THINK]This is the rest", None,
+     "This is a reasoning sectionThis is the rest"),
+    ("mistral", None, "", "[/THINK]This is the rest", None, "This is the rest"),
+    ("mistral", None, "", "a[/THINK]b[/THINK]c", None, "ab[/THINK]c"),
+    ("mistral", None, "", "Before\n[THINK]This is a reasoning section[/THINK]\nThis is the rest",
+     "This is a reasoning section", "Before\n\nThis is the rest"),
+    ("mistral", None, "", "[THINK]a[THINK]b[/THINK]c[/THINK]d", "a[THINK]b", "c[/THINK]d"),  # the first tags
+    ("mistral", None, "", "a <think>b</think> [THIN", None, "a <think>b</think> [THIN"),  # others are text
+    ("mistral", None, "[INST]Hi[/INST][THINK]\n\n[/THINK]", "[THINK]R[/THINK]C", None,
+     "[THINK]R[/THINK]C"),  # a prompt that closed the reasoning: all content
 ]
 
 
@@ -83,7 +103,8 @@ def test_parsers_split_reasoning_whole_and_streamed(name, kwargs, prompt, text, 
 def test_random_outputs_stream_as_they_split_whole():
     """Outputs made of tag pieces, whole tags and text, in any order: streamed in random pieces, the same
     reasoning and content as whole, whatever the parser and prompt."""
-    fragments = ["<think>", "</think>", "<", "</", "think", ">", "<thi", "a", " ", "\n"]
+    fragments = ["<think>", "</think>", "<", "</", "think", ">", "<thi", "a", " ", "\n",
+                 "[THINK]", "[/THINK]", "[", "[/", "THINK", "]", "[TH"]
     rng = random.Random(0)
     for i in range(300):
         text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 12)))
@@ -107,9 +128,22 @@ def test_streaming_holds_back_only_what_may_be_a_tag():
     assert cut.feed("a </thi") == ("a ", "") and cut.feed("", final=True) == ("</thi", "")
 
 
+def test_mistral_streams_content_until_it_thinks_and_asks_for_special_tokens():
+    parser = get_reasoning_parser("mistral")()
+    assert parser.feed("Hi [TH") == ("", "Hi ")  # "[TH" may begin [THINK]
+    assert parser.feed("INK]Let me see [/") == ("Let me see ", "")
+    assert parser.feed("THINK]4") == ("", "4") and parser.has_reasoning
+    plain = get_reasoning_parser("mistral")()
+    assert plain.feed("4 [", final=True) == ("", "4 [") and not plain.has_reasoning
+    # [THINK] and [/THINK] are special tokens: the output is detokenized with special tokens kept
+    assert get_reasoning_parser("mistral").skip_special_tokens(True) is False
+    assert get_reasoning_parser("qwen3").skip_special_tokens(True) is True
+    assert get_reasoning_parser("qwen3").skip_special_tokens(False) is False
+
+
 def test_registry_names_vllms_parsers():
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "deepseek_v3"}
-    known = "known: deepseek_r1, deepseek_v3, qwen3"
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "deepseek_v3", "mistral"}
+    known = "known: deepseek_r1, deepseek_v3, mistral, qwen3"
     with pytest.raises(ValueError, match=f"unknown reasoning parser 'nope'; {known}"):
         get_reasoning_parser("nope")
 

@@ -276,3 +276,48 @@ def test_responses_function_call_round_trip(served):
                                           tool_choice="none", max_tokens=8, temperature=0.0)
     assert second.output_text == chat.choices[0].message.content
     assert second.usage.input_tokens == chat.usage.prompt_tokens
+
+
+# Outputs steered into Mistral's and Qwen3-Coder's formats (the same two calls as HERMES_OUTPUT_REGEX), and a
+# tool whose parameters have types: Qwen3-Coder writes every value as text, typed by the tool's schema.
+FORECAST = {"type": "function", "function": {
+    "name": "get_forecast", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "hourly": {"type": "boolean"}}}}}
+PARSER_OUTPUT_REGEXES = {
+    # (tokenizer v11+: each call after its own [TOOL_CALLS])
+    "mistral": ('Checking\\.\\[TOOL_CALLS\\]get_weather\\[ARGS\\]\\{"city":"Paris","unit":"celsius"\\}'
+                '\\[TOOL_CALLS\\]get_forecast\\[ARGS\\]\\{"city":"Oslo","days":3,"hourly":false\\}'),
+    "qwen3_coder": ("Checking\\.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
+                    "</parameter>\n<parameter=unit>\ncelsius\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+                    "<function=get_forecast>\n<parameter=city>\nOslo\n</parameter>\n<parameter=days>\n3\n"
+                    "</parameter>\n<parameter=hourly>\nfalse\n</parameter>\n</function>\n</tool_call>"),
+}
+
+
+@pytest.mark.parametrize("parser", sorted(PARSER_OUTPUT_REGEXES))
+def test_auto_tool_choice_reads_mistral_and_qwen3_coder_calls(serving_engine, parser):
+    """--tool-call-parser mistral / qwen3_coder through the server, whole and streamed: the text before the
+    calls is content, each call's arguments are JSON (Qwen3-Coder's values typed by the tool's schema: an
+    integer, a boolean), and Mistral's calls carry its 9-character ids."""
+    engine = idle_serving_engine(serving_engine)
+    config = ServerConfig(log_level="warning", chat_template=str(TEMPLATE), enable_auto_tool_choice=True,
+                          tool_call_parser=parser)
+    server = OpenAIServer(engine, config)
+    want = [("get_weather", {"city": "Paris", "unit": "celsius"}),
+            ("get_forecast", {"city": "Oslo", "days": 3, "hourly": False})]
+    with BackgroundServer(server) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+                               timeout=CLIENT_TIMEOUT_S)
+        kwargs = dict(model=server.model_name, messages=MESSAGES, tools=[WEATHER, FORECAST], max_tokens=120,
+                      temperature=0.0, extra_body={"guided_regex": PARSER_OUTPUT_REGEXES[parser]})
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        assert choice.message.content == "Checking." and choice.finish_reason == "tool_calls"
+        assert [(n, json.loads(a)) for n, a in _calls(choice.message)] == want
+        ids = [call.id for call in choice.message.tool_calls]
+        if parser == "mistral":
+            assert all(len(i) == 9 and i.isalnum() for i in ids), ids
+        else:
+            assert all(i.startswith(TOOL_CALL_ID_PREFIX) for i in ids), ids
+        (streamed,) = _accumulate(client.chat.completions.create(**kwargs, stream=True)).values()
+        assert streamed["content"] == "Checking." and streamed["finish"] == "tool_calls"
+        assert [(c["name"], json.loads(c["arguments"])) for c in streamed["calls"].values()] == want

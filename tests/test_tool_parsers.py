@@ -11,10 +11,12 @@ import pytest
 from plait.entrypoints.tool_parsers import (
     TOOL_PARSERS,
     ParsedToolCall,
+    ToolCallStart,
     ToolOutputParser,
     collect,
     get_tool_parser,
     parse_whole,
+    typed_parameter,
 )
 from plait.entrypoints.tools import (
     TOOL_CALL_ID_PREFIX,
@@ -29,6 +31,11 @@ MAX_PIECE = 6  # characters per streamed piece at most
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
 TIME = '{"name": "get_time", "arguments": {}}'
+# Qwen3-Coder's calls, as its template shows them to the model.
+CODER_WEATHER = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                 "</tool_call>")
+CODER_TIME = "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
+CODER_PARAMETER = "<parameter=a>\n1\n</parameter>\n"
 # (parser, output, content, [(name, arguments)])
 CASES = [
     ("hermes", "Just text, no call.", "Just text, no call.", []),
@@ -72,6 +79,50 @@ CASES = [
     ("pythonic", "[f(x=y)]", "[f(x=y)]", []),  # not a literal
     ("pythonic", '[get_weather(city="Par', '[get_weather(city="Par', []),  # cut short: content
     ("pythonic", "[f()] and more", "[f()] and more", []),  # text after the list: no call, whole or streamed
+    # Mistral, tokenizer v11 on (Mistral-Small-3.2, Magistral): [TOOL_CALLS] before each call, name[ARGS]{...}
+    ("mistral", 'Let me check.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+     "Let me check.", [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("mistral", '[TOOL_CALLS]get_weather{"city": "Paris"}', "",
+     [("get_weather", {"city": "Paris"})]),  # no [ARGS] in the text
+    ("mistral", '[TOOL_CALLS]get_time[CALL_ID]a1b2c3d4e[ARGS]{"zone": "CET"}', "",
+     [("get_time", {"zone": "CET"})]),  # a call id before the arguments is skipped
+    # before v11 (Mistral-7B-Instruct-v0.3): one JSON array after the token
+    ("mistral", f"[TOOL_CALLS] [{WEATHER}, {TIME}]", "",
+     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("mistral", '[TOOL_CALLS][{"name": "get_time"}]', "", [("get_time", {})]),  # no arguments: {}
+    ("mistral", f"Just text, [no call] {WEATHER}", f"Just text, [no call] {WEATHER}", []),  # no token
+    # malformed calls are content, [TOOL_CALLS] and all; a good call beside one is still a call
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": oops}[TOOL_CALLS]get_time[ARGS]{}',
+     '[TOOL_CALLS]get_weather[ARGS]{"city": oops}', [("get_time", {})]),
+    ("mistral", "[TOOL_CALLS]I cannot call {anything}.", "[TOOL_CALLS]I cannot call {anything}.", []),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]["Paris"]', '[TOOL_CALLS]get_weather[ARGS]["Paris"]', []),
+    ("mistral", f'[TOOL_CALLS][{WEATHER}, {{"city": "Rome"}}]',
+     f'[TOOL_CALLS][{WEATHER}, {{"city": "Rome"}}]', []),  # an item that is no call: all content
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Par', '[TOOL_CALLS]get_weather[ARGS]{"city": "Par',
+     []),  # cut short
+    ("mistral", "[TOOL_CALLS]", "[TOOL_CALLS]", []),
+    ("mistral", "a [TOOL_CA", "a [TOOL_CA", []),  # the token's start that never became it
+    ("mistral", '[TOOL_CALLS]get_time[ARGS]{} Done.', " Done.", [("get_time", {})]),  # text after a call
+    # Qwen3-Coder; no tools given: every value a string
+    ("qwen3_coder", f"Let me check.\n{CODER_WEATHER}\n{CODER_TIME}", "Let me check.\n\n",
+     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
+    ("qwen3_coder", "<tool_call><function=f><parameter=a>1</parameter><parameter=b>\n\ntwo\n\n</parameter>"
+                    "</function></tool_call>", "", [("f", {"a": "1", "b": "\ntwo\n"})]),  # a newline off each
+    ("qwen3_coder", "<function=f>\n<parameter=code>\nif a < b:\n    x = {}\n</parameter>\n</function>", "",
+     [("f", {"code": "if a < b:\n    x = {}"})]),  # no <tool_call>, as vLLM reads it too
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nx\n<parameter=b>\ny\n</function>\n"
+                    "</tool_call>", "", [("f", {"a": "x", "b": "y"})]),  # no </parameter>: a tag ends it
+    ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nx", "", [("f", {"a": "x"})]),  # cut short
+    ("qwen3_coder", "<tool_call>\n<function=f>\n</function>\nDone.", "\nDone.",
+     [("f", {})]),  # </tool_call> left out: what follows </function> is content
+    # malformed calls are content, tags and all
+    ("qwen3_coder", f'<tool_call>{TIME}</tool_call> {CODER_TIME}', f'<tool_call>{TIME}</tool_call> ',
+     [("get_time", {})]),  # Hermes' JSON is not this format
+    ("qwen3_coder", f"<tool_call>\n<function=f>\nsome text\n{CODER_PARAMETER}</function>\n</tool_call>",
+     f"<tool_call>\n<function=f>\nsome text\n{CODER_PARAMETER}</function>\n</tool_call>", []),
+    ("qwen3_coder", "Write <function={{ name }}> here.", "Write <function={{ name }}> here.", []),
+    ("qwen3_coder", "<tool_call>\n<function=get_wea", "<tool_call>\n<function=get_wea", []),
+    ("qwen3_coder", "a <tool_ca", "a <tool_ca", []),
 ]
 
 
@@ -99,13 +150,95 @@ def test_parsers_read_calls_and_content_whole_and_streamed(name, text, content, 
         assert _streamed(parser(), text, seed) == whole, seed
 
 
+def _check_whole_and_streamed(make_parser, text: str) -> tuple[str, list[ParsedToolCall]]:
+    whole = parse_whole(make_parser(), text)
+    for seed in range(NUM_SPLITS):
+        assert _streamed(make_parser(), text, seed) == whole, (seed, text)
+    return whole
+
+
+# Qwen3-Coder's arguments typed by the request's tools, as vLLM's qwen3_coder types them.
+CODER_FUNCTIONS = {"f": {"type": "object", "properties": {
+    "n": {"type": "integer"}, "x": {"type": "number"}, "whole": {"type": "number"}, "ok": {"type": "boolean"},
+    "obj": {"type": "object"}, "items": {"type": "array"}, "py": {"type": "array"}, "s": {"type": "string"},
+    "maybe": {"type": ["integer", "null"]}, "any": {"anyOf": [{"type": "null"}, {"type": "integer"}]},
+    "nullable_s": {"anyOf": [{"type": "string"}, {"type": "null"}]}, "bad_n": {"type": "integer"},
+    "choice": {"enum": ["a", "b"]}}}}
+# (parameter, its text, its value): a parameter given twice keeps its last value, as vLLM's dict does.
+CODER_VALUES = [("n", "42", 42), ("x", "2.5", 2.5), ("whole", "3.0", 3), ("ok", "True", True),
+                ("ok", "no", False), ("obj", '{"k": [1, null]}', {"k": [1, None]}),
+                ("items", '["a", 1]', ["a", 1]), ("py", "['a', None]", ["a", None]), ("s", " 007 ", " 007 "),
+                ("s", "null", "null"), ("maybe", "null", None), ("any", "7", 7), ("nullable_s", "None", None),
+                ("bad_n", "many", "many"), ("choice", "a", "a"), ("undeclared", "5", "5"),
+                ("x", "inf", "inf")]
+
+
+def test_qwen3_coder_types_arguments_by_the_tools_schemas():
+    body = "".join(f"<parameter={key}>\n{text}\n</parameter>\n" for key, text, _ in CODER_VALUES)
+    text = f"On it.\n<tool_call>\n<function=f>\n{body}</function>\n</tool_call>"
+    parser = get_tool_parser("qwen3_coder")
+    content, calls = _check_whole_and_streamed(lambda: parser(CODER_FUNCTIONS), text)
+    assert content == "On it.\n"
+    assert _calls(calls) == [("f", {key: value for key, _, value in CODER_VALUES})]
+    untyped = parse_whole(parser(), text)[1]  # no tools: every value is its text
+    assert _calls(untyped) == [("f", {key: text for key, text, _ in CODER_VALUES})]
+    assert _calls(parse_whole(parser({"g": None}), text)[1]) == _calls(untyped)  # f is not among the tools
+    assert typed_parameter("{'a': (1, 2)}", {"type": "object"}) == {"a": (1, 2)}  # a list once in JSON
+    assert typed_parameter('"{\'a\': 1}"', {"type": "object"}) == {"a": 1}  # JSON of a Python literal's text
+    assert typed_parameter("{1, 2}", {"type": "object"}) == "{1, 2}"  # a set: no JSON value, so text
+
+
+def test_mistral_calls_get_mistral_ids_and_ask_for_special_tokens():
+    parser = get_tool_parser("mistral")()
+    events = parser.feed('[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]get_weather[ARGS]{"a": 1}', final=True)
+    ids = [e.id for e in events if isinstance(e, ToolCallStart)]
+    assert len(ids) == 2 and len(set(ids)) == 2
+    assert all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)  # vLLM's MistralToolCall ids
+    mistral, hermes = get_tool_parser("mistral"), get_tool_parser("hermes")
+    # [TOOL_CALLS] is a special token: as vLLM's adjust_request, a request with tools keeps special tokens
+    assert mistral.skip_special_tokens(True, tools_in_play=True) is False
+    assert mistral.skip_special_tokens(True, tools_in_play=False) is True
+    assert hermes.skip_special_tokens(True, tools_in_play=True) is True
+    assert hermes.skip_special_tokens(False, tools_in_play=True) is False
+    assert all(e.id is None for e in hermes().feed(f"<tool_call>{TIME}</tool_call>", final=True)
+               if isinstance(e, ToolCallStart))  # the others leave ids to the stream
+    assert get_tool_parser("llama3_json")(CODER_FUNCTIONS).functions == CODER_FUNCTIONS  # all take them
+
+
+def test_random_outputs_stream_as_they_parse_whole():
+    """Outputs made of marker pieces, whole markers, JSON and text in any order: streamed in random pieces,
+    the same content and calls as whole, whatever the parser."""
+    fragments = {
+        "mistral": ["[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[TOOL_", "[", "]", "f", "g h", "{", "}", '"', ",",
+                    '{"a": 1}', " ", "\n", WEATHER, "[{", '"name"', ":"],
+        "qwen3_coder": ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=",
+                        "</parameter>", "<tool", "</", "<", ">", "f", "n", "x y", "1", "\n", " ", "{"],
+    }
+    rng = random.Random(0)
+    for i in range(400):
+        name = rng.choice(sorted(fragments))
+        text = "".join(rng.choice(fragments[name]) for _ in range(rng.randint(0, 14)))
+        parser = get_tool_parser(name)
+        whole = parse_whole(parser(CODER_FUNCTIONS), text)
+        for seed in range(5):
+            assert _streamed(parser(CODER_FUNCTIONS), text, seed) == whole, (i, name, text)
+
+
 def test_streaming_holds_back_only_what_may_be_a_call():
     parser = get_tool_parser("hermes")()
     assert parser.feed("Sure <tool") == ["Sure "]  # "<tool" may begin a tag
     assert parser.feed("_call>{") == []  # inside a call: nothing decided until it closes
     events = parser.feed('"name": "f", "arguments": {"a": 1}}</tool_call>')
     assert _calls(collect(events)[1]) == [("f", {"a": 1})]
-    assert TOOL_PARSERS.keys() >= {"hermes", "llama3_json", "granite", "phi4_mini_json", "pythonic"}
+    mistral = get_tool_parser("mistral")()
+    assert mistral.feed("Sure [TOOL") == ["Sure "]
+    assert mistral.feed("_CALLS]get_weather[ARGS]{") == []  # a call: nothing decided until its JSON is whole
+    assert _calls(collect(mistral.feed('"city": "Paris"}'))[1]) == [("get_weather", {"city": "Paris"})]
+    coder = get_tool_parser("qwen3_coder")()
+    assert coder.feed("Sure <tool_call>\n<function=f>\n<parameter=a>\n") == ["Sure "]
+    assert _calls(collect(coder.feed("1\n</parameter>\n</function>\n</tool_call>"))[1]) == [("f", {"a": "1"})]
+    assert TOOL_PARSERS.keys() >= {"hermes", "llama3_json", "granite", "phi4_mini_json", "pythonic",
+                                   "mistral", "qwen3_coder"}
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         get_tool_parser("nope")
 

@@ -10,8 +10,12 @@ from plait.entrypoints.tool_parsers import partial_tag_length
 # The tags around DeepSeek-R1's, Qwen3's and DeepSeek-V3.1's reasoning (one vocabulary token each there).
 THINK_START = "<think>"
 THINK_END = "</think>"
-# Where a parser is in the output: before anything is decided, in the reasoning, in the answer.
-_START, _REASONING, _CONTENT = "start", "reasoning", "content"
+# Magistral's (Mistral tokenizer v13): special tokens.
+MISTRAL_THINK_START = "[THINK]"
+MISTRAL_THINK_END = "[/THINK]"
+# Where a parser is in the output: before anything is decided, in the reasoning, in the answer; Mistral's also
+# in an answer that may still open its reasoning.
+_START, _REASONING, _CONTENT, _BEFORE = "start", "reasoning", "content", "before"
 
 
 class ReasoningDelta(NamedTuple):
@@ -38,6 +42,10 @@ class ReasoningParser:
     name = ""
     START = THINK_START
     END = THINK_END
+    # Whether START and END are special tokens, which the detokenizer drops under the request's
+    # skip_special_tokens (true by default): the output is then detokenized with them (vLLM's Mistral
+    # tokenizer keeps [THINK] and [/THINK] whatever the request says).
+    MARKERS_ARE_SPECIAL_TOKENS = False
 
     def __init__(self, chat_template_kwargs: Mapping[str, Any] | None = None, prompt: str = "") -> None:
         # Whether the output begins in the reasoning at all.
@@ -50,6 +58,17 @@ class ReasoningParser:
     def thinking_on(cls, chat_template_kwargs: Mapping[str, Any]) -> bool:
         """Whether the request lets the model reason (the template variables that switch it)."""
         return True
+
+    @classmethod
+    def skip_special_tokens(cls, requested: bool) -> bool:
+        """The skip_special_tokens to detokenize a request's output with, where it asked for ``requested``:
+        false where the tags are special tokens, so that the parser sees them."""
+        return requested and not cls.MARKERS_ARE_SPECIAL_TOKENS
+
+    @property
+    def has_reasoning(self) -> bool:
+        """Whether the output has reasoning to split off (so far): wherever the request thinks."""
+        return self.thinks
 
     @classmethod
     def reasoning_over(cls, prompt: str) -> bool:
@@ -109,10 +128,10 @@ class ReasoningParser:
 
 def split_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, str | None]:
     """A whole output as vLLM's extract_reasoning gives it: (reasoning, content). Reasoning is None where the
-    output has none to split off (thinking off), else a string, empty too; content is None where nothing
-    follows the reasoning."""
+    output has none to split off (thinking off; mistral's without [THINK]), else a string, empty too; content
+    is None where nothing follows the reasoning."""
     delta = parser.feed(text, final=True)
-    if not parser.thinks:
+    if not parser.has_reasoning:
         return None, delta.content
     return delta.reasoning, delta.content or None
 
@@ -165,3 +184,79 @@ class DeepSeekV3ReasoningParser(ReasoningParser):
     @classmethod
     def thinking_on(cls, chat_template_kwargs: Mapping[str, Any]) -> bool:
         return bool(chat_template_kwargs.get("thinking")) or bool(chat_template_kwargs.get("enable_thinking"))
+
+
+@register_reasoning_parser
+class MistralReasoningParser(ReasoningParser):
+    """Magistral (vLLM's "mistral"): reasoning between [THINK] and [/THINK], special tokens of its tokenizer
+    (so the output is detokenized with them, ``skip_special_tokens``). As vLLM's, the output is content
+    until the model writes [THINK], which begins the reasoning (without it there is none: reasoning None);
+    the reasoning runs to the first [/THINK] (or the output's end, cut short), and all after it is content,
+    as is text before [THINK] (which a model should not write). A [/THINK] with no [THINK] before it is
+    dropped, the first only (vLLM keeps one that a later [THINK] follows; streamed, that cannot be known
+    when it comes)."""
+
+    name = "mistral"
+    START = MISTRAL_THINK_START
+    END = MISTRAL_THINK_END
+    MARKERS_ARE_SPECIAL_TOKENS = True
+
+    def __init__(self, chat_template_kwargs: Mapping[str, Any] | None = None, prompt: str = "") -> None:
+        super().__init__(chat_template_kwargs, prompt)
+        if self.thinks:
+            self.phase = _BEFORE
+        self._opened = False  # [THINK] came
+        self._stray_end_dropped = False
+
+    @property
+    def has_reasoning(self) -> bool:
+        return self._opened
+
+    def feed(self, delta: str, final: bool = False) -> ReasoningDelta:
+        self._pending += delta
+        reasoning: list[str] = []
+        content: list[str] = []
+        while self._pending:
+            if self.phase == _BEFORE:
+                if not self._take_before(content, final):
+                    break
+            elif self.phase == _REASONING:
+                if not self._take_in_reasoning(reasoning, final):
+                    break
+            else:
+                content.append(self._pending)
+                self._pending = ""
+        return ReasoningDelta("".join(reasoning), "".join(content))
+
+    def _take_in_reasoning(self, reasoning: list[str], final: bool) -> bool:
+        """Reasoning up to [/THINK] (or up to text that may become it); whether the reasoning ended."""
+        end = self._pending.find(self.END)
+        if end < 0:
+            end = len(self._pending) - (0 if final else partial_tag_length(self._pending, self.END, 0))
+            reasoning.append(self._pending[:end])
+            self._pending = self._pending[end:]
+            return False
+        reasoning.append(self._pending[:end])
+        self._pending = self._pending[end + len(self.END):]
+        self.phase = _CONTENT
+        return True
+
+    def _take_before(self, content: list[str], final: bool) -> bool:
+        """Content up to [THINK] (which opens the reasoning) or a first stray [/THINK] (dropped); whether
+        either was taken."""
+        tags = [self.START] + ([] if self._stray_end_dropped else [self.END])
+        found = [(at, tag) for tag in tags if (at := self._pending.find(tag)) >= 0]
+        if not found:
+            held = 0 if final else max(partial_tag_length(self._pending, tag, 0) for tag in tags)
+            cut = len(self._pending) - held
+            content.append(self._pending[:cut])
+            self._pending = self._pending[cut:]
+            return False
+        at, tag = min(found)
+        content.append(self._pending[:at])
+        self._pending = self._pending[at + len(tag):]
+        if tag == self.START:
+            self.phase, self._opened = _REASONING, True
+        else:
+            self._stray_end_dropped = True
+        return True

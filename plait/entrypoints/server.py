@@ -1707,6 +1707,9 @@ class OpenAIServer:
         SamplingParams, how each choice's output is read, and its engine stream."""
         params = self._params(body, body.requested_max_tokens, body.requested_logprobs, 1)
         self._check_auto_tool_choice(body)
+        skip = self._skip_special_tokens(body, params.skip_special_tokens)
+        if skip != params.skip_special_tokens:  # a parser whose markers are special tokens needs them kept
+            params = dataclasses.replace(params, skip_special_tokens=skip)
         prompt_text = self._chat_prompt_text(body, body.messages)
         readers = [self._choice_reader(body, prompt_text) for _ in range(params.n)]  # each choice its own
         reasoning = readers[0].reasoning
@@ -1778,6 +1781,17 @@ class OpenAIServer:
             tracker.close(error)
         yield SSE_DONE
 
+    def _skip_special_tokens(self, body: ChatCompletionRequest, requested: bool) -> bool:
+        """Whether the output's text leaves special tokens out: as requested, unless the server's tool call
+        parser (with tools in play) or reasoning parser reads markers that are special tokens (Mistral's
+        [TOOL_CALLS], [THINK]), as vLLM's adjust_request turns it off."""
+        if self.config.tool_call_parser is not None:
+            in_play = bool(body.tools) and body.effective_tool_choice != "none"
+            requested = get_tool_parser(self.config.tool_call_parser).skip_special_tokens(requested, in_play)
+        if self.reasoning_parser is not None:
+            requested = self.reasoning_parser.skip_special_tokens(requested)
+        return requested
+
     def _check_auto_tool_choice(self, body: ChatCompletionRequest) -> None:
         if body.effective_tool_choice == "auto" and body.tools and not self.config.enable_auto_tool_choice:
             raise APIError(400, AUTO_TOOL_CHOICE_MESSAGE, param="tool_choice")
@@ -1805,7 +1819,9 @@ class OpenAIServer:
         elif choice == "required":
             parser = RequiredToolsOutput()
         elif choice == "auto" and body.tools and self.config.tool_call_parser is not None:
-            parser = get_tool_parser(self.config.tool_call_parser)()
+            # The tools' parameter schemas: qwen3_coder types each argument's text by them.
+            functions = {tool.function.name: tool.function.parameters for tool in body.tools}
+            parser = get_tool_parser(self.config.tool_call_parser)(functions)
         else:
             return None
         return ToolCallStream(parser, body.max_tool_calls)

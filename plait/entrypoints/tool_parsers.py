@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import json
-from collections.abc import Iterable
+import math
+import random
+import string
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +21,26 @@ LLAMA_CALL_SEPARATOR = ";"
 GRANITE_CALL_TOKENS = ("<|tool_call|>", "<tool_call>")
 # Phi-4-mini: the word before its JSON array of calls.
 PHI4_MINI_CALL_PREFIX = "functools"
+# Mistral: a special token before its calls; tokenizers v11 on write each call as name[ARGS]{...} (an id after
+# [CALL_ID] may come between), earlier ones one JSON array after the token.
+MISTRAL_TOOL_CALLS = "[TOOL_CALLS]"
+MISTRAL_ARGS = "[ARGS]"
+MISTRAL_CALL_ID = "[CALL_ID]"
+# Mistral's tool call ids (mistral_common's rule, vLLM's ids): 9 letters or digits.
+MISTRAL_CALL_ID_CHARS = string.ascii_letters + string.digits
+MISTRAL_CALL_ID_LENGTH = 9
+# Qwen3-Coder's XML-like calls (inside Hermes' <tool_call> tags):
+# <function=NAME><parameter=KEY>VALUE</parameter>...</function>.
+QWEN3_CODER_FUNCTION_OPEN = "<function="
+QWEN3_CODER_FUNCTION_CLOSE = "</function>"
+QWEN3_CODER_PARAMETER_OPEN = "<parameter="
+QWEN3_CODER_PARAMETER_CLOSE = "</parameter>"
+# What may end a Qwen3-Coder parameter's value: its close tag, or (the close left out) the next parameter or
+# the function's end, whichever comes first (vLLM's reading).
+QWEN3_CODER_VALUE_ENDS = (QWEN3_CODER_PARAMETER_CLOSE, QWEN3_CODER_PARAMETER_OPEN, QWEN3_CODER_FUNCTION_CLOSE)
+# Characters no function name has (vLLM's qwen3_coder check against template text and prose read as a call,
+# and brackets, which would be Mistral's tags).
+NAME_FORBIDDEN_CHARS = frozenset('{}<>[]"\' \t\n\r')
 # What decoding JSON the model wrote may raise: malformed, or nested deeper than Python recurses.
 JSON_ERRORS = (json.JSONDecodeError, RecursionError)
 # The keys a call's arguments come under: Hermes writes "arguments", Llama 3 "parameters"; both are read.
@@ -26,9 +50,11 @@ _DECODER = json.JSONDecoder()
 
 @dataclass(frozen=True)
 class ToolCallStart:
-    """A new tool call; its arguments follow as ToolCallArguments."""
+    """A new tool call; its arguments follow as ToolCallArguments. ``id``: the call's id where the format
+    has its own kind (Mistral's); None leaves it to the caller."""
 
     name: str
+    id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +97,20 @@ class ToolOutputParser:
         rest = self.text[self.pos:]
         self.pos = len(self.text)
         return [rest] if rest else []
+
+    def _take_content(self, tags: tuple[str, ...], events: list[ToolEvent], final: bool) -> bool:
+        """Content up to the first of ``tags`` (or up to text that may still become one); whether a tag is
+        next."""
+        found = [at for at in (self.text.find(tag, self.pos) for tag in tags) if at >= 0]
+        if found:
+            start = min(found)
+        else:
+            held = 0 if final else max(partial_tag_length(self.text, tag, self.pos) for tag in tags)
+            start = len(self.text) - held
+        if start > self.pos:
+            events.append(self.text[self.pos:start])
+        self.pos = start
+        return any(self.text.startswith(tag, start) for tag in tags)
 
 
 def parse_whole(parser: ToolOutputParser, text: str) -> tuple[str, list[ParsedToolCall]]:
@@ -128,9 +168,28 @@ def _skip_whitespace(text: str, pos: int) -> int:
 
 
 class ToolParser(ToolOutputParser):
-    """A model family's tool-call format, chosen by name (vLLM's --tool-call-parser)."""
+    """A model family's tool-call format, chosen by name (vLLM's --tool-call-parser).
+
+    ``functions``: the request's tools, each function's name to its parameters' JSON schema (None where it
+    declares none), for formats whose arguments are typed by them (qwen3_coder); the others ignore it.
+    """
 
     name = ""
+    # Whether the format's markers are special tokens, which the detokenizer drops under the request's
+    # skip_special_tokens (true by default): as vLLM's adjust_request does for such parsers, a request with
+    # tools (tool_choice not "none") is then detokenized with them (skip_special_tokens false).
+    MARKERS_ARE_SPECIAL_TOKENS = False
+
+    def __init__(self, functions: Mapping[str, dict[str, Any] | None] | None = None) -> None:
+        super().__init__()
+        self.functions = dict(functions or {})
+
+    @classmethod
+    def skip_special_tokens(cls, requested: bool, tools_in_play: bool) -> bool:
+        """The skip_special_tokens to detokenize a request's output with, where it asked for ``requested``:
+        false where tools are in play (given, tool_choice not "none") and the format's markers are special
+        tokens, so that the parser sees them (vLLM's adjust_request)."""
+        return requested and not (cls.MARKERS_ARE_SPECIAL_TOKENS and tools_in_play)
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {}
@@ -166,20 +225,9 @@ class HermesToolParser(ToolParser):
             if self.text.startswith(HERMES_CALL_OPEN, self.pos):
                 if not self._take_call(events, final):
                     break
-            elif not self._take_content(events, final):
+            elif not self._take_content((HERMES_CALL_OPEN,), events, final):
                 break
         return events
-
-    def _take_content(self, events: list[ToolEvent], final: bool) -> bool:
-        """Content up to the next call's tag (or up to text that may begin one); whether a tag is next."""
-        start = self.text.find(HERMES_CALL_OPEN, self.pos)
-        if start < 0:
-            held = 0 if final else partial_tag_length(self.text, HERMES_CALL_OPEN, self.pos)
-            start = len(self.text) - held
-        if start > self.pos:
-            events.append(self.text[self.pos:start])
-        self.pos = start
-        return self.text.startswith(HERMES_CALL_OPEN, start)
 
     def _take_call(self, events: list[ToolEvent], final: bool) -> bool:
         """The call whose tag is at pos, once closed (or the output ended); whether it was taken."""
@@ -214,8 +262,8 @@ class JsonCallsParser(ToolOutputParser):
     PREFIX_REQUIRED = False
     ARGUMENT_KEYS: tuple[str, ...] = ARGUMENT_KEYS
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # a ToolParser's functions
         self.state = "start"  # start, item (a call next), next (a separator or the close next), done, content
 
     def _scan(self, final: bool) -> list[ToolEvent]:
@@ -360,3 +408,331 @@ def _pythonic_calls(source: str) -> list[ToolEvent] | None:
             return None  # **kwargs
         events += [ToolCallStart(node.func.id), ToolCallArguments(text)]
     return events
+
+
+# -- Mistral: [TOOL_CALLS]get_weather[ARGS]{...}, or [TOOL_CALLS][{"name": ..., "arguments": {...}}] -----
+
+
+class _NotACall(Exception):
+    """What follows a call's opening marker does not fit the format: the marker is content."""
+
+
+class _Undecided(Exception):
+    """The call read so far may still become one (or not): wait for more text."""
+
+
+def mistral_tool_call_id() -> str:
+    """A Mistral tool call id, as vLLM makes them: 9 random letters or digits."""
+    return "".join(random.choices(MISTRAL_CALL_ID_CHARS, k=MISTRAL_CALL_ID_LENGTH))
+
+
+def _is_function_name(name: str) -> bool:
+    return bool(name) and not NAME_FORBIDDEN_CHARS.intersection(name)
+
+
+@register_tool_parser
+class MistralToolParser(ToolParser):
+    """Mistral (vLLM's "mistral": Mistral-7B-Instruct-v0.3, Mistral-Small-3.x, Mistral-Nemo, Magistral):
+    text before [TOOL_CALLS] is content; after it, tokenizers v11 on (Mistral-Small-3.2, Magistral) write one
+    call, ``name[ARGS]{...}`` (``name{...}`` where [ARGS] is not in the text; an id after [CALL_ID] is
+    skipped), and [TOOL_CALLS] again before each further call; earlier ones one JSON array of
+    ``{"name": ..., "arguments": {...}}``. Both are read, told apart by the "[" that opens the array.
+
+    [TOOL_CALLS] is a special token, so the parser needs special tokens kept in the text (vLLM's
+    adjust_request; ``skip_special_tokens``). A call whose name or JSON does not fit, or an array with any
+    item that is not a call, is content, [TOOL_CALLS] and all; text after a call up to the next [TOOL_CALLS]
+    is content too. Calls get Mistral's 9-character ids.
+    """
+
+    name = "mistral"
+    MARKERS_ARE_SPECIAL_TOKENS = True
+
+    def _scan(self, final: bool) -> list[ToolEvent]:
+        events: list[ToolEvent] = []
+        while self.pos < len(self.text):
+            if self.text.startswith(MISTRAL_TOOL_CALLS, self.pos):
+                if not self._take_calls(events, final):
+                    break
+            elif not self._take_content((MISTRAL_TOOL_CALLS,), events, final):
+                break
+        return events
+
+    def _take_calls(self, events: list[ToolEvent], final: bool) -> bool:
+        """The call(s) after the [TOOL_CALLS] at pos, once decided (False: not yet). They are read only up to
+        the next [TOOL_CALLS], so fed whole or in pieces the parser sees the same text."""
+        start = self.pos + len(MISTRAL_TOOL_CALLS)
+        next_tag = self.text.find(MISTRAL_TOOL_CALLS, start)
+        segment = self.text[start:next_tag if next_tag >= 0 else len(self.text)]
+        whole = next_tag >= 0 or final  # the segment can grow no more
+        at = _skip_whitespace(segment, 0)
+        try:
+            if at == len(segment) and not whole:
+                raise _Undecided
+            read = self._read_array if segment.startswith("[", at) else self._read_named
+            calls, end = read(segment, at, whole)
+        except _Undecided:
+            return False
+        except _NotACall:  # the tag is content, and what follows it up to the next tag
+            events.append(MISTRAL_TOOL_CALLS)
+            self.pos = start
+            return True
+        events.extend(calls)
+        self.pos = start + end
+        return True
+
+    @staticmethod
+    def _decode(segment: str, at: int, whole: bool) -> tuple[Any, int]:
+        try:
+            return _DECODER.raw_decode(segment, at)
+        except JSON_ERRORS:
+            raise _NotACall if whole else _Undecided from None
+
+    @classmethod
+    def _read_array(cls, segment: str, at: int, whole: bool) -> tuple[list[ToolEvent], int]:
+        """Calls before v11, a JSON array: their events and where it ends."""
+        value, end = cls._decode(segment, at, whole)
+        if not isinstance(value, list):
+            raise _NotACall
+        events: list[ToolEvent] = []
+        for item in value:
+            call = call_events(item, ("arguments",))
+            if call is None:
+                raise _NotACall
+            start, arguments = call
+            assert isinstance(start, ToolCallStart)
+            events += [ToolCallStart(start.name, mistral_tool_call_id()), arguments]
+        return events, end
+
+    @classmethod
+    def _read_named(cls, segment: str, at: int, whole: bool) -> tuple[list[ToolEvent], int]:
+        """A v11+ call, ``name[ARGS]{...}``: its events and where it ends."""
+        brace = segment.find("{", at)
+        if brace < 0:
+            raise _NotACall if whole else _Undecided
+        name = segment[at:brace].split(MISTRAL_CALL_ID)[0].replace(MISTRAL_ARGS, "").strip()
+        if not _is_function_name(name):
+            raise _NotACall
+        arguments, end = cls._decode(segment, brace, whole)
+        call = call_events({"name": name, "arguments": arguments}, ("arguments",))
+        if call is None:
+            raise _NotACall
+        return [ToolCallStart(name, mistral_tool_call_id()), call[1]], end
+
+
+# -- Qwen3-Coder: <tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call> -------
+
+
+@register_tool_parser
+class Qwen3CoderToolParser(ToolParser):
+    """Qwen3-Coder (vLLM's "qwen3_coder"): each call
+
+        <tool_call>
+        <function=NAME>
+        <parameter=KEY>
+        VALUE
+        </parameter>
+        ...
+        </function>
+        </tool_call>
+
+    (or from <function= on, without <tool_call>), text outside calls being content. A value is the text
+    between its tags, less one newline at each end; it ends at the first </parameter>, or where that is left
+    out at the next <parameter= or </function> (vLLM's first reading; so a value cannot hold those tags'
+    text, which its later parser looks past). As vLLM, it is typed by the parameter's schema in the
+    request's tools (``functions``): strings stay text, integers, numbers and booleans are read as such,
+    objects and arrays as JSON (or Python literals), "null" as null where the type is not a string or
+    allows null; a value that does not read, or a parameter the schema does not declare, stays a string.
+    </function> and </tool_call> may be left out where the output ends (text after a </function> without
+    </tool_call> is content). A call that does not fit the format (no <function= after <tool_call>, a bad
+    name, text between parameters) is content, tags and all.
+    """
+
+    name = "qwen3_coder"
+    OPENERS = (HERMES_CALL_OPEN, QWEN3_CODER_FUNCTION_OPEN)
+
+    def _scan(self, final: bool) -> list[ToolEvent]:
+        events: list[ToolEvent] = []
+        while self.pos < len(self.text):
+            opener = next((tag for tag in self.OPENERS if self.text.startswith(tag, self.pos)), None)
+            if opener is not None:
+                try:
+                    name, arguments, end = self._read_call(final)
+                except _Undecided:
+                    break
+                except _NotACall:
+                    events.append(opener)
+                    self.pos += len(opener)
+                    continue
+                events += [ToolCallStart(name), ToolCallArguments(json.dumps(arguments, ensure_ascii=False))]
+                self.pos = end
+            elif not self._take_content(self.OPENERS, events, final):
+                break
+        return events
+
+    def _expect(self, at: int, tag: str, final: bool) -> bool:
+        """Whether ``tag`` is at ``at``; _Undecided where the text so far ends in its beginning."""
+        if self.text.startswith(tag, at):
+            return True
+        if not final and tag.startswith(self.text[at:]):
+            raise _Undecided
+        return False
+
+    def _read_call(self, final: bool) -> tuple[str, dict[str, Any], int]:
+        """The call at pos: its name, typed arguments and end."""
+        at = self.pos
+        if self.text.startswith(HERMES_CALL_OPEN, at):
+            at = _skip_whitespace(self.text, at + len(HERMES_CALL_OPEN))
+            if not self._expect(at, QWEN3_CODER_FUNCTION_OPEN, final):
+                raise _NotACall
+        name, at = self._read_tag_name(at + len(QWEN3_CODER_FUNCTION_OPEN), final)
+        if not _is_function_name(name):
+            raise _NotACall
+        properties = self._properties(name)
+        arguments: dict[str, Any] = {}
+        while True:
+            at = _skip_whitespace(self.text, at)
+            if at == len(self.text):
+                if final:
+                    return name, arguments, at  # the output ended inside the call
+                raise _Undecided
+            if self._expect(at, QWEN3_CODER_PARAMETER_OPEN, final):
+                key, at = self._read_tag_name(at + len(QWEN3_CODER_PARAMETER_OPEN), final)
+                if not key or NAME_FORBIDDEN_CHARS.intersection(key.replace(" ", "")):
+                    raise _NotACall
+                value, at = self._read_value(at, final)
+                arguments[key] = typed_parameter(value, properties.get(key))
+            elif self._expect(at, QWEN3_CODER_FUNCTION_CLOSE, final):
+                return name, arguments, self._read_close(at + len(QWEN3_CODER_FUNCTION_CLOSE), final)
+            elif self._expect(at, HERMES_CALL_CLOSE, final):  # </function> left out
+                return name, arguments, at + len(HERMES_CALL_CLOSE)
+            else:
+                raise _NotACall
+
+    def _read_tag_name(self, at: int, final: bool) -> tuple[str, int]:
+        """The name of a <function= or <parameter= tag, up to its ">", and where the tag ends."""
+        close = self.text.find(">", at)
+        if close < 0:
+            if final or "\n" in self.text[at:] or "<" in self.text[at:]:
+                raise _NotACall
+            raise _Undecided
+        return self.text[at:close], close + 1
+
+    def _read_value(self, at: int, final: bool) -> tuple[str, int]:
+        """A parameter's value from ``at`` (its tag's end) and where reading goes on."""
+        found = [(end, tag) for tag in QWEN3_CODER_VALUE_ENDS if (end := self.text.find(tag, at)) >= 0]
+        if found:
+            end, tag = min(found)
+            after = end + len(tag) if tag == QWEN3_CODER_PARAMETER_CLOSE else end
+        elif final:
+            end = after = len(self.text)  # the output ended inside the value
+        else:
+            raise _Undecided
+        value = self.text[at:end]
+        value = value[1:] if value.startswith("\n") else value
+        value = value[:-1] if value.endswith("\n") else value
+        return value, after
+
+    def _read_close(self, at: int, final: bool) -> int:
+        """Where a call whose </function> ends at ``at`` ends: after a </tool_call> that follows it, else at
+        ``at`` (the output ends there, or the close was left out: what follows is content)."""
+        close = _skip_whitespace(self.text, at)
+        if close == len(self.text) and not final:
+            raise _Undecided
+        if self._expect(close, HERMES_CALL_CLOSE, final):
+            return close + len(HERMES_CALL_CLOSE)
+        return at
+
+    def _properties(self, name: str) -> dict[str, Any]:
+        """The function's parameters' properties in the request's tools ({}: not there, or none declared)."""
+        parameters = self.functions.get(name)
+        properties = parameters.get("properties") if isinstance(parameters, dict) else None
+        return properties if isinstance(properties, dict) else {}
+
+
+# The JSON-schema types whose values are text (vLLM's list, with its aliases).
+_STRING_TYPES = ("string", "str", "text", "varchar", "char", "enum")
+_NULL_WORDS = ("null", "none")
+
+
+def _schema_type(schema: dict[str, Any]) -> tuple[str, bool]:
+    """A parameter's type as vLLM's qwen3_coder picks it (the first that is not "null" of a list or an
+    anyOf; "string" where none is given) and whether null is allowed."""
+    options: list[Any] = []
+    if "type" in schema:
+        options = schema["type"] if isinstance(schema["type"], list) else [schema["type"]]
+    elif isinstance(schema.get("anyOf"), list):
+        options = [o["type"] for o in schema["anyOf"] if isinstance(o, dict) and "type" in o]
+    names = [str(option).strip().lower() for option in options]
+    chosen = next((n for n in names if n != "null"), "null" if names else "string")
+    return chosen, "null" in names
+
+
+def _is_json_value(value: Any) -> bool:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError, RecursionError):
+        return False
+    return True
+
+
+def _literal(text: str) -> Any:
+    """``text`` as a Python literal; ValueError if it is not one (or not one JSON can hold)."""
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError) as err:
+        raise ValueError(text) from err
+    if not _is_json_value(value):
+        raise ValueError(text)
+    return value
+
+
+def typed_parameter(value: str, schema: Any) -> Any:
+    """A Qwen3-Coder parameter's text as the type its schema declares (vLLM's _convert_param_value): the
+    text itself for a string, a parameter not in the schema or a value that does not read as its type."""
+    if not isinstance(schema, dict):
+        return value  # not declared: the text as it is
+    kind, nullable = _schema_type(schema)
+    if nullable and value.lower() in _NULL_WORDS:
+        return None
+    if kind in _STRING_TYPES:
+        return value
+    if value.lower() in _NULL_WORDS:
+        return None
+    if kind.startswith(("int", "uint", "long", "short", "unsigned")):
+        try:
+            return int(value)
+        except ValueError:
+            return value
+    if kind.startswith(("num", "float")):
+        try:
+            number = float(value)
+        except ValueError:
+            return value
+        if not math.isfinite(number):
+            return value
+        return int(number) if number.is_integer() else number
+    if kind in ("boolean", "bool", "binary"):
+        return value.lower() == "true"  # anything else is false, as vLLM reads it
+    container = kind in ("object", "array", "arr") or kind.startswith(("dict", "list"))
+    if container:
+        try:
+            parsed = json.loads(value)
+        except JSON_ERRORS:
+            pass
+        else:
+            if isinstance(parsed, str):  # JSON holding a Python literal's text (some templates write that)
+                try:
+                    return _literal(parsed)
+                except ValueError:
+                    pass
+            return parsed if _is_json_value(parsed) else value
+    try:
+        parsed = _literal(value)
+    except ValueError:
+        return value
+    if container and isinstance(parsed, str):
+        try:
+            return _literal(parsed)
+        except ValueError:
+            pass
+    return parsed

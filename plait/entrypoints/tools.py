@@ -150,15 +150,16 @@ class ToolCallStream:
             if isinstance(event, str):
                 content.append(self._content.add(event))
             elif isinstance(event, ToolCallStart):
-                self._start_call(event.name, calls)
+                self._start_call(event, calls)
             elif not self._dropping:
                 self._add_arguments(event.text, calls)
         return "".join(content), calls
 
-    def _start_call(self, name: str, calls: list[ToolCallDelta]) -> None:
+    def _start_call(self, start: ToolCallStart, calls: list[ToolCallDelta]) -> None:
         self._dropping = self.max_calls is not None and self.num_calls >= self.max_calls
-        if not self._dropping:
-            calls.append(ToolCallDelta(index=self.num_calls, id=make_tool_call_id(), name=name))
+        if not self._dropping:  # the parser's own kind of id (Mistral's), else vLLM's chatcmpl-tool-...
+            calls.append(ToolCallDelta(index=self.num_calls, id=start.id or make_tool_call_id(),
+                                       name=start.name))
             self.num_calls += 1
 
     def _add_arguments(self, text: str, calls: list[ToolCallDelta]) -> None:
