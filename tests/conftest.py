@@ -306,19 +306,23 @@ LORA_MODULES = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_at
 
 
 def lora_projection_shapes(config: dict) -> dict[str, tuple[int, int]]:
-    """HF projection -> (in, out) features, for an HF config.json dict of a Llama-family model."""
+    """HF projection -> (in, out) features, for an HF config.json dict of a Llama-family model (and the fused
+    qkv_proj / gate_up_proj Phi-3 checkpoints name)."""
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
     return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
-            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+            "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden),
+            "qkv_proj": (hidden, q + 2 * kv), "gate_up_proj": (hidden, 2 * inter)}
 
 
 def make_lora_adapter(folder: Path, model_folder: Path, targets: list[str], rank: int, alpha: float,
                       seed: int, use_rslora: bool = False, layers: list[int] | None = None, std: float = 0.1,
-                      config_overrides: dict | None = None) -> Path:
+                      config_overrides: dict | None = None, modules: dict[str, str] | None = None) -> Path:
     """A random PEFT LoRA adapter for the model in ``model_folder``, as PEFT saves one: adapter_config.json
-    and adapter_model.safetensors (lora_A [r, in], lora_B [out, r] per targeted projection and layer)."""
+    and adapter_model.safetensors (lora_A [r, in], lora_B [out, r] per targeted projection and layer);
+    ``modules``: each projection's decoder-layer module (LORA_MODULES by default)."""
+    modules = modules or LORA_MODULES
     import json
 
     from safetensors.torch import save_file
@@ -330,7 +334,7 @@ def make_lora_adapter(folder: Path, model_folder: Path, targets: list[str], rank
     for layer in layers if layers is not None else range(config["num_hidden_layers"]):
         for name in targets:
             fan_in, fan_out = shapes[name]
-            prefix = f"base_model.model.model.layers.{layer}.{LORA_MODULES[name]}.{name}"
+            prefix = f"base_model.model.model.layers.{layer}.{modules[name]}.{name}"
             tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * std
             tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std
     folder.mkdir(parents=True, exist_ok=True)

@@ -16,7 +16,6 @@ from conftest import (
     LORA_MODULES,
     assert_engines_agree,
     hf_greedy_reference,
-    lora_projection_shapes,
     make_lora_adapter,
     random_prompts,
     run_greedy,
@@ -108,6 +107,32 @@ def _record_plans(engine: LLMEngine) -> list[list[tuple[str, int | None]]]:
     return plans
 
 
+def _run_against_merged_hf(engine: LLMEngine, folder: Path, prompts: list[list[int]], order: list, what: str,
+                           base_rows_atol: float | None = None) -> tuple[dict, dict]:
+    """Request i (adapter order[i]) of ``prompts`` run greedily on ``engine`` beside the others: its tokens
+    and logits (LOGITS_ATOL) are HF's with that adapter merged into the weights of ``folder``, and each
+    adapter's logits moved from the base model's (run alone on a base engine; an adapter left out would
+    leave them within float noise, ~1e-6); ``base_rows_atol``: base rows' logits also within it of the base
+    engine's. Returns (tokens, the base engine's tokens), by index."""
+    outs, logits = run_greedy(engine, prompts, MAX_TOKENS, capture_logits=True, loras=order)
+    base_engine = LLMEngine(EngineConfig(model=str(folder), block_size=8, max_num_batched_tokens=48))
+    base, base_logits = run_greedy(base_engine, prompts, MAX_TOKENS, capture_logits=True)
+    references = {}
+    for i, (prompt, lora) in enumerate(zip(prompts, order)):
+        name = lora.lora_name if lora else None
+        hf = references.setdefault(name, _merged_hf(folder, lora))
+        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outs[i], MAX_TOKENS)
+        assert outs[i] == ref_ids, f"{what} prompt {i} ({name}): greedy tokens differ from merged HF"
+        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
+        if lora is None and base_rows_atol is not None:  # base rows beside adapters' rows
+            assert outs[i] == base[i]
+            torch.testing.assert_close(torch.stack(logits[i]), torch.stack(base_logits[i]),
+                                       atol=base_rows_atol, rtol=0)
+    moved = [(torch.stack(logits[i]) - torch.stack(base_logits[i])).abs().max() for i in range(len(order))]
+    assert all(m > 0.01 for m, lora in zip(moved, order) if lora), f"an adapter left its logits: {moved}"
+    return outs, base
+
+
 # Answers the adapters must change, where sublayer outputs reach the stream damped (others: 4 of 5).
 DAMPED_FAMILIES = {"gemma2": 1, "gemma3": 1, "granite": 0}
 
@@ -121,19 +146,7 @@ def test_adapters_match_hf_with_merged_weights(tiny_models, tmp_path, family):
     order = [loras["qv"], loras["all"], loras["mlp"], None, loras["all"], loras["qv"]]
     prompts = random_prompts(len(order), 1, 70, seed=7)
     engine = _lora_engine(folder, max_num_batched_tokens=48, max_loras=2)
-    outs, logits = run_greedy(engine, prompts, MAX_TOKENS, capture_logits=True, loras=order)
-    base_engine = LLMEngine(EngineConfig(model=str(folder), block_size=8))
-    base, base_logits = run_greedy(base_engine, prompts, MAX_TOKENS, capture_logits=True)
-    references = {}
-    for i, (prompt, lora) in enumerate(zip(prompts, order)):
-        name = lora.lora_name if lora else None
-        hf = references.setdefault(name, _merged_hf(folder, lora))
-        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outs[i], MAX_TOKENS)
-        assert outs[i] == ref_ids, f"{family} prompt {i} ({name}): greedy tokens differ from merged HF"
-        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
-    moved = [(torch.stack(logits[i]) - torch.stack(base_logits[i])).abs().max() for i in range(len(order))]
-    # An adapter left out would leave its logits within float noise (~1e-6) of the base model's.
-    assert all(m > 0.01 for m, lora in zip(moved, order) if lora), f"an adapter left its logits: {moved}"
+    outs, base = _run_against_merged_hf(engine, folder, prompts, order, family)
     # Tiny Gemmas' and Granite's scaled embeddings outweigh what their post-normed or scaled-down sublayers
     # add, so fewer (Granite: no) tokens flip there; the logits above still moved.
     changed = sum(outs[i] != base[i] for i, lora in enumerate(order) if lora)
@@ -147,34 +160,10 @@ PHI3_LORA_MODULES = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_pr
                      "down_proj": "mlp"}
 
 
-def make_fused_lora_adapter(folder: Path, model_folder: Path, targets: list[str], rank: int, alpha: float,
-                            seed: int, use_rslora: bool = False, layers: list[int] | None = None,
-                            std: float = 0.1, config_overrides: dict | None = None) -> Path:
-    """A random PEFT LoRA adapter for a Phi-3 model, as PEFT saves one: lora_A [r, in] and lora_B [out, r] of
-    each targeted fused projection (``qkv_proj``: q + 2 kv rows; ``gate_up_proj``: 2 x intermediate rows)."""
-    from safetensors.torch import save_file
-
-    config = json.loads((model_folder / "config.json").read_text())
-    hf = lora_projection_shapes(config)
-    shapes = {"qkv_proj": (hf["q_proj"][0], hf["q_proj"][1] + hf["k_proj"][1] + hf["v_proj"][1]),
-              "o_proj": hf["o_proj"], "gate_up_proj": (hf["gate_proj"][0], 2 * hf["gate_proj"][1]),
-              "down_proj": hf["down_proj"]}
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in layers if layers is not None else range(config["num_hidden_layers"]):
-        for name in targets:
-            fan_in, fan_out = shapes[name]
-            prefix = f"base_model.model.model.layers.{layer}.{PHI3_LORA_MODULES[name]}.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) * std
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * std
-    folder.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, folder / "adapter_model.safetensors")
-    adapter_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
-                      "target_modules": targets, "use_rslora": use_rslora, "fan_in_fan_out": False,
-                      "bias": "none", "use_dora": False, "lora_dropout": 0.0,
-                      "base_model_name_or_path": str(model_folder), **(config_overrides or {})}
-    (folder / "adapter_config.json").write_text(json.dumps(adapter_config))
-    return folder
+def make_fused_lora_adapter(folder: Path, model_folder: Path, targets: list[str], **kw) -> Path:
+    """A random PEFT LoRA adapter for a Phi-3 model: lora_A [r, in] and lora_B [out, r] of each targeted fused
+    projection (``qkv_proj``: q + 2 kv rows; ``gate_up_proj``: 2 x intermediate rows)."""
+    return make_lora_adapter(folder, model_folder, targets, modules=PHI3_LORA_MODULES, **kw)
 
 
 @pytest.mark.parametrize("family", ["phi3", "phi3-longrope"])
@@ -198,22 +187,7 @@ def test_phi3_adapters_on_fused_layers_match_hf_with_merged_weights(tiny_models,
     # A whole-layer target is one slice (rank rows of A and one block of B spanning the layer's rows).
     qkv = engine.runner.lora.layers["model.layers.0.self_attn.qkv_proj"]
     assert qkv.target.shards == (("qkv_proj", qkv.out_features),) and qkv.lora_a.shape[1] == qkv.max_rank
-    outs, logits = run_greedy(engine, prompts, MAX_TOKENS, capture_logits=True, loras=order)
-    base_engine = LLMEngine(EngineConfig(model=str(folder), block_size=8, max_num_batched_tokens=48))
-    base, base_logits = run_greedy(base_engine, prompts, MAX_TOKENS, capture_logits=True)
-    references = {}
-    for i, (prompt, lora) in enumerate(zip(prompts, order)):
-        name = lora.lora_name if lora else None
-        hf = references.setdefault(name, _merged_hf(folder, lora))
-        ref_ids, ref_logits = hf_greedy_reference(hf, prompt, outs[i], MAX_TOKENS)
-        assert outs[i] == ref_ids, f"{family} prompt {i} ({name}): greedy tokens differ from merged HF"
-        torch.testing.assert_close(torch.stack(logits[i]), ref_logits, atol=LOGITS_ATOL, rtol=0)
-        if lora is None:  # base rows beside adapters' rows: the base engine's answer
-            assert outs[i] == base[i]
-            torch.testing.assert_close(torch.stack(logits[i]), torch.stack(base_logits[i]), atol=1e-5, rtol=0)
-    moved = [(torch.stack(logits[i]) - torch.stack(base_logits[i])).abs().max() for i in range(len(order))]
-    # An adapter left out (or a fused layer's delta dropped) would leave its logits near the base model's.
-    assert all(m > 0.01 for m, lora in zip(moved, order) if lora), f"an adapter left its logits: {moved}"
+    outs, base = _run_against_merged_hf(engine, folder, prompts, order, family, base_rows_atol=1e-5)
     changed = sum(outs[i] != base[i] for i, lora in enumerate(order) if lora)
     assert changed >= 3, "the adapters changed no answer"
     assert engine.runner.breakdown.lora_steps > 0
