@@ -401,7 +401,7 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     rope_theta: float
-    max_position_embeddings: int
+    max_position_embeddings: int  # the tokens a sequence may hold (XLM-RoBERTa: fewer than its rows)
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: bias on q/k/v projections
     qk_norm: bool  # Qwen3: RMSNorm on q and k per head
@@ -449,6 +449,11 @@ class ModelConfig:
             rope_scaling, partial_rotary_factor = phi3_rope(cfg, rope_scaling)
         elif rope_kind(rope_scaling) == "yarn":
             rope_scaling = yarn_rope(cfg, rope_scaling)
+        max_positions = cfg.get("max_position_embeddings", 4096)
+        if model_type == "xlm-roberta":
+            # Its positions start at pad_token_id + 1 (plait.models.bert), so fewer tokens fit than rows, as
+            # transformers and vLLM count them: bge-m3's 8194 rows hold 8192 tokens.
+            max_positions -= cfg.get("pad_token_id", 1) + 1
         return cls(
             architecture=archs[0],
             vocab_size=cfg["vocab_size"],
@@ -461,7 +466,7 @@ class ModelConfig:
             head_dim=head_dim,
             rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-6)),
             rope_theta=float(rope_theta or 10000.0),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),

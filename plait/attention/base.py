@@ -66,9 +66,11 @@ class AttentionBackend(ABC):
         return_lse: bool = False,
         kv_scales: KVScales = UNIT_SCALES,
         logit_softcap: float | None = None,
+        causal: bool = True,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D] -> out [T, Hq, D] (and lse [T, Hq] if asked). Each query token sees its
-        request's cached context and its own chunk up to itself. ``logit_softcap`` c (Gemma 2): each
+        request's cached context and its own chunk up to itself (``causal`` False, an encoder's: its whole
+        chunk too, every key of its row below ``seq_len``). ``logit_softcap`` c (Gemma 2): each
         scaled score s becomes c * tanh(s / c) before the softmax."""
 
 

@@ -42,6 +42,7 @@ class TorchRefBackend(AttentionBackend):
         return_lse: bool = False,
         kv_scales: KVScales = UNIT_SCALES,
         logit_softcap: float | None = None,
+        causal: bool = True,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_heads = q.shape[1]
         block_size = kv_cache.shape[2]
@@ -50,21 +51,22 @@ class TorchRefBackend(AttentionBackend):
             attend = self._attend_padded
         else:
             attend = self._attend_per_row
-        out, lse = attend(q, kv_cache, batch, scale, sliding_window, kv_scales, logit_softcap)
+        out, lse = attend(q, kv_cache, batch, scale, sliding_window, kv_scales, logit_softcap, causal)
         return (out, lse) if return_lse else out
 
     def _attend_padded(
         self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
         sliding_window: int | None, kv_scales: KVScales, logit_softcap: float | None = None,
+        causal: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row at once, queries and keys padded to the batch maximum and masked."""
         num_tokens, num_heads, head_dim = q.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
         group = num_heads // num_kv_heads
-        key = ("torch_ref", sliding_window)
+        key = ("torch_ref", sliding_window, causal)
         meta = batch.backend_state.get(key)
         if meta is None:
-            meta = batch.backend_state[key] = _padded_metadata(batch, block_size, sliding_window)
+            meta = batch.backend_state[key] = _padded_metadata(batch, block_size, sliding_window, causal)
         token_index, valid, visible = meta
         num_rows, max_q = token_index.shape
         # q: [T, Hq, D] -> [R, Hkv, group * maxq, D]: a kv head's group of query heads share one matmul,
@@ -90,6 +92,7 @@ class TorchRefBackend(AttentionBackend):
     def _attend_per_row(
         self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
         sliding_window: int | None, kv_scales: KVScales, logit_softcap: float | None = None,
+        causal: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, num_heads, head_dim = q.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -110,7 +113,7 @@ class TorchRefBackend(AttentionBackend):
             v = v.repeat_interleave(group, dim=0)
             qi = q[q_start:q_end].float().transpose(0, 1)  # [Hq, n, D]
             scores = _softcap(torch.matmul(qi, k.transpose(1, 2)) * scale, logit_softcap)  # [Hq, n, seq_len]
-            visible = _visible(q_end - q_start, seq_len, sliding_window, q.device)
+            visible = _visible(q_end - q_start, seq_len, sliding_window, q.device, causal)
             scores = scores.masked_fill(~visible, float("-inf"))
             row_lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
             probs = torch.exp(scores - row_lse.unsqueeze(-1))
@@ -130,10 +133,11 @@ def _num_key_blocks(batch: ForwardBatch, block_size: int) -> int:
 
 
 def _padded_metadata(
-    batch: ForwardBatch, block_size: int, sliding_window: int | None
+    batch: ForwardBatch, block_size: int, sliding_window: int | None, causal: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token_index [R, maxq]: flat token of each padded query slot, clamped for padding;
-    valid [R * maxq]: which slots are real; visible [R, maxq, L]: causal (+window) key mask)."""
+    valid [R * maxq]: which slots are real; visible [R, maxq, L]: causal (+window) key mask, or, not
+    ``causal``, every key of the row's sequence)."""
     device = batch.input_ids.device
     qsl = batch.query_start_loc.long()
     starts, query_lens = qsl[:-1], qsl[1:] - qsl[:-1]
@@ -142,20 +146,23 @@ def _padded_metadata(
     token_index = (starts.unsqueeze(1) + offsets).clamp(max=max(batch.num_tokens - 1, 0))
     q_pos = batch.context_lens.long().unsqueeze(1) + offsets  # [R, maxq]
     k_pos = torch.arange(_num_key_blocks(batch, block_size) * block_size, device=device)
-    visible = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)
+    if causal:
+        visible = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)
+    else:
+        visible = (k_pos.view(1, 1, -1) < batch.seq_lens.long().view(-1, 1, 1)) & (q_pos.unsqueeze(-1) >= 0)
     if sliding_window is not None:
         visible &= k_pos.view(1, 1, -1) > q_pos.unsqueeze(-1) - sliding_window
     return token_index, valid.flatten(), visible
 
 
 def _visible(
-    num_queries: int, seq_len: int, sliding_window: int | None, device: torch.device
+    num_queries: int, seq_len: int, sliding_window: int | None, device: torch.device, causal: bool = True
 ) -> torch.Tensor:
     """[n, seq_len] bool: query j (at position seq_len - n + j) sees keys at positions <= its own
-    (and, with a sliding window, within the last ``sliding_window`` positions)."""
+    (every key, not ``causal``; and, with a sliding window, within the last ``sliding_window`` positions)."""
     q_pos = torch.arange(seq_len - num_queries, seq_len, device=device).unsqueeze(1)
     k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
-    visible = k_pos <= q_pos
+    visible = k_pos <= q_pos if causal else torch.ones(num_queries, seq_len, dtype=torch.bool, device=device)
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
     return visible

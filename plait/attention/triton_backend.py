@@ -86,7 +86,12 @@ class TritonBackend(AttentionBackend):
         return_lse: bool = False,
         kv_scales: KVScales = UNIT_SCALES,
         logit_softcap: float | None = None,
+        causal: bool = True,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not causal:
+            # The kernel masks causally; encoder models attend with torch_ref (ModelRunner._backend_name).
+            raise NotImplementedError("the triton attention backend is causal only: an encoder model "
+                                      "(bidirectional attention) runs with attention_backend 'torch_ref'")
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if return_lse else None

@@ -150,7 +150,8 @@ class LLMEngine:
         self.drafter = self._make_drafter()
         num_drafts = config.speculative_config.num_speculative_tokens if self.drafter is not None else 0
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * num_drafts)
-        self.scheduler = Scheduler(config, self.kv_cache, self.state_slots, self.lora_slots, self.drafter)
+        self.scheduler = Scheduler(config, self.kv_cache, self.state_slots, self.lora_slots, self.drafter,
+                                   whole_prompts=not self.runner.is_causal)
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
@@ -187,6 +188,10 @@ class LLMEngine:
 
     def _prefix_caching_allowed(self) -> bool:
         if not self.config.enable_prefix_caching:
+            return False
+        if not self.runner.is_causal:
+            # An encoder's K/V of a token depends on the tokens after it: no block can serve another prompt.
+            logger.info("prefix caching is off: %s attends bidirectionally", self.model_config.architecture)
             return False
         if self.pooler is not None and self.pooler.spec.needs_every_position:
             # A cached token's hidden state is never computed, and MEAN / CLS pooling read them (vLLM turns it

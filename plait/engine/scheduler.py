@@ -83,11 +83,14 @@ class Scheduler:
     With ``drafter`` (speculative decoding), a running decode whose last token is on the host gets the
     drafter's tokens after it, as far as the budget, its max_tokens and free KV blocks allow (drafts never
     preempt anyone); the engine rolls ``num_computed_tokens`` back past the drafts it rejects.
+
+    With ``whole_prompts`` (an encoder's bidirectional attention), a prompt is admitted only where it fits
+    the step whole, never chunked; the runner makes the budget hold any prompt of max_model_len tokens.
     """
 
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager,
                  state_slots: StateSlotPool | None = None, lora_slots: LoRASlotPool | None = None,
-                 drafter: NgramDrafter | None = None) -> None:
+                 drafter: NgramDrafter | None = None, whole_prompts: bool = False) -> None:
         # The engine hands over a config with its budget chosen for the device; a scheduler built alone
         # (tests, tools) takes the CPU default.
         self.config = config.with_token_budget("cpu")
@@ -95,6 +98,7 @@ class Scheduler:
         self.state_slots = state_slots
         self.lora_slots = lora_slots
         self.drafter = drafter
+        self.whole_prompts = whole_prompts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order; the last one is the newest
 
@@ -210,7 +214,8 @@ class Scheduler:
             request.num_cached_tokens = self.kv_cache.match_prefix(request)
             num_new = step.chunk_size(request)
             completes_prompt = num_new == request.num_remaining_tokens
-            fits = completes_prompt or step.num_partial_prefills < self.config.max_num_partial_prefills
+            fits = completes_prompt or (not self.whole_prompts
+                                        and step.num_partial_prefills < self.config.max_num_partial_prefills)
             if not (fits and self._state_slot_available() and self.kv_cache.allocate(request, num_new)):
                 # FCFS: a later request never overtakes one that is merely waiting its turn. The
                 # cached prefix is let go, so waiting requests never pin blocks.

@@ -231,10 +231,10 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
         load_rows = weight_row_loader(modules, name)
-        if "norm" in name:
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
+        if name.endswith(".bias"):  # a LayerNorm's too (BERT)
             param.zero_()
+        elif "norm" in name.lower():  # RMSNorm / LayerNorm weights (BERT's "LayerNorm")
+            param.fill_(1.0)
         elif isinstance(modules[name.rpartition(".")[0]], FusedMoE) and param.dtype == FP8_DTYPE:
             # FP8 experts: the unquantised model's draws, each expert's quantised tile by tile.
             moe, stacked = modules[name.rpartition(".")[0]], name.rpartition(".")[2]

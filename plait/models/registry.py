@@ -32,6 +32,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen3Model": ("plait.models.llama", "LlamaForCausalLM"),
 }
 BASE_MODEL_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+# Encoders (bidirectional attention, no LM head): embedding models such as bge, e5, all-MiniLM and bge-m3, run
+# only by the pooling runner.
+ENCODER_ARCHITECTURES = frozenset({"BertModel", "XLMRobertaModel"})
+_MODELS.update({arch: ("plait.models.bert", "BertModel") for arch in ENCODER_ARCHITECTURES})
 # Classifiers and reward models (a score head on the last token), run only by the pooling runner.
 CLASSIFIER_ARCHITECTURES = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
                                       "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
@@ -44,11 +48,15 @@ def supported_architectures() -> list[str]:
 
 
 def resolve_runner(runner: str, architecture: str) -> str:
-    """"generate" or "pooling" for EngineConfig.runner: "auto" pools a base model's or a classifier's
-    checkpoint and generates with any other; neither of those can generate (they have no LM head)."""
-    pools = architecture in BASE_MODEL_ARCHITECTURES or architecture in CLASSIFIER_ARCHITECTURES
+    """"generate" or "pooling" for EngineConfig.runner: "auto" pools a base model's, an encoder's or a
+    classifier's checkpoint and generates with any other; none of those can generate (no LM head)."""
+    pools = architecture in BASE_MODEL_ARCHITECTURES | CLASSIFIER_ARCHITECTURES | ENCODER_ARCHITECTURES
     if runner == "auto":
         return "pooling" if pools else "generate"
+    if runner == "generate" and architecture in ENCODER_ARCHITECTURES:
+        raise ValueError(f"{architecture} is an encoder embedding model (bidirectional attention, no LM "
+                         "head): it cannot generate text; serve it with runner 'pooling' (plait serve "
+                         "--runner pooling)")
     if runner == "generate" and pools:
         raise ValueError(f"{architecture} has no LM head: it cannot generate text; serve it with runner "
                          "'pooling' (plait serve --runner pooling)")

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -108,15 +108,21 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.device, self.dtype = resolve_device_dtype(config)
+        budget_given = config.max_num_batched_tokens is not None
         self.config = config = with_device_token_budget(config, self.device)
         loaded = load_model(config, self.device, self.dtype)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        # False for encoders (plait.models.bert): each token attends to its whole prompt, so a prompt runs
+        # whole in one step (never chunked) and no prefix of it is served from the cache.
+        self.is_causal = getattr(self.model, "is_causal", True)
         self.model_path = loaded.source
         # "pooling": prompts pooled into embeddings (the model has no lm_head); "generate": tokens sampled.
         self.runner_type = loaded.runner
         self.pooler = (Pooler(resolve_pooling(config.pooler_config, loaded.source, self.model_config.raw,
                                               self.model_config.hidden_size,
-                                              classifier=hasattr(self.model, "classify")), self.device)
+                                              classifier=hasattr(self.model, "classify"),
+                                              default_type=getattr(self.model, "default_pooling_type", None)),
+                              self.device)
                        if loaded.runner == "pooling" else None)
         # config.quantization, or what an FP8 checkpoint holds without it
         self.quantization = loaded.quantization
@@ -132,6 +138,8 @@ class ModelRunner:
                 f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
                 f"{self.model_config.max_position_embeddings}"
             )
+        if not self.is_causal:
+            self.config = config = self._whole_prompt_budget(config, budget_given)
         self.attn_backend = get_backend(self._backend_name())
         self.sampler = Sampler(config.seed)
         self.breakdown = StepBreakdown()
@@ -189,7 +197,33 @@ class ModelRunner:
                 and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
                 and triton_enabled() and triton_importable())
 
+    def _whole_prompt_budget(self, config: EngineConfig, budget_given: bool) -> EngineConfig:
+        """An encoder's config: a step must hold a prompt of max_model_len tokens whole, as vLLM requires of
+        models that cannot chunk prompts. A default budget below that is raised to it; one given is refused,
+        as is a chunk cap (long_prefill_token_threshold) below it."""
+        need, budget = self.max_model_len, config.max_num_batched_tokens
+        cap = config.long_prefill_token_threshold
+        if cap != NO_CHUNK_CAP and cap < need:
+            raise ValueError(f"{self.model_config.architecture} attends bidirectionally, so its prompts "
+                             f"cannot be chunked: long_prefill_token_threshold ({cap}) must be 0 or at least "
+                             f"max_model_len ({need})")
+        if budget >= need:
+            return config
+        if budget_given:
+            raise ValueError(f"{self.model_config.architecture} attends bidirectionally, so its prompts "
+                             f"cannot be chunked: max_num_batched_tokens ({budget}) is smaller than "
+                             f"max_model_len ({need}); raise max_num_batched_tokens or lower max_model_len")
+        logger.info("max_num_batched_tokens raised to max_model_len (%d): %s prompts run whole", need,
+                    self.model_config.architecture)
+        return replace(config, max_num_batched_tokens=need)
+
     def _backend_name(self) -> str:
+        if not self.is_causal:
+            # The Triton kernel masks causally; an encoder attends through torch_ref (eager: no CUDA graphs).
+            if self.config.attention_backend not in (None, "torch_ref"):
+                raise ValueError(f"{self.model_config.architecture} attends bidirectionally; attention "
+                                 f"backend {self.config.attention_backend!r} is causal only: use 'torch_ref'")
+            return "torch_ref"
         if self.config.attention_backend is not None:
             return self.config.attention_backend
         if self.device.type == "cuda":

@@ -104,14 +104,15 @@ class PoolingSpec:
 
 
 def resolve_pooling(config: PoolerConfig | None, model_path: Path, hf_config: dict, hidden_size: int,
-                    classifier: bool = False) -> PoolingSpec:
+                    classifier: bool = False, default_type: str | None = None) -> PoolingSpec:
     """The pooler of a model: ``config``'s fields where given, else the folder's sentence-transformers config
-    (its Pooling module's mode, Normalize present or not), else LAST and normalised, as vLLM resolves it. A
-    ``classifier`` (a score head) pools LAST, unnormalised, its logits through its config's activation."""
+    (its Pooling module's mode, Normalize present or not), else the model's ``default_type`` (an encoder's:
+    CLS, as vLLM's BERT models) or LAST, and normalised, as vLLM resolves it. A ``classifier`` (a score head)
+    pools LAST, unnormalised, its logits through its config's activation."""
     if classifier:
         return _classifier_pooling(config, hf_config, hidden_size)
     st_type, st_normalize, dense = _sentence_transformers_pooling(model_path, hidden_size)
-    pooling_type = (config and config.pooling_type) or st_type or DEFAULT_POOLING_TYPE
+    pooling_type = (config and config.pooling_type) or st_type or default_type or DEFAULT_POOLING_TYPE
     normalize = config.normalize if config is not None and config.normalize is not None else None
     if normalize is None:
         normalize = st_normalize if st_normalize is not None else True
