@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from plait.kernels.dispatch import use_triton
 from plait.layers.linear import linear
 
 # Bit widths the layouts and kernels take, and the methods a checkpoint may name.
@@ -396,8 +397,6 @@ class WNA16Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
-        from plait.kernels.dispatch import use_triton
-
         if x.dtype in (torch.bfloat16, torch.float16) and use_triton(x):
             from plait.kernels.wna16_gemm import wna16_linear
 
