@@ -450,9 +450,9 @@ class ModelConfig:
         elif rope_kind(rope_scaling) == "yarn":
             rope_scaling = yarn_rope(cfg, rope_scaling)
         max_positions = cfg.get("max_position_embeddings", 4096)
-        if model_type == "xlm-roberta":
-            # Its positions start at pad_token_id + 1 (plait.models.bert), so fewer tokens fit than rows, as
-            # transformers and vLLM count them: bge-m3's 8194 rows hold 8192 tokens.
+        if model_type in ("roberta", "xlm-roberta"):
+            # Their positions start at pad_token_id + 1 (plait.models.bert), so fewer tokens fit than rows, as
+            # transformers and vLLM count them: bge-m3's 8194 rows hold 8192 tokens, RoBERTa's 514 hold 512.
             max_positions -= cfg.get("pad_token_id", 1) + 1
         return cls(
             architecture=archs[0],

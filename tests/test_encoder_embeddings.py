@@ -1,6 +1,6 @@
-"""Encoder embedding models (BertModel, XLMRobertaModel) on the pooling runner: plait's pooled vectors against
-transformers' hidden states, each prompt attended whole and bidirectionally whatever the batch; the budget
-rules of prompts that cannot be chunked; generation refused."""
+"""Encoder embedding models (BertModel, RobertaModel, XLMRobertaModel) on the pooling runner: plait's pooled
+vectors against transformers' hidden states, each prompt attended whole and bidirectionally whatever the
+batch; the budget rules of prompts that cannot be chunked; generation refused."""
 
 from __future__ import annotations
 
@@ -41,7 +41,14 @@ def _save(model, folder, pooling: str) -> None:
 @pytest.fixture(scope="module")
 def encoders(tmp_path_factory) -> dict:
     """family -> (folder, transformers' model in fp32, its sentence-transformers pooling)."""
-    from transformers import BertConfig, BertModel, XLMRobertaConfig, XLMRobertaModel
+    from transformers import (
+        BertConfig,
+        BertModel,
+        RobertaConfig,
+        RobertaModel,
+        XLMRobertaConfig,
+        XLMRobertaModel,
+    )
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                   intermediate_size=128, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
@@ -50,6 +57,8 @@ def encoders(tmp_path_factory) -> dict:
         ("bert", lambda: BertModel(BertConfig(max_position_embeddings=BERT_POSITIONS, **common)), "CLS"),
         ("xlmr", lambda: XLMRobertaModel(XLMRobertaConfig(max_position_embeddings=XLMR_POSITIONS,
                                                           pad_token_id=XLMR_PAD, **common)), "MEAN"),
+        ("roberta", lambda: RobertaModel(RobertaConfig(max_position_embeddings=BERT_POSITIONS + 2,
+                                                       pad_token_id=XLMR_PAD, **common)), "MEAN"),
     ]):
         torch.manual_seed(2000 + i)
         hf = model().float().eval()
@@ -123,6 +132,16 @@ def test_xlm_roberta_mean_embeddings_match_transformers(encoders):
     torch.testing.assert_close(torch.tensor(raw[1].outputs.embedding), want, atol=ATOL, rtol=0)
     with pytest.raises(ValueError, match="maximum context length"):
         llm.embed([_prompts(3, [engine.max_model_len + 1])[0]], use_tqdm=False)
+
+
+def test_roberta_mean_embeddings_match_transformers(encoders):
+    """RobertaModel (all-roberta-large-v1, stsb-roberta): XLM-R's positions from pad_token_id + 1, so its 66
+    rows hold 64 tokens; MEAN, normalised, batched prompts up to that as transformers'."""
+    folder, hf, kind = encoders["roberta"]
+    llm = LLM(str(folder))
+    assert llm.engine.max_model_len == BERT_POSITIONS
+    prompts = _prompts(4, [2, 11, 37, BERT_POSITIONS])
+    _check(llm.embed(prompts, use_tqdm=False), hf, prompts, kind)
 
 
 def test_a_budget_below_max_model_len_is_refused(encoders):

@@ -1,10 +1,11 @@
-"""BERT and XLM-RoBERTa encoders (HF's BertModel, XLMRobertaModel): embedding models such as all-MiniLM,
-bge-*-en-v1.5, e5-*-v2, bge-m3 and multilingual-e5, run only by the pooling runner.
+"""BERT, RoBERTa and XLM-RoBERTa encoders (HF's BertModel, RobertaModel, XLMRobertaModel): embedding models
+such as all-MiniLM, bge-*-en-v1.5, e5-*-v2, all-roberta-large-v1, bge-m3 and multilingual-e5, run only by the
+pooling runner.
 
 Word + absolute position + token-type (type 0) embeddings, LayerNorm; post-LN encoder layers (self-attention
 with biases, then a GELU MLP, each added to the stream and normalised); bidirectional attention within each
 prompt (``is_causal`` False: the runner attends with torch_ref, the scheduler runs each prompt whole in one
-step and prefix caching is off). XLM-RoBERTa numbers positions from ``pad_token_id + 1``, as transformers'
+step and prefix caching is off). (XLM-)RoBERTa numbers positions from ``pad_token_id + 1``, as transformers'
 ``create_position_ids_from_input_ids`` does for unpadded inputs.
 """
 
@@ -89,8 +90,8 @@ class BertLayer(nn.Module):
 
 
 class BertModel(nn.Module):
-    """BertModel and XLMRobertaModel: the encoder's last hidden states, which the pooling runner pools (CLS by
-    default, as vLLM pools them, or the sentence-transformers folder's mode)."""
+    """BertModel, RobertaModel and XLMRobertaModel: the encoder's last hidden states, which the pooling runner
+    pools (CLS by default, as vLLM pools them, or the sentence-transformers folder's mode)."""
 
     is_causal = False  # every token sees its whole prompt
     supports_prefix_caching = False

@@ -34,7 +34,7 @@ _MODELS: dict[str, tuple[str, str]] = {
 BASE_MODEL_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
 # Encoders (bidirectional attention, no LM head): embedding models such as bge, e5, all-MiniLM and bge-m3, run
 # only by the pooling runner.
-ENCODER_ARCHITECTURES = frozenset({"BertModel", "XLMRobertaModel"})
+ENCODER_ARCHITECTURES = frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"})
 _MODELS.update({arch: ("plait.models.bert", "BertModel") for arch in ENCODER_ARCHITECTURES})
 # Classifiers and reward models (a score head on the last token), run only by the pooling runner.
 CLASSIFIER_ARCHITECTURES = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
