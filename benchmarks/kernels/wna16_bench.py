@@ -7,7 +7,8 @@ Llama-8B's projections as a GPTQ / AWQ checkpoint holds them (4-bit codes, fp16 
 (dense_bench.timed), each call reading the next of several weight copies that together
 exceed L2 three times over, so no weight is read from L2. The floor is the layer's bytes (codes, scales,
 zeros, x, out) at the read bandwidth of a large x.sum() measured in the same run. Decode row counts also try
-a small sweep of launch shapes; the best are printed as lines for WNA16_CONFIGS.
+a small sweep of launch shapes (FMA_CONFIGS holds the one-row winners). `dequant_then_cublas_us` is torch's
+reference dequantisation then cuBLAS (what a kernel-less path would cost), not the kernel's own prompt path.
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.kernels.dense_bench import L2_COPIES_FACTOR, read_bandwidth, rotating, timed
-from plait.kernels.wna16_gemm import FMA_MAX_M, FmaConfig, WNA16Config, get_config, wna16_gemm
+from plait.kernels.skinny_gemm import sm_count
+from plait.kernels.wna16_gemm import (
+    DEQUANT_MIN_M,
+    FMA_MAX_M,
+    FmaConfig,
+    WNA16Config,
+    default_config,
+    fma_config,
+    wna16_gemm,
+)
 from plait.layers.wna16 import WNA16Spec, dequantize, pack_rows, quantize_rtn
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
@@ -52,6 +62,14 @@ def layer_bytes(layer: tuple[torch.Tensor, ...]) -> int:
     return codes.numel() * 4 + scales.numel() * 2 + zeros.numel()
 
 
+def path(m: int, n: int, k: int, device: torch.device) -> str:
+    """Which of wna16_gemm's paths a call of m rows takes, with its launch shape."""
+    if m >= DEQUANT_MIN_M:
+        return "dequantise, then cuBLAS"
+    fma = fma_config(m, n, k, k // GROUP, 4)
+    return f"FMA GEMV {fma}" if fma is not None else f"dot {default_config(m, n, k, sm_count(device))}"
+
+
 def bench_m(name: str, x: torch.Tensor, copies: list, dense: list[torch.Tensor], gbps: float,
             sweep: bool) -> dict:
     """One row count of one layer: the kernel (and at SWEEP_M its launch-shape sweep), cuBLAS bf16 on the
@@ -67,7 +85,7 @@ def bench_m(name: str, x: torch.Tensor, copies: list, dense: list[torch.Tensor],
     row = {"layer": name, "n": n, "k": k, "m": m, "triton_us": triton_us, "cublas_bf16_us": cublas_us,
            "dequant_then_cublas_us": deq_us, "floor_us": floor_us, "x_floor": triton_us / floor_us,
            "tflops": 2 * m * n * k / triton_us / 1e6, "rel_err": err,
-           "config": get_config(m, n, k, 4, GROUP, x.device).__dict__}
+           "path": path(m, n, k, x.device)}
     if sweep and m in SWEEP_M:
         timings = [(timed(rotating([lambda c=c, cand=cand: wna16_gemm(x, c[0], c[1], c[2], 4, config=cand)
                                     for c in copies])), cand)

@@ -62,8 +62,6 @@ TILED_PROGRAMS_PER_SM = 1
 # No split of K is shorter than this many K steps (the workspace round trip costs about one).
 MIN_STEPS_PER_SPLIT = 4
 MAX_SPLIT_K = 16
-# M buckets of the measured-config table: powers of two up to this, then one bucket.
-MAX_M_BUCKET = 4096
 
 
 @dataclass(frozen=True)
@@ -86,15 +84,6 @@ GEMV_CONFIG = WNA16Config(block_m=DOT_M, block_n=64, block_k=128, group_m=1, num
 MID_CONFIG = WNA16Config(block_m=64, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=4)
 LARGE_CONFIG = WNA16Config(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3)
 
-# Measured configs keyed by (bits, group_rows, M bucket, N, K): to be filled from H200 sweeps (as
-# fp8_gemm.FP8_GEMV_CONFIGS), each timed alone in a CUDA graph. Others take default_config's.
-WNA16_CONFIGS: dict[tuple[int, int, int, int, int], WNA16Config] = {}
-
-
-def m_bucket(m: int) -> int:
-    return min(triton.next_power_of_2(max(m, 1)), MAX_M_BUCKET)
-
-
 def split_for(tiles: int, k: int, block_k: int, programs_per_sm: float, num_sms: int) -> int:
     """The largest power-of-two split of K that keeps the launch within programs_per_sm programs per SM,
     each split at least MIN_STEPS_PER_SPLIT K steps."""
@@ -105,7 +94,7 @@ def split_for(tiles: int, k: int, block_k: int, programs_per_sm: float, num_sms:
     return split
 
 
-@functools.cache  # pure in its ints; called on every launch of a shape the table does not hold
+@functools.cache  # pure in its ints; called on every launch
 def default_config(m: int, n: int, k: int, num_sms: int) -> WNA16Config:
     """GEMV_CONFIG, MID_CONFIG or LARGE_CONFIG by M, the K step no wider than K, and K split to fill the
     GPU (split_for)."""
@@ -120,13 +109,6 @@ def _with_split(cfg: WNA16Config, m: int, n: int, k: int, num_sms: int) -> WNA16
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     per_sm = GEMV_PROGRAMS_PER_SM if cfg.block_m == DOT_M else TILED_PROGRAMS_PER_SM
     return replace(cfg, split_k=split_for(tiles, k, cfg.block_k, per_sm, num_sms))
-
-
-def get_config(m: int, n: int, k: int, bits: int, group_rows: int, device: torch.device) -> WNA16Config:
-    cfg = WNA16_CONFIGS.get((bits, group_rows, m_bucket(m), n, k))
-    if cfg is None:
-        return default_config(m, n, k, sm_count(device))
-    return _with_split(cfg, m, n, k, sm_count(device))
 
 
 @triton.jit
@@ -408,7 +390,7 @@ FMA_CONFIGS: dict[tuple[int, int, int], FmaConfig] = {
 
 def fma_config(m: int, n: int, k: int, groups: int, bits: int,
                config: WNA16Config | FmaConfig | None = None) -> FmaConfig | None:
-    """The FMA GEMV's config where it takes this call (``config`` an FmaConfig, or None and the table's or
+    """The FMA GEMV's config where it takes this call (``config`` an FmaConfig, or None and FMA_CONFIGS' or
     FMA_CONFIG usable), else None: the dot kernel's."""
     if isinstance(config, WNA16Config):
         return None
@@ -452,7 +434,7 @@ def wna16_gemm(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero
                bias: torch.Tensor | None = None, config: WNA16Config | FmaConfig | None = None
                ) -> torch.Tensor:
     """x2 @ dequantize(codes, scales, zeros, bits, x2.dtype).T (+ bias) for 2-D x2; ``config`` overrides the
-    table / default (tests, sweeps; its split_k 0 is chosen as the default's)."""
+    launch shape (tests, sweeps; its split_k 0 is chosen as the default's)."""
     # x2: [M, K] bf16/fp16; codes: [K // pack, N] int32; scales, zeros: [G, N]; bias: [N] -> [M, N] x2.dtype
     group_rows = _check(x2, codes, scales, zeros, bits, bias)
     x2 = _unit_n(x2)
@@ -470,7 +452,7 @@ def wna16_gemm(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero
         _fma_gemv(x2, codes, scales, zeros, bits, bias, out, group_rows, fma)
         return out
     if not isinstance(config, WNA16Config):
-        cfg = get_config(m, n, k, bits, group_rows, x2.device)
+        cfg = default_config(m, n, k, sm_count(x2.device))
     else:
         cfg = _with_split(config, m, n, k, sm_count(x2.device))
     block_k = cfg.block_k
