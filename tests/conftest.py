@@ -202,6 +202,17 @@ def hf_gguf_model() -> torch.nn.Module:
     return model.eval()
 
 
+def add_gguf_shape(writer, cfg) -> None:
+    """The hyperparameters every llama.cpp converter writes (TextModel.set_gguf_parameters) from an HF config:
+    layers, context, widths and heads."""
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+
+
 def random_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()

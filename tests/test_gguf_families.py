@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import TINY_VOCAB, assert_greedy_matches_hf, random_prompts
+from conftest import TINY_VOCAB, add_gguf_shape, assert_greedy_matches_hf, random_prompts
 
 gguf = pytest.importorskip("gguf")
 
@@ -134,12 +134,7 @@ def _write_metadata(writer, arch: str, cfg) -> None:
     """The hyperparameters convert_hf_to_gguf.py writes for ``arch`` (TextModel.set_gguf_parameters and the
     architecture's override)."""
     w = writer
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    add_gguf_shape(w, cfg)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     rope = cfg.rope_parameters

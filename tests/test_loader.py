@@ -11,6 +11,7 @@ import torch
 
 # GGUF loading needs the gguf package (installed by the test set-up; absent on some GPU images).
 gguf = pytest.importorskip("gguf")
+from conftest import add_gguf_shape  # noqa: E402
 from transformers import (  # noqa: E402
     LlamaConfig,
     LlamaForCausalLM,
@@ -145,12 +146,7 @@ def _write_f32_gguf(model: torch.nn.Module, arch: gguf.MODEL_ARCH, path: Path) -
     cfg = model.config
     arch_name = gguf.MODEL_ARCH_NAMES[arch]
     writer = gguf.GGUFWriter(path, arch_name)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    add_gguf_shape(writer, cfg)
     writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
