@@ -112,6 +112,9 @@ class EngineConfig:
     # or its JSON text; nested objects merge key by key), e.g. {"architectures":
     # ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]} to serve Qwen3-Reranker.
     hf_overrides: dict | str | None = None
+    # vLLM's --tensor-parallel-size: the model's heads and MLP split across this many devices (cuda:0..N-1),
+    # one process each (plait.parallel); 1: one device, one process.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is not None:
@@ -125,6 +128,10 @@ class EngineConfig:
         _check_int("max_num_partial_prefills", self.max_num_partial_prefills, minimum=1)
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("seed", self.seed, minimum=0)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
+        if self.tensor_parallel_size > 1 and self.enable_lora:
+            raise ValueError("enable_lora with tensor_parallel_size > 1: LoRA adapters are not split across "
+                             "devices yet; serve them on one device")
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, minimum=1)
         if self.max_model_len is not None:

@@ -701,6 +701,10 @@ class LLMEngine:
                              finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
                              prompt_logprobs=prompt_logprobs, metrics=metrics)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when the engine is dropped)."""
+        self.runner.close()
+
     # -- introspection used by tests and tools ---------------------------------------------
 
     def is_idle_and_clean(self) -> bool:

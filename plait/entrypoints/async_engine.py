@@ -181,6 +181,8 @@ class AsyncLLMEngine:
             return
         self._commands.put(_STOP)
         await asyncio.to_thread(self._thread.join, SHUTDOWN_JOIN_TIMEOUT_S)
+        if not self._thread.is_alive():  # a step still running keeps its workers until it ends
+            self._engine.shutdown()
         self._dead = "shut down"
         self._fail(list(self._streams), EngineDeadError("the server is shutting down"))
 

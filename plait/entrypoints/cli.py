@@ -24,7 +24,7 @@ _ENGINE_FLAGS = (
     "num_kv_blocks", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
     "attention_backend", "enforce_eager", "async_scheduling",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
-    "kv_cache_dtype", "speculative_config", "runner", "pooler_config", "hf_overrides",
+    "kv_cache_dtype", "speculative_config", "runner", "pooler_config", "hf_overrides", "tensor_parallel_size",
 )
 
 
@@ -65,6 +65,8 @@ _FLAG_HELP = {
     "pooler_config": "as vLLM's, a JSON object for a pooling model: '{\"pooling_type\": \"MEAN\", "
                      "\"normalize\": false}' (LAST, MEAN or CLS; default: the model's sentence-transformers "
                      "config, else LAST, normalised)",
+    "tensor_parallel_size": "as vLLM's: split the model's attention heads and MLP across this many GPUs "
+                            "(cuda:0..N-1), one process each; Llama-family dense models (default: 1)",
     "hf_overrides": "as vLLM's, a JSON object merged into the checkpoint's config.json: '{\"architectures\": "
                     "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"]}' "
                     "serves Qwen3-Reranker as a cross-encoder (/score, /rerank) (default: none)",

@@ -20,6 +20,8 @@ from plait.layers.linear import deferred_weights, materialize_deferred
 from plait.layers.moe import FusedMoE
 from plait.models.registry import BASE_MODEL_ARCHITECTURES, get_model_class, resolve_runner
 from plait.models.weights import weight_row_loader
+from plait.parallel.group import ParallelRank
+from plait.parallel.shard import Shard, shard_for
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,8 @@ class LoadedModel:
     # it has them and kv_cache_dtype is "fp8"; None otherwise (an FP8 cache then takes 1.0, as vLLM).
     kv_scales: list[tuple[float, float]] | None = None
     runner: str = "generate"  # EngineConfig.runner resolved for this model (resolve_runner)
+    # Under tensor parallelism, this rank's share: the model is built from shard.local (config stays whole).
+    shard: Shard | None = None
 
 
 def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtype]:
@@ -53,7 +57,8 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
 
 
 def load_model(
-    config: EngineConfig, device: torch.device, dtype: torch.dtype, max_positions: int | None = None
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, max_positions: int | None = None,
+    parallel: ParallelRank | None = None,
 ) -> LoadedModel:
     from plait.loader.hf import resolve_model
 
@@ -63,6 +68,7 @@ def load_model(
     model_config = ModelConfig.from_hf(hf_config)
     runner = resolve_runner(config.runner, model_config.architecture)
     cls = get_model_class(model_config.architecture)
+    shard = shard_for(model_config, parallel.rank, parallel.world_size) if parallel is not None else None
     positions = max_positions or model_config.max_position_embeddings
     # A quantised checkpoint is served as it is without --quantization, as vLLM reads its quantization_config:
     # GPTQ / AWQ integer weights (the flag may only repeat the method), or FP8, whose scheme (per-row or
@@ -83,14 +89,19 @@ def load_model(
             raise ValueError(f"{model_config.architecture}: FP8 MoE checkpoints with per-tensor or "
                              "per-channel scales are not supported (block-wise ones, e.g. Qwen3-30B-A3B-FP8, "
                              "are)")
+    if shard is not None and (quantization is not None or runner == "pooling"):
+        what = f"{quantization} checkpoints" if quantization is not None else "pooling models"
+        raise ValueError(f"tensor_parallel_size {shard.world_size}: {what} cannot be split across devices "
+                         "yet; serve it on one device")
     # Linear layers are made without memory (every weight is written below: drawing random ones that
     # loading overwrites would only cost start-up time). Quantised, they are replaced before any weight
     # arrives, so each checkpoint tensor is quantised (or, already FP8, kept) as it is read and no 16-bit
     # copy of the model ever exists.
     with torch.device(device), deferred_weights():
-        model = cls(model_config, positions)
-        if runner == "pooling":
-            model.lm_head = None  # embeddings come from the trunk's hidden states: no logits, no memory
+        model = cls(model_config if shard is None else shard.local, positions)
+        if runner == "pooling" or (shard is not None and not shard.is_driver):
+            # embeddings come from the trunk's hidden states; only the driver rank samples: no logits, no memory
+            model.lm_head = None
     model.to(dtype)  # rotary tables are plain attributes, so they stay fp32
     if int_spec is not None:
         wna16.quantize_model(model, int_spec, device, wna16.unquantized_modules(hf_config))
@@ -101,8 +112,12 @@ def load_model(
     kv_scales: dict[int, dict[str, float]] = {}
     tokenizer = _load_tokenizer(source)
     if weights is None:
+        # Under tensor parallelism every rank draws the same numbers: replicated tensors agree, and each
+        # rank's slice is as random as the whole.
         _init_dummy(model, config.seed)
     else:
+        if shard is not None:
+            weights = shard.checkpoint(weights)
         weights = _tap_kv_scales(weights, kv_scales)
         from_tokens = hf_config.get("classifier_from_token")
         if from_tokens and hasattr(model, "classify"):
@@ -113,7 +128,7 @@ def load_model(
     model.eval()
     fp8_cache = config.kv_cache_dtype == "fp8"
     cache_scales = _kv_cache_scales(kv_scales, model) if fp8_cache and kv_scales else None
-    return LoadedModel(model, model_config, tokenizer, source.path, quantization, cache_scales, runner)
+    return LoadedModel(model, model_config, tokenizer, source.path, quantization, cache_scales, runner, shard)
 
 
 def _token_ids(tokenizer: Any, tokens: list[str], path: Path) -> list[int]:

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -25,6 +26,9 @@ from plait.layers.fp8 import FP8_DTYPE
 from plait.layers.mamba import allocate_mamba_states
 from plait.loader.model_loader import load_model, resolve_device_dtype
 from plait.lora.model import LoRAModel
+from plait.parallel.group import ParallelRank, TPGroup
+from plait.parallel.shard import sum_row_parallel_outputs
+from plait.parallel.workers import FORWARD, IDS, LOADED, READY, Workers
 from plait.runner.cuda_graphs import MAX_GRAPH_PROMPT_TOKENS, StepGraphs, graph_shapes
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
 from plait.runner.input_buffers import InputBuffers, Layout
@@ -106,12 +110,43 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    """One rank's runner. Under tensor parallelism the driver's (rank 0: the engine's) spawns the others
+    (plait.parallel.workers), sends each step's inputs to them and broadcasts its sampled ids; a worker's
+    runs only the forwards (``forward``, ``receive_sampled_ids``)."""
+
+    def __init__(self, config: EngineConfig, parallel: ParallelRank | None = None,
+                 on_loaded: Callable[[], None] | None = None) -> None:
         self.device, self.dtype = resolve_device_dtype(config)
+        self.workers: Workers | None = None
+        self.group: TPGroup | None = None
+        if config.tensor_parallel_size > 1:
+            self.device = _rank_device(self.device, config.tensor_parallel_size, parallel)
+            if parallel is None:  # the driver: the other ranks start loading beside it
+                self.workers = Workers(config, config.tensor_parallel_size)
+                parallel = self.workers.driver
+        self.parallel = parallel
+        try:
+            self._build(config, on_loaded)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: EngineConfig, on_loaded: Callable[[], None] | None) -> None:
         budget_given = config.max_num_batched_tokens is not None
         self.config = config = with_device_token_budget(config, self.device)
-        loaded = load_model(config, self.device, self.dtype)
+        loaded = load_model(config, self.device, self.dtype, parallel=self.parallel)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        # KV heads this rank caches: its share under tensor parallelism.
+        self.num_kv_heads = (loaded.config if loaded.shard is None else loaded.shard.local).num_key_value_heads
+        if self.parallel is not None:
+            # Every rank has its slice before any rank waits on a collective: a rank that failed to load
+            # fails the driver here, with its traceback, instead of hanging it.
+            if on_loaded is not None:
+                on_loaded()
+            if self.workers is not None:
+                self.workers.wait_for(LOADED)
+            self.group = TPGroup(self.parallel, self.device)
+            sum_row_parallel_outputs(self.model, self.group)
         # False for encoders (plait.models.bert): each token attends to its whole prompt, so a prompt runs
         # whole in one step (never chunked) and no prefix of it is served from the cache.
         self.is_causal = getattr(self.model, "is_causal", True)
@@ -185,12 +220,28 @@ class ModelRunner:
         ]
         self._next_host_ids = 0
         self._copy_out_stream = torch.cuda.Stream(self.device) if pin else None
+        if self.workers is not None:  # each rank has its KV cache and graphs: steps may come
+            self.workers.wait_for(READY)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this rank samples (and so has an LM head): all but tensor-parallel workers."""
+        return self.parallel is None or self.parallel.is_driver
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers and free the group (nothing to do on one device)."""
+        if self.workers is not None:
+            self.workers.close()
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     def _folds_norms(self) -> bool:
         """Whether the model's MLP norm weights move into gate/up: on the Triton path of a 16-bit GPU
         model that can (decode-sized steps then apply those norms in o's and silu-and-mul's launches,
         plait.models.llama.LlamaModel.fuses_mlp_norm); PLAIT_FOLD_NORMS=0 keeps them apart."""
         return (os.environ.get(FOLD_NORMS_ENV, "1") != "0"
+                and self.parallel is None  # o_proj would add the residual to its slice's partial sum
                 and not self.config.enable_lora  # adapters' A read the norms' weighted output
                 and self.quantization is None  # FP8 layers have no fused norm paths to use it
                 and hasattr(self.model, "fold_norm_weights")
@@ -249,13 +300,18 @@ class ModelRunner:
     def _bytes_per_block(self) -> int:
         c = self.model_config
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * self._num_kv_layers() * self.config.block_size * c.num_key_value_heads * c.head_dim * elem
+        return 2 * self._num_kv_layers() * self.config.block_size * self.num_kv_heads * c.head_dim * elem
 
     def _num_kv_layers(self) -> int:
         # Hybrid models keep KV only for their attention layers (each knows its cache index).
         return getattr(self.model, "num_kv_cache_layers", self.model_config.num_hidden_layers)
 
     def _choose_num_blocks(self) -> int:
+        num_blocks = self._num_blocks_with_room()
+        # Ranks hold the same blocks: the one with the least room decides.
+        return self.group.min(num_blocks) if self.group is not None else num_blocks
+
+    def _num_blocks_with_room(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
         # Every sequence at full length: all an attention-free model's blocks are (bookkeeping only),
@@ -311,7 +367,9 @@ class ModelRunner:
         batch = forward_batch_from_arrays(arrays, self.device)
         self._attach(batch, kv)
         hidden = self._run_model(batch, lora=self.lora is not None)
-        if self.pooler is None:  # a pooling model has no lm_head, and its pooled vectors take next to nothing
+        # A pooling model has no lm_head, and its pooled vectors take next to nothing; under tensor
+        # parallelism only the driver samples.
+        if self.pooler is None and self.samples:
             rows = min(self.config.max_num_seqs, num_tokens)
             logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
             self.sampler(logits, [SamplingRow(PROFILE_SAMPLING, [0], [])] * rows)
@@ -322,7 +380,7 @@ class ModelRunner:
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
         c = self.model_config
-        shape = (2, num_blocks, self.config.block_size, c.num_key_value_heads, c.head_dim)
+        shape = (2, num_blocks, self.config.block_size, self.num_kv_heads, c.head_dim)
         num_layers = self._num_kv_layers()
         return [zeroed(shape, self.kv_cache_dtype, self.device) for _ in range(num_layers)]
 
@@ -407,13 +465,32 @@ class ModelRunner:
             token_slots = self.lora.prepare([row.request for row in plan.rows], arrays.query_start_loc)
             if token_slots is not None:
                 arrays.lora_slots, lora = token_slots, True
+        if self.workers is not None:  # the other ranks run the same forward beside this one
+            self.workers.send(FORWARD, (arrays, pending_src, prev is not None))
+        b = self.breakdown
+        b.add("prepare", time.perf_counter() - t0)
+        hidden, views, shape = self.forward(arrays, pending_src, prev_ids, lora)
+        b.single_token_steps += arrays.num_tokens == arrays.num_rows
+        b.graph_steps += shape is not None
+        b.graph_single_token_steps += shape is not None and arrays.num_tokens == arrays.num_rows
+        b.lora_steps += lora
+        forward = LaunchedForward(plan, arrays, hidden, views["sample_indices"], shape is not None)
+        return self.sample(forward) if sample else forward
+
+    @torch.inference_mode()
+    def forward(self, arrays: StepArrays, pending_src: np.ndarray, prev_ids: torch.Tensor | None,
+                lora: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor], GraphShape | None]:
+        """Stage a step's inputs and launch its forward (a graph replay where a captured shape fits):
+        (hidden [T, hidden], the staged device views, the graph shape or None)."""
+        t0 = time.perf_counter()
         shape = self.graphs.shape_for(arrays) if self.graphs is not None else None
         if shape is not None:  # the graph's static inputs
             views = self.buffers.stage(self.graphs.pad(arrays, shape), pending_src, prev_ids, full_width=True)
         else:
             views = self.buffers.stage(arrays, pending_src, prev_ids)
         t1 = time.perf_counter()
-        events = self._gpu_events()
+        # Timed on the ranks that sample: their collect resolves the events (a worker never collects).
+        events = self._gpu_events() if self.samples else None
         if shape is not None:
             hidden = self.graphs.replay(shape, lora)
         else:
@@ -421,15 +498,15 @@ class ModelRunner:
         if events is not None:
             events[1].record()
             self.breakdown.add_gpu_interval(*events, graph=shape is not None)
-        b = self.breakdown
-        b.add("prepare", t1 - t0)
-        b.add("launch", time.perf_counter() - t1)
-        b.single_token_steps += arrays.num_tokens == arrays.num_rows
-        b.graph_steps += shape is not None
-        b.graph_single_token_steps += shape is not None and arrays.num_tokens == arrays.num_rows
-        b.lora_steps += lora
-        forward = LaunchedForward(plan, arrays, hidden, views["sample_indices"], shape is not None)
-        return self.sample(forward) if sample else forward
+        self.breakdown.add("prepare", t1 - t0)
+        self.breakdown.add("launch", time.perf_counter() - t1)
+        return hidden, views, shape
+
+    @torch.inference_mode()
+    def receive_sampled_ids(self, count: int) -> torch.Tensor:
+        """A worker's copy of the driver's ``count`` sampled ids, on this rank's device (its next step's
+        pending inputs read them)."""
+        return self.group.broadcast_(torch.empty(count, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def sample(self, forward: LaunchedForward) -> InFlightStep:
@@ -592,6 +669,9 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[:num_samples] if leading else hidden[sample_indices])
         rows = self._sampling_rows(plan, arrays.sample_rows)
         token_ids, logprobs = self.sampler.sample(logits, rows)
+        if self.workers is not None:  # the other ranks' next step may read these as its inputs
+            self.workers.send(IDS, len(token_ids))
+            self.group.broadcast_(token_ids)
         if self.device.type != "cuda":
             return InFlightStep(requests, token_ids, token_ids, None, logprobs, logits,
                                 samples_per_row=per_row)
@@ -715,3 +795,15 @@ def _profile_arrays(lens: list[int], block_size: int, blocks_per_row: int) -> St
         sample_indices=qsl[1:] - 1,
         sample_rows=list(range(num_rows)),
     )
+
+
+def _rank_device(device: torch.device, world_size: int, parallel: ParallelRank | None) -> torch.device:
+    """A tensor-parallel rank's device: cuda:rank (made current: kernels and NCCL launch there), or the CPU."""
+    if device.type != "cuda":
+        return device
+    visible = torch.cuda.device_count()
+    if visible < world_size:
+        raise ValueError(f"tensor_parallel_size {world_size} needs {world_size} GPUs; {visible} visible")
+    device = torch.device("cuda", parallel.rank if parallel is not None else 0)
+    torch.cuda.set_device(device)
+    return device

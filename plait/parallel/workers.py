@@ -1,0 +1,185 @@
+"""The driver's handle on the other ranks' processes, and the loop each of them runs: every step the driver
+sends its inputs (the host arrays it staged), each rank runs the same forward, and the driver's sampled ids
+reach the others by a broadcast on the device, where their next step reads its pending inputs."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import plait
+from plait.parallel.group import ParallelRank
+
+if TYPE_CHECKING:
+    from plait.config import EngineConfig
+    from plait.runner.model_runner import ModelRunner
+
+# Messages, driver -> rank: (FORWARD, (StepArrays, pending sources, whether a step is in flight)),
+# (IDS, number of sampled ids to receive), (STOP, None). Rank -> driver: (LOADED | READY | FAILED, detail).
+FORWARD, IDS, STOP = "forward", "ids", "stop"
+LOADED, READY, FAILED = "loaded", "ready", "failed"
+# How often the driver looks at its workers while it waits for them (a dead one fails the wait).
+POLL_SECONDS = 0.1
+# How long a stopping worker may take to free its device before it is killed.
+STOP_GRACE_SECONDS = 30.0
+
+
+class WorkerError(RuntimeError):
+    """A tensor-parallel rank failed: its traceback, or how its process ended."""
+
+
+class Workers:
+    """Ranks 1..N-1, seen from the driver (rank 0): started first, so every rank loads its slice at once.
+
+    Each is a fresh interpreter (``python -m plait.parallel.workers``), not a multiprocessing child: a user's
+    script then needs no ``if __name__ == "__main__"`` guard, since nothing re-imports it. Each connects back
+    through a Unix socket in a folder only this user can enter."""
+
+    def __init__(self, config: EngineConfig, world_size: int) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="plait-tp-")
+        self.driver = ParallelRank(0, world_size, os.path.join(self._dir.name, "store"))
+        address = os.path.join(self._dir.name, "socket")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(address)
+        server.listen(world_size)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(Path(plait.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]))
+        self._procs = [subprocess.Popen([sys.executable, "-m", "plait.parallel.workers", address, str(rank)],
+                                        env=env, stdin=subprocess.DEVNULL)
+                       for rank in range(1, world_size)]
+        self._conns: list[Connection] = []
+        # Stops the workers when the engine is dropped or the interpreter exits, whichever comes first.
+        self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._dir)
+        try:
+            self._conns.extend(self._accept(server, config))
+        finally:
+            server.close()
+
+    def _accept(self, server: socket.socket, config: EngineConfig) -> list[Connection]:
+        """Each worker's connection, in rank order, once it has said its rank and taken its config."""
+        server.settimeout(POLL_SECONDS)
+        by_rank: dict[int, Connection] = {}
+        while len(by_rank) < len(self._procs):
+            try:
+                sock, _ = server.accept()
+            except TimeoutError:
+                self._check_alive("connected")
+                continue
+            sock.setblocking(True)
+            conn = Connection(sock.detach())
+            where = self._where(conn.recv())
+            conn.send((config, where))
+            by_rank[where.rank] = conn
+        return [by_rank[rank] for rank in sorted(by_rank)]
+
+    def _where(self, rank: int) -> ParallelRank:
+        return ParallelRank(rank, self.driver.world_size, self.driver.store_path)
+
+    def _check_alive(self, state: str) -> None:
+        for rank, proc in enumerate(self._procs, start=1):
+            if proc.poll() is not None:
+                raise WorkerError(f"tensor-parallel rank {rank} exited (code {proc.returncode}) before it "
+                                  f"{state}")
+
+    def wait_for(self, state: str) -> None:
+        """Block until every worker reports ``state``; a worker that fails or dies first raises WorkerError."""
+        for rank, conn in enumerate(self._conns, start=1):
+            while not conn.poll(POLL_SECONDS):
+                self._check_alive(f"was {state}")
+            kind, detail = conn.recv()
+            if kind == FAILED:
+                raise WorkerError(f"tensor-parallel rank {rank} failed:\n{detail}")
+            if kind != state:
+                raise WorkerError(f"tensor-parallel rank {rank} said {kind!r}, expected {state!r}")
+
+    def send(self, kind: str, payload: Any = None) -> None:
+        """One message to every worker, after checking that each is still there to take it."""
+        self.check()
+        for conn in self._conns:
+            conn.send((kind, payload))
+
+    def check(self) -> None:
+        """Raise WorkerError if a worker has died or reported a failure (the driver must not then wait on a
+        collective that rank will never join)."""
+        for rank, conn in enumerate(self._conns, start=1):
+            if conn.poll():
+                kind, detail = conn.recv()
+                raise WorkerError(f"tensor-parallel rank {rank} failed:\n{detail}" if kind == FAILED else
+                                  f"tensor-parallel rank {rank} sent {kind!r} unasked")
+        self._check_alive("was stopped")
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _stop(procs: list[subprocess.Popen], conns: list[Connection], folder: Any) -> None:
+    for conn in conns:
+        try:
+            conn.send((STOP, None))
+        except (OSError, ValueError):  # the worker is gone already
+            pass
+    deadline = time.monotonic() + STOP_GRACE_SECONDS
+    for proc in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    for conn in conns:
+        conn.close()
+    folder.cleanup()
+
+
+def _worker_main(address: str, rank: int) -> None:
+    """A worker process: connect to the driver, build this rank's runner, then run the driver's steps until
+    told to stop."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(address)
+    conn = Connection(sock.detach())
+    conn.send(rank)
+    config, where = conn.recv()
+    runner = None
+    try:
+        from plait.runner.model_runner import ModelRunner
+
+        runner = ModelRunner(config, parallel=where, on_loaded=lambda: conn.send((LOADED, None)))
+        conn.send((READY, None))
+        serve(runner, conn)
+    except BaseException:  # noqa: BLE001 - the driver reports it; this process ends anyway
+        try:
+            conn.send((FAILED, traceback.format_exc()))
+        except OSError:
+            pass
+    finally:
+        if runner is not None:
+            runner.close()
+
+
+def serve(runner: ModelRunner, conn: Connection) -> None:
+    """Run the driver's messages in order until STOP: each FORWARD as the driver ran it, each IDS a broadcast
+    of the driver's sampled ids into the tensor the next step's pending inputs read."""
+    prev_ids = None
+    while True:
+        kind, payload = conn.recv()
+        if kind == STOP:
+            return
+        if kind == FORWARD:
+            arrays, pending_sources, in_flight = payload
+            runner.forward(arrays, pending_sources, prev_ids if in_flight else None)
+        elif kind == IDS:
+            prev_ids = runner.receive_sampled_ids(payload)
+        else:
+            raise WorkerError(f"unknown message {kind!r}")
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1], int(sys.argv[2]))
