@@ -100,7 +100,7 @@ def load_model(
     with torch.device(device), deferred_weights():
         model = cls(model_config if shard is None else shard.local, positions)
         if runner == "pooling" or (shard is not None and not shard.is_driver):
-            # embeddings come from the trunk's hidden states; only the driver rank samples: no logits, no memory
+            # Embeddings come from the trunk's hidden states, and only the driver rank samples: no logits.
             model.lm_head = None
     model.to(dtype)  # rotary tables are plain attributes, so they stay fp32
     if int_spec is not None:

@@ -1,1 +1,1 @@
-"""Tensor parallelism (vLLM's --tensor-parallel-size): one process a device, each holding a slice of every layer."""
+"""Tensor parallelism (vLLM's --tensor-parallel-size): a process a device, each with a slice of each layer."""

@@ -49,7 +49,7 @@ class TPGroup:
             self._pg = dist.ProcessGroupGloo(store, where.rank, where.world_size, GROUP_TIMEOUT)
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place; the current stream waits for it (the host does not, on CUDA)."""
+        """Sum ``x`` over the ranks, in place; the current stream waits for it (on CUDA the host does not)."""
         self._pg.allreduce([x]).wait()
         return x
 

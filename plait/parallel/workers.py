@@ -91,7 +91,7 @@ class Workers:
                                   f"{state}")
 
     def wait_for(self, state: str) -> None:
-        """Block until every worker reports ``state``; a worker that fails or dies first raises WorkerError."""
+        """Block until every worker reports ``state``; one that fails or dies first raises WorkerError."""
         for rank, conn in enumerate(self._conns, start=1):
             while not conn.poll(POLL_SECONDS):
                 self._check_alive(f"was {state}")

@@ -137,7 +137,7 @@ class ModelRunner:
         loaded = load_model(config, self.device, self.dtype, parallel=self.parallel)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         # KV heads this rank caches: its share under tensor parallelism.
-        self.num_kv_heads = (loaded.config if loaded.shard is None else loaded.shard.local).num_key_value_heads
+        self.num_kv_heads = (loaded.shard.local if loaded.shard else loaded.config).num_key_value_heads
         if self.parallel is not None:
             # Every rank has its slice before any rank waits on a collective: a rank that failed to load
             # fails the driver here, with its traceback, instead of hanging it.
@@ -798,7 +798,7 @@ def _profile_arrays(lens: list[int], block_size: int, blocks_per_row: int) -> St
 
 
 def _rank_device(device: torch.device, world_size: int, parallel: ParallelRank | None) -> torch.device:
-    """A tensor-parallel rank's device: cuda:rank (made current: kernels and NCCL launch there), or the CPU."""
+    """A tensor-parallel rank's device: cuda:rank (made current: kernels and NCCL run there), or the CPU."""
     if device.type != "cuda":
         return device
     visible = torch.cuda.device_count()
