@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
-import os
-import queue
-import re
-import signal
-import subprocess
 import sys
-import threading
-import time
-from pathlib import Path
 
 import pytest
+from conftest import ROOT, plait_serve_process
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
-
-ROOT = Path(__file__).resolve().parent.parent
-STARTUP_TIMEOUT_S = 180.0
-SHUTDOWN_TIMEOUT_S = 30.0
 
 
 def _fuzz_script():
@@ -165,38 +154,11 @@ def test_serve_runs_the_engine_with_serving_defaults(monkeypatch):
 
 def test_plait_serve_process(tmp_path):
     model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), PLAIT_API_KEY="cli-key")
-    log = open(tmp_path / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "plait.entrypoints.cli", "serve", "--model", str(model), "--port", "0",
-         "--max-model-len", "128", "--num-kv-blocks", "64", "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    try:
-        banner = ""
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while "-d '" not in banner:
-            assert proc.poll() is None, (tmp_path / "server.log").read_text()
-            try:
-                banner += lines.get(timeout=max(0.1, deadline - time.monotonic()))
-            except queue.Empty:
-                pytest.fail(f"no banner from `plait serve`; got {banner!r}")
-        url = re.search(r"on (http://127\.0\.0\.1:\d+) ", banner).group(1)
+    args = ["--model", str(model), "--max-model-len", "128", "--num-kv-blocks", "64"]
+    with plait_serve_process(tmp_path, args, {"PLAIT_API_KEY": "cli-key"}) as (url, banner):
         assert "tiny-model" in banner  # the served name: the model folder's name
         assert f"curl {url}/v1/chat/completions" in banner and "Bearer $PLAIT_API_KEY" in banner
-        while httpx.get(f"{url}/health").status_code != 200:
-            time.sleep(0.1)
         body = {"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer cli-key"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 401
-    finally:
-        proc.send_signal(signal.SIGINT)  # uvicorn shuts down gracefully on SIGINT
-        try:
-            proc.wait(SHUTDOWN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-    assert proc.returncode == 0, (tmp_path / "server.log").read_text()

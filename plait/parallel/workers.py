@@ -95,11 +95,22 @@ class Workers:
         for rank, conn in enumerate(self._conns, start=1):
             while not conn.poll(POLL_SECONDS):
                 self._check_alive(f"was {state}")
-            kind, detail = conn.recv()
-            if kind == FAILED:
-                raise WorkerError(f"tensor-parallel rank {rank} failed:\n{detail}")
+            kind = self._receive(rank, conn)
             if kind != state:
                 raise WorkerError(f"tensor-parallel rank {rank} said {kind!r}, expected {state!r}")
+
+    def _receive(self, rank: int, conn: Connection) -> str:
+        """A worker's message that poll() said is there: its kind, or WorkerError for a failure or a
+        connection closed by a process that ended."""
+        try:
+            kind, detail = conn.recv()
+        except (EOFError, OSError):
+            self._procs[rank - 1].wait(STOP_GRACE_SECONDS)
+            self._check_alive("said why")
+            raise WorkerError(f"tensor-parallel rank {rank} closed its connection") from None
+        if kind == FAILED:
+            raise WorkerError(f"tensor-parallel rank {rank} failed:\n{detail}")
+        return kind
 
     def send(self, kind: str, payload: Any = None) -> None:
         """One message to every worker, after checking that each is still there to take it."""
@@ -112,9 +123,7 @@ class Workers:
         collective that rank will never join)."""
         for rank, conn in enumerate(self._conns, start=1):
             if conn.poll():
-                kind, detail = conn.recv()
-                raise WorkerError(f"tensor-parallel rank {rank} failed:\n{detail}" if kind == FAILED else
-                                  f"tensor-parallel rank {rank} sent {kind!r} unasked")
+                raise WorkerError(f"tensor-parallel rank {rank} sent {self._receive(rank, conn)!r} unasked")
         self._check_alive("was stopped")
 
     def close(self) -> None:

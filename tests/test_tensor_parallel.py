@@ -1,0 +1,163 @@
+"""Tensor parallelism on CPU (gloo): a model split over 2 (or 4) processes is the same model. Each family
+matches transformers as the one-device engine does; sampling paths that read the driver's ids on the other
+ranks (overlapped decodes, penalties sampled late, speculative drafts) agree with one device; a split the
+model cannot take, or a feature not split yet, is refused by name; a dead worker fails the engine's step
+instead of hanging it; and `plait serve --tensor-parallel-size 2` serves the openai client."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_engines_agree, assert_greedy_matches_hf, plait_serve_process, random_prompts
+
+from plait.config import EngineConfig
+from plait.engine.engine import LLMEngine
+from plait.parallel.workers import WorkerError
+from plait.sampling_params import SamplingParams
+
+LOGITS_ATOL = 1e-4
+MAX_TOKENS = 10
+# Summing o_proj's and down_proj's slices changes the order of fp32 sums: logits move by ~1e-6.
+SPLIT_ATOL = 1e-4
+
+
+def _engine(folder, tp: int, **knobs) -> LLMEngine:
+    config = dict(model=str(folder), max_num_batched_tokens=48, block_size=8, tensor_parallel_size=tp)
+    return LLMEngine(EngineConfig(**(config | knobs)))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "granite"])
+def test_two_ranks_match_hf(tiny_models, family):
+    """Heads, KV heads and MLP columns split in two (Qwen2's q/k/v biases, Qwen3's per-head q/k norms and
+    tied embeddings, Phi-3's fused checkpoint projections, Gemma 2's sandwich norms and soft caps, Granite's
+    multipliers): greedy tokens and logits as transformers', prompts chunked beside decodes."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_models[family]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    engine = _engine(folder, 2)
+    try:
+        assert engine.runner.num_kv_heads == 1  # 2 KV heads, one a rank
+        prompts = random_prompts(6, 1, 70, seed=7)
+        assert_greedy_matches_hf(engine, hf, prompts, MAX_TOKENS, LOGITS_ATOL, family)
+    finally:
+        engine.shutdown()
+
+
+def test_four_ranks_share_kv_heads(tiny_llama):
+    """More ranks than KV heads (4 and 2): each rank keeps the KV head its query heads read."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    engine = _engine(tiny_llama, 4)
+    try:
+        assert engine.runner.num_kv_heads == 1
+        assert engine.runner.model.model.layers[0].self_attn.num_heads == 1
+        assert_greedy_matches_hf(engine, hf, random_prompts(3, 1, 60, seed=8), MAX_TOKENS, LOGITS_ATOL)
+    finally:
+        engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_device(tiny_llama):
+    return _engine(tiny_llama, 1)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tiny_llama):
+    engine = _engine(tiny_llama, 2)
+    yield engine
+    engine.shutdown()
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
+    """Every prompt added at once, stepped to the end: request id -> output ids."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(i))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    return outputs
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, repetition_penalty=1.3,
+                   presence_penalty=0.5),
+    SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True),
+], ids=["penalties", "seeded"])
+def test_sampling_agrees_with_one_device(one_device, two_ranks, params):
+    """Penalty rows sample after the next step's forward is launched (LLMEngine samples them late), so the
+    workers' next forward is sent before the ids it reads are broadcast; seeded random sampling of the same
+    logits draws the same tokens on the driver whatever the split."""
+    prompts = random_prompts(4, 5, 40, seed=11)
+    assert _run(two_ranks, prompts, params) == _run(one_device, prompts, params)
+
+
+def test_speculative_drafts_agree_with_one_device(tiny_llama):
+    """N-gram drafts: rows of several sampled positions, every one broadcast to the workers."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+    split = _engine(tiny_llama, 2, speculative_config=spec)
+    whole = _engine(tiny_llama, 1, speculative_config=spec)
+    try:
+        prompts = [[7, 8, 9, 7, 8, 9, 7, 8], *random_prompts(3, 4, 30, seed=12)]
+        assert_engines_agree(split, whole, prompts, max_tokens=MAX_TOKENS, atol=SPLIT_ATOL)
+        assert split.spec_stats.num_draft_tokens > 0
+    finally:
+        split.shutdown()
+
+
+@pytest.mark.parametrize("knobs, message", [
+    (dict(tensor_parallel_size=3), "must divide the model's attention heads"),
+    (dict(tensor_parallel_size=2, quantization="fp8"), "fp8 checkpoints cannot be split"),
+    (dict(tensor_parallel_size=2, enable_lora=True), "LoRA adapters are not split"),
+])
+def test_refused_splits(tiny_llama, knobs, message):
+    with pytest.raises(ValueError, match=message):
+        LLMEngine(EngineConfig(model=str(tiny_llama), **knobs))
+
+
+def test_refused_architecture(tiny_models):
+    """OLMo normalises q and k across all heads at once: a rank holds only some of them."""
+    with pytest.raises(ValueError, match="Olmo2ForCausalLM cannot be split across devices"):
+        LLMEngine(EngineConfig(model=str(tiny_models["olmo2"]), tensor_parallel_size=2))
+
+
+def test_dead_worker_fails_the_step(tiny_llama):
+    """A worker killed mid-run: the driver's next step raises WorkerError naming the rank, and does not wait
+    on a collective that rank will never join."""
+    engine = _engine(tiny_llama, 2)
+    try:
+        engine.add_request([5, 6, 7], SamplingParams(max_tokens=50, ignore_eos=True), request_id="a")
+        engine.step()
+        proc = engine.runner.workers._procs[0]
+        proc.kill()
+        proc.wait()
+        with pytest.raises(WorkerError, match="rank 1 exited"):
+            for _ in range(3):
+                engine.step()
+    finally:
+        engine.shutdown()
+
+
+def test_serve_with_two_ranks(tmp_path, tiny_models):
+    """`plait serve --tensor-parallel-size 2` and the openai client: greedy completion tokens equal the
+    one-device engine's, streamed chat works, and SIGINT stops the server and its worker (exit 0)."""
+    openai = pytest.importorskip("openai")
+    from test_server_cli import _fuzz_script
+
+    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    prompt = [1, 450, 3000, 77, 912, 5]
+    whole = LLMEngine(EngineConfig(model=str(model), max_model_len=128, num_kv_blocks=64))
+    want = _run(whole, [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))["0"]
+    args = ["--model", str(model), "--max-model-len", "128", "--num-kv-blocks", "64",
+            "--tensor-parallel-size", "2"]
+    with plait_serve_process(tmp_path, args) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
+        r = client.completions.create(model="tiny-model", prompt=prompt, max_tokens=8, temperature=0,
+                                      logprobs=0, extra_body={"ignore_eos": True,
+                                                              "return_tokens_as_token_ids": True})
+        got = [int(t.removeprefix("token_id:")) for t in r.choices[0].logprobs.tokens]
+        assert got == want
+        stream = client.chat.completions.create(model="tiny-model", stream=True, max_tokens=5,
+                                                messages=[{"role": "user", "content": "hi"}])
+        assert [c for c in stream if c.choices and c.choices[0].finish_reason]
