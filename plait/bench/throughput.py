@@ -48,6 +48,7 @@ def _engine(model_dir: Path, max_model_len: int, args: argparse.Namespace) -> LL
         enable_prefix_caching=False,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
     )
     return LLMEngine(config)
 
@@ -132,7 +133,9 @@ def _prompt_steps(timeline: list) -> list[dict]:
 def floor_seconds(engine: LLMEngine, prompts: list[list[int]], output_len: int, roof: dict) -> dict:
     """The physical floor of the workload on this GPU: every decode step reads all weights once plus
     the K/V of every running sequence at the measured read bandwidth; every prompt token costs its
-    matmul FLOPs at the measured bf16 rate. (A lower bound: no engine overlaps them perfectly.)
+    matmul FLOPs at the measured bf16 rate. (A lower bound: no engine overlaps them perfectly.) Under
+    tensor parallelism the ranks read and multiply their slices at once: the floor is the driver's slice
+    (the largest: it alone holds the LM head) on one GPU, and the all-reduces between them are not in it.
 
     A MoE model's step reads only the experts its rows are routed to: with the routing of random weights
     spread evenly, an expert is missed by every one of B rows' top-k picks with probability (1 - k/E)^B
@@ -209,6 +212,7 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
         "attention_backend": engine.runner.attn_backend.name,
         "quantization": engine.runner.quantization,
         "kv_cache_dtype": engine.config.kv_cache_dtype,
+        "tensor_parallel_size": engine.config.tensor_parallel_size,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                      "min_p": args.min_p},
         "cuda_graphs": engine.runner.graphs is not None,
@@ -227,13 +231,15 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
     # vLLM's numbers are for the workload's model: another architecture (--config of a MoE, say) has none.
     own = json.loads((shared / "models" / model_name / "config.json").read_text())["architectures"]
     same_model = json.loads((model_dir / "config.json").read_text())["architectures"] == own
-    peer = VLLM_H200[name] if same_model else None
+    # ... and are for one GPU: a split model has no peer number here.
+    peer = VLLM_H200[name] if same_model and args.tensor_parallel_size == 1 else None
     result["vllm_h200"] = peer
     result["ratio_to_vllm_h200"] = None if peer is None else (
         (peer / result["ms_per_token"]) if num == 1 else result["output_tok_per_s"] / peer
     )
     # The runner and its graphs reference each other: collect the cycle, or the next workload's engine
     # finds this one's KV cache still holding the GPU.
+    engine.shutdown()
     del engine
     gc.collect()
     if torch.cuda.is_available():
@@ -274,6 +280,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "benchmarks/configs/llama-8b-fp8-block)")
     p.add_argument("--kv-cache-dtype", default="auto",
                    help="'fp8': FP8 K/V (default: auto, the model's dtype)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model across this many GPUs (default 1); the floors are then one rank's")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the GPU's limits")
     p.add_argument("--in-process", action="store_true",
                    help="run the workloads one after another in this process (default: each in a fresh one)")

@@ -669,10 +669,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[:num_samples] if leading else hidden[sample_indices])
         rows = self._sampling_rows(plan, arrays.sample_rows)
         token_ids, logprobs = self.sampler.sample(logits, rows)
-        if self.workers is not None:  # the other ranks' next step may read these as its inputs
-            self.workers.send(IDS, len(token_ids))
-            self.group.broadcast_(token_ids)
         if self.device.type != "cuda":
+            self._share_ids(token_ids)
             return InFlightStep(requests, token_ids, token_ids, None, logprobs, logits,
                                 samples_per_row=per_row)
         host_ids = self._host_ids[self._next_host_ids][: num_samples]
@@ -681,6 +679,7 @@ class ModelRunner:
         # sampling, not behind this copy's round trip (~9 us of a batch-1 decode token on an H200).
         sampled = torch.cuda.Event()
         sampled.record()
+        self._share_ids(token_ids)  # after the event: the copy to the host need not wait for the other ranks
         copied = torch.cuda.Event()
         with torch.cuda.stream(self._copy_out_stream):
             self._copy_out_stream.wait_event(sampled)
@@ -688,6 +687,12 @@ class ModelRunner:
             host_ids.copy_(token_ids, non_blocking=True)
             copied.record()
         return InFlightStep(requests, token_ids, host_ids, copied, logprobs, logits, samples_per_row=per_row)
+
+    def _share_ids(self, token_ids: torch.Tensor) -> None:
+        """Broadcast sampled ids to the other tensor-parallel ranks: their next step may read them."""
+        if self.workers is not None:
+            self.workers.send(IDS, len(token_ids))
+            self.group.broadcast_(token_ids)
 
     @staticmethod
     def _sampling_rows(plan: StepPlan, sample_rows: list[int]) -> list[SamplingRow]:
