@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +16,8 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 # NVLink multicast (NCCL's NVLS) takes a share of the GPUs' fabric for little gain at decode-sized
 # all-reduces, and can leave shared machines' GPUs unusable when a process dies holding it: off unless set.
 NCCL_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+# How long closing a group may take before the process goes on without it.
+ABORT_WAIT_SECONDS = 10.0
 # Who runs the scheduler, samples, and sends every other rank its steps.
 DRIVER_RANK = 0
 
@@ -58,19 +62,20 @@ class TPGroup:
         self._pg.broadcast(x, src).wait()
         return x
 
-    def min(self, value: int) -> int:
-        """The smallest of the ranks' ``value``s (e.g. the KV blocks every rank has room for)."""
-        t = torch.tensor([value], dtype=torch.long, device=self.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MIN
-        self._pg.allreduce([t], opts).wait()
-        return int(t.item())
-
     def close(self) -> None:
-        """Free the communicators (NCCL's would otherwise keep the process from exiting)."""
-        shutdown = getattr(self._pg, "shutdown", None) or getattr(self._pg, "abort", None)
-        if shutdown is not None:
-            try:
-                shutdown()
-            except RuntimeError:  # already torn down by a failed peer
-                pass
+        """Free this rank's communicators without waiting for the other ranks: an NCCL group that is shut
+        down (or destroyed at exit) waits for its peers, which hung a driver whose workers had already
+        gone. Abort is local; if even it stalls, the process moves on and leaves it to exit."""
+        abort = getattr(self._pg, "abort", None)
+        if abort is None:
+            return
+        done = threading.Thread(target=_quietly, args=(abort,), name="plait-tp-abort", daemon=True)
+        done.start()
+        done.join(ABORT_WAIT_SECONDS)
+
+
+def _quietly(fn: Callable[[], object]) -> None:
+    try:
+        fn()
+    except RuntimeError:  # already torn down by a failed peer
+        pass

@@ -24,11 +24,15 @@ if TYPE_CHECKING:
     from plait.runner.model_runner import ModelRunner
 
 # Messages, driver -> rank: (FORWARD, (StepArrays, pending sources, whether a step is in flight)),
-# (IDS, number of sampled ids to receive), (STOP, None). Rank -> driver: (LOADED | READY | FAILED, detail).
+# (IDS, number of sampled ids to receive), (STOP, None), and at start-up the agreed KV blocks (an int).
+# Rank -> driver, at start-up: (LOADED, None), (BLOCKS, the KV blocks it has room for), (READY, None); at any
+# time (FAILED, its traceback).
 FORWARD, IDS, STOP = "forward", "ids", "stop"
-LOADED, READY, FAILED = "loaded", "ready", "failed"
+LOADED, BLOCKS, READY, FAILED = "loaded", "blocks", "ready", "failed"
 # How often the driver looks at its workers while it waits for them (a dead one fails the wait).
 POLL_SECONDS = 0.1
+# prctl(2)'s option: the signal a process gets when its parent dies.
+PR_SET_PDEATHSIG = 1
 # How long a stopping worker may take to free its device before it is killed.
 STOP_GRACE_SECONDS = 30.0
 
@@ -90,18 +94,40 @@ class Workers:
                 raise WorkerError(f"tensor-parallel rank {rank} exited (code {proc.returncode}) before it "
                                   f"{state}")
 
-    def wait_for(self, state: str) -> None:
-        """Block until every worker reports ``state``; one that fails or dies first raises WorkerError."""
+    # -- start-up: the driver's side of DriverLink's calls ------------------------------------
+
+    def loaded(self) -> None:
+        """Every rank holds its slice: only now may the driver enter a collective (one that a rank which
+        failed to load never joins would hang it)."""
+        self._gather(LOADED)
+
+    def agree_min(self, num_blocks: int) -> int:
+        """The KV blocks every rank has room for (each measured its own memory), told to every rank."""
+        agreed = min([num_blocks, *self._gather(BLOCKS)])
+        for conn in self._conns:
+            conn.send(agreed)
+        return agreed
+
+    def ready(self) -> None:
+        """Every rank has its KV cache and graphs: steps may come."""
+        self._gather(READY)
+
+    def _gather(self, state: str) -> list[Any]:
+        """Each worker's next message, which must be ``state``; one that fails or dies first raises
+        WorkerError (the wait looks at the processes, so it never hangs on a dead one)."""
+        details = []
         for rank, conn in enumerate(self._conns, start=1):
             while not conn.poll(POLL_SECONDS):
                 self._check_alive(f"was {state}")
-            kind = self._receive(rank, conn)
+            kind, detail = self._receive(rank, conn)
             if kind != state:
                 raise WorkerError(f"tensor-parallel rank {rank} said {kind!r}, expected {state!r}")
+            details.append(detail)
+        return details
 
-    def _receive(self, rank: int, conn: Connection) -> str:
-        """A worker's message that poll() said is there: its kind, or WorkerError for a failure or a
-        connection closed by a process that ended."""
+    def _receive(self, rank: int, conn: Connection) -> tuple[str, Any]:
+        """A worker's message that poll() said is there, or WorkerError for a failure or a connection
+        closed by a process that ended."""
         try:
             kind, detail = conn.recv()
         except (EOFError, OSError):
@@ -110,7 +136,7 @@ class Workers:
             raise WorkerError(f"tensor-parallel rank {rank} closed its connection") from None
         if kind == FAILED:
             raise WorkerError(f"tensor-parallel rank {rank} failed:\n{detail}")
-        return kind
+        return kind, detail
 
     def send(self, kind: str, payload: Any = None) -> None:
         """One message to every worker, after checking that each is still there to take it."""
@@ -123,11 +149,29 @@ class Workers:
         collective that rank will never join)."""
         for rank, conn in enumerate(self._conns, start=1):
             if conn.poll():
-                raise WorkerError(f"tensor-parallel rank {rank} sent {self._receive(rank, conn)!r} unasked")
+                kind, _ = self._receive(rank, conn)
+                raise WorkerError(f"tensor-parallel rank {rank} sent {kind!r} unasked")
         self._check_alive("was stopped")
 
     def close(self) -> None:
         self._finalizer()
+
+
+class DriverLink:
+    """A worker's side of start-up: what it tells the driver, and the KV blocks the ranks agree on."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def loaded(self) -> None:
+        self._conn.send((LOADED, None))
+
+    def agree_min(self, num_blocks: int) -> int:
+        self._conn.send((BLOCKS, num_blocks))
+        return self._conn.recv()
+
+    def ready(self) -> None:
+        self._conn.send((READY, None))
 
 
 def _stop(procs: list[subprocess.Popen], conns: list[Connection], folder: Any) -> None:
@@ -150,27 +194,42 @@ def _stop(procs: list[subprocess.Popen], conns: list[Connection], folder: Any) -
 
 def _worker_main(address: str, rank: int) -> None:
     """A worker process: connect to the driver, build this rank's runner, then run the driver's steps until
-    told to stop."""
+    told to stop. It ends with the driver: killed with it (a worker blocked in a collective would otherwise
+    hold its GPU forever), and on STOP at once, leaving its communicators to the OS (tearing an NCCL group
+    down waits for the other ranks)."""
+    _die_with_parent()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(address)
     conn = Connection(sock.detach())
     conn.send(rank)
     config, where = conn.recv()
-    runner = None
     try:
         from plait.runner.model_runner import ModelRunner
 
-        runner = ModelRunner(config, parallel=where, on_loaded=lambda: conn.send((LOADED, None)))
-        conn.send((READY, None))
-        serve(runner, conn)
+        serve(ModelRunner(config, parallel=where, link=DriverLink(conn)), conn)
+        code = 0
     except BaseException:  # noqa: BLE001 - the driver reports it; this process ends anyway
+        code = 1
         try:
             conn.send((FAILED, traceback.format_exc()))
         except OSError:
             pass
-    finally:
-        if runner is not None:
-            runner.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent (the driver) dies (prctl PR_SET_PDEATHSIG)."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() == 1:  # the driver died before the request took effect
+        os._exit(1)
 
 
 def serve(runner: ModelRunner, conn: Connection) -> None:

@@ -7,7 +7,6 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -28,7 +27,7 @@ from plait.loader.model_loader import load_model, resolve_device_dtype
 from plait.lora.model import LoRAModel
 from plait.parallel.group import ParallelRank, TPGroup
 from plait.parallel.shard import sum_row_parallel_outputs
-from plait.parallel.workers import FORWARD, IDS, LOADED, READY, Workers
+from plait.parallel.workers import FORWARD, IDS, DriverLink, Workers
 from plait.runner.cuda_graphs import MAX_GRAPH_PROMPT_TOKENS, StepGraphs, graph_shapes
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
 from plait.runner.input_buffers import InputBuffers, Layout
@@ -115,7 +114,7 @@ class ModelRunner:
     runs only the forwards (``forward``, ``receive_sampled_ids``)."""
 
     def __init__(self, config: EngineConfig, parallel: ParallelRank | None = None,
-                 on_loaded: Callable[[], None] | None = None) -> None:
+                 link: DriverLink | None = None) -> None:
         self.device, self.dtype = resolve_device_dtype(config)
         self.workers: Workers | None = None
         self.group: TPGroup | None = None
@@ -125,13 +124,15 @@ class ModelRunner:
                 self.workers = Workers(config, config.tensor_parallel_size)
                 parallel = self.workers.driver
         self.parallel = parallel
+        # Start-up's meeting points with the other ranks: the driver's Workers, or a worker's DriverLink.
+        self.peers = self.workers or link
         try:
-            self._build(config, on_loaded)
+            self._build(config)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, config: EngineConfig, on_loaded: Callable[[], None] | None) -> None:
+    def _build(self, config: EngineConfig) -> None:
         budget_given = config.max_num_batched_tokens is not None
         self.config = config = with_device_token_budget(config, self.device)
         loaded = load_model(config, self.device, self.dtype, parallel=self.parallel)
@@ -141,10 +142,7 @@ class ModelRunner:
         if self.parallel is not None:
             # Every rank has its slice before any rank waits on a collective: a rank that failed to load
             # fails the driver here, with its traceback, instead of hanging it.
-            if on_loaded is not None:
-                on_loaded()
-            if self.workers is not None:
-                self.workers.wait_for(LOADED)
+            self.peers.loaded()
             self.group = TPGroup(self.parallel, self.device)
             sum_row_parallel_outputs(self.model, self.group)
         # False for encoders (plait.models.bert): each token attends to its whole prompt, so a prompt runs
@@ -220,8 +218,8 @@ class ModelRunner:
         ]
         self._next_host_ids = 0
         self._copy_out_stream = torch.cuda.Stream(self.device) if pin else None
-        if self.workers is not None:  # each rank has its KV cache and graphs: steps may come
-            self.workers.wait_for(READY)
+        if self.peers is not None:
+            self.peers.ready()
 
     @property
     def samples(self) -> bool:
@@ -309,7 +307,7 @@ class ModelRunner:
     def _choose_num_blocks(self) -> int:
         num_blocks = self._num_blocks_with_room()
         # Ranks hold the same blocks: the one with the least room decides.
-        return self.group.min(num_blocks) if self.group is not None else num_blocks
+        return self.peers.agree_min(num_blocks) if self.peers is not None else num_blocks
 
     def _num_blocks_with_room(self) -> int:
         if self.config.num_kv_blocks is not None:
