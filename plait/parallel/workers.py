@@ -153,7 +153,12 @@ class Workers:
                 raise WorkerError(f"tensor-parallel rank {rank} sent {kind!r} unasked")
         self._check_alive("was stopped")
 
+    def stop(self) -> None:
+        """Tell every worker to stop (each then closes its group, as the driver should at the same time)."""
+        _send_stop(self._conns)
+
     def close(self) -> None:
+        """Stop the workers (if not yet told), wait for them to exit, and kill any that does not."""
         self._finalizer()
 
 
@@ -174,12 +179,16 @@ class DriverLink:
         self._conn.send((READY, None))
 
 
-def _stop(procs: list[subprocess.Popen], conns: list[Connection], folder: Any) -> None:
+def _send_stop(conns: list[Connection]) -> None:
     for conn in conns:
         try:
             conn.send((STOP, None))
-        except (OSError, ValueError):  # the worker is gone already
+        except (OSError, ValueError):  # the worker is gone already, or was told
             pass
+
+
+def _stop(procs: list[subprocess.Popen], conns: list[Connection], folder: Any) -> None:
+    _send_stop(conns)
     deadline = time.monotonic() + STOP_GRACE_SECONDS
     for proc in procs:
         try:
@@ -195,8 +204,8 @@ def _stop(procs: list[subprocess.Popen], conns: list[Connection], folder: Any) -
 def _worker_main(address: str, rank: int) -> None:
     """A worker process: connect to the driver, build this rank's runner, then run the driver's steps until
     told to stop. It ends with the driver: killed with it (a worker blocked in a collective would otherwise
-    hold its GPU forever), and on STOP at once, leaving its communicators to the OS (tearing an NCCL group
-    down waits for the other ranks)."""
+    hold its GPU forever), and on STOP, once it has aborted its group while the driver aborts its own (an
+    NCCL abort can wait for the other ranks' aborts)."""
     _die_with_parent()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(address)
@@ -206,7 +215,9 @@ def _worker_main(address: str, rank: int) -> None:
     try:
         from plait.runner.model_runner import ModelRunner
 
-        serve(ModelRunner(config, parallel=where, link=DriverLink(conn)), conn)
+        runner = ModelRunner(config, parallel=where, link=DriverLink(conn))
+        serve(runner, conn)
+        runner.close()
         code = 0
     except BaseException:  # noqa: BLE001 - the driver reports it; this process ends anyway
         code = 1
