@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
-import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,8 +15,6 @@ GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 # NVLink multicast (NCCL's NVLS) takes a share of the GPUs' fabric for little gain at decode-sized
 # all-reduces, and can leave shared machines' GPUs unusable when a process dies holding it: off unless set.
 NCCL_DEFAULTS = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-# How long closing a group may take before the process goes on without it.
-ABORT_WAIT_SECONDS = 10.0
 # Who runs the scheduler, samples, and sends every other rank its steps.
 DRIVER_RANK = 0
 
@@ -63,19 +60,12 @@ class TPGroup:
         return x
 
     def close(self) -> None:
-        """Free this rank's communicators without waiting for the other ranks: an NCCL group that is shut
-        down (or destroyed at exit) waits for its peers, which hung a driver whose workers had already
-        gone. Abort is local; if even it stalls, the process moves on and leaves it to exit."""
-        abort = getattr(self._pg, "abort", None)
-        if abort is None:
-            return
-        done = threading.Thread(target=_quietly, args=(abort,), name="plait-tp-abort", daemon=True)
-        done.start()
-        done.join(ABORT_WAIT_SECONDS)
-
-
-def _quietly(fn: Callable[[], object]) -> None:
-    try:
-        fn()
-    except RuntimeError:  # already torn down by a failed peer
-        pass
+        """Let go of this rank's communicators. Gloo's are aborted. An NCCL group is never torn down: its
+        abort and its destructor both wait on NCCL's proxy threads, which can wait for peers that are gone
+        (NVIDIA/nccl#1013): on two H200s each abort stalled until given up on, and the process then hung
+        at exit in the destructor. So the group keeps one reference no one holds until the process ends,
+        and the OS frees its memory and connections then."""
+        if self.device.type == "cuda":
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._pg))
+        else:
+            self._pg.abort()
