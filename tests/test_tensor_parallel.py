@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_engines_agree, assert_greedy_matches_hf, plait_serve_process, random_prompts
+from test_moe import _copy_model_folder, moe_models  # noqa: F401 - moe_models: the tiny MoE checkpoints
 
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine
@@ -40,6 +41,32 @@ def test_two_ranks_match_hf(tiny_models, family):
         assert engine.runner.num_kv_heads == 1  # 2 KV heads, one a rank
         prompts = random_prompts(6, 1, 70, seed=7)
         assert_greedy_matches_hf(engine, hf, prompts, MAX_TOKENS, LOGITS_ATOL, family)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_two_ranks_split_experts(moe_models, family):  # noqa: F811 - the fixture imported above
+    """Every routed expert's width split in two (and Qwen2-MoE's gated shared expert beside them, and its
+    dense layer), the router replicated, the block's output summed once: transformers' tokens and logits."""
+    folder, hf = moe_models[family]
+    engine = _engine(folder, 2)
+    try:
+        prompts = random_prompts(4, 1, 60, seed=13)
+        assert_greedy_matches_hf(engine, hf, prompts, MAX_TOKENS, LOGITS_ATOL, family)
+    finally:
+        engine.shutdown()
+
+
+def test_two_ranks_split_stacked_experts(moe_models, tmp_path):  # noqa: F811
+    """transformers 5's stacked experts (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]): each
+    rank's gate and up rows and down columns of every expert at once."""
+    folder, hf = moe_models["qwen3_moe"]
+    _copy_model_folder(folder, tmp_path / "stacked",
+                       {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"})  # tied
+    engine = _engine(tmp_path / "stacked", 2)
+    try:
+        assert_greedy_matches_hf(engine, hf, random_prompts(3, 1, 50, seed=14), MAX_TOKENS, LOGITS_ATOL)
     finally:
         engine.shutdown()
 

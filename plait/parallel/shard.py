@@ -1,6 +1,7 @@
 """How a model is cut across tensor-parallel ranks, applied from outside it: each rank builds the model of
-a narrower config (its share of the heads and of the MLP), takes its slice of every checkpoint tensor, and
-sums the outputs of o_proj and down_proj over the ranks (Megatron's column / row split)."""
+a narrower config (its share of the heads, of the MLP and of every expert), takes its slice of every
+checkpoint tensor, and sums the attention's and the feed-forward's outputs over the ranks (Megatron's column
+/ row split)."""
 
 from __future__ import annotations
 
@@ -12,23 +13,35 @@ import torch
 from torch import nn
 
 from plait.config import ModelConfig
+from plait.models.llama import SparseMoeBlock
 from plait.parallel.group import DRIVER_RANK, TPGroup
 
-# The dense decoders whose layers are the Llama family's attention and MLP: those a rank can build from a
-# narrower config alone.
+# The decoders whose layers are the Llama family's attention and MLP or sparse MoE block: those a rank can
+# build from a narrower config alone.
 SHARDABLE_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "GraniteForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
 })
-# Row-parallel layers: each rank holds some of their input columns, so their outputs are partial sums.
-ROW_PARALLEL = ("o_proj", "down_proj")
-# A checkpoint tensor of one decoder layer: (projection, "weight" | "bias").
-LAYER_TENSOR = re.compile(r"\.layers\.\d+\.(?:self_attn|mlp)\.(\w+)\.(weight|bias)$")
+# A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias").
+ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)\.(weight|bias)$")
+# A feed-forward's: a dense MLP's (``mlp.gate_proj.weight``), a routed expert's
+# (``mlp.experts.3.up_proj.weight``, Mixtral's ``block_sparse_moe.experts.3.w1.weight``), transformers 5's
+# stacked experts (``mlp.experts.gate_up_proj``) or a shared expert's
+# (``mlp.shared_expert.down_proj.weight``): (which MLP, projection, "weight" | "bias" | None). Routers
+# (``mlp.gate``, ``block_sparse_moe.gate``, ``shared_expert_gate``) are replicated.
+FFN_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\."
+                        r"(experts\.\d+\.|experts\.|shared_expert\.)?"
+                        r"(gate_proj|up_proj|down_proj|gate_up_proj|w1|w2|w3)(?:\.(weight|bias))?$")
+# Column-parallel (each rank keeps some output rows) and row-parallel (some input columns) projections;
+# Mixtral names gate, up and down w1, w3 and w2.
+COLUMN_PARALLEL = ("gate_proj", "up_proj", "w1", "w3")
+ROW_PARALLEL = ("down_proj", "w2")
 
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """One rank's share of a model: which heads, which MLP columns (made by shard_for)."""
+    """One rank's share of a model: which heads, which MLP and expert columns (made by shard_for)."""
 
     rank: int
     world_size: int
@@ -51,71 +64,94 @@ class Shard:
             return first, first + 1
         return self.rank * n, (self.rank + 1) * n
 
-    def _row_range(self, name: str) -> tuple[int, int] | None:
-        """The rows of a column-parallel projection's full tensor this rank keeps."""
-        d, r = self.full.head_dim, self.rank
-        if name == "q_proj":
-            n = self.local.num_attention_heads * d
-            return r * n, (r + 1) * n
-        if name in ("k_proj", "v_proj"):
-            lo, hi = self.kv_head_range()
-            return lo * d, hi * d
-        if name in ("gate_proj", "up_proj"):
-            n = self.local.intermediate_size
-            return r * n, (r + 1) * n
-        return None
+    def _part(self, t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+        """This rank's n entries along ``dim``."""
+        return t.narrow(dim, self.rank * n, n)
 
-    def _slice(self, name: str, kind: str, t: torch.Tensor) -> torch.Tensor:
-        rows = self._row_range(name)
-        if rows is not None:
-            return t[rows[0]: rows[1]]
-        if name in ROW_PARALLEL:
+    def _attention(self, proj: str, kind: str, t: torch.Tensor) -> torch.Tensor:
+        d = self.full.head_dim
+        if proj == "q_proj":
+            return self._part(t, 0, self.local.num_attention_heads * d)
+        if proj in ("k_proj", "v_proj"):
+            lo, hi = self.kv_head_range()
+            return t[lo * d: hi * d]
+        if proj == "o_proj":
             if kind == "bias":  # added once, after the sum: the driver's alone
-                return t if self.rank == DRIVER_RANK else torch.zeros_like(t)
-            n = t.shape[1] // self.world_size
-            return t[:, self.rank * n: (self.rank + 1) * n]
-        if name == "qkv_proj":  # Phi-3's fused q, k, v rows
+                return t if self.is_driver else torch.zeros_like(t)
+            return self._part(t, 1, self.local.num_attention_heads * d)
+        if proj == "qkv_proj":  # Phi-3's fused q, k, v rows
             c = self.full
-            q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+            q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
             parts = zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv]))
-            return torch.cat([self._slice(part, kind, piece) for part, piece in parts])
-        if name == "gate_up_proj":  # Phi-3's fused gate, up rows
-            gate, up = t.chunk(2)
-            return torch.cat([self._slice("gate_proj", kind, gate), self._slice("up_proj", kind, up)])
-        return t  # q/k norms (per head), anything replicated
+            return torch.cat([self._attention(part, kind, piece) for part, piece in parts])
+        return t  # q/k norms (per head)
+
+    def _feed_forward(self, which: str | None, proj: str, kind: str | None, t: torch.Tensor) -> torch.Tensor:
+        """A feed-forward's tensor ([out, in], or [experts, out, in] stacked): gate and up rows (split
+        first where fused), down columns, each this rank's share of that MLP's width."""
+        moe = self.local.moe
+        if which is None or moe is None:
+            n = self.local.intermediate_size
+        else:
+            n = moe.shared_intermediate_size if which == "shared_expert." else moe.intermediate_size
+        if kind == "bias":
+            if proj in ROW_PARALLEL:  # added once, after the sum: the driver's alone
+                return t if self.is_driver else torch.zeros_like(t)
+            return self._part(t, 0, n) if proj in COLUMN_PARALLEL else torch.cat(
+                [self._part(half, 0, n) for half in t.chunk(2)])
+        if proj in COLUMN_PARALLEL:
+            return self._part(t, -2, n)
+        if proj in ROW_PARALLEL:
+            return self._part(t, -1, n)
+        gate, up = t.chunk(2, dim=-2)  # gate_up_proj: Phi-3's fused, or transformers 5's stacked experts
+        return torch.cat([self._part(gate, -2, n), self._part(up, -2, n)], dim=-2)
 
     def checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's slice of each checkpoint tensor (HF names); the LM head only on the driver, the one
         rank that samples."""
         for name, tensor in weights:
-            if name.startswith("lm_head.") and self.rank != DRIVER_RANK:
+            if name.startswith("lm_head.") and not self.is_driver:
                 continue
-            match = LAYER_TENSOR.search(name)
-            yield name, (self._slice(match[1], match[2], tensor) if match else tensor)
+            attention, ffn = ATTENTION_TENSOR.search(name), FFN_TENSOR.search(name)
+            if attention:
+                tensor = self._attention(attention[1], attention[2], tensor)
+            elif ffn:
+                tensor = self._feed_forward(ffn[1], ffn[2], ffn[3], tensor)
+            yield name, tensor
 
 
 def shard_for(config: ModelConfig, rank: int, world_size: int) -> Shard:
     """Rank ``rank``'s share of ``config``'s model, or a ValueError saying why it cannot be split so."""
     if config.architecture not in SHARDABLE_ARCHITECTURES:
         raise ValueError(f"tensor_parallel_size {world_size}: {config.architecture} cannot be split across "
-                         f"devices yet; the dense decoders that can: {sorted(SHARDABLE_ARCHITECTURES)}")
-    heads, kv_heads, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
-    for what, n in (("attention heads", heads), ("intermediate size", inter)):
+                         f"devices yet; the decoders that can: {sorted(SHARDABLE_ARCHITECTURES)}")
+    moe = config.moe
+    widths = [("attention heads", config.num_attention_heads),
+              ("intermediate size", config.intermediate_size)]
+    if moe is not None:
+        widths += [("expert intermediate size", moe.intermediate_size),
+                   ("shared expert intermediate size", moe.shared_intermediate_size)]
+    for what, n in widths:
         if n % world_size:
             raise ValueError(f"tensor_parallel_size {world_size} must divide the model's {what} ({n})")
+    kv_heads = config.num_key_value_heads
     if kv_heads % world_size and world_size % kv_heads:
         raise ValueError(f"tensor_parallel_size {world_size} and the model's {kv_heads} KV heads: one must "
                          "divide the other")
-    local = dataclasses.replace(config, num_attention_heads=heads // world_size,
+    if moe is not None:
+        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world_size,
+                                  shared_intermediate_size=moe.shared_intermediate_size // world_size)
+    local = dataclasses.replace(config, num_attention_heads=config.num_attention_heads // world_size,
                                 num_key_value_heads=max(1, kv_heads // world_size),
-                                intermediate_size=inter // world_size)
+                                intermediate_size=config.intermediate_size // world_size, moe=moe)
     return Shard(rank, world_size, config, local)
 
 
 def sum_row_parallel_outputs(model: nn.Module, group: TPGroup) -> None:
-    """Make a rank's model (built from Shard.local, loaded from Shard.checkpoint) one slice of the whole:
-    o_proj's and down_proj's outputs are summed over the ranks after each call, so every rank's residual
-    stream is the whole model's."""
+    """Make a rank's model (built from Shard.local, loaded from Shard.checkpoint) one slice of the whole: the
+    outputs of o_proj, of a dense MLP's down_proj and of a sparse MoE block (its experts' and shared expert's
+    partial sums together) are summed over the ranks after each call, so every rank's residual stream is the
+    whole model's."""
     for name, module in model.named_modules():
-        if name.rpartition(".")[2] in ROW_PARALLEL:
+        if name.endswith(("self_attn.o_proj", "mlp.down_proj")) or isinstance(module, SparseMoeBlock):
             module.register_forward_hook(lambda _m, _x, out: group.all_reduce_(out))
