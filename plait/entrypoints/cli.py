@@ -65,8 +65,9 @@ _FLAG_HELP = {
     "pooler_config": "as vLLM's, a JSON object for a pooling model: '{\"pooling_type\": \"MEAN\", "
                      "\"normalize\": false}' (LAST, MEAN or CLS; default: the model's sentence-transformers "
                      "config, else LAST, normalised)",
-    "tensor_parallel_size": "as vLLM's: split the model's attention heads and MLP across this many GPUs "
-                            "(cuda:0..N-1), one process each; Llama-family dense models (default: 1)",
+    "tensor_parallel_size": "as vLLM's: split the model's attention heads, MLP and experts across this many "
+                            "GPUs (cuda:0..N-1), one process each; the Llama family's models, MoE ones "
+                            "included (default: 1)",
     "hf_overrides": "as vLLM's, a JSON object merged into the checkpoint's config.json: '{\"architectures\": "
                     "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"]}' "
                     "serves Qwen3-Reranker as a cross-encoder (/score, /rerank) (default: none)",
