@@ -5,13 +5,13 @@ reach the others by a broadcast on the device, where their next step reads its p
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 import weakref
+from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,49 +44,28 @@ class WorkerError(RuntimeError):
 class Workers:
     """Ranks 1..N-1, seen from the driver (rank 0): started first, so every rank loads its slice at once.
 
-    Each is a fresh interpreter (``python -m plait.parallel.workers``), not a multiprocessing child: a user's
-    script then needs no ``if __name__ == "__main__"`` guard, since nothing re-imports it. Each connects back
-    through a Unix socket in a folder only this user can enter."""
+    Each is a fresh interpreter (``python -m plait.parallel.workers``), not a multiprocessing child: a
+    user's script then needs no ``if __name__ == "__main__"`` guard, since nothing re-imports it. Each
+    inherits its end of a socket pair, so nothing connects (here, one of two workers connecting to the
+    driver's Unix socket at once was now and then refused while it listened)."""
 
     def __init__(self, config: EngineConfig, world_size: int) -> None:
         self._dir = tempfile.TemporaryDirectory(prefix="plait-tp-")
         self.driver = ParallelRank(0, world_size, os.path.join(self._dir.name, "store"))
-        address = os.path.join(self._dir.name, "socket")
-        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        server.bind(address)
-        server.listen(world_size)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
             [str(Path(plait.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]))
-        self._procs = [subprocess.Popen([sys.executable, "-m", "plait.parallel.workers", address, str(rank)],
-                                        env=env, stdin=subprocess.DEVNULL)
-                       for rank in range(1, world_size)]
+        self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
         # Stops the workers when the engine is dropped or the interpreter exits, whichever comes first.
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._dir)
-        try:
-            self._conns.extend(self._accept(server, config))
-        finally:
-            server.close()
-
-    def _accept(self, server: socket.socket, config: EngineConfig) -> list[Connection]:
-        """Each worker's connection, in rank order, once it has said its rank and taken its config."""
-        server.settimeout(POLL_SECONDS)
-        by_rank: dict[int, Connection] = {}
-        while len(by_rank) < len(self._procs):
-            try:
-                sock, _ = server.accept()
-            except TimeoutError:
-                self._check_alive("connected")
-                continue
-            sock.setblocking(True)
-            conn = Connection(sock.detach())
-            where = self._where(conn.recv())
-            conn.send((config, where))
-            by_rank[where.rank] = conn
-        return [by_rank[rank] for rank in sorted(by_rank)]
-
-    def _where(self, rank: int) -> ParallelRank:
-        return ParallelRank(rank, self.driver.world_size, self.driver.store_path)
+        for rank in range(1, world_size):
+            ours, theirs = Pipe()
+            fd = theirs.fileno()
+            self._procs.append(subprocess.Popen([sys.executable, "-m", "plait.parallel.workers", str(fd)],
+                                                env=env, stdin=subprocess.DEVNULL, pass_fds=[fd]))
+            theirs.close()
+            ours.send((config, ParallelRank(rank, world_size, self.driver.store_path)))
+            self._conns.append(ours)
 
     def _check_alive(self, state: str) -> None:
         for rank, proc in enumerate(self._procs, start=1):
@@ -201,16 +180,13 @@ def _stop(procs: list[subprocess.Popen], conns: list[Connection], folder: Any) -
     folder.cleanup()
 
 
-def _worker_main(address: str, rank: int) -> None:
-    """A worker process: connect to the driver, build this rank's runner, then run the driver's steps until
-    told to stop. It ends with the driver: killed with it (a worker blocked in a collective would otherwise
-    hold its GPU forever), and on STOP, once it has aborted its group while the driver aborts its own (an
-    NCCL abort can wait for the other ranks' aborts)."""
+def _worker_main(fd: int) -> None:
+    """A worker process: take its config from the driver through the inherited ``fd``, build this rank's
+    runner, then run the driver's steps until told to stop. It ends with the driver: killed with it (a
+    worker blocked in a collective would otherwise hold its GPU forever), and on STOP, once it has let go of
+    its group."""
     _die_with_parent()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(address)
-    conn = Connection(sock.detach())
-    conn.send(rank)
+    conn = Connection(fd)
     config, where = conn.recv()
     try:
         from plait.runner.model_runner import ModelRunner
@@ -261,4 +237,4 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
 
 
 if __name__ == "__main__":
-    _worker_main(sys.argv[1], int(sys.argv[2]))
+    _worker_main(int(sys.argv[1]))
