@@ -60,9 +60,8 @@ class TPGroup:
         return x
 
     def close(self) -> None:
-        """Let go of this rank's communicators. Gloo's are dropped (its destructor closes them; an abort
-        before it closed their sockets twice, and the second close hit whatever socket had taken the number
-        since: another engine's listening socket). An NCCL group is never torn down: its
+        """Let go of this rank's communicators. Gloo's are dropped: its destructor closes them. An NCCL group
+        is never torn down: its
         abort and its destructor both wait on NCCL's proxy threads, which can wait for peers that are gone
         (NVIDIA/nccl#1013): on two H200s each abort stalled until given up on, and the process then hung
         at exit in the destructor. So the group keeps one reference no one holds until the process ends,
