@@ -188,3 +188,32 @@ def test_serve_with_two_ranks(tmp_path, tiny_models):
         stream = client.chat.completions.create(model="tiny-model", stream=True, max_tokens=5,
                                                 messages=[{"role": "user", "content": "hi"}])
         assert [c for c in stream if c.choices and c.choices[0].finish_reason]
+
+
+def test_slices_of_every_rank_make_the_whole(tiny_llama):
+    """Column-parallel rows and row-parallel columns of every rank, put back together, are the checkpoint's
+    tensor (fused gate/up halves each split, biases too); a row-parallel bias is the driver's alone."""
+    import json
+
+    from plait.config import ModelConfig
+    from plait.parallel.shard import shard_for
+
+    full = ModelConfig.from_hf(json.loads((tiny_llama / "config.json").read_text()))
+    inter, hidden = full.intermediate_size, full.hidden_size
+    layer = "model.layers.0.mlp."
+    tensors = {layer + "gate_up_proj.weight": torch.randn(2 * inter, hidden),
+               layer + "gate_up_proj.bias": torch.randn(2 * inter),
+               layer + "up_proj.bias": torch.randn(inter),
+               layer + "down_proj.weight": torch.randn(hidden, inter),
+               layer + "down_proj.bias": torch.randn(hidden)}
+    shards = [dict(shard_for(full, r, 2).checkpoint(tensors.items())) for r in range(2)]
+    for name in ("gate_up_proj.weight", "gate_up_proj.bias"):
+        halves = [s[layer + name].chunk(2) for s in shards]  # each rank: [its gate rows; its up rows]
+        whole = torch.cat([torch.cat([h[0] for h in halves]), torch.cat([h[1] for h in halves])])
+        assert torch.equal(whole, tensors[layer + name]), name
+    up_bias = torch.cat([s[layer + "up_proj.bias"] for s in shards])
+    assert torch.equal(up_bias, tensors[layer + "up_proj.bias"])
+    assert torch.equal(torch.cat([s[layer + "down_proj.weight"] for s in shards], dim=1),
+                       tensors[layer + "down_proj.weight"])
+    assert torch.equal(shards[0][layer + "down_proj.bias"], tensors[layer + "down_proj.bias"])
+    assert not shards[1][layer + "down_proj.bias"].any()

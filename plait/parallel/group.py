@@ -61,11 +61,10 @@ class TPGroup:
 
     def close(self) -> None:
         """Let go of this rank's communicators. Gloo's are dropped: its destructor closes them. An NCCL group
-        is never torn down: its
-        abort and its destructor both wait on NCCL's proxy threads, which can wait for peers that are gone
-        (NVIDIA/nccl#1013): on two H200s each abort stalled until given up on, and the process then hung
-        at exit in the destructor. So the group keeps one reference no one holds until the process ends,
-        and the OS frees its memory and connections then."""
+        is never torn down: its abort and its destructor both wait on NCCL's proxy threads, which can wait
+        for peers that are gone (NVIDIA/nccl#1013): on two H200s each abort stalled until given up on, and
+        the process then hung at exit in the destructor. So the group keeps one reference no one holds until
+        the process ends, and the OS frees its memory and connections then."""
         if self.device.type == "cuda":
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._pg))
         self._pg = None

@@ -68,6 +68,10 @@ class Shard:
         """This rank's n entries along ``dim``."""
         return t.narrow(dim, self.rank * n, n)
 
+    def _summed_bias(self, t: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's bias: added once, after the ranks' outputs are summed: the driver's."""
+        return t if self.is_driver else torch.zeros_like(t)
+
     def _attention(self, proj: str, kind: str, t: torch.Tensor) -> torch.Tensor:
         d = self.full.head_dim
         if proj == "q_proj":
@@ -76,8 +80,8 @@ class Shard:
             lo, hi = self.kv_head_range()
             return t[lo * d: hi * d]
         if proj == "o_proj":
-            if kind == "bias":  # added once, after the sum: the driver's alone
-                return t if self.is_driver else torch.zeros_like(t)
+            if kind == "bias":
+                return self._summed_bias(t)
             return self._part(t, 1, self.local.num_attention_heads * d)
         if proj == "qkv_proj":  # Phi-3's fused q, k, v rows
             c = self.full
@@ -94,17 +98,13 @@ class Shard:
             n = self.local.intermediate_size
         else:
             n = moe.shared_intermediate_size if which == "shared_expert." else moe.intermediate_size
-        if kind == "bias":
-            if proj in ROW_PARALLEL:  # added once, after the sum: the driver's alone
-                return t if self.is_driver else torch.zeros_like(t)
-            return self._part(t, 0, n) if proj in COLUMN_PARALLEL else torch.cat(
-                [self._part(half, 0, n) for half in t.chunk(2)])
-        if proj in COLUMN_PARALLEL:
-            return self._part(t, -2, n)
+        rows = -1 if kind == "bias" else -2  # a bias is [out]: its rows are its last dim
         if proj in ROW_PARALLEL:
-            return self._part(t, -1, n)
-        gate, up = t.chunk(2, dim=-2)  # gate_up_proj: Phi-3's fused, or transformers 5's stacked experts
-        return torch.cat([self._part(gate, -2, n), self._part(up, -2, n)], dim=-2)
+            return self._summed_bias(t) if kind == "bias" else self._part(t, -1, n)
+        if proj in COLUMN_PARALLEL:
+            return self._part(t, rows, n)
+        gate, up = t.chunk(2, dim=rows)  # gate_up_proj: Phi-3's fused, or transformers 5's stacked experts
+        return torch.cat([self._part(gate, rows, n), self._part(up, rows, n)], dim=rows)
 
     def checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's slice of each checkpoint tensor (HF names); the LM head only on the driver, the one

@@ -132,12 +132,8 @@ class Workers:
                 raise WorkerError(f"tensor-parallel rank {rank} sent {kind!r} unasked")
         self._check_alive("was stopped")
 
-    def stop(self) -> None:
-        """Tell every worker to stop (each then closes its group, as the driver should at the same time)."""
-        _send_stop(self._conns)
-
     def close(self) -> None:
-        """Stop the workers (if not yet told), wait for them to exit, and kill any that does not."""
+        """Stop the workers, wait for them to exit, and kill any that does not."""
         self._finalizer()
 
 
@@ -158,16 +154,12 @@ class DriverLink:
         self._conn.send((READY, None))
 
 
-def _send_stop(conns: list[Connection]) -> None:
+def _stop(procs: list[subprocess.Popen], conns: list[Connection], folder: Any) -> None:
     for conn in conns:
         try:
             conn.send((STOP, None))
-        except (OSError, ValueError):  # the worker is gone already, or was told
+        except (OSError, ValueError):  # the worker is gone already
             pass
-
-
-def _stop(procs: list[subprocess.Popen], conns: list[Connection], folder: Any) -> None:
-    _send_stop(conns)
     deadline = time.monotonic() + STOP_GRACE_SECONDS
     for proc in procs:
         try:

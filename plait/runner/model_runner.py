@@ -227,16 +227,12 @@ class ModelRunner:
         return self.parallel is None or self.parallel.is_driver
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers and free the group (nothing to do on one device). Every rank
-        aborts its communicators at about the same time: the driver tells the workers to stop, aborts its
-        own, then waits for them to exit."""
+        """Stop the tensor-parallel workers and let go of the group (nothing to do on one device)."""
         if self.workers is not None:
-            self.workers.stop()
+            self.workers.close()
         if self.group is not None:
             self.group.close()
             self.group = None
-        if self.workers is not None:
-            self.workers.close()
 
     def _folds_norms(self) -> bool:
         """Whether the model's MLP norm weights move into gate/up: on the Triton path of a 16-bit GPU
