@@ -497,20 +497,25 @@ def rope_kind(scaling: dict | None) -> str:
 
 # Configs completed from transformers' defaults (Hub configs list only what differs from them, a multimodal
 # checkpoint's text_config most of all): model_type -> (transformers' config class, the text decoder's
-# model_type). Image-text checkpoints ("gemma3", "mistral3") are served as text, by their text_config.
+# model_type). Image-text checkpoints ("gemma3", "mistral3", "llava") are read by their text_config; Gemma 3
+# and Mistral 3 are served as text, LLaVA with its images (its vision keys are kept: _IMAGE_KEYS).
 COMPLETED_CONFIGS = {
     "gemma2": ("Gemma2Config", "gemma2"),
     "gemma3_text": ("Gemma3TextConfig", "gemma3_text"),
     "gemma3": ("Gemma3TextConfig", "gemma3_text"),
     "mistral3": ("MistralConfig", "mistral"),
+    "llava": ("LlamaConfig", "llama"),
     "olmo2": ("Olmo2Config", "olmo2"),
     "olmo3": ("Olmo3Config", "olmo3"),
 }
-IMAGE_TEXT_MODEL_TYPES = ("gemma3", "mistral3")
+IMAGE_TEXT_MODEL_TYPES = ("gemma3", "mistral3", "llava")
 # A multimodal config's top-level keys that hold for its text decoder too (transformers 5 ties the
 # embeddings by the top-level flag).
 _IMAGE_TEXT_TOP_LEVEL_KEYS = ("architectures", "eos_token_id", "torch_dtype", "dtype", "quantization_config",
                               "tie_word_embeddings")
+# The image side of a config whose images plait runs (LLaVA), kept beside its text decoder's fields.
+_IMAGE_KEYS = ("vision_config", "image_token_index", "image_token_id", "projector_hidden_act",
+               "vision_feature_layer", "vision_feature_select_strategy", "multimodal_projector_bias")
 
 
 def completed_text_config(cfg: dict) -> dict:
@@ -523,7 +528,7 @@ def completed_text_config(cfg: dict) -> dict:
     text = cfg.get("text_config") or {} if kind in IMAGE_TEXT_MODEL_TYPES else cfg
     skip = ("architectures", "model_type", "text_config", "vision_config")
     full = getattr(transformers, class_name)(**{k: v for k, v in text.items() if k not in skip}).to_dict()
-    for key in _IMAGE_TEXT_TOP_LEVEL_KEYS:
+    for key in _IMAGE_TEXT_TOP_LEVEL_KEYS + (_IMAGE_KEYS if kind == "llava" else ()):
         if key in cfg:
             full[key] = cfg[key]
     full["model_type"] = text_kind

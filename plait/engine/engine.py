@@ -8,7 +8,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from plait.config import EngineConfig
 from plait.engine.detokenizer import Detokenizer
@@ -24,6 +24,7 @@ from plait.lora.adapter import LoRAAdapter
 from plait.lora.registry import LoRARegistry
 from plait.lora.request import LoRARequest
 from plait.lora.slots import LoRASlotPool
+from plait.multimodal.images import ImageInput, MultiModalPrompt
 from plait.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
 from plait.pooling_params import PoolingParams
 from plait.runner.model_runner import InFlightStep, ModelRunner, SampledToken, StepOutput
@@ -125,6 +126,8 @@ class LLMEngine:
             # truncate_prompt_tokens keeps a prompt's end, as vLLM sets its tokenizers up.
             self.tokenizer.truncation_side = "left"
         self.max_model_len = self.runner.max_model_len
+        # An image model's processor (its images' pixel values and placeholder tokens); None for text models.
+        self.images = self.runner.image_processor
         self.pooler = self.runner.pooler  # set under the pooling runner: requests are embedded, not generated
         self._check_pooling_config()
         self.kv_cache = KVCacheManager(self.runner.num_kv_blocks, config.block_size,
@@ -249,11 +252,15 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError("the engine runs one sequence per request; fan n > 1 out before add_request")
         request_id = self._new_request_id(request_id)
+        prompt, images = self._split_images(prompt)
         text, token_ids = self._tokenize(prompt)
         # Room for max_tokens, or for one token where it is None: a prompt that fills the context could
         # generate nothing (vLLM's -1 is the whole context, which then fails there).
         keep = self._prompt_tokens_to_keep(params.truncate_prompt_tokens, params.max_tokens or 1)
+        if images and keep is not None:
+            raise ValueError("truncate_prompt_tokens cannot be used with images (it could cut one)")
         text, token_ids = self._truncate(text, token_ids, keep)
+        token_ids, image_inputs = self._expand_images(token_ids, images)
         self._validate_prompt(token_ids)
         self._validate_sampling_token_ids(params)
         lora = self.lora_adapter(lora_request)
@@ -271,8 +278,26 @@ class LLMEngine:
             lora=lora,
             # Blocks computed under one adapter are never served to another, nor to the base model.
             cache_key=lora.request.cache_key if lora is not None else b"",
+            images=image_inputs,
         )
         return request, text
+
+    def _split_images(self, prompt: str | Sequence[int] | MultiModalPrompt
+                      ) -> tuple[str | Sequence[int], tuple[Any, ...]]:
+        """The prompt and its images (none for a plain prompt); ValueError where the model takes none."""
+        if not isinstance(prompt, MultiModalPrompt):
+            return prompt, ()
+        if prompt.images and self.images is None:
+            raise ValueError(f"{self.model_config.architecture} takes no images: send a text prompt")
+        return prompt.prompt, tuple(prompt.images)
+
+    def _expand_images(self, token_ids: list[int], images: tuple[Any, ...]
+                       ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """An image model's prompt with its image tokens expanded into placeholders (ImageProcessor.expand):
+        also a prompt without images, whose stray image tokens would otherwise run unfilled."""
+        if self.images is None:
+            return token_ids, ()
+        return self.images.expand(token_ids, images)
 
     def _new_request_id(self, request_id: str | None) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._auto_ids)}"

@@ -184,5 +184,6 @@ class KVCacheManager:
         while len(hashes) < num_blocks:
             i = len(hashes)
             parent = hashes[-1] if hashes else ROOT_HASH
-            hashes.append(block_hash(parent, request.token_ids(i * bs, (i + 1) * bs), request.cache_key))
+            start, end = i * bs, (i + 1) * bs
+            hashes.append(block_hash(parent, request.token_ids(start, end), request.block_key(start, end)))
         return hashes[:num_blocks]

@@ -13,6 +13,7 @@ from plait.sampling_params import SamplingParams
 if TYPE_CHECKING:
     from plait.engine.grammar import Grammar
     from plait.lora.adapter import LoRAAdapter
+    from plait.multimodal.images import ImageInput
     from plait.pooling_params import PoolingParams
 
 
@@ -56,6 +57,8 @@ class Request:
     # Set for an embedding request (the pooling runner): its prompt is run and pooled, nothing is sampled
     # (max_tokens 0), and it finishes when the step that computes the prompt's end is collected.
     pooling_params: PoolingParams | None = None
+    # The prompt's images, in order (image models): each fills its placeholder tokens. Set by the engine.
+    images: tuple[ImageInput, ...] = ()
 
     # Set by the scheduler.
     status: RequestStatus = RequestStatus.WAITING
@@ -87,6 +90,13 @@ class Request:
 
     def __post_init__(self) -> None:
         self.num_prefill_tokens = len(self.prompt_token_ids)
+
+    def block_key(self, start: int, end: int) -> bytes:
+        """What beside its token ids tells the block of tokens [start, end) apart from another's: the
+        cache_key, and the key of every image whose placeholders it holds (they are the same ids for any
+        image)."""
+        keys = [i.key for i in self.images if i.offset < end and start < i.offset + i.length]
+        return self.cache_key + b"".join(keys)
 
     def _next_choice_tokens(self) -> set[int]:
         """Each choice's next token where the output so far is a proper prefix of it."""

@@ -21,6 +21,8 @@ from plait.entrypoints.beam_search import (
     step_params,
 )
 from plait.lora.request import LoRARequest
+from plait.multimodal.chat import image_token_text, prepare_chat
+from plait.multimodal.images import MultiModalPrompt
 from plait.outputs import (
     ClassificationRequestOutput,
     EmbeddingRequestOutput,
@@ -66,7 +68,9 @@ class LLM:
         """Run every prompt to completion; outputs come back in prompt order.
 
         A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, or a list of
-        token ids. All prompts are validated before any enters the engine. Without sampling_params,
+        token ids; an image model's prompt dict may add ``"multi_modal_data": {"image": image or [images]}``
+        (PIL images, bytes or data URLs), one image token in the prompt for each. All prompts are validated
+        before any enters the engine. Without sampling_params,
         get_default_sampling_params() (the model's generation_config.json may set them, as in vLLM).
         ``lora_request`` (under ``enable_lora``): the LoRA adapter of every prompt, or a list with one per
         prompt (None: the base model), as vLLM's.
@@ -234,17 +238,21 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
+        with_images = [chat_with_images(self.engine, c, chat_template) for c in conversations]
         texts = [render_chat(tokenizer, c, add_generation_prompt, chat_template_kwargs,
                              continue_final_message=continue_final_message, chat_template=chat_template,
                              tools=tools)
-                 for c in conversations]
+                 for c, _ in with_images]
         ids = [encode_rendered(tokenizer, text) for text in texts]
-        outputs = self.generate([{"prompt_token_ids": i} for i in ids], sampling_params, use_tqdm,
-                                lora_request)
-        for out, text, whole in zip(outputs, texts, ids, strict=True):
-            # A conversation truncate_prompt_tokens cut is shown as the part the model saw.
+        prompts = [{"prompt_token_ids": i, "multi_modal_data": {"image": images} if images else None}
+                   for i, (_, images) in zip(ids, with_images)]
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        for out, text, whole, (_, images) in zip(outputs, texts, ids, with_images, strict=True):
+            # A conversation truncate_prompt_tokens cut is shown as the part the model saw (images refuse
+            # truncation; their placeholders make the ids longer than the text's).
             kept = out.prompt_token_ids
-            out.prompt = text if kept == whole else tokenizer.decode(kept, skip_special_tokens=False)
+            shown_whole = kept == whole or images
+            out.prompt = text if shown_whole else tokenizer.decode(kept, skip_special_tokens=False)
         return outputs
 
     def apply_chat_template(
@@ -308,6 +316,15 @@ def render_chat(
     )
 
 
+def chat_with_images(engine: Any, conversation: list[Message], chat_template: str | None = None
+                     ) -> tuple[list[Message], list[Any]]:
+    """A conversation as the chat template takes it, and its images in order (plait.multimodal.chat)."""
+    tokenizer = engine.tokenizer
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    image_text = image_token_text(tokenizer, engine.images.image_token_id) if engine.images else None
+    return prepare_chat(conversation, template, image_text, engine.model_config.architecture)
+
+
 def encode_rendered(tokenizer: Any, text: str) -> list[int]:
     """Token ids of a prompt render_chat wrote."""
     # The template already wrote any special tokens; adding them again would double BOS.
@@ -343,16 +360,30 @@ def _as_lora_list(lora: LoRAInput, n: int) -> list[LoRARequest | None]:
     return list(lora)
 
 
-def _prompt_payload(prompt: PromptType) -> str | list[int]:
+def _prompt_payload(prompt: PromptType) -> str | list[int] | MultiModalPrompt:
     if isinstance(prompt, dict):
         if "prompt_token_ids" in prompt:
-            return list(prompt["prompt_token_ids"])
-        if "prompt" in prompt:
-            return prompt["prompt"]
-        raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
-    if isinstance(prompt, str):
+            payload = list(prompt["prompt_token_ids"])
+        elif "prompt" in prompt:
+            payload = prompt["prompt"]
+        else:
+            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+        data = prompt.get("multi_modal_data")
+        return payload if not data else MultiModalPrompt(payload, _images_of(data))
+    if isinstance(prompt, (str, MultiModalPrompt)):
         return prompt
     return list(prompt)
+
+
+def _images_of(data: dict) -> tuple[Any, ...]:
+    """The images of vLLM's ``multi_modal_data`` ({"image": an image or a list of them})."""
+    if not isinstance(data, dict) or set(data) - {"image"}:
+        given = sorted(data) if isinstance(data, dict) else data
+        raise ValueError(f"multi_modal_data takes 'image' alone, got {given}")
+    images = data.get("image")
+    if images is None:
+        return ()
+    return tuple(images) if isinstance(images, (list, tuple)) else (images,)
 
 
 def cross_encodes(spec: Any) -> bool:

@@ -528,9 +528,22 @@ class CompletionRequest(_SamplingRequest):
         return list(p)  # type: ignore[arg-type]
 
 
-class ContentPart(_RequestModel):
+class TextContentPart(_RequestModel):
     type: Literal["text"]
     text: str
+
+
+class ImageURL(_RequestModel):
+    url: str  # a data URL (data:image/png;base64,...): plait fetches nothing
+    detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; an image model sees every image whole
+
+
+class ImageContentPart(_RequestModel):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextContentPart | ImageContentPart, Field(discriminator="type")]
 
 
 class FunctionCallParam(_RequestModel):
@@ -566,17 +579,24 @@ class ChatMessage(_RequestModel):
         """The content as vLLM's chat echo repeats it: text parts joined by newlines (as vLLM's chat parser
         joins them), no content as ""."""
         if isinstance(self.content, list):
-            return ECHO_PART_SEPARATOR.join(part.text for part in self.content)
+            return ECHO_PART_SEPARATOR.join(part.text for part in self.content if part.type == "text")
         return self.content or ""
 
-    def as_template_message(self) -> dict[str, Any]:
-        """The message as the chat template expects it: text parts joined, no content as "", tool calls
-        with their arguments as objects."""
+    @property
+    def has_images(self) -> bool:
+        return isinstance(self.content, list) and any(part.type == "image_url" for part in self.content)
+
+    def as_template_message(self, keep_parts: bool = False) -> dict[str, Any]:
+        """The message as the chat template expects it: text parts joined (``keep_parts``: the parts as
+        OpenAI-style dicts, images included, for plait.multimodal.chat), no content as "", tool calls with
+        their arguments as objects."""
         content = self.content
         if content is None:
             content = ""
+        elif isinstance(content, list) and keep_parts:
+            content = [part.model_dump(exclude_none=True) for part in content]
         elif isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "".join(part.text for part in content if part.type == "text")
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name

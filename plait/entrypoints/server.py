@@ -136,6 +136,8 @@ from plait.entrypoints.tools import (
 )
 from plait.loader.hf import ModelSource
 from plait.lora.request import LoRAModulePath, LoRARequest
+from plait.multimodal.chat import image_token_text, prepare_chat
+from plait.multimodal.images import MultiModalPrompt
 from plait.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
 from plait.pooling_params import PoolingParams, score_pairs
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, SamplingParams
@@ -809,6 +811,11 @@ class OpenAIServer:
         # The loop thread detokenizes with the engine's tokenizer; the event loop gets its own copy
         # (chat templates, logprob token strings), so no tokenizer object is shared between threads.
         self.tokenizer = copy.deepcopy(engine.tokenizer)
+        # An image model's image token text (chat templates that take text write it for each image); None
+        # for a text model, whose messages may not hold images.
+        self.image_text = (image_token_text(self.tokenizer, engine.images.image_token_id)
+                           if engine.images is not None else None)
+        self.image_processor = engine.images  # stateless: shared with the loop thread
         self._token_strings: dict[int, str] = {}
         name = self.config.reasoning_parser
         self.reasoning_parser = get_reasoning_parser(name) if name is not None else None
@@ -1050,21 +1057,40 @@ class OpenAIServer:
         return Response(message, media_type="text/plain")
 
     def _chat_prompt_text(self, body: ChatTemplateRequest, messages: Sequence[ChatMessage]) -> str:
+        """_chat_prompt's text, for the endpoints that take no images (a 400 where the messages have one)."""
+        text, images = self._chat_prompt(body, messages)
+        if images:
+            raise APIError(400, "this endpoint takes no images; send them to /v1/chat/completions",
+                           param="messages")
+        return text
+
+    def _chat_prompt(self, body: ChatTemplateRequest, messages: Sequence[ChatMessage]) -> tuple[str, list]:
         """A conversation as text under the chat template: the request's own (where trusted), else
         --chat-template's, else the model's; with the request's tools, template variables,
         add_generation_prompt and continue_final_message (/tokenize renders exactly what chat completions
-        run)."""
+        run). With it, the messages' images in order (an image model's; a 400 for any other's)."""
         template = self.config.chat_template_text
         template = body.chat_template if body.chat_template is not None else template
         if self._brings_template(body) and not self.config.trust_request_chat_template:
             raise APIError(400, "a chat template was passed with the request, but the server was not "
                                 "started with --trust-request-chat-template", param="chat_template")
+        if self.image_text is None and any(m.has_images for m in messages):
+            raise APIError(400, f"{self.model_name} takes no images: send text messages", param="messages")
+        conversation = [m.as_template_message(keep_parts=self.image_text is not None) for m in messages]
+        images: list = []
+        if self.image_text is not None:
+            try:
+                conversation, images = prepare_chat(conversation, template or self.tokenizer.chat_template,
+                                                    self.image_text, self.model_name)
+            except ValueError as err:
+                raise APIError(400, str(err), param="messages") from err
         try:
-            return render_chat(self.tokenizer, [m.as_template_message() for m in messages],
+            return render_chat(self.tokenizer, conversation,
                                add_generation_prompt=body.add_generation_prompt,
                                kwargs=body.chat_template_kwargs, chat_template=template,
                                continue_final_message=body.continue_final_message,
-                               tools=body.template_tools(self.config.exclude_tools_when_tool_choice_none))
+                               tools=body.template_tools(self.config.exclude_tools_when_tool_choice_none)
+                               ), images
         except (ValueError, TypeError, RecursionError, jinja2.TemplateError) as err:
             # RecursionError: a message's tool call arguments nested too deep for the template's tojson
             raise APIError(400, f"could not apply the chat template: {err}", param="messages") from err
@@ -1710,12 +1736,18 @@ class OpenAIServer:
         skip = self._skip_special_tokens(body, params.skip_special_tokens)
         if skip != params.skip_special_tokens:  # a parser whose markers are special tokens needs them kept
             params = dataclasses.replace(params, skip_special_tokens=skip)
-        prompt_text = self._chat_prompt_text(body, body.messages)
+        prompt_text, images = self._chat_prompt(body, body.messages)
         readers = [self._choice_reader(body, prompt_text) for _ in range(params.n)]  # each choice its own
         reasoning = readers[0].reasoning
         if reasoning is not None and reasoning.thinks:  # structured outputs apply after the reasoning
             params = dataclasses.replace(params, reasoning_end=reasoning.END)
         prompt = encode_rendered(self.tokenizer, prompt_text)
+        if images:
+            try:  # decoded and processed here, in a worker thread: never on the engine's step loop
+                pixels = await asyncio.to_thread(self.image_processor.preprocess, images)
+            except ValueError as err:
+                raise APIError(400, str(err), param="messages") from err
+            prompt = MultiModalPrompt(prompt, pixels)
         stream = await self._start([(prompt, child) for child in _fan_out(params)], prompt_param,
                                    body.requested_max_tokens, body.structured_outputs_param, lora)
         return params, readers, stream

@@ -89,6 +89,9 @@ def load_model(
             raise ValueError(f"{model_config.architecture}: FP8 MoE checkpoints with per-tensor or "
                              "per-channel scales are not supported (block-wise ones, e.g. Qwen3-30B-A3B-FP8, "
                              "are)")
+    if quantization is not None and getattr(cls, "supports_images", False):
+        # quantize_model would take the vision tower's Linear layers too, which no test has covered
+        raise ValueError(f"{model_config.architecture}: quantised image models are not supported yet")
     if shard is not None and (quantization is not None or runner == "pooling"):
         what = f"{quantization} checkpoints" if quantization is not None else "pooling models"
         raise ValueError(f"tensor_parallel_size {shard.world_size}: {what} cannot be split across devices "

@@ -155,8 +155,11 @@ class LlamaModel(nn.Module):
         # Set by LlamaForCausalLM.fold_norm_weights: the MLP norms' weights live in gate/up.
         self.norms_folded = False
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids: [T]; inputs_embeds: [T, hidden] where the caller embedded them (images in a prompt)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
         fuse = self.fuses_mlp_norm(x)
         for layer in self.layers:
             x, residual = layer(x, residual, self.rotary, batch, fuse)

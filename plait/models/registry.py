@@ -18,6 +18,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Olmo2ForCausalLM": ("plait.models.olmo", "OlmoForCausalLM"),
     "Olmo3ForCausalLM": ("plait.models.olmo", "OlmoForCausalLM"),
     "Mistral3ForConditionalGeneration": ("plait.models.llama", "Mistral3ForConditionalGeneration"),
+    "LlavaForConditionalGeneration": ("plait.models.llava", "LlavaForConditionalGeneration"),
     "MixtralForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),

@@ -136,9 +136,11 @@ def load_checked(
             module.check_loaded()
 
 
-def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                         not_in_checkpoint: frozenset[str] = frozenset()) -> None:
     """A Llama-style checkpoint (q/k/v and gate/up fused at load, rotary tables skipped, a tied
-    lm_head's stored copy skipped) into ``model``, whose ``config`` is a ModelConfig."""
+    lm_head's stored copy skipped) into ``model``, whose ``config`` is a ModelConfig; ``not_in_checkpoint``
+    names parameters loaded elsewhere (an image-text model's vision tower)."""
     cfg = model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
@@ -150,7 +152,7 @@ def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
             return None  # tied checkpoints sometimes store a copy of the embedding
         return mixtral_name(name) if cfg.moe is not None else name
 
-    load_checked(model, weights, STACKED_PROJECTIONS, sizes, rename)
+    load_checked(model, weights, STACKED_PROJECTIONS, sizes, rename, not_in_checkpoint)
 
 
 # An image-text checkpoint's text decoder, under transformers 4's and 5's names -> the decoder's own names.

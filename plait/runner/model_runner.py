@@ -25,11 +25,13 @@ from plait.layers.fp8 import FP8_DTYPE
 from plait.layers.mamba import allocate_mamba_states
 from plait.loader.model_loader import load_model, resolve_device_dtype
 from plait.lora.model import LoRAModel
+from plait.multimodal.images import ImageProcessor
 from plait.parallel.group import ParallelRank, TPGroup
 from plait.parallel.shard import sum_row_parallel_outputs
 from plait.parallel.workers import FORWARD, IDS, DriverLink, Workers
 from plait.runner.cuda_graphs import MAX_GRAPH_PROMPT_TOKENS, StepGraphs, graph_shapes
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
+from plait.runner.image_embeddings import ImageEmbeddings
 from plait.runner.input_buffers import InputBuffers, Layout
 from plait.runner.padding import GraphShape
 from plait.runner.pooler import Pooler, resolve_pooling
@@ -137,6 +139,11 @@ class ModelRunner:
         self.config = config = with_device_token_budget(config, self.device)
         loaded = load_model(config, self.device, self.dtype, parallel=self.parallel)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        # An image model's processor (host side) and its images' embeddings (device side); None otherwise.
+        self.image_processor = self.image_embeddings = None
+        if getattr(self.model, "supports_images", False):
+            self.image_processor = ImageProcessor.for_model(loaded.source, self.model)
+            self.image_embeddings = ImageEmbeddings(self.model, self.device)
         # KV heads this rank caches: its share under tensor parallelism.
         self.num_kv_heads = (loaded.shard.local if loaded.shard else loaded.config).num_key_value_heads
         if self.parallel is not None:
@@ -465,9 +472,11 @@ class ModelRunner:
                 arrays.lora_slots, lora = token_slots, True
         if self.workers is not None:  # the other ranks run the same forward beside this one
             self.workers.send(FORWARD, (arrays, pending_src, prev is not None))
+        images = (self.image_embeddings.for_step(plan, arrays.query_start_loc)
+                  if self.image_embeddings is not None else None)
         b = self.breakdown
         b.add("prepare", time.perf_counter() - t0)
-        hidden, views, shape = self.forward(arrays, pending_src, prev_ids, lora)
+        hidden, views, shape = self.forward(arrays, pending_src, prev_ids, lora, images)
         b.single_token_steps += arrays.num_tokens == arrays.num_rows
         b.graph_steps += shape is not None
         b.graph_single_token_steps += shape is not None and arrays.num_tokens == arrays.num_rows
@@ -477,11 +486,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, arrays: StepArrays, pending_src: np.ndarray, prev_ids: torch.Tensor | None,
-                lora: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor], GraphShape | None]:
-        """Stage a step's inputs and launch its forward (a graph replay where a captured shape fits):
-        (hidden [T, hidden], the staged device views, the graph shape or None)."""
+                lora: bool = False, images: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor], GraphShape | None]:
+        """Stage a step's inputs and launch its forward (a graph replay where a captured shape fits, and the
+        step has no ``images``: ForwardBatch.image_embeds): (hidden [T, hidden], the staged device views,
+        the graph shape or None)."""
         t0 = time.perf_counter()
-        shape = self.graphs.shape_for(arrays) if self.graphs is not None else None
+        shape = self.graphs.shape_for(arrays) if self.graphs is not None and images is None else None
         if shape is not None:  # the graph's static inputs
             views = self.buffers.stage(self.graphs.pad(arrays, shape), pending_src, prev_ids, full_width=True)
         else:
@@ -492,7 +503,9 @@ class ModelRunner:
         if shape is not None:
             hidden = self.graphs.replay(shape, lora)
         else:
-            hidden = self._run_model(self._eager_batch(arrays, views), lora=lora)
+            batch = self._eager_batch(arrays, views)
+            batch.image_embeds = images
+            hidden = self._run_model(batch, lora=lora)
         if events is not None:
             events[1].record()
             self.breakdown.add_gpu_interval(*events, graph=shape is not None)

@@ -1,0 +1,140 @@
+"""An image prompt: the images a user passes (PIL images, bytes, data URLs), turned into pixel values by the
+model's image processor, and the placeholder tokens each one fills in the prompt."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# OpenAI CLIP's pixel statistics: the image processor of a LLaVA folder that ships none (a config alone).
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+_KEY_BYTES = 16
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a request: its placeholder tokens are prompt tokens [offset, offset + length)."""
+
+    offset: int
+    length: int
+    pixel_values: torch.Tensor  # [channels, size, size] fp32 on the host, as the image processor made it
+    key: bytes  # a hash of the pixel values: the prefix cache tells apart prompts that differ only here
+
+
+@dataclass(frozen=True)
+class PixelValues:
+    """An image already through the model's image processor: the server makes these off the engine's thread
+    (ImageProcessor.pixel_values), so the step loop never decodes an image."""
+
+    tensor: torch.Tensor  # [channels, size, size] fp32
+
+
+@dataclass(frozen=True)
+class MultiModalPrompt:
+    """A prompt (text, or token ids) with images: each image token in it stands for one image, in order."""
+
+    prompt: str | list[int]
+    images: tuple[Any, ...]
+
+
+def load_image(source: Any) -> Any:
+    """A PIL image (RGB) from a PIL image, raw bytes, or a ``data:image/...;base64,`` URL."""
+    from PIL import Image, UnidentifiedImageError
+
+    if isinstance(source, Image.Image):
+        return source.convert("RGB")
+    if isinstance(source, str):
+        source = _data_url_bytes(source)
+    if not isinstance(source, (bytes, bytearray)):
+        raise ValueError(f"an image must be a PIL image, bytes or a data URL, got {type(source).__name__}")
+    try:
+        image = Image.open(io.BytesIO(source))
+        image.load()
+    except (UnidentifiedImageError, OSError, ValueError) as err:
+        raise ValueError(f"cannot read the image: {err}") from err
+    return image.convert("RGB")
+
+
+def _data_url_bytes(url: str) -> bytes:
+    if url.startswith(("http://", "https://")):
+        raise ValueError("plait does not fetch image URLs; send the image inline as a data URL "
+                         "(data:image/png;base64,...)")
+    if not url.startswith("data:"):
+        raise ValueError(f"an image URL must be a data URL (data:image/...;base64,...), got {url[:40]!r}")
+    header, sep, payload = url[len("data:"):].partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise ValueError("an image data URL must be base64-encoded (data:image/...;base64,...)")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise ValueError(f"the image data URL is not valid base64: {err}") from err
+
+
+class ImageProcessor:
+    """Turns a token prompt and its images into the prompt the model runs: each image token expanded to
+    the model's ``num_image_tokens`` placeholders, and each image's pixel values."""
+
+    def __init__(self, hf_processor: Any, image_token_id: int, num_image_tokens: int) -> None:
+        self.hf_processor = hf_processor
+        self.image_token_id = image_token_id
+        self.num_image_tokens = num_image_tokens
+
+    @classmethod
+    def for_model(cls, folder: Path | None, model: Any) -> ImageProcessor:
+        """The model folder's image processor (its preprocessor_config.json), else CLIP's at the vision
+        tower's size (a config-only folder: dummy weights)."""
+        from transformers import AutoImageProcessor, CLIPImageProcessor
+
+        if folder is not None and (Path(folder) / "preprocessor_config.json").is_file():
+            hf = AutoImageProcessor.from_pretrained(str(folder))
+        else:
+            size = model.image_size
+            hf = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                                    image_mean=list(CLIP_MEAN), image_std=list(CLIP_STD))
+        return cls(hf, model.image_token_id, model.num_image_tokens)
+
+    def expand(self, token_ids: Sequence[int], images: Sequence[Any]
+               ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt with each image token made ``num_image_tokens`` placeholders, and its images. A prompt
+        already expanded (as transformers' processor writes it) is taken as it is."""
+        ids, n, token = list(token_ids), self.num_image_tokens, self.image_token_id
+        found = ids.count(token)
+        if found == len(images):
+            ids = [t for tok in ids for t in ([tok] * n if tok == token else [tok])]
+        elif found != n * len(images):
+            raise ValueError(f"the prompt has {found} image token(s) for {len(images)} image(s): put one "
+                             f"image token (id {token}) in the prompt for each image")
+        at = [i for i, tok in enumerate(ids) if tok == token]
+        offsets = at[::n] if n else []
+        if any(at[k * n + n - 1] - at[k * n] != n - 1 for k in range(len(images))):
+            raise ValueError(f"an image's {n} placeholder tokens must stand together in the prompt")
+        pixels = self.pixel_values(images)
+        return ids, tuple(ImageInput(offset, n, p, _key(p)) for offset, p in zip(offsets, pixels))
+
+    def pixel_values(self, images: Sequence[Any]) -> list[torch.Tensor]:
+        """Each image's pixel values, in order (a PixelValues is taken as it is)."""
+        todo = [i for i, image in enumerate(images) if not isinstance(image, PixelValues)]
+        out: list[Any] = list(images)
+        if todo:
+            pil = [load_image(images[i]) for i in todo]
+            made = self.hf_processor(images=pil, return_tensors="pt")["pixel_values"]
+            for i, pixels in zip(todo, made):
+                out[i] = PixelValues(pixels.float().contiguous())
+        return [image.tensor for image in out]
+
+    def preprocess(self, images: Sequence[Any]) -> tuple[PixelValues, ...]:
+        """The images as PixelValues (ValueError for one that cannot be read), off the step loop."""
+        return tuple(PixelValues(p) for p in self.pixel_values(images))
+
+
+def _key(pixel_values: torch.Tensor) -> bytes:
+    return hashlib.blake2b(pixel_values.numpy().tobytes(), digest_size=_KEY_BYTES).digest()

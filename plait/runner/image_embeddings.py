@@ -1,0 +1,65 @@
+"""ImageEmbeddings: the vision tower's output for the images a step's prompt chunks reach, kept from the step
+that first reaches an image until the one that passes its last placeholder (chunks may split an image)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from plait.engine.request import Request, RequestStatus
+from plait.engine.scheduler import StepPlan
+
+
+class ImageEmbeddings:
+    """Runs an image model's ``embed_images`` for the images a step needs, once per image while its prompt
+    is computed: a request preempted, or served partly from the prefix cache, embeds again what it needs."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        # (request, image index) -> the image's embeddings [num_image_tokens, hidden]
+        self._cache: dict[tuple[Request, int], torch.Tensor] = {}
+
+    def for_step(self, plan: StepPlan, query_start_loc: np.ndarray
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(token indices in the step [n], their embeddings [n, hidden]) for every placeholder token the
+        step computes; None where it computes none."""
+        self._forget_finished()
+        wanted = []  # (request, image index, first and last + 1 placeholder this step, the row's first token)
+        for r, row in enumerate(plan.rows):
+            if not row.is_prefill or not row.request.images:
+                continue
+            lo, hi = row.start, row.start + row.num_new_tokens
+            for k, image in enumerate(row.request.images):
+                a, b = max(lo, image.offset), min(hi, image.offset + image.length)
+                if a < b:
+                    wanted.append((row.request, k, a, b, int(query_start_loc[r]) - lo))
+        if not wanted:
+            return None
+        self._embed_missing([(request, k) for request, k, *_ in wanted])
+        indices, parts = [], []
+        for request, k, a, b, shift in wanted:
+            image = request.images[k]
+            parts.append(self._cache[request, k][a - image.offset:b - image.offset])
+            indices.append(np.arange(a + shift, b + shift))
+            if b == image.offset + image.length:  # its last placeholder: no later chunk needs it
+                del self._cache[request, k]
+        token_indices = torch.from_numpy(np.concatenate(indices)).to(self.device, non_blocking=True)
+        return token_indices, torch.cat(parts)
+
+    def _embed_missing(self, keys: list[tuple[Request, int]]) -> None:
+        missing = list(dict.fromkeys(key for key in keys if key not in self._cache))
+        if not missing:
+            return
+        pixels = torch.stack([request.images[k].pixel_values for request, k in missing]).to(self.device)
+        embeds = self.model.embed_images(pixels)  # [images, num_image_tokens, hidden]
+        for key, embed in zip(missing, embeds):
+            self._cache[key] = embed
+
+    def _forget_finished(self) -> None:
+        """Drop the images of requests that finished (or were aborted) before their last placeholder."""
+        for key in [key for key in self._cache if key[0].status is RequestStatus.FINISHED]:
+            del self._cache[key]
+
+    def __len__(self) -> int:
+        return len(self._cache)

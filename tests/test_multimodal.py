@@ -1,0 +1,313 @@
+"""Images in prompts (LLaVA): a tiny random LlavaForConditionalGeneration with its processor, against
+transformers in fp32 on CPU; chunked, batched, prefix-cached and preempted image prompts; chat and the
+server's image_url parts."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from plait import LLM, SamplingParams
+from plait.multimodal.images import MultiModalPrompt
+
+WORDS = [f"w{i}" for i in range(200)]
+SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
+IMAGE_SIZE, PATCH = 32, 8
+NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2  # "default" strategy: the CLS token is dropped
+# LLaVA-1.5's chat template (llava-hf): every image of a message first, then its text.
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}"
+    "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' '}}{% endfor %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS + ["USER:", "ASSISTANT:"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="<pad>", additional_special_tokens=["<image>"])
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    """A random LLaVA (CLIP tower of 3 layers, features from the last but one, a Llama decoder) saved with
+    its processor (CLIP image processor, tokenizer, chat template), as llava-hf checkpoints are."""
+    from transformers import (
+        CLIPImageProcessor,
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+    )
+
+    tokenizer = _tokenizer()
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    cfg = LlavaConfig(
+        text_config=LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                                tie_word_embeddings=False),
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                       num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH),
+        image_token_index=image_token, vision_feature_layer=-2, projector_hidden_act="gelu",
+    )
+    torch.manual_seed(7)
+    model = LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():  # clear argmax winners, as the other tiny models (tests/conftest.py)
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(4.0)
+    folder = tmp_path_factory.mktemp("tiny-llava")
+    model.save_pretrained(folder)
+    processor = LlavaProcessor(
+        image_processor=CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                           crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
+        tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
+        num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE)
+    processor.save_pretrained(folder)
+    return folder, model.eval(), processor
+
+
+def _image(seed: int, size: tuple[int, int] = (40, 48)):
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (*size, 3), dtype=np.uint8))
+
+
+def _data_url(image) -> str:
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def _hf_greedy(model, processor, text: str, images: list, max_tokens: int) -> tuple[list[int], list[int]]:
+    """(the processor's prompt ids, transformers' greedy tokens)."""
+    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    ids = inputs["input_ids"][0].tolist()
+    return ids, out[0, len(ids):].tolist()
+
+
+PROMPTS = [
+    ("USER: <image>\n w3 w17 w5 ASSISTANT:", 1),
+    ("USER: w8 <image>\n w9 w90 w91 w92 w93 ASSISTANT:", 1),
+    ("USER: <image>\n w4 <image>\n w6 ASSISTANT:", 2),
+    ("USER: w100 w101 w102 ASSISTANT:", 0),
+]
+
+
+@pytest.mark.parametrize("budget", [512, 12])
+def test_greedy_matches_transformers(llava, budget):
+    """Each prompt's ids are the processor's and its greedy tokens transformers'; at a budget of 12 tokens a
+    step, every image is split across chunks, and prompts with and without images share steps."""
+    folder, hf, processor = llava
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts, want = [], []
+    for k, (text, num_images) in enumerate(PROMPTS):
+        images = [_image(10 * k + j) for j in range(num_images)]
+        ids, tokens = _hf_greedy(hf, processor, text, images, 8)
+        prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+        want.append((ids, tokens))
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    for out, (ids, tokens) in zip(outs, want):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == tokens
+    assert len(llm.engine.runner.image_embeddings) == 0  # each image dropped after its last placeholder
+
+
+def test_images_change_the_answer_and_requests_keep_their_own(llava):
+    """The same text with different images: different answers, each transformers' for its own image,
+    whether the requests run together or alone (a request's image never leaks into its neighbour's)."""
+    folder, hf, processor = llava
+    text = PROMPTS[0][0]
+    images = [_image(seed) for seed in (1, 2, 3)]
+    want = [_hf_greedy(hf, processor, text, [image], 8)[1] for image in images]
+    assert len({tuple(w) for w in want}) > 1, "the test images do not move this model's answer"
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=20, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    together = llm.generate([{"prompt": text, "multi_modal_data": {"image": im}} for im in images], params,
+                            use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in together] == want
+
+
+def test_prefix_cache_tells_images_apart(llava):
+    """Placeholders are the same ids for every image: a cached block holding them is served only to a prompt
+    with the same image there. The same image again hits the cache (text and image blocks alike)."""
+    folder, hf, processor = llava
+    text = "USER: w1 w2 w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 <image>\n w3 w17 w5 ASSISTANT:"
+    first, second = _image(1), _image(2)
+    llm = LLM(str(folder), dtype="float32", block_size=16, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    a = llm.generate([{"prompt": text, "multi_modal_data": {"image": first}}], params, use_tqdm=False)[0]
+    b = llm.generate([{"prompt": text, "multi_modal_data": {"image": second}}], params, use_tqdm=False)[0]
+    again = llm.generate([{"prompt": text, "multi_modal_data": {"image": first}}], params, use_tqdm=False)[0]
+    assert a.outputs[0].token_ids == _hf_greedy(hf, processor, text, [first], 8)[1]
+    assert b.outputs[0].token_ids == _hf_greedy(hf, processor, text, [second], 8)[1]
+    assert b.num_cached_tokens == 16  # the text block before the image, and nothing after it
+    assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_preempted_image_requests_embed_again(llava):
+    """A KV cache too small for every request at once preempts some; each resumes, embeds its image again,
+    and still answers as transformers does."""
+    folder, hf, processor = llava
+    text = PROMPTS[1][0]
+    images = [_image(seed) for seed in range(4)]
+    want = [_hf_greedy(hf, processor, text, [image], 24)[1] for image in images]
+    llm = LLM(str(folder), dtype="float32", block_size=8, num_kv_blocks=17, max_num_batched_tokens=64,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([{"prompt": text, "multi_modal_data": {"image": im}} for im in images], params,
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+
+
+def test_chat_with_image_parts_matches_transformers(llava):
+    """LLM.chat takes OpenAI-style image_url parts (data URLs) and PIL images; the template renders an image
+    token for each, and the answer is transformers' for the processor's prompt."""
+    folder, hf, processor = llava
+    image = _image(5)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _data_url(image)}},
+                                             {"type": "text", "text": "w3 w17 w5"}]}]
+    parts = [{"type": "image"}, {"type": "text", "text": "w3 w17 w5"}]
+    text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+    llm = LLM(str(folder), dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    out = llm.chat(messages, params, use_tqdm=False)[0]
+    ids, want = _hf_greedy(hf, processor, text, [image], 8)
+    assert out.prompt == text and out.prompt_token_ids == ids and out.outputs[0].token_ids == want
+    pil = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
+                                        {"type": "text", "text": "w3 w17 w5"}]}]
+    assert llm.chat(pil, params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+def test_bad_image_prompts_are_refused_before_they_enter_the_engine(llava, tiny_llama):
+    folder, _, _ = llava
+    llm = LLM(str(folder), dtype="float32")
+    image = _image(1)
+    cases = [
+        ({"prompt": "USER: w1 ASSISTANT:", "multi_modal_data": {"image": image}}, "0 image token"),
+        ({"prompt": "USER: <image>\n <image>\n ASSISTANT:", "multi_modal_data": {"image": image}}, "2 image"),
+        ("USER: <image>\n ASSISTANT:", "1 image token"),
+        ({"prompt": "USER: <image>\n", "multi_modal_data": {"image": b"not an image"}}, "cannot read"),
+        ({"prompt": "USER: <image>\n", "multi_modal_data": {"image": "https://example.com/a.png"}}, "fetch"),
+        ({"prompt": "USER: <image>\n", "multi_modal_data": {"image": "data:image/png;base64,@@"}}, "base64"),
+        ({"prompt": "USER: <image>\n", "multi_modal_data": {"video": image}}, "'image' alone"),
+    ]
+    for prompt, message in cases:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+        llm.generate([{"prompt": "USER: <image>\n", "multi_modal_data": {"image": image}}],
+                     SamplingParams(max_tokens=2, truncate_prompt_tokens=4), use_tqdm=False)
+    for knobs, message in [(dict(enable_lora=True), "LoRA is not supported"),
+                           (dict(tensor_parallel_size=2), "cannot be split"),
+                           (dict(quantization="fp8"), "quantised image models")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(str(folder), dtype="float32", **knobs)
+    text_model = LLM(str(tiny_llama), dtype="float32")
+    with pytest.raises(ValueError, match="takes no images"):
+        text_model.generate([MultiModalPrompt([5, 6], (image,))], use_tqdm=False)
+    with pytest.raises(ValueError, match="takes no images"):
+        text_model.engine.make_request(MultiModalPrompt([5, 6], (image,)))
+
+
+def test_server_takes_image_url_parts(llava, tiny_llama):
+    """/v1/chat/completions with the openai client: an image_url part (a data URL) gets the answer LLM.chat
+    gives, streamed or not; a bad image, a URL to fetch, or an image sent to a text model is a 400 and the
+    server keeps serving."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    folder, hf, processor = llava
+    image = _image(8)
+    content = [{"type": "text", "text": "w3 w17 w5"},
+               {"type": "image_url", "image_url": {"url": _data_url(image)}}]
+    parts = [{"type": "text", "text": "w3 w17 w5"}, {"type": "image"}]
+    text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+    want = _hf_greedy(hf, processor, text, [image], 6)[1]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    offline = LLM(str(folder), dtype="float32").chat([{"role": "user", "content": content}], params,
+                                                      use_tqdm=False)[0]
+    assert offline.outputs[0].token_ids == want
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=12))
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        ask = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=6,
+                   temperature=0.0, extra_body={"ignore_eos": True})
+        reply = client.chat.completions.create(**ask)
+        assert reply.choices[0].message.content == offline.outputs[0].text
+        assert reply.usage.prompt_tokens == len(processor(text=text, images=[image])["input_ids"][0])
+        chunks = client.chat.completions.create(**ask, stream=True)
+        streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert streamed == reply.choices[0].message.content
+        for url_text, message in [("data:image/png;base64,AAAA", "cannot read"),
+                                  ("https://example.com/cat.png", "fetch")]:
+            bad = [{"type": "image_url", "image_url": {"url": url_text}}, {"type": "text", "text": "w1"}]
+            with pytest.raises(openai.BadRequestError, match=message):
+                client.chat.completions.create(model=model, messages=[{"role": "user", "content": bad}],
+                                               max_tokens=2)
+        again = client.chat.completions.create(**ask)  # still serving after the 400s
+        assert again.choices[0].message.content == reply.choices[0].message.content
+    text_engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32"))
+    with BackgroundServer(OpenAIServer(text_engine, ServerConfig(log_level="warning"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        with pytest.raises(openai.BadRequestError, match="takes no images"):
+            client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                           max_tokens=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_image_prompts_match_transformers(llava, dtype):
+    """On the GPU path (Triton attention, CUDA graphs for steps without images, overlapped steps): the answers
+    transformers gives on the same GPU, with images split across chunks beside text-only prompts. Steps that
+    carry image embeddings run eager; pure decodes still replay graphs."""
+    folder, hf, processor = llava
+    torch_dtype = getattr(torch, dtype)
+    model = hf.to("cuda", torch_dtype)
+    llm = LLM(str(folder), dtype=dtype, max_num_batched_tokens=12, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts, want = [], []
+    for k, (text, num_images) in enumerate(PROMPTS):
+        images = [_image(10 * k + j) for j in range(num_images)]
+        inputs = processor(text=text, images=images or None, return_tensors="pt").to("cuda")
+        if images:
+            inputs["pixel_values"] = inputs["pixel_values"].to(torch_dtype)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        want.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+        prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    agree = sum(g == w for g, w in zip(got, want))
+    print(f"\nLLaVA {dtype} on the GPU: {agree}/{len(want)} prompts equal transformers'")
+    if dtype == "float32":
+        assert got == want
+    else:  # bf16: the kernels' rounding may fork a late token; the first ones are the image's answer
+        assert all(g[:2] == w[:2] for g, w in zip(got, want)) and agree >= len(want) - 1
+    b = llm.engine.runner.breakdown
+    assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
