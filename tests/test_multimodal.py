@@ -128,7 +128,7 @@ def test_greedy_matches_transformers(llava, budget):
     for out, (ids, tokens) in zip(outs, want):
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == tokens
-    assert len(llm.engine.runner.image_embeddings) == 0  # each image dropped after its last placeholder
+    assert llm.engine.runner.image_embeddings.num_cached == 0  # each image dropped after its last placeholder
 
 
 def test_images_change_the_answer_and_requests_keep_their_own(llava):
@@ -284,9 +284,9 @@ def test_server_takes_image_url_parts(llava, tiny_llama):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_image_prompts_match_transformers(llava, dtype):
-    """On the GPU path (Triton attention, CUDA graphs for steps without images, overlapped steps): the answers
-    transformers gives on the same GPU, with images split across chunks beside text-only prompts. Steps that
-    carry image embeddings run eager; pure decodes still replay graphs."""
+    """On the GPU path (Triton attention, CUDA graphs, overlapped steps): the answers transformers gives on
+    the same GPU, with images split across chunks beside text-only prompts. Image embeddings are staged in
+    static buffers, so steps that carry them replay graphs too."""
     folder, hf, processor = llava
     torch_dtype = getattr(torch, dtype)
     model = hf.to("cuda", torch_dtype)
@@ -311,3 +311,4 @@ def test_gpu_image_prompts_match_transformers(llava, dtype):
         assert all(g[:2] == w[:2] for g, w in zip(got, want)) and agree >= len(want) - 1
     b = llm.engine.runner.breakdown
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
+    assert b.image_steps > 0 and b.graph_image_steps == b.image_steps

@@ -126,8 +126,8 @@ class LlavaMultiModalProjector(nn.Module):
 
 class LlavaForConditionalGeneration(LlamaForCausalLM):
     """The Llama decoder with image inputs. ``embed_images`` runs the vision tower and projector; the runner
-    passes a step's image embeddings in ``ForwardBatch.image_embeds``, which replace the placeholder tokens'
-    own embeddings before the first layer."""
+    stages a step's image embeddings in ``ForwardBatch.image_embeds`` (static buffers, so graphs replay image
+    steps too), which replace the placeholder tokens' own embeddings before the first layer."""
 
     supports_lora = False
     supports_images = True
@@ -167,8 +167,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         # input_ids, positions: [T] -> hidden: [T, hidden]
         embeds = self.model.embed_tokens(input_ids)
         if batch.image_embeds is not None:
-            token_indices, image_embeds = batch.image_embeds  # [n], [n, hidden]
-            embeds = embeds.index_copy(0, token_indices, image_embeds.to(embeds.dtype))
+            mask, values = batch.image_embeds  # [T] bool, [T, hidden]
+            embeds = torch.where(mask[:, None], values, embeds)
         return self.model(input_ids, batch, inputs_embeds=embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -186,8 +186,8 @@ class ForwardBatch:
     kv_scales: list[KVScales] | None = None  # set by the runner for an FP8 cache: one per layer (None: 1.0)
     # Set by the runner for models with recurrent layers: one MambaLayerState per Mamba layer.
     recurrent_states: list | None = None
-    # Set by the runner for an eager step whose prompt chunks cover image placeholders: (token indices [n]
-    # int64, their image embeddings [n, hidden]), which replace those tokens' own embeddings.
+    # Set by the runner for an image model (ImageEmbeddings.views): (mask [T] bool, values [T, hidden]); a
+    # token whose mask is set takes its value in place of its own embedding (an image's placeholder).
     image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
     # Set by the attention backend: metadata it derives from this batch once and reuses in every layer.
     backend_state: dict = field(default_factory=dict)

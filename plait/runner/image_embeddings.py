@@ -1,5 +1,6 @@
 """ImageEmbeddings: the vision tower's output for the images a step's prompt chunks reach, kept from the step
-that first reaches an image until the one that passes its last placeholder (chunks may split an image)."""
+that first reaches an image until the one that passes its last placeholder (chunks may split an image), and
+staged each step into static buffers that eager steps and CUDA graphs alike read."""
 
 from __future__ import annotations
 
@@ -12,13 +13,40 @@ from plait.engine.scheduler import StepPlan
 
 class ImageEmbeddings:
     """Runs an image model's ``embed_images`` for the images a step needs, once per image while its prompt
-    is computed: a request preempted, or served partly from the prefix cache, embeds again what it needs."""
+    is computed: a request preempted, or served partly from the prefix cache, embeds again what it needs.
 
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+    ``stage`` writes a step's placeholder embeddings into ``values`` and marks their tokens in ``mask``; the
+    model takes ``views(num_tokens)`` as ``ForwardBatch.image_embeds``. The buffers never move, so graphs
+    captured with them replay steps with images too (a step's writes are stream-ordered before its forward,
+    and after the forward of the step before, which read the previous ones)."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_tokens: int, hidden: int,
+                 dtype: torch.dtype) -> None:
         self.model = model
         self.device = device
+        self.mask = torch.zeros(max_tokens, dtype=torch.bool, device=device)  # [max_tokens]
+        self.values = torch.zeros(max_tokens, hidden, dtype=dtype, device=device)  # [max_tokens, hidden]
+        self._staged = False  # whether mask marks any token (of the last step staged)
         # (request, image index) -> the image's embeddings [num_image_tokens, hidden]
         self._cache: dict[tuple[Request, int], torch.Tensor] = {}
+
+    def views(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask [num_tokens] bool, values [num_tokens, hidden]): ForwardBatch.image_embeds."""
+        return self.mask[:num_tokens], self.values[:num_tokens]
+
+    def stage(self, plan: StepPlan, query_start_loc: np.ndarray) -> int:
+        """Stage the step's placeholder embeddings (the last step's are cleared); how many tokens it has."""
+        if self._staged:
+            self.mask.zero_()
+            self._staged = False
+        found = self.for_step(plan, query_start_loc)
+        if found is None:
+            return 0
+        token_indices, embeds = found
+        self.mask[token_indices] = True
+        self.values[token_indices] = embeds.to(self.values.dtype)
+        self._staged = True
+        return len(token_indices)
 
     def for_step(self, plan: StepPlan, query_start_loc: np.ndarray
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -61,5 +89,7 @@ class ImageEmbeddings:
         for key in [key for key in self._cache if key[0].status is RequestStatus.FINISHED]:
             del self._cache[key]
 
-    def __len__(self) -> int:
+    @property
+    def num_cached(self) -> int:
+        """Images embedded and still awaited by a later chunk."""
         return len(self._cache)

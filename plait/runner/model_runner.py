@@ -139,11 +139,11 @@ class ModelRunner:
         self.config = config = with_device_token_budget(config, self.device)
         loaded = load_model(config, self.device, self.dtype, parallel=self.parallel)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
-        # An image model's processor (host side) and its images' embeddings (device side); None otherwise.
+        # An image model's processor (host side); its images' embeddings (device side) once the buffers'
+        # size is known. None for a text model.
         self.image_processor = self.image_embeddings = None
         if getattr(self.model, "supports_images", False):
             self.image_processor = ImageProcessor.for_model(loaded.source, self.model)
-            self.image_embeddings = ImageEmbeddings(self.model, self.device)
         # KV heads this rank caches: its share under tensor parallelism.
         self.num_kv_heads = (loaded.shard.local if loaded.shard else loaded.config).num_key_value_heads
         if self.parallel is not None:
@@ -212,7 +212,11 @@ class ModelRunner:
         # The same staging on every device (on CPU the "copy" is a plain one), so CPU runs exercise it.
         # Decode steps and every graph shape stage into the compact layout (a short copy a step).
         compact = max([config.max_num_seqs + 1, *(s.num_tokens for s in shapes)])
-        self.buffers = InputBuffers(self._layout(shapes), self.device, compact_tokens=compact)
+        layout = self._layout(shapes)
+        self.buffers = InputBuffers(layout, self.device, compact_tokens=compact)
+        if self.image_processor is not None:  # before capture: graphs read its buffers
+            self.image_embeddings = ImageEmbeddings(self.model, self.device, layout.max_tokens,
+                                                    self.model_config.hidden_size, self.dtype)
         self.graphs: StepGraphs | None = self._capture_graphs(shapes) if use_graphs else None
         # Pinned landing places for sampled ids, used in turn: one step is collected while the
         # next one's copy may already be in flight.
@@ -401,7 +405,7 @@ class ModelRunner:
                 max_seq_len=self.max_model_len,
                 num_leading_single_token_rows=shape.decode_rows,
             )
-            self._attach(batch)
+            self._attach(batch, num_tokens=shape.num_tokens)
             return batch
 
         cfg = self.config
@@ -472,27 +476,28 @@ class ModelRunner:
                 arrays.lora_slots, lora = token_slots, True
         if self.workers is not None:  # the other ranks run the same forward beside this one
             self.workers.send(FORWARD, (arrays, pending_src, prev is not None))
-        images = (self.image_embeddings.for_step(plan, arrays.query_start_loc)
-                  if self.image_embeddings is not None else None)
+        images = 0  # tokens holding image embeddings
+        if self.image_embeddings is not None:
+            images = self.image_embeddings.stage(plan, arrays.query_start_loc)
         b = self.breakdown
         b.add("prepare", time.perf_counter() - t0)
-        hidden, views, shape = self.forward(arrays, pending_src, prev_ids, lora, images)
+        hidden, views, shape = self.forward(arrays, pending_src, prev_ids, lora)
         b.single_token_steps += arrays.num_tokens == arrays.num_rows
         b.graph_steps += shape is not None
         b.graph_single_token_steps += shape is not None and arrays.num_tokens == arrays.num_rows
         b.lora_steps += lora
+        b.image_steps += images > 0
+        b.graph_image_steps += images > 0 and shape is not None
         forward = LaunchedForward(plan, arrays, hidden, views["sample_indices"], shape is not None)
         return self.sample(forward) if sample else forward
 
     @torch.inference_mode()
     def forward(self, arrays: StepArrays, pending_src: np.ndarray, prev_ids: torch.Tensor | None,
-                lora: bool = False, images: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor], GraphShape | None]:
-        """Stage a step's inputs and launch its forward (a graph replay where a captured shape fits, and the
-        step has no ``images``: ForwardBatch.image_embeds): (hidden [T, hidden], the staged device views,
-        the graph shape or None)."""
+                lora: bool = False) -> tuple[torch.Tensor, dict[str, torch.Tensor], GraphShape | None]:
+        """Stage a step's inputs and launch its forward (a graph replay where a captured shape fits):
+        (hidden [T, hidden], the staged device views, the graph shape or None)."""
         t0 = time.perf_counter()
-        shape = self.graphs.shape_for(arrays) if self.graphs is not None and images is None else None
+        shape = self.graphs.shape_for(arrays) if self.graphs is not None else None
         if shape is not None:  # the graph's static inputs
             views = self.buffers.stage(self.graphs.pad(arrays, shape), pending_src, prev_ids, full_width=True)
         else:
@@ -503,9 +508,7 @@ class ModelRunner:
         if shape is not None:
             hidden = self.graphs.replay(shape, lora)
         else:
-            batch = self._eager_batch(arrays, views)
-            batch.image_embeds = images
-            hidden = self._run_model(batch, lora=lora)
+            hidden = self._run_model(self._eager_batch(arrays, views), lora=lora)
         if events is not None:
             events[1].record()
             self.breakdown.add_gpu_interval(*events, graph=shape is not None)
@@ -608,16 +611,20 @@ class ModelRunner:
             host=arrays,
             num_leading_single_token_rows=arrays.num_leading_single_token_rows,
         )
-        self._attach(batch)
+        self._attach(batch, num_tokens=arrays.num_tokens)
         return batch
 
-    def _attach(self, batch: ForwardBatch, kv_caches: list[torch.Tensor] | None = None) -> None:
+    def _attach(self, batch: ForwardBatch, kv_caches: list[torch.Tensor] | None = None,
+                num_tokens: int | None = None) -> None:
         """Hand a batch the device state its layers read: attention backend, KV caches (the runner's,
-        or a throwaway one while profiling), recurrent state."""
+        or a throwaway one while profiling), recurrent state, and an image model's staged image embeddings
+        (for its ``num_tokens`` tokens)."""
         batch.attn_backend = self.attn_backend
         batch.kv_caches = self.kv_caches if kv_caches is None else kv_caches
         batch.kv_scales = self.kv_scales
         batch.recurrent_states = self.recurrent_states
+        if self.image_embeddings is not None and num_tokens is not None:
+            batch.image_embeds = self.image_embeddings.views(num_tokens)
 
     def _prompt_logprobs(self, plan: StepPlan, arrays: StepArrays, hidden: torch.Tensor
                          ) -> tuple[list[tuple[Request, int, int, int]], torch.Tensor] | None:

@@ -20,7 +20,9 @@ class StepBreakdown:
     single_token_steps: int = 0  # steps whose rows all have one new token (pure decodes, mostly)
     graph_single_token_steps: int = 0  # of those, steps that replayed a CUDA graph
     graph_steps: int = 0  # steps that replayed a CUDA graph (mixed steps too)
-    lora_steps: int = 0  # steps with a LoRA row: eager always (no graph is captured with LoRA)
+    lora_steps: int = 0  # steps with a LoRA row
+    image_steps: int = 0  # steps whose prompt chunks hold image placeholders (an image model's)
+    graph_image_steps: int = 0  # of those, steps that replayed a CUDA graph
     wall_s: float = 0.0
     gpu_forward_s: float = 0.0
     gpu_forward_graph_s: float = 0.0  # the part spent in graph replays (the rest: eager, mixed steps)
