@@ -38,12 +38,17 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed_generate(llm: LLM, prompts: list, params: SamplingParams) -> tuple[float, int]:
-    _sync(llm.engine.runner.device)
+def _timed_generate(llm: LLM, prompts: list, params: SamplingParams) -> dict:
+    runner = llm.engine.runner
+    _sync(runner.device)
+    runner.breakdown.reset()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=True)
-    _sync(llm.engine.runner.device)
-    return time.perf_counter() - start, sum(len(o.outputs[0].token_ids) for o in outs)
+    _sync(runner.device)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"seconds": seconds, "output_tok_s": tokens / seconds, "requests_per_s": len(prompts) / seconds,
+            "step_breakdown": runner.breakdown.as_dict()}
 
 
 def _tower_flops(model: torch.nn.Module) -> float:
@@ -99,8 +104,8 @@ def main() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(with_images[:8], params, use_tqdm=False)  # warm-up: the image steps' eager shapes
     llm.generate(as_text[:8], params, use_tqdm=False)
-    image_s, image_tokens = _timed_generate(llm, with_images, params)
-    text_s, text_tokens = _timed_generate(llm, as_text, params)
+    images_run = _timed_generate(llm, with_images, params)
+    text_run = _timed_generate(llm, as_text, params)
     towers = [_tower_rate(llm, batch, 10) for batch in tqdm((1, 8, 32), desc="vision tower", unit="batch")]
     roofline = (measure_roofline(find_shared(args.shared, "roofline.py")) if runner.device.type == "cuda"
                 else None)
@@ -112,16 +117,13 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "config": args.config,
         "num_requests": args.num_requests, "prompt_len": 1 + n + args.text_len, "output_len": args.output_len,
-        "with_images": {"seconds": image_s, "output_tok_s": image_tokens / image_s,
-                        "requests_per_s": args.num_requests / image_s},
-        "text_in_their_place": {"seconds": text_s, "output_tok_s": text_tokens / text_s,
-                                "requests_per_s": args.num_requests / text_s},
-        "images_over_text_throughput": (image_tokens / image_s) / (text_tokens / text_s),
+        "with_images": images_run,
+        "text_in_their_place": text_run,
+        "images_over_text_throughput": images_run["output_tok_s"] / text_run["output_tok_s"],
         "vision_tower": [dict(t, share_of_matmul_peak=t["tflops"] / peak if peak else None) for t in towers],
         "roofline": roofline,
-        "breakdown": runner.breakdown.as_dict(),
     }
-    print(json.dumps({k: v for k, v in result.items() if k not in ("roofline", "breakdown")}, indent=1))
+    print(json.dumps(result, indent=1))
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
