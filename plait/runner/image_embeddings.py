@@ -72,17 +72,25 @@ class ImageEmbeddings:
             indices.append(np.arange(a + shift, b + shift))
             if b == image.offset + image.length:  # its last placeholder: no later chunk needs it
                 del self._cache[request, k]
-        token_indices = torch.from_numpy(np.concatenate(indices)).to(self.device, non_blocking=True)
+        token_indices = self._to_device(torch.from_numpy(np.concatenate(indices)))
         return token_indices, torch.cat(parts)
 
     def _embed_missing(self, keys: list[tuple[Request, int]]) -> None:
         missing = list(dict.fromkeys(key for key in keys if key not in self._cache))
         if not missing:
             return
-        pixels = torch.stack([request.images[k].pixel_values for request, k in missing]).to(self.device)
+        pixels = self._to_device(torch.stack([request.images[k].pixel_values for request, k in missing]))
         embeds = self.model.embed_images(pixels)  # [images, num_image_tokens, hidden]
         for key, embed in zip(missing, embeds):
             self._cache[key] = embed
+
+    def _to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without waiting for the steps in flight: a copy from pageable memory
+        waits for the stream to drain (on an H200 that stalled LLaVA steps' launches behind the GPU); from
+        pinned memory it queues, the pinned block held until the copy is done (PyTorch's host allocator)."""
+        if self.device.type != "cuda":
+            return host.to(self.device)
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def _forget_finished(self) -> None:
         """Drop the images of requests that finished (or were aborted) before their last placeholder."""
