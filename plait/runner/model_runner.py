@@ -216,7 +216,8 @@ class ModelRunner:
         self.buffers = InputBuffers(layout, self.device, compact_tokens=compact)
         if self.image_processor is not None:  # before capture: graphs read its buffers
             self.image_embeddings = ImageEmbeddings(self.model, self.device, layout.max_tokens,
-                                                    self.model_config.hidden_size, self.dtype)
+                                                    self.model_config.hidden_size, self.dtype,
+                                                    graphs=use_graphs)
         self.graphs: StepGraphs | None = self._capture_graphs(shapes) if use_graphs else None
         # Pinned landing places for sampled ids, used in turn: one step is collected while the
         # next one's copy may already be in flight.
