@@ -214,6 +214,10 @@ def test_bad_image_prompts_are_refused_before_they_enter_the_engine(llava, tiny_
     for prompt, message in cases:
         with pytest.raises(ValueError, match=message):
             llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    good = {"prompt": "USER: <image>\n", "multi_modal_data": {"image": image}}
+    bad = {"prompt": "USER: <image>\n", "multi_modal_data": {"image": b"not an image"}}
+    with pytest.raises(ValueError, match="cannot read"):  # a batch's images are read in threads
+        llm.generate([good, bad, good], SamplingParams(max_tokens=2), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         llm.generate([{"prompt": "USER: <image>\n", "multi_modal_data": {"image": image}}],

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -83,15 +85,30 @@ class LLM:
         batch = self._batch_ids
         self._batch_ids += 1
         children: list[tuple[int, Request, str | None]] = []
-        for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
+        payloads = self._preprocessed([_prompt_payload(prompt) for prompt in prompts])
+        for i, (payload, p, lora) in enumerate(zip(payloads, params, loras)):
             for k, child in enumerate(_fan_out(p)):
                 request_id = f"{batch}-{i}-{k}"
-                request, text = self.engine.make_request(_prompt_payload(prompt), child, request_id, lora)
+                request, text = self.engine.make_request(payload, child, request_id, lora)
                 children.append((i, request, text))
         for _, request, text in children:
             self.engine.enqueue(request, text)
         finished = self._run_to_completion(len(children), use_tqdm)
         return _gather(prompts, params, finished, batch)
+
+    def _preprocessed(self, payloads: list) -> list:
+        """The payloads with their images through the image processor, in threads (PIL decodes and resizes
+        outside the GIL): a batch's images are read side by side, not one after another."""
+        images = self.engine.images
+        todo = [i for i, p in enumerate(payloads) if isinstance(p, MultiModalPrompt) and p.images]
+        if images is None or len(todo) < 2:
+            return payloads
+        with ThreadPoolExecutor(min(len(todo), os.cpu_count() or 1)) as pool:
+            done = list(pool.map(lambda i: images.preprocess(payloads[i].images), todo))
+        out = list(payloads)
+        for i, pixels in zip(todo, done):
+            out[i] = MultiModalPrompt(payloads[i].prompt, pixels)
+        return out
 
     def encode(
         self,
