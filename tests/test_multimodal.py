@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 
 import numpy as np
 import pytest
@@ -196,6 +197,20 @@ def test_chat_with_image_parts_matches_transformers(llava):
     pil = [{"role": "user", "content": [{"type": "image_pil", "image_pil": image},
                                         {"type": "text", "text": "w3 w17 w5"}]}]
     assert llm.chat(pil, params, use_tqdm=False)[0].outputs[0].token_ids == want
+
+
+def test_a_processor_chat_template_file_is_read(llava, tmp_path):
+    """llava-hf's older snapshots keep the chat template in the processor's chat_template.json alone."""
+    import shutil
+
+    folder, _, _ = llava
+    copy = tmp_path / "llava-old-layout"
+    shutil.copytree(folder, copy)
+    template = (copy / "chat_template.jinja").read_text()
+    (copy / "chat_template.jinja").unlink()
+    (copy / "chat_template.json").write_text(json.dumps({"chat_template": template}))
+    llm = LLM(str(copy), dtype="float32")
+    assert llm.get_tokenizer().chat_template == template
 
 
 def test_bad_image_prompts_are_refused_before_they_enter_the_engine(llava, tiny_llama):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -23,6 +24,8 @@ TOKENIZER_CACHE_FORMAT = 1
 CACHE_DIR_MODE = 0o755
 # Any of these means an HF folder ships a tokenizer; random-weight benchmark configs have none.
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# A processor's chat template, as transformers 4 saved it ({"chat_template": "..."}).
+PROCESSOR_CHAT_TEMPLATE_FILE = "chat_template.json"
 
 
 def cache_root() -> Path:
@@ -54,7 +57,12 @@ def load_tokenizer(model_path: str | Path) -> Any | None:
     if model_path.is_dir():
         if not any((model_path / name).is_file() for name in HF_TOKENIZER_FILES):
             return None
-        return AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        processor_template = model_path / PROCESSOR_CHAT_TEMPLATE_FILE
+        if tokenizer.chat_template is None and processor_template.is_file():
+            # An image-text folder's template may be its processor's alone (llava-hf's older snapshots).
+            tokenizer.chat_template = json.loads(processor_template.read_text())["chat_template"]
+        return tokenizer
     if not model_path.is_file():
         raise FileNotFoundError(f"model path {str(model_path)!r} does not exist")
     if model_path.suffix != ".gguf":
