@@ -290,6 +290,10 @@ def test_server_takes_image_url_parts(llava, tiny_llama):
                                                max_tokens=2)
         again = client.chat.completions.create(**ask)  # still serving after the 400s
         assert again.choices[0].message.content == reply.choices[0].message.content
+        import httpx
+
+        counted = httpx.post(f"{url}/tokenize", json={"model": model, "messages": ask["messages"]}).json()
+        assert counted["count"] == reply.usage.prompt_tokens
     text_engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32"))
     with BackgroundServer(OpenAIServer(text_engine, ServerConfig(log_level="warning"))) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)

@@ -1359,7 +1359,13 @@ class OpenAIServer:
             raise _bad_request(err) from err
         tokenizer = self._require_tokenizer("messages" if body.messages is not None else "prompt")
         if body.messages is not None:
-            tokens = encode_rendered(tokenizer, self._chat_prompt_text(body, body.messages))
+            text, images = self._chat_prompt(body, body.messages)
+            tokens = encode_rendered(tokenizer, text)
+            if images:  # the ids chat completions run: each image's placeholders (its pixels are not read)
+                try:
+                    tokens, _ = self.image_processor.expand_placeholders(tokens, len(images))
+                except ValueError as err:
+                    raise APIError(400, str(err), param="messages") from err
         else:
             assert body.prompt is not None  # check_supported: one of the two
             add_special_tokens = body.add_special_tokens is not False  # a prompt's default: true

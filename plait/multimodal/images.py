@@ -106,19 +106,25 @@ class ImageProcessor:
                ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt with each image token made ``num_image_tokens`` placeholders, and its images. A prompt
         already expanded (as transformers' processor writes it) is taken as it is."""
-        ids, n, token = list(token_ids), self.num_image_tokens, self.image_token_id
-        found = ids.count(token)
-        if found == len(images):
-            ids = [t for tok in ids for t in ([tok] * n if tok == token else [tok])]
-        elif found != n * len(images):
-            raise ValueError(f"the prompt has {found} image token(s) for {len(images)} image(s): put one "
-                             f"image token (id {token}) in the prompt for each image")
-        at = [i for i, tok in enumerate(ids) if tok == token]
-        offsets = at[::n] if n else []
-        if any(at[k * n + n - 1] - at[k * n] != n - 1 for k in range(len(images))):
-            raise ValueError(f"an image's {n} placeholder tokens must stand together in the prompt")
+        ids, offsets = self.expand_placeholders(token_ids, len(images))
+        n = self.num_image_tokens
         pixels = self.pixel_values(images)
         return ids, tuple(ImageInput(offset, n, p, _key(p)) for offset, p in zip(offsets, pixels))
+
+    def expand_placeholders(self, token_ids: Sequence[int], num_images: int) -> tuple[list[int], list[int]]:
+        """(the prompt with each image token made ``num_image_tokens`` placeholders, each image's first
+        placeholder); ValueError where the image tokens do not match ``num_images`` images."""
+        ids, n, token = list(token_ids), self.num_image_tokens, self.image_token_id
+        found = ids.count(token)
+        if found == num_images:
+            ids = [t for tok in ids for t in ([tok] * n if tok == token else [tok])]
+        elif found != n * num_images:
+            raise ValueError(f"the prompt has {found} image token(s) for {num_images} image(s): put one "
+                             f"image token (id {token}) in the prompt for each image")
+        at = [i for i, tok in enumerate(ids) if tok == token]
+        if any(at[k * n + n - 1] - at[k * n] != n - 1 for k in range(num_images)):
+            raise ValueError(f"an image's {n} placeholder tokens must stand together in the prompt")
+        return ids, at[::n] if n else []
 
     def pixel_values(self, images: Sequence[Any]) -> list[torch.Tensor]:
         """Each image's pixel values, in order (a PixelValues is taken as it is)."""
