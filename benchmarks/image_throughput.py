@@ -67,7 +67,8 @@ def _tower_flops(model: torch.nn.Module) -> float:
 def _tower_rate(llm: LLM, batch: int, repeats: int) -> dict:
     runner = llm.engine.runner
     model, device = runner.model, runner.device
-    pixels = torch.stack(runner.image_processor.pixel_values(_images(batch, 336, 1))).to(device)
+    processed = runner.image_processor.preprocess(_images(batch, 336, 1))
+    pixels = torch.cat([p.tensor for p in processed]).to(device)  # [tiles, C, H, W]
     with torch.inference_mode():
         model.embed_images(pixels)  # warm-up
         _sync(device)

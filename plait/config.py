@@ -505,17 +505,23 @@ COMPLETED_CONFIGS = {
     "gemma3": ("Gemma3TextConfig", "gemma3_text"),
     "mistral3": ("MistralConfig", "mistral"),
     "llava": ("LlamaConfig", "llama"),
+    "llava_next": ("LlamaConfig", "llama"),
     "olmo2": ("Olmo2Config", "olmo2"),
     "olmo3": ("Olmo3Config", "olmo3"),
 }
-IMAGE_TEXT_MODEL_TYPES = ("gemma3", "mistral3", "llava")
+IMAGE_TEXT_MODEL_TYPES = ("gemma3", "mistral3", "llava", "llava_next")
+# Image models plait runs with their images (plait.models.llava), whose decoder is the text_config's own
+# model_type (LLaVA-1.5: llama; LLaVA-NeXT: llama or mistral; LLaVA-Interleave: qwen2).
+LLAVA_MODEL_TYPES = ("llava", "llava_next")
+LLAVA_TEXT_CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
 # A multimodal config's top-level keys that hold for its text decoder too (transformers 5 ties the
 # embeddings by the top-level flag).
 _IMAGE_TEXT_TOP_LEVEL_KEYS = ("architectures", "eos_token_id", "torch_dtype", "dtype", "quantization_config",
                               "tie_word_embeddings")
 # The image side of a config whose images plait runs (LLaVA), kept beside its text decoder's fields.
 _IMAGE_KEYS = ("vision_config", "image_token_index", "image_token_id", "projector_hidden_act",
-               "vision_feature_layer", "vision_feature_select_strategy", "multimodal_projector_bias")
+               "vision_feature_layer", "vision_feature_select_strategy", "multimodal_projector_bias",
+               "image_grid_pinpoints")
 
 
 def completed_text_config(cfg: dict) -> dict:
@@ -526,9 +532,15 @@ def completed_text_config(cfg: dict) -> dict:
     kind = cfg["model_type"]
     class_name, text_kind = COMPLETED_CONFIGS[kind]
     text = cfg.get("text_config") or {} if kind in IMAGE_TEXT_MODEL_TYPES else cfg
+    if kind in LLAVA_MODEL_TYPES:
+        text_kind = text.get("model_type", text_kind)
+        if text_kind not in LLAVA_TEXT_CONFIGS:
+            raise ValueError(f"{kind} with a {text_kind!r} decoder is not supported; decoders: "
+                             f"{sorted(LLAVA_TEXT_CONFIGS)}")
+        class_name = LLAVA_TEXT_CONFIGS[text_kind]
     skip = ("architectures", "model_type", "text_config", "vision_config")
     full = getattr(transformers, class_name)(**{k: v for k, v in text.items() if k not in skip}).to_dict()
-    for key in _IMAGE_TEXT_TOP_LEVEL_KEYS + (_IMAGE_KEYS if kind == "llava" else ()):
+    for key in _IMAGE_TEXT_TOP_LEVEL_KEYS + (_IMAGE_KEYS if kind in LLAVA_MODEL_TYPES else ()):
         if key in cfg:
             full[key] = cfg[key]
     full["model_type"] = text_kind

@@ -82,6 +82,49 @@ def llava(tmp_path_factory):
     return folder, model.eval(), processor
 
 
+@pytest.fixture(scope="module")
+def llava_next(tmp_path_factory):
+    """A random LLaVA-NeXT (tiles of a 2x2 grid at most, image_newline) with a Mistral decoder, saved with its
+    processor, as llava-hf's v1.6 checkpoints are."""
+    from transformers import (
+        CLIPVisionConfig,
+        LlavaNextConfig,
+        LlavaNextForConditionalGeneration,
+        LlavaNextImageProcessor,
+        LlavaNextProcessor,
+        MistralConfig,
+    )
+
+    tokenizer = _tokenizer()
+    pinpoints = [[IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE], [2 * IMAGE_SIZE, 2 * IMAGE_SIZE]]
+    cfg = LlavaNextConfig(
+        text_config=MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                  max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
+                                  sliding_window=None, tie_word_embeddings=False),
+        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                       num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
+        image_grid_pinpoints=pinpoints,
+    )
+    torch.manual_seed(11)
+    model = LlavaNextForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(4.0)
+    folder = tmp_path_factory.mktemp("tiny-llava-next")
+    model.save_pretrained(folder)
+    image_processor = LlavaNextImageProcessor(size={"shortest_edge": IMAGE_SIZE},
+                                              crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+                                              image_grid_pinpoints=pinpoints)
+    processor = LlavaNextProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=PATCH,
+                                   vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                   chat_template=LLAVA_TEMPLATE)
+    processor.save_pretrained(folder)
+    return folder, model.eval(), processor
+
+
 def _image(seed: int, size: tuple[int, int] = (40, 48)):
     from PIL import Image
 
@@ -335,3 +378,30 @@ def test_gpu_image_prompts_match_transformers(llava, dtype):
     b = llm.engine.runner.breakdown
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
     assert b.image_steps > 0 and b.graph_image_steps == b.image_steps
+
+
+@pytest.mark.parametrize("budget", [512, 16])
+def test_llava_next_tiles_match_transformers(llava_next, budget):
+    """LLaVA-NeXT: images of different shapes get different grids of tiles and placeholder counts (the padding
+    the resize added cut off, a newline after each row); the prompt ids are the processor's and the greedy
+    tokens transformers', whole or in chunks."""
+    folder, hf, processor = llava_next
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    shapes = [(40, 48), (30, 70), (70, 30), (64, 64), (20, 20)]  # (height, width)
+    text = "USER: <image>\n w3 w17 w5 ASSISTANT:"
+    prompts, want = [], []
+    for k, shape in enumerate(shapes):
+        image = _image(k, shape)
+        want.append(_hf_greedy(hf, processor, text, [image], 8))
+        prompts.append({"prompt": text, "multi_modal_data": {"image": image}})
+    two = "USER: <image>\n w4 <image>\n w6 ASSISTANT:"
+    images = [_image(7, (30, 70)), _image(8, (64, 40))]
+    want.append(_hf_greedy(hf, processor, two, images, 8))
+    prompts.append({"prompt": two, "multi_modal_data": {"image": images}})
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    lengths = {len(ids) for ids, _ in want}
+    assert len(lengths) > 2, "the test images should make different placeholder counts"
+    for out, (ids, tokens) in zip(outs, want):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == tokens

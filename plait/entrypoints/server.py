@@ -874,7 +874,7 @@ class OpenAIServer:
 
         @app.post("/tokenize", response_model=TokenizeResponse, responses=_TOKENIZER_ERROR_RESPONSES)
         async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-            return self.tokenize(body)
+            return await self.tokenize(body)
 
         @app.post("/detokenize", response_model=DetokenizeResponse, responses=_TOKENIZER_ERROR_RESPONSES)
         async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
@@ -1351,7 +1351,7 @@ class OpenAIServer:
 
     # -- /tokenize, /detokenize ---------------------------------------------------------------
 
-    def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, body: TokenizeRequest) -> TokenizeResponse:
         self._check_model(body.model)
         try:
             body.check_supported()
@@ -1363,7 +1363,8 @@ class OpenAIServer:
             tokens = encode_rendered(tokenizer, text)
             if images:  # the ids chat completions run: each image's placeholders (its pixels are not read)
                 try:
-                    tokens, _ = self.image_processor.expand_placeholders(tokens, len(images))
+                    counts = await asyncio.to_thread(self.image_processor.placeholder_counts, images)
+                    tokens, _ = self.image_processor.expand_placeholders(tokens, counts)
                 except ValueError as err:
                     raise APIError(400, str(err), param="messages") from err
         else:

@@ -34,7 +34,8 @@ _VISION_PREFIXES = (("model.vision_tower.vision_model.", "vision_tower."),
                     ("vision_tower.vision_model.", "vision_tower."),
                     ("model.vision_tower.", "vision_tower."), ("vision_tower.", "vision_tower."),
                     ("model.multi_modal_projector.", "multi_modal_projector."),
-                    ("multi_modal_projector.", "multi_modal_projector."))
+                    ("multi_modal_projector.", "multi_modal_projector."),
+                    ("model.image_newline", "image_newline"), ("image_newline", "image_newline"))
 
 
 def activation(name: str):
@@ -88,7 +89,7 @@ class CLIPVisionTower(nn.Module):
     def __init__(self, cfg: dict, num_layers: int) -> None:
         super().__init__()
         hidden, patch = cfg["hidden_size"], cfg["patch_size"]
-        self.image_size = cfg["image_size"]
+        self.image_size, self.patch_size = cfg["image_size"], patch
         self.num_patches = (self.image_size // patch) ** 2
         self.embeddings = nn.Module()
         self.embeddings.class_embedding = nn.Parameter(torch.empty(hidden))
@@ -154,14 +155,31 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         self.image_size = vision["image_size"]
         self.num_image_tokens = self.vision_tower.num_patches + (0 if self.drop_cls else 1)
 
+    def num_image_tokens_for(self, size: tuple[int, int]) -> int:
+        """Placeholders of an image of ``size`` (height, width): one per patch feature of its one tile."""
+        return self.num_image_tokens
+
+    def num_tiles_for(self, size: tuple[int, int]) -> int:
+        """Tiles the image processor makes of an image of ``size`` (height, width)."""
+        return 1
+
+    def default_image_processor(self, clip: object) -> object:
+        """The image processor of a folder that ships none (dummy weights): CLIP's, as made."""
+        return clip
+
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """pixel_values: [images, channels, size, size] -> [images, num_image_tokens, hidden] in the model's
-        dtype."""
+        """pixel_values: [tiles, channels, size, size] -> [tiles, patch features, hidden] in the model's
+        dtype (each tile's features projected, without the CLS token under the "default" strategy)."""
         states = self.vision_tower(pixel_values)
         features = torch.cat([states[i] for i in self.feature_indices], dim=-1)
         if self.drop_cls:
             features = features[:, 1:]
         return self.multi_modal_projector(features)
+
+    def pack_image(self, features: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        """One image's tiles' features [tiles, patch features, hidden] -> its placeholders' embeddings
+        [num_image_tokens_for(size), hidden]."""
+        return features.flatten(0, 1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
@@ -174,7 +192,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The decoder's tensors as a Llama's; the vision tower's and projector's by name, each checked."""
         own = dict(self.named_parameters())
-        vision_names = {n for n in own if n.startswith(("vision_tower.", "multi_modal_projector."))}
+        image_side = ("vision_tower.", "multi_modal_projector.", "image_newline")
+        vision_names = {n for n in own if n.startswith(image_side)}
         loaded: set[str] = set()
 
         def decoder(stream):
@@ -201,6 +220,87 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         missing = vision_names - loaded
         if missing:
             raise ValueError(f"the checkpoint lacks vision tensors: {sorted(missing)[:5]}")
+
+
+class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
+    """LLaVA-NeXT (LLaVA-1.6): each image is seen whole at the tower's size and as the tiles of the grid in
+    ``image_grid_pinpoints`` that fits it best; the tiles' features are laid out as one picture, the padding
+    the resize added cut off, and a learned ``image_newline`` embedding ends each row (transformers'
+    LlavaNextForConditionalGeneration.pack_image_features)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        pinpoints = cfg.raw.get("image_grid_pinpoints") or DEFAULT_GRID_PINPOINTS
+        self.grid_pinpoints = [tuple(p) for p in pinpoints]
+        self.image_newline = nn.Parameter(torch.empty(cfg.hidden_size))
+        self.features_side = self.image_size // self.vision_tower.patch_size  # patch features a tile side
+
+    def _grid(self, size: tuple[int, int]) -> tuple[int, int]:
+        """(rows, columns) of tiles for an image of ``size`` (height, width)."""
+        height, width = best_resolution(size, self.grid_pinpoints)
+        return height // self.image_size, width // self.image_size
+
+    def num_tiles_for(self, size: tuple[int, int]) -> int:
+        rows, cols = self._grid(size)
+        return 1 + rows * cols  # the whole image first
+
+    def num_image_tokens_for(self, size: tuple[int, int]) -> int:
+        rows, cols = self._grid(size)
+        side = self.features_side
+        height, width = unpadded_shape(size, rows * side, cols * side)
+        base = side * side + (0 if self.drop_cls else 1)
+        return base + height * width + height  # a newline after each row of the tiles' picture
+
+    def default_image_processor(self, clip: object) -> object:
+        from transformers import LlavaNextImageProcessor
+
+        size = self.image_size
+        return LlavaNextImageProcessor(
+            size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+            image_grid_pinpoints=[list(p) for p in self.grid_pinpoints], image_mean=clip.image_mean,
+            image_std=clip.image_std)
+
+    def pack_image(self, features: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+        # features: [1 + rows * cols, side * side, hidden] -> [base + unpadded rows * (cols + 1), hidden]
+        rows, cols = self._grid(size)
+        side, hidden = self.features_side, features.shape[-1]
+        base, tiles = features[0], features[1:]
+        picture = tiles.view(rows, cols, side, side, hidden).permute(0, 2, 1, 3, 4)
+        picture = picture.reshape(rows * side, cols * side, hidden)  # the tiles' features as one picture
+        height, width = unpadded_shape(size, rows * side, cols * side)
+        top, left = (rows * side - height) // 2, (cols * side - width) // 2
+        picture = picture[top:top + height, left:left + width]
+        newline = self.image_newline.to(picture.dtype).expand(height, 1, hidden)
+        return torch.cat([base, torch.cat([picture, newline], dim=1).flatten(0, 1)])
+
+
+# transformers' LlavaNextConfig default.
+DEFAULT_GRID_PINPOINTS = [(336, 672), (672, 336), (672, 672), (1008, 336), (336, 1008)]
+
+
+def best_resolution(size: tuple[int, int], candidates: list[tuple[int, int]]) -> tuple[int, int]:
+    """The candidate (height, width) that keeps most of an image of ``size`` (height, width) when it is
+    scaled to fit inside, wasting least area on ties (transformers' select_best_resolution)."""
+    h, w = size
+    best, kept_best, wasted_best = candidates[0], -1, float("inf")
+    for ch, cw in candidates:
+        scale = min(cw / w, ch / h)
+        kept = min(int(w * scale) * int(h * scale), w * h)
+        wasted = ch * cw - kept
+        if kept > kept_best or (kept == kept_best and wasted < wasted_best):
+            best, kept_best, wasted_best = (ch, cw), kept, wasted
+    return best
+
+
+def unpadded_shape(size: tuple[int, int], height: int, width: int) -> tuple[int, int]:
+    """The (height, width) of an image of ``size`` inside a ``height`` x ``width`` picture it was resized
+    to fit and centred in: the padding rows or columns cut off (transformers' unpad_image)."""
+    h, w = size
+    if w / h > width / height:
+        padding = (height - int(round(h * (width / w), 7))) // 2
+        return height - 2 * padding, width
+    padding = (width - int(round(w * (height / h), 7))) // 2
+    return height, width - 2 * padding
 
 
 def _vision_name(name: str) -> str | None:

@@ -19,6 +19,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Olmo3ForCausalLM": ("plait.models.olmo", "OlmoForCausalLM"),
     "Mistral3ForConditionalGeneration": ("plait.models.llama", "Mistral3ForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("plait.models.llava", "LlavaForConditionalGeneration"),
+    "LlavaNextForConditionalGeneration": ("plait.models.llava", "LlavaNextForConditionalGeneration"),
     "MixtralForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),

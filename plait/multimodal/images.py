@@ -26,7 +26,10 @@ class ImageInput:
 
     offset: int
     length: int
-    pixel_values: torch.Tensor  # [channels, size, size] fp32 on the host, as the image processor made it
+    # [tiles, channels, size, size] fp32 on the host, as the image processor made it (LLaVA-1.5: one tile;
+    # LLaVA-NeXT: the whole image, then the tiles of its best grid)
+    pixel_values: torch.Tensor
+    size: tuple[int, int]  # the image's own (height, width), before the processor resized it
     key: bytes  # a hash of the pixel values: the prefix cache tells apart prompts that differ only here
 
 
@@ -35,7 +38,8 @@ class PixelValues:
     """An image already through the model's image processor: the server makes these off the engine's thread
     (ImageProcessor.pixel_values), so the step loop never decodes an image."""
 
-    tensor: torch.Tensor  # [channels, size, size] fp32
+    tensor: torch.Tensor  # [tiles, channels, size, size] fp32
+    size: tuple[int, int]  # the image's own (height, width)
 
 
 @dataclass(frozen=True)
@@ -81,17 +85,19 @@ def _data_url_bytes(url: str) -> bytes:
 
 class ImageProcessor:
     """Turns a token prompt and its images into the prompt the model runs: each image token expanded to
-    the model's ``num_image_tokens`` placeholders, and each image's pixel values."""
+    that image's placeholders (``model.num_image_tokens_for(size)``), and each image's pixel values
+    (``model.num_tiles_for(size)`` tiles)."""
 
-    def __init__(self, hf_processor: Any, image_token_id: int, num_image_tokens: int) -> None:
+    def __init__(self, hf_processor: Any, model: Any) -> None:
         self.hf_processor = hf_processor
-        self.image_token_id = image_token_id
-        self.num_image_tokens = num_image_tokens
+        self.image_token_id = model.image_token_id
+        self._tokens_for = model.num_image_tokens_for  # pure functions of an image's size
+        self._tiles_for = model.num_tiles_for
 
     @classmethod
     def for_model(cls, folder: Path | None, model: Any) -> ImageProcessor:
         """The model folder's image processor (its preprocessor_config.json), else CLIP's at the vision
-        tower's size (a config-only folder: dummy weights)."""
+        tower's size (a config-only folder: dummy weights; LLaVA-NeXT's takes its grid from the config)."""
         from transformers import AutoImageProcessor, CLIPImageProcessor
 
         if folder is not None and (Path(folder) / "preprocessor_config.json").is_file():
@@ -100,46 +106,62 @@ class ImageProcessor:
             size = model.image_size
             hf = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
                                     image_mean=list(CLIP_MEAN), image_std=list(CLIP_STD))
-        return cls(hf, model.image_token_id, model.num_image_tokens)
+            hf = model.default_image_processor(hf)
+        return cls(hf, model)
 
     def expand(self, token_ids: Sequence[int], images: Sequence[Any]
                ) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """The prompt with each image token made ``num_image_tokens`` placeholders, and its images. A prompt
-        already expanded (as transformers' processor writes it) is taken as it is."""
-        ids, offsets = self.expand_placeholders(token_ids, len(images))
-        n = self.num_image_tokens
-        pixels = self.pixel_values(images)
-        return ids, tuple(ImageInput(offset, n, p, _key(p)) for offset, p in zip(offsets, pixels))
+        """The prompt with each image token made its image's placeholders, and its images. A prompt already
+        expanded (as transformers' processor writes it) is taken as it is."""
+        pixels = self.preprocess(images)
+        ids, offsets = self.expand_placeholders(token_ids, [self._tokens_for(p.size) for p in pixels])
+        return ids, tuple(ImageInput(offset, self._tokens_for(p.size), p.tensor, p.size, _key(p.tensor))
+                          for offset, p in zip(offsets, pixels))
 
-    def expand_placeholders(self, token_ids: Sequence[int], num_images: int) -> tuple[list[int], list[int]]:
-        """(the prompt with each image token made ``num_image_tokens`` placeholders, each image's first
-        placeholder); ValueError where the image tokens do not match ``num_images`` images."""
-        ids, n, token = list(token_ids), self.num_image_tokens, self.image_token_id
+    def placeholder_counts(self, images: Sequence[Any]) -> list[int]:
+        """Each image's placeholder count, from its size alone (its pixels are not processed)."""
+        return [self._tokens_for(image.size if isinstance(image, PixelValues) else _hw(load_image(image)))
+                for image in images]
+
+    def expand_placeholders(self, token_ids: Sequence[int], lengths: list[int]
+                            ) -> tuple[list[int], list[int]]:
+        """(the prompt with each image token made ``lengths[k]`` placeholders for the k-th image, each image's
+        first placeholder); ValueError where the image tokens do not match the images."""
+        ids, token = list(token_ids), self.image_token_id
         found = ids.count(token)
-        if found == num_images:
-            ids = [t for tok in ids for t in ([tok] * n if tok == token else [tok])]
-        elif found != n * num_images:
-            raise ValueError(f"the prompt has {found} image token(s) for {num_images} image(s): put one "
+        if found == len(lengths):
+            counts = iter(lengths)
+            ids = [t for tok in ids for t in ([tok] * next(counts) if tok == token else [tok])]
+        elif found != sum(lengths) or not lengths:
+            raise ValueError(f"the prompt has {found} image token(s) for {len(lengths)} image(s): put one "
                              f"image token (id {token}) in the prompt for each image")
         at = [i for i, tok in enumerate(ids) if tok == token]
-        if any(at[k * n + n - 1] - at[k * n] != n - 1 for k in range(num_images)):
-            raise ValueError(f"an image's {n} placeholder tokens must stand together in the prompt")
-        return ids, at[::n] if n else []
+        offsets, k = [], 0
+        for n in lengths:
+            if at[k + n - 1] - at[k] != n - 1:
+                raise ValueError(f"an image's {n} placeholder tokens must stand together in the prompt")
+            offsets.append(at[k])
+            k += n
+        return ids, offsets
 
-    def pixel_values(self, images: Sequence[Any]) -> list[torch.Tensor]:
-        """Each image's pixel values, in order (a PixelValues is taken as it is)."""
+    def preprocess(self, images: Sequence[Any]) -> tuple[PixelValues, ...]:
+        """Each image's pixel values and size, in order (ValueError for one that cannot be read; a PixelValues
+        is taken as it is): the server calls this off the step loop."""
         todo = [i for i, image in enumerate(images) if not isinstance(image, PixelValues)]
         out: list[Any] = list(images)
         if todo:
             pil = [load_image(images[i]) for i in todo]
-            made = self.hf_processor(images=pil, return_tensors="pt")["pixel_values"]
-            for i, pixels in zip(todo, made):
-                out[i] = PixelValues(pixels.float().contiguous())
-        return [image.tensor for image in out]
+            made = self.hf_processor(images=pil, return_tensors="pt")
+            for i, image, pixels in zip(todo, pil, made["pixel_values"]):
+                size = _hw(image)
+                tiles = pixels if pixels.dim() == 4 else pixels[None]  # [tiles, C, H, W]; padded past its own
+                out[i] = PixelValues(tiles[:self._tiles_for(size)].float().contiguous(), size)
+        return tuple(out)
 
-    def preprocess(self, images: Sequence[Any]) -> tuple[PixelValues, ...]:
-        """The images as PixelValues (ValueError for one that cannot be read), off the step loop."""
-        return tuple(PixelValues(p) for p in self.pixel_values(images))
+
+def _hw(image: Any) -> tuple[int, int]:
+    """A PIL image's (height, width)."""
+    return image.height, image.width
 
 
 def _key(pixel_values: torch.Tensor) -> bytes:

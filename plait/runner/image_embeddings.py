@@ -39,7 +39,7 @@ class TowerGraphs:
         torch.cuda.synchronize(device)
 
     def __call__(self, pixels: list[torch.Tensor]) -> torch.Tensor:
-        """Pinned host pixel values [C, H, W] each -> their embeddings [images, num_image_tokens, hidden]."""
+        """Pinned host tiles [C, H, W] each -> their features [tiles, patch features, hidden]."""
         pieces = []
         for lo in range(0, len(pixels), max(self.sizes)):
             part = pixels[lo:lo + max(self.sizes)]
@@ -124,14 +124,17 @@ class ImageEmbeddings:
         missing = list(dict.fromkeys(key for key in keys if key not in self._cache))
         if not missing:
             return
-        host = [request.images[k].pixel_values for request, k in missing]
+        images = [request.images[k] for request, k in missing]
         if self.tower_graphs is not None:
-            # Pinned one image at a time: same-sized blocks, which PyTorch's host allocator reuses.
-            embeds = self.tower_graphs([p.pin_memory() for p in host])
+            # Pinned one tile at a time: same-sized blocks, which PyTorch's host allocator reuses.
+            pinned = [tile.pin_memory() for image in images for tile in image.pixel_values]
+            features = self.tower_graphs(pinned)
         else:
-            embeds = self.model.embed_images(self._to_device(torch.stack(host)))  # [images, tokens, hidden]
-        for key, embed in zip(missing, embeds):
-            self._cache[key] = embed
+            tiles = torch.cat([image.pixel_values for image in images])  # [tiles, C, H, W]
+            features = self.model.embed_images(self._to_device(tiles))  # [tiles, patch features, hidden]
+        per_image = features.split([len(image.pixel_values) for image in images])
+        for key, image, feats in zip(missing, images, per_image):
+            self._cache[key] = self.model.pack_image(feats, image.size)  # [image.length, hidden]
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device without waiting for the steps in flight: a copy from pageable memory
