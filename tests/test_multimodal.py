@@ -405,3 +405,26 @@ def test_llava_next_tiles_match_transformers(llava_next, budget):
     for out, (ids, tokens) in zip(outs, want):
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_llava_next_tiles_match_transformers(llava_next):
+    """LLaVA-NeXT on the GPU path in fp32: every image's tiles through the vision tower's graphs (padded to a
+    captured count), packed, and the answers transformers gives on the same GPU."""
+    folder, hf, processor = llava_next
+    model = hf.to("cuda", torch.float32)
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=16, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    text = "USER: <image>\n w3 w17 w5 ASSISTANT:"
+    prompts, want = [], []
+    for k, shape in enumerate([(40, 48), (30, 70), (70, 30), (64, 64)]):
+        image = _image(k, shape)
+        inputs = processor(text=text, images=[image], return_tensors="pt").to("cuda")
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+        want.append(out[0, inputs["input_ids"].shape[1]:].tolist())
+        prompts.append({"prompt": text, "multi_modal_data": {"image": image}})
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    assert llm.engine.runner.image_embeddings.tower_graphs is not None
