@@ -125,6 +125,46 @@ def llava_next(tmp_path_factory):
     return folder, model.eval(), processor
 
 
+@pytest.fixture(scope="module")
+def llava_siglip(tmp_path_factory):
+    """A random LLaVA built like LLaVA-Interleave: a SigLIP tower (no class token, every patch kept, the last
+    layer read) and a Qwen2 decoder (q/k/v biases)."""
+    from transformers import (
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+        LlavaProcessor,
+        Qwen2Config,
+        SiglipImageProcessor,
+        SiglipVisionConfig,
+    )
+
+    tokenizer = _tokenizer()
+    cfg = LlavaConfig(
+        text_config=Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                                tie_word_embeddings=True),
+        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH),
+        image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
+        vision_feature_select_strategy="full", projector_hidden_act="gelu",
+    )
+    torch.manual_seed(13)
+    model = LlavaForConditionalGeneration(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(4.0)
+    folder = tmp_path_factory.mktemp("tiny-llava-siglip")
+    model.save_pretrained(folder)
+    square = SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    processor = LlavaProcessor(image_processor=square, tokenizer=tokenizer, patch_size=PATCH,
+                               vision_feature_select_strategy="full", num_additional_image_tokens=0,
+                               chat_template=LLAVA_TEMPLATE)
+    processor.save_pretrained(folder)
+    return folder, model.eval(), processor
+
+
 def _image(seed: int, size: tuple[int, int] = (40, 48)):
     from PIL import Image
 
@@ -156,10 +196,12 @@ PROMPTS = [
 
 
 @pytest.mark.parametrize("budget", [512, 12])
-def test_greedy_matches_transformers(llava, budget):
-    """Each prompt's ids are the processor's and its greedy tokens transformers'; at a budget of 12 tokens a
-    step, every image is split across chunks, and prompts with and without images share steps."""
-    folder, hf, processor = llava
+@pytest.mark.parametrize("family", ["llava", "llava_siglip"])
+def test_greedy_matches_transformers(request, family, budget):
+    """Each prompt's ids are the processor's and its greedy tokens transformers' (LLaVA-1.5: CLIP and Llama;
+    LLaVA-Interleave's build: SigLIP and Qwen2); at a budget of 12 tokens a step, every image is split across
+    chunks, and prompts with and without images share steps."""
+    folder, hf, processor = request.getfixturevalue(family)
     llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts, want = [], []

@@ -24,10 +24,16 @@ _ACTIVATIONS = {
     "relu": F.relu,
     "silu": F.silu,
 }
-# The CLIP vision config's fields where a checkpoint's config.json leaves them out (transformers' defaults).
-_CLIP_DEFAULTS = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
-                      num_channels=3, image_size=224, patch_size=32, hidden_act="quick_gelu",
-                      layer_norm_eps=1e-5)
+# A vision config's fields where a checkpoint's config.json leaves them out (transformers' defaults), by its
+# model_type: CLIP's (LLaVA-1.5, LLaVA-NeXT) and SigLIP's (LLaVA-Interleave).
+_VISION_DEFAULTS = {
+    "clip_vision_model": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                              num_attention_heads=12, num_channels=3, image_size=224, patch_size=32,
+                              hidden_act="quick_gelu", layer_norm_eps=1e-5),
+    "siglip_vision_model": dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12,
+                                num_attention_heads=12, num_channels=3, image_size=224, patch_size=16,
+                                hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6),
+}
 # Checkpoint prefixes of the vision tower and projector (llava-hf's, and as transformers 5 names them),
 # longest first -> the model's.
 _VISION_PREFIXES = (("model.vision_tower.vision_model.", "vision_tower."),
@@ -82,31 +88,39 @@ class CLIPEncoderLayer(nn.Module):
         return x + self.mlp.fc2(self.act(self.mlp.fc1(self.layer_norm2(x))))
 
 
-class CLIPVisionTower(nn.Module):
-    """CLIP's vision transformer (HF CLIPVisionModel), run only as far as the deepest layer whose output
-    LLaVA reads."""
+class VisionTower(nn.Module):
+    """CLIP's vision transformer (a class token, a norm before the layers) or SigLIP's (neither, a patch
+    embedding with bias), as HF's CLIPVisionModel / SiglipVisionModel name their tensors, run only as far as
+    the deepest layer whose output LLaVA reads (SigLIP's post-norm and pooling head are not read)."""
 
     def __init__(self, cfg: dict, num_layers: int) -> None:
         super().__init__()
         hidden, patch = cfg["hidden_size"], cfg["patch_size"]
         self.image_size, self.patch_size = cfg["image_size"], patch
         self.num_patches = (self.image_size // patch) ** 2
+        self.is_clip = cfg["model_type"] == "clip_vision_model"
+        self.num_tokens = self.num_patches + self.is_clip  # a tile's hidden states: CLIP's class token first
         self.embeddings = nn.Module()
-        self.embeddings.class_embedding = nn.Parameter(torch.empty(hidden))
-        self.embeddings.patch_embedding = nn.Conv2d(cfg["num_channels"], hidden, patch, patch, bias=False)
-        self.embeddings.position_embedding = nn.Embedding(self.num_patches + 1, hidden)
-        self.pre_layrnorm = nn.LayerNorm(hidden, eps=cfg["layer_norm_eps"])
+        if self.is_clip:
+            self.embeddings.class_embedding = nn.Parameter(torch.empty(hidden))
+        self.embeddings.patch_embedding = nn.Conv2d(cfg["num_channels"], hidden, patch, patch,
+                                                    bias=not self.is_clip)
+        self.embeddings.position_embedding = nn.Embedding(self.num_tokens, hidden)
+        self.pre_layrnorm = nn.LayerNorm(hidden, eps=cfg["layer_norm_eps"]) if self.is_clip else None
         self.encoder = nn.Module()
         self.encoder.layers = nn.ModuleList(CLIPEncoderLayer(cfg) for _ in range(num_layers))
 
     def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
         """The hidden states after the embeddings (index 0) and after each layer built.
-        pixel_values: [images, channels, size, size] -> each [images, patches + 1, hidden]."""
+        pixel_values: [tiles, channels, size, size] -> each [tiles, num_tokens, hidden]."""
         emb = self.embeddings
         patches = emb.patch_embedding(pixel_values.to(emb.patch_embedding.weight.dtype))
-        patches = patches.flatten(2).transpose(1, 2)  # [images, patches, hidden]
-        cls = emb.class_embedding.expand(patches.shape[0], 1, -1)
-        x = self.pre_layrnorm(torch.cat([cls, patches], dim=1) + emb.position_embedding.weight)
+        x = patches.flatten(2).transpose(1, 2)  # [tiles, patches, hidden]
+        if self.is_clip:
+            x = torch.cat([emb.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)
+        x = x + emb.position_embedding.weight
+        if self.pre_layrnorm is not None:
+            x = self.pre_layrnorm(x)
         states = [x]
         for layer in self.encoder.layers:
             x = layer(x)
@@ -136,7 +150,11 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__(cfg, max_positions)
         raw = cfg.raw
-        vision = {**_CLIP_DEFAULTS, **(raw.get("vision_config") or {})}
+        given = raw.get("vision_config") or {}
+        kind = given.get("model_type", "clip_vision_model")
+        if kind not in _VISION_DEFAULTS:
+            raise ValueError(f"a {kind!r} vision tower is not supported; towers: {sorted(_VISION_DEFAULTS)}")
+        vision = {**_VISION_DEFAULTS[kind], **given, "model_type": kind}
         layer = raw.get("vision_feature_layer", -2)
         self.feature_layers = [layer] if isinstance(layer, int) else list(layer)
         num_vision_layers = vision["num_hidden_layers"]
@@ -147,13 +165,15 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         if raw.get("vision_feature_select_strategy", "default") not in ("default", "full"):
             raise ValueError("vision_feature_select_strategy must be 'default' or 'full', got "
                              f"{raw.get('vision_feature_select_strategy')!r}")
-        self.vision_tower = CLIPVisionTower(vision, max(indices))
+        self.vision_tower = VisionTower(vision, max(indices))
         self.multi_modal_projector = LlavaMultiModalProjector(
             vision["hidden_size"] * len(indices), cfg.hidden_size, raw.get("projector_hidden_act", "gelu"),
             raw.get("multimodal_projector_bias", True))
         self.image_token_id = int(raw.get("image_token_id", raw.get("image_token_index", 32000)))
         self.image_size = vision["image_size"]
-        self.num_image_tokens = self.vision_tower.num_patches + (0 if self.drop_cls else 1)
+        # "default" drops each tile's first hidden state (CLIP's class token; a patch of SigLIP's, as
+        # transformers does)
+        self.num_image_tokens = self.vision_tower.num_tokens - self.drop_cls
 
     def num_image_tokens_for(self, size: tuple[int, int]) -> int:
         """Placeholders of an image of ``size`` (height, width): one per patch feature of its one tile."""
@@ -164,8 +184,12 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         return 1
 
     def default_image_processor(self, clip: object) -> object:
-        """The image processor of a folder that ships none (dummy weights): CLIP's, as made."""
-        return clip
+        """The image processor of a folder that ships none (dummy weights): CLIP's, as made, or SigLIP's."""
+        if self.vision_tower.is_clip:
+            return clip
+        from transformers import SiglipImageProcessor
+
+        return SiglipImageProcessor(size={"height": self.image_size, "width": self.image_size})
 
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values: [tiles, channels, size, size] -> [tiles, patch features, hidden] in the model's
@@ -203,8 +227,8 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
                     if language_model_name(name) is not None:
                         yield language_model_name(name), tensor
                     continue
-                if renamed.startswith("vision_tower.post_layernorm."):
-                    continue  # LLaVA reads hidden states before it
+                if renamed.startswith(("vision_tower.post_layernorm.", "vision_tower.head.")):
+                    continue  # LLaVA reads hidden states before them
                 if renamed not in own:
                     if _layer_index(renamed) >= len(self.vision_tower.encoder.layers):
                         continue  # layers past the deepest one LLaVA reads
