@@ -373,6 +373,8 @@ def test_server_takes_image_url_parts(llava, tiny_llama):
             with pytest.raises(openai.BadRequestError, match=message):
                 client.chat.completions.create(model=model, messages=[{"role": "user", "content": bad}],
                                                max_tokens=2)
+        with pytest.raises(openai.BadRequestError, match="beam search"):
+            client.chat.completions.create(**{**ask, "extra_body": {"use_beam_search": True}})
         again = client.chat.completions.create(**ask)  # still serving after the 400s
         assert again.choices[0].message.content == reply.choices[0].message.content
         import httpx

@@ -1057,10 +1057,11 @@ class OpenAIServer:
         return Response(message, media_type="text/plain")
 
     def _chat_prompt_text(self, body: ChatTemplateRequest, messages: Sequence[ChatMessage]) -> str:
-        """_chat_prompt's text, for the endpoints that take no images (a 400 where the messages have one)."""
+        """_chat_prompt's text, for the requests that take no images (a 400 where the messages have one)."""
         text, images = self._chat_prompt(body, messages)
         if images:
-            raise APIError(400, "this endpoint takes no images; send them to /v1/chat/completions",
+            raise APIError(400, "this request cannot take images: beam search and the pooling endpoints take "
+                                "text (images go to /v1/chat/completions without use_beam_search)",
                            param="messages")
         return text
 
