@@ -31,7 +31,7 @@ from plait.parallel.shard import sum_row_parallel_outputs
 from plait.parallel.workers import FORWARD, IDS, DriverLink, Workers
 from plait.runner.cuda_graphs import MAX_GRAPH_PROMPT_TOKENS, StepGraphs, graph_shapes
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
-from plait.runner.image_embeddings import ImageEmbeddings
+from plait.runner.image_embeddings import TOWER_GRAPH_BATCHES, ImageEmbeddings
 from plait.runner.input_buffers import InputBuffers, Layout
 from plait.runner.padding import GraphShape
 from plait.runner.pooler import Pooler, resolve_pooling
@@ -364,7 +364,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _profile_step(self) -> None:
         """One forward at the full token budget (rows of at most max_model_len tokens) and one sampling
-        of max_num_seqs rows, on a throwaway KV cache just big enough for it."""
+        of max_num_seqs rows, on a throwaway KV cache just big enough for it; an image model's vision tower
+        at its largest call."""
         bs = self.config.block_size
         num_tokens = self.config.max_num_batched_tokens
         row_len = min(num_tokens, self.max_model_len)
@@ -384,6 +385,11 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
             self.sampler(logits, [SamplingRow(PROFILE_SAMPLING, [0], [])] * rows)
             del logits
+        if self.image_processor is not None:  # the vision tower at the most tiles a call runs at once
+            tower = self.model.vision_tower
+            channels, size = tower.embeddings.patch_embedding.in_channels, tower.image_size
+            self.model.embed_images(torch.zeros(max(TOWER_GRAPH_BATCHES), channels, size, size,
+                                                device=self.device))
         del kv, batch, hidden
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
