@@ -138,8 +138,8 @@ class ImageEmbeddings:
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device without waiting for the steps in flight: a copy from pageable memory
-        waits for the stream to drain (on an H200 that stalled LLaVA steps' launches behind the GPU); from
-        pinned memory it queues, the pinned block held until the copy is done (PyTorch's host allocator)."""
+        may wait for the stream to drain (CUDA's rule for pageable copies); from pinned memory it queues, the
+        pinned block held until the copy is done (PyTorch's host allocator)."""
         if self.device.type != "cuda":
             return host.to(self.device)
         return host.pin_memory().to(self.device, non_blocking=True)
