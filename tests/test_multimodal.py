@@ -373,6 +373,15 @@ def test_server_takes_image_url_parts(llava, tiny_llama):
             with pytest.raises(openai.BadRequestError, match=message):
                 client.chat.completions.create(model=model, messages=[{"role": "user", "content": bad}],
                                                max_tokens=2)
+        # The Responses API's input_image parts: the answer chat gives the same conversation.
+        plain = client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                               max_tokens=6, temperature=0.0)
+        response = client.responses.create(
+            model=model, max_output_tokens=6, temperature=0.0,
+            input=[{"role": "user", "content": [{"type": "input_text", "text": "w3 w17 w5"},
+                                                {"type": "input_image", "image_url": _data_url(image)}]}])
+        assert response.output_text == plain.choices[0].message.content
+        assert response.usage.input_tokens == reply.usage.prompt_tokens
         with pytest.raises(openai.BadRequestError, match="beam search"):
             client.chat.completions.create(**{**ask, "extra_body": {"use_beam_search": True}})
         again = client.chat.completions.create(**ask)  # still serving after the 400s

@@ -71,6 +71,7 @@ MAX_STORED_RESPONSES = 1024
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # Content parts that hold text: a message's input_text, an earlier answer's output_text (and chat's "text").
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
+IMAGE_PART_TYPE = "input_image"
 # The function tools the model calls; built-in tools (web_search, file_search, code_interpreter, ...) run on
 # OpenAI's side, which this server is not.
 FUNCTION_TOOL = "function"
@@ -121,16 +122,34 @@ def _random_id(prefix: str) -> str:
 
 
 class ContentPart(_RequestModel):
-    """A part of a message's content; only text parts are served."""
+    """A part of a message's content: text, or (for an image model) an ``input_image`` given inline."""
 
     type: str
     text: str | None = None
+    image_url: str | None = None  # input_image's: a data URL (plait fetches nothing)
+
+    def as_chat_part(self) -> dict[str, Any]:
+        """The part as chat completions take it (an image_url part, or text)."""
+        if self.type == IMAGE_PART_TYPE:
+            if self.image_url is None:
+                raise ProtocolError("an input_image part needs its image_url (a data URL); file_id is not "
+                                    "supported by this server", "input")
+            return {"type": "image_url", "image_url": {"url": self.image_url}}
+        return {"type": "text", "text": self.as_text()}
 
     def as_text(self) -> str:
         if self.type not in TEXT_PART_TYPES or self.text is None:
-            raise ProtocolError(f"input content of type '{self.type}' is not supported by this server (text "
-                                f"only: {', '.join(TEXT_PART_TYPES[:2])})", "input")
+            raise ProtocolError(f"input content of type '{self.type}' is not supported here (text: "
+                                f"{', '.join(TEXT_PART_TYPES[:2])}; an image model's messages: "
+                                f"{IMAGE_PART_TYPE})", "input")
         return self.text
+
+
+def _chat_content(content: str | list[ContentPart]) -> str | list[dict[str, Any]]:
+    """A message's content for chat: its text joined, or its parts where it holds an image."""
+    if isinstance(content, str) or all(part.type != IMAGE_PART_TYPE for part in content):
+        return _text_of(content)
+    return [part.as_chat_part() for part in content]
 
 
 def _text_of(content: str | list[ContentPart]) -> str:
@@ -204,7 +223,8 @@ def conversation_messages(items: Sequence[Any]) -> list[ChatMessage]:
     for item in items:
         if isinstance(item, InputMessage):
             role = SYSTEM_ROLE if item.role == DEVELOPER_ROLE else item.role
-            messages.append(ChatMessage(role=role, content=_text_of(item.content)))
+            content = _chat_content(item.content)
+            messages.append(ChatMessage.model_validate({"role": role, "content": content}))
         elif isinstance(item, InputFunctionCall):
             call = {"id": item.call_id, "function": {"name": item.name, "arguments": item.arguments}}
             last = messages[-1] if messages else None
