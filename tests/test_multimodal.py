@@ -18,7 +18,11 @@ from plait.multimodal.images import MultiModalPrompt
 WORDS = [f"w{i}" for i in range(200)]
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<image>"]
 IMAGE_SIZE, PATCH = 32, 8
-NUM_IMAGE_TOKENS = (IMAGE_SIZE // PATCH) ** 2  # "default" strategy: the CLS token is dropped
+# The tiny decoders' and vision towers' sizes, whatever their family.
+TEXT_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, bos_token_id=1, eos_token_id=2)
+VISION_DIMS = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=2,
+                   image_size=IMAGE_SIZE, patch_size=PATCH)
 # LLaVA-1.5's chat template (llava-hf): every image of a message first, then its text.
 LLAVA_TEMPLATE = (
     "{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': '}}"
@@ -41,6 +45,19 @@ def _tokenizer():
                                    pad_token="<pad>", additional_special_tokens=["<image>"])
 
 
+def _saved(model_class, cfg, seed: int, name: str, tmp_path_factory):
+    """A random transformers model of ``cfg`` saved under a fresh folder: (folder, the model in eval mode)."""
+    torch.manual_seed(seed)
+    model = model_class(cfg)
+    with torch.no_grad():  # clear argmax winners, as the other tiny models (tests/conftest.py)
+        for param_name, p in model.named_parameters():
+            if "norm" not in param_name:
+                p.mul_(4.0)
+    folder = tmp_path_factory.mktemp(name)
+    model.save_pretrained(folder)
+    return folder, model.eval()
+
+
 @pytest.fixture(scope="module")
 def llava(tmp_path_factory):
     """A random LLaVA (CLIP tower of 3 layers, features from the last but one, a Llama decoder) saved with
@@ -57,29 +74,18 @@ def llava(tmp_path_factory):
     tokenizer = _tokenizer()
     image_token = tokenizer.convert_tokens_to_ids("<image>")
     cfg = LlavaConfig(
-        text_config=LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                                tie_word_embeddings=False),
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                       num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH),
+        text_config=LlamaConfig(**TEXT_DIMS, max_position_embeddings=512, tie_word_embeddings=False),
+        vision_config=CLIPVisionConfig(**VISION_DIMS),
         image_token_index=image_token, vision_feature_layer=-2, projector_hidden_act="gelu",
     )
-    torch.manual_seed(7)
-    model = LlavaForConditionalGeneration(cfg)
-    with torch.no_grad():  # clear argmax winners, as the other tiny models (tests/conftest.py)
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.mul_(4.0)
-    folder = tmp_path_factory.mktemp("tiny-llava")
-    model.save_pretrained(folder)
+    folder, model = _saved(LlavaForConditionalGeneration, cfg, 7, "tiny-llava", tmp_path_factory)
     processor = LlavaProcessor(
         image_processor=CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE},
                                            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
         tokenizer=tokenizer, patch_size=PATCH, vision_feature_select_strategy="default",
         num_additional_image_tokens=1, chat_template=LLAVA_TEMPLATE)
     processor.save_pretrained(folder)
-    return folder, model.eval(), processor
+    return folder, model, processor
 
 
 @pytest.fixture(scope="module")
@@ -98,23 +104,13 @@ def llava_next(tmp_path_factory):
     tokenizer = _tokenizer()
     pinpoints = [[IMAGE_SIZE, 2 * IMAGE_SIZE], [2 * IMAGE_SIZE, IMAGE_SIZE], [2 * IMAGE_SIZE, 2 * IMAGE_SIZE]]
     cfg = LlavaNextConfig(
-        text_config=MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                  max_position_embeddings=1024, bos_token_id=1, eos_token_id=2,
-                                  sliding_window=None, tie_word_embeddings=False),
-        vision_config=CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                       num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH),
+        text_config=MistralConfig(**TEXT_DIMS, max_position_embeddings=1024, sliding_window=None,
+                                  tie_word_embeddings=False),
+        vision_config=CLIPVisionConfig(**VISION_DIMS),
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-2,
         image_grid_pinpoints=pinpoints,
     )
-    torch.manual_seed(11)
-    model = LlavaNextForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.mul_(4.0)
-    folder = tmp_path_factory.mktemp("tiny-llava-next")
-    model.save_pretrained(folder)
+    folder, model = _saved(LlavaNextForConditionalGeneration, cfg, 11, "tiny-llava-next", tmp_path_factory)
     image_processor = LlavaNextImageProcessor(size={"shortest_edge": IMAGE_SIZE},
                                               crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
                                               image_grid_pinpoints=pinpoints)
@@ -122,7 +118,7 @@ def llava_next(tmp_path_factory):
                                    vision_feature_select_strategy="default", num_additional_image_tokens=1,
                                    chat_template=LLAVA_TEMPLATE)
     processor.save_pretrained(folder)
-    return folder, model.eval(), processor
+    return folder, model, processor
 
 
 @pytest.fixture(scope="module")
@@ -140,29 +136,18 @@ def llava_siglip(tmp_path_factory):
 
     tokenizer = _tokenizer()
     cfg = LlavaConfig(
-        text_config=Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
-                                max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-                                tie_word_embeddings=True),
-        vision_config=SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                         num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=PATCH),
+        text_config=Qwen2Config(**TEXT_DIMS, max_position_embeddings=512, tie_word_embeddings=True),
+        vision_config=SiglipVisionConfig(**VISION_DIMS),
         image_token_index=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
         vision_feature_select_strategy="full", projector_hidden_act="gelu",
     )
-    torch.manual_seed(13)
-    model = LlavaForConditionalGeneration(cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.mul_(4.0)
-    folder = tmp_path_factory.mktemp("tiny-llava-siglip")
-    model.save_pretrained(folder)
+    folder, model = _saved(LlavaForConditionalGeneration, cfg, 13, "tiny-llava-siglip", tmp_path_factory)
     square = SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     processor = LlavaProcessor(image_processor=square, tokenizer=tokenizer, patch_size=PATCH,
                                vision_feature_select_strategy="full", num_additional_image_tokens=0,
                                chat_template=LLAVA_TEMPLATE)
     processor.save_pretrained(folder)
-    return folder, model.eval(), processor
+    return folder, model, processor
 
 
 def _image(seed: int, size: tuple[int, int] = (40, 48)):
