@@ -102,6 +102,9 @@ class EngineConfig:
     # "prompt_lookup_max": n, "prompt_lookup_min": m} as a SpeculativeConfig, a dict or its JSON text (the
     # CLI's --speculative-config). Stored as a SpeculativeConfig.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # vLLM's --limit-mm-per-prompt: the most items of each modality a prompt may hold, {"image": n} (a dict or
+    # its JSON text); a prompt with more is refused. None: no limit but the context's length.
+    limit_mm_per_prompt: dict | str | None = None
     # vLLM's --runner (RUNNERS): under "pooling" each request's prompt is run once and pooled into an
     # embedding (LLM.embed, /v1/embeddings); nothing is generated.
     runner: str = "auto"
@@ -175,6 +178,7 @@ class EngineConfig:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         self.pooler_config = PoolerConfig.parse(self.pooler_config)
         self.hf_overrides = _json_object("hf_overrides", self.hf_overrides)
+        self.limit_mm_per_prompt = _mm_limits(self.limit_mm_per_prompt)
         if self.pooler_config is not None and self.runner == "generate":
             raise ValueError("pooler_config applies to pooling models: it needs runner 'pooling' (or 'auto')")
         source = self.generation_config
@@ -260,6 +264,22 @@ def _json_object(name: str, value: dict | str | None) -> dict | None:
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, got {value!r}")
     return value or None
+
+
+MULTIMODAL_MODALITIES = ("image",)
+
+
+def _mm_limits(value: dict | str | None) -> dict[str, int] | None:
+    """limit_mm_per_prompt checked: modalities plait takes, each a whole number >= 0 (vLLM's form)."""
+    limits = _json_object("limit_mm_per_prompt", value)
+    if limits is None:
+        return None
+    for modality, n in limits.items():
+        if modality not in MULTIMODAL_MODALITIES:
+            raise ValueError(f"limit_mm_per_prompt: plait takes {MULTIMODAL_MODALITIES} alone, got "
+                             f"{modality!r}")
+        _check_int(f"limit_mm_per_prompt[{modality!r}]", n, minimum=0)
+    return limits
 
 
 def merge_hf_overrides(hf_config: dict, overrides: dict | None) -> dict:

@@ -98,5 +98,9 @@ def test_hf_overrides_is_vllms_json_flag():
     assert merged == {"architectures": ["Qwen3ForSequenceClassification"],
                       "rope_scaling": {"type": "yarn", "factor": 2.0}, "vocab_size": 9}
     assert _engine_config(parse_args(["serve", "m"])).hf_overrides is None
+    limits = parse_args(["serve", "m", "--limit-mm-per-prompt", '{"image": 2}'])
+    assert _engine_config(limits).limit_mm_per_prompt == {"image": 2}
+    with pytest.raises(ValueError, match="'image',\\) alone"):
+        _engine_config(parse_args(["serve", "m", "--limit-mm-per-prompt", '{"video": 1}']))
     with pytest.raises(ValueError, match="hf_overrides is not valid JSON"):
         _engine_config(parse_args(["serve", "m", "--hf-overrides", "{nope"]))

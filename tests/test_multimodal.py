@@ -307,6 +307,11 @@ def test_bad_image_prompts_are_refused_before_they_enter_the_engine(llava, tiny_
     with pytest.raises(ValueError, match="truncate_prompt_tokens"):
         llm.generate([{"prompt": "USER: <image>\n", "multi_modal_data": {"image": image}}],
                      SamplingParams(max_tokens=2, truncate_prompt_tokens=4), use_tqdm=False)
+    limited = LLM(str(folder), dtype="float32", limit_mm_per_prompt={"image": 1})
+    two = {"prompt": "USER: <image>\n <image>\n", "multi_modal_data": {"image": [image, image]}}
+    with pytest.raises(ValueError, match="at most 1 are allowed"):
+        limited.generate([two], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert limited.generate([good], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     for knobs, message in [(dict(enable_lora=True), "LoRA is not supported"),
                            (dict(tensor_parallel_size=2), "cannot be split"),
                            (dict(quantization="fp8"), "quantised image models")]:

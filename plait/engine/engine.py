@@ -289,6 +289,10 @@ class LLMEngine:
             return prompt, ()
         if prompt.images and self.images is None:
             raise ValueError(f"{self.model_config.architecture} takes no images: send a text prompt")
+        limit = (self.config.limit_mm_per_prompt or {}).get("image")
+        if limit is not None and len(prompt.images) > limit:
+            raise ValueError(f"the prompt has {len(prompt.images)} images; at most {limit} are allowed "
+                             "(limit_mm_per_prompt)")
         return prompt.prompt, tuple(prompt.images)
 
     def _expand_images(self, token_ids: list[int], images: tuple[Any, ...]

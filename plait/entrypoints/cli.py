@@ -25,6 +25,7 @@ _ENGINE_FLAGS = (
     "attention_backend", "enforce_eager", "async_scheduling",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
     "kv_cache_dtype", "speculative_config", "runner", "pooler_config", "hf_overrides", "tensor_parallel_size",
+    "limit_mm_per_prompt",
 )
 
 
@@ -68,6 +69,8 @@ _FLAG_HELP = {
     "tensor_parallel_size": "as vLLM's: split the model's attention heads, MLP and experts across this many "
                             "GPUs (cuda:0..N-1), one process each; the Llama family's models, MoE ones "
                             "included (default: 1)",
+    "limit_mm_per_prompt": "as vLLM's, a JSON object: '{\"image\": 2}' refuses prompts with more images than "
+                           "that (default: no limit but the context's length)",
     "hf_overrides": "as vLLM's, a JSON object merged into the checkpoint's config.json: '{\"architectures\": "
                     "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"]}' "
                     "serves Qwen3-Reranker as a cross-encoder (/score, /rerank) (default: none)",

@@ -156,15 +156,14 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             raise ValueError(f"a {kind!r} vision tower is not supported; towers: {sorted(_VISION_DEFAULTS)}")
         vision = {**_VISION_DEFAULTS[kind], **given, "model_type": kind}
         layer = raw.get("vision_feature_layer", -2)
-        self.feature_layers = [layer] if isinstance(layer, int) else list(layer)
-        num_vision_layers = vision["num_hidden_layers"]
+        layers = [layer] if isinstance(layer, int) else list(layer)
         # hidden state i is after layer i (0: the embeddings), so layer -2 is the last layer but one
-        indices = [i % (num_vision_layers + 1) for i in self.feature_layers]
+        indices = [i % (vision["num_hidden_layers"] + 1) for i in layers]
         self.feature_indices = indices
-        self.drop_cls = raw.get("vision_feature_select_strategy", "default") == "default"
-        if raw.get("vision_feature_select_strategy", "default") not in ("default", "full"):
-            raise ValueError("vision_feature_select_strategy must be 'default' or 'full', got "
-                             f"{raw.get('vision_feature_select_strategy')!r}")
+        strategy = raw.get("vision_feature_select_strategy", "default")
+        if strategy not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy must be 'default' or 'full', got {strategy!r}")
+        self.drop_cls = strategy == "default"
         self.vision_tower = VisionTower(vision, max(indices))
         self.multi_modal_projector = LlavaMultiModalProjector(
             vision["hidden_size"] * len(indices), cfg.hidden_size, raw.get("projector_hidden_act", "gelu"),
