@@ -324,7 +324,33 @@ def test_bad_image_prompts_are_refused_before_they_enter_the_engine(llava, tiny_
         text_model.engine.make_request(MultiModalPrompt([5, 6], (image,)))
 
 
-def test_server_takes_image_url_parts(llava, tiny_llama):
+def _bench_serve_with_images(url: str, model: str, tmp_path, capsys) -> None:
+    """`plait bench serve --images-per-prompt 1`: every chat request carries a random image, and the prompt
+    tokens the server counted are its placeholders and the text."""
+    import httpx
+
+    from plait.entrypoints.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w1 w2\nw3\n")
+    out = tmp_path / "images.json"
+    args = ["bench", "serve", "--disable-tqdm", "--base-url", url, "--endpoint-type", "chat", "--dataset",
+            "file", "--dataset-path", str(prompts), "--images-per-prompt", "1", "--image-size", "40x30",
+            "--output-len", "4", "--result-file", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert (result["completed"], result["failed"], result["total_output_tokens"]) == (2, 0, 8)
+    image = {"type": "image_url", "image_url": {"url": _data_url(_image(0))}}
+    want = [httpx.post(f"{url}/tokenize", json={"model": model, "messages": [
+        {"role": "user", "content": [image, {"type": "text", "text": text}]}]}).json()["count"]
+        for text in ("w1 w2", "w3")]
+    assert result["input_lens"] == want
+    capsys.readouterr()
+    assert main(["bench", "serve", "--base-url", url, "--images-per-prompt", "1"]) == 2
+    assert "use --endpoint-type chat" in capsys.readouterr().err
+
+
+def test_server_takes_image_url_parts(llava, tiny_llama, tmp_path, capsys):
     """/v1/chat/completions with the openai client: an image_url part (a data URL) gets the answer LLM.chat
     gives, streamed or not; a bad image, a URL to fetch, or an image sent to a text model is a 400 and the
     server keeps serving."""
@@ -380,6 +406,7 @@ def test_server_takes_image_url_parts(llava, tiny_llama):
 
         counted = httpx.post(f"{url}/tokenize", json={"model": model, "messages": ask["messages"]}).json()
         assert counted["count"] == reply.usage.prompt_tokens
+        _bench_serve_with_images(url, model, tmp_path, capsys)
     text_engine = LLMEngine(EngineConfig(model=str(tiny_llama), dtype="float32"))
     with BackgroundServer(OpenAIServer(text_engine, ServerConfig(log_level="warning"))) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)

@@ -1,4 +1,5 @@
-"""Benchmark prompts: random token-id length mixes (WORKLOADS.md W5) and a file of prompts."""
+"""Benchmark prompts: random token-id length mixes (WORKLOADS.md W5), a file of prompts, and random images to
+send with chat prompts (an image model's serving load)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ class SampleRequest:
     prompt: str | list[int]
     output_len: int
     prompt_len: int | None = None  # known for token ids; a text prompt is counted by the server
+    images: tuple[str, ...] = ()  # data URLs sent as image_url parts before the text (chat only)
 
 
 @dataclass(frozen=True)
@@ -129,3 +131,41 @@ def file_requests(path: str | Path, n: int | None, output_lens: str, seed: int) 
         raise ValueError(f"the number of requests must be >= 1, got {n}")
     outputs = LengthRange.parse(output_lens).sample(np.random.default_rng(seed), n)
     return [SampleRequest(prompt=prompts[i % len(prompts)], output_len=outputs[i]) for i in range(n)]
+
+
+def with_random_images(requests: Sequence[SampleRequest], per_prompt: int, size: tuple[int, int], seed: int
+                       ) -> list[SampleRequest]:
+    """The requests, each with ``per_prompt`` images of random pixels (PNG data URLs, ``size`` = (width,
+    height)), a different one for every request, so no image is served from a prefix cache."""
+    import base64
+    import dataclasses
+    import io
+
+    from PIL import Image
+
+    if per_prompt < 0:
+        raise ValueError(f"images per prompt must be >= 0, got {per_prompt}")
+    rng = np.random.default_rng(seed)
+    width, height = size
+    out = []
+    for request in requests:
+        urls = []
+        for _ in range(per_prompt):
+            buf = io.BytesIO()
+            pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+            Image.fromarray(pixels).save(buf, format="PNG")
+            urls.append("data:image/png;base64," + base64.b64encode(buf.getvalue()).decode())
+        out.append(dataclasses.replace(request, images=tuple(urls)))
+    return out
+
+
+def parse_image_size(text: str) -> tuple[int, int]:
+    """'336x336' -> (336, 336): width x height."""
+    width, sep, height = text.lower().partition("x")
+    try:
+        size = (int(width), int(height))
+    except ValueError:
+        raise ValueError(f"image size {text!r} must be WIDTHxHEIGHT (whole numbers)") from None
+    if not sep or min(size) < 1:
+        raise ValueError(f"image size {text!r} must be WIDTHxHEIGHT, each >= 1")
+    return size

@@ -29,7 +29,9 @@ from plait.bench.datasets import (
     W5_PROMPT_MIX,
     SampleRequest,
     file_requests,
+    parse_image_size,
     random_requests,
+    with_random_images,
 )
 from plait.bench.metrics import (
     DEFAULT_PERCENTILES,
@@ -141,12 +143,18 @@ def build_payload(sample: SampleRequest, config: ServeBenchConfig, model: str) -
     if config.ignore_eos:
         payload["ignore_eos"] = True  # vLLM extension, which plait honours
     if config.endpoint_type == "completions":
+        if sample.images:
+            raise ValueError("images go with chat requests: use --endpoint-type chat")
         payload.update(prompt=sample.prompt, max_tokens=sample.output_len)
     else:
         if not isinstance(sample.prompt, str):
             raise ValueError("chat requests need text prompts: random token ids go to "
                              "--endpoint-type completions")
-        payload.update(messages=[{"role": "user", "content": sample.prompt}],
+        content: str | list[dict[str, Any]] = sample.prompt
+        if sample.images:
+            content = [*({"type": "image_url", "image_url": {"url": url}} for url in sample.images),
+                       {"type": "text", "text": sample.prompt}]
+        payload.update(messages=[{"role": "user", "content": content}],
                        max_completion_tokens=sample.output_len)
     return payload
 
@@ -357,6 +365,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help=f"output tokens per request, N or LOW-HIGH (default: W5's {W5_OUTPUT_LENS})")
     data.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
                       help=f"random token ids are drawn below this (default: {DEFAULT_VOCAB_SIZE})")
+    data.add_argument("--images-per-prompt", type=int, default=0,
+                      help="random images sent with each chat prompt, a new one each (default: 0)")
+    data.add_argument("--image-size", default="336x336", help="their WIDTHxHEIGHT (default: 336x336)")
     data.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                       help="let requests stop at EOS (default: ignore it, so output lengths are exact)")
     data.add_argument("--temperature", type=float, default=0.0)
@@ -403,11 +414,18 @@ def samples_from_args(args: argparse.Namespace) -> list[SampleRequest]:
     if args.dataset == "file":
         if not args.dataset_path:
             raise ValueError("--dataset file needs --dataset-path")
-        return file_requests(args.dataset_path, args.num_prompts, args.output_len, args.seed)
-    if args.dataset_path:
-        raise ValueError("--dataset-path is for --dataset file")
-    n = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
-    return random_requests(n, args.vocab_size, args.seed, args.prompt_mix, args.output_len)
+        samples = file_requests(args.dataset_path, args.num_prompts, args.output_len, args.seed)
+    else:
+        if args.dataset_path:
+            raise ValueError("--dataset-path is for --dataset file")
+        n = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
+        samples = random_requests(n, args.vocab_size, args.seed, args.prompt_mix, args.output_len)
+    if args.images_per_prompt:
+        if args.endpoint_type != "chat":
+            raise ValueError("--images-per-prompt sends images with chat requests: use --endpoint-type chat")
+        samples = with_random_images(samples, args.images_per_prompt, parse_image_size(args.image_size),
+                                     args.seed)
+    return samples
 
 
 def main(args: argparse.Namespace) -> int:
