@@ -1,6 +1,7 @@
-"""LLaVA (LlavaForConditionalGeneration: LLaVA-1.5 and checkpoints built like it): a CLIP vision tower and a
-two-layer projector turn each image into embeddings that stand in the prompt for its placeholder tokens; the
-Llama decoder takes them from there."""
+"""LLaVA (LlavaForConditionalGeneration: LLaVA-1.5 and LLaVA-Interleave's build;
+LlavaNextForConditionalGeneration: LLaVA-NeXT / 1.6): a CLIP or SigLIP vision tower and a two-layer projector
+turn each image into embeddings that stand in the prompt for its placeholder tokens; the Llama-family decoder
+of the text_config (Llama, Mistral, Qwen2) takes them from there."""
 
 from __future__ import annotations
 
@@ -16,6 +17,9 @@ from plait.models.llama import LlamaForCausalLM
 from plait.models.weights import language_model_name, load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
 
+# OpenAI CLIP's pixel statistics: the image processor of a CLIP-tower folder that ships none (a config alone).
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 # transformers' activation names as the vision tower and projector configs give them.
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -182,13 +186,21 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         """Tiles the image processor makes of an image of ``size`` (height, width)."""
         return 1
 
-    def default_image_processor(self, clip: object) -> object:
-        """The image processor of a folder that ships none (dummy weights): CLIP's, as made, or SigLIP's."""
-        if self.vision_tower.is_clip:
-            return clip
-        from transformers import SiglipImageProcessor
+    @property
+    def tile_shape(self) -> tuple[int, int, int]:
+        """(channels, size, size): one tile's pixel values, as the vision tower takes them."""
+        return self.vision_tower.embeddings.patch_embedding.in_channels, self.image_size, self.image_size
 
-        return SiglipImageProcessor(size={"height": self.image_size, "width": self.image_size})
+    def default_image_processor(self) -> object:
+        """The image processor of a folder that ships none (dummy weights): CLIP's or SigLIP's at the tower's
+        size."""
+        from transformers import CLIPImageProcessor, SiglipImageProcessor
+
+        size = self.image_size
+        if not self.vision_tower.is_clip:
+            return SiglipImageProcessor(size={"height": size, "width": size})
+        return CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                                  image_mean=CLIP_MEAN, image_std=CLIP_STD)
 
     def embed_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """pixel_values: [tiles, channels, size, size] -> [tiles, patch features, hidden] in the model's
@@ -223,8 +235,9 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
             for name, tensor in stream:
                 renamed = _vision_name(name)
                 if renamed is None:
-                    if language_model_name(name) is not None:
-                        yield language_model_name(name), tensor
+                    decoder_name = language_model_name(name)
+                    if decoder_name is not None:
+                        yield decoder_name, tensor
                     continue
                 if renamed.startswith(("vision_tower.post_layernorm.", "vision_tower.head.")):
                     continue  # LLaVA reads hidden states before them
@@ -271,17 +284,17 @@ class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):
         rows, cols = self._grid(size)
         side = self.features_side
         height, width = unpadded_shape(size, rows * side, cols * side)
-        base = side * side + (0 if self.drop_cls else 1)
-        return base + height * width + height  # a newline after each row of the tiles' picture
+        # the whole image's features first, then the picture with a newline after each row
+        return self.num_image_tokens + height * width + height
 
-    def default_image_processor(self, clip: object) -> object:
+    def default_image_processor(self) -> object:
         from transformers import LlavaNextImageProcessor
 
         size = self.image_size
         return LlavaNextImageProcessor(
             size={"shortest_edge": size}, crop_size={"height": size, "width": size},
-            image_grid_pinpoints=[list(p) for p in self.grid_pinpoints], image_mean=clip.image_mean,
-            image_std=clip.image_std)
+            image_grid_pinpoints=[list(p) for p in self.grid_pinpoints], image_mean=CLIP_MEAN,
+            image_std=CLIP_STD)
 
     def pack_image(self, features: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         # features: [1 + rows * cols, side * side, hidden] -> [base + unpadded rows * (cols + 1), hidden]

@@ -14,9 +14,6 @@ from typing import Any
 
 import torch
 
-# OpenAI CLIP's pixel statistics: the image processor of a LLaVA folder that ships none (a config alone).
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 _KEY_BYTES = 16
 
 
@@ -96,27 +93,23 @@ class ImageProcessor:
 
     @classmethod
     def for_model(cls, folder: Path | None, model: Any) -> ImageProcessor:
-        """The model folder's image processor (its preprocessor_config.json), else CLIP's at the vision
-        tower's size (a config-only folder: dummy weights; LLaVA-NeXT's takes its grid from the config)."""
-        from transformers import AutoImageProcessor, CLIPImageProcessor
+        """The model folder's image processor (its preprocessor_config.json), else the model's default (a
+        config-only folder: dummy weights)."""
+        from transformers import AutoImageProcessor
 
         if folder is not None and (Path(folder) / "preprocessor_config.json").is_file():
-            hf = AutoImageProcessor.from_pretrained(str(folder))
-        else:
-            size = model.image_size
-            hf = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
-                                    image_mean=list(CLIP_MEAN), image_std=list(CLIP_STD))
-            hf = model.default_image_processor(hf)
-        return cls(hf, model)
+            return cls(AutoImageProcessor.from_pretrained(str(folder)), model)
+        return cls(model.default_image_processor(), model)
 
     def expand(self, token_ids: Sequence[int], images: Sequence[Any]
                ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt with each image token made its image's placeholders, and its images. A prompt already
         expanded (as transformers' processor writes it) is taken as it is."""
         pixels = self.preprocess(images)
-        ids, offsets = self.expand_placeholders(token_ids, [self._tokens_for(p.size) for p in pixels])
-        return ids, tuple(ImageInput(offset, self._tokens_for(p.size), p.tensor, p.size, _key(p.tensor))
-                          for offset, p in zip(offsets, pixels))
+        lengths = [self._tokens_for(p.size) for p in pixels]
+        ids, offsets = self.expand_placeholders(token_ids, lengths)
+        return ids, tuple(ImageInput(offset, n, p.tensor, p.size, _key(p.tensor))
+                          for offset, n, p in zip(offsets, lengths, pixels))
 
     def placeholder_counts(self, images: Sequence[Any]) -> list[int]:
         """Each image's placeholder count, from its size alone (its pixels are not processed)."""

@@ -65,8 +65,7 @@ class ImageEmbeddings:
         self.model = model
         self.device = device
         # On a GPU outside enforce_eager, the vision tower replays CUDA graphs (TowerGraphs).
-        channels, size = model.vision_tower.embeddings.patch_embedding.in_channels, model.image_size
-        self.tower_graphs = TowerGraphs(model, device, (channels, size, size)) if graphs else None
+        self.tower_graphs = TowerGraphs(model, device, model.tile_shape) if graphs else None
         self.mask = torch.zeros(max_tokens, dtype=torch.bool, device=device)  # [max_tokens]
         self.values = torch.zeros(max_tokens, hidden, dtype=dtype, device=device)  # [max_tokens, hidden]
         self._staged = False  # whether mask marks any token (of the last step staged)

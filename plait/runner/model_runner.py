@@ -386,10 +386,8 @@ class ModelRunner:
             self.sampler(logits, [SamplingRow(PROFILE_SAMPLING, [0], [])] * rows)
             del logits
         if self.image_processor is not None:  # the vision tower at the most tiles a call runs at once
-            tower = self.model.vision_tower
-            channels, size = tower.embeddings.patch_embedding.in_channels, tower.image_size
-            self.model.embed_images(torch.zeros(max(TOWER_GRAPH_BATCHES), channels, size, size,
-                                                device=self.device))
+            tiles = torch.zeros(max(TOWER_GRAPH_BATCHES), *self.model.tile_shape, device=self.device)
+            self.model.embed_images(tiles)
         del kv, batch, hidden
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
