@@ -7,10 +7,17 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-SchedulingPolicy = Literal["mixed", "prefill_first"]
+# How a step is composed, and in what order requests are served. "mixed": running decodes first, prompts
+# chunked into the rest, requests first come first served; "prefill_first" swaps the two, for comparison
+# (W4). vLLM's names: "fcfs" (its default) is "mixed"; "priority" composes steps as "mixed" and serves
+# requests by their ``priority`` (lower first, then arrival), taking KV blocks from lower-priority running
+# requests where a higher-priority one needs them.
+SchedulingPolicy = Literal["mixed", "prefill_first", "fcfs", "priority"]
 Usage = Literal["offline", "serve"]
 USAGES: tuple[str, ...] = ("offline", "serve")
-SCHEDULING_POLICIES: tuple[str, ...] = ("mixed", "prefill_first")
+SCHEDULING_POLICIES: tuple[str, ...] = ("mixed", "prefill_first", "fcfs", "priority")
+# The two ways of composing a step, which W4 compares.
+STEP_COMPOSITIONS: tuple[str, ...] = ("mixed", "prefill_first")
 # What the engine runs the model for, as vLLM's --runner: "generate" (text), "pooling" (embeddings), or
 # "auto": pooling for a checkpoint of a base model (LlamaModel, Qwen3Model, ...: no LM head), else generate.
 RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
@@ -184,6 +191,16 @@ class EngineConfig:
         source = self.generation_config
         if not isinstance(source, str) or not source:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
+
+    @property
+    def prefills_first(self) -> bool:
+        """Whether a step schedules prompt chunks before the running decodes (``prefill_first``)."""
+        return self.scheduling_policy == "prefill_first"
+
+    @property
+    def serves_by_priority(self) -> bool:
+        """Whether requests are served by their priority rather than first come, first served."""
+        return self.scheduling_policy == "priority"
 
     def with_token_budget(self, device_type: str, total_memory: int = 0,
                           device_name: str = "") -> EngineConfig:

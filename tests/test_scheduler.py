@@ -17,9 +17,9 @@ from plait.sampling_params import SamplingParams
 PARAMS = SamplingParams()
 
 
-def make_request(i: int, prompt_len: int, max_tokens: int) -> Request:
+def make_request(i: int, prompt_len: int, max_tokens: int, priority: int = 0) -> Request:
     prompt = [100 + (7 * i + j) % 900 for j in range(prompt_len)]
-    return Request(f"r{i}", prompt, PARAMS, max_tokens=max_tokens, arrival_index=i)
+    return Request(f"r{i}", prompt, PARAMS, max_tokens=max_tokens, priority=priority)
 
 
 def fake_token(request: Request) -> int:
@@ -52,6 +52,7 @@ class Scenario:
     num_blocks: int
     requests: list[tuple[int, int, int]]  # (prompt_len, max_tokens, arrival_step), in arrival order
     aborts: list[tuple[int, int]] = field(default_factory=list)  # (request index, step)
+    priorities: list[int] = field(default_factory=list)  # one per request under "priority", else none
 
 
 @st.composite
@@ -64,7 +65,7 @@ def scenarios(draw) -> Scenario:
         max_prefill_tokens_beside_decodes=draw(st.one_of(st.just(0), st.integers(1, 64))),
         prefill_drain_steps=draw(st.one_of(st.just(0), st.integers(1, 8))),
         max_num_partial_prefills=draw(st.integers(1, 4)),
-        scheduling_policy=draw(st.sampled_from(["mixed", "prefill_first"])),
+        scheduling_policy=draw(st.sampled_from(["mixed", "prefill_first", "priority"])),
         block_size=block_size,
     )
     prompt_len = st.one_of(st.integers(1, 3), st.integers(1, 40), st.integers(1, 300))
@@ -76,7 +77,10 @@ def scenarios(draw) -> Scenario:
     # Mostly tight pools (preemption), sometimes roomy ones.
     extra = draw(st.one_of(st.integers(0, 3), st.integers(0, max(0, total - largest))))
     aborts = draw(st.lists(st.tuples(st.integers(0, len(specs) - 1), st.integers(0, 80)), max_size=3))
-    return Scenario(config, 1 + largest + extra, specs, aborts)
+    priorities = []
+    if config.serves_by_priority:
+        priorities = draw(st.lists(st.integers(-2, 2), min_size=len(specs), max_size=len(specs)))
+    return Scenario(config, 1 + largest + extra, specs, aborts, priorities)
 
 
 def step_bound(sc: Scenario) -> int:
@@ -87,6 +91,8 @@ def step_bound(sc: Scenario) -> int:
     last_arrival = sc.requests[-1][2]
     if sc.config.scheduling_policy == "mixed":
         return last_arrival + 2 * total_work + 10
+    if sc.config.serves_by_priority:  # each admission of a higher priority may restart every lower one
+        return last_arrival + 2 * total_work * (1 + len(sc.requests)) + 10
     return last_arrival + total_work * (2 + len(sc.requests) + sum(m for _, m, _ in sc.requests))
 
 
@@ -99,7 +105,8 @@ class Checker:
         self.bs = sc.config.block_size
         self.kv = KVCacheManager(sc.num_blocks, self.bs)
         self.sched = Scheduler(self.cfg, self.kv)
-        self.requests = [make_request(i, p, m) for i, (p, m, _) in enumerate(sc.requests)]
+        priorities = sc.priorities or [0] * len(sc.requests)
+        self.requests = [make_request(i, p, m, priorities[i]) for i, (p, m, _) in enumerate(sc.requests)]
         self.aborted: set[int] = set()
 
     def run(self) -> int:
@@ -143,7 +150,7 @@ class Checker:
         assert len(rows) <= cfg.max_num_seqs
         cap = prefill_cap(cfg, backlog)
         assert cap >= cfg.max_prefill_tokens_beside_decodes or not cfg.max_prefill_tokens_beside_decodes
-        if cfg.scheduling_policy == "mixed" and cap and plan.num_decode_tokens:
+        if not cfg.prefills_first and cap and plan.num_decode_tokens:
             assert plan.num_prefill_tokens <= cap, "prompt tokens beside decodes over the cap"
         assert len({id(r.request) for r in rows}) == len(rows), "a request appears twice in one plan"
         for row in rows:
@@ -169,7 +176,7 @@ class Checker:
 
         # Row order by policy.
         kinds = [r.is_prefill for r in rows]
-        if cfg.scheduling_policy == "mixed":
+        if not cfg.prefills_first:
             assert kinds == sorted(kinds), f"decode rows must precede prefill rows: {describe(plan)}"
             if any(kinds) and len(rows) < cfg.max_num_seqs:
                 scheduled = {id(r.request) for r in rows}
@@ -188,13 +195,18 @@ class Checker:
                 assert r.block_ids == [] and r.num_computed_tokens == 0
 
         # FCFS: admissions are a prefix of the waiting queue (whose order check_state checks: preempted
-        # requests first, then fresh ones by arrival); none in a step that preempted a running request.
+        # requests first, then fresh ones by arrival, or by (priority, arrival)); none in a step that
+        # preempted a running request, but under priority, where a strictly higher priority took its blocks.
         admitted = [r.request for r in rows if r.start == 0]
         assert admitted == waiting_before[: len(admitted)], (
             f"admitted {[r.request_id for r in admitted]} out of queue order "
             f"{[r.request_id for r in waiting_before]}")
+        assert not any(id(r.request) in preempted for r in rows), "a request preempted this step runs in it"
         if any(id(r) in preempted for r in running_before):
-            assert not admitted, "a request preempted this step was re-admitted (or overtaken) at once"
+            lowest_admitted = max((r.priority for r in admitted), default=None)
+            assert not admitted or (cfg.serves_by_priority and all(
+                r.priority > lowest_admitted for r in plan.preempted)), (
+                "a request preempted this step was re-admitted (or overtaken) at once")
 
         complete_step(self.sched, plan)
         self.check_state()
@@ -210,10 +222,16 @@ class Checker:
         assert all(PAD_BLOCK_ID < b < kv.num_blocks for b in held)
         assert len(set(held)) == len(held), "a block is held by two requests"
         assert kv.num_free_blocks + len(held) == kv.num_usable_blocks
-        # Waiting: no blocks, no progress; preempted ones at the front, fresh ones in arrival order.
+        # Waiting: no blocks, no progress; preempted ones at the front, fresh ones in arrival order (under
+        # priority, both queues in (priority, arrival) order).
         waiting = list(sched.waiting)
         for r in waiting:
             assert r.status is RequestStatus.WAITING and r.block_ids == [] and r.num_computed_tokens == 0
+        if cfg.serves_by_priority:
+            for queue in (waiting, sched.running):
+                keys = [(r.priority, r.arrival_index) for r in queue]
+                assert keys == sorted(keys), f"queue out of (priority, arrival) order: {keys}"
+            waiting = []  # the FCFS checks below do not apply
         fresh = [r.arrival_index for r in waiting if r.num_preemptions == 0]
         assert fresh == sorted(fresh)
         flags = [r.num_preemptions > 0 for r in waiting]
@@ -531,3 +549,82 @@ def test_a_preemption_in_the_step_does_not_raise_the_cap_beside_decodes(monkeypa
     plan = sched.schedule()
     assert plan.preempted == [b] and sched.prompt_backlog() == backlog + 9  # b's 8 + 1 tokens wait again
     assert capped == [backlog] == [8]
+
+
+# -- the priority policy -----------------------------------------------------------------------------
+
+
+def test_priority_admits_by_priority_then_arrival():
+    """vLLM's priority policy: lower values first, arrival order among equals, whatever the arrival order."""
+    sched, _ = _scheduler(max_num_batched_tokens=8, scheduling_policy="priority", max_num_partial_prefills=1)
+    requests = [make_request(i, 8, 1, priority=p) for i, p in enumerate([2, 0, 1, 0, -1])]
+    for r in requests:
+        sched.add(r)
+    order = []
+    while sched.num_unfinished:
+        plan = sched.schedule()
+        order += [row.request.request_id for row in plan.rows if row.start == 0]
+        complete_step(sched, plan)
+    assert order == ["r4", "r1", "r3", "r2", "r0"]
+
+
+def test_fcfs_is_mixed_and_ignores_priorities_order():
+    """vLLM's default name, "fcfs", composes steps as "mixed" and serves requests in arrival order."""
+    sched, _ = _scheduler(max_num_batched_tokens=8, scheduling_policy="fcfs", max_num_partial_prefills=1)
+    assert not sched.config.prefills_first and not sched.by_priority
+    requests = [make_request(i, 8, 1, priority=p) for i, p in enumerate([2, 0, 1])]
+    for r in requests:
+        sched.add(r)
+    assert list(sched.waiting) == requests
+
+
+def test_priority_preempts_the_lowest_priority_not_the_newest():
+    """A decode that needs a block takes it from the running request of lowest priority (the newest among
+    equals), which re-enters the waiting queue at its (priority, arrival) place, not at the front."""
+    sched, _ = _scheduler(num_blocks=5, max_num_batched_tokens=64, block_size=4, scheduling_policy="priority")
+    low, high, mid = make_request(0, 4, 3, priority=5), make_request(1, 4, 3), make_request(2, 4, 3, 1)
+    for r in (low, high, mid):
+        sched.add(r)
+    plan = sched.schedule()
+    assert [row.request for row in plan.rows] == [high, mid, low]  # the step's rows in service order
+    complete_step(sched, plan)
+    waiting = make_request(3, 1, 1, priority=3)
+    sched.add(waiting)
+    plan = sched.schedule()  # each decode needs a second block: high takes the free one, mid's preempts
+    assert plan.preempted == [low]  # the oldest, yet the lowest priority
+    assert [row.request for row in plan.rows] == [high, mid]
+    assert list(sched.waiting) == [waiting, low]  # priority 3 before 5: the victim does not jump the queue
+
+
+def test_priority_admission_preempts_strictly_lower_priorities_for_blocks():
+    """A waiting request that finds no free blocks takes them from running requests of strictly lower
+    priority, the lowest first, as few as it needs; one of equal priority waits its turn instead."""
+    sched, _ = _scheduler(num_blocks=4, max_num_batched_tokens=64, block_size=8, scheduling_policy="priority",
+                           max_prefill_tokens_beside_decodes=0)
+    a, b, c = make_request(0, 6, 3, priority=1), make_request(1, 6, 3, priority=2), make_request(2, 6, 3, 2)
+    _start_decoding(sched, [a, b, c])  # 3 blocks full, each with room for its two decodes
+    same = make_request(3, 5, 1, priority=2)
+    sched.add(same)
+    plan = sched.schedule()
+    assert not plan.preempted and same.status is RequestStatus.WAITING  # equal priority: no preemption
+    complete_step(sched, plan)
+    urgent = make_request(4, 5, 1, priority=0)
+    sched.add(urgent)
+    plan = sched.schedule()
+    assert plan.preempted == [c]  # one block frees enough: b (also priority 2) keeps running
+    assert [row.request for row in plan.rows] == [a, b, urgent]
+    assert list(sched.waiting) == [c, same]  # c arrived before same: it resumes first at priority 2
+    assert urgent.status is RequestStatus.RUNNING and sched.running == [urgent, a, b]
+
+
+def test_priority_admission_never_preempts_in_vain():
+    """Where all the lower priorities' blocks would not make room, nobody is preempted for the request."""
+    sched, _ = _scheduler(num_blocks=4, max_num_batched_tokens=64, block_size=8, scheduling_policy="priority",
+                           max_prefill_tokens_beside_decodes=0, max_num_partial_prefills=1)
+    a, b = make_request(0, 6, 3, priority=0), make_request(1, 6, 3, priority=1)
+    _start_decoding(sched, [a, b])
+    big = make_request(2, 24, 1, priority=0)  # 3 blocks; free 1 + b's 1 = 2
+    sched.add(big)
+    plan = sched.schedule()
+    assert not plan.preempted and [row.request for row in plan.rows] == [a, b]
+    assert big.status is RequestStatus.WAITING and big.block_ids == []

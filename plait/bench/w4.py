@@ -25,7 +25,7 @@ from typing import Any
 
 from plait.bench import timeline as timeline_io
 from plait.bench.shared import SHARED_ENV, find_shared, load_shared_module
-from plait.config import SCHEDULING_POLICIES
+from plait.config import STEP_COMPOSITIONS
 
 W4_METRICS_FILE = "w4_metrics.py"
 WORKLOADS_FILE = "workloads.py"
@@ -302,7 +302,7 @@ def main(args: argparse.Namespace) -> int:
 
     # W4 is a serving workload: the engine takes its serving defaults (the token budget), as vLLM's did.
     base = dataclasses.replace(_engine_config(args), usage="serve")  # bad flags fail before anything loads
-    policies = [args.scheduling_policy] if args.scheduling_policy else list(SCHEDULING_POLICIES)
+    policies = [args.scheduling_policy] if args.scheduling_policy else list(STEP_COMPOSITIONS)
     shape = W4Shape(**{name: getattr(args, name) for name in asdict(W4Shape())})
     shared = find_shared(args.shared)
     config_for = lambda policy: dataclasses.replace(base, scheduling_policy=policy)

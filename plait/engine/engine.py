@@ -158,7 +158,6 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.grammars = GrammarCompiler(self.tokenizer, self.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}
-        self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
         self._step_index = itertools.count()
         self.record_timeline = False
@@ -224,9 +223,10 @@ class LLMEngine:
         params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> str:
         """Validate and queue one request; raises ValueError/TypeError before it enters the engine."""
-        request, text = self.make_request(prompt, params, request_id, lora_request)
+        request, text = self.make_request(prompt, params, request_id, lora_request, priority)
         self.enqueue(request, text)
         return request.request_id
 
@@ -236,15 +236,20 @@ class LLMEngine:
         params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize without queueing, so a batch can be checked whole before any of
         it enters the engine. Returns the request and its prompt text (None for token ids).
         ``lora_request`` names the LoRA adapter it runs with (read and checked here). A pooling model's
-        requests take PoolingParams (the default there), every other model's SamplingParams."""
+        requests take PoolingParams (the default there), every other model's SamplingParams.
+        ``priority``: lower is served first, under the "priority" scheduling policy only."""
         if params is None:
             params = PoolingParams() if self.pooler is not None else SamplingParams()
+        self._validate_priority(priority)
         if isinstance(params, PoolingParams):
-            return self._make_pooling_request(prompt, params, request_id, lora_request)
+            request, text = self._make_pooling_request(prompt, params, request_id, lora_request)
+            request.priority = priority
+            return request, text
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if self.pooler is not None:
@@ -279,8 +284,17 @@ class LLMEngine:
             # Blocks computed under one adapter are never served to another, nor to the base model.
             cache_key=lora.request.cache_key if lora is not None else b"",
             images=image_inputs,
+            priority=priority,
         )
         return request, text
+
+    def _validate_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an integer, got {type(priority).__name__}")
+        if priority != 0 and not self.config.serves_by_priority:  # as vLLM, which says so too
+            raise ValueError(f"priority must be 0 (got {priority}): priority scheduling is not enabled; "
+                             "start the engine with scheduling_policy='priority' (plait serve "
+                             "--scheduling-policy priority)")
 
     def _split_images(self, prompt: str | Sequence[int] | MultiModalPrompt
                       ) -> tuple[str | Sequence[int], tuple[Any, ...]]:
@@ -346,7 +360,6 @@ class LLMEngine:
         """Queue a request made by make_request."""
         if request.request_id in self._tracked:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        request.arrival_index = next(self._arrivals)
         params = request.sampling_params
         detok = None
         if self.tokenizer is not None and request.pooling_params is None:

@@ -53,7 +53,10 @@ class Request:
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     # The LoRA adapter it runs with (read and checked by the engine), or None for the base model.
     lora: LoRAAdapter | None = None
-    arrival_index: int | None = None  # set by LLMEngine.enqueue: FCFS order
+    # Under the "priority" scheduling policy, lower values are served first (vLLM's meaning); the engine
+    # refuses any other value than 0 under other policies.
+    priority: int = 0
+    arrival_index: int | None = None  # set by Scheduler.add: the order among requests of equal priority
     # Set for an embedding request (the pooling runner): its prompt is run and pooled, nothing is sampled
     # (max_tokens 0), and it finishes when the step that computes the prompt's end is collected.
     pooling_params: PoolingParams | None = None

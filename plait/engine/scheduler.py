@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from bisect import insort
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -71,6 +73,12 @@ class Scheduler:
     none is free preempt the newest running request by recompute; it goes to the front of the
     waiting queue, so it is the next to resume and nothing starves.
 
+    Under ``priority`` (vLLM's policy), both queues are kept in (priority, arrival) order, lower values
+    first: waiting requests are admitted in that order, running ones get the step's budget in it, and the
+    victim of a preemption is the last (the lowest priority, newest), which re-enters the waiting queue at
+    its place. A waiting request that finds no free KV blocks preempts running requests of strictly lower
+    priority for them, where theirs would be enough; equal priorities never preempt each other there.
+
     For models with recurrent layers, ``state_slots`` is the slot pool: a request takes a slot when
     it is admitted (admission waits, FCFS, while none is free) and gives it back when it finishes,
     is aborted or is preempted.
@@ -99,13 +107,21 @@ class Scheduler:
         self.lora_slots = lora_slots
         self.drafter = drafter
         self.whole_prompts = whole_prompts
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []  # in admission order; the last one is the newest
+        self.by_priority = self.config.serves_by_priority
+        self._arrivals = itertools.count()
+        self.waiting: deque[Request] = deque()  # in service order: arrival, or (priority, arrival)
+        # In admission order (the last one is the newest), or in (priority, arrival) order under priority:
+        # either way, the last one is the first to be preempted.
+        self.running: list[Request] = []
 
     # -- queue management -------------------------------------------------------------------
 
     def add(self, request: Request) -> None:
-        self.waiting.append(request)
+        request.arrival_index = next(self._arrivals)
+        if self.by_priority:
+            insort(self.waiting, request, key=_service_order)
+        else:
+            self.waiting.append(request)
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Retire a request (done or aborted) and return its blocks."""
@@ -134,7 +150,7 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         step = _StepBuilder(self.config)
-        if self.config.scheduling_policy == "mixed":
+        if not self.config.prefills_first:
             # The backlog as the step starts: a decode that preempts a request below must not raise the cap
             # with the preempted tokens (the pool is short of blocks then, not of prompt room).
             backlog = self.prompt_backlog()
@@ -203,6 +219,8 @@ class Scheduler:
         index = 0
         while index < len(self.waiting) and step.has_room():
             request = self.waiting[index]
+            if request in step.plan.preempted:
+                return  # preempted for a higher-priority request just now: restarting it would undo that
             if request.lora is not None and (waiting_for_slot or not self._lora_slot_available(request)):
                 waiting_for_slot = True
                 index += 1
@@ -216,7 +234,7 @@ class Scheduler:
             completes_prompt = num_new == request.num_remaining_tokens
             fits = completes_prompt or (not self.whole_prompts
                                         and step.num_partial_prefills < self.config.max_num_partial_prefills)
-            if not (fits and self._state_slot_available() and self.kv_cache.allocate(request, num_new)):
+            if not (fits and self._state_slot_available() and self._admission_blocks(step, request, num_new)):
                 # FCFS: a later request never overtakes one that is merely waiting its turn. The
                 # cached prefix is let go, so waiting requests never pin blocks.
                 self.kv_cache.free(request)
@@ -229,10 +247,31 @@ class Scheduler:
             if request.lora is not None:
                 request.lora_slot = self.lora_slots.take(request.lora.request.lora_int_id)
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            if self.by_priority:
+                insort(self.running, request, key=_service_order)
+            else:
+                self.running.append(request)
             step.add(request, num_new)
             if not completes_prompt:
                 step.num_partial_prefills += 1
+
+    def _admission_blocks(self, step: _StepBuilder, request: Request, num_new: int) -> bool:
+        """KV blocks for a waiting request's first chunk. Under priority, where none are free, running
+        requests of strictly lower priority are preempted for them (the lowest first), but only where all
+        of theirs would be enough: preemptions that could not admit it would be wasted work."""
+        if self.kv_cache.allocate(request, num_new):
+            return True
+        if not self.by_priority:
+            return False
+        victims = [r for r in self.running if r.priority > request.priority]
+        held = sum(1 for r in victims for b in r.block_ids if self.kv_cache.ref_count(b) == 1)
+        if self.kv_cache.num_free_blocks + held < self.kv_cache.num_blocks_needed(request, num_new):
+            return False
+        for victim in reversed(victims):
+            self._preempt(victim, step)
+            if self.kv_cache.allocate(request, num_new):
+                return True
+        return False
 
     def _schedule_running(self, step: _StepBuilder, request: Request, num_new: int) -> bool:
         """Give a running request blocks for ``num_new`` tokens, preempting the newest running
@@ -256,7 +295,10 @@ class Scheduler:
         request.num_prefill_tokens = request.num_tokens  # outputs so far, pending too, are re-prefilled
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
-        self.waiting.appendleft(request)
+        if self.by_priority:
+            insort(self.waiting, request, key=_service_order)
+        else:
+            self.waiting.appendleft(request)
         step.plan.preempted.append(request)
 
     def _state_slot_available(self) -> bool:
@@ -278,6 +320,11 @@ class Scheduler:
         if request.lora_slot != NO_LORA_SLOT:
             self.lora_slots.give_back(request.lora_slot)
             request.lora_slot = NO_LORA_SLOT
+
+
+def _service_order(request: Request) -> tuple[int, int]:
+    """The priority policy's order: lower priority values first, then earlier arrivals."""
+    return request.priority, request.arrival_index
 
 
 # A step with decodes has its prompt tokens trimmed so that the step's token count is a multiple of this:

@@ -202,9 +202,11 @@ class AsyncLLMEngine:
         validate: Validator | None = None,
         timeout_s: float | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Validate and queue one engine request per (prompt, params), all with ``lora_request``'s adapter
-        (None: the base model); all or none are queued.
+        (None: the base model) and ``priority`` (under the "priority" scheduling policy; lower is served
+        first); all or none are queued.
 
         Validation errors (ValueError, TypeError, or what a prompt builder raises) are raised here,
         before any of the requests enters the engine.
@@ -217,7 +219,8 @@ class AsyncLLMEngine:
         for rid in ids:
             self._streams[rid] = stream
         future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
-        self._commands.put(partial(self._do_add, list(zip(ids, children)), validate, future, lora_request))
+        self._commands.put(partial(self._do_add, list(zip(ids, children)), validate, future, lora_request,
+                                   priority))
         try:
             stream.prompt_token_ids = await future
         except asyncio.CancelledError:
@@ -401,6 +404,7 @@ class AsyncLLMEngine:
         validate: Validator | None,
         future: asyncio.Future,
         lora_request: LoRARequest | None,
+        priority: int,
         engine: LLMEngine,
     ) -> None:
         made: list[tuple[Request, str | None]] = []
@@ -408,7 +412,7 @@ class AsyncLLMEngine:
             for rid, (prompt, params) in children:
                 if callable(prompt):
                     prompt = prompt(engine)
-                request, text = engine.make_request(prompt, params, rid, lora_request)
+                request, text = engine.make_request(prompt, params, rid, lora_request, priority)
                 if validate is not None:
                     validate(request, engine)
                 made.append((request, text))

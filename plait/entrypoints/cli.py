@@ -45,6 +45,11 @@ _FLAG_HELP = {
                          "generation_config.json apply to requests that leave them out; 'vllm': plait's "
                          "own defaults; or a folder holding a generation_config.json (its max_new_tokens "
                          "then caps every request). Its eos_token_id always stops generation",
+    "scheduling_policy": "'mixed' (default; vLLM's 'fcfs' is the same): running decodes first, prompts "
+                         "chunked into the rest of the budget, first come first served; 'priority' "
+                         "(vLLM's): the same steps, requests served by their 'priority' field (lower "
+                         "first) and lower priorities preempted for higher ones' KV blocks; "
+                         "'prefill_first': prompt chunks before decodes, for comparison",
     "enable_lora": "serve requests with PEFT LoRA adapters (Llama-family models) (default: off)",
     "max_loras": "LoRA adapters on the device at once; a request waits while all serve others (default: 1)",
     "max_lora_rank": "the largest LoRA rank served (default: 16)",

@@ -66,6 +66,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRAInput = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
@@ -75,21 +76,23 @@ class LLM:
         before any enters the engine. Without sampling_params,
         get_default_sampling_params() (the model's generation_config.json may set them, as in vLLM).
         ``lora_request`` (under ``enable_lora``): the LoRA adapter of every prompt, or a list with one per
-        prompt (None: the base model), as vLLM's.
+        prompt (None: the base model), as vLLM's. ``priority`` (under ``scheduling_policy="priority"``): one
+        per prompt, lower served first, as vLLM's.
         """
         prompts = _as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params = _as_params_list(sampling_params, len(prompts))
         loras = _as_lora_list(lora_request, len(prompts))
+        priorities = _as_priority_list(priority, len(prompts))
         batch = self._batch_ids
         self._batch_ids += 1
         children: list[tuple[int, Request, str | None]] = []
         payloads = self._preprocessed([_prompt_payload(prompt) for prompt in prompts])
-        for i, (payload, p, lora) in enumerate(zip(payloads, params, loras)):
+        for i, (payload, p, lora, rank) in enumerate(zip(payloads, params, loras, priorities)):
             for k, child in enumerate(_fan_out(p)):
                 request_id = f"{batch}-{i}-{k}"
-                request, text = self.engine.make_request(payload, child, request_id, lora)
+                request, text = self.engine.make_request(payload, child, request_id, lora, rank)
                 children.append((i, request, text))
         for _, request, text in children:
             self.engine.enqueue(request, text)
@@ -375,6 +378,16 @@ def _as_lora_list(lora: LoRAInput, n: int) -> list[LoRARequest | None]:
     if len(lora) != n:
         raise ValueError(f"got {len(lora)} LoRA requests for {n} prompts")
     return list(lora)
+
+
+def _as_priority_list(priority: Sequence[int] | None, n: int) -> list[int]:
+    if priority is None:
+        return [0] * n
+    if isinstance(priority, (int, str)) or not isinstance(priority, Sequence):
+        raise TypeError(f"priority must be a list with one integer per prompt, got {type(priority).__name__}")
+    if len(priority) != n:  # vLLM's check
+        raise ValueError(f"got {len(priority)} priorities for {n} prompts")
+    return list(priority)
 
 
 def _prompt_payload(prompt: PromptType) -> str | list[int] | MultiModalPrompt:

@@ -343,6 +343,9 @@ class _SamplingRequest(_RequestModel):
     # length_penalty.
     use_beam_search: bool = False
     length_penalty: Annotated[float, Field(allow_inf_nan=False)] = 1.0
+    # vLLM extension: under --scheduling-policy priority, lower is served first (any other value is a 400
+    # under other policies).
+    priority: Int = 0
     user: str | None = None
     # Whether a streamed beam search is served (chat's, as vLLM's: the finished beams in one chunk each).
     streams_beam_search: ClassVar[bool] = True
@@ -837,6 +840,7 @@ class PoolingBody(_RequestModel):
     # special tokens (a BOS, an EOS) to text inputs.
     truncate_prompt_tokens: Annotated[Int, Field(ge=TRUNCATE_TO_CONTEXT)] | None = None
     add_special_tokens: bool | None = None  # None: true for text inputs, false for messages (as vLLM)
+    priority: Int = 0  # vLLM extension, as the sampling requests' field
 
     def inputs(self) -> list[str | list[int]]:
         raise NotImplementedError

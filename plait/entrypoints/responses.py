@@ -355,6 +355,7 @@ class ResponsesRequest(_RequestModel):
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    priority: Int = 0
 
     def check_supported(self) -> None:
         """Reject what is well-typed but that this server cannot honour."""
@@ -408,7 +409,7 @@ class ResponsesRequest(_RequestModel):
             "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
             "truncate_prompt_tokens": TRUNCATE_TO_CONTEXT if self.truncation == "auto" else None,
             "chat_template_kwargs": THINKING_OFF if effort == NO_REASONING_EFFORT else None,
-            "user": self.user,
+            "user": self.user, "priority": self.priority,
         }
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

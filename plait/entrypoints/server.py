@@ -344,6 +344,7 @@ _KNOWN_PARAMS = frozenset({
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
     "prompt_logprobs", "guided_choice", "bad_words", "prompt", "structured_outputs", "truncate_prompt_tokens",
+    "priority",
 })
 
 
@@ -1148,14 +1149,14 @@ class OpenAIServer:
 
     async def _start(self, children: list[tuple[PromptInput, SamplingParams | PoolingParams]],
                      prompt_param: str, max_tokens: int | None, structured_param: str,
-                     lora: LoRARequest | None = None) -> RequestStream:
-        """Queue the children, with ``lora``'s adapter where given; ``max_tokens`` is the request's own,
-        checked against the context. A bad grammar (its schema, regex or grammar) is found here, where the
-        engine compiles it."""
+                     lora: LoRARequest | None = None, priority: int = 0) -> RequestStream:
+        """Queue the children, with ``lora``'s adapter where given, at ``priority``; ``max_tokens`` is the
+        request's own, checked against the context. A bad grammar (its schema, regex or grammar) is found
+        here, where the engine compiles it."""
         validate = functools.partial(self._check_fits, max_tokens=max_tokens)
         try:
             return await self.engine.add(children, validate=validate, timeout_s=self.config.request_timeout_s,
-                                         lora_request=lora)
+                                         lora_request=lora, priority=priority)
         except (ValueError, TypeError) as err:
             raise _bad_request(err, prompt_param, structured_param) from err
 
@@ -1228,17 +1229,17 @@ class OpenAIServer:
             raise _bad_request(err) from err
 
     async def _start_beam_search(self, prompts: Sequence[PromptInput], params: BeamSearchParams,
-                                 prompt_param: str, max_tokens: int | None, lora: LoRARequest | None
-                                 ) -> RequestStream:
+                                 prompt_param: str, max_tokens: int | None, lora: LoRARequest | None,
+                                 priority: int) -> RequestStream:
         """The first step of each prompt's search: the prompts themselves, so the engine validates and
         tokenizes them (a 400 here, before any answer starts)."""
         step = step_params(params)
         return await self._start([(prompt, step) for prompt in prompts], prompt_param, max_tokens,
-                                 "structured_outputs", lora)
+                                 "structured_outputs", lora, priority)
 
     async def _finish_beam_search(self, stream: RequestStream, tracker: _RequestTracker,
                                   params: BeamSearchParams, skip_special_tokens: bool,
-                                  lora: LoRARequest | None) -> list[RequestOutput]:
+                                  lora: LoRARequest | None, priority: int) -> list[RequestOutput]:
         """Run the searches the first step started, as vLLM's server runs them: every step, each live beam of
         every prompt is a 1-token request. One output per prompt, its choices the beams, best first."""
         prompt_ids = stream.prompt_token_ids
@@ -1251,7 +1252,7 @@ class OpenAIServer:
             if not any(pending):
                 break
             stream = await self._start([(beam, step) for beams in pending for beam in beams], "prompt", None,
-                                       "structured_outputs", lora)
+                                       "structured_outputs", lora, priority)
             tracker = _RequestTracker(self.metrics, time.monotonic(), stream)
 
         def decode(ids: list[int]) -> str:
@@ -1276,9 +1277,11 @@ class OpenAIServer:
         if len(prompts) * params.beam_width > MAX_SEQUENCES_PER_REQUEST:  # the beams of one step
             raise APIError(400, f"{len(prompts)} prompt(s) x n={params.beam_width} is more than the "
                                 f"{MAX_SEQUENCES_PER_REQUEST} sequences one request may ask for", param="n")
-        stream = await self._start_beam_search(prompts, params, "prompt", body.requested_max_tokens, lora)
+        stream = await self._start_beam_search(prompts, params, "prompt", body.requested_max_tokens, lora,
+                                                body.priority)
         tracker = _RequestTracker(self.metrics, arrival, stream)
-        results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens, lora)
+        results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens, lora,
+                                           body.priority)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = [CompletionResponseChoice(index=i * params.beam_width + c.index, text=c.text,
@@ -1289,11 +1292,11 @@ class OpenAIServer:
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _beam_results(self, raw: Request, stream: RequestStream, tracker: _RequestTracker,
-                            params: BeamSearchParams, skip_special_tokens: bool, lora: LoRARequest | None
-                            ) -> list[RequestOutput] | None:
+                            params: BeamSearchParams, skip_special_tokens: bool, lora: LoRARequest | None,
+                            priority: int) -> list[RequestOutput] | None:
         """A non-streamed search's results (None: the client left), its last step aborted either way."""
         try:
-            work = self._finish_beam_search(stream, tracker, params, skip_special_tokens, lora)
+            work = self._finish_beam_search(stream, tracker, params, skip_special_tokens, lora, priority)
             return await self._unless_disconnected(raw, work)
         finally:
             stream.abort()
@@ -1305,13 +1308,15 @@ class OpenAIServer:
         prompt_text = self._chat_prompt_text(body, body.messages)
         readers = [self._choice_reader(body, prompt_text) for _ in range(params.beam_width)]
         prompt = encode_rendered(self.tokenizer, prompt_text)
-        stream = await self._start_beam_search([prompt], params, "messages", body.requested_max_tokens, lora)
+        stream = await self._start_beam_search([prompt], params, "messages", body.requested_max_tokens, lora,
+                                                body.priority)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             events = self._beam_chat_events(body, stream, tracker, params, response_id, readers, lora)
             return _EngineStreamResponse(events, stream, tracker)
-        results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens, lora)
+        results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens, lora,
+                                           body.priority)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         (out,) = results
@@ -1337,7 +1342,8 @@ class OpenAIServer:
         for index in range(len(readers)):
             yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         try:
-            (out,) = await self._finish_beam_search(stream, tracker, params, body.skip_special_tokens, lora)
+            (out,) = await self._finish_beam_search(stream, tracker, params, body.skip_special_tokens, lora,
+                                                      body.priority)
         except _ENGINE_ERRORS as err:
             yield _sse_error(err, _ENGINE_ERROR_STATUS[type(err)])
             yield SSE_DONE
@@ -1526,7 +1532,7 @@ class OpenAIServer:
             param = err.param if isinstance(err, ProtocolError) else "dimensions"
             raise APIError(400, str(err), param=param) from err
         children: list[tuple[PromptInput, PoolingParams]] = [(p, params) for p in prompts]
-        stream = await self._start(children, "input", None, "input", lora)
+        stream = await self._start(children, "input", None, "input", lora, body.priority)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         try:
             finals = await self._unless_disconnected(raw, self._collect(stream, tracker))
@@ -1569,7 +1575,7 @@ class OpenAIServer:
         children: list[tuple[PromptInput, SamplingParams]] = [
             (p, child) for p in prompts for child in _fan_out(params)]
         stream = await self._start(children, "prompt", body.requested_max_tokens,
-                                   body.structured_outputs_param, lora)
+                                   body.structured_outputs_param, lora, body.priority)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         try:
@@ -1757,7 +1763,8 @@ class OpenAIServer:
                 raise APIError(400, str(err), param="messages") from err
             prompt = MultiModalPrompt(prompt, pixels)
         stream = await self._start([(prompt, child) for child in _fan_out(params)], prompt_param,
-                                   body.requested_max_tokens, body.structured_outputs_param, lora)
+                                   body.requested_max_tokens, body.structured_outputs_param, lora,
+                                   body.priority)
         return params, readers, stream
 
     def _chat_choice(self, body: ChatCompletionRequest, index: int, out: RequestOutput, reader: _ChoiceReader
