@@ -4,6 +4,13 @@ dense Llama, and sparse MoE models (Qwen3-MoE, Mixtral: every expert's width spl
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import random_prompts, run_greedy
@@ -132,3 +139,55 @@ def test_two_gpus_run_the_one_gpu_moe_model(moe_checkpoint):
     (plait.kernels.fused_moe), and the block's output is summed once; the router, replicated, routes alike."""
     family, folder = moe_checkpoint
     _check_two_gpus_run_the_one_gpu_model(folder, family, MOE_FIRST_LOGITS_TOL, MOE_NEAR_TIE)
+
+
+def test_symmetric_memory_all_reduce_sums_as_nccl(checkpoint):
+    """Decode steps' all-reduces go through symmetric memory (one-shot, in the graphs), prompt-sized ones
+    through NCCL; on two GPUs a + b rounds once whichever sums it, so the tokens and logits equal those of
+    the same engine with NCCL alone, bit for bit. In a fresh interpreter: torch lets a process take part in
+    one symmetric-memory rendezvous (plait.parallel.symmetric_memory says why), and this one made TP engines
+    already; a second engine there falls back to NCCL, as the script's second engine checks."""
+    script = textwrap.dedent(f"""
+        import json, os, sys
+        import torch
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from conftest import random_prompts, run_greedy
+        from plait.config import EngineConfig
+        from plait.engine.engine import LLMEngine
+
+        prompts = random_prompts(8, 1, 400, seed=5)
+        runs = {{}}
+        for switch in ("1", "0"):
+            os.environ["PLAIT_SYMM_ALL_REDUCE"] = switch  # the workers inherit it
+            engine = LLMEngine(EngineConfig(model={str(checkpoint)!r}, dtype="bfloat16",
+                                            tensor_parallel_size=2, max_model_len=1024, max_num_seqs=64,
+                                            max_num_batched_tokens=256, enable_prefix_caching=False,
+                                            num_kv_blocks=4096))
+            symmetric = engine.runner.group.symmetric
+            ids, logits = run_greedy(engine, prompts, {NEW_TOKENS}, arrive_every=2, capture_logits=True)
+            b = engine.runner.breakdown
+            runs[switch] = dict(ids=ids, logits=logits, symmetric=symmetric is not None,
+                                calls=symmetric.num_calls if symmetric else 0,
+                                graphed=b.graph_single_token_steps == b.single_token_steps > 0)
+            engine.shutdown()
+        again = LLMEngine(EngineConfig(model={str(checkpoint)!r}, dtype="bfloat16", tensor_parallel_size=2,
+                                       max_model_len=256, num_kv_blocks=64))
+        second_engine_symmetric = again.runner.group.symmetric is not None
+        again.shutdown()
+        on, off = runs["1"], runs["0"]
+        print(json.dumps(dict(
+            symmetric=[on["symmetric"], off["symmetric"], second_engine_symmetric], calls=on["calls"],
+            graphed=[on["graphed"], off["graphed"]], same_ids=on["ids"] == off["ids"],
+            same_logits=all(torch.equal(torch.stack(on["logits"][i]), torch.stack(off["logits"][i]))
+                            for i in off["logits"]))))
+    """)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"\nsymmetric-memory all-reduce: {got}")
+    # On in the first engine, off by the switch, and off in a second engine with the switch on (no hang).
+    assert got["symmetric"] == [True, False, False]
+    assert got["calls"] > 0 and got["graphed"] == [True, True]
+    assert got["same_ids"] and got["same_logits"]

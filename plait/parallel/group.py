@@ -10,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from plait.parallel.symmetric_memory import SymmetricAllReduce
+
 # Collectives that wait longer than this fail instead of hanging (a worker that died mid-step).
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 # NVLink multicast (NCCL's NVLS) takes a share of the GPUs' fabric for little gain at decode-sized
@@ -33,7 +35,9 @@ class ParallelRank:
 
 
 class TPGroup:
-    """The ranks' process group: NCCL on CUDA (its collectives are captured by CUDA graphs), gloo on CPU.
+    """The ranks' process group: NCCL on CUDA (its collectives are captured by CUDA graphs), gloo on CPU. On
+    CUDA, decode-sized all-reduces go through symmetric memory instead (SymmetricAllReduce), where the GPUs
+    can read each other's.
 
     Made directly from a store, not as torch.distributed's default group, so one process can hold several
     engines (tests do) and none leaks into code that uses torch.distributed for itself."""
@@ -46,11 +50,16 @@ class TPGroup:
                 os.environ.setdefault(name, value)
             self._pg = dist.ProcessGroupNCCL(store, where.rank, where.world_size,
                                              dist.ProcessGroupNCCL.Options())
+            self.symmetric = SymmetricAllReduce.create(store, where.rank, where.world_size, where.store_path,
+                                                       device, self._pg)
         else:
             self._pg = dist.ProcessGroupGloo(store, where.rank, where.world_size, GROUP_TIMEOUT)
+            self.symmetric = None
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the ranks, in place; the current stream waits for it (on CUDA the host does not)."""
+        if self.symmetric is not None and self.symmetric.fits(x):
+            return self.symmetric.all_reduce_(x)
         self._pg.allreduce([x]).wait()
         return x
 
@@ -63,8 +72,12 @@ class TPGroup:
         """Let go of this rank's communicators. Gloo's are dropped: its destructor closes them. An NCCL group
         is never torn down: its abort and its destructor both wait on NCCL's proxy threads, which can wait
         for peers that are gone (NVIDIA/nccl#1013): on two H200s each abort stalled until given up on, and
-        the process then hung at exit in the destructor. So the group keeps one reference no one holds until
-        the process ends, and the OS frees its memory and connections then."""
+        the process then hung at exit in the destructor. So the group (and the symmetric-memory group over it)
+        keeps one reference no one holds until the process ends, and the OS frees its memory and connections
+        then."""
         if self.device.type == "cuda":
             ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._pg))
+            if self.symmetric is not None:  # its group wraps the NCCL one, and peers map its buffer
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(self.symmetric))
         self._pg = None
+        self.symmetric = None
