@@ -63,6 +63,9 @@ class EngineConfig:
     # --generation-config: "auto" = the model folder's, "vllm" = none (plait's and vLLM's own defaults), or
     # a folder holding one. Its eos_token_id ids stop generation under every choice, as in vLLM.
     generation_config: str = "auto"
+    # vLLM's --override-generation-config: generation_config.json fields (temperature, top_p, top_k, min_p,
+    # repetition_penalty, max_new_tokens) over the file's, or over none under "vllm"; a dict or its JSON.
+    override_generation_config: dict | str | None = None
     # Seeds the engine's random sampling (requests without their own seed) and dummy weights, so two
     # engines with the same seed given the same requests in the same order sample the same tokens.
     seed: int = 0
@@ -185,6 +188,8 @@ class EngineConfig:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         self.pooler_config = PoolerConfig.parse(self.pooler_config)
         self.hf_overrides = _json_object("hf_overrides", self.hf_overrides)
+        self.override_generation_config = _json_object("override_generation_config",
+                                                       self.override_generation_config)
         self.limit_mm_per_prompt = _mm_limits(self.limit_mm_per_prompt)
         if self.pooler_config is not None and self.runner == "generate":
             raise ValueError("pooler_config applies to pooling models: it needs runner 'pooling' (or 'auto')")

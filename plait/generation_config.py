@@ -52,22 +52,32 @@ class GenerationDefaults:
         return self.max_tokens_cap if value is None else min(value, self.max_tokens_cap)
 
 
-def load_generation_defaults(source: str, model_path: Path) -> GenerationDefaults:
-    """Read the generation_config.json that ``source`` names for the model at ``model_path``.
+def load_generation_defaults(source: str, model_path: Path,
+                             override: dict[str, Any] | None = None) -> GenerationDefaults:
+    """Read the generation_config.json that ``source`` names for the model at ``model_path``, with
+    ``override``'s fields over its own (vLLM's --override-generation-config).
 
     "auto": the model folder's, if it has one (a GGUF file has none). "vllm": the same file's EOS ids only,
-    so sampling keeps vLLM's defaults. A folder: its generation_config.json, which must exist.
-    Raises ValueError for a file that is not a JSON object or holds values SamplingParams refuses.
+    so sampling keeps vLLM's defaults but for the override's. A folder: its generation_config.json, which
+    must exist. Raises ValueError for a file that is not a JSON object, an override field that sets no
+    sampling default, or values SamplingParams refuses.
     """
+    override = override or {}
+    unknown = sorted(set(override) - set(SAMPLING_FIELDS))
+    if unknown:
+        raise ValueError(f"override_generation_config: {unknown} set no sampling default; it takes "
+                         f"{sorted(SAMPLING_FIELDS)}")
     path = _config_path(source, model_path)
-    if path is None:
-        return GenerationDefaults()
-    raw = read_json_object(path)
-    sampling = {} if source == VLLM_DEFAULTS else _sampling_defaults(raw, path)
+    raw = read_json_object(path) if path is not None else {}
+    own = {} if source == VLLM_DEFAULTS else raw
+    where = str(path) if path is not None and source != VLLM_DEFAULTS else None
+    if override:
+        where = f"{where} and --override-generation-config" if where else "--override-generation-config"
+    sampling = _sampling_defaults({**own, **override}, where or "", from_file=bool(own))
     if sampling:
         # vLLM warns the same way: output changes without any request saying so.
-        logger.warning("default sampling parameters come from %s: %s (--generation-config vllm ignores them)",
-                       path, sampling)
+        logger.warning("default sampling parameters come from %s: %s (--generation-config vllm ignores the "
+                       "model's)", where, sampling)
     explicit_folder = source not in (AUTO, VLLM_DEFAULTS)
     return GenerationDefaults(sampling=sampling, eos_token_ids=_eos_token_ids(raw, path),
                               max_tokens_cap=sampling.get("max_tokens") if explicit_folder else None)
@@ -96,13 +106,13 @@ def read_json_object(path: Path) -> dict[str, Any]:
     return raw
 
 
-def _sampling_defaults(raw: dict[str, Any], path: Path) -> dict[str, Any]:
+def _sampling_defaults(raw: dict[str, Any], where: str, from_file: bool) -> dict[str, Any]:
     sampling = {name: raw[key] for key, name in SAMPLING_FIELDS.items() if raw.get(key) is not None}
     try:
         SamplingParams(**sampling)  # refuse bad values now, not in every request that leaves them out
     except (ValueError, TypeError) as err:
-        raise ValueError(f"{path}: {err} (--generation-config vllm ignores the file's sampling defaults)"
-                         ) from err
+        hint = " (--generation-config vllm ignores the file's sampling defaults)" if from_file else ""
+        raise ValueError(f"{where}: {err}{hint}") from err
     return sampling
 
 

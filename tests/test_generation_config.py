@@ -114,3 +114,46 @@ def test_generation_config_eos_ids_stop(tiny_llama, tmp_path):
         assert _greedy(llm, ignore_eos=True) == (tokens, "length")
     blocked, _ = _greedy(llm, min_tokens=NUM_TOKENS)  # EOS ids cannot be sampled before min_tokens
     assert len(blocked) == NUM_TOKENS and blocked[stop_at] != tokens[stop_at]
+
+
+# -- --override-generation-config ---------------------------------------------------------------
+
+
+def test_override_merges_over_the_file_or_over_none(tmp_path):
+    """As vLLM's --override-generation-config: its fields over the model's file (HF names, max_new_tokens as
+    max_tokens), or alone under "vllm" and where there is no file; the file's EOS ids stay."""
+    folder = _folder(tmp_path / "model", {"temperature": 0.6, "top_p": 0.9, "eos_token_id": 7})
+    override = {"temperature": 0.2, "max_new_tokens": 32}
+    merged = load_generation_defaults("auto", folder, override)
+    assert merged.sampling == {"temperature": 0.2, "top_p": 0.9, "max_tokens": 32}
+    assert merged.eos_token_ids == {7} and merged.max_tokens_cap is None  # a default, as the file's
+    alone = load_generation_defaults("vllm", folder, override)
+    assert alone.sampling == {"temperature": 0.2, "max_tokens": 32} and alone.eos_token_ids == {7}
+    assert load_generation_defaults("auto", _folder(tmp_path / "bare"), override).sampling == alone.sampling
+    named = load_generation_defaults(str(folder), tmp_path / "model.gguf", {"max_new_tokens": 5})
+    assert named.max_tokens(100) == 5  # a named folder's max_new_tokens caps, the override's too
+
+
+@pytest.mark.parametrize("override, words", [
+    ({"temprature": 0.5}, r"\['temprature'\] set no sampling default"),
+    ({"do_sample": True}, "set no sampling default"),
+    ({"top_p": 2.0}, "--override-generation-config: top_p must be in"),
+])
+def test_bad_overrides_are_refused_at_load(tmp_path, override, words):
+    with pytest.raises(ValueError, match=words):
+        load_generation_defaults("auto", _folder(tmp_path), override)
+
+
+def test_llm_and_cli_take_the_override(tiny_llama, tmp_path):
+    from plait.entrypoints.cli import parse_args
+
+    llm = LLM(str(tiny_llama), override_generation_config={"temperature": 0.0, "max_new_tokens": NUM_TOKENS},
+              **TINY)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS)
+    default = llm.generate(PROMPT, use_tqdm=False)[0].outputs[0]
+    assert (default.token_ids, default.finish_reason) == _greedy(llm)
+    args = parse_args(["serve", "--override-generation-config", '{"top_k": 5}'])
+    assert EngineConfig(override_generation_config=args.override_generation_config
+                        ).override_generation_config == {"top_k": 5}
+    with pytest.raises(ValueError, match="override_generation_config is not valid JSON"):
+        EngineConfig(override_generation_config="{top_k: 5}")

@@ -116,7 +116,8 @@ class LLMEngine:
         # Where the model is (the server names it from this too); its generation_config.json is read
         # before the weights load, so a bad one fails in a second, not after minutes.
         self.model_source = resolve_model(config.model)
-        self.generation_defaults = load_generation_defaults(config.generation_config, self.model_source.path)
+        self.generation_defaults = load_generation_defaults(config.generation_config, self.model_source.path,
+                                                            config.override_generation_config)
         self.runner = ModelRunner(config)
         # The runner chose the device's defaults (the token budget) where the config left them open.
         self.config = config = self.runner.config

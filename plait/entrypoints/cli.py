@@ -25,6 +25,7 @@ _ENGINE_FLAGS = (
     "attention_backend", "enforce_eager", "async_scheduling",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
     "kv_cache_dtype", "speculative_config", "runner", "pooler_config", "hf_overrides", "tensor_parallel_size",
+    "override_generation_config",
     "limit_mm_per_prompt",
 )
 
@@ -76,6 +77,10 @@ _FLAG_HELP = {
                             "included (default: 1)",
     "limit_mm_per_prompt": "as vLLM's, a JSON object: '{\"image\": 2}' refuses prompts with more images than "
                            "that (default: no limit but the context's length)",
+    "override_generation_config": "as vLLM's, a JSON object of generation_config.json fields over the "
+                                  "model's (or over none, with --generation-config vllm): "
+                                  "'{\"temperature\": 0.5, \"max_new_tokens\": 256}' (temperature, top_p, "
+                                  "top_k, min_p, repetition_penalty, max_new_tokens)",
     "hf_overrides": "as vLLM's, a JSON object merged into the checkpoint's config.json: '{\"architectures\": "
                     "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"]}' "
                     "serves Qwen3-Reranker as a cross-encoder (/score, /rerank) (default: none)",
