@@ -7,11 +7,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from plait.sampling_params import MAX_LOGPROBS
+
 # How a step is composed, and in what order requests are served. "mixed": running decodes first, prompts
 # chunked into the rest, requests first come first served; "prefill_first" swaps the two, for comparison
 # (W4). vLLM's names: "fcfs" (its default) is "mixed"; "priority" composes steps as "mixed" and serves
 # requests by their ``priority`` (lower first, then arrival), taking KV blocks from lower-priority running
 # requests where a higher-priority one needs them.
+# max_logprobs meaning no cap but the vocabulary's size (vLLM's -1).
+FULL_VOCAB_LOGPROBS = -1
+
 SchedulingPolicy = Literal["mixed", "prefill_first", "fcfs", "priority"]
 Usage = Literal["offline", "serve"]
 USAGES: tuple[str, ...] = ("offline", "serve")
@@ -66,6 +71,18 @@ class EngineConfig:
     # vLLM's --override-generation-config: generation_config.json fields (temperature, top_p, top_k, min_p,
     # repetition_penalty, max_new_tokens) over the file's, or over none under "vllm"; a dict or its JSON.
     override_generation_config: dict | str | None = None
+    # vLLM's --tokenizer: the tokenizer (and chat template) of another GGUF file, HF folder or cached Hub
+    # id instead of the model's own (None: the model's); --tokenizer-revision picks its Hub snapshot.
+    tokenizer: str | None = None
+    tokenizer_revision: str | None = None
+    # vLLM's --revision (a branch, tag or commit of a Hub id's snapshots in the local HF cache; None: main)
+    # and --download-dir (the HF cache folder to look Hub ids up in instead of $HF_HUB_CACHE's): plait never
+    # downloads, so both only choose among what is on disk.
+    revision: str | None = None
+    download_dir: str | None = None
+    # vLLM's --max-logprobs: the most logprobs (and prompt_logprobs) a request may ask for at each position;
+    # FULL_VOCAB_LOGPROBS (vLLM's -1) allows the whole vocabulary.
+    max_logprobs: int = MAX_LOGPROBS
     # Seeds the engine's random sampling (requests without their own seed) and dummy weights, so two
     # engines with the same seed given the same requests in the same order sample the same tokens.
     seed: int = 0
@@ -158,6 +175,7 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             value = self.enable_prefix_caching
             raise ValueError(f"enable_prefix_caching must be true or false, got {value!r}")
+        _check_int("max_logprobs", self.max_logprobs, minimum=FULL_VOCAB_LOGPROBS)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"

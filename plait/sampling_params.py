@@ -15,7 +15,8 @@ _VLLM_TOP_K_DISABLED = -1
 # Temperatures below this are treated as greedy decoding (same threshold as vLLM's _SAMPLING_EPS).
 GREEDY_TEMPERATURE_EPS = 1e-5
 
-# The OpenAI API allows at most 20 top logprobs per position; vLLM's default cap is the same.
+# The OpenAI API allows at most 20 top logprobs per position; vLLM's default cap (--max-logprobs) is the
+# same, and so is plait's (EngineConfig.max_logprobs, which the engine checks requests against).
 MAX_LOGPROBS = 20
 
 # OpenAI-style presence/frequency penalties are bounded to [-2, 2].
@@ -318,12 +319,11 @@ class SamplingParams:
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
 
-        _check_int("logprobs", self.logprobs, optional=True)
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        _check_int("prompt_logprobs", self.prompt_logprobs, optional=True)
-        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's max_logprobs
+            value = getattr(self, name)
+            _check_int(name, value, optional=True)
+            if value is not None and value < 0:
+                raise ValueError(f"{name} must be at least 0, got {value}")
 
         for name in ("presence_penalty", "frequency_penalty"):
             value = _check_float(name, getattr(self, name))

@@ -171,3 +171,36 @@ def test_gemma_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch, f
                                     attention_backend="triton"))
     assert_greedy_matches_hf(engine, hf, prompts, 4, LOGITS_ATOL)
     assert sandwiches and all(sandwiches)  # every add-and-normalise took its post-norm along
+
+
+def test_max_logprobs_caps_requests_and_can_allow_the_vocabulary(tiny_llama):
+    """vLLM's --max-logprobs: 20 by default; any cap the engine is made with, and -1 for the whole vocabulary,
+    whose logprobs then come back at every position: HF's log_softmax, every id, most likely first."""
+    from conftest import TINY_VOCAB
+    from transformers import AutoModelForCausalLM
+
+    from plait.sampling_params import SamplingParams
+
+    prompt = random_prompts(1, 12, 12, seed=8)[0]
+    small = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8, max_model_len=64, max_logprobs=3))
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"{field} 4 is more than the 3 this engine returns"):
+            small.add_request(prompt, SamplingParams(max_tokens=1, **{field: 4}))
+    default = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8, max_model_len=64))
+    with pytest.raises(ValueError, match="logprobs 21 is more than the 20"):
+        default.add_request(prompt, SamplingParams(max_tokens=1, logprobs=21))
+
+    every = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8, max_model_len=64, max_logprobs=-1))
+    with pytest.raises(ValueError, match=f"more than the {TINY_VOCAB}"):
+        every.add_request(prompt, SamplingParams(max_tokens=1, logprobs=TINY_VOCAB + 1))
+    every.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0, logprobs=TINY_VOCAB))
+    while every.has_unfinished_requests():
+        for out in every.step():
+            final = out
+    (entry,) = final.outputs[0].logprobs
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
+    ids = list(entry.top)
+    assert sorted(ids) == list(range(TINY_VOCAB)) and ids[0] == int(want.argmax())
+    torch.testing.assert_close(torch.tensor(list(entry.top.values())), want[ids], atol=1e-4, rtol=0)

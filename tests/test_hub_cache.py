@@ -40,8 +40,10 @@ def _write_tokenizer(folder: Path) -> None:
     fast.save_pretrained(folder)
 
 
-def _add_to_cache(cache: Path, repo_id: str, model_folder: Path, commit: str = COMMIT) -> Path:
-    """Lay `model_folder`'s files out as `hf download` leaves them; returns the snapshot folder."""
+def _add_to_cache(cache: Path, repo_id: str, model_folder: Path, commit: str = COMMIT,
+                  ref: str = "main") -> Path:
+    """Lay `model_folder`'s files out as `hf download` leaves them (`ref` naming `commit`); returns the
+    snapshot folder."""
     repo = cache / ("models--" + repo_id.replace("/", "--"))
     snapshot = repo / "snapshots" / commit
     (repo / "blobs").mkdir(parents=True, exist_ok=True)
@@ -51,7 +53,7 @@ def _add_to_cache(cache: Path, repo_id: str, model_folder: Path, commit: str = C
         shutil.copyfile(file, blob)
         (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob.name))
     (repo / "refs").mkdir(exist_ok=True)
-    (repo / "refs" / "main").write_text(commit)  # no trailing newline, as huggingface_hub writes it
+    (repo / "refs" / ref).write_text(commit)  # no trailing newline, as huggingface_hub writes it
     return snapshot
 
 
@@ -180,3 +182,48 @@ def test_server_serves_a_hub_id_under_that_name(hub_cache, tiny_llama) -> None:
     _add_to_cache(hub_cache, REPO_ID, tiny_llama)
     assert default_served_model_name(resolve_model(REPO_ID)) == REPO_ID
     assert default_served_model_name(resolve_model(str(tiny_llama))) == tiny_llama.name
+
+
+def test_revision_and_download_dir_pick_cached_snapshots(tmp_path, tiny_llama, tiny_llama_with_tokenizer,
+                                                         no_network) -> None:
+    """vLLM's --revision (a branch, tag or commit) and --download-dir (a cache outside $HF_HUB_CACHE): both
+    only pick among what is on disk."""
+    elsewhere = tmp_path / "elsewhere"
+    main = _add_to_cache(elsewhere, REPO_ID, tiny_llama)
+    other_commit = "fedcba9876543210fedcba9876543210fedcba98"
+    tagged = _add_to_cache(elsewhere, REPO_ID, tiny_llama_with_tokenizer, other_commit, ref="v2")
+    where = str(elsewhere)
+    assert resolve_model(REPO_ID, download_dir=where).path == main
+    assert resolve_model(REPO_ID, "v2", where) == ModelSource("hf", tagged, repo_id=REPO_ID)
+    assert resolve_model(REPO_ID, other_commit, where).path == tagged
+    with pytest.raises(FileNotFoundError) as info:
+        resolve_model(REPO_ID, "v3", where)
+    assert f"'{REPO_ID}@v3'" in str(info.value) and f"hf download {REPO_ID} --revision v3" in str(info.value)
+    with pytest.raises(ValueError, match="is a local path"):
+        resolve_model(str(tiny_llama), "v2")
+    # Only the v2 snapshot ships a tokenizer: the engine loads that revision's files.
+    assert LLM(REPO_ID, revision="v2", download_dir=where, block_size=8).get_tokenizer() is not None
+    assert LLM(REPO_ID, download_dir=where, block_size=8).get_tokenizer() is None
+    assert no_network == []
+
+
+def test_tokenizer_from_another_folder_or_hub_id(hub_cache, tiny_llama, tiny_llama_with_tokenizer, tmp_path,
+                                                 capsys) -> None:
+    """vLLM's --tokenizer: a model folder without a tokenizer serves text with another's (a folder, or a Hub
+    id at --tokenizer-revision), the same tokens as the folder that ships both."""
+    from plait.entrypoints.cli import main
+
+    want = _greedy(LLM(str(tiny_llama_with_tokenizer), block_size=8))
+    assert _greedy(LLM(str(tiny_llama), tokenizer=str(tiny_llama_with_tokenizer), block_size=8)) == want
+    _add_to_cache(hub_cache, "tiny-org/tokenizer", tiny_llama_with_tokenizer, ref="v1")
+    by_id = LLM(str(tiny_llama), tokenizer="tiny-org/tokenizer", tokenizer_revision="v1", block_size=8)
+    assert _greedy(by_id) == want
+    with pytest.raises(ValueError, match="holds no tokenizer"):
+        LLM(str(tiny_llama_with_tokenizer), tokenizer=str(tiny_llama), block_size=8)
+    with pytest.raises(ValueError, match="is a local path"):  # the model's own tokenizer at a revision
+        LLM(str(tiny_llama), tokenizer_revision="v1", block_size=8)
+    args = ["generate", PROMPTS[0], "--model", str(tiny_llama), "--tokenizer", str(tiny_llama_with_tokenizer),
+            "--max-tokens", "4", "--temperature", "0", "--trust-remote-code", "--enable-chunked-prefill"]
+    assert main(args) == 0 and capsys.readouterr().out.strip()
+    assert main([*args, "--no-enable-chunked-prefill"]) == 2
+    assert "always chunks prompts" in capsys.readouterr().err

@@ -153,6 +153,22 @@ def test_models_health_and_auth(served, client, model):
     assert r.status_code == 401
 
 
+def test_openapi_bounds_logprobs_by_the_engines_max_logprobs(served):
+    """/openapi.json gives the logprobs fields the engine's max_logprobs (20 here) as their maximum, so
+    clients and fuzzers read the bound the server enforces; chat's logprobs flag stays a boolean."""
+    _, url = served
+    schemas = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]
+
+    def maxima(request: str, name: str) -> list:
+        field = schemas[request]["properties"][name]
+        return [o.get("maximum") for o in [field, *field.get("anyOf", ())] if o.get("type") == "integer"]
+
+    assert maxima("CompletionRequest", "logprobs") == [20]
+    assert maxima("CompletionRequest", "prompt_logprobs") == [20]
+    assert maxima("ChatCompletionRequest", "top_logprobs") == [20]
+    assert maxima("ChatCompletionRequest", "logprobs") == []
+
+
 def test_chat_stream_equals_non_stream_with_usage(served, client, model):
     server, _ = served
     messages = _messages("Name three rivers.")
@@ -1208,7 +1224,7 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k", "greater than or equal to -1"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "less than or"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", "less than or equal to 20"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", "more than the 20 this engine"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens",
      "min_tokens must be <= max_tokens"),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", "empty string"),
@@ -1219,12 +1235,13 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": [1, -3]}, 400, "prompt", "greater than or equal to 0"),
     ("/v1/completions", {"prompt": [1] * TOO_LONG}, 400, "prompt", "maximum context length"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 10**5}, 400, "max_tokens", "maximum context length"),
-    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs", "less than or equal"),
+    ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, 400, "prompt_logprobs",
+     "is more than the 20 this engine returns"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": -1}, 400, "prompt_logprobs", "greater than or"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1, "stream": True}, 400, "prompt_logprobs",
      "stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 21}, 400,
-     "prompt_logprobs", "less than or equal to 20"),
+     "prompt_logprobs", "more than the 20"),
     # logit_bias: OpenAI's bounds, ids as digit strings, within the vocabulary (49152 ids), few enough
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": 100.5}}, 400, "logit_bias", "less than or equal"),
     ("/v1/completions", {"prompt": "x", "logit_bias": {"1": -101}}, 400, "logit_bias", "greater than or"),

@@ -162,3 +162,75 @@ def test_plait_serve_process(tmp_path):
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer cli-key"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 401
+
+
+def _self_signed(tmp_path):
+    """A key and a certificate for 127.0.0.1, made by the openssl command (skipped where there is none)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a certificate")
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+                    "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    return str(key), str(cert)
+
+
+def test_serve_vllm_logging_and_https_flags_reach_the_config(monkeypatch, tmp_path):
+    import plait.entrypoints.server as server
+    from plait.entrypoints import cli
+
+    key, cert = _self_signed(tmp_path)
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append((engine_config, config)))
+    assert cli.main(["serve", "--ssl-keyfile", key, "--ssl-certfile", cert, "--root-path", "/api",
+                     "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
+                     "--enable-log-requests",
+                     "--max-log-len", "10", "--disable-log-requests", "--trust-remote-code",
+                     "--tokenizer", "some/tokenizer", "--revision", "v2", "--download-dir", str(tmp_path),
+                     "--max-logprobs", "-1", "--override-generation-config", '{"temperature": 0.3}',
+                     "--scheduling-policy", "priority"]) == 0
+    engine, config = seen[0]
+    assert (config.ssl_keyfile, config.ssl_certfile, config.root_path) == (key, cert, "/api")
+    assert (config.uvicorn_log_level, config.disable_uvicorn_access_log) == ("warning", True)
+    assert (config.enable_log_requests, config.max_log_len) == (True, 10)
+    assert (engine.tokenizer, engine.revision, engine.download_dir) == ("some/tokenizer", "v2", str(tmp_path))
+    assert (engine.max_logprobs, engine.override_generation_config) == (-1, {"temperature": 0.3})
+    assert engine.scheduling_policy == "priority"
+    for bad, words in [(dict(ssl_keyfile=key), "both ssl_keyfile and ssl_certfile"),
+                       (dict(ssl_ca_certs=cert), "needs ssl_keyfile and ssl_certfile"),
+                       (dict(ssl_keyfile=key, ssl_certfile=str(tmp_path / "none.pem")), "is not a file")]:
+        with pytest.raises(ValueError, match=words):
+            server.ServerConfig(**bad)
+
+
+def test_https_serves_the_openai_client_and_logs_requests(tmp_path, tiny_llama, caplog):
+    """--ssl-keyfile / --ssl-certfile: the openai client, trusting the certificate, gets its completion over
+    HTTPS (plain HTTP gets none); --enable-log-requests logs each request, cut to --max-log-len."""
+    import logging
+
+    openai = pytest.importorskip("openai")
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    key, cert = _self_signed(tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8, max_model_len=128))
+    config = ServerConfig(log_level="warning", ssl_keyfile=key, ssl_certfile=cert, enable_log_requests=True,
+                          max_log_len=3)
+    prompt = [5, 17, 33, 2, 9, 41]
+    with caplog.at_level(logging.INFO, logger="plait.entrypoints.server"):
+        with BackgroundServer(OpenAIServer(engine, config)) as url:
+            assert url.startswith("https://")
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60,
+                                   http_client=httpx.Client(verify=cert))
+            reply = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=3,
+                                              temperature=0.0, extra_body={"ignore_eos": True})
+            assert reply.usage.completion_tokens == 3
+            with pytest.raises(httpx.HTTPError):
+                httpx.get(url.replace("https://", "http://") + "/health", timeout=5)
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Received request")]
+    assert len(logged) == 1 and "prompt_token_ids: [5, 17, 33]," in logged[0], logged
+    assert "temperature=0.0" in logged[0]

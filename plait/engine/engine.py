@@ -10,7 +10,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from plait.config import EngineConfig
+from plait.config import FULL_VOCAB_LOGPROBS, EngineConfig
 from plait.engine.detokenizer import Detokenizer
 from plait.engine.drafter import NgramDrafter
 from plait.engine.grammar import Grammar, GrammarCompiler
@@ -115,7 +115,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         # Where the model is (the server names it from this too); its generation_config.json is read
         # before the weights load, so a bad one fails in a second, not after minutes.
-        self.model_source = resolve_model(config.model)
+        self.model_source = resolve_model(config.model, config.revision, config.download_dir)
         self.generation_defaults = load_generation_defaults(config.generation_config, self.model_source.path,
                                                             config.override_generation_config)
         self.runner = ModelRunner(config)
@@ -269,6 +269,7 @@ class LLMEngine:
         token_ids, image_inputs = self._expand_images(token_ids, images)
         self._validate_prompt(token_ids)
         self._validate_sampling_token_ids(params)
+        self._validate_logprobs(params)
         lora = self.lora_adapter(lora_request)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -468,6 +469,21 @@ class LLMEngine:
         would be a device-side error, not a 400; SamplingParams does not know the vocabulary."""
         self._check_in_vocabulary("logit_bias", params.logit_bias or ())
         self._check_in_vocabulary("allowed_token_ids", params.allowed_token_ids or ())
+
+    @property
+    def max_logprobs(self) -> int:
+        """The most logprobs a request may ask for at a position: config.max_logprobs (-1: the vocabulary)."""
+        cap = self.config.max_logprobs
+        return self.model_config.vocab_size if cap == FULL_VOCAB_LOGPROBS else cap
+
+    def _validate_logprobs(self, params: SamplingParams) -> None:
+        """logprobs and prompt_logprobs within max_logprobs (vLLM's check)."""
+        cap = self.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > cap:
+                raise ValueError(f"{name} {value} is more than the {cap} this engine returns at a position "
+                                 "(max_logprobs; vLLM's --max-logprobs)")
 
     def _check_in_vocabulary(self, name: str, token_ids: Iterable[int]) -> None:
         vocab = self.model_config.vocab_size

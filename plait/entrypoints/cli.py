@@ -25,7 +25,8 @@ _ENGINE_FLAGS = (
     "attention_backend", "enforce_eager", "async_scheduling",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
     "kv_cache_dtype", "speculative_config", "runner", "pooler_config", "hf_overrides", "tensor_parallel_size",
-    "override_generation_config",
+    "override_generation_config", "max_logprobs", "tokenizer", "tokenizer_revision", "revision",
+    "download_dir",
     "limit_mm_per_prompt",
 )
 
@@ -81,6 +82,16 @@ _FLAG_HELP = {
                                   "model's (or over none, with --generation-config vllm): "
                                   "'{\"temperature\": 0.5, \"max_new_tokens\": 256}' (temperature, top_p, "
                                   "top_k, min_p, repetition_penalty, max_new_tokens)",
+    "max_logprobs": "as vLLM's --max-logprobs: the most logprobs / top_logprobs / prompt_logprobs a request "
+                    "may ask for at a position (default: 20; -1: the whole vocabulary)",
+    "tokenizer": "as vLLM's: a GGUF file, HF folder or cached Hub id whose tokenizer (and chat template) "
+                 "to use instead of the model's (default: the model's)",
+    "tokenizer_revision": "the Hub snapshot (branch, tag or commit) of --tokenizer, or of the model's own "
+                          "tokenizer without it (default: main)",
+    "revision": "as vLLM's: the Hub id's snapshot (branch, tag or commit) in the local HF cache "
+                "(default: main); plait never downloads",
+    "download_dir": "as vLLM's: the HF cache folder to find Hub ids in (default: $HF_HUB_CACHE, else "
+                    "~/.cache/huggingface/hub); plait never downloads into it",
     "hf_overrides": "as vLLM's, a JSON object merged into the checkpoint's config.json: '{\"architectures\": "
                     "[\"Qwen3ForSequenceClassification\"], \"classifier_from_token\": [\"no\", \"yes\"]}' "
                     "serves Qwen3-Reranker as a cross-encoder (/score, /rerank) (default: none)",
@@ -109,6 +120,17 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
             continue
         added.append(f.name)
     parser.set_defaults(engine_flags=tuple(added))
+    _add_vllm_compat_args(group)
+
+
+def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
+    """vLLM flags whose behaviour plait always has, accepted so that vLLM command lines run unchanged."""
+    group.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM command lines: plait runs no code from checkpoints, and a "
+                            "model that needs its own code is refused by architecture")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                       help="always on in plait: prompts are chunked into every step beside the decodes "
+                            "(--no-enable-chunked-prefill is refused)")
 
 
 def _arg_type(hint: Any) -> type:
@@ -132,6 +154,10 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    if getattr(args, "enable_chunked_prefill", True) is False:
+        raise ValueError("plait always chunks prompts beside running decodes (that is how a step is built); "
+                         "to take each prompt whole, raise --max-num-batched-tokens, or use "
+                         "--scheduling-policy prefill_first")
     names = getattr(args, "engine_flags", _ENGINE_FLAGS)
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return EngineConfig(**given)
@@ -231,7 +257,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
                           allow_credentials=args.allow_credentials,
                           lora_modules=args.lora_modules or (),
-                          allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                          allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                          ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
+                          ssl_ca_certs=args.ssl_ca_certs, root_path=args.root_path,
+                          uvicorn_log_level=args.uvicorn_log_level,
+                          disable_uvicorn_access_log=args.disable_uvicorn_access_log,
+                          enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
     serve(_engine_config(args), config)
     return 0
 
@@ -349,6 +380,24 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.add_argument("--disable-log-stats", action="store_true",
                      help="no periodic stats lines (throughputs, queue, KV cache, speculation), as vLLM's")
+    srv.add_argument("--uvicorn-log-level", default=None,
+                     choices=["critical", "error", "warning", "info", "debug", "trace"],
+                     help="the HTTP server's log level (default: --log-level)")
+    srv.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    srv.add_argument("--enable-log-requests", action="store_true",
+                     help="log each request's id, prompt, token ids and sampling params, as vLLM's")
+    srv.add_argument("--disable-log-requests", action="store_true",
+                     help="accepted for vLLM command lines (requests are not logged unless "
+                          "--enable-log-requests)")
+    srv.add_argument("--max-log-len", type=int, default=None,
+                     help="with --enable-log-requests: the prompt characters and ids logged (default: all)")
+    srv.add_argument("--root-path", default="",
+                     help="the path prefix a proxy in front of the server strips, as vLLM's")
+    srv.add_argument("--ssl-keyfile", default=None,
+                     help="serve HTTPS with this private key (with --ssl-certfile)")
+    srv.add_argument("--ssl-certfile", default=None, help="and this certificate")
+    srv.add_argument("--ssl-ca-certs", default=None,
+                     help="require clients' certificates signed by these CAs (with --ssl-certfile)")
     _add_cors_args(srv)
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)

@@ -18,7 +18,6 @@ from plait.sampling_params import (
     MAX_BEAM_WIDTH,
     MAX_GUIDED_CHOICES,
     MAX_LOGIT_BIAS_ENTRIES,
-    MAX_LOGPROBS,
     PENALTY_BOUND,
     TRUNCATE_TO_CONTEXT,
     BeamSearchParams,
@@ -119,7 +118,7 @@ Int = Annotated[int, BeforeValidator(_integral_float_to_int)]
 # /openapi.json; SamplingParams still checks everything again.
 TokenId = Annotated[Int, Field(ge=0)]
 Penalty = Annotated[float, Field(ge=-PENALTY_BOUND, le=PENALTY_BOUND)]
-NumLogprobs = Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)]
+NumLogprobs = Annotated[Int, Field(ge=0)]  # at most the engine's max_logprobs, which it checks
 PositiveInt = Annotated[Int, Field(ge=1)]
 # logit_bias keys: JSON object keys are strings, OpenAI's hold token ids. ASCII digits only (int() would
 # take " 1", "1_0" and other scripts' digits) and no leading zeros, so two keys never name one id; ten

@@ -12,8 +12,10 @@ import functools
 import itertools
 import json
 import logging
+import os
 import secrets
 import socket
+import ssl
 import threading
 import time
 import uuid
@@ -143,6 +145,9 @@ from plait.pooling_params import PoolingParams, score_pairs
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# Request fields that count logprobs a position (chat's "logprobs" is a flag: only integer ones are bounded).
+LOGPROBS_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")
 T = TypeVar("T")
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the server is an explicit choice (--host 0.0.0.0)
@@ -253,6 +258,21 @@ class ServerConfig:
     # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and
     # remove adapters while serving.
     allow_runtime_lora_updating: bool = False
+    # vLLM's --ssl-keyfile / --ssl-certfile (HTTPS; both or neither) and --ssl-ca-certs (clients must then
+    # present a certificate that CA signed).
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
+    ssl_ca_certs: str | None = None
+    # vLLM's --root-path: the path prefix a proxy in front of the server strips (for the OpenAPI docs' links).
+    root_path: str = ""
+    # vLLM's --uvicorn-log-level (None: log_level) and --disable-uvicorn-access-log (no line per HTTP
+    # request).
+    uvicorn_log_level: str | None = None
+    disable_uvicorn_access_log: bool = False
+    # vLLM's --enable-log-requests: one log line per engine request (its id, prompt, token ids and sampling
+    # params), the prompt and ids cut to max_log_len characters and ids (vLLM's --max-log-len; None: whole).
+    enable_log_requests: bool = False
+    max_log_len: int | None = None
     chat_template_text: str | None = field(default=None, init=False, repr=False)  # what chat_template names
 
     def __post_init__(self) -> None:
@@ -273,6 +293,17 @@ class ServerConfig:
                 raise ValueError(f"{name} must be a list of strings, got {value!r}")
         if not isinstance(self.allow_credentials, bool):
             raise ValueError(f"allow_credentials must be true or false, got {self.allow_credentials!r}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("HTTPS needs both ssl_keyfile and ssl_certfile (--ssl-keyfile, --ssl-certfile)")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_ca_certs checks clients' certificates over HTTPS: it needs ssl_keyfile and "
+                             "ssl_certfile too")
+        for name in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name} {path!r} is not a file")
+        if self.max_log_len is not None and (isinstance(self.max_log_len, bool) or self.max_log_len < 0):
+            raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len!r}")
         if self.chat_template is not None:
             self.chat_template_text = load_chat_template(self.chat_template)
         if self.tool_call_parser is not None:
@@ -829,6 +860,7 @@ class OpenAIServer:
             engine.lora_adapter(lora)
             self.lora_requests[lora.lora_name] = lora
         self.engine = AsyncLLMEngine(engine, on_step=self._on_step)
+        self.max_logprobs = engine.max_logprobs
         self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
         self.app = self._build_app()
 
@@ -930,7 +962,8 @@ class OpenAIServer:
         self.responses = ResponsesAPI(self)
         self.responses.add_routes(app)
 
-        app.openapi = lambda: self._openapi(app, self.model_names)  # type: ignore[method-assign]
+        app.openapi = lambda: self._openapi(app, self.model_names,  # type: ignore[method-assign]
+                                            self.max_logprobs)
         app.add_middleware(GuardMiddleware, api_key=self.config.api_key,
                            max_body_bytes=self.config.max_request_body_bytes)
         # Added last, so outermost: it answers preflights before the key check, and its headers reach every
@@ -942,9 +975,9 @@ class OpenAIServer:
         return app
 
     @staticmethod
-    def _openapi(app: FastAPI, model_names: Sequence[str]) -> dict[str, Any]:
+    def _openapi(app: FastAPI, model_names: Sequence[str], max_logprobs: int) -> dict[str, Any]:
         """FastAPI's schema, without its 422 responses (validation errors here are 400s), and with
-        the model names this server accepts."""
+        the model names this server accepts and its engine's max_logprobs as the logprobs fields' maximum."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             for path_item in schema.get("paths", {}).values():
@@ -957,6 +990,12 @@ class OpenAIServer:
                 model = components.get(name, {}).get("properties", {}).get("model")
                 if model is not None:
                     model["anyOf"] = [{"type": "string", "enum": list(model_names)}, {"type": "null"}]
+            for component in components.values():
+                for name in LOGPROBS_FIELDS:
+                    field_schema = component.get("properties", {}).get(name, {})
+                    for option in [field_schema, *field_schema.get("anyOf", ())]:
+                        if option.get("type") == "integer":
+                            option["maximum"] = max_logprobs
             app.openapi_schema = schema
         return app.openapi_schema
 
@@ -1155,10 +1194,24 @@ class OpenAIServer:
         here, where the engine compiles it."""
         validate = functools.partial(self._check_fits, max_tokens=max_tokens)
         try:
-            return await self.engine.add(children, validate=validate, timeout_s=self.config.request_timeout_s,
-                                         lora_request=lora, priority=priority)
+            stream = await self.engine.add(children, validate=validate,
+                                           timeout_s=self.config.request_timeout_s, lora_request=lora,
+                                           priority=priority)
         except (ValueError, TypeError) as err:
             raise _bad_request(err, prompt_param, structured_param) from err
+        if self.config.enable_log_requests:
+            self._log_requests(stream, children, lora, priority)
+        return stream
+
+    def _log_requests(self, stream: RequestStream, children: list[tuple[PromptInput, Any]],
+                      lora: LoRARequest | None, priority: int) -> None:
+        """vLLM's --enable-log-requests line for each engine request, cut to max_log_len."""
+        cut = self.config.max_log_len
+        for rid, ids, (prompt, params) in zip(stream.request_ids, stream.prompt_token_ids, children):
+            text = prompt[:cut] if isinstance(prompt, str) else None  # a chat's is rendered in the engine
+            logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s, "
+                        "lora_request: %s, priority: %d", rid, text, params, ids[:cut],
+                        lora.lora_name if lora is not None else None, priority)
 
     async def _collect(self, stream: RequestStream, tracker: _RequestTracker) -> list[RequestOutput]:
         """Run a non-streamed request to its end; the final output of every child, in order."""
@@ -1905,18 +1958,23 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def base_url(sock: socket.socket) -> str:
-    """http://host:port of a bound socket, with a wildcard address shown as loopback."""
+def base_url(sock: socket.socket, https: bool = False) -> str:
+    """http(s)://host:port of a bound socket, with a wildcard address shown as loopback."""
     host, port = sock.getsockname()[:2]
     if host in ("0.0.0.0", "::"):
         host = "127.0.0.1" if host == "0.0.0.0" else "::1"
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{'https' if https else 'http'}://{host}:{port}"
 
 
 def _uvicorn_server(server: OpenAIServer) -> uvicorn.Server:
-    config = uvicorn.Config(server.app, log_level=server.config.log_level,
+    c = server.config
+    config = uvicorn.Config(server.app, log_level=c.uvicorn_log_level or c.log_level,
+                            access_log=not c.disable_uvicorn_access_log, root_path=c.root_path,
+                            ssl_keyfile=c.ssl_keyfile, ssl_certfile=c.ssl_certfile,
+                            ssl_ca_certs=c.ssl_ca_certs,
+                            ssl_cert_reqs=ssl.CERT_REQUIRED if c.ssl_ca_certs else ssl.CERT_NONE,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     return uvicorn.Server(config)
 
@@ -1949,7 +2007,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
     engine = LLMEngine(dataclasses.replace(engine_config, usage="serve"))
     server = OpenAIServer(engine, config)
     sock = bind_socket(config.host, config.port)
-    echo(banner(server, base_url(sock)))
+    echo(banner(server, base_url(sock, https=config.ssl_certfile is not None)))
     try:
         _uvicorn_server(server).run(sockets=[sock])
     except KeyboardInterrupt:
@@ -1965,7 +2023,7 @@ class BackgroundServer:
     def __init__(self, server: OpenAIServer, host: str = DEFAULT_HOST, port: int = 0) -> None:
         self.server = server
         self._sock = bind_socket(host, port)
-        self.url = base_url(self._sock)
+        self.url = base_url(self._sock, https=server.config.ssl_certfile is not None)
         self._uvicorn = _uvicorn_server(server)
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._sock]},
                                         name="plait-http", daemon=True)

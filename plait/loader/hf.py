@@ -33,23 +33,31 @@ class ModelSource:
     repo_id: str | None = None  # the Hub id it was found under in the HF cache (vLLM serves that name)
 
 
-def resolve_model(model: str | Path | None) -> ModelSource:
+def resolve_model(model: str | Path | None, revision: str | None = None,
+                  download_dir: str | None = None) -> ModelSource:
     """Classify a model argument; None means the bundled default GGUF.
 
     A local path wins; a string that is no local path but looks like a Hub id ("org/name") resolves to
-    that model's snapshot in the local Hugging Face cache (see cached_hub_snapshot): plait never
-    downloads. Raises FileNotFoundError for a missing path or uncached id, and ValueError for anything
-    that is not a model.
+    that model's snapshot at ``revision`` (None: main) in the local Hugging Face cache, or in
+    ``download_dir`` where given (see cached_hub_snapshot): plait never downloads. Raises
+    FileNotFoundError for a missing path or uncached id, and ValueError for anything that is not a model or
+    a revision of a local path.
     """
     if model is None:
-        return ModelSource("gguf", default_model_path())
-    raw = str(model)
-    path = Path(raw).expanduser()
-    if path.exists():
-        return _classify(path.resolve())
-    if isinstance(model, str) and _HUB_ID_RE.fullmatch(raw):
-        return replace(_classify(cached_hub_snapshot(raw)), repo_id=raw)
-    raise FileNotFoundError(f"model path {raw!r} does not exist")
+        source = ModelSource("gguf", default_model_path())
+    else:
+        raw = str(model)
+        path = Path(raw).expanduser()
+        if path.exists():
+            source = _classify(path.resolve())
+        elif isinstance(model, str) and _HUB_ID_RE.fullmatch(raw):
+            return replace(_classify(cached_hub_snapshot(raw, revision, download_dir)), repo_id=raw)
+        else:
+            raise FileNotFoundError(f"model path {raw!r} does not exist")
+    if revision is not None:
+        raise ValueError(f"a revision ({revision!r}) picks a snapshot of a Hub id in the HF cache; "
+                         f"{str(source.path)!r} is a local path")
+    return source
 
 
 def _classify(path: Path) -> ModelSource:

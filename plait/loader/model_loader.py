@@ -62,7 +62,7 @@ def load_model(
 ) -> LoadedModel:
     from plait.loader.hf import resolve_model
 
-    source = resolve_model(config.model)
+    source = resolve_model(config.model, config.revision, config.download_dir)
     hf_config, weights = _read_source(source, config.load_format)
     hf_config = merge_hf_overrides(hf_config, config.hf_overrides)
     model_config = ModelConfig.from_hf(hf_config)
@@ -113,7 +113,7 @@ def load_model(
     else:
         materialize_deferred(model, device)
     kv_scales: dict[int, dict[str, float]] = {}
-    tokenizer = _load_tokenizer(source)
+    tokenizer = _load_tokenizer(source, config)
     if weights is None:
         # Under tensor parallelism every rank draws the same numbers: replicated tensors agree, and each
         # rank's slice is as random as the whole.
@@ -237,10 +237,19 @@ def _read_source(source: Any, load_format: str) -> tuple[dict, Iterable[tuple[st
     return hf_config, iter_hf_weights(source.path)
 
 
-def _load_tokenizer(source: Any) -> Any | None:
-    from plait.loader.tokenizer import load_tokenizer
+def _load_tokenizer(source: Any, config: EngineConfig) -> Any | None:
+    """The model's tokenizer, or the one config.tokenizer names (vLLM's --tokenizer), which must hold one."""
+    from plait.loader.hf import resolve_model
+    from plait.loader.tokenizer import HF_TOKENIZER_FILES, load_tokenizer
 
-    return load_tokenizer(source.path)
+    if config.tokenizer is None and config.tokenizer_revision is None:
+        return load_tokenizer(source.path)
+    # As vLLM's: the tokenizer defaults to the model, and its revision applies to whichever it is.
+    named = config.tokenizer if config.tokenizer is not None else config.model
+    tokenizer = load_tokenizer(resolve_model(named, config.tokenizer_revision, config.download_dir).path)
+    if tokenizer is None:
+        raise ValueError(f"tokenizer {named!r} holds no tokenizer (none of {', '.join(HF_TOKENIZER_FILES)})")
+    return tokenizer
 
 
 @torch.no_grad()

@@ -66,23 +66,26 @@ def hub_cache_dir() -> Path:
     return _expand(home) / HF_HUB_SUBDIR
 
 
-def cached_hub_snapshot(repo_id: str) -> Path:
-    """The snapshot folder of Hub model `repo_id` (its `main` ref) in the local HF cache; never downloads.
+def cached_hub_snapshot(repo_id: str, revision: str | None = None,
+                        cache_dir: str | Path | None = None) -> Path:
+    """The snapshot folder of Hub model `repo_id` at `revision` (a branch, tag or commit; None: `main`) in the
+    local HF cache (`cache_dir`, else hub_cache_dir()); never downloads.
 
     Raises FileNotFoundError, naming the cache folder and how to fill it, when the model is not there
     (or is only partly there, or huggingface_hub is not installed to read the cache).
     """
-    cache = hub_cache_dir()
+    cache = _expand(str(cache_dir)) if cache_dir is not None else hub_cache_dir()
+    wanted = repo_id if revision is None else f"{repo_id}@{revision}"
     try:
         from huggingface_hub import snapshot_download
         from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
     except ImportError as err:  # transformers needs huggingface_hub, so only a stripped install lands here
         detail = f" (huggingface_hub, which reads that cache, is not installed: {err})"
-        raise FileNotFoundError(_not_cached_message(repo_id, cache, detail)) from None
+        raise FileNotFoundError(_not_cached_message(wanted, cache, detail)) from None
     try:
         # local_files_only=True skips every Hub request (whatever HF_HUB_OFFLINE says): the cache's
-        # refs/main names the commit, snapshots/<commit>/ is the folder.
-        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+        # refs/<revision> names the commit (a commit names itself), snapshots/<commit>/ is the folder.
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache, local_files_only=True))
     except HFValidationError as err:
         message = f"model path {repo_id!r} does not exist (nor is it a valid Hub id: {err})"
         raise FileNotFoundError(message) from None
@@ -90,14 +93,16 @@ def cached_hub_snapshot(repo_id: str) -> Path:
         # A subclass (IncompleteSnapshotError) names the files missing from a partial download; the base
         # class's text only suggests local_files_only=False, which plait never passes.
         detail = "" if type(err) is LocalEntryNotFoundError else f" ({err})"
-        raise FileNotFoundError(_not_cached_message(repo_id, cache, detail)) from None
+        raise FileNotFoundError(_not_cached_message(wanted, cache, detail)) from None
 
 
-def _not_cached_message(repo_id: str, cache: Path, detail: str = "") -> str:
+def _not_cached_message(wanted: str, cache: Path, detail: str = "") -> str:
+    repo_id, _, revision = wanted.partition("@")
+    fetch = f"hf download {repo_id}" + (f" --revision {revision}" if revision else "")
     return (
-        f"model {repo_id!r} is not a local path, and as a Hugging Face Hub id it is not (fully) in the "
-        f"local HF cache {str(cache)!r} (set by $HF_HUB_CACHE or $HF_HOME). plait never downloads: fetch "
-        f"it on a machine with network, e.g. `hf download {repo_id}` (`huggingface-cli download` in older "
+        f"model {wanted!r} is not a local path, and as a Hugging Face Hub id it is not (fully) in the "
+        f"local HF cache {str(cache)!r} (set by $HF_HUB_CACHE or $HF_HOME, or --download-dir). plait never "
+        f"downloads: fetch it on a machine with network, e.g. `{fetch}` (`huggingface-cli download` in older "
         f"huggingface_hub; copy the cache over if needed), or pass a local folder or .gguf file{detail}"
     )
 
