@@ -234,3 +234,56 @@ def test_https_serves_the_openai_client_and_logs_requests(tmp_path, tiny_llama, 
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Received request")]
     assert len(logged) == 1 and "prompt_token_ids: [5, 17, 33]," in logged[0], logged
     assert "temperature=0.0" in logged[0]
+
+
+def test_data_parallel_serves_one_address_over_replicas(tmp_path):
+    """`plait serve --data-parallel-size 2`: two replica processes behind one address. The openai client's
+    concurrent requests (streamed or not) get the answers one server gives, spread over both replicas (their
+    merged /metrics count each under its engine label); a bad request gets the replica's 400, the API key is
+    checked, and the replicas end with the server."""
+    import asyncio
+
+    openai = pytest.importorskip("openai")
+    from plait import LLM, SamplingParams
+
+    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    prompts = [[5 + i, 17, 33 + 2 * i, 9] for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm = LLM(str(model), max_model_len=128, num_kv_blocks=64)
+    want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                          use_tqdm=False)]
+    args = ["--model", str(model), "--max-model-len", "128", "--num-kv-blocks", "64",
+            "--data-parallel-size", "2"]
+    with plait_serve_process(tmp_path, args, {"PLAIT_API_KEY": "dp-key"}) as (url, banner):
+        assert "2 data parallel replicas" in banner and f"curl {url}/v1/chat/completions" in banner
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="dp-key", max_retries=0, timeout=120)
+
+        async def ask(i: int) -> list[int]:
+            kwargs = dict(model="tiny-model", prompt=prompts[i], max_tokens=6, temperature=0.0, logprobs=0,
+                          extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+            if i % 2:
+                tokens = []
+                async for chunk in await client.completions.create(stream=True, **kwargs):
+                    tokens += chunk.choices[0].logprobs.tokens if chunk.choices else []
+            else:
+                tokens = (await client.completions.create(**kwargs)).choices[0].logprobs.tokens
+            return [int(t.split(":")[1]) for t in tokens]
+
+        async def everything() -> list[list[int]]:
+            return await asyncio.gather(*(ask(i) for i in range(len(prompts))))
+
+        assert asyncio.run(everything()) == want
+        metrics = httpx.get(f"{url}/metrics").text
+        counts = {}
+        for line in metrics.splitlines():
+            if line.startswith("vllm:request_success_total{"):
+                engine = line.split('engine="')[1].split('"')[0]
+                counts[engine] = counts.get(engine, 0) + float(line.rsplit(" ", 1)[1])
+        assert set(counts) == {"0", "1"} and all(c > 0 for c in counts.values()), counts
+        assert sum(counts.values()) == len(prompts)
+        assert metrics.count("# TYPE vllm:request_success_total counter") == 1
+        bad = httpx.post(f"{url}/v1/completions", headers={"Authorization": "Bearer dp-key"},
+                         json={"model": "tiny-model", "prompt": "hi", "max_tokens": 0})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/health").json() == {"status": "ok", "replicas": [200, 200]}

@@ -263,7 +263,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           uvicorn_log_level=args.uvicorn_log_level,
                           disable_uvicorn_access_log=args.disable_uvicorn_access_log,
                           enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
-    serve(_engine_config(args), config)
+    if args.data_parallel_size < 1:
+        raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1:
+        from plait.entrypoints.data_parallel import serve_data_parallel
+
+        serve_data_parallel(_engine_config(args), config, args.data_parallel_size)
+    else:
+        serve(_engine_config(args), config)
     return 0
 
 
@@ -380,6 +387,10 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     srv.add_argument("--disable-log-stats", action="store_true",
                      help="no periodic stats lines (throughputs, queue, KV cache, speculation), as vLLM's")
+    srv.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
+                     help="as vLLM's: N engine replicas behind this address, each on its own "
+                          "--tensor-parallel-size GPUs, every request sent to the one with the fewest in "
+                          "flight (default: 1)")
     srv.add_argument("--uvicorn-log-level", default=None,
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="the HTTP server's log level (default: --log-level)")

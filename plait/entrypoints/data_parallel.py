@@ -1,0 +1,323 @@
+"""Data parallelism for serving (vLLM's --data-parallel-size): N engine replicas behind one address.
+
+Each replica is a `plait serve` process of its own (its own GPUs: CUDA_VISIBLE_DEVICES, tensor_parallel_size
+of them each) listening on a free loopback port; the front process proxies every request to the replica with
+the fewest requests in flight, streams its answer back unchanged (a client that hangs up closes the replica's
+stream, which aborts the request there), sends LoRA adapter loads to every replica, and merges their /metrics
+under an ``engine`` label, as vLLM's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import pickle
+import queue
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from plait.config import EngineConfig
+from plait.entrypoints.server import API_KEY_ENV
+
+logger = logging.getLogger(__name__)
+
+# How long a replica may take to load its model and print its address.
+REPLICA_START_TIMEOUT_S = 600.0
+# How long a stopping replica may take to finish its graceful shutdown before it is killed.
+REPLICA_STOP_TIMEOUT_S = 30.0
+# Requests that change every replica, not one: a LoRA adapter must be servable wherever a request lands.
+BROADCAST_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+# Headers that describe one hop of a connection, not the message: never passed on (RFC 9110, 7.6.1).
+HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
+                         "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
+_BANNER_URL = re.compile(r"on (http://127\.0\.0\.1:\d+) ")
+_METRIC_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(\{.*\})?( .*)$")
+
+
+@dataclass
+class Replica:
+    """One engine replica's process, its address, and the requests the front has in flight there."""
+
+    index: int
+    process: subprocess.Popen
+    url: str = ""
+    in_flight: int = 0
+
+
+def replica_devices(index: int, tensor_parallel_size: int, visible: str | None) -> str:
+    """The CUDA_VISIBLE_DEVICES of replica ``index``: its tensor_parallel_size GPUs among those visible
+    (all of the machine's where ``visible`` is None), in order."""
+    if visible is not None:
+        devices = [d.strip() for d in visible.split(",") if d.strip()]
+    else:
+        import torch
+
+        devices = [str(i) for i in range(torch.cuda.device_count())]
+    mine = devices[index * tensor_parallel_size:(index + 1) * tensor_parallel_size]
+    if len(mine) < tensor_parallel_size:
+        raise ValueError(f"data parallel replica {index} needs GPUs {index * tensor_parallel_size}.."
+                         f"{(index + 1) * tensor_parallel_size - 1}, but only {len(devices)} are visible")
+    return ",".join(mine)
+
+
+def start_replicas(engine_config: EngineConfig, server_config: Any, size: int) -> list[Replica]:
+    """Start ``size`` replicas at once and wait until each prints its address; any failure stops them all."""
+    on_cuda = _uses_cuda(engine_config)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # Replicas listen on loopback, plain HTTP; the front terminates TLS and serves under root_path.
+    replica_config = dataclasses.replace(server_config, host="127.0.0.1", port=0, ssl_keyfile=None,
+                                         ssl_certfile=None, ssl_ca_certs=None, root_path="")
+    fd, config_path = tempfile.mkstemp(prefix="plait-dp-", suffix=".pickle")  # mode 0600: it holds the key
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump((engine_config, replica_config), f)
+    replicas: list[Replica] = []
+    try:
+        for index in range(size):
+            env = dict(os.environ, PYTHONUNBUFFERED="1")
+            if on_cuda:
+                env["CUDA_VISIBLE_DEVICES"] = replica_devices(index, engine_config.tensor_parallel_size,
+                                                              visible)
+            process = subprocess.Popen([sys.executable, "-m", "plait.entrypoints.data_parallel", config_path],
+                                       stdout=subprocess.PIPE, text=True, env=env)
+            replicas.append(Replica(index, process))
+        for replica in replicas:
+            replica.url = _wait_for_address(replica)
+    except BaseException:
+        stop_replicas(replicas)
+        raise
+    finally:
+        os.unlink(config_path)
+    return replicas
+
+
+def _uses_cuda(config: EngineConfig) -> bool:
+    if config.device is not None:
+        return config.device.startswith("cuda")
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _wait_for_address(replica: Replica) -> str:
+    """The replica's URL from its banner (its stdout), read on a thread so a silent replica times out."""
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def pump() -> None:
+        for line in replica.process.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    threading.Thread(target=pump, daemon=True, name=f"plait-dp-{replica.index}").start()
+    deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
+    while True:
+        try:
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+        except queue.Empty:
+            raise RuntimeError(f"data parallel replica {replica.index} printed no address within "
+                               f"{REPLICA_START_TIMEOUT_S:.0f} s") from None
+        if line is None:
+            code = replica.process.wait()
+            raise RuntimeError(f"data parallel replica {replica.index} exited (code {code}) before serving; "
+                               "its error is above")
+        found = _BANNER_URL.search(line)
+        if found:
+            return found.group(1)
+
+
+def stop_replicas(replicas: list[Replica]) -> None:
+    """SIGINT (a replica's graceful shutdown) to each, then wait; kill what does not stop."""
+    for replica in replicas:
+        if replica.process.poll() is None:
+            replica.process.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + REPLICA_STOP_TIMEOUT_S
+    for replica in replicas:
+        try:
+            replica.process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            replica.process.kill()
+            replica.process.wait()
+
+
+class DataParallelFront:
+    """The front server's app: proxies to the least busy replica (see the module's docstring)."""
+
+    def __init__(self, replicas: list[Replica], api_key: str | None, max_body_bytes: int) -> None:
+        from plait.entrypoints.server import GuardMiddleware
+
+        self.replicas = replicas
+        # No pool limit: every client request holds one replica connection, as it would hold the engine.
+        self.client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None,
+                                                                          max_keepalive_connections=None))
+        app = FastAPI(title="plait (data parallel)", openapi_url=None, docs_url=None, redoc_url=None)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        for path in BROADCAST_PATHS:
+            app.add_api_route(path, self.broadcast, methods=["POST"])
+        app.add_api_route("/{path:path}", self.proxy,
+                          methods=["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"])
+        app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
+        self.app = app
+
+    def least_busy(self) -> Replica:
+        return min(self.replicas, key=lambda r: (r.in_flight, r.index))
+
+    async def proxy(self, request: Request) -> Response:
+        replica = self.least_busy()
+        replica.in_flight += 1
+        try:
+            upstream = await self.client.send(self._request_to(replica, request, await request.body()),
+                                              stream=True)
+        except httpx.HTTPError as err:
+            replica.in_flight -= 1
+            return _unavailable(replica, err)
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream.aiter_raw():
+                    yield chunk
+            finally:  # also when the client hung up: closing the replica's stream aborts its request there
+                await upstream.aclose()
+                replica.in_flight -= 1
+
+        return StreamingResponse(body(), status_code=upstream.status_code,
+                                 headers=_passed_on(upstream.headers))
+
+    async def broadcast(self, request: Request) -> Response:
+        """Each replica in turn; the first refusal (or else the last answer) is the client's."""
+        payload = await request.body()
+        answer = None
+        for replica in self.replicas:
+            try:
+                answer = await self.client.send(self._request_to(replica, request, payload))
+            except httpx.HTTPError as err:
+                return _unavailable(replica, err)
+            if answer.status_code >= 400:
+                break
+        return Response(answer.content, status_code=answer.status_code, headers=_passed_on(answer.headers))
+
+    async def health(self) -> Response:
+        codes = await asyncio.gather(*(self._status(r, "/health") for r in self.replicas))
+        ok = all(code == 200 for code in codes)
+        return JSONResponse({"status": "ok" if ok else "unavailable", "replicas": codes},
+                            status_code=200 if ok else 503)
+
+    async def metrics(self) -> Response:
+        """Every replica's Prometheus text, each sample labelled with its replica (``engine="i"``)."""
+        texts = await asyncio.gather(*(self.client.get(f"{r.url}/metrics") for r in self.replicas))
+        return Response(merge_metrics([t.text for t in texts]),
+                        media_type=texts[0].headers.get("content-type"))
+
+    async def _status(self, replica: Replica, path: str) -> int:
+        try:
+            return (await self.client.get(f"{replica.url}{path}", timeout=10)).status_code
+        except httpx.HTTPError:
+            return 503
+
+    def _request_to(self, replica: Replica, request: Request, payload: bytes) -> httpx.Request:
+        url = f"{replica.url}{request.url.path}"
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in HOP_HEADERS]
+        return self.client.build_request(request.method, url, params=request.query_params, headers=headers,
+                                         content=payload)
+
+
+def merge_metrics(texts: list[str]) -> str:
+    """Prometheus exposition texts of the replicas as one: each metric's HELP and TYPE once, then every
+    replica's samples with an ``engine`` label added."""
+    comments: dict[str, list[str]] = {}
+    samples: dict[str, list[str]] = {}
+    order: list[str] = []
+    for index, text in enumerate(texts):
+        family = None
+        for line in text.splitlines():
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                family = line.split()[2]
+                if family not in comments:
+                    comments[family], samples[family] = [], []
+                    order.append(family)
+                if index == 0 or line not in comments[family]:
+                    comments[family].append(line)
+                continue
+            found = _METRIC_SAMPLE.match(line)
+            if not found or family is None:
+                continue
+            name, labels, rest = found.groups()
+            inner = labels[1:-1] if labels else ""
+            labelled = f'{name}{{engine="{index}"{"," + inner if inner else ""}}}{rest}'
+            samples[family].append(labelled)
+    return "".join("\n".join(comments[f] + samples[f]) + "\n" for f in order)
+
+
+def _passed_on(headers: httpx.Headers) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in HOP_HEADERS}
+
+
+def _unavailable(replica: Replica, err: Exception) -> Response:
+    from plait.entrypoints.server import _error_body
+
+    message = f"data parallel replica {replica.index} did not answer: {err}"
+    return Response(_error_body(message, "service_unavailable"), status_code=503,
+                    media_type="application/json")
+
+
+def serve_data_parallel(engine_config: EngineConfig, server_config: Any, size: int) -> None:
+    """`plait serve --data-parallel-size N`: start the replicas, then serve the front until interrupted."""
+    from plait.entrypoints.server import GRACEFUL_SHUTDOWN_S, base_url, bind_socket
+
+    replicas = start_replicas(engine_config, server_config, size)
+    try:
+        front = DataParallelFront(replicas, server_config.api_key, server_config.max_request_body_bytes)
+        sock = bind_socket(server_config.host, server_config.port)
+        url = base_url(sock, https=server_config.ssl_certfile is not None)
+        print(_banner(replicas, url, server_config.api_key), flush=True)
+        c = server_config
+        config = uvicorn.Config(front.app, log_level=c.uvicorn_log_level or c.log_level,
+                                access_log=not c.disable_uvicorn_access_log, root_path=c.root_path,
+                                ssl_keyfile=c.ssl_keyfile, ssl_certfile=c.ssl_certfile,
+                                ssl_ca_certs=c.ssl_ca_certs, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        with contextlib.suppress(KeyboardInterrupt):
+            uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        stop_replicas(replicas)
+
+
+def _banner(replicas: list[Replica], url: str, api_key: str | None) -> str:
+    """The single server's banner (its curl example too), at the front's address, counting the replicas."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    model = httpx.get(f"{replicas[0].url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    auth = f" \\\n    -H \"Authorization: Bearer ${API_KEY_ENV}\"" if api_key else ""
+    payload = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
+                          "max_tokens": 32})
+    return (f"plait: serving '{model}' on {url} (OpenAI API at {url}/v1), {len(replicas)} data parallel "
+            f"replicas behind it\n"
+            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
+            f"    -d '{payload}'")
+
+
+def _replica_main(config_path: str) -> None:
+    """A replica: `plait serve` with the configs the front pickled."""
+    from plait.entrypoints.server import serve
+
+    engine_config, server_config = pickle.loads(Path(config_path).read_bytes())
+    serve(engine_config, server_config)
+
+
+if __name__ == "__main__":
+    _replica_main(sys.argv[1])
