@@ -287,3 +287,24 @@ def test_data_parallel_serves_one_address_over_replicas(tmp_path):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert httpx.get(f"{url}/health").json() == {"status": "ok", "replicas": [200, 200]}
+
+
+def test_data_parallel_replicas_take_their_own_gpus_and_metrics_merge():
+    from plait.entrypoints.data_parallel import merge_metrics, replica_devices
+
+    assert [replica_devices(i, 1, "0,1,2,3") for i in range(4)] == ["0", "1", "2", "3"]
+    assert [replica_devices(i, 2, "4,5,6,7") for i in range(2)] == ["4,5", "6,7"]  # within what is visible
+    with pytest.raises(ValueError, match="replica 2 needs GPUs 4..5, but only 4 are visible"):
+        replica_devices(2, 2, "0,1,2,3")
+    one = ('# HELP vllm:num_requests_running Requests running.\n# TYPE vllm:num_requests_running gauge\n'
+           'vllm:num_requests_running{model_name="m"} 2.0\n# HELP up Up.\n# TYPE up gauge\nup 1.0\n')
+    two = one.replace("2.0", "5.0")
+    merged = merge_metrics([one, two])
+    assert merged.count("# TYPE vllm:num_requests_running gauge") == 1
+    assert 'vllm:num_requests_running{engine="0",model_name="m"} 2.0' in merged
+    assert 'vllm:num_requests_running{engine="1",model_name="m"} 5.0' in merged
+    assert 'up{engine="1"} 1.0' in merged
+    # Each family's comments, then its samples from every replica.
+    lines = merged.splitlines()
+    where = [lines.index(line) for line in ("# TYPE up gauge", 'up{engine="0"} 1.0', 'up{engine="1"} 1.0')]
+    assert where == sorted(where)
