@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
+import time
 
 import pytest
 from conftest import ROOT, plait_serve_process
@@ -249,11 +251,12 @@ def test_data_parallel_serves_one_address_over_replicas(tmp_path):
     model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
     prompts = [[5 + i, 17, 33 + 2 * i, 9] for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    llm = LLM(str(model), max_model_len=128, num_kv_blocks=64)
+    longer = {"max_position_embeddings": 1024}  # room for the hung-up stream's 1,000 tokens below
+    llm = LLM(str(model), max_model_len=1024, num_kv_blocks=160, hf_overrides=longer)
     want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                           use_tqdm=False)]
-    args = ["--model", str(model), "--max-model-len", "128", "--num-kv-blocks", "64",
-            "--data-parallel-size", "2"]
+    args = ["--model", str(model), "--max-model-len", "1024", "--num-kv-blocks", "160",
+            "--hf-overrides", json.dumps(longer), "--data-parallel-size", "2"]
     with plait_serve_process(tmp_path, args, {"PLAIT_API_KEY": "dp-key"}) as (url, banner):
         assert "2 data parallel replicas" in banner and f"curl {url}/v1/chat/completions" in banner
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="dp-key", max_retries=0, timeout=120)
@@ -287,6 +290,26 @@ def test_data_parallel_serves_one_address_over_replicas(tmp_path):
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
         assert httpx.get(f"{url}/v1/models").status_code == 401
         assert httpx.get(f"{url}/health").json() == {"status": "ok", "replicas": [200, 200]}
+
+        # A client that hangs up mid-stream: the front closes the replica's stream, which aborts the request
+        # there long before its 1,000 tokens (a few seconds of this model's decode on two cores).
+        def totals(name: str) -> float:
+            text = httpx.get(f"{url}/metrics").text
+            return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                       if line.startswith(name + "{"))
+
+        before = totals("vllm:generation_tokens_total")
+        long = {"model": "tiny-model", "prompt": prompts[0], "max_tokens": 1000, "stream": True,
+                "ignore_eos": True}
+        auth = {"Authorization": "Bearer dp-key"}
+        with httpx.stream("POST", f"{url}/v1/completions", json=long, headers=auth, timeout=60) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())  # the stream has started; leaving the block closes the connection
+        deadline = time.monotonic() + 30
+        while totals("vllm:num_requests_running") + totals("vllm:num_requests_waiting") > 0:
+            assert time.monotonic() < deadline, "the abandoned request kept running"
+            time.sleep(0.1)
+        assert totals("vllm:generation_tokens_total") - before < 1000
 
 
 def test_data_parallel_replicas_take_their_own_gpus_and_metrics_merge():
