@@ -331,3 +331,65 @@ def test_data_parallel_replicas_take_their_own_gpus_and_metrics_merge():
     lines = merged.splitlines()
     where = [lines.index(line) for line in ("# TYPE up gauge", 'up{engine="0"} 1.0', 'up{engine="1"} 1.0')]
     assert where == sorted(where)
+
+
+def test_data_parallel_front_routes_broadcasts_and_reports_health():
+    """The front alone, over stand-in replicas (httpx's MockTransport): a request goes to the replica with
+    the fewest in flight, a LoRA load to every replica (the first refusal is the client's answer), and
+    /health is ok only while every replica is."""
+    import asyncio
+    import subprocess
+
+    from plait.entrypoints.data_parallel import DataParallelFront, Replica
+
+    seen: list[tuple[str, str]] = []
+    refuse_loads_at = {"http://r1"}
+    down: set[str] = set()
+
+    def answer(status: int, body: dict) -> httpx.Response:
+        async def chunks():  # a stream, as a server's body arrives (httpx reads a bytes body at once)
+            yield json.dumps(body).encode()
+
+        return httpx.Response(status, headers={"content-type": "application/json"}, content=chunks())
+
+    def replica(request: httpx.Request) -> httpx.Response:
+        origin = f"{request.url.scheme}://{request.url.host}"
+        seen.append((origin, request.url.path))
+        if origin in down:
+            return answer(503, {"status": "down"})
+        if request.url.path == "/v1/load_lora_adapter" and origin in refuse_loads_at:
+            return answer(400, {"error": {"message": "bad adapter", "param": "lora_path"}})
+        return answer(200, {"replica": origin, "path": request.url.path,
+                            "auth": request.headers.get("authorization")})
+
+    replicas = [Replica(i, subprocess.Popen(["true"]), url=f"http://r{i}") for i in range(3)]
+    front = DataParallelFront(replicas, api_key="k", max_body_bytes=1 << 20)
+    front.client = httpx.AsyncClient(transport=httpx.MockTransport(replica))
+    auth = {"Authorization": "Bearer k"}
+
+    async def scenario() -> None:
+        app = httpx.ASGITransport(app=front.app)
+        async with httpx.AsyncClient(transport=app, base_url="http://front") as c:
+            replicas[0].in_flight, replicas[1].in_flight, replicas[2].in_flight = 2, 0, 1
+            r = await c.post("/v1/completions", json={"prompt": "x"}, headers=auth)
+            assert r.json() == {"replica": "http://r1", "path": "/v1/completions", "auth": "Bearer k"}
+            assert [x.in_flight for x in replicas] == [2, 0, 1]  # its stream done, r1 has none again
+            assert (await c.post("/v1/completions", json={})).status_code == 401  # the key, checked first
+            seen.clear()
+            load = {"lora_name": "a", "lora_path": "/x"}
+            r = await c.post("/v1/load_lora_adapter", json=load, headers=auth)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+            assert seen == [("http://r0", "/v1/load_lora_adapter"), ("http://r1", "/v1/load_lora_adapter")]
+            refuse_loads_at.clear()
+            seen.clear()
+            r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "a"}, headers=auth)
+            assert r.status_code == 200
+            assert [path for _, path in seen] == ["/v1/unload_lora_adapter"] * 3
+            assert (await c.get("/health")).json() == {"status": "ok", "replicas": [200, 200, 200]}
+            down.add("http://r2")
+            r = await c.get("/health")
+            assert r.status_code == 503 and r.json()["replicas"] == [200, 200, 503]
+
+    asyncio.run(scenario())
+    for r in replicas:
+        r.process.wait()
