@@ -766,6 +766,21 @@ class LLMEngine:
 
     # -- introspection used by tests and tools ---------------------------------------------
 
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (vLLM's LLM.reset_prefix_cache): True where it could, False while requests
+        hold blocks (nothing is forgotten then)."""
+        return not self.has_unfinished_requests() and self.kv_cache.reset_prefix_cache()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Replace every weight in place with HF-named tensors (a whole checkpoint's worth, as an RL loop
+        sends between rollouts; vLLM's model.load_weights), then empty the prefix cache, whose KV the old
+        weights computed. Tensors keep their addresses, so captured CUDA graphs stay valid. Only while no
+        request runs; a load that fails part-way leaves the weights mixed (load a whole set again)."""
+        if self.has_unfinished_requests():
+            raise ValueError("load_weights needs an idle engine: finish or abort its requests first")
+        self.runner.load_weights(weights)
+        self.kv_cache.reset_prefix_cache()
+
     def is_idle_and_clean(self) -> bool:
         """Idle with every KV block, state slot and LoRA slot back in its pool (invariant 8)."""
         slots_free = self.state_slots is None or self.state_slots.num_used == 0

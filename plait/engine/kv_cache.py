@@ -133,6 +133,15 @@ class KVCacheManager:
 
     # -- prefix caching ---------------------------------------------------------------------
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's reset_prefix_cache): only while no request holds a block, so
+        nothing computed is lost; False, and nothing forgotten, otherwise."""
+        if self.num_used_blocks:
+            return False
+        for block in list(self._block_of.values()):
+            self._evict(block)
+        return True
+
     def match_prefix(self, request: Request) -> int:
         """Give a request that holds no blocks the longest cached prefix of its known tokens, always
         leaving at least one token to compute so that it samples normally. Returns the number of

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -54,6 +54,17 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, as vLLM's (False while requests hold blocks: nothing is forgotten then)."""
+        return self.engine.reset_prefix_cache()
+
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Replace the model's weights in place with HF-named tensors, e.g. ``policy.state_dict().items()``
+        of an RL loop's trained model between rollouts (every tensor of the checkpoint, as the model loads
+        them at start), and empty the prefix cache. CUDA graphs stay valid: no weight moves. Not for
+        tensor-parallel, quantised, LoRA or pooling engines."""
+        self.engine.load_weights(weights)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The params generate and chat use when given none, as vLLM's: SamplingParams' defaults under the

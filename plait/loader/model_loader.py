@@ -127,7 +127,7 @@ def load_model(
             weights = _score_from_token_rows(weights, _token_ids(tokenizer, from_tokens, source.path))
         if runner == "pooling":
             weights = _trunk_weights(weights, model_config.architecture in BASE_MODEL_ARCHITECTURES)
-        model.load_weights((name, _to_model(name, t, device, dtype)) for name, t in weights)
+        model.load_weights((name, to_model_dtype(name, t, device, dtype)) for name, t in weights)
     model.eval()
     fp8_cache = config.kv_cache_dtype == "fp8"
     cache_scales = _kv_cache_scales(kv_scales, model) if fp8_cache and kv_scales else None
@@ -209,7 +209,7 @@ def _kv_cache_scales(found: dict[int, dict[str, float]], model: nn.Module) -> li
     return [(found[layer]["k"], found[layer]["v"]) for layer in complete]
 
 
-def _to_model(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def to_model_dtype(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A checkpoint tensor on the device, in the model's dtype unless it is codes (FP8, or a GPTQ / AWQ
     checkpoint's packed integers) or a quantised checkpoint's scales (kept as they are: the codes are what is
     served, the scales multiply fp32 values)."""

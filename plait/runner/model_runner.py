@@ -7,6 +7,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -23,7 +24,7 @@ from plait.engine.state_slots import PAD_STATE_SLOT
 from plait.kernels.dispatch import triton_enabled, triton_importable
 from plait.layers.fp8 import FP8_DTYPE
 from plait.layers.mamba import allocate_mamba_states
-from plait.loader.model_loader import load_model, resolve_device_dtype
+from plait.loader.model_loader import load_model, resolve_device_dtype, to_model_dtype
 from plait.lora.model import LoRAModel
 from plait.multimodal.images import ImageProcessor
 from plait.parallel.group import ParallelRank, TPGroup
@@ -245,6 +246,22 @@ class ModelRunner:
         if self.group is not None:
             self.group.close()
             self.group = None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model's parameters (LLMEngine.load_weights), cast as the loader
+        casts them, then fold the MLP norms again where the model folds them."""
+        refusals = [(self.parallel is not None, "a tensor-parallel engine (each rank holds a slice)"),
+                    (self.quantization is not None, f"a {self.quantization} model (its weights are codes)"),
+                    (self.lora is not None, "an engine with LoRA (its layers are wrapped)"),
+                    (self.runner_type == "pooling", "a pooling model (its checkpoint's LM head is dropped)")]
+        for refused, what in refusals:
+            if refused:
+                raise ValueError(f"load_weights is not supported for {what}")
+        with torch.no_grad():
+            self.model.load_weights((name, to_model_dtype(name, t, self.device, self.dtype))
+                                    for name, t in weights)
+        if self._folds_norms():  # every norm came in unfolded, gate/up with it
+            self.model.fold_norm_weights()
 
     def _folds_norms(self) -> bool:
         """Whether the model's MLP norm weights move into gate/up: on the Triton path of a 16-bit GPU

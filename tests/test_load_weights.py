@@ -1,0 +1,72 @@
+"""Weights replaced in place (an RL loop's update between rollouts), and the prefix cache emptied: after
+LLM.load_weights(B's tensors), an engine of model A answers as an engine of B does, cached prefixes of A's
+KV included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts
+
+from plait import LLM, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+KNOBS = dict(block_size=8, max_model_len=128)
+
+
+@pytest.fixture(scope="module")
+def other_model(tiny_llama, tmp_path_factory):
+    """(B's folder, B's HF state dict): tiny_llama's config with other random weights."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * p.std())
+    folder = tmp_path_factory.mktemp("tiny-llama-b")
+    hf.save_pretrained(folder)
+    return folder, hf.state_dict()
+
+
+def _answers(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_loaded_weights_answer_as_that_model_and_the_cache_is_emptied(tiny_llama, other_model):
+    folder_b, weights_b = other_model
+    prompts = random_prompts(4, 30, 60, seed=21)
+    llm = LLM(str(tiny_llama), **KNOBS)
+    before = _answers(llm, prompts)
+    assert llm.engine.kv_cache.num_cached_blocks > 0  # A's prompts are cached: they must not serve B
+    llm.load_weights(weights_b.items())
+    assert llm.engine.kv_cache.num_cached_blocks == 0
+    want = _answers(LLM(str(folder_b), **KNOBS), prompts)
+    assert want != before, "B should answer otherwise than A"
+    assert _answers(llm, prompts) == want
+    # And back: A's own tensors (a generator of them, as a trainer may stream them) restore A's answers.
+    from transformers import AutoModelForCausalLM
+
+    weights_a = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).state_dict()
+    llm.load_weights((name, t) for name, t in weights_a.items())
+    assert _answers(llm, prompts) == before
+
+
+def test_load_weights_refuses_a_busy_engine_an_incomplete_set_and_lora(tiny_llama, other_model):
+    _, weights_b = other_model
+    llm = LLM(str(tiny_llama), **KNOBS)
+    llm.engine.add_request(random_prompts(1, 10, 10, seed=1)[0], GREEDY)
+    with pytest.raises(ValueError, match="needs an idle engine"):
+        llm.load_weights(weights_b.items())
+    assert not llm.reset_prefix_cache()  # a request holds blocks: nothing forgotten
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.reset_prefix_cache() and llm.engine.kv_cache.num_cached_blocks == 0
+    partial = [(n, t) for n, t in weights_b.items() if "layers.1." not in n]
+    with pytest.raises(ValueError, match="checkpoint is missing"):
+        llm.load_weights(partial)
+    with pytest.raises(ValueError, match="has no place"):
+        llm.load_weights([*weights_b.items(), ("model.layers.9.mlp.up_proj.weight", torch.zeros(2, 2))])
+    with pytest.raises(ValueError, match="not supported for an engine with LoRA"):
+        LLM(str(tiny_llama), enable_lora=True, **KNOBS).load_weights(weights_b.items())
