@@ -15,6 +15,7 @@ from plait.engine.detokenizer import Detokenizer
 from plait.engine.drafter import NgramDrafter
 from plait.engine.grammar import Grammar, GrammarCompiler
 from plait.engine.kv_cache import KVCacheManager
+from plait.engine.profiler import StepProfiler
 from plait.engine.request import FinishReason, Request
 from plait.engine.scheduler import Scheduler, StepPlan
 from plait.engine.state_slots import StateSlotPool
@@ -32,6 +33,8 @@ from plait.runner.sampler import needs_penalties
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, SamplingParams
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
 
 logger = logging.getLogger(__name__)
@@ -162,6 +165,7 @@ class LLMEngine:
         self._auto_ids = itertools.count()
         self._step_index = itertools.count()
         self.record_timeline = False
+        self.profiler = StepProfiler()  # start_profile / stop_profile
         self._in_flight: tuple[StepPlan, InFlightStep] | None = None  # launched, not yet collected
         # Steps that ran a forward (a call that only collects the previous step's tokens is not one).
         self.num_steps = 0
@@ -759,6 +763,15 @@ class LLMEngine:
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids, [completion],
                              finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
                              prompt_logprobs=prompt_logprobs, metrics=metrics)
+
+    def start_profile(self, folder: str | None = None) -> None:
+        """Start the torch profiler (vLLM's start_profile): its trace covers the steps until stop_profile;
+        ``folder`` defaults to $PLAIT_TORCH_PROFILER_DIR (or vLLM's $VLLM_TORCH_PROFILER_DIR)."""
+        self.profiler.start(folder)
+
+    def stop_profile(self) -> Path:
+        """Stop the profiler and write its Chrome trace; returns the file's path."""
+        return self.profiler.stop()
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when the engine is dropped)."""

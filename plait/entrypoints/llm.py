@@ -7,6 +7,7 @@ import dataclasses
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,6 +66,15 @@ class LLM:
         them at start), and empty the prefix cache. CUDA graphs stay valid: no weight moves. Not for
         tensor-parallel, quantised, LoRA or pooling engines."""
         self.engine.load_weights(weights)
+
+    def start_profile(self, folder: str | None = None) -> None:
+        """Start the torch profiler, as vLLM's: the trace covers the steps until stop_profile. ``folder``
+        defaults to $PLAIT_TORCH_PROFILER_DIR (or vLLM's $VLLM_TORCH_PROFILER_DIR)."""
+        self.engine.start_profile(folder)
+
+    def stop_profile(self) -> Path:
+        """Stop the profiler and write its Chrome trace (open it in https://ui.perfetto.dev); its path."""
+        return self.engine.stop_profile()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The params generate and chat use when given none, as vLLM's: SamplingParams' defaults under the

@@ -41,6 +41,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from plait import __version__
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine, StepStats
+from plait.engine.profiler import profiler_dir_from_env
 from plait.engine.request import Request as EngineRequest
 from plait.entrypoints.async_engine import (
     AsyncLLMEngine,
@@ -864,6 +865,13 @@ class OpenAIServer:
         self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
         self.app = self._build_app()
 
+    async def _engine_call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """``fn(engine)`` on the engine's loop thread; its ValueError a 400."""
+        try:
+            return await self.engine.call(fn)
+        except ValueError as err:
+            raise APIError(400, str(err)) from err
+
     def _on_step(self, stats: StepStats) -> None:
         self.metrics.observe_step(stats)
 
@@ -900,6 +908,17 @@ class OpenAIServer:
         @app.get("/metrics", response_class=Response)
         async def metrics() -> Response:
             return Response(self.metrics.render(), media_type=prom.CONTENT_TYPE_LATEST)
+
+        if profiler_dir_from_env() is not None:  # as vLLM: only where a trace folder is set
+            @app.post("/start_profile")
+            async def start_profile() -> Response:
+                await self._engine_call(lambda engine: engine.start_profile())
+                return JSONResponse({})
+
+            @app.post("/stop_profile")
+            async def stop_profile() -> Response:
+                path = await self._engine_call(lambda engine: engine.stop_profile())
+                return JSONResponse({"trace": str(path)})
 
         @app.get("/version", response_model=VersionResponse)
         async def version() -> VersionResponse:
