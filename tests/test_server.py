@@ -1465,6 +1465,17 @@ def test_metrics_move_with_traffic(served, client, model):
     assert delta(vllm("inter_token_latency_seconds_count")) == 4  # between 5 tokens
     assert delta(vllm("e2e_request_latency_seconds_count")) == 1
     assert delta(vllm("e2e_request_latency_seconds_sum")) > 0
+    # vLLM's per-request phases: they add up to the engine's own span of the request.
+    for phase in ("queue_time", "prefill_time", "decode_time", "inference_time"):
+        assert delta(vllm(f"request_{phase}_seconds_count")) == 1, phase
+    inference = delta(vllm("request_inference_time_seconds_sum"))
+    assert inference > 0 and inference == pytest.approx(
+        delta(vllm("request_prefill_time_seconds_sum")) + delta(vllm("request_decode_time_seconds_sum")))
+    assert inference + delta(vllm("request_queue_time_seconds_sum")) <= delta(
+        vllm("e2e_request_latency_seconds_sum"))
+    assert delta(vllm("request_prompt_tokens_sum")) == r.usage.prompt_tokens
+    assert delta(vllm("request_generation_tokens_sum")) == 5
+    assert delta(vllm("request_generation_tokens_bucket", le="5.0")) == 1
     # plait's own per-step histograms, and vLLM's tokens-per-step one that adds them up.
     steps = delta("plait_step_decode_tokens_count")
     assert steps >= 5  # one prefill step (which samples the first token), then 4 decodes

@@ -606,7 +606,8 @@ class LLMEngine:
             self.scheduler.finish(request, FinishReason.STOP)
             del self._tracked[request.request_id]
             metrics = {"arrival_time": tracked.arrival_time, "first_token_time": now, "now": now,
-                       "num_preemptions": request.num_preemptions}
+                       "num_preemptions": request.num_preemptions,
+                       "first_scheduled_time": request.first_scheduled_time}
             outputs.append(PoolingRequestOutput(
                 request.request_id, tracked.prompt, request.prompt_token_ids, PoolingOutput(data),
                 num_cached_tokens=request.num_cached_tokens, metrics=metrics))
@@ -758,7 +759,8 @@ class LLMEngine:
             delta_token_ids=delta_ids,
         )
         metrics = {"arrival_time": tracked.arrival_time, "first_token_time": tracked.first_token_time,
-                   "now": now, "num_preemptions": request.num_preemptions}
+                   "now": now, "num_preemptions": request.num_preemptions,
+                   "first_scheduled_time": request.first_scheduled_time}
         prompt_logprobs = list(tracked.prompt_logprobs) if tracked.prompt_logprobs is not None else None
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids, [completion],
                              finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,

@@ -81,6 +81,9 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     cache_key: bytes = b""  # extra hash input (LoRA, multimodal ids) so unlike contexts never share
     num_preemptions: int = 0
+    # When a step first admitted it (time.monotonic()), set by the scheduler: vLLM's queue time ends and its
+    # prefill time starts there (a re-admission after a preemption keeps the first).
+    first_scheduled_time: float | None = None
 
     # Set by the engine after each step that samples this request.
     output_token_ids: list[int] = field(default_factory=list)

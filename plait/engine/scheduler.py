@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 from bisect import insort
 from collections import deque
 from dataclasses import dataclass, field
@@ -241,6 +242,8 @@ class Scheduler:
                 request.num_computed_tokens = 0
                 return
             self.kv_cache.record_admission(request)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             del self.waiting[index]
             if self.state_slots is not None:
                 request.state_slot = self.state_slots.allocate()

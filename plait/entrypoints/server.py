@@ -190,6 +190,8 @@ TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 1
 ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's 1-2-5 series for a request's token counts.
+REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 STEP_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 # Error responses documented in the OpenAPI schema (FastAPI's 422 is replaced by 400).
@@ -536,6 +538,22 @@ class ServerMetrics:
                                   ITL_BUCKETS_S)
         self.e2e = vllm_histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token",
                                   E2E_BUCKETS_S)
+        # vLLM's per-request phases: waiting (arrival to first admission), prefill (to the first token),
+        # decode (to the last), inference (admission to the last); and each request's token counts.
+        self.queue_time = vllm_histogram("vllm:request_queue_time_seconds",
+                                         "Time from arrival to the first step that schedules the request",
+                                         E2E_BUCKETS_S)
+        self.prefill_time = vllm_histogram("vllm:request_prefill_time_seconds",
+                                           "Time from the first scheduling to the first token", E2E_BUCKETS_S)
+        self.decode_time = vllm_histogram("vllm:request_decode_time_seconds",
+                                          "Time from the first token to the last", E2E_BUCKETS_S)
+        self.inference_time = vllm_histogram("vllm:request_inference_time_seconds",
+                                             "Time from the first scheduling to the last token",
+                                             E2E_BUCKETS_S)
+        self.request_prompt_tokens = vllm_histogram("vllm:request_prompt_tokens",
+                                                    "Prompt tokens of a request", REQUEST_TOKEN_BUCKETS)
+        self.request_generation_tokens = vllm_histogram("vllm:request_generation_tokens",
+                                                        "Tokens a request generated", REQUEST_TOKEN_BUCKETS)
         self.iteration_tokens = vllm_histogram("vllm:iteration_tokens_total",
                                                "Tokens (prompt and decode) computed per engine step",
                                                STEP_TOKEN_BUCKETS)
@@ -660,6 +678,21 @@ class _RequestTracker:
             self._done[index] = True
             self._m.e2e.observe(max(0.0, now - self._arrival))
             self._m.request_finished(completion.finish_reason or "stop")
+            self._observe_phases(out, now)
+
+    def _observe_phases(self, out: RequestOutput, now: float) -> None:
+        """vLLM's per-request phase and token histograms, from the engine's timestamps of a finished one."""
+        m, scheduled = out.metrics, out.metrics.get("first_scheduled_time")
+        first_token = m.get("first_token_time")
+        if scheduled is not None:
+            self._m.queue_time.observe(max(0.0, scheduled - m["arrival_time"]))
+            self._m.inference_time.observe(max(0.0, now - scheduled))
+            if first_token is not None:
+                self._m.prefill_time.observe(max(0.0, first_token - scheduled))
+        if first_token is not None:
+            self._m.decode_time.observe(max(0.0, now - first_token))
+        self._m.request_prompt_tokens.observe(len(out.prompt_token_ids))
+        self._m.request_generation_tokens.observe(len(out.outputs[0].token_ids))
 
     def close(self, error: bool = False) -> None:
         """Count every child that did not finish as aborted (client gone) or failed (idempotent)."""
