@@ -227,3 +227,6 @@ def test_tokenizer_from_another_folder_or_hub_id(hub_cache, tiny_llama, tiny_lla
     assert main(args) == 0 and capsys.readouterr().out.strip()
     assert main([*args, "--no-enable-chunked-prefill"]) == 2
     assert "always chunks prompts" in capsys.readouterr().err
+    assert main([*args, "--guided-decoding-backend", "guidance"]) == 0 and capsys.readouterr().out.strip()
+    assert main([*args, "--structured-outputs-backend", "xgrammar"]) == 2
+    assert "--guided-decoding-backend xgrammar is not available" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """Weights replaced in place (an RL loop's update between rollouts), and the prefix cache emptied: after
 LLM.load_weights(B's tensors), an engine of model A answers as an engine of B does, cached prefixes of A's
-KV included."""
+KV included; the prefix cache emptied alone (LLM.reset_prefix_cache, the server's dev-mode endpoint)."""
 
 from __future__ import annotations
 
@@ -70,3 +70,24 @@ def test_load_weights_refuses_a_busy_engine_an_incomplete_set_and_lora(tiny_llam
         llm.load_weights([*weights_b.items(), ("model.layers.9.mlp.up_proj.weight", torch.zeros(2, 2))])
     with pytest.raises(ValueError, match="not supported for an engine with LoRA"):
         LLM(str(tiny_llama), enable_lora=True, **KNOBS).load_weights(weights_b.items())
+
+
+def test_dev_mode_resets_the_prefix_cache(tiny_llama, monkeypatch):
+    """vLLM's VLLM_SERVER_DEV_MODE=1 adds POST /reset_prefix_cache: the cache is emptied (a 409 while
+    requests hold blocks); without the switch there is no such endpoint."""
+    httpx = pytest.importorskip("httpx")
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8, max_model_len=64))
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        assert httpx.post(f"{url}/reset_prefix_cache").status_code == 404
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        body = {"model": engine.model_name, "prompt": list(range(3, 40)), "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert engine.kv_cache.num_cached_blocks > 0
+        assert httpx.post(f"{url}/reset_prefix_cache").status_code == 200
+        assert engine.kv_cache.num_cached_blocks == 0

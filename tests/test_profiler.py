@@ -61,3 +61,4 @@ def test_server_profiles_where_a_trace_folder_is_set(tiny_llama, tmp_path, monke
         assert r.status_code == 200
     trace = tmp_path / r.json()["trace"].rsplit("/", 1)[1]
     assert trace.is_file() and any(op.startswith("aten::") for op in _ops(trace))
+

@@ -31,6 +31,9 @@ _ENGINE_FLAGS = (
 )
 
 
+# vLLM's structured-output backend names that mean what plait runs: llguidance.
+STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "llguidance")
+
 # Flags whose default is decided at start-up rather than written in EngineConfig.
 _FLAG_HELP = {
     "model": "a .gguf file, an HF folder, or a Hub id (org/name) in the local HF cache; plait never "
@@ -128,6 +131,11 @@ def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM command lines: plait runs no code from checkpoints, and a "
                             "model that needs its own code is refused by architecture")
+    group.add_argument("--guided-decoding-backend", "--structured-outputs-backend", default="auto",
+                       metavar="BACKEND",
+                       help="vLLM's structured-output backend: plait's is llguidance, which vLLM calls "
+                            "'guidance' ('auto', 'guidance' and 'llguidance' are accepted; others are "
+                            "refused)")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="always on in plait: prompts are chunked into every step beside the decodes "
                             "(--no-enable-chunked-prefill is refused)")
@@ -154,6 +162,10 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    backend = getattr(args, "guided_decoding_backend", "auto")
+    if backend not in STRUCTURED_OUTPUT_BACKENDS:
+        raise ValueError(f"structured outputs are llguidance's here (vLLM's 'guidance' backend): "
+                         f"--guided-decoding-backend {backend} is not available; leave it out or pass 'auto'")
     if getattr(args, "enable_chunked_prefill", True) is False:
         raise ValueError("plait always chunks prompts beside running decodes (that is how a step is built); "
                          "to take each prompt whole, raise --max-num-batched-tokens, or use "

@@ -154,6 +154,8 @@ T = TypeVar("T")
 DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the server is an explicit choice (--host 0.0.0.0)
 DEFAULT_PORT = 8000
 API_KEY_ENV = "PLAIT_API_KEY"
+# vLLM's switch for its development endpoints (here: POST /reset_prefix_cache).
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 # Far above any prompt that fits a context window (128k tokens as ids is ~1 MB of JSON), far
 # below what would hurt the server to buffer.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
@@ -941,6 +943,13 @@ class OpenAIServer:
         @app.get("/metrics", response_class=Response)
         async def metrics() -> Response:
             return Response(self.metrics.render(), media_type=prom.CONTENT_TYPE_LATEST)
+
+        if os.environ.get(DEV_MODE_ENV, "").lower() in ("1", "true"):  # as vLLM: development endpoints
+            @app.post("/reset_prefix_cache")
+            async def reset_prefix_cache() -> Response:
+                if not await self._engine_call(lambda engine: engine.reset_prefix_cache()):
+                    raise APIError(409, "the prefix cache is in use: requests hold blocks", "conflict_error")
+                return JSONResponse({})
 
         if profiler_dir_from_env() is not None:  # as vLLM: only where a trace folder is set
             @app.post("/start_profile")
