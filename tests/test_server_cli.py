@@ -385,6 +385,9 @@ def test_data_parallel_front_routes_broadcasts_and_reports_health():
             r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "a"}, headers=auth)
             assert r.status_code == 200
             assert [path for _, path in seen] == ["/v1/unload_lora_adapter"] * 3
+            seen.clear()
+            assert (await c.post("/reset_prefix_cache")).status_code == 200  # dev mode: every replica's cache
+            assert seen == [(f"http://r{i}", "/reset_prefix_cache") for i in range(3)]
             assert (await c.get("/health")).json() == {"status": "ok", "replicas": [200, 200, 200]}
             down.add("http://r2")
             r = await c.get("/health")

@@ -3,8 +3,8 @@
 Each replica is a `plait serve` process of its own (its own GPUs: CUDA_VISIBLE_DEVICES, tensor_parallel_size
 of them each) listening on a free loopback port; the front process proxies every request to the replica with
 the fewest requests in flight, streams its answer back unchanged (a client that hangs up closes the replica's
-stream, which aborts the request there), sends LoRA adapter loads to every replica, and merges their /metrics
-under an ``engine`` label, as vLLM's.
+stream, which aborts the request there), sends LoRA adapter loads and the development endpoints (prefix-cache
+reset, profiling) to every replica, and merges their /metrics under an ``engine`` label, as vLLM's.
 """
 
 from __future__ import annotations
@@ -43,8 +43,10 @@ logger = logging.getLogger(__name__)
 REPLICA_START_TIMEOUT_S = 600.0
 # How long a stopping replica may take to finish its graceful shutdown before it is killed.
 REPLICA_STOP_TIMEOUT_S = 30.0
-# Requests that change every replica, not one: a LoRA adapter must be servable wherever a request lands.
-BROADCAST_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
+# Requests that change every replica, not one: a LoRA adapter must be servable wherever a request lands, and
+# the development endpoints act on the whole server.
+BROADCAST_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/reset_prefix_cache",
+                   "/start_profile", "/stop_profile")
 # Headers that describe one hop of a connection, not the message: never passed on (RFC 9110, 7.6.1).
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                          "trailer", "transfer-encoding", "upgrade", "host", "content-length"})
