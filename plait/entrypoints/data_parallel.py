@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import pickle
@@ -30,12 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from plait.config import EngineConfig
-from plait.entrypoints.server import API_KEY_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +58,7 @@ class Replica:
     index: int
     process: subprocess.Popen
     url: str = ""
+    banner: str = ""  # what its `plait serve` printed: where it listens, and a curl to try
     in_flight: int = 0
 
 
@@ -101,7 +99,7 @@ def start_replicas(engine_config: EngineConfig, server_config: Any, size: int) -
                                        stdout=subprocess.PIPE, text=True, env=env)
             replicas.append(Replica(index, process))
         for replica in replicas:
-            replica.url = _wait_for_address(replica)
+            replica.url, replica.banner = _wait_for_banner(replica)
     except BaseException:
         stop_replicas(replicas)
         raise
@@ -111,15 +109,14 @@ def start_replicas(engine_config: EngineConfig, server_config: Any, size: int) -
 
 
 def _uses_cuda(config: EngineConfig) -> bool:
-    if config.device is not None:
-        return config.device.startswith("cuda")
-    import torch
+    from plait.loader.model_loader import resolve_device_dtype
 
-    return torch.cuda.is_available()
+    return resolve_device_dtype(config)[0].type == "cuda"
 
 
-def _wait_for_address(replica: Replica) -> str:
-    """The replica's URL from its banner (its stdout), read on a thread so a silent replica times out."""
+def _wait_for_banner(replica: Replica) -> tuple[str, str]:
+    """The replica's URL and its banner (server.banner's lines on its stdout, from the address to the curl's
+    payload), read on a thread so a silent replica times out."""
     lines: queue.Queue[str | None] = queue.Queue()
 
     def pump() -> None:
@@ -129,6 +126,7 @@ def _wait_for_address(replica: Replica) -> str:
 
     threading.Thread(target=pump, daemon=True, name=f"plait-dp-{replica.index}").start()
     deadline = time.monotonic() + REPLICA_START_TIMEOUT_S
+    url, banner = None, []
     while True:
         try:
             line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
@@ -140,8 +138,12 @@ def _wait_for_address(replica: Replica) -> str:
             raise RuntimeError(f"data parallel replica {replica.index} exited (code {code}) before serving; "
                                "its error is above")
         found = _BANNER_URL.search(line)
-        if found:
-            return found.group(1)
+        if found and url is None:
+            url = found.group(1)
+        if url is not None:
+            banner.append(line.rstrip("\n"))
+            if line.lstrip().startswith("-d '"):  # the curl's payload: the banner's last line
+                return url, "\n".join(banner)
 
 
 def stop_replicas(replicas: list[Replica]) -> None:
@@ -281,36 +283,24 @@ def _unavailable(replica: Replica, err: Exception) -> Response:
 
 def serve_data_parallel(engine_config: EngineConfig, server_config: Any, size: int) -> None:
     """`plait serve --data-parallel-size N`: start the replicas, then serve the front until interrupted."""
-    from plait.entrypoints.server import GRACEFUL_SHUTDOWN_S, base_url, bind_socket
+    from plait.entrypoints.server import base_url, bind_socket, uvicorn_server
 
     replicas = start_replicas(engine_config, server_config, size)
     try:
         front = DataParallelFront(replicas, server_config.api_key, server_config.max_request_body_bytes)
         sock = bind_socket(server_config.host, server_config.port)
         url = base_url(sock, https=server_config.ssl_certfile is not None)
-        print(_banner(replicas, url, server_config.api_key), flush=True)
-        c = server_config
-        config = uvicorn.Config(front.app, log_level=c.uvicorn_log_level or c.log_level,
-                                access_log=not c.disable_uvicorn_access_log, root_path=c.root_path,
-                                ssl_keyfile=c.ssl_keyfile, ssl_certfile=c.ssl_certfile,
-                                ssl_ca_certs=c.ssl_ca_certs, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        print(_front_banner(replicas, url), flush=True)
         with contextlib.suppress(KeyboardInterrupt):
-            uvicorn.Server(config).run(sockets=[sock])
+            uvicorn_server(front.app, server_config).run(sockets=[sock])
     finally:
         stop_replicas(replicas)
 
 
-def _banner(replicas: list[Replica], url: str, api_key: str | None) -> str:
-    """The single server's banner (its curl example too), at the front's address, counting the replicas."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    model = httpx.get(f"{replicas[0].url}/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-    auth = f" \\\n    -H \"Authorization: Bearer ${API_KEY_ENV}\"" if api_key else ""
-    payload = json.dumps({"model": model, "messages": [{"role": "user", "content": "Hello!"}],
-                          "max_tokens": 32})
-    return (f"plait: serving '{model}' on {url} (OpenAI API at {url}/v1), {len(replicas)} data parallel "
-            f"replicas behind it\n"
-            f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} \\\n"
-            f"    -d '{payload}'")
+def _front_banner(replicas: list[Replica], url: str) -> str:
+    """A replica's banner (the model's name, and the curl its kind of model takes) at the front's address."""
+    first, _, rest = replicas[0].banner.replace(replicas[0].url, url).partition("\n")
+    return f"{first}, {len(replicas)} data parallel replicas behind it\n{rest}"
 
 
 def _replica_main(config_path: str) -> None:

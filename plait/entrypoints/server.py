@@ -2029,9 +2029,10 @@ def base_url(sock: socket.socket, https: bool = False) -> str:
     return f"{'https' if https else 'http'}://{host}:{port}"
 
 
-def _uvicorn_server(server: OpenAIServer) -> uvicorn.Server:
-    c = server.config
-    config = uvicorn.Config(server.app, log_level=c.uvicorn_log_level or c.log_level,
+def uvicorn_server(app: ASGIApp, c: ServerConfig) -> uvicorn.Server:
+    """uvicorn serving ``app`` as ``c`` says (log levels, access log, root path, TLS); the data-parallel
+    front runs on it too."""
+    config = uvicorn.Config(app, log_level=c.uvicorn_log_level or c.log_level,
                             access_log=not c.disable_uvicorn_access_log, root_path=c.root_path,
                             ssl_keyfile=c.ssl_keyfile, ssl_certfile=c.ssl_certfile,
                             ssl_ca_certs=c.ssl_ca_certs,
@@ -2070,7 +2071,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
     sock = bind_socket(config.host, config.port)
     echo(banner(server, base_url(sock, https=config.ssl_certfile is not None)))
     try:
-        _uvicorn_server(server).run(sockets=[sock])
+        uvicorn_server(server.app, server.config).run(sockets=[sock])
     except KeyboardInterrupt:
         pass  # uvicorn re-raises Ctrl-C after its graceful shutdown; for a server it is the normal stop
 
@@ -2085,7 +2086,7 @@ class BackgroundServer:
         self.server = server
         self._sock = bind_socket(host, port)
         self.url = base_url(self._sock, https=server.config.ssl_certfile is not None)
-        self._uvicorn = _uvicorn_server(server)
+        self._uvicorn = uvicorn_server(server.app, server.config)
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._sock]},
                                         name="plait-http", daemon=True)
 
