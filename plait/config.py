@@ -9,14 +9,14 @@ from typing import Any, Literal
 
 from plait.sampling_params import MAX_LOGPROBS
 
+# max_logprobs meaning no cap but the vocabulary's size (vLLM's -1).
+FULL_VOCAB_LOGPROBS = -1
+
 # How a step is composed, and in what order requests are served. "mixed": running decodes first, prompts
 # chunked into the rest, requests first come first served; "prefill_first" swaps the two, for comparison
 # (W4). vLLM's names: "fcfs" (its default) is "mixed"; "priority" composes steps as "mixed" and serves
 # requests by their ``priority`` (lower first, then arrival), taking KV blocks from lower-priority running
 # requests where a higher-priority one needs them.
-# max_logprobs meaning no cap but the vocabulary's size (vLLM's -1).
-FULL_VOCAB_LOGPROBS = -1
-
 SchedulingPolicy = Literal["mixed", "prefill_first", "fcfs", "priority"]
 Usage = Literal["offline", "serve"]
 USAGES: tuple[str, ...] = ("offline", "serve")

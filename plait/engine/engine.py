@@ -252,9 +252,7 @@ class LLMEngine:
             params = PoolingParams() if self.pooler is not None else SamplingParams()
         self._validate_priority(priority)
         if isinstance(params, PoolingParams):
-            request, text = self._make_pooling_request(prompt, params, request_id, lora_request)
-            request.priority = priority
-            return request, text
+            return self._make_pooling_request(prompt, params, request_id, lora_request, priority)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if self.pooler is not None:
@@ -330,7 +328,7 @@ class LLMEngine:
         return request_id
 
     def _make_pooling_request(self, prompt: str | Sequence[int], params: PoolingParams,
-                              request_id: str | None, lora_request: LoRARequest | None
+                              request_id: str | None, lora_request: LoRARequest | None, priority: int
                               ) -> tuple[Request, str | None]:
         """An embedding request: its prompt (truncated as asked; it may fill the whole context, since nothing
         follows it), checked against the pooler (dimensions), sampling nothing."""
@@ -344,7 +342,7 @@ class LLMEngine:
         self.pooler.spec.check(params, self.model_name)
         lora = self.lora_adapter(lora_request)
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=SamplingParams(),
-                          max_tokens=0, pooling_params=params, lora=lora,
+                          max_tokens=0, pooling_params=params, lora=lora, priority=priority,
                           cache_key=lora.request.cache_key if lora is not None else b"")
         return request, text
 
@@ -766,21 +764,6 @@ class LLMEngine:
                              finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
                              prompt_logprobs=prompt_logprobs, metrics=metrics)
 
-    def start_profile(self, folder: str | None = None) -> None:
-        """Start the torch profiler (vLLM's start_profile): its trace covers the steps until stop_profile;
-        ``folder`` defaults to $PLAIT_TORCH_PROFILER_DIR (or vLLM's $VLLM_TORCH_PROFILER_DIR)."""
-        self.profiler.start(folder)
-
-    def stop_profile(self) -> Path:
-        """Stop the profiler and write its Chrome trace; returns the file's path."""
-        return self.profiler.stop()
-
-    def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (they also stop when the engine is dropped)."""
-        self.runner.close()
-
-    # -- introspection used by tests and tools ---------------------------------------------
-
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (vLLM's LLM.reset_prefix_cache): True where it could, False while requests
         hold blocks (nothing is forgotten then)."""
@@ -795,6 +778,21 @@ class LLMEngine:
             raise ValueError("load_weights needs an idle engine: finish or abort its requests first")
         self.runner.load_weights(weights)
         self.kv_cache.reset_prefix_cache()
+
+    def start_profile(self, folder: str | None = None) -> None:
+        """Start the torch profiler (vLLM's start_profile): its trace covers the steps until stop_profile;
+        ``folder`` defaults to $PLAIT_TORCH_PROFILER_DIR (or vLLM's $VLLM_TORCH_PROFILER_DIR)."""
+        self.profiler.start(folder)
+
+    def stop_profile(self) -> Path:
+        """Stop the profiler and write its Chrome trace; returns the file's path."""
+        return self.profiler.stop()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (they also stop when the engine is dropped)."""
+        self.runner.close()
+
+    # -- introspection used by tests and tools ---------------------------------------------
 
     def is_idle_and_clean(self) -> bool:
         """Idle with every KV block, state slot and LoRA slot back in its pool (invariant 8)."""

@@ -25,10 +25,6 @@ class StepProfiler:
         self._profile: torch.profiler.profile | None = None
         self._folder: Path | None = None
 
-    @property
-    def active(self) -> bool:
-        return self._profile is not None
-
     def start(self, folder: str | os.PathLike | None = None) -> None:
         if self._profile is not None:
             raise ValueError("the profiler is already running: stop_profile first")

@@ -146,9 +146,6 @@ from plait.pooling_params import PoolingParams, score_pairs
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-# Request fields that count logprobs a position (chat's "logprobs" is a flag: only integer ones are bounded).
-LOGPROBS_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")
 T = TypeVar("T")
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: exposing the server is an explicit choice (--host 0.0.0.0)
@@ -156,6 +153,8 @@ DEFAULT_PORT = 8000
 API_KEY_ENV = "PLAIT_API_KEY"
 # vLLM's switch for its development endpoints (here: POST /reset_prefix_cache).
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+# Request fields that count logprobs a position (chat's "logprobs" is a flag: only integer ones are bounded).
+LOGPROBS_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")
 # Far above any prompt that fits a context window (128k tokens as ids is ~1 MB of JSON), far
 # below what would hurt the server to buffer.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
