@@ -145,6 +145,9 @@ class EngineConfig:
     # vLLM's --tensor-parallel-size: the model's heads and MLP split across this many devices (cuda:0..N-1),
     # one process each (plait.parallel); 1: one device, one process.
     tensor_parallel_size: int = 1
+    # vLLM's --enable-sleep-mode: LLMEngine.sleep / wake_up may free and take back the device memory of the
+    # weights and the KV cache (plait.runner.sleep); one device only.
+    enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is not None:
@@ -189,7 +192,9 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        for name in ("enforce_eager", "async_scheduling", "enable_lora"):
+        if self.tensor_parallel_size > 1 and self.enable_sleep_mode:
+            raise ValueError("enable_sleep_mode with tensor_parallel_size > 1: sleep mode runs on one device")
+        for name in ("enforce_eager", "async_scheduling", "enable_lora", "enable_sleep_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype is not None:

@@ -193,14 +193,14 @@ def test_serve_vllm_logging_and_https_flags_reach_the_config(monkeypatch, tmp_pa
                      "--max-log-len", "10", "--disable-log-requests", "--trust-remote-code",
                      "--tokenizer", "some/tokenizer", "--revision", "v2", "--download-dir", str(tmp_path),
                      "--max-logprobs", "-1", "--override-generation-config", '{"temperature": 0.3}',
-                     "--scheduling-policy", "priority"]) == 0
+                     "--scheduling-policy", "priority", "--enable-sleep-mode"]) == 0
     engine, config = seen[0]
     assert (config.ssl_keyfile, config.ssl_certfile, config.root_path) == (key, cert, "/api")
     assert (config.uvicorn_log_level, config.disable_uvicorn_access_log) == ("warning", True)
     assert (config.enable_log_requests, config.max_log_len) == (True, 10)
     assert (engine.tokenizer, engine.revision, engine.download_dir) == ("some/tokenizer", "v2", str(tmp_path))
     assert (engine.max_logprobs, engine.override_generation_config) == (-1, {"temperature": 0.3})
-    assert engine.scheduling_policy == "priority"
+    assert engine.scheduling_policy == "priority" and engine.enable_sleep_mode
     for bad, words in [(dict(ssl_keyfile=key), "both ssl_keyfile and ssl_certfile"),
                        (dict(ssl_ca_certs=cert), "needs ssl_keyfile and ssl_certfile"),
                        (dict(ssl_keyfile=key, ssl_certfile=str(tmp_path / "none.pem")), "is not a file")]:
@@ -354,7 +354,8 @@ def test_data_parallel_front_routes_broadcasts_and_reports_health():
 
     def replica(request: httpx.Request) -> httpx.Response:
         origin = f"{request.url.scheme}://{request.url.host}"
-        seen.append((origin, request.url.path))
+        query = request.url.query.decode()
+        seen.append((origin, f"{request.url.path}?{query}" if query else request.url.path))
         if origin in down:
             return answer(503, {"status": "down"})
         if request.url.path == "/v1/load_lora_adapter" and origin in refuse_loads_at:
@@ -388,6 +389,11 @@ def test_data_parallel_front_routes_broadcasts_and_reports_health():
             seen.clear()
             assert (await c.post("/reset_prefix_cache")).status_code == 200  # dev mode: every replica's cache
             assert seen == [(f"http://r{i}", "/reset_prefix_cache") for i in range(3)]
+            seen.clear()
+            assert (await c.post("/sleep", params={"level": 1})).status_code == 200  # sleep mode: all of them
+            assert (await c.post("/wake_up", params={"tags": "weights"})).status_code == 200
+            assert seen == ([(f"http://r{i}", "/sleep?level=1") for i in range(3)]
+                            + [(f"http://r{i}", "/wake_up?tags=weights") for i in range(3)])
             assert (await c.get("/health")).json() == {"status": "ok", "replicas": [200, 200, 200]}
             down.add("http://r2")
             r = await c.get("/health")

@@ -30,6 +30,7 @@ from plait.outputs import CompletionOutput, PoolingOutput, PoolingRequestOutput,
 from plait.pooling_params import PoolingParams
 from plait.runner.model_runner import InFlightStep, ModelRunner, SampledToken, StepOutput
 from plait.runner.sampler import needs_penalties
+from plait.runner.sleep import SLEEP_DISCARD_WEIGHTS, SLEEP_LEVELS, WAKE_TAGS
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, SamplingParams
 
 if TYPE_CHECKING:
@@ -167,6 +168,8 @@ class LLMEngine:
         self.record_timeline = False
         self.profiler = StepProfiler()  # start_profile / stop_profile
         self._in_flight: tuple[StepPlan, InFlightStep] | None = None  # launched, not yet collected
+        # Set by sleep(level=2), cleared by load_weights: the weights are zeros, so no request may run.
+        self._weights_discarded = False
         # Steps that ran a forward (a call that only collects the previous step's tokens is not one).
         self.num_steps = 0
         self.timeline: list[StepStats] = []
@@ -250,6 +253,9 @@ class LLMEngine:
         ``priority``: lower is served first, under the "priority" scheduling policy only."""
         if params is None:
             params = PoolingParams() if self.pooler is not None else SamplingParams()
+        if self._weights_discarded:
+            raise ValueError("the weights were discarded by sleep(level=2): load_weights before adding "
+                             "requests")
         self._validate_priority(priority)
         if isinstance(params, PoolingParams):
             return self._make_pooling_request(prompt, params, request_id, lora_request, priority)
@@ -525,6 +531,8 @@ class LLMEngine:
         sampling needs step N's tokens on the host (a grammar's next mask, penalties: ``_samples_late``),
         its forward is launched first and sampled once step N is collected.
         """
+        if self.is_sleeping:
+            return []  # queued requests wait for wake_up
         start = time.monotonic()
         outputs: list[RequestOutput] = []
         late = self._in_flight is not None and self._samples_late(*self._in_flight)
@@ -778,6 +786,42 @@ class LLMEngine:
             raise ValueError("load_weights needs an idle engine: finish or abort its requests first")
         self.runner.load_weights(weights)
         self.kv_cache.reset_prefix_cache()
+        self._weights_discarded = False
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the device memory of the weights and the KV cache until wake_up (vLLM's sleep mode, for an RL
+        loop that trains on the same GPUs between rollouts): level 1 parks the weights in host memory, level 2
+        drops them (load_weights brings new ones after wake_up). Either way the KV cache's contents, and so
+        the prefix cache, are forgotten. Only while no request runs; requests added while asleep wait."""
+        if not self.config.enable_sleep_mode:
+            raise ValueError("sleep mode is not enabled: start the engine with enable_sleep_mode=True "
+                             "(plait serve --enable-sleep-mode)")
+        if isinstance(level, bool) or level not in SLEEP_LEVELS:
+            raise ValueError(f"sleep level must be one of {SLEEP_LEVELS}, got {level!r}")
+        if self.has_unfinished_requests():
+            raise ValueError("sleep needs an idle engine: finish or abort its requests first")
+        refusal = self.runner.load_weights_refusal()
+        if level == SLEEP_DISCARD_WEIGHTS and refusal is not None:
+            raise ValueError(f"sleep level 2 drops the weights, and load_weights cannot bring them back for "
+                             f"{refusal}: use level 1")
+        if self._in_flight is not None:
+            self._collect()  # a step whose requests all ended; nothing waits for it
+        self.kv_cache.reset_prefix_cache()
+        self.runner.sleep(level)
+        self._weights_discarded = self._weights_discarded or level == SLEEP_DISCARD_WEIGHTS
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take back what sleep freed: ``tags`` of "weights" and "kv_cache" (None: both), so that an RL loop
+        can load new weights before the KV cache takes its memory again. Requests run once both are back."""
+        tags = WAKE_TAGS if tags is None else tags
+        if isinstance(tags, str) or any(tag not in WAKE_TAGS for tag in tags):
+            raise ValueError(f"wake_up tags must be a list of {WAKE_TAGS}, got {tags!r}")
+        self.runner.wake_up(tags)
+
+    @property
+    def is_sleeping(self) -> bool:
+        """Between sleep and the wake_up that brings back both the weights and the KV cache."""
+        return self.runner.is_asleep
 
     def start_profile(self, folder: str | None = None) -> None:
         """Start the torch profiler (vLLM's start_profile): its trace covers the steps until stop_profile;

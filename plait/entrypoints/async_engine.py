@@ -190,6 +190,12 @@ class AsyncLLMEngine:
     def is_alive(self) -> bool:
         return self._dead is None and self._thread is not None and self._thread.is_alive()
 
+    @property
+    def is_sleeping(self) -> bool:
+        """The engine's sleep state (LLMEngine.sleep), set on the loop thread before a sleep or wake_up
+        call returns, so a caller that awaited one reads its effect."""
+        return self._engine.is_sleeping
+
     def _check_alive(self) -> None:
         if not self.is_alive:
             raise EngineDeadError(f"the engine loop is not running ({self._dead or 'thread exited'})")
@@ -303,9 +309,11 @@ class AsyncLLMEngine:
         num_failed = 0
         try:
             while True:
-                if not self._run_commands(block=not engine.has_unfinished_requests()):
+                # Asleep, queued requests wait for the command that wakes the engine.
+                runnable = engine.has_unfinished_requests() and not engine.is_sleeping
+                if not self._run_commands(block=not runnable):
                     break
-                if engine.has_unfinished_requests() and not self._step():
+                if runnable and not self._step():
                     num_failed += 1
                 self._publish_stats(engine.num_steps + num_failed, num_failed)
         except BaseException as err:  # a bug in the loop itself: say so, and fail every waiter

@@ -27,7 +27,7 @@ _ENGINE_FLAGS = (
     "kv_cache_dtype", "speculative_config", "runner", "pooler_config", "hf_overrides", "tensor_parallel_size",
     "override_generation_config", "max_logprobs", "tokenizer", "tokenizer_revision", "revision",
     "download_dir",
-    "limit_mm_per_prompt",
+    "limit_mm_per_prompt", "enable_sleep_mode",
 )
 
 
@@ -55,6 +55,8 @@ _FLAG_HELP = {
                          "(vLLM's): the same steps, requests served by their 'priority' field (lower "
                          "first) and lower priorities preempted for higher ones' KV blocks; "
                          "'prefill_first': prompt chunks before decodes, for comparison",
+    "enable_sleep_mode": "let POST /sleep free the GPU memory of the weights and KV cache until POST "
+                         "/wake_up (with VLLM_SERVER_DEV_MODE=1, as vLLM) (default: off)",
     "enable_lora": "serve requests with PEFT LoRA adapters (Llama-family models) (default: off)",
     "max_loras": "LoRA adapters on the device at once; a request waits while all serve others (default: 1)",
     "max_lora_rank": "the largest LoRA rank served (default: 16)",

@@ -67,6 +67,25 @@ class LLM:
         tensor-parallel, quantised, LoRA or pooling engines."""
         self.engine.load_weights(weights)
 
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (under ``enable_sleep_mode=True``): free the device memory of the weights and
+        the KV cache, e.g. while an RL loop trains on the same GPU. Level 1 parks the weights in host
+        memory; level 2 drops them, for load_weights to bring new ones after wake_up. The prefix cache is
+        forgotten."""
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: Sequence[str] | None = None) -> None:
+        """Take back the weights and the KV cache (``tags``: ["weights"] or ["kv_cache"] for one of them, so
+        that new weights can be loaded before the KV cache takes its memory again)."""
+        self.engine.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
+    def _check_awake(self) -> None:
+        if self.engine.is_sleeping:
+            raise ValueError("the engine is asleep: wake_up() before generating")
+
     def start_profile(self, folder: str | None = None) -> None:
         """Start the torch profiler, as vLLM's: the trace covers the steps until stop_profile. ``folder``
         defaults to $PLAIT_TORCH_PROFILER_DIR (or vLLM's $VLLM_TORCH_PROFILER_DIR)."""
@@ -115,6 +134,7 @@ class LLM:
                 request_id = f"{batch}-{i}-{k}"
                 request, text = self.engine.make_request(payload, child, request_id, lora, rank)
                 children.append((i, request, text))
+        self._check_awake()
         for _, request, text in children:
             self.engine.enqueue(request, text)
         finished = self._run_to_completion(len(children), use_tqdm)
@@ -158,6 +178,7 @@ class LLM:
         self._batch_ids += 1
         made = [self.engine.make_request(_prompt_payload(prompt), p, f"{batch}-{i}", lora)
                 for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras))]
+        self._check_awake()
         for request, text in made:
             self.engine.enqueue(request, text)
         finished = self._run_to_completion(len(made), use_tqdm, desc="embedding")

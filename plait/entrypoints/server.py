@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import jinja2
 import prometheus_client as prom
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
@@ -143,6 +143,7 @@ from plait.multimodal.chat import image_token_text, prepare_chat
 from plait.multimodal.images import MultiModalPrompt
 from plait.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
 from plait.pooling_params import PoolingParams, score_pairs
+from plait.runner.sleep import SLEEP_DISCARD_WEIGHTS
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -895,6 +896,7 @@ class OpenAIServer:
             engine.lora_adapter(lora)
             self.lora_requests[lora.lora_name] = lora
         self.engine = AsyncLLMEngine(engine, on_step=self._on_step)
+        self.sleep_mode = engine.config.enable_sleep_mode  # /sleep, /wake_up, /is_sleeping in dev mode
         self.max_logprobs = engine.max_logprobs
         self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
         self.app = self._build_app()
@@ -949,6 +951,9 @@ class OpenAIServer:
                 if not await self._engine_call(lambda engine: engine.reset_prefix_cache()):
                     raise APIError(409, "the prefix cache is in use: requests hold blocks", "conflict_error")
                 return JSONResponse({})
+
+            if self.sleep_mode:
+                self._add_sleep_routes(app)
 
         if profiler_dir_from_env() is not None:  # as vLLM: only where a trace folder is set
             @app.post("/start_profile")
@@ -1058,6 +1063,28 @@ class OpenAIServer:
                             option["maximum"] = max_logprobs
             app.openapi_schema = schema
         return app.openapi_schema
+
+    def _add_sleep_routes(self, app: FastAPI) -> None:
+        """vLLM's sleep-mode endpoints: free the GPU memory of the weights and the KV cache while other work
+        uses the GPU; generation answers 503 meanwhile. Level 2 (weights dropped) is refused: no request
+        can load weights back into a server."""
+
+        @app.post("/sleep")
+        async def sleep(level: int = 1) -> Response:
+            if level == SLEEP_DISCARD_WEIGHTS:
+                raise APIError(400, "sleep level 2 drops the weights, and a server cannot load them back: "
+                               "use level 1 (weights kept in host memory)")
+            await self._engine_call(lambda engine: engine.sleep(level))
+            return JSONResponse({})
+
+        @app.post("/wake_up")
+        async def wake_up(tags: list[str] | None = Query(None)) -> Response:  # noqa: B008 (FastAPI's idiom)
+            await self._engine_call(lambda engine: engine.wake_up(tags))
+            return JSONResponse({})
+
+        @app.get("/is_sleeping")
+        async def is_sleeping() -> Response:
+            return JSONResponse({"is_sleeping": self.engine.is_sleeping})
 
     def _add_error_handlers(self, app: FastAPI) -> None:
         async def on_api_error(_: Request, exc: Exception) -> Response:
@@ -1252,6 +1279,8 @@ class OpenAIServer:
         """Queue the children, with ``lora``'s adapter where given, at ``priority``; ``max_tokens`` is the
         request's own, checked against the context. A bad grammar (its schema, regex or grammar) is found
         here, where the engine compiles it."""
+        if self.engine.is_sleeping:  # as vLLM: its weights are not there to run it
+            raise APIError(503, "the model is sleeping: POST /wake_up first", _error_type(503))
         validate = functools.partial(self._check_fits, max_tokens=max_tokens)
         try:
             stream = await self.engine.add(children, validate=validate,

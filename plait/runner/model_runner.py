@@ -32,7 +32,7 @@ from plait.parallel.shard import sum_row_parallel_outputs
 from plait.parallel.workers import FORWARD, IDS, DriverLink, Workers
 from plait.runner.cuda_graphs import MAX_GRAPH_PROMPT_TOKENS, StepGraphs, graph_shapes
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
-from plait.runner.image_embeddings import TOWER_GRAPH_BATCHES, ImageEmbeddings
+from plait.runner.image_embeddings import TOWER_GRAPH_BATCHES, ImageEmbeddings, TowerGraphs
 from plait.runner.input_buffers import InputBuffers, Layout
 from plait.runner.padding import GraphShape
 from plait.runner.pooler import Pooler, resolve_pooling
@@ -44,6 +44,7 @@ from plait.runner.sampler import (
     logprob_table,
     unpack_logprobs,
 )
+from plait.runner.sleep import SLEEP_DISCARD_WEIGHTS, WAKE_TAGS, ReleasableTensors, module_tensors
 from plait.runner.step_timer import StepBreakdown
 from plait.sampling_params import SamplingParams
 
@@ -219,7 +220,13 @@ class ModelRunner:
             self.image_embeddings = ImageEmbeddings(self.model, self.device, layout.max_tokens,
                                                     self.model_config.hidden_size, self.dtype,
                                                     graphs=use_graphs)
+        self.graph_shapes = shapes  # captured again on waking from sleep
         self.graphs: StepGraphs | None = self._capture_graphs(shapes) if use_graphs else None
+        # Sleep mode (LLMEngine.sleep): the model's tensors, and the per-request state (KV cache, recurrent
+        # states), whose storage can be handed back; built on the first sleep.
+        self._sleep_weights: ReleasableTensors | None = None
+        self._sleep_cache: ReleasableTensors | None = None
+        self._recapture_tower = False  # the vision tower's graphs went to sleep with the step graphs
         # Pinned landing places for sampled ids, used in turn: one step is collected while the
         # next one's copy may already be in flight.
         pin = self.device.type == "cuda"
@@ -247,21 +254,79 @@ class ModelRunner:
             self.group.close()
             self.group = None
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into the model's parameters (LLMEngine.load_weights), cast as the loader
-        casts them, then fold the MLP norms again where the model folds them."""
+    def load_weights_refusal(self) -> str | None:
+        """Why load_weights cannot replace this runner's weights (None: it can)."""
         refusals = [(self.parallel is not None, "a tensor-parallel engine (each rank holds a slice)"),
                     (self.quantization is not None, f"a {self.quantization} model (its weights are codes)"),
                     (self.lora is not None, "an engine with LoRA (its layers are wrapped)"),
                     (self.runner_type == "pooling", "a pooling model (its checkpoint's LM head is dropped)")]
-        for refused, what in refusals:
-            if refused:
-                raise ValueError(f"load_weights is not supported for {what}")
+        return next((what for refused, what in refusals if refused), None)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into the model's parameters (LLMEngine.load_weights), cast as the loader
+        casts them, then fold the MLP norms again where the model folds them."""
+        refusal = self.load_weights_refusal()
+        if refusal is not None:
+            raise ValueError(f"load_weights is not supported for {refusal}")
+        if self._sleep_weights is not None and self._sleep_weights.released:
+            raise ValueError("the weights are asleep: wake_up(tags=['weights']) before load_weights")
         with torch.no_grad():
             self.model.load_weights((name, to_model_dtype(name, t, self.device, self.dtype))
                                     for name, t in weights)
         if self._folds_norms():  # every norm came in unfolded, gate/up with it
             self.model.fold_norm_weights()
+
+    # -- sleep mode ---------------------------------------------------------------------------
+
+    def sleep(self, level: int) -> None:
+        """Hand back the device memory of the KV cache and recurrent states (their contents forgotten) and of
+        the weights: parked in host memory (level 1) or dropped (level 2: load_weights after wake_up). The
+        CUDA graphs, which hold the old addresses, go too. The caller makes sure no request runs."""
+        if self._sleep_weights is None:
+            weights, self._param_ids = module_tensors(self.model, self.device)
+            self._sleep_weights = ReleasableTensors(weights)
+            states = [t for s in self.recurrent_states or [] for t in (s.conv, s.ssm)]
+            self._sleep_cache = ReleasableTensors([*self.kv_caches, *states], allocate=zeroed)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no launched step still reads them
+        self.graphs = None
+        if self.image_embeddings is not None and self.image_embeddings.tower_graphs is not None:
+            self.image_embeddings.tower_graphs = None
+            self._recapture_tower = True
+        # Level 2 keeps what no checkpoint holds (buffers, rotary tables): only parameters are dropped.
+        discard = level == SLEEP_DISCARD_WEIGHTS
+        self._sleep_weights.release(keep=lambda t: not (discard and id(t) in self._param_ids))
+        self._sleep_cache.release(keep=lambda t: False)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # back to the driver, for other processes
+        logger.info("asleep (level %d): %.2f GiB of weights %s, %.2f GiB of KV cache and states dropped",
+                    level, self._sleep_weights.nbytes() / 2**30,
+                    "dropped" if level == SLEEP_DISCARD_WEIGHTS else "parked in host memory",
+                    self._sleep_cache.nbytes() / 2**30)
+
+    def wake_up(self, tags: Iterable[str] = WAKE_TAGS) -> None:
+        """Take back the memory of what ``tags`` name ("weights": parked values, or zeros after level 2;
+        "kv_cache": an empty cache); once both are back, capture the CUDA graphs again."""
+        if self._sleep_weights is None:
+            return
+        tags = set(tags)
+        if "weights" in tags:
+            self._sleep_weights.take_back()
+        if "kv_cache" in tags:
+            self._sleep_cache.take_back()
+        if self.is_asleep:
+            return
+        if self.graph_shapes and self.graphs is None:
+            self.graphs = self._capture_graphs(self.graph_shapes)
+        if self._recapture_tower:
+            self.image_embeddings.tower_graphs = TowerGraphs(self.model, self.device, self.model.tile_shape)
+            self._recapture_tower = False
+
+    @property
+    def is_asleep(self) -> bool:
+        """Whether the weights or the KV cache have no storage (between sleep and a full wake_up)."""
+        weights, cache = self._sleep_weights, self._sleep_cache
+        return weights is not None and (weights.released or cache.released)
 
     def _folds_norms(self) -> bool:
         """Whether the model's MLP norm weights move into gate/up: on the Triton path of a 16-bit GPU

@@ -1,0 +1,216 @@
+"""Sleep mode, as vLLM's (an RL loop trains on the GPU between rollouts): LLM.sleep frees the storage of the
+weights and the KV cache, wake_up takes it back. Level 1 parks the weights and gives the same answers after;
+level 2 drops them, and load_weights between wake_up(tags=["weights"]) and wake_up(tags=["kv_cache"]) serves
+new ones. The KV cache's contents, and so the prefix cache, are forgotten; requests wait while asleep; the
+server answers 503 meanwhile and has vLLM's /sleep, /wake_up and /is_sleeping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts, run_greedy
+
+from plait import LLM, SamplingParams
+from plait.config import EngineConfig
+from plait.engine.engine import LLMEngine
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+KNOBS = dict(block_size=8, max_model_len=128, enable_sleep_mode=True)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(4, 30, 60, seed=23)
+
+
+@pytest.fixture(scope="module")
+def other_weights(tiny_llama, tmp_path_factory):
+    """(B's folder, B's HF state dict): tiny_llama's config with other random weights."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * p.std())
+    folder = tmp_path_factory.mktemp("tiny-llama-sleep-b")
+    hf.save_pretrained(folder)
+    return folder, hf.state_dict()
+
+
+def _answers(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _storage_elements(llm: LLM) -> tuple[int, int]:
+    """Elements that the model's parameters and the KV cache hold in storage now."""
+    runner = llm.engine.runner
+    return (sum(p.numel() for p in runner.model.parameters()), sum(t.numel() for t in runner.kv_caches))
+
+
+def test_level_1_frees_the_storage_and_wakes_to_the_same_answers(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama), **KNOBS)
+    before = _answers(llm, prompts)
+    full = _storage_elements(llm)
+    assert llm.engine.kv_cache.num_cached_blocks > 0
+    llm.sleep()
+    assert llm.is_sleeping() and _storage_elements(llm) == (0, 0)
+    with pytest.raises(ValueError, match="asleep"):
+        llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
+    llm.wake_up()
+    assert not llm.is_sleeping() and _storage_elements(llm) == full
+    # The cache's blocks hold zeros now: a prefix served from it would change the answers.
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [0] * len(prompts)
+    assert [o.outputs[0].token_ids for o in outs] == before
+    # And again, now that the wake-up's tensors are the ones put to sleep.
+    llm.sleep(1)
+    llm.wake_up()
+    assert _answers(llm, prompts) == before
+
+
+def test_level_2_drops_the_weights_for_load_weights_to_replace(tiny_llama, prompts, other_weights):
+    """The RL loop's order: wake the weights alone, load the trained ones, then wake the KV cache. The
+    rotary tables, which no checkpoint holds, survive level 2 (B's answers need them)."""
+    folder_b, weights_b = other_weights
+    want = _answers(LLM(str(folder_b), block_size=8, max_model_len=128), prompts)
+    llm = LLM(str(tiny_llama), **KNOBS)
+    assert _answers(llm, prompts) != want
+    llm.sleep(level=2)
+    llm.wake_up(tags=["weights"])
+    assert llm.is_sleeping()  # the KV cache is still asleep
+    assert _storage_elements(llm)[0] > 0 and _storage_elements(llm)[1] == 0
+    with pytest.raises(ValueError, match="discarded by sleep"):
+        llm.engine.add_request(prompts[0], GREEDY)
+    llm.load_weights(weights_b.items())
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.is_sleeping()
+    assert _answers(llm, prompts) == want
+
+
+def test_a_deeper_sleep_drops_what_a_lighter_one_parked(tiny_llama, prompts):
+    llm = LLM(str(tiny_llama), **KNOBS)
+    llm.sleep(1)
+    llm.sleep(2)
+    llm.wake_up()
+    with pytest.raises(ValueError, match="load_weights before adding"):
+        llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
+    assert all(not p.any() for p in llm.engine.runner.model.parameters())
+
+
+def test_requests_added_while_asleep_wait_for_wake_up(tiny_llama, prompts):
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), **KNOBS))
+    alone = run_greedy(engine, [prompts[1]], GREEDY.max_tokens)[0][0]
+    engine.sleep()
+    engine.add_request(prompts[1], GREEDY, request_id="late")
+    assert [engine.step() for _ in range(3)] == [[], [], []]
+    engine.wake_up()
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.finished]
+    assert outputs[0].outputs[0].token_ids == alone
+    assert engine.is_idle_and_clean()
+
+
+def test_sleep_refusals(tiny_llama, prompts):
+    with pytest.raises(ValueError, match="sleep mode is not enabled"):
+        LLM(str(tiny_llama), block_size=8, max_model_len=128).sleep()
+    with pytest.raises(ValueError, match="enable_sleep_mode with tensor_parallel_size > 1"):
+        EngineConfig(model=str(tiny_llama), enable_sleep_mode=True, tensor_parallel_size=2)
+    llm = LLM(str(tiny_llama), **KNOBS)
+    for level in (0, 3, True, "1"):
+        with pytest.raises(ValueError, match="sleep level must be one of"):
+            llm.sleep(level)
+    for tags in ("weights", ["weights", "kv"]):
+        with pytest.raises(ValueError, match="wake_up tags"):
+            llm.wake_up(tags)
+    llm.engine.add_request(prompts[0], GREEDY)
+    with pytest.raises(ValueError, match="needs an idle engine"):
+        llm.sleep()
+    assert not llm.is_sleeping()
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    llm.wake_up()  # awake already: nothing to do
+    pooling = LLM(str(tiny_llama), runner="pooling", **KNOBS)
+    with pytest.raises(ValueError, match="level 2 drops the weights.*pooling model"):
+        pooling.sleep(2)
+    pooling.sleep(1)
+    pooling.wake_up()
+    assert len(pooling.embed([{"prompt_token_ids": prompts[0]}], use_tqdm=False)[0].outputs.embedding) == 64
+
+
+def test_server_sleeps_and_wakes_as_vllm(tiny_llama, prompts, monkeypatch):
+    """VLLM_SERVER_DEV_MODE=1 with --enable-sleep-mode: POST /sleep, GET /is_sleeping, POST /wake_up (tags one
+    at a time); while asleep the openai client's completion is a 503 saying so and /v1/models still answers;
+    level 2 is refused (a server cannot load weights back); awake again, the same answer."""
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), **KNOBS))
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+        def ask() -> str:
+            return client.completions.create(model=engine.model_name, prompt=prompts[0], max_tokens=6,
+                                             temperature=0.0).choices[0].text
+
+        answer = ask()
+        assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+        assert httpx.post(f"{url}/sleep", params={"level": 1}).status_code == 200
+        assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+        with pytest.raises(openai.APIStatusError, match="sleeping") as err:
+            ask()
+        assert err.value.status_code == 503 and err.value.body["type"] == "service_unavailable"
+        assert [m.id for m in client.models.list().data] == [engine.model_name]
+        refused = httpx.post(f"{url}/sleep", params={"level": 2})
+        assert refused.status_code == 400 and "level 2" in refused.json()["error"]["message"]
+        assert httpx.post(f"{url}/wake_up", params={"tags": "bogus"}).status_code == 400
+        assert httpx.post(f"{url}/wake_up", params={"tags": "weights"}).status_code == 200
+        assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+        assert httpx.post(f"{url}/wake_up", params={"tags": "kv_cache"}).status_code == 200
+        assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+        assert ask() == answer
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        assert httpx.post(f"{url}/sleep").status_code == 404  # development endpoints only in dev mode
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_sleep_hands_the_gpu_memory_back_and_recaptures_graphs(tmp_path):
+    """On a GPU, bf16 with CUDA graphs: level 1 hands the weights' and the KV cache's memory back to the
+    driver and wakes to the same greedy tokens, replaying graphs captured again; level 2 then load_weights
+    (the norms folded into gate/up again) gives them too."""
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=16,
+                      num_key_value_heads=4, vocab_size=8192, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    checkpoint = load_file(str(tmp_path / "model.safetensors"))
+    llm = LLM(str(tmp_path), dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.3,
+              enable_sleep_mode=True)
+    gpu_prompts = random_prompts(16, 20, 300, seed=3)
+    before = _answers(llm, gpu_prompts)
+    torch.cuda.synchronize()
+    free_awake = torch.cuda.mem_get_info()[0]
+    weights = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    kv = sum(t.numel() * t.element_size() for t in llm.engine.runner.kv_caches)
+    llm.sleep(1)
+    freed = torch.cuda.mem_get_info()[0] - free_awake
+    assert freed >= 0.95 * (weights + kv), f"freed {freed / 2**30:.2f} GiB of {(weights + kv) / 2**30:.2f}"
+    llm.wake_up()
+    assert llm.engine.runner.graphs is not None
+    replays = llm.engine.runner.breakdown.graph_steps
+    assert _answers(llm, gpu_prompts) == before
+    assert llm.engine.runner.breakdown.graph_steps > replays
+    llm.sleep(2)
+    llm.wake_up(tags=["weights"])
+    llm.load_weights(checkpoint.items())
+    llm.wake_up(tags=["kv_cache"])
+    assert _answers(llm, gpu_prompts) == before
