@@ -11,7 +11,7 @@ from conftest import random_prompts
 from plait import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-KNOBS = dict(block_size=8, max_model_len=128)
+KNOBS = dict(block_size=8, max_model_len=128, num_kv_blocks=128)  # a fixed cache: engines share a GPU too
 
 
 @pytest.fixture(scope="module")

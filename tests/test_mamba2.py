@@ -341,3 +341,17 @@ def test_gpu_engine_matches_cpu_reference(recurrent_models, prompts, single_shot
         assert outs[i] == ref_outs[i], f"{arch} prompt {i}: GPU tokens differ from the CPU reference"
         torch.testing.assert_close(torch.stack(logits[i]).cpu(), ref_logits[i], atol=1e-3, rtol=0)
     assert engine.is_idle_and_clean()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sleep_drops_the_states_and_wakes_to_the_same_answers(recurrent_models, prompts, single_shot, arch):
+    """Sleep mode (plait.runner.sleep) frees the recurrent states beside the KV cache; after wake_up every
+    request starts from zero state again and answers as it did alone."""
+    engine = _engine(recurrent_models[arch], max_num_batched_tokens=512, enable_sleep_mode=True)
+    run_greedy(engine, prompts[:2], MAX_TOKENS)
+    engine.sleep(1)
+    states = [t for s in engine.runner.recurrent_states for t in (s.conv, s.ssm)]
+    assert states and all(t.numel() == 0 for t in states)
+    engine.wake_up()
+    outs, _ = run_greedy(engine, prompts, MAX_TOKENS)
+    assert outs == single_shot[arch][0]

@@ -18,6 +18,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def _engine(folder, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 128)  # not sized from free memory: the engines of a test share a GPU too
     return LLMEngine(EngineConfig(model=str(folder), block_size=8, max_model_len=128, **kw))
 
 
@@ -98,7 +99,7 @@ def test_llm_generate_takes_a_priority_per_prompt(tiny_llama, prompts, alone):
     from plait.entrypoints.llm import LLM
 
     llm = LLM(str(tiny_llama), scheduling_policy="priority", block_size=8, max_model_len=128,
-              max_num_seqs=1, max_num_batched_tokens=64)
+              max_num_seqs=1, max_num_batched_tokens=64, num_kv_blocks=128)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False,
                         priority=[5, 4, 3, 2, 1, 0])
     assert [o.outputs[0].token_ids for o in outs] == [alone[i] for i in range(len(prompts))]  # prompt order
@@ -106,7 +107,7 @@ def test_llm_generate_takes_a_priority_per_prompt(tiny_llama, prompts, alone):
     assert finished == [5, 4, 3, 2, 1, 0], "one sequence at a time: the lowest value must finish first"
     with pytest.raises(ValueError, match="got 2 priorities for 6 prompts"):
         llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False, priority=[0, 1])
-    plain = LLM(str(tiny_llama), block_size=8, max_model_len=128)
+    plain = LLM(str(tiny_llama), block_size=8, max_model_len=128, num_kv_blocks=128)
     with pytest.raises(ValueError, match="priority must be 0"):
         plain.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False, priority=[1])
 

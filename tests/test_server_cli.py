@@ -335,8 +335,9 @@ def test_data_parallel_replicas_take_their_own_gpus_and_metrics_merge():
 
 def test_data_parallel_front_routes_broadcasts_and_reports_health():
     """The front alone, over stand-in replicas (httpx's MockTransport): a request goes to the replica with
-    the fewest in flight, a LoRA load to every replica (the first refusal is the client's answer), and
-    /health is ok only while every replica is."""
+    the fewest in flight (one that refuses the connection: to the next; all of them: a 503 naming the error),
+    a LoRA load to every replica (the first refusal is the client's answer), and /health is ok only while
+    every replica is."""
     import asyncio
     import subprocess
 
@@ -345,6 +346,7 @@ def test_data_parallel_front_routes_broadcasts_and_reports_health():
     seen: list[tuple[str, str]] = []
     refuse_loads_at = {"http://r1"}
     down: set[str] = set()
+    unreachable: set[str] = set()
 
     def answer(status: int, body: dict) -> httpx.Response:
         async def chunks():  # a stream, as a server's body arrives (httpx reads a bytes body at once)
@@ -358,6 +360,8 @@ def test_data_parallel_front_routes_broadcasts_and_reports_health():
         seen.append((origin, f"{request.url.path}?{query}" if query else request.url.path))
         if origin in down:
             return answer(503, {"status": "down"})
+        if origin in unreachable:
+            raise httpx.ConnectError("connection refused", request=request)
         if request.url.path == "/v1/load_lora_adapter" and origin in refuse_loads_at:
             return answer(400, {"error": {"message": "bad adapter", "param": "lora_path"}})
         return answer(200, {"replica": origin, "path": request.url.path,
@@ -375,6 +379,14 @@ def test_data_parallel_front_routes_broadcasts_and_reports_health():
             r = await c.post("/v1/completions", json={"prompt": "x"}, headers=auth)
             assert r.json() == {"replica": "http://r1", "path": "/v1/completions", "auth": "Bearer k"}
             assert [x.in_flight for x in replicas] == [2, 0, 1]  # its stream done, r1 has none again
+            unreachable.update({"http://r1", "http://r2"})  # refused before answering: retried elsewhere
+            r = await c.post("/v1/completions", json={"prompt": "x"}, headers=auth)
+            assert r.json()["replica"] == "http://r0" and [x.in_flight for x in replicas] == [2, 0, 1]
+            unreachable.add("http://r0")
+            r = await c.post("/v1/completions", json={"prompt": "x"}, headers=auth)
+            assert r.status_code == 503 and "ConnectError: connection refused" in r.json()["error"]["message"]
+            assert [x.in_flight for x in replicas] == [2, 0, 1]
+            unreachable.clear()
             assert (await c.post("/v1/completions", json={})).status_code == 401  # the key, checked first
             seen.clear()
             load = {"lora_name": "a", "lora_path": "/x"}

@@ -15,7 +15,8 @@ from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-KNOBS = dict(block_size=8, max_model_len=128, enable_sleep_mode=True)
+# num_kv_blocks: no sizing from free memory, so that the engines of one test share a GPU too.
+KNOBS = dict(block_size=8, max_model_len=128, num_kv_blocks=128, enable_sleep_mode=True)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def test_level_2_drops_the_weights_for_load_weights_to_replace(tiny_llama, promp
     """The RL loop's order: wake the weights alone, load the trained ones, then wake the KV cache. The
     rotary tables, which no checkpoint holds, survive level 2 (B's answers need them)."""
     folder_b, weights_b = other_weights
-    want = _answers(LLM(str(folder_b), block_size=8, max_model_len=128), prompts)
+    want = _answers(LLM(str(folder_b), block_size=8, max_model_len=128, num_kv_blocks=128), prompts)
     llm = LLM(str(tiny_llama), **KNOBS)
     assert _answers(llm, prompts) != want
     llm.sleep(level=2)
@@ -115,7 +116,7 @@ def test_requests_added_while_asleep_wait_for_wake_up(tiny_llama, prompts):
 
 def test_sleep_refusals(tiny_llama, prompts):
     with pytest.raises(ValueError, match="sleep mode is not enabled"):
-        LLM(str(tiny_llama), block_size=8, max_model_len=128).sleep()
+        LLM(str(tiny_llama), block_size=8, max_model_len=128, num_kv_blocks=128).sleep()
     with pytest.raises(ValueError, match="enable_sleep_mode with tensor_parallel_size > 1"):
         EngineConfig(model=str(tiny_llama), enable_sleep_mode=True, tensor_parallel_size=2)
     llm = LLM(str(tiny_llama), **KNOBS)
