@@ -139,6 +139,31 @@ def dropped_engine_refs(**config) -> list[weakref.ref]:
         gc.enable()
 
 
+def test_a_dropped_engine_caught_in_a_cycle_is_freed_when_the_next_one_starts(tiny_llama):
+    """An engine its user's code ties into a cycle (here a caught exception's traceback, whose frame holds
+    it), after a CUDA engine froze the heap: the next engine's start collects it, so its KV cache does not
+    keep the memory the new engine sizes its own from."""
+    config = dict(model=str(tiny_llama), num_kv_blocks=32, max_model_len=128)
+
+    def check(engine: LLMEngine) -> None:
+        try:
+            raise ValueError("refused")
+        except ValueError as err:
+            caught = err  # noqa: F841 (this frame holds the error, whose traceback holds this frame)
+
+    engine = LLMEngine(EngineConfig(**config))
+    check(engine)
+    ref = weakref.ref(engine)
+    del engine
+    gc.freeze()  # as freeze_long_lived_objects does on CUDA
+    try:
+        assert ref() is not None, "the cycle should keep the engine until a collection"
+        LLMEngine(EngineConfig(**config))
+        assert ref() is None
+    finally:
+        gc.unfreeze()
+
+
 def test_a_dropped_engine_is_freed_without_the_cycle_collector(tiny_llama):
     """On CUDA the engine freezes the GC heap after start-up (freeze_long_lived_objects): from then on
     only reference counting frees what it holds, so it must hold no reference cycle."""
