@@ -242,7 +242,8 @@ def test_data_parallel_serves_one_address_over_replicas(tmp_path):
     """`plait serve --data-parallel-size 2`: two replica processes behind one address. The openai client's
     concurrent requests (streamed or not) get the answers one server gives, spread over both replicas (their
     merged /metrics count each under its engine label); a bad request gets the replica's 400, the API key is
-    checked, and the replicas end with the server."""
+    checked, a stored response is found on its replica whichever is least busy, and the replicas end with the
+    server."""
     import asyncio
 
     openai = pytest.importorskip("openai")
@@ -310,6 +311,23 @@ def test_data_parallel_serves_one_address_over_replicas(tmp_path):
             assert time.monotonic() < deadline, "the abandoned request kept running"
             time.sleep(0.1)
         assert totals("vllm:generation_tokens_total") - before < 1000
+
+        # Stored responses made at once land on both replicas; with both idle again the least busy is replica
+        # 0, yet each is found, and a follow-up naming one runs where it is stored: their ids name it.
+        async def at_once() -> list:
+            fresh = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="dp-key", max_retries=0, timeout=120)
+            return await asyncio.gather(*(fresh.responses.create(model="tiny-model", input=f"Hello {i}",
+                                                                 max_output_tokens=8) for i in range(6)))
+
+        made = asyncio.run(at_once())
+        assert {r.id[:len("resp_dpN-")] for r in made} == {"resp_dp0-", "resp_dp1-"}
+        sync = openai.OpenAI(base_url=f"{url}/v1", api_key="dp-key", max_retries=0, timeout=120)
+        for stored in made:
+            assert sync.responses.retrieve(stored.id).output_text == stored.output_text
+        stored = next(r for r in made if r.id.startswith("resp_dp1-"))
+        follow = sync.responses.create(model="tiny-model", input="And then?", max_output_tokens=3,
+                                       previous_response_id=stored.id)
+        assert follow.id.startswith("resp_dp1-") and follow.previous_response_id == stored.id
 
 
 def test_data_parallel_replicas_take_their_own_gpus_and_metrics_merge():

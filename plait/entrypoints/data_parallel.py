@@ -33,6 +33,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from plait.config import EngineConfig
+from plait.entrypoints.replica_router import ReplicaRouter, replica_response_id_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +96,8 @@ def start_replicas(engine_config: EngineConfig, server_config: Any, size: int) -
             if on_cuda:
                 env["CUDA_VISIBLE_DEVICES"] = replica_devices(index, engine_config.tensor_parallel_size,
                                                               visible)
-            process = subprocess.Popen([sys.executable, "-m", "plait.entrypoints.data_parallel", config_path],
+            process = subprocess.Popen([sys.executable, "-m", "plait.entrypoints.data_parallel", config_path,
+                                        str(index)],
                                        stdout=subprocess.PIPE, text=True, env=env)
             replicas.append(Replica(index, process))
         for replica in replicas:
@@ -167,6 +169,7 @@ class DataParallelFront:
         from plait.entrypoints.server import GuardMiddleware
 
         self.replicas = replicas
+        self.router = ReplicaRouter(replicas)
         # No pool limit: every client request holds one replica connection, as it would hold the engine.
         self.client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None,
                                                                           max_keepalive_connections=None))
@@ -180,20 +183,16 @@ class DataParallelFront:
         app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=max_body_bytes)
         self.app = app
 
-    def least_busy(self, exclude: frozenset[int] = frozenset()) -> Replica | None:
-        """The replica with the fewest requests in flight, of those not in ``exclude`` (None: no such one)."""
-        candidates = [r for r in self.replicas if r.index not in exclude]
-        return min(candidates, key=lambda r: (r.in_flight, r.index)) if candidates else None
-
     async def proxy(self, request: Request) -> Response:
-        """Pass the request to the least busy replica and stream its answer back. A replica that fails
+        """Pass the request to its replica (ReplicaRouter: the one storing the response it names, else the one
+        that served its beginning, else the least busy) and stream its answer back. A replica that fails
         before answering (a connection refused or dropped: seen for 3 of 2,000 requests arriving at once on
         an H200 pair) gets the request's retry elsewhere; a copy it may have started is aborted there when
         its connection closes, so the client gets one answer."""
         payload = await request.body()
         tried: frozenset[int] = frozenset()
         while True:
-            replica = self.least_busy(exclude=tried)
+            replica = self.router.choose(request.url.path, payload, exclude=tried)
             replica.in_flight += 1
             try:
                 upstream = await self.client.send(self._request_to(replica, request, payload), stream=True)
@@ -316,13 +315,14 @@ def _front_banner(replicas: list[Replica], url: str) -> str:
     return f"{first}, {len(replicas)} data parallel replicas behind it\n{rest}"
 
 
-def _replica_main(config_path: str) -> None:
-    """A replica: `plait serve` with the configs the front pickled."""
+def _replica_main(config_path: str, index: int) -> None:
+    """Replica ``index``: `plait serve` with the configs the front pickled, its response ids its own."""
     from plait.entrypoints.server import serve
 
     engine_config, server_config = pickle.loads(Path(config_path).read_bytes())
-    serve(engine_config, server_config)
+    serve(engine_config,
+          dataclasses.replace(server_config, response_id_prefix=replica_response_id_prefix(index)))
 
 
 if __name__ == "__main__":
-    _replica_main(sys.argv[1])
+    _replica_main(sys.argv[1], int(sys.argv[2]))

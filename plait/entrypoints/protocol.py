@@ -28,6 +28,9 @@ from plait.sampling_params import (
 # Sequences one request may ask for: n at most OpenAI's own cap, and in all (prompts x n) a bound on
 # what one HTTP body can queue; the engine admits them FCFS like any other requests. (Sampling many
 # completions of a batch of prompts in one call, as RL rollouts do, is ordinary use: 64 prompts x 8.)
+# The ids of stored Responses, as OpenAI's and vLLM's: this prefix, then a random hex string (a data-parallel
+# replica's put its own tag between: plait.entrypoints.replica_router).
+RESPONSE_ID_PREFIX = "resp_"
 MAX_N = 128
 MAX_SEQUENCES_PER_REQUEST = 4096
 # Stop strings are checked against the text after every token, so their number is bounded.

@@ -59,8 +59,8 @@ from plait.lora.request import LoRARequest
 from plait.outputs import RequestOutput
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, SamplingParams
 
-# Ids as OpenAI's and vLLM's: a prefix per kind of object, then a random hex string.
-RESPONSE_ID_PREFIX = "resp_"
+# Ids as OpenAI's and vLLM's: a prefix per kind of object, then a random hex string (a response's:
+# RESPONSE_ID_PREFIX, ServerConfig.response_id_prefix).
 MESSAGE_ID_PREFIX = "msg_"
 REASONING_ID_PREFIX = "rs_"
 FUNCTION_CALL_ID_PREFIX = "fc_"
@@ -835,7 +835,8 @@ class ResponsesAPI:
                ) -> ResponsesResponse:
         """The response as it starts: what the request asked for, no output yet."""
         return ResponsesResponse(
-            id=_random_id(RESPONSE_ID_PREFIX), status="in_progress", instructions=body.instructions,
+            id=_random_id(self.server.config.response_id_prefix), status="in_progress",
+            instructions=body.instructions,
             max_output_tokens=params.max_tokens, max_tool_calls=body.max_tool_calls,
             model=self.server._reported_model(lora),
             parallel_tool_calls=body.parallel_tool_calls is not False,

@@ -63,6 +63,7 @@ from plait.entrypoints.llm import (
 )
 from plait.entrypoints.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
+    RESPONSE_ID_PREFIX,
     TOOLS_PARAM,
     ChatChoice,
     ChatCompletionRequest,
@@ -278,6 +279,9 @@ class ServerConfig:
     # params), the prompt and ids cut to max_log_len characters and ids (vLLM's --max-log-len; None: whole).
     enable_log_requests: bool = False
     max_log_len: int | None = None
+    # What the ids of stored Responses begin with; a data-parallel replica's name it, so that the front can
+    # send requests naming a response to the replica that stores it (plait.entrypoints.replica_router).
+    response_id_prefix: str = RESPONSE_ID_PREFIX
     chat_template_text: str | None = field(default=None, init=False, repr=False)  # what chat_template names
 
     def __post_init__(self) -> None:
