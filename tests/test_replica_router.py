@@ -116,3 +116,27 @@ def test_the_remembered_beginnings_are_bounded(monkeypatch):
 @pytest.mark.parametrize("index", [0, 1, 12])
 def test_replica_response_ids_keep_openais_prefix(index):
     assert replica_response_id_prefix(index).startswith("resp_")
+
+
+def test_least_busy_routing_keeps_only_the_stored_responses_rule():
+    """--data-parallel-routing least-busy: a conversation's turns go wherever load says; a request naming a
+    stored response still goes to the replica storing it."""
+    replicas = [FakeReplica(i) for i in range(2)]
+    router = ReplicaRouter(replicas, prefix_affinity=False)
+    assert _route(router, _chat("Bonjour")) == 0
+    replicas[0].in_flight = 1
+    assert _route(router, _chat("Bonjour", "Salut")) == 1
+    stored = f"{replica_response_id_prefix(0)}abc"
+    assert _route(router, b"", f"/v1/responses/{stored}") == 0
+
+
+def test_the_routing_flag_reaches_the_front(monkeypatch):
+    import plait.entrypoints.data_parallel as data_parallel
+    from plait.entrypoints import cli
+
+    seen = []
+    monkeypatch.setattr(data_parallel, "serve_data_parallel",
+                        lambda engine, server, size, prefix_affinity: seen.append((size, prefix_affinity)))
+    assert cli.main(["serve", "-dp", "2"]) == 0
+    assert cli.main(["serve", "-dp", "3", "--data-parallel-routing", "least-busy"]) == 0
+    assert seen == [(2, True), (3, False)]

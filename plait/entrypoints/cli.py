@@ -31,6 +31,11 @@ _ENGINE_FLAGS = (
 )
 
 
+# --data-parallel-routing: where the data-parallel front sends a request (plait.entrypoints.replica_router).
+PREFIX_AFFINITY = "prefix-affinity"
+ROUTINGS = (PREFIX_AFFINITY, "least-busy")
+DEFAULT_ROUTING = PREFIX_AFFINITY
+
 # vLLM's structured-output backend names that mean what plait runs: llguidance.
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "llguidance")
 
@@ -282,7 +287,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size > 1:
         from plait.entrypoints.data_parallel import serve_data_parallel
 
-        serve_data_parallel(_engine_config(args), config, args.data_parallel_size)
+        serve_data_parallel(_engine_config(args), config, args.data_parallel_size,
+                            prefix_affinity=args.data_parallel_routing == PREFIX_AFFINITY)
     else:
         serve(_engine_config(args), config)
     return 0
@@ -403,8 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="no periodic stats lines (throughputs, queue, KV cache, speculation), as vLLM's")
     srv.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                      help="as vLLM's: N engine replicas behind this address, each on its own "
-                          "--tensor-parallel-size GPUs, every request sent to the one with the fewest in "
-                          "flight (default: 1)")
+                          "--tensor-parallel-size GPUs (default: 1)")
+    srv.add_argument("--data-parallel-routing", default=DEFAULT_ROUTING, choices=ROUTINGS,
+                     help="where the front sends a request: 'prefix-affinity' (default): to the replica that "
+                          "served the same beginning (a conversation's earlier turns, a shared system "
+                          "prompt), for its prefix cache, unless that one is much busier, else to the one "
+                          "with the fewest in flight; 'least-busy': always the latter. Requests naming a "
+                          "stored response go to the replica storing it either way")
     srv.add_argument("--uvicorn-log-level", default=None,
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="the HTTP server's log level (default: --log-level)")

@@ -165,11 +165,12 @@ def stop_replicas(replicas: list[Replica]) -> None:
 class DataParallelFront:
     """The front server's app: proxies to the least busy replica (see the module's docstring)."""
 
-    def __init__(self, replicas: list[Replica], api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(self, replicas: list[Replica], api_key: str | None, max_body_bytes: int,
+                 prefix_affinity: bool = True) -> None:
         from plait.entrypoints.server import GuardMiddleware
 
         self.replicas = replicas
-        self.router = ReplicaRouter(replicas)
+        self.router = ReplicaRouter(replicas, prefix_affinity=prefix_affinity)
         # No pool limit: every client request holds one replica connection, as it would hold the engine.
         self.client = httpx.AsyncClient(timeout=None, limits=httpx.Limits(max_connections=None,
                                                                           max_keepalive_connections=None))
@@ -293,13 +294,16 @@ def _unavailable(replica: Replica, err: Exception) -> Response:
                     media_type="application/json")
 
 
-def serve_data_parallel(engine_config: EngineConfig, server_config: Any, size: int) -> None:
-    """`plait serve --data-parallel-size N`: start the replicas, then serve the front until interrupted."""
+def serve_data_parallel(engine_config: EngineConfig, server_config: Any, size: int,
+                        prefix_affinity: bool = True) -> None:
+    """`plait serve --data-parallel-size N`: start the replicas, then serve the front until interrupted
+    (``prefix_affinity``: ReplicaRouter's, or the least busy replica always)."""
     from plait.entrypoints.server import base_url, bind_socket, uvicorn_server
 
     replicas = start_replicas(engine_config, server_config, size)
     try:
-        front = DataParallelFront(replicas, server_config.api_key, server_config.max_request_body_bytes)
+        front = DataParallelFront(replicas, server_config.api_key, server_config.max_request_body_bytes,
+                                  prefix_affinity=prefix_affinity)
         sock = bind_socket(server_config.host, server_config.port)
         url = base_url(sock, https=server_config.ssl_certfile is not None)
         print(_front_banner(replicas, url), flush=True)

@@ -65,11 +65,12 @@ def chunk_keys(text: str) -> list[int]:
 
 
 class ReplicaRouter:
-    """Chooses a replica per request, as the class docstring of the module says; remembers which replica
+    """Chooses a replica per request, as the module's docstring says; remembers which replica
     served each chunk key of the requests it routed."""
 
-    def __init__(self, replicas: Sequence[Loaded]) -> None:
+    def __init__(self, replicas: Sequence[Loaded], prefix_affinity: bool = True) -> None:
         self.replicas = list(replicas)
+        self.prefix_affinity = prefix_affinity  # False: the least busy, but for stored responses
         self._owners: OrderedDict[int, int] = OrderedDict()  # chunk key -> replica index
 
     def least_busy(self, exclude: frozenset[int] = frozenset()) -> Loaded | None:
@@ -86,7 +87,8 @@ class ReplicaRouter:
         stored = self._storing_replica(path, decoded)
         if stored is not None:
             return stored if stored.index not in exclude else fallback
-        text = request_text(decoded) if decoded is not None and path in AFFINITY_PATHS else None
+        keyed = self.prefix_affinity and decoded is not None and path in AFFINITY_PATHS
+        text = request_text(decoded) if keyed else None
         if text is None:
             return fallback
         keys = chunk_keys(text)
