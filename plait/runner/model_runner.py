@@ -223,9 +223,10 @@ class ModelRunner:
         self.graph_shapes = shapes  # captured again on waking from sleep
         self.graphs: StepGraphs | None = self._capture_graphs(shapes) if use_graphs else None
         # Sleep mode (LLMEngine.sleep): the model's tensors, and the per-request state (KV cache, recurrent
-        # states), whose storage can be handed back; built on the first sleep.
+        # states), whose storage can be handed back; listed by each sleep from awake.
         self._sleep_weights: ReleasableTensors | None = None
         self._sleep_cache: ReleasableTensors | None = None
+        self._param_ids: set[int] = set()  # which of _sleep_weights are parameters (level 2 drops them)
         self._recapture_tower = False  # the vision tower's graphs went to sleep with the step graphs
         # Pinned landing places for sampled ids, used in turn: one step is collected while the
         # next one's copy may already be in flight.
@@ -282,7 +283,7 @@ class ModelRunner:
         """Hand back the device memory of the KV cache and recurrent states (their contents forgotten) and of
         the weights: parked in host memory (level 1) or dropped (level 2: load_weights after wake_up). The
         CUDA graphs, which hold the old addresses, go too. The caller makes sure no request runs."""
-        if self._sleep_weights is None:
+        if not self.is_asleep:  # listed afresh: an adapter load or the like may have replaced tensors since
             weights, self._param_ids = module_tensors(self.model, self.device)
             self._sleep_weights = ReleasableTensors(weights)
             states = [t for s in self.recurrent_states or [] for t in (s.conv, s.ssm)]
