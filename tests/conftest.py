@@ -164,6 +164,21 @@ def tiny_llama(tiny_models) -> Path:
     return tiny_models["llama"]
 
 
+@pytest.fixture(scope="session")
+def other_llama(tiny_llama, tmp_path_factory) -> tuple[Path, dict]:
+    """(B's folder, B's HF state dict): tiny_llama's config with other random weights, for load_weights."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * p.std())
+    folder = tmp_path_factory.mktemp("tiny-llama-b")
+    hf.save_pretrained(folder)
+    return folder, hf.state_dict()
+
+
 # The token budget of serving_engine: prompts of the server tests take several steps' chunks.
 SERVING_MAX_NUM_BATCHED_TOKENS = 256
 

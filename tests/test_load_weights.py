@@ -14,28 +14,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 KNOBS = dict(block_size=8, max_model_len=128, num_kv_blocks=128)  # a fixed cache: engines share a GPU too
 
 
-@pytest.fixture(scope="module")
-def other_model(tiny_llama, tmp_path_factory):
-    """(B's folder, B's HF state dict): tiny_llama's config with other random weights."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    g = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * p.std())
-    folder = tmp_path_factory.mktemp("tiny-llama-b")
-    hf.save_pretrained(folder)
-    return folder, hf.state_dict()
-
-
 def _answers(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
 
-def test_loaded_weights_answer_as_that_model_and_the_cache_is_emptied(tiny_llama, other_model):
-    folder_b, weights_b = other_model
+def test_loaded_weights_answer_as_that_model_and_the_cache_is_emptied(tiny_llama, other_llama):
+    folder_b, weights_b = other_llama
     prompts = random_prompts(4, 30, 60, seed=21)
     llm = LLM(str(tiny_llama), **KNOBS)
     before = _answers(llm, prompts)
@@ -53,8 +38,8 @@ def test_loaded_weights_answer_as_that_model_and_the_cache_is_emptied(tiny_llama
     assert _answers(llm, prompts) == before
 
 
-def test_load_weights_refuses_a_busy_engine_an_incomplete_set_and_lora(tiny_llama, other_model):
-    _, weights_b = other_model
+def test_load_weights_refuses_a_busy_engine_an_incomplete_set_and_lora(tiny_llama, other_llama):
+    _, weights_b = other_llama
     llm = LLM(str(tiny_llama), **KNOBS)
     llm.engine.add_request(random_prompts(1, 10, 10, seed=1)[0], GREEDY)
     with pytest.raises(ValueError, match="needs an idle engine"):

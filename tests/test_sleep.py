@@ -24,21 +24,6 @@ def prompts() -> list[list[int]]:
     return random_prompts(4, 30, 60, seed=23)
 
 
-@pytest.fixture(scope="module")
-def other_weights(tiny_llama, tmp_path_factory):
-    """(B's folder, B's HF state dict): tiny_llama's config with other random weights."""
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
-    g = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for p in hf.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * p.std())
-    folder = tmp_path_factory.mktemp("tiny-llama-sleep-b")
-    hf.save_pretrained(folder)
-    return folder, hf.state_dict()
-
-
 def _answers(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -71,10 +56,10 @@ def test_level_1_frees_the_storage_and_wakes_to_the_same_answers(tiny_llama, pro
     assert _answers(llm, prompts) == before
 
 
-def test_level_2_drops_the_weights_for_load_weights_to_replace(tiny_llama, prompts, other_weights):
+def test_level_2_drops_the_weights_for_load_weights_to_replace(tiny_llama, prompts, other_llama):
     """The RL loop's order: wake the weights alone, load the trained ones, then wake the KV cache. The
     rotary tables, which no checkpoint holds, survive level 2 (B's answers need them)."""
-    folder_b, weights_b = other_weights
+    folder_b, weights_b = other_llama
     want = _answers(LLM(str(folder_b), block_size=8, max_model_len=128, num_kv_blocks=128), prompts)
     llm = LLM(str(tiny_llama), **KNOBS)
     assert _answers(llm, prompts) != want
