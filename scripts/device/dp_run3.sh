@@ -16,14 +16,7 @@ for dp in 2 1; do
   python3 -m plait.entrypoints.cli serve --model $M --load-format dummy --port 8100 --data-parallel-size $dp \
     --disable-log-stats --log-level warning --disable-uvicorn-access-log > $OUT/serve_dp$dp.log 2>&1 &
   PID=$!
-  python3 - <<'PY'
-import time, httpx
-for i in range(180):
-    try:
-        if httpx.get("http://127.0.0.1:8100/health", timeout=2).status_code == 200: break
-    except Exception: pass
-    time.sleep(1)
-PY
+  python3 scripts/device/wait_healthy.py http://127.0.0.1:8100
   echo "dp=$dp up at $(( $(date +%s) - T0 ))s"
   echo "-- one client, 2000"; bench 2000 $OUT/dp${dp}_one_client.json 0
   echo "-- two clients, 1000 each"

@@ -15,14 +15,7 @@ run() {  # $1: label, $2: 1 to profile
   python3 -m plait.entrypoints.cli serve --model $M --load-format dummy --port 8100 --disable-log-stats \
     --log-level warning --disable-uvicorn-access-log > $OUT/serve_$1.log 2>&1 &
   PID=$!
-  python3 - <<'PY'
-import time, httpx
-for i in range(180):
-    try:
-        if httpx.get("http://127.0.0.1:8100/health", timeout=2).status_code == 200: break
-    except Exception: pass
-    time.sleep(1)
-PY
+  python3 scripts/device/wait_healthy.py http://127.0.0.1:8100
   PROF=""
   if [ "$2" = 1 ]; then
     (sleep 6; timeout 30 py-spy record -p $PID -o $OUT/prof_$1.txt -f raw -d 10 -r 250 --threads --nonblocking \
