@@ -146,7 +146,7 @@ class EngineConfig:
     # one process each (plait.parallel); 1: one device, one process.
     tensor_parallel_size: int = 1
     # vLLM's --enable-sleep-mode: LLMEngine.sleep / wake_up may free and take back the device memory of the
-    # weights and the KV cache (plait.runner.sleep); one device only.
+    # weights and the KV cache (plait.runner.sleep), on every tensor-parallel rank.
     enable_sleep_mode: bool = False
 
     def __post_init__(self) -> None:
@@ -192,8 +192,6 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        if self.tensor_parallel_size > 1 and self.enable_sleep_mode:
-            raise ValueError("enable_sleep_mode with tensor_parallel_size > 1: sleep mode runs on one device")
         for name in ("enforce_eager", "async_scheduling", "enable_lora", "enable_sleep_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

@@ -102,8 +102,6 @@ def test_requests_added_while_asleep_wait_for_wake_up(tiny_llama, prompts):
 def test_sleep_refusals(tiny_llama, prompts):
     with pytest.raises(ValueError, match="sleep mode is not enabled"):
         LLM(str(tiny_llama), block_size=8, max_model_len=128, num_kv_blocks=128).sleep()
-    with pytest.raises(ValueError, match="enable_sleep_mode with tensor_parallel_size > 1"):
-        EngineConfig(model=str(tiny_llama), enable_sleep_mode=True, tensor_parallel_size=2)
     llm = LLM(str(tiny_llama), **KNOBS)
     for level in (0, 3, True, "1"):
         with pytest.raises(ValueError, match="sleep level must be one of"):
@@ -124,6 +122,29 @@ def test_sleep_refusals(tiny_llama, prompts):
     pooling.sleep(1)
     pooling.wake_up()
     assert len(pooling.embed([{"prompt_token_ids": prompts[0]}], use_tqdm=False)[0].outputs.embedding) == 64
+
+
+def test_every_tensor_parallel_rank_sleeps_and_wakes(tiny_llama, prompts):
+    """Two ranks: each hands back its slice's storage and takes it back on wake_up (the workers run the
+    driver's sleep and wake-up), and the split engine answers as before; level 2 is refused, since
+    load_weights cannot fill the ranks' slices."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), tensor_parallel_size=2, **KNOBS))
+    try:
+        before = run_greedy(engine, prompts, GREEDY.max_tokens)[0]
+        with pytest.raises(ValueError, match="level 2 drops the weights.*tensor-parallel"):
+            engine.sleep(2)
+        engine.sleep(1)
+        assert engine.is_sleeping
+        assert sum(p.numel() for p in engine.runner.model.parameters()) == 0
+        engine.wake_up(["weights"])
+        engine.wake_up(["kv_cache"])
+        assert not engine.is_sleeping
+        assert run_greedy(engine, prompts, GREEDY.max_tokens)[0] == before
+        engine.sleep(1)  # and again, from the woken tensors
+        engine.wake_up()
+        assert run_greedy(engine, prompts, GREEDY.max_tokens)[0] == before
+    finally:
+        engine.shutdown()
 
 
 def test_server_sleeps_and_wakes_as_vllm(tiny_llama, prompts, monkeypatch):

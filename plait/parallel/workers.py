@@ -24,11 +24,11 @@ if TYPE_CHECKING:
     from plait.runner.model_runner import ModelRunner
 
 # Messages, driver -> rank: (FORWARD, (StepArrays, pending sources, whether a step is in flight)),
-# (IDS, number of sampled ids to receive), (STOP, None), and at start-up the agreed KV blocks (an int).
-# Rank -> driver, at start-up: (LOADED, None), (BLOCKS, the KV blocks it has room for), (READY, None); at any
-# time (FAILED, its traceback).
-FORWARD, IDS, STOP = "forward", "ids", "stop"
-LOADED, BLOCKS, READY, FAILED = "loaded", "blocks", "ready", "failed"
+# (IDS, number of sampled ids to receive), (SLEEP, level), (WAKE_UP, tags), (STOP, None), and at start-up the
+# agreed KV blocks (an int). Rank -> driver, at start-up: (LOADED, None), (BLOCKS, the KV blocks it has room
+# for), (READY, None); after SLEEP and WAKE_UP: (DONE, None); at any time (FAILED, its traceback).
+FORWARD, IDS, SLEEP, WAKE_UP, STOP = "forward", "ids", "sleep", "wake_up", "stop"
+LOADED, BLOCKS, READY, DONE, FAILED = "loaded", "blocks", "ready", "done", "failed"
 # How often the driver looks at its workers while it waits for them (a dead one fails the wait).
 POLL_SECONDS = 0.1
 # prctl(2)'s option: the signal a process gets when its parent dies.
@@ -90,6 +90,11 @@ class Workers:
     def ready(self) -> None:
         """Every rank has its KV cache and graphs: steps may come."""
         self._gather(READY)
+
+    def done(self) -> None:
+        """Every rank has run the SLEEP or WAKE_UP sent last (its memory handed back, or taken back and its
+        graphs captured again)."""
+        self._gather(DONE)
 
     def _gather(self, state: str) -> list[Any]:
         """Each worker's next message, which must be ``state``; one that fails or dies first raises
@@ -213,7 +218,8 @@ def _die_with_parent() -> None:
 
 def serve(runner: ModelRunner, conn: Connection) -> None:
     """Run the driver's messages in order until STOP: each FORWARD as the driver ran it, each IDS a broadcast
-    of the driver's sampled ids into the tensor the next step's pending inputs read."""
+    of the driver's sampled ids into the tensor the next step's pending inputs read, each SLEEP and WAKE_UP
+    as the driver's runner runs it (graph captures meet in the same collectives)."""
     prev_ids = None
     while True:
         kind, payload = conn.recv()
@@ -224,6 +230,13 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
             runner.forward(arrays, pending_sources, prev_ids if in_flight else None)
         elif kind == IDS:
             prev_ids = runner.receive_sampled_ids(payload)
+        elif kind in (SLEEP, WAKE_UP):
+            prev_ids = None  # its storage goes to sleep; no step is in flight across a sleep
+            if kind == SLEEP:
+                runner.sleep(payload)
+            else:
+                runner.wake_up(payload)
+            conn.send((DONE, None))
         else:
             raise WorkerError(f"unknown message {kind!r}")
 

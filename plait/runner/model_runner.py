@@ -29,7 +29,7 @@ from plait.lora.model import LoRAModel
 from plait.multimodal.images import ImageProcessor
 from plait.parallel.group import ParallelRank, TPGroup
 from plait.parallel.shard import sum_row_parallel_outputs
-from plait.parallel.workers import FORWARD, IDS, DriverLink, Workers
+from plait.parallel.workers import FORWARD, IDS, SLEEP, WAKE_UP, DriverLink, Workers
 from plait.runner.cuda_graphs import MAX_GRAPH_PROMPT_TOKENS, StepGraphs, graph_shapes
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
 from plait.runner.image_embeddings import TOWER_GRAPH_BATCHES, ImageEmbeddings, TowerGraphs
@@ -282,7 +282,10 @@ class ModelRunner:
     def sleep(self, level: int) -> None:
         """Hand back the device memory of the KV cache and recurrent states (their contents forgotten) and of
         the weights: parked in host memory (level 1) or dropped (level 2: load_weights after wake_up). The
-        CUDA graphs, which hold the old addresses, go too. The caller makes sure no request runs."""
+        CUDA graphs, which hold the old addresses, go too. The caller makes sure no request runs. Under
+        tensor parallelism every rank does the same."""
+        if self.workers is not None:
+            self.workers.send(SLEEP, level)
         if not self.is_asleep:  # listed afresh: an adapter load or the like may have replaced tensors since
             weights, self._param_ids = module_tensors(self.model, self.device)
             self._sleep_weights = ReleasableTensors(weights)
@@ -300,6 +303,8 @@ class ModelRunner:
         self._sleep_cache.release(keep=lambda t: False)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # back to the driver, for other processes
+        if self.workers is not None:
+            self.workers.done()
         logger.info("asleep (level %d): %.2f GiB of weights %s, %.2f GiB of KV cache and states dropped",
                     level, self._sleep_weights.nbytes() / 2**30,
                     "dropped" if level == SLEEP_DISCARD_WEIGHTS else "parked in host memory",
@@ -311,6 +316,13 @@ class ModelRunner:
         if self._sleep_weights is None:
             return
         tags = set(tags)
+        if self.workers is not None:  # before the driver's own capture: its collectives meet theirs
+            self.workers.send(WAKE_UP, tags)
+        self._wake_up(tags)
+        if self.workers is not None:
+            self.workers.done()
+
+    def _wake_up(self, tags: set[str]) -> None:
         if "weights" in tags:
             self._sleep_weights.take_back()
         if "kv_cache" in tags:
