@@ -76,3 +76,32 @@ def test_dev_mode_resets_the_prefix_cache(tiny_llama, monkeypatch):
         assert engine.kv_cache.num_cached_blocks > 0
         assert httpx.post(f"{url}/reset_prefix_cache").status_code == 200
         assert engine.kv_cache.num_cached_blocks == 0
+
+
+def test_load_weights_sends_each_tensor_parallel_rank_its_slices(tiny_llama, other_llama):
+    """Two ranks: the driver streams each rank its slices of B's tensors, and the split engine answers as a
+    split engine of B. A set the model refuses is refused on every rank alike (a ValueError, no rank left
+    waiting), and a whole set loads after it."""
+    from conftest import run_greedy
+
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
+    folder_b, weights_b = other_llama
+    prompts = random_prompts(4, 10, 40, seed=23)
+    knobs = dict(KNOBS, tensor_parallel_size=2)
+    split_b = LLMEngine(EngineConfig(model=str(folder_b), **knobs))
+    try:
+        want = run_greedy(split_b, prompts, GREEDY.max_tokens)[0]
+    finally:
+        split_b.shutdown()
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), **knobs))
+    try:
+        assert run_greedy(engine, prompts, GREEDY.max_tokens)[0] != want
+        partial = [(n, t) for n, t in weights_b.items() if "layers.1." not in n]
+        with pytest.raises(ValueError, match="checkpoint is missing"):
+            engine.load_weights(partial)
+        engine.load_weights(weights_b.items())
+        assert run_greedy(engine, prompts, GREEDY.max_tokens)[0] == want
+    finally:
+        engine.shutdown()

@@ -124,15 +124,20 @@ def test_sleep_refusals(tiny_llama, prompts):
     assert len(pooling.embed([{"prompt_token_ids": prompts[0]}], use_tqdm=False)[0].outputs.embedding) == 64
 
 
-def test_every_tensor_parallel_rank_sleeps_and_wakes(tiny_llama, prompts):
+def test_every_tensor_parallel_rank_sleeps_and_wakes(tiny_llama, prompts, other_llama):
     """Two ranks: each hands back its slice's storage and takes it back on wake_up (the workers run the
-    driver's sleep and wake-up), and the split engine answers as before; level 2 is refused, since
-    load_weights cannot fill the ranks' slices."""
+    driver's sleep and wake-up), and the split engine answers as before; after level 2, load_weights sends
+    each rank its slices of the new weights, and it answers as a split engine of those."""
+    folder_b, weights_b = other_llama
+    split_b = LLMEngine(EngineConfig(model=str(folder_b), tensor_parallel_size=2, **KNOBS))
+    try:
+        want_b = run_greedy(split_b, prompts, GREEDY.max_tokens)[0]
+    finally:
+        split_b.shutdown()
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), tensor_parallel_size=2, **KNOBS))
     try:
         before = run_greedy(engine, prompts, GREEDY.max_tokens)[0]
-        with pytest.raises(ValueError, match="level 2 drops the weights.*tensor-parallel"):
-            engine.sleep(2)
+        assert before != want_b
         engine.sleep(1)
         assert engine.is_sleeping
         assert sum(p.numel() for p in engine.runner.model.parameters()) == 0
@@ -143,6 +148,11 @@ def test_every_tensor_parallel_rank_sleeps_and_wakes(tiny_llama, prompts):
         engine.sleep(1)  # and again, from the woken tensors
         engine.wake_up()
         assert run_greedy(engine, prompts, GREEDY.max_tokens)[0] == before
+        engine.sleep(2)
+        engine.wake_up(["weights"])
+        engine.load_weights(weights_b.items())
+        engine.wake_up(["kv_cache"])
+        assert run_greedy(engine, prompts, GREEDY.max_tokens)[0] == want_b
     finally:
         engine.shutdown()
 

@@ -63,8 +63,8 @@ class LLM:
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Replace the model's weights in place with HF-named tensors, e.g. ``policy.state_dict().items()``
         of an RL loop's trained model between rollouts (every tensor of the checkpoint, as the model loads
-        them at start), and empty the prefix cache. CUDA graphs stay valid: no weight moves. Not for
-        tensor-parallel, quantised, LoRA or pooling engines."""
+        them at start), and empty the prefix cache. CUDA graphs stay valid: no weight moves. Under tensor
+        parallelism each rank gets its slices. Not for quantised, LoRA or pooling engines."""
         self.engine.load_weights(weights)
 
     def sleep(self, level: int = 1) -> None:

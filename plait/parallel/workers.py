@@ -11,10 +11,13 @@ import tempfile
 import time
 import traceback
 import weakref
+from collections.abc import Iterator
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 import plait
 from plait.parallel.group import ParallelRank
@@ -24,10 +27,13 @@ if TYPE_CHECKING:
     from plait.runner.model_runner import ModelRunner
 
 # Messages, driver -> rank: (FORWARD, (StepArrays, pending sources, whether a step is in flight)),
-# (IDS, number of sampled ids to receive), (SLEEP, level), (WAKE_UP, tags), (STOP, None), and at start-up the
-# agreed KV blocks (an int). Rank -> driver, at start-up: (LOADED, None), (BLOCKS, the KV blocks it has room
-# for), (READY, None); after SLEEP and WAKE_UP: (DONE, None); at any time (FAILED, its traceback).
+# (IDS, number of sampled ids to receive), (SLEEP, level), (WAKE_UP, tags), (LOAD_WEIGHTS, None) followed by
+# that rank's (name, tensor) slices one message each and then END_OF_WEIGHTS, (STOP, None), and at start-up
+# the agreed KV blocks (an int). Rank -> driver, at start-up: (LOADED, None), (BLOCKS, the KV blocks it has
+# room for), (READY, None); after SLEEP and WAKE_UP: (DONE, None); after a LOAD_WEIGHTS: (DONE, None or the
+# ValueError's message: a set the model refused); at any time (FAILED, its traceback).
 FORWARD, IDS, SLEEP, WAKE_UP, STOP = "forward", "ids", "sleep", "wake_up", "stop"
+LOAD_WEIGHTS, END_OF_WEIGHTS = "load_weights", "end_of_weights"
 LOADED, BLOCKS, READY, DONE, FAILED = "loaded", "blocks", "ready", "done", "failed"
 # How often the driver looks at its workers while it waits for them (a dead one fails the wait).
 POLL_SECONDS = 0.1
@@ -91,10 +97,14 @@ class Workers:
         """Every rank has its KV cache and graphs: steps may come."""
         self._gather(READY)
 
-    def done(self) -> None:
-        """Every rank has run the SLEEP or WAKE_UP sent last (its memory handed back, or taken back and its
-        graphs captured again)."""
-        self._gather(DONE)
+    def done(self) -> list[Any]:
+        """Every rank has run the SLEEP, WAKE_UP or LOAD_WEIGHTS sent last (its memory handed back, or taken
+        back and its graphs captured again; its slices loaded); what each said of it."""
+        return self._gather(DONE)
+
+    def send_to(self, rank: int, payload: Any) -> None:
+        """One raw message to worker ``rank`` (a slice of a LOAD_WEIGHTS, or END_OF_WEIGHTS)."""
+        self._conns[rank - 1].send(payload)
 
     def _gather(self, state: str) -> list[Any]:
         """Each worker's next message, which must be ``state``; one that fails or dies first raises
@@ -230,6 +240,15 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
             runner.forward(arrays, pending_sources, prev_ids if in_flight else None)
         elif kind == IDS:
             prev_ids = runner.receive_sampled_ids(payload)
+        elif kind == LOAD_WEIGHTS:
+            slices, refused = _ReceivedSlices(conn), None
+            try:
+                runner.load_weights(iter(slices))
+            except ValueError as err:  # the driver's load says the same of its own slices
+                refused = str(err)
+            finally:
+                slices.drain()  # the next message is the driver's next command
+            conn.send((DONE, refused))
         elif kind in (SLEEP, WAKE_UP):
             prev_ids = None  # its storage goes to sleep; no step is in flight across a sleep
             if kind == SLEEP:
@@ -239,6 +258,41 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
             conn.send((DONE, None))
         else:
             raise WorkerError(f"unknown message {kind!r}")
+
+
+def tensor_message(name: str, tensor: Any) -> tuple[str, str, tuple[int, ...], bytes]:
+    """A checkpoint slice as plain data for a worker's pipe: torch's pickling of a tensor would hand over
+    shared memory through multiprocessing's resource sharer, whose key a worker (a fresh interpreter, not a
+    multiprocessing child) does not hold."""
+    host = tensor.detach().to("cpu").contiguous()
+    data = host.view(-1).view(torch.uint8).numpy().tobytes()
+    return name, str(host.dtype).removeprefix("torch."), tuple(host.shape), data
+
+
+def tensor_from_message(message: tuple[str, str, tuple[int, ...], bytes]) -> tuple[str, Any]:
+    name, dtype, shape, data = message
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return name, flat.view(getattr(torch, dtype)).reshape(shape)
+
+
+class _ReceivedSlices:
+    """This rank's (name, tensor) slices of a LOAD_WEIGHTS, as they arrive, up to END_OF_WEIGHTS."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._ended = False
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        while not self._ended:
+            item = self._conn.recv()
+            self._ended = item == END_OF_WEIGHTS
+            if not self._ended:
+                yield tensor_from_message(item)
+
+    def drain(self) -> None:
+        """Read what a refused load left unread, up to END_OF_WEIGHTS."""
+        while not self._ended:
+            self._ended = self._conn.recv() == END_OF_WEIGHTS
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -28,8 +28,18 @@ from plait.loader.model_loader import load_model, resolve_device_dtype, to_model
 from plait.lora.model import LoRAModel
 from plait.multimodal.images import ImageProcessor
 from plait.parallel.group import ParallelRank, TPGroup
-from plait.parallel.shard import sum_row_parallel_outputs
-from plait.parallel.workers import FORWARD, IDS, SLEEP, WAKE_UP, DriverLink, Workers
+from plait.parallel.shard import shard_for, sum_row_parallel_outputs
+from plait.parallel.workers import (
+    END_OF_WEIGHTS,
+    FORWARD,
+    IDS,
+    LOAD_WEIGHTS,
+    SLEEP,
+    WAKE_UP,
+    DriverLink,
+    Workers,
+    tensor_message,
+)
 from plait.runner.cuda_graphs import MAX_GRAPH_PROMPT_TOKENS, StepGraphs, graph_shapes
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
 from plait.runner.image_embeddings import TOWER_GRAPH_BATCHES, ImageEmbeddings, TowerGraphs
@@ -148,6 +158,7 @@ class ModelRunner:
             self.image_processor = ImageProcessor.for_model(loaded.source, self.model)
         # KV heads this rank caches: its share under tensor parallelism.
         self.num_kv_heads = (loaded.shard.local if loaded.shard else loaded.config).num_key_value_heads
+        self.shard = loaded.shard  # this rank's share of the model under tensor parallelism, else None
         if self.parallel is not None:
             # Every rank has its slice before any rank waits on a collective: a rank that failed to load
             # fails the driver here, with its traceback, instead of hanging it.
@@ -257,8 +268,7 @@ class ModelRunner:
 
     def load_weights_refusal(self) -> str | None:
         """Why load_weights cannot replace this runner's weights (None: it can)."""
-        refusals = [(self.parallel is not None, "a tensor-parallel engine (each rank holds a slice)"),
-                    (self.quantization is not None, f"a {self.quantization} model (its weights are codes)"),
+        refusals = [(self.quantization is not None, f"a {self.quantization} model (its weights are codes)"),
                     (self.lora is not None, "an engine with LoRA (its layers are wrapped)"),
                     (self.runner_type == "pooling", "a pooling model (its checkpoint's LM head is dropped)")]
         return next((what for refused, what in refusals if refused), None)
@@ -271,11 +281,42 @@ class ModelRunner:
             raise ValueError(f"load_weights is not supported for {refusal}")
         if self._sleep_weights is not None and self._sleep_weights.released:
             raise ValueError("the weights are asleep: wake_up(tags=['weights']) before load_weights")
+        if self.workers is not None:
+            self._load_split_weights(weights)
+            return
         with torch.no_grad():
             self.model.load_weights((name, to_model_dtype(name, t, self.device, self.dtype))
                                     for name, t in weights)
         if self._folds_norms():  # every norm came in unfolded, gate/up with it
             self.model.fold_norm_weights()
+
+    def _load_split_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """load_weights under tensor parallelism: each tensor's slices go to the other ranks as it comes (on
+        the host, through their pipes; each rank loads its own), the driver's slice to its model. A set the
+        model refuses still ends every rank's stream and hears every rank's answer, so the ranks stay in step
+        (its weights then mixed, as on one device)."""
+        world = self.shard.world_size
+        shards = [shard_for(self.shard.full, rank, world) for rank in range(world)]
+
+        def own_slices() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                for rank in range(1, world):
+                    for piece, part in shards[rank].checkpoint([(name, tensor)]):
+                        self.workers.send_to(rank, tensor_message(piece, part))
+                for piece, part in shards[0].checkpoint([(name, tensor)]):
+                    yield piece, to_model_dtype(piece, part, self.device, self.dtype)
+
+        self.workers.send(LOAD_WEIGHTS)
+        try:
+            with torch.no_grad():
+                self.model.load_weights(own_slices())
+        finally:
+            for rank in range(1, world):
+                self.workers.send_to(rank, END_OF_WEIGHTS)
+            answers = self.workers.done()
+        refused = next((said for said in answers if said is not None), None)
+        if refused is not None:
+            raise ValueError(refused)
 
     # -- sleep mode ---------------------------------------------------------------------------
 
