@@ -1511,6 +1511,32 @@ def test_prefix_cache_metrics_move(served, client, model):
     assert "plait_prefix_cache_evicted_blocks_total" in after
 
 
+def test_prompt_tokens_details_say_what_the_cache_served(tiny_llama):
+    """vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens is 0 for a new prompt
+    and whole blocks of it the second time, in a completion and in a stream's usage chunk; without the flag
+    the field is null. /ping answers as /health, GET or POST."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=TINY_MAX_MODEL_LEN, block_size=8))
+    prompt = list(range(5, 45))
+    server = OpenAIServer(engine, ServerConfig(log_level="warning", enable_prompt_tokens_details=True))
+    name = server.model_name
+    with BackgroundServer(server) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+        first = client.completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0.0).usage
+        again = client.completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0.0).usage
+        assert first.prompt_tokens_details.cached_tokens == 0
+        cached = again.prompt_tokens_details.cached_tokens
+        assert 0 < cached < again.prompt_tokens and cached % 8 == 0
+        chunks = list(client.completions.create(model=name, prompt=prompt, max_tokens=2, stream=True,
+                                                stream_options={"include_usage": True}))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+        for method in ("GET", "POST"):
+            assert httpx.request(method, f"{url}/ping").json() == {"status": "ok"}
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+        usage = client.completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0.0).usage
+        assert usage.prompt_tokens_details is None
+
+
 # -- the Responses API ---------------------------------------------------------------------------
 
 

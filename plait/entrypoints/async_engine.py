@@ -86,6 +86,8 @@ class RequestStream:
         # Set by AsyncLLMEngine.add: the prompt token ids of each child, as the engine tokenized them.
         self.prompt_token_ids: list[list[int]] = []
         self.aborted: list[int] = []  # indices of children aborted before they finished
+        # Each child's prompt tokens served from the prefix cache, as its outputs report them.
+        self.num_cached_tokens = [0] * len(request_ids)
 
     @property
     def finished(self) -> bool:
@@ -110,7 +112,9 @@ class RequestStream:
             raise item
         if item.finished:
             self._unfinished.discard(item.request_id)
-        return self._index[item.request_id], item
+        index = self._index[item.request_id]
+        self.num_cached_tokens[index] = item.num_cached_tokens or 0
+        return index, item
 
     def abort(self) -> None:
         """Abort the unfinished children (idempotent)."""

@@ -281,7 +281,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           ssl_ca_certs=args.ssl_ca_certs, root_path=args.root_path,
                           uvicorn_log_level=args.uvicorn_log_level,
                           disable_uvicorn_access_log=args.disable_uvicorn_access_log,
-                          enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len)
+                          enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.data_parallel_size > 1:
@@ -420,6 +421,9 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="the HTTP server's log level (default: --log-level)")
     srv.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
+    srv.add_argument("--enable-prompt-tokens-details", action="store_true",
+                     help="as vLLM's: usage gives prompt_tokens_details.cached_tokens, the prompt tokens the "
+                          "prefix cache served")
     srv.add_argument("--enable-log-requests", action="store_true",
                      help="log each request's id, prompt, token ids and sampling params, as vLLM's")
     srv.add_argument("--disable-log-requests", action="store_true",

@@ -106,6 +106,7 @@ from plait.entrypoints.protocol import (
     PoolingResponse,
     PromptLogprob,
     PromptLogprobs,
+    PromptTokensDetails,
     ProtocolError,
     ReasoningChatResponseMessage,
     RerankDocument,
@@ -282,6 +283,9 @@ class ServerConfig:
     # What the ids of stored Responses begin with; a data-parallel replica's name it, so that the front can
     # send requests naming a response to the replica that stores it (plait.entrypoints.replica_router).
     response_id_prefix: str = RESPONSE_ID_PREFIX
+    # vLLM's --enable-prompt-tokens-details: completions' and chats' usage says how many prompt tokens the
+    # prefix cache served (prompt_tokens_details.cached_tokens, as OpenAI's).
+    enable_prompt_tokens_details: bool = False
     chat_template_text: str | None = field(default=None, init=False, repr=False)  # what chat_template names
 
     def __post_init__(self) -> None:
@@ -945,6 +949,9 @@ class OpenAIServer:
                 raise APIError(503, "the engine loop is not running", _error_type(503))
             return JSONResponse({"status": "ok"})
 
+        # vLLM's /ping (SageMaker's health check), GET or POST: /health's answer.
+        app.add_api_route("/ping", health, methods=["GET", "POST"], include_in_schema=False)
+
         @app.get("/metrics", response_class=Response)
         async def metrics() -> Response:
             return Response(self.metrics.render(), media_type=prom.CONTENT_TYPE_LATEST)
@@ -1340,10 +1347,13 @@ class OpenAIServer:
         return task.result() if not task.cancelled() else None
 
     def _usage(self, stream: RequestStream, n: int, completion_tokens: int) -> UsageInfo:
-        # Each prompt is counted once however many choices it has (as OpenAI and vLLM do).
+        # Each prompt is counted once however many choices it has (as OpenAI and vLLM do); its cached tokens
+        # are its first choice's (the others find that one's blocks too).
         prompt_tokens = sum(len(ids) for ids in stream.prompt_token_ids[::n])
+        details = (PromptTokensDetails(cached_tokens=sum(stream.num_cached_tokens[::n]))
+                   if self.config.enable_prompt_tokens_details else None)
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens)
+                         total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
     def _token_str(self, token_id: int) -> str:
         text = self._token_strings.get(token_id)
