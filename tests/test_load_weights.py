@@ -105,3 +105,19 @@ def test_load_weights_sends_each_tensor_parallel_rank_its_slices(tiny_llama, oth
         assert run_greedy(engine, prompts, GREEDY.max_tokens)[0] == want
     finally:
         engine.shutdown()
+
+
+def test_reload_weights_reads_a_checkpoint_from_disk(tiny_llama, other_llama):
+    """vLLM's collective_rpc("reload_weights"): LLM.reload_weights(folder) answers as that checkpoint's model;
+    with no path, the engine's own model comes back; a missing folder is a FileNotFoundError."""
+    folder_b, _ = other_llama
+    prompts = random_prompts(3, 20, 40, seed=24)
+    llm = LLM(str(tiny_llama), **KNOBS)
+    own = _answers(llm, prompts)
+    want = _answers(LLM(str(folder_b), **KNOBS), prompts)
+    llm.reload_weights(str(folder_b))
+    assert _answers(llm, prompts) == want
+    llm.reload_weights()
+    assert _answers(llm, prompts) == own
+    with pytest.raises(FileNotFoundError):
+        llm.reload_weights(str(folder_b / "nowhere"))

@@ -157,10 +157,11 @@ def test_every_tensor_parallel_rank_sleeps_and_wakes(tiny_llama, prompts, other_
         engine.shutdown()
 
 
-def test_server_sleeps_and_wakes_as_vllm(tiny_llama, prompts, monkeypatch):
+def test_server_sleeps_and_wakes_as_vllm(tiny_llama, prompts, other_llama, monkeypatch):
     """VLLM_SERVER_DEV_MODE=1 with --enable-sleep-mode: POST /sleep, GET /is_sleeping, POST /wake_up (tags one
     at a time); while asleep the openai client's completion is a 503 saying so and /v1/models still answers;
-    level 2 is refused (a server cannot load weights back); awake again, the same answer."""
+    awake again, the same answer. After level 2 a completion is a 400 until POST /reload_weights brings a
+    checkpoint in (B's folder: B's answer; none given: the served model's own again)."""
     openai = pytest.importorskip("openai")
     httpx = pytest.importorskip("httpx")
     from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
@@ -182,13 +183,28 @@ def test_server_sleeps_and_wakes_as_vllm(tiny_llama, prompts, monkeypatch):
             ask()
         assert err.value.status_code == 503 and err.value.body["type"] == "service_unavailable"
         assert [m.id for m in client.models.list().data] == [engine.model_name]
-        refused = httpx.post(f"{url}/sleep", params={"level": 2})
-        assert refused.status_code == 400 and "level 2" in refused.json()["error"]["message"]
         assert httpx.post(f"{url}/wake_up", params={"tags": "bogus"}).status_code == 400
         assert httpx.post(f"{url}/wake_up", params={"tags": "weights"}).status_code == 200
         assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
         assert httpx.post(f"{url}/wake_up", params={"tags": "kv_cache"}).status_code == 200
         assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+        assert ask() == answer
+
+        folder_b, _ = other_llama
+        want_b = run_greedy(LLMEngine(EngineConfig(model=str(folder_b), **KNOBS)), [prompts[0]], 6)[0][0]
+        assert httpx.post(f"{url}/sleep", params={"level": 2}).status_code == 200
+        assert httpx.post(f"{url}/wake_up", params={"tags": "weights"}).status_code == 200
+        assert httpx.post(f"{url}/wake_up", params={"tags": "kv_cache"}).status_code == 200
+        with pytest.raises(openai.BadRequestError, match="reload_weights"):
+            ask()
+        missing = httpx.post(f"{url}/reload_weights", json={"path": str(folder_b / "nowhere")})
+        assert missing.status_code == 400 and "nowhere" in missing.json()["error"]["message"]
+        assert httpx.post(f"{url}/reload_weights", json={"path": str(folder_b)}).status_code == 200
+        reply = client.completions.create(model=engine.model_name, prompt=prompts[0], max_tokens=6,
+                                          temperature=0.0, logprobs=0,
+                                          extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+        assert [int(t.split(":")[1]) for t in reply.choices[0].logprobs.tokens] == want_b
+        assert httpx.post(f"{url}/reload_weights").status_code == 200  # the served model's own
         assert ask() == answer
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
     with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:

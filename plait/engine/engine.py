@@ -269,8 +269,8 @@ class LLMEngine:
         if params is None:
             params = PoolingParams() if self.pooler is not None else SamplingParams()
         if self._weights_discarded:
-            raise ValueError("the weights were discarded by sleep(level=2): load_weights before adding "
-                             "requests")
+            raise ValueError("the weights were discarded by sleep(level=2): load_weights (a server: POST "
+                             "/reload_weights) before adding requests")
         self._validate_priority(priority)
         if isinstance(params, PoolingParams):
             return self._make_pooling_request(prompt, params, request_id, lora_request, priority)
@@ -802,6 +802,16 @@ class LLMEngine:
         self.runner.load_weights(weights)
         self.kv_cache.reset_prefix_cache()
         self._weights_discarded = False
+
+    def reload_weights(self, path: str | None = None) -> None:
+        """load_weights from a checkpoint on disk: ``path`` (an HF folder, a GGUF file or a cached Hub id of
+        this architecture, e.g. a trainer's saved step), else the model this engine was started with (vLLM's
+        ``collective_rpc("reload_weights")``)."""
+        from plait.loader.model_loader import read_source
+
+        source = self.model_source if path is None else resolve_model(path)
+        _, weights = read_source(source, "auto")
+        self.load_weights(weights)
 
     def sleep(self, level: int = 1) -> None:
         """Free the device memory of the weights and the KV cache until wake_up (vLLM's sleep mode, for an RL

@@ -44,7 +44,7 @@ REPLICA_STOP_TIMEOUT_S = 30.0
 # Requests that change every replica, not one: a LoRA adapter must be servable wherever a request lands, and
 # the development endpoints act on the whole server.
 BROADCAST_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter", "/reset_prefix_cache",
-                   "/start_profile", "/stop_profile", "/sleep", "/wake_up")
+                   "/start_profile", "/stop_profile", "/sleep", "/wake_up", "/reload_weights")
 # Headers that describe one hop of a connection, not the message: never passed on (RFC 9110, 7.6.1).
 HOP_HEADERS = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
                          "trailer", "transfer-encoding", "upgrade", "host", "content-length"})

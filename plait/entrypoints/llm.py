@@ -67,6 +67,11 @@ class LLM:
         parallelism each rank gets its slices. Not for quantised, LoRA or pooling engines."""
         self.engine.load_weights(weights)
 
+    def reload_weights(self, path: str | None = None) -> None:
+        """load_weights from a checkpoint on disk: ``path`` (an HF folder, a GGUF file or a cached Hub id),
+        else the model the engine started with, as vLLM's ``collective_rpc("reload_weights")``."""
+        self.engine.reload_weights(path)
+
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (under ``enable_sleep_mode=True``): free the device memory of the weights and
         the KV cache, e.g. while an RL loop trains on the same GPU. Level 1 parks the weights in host

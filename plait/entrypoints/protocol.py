@@ -955,6 +955,12 @@ def _now() -> int:
     return int(time.time())
 
 
+class ReloadWeightsRequest(BaseModel):
+    """POST /reload_weights (development mode): the checkpoint to load, else the served model's own."""
+
+    path: str | None = None
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held
 

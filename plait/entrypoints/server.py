@@ -109,6 +109,7 @@ from plait.entrypoints.protocol import (
     PromptTokensDetails,
     ProtocolError,
     ReasoningChatResponseMessage,
+    ReloadWeightsRequest,
     RerankDocument,
     RerankRequest,
     RerankResponse,
@@ -145,7 +146,6 @@ from plait.multimodal.chat import image_token_text, prepare_chat
 from plait.multimodal.images import MultiModalPrompt
 from plait.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
 from plait.pooling_params import PoolingParams, score_pairs
-from plait.runner.sleep import SLEEP_DISCARD_WEIGHTS
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -963,6 +963,15 @@ class OpenAIServer:
                     raise APIError(409, "the prefix cache is in use: requests hold blocks", "conflict_error")
                 return JSONResponse({})
 
+            @app.post("/reload_weights")
+            async def reload_weights(body: ReloadWeightsRequest | None = None) -> Response:
+                path = body.path if body is not None else None
+                try:
+                    await self._engine_call(lambda engine: engine.reload_weights(path))
+                except FileNotFoundError as err:
+                    raise APIError(400, str(err)) from err
+                return JSONResponse({})
+
             if self.sleep_mode:
                 self._add_sleep_routes(app)
 
@@ -1077,14 +1086,11 @@ class OpenAIServer:
 
     def _add_sleep_routes(self, app: FastAPI) -> None:
         """vLLM's sleep-mode endpoints: free the GPU memory of the weights and the KV cache while other work
-        uses the GPU; generation answers 503 meanwhile. Level 2 (weights dropped) is refused: no request
-        can load weights back into a server."""
+        uses the GPU; generation answers 503 meanwhile. After level 2 (weights dropped), POST /reload_weights
+        brings a checkpoint in (between waking the weights and the KV cache)."""
 
         @app.post("/sleep")
         async def sleep(level: int = 1) -> Response:
-            if level == SLEEP_DISCARD_WEIGHTS:
-                raise APIError(400, "sleep level 2 drops the weights, and a server cannot load them back: "
-                               "use level 1 (weights kept in host memory)")
             await self._engine_call(lambda engine: engine.sleep(level))
             return JSONResponse({})
 

@@ -63,7 +63,7 @@ def load_model(
     from plait.loader.hf import resolve_model
 
     source = resolve_model(config.model, config.revision, config.download_dir)
-    hf_config, weights = _read_source(source, config.load_format)
+    hf_config, weights = read_source(source, config.load_format)
     hf_config = merge_hf_overrides(hf_config, config.hf_overrides)
     model_config = ModelConfig.from_hf(hf_config)
     runner = resolve_runner(config.runner, model_config.architecture)
@@ -219,7 +219,7 @@ def to_model_dtype(name: str, t: torch.Tensor, device: torch.device, dtype: torc
     return t.to(device=device, dtype=dtype)
 
 
-def _read_source(source: Any, load_format: str) -> tuple[dict, Iterable[tuple[str, torch.Tensor]] | None]:
+def read_source(source: Any, load_format: str) -> tuple[dict, Iterable[tuple[str, torch.Tensor]] | None]:
     """(config, the checkpoint's (name, tensor) pairs, or None for random weights); an HF folder's are
     read lazily, shard by shard."""
     if source.kind == "gguf":
