@@ -80,7 +80,7 @@ def test_a_deeper_sleep_drops_what_a_lighter_one_parked(tiny_llama, prompts):
     llm.sleep(1)
     llm.sleep(2)
     llm.wake_up()
-    with pytest.raises(ValueError, match="load_weights before adding"):
+    with pytest.raises(ValueError, match=r"discarded by sleep\(level=2\): load_weights"):
         llm.generate([{"prompt_token_ids": prompts[0]}], GREEDY, use_tqdm=False)
     assert all(not p.any() for p in llm.engine.runner.model.parameters())
 
