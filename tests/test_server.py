@@ -1537,6 +1537,58 @@ def test_prompt_tokens_details_say_what_the_cache_served(tiny_llama):
         assert usage.prompt_tokens_details is None
 
 
+def test_server_load_tracking_counts_requests_in_flight(tiny_llama):
+    """vLLM's --enable-server-load-tracking: GET /load says how many model-running requests are in flight,
+    counted from arrival to the response's last byte (the middleware over a stand-in app whose stream waits),
+    and 0 once a real completion is done; without the flag there is no /load."""
+    from plait.entrypoints.server import LoadTrackingMiddleware, ServerLoad
+
+    load = ServerLoad()
+    release = asyncio.Event()
+
+    async def streaming_app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        await release.wait()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def scenario() -> list[int]:
+        app = LoadTrackingMiddleware(streaming_app, load)
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        seen = []
+        for path, method in [("/v1/chat/completions", "POST"), ("/v1/models", "GET"), ("/tokenize", "POST")]:
+            release.clear()
+            task = asyncio.create_task(app({"type": "http", "path": path, "method": method}, receive, send))
+            await asyncio.sleep(0.01)
+            seen.append(load.in_flight)
+            release.set()
+            await task
+            seen.append(load.in_flight)
+        return seen
+
+    assert asyncio.run(scenario()) == [1, 0, 0, 0, 0, 0]  # only the model-running endpoint counts
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=TINY_MAX_MODEL_LEN, block_size=8))
+    server = OpenAIServer(engine, ServerConfig(log_level="warning", enable_server_load_tracking=True))
+    tracking = [m.kwargs["load"] for m in server.app.user_middleware if m.cls is LoadTrackingMiddleware]
+    assert tracking == [server.load]  # the counter /load reads is the one the middleware keeps
+    with BackgroundServer(server) as url:
+        assert httpx.get(f"{url}/load").json() == {"server_load": 0}
+        body = {"model": server.model_name, "prompt": [5, 6, 7], "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+        assert httpx.get(f"{url}/load").json() == {"server_load": 0}
+        assert server.load.in_flight == 0
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        assert httpx.get(f"{url}/load").status_code == 404
+
+
 # -- the Responses API ---------------------------------------------------------------------------
 
 

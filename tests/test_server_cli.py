@@ -194,12 +194,12 @@ def test_serve_vllm_logging_and_https_flags_reach_the_config(monkeypatch, tmp_pa
                      "--tokenizer", "some/tokenizer", "--revision", "v2", "--download-dir", str(tmp_path),
                      "--max-logprobs", "-1", "--override-generation-config", '{"temperature": 0.3}',
                      "--scheduling-policy", "priority", "--enable-sleep-mode",
-                     "--enable-prompt-tokens-details"]) == 0
+                     "--enable-prompt-tokens-details", "--enable-server-load-tracking"]) == 0
     engine, config = seen[0]
     assert (config.ssl_keyfile, config.ssl_certfile, config.root_path) == (key, cert, "/api")
     assert (config.uvicorn_log_level, config.disable_uvicorn_access_log) == ("warning", True)
     assert (config.enable_log_requests, config.max_log_len) == (True, 10)
-    assert config.enable_prompt_tokens_details
+    assert config.enable_prompt_tokens_details and config.enable_server_load_tracking
     assert (engine.tokenizer, engine.revision, engine.download_dir) == ("some/tokenizer", "v2", str(tmp_path))
     assert (engine.max_logprobs, engine.override_generation_config) == (-1, {"temperature": 0.3})
     assert engine.scheduling_policy == "priority" and engine.enable_sleep_mode

@@ -282,7 +282,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           uvicorn_log_level=args.uvicorn_log_level,
                           disable_uvicorn_access_log=args.disable_uvicorn_access_log,
                           enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-                          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                          enable_server_load_tracking=args.enable_server_load_tracking)
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.data_parallel_size > 1:
@@ -424,6 +425,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--enable-prompt-tokens-details", action="store_true",
                      help="as vLLM's: usage gives prompt_tokens_details.cached_tokens, the prompt tokens the "
                           "prefix cache served")
+    srv.add_argument("--enable-server-load-tracking", action="store_true",
+                     help="as vLLM's: GET /load gives the model-running requests in flight")
     srv.add_argument("--enable-log-requests", action="store_true",
                      help="log each request's id, prompt, token ids and sampling params, as vLLM's")
     srv.add_argument("--disable-log-requests", action="store_true",

@@ -286,6 +286,8 @@ class ServerConfig:
     # vLLM's --enable-prompt-tokens-details: completions' and chats' usage says how many prompt tokens the
     # prefix cache served (prompt_tokens_details.cached_tokens, as OpenAI's).
     enable_prompt_tokens_details: bool = False
+    # vLLM's --enable-server-load-tracking: GET /load gives the model-running requests in flight.
+    enable_server_load_tracking: bool = False
     chat_template_text: str | None = field(default=None, init=False, repr=False)  # what chat_template names
 
     def __post_init__(self) -> None:
@@ -441,6 +443,39 @@ async def _send_error(send: Send, status: int, body: bytes, extra_headers: Seque
                *extra_headers]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
+
+
+# The endpoints that run the model: what vLLM's --enable-server-load-tracking counts (GET /load).
+LOAD_TRACKED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
+                                "/classify", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank",
+                                "/v2/rerank"})
+
+
+@dataclass
+class ServerLoad:
+    """Requests to LOAD_TRACKED_PATHS in flight: from arrival to their response's last byte (GET /load)."""
+
+    in_flight: int = 0
+
+
+class LoadTrackingMiddleware:
+    """Counts the model-running requests in flight into a ServerLoad (pure ASGI: a streamed response counts
+    until it ends, or its client leaves)."""
+
+    def __init__(self, app: ASGIApp, load: ServerLoad) -> None:
+        self.app = app
+        self.load = load
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
+        if scope["type"] != "http" or scope.get("method") != "POST" or path not in LOAD_TRACKED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.load.in_flight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.in_flight -= 1
 
 
 class GuardMiddleware:
@@ -905,6 +940,7 @@ class OpenAIServer:
             self.lora_requests[lora.lora_name] = lora
         self.engine = AsyncLLMEngine(engine, on_step=self._on_step)
         self.sleep_mode = engine.config.enable_sleep_mode  # /sleep, /wake_up, /is_sleeping in dev mode
+        self.load = ServerLoad()  # counted under enable_server_load_tracking
         self.max_logprobs = engine.max_logprobs
         self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
         self.app = self._build_app()
@@ -951,6 +987,11 @@ class OpenAIServer:
 
         # vLLM's /ping (SageMaker's health check), GET or POST: /health's answer.
         app.add_api_route("/ping", health, methods=["GET", "POST"], include_in_schema=False)
+
+        if self.config.enable_server_load_tracking:
+            @app.get("/load")
+            async def load() -> Response:
+                return JSONResponse({"server_load": self.load.in_flight})
 
         @app.get("/metrics", response_class=Response)
         async def metrics() -> Response:
@@ -1051,6 +1092,8 @@ class OpenAIServer:
                                             self.max_logprobs)
         app.add_middleware(GuardMiddleware, api_key=self.config.api_key,
                            max_body_bytes=self.config.max_request_body_bytes)
+        if self.config.enable_server_load_tracking:
+            app.add_middleware(LoadTrackingMiddleware, load=self.load)
         # Added last, so outermost: it answers preflights before the key check, and its headers reach every
         # response, the guard's 401 and 413 included, so a page's script can read why it was refused.
         app.add_middleware(CORSMiddleware, allow_origins=list(self.config.allowed_origins),
