@@ -216,7 +216,9 @@ class ModelRunner:
         # As vLLM's start-up line: what --kv-cache-dtype and gpu_memory_utilization bought.
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", self.num_kv_blocks, config.block_size,
                     self.num_kv_blocks * config.block_size, str(self.kv_cache_dtype).removeprefix("torch."))
-        use_graphs = self.device.type == "cuda" and not config.enforce_eager and self.attn_backend.graph_safe
+        # Steps replay CUDA graphs, and an image model's vision tower too (captured again on waking up).
+        self.use_graphs = use_graphs = (self.device.type == "cuda" and not config.enforce_eager
+                                        and self.attn_backend.graph_safe)
         shapes = (graph_shapes(config.max_num_seqs, self._max_graph_prompt_tokens(), self.max_model_len,
                                self._max_graph_prompt_only_tokens(),
                                speculative=config.speculative_config is not None,
@@ -231,14 +233,13 @@ class ModelRunner:
             self.image_embeddings = ImageEmbeddings(self.model, self.device, layout.max_tokens,
                                                     self.model_config.hidden_size, self.dtype,
                                                     graphs=use_graphs)
-        self.graph_shapes = shapes  # captured again on waking from sleep
+        self.graph_shapes = shapes
         self.graphs: StepGraphs | None = self._capture_graphs(shapes) if use_graphs else None
         # Sleep mode (LLMEngine.sleep): the model's tensors, and the per-request state (KV cache, recurrent
         # states), whose storage can be handed back; listed by each sleep from awake.
         self._sleep_weights: ReleasableTensors | None = None
         self._sleep_cache: ReleasableTensors | None = None
         self._param_ids: set[int] = set()  # which of _sleep_weights are parameters (level 2 drops them)
-        self._recapture_tower = False  # the vision tower's graphs went to sleep with the step graphs
         # Pinned landing places for sampled ids, used in turn: one step is collected while the
         # next one's copy may already be in flight.
         pin = self.device.type == "cuda"
@@ -296,7 +297,7 @@ class ModelRunner:
         model refuses still ends every rank's stream and hears every rank's answer, so the ranks stay in step
         (its weights then mixed, as on one device)."""
         world = self.shard.world_size
-        shards = [shard_for(self.shard.full, rank, world) for rank in range(world)]
+        shards = [self.shard, *(shard_for(self.shard.full, rank, world) for rank in range(1, world))]
 
         def own_slices() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
@@ -335,9 +336,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # no launched step still reads them
         self.graphs = None
-        if self.image_embeddings is not None and self.image_embeddings.tower_graphs is not None:
+        if self.image_embeddings is not None:
             self.image_embeddings.tower_graphs = None
-            self._recapture_tower = True
         # Level 2 keeps what no checkpoint holds (buffers, rotary tables): only parameters are dropped.
         discard = level == SLEEP_DISCARD_WEIGHTS
         self._sleep_weights.release(keep=lambda t: not (discard and id(t) in self._param_ids))
@@ -370,11 +370,11 @@ class ModelRunner:
             self._sleep_cache.take_back()
         if self.is_asleep:
             return
-        if self.graph_shapes and self.graphs is None:
+        if self.use_graphs and self.graphs is None:  # sleep dropped them (the vision tower's with them)
             self.graphs = self._capture_graphs(self.graph_shapes)
-        if self._recapture_tower:
-            self.image_embeddings.tower_graphs = TowerGraphs(self.model, self.device, self.model.tile_shape)
-            self._recapture_tower = False
+            if self.image_embeddings is not None:
+                tile_shape = self.model.tile_shape
+                self.image_embeddings.tower_graphs = TowerGraphs(self.model, self.device, tile_shape)
 
     @property
     def is_asleep(self) -> bool:
