@@ -137,7 +137,7 @@ class LLMEngine:
         self.model_source = resolve_model(config.model, config.revision, config.download_dir)
         self.generation_defaults = load_generation_defaults(config.generation_config, self.model_source.path,
                                                             config.override_generation_config)
-        self.runner = ModelRunner(config)
+        self.runner = ModelRunner(config, source=self.model_source)
         # The runner chose the device's defaults (the token budget) where the config left them open.
         self.config = config = self.runner.config
         self.model_config = self.runner.model_config

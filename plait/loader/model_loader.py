@@ -8,7 +8,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from plait.models.registry import BASE_MODEL_ARCHITECTURES, get_model_class, res
 from plait.models.weights import weight_row_loader
 from plait.parallel.group import ParallelRank
 from plait.parallel.shard import Shard, shard_for
+
+if TYPE_CHECKING:
+    from plait.loader.hf import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -58,11 +61,14 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
 
 def load_model(
     config: EngineConfig, device: torch.device, dtype: torch.dtype, max_positions: int | None = None,
-    parallel: ParallelRank | None = None,
+    parallel: ParallelRank | None = None, source: ModelSource | None = None,
 ) -> LoadedModel:
+    """The model ``config`` names (``source``: where it is, as the engine resolved it; None: resolved here),
+    built, sharded for ``parallel`` and loaded."""
     from plait.loader.hf import resolve_model
 
-    source = resolve_model(config.model, config.revision, config.download_dir)
+    if source is None:
+        source = resolve_model(config.model, config.revision, config.download_dir)
     hf_config, weights = read_source(source, config.load_format)
     hf_config = merge_hf_overrides(hf_config, config.hf_overrides)
     model_config = ModelConfig.from_hf(hf_config)

@@ -24,6 +24,7 @@ from plait.engine.state_slots import PAD_STATE_SLOT
 from plait.kernels.dispatch import triton_enabled, triton_importable
 from plait.layers.fp8 import FP8_DTYPE
 from plait.layers.mamba import allocate_mamba_states
+from plait.loader.hf import ModelSource
 from plait.loader.model_loader import load_model, resolve_device_dtype, to_model_dtype
 from plait.lora.model import LoRAModel
 from plait.multimodal.images import ImageProcessor
@@ -128,7 +129,7 @@ class ModelRunner:
     runs only the forwards (``forward``, ``receive_sampled_ids``)."""
 
     def __init__(self, config: EngineConfig, parallel: ParallelRank | None = None,
-                 link: DriverLink | None = None) -> None:
+                 link: DriverLink | None = None, source: ModelSource | None = None) -> None:
         self.device, self.dtype = resolve_device_dtype(config)
         self.workers: Workers | None = None
         self.group: TPGroup | None = None
@@ -141,15 +142,15 @@ class ModelRunner:
         # Start-up's meeting points with the other ranks: the driver's Workers, or a worker's DriverLink.
         self.peers = self.workers or link
         try:
-            self._build(config)
+            self._build(config, source)
         except BaseException:
             self.close()
             raise
 
-    def _build(self, config: EngineConfig) -> None:
+    def _build(self, config: EngineConfig, source: ModelSource | None) -> None:
         budget_given = config.max_num_batched_tokens is not None
         self.config = config = with_device_token_budget(config, self.device)
-        loaded = load_model(config, self.device, self.dtype, parallel=self.parallel)
+        loaded = load_model(config, self.device, self.dtype, parallel=self.parallel, source=source)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
         # An image model's processor (host side); its images' embeddings (device side) once the buffers'
         # size is known. None for a text model.
