@@ -1,10 +1,12 @@
 """Data parallelism for serving (vLLM's --data-parallel-size): N engine replicas behind one address.
 
 Each replica is a `plait serve` process of its own (its own GPUs: CUDA_VISIBLE_DEVICES, tensor_parallel_size
-of them each) listening on a free loopback port; the front process proxies every request to the replica with
-the fewest requests in flight, streams its answer back unchanged (a client that hangs up closes the replica's
-stream, which aborts the request there), sends LoRA adapter loads and the development endpoints (prefix-cache
-reset, profiling) to every replica, and merges their /metrics under an ``engine`` label, as vLLM's.
+of them each) listening on a free loopback port; the front process proxies every request to the replica its
+ReplicaRouter picks (the one storing a response the request names, else the one that served its beginning,
+else the one with the fewest requests in flight), streams its answer back unchanged (a client that hangs up
+closes the replica's stream, which aborts the request there), sends LoRA adapter loads and the development
+endpoints (prefix-cache reset, profiling, sleep, weight reload) to every replica, and merges their /metrics
+under an ``engine`` label, as vLLM's.
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def stop_replicas(replicas: list[Replica]) -> None:
 
 
 class DataParallelFront:
-    """The front server's app: proxies to the least busy replica (see the module's docstring)."""
+    """The front server's app: proxies to the replica its router picks (see the module's docstring)."""
 
     def __init__(self, replicas: list[Replica], api_key: str | None, max_body_bytes: int,
                  prefix_affinity: bool = True) -> None:
