@@ -7,8 +7,9 @@ rate through `plait bench serve`'s client, one table per policy and a plot of p9
 Arguments after ``--`` go to `plait serve` (engine knobs). Each rate gets prompts of its own (seed +
 the rate's index), the same under every policy, so no prompt is served twice by a server's prefix
 cache. Writes, in --out: w5.json (every rate's metrics), w5.md (the tables), w5.png, a detailed
-result per policy and rate, and each server's log. Policies may be swept by separate commands into
-one --out: the tables and the plot cover every policy swept there with the same settings.
+result per policy and rate, each server's log, and with --step-timelines each server's step timeline.
+Policies may be swept by separate commands into one --out: the tables and the plot cover every policy
+swept there with the same settings.
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
     p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--step-timelines", action="store_true",
+                   help="each server writes its step timeline (timeline_<policy>.json in --out, on the "
+                        "clock of each rate's started_monotonic)")
     args = p.parse_args(argv)
     if "--scheduling-policy" in serve_args or "--port" in serve_args:
         p.error("the sweep sets --scheduling-policy and --port itself: use --policies")
@@ -146,6 +150,8 @@ def stop_server(proc: subprocess.Popen) -> None:
 def sweep_policy(policy: str, args: argparse.Namespace, serve_args: list[str], vocab: int,
                  rates: list[float], out: Path) -> list[dict[str, Any]]:
     log = out / f"server_{policy}.log"
+    if args.step_timelines:
+        serve_args = [*serve_args, "--step-timeline-file", str((out / f"timeline_{policy}.json").resolve())]
     proc, url = start_server(serve_args, policy, args.host, log, args.startup_timeout)
     rows = []
     try:
@@ -157,8 +163,10 @@ def sweep_policy(policy: str, args: argparse.Namespace, serve_args: list[str], v
                                       num_warmups=args.num_warmups if i == 0 else 0,
                                       show_progress=not args.disable_tqdm)
             print(f"w5_sweep: {policy}, {rate:g} req/s, {len(samples)} requests", flush=True)
+            started = time.monotonic()  # the server's step timeline is on this clock
             run = asyncio.run(run_benchmark(samples, config))
-            (out / f"{policy}_rate{rate:g}.json").write_text(json.dumps(run.to_json()))
+            (out / f"{policy}_rate{rate:g}.json").write_text(json.dumps({**run.to_json(),
+                                                                         "started_monotonic": started}))
             rows.append({**run.metrics, "request_rate": rate})
     finally:
         stop_server(proc)

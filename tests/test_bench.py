@@ -376,7 +376,7 @@ def test_w5_sweep_smoke(tiny_llama, tmp_path):
     out = tmp_path / "w5"
     cmd = [sys.executable, str(REPO / "scripts" / "w5_sweep.py"), "--out", str(out), "--rates", "8",
            "--policies", "mixed", "--num-prompts", "4", "--prompt-mix", "0.5:8-16,0.5:40-60", "--output-len",
-           "3-6", "--disable-tqdm", "--", "--model", str(model), "--load-format", "dummy"]
+           "3-6", "--disable-tqdm", "--step-timelines", "--", "--model", str(model), "--load-format", "dummy"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 0, done.stdout + done.stderr
@@ -388,6 +388,11 @@ def test_w5_sweep_smoke(tiny_llama, tmp_path):
     detail = json.loads((out / "mixed_rate8.json").read_text())
     assert [len(itl) for itl in detail["itls"]] == [n - 1 for n in detail["output_lens"]]
     assert "| 8 | 4 | 0 |" in (out / "w5.md").read_text()
+    # The server's step timeline covers the run (and its warm-up request), on the clock of the rate's start.
+    steps = json.loads((out / "timeline_mixed.json").read_text())["steps"]
+    assert sum(s["num_prefill_tokens"] for s in steps) >= sum(detail["input_lens"])
+    started = detail["started_monotonic"]
+    assert started < steps[0]["start_time"] < steps[-1]["start_time"] < started + 60
 
 
 def test_run_isolated_runs_in_a_fresh_process_and_raises_its_errors():

@@ -1589,6 +1589,27 @@ def test_server_load_tracking_counts_requests_in_flight(tiny_llama):
         assert httpx.get(f"{url}/load").status_code == 404
 
 
+def test_server_writes_its_step_timeline_when_it_stops(tiny_llama, tmp_path):
+    """--step-timeline-file: every step the engine ran while serving, on the host's monotonic clock (so a
+    load generator can line requests up with steps), in the file `plait bench timeline` plots."""
+    from plait.bench.timeline import load, summarize
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=TINY_MAX_MODEL_LEN, block_size=8,
+                                    max_num_batched_tokens=16))
+    path = tmp_path / "steps" / "timeline.json"
+    server = OpenAIServer(engine, ServerConfig(log_level="warning", step_timeline_file=str(path)))
+    started = time.monotonic()
+    with BackgroundServer(server) as url:
+        body = {"model": server.model_name, "prompt": list(range(5, 45)), "max_tokens": 3, "ignore_eos": True}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
+        assert not path.exists()  # written when the server stops
+    ((steps, _),) = load(path).values()
+    summary = summarize(steps)
+    # A 40-token prompt in 16-token chunks (3 steps; the last samples the first token), then 2 decodes.
+    assert (summary["prefill_tokens"], summary["decode_tokens"], summary["steps"]) == (40, 2, 5)
+    assert started <= steps[0]["start_time"] <= steps[-1]["start_time"] <= time.monotonic()
+
+
 # -- the Responses API ---------------------------------------------------------------------------
 
 

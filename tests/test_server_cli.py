@@ -194,12 +194,14 @@ def test_serve_vllm_logging_and_https_flags_reach_the_config(monkeypatch, tmp_pa
                      "--tokenizer", "some/tokenizer", "--revision", "v2", "--download-dir", str(tmp_path),
                      "--max-logprobs", "-1", "--override-generation-config", '{"temperature": 0.3}',
                      "--scheduling-policy", "priority", "--enable-sleep-mode",
-                     "--enable-prompt-tokens-details", "--enable-server-load-tracking"]) == 0
+                     "--enable-prompt-tokens-details", "--enable-server-load-tracking",
+                     "--step-timeline-file", "steps.json"]) == 0
     engine, config = seen[0]
     assert (config.ssl_keyfile, config.ssl_certfile, config.root_path) == (key, cert, "/api")
     assert (config.uvicorn_log_level, config.disable_uvicorn_access_log) == ("warning", True)
     assert (config.enable_log_requests, config.max_log_len) == (True, 10)
     assert config.enable_prompt_tokens_details and config.enable_server_load_tracking
+    assert config.step_timeline_file == "steps.json"
     assert (engine.tokenizer, engine.revision, engine.download_dir) == ("some/tokenizer", "v2", str(tmp_path))
     assert (engine.max_logprobs, engine.override_generation_config) == (-1, {"temperature": 0.3})
     assert engine.scheduling_policy == "priority" and engine.enable_sleep_mode
@@ -333,7 +335,11 @@ def test_data_parallel_serves_one_address_over_replicas(tmp_path):
 
 
 def test_data_parallel_replicas_take_their_own_gpus_and_metrics_merge():
-    from plait.entrypoints.data_parallel import merge_metrics, replica_devices
+    from plait.entrypoints.data_parallel import merge_metrics, replica_devices, replica_timeline_file
+
+    # Each replica's engine keeps a step timeline of its own.
+    assert replica_timeline_file("/tmp/run/steps.json", 1) == "/tmp/run/steps.dp1.json"
+    assert replica_timeline_file(None, 0) is None
 
     assert [replica_devices(i, 1, "0,1,2,3") for i in range(4)] == ["0", "1", "2", "3"]
     assert [replica_devices(i, 2, "4,5,6,7") for i in range(2)] == ["4,5", "6,7"]  # within what is visible

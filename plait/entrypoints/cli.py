@@ -283,7 +283,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           disable_uvicorn_access_log=args.disable_uvicorn_access_log,
                           enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                           enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                          enable_server_load_tracking=args.enable_server_load_tracking)
+                          enable_server_load_tracking=args.enable_server_load_tracking,
+                          step_timeline_file=args.step_timeline_file)
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     if args.data_parallel_size > 1:
@@ -427,6 +428,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "prefix cache served")
     srv.add_argument("--enable-server-load-tracking", action="store_true",
                      help="as vLLM's: GET /load gives the model-running requests in flight")
+    srv.add_argument("--step-timeline-file", default=None, metavar="PATH",
+                     help="when the server stops, write the engine's step timeline here (each step's time, "
+                          "prompt and decode tokens, rows, graph replay, KV blocks, preemptions; "
+                          "`plait bench timeline PATH` plots it)")
     srv.add_argument("--enable-log-requests", action="store_true",
                      help="log each request's id, prompt, token ids and sampling params, as vLLM's")
     srv.add_argument("--disable-log-requests", action="store_true",

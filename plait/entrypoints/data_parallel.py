@@ -326,8 +326,19 @@ def _replica_main(config_path: str, index: int) -> None:
     from plait.entrypoints.server import serve
 
     engine_config, server_config = pickle.loads(Path(config_path).read_bytes())
-    serve(engine_config,
-          dataclasses.replace(server_config, response_id_prefix=replica_response_id_prefix(index)))
+    timeline = replica_timeline_file(server_config.step_timeline_file, index)
+    own = dataclasses.replace(server_config, response_id_prefix=replica_response_id_prefix(index),
+                              step_timeline_file=timeline)
+    serve(engine_config, own)
+
+
+def replica_timeline_file(path: str | None, index: int) -> str | None:
+    """Replica ``index``'s step timeline file: ``--step-timeline-file`` with ``.dp<index>`` before its suffix
+    (each replica runs an engine of its own)."""
+    if path is None:
+        return None
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.dp{index}{p.suffix}"))
 
 
 if __name__ == "__main__":

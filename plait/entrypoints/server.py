@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import copy
 import dataclasses
@@ -196,6 +197,8 @@ E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 2
 STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # vLLM's 1-2-5 series for a request's token counts.
 REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+# Steps step_timeline_file keeps (the last ones): about 100 MB of StepStats, hours of serving.
+STEP_TIMELINE_MAX_STEPS = 1_000_000
 STEP_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 # Error responses documented in the OpenAPI schema (FastAPI's 422 is replaced by 400).
@@ -288,6 +291,11 @@ class ServerConfig:
     enable_prompt_tokens_details: bool = False
     # vLLM's --enable-server-load-tracking: GET /load gives the model-running requests in flight.
     enable_server_load_tracking: bool = False
+    # Where to write the engine's step timeline (plait.bench.timeline's file: each step's wall time, prompt
+    # and decode tokens, rows, graph replay, KV blocks, preemptions) when the server stops; None: not kept.
+    # Start times stay on the host's monotonic clock, so a load generator on the same host can line its
+    # requests up with the steps. ``plait bench timeline FILE`` plots it.
+    step_timeline_file: str | None = None
     chat_template_text: str | None = field(default=None, init=False, repr=False)  # what chat_template names
 
     def __post_init__(self) -> None:
@@ -943,6 +951,9 @@ class OpenAIServer:
         self.load = ServerLoad()  # counted under enable_server_load_tracking
         self.max_logprobs = engine.max_logprobs
         self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
+        # The last STEP_TIMELINE_MAX_STEPS steps, for step_timeline_file (appended on the loop thread).
+        self.step_timeline: collections.deque[StepStats] | None = (
+            collections.deque(maxlen=STEP_TIMELINE_MAX_STEPS) if self.config.step_timeline_file else None)
         self.app = self._build_app()
 
     async def _engine_call(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -954,6 +965,16 @@ class OpenAIServer:
 
     def _on_step(self, stats: StepStats) -> None:
         self.metrics.observe_step(stats)
+        if self.step_timeline is not None:
+            self.step_timeline.append(stats)
+
+    def _write_step_timeline(self) -> None:
+        if self.step_timeline is None:
+            return
+        from plait.bench.timeline import dump
+
+        path = dump(list(self.step_timeline), self.config.step_timeline_file, origin=0.0)
+        logger.info("wrote the step timeline (%d steps) to %s", len(self.step_timeline), path)
 
     async def _log_stats(self) -> None:
         stat_logger = StatLogger(lambda: self.engine.stats, self.metrics.totals)
@@ -975,6 +996,7 @@ class OpenAIServer:
                 if stats is not None:
                     stats.cancel()
                 await self.engine.shutdown()
+                self._write_step_timeline()
 
         app = FastAPI(title="plait", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
         self._add_error_handlers(app)
