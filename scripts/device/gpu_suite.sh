@@ -1,15 +1,32 @@
 #!/usr/bin/env bash
 # Run from the repository root on the device (the device tool copies the tree; carry .whl from
-# scripts/device_wheels.sh, and .gpu where a script reads from it).
-# The whole GPU suite (pytest -m gpu) on one H200 (the tensor-parallel tests skip there), engine-level files first, kernels after.
+# scripts/device_wheels.sh).
+# The whole GPU suite (pytest -m gpu). With two GPUs the engine-level files run on one while the kernel files
+# run on the other, then the tensor-parallel file takes both; with one GPU all run in turn (tensor parallel
+# skips). SUITE_LIMIT_S bounds each part (default 540 s).
 export PYTHONPATH=. PYTHONUNBUFFERED=1
+LIMIT=${SUITE_LIMIT_S:-540}
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheus_client llguidance pydantic uvloop \
     httptools httpx openai 2>&1 | grep -v "root. user" | tail -3
-git rev-parse --short HEAD 2>/dev/null
-timeout -s INT 390 python3 -m pytest -m gpu -q -p no:cacheprovider -rfE --tb=line --durations=20 \
-  tests/test_gpu_engine.py tests/test_gpu_tensor_parallel.py tests/test_sleep.py tests/test_multimodal.py \
-  tests/test_lora.py tests/test_encoder_embeddings.py tests/test_mamba2.py tests/test_moe.py tests/test_wna16.py \
-  tests/test_fp8.py tests/test_fp8_kv.py tests/test_fp8_block.py tests/test_sampler.py tests/test_triton_kernels.py \
-  tests/test_triton_attention.py tests/test_mamba_kernels.py tests/test_fused_moe.py tests/test_dense_kernels.py \
-  tests/test_wna16_kernels.py 2>&1 | tee $OUT/gpu_suite.log | tail -60
+ENGINE_FILES="tests/test_gpu_engine.py tests/test_sleep.py tests/test_multimodal.py tests/test_lora.py
+  tests/test_encoder_embeddings.py tests/test_mamba2.py tests/test_moe.py tests/test_wna16.py tests/test_fp8.py
+  tests/test_fp8_kv.py tests/test_fp8_block.py tests/test_sampler.py"
+KERNEL_FILES="tests/test_triton_kernels.py tests/test_triton_attention.py tests/test_mamba_kernels.py
+  tests/test_fused_moe.py tests/test_dense_kernels.py tests/test_wna16_kernels.py"
+suite() {  # suite NAME DEVICES FILES...
+  local name=$1 devices=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$devices timeout -s INT $LIMIT python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs \
+    --tb=short --durations=15 "$@" > $OUT/gpu_suite_$name.log 2>&1
+  echo "== $name (GPUs $devices): $(tail -1 $OUT/gpu_suite_$name.log)"
+}
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  suite engine 0 $ENGINE_FILES &
+  suite kernels 1 $KERNEL_FILES &
+  wait
+  suite tensor_parallel 0,1 tests/test_gpu_tensor_parallel.py
+else
+  suite engine 0 $ENGINE_FILES
+  suite kernels 0 $KERNEL_FILES
+fi
+grep -h "^FAILED\|^ERROR" $OUT/gpu_suite_*.log | head -40
