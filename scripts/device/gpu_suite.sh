@@ -3,7 +3,7 @@
 # scripts/device_wheels.sh).
 # The whole GPU suite (pytest -m gpu). With two GPUs the engine-level files run on one while the kernel files
 # run on the other, then the tensor-parallel file takes both; with one GPU all run in turn (tensor parallel
-# skips). SUITE_LIMIT_S bounds each part (default 540 s).
+# skips). SUITE_LIMIT_S bounds each part (default 540 s); on one GPU KERNEL_LIMIT_S bounds the kernel files.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 LIMIT=${SUITE_LIMIT_S:-540}
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -14,19 +14,19 @@ ENGINE_FILES="tests/test_gpu_engine.py tests/test_sleep.py tests/test_multimodal
   tests/test_fp8_kv.py tests/test_fp8_block.py tests/test_sampler.py"
 KERNEL_FILES="tests/test_triton_kernels.py tests/test_triton_attention.py tests/test_mamba_kernels.py
   tests/test_fused_moe.py tests/test_dense_kernels.py tests/test_wna16_kernels.py"
-suite() {  # suite NAME DEVICES FILES...
-  local name=$1 devices=$2; shift 2
+suite() {  # suite NAME DEVICES LIMIT FILES...
+  local name=$1 devices=$2 LIMIT=$3; shift 3
   CUDA_VISIBLE_DEVICES=$devices timeout -s INT $LIMIT python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs \
     --tb=short --durations=15 "$@" > $OUT/gpu_suite_$name.log 2>&1
   echo "== $name (GPUs $devices): $(tail -1 $OUT/gpu_suite_$name.log)"
 }
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  suite engine 0 $ENGINE_FILES &
-  suite kernels 1 $KERNEL_FILES &
+  suite engine 0 $LIMIT $ENGINE_FILES &
+  suite kernels 1 $LIMIT $KERNEL_FILES &
   wait
-  suite tensor_parallel 0,1 tests/test_gpu_tensor_parallel.py
+  suite tensor_parallel 0,1 $LIMIT tests/test_gpu_tensor_parallel.py
 else
-  suite engine 0 $ENGINE_FILES
-  suite kernels 0 $KERNEL_FILES
+  suite engine 0 $LIMIT $ENGINE_FILES
+  suite kernels 0 ${KERNEL_LIMIT_S:-$LIMIT} $KERNEL_FILES
 fi
 grep -h "^FAILED\|^ERROR" $OUT/gpu_suite_*.log | head -40
