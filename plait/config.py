@@ -98,10 +98,13 @@ class EngineConfig:
     # compute / bandwidth (~190 on an H200) almost for free; much more and every stream's next token
     # waits for the prompt's matmuls.
     max_prefill_tokens_beside_decodes: int = 256
-    # ... unless prompts pile up: with B prompt tokens waiting to be computed, a step beside decodes may
-    # carry up to B / prefill_drain_steps of them, so a burst of prompts drains in about this many steps
-    # instead of queueing behind the cap (a lone long prompt still rides in small chunks). 0 = fixed cap.
-    prefill_drain_steps: int = 16
+    # ... unless prompts pile up: with B prompt tokens queued ahead of the last prompt waiting, a step beside
+    # decodes may carry up to B / prefill_drain_steps of them, so a burst of prompts drains in about this
+    # many steps instead of queueing behind the cap (a lone long prompt, which delays nobody else's first
+    # token, still rides in small chunks). 0 = fixed cap. W5 at 16 req/s on an H200 (Llama-8B, 100
+    # requests): 8 met the TTFT/TPOT goodput of prefill_first (9.47 vs 9.48 req/s, ITL p99 54 vs 189 ms),
+    # 16 fell short (8.72), 4 drained no better (9.31, ITL p99 72 ms) (benchmarks/results/w5_drain_h200/).
+    prefill_drain_steps: int = 8
     max_num_partial_prefills: int = 4  # requests allowed to be mid-prompt at once
     scheduling_policy: SchedulingPolicy = "mixed"
     block_size: int = 16  # tokens per KV block

@@ -474,22 +474,30 @@ def test_prefill_first_does_not_livelock_when_a_prompt_cannot_fit_beside_a_decod
 
 def test_prompt_backlog_raises_the_cap_beside_decodes():
     """A pile of prompt tokens drains in about prefill_drain_steps steps: the cap beside decodes rises
-    to backlog / prefill_drain_steps, never below max_prefill_tokens_beside_decodes; 0 keeps it fixed."""
+    to backlog / prefill_drain_steps, never below max_prefill_tokens_beside_decodes; 0 keeps it fixed.
+    The backlog is what the last prompt in line waits behind, so a lone prompt never raises it."""
     kw = dict(max_num_batched_tokens=512, max_prefill_tokens_beside_decodes=8, block_size=4)
-    for drain, want in ((4, 50), (0, 8), (100, 8)):  # backlog 200: 200/4 = 50; fixed; 2 < 8
+    for drain, want in ((4, 50), (0, 8), (100, 8)):  # r3 waits behind 200: 200/4 = 50; fixed; 2 < 8
         sched, _ = _scheduler(prefill_drain_steps=drain, **kw)
         _start_decoding(sched, [make_request(0, 2, 10)])
-        sched.add(make_request(1, 120, 5))
-        sched.add(make_request(2, 80, 5))
+        for i, n in ((1, 120), (2, 80), (3, 40)):
+            sched.add(make_request(i, n, 5))
         assert sched.prompt_backlog() == 200
         plan = sched.schedule()
         assert plan.num_decode_tokens == 1 and plan.num_prefill_tokens == want
-    # The backlog counts only what is not yet computed.
+    # Only what is not yet computed counts, the running prompt's too.
     sched, _ = _scheduler(prefill_drain_steps=4, **kw)
     _start_decoding(sched, [make_request(0, 2, 10)])
     sched.add(make_request(1, 120, 5))
+    sched.add(make_request(2, 40, 5))
     sched.advance(sched.schedule())  # 30 of r1's 120 tokens (120 / 4) are computed
     assert sched.prompt_backlog() == 90
+    # A lone long prompt beside decodes (W4): nobody waits behind it, so it rides in capped chunks.
+    sched, _ = _scheduler(prefill_drain_steps=4, **kw)
+    _start_decoding(sched, [make_request(0, 2, 10)])
+    sched.add(make_request(1, 400, 5))
+    assert sched.prompt_backlog() == 0
+    assert sched.schedule().num_prefill_tokens == 8
 
 
 def test_prompts_beside_decodes_are_capped_but_always_progress():
@@ -541,6 +549,7 @@ def test_a_preemption_in_the_step_does_not_raise_the_cap_beside_decodes(monkeypa
     a, b = make_request(0, 4, 5), make_request(1, 8, 5)
     _start_decoding(sched, [a, b])
     sched.add(make_request(2, 8, 1))
+    sched.add(make_request(3, 1, 1))  # r2's 8 tokens are queued ahead of it
     backlog = sched.prompt_backlog()
     capped = []
     cap = scheduler_module._StepBuilder.cap_prefill_beside_decodes

@@ -143,9 +143,13 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def prompt_backlog(self) -> int:
-        """Prompt tokens (re-prefilled outputs of preempted requests too) not yet in the KV cache."""
-        return sum(r.num_prefill_tokens - r.num_computed_tokens
-                   for queue in (self.running, self.waiting) for r in queue if r.is_prefilling)
+        """Prompt tokens (re-prefilled outputs of preempted requests too) not yet in the KV cache that some
+        request waits behind: all but those of the last prompt in service order (running prompts are served
+        before waiting ones). A lone prompt delays no other request's first token, so it leaves the cap beside
+        decodes where it was and rides in decode-sized chunks; a burst raises it (prefill_cap)."""
+        remaining = [r.num_prefill_tokens - r.num_computed_tokens
+                     for queue in (self.running, self.waiting) for r in queue if r.is_prefilling]
+        return sum(remaining[:-1])
 
     # -- one step ---------------------------------------------------------------------------
 
@@ -346,7 +350,8 @@ def aligned_prefill_cap(decode_tokens: int, cap: int) -> int:
 
 def prefill_cap(config: EngineConfig, backlog: int) -> int:
     """Prompt tokens a step may carry beside decodes under ``mixed`` (NO_CHUNK_CAP: no cap), with
-    ``backlog`` prompt tokens waiting: max_prefill_tokens_beside_decodes, raised to drain a pile-up."""
+    ``backlog`` prompt tokens queued ahead of the last prompt (Scheduler.prompt_backlog):
+    max_prefill_tokens_beside_decodes, raised to drain a pile-up."""
     cap = config.max_prefill_tokens_beside_decodes
     if cap == NO_CHUNK_CAP or config.prefill_drain_steps == 0:
         return cap
