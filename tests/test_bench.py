@@ -359,6 +359,16 @@ def test_timeline_dump_load_plot(tiny_llama, tmp_path):
     png = tmp_path / "timeline.png"
     assert main(["bench", "timeline", str(path), "--plot", str(png)]) == 0
     assert png.stat().st_size > 0
+    # A window of a timeline on another clock (a server's), and two files side by side.
+    start = loaded[1]["start_time"]
+    cut = timeline.window(loaded, start, span=loaded[3]["start_time"] - start)
+    assert [s["index"] for s in cut] == [loaded[1]["index"], loaded[2]["index"]]
+    assert cut[0]["start_time"] == 0.0
+    other = timeline.dump(steps[:2], tmp_path / "other.json")
+    two = ["bench", "timeline", str(path), str(other)]
+    assert main([*two, "--start", str(start), "0", "--plot", str(png)]) == 0
+    with pytest.raises(SystemExit, match="one per file"):
+        main([*two, "--start", "1", "2", "3"])
 
 
 # -- the W5 sweep script --------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -148,18 +149,42 @@ def plot_timelines(panels: Mapping[str, Panel], path: str | Path) -> Path:
 # -- the command ----------------------------------------------------------------------------------
 
 
+def window(steps: Sequence[Mapping[str, Any]], start: float, span: float | None = None
+           ) -> list[dict[str, Any]]:
+    """The steps that start at or after ``start`` (and, with ``span``, before ``start + span``), their start
+    times made relative to ``start``: a server's timeline (host clock) cut to one benchmark run."""
+    end = math.inf if span is None else start + span
+    return [{**s, "start_time": s["start_time"] - start} for s in steps if start <= s["start_time"] < end]
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `plait bench timeline`."""
-    p = subparsers.add_parser("timeline", help="summarise and plot a step timeline (from dump or `bench w4`)",
+    p = subparsers.add_parser("timeline", help="summarise and plot step timelines (from dump or `bench w4`)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("file", help="a timeline JSON (timeline.dump) or a `plait bench w4` result")
+    p.add_argument("files", nargs="+", metavar="file",
+                   help="timeline JSONs (timeline.dump, `plait serve --step-timeline-file`) or `plait bench "
+                        "w4` results; several are plotted side by side")
     p.add_argument("--plot", default=None, metavar="PNG", help="write the plot here (needs matplotlib)")
+    p.add_argument("--start", type=float, nargs="+", default=None, metavar="SECONDS",
+                   help="only steps from this time on the file's clock (a server's is its host's "
+                        "monotonic clock: w5_sweep records each rate's start on it), shown from 0; one for "
+                        "all files or one per file")
+    p.add_argument("--span", type=float, default=None, metavar="SECONDS", help="only this long after --start")
     p.set_defaults(func=main)
     return p
 
 
 def main(args: argparse.Namespace) -> int:
-    panels = load(args.file)
+    starts = args.start or [None]
+    if len(starts) not in (1, len(args.files)):
+        raise SystemExit(f"--start: one time for all files or one per file ({len(args.files)}), "
+                         f"got {len(starts)}")
+    panels: dict[str, Panel] = {}
+    for path, start in zip(args.files, starts * len(args.files) if len(starts) == 1 else starts):
+        for name, (steps, marks) in load(path).items():
+            if start is not None:
+                steps, marks = window(steps, start, args.span), {k: t - start for k, t in marks.items()}
+            panels[name] = (steps, marks)
     for name, (steps, _) in panels.items():
         print(f"{name}: " + ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}"
                                       for k, v in summarize(steps).items()))
