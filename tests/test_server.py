@@ -1608,6 +1608,9 @@ def test_server_writes_its_step_timeline_when_it_stops(tiny_llama, tmp_path):
     # A 40-token prompt in 16-token chunks (3 steps; the last samples the first token), then 2 decodes.
     assert (summary["prefill_tokens"], summary["decode_tokens"], summary["steps"]) == (40, 2, 5)
     assert started <= steps[0]["start_time"] <= steps[-1]["start_time"] <= time.monotonic()
+    # A path the server could not write at the end is refused at the start.
+    with pytest.raises(ValueError, match="cannot write"):
+        OpenAIServer(engine, ServerConfig(step_timeline_file=str(tmp_path)))  # a folder
 
 
 # -- the Responses API ---------------------------------------------------------------------------

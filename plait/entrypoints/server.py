@@ -197,7 +197,7 @@ E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 2
 STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # vLLM's 1-2-5 series for a request's token counts.
 REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
-# Steps step_timeline_file keeps (the last ones): about 100 MB of StepStats, hours of serving.
+# Steps step_timeline_file keeps (the last ones): ~330 MB of StepStats (measured), hours of serving.
 STEP_TIMELINE_MAX_STEPS = 1_000_000
 STEP_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -906,6 +906,17 @@ async def _wait_for_disconnect(request: Request) -> None:
 # -- the server ---------------------------------------------------------------------------------
 
 
+def _check_writable(path: str) -> None:
+    """Refuse a file the server could not write when it stops: its folder is made now and must be writable."""
+    folder = Path(path).resolve().parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"cannot write {path}: {err}") from err
+    if not os.access(folder, os.W_OK) or Path(path).is_dir():
+        raise ValueError(f"cannot write {path}: not a writable file path")
+
+
 class OpenAIServer:
     """The FastAPI app around an AsyncLLMEngine; ``app`` is what uvicorn runs.
 
@@ -952,8 +963,10 @@ class OpenAIServer:
         self.max_logprobs = engine.max_logprobs
         self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
         # The last STEP_TIMELINE_MAX_STEPS steps, for step_timeline_file (appended on the loop thread).
-        self.step_timeline: collections.deque[StepStats] | None = (
-            collections.deque(maxlen=STEP_TIMELINE_MAX_STEPS) if self.config.step_timeline_file else None)
+        self.step_timeline: collections.deque[StepStats] | None = None
+        if self.config.step_timeline_file:
+            _check_writable(self.config.step_timeline_file)  # now, not after hours of serving
+            self.step_timeline = collections.deque(maxlen=STEP_TIMELINE_MAX_STEPS)
         self.app = self._build_app()
 
     async def _engine_call(self, fn: Callable[[LLMEngine], Any]) -> Any:
