@@ -83,6 +83,9 @@ def test_preemption_by_recompute_keeps_outputs(tiny_llama):
     engine.record_timeline = True
     outs, _ = run_greedy(engine, prompts, max_tokens)
     assert sum(s.num_preempted for s in engine.timeline) > 0, "the test did not force a preemption"
+    # The timeline counts the queue: all 12 arrived at once, the first step admitted its rows' requests.
+    first = engine.timeline[0]
+    assert first.num_waiting == 12 - first.num_rows > 0 and engine.timeline[-1].num_waiting == 0
     assert outs == solo
     assert engine.is_idle_and_clean()
 

@@ -2,9 +2,9 @@
 
 The plot shows, per step on a time axis: decode and prefill-chunk tokens stacked (decodes of a
 CUDA-graph replay in a darker shade), the step's wall time on a second axis, preemptions as marks,
-and below them the rows per step and the KV blocks in use. It is the picture of a long prompt being
-plaited into running decodes. ``plait bench timeline FILE`` plots a file that ``dump`` or
-``plait bench w4`` wrote.
+and below them the rows per step, the requests waiting for admission and the KV blocks in use. It is
+the picture of a long prompt being plaited into running decodes. ``plait bench timeline FILE...``
+plots files that ``dump``, ``plait serve --step-timeline-file`` or ``plait bench w4`` wrote.
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def summarize(steps: Sequence[Mapping[str, Any]]) -> dict[str, float | int]:
         "preemptions": sum(s["num_preempted"] for s in steps),
         "cuda_graph_steps": sum(bool(s.get("used_cuda_graph", False)) for s in steps),
         "max_kv_blocks_used": max((s["kv_blocks_used"] for s in steps), default=0),
+        "max_waiting": max((s.get("num_waiting", 0) for s in steps), default=0),
     }
 
 
@@ -114,11 +115,14 @@ def _legend(ax: Any, twin: Any) -> None:
 
 
 def _plot_rows(ax: Any, steps: Sequence[Mapping[str, Any]], marks: Mapping[str, float]) -> Any:
-    """Rows per step, with KV blocks in use on a twin axis (returned)."""
+    """Rows per step and requests waiting for admission, with KV blocks in use on a twin axis (returned)."""
     starts = [s["start_time"] for s in steps]
     _mark(ax, marks, labelled=False)
     ax.step(starts, [s["num_rows"] for s in steps], where="post", color="tab:green", label="rows")
-    ax.set(xlabel="time since start (s)", ylabel="rows per step")
+    if any(s.get("num_waiting", 0) for s in steps):  # timelines written before the field have none
+        ax.step(starts, [s.get("num_waiting", 0) for s in steps], where="post", color="tab:red",
+                linewidth=0.8, label="waiting requests")
+    ax.set(xlabel="time since start (s)", ylabel="rows / requests")
     blocks = ax.twinx()
     blocks.step(starts, [s["kv_blocks_used"] for s in steps], where="post", color="tab:gray",
                 label="KV blocks")

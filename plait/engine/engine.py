@@ -61,6 +61,7 @@ class StepStats:
     kv_blocks_used: int
     used_cuda_graph: bool = False  # the step replayed a captured CUDA graph (set by the GPU runner)
     num_draft_tokens: int = 0  # speculative decoding's draft tokens, counted in num_decode_tokens too
+    num_waiting: int = 0  # requests still waiting for admission once the step was scheduled (queueing)
 
 
 @dataclass
@@ -674,7 +675,7 @@ class LLMEngine:
             num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
             num_rows=len(plan.rows), num_preempted=len(plan.preempted),
             kv_blocks_used=self.kv_cache.num_used_blocks, used_cuda_graph=used_cuda_graph,
-            num_draft_tokens=plan.num_draft_tokens,
+            num_draft_tokens=plan.num_draft_tokens, num_waiting=len(self.scheduler.waiting),
         ))
 
     def _record_prompt_logprobs(self, result: StepOutput) -> None:
