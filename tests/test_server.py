@@ -1475,6 +1475,10 @@ def test_metrics_move_with_traffic(served, client, model):
         vllm("e2e_request_latency_seconds_sum"))
     assert delta(vllm("request_prompt_tokens_sum")) == r.usage.prompt_tokens
     assert delta(vllm("request_generation_tokens_sum")) == 5
+    # vLLM's per-request TPOT: the decode time over the 4 tokens after the first.
+    assert delta(vllm("request_time_per_output_token_seconds_count")) == 1
+    assert delta(vllm("request_time_per_output_token_seconds_sum")) == pytest.approx(
+        delta(vllm("request_decode_time_seconds_sum")) / 4)
     assert delta(vllm("request_generation_tokens_bucket", le="5.0")) == 1
     # plait's own per-step histograms, and vLLM's tokens-per-step one that adds them up.
     steps = delta("plait_step_decode_tokens_count")
@@ -1488,6 +1492,14 @@ def test_metrics_move_with_traffic(served, client, model):
     assert after[vllm("kv_cache_usage_perc")] == 0.0
     assert after[vllm("num_requests_running")] == after[vllm("num_requests_waiting")] == 0
     assert after[vllm("num_preemptions_total")] >= 0
+    # vLLM's KV cache info gauge: what routers read the cache's capacity from.
+    engine = server.engine._engine
+    blocks = engine.kv_cache.num_usable_blocks
+    info = {"block_size": str(engine.config.block_size), "cache_dtype": "auto", "num_gpu_blocks": str(blocks),
+            "kv_cache_size_tokens": str(blocks * engine.config.block_size), "enable_prefix_caching": "True",
+            "gpu_memory_utilization": str(engine.config.gpu_memory_utilization)}
+    folded = ",".join(f"{k}={v}" for k, v in sorted(info.items()))
+    assert after[f"vllm:cache_config_info{{{folded}}}"] == 1.0
     # Nothing left under the old plait_ names that vLLM has a name for.
     for old in ("plait_requests_finished_total", "plait_prompt_tokens_total", "plait_kv_cache_usage_perc",
                 "plait_time_to_first_token_seconds_count", "plait_num_requests_running"):

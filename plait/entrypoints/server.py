@@ -563,11 +563,18 @@ class ServerMetrics:
     they are; what vLLM lacks is named ``plait_*`` and has no label.
     """
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str,
+                 cache_config: dict[str, str] | None = None) -> None:
         self.registry = prom.CollectorRegistry()
         self.model_name = model_name
         r = self.registry
         model = [MODEL_NAME_LABEL]
+        if cache_config:
+            # vLLM's info gauge: value 1, the KV cache's configuration in its labels (routers read the cache's
+            # capacity from num_gpu_blocks x block_size).
+            info = prom.Gauge("vllm:cache_config_info", "Information of the engine's KV cache configuration",
+                              list(cache_config), registry=r)
+            info.labels(**cache_config).set(1)
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> prom.Histogram:
             return prom.Histogram(name, doc, buckets=buckets, registry=r)
@@ -591,6 +598,9 @@ class ServerMetrics:
                                   ITL_BUCKETS_S)
         self.e2e = vllm_histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token",
                                   E2E_BUCKETS_S)
+        self.tpot = vllm_histogram("vllm:request_time_per_output_token_seconds",
+                                   "A finished request's decode time over its tokens after the first",
+                                   ITL_BUCKETS_S)
         # vLLM's per-request phases: waiting (arrival to first admission), prefill (to the first token),
         # decode (to the last), inference (admission to the last); and each request's token counts.
         self.queue_time = vllm_histogram("vllm:request_queue_time_seconds",
@@ -742,10 +752,13 @@ class _RequestTracker:
             self._m.inference_time.observe(max(0.0, now - scheduled))
             if first_token is not None:
                 self._m.prefill_time.observe(max(0.0, first_token - scheduled))
+        num_tokens = len(out.outputs[0].token_ids)
         if first_token is not None:
             self._m.decode_time.observe(max(0.0, now - first_token))
+            if num_tokens > 1:  # vLLM's TPOT: one sample per request, as `vllm bench serve` defines it
+                self._m.tpot.observe(max(0.0, now - first_token) / (num_tokens - 1))
         self._m.request_prompt_tokens.observe(len(out.prompt_token_ids))
-        self._m.request_generation_tokens.observe(len(out.outputs[0].token_ids))
+        self._m.request_generation_tokens.observe(num_tokens)
 
     def close(self, error: bool = False) -> None:
         """Count every child that did not finish as aborted (client gone) or failed (idempotent)."""
@@ -906,6 +919,16 @@ async def _wait_for_disconnect(request: Request) -> None:
 # -- the server ---------------------------------------------------------------------------------
 
 
+def _cache_config_labels(engine: LLMEngine) -> dict[str, str]:
+    """vllm:cache_config_info's labels (vLLM's names, values as strings), fixed once the engine is built."""
+    config = engine.config
+    num_blocks = engine.kv_cache.num_usable_blocks
+    return {"block_size": str(config.block_size), "cache_dtype": config.kv_cache_dtype,
+            "num_gpu_blocks": str(num_blocks), "kv_cache_size_tokens": str(num_blocks * config.block_size),
+            "enable_prefix_caching": str(config.enable_prefix_caching),
+            "gpu_memory_utilization": str(config.gpu_memory_utilization)}
+
+
 def _check_writable(path: str) -> None:
     """Refuse a file the server could not write when it stops: its folder is made now and must be writable."""
     folder = Path(path).resolve().parent
@@ -961,7 +984,7 @@ class OpenAIServer:
         self.sleep_mode = engine.config.enable_sleep_mode  # /sleep, /wake_up, /is_sleeping in dev mode
         self.load = ServerLoad()  # counted under enable_server_load_tracking
         self.max_logprobs = engine.max_logprobs
-        self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
+        self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name, _cache_config_labels(engine))
         # The last STEP_TIMELINE_MAX_STEPS steps, for step_timeline_file (appended on the loop thread).
         self.step_timeline: collections.deque[StepStats] | None = None
         if self.config.step_timeline_file:
