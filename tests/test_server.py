@@ -891,7 +891,8 @@ def test_several_served_model_names(tiny_llama):
                    for reason in ("stop", "length", "abort", "error")) == 1
         assert after[_vllm("prompt_tokens_total", "first")] == usage["prompt_tokens"] == 3
         assert after[_vllm("generation_tokens_total", "first")] == usage["completion_tokens"]
-        labelled = [key for key in after if key.startswith("vllm:")]
+        # (vllm:cache_config_info, as vLLM's, carries the cache's configuration instead.)
+        labelled = [key for key in after if key.startswith("vllm:") and "cache_config_info" not in key]
         assert labelled and all("model_name=first" in key for key in labelled)
     with pytest.raises(ValueError, match="served_model_name"):
         ServerConfig(served_model_name=[])
@@ -1475,6 +1476,10 @@ def test_metrics_move_with_traffic(served, client, model):
         vllm("e2e_request_latency_seconds_sum"))
     assert delta(vllm("request_prompt_tokens_sum")) == r.usage.prompt_tokens
     assert delta(vllm("request_generation_tokens_sum")) == 5
+    # vLLM's per-prompt parameters, and the longest of a prompt's sequences.
+    assert (delta(vllm("request_params_n_count")), delta(vllm("request_params_n_sum"))) == (1, 1)
+    assert delta(vllm("request_params_max_tokens_sum")) == 5
+    assert delta(vllm("request_max_num_generation_tokens_sum")) == 5
     # vLLM's per-request TPOT: the decode time over the 4 tokens after the first.
     assert delta(vllm("request_time_per_output_token_seconds_count")) == 1
     assert delta(vllm("request_time_per_output_token_seconds_sum")) == pytest.approx(
@@ -1492,6 +1497,16 @@ def test_metrics_move_with_traffic(served, client, model):
     assert after[vllm("kv_cache_usage_perc")] == 0.0
     assert after[vllm("num_requests_running")] == after[vllm("num_requests_waiting")] == 0
     assert after[vllm("num_preemptions_total")] >= 0
+    # Two prompts, n = 2 each: two prompts' parameters, and each prompt's longest sequence (all run to 3).
+    client.completions.create(model=model, prompt=["One", "Two"], n=2, max_tokens=3, temperature=0.8,
+                              extra_body={"ignore_eos": True})
+    again = _metrics(url)
+    grew = lambda name: _delta(after, again, vllm(name))
+    assert (grew("request_params_n_count"), grew("request_params_n_sum")) == (2, 4)
+    assert (grew("request_params_max_tokens_count"), grew("request_params_max_tokens_sum")) == (2, 6)
+    longest = "request_max_num_generation_tokens"
+    assert (grew(f"{longest}_count"), grew(f"{longest}_sum")) == (2, 6)
+    assert grew("request_generation_tokens_count") == 4
     # vLLM's KV cache info gauge: what routers read the cache's capacity from.
     engine = server.engine._engine
     blocks = engine.kv_cache.num_usable_blocks

@@ -809,7 +809,7 @@ class ResponsesAPI:
                 items = [*previous.items, *items]
             chat = body.chat_request(items)
             params, readers, stream = await server._start_chat(chat, lora, "input")
-        tracker = _RequestTracker(server.metrics, arrival, stream)
+        tracker = _RequestTracker(server.metrics, arrival, stream, params)
         reader = readers[0]
         if reader.tools is not None and body.max_tool_calls is not None:
             limit = reader.tools.max_calls

@@ -197,6 +197,7 @@ E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 2
 STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # vLLM's 1-2-5 series for a request's token counts.
 REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
+REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for a request's n
 # Steps step_timeline_file keeps (the last ones): ~330 MB of StepStats (measured), hours of serving.
 STEP_TIMELINE_MAX_STEPS = 1_000_000
 STEP_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -617,6 +618,14 @@ class ServerMetrics:
                                                     "Prompt tokens of a request", REQUEST_TOKEN_BUCKETS)
         self.request_generation_tokens = vllm_histogram("vllm:request_generation_tokens",
                                                         "Tokens a request generated", REQUEST_TOKEN_BUCKETS)
+        # A prompt's sampling parameters, and the most tokens any of its n sequences generated.
+        self.params_n = vllm_histogram("vllm:request_params_n", "A prompt's n (sequences asked for)",
+                                       REQUEST_N_BUCKETS)
+        self.params_max_tokens = vllm_histogram("vllm:request_params_max_tokens", "A prompt's max_tokens",
+                                                REQUEST_TOKEN_BUCKETS)
+        self.max_num_generation_tokens = vllm_histogram(
+            "vllm:request_max_num_generation_tokens",
+            "The most tokens one of a prompt's n sequences generated", REQUEST_TOKEN_BUCKETS)
         self.iteration_tokens = vllm_histogram("vllm:iteration_tokens_total",
                                                "Tokens (prompt and decode) computed per engine step",
                                                STEP_TOKEN_BUCKETS)
@@ -710,7 +719,10 @@ class _EngineStatsCollector(Collector):
 class _RequestTracker:
     """Per-HTTP-request latency and token accounting, fed by the outputs as they are consumed."""
 
-    def __init__(self, metrics: ServerMetrics, arrival: float, stream: RequestStream) -> None:
+    def __init__(self, metrics: ServerMetrics, arrival: float, stream: RequestStream,
+                 params: SamplingParams | None = None) -> None:
+        """``params``: the sampling parameters every prompt of the request shares, whose n sequences are the
+        stream's consecutive children (prompt by prompt), for vLLM's per-prompt parameter histograms."""
         self._m = metrics
         self._arrival = arrival
         self._stream = stream
@@ -719,6 +731,13 @@ class _RequestTracker:
         self._done = [False] * n
         self._closed = False
         metrics.prompt_tokens.inc(sum(len(p) for p in stream.prompt_token_ids))
+        self._group = params.n if params is not None else 0  # 0: no per-prompt histograms
+        self._generated = [0] * n
+        if params is not None:
+            for _ in range(n // params.n):
+                metrics.params_n.observe(params.n)
+                if params.max_tokens is not None:
+                    metrics.params_max_tokens.observe(params.max_tokens)
 
     def observe(self, index: int, out: RequestOutput | PoolingRequestOutput) -> None:
         now = out.metrics.get("now") or time.monotonic()
@@ -741,9 +760,9 @@ class _RequestTracker:
             self._done[index] = True
             self._m.e2e.observe(max(0.0, now - self._arrival))
             self._m.request_finished(completion.finish_reason or "stop")
-            self._observe_phases(out, now)
+            self._observe_phases(index, out, now)
 
-    def _observe_phases(self, out: RequestOutput, now: float) -> None:
+    def _observe_phases(self, index: int, out: RequestOutput, now: float) -> None:
         """vLLM's per-request phase and token histograms, from the engine's timestamps of a finished one."""
         m, scheduled = out.metrics, out.metrics.get("first_scheduled_time")
         first_token = m.get("first_token_time")
@@ -759,6 +778,11 @@ class _RequestTracker:
                 self._m.tpot.observe(max(0.0, now - first_token) / (num_tokens - 1))
         self._m.request_prompt_tokens.observe(len(out.prompt_token_ids))
         self._m.request_generation_tokens.observe(num_tokens)
+        self._generated[index] = num_tokens
+        if self._group:
+            first = index - index % self._group  # the prompt's sequences: [first, first + n)
+            if all(self._done[first: first + self._group]):
+                self._m.max_num_generation_tokens.observe(max(self._generated[first: first + self._group]))
 
     def close(self, error: bool = False) -> None:
         """Count every child that did not finish as aborted (client gone) or failed (idempotent)."""
@@ -1839,7 +1863,7 @@ class OpenAIServer:
             (p, child) for p in prompts for child in _fan_out(params)]
         stream = await self._start(children, "prompt", body.requested_max_tokens,
                                    body.structured_outputs_param, lora, body.priority)
-        tracker = _RequestTracker(self.metrics, arrival, stream)
+        tracker = _RequestTracker(self.metrics, arrival, stream, params)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         try:
             if body.stream:
@@ -1983,7 +2007,7 @@ class OpenAIServer:
         if body.use_beam_search:
             return await self._beam_search_chat(body, raw, arrival, lora)
         params, readers, stream = await self._start_chat(body, lora)
-        tracker = _RequestTracker(self.metrics, arrival, stream)
+        tracker = _RequestTracker(self.metrics, arrival, stream, params)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         try:
             if body.stream:
