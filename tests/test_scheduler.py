@@ -138,6 +138,11 @@ class Checker:
         computed_before = {id(r): r.num_computed_tokens for r in running_before + list(sched.waiting)}
         num_unfinished = sched.num_unfinished
         backlog = sched.prompt_backlog()
+        # Independently: the prompt tokens still to compute that the last prompt in service order waits
+        # behind (running prompts are served before waiting ones).
+        in_line = [r.num_prefill_tokens - r.num_computed_tokens
+                   for r in running_before + waiting_before if r.is_prefilling]
+        assert backlog == sum(in_line[:-1])
 
         plan = sched.schedule()
         rows = plan.rows
