@@ -940,6 +940,28 @@ def test_a_lora_adapter_is_selected_by_model_name(lora_served, tiny_llama):
     assert {chunk.model for chunk in chunks} == {"chat"}
 
 
+def test_lora_requests_info_names_the_running_and_waiting_adapters(lora_served):
+    """vLLM's vllm:lora_requests_info, which LoRA-aware routers read: with one adapter slot, the first
+    request's adapter runs and the second's waits for the slot."""
+    from plait.entrypoints.async_engine import EngineStats, _lora_stats
+    from plait.entrypoints.server import ServerMetrics
+
+    server, url = lora_served
+    idle = _metrics(url)
+    assert idle["vllm:lora_requests_info{max_lora=1,running_lora_adapters=,waiting_lora_adapters=}"] > 0
+    engine = LLMEngine(EngineConfig(model=str(server.engine._engine.config.model), max_model_len=64,
+                                    block_size=8, enable_lora=True))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    for name in ("sql", "chat"):
+        engine.add_request([5, 6, 7], params, lora_request=server.lora_requests[name])
+    engine.step()
+    stats = EngineStats(**_lora_stats(engine))
+    assert (stats.max_loras, stats.running_loras, stats.waiting_loras) == (1, ("sql",), ("chat",))
+    text = ServerMetrics(lambda: stats, "tiny").render().decode()
+    assert ('vllm:lora_requests_info{max_lora="1",running_lora_adapters="sql",waiting_lora_adapters="chat"}'
+            in text)
+
+
 def test_models_lists_lora_adapters_with_their_parent(lora_served, tiny_llama):
     """As vLLM's /v1/models: the base model, then each adapter with the base as its parent and its folder as
     its root."""

@@ -66,6 +66,10 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: tuple[int, ...] = ()
+    # LoRA (None: off): the adapter slots, and the adapters of the running and of the waiting requests.
+    max_loras: int | None = None
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
 
 class RequestStream:
@@ -406,6 +410,7 @@ class AsyncLLMEngine:
             prefix_cache_blocks=engine.kv_cache.num_cached_blocks,
             prefix_cache_evicted_blocks=engine.kv_cache.stats.evicted_blocks,
             **_spec_stats(engine),
+            **_lora_stats(engine),
         )
 
     # -- commands (run on the loop thread) ------------------------------------------------------
@@ -449,6 +454,19 @@ class AsyncLLMEngine:
                     self._engine.abort_request(rid)
                 except Exception:
                     logger.exception("could not abort request %s", rid)
+
+
+def _lora_stats(engine: LLMEngine) -> dict:
+    """The LoRA fields of EngineStats: adapter names by request state, each once, in queue order."""
+    if not engine.config.enable_lora:
+        return {}
+    sched = engine.scheduler
+
+    def names(requests: Any) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(r.lora.request.lora_name for r in requests if r.lora is not None))
+
+    return {"max_loras": engine.config.max_loras, "running_loras": names(sched.running),
+            "waiting_loras": names(sched.waiting)}
 
 
 def _spec_stats(engine: LLMEngine) -> dict:

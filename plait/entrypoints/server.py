@@ -689,6 +689,13 @@ class _EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=[MODEL_NAME_LABEL])
             counter.add_metric([self._model_name], value)
             yield counter
+        if s.max_loras is not None:
+            # vLLM's: the adapters in use (what LoRA-aware routers read), valued at the time it was read.
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests",
+                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
+            adapters = [",".join(s.waiting_loras), ",".join(s.running_loras)]
+            info.add_metric([str(s.max_loras), *adapters], time.time())
+            yield info
         if s.spec_num_drafts is not None:
             per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                                "Draft tokens kept at each draft position",
