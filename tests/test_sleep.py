@@ -157,6 +157,17 @@ def test_every_tensor_parallel_rank_sleeps_and_wakes(tiny_llama, prompts, other_
         engine.shutdown()
 
 
+def sleep_state(url: str) -> str:
+    """The sleep_state that vllm:engine_sleep_state marks 1 in the server's /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics").text
+    (family,) = [f for f in text_string_to_metric_families(text) if f.name == "vllm:engine_sleep_state"]
+    (state,) = [s.labels["sleep_state"] for s in family.samples if s.value == 1]
+    return state
+
+
 def test_server_sleeps_and_wakes_as_vllm(tiny_llama, prompts, other_llama, monkeypatch):
     """VLLM_SERVER_DEV_MODE=1 with --enable-sleep-mode: POST /sleep, GET /is_sleeping, POST /wake_up (tags one
     at a time); while asleep the openai client's completion is a 503 saying so and /v1/models still answers;
@@ -177,8 +188,10 @@ def test_server_sleeps_and_wakes_as_vllm(tiny_llama, prompts, other_llama, monke
 
         answer = ask()
         assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+        assert sleep_state(url) == "awake"
         assert httpx.post(f"{url}/sleep", params={"level": 1}).status_code == 200
         assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+        assert sleep_state(url) == "weights_offloaded"  # vllm:engine_sleep_state
         with pytest.raises(openai.APIStatusError, match="sleeping") as err:
             ask()
         assert err.value.status_code == 503 and err.value.body["type"] == "service_unavailable"
@@ -193,6 +206,7 @@ def test_server_sleeps_and_wakes_as_vllm(tiny_llama, prompts, other_llama, monke
         folder_b, _ = other_llama
         want_b = run_greedy(LLMEngine(EngineConfig(model=str(folder_b), **KNOBS)), [prompts[0]], 6)[0][0]
         assert httpx.post(f"{url}/sleep", params={"level": 2}).status_code == 200
+        assert sleep_state(url) == "discard_all"
         assert httpx.post(f"{url}/wake_up", params={"tags": "weights"}).status_code == 200
         assert httpx.post(f"{url}/wake_up", params={"tags": "kv_cache"}).status_code == 200
         with pytest.raises(openai.BadRequestError, match="reload_weights"):
@@ -206,6 +220,7 @@ def test_server_sleeps_and_wakes_as_vllm(tiny_llama, prompts, other_llama, monke
         assert [int(t.split(":")[1]) for t in reply.choices[0].logprobs.tokens] == want_b
         assert httpx.post(f"{url}/reload_weights").status_code == 200  # the served model's own
         assert ask() == answer
+        assert sleep_state(url) == "awake"
     monkeypatch.delenv("VLLM_SERVER_DEV_MODE")
     with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
         assert httpx.post(f"{url}/sleep").status_code == 404  # development endpoints only in dev mode

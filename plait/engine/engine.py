@@ -186,6 +186,7 @@ class LLMEngine:
         self._in_flight: tuple[StepPlan, InFlightStep] | None = None  # launched, not yet collected
         # Set by sleep(level=2), cleared by load_weights: the weights are zeros, so no request may run.
         self._weights_discarded = False
+        self._sleep_level = 0  # the level of the last sleep (sleep_level: 0 once awake)
         # Steps that ran a forward (a call that only collects the previous step's tokens is not one).
         self.num_steps = 0
         self.timeline: list[StepStats] = []
@@ -834,6 +835,7 @@ class LLMEngine:
             self._collect()  # a step whose requests all ended; nothing waits for it
         self.kv_cache.reset_prefix_cache()
         self.runner.sleep(level)
+        self._sleep_level = level
         self._weights_discarded = self._weights_discarded or level == SLEEP_DISCARD_WEIGHTS
 
     def wake_up(self, tags: Sequence[str] | None = None) -> None:
@@ -848,6 +850,11 @@ class LLMEngine:
     def is_sleeping(self) -> bool:
         """Between sleep and the wake_up that brings back both the weights and the KV cache."""
         return self.runner.is_asleep
+
+    @property
+    def sleep_level(self) -> int:
+        """0 while awake, else the level of the sleep it is in (vLLM's vllm:engine_sleep_state)."""
+        return self._sleep_level if self.is_sleeping else 0
 
     def start_profile(self, folder: str | None = None) -> None:
         """Start the torch profiler (vLLM's start_profile): its trace covers the steps until stop_profile;

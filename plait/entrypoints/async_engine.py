@@ -70,6 +70,7 @@ class EngineStats:
     max_loras: int | None = None
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
+    sleep_level: int | None = None  # None: sleep mode off; 0 awake; else the level of the sleep it is in
 
 
 class RequestStream:
@@ -411,6 +412,7 @@ class AsyncLLMEngine:
             prefix_cache_evicted_blocks=engine.kv_cache.stats.evicted_blocks,
             **_spec_stats(engine),
             **_lora_stats(engine),
+            sleep_level=engine.sleep_level if engine.config.enable_sleep_mode else None,
         )
 
     # -- commands (run on the loop thread) ------------------------------------------------------

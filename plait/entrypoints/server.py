@@ -198,6 +198,7 @@ STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096
 # vLLM's 1-2-5 series for a request's token counts.
 REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for a request's n
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vllm:engine_sleep_state's, by sleep level
 # Steps step_timeline_file keeps (the last ones): ~330 MB of StepStats (measured), hours of serving.
 STEP_TIMELINE_MAX_STEPS = 1_000_000
 STEP_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -689,6 +690,13 @@ class _EngineStatsCollector(Collector):
             counter = CounterMetricFamily(name, doc, labels=[MODEL_NAME_LABEL])
             counter.add_metric([self._model_name], value)
             yield counter
+        if s.sleep_level is not None:  # vLLM's, where sleep mode is on: 1 on the state the engine is in
+            state = GaugeMetricFamily("vllm:engine_sleep_state",
+                                      "Engine sleep state: awake, weights_offloaded (level 1) or discard_all "
+                                      "(level 2)", labels=[MODEL_NAME_LABEL, "sleep_state"])
+            for level, name in enumerate(SLEEP_STATES):
+                state.add_metric([self._model_name, name], float(s.sleep_level == level))
+            yield state
         if s.max_loras is not None:
             # vLLM's: the adapters in use (what LoRA-aware routers read), valued at the time it was read.
             info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests",
