@@ -261,7 +261,8 @@ def test_data_parallel_serves_one_address_over_replicas(tmp_path):
     want = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                           use_tqdm=False)]
     args = ["--model", str(model), "--max-model-len", "1024", "--num-kv-blocks", "160",
-            "--hf-overrides", json.dumps(longer), "--data-parallel-size", "2"]
+            "--hf-overrides", json.dumps(longer), "--data-parallel-size", "2",
+            "--step-timeline-file", str(tmp_path / "steps.json")]
     with plait_serve_process(tmp_path, args, {"PLAIT_API_KEY": "dp-key"}) as (url, banner):
         assert "2 data parallel replicas" in banner and f"curl {url}/v1/chat/completions" in banner
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="dp-key", max_retries=0, timeout=120)
@@ -332,6 +333,9 @@ def test_data_parallel_serves_one_address_over_replicas(tmp_path):
         follow = sync.responses.create(model="tiny-model", input="And then?", max_output_tokens=3,
                                        previous_response_id=stored.id)
         assert follow.id.startswith("resp_dp1-") and follow.previous_response_id == stored.id
+    # Each replica wrote its own engine's steps when it stopped (the front runs no engine).
+    steps = [json.loads((tmp_path / f"steps.dp{i}.json").read_text())["steps"] for i in (0, 1)]
+    assert all(steps) and not (tmp_path / "steps.json").exists()
 
 
 def test_data_parallel_replicas_take_their_own_gpus_and_metrics_merge():
