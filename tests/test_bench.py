@@ -239,6 +239,75 @@ def test_bench_serve_chat_file_dataset(served, tmp_path):
                      "generation_tokens": 12}
 
 
+def _sharegpt_file(path, conversations: list[list[str]]):
+    """A ShareGPT JSON (ShareGPT_V3's layout) of the given turns, alternating human and gpt."""
+    records = [{"id": f"c{i}", "conversations": [{"from": ("human", "gpt")[k % 2], "value": v}
+                                                 for k, v in enumerate(turns)]}
+               for i, turns in enumerate(conversations)]
+    path.write_text(json.dumps(records))
+    return path
+
+
+def test_sharegpt_sampling_follows_vllms_rules(tmp_path):
+    """Conversations of two turns or more, in an order the seed shuffles, the reply's length as the output
+    length, and vLLM's length limits; only as many texts are counted as the sample needs."""
+    from plait.bench.datasets import (
+        SHAREGPT_COUNT_BATCH,
+        SHAREGPT_MAX_PROMPT_TOKENS,
+        read_sharegpt,
+        sharegpt_requests,
+    )
+
+    ok = [[f"question {i} " + "w " * 6, "answer " * (5 + i)] for i in range(SHAREGPT_COUNT_BATCH + 6)]
+    bad = [["short", "an answer of many words here"],  # a 1-token prompt
+           ["a long enough question here", "no"],  # a 1-token reply
+           ["w " * (SHAREGPT_MAX_PROMPT_TOKENS + 1), "an answer of many words here"],
+           ["only one turn"]]
+    path = _sharegpt_file(tmp_path / "sharegpt.json", bad + ok)
+    pairs = read_sharegpt(path)
+    assert len(pairs) == len(ok) + 3  # the one-turn conversation is not a pair
+    counted = []
+
+    def words(texts: list[str]) -> list[int]:  # a stand-in tokenizer: one token a word
+        counted.extend(texts)
+        return [len(t.split()) for t in texts]
+
+    first = sharegpt_requests(pairs, 5, seed=3, count_tokens=words)
+    assert len(first) == 5 and len(counted) == 2 * SHAREGPT_COUNT_BATCH  # one batch was enough
+    assert all(r.prompt.startswith("question") and r.output_len == len(dict(pairs)[r.prompt].split())
+               and r.prompt_len == 8 for r in first)
+    assert [r.prompt for r in sharegpt_requests(pairs, 5, 3, words)] == [r.prompt for r in first]
+    assert [r.prompt for r in sharegpt_requests(pairs, 5, 4, words)] != [r.prompt for r in first]
+    assert {r.output_len for r in sharegpt_requests(pairs, 5, 3, words, output_len=7)} == {7}
+    with pytest.raises(ValueError, match="within the length limits"):
+        sharegpt_requests(pairs, len(ok) + 1, 3, words)
+    with pytest.raises(ValueError, match="no conversation"):
+        read_sharegpt(_sharegpt_file(tmp_path / "none.json", [["one turn"]]))
+
+
+def test_bench_serve_sharegpt_dataset(served, tmp_path):
+    """`--dataset-name sharegpt` (vLLM's flag) against a live server: its /tokenize counts the replies, and
+    each request asks for its reply's length."""
+    import httpx
+
+    url, _ = served
+    conversations = [["Name three colors of the rainbow, please.", "Red, orange and yellow are three."],
+                     ["What do bees make from flower nectar?", "Bees make honey from the nectar of flowers."],
+                     ["Say hello in French and in Spanish.", "Bonjour in French, and hola in Spanish."]]
+    path = _sharegpt_file(tmp_path / "sharegpt.json", conversations)
+    replies = {q: httpx.post(f"{url}/tokenize", json={"prompt": a}).json()["count"] for q, a in conversations}
+    before = _counters(url)
+    out = tmp_path / "sharegpt_result.json"
+    status = _bench(["--base-url", url, "--dataset-name", "sharegpt", "--dataset-path", str(path),
+                     "--num-prompts", "3", "--result-file", str(out)])
+    delta = _delta(before, _counters(url))
+    result = json.loads(out.read_text())
+    assert status == 0 and (result["completed"], result["failed"]) == (3, 0)
+    assert sorted(result["output_lens"]) == sorted(replies.values())
+    assert delta == {"requests": 3, "prompt_tokens": result["total_input_tokens"],
+                     "generation_tokens": sum(replies.values())}
+
+
 def test_bench_serve_plots(served, tmp_path):
     pytest.importorskip("matplotlib")
     from plait.bench.plots import SERVE_PLOTS

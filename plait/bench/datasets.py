@@ -1,10 +1,11 @@
-"""Benchmark prompts: random token-id length mixes (WORKLOADS.md W5), a file of prompts, and random images to
-send with chat prompts (an image model's serving load)."""
+"""Benchmark prompts: random token-id length mixes (WORKLOADS.md W5), a file of prompts, ShareGPT
+conversations (as `vllm bench serve --dataset-name sharegpt` samples them), and random images to send with
+chat prompts (an image model's serving load)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,14 @@ W5_OUTPUT_LENS = "64-512"
 # Random prompt ids start here, as in shared/bench/workloads.py: most vocabularies keep their
 # special tokens (BOS, EOS, padding) at the bottom.
 MIN_RANDOM_TOKEN_ID = 10
+# vLLM's ShareGPT filter: a conversation is sent only where its prompt and answer each have at least
+# SHAREGPT_MIN_TOKENS tokens, its prompt at most SHAREGPT_MAX_PROMPT_TOKENS and both together at most
+# SHAREGPT_MAX_TOTAL_TOKENS (the answer's length is the output length asked for).
+SHAREGPT_MIN_TOKENS = 4
+SHAREGPT_MAX_PROMPT_TOKENS = 1024
+SHAREGPT_MAX_TOTAL_TOKENS = 2048
+# Conversations whose texts are counted at a time while sampling ShareGPT requests.
+SHAREGPT_COUNT_BATCH = 64
 
 
 @dataclass(frozen=True)
@@ -131,6 +140,58 @@ def file_requests(path: str | Path, n: int | None, output_lens: str, seed: int) 
         raise ValueError(f"the number of requests must be >= 1, got {n}")
     outputs = LengthRange.parse(output_lens).sample(np.random.default_rng(seed), n)
     return [SampleRequest(prompt=prompts[i % len(prompts)], output_len=outputs[i]) for i in range(n)]
+
+
+def read_sharegpt(path: str | Path) -> list[tuple[str, str]]:
+    """(first turn, the reply to it) of each conversation with two turns or more, from a ShareGPT JSON file: a
+    list of {"conversations": [{"from": ..., "value": ...}, ...]} (ShareGPT_V3_unfiltered_cleaned_split.json's
+    layout, which `vllm bench serve` reads)."""
+    path = Path(path)
+    try:
+        records = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path}: not JSON ({err})") from None
+    if not isinstance(records, list):
+        raise ValueError(f"{path}: expected a JSON list of conversations")
+    pairs = []
+    for record in records:
+        turns = record.get("conversations") if isinstance(record, dict) else None
+        if not isinstance(turns, list) or len(turns) < 2:
+            continue
+        values = [turn.get("value") if isinstance(turn, dict) else None for turn in turns[:2]]
+        if all(isinstance(v, str) and v for v in values):
+            pairs.append((values[0], values[1]))
+    if not pairs:
+        raise ValueError(f"{path} holds no conversation of two turns or more")
+    return pairs
+
+
+def sharegpt_requests(pairs: Sequence[tuple[str, str]], n: int, seed: int,
+                      count_tokens: Callable[[list[str]], list[int]], output_len: int | None = None
+                      ) -> list[SampleRequest]:
+    """``n`` requests from ShareGPT pairs as vLLM samples them: in an order shuffled by ``seed``, each
+    conversation's first turn as the prompt and its reply's token count as the output length (or
+    ``output_len``), skipping those outside vLLM's length limits. ``count_tokens`` counts texts' tokens with
+    the served model's tokenizer (the server's /tokenize); only as many are counted as the sample needs."""
+    if n < 1:
+        raise ValueError(f"the number of requests must be >= 1, got {n}")
+    order = np.random.default_rng(seed).permutation(len(pairs))
+    requests: list[SampleRequest] = []
+    for start in range(0, len(order), SHAREGPT_COUNT_BATCH):
+        batch = [pairs[i] for i in order[start: start + SHAREGPT_COUNT_BATCH]]
+        counts = count_tokens([text for pair in batch for text in pair])
+        for k, (prompt, _) in enumerate(batch):
+            prompt_len, reply_len = counts[2 * k], counts[2 * k + 1]
+            out_len = reply_len if output_len is None else output_len
+            if (min(prompt_len, out_len) < SHAREGPT_MIN_TOKENS or prompt_len > SHAREGPT_MAX_PROMPT_TOKENS
+                    or prompt_len + out_len > SHAREGPT_MAX_TOTAL_TOKENS):
+                continue
+            requests.append(SampleRequest(prompt=prompt, output_len=out_len, prompt_len=prompt_len))
+            if len(requests) == n:
+                return requests
+    raise ValueError(f"only {len(requests)} of the file's conversations are within the length limits "
+                     f"(prompts of {SHAREGPT_MIN_TOKENS}-{SHAREGPT_MAX_PROMPT_TOKENS} tokens, at most "
+                     f"{SHAREGPT_MAX_TOTAL_TOKENS} with the answer); {n} were asked for")
 
 
 def with_random_images(requests: Sequence[SampleRequest], per_prompt: int, size: tuple[int, int], seed: int

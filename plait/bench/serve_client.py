@@ -15,7 +15,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,6 +31,8 @@ from plait.bench.datasets import (
     file_requests,
     parse_image_size,
     random_requests,
+    read_sharegpt,
+    sharegpt_requests,
     with_random_images,
 )
 from plait.bench.metrics import (
@@ -42,6 +44,7 @@ from plait.bench.metrics import (
 )
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+DATASETS = ("random", "file", "sharegpt")
 ARRIVALS = ("poisson", "fixed")
 API_KEY_ENVS = ("OPENAI_API_KEY", "PLAIT_API_KEY")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -353,10 +356,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name to send (default: the first the server lists)")
     p.add_argument("--api-key", default=None, help=f"(default: ${' or $'.join(API_KEY_ENVS)})")
     data = p.add_argument_group("requests")
-    data.add_argument("--dataset", choices=["random", "file"], default="random",
-                      help="random token ids (completions only), or --dataset-path's prompts")
+    data.add_argument("--dataset", "--dataset-name", choices=DATASETS, default="random",
+                      help="random token ids (completions only), --dataset-path's prompts, or ShareGPT "
+                           "conversations sampled as vLLM's bench does (counted by the server's /tokenize)")
     data.add_argument("--dataset-path", default=None,
-                      help="one prompt per line, or .jsonl with a \"prompt\" field")
+                      help="file: one prompt per line, or .jsonl with a \"prompt\" field; sharegpt: the JSON "
+                           "(e.g. ShareGPT_V3_unfiltered_cleaned_split.json)")
+    data.add_argument("--sharegpt-output-len", type=int, default=None,
+                      help="sharegpt: ask every request for this many tokens (default: its answer's length)")
     data.add_argument("--num-prompts", type=int, default=None,
                       help=f"(default: {DEFAULT_NUM_PROMPTS} random, or every prompt of the file once)")
     data.add_argument("--prompt-mix", default=W5_PROMPT_MIX,
@@ -410,14 +417,53 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         num_warmups=args.num_warmups, show_progress=not args.disable_tqdm, timeout_s=args.timeout)
 
 
-def samples_from_args(args: argparse.Namespace) -> list[SampleRequest]:
+def server_token_counter(config: ServeBenchConfig) -> Callable[[list[str]], list[int]]:
+    """Counts texts' tokens with the served model's tokenizer, through the server's /tokenize (vLLM's and
+    plait's), so the load generator needs no tokenizer of its own."""
+    import httpx
+
+    headers = _headers(config)
+    timeout = httpx.Timeout(config.timeout_s, connect=CONNECT_TIMEOUT_S)
+
+    async def listed() -> str:
+        async with httpx.AsyncClient(trust_env=False, timeout=CONNECT_TIMEOUT_S) as probe:
+            return await first_model(probe, config.base_url, headers)
+
+    model = config.model or asyncio.run(listed())
+
+    def count(texts: list[str]) -> list[int]:
+        counts = []
+        with httpx.Client(timeout=timeout, trust_env=False) as client:
+            for text in texts:
+                response = client.post(f"{config.base_url}/tokenize", json={"model": model, "prompt": text},
+                                       headers=headers)
+                if response.status_code != 200:
+                    raise ValueError(f"--dataset sharegpt counts tokens with the server's /tokenize, which "
+                                     f"answered {response.status_code}: {response.text[:MAX_ERROR_CHARS]}")
+                counts.append(int(response.json()["count"]))
+        return counts
+
+    return count
+
+
+def samples_from_args(args: argparse.Namespace, config: ServeBenchConfig | None = None
+                      ) -> list[SampleRequest]:
+    """The requests to send; ``config`` (the server to ask) is needed for --dataset sharegpt."""
+    if args.sharegpt_output_len is not None and args.dataset != "sharegpt":
+        raise ValueError("--sharegpt-output-len is for --dataset sharegpt")
+    if args.dataset in ("file", "sharegpt") and not args.dataset_path:
+        raise ValueError(f"--dataset {args.dataset} needs --dataset-path")
     if args.dataset == "file":
-        if not args.dataset_path:
-            raise ValueError("--dataset file needs --dataset-path")
         samples = file_requests(args.dataset_path, args.num_prompts, args.output_len, args.seed)
+    elif args.dataset == "sharegpt":
+        if config is None:
+            raise ValueError("--dataset sharegpt needs the server, to count tokens")
+        n = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
+        pairs, count = read_sharegpt(args.dataset_path), server_token_counter(config)
+        samples = sharegpt_requests(pairs, n, args.seed, count, args.sharegpt_output_len)
     else:
         if args.dataset_path:
-            raise ValueError("--dataset-path is for --dataset file")
+            raise ValueError("--dataset-path is for --dataset file or sharegpt")
         n = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
         samples = random_requests(n, args.vocab_size, args.seed, args.prompt_mix, args.output_len)
     if args.images_per_prompt:
@@ -431,7 +477,7 @@ def samples_from_args(args: argparse.Namespace) -> list[SampleRequest]:
 def main(args: argparse.Namespace) -> int:
     """Run `plait bench serve`; exit status 1 when any request failed."""
     config = config_from_args(args)
-    samples = samples_from_args(args)
+    samples = samples_from_args(args, config)
     run = asyncio.run(run_benchmark(samples, config))
     print(summary_text(run))
     for error in sorted({r.error for r in run.results if r.error})[:10]:
