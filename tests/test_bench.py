@@ -104,6 +104,53 @@ def test_arrivals():
     assert poisson[-1] == pytest.approx(50 / 4.0)  # scaled to n / rate, as vLLM does
     gaps = np.diff(poisson)
     assert gaps.std() > 0.5 * gaps.mean()  # exponential gaps, not a fixed rate
+    # vLLM's --burstiness: gamma gaps of that shape, the same schedule length; burstier below 1.
+    assert arrival_offsets(50, 4.0, "poisson", 7, burstiness=1.0) == poisson
+
+    def spread(burstiness: float) -> float:
+        offsets = arrival_offsets(2000, 4.0, "poisson", 7, burstiness)
+        assert offsets[-1] == pytest.approx(2000 / 4.0)
+        return float(np.diff(offsets).std() / np.diff(offsets).mean())
+
+    assert spread(0.2) > 1.5 > spread(1.0) > 0.7 > spread(5.0)  # CV of gamma gaps: 1 / sqrt(shape)
+    with pytest.raises(ValueError, match="burstiness"):
+        ServeBenchConfig(burstiness=0.0)
+    with pytest.raises(ValueError, match="Poisson"):
+        ServeBenchConfig(burstiness=2.0, arrival="fixed")
+
+
+def test_vllm_bench_serve_flags_map_to_plaits():
+    """`vllm bench serve`'s names: the server from --host/--port, the endpoint from --backend or --endpoint,
+    random lengths within --random-range-ratio, --metric-percentiles; conflicting spellings are errors."""
+    from plait.bench.serve_client import config_from_args
+    from plait.entrypoints.cli import build_parser
+
+    def parsed(*argv: str):
+        args = build_parser().parse_args(["bench", "serve", *argv])
+        return args, config_from_args(args)
+
+    args, config = parsed("--host", "10.0.0.5", "--port", "8100", "--backend", "openai-chat",
+                          "--random-input-len", "100", "--random-output-len", "10", "--random-range-ratio",
+                          "0.1", "--metric-percentiles", "50,99", "--burstiness", "0.5", "--ignore-eos")
+    assert (config.base_url, config.endpoint_type, config.burstiness) == ("http://10.0.0.5:8100", "chat", 0.5)
+    assert (args.prompt_mix, args.output_len, config.percentiles) == ("1:90-110", "9-11", (50.0, 99.0))
+    assert config.ignore_eos
+    args, config = parsed("--endpoint", "/v1/chat/completions", "--random-input-len", "64")
+    assert (config.base_url, config.endpoint_type) == ("http://127.0.0.1:8000", "chat")
+    assert (args.prompt_mix, args.output_len) == ("1:64-64", "128-128")  # vLLM's default output length
+    args, config = parsed()
+    assert (args.prompt_mix, args.output_len, config.endpoint_type) == ("0.8:128-512,0.2:2048-8192", "64-512",
+                                                                        "completions")
+    assert config.ignore_eos and config.percentiles == (90.0, 99.0)
+    for argv, words in ((["--host", "h"], "needs --port"),
+                        (["--base-url", "http://x", "--port", "1"], "not both"),
+                        (["--backend", "openai-chat", "--endpoint-type", "completions"], "different"),
+                        (["--random-input-len", "8", "--output-len", "4"], "not both"),
+                        (["--random-range-ratio", "1.5"], "range-ratio"),
+                        (["--percentiles", "99", "--metric-percentiles", "99"], "not both"),
+                        (["--percentile-metrics", "ttft,latency"], "unknown metrics")):
+        with pytest.raises(ValueError, match=words):
+            parsed(*argv)
 
 
 def test_random_requests_follow_the_mix():
@@ -306,6 +353,21 @@ def test_bench_serve_sharegpt_dataset(served, tmp_path):
     assert sorted(result["output_lens"]) == sorted(replies.values())
     assert delta == {"requests": 3, "prompt_tokens": result["total_input_tokens"],
                      "generation_tokens": sum(replies.values())}
+
+
+def test_a_vllm_bench_serve_command_line_runs_as_it_is(served, tmp_path):
+    """A `vllm bench serve` command line (its flags, not plait's) against a live plait server."""
+    url, vocab = served
+    port = url.rsplit(":", 1)[1]
+    status = _bench(["--backend", "vllm", "--host", "127.0.0.1", "--port", port, "--dataset-name", "random",
+                     "--random-input-len", "12", "--random-output-len", "3", "--num-prompts", "3",
+                     "--request-rate", "30", "--burstiness", "0.5", "--ignore-eos",
+                     "--metric-percentiles", "99", "--percentile-metrics", "ttft,tpot,itl",
+                     "--vocab-size", str(vocab), "--save-result",
+                     "--result-dir", str(tmp_path / "results"), "--result-filename", "run.json"])
+    result = json.loads((tmp_path / "results" / "run.json").read_text())
+    assert status == 0 and (result["completed"], result["output_lens"]) == (3, [3, 3, 3])
+    assert result["input_lens"] == [12, 12, 12] and "p99_ttft_ms" in result and "p90_ttft_ms" not in result
 
 
 def test_bench_serve_plots(served, tmp_path):

@@ -45,6 +45,10 @@ from plait.bench.metrics import (
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 DATASETS = ("random", "file", "sharegpt")
+# vLLM's --backend names of the OpenAI-compatible endpoints, and its random dataset's default lengths.
+BACKEND_ENDPOINTS = {"vllm": "completions", "openai": "completions", "openai-chat": "chat"}
+VLLM_RANDOM_INPUT_LEN = 1024
+VLLM_RANDOM_OUTPUT_LEN = 128
 ARRIVALS = ("poisson", "fixed")
 API_KEY_ENVS = ("OPENAI_API_KEY", "PLAIT_API_KEY")
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -69,6 +73,9 @@ class ServeBenchConfig:
     api_key: str | None = None
     request_rate: float = math.inf  # requests per second; inf = all at once
     arrival: str = "poisson"  # gaps between requests: "poisson" (seeded) or "fixed"
+    # vLLM's --burstiness: Poisson gaps become gamma-distributed with this shape (same mean); 1 is Poisson,
+    # below 1 burstier, above 1 more even.
+    burstiness: float = 1.0
     seed: int = 0
     max_concurrency: int | None = None  # at most this many requests in flight
     ignore_eos: bool = True  # so every request generates exactly its output length
@@ -85,6 +92,10 @@ class ServeBenchConfig:
                              f"got {self.endpoint_type!r}")
         if self.arrival not in ARRIVALS:
             raise ValueError(f"arrival must be one of {ARRIVALS}, got {self.arrival!r}")
+        if not self.burstiness > 0:
+            raise ValueError(f"burstiness must be positive, got {self.burstiness}")
+        if self.burstiness != 1.0 and self.arrival != "poisson":
+            raise ValueError("burstiness shapes Poisson arrivals: it needs arrival 'poisson'")
         if not self.request_rate > 0:
             raise ValueError(f"request rate must be positive (inf = all at once), got {self.request_rate}")
         if self.max_concurrency is not None and self.max_concurrency < 1:
@@ -124,18 +135,21 @@ class ServeBenchRun:
         }
 
 
-def arrival_offsets(n: int, rate: float, arrival: str, seed: int) -> list[float]:
+def arrival_offsets(n: int, rate: float, arrival: str, seed: int, burstiness: float = 1.0) -> list[float]:
     """When each request is sent, in seconds after the start, as `vllm bench serve` schedules them.
 
-    Each request waits one gap (1/rate, or exponential with mean 1/rate for Poisson) after the one
-    before it. Poisson gaps are then scaled so the last request goes at n / rate, as vLLM does, so
-    throughput does not move with the seed's luck.
+    Each request waits one gap (1/rate, or exponential with mean 1/rate for Poisson; gamma of shape
+    ``burstiness`` with that mean where it is not 1) after the one before it. Random gaps are then scaled so
+    the last request goes at n / rate, as vLLM does, so throughput does not move with the seed's luck.
     """
     if math.isinf(rate):
         return [0.0] * n
     if arrival == "fixed":
         return [(i + 1) / rate for i in range(n)]
-    offsets = np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, size=n))
+    rng = np.random.default_rng(seed)
+    gaps = (rng.exponential(1.0 / rate, size=n) if burstiness == 1.0
+            else rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n))
+    offsets = np.cumsum(gaps)
     return (offsets * (n / rate / offsets[-1])).tolist()
 
 
@@ -282,7 +296,8 @@ async def run_benchmark(samples: Sequence[SampleRequest], config: ServeBenchConf
 async def _timed_run(client: Any, url: str, headers: dict[str, str], samples: Sequence[SampleRequest],
                      payloads: list[dict[str, Any]], config: ServeBenchConfig
                      ) -> tuple[list[RequestResult], float]:
-    offsets = arrival_offsets(len(samples), config.request_rate, config.arrival, config.seed)
+    c = config
+    offsets = arrival_offsets(len(samples), c.request_rate, c.arrival, c.seed, c.burstiness)
     gate = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     progress = tqdm(total=len(samples), desc="requests", unit="req", disable=not config.show_progress)
     t0 = time.perf_counter()
@@ -351,8 +366,33 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `plait bench serve`."""
     p = subparsers.add_parser("serve", help="load-test an OpenAI-compatible server (vLLM's metrics)",
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base-url", default=DEFAULT_BASE_URL, help=f"(default: {DEFAULT_BASE_URL})")
-    p.add_argument("--endpoint-type", choices=sorted(ENDPOINT_PATHS), default="completions")
+    p.add_argument("--base-url", default=None, help=f"(default: {DEFAULT_BASE_URL}, or --host and --port)")
+    p.add_argument("--endpoint-type", choices=sorted(ENDPOINT_PATHS), default=None,
+                   help="(default: completions, or what --endpoint or --backend names)")
+    vllm = p.add_argument_group("vLLM's names (so `vllm bench serve` command lines run as they are)")
+    vllm.add_argument("--host", default=None, help="with --port, the server when --base-url is not given")
+    vllm.add_argument("--port", type=int, default=None)
+    vllm.add_argument("--endpoint", choices=sorted(ENDPOINT_PATHS.values()), default=None,
+                      help="the API path: /v1/completions or /v1/chat/completions")
+    vllm.add_argument("--backend", choices=sorted(BACKEND_ENDPOINTS), default=None,
+                      help="vllm / openai: completions; openai-chat: chat completions")
+    vllm.add_argument("--random-input-len", type=int, default=None,
+                      help=f"random prompts of this many tokens (vLLM's default {VLLM_RANDOM_INPUT_LEN}) ...")
+    vllm.add_argument("--random-output-len", type=int, default=None,
+                      help=f"... asking for this many (vLLM's default {VLLM_RANDOM_OUTPUT_LEN}) ...")
+    vllm.add_argument("--random-range-ratio", type=float, default=None,
+                      help="... each uniform within this ratio of it (vLLM's default 0: exactly)")
+    vllm.add_argument("--burstiness", type=float, default=1.0,
+                      help="Poisson gaps drawn from a gamma of this shape (1: Poisson, < 1 burstier)")
+    vllm.add_argument("--metric-percentiles", default=None, help="as --percentiles (vLLM's default: 99)")
+    vllm.add_argument("--percentile-metrics", default=None,
+                      help="accepted: every metric's percentiles are reported (ttft, tpot, itl, e2el)")
+    vllm.add_argument("--save-result", action="store_true", help="write the result JSON into --result-dir")
+    vllm.add_argument("--result-dir", default=".", help="(default: the current directory)")
+    vllm.add_argument("--result-filename", default=None,
+                      help="(default: plait-<rate>qps-<model>-<time>.json)")
+    vllm.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=True,
+                      help="accepted: plait's bench ignores EOS by default (--no-ignore-eos: they may stop)")
     p.add_argument("--model", default=None, help="model name to send (default: the first the server lists)")
     p.add_argument("--api-key", default=None, help=f"(default: ${' or $'.join(API_KEY_ENVS)})")
     data = p.add_argument_group("requests")
@@ -366,9 +406,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help="sharegpt: ask every request for this many tokens (default: its answer's length)")
     data.add_argument("--num-prompts", type=int, default=None,
                       help=f"(default: {DEFAULT_NUM_PROMPTS} random, or every prompt of the file once)")
-    data.add_argument("--prompt-mix", default=W5_PROMPT_MIX,
+    data.add_argument("--prompt-mix", default=None,
                       help=f"random prompt lengths, WEIGHT:LOW-HIGH,... (default: W5's {W5_PROMPT_MIX})")
-    data.add_argument("--output-len", default=W5_OUTPUT_LENS,
+    data.add_argument("--output-len", default=None,
                       help=f"output tokens per request, N or LOW-HIGH (default: W5's {W5_OUTPUT_LENS})")
     data.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE,
                       help=f"random token ids are drawn below this (default: {DEFAULT_VOCAB_SIZE})")
@@ -389,7 +429,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     out = p.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                      help="SLOs for goodput, e.g. --goodput ttft:1000 tpot:50 (names: ttft, tpot, e2el)")
-    out.add_argument("--percentiles", default=",".join(f"{p:g}" for p in DEFAULT_PERCENTILES),
+    out.add_argument("--percentiles", default=None,
                      help="comma-separated, besides the median (default: 90,99)")
     out.add_argument("--result-file", default=None, help="write the result JSON here")
     out.add_argument("--plot", default=None, metavar="DIR", help="write PNGs here (needs matplotlib)")
@@ -408,10 +448,72 @@ def parse_percentiles(text: str) -> tuple[float, ...]:
     return values
 
 
+def resolve_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fold vLLM's names into plait's (in place): the server from --host/--port, the endpoint type from
+    --endpoint or --backend, random lengths from --random-*-len and --random-range-ratio, percentiles from
+    --metric-percentiles. Where both spellings are given they must agree or it is an error."""
+    if args.base_url is None:
+        if args.host is not None and args.port is None:
+            raise ValueError("--host needs --port (or give --base-url)")
+        args.base_url = (f"http://{args.host or '127.0.0.1'}:{args.port}" if args.port is not None
+                         else DEFAULT_BASE_URL)
+    elif args.host is not None or args.port is not None:
+        raise ValueError("give --base-url or --host/--port, not both")
+    named = {name for name in (
+        args.endpoint_type,
+        {path: kind for kind, path in ENDPOINT_PATHS.items()}.get(args.endpoint),
+        BACKEND_ENDPOINTS.get(args.backend)) if name is not None}
+    if len(named) > 1:
+        raise ValueError(f"--endpoint-type, --endpoint and --backend name different endpoints: "
+                         f"{sorted(named)}")
+    args.endpoint_type = named.pop() if named else "completions"
+    if {args.random_input_len, args.random_output_len, args.random_range_ratio} != {None}:
+        if args.prompt_mix is not None or args.output_len is not None:
+            raise ValueError("give --random-input-len/--random-output-len or --prompt-mix/--output-len, "
+                             "not both")
+        ratio = 0.0 if args.random_range_ratio is None else args.random_range_ratio
+        if not 0 <= ratio < 1:
+            raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
+        inputs = _ratio_range(args.random_input_len or VLLM_RANDOM_INPUT_LEN, ratio)
+        args.prompt_mix = f"1:{inputs}"
+        args.output_len = _ratio_range(args.random_output_len or VLLM_RANDOM_OUTPUT_LEN, ratio)
+    args.prompt_mix = args.prompt_mix or W5_PROMPT_MIX
+    args.output_len = args.output_len or W5_OUTPUT_LENS
+    if args.percentiles is not None and args.metric_percentiles is not None:
+        raise ValueError("give --percentiles or --metric-percentiles, not both")
+    args.percentiles = (args.percentiles or args.metric_percentiles
+                        or ",".join(f"{p:g}" for p in DEFAULT_PERCENTILES))
+    if args.percentile_metrics is not None:
+        unknown = {m.strip() for m in args.percentile_metrics.split(",")} - {"ttft", "tpot", "itl", "e2el"}
+        if unknown:
+            raise ValueError(f"--percentile-metrics: unknown metrics {sorted(unknown)}")
+    return args
+
+
+def _ratio_range(length: int, ratio: float) -> str:
+    """vLLM's random lengths as LOW-HIGH: int(length * (1 - ratio)) to int(length * (1 + ratio))."""
+    low, high = max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+    return f"{low}-{high}"
+
+
+def result_path(args: argparse.Namespace, model: str) -> Path | None:
+    """Where the result JSON goes: --result-file, or with --save-result --result-dir's
+    --result-filename (default: plait-<rate>qps-<model>-<time>.json, after vLLM's)."""
+    if args.result_file:
+        return Path(args.result_file)
+    if not args.save_result:
+        return None
+    rate = "inf" if math.isinf(args.request_rate) else f"{args.request_rate:g}"
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = args.result_filename or f"plait-{rate}qps-{Path(model).name}-{stamp}.json"
+    return Path(args.result_dir) / name
+
+
 def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
+    resolve_vllm_args(args)
     return ServeBenchConfig(
         base_url=args.base_url, endpoint_type=args.endpoint_type, model=args.model, api_key=args.api_key,
-        request_rate=args.request_rate, arrival=args.arrival, seed=args.seed,
+        request_rate=args.request_rate, arrival=args.arrival, seed=args.seed, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
         percentiles=parse_percentiles(args.percentiles), goodput=parse_goodput(args.goodput),
         num_warmups=args.num_warmups, show_progress=not args.disable_tqdm, timeout_s=args.timeout)
@@ -482,10 +584,11 @@ def main(args: argparse.Namespace) -> int:
     print(summary_text(run))
     for error in sorted({r.error for r in run.results if r.error})[:10]:
         print(f"failed: {error}", file=sys.stderr)
-    if args.result_file:
-        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result_file).write_text(json.dumps(run.to_json(), indent=1))
-        print(f"result: {args.result_file}")
+    path = result_path(args, run.model)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(run.to_json(), indent=1))
+        print(f"result: {path}")
     if args.plot:
         from plait.bench.plots import plot_serve
 
