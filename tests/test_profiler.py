@@ -62,3 +62,28 @@ def test_server_profiles_where_a_trace_folder_is_set(tiny_llama, tmp_path, monke
     trace = tmp_path / r.json()["trace"].rsplit("/", 1)[1]
     assert trace.is_file() and any(op.startswith("aten::") for op in _ops(trace))
 
+
+
+def test_bench_serve_profiles_the_timed_run(tiny_llama, tmp_path, monkeypatch, capsys):
+    """`plait bench serve --profile` (vLLM's flag): the server's profiler runs around the timed run and the
+    trace it wrote is named; a server without a trace folder refuses, and the run says why."""
+    pytest.importorskip("httpx")
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.cli import main
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8, max_model_len=64))
+    bench = ["bench", "serve", "--disable-tqdm", "--num-prompts", "2", "--prompt-mix", "1:4-8",
+             "--output-len", "2", "--vocab-size", str(engine.model_config.vocab_size), "--profile"]
+    monkeypatch.delenv("VLLM_TORCH_PROFILER_DIR", raising=False)
+    monkeypatch.setenv("PLAIT_TORCH_PROFILER_DIR", str(tmp_path / "traces"))
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        assert main([*bench, "--base-url", url]) == 0
+    (trace,) = (tmp_path / "traces").iterdir()
+    assert f"server trace: {trace}" in capsys.readouterr().out
+    assert any(op.startswith("aten::") for op in _ops(trace))
+    monkeypatch.delenv("PLAIT_TORCH_PROFILER_DIR")
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        assert main([*bench, "--base-url", url]) != 0
+    assert "POST /start_profile answered 404" in capsys.readouterr().err

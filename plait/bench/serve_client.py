@@ -83,6 +83,9 @@ class ServeBenchConfig:
     percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
     goodput: dict[str, float] = field(default_factory=dict)  # SLOs in ms, e.g. {"ttft": 1000}
     num_warmups: int = 0  # requests sent (and not measured) before the timed run
+    # vLLM's --profile: the server's torch profiler (POST /start_profile, /stop_profile) runs around the timed
+    # run; the server writes the trace (it needs VLLM_TORCH_PROFILER_DIR or PLAIT_TORCH_PROFILER_DIR set).
+    profile: bool = False
     show_progress: bool = True
     timeout_s: float = DEFAULT_TIMEOUT_S
 
@@ -113,6 +116,7 @@ class ServeBenchRun:
     model: str
     results: list[RequestResult]  # start times relative to the run's start
     metrics: dict[str, Any]
+    trace: str | None = None  # with profile: the server's trace file, as it named it
 
     def to_json(self) -> dict[str, Any]:
         """vLLM's result layout: settings, the metrics, then per-request lists."""
@@ -288,9 +292,26 @@ async def run_benchmark(samples: Sequence[SampleRequest], config: ServeBenchConf
             warm = await send_request(client, url, payloads[0], headers, config.endpoint_type, None)
             if not warm.success:
                 raise ValueError(f"the warm-up request failed: {warm.error}")
+        if config.profile:
+            await _profiler(client, config.base_url, headers, "start")
         results, duration = await _timed_run(client, url, headers, samples, payloads, config)
-    return ServeBenchRun(config, model, results,
-                         calculate_metrics(results, duration, config.percentiles, config.goodput or None))
+        trace = await _profiler(client, config.base_url, headers, "stop") if config.profile else None
+    metrics = calculate_metrics(results, duration, config.percentiles, config.goodput or None)
+    return ServeBenchRun(config, model, results, metrics, trace)
+
+
+async def _profiler(client: Any, base_url: str, headers: dict[str, str], verb: str) -> str | None:
+    """POST /start_profile or /stop_profile; what the server says of the trace it wrote (None if nothing)."""
+    response = await client.post(f"{base_url}/{verb}_profile", headers=headers)
+    if response.status_code != 200:
+        hint = (" (the server profiles only where VLLM_TORCH_PROFILER_DIR or PLAIT_TORCH_PROFILER_DIR is set)"
+                if response.status_code == 404 else "")
+        raise ValueError(f"--profile: POST /{verb}_profile answered {response.status_code}{hint}: "
+                         f"{response.text[:MAX_ERROR_CHARS]}")
+    try:
+        return response.json().get("trace")
+    except ValueError:
+        return None  # vLLM's server answers with no body
 
 
 async def _timed_run(client: Any, url: str, headers: dict[str, str], samples: Sequence[SampleRequest],
@@ -426,6 +447,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     load.add_argument("--max-concurrency", type=int, default=None)
     load.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent first")
     load.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="per-request limit, seconds")
+    load.add_argument("--profile", action="store_true",
+                      help="run the server's torch profiler around the timed run (as vLLM's; the server "
+                           "needs VLLM_TORCH_PROFILER_DIR or PLAIT_TORCH_PROFILER_DIR)")
     out = p.add_argument_group("results")
     out.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
                      help="SLOs for goodput, e.g. --goodput ttft:1000 tpot:50 (names: ttft, tpot, e2el)")
@@ -516,7 +540,8 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         request_rate=args.request_rate, arrival=args.arrival, seed=args.seed, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
         percentiles=parse_percentiles(args.percentiles), goodput=parse_goodput(args.goodput),
-        num_warmups=args.num_warmups, show_progress=not args.disable_tqdm, timeout_s=args.timeout)
+        num_warmups=args.num_warmups, show_progress=not args.disable_tqdm, timeout_s=args.timeout,
+        profile=args.profile)
 
 
 def server_token_counter(config: ServeBenchConfig) -> Callable[[list[str]], list[int]]:
@@ -582,6 +607,8 @@ def main(args: argparse.Namespace) -> int:
     samples = samples_from_args(args, config)
     run = asyncio.run(run_benchmark(samples, config))
     print(summary_text(run))
+    if run.trace:
+        print(f"server trace: {run.trace}")
     for error in sorted({r.error for r in run.results if r.error})[:10]:
         print(f"failed: {error}", file=sys.stderr)
     path = result_path(args, run.model)
