@@ -353,6 +353,14 @@ def test_bench_serve_sharegpt_dataset(served, tmp_path):
     assert sorted(result["output_lens"]) == sorted(replies.values())
     assert delta == {"requests": 3, "prompt_tokens": result["total_input_tokens"],
                      "generation_tokens": sum(replies.values())}
+    # Counted here with the served model's tokenizer instead (for a server without /tokenize): the same.
+    from plait.loader.source import default_model_path
+
+    again = tmp_path / "local_count.json"
+    assert _bench(["--base-url", url, "--dataset-name", "sharegpt", "--dataset-path", str(path),
+                   "--tokenizer", str(default_model_path()), "--num-prompts", "3", "--result-file",
+                   str(again)]) == 0
+    assert sorted(json.loads(again.read_text())["output_lens"]) == sorted(replies.values())
 
 
 def test_a_vllm_bench_serve_command_line_runs_as_it_is(served, tmp_path):

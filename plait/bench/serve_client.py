@@ -423,6 +423,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     data.add_argument("--dataset-path", default=None,
                       help="file: one prompt per line, or .jsonl with a \"prompt\" field; sharegpt: the JSON "
                            "(e.g. ShareGPT_V3_unfiltered_cleaned_split.json)")
+    data.add_argument("--tokenizer", default=None,
+                      help="sharegpt: count tokens with this tokenizer (an HF folder or a GGUF file), not "
+                           "with the server's /tokenize")
     data.add_argument("--sharegpt-output-len", type=int, default=None,
                       help="sharegpt: ask every request for this many tokens (default: its answer's length)")
     data.add_argument("--num-prompts", type=int, default=None,
@@ -544,6 +547,21 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         profile=args.profile)
 
 
+def local_token_counter(tokenizer_path: str) -> Callable[[list[str]], list[int]]:
+    """Counts texts' tokens with a tokenizer read here (an HF folder or a GGUF file, as vLLM's bench takes
+    --tokenizer), for servers without /tokenize; special tokens added, as a completion's prompt gets them."""
+    from plait.loader.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path)
+    if tokenizer is None:
+        raise ValueError(f"--tokenizer {tokenizer_path}: the folder holds no tokenizer")
+
+    def count(texts: list[str]) -> list[int]:
+        return [len(ids) for ids in tokenizer(texts)["input_ids"]]
+
+    return count
+
+
 def server_token_counter(config: ServeBenchConfig) -> Callable[[list[str]], list[int]]:
     """Counts texts' tokens with the served model's tokenizer, through the server's /tokenize (vLLM's and
     plait's), so the load generator needs no tokenizer of its own."""
@@ -576,8 +594,9 @@ def server_token_counter(config: ServeBenchConfig) -> Callable[[list[str]], list
 def samples_from_args(args: argparse.Namespace, config: ServeBenchConfig | None = None
                       ) -> list[SampleRequest]:
     """The requests to send; ``config`` (the server to ask) is needed for --dataset sharegpt."""
-    if args.sharegpt_output_len is not None and args.dataset != "sharegpt":
-        raise ValueError("--sharegpt-output-len is for --dataset sharegpt")
+    for flag, value in (("--sharegpt-output-len", args.sharegpt_output_len), ("--tokenizer", args.tokenizer)):
+        if value is not None and args.dataset != "sharegpt":
+            raise ValueError(f"{flag} is for --dataset sharegpt")
     if args.dataset in ("file", "sharegpt") and not args.dataset_path:
         raise ValueError(f"--dataset {args.dataset} needs --dataset-path")
     if args.dataset == "file":
@@ -586,7 +605,8 @@ def samples_from_args(args: argparse.Namespace, config: ServeBenchConfig | None 
         if config is None:
             raise ValueError("--dataset sharegpt needs the server, to count tokens")
         n = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
-        pairs, count = read_sharegpt(args.dataset_path), server_token_counter(config)
+        count = local_token_counter(args.tokenizer) if args.tokenizer else server_token_counter(config)
+        pairs = read_sharegpt(args.dataset_path)
         samples = sharegpt_requests(pairs, n, args.seed, count, args.sharegpt_output_len)
     else:
         if args.dataset_path:
