@@ -600,7 +600,8 @@ def samples_from_args(args: argparse.Namespace, config: ServeBenchConfig | None 
     if args.dataset in ("file", "sharegpt") and not args.dataset_path:
         raise ValueError(f"--dataset {args.dataset} needs --dataset-path")
     if args.dataset == "file":
-        samples = file_requests(args.dataset_path, args.num_prompts, args.output_len, args.seed)
+        output_lens = args.output_len or W5_OUTPUT_LENS
+        samples = file_requests(args.dataset_path, args.num_prompts, output_lens, args.seed)
     elif args.dataset == "sharegpt":
         if config is None:
             raise ValueError("--dataset sharegpt needs the server, to count tokens")
@@ -612,7 +613,8 @@ def samples_from_args(args: argparse.Namespace, config: ServeBenchConfig | None 
         if args.dataset_path:
             raise ValueError("--dataset-path is for --dataset file or sharegpt")
         n = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
-        samples = random_requests(n, args.vocab_size, args.seed, args.prompt_mix, args.output_len)
+        samples = random_requests(n, args.vocab_size, args.seed, args.prompt_mix or W5_PROMPT_MIX,
+                                  args.output_len or W5_OUTPUT_LENS)
     if args.images_per_prompt:
         if args.endpoint_type != "chat":
             raise ValueError("--images-per-prompt sends images with chat requests: use --endpoint-type chat")
