@@ -122,7 +122,7 @@ def test_arrivals():
 def test_vllm_bench_serve_flags_map_to_plaits():
     """`vllm bench serve`'s names: the server from --host/--port, the endpoint from --backend or --endpoint,
     random lengths within --random-range-ratio, --metric-percentiles; conflicting spellings are errors."""
-    from plait.bench.serve_client import config_from_args
+    from plait.bench.serve_client import config_from_args, samples_from_args
     from plait.entrypoints.cli import build_parser
 
     def parsed(*argv: str):
@@ -148,9 +148,11 @@ def test_vllm_bench_serve_flags_map_to_plaits():
                         (["--random-input-len", "8", "--output-len", "4"], "not both"),
                         (["--random-range-ratio", "1.5"], "range-ratio"),
                         (["--percentiles", "99", "--metric-percentiles", "99"], "not both"),
-                        (["--percentile-metrics", "ttft,latency"], "unknown metrics")):
+                        (["--percentile-metrics", "ttft,latency"], "unknown metrics"),
+                        (["--dataset", "file", "--dataset-path", "p.txt", "--random-prefix-len", "4"],
+                         "for --dataset random")):
         with pytest.raises(ValueError, match=words):
-            parsed(*argv)
+            samples_from_args(*parsed(*argv))
 
 
 def test_random_requests_follow_the_mix():
@@ -162,6 +164,12 @@ def test_random_requests_follow_the_mix():
     assert all(len(r.prompt) == r.prompt_len for r in requests)
     assert all(10 <= t < 500 for r in requests for t in r.prompt)
     assert all(4 <= r.output_len <= 9 for r in requests)
+    # vLLM's --random-prefix-len: the same random prefix before every prompt, which is otherwise unchanged.
+    shared = random_requests(10, vocab_size=500, seed=3, prompt_mix=mix, output_lens="4-9", prefix_len=7)
+    prefix = shared[0].prompt[:7]
+    assert all(r.prompt[:7] == prefix and r.prompt[7:] == plain.prompt for r, plain in zip(shared, requests))
+    lengths = [(r.prompt_len - 7, r.output_len) for r in shared]
+    assert lengths == [(r.prompt_len, r.output_len) for r in requests]
     assert parse_mix("3:1-2,1:5") == [(0.75, LengthRange(1, 2)), (0.25, LengthRange(5, 5))]
     for bad in ("0:1-2", "1:5-2", "x:1", "1-2"):
         with pytest.raises(ValueError):

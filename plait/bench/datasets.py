@@ -90,8 +90,12 @@ def _component_counts(weights: Sequence[float], n: int) -> list[int]:
 
 
 def random_requests(n: int, vocab_size: int, seed: int, prompt_mix: str = W5_PROMPT_MIX,
-                    output_lens: str = W5_OUTPUT_LENS) -> list[SampleRequest]:
-    """n requests of random token ids, prompt lengths drawn from ``prompt_mix``, in a seeded order."""
+                    output_lens: str = W5_OUTPUT_LENS, prefix_len: int = 0) -> list[SampleRequest]:
+    """n requests of random token ids, prompt lengths drawn from ``prompt_mix``, in a seeded order; with
+    ``prefix_len`` (vLLM's --random-prefix-len), every prompt starts with the same that many random ids, a
+    prefix a server's prefix cache can share."""
+    if prefix_len < 0:
+        raise ValueError(f"the prefix length must be >= 0, got {prefix_len}")
     if n < 1:
         raise ValueError(f"the number of requests must be >= 1, got {n}")
     if vocab_size <= MIN_RANDOM_TOKEN_ID:
@@ -101,11 +105,15 @@ def random_requests(n: int, vocab_size: int, seed: int, prompt_mix: str = W5_PRO
     components = [i for i, c in enumerate(_component_counts([w for w, _ in mix], n)) for _ in range(c)]
     components = [components[k] for k in rng.permutation(n)]
     outputs = LengthRange.parse(output_lens).sample(rng, n)
+    # Drawn from a generator of its own, so the prompts after it are those of the same seed without one.
+    prefix = np.random.default_rng([seed, prefix_len]).integers(MIN_RANDOM_TOKEN_ID, vocab_size,
+                                                                size=prefix_len).tolist()
     requests = []
     for component, out_len in zip(components, outputs):
         (length,) = mix[component][1].sample(rng, 1)
         ids = rng.integers(MIN_RANDOM_TOKEN_ID, vocab_size, size=length).tolist()
-        requests.append(SampleRequest(prompt=ids, output_len=out_len, prompt_len=length))
+        prompt = prefix + ids
+        requests.append(SampleRequest(prompt=prompt, output_len=out_len, prompt_len=len(prompt)))
     return requests
 
 

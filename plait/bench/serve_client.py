@@ -403,6 +403,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                       help=f"... asking for this many (vLLM's default {VLLM_RANDOM_OUTPUT_LEN}) ...")
     vllm.add_argument("--random-range-ratio", type=float, default=None,
                       help="... each uniform within this ratio of it (vLLM's default 0: exactly)")
+    vllm.add_argument("--random-prefix-len", type=int, default=0,
+                      help="random prompts all start with the same this many random tokens (default: 0)")
     vllm.add_argument("--burstiness", type=float, default=1.0,
                       help="Poisson gaps drawn from a gamma of this shape (1: Poisson, < 1 burstier)")
     vllm.add_argument("--metric-percentiles", default=None, help="as --percentiles (vLLM's default: 99)")
@@ -597,6 +599,8 @@ def samples_from_args(args: argparse.Namespace, config: ServeBenchConfig | None 
     for flag, value in (("--sharegpt-output-len", args.sharegpt_output_len), ("--tokenizer", args.tokenizer)):
         if value is not None and args.dataset != "sharegpt":
             raise ValueError(f"{flag} is for --dataset sharegpt")
+    if args.random_prefix_len and args.dataset != "random":
+        raise ValueError("--random-prefix-len is for --dataset random")
     if args.dataset in ("file", "sharegpt") and not args.dataset_path:
         raise ValueError(f"--dataset {args.dataset} needs --dataset-path")
     if args.dataset == "file":
@@ -614,7 +618,7 @@ def samples_from_args(args: argparse.Namespace, config: ServeBenchConfig | None 
             raise ValueError("--dataset-path is for --dataset file or sharegpt")
         n = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
         samples = random_requests(n, args.vocab_size, args.seed, args.prompt_mix or W5_PROMPT_MIX,
-                                  args.output_len or W5_OUTPUT_LENS)
+                                  args.output_len or W5_OUTPUT_LENS, args.random_prefix_len)
     if args.images_per_prompt:
         if args.endpoint_type != "chat":
             raise ValueError("--images-per-prompt sends images with chat requests: use --endpoint-type chat")
