@@ -119,6 +119,36 @@ def test_arrivals():
         ServeBenchConfig(burstiness=2.0, arrival="fixed")
 
 
+def test_ready_check_waits_for_a_server_that_is_still_loading(monkeypatch):
+    """vLLM's --ready-check-timeout-sec: the run starts once the server lists its models, and gives up after
+    the timeout; without it, an unreachable server fails at once."""
+    import asyncio
+
+    from plait.bench import serve_client
+
+    calls = []
+    down_for = [2]  # polls that fail before the server is up
+
+    async def loading(client, base_url, headers):
+        calls.append(base_url)
+        if len(calls) <= down_for[0]:
+            raise ValueError("cannot reach the server")
+        return "the-model"
+
+    monkeypatch.setattr(serve_client, "first_model", loading)
+    monkeypatch.setattr(serve_client, "READY_POLL_S", 0.01)
+    waiting = ServeBenchConfig(ready_timeout_s=30.0)
+    assert asyncio.run(serve_client._ready(None, waiting, {})) == "the-model" and len(calls) == 3
+    calls.clear()
+    with pytest.raises(ValueError, match="cannot reach"):
+        asyncio.run(serve_client._ready(None, ServeBenchConfig(), {}))  # no wait: the first failure
+    assert len(calls) == 1
+    calls.clear()
+    down_for[0] = 10**9  # never up
+    with pytest.raises(ValueError, match="cannot reach"):
+        asyncio.run(serve_client._ready(None, ServeBenchConfig(ready_timeout_s=0.05), {}))
+
+
 def test_vllm_bench_serve_flags_map_to_plaits():
     """`vllm bench serve`'s names: the server from --host/--port, the endpoint from --backend or --endpoint,
     random lengths within --random-range-ratio, --metric-percentiles; conflicting spellings are errors."""

@@ -58,6 +58,7 @@ DEFAULT_NUM_PROMPTS = 200  # W5's count
 DEFAULT_VOCAB_SIZE = 32000
 DEFAULT_TIMEOUT_S = 6 * 3600.0  # vLLM's client limit: no benchmark request should take longer
 CONNECT_TIMEOUT_S = 30.0
+READY_POLL_S = 1.0  # how often --ready-check-timeout-sec asks a server that is not up yet
 MAX_ERROR_CHARS = 500
 SSE_DATA = "data:"
 SSE_DONE = "[DONE]"
@@ -86,6 +87,9 @@ class ServeBenchConfig:
     # vLLM's --profile: the server's torch profiler (POST /start_profile, /stop_profile) runs around the timed
     # run; the server writes the trace (it needs VLLM_TORCH_PROFILER_DIR or PLAIT_TORCH_PROFILER_DIR set).
     profile: bool = False
+    # vLLM's --ready-check-timeout-sec: wait up to this long for the server to list its models before the run
+    # (a server still loading); 0: it must answer at once.
+    ready_timeout_s: float = 0.0
     show_progress: bool = True
     timeout_s: float = DEFAULT_TIMEOUT_S
 
@@ -285,7 +289,8 @@ async def run_benchmark(samples: Sequence[SampleRequest], config: ServeBenchConf
     timeout = httpx.Timeout(config.timeout_s, connect=CONNECT_TIMEOUT_S)
     # trust_env=False: no proxy from the environment stands between the benchmark and the server.
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
-        model = config.model or await first_model(client, config.base_url, headers)
+        listed = await _ready(client, config, headers)
+        model = config.model or listed
         url = config.base_url + ENDPOINT_PATHS[config.endpoint_type]
         payloads = [build_payload(s, config, model) for s in samples]
         for _ in range(config.num_warmups):
@@ -298,6 +303,18 @@ async def run_benchmark(samples: Sequence[SampleRequest], config: ServeBenchConf
         trace = await _profiler(client, config.base_url, headers, "stop") if config.profile else None
     metrics = calculate_metrics(results, duration, config.percentiles, config.goodput or None)
     return ServeBenchRun(config, model, results, metrics, trace)
+
+
+async def _ready(client: Any, config: ServeBenchConfig, headers: dict[str, str]) -> str:
+    """The server's first model, once it lists one: at once, or within config.ready_timeout_s."""
+    deadline = time.monotonic() + config.ready_timeout_s
+    while True:
+        try:
+            return await first_model(client, config.base_url, headers)
+        except ValueError:
+            if time.monotonic() >= deadline:
+                raise
+        await asyncio.sleep(READY_POLL_S)
 
 
 async def _profiler(client: Any, base_url: str, headers: dict[str, str], verb: str) -> str | None:
@@ -410,6 +427,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     vllm.add_argument("--metric-percentiles", default=None, help="as --percentiles (vLLM's default: 99)")
     vllm.add_argument("--percentile-metrics", default=None,
                       help="accepted: every metric's percentiles are reported (ttft, tpot, itl, e2el)")
+    vllm.add_argument("--ready-check-timeout-sec", type=float, default=0.0,
+                      help="wait up to this long for the server to come up (vLLM waits 600 by default; "
+                           "plait's bench fails at once)")
     vllm.add_argument("--save-result", action="store_true", help="write the result JSON into --result-dir")
     vllm.add_argument("--result-dir", default=".", help="(default: the current directory)")
     vllm.add_argument("--result-filename", default=None,
@@ -546,7 +566,7 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
         percentiles=parse_percentiles(args.percentiles), goodput=parse_goodput(args.goodput),
         num_warmups=args.num_warmups, show_progress=not args.disable_tqdm, timeout_s=args.timeout,
-        profile=args.profile)
+        profile=args.profile, ready_timeout_s=args.ready_check_timeout_sec)
 
 
 def local_token_counter(tokenizer_path: str) -> Callable[[list[str]], list[int]]:
