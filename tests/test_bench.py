@@ -180,7 +180,8 @@ def test_vllm_bench_serve_flags_map_to_plaits():
                         (["--percentiles", "99", "--metric-percentiles", "99"], "not both"),
                         (["--percentile-metrics", "ttft,latency"], "unknown metrics"),
                         (["--dataset", "file", "--dataset-path", "p.txt", "--random-prefix-len", "4"],
-                         "for --dataset random")):
+                         "for --dataset random"),
+                        (["--tokenizer", "some/folder"], "random prompts sent to chat")):
         with pytest.raises(ValueError, match=words):
             samples_from_args(*parsed(*argv))
 
@@ -414,6 +415,26 @@ def test_a_vllm_bench_serve_command_line_runs_as_it_is(served, tmp_path):
     result = json.loads((tmp_path / "results" / "run.json").read_text())
     assert status == 0 and (result["completed"], result["output_lens"]) == (3, [3, 3, 3])
     assert result["input_lens"] == [12, 12, 12] and "p99_ttft_ms" in result and "p90_ttft_ms" not in result
+
+
+def test_random_prompts_go_to_chat_as_text(served, tmp_path):
+    """`--backend openai-chat --dataset-name random` (a common vLLM command line): random ids made text by the
+    server's /detokenize, or by --tokenizer the same way, then sent as chat messages."""
+    from plait.bench.serve_client import local_detokenizer, server_detokenizer
+    from plait.loader.source import default_model_path
+
+    url, vocab = served
+    ids = random_requests(2, vocab, seed=4, prompt_mix="1:12", output_lens="3")
+    texts = server_detokenizer(ServeBenchConfig(base_url=url))([r.prompt for r in ids])
+    assert texts == local_detokenizer(str(default_model_path()))([r.prompt for r in ids])
+    assert all(isinstance(t, str) and t for t in texts)
+    out = tmp_path / "chat_random.json"
+    status = _bench(["--base-url", url, "--backend", "openai-chat", "--dataset-name", "random",
+                     "--random-input-len", "12", "--random-output-len", "3", "--num-prompts", "2",
+                     "--vocab-size", str(vocab), "--seed", "4", "--result-file", str(out)])
+    result = json.loads(out.read_text())
+    assert status == 0 and (result["completed"], result["output_lens"]) == (2, [3, 3])
+    assert all(n > 12 for n in result["input_lens"])  # the chat template's tokens and the text's own
 
 
 def test_bench_serve_plots(served, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import os
@@ -440,7 +441,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help=f"(default: ${' or $'.join(API_KEY_ENVS)})")
     data = p.add_argument_group("requests")
     data.add_argument("--dataset", "--dataset-name", choices=DATASETS, default="random",
-                      help="random token ids (completions only), --dataset-path's prompts, or ShareGPT "
+                      help="random token ids (as text for chat), --dataset-path's prompts, or ShareGPT "
                            "conversations sampled as vLLM's bench does (counted by the server's /tokenize)")
     data.add_argument("--dataset-path", default=None,
                       help="file: one prompt per line, or .jsonl with a \"prompt\" field; sharegpt: the JSON "
@@ -569,19 +570,62 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         profile=args.profile, ready_timeout_s=args.ready_check_timeout_sec)
 
 
-def local_token_counter(tokenizer_path: str) -> Callable[[list[str]], list[int]]:
-    """Counts texts' tokens with a tokenizer read here (an HF folder or a GGUF file, as vLLM's bench takes
-    --tokenizer), for servers without /tokenize; special tokens added, as a completion's prompt gets them."""
+def _local_tokenizer(tokenizer_path: str) -> Any:
     from plait.loader.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(tokenizer_path)
     if tokenizer is None:
         raise ValueError(f"--tokenizer {tokenizer_path}: the folder holds no tokenizer")
+    return tokenizer
+
+
+def local_token_counter(tokenizer_path: str) -> Callable[[list[str]], list[int]]:
+    """Counts texts' tokens with a tokenizer read here (an HF folder or a GGUF file, as vLLM's bench takes
+    --tokenizer), for servers without /tokenize; special tokens added, as a completion's prompt gets them."""
+    tokenizer = _local_tokenizer(tokenizer_path)
 
     def count(texts: list[str]) -> list[int]:
         return [len(ids) for ids in tokenizer(texts)["input_ids"]]
 
     return count
+
+
+def local_detokenizer(tokenizer_path: str) -> Callable[[list[list[int]]], list[str]]:
+    """Token ids to text with a tokenizer read here (random prompts sent to chat completions)."""
+    tokenizer = _local_tokenizer(tokenizer_path)
+    return lambda batch: [tokenizer.decode(ids) for ids in batch]
+
+
+def server_detokenizer(config: ServeBenchConfig) -> Callable[[list[list[int]]], list[str]]:
+    """Token ids to text with the served model's tokenizer, through the server's /detokenize (vLLM's and
+    plait's): random prompts sent to chat completions, which takes text only."""
+    import httpx
+
+    headers = _headers(config)
+    model = config.model or asyncio.run(_listed_model(config, headers))
+    timeout = httpx.Timeout(config.timeout_s, connect=CONNECT_TIMEOUT_S)
+
+    def detokenize(batch: list[list[int]]) -> list[str]:
+        texts = []
+        with httpx.Client(timeout=timeout, trust_env=False) as client:
+            for ids in batch:
+                response = client.post(f"{config.base_url}/detokenize", json={"model": model, "tokens": ids},
+                                       headers=headers)
+                if response.status_code != 200:
+                    raise ValueError(f"random prompts for chat are made text by the server's /detokenize, "
+                                     f"which answered {response.status_code} (or give --tokenizer): "
+                                     f"{response.text[:MAX_ERROR_CHARS]}")
+                texts.append(response.json()["prompt"])
+        return texts
+
+    return detokenize
+
+
+async def _listed_model(config: ServeBenchConfig, headers: dict[str, str]) -> str:
+    import httpx
+
+    async with httpx.AsyncClient(trust_env=False, timeout=CONNECT_TIMEOUT_S) as probe:
+        return await first_model(probe, config.base_url, headers)
 
 
 def server_token_counter(config: ServeBenchConfig) -> Callable[[list[str]], list[int]]:
@@ -592,11 +636,7 @@ def server_token_counter(config: ServeBenchConfig) -> Callable[[list[str]], list
     headers = _headers(config)
     timeout = httpx.Timeout(config.timeout_s, connect=CONNECT_TIMEOUT_S)
 
-    async def listed() -> str:
-        async with httpx.AsyncClient(trust_env=False, timeout=CONNECT_TIMEOUT_S) as probe:
-            return await first_model(probe, config.base_url, headers)
-
-    model = config.model or asyncio.run(listed())
+    model = config.model or asyncio.run(_listed_model(config, headers))
 
     def count(texts: list[str]) -> list[int]:
         counts = []
@@ -616,9 +656,11 @@ def server_token_counter(config: ServeBenchConfig) -> Callable[[list[str]], list
 def samples_from_args(args: argparse.Namespace, config: ServeBenchConfig | None = None
                       ) -> list[SampleRequest]:
     """The requests to send; ``config`` (the server to ask) is needed for --dataset sharegpt."""
-    for flag, value in (("--sharegpt-output-len", args.sharegpt_output_len), ("--tokenizer", args.tokenizer)):
-        if value is not None and args.dataset != "sharegpt":
-            raise ValueError(f"{flag} is for --dataset sharegpt")
+    if args.sharegpt_output_len is not None and args.dataset != "sharegpt":
+        raise ValueError("--sharegpt-output-len is for --dataset sharegpt")
+    chat = args.endpoint_type == "chat"
+    if args.tokenizer is not None and not (args.dataset == "sharegpt" or (args.dataset == "random" and chat)):
+        raise ValueError("--tokenizer is for --dataset sharegpt, or random prompts sent to chat completions")
     if args.random_prefix_len and args.dataset != "random":
         raise ValueError("--random-prefix-len is for --dataset random")
     if args.dataset in ("file", "sharegpt") and not args.dataset_path:
@@ -639,6 +681,12 @@ def samples_from_args(args: argparse.Namespace, config: ServeBenchConfig | None 
         n = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
         samples = random_requests(n, args.vocab_size, args.seed, args.prompt_mix or W5_PROMPT_MIX,
                                   args.output_len or W5_OUTPUT_LENS, args.random_prefix_len)
+        if chat:  # chat takes text: the random ids as the served model's tokenizer reads them, as vLLM does
+            if config is None and args.tokenizer is None:
+                raise ValueError("random prompts for chat need the server (or --tokenizer) to make them text")
+            texts = (local_detokenizer(args.tokenizer) if args.tokenizer else server_detokenizer(config))(
+                [s.prompt for s in samples])
+            samples = [dataclasses.replace(s, prompt=t, prompt_len=None) for s, t in zip(samples, texts)]
     if args.images_per_prompt:
         if args.endpoint_type != "chat":
             raise ValueError("--images-per-prompt sends images with chat requests: use --endpoint-type chat")
