@@ -415,6 +415,7 @@ def test_a_vllm_bench_serve_command_line_runs_as_it_is(served, tmp_path):
     result = json.loads((tmp_path / "results" / "run.json").read_text())
     assert status == 0 and (result["completed"], result["output_lens"]) == (3, [3, 3, 3])
     assert result["input_lens"] == [12, 12, 12] and "p99_ttft_ms" in result and "p90_ttft_ms" not in result
+    assert result["burstiness"] == 0.5
 
 
 def test_random_prompts_go_to_chat_as_text(served, tmp_path):
