@@ -597,29 +597,43 @@ def local_detokenizer(tokenizer_path: str) -> Callable[[list[list[int]]], list[s
     return lambda batch: [tokenizer.decode(ids) for ids in batch]
 
 
-def server_detokenizer(config: ServeBenchConfig) -> Callable[[list[list[int]]], list[str]]:
-    """Token ids to text with the served model's tokenizer, through the server's /detokenize (vLLM's and
-    plait's): random prompts sent to chat completions, which takes text only."""
+def _server_tokenizer_call(config: ServeBenchConfig, path: str, field: str, what: str
+                           ) -> Callable[[list[Any]], list[Any]]:
+    """A function of a batch: each item POSTed to the server's ``path`` (/tokenize or /detokenize, vLLM's and
+    plait's) with the served model, the answer's ``field`` kept; ``what`` says in errors why it was asked."""
     import httpx
 
     headers = _headers(config)
     model = config.model or asyncio.run(_listed_model(config, headers))
     timeout = httpx.Timeout(config.timeout_s, connect=CONNECT_TIMEOUT_S)
+    key = "prompt" if path == "/tokenize" else "tokens"
 
-    def detokenize(batch: list[list[int]]) -> list[str]:
-        texts = []
+    def call(batch: list[Any]) -> list[Any]:
+        answers = []
         with httpx.Client(timeout=timeout, trust_env=False) as client:
-            for ids in batch:
-                response = client.post(f"{config.base_url}/detokenize", json={"model": model, "tokens": ids},
+            for item in batch:
+                response = client.post(f"{config.base_url}{path}", json={"model": model, key: item},
                                        headers=headers)
                 if response.status_code != 200:
-                    raise ValueError(f"random prompts for chat are made text by the server's /detokenize, "
-                                     f"which answered {response.status_code} (or give --tokenizer): "
+                    raise ValueError(f"{what} with the server's {path}, which answered "
+                                     f"{response.status_code} (or give --tokenizer): "
                                      f"{response.text[:MAX_ERROR_CHARS]}")
-                texts.append(response.json()["prompt"])
-        return texts
+                answers.append(response.json()[field])
+        return answers
 
-    return detokenize
+    return call
+
+
+def server_detokenizer(config: ServeBenchConfig) -> Callable[[list[list[int]]], list[str]]:
+    """Token ids to text with the served model's tokenizer, through the server's /detokenize: random prompts
+    sent to chat completions, which takes text only."""
+    return _server_tokenizer_call(config, "/detokenize", "prompt", "random prompts for chat are made text")
+
+
+def server_token_counter(config: ServeBenchConfig) -> Callable[[list[str]], list[int]]:
+    """Counts texts' tokens with the served model's tokenizer, through the server's /tokenize, so the load
+    generator needs no tokenizer of its own."""
+    return _server_tokenizer_call(config, "/tokenize", "count", "--dataset sharegpt counts tokens")
 
 
 async def _listed_model(config: ServeBenchConfig, headers: dict[str, str]) -> str:
@@ -627,31 +641,6 @@ async def _listed_model(config: ServeBenchConfig, headers: dict[str, str]) -> st
 
     async with httpx.AsyncClient(trust_env=False, timeout=CONNECT_TIMEOUT_S) as probe:
         return await first_model(probe, config.base_url, headers)
-
-
-def server_token_counter(config: ServeBenchConfig) -> Callable[[list[str]], list[int]]:
-    """Counts texts' tokens with the served model's tokenizer, through the server's /tokenize (vLLM's and
-    plait's), so the load generator needs no tokenizer of its own."""
-    import httpx
-
-    headers = _headers(config)
-    timeout = httpx.Timeout(config.timeout_s, connect=CONNECT_TIMEOUT_S)
-
-    model = config.model or asyncio.run(_listed_model(config, headers))
-
-    def count(texts: list[str]) -> list[int]:
-        counts = []
-        with httpx.Client(timeout=timeout, trust_env=False) as client:
-            for text in texts:
-                response = client.post(f"{config.base_url}/tokenize", json={"model": model, "prompt": text},
-                                       headers=headers)
-                if response.status_code != 200:
-                    raise ValueError(f"--dataset sharegpt counts tokens with the server's /tokenize, which "
-                                     f"answered {response.status_code}: {response.text[:MAX_ERROR_CHARS]}")
-                counts.append(int(response.json()["count"]))
-        return counts
-
-    return count
 
 
 def samples_from_args(args: argparse.Namespace, config: ServeBenchConfig | None = None
