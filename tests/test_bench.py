@@ -660,6 +660,38 @@ def test_throughput_bench_end_to_end_on_cpu(tmp_path, tiny_llama, in_process):
     assert w1["step_breakdown"]["steps"] >= 5
 
 
+def test_vllm_throughput_run_on_any_model(tmp_path, tiny_llama, capsys):
+    """`plait bench throughput --model ...` as `vllm bench throughput`: random prompts within the range ratio,
+    every requested token produced, vLLM's printed line and JSON keys; ShareGPT conversations counted with
+    the model's own tokenizer (the default model's)."""
+    from plait.entrypoints.cli import main
+    from plait.loader.source import default_model_path
+
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", str(tiny_llama), "--input-len", "16", "--output-len", "4",
+                 "--random-range-ratio", "0.25", "--num-prompts", "6", "--max-num-seqs", "4",
+                 "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["num_requests"] == 6 and 6 * 3 <= result["output_tokens"] <= 6 * 5
+    assert 6 * (12 + 3) <= result["total_num_tokens"] <= 6 * (20 + 5)
+    assert result["tokens_per_second"] == pytest.approx(result["total_num_tokens"] / result["elapsed_time"])
+    assert f"Throughput: {result['requests_per_second']:.2f} requests/s" in capsys.readouterr().out
+    turns = [["Name two colors of the sea, please.", "Blue and green."],
+             ["What do cows drink every day?", "Cows drink water."]]
+    sharegpt = _sharegpt_file(tmp_path / "sg.json", turns)
+    out = tmp_path / "sg_result.json"
+    assert main(["bench", "throughput", "--model", str(default_model_path()), "--dataset-name", "sharegpt",
+                 "--dataset-path", str(sharegpt), "--num-prompts", "2", "--output-json", str(out)]) == 0
+    from plait.loader.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    replies = sum(len(tokenizer(a)["input_ids"]) for a in ("Blue and green.", "Cows drink water."))
+    assert json.loads(out.read_text())["output_tokens"] == replies
+    assert main(["bench", "throughput", "--model", str(tiny_llama), "--dataset-name", "sharegpt",
+                 "--dataset-path", str(sharegpt)]) != 0  # a folder without a tokenizer cannot count them
+    assert "has none" in capsys.readouterr().err
+
+
 def test_embedding_throughput_bench_on_cpu(tmp_path, tiny_models):
     """benchmarks/embedding_throughput.py over a tiny Qwen3 config: plait and transformers embed the same
     prompts with the same saved weights, so their embeddings agree (fp32), and the report has both sides."""

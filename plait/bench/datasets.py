@@ -175,11 +175,12 @@ def read_sharegpt(path: str | Path) -> list[tuple[str, str]]:
 
 
 def sharegpt_requests(pairs: Sequence[tuple[str, str]], n: int, seed: int,
-                      count_tokens: Callable[[list[str]], list[int]], output_len: int | None = None
-                      ) -> list[SampleRequest]:
+                      count_tokens: Callable[[list[str]], list[int]], output_len: int | None = None,
+                      max_total_tokens: int = SHAREGPT_MAX_TOTAL_TOKENS) -> list[SampleRequest]:
     """``n`` requests from ShareGPT pairs as vLLM samples them: in an order shuffled by ``seed``, each
     conversation's first turn as the prompt and its reply's token count as the output length (or
-    ``output_len``), skipping those outside vLLM's length limits. ``count_tokens`` counts texts' tokens with
+    ``output_len``), skipping those outside vLLM's length limits (``max_total_tokens``: a smaller context
+    than vLLM's 2,048 where the model has one). ``count_tokens`` counts texts' tokens with
     the served model's tokenizer (the server's /tokenize); only as many are counted as the sample needs."""
     if n < 1:
         raise ValueError(f"the number of requests must be >= 1, got {n}")
@@ -192,14 +193,14 @@ def sharegpt_requests(pairs: Sequence[tuple[str, str]], n: int, seed: int,
             prompt_len, reply_len = counts[2 * k], counts[2 * k + 1]
             out_len = reply_len if output_len is None else output_len
             if (min(prompt_len, out_len) < SHAREGPT_MIN_TOKENS or prompt_len > SHAREGPT_MAX_PROMPT_TOKENS
-                    or prompt_len + out_len > SHAREGPT_MAX_TOTAL_TOKENS):
+                    or prompt_len + out_len > max_total_tokens):
                 continue
             requests.append(SampleRequest(prompt=prompt, output_len=out_len, prompt_len=prompt_len))
             if len(requests) == n:
                 return requests
     raise ValueError(f"only {len(requests)} of the file's conversations are within the length limits "
                      f"(prompts of {SHAREGPT_MIN_TOKENS}-{SHAREGPT_MAX_PROMPT_TOKENS} tokens, at most "
-                     f"{SHAREGPT_MAX_TOTAL_TOKENS} with the answer); {n} were asked for")
+                     f"{max_total_tokens} with the answer); {n} were asked for")
 
 
 def with_random_images(requests: Sequence[SampleRequest], per_prompt: int, size: tuple[int, int], seed: int

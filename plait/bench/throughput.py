@@ -1,4 +1,5 @@
-"""`plait bench throughput`: offline workloads W1-W3 with random weights, beside the GPU's limits."""
+"""`plait bench throughput`: offline workloads W1-W3 with random weights, beside the GPU's limits; or, with
+--model, `vllm bench throughput`'s run of random or ShareGPT prompts on any model."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ TIMED_SEED, WARMUP_SEED = 1, 2  # WORKLOADS.md: warm up on other tokens so no pr
 # vLLM 0.26 on one H200 (WORKLOADS.md): output tok/s for W1/W2, ms per token for W3.
 VLLM_H200 = {"W1": 29295.0, "W2": 9992.0, "W3": 4.69}
 OFFLINE_PREFILL_CAP = 0  # max_prefill_tokens_beside_decodes for offline workloads: no cap
+# `vllm bench throughput`'s defaults.
+VLLM_INPUT_LEN, VLLM_OUTPUT_LEN, VLLM_NUM_PROMPTS = 1024, 128, 1000
 
 
 def measure_roofline(shared: Path) -> dict:
@@ -247,6 +250,83 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
     return result
 
 
+def run_model(args: argparse.Namespace) -> dict:
+    """`vllm bench throughput`'s run: --num-prompts requests (random ids of --input-len tokens asking for
+    --output-len, each within --random-range-ratio; or ShareGPT conversations) added at once to an engine of
+    --model, timed from the first add to the last token. Its JSON has vLLM's keys."""
+    import torch
+    from tqdm import tqdm
+
+    from plait.bench.datasets import (
+        SHAREGPT_MAX_TOTAL_TOKENS,
+        random_requests,
+        read_sharegpt,
+        sharegpt_requests,
+    )
+    from plait.engine.engine import LLMEngine
+    from plait.sampling_params import SamplingParams
+
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
+    inputs = _length_range(args.input_len, args.random_range_ratio)
+    outputs = _length_range(args.output_len, args.random_range_ratio)
+    # ShareGPT's requests fit vLLM's 2,048 tokens, or the model's context where it is shorter.
+    longest = args.max_model_len or (None if args.dataset_name == "sharegpt" else inputs[1] + outputs[1])
+    engine = LLMEngine(EngineConfig(
+        model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=longest,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+        tensor_parallel_size=args.tensor_parallel_size, seed=args.seed))
+    if args.dataset_name == "sharegpt":
+        if not args.dataset_path:
+            raise ValueError("--dataset-name sharegpt needs --dataset-path")
+        if engine.tokenizer is None:
+            raise ValueError(f"--dataset-name sharegpt counts tokens with the model's tokenizer: "
+                             f"{args.model} has none")
+
+        def count(texts: list[str]) -> list[int]:
+            return [len(ids) for ids in engine.tokenizer(texts)["input_ids"]]
+
+        limit = min(SHAREGPT_MAX_TOTAL_TOKENS, engine.max_model_len)
+        samples = sharegpt_requests(read_sharegpt(args.dataset_path), args.num_prompts, args.seed, count,
+                                    max_total_tokens=limit)
+    else:
+        if args.dataset_path:
+            raise ValueError("--dataset-path is for --dataset-name sharegpt")
+        vocab = engine.model_config.vocab_size
+        samples = random_requests(args.num_prompts, vocab, args.seed, "1:{}-{}".format(*inputs),
+                                  "{}-{}".format(*outputs))
+    start = time.perf_counter()
+    for sample in samples:
+        params = SamplingParams(temperature=args.temperature, max_tokens=sample.output_len, ignore_eos=True)
+        engine.add_request(sample.prompt, params)
+    prompt_tokens = output_tokens = 0
+    with tqdm(total=sum(s.output_len for s in samples), desc="throughput", unit="tok") as bar:
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                new = len(out.outputs[0].delta_token_ids)
+                output_tokens += new
+                bar.update(new)
+                if out.finished:
+                    prompt_tokens += len(out.prompt_token_ids)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    total = prompt_tokens + output_tokens
+    engine.shutdown()
+    return {"elapsed_time": elapsed, "num_requests": len(samples), "total_num_tokens": total,
+            "requests_per_second": len(samples) / elapsed, "tokens_per_second": total / elapsed,
+            "output_tokens": output_tokens, "output_tokens_per_second": output_tokens / elapsed,
+            "model": args.model, "dataset": args.dataset_name,
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+
+
+def _length_range(length: int, ratio: float) -> tuple[int, int]:
+    """vLLM's random lengths: int(length * (1 - ratio)) to int(length * (1 + ratio)), at least 1."""
+    return max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "throughput", help="offline workloads W1-W3 (random weights) and the GPU's limits"
@@ -285,11 +365,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the GPU's limits")
     p.add_argument("--in-process", action="store_true",
                    help="run the workloads one after another in this process (default: each in a fresh one)")
+    adhoc = p.add_argument_group("vLLM's run on any model (`vllm bench throughput`'s flags)")
+    adhoc.add_argument("--model", default=None, help="run this model's benchmark instead of the workloads")
+    adhoc.add_argument("--input-len", type=int, default=VLLM_INPUT_LEN, help="random prompts' tokens")
+    adhoc.add_argument("--output-len", type=int, default=VLLM_OUTPUT_LEN, help="random requests' outputs")
+    adhoc.add_argument("--random-range-ratio", type=float, default=0.0,
+                       help="each length uniform within this ratio of its --*-len (default 0: exactly)")
+    adhoc.add_argument("--num-prompts", type=int, default=VLLM_NUM_PROMPTS)
+    adhoc.add_argument("--dataset-name", choices=("random", "sharegpt"), default="random")
+    adhoc.add_argument("--dataset-path", default=None, help="sharegpt: the conversations' JSON")
+    adhoc.add_argument("--load-format", default="auto", help="'dummy': random weights (default: auto)")
+    adhoc.add_argument("--dtype", default="auto")
+    adhoc.add_argument("--max-model-len", type=int, default=None,
+                       help="(default: the longest random request, or the model's own for ShareGPT)")
+    adhoc.add_argument("--seed", type=int, default=0)
+    adhoc.add_argument("--output-json", default=None, help="write the result JSON here (vLLM's keys)")
     p.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
     import torch
+
+    if args.model is not None:
+        result = run_model(args)
+        print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
+              f"{result['tokens_per_second']:.2f} total tokens/s, "
+              f"{result['output_tokens_per_second']:.2f} output tokens/s")
+        if args.output_json:
+            Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.output_json).write_text(json.dumps(result, indent=2))
+        return 0
 
     shared = find_shared(args.shared, required="workloads.py")
     roof = None if args.no_roofline or not torch.cuda.is_available() else measure_roofline(shared)
