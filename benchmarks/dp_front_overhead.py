@@ -20,6 +20,8 @@ import time
 
 import httpx
 
+from plait.bench.serve_client import wait_healthy
+
 # One streamed completion chunk, as plait's server writes it (a token of text, usage off).
 CHUNK = ('data: {"id":"cmpl-0123456789abcdef","object":"text_completion","created":1764300000,'
          '"model":"m","choices":[{"index":0,"text":" word","logprobs":null,"finish_reason":null}]}\n\n')
@@ -65,15 +67,8 @@ def _serve(code: str, *args: str) -> subprocess.Popen:
 
 
 def _wait(url: str) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise RuntimeError(f"{url} did not start")
+    if not wait_healthy(url, limit_s=60, poll_s=0.1, probe_timeout_s=1.0):
+        raise RuntimeError(f"{url} did not start")
 
 
 async def _chunks_per_second(url: str, streams: int) -> float:

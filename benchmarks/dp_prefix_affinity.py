@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import math
 import platform
 import random
 import re
@@ -25,6 +26,8 @@ from pathlib import Path
 import httpx
 import openai
 from tqdm import tqdm
+
+from plait.bench.serve_client import wait_healthy
 
 ROOT = Path(__file__).resolve().parents[1]
 CONVERSATIONS = 24
@@ -55,8 +58,7 @@ def _serve(model: Path, routing: str) -> tuple[subprocess.Popen, str]:
         found = re.search(r"on (http://127\.0\.0\.1:\d+) ", line)
         if found:
             url = found.group(1)
-            while httpx.get(f"{url}/health").status_code != 200:
-                time.sleep(0.2)
+            wait_healthy(url, limit_s=math.inf, poll_s=0.2)
             return proc, url
     raise RuntimeError("plait serve printed no address")
 

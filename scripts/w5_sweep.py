@@ -27,11 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from plait.bench.datasets import W5_OUTPUT_LENS, W5_PROMPT_MIX, random_requests
 from plait.bench.metrics import parse_goodput
-from plait.bench.serve_client import ServeBenchConfig, run_benchmark
+from plait.bench.serve_client import ServeBenchConfig, is_healthy, run_benchmark
 from plait.config import SCHEDULING_POLICIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,18 +119,11 @@ def start_server(serve_args: list[str], policy: str, host: str, log_path: Path, 
         if url is None:
             match = BANNER.search(log_path.read_text(errors="replace"))
             url = match.group(1) if match else None
-        if url is not None and _healthy(url):
+        if url is not None and is_healthy(url):
             return proc, url
         time.sleep(POLL_S)
     stop_server(proc)
     raise SystemExit(f"w5_sweep: the server did not become healthy in {timeout_s:.0f} s; see {log_path}")
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=5.0, trust_env=False).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def stop_server(proc: subprocess.Popen) -> None:

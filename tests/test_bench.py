@@ -438,6 +438,20 @@ def test_random_prompts_go_to_chat_as_text(served, tmp_path):
     assert all(n > 12 for n in result["input_lens"])  # the chat template's tokens and the text's own
 
 
+def test_health_waits(served):
+    """The scripts' start-up wait: a live server is healthy at once; a port nobody serves never is."""
+    import socket
+
+    from plait.bench.serve_client import is_healthy, wait_healthy
+
+    url, _ = served
+    assert is_healthy(url) and wait_healthy(url, limit_s=5)
+    with socket.socket() as sock:  # a free port, closed again: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        nobody = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    assert not is_healthy(nobody) and not wait_healthy(nobody, limit_s=0.3, poll_s=0.1)
+
+
 def test_bench_serve_plots(served, tmp_path):
     pytest.importorskip("matplotlib")
     from plait.bench.plots import SERVE_PLOTS

@@ -60,6 +60,7 @@ DEFAULT_VOCAB_SIZE = 32000
 DEFAULT_TIMEOUT_S = 6 * 3600.0  # vLLM's client limit: no benchmark request should take longer
 CONNECT_TIMEOUT_S = 30.0
 READY_POLL_S = 1.0  # how often --ready-check-timeout-sec asks a server that is not up yet
+HEALTH_PROBE_TIMEOUT_S = 5.0  # one GET /health of is_healthy
 MAX_ERROR_CHARS = 500
 SSE_DATA = "data:"
 SSE_DONE = "[DONE]"
@@ -256,6 +257,28 @@ def _headers(config: ServeBenchConfig) -> dict[str, str]:
     if key is None:
         key = next((os.environ[k] for k in API_KEY_ENVS if os.environ.get(k)), None)
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def is_healthy(base_url: str, timeout_s: float = HEALTH_PROBE_TIMEOUT_S) -> bool:
+    """Whether the server at ``base_url`` answers GET /health with 200 now (no answer: not healthy)."""
+    import httpx
+
+    try:
+        return httpx.get(f"{base_url}/health", timeout=timeout_s, trust_env=False).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def wait_healthy(base_url: str, limit_s: float, poll_s: float = 1.0,
+                 probe_timeout_s: float = HEALTH_PROBE_TIMEOUT_S) -> bool:
+    """Poll /health every ``poll_s`` until it answers 200 (True) or ``limit_s`` has passed (False): the wait
+    of scripts that start a server and then load it."""
+    deadline = time.monotonic() + limit_s
+    while not is_healthy(base_url, probe_timeout_s):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(poll_s)
+    return True
 
 
 async def first_model(client: Any, base_url: str, headers: dict[str, str]) -> str:

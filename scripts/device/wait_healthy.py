@@ -1,14 +1,7 @@
 """Wait (up to 180 s) until the server at the URL given answers /health: the device scripts' start-up wait."""
 
 import sys
-import time
 
-import httpx
+from plait.bench.serve_client import wait_healthy
 
-for _ in range(180):
-    try:
-        if httpx.get(f"{sys.argv[1]}/health", timeout=2).status_code == 200:
-            break
-    except httpx.HTTPError:
-        pass
-    time.sleep(1)
+wait_healthy(sys.argv[1], limit_s=180, poll_s=1.0, probe_timeout_s=2.0)
