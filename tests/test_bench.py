@@ -202,6 +202,9 @@ def test_random_requests_follow_the_mix():
     lengths = [(r.prompt_len - 7, r.output_len) for r in shared]
     assert lengths == [(r.prompt_len, r.output_len) for r in requests]
     assert parse_mix("3:1-2,1:5") == [(0.75, LengthRange(1, 2)), (0.25, LengthRange(5, 5))]
+    assert LengthRange.parse(str(LengthRange(3, 9))) == LengthRange(3, 9)
+    assert LengthRange.around(100, 0.1) == LengthRange(90, 110)  # vLLM's int(), not rounding up to 111
+    assert LengthRange.around(1, 0.5) == LengthRange(1, 1)
     for bad in ("0:1-2", "1:5-2", "x:1", "1-2"):
         with pytest.raises(ValueError):
             parse_mix(bad)

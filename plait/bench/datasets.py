@@ -8,6 +8,7 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -55,6 +56,18 @@ class LengthRange:
         if lo < 1 or hi < lo:
             raise ValueError(f"length range {text!r} must have 1 <= LOW <= HIGH")
         return cls(lo, hi)
+
+    @classmethod
+    def around(cls, length: int, ratio: float) -> LengthRange:
+        """vLLM's random lengths (--random-range-ratio): int(length * (1 - ratio)) to
+        int(length * (1 + ratio)), at least 1."""
+        if not 0 <= ratio < 1:
+            raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
+        return cls(max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio))))
+
+    def __str__(self) -> str:
+        """'LOW-HIGH', as parse reads it."""
+        return f"{self.low}-{self.high}"
 
     def sample(self, rng: np.random.Generator, n: int) -> list[int]:
         return rng.integers(self.low, self.high + 1, size=n).tolist()
@@ -148,6 +161,12 @@ def file_requests(path: str | Path, n: int | None, output_lens: str, seed: int) 
         raise ValueError(f"the number of requests must be >= 1, got {n}")
     outputs = LengthRange.parse(output_lens).sample(np.random.default_rng(seed), n)
     return [SampleRequest(prompt=prompts[i % len(prompts)], output_len=outputs[i]) for i in range(n)]
+
+
+def token_counter(tokenizer: Any) -> Callable[[list[str]], list[int]]:
+    """Each text's token count as ``tokenizer`` (a transformers tokenizer) encodes it, special tokens added
+    as a completion's prompt gets them: ShareGPT's lengths without a server's /tokenize."""
+    return lambda texts: [len(ids) for ids in tokenizer(texts)["input_ids"]]
 
 
 def read_sharegpt(path: str | Path) -> list[tuple[str, str]]:

@@ -28,12 +28,14 @@ from tqdm import tqdm
 from plait.bench.datasets import (
     W5_OUTPUT_LENS,
     W5_PROMPT_MIX,
+    LengthRange,
     SampleRequest,
     file_requests,
     parse_image_size,
     random_requests,
     read_sharegpt,
     sharegpt_requests,
+    token_counter,
     with_random_images,
 )
 from plait.bench.metrics import (
@@ -546,11 +548,9 @@ def resolve_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
             raise ValueError("give --random-input-len/--random-output-len or --prompt-mix/--output-len, "
                              "not both")
         ratio = 0.0 if args.random_range_ratio is None else args.random_range_ratio
-        if not 0 <= ratio < 1:
-            raise ValueError(f"--random-range-ratio must be in [0, 1), got {ratio}")
-        inputs = _ratio_range(args.random_input_len or VLLM_RANDOM_INPUT_LEN, ratio)
+        inputs = LengthRange.around(args.random_input_len or VLLM_RANDOM_INPUT_LEN, ratio)
         args.prompt_mix = f"1:{inputs}"
-        args.output_len = _ratio_range(args.random_output_len or VLLM_RANDOM_OUTPUT_LEN, ratio)
+        args.output_len = str(LengthRange.around(args.random_output_len or VLLM_RANDOM_OUTPUT_LEN, ratio))
     args.prompt_mix = args.prompt_mix or W5_PROMPT_MIX
     args.output_len = args.output_len or W5_OUTPUT_LENS
     if args.percentiles is not None and args.metric_percentiles is not None:
@@ -562,12 +562,6 @@ def resolve_vllm_args(args: argparse.Namespace) -> argparse.Namespace:
         if unknown:
             raise ValueError(f"--percentile-metrics: unknown metrics {sorted(unknown)}")
     return args
-
-
-def _ratio_range(length: int, ratio: float) -> str:
-    """vLLM's random lengths as LOW-HIGH: int(length * (1 - ratio)) to int(length * (1 + ratio))."""
-    low, high = max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
-    return f"{low}-{high}"
 
 
 def result_path(args: argparse.Namespace, model: str) -> Path | None:
@@ -606,12 +600,7 @@ def _local_tokenizer(tokenizer_path: str) -> Any:
 def local_token_counter(tokenizer_path: str) -> Callable[[list[str]], list[int]]:
     """Counts texts' tokens with a tokenizer read here (an HF folder or a GGUF file, as vLLM's bench takes
     --tokenizer), for servers without /tokenize; special tokens added, as a completion's prompt gets them."""
-    tokenizer = _local_tokenizer(tokenizer_path)
-
-    def count(texts: list[str]) -> list[int]:
-        return [len(ids) for ids in tokenizer(texts)["input_ids"]]
-
-    return count
+    return token_counter(_local_tokenizer(tokenizer_path))
 
 
 def local_detokenizer(tokenizer_path: str) -> Callable[[list[list[int]]], list[str]]:

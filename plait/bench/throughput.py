@@ -259,19 +259,19 @@ def run_model(args: argparse.Namespace) -> dict:
 
     from plait.bench.datasets import (
         SHAREGPT_MAX_TOTAL_TOKENS,
+        LengthRange,
         random_requests,
         read_sharegpt,
         sharegpt_requests,
+        token_counter,
     )
     from plait.engine.engine import LLMEngine
     from plait.sampling_params import SamplingParams
 
-    if not 0 <= args.random_range_ratio < 1:
-        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
-    inputs = _length_range(args.input_len, args.random_range_ratio)
-    outputs = _length_range(args.output_len, args.random_range_ratio)
+    inputs = LengthRange.around(args.input_len, args.random_range_ratio)
+    outputs = LengthRange.around(args.output_len, args.random_range_ratio)
     # ShareGPT's requests fit vLLM's 2,048 tokens, or the model's context where it is shorter.
-    longest = args.max_model_len or (None if args.dataset_name == "sharegpt" else inputs[1] + outputs[1])
+    longest = args.max_model_len or (None if args.dataset_name == "sharegpt" else inputs.high + outputs.high)
     engine = LLMEngine(EngineConfig(
         model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=longest,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -284,19 +284,14 @@ def run_model(args: argparse.Namespace) -> dict:
         if engine.tokenizer is None:
             raise ValueError(f"--dataset-name sharegpt counts tokens with the model's tokenizer: "
                              f"{args.model} has none")
-
-        def count(texts: list[str]) -> list[int]:
-            return [len(ids) for ids in engine.tokenizer(texts)["input_ids"]]
-
         limit = min(SHAREGPT_MAX_TOTAL_TOKENS, engine.max_model_len)
-        samples = sharegpt_requests(read_sharegpt(args.dataset_path), args.num_prompts, args.seed, count,
-                                    max_total_tokens=limit)
+        samples = sharegpt_requests(read_sharegpt(args.dataset_path), args.num_prompts, args.seed,
+                                    token_counter(engine.tokenizer), max_total_tokens=limit)
     else:
         if args.dataset_path:
             raise ValueError("--dataset-path is for --dataset-name sharegpt")
         vocab = engine.model_config.vocab_size
-        samples = random_requests(args.num_prompts, vocab, args.seed, "1:{}-{}".format(*inputs),
-                                  "{}-{}".format(*outputs))
+        samples = random_requests(args.num_prompts, vocab, args.seed, f"1:{inputs}", str(outputs))
     start = time.perf_counter()
     for sample in samples:
         params = SamplingParams(temperature=args.temperature, max_tokens=sample.output_len, ignore_eos=True)
@@ -320,11 +315,6 @@ def run_model(args: argparse.Namespace) -> dict:
             "output_tokens": output_tokens, "output_tokens_per_second": output_tokens / elapsed,
             "model": args.model, "dataset": args.dataset_name,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
-
-
-def _length_range(length: int, ratio: float) -> tuple[int, int]:
-    """vLLM's random lengths: int(length * (1 - ratio)) to int(length * (1 + ratio)), at least 1."""
-    return max(1, int(length * (1 - ratio))), max(1, int(length * (1 + ratio)))
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
