@@ -45,6 +45,7 @@ from plait.bench.metrics import (
     parse_goodput,
     percentile_key,
 )
+from plait.bench.shared import write_json
 
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 DATASETS = ("random", "file", "sharegpt")
@@ -709,9 +710,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"failed: {error}", file=sys.stderr)
     path = result_path(args, run.model)
     if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(run.to_json(), indent=1))
-        print(f"result: {path}")
+        print(f"result: {write_json(path, run.to_json())}")
     if args.plot:
         from plait.bench.plots import plot_serve
 

@@ -1,8 +1,10 @@
-"""The shared benchmark folder beside the repo (workloads, W4 metrics, model configs, roofline)."""
+"""The shared benchmark folder beside the repo (workloads, W4 metrics, model configs, roofline), and what
+every benchmark shares: a run in a fresh process, a result written as JSON."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import multiprocessing
 import os
 from collections.abc import Callable
@@ -51,3 +53,11 @@ def run_isolated(fn: Callable[..., Any], *args: Any) -> Any:
     one process, and W1 ~2% slower after W3 (benchmarks/results/throughput_h200_history/README.md)."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(fn, args)
+
+
+def write_json(path: str | Path, obj: Any, indent: int = 1) -> Path:
+    """Write a benchmark's result (or timeline) as JSON, making its folder; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=indent))
+    return path

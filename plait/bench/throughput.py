@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from plait.bench.shared import find_shared, load_shared_module, run_isolated
+from plait.bench.shared import find_shared, load_shared_module, run_isolated, write_json
 from plait.config import EngineConfig
 
 if TYPE_CHECKING:  # torch and the engine load only when the benchmark runs, not with the CLI
@@ -382,8 +382,7 @@ def main(args: argparse.Namespace) -> int:
               f"{result['tokens_per_second']:.2f} total tokens/s, "
               f"{result['output_tokens_per_second']:.2f} output tokens/s")
         if args.output_json:
-            Path(args.output_json).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.output_json).write_text(json.dumps(result, indent=2))
+            write_json(args.output_json, result, indent=2)
         return 0
 
     shared = find_shared(args.shared, required="workloads.py")
@@ -397,8 +396,7 @@ def main(args: argparse.Namespace) -> int:
     report = {"device": device, "torch": torch.__version__, "roofline": roof, "isolated": not args.in_process,
               "workloads": results}
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_json(args.out, report, indent=2)
     print(format_table(report))
     return 0
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from plait.bench.plots import pyplot, save
+from plait.bench.shared import write_json
 
 MS_PER_S = 1000.0
 # A panel: the steps (dicts with StepStats' fields, start_time in seconds since the panel's origin)
@@ -41,10 +42,7 @@ def to_records(steps: Iterable[Any], origin: float | None = None) -> list[dict[s
 def dump(steps: Iterable[Any], path: str | Path, origin: float | None = None,
          marks: Mapping[str, float] | None = None) -> Path:
     """Write a timeline file: ``{"steps": [...], "marks": {...}}``."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"steps": to_records(steps, origin), "marks": dict(marks or {})}, indent=1))
-    return path
+    return write_json(path, {"steps": to_records(steps, origin), "marks": dict(marks or {})})
 
 
 def load(path: str | Path) -> dict[str, Panel]:

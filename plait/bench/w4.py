@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import dataclasses
 import gc
-import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,7 +23,7 @@ from types import ModuleType
 from typing import Any
 
 from plait.bench import timeline as timeline_io
-from plait.bench.shared import SHARED_ENV, find_shared, load_shared_module
+from plait.bench.shared import SHARED_ENV, find_shared, load_shared_module, write_json
 from plait.config import STEP_COMPOSITIONS
 
 W4_METRICS_FILE = "w4_metrics.py"
@@ -309,8 +308,7 @@ def main(args: argparse.Namespace) -> int:
     result = run_w4(config_for, policies, shape, shared, seed=args.seed, warmup=args.warmup)
     print(summary_text(result))
     if args.result_file:
-        Path(args.result_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.result_file).write_text(json.dumps(result, indent=1))
+        write_json(args.result_file, result)
         print(f"result: {args.result_file}")
     if args.plot:
         for path in plot_w4(result, args.plot):

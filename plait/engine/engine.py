@@ -676,7 +676,7 @@ class LLMEngine:
             num_prefill_tokens=plan.num_prefill_tokens, num_decode_tokens=plan.num_decode_tokens,
             num_rows=len(plan.rows), num_preempted=len(plan.preempted),
             kv_blocks_used=self.kv_cache.num_used_blocks, used_cuda_graph=used_cuda_graph,
-            num_draft_tokens=plan.num_draft_tokens, num_waiting=len(self.scheduler.waiting),
+            num_draft_tokens=plan.num_draft_tokens, num_waiting=self.num_waiting,
         ))
 
     def _record_prompt_logprobs(self, result: StepOutput) -> None:
