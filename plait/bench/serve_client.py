@@ -362,8 +362,8 @@ async def _profiler(client: Any, base_url: str, headers: dict[str, str], verb: s
 async def _timed_run(client: Any, url: str, headers: dict[str, str], samples: Sequence[SampleRequest],
                      payloads: list[dict[str, Any]], config: ServeBenchConfig
                      ) -> tuple[list[RequestResult], float]:
-    c = config
-    offsets = arrival_offsets(len(samples), c.request_rate, c.arrival, c.seed, c.burstiness)
+    offsets = arrival_offsets(len(samples), config.request_rate, config.arrival, config.seed,
+                              config.burstiness)
     gate = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     progress = tqdm(total=len(samples), desc="requests", unit="req", disable=not config.show_progress)
     t0 = time.perf_counter()
