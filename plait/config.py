@@ -117,6 +117,9 @@ class EngineConfig:
     enforce_eager: bool = False  # True: never capture or replay CUDA graphs
     # Launch step N+1 before step N's sampled ids reach the host, so host work overlaps the device.
     async_scheduling: bool = True
+    # GPU: before the engine is handed out, run made-up requests shaped like a server's first ones, so no real
+    # request waits for a kernel to compile (plait/engine/warmup.py); off saves seconds of start-up.
+    warm_up: bool = True
     # Models with recurrent (Mamba) layers: requests that can hold state at once; admission waits
     # when all are taken. None = max_num_seqs. Ignored by attention-only models.
     max_num_state_slots: int | None = None
@@ -195,7 +198,7 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        for name in ("enforce_eager", "async_scheduling", "enable_lora", "enable_sleep_mode"):
+        for name in ("enforce_eager", "async_scheduling", "warm_up", "enable_lora", "enable_sleep_mode"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype is not None:

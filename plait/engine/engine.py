@@ -19,6 +19,7 @@ from plait.engine.profiler import StepProfiler
 from plait.engine.request import FinishReason, Request
 from plait.engine.scheduler import Scheduler, StepPlan
 from plait.engine.state_slots import StateSlotPool
+from plait.engine.warmup import WarmUpReport, warm_up
 from plait.generation_config import load_generation_defaults
 from plait.loader.hf import resolve_model
 from plait.lora.adapter import LoRAAdapter
@@ -190,6 +191,14 @@ class LLMEngine:
         # Steps that ran a forward (a call that only collects the previous step's tokens is not one).
         self.num_steps = 0
         self.timeline: list[StepStats] = []
+        # The start-up warm-up's requests (None where it did not run: off, on CPU, or a pooling model).
+        self.warm_up_report: WarmUpReport | None = None
+        if config.warm_up and self.runner.device.type == "cuda" and self.pooler is None:
+            self.warm_up_report = warm_up(self)
+            self.forget_warm_up()
+            r = self.warm_up_report
+            logger.info("warm-up: %d requests in %d steps, %.1f s (%d the model refused)", r.requests,
+                        r.steps, r.seconds, r.skipped)
         if self.runner.device.type == "cuda":
             freeze_long_lived_objects()
             raise_gc_threshold()
@@ -788,6 +797,22 @@ class LLMEngine:
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids, [completion],
                              finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
                              prompt_logprobs=prompt_logprobs, metrics=metrics)
+
+    def forget_warm_up(self) -> None:
+        """Leave no trace of the requests run so far: no cached block, the KV blocks in their first order, and
+        zero steps, timeline, prefix-cache and speculative counters (the warm-up's requests are not the
+        user's). Only while idle."""
+        if self.has_unfinished_requests():
+            raise ValueError("forget_warm_up needs an idle engine")
+        if self._in_flight is not None:
+            self._collect()  # a last launched step whose requests all finished: nobody reads its outputs
+        self.kv_cache.reset()
+        num_drafts = len(self.spec_stats.accepted_per_position)
+        self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * num_drafts)
+        self.runner.breakdown.reset()
+        self.num_steps = 0
+        self.timeline.clear()
+        self._step_index = itertools.count()
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (vLLM's LLM.reset_prefix_cache): True where it could, False while requests

@@ -142,6 +142,16 @@ class KVCacheManager:
             self._evict(block)
         return True
 
+    def reset(self) -> bool:
+        """Back to a new manager's state (nothing cached, the free blocks in their first order, zero
+        counters), so what ran before leaves no trace (the start-up warm-up); only while no request holds a
+        block: False, and nothing reset, otherwise."""
+        if not self.reset_prefix_cache():
+            return False
+        self._free = OrderedDict.fromkeys(range(1, self.num_blocks))
+        self.stats = PrefixCacheStats()
+        return True
+
     def match_prefix(self, request: Request) -> int:
         """Give a request that holds no blocks the longest cached prefix of its known tokens, always
         leaving at least one token to compute so that it samples normally. Returns the number of

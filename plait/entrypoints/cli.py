@@ -22,7 +22,7 @@ _ENGINE_FLAGS = (
     "max_num_partial_prefills",
     "scheduling_policy", "block_size",
     "num_kv_blocks", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
-    "attention_backend", "enforce_eager", "async_scheduling",
+    "attention_backend", "enforce_eager", "async_scheduling", "warm_up",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
     "kv_cache_dtype", "speculative_config", "runner", "pooler_config", "hf_overrides", "tensor_parallel_size",
     "override_generation_config", "max_logprobs", "tokenizer", "tokenizer_revision", "revision",
@@ -41,6 +41,8 @@ STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "llguidance")
 
 # Flags whose default is decided at start-up rather than written in EngineConfig.
 _FLAG_HELP = {
+    "warm_up": "GPU: run made-up requests like a server's first ones before serving, so that no real request "
+               "waits for a kernel to compile (default: on; --no-warm-up starts seconds sooner)",
     "model": "a .gguf file, an HF folder, or a Hub id (org/name) in the local HF cache; plait never "
              "downloads (default: the bundled SmolLM2-135M-Instruct)",
     "max_num_batched_tokens": "the step's token budget (default: vLLM's for the device: 16384 offline "
