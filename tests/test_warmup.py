@@ -114,8 +114,43 @@ def test_warm_up_knob():
     assert _engine_config(parser.parse_args(["serve"])).warm_up is True
 
 
+def _gpu_model(tmp_path) -> str:
+    """A Llama-shaped random model (Llama-8B's head dim and grouping) for the GPU tests."""
+    import json
+
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
+           "intermediate_size": 2816, "num_hidden_layers": 2, "num_attention_heads": 8,
+           "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 8192, "max_position_embeddings": 4096,
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
+           "torch_dtype": "bfloat16"}
+    model = tmp_path / "llama"
+    model.mkdir(exist_ok=True)
+    (model / "config.json").write_text(json.dumps(cfg))
+    return str(model)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_cuda
+def test_a_warmed_up_engine_answers_as_a_cold_one_on_the_gpu(tmp_path):
+    """Graphs, overlap, prefix caching, Triton kernels: after the warm-up the same requests get the same
+    tokens and logprobs, bit for bit, as from an engine that never warmed up."""
+    model = _gpu_model(tmp_path)
+    answers, reports = {}, {}
+    for warm in (True, False):
+        engine = LLMEngine(EngineConfig(model=model, load_format="dummy", max_model_len=2048,
+                                        num_kv_blocks=1024, max_num_batched_tokens=256, warm_up=warm))
+        reports[warm] = engine.warm_up_report
+        answers[warm] = _answers(engine)
+        del engine
+    assert reports[True].requests > 0 and reports[True].skipped == 0 and reports[False] is None
+    assert answers[True] == answers[False]
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_no_kernel_compiles_after_a_warmed_up_start(tmp_path):
     """In a fresh process the server's request mixes (benchmarks/first_requests.py: other sizes than the
     warm-up's) meet Triton specialisations that start-up alone never compiled, and none once the engine
@@ -127,20 +162,13 @@ def test_no_kernel_compiles_after_a_warmed_up_start(tmp_path):
     import sys
     from pathlib import Path
 
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 1024,
-           "intermediate_size": 2816, "num_hidden_layers": 2, "num_attention_heads": 8,
-           "num_key_value_heads": 2, "head_dim": 128, "vocab_size": 8192, "max_position_embeddings": 4096,
-           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu",
-           "torch_dtype": "bfloat16"}
-    model = tmp_path / "llama"
-    model.mkdir()
-    (model / "config.json").write_text(json.dumps(cfg))
+    model = _gpu_model(tmp_path)
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root)}
     compiled = {}
     for warm in (False, True):
         out = tmp_path / f"warm_{warm}.json"
-        subprocess.run([sys.executable, str(root / "benchmarks/first_requests.py"), "--config", str(model),
+        subprocess.run([sys.executable, str(root / "benchmarks/first_requests.py"), "--config", model,
                         "--rounds", "1", "--keep-triton-cache", "--out", str(out),
                         *([] if warm else ["--no-warm-up"])], check=True, env=env, timeout=600)
         compiled[warm] = json.loads(out.read_text())["compiled_after_startup"]
