@@ -148,3 +148,45 @@ def test_switch_turns_caching_off(engines):
     prompts = _shared_prefix_prompts(3 * BLOCK, seed=1)
     run_greedy(engine, prompts + prompts, MAX_TOKENS)
     assert engine.kv_cache.stats.queries == 0 and engine.kv_cache.num_cached_blocks == 0
+
+
+def test_cache_salt_keeps_cached_blocks_within_a_salt(engines):
+    """vLLM's cache_salt: the same prompt hits the cache only under the same salt (unsalted requests share
+    among themselves), a salt changes no answer, and an empty or non-string salt is refused up front."""
+    engine = engines(True, 64)
+    prompt = _shared_prefix_prompts(5 * BLOCK, seed=3)[0]
+
+    def run(salt: str | None) -> tuple[int, list[int]]:
+        rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4), cache_salt=salt)
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in engine.step())
+        return outs[rid].num_cached_tokens, list(outs[rid].outputs[0].token_ids)
+
+    cold, tokens = run("tenant-a")
+    hit, again = run("tenant-a")
+    assert cold == 0 and hit >= 4 * BLOCK and again == tokens
+    assert run("tenant-b")[0] == 0 and run(None)[0] == 0
+    assert run(None) == (hit, tokens) and run("tenant-b") == (hit, tokens)
+    with pytest.raises(ValueError, match="cache_salt"):
+        engine.add_request(prompt, SamplingParams(max_tokens=2), cache_salt="")
+    with pytest.raises(TypeError, match="cache_salt"):
+        engine.add_request(prompt, SamplingParams(max_tokens=2), cache_salt=7)
+    assert not engine.has_unfinished_requests()
+
+
+def test_llm_prompt_dicts_take_a_cache_salt(tiny_llama):
+    """LLM.generate's prompt dicts carry vLLM's "cache_salt" to the engine."""
+    from plait.entrypoints.llm import LLM
+
+    llm = LLM(str(tiny_llama), block_size=BLOCK)
+    ids = _shared_prefix_prompts(4 * BLOCK, seed=4)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+
+    def cached(salt: str) -> int:
+        (out,) = llm.generate([{"prompt_token_ids": ids, "cache_salt": salt}], params, use_tqdm=False)
+        return out.num_cached_tokens
+
+    assert cached("a") == 0 and cached("a") > 0 and cached("b") == 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate([{"prompt_token_ids": ids, "cache_salt": ""}], params, use_tqdm=False)

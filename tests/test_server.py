@@ -11,6 +11,7 @@ import random
 import re
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -1584,6 +1585,65 @@ def test_prompt_tokens_details_say_what_the_cache_served(tiny_llama):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S)
         usage = client.completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0.0).usage
         assert usage.prompt_tokens_details is None
+
+
+def test_cache_salt_shares_the_prefix_cache_only_within_a_salt(tiny_llama):
+    """vLLM's cache_salt: a prompt's cached blocks serve the same prompt again only under the same salt (or,
+    unsalted, only unsalted requests), streamed or not; an empty or non-string salt is a 400 naming it."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=TINY_MAX_MODEL_LEN, block_size=8))
+    prompt = list(range(5, 45))
+    server = OpenAIServer(engine, ServerConfig(log_level="warning", enable_prompt_tokens_details=True))
+    name = server.model_name
+    with BackgroundServer(server) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+
+        def cached(salt: str | None, **kw) -> int:
+            extra = {"cache_salt": salt} if salt is not None else {}
+            usage = client.completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0.0,
+                                              extra_body=extra, **kw).usage
+            return usage.prompt_tokens_details.cached_tokens
+
+        assert cached("tenant-a") == 0
+        hit = cached("tenant-a")
+        assert hit > 0
+        assert cached("tenant-b") == 0 and cached(None) == 0
+        assert cached(None) == hit and cached("tenant-b") == hit
+        chunks = list(client.completions.create(model=name, prompt=prompt, max_tokens=2, stream=True,
+                                                stream_options={"include_usage": True},
+                                                extra_body={"cache_salt": "tenant-c"}))
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 0
+        for bad in ("", 5, ["tenant-a"]):
+            r = httpx.post(f"{url}/v1/completions", json={"model": name, "prompt": prompt, "max_tokens": 2,
+                                                          "cache_salt": bad}, timeout=CLIENT_TIMEOUT_S)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
+        assert cached("tenant-a") == hit  # the bad requests changed nothing
+
+
+def test_chat_and_responses_take_a_cache_salt(served, client, model):
+    """The chat and Responses APIs pass cache_salt on: a conversation repeated under a new salt finds no
+    cached block, then under the same salt again its blocks (counted by vLLM's prefix-cache metrics)."""
+    _, url = served
+    messages = _messages("Name three colours of the rainbow, and say which comes first.")
+    hits = _vllm("prefix_cache_hits_total", model)
+
+    def hits_of(send) -> float:
+        before = _metrics(url)
+        send()
+        return _delta(before, _metrics(url), hits)
+
+    for salt in (f"chat-{uuid.uuid4().hex}", f"responses-{uuid.uuid4().hex}"):
+        if salt.startswith("chat"):
+            def send(s=salt):
+                client.chat.completions.create(model=model, messages=messages, max_tokens=2, temperature=0.0,
+                                               extra_body={"cache_salt": s})
+        else:
+            def send(s=salt):
+                client.responses.create(model=model, input=messages[0]["content"], max_output_tokens=2,
+                                        temperature=0.0, extra_body={"cache_salt": s})
+        assert hits_of(send) == 0
+        assert hits_of(send) > 0
+    r = _post(url, "/v1/chat/completions", {"model": model, "messages": messages, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
 def test_server_load_tracking_counts_requests_in_flight(tiny_llama):

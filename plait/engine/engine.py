@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import itertools
 import logging
 import time
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # What the pooling runner says to a generation request, and the generate runner to an embedding request.
+CACHE_SALT_KEY_BYTES = 16  # digest of a request's cache_salt, hashed into its first KV block's key
 POOLING_MODEL_MESSAGE = ("this engine runs a pooling model (runner 'pooling'): it makes embeddings "
                          "(LLM.embed, /v1/embeddings), not text")
 GENERATE_MODEL_MESSAGE = ("embeddings need a pooling model: create the engine with runner='pooling' "
@@ -88,6 +90,19 @@ class _Tracked:
     first_token_time: float | None = None
     # With prompt_logprobs: entries for the prompt positions computed so far (the first is None).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+def salt_key(cache_salt: str | None) -> bytes:
+    """The first block's hash input for vLLM's ``cache_salt`` (b"" for none): a fixed-length digest, so no
+    salt reads as another salt followed by a LoRA or image key."""
+    if cache_salt is None:
+        return b""
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    if not cache_salt:
+        raise ValueError("cache_salt must be a non-empty string if given")
+    digest = hashlib.blake2b(cache_salt.encode(), digest_size=CACHE_SALT_KEY_BYTES, person=b"plait-salt")
+    return digest.digest()
 
 
 def freeze_long_lived_objects() -> None:
@@ -258,9 +273,10 @@ class LLMEngine:
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> str:
         """Validate and queue one request; raises ValueError/TypeError before it enters the engine."""
-        request, text = self.make_request(prompt, params, request_id, lora_request, priority)
+        request, text = self.make_request(prompt, params, request_id, lora_request, priority, cache_salt)
         self.enqueue(request, text)
         return request.request_id
 
@@ -271,20 +287,26 @@ class LLMEngine:
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> tuple[Request, str | None]:
         """Validate and tokenize without queueing, so a batch can be checked whole before any of
         it enters the engine. Returns the request and its prompt text (None for token ids).
         ``lora_request`` names the LoRA adapter it runs with (read and checked here). A pooling model's
         requests take PoolingParams (the default there), every other model's SamplingParams.
-        ``priority``: lower is served first, under the "priority" scheduling policy only."""
+        ``priority``: lower is served first, under the "priority" scheduling policy only. ``cache_salt``
+        (vLLM's): a non-empty string; the request's prefix-cache blocks are shared only with requests of the
+        same salt."""
         if params is None:
             params = PoolingParams() if self.pooler is not None else SamplingParams()
         if self._weights_discarded:
             raise ValueError("the weights were discarded by sleep(level=2): load_weights (a server: POST "
                              "/reload_weights) before adding requests")
         self._validate_priority(priority)
+        salt = salt_key(cache_salt)
         if isinstance(params, PoolingParams):
-            return self._make_pooling_request(prompt, params, request_id, lora_request, priority)
+            request, text = self._make_pooling_request(prompt, params, request_id, lora_request, priority)
+            request.cache_salt = salt
+            return request, text
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if self.pooler is not None:
@@ -321,6 +343,7 @@ class LLMEngine:
             cache_key=lora.request.cache_key if lora is not None else b"",
             images=image_inputs,
             priority=priority,
+            cache_salt=salt,
         )
         return request, text
 

@@ -80,6 +80,9 @@ class Request:
     num_hashed_blocks: int = 0  # leading blocks already registered in (or taken from) the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
     cache_key: bytes = b""  # extra hash input (LoRA, multimodal ids) so unlike contexts never share
+    # vLLM's cache_salt: its digest keys the first block, so the request's blocks are found only by requests
+    # with the same salt (a tenant's secret keeps others from timing cache hits to guess its prompts).
+    cache_salt: bytes = b""
     num_preemptions: int = 0
     # When a step first admitted it (time.monotonic()), set by the scheduler: vLLM's queue time ends and its
     # prefill time starts there (a re-admission after a preemption keeps the first).
@@ -98,11 +101,12 @@ class Request:
         self.num_prefill_tokens = len(self.prompt_token_ids)
 
     def block_key(self, start: int, end: int) -> bytes:
-        """What beside its token ids tells the block of tokens [start, end) apart from another's: the
-        cache_key, and the key of every image whose placeholders it holds (they are the same ids for any
-        image)."""
+        """What beside its token ids tells the block of tokens [start, end) apart from another's: the salt
+        (first block only), the cache_key, and the key of every image whose placeholders it holds (they are
+        the same ids for any image)."""
         keys = [i.key for i in self.images if i.offset < end and start < i.offset + i.length]
-        return self.cache_key + b"".join(keys)
+        salt = self.cache_salt if start == 0 else b""  # the rest of the chain hangs off the first block
+        return salt + self.cache_key + b"".join(keys)
 
     def _next_choice_tokens(self) -> set[int]:
         """Each choice's next token where the output so far is a proper prefix of it."""

@@ -218,10 +218,12 @@ class AsyncLLMEngine:
         timeout_s: float | None = None,
         lora_request: LoRARequest | None = None,
         priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Validate and queue one engine request per (prompt, params), all with ``lora_request``'s adapter
-        (None: the base model) and ``priority`` (under the "priority" scheduling policy; lower is served
-        first); all or none are queued.
+        (None: the base model), ``priority`` (under the "priority" scheduling policy; lower is served
+        first) and ``cache_salt`` (their prefix-cache blocks shared only under the same salt); all or none
+        are queued.
 
         Validation errors (ValueError, TypeError, or what a prompt builder raises) are raised here,
         before any of the requests enters the engine.
@@ -235,7 +237,7 @@ class AsyncLLMEngine:
             self._streams[rid] = stream
         future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
         self._commands.put(partial(self._do_add, list(zip(ids, children)), validate, future, lora_request,
-                                   priority))
+                                   priority, cache_salt))
         try:
             stream.prompt_token_ids = await future
         except asyncio.CancelledError:
@@ -424,6 +426,7 @@ class AsyncLLMEngine:
         future: asyncio.Future,
         lora_request: LoRARequest | None,
         priority: int,
+        cache_salt: str | None,
         engine: LLMEngine,
     ) -> None:
         made: list[tuple[Request, str | None]] = []
@@ -431,7 +434,7 @@ class AsyncLLMEngine:
             for rid, (prompt, params) in children:
                 if callable(prompt):
                     prompt = prompt(engine)
-                request, text = engine.make_request(prompt, params, rid, lora_request, priority)
+                request, text = engine.make_request(prompt, params, rid, lora_request, priority, cache_salt)
                 if validate is not None:
                     validate(request, engine)
                 made.append((request, text))

@@ -117,7 +117,9 @@ class LLM:
 
         A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, or a list of
         token ids; an image model's prompt dict may add ``"multi_modal_data": {"image": image or [images]}``
-        (PIL images, bytes or data URLs), one image token in the prompt for each. All prompts are validated
+        (PIL images, bytes or data URLs), one image token in the prompt for each, and any prompt dict a
+        ``"cache_salt"`` (vLLM's: its prefix-cache blocks are shared only with prompts of the same salt). All
+        prompts are validated
         before any enters the engine. Without sampling_params,
         get_default_sampling_params() (the model's generation_config.json may set them, as in vLLM).
         ``lora_request`` (under ``enable_lora``): the LoRA adapter of every prompt, or a list with one per
@@ -134,10 +136,11 @@ class LLM:
         self._batch_ids += 1
         children: list[tuple[int, Request, str | None]] = []
         payloads = self._preprocessed([_prompt_payload(prompt) for prompt in prompts])
-        for i, (payload, p, lora, rank) in enumerate(zip(payloads, params, loras, priorities)):
+        salts = [_cache_salt(prompt) for prompt in prompts]
+        for i, (payload, p, lora, rank, salt) in enumerate(zip(payloads, params, loras, priorities, salts)):
             for k, child in enumerate(_fan_out(p)):
                 request_id = f"{batch}-{i}-{k}"
-                request, text = self.engine.make_request(payload, child, request_id, lora, rank)
+                request, text = self.engine.make_request(payload, child, request_id, lora, rank, salt)
                 children.append((i, request, text))
         self._check_awake()
         for _, request, text in children:
@@ -181,7 +184,8 @@ class LLM:
             params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         batch = self._batch_ids
         self._batch_ids += 1
-        made = [self.engine.make_request(_prompt_payload(prompt), p, f"{batch}-{i}", lora)
+        made = [self.engine.make_request(_prompt_payload(prompt), p, f"{batch}-{i}", lora,
+                                         cache_salt=_cache_salt(prompt))
                 for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras))]
         self._check_awake()
         for request, text in made:
@@ -450,6 +454,11 @@ def _prompt_payload(prompt: PromptType) -> str | list[int] | MultiModalPrompt:
     if isinstance(prompt, (str, MultiModalPrompt)):
         return prompt
     return list(prompt)
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """A prompt dict's ``cache_salt`` (None for other prompts); the engine checks it."""
+    return prompt.get("cache_salt") if isinstance(prompt, dict) else None
 
 
 def _images_of(data: dict) -> tuple[Any, ...]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
@@ -289,6 +290,15 @@ class StructuredOutputsRequest(_RequestModel):
         return {**fields, "disable_any_whitespace": self.disable_any_whitespace}
 
 
+@dataclass(frozen=True)
+class Admission:
+    """How the engine admits a request's children, as its body asks (``admission`` of the request models):
+    their rank under the priority policy, and the salt of their prefix-cache blocks."""
+
+    priority: int = 0
+    cache_salt: str | None = None
+
+
 class _SamplingRequest(_RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -348,9 +358,17 @@ class _SamplingRequest(_RequestModel):
     # vLLM extension: under --scheduling-policy priority, lower is served first (any other value is a 400
     # under other policies).
     priority: Int = 0
+    # vLLM extension: the prefix cache is salted with this string (a secret per user or tenant, random and
+    # long): the request's cached blocks serve only requests with the same salt, so no other user can time
+    # cache hits to guess its prompt.
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None
     user: str | None = None
     # Whether a streamed beam search is served (chat's, as vLLM's: the finished beams in one chunk each).
     streams_beam_search: ClassVar[bool] = True
+
+    @property
+    def admission(self) -> Admission:
+        return Admission(self.priority, self.cache_salt)
 
     def check_supported(self) -> None:
         """Reject fields that are well-typed but that this server cannot honour."""
@@ -843,6 +861,10 @@ class PoolingBody(_RequestModel):
     truncate_prompt_tokens: Annotated[Int, Field(ge=TRUNCATE_TO_CONTEXT)] | None = None
     add_special_tokens: bool | None = None  # None: true for text inputs, false for messages (as vLLM)
     priority: Int = 0  # vLLM extension, as the sampling requests' field
+
+    @property
+    def admission(self) -> Admission:
+        return Admission(self.priority)
 
     def inputs(self) -> list[str | list[int]]:
         raise NotImplementedError

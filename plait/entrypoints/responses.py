@@ -356,6 +356,7 @@ class ResponsesRequest(_RequestModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: Int = 0
+    cache_salt: Annotated[str, Field(min_length=1)] | None = None  # as the chat request's
 
     def check_supported(self) -> None:
         """Reject what is well-typed but that this server cannot honour."""
@@ -409,7 +410,7 @@ class ResponsesRequest(_RequestModel):
             "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
             "truncate_prompt_tokens": TRUNCATE_TO_CONTEXT if self.truncation == "auto" else None,
             "chat_template_kwargs": THINKING_OFF if effort == NO_REASONING_EFFORT else None,
-            "user": self.user, "priority": self.priority,
+            "user": self.user, "priority": self.priority, "cache_salt": self.cache_salt,
         }
         try:
             return ChatCompletionRequest.model_validate({k: v for k, v in fields.items() if v is not None})

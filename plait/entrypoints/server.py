@@ -66,6 +66,7 @@ from plait.entrypoints.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
     RESPONSE_ID_PREFIX,
     TOOLS_PARAM,
+    Admission,
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -400,8 +401,9 @@ _KNOWN_PARAMS = frozenset({
     "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "logprobs",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
     "prompt_logprobs", "guided_choice", "bad_words", "prompt", "structured_outputs", "truncate_prompt_tokens",
-    "priority",
+    "priority", "cache_salt",
 })
+DEFAULT_ADMISSION = Admission()  # priority 0, no cache salt
 
 
 def _bad_request(err: Exception, prompt_param: str = "prompt",
@@ -1432,8 +1434,10 @@ class OpenAIServer:
 
     async def _start(self, children: list[tuple[PromptInput, SamplingParams | PoolingParams]],
                      prompt_param: str, max_tokens: int | None, structured_param: str,
-                     lora: LoRARequest | None = None, priority: int = 0) -> RequestStream:
-        """Queue the children, with ``lora``'s adapter where given, at ``priority``; ``max_tokens`` is the
+                     lora: LoRARequest | None = None, admission: Admission = DEFAULT_ADMISSION
+                     ) -> RequestStream:
+        """Queue the children, with ``lora``'s adapter where given, as ``admission`` says (priority, cache
+        salt); ``max_tokens`` is the
         request's own, checked against the context. A bad grammar (its schema, regex or grammar) is found
         here, where the engine compiles it."""
         if self.engine.is_sleeping:  # as vLLM: its weights are not there to run it
@@ -1442,11 +1446,11 @@ class OpenAIServer:
         try:
             stream = await self.engine.add(children, validate=validate,
                                            timeout_s=self.config.request_timeout_s, lora_request=lora,
-                                           priority=priority)
+                                           priority=admission.priority, cache_salt=admission.cache_salt)
         except (ValueError, TypeError) as err:
             raise _bad_request(err, prompt_param, structured_param) from err
         if self.config.enable_log_requests:
-            self._log_requests(stream, children, lora, priority)
+            self._log_requests(stream, children, lora, admission.priority)
         return stream
 
     def _log_requests(self, stream: RequestStream, children: list[tuple[PromptInput, Any]],
@@ -1532,16 +1536,16 @@ class OpenAIServer:
 
     async def _start_beam_search(self, prompts: Sequence[PromptInput], params: BeamSearchParams,
                                  prompt_param: str, max_tokens: int | None, lora: LoRARequest | None,
-                                 priority: int) -> RequestStream:
+                                 admission: Admission) -> RequestStream:
         """The first step of each prompt's search: the prompts themselves, so the engine validates and
         tokenizes them (a 400 here, before any answer starts)."""
         step = step_params(params)
         return await self._start([(prompt, step) for prompt in prompts], prompt_param, max_tokens,
-                                 "structured_outputs", lora, priority)
+                                 "structured_outputs", lora, admission)
 
     async def _finish_beam_search(self, stream: RequestStream, tracker: _RequestTracker,
                                   params: BeamSearchParams, skip_special_tokens: bool,
-                                  lora: LoRARequest | None, priority: int) -> list[RequestOutput]:
+                                  lora: LoRARequest | None, admission: Admission) -> list[RequestOutput]:
         """Run the searches the first step started, as vLLM's server runs them: every step, each live beam of
         every prompt is a 1-token request. One output per prompt, its choices the beams, best first."""
         prompt_ids = stream.prompt_token_ids
@@ -1554,7 +1558,7 @@ class OpenAIServer:
             if not any(pending):
                 break
             stream = await self._start([(beam, step) for beams in pending for beam in beams], "prompt", None,
-                                       "structured_outputs", lora, priority)
+                                       "structured_outputs", lora, admission)
             tracker = _RequestTracker(self.metrics, time.monotonic(), stream)
 
         def decode(ids: list[int]) -> str:
@@ -1580,10 +1584,10 @@ class OpenAIServer:
             raise APIError(400, f"{len(prompts)} prompt(s) x n={params.beam_width} is more than the "
                                 f"{MAX_SEQUENCES_PER_REQUEST} sequences one request may ask for", param="n")
         stream = await self._start_beam_search(prompts, params, "prompt", body.requested_max_tokens, lora,
-                                                body.priority)
+                                                body.admission)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens, lora,
-                                           body.priority)
+                                           body.admission)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         choices = [CompletionResponseChoice(index=i * params.beam_width + c.index, text=c.text,
@@ -1595,10 +1599,10 @@ class OpenAIServer:
 
     async def _beam_results(self, raw: Request, stream: RequestStream, tracker: _RequestTracker,
                             params: BeamSearchParams, skip_special_tokens: bool, lora: LoRARequest | None,
-                            priority: int) -> list[RequestOutput] | None:
+                            admission: Admission) -> list[RequestOutput] | None:
         """A non-streamed search's results (None: the client left), its last step aborted either way."""
         try:
-            work = self._finish_beam_search(stream, tracker, params, skip_special_tokens, lora, priority)
+            work = self._finish_beam_search(stream, tracker, params, skip_special_tokens, lora, admission)
             return await self._unless_disconnected(raw, work)
         finally:
             stream.abort()
@@ -1611,14 +1615,14 @@ class OpenAIServer:
         readers = [self._choice_reader(body, prompt_text) for _ in range(params.beam_width)]
         prompt = encode_rendered(self.tokenizer, prompt_text)
         stream = await self._start_beam_search([prompt], params, "messages", body.requested_max_tokens, lora,
-                                                body.priority)
+                                                body.admission)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             events = self._beam_chat_events(body, stream, tracker, params, response_id, readers, lora)
             return _EngineStreamResponse(events, stream, tracker)
         results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens, lora,
-                                           body.priority)
+                                           body.admission)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         (out,) = results
@@ -1645,7 +1649,7 @@ class OpenAIServer:
             yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         try:
             (out,) = await self._finish_beam_search(stream, tracker, params, body.skip_special_tokens, lora,
-                                                      body.priority)
+                                                      body.admission)
         except _ENGINE_ERRORS as err:
             yield _sse_error(err, _ENGINE_ERROR_STATUS[type(err)])
             yield SSE_DONE
@@ -1834,7 +1838,7 @@ class OpenAIServer:
             param = err.param if isinstance(err, ProtocolError) else "dimensions"
             raise APIError(400, str(err), param=param) from err
         children: list[tuple[PromptInput, PoolingParams]] = [(p, params) for p in prompts]
-        stream = await self._start(children, "input", None, "input", lora, body.priority)
+        stream = await self._start(children, "input", None, "input", lora, body.admission)
         tracker = _RequestTracker(self.metrics, arrival, stream)
         try:
             finals = await self._unless_disconnected(raw, self._collect(stream, tracker))
@@ -1877,7 +1881,7 @@ class OpenAIServer:
         children: list[tuple[PromptInput, SamplingParams]] = [
             (p, child) for p in prompts for child in _fan_out(params)]
         stream = await self._start(children, "prompt", body.requested_max_tokens,
-                                   body.structured_outputs_param, lora, body.priority)
+                                   body.structured_outputs_param, lora, body.admission)
         tracker = _RequestTracker(self.metrics, arrival, stream, params)
         response_id = f"cmpl-{uuid.uuid4().hex}"
         try:
@@ -2066,7 +2070,7 @@ class OpenAIServer:
             prompt = MultiModalPrompt(prompt, pixels)
         stream = await self._start([(prompt, child) for child in _fan_out(params)], prompt_param,
                                    body.requested_max_tokens, body.structured_outputs_param, lora,
-                                   body.priority)
+                                   body.admission)
         return params, readers, stream
 
     def _chat_choice(self, body: ChatCompletionRequest, index: int, out: RequestOutput, reader: _ChoiceReader
