@@ -1646,6 +1646,53 @@ def test_chat_and_responses_take_a_cache_salt(served, client, model):
     assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt", r.text
 
 
+def _check_request_ids(url: str, model: str, echo: bool) -> None:
+    body = {"model": model, "prompt": [5, 6, 7], "max_tokens": 2}
+
+    def post(extra: dict | None = None, request_id: str | None = None) -> httpx.Response:
+        headers = {"X-Request-Id": request_id} if request_id is not None else {}
+        return httpx.post(f"{url}/v1/completions", json={**body, **(extra or {})}, headers=headers,
+                          timeout=CLIENT_TIMEOUT_S)
+
+    def echoed(r: httpx.Response, want: str) -> bool:
+        return r.headers.get("x-request-id") == want if echo else "x-request-id" not in r.headers
+
+    r = post(request_id="trace-1")
+    assert r.json()["id"] == "cmpl-trace-1" and echoed(r, "trace-1")
+    r = post({"request_id": "mine"})
+    assert r.json()["id"] == "cmpl-mine" and echoed(r, "mine")
+    r = post({"request_id": "mine"}, request_id="header-wins")
+    assert r.json()["id"] == "cmpl-header-wins" and echoed(r, "header-wins")
+    r = post()
+    fresh = r.json()["id"].removeprefix("cmpl-")
+    assert re.fullmatch(r"[0-9a-f]{32}", fresh) and echoed(r, fresh)
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True},
+                      headers={"X-Request-Id": "trace-2"}, timeout=CLIENT_TIMEOUT_S) as r:
+        ids = {json.loads(line[6:])["id"] for line in r.iter_lines() if line.startswith("data: {")}
+        assert ids == {"cmpl-trace-2"} and echoed(r, "trace-2")
+    r = post({"request_id": ""}, request_id="bad-1")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id" and echoed(r, "bad-1")
+    health = httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT_S)
+    assert health.status_code == 200
+    if echo:
+        assert re.fullmatch(r"[0-9a-f]{32}", health.headers["x-request-id"])
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    raw = client.completions.with_raw_response.create(model=model, prompt=[5, 6], max_tokens=2,
+                                                      extra_headers={"X-Request-Id": "sdk-1"})
+    assert raw.parse().id == "cmpl-sdk-1" and echoed(raw, "sdk-1")
+
+
+def test_response_ids_follow_x_request_id_as_vllm(tiny_llama):
+    """A response's id takes the request's X-Request-Id header, else its body's request_id, else a fresh uuid
+    (streamed chunks too); with --enable-request-id-headers every response, errors and /health included,
+    carries X-Request-Id: the request's own, else its response's id, else a fresh one."""
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=TINY_MAX_MODEL_LEN))
+    for echo in (False, True):
+        server = OpenAIServer(engine, ServerConfig(log_level="warning", enable_request_id_headers=echo))
+        with BackgroundServer(server) as url:
+            _check_request_ids(url, server.model_name, echo)
+
+
 def test_server_load_tracking_counts_requests_in_flight(tiny_llama):
     """vLLM's --enable-server-load-tracking: GET /load says how many model-running requests are in flight,
     counted from arrival to the response's last byte (the middleware over a stand-in app whose stream waits),

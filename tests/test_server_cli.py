@@ -195,12 +195,14 @@ def test_serve_vllm_logging_and_https_flags_reach_the_config(monkeypatch, tmp_pa
                      "--max-logprobs", "-1", "--override-generation-config", '{"temperature": 0.3}',
                      "--scheduling-policy", "priority", "--enable-sleep-mode",
                      "--enable-prompt-tokens-details", "--enable-server-load-tracking",
-                     "--step-timeline-file", "steps.json"]) == 0
+                     "--enable-request-id-headers", "--step-timeline-file", "steps.json",
+                     "--no-warm-up"]) == 0
     engine, config = seen[0]
     assert (config.ssl_keyfile, config.ssl_certfile, config.root_path) == (key, cert, "/api")
     assert (config.uvicorn_log_level, config.disable_uvicorn_access_log) == ("warning", True)
     assert (config.enable_log_requests, config.max_log_len) == (True, 10)
     assert config.enable_prompt_tokens_details and config.enable_server_load_tracking
+    assert config.enable_request_id_headers and engine.warm_up is False
     assert config.step_timeline_file == "steps.json"
     assert (engine.tokenizer, engine.revision, engine.download_dir) == ("some/tokenizer", "v2", str(tmp_path))
     assert (engine.max_logprobs, engine.override_generation_config) == (-1, {"temperature": 0.3})

@@ -286,6 +286,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
                           enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                           enable_server_load_tracking=args.enable_server_load_tracking,
+                          enable_request_id_headers=args.enable_request_id_headers,
                           step_timeline_file=args.step_timeline_file)
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
@@ -430,6 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "prefix cache served")
     srv.add_argument("--enable-server-load-tracking", action="store_true",
                      help="as vLLM's: GET /load gives the model-running requests in flight")
+    srv.add_argument("--enable-request-id-headers", action="store_true",
+                     help="as vLLM's: every response carries X-Request-Id (the request's own, else the id "
+                          "of its response, else a new one)")
     srv.add_argument("--step-timeline-file", default=None, metavar="PATH",
                      help="when the server stops, write the engine's step timeline here (each step's time, "
                           "prompt and decode tokens, rows, graph replay, KV blocks, preemptions; "

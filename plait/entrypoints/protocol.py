@@ -362,6 +362,8 @@ class _SamplingRequest(_RequestModel):
     # long): the request's cached blocks serve only requests with the same salt, so no other user can time
     # cache hits to guess its prompt.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM extension: the base of the response's id (under an X-Request-Id header, the header's).
+    request_id: Annotated[str, Field(min_length=1)] | None = None
     user: str | None = None
     # Whether a streamed beam search is served (chat's, as vLLM's: the finished beams in one chunk each).
     streams_beam_search: ClassVar[bool] = True
@@ -861,6 +863,7 @@ class PoolingBody(_RequestModel):
     truncate_prompt_tokens: Annotated[Int, Field(ge=TRUNCATE_TO_CONTEXT)] | None = None
     add_special_tokens: bool | None = None  # None: true for text inputs, false for messages (as vLLM)
     priority: Int = 0  # vLLM extension, as the sampling requests' field
+    request_id: Annotated[str, Field(min_length=1)] | None = None  # vLLM extension, as theirs
 
     @property
     def admission(self) -> Admission:

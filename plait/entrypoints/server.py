@@ -7,6 +7,7 @@ import asyncio
 import base64
 import collections
 import contextlib
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -294,6 +295,9 @@ class ServerConfig:
     enable_prompt_tokens_details: bool = False
     # vLLM's --enable-server-load-tracking: GET /load gives the model-running requests in flight.
     enable_server_load_tracking: bool = False
+    # vLLM's --enable-request-id-headers: every response carries X-Request-Id (the request's own header, else
+    # the id its response body was given, else a new one).
+    enable_request_id_headers: bool = False
     # Where to write the engine's step timeline (plait.bench.timeline's file: each step's wall time, prompt
     # and decode tokens, rows, graph replay, KV blocks, preemptions) when the server stops; None: not kept.
     # Start times stay on the host's monotonic clock, so a load generator on the same host can line its
@@ -488,6 +492,62 @@ class LoadTrackingMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.load.in_flight -= 1
+
+
+REQUEST_ID_HEADER = b"x-request-id"
+
+
+@dataclass
+class RequestIds:
+    """One HTTP request's id: the X-Request-Id it came with, and the id the server gave its response."""
+
+    incoming: str | None = None
+    given: str | None = None
+
+
+# The RequestIds of the HTTP request being served (set by RequestIdMiddleware for each request's task).
+_request_ids: contextvars.ContextVar[RequestIds | None] = contextvars.ContextVar("plait_request_ids",
+                                                                                  default=None)
+
+
+def new_response_id(prefix: str, body_request_id: str | None = None) -> str:
+    """A response's id, as vLLM makes them: ``prefix``-, then the request's X-Request-Id header, else the
+    body's ``request_id``, else a fresh uuid; remembered, so --enable-request-id-headers echoes the same."""
+    ids = _request_ids.get()
+    base = (ids.incoming if ids is not None else None) or body_request_id or uuid.uuid4().hex
+    if ids is not None and ids.given is None:
+        ids.given = base
+    return f"{prefix}-{base}"
+
+
+class RequestIdMiddleware:
+    """Reads each request's X-Request-Id for the ids of its response (new_response_id) and, with
+    ``echo`` (vLLM's --enable-request-id-headers), sends X-Request-Id back on every response (pure ASGI, so
+    a stream's header goes with its first byte)."""
+
+    def __init__(self, app: ASGIApp, echo: bool) -> None:
+        self.app = app
+        self.echo = echo
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        incoming = dict(scope.get("headers") or []).get(REQUEST_ID_HEADER)
+        ids = RequestIds(incoming.decode("latin-1") if incoming else None)
+        token = _request_ids.set(ids)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                rid = ids.incoming or ids.given or uuid.uuid4().hex
+                headers = [h for h in message.get("headers", []) if h[0].lower() != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, rid.encode("latin-1"))]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id if self.echo else send)
+        finally:
+            _request_ids.reset(token)
 
 
 class GuardMiddleware:
@@ -1193,6 +1253,7 @@ class OpenAIServer:
                            max_body_bytes=self.config.max_request_body_bytes)
         if self.config.enable_server_load_tracking:
             app.add_middleware(LoadTrackingMiddleware, load=self.load)
+        app.add_middleware(RequestIdMiddleware, echo=self.config.enable_request_id_headers)
         # Added last, so outermost: it answers preflights before the key check, and its headers reach every
         # response, the guard's 401 and 413 included, so a page's script can read why it was refused.
         app.add_middleware(CORSMiddleware, allow_origins=list(self.config.allowed_origins),
@@ -1593,8 +1654,9 @@ class OpenAIServer:
         choices = [CompletionResponseChoice(index=i * params.beam_width + c.index, text=c.text,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)
                    for i, out in enumerate(results) for c in out.outputs]
-        result = CompletionResponse(id=f"cmpl-{uuid.uuid4().hex}", model=self._reported_model(lora),
-                                    choices=choices, usage=self._beam_usage(results))
+        result = CompletionResponse(id=new_response_id("cmpl", body.request_id),
+                                    model=self._reported_model(lora), choices=choices,
+                                    usage=self._beam_usage(results))
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _beam_results(self, raw: Request, stream: RequestStream, tracker: _RequestTracker,
@@ -1617,7 +1679,7 @@ class OpenAIServer:
         stream = await self._start_beam_search([prompt], params, "messages", body.requested_max_tokens, lora,
                                                 body.admission)
         tracker = _RequestTracker(self.metrics, arrival, stream)
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        response_id = new_response_id("chatcmpl", body.request_id)
         if body.stream:
             events = self._beam_chat_events(body, stream, tracker, params, response_id, readers, lora)
             return _EngineStreamResponse(events, stream, tracker)
@@ -1759,7 +1821,8 @@ class OpenAIServer:
                          ) -> Response:
         """A pooling endpoint's JSON answer: its data under a fresh id, named by the model (or adapter) that
         ran it."""
-        result = response_class(id=f"{id_prefix}-{uuid.uuid4().hex}", model=self._pooled_model(body),
+        result = response_class(id=new_response_id(id_prefix, body.request_id),
+                                model=self._pooled_model(body),
                                 data=data, usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
 
@@ -1772,8 +1835,8 @@ class OpenAIServer:
             return scored
         scores, usage = scored
         data = [ScoreData(index=k, score=score) for k, (_, _, score) in enumerate(scores)]
-        result = ScoreResponse(id=f"score-{uuid.uuid4().hex}", model=self._pooled_model(body), data=data,
-                               usage=usage)
+        result = ScoreResponse(id=new_response_id("score", body.request_id), model=self._pooled_model(body),
+                               data=data, usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def create_rerank(self, body: RerankRequest, raw: Request) -> Response:
@@ -1786,7 +1849,7 @@ class OpenAIServer:
         ranked = sorted(scores, key=lambda pair: -pair[2])[: body.top_n or None]
         results = [RerankResult(index=j, document=RerankDocument(text=body.documents[j]),
                                 relevance_score=score) for _, j, score in ranked]
-        result = RerankResponse(id=f"rerank-{uuid.uuid4().hex}", model=self._pooled_model(body),
+        result = RerankResponse(id=new_response_id("rerank", body.request_id), model=self._pooled_model(body),
                                 usage=RerankUsage(total_tokens=usage.total_tokens), results=results)
         return Response(result.model_dump_json(), media_type="application/json")
 
@@ -1883,7 +1946,7 @@ class OpenAIServer:
         stream = await self._start(children, "prompt", body.requested_max_tokens,
                                    body.structured_outputs_param, lora, body.admission)
         tracker = _RequestTracker(self.metrics, arrival, stream, params)
-        response_id = f"cmpl-{uuid.uuid4().hex}"
+        response_id = new_response_id("cmpl", body.request_id)
         try:
             if body.stream:
                 events = self._completion_events(body, stream, tracker, response_id, params.n,
@@ -2027,7 +2090,7 @@ class OpenAIServer:
             return await self._beam_search_chat(body, raw, arrival, lora)
         params, readers, stream = await self._start_chat(body, lora)
         tracker = _RequestTracker(self.metrics, arrival, stream, params)
-        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        response_id = new_response_id("chatcmpl", body.request_id)
         try:
             if body.stream:
                 events = self._chat_events(body, stream, tracker, response_id, params.n, readers,
