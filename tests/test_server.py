@@ -197,6 +197,49 @@ def test_chat_stream_equals_non_stream_with_usage(served, client, model):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_return_token_ids_as_vllm(served, client, model):
+    """vLLM's return_token_ids: the prompt's ids (the chat's rendered prompt, each completion choice's own)
+    and each choice's output ids, which decode to its text; streamed, the prompt's ids in the first chunk and
+    each chunk's new ids, which add up to the non-streamed ones (chunks held back mid-character pass theirs
+    on); asked for nothing, no such field at all."""
+    server, url = served
+    tokenizer = server.tokenizer
+    messages = _messages("Write the word 'café' three times.")
+    chat = dict(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, n=2, seed=3)
+    full = client.chat.completions.create(**chat, extra_body={"return_token_ids": True})
+    assert full.prompt_token_ids == apply_chat_template(tokenizer, messages)
+    for choice in full.choices:
+        assert tokenizer.decode(choice.token_ids, skip_special_tokens=True) == choice.message.content
+    assert full.usage.completion_tokens == sum(len(c.token_ids) for c in full.choices)
+    chunks = list(client.chat.completions.create(**chat, stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].prompt_token_ids == full.prompt_token_ids
+    assert all(getattr(c, "prompt_token_ids", None) is None for c in chunks[1:])
+    for index, choice in enumerate(full.choices):
+        streamed = [t for c in chunks for ch in c.choices if ch.index == index
+                    for t in getattr(ch, "token_ids", None) or []]
+        assert streamed == choice.token_ids
+
+    prompts = ["The capital of France is", "Numbers: 1, 2, 3,"]
+    completion = dict(model=model, prompt=prompts, max_tokens=MAX_TOKENS, temperature=0.0)
+    full = client.completions.create(**completion, extra_body={"return_token_ids": True})
+    for choice, prompt in zip(full.choices, prompts):
+        assert choice.prompt_token_ids == _post(url, "/tokenize", {"prompt": prompt}).json()["tokens"]
+        assert tokenizer.decode(choice.token_ids, skip_special_tokens=True) == choice.text
+    chunks = list(client.completions.create(**completion, stream=True, extra_body={"return_token_ids": True}))
+    for choice in full.choices:
+        mine = [ch for c in chunks for ch in c.choices if ch.index == choice.index]
+        assert mine[0].prompt_token_ids == choice.prompt_token_ids
+        assert all(getattr(ch, "prompt_token_ids", None) is None for ch in mine[1:])
+        assert [t for ch in mine for t in ch.token_ids] == choice.token_ids
+
+    beams = _post(url, "/v1/completions", {"model": model, "prompt": prompts[0], "max_tokens": 4, "n": 2,
+                                           "use_beam_search": True, "return_token_ids": True}).json()
+    assert all(c["prompt_token_ids"] == full.choices[0].prompt_token_ids and c["token_ids"]
+               for c in beams["choices"])
+    plain = _post(url, "/v1/chat/completions", {"model": model, "messages": messages, "max_tokens": 2}).json()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+
+
 def test_completion_stream_equals_non_stream(served, client, model):
     server, _ = served
     prompt = "The capital of France is"

@@ -362,6 +362,9 @@ class _SamplingRequest(_RequestModel):
     # long): the request's cached blocks serve only requests with the same salt, so no other user can time
     # cache hits to guess its prompt.
     cache_salt: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM extension: the response also gives the prompt's and the output's token ids (streamed: the prompt's
+    # in the first chunk, each chunk's new ids in it).
+    return_token_ids: bool | None = None
     # vLLM extension: the base of the response's id (under an X-Request-Id header, the header's).
     request_id: Annotated[str, Field(min_length=1)] | None = None
     user: str | None = None
@@ -1005,12 +1008,25 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
+# A response field left out where it is None (as OpenAI and vLLM leave out tool_calls and a delta's unset
+# parts, which clients accumulate with +=).
+Omitted = Field(default=None, exclude_if=_is_none)
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM extension: the stop string or token id that ended it
+    # vLLM extension (return_token_ids): the choice's prompt ids (a stream's first chunk of it) and its
+    # output's ids (a stream's chunk: those new since the last chunk).
+    prompt_token_ids: list[int] | None = Omitted
+    token_ids: list[int] | None = Omitted
 
 
 class PromptLogprob(BaseModel):
@@ -1062,14 +1078,6 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprobEntry] | None = None
 
 
-def _is_none(value: Any) -> bool:
-    return value is None
-
-
-# A response field left out where it is None (as OpenAI and vLLM leave out tool_calls and a delta's unset
-# parts, which clients accumulate with +=).
-Omitted = Field(default=None, exclude_if=_is_none)
-
 
 class FunctionCallOut(BaseModel):
     name: str
@@ -1101,6 +1109,7 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Omitted  # vLLM extension (return_token_ids): the output's ids
 
 
 class ChatCompletionResponse(BaseModel):
@@ -1111,6 +1120,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None  # vLLM extension: of the one prompt all choices share
+    prompt_token_ids: list[int] | None = Omitted  # vLLM extension (return_token_ids): that prompt's ids
 
 
 class DeltaFunctionCall(BaseModel):
@@ -1141,6 +1151,7 @@ class ChatStreamChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = Omitted  # vLLM extension (return_token_ids): the ids new in this chunk
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -1150,6 +1161,7 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = Omitted  # vLLM extension (return_token_ids): in the first chunk
 
 
 class EmbeddingData(BaseModel):

@@ -872,6 +872,25 @@ class _RequestTracker:
             self._m.request_finished(reason, unfinished)
 
 
+class _TokenIdStream:
+    """return_token_ids in a stream: each choice's new output ids since its last chunk (a chunk held back,
+    mid-character or a possible stop string, passes its ids on to the next), and its prompt's ids once."""
+
+    def __init__(self, num_choices: int) -> None:
+        self._pending: list[list[int]] = [[] for _ in range(num_choices)]
+        self._prompt_sent = [False] * num_choices
+
+    def add(self, index: int, token_ids: Sequence[int]) -> None:
+        self._pending[index].extend(token_ids)
+
+    def take(self, index: int, prompt_token_ids: Sequence[int] = ()) -> tuple[list[int] | None, list[int]]:
+        """(the prompt's ids in the choice's first chunk, else None; the output ids this chunk carries)."""
+        prompt = None if self._prompt_sent[index] else list(prompt_token_ids)
+        self._prompt_sent[index] = True
+        new, self._pending[index] = self._pending[index], []
+        return prompt, new
+
+
 class _EngineStreamResponse(StreamingResponse):
     """An SSE response that aborts its engine requests however it ends.
 
@@ -1651,8 +1670,11 @@ class OpenAIServer:
                                            body.admission)
         if results is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        ids = body.return_token_ids
         choices = [CompletionResponseChoice(index=i * params.beam_width + c.index, text=c.text,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                            prompt_token_ids=list(out.prompt_token_ids) if ids else None,
+                                            token_ids=list(c.token_ids) if ids else None)
                    for i, out in enumerate(results) for c in out.outputs]
         result = CompletionResponse(id=new_response_id("cmpl", body.request_id),
                                     model=self._reported_model(lora), choices=choices,
@@ -1691,7 +1713,9 @@ class OpenAIServer:
         choices = [self._chat_choice(body, c.index, dataclasses.replace(out, outputs=[c]), readers[c.index])
                    for c in out.outputs]
         result = ChatCompletionResponse(id=response_id, model=self._reported_model(lora), choices=choices,
-                                        usage=self._beam_usage(results))
+                                        usage=self._beam_usage(results),
+                                        prompt_token_ids=list(out.prompt_token_ids) if body.return_token_ids
+                                        else None)
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _beam_chat_events(self, body: ChatCompletionRequest, stream: RequestStream,
@@ -1702,13 +1726,18 @@ class OpenAIServer:
         search is over, each beam whole in one chunk with its finish_reason."""
         created = int(time.time())
 
-        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
+                  prompt_token_ids: list[int] | None = None) -> str:
             return _sse(ChatCompletionStreamResponse(id=response_id, created=created, model=model,
-                                                     choices=choices, usage=usage))
+                                                     choices=choices, usage=usage,
+                                                     prompt_token_ids=prompt_token_ids))
 
         model = self._reported_model(lora)
+        ids = body.return_token_ids
         for index in range(len(readers)):
-            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+            prompt_ids = list(stream.prompt_token_ids[0]) if ids and index == 0 else None
+            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
+                        prompt_token_ids=prompt_ids)
         try:
             (out,) = await self._finish_beam_search(stream, tracker, params, body.skip_special_tokens, lora,
                                                       body.admission)
@@ -1719,7 +1748,8 @@ class OpenAIServer:
         for completion in out.outputs:
             delta, finish_reason = _chat_delta(completion, readers[completion.index])
             yield chunk([ChatStreamChoice(index=completion.index, delta=delta or DeltaMessage(),
-                                          finish_reason=finish_reason, stop_reason=completion.stop_reason)])
+                                          finish_reason=finish_reason, stop_reason=completion.stop_reason,
+                                          token_ids=list(completion.token_ids) if ids else None)])
         if body.include_usage:
             yield chunk([], self._beam_usage([out]))
         yield SSE_DONE
@@ -1967,10 +1997,13 @@ class OpenAIServer:
                 rows = _generated_rows(completion.logprobs)
                 logprobs, _ = self._completion_logprobs(_prompt_rows(out) + rows if body.echo else rows,
                                                         body.logprobs, 0, self._tokens_as_ids(body))
+            ids = body.return_token_ids
             choices.append(CompletionResponseChoice(
                 index=index, text=text, logprobs=logprobs, finish_reason=completion.finish_reason,
                 stop_reason=completion.stop_reason,
-                prompt_logprobs=self._prompt_logprobs(out, body.prompt_logprobs)))
+                prompt_logprobs=self._prompt_logprobs(out, body.prompt_logprobs),
+                prompt_token_ids=list(out.prompt_token_ids) if ids else None,
+                token_ids=list(completion.token_ids) if ids else None))
         usage = self._usage(stream, params.n, sum(len(o.outputs[0].token_ids) for o in finals))
         result = CompletionResponse(id=response_id, model=self._reported_model(lora), choices=choices,
                                     usage=usage)
@@ -1982,6 +2015,7 @@ class OpenAIServer:
         created = int(time.time())
         offsets = [0] * len(stream.request_ids)  # text_offset of each choice's next token
         echoed = [not body.echo] * len(stream.request_ids)  # whether each choice's prompt went out
+        ids = _TokenIdStream(len(stream.request_ids)) if body.return_token_ids else None
         as_ids = self._tokens_as_ids(body)
         completion_tokens = 0
         error = False
@@ -1999,6 +2033,8 @@ class OpenAIServer:
                     tracker.observe(index, out)
                     completion = out.outputs[0]
                     completion_tokens += len(completion.delta_token_ids)
+                    if ids is not None:
+                        ids.add(index, completion.delta_token_ids)
                     # echo, as vLLM: the prompt (and its logprobs) goes out with the choice's first chunk.
                     echo_now, echoed[index] = not echoed[index], True
                     text = (self._prompt_text(out) if echo_now else "") + completion.delta_text
@@ -2016,6 +2052,8 @@ class OpenAIServer:
                     choice = CompletionChoice(index=index, text=text, logprobs=logprobs,
                                               finish_reason=completion.finish_reason,
                                               stop_reason=completion.stop_reason)
+                    if ids is not None:
+                        choice.prompt_token_ids, choice.token_ids = ids.take(index, out.prompt_token_ids)
                     yield chunk([choice], usage_so_far())
             if body.include_usage:
                 yield chunk([], self._usage(stream, n, completion_tokens))
@@ -2105,8 +2143,10 @@ class OpenAIServer:
         choices = [self._chat_choice(body, index, out, readers[index]) for index, out in enumerate(finals)]
         usage = self._usage(stream, params.n, sum(len(o.outputs[0].token_ids) for o in finals))
         prompt_logprobs = self._prompt_logprobs(finals[0], body.prompt_logprobs) if finals else None
+        prompt_ids = list(finals[0].prompt_token_ids) if finals and body.return_token_ids else None
         result = ChatCompletionResponse(id=response_id, model=self._reported_model(lora), choices=choices,
-                                        usage=usage, prompt_logprobs=prompt_logprobs)
+                                        usage=usage, prompt_logprobs=prompt_logprobs,
+                                        prompt_token_ids=prompt_ids)
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _start_chat(self, body: ChatCompletionRequest, lora: LoRARequest | None,
@@ -2148,7 +2188,8 @@ class OpenAIServer:
         if body.echo:  # as vLLM, whose content is then a string even with nothing to echo
             message.content = body.echo_text() + (message.content or "")
         return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish_reason,
-                          stop_reason=completion.stop_reason)
+                          stop_reason=completion.stop_reason,
+                          token_ids=list(completion.token_ids) if body.return_token_ids else None)
 
     async def _chat_events(self, body: ChatCompletionRequest, stream: RequestStream, tracker: _RequestTracker,
                            response_id: str, n: int, readers: Sequence[_ChoiceReader], model: str
@@ -2156,12 +2197,15 @@ class OpenAIServer:
         created = int(time.time())
         num_top = body.top_logprobs or 0
         as_ids = self._tokens_as_ids(body)
+        ids = _TokenIdStream(len(stream.request_ids)) if body.return_token_ids else None
         completion_tokens = 0
         error = False
 
-        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None) -> str:
+        def chunk(choices: list[ChatStreamChoice], usage: UsageInfo | None = None,
+                  prompt_token_ids: list[int] | None = None) -> str:
             return _sse(ChatCompletionStreamResponse(id=response_id, created=created, model=model,
-                                                     choices=choices, usage=usage))
+                                                     choices=choices, usage=usage,
+                                                     prompt_token_ids=prompt_token_ids))
 
         def usage_so_far() -> UsageInfo | None:  # stream_options.continuous_usage_stats
             return self._usage(stream, n, completion_tokens) if body.continuous_usage else None
@@ -2170,7 +2214,9 @@ class OpenAIServer:
             async with stream:
                 for index in range(len(stream.request_ids)):
                     role = DeltaMessage(role="assistant", content="")
-                    yield chunk([ChatStreamChoice(index=index, delta=role)], usage_so_far())
+                    # return_token_ids, as vLLM: the prompt's ids (all choices share it) in the first chunk.
+                    prompt_ids = list(stream.prompt_token_ids[0]) if ids is not None and index == 0 else None
+                    yield chunk([ChatStreamChoice(index=index, delta=role)], usage_so_far(), prompt_ids)
                 echo = DeltaMessage(content=body.echo_text())
                 for index in range(len(stream.request_ids)) if echo.content else ():  # after every role's
                     yield chunk([ChatStreamChoice(index=index, delta=echo)], usage_so_far())
@@ -2178,6 +2224,8 @@ class OpenAIServer:
                     tracker.observe(index, out)
                     completion = out.outputs[0]
                     completion_tokens += len(completion.delta_token_ids)
+                    if ids is not None:
+                        ids.add(index, completion.delta_token_ids)
                     logprobs = None
                     if self._shows_logprobs(body) and completion.logprobs is not None:
                         logprobs = self._chat_logprobs(_new_logprobs(completion), num_top, as_ids)
@@ -2185,9 +2233,11 @@ class OpenAIServer:
                     if delta is None and finish_reason is None and logprobs is None:
                         continue  # nothing new, or text held back until it is known whether it is a call
                     delta = delta or DeltaMessage()
+                    token_ids = ids.take(index)[1] if ids is not None else None
                     yield chunk([ChatStreamChoice(index=index, delta=delta, logprobs=logprobs,
                                                   finish_reason=finish_reason,
-                                                  stop_reason=completion.stop_reason)], usage_so_far())
+                                                  stop_reason=completion.stop_reason, token_ids=token_ids)],
+                                usage_so_far())
             if body.include_usage:
                 yield chunk([], self._usage(stream, n, completion_tokens))
         except _ENGINE_ERRORS as err:
