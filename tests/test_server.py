@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import importlib.util
 import json
@@ -1604,16 +1605,26 @@ def test_prefix_cache_metrics_move(served, client, model):
     assert "plait_prefix_cache_evicted_blocks_total" in after
 
 
+def _tiny_prefix_engine(tiny_llama) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=TINY_MAX_MODEL_LEN, block_size=8))
+
+
+@contextlib.contextmanager
+def _cached_tokens_server(engine: LLMEngine):
+    """``engine`` served with --enable-prompt-tokens-details: (its URL, its model's name, a client)."""
+    server = OpenAIServer(engine, ServerConfig(log_level="warning", enable_prompt_tokens_details=True))
+    with BackgroundServer(server) as url:
+        yield url, server.model_name, openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0,
+                                                    timeout=CLIENT_TIMEOUT_S)
+
+
 def test_prompt_tokens_details_say_what_the_cache_served(tiny_llama):
     """vLLM's --enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens is 0 for a new prompt
     and whole blocks of it the second time, in a completion and in a stream's usage chunk; without the flag
     the field is null. /ping answers as /health, GET or POST."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=TINY_MAX_MODEL_LEN, block_size=8))
+    engine = _tiny_prefix_engine(tiny_llama)
     prompt = list(range(5, 45))
-    server = OpenAIServer(engine, ServerConfig(log_level="warning", enable_prompt_tokens_details=True))
-    name = server.model_name
-    with BackgroundServer(server) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S)
+    with _cached_tokens_server(engine) as (url, name, client):
         first = client.completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0.0).usage
         again = client.completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0.0).usage
         assert first.prompt_tokens_details.cached_tokens == 0
@@ -1633,13 +1644,8 @@ def test_prompt_tokens_details_say_what_the_cache_served(tiny_llama):
 def test_cache_salt_shares_the_prefix_cache_only_within_a_salt(tiny_llama):
     """vLLM's cache_salt: a prompt's cached blocks serve the same prompt again only under the same salt (or,
     unsalted, only unsalted requests), streamed or not; an empty or non-string salt is a 400 naming it."""
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=TINY_MAX_MODEL_LEN, block_size=8))
     prompt = list(range(5, 45))
-    server = OpenAIServer(engine, ServerConfig(log_level="warning", enable_prompt_tokens_details=True))
-    name = server.model_name
-    with BackgroundServer(server) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=CLIENT_TIMEOUT_S)
-
+    with _cached_tokens_server(_tiny_prefix_engine(tiny_llama)) as (url, name, client):
         def cached(salt: str | None, **kw) -> int:
             extra = {"cache_salt": salt} if salt is not None else {}
             usage = client.completions.create(model=name, prompt=prompt, max_tokens=2, temperature=0.0,
