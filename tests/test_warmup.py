@@ -95,8 +95,9 @@ def test_forget_warm_up_refuses_a_busy_engine(tiny_llama):
 
 
 def test_warm_up_fits_a_small_context_and_cache(tiny_llama):
-    """Every mix is clipped to the context length and half the KV cache: nothing is refused or preempted."""
-    engine = _engine(tiny_llama, max_model_len=96, num_kv_blocks=24)
+    """Every mix is clipped to the context length and half the KV cache, and asks for no more logprobs than
+    the engine returns: nothing is refused or preempted."""
+    engine = _engine(tiny_llama, max_model_len=96, num_kv_blocks=24, max_logprobs=0)
     engine.record_timeline = True
     report = warm_up(engine)
     assert report.requests > 0 and report.skipped == 0

@@ -1,16 +1,18 @@
 """Start-up warm-up: requests shaped like a server's first ones, run before the engine is handed out.
 
 Triton compiles a kernel for each combination of compile-time arguments the first time a launch meets it
-(hundreds of milliseconds each on an empty cache, as on a fresh machine or container), and a few library
-paths set up on first use. The profiling forward and the CUDA-graph captures meet the fresh-prompt and
-small-step variants; the rest appear only with traffic: prompt chunks over a cached context beside decodes,
-eager steps of many long prompts, prefix-cache hits, sampling options, a prompt at the context limit. So the
-engine drives those mixes through its own scheduler once, on made-up token ids, and then forgets them
-(LLMEngine.forget_warm_up): no request, cached block or counter of the warm-up survives it.
+(hundreds of milliseconds each on an empty cache, as on a fresh machine or container). The profiling forward
+and the CUDA-graph captures meet many of them, but not all: on an H200 the first requests of a fresh
+Llama-8B server still built seven (the lm_head's GEMV for a few rows, the argmax, the step-input kernel, and
+the sampler's race kernel for top-p, top-k and min-p), 2.6 s between them, a 1.25 s step for the first
+sampled batch (benchmarks/results/first_requests_h200/). So the engine drives the mixes real traffic brings
+through its own scheduler once, on made-up token ids (a long prompt beside decoding streams, a burst of long
+prompts, prefix-cache hits, each sampling option alone and together, a prompt at the context limit), and then
+forgets them (LLMEngine.forget_warm_up): no request, cached block or counter of the warm-up survives it.
 
-Every size is bounded by the engine's context length, token budget and KV cache, so the mixes run on any
-model and configuration; a request the model refuses (an id it reserves for images, say) is skipped
-with a warning, never an error: the warm-up saves time, and serving never depends on it.
+Every size is bounded by the engine's context length and KV cache, so the mixes run on any model and
+configuration; a request the model refuses (an id it reserves for images, say) is skipped with a warning,
+never an error: the warm-up saves time, and serving never depends on it.
 """
 
 from __future__ import annotations
@@ -153,8 +155,11 @@ def _mixes(d: _Driver) -> Iterator[Arrivals]:
         own = min(OWN_TOKENS, d.max_len - len(shared) - out - 1)
         yield {0: first}
         yield {0: [(shared + d.tokens(max(own - i, 0)), _greedy(out)) for i in range(2)]}
-    # Sampling options alone (a batch of one kind) and together (rows of every kind in one batch).
-    options = [SamplingParams(max_tokens=out, ignore_eos=True, **kw) for kw in SAMPLING_OPTIONS]
+    # Sampling options alone (a batch of one kind) and together (rows of every kind in one batch), but
+    # logprobs beyond what the engine allows (--max-logprobs).
+    limit = d.engine.max_logprobs
+    options = [SamplingParams(max_tokens=out, ignore_eos=True, **kw) for kw in SAMPLING_OPTIONS
+               if max(kw.get("logprobs", 0), kw.get("prompt_logprobs", 0)) <= limit]
     for params in options:
         yield {0: d.prompts([SAMPLED_PROMPT_TOKENS], params)}
     yield {0: d.prompts([SAMPLED_PROMPT_TOKENS] * len(options), options)}
