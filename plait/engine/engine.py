@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import hashlib
 import itertools
 import logging
 import time
@@ -15,7 +14,7 @@ from plait.config import FULL_VOCAB_LOGPROBS, EngineConfig
 from plait.engine.detokenizer import Detokenizer
 from plait.engine.drafter import NgramDrafter
 from plait.engine.grammar import Grammar, GrammarCompiler
-from plait.engine.kv_cache import KVCacheManager
+from plait.engine.kv_cache import KVCacheManager, salt_key
 from plait.engine.profiler import StepProfiler
 from plait.engine.request import FinishReason, Request
 from plait.engine.scheduler import Scheduler, StepPlan
@@ -43,7 +42,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # What the pooling runner says to a generation request, and the generate runner to an embedding request.
-CACHE_SALT_KEY_BYTES = 16  # digest of a request's cache_salt, hashed into its first KV block's key
 POOLING_MODEL_MESSAGE = ("this engine runs a pooling model (runner 'pooling'): it makes embeddings "
                          "(LLM.embed, /v1/embeddings), not text")
 GENERATE_MODEL_MESSAGE = ("embeddings need a pooling model: create the engine with runner='pooling' "
@@ -90,19 +88,6 @@ class _Tracked:
     first_token_time: float | None = None
     # With prompt_logprobs: entries for the prompt positions computed so far (the first is None).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
-
-
-def salt_key(cache_salt: str | None) -> bytes:
-    """The first block's hash input for vLLM's ``cache_salt`` (b"" for none): a fixed-length digest, so no
-    salt reads as another salt followed by a LoRA or image key."""
-    if cache_salt is None:
-        return b""
-    if not isinstance(cache_salt, str):
-        raise TypeError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
-    if not cache_salt:
-        raise ValueError("cache_salt must be a non-empty string if given")
-    digest = hashlib.blake2b(cache_salt.encode(), digest_size=CACHE_SALT_KEY_BYTES, person=b"plait-salt")
-    return digest.digest()
 
 
 def freeze_long_lived_objects() -> None:

@@ -16,6 +16,7 @@ PAD_BLOCK_ID = 0
 # Hash of the (absent) parent of a request's first block.
 ROOT_HASH = b""
 _HASH_BYTES = 16
+CACHE_SALT_KEY_BYTES = 16  # digest of a request's cache_salt, hashed into its first block's key
 
 
 def cdiv(a: int, b: int) -> int:
@@ -29,6 +30,19 @@ def block_hash(parent: bytes, token_ids: list[int], extra_key: bytes = b"") -> b
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     h.update(extra_key)
     return h.digest()
+
+
+def salt_key(cache_salt: str | None) -> bytes:
+    """The first block's hash input for vLLM's ``cache_salt`` (b"" for none): a fixed-length digest, so no
+    salt reads as another salt followed by a LoRA or image key."""
+    if cache_salt is None:
+        return b""
+    if not isinstance(cache_salt, str):
+        raise TypeError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+    if not cache_salt:
+        raise ValueError("cache_salt must be a non-empty string if given")
+    digest = hashlib.blake2b(cache_salt.encode(), digest_size=CACHE_SALT_KEY_BYTES, person=b"plait-salt")
+    return digest.digest()
 
 
 @dataclass
