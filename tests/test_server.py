@@ -1719,7 +1719,9 @@ def _check_request_ids(url: str, model: str, echo: bool) -> None:
                       headers={"X-Request-Id": "trace-2"}, timeout=CLIENT_TIMEOUT_S) as r:
         ids = {json.loads(line[6:])["id"] for line in r.iter_lines() if line.startswith("data: {")}
         assert ids == {"cmpl-trace-2"} and echoed(r, "trace-2")
-    r = post({"request_id": ""}, request_id="bad-1")
+    r = post({"request_id": ""})
+    assert re.fullmatch(r"cmpl-[0-9a-f]{32}", r.json()["id"])
+    r = post({"request_id": 5}, request_id="bad-1")
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id" and echoed(r, "bad-1")
     health = httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT_S)
     assert health.status_code == 200

@@ -365,8 +365,9 @@ class _SamplingRequest(_RequestModel):
     # vLLM extension: the response also gives the prompt's and the output's token ids (streamed: the prompt's
     # in the first chunk, each chunk's new ids in it).
     return_token_ids: bool | None = None
-    # vLLM extension: the base of the response's id (under an X-Request-Id header, the header's).
-    request_id: Annotated[str, Field(min_length=1)] | None = None
+    # vLLM extension: the base of the response's id (under an X-Request-Id header, the header's; empty: a
+    # fresh one).
+    request_id: str | None = None
     user: str | None = None
     # Whether a streamed beam search is served (chat's, as vLLM's: the finished beams in one chunk each).
     streams_beam_search: ClassVar[bool] = True
@@ -866,7 +867,7 @@ class PoolingBody(_RequestModel):
     truncate_prompt_tokens: Annotated[Int, Field(ge=TRUNCATE_TO_CONTEXT)] | None = None
     add_special_tokens: bool | None = None  # None: true for text inputs, false for messages (as vLLM)
     priority: Int = 0  # vLLM extension, as the sampling requests' field
-    request_id: Annotated[str, Field(min_length=1)] | None = None  # vLLM extension, as theirs
+    request_id: str | None = None  # vLLM extension, as the sampling requests' field
 
     @property
     def admission(self) -> Admission:
