@@ -159,7 +159,8 @@ def main() -> None:
         "what": "Triton specialisations compiled after start-up while a server's request mixes run, on an "
                 "empty Triton cache; each phase twice (the second pass on other tokens)",
         "command": "PYTHONPATH=. python benchmarks/first_requests.py " + " ".join(sys.argv[1:]),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "torch": torch.__version__, "triton": triton.__version__,
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__, "triton": triton.__version__,
         "warm_up": args.warm_up, "startup_s": round(startup_s, 2),
         "warm_up_s": round(engine.warm_up_report.seconds, 2) if engine.warm_up_report else None,
         "compiles_at_startup": at_start,

@@ -989,7 +989,7 @@ def test_lora_requests_info_names_the_running_and_waiting_adapters(lora_served):
     """vLLM's vllm:lora_requests_info, which LoRA-aware routers read: with one adapter slot, the first
     request's adapter runs and the second's waits for the slot."""
     from plait.entrypoints.async_engine import EngineStats, _lora_stats
-    from plait.entrypoints.server import ServerMetrics
+    from plait.entrypoints.metrics import ServerMetrics
 
     server, url = lora_served
     idle = _metrics(url)
@@ -1748,7 +1748,7 @@ def test_server_load_tracking_counts_requests_in_flight(tiny_llama):
     """vLLM's --enable-server-load-tracking: GET /load says how many model-running requests are in flight,
     counted from arrival to the response's last byte (the middleware over a stand-in app whose stream waits),
     and 0 once a real completion is done; without the flag there is no /load."""
-    from plait.entrypoints.server import LoadTrackingMiddleware, ServerLoad
+    from plait.entrypoints.middleware import LoadTrackingMiddleware, ServerLoad
 
     load = ServerLoad()
     release = asyncio.Event()

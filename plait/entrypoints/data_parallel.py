@@ -169,7 +169,7 @@ class DataParallelFront:
 
     def __init__(self, replicas: list[Replica], api_key: str | None, max_body_bytes: int,
                  prefix_affinity: bool = True) -> None:
-        from plait.entrypoints.server import GuardMiddleware
+        from plait.entrypoints.middleware import GuardMiddleware
 
         self.replicas = replicas
         self.router = ReplicaRouter(replicas, prefix_affinity=prefix_affinity)
@@ -289,10 +289,10 @@ def _passed_on(headers: httpx.Headers) -> dict[str, str]:
 
 
 def _unavailable(replica: Replica, err: Exception) -> Response:
-    from plait.entrypoints.server import _error_body
+    from plait.entrypoints.errors import error_body
 
     message = f"data parallel replica {replica.index} did not answer: {type(err).__name__}: {err}"
-    return Response(_error_body(message, "service_unavailable"), status_code=503,
+    return Response(error_body(message, "service_unavailable"), status_code=503,
                     media_type="application/json")
 
 

@@ -27,6 +27,8 @@ from pydantic import (
 )
 
 from plait.entrypoints.async_engine import RequestStream, RequestTimeoutError
+from plait.entrypoints.errors import APIError, bad_request, error_type
+from plait.entrypoints.metrics import RequestTracker
 from plait.entrypoints.protocol import (
     MAX_STOP_STRINGS,
     ChatCompletionRequest,
@@ -45,15 +47,11 @@ from plait.entrypoints.server import (
     _ENGINE_ERRORS,
     _ERROR_RESPONSES,
     CLIENT_CLOSED_REQUEST,
-    APIError,
     OpenAIServer,
-    _bad_request,
     _chat_delta,
     _ChoiceReader,
     _EngineStreamResponse,
-    _error_type,
     _new_logprobs,
-    _RequestTracker,
 )
 from plait.lora.request import LoRARequest
 from plait.outputs import RequestOutput
@@ -749,7 +747,7 @@ def _named_as_responses() -> Iterator[None]:
     try:
         yield
     except ProtocolError as err:
-        raise _responses_error(_bad_request(err, "input", "text")) from err
+        raise _responses_error(bad_request(err, "input", "text")) from err
     except APIError as err:
         raise _responses_error(err) from None
 
@@ -810,7 +808,7 @@ class ResponsesAPI:
                 items = [*previous.items, *items]
             chat = body.chat_request(items)
             params, readers, stream = await server._start_chat(chat, lora, "input")
-        tracker = _RequestTracker(server.metrics, arrival, stream, params)
+        tracker = RequestTracker(server.metrics, arrival, stream, params)
         reader = readers[0]
         if reader.tools is not None and body.max_tool_calls is not None:
             limit = reader.tools.max_calls
@@ -850,7 +848,7 @@ class ResponsesAPI:
             top_logprobs=body.top_logprobs, top_p=params.top_p, truncation=body.truncation or "disabled",
             user=body.user, metadata=body.metadata or {})
 
-    async def _run(self, stream: RequestStream, tracker: _RequestTracker, builder: OutputBuilder) -> bool:
+    async def _run(self, stream: RequestStream, tracker: RequestTracker, builder: OutputBuilder) -> bool:
         """Run a non-streamed request to its end, feeding the builder as the stream goes (so streamed and not,
         the output is read alike)."""
         error = False
@@ -890,7 +888,7 @@ class ResponsesAPI:
         return final
 
     async def _events(self, body: ResponsesRequest, response: ResponsesResponse, items: list[Any],
-                      stream: RequestStream, tracker: _RequestTracker, builder: OutputBuilder
+                      stream: RequestStream, tracker: RequestTracker, builder: OutputBuilder
                       ) -> AsyncIterator[str]:
         """The SSE stream: OpenAI's named events, numbered in order, ending with the finished response
         (there is no [DONE], as in OpenAI's and vLLM's)."""
@@ -912,7 +910,7 @@ class ResponsesAPI:
         except _ENGINE_ERRORS as err:
             error = not isinstance(err, RequestTimeoutError)
             status = _ENGINE_ERROR_STATUS[type(err)]
-            yield sse(_event("error", code=_error_type(status), message=str(err), param=None))
+            yield sse(_event("error", code=error_type(status), message=str(err), param=None))
             failure = ResponseError(code=SERVER_ERROR_CODE, message=str(err))
             failed = response.model_copy(update={"status": "failed", "output": builder.items,
                                                  "error": failure})

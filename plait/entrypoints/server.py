@@ -7,7 +7,6 @@ import asyncio
 import base64
 import collections
 import contextlib
-import contextvars
 import copy
 import dataclasses
 import functools
@@ -15,13 +14,11 @@ import itertools
 import json
 import logging
 import os
-import secrets
 import socket
 import ssl
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,11 +31,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from plait import __version__
 from plait.config import EngineConfig
@@ -48,13 +43,22 @@ from plait.engine.request import Request as EngineRequest
 from plait.entrypoints.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
-    EngineStats,
     PromptInput,
     RequestFailedError,
     RequestStream,
     RequestTimeoutError,
 )
 from plait.entrypoints.beam_search import BeamSearch, advance_all, pending_beams, served_outputs, step_params
+from plait.entrypoints.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    CONTEXT_LENGTH_MESSAGE_START,
+    APIError,
+    bad_request,
+    error_body,
+    error_response,
+    error_type,
+    validation_error,
+)
 from plait.entrypoints.llm import (
     _fan_out,
     cross_encoder_prompt,
@@ -63,10 +67,17 @@ from plait.entrypoints.llm import (
     pair_scores,
     render_chat,
 )
+from plait.entrypoints.metrics import RequestTracker, ServerMetrics
+from plait.entrypoints.middleware import (
+    GuardMiddleware,
+    LoadTrackingMiddleware,
+    RequestIdMiddleware,
+    ServerLoad,
+    new_response_id,
+)
 from plait.entrypoints.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
     RESPONSE_ID_PREFIX,
-    TOOLS_PARAM,
     Admission,
     ChatChoice,
     ChatCompletionRequest,
@@ -96,7 +107,6 @@ from plait.entrypoints.protocol import (
     EmbeddingData,
     EmbeddingRequest,
     EmbeddingResponse,
-    ErrorInfo,
     ErrorResponse,
     FunctionCallOut,
     LoadLoRAAdapterRequest,
@@ -134,7 +144,7 @@ from plait.entrypoints.reasoning_parsers import (
     get_reasoning_parser,
     split_reasoning,
 )
-from plait.entrypoints.stat_logger import DEFAULT_LOG_STATS_INTERVAL_S, StatLogger, TokenTotals
+from plait.entrypoints.stat_logger import DEFAULT_LOG_STATS_INTERVAL_S, StatLogger
 from plait.entrypoints.tool_parsers import ToolOutputParser, get_tool_parser
 from plait.entrypoints.tools import (
     NamedToolOutput,
@@ -164,17 +174,8 @@ LOGPROBS_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")
 # Far above any prompt that fits a context window (128k tokens as ids is ~1 MB of JSON), far
 # below what would hurt the server to buffer.
 DEFAULT_MAX_REQUEST_BODY_BYTES = 4 * 1024 * 1024
-# As vLLM's --api-key: the key guards the OpenAI API under /v1 only, so /health, /metrics (Prometheus
-# scrapes), /tokenize, /detokenize and /version stay open.
-API_KEY_GUARDED_PREFIX = "/v1"
-# Browsers send a CORS preflight as OPTIONS without credentials; like vLLM's, the key check lets every
-# OPTIONS through (one that is not a preflight reaches the app and gets a 405).
-API_KEY_EXEMPT_METHOD = "OPTIONS"
 # vLLM's CORS defaults (--allowed-origins, --allowed-methods, --allowed-headers): any.
 CORS_ANY = ("*",)
-# vLLM's words for a request beyond the context, which clients match case-sensitively.
-CONTEXT_LENGTH_MESSAGE_START = "This model's maximum context length is"
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 # What tells a --chat-template value that is template text from a file's path (vLLM's test).
 JINJA_CHARS = "{}\n"
 # vLLM's words for tool_choice "auto" on a server not started to parse tool calls.
@@ -190,20 +191,11 @@ SSE_DONE = "data: [DONE]\n\n"
 CLIENT_CLOSED_REQUEST = 499
 GRACEFUL_SHUTDOWN_S = 5
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
-# The label every vllm:* metric carries: the (first) served model name.
-MODEL_NAME_LABEL = "model_name"
-TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
-ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
-STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-# vLLM's 1-2-5 series for a request's token counts.
-REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
-REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for a request's n
-SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vllm:engine_sleep_state's, by sleep level
+
+DEFAULT_ADMISSION = Admission()  # priority 0, no cache salt
+
 # Steps step_timeline_file keeps (the last ones): ~330 MB of StepStats (measured), hours of serving.
 STEP_TIMELINE_MAX_STEPS = 1_000_000
-STEP_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 # Error responses documented in the OpenAPI schema (FastAPI's 422 is replaced by 400).
 _ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
@@ -377,501 +369,6 @@ def default_served_model_name(source: ModelSource) -> str:
     return source.path.stem if source.path.is_file() else Path(source.path).name
 
 
-# -- errors -----------------------------------------------------------------------------------
-
-
-class APIError(Exception):
-    """An error answered with OpenAI's error JSON."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-def _error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
-    error = ErrorInfo(message=message, type=type_, param=param, code=code)
-    return ErrorResponse(error=error).model_dump_json().encode()
-
-
-def _error_response(err: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    info = ErrorInfo(message=err.message, type=err.type, param=err.param, code=err.code)
-    return JSONResponse(ErrorResponse(error=info).model_dump(), status_code=err.status, headers=headers)
-
-
-# Fields whose name starts an engine / SamplingParams error message ("top_p must be in ...").
-_KNOWN_PARAMS = frozenset({
-    "n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
-    "stop_token_ids", "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "logprobs",
-    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "allowed_token_ids",
-    "prompt_logprobs", "guided_choice", "bad_words", "prompt", "structured_outputs", "truncate_prompt_tokens",
-    "priority", "cache_salt",
-})
-DEFAULT_ADMISSION = Admission()  # priority 0, no cache salt
-
-
-def _bad_request(err: Exception, prompt_param: str = "prompt",
-                 structured_param: str = "structured_outputs") -> APIError:
-    """A 400 for a ValueError/TypeError from validation, naming the field the message starts with (the
-    prompt's and the structured output's as the request named them: messages, response_format...)."""
-    if isinstance(err, ProtocolError):
-        return APIError(400, str(err), param=err.param, code=err.code)
-    message = str(err) or type(err).__name__
-    if message.startswith(CONTEXT_LENGTH_MESSAGE_START):  # the engine's: the prompt alone is too long
-        return APIError(400, message, param=prompt_param, code=CONTEXT_LENGTH_EXCEEDED)
-    first = message.split(" ", 1)[0]
-    param = first if first in _KNOWN_PARAMS else None
-    if param == "prompt":
-        param = prompt_param
-    elif param == "structured_outputs":
-        param = structured_param
-        if param == TOOLS_PARAM:  # the schema is the tools' parameters, forced by tool_choice
-            detail = message.split(": ", 1)[-1]
-            message = f"a tool's parameters are not a schema tool_choice can enforce: {detail}"
-    return APIError(400, message, param=param)
-
-
-def _validation_error(exc: RequestValidationError) -> APIError:
-    """FastAPI's 422 as OpenAI's 400, naming the first bad field."""
-    errors = exc.errors()
-    if not errors:
-        return APIError(400, "invalid request body")
-    # Of the alternatives of a union that all failed, the one that got furthest says the most.
-    first = max(errors, key=lambda e: len(e.get("loc", ())))
-    if first.get("type") == "json_invalid":
-        detail = (first.get("ctx") or {}).get("error", first.get("msg", ""))
-        return APIError(400, f"invalid JSON in the request body: {detail}")
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
-    if not loc:
-        return APIError(400, f"invalid request body: {first.get('msg', '')}{more}")
-    param = loc[0]
-    where = f" at {'.'.join(loc)}" if len(loc) > 1 else ""
-    return APIError(400, f"invalid value for '{param}'{where}: {first.get('msg', '')}{more}", param=param)
-
-
-# -- middleware: API key and body size ---------------------------------------------------------
-
-
-async def _send_error(send: Send, status: int, body: bytes, extra_headers: Sequence[tuple[bytes, bytes]] = ()
-                      ) -> None:
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-               *extra_headers]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
-
-
-# The endpoints that run the model: what vLLM's --enable-server-load-tracking counts (GET /load).
-LOAD_TRACKED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
-                                "/classify", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank",
-                                "/v2/rerank"})
-
-
-@dataclass
-class ServerLoad:
-    """Requests to LOAD_TRACKED_PATHS in flight: from arrival to their response's last byte (GET /load)."""
-
-    in_flight: int = 0
-
-
-class LoadTrackingMiddleware:
-    """Counts the model-running requests in flight into a ServerLoad (pure ASGI: a streamed response counts
-    until it ends, or its client leaves)."""
-
-    def __init__(self, app: ASGIApp, load: ServerLoad) -> None:
-        self.app = app
-        self.load = load
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "").removeprefix(scope.get("root_path", ""))
-        if scope["type"] != "http" or scope.get("method") != "POST" or path not in LOAD_TRACKED_PATHS:
-            await self.app(scope, receive, send)
-            return
-        self.load.in_flight += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.load.in_flight -= 1
-
-
-REQUEST_ID_HEADER = b"x-request-id"
-
-
-@dataclass
-class RequestIds:
-    """One HTTP request's id: the X-Request-Id it came with, and the id the server gave its response."""
-
-    incoming: str | None = None
-    given: str | None = None
-
-
-# The RequestIds of the HTTP request being served (set by RequestIdMiddleware for each request's task).
-_request_ids: contextvars.ContextVar[RequestIds | None] = contextvars.ContextVar("plait_request_ids",
-                                                                                  default=None)
-
-
-def new_response_id(prefix: str, body_request_id: str | None = None) -> str:
-    """A response's id, as vLLM makes them: ``prefix``-, then the request's X-Request-Id header, else the
-    body's ``request_id``, else a fresh uuid; remembered, so --enable-request-id-headers echoes the same."""
-    ids = _request_ids.get()
-    base = (ids.incoming if ids is not None else None) or body_request_id or uuid.uuid4().hex
-    if ids is not None and ids.given is None:
-        ids.given = base
-    return f"{prefix}-{base}"
-
-
-class RequestIdMiddleware:
-    """Reads each request's X-Request-Id for the ids of its response (new_response_id) and, with
-    ``echo`` (vLLM's --enable-request-id-headers), sends X-Request-Id back on every response (pure ASGI, so
-    a stream's header goes with its first byte)."""
-
-    def __init__(self, app: ASGIApp, echo: bool) -> None:
-        self.app = app
-        self.echo = echo
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        incoming = dict(scope.get("headers") or []).get(REQUEST_ID_HEADER)
-        ids = RequestIds(incoming.decode("latin-1") if incoming else None)
-        token = _request_ids.set(ids)
-
-        async def send_with_id(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                rid = ids.incoming or ids.given or uuid.uuid4().hex
-                headers = [h for h in message.get("headers", []) if h[0].lower() != REQUEST_ID_HEADER]
-                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, rid.encode("latin-1"))]}
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_id if self.echo else send)
-        finally:
-            _request_ids.reset(token)
-
-
-class GuardMiddleware:
-    """Checks the API key, then buffers the body up to a size limit, before the app sees a request.
-
-    Pure ASGI (no BaseHTTPMiddleware), so streamed responses and disconnects pass straight through.
-    """
-
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = dict(scope.get("headers") or [])
-        if self._needs_key(scope):
-            if not self._authorized(headers.get(b"authorization", b"")):
-                body = _error_body("invalid or missing API key: send 'Authorization: Bearer <key>'",
-                                   "invalid_request_error", code="invalid_api_key")
-                await _send_error(send, 401, body, [(b"www-authenticate", b"Bearer")])
-                return
-        declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.max_body_bytes):
-            await self._too_large(send)
-            return
-        chunks: list[bytes] = []
-        size = 0
-        while True:  # the declared length may be absent (chunked) or a lie: count what arrives
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                await self._too_large(send)
-                return
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                break
-        replayed = False
-
-        async def replay() -> Message:
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-            return await receive()  # after the body: waits for the client to disconnect
-
-        await self.app(scope, replay, send)
-
-    def _needs_key(self, scope: Scope) -> bool:
-        return (self.api_key is not None and scope["method"] != API_KEY_EXEMPT_METHOD
-                and scope["path"].startswith(API_KEY_GUARDED_PREFIX))
-
-    def _authorized(self, header: bytes) -> bool:
-        scheme, _, token = header.partition(b" ")
-        assert self.api_key is not None
-        return scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key)
-
-    async def _too_large(self, send: Send) -> None:
-        body = _error_body(f"the request body is larger than the limit of {self.max_body_bytes} bytes",
-                           "invalid_request_error", code="request_too_large")
-        await _send_error(send, 413, body)
-
-
-# -- metrics ----------------------------------------------------------------------------------
-
-
-class ServerMetrics:
-    """Prometheus metrics in a registry of their own, so servers in one process do not collide.
-
-    Where vLLM (v1) has a metric for the same thing, it has vLLM's name, type and ``model_name`` label
-    (the first served model name, as vLLM's), so dashboards and alerts built for vLLM read plait as
-    they are; what vLLM lacks is named ``plait_*`` and has no label.
-    """
-
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str,
-                 cache_config: dict[str, str] | None = None) -> None:
-        self.registry = prom.CollectorRegistry()
-        self.model_name = model_name
-        r = self.registry
-        model = [MODEL_NAME_LABEL]
-        if cache_config:
-            # vLLM's info gauge: value 1, the KV cache's configuration in its labels (routers read the cache's
-            # capacity from num_gpu_blocks x block_size).
-            info = prom.Gauge("vllm:cache_config_info", "Information of the engine's KV cache configuration",
-                              list(cache_config), registry=r)
-            info.labels(**cache_config).set(1)
-
-        def histogram(name: str, doc: str, buckets: Sequence[float]) -> prom.Histogram:
-            return prom.Histogram(name, doc, buckets=buckets, registry=r)
-
-        def vllm_histogram(name: str, doc: str, buckets: Sequence[float]) -> prom.Histogram:
-            return prom.Histogram(name, doc, model, buckets=buckets, registry=r).labels(model_name)
-
-        def vllm_counter(name: str, doc: str) -> prom.Counter:
-            return prom.Counter(name, doc, model, registry=r).labels(model_name)
-
-        self._request_success = prom.Counter(
-            "vllm:request_success", "Engine requests (one per choice) finished, by finish reason",
-            [MODEL_NAME_LABEL, "finished_reason"], registry=r)
-        for reason in FINISH_REASONS:
-            self._request_success.labels(model_name, reason)  # every series exists from the first scrape
-        self.prompt_tokens = vllm_counter("vllm:prompt_tokens", "Prompt tokens of admitted requests")
-        self.generation_tokens = vllm_counter("vllm:generation_tokens", "Generated tokens")
-        self.ttft = vllm_histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first token",
-                                   TTFT_BUCKETS_S)
-        self.itl = vllm_histogram("vllm:inter_token_latency_seconds", "Time between two tokens of a request",
-                                  ITL_BUCKETS_S)
-        self.e2e = vllm_histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token",
-                                  E2E_BUCKETS_S)
-        self.tpot = vllm_histogram("vllm:request_time_per_output_token_seconds",
-                                   "A finished request's decode time over its tokens after the first",
-                                   ITL_BUCKETS_S)
-        # vLLM's per-request phases: waiting (arrival to first admission), prefill (to the first token),
-        # decode (to the last), inference (admission to the last); and each request's token counts.
-        self.queue_time = vllm_histogram("vllm:request_queue_time_seconds",
-                                         "Time from arrival to the first step that schedules the request",
-                                         E2E_BUCKETS_S)
-        self.prefill_time = vllm_histogram("vllm:request_prefill_time_seconds",
-                                           "Time from the first scheduling to the first token", E2E_BUCKETS_S)
-        self.decode_time = vllm_histogram("vllm:request_decode_time_seconds",
-                                          "Time from the first token to the last", E2E_BUCKETS_S)
-        self.inference_time = vllm_histogram("vllm:request_inference_time_seconds",
-                                             "Time from the first scheduling to the last token",
-                                             E2E_BUCKETS_S)
-        self.request_prompt_tokens = vllm_histogram("vllm:request_prompt_tokens",
-                                                    "Prompt tokens of a request", REQUEST_TOKEN_BUCKETS)
-        self.request_generation_tokens = vllm_histogram("vllm:request_generation_tokens",
-                                                        "Tokens a request generated", REQUEST_TOKEN_BUCKETS)
-        # A prompt's sampling parameters, and the most tokens any of its n sequences generated.
-        self.params_n = vllm_histogram("vllm:request_params_n", "A prompt's n (sequences asked for)",
-                                       REQUEST_N_BUCKETS)
-        self.params_max_tokens = vllm_histogram("vllm:request_params_max_tokens", "A prompt's max_tokens",
-                                                REQUEST_TOKEN_BUCKETS)
-        self.max_num_generation_tokens = vllm_histogram(
-            "vllm:request_max_num_generation_tokens",
-            "The most tokens one of a prompt's n sequences generated", REQUEST_TOKEN_BUCKETS)
-        self.iteration_tokens = vllm_histogram("vllm:iteration_tokens_total",
-                                               "Tokens (prompt and decode) computed per engine step",
-                                               STEP_TOKEN_BUCKETS)
-        self.preemptions = vllm_counter("vllm:num_preemptions", "Requests preempted by recompute")
-        self.step_prefill = histogram("plait_step_prefill_tokens", "Prompt tokens computed per engine step",
-                                      STEP_TOKEN_BUCKETS)
-        self.step_decode = histogram("plait_step_decode_tokens", "Decode tokens computed per engine step",
-                                     STEP_TOKEN_BUCKETS)
-        self.step_duration = histogram("plait_step_duration_seconds", "Wall time of one engine step",
-                                       STEP_DURATION_BUCKETS_S)
-        self.totals = TokenTotals()  # what the periodic stats lines report (StatLogger)
-        r.register(_EngineStatsCollector(stats, model_name))
-
-    def request_finished(self, reason: str, count: int = 1) -> None:
-        self._request_success.labels(self.model_name, reason).inc(count)
-
-    def observe_step(self, stats: StepStats) -> None:
-        """Called on the engine's loop thread after every step (prometheus_client is thread-safe)."""
-        self.step_prefill.observe(stats.num_prefill_tokens)
-        self.step_decode.observe(stats.num_decode_tokens)
-        self.iteration_tokens.observe(stats.num_prefill_tokens + stats.num_decode_tokens)
-        self.step_duration.observe(stats.duration_s)
-        self.totals.prompt += stats.num_prefill_tokens
-        if stats.num_preempted:
-            self.preemptions.inc(stats.num_preempted)
-
-    def render(self) -> bytes:
-        return prom.generate_latest(self.registry)
-
-
-class _EngineStatsCollector(Collector):
-    """Engine state read at scrape time from the snapshot the loop thread publishes."""
-
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
-        self._stats = stats
-        self._model_name = model_name
-
-    def collect(self) -> Iterable[Metric]:
-        s = self._stats()
-        vllm_gauges = {
-            "vllm:num_requests_running": ("Requests holding KV blocks", s.num_running),
-            "vllm:num_requests_waiting": ("Requests queued for admission", s.num_waiting),
-            "vllm:kv_cache_usage_perc": ("Fraction of usable KV blocks held by requests (0-1)", s.kv_usage),
-        }
-        for name, (doc, value) in vllm_gauges.items():
-            gauge = GaugeMetricFamily(name, doc, labels=[MODEL_NAME_LABEL])
-            gauge.add_metric([self._model_name], value)
-            yield gauge
-        vllm_counters = {
-            "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
-                                          s.prefix_cache_queries),
-            "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache", s.prefix_cache_hits),
-        }
-        if s.spec_num_drafts is not None:  # as vLLM, only where speculative decoding is on
-            vllm_counters.update({
-                "vllm:spec_decode_num_drafts": ("Rows that carried draft tokens", s.spec_num_drafts),
-                "vllm:spec_decode_num_draft_tokens": ("Draft tokens scored", s.spec_num_draft_tokens),
-                "vllm:spec_decode_num_accepted_tokens": ("Draft tokens kept", s.spec_num_accepted_tokens),
-            })
-        for name, (doc, value) in vllm_counters.items():
-            counter = CounterMetricFamily(name, doc, labels=[MODEL_NAME_LABEL])
-            counter.add_metric([self._model_name], value)
-            yield counter
-        if s.sleep_level is not None:  # vLLM's, where sleep mode is on: 1 on the state the engine is in
-            state = GaugeMetricFamily("vllm:engine_sleep_state",
-                                      "Engine sleep state: awake, weights_offloaded (level 1) or discard_all "
-                                      "(level 2)", labels=[MODEL_NAME_LABEL, "sleep_state"])
-            for level, name in enumerate(SLEEP_STATES):
-                state.add_metric([self._model_name, name], float(s.sleep_level == level))
-            yield state
-        if s.max_loras is not None:
-            # vLLM's: the adapters in use (what LoRA-aware routers read), valued at the time it was read.
-            info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on LoRA requests",
-                                     labels=["max_lora", "waiting_lora_adapters", "running_lora_adapters"])
-            adapters = [",".join(s.waiting_loras), ",".join(s.running_loras)]
-            info.add_metric([str(s.max_loras), *adapters], time.time())
-            yield info
-        if s.spec_num_drafts is not None:
-            per_position = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
-                                               "Draft tokens kept at each draft position",
-                                               labels=[MODEL_NAME_LABEL, "position"])
-            for position, value in enumerate(s.spec_accepted_per_position):
-                per_position.add_metric([self._model_name, str(position)], value)
-            yield per_position
-        gauges = {
-            "plait_kv_cache_used_blocks": ("KV blocks held by requests", s.kv_blocks_used),
-            "plait_prefix_cache_blocks": ("KV blocks findable by prefix hash (held or free-but-cached)",
-                                          s.prefix_cache_blocks),
-            "plait_prefix_cache_hit_rate": ("Share of looked-up prompt tokens found in the cache (0-1)",
-                                            s.prefix_cache_hits / s.prefix_cache_queries
-                                            if s.prefix_cache_queries else 0.0),
-        }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(name, doc, value=value)
-        counters = {
-            "plait_engine_steps": ("Engine steps run", s.num_steps),
-            "plait_engine_failed_steps": ("Engine steps that raised", s.num_failed_steps),
-            "plait_prefix_cache_evicted_blocks": ("Cached blocks evicted for new allocations",
-                                                  s.prefix_cache_evicted_blocks),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(name, doc, value=value)
-
-
-class _RequestTracker:
-    """Per-HTTP-request latency and token accounting, fed by the outputs as they are consumed."""
-
-    def __init__(self, metrics: ServerMetrics, arrival: float, stream: RequestStream,
-                 params: SamplingParams | None = None) -> None:
-        """``params``: the sampling parameters every prompt of the request shares, whose n sequences are the
-        stream's consecutive children (prompt by prompt), for vLLM's per-prompt parameter histograms."""
-        self._m = metrics
-        self._arrival = arrival
-        self._stream = stream
-        n = len(stream.request_ids)
-        self._last: list[float | None] = [None] * n
-        self._done = [False] * n
-        self._closed = False
-        metrics.prompt_tokens.inc(sum(len(p) for p in stream.prompt_token_ids))
-        self._group = params.n if params is not None else 0  # 0: no per-prompt histograms
-        self._generated = [0] * n
-        if params is not None:
-            for _ in range(n // params.n):
-                metrics.params_n.observe(params.n)
-                if params.max_tokens is not None:
-                    metrics.params_max_tokens.observe(params.max_tokens)
-
-    def observe(self, index: int, out: RequestOutput | PoolingRequestOutput) -> None:
-        now = out.metrics.get("now") or time.monotonic()
-        if isinstance(out, PoolingRequestOutput):  # one output, the embedding: its first and last
-            self._m.ttft.observe(max(0.0, now - self._arrival))
-            self._done[index] = True
-            self._m.e2e.observe(max(0.0, now - self._arrival))
-            self._m.request_finished("stop")
-            return
-        completion = out.outputs[0]
-        self._m.generation_tokens.inc(len(completion.delta_token_ids))
-        self._m.totals.generation += len(completion.delta_token_ids)
-        last = self._last[index]
-        if last is None:
-            self._m.ttft.observe(max(0.0, now - self._arrival))
-        else:
-            self._m.itl.observe(max(0.0, now - last))
-        self._last[index] = now
-        if out.finished and not self._done[index]:
-            self._done[index] = True
-            self._m.e2e.observe(max(0.0, now - self._arrival))
-            self._m.request_finished(completion.finish_reason or "stop")
-            self._observe_phases(index, out, now)
-
-    def _observe_phases(self, index: int, out: RequestOutput, now: float) -> None:
-        """vLLM's per-request phase and token histograms, from the engine's timestamps of a finished one."""
-        m, scheduled = out.metrics, out.metrics.get("first_scheduled_time")
-        first_token = m.get("first_token_time")
-        if scheduled is not None:
-            self._m.queue_time.observe(max(0.0, scheduled - m["arrival_time"]))
-            self._m.inference_time.observe(max(0.0, now - scheduled))
-            if first_token is not None:
-                self._m.prefill_time.observe(max(0.0, first_token - scheduled))
-        num_tokens = len(out.outputs[0].token_ids)
-        if first_token is not None:
-            self._m.decode_time.observe(max(0.0, now - first_token))
-            if num_tokens > 1:  # vLLM's TPOT: one sample per request, as `vllm bench serve` defines it
-                self._m.tpot.observe(max(0.0, now - first_token) / (num_tokens - 1))
-        self._m.request_prompt_tokens.observe(len(out.prompt_token_ids))
-        self._m.request_generation_tokens.observe(num_tokens)
-        self._generated[index] = num_tokens
-        if self._group:
-            first = index - index % self._group  # the prompt's sequences: [first, first + n)
-            if all(self._done[first: first + self._group]):
-                self._m.max_num_generation_tokens.observe(max(self._generated[first: first + self._group]))
-
-    def close(self, error: bool = False) -> None:
-        """Count every child that did not finish as aborted (client gone) or failed (idempotent)."""
-        if self._closed:
-            return
-        self._closed = True
-        reason = "error" if error else "abort"
-        unfinished = self._done.count(False)
-        if unfinished:
-            self._m.request_finished(reason, unfinished)
-
-
 class _TokenIdStream:
     """return_token_ids in a stream: each choice's new output ids since its last chunk (a chunk held back,
     mid-character or a possible stop string, passes its ids on to the next), and its prompt's ids once."""
@@ -898,7 +395,7 @@ class _EngineStreamResponse(StreamingResponse):
     own cleanup never runs; this wrapper's does.
     """
 
-    def __init__(self, content: AsyncIterator[str], stream: RequestStream, tracker: _RequestTracker) -> None:
+    def __init__(self, content: AsyncIterator[str], stream: RequestStream, tracker: RequestTracker) -> None:
         super().__init__(content, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._engine_stream = stream
@@ -925,13 +422,8 @@ def _sse(payload: BaseModel) -> str:
 
 
 def _sse_error(err: Exception, status: int) -> str:
-    body = _error_body(str(err), _error_type(status)).decode()
+    body = error_body(str(err), error_type(status)).decode()
     return f"data: {body}\n\n"
-
-
-def _error_type(status: int) -> str:
-    return {408: "timeout_error", 500: "internal_error", 503: "service_unavailable"}.get(
-        status, "invalid_request_error")
 
 
 _ENGINE_ERROR_STATUS: dict[type[Exception], int] = {
@@ -1160,7 +652,7 @@ class OpenAIServer:
         @app.get("/health", responses={503: {"model": ErrorResponse}})
         async def health() -> Response:
             if not self.engine.is_alive:
-                raise APIError(503, "the engine loop is not running", _error_type(503))
+                raise APIError(503, "the engine loop is not running", error_type(503))
             return JSONResponse({"status": "ok"})
 
         # vLLM's /ping (SageMaker's health check), GET or POST: /health's answer.
@@ -1328,31 +820,31 @@ class OpenAIServer:
     def _add_error_handlers(self, app: FastAPI) -> None:
         async def on_api_error(_: Request, exc: Exception) -> Response:
             assert isinstance(exc, APIError)
-            return _error_response(exc)
+            return error_response(exc)
 
         async def on_validation(_: Request, exc: Exception) -> Response:
             assert isinstance(exc, RequestValidationError)
-            return _error_response(_validation_error(exc))
+            return error_response(validation_error(exc))
 
         async def on_http(_: Request, exc: Exception) -> Response:
             assert isinstance(exc, StarletteHTTPException)
             code = "not_found" if exc.status_code == 404 else None
-            error = APIError(exc.status_code, str(exc.detail), _error_type(exc.status_code), code=code)
-            return _error_response(error, exc.headers)  # e.g. Allow on a 405
+            error = APIError(exc.status_code, str(exc.detail), error_type(exc.status_code), code=code)
+            return error_response(error, exc.headers)  # e.g. Allow on a 405
 
         async def on_engine_error(_: Request, exc: Exception) -> Response:
             status = next(s for t, s in _ENGINE_ERROR_STATUS.items() if isinstance(exc, t))
-            return _error_response(APIError(status, str(exc), _error_type(status)))
+            return error_response(APIError(status, str(exc), error_type(status)))
 
         async def on_unexpected(_: Request, exc: Exception) -> Response:
             logger.error("unhandled error", exc_info=exc)
-            return _error_response(APIError(500, "internal server error", "internal_error"))
+            return error_response(APIError(500, "internal server error", "internal_error"))
 
         app.add_exception_handler(APIError, on_api_error)
         app.add_exception_handler(RequestValidationError, on_validation)
         app.add_exception_handler(StarletteHTTPException, on_http)
-        for error_type in _ENGINE_ERRORS:
-            app.add_exception_handler(error_type, on_engine_error)
+        for engine_error in _ENGINE_ERRORS:
+            app.add_exception_handler(engine_error, on_engine_error)
         app.add_exception_handler(Exception, on_unexpected)
 
     # -- shared request plumbing --------------------------------------------------------------
@@ -1476,7 +968,7 @@ class OpenAIServer:
             body.check_supported()
             params = body.sampling_params(defaults.max_tokens(max_tokens), logprobs, defaults.sampling)
         except (ValueError, TypeError) as err:
-            raise _bad_request(err, structured_param=body.structured_outputs_param) from err
+            raise bad_request(err, structured_param=body.structured_outputs_param) from err
         if params.truncate_prompt_tokens is not None:
             keep = self._tokens_to_keep(params.truncate_prompt_tokens, max_tokens, body.max_tokens_param)
             params = dataclasses.replace(params, truncate_prompt_tokens=keep)
@@ -1521,14 +1013,14 @@ class OpenAIServer:
         request's own, checked against the context. A bad grammar (its schema, regex or grammar) is found
         here, where the engine compiles it."""
         if self.engine.is_sleeping:  # as vLLM: its weights are not there to run it
-            raise APIError(503, "the model is sleeping: POST /wake_up first", _error_type(503))
+            raise APIError(503, "the model is sleeping: POST /wake_up first", error_type(503))
         validate = functools.partial(self._check_fits, max_tokens=max_tokens)
         try:
             stream = await self.engine.add(children, validate=validate,
                                            timeout_s=self.config.request_timeout_s, lora_request=lora,
                                            priority=admission.priority, cache_salt=admission.cache_salt)
         except (ValueError, TypeError) as err:
-            raise _bad_request(err, prompt_param, structured_param) from err
+            raise bad_request(err, prompt_param, structured_param) from err
         if self.config.enable_log_requests:
             self._log_requests(stream, children, lora, admission.priority)
         return stream
@@ -1543,7 +1035,7 @@ class OpenAIServer:
                         "lora_request: %s, priority: %d", rid, text, params, ids[:cut],
                         lora.lora_name if lora is not None else None, priority)
 
-    async def _collect(self, stream: RequestStream, tracker: _RequestTracker) -> list[RequestOutput]:
+    async def _collect(self, stream: RequestStream, tracker: RequestTracker) -> list[RequestOutput]:
         """Run a non-streamed request to its end; the final output of every child, in order."""
         finals: list[RequestOutput | None] = [None] * len(stream.request_ids)
         error = False
@@ -1612,7 +1104,7 @@ class OpenAIServer:
             limit = self.generation_defaults.max_tokens(max_tokens)
             return body.beam_search_params(limit if limit is not None else self.max_model_len)
         except (ValueError, TypeError) as err:
-            raise _bad_request(err) from err
+            raise bad_request(err) from err
 
     async def _start_beam_search(self, prompts: Sequence[PromptInput], params: BeamSearchParams,
                                  prompt_param: str, max_tokens: int | None, lora: LoRARequest | None,
@@ -1623,7 +1115,7 @@ class OpenAIServer:
         return await self._start([(prompt, step) for prompt in prompts], prompt_param, max_tokens,
                                  "structured_outputs", lora, admission)
 
-    async def _finish_beam_search(self, stream: RequestStream, tracker: _RequestTracker,
+    async def _finish_beam_search(self, stream: RequestStream, tracker: RequestTracker,
                                   params: BeamSearchParams, skip_special_tokens: bool,
                                   lora: LoRARequest | None, admission: Admission) -> list[RequestOutput]:
         """Run the searches the first step started, as vLLM's server runs them: every step, each live beam of
@@ -1639,7 +1131,7 @@ class OpenAIServer:
                 break
             stream = await self._start([(beam, step) for beams in pending for beam in beams], "prompt", None,
                                        "structured_outputs", lora, admission)
-            tracker = _RequestTracker(self.metrics, time.monotonic(), stream)
+            tracker = RequestTracker(self.metrics, time.monotonic(), stream)
 
         def decode(ids: list[int]) -> str:
             tokenizer = self.tokenizer
@@ -1665,7 +1157,7 @@ class OpenAIServer:
                                 f"{MAX_SEQUENCES_PER_REQUEST} sequences one request may ask for", param="n")
         stream = await self._start_beam_search(prompts, params, "prompt", body.requested_max_tokens, lora,
                                                 body.admission)
-        tracker = _RequestTracker(self.metrics, arrival, stream)
+        tracker = RequestTracker(self.metrics, arrival, stream)
         results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens, lora,
                                            body.admission)
         if results is None:
@@ -1681,7 +1173,7 @@ class OpenAIServer:
                                     usage=self._beam_usage(results))
         return Response(result.model_dump_json(), media_type="application/json")
 
-    async def _beam_results(self, raw: Request, stream: RequestStream, tracker: _RequestTracker,
+    async def _beam_results(self, raw: Request, stream: RequestStream, tracker: RequestTracker,
                             params: BeamSearchParams, skip_special_tokens: bool, lora: LoRARequest | None,
                             admission: Admission) -> list[RequestOutput] | None:
         """A non-streamed search's results (None: the client left), its last step aborted either way."""
@@ -1700,7 +1192,7 @@ class OpenAIServer:
         prompt = encode_rendered(self.tokenizer, prompt_text)
         stream = await self._start_beam_search([prompt], params, "messages", body.requested_max_tokens, lora,
                                                 body.admission)
-        tracker = _RequestTracker(self.metrics, arrival, stream)
+        tracker = RequestTracker(self.metrics, arrival, stream)
         response_id = new_response_id("chatcmpl", body.request_id)
         if body.stream:
             events = self._beam_chat_events(body, stream, tracker, params, response_id, readers, lora)
@@ -1719,7 +1211,7 @@ class OpenAIServer:
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _beam_chat_events(self, body: ChatCompletionRequest, stream: RequestStream,
-                                tracker: _RequestTracker, params: BeamSearchParams, response_id: str,
+                                tracker: RequestTracker, params: BeamSearchParams, response_id: str,
                                 readers: Sequence[_ChoiceReader], lora: LoRARequest | None
                                 ) -> AsyncIterator[str]:
         """A streamed beam search, as vLLM's chat streams it: each choice's role at once, then, when the
@@ -1761,7 +1253,7 @@ class OpenAIServer:
         try:
             body.check_supported()
         except ProtocolError as err:
-            raise _bad_request(err) from err
+            raise bad_request(err) from err
         tokenizer = self._require_tokenizer("messages" if body.messages is not None else "prompt")
         if body.messages is not None:
             text, images = self._chat_prompt(body, body.messages)
@@ -1932,7 +1424,7 @@ class OpenAIServer:
             raise APIError(400, str(err), param=param) from err
         children: list[tuple[PromptInput, PoolingParams]] = [(p, params) for p in prompts]
         stream = await self._start(children, "input", None, "input", lora, body.admission)
-        tracker = _RequestTracker(self.metrics, arrival, stream)
+        tracker = RequestTracker(self.metrics, arrival, stream)
         try:
             finals = await self._unless_disconnected(raw, self._collect(stream, tracker))
         finally:
@@ -1975,7 +1467,7 @@ class OpenAIServer:
             (p, child) for p in prompts for child in _fan_out(params)]
         stream = await self._start(children, "prompt", body.requested_max_tokens,
                                    body.structured_outputs_param, lora, body.admission)
-        tracker = _RequestTracker(self.metrics, arrival, stream, params)
+        tracker = RequestTracker(self.metrics, arrival, stream, params)
         response_id = new_response_id("cmpl", body.request_id)
         try:
             if body.stream:
@@ -2010,7 +1502,7 @@ class OpenAIServer:
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _completion_events(self, body: CompletionRequest, stream: RequestStream,
-                                 tracker: _RequestTracker, response_id: str, n: int, model: str
+                                 tracker: RequestTracker, response_id: str, n: int, model: str
                                  ) -> AsyncIterator[str]:
         created = int(time.time())
         offsets = [0] * len(stream.request_ids)  # text_offset of each choice's next token
@@ -2127,7 +1619,7 @@ class OpenAIServer:
         if body.use_beam_search:
             return await self._beam_search_chat(body, raw, arrival, lora)
         params, readers, stream = await self._start_chat(body, lora)
-        tracker = _RequestTracker(self.metrics, arrival, stream, params)
+        tracker = RequestTracker(self.metrics, arrival, stream, params)
         response_id = new_response_id("chatcmpl", body.request_id)
         try:
             if body.stream:
@@ -2191,7 +1683,7 @@ class OpenAIServer:
                           stop_reason=completion.stop_reason,
                           token_ids=list(completion.token_ids) if body.return_token_ids else None)
 
-    async def _chat_events(self, body: ChatCompletionRequest, stream: RequestStream, tracker: _RequestTracker,
+    async def _chat_events(self, body: ChatCompletionRequest, stream: RequestStream, tracker: RequestTracker,
                            response_id: str, n: int, readers: Sequence[_ChoiceReader], model: str
                            ) -> AsyncIterator[str]:
         created = int(time.time())
