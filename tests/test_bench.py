@@ -709,6 +709,56 @@ def test_vllm_throughput_run_on_any_model(tmp_path, tiny_llama, capsys):
     assert "has none" in capsys.readouterr().err
 
 
+def test_vllm_latency_run(tmp_path, tiny_llama, capsys, monkeypatch):
+    """`plait bench latency` as `vllm bench latency`: warm-up then timed iterations of one batch (every prompt
+    of --input-len ids, --n samples of exactly --output-len tokens each, or a beam search of width --n),
+    vLLM's printed lines and JSON keys; --profile writes a trace instead."""
+    from plait.entrypoints import llm as llm_module
+    from plait.entrypoints.cli import main
+
+    calls = []
+    generate, beam_search = llm_module.LLM.generate, llm_module.LLM.beam_search
+
+    def counting_generate(self, prompts, params=None, **kw):
+        outs = generate(self, prompts, params, **kw)
+        calls.append([(len(o.prompt_token_ids), [len(c.token_ids) for c in o.outputs]) for o in outs])
+        return outs
+
+    def counting_beam_search(self, prompts, params, **kw):
+        outs = beam_search(self, prompts, params, **kw)
+        calls.append(("beams", len(outs), [len(s.tokens) for o in outs for s in o.sequences]))
+        return outs
+
+    monkeypatch.setattr(llm_module.LLM, "generate", counting_generate)
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", str(tiny_llama), "--input-len", "12", "--output-len", "5",
+                 "--batch-size", "3", "--n", "2", "--num-iters-warmup", "1", "--num-iters", "4",
+                 "--output-json", str(out)]) == 0
+    assert calls == [[(12, [5, 5])] * 3] * 5  # 1 warm-up + 4 timed, each the whole batch
+    result = json.loads(out.read_text())
+    lat = result["latencies"]
+    assert len(lat) == 4 and all(t > 0 for t in lat) and result["avg_latency"] == pytest.approx(sum(lat) / 4)
+    pct = [result["percentiles"][p] for p in ("10", "25", "50", "75", "90", "99")]
+    assert pct == sorted(pct) and min(lat) <= pct[0] and pct[-1] <= max(lat)
+    printed = capsys.readouterr().out
+    assert f"Avg latency: {result['avg_latency']} seconds" in printed
+    assert f"99% percentile latency: {result['percentiles']['99']} seconds" in printed
+
+    calls.clear()
+    monkeypatch.setattr(llm_module.LLM, "beam_search", counting_beam_search)
+    assert main(["bench", "latency", "--model", str(tiny_llama), "--input-len", "6", "--output-len", "3",
+                 "--batch-size", "2", "--n", "2", "--use-beam-search", "--num-iters-warmup", "0",
+                 "--num-iters", "1"]) == 0
+    assert [c for c in calls if c[0] == "beams"] == [("beams", 2, [6 + 3] * 4)]
+
+    monkeypatch.setenv("PLAIT_TORCH_PROFILER_DIR", str(tmp_path / "traces"))
+    assert main(["bench", "latency", "--model", str(tiny_llama), "--input-len", "4", "--output-len", "2",
+                 "--batch-size", "1", "--profile"]) == 0
+    assert any((tmp_path / "traces").iterdir())
+    assert main(["bench", "latency", "--model", str(tiny_llama), "--num-iters", "0"]) != 0
+    assert "--num-iters" in capsys.readouterr().err
+
+
 def test_embedding_throughput_bench_on_cpu(tmp_path, tiny_models):
     """benchmarks/embedding_throughput.py over a tiny Qwen3 config: plait and transformers embed the same
     prompts with the same saved weights, so their embeddings agree (fp32), and the report has both sides."""

@@ -365,7 +365,8 @@ def _stream(engine: Any, prompt: str | list[int], params: SamplingParams) -> str
 # `plait bench` subcommands: each module has add_parser(subparsers) and main(args) -> exit status, and
 # imports torch only inside its functions (parsing must stay light: `bench serve` is a client).
 BENCH_MODULES = (
-    "plait.bench.throughput", "plait.bench.serve_client", "plait.bench.w4", "plait.bench.timeline",
+    "plait.bench.throughput", "plait.bench.latency", "plait.bench.serve_client", "plait.bench.w4",
+    "plait.bench.timeline",
 )
 
 
@@ -456,7 +457,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: serve (load generator), w4 (mminf workload), timeline")
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve (load generator), w4 (mminf "
+                                         "workload), timeline")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     for module in BENCH_MODULES:
         importlib.import_module(module).add_parser(bench_sub)
