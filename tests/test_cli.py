@@ -84,6 +84,19 @@ def test_seed_and_dtype_aliases_are_engine_flags():
     assert args.seed == 3 and _engine_config(args).seed == 0
 
 
+def test_max_model_len_takes_vllms_human_readable_sizes(capsys):
+    """As vLLM's --max-model-len: k/m/g/t are powers of 1,000 (decimals allowed), K/M/G/T of 1,024 (whole
+    numbers); anything else is refused by the parser, naming the value."""
+    from plait.entrypoints.cli import _engine_config, parse_args
+
+    for value, tokens in (("32768", 32768), ("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("1M", 2**20)):
+        assert _engine_config(parse_args(["serve", "--max-model-len", value])).max_model_len == tokens
+    for bad in ("2.5K", "32kb", "lots"):
+        with pytest.raises(SystemExit):
+            parse_args(["serve", "--max-model-len", bad])
+        assert repr(bad) in capsys.readouterr().err
+
+
 def test_hf_overrides_is_vllms_json_flag():
     from plait.config import merge_hf_overrides
     from plait.entrypoints.cli import _engine_config, parse_args

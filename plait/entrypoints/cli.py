@@ -7,8 +7,10 @@ import dataclasses
 import importlib
 import json
 import os
+import re
 import sys
 import typing
+from collections.abc import Callable
 from typing import Any
 
 from plait.config import DTYPE_ALIASES, EngineConfig
@@ -124,7 +126,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs: dict[str, Any] = {"action": argparse.BooleanOptionalAction,
                                       "help": _FLAG_HELP.get(f.name, f"(default: {f.default!r})")}
         else:
-            kwargs = {"type": _arg_type(hints[f.name]),
+            kwargs = {"type": _FLAG_TYPES.get(f.name) or _arg_type(hints[f.name]),
                       "help": _FLAG_HELP.get(f.name, f"(default: {f.default!r})")}
         try:
             group.add_argument(flag, dest=f.name, default=None, **kwargs)
@@ -148,6 +150,33 @@ def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="always on in plait: prompts are chunked into every step beside the decodes "
                             "(--no-enable-chunked-prefill is refused)")
+
+
+# vLLM's human-readable sizes: a decimal suffix (k, m, g, t: powers of 1,000, decimals allowed) or a binary
+# one (K, M, G, T: powers of 1,024, whole numbers only).
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's --max-model-len values: "32768", "32k" (32,000), "32K" (32,768), "25.6k" (25,600)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmMgGtT])", value.strip())
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            message = f"not a whole number or a size like 32k / 32K: {value!r}"
+            raise argparse.ArgumentTypeError(message) from None
+    number, suffix = match.groups()
+    if suffix in _DECIMAL_SUFFIXES:
+        return int(float(number) * _DECIMAL_SUFFIXES[suffix])
+    if "." in number:
+        raise argparse.ArgumentTypeError(f"{value!r}: binary suffixes (K, M, G, T) take whole numbers")
+    return int(number) * _BINARY_SUFFIXES[suffix]
+
+
+# Engine flags whose values are not plain numbers.
+_FLAG_TYPES: dict[str, Callable[[str], Any]] = {"max_model_len": human_readable_int}
 
 
 def _arg_type(hint: Any) -> type:
