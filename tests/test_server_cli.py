@@ -40,6 +40,12 @@ def test_serve_flags_reach_the_configs(monkeypatch):
     assert not config_a.trust_request_chat_template
     assert (config_b.host, config_b.api_key, config_b.served_model_name) == ("0.0.0.0", "from-flag", ["m"])
     assert config_c.served_model_names == ("a", "b") and config_c.trust_request_chat_template
+    # vLLM's VLLM_API_KEY where PLAIT_API_KEY is not set; plait's wins where both are.
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm-env")
+    assert cli.main(["serve"]) == 0
+    monkeypatch.delenv("PLAIT_API_KEY")
+    assert cli.main(["serve"]) == 0
+    assert [config.api_key for _, config in seen[3:]] == ["from-env", "from-vllm-env"]
 
 
 def test_serve_lora_flags_reach_the_configs(monkeypatch, capsys):

@@ -261,6 +261,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 _DEFAULT_HOST = "127.0.0.1"
 _DEFAULT_PORT = 8000
 _API_KEY_ENV = "PLAIT_API_KEY"
+_VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's, read where plait's is not set: vLLM deployments run as they are
 _RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 _CORS_ANY = ("*",)
 
@@ -293,7 +294,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         hint = "pip install 'plait[serve]'"
         raise ValueError(f"`plait serve` needs the server dependencies: {hint} ({err})") from err
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get(_API_KEY_ENV) or None
+    api_key = args.api_key
+    if api_key is None:
+        api_key = os.environ.get(_API_KEY_ENV) or os.environ.get(_VLLM_API_KEY_ENV) or None
     config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
                           served_model_name=args.served_model_name, request_timeout_s=args.request_timeout,
                           trust_request_chat_template=args.trust_request_chat_template,
@@ -427,7 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"(default: {_DEFAULT_PORT}; 0 = any free port)")
     srv.add_argument("--api-key", default=None,
                      help=f"require 'Authorization: Bearer <key>' on the /v1 endpoints, as vLLM "
-                          f"(default: ${_API_KEY_ENV} if set; prefer it, as flags show in `ps`)")
+                          f"(default: ${_API_KEY_ENV}, else vLLM's ${_VLLM_API_KEY_ENV}, if set; prefer "
+                          "them, as flags show in `ps`)")
     srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                      help="the model name(s) clients send; the first is the one responses report "
                           "(default: the model file's stem or folder's name)")
