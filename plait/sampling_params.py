@@ -250,6 +250,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's detokenize: False leaves the output's text empty (token ids only), sparing the host the
+    # detokenizer's work; stop strings need the text, so they need it True.
+    detokenize: bool = True
     # Token id -> bias added to its logit before sampling (OpenAI's and vLLM's logit_bias); {} means None.
     logit_bias: dict[int, float] | None = None
     # vLLM's allowed_token_ids: only these ids may be sampled (None: any).
@@ -318,6 +321,9 @@ class SamplingParams:
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        _check_bool("detokenize", self.detokenize)
+        if not self.detokenize and self.stop:
+            raise ValueError("stop strings need the output's text: detokenize must be true to use stop")
 
         for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's max_logprobs
             value = getattr(self, name)

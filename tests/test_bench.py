@@ -719,9 +719,12 @@ def test_vllm_latency_run(tmp_path, tiny_llama, capsys, monkeypatch):
     calls = []
     generate, beam_search = llm_module.LLM.generate, llm_module.LLM.beam_search
 
+    detokenized = []
+
     def counting_generate(self, prompts, params=None, **kw):
         outs = generate(self, prompts, params, **kw)
         calls.append([(len(o.prompt_token_ids), [len(c.token_ids) for c in o.outputs]) for o in outs])
+        detokenized.append(params.detokenize)
         return outs
 
     def counting_beam_search(self, prompts, params, **kw):
@@ -743,6 +746,11 @@ def test_vllm_latency_run(tmp_path, tiny_llama, capsys, monkeypatch):
     printed = capsys.readouterr().out
     assert f"Avg latency: {result['avg_latency']} seconds" in printed
     assert f"99% percentile latency: {result['percentiles']['99']} seconds" in printed
+    assert set(detokenized) == {True}
+    assert main(["bench", "latency", "--model", str(tiny_llama), "--input-len", "4", "--output-len", "2",
+                 "--batch-size", "1", "--num-iters-warmup", "0", "--num-iters", "1",
+                 "--disable-detokenize"]) == 0
+    assert detokenized[-1] is False
 
     calls.clear()
     monkeypatch.setattr(llm_module.LLM, "beam_search", counting_beam_search)

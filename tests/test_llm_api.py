@@ -135,3 +135,14 @@ def test_truncate_to_the_context_leaves_room_for_max_tokens(short_llm):
     words = r"^truncate_prompt_tokens value \(65\) is greater than max_model_len \(64\)\. Please, select a "
     with pytest.raises(ValueError, match=words + r"smaller truncation size\.$"):
         short_llm.generate("x", _greedy(truncate_prompt_tokens=SHORT_CONTEXT + 1), use_tqdm=False)
+
+
+def test_detokenize_off_gives_the_same_tokens_and_no_text(llm):
+    """vLLM's SamplingParams.detokenize=False: the same greedy tokens, each output's text left empty."""
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    with_text = llm.generate(PROMPTS, params, use_tqdm=False)
+    ids_only = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=8, detokenize=False),
+                            use_tqdm=False)
+    assert all(out.outputs[0].text for out in with_text)
+    assert [o.outputs[0].token_ids for o in ids_only] == [o.outputs[0].token_ids for o in with_text]
+    assert all(o.outputs[0].text == "" for o in ids_only)

@@ -36,6 +36,7 @@ def test_defaults_match_vllm() -> None:
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
     assert p.skip_special_tokens is True
     assert p.include_stop_str_in_output is False
+    assert p.detokenize is True
     assert not p.is_greedy
 
 
@@ -316,3 +317,12 @@ def test_structured_outputs_in_sampling_params() -> None:
         SamplingParams(structured_outputs={"schema": {}})
     with pytest.raises(ValueError, match="StructuredOutputsParams"):
         SamplingParams(structured_outputs="json")
+
+
+def test_detokenize_off_refuses_stop_strings() -> None:
+    """vLLM's detokenize=False: token ids only, so stop strings (matched on the text) cannot apply."""
+    assert SamplingParams(detokenize=False, stop_token_ids=[5]).stop_token_ids == [5]
+    with pytest.raises(ValueError, match="detokenize"):
+        SamplingParams(detokenize=False, stop=["\n"])
+    with pytest.raises((TypeError, ValueError), match="detokenize"):
+        SamplingParams(detokenize="no")

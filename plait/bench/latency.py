@@ -51,7 +51,8 @@ def _iteration(llm: Any, args: argparse.Namespace) -> Any:
     if args.use_beam_search:
         params = BeamSearchParams(beam_width=args.n, max_tokens=args.output_len, ignore_eos=True)
         return lambda: llm.beam_search(prompts, params)
-    params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len)
+    params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, ignore_eos=True, max_tokens=args.output_len,
+                            detokenize=not args.disable_detokenize)
     return lambda: llm.generate(prompts, params, use_tqdm=False)
 
 
@@ -113,6 +114,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--profile", action="store_true",
                    help="run one iteration under the torch profiler (trace in $PLAIT_TORCH_PROFILER_DIR or "
                         "$VLLM_TORCH_PROFILER_DIR) instead of timing")
+    p.add_argument("--disable-detokenize", action="store_true",
+                   help="token ids only, no output text (as vLLM's: detokenizing is left out of the timing)")
     p.add_argument("--output-json", default=None, help="write the result JSON here (vLLM's keys)")
     engine = p.add_argument_group("engine")
     engine.add_argument("--load-format", default="auto", help="'dummy': random weights (default: auto)")

@@ -294,7 +294,8 @@ def run_model(args: argparse.Namespace) -> dict:
         samples = random_requests(args.num_prompts, vocab, args.seed, f"1:{inputs}", str(outputs))
     start = time.perf_counter()
     for sample in samples:
-        params = SamplingParams(temperature=args.temperature, max_tokens=sample.output_len, ignore_eos=True)
+        params = SamplingParams(temperature=args.temperature, max_tokens=sample.output_len, ignore_eos=True,
+                                detokenize=not args.disable_detokenize)
         engine.add_request(sample.prompt, params)
     prompt_tokens = output_tokens = 0
     with tqdm(total=sum(s.output_len for s in samples), desc="throughput", unit="tok") as bar:
@@ -369,6 +370,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     adhoc.add_argument("--max-model-len", type=int, default=None,
                        help="(default: the longest random request, or the model's own for ShareGPT)")
     adhoc.add_argument("--seed", type=int, default=0)
+    adhoc.add_argument("--disable-detokenize", action="store_true",
+                       help="token ids only, no output text (as vLLM's: no detokenizing in the timing)")
     adhoc.add_argument("--output-json", default=None, help="write the result JSON here (vLLM's keys)")
     p.set_defaults(func=main)
 

@@ -406,7 +406,7 @@ class LLMEngine:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         params = request.sampling_params
         detok = None
-        if self.tokenizer is not None and request.pooling_params is None:
+        if self.tokenizer is not None and request.pooling_params is None and params.detokenize:
             detok = Detokenizer(self.tokenizer, request.prompt_token_ids, params)
         logprobs = [] if params.logprobs is not None else None
         tracked = _Tracked(request, prompt_text, detok, logprobs, time.monotonic())
