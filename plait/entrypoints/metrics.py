@@ -144,10 +144,7 @@ class _EngineStatsCollector(Collector):
             "vllm:num_requests_waiting": ("Requests queued for admission", s.num_waiting),
             "vllm:kv_cache_usage_perc": ("Fraction of usable KV blocks held by requests (0-1)", s.kv_usage),
         }
-        for name, (doc, value) in vllm_gauges.items():
-            gauge = GaugeMetricFamily(name, doc, labels=[MODEL_NAME_LABEL])
-            gauge.add_metric([self._model_name], value)
-            yield gauge
+        yield from self._labelled(GaugeMetricFamily, vllm_gauges)
         vllm_counters = {
             "vllm:prefix_cache_queries": ("Prompt tokens looked up in the prefix cache",
                                           s.prefix_cache_queries),
@@ -159,10 +156,7 @@ class _EngineStatsCollector(Collector):
                 "vllm:spec_decode_num_draft_tokens": ("Draft tokens scored", s.spec_num_draft_tokens),
                 "vllm:spec_decode_num_accepted_tokens": ("Draft tokens kept", s.spec_num_accepted_tokens),
             })
-        for name, (doc, value) in vllm_counters.items():
-            counter = CounterMetricFamily(name, doc, labels=[MODEL_NAME_LABEL])
-            counter.add_metric([self._model_name], value)
-            yield counter
+        yield from self._labelled(CounterMetricFamily, vllm_counters)
         if s.sleep_level is not None:  # vLLM's, where sleep mode is on: 1 on the state the engine is in
             state = GaugeMetricFamily("vllm:engine_sleep_state",
                                       "Engine sleep state: awake, weights_offloaded (level 1) or discard_all "
@@ -202,6 +196,13 @@ class _EngineStatsCollector(Collector):
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
+
+    def _labelled(self, family: type, metrics: dict[str, tuple[str, float]]) -> Iterable[Metric]:
+        """Each of ``metrics`` (name -> (doc, value)) as a ``family`` with vLLM's model_name label."""
+        for name, (doc, value) in metrics.items():
+            metric = family(name, doc, labels=[MODEL_NAME_LABEL])
+            metric.add_metric([self._model_name], value)
+            yield metric
 
 
 class RequestTracker:
