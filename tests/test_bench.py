@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -296,10 +297,12 @@ def test_bench_serve_counts_match_server_metrics(served, tmp_path):
     status = _bench(["--base-url", url, "--num-prompts", "6", "--prompt-mix", "1:8-40", "--output-len", "8",
                      "--vocab-size", str(vocab), "--request-rate", "20", "--arrival", "poisson",
                      "--seed", "5", "--max-concurrency", "3", "--goodput", "ttft:60000", "tpot:60000",
-                     "--result-file", str(out)])
+                     "--request-id-prefix", "run-7-", "--result-file", str(out)])
     delta = _delta(before, _counters(url))
     assert status == 0
     result = json.loads(out.read_text())
+    # vLLM's --request-id-prefix: request i went with X-Request-Id run-7-<i>, which named the server's answer.
+    assert result["response_ids"] == [f"cmpl-run-7-{i}" for i in range(6)]
     _assert_all_metrics(result)
     assert (result["completed"], result["failed"]) == (6, 0)
     assert result["max_concurrent_requests"] <= 3
@@ -419,6 +422,10 @@ def test_a_vllm_bench_serve_command_line_runs_as_it_is(served, tmp_path):
     assert status == 0 and (result["completed"], result["output_lens"]) == (3, [3, 3, 3])
     assert result["input_lens"] == [12, 12, 12] and "p99_ttft_ms" in result and "p90_ttft_ms" not in result
     assert result["burstiness"] == 0.5
+    # No --request-id-prefix: vLLM's fresh "bench-<8 hex>-" one, which the server's answers carry.
+    prefix = result["request_id_prefix"]
+    assert re.fullmatch(r"bench-[0-9a-f]{8}-", prefix)
+    assert result["response_ids"] == [f"cmpl-{prefix}{i}" for i in range(3)]
 
 
 def test_random_prompts_go_to_chat_as_text(served, tmp_path):

@@ -241,12 +241,14 @@ def test_https_serves_the_openai_client_and_logs_requests(tmp_path, tiny_llama, 
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60,
                                    http_client=httpx.Client(verify=cert))
             reply = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=3,
-                                              temperature=0.0, extra_body={"ignore_eos": True})
-            assert reply.usage.completion_tokens == 3
+                                              temperature=0.0, extra_body={"ignore_eos": True},
+                                              extra_headers={"X-Request-Id": "trace-7"})
+            assert reply.usage.completion_tokens == 3 and reply.id == "cmpl-trace-7"
             with pytest.raises(httpx.HTTPError):
                 httpx.get(url.replace("https://", "http://") + "/health", timeout=5)
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Received request")]
     assert len(logged) == 1 and "prompt_token_ids: [5, 17, 33]," in logged[0], logged
+    assert logged[0].startswith("Received request cmpl-trace-7-0: "), logged  # vLLM's name: id, then index
     assert "temperature=0.0" in logged[0]
 
 

@@ -44,6 +44,7 @@ class RequestResult:
     prompt_len: int = 0  # as the server reported it (usage.prompt_tokens), else as sent
     output_tokens: int = 0  # as the server reported it (usage.completion_tokens); 0 = not reported
     error: str = ""
+    response_id: str | None = None  # the id the server gave its answer (its chunks' "id")
 
     @property
     def num_output_tokens(self) -> int:

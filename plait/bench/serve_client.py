@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -97,6 +98,9 @@ class ServeBenchConfig:
     ready_timeout_s: float = 0.0
     show_progress: bool = True
     timeout_s: float = DEFAULT_TIMEOUT_S
+    # vLLM's --request-id-prefix: timed request i is sent with X-Request-Id <prefix><i>, so the server's ids
+    # and log lines name it (a fresh "bench-<8 hex>-" per run, as vLLM's); None or "": no header.
+    request_id_prefix: str | None = field(default_factory=lambda: f"bench-{uuid.uuid4().hex[:8]}-")
 
     def __post_init__(self) -> None:
         if self.endpoint_type not in ENDPOINT_PATHS:
@@ -146,6 +150,8 @@ class ServeBenchRun:
             "latencies": [r.latency for r in self.results],
             "itls": [r.itl for r in self.results],
             "errors": [r.error for r in self.results],
+            "request_id_prefix": c.request_id_prefix,
+            "response_ids": [r.response_id for r in self.results],
         }
 
 
@@ -229,6 +235,8 @@ async def send_request(client: Any, url: str, payload: dict[str, Any], headers: 
                     break
                 now = time.perf_counter()
                 event = json.loads(data)
+                if result.response_id is None and isinstance(event.get("id"), str):
+                    result.response_id = event["id"]
                 if "error" in event:
                     result.error = f"server error mid-stream: {json.dumps(event['error'])[:MAX_ERROR_CHARS]}"
                     return result
@@ -365,6 +373,7 @@ async def _timed_run(client: Any, url: str, headers: dict[str, str], samples: Se
     offsets = arrival_offsets(len(samples), config.request_rate, config.arrival, config.seed,
                               config.burstiness)
     gate = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    prefix = config.request_id_prefix
     progress = tqdm(total=len(samples), desc="requests", unit="req", disable=not config.show_progress)
     t0 = time.perf_counter()
 
@@ -372,12 +381,13 @@ async def _timed_run(client: Any, url: str, headers: dict[str, str], samples: Se
         delay = t0 + offsets[i] - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
+        mine = {**headers, "X-Request-Id": f"{prefix}{i}"} if prefix else headers
         if gate is None:
-            result = await send_request(client, url, payloads[i], headers, config.endpoint_type,
+            result = await send_request(client, url, payloads[i], mine, config.endpoint_type,
                                         samples[i].prompt_len)
         else:
             async with gate:  # the clock starts once the request is really sent, as in vLLM
-                result = await send_request(client, url, payloads[i], headers, config.endpoint_type,
+                result = await send_request(client, url, payloads[i], mine, config.endpoint_type,
                                             samples[i].prompt_len)
         progress.update(1)
         return result
@@ -499,6 +509,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     load.add_argument("--seed", type=int, default=0, help="seed of the prompts and the Poisson gaps")
     load.add_argument("--max-concurrency", type=int, default=None)
     load.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent first")
+    load.add_argument("--request-id-prefix", default=None,
+                      help="as vLLM's: request i is sent with X-Request-Id PREFIX<i> (default: a fresh "
+                           "'bench-<8 hex>-'; '' sends none)")
     load.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="per-request limit, seconds")
     load.add_argument("--profile", action="store_true",
                       help="run the server's torch profiler around the timed run (as vLLM's; the server "
@@ -586,7 +599,8 @@ def config_from_args(args: argparse.Namespace) -> ServeBenchConfig:
         max_concurrency=args.max_concurrency, ignore_eos=args.ignore_eos, temperature=args.temperature,
         percentiles=parse_percentiles(args.percentiles), goodput=parse_goodput(args.goodput),
         num_warmups=args.num_warmups, show_progress=not args.disable_tqdm, timeout_s=args.timeout,
-        profile=args.profile, ready_timeout_s=args.ready_check_timeout_sec)
+        profile=args.profile, ready_timeout_s=args.ready_check_timeout_sec,
+        **({"request_id_prefix": args.request_id_prefix} if args.request_id_prefix is not None else {}))
 
 
 def _local_tokenizer(tokenizer_path: str) -> Any:

@@ -1006,10 +1006,11 @@ class OpenAIServer:
 
     async def _start(self, children: list[tuple[PromptInput, SamplingParams | PoolingParams]],
                      prompt_param: str, max_tokens: int | None, structured_param: str,
-                     lora: LoRARequest | None = None, admission: Admission = DEFAULT_ADMISSION
-                     ) -> RequestStream:
+                     lora: LoRARequest | None = None, admission: Admission = DEFAULT_ADMISSION,
+                     log_id: str | None = None) -> RequestStream:
         """Queue the children, with ``lora``'s adapter where given, as ``admission`` says (priority, cache
-        salt); ``max_tokens`` is the
+        salt); ``log_id``: the response's id, which --enable-log-requests lines name them by (else the
+        engine's ids); ``max_tokens`` is the
         request's own, checked against the context. A bad grammar (its schema, regex or grammar) is found
         here, where the engine compiles it."""
         if self.engine.is_sleeping:  # as vLLM: its weights are not there to run it
@@ -1022,14 +1023,17 @@ class OpenAIServer:
         except (ValueError, TypeError) as err:
             raise bad_request(err, prompt_param, structured_param) from err
         if self.config.enable_log_requests:
-            self._log_requests(stream, children, lora, admission.priority)
+            self._log_requests(stream, children, lora, admission.priority, log_id)
         return stream
 
     def _log_requests(self, stream: RequestStream, children: list[tuple[PromptInput, Any]],
-                      lora: LoRARequest | None, priority: int) -> None:
-        """vLLM's --enable-log-requests line for each engine request, cut to max_log_len."""
+                      lora: LoRARequest | None, priority: int, log_id: str | None) -> None:
+        """vLLM's --enable-log-requests line for each engine request, cut to max_log_len; named as vLLM's,
+        ``<response id>-<index>`` (so an X-Request-Id finds its lines), where the response's id is known."""
         cut = self.config.max_log_len
-        for rid, ids, (prompt, params) in zip(stream.request_ids, stream.prompt_token_ids, children):
+        names = ([f"{log_id}-{k}" for k in range(len(children))] if log_id is not None
+                 else stream.request_ids)
+        for rid, ids, (prompt, params) in zip(names, stream.prompt_token_ids, children):
             text = prompt[:cut] if isinstance(prompt, str) else None  # a chat's is rendered in the engine
             logger.info("Received request %s: prompt: %r, params: %s, prompt_token_ids: %s, "
                         "lora_request: %s, priority: %d", rid, text, params, ids[:cut],
@@ -1465,10 +1469,10 @@ class OpenAIServer:
         params = self._params(body, body.requested_max_tokens, body.logprobs, len(prompts))
         children: list[tuple[PromptInput, SamplingParams]] = [
             (p, child) for p in prompts for child in _fan_out(params)]
-        stream = await self._start(children, "prompt", body.requested_max_tokens,
-                                   body.structured_outputs_param, lora, body.admission)
-        tracker = RequestTracker(self.metrics, arrival, stream, params)
         response_id = new_response_id("cmpl", body.request_id)
+        stream = await self._start(children, "prompt", body.requested_max_tokens,
+                                   body.structured_outputs_param, lora, body.admission, response_id)
+        tracker = RequestTracker(self.metrics, arrival, stream, params)
         try:
             if body.stream:
                 events = self._completion_events(body, stream, tracker, response_id, params.n,
@@ -1618,9 +1622,9 @@ class OpenAIServer:
         arrival = time.monotonic()
         if body.use_beam_search:
             return await self._beam_search_chat(body, raw, arrival, lora)
-        params, readers, stream = await self._start_chat(body, lora)
-        tracker = RequestTracker(self.metrics, arrival, stream, params)
         response_id = new_response_id("chatcmpl", body.request_id)
+        params, readers, stream = await self._start_chat(body, lora, log_id=response_id)
+        tracker = RequestTracker(self.metrics, arrival, stream, params)
         try:
             if body.stream:
                 events = self._chat_events(body, stream, tracker, response_id, params.n, readers,
@@ -1642,7 +1646,7 @@ class OpenAIServer:
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _start_chat(self, body: ChatCompletionRequest, lora: LoRARequest | None,
-                          prompt_param: str = "messages"
+                          prompt_param: str = "messages", log_id: str | None = None
                           ) -> tuple[SamplingParams, list[_ChoiceReader], RequestStream]:
         """Queue a chat request (chat completions', or the Responses API's conversation as one): its
         SamplingParams, how each choice's output is read, and its engine stream."""
@@ -1665,7 +1669,7 @@ class OpenAIServer:
             prompt = MultiModalPrompt(prompt, pixels)
         stream = await self._start([(prompt, child) for child in _fan_out(params)], prompt_param,
                                    body.requested_max_tokens, body.structured_outputs_param, lora,
-                                   body.admission)
+                                   body.admission, log_id)
         return params, readers, stream
 
     def _chat_choice(self, body: ChatCompletionRequest, index: int, out: RequestOutput, reader: _ChoiceReader
