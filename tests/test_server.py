@@ -1721,6 +1721,10 @@ def _check_request_ids(url: str, model: str, echo: bool) -> None:
         assert ids == {"cmpl-trace-2"} and echoed(r, "trace-2")
     r = post({"request_id": ""})
     assert re.fullmatch(r"cmpl-[0-9a-f]{32}", r.json()["id"])
+    for odd in ("请求-1", "line\nbreak"):  # a body id that is no header value: a fresh one in the header
+        r = post({"request_id": odd})
+        assert r.status_code == 200 and r.json()["id"] == f"cmpl-{odd}"
+        assert not echo or re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
     r = post({"request_id": 5}, request_id="bad-1")
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id" and echoed(r, "bad-1")
     health = httpx.get(f"{url}/health", timeout=CLIENT_TIMEOUT_S)

@@ -88,6 +88,10 @@ def new_response_id(prefix: str, body_request_id: str | None = None) -> str:
     return f"{prefix}-{base}"
 
 
+def _header_safe(value: str) -> bool:
+    return value.isascii() and value.isprintable()
+
+
 class RequestIdMiddleware:
     """Reads each request's X-Request-Id for the ids of its response (new_response_id) and, with
     ``echo`` (vLLM's --enable-request-id-headers), sends X-Request-Id back on every response (pure ASGI, so
@@ -107,7 +111,9 @@ class RequestIdMiddleware:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                rid = ids.incoming or ids.given or uuid.uuid4().hex
+                # A body's request_id is echoed only where it is a valid header value (printable ASCII).
+                given = ids.given if ids.given is not None and _header_safe(ids.given) else None
+                rid = ids.incoming or given or uuid.uuid4().hex
                 headers = [h for h in message.get("headers", []) if h[0].lower() != REQUEST_ID_HEADER]
                 message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, rid.encode("latin-1"))]}
             await send(message)
