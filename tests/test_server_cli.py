@@ -222,7 +222,8 @@ def test_serve_vllm_logging_and_https_flags_reach_the_config(monkeypatch, tmp_pa
 
 def test_https_serves_the_openai_client_and_logs_requests(tmp_path, tiny_llama, caplog):
     """--ssl-keyfile / --ssl-certfile: the openai client, trusting the certificate, gets its completion over
-    HTTPS (plain HTTP gets none); --enable-log-requests logs each request, cut to --max-log-len."""
+    HTTPS (plain HTTP gets none); --enable-log-requests logs each request and --enable-log-outputs each
+    finished output, streamed or not, both cut to --max-log-len and named by the response's id."""
     import logging
 
     openai = pytest.importorskip("openai")
@@ -233,22 +234,34 @@ def test_https_serves_the_openai_client_and_logs_requests(tmp_path, tiny_llama, 
     key, cert = _self_signed(tmp_path)
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8, max_model_len=128))
     config = ServerConfig(log_level="warning", ssl_keyfile=key, ssl_certfile=cert, enable_log_requests=True,
-                          max_log_len=3)
+                          max_log_len=3, enable_log_outputs=True)
     prompt = [5, 17, 33, 2, 9, 41]
     with caplog.at_level(logging.INFO, logger="plait.entrypoints.server"):
         with BackgroundServer(OpenAIServer(engine, config)) as url:
             assert url.startswith("https://")
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60,
                                    http_client=httpx.Client(verify=cert))
+            ids = {"ignore_eos": True, "return_token_ids": True}
             reply = client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=3,
-                                              temperature=0.0, extra_body={"ignore_eos": True},
+                                              temperature=0.0, extra_body=ids,
                                               extra_headers={"X-Request-Id": "trace-7"})
             assert reply.usage.completion_tokens == 3 and reply.id == "cmpl-trace-7"
+            reply_ids = reply.choices[0].token_ids
+            chunks = list(client.completions.create(model=engine.model_name, prompt=prompt, max_tokens=2,
+                                                    stream=True, extra_body=ids,
+                                                    extra_headers={"X-Request-Id": "trace-8"}))
+            assert {c.id for c in chunks} == {"cmpl-trace-8"}
+            stream_ids = [t for c in chunks for ch in c.choices for t in ch.token_ids]
             with pytest.raises(httpx.HTTPError):
                 httpx.get(url.replace("https://", "http://") + "/health", timeout=5)
     logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Received request")]
-    assert len(logged) == 1 and "prompt_token_ids: [5, 17, 33]," in logged[0], logged
+    assert len(logged) == 2 and "prompt_token_ids: [5, 17, 33]," in logged[0], logged
     assert logged[0].startswith("Received request cmpl-trace-7-0: "), logged  # vLLM's name: id, then index
+    outputs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Generated response")]
+    assert outputs == [f"Generated response cmpl-trace-7-0: output: '', output_token_ids: {reply_ids}, "
+                       "finish_reason: length",
+                       f"Generated response cmpl-trace-8-0: output: '', output_token_ids: {stream_ids}, "
+                       "finish_reason: length"], outputs
     assert "temperature=0.0" in logged[0]
 
 

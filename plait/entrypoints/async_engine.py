@@ -93,6 +93,8 @@ class RequestStream:
         self.aborted: list[int] = []  # indices of children aborted before they finished
         # Each child's prompt tokens served from the prefix cache, as its outputs report them.
         self.num_cached_tokens = [0] * len(request_ids)
+        # Called with (index, output) as each child's final output is consumed (a server's output log).
+        self.on_finished: Callable[[int, RequestOutput | PoolingRequestOutput], None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -119,6 +121,8 @@ class RequestStream:
             self._unfinished.discard(item.request_id)
         index = self._index[item.request_id]
         self.num_cached_tokens[index] = item.num_cached_tokens or 0
+        if item.finished and self.on_finished is not None:
+            self.on_finished(index, item)
         return index, item
 
     def abort(self) -> None:

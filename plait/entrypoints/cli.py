@@ -316,6 +316,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           uvicorn_log_level=args.uvicorn_log_level,
                           disable_uvicorn_access_log=args.disable_uvicorn_access_log,
                           enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                          enable_log_outputs=args.enable_log_outputs,
                           enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                           enable_server_load_tracking=args.enable_server_load_tracking,
                           enable_request_id_headers=args.enable_request_id_headers,
@@ -474,6 +475,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "`plait bench timeline PATH` plots it)")
     srv.add_argument("--enable-log-requests", action="store_true",
                      help="log each request's id, prompt, token ids and sampling params, as vLLM's")
+    srv.add_argument("--enable-log-outputs", action="store_true",
+                     help="log each finished completion's or chat's text, token ids and finish reason, as "
+                          "vLLM's (named as its --enable-log-requests line)")
     srv.add_argument("--disable-log-requests", action="store_true",
                      help="accepted for vLLM command lines (requests are not logged unless "
                           "--enable-log-requests)")

@@ -278,6 +278,9 @@ class ServerConfig:
     # vLLM's --enable-log-requests: one log line per engine request (its id, prompt, token ids and sampling
     # params), the prompt and ids cut to max_log_len characters and ids (vLLM's --max-log-len; None: whole).
     enable_log_requests: bool = False
+    # vLLM's --enable-log-outputs: one log line per finished engine request of a completion or chat (its text
+    # and token ids, cut to max_log_len, and why it finished), named as its --enable-log-requests line.
+    enable_log_outputs: bool = False
     max_log_len: int | None = None
     # What the ids of stored Responses begin with; a data-parallel replica's name it, so that the front can
     # send requests naming a response to the replica that stores it (plait.entrypoints.replica_router).
@@ -1024,7 +1027,16 @@ class OpenAIServer:
             raise bad_request(err, prompt_param, structured_param) from err
         if self.config.enable_log_requests:
             self._log_requests(stream, children, lora, admission.priority, log_id)
+        if self.config.enable_log_outputs and log_id is not None:
+            stream.on_finished = functools.partial(self._log_output, log_id)
         return stream
+
+    def _log_output(self, log_id: str, index: int, out: RequestOutput) -> None:
+        """vLLM's --enable-log-outputs line for a finished engine request, streamed or not."""
+        cut = self.config.max_log_len
+        completion = out.outputs[0]
+        logger.info("Generated response %s-%d: output: %r, output_token_ids: %s, finish_reason: %s", log_id,
+                    index, completion.text[:cut], list(completion.token_ids)[:cut], completion.finish_reason)
 
     def _log_requests(self, stream: RequestStream, children: list[tuple[PromptInput, Any]],
                       lora: LoRARequest | None, priority: int, log_id: str | None) -> None:
