@@ -190,3 +190,14 @@ def test_llm_prompt_dicts_take_a_cache_salt(tiny_llama):
     assert cached("a") == 0 and cached("a") > 0 and cached("b") == 0
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate([{"prompt_token_ids": ids, "cache_salt": ""}], params, use_tqdm=False)
+    # A beam search's every step keeps its prompt's salt: its blocks serve that salt only.
+    from plait.sampling_params import BeamSearchParams
+
+    other = _shared_prefix_prompts(4 * BLOCK, seed=5)[0]
+    beams = BeamSearchParams(beam_width=2, max_tokens=2)
+    llm.beam_search([{"prompt_token_ids": other, "cache_salt": "c"}], beams)
+    (plain,) = llm.generate([other], params, use_tqdm=False)
+    (salted,) = llm.generate([{"prompt_token_ids": other, "cache_salt": "c"}], params, use_tqdm=False)
+    assert plain.num_cached_tokens == 0 and salted.num_cached_tokens > 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.beam_search([{"prompt_token_ids": other, "cache_salt": ""}], beams)

@@ -259,17 +259,20 @@ class LLM:
         Each step scores every live beam of every prompt in one batch of 1-token requests (prefix caching
         makes their shared prefixes cheap). As vLLM's, a sequence's ``tokens`` start with the prompt's, a
         finished one's end with its EOS, and ``text`` is all of them decoded, special tokens included.
-        ``lora_request``: as generate's; every beam of a prompt runs with that prompt's adapter.
+        ``lora_request``: as generate's; every beam of a prompt runs with that prompt's adapter (and its
+        prompt dict's ``cache_salt``).
         """
         step = step_params(params)
         prompts = _as_prompt_list(prompts)
         loras = _as_lora_list(lora_request, len(prompts))
         prompt_ids = [self._tokenize(prompt, step, lora) for prompt, lora in zip(prompts, loras)]
+        salts = [_cache_salt(prompt) for prompt in prompts]  # every beam of a prompt keeps its salt
         searches = [BeamSearch(ids, params, self.engine.eos_token_ids, self.engine.max_model_len)
                     for ids in prompt_ids]
         with tqdm(total=params.max_tokens, desc="beam search", unit="step", disable=not use_tqdm) as bar:
             while any(pending := pending_beams(searches)):
-                beams = [{"prompt_token_ids": tokens} for beam_list in pending for tokens in beam_list]
+                beams = [{"prompt_token_ids": tokens, **({"cache_salt": salt} if salt is not None else {})}
+                         for salt, beam_list in zip(salts, pending) for tokens in beam_list]
                 beam_loras = [lora for lora, beam_list in zip(loras, pending) for _ in beam_list]
                 advance_all(searches, pending, self.generate(beams, step, use_tqdm=False,
                                                              lora_request=beam_loras))
@@ -283,7 +286,8 @@ class LLM:
     def _tokenize(self, prompt: PromptType, params: SamplingParams, lora: LoRARequest | None = None
                   ) -> list[int]:
         """A prompt's token ids, as the engine makes them for ``params`` (validated, nothing queued)."""
-        request, _ = self.engine.make_request(_prompt_payload(prompt), params, lora_request=lora)
+        request, _ = self.engine.make_request(_prompt_payload(prompt), params, lora_request=lora,
+                                              cache_salt=_cache_salt(prompt))
         return list(request.prompt_token_ids)
 
     def chat(
