@@ -10,6 +10,10 @@ fresh process:
 
     PYTHONPATH=. python benchmarks/first_requests.py --config shared/bench/models/llama-8b --out a.json
     PYTHONPATH=. python benchmarks/first_requests.py --config shared/bench/models/llama-8b --no-warm-up ...
+
+and plot them side by side (each mix's slowest first-pass step):
+
+    PYTHONPATH=. python benchmarks/first_requests.py --plot first.png "without=b.json" "with=a.json"
 """
 
 from __future__ import annotations
@@ -125,15 +129,22 @@ def _phases(vocab: int, max_len: int, seed: int) -> dict[str, Callable[[], Arriv
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", required=True, help="model folder (random weights: --load-format dummy)")
+    parser.add_argument("--config", default=None, help="model folder (random weights: --load-format dummy)")
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--no-warm-up", dest="warm_up", action="store_false")
     parser.add_argument("--keep-triton-cache", action="store_true",
                         help="use the machine's Triton cache instead of an empty one")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--rounds", type=int, default=2, help="passes over the mixes (default: 2)")
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=None, help="write the result JSON here")
+    parser.add_argument("--plot", nargs="+", metavar=("PNG", "RESULT"), default=None,
+                        help="instead of running: plot the given results (PNG then NAME=RESULT.json ...)")
     args = parser.parse_args()
+    if args.plot:
+        _plot(args.plot[0], args.plot[1:])
+        return
+    if args.out is None or args.config is None:
+        parser.error("--config and --out are required unless --plot is given")
 
     log = CompileLog()
     log.install()
@@ -172,6 +183,23 @@ def main() -> None:
     write_json(Path(args.out), result)
     print(f"start-up {startup_s:.1f} s ({at_start} compiles); after it {len(after)} compiles, "
           f"{result['compile_ms_after_startup']:.0f} ms", flush=True)
+
+
+def _plot(png: str, named_results: list[str]) -> None:
+    """--plot PNG NAME=RESULT.json ...: the slowest step of each mix's first pass, run beside run."""
+    import json
+
+    from plait.bench.plots import plot_first_requests
+
+    runs = {}
+    for item in named_results:
+        name, sep, path = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--plot takes NAME=RESULT.json after the PNG, got {item!r}")
+        runs[name] = json.loads(Path(path).read_text())
+    if not runs:
+        raise SystemExit("--plot needs at least one NAME=RESULT.json")
+    print(f"plot: {plot_first_requests(runs, png)}")
 
 
 if __name__ == "__main__":

@@ -474,6 +474,20 @@ def test_bench_serve_plots(served, tmp_path):
         assert (tmp_path / "plots" / name).stat().st_size > 0
 
 
+def test_first_requests_plot_from_committed_results(tmp_path):
+    """benchmarks/first_requests.py --plot: the H200 runs with and without the warm-up, side by side."""
+    pytest.importorskip("matplotlib")
+    results = REPO / "benchmarks" / "results" / "first_requests_h200"
+    png = tmp_path / "first.png"
+
+    out = subprocess.run([sys.executable, str(REPO / "benchmarks" / "first_requests.py"), "--plot", str(png),
+                          f"without={results / 'first_requests_no_warm_up.json'}",
+                          f"with={results / 'first_requests_warm_up.json'}"], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_bench_serve_reports_failures(served, tmp_path):
     url, _ = served
     out = tmp_path / "bad.json"

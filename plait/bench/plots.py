@@ -1,4 +1,5 @@
-"""Benchmark pictures (PNG): TTFT CDF, per-stream ITL over time, throughput over time, the W5 sweep.
+"""Benchmark pictures (PNG): TTFT CDF, per-stream ITL over time, throughput over time, the W5 sweep, first
+requests with and without the start-up warm-up.
 
 matplotlib is imported only when a plot is asked for (it is in the `bench` and `test` extras).
 """
@@ -18,6 +19,7 @@ DPI = 120
 NUM_TIME_BUCKETS = 40
 MIN_BUCKET_S = 0.05
 SERVE_PLOTS = ("ttft_cdf.png", "itl_over_time.png", "throughput_over_time.png")
+LEGEND_HEADROOM = 12  # log-scale bar charts: room above the tallest bar, as a factor of it
 
 
 def pyplot() -> Any:
@@ -138,4 +140,30 @@ def plot_stream_itls(panels: dict[str, tuple[list[list[float]], dict[str, float]
         ax.set(xlabel="time since start (s)", ylabel="inter-token latency (ms)", title=name)
         ax.grid(alpha=0.3)
         ax.legend(loc="upper right", fontsize="small")
+    return save(fig, path)
+
+
+def plot_first_requests(runs: dict[str, dict[str, Any]], path: str | Path) -> Path:
+    """Each request mix's slowest step in its first pass (log scale), one bar per run (runs: name ->
+    benchmarks/first_requests.py's result), with each run's compiles after start-up in the legend."""
+    plt = pyplot()
+    first_pass = {name: [p for p in run["phases"] if p["phase"].endswith("(pass 1)")]
+                  for name, run in runs.items()}
+    phases = [p["phase"].removesuffix(" (pass 1)") for p in next(iter(first_pass.values()))]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(runs)
+    x = np.arange(len(phases))
+    for k, (name, run) in enumerate(runs.items()):
+        label = (f"{name}: {run['compiles_after_startup']} compiles after start-up, "
+                 f"{run['compile_ms_after_startup'] / MS_PER_S:.1f} s")
+        ax.bar(x + (k - (len(runs) - 1) / 2) * width, [p["max_step_ms"] for p in first_pass[name]], width,
+               label=label)
+    ax.set_xticks(x, phases, rotation=20, ha="right")
+    ax.set_yscale("log")
+    tallest = max(p["max_step_ms"] for passes in first_pass.values() for p in passes)
+    ax.set_ylim(top=tallest * LEGEND_HEADROOM)  # the legend above the bars, not over them
+    ax.set(ylabel="slowest step of the mix's first pass (ms)",
+           title="A fresh machine's first requests (empty Triton cache)")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend()
     return save(fig, path)
