@@ -672,7 +672,8 @@ async def _listed_model(config: ServeBenchConfig, headers: dict[str, str]) -> st
 
 def samples_from_args(args: argparse.Namespace, config: ServeBenchConfig | None = None
                       ) -> list[SampleRequest]:
-    """The requests to send; ``config`` (the server to ask) is needed for --dataset sharegpt."""
+    """The requests to send, from ``args`` as config_from_args resolved them (vLLM's names folded in, the
+    defaults set); ``config`` (the server to ask) is needed for --dataset sharegpt."""
     if args.sharegpt_output_len is not None and args.dataset != "sharegpt":
         raise ValueError("--sharegpt-output-len is for --dataset sharegpt")
     chat = args.endpoint_type == "chat"
@@ -683,8 +684,7 @@ def samples_from_args(args: argparse.Namespace, config: ServeBenchConfig | None 
     if args.dataset in ("file", "sharegpt") and not args.dataset_path:
         raise ValueError(f"--dataset {args.dataset} needs --dataset-path")
     if args.dataset == "file":
-        output_lens = args.output_len or W5_OUTPUT_LENS
-        samples = file_requests(args.dataset_path, args.num_prompts, output_lens, args.seed)
+        samples = file_requests(args.dataset_path, args.num_prompts, args.output_len, args.seed)
     elif args.dataset == "sharegpt":
         if config is None:
             raise ValueError("--dataset sharegpt needs the server, to count tokens")
@@ -696,8 +696,8 @@ def samples_from_args(args: argparse.Namespace, config: ServeBenchConfig | None 
         if args.dataset_path:
             raise ValueError("--dataset-path is for --dataset file or sharegpt")
         n = DEFAULT_NUM_PROMPTS if args.num_prompts is None else args.num_prompts
-        samples = random_requests(n, args.vocab_size, args.seed, args.prompt_mix or W5_PROMPT_MIX,
-                                  args.output_len or W5_OUTPUT_LENS, args.random_prefix_len)
+        samples = random_requests(n, args.vocab_size, args.seed, args.prompt_mix, args.output_len,
+                                  args.random_prefix_len)
         if chat:  # chat takes text: the random ids as the served model's tokenizer reads them, as vLLM does
             if config is None and args.tokenizer is None:
                 raise ValueError("random prompts for chat need the server (or --tokenizer) to make them text")
