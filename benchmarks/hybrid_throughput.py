@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from plait.bench.shared import device_name
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine
 from plait.sampling_params import SamplingParams
@@ -130,7 +131,7 @@ def main() -> None:
     vocab = engine.model_config.vocab_size
     runner = engine.runner
     result = {
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "config": args.config,
+        "device": device_name(), "config": args.config,
         "architecture": engine.model_config.architecture,
         "num_kv_cache_layers": len(runner.kv_caches), "num_mamba_layers": len(runner.recurrent_states or []),
         "state_slots": runner.num_state_slots, "kv_blocks": runner.num_kv_blocks,

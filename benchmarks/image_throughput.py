@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from plait import LLM, SamplingParams
-from plait.bench.shared import find_shared
+from plait.bench.shared import device_name, find_shared
 from plait.bench.throughput import measure_roofline
 
 
@@ -115,7 +115,7 @@ def main() -> None:
         "what": __doc__.splitlines()[0],
         "command": "PYTHONPATH=. python benchmarks/image_throughput.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": device_name(),
         "config": args.config,
         "num_requests": args.num_requests, "prompt_len": 1 + n + args.text_len, "output_len": args.output_len,
         "with_images": images_run,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from plait.bench.shared import device_name
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine
 from plait.sampling_params import SamplingParams
@@ -59,7 +60,7 @@ def main() -> None:
     engine = LLMEngine(EngineConfig(model=args.config, load_format="dummy", max_num_seqs=args.requests,
                                     max_num_batched_tokens=args.budget, max_model_len=4096))
     vocab = engine.model_config.vocab_size
-    result = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    result = {"device": device_name(),
               "config": args.config, "attention_backend": engine.runner.attn_backend.name,
               "requests": args.requests, "prefix_tokens": args.prefix, "own_tokens": args.own,
               "output_tokens": args.output, "max_num_batched_tokens": args.budget}

@@ -15,7 +15,7 @@ import argparse
 import time
 from typing import Any
 
-from plait.bench.shared import write_json
+from plait.bench.shared import device_name, write_json
 
 # `vllm bench latency`'s defaults.
 VLLM_INPUT_LEN, VLLM_OUTPUT_LEN, VLLM_BATCH_SIZE = 32, 128, 8
@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "percentiles": {str(p): float(np.percentile(latencies, p)) for p in PERCENTILES},
               "model": args.model, "batch_size": args.batch_size, "input_len": args.input_len,
               "output_len": args.output_len, "n": args.n, "use_beam_search": args.use_beam_search,
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+              "device": device_name()}
     llm.engine.shutdown()
     return result
 

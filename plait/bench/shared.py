@@ -61,3 +61,10 @@ def write_json(path: str | Path, obj: Any, indent: int = 1) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, indent=indent))
     return path
+
+
+def device_name() -> str:
+    """The GPU's name for a result's "device" field, or "cpu"."""
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

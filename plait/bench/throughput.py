@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from plait.bench.shared import find_shared, load_shared_module, run_isolated, write_json
+from plait.bench.shared import device_name, find_shared, load_shared_module, run_isolated, write_json
 from plait.config import EngineConfig
 
 if TYPE_CHECKING:  # torch and the engine load only when the benchmark runs, not with the CLI
@@ -198,7 +198,7 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
     engine.record_timeline = False
     result = {
         "workload": name,
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": device_name(),
         "model": str(args.config) if args.config else model_name,
         "requests": num,
         "prompt_len": [lo, hi],
@@ -315,7 +315,7 @@ def run_model(args: argparse.Namespace) -> dict:
             "requests_per_second": len(samples) / elapsed, "tokens_per_second": total / elapsed,
             "output_tokens": output_tokens, "output_tokens_per_second": output_tokens / elapsed,
             "model": args.model, "dataset": args.dataset_name,
-            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"}
+            "device": device_name()}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
