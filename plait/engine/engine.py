@@ -289,9 +289,7 @@ class LLMEngine:
         self._validate_priority(priority)
         salt = salt_key(cache_salt)
         if isinstance(params, PoolingParams):
-            request, text = self._make_pooling_request(prompt, params, request_id, lora_request, priority)
-            request.cache_salt = salt
-            return request, text
+            return self._make_pooling_request(prompt, params, request_id, lora_request, priority, salt)
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if self.pooler is not None:
@@ -368,10 +366,10 @@ class LLMEngine:
         return request_id
 
     def _make_pooling_request(self, prompt: str | Sequence[int], params: PoolingParams,
-                              request_id: str | None, lora_request: LoRARequest | None, priority: int
-                              ) -> tuple[Request, str | None]:
+                              request_id: str | None, lora_request: LoRARequest | None, priority: int,
+                              salt: bytes) -> tuple[Request, str | None]:
         """An embedding request: its prompt (truncated as asked; it may fill the whole context, since nothing
-        follows it), checked against the pooler (dimensions), sampling nothing."""
+        follows it), checked against the pooler (dimensions), sampling nothing; ``salt``: salt_key's."""
         if self.pooler is None:
             raise ValueError(GENERATE_MODEL_MESSAGE)
         request_id = self._new_request_id(request_id)
@@ -383,7 +381,7 @@ class LLMEngine:
         lora = self.lora_adapter(lora_request)
         request = Request(request_id=request_id, prompt_token_ids=token_ids, sampling_params=SamplingParams(),
                           max_tokens=0, pooling_params=params, lora=lora, priority=priority,
-                          cache_key=lora.request.cache_key if lora is not None else b"")
+                          cache_key=lora.request.cache_key if lora is not None else b"", cache_salt=salt)
         return request, text
 
     @property
