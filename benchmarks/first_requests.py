@@ -19,6 +19,7 @@ and plot them side by side (each mix's slowest first-pass step):
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import tempfile
@@ -34,9 +35,10 @@ if "--keep-triton-cache" not in sys.argv:
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from plait.bench.shared import write_json  # noqa: E402
+from plait.bench.shared import device_name, write_json  # noqa: E402
 from plait.config import EngineConfig  # noqa: E402
 from plait.engine.engine import LLMEngine  # noqa: E402
+from plait.engine.warmup import Arrivals, drive  # noqa: E402
 from plait.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -68,27 +70,27 @@ def _tokens(gen: torch.Generator, n: int, vocab: int) -> list[int]:
 
 
 def _drive(engine: LLMEngine, arrivals: Arrivals, tag: str) -> dict:
-    """Step until every request is done, adding ``arrivals[i]`` before step i; the wall time and the
-    slowest step (synchronised, so a step's compile and launch time land in it)."""
+    """Run the mix as the warm-up runs its own (plait.engine.warmup.drive); the wall time, the steps and the
+    slowest (synchronised, so a step's compile and launch time land in it)."""
     start = time.perf_counter()
     step_ms: list[float] = []
-    n = 0
-    while True:
-        for k, (prompt, params) in enumerate(arrivals.get(len(step_ms), [])):
-            engine.add_request(prompt, params, request_id=f"{tag}-{len(step_ms)}-{k}-{n}")
-            n += 1
-        if not engine.has_unfinished_requests() and len(step_ms) >= max(arrivals, default=0):
-            break
+    ids = itertools.count()
+
+    def add(prompt: list[int], params: SamplingParams) -> None:
+        engine.add_request(prompt, params, request_id=f"{tag}-{next(ids)}")
+
+    def timed_step() -> None:
         t = time.perf_counter()
         engine.step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         step_ms.append((time.perf_counter() - t) * 1e3)
+
+    drive(engine, arrivals, add, timed_step)
     return {"wall_s": round(time.perf_counter() - start, 3), "steps": len(step_ms),
             "max_step_ms": round(max(step_ms, default=0.0), 1)}
 
 
-Arrivals = dict[int, list[tuple[list[int], SamplingParams]]]  # requests to add before step i
 
 
 def _phases(vocab: int, max_len: int, seed: int) -> dict[str, Callable[[], Arrivals]]:
@@ -170,7 +172,7 @@ def main() -> None:
         "what": "Triton specialisations compiled after start-up while a server's request mixes run, on an "
                 "empty Triton cache; each phase twice (the second pass on other tokens)",
         "command": "PYTHONPATH=. python benchmarks/first_requests.py " + " ".join(sys.argv[1:]),
-        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "device": device_name(),
         "torch": torch.__version__, "triton": triton.__version__,
         "warm_up": args.warm_up, "startup_s": round(startup_s, 2),
         "warm_up_s": round(engine.warm_up_report.seconds, 2) if engine.warm_up_report else None,

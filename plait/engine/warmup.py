@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -122,15 +122,21 @@ class _Driver:
         self.report.requests += 1
 
     def run(self, arrivals: Arrivals) -> None:
-        """Step until every request is done, adding ``arrivals[i]`` before step i."""
-        step = 0
-        last_arrival = max(arrivals, default=0)
-        while step <= last_arrival or self.engine.has_unfinished_requests():
-            for prompt, params in arrivals.get(step, ()):
-                self.add(prompt, params)
-            if self.engine.has_unfinished_requests():
-                self.engine.step()
-            step += 1
+        drive(self.engine, arrivals, self.add)
+
+
+def drive(engine: LLMEngine, arrivals: Arrivals, add: Callable[[list[int], SamplingParams], None],
+          step: Callable[[], object] | None = None) -> None:
+    """Step ``engine`` until every request is done, ``add``-ing ``arrivals[i]`` before step i (``step``:
+    how one step is taken, engine.step by default; none is taken while nothing is queued or running)."""
+    take_step = step or engine.step
+    index, last_arrival = 0, max(arrivals, default=0)
+    while index <= last_arrival or engine.has_unfinished_requests():
+        for prompt, params in arrivals.get(index, ()):
+            add(prompt, params)
+        if engine.has_unfinished_requests():
+            take_step()
+        index += 1
 
 
 def _greedy(max_tokens: int) -> SamplingParams:
