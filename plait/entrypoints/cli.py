@@ -1,4 +1,4 @@
-"""The ``plait`` command: generate, chat (one-shot or interactive), serve (OpenAI-compatible HTTP), bench."""
+"""The ``plait`` command: generate, chat, serve (OpenAI-compatible HTTP), run-batch, bench."""
 
 from __future__ import annotations
 
@@ -333,6 +333,70 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_run_batch(args: argparse.Namespace) -> int:
+    try:
+        from plait.engine.engine import LLMEngine
+        from plait.entrypoints.batch_runner import IN_FLIGHT_PER_SEQ, check_paths, run_batch_file
+        from plait.entrypoints.server import OpenAIServer, ServerConfig
+    except ImportError as err:
+        hint = "pip install 'plait[serve]'"
+        raise ValueError(f"`plait run-batch` needs the server dependencies: {hint} ({err})") from err
+    import logging
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request: the bar counts them
+    check_paths(args.input_file, args.output_file)
+    config = ServerConfig(served_model_name=args.served_model_name,
+                          trust_request_chat_template=args.trust_request_chat_template,
+                          chat_template=args.chat_template,
+                          enable_auto_tool_choice=args.enable_auto_tool_choice,
+                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                          exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                          log_level=args.log_level, disable_log_stats=args.disable_log_stats,
+                          lora_modules=args.lora_modules or (),
+                          enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                          enable_log_outputs=args.enable_log_outputs,
+                          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+    engine = LLMEngine(_engine_config(args))  # offline defaults (the larger token budget): a batch job
+    server = OpenAIServer(engine, config)
+    summary = run_batch_file(server, args.input_file, args.output_file,
+                             IN_FLIGHT_PER_SEQ * engine.config.max_num_seqs, tmp_dir=args.output_tmp_dir)
+    print(f"plait: {summary.total} requests, {summary.succeeded} answered, {summary.failed} failed; "
+          f"answers in {args.output_file}", file=sys.stderr)
+    return 0
+
+
+def _add_request_handling_args(parser: argparse.ArgumentParser) -> None:
+    """How served requests are named, read, answered and logged: flags of serve and run-batch alike."""
+    parser.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                        help="the model name(s) clients send; the first is the one responses report "
+                             "(default: the model file's stem or folder's name)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let chat requests bring their own chat template (a Jinja program)")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="logprobs name tokens 'token_id:<id>' (as vLLM) unless a request sets "
+                             "return_tokens_as_token_ids false")
+    parser.add_argument("--log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug"])
+    parser.add_argument("--disable-log-stats", action="store_true",
+                        help="no periodic stats lines (throughputs, queue, KV cache, speculation), as vLLM's")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="as vLLM's: usage gives prompt_tokens_details.cached_tokens, the prompt tokens "
+                             "the prefix cache served")
+    parser.add_argument("--enable-log-requests", action="store_true",
+                        help="log each request's id, prompt, token ids and sampling params, as vLLM's")
+    parser.add_argument("--enable-log-outputs", action="store_true",
+                        help="log each finished completion's or chat's text, token ids and finish reason, as "
+                             "vLLM's (named as its --enable-log-requests line)")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="accepted for vLLM command lines (requests are not logged unless "
+                             "--enable-log-requests)")
+    parser.add_argument("--max-log-len", type=int, default=None,
+                        help="with --enable-log-requests: the prompt characters and ids logged "
+                             "(default: all)")
+
+
 def _add_cors_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's CORS flags: which web pages' scripts may call the server from a browser."""
     group = parser.add_argument_group("CORS")
@@ -368,12 +432,14 @@ def _add_tool_args(parser: argparse.ArgumentParser) -> None:
                             "deepseek_r1 (also QwQ), deepseek_v3 (DeepSeek-V3.1, reasoning only when asked)")
 
 
-def _add_lora_args(parser: argparse.ArgumentParser) -> None:
+def _add_lora_args(parser: argparse.ArgumentParser, runtime_updates: bool = True) -> None:
     """vLLM's LoRA serving flags (--enable-lora, --max-loras and --max-lora-rank are engine knobs)."""
     group = parser.add_argument_group("LoRA adapters")
     group.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                        help="PEFT LoRA adapters served under their own model names (needs --enable-lora): "
                             "name=path, or JSON '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    if not runtime_updates:
+        return
     runtime = os.environ.get(_RUNTIME_LORA_ENV, "").lower() in ("1", "true")
     group.add_argument("--allow-runtime-lora-updating", action=argparse.BooleanOptionalAction,
                        default=runtime,
@@ -433,21 +499,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"require 'Authorization: Bearer <key>' on the /v1 endpoints, as vLLM "
                           f"(default: ${_API_KEY_ENV}, else vLLM's ${_VLLM_API_KEY_ENV}, if set; prefer "
                           "them, as flags show in `ps`)")
-    srv.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
-                     help="the model name(s) clients send; the first is the one responses report "
-                          "(default: the model file's stem or folder's name)")
-    srv.add_argument("--trust-request-chat-template", action="store_true",
-                     help="let chat requests bring their own chat template (a Jinja program)")
-    srv.add_argument("--return-tokens-as-token-ids", action="store_true",
-                     help="logprobs name tokens 'token_id:<id>' (as vLLM) unless a request sets "
-                          "return_tokens_as_token_ids false")
+    _add_request_handling_args(srv)
     _add_tool_args(srv)
     _add_lora_args(srv)
     srv.add_argument("--request-timeout", type=float, default=None,
                      help="abort requests running longer than this many seconds (default: never)")
-    srv.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    srv.add_argument("--disable-log-stats", action="store_true",
-                     help="no periodic stats lines (throughputs, queue, KV cache, speculation), as vLLM's")
     srv.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                      help="as vLLM's: N engine replicas behind this address, each on its own "
                           "--tensor-parallel-size GPUs (default: 1)")
@@ -461,9 +517,6 @@ def build_parser() -> argparse.ArgumentParser:
                      choices=["critical", "error", "warning", "info", "debug", "trace"],
                      help="the HTTP server's log level (default: --log-level)")
     srv.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
-    srv.add_argument("--enable-prompt-tokens-details", action="store_true",
-                     help="as vLLM's: usage gives prompt_tokens_details.cached_tokens, the prompt tokens the "
-                          "prefix cache served")
     srv.add_argument("--enable-server-load-tracking", action="store_true",
                      help="as vLLM's: GET /load gives the model-running requests in flight")
     srv.add_argument("--enable-request-id-headers", action="store_true",
@@ -473,16 +526,6 @@ def build_parser() -> argparse.ArgumentParser:
                      help="when the server stops, write the engine's step timeline here (each step's time, "
                           "prompt and decode tokens, rows, graph replay, KV blocks, preemptions; "
                           "`plait bench timeline PATH` plots it)")
-    srv.add_argument("--enable-log-requests", action="store_true",
-                     help="log each request's id, prompt, token ids and sampling params, as vLLM's")
-    srv.add_argument("--enable-log-outputs", action="store_true",
-                     help="log each finished completion's or chat's text, token ids and finish reason, as "
-                          "vLLM's (named as its --enable-log-requests line)")
-    srv.add_argument("--disable-log-requests", action="store_true",
-                     help="accepted for vLLM command lines (requests are not logged unless "
-                          "--enable-log-requests)")
-    srv.add_argument("--max-log-len", type=int, default=None,
-                     help="with --enable-log-requests: the prompt characters and ids logged (default: all)")
     srv.add_argument("--root-path", default="",
                      help="the path prefix a proxy in front of the server strips, as vLLM's")
     srv.add_argument("--ssl-keyfile", default=None,
@@ -493,6 +536,26 @@ def build_parser() -> argparse.ArgumentParser:
     _add_cors_args(srv)
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)
+
+    batch = sub.add_parser("run-batch",
+                           help="answer a file of OpenAI batch requests (JSONL) offline, as vLLM's run-batch")
+    batch.add_argument("-i", "--input-file", required=True, metavar="FILE_OR_URL",
+                       help="one request a line: {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"} "
+                            "(url: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/score, "
+                            "/v1/rerank, /classify or /pooling); a path, - for standard input, or an http(s) "
+                            "URL to GET")
+    batch.add_argument("-o", "--output-file", required=True, metavar="FILE_OR_URL",
+                       help="one answer a line, in input order: {\"id\", \"custom_id\", \"response\": "
+                            "{\"status_code\", \"request_id\", \"body\"}, \"error\"}; a path, - for standard "
+                            "output, or an http(s) URL to PUT the file to when it is complete")
+    batch.add_argument("--output-tmp-dir", default=None, metavar="DIR",
+                       help="where the answers wait before they are PUT to an output URL (default: the "
+                            "system's temporary folder)")
+    _add_request_handling_args(batch)
+    _add_tool_args(batch)
+    _add_lora_args(batch, runtime_updates=False)
+    _add_engine_args(batch)
+    batch.set_defaults(func=_cmd_run_batch)
 
     bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve (load generator), w4 (mminf "
                                          "workload), timeline")
