@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from collections.abc import Mapping
@@ -38,6 +39,18 @@ MAX_BAD_WORDS = 128
 TRUNCATE_TO_CONTEXT = -1
 # The constraint kinds of StructuredOutputsParams, exactly one of which a request sets.
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "grammar", "choice", "json_object", "structural_tag")
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs a request's consumer gets (vLLM's, same values). CUMULATIVE: one each step that gives
+    the request tokens, its text and token ids the whole output so far (``delta_*`` the step's own).
+    DELTA: as often, but text, token ids and logprobs only what is new (nothing re-copied each step).
+    FINAL_ONLY: one output, when the request finishes, whole (its ``delta_*`` the whole output too, new to
+    its reader): a consumer that reads only the end is not woken every step."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 def _describe(value: Any) -> str:
@@ -278,6 +291,9 @@ class SamplingParams:
     # The engine truncates at add_request (it knows max_model_len); usage, echo and prompt_logprobs then
     # count and show the truncated prompt.
     truncate_prompt_tokens: int | None = None
+    # vLLM's output_kind: every step's output, cumulative (the default) or as deltas, or only the final one
+    # (what LLM.generate and the server's non-streamed requests ask for).
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -322,6 +338,10 @@ class SamplingParams:
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("detokenize", self.detokenize)
+        if isinstance(self.output_kind, bool) or self.output_kind not in tuple(RequestOutputKind):
+            kinds = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
+            raise ValueError(f"output_kind must be one of {kinds}, got {_describe(self.output_kind)}")
+        self.output_kind = RequestOutputKind(self.output_kind)
         if not self.detokenize and self.stop:
             raise ValueError("stop strings need the output's text: detokenize must be true to use stop")
 

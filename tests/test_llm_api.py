@@ -8,6 +8,7 @@ import pytest
 from plait import LLM, BeamSearchParams, SamplingParams
 from plait.entrypoints.llm import apply_chat_template
 from plait.generation_config import GenerationDefaults
+from plait.sampling_params import RequestOutputKind
 
 PROMPTS = ["The capital of France is", "Once upon a time", "My favourite colour is", "Rivers flow"]
 # Random sampling with no per-request seed: only the engine seed decides the tokens.
@@ -146,3 +147,47 @@ def test_detokenize_off_gives_the_same_tokens_and_no_text(llm):
     assert all(out.outputs[0].text for out in with_text)
     assert [o.outputs[0].token_ids for o in ids_only] == [o.outputs[0].token_ids for o in with_text]
     assert all(o.outputs[0].text == "" for o in ids_only)
+
+
+def _run_alone(engine, prompt: str, params: SamplingParams) -> list:
+    request_id = engine.add_request(prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [out for out in engine.step() if out.request_id == request_id]
+    return outputs
+
+
+def test_output_kinds_give_the_same_answer(llm):
+    """vLLM's output_kind: every step's whole output so far (CUMULATIVE), each step's new part (DELTA), or one
+    final output (FINAL_ONLY), which carries the times of the steps it stands for. Greedy, alone: the same
+    answer, logprobs and prompt logprobs every way."""
+    base = dict(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2, prompt_logprobs=1)
+    runs = {kind: _run_alone(llm.engine, "The capital of France is", SamplingParams(**base, output_kind=kind))
+            for kind in RequestOutputKind}
+    cumulative, delta, final = (runs[k] for k in RequestOutputKind)
+    whole = cumulative[-1]
+    assert len(delta) == len(cumulative) > 1 and len(final) == 1 and final[0].finished
+    got = final[0].outputs[0]
+    assert (got.text, got.token_ids, got.logprobs, got.finish_reason) == (
+        whole.outputs[0].text, whole.outputs[0].token_ids, whole.outputs[0].logprobs, "length")
+    assert (got.delta_text, got.delta_token_ids) == (got.text, got.token_ids)  # all new to its reader
+    assert final[0].prompt_logprobs == whole.prompt_logprobs
+    times = final[0].metrics["output_times"]
+    assert len(times) == len(cumulative) and times == sorted(times) and times[-1] == final[0].metrics["now"]
+    pieces = [out.outputs[0] for out in delta]
+    assert [p.text for p in pieces] == [out.outputs[0].delta_text for out in cumulative]
+    assert "".join(p.text for p in pieces) == whole.outputs[0].text
+    assert sum((p.token_ids for p in pieces), []) == whole.outputs[0].token_ids
+    assert sum((p.logprobs for p in pieces), []) == whole.outputs[0].logprobs
+    assert delta[0].prompt_logprobs == whole.prompt_logprobs
+    assert all(out.prompt_logprobs is None for out in delta[1:])
+
+
+def test_generate_reads_final_outputs_and_leaves_the_callers_params_alone(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=6, n=2)
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert params.output_kind is RequestOutputKind.CUMULATIVE
+    want = [_run_alone(llm.engine, p, SamplingParams(temperature=0.0, max_tokens=6))[-1] for p in PROMPTS[:2]]
+    for out, alone in zip(outs, want):
+        assert [c.token_ids for c in out.outputs] == [alone.outputs[0].token_ids] * 2
+        assert [c.text for c in out.outputs] == [alone.outputs[0].text] * 2

@@ -32,7 +32,7 @@ from plait.pooling_params import PoolingParams
 from plait.runner.model_runner import InFlightStep, ModelRunner, SampledToken, StepOutput
 from plait.runner.sampler import needs_penalties
 from plait.runner.sleep import SLEEP_DISCARD_WEIGHTS, SLEEP_LEVELS, WAKE_TAGS
-from plait.sampling_params import TRUNCATE_TO_CONTEXT, SamplingParams
+from plait.sampling_params import TRUNCATE_TO_CONTEXT, RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -88,6 +88,11 @@ class _Tracked:
     first_token_time: float | None = None
     # With prompt_logprobs: entries for the prompt positions computed so far (the first is None).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # FINAL_ONLY: when each step that gave it tokens was collected (the outputs it was not sent carry these
+    # times, which a server's latency metrics read from the final one).
+    output_times: list[float] = field(default_factory=list)
+    num_logprobs_sent: int = 0  # DELTA: the logprobs entries earlier outputs carried
+    prompt_logprobs_sent: bool = False  # DELTA: the first output carried them, the later ones do not
 
 
 def freeze_long_lived_objects() -> None:
@@ -726,6 +731,11 @@ class LLMEngine:
                 if request.finish_reason is not None:
                     self.scheduler.finish(request, request.finish_reason)
                     break
+            if request.sampling_params.output_kind is RequestOutputKind.FINAL_ONLY:
+                tracked.output_times.append(now)
+                if not request.is_finished:
+                    continue
+                delta, delta_ids = None, None  # all of it is new to this request's reader
             outputs.append(self._make_output(tracked, delta, delta_ids, now))
             if request.is_finished:
                 del self._tracked[request.request_id]
@@ -783,23 +793,37 @@ class LLMEngine:
         elif request.finish_reason is None and grammar.is_terminated():
             request.finish_reason = FinishReason.STOP
 
-    def _make_output(self, tracked: _Tracked, delta: str, delta_ids: list[int], now: float) -> RequestOutput:
+    def _make_output(self, tracked: _Tracked, delta: str | None, delta_ids: list[int] | None,
+                     now: float) -> RequestOutput:
+        """The request's output after this step; ``delta`` and ``delta_ids`` None: the whole output is new
+        to its reader (FINAL_ONLY)."""
         request = tracked.request
+        kind = request.sampling_params.output_kind
         reason = request.finish_reason.value if request.finish_reason is not None else None
+        text = tracked.detokenizer.text if tracked.detokenizer is not None else ""
+        if delta is None:
+            delta, delta_ids = text, list(request.output_token_ids)
+        logprobs = tracked.logprobs
+        if kind is RequestOutputKind.DELTA:
+            text, token_ids = delta, delta_ids
+            if logprobs is not None:
+                logprobs, tracked.num_logprobs_sent = logprobs[tracked.num_logprobs_sent:], len(logprobs)
+        else:
+            token_ids = list(request.output_token_ids)
+            logprobs = list(logprobs) if logprobs is not None else None
         completion = CompletionOutput(
-            index=0,
-            text=tracked.detokenizer.text if tracked.detokenizer is not None else "",
-            token_ids=list(request.output_token_ids),
-            finish_reason=reason,
-            stop_reason=request.stop_reason,
-            logprobs=list(tracked.logprobs) if tracked.logprobs is not None else None,
-            delta_text=delta,
-            delta_token_ids=delta_ids,
+            index=0, text=text, token_ids=token_ids, finish_reason=reason, stop_reason=request.stop_reason,
+            logprobs=logprobs, delta_text=delta, delta_token_ids=delta_ids,
         )
         metrics = {"arrival_time": tracked.arrival_time, "first_token_time": tracked.first_token_time,
                    "now": now, "num_preemptions": request.num_preemptions,
                    "first_scheduled_time": request.first_scheduled_time}
+        if kind is RequestOutputKind.FINAL_ONLY:
+            metrics["output_times"] = tracked.output_times
         prompt_logprobs = list(tracked.prompt_logprobs) if tracked.prompt_logprobs is not None else None
+        if kind is RequestOutputKind.DELTA:
+            prompt_logprobs = None if tracked.prompt_logprobs_sent else prompt_logprobs
+            tracked.prompt_logprobs_sent = True
         return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids, [completion],
                              finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
                              prompt_logprobs=prompt_logprobs, metrics=metrics)

@@ -35,7 +35,7 @@ from plait.outputs import (
     ScoringRequestOutput,
 )
 from plait.pooling_params import PoolingParams, score_pairs
-from plait.sampling_params import BeamSearchParams, SamplingParams
+from plait.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 PromptType = str | dict | Sequence[int]
 LoRAInput = LoRARequest | Sequence[LoRARequest | None] | None  # one adapter for all prompts, or one each
@@ -137,8 +137,13 @@ class LLM:
         children: list[tuple[int, Request, str | None]] = []
         payloads = self._preprocessed([_prompt_payload(prompt) for prompt in prompts])
         salts = [_cache_salt(prompt) for prompt in prompts]
+        # Only each request's final output is read here (vLLM's LLM asks for FINAL_ONLY too): the engine
+        # then builds no output for the steps in between. One copy per distinct params object.
+        distinct = {id(p): p for p in params}
+        final_only = {key: dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY)
+                      for key, p in distinct.items()}
         for i, (payload, p, lora, rank, salt) in enumerate(zip(payloads, params, loras, priorities, salts)):
-            for k, child in enumerate(_fan_out(p)):
+            for k, child in enumerate(_fan_out(final_only[id(p)])):
                 request_id = f"{batch}-{i}-{k}"
                 request, text = self.engine.make_request(payload, child, request_id, lora, rank, salt)
                 children.append((i, request, text))

@@ -239,12 +239,15 @@ class RequestTracker:
         completion = out.outputs[0]
         self._m.generation_tokens.inc(len(completion.delta_token_ids))
         self._m.totals.generation += len(completion.delta_token_ids)
-        last = self._last[index]
-        if last is None:
-            self._m.ttft.observe(max(0.0, now - self._arrival))
-        else:
-            self._m.itl.observe(max(0.0, now - last))
-        self._last[index] = now
+        # A final-only output stands for every step that gave its request tokens: each is observed as the
+        # output it was not sent as would have been.
+        for when in out.metrics.get("output_times") or (now,):
+            last = self._last[index]
+            if last is None:
+                self._m.ttft.observe(max(0.0, when - self._arrival))
+            else:
+                self._m.itl.observe(max(0.0, when - last))
+            self._last[index] = when
         if out.finished and not self._done[index]:
             self._done[index] = True
             self._m.e2e.observe(max(0.0, now - self._arrival))

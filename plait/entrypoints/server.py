@@ -159,7 +159,7 @@ from plait.multimodal.chat import image_token_text, prepare_chat
 from plait.multimodal.images import MultiModalPrompt
 from plait.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
 from plait.pooling_params import PoolingParams, score_pairs
-from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, SamplingParams
+from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -553,6 +553,12 @@ def _check_writable(path: str) -> None:
         raise ValueError(f"cannot write {path}: {err}") from err
     if not os.access(folder, os.W_OK) or Path(path).is_dir():
         raise ValueError(f"cannot write {path}: not a writable file path")
+
+
+def _answer_kind(params: SamplingParams, streamed: bool) -> SamplingParams:
+    """``params`` for an answer streamed as it is made, or given whole: then only the final outputs are
+    sent (vLLM's FINAL_ONLY for non-streamed requests), so the request's reader is not woken every step."""
+    return params if streamed else dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 class OpenAIServer:
@@ -1478,7 +1484,8 @@ class OpenAIServer:
         if body.use_beam_search:
             return await self._beam_search_completion(body, raw, arrival, lora)
         prompts = body.prompts()
-        params = self._params(body, body.requested_max_tokens, body.logprobs, len(prompts))
+        params = _answer_kind(self._params(body, body.requested_max_tokens, body.logprobs, len(prompts)),
+                              body.stream)
         children: list[tuple[PromptInput, SamplingParams]] = [
             (p, child) for p in prompts for child in _fan_out(params)]
         response_id = new_response_id("cmpl", body.request_id)
@@ -1635,7 +1642,8 @@ class OpenAIServer:
         if body.use_beam_search:
             return await self._beam_search_chat(body, raw, arrival, lora)
         response_id = new_response_id("chatcmpl", body.request_id)
-        params, readers, stream = await self._start_chat(body, lora, log_id=response_id)
+        params, readers, stream = await self._start_chat(body, lora, log_id=response_id,
+                                                         final_only=not body.stream)
         tracker = RequestTracker(self.metrics, arrival, stream, params)
         try:
             if body.stream:
@@ -1658,11 +1666,13 @@ class OpenAIServer:
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _start_chat(self, body: ChatCompletionRequest, lora: LoRARequest | None,
-                          prompt_param: str = "messages", log_id: str | None = None
+                          prompt_param: str = "messages", log_id: str | None = None, final_only: bool = False
                           ) -> tuple[SamplingParams, list[_ChoiceReader], RequestStream]:
         """Queue a chat request (chat completions', or the Responses API's conversation as one): its
-        SamplingParams, how each choice's output is read, and its engine stream."""
-        params = self._params(body, body.requested_max_tokens, body.requested_logprobs, 1)
+        SamplingParams, how each choice's output is read, and its engine stream (``final_only``: only each
+        choice's final output, for a reader of nothing else)."""
+        params = _answer_kind(self._params(body, body.requested_max_tokens, body.requested_logprobs, 1),
+                              streamed=not final_only)
         self._check_auto_tool_choice(body)
         skip = self._skip_special_tokens(body, params.skip_special_tokens)
         if skip != params.skip_special_tokens:  # a parser whose markers are special tokens needs them kept
