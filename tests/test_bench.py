@@ -686,7 +686,8 @@ def test_throughput_bench_end_to_end_on_cpu(tmp_path, tiny_llama, in_process):
     throughput.add_parser(parser.add_subparsers())
     out = tmp_path / "result.json"
     argv = ["throughput", "--shared", str(_tiny_shared(tmp_path, tiny_llama)), "--workloads", "W3,W1",
-            "--max-num-seqs", "4", "--out", str(out)] + (["--in-process"] if in_process else [])
+            "--max-num-seqs", "4", "--out", str(out)] + (
+        ["--in-process", "--output-kind", "cumulative"] if in_process else [])
     args = parser.parse_args(argv)
     assert args.func(args) == 0
     report = json.loads(out.read_text())
@@ -696,6 +697,7 @@ def test_throughput_bench_end_to_end_on_cpu(tmp_path, tiny_llama, in_process):
     assert (w1["workload"], w1["output_tokens"], w1["requests"]) == ("W1", 4 * 5, 4)
     assert w3["ms_per_token"] > 0 and w1["output_tok_per_s"] > 0
     assert w1["step_breakdown"]["steps"] >= 5
+    assert w1["output_kind"] == ("cumulative" if in_process else "final_only")  # the same tokens counted
 
 
 def test_vllm_throughput_run_on_any_model(tmp_path, tiny_llama, capsys):

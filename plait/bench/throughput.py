@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from plait.bench.shared import device_name, find_shared, load_shared_module, run_isolated, write_json
 from plait.config import EngineConfig
+from plait.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:  # torch and the engine load only when the benchmark runs, not with the CLI
     from plait.engine.engine import LLMEngine
@@ -24,6 +25,9 @@ TIMED_SEED, WARMUP_SEED = 1, 2  # WORKLOADS.md: warm up on other tokens so no pr
 # vLLM 0.26 on one H200 (WORKLOADS.md): output tok/s for W1/W2, ms per token for W3.
 VLLM_H200 = {"W1": 29295.0, "W2": 9992.0, "W3": 4.69}
 OFFLINE_PREFILL_CAP = 0  # max_prefill_tokens_beside_decodes for offline workloads: no cap
+# --output-kind: the outputs the timed loop reads (vLLM's LLM.generate, which its benchmark runs, reads final
+# ones only; "cumulative" is every request's output every step, as this benchmark read them before).
+OUTPUT_KINDS = {"final_only": RequestOutputKind.FINAL_ONLY, "cumulative": RequestOutputKind.CUMULATIVE}
 # `vllm bench throughput`'s defaults.
 VLLM_INPUT_LEN, VLLM_OUTPUT_LEN, VLLM_NUM_PROMPTS = 1024, 128, 1000
 
@@ -65,7 +69,8 @@ def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, desc: str
     from plait.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            min_p=args.min_p, max_tokens=output_len, ignore_eos=True)
+                            min_p=args.min_p, max_tokens=output_len, ignore_eos=True,
+                            output_kind=OUTPUT_KINDS[args.output_kind])
     start = time.perf_counter()
     for p in prompts:
         engine.add_request(p, params)
@@ -74,6 +79,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], output_len: int, desc: str
     with tqdm(total=len(prompts) * output_len, desc=desc, unit="tok", leave=False) as bar:
         while engine.has_unfinished_requests():
             # One bar update a step: per output (256 a step) the bar alone cost W1 ~0.2 s of its 4.5.
+            # (Each output's delta is what is new to this reader: under final-only, the whole output.)
             new = sum(len(out.outputs[0].delta_token_ids) for out in engine.step())
             produced += new
             bar.update(new)
@@ -218,6 +224,7 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
         "tensor_parallel_size": engine.config.tensor_parallel_size,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                      "min_p": args.min_p},
+        "output_kind": args.output_kind,
         "cuda_graphs": engine.runner.graphs is not None,
         "step_breakdown": engine.runner.breakdown.as_dict(),
         "prompt_steps": _prompt_steps(engine.timeline),
@@ -295,7 +302,8 @@ def run_model(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     for sample in samples:
         params = SamplingParams(temperature=args.temperature, max_tokens=sample.output_len, ignore_eos=True,
-                                detokenize=not args.disable_detokenize)
+                                detokenize=not args.disable_detokenize,
+                                output_kind=OUTPUT_KINDS[args.output_kind])
         engine.add_request(sample.prompt, params)
     prompt_tokens = output_tokens = 0
     with tqdm(total=sum(s.output_len for s in samples), desc="throughput", unit="tok") as bar:
@@ -343,6 +351,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--top-k", type=int, default=0, help="(default 0: off)")
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--output-kind", choices=sorted(OUTPUT_KINDS), default="final_only",
+                   help="the outputs the loop reads: final_only (default; vLLM's LLM.generate asks for "
+                        "them) or cumulative (one a step for every request)")
     p.add_argument("--quantization", default=None,
                    help="'fp8': FP8 weights (vLLM's peer numbers are bf16; the floors count the bytes read); "
                         "a GPTQ / AWQ config (--config benchmarks/configs/llama-8b-gptq) needs none")
