@@ -297,27 +297,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key
     if api_key is None:
         api_key = os.environ.get(_API_KEY_ENV) or os.environ.get(_VLLM_API_KEY_ENV) or None
-    config = ServerConfig(host=args.host, port=args.port, api_key=api_key,
-                          served_model_name=args.served_model_name, request_timeout_s=args.request_timeout,
-                          trust_request_chat_template=args.trust_request_chat_template,
-                          chat_template=args.chat_template,
-                          enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                          exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                          log_level=args.log_level, disable_log_stats=args.disable_log_stats,
+    config = ServerConfig(**_request_handling_config(args), host=args.host, port=args.port, api_key=api_key,
+                          request_timeout_s=args.request_timeout,
                           allowed_origins=args.allowed_origins,
                           allowed_methods=args.allowed_methods, allowed_headers=args.allowed_headers,
                           allow_credentials=args.allow_credentials,
-                          lora_modules=args.lora_modules or (),
                           allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                           ssl_ca_certs=args.ssl_ca_certs, root_path=args.root_path,
                           uvicorn_log_level=args.uvicorn_log_level,
                           disable_uvicorn_access_log=args.disable_uvicorn_access_log,
-                          enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-                          enable_log_outputs=args.enable_log_outputs,
-                          enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                           enable_server_load_tracking=args.enable_server_load_tracking,
                           enable_request_id_headers=args.enable_request_id_headers,
                           step_timeline_file=args.step_timeline_file)
@@ -346,18 +335,7 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request: the bar counts them
     check_paths(args.input_file, args.output_file)
-    config = ServerConfig(served_model_name=args.served_model_name,
-                          trust_request_chat_template=args.trust_request_chat_template,
-                          chat_template=args.chat_template,
-                          enable_auto_tool_choice=args.enable_auto_tool_choice,
-                          tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                          exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
-                          return_tokens_as_token_ids=args.return_tokens_as_token_ids,
-                          log_level=args.log_level, disable_log_stats=args.disable_log_stats,
-                          lora_modules=args.lora_modules or (),
-                          enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
-                          enable_log_outputs=args.enable_log_outputs,
-                          enable_prompt_tokens_details=args.enable_prompt_tokens_details)
+    config = ServerConfig(**_request_handling_config(args))
     engine = LLMEngine(_engine_config(args))  # offline defaults (the larger token budget): a batch job
     server = OpenAIServer(engine, config)
     summary = run_batch_file(server, args.input_file, args.output_file,
@@ -365,6 +343,21 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
     print(f"plait: {summary.total} requests, {summary.succeeded} answered, {summary.failed} failed; "
           f"answers in {args.output_file}", file=sys.stderr)
     return 0
+
+
+def _request_handling_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The ServerConfig fields of _add_request_handling_args', the tool and the LoRA modules' flags."""
+    return dict(served_model_name=args.served_model_name,
+                trust_request_chat_template=args.trust_request_chat_template,
+                chat_template=args.chat_template, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+                return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                log_level=args.log_level, disable_log_stats=args.disable_log_stats,
+                lora_modules=args.lora_modules or (),
+                enable_log_requests=args.enable_log_requests, max_log_len=args.max_log_len,
+                enable_log_outputs=args.enable_log_outputs,
+                enable_prompt_tokens_details=args.enable_prompt_tokens_details)
 
 
 def _add_request_handling_args(parser: argparse.ArgumentParser) -> None:
