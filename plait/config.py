@@ -93,11 +93,12 @@ class EngineConfig:
     usage: Usage = "offline"  # who drives the engine: the LLM class/CLI ("offline") or `plait serve`
     max_num_seqs: int = 256  # rows (requests) in one step
     long_prefill_token_threshold: int = NO_CHUNK_CAP  # per-request chunk cap; 0 = off
-    # Prompt tokens a step may carry beside running decodes (policy "mixed"); 0 = no cap. A decode step
-    # reads every weight once however few rows it has, so it can carry prompt tokens up to about
-    # compute / bandwidth (~190 on an H200) almost for free; much more and every stream's next token
-    # waits for the prompt's matmuls.
-    max_prefill_tokens_beside_decodes: int = 256
+    # Prompt tokens a step may carry beside running decodes (policy "mixed"); 0 = no cap; None = the usage's
+    # (PREFILL_CAP_BY_USAGE: 256 serving, no cap offline). A decode step reads every weight once however few
+    # rows it has, so it can carry prompt tokens up to about compute / bandwidth (~190 on an H200) almost
+    # for free; much more and every stream's next token waits for the prompt's matmuls. Offline nobody
+    # watches a stream, and the cap cost LLM.generate a third of W1's throughput.
+    max_prefill_tokens_beside_decodes: int | None = None
     # ... unless prompts pile up: with B prompt tokens queued ahead of the last prompt waiting, a step beside
     # decodes may carry up to B / prefill_drain_steps of them, so a burst of prompts drains in about this
     # many steps instead of queueing behind the cap (a lone long prompt, which delays nobody else's first
@@ -162,7 +163,8 @@ class EngineConfig:
             raise ValueError(f"usage must be one of {USAGES}, got {self.usage!r}")
         _check_int("max_num_seqs", self.max_num_seqs, minimum=1)
         _check_int("long_prefill_token_threshold", self.long_prefill_token_threshold, minimum=0)
-        _check_int("max_prefill_tokens_beside_decodes", self.max_prefill_tokens_beside_decodes, minimum=0)
+        if self.max_prefill_tokens_beside_decodes is not None:
+            _check_int("max_prefill_tokens_beside_decodes", self.max_prefill_tokens_beside_decodes, minimum=0)
         _check_int("prefill_drain_steps", self.prefill_drain_steps, minimum=0)
         _check_int("max_num_partial_prefills", self.max_num_partial_prefills, minimum=1)
         _check_int("block_size", self.block_size, minimum=1)
@@ -236,11 +238,17 @@ class EngineConfig:
 
     def with_token_budget(self, device_type: str, total_memory: int = 0,
                           device_name: str = "") -> EngineConfig:
-        """This config with max_num_batched_tokens chosen where it was left to the default."""
-        if self.max_num_batched_tokens is not None:
-            return self
-        budget = default_token_budget(self.usage, device_type, total_memory, device_name)
-        return dataclasses.replace(self, max_num_batched_tokens=budget)
+        """This config with the step's token budget (max_num_batched_tokens) and its prompt part beside
+        decodes (max_prefill_tokens_beside_decodes) chosen for the usage and device where left to the
+        default. Chosen this late, so that a config made for one usage and replaced into another (``serve``
+        does) takes the other's defaults."""
+        changes: dict[str, int] = {}
+        if self.max_num_batched_tokens is None:
+            changes["max_num_batched_tokens"] = default_token_budget(self.usage, device_type, total_memory,
+                                                                     device_name)
+        if self.max_prefill_tokens_beside_decodes is None:
+            changes["max_prefill_tokens_beside_decodes"] = PREFILL_CAP_BY_USAGE[self.usage]
+        return dataclasses.replace(self, **changes) if changes else self
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -257,6 +265,11 @@ class EngineConfig:
 # takes big prefill steps, whose matmuls run near peak and whose kernel launches are few; smaller GPUs
 # take less. On CPU a step of 2,048 tokens already takes seconds.
 LARGE_GPU_BYTES = 70 * 1024**3
+# max_prefill_tokens_beside_decodes by usage: serving protects running streams' inter-token latency (W4,
+# W5); offline every request arrives at once and only throughput counts (W1 on an H200: 31,761 out tok/s
+# uncapped against 20,486 at 256; W2 10,307 against 9,110: benchmarks/results/offline_prefill_cap_h200/).
+SERVING_PREFILL_CAP = 256
+PREFILL_CAP_BY_USAGE = {"offline": NO_CHUNK_CAP, "serve": SERVING_PREFILL_CAP}
 TOKEN_BUDGETS = {
     "large_gpu": {"offline": 16384, "serve": 8192},
     "gpu": {"offline": 8192, "serve": 2048},

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from plait.config import EngineConfig, default_token_budget
+from plait.config import NO_CHUNK_CAP, SERVING_PREFILL_CAP, EngineConfig, default_token_budget
 from plait.runner.cuda_graphs import FEW_PROMPT_ROWS, graph_shapes, token_buckets
 
 GB = 1024**3
@@ -29,12 +31,29 @@ def test_default_token_budget_follows_vllm(usage, device, memory, name, budget):
 
 
 def test_a_given_budget_is_kept_and_bad_usage_refused():
-    config = EngineConfig(max_num_batched_tokens=64, usage="serve")
+    config = EngineConfig(max_num_batched_tokens=64, max_prefill_tokens_beside_decodes=32, usage="serve")
     assert config.with_token_budget("cuda", 141 * GB, "NVIDIA H200") is config
     with pytest.raises(ValueError, match="usage"):
         EngineConfig(usage="batch")
     with pytest.raises(ValueError, match="prefill_drain_steps"):
         EngineConfig(prefill_drain_steps=-1)
+
+
+def test_prompt_tokens_beside_decodes_are_capped_when_serving_only():
+    """Serving protects running streams from a long prompt (256 prompt tokens beside decodes); offline nobody
+    watches a stream, so the default is no cap (the serving cap cost LLM.generate a third of W1's throughput
+    on an H200). Chosen with the budget, so a config replaced into serving after it was made takes serving's
+    cap, as `serve` does; a given cap is kept either way."""
+    offline = EngineConfig()
+    assert offline.max_prefill_tokens_beside_decodes is None
+    assert offline.with_token_budget("cpu").max_prefill_tokens_beside_decodes == NO_CHUNK_CAP
+    served = dataclasses.replace(offline, usage="serve").with_token_budget("cuda", 141 * GB, "NVIDIA H200")
+    assert served.max_prefill_tokens_beside_decodes == SERVING_PREFILL_CAP == 256
+    for usage in ("offline", "serve"):
+        given = EngineConfig(usage=usage, max_prefill_tokens_beside_decodes=64).with_token_budget("cpu")
+        assert given.max_prefill_tokens_beside_decodes == 64
+    with pytest.raises(ValueError, match="max_prefill_tokens_beside_decodes"):
+        EngineConfig(max_prefill_tokens_beside_decodes=-1)
 
 
 def test_cpu_engine_takes_the_cpu_budget(tiny_llama):

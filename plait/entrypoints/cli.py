@@ -47,6 +47,9 @@ _FLAG_HELP = {
                "waits for a kernel to compile (default: on; --no-warm-up starts seconds sooner)",
     "model": "a .gguf file, an HF folder, or a Hub id (org/name) in the local HF cache; plait never "
              "downloads (default: the bundled SmolLM2-135M-Instruct)",
+    "max_prefill_tokens_beside_decodes": "prompt tokens a step may carry beside running decodes, so that a "
+                                         "long prompt never freezes the streams (default: 256 serving, none "
+                                         "offline; 0: none)",
     "max_num_batched_tokens": "the step's token budget (default: vLLM's for the device: 16384 offline "
                               "and 8192 serving on GPUs of 70 GB and more, 8192 / 2048 on smaller ones, "
                               "2048 on CPU)",
