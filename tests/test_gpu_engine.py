@@ -101,8 +101,11 @@ EMBED_SCALE = 100.0
 
 
 def _engine(model: str, dtype: str, **knobs) -> LLMEngine:
+    # Serving's cap on prompt tokens beside decodes: requests arrive while others decode, and the steps
+    # that carry both replay mixed-shape graphs (an offline engine has no cap, so no such graphs).
     config = EngineConfig(model=model, load_format="dummy", seed=7, dtype=dtype, max_model_len=1024,
-                          num_kv_blocks=2048, max_num_seqs=64, enable_prefix_caching=False, **knobs)
+                          num_kv_blocks=2048, max_num_seqs=64, enable_prefix_caching=False, usage="serve",
+                          **knobs)
     engine = LLMEngine(config)
     with torch.no_grad():
         engine.runner.model.model.embed_tokens.weight.mul_(EMBED_SCALE)
