@@ -22,6 +22,7 @@ from typing import IO, Any
 
 import httpx
 
+from plait.entrypoints.protocol import ErrorInfo, ErrorResponse
 from plait.entrypoints.server import OpenAIServer
 
 # The endpoints a line may name: those that answer a JSON body with one JSON answer (streams are refused).
@@ -97,23 +98,21 @@ def output_line(line: BatchLine, status: int, body: Any) -> dict:
             "error": error}
 
 
-def refused(line: BatchLine) -> dict:
-    """The output line of an input line that was never sent: a 400 with OpenAI's error object."""
-    error = {"message": line.error, "type": "invalid_request_error", "param": line.param, "code": None}
-    return output_line(line, 400, {"error": error})
+def failed(line: BatchLine, status: int, message: str, type_: str, param: str | None = None) -> dict:
+    """The output line of a line its endpoint never answered: OpenAI's error JSON, as the server's."""
+    return output_line(line, status, ErrorResponse(error=ErrorInfo(message=message, type=type_,
+                                                                   param=param)).model_dump())
 
 
 async def answer(client: httpx.AsyncClient, line: BatchLine) -> dict:
     """Send one line to its endpoint; whatever goes wrong in the app becomes that line's 500."""
-    if line.error is not None:
-        return refused(line)
+    if line.error is not None:  # never sent
+        return failed(line, 400, line.error, "invalid_request_error", line.param)
     try:
         response = await client.post(line.url, json=line.body, timeout=LINE_TIMEOUT_S)
         return output_line(line, response.status_code, response.json())
     except Exception as err:  # one line's failure is that line's answer, never the batch's end
-        error = {"message": f"{type(err).__name__}: {err}", "type": "internal_server_error", "param": None,
-                 "code": None}
-        return output_line(line, 500, {"error": error})
+        return failed(line, 500, f"{type(err).__name__}: {err}", "internal_server_error")
 
 
 class OrderedWriter:

@@ -290,12 +290,15 @@ def _lora_module(text: str) -> Any:
         raise argparse.ArgumentTypeError(str(err)) from err
 
 
+def _needs_server_dependencies(command: str, err: ImportError) -> ValueError:
+    return ValueError(f"`plait {command}` needs the server dependencies: pip install 'plait[serve]' ({err})")
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         from plait.entrypoints.server import ServerConfig, serve
     except ImportError as err:
-        hint = "pip install 'plait[serve]'"
-        raise ValueError(f"`plait serve` needs the server dependencies: {hint} ({err})") from err
+        raise _needs_server_dependencies("serve", err) from err
 
     api_key = args.api_key
     if api_key is None:
@@ -331,8 +334,7 @@ def _cmd_run_batch(args: argparse.Namespace) -> int:
         from plait.entrypoints.batch_runner import IN_FLIGHT_PER_SEQ, check_paths, run_batch_file
         from plait.entrypoints.server import OpenAIServer, ServerConfig
     except ImportError as err:
-        hint = "pip install 'plait[serve]'"
-        raise ValueError(f"`plait run-batch` needs the server dependencies: {hint} ({err})") from err
+        raise _needs_server_dependencies("run-batch", err) from err
     import logging
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")

@@ -1642,8 +1642,7 @@ class OpenAIServer:
         if body.use_beam_search:
             return await self._beam_search_chat(body, raw, arrival, lora)
         response_id = new_response_id("chatcmpl", body.request_id)
-        params, readers, stream = await self._start_chat(body, lora, log_id=response_id,
-                                                         final_only=not body.stream)
+        params, readers, stream = await self._start_chat(body, lora, log_id=response_id, streamed=body.stream)
         tracker = RequestTracker(self.metrics, arrival, stream, params)
         try:
             if body.stream:
@@ -1666,13 +1665,13 @@ class OpenAIServer:
         return Response(result.model_dump_json(), media_type="application/json")
 
     async def _start_chat(self, body: ChatCompletionRequest, lora: LoRARequest | None,
-                          prompt_param: str = "messages", log_id: str | None = None, final_only: bool = False
+                          prompt_param: str = "messages", log_id: str | None = None, streamed: bool = True
                           ) -> tuple[SamplingParams, list[_ChoiceReader], RequestStream]:
         """Queue a chat request (chat completions', or the Responses API's conversation as one): its
-        SamplingParams, how each choice's output is read, and its engine stream (``final_only``: only each
+        SamplingParams, how each choice's output is read, and its engine stream (not ``streamed``: only each
         choice's final output, for a reader of nothing else)."""
         params = _answer_kind(self._params(body, body.requested_max_tokens, body.requested_logprobs, 1),
-                              streamed=not final_only)
+                              streamed)
         self._check_auto_tool_choice(body)
         skip = self._skip_special_tokens(body, params.skip_special_tokens)
         if skip != params.skip_special_tokens:  # a parser whose markers are special tokens needs them kept
