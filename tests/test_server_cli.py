@@ -27,7 +27,7 @@ def test_serve_flags_reach_the_configs(monkeypatch):
     from plait.entrypoints import cli
 
     seen = []
-    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append((engine_config, config)))
+    monkeypatch.setattr(server, "serve", lambda e, c, **_: seen.append((e, c)))
     monkeypatch.setenv("PLAIT_API_KEY", "from-env")
     assert cli.main(["serve", "--port", "0", "--max-num-batched-tokens", "64"]) == 0
     assert cli.main(["serve", "--api-key", "from-flag", "--host", "0.0.0.0", "--served-model-name", "m"]) == 0
@@ -57,7 +57,7 @@ def test_serve_lora_flags_reach_the_configs(monkeypatch, capsys):
     from plait.lora.request import LoRAModulePath
 
     seen = []
-    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append((engine_config, config)))
+    monkeypatch.setattr(server, "serve", lambda e, c, **_: seen.append((e, c)))
     monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
     assert cli.main(["serve", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "32", "--lora-modules",
                      "sql=/a/sql", '{"name": "chat", "path": "/b", "base_model_name": "m"}']) == 0
@@ -81,7 +81,7 @@ def test_serve_chat_template_and_tool_calling_flags(monkeypatch, capsys, tmp_pat
     from plait.entrypoints import cli
 
     seen = []
-    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append(config))
+    monkeypatch.setattr(server, "serve", lambda engine_config, config, **_: seen.append(config))
     template = tmp_path / "tools.jinja"
     template.write_text("{{ messages[0]['content'] }}")
     assert cli.main(["serve", "--chat-template", str(template), "--enable-auto-tool-choice",
@@ -109,7 +109,7 @@ def test_serve_exclude_tools_and_token_ids_flags(monkeypatch):
     from plait.entrypoints import cli
 
     seen = []
-    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append(config))
+    monkeypatch.setattr(server, "serve", lambda engine_config, config, **_: seen.append(config))
     assert cli.main(["serve", "--exclude-tools-when-tool-choice-none", "--return-tokens-as-token-ids"]) == 0
     assert cli.main(["serve"]) == 0
     on, off = seen
@@ -124,7 +124,7 @@ def test_serve_cors_and_generation_config_flags(monkeypatch, capsys):
     from plait.entrypoints import cli
 
     seen = []
-    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append((engine_config, config)))
+    monkeypatch.setattr(server, "serve", lambda e, c, **_: seen.append((e, c)))
     assert cli.main(["serve"]) == 0
     assert cli.main(["serve", "--allowed-origins", '["https://a.example"]',
                      "--allowed-methods", '["GET", "POST"]', "--allowed-headers", '["content-type"]',
@@ -141,23 +141,35 @@ def test_serve_cors_and_generation_config_flags(monkeypatch, capsys):
 
 
 def test_serve_runs_the_engine_with_serving_defaults(monkeypatch):
-    """`plait serve` builds its engine with usage "serve" (vLLM's serving token budget on a GPU)."""
+    """`plait serve` builds its engine with usage "serve" (vLLM's serving token budget on a GPU), in a process
+    of its own unless --no-engine-process says on a thread of the server's."""
     import plait.entrypoints.server as server
     from plait.config import EngineConfig
+    from plait.entrypoints import cli
 
     built = []
 
     class Stop(Exception):
         pass
 
-    def fake_engine(config):
-        built.append(config)
-        raise Stop
+    def fake(kind):
+        def build(config):
+            built.append((kind, config))
+            raise Stop
+        return build
 
-    monkeypatch.setattr(server, "LLMEngine", fake_engine)
+    monkeypatch.setattr(server, "LLMEngine", fake("thread"))
+    monkeypatch.setattr(server, "EngineProcess", fake("process"))
     with pytest.raises(Stop):
         server.serve(EngineConfig(model="m"), server.ServerConfig())
-    assert built[0].usage == "serve" and built[0].model == "m"
+    with pytest.raises(Stop):
+        server.serve(EngineConfig(model="m"), server.ServerConfig(), engine_process=False)
+    assert [kind for kind, _ in built] == ["process", "thread"]
+    assert all(config.usage == "serve" and config.model == "m" for _, config in built)
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda e, c, **kw: seen.append(kw["engine_process"]))
+    assert cli.main(["serve"]) == 0 and cli.main(["serve", "--no-engine-process"]) == 0
+    assert seen == [True, False]
 
 
 def test_plait_serve_process(tmp_path):
@@ -192,7 +204,7 @@ def test_serve_vllm_logging_and_https_flags_reach_the_config(monkeypatch, tmp_pa
 
     key, cert = _self_signed(tmp_path)
     seen = []
-    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append((engine_config, config)))
+    monkeypatch.setattr(server, "serve", lambda e, c, **_: seen.append((e, c)))
     assert cli.main(["serve", "--ssl-keyfile", key, "--ssl-certfile", cert, "--root-path", "/api",
                      "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
                      "--enable-log-requests",

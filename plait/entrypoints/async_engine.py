@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import abc
 import asyncio
+import copy
 import itertools
 import logging
 import queue
@@ -14,11 +16,15 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
+from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine, StepStats
 from plait.engine.request import Request
+from plait.generation_config import GenerationDefaults
+from plait.loader.hf import ModelSource
 from plait.lora.request import LoRARequest
 from plait.outputs import PoolingRequestOutput, RequestOutput
 from plait.pooling_params import PoolingParams
+from plait.runner.pooler import PoolingSpec
 from plait.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -73,6 +79,33 @@ class EngineStats:
     sleep_level: int | None = None  # None: sleep mode off; 0 awake; else the level of the sleep it is in
 
 
+@dataclass(frozen=True)
+class EngineInfo:
+    """What a server reads from its engine, all fixed once the model is loaded: read here from an engine in
+    this process, or sent whole by an engine process once it has loaded."""
+
+    config: EngineConfig  # as the engine resolved it (its token budget, prompt cap, KV dtype)
+    model_source: ModelSource
+    max_model_len: int
+    vocab_size: int
+    pooling_spec: PoolingSpec | None  # None for a model that generates
+    eos_token_ids: frozenset[int]
+    generation_defaults: GenerationDefaults  # the model's generation_config.json
+    tokenizer: Any  # a copy: the server's own, never the one the engine detokenizes with
+    image_processor: Any  # None for a text model; stateless, so it may be shared
+    max_logprobs: int
+    num_kv_blocks: int  # usable KV blocks
+
+    @classmethod
+    def of(cls, engine: LLMEngine) -> EngineInfo:
+        return cls(config=engine.config, model_source=engine.model_source, max_model_len=engine.max_model_len,
+                   vocab_size=engine.model_config.vocab_size,
+                   pooling_spec=engine.pooler.spec if engine.pooler is not None else None,
+                   eos_token_ids=engine.eos_token_ids, generation_defaults=engine.generation_defaults,
+                   tokenizer=copy.deepcopy(engine.tokenizer), image_processor=engine.images,
+                   max_logprobs=engine.max_logprobs, num_kv_blocks=engine.kv_cache.num_usable_blocks)
+
+
 class RequestStream:
     """Outputs of one HTTP request's engine requests (several for n > 1 or a prompt batch).
 
@@ -81,7 +114,7 @@ class RequestStream:
     cancelled consumer (client gone) frees its KV blocks at the next step.
     """
 
-    def __init__(self, owner: AsyncLLMEngine, request_ids: list[str], deadline: float | None) -> None:
+    def __init__(self, owner: EngineClient, request_ids: list[str], deadline: float | None) -> None:
         self._owner = owner
         self.request_ids = request_ids
         self._index = {rid: i for i, rid in enumerate(request_ids)}
@@ -149,7 +182,158 @@ class RequestStream:
 _STOP = object()  # command that ends the loop thread
 
 
-class AsyncLLMEngine:
+class EngineClient(abc.ABC):
+    """What a server holds of its engine, on the event loop: add requests and stream their outputs, abort
+    them, call functions on the engine between steps, and read its stats. Subclasses say where the step
+    loop runs (AsyncLLMEngine: a thread of this process; EngineProcess: a process of its own) and how
+    commands reach it; the loop's answers come back to this class's callbacks on the event loop."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead: str | None = "not started"
+        # Event-loop side: live request id -> its stream.
+        self._streams: dict[str, RequestStream] = {}
+        self._id_prefix = uuid.uuid4().hex[:8]
+        self._ids = itertools.count()
+        self.stats = EngineStats()
+
+    @abc.abstractmethod
+    def start(self) -> None:
+        """Start serving; call from the event loop that will consume the outputs."""
+
+    @abc.abstractmethod
+    async def shutdown(self) -> None:
+        """Stop the step loop after its current step; unfinished requests are aborted."""
+
+    @property
+    @abc.abstractmethod
+    def is_alive(self) -> bool:
+        """The step loop runs and takes requests."""
+
+    @property
+    @abc.abstractmethod
+    def is_sleeping(self) -> bool:
+        """The engine's sleep state (LLMEngine.sleep), known before a sleep or wake_up call returns, so a
+        caller that awaited one reads its effect."""
+
+    def _check_alive(self) -> None:
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine loop is not running ({self._dead or 'thread exited'})")
+
+    # -- requests (event loop) ---------------------------------------------------------------
+
+    async def add(
+        self,
+        children: Sequence[tuple[PromptInput, SamplingParams | PoolingParams]],
+        validate: Validator | None = None,
+        timeout_s: float | None = None,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Validate and queue one engine request per (prompt, params), all with ``lora_request``'s adapter
+        (None: the base model), ``priority`` (under the "priority" scheduling policy; lower is served
+        first) and ``cache_salt`` (their prefix-cache blocks shared only under the same salt); all or none
+        are queued.
+
+        Validation errors (ValueError, TypeError, or what a prompt builder raises) are raised here,
+        before any of the requests enters the engine.
+        """
+        self._check_alive()
+        base = f"{self._id_prefix}-{next(self._ids)}"
+        ids = [f"{base}-{k}" for k in range(len(children))]
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        stream = RequestStream(self, ids, deadline)
+        for rid in ids:
+            self._streams[rid] = stream
+        future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
+        self._send_add(list(zip(ids, children)), validate, future, lora_request, priority, cache_salt)
+        try:
+            stream.prompt_token_ids = await future
+        except asyncio.CancelledError:
+            # The caller left while the add was queued; the loop may still run it, so abort after it.
+            self._forget(ids)
+            self.abort(ids)
+            raise
+        except BaseException:
+            self._forget(ids)
+            raise
+        return stream
+
+    def abort(self, request_ids: Sequence[str]) -> None:
+        """Abort requests at the next gap between steps (thread-safe, never blocks)."""
+        if request_ids:
+            self._send_abort(list(request_ids))
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Run ``fn(engine)`` on the loop thread between steps and return its result."""
+        self._check_alive()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._send_call(fn, future)
+        return await future
+
+    def call_threadsafe(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = None) -> T:
+        """``call`` from a thread other than the event loop's (tests, tools); blocks for the result."""
+        self._check_alive()
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(self.call(fn), self._loop).result(timeout_s)
+
+    @abc.abstractmethod
+    def _send_add(self, children: list[tuple[str, tuple[PromptInput, SamplingParams | PoolingParams]]],
+                  validate: Validator | None, future: asyncio.Future, lora_request: LoRARequest | None,
+                  priority: int, cache_salt: str | None) -> None:
+        """Queue _do_add on the loop; its answer resolves ``future``."""
+
+    @abc.abstractmethod
+    def _send_abort(self, request_ids: list[str]) -> None:
+        """Queue _do_abort on the loop."""
+
+    @abc.abstractmethod
+    def _send_call(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future) -> None:
+        """Queue _do_call on the loop; its answer resolves ``future``."""
+
+    def _forget(self, request_ids: Sequence[str]) -> None:
+        for rid in request_ids:
+            self._streams.pop(rid, None)
+
+    # -- event-loop callbacks, posted by the loop thread ----------------------------------------
+
+    @staticmethod
+    def _resolve(future: asyncio.Future, result: Any) -> None:
+        if future.done():  # cancelled by a caller that left
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+    def _deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted by its consumer; this output was made before the abort ran
+            if out.finished:
+                del self._streams[out.request_id]
+            stream._put(out)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._fail(list(self._streams), error)
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream._put(error)
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        """Schedule ``fn(*args)`` on the event loop from the loop thread."""
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[union-attr]
+        except RuntimeError:
+            pass  # the event loop is closed: nobody is left to tell
+
+
+class AsyncLLMEngine(EngineClient):
     """Runs ``LLMEngine.step()`` in a dedicated thread; add, abort and stream from asyncio.
 
     Only the loop thread touches the engine once ``start()`` has run: requests, aborts and any
@@ -160,19 +344,13 @@ class AsyncLLMEngine:
     """
 
     def __init__(self, engine: LLMEngine, on_step: StepCallback | None = None) -> None:
+        super().__init__()
         self._engine = engine
         self._on_step = on_step
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._dead: str | None = "not started"
-        # Event-loop side: live request id -> its stream.
-        self._streams: dict[str, RequestStream] = {}
         # Loop-thread side: ids this engine enqueued that have not finished.
         self._live: set[str] = set()
-        self._id_prefix = uuid.uuid4().hex[:8]
-        self._ids = itertools.count()
-        self.stats = EngineStats()
 
     # -- lifecycle (event loop) --------------------------------------------------------------
 
@@ -209,113 +387,18 @@ class AsyncLLMEngine:
         call returns, so a caller that awaited one reads its effect."""
         return self._engine.is_sleeping
 
-    def _check_alive(self) -> None:
-        if not self.is_alive:
-            raise EngineDeadError(f"the engine loop is not running ({self._dead or 'thread exited'})")
+    # Commands reach the loop thread through a queue it reads between steps.
+    def _send_add(self, children: list[tuple[str, tuple[PromptInput, SamplingParams | PoolingParams]]],
+                  validate: Validator | None, future: asyncio.Future, lora_request: LoRARequest | None,
+                  priority: int, cache_salt: str | None) -> None:
+        self._commands.put(partial(self._do_add, children, validate, future, lora_request, priority,
+                                   cache_salt))
 
-    # -- requests (event loop) ---------------------------------------------------------------
+    def _send_abort(self, request_ids: list[str]) -> None:
+        self._commands.put(partial(self._do_abort, request_ids))
 
-    async def add(
-        self,
-        children: Sequence[tuple[PromptInput, SamplingParams | PoolingParams]],
-        validate: Validator | None = None,
-        timeout_s: float | None = None,
-        lora_request: LoRARequest | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
-    ) -> RequestStream:
-        """Validate and queue one engine request per (prompt, params), all with ``lora_request``'s adapter
-        (None: the base model), ``priority`` (under the "priority" scheduling policy; lower is served
-        first) and ``cache_salt`` (their prefix-cache blocks shared only under the same salt); all or none
-        are queued.
-
-        Validation errors (ValueError, TypeError, or what a prompt builder raises) are raised here,
-        before any of the requests enters the engine.
-        """
-        self._check_alive()
-        base = f"{self._id_prefix}-{next(self._ids)}"
-        ids = [f"{base}-{k}" for k in range(len(children))]
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        stream = RequestStream(self, ids, deadline)
-        for rid in ids:
-            self._streams[rid] = stream
-        future: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
-        self._commands.put(partial(self._do_add, list(zip(ids, children)), validate, future, lora_request,
-                                   priority, cache_salt))
-        try:
-            stream.prompt_token_ids = await future
-        except asyncio.CancelledError:
-            # The caller left while the add was queued; the loop may still run it, so abort after it.
-            self._forget(ids)
-            self.abort(ids)
-            raise
-        except BaseException:
-            self._forget(ids)
-            raise
-        return stream
-
-    def abort(self, request_ids: Sequence[str]) -> None:
-        """Abort requests at the next gap between steps (thread-safe, never blocks)."""
-        if request_ids:
-            self._commands.put(partial(self._do_abort, list(request_ids)))
-
-    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
-        """Run ``fn(engine)`` on the loop thread between steps and return its result."""
-        self._check_alive()
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-
-        def run(engine: LLMEngine) -> None:
-            try:
-                result: Any = fn(engine)
-            except Exception as err:  # returned to the caller, never raised in the loop
-                result = err
-            self._post(self._resolve, future, result)
-
-        self._commands.put(run)
-        return await future
-
-    def call_threadsafe(self, fn: Callable[[LLMEngine], T], timeout_s: float | None = None) -> T:
-        """``call`` from a thread other than the event loop's (tests, tools); blocks for the result."""
-        self._check_alive()
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(self.call(fn), self._loop).result(timeout_s)
-
-    def _forget(self, request_ids: Sequence[str]) -> None:
-        for rid in request_ids:
-            self._streams.pop(rid, None)
-
-    # -- event-loop callbacks, posted by the loop thread ----------------------------------------
-
-    @staticmethod
-    def _resolve(future: asyncio.Future, result: Any) -> None:
-        if future.done():  # cancelled by a caller that left
-            return
-        if isinstance(result, BaseException):
-            future.set_exception(result)
-        else:
-            future.set_result(result)
-
-    def _deliver(self, outputs: list[RequestOutput | PoolingRequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is None:
-                continue  # aborted by its consumer; this output was made before the abort ran
-            if out.finished:
-                del self._streams[out.request_id]
-            stream._put(out)
-
-    def _fail(self, request_ids: list[str], error: BaseException) -> None:
-        for rid in request_ids:
-            stream = self._streams.pop(rid, None)
-            if stream is not None:
-                stream._put(error)
-
-    def _post(self, fn: Callable[..., None], *args: Any) -> None:
-        """Schedule ``fn(*args)`` on the event loop from the loop thread."""
-        try:
-            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[union-attr]
-        except RuntimeError:
-            pass  # the event loop is closed: nobody is left to tell
+    def _send_call(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future) -> None:
+        self._commands.put(partial(self._do_call, fn, future))
 
     # -- the loop thread -----------------------------------------------------------------------
 
@@ -334,7 +417,7 @@ class AsyncLLMEngine:
         except BaseException as err:  # a bug in the loop itself: say so, and fail every waiter
             logger.exception("the engine loop crashed")
             self._dead = f"crashed: {err!r}"
-            self._post(lambda: self._fail(list(self._streams), EngineDeadError(self._dead or "crashed")))
+            self._post(self._fail_all, EngineDeadError(self._dead))
             return
         self._abort_all(engine)
         self._publish_stats(engine.num_steps + num_failed, num_failed)
@@ -454,6 +537,13 @@ class AsyncLLMEngine:
             self._post(self._resolve, future, err)
             return
         self._post(self._resolve, future, [list(r.prompt_token_ids) for r, _ in made])
+
+    def _do_call(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future, engine: LLMEngine) -> None:
+        try:
+            result: Any = fn(engine)
+        except Exception as err:  # returned to the caller, never raised in the loop
+            result = err
+        self._post(self._resolve, future, result)
 
     def _do_abort(self, request_ids: list[str], engine: LLMEngine | None = None) -> None:
         for rid in request_ids:

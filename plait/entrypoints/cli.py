@@ -322,9 +322,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from plait.entrypoints.data_parallel import serve_data_parallel
 
         serve_data_parallel(_engine_config(args), config, args.data_parallel_size,
-                            prefix_affinity=args.data_parallel_routing == PREFIX_AFFINITY)
+                            prefix_affinity=args.data_parallel_routing == PREFIX_AFFINITY,
+                            engine_process=args.engine_process)
     else:
-        serve(_engine_config(args), config)
+        serve(_engine_config(args), config, engine_process=args.engine_process)
     return 0
 
 
@@ -502,6 +503,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_lora_args(srv)
     srv.add_argument("--request-timeout", type=float, default=None,
                      help="abort requests running longer than this many seconds (default: never)")
+    srv.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                     help="run the engine's step loop in a process of its own (vLLM's engine core), so the "
+                          "HTTP work does not share a GIL with it (default); --no-engine-process: on a "
+                          "thread of the server's process")
     srv.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                      help="as vLLM's: N engine replicas behind this address, each on its own "
                           "--tensor-parallel-size GPUs (default: 1)")

@@ -81,8 +81,10 @@ def replica_devices(index: int, tensor_parallel_size: int, visible: str | None) 
     return ",".join(mine)
 
 
-def start_replicas(engine_config: EngineConfig, server_config: Any, size: int) -> list[Replica]:
-    """Start ``size`` replicas at once and wait until each prints its address; any failure stops them all."""
+def start_replicas(engine_config: EngineConfig, server_config: Any, size: int, engine_process: bool = True
+                   ) -> list[Replica]:
+    """Start ``size`` replicas at once and wait until each prints its address; any failure stops them all
+    (``engine_process``: each replica's engine loop in a process of its own, as serve's)."""
     on_cuda = _uses_cuda(engine_config)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     # Replicas listen on loopback, plain HTTP; the front terminates TLS and serves under root_path.
@@ -90,7 +92,7 @@ def start_replicas(engine_config: EngineConfig, server_config: Any, size: int) -
                                          ssl_certfile=None, ssl_ca_certs=None, root_path="")
     fd, config_path = tempfile.mkstemp(prefix="plait-dp-", suffix=".pickle")  # mode 0600: it holds the key
     with os.fdopen(fd, "wb") as f:
-        pickle.dump((engine_config, replica_config), f)
+        pickle.dump((engine_config, replica_config, engine_process), f)
     replicas: list[Replica] = []
     try:
         for index in range(size):
@@ -297,12 +299,12 @@ def _unavailable(replica: Replica, err: Exception) -> Response:
 
 
 def serve_data_parallel(engine_config: EngineConfig, server_config: Any, size: int,
-                        prefix_affinity: bool = True) -> None:
+                        prefix_affinity: bool = True, engine_process: bool = True) -> None:
     """`plait serve --data-parallel-size N`: start the replicas, then serve the front until interrupted
     (``prefix_affinity``: ReplicaRouter's, or the least busy replica always)."""
     from plait.entrypoints.server import base_url, bind_socket, uvicorn_server
 
-    replicas = start_replicas(engine_config, server_config, size)
+    replicas = start_replicas(engine_config, server_config, size, engine_process)
     try:
         front = DataParallelFront(replicas, server_config.api_key, server_config.max_request_body_bytes,
                                   prefix_affinity=prefix_affinity)
@@ -325,11 +327,11 @@ def _replica_main(config_path: str, index: int) -> None:
     """Replica ``index``: `plait serve` with the configs the front pickled, its response ids its own."""
     from plait.entrypoints.server import serve
 
-    engine_config, server_config = pickle.loads(Path(config_path).read_bytes())
+    engine_config, server_config, engine_process = pickle.loads(Path(config_path).read_bytes())
     timeline = replica_timeline_file(server_config.step_timeline_file, index)
     own = dataclasses.replace(server_config, response_id_prefix=replica_response_id_prefix(index),
                               step_timeline_file=timeline)
-    serve(engine_config, own)
+    serve(engine_config, own, engine_process=engine_process)
 
 
 def replica_timeline_file(path: str | None, index: int) -> str | None:

@@ -20,6 +20,10 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
+    def __reduce__(self) -> tuple:
+        # Exceptions pickle their message only; this one is rebuilt whole (it crosses from an engine process).
+        return (type(self), (self.status, self.message, self.type, self.param, self.code))
+
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> bytes:
     error = ErrorInfo(message=message, type=type_, param=param, code=code)

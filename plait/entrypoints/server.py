@@ -7,7 +7,6 @@ import asyncio
 import base64
 import collections
 import contextlib
-import copy
 import dataclasses
 import functools
 import itertools
@@ -20,6 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from operator import methodcaller
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -43,12 +43,14 @@ from plait.engine.request import Request as EngineRequest
 from plait.entrypoints.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
+    EngineInfo,
     PromptInput,
     RequestFailedError,
     RequestStream,
     RequestTimeoutError,
 )
 from plait.entrypoints.beam_search import BeamSearch, advance_all, pending_beams, served_outputs, step_params
+from plait.entrypoints.engine_process import EngineProcess
 from plait.entrypoints.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     CONTEXT_LENGTH_MESSAGE_START,
@@ -534,14 +536,19 @@ async def _wait_for_disconnect(request: Request) -> None:
 # -- the server ---------------------------------------------------------------------------------
 
 
-def _cache_config_labels(engine: LLMEngine) -> dict[str, str]:
+def _cache_config_labels(info: EngineInfo) -> dict[str, str]:
     """vllm:cache_config_info's labels (vLLM's names, values as strings), fixed once the engine is built."""
-    config = engine.config
-    num_blocks = engine.kv_cache.num_usable_blocks
+    config = info.config
+    num_blocks = info.num_kv_blocks
     return {"block_size": str(config.block_size), "cache_dtype": config.kv_cache_dtype,
             "num_gpu_blocks": str(num_blocks), "kv_cache_size_tokens": str(num_blocks * config.block_size),
             "enable_prefix_caching": str(config.enable_prefix_caching),
             "gpu_memory_utilization": str(config.gpu_memory_utilization)}
+
+
+def _check_lora_adapter(engine: LLMEngine, lora: LoRARequest) -> None:
+    """Read and check ``lora``'s adapter where the engine runs (ValueError if it cannot be served)."""
+    engine.lora_adapter(lora)
 
 
 def _check_writable(path: str) -> None:
@@ -567,29 +574,32 @@ class OpenAIServer:
     The engine's loop thread starts with the app's lifespan and stops with it.
     """
 
-    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None) -> None:
+    def __init__(self, engine: LLMEngine | EngineProcess, config: ServerConfig | None = None) -> None:
+        """Serve ``engine``: one in this process (its step loop then runs on a thread here), or an
+        EngineProcess (its loop runs in that process, apart from this one's HTTP work)."""
         self.config = config if config is not None else ServerConfig()
+        info = engine.info if isinstance(engine, EngineProcess) else EngineInfo.of(engine)
         self.served_model_names = (self.config.served_model_names
-                                   or (default_served_model_name(engine.model_source),))
+                                   or (default_served_model_name(info.model_source),))
         self.model_name = self.served_model_names[0]  # the one responses report
-        self.max_model_len = engine.max_model_len  # fixed at load; safe to read from any thread
-        source = engine.model_source
+        self.max_model_len = info.max_model_len
+        source = info.model_source
         self.model_root = source.repo_id or str(source.path)  # /v1/models' root, as vLLM's
-        self.vocab_size = engine.model_config.vocab_size
-        # A pooling model's pooler (fixed at load), None for any other: a pooling model serves /v1/embeddings
-        # and no text endpoint; any other model the reverse (as vLLM).
-        self.pooling_spec = engine.pooler.spec if engine.pooler is not None else None
-        self.eos_token_ids = engine.eos_token_ids  # fixed at load; beam search finishes beams on them
-        # The model's generation_config.json: defaults of what requests leave out (fixed at load).
-        self.generation_defaults = engine.generation_defaults
-        # The loop thread detokenizes with the engine's tokenizer; the event loop gets its own copy
-        # (chat templates, logprob token strings), so no tokenizer object is shared between threads.
-        self.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.vocab_size = info.vocab_size
+        # A pooling model's pooler, None for any other: a pooling model serves /v1/embeddings and no text
+        # endpoint; any other model the reverse (as vLLM).
+        self.pooling_spec = info.pooling_spec
+        self.eos_token_ids = info.eos_token_ids  # beam search finishes beams on them
+        # The model's generation_config.json: defaults of what requests leave out.
+        self.generation_defaults = info.generation_defaults
+        # The engine detokenizes with its own tokenizer; the server's (chat templates, logprob token strings)
+        # is a copy, so no tokenizer object is shared between threads.
+        self.tokenizer = info.tokenizer
         # An image model's image token text (chat templates that take text write it for each image); None
         # for a text model, whose messages may not hold images.
-        self.image_text = (image_token_text(self.tokenizer, engine.images.image_token_id)
-                           if engine.images is not None else None)
-        self.image_processor = engine.images  # stateless: shared with the loop thread
+        self.image_text = (image_token_text(self.tokenizer, info.image_processor.image_token_id)
+                           if info.image_processor is not None else None)
+        self.image_processor = info.image_processor  # stateless: shared with the engine's loop
         self._token_strings: dict[int, str] = {}
         name = self.config.reasoning_parser
         self.reasoning_parser = get_reasoning_parser(name) if name is not None else None
@@ -599,13 +609,21 @@ class OpenAIServer:
         self._lora_ids = itertools.count(1)
         for module in self.config.lora_modules:
             lora = self._new_lora(module.name, module.path, module.base_model_name)
-            engine.lora_adapter(lora)
+            check = functools.partial(_check_lora_adapter, lora=lora)
+            if isinstance(engine, EngineProcess):
+                engine.call_before_start(check)
+            else:
+                check(engine)
             self.lora_requests[lora.lora_name] = lora
-        self.engine = AsyncLLMEngine(engine, on_step=self._on_step)
-        self.sleep_mode = engine.config.enable_sleep_mode  # /sleep, /wake_up, /is_sleeping in dev mode
+        if isinstance(engine, EngineProcess):
+            engine.on_step = self._on_step
+            self.engine: AsyncLLMEngine | EngineProcess = engine
+        else:
+            self.engine = AsyncLLMEngine(engine, on_step=self._on_step)
+        self.sleep_mode = info.config.enable_sleep_mode  # /sleep, /wake_up, /is_sleeping in dev mode
         self.load = ServerLoad()  # counted under enable_server_load_tracking
-        self.max_logprobs = engine.max_logprobs
-        self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name, _cache_config_labels(engine))
+        self.max_logprobs = info.max_logprobs
+        self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name, _cache_config_labels(info))
         # The last STEP_TIMELINE_MAX_STEPS steps, for step_timeline_file (appended on the loop thread).
         self.step_timeline: collections.deque[StepStats] | None = None
         if self.config.step_timeline_file:
@@ -679,7 +697,7 @@ class OpenAIServer:
         if os.environ.get(DEV_MODE_ENV, "").lower() in ("1", "true"):  # as vLLM: development endpoints
             @app.post("/reset_prefix_cache")
             async def reset_prefix_cache() -> Response:
-                if not await self._engine_call(lambda engine: engine.reset_prefix_cache()):
+                if not await self._engine_call(methodcaller("reset_prefix_cache")):
                     raise APIError(409, "the prefix cache is in use: requests hold blocks", "conflict_error")
                 return JSONResponse({})
 
@@ -687,7 +705,7 @@ class OpenAIServer:
             async def reload_weights(body: ReloadWeightsRequest | None = None) -> Response:
                 path = body.path if body is not None else None
                 try:
-                    await self._engine_call(lambda engine: engine.reload_weights(path))
+                    await self._engine_call(methodcaller("reload_weights", path))
                 except FileNotFoundError as err:
                     raise APIError(400, str(err)) from err
                 return JSONResponse({})
@@ -698,12 +716,12 @@ class OpenAIServer:
         if profiler_dir_from_env() is not None:  # as vLLM: only where a trace folder is set
             @app.post("/start_profile")
             async def start_profile() -> Response:
-                await self._engine_call(lambda engine: engine.start_profile())
+                await self._engine_call(methodcaller("start_profile"))
                 return JSONResponse({})
 
             @app.post("/stop_profile")
             async def stop_profile() -> Response:
-                path = await self._engine_call(lambda engine: engine.stop_profile())
+                path = await self._engine_call(methodcaller("stop_profile"))
                 return JSONResponse({"trace": str(path)})
 
         @app.get("/version", response_model=VersionResponse)
@@ -814,12 +832,12 @@ class OpenAIServer:
 
         @app.post("/sleep")
         async def sleep(level: int = 1) -> Response:
-            await self._engine_call(lambda engine: engine.sleep(level))
+            await self._engine_call(methodcaller("sleep", level))
             return JSONResponse({})
 
         @app.post("/wake_up")
         async def wake_up(tags: list[str] | None = Query(None)) -> Response:  # noqa: B008 (FastAPI's idiom)
-            await self._engine_call(lambda engine: engine.wake_up(tags))
+            await self._engine_call(methodcaller("wake_up", tags))
             return JSONResponse({})
 
         @app.get("/is_sleeping")
@@ -903,7 +921,8 @@ class OpenAIServer:
         except ValueError as err:
             raise APIError(400, str(err), param="lora_name") from err
         try:
-            await self.engine.call(lambda engine: engine.lora_adapter(lora))  # read and checked there
+            # Read and checked where the engine runs.
+            await self.engine.call(functools.partial(_check_lora_adapter, lora=lora))
         except (ValueError, TypeError) as err:
             raise APIError(400, str(err), param="lora_path") from err
         name = lora.lora_name
@@ -1883,12 +1902,14 @@ def _print_now(text: str) -> None:
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig,
-          echo: Callable[[str], None] = _print_now) -> None:
-    """Load the model and serve until interrupted (what `plait serve` runs)."""
+          echo: Callable[[str], None] = _print_now, engine_process: bool = True) -> None:
+    """Load the model and serve until interrupted (what `plait serve` runs); ``engine_process``: the engine's
+    step loop in a process of its own (EngineProcess), else on a thread of this one."""
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", config.host)
     # Serving defaults (the token budget) differ from offline ones, as in vLLM.
-    engine = LLMEngine(dataclasses.replace(engine_config, usage="serve"))
+    engine_config = dataclasses.replace(engine_config, usage="serve")
+    engine = EngineProcess(engine_config) if engine_process else LLMEngine(engine_config)
     server = OpenAIServer(engine, config)
     sock = bind_socket(config.host, config.port)
     echo(banner(server, base_url(sock, https=config.ssl_certfile is not None)))
