@@ -8,7 +8,13 @@ import pytest
 
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine
-from plait.entrypoints.async_engine import AsyncLLMEngine, RequestFailedError, RequestTimeoutError
+from plait.entrypoints.async_engine import (
+    AsyncLLMEngine,
+    RequestFailedError,
+    RequestStream,
+    RequestTimeoutError,
+)
+from plait.outputs import CompletionOutput, RequestOutput
 from plait.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -135,3 +141,41 @@ def test_a_request_past_its_deadline_is_aborted(engine):
         assert stream.aborted == [0]
 
     _run(engine, scenario)
+
+
+def _output(rid: str, token_ids: list[int], delta: list[int], now: float, finished: bool = False):
+    text = "".join(chr(ord("a") + t) for t in delta)
+    completion = CompletionOutput(0, text, token_ids, "length" if finished else None, None, None, text, delta)
+    return RequestOutput(rid, "prompt", [1, 2], [completion], finished, metrics={"now": now})
+
+
+def test_a_lagging_reader_gets_its_backlog_merged():
+    """Cumulative outputs a server's reader has not read yet merge into one (deltas joined, every step's time
+    kept); outputs of other children, DELTA outputs and streams that did not ask stay one per step."""
+
+    async def read_all(stream) -> list[tuple[int, RequestOutput]]:
+        return [item async for item in stream]
+
+    async def main() -> None:
+        stream = RequestStream(None, ["a", "b"], None)
+        stream.merge_backlog = True
+        stream._put(_output("a", [0], [0], 1.0))
+        stream._put(_output("b", [3], [3], 1.0))
+        stream._put(_output("a", [0, 1], [1], 2.0))
+        stream._put(_output("b", [3], [3], 2.0))  # a DELTA output (its ids are its step's): not merged
+        stream._put(_output("a", [0, 1, 2], [2], 3.0, finished=True))
+        stream._put(_output("b", [4], [4], 3.0, finished=True))
+        got = await read_all(stream)
+        assert [(i, o.outputs[0].delta_token_ids) for i, o in got] == [(0, [0, 1, 2]), (1, [3]), (1, [3]),
+                                                                         (1, [4])]
+        merged = got[0][1]
+        assert merged.finished and merged.outputs[0].token_ids == [0, 1, 2]
+        assert merged.outputs[0].delta_text == "abc" and merged.outputs[0].finish_reason == "length"
+        assert merged.metrics["output_times"] == [1.0, 2.0, 3.0] and merged.metrics["now"] == 3.0
+
+        plain = RequestStream(None, ["a"], None)  # a stream that did not ask: one output per step
+        for k in range(3):
+            plain._put(_output("a", list(range(k + 1)), [k], float(k), finished=k == 2))
+        assert [o.outputs[0].delta_token_ids for _, o in await read_all(plain)] == [[0], [1], [2]]
+
+    asyncio.run(main())

@@ -631,9 +631,11 @@ def test_w5_sweep_smoke(tiny_llama, tmp_path):
     (row,) = summary["policies"]["mixed"]
     assert summary["vocab_size"] == TINY_VOCAB  # read from the model's config.json
     assert (row["completed"], row["failed"], row["request_rate"]) == (4, 0, 8.0)
-    # A model without a tokenizer still streams every token: one gap per token after the first.
+    # A model without a tokenizer still streams its tokens as they come: a gap per token after the first,
+    # fewer where the server's reader fell behind and merged some into one chunk; never all in one.
     detail = json.loads((out / "mixed_rate8.json").read_text())
-    assert [len(itl) for itl in detail["itls"]] == [n - 1 for n in detail["output_lens"]]
+    gaps = [len(itl) for itl in detail["itls"]]
+    assert all(g <= n - 1 for g, n in zip(gaps, detail["output_lens"])) and sum(gaps) >= len(gaps)
     assert "| 8 | 4 | 0 |" in (out / "w5.md").read_text()
     # The server's step timeline covers the run (and its warm-up request), on the clock of the rate's start.
     steps = json.loads((out / "timeline_mixed.json").read_text())["steps"]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import collections
 import copy
+import dataclasses
 import itertools
 import logging
 import queue
@@ -106,6 +108,10 @@ class EngineInfo:
                    max_logprobs=engine.max_logprobs, num_kv_blocks=engine.kv_cache.num_usable_blocks)
 
 
+# What a RequestStream hands its reader: an engine output, or the error that ended its requests.
+StreamItem = RequestOutput | PoolingRequestOutput | BaseException
+
+
 class RequestStream:
     """Outputs of one HTTP request's engine requests (several for n > 1 or a prompt batch).
 
@@ -118,7 +124,8 @@ class RequestStream:
         self._owner = owner
         self.request_ids = request_ids
         self._index = {rid: i for i, rid in enumerate(request_ids)}
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._items: collections.deque[StreamItem] = collections.deque()
+        self._arrived = asyncio.Event()
         self._unfinished = set(request_ids)
         self._deadline = deadline
         # Set by AsyncLLMEngine.add: the prompt token ids of each child, as the engine tokenized them.
@@ -128,6 +135,10 @@ class RequestStream:
         self.num_cached_tokens = [0] * len(request_ids)
         # Called with (index, output) as each child's final output is consumed (a server's output log).
         self.on_finished: Callable[[int, RequestOutput | PoolingRequestOutput], None] | None = None
+        # Set by a server that sends a chunk per output read: a child's cumulative outputs that pile up while
+        # the reader is behind (a busy event loop) merge into one, so one chunk carries them, as vLLM's
+        # streams do; what the merged output's reader sees of each step is in metrics["output_times"].
+        self.merge_backlog = False
 
     @property
     def finished(self) -> bool:
@@ -140,10 +151,10 @@ class RequestStream:
         if not self._unfinished:
             raise StopAsyncIteration
         if self._deadline is None:
-            item = await self._queue.get()
+            item = await self._next()
         else:
             try:
-                item = await asyncio.wait_for(self._queue.get(), max(0.0, self._deadline - time.monotonic()))
+                item = await asyncio.wait_for(self._next(), max(0.0, self._deadline - time.monotonic()))
             except asyncio.TimeoutError:
                 self.abort()
                 raise RequestTimeoutError("the request timed out and was aborted") from None
@@ -174,9 +185,42 @@ class RequestStream:
     async def __aexit__(self, *exc: object) -> None:
         self.abort()
 
-    # Called on the event loop by AsyncLLMEngine.
-    def _put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+    async def _next(self) -> StreamItem:
+        while not self._items:
+            self._arrived.clear()
+            await self._arrived.wait()
+        return self._items.popleft()
+
+    # Called on the event loop by the engine client.
+    def _put(self, item: StreamItem) -> None:
+        if self.merge_backlog and isinstance(item, RequestOutput):
+            for k in range(len(self._items) - 1, -1, -1):  # this child's last unread output, if any
+                queued = self._items[k]
+                if isinstance(queued, BaseException):
+                    break
+                if queued.request_id == item.request_id:
+                    merged = _merged(queued, item)
+                    if merged is not None:
+                        self._items[k] = merged
+                        return
+                    break
+        self._items.append(item)
+        self._arrived.set()
+
+
+def _merged(old: RequestOutput | PoolingRequestOutput, new: RequestOutput) -> RequestOutput | None:
+    """``new`` as the output of both its step and ``old``'s (its deltas after old's, and both steps' times);
+    None unless both are cumulative outputs of a running request (a DELTA output's text is its step's)."""
+    if not isinstance(old, RequestOutput) or old.finished:
+        return None
+    before, after = old.outputs[0], new.outputs[0]
+    if len(after.token_ids) != len(before.token_ids) + len(after.delta_token_ids):
+        return None
+    completion = dataclasses.replace(after, delta_text=before.delta_text + after.delta_text,
+                                     delta_token_ids=before.delta_token_ids + after.delta_token_ids)
+    times = [t for out in (old, new) for t in (out.metrics.get("output_times") or (out.metrics.get("now"),))
+             if t is not None]
+    return dataclasses.replace(new, outputs=[completion], metrics={**new.metrics, "output_times": times})
 
 
 _STOP = object()  # command that ends the loop thread

@@ -1513,6 +1513,7 @@ class OpenAIServer:
         tracker = RequestTracker(self.metrics, arrival, stream, params)
         try:
             if body.stream:
+                stream.merge_backlog = True
                 events = self._completion_events(body, stream, tracker, response_id, params.n,
                                                  self._reported_model(lora))
                 return _EngineStreamResponse(events, stream, tracker)
@@ -1665,6 +1666,7 @@ class OpenAIServer:
         tracker = RequestTracker(self.metrics, arrival, stream, params)
         try:
             if body.stream:
+                stream.merge_backlog = True
                 events = self._chat_events(body, stream, tracker, response_id, params.n, readers,
                                            self._reported_model(lora))
                 return _EngineStreamResponse(events, stream, tracker)
