@@ -4,6 +4,8 @@
 # plait serve with the engine's loop in a process of its own (the default) against --no-engine-process (a
 # thread of the server's process), interleaved, on the serve_prof.sh workload: Qwen3-0.6B shape (dummy
 # weights) with SmolLM2's tokenizer, 2,000 streamed completions at once, 256-512 prompt tokens, 128 out.
+# Where .gpu/nomerge holds async_engine.py and server.py from before streams merged a lagging reader's
+# outputs (git show 4262d2a:plait/entrypoints/<file>), each round also serves the engine process with those.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheus_client llguidance pydantic uvloop \
@@ -23,8 +25,14 @@ run() {  # $1: label, $2: the engine placement flag
   kill -INT $PID; wait $PID
   echo "   server exit code $?"
 }
+swap() {  # swap the two files with .gpu/nomerge's (twice: back)
+  for f in async_engine.py server.py; do
+    cp plait/entrypoints/$f /tmp/$f.swap; cp .gpu/nomerge/$f plait/entrypoints/$f; cp /tmp/$f.swap .gpu/nomerge/$f
+  done
+}
 for r in $(seq 1 $ROUNDS); do
   run process_$r --engine-process
   run thread_$r --no-engine-process
+  if [ -d .gpu/nomerge ]; then swap; run process_nomerge_$r --engine-process; swap; fi
 done
 ls $OUT
