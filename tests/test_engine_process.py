@@ -14,6 +14,7 @@ from operator import methodcaller
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import SERVING_MAX_NUM_BATCHED_TOKENS, idle_serving_engine
 
 from plait.config import EngineConfig
@@ -261,3 +262,25 @@ def test_the_server_answers_the_same_through_an_engine_process(serving_engine):
     assert want["too_long"] == (400, "context_length_exceeded")
     assert want["metrics"]["vllm:request_success"] == 3
     assert engine.is_idle_and_clean()
+
+
+def test_pooled_outputs_cross_whole(tiny_llama):
+    """An embedding (a tensor) crosses the pipe as the engine made it."""
+    from plait.entrypoints.llm import LLM
+    from plait.pooling_params import PoolingParams
+
+    prompts = [[5, 6, 7], list(range(10, 40))]
+    want = [torch.tensor(o.outputs.embedding) for o in LLM(str(tiny_llama), runner="pooling", max_num_batched_tokens=64).embed(
+        [{"prompt_token_ids": p} for p in prompts], use_tqdm=False)]
+    process = EngineProcess(EngineConfig(model=str(tiny_llama), runner="pooling", max_num_batched_tokens=64))
+    assert process.info.pooling_spec is not None
+    got = []
+
+    async def scenario(client: EngineProcess) -> None:
+        stream = await client.add([(p, PoolingParams()) for p in prompts])
+        got.extend(out for _, out in sorted([item async for item in stream], key=lambda item: item[0]))
+
+    _run(process, scenario)
+    assert [out.prompt_token_ids for out in got] == prompts
+    for out, data in zip(got, want):
+        assert out.finished and torch.allclose(out.outputs.data, data, atol=1e-5)
