@@ -237,6 +237,18 @@ def add_gguf_shape(writer, cfg) -> None:
     writer.add_head_count_kv(cfg.num_key_value_heads)
 
 
+def break_next_step(engine) -> None:
+    """Make the engine's next step raise (then step as before): a failing step, as a server's loop meets it.
+    Module-level, so it crosses to an engine process too (this folder on its PYTHONPATH)."""
+    real_step = engine.step
+
+    def failing_step():
+        engine.step = real_step  # only this once
+        raise RuntimeError("injected failure")
+
+    engine.step = failing_step
+
+
 def random_prompts(n: int, lo: int, hi: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(lo, hi + 1, (n,), generator=g).tolist()

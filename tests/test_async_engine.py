@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from conftest import break_next_step
 
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine
@@ -93,15 +94,6 @@ def test_a_failing_step_fails_its_requests_but_not_the_loop(engine):
     async def scenario(aengine: AsyncLLMEngine) -> None:
         streams = [await aengine.add([([5, 6, 7], LONG)]), await aengine.add([([8, 9], LONG)])]
         await streams[0].__anext__()  # both are running
-
-        def break_next_step(e: LLMEngine) -> None:
-            real_step = e.step
-
-            def failing_step():
-                e.step = real_step  # only this once
-                raise RuntimeError("injected failure")
-
-            e.step = failing_step
 
         await aengine.call(break_next_step)
         for stream in streams:

@@ -15,10 +15,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SERVING_MAX_NUM_BATCHED_TOKENS, idle_serving_engine
+from conftest import SERVING_MAX_NUM_BATCHED_TOKENS, break_next_step, idle_serving_engine
 
 from plait.config import EngineConfig
-from plait.engine.engine import LLMEngine
 from plait.entrypoints.async_engine import (
     AsyncLLMEngine,
     EngineClient,
@@ -123,16 +122,6 @@ def test_outputs_match_the_thread_engine(serving_engine):
 
 def refuse(request, engine) -> None:
     raise ValueError("refused by the validator")
-
-
-def break_next_step(engine: LLMEngine) -> None:
-    real_step = engine.step
-
-    def failing_step():
-        engine.step = real_step  # only this once
-        raise RuntimeError("injected failure")
-
-    engine.step = failing_step
 
 
 def test_errors_aborts_failures_and_death(tiny_llama, monkeypatch):
@@ -270,8 +259,9 @@ def test_pooled_outputs_cross_whole(tiny_llama):
     from plait.pooling_params import PoolingParams
 
     prompts = [[5, 6, 7], list(range(10, 40))]
-    want = [torch.tensor(o.outputs.embedding) for o in LLM(str(tiny_llama), runner="pooling", max_num_batched_tokens=64).embed(
-        [{"prompt_token_ids": p} for p in prompts], use_tqdm=False)]
+    llm = LLM(str(tiny_llama), runner="pooling", max_num_batched_tokens=64)
+    embedded = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
+    want = [torch.tensor(o.outputs.embedding) for o in embedded]
     process = EngineProcess(EngineConfig(model=str(tiny_llama), runner="pooling", max_num_batched_tokens=64))
     assert process.info.pooling_spec is not None
     got = []

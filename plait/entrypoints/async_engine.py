@@ -240,6 +240,15 @@ class EngineClient(abc.ABC):
         self._id_prefix = uuid.uuid4().hex[:8]
         self._ids = itertools.count()
         self.stats = EngineStats()
+        self.on_step: StepCallback | None = None  # each step's StepStats, where the server wants them
+
+    def _report_step(self, stats: StepStats) -> None:
+        if self.on_step is None:
+            return
+        try:
+            self.on_step(stats)
+        except Exception:
+            logger.exception("on_step callback failed")
 
     @abc.abstractmethod
     def start(self) -> None:
@@ -390,7 +399,7 @@ class AsyncLLMEngine(EngineClient):
     def __init__(self, engine: LLMEngine, on_step: StepCallback | None = None) -> None:
         super().__init__()
         self._engine = engine
-        self._on_step = on_step
+        self.on_step = on_step
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         # Loop-thread side: ids this engine enqueued that have not finished.
@@ -403,7 +412,7 @@ class AsyncLLMEngine(EngineClient):
         if self._thread is not None:
             raise RuntimeError("AsyncLLMEngine already started")
         self._loop = asyncio.get_running_loop()
-        if self._on_step is not None:
+        if self.on_step is not None:
             self._engine.record_timeline = True
         self._dead = None
         self._publish_stats(0, 0)
@@ -511,14 +520,6 @@ class AsyncLLMEngine(EngineClient):
         if outputs:
             self._post(self._deliver, outputs)
         return True
-
-    def _report_step(self, stats: StepStats) -> None:
-        if self._on_step is None:
-            return
-        try:
-            self._on_step(stats)
-        except Exception:
-            logger.exception("on_step callback failed")
 
     def _abort_all(self, engine: LLMEngine) -> list[str]:
         failed = sorted(self._live)

@@ -11,6 +11,7 @@ sums them back for the requests that asked for cumulative outputs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -41,7 +42,6 @@ from plait.entrypoints.async_engine import (
     EngineDeadError,
     EngineInfo,
     PromptInput,
-    StepCallback,
     Validator,
 )
 from plait.lora.request import LoRARequest
@@ -78,7 +78,6 @@ class EngineProcess(EngineClient):
 
     def __init__(self, config: EngineConfig, start_timeout_s: float = ENGINE_START_TIMEOUT_S) -> None:
         super().__init__()
-        self.on_step: StepCallback | None = None
         ours, theirs = Pipe()
         fd = theirs.fileno()
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -104,7 +103,8 @@ class EngineProcess(EngineClient):
     def _wait_ready(self, timeout_s: float) -> EngineInfo:
         deadline = time.monotonic() + timeout_s
         while not self._conn.poll(POLL_S):
-            if self._proc.poll() is not None:
+            # A process that failed said why before it exited: read that, if it is there.
+            if self._proc.poll() is not None and not self._conn.poll():
                 raise RuntimeError(f"the engine process exited (code {self._proc.returncode}) while loading")
             if time.monotonic() > deadline:
                 self._finalizer()
@@ -179,7 +179,8 @@ class EngineProcess(EngineClient):
 
     def _send_abort(self, request_ids: list[str]) -> None:
         if self._dead is None:
-            self._send(ABORT, request_ids)
+            with contextlib.suppress(EngineDeadError):  # a dead engine runs nothing left to abort
+                self._send(ABORT, request_ids)
 
     def _send_call(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future) -> None:
         self._pending[self._send(CALL, fn, answered=True)] = future
@@ -251,14 +252,6 @@ class EngineProcess(EngineClient):
                 self._report_step(payload)
             elif kind == DEAD:
                 self._died(payload)
-
-    def _report_step(self, stats: StepStats) -> None:
-        if self.on_step is None:
-            return
-        try:
-            self.on_step(stats)
-        except Exception:
-            logger.exception("on_step callback failed")
 
     def _decode(self, record: Any) -> RequestOutput | PoolingRequestOutput | None:
         """The RequestOutput the engine made, from its wire record; None for a request forgotten here."""

@@ -37,7 +37,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from plait import __version__
 from plait.config import EngineConfig
-from plait.engine.engine import LLMEngine, StepStats
+from plait.engine.engine import LLMEngine, StepStats, freeze_long_lived_objects, raise_gc_threshold
 from plait.engine.profiler import profiler_dir_from_env
 from plait.engine.request import Request as EngineRequest
 from plait.entrypoints.async_engine import (
@@ -1913,6 +1913,12 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
     engine_config = dataclasses.replace(engine_config, usage="serve")
     engine = EngineProcess(engine_config) if engine_process else LLMEngine(engine_config)
     server = OpenAIServer(engine, config)
+    if engine_process:
+        # What this process holds from now on (modules, the app) leaves the cyclic collector's view, and its
+        # threshold goes up, as the engine's loop has them in its process: a full collection walks the
+        # whole heap, a pause every stream's next chunk waits for.
+        freeze_long_lived_objects()
+        raise_gc_threshold()
     sock = bind_socket(config.host, config.port)
     echo(banner(server, base_url(sock, https=config.ssl_certfile is not None)))
     try:

@@ -4,8 +4,6 @@
 # plait serve with the engine's loop in a process of its own (the default) against --no-engine-process (a
 # thread of the server's process), interleaved, on the serve_prof.sh workload: Qwen3-0.6B shape (dummy
 # weights) with SmolLM2's tokenizer, 2,000 streamed completions at once, 256-512 prompt tokens, 128 out.
-# Where .gpu/nomerge holds async_engine.py and server.py from before streams merged a lagging reader's
-# outputs (git show 4262d2a:plait/entrypoints/<file>), each round also serves the engine process with those.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheus_client llguidance pydantic uvloop \
@@ -21,18 +19,25 @@ run() {  # $1: label, $2: the engine placement flag
   echo "== $1 ($2), up after $(( $(date +%s) - start )) s"
   timeout -s ABRT 150 python3 -m plait.entrypoints.cli bench serve --base-url http://127.0.0.1:8100 \
     --endpoint-type completions --num-prompts 2000 --prompt-mix 1:256-512 --output-len 128 --vocab-size 49000 \
-    --result-file $OUT/bench_$1.json --disable-tqdm 2>&1 | grep -iE "successful|failed|duration|output token thr|mean tpot|median itl|mean ttft"
+    --result-file $OUT/bench_$1.json --disable-tqdm 2>&1 | grep -iE "successful|failed|duration|output token thr|mean tpot|median itl|p99 itl|mean ttft"
   kill -INT $PID; wait $PID
   echo "   server exit code $?"
 }
-swap() {  # swap the two files with .gpu/nomerge's (twice: back)
-  for f in async_engine.py server.py; do
-    cp plait/entrypoints/$f /tmp/$f.swap; cp .gpu/nomerge/$f plait/entrypoints/$f; cp /tmp/$f.swap .gpu/nomerge/$f
+swap() {  # swap plait/entrypoints' files with those in folder $1 (twice: back)
+  for f in $(ls $1); do
+    cp plait/entrypoints/$f /tmp/$f.swap; cp $1/$f plait/entrypoints/$f; cp /tmp/$f.swap $1/$f
   done
 }
+# EP_RUNS: the runs of each round. process / thread: this tree with --engine-process / --no-engine-process;
+# process_<name>: the engine process with plait/entrypoints' files from .gpu/<name> (nomerge: before streams
+# merged a lagging reader's outputs; nogc: server.py before serve froze its heap and raised its GC threshold).
 for r in $(seq 1 $ROUNDS); do
-  run process_$r --engine-process
-  run thread_$r --no-engine-process
-  if [ -d .gpu/nomerge ]; then swap; run process_nomerge_$r --engine-process; swap; fi
+  for run in ${EP_RUNS:-process thread process_nomerge}; do
+    case $run in
+      process) run process_$r --engine-process ;;
+      thread) run thread_$r --no-engine-process ;;
+      process_*) swap .gpu/${run#process_}; run ${run}_$r --engine-process; swap .gpu/${run#process_} ;;
+    esac
+  done
 done
 ls $OUT
