@@ -18,6 +18,7 @@ import torch
 from conftest import SERVING_MAX_NUM_BATCHED_TOKENS, break_next_step, idle_serving_engine
 
 from plait.config import EngineConfig
+from plait.engine.engine import LLMEngine
 from plait.entrypoints.async_engine import (
     AsyncLLMEngine,
     EngineClient,
@@ -274,3 +275,43 @@ def test_pooled_outputs_cross_whole(tiny_llama):
     assert [out.prompt_token_ids for out in got] == prompts
     for out, data in zip(got, want):
         assert out.finished and torch.allclose(out.outputs.data, data, atol=1e-5)
+
+
+def test_lora_adapters_through_an_engine_process(tiny_llama, tmp_path):
+    """LoRA adapters cross as requests name them: one given at start-up is read and checked in the engine
+    process before serving (a bad one stops the server with the engine's reason), another is loaded at run
+    time; each answers with the tokens the offline engine gives under it."""
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    from conftest import LORA_MODULES, make_lora_adapter, run_greedy
+
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+    from plait.lora.request import LoRAModulePath
+
+    sql = make_lora_adapter(tmp_path / "sql", tiny_llama, ["q_proj", "v_proj"], rank=8, alpha=16, seed=1)
+    chat = make_lora_adapter(tmp_path / "chat", tiny_llama, list(LORA_MODULES), rank=4, alpha=8, seed=2)
+    big = make_lora_adapter(tmp_path / "big", tiny_llama, ["q_proj"], rank=32, alpha=32, seed=3)
+    config = EngineConfig(model=str(tiny_llama), max_model_len=64, block_size=8, enable_lora=True)
+    process = EngineProcess(config)
+    with pytest.raises(ValueError, match="greater than max_lora_rank"):
+        OpenAIServer(process, ServerConfig(lora_modules=[LoRAModulePath("big", str(big))]))
+    server = OpenAIServer(process, ServerConfig(served_model_name="tiny", lora_modules=[
+        LoRAModulePath("sql", str(sql))], allow_runtime_lora_updating=True, log_level="warning"))
+    prompt = [5, 6, 7, 8, 9]
+    with BackgroundServer(server) as url:
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "chat", "lora_path": str(chat)})
+        assert r.status_code == 200, r.text
+        r = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "big", "lora_path": str(big)})
+        assert r.status_code == 400 and "greater than max_lora_rank" in r.json()["error"]["message"]
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=TIMEOUT_S)
+        got = {}
+        for model in ("sql", "chat", "tiny"):
+            out = client.completions.create(model=model, prompt=prompt, max_tokens=6, temperature=0.0,
+                                            logprobs=1, extra_body={"return_tokens_as_token_ids": True,
+                                                                    "ignore_eos": True})
+            got[model] = [int(token.split(":")[1]) for token in out.choices[0].logprobs.tokens]
+    offline = LLMEngine(config)
+    for model in ("sql", "chat", "tiny"):
+        want, _ = run_greedy(offline, [prompt], 6, loras=[server.lora_requests.get(model)])
+        assert got[model] == want[0], model
+    assert got["sql"] != got["tiny"] and got["chat"] != got["tiny"]
