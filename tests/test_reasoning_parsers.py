@@ -156,7 +156,7 @@ def test_unknown_parser_names_fail_at_start_up(monkeypatch, capsys):
     with pytest.raises(ValueError, match="unknown reasoning parser 'nope'; known: deepseek_r1"):
         server.ServerConfig(reasoning_parser="nope")
     seen = []
-    monkeypatch.setattr(server, "serve", lambda engine_config, config: seen.append(config))
+    monkeypatch.setattr(server, "serve", lambda engine_config, config, **_: seen.append(config))
     assert cli.main(["serve", "--reasoning-parser", "qwen3"]) == 0
     assert cli.main(["serve"]) == 0
     assert [c.reasoning_parser for c in seen] == ["qwen3", None]

@@ -136,7 +136,7 @@ def test_the_routing_flag_reaches_the_front(monkeypatch):
 
     seen = []
     monkeypatch.setattr(data_parallel, "serve_data_parallel",
-                        lambda engine, server, size, prefix_affinity: seen.append((size, prefix_affinity)))
+                        lambda e, s, size, prefix_affinity, **_: seen.append((size, prefix_affinity)))
     assert cli.main(["serve", "-dp", "2"]) == 0
     assert cli.main(["serve", "-dp", "3", "--data-parallel-routing", "least-busy"]) == 0
     assert seen == [(2, True), (3, False)]

@@ -42,6 +42,7 @@ from plait.engine.profiler import profiler_dir_from_env
 from plait.engine.request import Request as EngineRequest
 from plait.entrypoints.async_engine import (
     AsyncLLMEngine,
+    EngineClient,
     EngineDeadError,
     EngineInfo,
     PromptInput,
@@ -569,9 +570,9 @@ def _answer_kind(params: SamplingParams, streamed: bool) -> SamplingParams:
 
 
 class OpenAIServer:
-    """The FastAPI app around an AsyncLLMEngine; ``app`` is what uvicorn runs.
+    """The FastAPI app around an engine client (AsyncLLMEngine, EngineProcess); ``app`` is what uvicorn runs.
 
-    The engine's loop thread starts with the app's lifespan and stops with it.
+    The engine's step loop starts serving with the app's lifespan and stops with it.
     """
 
     def __init__(self, engine: LLMEngine | EngineProcess, config: ServerConfig | None = None) -> None:
@@ -617,14 +618,14 @@ class OpenAIServer:
             self.lora_requests[lora.lora_name] = lora
         if isinstance(engine, EngineProcess):
             engine.on_step = self._on_step
-            self.engine: AsyncLLMEngine | EngineProcess = engine
+            self.engine: EngineClient = engine
         else:
             self.engine = AsyncLLMEngine(engine, on_step=self._on_step)
         self.sleep_mode = info.config.enable_sleep_mode  # /sleep, /wake_up, /is_sleeping in dev mode
         self.load = ServerLoad()  # counted under enable_server_load_tracking
         self.max_logprobs = info.max_logprobs
         self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name, _cache_config_labels(info))
-        # The last STEP_TIMELINE_MAX_STEPS steps, for step_timeline_file (appended on the loop thread).
+        # The last STEP_TIMELINE_MAX_STEPS steps, for step_timeline_file (appended by on_step).
         self.step_timeline: collections.deque[StepStats] | None = None
         if self.config.step_timeline_file:
             _check_writable(self.config.step_timeline_file)  # now, not after hours of serving
