@@ -183,6 +183,7 @@ class _FileHost(http.server.BaseHTTPRequestHandler):
 
 
 def test_cli_gets_its_input_from_a_url_and_puts_its_output_to_one(tiny_llama, expected_ids, tmp_path):
+    """With the engine in a process of its own, as serve runs it."""
     _FileHost.files = {"/in.jsonl": _completion_lines(PROMPTS, MAX_TOKENS).encode()}
     host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FileHost)
     threading.Thread(target=host.serve_forever, daemon=True).start()
@@ -190,7 +191,7 @@ def test_cli_gets_its_input_from_a_url_and_puts_its_output_to_one(tiny_llama, ex
     try:
         assert main(["run-batch", "-i", f"{base}/in.jsonl", "-o", f"{base}/results/out.jsonl",
                      "--output-tmp-dir", str(tmp_path), "--model", str(tiny_llama), "--log-level", "warning",
-                     "--disable-log-stats"]) == 0
+                     "--disable-log-stats", "--engine-process"]) == 0
     finally:
         host.shutdown()
     answers = [json.loads(t) for t in _FileHost.files["/results/out.jsonl"].decode().splitlines()]
