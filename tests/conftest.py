@@ -399,11 +399,10 @@ SERVE_STARTUP_TIMEOUT_S = 180.0
 SERVE_SHUTDOWN_TIMEOUT_S = 30.0
 
 
-@contextlib.contextmanager
-def plait_serve_process(tmp_path: Path, args: list[str], env: dict[str, str] | None = None
-                        ) -> Iterator[tuple[str, str]]:
-    """A real `plait serve ARGS` process on a free port, yielding (its base URL, its start-up banner) once
-    /health answers; stopped by SIGINT (uvicorn's graceful shutdown) afterwards, which must exit 0."""
+def start_plait_serve(tmp_path: Path, args: list[str], env: dict[str, str] | None = None
+                      ) -> tuple[subprocess.Popen, str, str, Path]:
+    """Start a real `plait serve ARGS` process on a free port; (the process, its base URL, its start-up
+    banner, its log file) once /health answers."""
     import httpx
 
     env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
@@ -412,26 +411,40 @@ def plait_serve_process(tmp_path: Path, args: list[str], env: dict[str, str] | N
         proc = subprocess.Popen(
             [sys.executable, "-m", "plait.entrypoints.cli", "serve", "--port", "0", "--log-level", "warning",
              *args], stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-        lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-        try:
-            banner = ""
-            deadline = time.monotonic() + SERVE_STARTUP_TIMEOUT_S
-            while "-d '" not in banner:
-                assert proc.poll() is None, log_path.read_text()
-                try:
-                    banner += lines.get(timeout=max(0.1, deadline - time.monotonic()))
-                except queue.Empty:
-                    pytest.fail(f"no banner from `plait serve`; got {banner!r}")
-            url = re.search(r"on (http://127\.0\.0\.1:\d+) ", banner).group(1)
-            while httpx.get(f"{url}/health").status_code != 200:
-                time.sleep(0.1)
-            yield url, banner
-        finally:
-            proc.send_signal(signal.SIGINT)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    try:
+        banner = ""
+        deadline = time.monotonic() + SERVE_STARTUP_TIMEOUT_S
+        while "-d '" not in banner:
+            assert proc.poll() is None, log_path.read_text()
             try:
-                proc.wait(SERVE_SHUTDOWN_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                banner += lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                pytest.fail(f"no banner from `plait serve`; got {banner!r}")
+        url = re.search(r"on (http://127\.0\.0\.1:\d+) ", banner).group(1)
+        while httpx.get(f"{url}/health").status_code != 200:
+            time.sleep(0.1)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, url, banner, log_path
+
+
+@contextlib.contextmanager
+def plait_serve_process(tmp_path: Path, args: list[str], env: dict[str, str] | None = None
+                        ) -> Iterator[tuple[str, str]]:
+    """A real `plait serve ARGS` process on a free port, yielding (its base URL, its start-up banner) once
+    /health answers; stopped by SIGINT (uvicorn's graceful shutdown) afterwards, which must exit 0."""
+    proc, url, banner, log_path = start_plait_serve(tmp_path, args, env)
+    try:
+        yield url, banner
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(SERVE_SHUTDOWN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
     assert proc.returncode == 0, log_path.read_text()

@@ -171,3 +171,34 @@ def test_a_lagging_reader_gets_its_backlog_merged():
         assert [o.outputs[0].delta_token_ids for _, o in await read_all(plain)] == [[0], [1], [2]]
 
     asyncio.run(main())
+
+
+def test_a_crashed_loop_fails_its_streams_and_tells_on_dead(tiny_llama):
+    """A bug in the loop itself (not a step) ends it: its streams fail with EngineDeadError, and on_dead
+    hears why, once (a server stops on it, as vLLM's does)."""
+    from plait.entrypoints.async_engine import EngineDeadError
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=64, block_size=8))
+    told: list[str] = []
+
+    def crash(e: LLMEngine) -> None:
+        e.has_unfinished_requests = lambda: 1 / 0  # what the loop asks before every step
+
+    async def main() -> None:
+        aengine = AsyncLLMEngine(engine)
+        aengine.on_dead = told.append
+        aengine.start()
+        try:
+            stream = await aengine.add([([5, 6, 7], LONG)])
+            await aengine.call(crash)
+            with pytest.raises(EngineDeadError, match="ZeroDivisionError"):
+                async for _ in stream:
+                    pass
+            assert not aengine.is_alive
+            with pytest.raises(EngineDeadError):
+                await aengine.add([([5, 6], GREEDY)])
+        finally:
+            await aengine.shutdown()
+
+    asyncio.run(asyncio.wait_for(main(), TIMEOUT_S))
+    assert len(told) == 1 and "ZeroDivisionError" in told[0]

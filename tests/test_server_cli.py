@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
-from conftest import ROOT, plait_serve_process
+from conftest import ROOT, SERVE_SHUTDOWN_TIMEOUT_S, plait_serve_process, start_plait_serve
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -182,6 +185,37 @@ def test_plait_serve_process(tmp_path):
         r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": "Bearer cli-key"})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
         assert httpx.post(f"{url}/v1/chat/completions", json=body).status_code == 401
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads a process's children from /proc")
+def test_plait_serve_exits_when_its_engine_dies(tmp_path):
+    """As vLLM's: an engine that dies under `plait serve` (its process killed here) fails the request in
+    flight with an error, then ends the server with ENGINE_DEAD_EXIT_CODE, for its supervisor to restart."""
+    from plait.entrypoints.server import ENGINE_DEAD_EXIT_CODE
+
+    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    args = ["--model", str(model), "--max-model-len", "128", "--num-kv-blocks", "64"]
+    proc, url, _, log_path = start_plait_serve(tmp_path, args)
+    try:
+        (engine_pid,) = _children(proc.pid)
+        body = {"model": "tiny-model", "prompt": "hi", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")  # it is running
+            os.kill(engine_pid, signal.SIGKILL)
+            rest = "\n".join(lines)
+        assert '"error"' in rest and "engine" in rest
+        proc.wait(SERVE_SHUTDOWN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == ENGINE_DEAD_EXIT_CODE, log_path.read_text()
+    assert "the engine stopped" in log_path.read_text()
 
 
 def _self_signed(tmp_path):

@@ -241,6 +241,9 @@ class EngineClient(abc.ABC):
         self._ids = itertools.count()
         self.stats = EngineStats()
         self.on_step: StepCallback | None = None  # each step's StepStats, where the server wants them
+        # Called once, on the event loop, if the step loop dies unasked (a crash; a dead engine process).
+        self.on_dead: Callable[[str], None] | None = None
+        self._death_told = False
 
     def _report_step(self, stats: StepStats) -> None:
         if self.on_step is None:
@@ -372,6 +375,14 @@ class EngineClient(abc.ABC):
     def _fail_all(self, error: BaseException) -> None:
         self._fail(list(self._streams), error)
 
+    def _died(self, reason: str) -> None:
+        """The step loop died unasked: fail everything waiting on it, and tell ``on_dead`` (once)."""
+        self._dead = reason
+        self._fail_all(EngineDeadError(reason))
+        if self.on_dead is not None and not self._death_told:
+            self._death_told = True
+            self.on_dead(reason)
+
     def _fail(self, request_ids: list[str], error: BaseException) -> None:
         for rid in request_ids:
             stream = self._streams.pop(rid, None)
@@ -470,7 +481,7 @@ class AsyncLLMEngine(EngineClient):
         except BaseException as err:  # a bug in the loop itself: say so, and fail every waiter
             logger.exception("the engine loop crashed")
             self._dead = f"crashed: {err!r}"
-            self._post(self._fail_all, EngineDeadError(self._dead))
+            self._post(self._died, self._dead)
             return
         self._abort_all(engine)
         self._publish_stats(engine.num_steps + num_failed, num_failed)

@@ -229,10 +229,6 @@ class EngineProcess(EngineClient):
             logger.error("%s", reason)
             self._post(self._died, reason)
 
-    def _died(self, reason: str) -> None:
-        self._dead = reason
-        self._fail_all(EngineDeadError(reason))
-
     def _apply(self, events: list[tuple[str, Any]]) -> None:
         for kind, payload in events:
             if kind == STATS:
@@ -362,8 +358,8 @@ class EngineCore(AsyncLLMEngine):
             ids, error = args
             self._prompt_sent.difference_update(ids)
             self._events.append((FAIL, (ids, _portable(error))))
-        elif fn == self._fail_all:
-            self._events.append((DEAD, str(args[0])))
+        elif fn == self._died:
+            self._events.append((DEAD, args[0]))
         else:
             raise AssertionError(f"no event for {fn!r}")
 

@@ -1904,6 +1904,10 @@ def _print_now(text: str) -> None:
     print(text, flush=True)  # stdout may be a pipe (a supervisor, a test): do not sit in its buffer
 
 
+# What `plait serve` exits with when its engine died under it (not a normal stop).
+ENGINE_DEAD_EXIT_CODE = 1
+
+
 def serve(engine_config: EngineConfig, config: ServerConfig,
           echo: Callable[[str], None] = _print_now, engine_process: bool = True) -> None:
     """Load the model and serve until interrupted (what `plait serve` runs); ``engine_process``: the engine's
@@ -1922,10 +1926,22 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
         raise_gc_threshold()
     sock = bind_socket(config.host, config.port)
     echo(banner(server, base_url(sock, https=config.ssl_certfile is not None)))
+    http = uvicorn_server(server.app, server.config)
+    died: list[str] = []
+
+    def stop_serving(reason: str) -> None:
+        # As vLLM's server: a dead engine ends the process (non-zero), for its supervisor to start it again.
+        logger.error("the engine stopped (%s): stopping the server", reason)
+        died.append(reason)
+        http.should_exit = True
+
+    server.engine.on_dead = stop_serving
     try:
-        uvicorn_server(server.app, server.config).run(sockets=[sock])
+        http.run(sockets=[sock])
     except KeyboardInterrupt:
         pass  # uvicorn re-raises Ctrl-C after its graceful shutdown; for a server it is the normal stop
+    if died:
+        raise SystemExit(ENGINE_DEAD_EXIT_CODE)
 
 
 class BackgroundServer:
