@@ -58,7 +58,7 @@ logger = logging.getLogger(__name__)
 ADD, ABORT, CALL, STOP = "add", "abort", "call", "stop"
 # Engine process -> server: (READY, EngineInfo) once loaded, or (FAILED, its traceback); then one
 # (EVENTS, [(kind, payload), ...]) per loop iteration: STATS (EngineStats) first, then in the order they
-# happened RESULT ((token, value or error)), OUTPUTS (wire records, _encode's), FAIL ((request ids, error)),
+# happened RESULT ((token, value or error)), OUTPUTS (encode_output's records), FAIL ((request ids, error)),
 # STEP (StepStats), DEAD (why the loop stopped).
 READY, FAILED, EVENTS = "ready", "failed", "events"
 STATS, RESULT, OUTPUTS, FAIL, STEP, DEAD = "stats", "result", "outputs", "fail", "step", "dead"
@@ -239,7 +239,8 @@ class EngineProcess(EngineClient):
                 if future is not None:
                     self._resolve(future, value)
             elif kind == OUTPUTS:
-                self._deliver([out for out in map(self._decode, payload) if out is not None])
+                outputs = (decode_output(record, self._requests, self._cumulative) for record in payload)
+                self._deliver([out for out in outputs if out is not None])
             elif kind == FAIL:
                 ids, error = payload
                 self._fail(ids, error)
@@ -248,28 +249,6 @@ class EngineProcess(EngineClient):
                 self._report_step(payload)
             elif kind == DEAD:
                 self._died(payload)
-
-    def _decode(self, record: Any) -> RequestOutput | PoolingRequestOutput | None:
-        """The RequestOutput the engine made, from its wire record; None for a request forgotten here."""
-        if isinstance(record, PoolingRequestOutput):
-            return record
-        rid, prompt, finished, num_cached, prompt_logprobs, metrics, completion = record
-        received = self._requests.get(rid)
-        if prompt is not None:  # its first output
-            received = _Received(*prompt, cumulative=rid in self._cumulative)
-            self._cumulative.discard(rid)
-            self._requests[rid] = received
-        if received is None:
-            return None
-        if finished:
-            del self._requests[rid]
-        index, text, ids, reason, stop, logprobs, delta_text, delta_ids = completion
-        if received.cumulative:
-            text, ids, logprobs, prompt_logprobs = received.add(text, ids, logprobs, prompt_logprobs)
-        completions = [CompletionOutput(index, text, ids, reason, stop, logprobs, delta_text, delta_ids)]
-        return RequestOutput(rid, received.prompt, received.prompt_token_ids, completions,
-                             finished=finished, num_cached_tokens=num_cached, prompt_logprobs=prompt_logprobs,
-                             metrics=metrics)
 
 
 @dataclass
@@ -353,7 +332,7 @@ class EngineCore(AsyncLLMEngine):
             token, value = args
             self._events.append((RESULT, (token, _portable(value))))
         elif fn == self._deliver:
-            self._events.append((OUTPUTS, [self._encode(out) for out in args[0]]))
+            self._events.append((OUTPUTS, [encode_output(out, self._prompt_sent) for out in args[0]]))
         elif fn == self._fail:
             ids, error = args
             self._prompt_sent.difference_update(ids)
@@ -382,23 +361,48 @@ class EngineCore(AsyncLLMEngine):
         super()._do_abort(request_ids, engine)
         self._prompt_sent.difference_update(request_ids)
 
-    def _encode(self, out: RequestOutput | PoolingRequestOutput) -> Any:
-        """An output as it crosses: a pooled one whole (it comes once); a generated one as a tuple without
-        its prompt, which goes with the request's first output only. The engine makes one completion per
-        output (n > 1 is fanned out into requests)."""
-        if isinstance(out, PoolingRequestOutput):
-            return out
-        rid = out.request_id
-        prompt = None if rid in self._prompt_sent else (out.prompt, list(out.prompt_token_ids))
-        if out.finished:
-            self._prompt_sent.discard(rid)
-        else:
-            self._prompt_sent.add(rid)
-        c = out.outputs[0]
-        completion = (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.delta_text,
-                      c.delta_token_ids)
-        return (rid, prompt, out.finished, out.num_cached_tokens, out.prompt_logprobs, out.metrics,
-                completion)
+
+def decode_output(record: Any, received: dict[str, _Received], cumulative: set[str]
+                  ) -> RequestOutput | PoolingRequestOutput | None:
+    """The output the engine made, from its wire record (encode_output's); None for a request forgotten
+    here. ``received``: unfinished requests whose first output came; ``cumulative``: requests that asked for
+    CUMULATIVE outputs, their deltas summed back here."""
+    if isinstance(record, PoolingRequestOutput):
+        return record
+    rid, prompt, finished, num_cached, prompt_logprobs, metrics, completion = record
+    request = received.get(rid)
+    if prompt is not None:  # its first output
+        request = _Received(*prompt, cumulative=rid in cumulative)
+        cumulative.discard(rid)
+        received[rid] = request
+    if request is None:
+        return None
+    if finished:
+        del received[rid]
+    index, text, ids, reason, stop, logprobs, delta_text, delta_ids = completion
+    if request.cumulative:
+        text, ids, logprobs, prompt_logprobs = request.add(text, ids, logprobs, prompt_logprobs)
+    completions = [CompletionOutput(index, text, ids, reason, stop, logprobs, delta_text, delta_ids)]
+    return RequestOutput(rid, request.prompt, request.prompt_token_ids, completions, finished=finished,
+                         num_cached_tokens=num_cached, prompt_logprobs=prompt_logprobs, metrics=metrics)
+
+
+def encode_output(out: RequestOutput | PoolingRequestOutput, prompt_sent: set[str]) -> Any:
+    """An output as it crosses: a pooled one whole (it comes once); a generated one as a tuple without its
+    prompt, which goes with the request's first output only (``prompt_sent``: the unfinished requests whose
+    prompt went). The engine makes one completion per output (n > 1 is fanned out into requests)."""
+    if isinstance(out, PoolingRequestOutput):
+        return out
+    rid = out.request_id
+    prompt = None if rid in prompt_sent else (out.prompt, list(out.prompt_token_ids))
+    if out.finished:
+        prompt_sent.discard(rid)
+    else:
+        prompt_sent.add(rid)
+    c = out.outputs[0]
+    completion = (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.delta_text,
+                  c.delta_token_ids)
+    return (rid, prompt, out.finished, out.num_cached_tokens, out.prompt_logprobs, out.metrics, completion)
 
 
 def _portable(value: Any) -> Any:
