@@ -270,7 +270,9 @@ class _Received:
         self.text += text
         self.token_ids.extend(token_ids)
         if logprobs is not None:
-            self.logprobs = [*(self.logprobs or ()), *logprobs]
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(logprobs)
         if prompt_logprobs is not None:  # a delta output carries them once
             self.prompt_logprobs = prompt_logprobs
         return (self.text, list(self.token_ids), None if self.logprobs is None else list(self.logprobs),
