@@ -1,7 +1,8 @@
 """What one step's outputs cost to cross from the engine process to the server, per step of 256 streams, as
 their outputs grow: the wire plait uses (deltas with the prompt once, encode_output -> pickle -> unpickle
 -> decode_output, the server summing cumulative outputs back) against pickling the cumulative RequestOutputs
-whole (every step's message then grows with every stream's length). Host time on this machine's CPU.
+whole (every step's message then grows with every stream's length); for requests that asked for DELTA
+outputs (the server's streamed ones) and for CUMULATIVE ones. Host time on this machine's CPU.
 
     PYTHONPATH=. python benchmarks/engine_process_wire.py \
         --out benchmarks/results/engine_process_wire_cpu.json
@@ -41,11 +42,13 @@ def _output(k: int, position: int, cumulative: bool) -> RequestOutput:
                          metrics=metrics)
 
 
-def _plait_wire_ms(position: int) -> tuple[float, int]:
-    """One step of plait's wire at ``position``: (ms, bytes), the request's earlier outputs already seen."""
+def _plait_wire_ms(position: int, summed: bool) -> tuple[float, int]:
+    """One step of plait's wire at ``position``: (ms, bytes), the request's earlier outputs already seen;
+    ``summed``: the requests asked for CUMULATIVE outputs (the server sums the deltas back), else DELTA (what
+    the server's streamed requests ask for)."""
     prompt_sent = {f"req-{k}" for k in range(STREAMS)}
     received: dict = {}
-    cumulative = {f"req-{k}" for k in range(STREAMS)}
+    cumulative = {f"req-{k}" for k in range(STREAMS)} if summed else set()
     first = [encode_output(_output(k, 1, False), set()) for k in range(STREAMS)]
     for record in first:  # the first outputs, carrying the prompts
         decode_output(record, received, cumulative)
@@ -58,7 +61,7 @@ def _plait_wire_ms(position: int) -> tuple[float, int]:
     records = pickle.loads(data)
     decoded = [decode_output(record, received, cumulative) for record in records]
     elapsed = time.perf_counter() - start
-    assert len(decoded[0].outputs[0].token_ids) == position
+    assert len(decoded[0].outputs[0].token_ids) == (position if summed else 1)
     return elapsed * 1e3, len(data)
 
 
@@ -76,10 +79,12 @@ def main() -> None:
     args = parser.parse_args()
     rows = []
     for position in tqdm(POSITIONS, desc="output lengths"):
-        plait_runs = [_plait_wire_ms(position) for _ in range(REPEATS)]
+        plait_runs = [_plait_wire_ms(position, summed=True) for _ in range(REPEATS)]
+        delta_runs = [_plait_wire_ms(position, summed=False) for _ in range(REPEATS)]
         whole_runs = [_whole_ms(position) for _ in range(REPEATS)]
         rows.append({"output_tokens": position,
-                     "plait_wire_ms": round(min(ms for ms, _ in plait_runs), 3),
+                     "plait_wire_delta_ms": round(min(ms for ms, _ in delta_runs), 3),
+                     "plait_wire_cumulative_ms": round(min(ms for ms, _ in plait_runs), 3),
                      "plait_wire_bytes": plait_runs[0][1],
                      "whole_cumulative_ms": round(min(ms for ms, _ in whole_runs), 3),
                      "whole_cumulative_bytes": whole_runs[0][1]})

@@ -15,7 +15,7 @@ from plait.entrypoints.async_engine import (
     RequestStream,
     RequestTimeoutError,
 )
-from plait.outputs import CompletionOutput, RequestOutput
+from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from plait.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -136,14 +136,18 @@ def test_a_request_past_its_deadline_is_aborted(engine):
 
 
 def _output(rid: str, token_ids: list[int], delta: list[int], now: float, finished: bool = False):
-    text = "".join(chr(ord("a") + t) for t in delta)
-    completion = CompletionOutput(0, text, token_ids, "length" if finished else None, None, None, text, delta)
+    text = "".join(chr(ord("a") + t) for t in token_ids)
+    delta_text = "".join(chr(ord("a") + t) for t in delta)
+    logprobs = [TokenLogprobs(t, -0.5) for t in token_ids]
+    reason = "length" if finished else None
+    completion = CompletionOutput(0, text, token_ids, reason, None, logprobs, delta_text, delta)
     return RequestOutput(rid, "prompt", [1, 2], [completion], finished, metrics={"now": now})
 
 
 def test_a_lagging_reader_gets_its_backlog_merged():
-    """Cumulative outputs a server's reader has not read yet merge into one (deltas joined, every step's time
-    kept); outputs of other children, DELTA outputs and streams that did not ask stay one per step."""
+    """Outputs a server's reader has not read yet merge into one per child: cumulative ones (a) keep the
+    newest whole and join the deltas, DELTA ones (b) join text, ids and logprobs; every step's time is kept.
+    A stream that did not ask gets one output per step."""
 
     async def read_all(stream) -> list[tuple[int, RequestOutput]]:
         return [item async for item in stream]
@@ -154,16 +158,17 @@ def test_a_lagging_reader_gets_its_backlog_merged():
         stream._put(_output("a", [0], [0], 1.0))
         stream._put(_output("b", [3], [3], 1.0))
         stream._put(_output("a", [0, 1], [1], 2.0))
-        stream._put(_output("b", [3], [3], 2.0))  # a DELTA output (its ids are its step's): not merged
+        stream._put(_output("b", [5], [5], 2.0))
         stream._put(_output("a", [0, 1, 2], [2], 3.0, finished=True))
         stream._put(_output("b", [4], [4], 3.0, finished=True))
         got = await read_all(stream)
-        assert [(i, o.outputs[0].delta_token_ids) for i, o in got] == [(0, [0, 1, 2]), (1, [3]), (1, [3]),
-                                                                         (1, [4])]
-        merged = got[0][1]
-        assert merged.finished and merged.outputs[0].token_ids == [0, 1, 2]
-        assert merged.outputs[0].delta_text == "abc" and merged.outputs[0].finish_reason == "length"
-        assert merged.metrics["output_times"] == [1.0, 2.0, 3.0] and merged.metrics["now"] == 3.0
+        assert [(i, o.outputs[0].delta_token_ids) for i, o in got] == [(0, [0, 1, 2]), (1, [3, 5, 4])]
+        a, b = got[0][1].outputs[0], got[1][1].outputs[0]
+        assert got[0][1].finished and a.token_ids == [0, 1, 2] and a.delta_text == "abc"
+        assert a.finish_reason == "length" and [lp.token_id for lp in a.logprobs] == [0, 1, 2]
+        assert b.token_ids == [3, 5, 4] and b.text == b.delta_text == "dfe"
+        assert [lp.token_id for lp in b.logprobs] == [3, 5, 4]
+        assert got[0][1].metrics["output_times"] == [1.0, 2.0, 3.0] and got[0][1].metrics["now"] == 3.0
 
         plain = RequestStream(None, ["a"], None)  # a stream that did not ask: one output per step
         for k in range(3):

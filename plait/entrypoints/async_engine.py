@@ -135,9 +135,9 @@ class RequestStream:
         self.num_cached_tokens = [0] * len(request_ids)
         # Called with (index, output) as each child's final output is consumed (a server's output log).
         self.on_finished: Callable[[int, RequestOutput | PoolingRequestOutput], None] | None = None
-        # Set by a server that sends a chunk per output read: a child's cumulative outputs that pile up while
-        # the reader is behind (a busy event loop) merge into one, so one chunk carries them, as vLLM's
-        # streams do; what the merged output's reader sees of each step is in metrics["output_times"].
+        # Set by a server that sends a chunk per output read: a child's outputs that pile up while the reader
+        # is behind (a busy event loop) merge into one, so one chunk carries them, as vLLM's streams do; what
+        # the merged output's reader sees of each step is in metrics["output_times"].
         self.merge_backlog = False
 
     @property
@@ -209,18 +209,29 @@ class RequestStream:
 
 
 def _merged(old: RequestOutput | PoolingRequestOutput, new: RequestOutput) -> RequestOutput | None:
-    """``new`` as the output of both its step and ``old``'s (its deltas after old's, and both steps' times);
-    None unless both are cumulative outputs of a running request (a DELTA output's text is its step's)."""
+    """``new`` as the output of both its step and ``old``'s, both steps' times kept: a CUMULATIVE one with
+    old's deltas before its own, a DELTA one with old's text, ids and logprobs before its own; None unless
+    ``old`` is an unfinished output of the same kind."""
     if not isinstance(old, RequestOutput) or old.finished:
         return None
     before, after = old.outputs[0], new.outputs[0]
-    if len(after.token_ids) != len(before.token_ids) + len(after.delta_token_ids):
+    prompt_logprobs = new.prompt_logprobs
+    if len(after.token_ids) == len(before.token_ids) + len(after.delta_token_ids):  # cumulative
+        completion = after
+    elif before.token_ids == before.delta_token_ids and after.token_ids == after.delta_token_ids:  # deltas
+        logprobs = (None if before.logprobs is None and after.logprobs is None
+                    else [*(before.logprobs or ()), *(after.logprobs or ())])
+        completion = dataclasses.replace(after, text=before.text + after.text,
+                                         token_ids=before.token_ids + after.token_ids, logprobs=logprobs)
+        prompt_logprobs = old.prompt_logprobs if new.prompt_logprobs is None else new.prompt_logprobs
+    else:
         return None
-    completion = dataclasses.replace(after, delta_text=before.delta_text + after.delta_text,
+    completion = dataclasses.replace(completion, delta_text=before.delta_text + after.delta_text,
                                      delta_token_ids=before.delta_token_ids + after.delta_token_ids)
     times = [t for out in (old, new) for t in (out.metrics.get("output_times") or (out.metrics.get("now"),))
              if t is not None]
-    return dataclasses.replace(new, outputs=[completion], metrics={**new.metrics, "output_times": times})
+    return dataclasses.replace(new, outputs=[completion], prompt_logprobs=prompt_logprobs,
+                               metrics={**new.metrics, "output_times": times})
 
 
 _STOP = object()  # command that ends the loop thread

@@ -239,6 +239,7 @@ class RequestTracker:
         completion = out.outputs[0]
         self._m.generation_tokens.inc(len(completion.delta_token_ids))
         self._m.totals.generation += len(completion.delta_token_ids)
+        self._generated[index] += len(completion.delta_token_ids)  # what every kind of output agrees on
         # A final-only output stands for every step that gave its request tokens: each is observed as the
         # output it was not sent as would have been.
         for when in out.metrics.get("output_times") or (now,):
@@ -263,14 +264,13 @@ class RequestTracker:
             self._m.inference_time.observe(max(0.0, now - scheduled))
             if first_token is not None:
                 self._m.prefill_time.observe(max(0.0, first_token - scheduled))
-        num_tokens = len(out.outputs[0].token_ids)
+        num_tokens = self._generated[index]
         if first_token is not None:
             self._m.decode_time.observe(max(0.0, now - first_token))
             if num_tokens > 1:  # vLLM's TPOT: one sample per request, as `vllm bench serve` defines it
                 self._m.tpot.observe(max(0.0, now - first_token) / (num_tokens - 1))
         self._m.request_prompt_tokens.observe(len(out.prompt_token_ids))
         self._m.request_generation_tokens.observe(num_tokens)
-        self._generated[index] = num_tokens
         if self._group:
             first = index - index % self._group  # the prompt's sequences: [first, first + n)
             if all(self._done[first: first + self._group]):

@@ -563,10 +563,14 @@ def _check_writable(path: str) -> None:
         raise ValueError(f"cannot write {path}: not a writable file path")
 
 
-def _answer_kind(params: SamplingParams, streamed: bool) -> SamplingParams:
-    """``params`` for an answer streamed as it is made, or given whole: then only the final outputs are
-    sent (vLLM's FINAL_ONLY for non-streamed requests), so the request's reader is not woken every step."""
-    return params if streamed else dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+def _answer_kind(params: SamplingParams, streamed: bool, whole_outputs: bool = False) -> SamplingParams:
+    """``params`` for an answer given whole: only the final outputs are sent (vLLM's FINAL_ONLY), so the
+    request's reader is not woken every step; or streamed as it is made: each output carries only what its
+    step added (vLLM's DELTA: the streaming code reads nothing else, and no step copies the whole output so
+    far), unless ``whole_outputs`` (the server logs each finished output whole)."""
+    if not streamed:
+        return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    return params if whole_outputs else dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
 
 
 class OpenAIServer:
@@ -1505,7 +1509,7 @@ class OpenAIServer:
             return await self._beam_search_completion(body, raw, arrival, lora)
         prompts = body.prompts()
         params = _answer_kind(self._params(body, body.requested_max_tokens, body.logprobs, len(prompts)),
-                              body.stream)
+                              body.stream, self.config.enable_log_outputs)
         children: list[tuple[PromptInput, SamplingParams]] = [
             (p, child) for p in prompts for child in _fan_out(params)]
         response_id = new_response_id("cmpl", body.request_id)
@@ -1693,7 +1697,7 @@ class OpenAIServer:
         SamplingParams, how each choice's output is read, and its engine stream (not ``streamed``: only each
         choice's final output, for a reader of nothing else)."""
         params = _answer_kind(self._params(body, body.requested_max_tokens, body.requested_logprobs, 1),
-                              streamed)
+                              streamed, self.config.enable_log_outputs)
         self._check_auto_tool_choice(body)
         skip = self._skip_special_tokens(body, params.skip_special_tokens)
         if skip != params.skip_special_tokens:  # a parser whose markers are special tokens needs them kept
