@@ -631,11 +631,11 @@ def test_w5_sweep_smoke(tiny_llama, tmp_path):
     (row,) = summary["policies"]["mixed"]
     assert summary["vocab_size"] == TINY_VOCAB  # read from the model's config.json
     assert (row["completed"], row["failed"], row["request_rate"]) == (4, 0, 8.0)
-    # A model without a tokenizer still streams its tokens as they come: a gap per token after the first,
-    # fewer where the server's reader fell behind and merged some into one chunk; never all in one.
+    # A gap per chunk after the first: at most one per token (fewer where the server's reader fell behind
+    # and merged tokens into one chunk, which timing decides).
     detail = json.loads((out / "mixed_rate8.json").read_text())
     gaps = [len(itl) for itl in detail["itls"]]
-    assert all(g <= n - 1 for g, n in zip(gaps, detail["output_lens"])) and sum(gaps) >= len(gaps)
+    assert all(0 <= g <= n - 1 for g, n in zip(gaps, detail["output_lens"])) and all(detail["output_lens"])
     assert "| 8 | 4 | 0 |" in (out / "w5.md").read_text()
     # The server's step timeline covers the run (and its warm-up request), on the clock of the rate's start.
     steps = json.loads((out / "timeline_mixed.json").read_text())["steps"]
