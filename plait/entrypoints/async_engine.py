@@ -413,7 +413,7 @@ class AsyncLLMEngine(EngineClient):
 
     Only the loop thread touches the engine once ``start()`` has run: requests, aborts and any
     other engine work are commands on a thread-safe queue, run between steps. Outputs go back to
-    the event loop with one ``call_soon_threadsafe`` per step, into per-request asyncio queues.
+    the event loop with one ``call_soon_threadsafe`` per step, into per-request streams.
     A step that raises aborts the requests it was running (their streams raise RequestFailedError)
     and the loop goes on serving.
     """
@@ -450,7 +450,7 @@ class AsyncLLMEngine(EngineClient):
         if not self._thread.is_alive():  # a step still running keeps its workers until it ends
             self._engine.shutdown()
         self._dead = "shut down"
-        self._fail(list(self._streams), EngineDeadError("the server is shutting down"))
+        self._fail_all(EngineDeadError("the server is shutting down"))
 
     @property
     def is_alive(self) -> bool:
