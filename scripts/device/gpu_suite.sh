@@ -27,7 +27,8 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   wait
   suite tensor_parallel 0,1 $LIMIT tests/test_gpu_tensor_parallel.py
 else
-  suite engine 0 $LIMIT $ENGINE_FILES
-  suite kernels 0 ${KERNEL_LIMIT_S:-$LIMIT} $KERNEL_FILES
+  PARTS=${SUITE_PARTS:-engine kernels}
+  [[ " $PARTS " == *" engine "* ]] && suite engine 0 $LIMIT $ENGINE_FILES
+  [[ " $PARTS " == *" kernels "* ]] && suite kernels 0 ${KERNEL_LIMIT_S:-$LIMIT} $KERNEL_FILES
 fi
 grep -h "^FAILED\|^ERROR" $OUT/gpu_suite_*.log | head -40
