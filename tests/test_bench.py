@@ -17,7 +17,13 @@ import pytest
 
 from plait.bench.datasets import LengthRange, file_requests, parse_mix, random_requests
 from plait.bench.metrics import RequestResult, calculate_metrics, parse_goodput, peak_output_rate, summarize
-from plait.bench.serve_client import ServeBenchConfig, _is_token_chunk, arrival_offsets, build_payload
+from plait.bench.serve_client import (
+    PER_REQUEST_FIELDS,
+    ServeBenchConfig,
+    _is_token_chunk,
+    arrival_offsets,
+    build_payload,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -297,7 +303,7 @@ def test_bench_serve_counts_match_server_metrics(served, tmp_path):
     status = _bench(["--base-url", url, "--num-prompts", "6", "--prompt-mix", "1:8-40", "--output-len", "8",
                      "--vocab-size", str(vocab), "--request-rate", "20", "--arrival", "poisson",
                      "--seed", "5", "--max-concurrency", "3", "--goodput", "ttft:60000", "tpot:60000",
-                     "--request-id-prefix", "run-7-", "--result-file", str(out)])
+                     "--request-id-prefix", "run-7-", "--save-detailed", "--result-file", str(out)])
     delta = _delta(before, _counters(url))
     assert status == 0
     result = json.loads(out.read_text())
@@ -327,6 +333,8 @@ def test_bench_serve_chat_file_dataset(served, tmp_path):
     result = json.loads(out.read_text())
     assert status == 0 and (result["completed"], result["total_output_tokens"]) == (2, 12)
     assert result["mean_ttft_ms"] > 0 and result["request_goodput"] is None
+    # Without --save-detailed the file keeps the settings and metrics only, as vLLM's bench writes it.
+    assert not set(PER_REQUEST_FIELDS) & set(result) and result["num_prompts"] == 2
     assert delta == {"requests": 2, "prompt_tokens": result["total_input_tokens"],
                      "generation_tokens": 12}
 
@@ -391,7 +399,7 @@ def test_bench_serve_sharegpt_dataset(served, tmp_path):
     before = _counters(url)
     out = tmp_path / "sharegpt_result.json"
     status = _bench(["--base-url", url, "--dataset-name", "sharegpt", "--dataset-path", str(path),
-                     "--num-prompts", "3", "--result-file", str(out)])
+                     "--num-prompts", "3", "--save-detailed", "--result-file", str(out)])
     delta = _delta(before, _counters(url))
     result = json.loads(out.read_text())
     assert status == 0 and (result["completed"], result["failed"]) == (3, 0)
@@ -403,8 +411,8 @@ def test_bench_serve_sharegpt_dataset(served, tmp_path):
 
     again = tmp_path / "local_count.json"
     assert _bench(["--base-url", url, "--dataset-name", "sharegpt", "--dataset-path", str(path),
-                   "--tokenizer", str(default_model_path()), "--num-prompts", "3", "--result-file",
-                   str(again)]) == 0
+                   "--tokenizer", str(default_model_path()), "--num-prompts", "3", "--save-detailed",
+                   "--result-file", str(again)]) == 0
     assert sorted(json.loads(again.read_text())["output_lens"]) == sorted(replies.values())
 
 
@@ -416,7 +424,7 @@ def test_a_vllm_bench_serve_command_line_runs_as_it_is(served, tmp_path):
                      "--random-input-len", "12", "--random-output-len", "3", "--num-prompts", "3",
                      "--request-rate", "30", "--burstiness", "0.5", "--ignore-eos",
                      "--metric-percentiles", "99", "--percentile-metrics", "ttft,tpot,itl",
-                     "--vocab-size", str(vocab), "--save-result",
+                     "--vocab-size", str(vocab), "--save-result", "--save-detailed",
                      "--result-dir", str(tmp_path / "results"), "--result-filename", "run.json"])
     result = json.loads((tmp_path / "results" / "run.json").read_text())
     assert status == 0 and (result["completed"], result["output_lens"]) == (3, [3, 3, 3])
@@ -442,7 +450,7 @@ def test_random_prompts_go_to_chat_as_text(served, tmp_path):
     out = tmp_path / "chat_random.json"
     status = _bench(["--base-url", url, "--backend", "openai-chat", "--dataset-name", "random",
                      "--random-input-len", "12", "--random-output-len", "3", "--num-prompts", "2",
-                     "--vocab-size", str(vocab), "--seed", "4", "--result-file", str(out)])
+                     "--vocab-size", str(vocab), "--seed", "4", "--save-detailed", "--result-file", str(out)])
     result = json.loads(out.read_text())
     assert status == 0 and (result["completed"], result["output_lens"]) == (2, [3, 3])
     assert all(n > 12 for n in result["input_lens"])  # the chat template's tokens and the text's own
@@ -493,7 +501,7 @@ def test_bench_serve_reports_failures(served, tmp_path):
     out = tmp_path / "bad.json"
     # Token ids beyond the vocabulary: the server refuses every request (400), and the run says so.
     status = _bench(["--base-url", url, "--num-prompts", "2", "--prompt-mix", "1:4", "--output-len", "2",
-                     "--vocab-size", "10000000", "--result-file", str(out)])
+                     "--vocab-size", "10000000", "--save-detailed", "--result-file", str(out)])
     result = json.loads(out.read_text())
     assert status == 1 and (result["completed"], result["failed"]) == (0, 2)
     assert all(e.startswith("HTTP 400") for e in result["errors"])

@@ -336,7 +336,7 @@ def _bench_serve_with_images(url: str, model: str, tmp_path, capsys) -> None:
     out = tmp_path / "images.json"
     args = ["bench", "serve", "--disable-tqdm", "--base-url", url, "--endpoint-type", "chat", "--dataset",
             "file", "--dataset-path", str(prompts), "--images-per-prompt", "1", "--image-size", "40x30",
-            "--output-len", "4", "--result-file", str(out)]
+            "--output-len", "4", "--save-detailed", "--result-file", str(out)]
     assert main(args) == 0
     result = json.loads(out.read_text())
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (2, 0, 8)

@@ -121,6 +121,12 @@ class ServeBenchConfig:
         self.base_url = self.base_url.rstrip("/")
 
 
+# The result's lists of one entry per request: kept only with --save-detailed, as vLLM's bench keeps them
+# (a run of 2,000 streams writes ~6.6 MB of them, its metrics a few KB).
+PER_REQUEST_FIELDS = ("input_lens", "output_lens", "start_times", "ttfts", "latencies", "itls", "errors",
+                      "response_ids")
+
+
 @dataclass
 class ServeBenchRun:
     """A finished run: what was asked, what each request saw, and the metrics."""
@@ -131,10 +137,10 @@ class ServeBenchRun:
     metrics: dict[str, Any]
     trace: str | None = None  # with profile: the server's trace file, as it named it
 
-    def to_json(self) -> dict[str, Any]:
-        """vLLM's result layout: settings, the metrics, then per-request lists."""
+    def to_json(self, detailed: bool = True) -> dict[str, Any]:
+        """vLLM's result layout: settings, the metrics, then (``detailed``) per-request lists."""
         c = self.config
-        return {
+        result = {
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "base_url": c.base_url, "endpoint_type": c.endpoint_type, "model": self.model,
             "num_prompts": len(self.results),
@@ -153,6 +159,10 @@ class ServeBenchRun:
             "request_id_prefix": c.request_id_prefix,
             "response_ids": [r.response_id for r in self.results],
         }
+        if not detailed:
+            for field in PER_REQUEST_FIELDS:
+                del result[field]
+        return result
 
 
 def arrival_offsets(n: int, rate: float, arrival: str, seed: int, burstiness: float = 1.0) -> list[float]:
@@ -472,6 +482,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     vllm.add_argument("--result-dir", default=".", help="(default: the current directory)")
     vllm.add_argument("--result-filename", default=None,
                       help="(default: plait-<rate>qps-<model>-<time>.json)")
+    vllm.add_argument("--save-detailed", action="store_true",
+                      help="the result JSON keeps each request's lengths, TTFT, latency, ITLs, error and "
+                           "response id (default: only the settings and metrics, as vLLM's)")
     vllm.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=True,
                       help="accepted: plait's bench ignores EOS by default (--no-ignore-eos: they may stop)")
     p.add_argument("--model", default=None, help="model name to send (default: the first the server lists)")
@@ -724,7 +737,7 @@ def main(args: argparse.Namespace) -> int:
         print(f"failed: {error}", file=sys.stderr)
     path = result_path(args, run.model)
     if path is not None:
-        print(f"result: {write_json(path, run.to_json())}")
+        print(f"result: {write_json(path, run.to_json(detailed=args.save_detailed))}")
     if args.plot:
         from plait.bench.plots import plot_serve
 
