@@ -150,11 +150,14 @@ def expected_ids(tiny_llama) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_cli_reads_standard_input_and_writes_standard_output(tiny_llama, expected_ids, monkeypatch, capsys):
+@pytest.mark.parametrize("placement", ["--engine-process", "--no-engine-process"])
+def test_cli_reads_standard_input_and_writes_standard_output(tiny_llama, expected_ids, placement, monkeypatch,
+                                                             capfd):
+    """Standard output holds the answers alone, the engine in a process of its own (the default) or not."""
     monkeypatch.setattr("sys.stdin", io.StringIO(_completion_lines(PROMPTS, MAX_TOKENS)))
-    assert main(["run-batch", "-i", "-", "-o", "-", "--model", str(tiny_llama), "--log-level", "warning",
-                 "--served-model-name", "tiny", "--max-num-seqs", "2"]) == 0
-    captured = capsys.readouterr()
+    assert main(["run-batch", "-i", "-", "-o", "-", "--model", str(tiny_llama), "--log-level", "info",
+                 "--served-model-name", "tiny", "--max-num-seqs", "2", placement]) == 0
+    captured = capfd.readouterr()
     answers = [json.loads(t) for t in captured.out.splitlines()]
     assert [a["custom_id"] for a in answers] == [f"req-{i}" for i in range(len(PROMPTS))]
     assert _token_ids(answers) == expected_ids
@@ -183,7 +186,7 @@ class _FileHost(http.server.BaseHTTPRequestHandler):
 
 
 def test_cli_gets_its_input_from_a_url_and_puts_its_output_to_one(tiny_llama, expected_ids, tmp_path):
-    """With the engine in a process of its own, as serve runs it."""
+    """With the engine in a process of its own (the default, as serve's)."""
     _FileHost.files = {"/in.jsonl": _completion_lines(PROMPTS, MAX_TOKENS).encode()}
     host = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _FileHost)
     threading.Thread(target=host.serve_forever, daemon=True).start()
@@ -191,7 +194,7 @@ def test_cli_gets_its_input_from_a_url_and_puts_its_output_to_one(tiny_llama, ex
     try:
         assert main(["run-batch", "-i", f"{base}/in.jsonl", "-o", f"{base}/results/out.jsonl",
                      "--output-tmp-dir", str(tmp_path), "--model", str(tiny_llama), "--log-level", "warning",
-                     "--disable-log-stats", "--engine-process"]) == 0
+                     "--disable-log-stats"]) == 0
     finally:
         host.shutdown()
     answers = [json.loads(t) for t in _FileHost.files["/results/out.jsonl"].decode().splitlines()]
