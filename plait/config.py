@@ -512,6 +512,9 @@ class ModelConfig:
             raise ValueError("model config has no 'architectures' field; cannot choose a model class")
         if cfg.get("model_type") in COMPLETED_CONFIGS:
             cfg = completed_text_config(cfg)
+        missing = [key for key in REQUIRED_CONFIG_KEYS if key not in cfg]
+        if missing:
+            raise ValueError(f"model config ({archs[0]}) lacks {', '.join(missing)}: every model needs them")
         model_type = cfg.get("model_type", "")
         # Attention-free models (Mamba2) have no attention heads; their "head_dim" is the SSM's.
         heads = cfg.get("num_attention_heads", 0)
@@ -568,6 +571,10 @@ class ModelConfig:
             partial_rotary_factor=partial_rotary_factor,
             raw=cfg,
         )
+
+
+# What a model's config.json must say (transformers has no default for them); the rest has defaults.
+REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size")
 
 
 def rope_kind(scaling: dict | None) -> str:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from plait.config import NO_CHUNK_CAP, SERVING_PREFILL_CAP, EngineConfig, default_token_budget
+from plait.config import NO_CHUNK_CAP, SERVING_PREFILL_CAP, EngineConfig, ModelConfig, default_token_budget
 from plait.runner.cuda_graphs import FEW_PROMPT_ROWS, graph_shapes, token_buckets
 
 GB = 1024**3
@@ -125,3 +125,12 @@ def test_dtype_aliases_are_stored_under_one_name(given, stored, dtype):
 def test_unknown_dtype_is_refused_with_the_accepted_names():
     with pytest.raises(ValueError, match="dtype must be one of .*'half'.*got 'int8'"):
         EngineConfig(dtype="int8")
+
+
+def test_a_model_config_without_its_sizes_is_refused_by_name():
+    """A config.json that omits what every model needs is a ValueError naming the keys (the CLI's "plait:
+    error: ..."), not a KeyError from deep in the parser."""
+    with pytest.raises(ValueError, match="lacks vocab_size, hidden_size"):
+        ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    with pytest.raises(ValueError, match=r"\(LlamaForCausalLM\) lacks hidden_size"):
+        ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 8})

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import math
 import os
+import re
 import time
 from operator import methodcaller
 from pathlib import Path
@@ -190,10 +192,22 @@ def test_errors_aborts_failures_and_death(tiny_llama, monkeypatch):
 
 
 def test_a_model_that_does_not_load_is_reported(tmp_path):
-    started = time.monotonic()
-    with pytest.raises(RuntimeError, match="failed to load the model"):
-        EngineProcess(EngineConfig(model=str(tmp_path / "no-such-model")))
-    assert time.monotonic() - started < TIMEOUT_S
+    """The engine process raises what the engine raises on a thread (a bad model is the caller's error, of
+    the same kind and message), with the engine process's traceback as its cause."""
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "vocab_size": 8,
+                                                 "hidden_size": 8}))
+    for model in (tmp_path / "no-such-model", bad):
+        with pytest.raises(Exception) as on_thread:
+            LLMEngine(EngineConfig(model=str(model)))
+        started = time.monotonic()
+        with pytest.raises(type(on_thread.value), match=re.escape(str(on_thread.value))) as in_process:
+            EngineProcess(EngineConfig(model=str(model)))
+        assert time.monotonic() - started < TIMEOUT_S
+        cause = in_process.value.__cause__
+        assert isinstance(cause, RuntimeError) and "failed to load the model" in str(cause)
+        assert "Traceback" in str(cause)
 
 
 def _answers(url: str, model: str) -> dict:

@@ -212,3 +212,19 @@ def test_cli_refuses_missing_files_before_loading_a_model(tmp_path, capsys):
     target = Path(tmp_path / "no-folder" / "out.jsonl")
     assert main(["run-batch", "-i", str(source), "-o", str(target), "--model", str(tmp_path / "none")]) == 2
     assert "no folder" in capsys.readouterr().err
+
+
+def test_cli_says_why_a_model_does_not_load_in_the_engine_process(tmp_path, capsys):
+    """The engine process (the default) fails as the engine on a thread does: one line, exit status 2."""
+    model = tmp_path / "unsupported"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["NoSuchForCausalLM"], "vocab_size": 8,
+                                                   "hidden_size": 8}))
+    source = tmp_path / "in.jsonl"
+    source.write_text(_line("a", {}))
+    for placement in ("--engine-process", "--no-engine-process"):
+        assert main(["run-batch", "-i", str(source), "-o", str(tmp_path / "out.jsonl"), "--model", str(model),
+                     placement]) == 2
+        err = capsys.readouterr().err
+        assert "plait: error: architecture 'NoSuchForCausalLM' is not supported" in err
+        assert "Traceback" not in err

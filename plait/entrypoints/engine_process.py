@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 # (ADD, token, (children, validator, LoRA request, priority, cache salt)), (ABORT, None, request ids),
 # (CALL, token, function of the engine), (STOP, None, None).
 ADD, ABORT, CALL, STOP = "add", "abort", "call", "stop"
-# Engine process -> server: (READY, EngineInfo) once loaded, or (FAILED, its traceback); then one
+# Engine process -> server: (READY, EngineInfo) once loaded, or (FAILED, (the error, its traceback)); then one
 # (EVENTS, [(kind, payload), ...]) per loop iteration: STATS (EngineStats) first, then in the order they
 # happened RESULT ((token, value or error)), OUTPUTS (encode_output's records), FAIL ((request ids, error)),
 # STEP (StepStats), DEAD (why the loop stopped).
@@ -112,7 +112,12 @@ class EngineProcess(EngineClient):
         kind, payload = self._receive()
         if kind == FAILED:
             self._finalizer()
-            raise RuntimeError(f"the engine process failed to load the model:\n{payload}")
+            error, trace = payload
+            if not isinstance(error, Exception):  # e.g. a SystemExit in the loader: not the caller's to catch
+                error = RuntimeError(f"the engine process failed to load the model: {error!r}")
+            # The error the engine raised (a bad model is the caller's ValueError here, as on a thread), the
+            # engine process's traceback as its cause.
+            raise error from RuntimeError(f"the engine process failed to load the model:\n{trace}")
         return payload
 
     def call_before_start(self, fn: Callable[[LLMEngine], Any]) -> Any:
@@ -450,8 +455,9 @@ def _main(fd: int) -> None:
     try:
         engine = LLMEngine(config)
         info = EngineInfo.of(engine)
-    except BaseException:  # noqa: BLE001 - told to the server, which raises it
-        conn.send_bytes(pickle.dumps((FAILED, traceback.format_exc()), protocol=PICKLE_PROTOCOL))
+    except BaseException as err:  # noqa: BLE001 - told to the server, which raises it
+        failure = (_portable(err), traceback.format_exc())
+        conn.send_bytes(pickle.dumps((FAILED, failure), protocol=PICKLE_PROTOCOL))
         sys.exit(1)
     conn.send_bytes(pickle.dumps((READY, info), protocol=PICKLE_PROTOCOL))
     EngineCore(engine, conn).run()
