@@ -164,15 +164,30 @@ def test_serve_runs_the_engine_with_serving_defaults(monkeypatch):
     monkeypatch.setattr(server, "LLMEngine", fake("thread"))
     monkeypatch.setattr(server, "EngineProcess", fake("process"))
     with pytest.raises(Stop):
-        server.serve(EngineConfig(model="m"), server.ServerConfig())
+        server.serve(EngineConfig(model="m"), server.ServerConfig(port=0))
     with pytest.raises(Stop):
-        server.serve(EngineConfig(model="m"), server.ServerConfig(), engine_process=False)
+        server.serve(EngineConfig(model="m"), server.ServerConfig(port=0), engine_process=False)
     assert [kind for kind, _ in built] == ["process", "thread"]
     assert all(config.usage == "serve" and config.model == "m" for _, config in built)
     seen = []
     monkeypatch.setattr(server, "serve", lambda e, c, **kw: seen.append(kw["engine_process"]))
     assert cli.main(["serve"]) == 0 and cli.main(["serve", "--no-engine-process"]) == 0
     assert seen == [True, False]
+
+
+@pytest.mark.parametrize("extra", [[], ["--data-parallel-size", "2"]])
+def test_an_address_in_use_is_refused_before_the_model_loads(tmp_path, capsys, extra):
+    """As vLLM's server, plait serve takes its port first: a port in use is one line and exit status 2 at
+    once (here before the model, which does not exist, is even looked for), not a traceback after loading."""
+    from plait.entrypoints import cli
+    from plait.entrypoints.server import bind_socket
+
+    with bind_socket("127.0.0.1", 0) as taken:
+        port = taken.getsockname()[1]
+        args = ["serve", "--model", str(tmp_path / "no-such-model"), "--port", str(port), *extra]
+        assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"plait: error: cannot serve on 127.0.0.1:{port}: Address already in use" in err
 
 
 def test_plait_serve_process(tmp_path):

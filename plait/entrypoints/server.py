@@ -1867,6 +1867,15 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
+def serving_socket(host: str, port: int) -> socket.socket:
+    """bind_socket for a server, taken before its model loads (as vLLM's): an address in use is the caller's
+    error (a ValueError, which the CLI prints as one line), said before minutes of loading, not after."""
+    try:
+        return bind_socket(host, port)
+    except OSError as err:
+        raise ValueError(f"cannot serve on {host}:{port}: {err.strerror or err}") from err
+
+
 def base_url(sock: socket.socket, https: bool = False) -> str:
     """http(s)://host:port of a bound socket, with a wildcard address shown as loopback."""
     host, port = sock.getsockname()[:2]
@@ -1920,16 +1929,21 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", config.host)
     # Serving defaults (the token budget) differ from offline ones, as in vLLM.
     engine_config = dataclasses.replace(engine_config, usage="serve")
-    engine = EngineProcess(engine_config) if engine_process else LLMEngine(engine_config)
-    server = OpenAIServer(engine, config)
-    if engine_process:
-        # What this process holds from now on (modules, the app) leaves the cyclic collector's view, and its
-        # threshold goes up, as the engine's loop has them in its process: a full collection walks the
-        # whole heap, a pause every stream's next chunk waits for.
-        freeze_long_lived_objects()
-        raise_gc_threshold()
-    sock = bind_socket(config.host, config.port)
-    echo(banner(server, base_url(sock, https=config.ssl_certfile is not None)))
+    with contextlib.closing(serving_socket(config.host, config.port)) as sock:
+        engine = EngineProcess(engine_config) if engine_process else LLMEngine(engine_config)
+        server = OpenAIServer(engine, config)
+        if engine_process:
+            # What this process holds from now on (modules, the app) leaves the cyclic collector's view, and
+            # its threshold goes up, as the engine's loop has them in its process: a full collection walks
+            # the whole heap, a pause every stream's next chunk waits for.
+            freeze_long_lived_objects()
+            raise_gc_threshold()
+        echo(banner(server, base_url(sock, https=config.ssl_certfile is not None)))
+        _serve_until_stopped(server, sock)
+
+
+def _serve_until_stopped(server: OpenAIServer, sock: socket.socket) -> None:
+    """uvicorn on ``sock`` until Ctrl-C (the normal stop) or the engine's death (exit status 1)."""
     http = uvicorn_server(server.app, server.config)
     died: list[str] = []
 
