@@ -191,6 +191,42 @@ def test_errors_aborts_failures_and_death(tiny_llama, monkeypatch):
     _run(process, scenario)
 
 
+class _Interrupted(Exception):
+    """Stands in for KeyboardInterrupt, which would stop the test session if it got past the test."""
+
+
+def test_an_interrupted_start_kills_the_loading_engine_process(tiny_llama, monkeypatch):
+    """Ctrl-C while the engine process loads (it reads no command until it has): it is killed at once, not
+    asked to stop, which would wait out ENGINE_STOP_TIMEOUT_S."""
+    import signal
+    import subprocess
+    import threading
+
+    spawned = []
+    real_popen = subprocess.Popen
+
+    def popen(*args, **kwargs):
+        spawned.append(real_popen(*args, **kwargs))
+        return spawned[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", popen)
+
+    def interrupt(signum, frame):
+        raise _Interrupted
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    try:
+        # Python and torch take the engine process longer than this to import, so it is still loading.
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()
+        started = time.monotonic()
+        with pytest.raises(_Interrupted):
+            EngineProcess(EngineConfig(model=str(tiny_llama)))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    (proc,) = spawned
+    assert proc.poll() == -signal.SIGKILL and time.monotonic() - started < 10
+
+
 def test_a_model_that_does_not_load_is_reported(tmp_path):
     """The engine process raises what the engine raises on a thread (a bad model is the caller's error, of
     the same kind and message), with the engine process's traceback as its cause."""

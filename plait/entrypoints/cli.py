@@ -37,6 +37,8 @@ _ENGINE_FLAGS = (
 PREFIX_AFFINITY = "prefix-affinity"
 ROUTINGS = (PREFIX_AFFINITY, "least-busy")
 DEFAULT_ROUTING = PREFIX_AFFINITY
+# A command stopped by Ctrl-C exits as a shell reports a SIGINT death (128 + 2), without a traceback.
+INTERRUPTED_EXIT_CODE = 130
 
 # vLLM's structured-output backend names that mean what plait runs: llguidance.
 STRUCTURED_OUTPUT_BACKENDS = ("auto", "guidance", "llguidance")
@@ -598,6 +600,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, FileNotFoundError) as err:
         print(f"plait: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C before serving (a model loading) or mid-job: stopped, as asked
+        print("plait: interrupted", file=sys.stderr)
+        return INTERRUPTED_EXIT_CODE
 
 
 if __name__ == "__main__":

@@ -102,13 +102,19 @@ class EngineProcess(EngineClient):
 
     def _wait_ready(self, timeout_s: float) -> EngineInfo:
         deadline = time.monotonic() + timeout_s
-        while not self._conn.poll(POLL_S):
-            # A process that failed said why before it exited: read that, if it is there.
-            if self._proc.poll() is not None and not self._conn.poll():
-                raise RuntimeError(f"the engine process exited (code {self._proc.returncode}) while loading")
-            if time.monotonic() > deadline:
-                self._finalizer()
-                raise RuntimeError(f"the engine process did not load within {timeout_s:.0f} s")
+        try:
+            while not self._conn.poll(POLL_S):
+                # A process that failed said why before it exited: read that, if it is there.
+                if self._proc.poll() is not None and not self._conn.poll():
+                    raise RuntimeError(f"the engine process exited (code {self._proc.returncode}) while "
+                                       "loading")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the engine process did not load within {timeout_s:.0f} s")
+        except BaseException:
+            # Ctrl-C or the deadline: a loading engine process reads no command, so STOP would wait out
+            # ENGINE_STOP_TIMEOUT_S; it is killed instead.
+            self._kill()
+            raise
         kind, payload = self._receive()
         if kind == FAILED:
             self._finalizer()
@@ -119,6 +125,12 @@ class EngineProcess(EngineClient):
             # engine process's traceback as its cause.
             raise error from RuntimeError(f"the engine process failed to load the model:\n{trace}")
         return payload
+
+    def _kill(self) -> None:
+        self._finalizer.detach()
+        self._proc.kill()
+        self._proc.wait()
+        self._conn.close()
 
     def call_before_start(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """``fn(engine)`` in the engine process, waited for on this thread: for set-up before ``start``
