@@ -145,34 +145,50 @@ def test_serve_cors_and_generation_config_flags(monkeypatch, capsys):
 
 def test_serve_runs_the_engine_with_serving_defaults(monkeypatch):
     """`plait serve` builds its engine with usage "serve" (vLLM's serving token budget on a GPU), in a process
-    of its own unless --no-engine-process says on a thread of the server's."""
+    of its own unless --no-engine-process says on a thread of the server's; the engine process is started
+    with the port (launcher.launch) before the server stack is imported, and the server adopts it."""
+    import plait.entrypoints.launcher as launcher
     import plait.entrypoints.server as server
     from plait.config import EngineConfig
     from plait.entrypoints import cli
 
-    built = []
+    built, started = [], []
 
     class Stop(Exception):
         pass
 
     def fake(kind):
-        def build(config):
-            built.append((kind, config))
+        def build(config, started=None):
+            built.append((kind, config, started))
             raise Stop
         return build
 
+    def start(config):
+        started.append(config)
+        return f"engine process {len(started)}"
+
+    monkeypatch.setattr(launcher, "start_engine_process", start)
     monkeypatch.setattr(server, "LLMEngine", fake("thread"))
     monkeypatch.setattr(server, "EngineProcess", fake("process"))
     with pytest.raises(Stop):
         server.serve(EngineConfig(model="m"), server.ServerConfig(port=0))
     with pytest.raises(Stop):
         server.serve(EngineConfig(model="m"), server.ServerConfig(port=0), engine_process=False)
-    assert [kind for kind, _ in built] == ["process", "thread"]
-    assert all(config.usage == "serve" and config.model == "m" for _, config in built)
+    assert [(kind, process) for kind, _, process in built] == [("process", "engine process 1"),
+                                                               ("thread", None)]
+    assert all(config.usage == "serve" and config.model == "m" for _, config, _ in built)
+    assert [config.usage for config in started] == ["serve"]
     seen = []
-    monkeypatch.setattr(server, "serve", lambda e, c, **kw: seen.append(kw["engine_process"]))
-    assert cli.main(["serve"]) == 0 and cli.main(["serve", "--no-engine-process"]) == 0
-    assert seen == [True, False]
+
+    def serve(engine_config, config, **kw):
+        sock, process = kw["launched"]  # the port already taken (0: a free one), the engine process started
+        seen.append((kw["engine_process"], process, sock.getsockname()[1] > 0))
+        sock.close()
+
+    monkeypatch.setattr(server, "serve", serve)
+    assert cli.main(["serve", "--port", "0"]) == 0
+    assert cli.main(["serve", "--no-engine-process", "--port", "0"]) == 0
+    assert seen == [(True, "engine process 2", True), (False, None, True)]
 
 
 @pytest.mark.parametrize("extra", [[], ["--data-parallel-size", "2"]])

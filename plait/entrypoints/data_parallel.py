@@ -302,7 +302,8 @@ def serve_data_parallel(engine_config: EngineConfig, server_config: Any, size: i
                         prefix_affinity: bool = True, engine_process: bool = True) -> None:
     """`plait serve --data-parallel-size N`: start the replicas, then serve the front until interrupted
     (``prefix_affinity``: ReplicaRouter's, or the least busy replica always)."""
-    from plait.entrypoints.server import base_url, serving_socket, uvicorn_server
+    from plait.entrypoints.launcher import serving_socket
+    from plait.entrypoints.server import base_url, uvicorn_server
 
     with contextlib.closing(serving_socket(server_config.host, server_config.port)) as sock:
         replicas = start_replicas(engine_config, server_config, size, engine_process)

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 import pickle
 import signal
 import subprocess
@@ -27,12 +26,9 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from multiprocessing import Pipe
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any
 
-import plait
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine, StepStats
 from plait.entrypoints.async_engine import (
@@ -44,6 +40,7 @@ from plait.entrypoints.async_engine import (
     PromptInput,
     Validator,
 )
+from plait.entrypoints.launcher import PICKLE_PROTOCOL, StartedEngineProcess, start_engine_process
 from plait.lora.request import LoRARequest
 from plait.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
 from plait.pooling_params import PoolingParams
@@ -68,7 +65,6 @@ ENGINE_START_TIMEOUT_S = 1800.0
 ENGINE_STOP_TIMEOUT_S = 60.0
 # How often a wait on the engine process looks whether it is still there.
 POLL_S = 0.1
-PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 
 
 class EngineProcess(EngineClient):
@@ -76,20 +72,15 @@ class EngineProcess(EngineClient):
     does. ``info`` is what the server reads of the loaded engine; ``on_step`` (set before ``start``) gets
     each step's StepStats on the event loop."""
 
-    def __init__(self, config: EngineConfig, start_timeout_s: float = ENGINE_START_TIMEOUT_S) -> None:
+    def __init__(self, config: EngineConfig, start_timeout_s: float = ENGINE_START_TIMEOUT_S,
+                 started: StartedEngineProcess | None = None) -> None:
+        """``started``: the engine process `plait serve` started for ``config`` before importing the server
+        (launcher.py); else one is started here."""
         super().__init__()
-        ours, theirs = Pipe()
-        fd = theirs.fileno()
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [str(Path(plait.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]))
-        self._proc = subprocess.Popen([sys.executable, "-m", "plait.entrypoints.engine_process", str(fd)],
-                                      env=env, stdin=subprocess.DEVNULL, pass_fds=[fd])
-        theirs.close()
-        self._conn = ours
+        self._proc, self._conn = (started or start_engine_process(config)).adopt()
         self._send_lock = threading.Lock()
         # Stops the engine process when this object is dropped or the interpreter exits, if shutdown did not.
         self._finalizer = weakref.finalize(self, _stop_process, self._proc, self._conn)
-        self._conn.send_bytes(pickle.dumps((config, logging.getLogger().getEffectiveLevel())))
         self.info: EngineInfo = self._wait_ready(start_timeout_s)
         self._reader: threading.Thread | None = None
         self._tokens = itertools.count()

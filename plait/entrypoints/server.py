@@ -62,6 +62,7 @@ from plait.entrypoints.errors import (
     error_type,
     validation_error,
 )
+from plait.entrypoints.launcher import StartedEngineProcess, bind_socket, launch, serving_config
 from plait.entrypoints.llm import (
     _fan_out,
     cross_encoder_prompt,
@@ -1856,26 +1857,6 @@ class OpenAIServer:
 # -- running it ---------------------------------------------------------------------------------
 
 
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on (host, port); port 0 picks a free one."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(address)
-    sock.listen()
-    sock.set_inheritable(True)
-    return sock
-
-
-def serving_socket(host: str, port: int) -> socket.socket:
-    """bind_socket for a server, taken before its model loads (as vLLM's): an address in use is the caller's
-    error (a ValueError, which the CLI prints as one line), said before minutes of loading, not after."""
-    try:
-        return bind_socket(host, port)
-    except OSError as err:
-        raise ValueError(f"cannot serve on {host}:{port}: {err.strerror or err}") from err
-
-
 def base_url(sock: socket.socket, https: bool = False) -> str:
     """http(s)://host:port of a bound socket, with a wildcard address shown as loopback."""
     host, port = sock.getsockname()[:2]
@@ -1922,15 +1903,18 @@ ENGINE_DEAD_EXIT_CODE = 1
 
 
 def serve(engine_config: EngineConfig, config: ServerConfig,
-          echo: Callable[[str], None] = _print_now, engine_process: bool = True) -> None:
+          echo: Callable[[str], None] = _print_now, engine_process: bool = True,
+          launched: tuple[socket.socket, StartedEngineProcess | None] | None = None) -> None:
     """Load the model and serve until interrupted (what `plait serve` runs); ``engine_process``: the engine's
-    step loop in a process of its own (EngineProcess), else on a thread of this one."""
+    step loop in a process of its own (EngineProcess), else on a thread of this one. ``launched``: the
+    socket and engine process `launch` took before this module was imported, else they are taken here."""
     if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", config.host)
-    # Serving defaults (the token budget) differ from offline ones, as in vLLM.
-    engine_config = dataclasses.replace(engine_config, usage="serve")
-    with contextlib.closing(serving_socket(config.host, config.port)) as sock:
-        engine = EngineProcess(engine_config) if engine_process else LLMEngine(engine_config)
+    engine_config = serving_config(engine_config)
+    sock, started = launched or launch(engine_config, config.host, config.port, engine_process)
+    with contextlib.closing(sock):
+        engine = (EngineProcess(engine_config, started=started) if engine_process
+                  else LLMEngine(engine_config))
         server = OpenAIServer(engine, config)
         if engine_process:
             # What this process holds from now on (modules, the app) leaves the cyclic collector's view, and
