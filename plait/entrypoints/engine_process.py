@@ -40,7 +40,12 @@ from plait.entrypoints.async_engine import (
     PromptInput,
     Validator,
 )
-from plait.entrypoints.launcher import PICKLE_PROTOCOL, StartedEngineProcess, start_engine_process
+from plait.entrypoints.launcher import (
+    PICKLE_PROTOCOL,
+    StartedEngineProcess,
+    kill_engine_process,
+    start_engine_process,
+)
 from plait.lora.request import LoRARequest
 from plait.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
 from plait.pooling_params import PoolingParams
@@ -119,9 +124,7 @@ class EngineProcess(EngineClient):
 
     def _kill(self) -> None:
         self._finalizer.detach()
-        self._proc.kill()
-        self._proc.wait()
-        self._conn.close()
+        kill_engine_process(self._proc, self._conn)
 
     def call_before_start(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """``fn(engine)`` in the engine process, waited for on this thread: for set-up before ``start``

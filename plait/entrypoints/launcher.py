@@ -74,7 +74,7 @@ class StartedEngineProcess:
     _finalizer: Any = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._finalizer = weakref.finalize(self, _kill, self.proc, self.conn)
+        self._finalizer = weakref.finalize(self, kill_engine_process, self.proc, self.conn)
 
     def adopt(self) -> tuple[subprocess.Popen, Connection]:
         """The process and its pipe, now the adopter's to stop."""
@@ -97,7 +97,8 @@ def start_engine_process(config: EngineConfig) -> StartedEngineProcess:
     return started
 
 
-def _kill(proc: subprocess.Popen, conn: Connection) -> None:
+def kill_engine_process(proc: subprocess.Popen, conn: Connection) -> None:
+    """Kill an engine process that cannot be asked to stop (one still loading reads no command)."""
     proc.kill()
     proc.wait()
     conn.close()
