@@ -299,13 +299,14 @@ def _needs_server_dependencies(command: str, err: ImportError) -> ValueError:
 def _cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    engine_config = _engine_config(args)
     launched = None
     if args.data_parallel_size == 1:
         from plait.entrypoints.launcher import launch
 
         # The port, and the engine process loading the model, before the server stack's imports (torch,
         # FastAPI: ~1.4 s of a 2-core start), so that those happen meanwhile.
-        launched = launch(_engine_config(args), args.host, args.port, args.engine_process)
+        launched = launch(engine_config, args.host, args.port, args.engine_process)
     try:
         from plait.entrypoints.server import ServerConfig, serve
     except ImportError as err:
@@ -330,11 +331,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if launched is None:
         from plait.entrypoints.data_parallel import serve_data_parallel
 
-        serve_data_parallel(_engine_config(args), config, args.data_parallel_size,
+        serve_data_parallel(engine_config, config, args.data_parallel_size,
                             prefix_affinity=args.data_parallel_routing == PREFIX_AFFINITY,
                             engine_process=args.engine_process)
     else:
-        serve(_engine_config(args), config, engine_process=args.engine_process, launched=launched)
+        serve(engine_config, config, engine_process=args.engine_process, launched=launched)
     return 0
 
 
