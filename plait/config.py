@@ -527,6 +527,8 @@ class ModelConfig:
         sliding = cfg.get("sliding_window")
         if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding = None  # Qwen2 configs carry a window they do not use
+        if model_type == "smollm3":
+            sliding = None  # a window of some layers only, if any: plait.models.smollm3 reads it
         rope_theta = cfg.get("rope_theta")
         rope_scaling = cfg.get("rope_scaling")
         params = cfg.get("rope_parameters")  # transformers 5 keeps theta and scaling here

@@ -78,6 +78,7 @@ def _tiny_configs() -> dict:
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
+        SmolLM3Config,
     )
 
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -119,6 +120,13 @@ def _tiny_configs() -> dict:
                                                                  "rope_theta": 50_000.0},
                                               "sliding_attention": {"rope_type": "default",
                                                                     "rope_theta": 5_000.0}}),
+        # SmolLM3: the middle of three layers has no rotary (NoPE); in the second, that layer alone attends
+        # through a window shorter than the test prompts, as transformers derives it from the NoPE layers.
+        "smollm3": SmolLM3Config(**(common | {"num_hidden_layers": 3}), pad_token_id=None,
+                                 no_rope_layer_interval=2),
+        "smollm3-sliding": SmolLM3Config(**(common | {"num_hidden_layers": 3}), pad_token_id=None,
+                                         no_rope_layer_interval=2, use_sliding_window=True,
+                                         sliding_window=24),
         # Granite's four multipliers, each far from 1 so that leaving one out changes the answer.
         "granite": GraniteConfig(**common, embedding_multiplier=6.0, attention_multiplier=0.09,
                                  residual_multiplier=0.3, logits_scaling=4.0, tie_word_embeddings=True),

@@ -14,7 +14,8 @@ MAX_TOKENS = 12
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3-yarn", "granite", "olmo2",
-                                    "olmo3", "gemma2", "gemma3", "phi3", "phi3-longrope"])
+                                    "olmo3", "gemma2", "gemma3", "phi3", "phi3-longrope", "smollm3",
+                                    "smollm3-sliding"])
 def test_logits_and_greedy_match_hf(tiny_models, family):
     from transformers import AutoModelForCausalLM
 
@@ -171,6 +172,35 @@ def test_gemma_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch, f
                                     attention_backend="triton"))
     assert_greedy_matches_hf(engine, hf, prompts, 4, LOGITS_ATOL)
     assert sandwiches and all(sandwiches)  # every add-and-normalise took its post-norm along
+
+
+def test_smollm3_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch):
+    """SmolLM3 on the GPU path's kernels (Triton's interpreter on CPU, fp32): its NoPE layer stores K/V
+    unrotated through the store kernel, the others rotate and store in one launch, and the NoPE layer
+    attends through a window; greedy tokens and logits as HF's."""
+    from transformers import AutoModelForCausalLM
+
+    import plait.attention.triton_backend as triton_backend
+    from plait.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", True)
+    launches = {"store": 0, "rope_store": 0}
+    for name in launches:
+        kernel = getattr(triton_backend, f"{name}_kv")
+
+        def counted(*args, _kernel=kernel, _name=name, **kwargs):
+            launches[_name] += 1
+            return _kernel(*args, **kwargs)
+
+        monkeypatch.setattr(triton_backend, f"{name}_kv", counted)
+    folder = tiny_models["smollm3-sliding"]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = random_prompts(3, 20, 40, seed=9)
+    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=32, block_size=8,
+                                    attention_backend="triton"))
+    assert_greedy_matches_hf(engine, hf, prompts, 4, LOGITS_ATOL)
+    # One NoPE layer of three: every step stores once unrotated for each two rotated stores.
+    assert launches["store"] > 0 and launches["rope_store"] == 2 * launches["store"]
 
 
 def test_max_logprobs_caps_requests_and_can_allow_the_vocabulary(tiny_llama):

@@ -26,6 +26,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Mamba2ForCausalLM": ("plait.models.mamba2", "Mamba2ForCausalLM"),
     "BambaForCausalLM": ("plait.models.bamba", "BambaForCausalLM"),
     "NemotronHForCausalLM": ("plait.models.nemotron_h", "NemotronHForCausalLM"),
+    "SmolLM3ForCausalLM": ("plait.models.smollm3", "SmolLM3ForCausalLM"),
     # Base models (no LM head; their checkpoints' names lack the "model." prefix): embedding models such as
     # e5-mistral (MistralModel) or a Qwen3Model, run only by the pooling runner.
     "LlamaModel": ("plait.models.llama", "LlamaForCausalLM"),
