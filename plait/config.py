@@ -503,6 +503,8 @@ class ModelConfig:
     # The fraction of each head's channels the rotary turns (Phi-4-mini: 0.75), read for Phi-3 configs only:
     # transformers' other Llama-family models ignore the key, and Bamba keeps its own (plait.models.bamba).
     partial_rotary_factor: float = 1.0
+    # Ministral 3: (beta, period) of Llama 4's query scaling by position (rotary.llama4_query_scale)
+    llama4_scaling: tuple[float, int] | None = None
     raw: dict = field(default_factory=dict, repr=False)  # the original dict, for HF references
 
     @classmethod
@@ -571,8 +573,25 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             moe=MoEConfig.from_hf(cfg),
             partial_rotary_factor=partial_rotary_factor,
+            llama4_scaling=llama4_scaling(cfg),
             raw=cfg,
         )
+
+
+# The decoders whose rope parameters' llama_4_scaling_beta scales queries (other models ignore it).
+LLAMA4_SCALING_MODEL_TYPES = ("ministral3",)
+
+
+def llama4_scaling(cfg: dict) -> tuple[float, int] | None:
+    """(beta, period) of a Ministral 3 config's query scaling, from its rope parameters; None elsewhere."""
+    params = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    beta = params.get("llama_4_scaling_beta")
+    if cfg.get("model_type") not in LLAMA4_SCALING_MODEL_TYPES or not beta:
+        return None
+    period = params.get("original_max_position_embeddings")
+    if not period:
+        raise ValueError("llama_4_scaling_beta needs the rope parameters' original_max_position_embeddings")
+    return float(beta), int(period)
 
 
 # What a model's config.json must say (transformers has no default for them); the rest has defaults.
@@ -605,6 +624,12 @@ IMAGE_TEXT_MODEL_TYPES = ("gemma3", "mistral3", "llava", "llava_next")
 # model_type (LLaVA-1.5: llama; LLaVA-NeXT: llama or mistral; LLaVA-Interleave: qwen2).
 LLAVA_MODEL_TYPES = ("llava", "llava_next")
 LLAVA_TEXT_CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}
+# Mistral 3's decoders: Mistral-Small-3.1 / 3.2's Mistral; the Ministral 3 models' own (Llama 4's query
+# scaling).
+MISTRAL3_TEXT_CONFIGS = {"mistral": "MistralConfig", "ministral3": "Ministral3Config"}
+# The image-text kinds whose text_config may hold one of several decoders, each completed from its own class.
+DECODER_CONFIGS = {"llava": LLAVA_TEXT_CONFIGS, "llava_next": LLAVA_TEXT_CONFIGS,
+                   "mistral3": MISTRAL3_TEXT_CONFIGS}
 # A multimodal config's top-level keys that hold for its text decoder too (transformers 5 ties the
 # embeddings by the top-level flag).
 _IMAGE_TEXT_TOP_LEVEL_KEYS = ("architectures", "eos_token_id", "torch_dtype", "dtype", "quantization_config",
@@ -623,12 +648,13 @@ def completed_text_config(cfg: dict) -> dict:
     kind = cfg["model_type"]
     class_name, text_kind = COMPLETED_CONFIGS[kind]
     text = cfg.get("text_config") or {} if kind in IMAGE_TEXT_MODEL_TYPES else cfg
-    if kind in LLAVA_MODEL_TYPES:
+    decoders = DECODER_CONFIGS.get(kind)
+    if decoders is not None:
         text_kind = text.get("model_type", text_kind)
-        if text_kind not in LLAVA_TEXT_CONFIGS:
+        if text_kind not in decoders:
             raise ValueError(f"{kind} with a {text_kind!r} decoder is not supported; decoders: "
-                             f"{sorted(LLAVA_TEXT_CONFIGS)}")
-        class_name = LLAVA_TEXT_CONFIGS[text_kind]
+                             f"{sorted(decoders)}")
+        class_name = decoders[text_kind]
     skip = ("architectures", "model_type", "text_config", "vision_config")
     full = getattr(transformers, class_name)(**{k: v for k, v in text.items() if k not in skip}).to_dict()
     for key in _IMAGE_TEXT_TOP_LEVEL_KEYS + (_IMAGE_KEYS if kind in LLAVA_MODEL_TYPES else ()):

@@ -72,6 +72,7 @@ def _tiny_configs() -> dict:
         Gemma3TextConfig,
         GraniteConfig,
         LlamaConfig,
+        Ministral3Config,
         MistralConfig,
         Olmo2Config,
         Olmo3Config,
@@ -120,6 +121,13 @@ def _tiny_configs() -> dict:
                                                                  "rope_theta": 50_000.0},
                                               "sliding_attention": {"rope_type": "default",
                                                                     "rope_theta": 5_000.0}}),
+        # Ministral 3: YaRN over a 16-token original context and Llama 4's query scaling by position (beta
+        # large enough that the test prompts, which cross the period several times, depend on it).
+        "ministral3": Ministral3Config(**common, head_dim=16, pad_token_id=None,
+                                       rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                        "original_max_position_embeddings": 16,
+                                                        "beta_fast": 32.0, "beta_slow": 1.0,
+                                                        "llama_4_scaling_beta": 0.5}),
         # SmolLM3: the middle of three layers has no rotary (NoPE); in the second, that layer alone attends
         # through a window shorter than the test prompts, as transformers derives it from the NoPE layers.
         "smollm3": SmolLM3Config(**(common | {"num_hidden_layers": 3}), pad_token_id=None,

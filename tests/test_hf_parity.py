@@ -15,7 +15,7 @@ MAX_TOKENS = 12
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3-yarn", "granite", "olmo2",
                                     "olmo3", "gemma2", "gemma3", "phi3", "phi3-longrope", "smollm3",
-                                    "smollm3-sliding"])
+                                    "smollm3-sliding", "ministral3"])
 def test_logits_and_greedy_match_hf(tiny_models, family):
     from transformers import AutoModelForCausalLM
 
@@ -85,7 +85,15 @@ def _image_text_model(kind: str):
             boi_token_index=TINY_VOCAB - 3, eoi_token_index=TINY_VOCAB - 2)
         model_class = transformers.Gemma3ForConditionalGeneration
     else:
-        text_class = transformers.MistralConfig
+        # Mistral-Small-3.1 / 3.2's decoder is Mistral's; the Ministral 3 models' adds YaRN and Llama 4's
+        # query scaling, over a period the test prompts cross.
+        if kind == "ministral3":
+            text_class = transformers.Ministral3Config
+            text |= dict(pad_token_id=None, rope_parameters={
+                "rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4, "original_max_position_embeddings": 8,
+                "beta_fast": 32.0, "beta_slow": 1.0, "llama_4_scaling_beta": 0.5})
+        else:
+            text_class = transformers.MistralConfig
         vision = transformers.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                                   num_attention_heads=2, image_size=28, patch_size=14,
                                                   head_dim=16)
@@ -107,7 +115,7 @@ def _image_text_model(kind: str):
 def image_text_models(tmp_path_factory):
     """kind -> (folder of the checkpoint as transformers saves it, HF model, text config class)."""
     made = {}
-    for kind in ("gemma3", "mistral3"):
+    for kind in ("gemma3", "mistral3", "ministral3"):
         model, text_class = _image_text_model(kind)
         folder = tmp_path_factory.mktemp(f"tiny-{kind}-image-text")
         model.save_pretrained(folder)
@@ -116,13 +124,14 @@ def image_text_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("layout", ["saved", "transformers5-names-and-hub-config"])
-@pytest.mark.parametrize("kind", ["gemma3", "mistral3"])
+@pytest.mark.parametrize("kind", ["gemma3", "mistral3", "ministral3"])
 def test_image_text_checkpoint_serves_text_like_hf(image_text_models, tmp_path, kind, layout):
     """An image-text checkpoint served text-only (Gemma3ForConditionalGeneration: Gemma 3 4B, 12B, 27B;
-    Mistral3ForConditionalGeneration: Mistral-Small-3.1 / 3.2): its language model under either naming
-    (``language_model.model.*`` as saved, ``model.language_model.*`` as transformers 5 names it in memory),
-    the vision tower left out, and a Hub-style text_config that lists only what differs from transformers'
-    defaults; greedy tokens and logits equal HF's."""
+    Mistral3ForConditionalGeneration: Mistral-Small-3.1 / 3.2, and the Ministral 3 models with their own
+    decoder): its language model under either naming (``language_model.model.*`` as saved,
+    ``model.language_model.*`` as transformers 5 names it in memory), the vision tower left out, and a
+    Hub-style text_config that lists only its model_type and what differs from transformers' defaults;
+    greedy tokens and logits equal HF's."""
     import json
     import shutil
 
@@ -137,7 +146,8 @@ def test_image_text_checkpoint_serves_text_like_hf(image_text_models, tmp_path, 
         save_file(renamed, copy / "model.safetensors")
         config = json.loads((copy / "config.json").read_text())
         defaults = text_class().to_dict()
-        config["text_config"] = {k: v for k, v in config["text_config"].items() if defaults.get(k) != v}
+        config["text_config"] = {k: v for k, v in config["text_config"].items()
+                                 if k == "model_type" or defaults.get(k) != v}
         assert config["text_config"]["hidden_size"] == 64 and "rms_norm_eps" not in config["text_config"]
         (copy / "config.json").write_text(json.dumps(config))
         folder = copy
@@ -201,6 +211,32 @@ def test_smollm3_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch)
     assert_greedy_matches_hf(engine, hf, prompts, 4, LOGITS_ATOL)
     # One NoPE layer of three: every step stores once unrotated for each two rotated stores.
     assert launches["store"] > 0 and launches["rope_store"] == 2 * launches["store"]
+
+
+def test_ministral3_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch):
+    """Ministral 3 on the GPU path's kernels (Triton's interpreter on CPU, fp32): q and k rotated (YaRN) and
+    stored in one launch, then q scaled by position (Llama 4's scaling); greedy tokens and logits as HF's."""
+    from transformers import AutoModelForCausalLM
+
+    import plait.attention.triton_backend as triton_backend
+    from plait.kernels import dispatch
+
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", True)
+    fused = []
+    rope_store = triton_backend.rope_store_kv
+
+    def counted(*args, **kwargs):
+        fused.append(1)
+        return rope_store(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "rope_store_kv", counted)
+    folder = tiny_models["ministral3"]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = random_prompts(3, 20, 40, seed=9)
+    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=32, block_size=8,
+                                    attention_backend="triton"))
+    assert_greedy_matches_hf(engine, hf, prompts, 4, LOGITS_ATOL)
+    assert fused  # the scaled q came out of the fused rotary + store launch
 
 
 def test_max_logprobs_caps_requests_and_can_allow_the_vocabulary(tiny_llama):

@@ -48,7 +48,8 @@ class AttentionBackend(ABC):
         """[Normalise q's and k's head rows with ``qk_norm``,] rotate q and k at ``batch.positions``, store
         the rotated k and v as ``store_kv`` does, and return the rotated q. A backend may fuse this where
         ``rotary`` has a ``cos_sin`` table (RotaryEmbedding's: [max_positions, R] fp32, cos then sin, the
-        neox rotation of each head's first R channels)."""
+        neox rotation of each head's first R channels), then multiply the q it returns by ``rotary.q_scale``
+        where the rotary has one (plait.layers.rotary.QueryScaledRotary)."""
         if qk_norm is not None:
             q, k = qk_norm[0](q), qk_norm[1](k)
         q, k = rotary(batch.positions, q, k)

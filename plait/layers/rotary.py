@@ -200,6 +200,30 @@ def rotary_embedding(head_dim: int, max_positions: int, theta: float, scaling: d
     return PartialRotaryEmbedding(rotary_dim, max_positions, theta, scaling)
 
 
+def llama4_query_scale(positions: torch.Tensor, beta: float, period: int, dtype: torch.dtype) -> torch.Tensor:
+    """Llama 4's attention temperature as Ministral 3 applies it: each query row is multiplied by
+    1 + beta * ln(1 + floor(position / period)), so scores sharpen as the context grows past each
+    ``period`` (the rotary's original context); 1 exactly within the first."""
+    # positions: [T] -> [T, 1, 1] in dtype (computed in fp32, as transformers' get_llama_4_attn_scale)
+    scale = 1 + beta * torch.log(1 + torch.floor(positions.float() / period))
+    return scale.to(dtype)[:, None, None]
+
+
+class QueryScaledRotary:
+    """A rotary whose rotated q is then multiplied by a per-token factor (llama4_query_scale), made for one
+    step. ``cos_sin`` is the base rotary's, so a backend that fuses the rotation into its KV store must also
+    multiply the q it returns by ``q_scale`` (the rotation is linear, so the order only moves roundings)."""
+
+    def __init__(self, rotary: RotaryEmbedding | PartialRotaryEmbedding, q_scale: torch.Tensor) -> None:
+        self.rotary, self.q_scale = rotary, q_scale  # q_scale: [T, 1, 1]
+        self.cos_sin = rotary.cos_sin
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k = self.rotary(positions, q, k)
+        return q * self.q_scale, k
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # Same arithmetic as HF's x * cos + rotate_half(x) * sin with cos/sin duplicated over halves,
     # done in fp32 so bf16 activations rotate without extra rounding.

@@ -16,7 +16,7 @@ from plait.layers.activation import act_and_mul, get_activation, silu_and_mul_rm
 from plait.layers.linear import Linear
 from plait.layers.moe import FusedMoE
 from plait.layers.norm import RMSNorm, RowNorm
-from plait.layers.rotary import rotary_embedding
+from plait.layers.rotary import QueryScaledRotary, llama4_query_scale, rotary_embedding
 from plait.models.base import CausalLM
 from plait.models.weights import language_model_weights, load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
@@ -152,6 +152,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary_embedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                        cfg.partial_rotary_factor)
+        self.llama4_scaling = cfg.llama4_scaling
         # Set by LlamaForCausalLM.fold_norm_weights: the MLP norms' weights live in gate/up.
         self.norms_folded = False
 
@@ -161,8 +162,12 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         fuse = self.fuses_mlp_norm(x)
+        rotary = self.rotary
+        if self.llama4_scaling is not None:  # Ministral 3: queries scaled by position, once for every layer
+            scale = llama4_query_scale(batch.positions, *self.llama4_scaling, x.dtype)  # [T, 1, 1]
+            rotary = QueryScaledRotary(rotary, scale)
         for layer in self.layers:
-            x, residual = layer(x, residual, self.rotary, batch, fuse)
+            x, residual = layer(x, residual, rotary, batch, fuse)
         x, _ = self.norm.forward_residual(x, residual)
         return x
 

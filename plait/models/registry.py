@@ -8,6 +8,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     # architecture: (module, class)
     "LlamaForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
     "MistralForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
+    "Ministral3ForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
     "Qwen2ForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
     "Phi3ForCausalLM": ("plait.models.llama", "Phi3ForCausalLM"),
