@@ -710,6 +710,26 @@ def test_throughput_bench_end_to_end_on_cpu(tmp_path, tiny_llama, in_process):
     assert w1["output_kind"] == ("cumulative" if in_process else "final_only")  # the same tokens counted
 
 
+def test_throughput_table_prints_each_floor_only_where_measured():
+    """The printed table gives a batch-1 workload its ratio to one read of the weights (W3's goal) beside the
+    whole-run floor, and "-" where a run measured no roofline, never a made-up 0.00x."""
+    from plait.bench.throughput import format_table
+
+    breakdown = {"host_s": dict.fromkeys(("schedule", "prepare", "launch", "sample", "postprocess"), 0.1),
+                 "graph_replay_rate_of_single_token_steps": 1.0, "gpu_forward_graph_s": 2.0,
+                 "graph_steps": 10, "gpu_forward_s": 2.5, "steps": 12, "wall_s": 3.0}
+    rows = [{"workload": "W3", "output_tok_per_s": 234.0, "ms_per_token": 4.28, "ratio_to_vllm_h200": 1.1,
+             "ratio_to_floor": 1.21, "ratio_to_weight_read_floor": 1.134, "step_breakdown": breakdown},
+            {"workload": "W1", "output_tok_per_s": 31851.0, "ms_per_token": None, "ratio_to_vllm_h200": None,
+             "step_breakdown": breakdown}]
+    header, w3, w1 = format_table({"device": "cpu", "workloads": rows}).splitlines()[1:]
+    columns = [c.strip() for c in header.split("|")]
+    w3, w1 = [c.strip() for c in w3.split("|")], [c.strip() for c in w1.split("|")]
+    floor, weights = columns.index("vs floor"), columns.index("vs weight-read floor")
+    assert (w3[floor], w3[weights]) == ("1.21x", "1.13x")
+    assert (w1[floor], w1[weights]) == ("-", "-")
+
+
 def test_vllm_throughput_run_on_any_model(tmp_path, tiny_llama, capsys):
     """`plait bench throughput --model ...` as `vllm bench throughput`: random prompts within the range ratio,
     every requested token produced, vLLM's printed line and JSON keys; ShareGPT conversations counted with

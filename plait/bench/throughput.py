@@ -416,9 +416,12 @@ def main(args: argparse.Namespace) -> int:
 
 
 def format_table(report: dict) -> str:
+    """The report as the lines the command prints: "vs floor" is the whole run against its KV + weight-read
+    and prefill floor, "vs weight-read floor" a batch-1 token against one read of the weights (W3's goal);
+    "-" where the run has no such number (no roofline measured, more than one request)."""
     lines = [
         f"device: {report['device']}",
-        "workload | tok/s | ms/tok | vs vLLM H200 | vs floor | graph replay | "
+        "workload | tok/s | ms/tok | vs vLLM H200 | vs floor | vs weight-read floor | graph replay | "
         "host s (sched/prep/launch/sample/post) | gpu fwd s (graph steps + eager steps, count) | wall s",
     ]
     for r in report["workloads"]:
@@ -429,7 +432,8 @@ def format_table(report: dict) -> str:
         rate = b["graph_replay_rate_of_single_token_steps"]
         lines.append(
             f"{r['workload']} | {r['output_tok_per_s']:.0f} | {r['ms_per_token'] or 0:.2f} | "
-            f"{_ratio(r['ratio_to_vllm_h200'])} | {r.get('ratio_to_floor', 0):.2f}x | "
+            f"{_ratio(r['ratio_to_vllm_h200'])} | {_ratio(r.get('ratio_to_floor'))} | "
+            f"{_ratio(r.get('ratio_to_weight_read_floor'))} | "
             f"{'-' if rate is None else f'{rate:.0%}'} | {host} | "
             f"{b['gpu_forward_graph_s']:.2f} ({b['graph_steps']}) + "
             f"{b['gpu_forward_s'] - b['gpu_forward_graph_s']:.2f} ({b['steps'] - b['graph_steps']}) | "
