@@ -523,8 +523,9 @@ class ModelConfig:
         head_dim = (cfg.get("head_dim") or cfg["hidden_size"] // heads) if heads else 0
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        # Qwen2 has q/k/v bias without saying so (Qwen2-MoE: in qkv_bias); Llama-style configs say it.
-        qwen2_bias = cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe"))
+        # Qwen2 has q/k/v bias without saying so (Qwen2-MoE: in qkv_bias), Seed-OSS by its config's default;
+        # Llama-style configs say it.
+        qwen2_bias = cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe", "seed_oss"))
         attention_bias = bool(cfg.get("attention_bias", qwen2_bias))
         sliding = cfg.get("sliding_window")
         if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import re
@@ -68,6 +69,7 @@ def _gguf_files_read_once():
 
 def _tiny_configs() -> dict:
     from transformers import (
+        Exaone4Config,
         Gemma2Config,
         Gemma3TextConfig,
         GraniteConfig,
@@ -79,6 +81,7 @@ def _tiny_configs() -> dict:
         Phi3Config,
         Qwen2Config,
         Qwen3Config,
+        SeedOssConfig,
         SmolLM3Config,
     )
 
@@ -128,6 +131,12 @@ def _tiny_configs() -> dict:
                                                         "original_max_position_embeddings": 16,
                                                         "beta_fast": 32.0, "beta_slow": 1.0,
                                                         "llama_4_scaling_beta": 0.5}),
+        # EXAONE 4.0: OLMo 2's post-sublayer norms, per-head q/k norms, two sliding layers (a window shorter
+        # than the test prompts) and a global one without rotary.
+        "exaone4": Exaone4Config(**(common | {"num_hidden_layers": 3}), head_dim=16, sliding_window=24,
+                                 layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        # Seed-OSS: q/k/v biases by its config's default (the saved config is cut to what differs from it).
+        "seed_oss": SeedOssConfig(**common, head_dim=16, pad_token_id=None),
         # SmolLM3: the middle of three layers has no rotary (NoPE); in the second, that layer alone attends
         # through a window shorter than the test prompts, as transformers derives it from the NoPE layers.
         "smollm3": SmolLM3Config(**(common | {"num_hidden_layers": 3}), pad_token_id=None,
@@ -171,6 +180,10 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
                     p.normal_(0.0, 0.3)
         folder = tmp_path_factory.mktemp(f"tiny-{family}")
         model.save_pretrained(folder)
+        if family == "seed_oss":  # as a Hub config may leave it: q/k/v biases by SeedOssConfig's default
+            config = json.loads((folder / "config.json").read_text())
+            assert config.pop("attention_bias") is True
+            (folder / "config.json").write_text(json.dumps(config))
         folders[family] = folder
     return folders
 

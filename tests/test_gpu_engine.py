@@ -233,9 +233,9 @@ def test_gemma_on_the_gpu_path_computes_the_reference_function_in_fp32(tmp_path,
 
 def _dense_family_config(tmp_path, family: str) -> str:
     """Granite (its four multipliers), OLMo 3 (post-sublayer norms, q/k normalised across heads, sliding
-    layers beside a YaRN-scaled global one), SmolLM3 (its last layer without rotary, and windowed) or
-    Ministral 3 (YaRN, queries scaled by position past a 64-token period) at Llama-8B's head dim, random
-    weights."""
+    layers beside a YaRN-scaled global one), SmolLM3 (its last layer without rotary, and windowed),
+    Ministral 3 (YaRN, queries scaled by position past a 64-token period) or EXAONE 4.0 (per-head q/k norms,
+    a global layer without rotary after three sliding ones) at Llama-8B's head dim, random weights."""
     cfg = {
         "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 8,
         "num_key_value_heads": 2, "head_dim": 128, "vocab_size": VOCAB, "max_position_embeddings": 2048,
@@ -251,6 +251,9 @@ def _dense_family_config(tmp_path, family: str) -> str:
                 "rope_parameters": {"rope_type": "yarn", "factor": 16.0, "rope_theta": 1e6,
                                     "original_max_position_embeddings": 64, "beta_fast": 32.0,
                                     "beta_slow": 1.0, "llama_4_scaling_beta": 0.1}}
+    elif family == "exaone4":
+        cfg |= {"architectures": ["Exaone4ForCausalLM"], "model_type": "exaone4", "sliding_window": 64,
+                "layer_types": [sliding, sliding, sliding, full], "rope_theta": 1e6}
     elif family == "smollm3":
         cfg |= {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "rope_theta": 5_000_000.0,
                 "no_rope_layers": [1, 1, 1, 0], "use_sliding_window": True, "sliding_window": 64,
@@ -264,7 +267,7 @@ def _dense_family_config(tmp_path, family: str) -> str:
     return _write_config(tmp_path / family, cfg)
 
 
-@pytest.mark.parametrize("family", ["granite", "olmo3", "smollm3", "ministral3"])
+@pytest.mark.parametrize("family", ["granite", "olmo3", "smollm3", "ministral3", "exaone4"])
 def test_dense_families_on_the_gpu_path_compute_the_reference_function_in_fp32(tmp_path, family):
     """Granite, OLMo 3, SmolLM3 and Ministral 3 through Triton (OLMo's round-once norms over whole q/k rows,
     its windows and YaRN table in the rotary launch; SmolLM3's unrotated store; Ministral 3's scaled

@@ -219,6 +219,17 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     name the fused qkv_proj / gate_up_proj too, each changing the whole layer (plait.lora.model)."""
 
 
+class SeedOssForCausalLM(LlamaForCausalLM):
+    """Seed-OSS (ByteDance Seed-OSS-36B): the Llama decoder with q/k/v biases, which its configs have on
+    by default (ModelConfig.from_hf), and none on o or the MLP."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        for key in ("attention_out_bias", "mlp_bias"):
+            if cfg.raw.get(key):
+                raise ValueError(f"Seed-OSS with {key} is not supported")
+        super().__init__(cfg, max_positions)
+
+
 class Mistral3ForConditionalGeneration(LlamaForCausalLM):
     """An image-text Mistral 3 checkpoint (Mistral-Small-3.1 / 3.2) served as text: its Mistral decoder's
     tensors under the decoder's names; the Pixtral vision tower and projector are not loaded."""

@@ -1,6 +1,7 @@
 """OLMo 2 and OLMo 3 (AllenAI): the Llama decoder with its norms moved after each sublayer (their output is
 normalised, then added to the stream; no norm before), q and k normalised across all heads, and OLMo 3's
-sliding-window layers beside global ones."""
+sliding-window layers beside global ones. EXAONE 4.0 (LG AI Research) has the same layer with Llama's norms,
+q and k normalised per head, and no rotary on its global layers where it has sliding ones."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from torch import nn
 
 from plait.attention.base import Rotary
 from plait.config import ModelConfig
-from plait.layers.norm import OlmoRMSNorm
+from plait.layers.norm import OlmoRMSNorm, RMSNorm
 from plait.models.layer_kinds import FULL, SLIDING, kind_rotaries, layer_ropes, layer_types
 from plait.models.llama import MLP, Attention, LlamaForCausalLM
 from plait.runner.forward_batch import ForwardBatch
@@ -29,14 +30,33 @@ class OlmoAttention(Attention):
         self.sliding_window = cfg.raw.get("sliding_window") if sliding else None
 
 
+class ExaoneAttention(Attention):
+    """Per-head q/k norms (Llama's RMSNorm, fused into the rotary launch on the GPU); a model with a window
+    rotates q and k on its sliding layers only: its global layers attend without positions (NoPE)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, sliding: bool) -> None:
+        super().__init__(cfg, layer_idx)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        window = cfg.raw.get("sliding_window")
+        self.sliding_window = window if sliding else None
+        self.uses_rope = window is None or sliding
+
+    def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
+        return super().forward(x, rotary if self.uses_rope else None, batch)
+
+
 class OlmoDecoderLayer(nn.Module):
+    attention_class: type[Attention] = OlmoAttention
+    norm_class: type[nn.Module] = OlmoRMSNorm
+
     def __init__(self, cfg: ModelConfig, layer_idx: int, kind: str) -> None:
         super().__init__()
         self.kind = kind
-        self.self_attn = OlmoAttention(cfg, layer_idx, sliding=kind == SLIDING)
+        self.self_attn = self.attention_class(cfg, layer_idx, sliding=kind == SLIDING)
         self.mlp = MLP(cfg)
-        self.post_attention_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_feedforward_layernorm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_feedforward_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
         # x: the residual stream [T, hidden] -> the stream after this layer
@@ -44,17 +64,29 @@ class OlmoDecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(x))
 
 
+class ExaoneDecoderLayer(OlmoDecoderLayer):
+    attention_class = ExaoneAttention
+    norm_class = RMSNorm
+
+
 class OlmoModel(nn.Module):
+    layer_class = OlmoDecoderLayer
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        # OLMo 2 attends globally everywhere; OLMo 3's configs list their layers' kinds.
-        kinds = layer_types(cfg.raw, DEFAULT_SLIDING_PATTERN) if cfg.raw.get("layer_types") else (
-            [FULL] * cfg.num_hidden_layers)
+        kinds = self.layer_kinds(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(OlmoDecoderLayer(cfg, i, kind) for i, kind in enumerate(kinds))
-        self.norm = OlmoRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(self.layer_class(cfg, i, kind) for i, kind in enumerate(kinds))
+        self.norm = self.layer_class.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = kind_rotaries(layer_ropes(cfg.raw, DEFAULT_THETA, DEFAULT_THETA), cfg.head_dim,
                                     max_positions)
+
+    @staticmethod
+    def layer_kinds(cfg: ModelConfig) -> list[str]:
+        """OLMo 2 attends globally everywhere; OLMo 3's configs list their layers' kinds."""
+        if cfg.raw.get("layer_types"):
+            return layer_types(cfg.raw, DEFAULT_SLIDING_PATTERN)
+        return [FULL] * cfg.num_hidden_layers
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # input_ids: [T] -> hidden: [T, hidden]
@@ -62,6 +94,20 @@ class OlmoModel(nn.Module):
         for layer in self.layers:
             x = layer(x, self.rotary[layer.kind], batch)
         return self.norm(x)
+
+
+class ExaoneModel(OlmoModel):
+    layer_class = ExaoneDecoderLayer
+
+    @staticmethod
+    def layer_kinds(cfg: ModelConfig) -> list[str]:
+        """The config's layer_types, else every sliding_window_pattern-th layer global (EXAONE 4.0's
+        default: 4) where the model has a window, every layer global where it has none."""
+        if not cfg.raw.get("sliding_window"):
+            return [FULL] * cfg.num_hidden_layers
+        if not cfg.raw.get("layer_types") and isinstance(cfg.raw.get("sliding_window_pattern"), str):
+            raise ValueError("an EXAONE 4.0 config with a lettered sliding_window_pattern needs layer_types")
+        return layer_types(cfg.raw, DEFAULT_SLIDING_PATTERN)
 
 
 class OlmoForCausalLM(LlamaForCausalLM):
@@ -72,3 +118,9 @@ class OlmoForCausalLM(LlamaForCausalLM):
 
     def fold_norm_weights(self) -> None:
         """Nothing to fold: OLMo has no norm before its MLP."""
+
+
+class Exaone4ForCausalLM(OlmoForCausalLM):
+    """Exaone4ForCausalLM (EXAONE 4.0 1.2B and 32B)."""
+
+    model_class = ExaoneModel

@@ -18,6 +18,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Gemma3ForConditionalGeneration": ("plait.models.gemma", "Gemma3ForConditionalGeneration"),
     "Olmo2ForCausalLM": ("plait.models.olmo", "OlmoForCausalLM"),
     "Olmo3ForCausalLM": ("plait.models.olmo", "OlmoForCausalLM"),
+    "Exaone4ForCausalLM": ("plait.models.olmo", "Exaone4ForCausalLM"),
     "Mistral3ForConditionalGeneration": ("plait.models.llama", "Mistral3ForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("plait.models.llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("plait.models.llava", "LlavaNextForConditionalGeneration"),
@@ -28,6 +29,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "BambaForCausalLM": ("plait.models.bamba", "BambaForCausalLM"),
     "NemotronHForCausalLM": ("plait.models.nemotron_h", "NemotronHForCausalLM"),
     "SmolLM3ForCausalLM": ("plait.models.smollm3", "SmolLM3ForCausalLM"),
+    "SeedOssForCausalLM": ("plait.models.llama", "SeedOssForCausalLM"),
     # Base models (no LM head; their checkpoints' names lack the "model." prefix): embedding models such as
     # e5-mistral (MistralModel) or a Qwen3Model, run only by the pooling runner.
     "LlamaModel": ("plait.models.llama", "LlamaForCausalLM"),
