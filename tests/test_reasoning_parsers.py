@@ -22,6 +22,9 @@ THINKING_OFF = {"enable_thinking": False}
 CLOSED_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 OPEN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
 
+# What Seed-OSS writes into its reasoning as its thinking budget runs down.
+SEED_REFLECTION = "<seed:cot_budget_reflect>20 left</seed:cot_budget_reflect>"
+
 # (parser, chat_template_kwargs, prompt, output, reasoning, content) with vLLM's None and "" as it gives them.
 CASES = [
     # the model writes both tags (DeepSeek-R1-0528, Qwen3 before 2507)
@@ -51,6 +54,12 @@ CASES = [
     ("qwen3", None, CLOSED_PROMPT, "4", None, "4"),  # a prompt that closed it, whatever the variables
     ("deepseek_r1", None, CLOSED_PROMPT, "R</think>C", None, "R</think>C"),
     ("qwen3", THINKING_OFF, CLOSED_PROMPT, "", None, ""),  # no reasoning to split: the content as it is
+    # Seed-OSS: its own tags, its thinking budget's reflections part of the reasoning; a prompt that closed
+    # the reasoning (its template with a zero budget) leaves the output all content
+    ("seed_oss", None, "", f"<seed:think>Add.{SEED_REFLECTION}</seed:think>4", f"Add.{SEED_REFLECTION}", "4"),
+    ("seed_oss", None, "", "R</seed:think>C</think>", "R", "C</think>"),
+    ("seed_oss", None, "", "a <seed:thi", "a <seed:thi", None),
+    ("seed_oss", None, "<seed:bos>assistant\n<seed:think></seed:think>", "4", None, "4"),
     # DeepSeek-V3.1 reasons only when asked ("thinking", or "enable_thinking")
     ("deepseek_v3", None, "", "R</think>C", None, "R</think>C"),
     ("deepseek_v3", {"thinking": True}, "", "R</think>C", "R", "C"),
@@ -142,8 +151,8 @@ def test_mistral_streams_content_until_it_thinks_and_asks_for_special_tokens():
 
 
 def test_registry_names_vllms_parsers():
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "deepseek_v3", "mistral"}
-    known = "known: deepseek_r1, deepseek_v3, mistral, qwen3"
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "deepseek_v3", "mistral", "seed_oss"}
+    known = "known: deepseek_r1, deepseek_v3, mistral, qwen3, seed_oss"
     with pytest.raises(ValueError, match=f"unknown reasoning parser 'nope'; {known}"):
         get_reasoning_parser("nope")
 

@@ -123,6 +123,12 @@ CASES = [
     ("qwen3_coder", "Write <function={{ name }}> here.", "Write <function={{ name }}> here.", []),
     ("qwen3_coder", "<tool_call>\n<function=get_wea", "<tool_call>\n<function=get_wea", []),
     ("qwen3_coder", "a <tool_ca", "a <tool_ca", []),
+    # Seed-OSS: Qwen3-Coder's calls in its own tags; Qwen3-Coder's tags are text to it
+    ("seed_oss", "Checking.<seed:tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+                 "</function>\n</seed:tool_call>", "Checking.", [("get_weather", {"city": "Paris"})]),
+    ("seed_oss", "<seed:tool_call><function=f></function></seed:tool_call> done <tool_call>x</tool_call>",
+     " done <tool_call>x</tool_call>", [("f", {})]),
+    ("seed_oss", "a <seed:tool_ca", "a <seed:tool_ca", []),
 ]
 
 
@@ -213,6 +219,8 @@ def test_random_outputs_stream_as_they_parse_whole():
                     '{"a": 1}', " ", "\n", WEATHER, "[{", '"name"', ":"],
         "qwen3_coder": ["<tool_call>", "</tool_call>", "<function=", "</function>", "<parameter=",
                         "</parameter>", "<tool", "</", "<", ">", "f", "n", "x y", "1", "\n", " ", "{"],
+        "seed_oss": ["<seed:tool_call>", "</seed:tool_call>", "<tool_call>", "<function=", "</function>",
+                     "<parameter=", "</parameter>", "<seed:", "</", "<", ">", "f", "x y", "1", "\n"],
     }
     rng = random.Random(0)
     for i in range(400):

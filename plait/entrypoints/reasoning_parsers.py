@@ -10,6 +10,9 @@ from plait.entrypoints.tool_parsers import partial_tag_length
 # The tags around DeepSeek-R1's, Qwen3's and DeepSeek-V3.1's reasoning (one vocabulary token each there).
 THINK_START = "<think>"
 THINK_END = "</think>"
+# Seed-OSS's.
+SEED_OSS_THINK_START = "<seed:think>"
+SEED_OSS_THINK_END = "</seed:think>"
 # Magistral's (Mistral tokenizer v13): special tokens.
 MISTRAL_THINK_START = "[THINK]"
 MISTRAL_THINK_END = "[/THINK]"
@@ -184,6 +187,16 @@ class DeepSeekV3ReasoningParser(ReasoningParser):
     @classmethod
     def thinking_on(cls, chat_template_kwargs: Mapping[str, Any]) -> bool:
         return bool(chat_template_kwargs.get("thinking")) or bool(chat_template_kwargs.get("enable_thinking"))
+
+
+@register_reasoning_parser
+class SeedOssReasoningParser(ReasoningParser):
+    """Seed-OSS: as deepseek_r1 between <seed:think> and </seed:think> (its thinking budget's reflections,
+    <seed:cot_budget_reflect>, are reasoning text)."""
+
+    name = "seed_oss"
+    START = SEED_OSS_THINK_START
+    END = SEED_OSS_THINK_END
 
 
 @register_reasoning_parser

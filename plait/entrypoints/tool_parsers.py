@@ -35,6 +35,8 @@ QWEN3_CODER_FUNCTION_OPEN = "<function="
 QWEN3_CODER_FUNCTION_CLOSE = "</function>"
 QWEN3_CODER_PARAMETER_OPEN = "<parameter="
 QWEN3_CODER_PARAMETER_CLOSE = "</parameter>"
+SEED_OSS_CALL_OPEN = "<seed:tool_call>"
+SEED_OSS_CALL_CLOSE = "</seed:tool_call>"
 # What may end a Qwen3-Coder parameter's value: its close tag, or (the close left out) the next parameter or
 # the function's end, whichever comes first (vLLM's reading).
 QWEN3_CODER_VALUE_ENDS = (QWEN3_CODER_PARAMETER_CLOSE, QWEN3_CODER_PARAMETER_OPEN, QWEN3_CODER_FUNCTION_CLOSE)
@@ -548,7 +550,9 @@ class Qwen3CoderToolParser(ToolParser):
     """
 
     name = "qwen3_coder"
-    OPENERS = (HERMES_CALL_OPEN, QWEN3_CODER_FUNCTION_OPEN)
+    # The tags around a call (Seed-OSS names them its own way).
+    CALL_OPEN, CALL_CLOSE = HERMES_CALL_OPEN, HERMES_CALL_CLOSE
+    OPENERS = (CALL_OPEN, QWEN3_CODER_FUNCTION_OPEN)
 
     def _scan(self, final: bool) -> list[ToolEvent]:
         events: list[ToolEvent] = []
@@ -580,8 +584,8 @@ class Qwen3CoderToolParser(ToolParser):
     def _read_call(self, final: bool) -> tuple[str, dict[str, Any], int]:
         """The call at pos: its name, typed arguments and end."""
         at = self.pos
-        if self.text.startswith(HERMES_CALL_OPEN, at):
-            at = _skip_whitespace(self.text, at + len(HERMES_CALL_OPEN))
+        if self.text.startswith(self.CALL_OPEN, at):
+            at = _skip_whitespace(self.text, at + len(self.CALL_OPEN))
             if not self._expect(at, QWEN3_CODER_FUNCTION_OPEN, final):
                 raise _NotACall
         name, at = self._read_tag_name(at + len(QWEN3_CODER_FUNCTION_OPEN), final)
@@ -603,8 +607,8 @@ class Qwen3CoderToolParser(ToolParser):
                 arguments[key] = typed_parameter(value, properties.get(key))
             elif self._expect(at, QWEN3_CODER_FUNCTION_CLOSE, final):
                 return name, arguments, self._read_close(at + len(QWEN3_CODER_FUNCTION_CLOSE), final)
-            elif self._expect(at, HERMES_CALL_CLOSE, final):  # </function> left out
-                return name, arguments, at + len(HERMES_CALL_CLOSE)
+            elif self._expect(at, self.CALL_CLOSE, final):  # </function> left out
+                return name, arguments, at + len(self.CALL_CLOSE)
             else:
                 raise _NotACall
 
@@ -638,8 +642,8 @@ class Qwen3CoderToolParser(ToolParser):
         close = _skip_whitespace(self.text, at)
         if close == len(self.text) and not final:
             raise _Undecided
-        if self._expect(close, HERMES_CALL_CLOSE, final):
-            return close + len(HERMES_CALL_CLOSE)
+        if self._expect(close, self.CALL_CLOSE, final):
+            return close + len(self.CALL_CLOSE)
         return at
 
     def _properties(self, name: str) -> dict[str, Any]:
@@ -647,6 +651,15 @@ class Qwen3CoderToolParser(ToolParser):
         parameters = self.functions.get(name)
         properties = parameters.get("properties") if isinstance(parameters, dict) else None
         return properties if isinstance(properties, dict) else {}
+
+
+@register_tool_parser
+class SeedOssToolParser(Qwen3CoderToolParser):
+    """Seed-OSS (vLLM's "seed_oss"): Qwen3-Coder's calls between <seed:tool_call> and </seed:tool_call>."""
+
+    name = "seed_oss"
+    CALL_OPEN, CALL_CLOSE = SEED_OSS_CALL_OPEN, SEED_OSS_CALL_CLOSE
+    OPENERS = (CALL_OPEN, QWEN3_CODER_FUNCTION_OPEN)
 
 
 # The JSON-schema types whose values are text (vLLM's list, with its aliases).
