@@ -500,8 +500,8 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: list[int] = field(default_factory=list)
     moe: MoEConfig | None = None  # sparse MoE feed-forward blocks; None: dense MLPs
-    # The fraction of each head's channels the rotary turns (Phi-4-mini: 0.75), read for Phi-3 configs only:
-    # transformers' other Llama-family models ignore the key, and Bamba keeps its own (plait.models.bamba).
+    # The fraction of each head's channels the rotary turns (Phi-4-mini: 0.75, GLM-4: 0.5), read for Phi-3 and
+    # GLM configs only: transformers' other Llama-family models ignore the key, and Bamba keeps its own.
     partial_rotary_factor: float = 1.0
     # Ministral 3: (beta, period) of Llama 4's query scaling by position (rotary.llama4_query_scale)
     llama4_scaling: tuple[float, int] | None = None
@@ -523,9 +523,9 @@ class ModelConfig:
         head_dim = (cfg.get("head_dim") or cfg["hidden_size"] // heads) if heads else 0
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        # Qwen2 has q/k/v bias without saying so (Qwen2-MoE: in qkv_bias), Seed-OSS by its config's default;
-        # Llama-style configs say it.
-        qwen2_bias = cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe", "seed_oss"))
+        # Qwen2 has q/k/v bias without saying so (Qwen2-MoE: in qkv_bias), Seed-OSS and GLM by their configs'
+        # defaults; Llama-style configs say it.
+        qwen2_bias = cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe", "seed_oss", "glm", "glm4"))
         attention_bias = bool(cfg.get("attention_bias", qwen2_bias))
         sliding = cfg.get("sliding_window")
         if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
@@ -544,6 +544,9 @@ class ModelConfig:
         partial_rotary_factor = 1.0
         if model_type == PHI3_MODEL_TYPE:
             rope_scaling, partial_rotary_factor = phi3_rope(cfg, rope_scaling)
+        elif model_type in GLM_MODEL_TYPES:  # at the top level (transformers 4) or in rope_parameters (5)
+            given = cfg.get("partial_rotary_factor") or (params or {}).get("partial_rotary_factor")
+            partial_rotary_factor = float(given or GLM_PARTIAL_ROTARY_FACTOR)
         elif rope_kind(rope_scaling) == "yarn":
             rope_scaling = yarn_rope(cfg, rope_scaling)
         max_positions = cfg.get("max_position_embeddings", 4096)
@@ -579,6 +582,9 @@ class ModelConfig:
         )
 
 
+# GLM-4's configs (plait.models.glm) and the share of each head their rotary turns where they do not say.
+GLM_MODEL_TYPES = ("glm", "glm4")
+GLM_PARTIAL_ROTARY_FACTOR = 0.5
 # The decoders whose rope parameters' llama_4_scaling_beta scales queries (other models ignore it).
 LLAMA4_SCALING_MODEL_TYPES = ("ministral3",)
 

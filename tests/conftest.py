@@ -72,6 +72,8 @@ def _tiny_configs() -> dict:
         Exaone4Config,
         Gemma2Config,
         Gemma3TextConfig,
+        Glm4Config,
+        GlmConfig,
         GraniteConfig,
         LlamaConfig,
         Ministral3Config,
@@ -135,6 +137,10 @@ def _tiny_configs() -> dict:
         # than the test prompts) and a global one without rotary.
         "exaone4": Exaone4Config(**(common | {"num_hidden_layers": 3}), head_dim=16, sliding_window=24,
                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+        # GLM-4: a rotary over half of each head that turns adjacent channel pairs (GPT-J's), q/k/v biases;
+        # GLM-4-0414 adds a norm after each sublayer.
+        "glm": GlmConfig(**common, head_dim=16, pad_token_id=None),
+        "glm4": Glm4Config(**common, head_dim=16, pad_token_id=None),
         # Seed-OSS: q/k/v biases by its config's default (the saved config is cut to what differs from it).
         "seed_oss": SeedOssConfig(**common, head_dim=16, pad_token_id=None),
         # SmolLM3: the middle of three layers has no rotary (NoPE); in the second, that layer alone attends

@@ -30,6 +30,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "NemotronHForCausalLM": ("plait.models.nemotron_h", "NemotronHForCausalLM"),
     "SmolLM3ForCausalLM": ("plait.models.smollm3", "SmolLM3ForCausalLM"),
     "SeedOssForCausalLM": ("plait.models.llama", "SeedOssForCausalLM"),
+    "GlmForCausalLM": ("plait.models.glm", "GlmForCausalLM"),
+    "Glm4ForCausalLM": ("plait.models.glm", "Glm4ForCausalLM"),
     # Base models (no LM head; their checkpoints' names lack the "model." prefix): embedding models such as
     # e5-mistral (MistralModel) or a Qwen3Model, run only by the pooling runner.
     "LlamaModel": ("plait.models.llama", "LlamaForCausalLM"),
