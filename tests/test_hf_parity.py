@@ -185,10 +185,16 @@ def test_gemma_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch, f
     assert sandwiches and all(sandwiches)  # every add-and-normalise took its post-norm along
 
 
-def test_smollm3_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch):
-    """SmolLM3 on the GPU path's kernels (Triton's interpreter on CPU, fp32): its NoPE layer stores K/V
-    unrotated through the store kernel, the others rotate and store in one launch, and the NoPE layer
-    attends through a window; greedy tokens and logits as HF's."""
+# family -> (unrotated stores, fused rotary + stores) of one step through its layers
+TRITON_KV_STORES = {"smollm3-sliding": (1, 2), "ministral3": (0, 2)}
+
+
+@pytest.mark.parametrize("family", sorted(TRITON_KV_STORES))
+def test_rotary_variants_through_the_triton_kernels_match_hf(tiny_models, monkeypatch, family):
+    """The GPU path's kernels (Triton's interpreter on CPU, fp32): SmolLM3's NoPE layer stores K/V unrotated
+    through the store kernel beside its layers that rotate and store in one launch, and attends through a
+    window; Ministral 3's q comes out of the fused launch scaled by position (Llama 4's scaling). Greedy
+    tokens and logits as HF's, and each layer took the launch it should."""
     from transformers import AutoModelForCausalLM
 
     import plait.attention.triton_backend as triton_backend
@@ -204,40 +210,14 @@ def test_smollm3_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch)
             return _kernel(*args, **kwargs)
 
         monkeypatch.setattr(triton_backend, f"{name}_kv", counted)
-    folder = tiny_models["smollm3-sliding"]
+    folder = tiny_models[family]
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
     prompts = random_prompts(3, 20, 40, seed=9)
     engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=32, block_size=8,
                                     attention_backend="triton"))
     assert_greedy_matches_hf(engine, hf, prompts, 4, LOGITS_ATOL)
-    # One NoPE layer of three: every step stores once unrotated for each two rotated stores.
-    assert launches["store"] > 0 and launches["rope_store"] == 2 * launches["store"]
-
-
-def test_ministral3_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch):
-    """Ministral 3 on the GPU path's kernels (Triton's interpreter on CPU, fp32): q and k rotated (YaRN) and
-    stored in one launch, then q scaled by position (Llama 4's scaling); greedy tokens and logits as HF's."""
-    from transformers import AutoModelForCausalLM
-
-    import plait.attention.triton_backend as triton_backend
-    from plait.kernels import dispatch
-
-    monkeypatch.setattr(dispatch, "_cpu_interpreter", True)
-    fused = []
-    rope_store = triton_backend.rope_store_kv
-
-    def counted(*args, **kwargs):
-        fused.append(1)
-        return rope_store(*args, **kwargs)
-
-    monkeypatch.setattr(triton_backend, "rope_store_kv", counted)
-    folder = tiny_models["ministral3"]
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    prompts = random_prompts(3, 20, 40, seed=9)
-    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=32, block_size=8,
-                                    attention_backend="triton"))
-    assert_greedy_matches_hf(engine, hf, prompts, 4, LOGITS_ATOL)
-    assert fused  # the scaled q came out of the fused rotary + store launch
+    plain, fused = TRITON_KV_STORES[family]
+    assert launches["rope_store"] > 0 and launches["store"] * fused == launches["rope_store"] * plain
 
 
 def test_max_logprobs_caps_requests_and_can_allow_the_vocabulary(tiny_llama):
