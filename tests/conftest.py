@@ -69,6 +69,7 @@ def _gguf_files_read_once():
 
 def _tiny_configs() -> dict:
     from transformers import (
+        Ernie4_5Config,
         Exaone4Config,
         Gemma2Config,
         Gemma3TextConfig,
@@ -141,6 +142,8 @@ def _tiny_configs() -> dict:
         # GLM-4-0414 adds a norm after each sublayer.
         "glm": GlmConfig(**common, head_dim=16, pad_token_id=None),
         "glm4": Glm4Config(**common, head_dim=16, pad_token_id=None),
+        # ERNIE 4.5 (dense): the Llama decoder with GPT-J's rotary over whole heads.
+        "ernie4_5": Ernie4_5Config(**common, head_dim=16, pad_token_id=None),
         # Seed-OSS: q/k/v biases by its config's default (the saved config is cut to what differs from it).
         "seed_oss": SeedOssConfig(**common, head_dim=16, pad_token_id=None),
         # SmolLM3: the middle of three layers has no rotary (NoPE); in the second, that layer alone attends

@@ -16,7 +16,7 @@ MAX_TOKENS = 12
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3-yarn", "granite", "olmo2",
                                     "olmo3", "gemma2", "gemma3", "phi3", "phi3-longrope", "smollm3",
                                     "smollm3-sliding", "ministral3", "seed_oss", "exaone4", "glm",
-                                    "glm4"])
+                                    "glm4", "ernie4_5"])
 def test_logits_and_greedy_match_hf(tiny_models, family):
     from transformers import AutoModelForCausalLM
 

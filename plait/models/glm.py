@@ -1,12 +1,9 @@
 """GLM-4 (Zhipu AI): GLM-4-9B (GlmForCausalLM, the Llama layer) and GLM-4-0414 / GLM-Z1 (Glm4ForCausalLM, a
 norm after each sublayer as well as before it): q/k/v biases, fused gate/up, and a rotary over part of each
-head (half by default) that turns adjacent channel pairs, GPT-J's way. plait rotates halves (neox), so the
-rotated channels of q and k are reordered at load, every even one first: scores are dot products, the same
-under one reordering of both q and k, and the reordered pairs then turn as neox pairs do."""
+head (half by default) that turns adjacent channel pairs, GPT-J's way, which plait's kernels compute once
+q's and k's channels are reordered at load (plait.models.weights.pairs_as_halves)."""
 
 from __future__ import annotations
-
-from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -15,41 +12,12 @@ from plait.attention.base import Rotary
 from plait.config import ModelConfig
 from plait.layers.norm import RMSNorm
 from plait.layers.rotary import rotary_embedding
-from plait.models.llama import MLP, Attention, LlamaForCausalLM
-from plait.models.weights import load_decoder_weights
+from plait.models.llama import MLP, Attention, PairedRotaryForCausalLM
 from plait.runner.forward_batch import ForwardBatch
 
 
-def halves_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
-    """The channel order that makes GPT-J's rotary pairs (2i, 2i + 1) of a head's first rotary_dim channels
-    neox's pairs (i, i + rotary_dim / 2): the even channels, then the odd ones, then the unrotated rest."""
-    # -> [head_dim] channel indices
-    rotated = torch.arange(rotary_dim)
-    return torch.cat([rotated[0::2], rotated[1::2], torch.arange(rotary_dim, head_dim)])
-
-
-def reordered_qk(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors, q_proj's and k_proj's rows (weights and biases) put in halves_order within
-    each head."""
-    order = halves_order(cfg.head_dim, int(cfg.head_dim * cfg.partial_rotary_factor))
-    for name, tensor in weights:
-        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
-                          "self_attn.k_proj.bias")):
-            # [heads * head_dim, ...] -> [heads, head_dim, ...], channels reordered, flattened back
-            per_head = tensor.reshape(-1, cfg.head_dim, *tensor.shape[1:])
-            tensor = per_head[:, order.to(tensor.device)].reshape(tensor.shape)
-        yield name, tensor
-
-
-class GlmForCausalLM(LlamaForCausalLM):
-    """GlmForCausalLM (GLM-4-9B-chat, GLM-4-9B-0414's predecessor in HF's format)."""
-
-    # An adapter's q/k rows would need the same reordering as the checkpoint's.
-    supports_lora = False
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_decoder_weights(self, reordered_qk(weights, self.config))
+class GlmForCausalLM(PairedRotaryForCausalLM):
+    """GlmForCausalLM (GLM-4-9B-chat in HF's format)."""
 
 
 class Glm4DecoderLayer(nn.Module):

@@ -18,7 +18,7 @@ from plait.layers.moe import FusedMoE
 from plait.layers.norm import RMSNorm, RowNorm
 from plait.layers.rotary import QueryScaledRotary, llama4_query_scale, rotary_embedding
 from plait.models.base import CausalLM
-from plait.models.weights import language_model_weights, load_decoder_weights
+from plait.models.weights import language_model_weights, load_decoder_weights, pairs_as_halves
 from plait.runner.forward_batch import ForwardBatch
 
 
@@ -217,6 +217,23 @@ class Phi3ForCausalLM(LlamaForCausalLM):
     names of the parameters plait fuses them into, so they load as they are; the config's partial rotary
     factor and LongRoPE scaling are the rotary's (ModelConfig.from_hf, plait.layers.rotary). LoRA adapters
     name the fused qkv_proj / gate_up_proj too, each changing the whole layer (plait.lora.model)."""
+
+
+class PairedRotaryForCausalLM(LlamaForCausalLM):
+    """The Llama decoder for checkpoints whose rotary turns adjacent channel pairs (GPT-J's): ERNIE 4.5's
+    dense models (Ernie4_5ForCausalLM) and GLM-4 (plait.models.glm), their q/k rows reordered at load so that
+    plait's kernels compute the same scores (pairs_as_halves)."""
+
+    # An adapter's q/k rows would need the same reordering as the checkpoint's.
+    supports_lora = False
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        if cfg.raw.get("use_bias"):  # ERNIE 4.5's switch for biases on o and the MLP too
+            raise ValueError(f"{cfg.architecture} with use_bias is not supported")
+        super().__init__(cfg, max_positions)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_decoder_weights(self, pairs_as_halves(weights, self.config))
 
 
 class SeedOssForCausalLM(LlamaForCausalLM):

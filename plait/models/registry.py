@@ -31,6 +31,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "SmolLM3ForCausalLM": ("plait.models.smollm3", "SmolLM3ForCausalLM"),
     "SeedOssForCausalLM": ("plait.models.llama", "SeedOssForCausalLM"),
     "GlmForCausalLM": ("plait.models.glm", "GlmForCausalLM"),
+    "Ernie4_5ForCausalLM": ("plait.models.llama", "PairedRotaryForCausalLM"),
     "Glm4ForCausalLM": ("plait.models.glm", "Glm4ForCausalLM"),
     # Base models (no LM head; their checkpoints' names lack the "model." prefix): embedding models such as
     # e5-mistral (MistralModel) or a Qwen3Model, run only by the pooling runner.

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
+from plait.config import ModelConfig
 from plait.layers.fp8 import UNUSED_CHECKPOINT_SCALES
 
 # HF projection name -> (plait fused parameter, shard index): q/k/v and gate/up are concatenated
@@ -178,3 +179,27 @@ def language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]
         renamed = language_model_name(name)
         if renamed is not None:
             yield renamed, tensor
+
+
+def halves_order(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """The channel order that makes GPT-J's rotary pairs (2i, 2i + 1) of a head's first rotary_dim channels
+    neox's pairs (i, i + rotary_dim / 2): the even channels, then the odd ones, then the unrotated rest."""
+    # -> [head_dim] channel indices
+    rotated = torch.arange(rotary_dim)
+    return torch.cat([rotated[0::2], rotated[1::2], torch.arange(rotary_dim, head_dim)])
+
+
+def pairs_as_halves(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors, q_proj's and k_proj's rows (weights and biases) put in halves_order within
+    each head, for models whose rotary turns adjacent channel pairs (GPT-J's: GLM-4, ERNIE 4.5): plait
+    rotates halves (neox), and scores are dot products, the same under one reordering of both q and k, so
+    the reordered pairs turn as neox pairs do. An adapter's q/k rows would need the same reordering."""
+    order = halves_order(cfg.head_dim, int(cfg.head_dim * cfg.partial_rotary_factor))
+    for name, tensor in weights:
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias", "self_attn.k_proj.weight",
+                          "self_attn.k_proj.bias")):
+            # [heads * head_dim, ...] -> [heads, head_dim, ...], channels reordered, flattened back
+            per_head = tensor.reshape(-1, cfg.head_dim, *tensor.shape[1:])
+            tensor = per_head[:, order.to(tensor.device)].reshape(tensor.shape)
+        yield name, tensor
