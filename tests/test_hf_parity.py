@@ -158,12 +158,23 @@ def test_image_text_checkpoint_serves_text_like_hf(image_text_models, tmp_path, 
     assert_greedy_matches_hf(engine, hf, prompts, MAX_TOKENS, LOGITS_ATOL)
 
 
+def _greedy_matches_hf_through_triton(folder) -> None:
+    """Three prompts through the triton backend (Triton's interpreter on CPU, fp32): greedy tokens and logits
+    as HF's eager model of ``folder``."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    prompts = random_prompts(3, 20, 40, seed=9)
+    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=32, block_size=8,
+                                    attention_backend="triton"))
+    assert_greedy_matches_hf(engine, hf, prompts, 4, LOGITS_ATOL)
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
 def test_gemma_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch, family):
     """The GPU path's kernels (Triton's interpreter on CPU, fp32): the fused sandwich norms (post-norm, add,
     pre-norm in one launch), 1 + weight q/k norms in the rotary launch, GeGLU, windowed and soft-capped
     paged attention; greedy tokens and logits as HF's."""
-    from transformers import AutoModelForCausalLM
 
     from plait.kernels import dispatch, rms_norm
 
@@ -176,12 +187,7 @@ def test_gemma_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch, f
         return fused(*args, **kwargs)
 
     monkeypatch.setattr(rms_norm, "fused_add_rms_norm", counting)
-    folder = tiny_models[family]
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    prompts = random_prompts(3, 20, 40, seed=9)
-    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=32, block_size=8,
-                                    attention_backend="triton"))
-    assert_greedy_matches_hf(engine, hf, prompts, 4, LOGITS_ATOL)
+    _greedy_matches_hf_through_triton(tiny_models[family])
     assert sandwiches and all(sandwiches)  # every add-and-normalise took its post-norm along
 
 
@@ -195,7 +201,6 @@ def test_rotary_variants_through_the_triton_kernels_match_hf(tiny_models, monkey
     through the store kernel beside its layers that rotate and store in one launch, and attends through a
     window; Ministral 3's q comes out of the fused launch scaled by position (Llama 4's scaling). Greedy
     tokens and logits as HF's, and each layer took the launch it should."""
-    from transformers import AutoModelForCausalLM
 
     import plait.attention.triton_backend as triton_backend
     from plait.kernels import dispatch
@@ -210,12 +215,7 @@ def test_rotary_variants_through_the_triton_kernels_match_hf(tiny_models, monkey
             return _kernel(*args, **kwargs)
 
         monkeypatch.setattr(triton_backend, f"{name}_kv", counted)
-    folder = tiny_models[family]
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    prompts = random_prompts(3, 20, 40, seed=9)
-    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=32, block_size=8,
-                                    attention_backend="triton"))
-    assert_greedy_matches_hf(engine, hf, prompts, 4, LOGITS_ATOL)
+    _greedy_matches_hf_through_triton(tiny_models[family])
     plain, fused = TRITON_KV_STORES[family]
     assert launches["rope_store"] > 0 and launches["store"] * fused == launches["rope_store"] * plain
 
