@@ -17,11 +17,13 @@ from plait.models.llama import SparseMoeBlock
 from plait.parallel.group import DRIVER_RANK, TPGroup
 
 # The decoders whose layers are the Llama family's attention and MLP or sparse MoE block: those a rank can
-# build from a narrower config alone.
+# build from a narrower config alone. (OLMo 2 / 3 normalise q and k across all heads, which no rank holds.)
 SHARDABLE_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "GraniteForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+    "SmolLM3ForCausalLM", "Ministral3ForCausalLM", "SeedOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
+    "Ernie4_5ForCausalLM", "Exaone4ForCausalLM",
 })
 # A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias").
 ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)\.(weight|bias)$")
