@@ -10,6 +10,14 @@ from plait.layers.mamba import Mamba2Dims, MambaStateSpec
 from plait.runner.forward_batch import ForwardBatch
 
 
+def refuse_config_keys(raw: dict, family: str, keys: tuple[str, ...]) -> None:
+    """Refuse, by name, a config that turns on one of ``keys``: a variant of ``family`` plait does not
+    compute (biases it has no parameter for, say)."""
+    for key in keys:
+        if raw.get(key):
+            raise ValueError(f"{family} with {key} is not supported")
+
+
 class CausalLM(nn.Module):
     """A pure model: hidden states from a ForwardBatch, logits only where the runner samples.
 

@@ -8,15 +8,9 @@ import torch
 from plait.attention.base import Rotary
 from plait.config import ModelConfig
 from plait.layers.linear import logits_fp32
+from plait.models.base import refuse_config_keys
 from plait.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
 from plait.runner.forward_batch import ForwardBatch
-
-
-def check_granite(raw: dict) -> None:
-    """Refuse, by name, what plait's Granite does not compute."""
-    for key in ("attention_bias", "mlp_bias"):
-        if raw.get(key):
-            raise ValueError(f"Granite with {key} is not supported")
 
 
 class GraniteDecoderLayer(DecoderLayer):
@@ -65,7 +59,7 @@ class GraniteForCausalLM(LlamaForCausalLM):
     model_class = GraniteModel
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        check_granite(cfg.raw)
+        refuse_config_keys(cfg.raw, "Granite", ("attention_bias", "mlp_bias"))
         super().__init__(cfg, max_positions)
         self.logits_scaling = float(cfg.raw.get("logits_scaling") or 1.0)
 

@@ -17,7 +17,7 @@ from plait.layers.linear import Linear
 from plait.layers.moe import FusedMoE
 from plait.layers.norm import RMSNorm, RowNorm
 from plait.layers.rotary import QueryScaledRotary, llama4_query_scale, rotary_embedding
-from plait.models.base import CausalLM
+from plait.models.base import CausalLM, refuse_config_keys
 from plait.models.weights import language_model_weights, load_decoder_weights, pairs_as_halves
 from plait.runner.forward_batch import ForwardBatch
 
@@ -228,8 +228,8 @@ class PairedRotaryForCausalLM(LlamaForCausalLM):
     supports_lora = False
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        if cfg.raw.get("use_bias"):  # ERNIE 4.5's switch for biases on o and the MLP too
-            raise ValueError(f"{cfg.architecture} with use_bias is not supported")
+        # ERNIE 4.5's switch for biases on o and the MLP too
+        refuse_config_keys(cfg.raw, cfg.architecture, ("use_bias",))
         super().__init__(cfg, max_positions)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -241,9 +241,7 @@ class SeedOssForCausalLM(LlamaForCausalLM):
     by default (ModelConfig.from_hf), and none on o or the MLP."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        for key in ("attention_out_bias", "mlp_bias"):
-            if cfg.raw.get(key):
-                raise ValueError(f"Seed-OSS with {key} is not supported")
+        refuse_config_keys(cfg.raw, "Seed-OSS", ("attention_out_bias", "mlp_bias"))
         super().__init__(cfg, max_positions)
 
 

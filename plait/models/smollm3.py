@@ -7,19 +7,13 @@ import torch
 
 from plait.attention.base import Rotary
 from plait.config import ModelConfig
+from plait.models.base import refuse_config_keys
 from plait.models.layer_kinds import FULL, SLIDING, layer_types
 from plait.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
 from plait.runner.forward_batch import ForwardBatch
 
 # transformers' default (SmolLM3Config): a layer without rotary every this many layers, the last of each run.
 DEFAULT_NO_ROPE_INTERVAL = 4
-
-
-def check_smollm3(raw: dict) -> None:
-    """Refuse, by name, what plait's SmolLM3 does not compute."""
-    for key in ("attention_bias", "mlp_bias"):
-        if raw.get(key):
-            raise ValueError(f"SmolLM3 with {key} is not supported")
 
 
 def rope_layers(raw: dict) -> list[bool]:
@@ -75,5 +69,5 @@ class SmolLM3ForCausalLM(LlamaForCausalLM):
     model_class = SmolLM3Model
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        check_smollm3(cfg.raw)
+        refuse_config_keys(cfg.raw, "SmolLM3", ("attention_bias", "mlp_bias"))
         super().__init__(cfg, max_positions)
