@@ -525,8 +525,8 @@ class ModelConfig:
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         # Qwen2 has q/k/v bias without saying so (Qwen2-MoE: in qkv_bias), Seed-OSS and GLM by their configs'
         # defaults; Llama-style configs say it.
-        qwen2_bias = cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe", "seed_oss", "glm", "glm4"))
-        attention_bias = bool(cfg.get("attention_bias", qwen2_bias))
+        default_bias = cfg.get("qkv_bias", model_type in ("qwen2", "qwen2_moe", "seed_oss", "glm", "glm4"))
+        attention_bias = bool(cfg.get("attention_bias", default_bias))
         sliding = cfg.get("sliding_window")
         if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding = None  # Qwen2 configs carry a window they do not use
