@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from plait.attention.base import get_backend  # noqa: E402
+from plait.attention.fp8_kv import UNIT_SCALES, KVScales, to_cache  # noqa: E402
+from plait.attention.torch_ref import TorchRefBackend  # noqa: E402
 from plait.config import EngineConfig  # noqa: E402
 from plait.engine.kv_cache import PAD_BLOCK_ID, KVCacheManager, cdiv  # noqa: E402
 from plait.engine.request import Request  # noqa: E402
@@ -31,6 +34,7 @@ from plait.kernels.paged_attention import (  # noqa: E402
     precise_pv_mode,
     set_precise_pv,
 )
+from plait.layers.fp8 import FP8_DTYPE  # noqa: E402
 from plait.runner.forward_batch import build_forward_batch  # noqa: E402
 from plait.sampling_params import SamplingParams  # noqa: E402
 
@@ -92,24 +96,30 @@ def make_batch(specs, block_size: int, num_heads: int, num_kv_heads: int, head_d
 
 def run_kernel(b: PagedBatch, scale: float, window: int = 0, num_kv_splits: int | None = None,
                tile_n: int | None = None, block_m: int | None = None, query_len_slack: int = 0,
-               seq_len_slack: int = 0, out_dtype: torch.dtype | None = None, softcap: float = 0.0):
+               seq_len_slack: int = 0, out_dtype: torch.dtype | None = None, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None, kv_scales: KVScales = UNIT_SCALES):
     """paged_attention on the poisoned cache into NaN-filled out / lse, with upper-bound maxima."""
     out = torch.full_like(b.q, float("nan"), dtype=out_dtype or b.q.dtype)
     lse = torch.full(b.q.shape[:2], float("nan"), device=b.q.device)
     max_q, max_s = b.max_query_len + query_len_slack, b.max_seq_len + seq_len_slack
     (num_tokens, num_heads, head_dim), num_rows = b.q.shape, b.seq_lens.shape[0]
     plan = plan_paged_attention(num_tokens, num_rows, num_heads, b.k_cache.shape[2], head_dim, b.q.dtype,
-                                max_q, max_s, b.q.device, num_kv_splits, tile_n, block_m)
+                                max_q, max_s, b.q.device, num_kv_splits, tile_n, block_m,
+                                cache_dtype=b.k_cache.dtype)
     result = paged_attention(b.q, b.k_poisoned, b.v_poisoned, out, b.query_start_loc, b.seq_lens,
-                             b.block_tables, scale, max_q, max_s, window, lse, plan=plan, softcap=softcap)
+                             b.block_tables, scale, max_q, max_s, window, lse, plan=plan, softcap=softcap,
+                             sinks=sinks, k_scale=kv_scales.k, v_scale=kv_scales.v)
     assert result is out
     return out, lse, plan
 
 
-def reference(b: PagedBatch, scale: float, window: int = 0, softcap: float = 0.0):
-    """torch_ref in fp32 over the clean cache (its masked products would turn the poison into NaN)."""
-    return paged_attention_ref(b.q.float(), b.k_cache.float(), b.v_cache.float(), b.query_start_loc,
-                               b.seq_lens, b.block_tables, scale, window, softcap=softcap)
+def reference(b: PagedBatch, scale: float, window: int = 0, softcap: float = 0.0,
+              sinks: torch.Tensor | None = None, kv_scales: KVScales = UNIT_SCALES):
+    """torch_ref in fp32 over the clean cache (its masked products would turn the poison into NaN); FP8
+    codes go as they are, for torch_ref to scale."""
+    k_cache, v_cache = (c if c.dtype == FP8_DTYPE else c.float() for c in (b.k_cache, b.v_cache))
+    return paged_attention_ref(b.q.float(), k_cache, v_cache, b.query_start_loc, b.seq_lens, b.block_tables,
+                               scale, window, kv_scales.k, kv_scales.v, softcap=softcap, sinks=sinks)
 
 
 def assert_matches(out, lse, ref_out, ref_lse, atol: float, rtol: float = 0.0):
@@ -416,6 +426,175 @@ def test_backend_is_registered_lazily(monkeypatch):
         get_backend("triton")
 
 
+# ---- Attention sinks (gpt-oss): one logit per query head, a key of value zero every query sees ---------
+
+
+SINK_LOW, SINK_HIGH = -2.0, 6.0
+# Sinks must move some output by at least this much, or a test of them would pass without them.
+SINK_EFFECT = 0.1
+
+
+def head_sinks(num_heads: int, seed: int, dtype: torch.dtype = torch.float32, device: torch.device = CPU,
+               ) -> torch.Tensor:
+    """sinks: [Hq], every head's different and shuffled over the heads (so a packed row reading another
+    head's sink shows), from below to above a typical row's LSE (scale 0.3 over D 32: a few nats)."""
+    g = torch.Generator().manual_seed(seed)
+    sinks = torch.linspace(SINK_LOW, SINK_HIGH, num_heads)[torch.randperm(num_heads, generator=g)]
+    return sinks.to(dtype=dtype, device=device)
+
+
+def as_fp8(b: PagedBatch, scales: KVScales) -> PagedBatch:
+    """The batch with its caches turned into FP8 codes standing for the same values (NaN where no row may
+    read), as plait.attention.fp8_kv stores them."""
+    inv_k, inv_v = scales.inverse
+    b.k_cache, b.v_cache = to_cache(b.k_cache, FP8_DTYPE, inv_k), to_cache(b.v_cache, FP8_DTYPE, inv_v)
+    b.k_poisoned = torch.where(b.k_poisoned.isnan(), torch.nan, b.k_cache.float()).to(FP8_DTYPE)
+    b.v_poisoned = torch.where(b.v_poisoned.isnan(), torch.nan, b.v_cache.float()).to(FP8_DTYPE)
+    return b
+
+
+@dataclass(frozen=True)
+class SinkCase:
+    specs: list
+    heads: tuple[int, int]  # (Hq, Hkv)
+    splits: int
+    dtype: torch.dtype = torch.float32
+    window: int = 0
+    softcap: float = 0.0
+    precise_pv: str = "off"
+    fp8_scales: KVScales | None = None  # an FP8 cache with these scales
+
+
+SINK_CASES = {
+    "mixed-group3": SinkCase(MIXED, (6, 2), 1),
+    "mixed-window6-softcap": SinkCase(MIXED, (4, 2), 1, window=6, softcap=5.0),  # the sink is never capped
+    "decode-fp16": SinkCase(DECODES, (6, 2), 1, torch.float16),
+    "decode-split6": SinkCase(DECODES, (4, 2), 6),  # more splits than most rows have tiles: empty splits
+    "prefill-split3-group4": SinkCase(PREFILL_SPLIT_ROWS, (8, 2), 3),
+    "prefill-split4-window1": SinkCase(PREFILL_SPLIT_ROWS, (2, 2), 4, window=1),  # splits without keys
+    "prefill-split3-fp16-precise": SinkCase(PREFILL_SPLIT_ROWS, (4, 2), 3, torch.float16, precise_pv="all"),
+    "fp8-decode-split3": SinkCase(DECODES, (4, 2), 3, torch.float16, fp8_scales=KVScales(0.5, 2.0)),
+    "fp8-mixed-window6": SinkCase(MIXED, (4, 2), 1, torch.float16, window=6,
+                                  fp8_scales=KVScales(0.037, 0.011)),
+}
+
+
+@pytest.mark.parametrize("name", list(SINK_CASES))
+def test_sinks_match_torch_ref(precise_pv_switch, name):
+    """The kernel with sinks against torch_ref with them, over every row kind, GQA groups, windows, split-KV
+    forced on (each sink counted once however many splits a query's keys take), precise P.V and an FP8
+    cache; sinks in q's dtype, out and lse both checked."""
+    case = SINK_CASES[name]
+    precise_pv_switch(case.precise_pv)
+    b = make_batch(case.specs, 4, *case.heads, 32, case.dtype, CPU, seed=30 + case.splits + case.window)
+    scales = case.fp8_scales or UNIT_SCALES
+    if case.fp8_scales is not None:
+        b = as_fp8(b, scales)
+    sinks = head_sinks(case.heads[0], seed=case.splits, dtype=case.dtype)
+    out, lse, plan = run_kernel(b, 0.3, case.window, num_kv_splits=case.splits, tile_n=16, block_m=16,
+                                seq_len_slack=20, softcap=case.softcap, sinks=sinks, kv_scales=scales)
+    assert plan.config.num_splits == case.splits
+    ref_out, ref_lse = reference(b, 0.3, case.window, case.softcap, sinks, scales)
+    atol = ATOL[case.dtype] * (1 + scales.v)
+    assert_matches(out, lse, ref_out, ref_lse, atol)
+    plain_out, _ = reference(b, 0.3, case.window, case.softcap, kv_scales=scales)
+    assert (plain_out - ref_out).abs().max() > SINK_EFFECT
+
+
+# Rows with queries placed before position 0 (seq_len < query_len): no scheduler makes them, but they are
+# how a final output that saw no key reaches the kernel (a split without keys is never final). With 32-token
+# query tiles the last row's first tile spans two K/V tiles, so under split-KV its keyless queries are
+# combined from two partials that saw nothing.
+KEYLESS_ROWS = [(-2, 3), (5, 2), (-5, 40)]
+KEYLESS_TOKENS = [0, 1, 5, 6, 7, 8, 9]
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_sinks_give_rows_without_keys_zeros_and_the_sink(splits):
+    """A query that sees no key attends to its sink alone: out 0 and lse = sinks[h], never NaN (zeros and
+    lse -inf without sinks); the other queries match torch_ref."""
+    b = make_batch(KEYLESS_ROWS, 4, 4, 2, 32, torch.float32, CPU, seed=4)
+    sinks = head_sinks(4, seed=5)
+    out, lse, plan = run_kernel(b, 0.3, num_kv_splits=splits, tile_n=16, block_m=64, sinks=sinks)
+    assert plan.config.num_splits == splits
+    ref_out, ref_lse = reference(b, 0.3, sinks=sinks)
+    keyless = KEYLESS_TOKENS
+    assert not ref_out[keyless].any() and torch.equal(ref_lse[keyless], sinks.expand(len(keyless), -1))
+    assert_matches(out, lse, ref_out, ref_lse, ATOL[torch.float32])
+    assert not out[keyless].any()
+    out, lse, _ = run_kernel(b, 0.3, num_kv_splits=splits, tile_n=16, block_m=64)
+    assert not out[keyless].any() and (lse[keyless] == float("-inf")).all()
+
+
+def test_backend_sinks_match_torch_ref_through_forward_batch():
+    """ForwardBatch.attention hands the sinks to its backend, and the triton backend to each of its
+    launches (decode rows, then prompt chunks): out through ForwardBatch.attention and lse through attend,
+    against torch_ref's, step after step of a real schedule with split-KV forced on (the 45-token prompt's
+    later steps and its decodes see two 32-key tiles and split)."""
+    torch.manual_seed(1)
+    bs, hq, hkv, d = 4, 4, 2, 32
+    triton_backend = get_backend("triton")
+    triton_backend.num_kv_splits = 2
+    backends = (triton_backend, get_backend("torch_ref"))
+    caches = [torch.zeros(2, 96, bs, hkv, d) for _ in backends]
+    sinks = head_sinks(hq, seed=6)
+    kinds, sink_effect = set(), 0.0
+    for _, batch in _schedule_steps(4, bs, [9, 1, 45], budget=24, seed=0):
+        q = torch.randn(batch.num_tokens, hq, d)
+        kv = torch.randn(batch.num_tokens, 2 * hkv, d)
+        k, v = kv[:, :hkv], kv[:, hkv:]
+        outs, lses = [], []
+        for backend, cache in zip(backends, caches):
+            batch.attn_backend, batch.kv_caches = backend, [cache]
+            outs.append(batch.attention(0, q, k, v, 0.2, sinks=sinks))
+            lses.append(backend.attend(q, cache, batch, 0.2, return_lse=True, sinks=sinks)[1])
+        assert_matches(outs[0], lses[0], outs[1], lses[1], ATOL[torch.float32])
+        sink_effect = max(sink_effect, (backends[1].attend(q, caches[1], batch, 0.2) - outs[1]).abs().max())
+        parts = next(v for key, v in batch.backend_state.items() if key[0] == "triton")
+        kinds.add(tuple("prompt" if part.max_query_len > 1 else "decode" for part in parts))
+    assert kinds == {("prompt",), ("decode", "prompt"), ("decode",)}
+    assert sink_effect > SINK_EFFECT
+
+
+@pytest.mark.parametrize("path", ["padded", "per_row"])
+def test_torch_ref_sinks_match_transformers_eager(monkeypatch, path):
+    """torch_ref's sinks against gpt-oss's eager_attention_forward in transformers (the sinks a last column
+    of the scores, softmaxed with them, then dropped), on one request's 5-token chunk after 3 cached tokens,
+    4 query heads over 2 kv heads, with and without a sliding window. Head 0's sink (+8) takes almost all
+    the mass; head 1's (-1e4) must leave attention exactly as it is without sinks."""
+    gpt_oss = pytest.importorskip("transformers.models.gpt_oss.modeling_gpt_oss")
+    if path == "per_row":
+        monkeypatch.setattr(TorchRefBackend, "max_padded_scores", 0)
+    g = torch.Generator().manual_seed(0)
+    context, n, hq, hkv, d, bs = 3, 5, 4, 2, 16, 4
+    seq, scale = context + n, d**-0.5
+    q = torch.randn(n, hq, d, generator=g)
+    k, v = torch.randn(2, seq, hkv, d, generator=g)
+    # The row's blocks are 1.. in order (block 0 is the pad block).
+    num_blocks = cdiv(seq, bs)
+    k_cache, v_cache = torch.zeros(2, 1 + num_blocks, bs, hkv, d)
+    k_cache.view(-1, hkv, d)[bs : bs + seq], v_cache.view(-1, hkv, d)[bs : bs + seq] = k, v
+    paged = (torch.tensor([0, n], dtype=torch.int32), torch.tensor([seq], dtype=torch.int32),
+             torch.arange(1, 1 + num_blocks, dtype=torch.int32).view(1, -1))
+    sinks = torch.tensor([8.0, -1e4, 0.5, -2.0])
+    module = SimpleNamespace(sinks=sinks, num_key_value_groups=hq // hkv, training=False)
+    q_pos, k_pos = torch.arange(context, seq).view(-1, 1), torch.arange(seq)
+    for window in (0, 3):
+        out, lse = paged_attention_ref(q, k_cache, v_cache, *paged, scale, window, sinks=sinks)
+        plain_out, plain_lse = paged_attention_ref(q, k_cache, v_cache, *paged, scale, window)
+        visible = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
+        mask = torch.zeros(n, seq).masked_fill(~visible, float("-inf"))  # [n, seq], additive, as HF's
+        want, _ = gpt_oss.eager_attention_forward(module, q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                                  v.transpose(0, 1)[None], mask[None, None], scale)
+        torch.testing.assert_close(out, want[0], atol=1e-6, rtol=1e-5)
+        # The lse eager's softmax normalises by: the scores with the sink column.
+        scores = q.transpose(0, 1) @ k.repeat_interleave(hq // hkv, 1).permute(1, 2, 0) * scale + mask
+        with_sink = torch.cat([scores, sinks.view(-1, 1, 1).expand(-1, n, 1)], dim=-1)  # [Hq, n, seq + 1]
+        torch.testing.assert_close(lse, torch.logsumexp(with_sink, -1).T, atol=1e-6, rtol=1e-6)
+        assert ((plain_lse[:, 0] - lse[:, 0]).exp() < 0.01).all()  # the keys keep under 1% of the mass
+        assert torch.equal(out[:, 1], plain_out[:, 1]) and torch.equal(lse[:, 1], plain_lse[:, 1])
+
+
 # ---- GPU: real shapes, bf16/fp16, against torch_ref in fp32 ---------------------------------------------
 
 GPU_DTYPES = [torch.bfloat16, torch.float16]
@@ -571,3 +750,25 @@ def test_gpu_precise_pv_tracks_fp32_reference(precise_pv_switch, decode_only):
         out, _, _ = run_kernel(b, 128**-0.5, out_dtype=torch.float32)
         errors[mode] = (out - ref).abs().mean().item()
     assert errors["off"] > 8 * errors["all"], errors
+
+
+@pytest.mark.parametrize("decode_only", [False, True], ids=["mixed", "decode"])
+@pytest.mark.parametrize("splits", [None, 1, 4], ids=["split-auto", "split-off", "split-4"])
+@gpu
+def test_gpu_sinks_match_torch_ref(decode_only, splits):
+    """gpt-oss-20b's attention shapes (head dim 64, 64 query heads over 8 kv heads, every other layer a
+    128-token window) with bf16 sinks, contexts up to 4k, split-KV automatic, off and forced."""
+    dev = torch.device("cuda")
+    rng = random.Random(60 + decode_only)
+    specs = _random_specs(rng, 24, 4096, decode_only)
+    specs[-1] = PAD_ROW
+    b = make_batch(specs, 16, 64, 8, 64, torch.bfloat16, dev, seed=61)
+    sinks = head_sinks(64, seed=62, dtype=torch.bfloat16, device=dev)
+    scale = 64**-0.5
+    for window in (0, 128):
+        out, lse, plan = run_kernel(b, scale, window, num_kv_splits=splits, seq_len_slack=100, sinks=sinks)
+        if splits is not None:
+            assert plan.config.num_splits == splits
+        ref_out, ref_lse = reference(b, scale, window, sinks=sinks)
+        assert_matches(out, lse, ref_out, ref_lse, atol=GPU_ATOL, rtol=GPU_RTOL)
+        assert (reference(b, scale, window)[0] - ref_out).abs().max() > SINK_EFFECT

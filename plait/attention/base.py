@@ -68,11 +68,19 @@ class AttentionBackend(ABC):
         kv_scales: KVScales = UNIT_SCALES,
         logit_softcap: float | None = None,
         causal: bool = True,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D] -> out [T, Hq, D] (and lse [T, Hq] if asked). Each query token sees its
         request's cached context and its own chunk up to itself (``causal`` False, an encoder's: its whole
         chunk too, every key of its row below ``seq_len``). ``logit_softcap`` c (Gemma 2): each
-        scaled score s becomes c * tanh(s / c) before the softmax."""
+        scaled score s becomes c * tanh(s / c) before the softmax.
+
+        ``sinks`` ([Hq], fp32 or q's dtype, on q's device; gpt-oss's attention sinks): one learned logit
+        per query head, in the units of the scaled (and capped) scores but itself neither scaled nor
+        capped. Each query attends as if it had one more key, visible whatever the mask or window, of
+        score ``sinks[h]`` and value zero: the softmax's denominator grows by exp(sinks[h]), and the
+        returned lse (natural log) includes it, so a query that sees no key gets zeros and lse
+        ``sinks[h]``."""
 
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}

@@ -43,6 +43,7 @@ class TorchRefBackend(AttentionBackend):
         kv_scales: KVScales = UNIT_SCALES,
         logit_softcap: float | None = None,
         causal: bool = True,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         num_heads = q.shape[1]
         block_size = kv_cache.shape[2]
@@ -51,13 +52,13 @@ class TorchRefBackend(AttentionBackend):
             attend = self._attend_padded
         else:
             attend = self._attend_per_row
-        out, lse = attend(q, kv_cache, batch, scale, sliding_window, kv_scales, logit_softcap, causal)
+        out, lse = attend(q, kv_cache, batch, scale, sliding_window, kv_scales, logit_softcap, causal, sinks)
         return (out, lse) if return_lse else out
 
     def _attend_padded(
         self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
         sliding_window: int | None, kv_scales: KVScales, logit_softcap: float | None = None,
-        causal: bool = True,
+        causal: bool = True, sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row at once, queries and keys padded to the batch maximum and masked."""
         num_tokens, num_heads, head_dim = q.shape
@@ -82,6 +83,8 @@ class TorchRefBackend(AttentionBackend):
         scores = scores.view(num_rows, num_kv_heads, group, max_q, -1)
         scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
         row_lse = torch.logsumexp(scores, dim=-1)  # [R, Hkv, group, maxq]
+        if sinks is not None:  # sinks: [Hq] = [Hkv * group], as the query heads are grouped here
+            row_lse = _with_sinks(row_lse, sinks.reshape(1, num_kv_heads, group, 1))
         probs = torch.exp(scores - row_lse.unsqueeze(-1))
         out = torch.matmul(probs.view(num_rows, num_kv_heads, group * max_q, -1), v)  # [R, Hkv, G * maxq, D]
         out = out.view(num_rows, num_kv_heads, group, max_q, head_dim)
@@ -92,7 +95,7 @@ class TorchRefBackend(AttentionBackend):
     def _attend_per_row(
         self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
         sliding_window: int | None, kv_scales: KVScales, logit_softcap: float | None = None,
-        causal: bool = True,
+        causal: bool = True, sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         num_tokens, num_heads, head_dim = q.shape
         block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
@@ -116,10 +119,19 @@ class TorchRefBackend(AttentionBackend):
             visible = _visible(q_end - q_start, seq_len, sliding_window, q.device, causal)
             scores = scores.masked_fill(~visible, float("-inf"))
             row_lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
+            if sinks is not None:
+                row_lse = _with_sinks(row_lse, sinks.reshape(num_heads, 1))
             probs = torch.exp(scores - row_lse.unsqueeze(-1))
             out[q_start:q_end] = torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
             lse[q_start:q_end] = row_lse.transpose(0, 1)
         return out, lse
+
+
+def _with_sinks(row_lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The LSE over a row's keys and its head's sink (a key of score ``sinks`` and value zero, broadcast
+    against ``row_lse``). The probabilities exp(score - lse) then leave the sink its share of the mass,
+    and a row that saw no key (lse -inf) gets probabilities 0 and lse = sink rather than 0/0."""
+    return torch.logaddexp(row_lse, sinks.float())
 
 
 def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:

@@ -89,6 +89,7 @@ class TritonBackend(AttentionBackend):
         kv_scales: KVScales = UNIT_SCALES,
         logit_softcap: float | None = None,
         causal: bool = True,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if not causal:
             # The kernel masks causally; encoder models attend with torch_ref (ModelRunner._backend_name).
@@ -97,13 +98,14 @@ class TritonBackend(AttentionBackend):
         num_tokens, num_heads, head_dim = q.shape
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device) if return_lse else None
+        # Each part's launch writes only its own rows' outputs, so each adds the sinks to those rows once.
         for part in self._parts(q, kv_cache, batch):
             t, r = part.tokens, part.rows
             paged_attention(
                 q[t], kv_cache[0], kv_cache[1], out[t], part.query_start_loc, batch.seq_lens[r],
                 batch.block_tables[r], scale, part.max_query_len, batch.max_seq_len, sliding_window or 0,
                 None if lse is None else lse[t], plan=part.plan, metadata_ready=True, k_scale=kv_scales.k,
-                v_scale=kv_scales.v, softcap=logit_softcap or 0.0)
+                v_scale=kv_scales.v, softcap=logit_softcap or 0.0, sinks=sinks)
         return (out, lse) if return_lse else out
 
     def _parts(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> list[_Part]:

@@ -22,6 +22,10 @@ One kernel, its launch shape chosen on the host from host ints only (CUDA-graph 
 Scores are kept in the log2 domain (log2(e) folded into the scale, exp2 throughout); LSEs returned to
 callers are natural logs. With 16-bit inputs P.V can be computed as two 16-bit dots (P = P_hi + P_lo), so
 P carries ~16 mantissa bits instead of bf16's 8 (``PLAIT_ATTN_PRECISE_PV``: off, the default; decode; all).
+
+Attention sinks (gpt-oss): one logit per query head, a key of value zero that every query sees. Splits and
+tiles never see it; it is added where a query's final output is stored (``_store_out``: by the one program
+of an unsplit tile, or by the split that combines the partials), so it counts once per token and head.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ from plait.layers.fp8 import FP8_DTYPE
 LOG2E = math.log2(math.e)
 # ln(2) inside kernels: LSEs are accumulated in the log2 domain and handed out as natural logs.
 _LN2 = tl.constexpr(math.log(2.0))
+# log2(e) inside kernels: sinks come in natural units and join scores kept in log2 units.
+_LOG2E = tl.constexpr(LOG2E)
 
 # ---- Launch heuristics: every tile size / warp count / stage count lives here. ----------------------
 # Smallest M, N, K that tl.dot accepts; packed (token x group head) rows are padded up to it.
@@ -426,7 +432,7 @@ def _attend_range(
             do_not_specialize_on_alignment=_SLICED_ROW_ARRAYS)
 def _paged_attention_kernel(
     out_ptr, lse_ptr, split_out_ptr, split_lse_ptr, split_counters_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, v_scale, softcap_log2, num_rows,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr, qk_scale, v_scale, softcap_log2, num_rows,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_t,
     stride_so_t, stride_so_h, stride_sl_t, stride_sl_h, stride_counter,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, num_splits,
@@ -435,7 +441,7 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr,
     ONE_TOKEN_ROWS: tl.constexpr, METADATA_READY: tl.constexpr, SCALE_V: tl.constexpr,
-    FP16_DOTS: tl.constexpr, SOFTCAP: tl.constexpr,
+    FP16_DOTS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     """Grid (T // BLOCK_Q + R, Hkv[, num_splits]), or (Hkv, T // BLOCK_Q + R[, num_splits]) with
     HEADS_FASTEST: one query tile of one row, all GROUP query heads of one kv head, and with SPLIT_KV
@@ -526,9 +532,10 @@ def _paged_attention_kernel(
     lse2 = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
     out_rows = out_ptr + token * stride_ot + head * stride_oh  # [BLOCK_M]
     lse_rows = lse_ptr + token * stride_lse_t + head
+    sink_rows = sinks_ptr + head  # [BLOCK_M]: each packed row its own query head's sink
     if SPLIT_KV:
         if used_splits == 1:
-            _store_out(out_rows, lse_rows, out, lse2, q_ok, HEAD_DIM, STORE_LSE)
+            _store_out(out_rows, lse_rows, sink_rows, out, lse2, q_ok, HEAD_DIM, STORE_LSE, HAS_SINKS)
         else:
             split_rows = split_out_ptr + token * stride_so_t + head * stride_so_h  # [BLOCK_M], at split 0
             split_lses = split_lse_ptr + token * stride_sl_t + head * stride_sl_h
@@ -545,20 +552,42 @@ def _paged_attention_kernel(
                 tl.debug_barrier()
                 final, final_lse = _combine_splits(used_splits, split_rows, split_lses, q_ok, BLOCK_M,
                                                    HEAD_DIM, INTERPRETED)
-                _store_out(out_rows, lse_rows, final, final_lse, q_ok, HEAD_DIM, STORE_LSE)
+                _store_out(out_rows, lse_rows, sink_rows, final, final_lse, q_ok, HEAD_DIM, STORE_LSE,
+                           HAS_SINKS)
                 tl.store(counter, 0)  # every split has counted in: ready for the next launch
     else:
-        _store_out(out_rows, lse_rows, out, lse2, q_ok, HEAD_DIM, STORE_LSE)
+        _store_out(out_rows, lse_rows, sink_rows, out, lse2, q_ok, HEAD_DIM, STORE_LSE, HAS_SINKS)
 
 
 @triton.jit
-def _store_out(out_rows, lse_rows, out, lse2, q_ok, HEAD_DIM: tl.constexpr, STORE_LSE: tl.constexpr):
-    """out [BLOCK_M, D] in out's dtype at row pointers ``out_rows`` and, if asked, lse2 [BLOCK_M] (log2
-    domain) as a natural log."""
+def _store_out(out_rows, lse_rows, sink_rows, out, lse2, q_ok, HEAD_DIM: tl.constexpr,
+               STORE_LSE: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """A query tile's final (out [BLOCK_M, D], lse2 [BLOCK_M], log2 domain) over its keys: with HAS_SINKS,
+    first joined by the sink of each row's head (at ``sink_rows``); then out stored in out's dtype at row
+    pointers ``out_rows`` and, if asked, lse2 as a natural log. Only final outputs come here, never a
+    split's partial: that is what counts each sink once."""
+    if HAS_SINKS:
+        sink2 = tl.load(sink_rows, mask=q_ok, other=float("-inf")).to(tl.float32) * _LOG2E  # [BLOCK_M]
+        out, lse2 = _with_sink(out, lse2, sink2)
     offs_d = tl.arange(0, HEAD_DIM)
     tl.store(out_rows[:, None] + offs_d[None, :], out.to(out_rows.dtype.element_ty), mask=q_ok[:, None])
     if STORE_LSE:
         tl.store(lse_rows, lse2 * _LN2, mask=q_ok)
+
+
+@triton.jit
+def _with_sink(out, lse2, sink2):
+    """Normalised attention (out [BLOCK_M, D], lse2 [BLOCK_M]) joined by one more key of score sink2 (log2
+    units) and value zero: out scaled by its keys' share of the new total, lse2 = log2(2^lse2 + 2^sink2).
+    A row that saw no key (lse2 -inf, out 0) gets out 0 and lse2 = sink2; with neither, lse2 stays -inf."""
+    top = tl.maximum(lse2, sink2)
+    top = tl.where(top == float("-inf"), 0.0, top)  # never -inf - -inf
+    keys = tl.exp2(lse2 - top)
+    total = keys + tl.exp2(sink2 - top)
+    seen = total > 0
+    share = keys / tl.where(seen, total, 1.0)
+    lse2 = tl.where(seen, top + tl.log2(tl.where(seen, total, 1.0)), float("-inf"))
+    return out * share[:, None], lse2
 
 
 @triton.jit
@@ -611,7 +640,7 @@ def paged_attention(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
     max_query_len: int, max_seq_len: int, sliding_window: int = 0, lse: torch.Tensor | None = None,
     plan: PagedAttentionPlan | None = None, num_kv_splits: int | None = None, metadata_ready: bool = False,
-    k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query token of a mixed batch over its row's paged K/V; writes and returns out.
 
@@ -622,7 +651,10 @@ def paged_attention(
     block_tables: [R, max_blocks] int32; max_query_len / max_seq_len: host-side upper bounds;
     sliding_window: 0 for none, else key p is visible to query position i iff i - W < p <= i;
     softcap: 0 for none, else c: each scaled score s becomes c * tanh(s / c) (Gemma 2);
-    lse: optional [T, Hq] fp32 output (natural log, -inf where a query saw no key).
+    sinks: optional [Hq] (fp32 or q's dtype, on q's device): gpt-oss's per-head sink logits, in natural
+    units like the scaled (and capped) scores, never scaled or capped themselves: every query sees one more
+    key of score sinks[h] and value zero (AttentionBackend.attend);
+    lse: optional [T, Hq] fp32 output (natural log, -inf where a query saw no key and no sink).
     plan: from ``plan_paged_attention`` (built here when None); num_kv_splits: override the split
     count when no plan is given (1: never split). metadata_ready: query_start_loc and seq_lens were
     written before the kernel launched just before this one, so under PDL they are read while that
@@ -635,6 +667,7 @@ def paged_attention(
     if num_tokens == 0:
         return out
     _check_attention_args(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, lse)
+    _check_sinks(sinks, q)
     if plan is None:
         plan = plan_paged_attention(num_tokens, num_rows, num_heads, num_kv_heads, head_dim, q.dtype,
                                     max_query_len, max_seq_len, q.device, num_kv_splits,
@@ -656,6 +689,7 @@ def paged_attention(
     if softcap:  # tanh takes the score in natural units, over the cap; the kernel brings it to log2 units
         qk_scale, softcap_log2 = scale * k_scale / softcap, softcap * LOG2E
     lse_arg = lse if lse is not None else out  # never written when STORE_LSE is off
+    sinks_arg = sinks if sinks is not None else out  # never read when HAS_SINKS is off
     one_token_rows = max_query_len <= 1
     num_tiles = num_rows if one_token_rows else num_tokens // cfg.block_q + num_rows
     heads_fastest = cfg.heads_fastest and num_tiles <= MAX_GRID_Y
@@ -672,14 +706,14 @@ def paged_attention(
         split_out = split_lse = counters = out  # never touched without SPLIT_KV
     _paged_attention_kernel[grid](
         out, lse_arg, split_out, split_lse, counters, q, k_cache, v_cache, query_start_loc, seq_lens,
-        block_tables, qk_scale, v_scale, softcap_log2, num_rows, q.stride(0), q.stride(1), out.stride(0),
-        out.stride(1),
+        block_tables, sinks_arg, qk_scale, v_scale, softcap_log2, num_rows, q.stride(0), q.stride(1),
+        out.stride(0), out.stride(1),
         lse_arg.stride(0), split_out.stride(0), split_out.stride(1), split_lse.stride(0), split_lse.stride(1),
         counters.stride(0), *cache_strides, cfg.num_splits, BLOCK_Q=cfg.block_q, STORE_LSE=lse is not None,
         SPLIT_KV=split_kv, MIN_SPLIT_TILES=cfg.min_split_tiles, HEADS_FASTEST=heads_fastest,
         ONE_TOKEN_ROWS=one_token_rows, METADATA_READY=metadata_ready, SCALE_V=v_scale != 1.0,
         FP16_DOTS=k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16, SOFTCAP=softcap > 0,
-        **common)
+        HAS_SINKS=sinks is not None, **common)
     return out
 
 
@@ -710,13 +744,24 @@ def _check_attention_args(
         raise ValueError("lse must be a [T, Hq] float32 tensor with contiguous heads")
 
 
+def _check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """The kernel reads sinks[h] at ``sinks_ptr + h``: one value per query head, contiguous, beside q."""
+    if sinks is None:
+        return
+    if sinks.shape != (q.shape[1],) or sinks.stride(0) != 1 or sinks.device != q.device:
+        raise ValueError(f"sinks must be a contiguous [Hq] = [{q.shape[1]}] tensor on {q.device}, "
+                         f"got {tuple(sinks.shape)} on {sinks.device}")
+    if sinks.dtype not in (torch.float32, q.dtype):
+        raise ValueError(f"sinks must be float32 or q's dtype ({q.dtype}), got {sinks.dtype}")
+
+
 # ---- Torch reference ----------------------------------------------------------------------------------
 
 
 def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, sliding_window: int = 0,
-    k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0,
+    k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same attention through ``plait.attention.torch_ref`` (fp32 math; reads tensors on the host).
 
@@ -752,5 +797,6 @@ def paged_attention_ref(
     )
     kv_cache = torch.stack([k_cache, v_cache])
     out, lse = TorchRefBackend().attend(q, kv_cache, batch, scale, sliding_window or None, return_lse=True,
-                                        kv_scales=KVScales(k_scale, v_scale), logit_softcap=softcap or None)
+                                        kv_scales=KVScales(k_scale, v_scale), logit_softcap=softcap or None,
+                                        sinks=sinks)
     return out, lse

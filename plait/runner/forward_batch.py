@@ -239,12 +239,14 @@ class ForwardBatch:
         qk_norm: QKNormModules | None = None,
         logit_softcap: float | None = None,
         causal: bool = True,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Store this step's k, v for layer ``layer_idx`` and attend with q over the paged cache. With
         ``rotary``, q and k are rotated at ``self.positions`` first, by the backend (which may fuse the
         rotation with the store); with ``qk_norm`` (q_norm, k_norm), their head rows are normalised before
         that (fused too); ``logit_softcap``: Gemma 2's cap on the scores; ``causal`` False: each token sees
-        its row's whole sequence, an encoder's (AttentionBackend.attend)."""
+        its row's whole sequence, an encoder's; ``sinks`` ([Hq]): gpt-oss's per-head sink logits
+        (AttentionBackend.attend)."""
         cache = self.kv_caches[layer_idx]
         scales = UNIT_SCALES if self.kv_scales is None else self.kv_scales[layer_idx]
         if rotary is None:
@@ -254,7 +256,7 @@ class ForwardBatch:
         else:
             q = self.attn_backend.rotate_and_store(q, k, v, cache, self, rotary, scales, qk_norm)
         return self.attn_backend.attend(q, cache, self, scale, sliding_window, kv_scales=scales,
-                                        logit_softcap=logit_softcap, causal=causal)
+                                        logit_softcap=logit_softcap, causal=causal, sinks=sinks)
 
 
 STEP_FIELDS = (
