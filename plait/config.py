@@ -462,7 +462,8 @@ class MoEConfig:
         num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
         if not num_experts:
             return None
-        mixtral = model_type == "mixtral"
+        # Mixtral's and GPT-OSS's experts are intermediate_size wide, and their top-k weights sum to one.
+        mixtral = model_type in ("mixtral", "gpt_oss")
         step = cfg.get("decoder_sparse_step") or 1
         only_mlp = set(cfg.get("mlp_only_layers") or [])
         dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only_mlp or (i + 1) % step)
@@ -530,8 +531,8 @@ class ModelConfig:
         sliding = cfg.get("sliding_window")
         if model_type in ("qwen2", "qwen2_moe", "qwen3_moe") and not cfg.get("use_sliding_window", False):
             sliding = None  # Qwen2 configs carry a window they do not use
-        if model_type == "smollm3":
-            sliding = None  # a window of some layers only, if any: plait.models.smollm3 reads it
+        if model_type in ("smollm3", "gpt_oss"):
+            sliding = None  # a window of some layers only: plait.models.smollm3 and .gpt_oss read it
         rope_theta = cfg.get("rope_theta")
         rope_scaling = cfg.get("rope_scaling")
         params = cfg.get("rope_parameters")  # transformers 5 keeps theta and scaling here
@@ -625,6 +626,7 @@ COMPLETED_CONFIGS = {
     "llava_next": ("LlamaConfig", "llama"),
     "olmo2": ("Olmo2Config", "olmo2"),
     "olmo3": ("Olmo3Config", "olmo3"),
+    "gpt_oss": ("GptOssConfig", "gpt_oss"),
 }
 IMAGE_TEXT_MODEL_TYPES = ("gemma3", "mistral3", "llava", "llava_next")
 # Image models plait runs with their images (plait.models.llava), whose decoder is the text_config's own

@@ -75,6 +75,7 @@ def _tiny_configs() -> dict:
         Gemma3TextConfig,
         Glm4Config,
         GlmConfig,
+        GptOssConfig,
         GraniteConfig,
         LlamaConfig,
         Ministral3Config,
@@ -153,6 +154,17 @@ def _tiny_configs() -> dict:
         "smollm3-sliding": SmolLM3Config(**(common | {"num_hidden_layers": 3}), pad_token_id=None,
                                          no_rope_layer_interval=2, use_sliding_window=True,
                                          sliding_window=24),
+        # GPT-OSS: sinks, a sliding layer (a window shorter than the test prompts) between global ones, YaRN
+        # over a 48-token original context (truncate off, as its checkpoints say), and 4 experts with biases
+        # and the clamped SwiGLU, 2 a token. Experts 96 wide: whole MXFP4 blocks (test_gpt_oss), and
+        # transformers' [E, hidden, 2 * inter] gate_up layout cannot pass for plait's [E, 2 * inter, hidden].
+        "gpt_oss": GptOssConfig(**(common | {"num_hidden_layers": 3, "intermediate_size": 96}), head_dim=16,
+                                pad_token_id=None, num_local_experts=4, num_experts_per_tok=2,
+                                sliding_window=24,
+                                layer_types=["full_attention", "sliding_attention", "full_attention"],
+                                rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 150_000.0,
+                                                 "original_max_position_embeddings": 48, "beta_fast": 32.0,
+                                                 "beta_slow": 1.0, "truncate": False}),
         # Granite's four multipliers, each far from 1 so that leaving one out changes the answer.
         "granite": GraniteConfig(**common, embedding_multiplier=6.0, attention_multiplier=0.09,
                                  residual_multiplier=0.3, logits_scaling=4.0, tie_word_embeddings=True),
@@ -187,6 +199,8 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
                     p.mul_(8.0)
                 elif family.startswith("gemma"):  # 1 + weight norms, zero-initialised: make them count
                     p.normal_(0.0, 0.3)
+                if name.endswith("sinks"):  # large enough to take a real share of each softmax
+                    p.normal_(0.0, 2.0)
         folder = tmp_path_factory.mktemp(f"tiny-{family}")
         model.save_pretrained(folder)
         if family == "seed_oss":  # as a Hub config may leave it: q/k/v biases by SeedOssConfig's default

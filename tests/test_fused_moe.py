@@ -512,6 +512,234 @@ def test_fused_moe_fp8_rejects_bad_arguments(bad):
         fused_moe_ref(**args)
 
 
+# -- gpt-oss experts: biases and swiglu_oai -----------------------------------------------------------------
+
+OAI_ALPHA, OAI_LIMIT = fm.GPT_OSS_SWIGLU_ALPHA, fm.GPT_OSS_SWIGLU_LIMIT
+# Inputs this many times larger than `experts` assumes: gate and up then have a spread of ~4, so that a few
+# percent of them pass +-OAI_LIMIT and the clamps bind (gpt_oss_case checks that they do).
+OAI_X_SCALE = 4.0
+# The interpreter's truncating bf16 casts (BF16_TRUNCATION_REL_ULPS) at swiglu_oai's six roundings of each
+# h element (against silu's two) and the down projection's three: a torch emulation that truncates where the
+# kernel does (the kernel matches it to the bit here) lands up to 5.5 units from the reference over 200
+# seeds at these shapes, where round-to-nearest gives 0.13.
+OAI_BF16_TRUNCATION_REL_ULPS = 0 if ON_GPU else 5
+# In 16-bit dtypes, the share of output elements that may differ at all from an emulation that rounds where
+# the kernel does: the order of the fp32 sums may flip a rounding (measured: at most 0.25% of them over 24
+# seeds at these shapes, none in bf16), while leaving out any one of swiglu_oai's or the biases' roundings
+# changes 1.6% (alpha * gate, fp16) to 58% (the first matmul's, bf16) of them. A bound on the largest
+# difference alone (one unit of eps x max|out|) would not see a missing rounding: each moves the output by
+# less than that.
+OAI_ROUNDING_MISMATCH_FRACTION = 0.01
+
+
+def gpt_oss_case(num_tokens: int, num_experts: int, top_k: int, hidden: int, inter: int, dtype: torch.dtype,
+                 seed: int) -> tuple[torch.Tensor, ...]:
+    """x, w13, w2, w13_bias [E, 2I], w2_bias [E, H], weights, ids: gpt-oss-like experts whose gate and up
+    values pass +-OAI_LIMIT (checked here, so that every test of them exercises the clamps)."""
+    w13, w2 = experts(num_experts, hidden, inter, dtype, seed=seed)
+    x = randn(num_tokens, hidden, dtype=dtype, seed=seed + 2, scale=OAI_X_SCALE)
+    b13 = randn(num_experts, 2 * inter, dtype=dtype, seed=seed + 3)
+    b2 = randn(num_experts, hidden, dtype=dtype, seed=seed + 4)
+    weights, ids = routing(num_tokens, num_experts, top_k, seed=seed + 5)
+    gate_up = torch.einsum("th,tkih->tki", x.float(), w13.float()[ids]) + b13.float()[ids]  # [T, k, 2I]
+    gate, up = gate_up.split(inter, dim=-1)
+    assert bool((gate > OAI_LIMIT).any() & (up > OAI_LIMIT).any() & (up < -OAI_LIMIT).any())
+    return x, w13, w2, b13, b2, weights, ids
+
+
+def oai_kw(b13: torch.Tensor | None, b2: torch.Tensor | None, activation: str = fm.SWIGLU_OAI) -> dict:
+    return dict(w13_bias=b13, w2_bias=b2, activation=activation)
+
+
+def emulated_gpt_oss(x, w13, w2, b13, b2, weights, ids, rnd):
+    """fused_moe's arithmetic with biases and swiglu_oai in torch: fp32 between the roundings ``rnd`` makes
+    where the kernel rounds (GptOssExperts' in x's dtype: each matmul and its bias sum, alpha * gate, the
+    sigmoid, gate times it, up + 1, the product; the weighted slot output; the slot sum)."""
+    inter = w2.shape[-1]
+    flat = ids.reshape(-1).long()
+    rows = x.float()[torch.arange(x.shape[0], device=x.device).repeat_interleave(ids.shape[1])]
+    gate_up = rnd(torch.einsum("mh,mnh->mn", rows, w13.float()[flat])) + b13.float()[flat]
+    gate = rnd(gate_up[:, :inter]).clamp(max=OAI_LIMIT)
+    up = rnd(gate_up[:, inter:]).clamp(-OAI_LIMIT, OAI_LIMIT)
+    h = rnd(rnd(up + 1) * rnd(gate * rnd(torch.sigmoid(rnd(gate * OAI_ALPHA)))))
+    out = rnd(rnd(torch.einsum("mi,mhi->mh", h, w2.float()[flat])) + b2.float()[flat])
+    y = rnd(out * weights.reshape(-1, 1))
+    return rnd(y.view(*ids.shape, -1).sum(1))
+
+
+def assert_gpt_oss_close(got: torch.Tensor, case: tuple[torch.Tensor, ...]) -> None:
+    """got (fused_moe of case) against fused_moe_ref within assert_close_to_ref's tolerances (and the
+    interpreter's truncation at swiglu_oai's roundings); in 16-bit dtypes also against emulated_gpt_oss,
+    which rounds where the kernel does: only the order of fp32 sums differs, which may flip a rounding, so
+    within one unit of eps x max|out| and equal but for OAI_ROUNDING_MISMATCH_FRACTION of the elements."""
+    x, w13, w2, b13, b2, weights, ids = case
+    want = fused_moe_ref(x, w13, w2, weights, ids, **oai_kw(b13, b2))
+    if x.dtype == BF16:  # the truncation's share, on top of assert_close_to_ref's own
+        units = torch.finfo(BF16).eps * want.double().abs().max().item()
+        err = (got.double() - want.double()).abs().max().item() / units
+        assert err <= HALF_REL_ULPS + OAI_BF16_TRUNCATION_REL_ULPS + BF16_TRUNCATION_REL_ULPS, f"{err:.2f}"
+    else:
+        assert_close_to_ref(got, want)
+    if x.dtype != torch.float32:
+        rnd = truncated_bf16 if x.dtype == BF16 and not ON_GPU else (lambda v: v.to(x.dtype).float())
+        emulated = emulated_gpt_oss(x, w13, w2, b13, b2, weights, ids, rnd)
+        err = (got.float() - emulated).abs().max().item()
+        assert err <= torch.finfo(x.dtype).eps * emulated.abs().max().item()
+        assert_rounded_alike(got, emulated)
+
+
+def assert_rounded_alike(got: torch.Tensor, want: torch.Tensor) -> None:
+    differ = (got.float() != want.float()).float().mean().item()
+    assert differ <= OAI_ROUNDING_MISMATCH_FRACTION, f"{differ:.1%} of the elements differ"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_fused_moe_gpt_oss_experts_match_ref(dtype, path):
+    # H=48, I=40 (as test_fused_moe_configs_and_ragged_sizes): masked K steps, column tiles past N, and the
+    # up half's bias and rows starting mid tile.
+    case = gpt_oss_case(9, E, K, 48, 40, dtype, seed=90)
+    x, w13, w2, b13, b2, weights, ids = case
+    assert_gpt_oss_close(fused_moe(x, w13, w2, weights, ids, gemv=path == "gemv", **oai_kw(b13, b2)), case)
+
+
+@pytest.mark.parametrize("case", ["one_expert", "same_expert_twice", "k1", "e1", "int32_ids"])
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_fused_moe_gpt_oss_adversarial_routings(case, path):
+    # 17 tokens: a lone expert gets two 16-row blocks on the grouped path (CPU_BLOCK_M), one of them ragged.
+    num_experts, top_k = (1, 1) if case == "e1" else (E, 1 if case == "k1" else K)
+    x, w13, w2, b13, b2, weights, ids = gpt_oss_case(17, num_experts, top_k, 48, 40, BF16, seed=92)
+    if case == "one_expert":  # all tokens on expert 3 (slot 0) and expert 1 (slot 1): 0 and 2 idle
+        ids = torch.tensor([[3, 1]] * 17, device=DEVICE)
+    elif case == "same_expert_twice":
+        ids = torch.full((17, top_k), 2, device=DEVICE)
+    elif case == "int32_ids":
+        ids = ids.to(torch.int32)
+    got = fused_moe(x, w13, w2, weights, ids, gemv=path == "gemv", **oai_kw(b13, b2))
+    assert_gpt_oss_close(got, (x, w13, w2, b13, b2, weights, ids))
+
+
+@pytest.mark.parametrize("combo", ["silu_with_biases", "swiglu_oai_without_biases", "w2_bias_only"])
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_fused_moe_biases_and_activation_apart(combo, path):
+    """Biases and the activation are independent: each alone (fp32, where any slip shows) against the
+    reference."""
+    x, w13, w2, b13, b2, weights, ids = gpt_oss_case(9, E, K, 48, 40, torch.float32, seed=94)
+    kw = {"silu_with_biases": oai_kw(b13, b2, fm.SILU), "swiglu_oai_without_biases": oai_kw(None, None),
+          "w2_bias_only": oai_kw(None, b2)}[combo]
+    got = fused_moe(x, w13, w2, weights, ids, gemv=path == "gemv", **kw)
+    assert_close_to_ref(got, fused_moe_ref(x, w13, w2, weights, ids, **kw))
+
+
+def test_fused_moe_swiglu_oai_takes_its_alpha_and_limit():
+    x, w13, w2, b13, b2, weights, ids = gpt_oss_case(5, E, K, 48, 40, torch.float32, seed=96)
+    kw = dict(oai_kw(b13, b2), swiglu_alpha=1.25, swiglu_limit=3.5)
+    want = fused_moe_ref(x, w13, w2, weights, ids, **kw)
+    assert_close_to_ref(fused_moe(x, w13, w2, weights, ids, gemv=True, **kw), want)
+    default = fused_moe_ref(x, w13, w2, weights, ids, **oai_kw(b13, b2))
+    assert (want - default).abs().max() > 0.1 * default.abs().max()
+
+
+def gpt_oss_hf_experts(w13, w2, b13, b2):
+    """transformers' GptOssExperts (eager loop) holding these experts in its own layout: gate_up_proj
+    [E, H, 2I] with gate and up columns interleaved (gate of unit j at 2j, its up at 2j + 1)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    num_experts, hidden, inter = w2.shape
+    cfg = GptOssConfig(hidden_size=hidden, intermediate_size=inter, num_local_experts=num_experts,
+                       num_experts_per_tok=K, swiglu_alpha=OAI_ALPHA, swiglu_limit=OAI_LIMIT)
+    cfg._experts_implementation = "eager"  # the per-expert loop, not a grouped-mm kernel
+    module = GptOssExperts(cfg).to(w13.dtype)
+    gate_up = torch.stack([w13[:, :inter], w13[:, inter:]], dim=2).flatten(1, 2)  # rows g0, u0, g1, u1 ...
+    gate_up_bias = torch.stack([b13[:, :inter], b13[:, inter:]], dim=2).flatten(1, 2)
+    with torch.no_grad():
+        module.gate_up_proj.copy_(gate_up.transpose(1, 2))
+        module.gate_up_proj_bias.copy_(gate_up_bias)
+        module.down_proj.copy_(w2.transpose(1, 2))
+        module.down_proj_bias.copy_(b2)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_fused_moe_ref_is_transformers_gpt_oss_experts(dtype):
+    """fused_moe_ref with biases and swiglu_oai on de-interleaved experts is GptOssExperts: the same
+    operations up to the order of the matmuls' sums (F.linear on [2I, H] rows vs `x @ W` on [H, 2I]
+    columns). In fp32 a few fp32 roundings of the output's scale apart; a wrong column, clamp or bias is far
+    off. In bf16 each op rounded alike (equal to the bit at these shapes): a flipped rounding at most."""
+    case = gpt_oss_case(9, E, K, H, INTER, dtype, seed=98)
+    x, w13, w2, b13, b2, weights, ids = (t.cpu() for t in case)
+    module = gpt_oss_hf_experts(w13, w2, b13, b2)
+    with torch.no_grad():
+        want = module(x, ids, weights)
+    got = fused_moe_ref(x, w13, w2, weights, ids, **oai_kw(b13, b2))
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    else:
+        assert (got.float() - want.float()).abs().max() <= torch.finfo(dtype).eps * want.float().abs().max()
+        assert_rounded_alike(got, want)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_fused_moe_layer_with_biases_is_the_ref(monkeypatch, kernels):
+    """FusedMoE(bias=True, activation=swiglu_oai): the torch path is fused_moe_ref of its parameters with
+    route's routing, to the bit; the Triton path (the interpreter on CPU) within the kernel's tolerances."""
+    from plait.kernels import dispatch
+    from plait.layers.moe import FusedMoE, route
+
+    monkeypatch.setattr(dispatch, "_enabled", kernels)  # off: the torch path, on a GPU too
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", kernels and not ON_GPU)
+    dtype = BF16 if kernels else torch.float32
+    x, w13, w2, b13, b2, _, _ = gpt_oss_case(7, E, K, H, INTER, dtype, seed=100)
+    layer = FusedMoE(E, K, H, INTER, renormalize=True, activation=fm.SWIGLU_OAI, bias=True).to(DEVICE, dtype)
+    assert layer.gate_up_bias.shape == (E, 2 * INTER) and layer.down_bias.shape == (E, H)
+    assert "activation=swiglu_oai" in repr(layer) and "bias=True" in repr(layer)
+    for param, value in zip((layer.gate_up_proj, layer.down_proj, layer.gate_up_bias, layer.down_bias),
+                            (w13, w2, b13, b2)):
+        param.data.copy_(value)
+    logits = randn(7, E, dtype=torch.float32, seed=102, scale=2.0)
+    weights, ids = route(logits, K, renormalize=True)
+    with torch.no_grad():
+        got = layer(x, logits)
+    if kernels:
+        assert_gpt_oss_close(got, (x, w13, w2, b13, b2, weights, ids))
+    else:
+        assert torch.equal(got, fused_moe_ref(x, w13, w2, weights, ids, **oai_kw(b13, b2)))
+
+
+@pytest.mark.parametrize("bad", ["activation", "w13_bias_shape", "w2_bias_shape", "bias_dtype",
+                                 "fp8_bias", "fp8_swiglu_oai"])
+def test_fused_moe_rejects_bad_gpt_oss_arguments(bad):
+    w13, w2 = experts(E, H, INTER, torch.float32, seed=104)
+    x = randn(3, H, dtype=torch.float32, seed=106)
+    weights, ids = routing(3, E, K, seed=107)
+    b13, b2 = torch.zeros(E, 2 * INTER, device=DEVICE), torch.zeros(E, H, device=DEVICE)
+    args = dict(x=x, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids)
+    if bad.startswith("fp8"):
+        w = fp8_experts(E, H, FP8_INTER, FP8_BLOCK, seed=104)
+        b13 = torch.zeros(E, 2 * FP8_INTER, device=DEVICE)
+        args.update(fp8_kw(w, FP8_BLOCK), w13=w["w13"], w2=w["w2"])
+    args.update({
+        "activation": dict(activation="gelu"), "w13_bias_shape": dict(w13_bias=b13[:, :INTER]),
+        "w2_bias_shape": dict(w2_bias=b2[:, :-1]), "bias_dtype": dict(w2_bias=b2.to(BF16)),
+        "fp8_bias": dict(w13_bias=b13), "fp8_swiglu_oai": dict(activation=fm.SWIGLU_OAI),
+    }[bad])
+    with pytest.raises(ValueError):
+        fused_moe(**args)
+    with pytest.raises(ValueError):
+        fused_moe_ref(**args)
+
+
+def test_fused_moe_layer_refuses_what_it_cannot_run():
+    from plait.layers.moe import FusedMoE
+
+    with pytest.raises(ValueError):
+        FusedMoE(E, K, H, INTER, renormalize=True, activation="gelu")
+    for kw in (dict(bias=True), dict(activation=fm.SWIGLU_OAI)):
+        with pytest.raises(ValueError):
+            FusedMoE(E, K, H, FP8_INTER, renormalize=True, **kw).quantize_fp8(FP8_BLOCK)
+
+
 # -- real shapes (GPU) -------------------------------------------------------------------------------------
 
 MODELS = {
@@ -661,3 +889,50 @@ def test_gpu_fused_moe_fp8_replays_in_a_cuda_graph(qwen_fp8_experts, t):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(graphed, fused_moe(x, w["w13"], w["w2"], weights, ids, **kw))
+
+
+# gpt-oss-20b's experts: 32 of width 2880 on a 2880-wide stream, 4 a token (16-bit here; its checkpoints
+# hold them in MXFP4, which the loader widens).
+GPT_OSS_20B = dict(experts=32, top_k=4, hidden=2880, inter=2880)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_20b_experts():
+    """(w13, w2, w13_bias, w2_bias) in bf16 and their fp32 copies, drawn once a module."""
+    c = GPT_OSS_20B
+    w13, w2 = experts(c["experts"], c["hidden"], c["inter"], BF16, seed=110)
+    b13 = randn(c["experts"], 2 * c["inter"], dtype=BF16, seed=112)
+    b2 = randn(c["experts"], c["hidden"], dtype=BF16, seed=113)
+    bf16 = (w13, w2, b13, b2)
+    return bf16, tuple(t.float() for t in bf16)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", [1, 7, 64, 300])  # 4, 28 entries: GEMV; 256, 1200: the grouped GEMM
+def test_gpu_fused_moe_gpt_oss_20b_shapes(gpt_oss_20b_experts, t):
+    c = GPT_OSS_20B
+    (w13, w2, b13, b2), (w13_32, w2_32, b13_32, b2_32) = gpt_oss_20b_experts
+    x = randn(t, c["hidden"], dtype=BF16, seed=114, scale=OAI_X_SCALE)  # gate and up past +-7 (below)
+    weights, ids = routing(t, c["experts"], c["top_k"], seed=115)
+    got = fused_moe(x, w13, w2, weights, ids, **oai_kw(b13, b2))
+    # Against the bf16 reference (GptOssExperts' roundings, cuBLAS's sums): the kernel rounds where it does,
+    # but sums the slots in fp32 where the reference adds them into the output in bf16 expert by expert
+    # (measured 0.47-0.86 units of eps x max|out| apart over 3 seeds at each T, H200).
+    assert_close_to_ref(got, fused_moe_ref(x, w13, w2, weights, ids, **oai_kw(b13, b2)))
+    # Against fp32 arithmetic on the same bf16 values: the kernel's bf16 roundings (see
+    # test_gpu_fused_moe_real_shapes; swiglu_oai makes six of each h element where silu makes two) err by
+    # up to 2^-8 relative each; measured 5.1-7.5e-3 of max|out| at these shapes (the bf16 reference itself
+    # 6.5e-3 to 1.1e-2). 2e-2 leaves room; a dropped bias, clamp or slot misses it by far.
+    want = fused_moe_ref(x.float(), w13_32, w2_32, weights, ids, **oai_kw(b13_32, b2_32))
+    err = (got.float() - want).abs().max().item()
+    assert err <= 2e-2 * want.abs().max().item(), f"max error {err:.3g} vs max |out| {want.abs().max():.3g}"
+    assert torch.equal(got, fused_moe(x, w13, w2, weights, ids, **oai_kw(b13, b2)))  # deterministic
+    if t * c["top_k"] <= fm.GEMV_MAX_ENTRIES:  # the grouped GEMM too at decode sizes
+        grouped = fused_moe(x, w13, w2, weights, ids, gemv=False, **oai_kw(b13, b2))
+        assert (grouped.float() - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+    # The clamps bound: some of the first slots' gate and up values passed the limit.
+    first = ids[:, 0]
+    gate_up = torch.cat([F.linear(x[first == e].float(), w13_32[e], b13_32[e]) for e in first.unique()])
+    gate, up = gate_up.split(c["inter"], dim=-1)
+    assert bool((gate > OAI_LIMIT).any() & (up.abs() > OAI_LIMIT).any())

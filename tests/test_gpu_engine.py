@@ -234,8 +234,10 @@ def test_gemma_on_the_gpu_path_computes_the_reference_function_in_fp32(tmp_path,
 def _dense_family_config(tmp_path, family: str) -> str:
     """Granite (its four multipliers), OLMo 3 (post-sublayer norms, q/k normalised across heads, sliding
     layers beside a YaRN-scaled global one), SmolLM3 (its last layer without rotary, and windowed),
-    Ministral 3 (YaRN, queries scaled by position past a 64-token period) or EXAONE 4.0 (per-head q/k norms,
-    a global layer without rotary after three sliding ones) at Llama-8B's head dim, random weights."""
+    Ministral 3 (YaRN, queries scaled by position past a 64-token period), EXAONE 4.0 (per-head q/k norms,
+    a global layer without rotary after three sliding ones), GLM-4-0414 (GPT-J pairs over half of each head,
+    reordered at load), ERNIE 4.5 (the same over whole heads) at Llama-8B's head dim, or GPT-OSS (sinks,
+    windows of 64, YaRN, experts with biases and the clamped SwiGLU) at its head dim 64; random weights."""
     cfg = {
         "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 8,
         "num_key_value_heads": 2, "head_dim": 128, "vocab_size": VOCAB, "max_position_embeddings": 2048,
@@ -254,6 +256,18 @@ def _dense_family_config(tmp_path, family: str) -> str:
     elif family == "exaone4":
         cfg |= {"architectures": ["Exaone4ForCausalLM"], "model_type": "exaone4", "sliding_window": 64,
                 "layer_types": [sliding, sliding, sliding, full], "rope_theta": 1e6}
+    elif family == "glm4":
+        cfg |= {"architectures": ["Glm4ForCausalLM"], "model_type": "glm4", "partial_rotary_factor": 0.5,
+                "attention_bias": True, "rope_theta": 10000.0}
+    elif family == "ernie4_5":
+        cfg |= {"architectures": ["Ernie4_5ForCausalLM"], "model_type": "ernie4_5", "rope_theta": 500000.0}
+    elif family == "gpt_oss":
+        cfg |= {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "head_dim": 64,
+                "num_attention_heads": 16, "num_local_experts": 8, "num_experts_per_tok": 4,
+                "intermediate_size": 1024, "sliding_window": 64, "layer_types": [sliding, full] * 2,
+                "rope_theta": 150000.0,
+                "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "truncate": False, "original_max_position_embeddings": 256}}
     elif family == "smollm3":
         cfg |= {"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "rope_theta": 5_000_000.0,
                 "no_rope_layers": [1, 1, 1, 0], "use_sliding_window": True, "sliding_window": 64,
@@ -267,7 +281,8 @@ def _dense_family_config(tmp_path, family: str) -> str:
     return _write_config(tmp_path / family, cfg)
 
 
-@pytest.mark.parametrize("family", ["granite", "olmo3", "smollm3", "ministral3", "exaone4"])
+@pytest.mark.parametrize("family", ["granite", "olmo3", "smollm3", "ministral3", "exaone4", "glm4",
+                                    "ernie4_5", "gpt_oss"])
 def test_dense_families_on_the_gpu_path_compute_the_reference_function_in_fp32(tmp_path, family):
     """Granite, OLMo 3, SmolLM3 and Ministral 3 through Triton (OLMo's round-once norms over whole q/k rows,
     its windows and YaRN table in the rotary launch; SmolLM3's unrotated store; Ministral 3's scaled

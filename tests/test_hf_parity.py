@@ -16,7 +16,7 @@ MAX_TOKENS = 12
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "qwen3-yarn", "granite", "olmo2",
                                     "olmo3", "gemma2", "gemma3", "phi3", "phi3-longrope", "smollm3",
                                     "smollm3-sliding", "ministral3", "seed_oss", "exaone4", "glm",
-                                    "glm4", "ernie4_5"])
+                                    "glm4", "ernie4_5", "gpt_oss"])
 def test_logits_and_greedy_match_hf(tiny_models, family):
     from transformers import AutoModelForCausalLM
 
@@ -158,16 +158,17 @@ def test_image_text_checkpoint_serves_text_like_hf(image_text_models, tmp_path, 
     assert_greedy_matches_hf(engine, hf, prompts, MAX_TOKENS, LOGITS_ATOL)
 
 
-def _greedy_matches_hf_through_triton(folder) -> None:
-    """Three prompts through the triton backend (Triton's interpreter on CPU, fp32): greedy tokens and logits
+def _greedy_matches_hf_through_triton(folder, num_prompts: int = 3, max_len: int = 40, max_tokens: int = 4
+                                      ) -> None:
+    """A few prompts through the triton backend (Triton's interpreter on CPU, fp32): greedy tokens and logits
     as HF's eager model of ``folder``."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
-    prompts = random_prompts(3, 20, 40, seed=9)
+    prompts = random_prompts(num_prompts, max_len // 2, max_len, seed=9)
     engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=32, block_size=8,
                                     attention_backend="triton"))
-    assert_greedy_matches_hf(engine, hf, prompts, 4, LOGITS_ATOL)
+    assert_greedy_matches_hf(engine, hf, prompts, max_tokens, LOGITS_ATOL)
 
 
 @pytest.mark.parametrize("family", ["gemma2", "gemma3"])
@@ -218,6 +219,37 @@ def test_rotary_variants_through_the_triton_kernels_match_hf(tiny_models, monkey
     _greedy_matches_hf_through_triton(tiny_models[family])
     plain, fused = TRITON_KV_STORES[family]
     assert launches["rope_store"] > 0 and launches["store"] * fused == launches["rope_store"] * plain
+
+
+def test_gpt_oss_through_the_triton_kernels_matches_hf(tiny_models, monkeypatch):
+    """The GPU path's kernels (Triton's interpreter on CPU, fp32): each query head's sink in every paged
+    attention launch, the experts' biases and clamped SwiGLU in every fused MoE launch; greedy tokens and
+    logits as HF's."""
+    import plait.attention.triton_backend as triton_backend
+    from plait.kernels import dispatch, fused_moe
+
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", True)
+    sinks, activations = [], []
+    attend, experts = triton_backend.paged_attention, fused_moe.fused_moe
+
+    def attend_counted(*args, **kwargs):
+        sinks.append(kwargs.get("sinks") is not None)
+        return attend(*args, **kwargs)
+
+    def experts_counted(*args, **kwargs):
+        activations.append(kwargs.get("activation"))
+        return experts(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "paged_attention", attend_counted)
+    monkeypatch.setattr(fused_moe, "fused_moe", experts_counted)
+    # Decode steps' few entries on the GEMV kernel, prompt chunks on the grouped GEMMs (the interpreter runs
+    # the GEMV's one program per entry slowly).
+    monkeypatch.setattr(fused_moe, "GEMV_MAX_ENTRIES", 4)
+    # Two prompts, one past the sliding layer's window of 24, one chunk and two decode steps each: the
+    # interpreter runs the MoE kernels slowly.
+    _greedy_matches_hf_through_triton(tiny_models["gpt_oss"], num_prompts=2, max_len=30, max_tokens=3)
+    assert sinks and all(sinks)
+    assert activations and set(activations) == {fused_moe.SWIGLU_OAI}
 
 
 def test_max_logprobs_caps_requests_and_can_allow_the_vocabulary(tiny_llama):

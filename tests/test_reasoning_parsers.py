@@ -26,6 +26,8 @@ OPEN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
 SEED_REFLECTION = "<seed:cot_budget_reflect>20 left</seed:cot_budget_reflect>"
 
 # (parser, chat_template_kwargs, prompt, output, reasoning, content) with vLLM's None and "" as it gives them.
+# A harmony prompt's end, with its generation prompt (gpt-oss's template).
+GPT_OSS_PROMPT = "<|start|>user<|message|>2+2?<|end|><|start|>assistant"
 CASES = [
     # the model writes both tags (DeepSeek-R1-0528, Qwen3 before 2507)
     ("deepseek_r1", None, "", "<think>\nAdd them.\n</think>\n\n4", "\nAdd them.\n", "\n\n4"),
@@ -84,6 +86,22 @@ CASES = [
     ("mistral", None, "", "a <think>b</think> [THIN", None, "a <think>b</think> [THIN"),  # others are text
     ("mistral", None, "[INST]Hi[/INST][THINK]\n\n[/THINK]", "[THINK]R[/THINK]C", None,
      "[THINK]R[/THINK]C"),  # a prompt that closed the reasoning: all content
+    # gpt-oss (vLLM's openai_gptoss): harmony messages; the analysis channel's text is the reasoning
+    ("openai_gptoss", None, GPT_OSS_PROMPT, "<|channel|>analysis<|message|>Let me think.<|end|>"
+     "<|start|>assistant<|channel|>final<|message|>The answer is 4.", "Let me think.", "The answer is 4."),
+    ("openai_gptoss", None, GPT_OSS_PROMPT, "<|channel|>analysis<|message|>a<|end|><|start|>assistant"
+     "<|channel|>final<|message|>b<|return|>", "a", "b"),
+    ("openai_gptoss", None, GPT_OSS_PROMPT, "<|channel|>analysis<|message|>cut short", "cut short", None),
+    ("openai_gptoss", None, GPT_OSS_PROMPT, "<|channel|>final<|message|>only <|end|> an answer", None,
+     "only  an answer"),
+    # two analysis messages around a commentary preamble; a tool call's arguments are content
+    ("openai_gptoss", None, GPT_OSS_PROMPT, "<|channel|>analysis<|message|>x<|end|><|start|>assistant"
+     "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>analysis<|message|>y<|end|>"
+     "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\": 1}<|call|>",
+     "xy", 'Checking.{"a": 1}'),
+    ("openai_gptoss", None, GPT_OSS_PROMPT, "plain text, not harmony", None, "plain text, not harmony"),
+    ("openai_gptoss", None, GPT_OSS_PROMPT + "<|channel|>final<|message|>", "Answer<|return|>", None,
+     "Answer"),
 ]
 
 
@@ -113,11 +131,13 @@ def test_random_outputs_stream_as_they_split_whole():
     """Outputs made of tag pieces, whole tags and text, in any order: streamed in random pieces, the same
     reasoning and content as whole, whatever the parser and prompt."""
     fragments = ["<think>", "</think>", "<", "</", "think", ">", "<thi", "a", " ", "\n",
-                 "[THINK]", "[/THINK]", "[", "[/", "THINK", "]", "[TH"]
+                 "[THINK]", "[/THINK]", "[", "[/", "THINK", "]", "[TH", "<|channel|>analysis", "<|message|>",
+                 "<|end|>", "<|start|>assistant<|channel|>final", "<|", "<|mess", "|>"]
     rng = random.Random(0)
     for i in range(300):
         text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 12)))
-        name, prompt = rng.choice(sorted(REASONING_PARSERS)), rng.choice(["", OPEN_PROMPT, CLOSED_PROMPT])
+        name = rng.choice(sorted(REASONING_PARSERS))
+        prompt = rng.choice(["", OPEN_PROMPT, CLOSED_PROMPT, GPT_OSS_PROMPT])
         kwargs = {"thinking": True} if name == "deepseek_v3" else None
         parser = get_reasoning_parser(name)
         reasoning, content = split_reasoning(parser(kwargs, prompt), text)
@@ -150,9 +170,18 @@ def test_mistral_streams_content_until_it_thinks_and_asks_for_special_tokens():
     assert get_reasoning_parser("qwen3").skip_special_tokens(False) is False
 
 
+def test_gpt_oss_streams_each_channel_as_it_comes():
+    parser = get_reasoning_parser("openai_gptoss")(None, GPT_OSS_PROMPT)
+    assert parser.feed("<|channel|>analy") == ("", "")  # a header shows nothing
+    assert parser.feed("sis<|message|>Let me <|e") == ("Let me ", "")  # "<|e" may end the message
+    assert parser.feed("nd|><|start|>assistant<|channel|>final<|message|>4") == ("", "4")
+    assert parser.has_reasoning and get_reasoning_parser("openai_gptoss").skip_special_tokens(True) is False
+
+
 def test_registry_names_vllms_parsers():
-    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "deepseek_v3", "mistral", "seed_oss"}
-    known = "known: deepseek_r1, deepseek_v3, mistral, qwen3, seed_oss"
+    assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "deepseek_v3", "mistral", "seed_oss",
+                                      "openai_gptoss"}
+    known = "known: deepseek_r1, deepseek_v3, mistral, openai_gptoss, qwen3, seed_oss"
     with pytest.raises(ValueError, match=f"unknown reasoning parser 'nope'; {known}"):
         get_reasoning_parser("nope")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -273,3 +274,98 @@ class MistralReasoningParser(ReasoningParser):
         else:
             self._stray_end_dropped = True
         return True
+
+
+# OpenAI's harmony format (gpt-oss): each message is a header, <|message|>, its text and an end token; the
+# header names the message's channel (<|channel|>analysis, final or commentary). All are special tokens.
+HARMONY_START = "<|start|>"
+HARMONY_CHANNEL = "<|channel|>"
+HARMONY_MESSAGE = "<|message|>"
+# <|return|> and <|call|> end the turn (the generation config's EOS: the detokenized output usually lacks
+# them); <|end|> ends a message that another follows.
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+HARMONY_REASONING_CHANNEL = "analysis"
+_HARMONY_CHANNEL_NAME = re.compile(re.escape(HARMONY_CHANNEL) + r"\s*(\w+)")
+
+
+@register_reasoning_parser
+class GptOssReasoningParser(ReasoningParser):
+    """gpt-oss (vLLM's "openai_gptoss"): the output is harmony messages. The text of analysis-channel messages
+    is the reasoning; that of every other message (final, commentary) is the content; headers and end tokens
+    are neither. An output without a harmony token (a model not writing harmony) is content, given when it
+    ends. Tool calls (commentary messages to a recipient, ``to=functions.NAME``) are not parsed out: their
+    arguments are content."""
+
+    name = "openai_gptoss"
+    MARKERS_ARE_SPECIAL_TOKENS = True
+
+    def __init__(self, chat_template_kwargs: Mapping[str, Any] | None = None, prompt: str = "") -> None:
+        super().__init__(chat_template_kwargs, prompt)
+        self._header = ""  # the current message's header, up to its <|message|>
+        self._channel = self._prompt_channel(prompt)  # None: in a header
+        self._opened = self._channel == HARMONY_REASONING_CHANNEL
+
+    @property
+    def has_reasoning(self) -> bool:
+        return self._opened
+
+    @classmethod
+    def reasoning_over(cls, prompt: str) -> bool:
+        return False  # analysis messages may follow a final one in the same output
+
+    @staticmethod
+    def _prompt_channel(prompt: str) -> str | None:
+        """The channel of a message the prompt opened (a template may end with ``...<|message|>``)."""
+        header = prompt[prompt.rfind(HARMONY_START):] if HARMONY_START in prompt else ""
+        if not header.endswith(HARMONY_MESSAGE):
+            return None
+        return _channel_name(header)
+
+    def feed(self, delta: str, final: bool = False) -> ReasoningDelta:
+        self._pending += delta
+        reasoning: list[str] = []
+        content: list[str] = []
+        while self._pending:
+            if self._channel is None:
+                if not self._take_header():
+                    break
+            else:
+                text, ended = self._take_body(final)
+                (reasoning if self._channel == HARMONY_REASONING_CHANNEL else content).append(text)
+                if not ended:
+                    break
+                self._channel = None
+        if final and not any(tag in self._header for tag in (HARMONY_START, HARMONY_CHANNEL, "<|")):
+            content.append(self._header)  # an output that is not harmony at all
+            self._header = ""
+        return ReasoningDelta("".join(reasoning), "".join(content))
+
+    def _take_header(self) -> bool:
+        """The header up to <|message|>, which opens the message's body; whether it came."""
+        header = self._header + self._pending
+        at = header.find(HARMONY_MESSAGE)
+        if at < 0:
+            self._header, self._pending = header, ""
+            return False
+        self._channel = _channel_name(header[:at])
+        self._header, self._pending = "", header[at + len(HARMONY_MESSAGE):]
+        self._opened |= self._channel == HARMONY_REASONING_CHANNEL
+        return True
+
+    def _take_body(self, final: bool) -> tuple[str, bool]:
+        """(the body's text up to its end token, or up to text that may become one; whether it ended)."""
+        found = [(at, end) for end in HARMONY_ENDS if (at := self._pending.find(end)) >= 0]
+        if not found:
+            held = 0 if final else max(partial_tag_length(self._pending, end, 0) for end in HARMONY_ENDS)
+            cut = len(self._pending) - held
+            text, self._pending = self._pending[:cut], self._pending[cut:]
+            return text, False
+        at, end = min(found)
+        text, self._pending = self._pending[:at], self._pending[at + len(end):]
+        return text, True
+
+
+def _channel_name(header: str) -> str:
+    """A harmony header's channel; "final" for a header that names none."""
+    match = _HARMONY_CHANNEL_NAME.search(header)
+    return match[1] if match else "final"

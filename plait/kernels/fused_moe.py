@@ -1,14 +1,18 @@
 """fused_moe: a sparse MoE block's routed experts in two grouped Triton GEMMs, with its torch reference."""
 
-# Every token picks top_k of E experts; expert e is a SiLU-gated MLP, w13[e] ([2I, H]: gate rows, then up
+# Every token picks top_k of E experts; expert e is a gated MLP, w13[e] ([2I, H]: gate rows, then up
 # rows) and w2[e] ([H, I]). The T * k (token, slot) pairs, "entries" (entry id = token * k + slot), are
 # grouped by expert with moe_align (torch ops, no host sync): each expert's group is padded to a multiple of
 # block_m, so every block of block_m sorted entries belongs to one expert. Then three launches:
 #   1. _moe_gemm_kernel (GATE_UP): per block and column tile, x[entry // k] @ w13[e]^T for the gate and the
-#      up columns at once, then silu(gate) * up in the epilogue, rounded where torch rounds -> inter [T*k, I];
+#      up columns at once, then act(gate, up) in the epilogue, rounded where torch rounds -> inter [T*k, I];
 #   2. _moe_gemm_kernel: inter[entry] @ w2[e]^T, the fp32 accumulator times the entry's routing
 #      weight, rounded once -> per-slot outputs [T*k, H];
 #   3. _moe_sum_kernel: each token's k slot rows summed in slot order in fp32 -> [T, H].
+# act is "silu" (Mixtral, Qwen-MoE: silu(gate) * up) or "swiglu_oai" (OpenAI's gpt-oss: swiglu_oai_ref),
+# a constexpr of the kernels. gpt-oss's experts also have biases, w13_bias [E, 2I] (gate, then up, as w13's
+# rows) and w2_bias [E, H]: each GEMM's epilogue adds its expert's bias to the fp32 sums, before the
+# activation (1) or the routing weight (2), rounded as transformers' GptOssExperts rounds (see _epilogue).
 # Rows are indexed by entry id, so no scatter needs atomics and every result is deterministic. Every buffer's
 # shape is a function of (T, k, E, H, I) and the grid is sized for the worst routing (programs past the real
 # padded length return at once): CUDA-graph capturable. fused_moe_ref is HF transformers 5's MixtralExperts
@@ -37,10 +41,21 @@ from plait.kernels.fp8_block_gemm import IMPRECISE_ACC_K, quantize_groups_fp8
 from plait.kernels.interpreter import static_iters, trip_count
 from plait.kernels.pdl import pdl_args, pdl_prologue
 from plait.layers.fp8_block import check_block, dequantize_blocks, quantize_groups
+from plait.layers.moe import (  # the names fused_moe takes (layers.moe: importable without triton)
+    ACTIVATIONS,
+    GPT_OSS_SWIGLU_ALPHA,
+    GPT_OSS_SWIGLU_LIMIT,
+    SILU,
+    SWIGLU_OAI,
+)
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ID_DTYPES = (torch.int32, torch.int64)
 FP8_DTYPE = torch.float8_e4m3fn  # block-wise FP8 experts' codes
+# The kernels' ACTIVATION constexpr for each of plait.layers.moe's ACTIVATIONS.
+_SILU_ID = tl.constexpr(0)
+_SWIGLU_OAI_ID = tl.constexpr(1)
+_ACTIVATION_IDS = {SILU: _SILU_ID.value, SWIGLU_OAI: _SWIGLU_OAI_ID.value}
 
 # -- tile sizes ---------------------------------------------------------------------------------------------
 # Decode-sized batches: an expert gets few rows, so 16-row blocks (tl.dot's smallest M) waste little padding.
@@ -111,6 +126,16 @@ class MoeAlignment:
     expert_ids: torch.Tensor
     # How many of sorted_ids are in use: the sum of the padded group sizes, on the device. [1] int32
     num_padded: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _ExpertMlp:
+    # What the epilogues add to the two GEMMs.
+    activation: str = SILU  # one of ACTIVATIONS
+    w13_bias: torch.Tensor | None = None  # [E, 2I]: each expert's gate biases, then its up biases
+    w2_bias: torch.Tensor | None = None  # [E, H]
+    swiglu_alpha: float = GPT_OSS_SWIGLU_ALPHA  # swiglu_oai only
+    swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT
 
 
 def pad_entry(num_tokens: int, top_k: int) -> int:
@@ -207,14 +232,17 @@ def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     num_entries, N, K, stride_am, stride_we, stride_wn, stride_om, up_rows, k_iters,
     sa_ptr, sw_ptr, stride_sam, stride_sak, stride_swe, stride_swn, stride_swk,
+    b_ptr, stride_be, alpha, limit,
     A_ROW_DIV: tl.constexpr, STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BF16_DOT_IN_FP32: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
     W8A8: tl.constexpr = False, WEIGHT_BLOCK_N: tl.constexpr = 1, IMPRECISE_ACC: tl.constexpr = 0,
+    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = _SILU_ID,
 ):
     # acc[entry, n] = sum_k a[entry // A_ROW_DIV, k] * w[expert, n, k] for the block's sorted entries.
-    # GATE_UP (GEMM 1): out = silu(acc) * (acc of weight row up_rows + n), rounded as torch rounds each step;
-    # else (GEMM 2): out = acc * topk_w[entry], in fp32 before its one rounding.
+    # GATE_UP (GEMM 1): out = act(acc, acc of weight row up_rows + n), rounded as torch rounds each step;
+    # else (GEMM 2): out = acc * topk_w[entry], in fp32 before its one rounding. HAS_BIAS: b[expert, row]
+    # (row n, and up_rows + n for the up half) joins acc in the epilogue (see _epilogue).
     # W8A8: a and w are FP8 codes; a's row r has scale sa[r, kb] for K block kb (BLOCK_K is the weight's bk)
     # and weight row n of expert e scale sw[e, n // WEIGHT_BLOCK_N, kb]; a program's BLOCK_N columns (of the
     # gate and of the up half each) lie in one tile row, so each K step takes one FP8 dot, scaled into acc.
@@ -280,40 +308,88 @@ def _moe_gemm_kernel(
                 acc_u = _dot(a, w_up, acc_u, DOT_PRECISION, BF16_DOT_IN_FP32)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    b_row = b_ptr + expert * stride_be
+    b_g = _bias(b_row, w_rows, HAS_BIAS)[None, :]  # [1, BLOCK_N]
+    b_u = _bias(b_row + up_rows, w_rows, HAS_BIAS and GATE_UP)[None, :]
     if GATE_UP:
-        y = _epilogue(acc_g, acc_u, acc_g, out_ptr.dtype.element_ty, GATE_UP, PRECISE)
+        weight = acc_g  # unread
     else:
-        weight = tl.load(topk_w_ptr + entries_in)  # fp32 [BLOCK_M]
-        y = _epilogue(acc_g, acc_u, weight[:, None], out_ptr.dtype.element_ty, GATE_UP, PRECISE)
+        weight = tl.load(topk_w_ptr + entries_in)[:, None]  # fp32 [BLOCK_M, 1]
+    y = _epilogue(acc_g, acc_u, weight, b_g, b_u, alpha, limit, out_ptr.dtype.element_ty, GATE_UP, HAS_BIAS,
+                  ACTIVATION, PRECISE)
     out_ptrs = out_ptr + entries_in[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, y, mask=real[:, None] & (offs_n < N)[None, :])
 
 
 @triton.jit
-def _epilogue(acc_g, acc_u, weight, out_ty: tl.constexpr, GATE_UP: tl.constexpr, PRECISE: tl.constexpr):
-    """Both GEMMs' fp32 sums to their outputs in out_ty. GATE_UP: silu(gate) * up, rounded where the
-    reference rounds (F.linear's output, silu's, the product); else the sum times the routing weight
-    (``weight``, fp32, broadcast to it), rounded once."""
+def _bias(b_row, rows, HAS_BIAS: tl.constexpr):
+    """The bias of (clamped, in-range) rows in fp32; zeros, never read, without one."""
+    if HAS_BIAS:
+        b = tl.load(b_row + rows).to(tl.float32)
+    else:
+        b = tl.zeros(rows.shape, dtype=tl.float32)
+    return b
+
+
+@triton.jit
+def _rounded(v, out_ty: tl.constexpr):
+    """fp32 v rounded to out_ty (a torch op's output in the model's dtype), handed back in fp32."""
+    return v.to(out_ty).to(tl.float32)
+
+
+@triton.jit
+def _epilogue(acc_g, acc_u, weight, b_g, b_u, alpha, limit, out_ty: tl.constexpr, GATE_UP: tl.constexpr,
+              HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PRECISE: tl.constexpr):
+    """Both GEMMs' fp32 sums to their outputs in out_ty, rounded where the reference rounds.
+    GATE_UP: gate and up as F.linear's outputs, plus their biases (a second rounding, as transformers'
+    `x @ W + b` rounds), then the activation, each op rounded as torch's is. Else, without a bias, the sum
+    times the routing weight (``weight``, fp32, broadcast to it), rounded once (the reference also rounds
+    F.linear's output first); with one, GptOssExperts' roundings: the matmul, the bias sum, the product."""
     if GATE_UP:
-        gate = acc_g.to(out_ty).to(tl.float32)
-        up = acc_u.to(out_ty).to(tl.float32)
-        y = (silu_rounded(gate, out_ty, PRECISE) * up).to(out_ty)
+        gate = _rounded(acc_g, out_ty)
+        up = _rounded(acc_u, out_ty)
+        if HAS_BIAS:
+            gate = _rounded(gate + b_g, out_ty)
+            up = _rounded(up + b_u, out_ty)
+        if ACTIVATION == _SWIGLU_OAI_ID:
+            y = _swiglu_oai_rounded(gate, up, alpha, limit, out_ty, PRECISE)
+        else:
+            y = (silu_rounded(gate, out_ty, PRECISE) * up).to(out_ty)
+    elif HAS_BIAS:
+        y = (_rounded(_rounded(acc_g, out_ty) + b_g, out_ty) * weight).to(out_ty)
     else:
         y = (acc_g * weight).to(out_ty)
     return y
+
+
+@triton.jit
+def _swiglu_oai_rounded(gate, up, alpha, limit, out_ty: tl.constexpr, PRECISE: tl.constexpr):
+    """swiglu_oai_ref of fp32 gate and up (values of out_ty), each op rounded to out_ty as torch's is."""
+    # NaNs pass through the clamps, as through torch.clamp.
+    gate = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+    up = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+    z = _rounded(gate * alpha, out_ty)
+    if PRECISE:
+        e = libdevice.exp(-z)  # CUDA's expf, as torch's sigmoid kernel uses
+    else:
+        e = tl.exp(-z)  # the interpreter has no libdevice
+    glu = _rounded(gate * _rounded(1.0 / (1.0 + e), out_ty), out_ty)
+    return (_rounded(up + 1.0, out_ty) * glu).to(out_ty)
 
 
 # The entry count changes every step: no specialisation on it (see _moe_gemm_kernel).
 @triton.jit(do_not_specialize=["num_entries"])
 def _moe_gemv_kernel(
     a_ptr, w_ptr, out_ptr, topk_w_ptr, ids_ptr, num_entries, N, K, stride_am, stride_we, stride_wn, stride_om,
-    up_rows, k_iters, sa_ptr, sw_ptr, stride_sam, stride_sak, stride_swe, stride_swn, stride_swk,
-    A_ROW_DIV: tl.constexpr, STATIC_K_ITERS: tl.constexpr, BLOCK_N: tl.constexpr,
+    up_rows, k_iters, sa_ptr, sw_ptr, stride_sam, stride_sak, stride_swe, stride_swn, stride_swk, b_ptr,
+    stride_be, alpha, limit, A_ROW_DIV: tl.constexpr, STATIC_K_ITERS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
     PDL: tl.constexpr, W8A8: tl.constexpr = False, WEIGHT_BLOCK_N: tl.constexpr = 1,
+    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = _SILU_ID,
 ):
     # _moe_gemm_kernel's result for one entry (grid: entries x column tiles) without the alignment: the
-    # entry's expert comes straight from topk_ids. Products add up along K in fp32 lanes, reduced at the end.
+    # entry's expert comes straight from topk_ids. Products add up along K in fp32 lanes, reduced at the end;
+    # the same _epilogue (biases, activation, roundings) then.
     # W8A8 (see _moe_gemm_kernel; BLOCK_K is the weight's bk, BLOCK_N divides bn): each K block's products
     # of codes are reduced at once and scaled by the entry row's and the tile's scales into fp32 [BLOCK_N].
     pdl_prologue(PDL)
@@ -367,7 +443,11 @@ def _moe_gemv_kernel(
         if GATE_UP:
             acc_u = tl.sum(acc_u, 1)
     weight = acc_g if GATE_UP else tl.load(topk_w_ptr + entry)
-    y = _epilogue(acc_g, acc_u, weight, out_ptr.dtype.element_ty, GATE_UP, PRECISE)
+    b_row = b_ptr + expert * stride_be
+    b_g = _bias(b_row, w_rows, HAS_BIAS)  # [BLOCK_N]
+    b_u = _bias(b_row + up_rows, w_rows, HAS_BIAS and GATE_UP)
+    y = _epilogue(acc_g, acc_u, weight, b_g, b_u, alpha, limit, out_ptr.dtype.element_ty, GATE_UP, HAS_BIAS,
+                  ACTIVATION, PRECISE)
     tl.store(out_ptr + entry * stride_om + offs_n, y, mask=offs_n < N)
 
 
@@ -437,9 +517,22 @@ def _moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexp
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
            topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-           w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None
-           ) -> tuple[int, int] | None:
+           w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+           mlp: _ExpertMlp | None = None) -> tuple[int, int] | None:
     """ValueError for arguments fused_moe does not take; FP8 weights' (bn, bk), None for 16/32-bit ones."""
+    _check_shapes(x, w13, w2, topk_weights, topk_ids)
+    fp8 = w13.dtype == FP8_DTYPE or w2.dtype == FP8_DTYPE
+    if mlp is not None:
+        _check_mlp(mlp, x, w13, fp8)
+    if not fp8:
+        if w13_scale is not None or w2_scale is not None or block is not None:
+            raise ValueError(f"w13_scale, w2_scale and block are for {FP8_DTYPE} experts, not {w13.dtype}")
+        return None
+    return _check_fp8(w13, w13_scale, w2_scale, block)
+
+
+def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> None:
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -464,10 +557,26 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
         raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
     if topk_weights.dtype != torch.float32:
         raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
-    if not fp8:
-        if w13_scale is not None or w2_scale is not None or block is not None:
-            raise ValueError(f"w13_scale, w2_scale and block are for {FP8_DTYPE} experts, not {w13.dtype}")
-        return None
+
+
+def _check_mlp(mlp: _ExpertMlp, x: torch.Tensor, w13: torch.Tensor, fp8: bool) -> None:
+    if mlp.activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {mlp.activation!r}")
+    has_bias = mlp.w13_bias is not None or mlp.w2_bias is not None
+    if fp8 and (has_bias or mlp.activation != SILU):
+        raise ValueError(f"{FP8_DTYPE} experts take neither biases nor {SWIGLU_OAI!r} (not implemented)")
+    (num_experts, two_i, hidden) = w13.shape
+    for name, bias, want in (("w13_bias", mlp.w13_bias, (num_experts, two_i)),
+                             ("w2_bias", mlp.w2_bias, (num_experts, hidden))):
+        if bias is not None and (tuple(bias.shape) != want or bias.dtype != x.dtype
+                                 or bias.device != w13.device):
+            raise ValueError(f"{name} must be {x.dtype} {list(want)} on {w13.device}, got {bias.dtype} "
+                             f"{list(bias.shape)} on {bias.device}")
+
+
+def _check_fp8(w13: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+               block: tuple[int, int] | None) -> tuple[int, int]:
+    e, two_i, h = w13.shape
     if w13_scale is None or w2_scale is None or block is None:
         raise ValueError("FP8 experts need w13_scale, w2_scale and block")
     bn, bk = check_block(tuple(block))
@@ -489,10 +598,28 @@ def _group_dequantized(v: torch.Tensor, group: int) -> torch.Tensor:
     return codes.float() * scale.repeat_interleave(group, dim=1)[:, : v.shape[1]]
 
 
+def swiglu_oai_ref(gate: torch.Tensor, up: torch.Tensor, alpha: float = GPT_OSS_SWIGLU_ALPHA,
+                   limit: float = GPT_OSS_SWIGLU_LIMIT) -> torch.Tensor:
+    """gpt-oss's activation, transformers' GptOssExperts._apply_gate on the de-interleaved gate and up
+    halves, op for op (each rounded to their dtype): gate capped at limit, up clamped to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
 def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, *, w13_scale: torch.Tensor | None = None,
-                  w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None) -> torch.Tensor:
+                  w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                  w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
+                  activation: str = SILU, swiglu_alpha: float = GPT_OSS_SWIGLU_ALPHA,
+                  swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT) -> torch.Tensor:
     """HF transformers 5's MixtralExperts.forward, in its order of operations (host syncs: the CPU path).
+
+    With biases (w13_bias [E, 2I]: gate, then up; w2_bias [E, H]) and / or activation "swiglu_oai"
+    (swiglu_oai_ref with swiglu_alpha and swiglu_limit): GptOssExperts.forward on w13 de-interleaved into
+    gate rows, then up rows, in its order of operations and roundings: each matmul in x's dtype, its bias
+    added in that dtype, the activation op by op, the routing weight (fp32) times the down projection.
 
     Block-wise FP8 experts (w13, w2 float8_e4m3fn with per-[bn, bk]-tile fp32 scales w13_scale
     [E, 2I / bn, cdiv(H, bk)] and w2_scale [E, cdiv(H, bn), cdiv(I, bk)], block = (bn, bk)), in the same
@@ -503,16 +630,29 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
       4. y = hq @ w2[e]^T in fp32, times the routing weight, rounded once; each token's k slot outputs summed
          in slot order in fp32, rounded."""
     # x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] -> [T, H]
-    fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
+    mlp = _ExpertMlp(activation=activation, w13_bias=w13_bias, w2_bias=w2_bias, swiglu_alpha=swiglu_alpha,
+                     swiglu_limit=swiglu_limit)
+    fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, mlp)
     if fp8_block is not None:
         return _fp8_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, fp8_block)
     out = torch.zeros_like(x)
     for expert, k_pos, token_idx in _routed_entries(topk_ids, w13.shape[0]):
-        gate, up = F.linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
-        h = F.linear(F.silu(gate) * up, w2[expert])
+        gate_up = F.linear(x[token_idx], w13[expert])
+        if w13_bias is not None:  # added apart (not F.linear's fused bias): rounded twice, as `x @ W + b`
+            gate_up = gate_up + w13_bias[expert]
+        gate, up = gate_up.chunk(2, dim=-1)
+        h = F.linear(_activation_ref(gate, up, mlp), w2[expert])
+        if w2_bias is not None:
+            h = h + w2_bias[expert]
         h = h * topk_weights[token_idx, k_pos, None]
         out.index_add_(0, token_idx, h.to(out.dtype))
     return out
+
+
+def _activation_ref(gate: torch.Tensor, up: torch.Tensor, mlp: _ExpertMlp) -> torch.Tensor:
+    if mlp.activation == SWIGLU_OAI:
+        return swiglu_oai_ref(gate, up, mlp.swiglu_alpha, mlp.swiglu_limit)
+    return F.silu(gate) * up
 
 
 def _routed_entries(topk_ids: torch.Tensor, num_experts: int
@@ -565,9 +705,18 @@ def _fp8_args(fp8: _Fp8Operands | None, dummy: torch.Tensor) -> tuple:
     return (fp8.a_scale, fp8.w_scale, *fp8.a_scale.stride(), *fp8.w_scale.stride())
 
 
+def _epilogue_args(mlp: _ExpertMlp, gate_up: bool, dummy: torch.Tensor) -> tuple[tuple, dict]:
+    """The kernels' epilogue arguments for GEMM 1 (gate_up) or 2: (bias pointer, its row stride, alpha,
+    limit) and the constexprs HAS_BIAS and ACTIVATION (GEMM 2's always SiLU's: one binary for both)."""
+    bias = mlp.w13_bias if gate_up else mlp.w2_bias
+    act = _ACTIVATION_IDS[mlp.activation] if gate_up else _ACTIVATION_IDS[SILU]
+    runtime = (dummy, 0) if bias is None else (bias, bias.stride(0))
+    return (*runtime, mlp.swiglu_alpha, mlp.swiglu_limit), dict(HAS_BIAS=bias is not None, ACTIVATION=act)
+
+
 def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor,
                  align: MoeAlignment, n: int, a_row_div: int, cfg: MoeConfig, gate_up: bool,
-                 fp8: _Fp8Operands | None = None) -> None:
+                 fp8: _Fp8Operands | None = None, mlp: _ExpertMlp = _ExpertMlp()) -> None:
     # a: [rows, K]; w: [E, N (2N for gate_up), K]; out: [T*k, N], rows by entry id
     k = a.shape[1]
     block_n = min(cfg.block_n, max(MIN_DOT, triton.next_power_of_2(n)))
@@ -578,15 +727,17 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: to
     k_iters = triton.cdiv(k, block_k)
     num_blocks = align.expert_ids.shape[0]
     grid = (num_blocks * triton.cdiv(n, block_n),)
+    epilogue, epilogue_constexprs = _epilogue_args(mlp, gate_up, topk_w)
     _moe_gemm_kernel[grid](
         a, w, out, topk_w, align.sorted_ids, align.expert_ids, align.num_padded,
         out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), n, k_iters,
-        *_fp8_args(fp8, topk_w),
+        *_fp8_args(fp8, topk_w), *epilogue,
         A_ROW_DIV=a_row_div, STATIC_K_ITERS=static_iters(a.is_cuda, k_iters), BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
         BF16_DOT_IN_FP32=a.dtype == torch.bfloat16 and not a.is_cuda,
         PRECISE=a.is_cuda, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(a),
+        **epilogue_constexprs,
         **({} if fp8 is None else dict(W8A8=True, WEIGHT_BLOCK_N=fp8.block[0],
                                        IMPRECISE_ACC=min(IMPRECISE_ACC_K, block_k))),
     )
@@ -594,7 +745,7 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: to
 
 def _launch_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor,
                  topk_ids: torch.Tensor, n: int, a_row_div: int, gate_up: bool,
-                 fp8: _Fp8Operands | None = None) -> None:
+                 fp8: _Fp8Operands | None = None, mlp: _ExpertMlp = _ExpertMlp()) -> None:
     # a: [rows, K]; w: [E, N (2N for gate_up), K]; out: [T*k, N], rows by entry id
     k, on_cuda = a.shape[1], a.is_cuda
     # The interpreter runs each program in Python: few, wide ones there.
@@ -605,33 +756,51 @@ def _launch_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: to
         block_n = min(block_n, fp8.block[0])
         block_k = fp8.block[1]
     k_iters = triton.cdiv(k, block_k)
+    epilogue, epilogue_constexprs = _epilogue_args(mlp, gate_up, topk_w)
     _moe_gemv_kernel[(out.shape[0], triton.cdiv(n, block_n))](
         a, w, out, topk_w, topk_ids, out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        n, k_iters, *_fp8_args(fp8, topk_w), A_ROW_DIV=a_row_div,
+        n, k_iters, *_fp8_args(fp8, topk_w), *epilogue, A_ROW_DIV=a_row_div,
         STATIC_K_ITERS=static_iters(on_cuda, k_iters), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, GATE_UP=gate_up, PRECISE=on_cuda,
         num_warps=GEMV_WARPS, num_stages=GEMV_STAGES if on_cuda else CPU_STAGES, **pdl_args(a),
+        **epilogue_constexprs,
         **({} if fp8 is None else dict(W8A8=True, WEIGHT_BLOCK_N=fp8.block[0])),
     )
+
+
+def _unit_stride(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """bias with unit stride along its last dimension, as the kernels index it (a copy only if not)."""
+    return bias if bias is None or bias.stride(-1) == 1 else bias.contiguous()
 
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, config: MoeConfig | None = None, gemv: bool | None = None, *,
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              block: tuple[int, int] | None = None) -> torch.Tensor:
+              block: tuple[int, int] | None = None, w13_bias: torch.Tensor | None = None,
+              w2_bias: torch.Tensor | None = None, activation: str = SILU,
+              swiglu_alpha: float = GPT_OSS_SWIGLU_ALPHA, swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT
+              ) -> torch.Tensor:
     """fused_moe_ref in Triton: no host syncs, no atomics, CUDA-graph capturable; config overrides
     moe_config's pick of grouped-GEMM tiles, gemv the choice of the alignment-free path for few entries
-    (None: up to GEMV_MAX_ENTRIES; tests and sweeps force either).
+    (None: up to GEMV_MAX_ENTRIES; tests and sweeps force either). w13_bias, w2_bias, activation and the
+    swiglu parameters as fused_moe_ref takes them, on every path (16/32-bit experts only).
 
-    Rounding differs from the reference where the reference rounds more: the down projection's fp32 sum
-    is multiplied by the routing weight before its one rounding, and the k slots are summed in fp32.
+    Rounding differs from the reference where the reference rounds more: without w2_bias the down
+    projection's fp32 sum is multiplied by the routing weight before its one rounding (with it, the kernel
+    rounds the sum, the biased sum and the product, as the reference does), and the k slots are summed in
+    fp32 in slot order (the reference adds each expert's rows into the output in x's dtype, expert by
+    expert). Elementwise functions may differ in their last fp32 bit (exp; the interpreter's, libdevice's
+    and torch's CPU kernels are not the same code); in 16-bit dtypes that is rounded away but where it
+    flips a rounding.
 
     Block-wise FP8 experts: w13 / w2 float8_e4m3fn with w13_scale, w2_scale and block = (bn, bk) as
     fused_moe_ref takes them (I a multiple of bn); x (bf16 / fp16; fp32 too) is quantised per token and
     group of bk, so is h, both by quantize_groups_fp8, bit for bit as the reference; the reference rounds
     where this does, so only the order of fp32 sums (and on Hopper the FP8 dots' accumulation) differs."""
     # x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] -> [T, H]
-    fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block)
+    mlp = _ExpertMlp(activation=activation, w13_bias=_unit_stride(w13_bias), w2_bias=_unit_stride(w2_bias),
+                     swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+    fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, mlp)
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 need unit stride along their last (input) dimension")
     (num_tokens, hidden), (num_experts, two_i, _) = x.shape, w13.shape
@@ -655,18 +824,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     use_gemv = gemv if gemv is not None else (config is None and num_entries <= GEMV_MAX_ENTRIES)
     if use_gemv:
         flat_ids = topk_ids.reshape(-1).contiguous()  # [T*k], by entry id
-        _launch_gemv(a_up, w13, h, topk_w, flat_ids, inter, top_k, gate_up=True, fp8=fp8_up)
+        _launch_gemv(a_up, w13, h, topk_w, flat_ids, inter, top_k, gate_up=True, fp8=fp8_up, mlp=mlp)
     else:
         align = moe_align(topk_ids, num_experts, cfg.block_m)
-        _launch_gemm(a_up, w13, h, topk_w, align, inter, top_k, cfg, gate_up=True, fp8=fp8_up)
+        _launch_gemm(a_up, w13, h, topk_w, align, inter, top_k, cfg, gate_up=True, fp8=fp8_up, mlp=mlp)
     a_down = h
     if fp8_block is not None:
         a_down, h_scale = quantize_groups_fp8(h, fp8_block[1])  # codes [T*k, I], scales [T*k, cdiv(I, bk)]
         fp8_down = _Fp8Operands(h_scale, w2_scale, fp8_block)
     if use_gemv:
-        _launch_gemv(a_down, w2, y, topk_w, flat_ids, hidden, 1, gate_up=False, fp8=fp8_down)
+        _launch_gemv(a_down, w2, y, topk_w, flat_ids, hidden, 1, gate_up=False, fp8=fp8_down, mlp=mlp)
     else:
-        _launch_gemm(a_down, w2, y, topk_w, align, hidden, 1, cfg, gate_up=False, fp8=fp8_down)
+        _launch_gemm(a_down, w2, y, topk_w, align, hidden, 1, cfg, gate_up=False, fp8=fp8_down, mlp=mlp)
     block_h = min(SUM_BLOCK_H, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
         y, out, hidden, TOP_K=top_k, BLOCK_H=block_h, num_warps=4, **pdl_args(y))

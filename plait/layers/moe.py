@@ -19,6 +19,13 @@ SCALE_NAMES = ("weight_scale_inv", "weight_scale")
 # keep theirs: per-tile scales follow an expert's weights more closely than one per row or per tensor. Narrow
 # experts take fewer rows a tile, so that the up rows start on a tile row (fp8_block.MIN_BLOCK at least).
 DEFAULT_FP8_BLOCK = (128, 128)
+# The experts' activations (here, not in plait.kernels.fused_moe, so that they import without triton).
+SILU = "silu"  # silu(gate) * up: Mixtral, Qwen-MoE
+SWIGLU_OAI = "swiglu_oai"  # OpenAI's gpt-oss: plait.kernels.fused_moe.swiglu_oai_ref
+ACTIVATIONS = (SILU, SWIGLU_OAI)
+# gpt-oss's swiglu_alpha and swiglu_limit: transformers' GptOssConfig defaults, as its checkpoints set them.
+GPT_OSS_SWIGLU_ALPHA = 1.702
+GPT_OSS_SWIGLU_LIMIT = 7.0
 
 
 def default_fp8_block(intermediate_size: int) -> tuple[int, int]:
@@ -42,8 +49,12 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
 
 
 class FusedMoE(nn.Module):
-    """Every expert's SiLU-gated MLP as two stacked weights, named as transformers 5 names them:
+    """Every expert's gated MLP as two stacked weights, named as transformers 5 names them:
     gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows) and down_proj [E, H, I].
+
+    activation: "silu" (silu(gate) * up: Mixtral, Qwen-MoE) or "swiglu_oai" (OpenAI's gpt-oss, with
+    swiglu_alpha and swiglu_limit: plait.kernels.fused_moe.swiglu_oai_ref). bias=True (gpt-oss) adds
+    gate_up_bias [E, 2I] (gate, then up, as gate_up_proj's rows) and down_bias [E, H] after each projection.
 
     Hub checkpoints hold one tensor per expert and projection (``experts.{e}.gate_proj.weight`` ...):
     load_expert puts each in place, and check_loaded refuses a checkpoint that leaves one out. On CUDA the
@@ -56,17 +67,30 @@ class FusedMoE(nn.Module):
     quantised per token and bk-wide group (W8A8, as plait.layers.fp8_block.Fp8BlockLinear)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
-                 renormalize: bool) -> None:
+                 renormalize: bool, *, activation: str = SILU, bias: bool = False,
+                 swiglu_alpha: float = GPT_OSS_SWIGLU_ALPHA, swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT
+                 ) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts ({num_experts})")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"expert activation must be one of {ACTIVATIONS}, got {activation!r}")
         self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
         device = deferred_device()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size,
                                                      device=device), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=device),
                                       requires_grad=False)
+        if bias:
+            self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, device=device),
+                                             requires_grad=False)
+            self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size, device=device),
+                                          requires_grad=False)
+        else:
+            self.register_parameter("gate_up_bias", None)
+            self.register_parameter("down_bias", None)
         self.block: tuple[int, int] | None = None  # FP8 tiles (bn, bk); None: 16/32-bit weights
         self.compute_dtype: torch.dtype | None = None  # FP8: the model's dtype (x and the output)
         self.register_buffer("gate_up_scale", None)  # FP8: [E, 2I / bn, cdiv(H, bk)] fp32
@@ -75,17 +99,24 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         # x: [T, H], router_logits: [T, E] -> [T, H]
-        scales = {} if self.block is None else dict(w13_scale=self.gate_up_scale, w2_scale=self.down_scale,
-                                                    block=self.block)
+        kwargs = self._expert_kwargs()
         if use_triton(x) and (self.block is None or x.dtype in (torch.bfloat16, torch.float16)):
             from plait.kernels.fused_moe import fused_moe, moe_route
 
             weights, ids = moe_route(router_logits, self.top_k, self.renormalize)
-            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, **scales)
+            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, **kwargs)
         from plait.kernels.fused_moe import fused_moe_ref
 
         weights, ids = route(router_logits, self.top_k, self.renormalize)
-        return fused_moe_ref(x, self.gate_up_proj, self.down_proj, weights, ids, **scales)
+        return fused_moe_ref(x, self.gate_up_proj, self.down_proj, weights, ids, **kwargs)
+
+    def _expert_kwargs(self) -> dict:
+        """fused_moe's (and fused_moe_ref's) keywords beyond the weights: biases, activation, FP8 scales."""
+        kwargs = dict(w13_bias=self.gate_up_bias, w2_bias=self.down_bias, activation=self.activation,
+                      swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
+        if self.block is not None:
+            kwargs.update(w13_scale=self.gate_up_scale, w2_scale=self.down_scale, block=self.block)
+        return kwargs
 
     @torch.no_grad()
     def quantize_fp8(self, block: tuple[int, int], device: torch.device | None = None) -> None:
@@ -95,6 +126,10 @@ class FusedMoE(nn.Module):
         from plait.layers.fp8_block import check_block, quantize_blocks
 
         bn, bk = check_block(block)
+        if self.gate_up_bias is not None or self.activation != SILU:
+            # The FP8 kernels' epilogues have neither (fused_moe refuses them too).
+            raise ValueError(f"FP8 experts with biases or the {self.activation!r} activation are not "
+                             "implemented")
         if self.intermediate_size % bn:
             raise ValueError(f"expert width {self.intermediate_size} is not a multiple of the {bn}-row FP8 "
                              "blocks: the up projection would not start on a tile row")
@@ -170,5 +205,9 @@ class FusedMoE(nn.Module):
 
     def extra_repr(self) -> str:
         kind = f", fp8 scales per {self.block[0]}x{self.block[1]} block" if self.block else ""
+        act = self.activation
+        if act == SWIGLU_OAI:
+            act += f"(alpha={self.swiglu_alpha}, limit={self.swiglu_limit})"
         return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
-                f"intermediate={self.intermediate_size}{kind}")
+                f"intermediate={self.intermediate_size}, activation={act}, "
+                f"bias={self.gate_up_bias is not None}{kind}")

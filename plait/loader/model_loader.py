@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from plait.config import CHECKPOINT_QUANTIZATION_METHODS, EngineConfig, ModelConfig, merge_hf_overrides
-from plait.layers import wna16
+from plait.layers import mxfp4, wna16
 from plait.layers.fp8 import FP8_DTYPE, checkpoint_quantization, checkpoint_weight_block, quantize_model
 from plait.layers.linear import deferred_weights, materialize_deferred
 from plait.layers.moe import FusedMoE
@@ -71,6 +71,8 @@ def load_model(
         source = resolve_model(config.model, config.revision, config.download_dir)
     hf_config, weights = read_source(source, config.load_format)
     hf_config = merge_hf_overrides(hf_config, config.hf_overrides)
+    if mxfp4.is_mxfp4_checkpoint(hf_config):
+        hf_config = mxfp4.served_dequantized(hf_config)
     model_config = ModelConfig.from_hf(hf_config)
     runner = resolve_runner(config.runner, model_config.architecture)
     cls = get_model_class(model_config.architecture)

@@ -28,6 +28,7 @@ class Attention(nn.Module):
     norm_class = RMSNorm
     logit_softcap: float | None = None
     flat_qk_norm = False
+    o_proj_bias = False  # GPT-OSS's has one
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -37,11 +38,14 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=self.o_proj_bias)
         self.q_norm = self.norm_class(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = self.norm_class(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.sliding_window = cfg.sliding_window
         self.scale = self.head_dim**-0.5
+        # GPT-OSS's learned logit per query head, which joins each softmax as a key with no value: [Hq].
+        # (An instance attribute: a class one would hide the Parameter a subclass registers.)
+        self.sinks: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, hidden]
@@ -59,7 +63,7 @@ class Attention(nn.Module):
         # the GPU.
         qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and not self.flat_qk_norm else None
         out = batch.attention(self.layer_idx, q, k, v, self.scale, self.sliding_window, rotary=rotary,
-                              qk_norm=qk_norm, logit_softcap=self.logit_softcap)
+                              qk_norm=qk_norm, logit_softcap=self.logit_softcap, sinks=self.sinks)
         return out.reshape(-1, self.q_size)
 
 

@@ -33,6 +33,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GlmForCausalLM": ("plait.models.glm", "GlmForCausalLM"),
     "Ernie4_5ForCausalLM": ("plait.models.llama", "PairedRotaryForCausalLM"),
     "Glm4ForCausalLM": ("plait.models.glm", "Glm4ForCausalLM"),
+    "GptOssForCausalLM": ("plait.models.gpt_oss", "GptOssForCausalLM"),
     # Base models (no LM head; their checkpoints' names lack the "model." prefix): embedding models such as
     # e5-mistral (MistralModel) or a Qwen3Model, run only by the pooling runner.
     "LlamaModel": ("plait.models.llama", "LlamaForCausalLM"),

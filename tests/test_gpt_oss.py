@@ -1,0 +1,109 @@
+"""GPT-OSS beyond the family parity test: MXFP4 checkpoints (dequantised at load) against transformers, and
+what plait refuses for it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_greedy_matches_hf, random_prompts
+from safetensors.torch import load_file, save_file
+
+from plait.config import EngineConfig
+from plait.engine.engine import LLMEngine
+from plait.layers.mxfp4 import BLOCK_VALUES, FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
+
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+def test_dequantize_mxfp4_is_transformers():
+    """Every byte (both nibbles) under scales across E8M0's range decodes as transformers decodes it."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (2, 6, 8, BLOCK_VALUES // 2), generator=g, dtype=torch.uint8)
+    blocks[0, 0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # both nibbles of every code
+    scales = torch.randint(127 - 20, 127 + 20, (2, 6, 8), generator=g, dtype=torch.uint8)
+    scales[0, 0, 0], scales[1, 5, 7] = 1, 254  # the extremes bf16 still holds
+    ours = dequantize_mxfp4(blocks, scales, torch.bfloat16)  # [2, 6, 256]: [E, out, in]
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16)  # [E, in, out]
+    assert torch.equal(ours, theirs.transpose(1, 2))
+    assert ours[0, 0, :BLOCK_VALUES:2].float().tolist() == [v * 2.0**-126 for v in FP4_VALUES]
+
+
+def test_quantize_mxfp4_round_trips():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(3, 5, 64, generator=g) * 4
+    blocks, scales = quantize_mxfp4(w)
+    values = dequantize_mxfp4(blocks, scales, torch.float32)
+    # codes are fixed points
+    assert torch.equal(dequantize_mxfp4(*quantize_mxfp4(values), torch.float32), values)
+    # Each value lands within half a step of the coarsest code spacing (2 * 2 ** scale at magnitude 4..6).
+    step = torch.exp2(scales.float() - 127).repeat_interleave(BLOCK_VALUES, dim=-1)
+    assert ((values - w).abs() <= step + 1e-6).all()
+
+
+def _mxfp4_checkpoint(source: Path, dest: Path) -> Path:
+    """``source`` (a transformers GPT-OSS folder) with its experts in MXFP4, as the Hub's checkpoints hold
+    them, written to ``dest``; returns a transformers folder of the same model whose experts hold the
+    dequantised values (the oracle)."""
+    tensors = load_file(source / "model.safetensors")
+    oracle = dict(tensors)
+    for name in list(tensors):
+        if name.rpartition(".")[2] not in EXPERT_PROJECTIONS:
+            continue
+        # transformers' [E, in, out] -> the checkpoint's [E, out, in], quantised along in
+        blocks, scales = quantize_mxfp4(tensors.pop(name).transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        oracle[name] = dequantize_mxfp4(blocks, scales, torch.float32).transpose(1, 2).contiguous()
+    config = json.loads((source / "config.json").read_text())
+    dest.mkdir()
+    save_file(tensors, dest / "model.safetensors")
+    mxfp4_config = config | {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}}
+    (dest / "config.json").write_text(json.dumps(mxfp4_config))
+    oracle_folder = dest.with_name(dest.name + "-dequantized")
+    oracle_folder.mkdir()
+    save_file(oracle, oracle_folder / "model.safetensors")
+    (oracle_folder / "config.json").write_text(json.dumps(config))
+    return oracle_folder
+
+
+def test_mxfp4_checkpoint_matches_transformers_on_its_values(tiny_models, tmp_path):
+    """An MXFP4 checkpoint is served with its experts' dequantised values: plait on it and transformers on
+    those values agree on logits and greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "gpt-oss-mxfp4"
+    oracle = _mxfp4_checkpoint(tiny_models["gpt_oss"], folder)
+    hf = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32, attn_implementation="eager").eval()
+    engine = LLMEngine(EngineConfig(model=str(folder), max_num_batched_tokens=48, block_size=8))
+    assert_greedy_matches_hf(engine, hf, random_prompts(3, 1, 60, seed=5), 8, 1e-4, "gpt_oss mxfp4")
+
+
+def test_mxfp4_refusals(tiny_models, tmp_path):
+    folder = tmp_path / "gpt-oss-half"
+    _mxfp4_checkpoint(tiny_models["gpt_oss"], folder)
+    tensors = load_file(folder / "model.safetensors")
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, folder / "model.safetensors")
+    with pytest.raises(ValueError, match="down_proj.* came with only its blocks"):
+        LLMEngine(EngineConfig(model=str(folder)))
+    llama = tmp_path / "llama-mxfp4"
+    llama.mkdir()
+    config = json.loads((tiny_models["llama"] / "config.json").read_text())
+    mxfp4 = {"quantization_config": {"quant_method": "mxfp4"}}
+    (llama / "config.json").write_text(json.dumps(config | mxfp4))
+    (llama / "model.safetensors").write_bytes((tiny_models["llama"] / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match="MXFP4 checkpoints of LlamaForCausalLM are not supported"):
+        LLMEngine(EngineConfig(model=str(llama)))
+
+
+def test_gpt_oss_refusals(tiny_models):
+    folder = str(tiny_models["gpt_oss"])
+    with pytest.raises(ValueError, match="GptOssForCausalLM cannot be split across devices"):
+        LLMEngine(EngineConfig(model=folder, tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="(?i)fp8"):
+        LLMEngine(EngineConfig(model=folder, quantization="fp8"))
