@@ -94,11 +94,12 @@ CASES = [
     ("openai_gptoss", None, GPT_OSS_PROMPT, "<|channel|>analysis<|message|>cut short", "cut short", None),
     ("openai_gptoss", None, GPT_OSS_PROMPT, "<|channel|>final<|message|>only <|end|> an answer", None,
      "only  an answer"),
-    # two analysis messages around a commentary preamble; a tool call's arguments are content
+    # two analysis messages around a commentary preamble; a tool call passes to the content whole
     ("openai_gptoss", None, GPT_OSS_PROMPT, "<|channel|>analysis<|message|>x<|end|><|start|>assistant"
      "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>analysis<|message|>y<|end|>"
      "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{\"a\": 1}<|call|>",
-     "xy", 'Checking.{"a": 1}'),
+     "xy", 'Checking.<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>'
+     '{"a": 1}<|call|>'),
     ("openai_gptoss", None, GPT_OSS_PROMPT, "plain text, not harmony", None, "plain text, not harmony"),
     ("openai_gptoss", None, GPT_OSS_PROMPT + "<|channel|>final<|message|>", "Answer<|return|>", None,
      "Answer"),

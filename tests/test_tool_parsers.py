@@ -129,6 +129,17 @@ CASES = [
     ("seed_oss", "<seed:tool_call><function=f></function></seed:tool_call> done <tool_call>x</tool_call>",
      " done <tool_call>x</tool_call>", [("f", {})]),
     ("seed_oss", "a <seed:tool_ca", "a <seed:tool_ca", []),
+    # gpt-oss (vLLM's openai): harmony messages to a function recipient, the recipient before or after the
+    # channel; the rest is content as it stands (the reasoning parser's content, or raw harmony)
+    ("openai", 'Checking.<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json'
+               '<|message|>{"city": "Paris"}<|call|>', "Checking.", [("get_weather", {"city": "Paris"})]),
+    ("openai", '<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>'
+               '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>'
+               '{"city": "Paris"}', "", [("get_time", {}), ("get_weather", {"city": "Paris"})]),
+    ("openai", "<|channel|>final<|message|>Hi<|return|>", "<|channel|>final<|message|>Hi<|return|>", []),
+    ("openai", "a <|chan", "a <|chan", []),
+    # a call's header cut short before its <|message|>
+    ("openai", "<|channel|>commentary to=functions.f", "<|channel|>commentary to=functions.f", []),
 ]
 
 
@@ -221,6 +232,8 @@ def test_random_outputs_stream_as_they_parse_whole():
                         "</parameter>", "<tool", "</", "<", ">", "f", "n", "x y", "1", "\n", " ", "{"],
         "seed_oss": ["<seed:tool_call>", "</seed:tool_call>", "<tool_call>", "<function=", "</function>",
                      "<parameter=", "</parameter>", "<seed:", "</", "<", ">", "f", "x y", "1", "\n"],
+        "openai": ["<|start|>assistant", "<|channel|>commentary", " to=functions.f", "<|message|>",
+                   "<|call|>", "<|end|>", "<|", "<|ca", "|>", "{", '"a": 1', "}", " ", "x"],
     }
     rng = random.Random(0)
     for i in range(400):
@@ -230,6 +243,32 @@ def test_random_outputs_stream_as_they_parse_whole():
         whole = parse_whole(parser(CODER_FUNCTIONS), text)
         for seed in range(5):
             assert _streamed(parser(CODER_FUNCTIONS), text, seed) == whole, (i, name, text)
+
+
+def test_gpt_oss_calls_pass_through_the_reasoning_parser():
+    """Behind the openai_gptoss reasoning parser, the openai tool parser reads calls from the content: the
+    reasoning, the preamble and each call apart, however the output streams."""
+    from plait.entrypoints.reasoning_parsers import get_reasoning_parser
+
+    output = ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary'
+              '<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather'
+              ' <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+    for seed in range(NUM_SPLITS):
+        prompt = "<|start|>user<|message|>?<|end|><|start|>assistant"
+        reasoner = get_reasoning_parser("openai_gptoss")(None, prompt)
+        tools = get_tool_parser("openai")()
+        rng, start, reasoning, events = random.Random(seed), 0, "", []
+        while start <= len(output):
+            size = rng.randint(1, MAX_PIECE)
+            final = start + size > len(output)
+            delta = reasoner.feed(output[start:start + size], final=final)
+            reasoning += delta.reasoning
+            events += tools.feed(delta.content, final=final)
+            start += size
+        content, calls = collect(events)
+        assert (reasoning, content) == ("Need weather.", "Checking."), seed
+        assert _calls(calls) == [("get_weather", {"city": "Paris"})]
+    assert get_tool_parser("openai").skip_special_tokens(True, tools_in_play=True) is False
 
 
 def test_streaming_holds_back_only_what_may_be_a_call():

@@ -6,7 +6,14 @@ import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from plait.entrypoints.tool_parsers import partial_tag_length
+from plait.entrypoints.tool_parsers import (
+    HARMONY_CHANNEL,
+    HARMONY_ENDS,
+    HARMONY_FUNCTION_RECIPIENT,
+    HARMONY_MESSAGE,
+    HARMONY_START,
+    partial_tag_length,
+)
 
 # The tags around DeepSeek-R1's, Qwen3's and DeepSeek-V3.1's reasoning (one vocabulary token each there).
 THINK_START = "<think>"
@@ -276,15 +283,11 @@ class MistralReasoningParser(ReasoningParser):
         return True
 
 
-# OpenAI's harmony format (gpt-oss): each message is a header, <|message|>, its text and an end token; the
-# header names the message's channel (<|channel|>analysis, final or commentary). All are special tokens.
-HARMONY_START = "<|start|>"
-HARMONY_CHANNEL = "<|channel|>"
-HARMONY_MESSAGE = "<|message|>"
-# <|return|> and <|call|> end the turn (the generation config's EOS: the detokenized output usually lacks
-# them); <|end|> ends a message that another follows.
-HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+# gpt-oss's harmony messages (plait.entrypoints.tool_parsers holds the format's tokens).
 HARMONY_REASONING_CHANNEL = "analysis"
+# A header naming a function recipient (HARMONY_FUNCTION_RECIPIENT) makes the message a tool call, which
+# the "openai" tool parser reads.
+HARMONY_TOOL_CALL = "tool call"  # the parser's name for such a message's channel
 _HARMONY_CHANNEL_NAME = re.compile(re.escape(HARMONY_CHANNEL) + r"\s*(\w+)")
 
 
@@ -292,9 +295,9 @@ _HARMONY_CHANNEL_NAME = re.compile(re.escape(HARMONY_CHANNEL) + r"\s*(\w+)")
 class GptOssReasoningParser(ReasoningParser):
     """gpt-oss (vLLM's "openai_gptoss"): the output is harmony messages. The text of analysis-channel messages
     is the reasoning; that of every other message (final, commentary) is the content; headers and end tokens
-    are neither. An output without a harmony token (a model not writing harmony) is content, given when it
-    ends. Tool calls (commentary messages to a recipient, ``to=functions.NAME``) are not parsed out: their
-    arguments are content."""
+    are neither. A message to a recipient (a tool call: ``to=functions.NAME`` in its header) is passed to the
+    content whole, header and end token included, for the ``openai`` tool parser to read. An output without
+    a harmony token (a model not writing harmony) is content, given when it ends."""
 
     name = "openai_gptoss"
     MARKERS_ARE_SPECIAL_TOKENS = True
@@ -304,6 +307,7 @@ class GptOssReasoningParser(ReasoningParser):
         self._header = ""  # the current message's header, up to its <|message|>
         self._channel = self._prompt_channel(prompt)  # None: in a header
         self._opened = self._channel == HARMONY_REASONING_CHANNEL
+        self._to_recipient = False  # the current message is a tool call: passed on whole
 
     @property
     def has_reasoning(self) -> bool:
@@ -327,20 +331,22 @@ class GptOssReasoningParser(ReasoningParser):
         content: list[str] = []
         while self._pending:
             if self._channel is None:
-                if not self._take_header():
+                if not self._take_header(content):
                     break
             else:
-                text, ended = self._take_body(final)
+                text, end = self._take_body(final)
                 (reasoning if self._channel == HARMONY_REASONING_CHANNEL else content).append(text)
-                if not ended:
+                if end is None:
                     break
-                self._channel = None
+                if self._to_recipient:
+                    content.append(end)
+                self._channel, self._to_recipient = None, False
         if final and not any(tag in self._header for tag in (HARMONY_START, HARMONY_CHANNEL, "<|")):
             content.append(self._header)  # an output that is not harmony at all
             self._header = ""
         return ReasoningDelta("".join(reasoning), "".join(content))
 
-    def _take_header(self) -> bool:
+    def _take_header(self, content: list[str]) -> bool:
         """The header up to <|message|>, which opens the message's body; whether it came."""
         header = self._header + self._pending
         at = header.find(HARMONY_MESSAGE)
@@ -348,21 +354,26 @@ class GptOssReasoningParser(ReasoningParser):
             self._header, self._pending = header, ""
             return False
         self._channel = _channel_name(header[:at])
+        self._to_recipient = HARMONY_FUNCTION_RECIPIENT.search(header[:at]) is not None
+        if self._to_recipient:
+            self._channel = HARMONY_TOOL_CALL
+            content.append(header[:at + len(HARMONY_MESSAGE)])
         self._header, self._pending = "", header[at + len(HARMONY_MESSAGE):]
         self._opened |= self._channel == HARMONY_REASONING_CHANNEL
         return True
 
-    def _take_body(self, final: bool) -> tuple[str, bool]:
-        """(the body's text up to its end token, or up to text that may become one; whether it ended)."""
+    def _take_body(self, final: bool) -> tuple[str, str | None]:
+        """(the body's text up to its end token, or up to text that may become one; the end token, None
+        while the body goes on)."""
         found = [(at, end) for end in HARMONY_ENDS if (at := self._pending.find(end)) >= 0]
         if not found:
             held = 0 if final else max(partial_tag_length(self._pending, end, 0) for end in HARMONY_ENDS)
             cut = len(self._pending) - held
             text, self._pending = self._pending[:cut], self._pending[cut:]
-            return text, False
+            return text, None
         at, end = min(found)
         text, self._pending = self._pending[:at], self._pending[at + len(end):]
-        return text, True
+        return text, end
 
 
 def _channel_name(header: str) -> str:

@@ -6,6 +6,7 @@ import ast
 import json
 import math
 import random
+import re
 import string
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -749,3 +750,84 @@ def typed_parameter(value: str, schema: Any) -> Any:
         except ValueError:
             pass
     return parsed
+
+
+# -- gpt-oss: harmony messages to a function recipient -----------------------------------------------
+
+
+# OpenAI's harmony format (gpt-oss): each message is a header (its role after <|start|>, its channel after
+# <|channel|>: analysis, final or commentary), <|message|>, its text and an end token; all special tokens.
+HARMONY_START = "<|start|>"
+HARMONY_CHANNEL = "<|channel|>"
+HARMONY_HEADER_STARTS = (HARMONY_START, HARMONY_CHANNEL)
+HARMONY_MESSAGE = "<|message|>"
+# <|return|> and <|call|> end the turn (the generation config's EOS: the detokenized output usually lacks
+# them); <|end|> ends a message that another follows.
+HARMONY_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+# A call's recipient in its header, before or after its channel: "to=functions.get_weather".
+HARMONY_FUNCTION_RECIPIENT = re.compile(r"\bto=functions\.([^\s<]+)")
+
+
+@register_tool_parser
+class OpenAIToolParser(ToolParser):
+    """gpt-oss (vLLM's "openai"): a harmony message whose header names a function recipient
+    (``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``, the recipient
+    also before the channel) is a call of NAME, its body the arguments, streamed as they come. Everything
+    else is content as it stands: behind the openai_gptoss reasoning parser, the final and commentary
+    messages' text; without it, the raw harmony output. A header that never reaches its <|message|> is
+    content."""
+
+    name = "openai"
+    MARKERS_ARE_SPECIAL_TOKENS = True
+
+    def __init__(self, functions: Mapping[str, dict[str, Any] | None] | None = None) -> None:
+        super().__init__(functions)
+        self.in_call = False  # reading a call's arguments
+
+    def _scan(self, final: bool) -> list[ToolEvent]:
+        events: list[ToolEvent] = []
+        while self.pos < len(self.text):
+            if self.in_call:
+                if not self._take_arguments(events, final):
+                    break
+            elif self.text.startswith(HARMONY_HEADER_STARTS, self.pos):
+                if not self._take_header(events, final):
+                    break
+            elif not self._take_content(HARMONY_HEADER_STARTS, events, final):
+                break
+        return events
+
+    def _take_header(self, events: list[ToolEvent], final: bool) -> bool:
+        """The header at pos, once its <|message|> came: a call's starts the call, any other is content."""
+        at = self.text.find(HARMONY_MESSAGE, self.pos)
+        if at < 0:
+            if final:
+                events.extend(self._rest_as_content())
+            return False
+        end = at + len(HARMONY_MESSAGE)
+        recipient = HARMONY_FUNCTION_RECIPIENT.search(self.text, self.pos, at)
+        if recipient is None:
+            events.append(self.text[self.pos:end])
+        else:
+            events.append(ToolCallStart(recipient[1]))
+            self.in_call = True
+        self.pos = end
+        return True
+
+    def _take_arguments(self, events: list[ToolEvent], final: bool) -> bool:
+        """The call's arguments up to its end token (dropped), or up to text that may become one; whether
+        the call ended."""
+        found = [at for at in (self.text.find(end, self.pos) for end in HARMONY_ENDS) if at >= 0]
+        if found:
+            stop = min(found)
+        else:
+            held = 0 if final else max(partial_tag_length(self.text, end, self.pos) for end in HARMONY_ENDS)
+            stop = len(self.text) - held
+        if stop > self.pos:
+            events.append(ToolCallArguments(self.text[self.pos:stop]))
+        if not found:
+            self.pos = stop
+            return False
+        end_token = next(end for end in HARMONY_ENDS if self.text.startswith(end, stop))
+        self.pos, self.in_call = stop + len(end_token), False
+        return True
