@@ -101,15 +101,19 @@ class ToolOutputParser:
         self.pos = len(self.text)
         return [rest] if rest else []
 
+    def _decided_until(self, tags: tuple[str, ...], final: bool) -> int:
+        """Where the first of ``tags`` from pos begins, else where the text stops being decided (the end,
+        less an end that may still become a tag)."""
+        found = [at for at in (self.text.find(tag, self.pos) for tag in tags) if at >= 0]
+        if found:
+            return min(found)
+        held = 0 if final else max(partial_tag_length(self.text, tag, self.pos) for tag in tags)
+        return len(self.text) - held
+
     def _take_content(self, tags: tuple[str, ...], events: list[ToolEvent], final: bool) -> bool:
         """Content up to the first of ``tags`` (or up to text that may still become one); whether a tag is
         next."""
-        found = [at for at in (self.text.find(tag, self.pos) for tag in tags) if at >= 0]
-        if found:
-            start = min(found)
-        else:
-            held = 0 if final else max(partial_tag_length(self.text, tag, self.pos) for tag in tags)
-            start = len(self.text) - held
+        start = self._decided_until(tags, final)
         if start > self.pos:
             events.append(self.text[self.pos:start])
         self.pos = start
@@ -817,17 +821,12 @@ class OpenAIToolParser(ToolParser):
     def _take_arguments(self, events: list[ToolEvent], final: bool) -> bool:
         """The call's arguments up to its end token (dropped), or up to text that may become one; whether
         the call ended."""
-        found = [at for at in (self.text.find(end, self.pos) for end in HARMONY_ENDS) if at >= 0]
-        if found:
-            stop = min(found)
-        else:
-            held = 0 if final else max(partial_tag_length(self.text, end, self.pos) for end in HARMONY_ENDS)
-            stop = len(self.text) - held
+        stop = self._decided_until(HARMONY_ENDS, final)
         if stop > self.pos:
             events.append(ToolCallArguments(self.text[self.pos:stop]))
-        if not found:
+        end_token = next((end for end in HARMONY_ENDS if self.text.startswith(end, stop)), None)
+        if end_token is None:
             self.pos = stop
             return False
-        end_token = next(end for end in HARMONY_ENDS if self.text.startswith(end, stop))
         self.pos, self.in_call = stop + len(end_token), False
         return True
