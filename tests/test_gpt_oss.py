@@ -107,3 +107,22 @@ def test_gpt_oss_refusals(tiny_models):
         LLMEngine(EngineConfig(model=folder, tensor_parallel_size=2))
     with pytest.raises(ValueError, match="(?i)fp8"):
         LLMEngine(EngineConfig(model=folder, quantization="fp8"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_mxfp4_checkpoint_on_the_gpu_is_its_dequantised_twin(tiny_models, tmp_path):
+    """On the GPU the MXFP4 pairs are dequantised there: the model computes, bit for bit, what the same
+    model loaded from its dequantised values computes (Triton kernels, CUDA graphs)."""
+    from conftest import run_greedy
+
+    folder = tmp_path / "gpt-oss-mxfp4"
+    oracle = _mxfp4_checkpoint(tiny_models["gpt_oss"], folder)
+    prompts = random_prompts(4, 1, 60, seed=6)
+    results = [run_greedy(LLMEngine(EngineConfig(model=str(path), dtype="float32", max_num_batched_tokens=64,
+                                                 block_size=16)), prompts, 8, capture_logits=True)
+               for path in (folder, oracle)]
+    (tokens, logits), (want_tokens, want_logits) = results
+    assert tokens == want_tokens
+    for i in want_logits:
+        assert all(torch.equal(a, b) for a, b in zip(logits[i], want_logits[i], strict=True))
