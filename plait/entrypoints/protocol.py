@@ -880,9 +880,18 @@ class PoolingBody(_RequestModel):
         """Refuse combinations of fields (ProtocolError, a 400 naming the field)."""
 
 
+def _input_or_messages_schema(schema: dict[str, Any]) -> None:
+    """_request_schema, and the rule check_supported enforces: the body holds input or messages, so that
+    clients (and fuzzers' valid cases) see that one of them is required."""
+    _request_schema(schema)
+    schema["anyOf"] = [{"required": ["input"]}, {"required": ["messages"]}]
+
+
 class PoolingInputRequest(PoolingBody, ChatTemplateRequest):
     """What /v1/embeddings, /classify and /pooling take: an input or a batch of them, or (vLLM's chat form)
     messages, rendered under the chat template into one input."""
+
+    model_config = ConfigDict(json_schema_extra=_input_or_messages_schema)
 
     # One input (text or token ids) or a batch of them, each pooled alone.
     input: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None
