@@ -463,15 +463,15 @@ class MoEConfig:
         if not num_experts:
             return None
         # Mixtral's and GPT-OSS's experts are intermediate_size wide, and their top-k weights sum to one.
-        mixtral = model_type in ("mixtral", "gpt_oss")
+        mixtral_like = model_type in ("mixtral", "gpt_oss")
         step = cfg.get("decoder_sparse_step") or 1
         only_mlp = set(cfg.get("mlp_only_layers") or [])
         dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only_mlp or (i + 1) % step)
         return cls(
             num_experts=num_experts,
             top_k=cfg.get("num_experts_per_tok", 2),
-            intermediate_size=cfg["intermediate_size"] if mixtral else cfg["moe_intermediate_size"],
-            renormalize=True if mixtral else bool(cfg.get("norm_topk_prob", False)),
+            intermediate_size=cfg["intermediate_size"] if mixtral_like else cfg["moe_intermediate_size"],
+            renormalize=True if mixtral_like else bool(cfg.get("norm_topk_prob", False)),
             shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
             dense_layers=dense,
         )

@@ -14,10 +14,9 @@ from plait.config import ModelConfig
 from plait.layers.linear import Linear, deferred_device
 from plait.layers.moe import GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT, SWIGLU_OAI, FusedMoE
 from plait.layers.mxfp4 import MxFp4Pairs
-from plait.layers.norm import RMSNorm
 from plait.models.layer_kinds import SLIDING, layer_types
 from plait.models.llama import Attention, DecoderLayer, LlamaModel, MoeForCausalLM
-from plait.models.weights import load_decoder_weights
+from plait.models.weights import halves_order, load_decoder_weights
 
 # Every other layer slides, the first among them (GptOssConfig.layer_types' default).
 DEFAULT_SLIDING_PATTERN = 2
@@ -53,15 +52,14 @@ class GptOssMoE(nn.Module):
 
 
 class GptOssDecoderLayer(DecoderLayer):
-    """The Llama layer (DecoderLayer.forward) around GPT-OSS's attention and MoE block."""
+    """The Llama layer around GPT-OSS's attention and MoE block."""
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
-        nn.Module.__init__(self)  # not DecoderLayer's, which would build a SiLU MoE block to throw away
+    def make_attention(self, cfg: ModelConfig, layer_idx: int) -> GptOssAttention:
         kind = layer_types(cfg.raw, DEFAULT_SLIDING_PATTERN)[layer_idx]
-        self.self_attn = GptOssAttention(cfg, layer_idx, sliding=kind == SLIDING)
-        self.mlp = GptOssMoE(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        return GptOssAttention(cfg, layer_idx, sliding=kind == SLIDING)
+
+    def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> GptOssMoE:
+        return GptOssMoE(cfg)
 
 
 class GptOssModel(LlamaModel):
@@ -97,18 +95,23 @@ def expert_weights(weights: Iterable[tuple[str, torch.Tensor]], device: torch.de
             yield f"{prefix}.{EXPERT_BIAS_NAMES[leaf]}", bias
         elif leaf in ("gate_up_proj", "down_proj"):
             # transformers' layout is [E, in, out]: FusedMoE's rows are the outputs
-            weight = tensor.transpose(1, 2)
-            yield f"{prefix}.{leaf}", gate_up_halves(weight, dim=1) if leaf == "gate_up_proj" else weight
+            yield f"{prefix}.{leaf}", fused_rows(leaf, tensor.transpose(1, 2))
         else:
             done = pairs.add(name, tensor)  # the blocks or scales of an MXFP4 tensor: [E, out, in] once whole
             if done is not None:
                 full_name, weight = done
-                leaf = full_name.rpartition(".")[2]
-                yield full_name, gate_up_halves(weight, dim=1) if leaf == "gate_up_proj" else weight
+                yield full_name, fused_rows(full_name.rpartition(".")[2], weight)
     pairs.check_empty()
 
 
+def fused_rows(projection: str, weight: torch.Tensor) -> torch.Tensor:
+    """An expert projection's [E, out, in] weight in FusedMoE's row order: gate_up_proj's interleaved rows as
+    all gates, then all ups; down_proj's as they are."""
+    return gate_up_halves(weight, dim=1) if projection == "gate_up_proj" else weight
+
+
 def gate_up_halves(tensor: torch.Tensor, dim: int) -> torch.Tensor:
-    """Interleaved gate/up entries along ``dim`` (gate 0, up 0, gate 1, ...) as all gates, then all ups."""
-    index = torch.arange(tensor.shape[dim], device=tensor.device)
-    return tensor.index_select(dim, torch.cat([index[0::2], index[1::2]]))
+    """Interleaved gate/up entries along ``dim`` (gate 0, up 0, gate 1, ...) as all gates, then all ups: the
+    even entries, then the odd ones (weights.halves_order over the whole dimension)."""
+    size = tensor.shape[dim]
+    return tensor.index_select(dim, halves_order(size, size).to(tensor.device))

@@ -113,11 +113,19 @@ class SparseMoeBlock(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
-        sparse = cfg.moe is not None and layer_idx not in cfg.moe.dense_layers
-        self.mlp = SparseMoeBlock(cfg) if sparse else MLP(cfg)
+        self.self_attn = self.make_attention(cfg, layer_idx)
+        self.mlp = self.make_mlp(cfg, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def make_attention(self, cfg: ModelConfig, layer_idx: int) -> Attention:
+        """The layer's attention (a family with its own overrides this, as GPT-OSS does)."""
+        return Attention(cfg, layer_idx)
+
+    def make_mlp(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
+        """The layer's feed-forward: a sparse MoE block where the config's MoE covers it, else an MLP."""
+        sparse = cfg.moe is not None and layer_idx not in cfg.moe.dense_layers
+        return SparseMoeBlock(cfg) if sparse else MLP(cfg)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, batch: ForwardBatch,
