@@ -287,6 +287,7 @@ class MistralReasoningParser(ReasoningParser):
 HARMONY_REASONING_CHANNEL = "analysis"
 # A header naming a function recipient (HARMONY_FUNCTION_RECIPIENT) makes the message a tool call, which
 # the "openai" tool parser reads.
+HARMONY_TOKEN_PREFIX = "<|"  # every harmony token's start: a header without one is no harmony at all
 HARMONY_TOOL_CALL = "tool call"  # the parser's name for such a message's channel
 _HARMONY_CHANNEL_NAME = re.compile(re.escape(HARMONY_CHANNEL) + r"\s*(\w+)")
 
@@ -307,7 +308,6 @@ class GptOssReasoningParser(ReasoningParser):
         self._header = ""  # the current message's header, up to its <|message|>
         self._channel = self._prompt_channel(prompt)  # None: in a header
         self._opened = self._channel == HARMONY_REASONING_CHANNEL
-        self._to_recipient = False  # the current message is a tool call: passed on whole
 
     @property
     def has_reasoning(self) -> bool:
@@ -338,10 +338,10 @@ class GptOssReasoningParser(ReasoningParser):
                 (reasoning if self._channel == HARMONY_REASONING_CHANNEL else content).append(text)
                 if end is None:
                     break
-                if self._to_recipient:
+                if self._channel == HARMONY_TOOL_CALL:  # passed on whole, its end token too
                     content.append(end)
-                self._channel, self._to_recipient = None, False
-        if final and not any(tag in self._header for tag in (HARMONY_START, HARMONY_CHANNEL, "<|")):
+                self._channel = None
+        if final and HARMONY_TOKEN_PREFIX not in self._header:
             content.append(self._header)  # an output that is not harmony at all
             self._header = ""
         return ReasoningDelta("".join(reasoning), "".join(content))
@@ -354,8 +354,7 @@ class GptOssReasoningParser(ReasoningParser):
             self._header, self._pending = header, ""
             return False
         self._channel = _channel_name(header[:at])
-        self._to_recipient = HARMONY_FUNCTION_RECIPIENT.search(header[:at]) is not None
-        if self._to_recipient:
+        if HARMONY_FUNCTION_RECIPIENT.search(header[:at]) is not None:
             self._channel = HARMONY_TOOL_CALL
             content.append(header[:at + len(HARMONY_MESSAGE)])
         self._header, self._pending = "", header[at + len(HARMONY_MESSAGE):]
