@@ -1,6 +1,7 @@
 """Tensor parallelism on GPUs (pytest -m gpu, 2 or more GPUs): a bf16 checkpoint split over two GPUs (NCCL,
 Triton attention, CUDA graphs with the all-reduces captured, overlapped steps) runs the model one GPU runs: a
-dense Llama, and sparse MoE models (Qwen3-MoE, Mixtral: every expert's width split, routers replicated)."""
+dense Llama, and sparse MoE models (Qwen3-MoE, Mixtral, GPT-OSS: every expert's width split, routers
+replicated)."""
 
 from __future__ import annotations
 
@@ -67,15 +68,22 @@ def checkpoint(tmp_path_factory):
     return _save_random(tmp_path_factory, cfg, "llama-tp")
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral", "gpt_oss"])
 def moe_checkpoint(request, tmp_path_factory):
-    """(family, folder): a random Qwen3-MoE (16 experts, top 4, renormalised; q/k norms) or Mixtral (8
-    experts, top 2)."""
-    from transformers import MixtralConfig, Qwen3MoeConfig
+    """(family, folder): a random Qwen3-MoE (16 experts, top 4, renormalised; q/k norms), Mixtral (8
+    experts, top 2) or GPT-OSS (8 experts, top 4, with biases and the clamped SwiGLU; sinks; every other
+    layer's window shorter than the prompts)."""
+    from transformers import GptOssConfig, MixtralConfig, Qwen3MoeConfig
 
     if request.param == "qwen3_moe":
         cfg = Qwen3MoeConfig(hidden_size=1024, num_hidden_layers=4, moe_intermediate_size=512, num_experts=16,
                              num_experts_per_tok=4, norm_topk_prob=True, **ATTENTION)
+    elif request.param == "gpt_oss":
+        yarn = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 150_000.0, "beta_fast": 32.0,
+                "beta_slow": 1.0, "original_max_position_embeddings": 512, "truncate": False}
+        cfg = GptOssConfig(hidden_size=1024, intermediate_size=512, num_hidden_layers=4, num_local_experts=8,
+                           num_experts_per_tok=4, sliding_window=128, rope_parameters=yarn,
+                           **(ATTENTION | {"rope_theta": 150_000.0}))
     else:
         cfg = MixtralConfig(hidden_size=1024, intermediate_size=512, num_hidden_layers=4, num_local_experts=8,
                             num_experts_per_tok=2, **ATTENTION)

@@ -127,6 +127,7 @@ def load_model(
         # rank's slice is as random as the whole.
         _init_dummy(model, config.seed)
     else:
+        weights = model.checkpoint_layout(weights)
         if shard is not None:
             weights = shard.checkpoint(weights)
         weights = _tap_kv_scales(weights, kv_scales)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -40,6 +42,14 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # hidden: [S, hidden] (only the sampled positions) -> [S, vocab] in fp32
         return logits_fp32(hidden, self.lm_head.weight)
+
+    def checkpoint_layout(self, weights: Iterable[tuple[str, torch.Tensor]]
+                          ) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors in the names and layouts of the model's own parameters where they differ
+        by more than a slice (GPT-OSS's interleaved, transposed or MXFP4 experts). The loaders call it before
+        tensor parallelism slices each tensor, so that the slices are the model's; load_weights then takes
+        them. Most checkpoints are already so."""
+        return weights
 
 
 class RecurrentCausalLM(CausalLM):

@@ -16,7 +16,7 @@ from plait.layers.moe import GPT_OSS_SWIGLU_ALPHA, GPT_OSS_SWIGLU_LIMIT, SWIGLU_
 from plait.layers.mxfp4 import MxFp4Pairs
 from plait.models.layer_kinds import SLIDING, layer_types
 from plait.models.llama import Attention, DecoderLayer, LlamaModel, MoeForCausalLM
-from plait.models.weights import halves_order, load_decoder_weights
+from plait.models.weights import halves_order
 
 # Every other layer slides, the first among them (GptOssConfig.layer_types' default).
 DEFAULT_SLIDING_PATTERN = 2
@@ -72,8 +72,9 @@ class GptOssForCausalLM(MoeForCausalLM):
 
     model_class = GptOssModel
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_decoder_weights(self, expert_weights(weights, self.model.embed_tokens.weight.device))
+    def checkpoint_layout(self, weights: Iterable[tuple[str, torch.Tensor]]
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+        return expert_weights(weights, self.model.embed_tokens.weight.device)
 
 
 # A GPT-OSS checkpoint's expert tensors under plait's FusedMoE names.

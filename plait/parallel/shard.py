@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from plait.config import ModelConfig
-from plait.models.llama import SparseMoeBlock
+from plait.layers.moe import FusedMoE
 from plait.parallel.group import DRIVER_RANK, TPGroup
 
 # The decoders whose layers are the Llama family's attention and MLP or sparse MoE block: those a rank can
@@ -23,18 +23,23 @@ SHARDABLE_ARCHITECTURES = frozenset({
     "GraniteForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
     "SmolLM3ForCausalLM", "Ministral3ForCausalLM", "SeedOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
-    "Ernie4_5ForCausalLM", "Exaone4ForCausalLM",
+    "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM",
 })
-# A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias").
-ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)\.(weight|bias)$")
+# A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias"), or (its own name,
+# None) for a tensor of the attention itself (GPT-OSS's ``self_attn.sinks``, one per query head).
+ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)(?:\.(weight|bias))?$")
 # A feed-forward's: a dense MLP's (``mlp.gate_proj.weight``), a routed expert's
 # (``mlp.experts.3.up_proj.weight``, Mixtral's ``block_sparse_moe.experts.3.w1.weight``), transformers 5's
-# stacked experts (``mlp.experts.gate_up_proj``) or a shared expert's
+# stacked experts (``mlp.experts.gate_up_proj``, and FusedMoE's ``gate_up_bias`` / ``down_bias`` as
+# GPT-OSS's checkpoint_layout names its experts' biases) or a shared expert's
 # (``mlp.shared_expert.down_proj.weight``): (which MLP, projection, "weight" | "bias" | None). Routers
-# (``mlp.gate``, ``block_sparse_moe.gate``, ``shared_expert_gate``) are replicated.
+# (``mlp.gate``, ``block_sparse_moe.gate``, ``shared_expert_gate``, GPT-OSS's ``mlp.router``) are replicated.
 FFN_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\."
                         r"(experts\.\d+\.|experts\.|shared_expert\.)?"
-                        r"(gate_proj|up_proj|down_proj|gate_up_proj|w1|w2|w3)(?:\.(weight|bias))?$")
+                        r"(gate_proj|up_proj|down_proj|gate_up_proj|gate_up_bias|down_bias|w1|w2|w3)"
+                        r"(?:\.(weight|bias))?$")
+# FusedMoE's stacked expert biases: the projection each belongs to.
+STACKED_EXPERT_BIASES = {"gate_up_bias": "gate_up_proj", "down_bias": "down_proj"}
 # Column-parallel (each rank keeps some output rows) and row-parallel (some input columns) projections;
 # Mixtral names gate, up and down w1, w3 and w2.
 COLUMN_PARALLEL = ("gate_proj", "up_proj", "w1", "w3")
@@ -85,6 +90,8 @@ class Shard:
             if kind == "bias":
                 return self._summed_bias(t)
             return self._part(t, 1, self.local.num_attention_heads * d)
+        if proj == "sinks":  # one per query head
+            return self._part(t, 0, self.local.num_attention_heads)
         if proj == "qkv_proj":  # Phi-3's fused q, k, v rows
             c = self.full
             q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
@@ -155,5 +162,6 @@ def sum_row_parallel_outputs(model: nn.Module, group: TPGroup) -> None:
     partial sums together) are summed over the ranks after each call, so every rank's residual stream is the
     whole model's."""
     for name, module in model.named_modules():
-        if name.endswith(("self_attn.o_proj", "mlp.down_proj")) or isinstance(module, SparseMoeBlock):
+        moe_block = any(isinstance(child, FusedMoE) for child in module.children())
+        if name.endswith(("self_attn.o_proj", "mlp.down_proj")) or moe_block:
             module.register_forward_hook(lambda _m, _x, out: group.all_reduce_(out))

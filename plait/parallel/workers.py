@@ -243,7 +243,7 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
         elif kind == LOAD_WEIGHTS:
             slices, refused = _ReceivedSlices(conn), None
             try:
-                runner.load_weights(iter(slices))
+                runner.load_weights(iter(slices), in_model_layout=True)
             except ValueError as err:  # the driver's load says the same of its own slices
                 refused = str(err)
             finally:

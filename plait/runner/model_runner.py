@@ -275,14 +275,19 @@ class ModelRunner:
                     (self.runner_type == "pooling", "a pooling model (its checkpoint's LM head is dropped)")]
         return next((what for refused, what in refusals if refused), None)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], in_model_layout: bool = False
+                     ) -> None:
         """Copy HF-named tensors into the model's parameters (LLMEngine.load_weights), cast as the loader
-        casts them, then fold the MLP norms again where the model folds them."""
+        casts them, then fold the MLP norms again where the model folds them. in_model_layout: the tensors
+        already went through the model's checkpoint_layout (a tensor-parallel rank's slices, from the
+        driver)."""
         refusal = self.load_weights_refusal()
         if refusal is not None:
             raise ValueError(f"load_weights is not supported for {refusal}")
         if self._sleep_weights is not None and self._sleep_weights.released:
             raise ValueError("the weights are asleep: wake_up(tags=['weights']) before load_weights")
+        if not in_model_layout:
+            weights = self.model.checkpoint_layout(weights)
         if self.workers is not None:
             self._load_split_weights(weights)
             return
