@@ -892,7 +892,7 @@ def test_gpu_fused_moe_fp8_replays_in_a_cuda_graph(qwen_fp8_experts, t):
 
 
 # gpt-oss-20b's experts: 32 of width 2880 on a 2880-wide stream, 4 a token (16-bit here; its checkpoints
-# hold them in MXFP4, which the loader widens).
+# hold them in MXFP4, which tests/test_mxfp4_moe.py covers).
 GPT_OSS_20B = dict(experts=32, top_k=4, hidden=2880, inter=2880)
 
 

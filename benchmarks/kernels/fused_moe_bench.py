@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/kernels/fused_moe_bench.py --out benchmarks/results/fused_moe_h200.json
     PYTHONPATH=. python benchmarks/kernels/fused_moe_bench.py --sweep --out /tmp/fused_moe_sweep.json
     PYTHONPATH=. python benchmarks/kernels/fused_moe_bench.py --fp8 --no-ref --out /tmp/fused_moe_fp8.json
+    PYTHONPATH=. python benchmarks/kernels/fused_moe_bench.py --mxfp4 gpt-oss-120b --out /tmp/mxfp4.json
 
 fused_moe is timed as the median of CUDA-graph replays (triton.testing.do_bench_cudagraph), each graph a run
 of back-to-back calls as a captured step holds them; the calls cycle through several copies of the layer's
@@ -19,6 +20,12 @@ batch invariance of the K loop: note it before adopting one).
 (quantised per token and K group inside fused_moe). Its touched bytes count the 1-byte codes and their fp32
 tile scales; its error is against the FP8 reference (fused_moe_ref with the scales, fp32 arithmetic rounded
 where the kernel rounds). The sweeps stay bf16-only (the FP8 kernels' K step is the tile's bk).
+
+--mxfp4 MODEL times a gpt-oss layer's experts (MODEL: a key of GPT_OSS; biases, the clamped SwiGLU) held in
+MXFP4 (W4A16: packed E2M1 codes and E8M0 scales, decoded in the kernels' K loops) against the same experts in
+bf16 (the MXFP4 values dequantised, which bf16 holds exactly), at every T: both timed as above, the touched
+bytes each reads (MXFP4: codes and scales, 4.25 bits a weight), and the largest difference between the two
+outputs (the same tiles multiply the same values: zero unless the two paths' tiles differ).
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from plait.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_con
 from plait.layers.fp8_block import quantize_blocks
 
 QWEN3_30B_A3B = dict(experts=128, top_k=8, hidden=2048, inter=768)
+GPT_OSS = {"gpt-oss-20b": dict(experts=32, top_k=4, hidden=2880, inter=2880),
+           "gpt-oss-120b": dict(experts=128, top_k=4, hidden=2880, inter=2880)}
 T_VALUES = (1, 2, 4, 8, 16, 32, 64, 256, 1024, 4096)
 DTYPE = torch.bfloat16
 DEVICE = "cuda"
@@ -202,6 +211,78 @@ def bench_t(c: dict, layers, t: int, sweep: bool, with_ref: bool, gemv_sweep: bo
     return row
 
 
+def mxfp4_layer_copies(c: dict, l2_bytes: int) -> list[tuple[dict, dict]]:
+    """(bf16 kwargs, MXFP4 kwargs) of fused_moe per weight copy: random MXFP4 experts (uniform code bytes,
+    scales putting each row's norm near 1), the bf16 twin their exact values; biases, the clamped SwiGLU."""
+    from plait.kernels.fused_moe import dequantize_mxfp4_experts
+    from plait.layers.moe import SWIGLU_OAI
+    from plait.layers.mxfp4 import BLOCK_VALUES, E8M0_BIAS
+
+    e, h, i = c["experts"], c["hidden"], c["inter"]
+    count = max(2, min(MAX_COPIES, math.ceil(L2_COPIES_FACTOR * l2_bytes / (3 * e * h * i // 2))))
+    copies = []
+    for _ in range(count):
+        common = {"w13_bias": torch.randn(e, 2 * i, device=DEVICE, dtype=DTYPE) * 0.1,
+                  "w2_bias": torch.randn(e, h, device=DEVICE, dtype=DTYPE) * 0.1, "activation": SWIGLU_OAI}
+        packed = {}
+        for name, (n, k) in (("w13", (2 * i, h)), ("w2", (h, i))):
+            # random codes' values have an rms of ~2.9: 2^-(log2(2.9 * sqrt(k))) brings a row's norm near 1
+            exponent = E8M0_BIAS - round(math.log2(2.9 * math.sqrt(k)))
+            packed[name] = torch.randint(0, 256, (e, n, k // 2), dtype=torch.uint8, device=DEVICE)
+            packed[f"{name}_scale"] = torch.randint(exponent - 1, exponent + 1, (e, n, k // BLOCK_VALUES),
+                                                    dtype=torch.uint8, device=DEVICE)
+        twin = {name: dequantize_mxfp4_experts(packed[name], packed[f"{name}_scale"], DTYPE)
+                for name in ("w13", "w2")}
+        copies.append((twin | common, packed | common))
+    return copies
+
+
+def bench_mxfp4(c: dict, copies: list[tuple[dict, dict]], t: int) -> dict:
+    e, k, h, i = c["experts"], c["top_k"], c["hidden"], c["inter"]
+    x = torch.randn(t, h, device=DEVICE, dtype=DTYPE)
+    weights, ids = routing(t, e, k, seed=t)
+    distinct = int(torch.unique(ids).numel())
+    flops = 6 * t * k * h * i
+    row = {"T": t, "distinct_experts": distinct, "flops": flops}
+    for label, which in (("bf16", 0), ("mxfp4", 1)):
+        layers = [copy[which] for copy in copies]
+        touched = distinct * sum(v[0].numel() * v.element_size() for name, v in layers[0].items()
+                                 if name in ("w13", "w2", "w13_scale", "w2_scale"))
+        ms = graph_ms(layers, x, weights, ids, None)
+        row[label] = {"touched_bytes": touched, **rates(ms, touched, flops)}
+        row[label]["paths"] = {name: graph_ms(layers, x, weights, ids, None, gemv=flag)
+                               for name, flag in (("gemv", True), ("grouped", False))}
+    twin, packed = copies[0]
+    got = fused_moe(x, topk_weights=weights, topk_ids=ids, **packed).float()
+    want = fused_moe(x, topk_weights=weights, topk_ids=ids, **twin).float()
+    row["max_abs_diff_vs_bf16_twin"] = (got - want).abs().max().item()
+    row["bf16_over_mxfp4"] = row["bf16"]["ms"] / row["mxfp4"]["ms"]
+    return row
+
+
+def main_mxfp4(model: str, tokens: list[int], out: Path | None) -> None:
+    c = GPT_OSS[model]
+    props = torch.cuda.get_device_properties(0)
+    copies = mxfp4_layer_copies(c, props.L2_cache_size)
+    result = {"device": props.name, "model": model, "dtype": str(DTYPE), "shape": c,
+              "weight_copies": len(copies), "rows": []}
+    t0 = time.perf_counter()
+    for t in tokens:
+        row = bench_mxfp4(c, copies, t)
+        result["rows"].append(row)
+        b, m = row["bf16"], row["mxfp4"]
+        print(f"T={t:5d} experts {row['distinct_experts']:3d}  "
+              f"bf16 {b['ms']:8.4f} ms {b['weight_GBps']:6.0f} GB/s"
+              f"  mxfp4 {m['ms']:8.4f} ms {m['weight_GBps']:6.0f} GB/s {m['TFLOPs']:6.1f} TFLOP/s"
+              f"  (gemv {m['paths']['gemv']:.4f} / grouped {m['paths']['grouped']:.4f})"
+              f"  bf16/mxfp4 {row['bf16_over_mxfp4']:.2f}x  diff {row['max_abs_diff_vs_bf16_twin']:.1e}",
+              flush=True)
+    result["wall_s"] = time.perf_counter() - t0
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
@@ -213,9 +294,14 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true",
                         help=f"also time block-wise FP8 experts (the same experts quantised in {FP8_BLOCK} "
                              "tiles) at every T")
+    parser.add_argument("--mxfp4", choices=sorted(GPT_OSS),
+                        help="time this gpt-oss layer's experts in MXFP4 against their bf16 twin instead")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("fused_moe_bench needs a CUDA device")
+    if args.mxfp4:
+        main_mxfp4(args.mxfp4, args.tokens, args.out)
+        return
     c = QWEN3_30B_A3B
     props = torch.cuda.get_device_properties(0)
     layers = layer_copies(c, props.L2_cache_size)

@@ -24,6 +24,14 @@
 # (quantize_groups_fp8: x before GEMM 1, h before GEMM 2), and the kernels walk K one bk block at a time,
 # scaling each block's sum of code products by the row's and the tile's scales into an fp32 accumulator;
 # every rounding to x's dtype stays where it is for 16-bit weights.
+#
+# MXFP4 experts (W4A16, as gpt-oss's checkpoints hold them; plait.layers.mxfp4): w13 / w2 uint8, two E2M1
+# codes a byte (the low nibble first) along K, one E8M0 scale byte per 32 of K (w13_scale [E, 2I, H / 32],
+# w2_scale [E, H, I / 32]). Each K step of the kernels loads its [BLOCK_N, BLOCK_K / 32, 16] bytes (one
+# 32-value group's 16 bytes contiguous) and its [BLOCK_N, BLOCK_K / 32, 1] scale bytes and decodes them in
+# registers to x's dtype (_mxfp4_tile), then takes the 16-bit weights' dot or fp32 lanes. Every FP4 value
+# times a power of two is exact in fp32 and bf16, so with the same tiles the kernels compute on exactly
+# dequantize_mxfp4's weights: the same results, bit for bit, as on those weights in 16 bits.
 
 from __future__ import annotations
 
@@ -48,14 +56,33 @@ from plait.layers.moe import (  # the names fused_moe takes (layers.moe: importa
     SILU,
     SWIGLU_OAI,
 )
+from plait.layers.mxfp4 import BLOCK_VALUES, CODES_PER_BYTE, MXFP4_DTYPE, dequantize_mxfp4
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ID_DTYPES = (torch.int32, torch.int64)
 FP8_DTYPE = torch.float8_e4m3fn  # block-wise FP8 experts' codes
+# MXFP4 experts: a scale group's bytes (BLOCK_VALUES values, plait.layers.mxfp4).
+MXFP4_GROUP_BYTES = BLOCK_VALUES // CODES_PER_BYTE
 # The kernels' ACTIVATION constexpr for each of plait.layers.moe's ACTIVATIONS.
 _SILU_ID = tl.constexpr(0)
 _SWIGLU_OAI_ID = tl.constexpr(1)
 _ACTIVATION_IDS = {SILU: _SILU_ID.value, SWIGLU_OAI: _SWIGLU_OAI_ID.value}
+# MXFP4 decoding (_mxfp4_tile). An E2M1 code's sign bit (3) goes to fp32's sign bit (31), its two exponent
+# bits and one mantissa bit (0..2) to fp32's two lowest exponent bits and top mantissa bit (22..24): read as
+# fp32, that is the code's value times 2^-126 (E2M1's exponent bias is 1, fp32's 127), its 0.5 (exponent 0,
+# mantissa 1) landing on fp32's subnormal 2^-127, so one product by 2^126 gives every code's value exactly.
+_FP4_FP32_BITS = tl.constexpr(-(1 << 31) | (0x7 << 22))  # bits 31 and 22..24, as an int32
+_LO_NIBBLE_TO_TOP = tl.constexpr(28)  # left shifts taking a byte's low / high nibble to bits 28..31
+_HI_NIBBLE_TO_TOP = tl.constexpr(24)
+_TOP_TO_FP32 = tl.constexpr(6)  # bits 28..30 down to 22..24 (an arithmetic shift: bit 31 stays)
+_FP4_UNSCALE = tl.constexpr(2.0**126)
+_FP32_MANTISSA_BITS = tl.constexpr(23)
+# An E8M0 byte e >= 1 (bias 127, as fp32's exponent) is the fp32 with exponent field e; 0 (2^-127) is fp32's
+# subnormal.
+_E8M0_ZERO_BITS = tl.constexpr(1 << 22)
+_MX_GROUP = tl.constexpr(BLOCK_VALUES)
+_MX_GROUP_BYTES = tl.constexpr(MXFP4_GROUP_BYTES)
+_MX_PACK = tl.constexpr(CODES_PER_BYTE)
 
 # -- tile sizes ---------------------------------------------------------------------------------------------
 # Decode-sized batches: an expert gets few rows, so 16-row blocks (tl.dot's smallest M) waste little padding.
@@ -101,6 +128,9 @@ GEMV_MAX_ENTRIES = 128
 # Tiles from a sweep of 54 (T = 1..32): within 4% of each T's best up to 128 entries, one K order for all.
 GEMV_BLOCK_N = 8  # weight rows a GEMV program reads (of the gate and of the up half each, for GEMM 1)
 GEMV_BLOCK_K = 256  # 16-bit inputs: 512-byte row segments
+# MXFP4 weights: 256-byte row segments, so that GEMV_BLOCK_N rows are still one 16-byte load a thread on
+# GEMV_WARPS warps (untimed; 256 would halve the loads' width).
+MXFP4_GEMV_BLOCK_K = 512
 GEMV_WARPS = 4
 GEMV_STAGES = 2
 
@@ -225,6 +255,75 @@ def _dot(a, b, acc, DOT_PRECISION: tl.constexpr, IN_FP32: tl.constexpr):
     return acc
 
 
+@triton.jit
+def _mxfp4_ptrs(w_ptr, s_ptr, rows, stride_wn, stride_sn, stride_sk, BLOCK_K: tl.constexpr,
+                K_MAJOR: tl.constexpr):
+    """K step 0 of MXFP4 weight rows (rows: [BLOCK_N] int64; w_ptr, s_ptr: the expert's bytes and scales):
+    bytes [BLOCK_N, G, 16] (G = BLOCK_K / 32 groups), each group's 16 contiguous (one 16-byte load; rows
+    are a multiple of 16 bytes, as K is of 32), and the groups' scale bytes [BLOCK_N, G, 1], broadcast in
+    the bytes' layout; K_MAJOR: [G, 16, BLOCK_N] and [G, 1, BLOCK_N] (see _mxfp4_tile)."""
+    groups = tl.arange(0, BLOCK_K // _MX_GROUP)
+    group_bytes = tl.arange(0, _MX_GROUP_BYTES)
+    if K_MAJOR:
+        w_ptrs = (w_ptr + rows[None, None, :] * stride_wn + groups[:, None, None] * _MX_GROUP_BYTES
+                  + group_bytes[None, :, None])
+        s_ptrs = s_ptr + rows[None, None, :] * stride_sn + groups[:, None, None] * stride_sk
+    else:
+        w_ptrs = (w_ptr + rows[:, None, None] * stride_wn + groups[None, :, None] * _MX_GROUP_BYTES
+                  + group_bytes[None, None, :])
+        s_ptrs = s_ptr + rows[:, None, None] * stride_sn + groups[None, :, None] * stride_sk
+    return w_ptrs, s_ptrs
+
+
+@triton.jit
+def _fp4_values(top, scale):
+    """fp32 values of the E2M1 codes in bits 28..31 of ``top`` (int32; bits below 28 are dropped) times
+    ``scale`` (fp32 powers of two): exact (inf past fp32's range)."""
+    # Down with the sign copied: sign on bit 31, the rest on 22..24 (_FP4_FP32_BITS drops the copies).
+    bits = (top >> _TOP_TO_FP32) & _FP4_FP32_BITS
+    return bits.to(tl.float32, bitcast=True) * _FP4_UNSCALE * scale
+
+
+@triton.jit
+def _mxfp4_tile(w_ptrs, scale, k_left, EVEN_K: tl.constexpr, out_ty: tl.constexpr, K_MAJOR: tl.constexpr):
+    """One K step's MXFP4 weights (_mxfp4_ptrs' bytes, ``scale`` their loaded E8M0 bytes) as values in
+    out_ty, [BLOCK_N, BLOCK_K] (K in order) or K_MAJOR [BLOCK_K, BLOCK_N] (tl.dot's B operand); groups from
+    k_left on (past K, unless EVEN_K) are zeros. Integer ops, two fp32 products and the conversion: exact in
+    fp32 and bf16, dequantize_mxfp4's values bit for bit (E8M0 bytes over 252 overflow as there; 255, NaN
+    to OCP, is inf here)."""
+    b = _load_groups(w_ptrs, k_left, EVEN_K, 0 if K_MAJOR else 1).to(tl.int32)
+    e = scale.to(tl.int32)
+    s = tl.where(e == 0, _E8M0_ZERO_BITS, e << _FP32_MANTISSA_BITS).to(tl.float32, bitcast=True)
+    lo = _fp4_values(b << _LO_NIBBLE_TO_TOP, s).to(out_ty)  # each byte's first value
+    hi = _fp4_values(b << _HI_NIBBLE_TO_TOP, s).to(out_ty)
+    if K_MAJOR:
+        # [G, 16, BLOCK_N, 2] -> [G, 16, 2, BLOCK_N] -> [BLOCK_K, BLOCK_N]. (Not a [BLOCK_N, BLOCK_K] tile
+        # transposed: the interpreter's np.matmul sums a transposed view's products in another order than
+        # a contiguous tile's, as the 16-bit weights' are.)
+        w = tl.permute(tl.join(lo, hi), 0, 1, 3, 2)
+        w = tl.reshape(w, (w.shape[0] * w.shape[1] * w.shape[2], w.shape[3]))
+    else:
+        w = tl.interleave(lo, hi)  # [BLOCK_N, G, 32]
+        w = tl.reshape(w, (w.shape[0], w.shape[1] * w.shape[2]))
+    return w
+
+
+@triton.jit
+def _load_groups(ptrs, k_left, EVEN_K: tl.constexpr, G_AXIS: tl.constexpr):
+    """_mxfp4_ptrs' bytes or scales (groups along G_AXIS); unless EVEN_K, groups from k_left on are zeros
+    (K is a multiple of 32: a group is all in or all out)."""
+    if EVEN_K:
+        v = tl.load(ptrs)
+    else:
+        groups = tl.arange(0, ptrs.shape[G_AXIS]) * _MX_GROUP < k_left
+        if G_AXIS == 0:
+            g_in = groups[:, None, None]
+        else:
+            g_in = groups[None, :, None]
+        v = tl.load(ptrs, mask=g_in, other=0)
+    return v
+
+
 # The entry count changes every step; specialising on it (== 1, divisible by 16) would compile new binaries
 # mid-run.
 @triton.jit(do_not_specialize=["num_entries"])
@@ -237,7 +336,7 @@ def _moe_gemm_kernel(
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BF16_DOT_IN_FP32: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
     W8A8: tl.constexpr = False, WEIGHT_BLOCK_N: tl.constexpr = 1, IMPRECISE_ACC: tl.constexpr = 0,
-    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = _SILU_ID,
+    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = _SILU_ID, W_MXFP4: tl.constexpr = False,
 ):
     # acc[entry, n] = sum_k a[entry // A_ROW_DIV, k] * w[expert, n, k] for the block's sorted entries.
     # GATE_UP (GEMM 1): out = act(acc, acc of weight row up_rows + n), rounded as torch rounds each step;
@@ -246,6 +345,9 @@ def _moe_gemm_kernel(
     # W8A8: a and w are FP8 codes; a's row r has scale sa[r, kb] for K block kb (BLOCK_K is the weight's bk)
     # and weight row n of expert e scale sw[e, n // WEIGHT_BLOCK_N, kb]; a program's BLOCK_N columns (of the
     # gate and of the up half each) lie in one tile row, so each K step takes one FP8 dot, scaled into acc.
+    # W_MXFP4: w holds two E2M1 codes a byte (w's strides in bytes), sw its E8M0 bytes, [E, N, K / 32]
+    # (BLOCK_K a multiple of 32); each K step's weights are decoded to a's dtype (_mxfp4_tile) for the dot,
+    # with the scales loaded a step ahead.
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -272,8 +374,19 @@ def _moe_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # columns past N re-read the last row, dropped too
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]  # [BLOCK_M, BLOCK_K]
-    # The weight as its transpose, [BLOCK_K, BLOCK_N], K contiguous: tl.dot's B operand.
-    w_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None]
+    if W_MXFP4:  # bytes [G, 16, BLOCK_N] and scales [G, 1, BLOCK_N] (G = BLOCK_K / 32), K_MAJOR
+        w_ptrs, s_ptrs = _mxfp4_ptrs(w_ptr + expert * stride_we, sw_ptr + expert * stride_swe, w_rows,
+                                     stride_wn, stride_swn, stride_swk, BLOCK_K, K_MAJOR=True)
+        up_s_off = up_rows.to(tl.int64) * stride_swn
+        s_step = (BLOCK_K // _MX_GROUP) * stride_swk
+        # The scales' loads (a byte a thread) stay in the loop where the software pipeliner leaves them
+        # (cp.async copies 4 bytes or more): each step loads the next one's, its latency under this step.
+        scale_g = _load_groups(s_ptrs, K, False, 0)
+        if GATE_UP:
+            scale_u = _load_groups(s_ptrs + up_s_off, K, False, 0)
+    else:
+        # The weight as its transpose, [BLOCK_K, BLOCK_N], K contiguous: tl.dot's B operand.
+        w_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None]
     up_off = up_rows.to(tl.int64) * stride_wn
     if W8A8:
         sa_ptrs = sa_ptr + a_rows * stride_sam  # [BLOCK_M]: the rows' scales of K block 0
@@ -285,10 +398,17 @@ def _moe_gemm_kernel(
     for it in range(trip_count(STATIC_K_ITERS, k_iters)):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
         else:
             k_in = offs_k < K - it * BLOCK_K
             a = tl.load(a_ptrs, mask=k_in[None, :], other=0.0)
+        if W_MXFP4:
+            s_ptrs += s_step
+            next_g = _load_groups(s_ptrs, K - (it + 1) * BLOCK_K, False, 0)
+            w = _mxfp4_tile(w_ptrs, scale_g, K - it * BLOCK_K, EVEN_K, a.dtype, K_MAJOR=True)
+            scale_g = next_g
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
             w = tl.load(w_ptrs, mask=k_in[:, None], other=0.0)
         if W8A8:
             sa = tl.load(sa_ptrs + it * stride_sak)  # fp32 [BLOCK_M]
@@ -297,7 +417,12 @@ def _moe_gemm_kernel(
         else:
             acc_g = _dot(a, w, acc_g, DOT_PRECISION, BF16_DOT_IN_FP32)
         if GATE_UP:
-            if EVEN_K:
+            if W_MXFP4:
+                next_u = _load_groups(s_ptrs + up_s_off, K - (it + 1) * BLOCK_K, False, 0)
+                w_up = _mxfp4_tile(w_ptrs + up_off, scale_u, K - it * BLOCK_K, EVEN_K, a.dtype,
+                                   K_MAJOR=True)
+                scale_u = next_u
+            elif EVEN_K:
                 w_up = tl.load(w_ptrs + up_off)
             else:
                 w_up = tl.load(w_ptrs + up_off, mask=k_in[:, None], other=0.0)
@@ -307,7 +432,10 @@ def _moe_gemm_kernel(
             else:
                 acc_u = _dot(a, w_up, acc_u, DOT_PRECISION, BF16_DOT_IN_FP32)
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        if W_MXFP4:
+            w_ptrs += BLOCK_K // _MX_PACK
+        else:
+            w_ptrs += BLOCK_K
     b_row = b_ptr + expert * stride_be
     b_g = _bias(b_row, w_rows, HAS_BIAS)[None, :]  # [1, BLOCK_N]
     b_u = _bias(b_row + up_rows, w_rows, HAS_BIAS and GATE_UP)[None, :]
@@ -377,6 +505,19 @@ def _swiglu_oai_rounded(gate, up, alpha, limit, out_ty: tl.constexpr, PRECISE: t
     return (_rounded(up + 1.0, out_ty) * glu).to(out_ty)
 
 
+@triton.jit
+def _mxfp4_lanes(w_ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, x_ty: tl.constexpr):
+    """_mxfp4_tile's [BLOCK_N, BLOCK_K] weights in fp32 as the GEMV widens weights of x's dtype (x_ty): fp32
+    and bf16 hold every decoded value exactly, so those are the fp32 values themselves (no round trip
+    through bf16); fp16's narrower range may round them, as dequantize_mxfp4 to fp16 does: rounded to it."""
+    scale = _load_groups(s_ptrs, k_left, EVEN_K, 1)
+    if x_ty == tl.float16:
+        w = _mxfp4_tile(w_ptrs, scale, k_left, EVEN_K, tl.float16, K_MAJOR=False).to(tl.float32)
+    else:
+        w = _mxfp4_tile(w_ptrs, scale, k_left, EVEN_K, tl.float32, K_MAJOR=False)
+    return w
+
+
 # The entry count changes every step: no specialisation on it (see _moe_gemm_kernel).
 @triton.jit(do_not_specialize=["num_entries"])
 def _moe_gemv_kernel(
@@ -385,13 +526,14 @@ def _moe_gemv_kernel(
     stride_be, alpha, limit, A_ROW_DIV: tl.constexpr, STATIC_K_ITERS: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
     PDL: tl.constexpr, W8A8: tl.constexpr = False, WEIGHT_BLOCK_N: tl.constexpr = 1,
-    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = _SILU_ID,
+    HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = _SILU_ID, W_MXFP4: tl.constexpr = False,
 ):
     # _moe_gemm_kernel's result for one entry (grid: entries x column tiles) without the alignment: the
     # entry's expert comes straight from topk_ids. Products add up along K in fp32 lanes, reduced at the end;
     # the same _epilogue (biases, activation, roundings) then.
     # W8A8 (see _moe_gemm_kernel; BLOCK_K is the weight's bk, BLOCK_N divides bn): each K block's products
     # of codes are reduced at once and scaled by the entry row's and the tile's scales into fp32 [BLOCK_N].
+    # W_MXFP4 (see _moe_gemm_kernel): each K step's weights decoded (_mxfp4_lanes) into the same fp32 lanes.
     pdl_prologue(PDL)
     entry = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + entry).to(tl.int64)
@@ -400,7 +542,13 @@ def _moe_gemv_kernel(
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # columns past N re-read the last row, never stored
     a_row = entry // A_ROW_DIV
     a_ptrs = a_ptr + a_row * stride_am + offs_k  # [BLOCK_K]
-    w_ptrs = w_ptr + expert * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :]  # [BLOCK_N, BLOCK_K]
+    if W_MXFP4:
+        w_ptrs, s_ptrs = _mxfp4_ptrs(w_ptr + expert * stride_we, sw_ptr + expert * stride_swe, w_rows,
+                                     stride_wn, stride_swn, stride_swk, BLOCK_K, K_MAJOR=False)
+        up_s_off = up_rows.to(tl.int64) * stride_swn
+    else:
+        # [BLOCK_N, BLOCK_K]
+        w_ptrs = w_ptr + expert * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :]
     up_off = up_rows.to(tl.int64) * stride_wn
     if W8A8:
         sa_ptrs = sa_ptr + a_row * stride_sam  # the entry row's scale of K block 0
@@ -415,10 +563,14 @@ def _moe_gemv_kernel(
     for it in range(trip_count(STATIC_K_ITERS, k_iters)):
         if EVEN_K:
             a = tl.load(a_ptrs).to(tl.float32)
-            w = tl.load(w_ptrs)
         else:
             k_in = offs_k < K - it * BLOCK_K
             a = tl.load(a_ptrs, mask=k_in, other=0.0).to(tl.float32)
+        if W_MXFP4:
+            w = _mxfp4_lanes(w_ptrs, s_ptrs, K - it * BLOCK_K, EVEN_K, a_ptr.dtype.element_ty)
+        elif EVEN_K:
+            w = tl.load(w_ptrs)
+        else:
             w = tl.load(w_ptrs, mask=k_in[None, :], other=0.0)
         if W8A8:
             sa = tl.load(sa_ptrs + it * stride_sak)
@@ -427,7 +579,10 @@ def _moe_gemv_kernel(
         else:
             acc_g += w.to(tl.float32) * a[None, :]
         if GATE_UP:
-            if EVEN_K:
+            if W_MXFP4:
+                w_up = _mxfp4_lanes(w_ptrs + up_off, s_ptrs + up_s_off, K - it * BLOCK_K, EVEN_K,
+                                    a_ptr.dtype.element_ty)
+            elif EVEN_K:
                 w_up = tl.load(w_ptrs + up_off)
             else:
                 w_up = tl.load(w_ptrs + up_off, mask=k_in[None, :], other=0.0)
@@ -437,7 +592,11 @@ def _moe_gemv_kernel(
             else:
                 acc_u += w_up.to(tl.float32) * a[None, :]
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
+        if W_MXFP4:
+            w_ptrs += BLOCK_K // _MX_PACK
+            s_ptrs += (BLOCK_K // _MX_GROUP) * stride_swk
+        else:
+            w_ptrs += BLOCK_K
     if not W8A8:  # the fp32 lanes, reduced once
         acc_g = tl.sum(acc_g, 1)
         if GATE_UP:
@@ -519,16 +678,26 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
            topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
            w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
            mlp: _ExpertMlp | None = None) -> tuple[int, int] | None:
-    """ValueError for arguments fused_moe does not take; FP8 weights' (bn, bk), None for 16/32-bit ones."""
+    """ValueError for arguments fused_moe does not take; FP8 weights' (bn, bk), None for 16/32-bit and MXFP4
+    ones."""
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
     fp8 = w13.dtype == FP8_DTYPE or w2.dtype == FP8_DTYPE
     if mlp is not None:
         _check_mlp(mlp, x, w13, fp8)
+    if is_mxfp4(w13):
+        _check_mxfp4(x, w13, w13_scale, w2_scale, block)
+        return None
     if not fp8:
         if w13_scale is not None or w2_scale is not None or block is not None:
-            raise ValueError(f"w13_scale, w2_scale and block are for {FP8_DTYPE} experts, not {w13.dtype}")
+            raise ValueError(f"w13_scale, w2_scale and block are for {FP8_DTYPE} and {MXFP4_DTYPE} (MXFP4) "
+                             f"experts, not {w13.dtype}")
         return None
     return _check_fp8(w13, w13_scale, w2_scale, block)
+
+
+def is_mxfp4(w13: torch.Tensor) -> bool:
+    """Whether fused_moe takes these experts as MXFP4 (packed E2M1 codes, w13_scale and w2_scale E8M0)."""
+    return w13.dtype == MXFP4_DTYPE
 
 
 def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -537,16 +706,20 @@ def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
     (t, h), (e, two_i, h13) = x.shape, w13.shape
+    mxfp4 = w13.dtype == MXFP4_DTYPE or w2.dtype == MXFP4_DTYPE
+    pack = CODES_PER_BYTE if mxfp4 else 1  # values a stored element along K
     if two_i % 2:
         raise ValueError(f"w13 needs gate rows then as many up rows, got {two_i} rows")
-    if h13 != h or w2.shape != (e, h, two_i // 2):
+    if h13 * pack != h or w2.shape[:2] != (e, h) or w2.shape[2] * pack != two_i // 2:
+        packed = " / 2 (two MXFP4 codes a byte)" if mxfp4 else ""
         raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not agree "
-                         f"(want w13 [E, 2I, {h}] and w2 [E, {h}, I])")
+                         f"(want w13 [E, 2I, {h}{packed}] and w2 [E, {h}, I{packed}])")
     fp8 = w13.dtype == FP8_DTYPE or w2.dtype == FP8_DTYPE
-    if fp8:
-        if x.dtype not in FLOAT_DTYPES or w13.dtype != FP8_DTYPE or w2.dtype != FP8_DTYPE:
-            raise ValueError(f"FP8 experts need both w13 and w2 in {FP8_DTYPE} and x in one of "
-                             f"{FLOAT_DTYPES}, got {w13.dtype}, {w2.dtype} and {x.dtype}")
+    if fp8 or mxfp4:
+        codes = FP8_DTYPE if fp8 else MXFP4_DTYPE
+        if x.dtype not in FLOAT_DTYPES or w13.dtype != codes or w2.dtype != codes:
+            raise ValueError(f"{'FP8' if fp8 else 'MXFP4'} experts need both w13 and w2 in {codes} and x in "
+                             f"one of {FLOAT_DTYPES}, got {w13.dtype}, {w2.dtype} and {x.dtype}")
     elif x.dtype not in FLOAT_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"x, w13 and w2 must share one of {FLOAT_DTYPES}, got {x.dtype}, {w13.dtype}, "
                          f"{w2.dtype}")
@@ -565,7 +738,7 @@ def _check_mlp(mlp: _ExpertMlp, x: torch.Tensor, w13: torch.Tensor, fp8: bool) -
     has_bias = mlp.w13_bias is not None or mlp.w2_bias is not None
     if fp8 and (has_bias or mlp.activation != SILU):
         raise ValueError(f"{FP8_DTYPE} experts take neither biases nor {SWIGLU_OAI!r} (not implemented)")
-    (num_experts, two_i, hidden) = w13.shape
+    (num_experts, two_i, _), hidden = w13.shape, x.shape[1]
     for name, bias, want in (("w13_bias", mlp.w13_bias, (num_experts, two_i)),
                              ("w2_bias", mlp.w2_bias, (num_experts, hidden))):
         if bias is not None and (tuple(bias.shape) != want or bias.dtype != x.dtype
@@ -590,6 +763,31 @@ def _check_fp8(w13: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torc
             raise ValueError(f"{name} must be float32 {list(want)} (E, cdiv(rows, {bn}), cdiv(cols, {bk})) "
                              f"on {w13.device}, got {scale.dtype} {list(scale.shape)} on {scale.device}")
     return bn, bk
+
+
+def _check_mxfp4(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | None,
+                 w2_scale: torch.Tensor | None, block: tuple[int, int] | None) -> None:
+    (e, two_i, _), hidden = w13.shape, x.shape[1]
+    inter = two_i // 2
+    if block is not None:
+        raise ValueError(f"block {block} is for FP8 experts: MXFP4 experts are scaled per {BLOCK_VALUES} "
+                         "values along K")
+    if hidden % BLOCK_VALUES or inter % BLOCK_VALUES:
+        raise ValueError(f"MXFP4 experts need the hidden size ({hidden}) and the intermediate size ({inter}) "
+                         f"to be multiples of {BLOCK_VALUES}, the values a scale covers")
+    for name, scale, want in (("w13_scale", w13_scale, (e, two_i, hidden // BLOCK_VALUES)),
+                              ("w2_scale", w2_scale, (e, hidden, inter // BLOCK_VALUES))):
+        if (scale is None or scale.dtype != MXFP4_DTYPE or tuple(scale.shape) != want
+                or scale.device != w13.device):
+            got = "None" if scale is None else f"{scale.dtype} {list(scale.shape)} on {scale.device}"
+            raise ValueError(f"MXFP4 experts need {name} {MXFP4_DTYPE} {list(want)} (E8M0 bytes, one per "
+                             f"{BLOCK_VALUES} values along K) on {w13.device}, got {got}")
+
+
+def dequantize_mxfp4_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 experts [E, rows, K / 2] with their scales [E, rows, K / 32] as values [E, rows, K] in dtype
+    (plait.layers.mxfp4.dequantize_mxfp4 of each row's bytes as [K / 32, 16])."""
+    return dequantize_mxfp4(w.reshape(*scale.shape, MXFP4_GROUP_BYTES), scale, dtype)
 
 
 def _group_dequantized(v: torch.Tensor, group: int) -> torch.Tensor:
@@ -628,13 +826,20 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
       2. gate, up = xq @ w13[e]^T in fp32, each rounded to x's dtype; h = silu(gate) * up in x's dtype;
       3. h quantised per entry row and group of bk, dequantised: hq;
       4. y = hq @ w2[e]^T in fp32, times the routing weight, rounded once; each token's k slot outputs summed
-         in slot order in fp32, rounded."""
+         in slot order in fp32, rounded.
+
+    MXFP4 experts (w13 uint8 [E, 2I, H / 2], w2 uint8 [E, H, I / 2], two E2M1 codes a byte, the low nibble
+    first; w13_scale uint8 [E, 2I, H / 32], w2_scale uint8 [E, H, I / 32], E8M0): dequantised to x's dtype
+    (dequantize_mxfp4_experts; exact), then as 16-bit experts."""
     # x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] -> [T, H]
     mlp = _ExpertMlp(activation=activation, w13_bias=w13_bias, w2_bias=w2_bias, swiglu_alpha=swiglu_alpha,
                      swiglu_limit=swiglu_limit)
     fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, mlp)
     if fp8_block is not None:
         return _fp8_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, fp8_block)
+    if is_mxfp4(w13):
+        w13 = dequantize_mxfp4_experts(w13, w13_scale, x.dtype)
+        w2 = dequantize_mxfp4_experts(w2, w2_scale, x.dtype)
     out = torch.zeros_like(x)
     for expert, k_pos, token_idx in _routed_entries(topk_ids, w13.shape[0]):
         gate_up = F.linear(x[token_idx], w13[expert])
@@ -697,9 +902,11 @@ class _Fp8Operands:
     block: tuple[int, int]  # (bn, bk)
 
 
-def _fp8_args(fp8: _Fp8Operands | None, dummy: torch.Tensor) -> tuple:
-    """The kernels' scale pointers and strides (sa, sw, sa's 2 strides, sw's 3): unread placeholders
-    without FP8."""
+def _scale_args(fp8: _Fp8Operands | None, mx_scale: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
+    """The kernels' scale pointers and strides (sa, sw, sa's 2 strides, sw's 3): FP8's, MXFP4's E8M0 bytes
+    as sw (sa unread), or unread placeholders."""
+    if mx_scale is not None:
+        return (dummy, mx_scale, 0, 0, *mx_scale.stride())
     if fp8 is None:
         return (dummy, dummy, 0, 0, 0, 0, 0)
     return (fp8.a_scale, fp8.w_scale, *fp8.a_scale.stride(), *fp8.w_scale.stride())
@@ -716,14 +923,19 @@ def _epilogue_args(mlp: _ExpertMlp, gate_up: bool, dummy: torch.Tensor) -> tuple
 
 def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor,
                  align: MoeAlignment, n: int, a_row_div: int, cfg: MoeConfig, gate_up: bool,
-                 fp8: _Fp8Operands | None = None, mlp: _ExpertMlp = _ExpertMlp()) -> None:
-    # a: [rows, K]; w: [E, N (2N for gate_up), K]; out: [T*k, N], rows by entry id
+                 fp8: _Fp8Operands | None = None, mlp: _ExpertMlp = _ExpertMlp(),
+                 mx_scale: torch.Tensor | None = None) -> None:
+    # a: [rows, K]; w: [E, N (2N for gate_up), K] (MXFP4: K / 2 bytes, mx_scale [E, N, K / 32]);
+    # out: [T*k, N], rows by entry id
     k = a.shape[1]
     block_n = min(cfg.block_n, max(MIN_DOT, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(MIN_DOT, triton.next_power_of_2(k)))  # K's alone: same at every T
     if fp8 is not None:
         block_n = min(block_n, fp8.block[0])  # within one tile row (powers of two: divides bn)
         block_k = fp8.block[1]  # one weight tile (and one input group) a step
+    if mx_scale is not None and block_k % BLOCK_VALUES:
+        raise ValueError(f"MXFP4 experts need K steps of whole {BLOCK_VALUES}-value groups: config block_k "
+                         f"{cfg.block_k} (a multiple of {BLOCK_VALUES})")
     k_iters = triton.cdiv(k, block_k)
     num_blocks = align.expert_ids.shape[0]
     grid = (num_blocks * triton.cdiv(n, block_n),)
@@ -731,7 +943,7 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: to
     _moe_gemm_kernel[grid](
         a, w, out, topk_w, align.sorted_ids, align.expert_ids, align.num_padded,
         out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), n, k_iters,
-        *_fp8_args(fp8, topk_w), *epilogue,
+        *_scale_args(fp8, mx_scale, topk_w), *epilogue,
         A_ROW_DIV=a_row_div, STATIC_K_ITERS=static_iters(a.is_cuda, k_iters), BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -740,16 +952,20 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: to
         **epilogue_constexprs,
         **({} if fp8 is None else dict(W8A8=True, WEIGHT_BLOCK_N=fp8.block[0],
                                        IMPRECISE_ACC=min(IMPRECISE_ACC_K, block_k))),
+        **({} if mx_scale is None else dict(W_MXFP4=True)),
     )
 
 
 def _launch_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor,
                  topk_ids: torch.Tensor, n: int, a_row_div: int, gate_up: bool,
-                 fp8: _Fp8Operands | None = None, mlp: _ExpertMlp = _ExpertMlp()) -> None:
-    # a: [rows, K]; w: [E, N (2N for gate_up), K]; out: [T*k, N], rows by entry id
+                 fp8: _Fp8Operands | None = None, mlp: _ExpertMlp = _ExpertMlp(),
+                 mx_scale: torch.Tensor | None = None) -> None:
+    # a: [rows, K]; w: [E, N (2N for gate_up), K] (MXFP4: K / 2 bytes, mx_scale [E, N, K / 32]);
+    # out: [T*k, N], rows by entry id
     k, on_cuda = a.shape[1], a.is_cuda
-    # The interpreter runs each program in Python: few, wide ones there.
-    tile_n, tile_k = (GEMV_BLOCK_N, GEMV_BLOCK_K) if on_cuda else (CPU_BLOCK_N, CPU_BLOCK_K)
+    # The interpreter runs each program in Python: few, wide ones there (CPU_BLOCK_K: one MXFP4 group).
+    gemv_k = GEMV_BLOCK_K if mx_scale is None else MXFP4_GEMV_BLOCK_K
+    tile_n, tile_k = (GEMV_BLOCK_N, gemv_k) if on_cuda else (CPU_BLOCK_N, CPU_BLOCK_K)
     block_k = min(tile_k, max(MIN_DOT, triton.next_power_of_2(k)))
     block_n = min(tile_n, max(MIN_DOT, triton.next_power_of_2(n)))
     if fp8 is not None:
@@ -759,12 +975,13 @@ def _launch_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: to
     epilogue, epilogue_constexprs = _epilogue_args(mlp, gate_up, topk_w)
     _moe_gemv_kernel[(out.shape[0], triton.cdiv(n, block_n))](
         a, w, out, topk_w, topk_ids, out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        n, k_iters, *_fp8_args(fp8, topk_w), *epilogue, A_ROW_DIV=a_row_div,
+        n, k_iters, *_scale_args(fp8, mx_scale, topk_w), *epilogue, A_ROW_DIV=a_row_div,
         STATIC_K_ITERS=static_iters(on_cuda, k_iters), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, GATE_UP=gate_up, PRECISE=on_cuda,
         num_warps=GEMV_WARPS, num_stages=GEMV_STAGES if on_cuda else CPU_STAGES, **pdl_args(a),
         **epilogue_constexprs,
         **({} if fp8 is None else dict(W8A8=True, WEIGHT_BLOCK_N=fp8.block[0])),
+        **({} if mx_scale is None else dict(W_MXFP4=True)),
     )
 
 
@@ -783,7 +1000,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     """fused_moe_ref in Triton: no host syncs, no atomics, CUDA-graph capturable; config overrides
     moe_config's pick of grouped-GEMM tiles, gemv the choice of the alignment-free path for few entries
     (None: up to GEMV_MAX_ENTRIES; tests and sweeps force either). w13_bias, w2_bias, activation and the
-    swiglu parameters as fused_moe_ref takes them, on every path (16/32-bit experts only).
+    swiglu parameters as fused_moe_ref takes them, on every path (16/32-bit and MXFP4 experts).
 
     Rounding differs from the reference where the reference rounds more: without w2_bias the down
     projection's fp32 sum is multiplied by the routing weight before its one rounding (with it, the kernel
@@ -796,7 +1013,13 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     Block-wise FP8 experts: w13 / w2 float8_e4m3fn with w13_scale, w2_scale and block = (bn, bk) as
     fused_moe_ref takes them (I a multiple of bn); x (bf16 / fp16; fp32 too) is quantised per token and
     group of bk, so is h, both by quantize_groups_fp8, bit for bit as the reference; the reference rounds
-    where this does, so only the order of fp32 sums (and on Hopper the FP8 dots' accumulation) differs."""
+    where this does, so only the order of fp32 sums (and on Hopper the FP8 dots' accumulation) differs.
+
+    MXFP4 experts (W4A16): w13, w2, w13_scale and w2_scale uint8 as fused_moe_ref takes them (H and I
+    multiples of 32, block None, config.block_k a multiple of 32), decoded to x's dtype in the kernels' K
+    loops: the results, bit for bit, of these kernels with the same tiles on dequantize_mxfp4_experts'
+    weights (the GEMV path on the GPU takes MXFP4_GEMV_BLOCK_K steps where 16-bit weights take
+    GEMV_BLOCK_K: there only the order of the fp32 sums differs)."""
     # x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] -> [T, H]
     mlp = _ExpertMlp(activation=activation, w13_bias=_unit_stride(w13_bias), w2_bias=_unit_stride(w2_bias),
                      swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
@@ -817,6 +1040,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     h = torch.empty((num_entries, inter), dtype=x.dtype, device=x.device)  # silu(gate) * up, by entry
     y = torch.empty((num_entries, hidden), dtype=x.dtype, device=x.device)  # weighted expert outputs
     fp8_up = fp8_down = None
+    mx_up, mx_down = (w13_scale, w2_scale) if is_mxfp4(w13) else (None, None)  # E8M0 bytes
     a_up = x
     if fp8_block is not None:
         a_up, x_scale = quantize_groups_fp8(x, fp8_block[1])  # codes [T, H], scales [T, cdiv(H, bk)]
@@ -824,18 +1048,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     use_gemv = gemv if gemv is not None else (config is None and num_entries <= GEMV_MAX_ENTRIES)
     if use_gemv:
         flat_ids = topk_ids.reshape(-1).contiguous()  # [T*k], by entry id
-        _launch_gemv(a_up, w13, h, topk_w, flat_ids, inter, top_k, gate_up=True, fp8=fp8_up, mlp=mlp)
+        _launch_gemv(a_up, w13, h, topk_w, flat_ids, inter, top_k, gate_up=True, fp8=fp8_up, mlp=mlp,
+                     mx_scale=mx_up)
     else:
         align = moe_align(topk_ids, num_experts, cfg.block_m)
-        _launch_gemm(a_up, w13, h, topk_w, align, inter, top_k, cfg, gate_up=True, fp8=fp8_up, mlp=mlp)
+        _launch_gemm(a_up, w13, h, topk_w, align, inter, top_k, cfg, gate_up=True, fp8=fp8_up, mlp=mlp,
+                     mx_scale=mx_up)
     a_down = h
     if fp8_block is not None:
         a_down, h_scale = quantize_groups_fp8(h, fp8_block[1])  # codes [T*k, I], scales [T*k, cdiv(I, bk)]
         fp8_down = _Fp8Operands(h_scale, w2_scale, fp8_block)
     if use_gemv:
-        _launch_gemv(a_down, w2, y, topk_w, flat_ids, hidden, 1, gate_up=False, fp8=fp8_down, mlp=mlp)
+        _launch_gemv(a_down, w2, y, topk_w, flat_ids, hidden, 1, gate_up=False, fp8=fp8_down, mlp=mlp,
+                     mx_scale=mx_down)
     else:
-        _launch_gemm(a_down, w2, y, topk_w, align, hidden, 1, cfg, gate_up=False, fp8=fp8_down, mlp=mlp)
+        _launch_gemm(a_down, w2, y, topk_w, align, hidden, 1, cfg, gate_up=False, fp8=fp8_down, mlp=mlp,
+                     mx_scale=mx_down)
     block_h = min(SUM_BLOCK_H, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
         y, out, hidden, TOP_K=top_k, BLOCK_H=block_h, num_warps=4, **pdl_args(y))

@@ -8,6 +8,7 @@ from torch import nn
 
 from plait.kernels.dispatch import use_triton
 from plait.layers.linear import deferred_device
+from plait.layers.mxfp4 import BLOCK_VALUES, CODES_PER_BYTE, E8M0_BIAS, MXFP4_DTYPE
 
 # A checkpoint's per-expert projections -> (stacked parameter, shard of its rows: gate first, then up).
 EXPERT_PROJECTIONS = {
@@ -26,6 +27,16 @@ ACTIVATIONS = (SILU, SWIGLU_OAI)
 # gpt-oss's swiglu_alpha and swiglu_limit: transformers' GptOssConfig defaults, as its checkpoints set them.
 GPT_OSS_SWIGLU_ALPHA = 1.702
 GPT_OSS_SWIGLU_LIMIT = 7.0
+# FusedMoE.weight_format: how the experts' weights are held.
+FLOAT_WEIGHTS = "float"  # the model's dtype
+FP8_WEIGHTS = "fp8"  # block-wise FP8 codes with fp32 tile scales (quantize_fp8)
+MXFP4_WEIGHTS = "mxfp4"  # packed E2M1 codes with E8M0 scales (use_mxfp4)
+STACKS = ("gate_up_proj", "down_proj")  # the stacked expert weights, each with its scales (FP8, MXFP4)
+# fill_random_mxfp4's scale exponents (-8 and -7), drawn uniformly. Uniform code bytes have an RMS of 2.93
+# (the root of the mean square of FP4's magnitudes, 8.5625), times an RMS scale of 2^-8 * sqrt((1 + 4) / 2):
+# a std of 0.018, about the 0.02 of the random-weights loader's 16-bit draws, so that a random MXFP4 model's
+# activations have the random 16-bit model's sizes.
+RANDOM_MXFP4_SCALE_EXPONENTS = range(-8, -6)
 
 
 def default_fp8_block(intermediate_size: int) -> tuple[int, int]:
@@ -64,7 +75,13 @@ class FusedMoE(nn.Module):
     quantize_fp8 (from outside, by plait.layers.fp8.quantize_model) makes the weights FP8 codes with one fp32
     scale per [bn, bk] tile (gate_up_scale [E, 2I / bn, cdiv(H, bk)], down_scale [E, cdiv(H, bn),
     cdiv(I, bk)]), as block-wise FP8 checkpoints (Qwen3-30B-A3B-FP8) hold them; the experts' inputs are then
-    quantised per token and bk-wide group (W8A8, as plait.layers.fp8_block.Fp8BlockLinear)."""
+    quantised per token and bk-wide group (W8A8, as plait.layers.fp8_block.Fp8BlockLinear).
+
+    use_mxfp4 (from outside, before any weight is loaded) makes them MXFP4 as gpt-oss's checkpoints hold them
+    (W4A16): two E2M1 codes a byte along the input dimension (gate_up_proj uint8 [E, 2I, H / 2], down_proj
+    [E, H, I / 2]) and an E8M0 scale byte per 32 inputs (gate_up_scale [E, 2I, H / 32], down_scale
+    [E, H, I / 32]), decoded inside the kernels' K loops; load_mxfp4 takes each stack whole (or
+    fill_random_mxfp4 draws them)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, *, activation: str = SILU, bias: bool = False,
@@ -91,16 +108,20 @@ class FusedMoE(nn.Module):
         else:
             self.register_parameter("gate_up_bias", None)
             self.register_parameter("down_bias", None)
-        self.block: tuple[int, int] | None = None  # FP8 tiles (bn, bk); None: 16/32-bit weights
-        self.compute_dtype: torch.dtype | None = None  # FP8: the model's dtype (x and the output)
-        self.register_buffer("gate_up_scale", None)  # FP8: [E, 2I / bn, cdiv(H, bk)] fp32
-        self.register_buffer("down_scale", None)  # FP8: [E, cdiv(H, bn), cdiv(I, bk)] fp32
+        self.weight_format = FLOAT_WEIGHTS  # FP8_WEIGHTS: quantize_fp8; MXFP4_WEIGHTS: use_mxfp4
+        self.block: tuple[int, int] | None = None  # FP8 tiles (bn, bk); None: 16/32-bit or MXFP4 weights
+        self.compute_dtype: torch.dtype | None = None  # FP8, MXFP4: the model's dtype (x and the output)
+        # FP8: [E, 2I / bn, cdiv(H, bk)] fp32; MXFP4: [E, 2I, H / 32] uint8 (E8M0)
+        self.register_buffer("gate_up_scale", None)
+        self.register_buffer("down_scale", None)  # FP8: [E, cdiv(H, bn), cdiv(I, bk)]; MXFP4: [E, H, I / 32]
         self._pieces_loaded: set[tuple[int, str]] = set()  # (expert, projection) the checkpoint filled
+        self._stacks_loaded: set[str] = set()  # MXFP4: the STACKS load_mxfp4 (or fill_random_mxfp4) filled
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         # x: [T, H], router_logits: [T, E] -> [T, H]
         kwargs = self._expert_kwargs()
-        if use_triton(x) and (self.block is None or x.dtype in (torch.bfloat16, torch.float16)):
+        fp8_fp32 = self.weight_format == FP8_WEIGHTS and x.dtype == torch.float32  # FP8's kernels: 16-bit x
+        if use_triton(x) and not fp8_fp32:
             from plait.kernels.fused_moe import fused_moe, moe_route
 
             weights, ids = moe_route(router_logits, self.top_k, self.renormalize)
@@ -111,12 +132,17 @@ class FusedMoE(nn.Module):
         return fused_moe_ref(x, self.gate_up_proj, self.down_proj, weights, ids, **kwargs)
 
     def _expert_kwargs(self) -> dict:
-        """fused_moe's (and fused_moe_ref's) keywords beyond the weights: biases, activation, FP8 scales."""
+        """fused_moe's (and fused_moe_ref's) keywords beyond the weights: biases, activation, FP8 or MXFP4
+        scales."""
         kwargs = dict(w13_bias=self.gate_up_bias, w2_bias=self.down_bias, activation=self.activation,
                       swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
-        if self.block is not None:
+        if self.weight_format != FLOAT_WEIGHTS:
             kwargs.update(w13_scale=self.gate_up_scale, w2_scale=self.down_scale, block=self.block)
         return kwargs
+
+    def _refuse_requantizing(self, to: str) -> None:
+        if self.weight_format != FLOAT_WEIGHTS:
+            raise ValueError(f"experts already held as {self.weight_format}: they cannot become {to} as well")
 
     @torch.no_grad()
     def quantize_fp8(self, block: tuple[int, int], device: torch.device | None = None) -> None:
@@ -126,6 +152,7 @@ class FusedMoE(nn.Module):
         from plait.layers.fp8_block import check_block, quantize_blocks
 
         bn, bk = check_block(block)
+        self._refuse_requantizing(FP8_WEIGHTS)
         if self.gate_up_bias is not None or self.activation != SILU:
             # The FP8 kernels' epilogues have neither (fused_moe refuses them too).
             raise ValueError(f"FP8 experts with biases or the {self.activation!r} activation are not "
@@ -133,8 +160,8 @@ class FusedMoE(nn.Module):
         if self.intermediate_size % bn:
             raise ValueError(f"expert width {self.intermediate_size} is not a multiple of the {bn}-row FP8 "
                              "blocks: the up projection would not start on a tile row")
-        self.block, self.compute_dtype = (bn, bk), self.gate_up_proj.dtype
-        for name in ("gate_up_proj", "down_proj"):
+        self.weight_format, self.block, self.compute_dtype = FP8_WEIGHTS, (bn, bk), self.gate_up_proj.dtype
+        for name in STACKS:
             weight = getattr(self, name)
             e, n, k = weight.shape
             scale = torch.full((e, -(-n // bn), -(-k // bk)), float("nan"), dtype=torch.float32,
@@ -147,12 +174,69 @@ class FusedMoE(nn.Module):
             self.register_buffer(name.replace("_proj", "_scale"), scale)
 
     @torch.no_grad()
+    def use_mxfp4(self, device: torch.device | None = None) -> None:
+        """Hold the experts in MXFP4 (see the class docstring): zero codes and scale bytes, on ``device``
+        where the weights are still on the meta device (deferred_weights), for load_mxfp4 or
+        fill_random_mxfp4 to fill; check_loaded refuses the experts until both stacks are."""
+        self._refuse_requantizing(MXFP4_WEIGHTS)
+        if self.hidden_size % BLOCK_VALUES or self.intermediate_size % BLOCK_VALUES:
+            raise ValueError(f"MXFP4 experts need the hidden size ({self.hidden_size}) and the expert width "
+                             f"({self.intermediate_size}) to be multiples of {BLOCK_VALUES}, the inputs a "
+                             "scale covers")
+        if self._pieces_loaded:
+            raise ValueError("use_mxfp4 comes before any expert weight is loaded")
+        self.weight_format, self.compute_dtype = MXFP4_WEIGHTS, self.gate_up_proj.dtype
+        for name in STACKS:
+            weight = getattr(self, name)
+            e, rows, k = weight.shape
+            where = device if weight.is_meta else weight.device
+            codes = torch.zeros((e, rows, k // CODES_PER_BYTE), dtype=MXFP4_DTYPE, device=where)
+            setattr(self, name, nn.Parameter(codes, requires_grad=False))
+            scale = torch.zeros((e, rows, k // BLOCK_VALUES), dtype=MXFP4_DTYPE, device=where)
+            self.register_buffer(name.replace("_proj", "_scale"), scale)
+
+    @torch.no_grad()
+    def load_mxfp4(self, stacked: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
+        """A whole stack of MXFP4 experts, rows in this module's order (gate_up_proj: each expert's gate
+        rows, then its up rows): blocks uint8 [E, rows, K / 32, 16] (a checkpoint's ``_blocks``), scales
+        uint8 [E, rows, K / 32] (its ``_scales``)."""
+        if self.weight_format != MXFP4_WEIGHTS:
+            raise ValueError(f"MXFP4 tensors for experts held as {self.weight_format} (use_mxfp4 first)")
+        if stacked not in STACKS:
+            raise ValueError(f"no stacked expert weight {stacked!r}: one of {STACKS}")
+        codes, scale = getattr(self, stacked), getattr(self, stacked.replace("_proj", "_scale"))
+        want_blocks = (*scale.shape, BLOCK_VALUES // CODES_PER_BYTE)
+        for name, got, want in (("blocks", blocks, want_blocks), ("scales", scales, tuple(scale.shape))):
+            if got.dtype != MXFP4_DTYPE or tuple(got.shape) != want:
+                raise ValueError(f"MXFP4 {stacked} {name}: expected {MXFP4_DTYPE} {list(want)}, got "
+                                 f"{got.dtype} {list(got.shape)}")
+        codes.copy_(blocks.reshape(codes.shape))
+        scale.copy_(scales)
+        self._stacks_loaded.add(stacked)
+
+    @torch.no_grad()
+    def fill_random_mxfp4(self, generator: torch.Generator | None = None) -> None:
+        """Random MXFP4 experts (the random-weights loader's): uniform code bytes, and scale exponents drawn
+        from RANDOM_MXFP4_SCALE_EXPONENTS, so that the weights' std is about 0.02."""
+        if self.weight_format != MXFP4_WEIGHTS:
+            raise ValueError(f"random MXFP4 weights for experts held as {self.weight_format} "
+                             "(use_mxfp4 first)")
+        exps = RANDOM_MXFP4_SCALE_EXPONENTS
+        for stacked in STACKS:
+            getattr(self, stacked).random_(0, 1 << 8, generator=generator)  # every byte: two uniform codes
+            scale = getattr(self, stacked.replace("_proj", "_scale"))
+            scale.random_(E8M0_BIAS + exps.start, E8M0_BIAS + exps.stop, generator=generator)
+            self._stacks_loaded.add(stacked)
+
+    @torch.no_grad()
     def load_expert(self, expert: int, projection: str, tensor: torch.Tensor, kind: str = "weight") -> None:
         """One expert's gate_proj / up_proj / down_proj tensor (HF layout: [out, in]): its weight (``kind``
         "weight"; 16-bit weights of an FP8 block are quantised here, FP8 codes kept) or, for FP8 codes, its
         tile scales (``kind`` one of SCALE_NAMES: [rows / bn, cdiv(in, bk)])."""
         if not 0 <= expert < self.num_experts or projection not in EXPERT_PROJECTIONS:
             raise ValueError(f"no expert tensor {expert}.{projection} among {self.num_experts} experts")
+        if self.weight_format == MXFP4_WEIGHTS:
+            raise ValueError("MXFP4 experts load each stack whole, as packed codes (load_mxfp4)")
         stacked, shard = EXPERT_PROJECTIONS[projection]
         rows = self.intermediate_size if stacked == "gate_up_proj" else self.hidden_size
         dst = getattr(self, stacked)[expert, shard * rows:(shard + 1) * rows]
@@ -193,7 +277,7 @@ class FusedMoE(nn.Module):
 
     def check_loaded(self) -> None:
         """After loading per-expert tensors: every expert got all three (a stacked checkpoint skips this),
-        and FP8 codes their scales."""
+        FP8 codes their scales, and MXFP4 experts both stacks."""
         if self._pieces_loaded:
             missing = [(e, p) for e in range(self.num_experts) for p in EXPERT_PROJECTIONS
                        if (e, p) not in self._pieces_loaded]
@@ -202,9 +286,16 @@ class FusedMoE(nn.Module):
         scales = (self.gate_up_scale, self.down_scale)
         if self.block is not None and any(torch.isnan(s).any() for s in scales):
             raise ValueError("FP8 expert weights came without their block scales (weight_scale_inv)")
+        missing_stacks = [name for name in STACKS if name not in self._stacks_loaded]
+        if self.weight_format == MXFP4_WEIGHTS and missing_stacks:
+            raise ValueError(f"MXFP4 experts without their {' and '.join(missing_stacks)} (load_mxfp4)")
 
     def extra_repr(self) -> str:
-        kind = f", fp8 scales per {self.block[0]}x{self.block[1]} block" if self.block else ""
+        kind = ""
+        if self.weight_format == FP8_WEIGHTS:
+            kind = f", fp8 scales per {self.block[0]}x{self.block[1]} block"
+        elif self.weight_format == MXFP4_WEIGHTS:
+            kind = f", mxfp4 (e8m0 scales per {BLOCK_VALUES} inputs)"
         act = self.activation
         if act == SWIGLU_OAI:
             act += f"(alpha={self.swiglu_alpha}, limit={self.swiglu_limit})"

@@ -1,4 +1,5 @@
-"""MXFP4 checkpoint weights (OCP microscaling FP4, as GPT-OSS ships its experts), dequantised at load."""
+"""MXFP4 checkpoint weights (OCP microscaling FP4, as GPT-OSS ships its experts), kept packed by the experts
+(plait.layers.moe.FusedMoE.use_mxfp4) and decoded as the fused MoE kernels multiply."""
 
 from __future__ import annotations
 
@@ -17,7 +18,10 @@ FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2
 E8M0_BIAS = 127
 # Values per block (one scale each): 16 bytes of two codes, the low nibble first.
 BLOCK_VALUES = 32
+CODES_PER_BYTE = 2
+MXFP4_DTYPE = torch.uint8  # the packed codes' and the scales' storage
 BLOCKS_SUFFIX, SCALES_SUFFIX = "_blocks", "_scales"
+MXFP4_SUFFIXES = (BLOCKS_SUFFIX, SCALES_SUFFIX)
 # Rows dequantised at a time: bounds the int and 16-bit temporaries of a 120B checkpoint's largest tensors.
 DEQUANT_ROWS = 1 << 16
 
@@ -26,18 +30,29 @@ def is_mxfp4_checkpoint(hf_config: dict) -> bool:
     return (hf_config.get("quantization_config") or {}).get("quant_method") == MXFP4_METHOD
 
 
-def served_dequantized(hf_config: dict) -> dict:
-    """An MXFP4 checkpoint's config without its quantization_config: plait dequantises the MXFP4 tensors to
-    the model's dtype as they are read (expert_weights in plait.models.gpt_oss), so the model is built and
-    served as an unquantised one."""
+def experts_config(hf_config: dict, quantization: str | None) -> dict:
+    """An MXFP4 checkpoint's config without its quantization_config: the model is built as an unquantised
+    one, and the loader then makes its experts MXFP4 (FusedMoE.use_mxfp4) before any weight arrives; the
+    other layers are 16-bit in these checkpoints (modules_to_not_convert)."""
     arch = (hf_config.get("architectures") or ["?"])[0]
     if arch not in MXFP4_ARCHITECTURES:
         raise ValueError(f"MXFP4 checkpoints of {arch} are not supported (those of "
                          f"{list(MXFP4_ARCHITECTURES)} are)")
+    if quantization not in (None, MXFP4_METHOD):
+        raise ValueError(f"--quantization {quantization}: this checkpoint's experts are MXFP4, served "
+                         "as they are")
     config = dict(hf_config)
     config.pop("quantization_config")
-    logger.info("MXFP4 checkpoint: its FP4 weights are dequantised to the model's dtype at load")
+    logger.info("MXFP4 checkpoint: its experts stay MXFP4 (4.25 bits a weight), decoded in the MoE kernels")
     return config
+
+
+def check_split(local_width: int, world_size: int) -> None:
+    """Tensor parallelism splits each expert's width: each rank's share must be whole MXFP4 blocks, as the
+    down projection's input columns are packed and scaled 32 at a time."""
+    if local_width % BLOCK_VALUES:
+        raise ValueError(f"tensor_parallel_size {world_size} leaves each rank {local_width} of the experts' "
+                         f"columns: MXFP4 experts split in whole blocks of {BLOCK_VALUES}")
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -81,16 +96,13 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 class MxFp4Pairs:
     """Collects each MXFP4 tensor's ``<name>_blocks`` and ``<name>_scales`` (in any order, with other tensors
-    between them) and hands back ``(<name>, dequantised [..., out, in])`` once both are in."""
+    between them) and hands back ``(<name>, blocks, scales)`` once both are in."""
 
-    def __init__(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.bfloat16) -> None:
-        # Dequantised where the model lives (a GPU does a 20B model's experts in seconds), in bf16, which
-        # holds every MXFP4 value exactly (FP4's one mantissa bit, E8M0's fp32 exponent range).
-        self.device, self.dtype = device, dtype
+    def __init__(self) -> None:
         self._waiting: dict[str, dict[str, torch.Tensor]] = {}
 
-    def add(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-        for suffix in (BLOCKS_SUFFIX, SCALES_SUFFIX):
+    def add(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor] | None:
+        for suffix in MXFP4_SUFFIXES:
             if name.endswith(suffix):
                 base = name[: -len(suffix)]
                 parts = self._waiting.setdefault(base, {})
@@ -98,8 +110,7 @@ class MxFp4Pairs:
                 if len(parts) < 2:
                     return None
                 del self._waiting[base]
-                blocks, scales = (parts[key].to(self.device) for key in (BLOCKS_SUFFIX, SCALES_SUFFIX))
-                return base, dequantize_mxfp4(blocks, scales, self.dtype)
+                return base, parts[BLOCKS_SUFFIX], parts[SCALES_SUFFIX]
         raise ValueError(f"checkpoint tensor {name!r} is neither an MXFP4 blocks nor scales tensor")
 
     def check_empty(self) -> None:

@@ -18,6 +18,7 @@ from plait.layers import mxfp4, wna16
 from plait.layers.fp8 import FP8_DTYPE, checkpoint_quantization, checkpoint_weight_block, quantize_model
 from plait.layers.linear import deferred_weights, materialize_deferred
 from plait.layers.moe import FusedMoE
+from plait.layers.mxfp4 import MXFP4_DTYPE
 from plait.models.registry import BASE_MODEL_ARCHITECTURES, get_model_class, resolve_runner
 from plait.models.weights import weight_row_loader
 from plait.parallel.group import ParallelRank
@@ -71,12 +72,15 @@ def load_model(
         source = resolve_model(config.model, config.revision, config.download_dir)
     hf_config, weights = read_source(source, config.load_format)
     hf_config = merge_hf_overrides(hf_config, config.hf_overrides)
-    if mxfp4.is_mxfp4_checkpoint(hf_config):
-        hf_config = mxfp4.served_dequantized(hf_config)
+    mxfp4_experts = mxfp4.is_mxfp4_checkpoint(hf_config)
+    if mxfp4_experts:
+        hf_config = mxfp4.experts_config(hf_config, config.quantization)
     model_config = ModelConfig.from_hf(hf_config)
     runner = resolve_runner(config.runner, model_config.architecture)
     cls = get_model_class(model_config.architecture)
     shard = shard_for(model_config, parallel.rank, parallel.world_size) if parallel is not None else None
+    if mxfp4_experts and shard is not None:
+        mxfp4.check_split(shard.local.moe.intermediate_size, shard.world_size)
     positions = max_positions or model_config.max_position_embeddings
     # A quantised checkpoint is served as it is without --quantization, as vLLM reads its quantization_config:
     # GPTQ / AWQ integer weights (the flag may only repeat the method), or FP8, whose scheme (per-row or
@@ -114,6 +118,9 @@ def load_model(
             # Embeddings come from the trunk's hidden states, and only the driver rank samples: no logits.
             model.lm_head = None
     model.to(dtype)  # rotary tables are plain attributes, so they stay fp32
+    if mxfp4_experts:  # before any 16-bit expert memory exists
+        for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
+            moe.use_mxfp4(device)
     if int_spec is not None:
         wna16.quantize_model(model, int_spec, device, wna16.unquantized_modules(hf_config))
     elif quantization is not None:
@@ -271,6 +278,9 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
             param.zero_()
         elif "norm" in name.lower():  # RMSNorm / LayerNorm weights (BERT's "LayerNorm")
             param.fill_(1.0)
+        elif isinstance(modules[name.rpartition(".")[0]], FusedMoE) and param.dtype == MXFP4_DTYPE:
+            if name.endswith(".gate_up_proj"):  # one call draws both stacks' codes and scales
+                modules[name.rpartition(".")[0]].fill_random_mxfp4(gen)
         elif isinstance(modules[name.rpartition(".")[0]], FusedMoE) and param.dtype == FP8_DTYPE:
             # FP8 experts: the unquantised model's draws, each expert's quantised tile by tile.
             moe, stacked = modules[name.rpartition(".")[0]], name.rpartition(".")[2]

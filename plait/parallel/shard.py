@@ -14,6 +14,7 @@ from torch import nn
 
 from plait.config import ModelConfig
 from plait.layers.moe import FusedMoE
+from plait.layers.mxfp4 import BLOCK_VALUES
 from plait.parallel.group import DRIVER_RANK, TPGroup
 
 # The decoders whose layers are the Llama family's attention and MLP or sparse MoE block: those a rank can
@@ -32,12 +33,13 @@ ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)(?:\.(weight|bias
 # (``mlp.experts.3.up_proj.weight``, Mixtral's ``block_sparse_moe.experts.3.w1.weight``), transformers 5's
 # stacked experts (``mlp.experts.gate_up_proj``, and FusedMoE's ``gate_up_bias`` / ``down_bias`` as
 # GPT-OSS's checkpoint_layout names its experts' biases) or a shared expert's
-# (``mlp.shared_expert.down_proj.weight``): (which MLP, projection, "weight" | "bias" | None). Routers
+# (``mlp.shared_expert.down_proj.weight``), or GPT-OSS's MXFP4 experts (``mlp.experts.down_proj_blocks``):
+# (which MLP, projection, "_blocks" | "_scales" | None, "weight" | "bias" | None). Routers
 # (``mlp.gate``, ``block_sparse_moe.gate``, ``shared_expert_gate``, GPT-OSS's ``mlp.router``) are replicated.
 FFN_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\."
                         r"(experts\.\d+\.|experts\.|shared_expert\.)?"
                         r"(gate_proj|up_proj|down_proj|gate_up_proj|gate_up_bias|down_bias|w1|w2|w3)"
-                        r"(?:\.(weight|bias))?$")
+                        r"(_blocks|_scales)?(?:\.(weight|bias))?$")
 # FusedMoE's stacked expert biases: the projection each belongs to.
 STACKED_EXPERT_BIASES = {"gate_up_bias": "gate_up_proj", "down_bias": "down_proj"}
 # Column-parallel (each rank keeps some output rows) and row-parallel (some input columns) projections;
@@ -99,17 +101,25 @@ class Shard:
             return torch.cat([self._attention(part, kind, piece) for part, piece in parts])
         return t  # q/k norms (per head)
 
-    def _feed_forward(self, which: str | None, proj: str, kind: str | None, t: torch.Tensor) -> torch.Tensor:
-        """A feed-forward's tensor ([out, in], or [experts, out, in] stacked): gate and up rows (split
+    def _feed_forward(self, which: str | None, proj: str, packed: str | None, kind: str | None,
+                      t: torch.Tensor) -> torch.Tensor:
+        """A feed-forward's tensor ([out, in], or [experts, out, in] stacked; MXFP4 ``packed`` experts'
+        "_blocks" [experts, out, in / 32, 16] or "_scales" [experts, out, in / 32]): gate and up rows (split
         first where fused), down columns, each this rank's share of that MLP's width."""
         moe = self.local.moe
         if which is None or moe is None:
             n = self.local.intermediate_size
         else:
             n = moe.shared_intermediate_size if which == "shared_expert." else moe.intermediate_size
+        if proj in STACKED_EXPERT_BIASES:
+            proj, kind = STACKED_EXPERT_BIASES[proj], "bias"
         rows = -1 if kind == "bias" else -2  # a bias is [out]: its rows are its last dim
+        cols, width = -1, n  # the input columns a row-parallel rank keeps: n, or n / 32 MXFP4 blocks
+        if packed is not None:
+            width = n // BLOCK_VALUES
+            rows, cols = (-3, -2) if packed == "_blocks" else (-2, -1)
         if proj in ROW_PARALLEL:
-            return self._summed_bias(t) if kind == "bias" else self._part(t, -1, n)
+            return self._summed_bias(t) if kind == "bias" else self._part(t, cols, width)
         if proj in COLUMN_PARALLEL:
             return self._part(t, rows, n)
         gate, up = t.chunk(2, dim=rows)  # gate_up_proj: Phi-3's fused, or transformers 5's stacked experts
@@ -125,7 +135,7 @@ class Shard:
             if attention:
                 tensor = self._attention(attention[1], attention[2], tensor)
             elif ffn:
-                tensor = self._feed_forward(ffn[1], ffn[2], ffn[3], tensor)
+                tensor = self._feed_forward(ffn[1], ffn[2], ffn[3], ffn[4], tensor)
             yield name, tensor
 
 

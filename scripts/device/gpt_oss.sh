@@ -12,7 +12,7 @@ timeout -s INT ${TEST_LIMIT_S:-200} python3 -m pytest -m gpu -q -p no:cacheprovi
   > $OUT/gpu_tests.log 2>&1
 echo "== tests: $(tail -1 $OUT/gpu_tests.log)"; grep -h "^FAILED\|^ERROR" $OUT/gpu_tests.log | head -20
 timeout -s INT ${GPT_OSS_LIMIT_S:-180} python3 -m plait.entrypoints.cli bench throughput --shared shared/bench \
-  --config benchmarks/configs/gpt-oss-20b --workloads W1,W3 --out $OUT/gpt_oss_20b.json > $OUT/gpt_oss_20b.log 2>&1
+  --config benchmarks/configs/gpt-oss-20b-bf16 --workloads W1,W3 --out $OUT/gpt_oss_20b.json > $OUT/gpt_oss_20b.log 2>&1
 echo "== gpt-oss-20b"; grep -E "^W[13] |floor|rror" $OUT/gpt_oss_20b.log | head -12
 timeout -s INT ${W123_LIMIT_S:-190} python3 -m plait.entrypoints.cli bench throughput --shared shared/bench \
   --out $OUT/throughput.json > $OUT/throughput.log 2>&1
