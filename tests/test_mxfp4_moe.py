@@ -436,11 +436,14 @@ def test_gpu_mxfp4_real_shapes(gpt_oss_mxfp4, model, t):
     got = fused_moe(x, w["w13"], w["w2"], weights, ids, **mx)
     assert torch.equal(got, fused_moe(x, w["w13"], w["w2"], weights, ids, **mx))  # deterministic
     # The grouped GEMM takes the 16-bit weights' tiles and MMA instructions (mma.sync for 16-row blocks,
-    # wgmma for 64; checked in sm_90a PTX): the same bits. The GEMV takes MXFP4_GEMV_BLOCK_K steps
-    # (GEMV_BLOCK_K for 16-bit weights) and reduces its fp32 lanes in another register layout: only the
-    # order of its fp32 sums differs.
+    # wgmma for 64; checked in sm_90a PTX), yet on an H200 some rows differed from the 16-bit weights' in
+    # their last bits (T = 4, 64 and 512; benchmarks/results/mxfp4_moe_*_h200.json: up to 7.8e-3 on outputs
+    # of ~10): the order of the fp32 sums inside the MMAs is not the same. The GEMV takes
+    # MXFP4_GEMV_BLOCK_K steps (GEMV_BLOCK_K for 16-bit weights) and reduces its fp32 lanes in another
+    # register layout: only the order of its fp32 sums differs too.
     grouped = fused_moe(x, w["w13"], w["w2"], weights, ids, gemv=False, **mx)
-    assert torch.equal(grouped, fused_moe(x, d["w13"], d["w2"], weights, ids, gemv=False, **kw))
+    grouped_16bit = fused_moe(x, d["w13"], d["w2"], weights, ids, gemv=False, **kw)
+    assert ref_error_units(grouped, grouped_16bit) <= GEMV_REORDER_ULPS
     if t * c["top_k"] <= fm.GEMV_MAX_ENTRIES:
         gemv_16bit = fused_moe(x, d["w13"], d["w2"], weights, ids, **kw)
         assert ref_error_units(got, gemv_16bit) <= GEMV_REORDER_ULPS

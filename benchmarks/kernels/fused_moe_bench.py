@@ -260,7 +260,46 @@ def bench_mxfp4(c: dict, copies: list[tuple[dict, dict]], t: int) -> dict:
     return row
 
 
-def main_mxfp4(model: str, tokens: list[int], out: Path | None) -> None:
+# MXFP4 tiles tried with --mxfp4 --sweep: the grouped GEMM's (block_m, block_n, block_k 64 as the 16-bit
+# weights', group_m, warps, stages), and the GEMV's (block_n, MXFP4 block_k, warps, stages).
+MXFP4_SWEEP_CONFIGS = [
+    (16, 64, 64, 8, 4, 4), (16, 128, 64, 8, 4, 3), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 8, 4),
+    (64, 128, 64, 8, 8, 3), (128, 64, 64, 8, 8, 3), (128, 128, 64, 8, 8, 3), (64, 256, 64, 8, 8, 3),
+]
+MXFP4_GEMV_SWEEP = [(bn, bk, warps, 2) for bn in (8, 16) for bk in (256, 512, 1024) for warps in (4, 8)]
+
+
+def sweep_mxfp4(layers, x, weights, ids, t: int, top_k: int) -> dict:
+    """The MXFP4 experts' grouped-GEMM tiles and (at GEMV sizes) GEMV tiles at one T, fastest first."""
+    import plait.kernels.fused_moe as fm
+
+    grouped = []
+    for bm, bn, bk, gm, warps, stages in MXFP4_SWEEP_CONFIGS:
+        cfg = MoeConfig(bm, bn, bk, group_m=gm, num_warps=warps, num_stages=stages)
+        try:
+            grouped.append({"config": asdict(cfg), "ms": graph_ms(layers, x, weights, ids, cfg)})
+        except Exception as exc:  # e.g. past the shared memory: recorded, skipped
+            grouped.append({"config": asdict(cfg), "error": f"{type(exc).__name__}: {exc}"[:200]})
+    found = {"grouped": sorted(grouped, key=lambda r: r.get("ms", math.inf))}
+    if t * top_k <= fm.GEMV_MAX_ENTRIES:
+        saved = (fm.GEMV_BLOCK_N, fm.MXFP4_GEMV_BLOCK_K, fm.GEMV_WARPS, fm.GEMV_STAGES)
+        gemv = []
+        try:
+            for bn, bk, warps, stages in MXFP4_GEMV_SWEEP:
+                fm.GEMV_BLOCK_N, fm.MXFP4_GEMV_BLOCK_K, fm.GEMV_WARPS, fm.GEMV_STAGES = bn, bk, warps, stages
+                try:
+                    ms = graph_ms(layers, x, weights, ids, None, gemv=True)
+                except Exception as exc:
+                    gemv.append({"tiles": [bn, bk, warps, stages], "error": f"{type(exc).__name__}"[:100]})
+                    continue
+                gemv.append({"tiles": [bn, bk, warps, stages], "ms": ms})
+        finally:
+            fm.GEMV_BLOCK_N, fm.MXFP4_GEMV_BLOCK_K, fm.GEMV_WARPS, fm.GEMV_STAGES = saved
+        found["gemv"] = sorted(gemv, key=lambda r: r.get("ms", math.inf))
+    return found
+
+
+def main_mxfp4(model: str, tokens: list[int], out: Path | None, sweep: bool = False) -> None:
     c = GPT_OSS[model]
     props = torch.cuda.get_device_properties(0)
     copies = mxfp4_layer_copies(c, props.L2_cache_size)
@@ -269,6 +308,12 @@ def main_mxfp4(model: str, tokens: list[int], out: Path | None) -> None:
     t0 = time.perf_counter()
     for t in tokens:
         row = bench_mxfp4(c, copies, t)
+        if sweep:
+            x = torch.randn(t, c["hidden"], device=DEVICE, dtype=DTYPE)
+            weights, ids = routing(t, c["experts"], c["top_k"], seed=t)
+            row["mxfp4_sweep"] = sweep_mxfp4([copy[1] for copy in copies], x, weights, ids, t, c["top_k"])
+            best = {path: found[0] for path, found in row["mxfp4_sweep"].items()}
+            print(f"        sweep best: {json.dumps(best)}", flush=True)
         result["rows"].append(row)
         b, m = row["bf16"], row["mxfp4"]
         print(f"T={t:5d} experts {row['distinct_experts']:3d}  "
@@ -300,7 +345,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("fused_moe_bench needs a CUDA device")
     if args.mxfp4:
-        main_mxfp4(args.mxfp4, args.tokens, args.out)
+        main_mxfp4(args.mxfp4, args.tokens, args.out, args.sweep)
         return
     c = QWEN3_30B_A3B
     props = torch.cuda.get_device_properties(0)

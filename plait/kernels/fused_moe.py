@@ -131,6 +131,17 @@ GEMV_BLOCK_K = 256  # 16-bit inputs: 512-byte row segments
 # MXFP4 weights: 256-byte row segments, so that GEMV_BLOCK_N rows are still one 16-byte load a thread on
 # GEMV_WARPS warps (untimed; 256 would halve the loads' width).
 MXFP4_GEMV_BLOCK_K = 512
+# MXFP4 experts leave the GEMV sooner: its decoding is bound by the CUDA cores, and the grouped GEMM decodes
+# each weight tile once per block of rows. gpt-oss-20b's layer on an H200 (mxfp4_moe_*gpt-oss-20b_h200.json):
+# GEMV / grouped 0.182 / 0.281 ms at 16 entries, 0.678 / 0.512 at 64 (32 itself untimed).
+MXFP4_GEMV_MAX_ENTRIES = 32
+# MXFP4 prompt-sized tiles, from the same sweep (16-bit weights keep theirs): 64 x 64 on 4 warps from 64 rows
+# an expert (128 rows: 1.235 ms against 1.458 for the 16-bit choice), 128 x 128 on 8 warps and 3 stages from
+# 256 (512 rows: 3.62 ms against 4.72); the thresholds lie between the swept sizes, untimed.
+MXFP4_MID_ROWS_PER_EXPERT = 64
+MXFP4_LARGE_ROWS_PER_EXPERT = 256
+MXFP4_LARGE_BLOCK_M = 128
+MXFP4_LARGE_STAGES = 3
 GEMV_WARPS = 4
 GEMV_STAGES = 2
 
@@ -227,10 +238,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
 # fp32 roundoff before the final rounding. FP8 experts step K by the weight's block_k whatever the config,
 # and quantise each row of x and h on its own: the same holds for them.
 def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, intermediate: int,
-               dtype: torch.dtype, on_cuda: bool = True) -> MoeConfig:
+               dtype: torch.dtype, on_cuda: bool = True, mxfp4: bool = False) -> MoeConfig:
     """Launch shape for a batch of num_tokens, from the average rows an expert gets (T * k / E); hidden and
     intermediate are not read yet (kept so that a tuned table can key on the layer's shape). Column and K
-    tiles wider than the layer are capped at the launch. on_cuda=False: the CPU interpreter's small tiles."""
+    tiles wider than the layer are capped at the launch. on_cuda=False: the CPU interpreter's small tiles.
+    mxfp4: MXFP4 experts, whose prompt-sized tiles were swept apart (MXFP4_MID_ROWS_PER_EXPERT)."""
     if not on_cuda:
         return MoeConfig(CPU_BLOCK_M, CPU_BLOCK_N, CPU_BLOCK_K, group_m=1, num_warps=GPU_WARPS,
                          num_stages=CPU_STAGES)
@@ -239,6 +251,11 @@ def moe_config(num_tokens: int, top_k: int, num_experts: int, hidden: int, inter
         return MoeConfig(FP32_BLOCK_M, FP32_BLOCK_N, FP32_BLOCK_K, num_stages=FP32_STAGES)
     if rows_per_expert <= DECODE_ROWS_PER_EXPERT:
         return MoeConfig(DECODE_BLOCK_M, DECODE_BLOCK_N, BLOCK_K_16BIT)
+    if mxfp4 and rows_per_expert >= MXFP4_LARGE_ROWS_PER_EXPERT:
+        return MoeConfig(MXFP4_LARGE_BLOCK_M, PROMPT_BLOCK_N, BLOCK_K_16BIT, num_warps=WIDE_TILE_WARPS,
+                         num_stages=MXFP4_LARGE_STAGES)
+    if mxfp4 and rows_per_expert >= MXFP4_MID_ROWS_PER_EXPERT:
+        return MoeConfig(PROMPT_BLOCK_M, DECODE_BLOCK_N, BLOCK_K_16BIT)
     if rows_per_expert >= WIDE_N_ROWS_PER_EXPERT:
         return MoeConfig(PROMPT_BLOCK_M, PROMPT_BLOCK_N, BLOCK_K_16BIT, num_warps=WIDE_TILE_WARPS)
     return MoeConfig(PROMPT_BLOCK_M, DECODE_BLOCK_N, BLOCK_K_16BIT)
@@ -1033,19 +1050,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         return out
     if inter == 0:  # experts of width 0 add nothing
         return out.zero_()
-    cfg = config or moe_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype, on_cuda=x.is_cuda)
+    mxfp4 = is_mxfp4(w13)
+    cfg = config or moe_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype, on_cuda=x.is_cuda,
+                               mxfp4=mxfp4)
     x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided: the kernel takes stride(0)
     topk_w = topk_weights.reshape(-1).contiguous()  # [T*k], by entry id
     num_entries = num_tokens * top_k
     h = torch.empty((num_entries, inter), dtype=x.dtype, device=x.device)  # silu(gate) * up, by entry
     y = torch.empty((num_entries, hidden), dtype=x.dtype, device=x.device)  # weighted expert outputs
     fp8_up = fp8_down = None
-    mx_up, mx_down = (w13_scale, w2_scale) if is_mxfp4(w13) else (None, None)  # E8M0 bytes
+    mx_up, mx_down = (w13_scale, w2_scale) if mxfp4 else (None, None)  # E8M0 bytes
     a_up = x
     if fp8_block is not None:
         a_up, x_scale = quantize_groups_fp8(x, fp8_block[1])  # codes [T, H], scales [T, cdiv(H, bk)]
         fp8_up = _Fp8Operands(x_scale, w13_scale, fp8_block)
-    use_gemv = gemv if gemv is not None else (config is None and num_entries <= GEMV_MAX_ENTRIES)
+    gemv_max = MXFP4_GEMV_MAX_ENTRIES if mxfp4 else GEMV_MAX_ENTRIES
+    use_gemv = gemv if gemv is not None else (config is None and num_entries <= gemv_max)
     if use_gemv:
         flat_ids = topk_ids.reshape(-1).contiguous()  # [T*k], by entry id
         _launch_gemv(a_up, w13, h, topk_w, flat_ids, inter, top_k, gate_up=True, fp8=fp8_up, mlp=mlp,
