@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import capture_cuda_graph
 
 triton = pytest.importorskip("triton")
 
@@ -794,14 +795,7 @@ def test_gpu_fused_moe_replays_in_a_cuda_graph(real_experts, t):
     w13, w2, _, _ = real_experts("qwen3-30b-a3b")
     x = randn(t, c["hidden"], dtype=BF16, seed=54)
     weights, ids = routing(t, c["experts"], c["top_k"], seed=55)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and warm up outside the capture
-        fused_moe(x, w13, w2, weights, ids)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graphed = fused_moe(x, w13, w2, weights, ids)
+    graph, graphed = capture_cuda_graph(lambda: fused_moe(x, w13, w2, weights, ids))
     # New inputs and a new routing (other experts, some shared by several tokens) written in place.
     x.copy_(randn(t, c["hidden"], dtype=BF16, seed=56))
     new_weights, new_ids = routing(t, c["experts"], c["top_k"], seed=57)
@@ -872,14 +866,7 @@ def test_gpu_fused_moe_fp8_real_shapes(qwen_fp8_experts, t):
 @pytest.mark.parametrize("t", [8, 37])  # 64 entries: the GEMV path; 296: the grouped GEMM
 def test_gpu_fused_moe_fp8_replays_in_a_cuda_graph(qwen_fp8_experts, t):
     c, w, kw, x, weights, ids = _qwen_fp8_case(qwen_fp8_experts, t, seed=62)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and warm up outside the capture
-        fused_moe(x, w["w13"], w["w2"], weights, ids, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graphed = fused_moe(x, w["w13"], w["w2"], weights, ids, **kw)
+    graph, graphed = capture_cuda_graph(lambda: fused_moe(x, w["w13"], w["w2"], weights, ids, **kw))
     # New inputs (so new activation scales) and a new routing written in place.
     x.copy_(randn(t, c["hidden"], dtype=BF16, seed=64) * 3)
     new_weights, new_ids = routing(t, c["experts"], c["top_k"], seed=65)

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import capture_cuda_graph
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -463,14 +464,7 @@ def test_gpu_mxfp4_replays_in_a_cuda_graph(gpt_oss_mxfp4, t):
     mx = dict(w13_scale=w["w13_scale"], w2_scale=w["w2_scale"], **kw)
     x = inputs(t, c["hidden"], BF16, seed=76, scale=OAI_X_SCALE)
     weights, ids = routing(t, c["experts"], c["top_k"], seed=77)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and warm up outside the capture
-        fused_moe(x, w["w13"], w["w2"], weights, ids, **mx)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        graphed = fused_moe(x, w["w13"], w["w2"], weights, ids, **mx)
+    graph, graphed = capture_cuda_graph(lambda: fused_moe(x, w["w13"], w["w2"], weights, ids, **mx))
     # New inputs and a new routing (half the tokens sharing expert 5) written in place.
     x.copy_(inputs(t, c["hidden"], BF16, seed=78, scale=OAI_X_SCALE))
     new_weights, new_ids = routing(t, c["experts"], c["top_k"], seed=79)
