@@ -12,9 +12,9 @@ python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheu
     httptools httpx openai 2>&1 | grep -v "root. user" | tail -3
 ENGINE_FILES="tests/test_gpu_engine.py tests/test_sleep.py tests/test_multimodal.py tests/test_lora.py
   tests/test_encoder_embeddings.py tests/test_mamba2.py tests/test_moe.py tests/test_wna16.py tests/test_fp8.py
-  tests/test_fp8_kv.py tests/test_fp8_block.py tests/test_sampler.py tests/test_warmup.py"
+  tests/test_fp8_kv.py tests/test_fp8_block.py tests/test_sampler.py tests/test_warmup.py tests/test_gpt_oss.py"
 KERNEL_FILES="tests/test_triton_kernels.py tests/test_triton_attention.py tests/test_mamba_kernels.py
-  tests/test_fused_moe.py tests/test_dense_kernels.py tests/test_wna16_kernels.py"
+  tests/test_fused_moe.py tests/test_mxfp4_moe.py tests/test_dense_kernels.py tests/test_wna16_kernels.py"
 suite() {  # suite NAME DEVICES LIMIT FILES...
   local name=$1 devices=$2 LIMIT=$3; shift 3
   CUDA_VISIBLE_DEVICES=$devices timeout -s INT $LIMIT python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs \
