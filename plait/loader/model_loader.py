@@ -19,6 +19,7 @@ from plait.layers.fp8 import FP8_DTYPE, checkpoint_quantization, checkpoint_weig
 from plait.layers.linear import deferred_weights, materialize_deferred
 from plait.layers.moe import FusedMoE
 from plait.layers.mxfp4 import MXFP4_DTYPE
+from plait.models.base import checkpoint_layout
 from plait.models.registry import BASE_MODEL_ARCHITECTURES, get_model_class, resolve_runner
 from plait.models.weights import weight_row_loader
 from plait.parallel.group import ParallelRank
@@ -134,7 +135,7 @@ def load_model(
         # rank's slice is as random as the whole.
         _init_dummy(model, config.seed)
     else:
-        weights = model.checkpoint_layout(weights)
+        weights = checkpoint_layout(model, weights)
         if shard is not None:
             weights = shard.checkpoint(weights)
         weights = _tap_kv_scales(weights, kv_scales)

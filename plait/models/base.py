@@ -20,6 +20,14 @@ def refuse_config_keys(raw: dict, family: str, keys: tuple[str, ...]) -> None:
             raise ValueError(f"{family} with {key} is not supported")
 
 
+def checkpoint_layout(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
+                      ) -> Iterable[tuple[str, torch.Tensor]]:
+    """``weights`` in ``model``'s own layout (CausalLM.checkpoint_layout); models with no such method (the
+    encoders) take their checkpoints as they are."""
+    layout = getattr(model, "checkpoint_layout", None)
+    return weights if layout is None else layout(weights)
+
+
 class CausalLM(nn.Module):
     """A pure model: hidden states from a ForwardBatch, logits only where the runner samples.
 

@@ -27,6 +27,7 @@ from plait.layers.mamba import allocate_mamba_states
 from plait.loader.hf import ModelSource
 from plait.loader.model_loader import load_model, resolve_device_dtype, to_model_dtype
 from plait.lora.model import LoRAModel
+from plait.models.base import checkpoint_layout
 from plait.multimodal.images import ImageProcessor
 from plait.parallel.group import ParallelRank, TPGroup
 from plait.parallel.shard import shard_for, sum_row_parallel_outputs
@@ -287,7 +288,7 @@ class ModelRunner:
         if self._sleep_weights is not None and self._sleep_weights.released:
             raise ValueError("the weights are asleep: wake_up(tags=['weights']) before load_weights")
         if not in_model_layout:
-            weights = self.model.checkpoint_layout(weights)
+            weights = checkpoint_layout(self.model, weights)
         if self.workers is not None:
             self._load_split_weights(weights)
             return
