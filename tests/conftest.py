@@ -22,8 +22,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Two cores: more threads than that only adds contention.
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Two cores: more threads than that only adds contention; under pytest-xdist (-n N) the workers share them.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 
 TINY_VOCAB = 512
 # The tiny LongRoPE Phi-3's pretraining length: past every test prompt and its outputs.
