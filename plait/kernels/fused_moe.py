@@ -802,8 +802,9 @@ def _check_mxfp4(x: torch.Tensor, w13: torch.Tensor, w13_scale: torch.Tensor | N
 
 
 def dequantize_mxfp4_experts(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """MXFP4 experts [E, rows, K / 2] with their scales [E, rows, K / 32] as values [E, rows, K] in dtype
-    (plait.layers.mxfp4.dequantize_mxfp4 of each row's bytes as [K / 32, 16])."""
+    """MXFP4 experts [E, rows, K / 2] (or one expert's [rows, K / 2]) with their scales [E, rows, K / 32]
+    ([rows, K / 32]) as values [E, rows, K] ([rows, K]) in dtype (plait.layers.mxfp4.dequantize_mxfp4 of each
+    row's bytes as [K / 32, 16])."""
     return dequantize_mxfp4(w.reshape(*scale.shape, MXFP4_GROUP_BYTES), scale, dtype)
 
 
@@ -846,24 +847,26 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
          in slot order in fp32, rounded.
 
     MXFP4 experts (w13 uint8 [E, 2I, H / 2], w2 uint8 [E, H, I / 2], two E2M1 codes a byte, the low nibble
-    first; w13_scale uint8 [E, 2I, H / 32], w2_scale uint8 [E, H, I / 32], E8M0): dequantised to x's dtype
-    (dequantize_mxfp4_experts; exact), then as 16-bit experts."""
+    first; w13_scale uint8 [E, 2I, H / 32], w2_scale uint8 [E, H, I / 32], E8M0): each routed expert
+    dequantised to x's dtype (dequantize_mxfp4_experts; exact) when its turn comes, then as 16-bit experts."""
     # x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] -> [T, H]
     mlp = _ExpertMlp(activation=activation, w13_bias=w13_bias, w2_bias=w2_bias, swiglu_alpha=swiglu_alpha,
                      swiglu_limit=swiglu_limit)
     fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, mlp)
     if fp8_block is not None:
         return _fp8_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, fp8_block)
-    if is_mxfp4(w13):
-        w13 = dequantize_mxfp4_experts(w13, w13_scale, x.dtype)
-        w2 = dequantize_mxfp4_experts(w2, w2_scale, x.dtype)
+    mxfp4 = is_mxfp4(w13)
     out = torch.zeros_like(x)
     for expert, k_pos, token_idx in _routed_entries(topk_ids, w13.shape[0]):
-        gate_up = F.linear(x[token_idx], w13[expert])
+        w13_e, w2_e = w13[expert], w2[expert]
+        if mxfp4:  # only the routed experts, as each comes: a decode step routes to few of them
+            w13_e = dequantize_mxfp4_experts(w13_e, w13_scale[expert], x.dtype)
+            w2_e = dequantize_mxfp4_experts(w2_e, w2_scale[expert], x.dtype)
+        gate_up = F.linear(x[token_idx], w13_e)
         if w13_bias is not None:  # added apart (not F.linear's fused bias): rounded twice, as `x @ W + b`
             gate_up = gate_up + w13_bias[expert]
         gate, up = gate_up.chunk(2, dim=-1)
-        h = F.linear(_activation_ref(gate, up, mlp), w2[expert])
+        h = F.linear(_activation_ref(gate, up, mlp), w2_e)
         if w2_bias is not None:
             h = h + w2_bias[expert]
         h = h * topk_weights[token_idx, k_pos, None]
