@@ -139,14 +139,6 @@ def _prompt_steps(timeline: list) -> list[dict]:
             for s in timeline if s.num_prefill_tokens]
 
 
-def mxfp4_scales(model) -> list:
-    """The E8M0 scale buffers of a model's MXFP4 experts (read with their codes every step)."""
-    from plait.layers.moe import MXFP4_WEIGHTS, FusedMoE
-
-    return [b for m in model.modules() if isinstance(m, FusedMoE) and m.weight_format == MXFP4_WEIGHTS
-            for b in (m.gate_up_scale, m.down_scale)]
-
-
 def expert_sizes(moe) -> tuple[int, int]:
     """(bytes, weights) of a FusedMoE's parameters: MXFP4 codes pack two weights a byte, and their scales
     (buffers) are read with them."""
@@ -183,12 +175,12 @@ def floor_seconds(engine: LLMEngine, prompts: list[list[int]], output_len: int, 
     embed_bytes, embed_numel = embed.numel() * embed.element_size(), embed.numel()
     if c.tie_word_embeddings:
         embed_bytes = embed_numel = 0  # the table is read whole as the lm_head
-    expert_bytes = expert_numel = 0
-    for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
-        read, numel = expert_sizes(moe)
-        expert_bytes, expert_numel = expert_bytes + read, expert_numel + numel
-    # MXFP4 experts: two weights a byte (the parameters' numel counts bytes), their scales read with them
-    weight_bytes += sum(b.numel() * b.element_size() for b in mxfp4_scales(model))
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    expert_params = [p for m in moes for p in m.parameters()]
+    sizes = [expert_sizes(m) for m in moes]
+    expert_bytes, expert_numel = sum(read for read, _ in sizes), sum(numel for _, numel in sizes)
+    # MXFP4 experts' scales are buffers read with their codes: what expert_sizes counts beyond the params
+    weight_bytes += expert_bytes - sum(p.numel() * p.element_size() for p in expert_params)
     untouched = idle = 0.0
     if c.moe is not None:
         idle = 1.0 - c.moe.top_k / c.moe.num_experts  # an expert's share a token does not multiply by
@@ -200,8 +192,7 @@ def floor_seconds(engine: LLMEngine, prompts: list[list[int]], output_len: int, 
     decode = (
         sum(read_per_step + kv_per_token * sum(len(p) + i for p in prompts) for i in range(output_len)) / bw
     )
-    dense_numel = sum(p.numel() for p in model.parameters()) - sum(
-        p.numel() for m in model.modules() if isinstance(m, FusedMoE) for p in m.parameters())
+    dense_numel = sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in expert_params)
     matmul_params = dense_numel + expert_numel * (1.0 - idle) - embed_numel
     prefill = 2 * matmul_params * sum(len(p) for p in prompts) / (roof["bf16_TFLOPs"] * 1e12)
     return {

@@ -275,33 +275,32 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
         load_rows = weight_row_loader(modules, name)
+        owner_name, _, leaf = name.rpartition(".")
+        owner = modules[owner_name]
         if name.endswith(".bias"):  # a LayerNorm's too (BERT)
             param.zero_()
         elif "norm" in name.lower():  # RMSNorm / LayerNorm weights (BERT's "LayerNorm")
             param.fill_(1.0)
-        elif isinstance(modules[name.rpartition(".")[0]], FusedMoE) and param.dtype == MXFP4_DTYPE:
-            if name.endswith(".gate_up_proj"):  # one call draws both stacks' codes and scales
-                modules[name.rpartition(".")[0]].fill_random_mxfp4(gen)
-        elif isinstance(modules[name.rpartition(".")[0]], FusedMoE) and param.dtype == FP8_DTYPE:
+        elif isinstance(owner, FusedMoE) and param.dtype == MXFP4_DTYPE:
+            if leaf == "gate_up_proj":  # one call draws both stacks' codes and scales
+                owner.fill_random_mxfp4(gen)
+        elif isinstance(owner, FusedMoE) and param.dtype == FP8_DTYPE:
             # FP8 experts: the unquantised model's draws, each expert's quantised tile by tile.
-            moe, stacked = modules[name.rpartition(".")[0]], name.rpartition(".")[2]
-            weights = torch.empty(param.shape, dtype=moe.compute_dtype, device=param.device)
+            weights = torch.empty(param.shape, dtype=owner.compute_dtype, device=param.device)
             weights.normal_(0.0, DUMMY_INIT_STD, generator=gen)
             for expert, weight in enumerate(weights):
-                moe.load_stacked(stacked, expert, weight)
-        elif isinstance(modules[name.rpartition(".")[0]], wna16.WNA16Linear):
+                owner.load_stacked(leaf, expert, weight)
+        elif isinstance(owner, wna16.WNA16Linear):
             # Integer codes: the unquantised model's draws, quantised round-to-nearest (scales and zeros
             # come with the codes).
-            layer = modules[name.rpartition(".")[0]]
-            if name.endswith(".codes"):
-                weight = torch.empty((layer.out_features, layer.in_features), dtype=layer.compute_dtype,
+            if leaf == "codes":
+                weight = torch.empty((owner.out_features, owner.in_features), dtype=owner.compute_dtype,
                                      device=param.device)
-                layer.load_weight_rows(0, weight.normal_(0.0, DUMMY_INIT_STD, generator=gen))
+                owner.load_weight_rows(0, weight.normal_(0.0, DUMMY_INIT_STD, generator=gen))
         elif load_rows is not None:
             # A quantised layer: the same draws as the unquantised model's weight, then quantised, so
             # both random models are one model up to the rounding.
-            dtype = modules[name.rpartition(".")[0]].compute_dtype
-            weight = torch.empty(param.shape, dtype=dtype, device=param.device)
+            weight = torch.empty(param.shape, dtype=owner.compute_dtype, device=param.device)
             load_rows(0, weight.normal_(0.0, DUMMY_INIT_STD, generator=gen))
         else:
             param.normal_(0.0, DUMMY_INIT_STD, generator=gen)
