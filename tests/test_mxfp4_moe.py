@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 from conftest import capture_cuda_graph
+from test_fused_moe import randn, routing
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -84,13 +84,6 @@ def dequantized(w: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, tor
                 w2=dequantize_mxfp4_experts(w["w2"], w["w2_scale"], dtype))
 
 
-def routing(num_tokens: int, num_experts: int, top_k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] fp32, ids [T, k] int64): softmax of random logits, its top k, renormalised."""
-    logits = torch.randn(num_tokens, num_experts, generator=generator(seed), device=DEVICE) * 2
-    weights, ids = torch.topk(F.softmax(logits, dim=-1), top_k, dim=-1)
-    return weights / weights.sum(dim=-1, keepdim=True), ids
-
-
 def mlp_kw(case: str, num_experts: int, hidden: int, inter: int, dtype: torch.dtype, seed: int) -> dict:
     """fused_moe's epilogue keywords: "silu" (Mixtral-like) or "gpt_oss" (swiglu_oai and both biases)."""
     if case == "silu":
@@ -99,10 +92,6 @@ def mlp_kw(case: str, num_experts: int, hidden: int, inter: int, dtype: torch.dt
     return dict(activation=fm.SWIGLU_OAI,
                 w13_bias=torch.randn(num_experts, 2 * inter, generator=g, device=DEVICE).to(dtype),
                 w2_bias=torch.randn(num_experts, hidden, generator=g, device=DEVICE).to(dtype))
-
-
-def inputs(num_tokens: int, hidden: int, dtype: torch.dtype, seed: int, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(num_tokens, hidden, generator=generator(seed), device=DEVICE) * scale).to(dtype)
 
 
 def assert_clamps_bind(x: torch.Tensor, w13: torch.Tensor, kw: dict, ids: torch.Tensor) -> None:
@@ -187,7 +176,7 @@ def test_mxfp4_kernel_is_the_16bit_kernel_on_the_dequantised_weights(dtype, path
     w = mxfp4_experts(E, hidden, inter, seed=1)
     kw = mlp_kw(mlp, E, hidden, inter, dtype, seed=3)
     for t in PATH_TOKENS[path]:
-        x = inputs(t, hidden, dtype, seed=4 + t, scale=OAI_X_SCALE if mlp == "gpt_oss" else 1.0)
+        x = randn(t, hidden, dtype=dtype, seed=4 + t, scale=OAI_X_SCALE if mlp == "gpt_oss" else 1.0)
         weights, ids = routing(t, E, K, seed=5 + t)
         got, want = run_pair(x, w, weights, ids, kw, gemv=path == "gemv")
         assert torch.equal(got, want)
@@ -217,7 +206,7 @@ def test_mxfp4_k_tails_and_wide_steps(monkeypatch, path):
          padded_view(t, BLOCK_VALUES // 2, FP4_SIX_SIX) for name, t in w.items()}
     assert w["w13"].stride(1) == hidden // 2 + BLOCK_VALUES // 2
     kw = mlp_kw("gpt_oss", E, hidden, inter, BF16, seed=12)
-    x = inputs(5, hidden, BF16, seed=13, scale=OAI_X_SCALE)
+    x = randn(5, hidden, dtype=BF16, seed=13, scale=OAI_X_SCALE)
     weights, ids = routing(5, E, K, seed=14)
     if path == "gemv":  # its CPU K step (the same for both kernels)
         monkeypatch.setattr(fm, "CPU_BLOCK_K", 64)
@@ -245,7 +234,7 @@ def test_fused_moe_mxfp4_matches_ref(dtype, path):
     hidden, inter, t = 64, 64, PATH_TOKENS[path][-1]
     w = mxfp4_experts(E, hidden, inter, seed=20)
     kw = mlp_kw("gpt_oss", E, hidden, inter, dtype, seed=22)
-    x = inputs(t, hidden, dtype, seed=23, scale=OAI_X_SCALE)
+    x = randn(t, hidden, dtype=dtype, seed=23, scale=OAI_X_SCALE)
     weights, ids = routing(t, E, K, seed=24)
     d = dequantized(w, dtype)
     assert_clamps_bind(x, d["w13"], kw, ids)
@@ -268,7 +257,7 @@ def test_fused_moe_mxfp4_rejects_bad_arguments(bad):
         # 48 inputs: consistent bytes (24 a row) but no whole 32-value groups (one scale a row, say)
         w[name] = torch.zeros(E, rows, k // 2, dtype=torch.uint8, device=DEVICE)
         w[f"{name}_scale"] = torch.zeros(E, rows, -(-k // BLOCK_VALUES), dtype=torch.uint8, device=DEVICE)
-    x = inputs(3, hidden, BF16, seed=31)
+    x = randn(3, hidden, dtype=BF16, seed=31)
     weights, ids = routing(3, E, K, seed=32)
     args = dict(x=x, w13=w["w13"], w2=w["w2"], topk_weights=weights, topk_ids=ids, w13_scale=w["w13_scale"],
                 w2_scale=w["w2_scale"])
@@ -323,7 +312,7 @@ def test_mxfp4_layer_is_the_16bit_layer_on_the_dequantised_weights(monkeypatch, 
             module.down_bias.copy_(biases["w2_bias"])
         dense.gate_up_proj.copy_(d["w13"])
         dense.down_proj.copy_(d["w2"])
-        x = inputs(t, hidden, BF16, seed=43, scale=OAI_X_SCALE)
+        x = randn(t, hidden, dtype=BF16, seed=43, scale=OAI_X_SCALE)
         logits = torch.randn(t, E, generator=generator(44), device=DEVICE)
         got, want = layer(x, logits), dense(x, logits)
     assert torch.equal(got, want)
@@ -432,7 +421,7 @@ def test_gpu_mxfp4_real_shapes(gpt_oss_mxfp4, model, t):
     c = GPT_OSS[model]
     w, kw, d = gpt_oss_mxfp4(model)
     mx = dict(w13_scale=w["w13_scale"], w2_scale=w["w2_scale"], **kw)
-    x = inputs(t, c["hidden"], BF16, seed=74, scale=OAI_X_SCALE)
+    x = randn(t, c["hidden"], dtype=BF16, seed=74, scale=OAI_X_SCALE)
     weights, ids = routing(t, c["experts"], c["top_k"], seed=75)
     got = fused_moe(x, w["w13"], w["w2"], weights, ids, **mx)
     assert torch.equal(got, fused_moe(x, w["w13"], w["w2"], weights, ids, **mx))  # deterministic
@@ -462,11 +451,11 @@ def test_gpu_mxfp4_replays_in_a_cuda_graph(gpt_oss_mxfp4, t):
     c = GPT_OSS["gpt-oss-20b"]
     w, kw, _ = gpt_oss_mxfp4("gpt-oss-20b")
     mx = dict(w13_scale=w["w13_scale"], w2_scale=w["w2_scale"], **kw)
-    x = inputs(t, c["hidden"], BF16, seed=76, scale=OAI_X_SCALE)
+    x = randn(t, c["hidden"], dtype=BF16, seed=76, scale=OAI_X_SCALE)
     weights, ids = routing(t, c["experts"], c["top_k"], seed=77)
     graph, graphed = capture_cuda_graph(lambda: fused_moe(x, w["w13"], w["w2"], weights, ids, **mx))
     # New inputs and a new routing (half the tokens sharing expert 5) written in place.
-    x.copy_(inputs(t, c["hidden"], BF16, seed=78, scale=OAI_X_SCALE))
+    x.copy_(randn(t, c["hidden"], dtype=BF16, seed=78, scale=OAI_X_SCALE))
     new_weights, new_ids = routing(t, c["experts"], c["top_k"], seed=79)
     new_ids[: t // 2, 0] = 5
     weights.copy_(new_weights)
