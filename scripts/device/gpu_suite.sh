@@ -21,11 +21,22 @@ suite() {  # suite NAME DEVICES LIMIT FILES...
     --tb=short --durations=15 "$@" > $OUT/gpu_suite_$name.log 2>&1
   echo "== $name (GPUs $devices): $(tail -1 $OUT/gpu_suite_$name.log)"
 }
+# Two GPUs, halves of about equal time (the engine files took ~550 s on one H200, the kernel files ~250 s):
+# half A on one GPU beside half B on the other, then the tensor-parallel file on both. SUITE_PARTS picks
+# "halves", "tensor_parallel" or both (the default), so a 600 s call can run the halves and the next the rest.
+HALF_A="tests/test_gpu_engine.py tests/test_sleep.py tests/test_encoder_embeddings.py tests/test_gpt_oss.py
+  tests/test_warmup.py tests/test_dense_kernels.py tests/test_mamba_kernels.py tests/test_triton_kernels.py"
+HALF_B="tests/test_lora.py tests/test_multimodal.py tests/test_mamba2.py tests/test_moe.py tests/test_wna16.py
+  tests/test_fp8.py tests/test_fp8_kv.py tests/test_fp8_block.py tests/test_sampler.py tests/test_triton_attention.py
+  tests/test_fused_moe.py tests/test_mxfp4_moe.py tests/test_wna16_kernels.py"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
-  suite engine 0 $LIMIT $ENGINE_FILES &
-  suite kernels 1 $LIMIT $KERNEL_FILES &
-  wait
-  suite tensor_parallel 0,1 $LIMIT tests/test_gpu_tensor_parallel.py
+  PARTS=${SUITE_PARTS:-halves tensor_parallel}
+  if [[ " $PARTS " == *" halves "* ]]; then
+    suite half_a 0 $LIMIT $HALF_A &
+    suite half_b 1 $LIMIT $HALF_B &
+    wait
+  fi
+  [[ " $PARTS " == *" tensor_parallel "* ]] && suite tensor_parallel 0,1 $LIMIT tests/test_gpu_tensor_parallel.py
 else
   PARTS=${SUITE_PARTS:-engine kernels}
   [[ " $PARTS " == *" engine "* ]] && suite engine 0 $LIMIT $ENGINE_FILES
