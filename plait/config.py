@@ -132,9 +132,10 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
-    # vLLM's speculative_config: None (off), or {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_max": n, "prompt_lookup_min": m} as a SpeculativeConfig, a dict or its JSON text (the
-    # CLI's --speculative-config). Stored as a SpeculativeConfig.
+    # vLLM's speculative_config: None (off), {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": n, "prompt_lookup_min": m} or {"model": DRAFT, "num_speculative_tokens": k}, as a
+    # SpeculativeConfig, a dict or its JSON text (the CLI's --speculative-config). Stored as a
+    # SpeculativeConfig.
     speculative_config: SpeculativeConfig | dict | str | None = None
     # vLLM's --limit-mm-per-prompt: the most items of each modality a prompt may hold, {"image": n} (a dict or
     # its JSON text); a prompt with more is refused. None: no limit but the context's length.
@@ -212,7 +213,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+        self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
+        if spec is not None and spec.method == DRAFT_MODEL:
+            if self.tensor_parallel_size > 1:
+                raise ValueError("draft_model speculation under tensor parallelism is not supported yet")
+            if self.enable_sleep_mode:
+                raise ValueError("enable_sleep_mode with a draft model is not supported yet: sleep would not "
+                                 "free the draft model's memory")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         self.pooler_config = PoolerConfig.parse(self.pooler_config)
@@ -369,28 +376,51 @@ def _config_object(name: str, value: dict | str, cls: type) -> dict | None:
     return value
 
 
-SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
+NGRAM = "ngram"
+DRAFT_MODEL = "draft_model"
+SPECULATIVE_METHODS: tuple[str, ...] = (NGRAM, DRAFT_MODEL)
 # vLLM's n-gram lengths where a config names neither prompt_lookup_max nor prompt_lookup_min.
 DEFAULT_PROMPT_LOOKUP = 5
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Speculative decoding, as vLLM's ``speculative_config``. Method "ngram" (prompt lookup): each decode
-    row proposes up to ``num_speculative_tokens`` draft tokens, the tokens that followed the latest earlier
-    occurrence of the row's last n tokens (n from prompt_lookup_max down to prompt_lookup_min), and one step
-    scores them all; the tokens the model would have produced anyway are kept."""
+    """Speculative decoding, as vLLM's ``speculative_config``: each decode row proposes up to
+    ``num_speculative_tokens`` draft tokens and one step scores them all; the tokens the model would have
+    produced anyway are kept.
 
-    method: str = "ngram"
+    Method "ngram" (prompt lookup): the tokens that followed the latest earlier occurrence of the row's last
+    n tokens (n from prompt_lookup_max down to prompt_lookup_min). Method "draft_model" (the default where
+    ``model`` is given, as in vLLM): a smaller model of the same vocabulary decodes them greedily
+    (plait.engine.draft_model)."""
+
+    method: str | None = None  # None: "draft_model" with a model, else "ngram"
     num_speculative_tokens: int = 0
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
+    # "draft_model": the draft's checkpoint (a .gguf file, an HF folder or a cached Hub id), its context
+    # (None: its max_position_embeddings) and vLLM's draft_tensor_parallel_size (1: it runs on the driver).
+    model: str | None = None
+    max_model_len: int | None = None
+    draft_tensor_parallel_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config method must be one of {SPECULATIVE_METHODS} (plait has no "
-                             f"draft-model speculation yet), got {self.method!r}")
+        method = self.method or (DRAFT_MODEL if self.model is not None else NGRAM)
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {SPECULATIVE_METHODS}, "
+                             f"got {method!r}")
+        object.__setattr__(self, "method", method)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
+        if method == DRAFT_MODEL and not self.model:
+            raise ValueError('speculative_config method "draft_model" needs "model": the draft checkpoint')
+        if method == NGRAM and (self.model is not None or self.max_model_len is not None):
+            raise ValueError('speculative_config "model" and "max_model_len" are for method "draft_model", '
+                             'not "ngram"')
+        if self.max_model_len is not None:
+            _check_int("speculative_config max_model_len", self.max_model_len, minimum=1)
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError("speculative_config draft_tensor_parallel_size must be 1: the draft model runs "
+                             "whole on the driver's device")
         # vLLM's defaults: both 5 where neither is given, else the one given for both.
         lookup_max = self.prompt_lookup_max or self.prompt_lookup_min or DEFAULT_PROMPT_LOOKUP
         lookup_min = self.prompt_lookup_min or self.prompt_lookup_max or DEFAULT_PROMPT_LOOKUP

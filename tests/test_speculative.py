@@ -103,7 +103,7 @@ def test_speculative_config_parses_vllm_forms():
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1"),
     ({"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_max"),
-    ({"num_speculative_tokens": 2, "model": "x"}, "unknown speculative_config key"),
+    ({"num_speculative_tokens": 2, "draft_model": "x"}, "unknown speculative_config key"),
 ])
 def test_bad_speculative_configs_are_refused_by_name(value, message):
     with pytest.raises(ValueError, match=message):

@@ -1,4 +1,4 @@
-"""NgramDrafter: proposes speculative decoding's draft tokens by looking a context's last tokens up in it."""
+"""Drafter: proposes speculative decoding's drafts; NgramDrafter looks a context's last tokens up in it."""
 
 from __future__ import annotations
 
@@ -61,7 +61,27 @@ def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> list[int
     return tokens[start: start + k].tolist()
 
 
-class NgramDrafter:
+class Drafter:
+    """Speculative decoding's draft proposer, set by the engine from ``EngineConfig.speculative_config``.
+    Each step the engine calls ``prepare`` with the running requests before it schedules; the scheduler then
+    calls ``propose`` for each running decode it plans, and ``forget`` when a request finishes."""
+
+    # True: drafts need every token of a row on the host, so the engine never launches a step before the one
+    # in flight is collected (a row whose last token is still on the device would get none).
+    needs_host_tokens = False
+
+    def prepare(self, requests: list[Request]) -> None:
+        """Work for the whole step at once, before any ``propose`` (a draft model's batched forwards)."""
+
+    def propose(self, request: Request, limit: int) -> tuple[int, ...]:
+        """Up to ``limit`` tokens to follow the request's tokens (pending ones included)."""
+        raise NotImplementedError
+
+    def forget(self, request: Request) -> None:
+        """Drop what is kept for a finished or aborted request."""
+
+
+class NgramDrafter(Drafter):
     """vLLM's "ngram" speculative method (prompt lookup decoding): drafts come from the request's own
     context, so they cost no model. Set by the engine from ``EngineConfig.speculative_config``; called by
     the scheduler for running decodes."""

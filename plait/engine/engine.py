@@ -10,9 +10,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from plait.config import FULL_VOCAB_LOGPROBS, EngineConfig
+from plait.config import FULL_VOCAB_LOGPROBS, NGRAM, EngineConfig
 from plait.engine.detokenizer import Detokenizer
-from plait.engine.drafter import NgramDrafter
+from plait.engine.draft_model import DraftModelDrafter
+from plait.engine.drafter import Drafter, NgramDrafter
 from plait.engine.grammar import Grammar, GrammarCompiler
 from plait.engine.kv_cache import KVCacheManager, salt_key
 from plait.engine.profiler import StepProfiler
@@ -178,6 +179,10 @@ class LLMEngine:
         self.loras = LoRARegistry(lora.targets, config.max_lora_rank, cached) if lora is not None else None
         self.lora_slots = LoRASlotPool(config.max_loras) if lora is not None else None
         self.drafter = self._make_drafter()
+        # Steps may launch before the one in flight is collected, unless the drafter needs every token on the
+        # host (a draft model: a row whose last token is still on the device would get no drafts).
+        self._may_overlap = config.async_scheduling and not (self.drafter is not None
+                                                              and self.drafter.needs_host_tokens)
         num_drafts = config.speculative_config.num_speculative_tokens if self.drafter is not None else 0
         self.spec_stats = SpecDecodeStats(accepted_per_position=[0] * num_drafts)
         self.scheduler = Scheduler(config, self.kv_cache, self.state_slots, self.lora_slots, self.drafter,
@@ -208,7 +213,7 @@ class LLMEngine:
             freeze_long_lived_objects()
             raise_gc_threshold()
 
-    def _make_drafter(self) -> NgramDrafter | None:
+    def _make_drafter(self) -> Drafter | None:
         spec = self.config.speculative_config
         if spec is None:
             return None
@@ -218,7 +223,10 @@ class LLMEngine:
             arch = self.model_config.architecture
             raise ValueError(f"speculative decoding needs attention-only models: {arch} has recurrent "
                              "(Mamba) layers whose state cannot drop rejected draft tokens")
-        return NgramDrafter(spec)
+        if spec.method == NGRAM:
+            return NgramDrafter(spec)
+        return DraftModelDrafter(spec, self.config, self.model_config.vocab_size, self.runner.num_kv_blocks,
+                                 self.max_model_len)
 
     def _check_pooling_config(self) -> None:
         if self.pooler is None:
@@ -575,6 +583,8 @@ class LLMEngine:
         late = self._in_flight is not None and self._samples_late(*self._in_flight)
         if self._in_flight is not None and not late and not self._can_overlap(*self._in_flight):
             outputs += self._collect()
+        if self.drafter is not None:
+            self.drafter.prepare(self.scheduler.running)
         plan = self.scheduler.schedule()
         scheduled = time.monotonic()
         launched = None
@@ -615,16 +625,14 @@ class LLMEngine:
         are kept). Rows with their last token in flight still draft (NgramDrafter.propose), so speculation
         costs the overlap only of steps after one that drafted. Rows whose sampling needs ``step``'s ids
         (``_samples_late``) overlap their next step's forward only."""
-        return (self.config.async_scheduling and not plan.num_draft_tokens
-                and not step.needs_last_tokens)
+        return self._may_overlap and not plan.num_draft_tokens and not step.needs_last_tokens
 
     def _samples_late(self, plan: StepPlan, step: InFlightStep) -> bool:
         """Whether the next step launches its forward before ``step`` is collected and samples after: a
         request in ``step`` applies penalties, a guided choice, a grammar or a bad word of several tokens
         (its next sampling needs the ids themselves: a grammar's next mask depends on the token it consumes
         first). As vLLM applies structured outputs' bitmasks after the forward."""
-        return (self.config.async_scheduling and not plan.num_draft_tokens
-                and step.needs_last_tokens)
+        return self._may_overlap and not plan.num_draft_tokens and step.needs_last_tokens
 
     def _collect(self) -> list[RequestOutput | PoolingRequestOutput]:
         plan, launched = self._in_flight
@@ -923,6 +931,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when the engine is dropped)."""
         self.runner.close()
+        if isinstance(self.drafter, DraftModelDrafter):
+            self.drafter.close()
 
     # -- introspection used by tests and tools ---------------------------------------------
 
@@ -930,6 +940,7 @@ class LLMEngine:
         """Idle with every KV block, state slot and LoRA slot back in its pool (invariant 8)."""
         slots_free = self.state_slots is None or self.state_slots.num_used == 0
         slots_free = slots_free and (self.lora_slots is None or self.lora_slots.num_used == 0)
-        return (not self.has_unfinished_requests() and slots_free
+        drafts_free = not isinstance(self.drafter, DraftModelDrafter) or self.drafter.is_clean()
+        return (not self.has_unfinished_requests() and slots_free and drafts_free
                 and self.kv_cache.num_free_blocks == self.kv_cache.num_usable_blocks)
 

@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from plait.config import NO_CHUNK_CAP, EngineConfig
-from plait.engine.drafter import NgramDrafter
+from plait.engine.drafter import Drafter
 from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import FinishReason, Request, RequestStatus
 from plait.engine.state_slots import NO_STATE_SLOT, StateSlotPool
@@ -99,7 +99,7 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager,
                  state_slots: StateSlotPool | None = None, lora_slots: LoRASlotPool | None = None,
-                 drafter: NgramDrafter | None = None, whole_prompts: bool = False) -> None:
+                 drafter: Drafter | None = None, whole_prompts: bool = False) -> None:
         # The engine hands over a config with its budget chosen for the device; a scheduler built alone
         # (tests, tools) takes the CPU default.
         self.config = config.with_token_budget("cpu")

@@ -130,8 +130,12 @@ class ModelRunner:
     runs only the forwards (``forward``, ``receive_sampled_ids``)."""
 
     def __init__(self, config: EngineConfig, parallel: ParallelRank | None = None,
-                 link: DriverLink | None = None, source: ModelSource | None = None) -> None:
+                 link: DriverLink | None = None, source: ModelSource | None = None,
+                 max_kv_blocks: int | None = None) -> None:
         self.device, self.dtype = resolve_device_dtype(config)
+        # At most this many KV blocks however much memory is left (a draft model needs no more than its
+        # target holds); None: as many as the memory budget gives.
+        self.max_kv_blocks = max_kv_blocks
         self.workers: Workers | None = None
         self.group: TPGroup | None = None
         if config.tensor_parallel_size > 1:
@@ -467,6 +471,10 @@ class ModelRunner:
     def _num_blocks_with_room(self) -> int:
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
+        room = self._num_blocks_in_budget()
+        return room if self.max_kv_blocks is None else min(room, self.max_kv_blocks)
+
+    def _num_blocks_in_budget(self) -> int:
         # Every sequence at full length: all an attention-free model's blocks are (bookkeeping only),
         # and the cap on CPU, where more would only take host memory.
         needed = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size) + 1

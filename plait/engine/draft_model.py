@@ -1,0 +1,184 @@
+"""DraftModelDrafter: speculative decoding's drafts, decoded greedily by a smaller model of one vocabulary."""
+
+from __future__ import annotations
+
+import logging
+
+from plait.config import EngineConfig, SpeculativeConfig
+from plait.engine.drafter import Drafter
+from plait.engine.kv_cache import KVCacheManager
+from plait.engine.request import Request, RequestStatus
+from plait.engine.scheduler import ScheduledRow, StepPlan
+from plait.runner.model_runner import ModelRunner
+from plait.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# On a GPU the draft model (weights, profiled step, KV cache) lives in the memory the target's
+# gpu_memory_utilization share leaves over, up to this share of the device: the rest is the CUDA context's and
+# the allocator's.
+DRAFT_GPU_MEMORY_UTILIZATION = 0.98
+# Drafts are the draft model's most likely tokens; the target keeps each only where it samples the same
+# token there (LLMEngine._verify), so its outputs never depend on them.
+DRAFT_SAMPLING = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig) -> EngineConfig:
+    """The draft model's runner config: the target's device, dtype, rows, token budget and block size; no
+    prefix cache, LoRA, warm-up or speculation of its own."""
+    return EngineConfig(
+        model=spec.model, load_format=target.load_format, device=target.device, dtype=target.dtype,
+        seed=target.seed, max_num_batched_tokens=target.max_num_batched_tokens, usage=target.usage,
+        max_num_seqs=target.max_num_seqs, block_size=target.block_size,
+        gpu_memory_utilization=DRAFT_GPU_MEMORY_UTILIZATION, max_model_len=spec.max_model_len,
+        enable_prefix_caching=False, attention_backend=target.attention_backend,
+        enforce_eager=target.enforce_eager, async_scheduling=False, warm_up=False,
+        download_dir=target.download_dir, generation_config="vllm",
+    )
+
+
+class DraftModelDrafter(Drafter):
+    """vLLM's "draft_model" speculative method. The draft model runs in its own ModelRunner over its own KV
+    cache; each target request has a shadow request there (same prompt, the target's outputs copied in as
+    they reach the host), whose blocks come from the draft's own KVCacheManager.
+
+    Each step, ``prepare`` drafts for every running decode at once: one forward over each shadow's tokens the
+    draft has not seen (the whole prompt the first time, in chunks of the token budget; then the tokens kept
+    since, plus the last known one again) samples its first draft, and k - 1 one-token forwards the rest. The
+    drafts are then taken back out of the shadows: their K/V stays behind ``num_computed_tokens``, to be
+    overwritten by the tokens the target keeps."""
+
+    needs_host_tokens = True
+
+    def __init__(self, spec: SpeculativeConfig, target: EngineConfig, target_vocab_size: int,
+                 target_num_blocks: int, target_max_model_len: int) -> None:
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.runner = ModelRunner(draft_engine_config(spec, target), max_kv_blocks=target_num_blocks)
+        runner = self.runner
+        if runner.pooler is not None or runner.num_state_slots or not runner.is_causal:
+            arch = runner.model_config.architecture
+            raise ValueError(f"the draft model must be a causal attention-only generator; {arch} is not")
+        config = runner.config
+        self.kv_cache = KVCacheManager(runner.num_kv_blocks, config.block_size)
+        self.token_budget = config.max_num_batched_tokens
+        self.max_len = min(target_max_model_len, runner.max_model_len)
+        # Ids at or past the target's vocabulary (a draft with a larger one) are never proposed.
+        self.vocab_size = target_vocab_size
+        if runner.model_config.vocab_size != target_vocab_size:
+            logger.warning("draft model vocabulary %d != the target's %d: drafts are token ids, so only a "
+                           "draft with the target's tokenizer proposes tokens worth keeping",
+                           runner.model_config.vocab_size, target_vocab_size)
+        self.num_forwards = 0  # draft-model forwards run, for stats and tests
+        self._shadows: dict[Request, Request] = {}
+        self._drafts: dict[Request, tuple[int, ...]] = {}
+
+    # -- the Drafter interface ----------------------------------------------------------------
+
+    def prepare(self, requests: list[Request]) -> None:
+        self._drafts.clear()
+        shadows = [self._shadow(r) for r in requests if self._can_draft(r)]
+        shadows = [s for s in shadows if self._reserve(s)]
+        if not shadows:
+            return
+        drafts: dict[Request, list[int]] = {s: [] for s in shadows}
+        for j in range(self.num_speculative_tokens):
+            if j:  # the last draft goes in as the next input
+                for s, d in drafts.items():
+                    s.output_token_ids.append(d[-1])
+            for s, token_id in self._run(shadows).items():
+                drafts[s].append(token_id)
+        for request in requests:
+            shadow = self._shadows.get(request)
+            if shadow in drafts:
+                self._drafts[request] = self._in_vocabulary(drafts[shadow])
+                self._roll_back(shadow, request.num_known_tokens)
+
+    def propose(self, request: Request, limit: int) -> tuple[int, ...]:
+        return self._drafts.get(request, ())[: max(limit, 0)]
+
+    def forget(self, request: Request) -> None:
+        shadow = self._shadows.pop(request, None)
+        if shadow is not None:
+            self.kv_cache.free(shadow)
+        self._drafts.pop(request, None)
+
+    def is_clean(self) -> bool:
+        """No shadow left and every draft KV block back in its pool."""
+        return not self._shadows and self.kv_cache.num_free_blocks == self.kv_cache.num_usable_blocks
+
+    def close(self) -> None:
+        self.runner.close()
+
+    # -- steps --------------------------------------------------------------------------------
+
+    def _can_draft(self, request: Request) -> bool:
+        """A running decode with every token on the host, sampled without host-side guidance (as
+        Scheduler._drafts asks), room for a draft under max_tokens, and its drafts inside the draft's
+        context."""
+        return (request.status is RequestStatus.RUNNING and not request.is_prefilling
+                and not request.num_pending_tokens and not request.needs_last_token
+                and request.num_output_tokens + 1 < request.max_tokens
+                and request.num_known_tokens + self.num_speculative_tokens <= self.max_len)
+
+    def _shadow(self, request: Request) -> Request:
+        """The request's shadow, with the outputs the target has kept since the last step copied in."""
+        shadow = self._shadows.get(request)
+        if shadow is None:
+            shadow = Request(request.request_id, request.prompt_token_ids, DRAFT_SAMPLING,
+                             max_tokens=self.max_len)
+            shadow.status = RequestStatus.RUNNING
+            self._shadows[request] = shadow
+        shadow.output_token_ids += request.output_token_ids[len(shadow.output_token_ids):]
+        return shadow
+
+    def _reserve(self, shadow: Request) -> bool:
+        """Blocks for every input of this step's draft forwards: the known tokens and k - 1 drafts. Where the
+        draft cache is full, shadows of requests no longer running (preempted) give theirs back first; a
+        shadow that still does not fit gets no drafts this step."""
+        needed = shadow.num_known_tokens + self.num_speculative_tokens - 1 - shadow.num_computed_tokens
+        if self.kv_cache.allocate(shadow, needed):
+            return True
+        for request in list(self._shadows):
+            if request.status is not RequestStatus.RUNNING:
+                self.forget(request)
+        return self.kv_cache.allocate(shadow, needed)
+
+    def _run(self, shadows: list[Request]) -> dict[Request, int]:
+        """Run each shadow's tokens the draft has not computed, within the token budget a forward (a long
+        prompt takes several); returns each shadow's token sampled after its last one."""
+        sampled: dict[Request, int] = {}
+        pending = shadows
+        while pending:
+            plan, budget, rest = StepPlan(), self.token_budget, []
+            for s in pending:
+                if not budget:
+                    rest.append(s)
+                    continue
+                start = s.num_computed_tokens
+                # Never zero: a shadow's computed tokens stop short of its known ones (_roll_back), and each
+                # later forward gives it one more known token, the draft before.
+                n = min(s.num_known_tokens - start, budget)
+                done = start + n == s.num_known_tokens
+                plan.rows.append(ScheduledRow(s, start, n, is_prefill=s.is_prefilling, samples=done))
+                budget -= n
+                if not done:
+                    rest.append(s)
+            result = self.runner.collect(self.runner.launch(plan, None))
+            self.num_forwards += 1
+            for row in plan.rows:
+                row.request.num_computed_tokens += row.num_new_tokens
+            sampled.update((t.request, t.token_id) for t in result.sampled)
+            pending = rest
+        return sampled
+
+    def _roll_back(self, shadow: Request, num_known: int) -> None:
+        """Take the drafts back out of the shadow. Its computed tokens stop one short of the known ones, so
+        the next step's first forward has the last known token to sample after even where nothing was kept."""
+        del shadow.output_token_ids[num_known - shadow.num_prompt_tokens:]
+        shadow.num_computed_tokens = num_known - 1
+
+    def _in_vocabulary(self, drafts: list[int]) -> tuple[int, ...]:
+        for i, token_id in enumerate(drafts):
+            if token_id >= self.vocab_size:
+                return tuple(drafts[:i])
+        return tuple(drafts)

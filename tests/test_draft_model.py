@@ -1,0 +1,239 @@
+"""Draft-model speculative decoding: a second model drafts, the target verifies. A kept draft is the token the
+target would have produced anyway, so every output, greedy or seeded, equals the output without speculation,
+whatever the draft model is; a draft that is the target itself is kept almost always, so the answer takes
+fewer target steps."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import random_prompts
+from test_speculative import MAX_TOKENS, MIXED_PARAMS, _assert_same, _engine, _generate
+
+from plait.config import EngineConfig, SpeculativeConfig
+from plait.engine.draft_model import DraftModelDrafter
+from plait.engine.engine import LLMEngine
+from plait.engine.kv_cache import KVCacheManager
+from plait.loader.source import default_model_path
+from plait.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+
+
+def _draft(model, k: int = 3) -> dict:
+    return {"model": str(model), "num_speculative_tokens": k}
+
+
+def _prompts() -> list[list[int]]:
+    """Short and long prompts arriving one a step: the longest is over twice the token budget (48), so the
+    draft model catches up on it over several forwards while other rows decode."""
+    return random_prompts(5, 3, 40, seed=21) + random_prompts(1, 110, 110, seed=22)
+
+
+@pytest.fixture(scope="module")
+def plain_engine(tiny_llama):
+    return _engine(tiny_llama, None)
+
+
+@pytest.fixture(scope="module")
+def greedy_want(plain_engine):
+    steps = plain_engine.num_steps
+    want = _generate(plain_engine, _prompts(), [GREEDY] * len(_prompts()))
+    return want, plain_engine.num_steps - steps
+
+
+def test_the_target_as_its_own_draft_keeps_nearly_every_draft(tiny_llama, greedy_want):
+    """The draft computes the target's own greedy choices: outputs unchanged, nearly every draft kept (a
+    fp32 near-tie computed in another batch may still fork one), and the answers take far fewer steps."""
+    want, plain_steps = greedy_want
+    spec = _engine(tiny_llama, _draft(tiny_llama))
+    assert isinstance(spec.drafter, DraftModelDrafter)
+    _assert_same(_generate(spec, _prompts(), [GREEDY] * len(_prompts())), want)
+    stats = spec.spec_stats
+    assert stats.num_draft_tokens > 0
+    assert stats.num_accepted_tokens >= 0.9 * stats.num_draft_tokens
+    assert spec.num_steps < 0.6 * plain_steps
+    # k forwards of the draft model a drafting step: one catching up (several for the long prompt), k - 1
+    # one-token ones.
+    assert spec.drafter.num_forwards >= 3 * stats.num_drafts / len(_prompts())
+
+
+@pytest.mark.parametrize("draft", ["other_llama", "qwen3"])
+def test_an_unrelated_draft_changes_no_output(tiny_llama, tiny_models, other_llama, greedy_want, draft):
+    """Random drafts from another model (another Llama's weights, or another architecture of the same
+    vocabulary): mostly rejected, outputs unchanged, the rejected drafts' KV overwritten in both caches."""
+    want, _ = greedy_want
+    model = other_llama[0] if draft == "other_llama" else tiny_models["qwen3"]
+    spec = _engine(tiny_llama, _draft(model, k=4))
+    _assert_same(_generate(spec, _prompts(), [GREEDY] * len(_prompts())), want)
+    stats = spec.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_drafts_are_the_draft_models_greedy_continuation_of_the_known_tokens(tiny_llama, other_llama):
+    """Every step's drafts, checked against the draft model run alone (a plain engine, greedy, from scratch)
+    on the row's known tokens: the shadows follow the target's kept tokens, and what the draft cached for
+    rejected drafts is overwritten before it is read again."""
+    spec = _engine(tiny_llama, _draft(other_llama[0], k=3))
+    draft_alone = _engine(other_llama[0], None)
+    prepare, checked = spec.drafter.prepare, []
+
+    def checked_prepare(requests):
+        prepare(requests)
+        for r in requests:
+            drafts = spec.drafter.propose(r, limit=3)
+            if drafts and len(checked) < 40:
+                known = r.prompt_token_ids + r.output_token_ids
+                rid = f"alone-{len(checked)}"
+                draft_alone.add_request(known, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                                        request_id=rid)
+                while draft_alone.has_unfinished_requests():
+                    for out in draft_alone.step():
+                        if out.finished:
+                            assert list(drafts) == out.outputs[0].token_ids, (r.request_id, known)
+                checked.append(r.request_id)
+
+    spec.drafter.prepare = checked_prepare
+    _generate(spec, _prompts(), [GREEDY] * len(_prompts()))
+    assert len(checked) == 40 and len(set(checked)) == len(_prompts())
+
+
+def test_seeded_sampling_penalties_and_stops_are_unchanged(tiny_llama, plain_engine):
+    """Sampled rows keep a draft only where their own seeded draw picks it: each position samples with the
+    draw it would have had, after the drafts before it as outputs (penalties count them)."""
+    prompts = random_prompts(len(MIXED_PARAMS), 4, 30, seed=23)
+    params = list(MIXED_PARAMS)
+    want = _generate(plain_engine, prompts, params)
+    spec = _engine(tiny_llama, _draft(tiny_llama, k=2))
+    _assert_same(_generate(spec, prompts, params), want)
+    assert spec.spec_stats.num_accepted_tokens > 0
+
+
+def test_a_full_draft_cache_drafts_less_and_changes_nothing(tiny_llama, greedy_want):
+    """With room in the draft's cache for about two requests, the rest decode without drafts until blocks
+    come back; outputs are unchanged and the cache ends empty."""
+    want, _ = greedy_want
+    spec = _engine(tiny_llama, _draft(tiny_llama))
+    drafter = spec.drafter
+    drafter.kv_cache = KVCacheManager(16, spec.config.block_size)  # 15 usable blocks of 8 tokens
+    proposals = []
+    propose = drafter.propose
+
+    def spy(request, limit):
+        drafts = propose(request, limit)
+        proposals.append(bool(drafts))
+        return drafts
+
+    drafter.propose = spy
+    _assert_same(_generate(spec, _prompts(), [GREEDY] * len(_prompts())), want)
+    assert True in proposals and False in proposals
+    assert drafter.is_clean()
+
+
+def test_draft_context_shorter_than_the_target_stops_drafting_at_its_end(tiny_llama, greedy_want):
+    """A draft max_model_len of 64: rows whose drafts would pass it decode without drafts."""
+    want, _ = greedy_want
+    spec = _engine(tiny_llama, {**_draft(tiny_llama), "max_model_len": 64})
+    assert spec.drafter.max_len == 64
+    _assert_same(_generate(spec, _prompts(), [GREEDY] * len(_prompts())), want)
+    assert spec.spec_stats.num_draft_tokens > 0
+
+
+# -- the config ----------------------------------------------------------------------------------
+
+
+def test_speculative_config_takes_vllm_draft_model_forms(tiny_llama):
+    inferred = SpeculativeConfig.parse({"model": "draft", "num_speculative_tokens": 5})
+    assert (inferred.method, inferred.model) == ("draft_model", "draft")
+    named = EngineConfig(speculative_config='{"method": "draft_model", "model": "d", '
+                                            '"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1, '
+                                            '"max_model_len": 128}')
+    assert named.speculative_config == SpeculativeConfig("draft_model", 2, 5, 5, "d", 128, 1)
+    assert SpeculativeConfig.parse({"num_speculative_tokens": 2}).method == "ngram"
+
+
+@pytest.mark.parametrize("value, knobs, message", [
+    ({"method": "draft_model", "num_speculative_tokens": 2}, {}, "needs \"model\""),
+    ({"method": "ngram", "model": "d", "num_speculative_tokens": 2}, {}, "for method \"draft_model\""),
+    ({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, {}, "must be 1"),
+    ({"model": "d", "num_speculative_tokens": 2, "max_model_len": 0}, {}, "max_model_len must be >= 1"),
+    ({"model": "d", "num_speculative_tokens": 2}, {"tensor_parallel_size": 2}, "tensor parallelism"),
+    ({"model": "d", "num_speculative_tokens": 2}, {"enable_sleep_mode": True}, "sleep"),
+])
+def test_bad_draft_model_configs_are_refused_by_name(value, knobs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(speculative_config=value, **knobs)
+
+
+def test_a_recurrent_draft_model_is_refused(tiny_llama, tmp_path):
+    from transformers import Mamba2Config, Mamba2ForCausalLM
+
+    cfg = Mamba2Config(vocab_size=64, hidden_size=32, state_size=8, num_heads=4, head_dim=16, n_groups=1,
+                       num_hidden_layers=1, expand=2, chunk_size=16)
+    Mamba2ForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="causal attention-only"):
+        _engine(tiny_llama, _draft(tmp_path))
+
+
+# -- the default model, offline and served -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_drafting_itself() -> LLMEngine:
+    """The default model (a GGUF file) with itself as the draft model: the draft's choices are the target's,
+    so nearly all are kept; what a well-matched small draft does for a large target, at its best."""
+    draft = {"model": str(default_model_path()), "num_speculative_tokens": 4}
+    return LLMEngine(EngineConfig(num_kv_blocks=64, speculative_config=draft))
+
+
+def test_default_model_answers_as_without_speculation_in_fewer_steps(serving_engine, default_drafting_itself):
+    prompt = "The three largest rivers of Europe are"
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    outputs = {}
+    for name, engine in (("plain", serving_engine), ("spec", default_drafting_itself)):
+        steps = engine.num_steps
+        engine.add_request(prompt, params, request_id=f"rivers-{name}")
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[name] = (out.outputs[0].token_ids, out.outputs[0].text, engine.num_steps - steps)
+    assert outputs["spec"][:2] == outputs["plain"][:2]
+    assert outputs["spec"][2] < outputs["plain"][2] / 2
+    assert default_drafting_itself.is_idle_and_clean()
+
+
+def test_cli_flag_takes_a_draft_model():
+    from plait.entrypoints.cli import _engine_config, parse_args
+
+    args = parse_args(["serve", "--speculative-config", '{"model": "d.gguf", "num_speculative_tokens": 3}'])
+    assert _engine_config(args).speculative_config == SpeculativeConfig("draft_model", 3, 5, 5, "d.gguf")
+
+
+def test_server_streams_a_draft_models_kept_tokens(serving_engine, default_drafting_itself):
+    """A real server on the self-drafting engine, the official openai client streaming a completion: the
+    text is the answer without speculation, chunks carry several kept tokens, /metrics counts the drafts."""
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    parser = pytest.importorskip("prometheus_client.parser")
+    from conftest import idle_serving_engine
+
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    engine = default_drafting_itself
+    prompt = "A short list of fruits: apples, pears,"
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=240)
+        model = client.models.list().data[0].id
+        chunks = [c.choices[0].text for c in client.completions.create(
+            model=model, prompt=prompt, max_tokens=24, temperature=0.0, stream=True) if c.choices]
+        metrics = {s.name: s.value for family in parser.text_string_to_metric_families(
+            httpx.get(f"{url}/metrics").text) for s in family.samples}
+    assert metrics["vllm:spec_decode_num_accepted_tokens_total"] == engine.spec_stats.num_accepted_tokens > 0
+    assert len([c for c in chunks if c]) < 24
+    plain = idle_serving_engine(serving_engine)
+    plain.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=24), request_id="draft-reference")
+    want = None
+    while plain.has_unfinished_requests():
+        for out in plain.step():
+            if out.finished:
+                want = out.outputs[0].text
+    assert "".join(chunks) == want
