@@ -1,4 +1,4 @@
-"""N-gram speculative decoding against plain decoding: the same requests, the same engine knobs, one run.
+"""Speculative decoding (n-gram, or a draft model) against plain decoding: the same requests and knobs.
 
 For each ``--num-speculative-tokens`` k (0: speculation off) a fresh engine serves every workload's
 prompts, ``--batch`` at a time, greedily; the JSON gives output tok/s, steps, the drafts kept, and whether
@@ -7,6 +7,14 @@ each output equals the one without speculation (it must: a kept draft is the tok
     .venv/bin/python benchmarks/speculative_ngram.py --out benchmarks/results/speculative_ngram_cpu.json
     PYTHONPATH=. python benchmarks/speculative_ngram.py --model shared/bench/models/llama-8b \\
         --load-format dummy --batch 1 --out /tmp/spec_gpu.json
+    PYTHONPATH=. python benchmarks/speculative_ngram.py --model shared/bench/models/llama-8b \\
+        --draft-model benchmarks/configs/llama-1b --load-format dummy --out /tmp/spec_draft_gpu.json
+
+``--draft-model PATH``: drafts from that model (vLLM's "draft_model" method, loaded as the target is,
+random weights under ``--load-format dummy``) instead of n-gram lookups. With random weights nothing is
+kept, so the run measures what drafting costs a step (``host_ms_per_step``'s "draft": the draft model's
+forwards); ``projected`` (given where under 10% of drafts were kept) turns that into the speedup a real
+pair would get at a few acceptance rates.
 
 Workloads for a model with a tokenizer (the default: SmolLM2-135M-Instruct, chat template):
 ``copy`` asks for a passage back word for word, ``edit`` for a function with one change (most of the
@@ -84,8 +92,13 @@ def token_workloads(vocab: int, seed: int) -> dict[str, list[list[int]]]:
 
 
 def make_engine(args: argparse.Namespace, k: int) -> LLMEngine:
-    spec = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.prompt_lookup_max,
-             "prompt_lookup_min": args.prompt_lookup_min} if k else None)
+    if not k:
+        spec = None
+    elif args.draft_model:
+        spec = {"model": args.draft_model, "num_speculative_tokens": k}
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.prompt_lookup_max,
+                "prompt_lookup_min": args.prompt_lookup_min}
     return LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, seed=0, dtype=args.dtype,
                                   max_model_len=args.max_model_len, enable_prefix_caching=False,
                                   speculative_config=spec))
@@ -175,6 +188,21 @@ def run_k(args: argparse.Namespace, k: int, replay: dict[str, list[list[int]]] |
     return results
 
 
+# Acceptance rates at which a draft model's measured step cost is turned into a projected speedup.
+PROJECTED_ACCEPTANCE = (0.5, 0.7, 0.8, 0.9)
+
+
+def projected(k: int, ms_per_step: float, plain_ms_per_step: float) -> dict:
+    """Where (almost) no draft is kept, a step's time is what drafting k tokens and verifying them costs,
+    against a plain step: ``step_cost_ratio``. A pair whose drafts are each kept with probability a (i.i.d.)
+    makes (1 - a^(k+1)) / (1 - a) tokens a step, so its speedup is that over the cost ratio (the catch-up
+    forward's few extra tokens a step not counted). Derived from this run's times, not measured."""
+    ratio = ms_per_step / plain_ms_per_step
+    tokens = lambda a: (1 - a ** (k + 1)) / (1 - a)
+    return {"step_cost_ratio": round(ratio, 3),
+            "speedup_at_acceptance": {str(a): round(tokens(a) / ratio, 3) for a in PROJECTED_ACCEPTANCE}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="(default: the bundled SmolLM2-135M-Instruct)")
@@ -182,6 +210,8 @@ def main() -> None:
     parser.add_argument("--dtype", default=None, help="(default: bfloat16 on GPU, float32 on CPU)")
     parser.add_argument("--num-speculative-tokens", default="0,2,4",
                         help="comma-separated k to run; 0 is plain decoding, the reference (default: 0,2,4)")
+    parser.add_argument("--draft-model", default=None,
+                        help="draft with this model instead of n-gram lookups (same load format as --model)")
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1, help="requests served at once (default: 1)")
@@ -209,15 +239,19 @@ def main() -> None:
             r["identical_to_plain"] = r["outputs"] == base[name]["outputs"]
             r["speedup_vs_plain"] = round(r["out_tok_s"] / base[name]["out_tok_s"], 3)
             table.setdefault(name, {})[f"k={k}"] = {key: v for key, v in r.items() if key != "outputs"}
+            if args.draft_model and k != "0" and "replayed" not in k and (r["acceptance_rate"] or 0) < 0.1:
+                table[name][f"k={k}"]["projected"] = projected(int(k), r["ms_per_step"],
+                                                               base[name]["ms_per_step"])
             if not r["identical_to_plain"]:  # where the outputs part: bf16 rounding of another batch shape
                 forks = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
                          for x, y in zip(r["outputs"], base[name]["outputs"]) if x != y]
                 table[name][f"k={k}"]["first_forks"] = forks
+    method = f"draft-model ({args.draft_model})" if args.draft_model else "n-gram"
     cpu = platform.processor() or platform.machine()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({cpu})"
     result = {
-        "what": "greedy outputs of the same requests with n-gram speculative decoding (k drafts a step) and "
-                "without (k=0), one engine per k, same knobs; speedup_vs_plain = out tok/s over k=0's",
+        "what": f"greedy outputs of the same requests with {method} speculative decoding (k drafts a step) "
+                "and without (k=0), one engine per k, same knobs; speedup_vs_plain = out tok/s over k=0's",
         "command": "python benchmarks/speculative_ngram.py " + " ".join(
             f"--{a.replace('_', '-')} {v}" for a, v in vars(args).items() if v is not None and a != "out"),
         "device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -79,6 +79,9 @@ def _greedy(engine: LLMEngine, prompts: list[list[int]], arrive_every: int) -> l
     return [outputs[i] for i in range(len(prompts))]
 
 
+# Stands for {"model": the test's model folder, "num_speculative_tokens": 3} (the folder is made per test).
+DRAFT_OF_ITS_OWN_CONFIG = "draft: the model's own config"
+
 # Each GPU path beside the reference (torch_ref, eager, no overlap, budget 4096): name -> engine knobs.
 VARIANTS = {
     "torch_ref-eager-sync": dict(attention_backend="torch_ref", enforce_eager=True, async_scheduling=False),
@@ -89,7 +92,11 @@ VARIANTS = {
     # left behind num_computed_tokens; 1-token n-grams, so random prompts draft too.
     "triton-graphs-ngram": dict(attention_backend="triton", speculative_config={
         "method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}),
+    # A draft model (the same config, seed and embedding scale: the target's own weights): its runner's own
+    # graphs, chunked catch-up forwards and shadow roll-backs beside the target's verify rows.
+    "triton-graphs-draft-model": dict(attention_backend="triton", speculative_config=DRAFT_OF_ITS_OWN_CONFIG),
 }
+
 BUDGET = 256  # the variants chunk prompts; the fp32 reference takes each prompt in one step
 
 
@@ -130,13 +137,26 @@ def test_every_gpu_path_computes_the_reference_function_in_fp32(tmp_path, head_d
     ref = _greedy(_engine(model, "float32", attention_backend="torch_ref", enforce_eager=True,
                           async_scheduling=False, max_num_batched_tokens=4096), prompts, 0)
     for name, knobs in VARIANTS.items():
+        if knobs.get("speculative_config") == DRAFT_OF_ITS_OWN_CONFIG:
+            knobs = {**knobs, "speculative_config": {"model": model, "num_speculative_tokens": 3}}
         engine = _engine(model, "float32", max_num_batched_tokens=BUDGET, **knobs)
+        draft_runner = getattr(engine.drafter, "runner", None)
+        if draft_runner is not None:
+            with torch.no_grad():
+                draft_runner.model.model.embed_tokens.weight.mul_(EMBED_SCALE)
         agree, forks = _agreement(_greedy(engine, prompts, arrive_every=2), ref)
         assert agree >= FP32_AGREEMENT, f"{name}: {agree:.0%} agree; first forks at {forks}"
         if engine.runner.graphs is not None:
             b = engine.runner.breakdown
-            assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
-        if engine.drafter is not None:
+            assert b.graph_single_token_steps == b.single_token_steps
+            # A draft model drafts on every decode step (the target's own choices, all kept), so only the
+            # target's verify rows run: none of one token.
+            assert b.single_token_steps > 0 or knobs.get("speculative_config", {}).get("model")
+        if draft_runner is not None:  # the target's own choices, in another batch: nearly all kept
+            spec = engine.spec_stats
+            assert spec.num_accepted_tokens >= 0.9 * spec.num_draft_tokens > 0, spec
+            assert engine.drafter.is_clean() and draft_runner.breakdown.graph_single_token_steps > 0
+        elif engine.drafter is not None:
             spec = engine.spec_stats
             assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, spec
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 from plait.config import EngineConfig, SpeculativeConfig
 from plait.engine.drafter import Drafter
@@ -21,6 +22,8 @@ DRAFT_GPU_MEMORY_UTILIZATION = 0.98
 # Drafts are the draft model's most likely tokens; the target keeps each only where it samples the same
 # token there (LLMEngine._verify), so its outputs never depend on them.
 DRAFT_SAMPLING = SamplingParams(temperature=0.0, ignore_eos=True)
+# _Shadow.drafted_at of a shadow that has not drafted yet (no known count is zero: prompts are not empty).
+NEVER_DRAFTED = 0
 
 
 def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig) -> EngineConfig:
@@ -37,16 +40,26 @@ def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig) -> Engine
     )
 
 
+@dataclass(eq=False)
+class _Shadow:
+    """A target request's counterpart in the draft model's cache."""
+
+    request: Request  # same prompt; outputs: the target's, then the draft inputs of the last drafting
+    drafted_at: int = NEVER_DRAFTED  # the target's known tokens when it last drafted
+    drafts: tuple[int, ...] = ()  # what it drafted then
+
+
 class DraftModelDrafter(Drafter):
     """vLLM's "draft_model" speculative method. The draft model runs in its own ModelRunner over its own KV
     cache; each target request has a shadow request there (same prompt, the target's outputs copied in as
     they reach the host), whose blocks come from the draft's own KVCacheManager.
 
     Each step, ``prepare`` drafts for every running decode at once: one forward over each shadow's tokens the
-    draft has not seen (the whole prompt the first time, in chunks of the token budget; then the tokens kept
-    since, plus the last known one again) samples its first draft, and k - 1 one-token forwards the rest. The
-    drafts are then taken back out of the shadows: their K/V stays behind ``num_computed_tokens``, to be
-    overwritten by the tokens the target keeps."""
+    draft has not computed (the whole prompt the first time, in chunks of the token budget; then mostly the
+    one token the target sampled after the drafts it kept) samples the first draft, and k - 1 one-token
+    forwards the rest. The drafts fed back as inputs stay in the shadow until the next step, where those the
+    target kept keep their K/V and the rest are dropped: their K/V stays behind ``num_computed_tokens``, to be
+    overwritten."""
 
     needs_host_tokens = True
 
@@ -69,17 +82,27 @@ class DraftModelDrafter(Drafter):
                            "draft with the target's tokenizer proposes tokens worth keeping",
                            runner.model_config.vocab_size, target_vocab_size)
         self.num_forwards = 0  # draft-model forwards run, for stats and tests
-        self._shadows: dict[Request, Request] = {}
+        self._shadows: dict[Request, _Shadow] = {}
         self._drafts: dict[Request, tuple[int, ...]] = {}
 
     # -- the Drafter interface ----------------------------------------------------------------
 
     def prepare(self, requests: list[Request]) -> None:
         self._drafts.clear()
-        shadows = [self._shadow(r) for r in requests if self._can_draft(r)]
-        shadows = [s for s in shadows if self._reserve(s)]
-        if not shadows:
+        to_draft = []
+        for request in requests:
+            if not self._can_draft(request):
+                continue
+            shadow = self._shadows.get(request)
+            if shadow is not None and shadow.drafted_at == request.num_known_tokens:
+                self._drafts[request] = shadow.drafts  # not scheduled since: the same tokens, the same drafts
+                continue
+            shadow = self._follow(request)
+            if self._reserve(shadow):
+                to_draft.append(shadow)
+        if not to_draft:
             return
+        shadows = [s.request for s in to_draft]
         drafts: dict[Request, list[int]] = {s: [] for s in shadows}
         for j in range(self.num_speculative_tokens):
             if j:  # the last draft goes in as the next input
@@ -87,11 +110,10 @@ class DraftModelDrafter(Drafter):
                     s.output_token_ids.append(d[-1])
             for s, token_id in self._run(shadows).items():
                 drafts[s].append(token_id)
-        for request in requests:
-            shadow = self._shadows.get(request)
-            if shadow in drafts:
-                self._drafts[request] = self._in_vocabulary(drafts[shadow])
-                self._roll_back(shadow, request.num_known_tokens)
+        for request, shadow in self._shadows.items():
+            if shadow.request in drafts:
+                shadow.drafted_at = request.num_known_tokens
+                shadow.drafts = self._drafts[request] = self._in_vocabulary(drafts[shadow.request])
 
     def propose(self, request: Request, limit: int) -> tuple[int, ...]:
         return self._drafts.get(request, ())[: max(limit, 0)]
@@ -99,7 +121,7 @@ class DraftModelDrafter(Drafter):
     def forget(self, request: Request) -> None:
         shadow = self._shadows.pop(request, None)
         if shadow is not None:
-            self.kv_cache.free(shadow)
+            self.kv_cache.free(shadow.request)
         self._drafts.pop(request, None)
 
     def is_clean(self) -> bool:
@@ -120,28 +142,36 @@ class DraftModelDrafter(Drafter):
                 and request.num_output_tokens + 1 < request.max_tokens
                 and request.num_known_tokens + self.num_speculative_tokens <= self.max_len)
 
-    def _shadow(self, request: Request) -> Request:
-        """The request's shadow, with the outputs the target has kept since the last step copied in."""
+    def _follow(self, request: Request) -> _Shadow:
+        """The request's shadow brought up to the target's known tokens: of the draft inputs it last fed,
+        those the target kept stay computed; the rest are replaced by what the target sampled instead."""
         shadow = self._shadows.get(request)
         if shadow is None:
-            shadow = Request(request.request_id, request.prompt_token_ids, DRAFT_SAMPLING,
-                             max_tokens=self.max_len)
-            shadow.status = RequestStatus.RUNNING
-            self._shadows[request] = shadow
-        shadow.output_token_ids += request.output_token_ids[len(shadow.output_token_ids):]
+            shadow = self._shadows[request] = _Shadow(Request(
+                request.request_id, request.prompt_token_ids, DRAFT_SAMPLING, max_tokens=self.max_len))
+            shadow.request.status = RequestStatus.RUNNING
+        mirror, n_prompt = shadow.request, request.num_prompt_tokens
+        if shadow.drafted_at != NEVER_DRAFTED:
+            fed = mirror.output_token_ids[shadow.drafted_at - n_prompt:]  # the draft inputs, d1 .. d(k-1)
+            kept = request.output_token_ids[shadow.drafted_at - n_prompt:]
+            same = next((i for i, (a, b) in enumerate(zip(fed, kept)) if a != b), min(len(fed), len(kept)))
+            del mirror.output_token_ids[shadow.drafted_at - n_prompt + same:]
+            mirror.num_computed_tokens = min(mirror.num_computed_tokens, shadow.drafted_at + same)
+        mirror.output_token_ids += request.output_token_ids[len(mirror.output_token_ids):]
         return shadow
 
-    def _reserve(self, shadow: Request) -> bool:
+    def _reserve(self, shadow: _Shadow) -> bool:
         """Blocks for every input of this step's draft forwards: the known tokens and k - 1 drafts. Where the
         draft cache is full, shadows of requests no longer running (preempted) give theirs back first; a
         shadow that still does not fit gets no drafts this step."""
-        needed = shadow.num_known_tokens + self.num_speculative_tokens - 1 - shadow.num_computed_tokens
-        if self.kv_cache.allocate(shadow, needed):
+        mirror = shadow.request
+        needed = mirror.num_known_tokens + self.num_speculative_tokens - 1 - mirror.num_computed_tokens
+        if self.kv_cache.allocate(mirror, needed):
             return True
         for request in list(self._shadows):
             if request.status is not RequestStatus.RUNNING:
                 self.forget(request)
-        return self.kv_cache.allocate(shadow, needed)
+        return self.kv_cache.allocate(mirror, needed)
 
     def _run(self, shadows: list[Request]) -> dict[Request, int]:
         """Run each shadow's tokens the draft has not computed, within the token budget a forward (a long
@@ -155,8 +185,8 @@ class DraftModelDrafter(Drafter):
                     rest.append(s)
                     continue
                 start = s.num_computed_tokens
-                # Never zero: a shadow's computed tokens stop short of its known ones (_roll_back), and each
-                # later forward gives it one more known token, the draft before.
+                # Never zero: a shadow drafts only where the target's known tokens grew since it last drafted
+                # (each is computed after _follow), and each later forward gives it its draft before.
                 n = min(s.num_known_tokens - start, budget)
                 done = start + n == s.num_known_tokens
                 plan.rows.append(ScheduledRow(s, start, n, is_prefill=s.is_prefilling, samples=done))
@@ -170,12 +200,6 @@ class DraftModelDrafter(Drafter):
             sampled.update((t.request, t.token_id) for t in result.sampled)
             pending = rest
         return sampled
-
-    def _roll_back(self, shadow: Request, num_known: int) -> None:
-        """Take the drafts back out of the shadow. Its computed tokens stop one short of the known ones, so
-        the next step's first forward has the last known token to sample after even where nothing was kept."""
-        del shadow.output_token_ids[num_known - shadow.num_prompt_tokens:]
-        shadow.num_computed_tokens = num_known - 1
 
     def _in_vocabulary(self, drafts: list[int]) -> tuple[int, ...]:
         for i, token_id in enumerate(drafts):

@@ -583,8 +583,11 @@ class LLMEngine:
         late = self._in_flight is not None and self._samples_late(*self._in_flight)
         if self._in_flight is not None and not late and not self._can_overlap(*self._in_flight):
             outputs += self._collect()
+        draft_s = 0.0
         if self.drafter is not None:
+            t0 = time.monotonic()
             self.drafter.prepare(self.scheduler.running)
+            draft_s = time.monotonic() - t0
         plan = self.scheduler.schedule()
         scheduled = time.monotonic()
         launched = None
@@ -609,7 +612,8 @@ class LLMEngine:
         self._in_flight = (plan, launched) if launched is not None else None
         end = time.monotonic()
         breakdown = self.runner.breakdown
-        breakdown.add("schedule", scheduled - start)
+        breakdown.add("draft", draft_s)
+        breakdown.add("schedule", scheduled - start - draft_s)
         breakdown.add("postprocess", end - executed)
         breakdown.wall_s += end - start
         if launched is not None:

@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-HOST_PHASES = ("schedule", "prepare", "launch", "sample", "postprocess")
+# "draft": a draft model's forwards for the step's drafts (speculative decoding), run before it is scheduled.
+HOST_PHASES = ("schedule", "draft", "prepare", "launch", "sample", "postprocess")
 
 
 @dataclass
@@ -14,7 +15,8 @@ class StepBreakdown:
     """Totals since start (or the last ``reset``). Host phases are set by the engine (schedule,
     postprocess) and the runner (prepare: plan to staged inputs; launch: issuing the forward;
     sample: lm_head, sampling and the wait for the token ids). ``gpu_forward_s`` is the device time
-    of the forwards, read from events; ``wall_s`` is the engine's step wall time."""
+    of the forwards, read from events; ``wall_s`` is the engine's step wall time. A draft model's forwards
+    (their device time included: the drafter waits for each one's tokens) count as the "draft" phase."""
 
     steps: int = 0
     single_token_steps: int = 0  # steps whose rows all have one new token (pure decodes, mostly)
