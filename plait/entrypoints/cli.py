@@ -83,8 +83,10 @@ _FLAG_HELP = {
                       "'fp8_e4m3'): K/V stored in FP8, twice the tokens in the same memory",
     "max_cpu_loras": "LoRA adapters kept read on the host (default: --max-loras)",
     "speculative_config": "as vLLM's, a JSON object: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
-                          "4, \"prompt_lookup_max\": 4}' drafts up to 4 tokens a step by prompt lookup and "
-                          "keeps those the model would have produced anyway (default: off)",
+                          "4, \"prompt_lookup_max\": 4}' drafts up to 4 tokens a step by prompt lookup, "
+                          "'{\"model\": \"DRAFT\", \"num_speculative_tokens\": 3}' with a smaller model of "
+                          "the same tokenizer; the tokens the model would have produced anyway are kept "
+                          "(default: off)",
     "runner": "as vLLM's --runner: 'pooling' serves the model's embeddings (/v1/embeddings) or, for a "
               "...ForSequenceClassification checkpoint, its class probabilities (/classify); 'generate' its "
               "text; 'auto' (default) pools base-model and classifier checkpoints and generates with any "
