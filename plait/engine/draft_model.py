@@ -10,7 +10,7 @@ from plait.engine.drafter import Drafter
 from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import Request, RequestStatus
 from plait.engine.scheduler import ScheduledRow, StepPlan
-from plait.runner.model_runner import ModelRunner
+from plait.runner.model_runner import InFlightStep, ModelRunner
 from plait.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -103,13 +103,8 @@ class DraftModelDrafter(Drafter):
         if not to_draft:
             return
         shadows = [s.request for s in to_draft]
-        drafts: dict[Request, list[int]] = {s: [] for s in shadows}
-        for j in range(self.num_speculative_tokens):
-            if j:  # the last draft goes in as the next input
-                for s, d in drafts.items():
-                    s.output_token_ids.append(d[-1])
-            for s, token_id in self._run(shadows).items():
-                drafts[s].append(token_id)
+        drafts = {s: [token_id] for s, token_id in self._catch_up(shadows).items()}
+        self._decode(shadows, drafts)
         for request, shadow in self._shadows.items():
             if shadow.request in drafts:
                 shadow.drafted_at = request.num_known_tokens
@@ -173,9 +168,9 @@ class DraftModelDrafter(Drafter):
                 self.forget(request)
         return self.kv_cache.allocate(mirror, needed)
 
-    def _run(self, shadows: list[Request]) -> dict[Request, int]:
+    def _catch_up(self, shadows: list[Request]) -> dict[Request, int]:
         """Run each shadow's tokens the draft has not computed, within the token budget a forward (a long
-        prompt takes several); returns each shadow's token sampled after its last one."""
+        prompt takes several); returns each shadow's token sampled after its last one: its first draft."""
         sampled: dict[Request, int] = {}
         pending = shadows
         while pending:
@@ -185,21 +180,54 @@ class DraftModelDrafter(Drafter):
                     rest.append(s)
                     continue
                 start = s.num_computed_tokens
-                # Never zero: a shadow drafts only where the target's known tokens grew since it last drafted
-                # (each is computed after _follow), and each later forward gives it its draft before.
+                # Never zero: a shadow drafts only where the target's known tokens grew since it last drafted,
+                # and _follow leaves those tokens uncomputed.
                 n = min(s.num_known_tokens - start, budget)
                 done = start + n == s.num_known_tokens
                 plan.rows.append(ScheduledRow(s, start, n, is_prefill=s.is_prefilling, samples=done))
                 budget -= n
                 if not done:
                     rest.append(s)
-            result = self.runner.collect(self.runner.launch(plan, None))
-            self.num_forwards += 1
-            for row in plan.rows:
-                row.request.num_computed_tokens += row.num_new_tokens
+            result = self.runner.collect(self._launch(plan, None))
             sampled.update((t.request, t.token_id) for t in result.sampled)
             pending = rest
         return sampled
+
+    def _decode(self, shadows: list[Request], drafts: dict[Request, list[int]]) -> None:
+        """The other k - 1 drafts, one-token forwards whose inputs are the drafts before them. Each forward
+        after the first reads its input from the previous one's sampled ids on the device (a pending token, as
+        the target's overlapped steps do), so the host stages it while that one runs and collects that one's
+        ids after."""
+        for s, d in drafts.items():
+            s.output_token_ids.append(d[0])
+        prev = None
+        for _ in range(self.num_speculative_tokens - 1):
+            plan = StepPlan([ScheduledRow(s, s.num_computed_tokens, 1, is_prefill=False, samples=True)
+                             for s in shadows])
+            step = self._launch(plan, prev)
+            if prev is not None:
+                self._take(prev, drafts)
+            prev = step
+            for s in shadows:
+                s.num_pending_tokens = 1
+        if prev is not None:
+            self._take(prev, drafts)
+        for s in shadows:
+            s.output_token_ids.pop()  # the last draft is never an input
+
+    def _launch(self, plan: StepPlan, prev: InFlightStep | None) -> InFlightStep:
+        step = self.runner.launch(plan, prev)
+        self.num_forwards += 1
+        for row in plan.rows:
+            row.request.num_computed_tokens += row.num_new_tokens
+        return step
+
+    def _take(self, step: InFlightStep, drafts: dict[Request, list[int]]) -> None:
+        """Collect a one-token draft forward: each shadow's next draft, now on the host, is its next input."""
+        for t in self.runner.collect(step).sampled:
+            drafts[t.request].append(t.token_id)
+            t.request.output_token_ids.append(t.token_id)
+            t.request.num_pending_tokens = 0
 
     def _in_vocabulary(self, drafts: list[int]) -> tuple[int, ...]:
         for i, token_id in enumerate(drafts):

@@ -80,6 +80,13 @@ class Drafter:
     def forget(self, request: Request) -> None:
         """Drop what is kept for a finished or aborted request."""
 
+    def is_clean(self) -> bool:
+        """Nothing held for any request (LLMEngine.is_idle_and_clean)."""
+        return True
+
+    def close(self) -> None:
+        """Let go of what the drafter holds beyond Python objects (a draft model's runner)."""
+
 
 class NgramDrafter(Drafter):
     """vLLM's "ngram" speculative method (prompt lookup decoding): drafts come from the request's own
@@ -112,6 +119,9 @@ class NgramDrafter(Drafter):
     def forget(self, request: Request) -> None:
         """Drop a finished or aborted request's history (a preempted one keeps it: its tokens stand)."""
         self._histories.pop(request, None)
+
+    def is_clean(self) -> bool:
+        return not self._histories
 
 
 class ReplayDrafter(NgramDrafter):

@@ -935,7 +935,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (they also stop when the engine is dropped)."""
         self.runner.close()
-        if isinstance(self.drafter, DraftModelDrafter):
+        if self.drafter is not None:
             self.drafter.close()
 
     # -- introspection used by tests and tools ---------------------------------------------
@@ -944,7 +944,7 @@ class LLMEngine:
         """Idle with every KV block, state slot and LoRA slot back in its pool (invariant 8)."""
         slots_free = self.state_slots is None or self.state_slots.num_used == 0
         slots_free = slots_free and (self.lora_slots is None or self.lora_slots.num_used == 0)
-        drafts_free = not isinstance(self.drafter, DraftModelDrafter) or self.drafter.is_clean()
+        drafts_free = self.drafter is None or self.drafter.is_clean()
         return (not self.has_unfinished_requests() and slots_free and drafts_free
                 and self.kv_cache.num_free_blocks == self.kv_cache.num_usable_blocks)
 
