@@ -195,6 +195,7 @@ class LLMEngine:
         self.record_timeline = False
         self.profiler = StepProfiler()  # start_profile / stop_profile
         self._in_flight: tuple[StepPlan, InFlightStep] | None = None  # launched, not yet collected
+        self._collect_s = 0.0  # this step's time in ModelRunner.collect (its "sample" phase): step() sets it
         # Set by sleep(level=2), cleared by load_weights: the weights are zeros, so no request may run.
         self._weights_discarded = False
         self._sleep_level = 0  # the level of the last sleep (sleep_level: 0 once awake)
@@ -579,6 +580,7 @@ class LLMEngine:
         if self.is_sleeping:
             return []  # queued requests wait for wake_up
         start = time.monotonic()
+        self._collect_s = 0.0
         outputs: list[RequestOutput] = []
         late = self._in_flight is not None and self._samples_late(*self._in_flight)
         if self._in_flight is not None and not late and not self._can_overlap(*self._in_flight):
@@ -590,6 +592,7 @@ class LLMEngine:
             draft_s = time.monotonic() - t0
         plan = self.scheduler.schedule()
         scheduled = time.monotonic()
+        collected_before_launch = self._collect_s
         launched = None
         if not plan.is_empty:
             prev = self._in_flight[1] if self._in_flight else None
@@ -607,14 +610,16 @@ class LLMEngine:
             launched.needs_last_tokens = any(needs_penalties(r.sampling_params) or r.needs_last_token
                                              for r in launched.requests)
         executed = time.monotonic()
+        collected_before_post = self._collect_s
         if self._in_flight is not None:
             outputs += self._collect()
         self._in_flight = (plan, launched) if launched is not None else None
         end = time.monotonic()
         breakdown = self.runner.breakdown
+        # The runner's collect (the wait for a step's ids) counts as its "sample" phase, not the engine's.
         breakdown.add("draft", draft_s)
-        breakdown.add("schedule", scheduled - start - draft_s)
-        breakdown.add("postprocess", end - executed)
+        breakdown.add("schedule", scheduled - start - draft_s - collected_before_launch)
+        breakdown.add("postprocess", end - executed - (self._collect_s - collected_before_post))
         breakdown.wall_s += end - start
         if launched is not None:
             breakdown.steps += 1
@@ -641,7 +646,9 @@ class LLMEngine:
     def _collect(self) -> list[RequestOutput | PoolingRequestOutput]:
         plan, launched = self._in_flight
         self._in_flight = None
+        t0 = time.monotonic()
         result = self.runner.collect(launched)
+        self._collect_s += time.monotonic() - t0
         for request in launched.requests:
             request.num_pending_tokens -= 1
         kept = self._verify(plan, result.sampled)
