@@ -6,7 +6,8 @@ fewer target steps."""
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompts
+import torch
+from conftest import TINY_VOCAB, random_prompts
 from test_speculative import MAX_TOKENS, MIXED_PARAMS, _assert_same, _engine, _generate
 
 from plait.config import EngineConfig, SpeculativeConfig
@@ -17,6 +18,8 @@ from plait.loader.source import default_model_path
 from plait.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
+# A target KV cache of 8-token blocks too small for _prompts() all at once (the longest needs 17 blocks).
+NUM_SMALL_KV_BLOCKS = 24
 
 
 def _draft(model, k: int = 3) -> dict:
@@ -241,3 +244,38 @@ def test_server_streams_a_draft_models_kept_tokens(serving_engine, default_draft
             if out.finished:
                 want = out.outputs[0].text
     assert "".join(chunks) == want
+
+
+# -- the target under pressure, and a draft of another vocabulary -------------------------------------
+
+
+def test_preemptions_and_the_prefix_cache_leave_outputs_unchanged(tiny_llama, other_llama, greedy_want):
+    """A target cache so small that requests are preempted (recomputed later) while they draft, with prefix
+    caching on: the shadows keep their own cache through it, outputs are unchanged and both caches end
+    empty."""
+    want, _ = greedy_want
+    spec = _engine(tiny_llama, _draft(other_llama[0]), num_kv_blocks=NUM_SMALL_KV_BLOCKS,
+                   enable_prefix_caching=True)
+    spec.record_timeline = True
+    _assert_same(_generate(spec, _prompts(), [GREEDY] * len(_prompts())), want)
+    assert sum(s.num_preempted for s in spec.timeline) > 0, "the test did not force a preemption"
+    assert spec.spec_stats.num_draft_tokens > 0 and spec.drafter.is_clean()
+
+
+def test_a_draft_with_a_larger_vocabulary_proposes_only_target_ids(tiny_llama, tmp_path, greedy_want):
+    """A draft whose vocabulary is larger than the target's (as Qwen's sizes differ): its ids past the
+    target's end are never proposed, the drafts before them are, and outputs are unchanged."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=4 * TINY_VOCAB, max_position_embeddings=512)
+    torch.manual_seed(1)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    want, _ = greedy_want
+    spec = _engine(tiny_llama, _draft(tmp_path))
+    proposed = []
+    propose = spec.drafter.propose
+    spec.drafter.propose = lambda request, limit: proposed.append(propose(request, limit)) or proposed[-1]
+    _assert_same(_generate(spec, _prompts(), [GREEDY] * len(_prompts())), want)
+    assert all(t < TINY_VOCAB for drafts in proposed for t in drafts)
+    assert any(len(d) < 3 for d in proposed) and any(d for d in proposed)
