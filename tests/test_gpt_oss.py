@@ -17,6 +17,7 @@ from plait.layers.moe import MXFP4_WEIGHTS
 from plait.layers.mxfp4 import BLOCK_VALUES, FP4_VALUES, dequantize_mxfp4, quantize_mxfp4
 
 EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")
+BENCH_CONFIGS = Path(__file__).resolve().parents[1] / "benchmarks" / "configs"
 # fp32 logits of the MXFP4 model against its dequantised twin on the GPU, relative to the largest logit.
 GPU_TWIN_ATOL = 1e-5
 
@@ -127,6 +128,62 @@ def test_mxfp4_checkpoint_splits_over_two_ranks(tiny_models, tmp_path):
         engine.shutdown()
 
 
+def test_mxfp4_experts_that_split_in_part_blocks_are_padded(tiny_models, tmp_path):
+    """Experts 96 wide (3 MXFP4 blocks) over two ranks: 48 columns a rank would cut a block, so each rank
+    takes 64 (2 blocks), rank 1's last 32 of them zero weights past the checkpoint's end (vLLM pads gpt-oss's
+    2,880 so for 4 or 8 ranks); transformers' tokens and logits on the dequantised values."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "gpt-oss-mxfp4"
+    oracle = _mxfp4_checkpoint(tiny_models["gpt_oss"], folder)
+    hf = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32, attn_implementation="eager").eval()
+    engine = _mxfp4_engine(folder, tensor_parallel_size=2)
+    try:
+        experts = engine.runner.model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.shape[1] == 2 * 2 * BLOCK_VALUES  # gate and up rows: 64 each
+        assert_greedy_matches_hf(engine, hf, random_prompts(3, 1, 50, seed=10), 8, 1e-4, "gpt_oss mxfp4 pad")
+    finally:
+        engine.shutdown()
+
+
+def test_mxfp4_shards_pad_each_rank_to_whole_blocks():
+    """gpt-oss-20b's experts (2,880 wide: 90 blocks) over 4 and 8 ranks: each rank's slices are whole blocks
+    (736 and 384 columns), the ranks' shares put back together are the checkpoint's tensors followed by zero
+    codes (and finite scales), and the padding gate/up bias is zero."""
+    from plait.config import ModelConfig
+    from plait.parallel.shard import PAD_SCALE, shard_for
+
+    hf = json.loads((BENCH_CONFIGS / "gpt-oss-20b" / "config.json").read_text())
+    full = ModelConfig.from_hf({k: v for k, v in hf.items() if k != "quantization_config"}
+                               | {"num_local_experts": 2})
+    width, hidden, layer = full.moe.intermediate_size, full.hidden_size, "model.layers.0.mlp.experts."
+    g = torch.Generator().manual_seed(0)
+    codes = lambda *shape: torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
+    tensors = {layer + "gate_up_proj_blocks": codes(2, 2 * width, hidden // 32, 16),
+               layer + "gate_up_proj_scales": codes(2, 2 * width, hidden // 32),
+               layer + "down_proj_blocks": codes(2, hidden, width // 32, 16),
+               layer + "down_proj_scales": codes(2, hidden, width // 32),
+               layer + "gate_up_bias": torch.randn(2, 2 * width, generator=g)}
+    for world, per_rank in ((4, 736), (8, 384)):
+        shards = [dict(shard_for(full, r, world, BLOCK_VALUES).checkpoint(tensors.items()))
+                  for r in range(world)]
+        padded = per_rank * world - width
+        for name, dim, pad in (("gate_up_proj_blocks", 1, 0), ("gate_up_proj_scales", 1, PAD_SCALE),
+                               ("gate_up_bias", 1, 0)):
+            halves = [s[layer + name].chunk(2, dim=dim) for s in shards]
+            for half in range(2):  # gate rows, then up rows: each whole width, then the padding
+                joined = torch.cat([h[half] for h in halves], dim=dim)
+                want = tensors[layer + name].chunk(2, dim=dim)[half]
+                assert joined.shape[dim] == per_rank * world
+                assert torch.equal(joined.narrow(dim, 0, width), want), name
+                assert (joined.narrow(dim, width, padded) == pad).all(), name
+        for name, pad in (("down_proj_blocks", 0), ("down_proj_scales", PAD_SCALE)):
+            joined = torch.cat([s[layer + name] for s in shards], dim=2)
+            assert joined.shape[2] == per_rank * world // BLOCK_VALUES
+            assert torch.equal(joined[:, :, : width // BLOCK_VALUES], tensors[layer + name]), name
+            assert (joined[:, :, width // BLOCK_VALUES:] == pad).all(), name
+
+
 def test_mxfp4_refusals(tiny_models, tmp_path):
     folder = tmp_path / "gpt-oss-half"
     _mxfp4_checkpoint(tiny_models["gpt_oss"], folder)
@@ -144,9 +201,7 @@ def test_mxfp4_refusals(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="MXFP4 checkpoints of LlamaForCausalLM are not supported"):
         LLMEngine(EngineConfig(model=str(llama)))
     whole = tmp_path / "gpt-oss-mxfp4"
-    _mxfp4_checkpoint(tiny_models["gpt_oss"], whole)  # experts 96 wide: 48 a rank, not whole blocks
-    with pytest.raises(ValueError, match="leaves each rank 48 of the experts' columns"):
-        LLMEngine(EngineConfig(model=str(whole), tensor_parallel_size=2))
+    _mxfp4_checkpoint(tiny_models["gpt_oss"], whole)
     with pytest.raises(ValueError, match="--quantization fp8: this checkpoint's experts are MXFP4"):
         LLMEngine(EngineConfig(model=str(whole), quantization="fp8"))
 

@@ -47,14 +47,6 @@ def experts_config(hf_config: dict, quantization: str | None) -> dict:
     return config
 
 
-def check_split(local_width: int, world_size: int) -> None:
-    """Tensor parallelism splits each expert's width: each rank's share must be whole MXFP4 blocks, as the
-    down projection's input columns are packed and scaled 32 at a time."""
-    if local_width % BLOCK_VALUES:
-        raise ValueError(f"tensor_parallel_size {world_size} leaves each rank {local_width} of the experts' "
-                         f"columns: MXFP4 experts split in whole blocks of {BLOCK_VALUES}")
-
-
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[..., G, 16] uint8 codes and [..., G] uint8 E8M0 scales -> [..., G * 32] values in ``dtype``. Every
     FP4 value times a power of two is exact in bf16, fp16 (within its range) and fp32."""

@@ -79,9 +79,11 @@ def load_model(
     model_config = ModelConfig.from_hf(hf_config)
     runner = resolve_runner(config.runner, model_config.architecture)
     cls = get_model_class(model_config.architecture)
-    shard = shard_for(model_config, parallel.rank, parallel.world_size) if parallel is not None else None
-    if mxfp4_experts and shard is not None:
-        mxfp4.check_split(shard.local.moe.intermediate_size, shard.world_size)
+    # MXFP4 experts split in whole 32-value blocks: a width that does not (gpt-oss's 2,880 over 4 ranks) is
+    # padded with zero weights.
+    expert_block = mxfp4.BLOCK_VALUES if mxfp4_experts else 1
+    shard = (shard_for(model_config, parallel.rank, parallel.world_size, expert_block)
+             if parallel is not None else None)
     positions = max_positions or model_config.max_position_embeddings
     # A quantised checkpoint is served as it is without --quantization, as vLLM reads its quantization_config:
     # GPTQ / AWQ integer weights (the flag may only repeat the method), or FP8, whose scheme (per-row or

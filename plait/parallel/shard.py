@@ -42,6 +42,9 @@ FFN_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\."
                         r"(_blocks|_scales)?(?:\.(weight|bias))?$")
 # FusedMoE's stacked expert biases: the projection each belongs to.
 STACKED_EXPERT_BIASES = {"gate_up_bias": "gate_up_proj", "down_bias": "down_proj"}
+# The E8M0 scale (2^0) of the MXFP4 blocks that pad experts to whole blocks a rank: their codes are zeros, so
+# any finite scale would do; 255 is E8M0's NaN.
+PAD_SCALE = 127
 # Column-parallel (each rank keeps some output rows) and row-parallel (some input columns) projections;
 # Mixtral names gate, up and down w1, w3 and w2.
 COLUMN_PARALLEL = ("gate_proj", "up_proj", "w1", "w3")
@@ -56,6 +59,10 @@ class Shard:
     world_size: int
     full: ModelConfig  # the checkpoint's
     local: ModelConfig  # this rank's: what its model is built from
+    # The routed experts' width a rank is a multiple of this (MXFP4 experts: whole 32-value blocks); where the
+    # checkpoint's width does not split so, the ranks' shares reach past it, into zero weights (as vLLM pads
+    # gpt-oss's experts): zero gate and up rows make zero activations, which zero down columns ignore.
+    expert_block: int = 1
 
     @property
     def is_driver(self) -> bool:
@@ -73,9 +80,16 @@ class Shard:
             return first, first + 1
         return self.rank * n, (self.rank + 1) * n
 
-    def _part(self, t: torch.Tensor, dim: int, n: int) -> torch.Tensor:
-        """This rank's n entries along ``dim``."""
-        return t.narrow(dim, self.rank * n, n)
+    def _part(self, t: torch.Tensor, dim: int, n: int, fill: int = 0) -> torch.Tensor:
+        """This rank's n entries along ``dim``; those past the tensor's end (padded experts) are ``fill``."""
+        start = self.rank * n
+        have = max(0, min(n, t.shape[dim] - start))
+        part = t.narrow(dim, min(start, t.shape[dim]), have)
+        if have == n:
+            return part
+        shape = list(t.shape)
+        shape[dim] = n - have
+        return torch.cat([part, torch.full(shape, fill, dtype=t.dtype, device=t.device)], dim=dim)
 
     def _summed_bias(self, t: torch.Tensor) -> torch.Tensor:
         """A row-parallel layer's bias: added once, after the ranks' outputs are summed: the driver's."""
@@ -115,15 +129,16 @@ class Shard:
             proj, kind = STACKED_EXPERT_BIASES[proj], "bias"
         rows = -1 if kind == "bias" else -2  # a bias is [out]: its rows are its last dim
         cols, width = -1, n  # the input columns a row-parallel rank keeps: n, or n / 32 MXFP4 blocks
+        fill = PAD_SCALE if packed == "_scales" else 0
         if packed is not None:
             width = n // BLOCK_VALUES
             rows, cols = (-3, -2) if packed == "_blocks" else (-2, -1)
         if proj in ROW_PARALLEL:
-            return self._summed_bias(t) if kind == "bias" else self._part(t, cols, width)
+            return self._summed_bias(t) if kind == "bias" else self._part(t, cols, width, fill)
         if proj in COLUMN_PARALLEL:
-            return self._part(t, rows, n)
+            return self._part(t, rows, n, fill)
         gate, up = t.chunk(2, dim=rows)  # gate_up_proj: Phi-3's fused, or transformers 5's stacked experts
-        return torch.cat([self._part(gate, rows, n), self._part(up, rows, n)], dim=rows)
+        return torch.cat([self._part(gate, rows, n, fill), self._part(up, rows, n, fill)], dim=rows)
 
     def checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's slice of each checkpoint tensor (HF names); the LM head only on the driver, the one
@@ -139,8 +154,9 @@ class Shard:
             yield name, tensor
 
 
-def shard_for(config: ModelConfig, rank: int, world_size: int) -> Shard:
-    """Rank ``rank``'s share of ``config``'s model, or a ValueError saying why it cannot be split so."""
+def shard_for(config: ModelConfig, rank: int, world_size: int, expert_block: int = 1) -> Shard:
+    """Rank ``rank``'s share of ``config``'s model, or a ValueError saying why it cannot be split so. The
+    routed experts' share is padded up to whole ``expert_block``s (Shard.expert_block)."""
     if config.architecture not in SHARDABLE_ARCHITECTURES:
         raise ValueError(f"tensor_parallel_size {world_size}: {config.architecture} cannot be split across "
                          f"devices yet; the decoders that can: {sorted(SHARDABLE_ARCHITECTURES)}")
@@ -148,8 +164,9 @@ def shard_for(config: ModelConfig, rank: int, world_size: int) -> Shard:
     widths = [("attention heads", config.num_attention_heads),
               ("intermediate size", config.intermediate_size)]
     if moe is not None:
-        widths += [("expert intermediate size", moe.intermediate_size),
-                   ("shared expert intermediate size", moe.shared_intermediate_size)]
+        widths += [("shared expert intermediate size", moe.shared_intermediate_size)]
+        if expert_block == 1:
+            widths += [("expert intermediate size", moe.intermediate_size)]
     for what, n in widths:
         if n % world_size:
             raise ValueError(f"tensor_parallel_size {world_size} must divide the model's {what} ({n})")
@@ -158,12 +175,13 @@ def shard_for(config: ModelConfig, rank: int, world_size: int) -> Shard:
         raise ValueError(f"tensor_parallel_size {world_size} and the model's {kv_heads} KV heads: one must "
                          "divide the other")
     if moe is not None:
-        moe = dataclasses.replace(moe, intermediate_size=moe.intermediate_size // world_size,
+        per_rank = -(-moe.intermediate_size // (world_size * expert_block)) * expert_block
+        moe = dataclasses.replace(moe, intermediate_size=per_rank,
                                   shared_intermediate_size=moe.shared_intermediate_size // world_size)
     local = dataclasses.replace(config, num_attention_heads=config.num_attention_heads // world_size,
                                 num_key_value_heads=max(1, kv_heads // world_size),
                                 intermediate_size=config.intermediate_size // world_size, moe=moe)
-    return Shard(rank, world_size, config, local)
+    return Shard(rank, world_size, config, local, expert_block)
 
 
 def sum_row_parallel_outputs(model: nn.Module, group: TPGroup) -> None:

@@ -308,7 +308,8 @@ class ModelRunner:
         model refuses still ends every rank's stream and hears every rank's answer, so the ranks stay in step
         (its weights then mixed, as on one device)."""
         world = self.shard.world_size
-        shards = [self.shard, *(shard_for(self.shard.full, rank, world) for rank in range(1, world))]
+        shards = [self.shard, *(shard_for(self.shard.full, rank, world, self.shard.expert_block)
+                                for rank in range(1, world))]
 
         def own_slices() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
