@@ -79,13 +79,16 @@ def test_an_unrelated_draft_changes_no_output(tiny_llama, tiny_models, other_lla
 def test_drafts_are_the_draft_models_greedy_continuation_of_the_known_tokens(tiny_llama, other_llama):
     """Every step's drafts, checked against the draft model run alone (a plain engine, greedy, from scratch)
     on the row's known tokens: the shadows follow the target's kept tokens, and what the draft cached for
-    rejected drafts is overwritten before it is read again."""
-    spec = _engine(tiny_llama, _draft(other_llama[0], k=3))
+    rejected drafts is overwritten before it is read again. With prefix caching on, no block holding a draft
+    is ever findable (a later shadow could start from it, and it is rewritten once the draft is rejected)."""
+    spec = _engine(tiny_llama, _draft(other_llama[0], k=3), enable_prefix_caching=True)
     draft_alone = _engine(other_llama[0], None)
     prepare, checked = spec.drafter.prepare, []
 
     def checked_prepare(requests):
         prepare(requests)
+        for r, shadow in spec.drafter._shadows.items():
+            assert shadow.request.num_hashed_blocks * spec.config.block_size <= r.num_known_tokens
         for r in requests:
             drafts = spec.drafter.propose(r, limit=3)
             if drafts and len(checked) < 40:
@@ -279,3 +282,23 @@ def test_a_draft_with_a_larger_vocabulary_proposes_only_target_ids(tiny_llama, t
     _assert_same(_generate(spec, _prompts(), [GREEDY] * len(_prompts())), want)
     assert all(t < TINY_VOCAB for drafts in proposed for t in drafts)
     assert any(len(d) < 3 for d in proposed) and any(d for d in proposed)
+
+
+def test_the_draft_cache_serves_a_shared_prefix_once(tiny_llama, other_llama):
+    """With prefix caching on (the target's setting), a shadow starts from the blocks earlier shadows filled
+    with the same tokens (not those of shadows starting in the same step: as the target's cache, blocks are
+    found once computed): three requests after a first that shares their long prefix make the draft compute
+    it once, and outputs are those without speculation."""
+    prefix = random_prompts(1, 96, 96, seed=41)[0]
+    first, *later = [prefix + tail for tail in random_prompts(4, 3, 9, seed=42)]
+    plain = _engine(tiny_llama, None)
+    want = [_generate(plain, [first], [GREEDY]), _generate(plain, later, [GREEDY] * 3)]
+    computed = {}
+    for caching in (False, True):
+        spec = _engine(tiny_llama, _draft(other_llama[0]), enable_prefix_caching=caching)
+        _assert_same(_generate(spec, [first], [GREEDY]), want[0])
+        _assert_same(_generate(spec, later, [GREEDY] * 3), want[1])
+        assert spec.drafter.is_clean()
+        computed[caching] = spec.drafter.num_tokens_computed
+    # Each later request's shadow finds the 96-token prefix's 12 blocks cached: 3 x 96 tokens fewer.
+    assert computed[False] - computed[True] == 3 * 96

@@ -72,7 +72,9 @@ class DraftModelDrafter(Drafter):
             arch = runner.model_config.architecture
             raise ValueError(f"the draft model must be a causal attention-only generator; {arch} is not")
         config = runner.config
-        self.kv_cache = KVCacheManager(runner.num_kv_blocks, config.block_size)
+        # Prefix caching as the target's: a shadow starts from the cached blocks of the prompts before it (a
+        # shared system prompt is computed once); only blocks of tokens the target has are ever cached.
+        self.kv_cache = KVCacheManager(runner.num_kv_blocks, config.block_size, target.enable_prefix_caching)
         self.token_budget = config.max_num_batched_tokens
         self.max_len = min(target_max_model_len, runner.max_model_len)
         # Ids at or past the target's vocabulary (a draft with a larger one) are never proposed.
@@ -82,6 +84,7 @@ class DraftModelDrafter(Drafter):
                            "draft with the target's tokenizer proposes tokens worth keeping",
                            runner.model_config.vocab_size, target_vocab_size)
         self.num_forwards = 0  # draft-model forwards run, for stats and tests
+        self.num_tokens_computed = 0  # tokens those forwards computed
         self._shadows: dict[Request, _Shadow] = {}
         self._drafts: dict[Request, tuple[int, ...]] = {}
 
@@ -153,6 +156,11 @@ class DraftModelDrafter(Drafter):
             del mirror.output_token_ids[shadow.drafted_at - n_prompt + same:]
             mirror.num_computed_tokens = min(mirror.num_computed_tokens, shadow.drafted_at + same)
         mirror.output_token_ids += request.output_token_ids[len(mirror.output_token_ids):]
+        if not mirror.block_ids:  # a shadow holding no blocks yet starts from the cached prefix, if any
+            self.kv_cache.match_prefix(mirror)
+        # Now that the shadow holds only the target's tokens (its drafts dropped or kept), its full computed
+        # blocks are findable; drafts appended later stay beyond them until the target keeps them.
+        self.kv_cache.cache_full_blocks(mirror)
         return shadow
 
     def _reserve(self, shadow: _Shadow) -> bool:
@@ -218,6 +226,7 @@ class DraftModelDrafter(Drafter):
     def _launch(self, plan: StepPlan, prev: InFlightStep | None) -> InFlightStep:
         step = self.runner.launch(plan, prev)
         self.num_forwards += 1
+        self.num_tokens_computed += plan.num_tokens
         for row in plan.rows:
             row.request.num_computed_tokens += row.num_new_tokens
         return step
