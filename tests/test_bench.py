@@ -838,3 +838,24 @@ def test_embedding_throughput_bench_on_cpu(tmp_path, tiny_models):
     assert report["cosine_plait_vs_transformers"]["min"] > 0.99999
     assert report["plait"]["steps"] >= report["tokens"] // 64  # chunked under the 64-token budget
     assert report["plait"]["tokens_per_s"] > 0 and report["transformers"]["tokens_per_s"] > 0
+
+
+def test_bench_throughput_and_latency_take_vllm_speculative_config(tmp_path, tiny_llama):
+    """`--speculative-config` as vLLM's bench commands take it: the engine drafts (here with the target as
+    its own draft model: every draft kept under the throughput run's greedy decoding; the latency run samples
+    at temperature 1, as vLLM's, where a random model keeps few) and the result JSON counts the drafts."""
+    from plait.entrypoints.cli import main
+
+    spec = json.dumps({"model": str(tiny_llama), "num_speculative_tokens": 3})
+    out = tmp_path / "tp.json"
+    assert main(["bench", "throughput", "--model", str(tiny_llama), "--input-len", "16", "--output-len", "12",
+                 "--num-prompts", "4", "--speculative-config", spec, "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["output_tokens"] == 4 * 12
+    assert result["spec_decode"]["num_draft_tokens"] > 0 and result["spec_decode"]["acceptance_rate"] >= 0.9
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--model", str(tiny_llama), "--input-len", "8", "--output-len", "10",
+                 "--batch-size", "2", "--num-iters-warmup", "0", "--num-iters", "2", "--speculative-config",
+                 spec, "--output-json", str(out)]) == 0
+    drafts = json.loads(out.read_text())["spec_decode"]
+    assert drafts["num_draft_tokens"] > 0 and len(drafts["accepted_per_position"]) == 3

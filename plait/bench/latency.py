@@ -35,7 +35,7 @@ def _llm(args: argparse.Namespace) -> Any:
                max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
                attention_backend=args.attention_backend, quantization=args.quantization,
                kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size,
-               seed=args.seed)
+               seed=args.seed, speculative_config=args.speculative_config)
 
 
 def _iteration(llm: Any, args: argparse.Namespace) -> Any:
@@ -86,6 +86,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
               "model": args.model, "batch_size": args.batch_size, "input_len": args.input_len,
               "output_len": args.output_len, "n": args.n, "use_beam_search": args.use_beam_search,
               "device": device_name()}
+    if llm.engine.drafter is not None:  # warm-up iterations included
+        result["spec_decode"] = llm.engine.spec_stats.summary()
     llm.engine.shutdown()
     return result
 
@@ -130,6 +132,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     engine.add_argument("--kv-cache-dtype", default="auto")
     engine.add_argument("--tensor-parallel-size", type=int, default=1)
     engine.add_argument("--seed", type=int, default=0)
+    engine.add_argument("--speculative-config", default=None,
+                        help="as vLLM's, a JSON object: n-gram or draft-model speculative decoding")
     p.set_defaults(func=main)
 
 

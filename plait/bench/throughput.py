@@ -303,7 +303,8 @@ def run_model(args: argparse.Namespace) -> dict:
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
-        tensor_parallel_size=args.tensor_parallel_size, seed=args.seed))
+        tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
+        speculative_config=args.speculative_config))
     if args.dataset_name == "sharegpt":
         if not args.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path")
@@ -338,11 +339,14 @@ def run_model(args: argparse.Namespace) -> dict:
     elapsed = time.perf_counter() - start
     total = prompt_tokens + output_tokens
     engine.shutdown()
-    return {"elapsed_time": elapsed, "num_requests": len(samples), "total_num_tokens": total,
-            "requests_per_second": len(samples) / elapsed, "tokens_per_second": total / elapsed,
-            "output_tokens": output_tokens, "output_tokens_per_second": output_tokens / elapsed,
-            "model": args.model, "dataset": args.dataset_name,
-            "device": device_name()}
+    result = {"elapsed_time": elapsed, "num_requests": len(samples), "total_num_tokens": total,
+              "requests_per_second": len(samples) / elapsed, "tokens_per_second": total / elapsed,
+              "output_tokens": output_tokens, "output_tokens_per_second": output_tokens / elapsed,
+              "model": args.model, "dataset": args.dataset_name,
+              "device": device_name()}
+    if engine.drafter is not None:
+        result["spec_decode"] = engine.spec_stats.summary()
+    return result
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -400,6 +404,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     adhoc.add_argument("--max-model-len", type=int, default=None,
                        help="(default: the longest random request, or the model's own for ShareGPT)")
     adhoc.add_argument("--seed", type=int, default=0)
+    adhoc.add_argument("--speculative-config", default=None,
+                       help="as vLLM's, a JSON object: n-gram or draft-model speculative decoding")
     adhoc.add_argument("--disable-detokenize", action="store_true",
                        help="token ids only, no output text (as vLLM's: no detokenizing in the timing)")
     adhoc.add_argument("--output-json", default=None, help="write the result JSON here (vLLM's keys)")

@@ -76,6 +76,13 @@ class SpecDecodeStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)  # [k]: drafts kept at each draft position
 
+    def summary(self) -> dict[str, Any]:
+        """The counts and the share of draft tokens kept (None before any draft), for benchmark results."""
+        rate = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
+                "num_accepted_tokens": self.num_accepted_tokens, "acceptance_rate": rate,
+                "accepted_per_position": list(self.accepted_per_position)}
+
 
 @dataclass
 class _Tracked:
