@@ -64,6 +64,11 @@ class Shard:
     # gpt-oss's experts): zero gate and up rows make zero activations, which zero down columns ignore.
     expert_block: int = 1
 
+    def of_rank(self, rank: int) -> Shard:
+        """Another rank's share of the same split: only the rank differs (every rank builds the same local
+        config)."""
+        return dataclasses.replace(self, rank=rank)
+
     @property
     def is_driver(self) -> bool:
         return self.rank == DRIVER_RANK

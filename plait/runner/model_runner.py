@@ -30,7 +30,7 @@ from plait.lora.model import LoRAModel
 from plait.models.base import checkpoint_layout
 from plait.multimodal.images import ImageProcessor
 from plait.parallel.group import ParallelRank, TPGroup
-from plait.parallel.shard import shard_for, sum_row_parallel_outputs
+from plait.parallel.shard import sum_row_parallel_outputs
 from plait.parallel.workers import (
     END_OF_WEIGHTS,
     FORWARD,
@@ -308,8 +308,7 @@ class ModelRunner:
         model refuses still ends every rank's stream and hears every rank's answer, so the ranks stay in step
         (its weights then mixed, as on one device)."""
         world = self.shard.world_size
-        shards = [self.shard, *(shard_for(self.shard.full, rank, world, self.shard.expert_block)
-                                for rank in range(1, world))]
+        shards = [self.shard.of_rank(rank) for rank in range(world)]
 
         def own_slices() -> Iterator[tuple[str, torch.Tensor]]:
             for name, tensor in weights:
