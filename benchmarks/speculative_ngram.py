@@ -138,9 +138,17 @@ def step_times(engine: LLMEngine) -> dict:
     b = engine.runner.breakdown
     b.resolve()
     steps = max(b.steps, 1)
-    return {"step_ms_with_drafts": mean_ms(with_drafts), "step_ms_without_drafts": mean_ms(without),
-            "gpu_forward_ms_per_step": round(1000 * b.gpu_forward_s / steps, 3),
-            "host_ms_per_step": {k: round(1000 * v / steps, 3) for k, v in b.host_s.items()}}
+    times = {"step_ms_with_drafts": mean_ms(with_drafts), "step_ms_without_drafts": mean_ms(without),
+             "gpu_forward_ms_per_step": round(1000 * b.gpu_forward_s / steps, 3),
+             "host_ms_per_step": {k: round(1000 * v / steps, 3) for k, v in b.host_s.items()}}
+    draft_runner = getattr(engine.drafter, "runner", None)
+    if draft_runner is not None:  # a draft model's forwards: how many a step, and their device time
+        d = draft_runner.breakdown
+        d.resolve()
+        times["draft_forwards_per_step"] = round(engine.drafter.num_forwards / steps, 3)
+        times["draft_graph_forwards_per_step"] = round(d.graph_steps / steps, 3)
+        times["draft_gpu_forward_ms_per_step"] = round(1000 * d.gpu_forward_s / steps, 3)
+    return times
 
 
 def run_k(args: argparse.Namespace, k: int, replay: dict[str, list[list[int]]] | None = None) -> dict:
@@ -160,8 +168,12 @@ def run_k(args: argparse.Namespace, k: int, replay: dict[str, list[list[int]]] |
     for name, prompts in workloads.items():
         spec_before = (engine.spec_stats.num_drafts, engine.spec_stats.num_draft_tokens,
                        engine.spec_stats.num_accepted_tokens)
-        steps_before, graphs_before = engine.num_steps, engine.runner.breakdown.graph_steps
-        engine.runner.breakdown.reset()
+        steps_before = engine.num_steps
+        engine.runner.breakdown.reset()  # its graph_steps count from zero: the workload's own
+        draft_runner = getattr(engine.drafter, "runner", None)  # a draft model's
+        if draft_runner is not None:
+            draft_runner.breakdown.reset()
+            engine.drafter.num_forwards = 0
         engine.timeline.clear()
         engine.record_timeline = True
         if torch.cuda.is_available():
@@ -176,7 +188,7 @@ def run_k(args: argparse.Namespace, k: int, replay: dict[str, list[list[int]]] |
             (spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens), spec_before))
         steps = engine.num_steps - steps_before
         results[name] = {
-            "cuda_graph_steps": engine.runner.breakdown.graph_steps - graphs_before,
+            "cuda_graph_steps": engine.runner.breakdown.graph_steps,
             "seconds": round(elapsed, 3), "output_tokens": tokens, "out_tok_s": round(tokens / elapsed, 2),
             "steps": steps, "ms_per_step": round(1000 * elapsed / steps, 3),
             "draft_rows": drafts, "draft_tokens": drafted, "accepted_tokens": accepted,

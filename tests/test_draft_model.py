@@ -107,6 +107,47 @@ def test_drafts_are_the_draft_models_greedy_continuation_of_the_known_tokens(tin
     assert len(checked) == 40 and len(set(checked)) == len(_prompts())
 
 
+def test_a_steps_draft_forwards_are_queued_back_to_back(tiny_llama, other_llama):
+    """Each draft forward of a step is launched before the host waits for the one before it, whose sampled
+    ids (its input) it reads on the device: the host waits with nothing queued behind only for the last, and
+    for a long prompt's catch-up chunks before its final one. So a step of k drafts costs one wait, not k."""
+    k = 3
+    spec = _engine(tiny_llama, _draft(other_llama[0], k=k))
+    runner, prepare = spec.drafter.runner, spec.drafter.prepare
+    launch, collect = runner.launch, runner.collect
+    events: list[tuple[str, int]] = []
+
+    def recording_launch(plan, prev, *args, **kwargs):
+        step = launch(plan, prev, *args, **kwargs)
+        events.append(("launch", id(step)))
+        return step
+
+    def recording_collect(step):
+        events.append(("collect", id(step)))
+        return collect(step)
+
+    waits = []  # per drafting step: (forwards, waits with no forward queued behind)
+
+    def recording_prepare(requests):
+        events.clear()
+        prepare(requests)
+        launched, idle = [], 0
+        for kind, step in events:
+            if kind == "launch":
+                launched.append(step)
+            else:
+                idle += launched[-1] == step  # nothing launched after the one waited for
+        if launched:
+            waits.append((len(launched), idle))
+
+    runner.launch, runner.collect = recording_launch, recording_collect
+    spec.drafter.prepare = recording_prepare
+    _generate(spec, _prompts(), [GREEDY] * len(_prompts()))
+    # Forwards beyond k are catch-up chunks before the last; each is waited for (a row may sample there).
+    assert all(idle == forwards - k + 1 for forwards, idle in waits), waits
+    assert sum(forwards == k for forwards, _ in waits) >= 0.8 * len(waits)
+
+
 def test_seeded_sampling_penalties_and_stops_are_unchanged(tiny_llama, plain_engine):
     """Sampled rows keep a draft only where their own seeded draw picks it: each position samples with the
     draw it would have had, after the drafts before it as outputs (penalties count them)."""

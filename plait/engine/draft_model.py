@@ -106,8 +106,8 @@ class DraftModelDrafter(Drafter):
         if not to_draft:
             return
         shadows = [s.request for s in to_draft]
-        drafts = {s: [token_id] for s, token_id in self._catch_up(shadows).items()}
-        self._decode(shadows, drafts)
+        drafts, in_flight = self._catch_up(shadows)
+        self._decode(shadows, drafts, in_flight)
         for request, shadow in self._shadows.items():
             if shadow.request in drafts:
                 shadow.drafted_at = request.num_known_tokens
@@ -176,12 +176,15 @@ class DraftModelDrafter(Drafter):
                 self.forget(request)
         return self.kv_cache.allocate(mirror, needed)
 
-    def _catch_up(self, shadows: list[Request]) -> dict[Request, int]:
+    def _catch_up(self, shadows: list[Request]) -> tuple[dict[Request, list[int]], InFlightStep]:
         """Run each shadow's tokens the draft has not computed, within the token budget a forward (a long
-        prompt takes several); returns each shadow's token sampled after its last one: its first draft."""
-        sampled: dict[Request, int] = {}
+        prompt takes several), and sample each one's first draft after its last token. Returns the drafts on
+        the host so far and the last forward, still in flight: the first draft of each of its rows is a
+        pending token, which the next forward reads on the device (only forwards before the last, where a
+        long prompt needs more than one, are waited for)."""
+        drafts: dict[Request, list[int]] = {s: [] for s in shadows}
         pending = shadows
-        while pending:
+        while True:
             plan, budget, rest = StepPlan(), self.token_budget, []
             for s in pending:
                 if not budget:
@@ -196,30 +199,27 @@ class DraftModelDrafter(Drafter):
                 budget -= n
                 if not done:
                     rest.append(s)
-            result = self.runner.collect(self._launch(plan, None))
-            sampled.update((t.request, t.token_id) for t in result.sampled)
+            step = self._launch(plan, None)
+            if not rest:  # every row of the last forward samples
+                for row in plan.rows:
+                    row.request.num_pending_tokens = 1
+                return drafts, step
+            self._take(step, drafts)
             pending = rest
-        return sampled
 
-    def _decode(self, shadows: list[Request], drafts: dict[Request, list[int]]) -> None:
+    def _decode(self, shadows: list[Request], drafts: dict[Request, list[int]], prev: InFlightStep) -> None:
         """The other k - 1 drafts, one-token forwards whose inputs are the drafts before them. Each forward
-        after the first reads its input from the previous one's sampled ids on the device (a pending token, as
-        the target's overlapped steps do), so the host stages it while that one runs and collects that one's
-        ids after."""
-        for s, d in drafts.items():
-            s.output_token_ids.append(d[0])
-        prev = None
+        reads a pending input from the forward before it (the catch-up's, then the last one's) on the device,
+        so the host stages it while that one runs and collects that one's ids after."""
         for _ in range(self.num_speculative_tokens - 1):
             plan = StepPlan([ScheduledRow(s, s.num_computed_tokens, 1, is_prefill=False, samples=True)
                              for s in shadows])
             step = self._launch(plan, prev)
-            if prev is not None:
-                self._take(prev, drafts)
+            self._take(prev, drafts)
             prev = step
             for s in shadows:
                 s.num_pending_tokens = 1
-        if prev is not None:
-            self._take(prev, drafts)
+        self._take(prev, drafts)
         for s in shadows:
             s.output_token_ids.pop()  # the last draft is never an input
 
@@ -232,7 +232,7 @@ class DraftModelDrafter(Drafter):
         return step
 
     def _take(self, step: InFlightStep, drafts: dict[Request, list[int]]) -> None:
-        """Collect a one-token draft forward: each shadow's next draft, now on the host, is its next input."""
+        """Collect a draft forward: each sampling shadow's next draft, now on the host, is its next input."""
         for t in self.runner.collect(step).sampled:
             drafts[t.request].append(t.token_id)
             t.request.output_token_ids.append(t.token_id)
