@@ -148,6 +148,8 @@ def step_times(engine: LLMEngine) -> dict:
         times["draft_forwards_per_step"] = round(engine.drafter.num_forwards / steps, 3)
         times["draft_graph_forwards_per_step"] = round(d.graph_steps / steps, 3)
         times["draft_gpu_forward_ms_per_step"] = round(1000 * d.gpu_forward_s / steps, 3)
+        # The draft runner's own host phases (prepare: staging; sample: sampling and the wait for its ids).
+        times["draft_host_ms_per_step"] = {k: round(1000 * v / steps, 3) for k, v in d.host_s.items() if v}
     return times
 
 
