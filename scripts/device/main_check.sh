@@ -26,6 +26,12 @@ for n, w in d['workloads'].items():
               'draft_graph_forwards_per_step', 'draft_gpu_forward_ms_per_step', 'cuda_graph_steps', 'steps')},
               r['host_ms_per_step'])"
 fi
+if [[ " $BENCH " == *" ab "* ]]; then
+  timeout 200 python3 benchmarks/draft_chain_ab.py --model shared/bench/models/llama-8b \
+    --draft-model benchmarks/configs/llama-1b --load-format dummy --out $OUT/draft_chain_ab.json \
+    > $OUT/draft_chain_ab.log 2>&1
+  tr '\r' '\n' < $OUT/draft_chain_ab.log | grep -v "it/s\]\|?it" | tail -4
+fi
 if [[ " $BENCH " == *" throughput "* ]]; then
   timeout 240 python3 -m plait.entrypoints.cli bench throughput --shared shared/bench \
     --out $OUT/throughput.json > $OUT/throughput.log 2>&1
