@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Re-check main on one GPU in device calls of under 600 s: named GPU test files (CHECK_FILES, with a time
-# limit CHECK_LIMIT_S), then, with BENCH set, the draft-model benchmark (scripts/device/draft_model.sh's) and/or
-# W1-W3. Run from the repository root on the device with .gpu and .whl carried.
+# limit CHECK_LIMIT_S), then what BENCH names: "draft" (scripts/device/draft_model.sh's benchmark), "ab"
+# (benchmarks/draft_chain_ab.py), "throughput" (W1-W3). Run from the repository root on the device with .gpu and .whl carried.
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 ln -sfn .gpu/shared shared
 nvidia-smi --query-gpu=name --format=csv,noheader
