@@ -117,3 +117,8 @@ def test_decode_pad_layout():
     p = pad_to_shape(two, shape, block_size=4)
     assert p.input_ids.tolist() == [11, 12, 0, 0] and p.query_start_loc.tolist() == [0, 1, 2, 3, 4]
     assert p.seq_lens.tolist() == [8, 5, 1, 1] and p.sample_indices.tolist() == [0, 1]
+    # A decode step of the shape's own size is staged as it is; padded to the next size, its real rows keep
+    # their data.
+    assert pad_to_shape(two, GraphShape(2, 2, 2), block_size=4) is two
+    for name in ("input_ids", "positions", "slot_mapping", "context_lens", "seq_lens", "state_slots"):
+        assert getattr(p, name)[:2].tolist() == getattr(two, name).tolist(), name
