@@ -12,6 +12,7 @@ from test_speculative import MAX_TOKENS, MIXED_PARAMS, _assert_same, _engine, _g
 
 from plait.config import EngineConfig, SpeculativeConfig
 from plait.engine.draft_model import DraftModelDrafter
+from plait.engine.drafter import PENDING_DRAFT_ID
 from plait.engine.engine import LLMEngine
 from plait.engine.kv_cache import KVCacheManager
 from plait.loader.source import default_model_path
@@ -83,13 +84,20 @@ def test_drafts_are_the_draft_models_greedy_continuation_of_the_known_tokens(tin
     is ever findable (a later shadow could start from it, and it is rewritten once the draft is rejected)."""
     spec = _engine(tiny_llama, _draft(other_llama[0], k=3), enable_prefix_caching=True)
     draft_alone = _engine(other_llama[0], None)
-    prepare, checked = spec.drafter.prepare, []
+    prepare, settle, checked, running = spec.drafter.prepare, spec.drafter.settle, [], []
+    on_device = 0  # drafts whose last id was still on the device when proposed
 
     def checked_prepare(requests):
+        nonlocal on_device
         prepare(requests)
         for r, shadow in spec.drafter._shadows.items():
             assert shadow.request.num_hashed_blocks * spec.config.block_size <= r.num_known_tokens
-        for r in requests:
+        running[:] = requests
+        on_device += sum(spec.drafter.propose(r, limit=3)[-1:] == (PENDING_DRAFT_ID,) for r in requests)
+
+    def checked_settle(plan):  # the last drafts are on the host from here on
+        settle(plan)
+        for r in running:
             drafts = spec.drafter.propose(r, limit=3)
             if drafts and len(checked) < 40:
                 known = r.prompt_token_ids + r.output_token_ids
@@ -101,50 +109,62 @@ def test_drafts_are_the_draft_models_greedy_continuation_of_the_known_tokens(tin
                         if out.finished:
                             assert list(drafts) == out.outputs[0].token_ids, (r.request_id, known)
                 checked.append(r.request_id)
+        running.clear()  # checked once (prepare settles a step that launched nothing, through this too)
 
-    spec.drafter.prepare = checked_prepare
+    spec.drafter.prepare, spec.drafter.settle = checked_prepare, checked_settle
     _generate(spec, _prompts(), [GREEDY] * len(_prompts()))
     assert len(checked) == 40 and len(set(checked)) == len(_prompts())
+    assert on_device >= 40
 
 
-def test_a_steps_draft_forwards_are_queued_back_to_back(tiny_llama, other_llama):
+@pytest.mark.parametrize("penalties", [False, True])
+def test_a_steps_draft_forwards_are_queued_back_to_back(tiny_llama, other_llama, penalties):
     """Each draft forward of a step is launched before the host waits for the one before it, whose sampled
-    ids (its input) it reads on the device: the host waits with nothing queued behind only for the last, and
-    for a long prompt's catch-up chunks before its final one. So a step of k drafts costs one wait, not k."""
+    ids (its input) it reads on the device; the last draft forward's ids are read on the device by the step
+    that verifies them, launched before the host waits for it. So the host waits with nothing queued behind
+    only for a long prompt's catch-up chunks before its final one. Under penalties (each position's sampling
+    counts the drafts before it, on the host) the last draft forward is waited for before the verify step."""
     k = 3
     spec = _engine(tiny_llama, _draft(other_llama[0], k=k))
-    runner, prepare = spec.drafter.runner, spec.drafter.prepare
-    launch, collect = runner.launch, runner.collect
+    drafter = spec.drafter
+    prepare, settle = drafter.prepare, drafter.settle
+    draft_launch, draft_collect = drafter.runner.launch, drafter.runner.collect
     events: list[tuple[str, int]] = []
+    waits = []  # per drafting step: (draft forwards, waits with nothing queued behind)
 
-    def recording_launch(plan, prev, *args, **kwargs):
-        step = launch(plan, prev, *args, **kwargs)
-        events.append(("launch", id(step)))
-        return step
-
-    def recording_collect(step):
-        events.append(("collect", id(step)))
-        return collect(step)
-
-    waits = []  # per drafting step: (forwards, waits with no forward queued behind)
+    def recording(kind, fn):
+        def call(step_or_plan, *args, **kwargs):
+            out = fn(step_or_plan, *args, **kwargs)
+            events.append((kind, id(step_or_plan if kind == "collect" else out)))
+            return out
+        return call
 
     def recording_prepare(requests):
         events.clear()
         prepare(requests)
-        launched, idle = [], 0
-        for kind, step in events:
-            if kind == "launch":
-                launched.append(step)
-            else:
-                idle += launched[-1] == step  # nothing launched after the one waited for
-        if launched:
-            waits.append((len(launched), idle))
 
-    runner.launch, runner.collect = recording_launch, recording_collect
-    spec.drafter.prepare = recording_prepare
-    _generate(spec, _prompts(), [GREEDY] * len(_prompts()))
+    def recording_settle(plan):
+        settle(plan)
+        launched, forwards, idle = [], 0, 0
+        for kind, step in events:
+            if kind == "collect":
+                idle += launched[-1] == step  # nothing launched after the one waited for
+            else:
+                launched.append(step)
+                forwards += kind == "draft"
+        if forwards:
+            waits.append((forwards, idle))
+        events.clear()
+
+    drafter.runner.launch = recording("draft", draft_launch)
+    drafter.runner.collect = recording("collect", draft_collect)
+    spec.runner.launch = recording("target", spec.runner.launch)
+    drafter.prepare, drafter.settle = recording_prepare, recording_settle
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                            presence_penalty=0.5 if penalties else 0.0)
+    _generate(spec, _prompts(), [params] * len(_prompts()))
     # Forwards beyond k are catch-up chunks before the last; each is waited for (a row may sample there).
-    assert all(idle == forwards - k + 1 for forwards, idle in waits), waits
+    assert all(idle == forwards - k + penalties for forwards, idle in waits), waits
     assert sum(forwards == k for forwards, _ in waits) >= 0.8 * len(waits)
 
 

@@ -388,3 +388,22 @@ def test_staged_pending_ids_land_from_the_previous_steps_sampled_ids():
     assert views["input_ids"].tolist() == want.tolist()
     assert views["query_start_loc"].dtype == torch.int32
     assert views["query_start_loc"].tolist() == arrays.query_start_loc.tolist()
+
+
+def test_a_pending_last_draft_is_a_pending_input_at_its_own_token():
+    """A draft model's last draft still on the device (PENDING_DRAFT_ID) makes its row pending at that draft's
+    token, its known tokens and other drafts staged as they are; a row with its own last token pending too is
+    refused (the drafter only defers where every known token is on the host)."""
+    from plait.engine.drafter import PENDING_DRAFT_ID
+    from plait.runner.forward_batch import build_step_arrays
+
+    a = make_request("a", [1, 2, 3], outputs=[4], computed=3, block_ids=[0])
+    b = make_request("b", [5, 6], outputs=[7], computed=2, block_ids=[1])
+    plan = StepPlan([ScheduledRow(a, 3, 3, False, True, draft_token_ids=(40, PENDING_DRAFT_ID)),
+                     ScheduledRow(b, 2, 3, False, True, draft_token_ids=(50, 51))])
+    arrays = build_step_arrays(plan, block_size=8)
+    assert arrays.pending_rows == [0] and arrays.pending_token_indices.tolist() == [2]
+    assert arrays.input_ids.tolist()[:2] == [4, 40] and arrays.input_ids.tolist()[3:] == [7, 50, 51]
+    a.num_pending_tokens, a.output_token_ids = 1, []  # its last known token in flight as well
+    with pytest.raises(ValueError, match="a pending token and a pending draft"):
+        build_step_arrays(plan, block_size=8)

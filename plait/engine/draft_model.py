@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 from plait.config import EngineConfig, SpeculativeConfig
-from plait.engine.drafter import Drafter
+from plait.engine.drafter import PENDING_DRAFT_ID, Drafter
 from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import Request, RequestStatus
 from plait.engine.scheduler import ScheduledRow, StepPlan
 from plait.runner.model_runner import InFlightStep, ModelRunner
+from plait.runner.sampler import needs_penalties
 from plait.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -87,10 +89,16 @@ class DraftModelDrafter(Drafter):
         self.num_tokens_computed = 0  # tokens those forwards computed
         self._shadows: dict[Request, _Shadow] = {}
         self._drafts: dict[Request, tuple[int, ...]] = {}
+        # Ids past the target's vocabulary are dropped from drafts on the host, so the last draft may stay on
+        # the device only where the draft's vocabulary is no larger.
+        self.defers_last_draft = runner.model_config.vocab_size <= target_vocab_size
+        # The last draft forward, still in flight, and the target request of each of its rows (settle).
+        self._in_flight: tuple[InFlightStep, list[Request]] | None = None
 
     # -- the Drafter interface ----------------------------------------------------------------
 
     def prepare(self, requests: list[Request]) -> None:
+        self.settle(None)  # a step that never launched leaves its last drafts in flight
         self._drafts.clear()
         to_draft = []
         for request in requests:
@@ -107,14 +115,50 @@ class DraftModelDrafter(Drafter):
             return
         shadows = [s.request for s in to_draft]
         drafts, in_flight = self._catch_up(shadows)
-        self._decode(shadows, drafts, in_flight)
+        # The last drafts may stay on the device for the verifying step to read, unless a row's sampling needs
+        # them on the host at its staging (penalties count every draft before a position) or one may be past
+        # the target's vocabulary (dropped on the host, never an input).
+        defer = self.defers_last_draft and not any(needs_penalties(r.sampling_params) for r in requests)
+        last = self._decode(shadows, drafts, in_flight, defer)
+        pending = last.sample_index if last is not None else {}
         for request, shadow in self._shadows.items():
             if shadow.request in drafts:
                 shadow.drafted_at = request.num_known_tokens
-                shadow.drafts = self._drafts[request] = self._in_vocabulary(drafts[shadow.request])
+                known = self._in_vocabulary(drafts[shadow.request])
+                if shadow.request in pending:
+                    known += (PENDING_DRAFT_ID,)
+                shadow.drafts = self._drafts[request] = known
+        if last is not None:
+            targets = {s.request: request for request, s in self._shadows.items()}
+            self._in_flight = last, [targets[r] for r in last.requests]
 
     def propose(self, request: Request, limit: int) -> tuple[int, ...]:
         return self._drafts.get(request, ())[: max(limit, 0)]
+
+    def in_flight(self) -> InFlightStep | None:
+        """The last draft forward's sampled ids, keyed by the target requests (its rows' in order)."""
+        if self._in_flight is None:
+            return None
+        step, targets = self._in_flight
+        return InFlightStep(targets, step.token_ids, step.host_ids, step.copied, step.logprobs, None)
+
+    def settle(self, plan: StepPlan | None) -> None:
+        if self._in_flight is None:
+            return
+        step, targets = self._in_flight
+        self._in_flight = None
+        result = self.runner.collect(step)
+        for t, request in zip(result.sampled, targets, strict=True):
+            t.request.num_pending_tokens = 0  # the last draft is never an input
+            shadow = self._shadows.get(request)
+            if shadow is not None and shadow.drafts[-1:] == (PENDING_DRAFT_ID,):
+                shadow.drafts = (*shadow.drafts[:-1], t.token_id)
+                if request in self._drafts:
+                    self._drafts[request] = shadow.drafts
+        for i, row in enumerate(plan.rows if plan is not None else ()):
+            if row.draft_token_ids[-1:] == (PENDING_DRAFT_ID,):
+                drafts = self._drafts[row.request][: len(row.draft_token_ids)]
+                plan.rows[i] = dataclasses.replace(row, draft_token_ids=drafts)
 
     def forget(self, request: Request) -> None:
         shadow = self._shadows.pop(request, None)
@@ -207,10 +251,12 @@ class DraftModelDrafter(Drafter):
             self._take(step, drafts)
             pending = rest
 
-    def _decode(self, shadows: list[Request], drafts: dict[Request, list[int]], prev: InFlightStep) -> None:
+    def _decode(self, shadows: list[Request], drafts: dict[Request, list[int]], prev: InFlightStep,
+                defer: bool) -> InFlightStep | None:
         """The other k - 1 drafts, one-token forwards whose inputs are the drafts before them. Each forward
         reads a pending input from the forward before it (the catch-up's, then the last one's) on the device,
-        so the host stages it while that one runs and collects that one's ids after."""
+        so the host stages it while that one runs and collects that one's ids after. With ``defer`` the last
+        forward is returned uncollected (its ids are the last drafts), else None."""
         for _ in range(self.num_speculative_tokens - 1):
             plan = StepPlan([ScheduledRow(s, s.num_computed_tokens, 1, is_prefill=False, samples=True)
                              for s in shadows])
@@ -219,9 +265,15 @@ class DraftModelDrafter(Drafter):
             prev = step
             for s in shadows:
                 s.num_pending_tokens = 1
+        if defer:
+            for s in shadows:
+                if s not in prev.sample_index:  # k = 1: its draft came from an earlier catch-up chunk
+                    s.output_token_ids.pop()
+            return prev
         self._take(prev, drafts)
         for s in shadows:
             s.output_token_ids.pop()  # the last draft is never an input
+        return None
 
     def _launch(self, plan: StepPlan, prev: InFlightStep | None) -> InFlightStep:
         step = self.runner.launch(plan, prev)

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from plait.config import SpeculativeConfig
 from plait.engine.request import Request
 
+if TYPE_CHECKING:
+    from plait.engine.scheduler import StepPlan
+    from plait.runner.model_runner import InFlightStep
+
 # Room a request's token history starts with, and grows by doubling from.
 _INITIAL_CAPACITY = 256
+# A draft whose id is still on the device, in ``propose``'s tuple (last only): the step that verifies it reads
+# it there (Drafter.in_flight), and ``settle`` puts the id in its place before the step is collected.
+PENDING_DRAFT_ID = -1
 
 
 class _History:
@@ -79,6 +88,16 @@ class Drafter:
 
     def forget(self, request: Request) -> None:
         """Drop what is kept for a finished or aborted request."""
+
+    def in_flight(self) -> InFlightStep | None:
+        """The launched step whose sampled ids are the PENDING_DRAFT_IDs of ``propose``'s drafts (keyed by the
+        requests they were proposed for), for the step that verifies them to read on the device; None where
+        every draft is on the host."""
+        return None
+
+    def settle(self, plan: StepPlan | None) -> None:
+        """Once the step verifying the drafts is launched (``plan``; None if none was): the pending drafts'
+        ids on the host, in the plan's rows and in what ``propose`` returns."""
 
     def is_clean(self) -> bool:
         """Nothing held for any request (LLMEngine.is_idle_and_clean)."""

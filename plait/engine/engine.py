@@ -602,7 +602,9 @@ class LLMEngine:
         collected_before_launch = self._collect_s
         launched = None
         if not plan.is_empty:
-            prev = self._in_flight[1] if self._in_flight else None
+            # A row's input still on the device: the last step's sampled id (overlapped steps), or a draft
+            # model's last draft (its forward runs while this step is staged).
+            prev = self._in_flight[1] if self._in_flight else self._drafts_in_flight()
             if late:
                 forward = self.runner.launch(plan, prev, sample=False)
                 self.scheduler.advance(plan)
@@ -617,6 +619,10 @@ class LLMEngine:
             launched.needs_last_tokens = any(needs_penalties(r.sampling_params) or r.needs_last_token
                                              for r in launched.requests)
         executed = time.monotonic()
+        settle_s = 0.0
+        if self.drafter is not None:
+            self.drafter.settle(plan if launched is not None else None)  # before this step's _verify
+            settle_s = time.monotonic() - executed
         collected_before_post = self._collect_s
         if self._in_flight is not None:
             outputs += self._collect()
@@ -624,9 +630,9 @@ class LLMEngine:
         end = time.monotonic()
         breakdown = self.runner.breakdown
         # The runner's collect (the wait for a step's ids) counts as its "sample" phase, not the engine's.
-        breakdown.add("draft", draft_s)
+        breakdown.add("draft", draft_s + settle_s)
         breakdown.add("schedule", scheduled - start - draft_s - collected_before_launch)
-        breakdown.add("postprocess", end - executed - (self._collect_s - collected_before_post))
+        breakdown.add("postprocess", end - executed - (self._collect_s - collected_before_post) - settle_s)
         breakdown.wall_s += end - start
         if launched is not None:
             breakdown.steps += 1
@@ -634,6 +640,9 @@ class LLMEngine:
         if self.record_timeline and launched is not None:
             self._record(plan, launched.used_cuda_graph, start, end)
         return outputs
+
+    def _drafts_in_flight(self) -> InFlightStep | None:
+        return self.drafter.in_flight() if self.drafter is not None else None
 
     def _can_overlap(self, plan: StepPlan, step: InFlightStep) -> bool:
         """Whether the next step may launch before ``step``'s ids are on the host: not when overlap is off,

@@ -9,6 +9,7 @@ import torch
 
 from plait.attention.base import AttentionBackend, QKNormModules, Rotary
 from plait.attention.fp8_kv import UNIT_SCALES, KVScales
+from plait.engine.drafter import PENDING_DRAFT_ID
 from plait.engine.kv_cache import PAD_BLOCK_ID
 from plait.engine.scheduler import StepPlan
 from plait.lora.slots import NO_LORA_SLOT
@@ -39,8 +40,8 @@ class StepArrays:
     # token, never a placeholder). input_ids holds PENDING_INPUT_ID there; the input buffers stage a
     # marker naming the sampled id in its place, which the step's landing launch replaces.
     pending_rows: list[int] = field(default_factory=list)
-    # [len(pending_rows)]: the token index of each pending row's input (its first token; the last but where
-    # drafts follow it). None: each row's last token.
+    # [len(pending_rows)]: the token index of each pending row's input (its first token, or its last draft
+    # where that one is PENDING_DRAFT_ID). None: each row's last token.
     pending_tokens: np.ndarray | None = None
     # [S]: how many of sample_indices each sampling row has (1 + its draft tokens); None: one each.
     samples_per_row: list[int] | None = None
@@ -114,6 +115,11 @@ def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
             pending_tokens.append(q + known_end - r.start)
         if num_drafts:
             input_ids[q + end - r.start : q + r.num_new_tokens] = r.draft_token_ids
+            if r.draft_token_ids[-1] == PENDING_DRAFT_ID:  # a draft model's last draft, still on the device
+                if known_end < end:
+                    raise ValueError(f"request {r.request.request_id}: a pending token and a pending draft")
+                pending_rows.append(i)
+                pending_tokens.append(q + r.num_new_tokens - 1)
     row_of_token = np.repeat(np.arange(num_rows), query_lens)
     positions = starts[row_of_token] + (np.arange(num_tokens) - query_start_loc[row_of_token])
 
