@@ -58,11 +58,7 @@ class Shard:
     rank: int
     world_size: int
     full: ModelConfig  # the checkpoint's
-    local: ModelConfig  # this rank's: what its model is built from
-    # The routed experts' width a rank is a multiple of this (MXFP4 experts: whole 32-value blocks); where the
-    # checkpoint's width does not split so, the ranks' shares reach past it, into zero weights (as vLLM pads
-    # gpt-oss's experts): zero gate and up rows make zero activations, which zero down columns ignore.
-    expert_block: int = 1
+    local: ModelConfig  # this rank's: what its model is built from (its experts' width padded: shard_for)
 
     def of_rank(self, rank: int) -> Shard:
         """Another rank's share of the same split: only the rank differs (every rank builds the same local
@@ -161,7 +157,10 @@ class Shard:
 
 def shard_for(config: ModelConfig, rank: int, world_size: int, expert_block: int = 1) -> Shard:
     """Rank ``rank``'s share of ``config``'s model, or a ValueError saying why it cannot be split so. The
-    routed experts' share is padded up to whole ``expert_block``s (Shard.expert_block)."""
+    routed experts' width a rank is a multiple of ``expert_block`` (MXFP4 experts: whole 32-value blocks);
+    where the checkpoint's width does not split so, the ranks' shares reach past it, into zero weights (as
+    vLLM pads gpt-oss's experts): zero gate and up rows make zero activations, which zero down columns
+    ignore."""
     if config.architecture not in SHARDABLE_ARCHITECTURES:
         raise ValueError(f"tensor_parallel_size {world_size}: {config.architecture} cannot be split across "
                          f"devices yet; the decoders that can: {sorted(SHARDABLE_ARCHITECTURES)}")
@@ -186,7 +185,7 @@ def shard_for(config: ModelConfig, rank: int, world_size: int, expert_block: int
     local = dataclasses.replace(config, num_attention_heads=config.num_attention_heads // world_size,
                                 num_key_value_heads=max(1, kv_heads // world_size),
                                 intermediate_size=config.intermediate_size // world_size, moe=moe)
-    return Shard(rank, world_size, config, local, expert_block)
+    return Shard(rank, world_size, config, local)
 
 
 def sum_row_parallel_outputs(model: nn.Module, group: TPGroup) -> None:
