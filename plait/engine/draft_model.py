@@ -100,7 +100,7 @@ class DraftModelDrafter(Drafter):
     def prepare(self, requests: list[Request]) -> None:
         self.settle(None)  # a step that never launched leaves its last drafts in flight
         self._drafts.clear()
-        to_draft = []
+        to_draft: dict[Request, Request] = {}  # shadow request -> its target request
         for request in requests:
             if not self._can_draft(request):
                 continue
@@ -110,10 +110,10 @@ class DraftModelDrafter(Drafter):
                 continue
             shadow = self._follow(request)
             if self._reserve(shadow):
-                to_draft.append(shadow)
+                to_draft[shadow.request] = request
         if not to_draft:
             return
-        shadows = [s.request for s in to_draft]
+        shadows = list(to_draft)
         drafts, in_flight = self._catch_up(shadows)
         # The last drafts may stay on the device for the verifying step to read, unless a row's sampling needs
         # them on the host at its staging (penalties count every draft before a position) or one may be past
@@ -121,16 +121,15 @@ class DraftModelDrafter(Drafter):
         defer = self.defers_last_draft and not any(needs_penalties(r.sampling_params) for r in requests)
         last = self._decode(shadows, drafts, in_flight, defer)
         pending = last.sample_index if last is not None else {}
-        for request, shadow in self._shadows.items():
-            if shadow.request in drafts:
-                shadow.drafted_at = request.num_known_tokens
-                known = self._in_vocabulary(drafts[shadow.request])
-                if shadow.request in pending:
-                    known += (PENDING_DRAFT_ID,)
-                shadow.drafts = self._drafts[request] = known
+        for mirror, request in to_draft.items():
+            shadow = self._shadows[request]
+            shadow.drafted_at = request.num_known_tokens
+            known = self._in_vocabulary(drafts[mirror])
+            if mirror in pending:
+                known += (PENDING_DRAFT_ID,)
+            shadow.drafts = self._drafts[request] = known
         if last is not None:
-            targets = {s.request: request for request, s in self._shadows.items()}
-            self._in_flight = last, [targets[r] for r in last.requests]
+            self._in_flight = last, [to_draft[r] for r in last.requests]
 
     def propose(self, request: Request, limit: int) -> tuple[int, ...]:
         return self._drafts.get(request, ())[: max(limit, 0)]

@@ -6,7 +6,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-# "draft": a draft model's forwards for the step's drafts (speculative decoding), run before it is scheduled.
+# "draft": a draft model's forwards for the step's drafts (speculative decoding), run before it is scheduled,
+# and the wait for the last one's ids once the step that verifies them is launched.
 HOST_PHASES = ("schedule", "draft", "prepare", "launch", "sample", "postprocess")
 
 
