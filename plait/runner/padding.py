@@ -62,7 +62,7 @@ def pad_to_shape(arrays: StepArrays, shape: GraphShape, block_size: int) -> Step
         raise ValueError(f"a step of {arrays.num_rows} rows / {arrays.num_tokens} tokens does not fit "
                          f"{shape}")
     if not shape.is_mixed and arrays.num_rows == shape.decode_rows:
-        return arrays  # a decode step of the shape's own size: nothing to pad (70 us of numpy on a CI core)
+        return arrays  # a decode step of the shape's own size: nothing to pad, so no numpy pass to make
     d = arrays.num_leading_single_token_rows
     prompt_rows = arrays.num_rows - d
     decode_pad_rows = shape.decode_rows - d
