@@ -363,3 +363,28 @@ def test_the_draft_cache_serves_a_shared_prefix_once(tiny_llama, other_llama):
         computed[caching] = spec.drafter.num_tokens_computed
     # Each later request's shadow finds the 96-token prefix's 12 blocks cached: 3 x 96 tokens fewer.
     assert computed[False] - computed[True] == 3 * 96
+
+
+@pytest.mark.parametrize("step", [1, 3, 6])
+def test_aborts_while_drafting_leave_the_other_outputs_unchanged(tiny_llama, other_llama, greedy_want, step):
+    """Requests aborted between steps while they draft (the long prompt's shadow still catching up, rows with
+    drafts under verification): the other requests' outputs are those without speculation, and the aborted
+    ones' shadows and draft blocks are gone once they are."""
+    want, _ = greedy_want
+    spec = _engine(tiny_llama, _draft(other_llama[0]))
+    aborts = {step: "r-1", step + 1: "r-5", step + 2: "r-3"}  # r-5 is the long prompt
+    for i, prompt in enumerate(_prompts()):
+        spec.add_request(prompt, GREEDY, request_id=f"r-{i}")
+    done, n = {}, 0
+    while spec.has_unfinished_requests():
+        if n in aborts:
+            spec.abort_request(aborts[n])
+        for out in spec.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[int(out.request_id[2:])] = (c.token_ids, c.finish_reason, c.logprobs)
+        n += 1
+    assert spec.is_idle_and_clean() and spec.drafter.is_clean()
+    assert set(done) == set(want) - {1, 3, 5}  # an aborted request has no output after its abort
+    _assert_same(done, {i: w for i, w in want.items() if i in done})
+    assert spec.spec_stats.num_draft_tokens > 0
