@@ -16,6 +16,9 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: dict[int, float] = field(default_factory=dict)  # token id -> logprob, best first
+    # 1-based rank of token_id in the whole vocabulary: how many ids have a logprob >= its own (vLLM's
+    # Logprob.rank). None where it is not known (a beam's candidate ranks by its place in ``top``).
+    rank: int | None = None
 
 
 @dataclass

@@ -61,11 +61,14 @@ def _comparable(out) -> dict:
 
 def _same(a, b) -> bool:
     """Equal, floats to 1e-4: logprobs of the same tokens differ in the last bits between steps batched
-    differently (the two runs' timing batches them differently); tokens and text must not."""
+    differently (the two runs' timing batches them differently); tokens and text must not. So may a
+    logprob's rank in the vocabulary, by the ids tied with it to those bits (thousands deep in the tail)."""
     if isinstance(a, float) and isinstance(b, float):
         return math.isclose(a, b, rel_tol=1e-4, abs_tol=1e-5)
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(
+            math.isclose(a[k], b[k], rel_tol=1e-2) if k == "rank" and a[k] and b[k] else _same(a[k], b[k])
+            for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     return a == b

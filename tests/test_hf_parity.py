@@ -62,9 +62,17 @@ def test_prompt_logprobs_match_hf(tiny_llama, prefix_caching):
             assert abs(entry.logprob - row[prompt[pos]].item()) < LOGITS_ATOL, (i, pos)
             top = torch.topk(row, 3)
             assert list(entry.top) == top.indices.tolist(), (i, pos)
+            assert entry.rank in _vocabulary_ranks(row, entry.logprob), (i, pos)
             torch.testing.assert_close(torch.tensor(list(entry.top.values())), top.values,
                                        atol=LOGITS_ATOL, rtol=0)
     assert engine.is_idle_and_clean()
+
+
+def _vocabulary_ranks(reference: torch.Tensor, logprob: float) -> range:
+    """The ranks (how many ids have a logprob >= it, vLLM's) ``reference`` ([V]) allows a token of logprob
+    ``logprob``: ids within LOGITS_ATOL of it may fall either side of it in another summation order."""
+    above = int((reference > logprob + LOGITS_ATOL).sum())
+    return range(above + 1, int((reference >= logprob - LOGITS_ATOL).sum()) + 1)
 
 
 def _image_text_model(kind: str):
@@ -282,4 +290,5 @@ def test_max_logprobs_caps_requests_and_can_allow_the_vocabulary(tiny_llama):
         want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
     ids = list(entry.top)
     assert sorted(ids) == list(range(TINY_VOCAB)) and ids[0] == int(want.argmax())
+    assert entry.rank in _vocabulary_ranks(want, entry.logprob) and entry.rank <= 2  # greedy: the best
     torch.testing.assert_close(torch.tensor(list(entry.top.values())), want[ids], atol=1e-4, rtol=0)

@@ -668,16 +668,19 @@ def test_streamed_echo_sends_the_prompt_with_the_first_chunk(served, model):
 
 
 def _check_prompt_logprobs(server: OpenAIServer, entries: list, prompt_ids: list[int], num_top: int) -> None:
-    """vLLM's format: null, then per token {id: {logprob, rank, decoded_token}}: the token and the top-n,
-    ranked 1..n best first (the token's own rank is null where it is not among them)."""
+    """vLLM's format: null, then per token {id: {logprob, rank, decoded_token}}: the token, ranked in the
+    whole vocabulary, and the top-n, ranked 1..n best first."""
     assert len(entries) == len(prompt_ids) and entries[0] is None
     for token_id, entry in zip(prompt_ids[1:], entries[1:], strict=True):
         own = entry[str(token_id)]
         assert -1e4 < own["logprob"] <= 0.0 and own["decoded_token"] == server.tokenizer.decode([token_id])
-        top = sorted((e["rank"], e["logprob"]) for e in entry.values() if e["rank"] is not None)
+        top = sorted((e["rank"], e["logprob"]) for t, e in entry.items()
+                     if t != str(token_id) or e["rank"] <= num_top)
         assert [rank for rank, _ in top] == list(range(1, num_top + 1))
         assert [logprob for _, logprob in top] == sorted((lp for _, lp in top), reverse=True)
-        assert len(entry) == num_top + (own["rank"] is None)
+        assert len(entry) == num_top + (own["rank"] > num_top)
+        # The token's rank in the vocabulary: past the top-n exactly where its logprob is below theirs.
+        assert own["rank"] >= 1 and (own["rank"] > num_top) == (num_top == 0 or own["logprob"] < top[-1][1])
 
 
 def test_prompt_logprobs_as_vllm(served, model):

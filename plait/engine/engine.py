@@ -743,7 +743,7 @@ class LLMEngine:
             for pos, lp in enumerate(run.entries, start=run.start):
                 if pos == len(have):  # positions a recompute after preemption computes again are kept once
                     top = dict(zip(lp.top_ids, lp.top_logprobs))
-                    have.append(TokenLogprobs(prompt[pos], lp.token_logprob, top))
+                    have.append(TokenLogprobs(prompt[pos], lp.token_logprob, top, lp.rank))
 
     def _postprocess(self, result: StepOutput, kept: list[list[SampledToken]]) -> list[RequestOutput]:
         """One output per request that got tokens: ``kept`` holds each sampling row's tokens (one, or
@@ -782,7 +782,7 @@ class LLMEngine:
         if tracked.logprobs is not None and sampled.logprobs is not None:
             lp = sampled.logprobs
             tracked.logprobs.append(TokenLogprobs(sampled.token_id, lp.token_logprob,
-                                                  dict(zip(lp.top_ids, lp.top_logprobs))))
+                                                  dict(zip(lp.top_ids, lp.top_logprobs)), lp.rank))
 
     def _check_stop(self, tracked: _Tracked, token_id: int) -> str:
         """Set the request's finish reason if it must stop; return the new text to emit."""

@@ -82,9 +82,9 @@ class BeamSearch:
         beam_width most likely of the others live on (vLLM's: no early stop, every EOS candidate counts)."""
         candidates = []
         for beam, step in zip(self.beams, steps, strict=True):
-            for token_id, logprob in step.top.items():
-                child = BeamSearchSequence(beam.tokens + [token_id],
-                                           beam.logprobs + [TokenLogprobs(token_id, logprob, step.top)],
+            for place, (token_id, logprob) in enumerate(step.top.items(), 1):
+                chosen = TokenLogprobs(token_id, logprob, step.top, place)
+                child = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [chosen],
                                            beam.cum_logprob + logprob)
                 if token_id in self.stops:
                     child.finish_reason, child.stop_reason = "stop", token_id

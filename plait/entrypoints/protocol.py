@@ -1043,7 +1043,7 @@ class PromptLogprob(BaseModel):
     """vLLM's Logprob, as in its prompt_logprobs."""
 
     logprob: float
-    rank: int | None = None  # 1 = the most likely token; None: not known (see OpenAIServer._prompt_logprobs)
+    rank: int | None = None  # 1-based: how many ids have a logprob >= its own (1 = the most likely)
     decoded_token: str | None = None
 
 

@@ -1645,12 +1645,10 @@ class OpenAIServer:
             if entry is None:
                 result.append(None)
                 continue
-            # The engine keeps no ranks, only the top alternatives best first: each one's rank is its place
-            # (1-based), and the prompt token's is its place among them, or null (unknown) when it is not
-            # one of them (vLLM ranks it in the whole vocabulary).
+            # As vLLM's: the prompt token with its rank in the whole vocabulary, then the top alternatives,
+            # each ranked by its place (1-based, best first).
             top = list(entry.top.items())
-            rank = next((place for place, (t, _) in enumerate(top, 1) if t == entry.token_id), None)
-            listed = {entry.token_id: self._prompt_logprob(entry.token_id, entry.logprob, rank)}
+            listed = {entry.token_id: self._prompt_logprob(entry.token_id, entry.logprob, entry.rank)}
             for place, (token_id, logprob) in enumerate(top[:num_top], 1):
                 listed[token_id] = self._prompt_logprob(token_id, logprob, place)  # the prompt token: same
             result.append(listed)
