@@ -650,6 +650,38 @@ def test_echo_logprobs_score_the_prompt_as_lm_eval(served):
         assert lp["top_logprobs"][i][best] == pytest.approx(best_logprob, abs=1e-3)
 
 
+def test_echo_with_max_tokens_0_answers_the_prompt_alone(served, model):
+    """OpenAI's and vLLM's echo with max_tokens 0 (how scoring clients ask for a prompt's logprobs): the text
+    is the prompt, its logprobs the prompt's own, as in the answer with one generated token less that token;
+    the same streamed, and with the token ids; max_tokens 0 without echo is a 400."""
+    server, url = served
+    ids = list(server.tokenizer.encode(ECHO_PROMPT))
+    body = {"model": model, "prompt": ECHO_PROMPT, "logprobs": 1, "echo": True, "temperature": 0.0}
+    one = _post(url, "/v1/completions", {**body, "max_tokens": 1}).json()["choices"][0]
+    r = _post(url, "/v1/completions", {**body, "max_tokens": 0, "return_token_ids": True, "n": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 0 and r.json()["usage"]["prompt_tokens"] == len(ids)
+    for choice in r.json()["choices"]:
+        assert choice["text"] == ECHO_PROMPT and choice["finish_reason"] == "length"
+        assert choice["token_ids"] == [] and choice["prompt_token_ids"] == ids
+        got, want = choice["logprobs"], one["logprobs"]
+        for key in ("tokens", "text_offset"):
+            assert got[key] == want[key][:len(ids)], key
+        assert got["token_logprobs"][0] is None and got["top_logprobs"][0] is None  # the first has no context
+        # Another batch (n=2) rounds the last bits differently.
+        assert got["token_logprobs"][1:] == pytest.approx(want["token_logprobs"][1:len(ids)], abs=1e-4)
+        for top, top_want in zip(got["top_logprobs"][1:], want["top_logprobs"][1:len(ids)], strict=True):
+            assert top == pytest.approx(top_want, abs=1e-4)
+    events = _post(url, "/v1/completions", {**body, "max_tokens": 0, "stream": True}).text.split("\n\n")
+    chunks = [json.loads(e.removeprefix("data: "))["choices"][0] for e in events[:-2]]
+    assert "".join(c["text"] for c in chunks) == ECHO_PROMPT and chunks[-1]["finish_reason"] == "length"
+    streamed = [v for c in chunks for v in c["logprobs"]["token_logprobs"]]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(one["logprobs"]["token_logprobs"][1:-1], abs=1e-4)
+    bad = _post(url, "/v1/completions", {**body, "max_tokens": 0, "echo": False})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens", bad.text
+
+
 def test_streamed_echo_sends_the_prompt_with_the_first_chunk(served, model):
     """As vLLM: the prompt's text and logprobs open each choice's stream; the chunks add up to the answer
     without streaming."""
@@ -1300,7 +1332,7 @@ BAD_REQUESTS = [
     ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, "temperature", "temperature"),
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", "greater than 0"),
     ("/v1/completions", {"prompt": "x", "top_k": -5}, 400, "top_k", "greater than or equal to -1"),
-    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "at least 1 (0 only with echo"),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 3}, 400, "presence_penalty", "less than or"),
     ("/v1/completions", {"prompt": "x", "logprobs": 50}, 400, "logprobs", "more than the 20 this engine"),
     ("/v1/completions", {"prompt": "x", "max_tokens": 2, "min_tokens": 5}, 400, "min_tokens",

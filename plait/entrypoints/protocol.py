@@ -520,6 +520,8 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
     logprobs: NumLogprobs | None = None  # top-n logprobs per token
     echo: bool = False
+    # 0 only with echo (OpenAI's and vLLM's): the prompt alone comes back, with its logprobs where asked.
+    max_tokens: Annotated[Int, Field(ge=0)] | None = None
     best_of: Annotated[Int, Field(ge=1, le=MAX_N)] | None = None
     suffix: str | None = None
 
@@ -529,7 +531,14 @@ class CompletionRequest(_SamplingRequest):
         # does (its own benchmark client sends null to lift the limit).
         if "max_tokens" not in self.model_fields_set:
             return DEFAULT_COMPLETION_MAX_TOKENS
+        if self.echo_only:
+            return 1  # the engine computes the prompt's logprobs on the way to one token, which is dropped
         return self.max_tokens
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt alone (what scoring clients ask for)."""
+        return self.echo and self.max_tokens == 0
 
     @property
     def requested_prompt_logprobs(self) -> int | None:
@@ -546,6 +555,9 @@ class CompletionRequest(_SamplingRequest):
             raise ProtocolError("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise ProtocolError("best_of is not supported (it must be unset or equal to n)", "best_of")
+        if self.max_tokens == 0 and not self.echo:  # (beam search refuses echo)
+            message = "max_tokens must be at least 1 (0 only with echo: the prompt alone)"
+            raise ProtocolError(message, "max_tokens")
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: a single text or token-id prompt is a batch of one."""

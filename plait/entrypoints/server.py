@@ -449,6 +449,15 @@ def _new_logprobs(completion: CompletionOutput) -> list[TokenLogprobs]:
 LogprobRow = tuple[int, TokenLogprobs | None]
 
 
+def _prompt_only(completion: CompletionOutput) -> CompletionOutput:
+    """An echo-only completion (max_tokens 0): the one token the engine generated to get there dropped, so
+    the choice is its prompt alone, ended by its length."""
+    return dataclasses.replace(
+        completion, text="", token_ids=[], delta_text="", delta_token_ids=[], stop_reason=None,
+        logprobs=None if completion.logprobs is None else [],
+        finish_reason=None if completion.finish_reason is None else "length")
+
+
 def _generated_rows(entries: Sequence[TokenLogprobs]) -> list[LogprobRow]:
     return [(entry.token_id, entry) for entry in entries]
 
@@ -1529,9 +1538,10 @@ class OpenAIServer:
                 stream.abort()  # no-op unless something above failed
         if finals is None:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        choices = []
+        choices, completion_tokens = [], 0
         for index, out in enumerate(finals):
-            completion = out.outputs[0]
+            completion = _prompt_only(out.outputs[0]) if body.echo_only else out.outputs[0]
+            completion_tokens += len(completion.token_ids)
             text = self._prompt_text(out) + completion.text if body.echo else completion.text
             logprobs = None
             if body.logprobs is not None and completion.logprobs is not None:
@@ -1545,7 +1555,7 @@ class OpenAIServer:
                 prompt_logprobs=self._prompt_logprobs(out, body.prompt_logprobs),
                 prompt_token_ids=list(out.prompt_token_ids) if ids else None,
                 token_ids=list(completion.token_ids) if ids else None))
-        usage = self._usage(stream, params.n, sum(len(o.outputs[0].token_ids) for o in finals))
+        usage = self._usage(stream, params.n, completion_tokens)
         result = CompletionResponse(id=response_id, model=self._reported_model(lora), choices=choices,
                                     usage=usage)
         return Response(result.model_dump_json(), media_type="application/json")
@@ -1572,7 +1582,7 @@ class OpenAIServer:
             async with stream:
                 async for index, out in stream:
                     tracker.observe(index, out)
-                    completion = out.outputs[0]
+                    completion = _prompt_only(out.outputs[0]) if body.echo_only else out.outputs[0]
                     completion_tokens += len(completion.delta_token_ids)
                     if ids is not None:
                         ids.add(index, completion.delta_token_ids)
