@@ -17,7 +17,7 @@ class TokenLogprobs:
     logprob: float
     top: dict[int, float] = field(default_factory=dict)  # token id -> logprob, best first
     # 1-based rank of token_id in the whole vocabulary: how many ids have a logprob >= its own (vLLM's
-    # Logprob.rank). None where it is not known (a beam's candidate ranks by its place in ``top``).
+    # Logprob.rank; a beam search's candidate, taken from ``top``, by its place there). None: not known.
     rank: int | None = None
 
 
