@@ -1,6 +1,7 @@
 """plait: an LLM inference and serving engine where every step plaits prefill chunks and decodes."""
 
 from plait.config import EngineConfig
+from plait.inputs import TextPrompt, TokensPrompt
 from plait.lora.request import LoRARequest
 from plait.outputs import (
     ClassificationRequestOutput,
@@ -26,4 +27,4 @@ def __getattr__(name: str):
 
 __all__ = ["LLM", "BeamSearchParams", "ClassificationRequestOutput", "CompletionOutput",
            "EmbeddingRequestOutput", "EngineConfig", "LoRARequest", "PoolingParams", "PoolingRequestOutput",
-           "RequestOutput", "SamplingParams", "StructuredOutputsParams"]
+           "RequestOutput", "SamplingParams", "StructuredOutputsParams", "TextPrompt", "TokensPrompt"]

@@ -191,3 +191,18 @@ def test_generate_reads_final_outputs_and_leaves_the_callers_params_alone(llm):
     for out, alone in zip(outs, want):
         assert [c.token_ids for c in out.outputs] == [alone.outputs[0].token_ids] * 2
         assert [c.text for c in out.outputs] == [alone.outputs[0].text] * 2
+
+
+def test_vllms_prompt_dicts_are_the_prompts_they_hold(llm):
+    """vLLM's TextPrompt and TokensPrompt (dicts, from plait as from vllm.inputs) answer as the string and the
+    token ids they hold, in one batch with them; a dict with neither key is refused by name."""
+    from plait import TextPrompt, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    ids = llm.get_tokenizer().encode(PROMPTS[0])
+    outs = llm.generate([PROMPTS[0], TextPrompt(prompt=PROMPTS[0]), ids, TokensPrompt(prompt_token_ids=ids),
+                         TokensPrompt(prompt_token_ids=ids, cache_salt="tenant-a")], params, use_tqdm=False)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
+    assert [o.prompt_token_ids for o in outs] == [list(ids)] * 5
+    with pytest.raises(ValueError, match="'prompt' or 'prompt_token_ids'"):
+        llm.generate({"text": PROMPTS[0]}, params, use_tqdm=False)

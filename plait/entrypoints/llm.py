@@ -23,6 +23,7 @@ from plait.entrypoints.beam_search import (
     pending_beams,
     step_params,
 )
+from plait.inputs import PromptType
 from plait.lora.request import LoRARequest
 from plait.multimodal.chat import image_token_text, prepare_chat
 from plait.multimodal.images import MultiModalPrompt
@@ -37,7 +38,6 @@ from plait.outputs import (
 from plait.pooling_params import PoolingParams, score_pairs
 from plait.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
-PromptType = str | dict | Sequence[int]
 LoRAInput = LoRARequest | Sequence[LoRARequest | None] | None  # one adapter for all prompts, or one each
 Message = dict[str, Any]
 
