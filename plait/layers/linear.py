@@ -26,19 +26,36 @@ SKINNY_DTYPES = (torch.bfloat16, torch.float16)
 FUSE_GATE_UP_SILU = True
 
 
-# CPU torch (oneDNN / MKL) runs a linear of 2 or 3 rows as that many matrix-vector products, each reading
-# the whole weight: the SmolLM2 lm_head took 9 / 20 / 31 / 15 ms at 1 / 2 / 3 / 4 rows on 2 cores, so a
-# step that verifies 2 draft tokens, or decodes 3 requests, paid 3x its weight reads. Such inputs are
-# padded with zero rows up to this many, which takes the matrix-matrix kernel.
+# CPU torch's F.linear of fp32 goes to MKL, whose matrix-vector path (1-3 rows) runs on one core. oneDNN's
+# linear (the op torch's own CPU compiler emits for linears) uses every core at any row count: a pass over a
+# whole SmolLM2's weights on 2 cores took 34 / 37 / 36 / 38 / 70 / 287 ms at 1 / 2 / 3 / 4 / 32 / 256 rows
+# against F.linear's 52 / 92 / 117 / 74 / 107 / 359 (benchmarks/results/cpu_linear_onednn_cpu.json). So fp32
+# CPU linears take it where torch has it.
+ONEDNN_DTYPES = (torch.float32,)
+# Where oneDNN is missing, MKL's 2-3 row inputs are padded with zero rows up to this many, which takes its
+# matrix-matrix kernel.
 CPU_GEMM_MIN_ROWS = 4
 
 
+def _onednn_linear_available() -> bool:
+    try:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+_onednn_linear = _onednn_linear_available()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with 2-3 rows on CPU padded to CPU_GEMM_MIN_ROWS (the rows' results are F.linear's of a
-    4-row input, whatever the padding holds)."""
+    """F.linear; on CPU oneDNN's linear for fp32 (or, without it, 2-3 rows padded to CPU_GEMM_MIN_ROWS)."""
     # x: [..., in_features] -> [..., out_features]
+    if x.device.type != "cpu":
+        return F.linear(x, weight, bias)
+    if _onednn_linear and x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype and weight.dim() == 2:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if x.device.type != "cpu" or not 1 < rows < CPU_GEMM_MIN_ROWS:
+    if not 1 < rows < CPU_GEMM_MIN_ROWS:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, x.shape[-1])
     padded = torch.cat([flat, flat.new_zeros(CPU_GEMM_MIN_ROWS - rows, flat.shape[1])])
