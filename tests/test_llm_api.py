@@ -206,3 +206,17 @@ def test_vllms_prompt_dicts_are_the_prompts_they_hold(llm):
     assert [o.prompt_token_ids for o in outs] == [list(ids)] * 5
     with pytest.raises(ValueError, match="'prompt' or 'prompt_token_ids'"):
         llm.generate({"text": PROMPTS[0]}, params, use_tqdm=False)
+
+
+def test_chat_takes_text_parts_joined_by_newlines(llm):
+    """OpenAI-style text parts in LLM.chat on a text model: the prompt of their text joined by newlines (as
+    the server and vLLM's chat parser join them); an image part is refused by name."""
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    text_parts = [{"type": "text", "text": "Name a"}, {"type": "text", "text": "river."}]
+    parts = [{"role": "user", "content": text_parts}]
+    joined = [{"role": "user", "content": "Name a\nriver."}]
+    got, want = (llm.chat(c, params, use_tqdm=False)[0] for c in (parts, joined))
+    assert got.prompt == want.prompt and got.outputs[0].token_ids == want.outputs[0].token_ids
+    with pytest.raises(ValueError, match="takes no images"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
+                 use_tqdm=False)

@@ -500,3 +500,21 @@ def test_gpu_llava_next_tiles_match_transformers(llava_next):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
     assert llm.engine.runner.image_embeddings.tower_graphs is not None
+
+
+def test_a_text_template_gets_image_tokens_then_text_parts_joined_by_newlines():
+    """A template that takes text (no loop over a message's content): each image becomes the image token and a
+    newline, before the message's text parts joined by newlines (vLLM's string content format); a template
+    that loops over content keeps the parts, each image an {"type": "image"} part."""
+    from plait.multimodal.chat import split_chat_images, template_takes_parts
+
+    image = object()
+    a, b = {"type": "text", "text": "a"}, {"type": "text", "text": "b"}
+    content = [a, {"type": "image_pil", "image_pil": image}, b]
+    text, images = split_chat_images([{"role": "user", "content": content}], False, "<image>\n")
+    assert text == [{"role": "user", "content": "<image>\na\nb"}] and images == [image]
+    looping = ("{% for message in messages %}{% for c in message['content'] %}{{ c.type }}{% endfor %}"
+               "{% endfor %}")
+    assert template_takes_parts(looping) and not template_takes_parts("{{ messages[0]['content'] }}")
+    parts, _ = split_chat_images([{"role": "user", "content": content}], True, "<image>\n")
+    assert parts[0]["content"] == [a, {"type": "image"}, b]

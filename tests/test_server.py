@@ -882,6 +882,21 @@ def test_chat_echo_text_as_vllm(messages, options, echoed):
     assert body.echo_text() == echoed
 
 
+def test_text_parts_reach_the_template_joined_by_newlines_as_vllm(served, model):
+    """vLLM's chat parser joins a message's text parts with newlines for a template that takes text: the
+    prompt is the one of the joined string, as /tokenize renders it and as the answer shows."""
+    _, url = served
+    text_parts = [{"type": "text", "text": "Name a"}, {"type": "text", "text": "river."}]
+    parts, joined = {"role": "user", "content": text_parts}, {"role": "user", "content": "Name a\nriver."}
+    tokens = [_post(url, "/tokenize", {"model": model, "messages": [m]}).json()["tokens"]
+              for m in (parts, joined)]
+    assert tokens[0] == tokens[1]
+    body = {"model": model, "max_tokens": 4, "temperature": 0.0}
+    answers = [_post(url, "/v1/chat/completions", {**body, "messages": [m]}).json()["choices"][0]["message"]
+               for m in (parts, joined)]
+    assert answers[0] == answers[1]
+
+
 def test_chat_echo_as_vllm(client, model):
     """vLLM's chat echo: the continued assistant message comes back whole (its text, then the model's), in a
     chunk of its own after each choice's role when streamed; a user's last message is not echoed."""

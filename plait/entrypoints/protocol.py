@@ -11,6 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from plait.entrypoints.tools import named_tool_schema, required_tools_schema
+from plait.multimodal.chat import TEXT_PART_SEPARATOR
 from plait.pooling_params import score_pairs
 from plait.sampling_params import (
     LOGIT_BIAS_BOUND,
@@ -90,8 +91,6 @@ BEAM_SEARCH_STREAM_MESSAGE = "Streaming is not currently supported with beam sea
 _NO_TOOL = "none"
 # The role of every chat answer (vLLM's --response-role default), which chat's echo compares with.
 RESPONSE_ROLE = "assistant"
-# vLLM's chat echo joins a message's text parts with this, as its chat parser joins them.
-ECHO_PART_SEPARATOR = "\n"
 # The field errors about forced tool calls' schemas name (they are the tools' parameters).
 TOOLS_PARAM = "tools"
 # response_format types: plain text, any JSON object, JSON matching a schema, or vLLM's structural tag (free
@@ -617,10 +616,10 @@ class ChatMessage(_RequestModel):
     tool_call_id: str | None = None  # a "tool" message: the call it answers
 
     def echo_text(self) -> str:
-        """The content as vLLM's chat echo repeats it: text parts joined by newlines (as vLLM's chat parser
-        joins them), no content as ""."""
+        """The content as vLLM's chat echo repeats it: text parts joined as the template gets them, no
+        content as ""."""
         if isinstance(self.content, list):
-            return ECHO_PART_SEPARATOR.join(part.text for part in self.content if part.type == "text")
+            return TEXT_PART_SEPARATOR.join(part.text for part in self.content if part.type == "text")
         return self.content or ""
 
     @property
@@ -628,16 +627,16 @@ class ChatMessage(_RequestModel):
         return isinstance(self.content, list) and any(part.type == "image_url" for part in self.content)
 
     def as_template_message(self, keep_parts: bool = False) -> dict[str, Any]:
-        """The message as the chat template expects it: text parts joined (``keep_parts``: the parts as
-        OpenAI-style dicts, images included, for plait.multimodal.chat), no content as "", tool calls with
-        their arguments as objects."""
+        """The message as the chat template expects it: text parts joined by newlines, as vLLM's chat parser
+        joins them (``keep_parts``: the parts as OpenAI-style dicts, images included, for
+        plait.multimodal.chat), no content as "", tool calls with their arguments as objects."""
         content = self.content
         if content is None:
             content = ""
         elif isinstance(content, list) and keep_parts:
             content = [part.model_dump(exclude_none=True) for part in content]
         elif isinstance(content, list):
-            content = "".join(part.text for part in content if part.type == "text")
+            content = TEXT_PART_SEPARATOR.join(part.text for part in content if part.type == "text")
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name

@@ -7,6 +7,8 @@ import re
 from typing import Any
 
 IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
+# A template that takes text gets a message's text parts joined by newlines, as vLLM's chat parser joins them.
+TEXT_PART_SEPARATOR = "\n"
 # A template that loops over a message's content takes OpenAI-style parts (LLaVA's writes an image token for
 # each {"type": "image"} part); any other takes text, before which an image token is written for each image
 # (as vLLM renders "string" templates).
@@ -22,15 +24,19 @@ def split_chat_images(conversation: list[dict[str, Any]], takes_parts: bool, ima
                       ) -> tuple[list[dict[str, Any]], list[Any]]:
     """(the conversation as its template takes it, its images in order). Each image part becomes
     ``{"type": "image"}`` for a template that ``takes_parts``; for one that takes text, the message's text
-    is its text parts joined, after ``image_text`` (the image token, and a newline) once per image."""
+    is its text parts joined by newlines, after ``image_text`` (the image token, and a newline) once per
+    image."""
     images: list[Any] = []
     out = []
     for message in conversation:
+        if not isinstance(message, dict):  # render_chat refuses it by name
+            out.append(message)
+            continue
         content = message.get("content")
         if not isinstance(content, list):
             if takes_parts and isinstance(content, str):
-                content = [{"type": "text", "text": content}]
-            out.append({**message, "content": content})
+                message = {**message, "content": [{"type": "text", "text": content}]}
+            out.append(message)
             continue
         parts = []
         for part in content:
@@ -44,7 +50,7 @@ def split_chat_images(conversation: list[dict[str, Any]], takes_parts: bool, ima
                 raise ValueError(f"unsupported content part {part!r}: parts are 'text' or 'image_url'")
         if not takes_parts:
             count = sum(p["type"] == "image" for p in parts)
-            text = "".join(p["text"] for p in parts if p["type"] == "text")
+            text = TEXT_PART_SEPARATOR.join(p["text"] for p in parts if p["type"] == "text")
             parts = image_text * count + text
         out.append({**message, "content": parts})
     return out, images
@@ -71,12 +77,12 @@ def has_image_parts(conversation: list[dict[str, Any]]) -> bool:
 def prepare_chat(conversation: list[dict[str, Any]], template: str | None, image_text: str | None,
                  model: str) -> tuple[list[dict[str, Any]], list[Any]]:
     """A conversation as ``template`` takes it, and its images in order (split_chat_images). ``image_text``:
-    the image token's text and a newline, for an image model; None for a text model, whose conversation is
-    left as it is, and refused (ValueError) where it has images."""
+    the image token's text and a newline, for an image model; None for a text model, whose messages' text
+    parts are joined (as the server joins them), and which refuses images (ValueError)."""
     if image_text is None:
         if has_image_parts(conversation):
             raise ValueError(f"{model} takes no images: send text messages")
-        return conversation, []
+        return split_chat_images(conversation, False, "")[0], []
     return split_chat_images(conversation, template_takes_parts(template), image_text)
 
 
