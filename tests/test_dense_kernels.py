@@ -613,7 +613,11 @@ def test_linear_is_a_drop_in_for_nn_linear():
     assert list(lin.state_dict()) == list(ref.state_dict())
     lin.load_state_dict(ref.state_dict())
     x = torch.randn(3, 24)
-    assert torch.equal(lin(x), ref(x))
+    assert torch.equal(lin(x), ref(x))  # autograd: F.linear itself (oneDNN has no backward)
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None
+    with torch.no_grad():  # inference: on CPU oneDNN's linear, nn.Linear's to rounding
+        torch.testing.assert_close(lin(x), ref(x), rtol=1e-6, atol=1e-6)
     assert not lin.uses_skinny(x)
     assert linear_layer.Linear(24, 10, bias=False).bias is None
 

@@ -230,3 +230,6 @@ def test_tokenizer_from_another_folder_or_hub_id(hub_cache, tiny_llama, tiny_lla
     assert main([*args, "--guided-decoding-backend", "guidance"]) == 0 and capsys.readouterr().out.strip()
     assert main([*args, "--structured-outputs-backend", "xgrammar"]) == 2
     assert "--guided-decoding-backend xgrammar is not available" in capsys.readouterr().err
+    assert main([*args, "--tokenizer-mode", "hf"]) == 0 and capsys.readouterr().out.strip()
+    assert main([*args, "--tokenizer-mode", "mistral"]) == 2
+    assert "--tokenizer-mode mistral is not available" in capsys.readouterr().err

@@ -17,6 +17,7 @@ def _onednn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.T
 
 @pytest.mark.parametrize("shape", [(0, 64), (1, 64), (2, 64), (3, 64), (4, 64), (33, 64), (2, 5, 64)])
 @pytest.mark.parametrize("bias", [False, True])
+@torch.no_grad()
 def test_fp32_cpu_linear_is_onednns_and_f_linears_to_rounding(shape, bias):
     assert plait_linear._onednn_linear, "this CPU torch has oneDNN: the fast path must be taken"
     g = torch.Generator().manual_seed(0)
@@ -45,3 +46,14 @@ def test_without_onednn_2_or_3_rows_take_the_matrix_kernel(monkeypatch, rows):
     x, w = torch.randn(rows, 64), torch.randn(48, 64)
     padded = torch.cat([x, x.new_zeros(max(CPU_GEMM_MIN_ROWS - rows, 0), 64)]) if 1 < rows else x
     assert torch.equal(linear(x, w), F.linear(padded, w)[:rows])
+
+
+def test_autograd_keeps_f_linear():
+    """oneDNN's linear has no backward: under autograd with a weight that wants gradients, F.linear runs, so
+    a layer trained outside the engine gets true gradients."""
+    w = torch.randn(32, 64, requires_grad=True)
+    x = torch.randn(5, 64)
+    y = linear(x, w)
+    assert torch.equal(y, F.linear(x, w))
+    y.sum().backward()
+    torch.testing.assert_close(w.grad, x.sum(0).expand(32, 64))

@@ -144,6 +144,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_vllm_compat_args(group)
 
 
+# vLLM's --tokenizer-mode values that mean what plait does: the checkpoint's fast tokenizer.
+TOKENIZER_MODES = ("auto", "hf")
+
+
 def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
     """vLLM flags whose behaviour plait always has, accepted so that vLLM command lines run unchanged."""
     group.add_argument("--trust-remote-code", action="store_true",
@@ -157,6 +161,9 @@ def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="always on in plait: prompts are chunked into every step beside the decodes "
                             "(--no-enable-chunked-prefill is refused)")
+    group.add_argument("--tokenizer-mode", default="auto", metavar="MODE",
+                       help="vLLM's tokenizer mode: plait runs the checkpoint's fast (tokenizers) tokenizer, "
+                            "vLLM's 'auto' and 'hf' ('slow', 'mistral' and 'custom' are refused)")
 
 
 # vLLM's human-readable sizes: a decimal suffix (k, m, g, t: powers of 1,000, decimals allowed) or a binary
@@ -211,6 +218,10 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     if backend not in STRUCTURED_OUTPUT_BACKENDS:
         raise ValueError(f"structured outputs are llguidance's here (vLLM's 'guidance' backend): "
                          f"--guided-decoding-backend {backend} is not available; leave it out or pass 'auto'")
+    mode = getattr(args, "tokenizer_mode", "auto")
+    if mode not in TOKENIZER_MODES:
+        raise ValueError(f"--tokenizer-mode {mode} is not available: plait runs the checkpoint's fast "
+                         f"tokenizer (vLLM's {' / '.join(TOKENIZER_MODES)}); leave it out")
     if getattr(args, "enable_chunked_prefill", True) is False:
         raise ValueError("plait always chunks prompts beside running decodes (that is how a step is built); "
                          "to take each prompt whole, raise --max-num-batched-tokens, or use "

@@ -47,12 +47,18 @@ def _onednn_linear_available() -> bool:
 _onednn_linear = _onednn_linear_available()
 
 
+def _needs_grad(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """oneDNN's linear has no backward: a layer used under autograd (outside the runner's inference mode)
+    keeps F.linear."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; on CPU oneDNN's linear for fp32 (or, without it, 2-3 rows padded to CPU_GEMM_MIN_ROWS)."""
     # x: [..., in_features] -> [..., out_features]
     if x.device.type != "cpu":
         return F.linear(x, weight, bias)
-    if _onednn_linear and x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype and weight.dim() == 2:
+    if _onednn_linear and x.dtype in ONEDNN_DTYPES and weight.dtype == x.dtype and not _needs_grad(x, weight):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not 1 < rows < CPU_GEMM_MIN_ROWS:
