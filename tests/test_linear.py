@@ -57,3 +57,14 @@ def test_autograd_keeps_f_linear():
     assert torch.equal(y, F.linear(x, w))
     y.sum().backward()
     torch.testing.assert_close(w.grad, x.sum(0).expand(32, 64))
+
+
+def test_a_onednn_linear_that_fails_here_is_not_taken(monkeypatch):
+    """The op is probed once: where it exists but fails on this CPU, or answers wrong, F.linear stays."""
+    def failing(*args):
+        raise RuntimeError("no kernel for this CPU")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", failing)
+    assert not plait_linear._onednn_linear_available()
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda x, w, *rest: F.linear(x, w) + 1)
+    assert not plait_linear._onednn_linear_available()

@@ -39,9 +39,15 @@ CPU_GEMM_MIN_ROWS = 4
 
 
 def _onednn_linear_available() -> bool:
+    """Whether this torch has oneDNN's linear and it computes one: probed on a tiny input once, so a build
+    whose op exists but fails on this CPU keeps F.linear rather than failing every step."""
     try:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    except (AttributeError, RuntimeError):
+        if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+            return False
+        x, w = torch.arange(6.0).view(2, 3), torch.arange(12.0).view(4, 3)
+        got = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return torch.equal(got, F.linear(x, w))  # small integers: exact in any summation order
+    except (AttributeError, RuntimeError, TypeError):
         return False
 
 
