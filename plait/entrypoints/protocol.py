@@ -615,9 +615,9 @@ class ChatMessage(_RequestModel):
     tool_calls: list[ToolCallParam] | None = None  # an assistant message's calls (its content may be null)
     tool_call_id: str | None = None  # a "tool" message: the call it answers
 
-    def echo_text(self) -> str:
-        """The content as vLLM's chat echo repeats it: text parts joined as the template gets them, no
-        content as ""."""
+    def text(self) -> str:
+        """The content as a template that takes text gets it, and as vLLM's chat echo repeats it: text parts
+        joined by newlines (as vLLM's chat parser joins them), no content as ""."""
         if isinstance(self.content, list):
             return TEXT_PART_SEPARATOR.join(part.text for part in self.content if part.type == "text")
         return self.content or ""
@@ -627,16 +627,12 @@ class ChatMessage(_RequestModel):
         return isinstance(self.content, list) and any(part.type == "image_url" for part in self.content)
 
     def as_template_message(self, keep_parts: bool = False) -> dict[str, Any]:
-        """The message as the chat template expects it: text parts joined by newlines, as vLLM's chat parser
-        joins them (``keep_parts``: the parts as OpenAI-style dicts, images included, for
-        plait.multimodal.chat), no content as "", tool calls with their arguments as objects."""
-        content = self.content
-        if content is None:
-            content = ""
-        elif isinstance(content, list) and keep_parts:
-            content = [part.model_dump(exclude_none=True) for part in content]
-        elif isinstance(content, list):
-            content = TEXT_PART_SEPARATOR.join(part.text for part in content if part.type == "text")
+        """The message as the chat template expects it: its ``text()`` (``keep_parts``: the parts as
+        OpenAI-style dicts, images included, for plait.multimodal.chat), tool calls with their arguments as
+        objects."""
+        content: str | list[dict[str, Any]] = self.text()
+        if keep_parts and isinstance(self.content, list):
+            content = [part.model_dump(exclude_none=True) for part in self.content]
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
@@ -770,7 +766,7 @@ class ChatCompletionRequest(ChatTemplateRequest, _SamplingRequest):
         continue_final_message the prefilled message comes back whole); "" otherwise."""
         last = self.messages[-1]
         role = RESPONSE_ROLE if self.add_generation_prompt else last.role
-        return last.echo_text() if self.echo and last.role == role else ""
+        return last.text() if self.echo and last.role == role else ""
 
     # -- tools ----------------------------------------------------------------------------------
 
