@@ -31,7 +31,7 @@ FUSE_GATE_UP_SILU = True
 # whole SmolLM2's weights on 2 cores took 34 / 37 / 36 / 38 / 70 / 287 ms at 1 / 2 / 3 / 4 / 32 / 256 rows
 # against F.linear's 52 / 92 / 117 / 74 / 107 / 359 (benchmarks/results/cpu_linear_onednn_cpu.json). So fp32
 # CPU linears take it where torch has it. oneDNN builds a kernel the first time it meets a (rows, weight
-# shape) pair (1-6 ms here) and caches it; a model's layers share their shapes, a step pays it once a shape.
+# shape) pair and caches it; a model's layers share their shapes, so a step pays that once a shape.
 ONEDNN_DTYPES = (torch.float32,)
 # Where oneDNN is missing, MKL's 2-3 row inputs are padded with zero rows up to this many, which takes its
 # matrix-matrix kernel.
