@@ -220,3 +220,28 @@ def test_chat_takes_text_parts_joined_by_newlines(llm):
     with pytest.raises(ValueError, match="takes no images"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params,
                  use_tqdm=False)
+
+
+# A template that writes string content as it is and each part of a list of parts in brackets.
+PARTS_TEMPLATE = ("{% for message in messages %}<{{ message['role'] }}>{% if message['content'] is string %}"
+                  "{{ message['content'] }}{% else %}{% for part in message['content'] %}[{{ part['text'] }}]"
+                  "{% endfor %}{% endif %}{% endfor %}{% if add_generation_prompt %}<answer>{% endif %}")
+
+
+@pytest.mark.parametrize("chosen,rendered", [
+    ("auto", "<user>[Name a][river.]<answer>"),  # the template loops over content: it gets the parts
+    ("openai", "<user>[Name a][river.]<answer>"),
+    ("string", "<user>Name a\nriver.<answer>"),
+])
+def test_chat_template_content_format_as_vllm(llm, chosen, rendered):
+    """LLM.chat's chat_template_content_format, as vLLM's: the template gets a message's parts as a list
+    ("openai", which "auto" picks for a template that loops over content) or their text joined ("string")."""
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    text_parts = [{"type": "text", "text": "Name a"}, {"type": "text", "text": "river."}]
+    parts = [{"role": "user", "content": text_parts}]
+    kwargs = dict(use_tqdm=False, chat_template=PARTS_TEMPLATE, chat_template_content_format=chosen)
+    assert llm.chat(parts, params, **kwargs)[0].prompt == rendered
+    plain = llm.chat([{"role": "user", "content": "hi"}], params, **kwargs)[0]
+    assert plain.prompt == ("<user>hi<answer>" if chosen == "string" else "<user>[hi]<answer>")
+    with pytest.raises(ValueError, match="content format"):
+        llm.chat(parts, params, use_tqdm=False, chat_template_content_format="parts")

@@ -518,3 +518,46 @@ def test_a_text_template_gets_image_tokens_then_text_parts_joined_by_newlines():
     assert template_takes_parts(looping) and not template_takes_parts("{{ messages[0]['content'] }}")
     parts, _ = split_chat_images([{"role": "user", "content": content}], True, "<image>\n")
     assert parts[0]["content"] == [a, {"type": "image"}, b]
+
+
+# (template, whether vLLM's "auto" content format gives it parts): the shapes of real chat templates' code.
+CONTENT_LOOPS = [
+    ("{% for message in messages %}{% if message.content is string %}{{ message.content }}{% else %}"
+     "{% for content in message.content %}{% if content.type == 'text' %}{{ content.text }}{% endif %}"
+     "{% endfor %}{% endif %}{% endfor %}", True),  # Qwen2.5-VL's
+    ("{% for message in messages %}{% for content in message['content'] | selectattr('type', 'equalto', "
+     "'image') %}<|image|>{% endfor %}{% endfor %}", True),  # Llama 3.2 Vision's, filtered
+    ("{%- if messages[0]['role'] == 'system' -%}{%- set loop_messages = messages[1:] -%}{%- else -%}"
+     "{%- set loop_messages = messages -%}{%- endif -%}{%- for message in loop_messages -%}"
+     "{%- for item in message['content'] -%}{{ item['text'] }}{%- endfor -%}{%- endfor -%}", True),  # Gemma 3
+    ("{% for m in messages %}{% set content = m['content'] %}{% for part in content %}{{ part.text }}"
+     "{% endfor %}{% endfor %}", True),  # through a name for the content
+    ("{% for part in messages[-1].content %}{{ part.text }}{% endfor %}", True),
+    ("{% for m in messages %}{% generation %}{% for p in m.content %}{% endfor %}{% endgeneration %}"
+     "{% endfor %}", True),  # HF's own tag
+    ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>"
+     "{% endfor %}", False),  # SmolLM2's
+    ("{% for m in messages %}{{ m.content }}{% for call in m.tool_calls %}{{ call.function.name }}"
+     "{% endfor %}{% endfor %}", False),  # loops, but not over content
+    ("{% for key in tools %}{% for c in key.content %}{% endfor %}{% endfor %}", False),  # not a message's
+    ("{{ messages[0]['content'][0]['text'] }}", False),
+    ("{% for message in messages %", False),  # does not parse: rendering it says why
+    (None, False),
+]
+
+
+@pytest.mark.parametrize("template,takes_parts", CONTENT_LOOPS)
+def test_auto_content_format_reads_the_template_code_as_vllm(template, takes_parts):
+    from plait.multimodal.chat import content_format, template_takes_parts
+
+    assert template_takes_parts(template) is takes_parts
+    assert content_format(template) == ("openai" if takes_parts else "string")
+    assert content_format(template, "string") == "string" and content_format(template, "openai") == "openai"
+
+
+def test_the_default_models_template_takes_text():
+    from plait.loader.gguf import default_model_path
+    from plait.loader.tokenizer import load_tokenizer
+    from plait.multimodal.chat import content_format
+
+    assert content_format(load_tokenizer(default_model_path()).chat_template) == "string"

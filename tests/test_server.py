@@ -171,6 +171,16 @@ def test_openapi_bounds_logprobs_by_the_engines_max_logprobs(served):
     assert maxima("ChatCompletionRequest", "logprobs") == []
 
 
+def test_docs_pages_as_vllm(served):
+    """As vLLM's server, FastAPI's browsable pages describe the API from /openapi.json (--disable-fastapi-docs
+    drops all three: test_server_cli)."""
+    _, url = served
+    for page in ("/docs", "/redoc"):
+        r = httpx.get(f"{url}{page}")
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+        assert "/openapi.json" in r.text
+
+
 def test_chat_stream_equals_non_stream_with_usage(served, client, model):
     server, _ = served
     messages = _messages("Name three rivers.")
@@ -880,6 +890,29 @@ CHAT_ECHO_CASES = [
 def test_chat_echo_text_as_vllm(messages, options, echoed):
     body = ChatCompletionRequest.model_validate({"messages": messages, "echo": True, **options})
     assert body.echo_text() == echoed
+
+
+def test_answer_role_as_vllm():
+    """vLLM's --response-role names the answer where the template adds a generation prompt; without one the
+    answer continues the last message, in its role. Echo compares the last message's role with it."""
+    asked = [{"role": "user", "content": "hi"}, {"role": "bot", "content": "Hello"}]
+    body = ChatCompletionRequest.model_validate({"messages": asked, "echo": True})
+    assert (body.answer_role(), body.answer_role("bot")) == ("assistant", "bot")
+    assert (body.echo_text(), body.echo_text("bot")) == ("", "Hello")
+    continued = ChatCompletionRequest.model_validate({"messages": asked, "add_generation_prompt": False})
+    assert continued.answer_role("assistant") == continued.answer_role("bot") == "bot"
+
+
+def test_an_answer_without_generation_prompt_keeps_the_last_role(client, model):
+    """As vLLM's: with add_generation_prompt false the model continues the last message, and the answer
+    (its message, and a stream's first delta) carries that message's role, not the assistant's."""
+    kwargs = dict(model=model, messages=_messages("Name a river."), max_tokens=2, temperature=0.0,
+                  extra_body={"add_generation_prompt": False})
+    assert client.chat.completions.create(**kwargs).choices[0].message.role == "user"
+    first = next(c for c in client.chat.completions.create(stream=True, **kwargs) if c.choices)
+    assert first.choices[0].delta.role == "user"
+    asked = client.chat.completions.create(**{**kwargs, "extra_body": {}})
+    assert asked.choices[0].message.role == "assistant"
 
 
 def test_text_parts_reach_the_template_joined_by_newlines_as_vllm(served, model):

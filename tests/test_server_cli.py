@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -102,7 +105,11 @@ def test_serve_chat_template_and_tool_calling_flags(monkeypatch, capsys, tmp_pat
     assert "looks like a file's path" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         cli.main(["serve", "--tool-call-parser", "nope"])
+    with pytest.raises(SystemExit):
+        cli.main(["serve", "--chat-template-content-format", "parts"])
+    assert "invalid choice: 'parts'" in capsys.readouterr().err
     assert len(seen) == 3
+    assert (c.chat_template_content_format, c.response_role) == ("auto", "assistant")
 
 
 def test_serve_exclude_tools_and_token_ids_flags(monkeypatch):
@@ -204,6 +211,77 @@ def test_an_address_in_use_is_refused_before_the_model_loads(tmp_path, capsys, e
         assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert f"plait: error: cannot serve on 127.0.0.1:{port}: Address already in use" in err
+
+
+def test_a_unix_socket_in_use_or_of_another_file_is_refused_and_a_stale_one_replaced(tmp_path, capsys):
+    """vLLM's --uds: a path a server listens on, or a file that is not a socket, is refused before the model
+    loads; a socket file left by a killed server is replaced; a server's own goes when it stops."""
+    import socket
+
+    from plait.entrypoints import cli
+    from plait.entrypoints.launcher import bind_unix_socket, close_socket
+
+    path = str(tmp_path / "s.sock")
+    live = bind_unix_socket(path)
+    args = ["serve", "--model", str(tmp_path / "no-such-model"), "--uds", path]
+    assert cli.main(args) == 2
+    assert f"cannot serve on unix socket {path}: a server is listening on it" in capsys.readouterr().err
+    close_socket(live, path)
+    assert not os.path.exists(path)
+    stale = socket.socket(socket.AF_UNIX)
+    stale.bind(path)
+    stale.close()  # as a killed server leaves it: the file, and no one listening
+    with contextlib.closing(bind_unix_socket(path)) as again:
+        assert again.getsockname() == path and os.stat(path).st_mode & 0o777 == 0o666
+    os.unlink(path)
+    Path(path).write_text("not a socket")
+    assert cli.main(args) == 2
+    assert "the path exists and is not a socket" in capsys.readouterr().err
+
+
+def test_plait_serve_on_a_unix_socket_as_vllm(tmp_path):
+    """vLLM's --uds with --disable-fastapi-docs, --response-role and --chat-template-content-format on a real
+    `plait serve`: the openai client talks through the socket, the answers carry the role, a template's
+    content is the format chosen, there are no docs pages, and the socket file goes when the server stops."""
+    openai = pytest.importorskip("openai")
+    from plait.entrypoints.llm import encode_rendered
+    from plait.loader.tokenizer import load_tokenizer
+
+    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    path = str(tmp_path / "plait.sock")
+    # It loops over a message's content, so "auto" would give it the parts; "string" gives it their text.
+    template = ("{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}{{ m['content'] }}"
+                "{% else %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endif %}{% endfor %}")
+    args = [sys.executable, "-m", "plait.entrypoints.cli", "serve", "--model", str(model), "--max-model-len",
+            "128", "--num-kv-blocks", "64", "--uds", path, "--disable-fastapi-docs", "--response-role", "bot",
+            "--chat-template", template, "--chat-template-content-format", "string", "--log-level", "warning"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        banner = "".join(itertools.takewhile(lambda line: "-d '" not in line, proc.stdout))
+        assert f"on unix socket {path} (OpenAI API at http://localhost/v1 through it)" in banner
+        assert f"curl --unix-socket {path} http://localhost/v1/chat/completions" in banner
+        http = httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://localhost", timeout=60)
+        client = openai.OpenAI(base_url="http://localhost/v1", api_key="none", http_client=http,
+                               max_retries=0)
+        parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+        messages = [{"role": "user", "content": parts}]
+        kwargs = dict(model="tiny-model", messages=messages, max_tokens=2)
+        assert client.chat.completions.create(**kwargs).choices[0].message.role == "bot"
+        stream = client.chat.completions.create(stream=True, **kwargs)
+        assert next(c for c in stream if c.choices).choices[0].delta.role == "bot"
+        tokens = http.post("/tokenize", json={"messages": messages, "add_generation_prompt": False}).json()
+        assert tokens["tokens"] == encode_rendered(load_tokenizer(model), "<user>a\nb")
+        assert [http.get(page).status_code for page in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
+        assert http.get("/health").status_code == 200
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(SERVE_SHUTDOWN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and not os.path.exists(path)
 
 
 def test_plait_serve_process(tmp_path):

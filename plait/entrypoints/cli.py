@@ -319,7 +319,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         # The port, and the engine process loading the model, before the server stack's imports (torch,
         # FastAPI: ~1.4 s of a 2-core start), so that those happen meanwhile.
-        launched = launch(engine_config, args.host, args.port, args.engine_process)
+        launched = launch(engine_config, args.host, args.port, args.engine_process, args.uds)
     try:
         from plait.entrypoints.server import ServerConfig, serve
     except ImportError as err:
@@ -335,7 +335,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           allow_credentials=args.allow_credentials,
                           allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                          ssl_ca_certs=args.ssl_ca_certs, root_path=args.root_path,
+                          ssl_ca_certs=args.ssl_ca_certs, root_path=args.root_path, uds=args.uds,
+                          disable_fastapi_docs=args.disable_fastapi_docs,
                           uvicorn_log_level=args.uvicorn_log_level,
                           disable_uvicorn_access_log=args.disable_uvicorn_access_log,
                           enable_server_load_tracking=args.enable_server_load_tracking,
@@ -389,7 +390,10 @@ def _request_handling_config(args: argparse.Namespace) -> dict[str, Any]:
     """The ServerConfig fields of _add_request_handling_args', the tool and the LoRA modules' flags."""
     return dict(served_model_name=args.served_model_name,
                 trust_request_chat_template=args.trust_request_chat_template,
-                chat_template=args.chat_template, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                chat_template=args.chat_template,
+                chat_template_content_format=args.chat_template_content_format,
+                **({"response_role": args.response_role} if args.response_role is not None else {}),
+                enable_auto_tool_choice=args.enable_auto_tool_choice,
                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                 exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
@@ -446,11 +450,19 @@ def _add_tool_args(parser: argparse.ArgumentParser) -> None:
     """vLLM's chat template, tool-calling and reasoning flags."""
     from plait.entrypoints.reasoning_parsers import REASONING_PARSERS  # no server dependencies
     from plait.entrypoints.tool_parsers import TOOL_PARSERS
+    from plait.multimodal.chat import AUTO_CONTENT_FORMAT, CONTENT_FORMATS
 
     group = parser.add_argument_group("chat template, tool calling and reasoning")
     group.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                        help="a Jinja chat template (a file, or the template's text) instead of the model's, "
                             "e.g. one that renders tools and tool calls")
+    group.add_argument("--chat-template-content-format", default=AUTO_CONTENT_FORMAT, choices=CONTENT_FORMATS,
+                       help="a message's content as the template gets it: 'string' (text parts joined by "
+                            "newlines), 'openai' (the list of parts), 'auto' (default: 'openai' for a "
+                            "template that loops over a message's content, else 'string')")
+    group.add_argument("--response-role", default=None, metavar="ROLE",
+                       help="the role of chat answers to requests with add_generation_prompt (the default); "
+                            "others continue the last message, in its role (default: assistant)")
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="serve tool_choice 'auto' (the default where tools are given): the model's tool "
                             "calls are read by --tool-call-parser")
@@ -528,6 +540,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"address to bind (default: {_DEFAULT_HOST}, this machine only)")
     srv.add_argument("--port", type=int, default=_DEFAULT_PORT,
                      help=f"(default: {_DEFAULT_PORT}; 0 = any free port)")
+    srv.add_argument("--uds", default=None, metavar="PATH",
+                     help="serve on a Unix domain socket at this path instead of --host and --port, as "
+                          "vLLM's (clients connect through it: curl --unix-socket PATH http://localhost/v1/...)")
     srv.add_argument("--api-key", default=None,
                      help=f"require 'Authorization: Bearer <key>' on the /v1 endpoints, as vLLM "
                           f"(default: ${_API_KEY_ENV}, else vLLM's ${_VLLM_API_KEY_ENV}, if set; prefer "
@@ -562,6 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "`plait bench timeline PATH` plots it)")
     srv.add_argument("--root-path", default="",
                      help="the path prefix a proxy in front of the server strips, as vLLM's")
+    srv.add_argument("--disable-fastapi-docs", action="store_true",
+                     help="serve no /docs, /redoc or /openapi.json (the API's browsable description)")
     srv.add_argument("--ssl-keyfile", default=None,
                      help="serve HTTPS with this private key (with --ssl-certfile)")
     srv.add_argument("--ssl-certfile", default=None, help="and this certificate")

@@ -88,7 +88,7 @@ def start_replicas(engine_config: EngineConfig, server_config: Any, size: int, e
     on_cuda = _uses_cuda(engine_config)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     # Replicas listen on loopback, plain HTTP; the front terminates TLS and serves under root_path.
-    replica_config = dataclasses.replace(server_config, host="127.0.0.1", port=0, ssl_keyfile=None,
+    replica_config = dataclasses.replace(server_config, host="127.0.0.1", port=0, uds=None, ssl_keyfile=None,
                                          ssl_certfile=None, ssl_ca_certs=None, root_path="")
     fd, config_path = tempfile.mkstemp(prefix="plait-dp-", suffix=".pickle")  # mode 0600: it holds the key
     with os.fdopen(fd, "wb") as f:
@@ -302,25 +302,34 @@ def serve_data_parallel(engine_config: EngineConfig, server_config: Any, size: i
                         prefix_affinity: bool = True, engine_process: bool = True) -> None:
     """`plait serve --data-parallel-size N`: start the replicas, then serve the front until interrupted
     (``prefix_affinity``: ReplicaRouter's, or the least busy replica always)."""
-    from plait.entrypoints.launcher import serving_socket
+    from plait.entrypoints.launcher import close_socket, serving_socket
     from plait.entrypoints.server import base_url, uvicorn_server
 
-    with contextlib.closing(serving_socket(server_config.host, server_config.port)) as sock:
+    sock = serving_socket(server_config.host, server_config.port, server_config.uds)
+    try:
         replicas = start_replicas(engine_config, server_config, size, engine_process)
         try:
             front = DataParallelFront(replicas, server_config.api_key, server_config.max_request_body_bytes,
                                       prefix_affinity=prefix_affinity)
             url = base_url(sock, https=server_config.ssl_certfile is not None)
-            print(_front_banner(replicas, url), flush=True)
+            print(_front_banner(replicas, url, server_config.uds), flush=True)
             with contextlib.suppress(KeyboardInterrupt):
                 uvicorn_server(front.app, server_config).run(sockets=[sock])
         finally:
             stop_replicas(replicas)
+    finally:
+        close_socket(sock, server_config.uds)
 
 
-def _front_banner(replicas: list[Replica], url: str) -> str:
-    """A replica's banner (the model's name, and the curl its kind of model takes) at the front's address."""
-    first, _, rest = replicas[0].banner.replace(replicas[0].url, url).partition("\n")
+def _front_banner(replicas: list[Replica], url: str, uds: str | None = None) -> str:
+    """A replica's banner (the model's name, and the curl its kind of model takes) at the front's address
+    (``url``, through the Unix domain socket ``uds`` where given)."""
+    from plait.entrypoints.server import curl_command, listening_at
+
+    replica = replicas[0]
+    first, _, rest = replica.banner.partition("\n")
+    first = first.replace(listening_at(replica.url, None), listening_at(url, uds))
+    rest = rest.replace(f"{curl_command(None)} {replica.url}", f"{curl_command(uds)} {url}", 1)
     return f"{first}, {len(replicas)} data parallel replicas behind it\n{rest}"
 
 

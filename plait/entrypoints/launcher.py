@@ -6,11 +6,14 @@ two cores) instead of after. Nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import logging
 import os
 import pickle
 import socket
+import stat
 import subprocess
 import sys
 import weakref
@@ -25,6 +28,8 @@ from plait.config import EngineConfig
 
 PICKLE_PROTOCOL = pickle.HIGHEST_PROTOCOL
 ENGINE_PROCESS_MODULE = "plait.entrypoints.engine_process"
+# A Unix domain socket's permissions: any local user may connect, as uvicorn's --uds (an API key guards it).
+UNIX_SOCKET_MODE = 0o666
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -38,13 +43,50 @@ def bind_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serving_socket(host: str, port: int) -> socket.socket:
-    """bind_socket for a server, taken before its model loads (as vLLM's): an address in use is the caller's
-    error (a ValueError, which the CLI prints as one line), said before minutes of loading, not after."""
+def bind_unix_socket(path: str) -> socket.socket:
+    """A listening Unix domain socket at ``path`` (vLLM's --uds), readable and writable by every local user
+    as uvicorn's. A socket file no server listens on any more (one whose server was killed) is replaced;
+    one a server still listens on, or a file of another kind, is an error (OSError)."""
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise FileExistsError(errno.EEXIST, "the path exists and is not a socket")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except ConnectionRefusedError:
+                os.unlink(path)  # stale: its server is gone
+            else:
+                raise OSError(errno.EADDRINUSE, "a server is listening on it")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        return bind_socket(host, port)
+        sock.bind(path)
+        os.chmod(path, UNIX_SOCKET_MODE)
+        sock.listen()
+    except BaseException:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def serving_socket(host: str, port: int, uds: str | None = None) -> socket.socket:
+    """bind_socket (bind_unix_socket at ``uds``, where host and port do not matter) for a server, taken
+    before its model loads (as vLLM's): an address in use is the caller's error (a ValueError, which the
+    CLI prints as one line), said before minutes of loading, not after."""
+    try:
+        return bind_unix_socket(uds) if uds is not None else bind_socket(host, port)
     except OSError as err:
-        raise ValueError(f"cannot serve on {host}:{port}: {err.strerror or err}") from err
+        where = f"unix socket {uds}" if uds is not None else f"{host}:{port}"
+        raise ValueError(f"cannot serve on {where}: {err.strerror or err}") from err
+
+
+def close_socket(sock: socket.socket, uds: str | None) -> None:
+    """Close a server's socket (uvicorn may have closed it already); the file of its Unix domain socket at
+    ``uds`` goes with it, so that the path can serve again."""
+    sock.close()
+    if uds is not None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(uds)
 
 
 def serving_config(engine_config: EngineConfig) -> EngineConfig:
@@ -52,15 +94,15 @@ def serving_config(engine_config: EngineConfig) -> EngineConfig:
     return dataclasses.replace(engine_config, usage="serve")
 
 
-def launch(engine_config: EngineConfig, host: str, port: int, engine_process: bool
+def launch(engine_config: EngineConfig, host: str, port: int, engine_process: bool, uds: str | None = None
            ) -> tuple[socket.socket, StartedEngineProcess | None]:
-    """`plait serve`'s socket, then (``engine_process``) its engine process loading serving_config's engine:
-    taken before the server stack is imported, so that the model loads meanwhile."""
-    sock = serving_socket(host, port)
+    """`plait serve`'s socket (serving_socket's), then (``engine_process``) its engine process loading
+    serving_config's engine: taken before the server stack is imported, so that the model loads meanwhile."""
+    sock = serving_socket(host, port, uds)
     try:
         return sock, start_engine_process(serving_config(engine_config)) if engine_process else None
     except BaseException:
-        sock.close()
+        close_socket(sock, uds)
         raise
 
 

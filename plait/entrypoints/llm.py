@@ -25,7 +25,7 @@ from plait.entrypoints.beam_search import (
 )
 from plait.inputs import PromptType
 from plait.lora.request import LoRARequest
-from plait.multimodal.chat import image_token_text, prepare_chat
+from plait.multimodal.chat import AUTO_CONTENT_FORMAT, image_token_text, prepare_chat
 from plait.multimodal.images import MultiModalPrompt
 from plait.outputs import (
     ClassificationRequestOutput,
@@ -306,9 +306,14 @@ class LLM:
         chat_template_kwargs: dict | None = None,
         tools: list[dict[str, Any]] | None = None,
         lora_request: LoRAInput = None,
+        chat_template_content_format: str = AUTO_CONTENT_FORMAT,
     ) -> list[RequestOutput]:
         """Apply the chat template (the model's, or ``chat_template``) to one conversation (a list of
         messages) or many, and generate; each output's ``prompt`` is its rendered conversation.
+
+        A message's content may be text or a list of OpenAI-style parts (text; images for an image model),
+        which the template gets as ``chat_template_content_format`` says, as in vLLM: "string" (text parts
+        joined by newlines), "openai" (the list), or "auto" (the list for a template that loops over it).
 
         ``continue_final_message`` leaves the last message open, so the model continues it (an assistant
         prefill) instead of starting a new one; it excludes ``add_generation_prompt``, as in vLLM.
@@ -318,7 +323,8 @@ class LLM:
         """
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.engine.tokenizer
-        with_images = [chat_with_images(self.engine, c, chat_template) for c in conversations]
+        with_images = [chat_with_images(self.engine, c, chat_template, chat_template_content_format)
+                       for c in conversations]
         texts = [render_chat(tokenizer, c, add_generation_prompt, chat_template_kwargs,
                              continue_final_message=continue_final_message, chat_template=chat_template,
                              tools=tools)
@@ -396,13 +402,14 @@ def render_chat(
     )
 
 
-def chat_with_images(engine: Any, conversation: list[Message], chat_template: str | None = None
-                     ) -> tuple[list[Message], list[Any]]:
-    """A conversation as the chat template takes it, and its images in order (plait.multimodal.chat)."""
+def chat_with_images(engine: Any, conversation: list[Message], chat_template: str | None = None,
+                     chosen_format: str = AUTO_CONTENT_FORMAT) -> tuple[list[Message], list[Any]]:
+    """A conversation as the chat template takes it under ``chosen_format`` (plait.multimodal.chat's
+    content formats), and its images in order."""
     tokenizer = engine.tokenizer
     template = chat_template or getattr(tokenizer, "chat_template", None)
     image_text = image_token_text(tokenizer, engine.images.image_token_id) if engine.images else None
-    return prepare_chat(conversation, template, image_text, engine.model_config.architecture)
+    return prepare_chat(conversation, template, image_text, engine.model_config.architecture, chosen_format)
 
 
 def encode_rendered(tokenizer: Any, text: str) -> list[int]:

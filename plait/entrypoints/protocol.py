@@ -89,7 +89,7 @@ _BEAM_SEARCH_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 BEAM_SEARCH_STREAM_MESSAGE = "Streaming is not currently supported with beam search"
 # The values of tool_choice / function_call that ask for no tool.
 _NO_TOOL = "none"
-# The role of every chat answer (vLLM's --response-role default), which chat's echo compares with.
+# The role of a chat answer under add_generation_prompt (vLLM's --response-role default).
 RESPONSE_ROLE = "assistant"
 # The field errors about forced tool calls' schemas name (they are the tools' parameters).
 TOOLS_PARAM = "tools"
@@ -760,13 +760,17 @@ class ChatCompletionRequest(ChatTemplateRequest, _SamplingRequest):
     def max_tokens_param(self) -> str:
         return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
-    def echo_text(self) -> str:
+    def answer_role(self, response_role: str = RESPONSE_ROLE) -> str:
+        """The answer's role, as vLLM's: the server's ``response_role`` (--response-role) where the template
+        adds a generation prompt, else the last message's own role, since the answer continues it."""
+        return response_role if self.add_generation_prompt else self.messages[-1].role
+
+    def echo_text(self, response_role: str = RESPONSE_ROLE) -> str:
         """What echo puts before each choice's content, as vLLM: the last message's content where its role
-        is the answer's role, which is the last message's own under add_generation_prompt false (so with
-        continue_final_message the prefilled message comes back whole); "" otherwise."""
+        is the answer's role (answer_role), so that with continue_final_message the prefilled message
+        comes back whole; "" otherwise."""
         last = self.messages[-1]
-        role = RESPONSE_ROLE if self.add_generation_prompt else last.role
-        return last.text() if self.echo and last.role == role else ""
+        return last.text() if self.echo and last.role == self.answer_role(response_role) else ""
 
     # -- tools ----------------------------------------------------------------------------------
 
@@ -1108,7 +1112,7 @@ class ToolCallOut(BaseModel):
 
 
 class ChatResponseMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
+    role: str = RESPONSE_ROLE  # ChatCompletionRequest.answer_role
     content: str | None = None
     tool_calls: list[ToolCallOut] | None = Omitted
 
@@ -1156,7 +1160,7 @@ class DeltaToolCall(BaseModel):
 
 
 class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
+    role: str | None = None  # in a choice's first chunk: ChatCompletionRequest.answer_role
     content: str | None = None
     reasoning: str | None = Omitted  # vLLM's: the next piece of the reasoning (--reasoning-parser)
     tool_calls: list[DeltaToolCall] | None = Omitted

@@ -17,7 +17,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from operator import methodcaller
 from pathlib import Path
@@ -62,7 +62,14 @@ from plait.entrypoints.errors import (
     error_type,
     validation_error,
 )
-from plait.entrypoints.launcher import StartedEngineProcess, bind_socket, launch, serving_config
+from plait.entrypoints.launcher import (
+    StartedEngineProcess,
+    bind_socket,
+    bind_unix_socket,
+    close_socket,
+    launch,
+    serving_config,
+)
 from plait.entrypoints.llm import (
     _fan_out,
     cross_encoder_prompt,
@@ -82,6 +89,7 @@ from plait.entrypoints.middleware import (
 from plait.entrypoints.protocol import (
     MAX_SEQUENCES_PER_REQUEST,
     RESPONSE_ID_PREFIX,
+    RESPONSE_ROLE,
     Admission,
     ChatChoice,
     ChatCompletionRequest,
@@ -159,7 +167,7 @@ from plait.entrypoints.tools import (
 )
 from plait.loader.hf import ModelSource
 from plait.lora.request import LoRAModulePath, LoRARequest
-from plait.multimodal.chat import image_token_text, prepare_chat
+from plait.multimodal.chat import AUTO_CONTENT_FORMAT, content_format, image_token_text, prepare_chat
 from plait.multimodal.images import MultiModalPrompt
 from plait.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
 from plait.pooling_params import PoolingParams, score_pairs
@@ -194,6 +202,12 @@ SSE_DONE = "data: [DONE]\n\n"
 # nobody reads it).
 CLIENT_CLOSED_REQUEST = 499
 GRACEFUL_SHUTDOWN_S = 5
+# The API's description and its browsable pages (as vLLM's, FastAPI's; --disable-fastapi-docs drops them).
+OPENAPI_PATH = "/openapi.json"
+DOCS_PATH = "/docs"
+REDOC_PATH = "/redoc"
+# The host of a Unix domain socket server's URLs: clients need one, and nothing resolves it.
+UNIX_SOCKET_HOST = "localhost"
 
 
 DEFAULT_ADMISSION = Admission()  # priority 0, no cache salt
@@ -237,6 +251,12 @@ class ServerConfig:
     # vLLM's --chat-template: a file, or the template's text, used instead of the model's (so a model whose
     # own template knows nothing of tools can be served with one that does); a trusted request's wins.
     chat_template: str | None = None
+    # vLLM's --response-role: the role chat answers carry where the request adds a generation prompt.
+    response_role: str = RESPONSE_ROLE
+    # vLLM's --chat-template-content-format: a message's content as the template gets it, "string" (text
+    # parts joined) or "openai" (a list of parts); "auto": what the template's code reads
+    # (plait.multimodal.chat).
+    chat_template_content_format: str = AUTO_CONTENT_FORMAT
     # vLLM's --enable-auto-tool-choice and --tool-call-parser: tool_choice "auto" (the default where tools
     # are given) reads the model's tool calls with that parser; without them it is refused, as in vLLM.
     enable_auto_tool_choice: bool = False
@@ -275,6 +295,10 @@ class ServerConfig:
     ssl_ca_certs: str | None = None
     # vLLM's --root-path: the path prefix a proxy in front of the server strips (for the OpenAPI docs' links).
     root_path: str = ""
+    # vLLM's --uds: serve on a Unix domain socket at this path instead of host and port.
+    uds: str | None = None
+    # vLLM's --disable-fastapi-docs: no /docs, /redoc or /openapi.json.
+    disable_fastapi_docs: bool = False
     # vLLM's --uvicorn-log-level (None: log_level) and --disable-uvicorn-access-log (no line per HTTP
     # request).
     uvicorn_log_level: str | None = None
@@ -331,10 +355,14 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{name} {path!r} is not a file")
+        if self.uds is not None and (not self.uds or not hasattr(socket, "AF_UNIX")):
+            raise ValueError(f"uds must be a Unix domain socket's path on a system that has them, got "
+                             f"{self.uds!r}")
         if self.max_log_len is not None and (isinstance(self.max_log_len, bool) or self.max_log_len < 0):
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len!r}")
         if self.chat_template is not None:
             self.chat_template_text = load_chat_template(self.chat_template)
+        content_format(None, self.chat_template_content_format)  # an unknown format fails at start-up
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # an unknown name fails here, at start-up
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -615,6 +643,10 @@ class OpenAIServer:
         self.image_text = (image_token_text(self.tokenizer, info.image_processor.image_token_id)
                            if info.image_processor is not None else None)
         self.image_processor = info.image_processor  # stateless: shared with the engine's loop
+        template = self.config.chat_template_text or getattr(self.tokenizer, "chat_template", None)
+        if template:  # as vLLM, say which content format the template gets
+            logger.info("chat template content format: %r",
+                        content_format(template, self.config.chat_template_content_format))
         self._token_strings: dict[int, str] = {}
         name = self.config.reasoning_parser
         self.reasoning_parser = get_reasoning_parser(name) if name is not None else None
@@ -688,7 +720,10 @@ class OpenAIServer:
                 await self.engine.shutdown()
                 self._write_step_timeline()
 
-        app = FastAPI(title="plait", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+        docs = not self.config.disable_fastapi_docs
+        app = FastAPI(title="plait", version=__version__, lifespan=lifespan,
+                      openapi_url=OPENAPI_PATH if docs else None, docs_url=DOCS_PATH if docs else None,
+                      redoc_url=REDOC_PATH if docs else None)
         self._add_error_handlers(app)
 
         @app.get("/health", responses={503: {"model": ErrorResponse}})
@@ -978,14 +1013,13 @@ class OpenAIServer:
                                 "started with --trust-request-chat-template", param="chat_template")
         if self.image_text is None and any(m.has_images for m in messages):
             raise APIError(400, f"{self.model_name} takes no images: send text messages", param="messages")
-        conversation = [m.as_template_message(keep_parts=self.image_text is not None) for m in messages]
-        images: list = []
-        if self.image_text is not None:
-            try:
-                conversation, images = prepare_chat(conversation, template or self.tokenizer.chat_template,
-                                                    self.image_text, self.model_name)
-            except ValueError as err:
-                raise APIError(400, str(err), param="messages") from err
+        conversation = [m.as_template_message(keep_parts=True) for m in messages]
+        try:
+            conversation, images = prepare_chat(conversation, template or self.tokenizer.chat_template,
+                                                self.image_text, self.model_name,
+                                                self.config.chat_template_content_format)
+        except ValueError as err:
+            raise APIError(400, str(err), param="messages") from err
         try:
             return render_chat(self.tokenizer, conversation,
                                add_generation_prompt=body.add_generation_prompt,
@@ -1282,10 +1316,10 @@ class OpenAIServer:
 
         model = self._reported_model(lora)
         ids = body.return_token_ids
+        role = DeltaMessage(role=body.answer_role(self.config.response_role), content="")
         for index in range(len(readers)):
             prompt_ids = list(stream.prompt_token_ids[0]) if ids and index == 0 else None
-            yield chunk([ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content=""))],
-                        prompt_token_ids=prompt_ids)
+            yield chunk([ChatStreamChoice(index=index, delta=role)], prompt_token_ids=prompt_ids)
         try:
             (out,) = await self._finish_beam_search(stream, tracker, params, body.skip_special_tokens, lora,
                                                       body.admission)
@@ -1737,8 +1771,9 @@ class OpenAIServer:
             num_top = body.top_logprobs or 0
             logprobs = self._chat_logprobs(completion.logprobs, num_top, self._tokens_as_ids(body))
         message, finish_reason = _chat_message(completion, reader)
+        message.role = body.answer_role(self.config.response_role)
         if body.echo:  # as vLLM, whose content is then a string even with nothing to echo
-            message.content = body.echo_text() + (message.content or "")
+            message.content = body.echo_text(self.config.response_role) + (message.content or "")
         return ChatChoice(index=index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                           stop_reason=completion.stop_reason,
                           token_ids=list(completion.token_ids) if body.return_token_ids else None)
@@ -1764,12 +1799,12 @@ class OpenAIServer:
 
         try:
             async with stream:
+                role = DeltaMessage(role=body.answer_role(self.config.response_role), content="")
                 for index in range(len(stream.request_ids)):
-                    role = DeltaMessage(role="assistant", content="")
                     # return_token_ids, as vLLM: the prompt's ids (all choices share it) in the first chunk.
                     prompt_ids = list(stream.prompt_token_ids[0]) if ids is not None and index == 0 else None
                     yield chunk([ChatStreamChoice(index=index, delta=role)], usage_so_far(), prompt_ids)
-                echo = DeltaMessage(content=body.echo_text())
+                echo = DeltaMessage(content=body.echo_text(self.config.response_role))
                 for index in range(len(stream.request_ids)) if echo.content else ():  # after every role's
                     yield chunk([ChatStreamChoice(index=index, delta=echo)], usage_so_far())
                 async for index, out in stream:
@@ -1866,7 +1901,10 @@ class OpenAIServer:
 
 
 def base_url(sock: socket.socket, https: bool = False) -> str:
-    """http(s)://host:port of a bound socket, with a wildcard address shown as loopback."""
+    """http(s)://host:port of a bound socket, with a wildcard address shown as loopback; for a Unix domain
+    socket, the URL a client asks for through it (its host is any name: nothing resolves it)."""
+    if sock.family == getattr(socket, "AF_UNIX", None):
+        return f"{'https' if https else 'http'}://{UNIX_SOCKET_HOST}"
     host, port = sock.getsockname()[:2]
     if host in ("0.0.0.0", "::"):
         host = "127.0.0.1" if host == "0.0.0.0" else "::1"
@@ -1878,7 +1916,7 @@ def base_url(sock: socket.socket, https: bool = False) -> str:
 def uvicorn_server(app: ASGIApp, c: ServerConfig) -> uvicorn.Server:
     """uvicorn serving ``app`` as ``c`` says (log levels, access log, root path, TLS); the data-parallel
     front runs on it too."""
-    config = uvicorn.Config(app, log_level=c.uvicorn_log_level or c.log_level,
+    config = uvicorn.Config(app, uds=c.uds, log_level=c.uvicorn_log_level or c.log_level,
                             access_log=not c.disable_uvicorn_access_log, root_path=c.root_path,
                             ssl_keyfile=c.ssl_keyfile, ssl_certfile=c.ssl_certfile,
                             ssl_ca_certs=c.ssl_ca_certs,
@@ -1897,9 +1935,20 @@ def banner(server: OpenAIServer, url: str) -> str:
         endpoint = "chat/completions"
         payload = json.dumps({"model": server.model_name, "messages": [{"role": "user", "content": "Hello!"}],
                               "max_tokens": 32})
-    return (f"plait: serving '{server.model_name}' on {url} (OpenAI API at {url}/v1)\n"
-            f"  curl {url}/v1/{endpoint} -H 'Content-Type: application/json'{auth} \\\n"
-            f"    -d '{payload}'")
+    return (f"plait: serving '{server.model_name}' on {listening_at(url, server.config.uds)}\n"
+            f"  {curl_command(server.config.uds)} {url}/v1/{endpoint} -H 'Content-Type: application/json'"
+            f"{auth} \\\n    -d '{payload}'")
+
+
+def listening_at(url: str, uds: str | None) -> str:
+    """The banner's address: the URL, or the Unix domain socket and the URL asked for through it."""
+    if uds is not None:
+        return f"unix socket {uds} (OpenAI API at {url}/v1 through it)"
+    return f"{url} (OpenAI API at {url}/v1)"
+
+
+def curl_command(uds: str | None) -> str:
+    return "curl" if uds is None else f"curl --unix-socket {uds}"
 
 
 def _print_now(text: str) -> None:
@@ -1916,11 +1965,11 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
     """Load the model and serve until interrupted (what `plait serve` runs); ``engine_process``: the engine's
     step loop in a process of its own (EngineProcess), else on a thread of this one. ``launched``: the
     socket and engine process `launch` took before this module was imported, else they are taken here."""
-    if config.api_key is None and config.host not in ("127.0.0.1", "localhost", "::1"):
+    if config.api_key is None and config.uds is None and config.host not in ("127.0.0.1", "localhost", "::1"):
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", config.host)
     engine_config = serving_config(engine_config)
-    sock, started = launched or launch(engine_config, config.host, config.port, engine_process)
-    with contextlib.closing(sock):
+    sock, started = launched or launch(engine_config, config.host, config.port, engine_process, config.uds)
+    with _closing_socket(sock, config.uds):
         engine = (EngineProcess(engine_config, started=started) if engine_process
                   else LLMEngine(engine_config))
         server = OpenAIServer(engine, config)
@@ -1932,6 +1981,15 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
             raise_gc_threshold()
         echo(banner(server, base_url(sock, https=config.ssl_certfile is not None)))
         _serve_until_stopped(server, sock)
+
+
+@contextlib.contextmanager
+def _closing_socket(sock: socket.socket, uds: str | None) -> Iterator[socket.socket]:
+    """The server's socket, closed (its Unix domain socket's file removed) when serving ends."""
+    try:
+        yield sock
+    finally:
+        close_socket(sock, uds)
 
 
 def _serve_until_stopped(server: OpenAIServer, sock: socket.socket) -> None:
@@ -1957,12 +2015,15 @@ def _serve_until_stopped(server: OpenAIServer, sock: socket.socket) -> None:
 class BackgroundServer:
     """Runs an OpenAIServer on a thread of this process (tests, notebooks, benchmarks).
 
-    ``with BackgroundServer(server) as url:`` serves on a free loopback port until the block ends.
+    ``with BackgroundServer(server) as url:`` serves on a free loopback port until the block ends (on the
+    Unix domain socket at ``uds`` where given: its URL is then the one to ask for through it).
     """
 
-    def __init__(self, server: OpenAIServer, host: str = DEFAULT_HOST, port: int = 0) -> None:
+    def __init__(self, server: OpenAIServer, host: str = DEFAULT_HOST, port: int = 0, uds: str | None = None
+                 ) -> None:
         self.server = server
-        self._sock = bind_socket(host, port)
+        self._uds = uds
+        self._sock = bind_unix_socket(uds) if uds is not None else bind_socket(host, port)
         self.url = base_url(self._sock, https=server.config.ssl_certfile is not None)
         self._uvicorn = uvicorn_server(server.app, server.config)
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._sock]},
@@ -1980,7 +2041,7 @@ class BackgroundServer:
     def stop(self, timeout_s: float = 30.0) -> None:
         self._uvicorn.should_exit = True
         self._thread.join(timeout_s)
-        self._sock.close()
+        close_socket(self._sock, self._uds)
 
     def __enter__(self) -> str:
         return self.start()
