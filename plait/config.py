@@ -110,6 +110,9 @@ class EngineConfig:
     scheduling_policy: SchedulingPolicy = "mixed"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None = sized from gpu_memory_utilization / CPU budget
+    # vLLM's kv_cache_memory_bytes: the KV cache's bytes on each device, in place of the share of
+    # gpu_memory_utilization (or the CPU budget) left after a profiling step; num_kv_blocks wins over it.
+    kv_cache_memory_bytes: int | None = None
     # GPU: share of the device's memory plait may use (weights, activations, graphs, KV cache).
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None = the model's max_position_embeddings
@@ -176,6 +179,8 @@ class EngineConfig:
                              "devices yet; serve them on one device")
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, minimum=1)
+        if self.kv_cache_memory_bytes is not None:
+            _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1)
         if self.max_model_len is not None:
             _check_int("max_model_len", self.max_model_len, minimum=2)
         if self.max_num_state_slots is not None:

@@ -64,6 +64,25 @@ def test_cpu_engine_takes_the_cpu_budget(tiny_llama):
     assert engine.scheduler.config is engine.config and engine.runner.config is engine.config
 
 
+def test_kv_cache_memory_bytes_sizes_the_cache_as_vllm(tiny_llama):
+    """vLLM's kv_cache_memory_bytes: the KV cache holds as many blocks as that many bytes do (num_kv_blocks
+    still wins); too few bytes for two blocks (the pad block and one) is refused by name."""
+    from plait.engine.engine import LLMEngine
+
+    base = dict(model=str(tiny_llama), max_model_len=64, block_size=8)
+    one = LLMEngine(EngineConfig(**base, num_kv_blocks=16))
+    per_block = one.runner._bytes_per_block()
+    sized = LLMEngine(EngineConfig(**base, kv_cache_memory_bytes=37 * per_block + per_block // 2))
+    assert sized.runner.num_kv_blocks == 37
+    assert sum(t.numel() * t.element_size() for t in sized.runner.kv_caches) == 37 * per_block
+    both = LLMEngine(EngineConfig(**base, kv_cache_memory_bytes=37 * per_block, num_kv_blocks=11))
+    assert both.runner.num_kv_blocks == 11
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        LLMEngine(EngineConfig(**base, kv_cache_memory_bytes=per_block))
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        EngineConfig(kv_cache_memory_bytes=0)
+
+
 def test_mixed_graph_token_buckets_are_whole_row_tiles_up_to_the_cap():
     assert token_buckets(0, 0, 4096) == []
     # Whole GEMM row tiles, up to the first with room for the cap beside a full decode part.

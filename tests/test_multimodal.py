@@ -351,9 +351,10 @@ def _bench_serve_with_images(url: str, model: str, tmp_path, capsys) -> None:
 
 
 def test_server_takes_image_url_parts(llava, tiny_llama, tmp_path, capsys):
-    """/v1/chat/completions with the openai client: an image_url part (a data URL) gets the answer LLM.chat
-    gives, streamed or not; a bad image, a URL to fetch, or an image sent to a text model is a 400 and the
-    server keeps serving."""
+    """/v1/chat/completions with the openai client: an image_url part (a data URL, or a file:// URL in the
+    folder --allowed-local-media-path allows) gets the answer LLM.chat gives, streamed or not; a bad image, a
+    URL to fetch, a file outside that folder, or an image sent to a text model is a 400 and the server keeps
+    serving."""
     openai = pytest.importorskip("openai")
     pytest.importorskip("fastapi")
     from plait.config import EngineConfig
@@ -372,7 +373,13 @@ def test_server_takes_image_url_parts(llava, tiny_llama, tmp_path, capsys):
                                                       use_tqdm=False)[0]
     assert offline.outputs[0].token_ids == want
     engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=12))
-    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+    media, outside = tmp_path / "media", tmp_path / "outside.png"
+    media.mkdir()
+    image.save(media / "cat 1.png")
+    image.save(outside)
+    (media / "out.png").symlink_to(outside)  # a link out of the folder is outside it
+    config = ServerConfig(log_level="warning", allowed_local_media_path=str(media))
+    with BackgroundServer(OpenAIServer(engine, config)) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
         model = client.models.list().data[0].id
         ask = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=6,
@@ -383,8 +390,16 @@ def test_server_takes_image_url_parts(llava, tiny_llama, tmp_path, capsys):
         chunks = client.chat.completions.create(**ask, stream=True)
         streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         assert streamed == reply.choices[0].message.content
+        in_media = [{"type": "text", "text": "w3 w17 w5"},
+                    {"type": "image_url", "image_url": {"url": (media / "cat 1.png").as_uri()}}]
+        local = client.chat.completions.create(**{**ask, "messages": [{"role": "user", "content": in_media}]})
+        assert local.choices[0].message.content == reply.choices[0].message.content
         for url_text, message in [("data:image/png;base64,AAAA", "cannot read"),
-                                  ("https://example.com/cat.png", "fetch")]:
+                                  ("https://example.com/cat.png", "fetch"),
+                                  (outside.as_uri(), "outside the folder"),
+                                  ((media / "out.png").as_uri(), "outside the folder"),
+                                  ((media / "none.png").as_uri(), "cannot read the image file"),
+                                  ("file://otherhost/cat.png", "not a file URL of this machine")]:
             bad = [{"type": "image_url", "image_url": {"url": url_text}}, {"type": "text", "text": "w1"}]
             with pytest.raises(openai.BadRequestError, match=message):
                 client.chat.completions.create(model=model, messages=[{"role": "user", "content": bad}],
@@ -561,3 +576,11 @@ def test_the_default_models_template_takes_text():
     from plait.multimodal.chat import content_format
 
     assert content_format(load_tokenizer(default_model_path()).chat_template) == "string"
+
+
+def test_a_file_url_needs_the_folder_the_server_allows():
+    """Without --allowed-local-media-path a file:// image is refused with the way to allow it."""
+    from plait.multimodal.images import load_image
+
+    with pytest.raises(ValueError, match="--allowed-local-media-path"):
+        load_image("file:///etc/hostname")

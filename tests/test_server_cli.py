@@ -213,6 +213,99 @@ def test_an_address_in_use_is_refused_before_the_model_loads(tmp_path, capsys, e
     assert f"plait: error: cannot serve on 127.0.0.1:{port}: Address already in use" in err
 
 
+def test_serve_takes_vllm_flags_whose_values_plait_has(monkeypatch, capsys, tmp_path):
+    """vLLM's aliases (-tp, --num-gpu-blocks-override), flags that change nothing here (the custom all-reduce,
+    a Hub token, a code revision) and flags whose value is what plait does (one pipeline stage, the 'mp'
+    executor, one API server) are accepted with the serve options they set; other values are refused by
+    name before the model loads."""
+    import plait.entrypoints.server as server
+    from plait.entrypoints import cli
+
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda e, c, **kw: seen.append((e, c, kw)))
+    log_config = tmp_path / "logging.json"
+    log_config.write_text(json.dumps({"version": 1}))
+    media = tmp_path / "media"
+    media.mkdir()
+    assert cli.main(["serve", "--port", "0", "-tp", "1", "--num-gpu-blocks-override", "64",
+                     "--kv-cache-memory-bytes", "2G", "--disable-custom-all-reduce",
+                     "--distributed-executor-backend", "mp", "-pp", "1", "--model-impl", "vllm",
+                     "--config-format", "hf", "--hf-token", "hf_secret", "--code-revision", "main",
+                     "--disable-frontend-multiprocessing", "--api-server-count", "1",
+                     "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
+                     "--middleware", "a.one", "--middleware", "b.two", "--log-config-file", str(log_config),
+                     "--ssl-cert-reqs", "1", "--allowed-local-media-path", str(media)]) == 0
+    ((engine, config, kwargs),) = seen
+    assert (engine.tensor_parallel_size, engine.num_kv_blocks, engine.kv_cache_memory_bytes) == (1, 64, 2**31)
+    assert kwargs["engine_process"] is False
+    assert config.enable_force_include_usage and config.enable_tokenizer_info_endpoint
+    assert config.middleware == ["a.one", "b.two"] and config.log_config_file == str(log_config)
+    assert (config.ssl_cert_reqs, config.allowed_local_media_path) == (1, str(media))
+    for flags, words in [(["-pp", "2"], "pipeline parallelism is not available"),
+                         (["--distributed-executor-backend", "ray"], "--distributed-executor-backend ray"),
+                         (["--distributed-executor-backend", "uni", "-tp", "2"], "backend uni"),
+                         (["--model-impl", "transformers"], "--model-impl transformers"),
+                         (["--config-format", "mistral"], "--config-format mistral"),
+                         (["--api-server-count", "2"], "--api-server-count"),
+                         (["--allowed-local-media-path", str(tmp_path / "none")], "is not a folder"),
+                         (["--log-config-file", str(tmp_path / "none.json")], "is not a file")]:
+        assert cli.main(["serve", "--port", "0", "--no-engine-process", *flags]) == 2, flags
+        assert words in capsys.readouterr().err, flags
+    assert len(seen) == 1
+
+
+async def stamp_responses(request, call_next):
+    """A user's --middleware function: every response carries a header."""
+    response = await call_next(request)
+    response.headers["x-stamped"] = request.url.path
+    return response
+
+
+def test_vllm_server_options_on_a_live_server(tmp_path):
+    """vLLM's --enable-force-include-usage (every stream ends with usage), --enable-tokenizer-info-endpoint
+    (GET /tokenizer_info, the tokenizer's settings without file paths and the chat template) and --middleware
+    (a function and a class, outside the key check) on a real server with the openai client; none of it
+    without the flags, and a middleware path that does not import stops the server from starting."""
+    openai = pytest.importorskip("openai")
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    engine = LLMEngine(EngineConfig(model=str(model), max_model_len=128, num_kv_blocks=64))
+    config = ServerConfig(log_level="warning", api_key="key", enable_force_include_usage=True,
+                          enable_tokenizer_info_endpoint=True,
+                          middleware=[f"{__name__}.stamp_responses",
+                                      "starlette.middleware.gzip.GZipMiddleware"])
+    ask = dict(model="tiny-model", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True,
+               extra_body={"ignore_eos": True})
+    with BackgroundServer(OpenAIServer(engine, config)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="key", max_retries=0, timeout=60)
+        chunks = list(client.chat.completions.create(**ask))
+        assert chunks[-1].usage.completion_tokens == 3 and all(c.usage is None for c in chunks[:-1])
+        completion = list(client.completions.create(model="tiny-model", prompt="hi", max_tokens=2,
+                                                    stream=True, extra_body={"ignore_eos": True}))
+        assert completion[-1].usage.completion_tokens == 2
+        info = httpx.get(f"{url}/tokenizer_info")
+        tokenizer = engine.tokenizer
+        assert info.status_code == 200 and info.headers["x-stamped"] == "/tokenizer_info"
+        assert info.headers["content-encoding"] == "gzip"  # the class, GZipMiddleware
+        info = info.json()
+        assert info["tokenizer_class"] == type(tokenizer).__name__
+        assert info["chat_template"] == tokenizer.chat_template and info["eos_token"] == tokenizer.eos_token
+        assert "name_or_path" not in info and str(model) not in json.dumps(info)
+        refused = httpx.get(f"{url}/v1/models", headers={"Accept-Encoding": "gzip"})
+        assert refused.status_code == 401 and refused.headers["x-stamped"] == "/v1/models"
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        assert all(c.usage is None for c in client.chat.completions.create(**ask))
+        assert httpx.get(f"{url}/tokenizer_info").status_code == 404
+        assert "x-stamped" not in httpx.get(f"{url}/health").headers
+    for path in ("no_such_module.thing", f"{__name__}.QUESTIONS_UNDEFINED", "json.dumps"):
+        with pytest.raises(ValueError, match="middleware"):
+            OpenAIServer(engine, ServerConfig(middleware=[path]))
+
+
 def test_a_unix_socket_in_use_or_of_another_file_is_refused_and_a_stale_one_replaced(tmp_path, capsys):
     """vLLM's --uds: a path a server listens on, or a file that is not a socket, is refused before the model
     loads; a socket file left by a killed server is replaced; a server's own goes when it stops."""

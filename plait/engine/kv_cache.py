@@ -13,6 +13,8 @@ from plait.engine.request import Request
 # Block 0 is never handed out: padded block-table entries and padded slot_mapping rows point at it,
 # so a padded (graph-captured) forward writes its junk K/V somewhere harmless.
 PAD_BLOCK_ID = 0
+# The pad block and one that holds tokens.
+MIN_KV_BLOCKS = 2
 # Hash of the (absent) parent of a request's first block.
 ROOT_HASH = b""
 _HASH_BYTES = 16
@@ -67,8 +69,9 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
-        if num_blocks < 2:
-            raise ValueError(f"the KV cache needs at least 2 blocks (one is the pad block), got {num_blocks}")
+        if num_blocks < MIN_KV_BLOCKS:
+            raise ValueError(f"the KV cache needs at least {MIN_KV_BLOCKS} blocks (one is the pad block), "
+                             f"got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

@@ -23,7 +23,8 @@ _ENGINE_FLAGS = (
     "long_prefill_token_threshold", "max_prefill_tokens_beside_decodes", "prefill_drain_steps",
     "max_num_partial_prefills",
     "scheduling_policy", "block_size",
-    "num_kv_blocks", "gpu_memory_utilization", "max_model_len", "enable_prefix_caching",
+    "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len",
+    "enable_prefix_caching",
     "attention_backend", "enforce_eager", "async_scheduling", "warm_up",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
     "kv_cache_dtype", "speculative_config", "runner", "pooler_config", "hf_overrides", "tensor_parallel_size",
@@ -82,6 +83,11 @@ _FLAG_HELP = {
     "kv_cache_dtype": "as vLLM's --kv-cache-dtype: 'auto' (default: the model's dtype) or 'fp8' (alias "
                       "'fp8_e4m3'): K/V stored in FP8, twice the tokens in the same memory",
     "max_cpu_loras": "LoRA adapters kept read on the host (default: --max-loras)",
+    "num_kv_blocks": "the KV cache's blocks (vLLM's --num-gpu-blocks-override; default: as many as "
+                     "--gpu-memory-utilization, or --kv-cache-memory-bytes, leaves room for)",
+    "kv_cache_memory_bytes": "as vLLM's: the KV cache's size on each device in bytes, or '8G' (8 GiB) / "
+                             "'8g' (8e9) as --max-model-len's sizes, in place of what "
+                             "--gpu-memory-utilization leaves after a profiling step (default: that)",
     "speculative_config": "as vLLM's, a JSON object: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
                           "4, \"prompt_lookup_max\": 4}' drafts up to 4 tokens a step by prompt lookup, "
                           "'{\"model\": \"DRAFT\", \"num_speculative_tokens\": 3}' with a smaller model of "
@@ -136,7 +142,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs = {"type": _FLAG_TYPES.get(f.name) or _arg_type(hints[f.name]),
                       "help": _FLAG_HELP.get(f.name, f"(default: {f.default!r})")}
         try:
-            group.add_argument(flag, dest=f.name, default=None, **kwargs)
+            group.add_argument(flag, *_FLAG_ALIASES.get(f.name, ()), dest=f.name, default=None, **kwargs)
         except argparse.ArgumentError:  # the command's own flag of that name stays
             continue
         added.append(f.name)
@@ -164,6 +170,24 @@ def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--tokenizer-mode", default="auto", metavar="MODE",
                        help="vLLM's tokenizer mode: plait runs the checkpoint's fast (tokenizers) tokenizer, "
                             "vLLM's 'auto' and 'hf' ('slow', 'mistral' and 'custom' are refused)")
+    group.add_argument("--model-impl", default="auto", metavar="IMPL",
+                       help="vLLM's model implementation: plait runs its own ('auto' and 'vllm' are "
+                            "accepted; 'transformers' is refused)")
+    group.add_argument("--config-format", default="auto", metavar="FORMAT",
+                       help="vLLM's checkpoint config format: plait reads HF's config.json or the GGUF "
+                            "header ('auto' and 'hf' are accepted; 'mistral' is refused)")
+    group.add_argument("--code-revision", default=None, metavar="REVISION",
+                       help="accepted for vLLM command lines: plait runs no code from checkpoints")
+    group.add_argument("--hf-token", nargs="?", const=True, default=None, metavar="TOKEN",
+                       help="accepted for vLLM command lines: plait never downloads, so sends no token")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
+                       help="vLLM's pipeline stages: plait splits a model across GPUs by tensor parallelism "
+                            "(--tensor-parallel-size) only, so 1 is accepted and more is refused")
+    group.add_argument("--distributed-executor-backend", default=None, metavar="BACKEND",
+                       help="vLLM's workers: plait runs one process per GPU, vLLM's 'mp' ('uni' with one "
+                            "GPU; 'ray' and 'external_launcher' are refused)")
+    group.add_argument("--disable-custom-all-reduce", action="store_true",
+                       help="accepted for vLLM command lines: plait's tensor-parallel all-reduce is NCCL's")
 
 
 # vLLM's human-readable sizes: a decimal suffix (k, m, g, t: powers of 1,000, decimals allowed) or a binary
@@ -190,7 +214,10 @@ def human_readable_int(value: str) -> int:
 
 
 # Engine flags whose values are not plain numbers.
-_FLAG_TYPES: dict[str, Callable[[str], Any]] = {"max_model_len": human_readable_int}
+_FLAG_TYPES: dict[str, Callable[[str], Any]] = {"max_model_len": human_readable_int,
+                                                "kv_cache_memory_bytes": human_readable_int}
+# vLLM's other names for engine flags.
+_FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "num_kv_blocks": ("--num-gpu-blocks-override",)}
 
 
 def _arg_type(hint: Any) -> type:
@@ -222,6 +249,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     if mode not in TOKENIZER_MODES:
         raise ValueError(f"--tokenizer-mode {mode} is not available: plait runs the checkpoint's fast "
                          f"tokenizer (vLLM's {' / '.join(TOKENIZER_MODES)}); leave it out")
+    _check_vllm_choices(args)
     if getattr(args, "enable_chunked_prefill", True) is False:
         raise ValueError("plait always chunks prompts beside running decodes (that is how a step is built); "
                          "to take each prompt whole, raise --max-num-batched-tokens, or use "
@@ -229,6 +257,34 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     names = getattr(args, "engine_flags", _ENGINE_FLAGS)
     given = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     return EngineConfig(**given)
+
+
+# vLLM's values of its flags that mean what plait does.
+MODEL_IMPLS = ("auto", "vllm")
+CONFIG_FORMATS = ("auto", "hf")
+EXECUTOR_BACKENDS = ("mp", "uni")
+SINGLE_PROCESS_BACKEND = "uni"
+
+
+def _check_vllm_choices(args: argparse.Namespace) -> None:
+    """vLLM flags accepted where their value is what plait does, and refused by name where it is not."""
+    impl = getattr(args, "model_impl", "auto")
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"--model-impl {impl} is not available: plait runs its own model code (vLLM's "
+                         f"{' / '.join(MODEL_IMPLS)}); leave it out")
+    config_format = getattr(args, "config_format", "auto")
+    if config_format not in CONFIG_FORMATS:
+        raise ValueError(f"--config-format {config_format} is not available: plait reads HF's config.json or "
+                         "a GGUF file's header; leave it out")
+    if getattr(args, "pipeline_parallel_size", 1) != 1:
+        raise ValueError("pipeline parallelism is not available: plait splits a model across GPUs by tensor "
+                         "parallelism (--tensor-parallel-size N) instead")
+    backend = getattr(args, "distributed_executor_backend", None)
+    tensor_parallel = getattr(args, "tensor_parallel_size", None) or 1
+    if backend is not None and (backend not in EXECUTOR_BACKENDS
+                                or (backend == SINGLE_PROCESS_BACKEND and tensor_parallel > 1)):
+        raise ValueError(f"--distributed-executor-backend {backend} is not available: plait runs one process "
+                         "per GPU (vLLM's 'mp'; 'uni' with one GPU)")
 
 
 def _sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -312,6 +368,9 @@ def _needs_server_dependencies(command: str, err: ImportError) -> ValueError:
 def _cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.api_server_count != 1:
+        raise ValueError("plait serves HTTP from one process (its engine loop runs in another); leave "
+                         "--api-server-count out, or add engines with --data-parallel-size")
     engine_config = _engine_config(args)
     launched = None
     if args.data_parallel_size == 1:
@@ -335,8 +394,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           allow_credentials=args.allow_credentials,
                           allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
-                          ssl_ca_certs=args.ssl_ca_certs, root_path=args.root_path, uds=args.uds,
+                          ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                          root_path=args.root_path, uds=args.uds,
                           disable_fastapi_docs=args.disable_fastapi_docs,
+                          enable_force_include_usage=args.enable_force_include_usage,
+                          enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                          middleware=args.middleware, log_config_file=args.log_config_file,
                           uvicorn_log_level=args.uvicorn_log_level,
                           disable_uvicorn_access_log=args.disable_uvicorn_access_log,
                           enable_server_load_tracking=args.enable_server_load_tracking,
@@ -390,7 +453,7 @@ def _request_handling_config(args: argparse.Namespace) -> dict[str, Any]:
     """The ServerConfig fields of _add_request_handling_args', the tool and the LoRA modules' flags."""
     return dict(served_model_name=args.served_model_name,
                 trust_request_chat_template=args.trust_request_chat_template,
-                chat_template=args.chat_template,
+                allowed_local_media_path=args.allowed_local_media_path, chat_template=args.chat_template,
                 chat_template_content_format=args.chat_template_content_format,
                 **({"response_role": args.response_role} if args.response_role is not None else {}),
                 enable_auto_tool_choice=args.enable_auto_tool_choice,
@@ -411,6 +474,9 @@ def _add_request_handling_args(parser: argparse.ArgumentParser) -> None:
                              "(default: the model file's stem or folder's name)")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="let chat requests bring their own chat template (a Jinja program)")
+    parser.add_argument("--allowed-local-media-path", default=None, metavar="FOLDER",
+                        help="let image parts name files in this folder by file:// URL, as vLLM's (clients "
+                             "then read the server's files: trusted clients only) (default: data URLs only)")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="logprobs name tokens 'token_id:<id>' (as vLLM) unless a request sets "
                              "return_tokens_as_token_ids false")
@@ -579,11 +645,30 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the path prefix a proxy in front of the server strips, as vLLM's")
     srv.add_argument("--disable-fastapi-docs", action="store_true",
                      help="serve no /docs, /redoc or /openapi.json (the API's browsable description)")
+    srv.add_argument("--enable-force-include-usage", action="store_true",
+                     help="end every stream with a usage chunk, whether stream_options asks for it or not")
+    srv.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                     help="serve GET /tokenizer_info: the tokenizer's configuration and the chat template "
+                          "(off by default, as vLLM's: a template may be its owner's to keep)")
+    srv.add_argument("--middleware", action="append", default=[], metavar="MODULE.NAME",
+                     help="an ASGI middleware class or async function (request, call_next) to wrap every "
+                          "request with, imported by its path (repeatable), as vLLM's")
+    srv.add_argument("--log-config-file", default=None, metavar="PATH",
+                     help="uvicorn's logging configuration (JSON, YAML or INI) instead of its own")
+    srv.add_argument("--disable-frontend-multiprocessing", dest="engine_process", action="store_false",
+                     help="vLLM's name for --no-engine-process: the engine's loop in the server's process")
+    srv.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
+                     help="vLLM's HTTP server processes: plait's one serves every request (its engine "
+                          "loop runs apart; --data-parallel-size adds engines), so 1 is accepted and more "
+                          "is refused")
     srv.add_argument("--ssl-keyfile", default=None,
                      help="serve HTTPS with this private key (with --ssl-certfile)")
     srv.add_argument("--ssl-certfile", default=None, help="and this certificate")
     srv.add_argument("--ssl-ca-certs", default=None,
-                     help="require clients' certificates signed by these CAs (with --ssl-certfile)")
+                     help="check clients' certificates against these CAs (with --ssl-certfile)")
+    srv.add_argument("--ssl-cert-reqs", type=int, default=None, choices=(0, 1, 2),
+                     help="whether clients must show a certificate: 0 no, 1 optional, 2 required (default: 2 "
+                          "with --ssl-ca-certs, else 0)")
     _add_cors_args(srv)
     _add_engine_args(srv)
     srv.set_defaults(func=_cmd_serve)

@@ -1,13 +1,16 @@
 """The server's ASGI middleware (pure ASGI, so streams and disconnects pass straight through): the API key and
-body size, the model-running requests in flight, and request ids."""
+body size, the model-running requests in flight, and request ids; and the user's own (--middleware)."""
 
 from __future__ import annotations
 
 import contextvars
+import importlib
+import inspect
 import secrets
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -190,3 +193,21 @@ class GuardMiddleware:
         await send_error(send, 413, body)
 
 
+
+
+def add_user_middleware(app: Any, path: str) -> None:
+    """vLLM's --middleware: ``path`` (module.name) names an ASGI middleware class, which wraps the app, or an
+    ``async def (request, call_next)`` function, which runs on every HTTP request; anything else, or a name
+    that does not import, is a ValueError at start-up."""
+    module_name, _, name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), name) if module_name else None
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"middleware {path!r} does not import: {err}") from err
+    if inspect.isclass(found):
+        app.add_middleware(found)
+    elif inspect.iscoroutinefunction(found):
+        app.middleware("http")(found)
+    else:
+        raise ValueError(f"middleware {path!r} must name an ASGI middleware class or an async function "
+                         "(request, call_next), as module.name")

@@ -454,15 +454,15 @@ class _SamplingRequest(_RequestModel):
         """The field that sets the request's max_tokens, which errors about it name."""
         return "max_tokens"
 
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+    def include_usage(self, forced: bool = False) -> bool:
+        """Whether a stream ends with a usage chunk: as stream_options asks, or always where ``forced``
+        (vLLM's --enable-force-include-usage)."""
+        return forced or (self.stream_options is not None and self.stream_options.include_usage)
 
-    @property
-    def continuous_usage(self) -> bool:
-        # As vLLM: the usage so far on every chunk only where the closing usage chunk is asked for too.
+    def continuous_usage(self, forced: bool = False) -> bool:
+        # As vLLM: the usage so far on every chunk only where the closing usage chunk comes too.
         options = self.stream_options
-        return options is not None and options.include_usage and options.continuous_usage_stats
+        return options is not None and options.continuous_usage_stats and self.include_usage(forced)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         defaults: Mapping[str, Any] | None = None) -> SamplingParams:
@@ -574,7 +574,9 @@ class TextContentPart(_RequestModel):
 
 
 class ImageURL(_RequestModel):
-    url: str  # a data URL (data:image/png;base64,...): plait fetches nothing
+    # a data URL (data:image/png;base64,...), or a file:// URL under --allowed-local-media-path: plait fetches
+    # nothing from the network
+    url: str
     detail: Literal["auto", "low", "high"] | None = None  # OpenAI's; an image model sees every image whole
 
 

@@ -84,6 +84,7 @@ from plait.entrypoints.middleware import (
     LoadTrackingMiddleware,
     RequestIdMiddleware,
     ServerLoad,
+    add_user_middleware,
     new_response_id,
 )
 from plait.entrypoints.protocol import (
@@ -168,7 +169,7 @@ from plait.entrypoints.tools import (
 from plait.loader.hf import ModelSource
 from plait.lora.request import LoRAModulePath, LoRARequest
 from plait.multimodal.chat import AUTO_CONTENT_FORMAT, content_format, image_token_text, prepare_chat
-from plait.multimodal.images import MultiModalPrompt
+from plait.multimodal.images import FILE_URL_PREFIX, MultiModalPrompt, local_image_bytes
 from plait.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
 from plait.pooling_params import PoolingParams, score_pairs
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, RequestOutputKind, SamplingParams
@@ -206,6 +207,8 @@ GRACEFUL_SHUTDOWN_S = 5
 OPENAPI_PATH = "/openapi.json"
 DOCS_PATH = "/docs"
 REDOC_PATH = "/redoc"
+# Tokenizer settings /tokenizer_info leaves out: paths of files on the server (as vLLM's).
+_TOKENIZER_FILE_KEYS = frozenset({"vocab_file", "merges_file", "tokenizer_file", "name_or_path"})
 # The host of a Unix domain socket server's URLs: clients need one, and nothing resolves it.
 UNIX_SOCKET_HOST = "localhost"
 
@@ -295,6 +298,22 @@ class ServerConfig:
     ssl_ca_certs: str | None = None
     # vLLM's --root-path: the path prefix a proxy in front of the server strips (for the OpenAPI docs' links).
     root_path: str = ""
+    # vLLM's --enable-force-include-usage: every stream ends with a usage chunk, asked for or not.
+    enable_force_include_usage: bool = False
+    # vLLM's --enable-tokenizer-info-endpoint: GET /tokenizer_info (the tokenizer's configuration and chat
+    # template; off by default, as vLLM's, since a template may hold what its owner keeps to themselves).
+    enable_tokenizer_info_endpoint: bool = False
+    # vLLM's --middleware: import paths (module.name) of ASGI middleware classes or async functions
+    # (request, call_next) that wrap every HTTP request, outside plait's own (the key check included).
+    middleware: Sequence[str] = ()
+    # vLLM's --log-config-file: uvicorn's logging configuration (a JSON, YAML or INI file) instead of its own.
+    log_config_file: str | None = None
+    # vLLM's --ssl-cert-reqs (ssl.CERT_NONE / OPTIONAL / REQUIRED: 0 / 1 / 2); None: REQUIRED where
+    # ssl_ca_certs is given, else NONE.
+    ssl_cert_reqs: int | None = None
+    # vLLM's --allowed-local-media-path: image parts may name files in this folder by file:// URL (a client
+    # then reads the server's files: for trusted clients only); None: data URLs only.
+    allowed_local_media_path: str | None = None
     # vLLM's --uds: serve on a Unix domain socket at this path instead of host and port.
     uds: str | None = None
     # vLLM's --disable-fastapi-docs: no /docs, /redoc or /openapi.json.
@@ -355,6 +374,16 @@ class ServerConfig:
             path = getattr(self, name)
             if path is not None and not os.path.isfile(path):
                 raise ValueError(f"{name} {path!r} is not a file")
+        folder = self.allowed_local_media_path
+        if folder is not None and not os.path.isdir(folder):
+            raise ValueError(f"allowed_local_media_path {folder!r} is not a folder")
+        if self.log_config_file is not None and not os.path.isfile(self.log_config_file):
+            raise ValueError(f"log_config_file {self.log_config_file!r} is not a file")
+        if self.ssl_cert_reqs is not None and self.ssl_cert_reqs not in tuple(ssl.VerifyMode):
+            raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2 (none, optional, required), got "
+                             f"{self.ssl_cert_reqs}")
+        if isinstance(self.middleware, str):
+            raise ValueError(f"middleware must be a list of import paths, got {self.middleware!r}")
         if self.uds is not None and (not self.uds or not hasattr(socket, "AF_UNIX")):
             raise ValueError(f"uds must be a Unix domain socket's path on a system that has them, got "
                              f"{self.uds!r}")
@@ -786,6 +815,11 @@ class OpenAIServer:
         async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
             return self.detokenize(body)
 
+        if self.config.enable_tokenizer_info_endpoint:
+            @app.get("/tokenizer_info", responses=_TOKENIZER_ERROR_RESPONSES)
+            async def tokenizer_info() -> Response:
+                return JSONResponse(self.tokenizer_info())
+
         @app.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
         async def models() -> ModelList:
             return self.models()
@@ -842,6 +876,8 @@ class OpenAIServer:
         if self.config.enable_server_load_tracking:
             app.add_middleware(LoadTrackingMiddleware, load=self.load)
         app.add_middleware(RequestIdMiddleware, echo=self.config.enable_request_id_headers)
+        for path in self.config.middleware:  # outside plait's own, as vLLM's: they see every request
+            add_user_middleware(app, path)
         # Added last, so outermost: it answers preflights before the key check, and its headers reach every
         # response, the guard's 401 and 413 included, so a page's script can read why it was refused.
         app.add_middleware(CORSMiddleware, allow_origins=list(self.config.allowed_origins),
@@ -1018,6 +1054,7 @@ class OpenAIServer:
             conversation, images = prepare_chat(conversation, template or self.tokenizer.chat_template,
                                                 self.image_text, self.model_name,
                                                 self.config.chat_template_content_format)
+            images = [self._local_image(image) for image in images]
         except ValueError as err:
             raise APIError(400, str(err), param="messages") from err
         try:
@@ -1030,6 +1067,13 @@ class OpenAIServer:
         except (ValueError, TypeError, RecursionError, jinja2.TemplateError) as err:
             # RecursionError: a message's tool call arguments nested too deep for the template's tojson
             raise APIError(400, f"could not apply the chat template: {err}", param="messages") from err
+
+    def _local_image(self, image: Any) -> Any:
+        """A file URL's image read from the folder --allowed-local-media-path allows; any other as it is."""
+        folder = self.config.allowed_local_media_path
+        if folder is not None and isinstance(image, str) and image.startswith(FILE_URL_PREFIX):
+            return local_image_bytes(image, folder)
+        return image
 
     @staticmethod
     def _brings_template(body: ChatTemplateRequest) -> bool:
@@ -1332,7 +1376,7 @@ class OpenAIServer:
             yield chunk([ChatStreamChoice(index=completion.index, delta=delta or DeltaMessage(),
                                           finish_reason=finish_reason, stop_reason=completion.stop_reason,
                                           token_ids=list(completion.token_ids) if ids else None)])
-        if body.include_usage:
+        if body.include_usage(self.config.enable_force_include_usage):
             yield chunk([], self._beam_usage([out]))
         yield SSE_DONE
 
@@ -1370,6 +1414,19 @@ class OpenAIServer:
             raise APIError(400, f"token id {bad} is out of range for a vocabulary of {self.vocab_size}",
                            param="tokens")
         return DetokenizeResponse(prompt=tokenizer.decode(body.tokens))
+
+    def tokenizer_info(self) -> dict[str, Any]:
+        """vLLM's /tokenizer_info: the tokenizer's configuration as its tokenizer_config.json holds it
+        (without file paths), its class, and the chat template the server renders with."""
+        tokenizer = self._require_tokenizer("tokenizer")
+        settings = getattr(tokenizer, "init_kwargs", {})
+        config = {k: v for k, v in settings.items() if k not in _TOKENIZER_FILE_KEYS}
+        info: dict[str, Any] = _json_safe(config)
+        info["tokenizer_class"] = type(tokenizer).__name__
+        template = self.config.chat_template_text or getattr(tokenizer, "chat_template", None)
+        if template:
+            info["chat_template"] = template
+        return info
 
     def _require_tokenizer(self, param: str) -> Any:
         if self.tokenizer is None:
@@ -1609,8 +1666,10 @@ class OpenAIServer:
             return _sse(CompletionStreamResponse(id=response_id, created=created, model=model,
                                                  choices=choices, usage=usage))
 
+        continuous = body.continuous_usage(self.config.enable_force_include_usage)
+
         def usage_so_far() -> UsageInfo | None:  # stream_options.continuous_usage_stats
-            return self._usage(stream, n, completion_tokens) if body.continuous_usage else None
+            return self._usage(stream, n, completion_tokens) if continuous else None
 
         try:
             async with stream:
@@ -1640,7 +1699,7 @@ class OpenAIServer:
                     if ids is not None:
                         choice.prompt_token_ids, choice.token_ids = ids.take(index, out.prompt_token_ids)
                     yield chunk([choice], usage_so_far())
-            if body.include_usage:
+            if body.include_usage(self.config.enable_force_include_usage):
                 yield chunk([], self._usage(stream, n, completion_tokens))
         except _ENGINE_ERRORS as err:
             error = not isinstance(err, RequestTimeoutError)
@@ -1794,8 +1853,10 @@ class OpenAIServer:
                                                      choices=choices, usage=usage,
                                                      prompt_token_ids=prompt_token_ids))
 
+        continuous = body.continuous_usage(self.config.enable_force_include_usage)
+
         def usage_so_far() -> UsageInfo | None:  # stream_options.continuous_usage_stats
-            return self._usage(stream, n, completion_tokens) if body.continuous_usage else None
+            return self._usage(stream, n, completion_tokens) if continuous else None
 
         try:
             async with stream:
@@ -1825,7 +1886,7 @@ class OpenAIServer:
                                                   finish_reason=finish_reason,
                                                   stop_reason=completion.stop_reason, token_ids=token_ids)],
                                 usage_so_far())
-            if body.include_usage:
+            if body.include_usage(self.config.enable_force_include_usage):
                 yield chunk([], self._usage(stream, n, completion_tokens))
         except _ENGINE_ERRORS as err:
             error = not isinstance(err, RequestTimeoutError)
@@ -1900,6 +1961,18 @@ class OpenAIServer:
 # -- running it ---------------------------------------------------------------------------------
 
 
+def _json_safe(value: Any) -> Any:
+    """A tokenizer setting as JSON: special tokens (AddedToken) as their text, other objects as strings."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    content = getattr(value, "content", None)
+    return content if isinstance(content, str) else str(value)
+
+
 def base_url(sock: socket.socket, https: bool = False) -> str:
     """http(s)://host:port of a bound socket, with a wildcard address shown as loopback; for a Unix domain
     socket, the URL a client asks for through it (its host is any name: nothing resolves it)."""
@@ -1913,14 +1986,20 @@ def base_url(sock: socket.socket, https: bool = False) -> str:
     return f"{'https' if https else 'http'}://{host}:{port}"
 
 
+def _cert_reqs(c: ServerConfig) -> int:
+    if c.ssl_cert_reqs is not None:
+        return c.ssl_cert_reqs
+    return ssl.CERT_REQUIRED if c.ssl_ca_certs else ssl.CERT_NONE
+
+
 def uvicorn_server(app: ASGIApp, c: ServerConfig) -> uvicorn.Server:
-    """uvicorn serving ``app`` as ``c`` says (log levels, access log, root path, TLS); the data-parallel
-    front runs on it too."""
-    config = uvicorn.Config(app, uds=c.uds, log_level=c.uvicorn_log_level or c.log_level,
+    """uvicorn serving ``app`` as ``c`` says (log levels and configuration, access log, root path, TLS); the
+    data-parallel front runs on it too."""
+    logging_config = {} if c.log_config_file is None else {"log_config": c.log_config_file}
+    config = uvicorn.Config(app, uds=c.uds, log_level=c.uvicorn_log_level or c.log_level, **logging_config,
                             access_log=not c.disable_uvicorn_access_log, root_path=c.root_path,
                             ssl_keyfile=c.ssl_keyfile, ssl_certfile=c.ssl_certfile,
-                            ssl_ca_certs=c.ssl_ca_certs,
-                            ssl_cert_reqs=ssl.CERT_REQUIRED if c.ssl_ca_certs else ssl.CERT_NONE,
+                            ssl_ca_certs=c.ssl_ca_certs, ssl_cert_reqs=_cert_reqs(c),
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     return uvicorn.Server(config)
 

@@ -1,5 +1,6 @@
-"""An image prompt: the images a user passes (PIL images, bytes, data URLs), turned into pixel values by the
-model's image processor, and the placeholder tokens each one fills in the prompt."""
+"""An image prompt: the images a user passes (PIL images, bytes, data URLs; file URLs under a folder the
+server allows), turned into pixel values by the model's image processor, and the placeholder tokens each one
+fills in the prompt."""
 
 from __future__ import annotations
 
@@ -7,14 +8,19 @@ import base64
 import binascii
 import hashlib
 import io
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 import torch
 
 _KEY_BYTES = 16
+FILE_URL_PREFIX = "file://"
+# A file URL's host: none, or this machine by name (file://localhost/path).
+_LOCAL_FILE_HOSTS = ("", "localhost")
 
 
 @dataclass(frozen=True)
@@ -65,10 +71,33 @@ def load_image(source: Any) -> Any:
     return image.convert("RGB")
 
 
+def local_image_bytes(url: str, allowed_folder: str) -> bytes:
+    """The bytes of the file a ``file://`` image URL names, which must lie inside ``allowed_folder`` once both
+    are resolved (vLLM's --allowed-local-media-path; links out of it do not count as inside). ValueError
+    otherwise, or where the file cannot be read."""
+    parsed = urlparse(url)
+    if parsed.scheme != "file" or parsed.netloc not in _LOCAL_FILE_HOSTS:
+        raise ValueError(f"not a file URL of this machine: {url[:80]!r}")
+    path = os.path.realpath(unquote(parsed.path))
+    folder = os.path.realpath(allowed_folder)
+    if os.path.commonpath([path, folder]) != folder:
+        raise ValueError(f"the image file {unquote(parsed.path)!r} is outside the folder the server reads "
+                         "images from (--allowed-local-media-path)")
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as err:
+        raise ValueError(f"cannot read the image file {unquote(parsed.path)!r}: "
+                         f"{err.strerror or err}") from err
+
+
 def _data_url_bytes(url: str) -> bytes:
     if url.startswith(("http://", "https://")):
         raise ValueError("plait does not fetch image URLs; send the image inline as a data URL "
                          "(data:image/png;base64,...)")
+    if url.startswith(FILE_URL_PREFIX):
+        raise ValueError("this server reads no image files; send the image inline as a data URL "
+                         "(data:image/png;base64,...), or start it with --allowed-local-media-path FOLDER")
     if not url.startswith("data:"):
         raise ValueError(f"an image URL must be a data URL (data:image/...;base64,...), got {url[:40]!r}")
     header, sep, payload = url[len("data:"):].partition(",")

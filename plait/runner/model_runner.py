@@ -17,7 +17,7 @@ from plait.attention.base import get_backend
 from plait.attention.fp8_kv import UNIT_SCALES, KVScales, cache_torch_dtype
 from plait.config import CPU_KV_CACHE_BYTES, NO_CHUNK_CAP, EngineConfig
 from plait.engine.grammar import next_token_bitmasks
-from plait.engine.kv_cache import cdiv
+from plait.engine.kv_cache import MIN_KV_BLOCKS, cdiv
 from plait.engine.request import Request
 from plait.engine.scheduler import StepPlan
 from plait.engine.state_slots import PAD_STATE_SLOT
@@ -480,9 +480,16 @@ class ModelRunner:
         needed = self.config.max_num_seqs * cdiv(self.max_model_len, self.config.block_size) + 1
         if self._bytes_per_block() == 0:
             return needed
+        size = self.config.kv_cache_memory_bytes
+        if size is not None:  # the user's size, as vLLM's: no profiling step
+            blocks = size // self._bytes_per_block()
+            if blocks < MIN_KV_BLOCKS:
+                raise ValueError(f"kv_cache_memory_bytes={size} holds {blocks} KV blocks of "
+                                 f"{self._bytes_per_block()} bytes; at least {MIN_KV_BLOCKS} are needed")
+            return blocks
         if self.device.type == "cuda":
-            return max(2, int(self._gpu_kv_budget() // self._bytes_per_block()))
-        return max(2, min(int(CPU_KV_CACHE_BYTES // self._bytes_per_block()), needed))
+            return max(MIN_KV_BLOCKS, int(self._gpu_kv_budget() // self._bytes_per_block()))
+        return max(MIN_KV_BLOCKS, min(int(CPU_KV_CACHE_BYTES // self._bytes_per_block()), needed))
 
     def _gpu_kv_budget(self) -> float:
         """Memory left for the KV cache after a profiling step at the largest token budget."""
