@@ -110,9 +110,9 @@ EMBED_SCALE = 100.0
 def _engine(model: str, dtype: str, **knobs) -> LLMEngine:
     # Serving's cap on prompt tokens beside decodes: requests arrive while others decode, and the steps
     # that carry both replay mixed-shape graphs (an offline engine has no cap, so no such graphs).
-    config = EngineConfig(model=model, load_format="dummy", seed=7, dtype=dtype, max_model_len=1024,
-                          num_kv_blocks=2048, max_num_seqs=64, enable_prefix_caching=False, usage="serve",
-                          **knobs)
+    defaults = dict(load_format="dummy", seed=7, max_model_len=1024, num_kv_blocks=2048, max_num_seqs=64,
+                    enable_prefix_caching=False, usage="serve")
+    config = EngineConfig(model=model, dtype=dtype, **{**defaults, **knobs})
     engine = LLMEngine(config)
     with torch.no_grad():
         engine.runner.model.model.embed_tokens.weight.mul_(EMBED_SCALE)
@@ -475,6 +475,20 @@ def test_gpu_engine_with_graphs_is_freed_without_the_cycle_collector(tmp_path):
                                num_kv_blocks=64, max_num_seqs=8)
     assert gc.get_freeze_count() > 0
     assert [r() is None for r in refs] == [True] * len(refs)
+
+
+def test_kv_cache_memory_bytes_sizes_the_gpu_cache_without_the_utilisation_share(tmp_path):
+    """vLLM's kv_cache_memory_bytes on the GPU: the cache takes that many bytes whatever
+    gpu_memory_utilization says (a share far too small for any cache here), and the engine generates."""
+    model = _config(tmp_path, 64)
+    sized = _engine(model, "bfloat16", num_kv_blocks=None, kv_cache_memory_bytes=256 * 2**20,
+                    gpu_memory_utilization=0.01)
+    runner = sized.runner
+    per_block = runner._bytes_per_block()
+    assert runner.num_kv_blocks == 256 * 2**20 // per_block
+    assert sum(t.numel() * t.element_size() for t in runner.kv_caches) == runner.num_kv_blocks * per_block
+    (out,) = _greedy(sized, [[5, 6, 7, 8]], arrive_every=0)
+    assert len(out) == NEW_TOKENS
 
 
 def _prompt_logprobs(engine: LLMEngine, prompts: list[list[int]], arrive_every: int) -> dict[int, list]:
