@@ -508,10 +508,15 @@ def plait_serve_process(tmp_path: Path, args: list[str], env: dict[str, str] | N
     try:
         yield url, banner
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(SERVE_SHUTDOWN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_plait_serve(proc)
     assert proc.returncode == 0, log_path.read_text()
+
+
+def stop_plait_serve(proc: subprocess.Popen) -> None:
+    """SIGINT (uvicorn's graceful shutdown), then a kill if it has not exited in SERVE_SHUTDOWN_TIMEOUT_S."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(SERVE_SHUTDOWN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SERVE_SHUTDOWN_TIMEOUT_S, plait_serve_process, start_plait_serve
+from conftest import ROOT, SERVE_SHUTDOWN_TIMEOUT_S, plait_serve_process, start_plait_serve, stop_plait_serve
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -246,6 +246,8 @@ def test_serve_takes_vllm_flags_whose_values_plait_has(monkeypatch, capsys, tmp_
                          (["--distributed-executor-backend", "uni", "-tp", "2"], "backend uni"),
                          (["--model-impl", "transformers"], "--model-impl transformers"),
                          (["--config-format", "mistral"], "--config-format mistral"),
+                         (["--tokenizer-mode", "slow"], "--tokenizer-mode slow is not available"),
+                         (["--guided-decoding-backend", "xgrammar"], "structured outputs are llguidance's"),
                          (["--api-server-count", "2"], "--api-server-count"),
                          (["--allowed-local-media-path", str(tmp_path / "none")], "is not a folder"),
                          (["--log-config-file", str(tmp_path / "none.json")], "is not a file")]:
@@ -368,12 +370,7 @@ def test_plait_serve_on_a_unix_socket_as_vllm(tmp_path):
         assert [http.get(page).status_code for page in ("/docs", "/redoc", "/openapi.json")] == [404] * 3
         assert http.get("/health").status_code == 200
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(SERVE_SHUTDOWN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_plait_serve(proc)
     assert proc.returncode == 0 and not os.path.exists(path)
 
 

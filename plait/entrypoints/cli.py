@@ -150,10 +150,6 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_vllm_compat_args(group)
 
 
-# vLLM's --tokenizer-mode values that mean what plait does: the checkpoint's fast tokenizer.
-TOKENIZER_MODES = ("auto", "hf")
-
-
 def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
     """vLLM flags whose behaviour plait always has, accepted so that vLLM command lines run unchanged."""
     group.add_argument("--trust-remote-code", action="store_true",
@@ -241,14 +237,6 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    backend = getattr(args, "guided_decoding_backend", "auto")
-    if backend not in STRUCTURED_OUTPUT_BACKENDS:
-        raise ValueError(f"structured outputs are llguidance's here (vLLM's 'guidance' backend): "
-                         f"--guided-decoding-backend {backend} is not available; leave it out or pass 'auto'")
-    mode = getattr(args, "tokenizer_mode", "auto")
-    if mode not in TOKENIZER_MODES:
-        raise ValueError(f"--tokenizer-mode {mode} is not available: plait runs the checkpoint's fast "
-                         f"tokenizer (vLLM's {' / '.join(TOKENIZER_MODES)}); leave it out")
     _check_vllm_choices(args)
     if getattr(args, "enable_chunked_prefill", True) is False:
         raise ValueError("plait always chunks prompts beside running decodes (that is how a step is built); "
@@ -259,23 +247,25 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(**given)
 
 
-# vLLM's values of its flags that mean what plait does.
-MODEL_IMPLS = ("auto", "vllm")
-CONFIG_FORMATS = ("auto", "hf")
+# vLLM flags accepted where their value means what plait does: (the values, what plait does instead).
+_VLLM_CHOICES = {
+    "guided_decoding_backend": (STRUCTURED_OUTPUT_BACKENDS, "structured outputs are llguidance's, vLLM's "
+                                                            "'guidance' backend"),
+    "tokenizer_mode": (("auto", "hf"), "plait runs the checkpoint's fast (tokenizers) tokenizer"),
+    "model_impl": (("auto", "vllm"), "plait runs its own model code"),
+    "config_format": (("auto", "hf"), "plait reads HF's config.json or a GGUF file's header"),
+}
 EXECUTOR_BACKENDS = ("mp", "uni")
 SINGLE_PROCESS_BACKEND = "uni"
 
 
 def _check_vllm_choices(args: argparse.Namespace) -> None:
     """vLLM flags accepted where their value is what plait does, and refused by name where it is not."""
-    impl = getattr(args, "model_impl", "auto")
-    if impl not in MODEL_IMPLS:
-        raise ValueError(f"--model-impl {impl} is not available: plait runs its own model code (vLLM's "
-                         f"{' / '.join(MODEL_IMPLS)}); leave it out")
-    config_format = getattr(args, "config_format", "auto")
-    if config_format not in CONFIG_FORMATS:
-        raise ValueError(f"--config-format {config_format} is not available: plait reads HF's config.json or "
-                         "a GGUF file's header; leave it out")
+    for name, (values, instead) in _VLLM_CHOICES.items():
+        value = getattr(args, name, values[0])
+        if value not in values:
+            raise ValueError(f"--{name.replace('_', '-')} {value} is not available: {instead} (vLLM's "
+                             f"{' / '.join(values)}); leave it out")
     if getattr(args, "pipeline_parallel_size", 1) != 1:
         raise ValueError("pipeline parallelism is not available: plait splits a model across GPUs by tensor "
                          "parallelism (--tensor-parallel-size N) instead")
