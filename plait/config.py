@@ -74,6 +74,9 @@ class EngineConfig:
     # vLLM's --tokenizer: the tokenizer (and chat template) of another GGUF file, HF folder or cached Hub
     # id instead of the model's own (None: the model's); --tokenizer-revision picks its Hub snapshot.
     tokenizer: str | None = None
+    # vLLM's --skip-tokenizer-init: no tokenizer is loaded; prompts are token ids and outputs token ids
+    # (their text empty), as for a model folder that holds no tokenizer.
+    skip_tokenizer_init: bool = False
     tokenizer_revision: str | None = None
     # vLLM's --revision (a branch, tag or commit of a Hub id's snapshots in the local HF cache; None: main)
     # and --download-dir (the HF cache folder to look Hub ids up in instead of $HF_HUB_CACHE's): plait never

@@ -34,6 +34,20 @@ def test_same_engine_seed_same_samples(llm):
     assert _samples(llm) != first  # and the stream goes on: a second batch is not the first again
 
 
+def test_skip_tokenizer_init_generates_the_same_token_ids_without_a_tokenizer(llm):
+    """vLLM's skip_tokenizer_init: no tokenizer is loaded; token-id prompts give the token ids the engine
+    with its tokenizer gives, their text empty; a text prompt is refused with what to send instead."""
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ids = [{"prompt_token_ids": llm.engine.tokenizer.encode(p)} for p in PROMPTS[:2]]
+    want = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
+    bare = LLM(skip_tokenizer_init=True)
+    assert bare.engine.tokenizer is None
+    got = bare.generate(ids, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == want and all(o.outputs[0].text == "" for o in got)
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):
+        bare.generate(PROMPTS[0], params, use_tqdm=False)
+
+
 def test_chat_continues_the_final_message(llm):
     params = SamplingParams(temperature=0.0, max_tokens=4)
     out = llm.chat(CONVERSATION, params, use_tqdm=False, add_generation_prompt=False,

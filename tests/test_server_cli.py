@@ -308,6 +308,33 @@ def test_vllm_server_options_on_a_live_server(tmp_path):
             OpenAIServer(engine, ServerConfig(middleware=[path]))
 
 
+def test_a_server_with_skip_tokenizer_init_answers_token_ids(tmp_path):
+    """vLLM's --skip-tokenizer-init on a model that has a tokenizer: completions of token-id prompts answer
+    their token ids (the text empty); text prompts, chat and /tokenize are 400s saying why."""
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    body = {"model": "tiny-model", "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True,
+            "return_token_ids": True, "temperature": 0.0}
+    answers = []
+    for skip in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(model), max_model_len=128, num_kv_blocks=64,
+                                        skip_tokenizer_init=skip))
+        with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+            answers.append(httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0])
+            if skip:
+                text = httpx.post(f"{url}/v1/completions", json={**body, "prompt": "hi"})
+                ask = {"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}]}
+                chat = httpx.post(f"{url}/v1/chat/completions", json=ask)
+                tokenize = httpx.post(f"{url}/tokenize", json={"prompt": "hi"})
+    assert answers[1]["token_ids"] == answers[0]["token_ids"] and answers[1]["text"] == ""
+    assert text.status_code == 400 and "skip_tokenizer_init" in text.json()["error"]["message"]
+    assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
+    assert tokenize.status_code == 400 and "no tokenizer" in tokenize.json()["error"]["message"]
+
+
 def test_a_unix_socket_in_use_or_of_another_file_is_refused_and_a_stale_one_replaced(tmp_path, capsys):
     """vLLM's --uds: a path a server listens on, or a file that is not a socket, is refused before the model
     loads; a socket file left by a killed server is replaced; a server's own goes when it stops."""

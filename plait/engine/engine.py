@@ -437,7 +437,8 @@ class LLMEngine:
     def encode_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """A text prompt's token ids, with or without the tokenizer's special tokens (a BOS, an EOS)."""
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer: pass prompt token ids instead of text")
+            raise ValueError("this engine has no tokenizer (the model holds none, or skip_tokenizer_init is "
+                             "set): pass prompt token ids instead of text")
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def _tokenize(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:

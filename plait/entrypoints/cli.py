@@ -28,7 +28,8 @@ _ENGINE_FLAGS = (
     "attention_backend", "enforce_eager", "async_scheduling", "warm_up",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
     "kv_cache_dtype", "speculative_config", "runner", "pooler_config", "hf_overrides", "tensor_parallel_size",
-    "override_generation_config", "max_logprobs", "tokenizer", "tokenizer_revision", "revision",
+    "override_generation_config", "max_logprobs", "tokenizer", "tokenizer_revision", "skip_tokenizer_init",
+    "revision",
     "download_dir",
     "limit_mm_per_prompt", "enable_sleep_mode",
 )
@@ -113,6 +114,8 @@ _FLAG_HELP = {
                     "may ask for at a position (default: 20; -1: the whole vocabulary)",
     "tokenizer": "as vLLM's: a GGUF file, HF folder or cached Hub id whose tokenizer (and chat template) "
                  "to use instead of the model's (default: the model's)",
+    "skip_tokenizer_init": "as vLLM's: load no tokenizer; prompts are token ids, outputs token ids (their "
+                           "text empty) (default: off)",
     "tokenizer_revision": "the Hub snapshot (branch, tag or commit) of --tokenizer, or of the model's own "
                           "tokenizer without it (default: main)",
     "revision": "as vLLM's: the Hub id's snapshot (branch, tag or commit) in the local HF cache "

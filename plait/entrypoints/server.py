@@ -1050,9 +1050,10 @@ class OpenAIServer:
         if self.image_text is None and any(m.has_images for m in messages):
             raise APIError(400, f"{self.model_name} takes no images: send text messages", param="messages")
         conversation = [m.as_template_message(keep_parts=True) for m in messages]
+        # Without a tokenizer there is no model template: render_chat refuses the chat below.
+        rendered_with = template or getattr(self.tokenizer, "chat_template", None)
         try:
-            conversation, images = prepare_chat(conversation, template or self.tokenizer.chat_template,
-                                                self.image_text, self.model_name,
+            conversation, images = prepare_chat(conversation, rendered_with, self.image_text, self.model_name,
                                                 self.config.chat_template_content_format)
             images = [self._local_image(image) for image in images]
         except ValueError as err:

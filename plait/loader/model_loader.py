@@ -257,10 +257,13 @@ def read_source(source: Any, load_format: str) -> tuple[dict, Iterable[tuple[str
 
 
 def _load_tokenizer(source: Any, config: EngineConfig) -> Any | None:
-    """The model's tokenizer, or the one config.tokenizer names (vLLM's --tokenizer), which must hold one."""
+    """The model's tokenizer, or the one config.tokenizer names (vLLM's --tokenizer), which must hold one;
+    None under skip_tokenizer_init."""
     from plait.loader.hf import resolve_model
     from plait.loader.tokenizer import HF_TOKENIZER_FILES, load_tokenizer
 
+    if config.skip_tokenizer_init:
+        return None
     if config.tokenizer is None and config.tokenizer_revision is None:
         return load_tokenizer(source.path)
     # As vLLM's: the tokenizer defaults to the model, and its revision applies to whichever it is.
