@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from plait.sampling_params import MAX_LOGPROBS
+from plait.sampling_params import LOGPROBS_MODES, MAX_LOGPROBS, RAW_LOGPROBS
 
 # max_logprobs meaning no cap but the vocabulary's size (vLLM's -1).
 FULL_VOCAB_LOGPROBS = -1
@@ -86,6 +86,10 @@ class EngineConfig:
     # vLLM's --max-logprobs: the most logprobs (and prompt_logprobs) a request may ask for at each position;
     # FULL_VOCAB_LOGPROBS (vLLM's -1) allows the whole vocabulary.
     max_logprobs: int = MAX_LOGPROBS
+    # vLLM's --logprobs-mode: what sampled tokens' logprobs hold (plait.sampling_params.LOGPROBS_MODES): the
+    # raw model's (default) or the processed distribution a token was drawn from, log-softmaxed or as
+    # logits. Prompt logprobs stay the raw model's (as logits under the *_logits modes).
+    logprobs_mode: str = RAW_LOGPROBS
     # Seeds the engine's random sampling (requests without their own seed) and dummy weights, so two
     # engines with the same seed given the same requests in the same order sample the same tokens.
     seed: int = 0
@@ -196,6 +200,9 @@ class EngineConfig:
             value = self.enable_prefix_caching
             raise ValueError(f"enable_prefix_caching must be true or false, got {value!r}")
         _check_int("max_logprobs", self.max_logprobs, minimum=FULL_VOCAB_LOGPROBS)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got "
+                             f"{self.logprobs_mode!r}")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(
                 f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}"

@@ -9,6 +9,17 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+# vLLM's logprobs_mode: what a sampled token's logprobs hold. "raw": from the model's logits, before any
+# processing; "processed": from the logits the token was drawn from (after the allowed-token and grammar
+# masks, bad words, logit bias, min_tokens and penalties; for sampled rows also temperature and the top-k,
+# top-p and min-p cuts, cut ids at -inf). "_logprobs": log-softmaxed; "_logits": the values themselves.
+RAW_LOGPROBS = "raw_logprobs"
+PROCESSED_LOGPROBS = "processed_logprobs"
+RAW_LOGITS = "raw_logits"
+PROCESSED_LOGITS = "processed_logits"
+LOGPROBS_MODES = (RAW_LOGPROBS, PROCESSED_LOGPROBS, RAW_LOGITS, PROCESSED_LOGITS)
+LOGITS_MODES = (RAW_LOGITS, PROCESSED_LOGITS)
+
 # top_k value meaning "no top-k filtering". vLLM also accepts -1 for this; it is normalised to 0.
 TOP_K_DISABLED = 0
 _VLLM_TOP_K_DISABLED = -1

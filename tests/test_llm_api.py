@@ -3,6 +3,8 @@ truncate_prompt_tokens."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from plait import LLM, BeamSearchParams, SamplingParams
@@ -46,6 +48,26 @@ def test_skip_tokenizer_init_generates_the_same_token_ids_without_a_tokenizer(ll
     assert [o.outputs[0].token_ids for o in got] == want and all(o.outputs[0].text == "" for o in got)
     with pytest.raises(ValueError, match="skip_tokenizer_init"):
         bare.generate(PROMPTS[0], params, use_tqdm=False)
+
+
+def test_logprobs_mode_reaches_the_sampler_and_prompt_logprobs(llm):
+    """LLM(logprobs_mode=...): processed logprobs are those of the distribution drawn from (top-k 2: the two
+    kept renormalised, the third best -inf), the prompt's stay the raw model's; a *_logits mode gives logits
+    (positive ones too), and beam search, which ranks beams by logprobs, refuses it."""
+    params = SamplingParams(temperature=1.0, top_k=2, logprobs=3, prompt_logprobs=1, max_tokens=4, seed=0)
+    raw = llm.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    processed = LLM(logprobs_mode="processed_logprobs").generate(PROMPTS[0], params, use_tqdm=False)[0]
+    assert processed.outputs[0].token_ids == raw.outputs[0].token_ids
+    for mine, theirs in zip(processed.outputs[0].logprobs, raw.outputs[0].logprobs, strict=True):
+        kept = list(mine.top.values())
+        assert kept[2] == float("-inf") and math.exp(kept[0]) + math.exp(kept[1]) == pytest.approx(1.0)
+        assert list(mine.top)[:2] == list(theirs.top)[:2] and mine.logprob >= theirs.logprob
+    assert processed.prompt_logprobs == raw.prompt_logprobs
+    logits = LLM(logprobs_mode="raw_logits")
+    out = logits.generate(PROMPTS[0], params, use_tqdm=False)[0]
+    assert any(step.logprob > 0 for step in out.outputs[0].logprobs)
+    with pytest.raises(ValueError, match="beam search ranks beams by their logprobs"):
+        logits.beam_search([PROMPTS[0]], BeamSearchParams(beam_width=2, max_tokens=2))
 
 
 def test_chat_continues_the_final_message(llm):

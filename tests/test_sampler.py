@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 from plait.runner.sampler import ARGMAX_FEW_ROWS, Sampler, SamplingRow, argmax_rows, unpack_token_bitmask
-from plait.sampling_params import SamplingParams
+from plait.sampling_params import LOGPROBS_MODES, SamplingParams
 
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -925,3 +925,49 @@ def test_banned_ids_are_never_sampled_and_bad_words_ban_their_last_token():
     assert request.banned_next_tokens() == [3, 5]  # the prompt's own 1, 2 never counted: outputs only
     assert request.needs_last_token and not Request("q", [1], SamplingParams(), max_tokens=1,
                                                     bad_words_token_ids=((5,),)).needs_last_token
+
+
+
+# --------------------------------------------------------------------------- logprobs_mode
+
+
+def _one_draw(mode: str, logits: torch.Tensor, rows: list[SamplingRow]):
+    return Sampler(seed=3, logprobs_mode=mode)(logits.clone(), rows)
+
+
+def test_logprobs_modes_read_the_raw_or_the_drawn_from_logits_as_vllm():
+    """vLLM's logprobs_mode: raw_* from the model's logits, processed_* from those the token was drawn from
+    (a sampled row's after its logit bias, temperature and top-k cut, cut ids at -inf; a greedy row's after
+    its bias only); *_logits the values themselves. The tokens drawn do not depend on the mode."""
+    logits = make_logits(11, 2, 50)
+    bias = {7: 4.0}
+    rows = [row(temperature=0.5, top_k=3, logprobs=5, logit_bias=bias, seed=1),
+            row(temperature=0.0, logprobs=4, logit_bias=bias)]
+    outs = {mode: _one_draw(mode, logits, rows) for mode in LOGPROBS_MODES}
+    assert len({tuple(o.token_ids) for o in outs.values()}) == 1
+    biased = logits.clone()
+    biased[:, 7] += 4.0
+    scaled = biased[0] / 0.5
+    cut = torch.full_like(scaled, float("-inf"))
+    top3 = scaled.topk(3).indices
+    cut[top3] = scaled[top3]
+    want = {"raw_logits": (logits[0], logits[1]),
+            "raw_logprobs": (logits[0].log_softmax(-1), logits[1].log_softmax(-1)),
+            "processed_logits": (cut, biased[1]),
+            "processed_logprobs": (cut.log_softmax(-1), biased[1].log_softmax(-1))}
+    for mode, out in outs.items():
+        for k, (lp, values) in enumerate(zip(out.logprobs, want[mode], strict=True)):
+            token = out.token_ids[k]
+            assert lp.token_logprob == pytest.approx(float(values[token]), abs=1e-5), (mode, k)
+            top = values.topk(len(lp.top_ids))
+            assert lp.top_ids[:3] == top.indices[:3].tolist(), (mode, k)
+            assert lp.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-5), (mode, k)
+            assert lp.rank == int((values >= values[token]).sum()), (mode, k)
+    processed = outs["processed_logprobs"].logprobs[0]
+    assert processed.top_logprobs[3:] == [float("-inf")] * 2  # cut by top-k 3
+    assert outs["processed_logprobs"].token_ids[0] in top3.tolist()
+
+
+def test_an_unknown_logprobs_mode_is_refused():
+    with pytest.raises(ValueError, match="logprobs_mode"):
+        Sampler(logprobs_mode="logits")

@@ -7,7 +7,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from plait.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-from plait.sampling_params import BeamSearchParams, SamplingParams
+from plait.sampling_params import LOGITS_MODES, BeamSearchParams, SamplingParams
 
 
 @dataclass
@@ -48,6 +48,13 @@ def create_sort_beams_key_function(eos_token_ids: Collection[int], length_penalt
         return get_beam_search_score(beam.tokens, beam.cum_logprob, eos_token_ids, length_penalty)
 
     return sort_beams_key
+
+
+def check_logprobs_mode(logprobs_mode: str) -> None:
+    """Beam search ranks beams by summed logprobs: an engine whose logprobs hold logits cannot run it."""
+    if logprobs_mode in LOGITS_MODES:
+        raise ValueError(f"beam search ranks beams by their logprobs, and this engine's logprobs_mode "
+                         f"({logprobs_mode}) returns logits; serve with a *_logprobs mode for it")
 
 
 def step_params(params: BeamSearchParams) -> SamplingParams:

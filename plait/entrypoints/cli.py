@@ -28,8 +28,8 @@ _ENGINE_FLAGS = (
     "attention_backend", "enforce_eager", "async_scheduling", "warm_up",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
     "kv_cache_dtype", "speculative_config", "runner", "pooler_config", "hf_overrides", "tensor_parallel_size",
-    "override_generation_config", "max_logprobs", "tokenizer", "tokenizer_revision", "skip_tokenizer_init",
-    "revision",
+    "override_generation_config", "max_logprobs", "logprobs_mode", "tokenizer", "tokenizer_revision",
+    "skip_tokenizer_init", "revision",
     "download_dir",
     "limit_mm_per_prompt", "enable_sleep_mode",
 )
@@ -114,6 +114,10 @@ _FLAG_HELP = {
                     "may ask for at a position (default: 20; -1: the whole vocabulary)",
     "tokenizer": "as vLLM's: a GGUF file, HF folder or cached Hub id whose tokenizer (and chat template) "
                  "to use instead of the model's (default: the model's)",
+    "logprobs_mode": "as vLLM's: what sampled tokens' logprobs hold: raw_logprobs (default: the model's), "
+                     "processed_logprobs (the distribution the token was drawn from: after masks, bias, "
+                     "penalties, temperature, top-k/top-p/min-p), raw_logits or processed_logits (the values "
+                     "before the softmax)",
     "skip_tokenizer_init": "as vLLM's: load no tokenizer; prompts are token ids, outputs token ids (their "
                            "text empty) (default: off)",
     "tokenizer_revision": "the Hub snapshot (branch, tag or commit) of --tokenizer, or of the model's own "

@@ -20,6 +20,7 @@ from plait.entrypoints.beam_search import (
     BeamSearch,
     BeamSearchOutput,
     advance_all,
+    check_logprobs_mode,
     pending_beams,
     step_params,
 )
@@ -267,6 +268,7 @@ class LLM:
         ``lora_request``: as generate's; every beam of a prompt runs with that prompt's adapter (and its
         prompt dict's ``cache_salt``).
         """
+        check_logprobs_mode(self.engine.config.logprobs_mode)
         step = step_params(params)
         prompts = _as_prompt_list(prompts)
         loras = _as_lora_list(lora_request, len(prompts))

@@ -50,7 +50,14 @@ from plait.entrypoints.async_engine import (
     RequestStream,
     RequestTimeoutError,
 )
-from plait.entrypoints.beam_search import BeamSearch, advance_all, pending_beams, served_outputs, step_params
+from plait.entrypoints.beam_search import (
+    BeamSearch,
+    advance_all,
+    check_logprobs_mode,
+    pending_beams,
+    served_outputs,
+    step_params,
+)
 from plait.entrypoints.engine_process import EngineProcess
 from plait.entrypoints.errors import (
     CONTEXT_LENGTH_EXCEEDED,
@@ -697,6 +704,7 @@ class OpenAIServer:
         else:
             self.engine = AsyncLLMEngine(engine, on_step=self._on_step)
         self.sleep_mode = info.config.enable_sleep_mode  # /sleep, /wake_up, /is_sleeping in dev mode
+        self.logprobs_mode = info.config.logprobs_mode  # beam search refuses the logits modes
         self.load = ServerLoad()  # counted under enable_server_load_tracking
         self.max_logprobs = info.max_logprobs
         self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name, _cache_config_labels(info))
@@ -1235,6 +1243,7 @@ class OpenAIServer:
         """The request's BeamSearchParams; its max_tokens defaulted and capped as a sampled request's, and
         where none is set, the search runs to the end of the context."""
         try:
+            check_logprobs_mode(self.logprobs_mode)
             body.check_supported()
             limit = self.generation_defaults.max_tokens(max_tokens)
             return body.beam_search_params(limit if limit is not None else self.max_model_len)

@@ -58,7 +58,7 @@ from plait.runner.sampler import (
 )
 from plait.runner.sleep import SLEEP_DISCARD_WEIGHTS, WAKE_TAGS, ReleasableTensors, module_tensors
 from plait.runner.step_timer import StepBreakdown
-from plait.sampling_params import SamplingParams
+from plait.sampling_params import LOGITS_MODES, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class ModelRunner:
         if not self.is_causal:
             self.config = config = self._whole_prompt_budget(config, budget_given)
         self.attn_backend = get_backend(self._backend_name())
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, config.logprobs_mode)
         self.breakdown = StepBreakdown()
         # Recurrent (Mamba) state first, so that on a GPU the KV cache is sized from what is left.
         specs_of = getattr(self.model, "recurrent_state_specs", None)
@@ -816,8 +816,8 @@ class ModelRunner:
         at_once = self.config.max_num_seqs
         tables = []
         for lo in range(0, len(index_t), at_once):
-            logits = self.model.compute_logits(hidden[index_t[lo: lo + at_once]])  # [n, vocab]
-            raw = torch.log_softmax(logits.float(), dim=-1)
+            logits = self.model.compute_logits(hidden[index_t[lo: lo + at_once]]).float()  # [n, vocab]
+            raw = logits if self.config.logprobs_mode in LOGITS_MODES else torch.log_softmax(logits, dim=-1)
             tables.append(logprob_table(raw, target_t[lo: lo + at_once], max_n))
         return runs, torch.cat(tables)
 

@@ -11,7 +11,15 @@ import numpy as np
 import torch
 
 from plait.kernels.dispatch import use_triton
-from plait.sampling_params import TOP_K_DISABLED, SamplingParams
+from plait.sampling_params import (
+    LOGITS_MODES,
+    LOGPROBS_MODES,
+    PROCESSED_LOGITS,
+    PROCESSED_LOGPROBS,
+    RAW_LOGPROBS,
+    TOP_K_DISABLED,
+    SamplingParams,
+)
 
 _MASK64 = (1 << 64) - 1
 # splitmix64 constants: a cheap, well-mixed 64-bit hash so (seed, step) pairs give unrelated streams.
@@ -92,8 +100,8 @@ class SamplingRow:
 
 @dataclass
 class Logprobs:
-    """Logprobs of one sampled token, from the raw model logits (before allowed-token masks, logit bias,
-    penalties and temperature), as vLLM's default logprobs_mode ("raw_logprobs")."""
+    """Logprobs of one sampled token, as the sampler's logprobs_mode says (by default from the raw model
+    logits, before allowed-token masks, logit bias, penalties and temperature, as vLLM's default)."""
 
     token_logprob: float
     top_ids: list[int]  # params.logprobs most likely ids, most likely first
@@ -172,10 +180,19 @@ NO_TOP_K_ROOM = 2**31 - 1
 def race_sample_ref(z: torch.Tensor, noise: torch.Tensor, rows: torch.Tensor, out: torch.Tensor,
                     top_k: tuple[torch.Tensor, torch.Tensor] | None = None, top_p: torch.Tensor | None = None,
                     min_p: torch.Tensor | None = None) -> None:
-    """race_sample in torch: mask each filter's cut with -inf in vLLM's order (top-k, top-p by a stable
-    sort, min-p), softmax, race."""
+    """race_sample in torch: the filtered logits, softmax, race."""
     if rows.numel() == 0:
         return
+    probs = torch.softmax(filtered_logits(z, rows, top_k, top_p, min_p), dim=-1)
+    out.index_copy_(0, rows, probs.div_(noise.index_select(0, rows)).argmax(dim=-1))
+
+
+def filtered_logits(z: torch.Tensor, rows: torch.Tensor,
+                    top_k: tuple[torch.Tensor, torch.Tensor] | None = None, top_p: torch.Tensor | None = None,
+                    min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``rows`` of z with each filter's cut masked by -inf in vLLM's order (top-k, top-p by a stable
+    sort, min-p): the logits race_sample draws from."""
+    # z: [R, V] fp32; rows: [S] int64 -> [S, V]
     x = z.index_select(0, rows)
     if top_k is not None:
         kth, room = (t.index_select(0, rows)[:, None] for t in top_k)
@@ -195,8 +212,7 @@ def race_sample_ref(z: torch.Tensor, noise: torch.Tensor, rows: torch.Tensor, ou
         probs = torch.softmax(x, dim=-1)
         x.masked_fill_(probs < min_p.index_select(0, rows)[:, None] * probs.amax(dim=-1, keepdim=True),
                        float("-inf"))
-    probs = torch.softmax(x, dim=-1)
-    out.index_copy_(0, rows, probs.div_(noise.index_select(0, rows)).argmax(dim=-1))
+    return x
 
 
 def top_k_cut(z: torch.Tensor, ks: torch.Tensor, max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -257,9 +273,14 @@ def unpack_logprobs(row: list[float], n: int, max_n: int) -> Logprobs:
 class Sampler:
     """Samples one token per row. Only the final ids (and requested logprobs) are copied to the host."""
 
-    def __init__(self, seed: int = 0) -> None:
-        """seed: the engine seed, which the draws of rows without their own seed follow."""
+    def __init__(self, seed: int = 0, logprobs_mode: str = RAW_LOGPROBS) -> None:
+        """seed: the engine seed, which the draws of rows without their own seed follow; logprobs_mode: what
+        logprobs hold (LOGPROBS_MODES)."""
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got "
+                             f"{logprobs_mode!r}")
         self.seed = seed
+        self.logprobs_mode = logprobs_mode
         # Rows without a seed key their noise on the engine seed and a count of such draws: the tokens
         # follow from the seed and the order of the steps, never from torch's global RNG, which anything
         # in the process may draw from or reseed. The stream's key is mixed apart from step_seed(seed, n),
@@ -298,12 +319,14 @@ class Sampler:
             return argmax_rows(logits), [None] * len(rows)
 
         device = logits.device
-        raw_logprobs = None
-        if want_logprobs:
-            # Raw, as plait always returned them and as vLLM's default logprobs_mode: from the model's
-            # logits, before the allowed-token mask, logit bias, penalties and temperature below.
-            lp_idx = host_to_device(want_logprobs, torch.long, device)
-            raw_logprobs = torch.log_softmax(logits.index_select(0, lp_idx).float(), dim=-1)
+        mode = self.logprobs_mode
+        processed = mode in (PROCESSED_LOGPROBS, PROCESSED_LOGITS)
+        logprob_values = None  # [len(want_logprobs), vocab]: what the logprobs are read from
+        lp_idx = host_to_device(want_logprobs, torch.long, device) if want_logprobs else None
+        if lp_idx is not None and not processed:
+            # Raw: from the model's logits, before the allowed-token mask, logit bias, penalties and
+            # temperature below.
+            logprob_values = logits.index_select(0, lp_idx).float()
 
         logits = logits.to(torch.float32, copy=True)
         # vLLM's order: the allowed-token mask, then the processors that can change the argmax (min
@@ -323,12 +346,18 @@ class Sampler:
 
         if all_greedy:
             token_ids = argmax_rows(logits)
+            if lp_idx is not None and processed:
+                logprob_values = logits.index_select(0, lp_idx)
         else:
-            token_ids = self._sample(logits, rows)
+            token_ids, drawn_from = self._sample(logits, rows, want_logprobs if processed else [])
+            if drawn_from is not None:
+                logprob_values = drawn_from
 
         logprobs: list[Logprobs | None] = [None] * len(rows)
-        if raw_logprobs is not None:
-            self._gather_logprobs(raw_logprobs, token_ids, rows, want_logprobs, logprobs)
+        if logprob_values is not None:
+            if mode not in LOGITS_MODES:
+                logprob_values = torch.log_softmax(logprob_values, dim=-1)
+            self._gather_logprobs(logprob_values, token_ids, rows, want_logprobs, logprobs)
         return token_ids, logprobs
 
     @staticmethod
@@ -423,7 +452,10 @@ class Sampler:
         sub -= presence[:, None] * output_mask
         logits.index_copy_(0, idx, sub)
 
-    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, rows: list[SamplingRow], drawn_from_rows: list[int]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the ids, the logits ``drawn_from_rows`` were drawn from: a sampled row's after temperature and
+        its top-k, top-p and min-p cuts, a greedy row's as argmax read them; None without such rows)."""
         device = logits.device
         vocab = logits.shape[1]
         params = [r.params for r in rows]
@@ -451,6 +483,14 @@ class Sampler:
         if any(params[i].min_p > 0.0 for i in sampled):
             min_p = host_to_device([p.min_p for p in params], torch.float32, device)
 
+        drawn_from = None
+        if drawn_from_rows:
+            drawn_from = logits.index_select(0, host_to_device(drawn_from_rows, torch.long, device))
+            cut = [j for j, i in enumerate(drawn_from_rows) if not greedy[i]]
+            if cut:
+                cut_rows = host_to_device([drawn_from_rows[j] for j in cut], torch.long, device)
+                drawn_from.index_copy_(0, host_to_device(cut, torch.long, device),
+                                       filtered_logits(logits, cut_rows, top_k, top_p, min_p))
         keys = host_to_device([[k & _MASK32, k >> 32] for k in self._noise_keys(rows, sampled)], torch.long,
                               device)
         sampled_t = host_to_device(sampled, torch.long, device)
@@ -461,7 +501,7 @@ class Sampler:
             noise = torch.empty_like(logits)
             hashed_exponential_ref(noise, sampled_t, keys)
             race_sample_ref(logits, noise, sampled_t, token_ids, top_k, top_p, min_p)
-        return token_ids
+        return token_ids, drawn_from
 
     def _noise_keys(self, rows: list[SamplingRow], sampled: list[int]) -> list[int]:
         """The 64-bit key of each sampled row's noise. A seeded row's comes from (its seed, its position)
@@ -479,14 +519,14 @@ class Sampler:
 
     @staticmethod
     def _gather_logprobs(
-        raw_logprobs: torch.Tensor,
+        values: torch.Tensor,
         token_ids: torch.Tensor,
         rows: list[SamplingRow],
         row_ids: list[int],
         out: list[Logprobs | None],
     ) -> None:
-        sampled = token_ids.index_select(0, host_to_device(row_ids, torch.long, raw_logprobs.device))
+        sampled = token_ids.index_select(0, host_to_device(row_ids, torch.long, values.device))
         max_n = max(rows[i].params.logprobs or 0 for i in row_ids)
-        table = logprob_table(raw_logprobs, sampled, max_n).tolist()
+        table = logprob_table(values, sampled, max_n).tolist()
         for j, i in enumerate(row_ids):
             out[i] = unpack_logprobs(table[j], rows[i].params.logprobs or 0, max_n)
