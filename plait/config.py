@@ -126,6 +126,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier requests
     attention_backend: str | None = None  # None = "triton" on CUDA (when triton imports), else "torch_ref"
     enforce_eager: bool = False  # True: never capture or replay CUDA graphs
+    # vLLM's --cuda-graph-sizes: the decode batch sizes captured (one size N: 1, 2, 4 and every 8 up to N;
+    # sizes over max_num_seqs left out); larger decode steps run eager. None: 1, 2, 4, 8, every 8 up to 64,
+    # then every 16 up to max_num_seqs, so every decode step replays a graph.
+    cuda_graph_sizes: list[int] | None = None
     # Launch step N+1 before step N's sampled ids reach the host, so host work overlaps the device.
     async_scheduling: bool = True
     # GPU: before the engine is handed out, run made-up requests shaped like a server's first ones, so no real
@@ -186,6 +190,12 @@ class EngineConfig:
                              "devices yet; serve them on one device")
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, minimum=1)
+        if self.cuda_graph_sizes is not None:
+            if isinstance(self.cuda_graph_sizes, int) or not self.cuda_graph_sizes:
+                raise ValueError(f"cuda_graph_sizes must be a list of batch sizes, got "
+                                 f"{self.cuda_graph_sizes!r}")
+            for size in self.cuda_graph_sizes:
+                _check_int("cuda_graph_sizes", size, minimum=1)
         if self.kv_cache_memory_bytes is not None:
             _check_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, minimum=1)
         if self.max_model_len is not None:

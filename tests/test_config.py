@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from plait.config import NO_CHUNK_CAP, SERVING_PREFILL_CAP, EngineConfig, ModelConfig, default_token_budget
-from plait.runner.cuda_graphs import FEW_PROMPT_ROWS, graph_shapes, token_buckets
+from plait.runner.cuda_graphs import FEW_PROMPT_ROWS, decode_buckets, graph_shapes, token_buckets
 
 GB = 1024**3
 
@@ -109,6 +109,29 @@ def test_mixed_graph_token_buckets_are_whole_row_tiles_up_to_the_cap():
     # A pooling model's steps are prompt chunks alone: no shape with a decode part is captured.
     pooling = graph_shapes(8, 128, 4096, 512, decodes=False)
     assert {(s.decode_rows, s.num_tokens) for s in pooling} == {(0, t) for t in (32, 64, 128, 256, 384, 512)}
+
+
+def test_cuda_graph_sizes_choose_the_decode_buckets_as_vllm():
+    """vLLM's --cuda-graph-sizes: a list is captured as given (sizes over max_num_seqs left out), one size N
+    as 1, 2, 4 and every 8 up to N; the default reaches max_num_seqs, so every decode step replays."""
+    assert decode_buckets(256) == [1, 2, 4, 8, *range(16, 65, 8), *range(80, 257, 16)]
+    assert decode_buckets(256, [1, 3, 300, 64]) == [1, 3, 64]
+    assert decode_buckets(256, [40]) == [1, 2, 4, 8, 16, 24, 32, 40]
+    assert decode_buckets(20, [64]) == [1, 2, 4, 8, 16]
+    shapes = graph_shapes(8, 128, 4096, decode_sizes=[1, 2])
+    assert {s.decode_rows for s in shapes if not s.is_mixed} == {1, 2}
+    assert {s.decode_rows for s in shapes if s.is_mixed} == {0, 1, 2}
+    for bad in ([], [0], 8, [2.5]):
+        with pytest.raises(ValueError, match="cuda_graph_sizes"):
+            EngineConfig(cuda_graph_sizes=bad)
+
+
+def test_cli_takes_cuda_graph_sizes_as_vllm():
+    from plait.entrypoints.cli import _engine_config, parse_args
+
+    given = parse_args(["generate", "hi", "--cuda-graph-sizes", "1", "2", "4"])
+    assert _engine_config(given).cuda_graph_sizes == [1, 2, 4]
+    assert _engine_config(parse_args(["generate", "hi"])).cuda_graph_sizes is None
 
 
 def test_mixed_graph_shapes_come_with_few_prompt_rows_first():

@@ -491,6 +491,24 @@ def test_kv_cache_memory_bytes_sizes_the_gpu_cache_without_the_utilisation_share
     assert len(out) == NEW_TOKENS
 
 
+def test_cuda_graph_sizes_capture_only_the_chosen_decode_batches(tmp_path):
+    """vLLM's cuda_graph_sizes on the GPU: decode steps of 1 or 2 rows replay graphs, those of 4 rows run
+    eager, and the tokens are the default buckets' engine's (fp32)."""
+    model = _config(tmp_path, 64)
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(4)]
+    want = _greedy(_engine(model, "float32"), prompts, arrive_every=0)
+    chosen = _engine(model, "float32", cuda_graph_sizes=[1, 2])
+    chosen.record_timeline = True
+    assert sorted({s.decode_rows for s in chosen.runner.graph_shapes if not s.is_mixed}) == [1, 2]
+    assert _greedy(chosen, prompts, arrive_every=0) == want
+    decodes = [s for s in chosen.timeline if s.num_prefill_tokens == 0]
+    assert {s.used_cuda_graph for s in decodes if s.num_rows == 4} == {False}
+    chosen.timeline.clear()
+    assert _greedy(chosen, prompts[:1], arrive_every=0) == want[:1]
+    alone = [s for s in chosen.timeline if s.num_prefill_tokens == 0]
+    assert alone and all(s.used_cuda_graph for s in alone)
+
+
 def _prompt_logprobs(engine: LLMEngine, prompts: list[list[int]], arrive_every: int) -> dict[int, list]:
     """Greedy runs where every third request asks for prompt logprobs (top 2); the others decode beside
     their chunks, so those chunks ride in mixed steps (graph replays where a shape fits)."""

@@ -25,7 +25,7 @@ _ENGINE_FLAGS = (
     "scheduling_policy", "block_size",
     "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len",
     "enable_prefix_caching",
-    "attention_backend", "enforce_eager", "async_scheduling", "warm_up",
+    "attention_backend", "enforce_eager", "cuda_graph_sizes", "async_scheduling", "warm_up",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
     "kv_cache_dtype", "speculative_config", "runner", "pooler_config", "hf_overrides", "tensor_parallel_size",
     "override_generation_config", "max_logprobs", "logprobs_mode", "tokenizer", "tokenizer_revision",
@@ -114,6 +114,9 @@ _FLAG_HELP = {
                     "may ask for at a position (default: 20; -1: the whole vocabulary)",
     "tokenizer": "as vLLM's: a GGUF file, HF folder or cached Hub id whose tokenizer (and chat template) "
                  "to use instead of the model's (default: the model's)",
+    "cuda_graph_sizes": "as vLLM's: the decode batch sizes captured as CUDA graphs, e.g. 1 2 4 8 16; one "
+                        "size N means 1, 2, 4 and every 8 up to N; larger decode steps run eager "
+                        "(default: 1, 2, 4, 8, every 8 up to 64, then every 16 up to --max-num-seqs)",
     "logprobs_mode": "as vLLM's: what sampled tokens' logprobs hold: raw_logprobs (default: the model's), "
                      "processed_logprobs (the distribution the token was drawn from: after masks, bias, "
                      "penalties, temperature, top-k/top-p/min-p), raw_logits or processed_logits (the values "
@@ -148,6 +151,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         else:
             kwargs = {"type": _FLAG_TYPES.get(f.name) or _arg_type(hints[f.name]),
                       "help": _FLAG_HELP.get(f.name, f"(default: {f.default!r})")}
+            if f.name in _LIST_FLAGS:
+                kwargs["nargs"] = "+"
         try:
             group.add_argument(flag, *_FLAG_ALIASES.get(f.name, ()), dest=f.name, default=None, **kwargs)
         except argparse.ArgumentError:  # the command's own flag of that name stays
@@ -218,7 +223,10 @@ def human_readable_int(value: str) -> int:
 
 # Engine flags whose values are not plain numbers.
 _FLAG_TYPES: dict[str, Callable[[str], Any]] = {"max_model_len": human_readable_int,
-                                                "kv_cache_memory_bytes": human_readable_int}
+                                                "kv_cache_memory_bytes": human_readable_int,
+                                                "cuda_graph_sizes": int}
+# Engine flags that take one or more values.
+_LIST_FLAGS = frozenset({"cuda_graph_sizes"})
 # vLLM's other names for engine flags.
 _FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "num_kv_blocks": ("--num-gpu-blocks-override",)}
 

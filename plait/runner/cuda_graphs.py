@@ -38,7 +38,14 @@ WARMUP_RUNS = 2  # eager runs before a capture: compile kernels, settle library 
 FEW_PROMPT_ROWS = 8
 
 
-def decode_buckets(max_rows: int) -> list[int]:
+def decode_buckets(max_rows: int, chosen: list[int] | None = None) -> list[int]:
+    """The decode batch sizes captured: SMALL_BUCKETS then every MID_STEP / LARGE_STEP up to ``max_rows``;
+    or ``chosen`` (vLLM's --cuda-graph-sizes: one size N means 1, 2, 4 and every 8 up to N), the sizes over
+    ``max_rows`` left out. A decode step with more rows than the largest runs eager."""
+    if chosen:
+        if len(chosen) == 1:
+            chosen = [*SMALL_BUCKETS[:-1], *range(SMALL_BUCKETS[-1], chosen[0] + 1, MID_STEP)]
+        return sorted({size for size in chosen if size <= max_rows})
     sizes = [b for b in SMALL_BUCKETS if b < max_rows]
     size = SMALL_BUCKETS[-1]
     while size < max_rows:
@@ -67,14 +74,15 @@ def token_buckets(decode_rows: int, max_prompt_tokens: int, max_tokens: int,
 
 def graph_shapes(max_rows: int, max_prompt_tokens: int, max_tokens: int,
                  max_prompt_only_tokens: int = 0, speculative: bool = False,
-                 decodes: bool = True) -> list[GraphShape]:
+                 decodes: bool = True, decode_sizes: list[int] | None = None) -> list[GraphShape]:
     """Decode-only shapes (one row per bucket), and mixed shapes: decode parts of each bucket beside
     token buckets for up to ``max_prompt_tokens`` prompt tokens, or no decode part and up to
     ``max(max_prompt_tokens, max_prompt_only_tokens)`` of them (at most ``max_tokens`` in all), with room
     for FEW_PROMPT_ROWS prompt rows or for max_rows rows in all (and one for the pad tokens). With
     ``speculative``, the shapes without a decode part start at SPEC_TOKEN_BUCKETS. Without ``decodes`` (a
-    pooling model's steps are prompt chunks alone) only the shapes without a decode part."""
-    buckets = decode_buckets(max_rows) if decodes else []
+    pooling model's steps are prompt chunks alone) only the shapes without a decode part. ``decode_sizes``:
+    decode_buckets' ``chosen``."""
+    buckets = decode_buckets(max_rows, decode_sizes) if decodes else []
     shapes = [GraphShape(b, b, b) for b in buckets]
     for d in [0, *buckets]:
         row_counts = sorted({min(d + FEW_PROMPT_ROWS, max_rows) + 1, max_rows + 1})

@@ -228,7 +228,7 @@ class ModelRunner:
         shapes = (graph_shapes(config.max_num_seqs, self._max_graph_prompt_tokens(), self.max_model_len,
                                self._max_graph_prompt_only_tokens(),
                                speculative=config.speculative_config is not None,
-                               decodes=self.pooler is None)
+                               decodes=self.pooler is None, decode_sizes=config.cuda_graph_sizes)
                   if use_graphs else [])
         # The same staging on every device (on CPU the "copy" is a plain one), so CPU runs exercise it.
         # Decode steps and every graph shape stage into the compact layout (a short copy a step).
