@@ -248,8 +248,8 @@ class EngineConfig:
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         self.pooler_config = PoolerConfig.parse(self.pooler_config)
-        self.hf_overrides = _json_object("hf_overrides", self.hf_overrides)
-        self.override_generation_config = _json_object("override_generation_config",
+        self.hf_overrides = json_object("hf_overrides", self.hf_overrides)
+        self.override_generation_config = json_object("override_generation_config",
                                                        self.override_generation_config)
         self.limit_mm_per_prompt = _mm_limits(self.limit_mm_per_prompt)
         if self.pooler_config is not None and self.runner == "generate":
@@ -344,7 +344,7 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
-def _json_object(name: str, value: dict | str | None) -> dict | None:
+def json_object(name: str, value: dict | str | None) -> dict | None:
     """A JSON-object knob: a dict, or its JSON text as the CLI gives it; None where it is unset or empty."""
     if value is None:
         return None
@@ -365,7 +365,7 @@ MULTIMODAL_MODALITIES = ("image",)
 
 def _mm_limits(value: dict | str | None) -> dict[str, int] | None:
     """limit_mm_per_prompt checked: modalities plait takes, each a whole number >= 0 (vLLM's form)."""
-    limits = _json_object("limit_mm_per_prompt", value)
+    limits = json_object("limit_mm_per_prompt", value)
     if limits is None:
         return None
     for modality, n in limits.items():
@@ -391,7 +391,7 @@ def merge_hf_overrides(hf_config: dict, overrides: dict | None) -> dict:
 def _config_object(name: str, value: dict | str, cls: type) -> dict | None:
     """A JSON-object knob (a dict, or its JSON text as the CLI gives it) whose keys must be ``cls``'s fields;
     None where it is empty ({} or "")."""
-    value = _json_object(name, value)
+    value = json_object(name, value)
     if value is None:
         return None
     names = {f.name for f in dataclasses.fields(cls)}

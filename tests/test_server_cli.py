@@ -308,6 +308,40 @@ def test_vllm_server_options_on_a_live_server(tmp_path):
             OpenAIServer(engine, ServerConfig(middleware=[path]))
 
 
+def test_default_chat_template_kwargs_apply_unless_a_request_sets_them(tmp_path):
+    """vLLM's --default-chat-template-kwargs: every chat renders with them (here Qwen3-style thinking off: the
+    prompt closes the reasoning, and the qwen3 reasoning parser reads all of the answer as content) unless
+    the request sets the variable itself."""
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.llm import encode_rendered, render_chat
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    template = (ROOT / "tests" / "reasoning_chat_template.jinja").read_text()
+    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    engine = LLMEngine(EngineConfig(model=str(model), max_model_len=128, num_kv_blocks=64))
+    config = ServerConfig(log_level="warning", chat_template=template, reasoning_parser="qwen3",
+                          default_chat_template_kwargs='{"enable_thinking": false}')
+    messages = [{"role": "user", "content": "hi"}]
+    ask = {"model": "tiny-model", "messages": messages, "max_tokens": 4, "temperature": 0.0,
+           "ignore_eos": True}
+    thinking_on = {"chat_template_kwargs": {"enable_thinking": True}}
+    with BackgroundServer(OpenAIServer(engine, config)) as url:
+        tokens = [httpx.post(f"{url}/tokenize", json={"messages": messages, **extra}).json()["tokens"]
+                  for extra in ({}, thinking_on)]
+        answers = [httpx.post(f"{url}/v1/chat/completions", json={**ask, **extra}).json()
+                   for extra in ({}, thinking_on)]
+    answers = [answer["choices"][0]["message"] for answer in answers]
+    want = [encode_rendered(engine.tokenizer, render_chat(engine.tokenizer, messages, chat_template=template,
+                                                          kwargs={"enable_thinking": on}))
+            for on in (False, True)]
+    assert tokens == want and tokens[0] != tokens[1]
+    assert answers[0]["reasoning"] is None and answers[0]["content"]
+    assert answers[1]["reasoning"]  # thinking on: no </think> in 4 tokens, so all of it is reasoning
+    with pytest.raises(ValueError, match="default_chat_template_kwargs"):
+        ServerConfig(default_chat_template_kwargs="[1]")
+
+
 def test_a_server_with_skip_tokenizer_init_answers_token_ids(tmp_path):
     """vLLM's --skip-tokenizer-init on a model that has a tokenizer: completions of token-id prompts answer
     their token ids (the text empty); text prompts, chat and /tokenize are 400s saying why."""

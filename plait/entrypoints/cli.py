@@ -460,6 +460,7 @@ def _request_handling_config(args: argparse.Namespace) -> dict[str, Any]:
                 trust_request_chat_template=args.trust_request_chat_template,
                 allowed_local_media_path=args.allowed_local_media_path, chat_template=args.chat_template,
                 chat_template_content_format=args.chat_template_content_format,
+                default_chat_template_kwargs=args.default_chat_template_kwargs,
                 **({"response_role": args.response_role} if args.response_role is not None else {}),
                 enable_auto_tool_choice=args.enable_auto_tool_choice,
                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
@@ -531,6 +532,10 @@ def _add_tool_args(parser: argparse.ArgumentParser) -> None:
                        help="a message's content as the template gets it: 'string' (text parts joined by "
                             "newlines), 'openai' (the list of parts), 'auto' (default: 'openai' for a "
                             "template that loops over a message's content, else 'string')")
+    group.add_argument("--default-chat-template-kwargs", default=None, metavar="JSON",
+                       help="as vLLM's: chat template variables every chat request gets unless it sets them, "
+                            "e.g. '{\"enable_thinking\": false}' (Qwen3 answers without thinking; "
+                            "--reasoning-parser reads them too)")
     group.add_argument("--response-role", default=None, metavar="ROLE",
                        help="the role of chat answers to requests with add_generation_prompt (the default); "
                             "others continue the last message, in its role (default: assistant)")

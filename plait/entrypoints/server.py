@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from plait import __version__
-from plait.config import EngineConfig
+from plait.config import EngineConfig, json_object
 from plait.engine.engine import LLMEngine, StepStats, freeze_long_lived_objects, raise_gc_threshold
 from plait.engine.profiler import profiler_dir_from_env
 from plait.engine.request import Request as EngineRequest
@@ -261,6 +261,10 @@ class ServerConfig:
     # vLLM's --chat-template: a file, or the template's text, used instead of the model's (so a model whose
     # own template knows nothing of tools can be served with one that does); a trusted request's wins.
     chat_template: str | None = None
+    # vLLM's --default-chat-template-kwargs: chat template variables every chat request gets unless it sets
+    # them itself (a dict or its JSON text), e.g. {"enable_thinking": false} for Qwen3; the reasoning
+    # parser reads them too.
+    default_chat_template_kwargs: dict[str, Any] | str | None = None
     # vLLM's --response-role: the role chat answers carry where the request adds a generation prompt.
     response_role: str = RESPONSE_ROLE
     # vLLM's --chat-template-content-format: a message's content as the template gets it, "string" (text
@@ -399,6 +403,8 @@ class ServerConfig:
         if self.chat_template is not None:
             self.chat_template_text = load_chat_template(self.chat_template)
         content_format(None, self.chat_template_content_format)  # an unknown format fails at start-up
+        self.default_chat_template_kwargs = json_object("default_chat_template_kwargs",
+                                                        self.default_chat_template_kwargs)
         if self.tool_call_parser is not None:
             get_tool_parser(self.tool_call_parser)  # an unknown name fails here, at start-up
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -1069,7 +1075,7 @@ class OpenAIServer:
         try:
             return render_chat(self.tokenizer, conversation,
                                add_generation_prompt=body.add_generation_prompt,
-                               kwargs=body.chat_template_kwargs, chat_template=template,
+                               kwargs=self._template_kwargs(body), chat_template=template,
                                continue_final_message=body.continue_final_message,
                                tools=body.template_tools(self.config.exclude_tools_when_tool_choice_none)
                                ), images
@@ -1083,6 +1089,10 @@ class OpenAIServer:
         if folder is not None and isinstance(image, str) and image.startswith(FILE_URL_PREFIX):
             return local_image_bytes(image, folder)
         return image
+
+    def _template_kwargs(self, body: ChatTemplateRequest) -> dict[str, Any]:
+        """The chat template's variables: --default-chat-template-kwargs, the request's over them."""
+        return {**(self.config.default_chat_template_kwargs or {}), **(body.chat_template_kwargs or {})}
 
     @staticmethod
     def _brings_template(body: ChatTemplateRequest) -> bool:
@@ -1925,7 +1935,7 @@ class OpenAIServer:
         template's variables and the prompt say whether there is any), then tool calls."""
         reasoning = None
         if self.reasoning_parser is not None:
-            reasoning = self.reasoning_parser(body.chat_template_kwargs, prompt_text)
+            reasoning = self.reasoning_parser(self._template_kwargs(body), prompt_text)
         return _ChoiceReader(self._tool_call_stream(body), reasoning, body.include_reasoning)
 
     def _shows_logprobs(self, body: ChatCompletionRequest) -> bool:
