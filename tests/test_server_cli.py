@@ -342,6 +342,49 @@ def test_default_chat_template_kwargs_apply_unless_a_request_sets_them(tmp_path)
         ServerConfig(default_chat_template_kwargs="[1]")
 
 
+def test_documents_and_reasoning_effort_reach_the_chat_template_as_vllm(tmp_path):
+    """vLLM's chat fields that are template variables: documents (RAG templates) and reasoning_effort
+    (gpt-oss's template reads it; the Responses API's reasoning.effort becomes it), under the request's
+    chat_template_kwargs of the same names; a completion's prompt cannot take them."""
+    openai = pytest.importorskip("openai")
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.llm import encode_rendered
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    template = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+                "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                "effort={{ reasoning_effort | default('unset') }}")
+    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    engine = LLMEngine(EngineConfig(model=str(model), max_model_len=128, num_kv_blocks=64))
+    messages = [{"role": "user", "content": "hi"}]
+    docs = [{"title": "A", "text": "apples"}]
+
+    def rendered(text: str) -> list[int]:
+        return encode_rendered(engine.tokenizer, text)
+
+    config = ServerConfig(log_level="warning", chat_template=template)
+    with BackgroundServer(OpenAIServer(engine, config)) as url:
+        def tokens(**extra) -> list[int]:
+            return httpx.post(f"{url}/tokenize", json={"messages": messages, **extra}).json()["tokens"]
+
+        assert tokens() == rendered("user: hi\neffort=unset")
+        assert tokens(documents=docs, reasoning_effort="high") == rendered("[A: apples]user: hi\neffort=high")
+        assert tokens(reasoning_effort="high", chat_template_kwargs={"reasoning_effort": "low"}) == rendered(
+            "user: hi\neffort=low")
+        bad = httpx.post(f"{url}/tokenize", json={"messages": messages, "reasoning_effort": "extreme"})
+        assert bad.status_code == 400
+        prompt_only = httpx.post(f"{url}/tokenize", json={"prompt": "hi", "documents": docs})
+        assert prompt_only.status_code == 400 and "documents applies to messages only" in prompt_only.text
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        asked = client.chat.completions.create(model="tiny-model", messages=messages, max_tokens=1,
+                                               reasoning_effort="low", extra_body={"documents": docs})
+        assert asked.usage.prompt_tokens == len(rendered("[A: apples]user: hi\neffort=low"))
+        response = client.responses.create(model="tiny-model", input="hi", max_output_tokens=1,
+                                           reasoning={"effort": "medium"})
+        assert response.usage.input_tokens == len(rendered("user: hi\neffort=medium"))
+
+
 def test_a_server_with_skip_tokenizer_init_answers_token_ids(tmp_path):
     """vLLM's --skip-tokenizer-init on a model that has a tokenizer: completions of token-id prompts answer
     their token ids (the text empty); text prompts, chat and /tokenize are 400s saying why."""

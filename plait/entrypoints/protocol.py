@@ -681,6 +681,10 @@ class NamedToolChoice(_RequestModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
+# vLLM's chat reasoning_effort values.
+ReasoningEffort = Literal["low", "medium", "high"]
+
+
 class ChatTemplateRequest(_RequestModel):
     """The fields that make messages a prompt under the chat template: chat completions', which /tokenize
     takes too (as vLLM's TokenizeChatRequest), so it counts exactly the prompt a chat completion runs."""
@@ -691,6 +695,11 @@ class ChatTemplateRequest(_RequestModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: documents for a template that performs RAG (the template's ``documents``; each a dict, with
+    # "title" and "text" as HF templates expect), and OpenAI's reasoning_effort, the template's
+    # ``reasoning_effort`` (gpt-oss's reads it); chat_template_kwargs of the same names win over them.
+    documents: list[dict[str, str]] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     # The functions the model may call, which the template lists whatever tool_choice says, as vLLM does,
     # unless the server has --exclude-tools-when-tool-choice-none and tool_choice is "none".
     tools: list[ChatTool] | None = None
@@ -698,6 +707,12 @@ class ChatTemplateRequest(_RequestModel):
     # OpenAI and vLLM). Here because "none" may keep the tools out of the prompt (above), which /tokenize
     # must render alike; ChatCompletionRequest serves the rest of it.
     tool_choice: ToolChoice | None = None
+
+    def template_variables(self) -> dict[str, Any]:
+        """The template variables the request sets: its documents and reasoning_effort, then its
+        chat_template_kwargs."""
+        named = {"documents": self.documents, "reasoning_effort": self.reasoning_effort}
+        return {**{k: v for k, v in named.items() if v is not None}, **(self.chat_template_kwargs or {})}
 
     def template_tools(self, exclude_when_none: bool = False) -> list[dict[str, Any]] | None:
         """The tools as the chat template receives them (None: no tools); ``exclude_when_none`` is the
@@ -840,7 +855,7 @@ class ChatCompletionRequest(ChatTemplateRequest, _SamplingRequest):
 
 # The chat template's fields that a /tokenize prompt (not messages) cannot use.
 _MESSAGES_ONLY_FIELDS = ("tools", "tool_choice", "chat_template", "chat_template_kwargs",
-                         "continue_final_message")
+                         "continue_final_message", "documents", "reasoning_effort")
 
 
 class TokenizeRequest(ChatTemplateRequest):

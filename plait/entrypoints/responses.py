@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import time
+import typing
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -39,6 +40,7 @@ from plait.entrypoints.protocol import (
     NumLogprobs,
     PositiveInt,
     ProtocolError,
+    ReasoningEffort,
     _asks_for,
     _RequestModel,
 )
@@ -311,7 +313,9 @@ class TextConfig(_RequestModel):
 
 
 class ReasoningConfig(_RequestModel):
-    effort: str | None = None  # "none" turns thinking off (chat_template_kwargs enable_thinking false)
+    # "none" turns thinking off (chat_template_kwargs enable_thinking false); "low", "medium" and "high" are
+    # the chat template's reasoning_effort (gpt-oss's reads it); other values change nothing here.
+    effort: str | None = None
     summary: str | None = None  # accepted; the reasoning comes whole, never summarised
     generate_summary: str | None = None
 
@@ -408,6 +412,7 @@ class ResponsesRequest(_RequestModel):
             "top_logprobs": self.top_logprobs if self.wants_logprobs else None,
             "truncate_prompt_tokens": TRUNCATE_TO_CONTEXT if self.truncation == "auto" else None,
             "chat_template_kwargs": THINKING_OFF if effort == NO_REASONING_EFFORT else None,
+            "reasoning_effort": effort if effort in typing.get_args(ReasoningEffort) else None,
             "user": self.user, "priority": self.priority, "cache_salt": self.cache_salt,
         }
         try:

@@ -1091,8 +1091,9 @@ class OpenAIServer:
         return image
 
     def _template_kwargs(self, body: ChatTemplateRequest) -> dict[str, Any]:
-        """The chat template's variables: --default-chat-template-kwargs, the request's over them."""
-        return {**(self.config.default_chat_template_kwargs or {}), **(body.chat_template_kwargs or {})}
+        """The chat template's variables: --default-chat-template-kwargs, the request's over them (its
+        documents, reasoning_effort and chat_template_kwargs)."""
+        return {**(self.config.default_chat_template_kwargs or {}), **body.template_variables()}
 
     @staticmethod
     def _brings_template(body: ChatTemplateRequest) -> bool:
