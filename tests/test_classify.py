@@ -114,6 +114,7 @@ def test_classify_endpoint(classifiers):
         one = httpx.post(f"{url}/classify", json={"input": prompts[1], "truncate_prompt_tokens": 4},
                          timeout=60)
         pooled = httpx.post(f"{url}/pooling", json={"input": prompts}, timeout=60)  # vLLM's: the probs
+        invoked = httpx.post(f"{url}/invocations", json={"input": prompts}, timeout=60)  # SageMaker's
         refused = [httpx.post(f"{url}{path}", json=body, timeout=60) for path, body in (
             ("/v1/embeddings", {"input": prompts[0]}),
             ("/v1/completions", {"prompt": prompts[0]}),
@@ -129,6 +130,7 @@ def test_classify_endpoint(classifiers):
         assert item["label"] == LABELS[int(want.argmax())] and item["num_classes"] == 3
     assert [item["index"] for item in body["data"]] == [0, 1, 2]
     assert [d["data"] for d in pooled.json()["data"]] == [item["probs"] for item in body["data"]]
+    assert [d["probs"] for d in invoked.json()["data"]] == [item["probs"] for item in body["data"]]
     torch.testing.assert_close(torch.tensor(one.json()["data"][0]["probs"]),
                                _reference(model, prompts[1][-4:], activation), atol=ATOL, rtol=0)
     messages = ["does not support Embeddings API", "does not support Completions API", "input is empty",
@@ -206,6 +208,8 @@ def test_a_causal_lm_scores_pairs_as_a_cross_encoder_from_two_tokens(reranker):
         score = httpx.post(f"{url}/score", json={"text_1": QUERY, "text_2": DOCUMENTS}, timeout=60).json()
         ranked = httpx.post(f"{url}/rerank", json={"query": QUERY, "documents": DOCUMENTS}, timeout=60).json()
         unpaired = httpx.post(f"{url}/score", json={"text_1": DOCUMENTS[:2], "text_2": DOCUMENTS}, timeout=60)
+        invoked = [httpx.post(f"{url}/invocations", json=body, timeout=60).json() for body in (
+            {"text_1": QUERY, "text_2": DOCUMENTS}, {"query": QUERY, "documents": DOCUMENTS})]
     assert [d["score"] for d in score["data"]] == pytest.approx(want, abs=ATOL)
     assert score["usage"]["prompt_tokens"] == sum(len(o.prompt_token_ids) for o in got)
     order = sorted(range(len(DOCUMENTS)), key=lambda j: -want[j])
@@ -213,6 +217,7 @@ def test_a_causal_lm_scores_pairs_as_a_cross_encoder_from_two_tokens(reranker):
     assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx([want[j] for j in order],
                                                                               abs=ATOL)
     assert unpaired.status_code == 400 and unpaired.json()["error"]["param"] == "text_2"
+    assert invoked[0]["data"] == score["data"] and invoked[1]["results"] == ranked["results"]
 
 
 def test_classifier_from_token_needs_tokens_of_the_vocabulary(reranker):

@@ -953,6 +953,25 @@ def test_chat_echo_as_vllm(client, model):
     assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
 
 
+def test_invocations_answer_as_the_api_the_body_names(served, model):
+    """vLLM's /invocations (SageMaker): messages are a chat completion, a prompt a completion, each answered
+    as its own endpoint answers it (streamed too); a body with neither, or a bad field, is a 400."""
+    _, url = served
+    chat = {"model": model, "messages": _messages("Name a river."), "max_tokens": 4, "temperature": 0.0}
+    completion = {"model": model, "prompt": "The capital of France is", "max_tokens": 4, "temperature": 0.0}
+    routes = (("/v1/chat/completions", chat, "message"), ("/v1/completions", completion, "text"))
+    for path, body, field in routes:
+        want, got = (_post(url, p, body).json()["choices"][0] for p in (path, "/invocations"))
+        assert got[field] == want[field] and got["finish_reason"] == want["finish_reason"]
+    streamed = _post(url, "/invocations", {**chat, "stream": True})
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert streamed.text.rstrip().endswith("data: [DONE]")
+    for body, words in (({"model": model, "input": "hi"}, "messages (chat completions) or a prompt"),
+                        ({**chat, "max_tokens": "many"}, "max_tokens")):
+        r = _post(url, "/invocations", body)
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
 def test_tokenize_detokenize_and_version(served, model):
     """vLLM's /tokenize, /detokenize and /version: the ids the completion endpoints feed the engine."""
     server, url = served

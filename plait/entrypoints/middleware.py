@@ -35,7 +35,7 @@ async def send_error(send: Send, status: int, body: bytes, extra_headers: Sequen
 # The endpoints that run the model: what vLLM's --enable-server-load-tracking counts (GET /load).
 LOAD_TRACKED_PATHS = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/responses",
                                 "/classify", "/pooling", "/score", "/v1/score", "/rerank", "/v1/rerank",
-                                "/v2/rerank"})
+                                "/v2/rerank", "/invocations"})
 
 
 @dataclass

@@ -31,7 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -216,6 +216,8 @@ DOCS_PATH = "/docs"
 REDOC_PATH = "/redoc"
 # Tokenizer settings /tokenizer_info leaves out: paths of files on the server (as vLLM's).
 _TOKENIZER_FILE_KEYS = frozenset({"vocab_file", "merges_file", "tokenizer_file", "name_or_path"})
+# Fields of a /score body, by which /invocations tells it apart.
+SCORE_INPUT_FIELDS = ("text_1", "text_2")
 # The host of a Unix domain socket server's URLs: clients need one, and nothing resolves it.
 UNIX_SOCKET_HOST = "localhost"
 
@@ -877,6 +879,11 @@ class OpenAIServer:
             async def rerank(body: RerankRequest, raw: Request) -> Response:
                 return await self.create_rerank(body, raw)
 
+        # SageMaker's inference endpoint, as vLLM serves it: the body's fields pick the API that answers it.
+        @app.post("/invocations", responses=_ERROR_RESPONSES)
+        async def invocations(raw: Request) -> Response:
+            return await self.invoke(raw)
+
         # The Responses API, on the chat path; imported here, as it builds on this module.
         from plait.entrypoints.responses import ResponsesAPI
 
@@ -1459,6 +1466,43 @@ class OpenAIServer:
     @property
     def pooling(self) -> bool:
         return self.pooling_spec is not None
+
+    async def invoke(self, raw: Request) -> Response:
+        """vLLM's /invocations (SageMaker): the API a body's fields name answers it, as its own endpoint
+        would: messages (chat; a pooling model's embeddings or classes), prompt (completions), input
+        (embeddings or classes), query with documents (rerank), text_1 and text_2 (score)."""
+        try:
+            body = await raw.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            body = None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        model, handle = self._invocation_route(body)
+        try:
+            request = model.model_validate(body)
+        except ValidationError as err:
+            raise RequestValidationError(err.errors()) from err
+        return await handle(request, raw)
+
+    def _invocation_route(self, body: dict[str, Any]
+                          ) -> tuple[type[BaseModel], Callable[..., Awaitable[Response]]]:
+        if not self.pooling:
+            if "messages" in body:
+                return ChatCompletionRequest, self.create_chat_completion
+            if "prompt" in body:
+                return CompletionRequest, self.create_completion
+            raise APIError(400, "an /invocations body for this model holds messages (chat completions) or "
+                                "a prompt (completions)")
+        if "query" in body and "documents" in body:
+            return RerankRequest, self.create_rerank
+        if any(name in body for name in SCORE_INPUT_FIELDS):
+            return ScoreRequest, self.create_score
+        if "input" in body or "messages" in body:
+            if self.pooling_spec.task == "classify":
+                return ClassificationRequest, self.create_classification
+            return EmbeddingRequest, self.create_embedding
+        raise APIError(400, "an /invocations body for this model holds input or messages (embeddings or "
+                            "classes), query and documents (rerank), or text_1 and text_2 (score)")
 
     def check_generates(self, api: str) -> None:
         """vLLM's 400 for a text endpoint of a pooling model."""
