@@ -113,6 +113,9 @@ CASES = [
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nx\n<parameter=b>\ny\n</function>\n"
                     "</tool_call>", "", [("f", {"a": "x", "b": "y"})]),  # no </parameter>: a tag ends it
     ("qwen3_coder", "<tool_call>\n<function=f>\n<parameter=a>\nx", "", [("f", {"a": "x"})]),  # cut short
+    # vLLM's qwen3_xml names the same format
+    ("qwen3_xml", f"Let me check.\n{CODER_WEATHER}\n{CODER_TIME}", "Let me check.\n\n",
+     [("get_weather", {"city": "Paris"}), ("get_time", {})]),
     ("qwen3_coder", "<tool_call>\n<function=f>\n</function>\nDone.", "\nDone.",
      [("f", {})]),  # </tool_call> left out: what follows </function> is content
     # malformed calls are content, tags and all

@@ -659,6 +659,14 @@ class Qwen3CoderToolParser(ToolParser):
 
 
 @register_tool_parser
+class Qwen3XmlToolParser(Qwen3CoderToolParser):
+    """vLLM's "qwen3_xml": the same calls as "qwen3_coder" (Qwen3-Coder's and Qwen3-2507's format), which vLLM
+    reads with another parser; here the same one, so either name serves them."""
+
+    name = "qwen3_xml"
+
+
+@register_tool_parser
 class SeedOssToolParser(Qwen3CoderToolParser):
     """Seed-OSS (vLLM's "seed_oss"): Qwen3-Coder's calls between <seed:tool_call> and </seed:tool_call>."""
 
