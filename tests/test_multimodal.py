@@ -570,6 +570,22 @@ def test_auto_content_format_reads_the_template_code_as_vllm(template, takes_par
     assert content_format(template, "string") == "string" and content_format(template, "openai") == "openai"
 
 
+def test_a_message_without_content_is_empty_text_or_no_parts():
+    """An assistant message of tool calls alone (content null): "" for a template that takes text, no parts
+    (an empty list, which a template's `if message.content` reads as empty) for one that loops over them."""
+    pytest.importorskip("pydantic")
+    from plait.entrypoints.protocol import ChatMessage
+    from plait.multimodal.chat import prepare_chat
+
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    message = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call]})
+    kept = message.as_template_message(keep_parts=True)
+    assert kept["content"] == [] and message.as_template_message()["content"] == ""
+    for chosen, content in (("string", ""), ("openai", [])):
+        (rendered,), _ = prepare_chat([kept], None, None, "m", chosen)
+        assert rendered["content"] == content and rendered["tool_calls"]
+
+
 def test_the_default_models_template_takes_text():
     from plait.loader.gguf import default_model_path
     from plait.loader.tokenizer import load_tokenizer

@@ -635,6 +635,9 @@ class ChatMessage(_RequestModel):
         content: str | list[dict[str, Any]] = self.text()
         if keep_parts and isinstance(self.content, list):
             content = [part.model_dump(exclude_none=True) for part in self.content]
+        elif keep_parts and self.content is None:
+            # No parts: "" for a template that takes text, [] for one that loops over them (as vLLM's).
+            content = []
         message: dict[str, Any] = {"role": self.role, "content": content}
         if self.name is not None:
             message["name"] = self.name
