@@ -18,6 +18,7 @@ from plait.entrypoints.reasoning_parsers import (
 NUM_SPLITS = 60  # random splittings of each output
 MAX_PIECE = 5  # characters per streamed piece at most
 THINKING_OFF = {"enable_thinking": False}
+THINKING = {"thinking": True}  # Granite's template variable
 # Qwen3's template with enable_thinking false closes the reasoning in the prompt.
 CLOSED_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 OPEN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
@@ -86,6 +87,21 @@ CASES = [
     ("mistral", None, "", "a <think>b</think> [THIN", None, "a <think>b</think> [THIN"),  # others are text
     ("mistral", None, "[INST]Hi[/INST][THINK]\n\n[/THINK]", "[THINK]R[/THINK]C", None,
      "[THINK]R[/THINK]C"),  # a prompt that closed the reasoning: all content
+    # IBM Granite 3.2 / 3.3 (vLLM's granite, its tests' cases): plain-text phrases, "Here's" or "Here is"
+    ("granite", THINKING, "", "Here's my thought process:This is a reasoning sectionHere's my response:"
+     "This is the rest", "This is a reasoning section", "This is the rest"),
+    ("granite", THINKING, "", "Here is my thought process:\nI add.\nHere is my response:\n4", "\nI add.\n",
+     "\n4"),
+    ("granite", THINKING, "", "Here is my thought process:R Here's my response:", "R ", None),
+    ("granite", THINKING, "", "This is content", None, "This is content"),
+    ("granite", THINKING, "", "", None, ""),
+    ("granite", THINKING, "", "Here is my thought process:cut short", "cut short", None),
+    ("granite", THINKING, "", "Hi. Here is my thought process:R Here is my response:C", "R ", "Hi. C"),
+    # no thought process: the response phrase is text
+    ("granite", THINKING, "", "Here is my response:C", None, "Here is my response:C"),
+    ("granite", THINKING, "", "Here is my thou", None, "Here is my thou"),
+    ("granite", None, "", "Here is my thought process:R Here is my response:C", None,
+     "Here is my thought process:R Here is my response:C"),  # not asked to think (its template's thinking)
     # gpt-oss (vLLM's openai_gptoss): harmony messages; the analysis channel's text is the reasoning
     ("openai_gptoss", None, GPT_OSS_PROMPT, "<|channel|>analysis<|message|>Let me think.<|end|>"
      "<|start|>assistant<|channel|>final<|message|>The answer is 4.", "Let me think.", "The answer is 4."),
@@ -133,13 +149,14 @@ def test_random_outputs_stream_as_they_split_whole():
     reasoning and content as whole, whatever the parser and prompt."""
     fragments = ["<think>", "</think>", "<", "</", "think", ">", "<thi", "a", " ", "\n",
                  "[THINK]", "[/THINK]", "[", "[/", "THINK", "]", "[TH", "<|channel|>analysis", "<|message|>",
-                 "<|end|>", "<|start|>assistant<|channel|>final", "<|", "<|mess", "|>"]
+                 "<|end|>", "<|start|>assistant<|channel|>final", "<|", "<|mess", "|>",
+                 "Here is my thought process:", "Here's my response:", "Here is my ", "Here'", "response:"]
     rng = random.Random(0)
     for i in range(300):
         text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 12)))
         name = rng.choice(sorted(REASONING_PARSERS))
         prompt = rng.choice(["", OPEN_PROMPT, CLOSED_PROMPT, GPT_OSS_PROMPT])
-        kwargs = {"thinking": True} if name == "deepseek_v3" else None
+        kwargs = THINKING if name in ("deepseek_v3", "granite") else None
         parser = get_reasoning_parser(name)
         reasoning, content = split_reasoning(parser(kwargs, prompt), text)
         whole = (reasoning or "", content or "")
@@ -181,8 +198,8 @@ def test_gpt_oss_streams_each_channel_as_it_comes():
 
 def test_registry_names_vllms_parsers():
     assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "deepseek_v3", "mistral", "seed_oss",
-                                      "openai_gptoss"}
-    known = "known: deepseek_r1, deepseek_v3, mistral, openai_gptoss, qwen3, seed_oss"
+                                      "openai_gptoss", "granite"}
+    known = "known: deepseek_r1, deepseek_v3, granite, mistral, openai_gptoss, qwen3, seed_oss"
     with pytest.raises(ValueError, match=f"unknown reasoning parser 'nope'; {known}"):
         get_reasoning_parser("nope")
 

@@ -21,6 +21,9 @@ THINK_END = "</think>"
 # Seed-OSS's.
 SEED_OSS_THINK_START = "<seed:think>"
 SEED_OSS_THINK_END = "</seed:think>"
+# Granite 3.2 / 3.3's phrases around its reasoning (plain text; "Here's" as vLLM also matches).
+GRANITE_THOUGHT_STARTS = ("Here is my thought process:", "Here's my thought process:")
+GRANITE_RESPONSE_STARTS = ("Here is my response:", "Here's my response:")
 # Magistral's (Mistral tokenizer v13): special tokens.
 MISTRAL_THINK_START = "[THINK]"
 MISTRAL_THINK_END = "[/THINK]"
@@ -207,27 +210,26 @@ class SeedOssReasoningParser(ReasoningParser):
     END = SEED_OSS_THINK_END
 
 
-@register_reasoning_parser
-class MistralReasoningParser(ReasoningParser):
-    """Magistral (vLLM's "mistral"): reasoning between [THINK] and [/THINK], special tokens of its tokenizer
-    (so the output is detokenized with them, ``skip_special_tokens``). As vLLM's, the output is content
-    until the model writes [THINK], which begins the reasoning (without it there is none: reasoning None);
-    the reasoning runs to the first [/THINK] (or the output's end, cut short), and all after it is content,
-    as is text before [THINK] (which a model should not write). A [/THINK] with no [THINK] before it is
-    dropped, the first only (vLLM keeps one that a later [THINK] follows; streamed, that cannot be known
-    when it comes)."""
+class OpeningReasoningParser(ReasoningParser):
+    """The output is content until the model opens its reasoning with one of ``STARTS`` (without one there
+    is none: reasoning None); the reasoning runs to the first of ``ENDS`` (or the output's end, cut short),
+    and all after it is content, as is text before the opening. With ``DROPS_STRAY_END``, a first end with
+    no opening before it is dropped."""
 
-    name = "mistral"
-    START = MISTRAL_THINK_START
-    END = MISTRAL_THINK_END
-    MARKERS_ARE_SPECIAL_TOKENS = True
+    STARTS: tuple[str, ...] = ()
+    ENDS: tuple[str, ...] = ()
+    DROPS_STRAY_END = False
 
     def __init__(self, chat_template_kwargs: Mapping[str, Any] | None = None, prompt: str = "") -> None:
         super().__init__(chat_template_kwargs, prompt)
         if self.thinks:
             self.phase = _BEFORE
-        self._opened = False  # [THINK] came
-        self._stray_end_dropped = False
+        self._opened = False  # a start came
+        self._stray_end_dropped = not self.DROPS_STRAY_END
+
+    @classmethod
+    def reasoning_over(cls, prompt: str) -> bool:
+        return prompt.rstrip().endswith(cls.ENDS)
 
     @property
     def has_reasoning(self) -> bool:
@@ -250,37 +252,86 @@ class MistralReasoningParser(ReasoningParser):
         return ReasoningDelta("".join(reasoning), "".join(content))
 
     def _take_in_reasoning(self, reasoning: list[str], final: bool) -> bool:
-        """Reasoning up to [/THINK] (or up to text that may become it); whether the reasoning ended."""
-        end = self._pending.find(self.END)
-        if end < 0:
-            end = len(self._pending) - (0 if final else partial_tag_length(self._pending, self.END, 0))
+        """Reasoning up to an end (or up to text that may become one); whether the reasoning ended."""
+        found = _first_of(self._pending, self.ENDS)
+        if found is None:
+            end = len(self._pending) - (0 if final else _partial_length(self._pending, self.ENDS))
             reasoning.append(self._pending[:end])
             self._pending = self._pending[end:]
             return False
-        reasoning.append(self._pending[:end])
-        self._pending = self._pending[end + len(self.END):]
+        at, tag = found
+        reasoning.append(self._pending[:at])
+        self._pending = self._pending[at + len(tag):]
         self.phase = _CONTENT
         return True
 
     def _take_before(self, content: list[str], final: bool) -> bool:
-        """Content up to [THINK] (which opens the reasoning) or a first stray [/THINK] (dropped); whether
-        either was taken."""
-        tags = [self.START] + ([] if self._stray_end_dropped else [self.END])
-        found = [(at, tag) for tag in tags if (at := self._pending.find(tag)) >= 0]
-        if not found:
-            held = 0 if final else max(partial_tag_length(self._pending, tag, 0) for tag in tags)
-            cut = len(self._pending) - held
+        """Content up to a start (which opens the reasoning) or a first stray end (dropped, where the parser
+        drops one); whether either was taken."""
+        tags = self.STARTS + (() if self._stray_end_dropped else self.ENDS)
+        found = _first_of(self._pending, tags)
+        if found is None:
+            cut = len(self._pending) - (0 if final else _partial_length(self._pending, tags))
             content.append(self._pending[:cut])
             self._pending = self._pending[cut:]
             return False
-        at, tag = min(found)
+        at, tag = found
         content.append(self._pending[:at])
         self._pending = self._pending[at + len(tag):]
-        if tag == self.START:
+        if tag in self.STARTS:
             self.phase, self._opened = _REASONING, True
         else:
             self._stray_end_dropped = True
         return True
+
+
+def _first_of(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
+    """The earliest of ``tags`` in ``text`` (where, which), None without one."""
+    found = [(at, tag) for tag in tags if (at := text.find(tag)) >= 0]
+    return min(found) if found else None
+
+
+def _partial_length(text: str, tags: tuple[str, ...]) -> int:
+    """Length of the longest end of ``text`` that begins one of ``tags``."""
+    return max(partial_tag_length(text, tag, 0) for tag in tags)
+
+
+@register_reasoning_parser
+class MistralReasoningParser(OpeningReasoningParser):
+    """Magistral (vLLM's "mistral"): reasoning between [THINK] and [/THINK], special tokens of its tokenizer
+    (so the output is detokenized with them, ``skip_special_tokens``). As vLLM's, the output is content
+    until the model writes [THINK], which begins the reasoning (without it there is none: reasoning None);
+    the reasoning runs to the first [/THINK] (or the output's end, cut short), and all after it is content,
+    as is text before [THINK] (which a model should not write). A [/THINK] with no [THINK] before it is
+    dropped, the first only (vLLM keeps one that a later [THINK] follows; streamed, that cannot be known
+    when it comes)."""
+
+    name = "mistral"
+    START = MISTRAL_THINK_START
+    END = MISTRAL_THINK_END
+    STARTS = (MISTRAL_THINK_START,)
+    ENDS = (MISTRAL_THINK_END,)
+    DROPS_STRAY_END = True
+    MARKERS_ARE_SPECIAL_TOKENS = True
+
+
+@register_reasoning_parser
+class GraniteReasoningParser(OpeningReasoningParser):
+    """IBM Granite 3.2 / 3.3 (vLLM's "granite"): asked to think (its template's ``thinking`` variable, without
+    which the output is all content), it writes "Here is my thought process:", its reasoning, "Here is my
+    response:" and the answer, plain text ("Here's" too, as vLLM matches). As vLLM's, text outside that is
+    content and an output without the first phrase has no reasoning. One cut short before "Here is my
+    response:" is reasoning, streamed or whole (vLLM's whole-output read calls it content, its streaming
+    reasoning)."""
+
+    name = "granite"
+    STARTS = GRANITE_THOUGHT_STARTS
+    ENDS = GRANITE_RESPONSE_STARTS
+    START, END = STARTS[0], ENDS[0]  # END: where a structured output begins (the phrase its template asks)
+
+    @classmethod
+    def thinking_on(cls, chat_template_kwargs: Mapping[str, Any]) -> bool:
+        return bool(chat_template_kwargs.get("thinking"))
 
 
 # gpt-oss's harmony messages (plait.entrypoints.tool_parsers holds the format's tokens).
