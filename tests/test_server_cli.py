@@ -387,7 +387,8 @@ def test_documents_and_reasoning_effort_reach_the_chat_template_as_vllm(tmp_path
 
 def test_a_server_with_skip_tokenizer_init_answers_token_ids(tmp_path):
     """vLLM's --skip-tokenizer-init on a model that has a tokenizer: completions of token-id prompts answer
-    their token ids (the text empty); text prompts, chat and /tokenize are 400s saying why."""
+    their token ids (the text empty; logprobs name tokens by id); text prompts, chat and /tokenize are 400s
+    saying why."""
     from plait.config import EngineConfig
     from plait.engine.engine import LLMEngine
     from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
@@ -402,11 +403,16 @@ def test_a_server_with_skip_tokenizer_init_answers_token_ids(tmp_path):
         with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
             answers.append(httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0])
             if skip:
+                scored = httpx.post(f"{url}/v1/completions", json={**body, "logprobs": 2}).json()
                 text = httpx.post(f"{url}/v1/completions", json={**body, "prompt": "hi"})
                 ask = {"model": "tiny-model", "messages": [{"role": "user", "content": "hi"}]}
                 chat = httpx.post(f"{url}/v1/chat/completions", json=ask)
                 tokenize = httpx.post(f"{url}/tokenize", json={"prompt": "hi"})
     assert answers[1]["token_ids"] == answers[0]["token_ids"] and answers[1]["text"] == ""
+    # No text to name tokens by: logprobs name them "token_id:<id>", so the alternatives stay apart.
+    logprobs = scored["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == [f"token_id:{t}" for t in answers[1]["token_ids"]]
+    assert all(len(top) == 2 for top in logprobs["top_logprobs"])
     assert text.status_code == 400 and "skip_tokenizer_init" in text.json()["error"]["message"]
     assert chat.status_code == 400 and "chat template" in chat.json()["error"]["message"]
     assert tokenize.status_code == 400 and "no tokenizer" in tokenize.json()["error"]["message"]

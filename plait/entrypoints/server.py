@@ -1250,7 +1250,11 @@ class OpenAIServer:
         return f"{TOKEN_ID_PREFIX}{token_id}" if as_ids else self._token_str(token_id)
 
     def _tokens_as_ids(self, body: CompletionRequest | ChatCompletionRequest) -> bool:
-        """Whether logprobs name tokens by id: the request's return_tokens_as_token_ids, else the server's."""
+        """Whether logprobs name tokens by id: always without a tokenizer (no text to name them by, and
+        distinct tokens must stay distinct keys of top_logprobs), else the request's
+        return_tokens_as_token_ids, else the server's."""
+        if self.tokenizer is None:
+            return True
         asked = body.return_tokens_as_token_ids
         return asked if asked is not None else self.config.return_tokens_as_token_ids
 
