@@ -234,7 +234,9 @@ def test_serve_takes_vllm_flags_whose_values_plait_has(monkeypatch, capsys, tmp_
                      "--disable-frontend-multiprocessing", "--api-server-count", "1",
                      "--enable-force-include-usage", "--enable-tokenizer-info-endpoint",
                      "--middleware", "a.one", "--middleware", "b.two", "--log-config-file", str(log_config),
-                     "--ssl-cert-reqs", "1", "--allowed-local-media-path", str(media)]) == 0
+                     "--ssl-cert-reqs", "1", "--allowed-local-media-path", str(media),
+                     "--disable-cascade-attn", "--swap-space", "4",
+                     "--max-parallel-loading-workers", "2"]) == 0
     ((engine, config, kwargs),) = seen
     assert (engine.tensor_parallel_size, engine.num_kv_blocks, engine.kv_cache_memory_bytes) == (1, 64, 2**31)
     assert kwargs["engine_process"] is False

@@ -196,6 +196,15 @@ def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
                             "GPU; 'ray' and 'external_launcher' are refused)")
     group.add_argument("--disable-custom-all-reduce", action="store_true",
                        help="accepted for vLLM command lines: plait's tensor-parallel all-reduce is NCCL's")
+    group.add_argument("--disable-cascade-attn", action="store_true",
+                       help="accepted for vLLM command lines: plait's attention has no cascade "
+                            "(shared-prefix) kernel to disable")
+    group.add_argument("--swap-space", type=float, default=None, metavar="GIB",
+                       help="accepted for vLLM command lines: plait never swaps KV blocks to the host; a "
+                            "preempted request is recomputed, as vLLM v1's")
+    group.add_argument("--max-parallel-loading-workers", type=int, default=None, metavar="N",
+                       help="accepted for vLLM command lines: plait reads a checkpoint's shards one at a "
+                            "time")
 
 
 # vLLM's human-readable sizes: a decimal suffix (k, m, g, t: powers of 1,000, decimals allowed) or a binary
