@@ -162,11 +162,27 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_vllm_compat_args(group)
 
 
+# vLLM flags that change nothing here: (flag, its argparse form, what plait does instead).
+_NO_OP_FLAGS: tuple[tuple[str, dict[str, Any], str], ...] = (
+    ("--trust-remote-code", {"action": "store_true"},
+     "plait runs no code from checkpoints, and a model that needs its own code is refused by architecture"),
+    ("--code-revision", {"metavar": "REVISION"}, "plait runs no code from checkpoints"),
+    ("--hf-token", {"nargs": "?", "const": True, "metavar": "TOKEN"},
+     "plait never downloads, so sends no token"),
+    ("--disable-custom-all-reduce", {"action": "store_true"}, "plait's tensor-parallel all-reduce is NCCL's"),
+    ("--disable-cascade-attn", {"action": "store_true"},
+     "plait's attention has no cascade (shared-prefix) kernel to disable"),
+    ("--swap-space", {"type": float, "metavar": "GIB"},
+     "plait never swaps KV blocks to the host; a preempted request is recomputed, as vLLM v1's"),
+    ("--max-parallel-loading-workers", {"type": int, "metavar": "N"},
+     "plait reads a checkpoint's shards one at a time"),
+)
+
+
 def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
     """vLLM flags whose behaviour plait always has, accepted so that vLLM command lines run unchanged."""
-    group.add_argument("--trust-remote-code", action="store_true",
-                       help="accepted for vLLM command lines: plait runs no code from checkpoints, and a "
-                            "model that needs its own code is refused by architecture")
+    for flag, form, instead in _NO_OP_FLAGS:
+        group.add_argument(flag, help=f"accepted for vLLM command lines: {instead}", **form)
     group.add_argument("--guided-decoding-backend", "--structured-outputs-backend", default="auto",
                        metavar="BACKEND",
                        help="vLLM's structured-output backend: plait's is llguidance, which vLLM calls "
@@ -184,27 +200,12 @@ def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--config-format", default="auto", metavar="FORMAT",
                        help="vLLM's checkpoint config format: plait reads HF's config.json or the GGUF "
                             "header ('auto' and 'hf' are accepted; 'mistral' is refused)")
-    group.add_argument("--code-revision", default=None, metavar="REVISION",
-                       help="accepted for vLLM command lines: plait runs no code from checkpoints")
-    group.add_argument("--hf-token", nargs="?", const=True, default=None, metavar="TOKEN",
-                       help="accepted for vLLM command lines: plait never downloads, so sends no token")
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
                        help="vLLM's pipeline stages: plait splits a model across GPUs by tensor parallelism "
                             "(--tensor-parallel-size) only, so 1 is accepted and more is refused")
     group.add_argument("--distributed-executor-backend", default=None, metavar="BACKEND",
                        help="vLLM's workers: plait runs one process per GPU, vLLM's 'mp' ('uni' with one "
                             "GPU; 'ray' and 'external_launcher' are refused)")
-    group.add_argument("--disable-custom-all-reduce", action="store_true",
-                       help="accepted for vLLM command lines: plait's tensor-parallel all-reduce is NCCL's")
-    group.add_argument("--disable-cascade-attn", action="store_true",
-                       help="accepted for vLLM command lines: plait's attention has no cascade "
-                            "(shared-prefix) kernel to disable")
-    group.add_argument("--swap-space", type=float, default=None, metavar="GIB",
-                       help="accepted for vLLM command lines: plait never swaps KV blocks to the host; a "
-                            "preempted request is recomputed, as vLLM v1's")
-    group.add_argument("--max-parallel-loading-workers", type=int, default=None, metavar="N",
-                       help="accepted for vLLM command lines: plait reads a checkpoint's shards one at a "
-                            "time")
 
 
 # vLLM's human-readable sizes: a decimal suffix (k, m, g, t: powers of 1,000, decimals allowed) or a binary
