@@ -273,6 +273,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # vLLM's: whether a slow tokenizer's decode spaces out special tokens. plait detokenizes with fast
+    # (tokenizers) tokenizers, whose decode has no such choice, as vLLM's fast-tokenizer path has none: the
+    # text is the same either way. Accepted, so vLLM code that sets it runs.
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     # vLLM's detokenize: False leaves the output's text empty (token ids only), sparing the host the
     # detokenizer's work; stop strings need the text, so they need it True.
@@ -347,6 +351,7 @@ class SamplingParams:
 
         _check_bool("ignore_eos", self.ignore_eos)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("detokenize", self.detokenize)
         if isinstance(self.output_kind, bool) or self.output_kind not in tuple(RequestOutputKind):

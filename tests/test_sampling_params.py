@@ -34,7 +34,7 @@ def test_defaults_match_vllm() -> None:
     assert p.ignore_eos is False
     assert p.logprobs is None
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.0, 0.0, 1.0)
-    assert p.skip_special_tokens is True
+    assert p.skip_special_tokens is True and p.spaces_between_special_tokens is True
     assert p.include_stop_str_in_output is False
     assert p.detokenize is True
     assert not p.is_greedy
@@ -162,6 +162,7 @@ INVALID = [
     ("repetition_penalty", -1.0),
     ("repetition_penalty", math.nan),
     ("skip_special_tokens", None),
+    ("spaces_between_special_tokens", "no"),
     ("include_stop_str_in_output", 0),
     ("truncate_prompt_tokens", 0),
     ("truncate_prompt_tokens", -2),

@@ -322,6 +322,7 @@ class _SamplingRequest(_RequestModel):
     ignore_eos: bool = False  # vLLM extension
     min_tokens: Int = Field(default=0, ge=0)  # vLLM extension
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's; the same text either way (SamplingParams)
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -494,6 +495,7 @@ class _SamplingRequest(_RequestModel):
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=pick("repetition_penalty"),
             skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
