@@ -302,23 +302,21 @@ def serve_data_parallel(engine_config: EngineConfig, server_config: Any, size: i
                         prefix_affinity: bool = True, engine_process: bool = True) -> None:
     """`plait serve --data-parallel-size N`: start the replicas, then serve the front until interrupted
     (``prefix_affinity``: ReplicaRouter's, or the least busy replica always)."""
-    from plait.entrypoints.launcher import close_socket, serving_socket
+    from plait.entrypoints.launcher import closing_socket, serving_socket
     from plait.entrypoints.server import base_url, uvicorn_server
 
-    sock = serving_socket(server_config.host, server_config.port, server_config.uds)
-    try:
+    uds = server_config.uds
+    with closing_socket(serving_socket(server_config.host, server_config.port, uds), uds) as sock:
         replicas = start_replicas(engine_config, server_config, size, engine_process)
         try:
             front = DataParallelFront(replicas, server_config.api_key, server_config.max_request_body_bytes,
                                       prefix_affinity=prefix_affinity)
             url = base_url(sock, https=server_config.ssl_certfile is not None)
-            print(_front_banner(replicas, url, server_config.uds), flush=True)
+            print(_front_banner(replicas, url, uds), flush=True)
             with contextlib.suppress(KeyboardInterrupt):
                 uvicorn_server(front.app, server_config).run(sockets=[sock])
         finally:
             stop_replicas(replicas)
-    finally:
-        close_socket(sock, server_config.uds)
 
 
 def _front_banner(replicas: list[Replica], url: str, uds: str | None = None) -> str:

@@ -17,6 +17,7 @@ import stat
 import subprocess
 import sys
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection
@@ -87,6 +88,15 @@ def close_socket(sock: socket.socket, uds: str | None) -> None:
     if uds is not None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(uds)
+
+
+@contextlib.contextmanager
+def closing_socket(sock: socket.socket, uds: str | None) -> Iterator[socket.socket]:
+    """``sock`` until the block ends, then close_socket's: a server's socket for as long as it serves."""
+    try:
+        yield sock
+    finally:
+        close_socket(sock, uds)
 
 
 def serving_config(engine_config: EngineConfig) -> EngineConfig:

@@ -626,10 +626,6 @@ class ChatMessage(_RequestModel):
             return TEXT_PART_SEPARATOR.join(part.text for part in self.content if part.type == "text")
         return self.content or ""
 
-    @property
-    def has_images(self) -> bool:
-        return isinstance(self.content, list) and any(part.type == "image_url" for part in self.content)
-
     def as_template_message(self, keep_parts: bool = False) -> dict[str, Any]:
         """The message as the chat template expects it: its ``text()`` (``keep_parts``: the parts as
         OpenAI-style dicts, images included, for plait.multimodal.chat), tool calls with their arguments as

@@ -17,7 +17,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from operator import methodcaller
 from pathlib import Path
@@ -72,8 +72,7 @@ from plait.entrypoints.errors import (
 from plait.entrypoints.launcher import (
     StartedEngineProcess,
     bind_socket,
-    bind_unix_socket,
-    close_socket,
+    closing_socket,
     launch,
     serving_config,
 )
@@ -687,7 +686,7 @@ class OpenAIServer:
         self.image_text = (image_token_text(self.tokenizer, info.image_processor.image_token_id)
                            if info.image_processor is not None else None)
         self.image_processor = info.image_processor  # stateless: shared with the engine's loop
-        template = self.config.chat_template_text or getattr(self.tokenizer, "chat_template", None)
+        template = self._chat_template()
         if template:  # as vLLM, say which content format the template gets
             logger.info("chat template content format: %r",
                         content_format(template, self.config.chat_template_content_format))
@@ -1068,13 +1067,10 @@ class OpenAIServer:
         if self._brings_template(body) and not self.config.trust_request_chat_template:
             raise APIError(400, "a chat template was passed with the request, but the server was not "
                                 "started with --trust-request-chat-template", param="chat_template")
-        if self.image_text is None and any(m.has_images for m in messages):
-            raise APIError(400, f"{self.model_name} takes no images: send text messages", param="messages")
         conversation = [m.as_template_message(keep_parts=True) for m in messages]
-        # Without a tokenizer there is no model template: render_chat refuses the chat below.
-        rendered_with = template or getattr(self.tokenizer, "chat_template", None)
-        try:
-            conversation, images = prepare_chat(conversation, rendered_with, self.image_text, self.model_name,
+        try:  # without any template (no tokenizer), render_chat refuses the chat below
+            conversation, images = prepare_chat(conversation, template or self._chat_template(),
+                                                self.image_text, self.model_name,
                                                 self.config.chat_template_content_format)
             images = [self._local_image(image) for image in images]
         except ValueError as err:
@@ -1089,6 +1085,11 @@ class OpenAIServer:
         except (ValueError, TypeError, RecursionError, jinja2.TemplateError) as err:
             # RecursionError: a message's tool call arguments nested too deep for the template's tojson
             raise APIError(400, f"could not apply the chat template: {err}", param="messages") from err
+
+    def _chat_template(self) -> str | None:
+        """The template chats render with unless a request brings its own: --chat-template's, else the
+        tokenizer's (None without either)."""
+        return self.config.chat_template_text or getattr(self.tokenizer, "chat_template", None)
 
     def _local_image(self, image: Any) -> Any:
         """A file URL's image read from the folder --allowed-local-media-path allows; any other as it is."""
@@ -1455,7 +1456,7 @@ class OpenAIServer:
         config = {k: v for k, v in settings.items() if k not in _TOKENIZER_FILE_KEYS}
         info: dict[str, Any] = _json_safe(config)
         info["tokenizer_class"] = type(tokenizer).__name__
-        template = self.config.chat_template_text or getattr(tokenizer, "chat_template", None)
+        template = self._chat_template()
         if template:
             info["chat_template"] = template
         return info
@@ -2117,7 +2118,7 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
         logger.warning("serving on %s without an API key: anyone who can reach it can use it", config.host)
     engine_config = serving_config(engine_config)
     sock, started = launched or launch(engine_config, config.host, config.port, engine_process, config.uds)
-    with _closing_socket(sock, config.uds):
+    with closing_socket(sock, config.uds):
         engine = (EngineProcess(engine_config, started=started) if engine_process
                   else LLMEngine(engine_config))
         server = OpenAIServer(engine, config)
@@ -2129,15 +2130,6 @@ def serve(engine_config: EngineConfig, config: ServerConfig,
             raise_gc_threshold()
         echo(banner(server, base_url(sock, https=config.ssl_certfile is not None)))
         _serve_until_stopped(server, sock)
-
-
-@contextlib.contextmanager
-def _closing_socket(sock: socket.socket, uds: str | None) -> Iterator[socket.socket]:
-    """The server's socket, closed (its Unix domain socket's file removed) when serving ends."""
-    try:
-        yield sock
-    finally:
-        close_socket(sock, uds)
 
 
 def _serve_until_stopped(server: OpenAIServer, sock: socket.socket) -> None:
@@ -2163,15 +2155,12 @@ def _serve_until_stopped(server: OpenAIServer, sock: socket.socket) -> None:
 class BackgroundServer:
     """Runs an OpenAIServer on a thread of this process (tests, notebooks, benchmarks).
 
-    ``with BackgroundServer(server) as url:`` serves on a free loopback port until the block ends (on the
-    Unix domain socket at ``uds`` where given: its URL is then the one to ask for through it).
+    ``with BackgroundServer(server) as url:`` serves on a free loopback port until the block ends.
     """
 
-    def __init__(self, server: OpenAIServer, host: str = DEFAULT_HOST, port: int = 0, uds: str | None = None
-                 ) -> None:
+    def __init__(self, server: OpenAIServer, host: str = DEFAULT_HOST, port: int = 0) -> None:
         self.server = server
-        self._uds = uds
-        self._sock = bind_unix_socket(uds) if uds is not None else bind_socket(host, port)
+        self._sock = bind_socket(host, port)
         self.url = base_url(self._sock, https=server.config.ssl_certfile is not None)
         self._uvicorn = uvicorn_server(server.app, server.config)
         self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._sock]},
@@ -2189,7 +2178,7 @@ class BackgroundServer:
     def stop(self, timeout_s: float = 30.0) -> None:
         self._uvicorn.should_exit = True
         self._thread.join(timeout_s)
-        close_socket(self._sock, self._uds)
+        self._sock.close()
 
     def __enter__(self) -> str:
         return self.start()

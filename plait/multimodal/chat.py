@@ -73,11 +73,14 @@ class _ContentNames:
         # A name may be bound before the statement that gives it its meaning appears, so go round until no
         # new name is learnt.
         while True:
-            known = len(self.lists) + len(self.messages) + len(self.contents)
+            known = self._count()
             for node in tree.find_all((nodes.Assign, nodes.For)):
                 self._learn(node)
-            if len(self.lists) + len(self.messages) + len(self.contents) == known:
+            if self._count() == known:
                 return
+
+    def _count(self) -> int:
+        return len(self.lists) + len(self.messages) + len(self.contents)
 
     def _learn(self, node: nodes.Assign | nodes.For) -> None:
         if isinstance(node, nodes.For):
