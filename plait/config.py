@@ -114,6 +114,11 @@ class EngineConfig:
     # 16 fell short (8.72), 4 drained no better (9.31, ITL p99 72 ms) (benchmarks/results/w5_drain_h200/).
     prefill_drain_steps: int = 8
     max_num_partial_prefills: int = 4  # requests allowed to be mid-prompt at once
+    # vLLM's max_long_partial_prefills: of those, how many may have prompts longer than
+    # long_prefill_token_threshold (which must then be set). A waiting long prompt past this limit lets the
+    # shorter prompts behind it start first, so one long prompt being chunked in does not hold up every
+    # short one behind it. None: max_num_partial_prefills (no distinction, FCFS for all).
+    max_long_partial_prefills: int | None = None
     scheduling_policy: SchedulingPolicy = "mixed"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # None = sized from gpu_memory_utilization / CPU budget
@@ -182,6 +187,7 @@ class EngineConfig:
             _check_int("max_prefill_tokens_beside_decodes", self.max_prefill_tokens_beside_decodes, minimum=0)
         _check_int("prefill_drain_steps", self.prefill_drain_steps, minimum=0)
         _check_int("max_num_partial_prefills", self.max_num_partial_prefills, minimum=1)
+        self._check_long_partial_prefills()
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("seed", self.seed, minimum=0)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
@@ -257,6 +263,25 @@ class EngineConfig:
         source = self.generation_config
         if not isinstance(source, str) or not source:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
+
+    @property
+    def long_partial_prefills_limit(self) -> int:
+        """Partial prefills of long prompts allowed at once (max_long_partial_prefills, resolved)."""
+        if self.max_long_partial_prefills is None:
+            return self.max_num_partial_prefills
+        return self.max_long_partial_prefills
+
+    def _check_long_partial_prefills(self) -> None:
+        if self.max_long_partial_prefills is None:
+            return
+        _check_int("max_long_partial_prefills", self.max_long_partial_prefills, minimum=1)
+        if self.max_long_partial_prefills > self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills ({self.max_long_partial_prefills}) must be at most "
+                             f"max_num_partial_prefills ({self.max_num_partial_prefills})")
+        if (self.max_long_partial_prefills < self.max_num_partial_prefills
+                and self.long_prefill_token_threshold == NO_CHUNK_CAP):
+            raise ValueError("max_long_partial_prefills below max_num_partial_prefills needs "
+                             "long_prefill_token_threshold: the prompt length above which a prompt is long")
 
     @property
     def prefills_first(self) -> bool:

@@ -56,6 +56,23 @@ def test_prompt_tokens_beside_decodes_are_capped_when_serving_only():
         EngineConfig(max_prefill_tokens_beside_decodes=-1)
 
 
+def test_max_long_partial_prefills_is_checked_as_vllm():
+    from plait.entrypoints.cli import _engine_config, parse_args
+
+    flags = ["--long-prefill-token-threshold", "512", "--max-num-partial-prefills", "4",
+             "--max-long-partial-prefills", "1"]
+    config = _engine_config(parse_args(["serve", *flags]))
+    assert (config.max_long_partial_prefills, config.long_partial_prefills_limit) == (1, 1)
+    assert EngineConfig(max_num_partial_prefills=3).long_partial_prefills_limit == 3
+    with pytest.raises(ValueError, match=r"max_long_partial_prefills \(5\) must be at most max_num_partial"):
+        EngineConfig(max_num_partial_prefills=4, max_long_partial_prefills=5, long_prefill_token_threshold=8)
+    # Which prompts are long is the threshold's to say: without one the limit would mean nothing.
+    with pytest.raises(ValueError, match="needs long_prefill_token_threshold"):
+        EngineConfig(max_num_partial_prefills=4, max_long_partial_prefills=1)
+    with pytest.raises(ValueError, match="max_long_partial_prefills"):
+        EngineConfig(max_long_partial_prefills=0, long_prefill_token_threshold=8)
+
+
 def test_cpu_engine_takes_the_cpu_budget(tiny_llama):
     from plait.engine.engine import LLMEngine
 

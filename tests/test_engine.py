@@ -72,6 +72,38 @@ def test_mixed_equals_alone(tiny_llama):
     assert engine.is_idle_and_clean()
 
 
+def test_short_prompt_passes_long_ones_under_max_long_partial_prefills(tiny_llama):
+    """Two long prompts then a short one, all at once, 16-token chunks: with one long partial prefill at a
+    time the short prompt's first token comes before the second long prompt starts; by default (FCFS) it
+    waits behind both. The answers are the same either way."""
+    prompts = random_prompts(2, 100, 100, seed=7) + random_prompts(1, 6, 6, seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    answers, first_token_steps, first_chunk_steps = [], [], []
+    for limit in (None, 1):
+        engine = _engine(tiny_llama, max_num_batched_tokens=32, long_prefill_token_threshold=16,
+                         max_num_partial_prefills=3, max_long_partial_prefills=limit)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, params, request_id=f"r-{i}")
+        first_token, first_chunk, outputs, step = {}, {}, {}, 0
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                first_token.setdefault(out.request_id, step)
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+            for request in engine.scheduler.running:
+                first_chunk.setdefault(request.request_id, step)
+            step += 1
+        answers.append(outputs)
+        first_token_steps.append(first_token)
+        first_chunk_steps.append(first_chunk)
+        assert engine.is_idle_and_clean()
+    assert answers[0] == answers[1]
+    fcfs, limited = first_token_steps
+    assert fcfs["r-2"] > first_chunk_steps[0]["r-1"], "by default the short prompt waits its turn"
+    assert limited["r-2"] < first_chunk_steps[1]["r-1"], "the short prompt did not pass the long one"
+    assert limited["r-2"] < fcfs["r-2"]
+
+
 def test_preemption_by_recompute_keeps_outputs(tiny_llama):
     """Too few KV blocks for everyone at once: requests are preempted, resume, and still match."""
     prompts = random_prompts(12, 20, 60, seed=5)

@@ -22,6 +22,11 @@ def make_request(i: int, prompt_len: int, max_tokens: int, priority: int = 0) ->
     return Request(f"r{i}", prompt, PARAMS, max_tokens=max_tokens, priority=priority)
 
 
+def is_long(cfg: EngineConfig, request: Request) -> bool:
+    """A prompt that max_long_partial_prefills limits: over long_prefill_token_threshold, where one is set."""
+    return 0 < cfg.long_prefill_token_threshold < request.num_prefill_tokens
+
+
 def fake_token(request: Request) -> int:
     return 5000 + len(request.output_token_ids)
 
@@ -58,13 +63,18 @@ class Scenario:
 @st.composite
 def scenarios(draw) -> Scenario:
     block_size = draw(st.integers(1, 32))
+    threshold = draw(st.one_of(st.just(0), st.integers(1, 64)))
+    max_partial = draw(st.integers(1, 4))
     config = EngineConfig(
         max_num_batched_tokens=draw(st.one_of(st.integers(1, 16), st.integers(1, 600))),
         max_num_seqs=draw(st.integers(1, 16)),
-        long_prefill_token_threshold=draw(st.one_of(st.just(0), st.integers(1, 64))),
+        long_prefill_token_threshold=threshold,
         max_prefill_tokens_beside_decodes=draw(st.one_of(st.just(0), st.integers(1, 64))),
         prefill_drain_steps=draw(st.one_of(st.just(0), st.integers(1, 8))),
-        max_num_partial_prefills=draw(st.integers(1, 4)),
+        max_num_partial_prefills=max_partial,
+        # A limit on long ones needs the threshold that says which prompts are long.
+        max_long_partial_prefills=draw(st.one_of(st.none(), st.integers(1, max_partial)))
+        if threshold else None,
         scheduling_policy=draw(st.sampled_from(["mixed", "prefill_first", "priority"])),
         block_size=block_size,
     )
@@ -202,8 +212,24 @@ class Checker:
         # FCFS: admissions are a prefix of the waiting queue (whose order check_state checks: preempted
         # requests first, then fresh ones by arrival, or by (priority, arrival)); none in a step that
         # preempted a running request, but under priority, where a strictly higher priority took its blocks.
+        # Under max_long_partial_prefills, long prompts may be passed over while long partial prefills are
+        # full: those running before the step (a victim of this step's preemptions too) that this step does
+        # not complete, and those admitted before it in this step.
         admitted = [r.request for r in rows if r.start == 0]
-        assert admitted == waiting_before[: len(admitted)], (
+        completes = {id(row.request) for row in rows
+                     if row.start + row.num_new_tokens >= row.request.num_prefill_tokens}
+        long_running = sum(1 for r in running_before
+                           if r.is_prefilling and is_long(cfg, r) and id(r) not in completes)
+        in_order = []
+        for r in waiting_before[: waiting_before.index(admitted[-1]) + 1] if admitted else []:
+            if r in admitted:
+                in_order.append(r)
+                long_running += is_long(cfg, r) and id(r) not in completes
+            else:
+                limit = cfg.long_partial_prefills_limit
+                assert is_long(cfg, r) and long_running >= limit < cfg.max_num_partial_prefills, (
+                    f"{r.request_id} was passed over by {[a.request_id for a in admitted]}")
+        assert admitted == in_order, (
             f"admitted {[r.request_id for r in admitted]} out of queue order "
             f"{[r.request_id for r in waiting_before]}")
         assert not any(id(r.request) in preempted for r in rows), "a request preempted this step runs in it"
@@ -244,6 +270,7 @@ class Checker:
         # Requests part-way through their known tokens (beyond the last one) are partial prefills.
         partial = [r for r in sched.running if r.is_prefilling]
         assert len(partial) <= cfg.max_num_partial_prefills
+        assert sum(is_long(cfg, r) for r in partial) <= cfg.long_partial_prefills_limit
         for r in self.requests:
             if r.is_finished:
                 assert r.block_ids == []

@@ -93,6 +93,10 @@ class Scheduler:
     drafter's tokens after it, as far as the budget, its max_tokens and free KV blocks allow (drafts never
     preempt anyone); the engine rolls ``num_computed_tokens`` back past the drafts it rejects.
 
+    Under ``max_long_partial_prefills`` (vLLM's, below max_num_partial_prefills), a waiting prompt longer than
+    long_prefill_token_threshold is passed over while that many long prompts are mid-way through, so the
+    shorter prompts behind it start first; it keeps its place at the front.
+
     With ``whole_prompts`` (an encoder's bidirectional attention), a prompt is admitted only where it fits
     the step whole, never chunked; the runner makes the budget hold any prompt of max_model_len tokens.
     """
@@ -204,12 +208,12 @@ class Scheduler:
         for request in list(self.running):
             if not request.is_prefilling or request.status is not RequestStatus.RUNNING:
                 continue
-            step.num_partial_prefills += 1  # mid-prompt already, whether or not it runs now
+            step.count_partial_prefill(request, +1)  # mid-prompt already, whether or not it runs now
             if not step.has_room():
                 continue
             num_new = step.chunk_size(request)
             if self._schedule_running(step, request, num_new) and num_new == request.num_remaining_tokens:
-                step.num_partial_prefills -= 1
+                step.count_partial_prefill(request, -1)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
         if step.plan.preempted:
@@ -237,13 +241,16 @@ class Scheduler:
             request.num_cached_tokens = self.kv_cache.match_prefix(request)
             num_new = step.chunk_size(request)
             completes_prompt = num_new == request.num_remaining_tokens
+            if not completes_prompt and step.long_prefills_full(request):
+                # max_long_partial_prefills: the shorter prompts behind a long one may start before it.
+                self._unadmit(request)
+                index += 1
+                continue
             fits = completes_prompt or (not self.whole_prompts
                                         and step.num_partial_prefills < self.config.max_num_partial_prefills)
             if not (fits and self._state_slot_available() and self._admission_blocks(step, request, num_new)):
-                # FCFS: a later request never overtakes one that is merely waiting its turn. The
-                # cached prefix is let go, so waiting requests never pin blocks.
-                self.kv_cache.free(request)
-                request.num_computed_tokens = 0
+                # FCFS: a later request never overtakes one that is merely waiting its turn.
+                self._unadmit(request)
                 return
             self.kv_cache.record_admission(request)
             if request.first_scheduled_time is None:
@@ -260,7 +267,12 @@ class Scheduler:
                 self.running.append(request)
             step.add(request, num_new)
             if not completes_prompt:
-                step.num_partial_prefills += 1
+                step.count_partial_prefill(request, +1)
+
+    def _unadmit(self, request: Request) -> None:
+        """Let go of the cached prefix a waiting request matched: waiting requests never pin blocks."""
+        self.kv_cache.free(request)
+        request.num_computed_tokens = 0
 
     def _admission_blocks(self, step: _StepBuilder, request: Request, num_new: int) -> bool:
         """KV blocks for a waiting request's first chunk. Under priority, where none are free, running
@@ -369,6 +381,25 @@ class _StepBuilder:
         # token_budget so that a decode preempted later gives its token back to the step, not to prompts.
         self.prefill_budget = config.max_num_batched_tokens
         self.num_partial_prefills = 0
+        self.num_long_partial_prefills = 0  # of those, prompts over long_prefill_token_threshold
+
+    def is_long(self, request: Request) -> bool:
+        """A prompt (with re-prefilled outputs) over long_prefill_token_threshold, for
+        max_long_partial_prefills; none is long where the threshold is unset."""
+        threshold = self.config.long_prefill_token_threshold
+        return threshold != NO_CHUNK_CAP and request.num_prefill_tokens > threshold
+
+    def count_partial_prefill(self, request: Request, delta: int) -> None:
+        self.num_partial_prefills += delta
+        if self.is_long(request):
+            self.num_long_partial_prefills += delta
+
+    def long_prefills_full(self, request: Request) -> bool:
+        """Whether ``request`` is long and the step already holds as many long partial prefills as allowed,
+        where that limit is below max_num_partial_prefills (at it, every prompt waits its turn, FCFS)."""
+        limit = self.config.long_partial_prefills_limit
+        return (limit < self.config.max_num_partial_prefills and self.is_long(request)
+                and self.num_long_partial_prefills >= limit)
 
     def has_room(self) -> bool:
         return (self.token_budget > 0 and self.prefill_budget > 0

@@ -21,7 +21,7 @@ _ENGINE_FLAGS = (
     "model", "load_format", "device", "dtype", "seed", "generation_config", "max_num_batched_tokens",
     "max_num_seqs",
     "long_prefill_token_threshold", "max_prefill_tokens_beside_decodes", "prefill_drain_steps",
-    "max_num_partial_prefills",
+    "max_num_partial_prefills", "max_long_partial_prefills",
     "scheduling_policy", "block_size",
     "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len",
     "enable_prefix_caching",
