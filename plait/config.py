@@ -36,6 +36,23 @@ CHECKPOINT_QUANTIZATION_METHODS: tuple[str, ...] = ("gptq", "awq", "gptq_marlin"
 # vLLM's --kv-cache-dtype choices plait takes -> the one stored. "auto": the model's dtype.
 KV_CACHE_DTYPES: dict[str, str] = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
+# vLLM's optimization levels run 0 (no graphs) to 3.
+MAX_OPTIMIZATION_LEVEL = 3
+# vLLM's compilation_config cudagraph_mode values; NONE captures no graph (enforce_eager), and every other
+# mode is plait's own: full graphs of decode steps and of mixed steps up to a cap.
+NO_CUDAGRAPHS = "NONE"
+CUDAGRAPH_MODES = (NO_CUDAGRAPHS, "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
+# compilation_config keys plait acts on (EngineConfig._compilation_<key>).
+COMPILATION_KEYS = ("cudagraph_mode", "use_cudagraph", "cudagraph_capture_sizes",
+                    "max_cudagraph_capture_size")
+# compilation_config keys that tune vLLM's torch.compile of the model, which plait does not run.
+TORCH_COMPILE_KEYS = ("level", "mode", "backend", "custom_ops", "splitting_ops", "compile_sizes",
+                      "compile_ranges_split_points", "use_inductor", "inductor_compile_config",
+                      "inductor_passes", "pass_config", "use_inductor_graph_partition", "compile_mm_encoder",
+                      "cudagraph_num_of_warmups", "cudagraph_copy_inputs", "full_cuda_graph",
+                      "debug_dump_path", "cache_dir", "compile_cache_save_format", "dynamic_shapes_config",
+                      "local_cache_dir")
+
 # long_prefill_token_threshold / max_prefill_tokens_beside_decodes value that means "no cap".
 NO_CHUNK_CAP = 0
 # Memory handed to the KV cache on CPU when num_kv_blocks is not given: the whole
@@ -135,6 +152,13 @@ class EngineConfig:
     # sizes over max_num_seqs left out); larger decode steps run eager. None: 1, 2, 4, 8, every 8 up to 64,
     # then every 16 up to max_num_seqs, so every decode step replays a graph.
     cuda_graph_sizes: list[int] | None = None
+    # vLLM's optimization level (-O0 .. -O3): 0 is enforce_eager (no graphs); 1-3 are plait's default. plait
+    # runs no torch.compile, so the levels differ in nothing else.
+    optimization_level: int | None = None
+    # vLLM's compilation_config (a dict or its JSON text; an int is an optimization level): its graph keys
+    # set the knobs above (COMPILATION_KEYS), its torch.compile keys change nothing (TORCH_COMPILE_KEYS), and
+    # any other key is refused by name.
+    compilation_config: dict | str | int | None = None
     # Launch step N+1 before step N's sampled ids reach the host, so host work overlaps the device.
     async_scheduling: bool = True
     # GPU: before the engine is handed out, run made-up requests shaped like a server's first ones, so no real
@@ -244,6 +268,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
         self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
+        self._apply_compilation_config()
         self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is not None and spec.method == DRAFT_MODEL:
             if self.tensor_parallel_size > 1:
@@ -263,6 +288,59 @@ class EngineConfig:
         source = self.generation_config
         if not isinstance(source, str) or not source:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
+
+    def _apply_compilation_config(self) -> None:
+        """vLLM's optimization_level and compilation_config, as enforce_eager and cuda_graph_sizes."""
+        if isinstance(self.compilation_config, int) and not isinstance(self.compilation_config, bool):
+            self.optimization_level, self.compilation_config = self.compilation_config, None
+        if self.optimization_level is not None:
+            _check_int("optimization_level", self.optimization_level, minimum=0)
+            if self.optimization_level > MAX_OPTIMIZATION_LEVEL:
+                raise ValueError(f"optimization_level must be 0 to {MAX_OPTIMIZATION_LEVEL}, got "
+                                 f"{self.optimization_level}")
+            if self.optimization_level == 0:
+                self.enforce_eager = True
+        self.compilation_config = config = json_object("compilation_config", self.compilation_config)
+        for key, value in (config or {}).items():
+            if key in COMPILATION_KEYS:
+                getattr(self, f"_compilation_{key}")(value)
+            elif key not in TORCH_COMPILE_KEYS:
+                raise ValueError(f"compilation_config key {key!r} is not available; plait takes "
+                                 f"{', '.join(COMPILATION_KEYS)} and accepts vLLM's torch.compile keys "
+                                 f"({', '.join(TORCH_COMPILE_KEYS)}), which change nothing since plait runs "
+                                 "no torch.compile")
+
+    def _compilation_cudagraph_mode(self, mode: Any) -> None:
+        if mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"compilation_config cudagraph_mode must be one of "
+                             f"{', '.join(CUDAGRAPH_MODES)}, got {mode!r}")
+        if mode == NO_CUDAGRAPHS:
+            self.enforce_eager = True
+
+    def _compilation_use_cudagraph(self, use: Any) -> None:
+        if not isinstance(use, bool):
+            raise ValueError(f"compilation_config use_cudagraph must be true or false, got {use!r}")
+        if not use:
+            self.enforce_eager = True
+
+    def _compilation_cudagraph_capture_sizes(self, sizes: Any) -> None:
+        if not isinstance(sizes, list) or not sizes:
+            raise ValueError(f"compilation_config cudagraph_capture_sizes must be a list of batch sizes, got "
+                             f"{sizes!r}")
+        # Exactly these sizes: cuda_graph_sizes reads a lone size as a maximum, so it is given twice.
+        self._set_graph_sizes("cudagraph_capture_sizes", sizes * 2 if len(sizes) == 1 else list(sizes))
+
+    def _compilation_max_cudagraph_capture_size(self, size: Any) -> None:
+        _check_int("compilation_config max_cudagraph_capture_size", size, minimum=1)
+        self._set_graph_sizes("max_cudagraph_capture_size", [size])
+
+    def _set_graph_sizes(self, key: str, sizes: list[int]) -> None:
+        for size in sizes:
+            _check_int(f"compilation_config {key}", size, minimum=1)
+        if self.cuda_graph_sizes is not None and self.cuda_graph_sizes != sizes:
+            raise ValueError(f"cuda_graph_sizes {self.cuda_graph_sizes} and compilation_config {key} both "
+                             "choose the CUDA graph sizes: give one")
+        self.cuda_graph_sizes = sizes
 
     @property
     def long_partial_prefills_limit(self) -> int:
@@ -401,13 +479,13 @@ def _mm_limits(value: dict | str | None) -> dict[str, int] | None:
     return limits
 
 
-def merge_hf_overrides(hf_config: dict, overrides: dict | None) -> dict:
-    """``hf_config`` with ``overrides`` merged in (a new dict): nested objects key by key, anything else
-    replaced, as vLLM applies --hf-overrides."""
-    merged = dict(hf_config)
+def merge_objects(base: dict, overrides: dict | None) -> dict:
+    """``base`` with ``overrides`` merged in (a new dict): nested objects key by key, anything else
+    replaced, as vLLM applies --hf-overrides (and its dotted keys to a JSON flag)."""
+    merged = dict(base)
     for key, value in (overrides or {}).items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = merge_hf_overrides(merged[key], value)
+            merged[key] = merge_objects(merged[key], value)
         else:
             merged[key] = value
     return merged

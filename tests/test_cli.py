@@ -98,7 +98,7 @@ def test_max_model_len_takes_vllms_human_readable_sizes(capsys):
 
 
 def test_hf_overrides_is_vllms_json_flag():
-    from plait.config import merge_hf_overrides
+    from plait.config import merge_objects
     from plait.entrypoints.cli import _engine_config, parse_args
 
     flag = '{"architectures": ["Qwen3ForSequenceClassification"], "rope_scaling": {"factor": 2.0}}'
@@ -106,7 +106,7 @@ def test_hf_overrides_is_vllms_json_flag():
     assert config.hf_overrides == {"architectures": ["Qwen3ForSequenceClassification"],
                                    "rope_scaling": {"factor": 2.0}}
     # Nested objects merge key by key; anything else is replaced.
-    merged = merge_hf_overrides({"architectures": ["Qwen3ForCausalLM"], "rope_scaling": {"type": "yarn"},
+    merged = merge_objects({"architectures": ["Qwen3ForCausalLM"], "rope_scaling": {"type": "yarn"},
                                  "vocab_size": 9}, config.hf_overrides)
     assert merged == {"architectures": ["Qwen3ForSequenceClassification"],
                       "rope_scaling": {"type": "yarn", "factor": 2.0}, "vocab_size": 9}

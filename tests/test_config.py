@@ -151,6 +151,45 @@ def test_cli_takes_cuda_graph_sizes_as_vllm():
     assert _engine_config(parse_args(["generate", "hi"])).cuda_graph_sizes is None
 
 
+@pytest.mark.parametrize("argv,eager,sizes", [
+    (["-O0"], True, None),
+    (["-O", "3"], False, None),
+    (["--optimization-level", "1"], False, None),
+    (["-O", '{"cudagraph_capture_sizes": [1, 2, 4]}'], False, [1, 2, 4]),
+    (["-O.cudagraph_mode=NONE"], True, None),
+    (["-cc", '{"level": 3, "pass_config": {"fuse_norm_quant": true}}', "-cc.max_cudagraph_capture_size=40"],
+     False, [40]),
+    (["--compilation-config.cudagraph_capture_sizes=[8]", "--compilation-config.cudagraph_mode=FULL"],
+     False, [8, 8]),
+    (["--compilation-config", '{"use_cudagraph": false}'], True, None),
+])
+def test_vllm_compilation_flags_choose_the_graphs(argv, eager, sizes):
+    """vLLM's -O levels and compilation_config (JSON, -O JSON, dotted keys) act through enforce_eager and
+    cuda_graph_sizes: level 0 or cudagraph_mode NONE captures nothing, capture sizes are taken exactly (a
+    lone size twice, since cuda_graph_sizes reads one size as a maximum)."""
+    from plait.entrypoints.cli import _engine_config, parse_args
+
+    config = _engine_config(parse_args(["serve", *argv]))
+    assert (config.enforce_eager, config.cuda_graph_sizes) == (eager, sizes)
+    assert decode_buckets(256, [8, 8]) == [8]  # one capture size is that size alone, as vLLM's
+    # The offline API takes the same keys.
+    assert EngineConfig(compilation_config={"cudagraph_mode": "NONE"}).enforce_eager
+    assert EngineConfig(compilation_config=0).enforce_eager  # vLLM's LLM(compilation_config=level)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"optimization_level": 4}, "optimization_level must be 0 to 3"),
+    ({"compilation_config": {"cudagraph_mode": "SOMETIMES"}}, "cudagraph_mode must be one of NONE"),
+    ({"compilation_config": '{"fuse_everything": true}'}, "key 'fuse_everything' is not available"),
+    ({"compilation_config": "{not json"}, "compilation_config is not valid JSON"),
+    ({"compilation_config": {"cudagraph_capture_sizes": [0]}}, "cudagraph_capture_sizes"),
+    ({"compilation_config": {"cudagraph_capture_sizes": [1, 2]}, "cuda_graph_sizes": [4]}, "give one"),
+])
+def test_bad_compilation_config_is_refused_by_name(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kwargs)
+
+
 def test_mixed_graph_shapes_come_with_few_prompt_rows_first():
     """Every prompt row owns attention tiles, empty or not: each mixed size has a shape with room for
     FEW_PROMPT_ROWS prompt rows, tried before the one with room for every row."""

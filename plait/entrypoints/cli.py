@@ -13,7 +13,7 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from plait.config import DTYPE_ALIASES, EngineConfig
+from plait.config import DTYPE_ALIASES, EngineConfig, merge_objects
 from plait.sampling_params import SamplingParams
 
 # Engine fields that get their own CLI flag (the rest keep their defaults).
@@ -31,7 +31,7 @@ _ENGINE_FLAGS = (
     "override_generation_config", "max_logprobs", "logprobs_mode", "tokenizer", "tokenizer_revision",
     "skip_tokenizer_init", "revision",
     "download_dir",
-    "limit_mm_per_prompt", "enable_sleep_mode",
+    "limit_mm_per_prompt", "enable_sleep_mode", "optimization_level", "compilation_config",
 )
 
 
@@ -114,6 +114,12 @@ _FLAG_HELP = {
                     "may ask for at a position (default: 20; -1: the whole vocabulary)",
     "tokenizer": "as vLLM's: a GGUF file, HF folder or cached Hub id whose tokenizer (and chat template) "
                  "to use instead of the model's (default: the model's)",
+    "optimization_level": "as vLLM's -O0 .. -O3: 0 captures no CUDA graphs (--enforce-eager); 1-3 are "
+                          "plait's default, since plait runs no torch.compile (default: 2)",
+    "compilation_config": "as vLLM's (also -cc, -O '{...}' and dotted keys: -O.cudagraph_mode=NONE), a JSON "
+                          "object: cudagraph_mode (NONE: no graphs), cudagraph_capture_sizes, "
+                          "max_cudagraph_capture_size and use_cudagraph act; torch.compile keys (level, "
+                          "pass_config, ...) change nothing; others are refused",
     "cuda_graph_sizes": "as vLLM's: the decode batch sizes captured as CUDA graphs, e.g. 1 2 4 8 16; one "
                         "size N means 1, 2, 4 and every 8 up to N; larger decode steps run eager "
                         "(default: 1, 2, 4, 8, every 8 up to 64, then every 16 up to --max-num-seqs)",
@@ -176,6 +182,8 @@ _NO_OP_FLAGS: tuple[tuple[str, dict[str, Any], str], ...] = (
      "plait never swaps KV blocks to the host; a preempted request is recomputed, as vLLM v1's"),
     ("--max-parallel-loading-workers", {"type": int, "metavar": "N"},
      "plait reads a checkpoint's shards one at a time"),
+    ("--max-seq-len-to-capture", {"type": int, "metavar": "N"},
+     "plait's decode graphs serve every context length up to --max-model-len"),
 )
 
 
@@ -234,11 +242,12 @@ def human_readable_int(value: str) -> int:
 # Engine flags whose values are not plain numbers.
 _FLAG_TYPES: dict[str, Callable[[str], Any]] = {"max_model_len": human_readable_int,
                                                 "kv_cache_memory_bytes": human_readable_int,
-                                                "cuda_graph_sizes": int}
+                                                "cuda_graph_sizes": int, "compilation_config": str}
 # Engine flags that take one or more values.
 _LIST_FLAGS = frozenset({"cuda_graph_sizes"})
 # vLLM's other names for engine flags.
-_FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "num_kv_blocks": ("--num-gpu-blocks-override",)}
+_FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "num_kv_blocks": ("--num-gpu-blocks-override",),
+                 "compilation_config": ("-cc",)}
 
 
 def _arg_type(hint: Any) -> type:
@@ -724,10 +733,62 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# vLLM's dotted compilation keys: -O.cudagraph_mode=NONE, -cc.max_cudagraph_capture_size=64,
+# --compilation-config.pass_config.fuse_norm_quant=false (values read as JSON where they are JSON).
+_DOTTED_COMPILATION_KEY = re.compile(r"(?:-O|-cc|--compilation-config)\.([\w.]+)=(.*)", re.DOTALL)
+COMPILATION_FLAG = "--compilation-config"
+
+
+def vllm_compilation_argv(argv: list[str]) -> list[str]:
+    """vLLM's short compilation flags as plait's: -O3 / -O 3 is --optimization-level 3, -O '{...}' is
+    --compilation-config '{...}', and dotted keys are merged into the --compilation-config object."""
+    out: list[str] = []
+    dotted: dict[str, Any] = {}
+    args = iter(argv)
+    for arg in args:
+        if arg == "--":
+            out += [arg, *args]
+            break
+        if match := _DOTTED_COMPILATION_KEY.fullmatch(arg):
+            _set_dotted(dotted, match[1].split("."), _json_or_text(match[2]))
+        elif arg == "-O" or (arg.startswith("-O") and not arg.startswith("-O.")):
+            value = arg[2:].removeprefix("=") or next(args, "")
+            out += ["--optimization-level" if value.isdigit() else COMPILATION_FLAG, value]
+        else:
+            out.append(arg)
+    if dotted:
+        _merge_dotted(out, dotted)
+    return out
+
+
+def _json_or_text(value: str) -> Any:
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        return value
+
+
+def _set_dotted(target: dict[str, Any], keys: list[str], value: Any) -> None:
+    for key in keys[:-1]:
+        target = target.setdefault(key, {})
+    target[keys[-1]] = value
+
+
+def _merge_dotted(argv: list[str], dotted: dict[str, Any]) -> None:
+    """Merge dotted keys into the command line's --compilation-config object (the last one), or add one."""
+    for i in range(len(argv) - 1, -1, -1):
+        if argv[i] in (COMPILATION_FLAG, "-cc") and i + 1 < len(argv):
+            given = _json_or_text(argv[i + 1])
+            if isinstance(given, dict):
+                argv[i + 1] = json.dumps(merge_objects(given, dotted))
+                return
+    argv += [COMPILATION_FLAG, json.dumps(dotted)]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Parse a command line; a positional MODEL lands in args.model, as --model does."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(vllm_compilation_argv(sys.argv[1:] if argv is None else argv))
     tag = getattr(args, "model_tag", None)
     if tag is not None:
         if args.model is not None and args.model != tag:
