@@ -145,6 +145,9 @@ class EngineConfig:
     # GPU: share of the device's memory plait may use (weights, activations, graphs, KV cache).
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None = the model's max_position_embeddings
+    # vLLM's --disable-sliding-window: max_model_len is capped at the model's (narrowest) attention window, so
+    # that every layer attends to the whole context; no effect on a model without windows.
+    disable_sliding_window: bool = False
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier requests
     attention_backend: str | None = None  # None = "triton" on CUDA (when triton imports), else "torch_ref"
     enforce_eager: bool = False  # True: never capture or replay CUDA graphs
@@ -256,7 +259,8 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
-        for name in ("enforce_eager", "async_scheduling", "warm_up", "enable_lora", "enable_sleep_mode"):
+        for name in ("enforce_eager", "async_scheduling", "warm_up", "enable_lora", "enable_sleep_mode",
+                     "disable_sliding_window"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype is not None:

@@ -104,6 +104,22 @@ def test_short_prompt_passes_long_ones_under_max_long_partial_prefills(tiny_llam
     assert limited["r-2"] < fcfs["r-2"]
 
 
+def test_disable_sliding_window_caps_the_context_at_the_window(tiny_models, single_shot, prompts):
+    """vLLM's disable_sliding_window: the tiny Mistral's window (24) becomes its max_model_len, so no window
+    binds; answers that fit are those with the window on. A model without a window keeps its length."""
+    engine = _engine(tiny_models["mistral"], disable_sliding_window=True, max_num_batched_tokens=512)
+    assert engine.max_model_len == 24
+    short = [i for i, p in enumerate(prompts) if len(p) + MAX_TOKENS <= 24]
+    assert short, "no prompt fits the window"
+    outs, _ = run_greedy(engine, [prompts[i] for i in short], MAX_TOKENS)
+    assert [outs[k] for k in range(len(short))] == [single_shot["mistral"][0][i] for i in short]
+    with pytest.raises(ValueError, match="maximum context length is 24 tokens"):
+        engine.add_request(list(range(1, 30)), SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="max_model_len 64 exceeds the model's sliding window 24"):
+        _engine(tiny_models["mistral"], disable_sliding_window=True, max_model_len=64)
+    assert _engine(tiny_models["llama"], disable_sliding_window=True).max_model_len == 512
+
+
 def test_preemption_by_recompute_keeps_outputs(tiny_llama):
     """Too few KV blocks for everyone at once: requests are preempted, resume, and still match."""
     prompts = random_prompts(12, 20, 60, seed=5)

@@ -24,6 +24,7 @@ _ENGINE_FLAGS = (
     "max_num_partial_prefills", "max_long_partial_prefills",
     "scheduling_policy", "block_size",
     "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len",
+    "disable_sliding_window",
     "enable_prefix_caching",
     "attention_backend", "enforce_eager", "cuda_graph_sizes", "async_scheduling", "warm_up",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
@@ -114,6 +115,8 @@ _FLAG_HELP = {
                     "may ask for at a position (default: 20; -1: the whole vocabulary)",
     "tokenizer": "as vLLM's: a GGUF file, HF folder or cached Hub id whose tokenizer (and chat template) "
                  "to use instead of the model's (default: the model's)",
+    "disable_sliding_window": "as vLLM's: cap --max-model-len at the model's (narrowest) sliding window, so "
+                              "every layer attends to the whole context; no effect on models without one",
     "optimization_level": "as vLLM's -O0 .. -O3: 0 captures no CUDA graphs (--enforce-eager); 1-3 are "
                           "plait's default, since plait runs no torch.compile (default: 2)",
     "compilation_config": "as vLLM's (also -cc, -O '{...}' and dotted keys: -O.cudagraph_mode=NONE), a JSON "

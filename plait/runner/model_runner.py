@@ -191,12 +191,7 @@ class ModelRunner:
         # any graph is captured (graphs capture the deltas of whatever slots a step's tokens name).
         self.lora = (LoRAModel(self.model, config.max_loras, config.max_lora_rank)
                      if config.enable_lora else None)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
-        if self.max_model_len > self.model_config.max_position_embeddings:
-            raise ValueError(
-                f"max_model_len {self.max_model_len} exceeds the model's max_position_embeddings "
-                f"{self.model_config.max_position_embeddings}"
-            )
+        self.max_model_len = self._max_model_len(config)
         if not self.is_causal:
             self.config = config = self._whole_prompt_budget(config, budget_given)
         self.attn_backend = get_backend(self._backend_name())
@@ -392,6 +387,19 @@ class ModelRunner:
         """Whether the weights or the KV cache have no storage (between sleep and a full wake_up)."""
         weights, cache = self._sleep_weights, self._sleep_cache
         return weights is not None and (weights.released or cache.released)
+
+    def _max_model_len(self, config: EngineConfig) -> int:
+        """config.max_model_len, else the model's max_position_embeddings; under vLLM's disable_sliding_window
+        at most the model's narrowest attention window, so that no window ever binds."""
+        longest = self.model_config.max_position_embeddings
+        if config.disable_sliding_window:
+            windows = [m.sliding_window for m in self.model.modules() if getattr(m, "sliding_window", None)]
+            longest = min([longest, *windows])
+        if config.max_model_len is not None and config.max_model_len > longest:
+            limit = ("the model's sliding window" if longest < self.model_config.max_position_embeddings
+                     else "the model's max_position_embeddings")
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds {limit} {longest}")
+        return config.max_model_len or longest
 
     def _folds_norms(self) -> bool:
         """Whether the model's MLP norm weights move into gate/up: on the Triton path of a 16-bit GPU
