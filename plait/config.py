@@ -36,6 +36,8 @@ CHECKPOINT_QUANTIZATION_METHODS: tuple[str, ...] = ("gptq", "awq", "gptq_marlin"
 # vLLM's --kv-cache-dtype choices plait takes -> the one stored. "auto": the model's dtype.
 KV_CACHE_DTYPES: dict[str, str] = {"auto": "auto", "fp8": "fp8", "fp8_e4m3": "fp8"}
 
+# Hashes a prefix-cached block's context may be named by (plait.engine.kv_cache._BLOCK_HASHES).
+PREFIX_CACHING_HASH_ALGOS = ("blake2b", "sha256")
 # vLLM's optimization levels run 0 (no graphs) to 3.
 MAX_OPTIMIZATION_LEVEL = 3
 # vLLM's compilation_config cudagraph_mode values; NONE captures no graph (enforce_eager), and every other
@@ -149,6 +151,9 @@ class EngineConfig:
     # that every layer attends to the whole context; no effect on a model without windows.
     disable_sliding_window: bool = False
     enable_prefix_caching: bool = True  # reuse the KV of full blocks shared with earlier requests
+    # vLLM's --prefix-caching-hash-algo: the hash naming a full block's context (PREFIX_CACHING_HASH_ALGOS),
+    # plait's blake2b (16 bytes) or vLLM's default sha256 (32 bytes).
+    prefix_caching_hash_algo: str = "blake2b"
     attention_backend: str | None = None  # None = "triton" on CUDA (when triton imports), else "torch_ref"
     enforce_eager: bool = False  # True: never capture or replay CUDA graphs
     # vLLM's --cuda-graph-sizes: the decode batch sizes captured (one size N: 1, 2, 4 and every 8 up to N;
@@ -242,6 +247,10 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             value = self.enable_prefix_caching
             raise ValueError(f"enable_prefix_caching must be true or false, got {value!r}")
+        if self.prefix_caching_hash_algo not in PREFIX_CACHING_HASH_ALGOS:
+            raise ValueError(f"prefix_caching_hash_algo must be one of "
+                             f"{', '.join(PREFIX_CACHING_HASH_ALGOS)}, got {self.prefix_caching_hash_algo!r} "
+                             "(vLLM's CBOR and xxhash forms need libraries plait does not depend on)")
         _check_int("max_logprobs", self.max_logprobs, minimum=FULL_VOCAB_LOGPROBS)
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got "

@@ -3,6 +3,9 @@ reference counts stay sound under random arrivals, shared prefixes and aborts (h
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import pytest
 import torch
 from conftest import TINY_VOCAB, run_greedy
@@ -79,6 +82,24 @@ def test_hit_leaves_one_token_and_counts(engines):
     assert outs[0].num_cached_tokens == BLOCK
     stats = engine.kv_cache.stats
     assert stats.queries == 4 * BLOCK and stats.hits == BLOCK and stats.hit_rate == 0.25
+
+
+def test_sha256_names_blocks_as_vllms_default_hash(engines):
+    """prefix_caching_hash_algo="sha256": blocks are named by 32-byte SHA-256 chains (parent, then the
+    tokens as int64), prefixes hit as under blake2b, and the answers are the cache-off ones."""
+    prompts = _shared_prefix_prompts(3 * BLOCK + 3, seed=7)
+    ref, _ = run_greedy(engines(False, 512), prompts, MAX_TOKENS)
+    engine = engines(True, 16, prefix_caching_hash_algo="sha256")
+    outs, _ = run_greedy(engine, prompts, MAX_TOKENS, arrive_every=3)
+    assert outs == ref and engine.kv_cache.stats.hits > 0
+    request = Request("h", prompts[0], SamplingParams(), max_tokens=1)
+    first, second = engine.kv_cache._hashes(request, 2)
+    tokens = [np.asarray(prompts[0][i * BLOCK:(i + 1) * BLOCK], dtype=np.int64).tobytes() for i in (0, 1)]
+    assert first == hashlib.sha256(tokens[0]).digest()
+    assert second == hashlib.sha256(first + tokens[1]).digest()
+    assert engine.kv_cache.num_cached_blocks and all(len(h) == 32 for h in engine.kv_cache._block_of)
+    with pytest.raises(ValueError, match="prefix_caching_hash_algo must be one of blake2b, sha256"):
+        EngineConfig(prefix_caching_hash_algo="xxhash")
 
 
 @settings(max_examples=150, deadline=None)

@@ -76,7 +76,8 @@ class DraftModelDrafter(Drafter):
         config = runner.config
         # Prefix caching as the target's: a shadow starts from the cached blocks of the prompts before it (a
         # shared system prompt is computed once); only blocks of tokens the target has are ever cached.
-        self.kv_cache = KVCacheManager(runner.num_kv_blocks, config.block_size, target.enable_prefix_caching)
+        self.kv_cache = KVCacheManager(runner.num_kv_blocks, config.block_size, target.enable_prefix_caching,
+                                       target.prefix_caching_hash_algo)
         self.token_budget = config.max_num_batched_tokens
         self.max_len = min(target_max_model_len, runner.max_model_len)
         # Ids at or past the target's vocabulary (a draft with a larger one) are never proposed.

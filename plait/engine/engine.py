@@ -166,7 +166,7 @@ class LLMEngine:
         self.pooler = self.runner.pooler  # set under the pooling runner: requests are embedded, not generated
         self._check_pooling_config()
         self.kv_cache = KVCacheManager(self.runner.num_kv_blocks, config.block_size,
-                                       self._prefix_caching_allowed())
+                                       self._prefix_caching_allowed(), config.prefix_caching_hash_algo)
         max_len_fits = self.kv_cache.num_usable_blocks * config.block_size
         if self.max_model_len > max_len_fits:
             if config.max_model_len is not None:

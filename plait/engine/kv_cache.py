@@ -25,10 +25,18 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def block_hash(parent: bytes, token_ids: list[int], extra_key: bytes = b"") -> bytes:
+# EngineConfig.prefix_caching_hash_algo -> the hash of a block's key. blake2b (plait's default) at 16 bytes;
+# sha256 at its full 32, vLLM's default, for those who want SHA-2's collision resistance across tenants.
+_BLOCK_HASHES = {
+    "blake2b": lambda parent: hashlib.blake2b(parent, digest_size=_HASH_BYTES),
+    "sha256": hashlib.sha256,
+}
+
+
+def block_hash(parent: bytes, token_ids: list[int], extra_key: bytes = b"", algo: str = "blake2b") -> bytes:
     """Chained hash of a full block: its parent's hash, its tokens, and anything else that changes
     its K/V (a LoRA or multimodal id), so two different contexts never share a block."""
-    h = hashlib.blake2b(parent, digest_size=_HASH_BYTES)
+    h = _BLOCK_HASHES[algo](parent)
     h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
     h.update(extra_key)
     return h.digest()
@@ -68,13 +76,17 @@ class KVCacheManager:
     until a new allocation evicts it (least recently freed first).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 hash_algo: str = "blake2b") -> None:
+        if hash_algo not in _BLOCK_HASHES:
+            raise ValueError(f"prefix caching hash {hash_algo!r} is not one of {sorted(_BLOCK_HASHES)}")
         if num_blocks < MIN_KV_BLOCKS:
             raise ValueError(f"the KV cache needs at least {MIN_KV_BLOCKS} blocks (one is the pad block), "
                              f"got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.hash_algo = hash_algo
         self.stats = PrefixCacheStats()
         self._ref_count = [0] * num_blocks
         self._hash_of: list[bytes | None] = [None] * num_blocks
@@ -221,5 +233,6 @@ class KVCacheManager:
             i = len(hashes)
             parent = hashes[-1] if hashes else ROOT_HASH
             start, end = i * bs, (i + 1) * bs
-            hashes.append(block_hash(parent, request.token_ids(start, end), request.block_key(start, end)))
+            hashes.append(block_hash(parent, request.token_ids(start, end), request.block_key(start, end),
+                                     self.hash_algo))
         return hashes[:num_blocks]

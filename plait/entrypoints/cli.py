@@ -25,7 +25,7 @@ _ENGINE_FLAGS = (
     "scheduling_policy", "block_size",
     "num_kv_blocks", "kv_cache_memory_bytes", "gpu_memory_utilization", "max_model_len",
     "disable_sliding_window",
-    "enable_prefix_caching",
+    "enable_prefix_caching", "prefix_caching_hash_algo",
     "attention_backend", "enforce_eager", "cuda_graph_sizes", "async_scheduling", "warm_up",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
     "kv_cache_dtype", "speculative_config", "runner", "pooler_config", "hf_overrides", "tensor_parallel_size",
@@ -115,6 +115,8 @@ _FLAG_HELP = {
                     "may ask for at a position (default: 20; -1: the whole vocabulary)",
     "tokenizer": "as vLLM's: a GGUF file, HF folder or cached Hub id whose tokenizer (and chat template) "
                  "to use instead of the model's (default: the model's)",
+    "prefix_caching_hash_algo": "as vLLM's: the hash naming a cached block's context: blake2b (default, 16 "
+                                "bytes) or sha256 (vLLM's default, 32 bytes)",
     "disable_sliding_window": "as vLLM's: cap --max-model-len at the model's (narrowest) sliding window, so "
                               "every layer attends to the whole context; no effect on models without one",
     "optimization_level": "as vLLM's -O0 .. -O3: 0 captures no CUDA graphs (--enforce-eager); 1-3 are "
