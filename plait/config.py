@@ -204,6 +204,11 @@ class EngineConfig:
     # vLLM's --tensor-parallel-size: the model's heads and MLP split across this many devices (cuda:0..N-1),
     # one process each (plait.parallel); 1: one device, one process.
     tensor_parallel_size: int = 1
+    # vLLM's --logits-processors: custom logits processors (plait.logits_processor.LogitsProcessor
+    # subclasses), as classes or their qualified names ("module:Class" or "module.Class"); one instance each,
+    # built by the engine, sees every sampling step. Not with speculative decoding or a pooling model, as in
+    # vLLM.
+    logits_processors: list[str | type] | None = None
     # vLLM's --enable-sleep-mode: LLMEngine.sleep / wake_up may free and take back the device memory of the
     # weights and the KV cache (plait.runner.sleep), on every tensor-parallel rank.
     enable_sleep_mode: bool = False
@@ -296,6 +301,12 @@ class EngineConfig:
         self.override_generation_config = json_object("override_generation_config",
                                                        self.override_generation_config)
         self.limit_mm_per_prompt = _mm_limits(self.limit_mm_per_prompt)
+        if self.logits_processors is not None and not isinstance(self.logits_processors, (list, tuple)):
+            raise ValueError(f"logits_processors must be a list of classes or their qualified names, got "
+                             f"{self.logits_processors!r}")
+        if self.logits_processors and spec is not None:
+            raise ValueError("custom logits processors are not supported with speculative decoding (as in "
+                             "vLLM): a draft's rows would need them too")
         if self.pooler_config is not None and self.runner == "generate":
             raise ValueError("pooler_config applies to pooling models: it needs runner 'pooling' (or 'auto')")
         source = self.generation_config

@@ -309,6 +309,9 @@ class SamplingParams:
     # vLLM's output_kind: every step's output, cumulative (the default) or as deltas, or only the final one
     # (what LLM.generate and the server's non-streamed requests ask for).
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's extra_args: the request's own settings for custom logits processors (plait.logits_processor),
+    # which read them; nothing in plait does. The server's vllm_xargs.
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n)
@@ -354,6 +357,9 @@ class SamplingParams:
         _check_bool("spaces_between_special_tokens", self.spaces_between_special_tokens)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("detokenize", self.detokenize)
+        if self.extra_args is not None and (not isinstance(self.extra_args, dict)
+                                            or not all(isinstance(k, str) for k in self.extra_args)):
+            raise ValueError(f"extra_args must be a dict with string keys, got {_describe(self.extra_args)}")
         if isinstance(self.output_kind, bool) or self.output_kind not in tuple(RequestOutputKind):
             kinds = ", ".join(f"{k.name} ({k.value})" for k in RequestOutputKind)
             raise ValueError(f"output_kind must be one of {kinds}, got {_describe(self.output_kind)}")

@@ -23,6 +23,7 @@ from plait.engine.state_slots import StateSlotPool
 from plait.engine.warmup import WarmUpReport, warm_up
 from plait.generation_config import load_generation_defaults
 from plait.loader.hf import resolve_model
+from plait.logits_processor import LogitsProcessor, load_logits_processors
 from plait.lora.adapter import LoRAAdapter
 from plait.lora.registry import LoRARegistry
 from plait.lora.request import LoRARequest
@@ -149,6 +150,8 @@ class LLMEngine:
         # Where the model is (the server names it from this too); its generation_config.json is read
         # before the weights load, so a bad one fails in a second, not after minutes.
         collect_dropped_engines()
+        # Custom logits processors' classes are imported first: a bad name fails before the weights load.
+        processor_classes = load_logits_processors(config.logits_processors)
         self.model_source = resolve_model(config.model, config.revision, config.download_dir)
         self.generation_defaults = load_generation_defaults(config.generation_config, self.model_source.path,
                                                             config.override_generation_config)
@@ -165,6 +168,7 @@ class LLMEngine:
         self.images = self.runner.image_processor
         self.pooler = self.runner.pooler  # set under the pooling runner: requests are embedded, not generated
         self._check_pooling_config()
+        self.logits_processors = self._build_logits_processors(processor_classes)
         self.kv_cache = KVCacheManager(self.runner.num_kv_blocks, config.block_size,
                                        self._prefix_caching_allowed(), config.prefix_caching_hash_algo)
         max_len_fits = self.kv_cache.num_usable_blocks * config.block_size
@@ -242,6 +246,17 @@ class LLMEngine:
         if self.config.speculative_config is not None:
             raise ValueError("speculative decoding needs a generating model; this one runs as a pooling "
                              "model")
+        if self.config.logits_processors:
+            raise ValueError("custom logits processors need a generating model; this one runs as a pooling "
+                             "model (as in vLLM)")
+
+    def _build_logits_processors(self, classes: list[type[LogitsProcessor]]) -> list[LogitsProcessor]:
+        """One instance of each class, on the sampling device, handed to the sampler."""
+        device = self.runner.device
+        pinned = device.type == "cuda"
+        processors = [cls(self.config, device, pinned) for cls in classes]
+        self.runner.sampler.logits_processors = processors
+        return processors
 
     def _prefix_caching_allowed(self) -> bool:
         if not self.config.enable_prefix_caching:
@@ -330,6 +345,8 @@ class LLMEngine:
         self._validate_prompt(token_ids)
         self._validate_sampling_token_ids(params)
         self._validate_logprobs(params)
+        for processor in self.logits_processors:
+            type(processor).validate_params(params)
         lora = self.lora_adapter(lora_request)
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -348,6 +365,8 @@ class LLMEngine:
             images=image_inputs,
             priority=priority,
             cache_salt=salt,
+            read_by_logits_processor=any(p.reads_output_token_ids and p.applies_to(params)
+                                         for p in self.logits_processors),
         )
         return request, text
 

@@ -62,6 +62,9 @@ class Request:
     pooling_params: PoolingParams | None = None
     # The prompt's images, in order (image models): each fills its placeholder tokens. Set by the engine.
     images: tuple[ImageInput, ...] = ()
+    # Whether a custom logits processor that reads output ids applies to it (LogitsProcessor.applies_to and
+    # reads_output_token_ids): its sampling then needs the last token on the host. Set by the engine.
+    read_by_logits_processor: bool = False
 
     # Set by the scheduler.
     status: RequestStatus = RequestStatus.WAITING
@@ -136,7 +139,7 @@ class Request:
     def needs_last_token(self) -> bool:
         """Whether this step's sampling depends on the token sampled last (a guided choice, a grammar, a
         bad word longer than a token): the engine does not launch the next step before it is on the host."""
-        return (self.choice_token_ids is not None or self.grammar is not None
+        return (self.choice_token_ids is not None or self.grammar is not None or self.read_by_logits_processor
                 or any(len(w) > 1 for w in self.bad_words_token_ids or ()))
 
     def is_whole_choice(self) -> bool:

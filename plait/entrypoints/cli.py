@@ -33,6 +33,7 @@ _ENGINE_FLAGS = (
     "skip_tokenizer_init", "revision",
     "download_dir",
     "limit_mm_per_prompt", "enable_sleep_mode", "optimization_level", "compilation_config",
+    "logits_processors",
 )
 
 
@@ -119,6 +120,9 @@ _FLAG_HELP = {
                                 "bytes) or sha256 (vLLM's default, 32 bytes)",
     "disable_sliding_window": "as vLLM's: cap --max-model-len at the model's (narrowest) sliding window, so "
                               "every layer attends to the whole context; no effect on models without one",
+    "logits_processors": "as vLLM's: custom logits processors, plait.logits_processor.LogitsProcessor "
+                         "subclasses named module:Class or module.Class (importable: on PYTHONPATH); "
+                         "requests give them settings in vllm_xargs",
     "optimization_level": "as vLLM's -O0 .. -O3: 0 captures no CUDA graphs (--enforce-eager); 1-3 are "
                           "plait's default, since plait runs no torch.compile (default: 2)",
     "compilation_config": "as vLLM's (also -cc, -O '{...}' and dotted keys: -O.cudagraph_mode=NONE), a JSON "
@@ -249,7 +253,7 @@ _FLAG_TYPES: dict[str, Callable[[str], Any]] = {"max_model_len": human_readable_
                                                 "kv_cache_memory_bytes": human_readable_int,
                                                 "cuda_graph_sizes": int, "compilation_config": str}
 # Engine flags that take one or more values.
-_LIST_FLAGS = frozenset({"cuda_graph_sizes"})
+_LIST_FLAGS = frozenset({"cuda_graph_sizes", "logits_processors"})
 # vLLM's other names for engine flags.
 _FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "num_kv_blocks": ("--num-gpu-blocks-override",),
                  "compilation_config": ("-cc",)}

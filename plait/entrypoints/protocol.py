@@ -323,6 +323,8 @@ class _SamplingRequest(_RequestModel):
     min_tokens: Int = Field(default=0, ge=0)  # vLLM extension
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True  # vLLM's; the same text either way (SamplingParams)
+    # vLLM's vllm_xargs: the request's settings for custom logits processors (SamplingParams.extra_args).
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -504,6 +506,7 @@ class _SamplingRequest(_RequestModel):
             guided_choice=self.guided_choice,
             structured_outputs=self._structured_outputs_params(),
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            extra_args=self.vllm_xargs,
         )
 
     def _structured_outputs_params(self) -> StructuredOutputsParams | None:

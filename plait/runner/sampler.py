@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from plait.kernels.dispatch import use_triton
+from plait.logits_processor import LogitsProcessor, apply_logits_processors
 from plait.sampling_params import (
     LOGITS_MODES,
     LOGPROBS_MODES,
@@ -281,6 +282,8 @@ class Sampler:
                              f"{logprobs_mode!r}")
         self.seed = seed
         self.logprobs_mode = logprobs_mode
+        # Custom logits processors (EngineConfig.logits_processors), built and set by the engine.
+        self.logits_processors: list[LogitsProcessor] = []
         # Rows without a seed key their noise on the engine seed and a count of such draws: the tokens
         # follow from the seed and the order of the steps, never from torch's global RNG, which anything
         # in the process may draw from or reseed. The stream's key is mixed apart from step_seed(seed, n),
@@ -311,8 +314,9 @@ class Sampler:
         grammar_rows = [i for i, r in enumerate(rows) if r.token_bitmask is not None]
         banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_now or ()]
         all_greedy = all(p.is_greedy for p in params)
+        processors = self._active_processors(params, all_greedy)
         changes_logits = (min_tokens_rows or penalty_rows or allowed_rows or bias_rows or grammar_rows
-                          or banned)
+                          or banned or processors)
 
         if all_greedy and not want_logprobs and not changes_logits:
             # Fast path: argmax is exact in any float dtype, so no fp32 copy is needed.
@@ -341,6 +345,8 @@ class Sampler:
             self._add_logit_bias(logits, rows, bias_rows)
         if min_tokens_rows:
             self._mask_stop_tokens(logits, rows, min_tokens_rows)
+        if processors:
+            logits = apply_logits_processors(processors, logits, rows)
         if penalty_rows:
             self._apply_penalties(logits, rows, penalty_rows)
 
@@ -359,6 +365,12 @@ class Sampler:
                 logprob_values = torch.log_softmax(logprob_values, dim=-1)
             self._gather_logprobs(logprob_values, token_ids, rows, want_logprobs, logprobs)
         return token_ids, logprobs
+
+    def _active_processors(self, params: list[SamplingParams], all_greedy: bool) -> list[LogitsProcessor]:
+        """The custom processors this step runs: those that apply to one of its rows at least, but the
+        argmax-invariant ones in a step whose rows are all greedy."""
+        return [p for p in self.logits_processors
+                if not (all_greedy and p.is_argmax_invariant()) and any(p.applies_to(q) for q in params)]
 
     @staticmethod
     def _mask_disallowed_tokens(logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]) -> None:
