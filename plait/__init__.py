@@ -1,7 +1,7 @@
 """plait: an LLM inference and serving engine where every step plaits prefill chunks and decodes."""
 
 from plait.config import EngineConfig
-from plait.inputs import TextPrompt, TokensPrompt
+from plait.inputs import EmbedsPrompt, TextPrompt, TokensPrompt
 from plait.lora.request import LoRARequest
 from plait.outputs import (
     ClassificationRequestOutput,
@@ -27,4 +27,5 @@ def __getattr__(name: str):
 
 __all__ = ["LLM", "BeamSearchParams", "ClassificationRequestOutput", "CompletionOutput",
            "EmbeddingRequestOutput", "EngineConfig", "LoRARequest", "PoolingParams", "PoolingRequestOutput",
-           "RequestOutput", "SamplingParams", "StructuredOutputsParams", "TextPrompt", "TokensPrompt"]
+           "RequestOutput", "SamplingParams", "StructuredOutputsParams", "TextPrompt", "TokensPrompt",
+           "EmbedsPrompt"]

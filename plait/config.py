@@ -209,6 +209,10 @@ class EngineConfig:
     # built by the engine, sees every sampling step. Not with speculative decoding or a pooling model, as in
     # vLLM.
     logits_processors: list[str | type] | None = None
+    # vLLM's --enable-prompt-embeds: prompts may be given as embeddings ([tokens, hidden] tensors, in place of
+    # the embedding layer's output) instead of token ids. Off by default, as in vLLM, since the server then
+    # unpickles tensors clients send (torch.load with weights_only).
+    enable_prompt_embeds: bool = False
     # vLLM's --enable-sleep-mode: LLMEngine.sleep / wake_up may free and take back the device memory of the
     # weights and the KV cache (plait.runner.sleep), on every tensor-parallel rank.
     enable_sleep_mode: bool = False
@@ -274,7 +278,7 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
         for name in ("enforce_eager", "async_scheduling", "warm_up", "enable_lora", "enable_sleep_mode",
-                     "disable_sliding_window"):
+                     "disable_sliding_window", "enable_prompt_embeds"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.dtype is not None:
@@ -304,6 +308,9 @@ class EngineConfig:
         if self.logits_processors is not None and not isinstance(self.logits_processors, (list, tuple)):
             raise ValueError(f"logits_processors must be a list of classes or their qualified names, got "
                              f"{self.logits_processors!r}")
+        if self.enable_prompt_embeds and (spec is not None or self.tensor_parallel_size > 1):
+            raise ValueError("enable_prompt_embeds is not supported with speculative decoding or tensor "
+                             "parallelism yet")
         if self.logits_processors and spec is not None:
             raise ValueError("custom logits processors are not supported with speculative decoding (as in "
                              "vLLM): a draft's rows would need them too")

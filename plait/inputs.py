@@ -1,4 +1,4 @@
-"""Prompt dicts (vLLM's TextPrompt and TokensPrompt): what LLM's methods take beside strings and ids."""
+"""Prompt dicts (vLLM's TextPrompt, TokensPrompt and EmbedsPrompt): what LLM takes beside strings and ids."""
 
 from __future__ import annotations
 
@@ -25,4 +25,10 @@ class TokensPrompt(_PromptOptions):
     prompt_token_ids: list[int]
 
 
-PromptType = str | TextPrompt | TokensPrompt | Sequence[int]
+class EmbedsPrompt(_PromptOptions):
+    """A prompt as embeddings (a [tokens, hidden] torch.Tensor), under EngineConfig.enable_prompt_embeds."""
+
+    prompt_embeds: Any
+
+
+PromptType = str | TextPrompt | TokensPrompt | EmbedsPrompt | Sequence[int]

@@ -240,7 +240,7 @@ def test_vllms_prompt_dicts_are_the_prompts_they_hold(llm):
                          TokensPrompt(prompt_token_ids=ids, cache_salt="tenant-a")], params, use_tqdm=False)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == 1
     assert [o.prompt_token_ids for o in outs] == [list(ids)] * 5
-    with pytest.raises(ValueError, match="'prompt' or 'prompt_token_ids'"):
+    with pytest.raises(ValueError, match="'prompt', 'prompt_token_ids' or 'prompt_embeds'"):
         llm.generate({"text": PROMPTS[0]}, params, use_tqdm=False)
 
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import itertools
 import logging
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from plait.config import FULL_VOCAB_LOGPROBS, NGRAM, EngineConfig
 from plait.engine.detokenizer import Detokenizer
@@ -17,7 +20,7 @@ from plait.engine.drafter import Drafter, NgramDrafter
 from plait.engine.grammar import Grammar, GrammarCompiler
 from plait.engine.kv_cache import KVCacheManager, salt_key
 from plait.engine.profiler import StepProfiler
-from plait.engine.request import FinishReason, Request
+from plait.engine.request import PROMPT_EMBEDS_PLACEHOLDER_ID, FinishReason, Request
 from plait.engine.scheduler import Scheduler, StepPlan
 from plait.engine.state_slots import StateSlotPool
 from plait.engine.warmup import WarmUpReport, warm_up
@@ -102,6 +105,19 @@ class _Tracked:
     output_times: list[float] = field(default_factory=list)
     num_logprobs_sent: int = 0  # DELTA: the logprobs entries earlier outputs carried
     prompt_logprobs_sent: bool = False  # DELTA: the first output carried them, the later ones do not
+
+
+EMBEDS_KEY_BYTES = 16  # digest of a prompt of embeddings, hashed into its first block's key
+
+
+def _embeds_key(embeds: torch.Tensor | None) -> bytes:
+    """The prefix-cache key part of a prompt of embeddings: a digest of its values (b"" for none), since its
+    placeholder ids alone would make every such prompt of a length share blocks."""
+    if embeds is None:
+        return b""
+    digest = hashlib.blake2b(embeds.view(torch.uint8).numpy(), digest_size=EMBEDS_KEY_BYTES,
+                             person=b"plait-embeds")
+    return digest.digest()
 
 
 def freeze_long_lived_objects() -> None:
@@ -333,15 +349,12 @@ class LLMEngine:
         if params.n != 1:
             raise ValueError("the engine runs one sequence per request; fan n > 1 out before add_request")
         request_id = self._new_request_id(request_id)
-        prompt, images = self._split_images(prompt)
-        text, token_ids = self._tokenize(prompt)
-        # Room for max_tokens, or for one token where it is None: a prompt that fills the context could
-        # generate nothing (vLLM's -1 is the whole context, which then fails there).
-        keep = self._prompt_tokens_to_keep(params.truncate_prompt_tokens, params.max_tokens or 1)
-        if images and keep is not None:
-            raise ValueError("truncate_prompt_tokens cannot be used with images (it could cut one)")
-        text, token_ids = self._truncate(text, token_ids, keep)
-        token_ids, image_inputs = self._expand_images(token_ids, images)
+        embeds = None
+        if isinstance(prompt, torch.Tensor):
+            embeds = self._prompt_embeds(prompt, params)
+            text, token_ids, image_inputs = None, [PROMPT_EMBEDS_PLACEHOLDER_ID] * len(embeds), ()
+        else:
+            text, token_ids, image_inputs = self._prompt_tokens(prompt, params)
         self._validate_prompt(token_ids)
         self._validate_sampling_token_ids(params)
         self._validate_logprobs(params)
@@ -360,15 +373,52 @@ class LLMEngine:
             grammar=self._compile_grammar(params),
             bad_words_token_ids=self._tokenize_bad_words(params.bad_words),
             lora=lora,
-            # Blocks computed under one adapter are never served to another, nor to the base model.
-            cache_key=lora.request.cache_key if lora is not None else b"",
+            # Blocks computed under one adapter are never served to another, nor to the base model; nor are
+            # blocks of one prompt of embeddings to another.
+            cache_key=(lora.request.cache_key if lora is not None else b"") + _embeds_key(embeds),
             images=image_inputs,
             priority=priority,
             cache_salt=salt,
             read_by_logits_processor=any(p.reads_output_token_ids and p.applies_to(params)
                                          for p in self.logits_processors),
+            prompt_embeds=embeds,
         )
         return request, text
+
+    def _prompt_tokens(self, prompt: str | Sequence[int] | MultiModalPrompt, params: SamplingParams
+                       ) -> tuple[str | None, list[int], tuple[ImageInput, ...]]:
+        """A text, token-id or multimodal prompt's text (None for ids), token ids (truncated as params ask,
+        image placeholders expanded) and images."""
+        prompt, images = self._split_images(prompt)
+        text, token_ids = self._tokenize(prompt)
+        # Room for max_tokens, or for one token where it is None: a prompt that fills the context could
+        # generate nothing (vLLM's -1 is the whole context, which then fails there).
+        keep = self._prompt_tokens_to_keep(params.truncate_prompt_tokens, params.max_tokens or 1)
+        if images and keep is not None:
+            raise ValueError("truncate_prompt_tokens cannot be used with images (it could cut one)")
+        text, token_ids = self._truncate(text, token_ids, keep)
+        token_ids, image_inputs = self._expand_images(token_ids, images)
+        return text, token_ids, image_inputs
+
+    def _prompt_embeds(self, embeds: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """A prompt of embeddings checked, as the host tensor the runner stages: [tokens, hidden] in the
+        model's dtype (pinned on a GPU, so each step's copy queues behind the step in flight)."""
+        if not self.config.enable_prompt_embeds:
+            raise ValueError("prompts of embeddings need enable_prompt_embeds (plait serve "
+                             "--enable-prompt-embeds), as in vLLM")
+        if self.runner.prompt_embeds is None:
+            raise ValueError(f"{self.model_config.architecture} takes no prompt embeddings")
+        hidden = self.model_config.hidden_size
+        if embeds.dim() != 2 or embeds.shape[0] < 1 or embeds.shape[1] != hidden:
+            raise ValueError(f"prompt_embeds must be [tokens, {hidden}] (at least one token), got "
+                             f"{list(embeds.shape)}")
+        if not embeds.is_floating_point() or not bool(torch.isfinite(embeds).all()):
+            raise ValueError("prompt_embeds must be finite floating-point values")
+        if params.prompt_logprobs is not None or params.truncate_prompt_tokens is not None:
+            raise ValueError("prompt_logprobs and truncate_prompt_tokens need prompt token ids; a prompt of "
+                             "embeddings has none")
+        host = embeds.detach().to("cpu", self.runner.dtype).contiguous()
+        return host.pin_memory() if self.runner.device.type == "cuda" else host
 
     def _validate_priority(self, priority: int) -> None:
         if isinstance(priority, bool) or not isinstance(priority, int):
@@ -445,7 +495,7 @@ class LLMEngine:
         params = request.sampling_params
         detok = None
         if self.tokenizer is not None and request.pooling_params is None and params.detokenize:
-            detok = Detokenizer(self.tokenizer, request.prompt_token_ids, params)
+            detok = Detokenizer(self.tokenizer, request.real_prompt_token_ids, params)
         logprobs = [] if params.logprobs is not None else None
         tracked = _Tracked(request, prompt_text, detok, logprobs, time.monotonic())
         if params.prompt_logprobs is not None:
@@ -879,7 +929,7 @@ class LLMEngine:
         if kind is RequestOutputKind.DELTA:
             prompt_logprobs = None if tracked.prompt_logprobs_sent else prompt_logprobs
             tracked.prompt_logprobs_sent = True
-        return RequestOutput(request.request_id, tracked.prompt, request.prompt_token_ids, [completion],
+        return RequestOutput(request.request_id, tracked.prompt, request.real_prompt_token_ids, [completion],
                              finished=request.is_finished, num_cached_tokens=request.num_cached_tokens,
                              prompt_logprobs=prompt_logprobs, metrics=metrics)
 

@@ -11,10 +11,17 @@ from plait.lora.slots import NO_LORA_SLOT
 from plait.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from plait.engine.grammar import Grammar
     from plait.lora.adapter import LoRAAdapter
     from plait.multimodal.images import ImageInput
     from plait.pooling_params import PoolingParams
+
+
+# The token id a prompt of embeddings holds at each position: any id the embedding layer can look up, since
+# its output there is replaced.
+PROMPT_EMBEDS_PLACEHOLDER_ID = 0
 
 
 class RequestStatus(enum.Enum):
@@ -65,6 +72,11 @@ class Request:
     # Whether a custom logits processor that reads output ids applies to it (LogitsProcessor.applies_to and
     # reads_output_token_ids): its sampling then needs the last token on the host. Set by the engine.
     read_by_logits_processor: bool = False
+    # The prompt as embeddings (EngineConfig.enable_prompt_embeds): a [num prompt tokens, hidden] host tensor
+    # in the model's dtype, which replaces the embedding layer's output at the prompt's positions; its
+    # prompt_token_ids are then placeholders (PROMPT_EMBEDS_PLACEHOLDER_ID) that no output shows. Set by the
+    # engine.
+    prompt_embeds: torch.Tensor | None = None
 
     # Set by the scheduler.
     status: RequestStatus = RequestStatus.WAITING
@@ -146,6 +158,12 @@ class Request:
         """Whether the output is one of the choices and no longer choice continues it."""
         return (self.choice_token_ids is not None and tuple(self.output_token_ids) in self.choice_token_ids
                 and not self._next_choice_tokens())
+
+    @property
+    def real_prompt_token_ids(self) -> list[int]:
+        """The prompt's token ids as outputs, penalties and detokenizers see them: none for a prompt of
+        embeddings (whose ids are placeholders)."""
+        return self.prompt_token_ids if self.prompt_embeds is None else []
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -33,7 +33,7 @@ _ENGINE_FLAGS = (
     "skip_tokenizer_init", "revision",
     "download_dir",
     "limit_mm_per_prompt", "enable_sleep_mode", "optimization_level", "compilation_config",
-    "logits_processors",
+    "logits_processors", "enable_prompt_embeds",
 )
 
 

@@ -116,9 +116,11 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in prompt order.
 
-        A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, or a list of
-        token ids; an image model's prompt dict may add ``"multi_modal_data": {"image": image or [images]}``
-        (PIL images, bytes or data URLs), one image token in the prompt for each, and any prompt dict a
+        A prompt is a string, ``{"prompt": str}``, ``{"prompt_token_ids": [...]}``, a list of token ids,
+        or (under ``enable_prompt_embeds``) ``{"prompt_embeds": tensor}``, [tokens, hidden] in place of the
+        embedding layer's output; an image model's prompt dict may add ``"multi_modal_data": {"image": image
+        or [images]}`` (PIL images, bytes or data URLs), one image token in the prompt for each, and any
+        prompt dict a
         ``"cache_salt"`` (vLLM's: its prefix-cache blocks are shared only with prompts of the same salt). All
         prompts are validated
         before any enters the engine. Without sampling_params,
@@ -459,14 +461,20 @@ def _as_priority_list(priority: Sequence[int] | None, n: int) -> list[int]:
     return list(priority)
 
 
-def _prompt_payload(prompt: PromptType) -> str | list[int] | MultiModalPrompt:
+def _prompt_payload(prompt: PromptType) -> str | list[int] | MultiModalPrompt | torch.Tensor:
     if isinstance(prompt, dict):
+        if "prompt_embeds" in prompt:
+            embeds = prompt["prompt_embeds"]
+            if not isinstance(embeds, torch.Tensor):
+                raise TypeError(f"prompt_embeds must be a torch.Tensor, got {type(embeds).__name__}")
+            return embeds
         if "prompt_token_ids" in prompt:
             payload = list(prompt["prompt_token_ids"])
         elif "prompt" in prompt:
             payload = prompt["prompt"]
         else:
-            raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            raise ValueError(f"a prompt dict needs 'prompt', 'prompt_token_ids' or 'prompt_embeds', got keys "
+                             f"{sorted(prompt)}")
         data = prompt.get("multi_modal_data")
         return payload if not data else MultiModalPrompt(payload, _images_of(data))
     if isinstance(prompt, (str, MultiModalPrompt)):

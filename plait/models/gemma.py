@@ -84,22 +84,35 @@ class GemmaDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's token embedding: the rows scaled by sqrt(hidden), rounded to the weights' dtype first as
+    transformers does (sqrt(3072) becomes 55.5 in bf16; a host number, so graphs capture no copy). The scale
+    belongs to the layer, as in transformers' Gemma 2 / 3, so given prompt embeddings (its inputs_embeds)
+    are taken as they are."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.scale = embedding_dim**0.5
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # input_ids: [T] -> [T, hidden]
+        rows = super().forward(input_ids)
+        return rows * rounded_to(self.scale, rows.dtype)
+
+
 class GemmaModel(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         kinds = layer_types(cfg.raw, DEFAULT_SLIDING_PATTERN)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_scale = cfg.hidden_size**0.5
+        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, kind) for i, kind in enumerate(kinds))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         ropes = layer_ropes(cfg.raw, DEFAULT_GLOBAL_THETA, DEFAULT_LOCAL_THETA)
         self.rotary = kind_rotaries(ropes, cfg.head_dim, max_positions)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # input_ids: [T] -> hidden: [T, hidden]. The scale is rounded to the weights' dtype first, as
-        # transformers does (sqrt(3072) becomes 55.5 in bf16); a host number, so graphs capture no copy.
+        # input_ids: [T] -> hidden: [T, hidden]
         x = self.embed_tokens(input_ids)
-        x = x * rounded_to(self.embed_scale, x.dtype)
         residual, pending = None, None
         for layer in self.layers:
             x, residual = layer(x, residual, pending, self.rotary[layer.kind], batch)

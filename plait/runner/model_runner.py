@@ -48,6 +48,7 @@ from plait.runner.image_embeddings import TOWER_GRAPH_BATCHES, ImageEmbeddings, 
 from plait.runner.input_buffers import InputBuffers, Layout
 from plait.runner.padding import GraphShape
 from plait.runner.pooler import Pooler, resolve_pooling
+from plait.runner.prompt_embeds import PromptEmbeds, input_embedding
 from plait.runner.sampler import (
     Logprobs,
     Sampler,
@@ -160,6 +161,9 @@ class ModelRunner:
         # An image model's processor (host side); its images' embeddings (device side) once the buffers'
         # size is known. None for a text model.
         self.image_processor = self.image_embeddings = None
+        # Prompts given as embeddings (EngineConfig.enable_prompt_embeds), staged for the embedding layer's
+        # hook once the buffers' size is known; None where they are off or the model has no such layer.
+        self.prompt_embeds: PromptEmbeds | None = None
         if getattr(self.model, "supports_images", False):
             self.image_processor = ImageProcessor.for_model(loaded.source, self.model)
         # KV heads this rank caches: its share under tensor parallelism.
@@ -234,6 +238,9 @@ class ModelRunner:
             self.image_embeddings = ImageEmbeddings(self.model, self.device, layout.max_tokens,
                                                     self.model_config.hidden_size, self.dtype,
                                                     graphs=use_graphs)
+        embedding = input_embedding(self.model)
+        if config.enable_prompt_embeds and self.pooler is None and embedding is not None:  # before capture
+            self.prompt_embeds = PromptEmbeds(embedding, self.device, layout.max_tokens, self.dtype)
         self.graph_shapes = shapes
         self.graphs: StepGraphs | None = self._capture_graphs(shapes) if use_graphs else None
         # Sleep mode (LLMEngine.sleep): the model's tensors, and the per-request state (KV cache, recurrent
@@ -650,6 +657,8 @@ class ModelRunner:
         images = 0  # tokens holding image embeddings
         if self.image_embeddings is not None:
             images = self.image_embeddings.stage(plan, arrays.query_start_loc)
+        if self.prompt_embeds is not None:
+            self.prompt_embeds.stage(plan, arrays.query_start_loc)
         b = self.breakdown
         b.add("prepare", time.perf_counter() - t0)
         hidden, views, shape = self.forward(arrays, pending_src, prev_ids, lora)
@@ -903,7 +912,7 @@ class ModelRunner:
             banned = r.banned_next_tokens() if guided else None  # one-token bad words only with drafts
             rows.append(SamplingRow(
                 r.sampling_params,
-                r.prompt_token_ids,
+                r.real_prompt_token_ids,
                 r.output_token_ids,
                 r.eos_token_ids,
                 num_output_tokens=r.num_output_tokens,
@@ -911,7 +920,8 @@ class ModelRunner:
                 token_bitmask=next(masks) if guided and r.grammar is not None else None,
                 banned_now=banned,
             ))
-            rows += [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids + list(drafts[:j]),
+            rows += [SamplingRow(r.sampling_params, r.real_prompt_token_ids,
+                                 r.output_token_ids + list(drafts[:j]),
                                  r.eos_token_ids, num_output_tokens=r.num_output_tokens + j,
                                  banned_now=banned)
                      for j in range(1, len(drafts) + 1)]

@@ -1,0 +1,97 @@
+"""Prompts given as embeddings (vLLM's --enable-prompt-embeds): greedy outputs match HF transformers'
+generate(inputs_embeds=...) in fp32, chunked and beside other requests; the embedding of a prompt's ids
+answers as the ids do; the prefix cache tells two prompts of embeddings apart; bad embeddings are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import random_prompts
+
+from plait.config import EngineConfig
+from plait.entrypoints.llm import LLM
+from plait.sampling_params import SamplingParams
+
+MAX_TOKENS = 10
+
+
+def _greedy(**kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, **kw)
+
+
+def _hf_generate(hf, embeds: torch.Tensor) -> list[int]:
+    with torch.no_grad():
+        mask = torch.ones(1, len(embeds), dtype=torch.long)
+        out = hf.generate(inputs_embeds=embeds[None], attention_mask=mask, max_new_tokens=MAX_TOKENS,
+                          min_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, -MAX_TOKENS:].tolist()
+
+
+# Gemma scales its embedding rows by sqrt(hidden) inside the layer, so given embeddings are taken as they are;
+# Granite scales the layer's output by its multiplier after it, given embeddings too: as transformers reads
+# inputs_embeds.
+@pytest.mark.parametrize("family", ["llama", "gemma2", "granite"])
+def test_prompt_embeds_match_hf_inputs_embeds(tiny_models, family):
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_models[family]
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager").eval()
+    g = torch.Generator().manual_seed(5)
+    scale = hf.get_input_embeddings().weight.std()
+    # Random vectors, not rows of the embedding table: no token id could stand in for them. One prompt
+    # spans several 16-token steps; a token prompt runs beside them.
+    lengths = (5, 37, 12)
+    embeds = [torch.randn(n, hf.config.hidden_size, generator=g) * scale for n in lengths]
+    ids = random_prompts(1, 20, 20, seed=9)[0]
+    llm = LLM(model=str(folder), block_size=8, max_num_batched_tokens=16, enable_prompt_embeds=True)
+    outs = llm.generate([{"prompt_embeds": e} for e in embeds] + [{"prompt_token_ids": ids}], _greedy(),
+                        use_tqdm=False)
+    for e, out in zip(embeds, outs):
+        assert out.outputs[0].token_ids == _hf_generate(hf, e), family
+        assert out.prompt_token_ids == [] and out.prompt is None
+    with torch.no_grad():
+        looked_up = hf.get_input_embeddings()(torch.tensor(ids))
+    # The embedding of a prompt's ids answers as the ids themselves.
+    again = llm.generate({"prompt_embeds": looked_up}, _greedy(), use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == outs[-1].outputs[0].token_ids
+    assert llm.engine.is_idle_and_clean()
+
+
+def test_prefix_cache_tells_prompts_of_embeddings_apart(tiny_llama):
+    """Two prompts of embeddings of one length share no block (their ids are the same placeholders); the same
+    embeddings again hit the cache and answer the same; penalties see no placeholder ids."""
+    llm = LLM(model=str(tiny_llama), block_size=8, enable_prompt_embeds=True)
+    hidden = llm.engine.model_config.hidden_size
+    g = torch.Generator().manual_seed(2)
+    first, second = (torch.randn(24, hidden, generator=g) for _ in range(2))
+    a = llm.generate({"prompt_embeds": first}, _greedy(), use_tqdm=False)[0]
+    b = llm.generate({"prompt_embeds": second}, _greedy(), use_tqdm=False)[0]
+    assert b.num_cached_tokens == 0 and a.outputs[0].token_ids != b.outputs[0].token_ids
+    again = llm.generate({"prompt_embeds": first}, _greedy(), use_tqdm=False)[0]
+    assert again.num_cached_tokens == 16 and again.outputs[0].token_ids == a.outputs[0].token_ids
+    # A repetition penalty counts prompt tokens; a prompt of embeddings has none, so with the placeholder id
+    # (0) never output, the penalty changes nothing for a model that never says it.
+    penalised = llm.generate({"prompt_embeds": first}, _greedy(repetition_penalty=1.0), use_tqdm=False)[0]
+    assert penalised.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_bad_prompt_embeds_are_refused(tiny_llama):
+    off = LLM(model=str(tiny_llama), block_size=8)
+    hidden = off.engine.model_config.hidden_size
+    with pytest.raises(ValueError, match="need enable_prompt_embeds"):
+        off.generate({"prompt_embeds": torch.zeros(3, hidden)}, _greedy(), use_tqdm=False)
+    llm = LLM(model=str(tiny_llama), block_size=8, max_model_len=64, enable_prompt_embeds=True)
+    for bad, message in ((torch.zeros(3, hidden + 1), r"must be \[tokens, \d+\]"),
+                         (torch.zeros(0, hidden), "at least one token"),
+                         (torch.full((3, hidden), float("nan")), "finite floating-point"),
+                         (torch.zeros(3, hidden, dtype=torch.long), "finite floating-point"),
+                         (torch.zeros(70, hidden), "maximum context length is 64")):
+        with pytest.raises(ValueError, match=message):
+            llm.generate({"prompt_embeds": bad}, _greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt_logprobs and truncate_prompt_tokens need prompt token ids"):
+        llm.generate({"prompt_embeds": torch.zeros(3, hidden)}, _greedy(prompt_logprobs=1), use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt_embeds must be a torch.Tensor"):
+        llm.generate({"prompt_embeds": [[0.0] * hidden]}, _greedy(), use_tqdm=False)
+    with pytest.raises(ValueError, match="not supported with speculative decoding or tensor parallelism"):
+        EngineConfig(enable_prompt_embeds=True, tensor_parallel_size=2)
+    assert llm.engine.is_idle_and_clean()
