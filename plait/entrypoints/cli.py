@@ -404,6 +404,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     if args.api_server_count != 1:
         raise ValueError("plait serves HTTP from one process (its engine loop runs in another); leave "
                          "--api-server-count out, or add engines with --data-parallel-size")
+    _load_parsers(args)
     engine_config = _engine_config(args)
     launched = None
     if args.data_parallel_size == 1:
@@ -492,6 +493,8 @@ def _request_handling_config(args: argparse.Namespace) -> dict[str, Any]:
                 **({"response_role": args.response_role} if args.response_role is not None else {}),
                 enable_auto_tool_choice=args.enable_auto_tool_choice,
                 tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                tool_parser_plugin=args.tool_parser_plugin,
+                reasoning_parser_plugin=args.reasoning_parser_plugin,
                 exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
                 return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                 log_level=args.log_level, disable_log_stats=args.disable_log_stats,
@@ -570,15 +573,38 @@ def _add_tool_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="serve tool_choice 'auto' (the default where tools are given): the model's tool "
                             "calls are read by --tool-call-parser")
-    group.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
-                       help="the model's tool-call format: hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
-                            "(Llama 3.x)")
+    # Names without argparse's choices: a --tool-parser-plugin may add one, and it has not run yet
+    # (_load_parsers checks them once it has, before the model loads).
+    group.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="the model's tool-call format, e.g. hermes (Qwen2.5, Qwen3, Hermes), llama3_json "
+                            f"(Llama 3.x); built in: {', '.join(sorted(TOOL_PARSERS))}; or a name that "
+                            "--tool-parser-plugin registers")
+    group.add_argument("--tool-parser-plugin", default=None, metavar="FILE",
+                       help="as vLLM's: a Python file run at start-up whose @register_tool_parser classes "
+                            "(plait.entrypoints.tool_parsers.ToolParser subclasses) --tool-call-parser may "
+                            "name; a parser named as a built-in one replaces it")
     group.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                        help="leave a request's tools out of the prompt when its tool_choice is 'none' (also "
                             "in /tokenize)")
-    group.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+    group.add_argument("--reasoning-parser", default=None, metavar="NAME",
                        help="split chat answers' reasoning (<think>...</think>) into 'reasoning': qwen3, "
-                            "deepseek_r1 (also QwQ), deepseek_v3 (DeepSeek-V3.1, reasoning only when asked)")
+                            "deepseek_r1 (also QwQ), deepseek_v3 (DeepSeek-V3.1, reasoning only when asked); "
+                            f"built in: {', '.join(sorted(REASONING_PARSERS))}; or a name that "
+                            "--reasoning-parser-plugin registers")
+    group.add_argument("--reasoning-parser-plugin", default=None, metavar="FILE",
+                       help="as vLLM's: a Python file run at start-up whose @register_reasoning_parser "
+                            "classes (plait.entrypoints.reasoning_parsers.ReasoningParser subclasses) "
+                            "--reasoning-parser may name; a parser named as a built-in one replaces it")
+
+
+def _load_parsers(args: argparse.Namespace) -> None:
+    """Run the parser plugins and check the parser names (ValueErrors naming what is wrong) before the model
+    loads; the ServerConfig made later finds the plugins already run."""
+    from plait.entrypoints.reasoning_parsers import REASONING_PARSERS  # no server dependencies
+    from plait.entrypoints.tool_parsers import TOOL_PARSERS
+
+    TOOL_PARSERS.load(args.tool_call_parser, args.tool_parser_plugin)
+    REASONING_PARSERS.load(args.reasoning_parser, args.reasoning_parser_plugin)
 
 
 def _add_lora_args(parser: argparse.ArgumentParser, runtime_updates: bool = True) -> None:

@@ -337,6 +337,8 @@ def _replica_main(config_path: str, index: int) -> None:
 
     engine_config, server_config, engine_process = pickle.loads(Path(config_path).read_bytes())
     timeline = replica_timeline_file(server_config.step_timeline_file, index)
+    # A config remade, not just unpickled: its checks run here, and so do its parser plugins, whose parsers
+    # this process's server reads its answers with.
     own = dataclasses.replace(server_config, response_id_prefix=replica_response_id_prefix(index),
                               step_timeline_file=timeline)
     serve(engine_config, own, engine_process=engine_process)

@@ -6,6 +6,7 @@ import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+from plait.entrypoints.parser_registry import ParserRegistry
 from plait.entrypoints.tool_parsers import (
     HARMONY_CHANNEL,
     HARMONY_ENDS,
@@ -153,20 +154,18 @@ def split_reasoning(parser: ReasoningParser, text: str) -> tuple[str | None, str
 # -- registry ------------------------------------------------------------------------------------
 
 
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}
+# Built in below; a --reasoning-parser-plugin file adds its own (or replaces one) with the same decorator.
+REASONING_PARSERS: ParserRegistry[type[ReasoningParser]] = ParserRegistry("reasoning parser", ReasoningParser)
 
 
 def register_reasoning_parser(cls: type[ReasoningParser]) -> type[ReasoningParser]:
-    """Class decorator: makes the parser available under its ``name``."""
-    REASONING_PARSERS[cls.name] = cls
-    return cls
+    """Class decorator: makes the parser available under its ``name`` (a name taken before becomes its)."""
+    return REASONING_PARSERS.register(cls)
 
 
 def get_reasoning_parser(name: str) -> type[ReasoningParser]:
     """The parser class registered under ``name``; a ValueError naming the known ones otherwise."""
-    if name not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}")
-    return REASONING_PARSERS[name]
+    return REASONING_PARSERS.lookup(name)
 
 
 @register_reasoning_parser

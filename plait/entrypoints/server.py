@@ -158,13 +158,14 @@ from plait.entrypoints.protocol import (
     VersionResponse,
 )
 from plait.entrypoints.reasoning_parsers import (
+    REASONING_PARSERS,
     ReasoningDelta,
     ReasoningParser,
     get_reasoning_parser,
     split_reasoning,
 )
 from plait.entrypoints.stat_logger import DEFAULT_LOG_STATS_INTERVAL_S, StatLogger
-from plait.entrypoints.tool_parsers import ToolOutputParser, get_tool_parser
+from plait.entrypoints.tool_parsers import TOOL_PARSERS, ToolOutputParser, get_tool_parser
 from plait.entrypoints.tools import (
     NamedToolOutput,
     RequiredToolsOutput,
@@ -276,6 +277,11 @@ class ServerConfig:
     # are given) reads the model's tool calls with that parser; without them it is refused, as in vLLM.
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    # vLLM's --tool-parser-plugin and --reasoning-parser-plugin: Python files run once in the process that
+    # makes this config (each data-parallel replica's too, which remakes it), registering parsers that
+    # tool_call_parser and reasoning_parser may then name.
+    tool_parser_plugin: str | None = None
+    reasoning_parser_plugin: str | None = None
     # vLLM's --reasoning-parser: chat answers carry the model's reasoning in "reasoning", apart from the
     # content, and structured outputs apply after it.
     reasoning_parser: str | None = None
@@ -406,12 +412,11 @@ class ServerConfig:
         content_format(None, self.chat_template_content_format)  # an unknown format fails at start-up
         self.default_chat_template_kwargs = json_object("default_chat_template_kwargs",
                                                         self.default_chat_template_kwargs)
-        if self.tool_call_parser is not None:
-            get_tool_parser(self.tool_call_parser)  # an unknown name fails here, at start-up
+        # The plugins run, and an unknown name fails, here at start-up rather than in a request.
+        TOOL_PARSERS.load(self.tool_call_parser, self.tool_parser_plugin)
+        REASONING_PARSERS.load(self.reasoning_parser, self.reasoning_parser_plugin)
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser NAME)")
-        if self.reasoning_parser is not None:
-            get_reasoning_parser(self.reasoning_parser)  # an unknown name fails here, at start-up
         if isinstance(self.lora_modules, (str, LoRAModulePath)) or not all(
                 isinstance(m, LoRAModulePath) for m in self.lora_modules):
             raise ValueError(f"lora_modules must be a list of LoRAModulePath, got {self.lora_modules!r}")

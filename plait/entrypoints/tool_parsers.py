@@ -12,6 +12,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from plait.entrypoints.parser_registry import ParserRegistry
+
 # Hermes' tags around each call (Qwen2.5, Qwen3, Hermes 2 Pro and later).
 HERMES_CALL_OPEN = "<tool_call>"
 HERMES_CALL_CLOSE = "</tool_call>"
@@ -199,20 +201,18 @@ class ToolParser(ToolOutputParser):
         return requested and not (cls.MARKERS_ARE_SPECIAL_TOKENS and tools_in_play)
 
 
-TOOL_PARSERS: dict[str, type[ToolParser]] = {}
+# Built in below; a --tool-parser-plugin file adds its own (or replaces one) with the same decorator.
+TOOL_PARSERS: ParserRegistry[type[ToolParser]] = ParserRegistry("tool call parser", ToolParser)
 
 
 def register_tool_parser(cls: type[ToolParser]) -> type[ToolParser]:
-    """Class decorator: makes the parser available under its ``name``."""
-    TOOL_PARSERS[cls.name] = cls
-    return cls
+    """Class decorator: makes the parser available under its ``name`` (a name taken before becomes its)."""
+    return TOOL_PARSERS.register(cls)
 
 
 def get_tool_parser(name: str) -> type[ToolParser]:
     """The parser class registered under ``name``; a ValueError naming the known ones otherwise."""
-    if name not in TOOL_PARSERS:
-        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}")
-    return TOOL_PARSERS[name]
+    return TOOL_PARSERS.lookup(name)
 
 
 # -- Hermes: <tool_call>{"name": ..., "arguments": {...}}</tool_call> ------------------------------
