@@ -1,6 +1,7 @@
-"""The Gemma family, Gemma 2 and Gemma 3 (text): sandwich norms of the 1 + weight kind, GeGLU, sliding-window
-layers beside global ones, embeddings scaled by sqrt(hidden); Gemma 2 soft-caps its attention scores, Gemma 3
-normalises q and k and gives its sliding layers a rotary base of their own."""
+"""The Gemma family: norms of the 1 + weight kind, GeGLU, embeddings scaled by sqrt(hidden). Gemma 1 is the
+Llama decoder so changed; Gemma 2 and Gemma 3 (text) add sandwich norms and sliding-window layers beside
+global ones, Gemma 2 soft-caps its attention scores, Gemma 3 normalises q and k and gives its sliding layers
+a rotary base of their own."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from plait.config import ModelConfig
 from plait.layers.linear import Linear
 from plait.layers.norm import GemmaRMSNorm
 from plait.models.layer_kinds import SLIDING, kind_rotaries, layer_ropes, layer_types
-from plait.models.llama import MLP, Attention, LlamaForCausalLM
+from plait.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, LlamaModel
 from plait.models.weights import language_model_weights, load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
 
@@ -35,6 +36,14 @@ def check_gemma(raw: dict) -> None:
 def rounded_to(value: float, dtype: torch.dtype) -> float:
     """``value`` rounded to ``dtype``, as a Python float."""
     return torch.tensor(value, dtype=dtype).item()
+
+
+def scaled_embeddings(embed_tokens: nn.Embedding, input_ids: torch.Tensor) -> torch.Tensor:
+    """Gemma's embeddings of ``input_ids`` ([T] -> [T, hidden]): the rows times sqrt(hidden), the scale
+    rounded to the weights' dtype first, as transformers does (sqrt(3072) becomes 55.5 in bf16); a host
+    number, so graphs capture no copy."""
+    x = embed_tokens(input_ids)
+    return x * rounded_to(embed_tokens.embedding_dim**0.5, x.dtype)
 
 
 class GemmaAttention(Attention):
@@ -89,23 +98,40 @@ class GemmaModel(nn.Module):
         super().__init__()
         kinds = layer_types(cfg.raw, DEFAULT_SLIDING_PATTERN)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_scale = cfg.hidden_size**0.5
         self.layers = nn.ModuleList(GemmaDecoderLayer(cfg, i, kind) for i, kind in enumerate(kinds))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         ropes = layer_ropes(cfg.raw, DEFAULT_GLOBAL_THETA, DEFAULT_LOCAL_THETA)
         self.rotary = kind_rotaries(ropes, cfg.head_dim, max_positions)
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # input_ids: [T] -> hidden: [T, hidden]. The scale is rounded to the weights' dtype first, as
-        # transformers does (sqrt(3072) becomes 55.5 in bf16); a host number, so graphs capture no copy.
-        x = self.embed_tokens(input_ids)
-        x = x * rounded_to(self.embed_scale, x.dtype)
+        # input_ids: [T] -> hidden: [T, hidden]
+        x = scaled_embeddings(self.embed_tokens, input_ids)
         residual, pending = None, None
         for layer in self.layers:
             x, residual = layer(x, residual, pending, self.rotary[layer.kind], batch)
             pending = layer.post_feedforward_layernorm
         x, _ = self.norm.forward_residual(x, residual, pre_norm=pending)
         return x
+
+
+class Gemma1DecoderLayer(DecoderLayer):
+    """Llama's pre-norm layer with Gemma's norms and attention (every layer global, no score cap)."""
+
+    norm_class = GemmaRMSNorm
+
+    def make_attention(self, cfg: ModelConfig, layer_idx: int) -> Attention:
+        return GemmaAttention(cfg, layer_idx, sliding=False)
+
+
+class Gemma1Model(LlamaModel):
+    layer_class = Gemma1DecoderLayer
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids: [T] -> hidden: [T, hidden]; inputs_embeds, where a caller gives them, as they are
+        if inputs_embeds is None:
+            inputs_embeds = scaled_embeddings(self.embed_tokens, input_ids)
+        return super().forward(input_ids, batch, inputs_embeds)
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
@@ -129,7 +155,15 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return logits
 
     def fold_norm_weights(self) -> None:
-        """Kept unfolded: the pre-MLP norm is fused with the post-attention norm and the add instead."""
+        """Kept unfolded: what folding serves (LlamaModel.fuses_mlp_norm) takes SiLU MLPs with Llama's norms
+        only, and Gemma 2 / 3 fuse the pre-MLP norm with the post-attention norm and the add instead."""
+
+
+class Gemma1ForCausalLM(GemmaForCausalLM):
+    """Gemma 1 (GemmaForCausalLM: Gemma 2B and 7B, Gemma 1.1, CodeGemma): Gemma 2 / 3's causal LM around
+    Gemma1Model; its configs cap no logits."""
+
+    model_class = Gemma1Model
 
 
 class Gemma3ForConditionalGeneration(GemmaForCausalLM):
