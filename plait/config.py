@@ -762,7 +762,7 @@ class ModelConfig:
             qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             sliding_window=sliding,
             rope_scaling=rope_scaling,
-            hidden_act=cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu",  # Gemma: the latter
+            hidden_act=hidden_activation(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             moe=MoEConfig.from_hf(cfg),
@@ -770,6 +770,21 @@ class ModelConfig:
             llama4_scaling=llama4_scaling(cfg),
             raw=cfg,
         )
+
+
+# Gemma 1's configs name the tanh-approximated GELU it was trained with "gelu", as transformers reads them
+# (GemmaConfig: "a legacy value of the official releases").
+GEMMA_MODEL_TYPE = "gemma"
+GEMMA_LEGACY_ACTIVATIONS = {"gelu": "gelu_pytorch_tanh"}
+
+
+def hidden_activation(cfg: dict) -> str:
+    """The MLP's activation: hidden_act, else hidden_activation (Gemma 2 / 3's name for it), else SiLU;
+    Gemma 1's legacy "gelu" read as the tanh approximation."""
+    act = cfg.get("hidden_act") or cfg.get("hidden_activation") or "silu"
+    if cfg.get("model_type") == GEMMA_MODEL_TYPE:
+        return GEMMA_LEGACY_ACTIVATIONS.get(act, act)
+    return act
 
 
 # GLM-4's configs (plait.models.glm) and the share of each head their rotary turns where they do not say.
@@ -807,6 +822,7 @@ def rope_kind(scaling: dict | None) -> str:
 # model_type). Image-text checkpoints ("gemma3", "mistral3", "llava") are read by their text_config; Gemma 3
 # and Mistral 3 are served as text, LLaVA with its images (its vision keys are kept: _IMAGE_KEYS).
 COMPLETED_CONFIGS = {
+    "gemma": ("GemmaConfig", "gemma"),
     "gemma2": ("Gemma2Config", "gemma2"),
     "gemma3_text": ("Gemma3TextConfig", "gemma3_text"),
     "gemma3": ("Gemma3TextConfig", "gemma3_text"),

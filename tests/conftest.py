@@ -74,6 +74,7 @@ def _tiny_configs() -> dict:
         Exaone4Config,
         Gemma2Config,
         Gemma3TextConfig,
+        GemmaConfig,
         Glm4Config,
         GlmConfig,
         GptOssConfig,
@@ -180,6 +181,10 @@ def _tiny_configs() -> dict:
             original_max_position_embeddings=TINY_PHI3_ORIGINAL_MAX_POSITIONS,
             rope_scaling={"type": "longrope", "short_factor": [1.0, 1.3, 1.9, 2.6, 3.4, 4.5],
                           "long_factor": [2.0, 4.0, 8.0, 12.0, 20.0, 30.0]}),
+        # Gemma 1: Llama's layer with 1 + weight norms, embeddings scaled by sqrt(hidden), GeGLU, head_dim
+        # apart from hidden / heads, a rotary base of its own. (Last: the families above keep their seeds.)
+        "gemma": GemmaConfig(**common, head_dim=32, tie_word_embeddings=True,
+                             rope_parameters={"rope_type": "default", "rope_theta": 5_000.0}),
     }
 
 

@@ -1,4 +1,5 @@
-"""Engine defaults that depend on where and how the engine runs (the step token budget), and dtype names."""
+"""Engine defaults that depend on where and how the engine runs (the step token budget), dtype names, and how
+model configs are read."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ import dataclasses
 import pytest
 import torch
 
-from plait.config import NO_CHUNK_CAP, SERVING_PREFILL_CAP, EngineConfig, ModelConfig, default_token_budget
+from plait.config import (
+    NO_CHUNK_CAP,
+    SERVING_PREFILL_CAP,
+    EngineConfig,
+    ModelConfig,
+    default_token_budget,
+    hidden_activation,
+)
 from plait.runner.cuda_graphs import FEW_PROMPT_ROWS, decode_buckets, graph_shapes, token_buckets
 
 GB = 1024**3
@@ -232,3 +240,18 @@ def test_a_model_config_without_its_sizes_is_refused_by_name():
         ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     with pytest.raises(ValueError, match=r"\(LlamaForCausalLM\) lacks hidden_size"):
         ModelConfig.from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 8})
+
+
+def test_a_released_gemma_config_reads_as_transformers_runs_it():
+    """Gemma 1's released configs say hidden_act "gelu" for the tanh approximation it was trained with, and
+    leave the tied embeddings to GemmaConfig's default: plait reads both as transformers does."""
+    released = {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_act": "gelu",
+                "hidden_size": 2048, "intermediate_size": 16384, "num_hidden_layers": 18,
+                "num_attention_heads": 8, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 256000,
+                "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 8192}
+    cfg = ModelConfig.from_hf(released)
+    assert cfg.hidden_act == "gelu_pytorch_tanh" and cfg.tie_word_embeddings and cfg.head_dim == 256
+    # Whatever the installed transformers completes: the legacy name, under either key, is the tanh GELU.
+    for key in ("hidden_act", "hidden_activation"):
+        assert hidden_activation({"model_type": "gemma", key: "gelu"}) == "gelu_pytorch_tanh"
+    assert hidden_activation({"model_type": "llama", "hidden_act": "gelu"}) == "gelu"

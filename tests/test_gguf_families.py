@@ -1,7 +1,8 @@
-"""GGUF files of Gemma 2 / 3, Phi-3 and Qwen2-MoE / Qwen3-MoE, written from tiny random transformers models as
-llama.cpp's convert_hf_to_gguf.py writes them (F32 tensors, so nothing is lost to quantisation): transformers
-reads each back as the model it came from, plait's loader gives back the HF checkpoint's tensors and config,
-and plait serves the file as transformers runs the model."""
+"""GGUF files of Gemma 1 / 2 / 3, Phi-3 and Qwen2-MoE / Qwen3-MoE, written from tiny random transformers
+models as llama.cpp's convert_hf_to_gguf.py writes them (F32 tensors, so nothing is lost to quantisation):
+transformers reads each back as the model it came from (where its GGUF reader takes the architecture), plait's
+loader gives back the HF checkpoint's tensors and config, and plait serves the file as transformers runs the
+model."""
 
 from __future__ import annotations
 
@@ -39,7 +40,14 @@ def _configs() -> dict:
     """name -> (GGUF architecture, transformers config). The families' configs hold only what transformers'
     GGUF reader recovers (or is told: UNREAD_BY_TRANSFORMERS); the variants carry what only llama.cpp's keys
     and plait read, and are checked through plait's loader against the HF checkpoint."""
-    from transformers import Gemma2Config, Gemma3TextConfig, Phi3Config, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        GemmaConfig,
+        Phi3Config,
+        Qwen2MoeConfig,
+        Qwen3MoeConfig,
+    )
 
     return {
         # Six layers: llama.cpp's (and transformers') every-sixth-layer-global pattern shows; its own base
@@ -58,6 +66,9 @@ def _configs() -> dict:
         "qwen2_moe": ("qwen2moe", Qwen2MoeConfig(**COMMON, num_experts=6, num_experts_per_tok=2,
                                                  moe_intermediate_size=32, shared_expert_intermediate_size=48,
                                                  norm_topk_prob=False)),
+        # Gemma 1: a head size apart from hidden / heads (the file's key_length), rotary base 10k (its
+        # converter writes none: llama.cpp's default).
+        "gemma": ("gemma", GemmaConfig(**COMMON, head_dim=32, tie_word_embeddings=True)),
         # Gemma 3 4B+: global layers linearly stretched, sliding ones on a base of their own; soft-capped
         # logits; another head size and query scale.
         "gemma3-scaled": ("gemma3", Gemma3TextConfig(
@@ -84,7 +95,10 @@ def _configs() -> dict:
     }
 
 
-FAMILIES = ["gemma3", "qwen3_moe", "phi3", "gemma2", "qwen2_moe"]
+FAMILIES = ["gemma3", "qwen3_moe", "phi3", "gemma2", "qwen2_moe", "gemma"]
+# Families whose architecture transformers' GGUF reader does not take (Gemma 1's "gemma"): their files are
+# checked against the checkpoint they were written from only.
+UNREAD_FAMILIES = ("gemma",)
 VARIANTS = ["gemma3-scaled", "gemma2-caps", "phi3-window", "phi3-longrope", "qwen2_moe-fused"]
 # Config keys transformers' GGUF reader does not map for these architectures (it would take the config class's
 # defaults: Qwen2MoeConfig's 1408-wide experts...), given to it beside the file.
@@ -138,15 +152,17 @@ def _write_metadata(writer, arch: str, cfg) -> None:
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     rope = cfg.rope_parameters
-    if arch in ("gemma2", "gemma3"):
+    if arch.startswith("gemma"):  # the only key Gemma 1's converter (GemmaModel) adds beside the shape
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-        w.add_sliding_window(cfg.sliding_window)
-    if arch == "gemma2":  # no rope base: llama.cpp's default, 10k, is Gemma 2's
+    if arch in ("gemma", "gemma2"):  # no rope base: llama.cpp's default, 10k, is theirs
         assert rope["rope_theta"] == 10_000.0
+    if arch == "gemma2":
+        w.add_sliding_window(cfg.sliding_window)
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     elif arch == "gemma3":
+        w.add_sliding_window(cfg.sliding_window)
         full, local = rope["full_attention"], rope["sliding_attention"]
         if full.get("rope_type") == "linear":
             w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -165,7 +181,7 @@ def _write_metadata(writer, arch: str, cfg) -> None:
             scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
             w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
                 cfg.original_max_position_embeddings)) if scale > 1 else 1.0)
-    else:  # Qwen2MoeModel / Qwen3MoeModel
+    elif arch != "gemma":  # Qwen2MoeModel / Qwen3MoeModel
         w.add_rope_freq_base(rope["rope_theta"])
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
@@ -266,7 +282,7 @@ def checkpoints(tmp_path_factory):
 # --- the checks ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", [family for family in FAMILIES if family not in UNREAD_FAMILIES])
 def test_transformers_reads_the_gguf_as_the_model_it_came_from(checkpoints, family):
     """The writer follows llama.cpp's conventions, independently of plait: transformers' own GGUF reader
     (its config mapping and tensor processors) rebuilds the model, same logits."""
@@ -342,7 +358,7 @@ def test_gguf_reads_back_as_the_hf_checkpoint(checkpoints, name):
     hf_config = json.loads((hf_folder / "config.json").read_text())
     got, want = ModelConfig.from_hf(config), ModelConfig.from_hf(hf_config)
     _same_model_config(got, want)
-    if name.startswith("gemma"):  # completed from transformers' defaults: what GemmaForCausalLM reads
+    if name.startswith(("gemma2", "gemma3")):  # completed from transformers' defaults: what GemmaModel reads
         assert layer_types(got.raw, 6) == layer_types(want.raw, 6)
         assert layer_ropes(got.raw, 1e6, 1e4) == layer_ropes(want.raw, 1e6, 1e4)
         for key in ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",

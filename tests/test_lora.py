@@ -137,7 +137,8 @@ def _run_against_merged_hf(engine: LLMEngine, folder: Path, prompts: list[list[i
 DAMPED_FAMILIES = {"gemma2": 1, "gemma3": 1, "granite": 0}
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "granite", "olmo2", "gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "granite", "olmo2", "gemma", "gemma2",
+                                    "gemma3"])
 def test_adapters_match_hf_with_merged_weights(tiny_models, tmp_path, family):
     """Greedy tokens and logits (1e-4, fp32) of each adapter equal HF's with that adapter merged into the
     weights; prompts are chunked, and three adapters share two slots beside base requests."""

@@ -29,8 +29,8 @@ def _engine(folder, tp: int, **knobs) -> LLMEngine:
 
 # Seed-OSS splits as Qwen2 does (q/k/v biases), ERNIE 4.5 as GLM-4 (q/k reordered on each rank's heads, here
 # over whole heads): both stay shardable, and their parity on one rank is test_hf_parity's.
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma2", "granite", "glm4", "exaone4",
-                                    "ministral3", "smollm3-sliding", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "granite", "glm4",
+                                    "exaone4", "ministral3", "smollm3-sliding", "gpt_oss"])
 def test_two_ranks_match_hf(tiny_models, family):
     """Heads, KV heads and MLP columns split in two (Qwen2's q/k/v biases, Qwen3's per-head q/k norms and
     tied embeddings, Phi-3's fused checkpoint projections, Gemma 2's sandwich norms and soft caps, Granite's

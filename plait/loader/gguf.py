@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
     "phi3": ("phi3", "Phi3ForCausalLM"),
+    "gemma": ("gemma", "GemmaForCausalLM"),
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     # Text-only: llama.cpp writes an image-text Gemma 3's vision tower to a separate mmproj file.
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
@@ -34,7 +35,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
 PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
 # Gemma's RMSNorms scale by (1 + weight); llama.cpp's converter stores every "*norm.weight" as weight + 1
 # (q/k norms included), so that its plain RMSNorm applies them.
-NORM_OFFSET_ARCHITECTURES = frozenset({"gemma2", "gemma3"})
+NORM_OFFSET_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
 MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe"})
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 
@@ -222,18 +223,18 @@ def _build_config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
 
 
 def _gemma_config(arch: str, key: Callable[..., Any], config: dict[str, Any]) -> dict[str, Any]:
-    """Gemma 2 / 3's keys of an HF config.json, as llama.cpp runs the file: Gemma 2's sliding layers
-    alternate with global ones (from the first) and its soft-caps are the file's (else llama.cpp's
-    defaults); Gemma 3's every sixth layer is global where the file has a window (none without), its
-    sliding layers rotate with their own unscaled base, its logits are soft-capped where the file says."""
+    """Gemma's keys of an HF config.json, as llama.cpp runs the file: GeGLU; no more for Gemma 1 (every layer
+    global, queries scaled by head_dim^-1/2, as transformers runs it). Gemma 2's sliding layers alternate
+    with global ones (from the first) and its soft-caps are the file's (else llama.cpp's defaults); Gemma 3's
+    every sixth layer is global where the file has a window (none without), its sliding layers rotate with
+    their own unscaled base, its logits are soft-capped where the file says."""
+    gemma: dict[str, Any] = {"hidden_act": GEMMA_ACTIVATION, "hidden_activation": GEMMA_ACTIVATION}
+    if arch == "gemma":
+        return gemma
     layers = config["num_hidden_layers"]
     is_27b = layers == GEMMA_27B_LAYERS[arch]
-    gemma: dict[str, Any] = {
-        "hidden_act": GEMMA_ACTIVATION,
-        "hidden_activation": GEMMA_ACTIVATION,
-        "query_pre_attn_scalar": (config["hidden_size"] // config["num_attention_heads"] if is_27b
-                                  else config["head_dim"]),
-    }
+    gemma["query_pre_attn_scalar"] = (config["hidden_size"] // config["num_attention_heads"] if is_27b
+                                      else config["head_dim"])
     if arch == "gemma2":
         sliding = [i % 2 == 0 for i in range(layers)]
         gemma["sliding_window"] = key("attention.sliding_window") or GEMMA2_DEFAULTS["sliding_window"]
@@ -350,6 +351,12 @@ def _unpermute_rotary_rows(weights: np.ndarray, n_head: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
+def gguf_architecture(path: str | Path) -> str:
+    """A GGUF file's ``general.architecture`` (llama.cpp's name: "gemma", "qwen3moe", ...)."""
+    path = _check_gguf_path(path)
+    return _field(_open_reader(path), "general.architecture")
+
+
 def read_gguf_config(path: str | Path) -> dict[str, Any]:
     """Only the HF-style config dict of a GGUF file (no dequantisation), e.g. for random-weight runs."""
     path = _check_gguf_path(path)
@@ -415,12 +422,12 @@ def load_gguf(path: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
 def _expected_tensors(state_dict: dict[str, torch.Tensor], config: dict[str, Any]) -> list[str]:
     """The HF tensors a checkpoint of ``config`` must have."""
     model_type = config["model_type"]
-    gemma = model_type in ("gemma2", "gemma3_text")
+    sandwich = model_type in ("gemma2", "gemma3_text")  # Gemma 2 / 3: norms after the sublayers too
     expected = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config["tie_word_embeddings"]:
         expected.append("lm_head.weight")
     norms = ["input_layernorm", "post_attention_layernorm"]
-    if gemma:
+    if sandwich:
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     qk_norms = ["self_attn.q_norm", "self_attn.k_norm"] if model_type in ("qwen3", "qwen3_moe",
                                                                           "gemma3_text") else []

@@ -26,6 +26,10 @@ CACHE_DIR_MODE = 0o755
 HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 # A processor's chat template, as transformers 4 saved it ({"chat_template": "..."}).
 PROCESSOR_CHAT_TEMPLATE_FILE = "chat_template.json"
+# GGUF architectures whose tokenizer transformers builds but whose config its GGUF reader refuses
+# (AutoTokenizer reads the config to choose the tokenizer class): the class's tokenizer type, named instead.
+# Gemma 1's files take GemmaTokenizer, as Gemma 2's do through their config.
+TOKENIZER_TYPES_BY_GGUF_ARCHITECTURE = {"gemma": "gemma"}
 
 
 def cache_root() -> Path:
@@ -86,7 +90,11 @@ def _load_gguf_tokenizer(gguf_path: Path) -> Any:
 
 
 def _convert_gguf_tokenizer(gguf_path: Path) -> Any:
-    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    from plait.loader.gguf import gguf_architecture
+
+    kind = TOKENIZER_TYPES_BY_GGUF_ARCHITECTURE.get(gguf_architecture(gguf_path))
+    named = {} if kind is None else {"tokenizer_type": kind}
+    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, **named)
 
 
 def _save_atomically(tokenizer: Any, target: Path) -> None:

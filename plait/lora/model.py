@@ -29,7 +29,7 @@ def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
     Phi-3 (fused_projection_names)."""
     if not getattr(model, "supports_lora", False):
         raise ValueError(f"LoRA is not supported for {type(model).__name__}; it serves the Llama family "
-                         f"(Llama, Mistral, Qwen2, Qwen3), Granite, OLMo 2 / OLMo 3, Gemma 2 / Gemma 3 text "
+                         f"(Llama, Mistral, Qwen2, Qwen3), Granite, OLMo 2 / OLMo 3, Gemma 1 / 2 / 3 text "
                          f"and Phi-3 / Phi-3.5 / Phi-4 models")
     cfg = model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim

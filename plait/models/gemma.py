@@ -1,6 +1,7 @@
-"""The Gemma family, Gemma 2 and Gemma 3 (text): sandwich norms of the 1 + weight kind, GeGLU, sliding-window
-layers beside global ones, embeddings scaled by sqrt(hidden); Gemma 2 soft-caps its attention scores, Gemma 3
-normalises q and k and gives its sliding layers a rotary base of their own."""
+"""The Gemma family: norms of the 1 + weight kind, GeGLU, embeddings scaled by sqrt(hidden). Gemma 1 is the
+Llama decoder so changed; Gemma 2 and Gemma 3 (text) add sandwich norms and sliding-window layers beside
+global ones, Gemma 2 soft-caps its attention scores, Gemma 3 normalises q and k and gives its sliding layers
+a rotary base of their own."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from plait.config import ModelConfig
 from plait.layers.linear import Linear
 from plait.layers.norm import GemmaRMSNorm
 from plait.models.layer_kinds import SLIDING, kind_rotaries, layer_ropes, layer_types
-from plait.models.llama import MLP, Attention, LlamaForCausalLM
+from plait.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, LlamaModel
 from plait.models.weights import language_model_weights, load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
 
@@ -121,6 +122,20 @@ class GemmaModel(nn.Module):
         return x
 
 
+class Gemma1DecoderLayer(DecoderLayer):
+    """Llama's pre-norm layer with Gemma's norms and attention (every layer global, no score cap)."""
+
+    norm_class = GemmaRMSNorm
+
+    def make_attention(self, cfg: ModelConfig, layer_idx: int) -> Attention:
+        return GemmaAttention(cfg, layer_idx, sliding=False)
+
+
+class Gemma1Model(LlamaModel):
+    layer_class = Gemma1DecoderLayer
+    embedding_class = ScaledEmbedding
+
+
 class GemmaForCausalLM(LlamaForCausalLM):
     """Gemma 2 (2B, 9B, 27B) and Gemma 3's text decoder (Gemma3ForCausalLM: 270M, 1B): the Llama family's
     causal LM around GemmaModel (the same projections, so q/k/v and gate/up fuse at load and LoRA wraps them
@@ -142,7 +157,15 @@ class GemmaForCausalLM(LlamaForCausalLM):
         return logits
 
     def fold_norm_weights(self) -> None:
-        """Kept unfolded: the pre-MLP norm is fused with the post-attention norm and the add instead."""
+        """Kept unfolded: what folding serves (LlamaModel.fuses_mlp_norm) takes SiLU MLPs with Llama's norms
+        only, and Gemma 2 / 3 fuse the pre-MLP norm with the post-attention norm and the add instead."""
+
+
+class Gemma1ForCausalLM(GemmaForCausalLM):
+    """Gemma 1 (GemmaForCausalLM: Gemma 2B and 7B, Gemma 1.1, CodeGemma): Gemma 2 / 3's causal LM around
+    Gemma1Model; its configs cap no logits."""
+
+    model_class = Gemma1Model
 
 
 class Gemma3ForConditionalGeneration(GemmaForCausalLM):

@@ -111,12 +111,14 @@ class SparseMoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    norm_class: type[RMSNorm] = RMSNorm  # Gemma 1's scale by 1 + weight (plait.models.gemma)
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = self.make_attention(cfg, layer_idx)
         self.mlp = self.make_mlp(cfg, layer_idx)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
 
     def make_attention(self, cfg: ModelConfig, layer_idx: int) -> Attention:
         """The layer's attention (a family with its own overrides this, as GPT-OSS does)."""
@@ -156,12 +158,13 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     layer_class = DecoderLayer  # Granite's scales its sublayers' outputs (plait.models.granite)
+    embedding_class = nn.Embedding  # Gemma's scales its rows (plait.models.gemma.ScaledEmbedding)
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = self.embedding_class(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = self.layer_class.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary_embedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling,
                                        cfg.partial_rotary_factor)
         self.llama4_scaling = cfg.llama4_scaling

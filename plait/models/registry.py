@@ -12,6 +12,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2ForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
     "Qwen3ForCausalLM": ("plait.models.llama", "LlamaForCausalLM"),
     "Phi3ForCausalLM": ("plait.models.llama", "Phi3ForCausalLM"),
+    "GemmaForCausalLM": ("plait.models.gemma", "Gemma1ForCausalLM"),
     "Gemma2ForCausalLM": ("plait.models.gemma", "GemmaForCausalLM"),
     "GraniteForCausalLM": ("plait.models.granite", "GraniteForCausalLM"),
     "Gemma3ForCausalLM": ("plait.models.gemma", "GemmaForCausalLM"),

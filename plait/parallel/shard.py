@@ -21,7 +21,7 @@ from plait.parallel.group import DRIVER_RANK, TPGroup
 # build from a narrower config alone. (OLMo 2 / 3 normalise q and k across all heads, which no rank holds.)
 SHARDABLE_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-    "GraniteForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+    "GraniteForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
     "SmolLM3ForCausalLM", "Ministral3ForCausalLM", "SeedOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM",
