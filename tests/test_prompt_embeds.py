@@ -30,7 +30,7 @@ def _hf_generate(hf, embeds: torch.Tensor) -> list[int]:
 # Gemma scales its embedding rows by sqrt(hidden) inside the layer, so given embeddings are taken as they are;
 # Granite scales the layer's output by its multiplier after it, given embeddings too: as transformers reads
 # inputs_embeds.
-@pytest.mark.parametrize("family", ["llama", "gemma2", "granite"])
+@pytest.mark.parametrize("family", ["llama", "gemma", "gemma2", "granite"])
 def test_prompt_embeds_match_hf_inputs_embeds(tiny_models, family):
     from transformers import AutoModelForCausalLM
 
@@ -95,3 +95,54 @@ def test_bad_prompt_embeds_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="not supported with speculative decoding or tensor parallelism"):
         EngineConfig(enable_prompt_embeds=True, tensor_parallel_size=2)
     assert llm.engine.is_idle_and_clean()
+
+
+def _encoded(tensor: torch.Tensor) -> str:
+    """A tensor as vLLM's clients send prompt_embeds: base64 of torch.save."""
+    import base64
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(tensor, buffer)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_server_takes_prompt_embeds_as_vllm(tiny_llama):
+    """The openai client's prompt="" with extra_body prompt_embeds (vLLM's example), one or a batch beside a
+    token prompt: the answers are LLM.generate's; usage counts the embeddings' tokens; bad ones are 400s."""
+    openai = pytest.importorskip("openai")
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), max_model_len=64, block_size=8,
+                                    enable_prompt_embeds=True))
+    hidden = engine.model_config.hidden_size
+    g = torch.Generator().manual_seed(4)
+    embeds = [torch.randn(n, hidden, generator=g) for n in (6, 11)]
+    expected = []
+    for e in embeds:
+        engine.add_request(e, _greedy(), request_id=f"x{len(expected)}")
+        while engine.has_unfinished_requests():
+            expected += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+
+        def complete(prompt, **extra):
+            extra_body = {"return_token_ids": True, "ignore_eos": True, **extra}
+            return client.completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                             extra_body=extra_body)
+
+        one = complete("", prompt_embeds=_encoded(embeds[0]))
+        assert one.choices[0].token_ids == expected[0] and one.usage.prompt_tokens == 6
+        both = complete([5, 6, 7], prompt_embeds=[_encoded(e[None]) for e in embeds])  # a batch axis of one
+        assert [c.token_ids for c in both.choices[:2]] == expected and len(both.choices) == 3
+        assert both.usage.prompt_tokens == 6 + 11 + 3
+        for bad, message in (("not base64!", "not a base64 torch.save"),
+                             (_encoded(torch.zeros(3, hidden, dtype=torch.long)), "must hold a tensor of"),
+                             (_encoded(torch.zeros(3, hidden + 1)), "prompt_embeds must be")):
+            with pytest.raises(openai.BadRequestError, match=message):
+                complete("", prompt_embeds=bad)
+        with pytest.raises(openai.BadRequestError, match="cannot be used with echo"):
+            complete("", prompt_embeds=_encoded(embeds[0]), echo=True)
+        assert complete("", prompt_embeds=_encoded(embeds[1])).choices[0].token_ids == expected[1]

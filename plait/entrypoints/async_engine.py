@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
+import torch
+
 from plait.config import EngineConfig
 from plait.engine.engine import LLMEngine, StepStats
 from plait.engine.request import Request
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 # A prompt as the engine takes it, or a function that builds one on the loop thread (for work that
 # needs the engine's tokenizer, which only the loop thread may use once the loop runs).
-PromptInput = str | Sequence[int] | Callable[[LLMEngine], "str | list[int]"]
+PromptInput = str | Sequence[int] | torch.Tensor | Callable[[LLMEngine], "str | list[int]"]
 # Extra checks on a made request before it is queued; raise ValueError to refuse it.
 Validator = Callable[[Request, LLMEngine], None]
 StepCallback = Callable[[StepStats], None]

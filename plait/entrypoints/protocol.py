@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import time
 from collections.abc import Mapping
@@ -61,8 +63,9 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "prompt_embeds": "prompt embeddings",
 }
 # Chat's tool fields, which /v1/completions does not serve (as OpenAI's completions have no tools).
+# (Completions take prompt_embeds, under --enable-prompt-embeds.)
 COMPLETION_UNSUPPORTED_FIELDS: dict[str, str] = {
-    **UNSUPPORTED_FIELDS,
+    **{field: what for field, what in UNSUPPORTED_FIELDS.items() if field != "prompt_embeds"},
     "tools": "tool calling (a /v1/chat/completions feature)",
     "tool_choice": "tool calling (a /v1/chat/completions feature); only 'none' is supported",
 }
@@ -520,8 +523,11 @@ class CompletionRequest(_SamplingRequest):
     unsupported_fields: ClassVar[dict[str, str]] = COMPLETION_UNSUPPORTED_FIELDS
     streams_beam_search: ClassVar[bool] = False  # vLLM's completions refuse it
 
-    # One prompt (text or token ids) or a batch of them.
-    prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+    # One prompt (text or token ids) or a batch of them; may be left out where prompt_embeds are given.
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] | None = None
+    # vLLM's (under --enable-prompt-embeds): one or more prompts as embeddings, each a base64 torch.save of a
+    # [tokens, hidden] tensor (float32, bfloat16 or float16); they come before the prompt's in the batch.
+    prompt_embeds: str | list[str] | None = None
     logprobs: NumLogprobs | None = None  # top-n logprobs per token
     echo: bool = False
     # 0 only with echo (OpenAI's and vLLM's): the prompt alone comes back, with its logprobs where asked.
@@ -562,15 +568,51 @@ class CompletionRequest(_SamplingRequest):
         if self.max_tokens == 0 and not self.echo:  # (beam search refuses echo)
             message = "max_tokens must be at least 1 (0 only with echo: the prompt alone)"
             raise ProtocolError(message, "max_tokens")
+        if self.prompt is None and self.prompt_embeds is None:
+            raise ProtocolError("either prompt or prompt_embeds is required", "prompt")
+        if self.prompt_embeds is not None and (self.echo or self.use_beam_search):
+            raise ProtocolError("prompt_embeds cannot be used with echo or beam search: a prompt of "
+                                "embeddings has no tokens", "prompt_embeds")
 
-    def prompts(self) -> list[str | list[int]]:
-        """The batch of prompts: a single text or token-id prompt is a batch of one."""
+    def prompts(self) -> list[Any]:
+        """The batch of prompts: the prompt_embeds' tensors first, then the prompt's texts or token ids (a
+        single one is a batch of one; an empty prompt beside prompt_embeds is none)."""
+        embeds = self.prompt_embeds
+        batch: list[Any] = [decode_prompt_embeds(e) for e in ([embeds] if isinstance(embeds, str) else
+                                                               embeds or [])]
         p = self.prompt
+        if p is None or (batch and not p):  # vLLM's clients send prompt="" beside prompt_embeds
+            return batch
         if isinstance(p, str):
-            return [p]
+            return [*batch, p]
         if not p or isinstance(p[0], int):
-            return [list(p)]  # type: ignore[arg-type]
-        return list(p)  # type: ignore[arg-type]
+            return [*batch, list(p)]  # type: ignore[arg-type]
+        return [*batch, *p]  # type: ignore[arg-type]
+
+
+# The dtypes a prompt_embeds tensor may hold (vLLM's).
+PROMPT_EMBEDS_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def decode_prompt_embeds(encoded: str) -> Any:
+    """A prompt_embeds item as vLLM sends it: base64 of torch.save(tensor), read with weights_only (no code
+    runs) into a [tokens, hidden] host tensor; a leading batch axis of one is dropped."""
+    import torch  # the server's process has it; the protocol models import without it
+
+    try:
+        raw = base64.b64decode(encoded, validate=True)
+        tensor = torch.load(io.BytesIO(raw), weights_only=True, map_location="cpu")
+    except Exception as e:  # a bad base64 or pickle: the client's error, whatever torch raises for it
+        raise ProtocolError(f"prompt_embeds is not a base64 torch.save of a tensor ({e})",
+                            "prompt_embeds") from e
+    dtype = str(getattr(tensor, "dtype", "")).removeprefix("torch.")
+    if not isinstance(tensor, torch.Tensor) or dtype not in PROMPT_EMBEDS_DTYPES:
+        raise ProtocolError(f"prompt_embeds must hold a tensor of {', '.join(PROMPT_EMBEDS_DTYPES)}",
+                            "prompt_embeds")
+    tensor = tensor.to_dense()
+    if tensor.dim() == 3 and tensor.shape[0] == 1:
+        tensor = tensor[0]
+    return tensor
 
 
 class TextContentPart(_RequestModel):

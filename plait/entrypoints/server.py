@@ -525,6 +525,14 @@ def _new_logprobs(completion: CompletionOutput) -> list[TokenLogprobs]:
 LogprobRow = tuple[int, TokenLogprobs | None]
 
 
+def _completion_prompts(body: CompletionRequest) -> list[PromptInput]:
+    """A completion's batch of prompts (prompt_embeds decoded); a 400 naming the field where one is bad."""
+    try:
+        return body.prompts()
+    except ProtocolError as err:
+        raise bad_request(err) from err
+
+
 def _prompt_only(completion: CompletionOutput) -> CompletionOutput:
     """An echo-only completion (max_tokens 0): the one token the engine generated to get there dropped, so
     the choice is its prompt alone, ended by its length."""
@@ -1323,7 +1331,7 @@ class OpenAIServer:
     async def _beam_search_completion(self, body: CompletionRequest, raw: Request, arrival: float,
                                       lora: LoRARequest | None) -> Response:
         params = self._beam_params(body, body.requested_max_tokens)
-        prompts = body.prompts()
+        prompts = _completion_prompts(body)
         if len(prompts) * params.beam_width > MAX_SEQUENCES_PER_REQUEST:  # the beams of one step
             raise APIError(400, f"{len(prompts)} prompt(s) x n={params.beam_width} is more than the "
                                 f"{MAX_SEQUENCES_PER_REQUEST} sequences one request may ask for", param="n")
@@ -1499,7 +1507,7 @@ class OpenAIServer:
         if not self.pooling:
             if "messages" in body:
                 return ChatCompletionRequest, self.create_chat_completion
-            if "prompt" in body:
+            if "prompt" in body or "prompt_embeds" in body:
                 return CompletionRequest, self.create_completion
             raise APIError(400, "an /invocations body for this model holds messages (chat completions) or "
                                 "a prompt (completions)")
@@ -1683,7 +1691,7 @@ class OpenAIServer:
         arrival = time.monotonic()
         if body.use_beam_search:
             return await self._beam_search_completion(body, raw, arrival, lora)
-        prompts = body.prompts()
+        prompts = _completion_prompts(body)
         params = _answer_kind(self._params(body, body.requested_max_tokens, body.logprobs, len(prompts)),
                               body.stream, self.config.enable_log_outputs)
         children: list[tuple[PromptInput, SamplingParams]] = [
