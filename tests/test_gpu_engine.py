@@ -200,7 +200,11 @@ def _gemma_config(tmp_path, family: str) -> str:
         "tie_word_embeddings": True,
     }
     sliding, full = "sliding_attention", "full_attention"
-    if family == "gemma3":
+    if family == "gemma":  # Gemma 1: no window, no caps, no post-norms
+        for key in ("sliding_window", "final_logit_softcapping", "query_pre_attn_scalar"):
+            del cfg[key]
+        cfg |= {"architectures": ["GemmaForCausalLM"], "model_type": "gemma", "hidden_act": "gelu"}
+    elif family == "gemma3":
         cfg |= {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
                 "layer_types": [sliding, sliding, full, sliding],
                 "rope_parameters": {full: {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
@@ -211,7 +215,7 @@ def _gemma_config(tmp_path, family: str) -> str:
     return _write_config(tmp_path / family, cfg)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
 def test_gemma_on_the_gpu_path_computes_the_reference_function_in_fp32(tmp_path, family):
     """Gemma through Triton (per-layer windows and rotaries, Gemma 3's 1 + weight q/k norms fused into the
     rotary launch, Gemma 2's capped scores, GeGLU), CUDA graphs and overlap, against torch_ref, eager and
@@ -597,3 +601,72 @@ def test_classifier_on_the_gpu_path_matches_the_reference(tmp_path):
     assert fast.runner.breakdown.graph_steps > 0
     bf16 = _engine(str(folder), "bfloat16", max_num_batched_tokens=BUDGET, attention_backend="triton")
     assert (_embed(bf16, prompts, arrive_every=2) - ref).abs().max() < 0.05
+
+
+def test_prompt_embeds_replay_in_graphs_as_their_token_ids(tmp_path):
+    """Prompts given as embeddings (the embedding rows of token prompts) through Triton, CUDA graphs (mixed
+    steps replay with the staged rows) and overlap answer as the token prompts do (fp32)."""
+    model = _config(tmp_path, 64)
+    prompts = _prompts(9)[:16]
+    engine = _engine(model, "float32", attention_backend="triton", max_num_batched_tokens=BUDGET,
+                     enable_prompt_embeds=True)
+    want = _greedy(engine, prompts, arrive_every=2)
+    weight = engine.runner.model.model.embed_tokens.weight
+    embeds = [weight[torch.tensor(p, device=weight.device)].cpu() for p in prompts]
+    b = engine.runner.breakdown
+    graph_steps = b.graph_steps
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    got: dict[int, list[int]] = {}
+    pending, step = list(enumerate(embeds)), 0
+    while pending or engine.has_unfinished_requests():
+        while pending and step >= pending[0][0] * 2:
+            i, e = pending.pop(0)
+            engine.add_request(e, params, request_id=f"e-{i}")
+        for out in engine.step():
+            if out.finished:
+                got[int(out.request_id.split("-")[1])] = out.outputs[0].token_ids
+        step += 1
+    assert [got[i] for i in range(len(prompts))] == want
+    assert b.graph_steps > graph_steps and engine.is_idle_and_clean()
+
+
+def test_logits_processors_on_the_gpu_path(tmp_path):
+    """Custom logits processors on the device's sampler, with graphs and overlapped steps: the target-token
+    one changes only the rows that ask (greedy and sampled), the successor one reads every last token."""
+    from test_logits_processors import Successor, TargetToken
+
+    model = _config(tmp_path, 64)
+    prompts = _prompts(11)[:9]
+    engine = _engine(model, "float32", attention_backend="triton", logits_processors=[TargetToken, Successor])
+    target = {"target_token": 7}
+    kinds = [SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True, extra_args=target),
+             SamplingParams(temperature=1.0, seed=3, max_tokens=NEW_TOKENS, ignore_eos=True,
+                            extra_args=target),
+             SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)]
+    for i, p in enumerate(prompts):
+        engine.add_request(p, kinds[i % 3], request_id=f"r-{i}")
+    outs = {}
+    while engine.has_unfinished_requests():
+        outs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+    for i in range(len(prompts)):
+        out = outs[f"r-{i}"]
+        first = 7 if i % 3 < 2 else out[0]  # the target first (Successor waits for an output), then its chain
+        assert out == [(first + k) % VOCAB for k in range(NEW_TOKENS)], (i, out)
+    assert engine.runner.breakdown.graph_steps > 0
+
+
+@pytest.mark.parametrize("knobs,decode_sizes", [
+    (dict(optimization_level=0), None),
+    (dict(compilation_config={"cudagraph_mode": "NONE"}), None),
+    (dict(compilation_config='{"cudagraph_capture_sizes": [1, 2], "level": 3}'), [1, 2]),
+])
+def test_vllm_compilation_knobs_choose_the_gpu_graphs(tmp_path, knobs, decode_sizes):
+    """-O0 and cudagraph_mode NONE capture nothing; capture sizes capture exactly those decode batches."""
+    model = _config(tmp_path, 64)
+    engine = _engine(model, "float32", attention_backend="triton", **knobs)
+    if decode_sizes is None:
+        assert engine.runner.graphs is None and not engine.runner.graph_shapes
+    else:
+        assert sorted({s.decode_rows for s in engine.runner.graph_shapes if not s.is_mixed}) == decode_sizes
+    prompts = [[5 + i, 6, 7, 8, 9] for i in range(3)]
+    assert _greedy(engine, prompts, arrive_every=0) == _greedy(_engine(model, "float32"), prompts, 0)
