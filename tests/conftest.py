@@ -477,7 +477,7 @@ def start_plait_serve(tmp_path: Path, args: list[str], env: dict[str, str] | Non
     banner, its log file) once /health answers."""
     import httpx
 
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **(env or {}))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}  # env may name a PYTHONPATH of its own
     log_path = tmp_path / "server.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(

@@ -825,3 +825,30 @@ def test_data_parallel_front_routes_broadcasts_and_reports_health():
     asyncio.run(scenario())
     for r in replicas:
         r.process.wait()
+
+
+def test_plait_serve_takes_logits_processors_and_prompt_embeds_through_its_engine_process(tmp_path):
+    """`plait serve --logits-processors module:Class --enable-prompt-embeds`, its engine in a process of its
+    own (the default): the processor is imported there by name and reads the request's vllm_xargs, and
+    prompt_embeds cross the process boundary; the openai client's calls as vLLM's docs make them."""
+    openai = pytest.importorskip("openai")
+    import torch
+    from test_prompt_embeds import _encoded
+
+    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    args = [str(model), "--max-model-len", "128", "--num-kv-blocks", "64", "--enable-prompt-embeds",
+            "--logits-processors", "test_logits_processors:TargetToken"]
+    tests = str(Path(__file__).parent)
+    with plait_serve_process(tmp_path, args, env={"PYTHONPATH": f"{ROOT}{os.pathsep}{tests}"}) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        ask = dict(model="tiny-model", max_tokens=4, temperature=0)
+        forced = client.completions.create(prompt="hi", **ask, extra_body={
+            "return_token_ids": True, "ignore_eos": True, "vllm_xargs": {"target_token": 9}})
+        assert forced.choices[0].token_ids == [9] * 4
+        with pytest.raises(openai.BadRequestError, match="target_token must be a token id"):
+            client.completions.create(prompt="hi", **ask, extra_body={"vllm_xargs": {"target_token": "x"}})
+        width = json.loads((model / "config.json").read_text())["hidden_size"]
+        embeds = torch.randn(5, width, generator=torch.Generator().manual_seed(1))
+        answer = client.completions.create(prompt="", **ask, extra_body={
+            "prompt_embeds": _encoded(embeds), "return_token_ids": True, "ignore_eos": True})
+        assert len(answer.choices[0].token_ids) == 4 and answer.usage.prompt_tokens == 5
