@@ -172,3 +172,9 @@ def test_server_passes_vllm_xargs_to_the_processor(tiny_llama):
         with pytest.raises(openai.BadRequestError, match="target_token must be a token id"):
             complete(vllm_xargs={"target_token": -1})
         assert complete().choices[0].token_ids != [TARGET] * MAX_TOKENS
+        # Without enable_prompt_embeds the schema leaves prompt_embeds out: the prompt is required.
+        import httpx
+
+        schema = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
+        assert "prompt_embeds" not in schema["properties"]
+        assert [alternative["required"] for alternative in schema["anyOf"]] == [["prompt"]]

@@ -146,3 +146,7 @@ def test_server_takes_prompt_embeds_as_vllm(tiny_llama):
         with pytest.raises(openai.BadRequestError, match="cannot be used with echo"):
             complete("", prompt_embeds=_encoded(embeds[0]), echo=True)
         assert complete("", prompt_embeds=_encoded(embeds[1])).choices[0].token_ids == expected[1]
+        import httpx
+
+        schema = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]["CompletionRequest"]
+        assert "prompt_embeds" in schema["properties"] and len(schema["anyOf"]) == 2

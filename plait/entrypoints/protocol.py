@@ -6,7 +6,7 @@ import base64
 import io
 import json
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -171,6 +171,19 @@ def _request_schema(schema: dict[str, Any]) -> None:
         inner = {k: v for k, v in prop.items() if k not in outer}
         alternatives = inner["anyOf"] if list(inner) == ["anyOf"] else [inner]
         properties[name] = {**outer, "anyOf": [*alternatives, {"type": "null"}]}
+
+
+def _one_required(*names: str) -> Callable[[dict[str, Any]], None]:
+    """_request_schema, and the rule check_supported enforces: the body holds one of ``names`` at least (not
+    null), so that clients (and fuzzers' valid cases) see that one of them is required."""
+    def schema_of(schema: dict[str, Any]) -> None:
+        _request_schema(schema)
+        not_null = {"not": {"type": "null"}}
+        schema["anyOf"] = [{"required": [name], "properties": {name: not_null}} for name in names]
+    return schema_of
+
+
+_input_or_messages_schema = _one_required("input", "messages")
 
 
 def _has_default(model: type[BaseModel], name: str) -> bool:
@@ -520,6 +533,7 @@ class _SamplingRequest(_RequestModel):
 
 
 class CompletionRequest(_SamplingRequest):
+    model_config = ConfigDict(json_schema_extra=_one_required("prompt", "prompt_embeds"))
     unsupported_fields: ClassVar[dict[str, str]] = COMPLETION_UNSUPPORTED_FIELDS
     streams_beam_search: ClassVar[bool] = False  # vLLM's completions refuse it
 
@@ -954,11 +968,6 @@ class PoolingBody(_RequestModel):
         """Refuse combinations of fields (ProtocolError, a 400 naming the field)."""
 
 
-def _input_or_messages_schema(schema: dict[str, Any]) -> None:
-    """_request_schema, and the rule check_supported enforces: the body holds input or messages, so that
-    clients (and fuzzers' valid cases) see that one of them is required."""
-    _request_schema(schema)
-    schema["anyOf"] = [{"required": ["input"]}, {"required": ["messages"]}]
 
 
 class PoolingInputRequest(PoolingBody, ChatTemplateRequest):

@@ -525,6 +525,14 @@ def _new_logprobs(completion: CompletionOutput) -> list[TokenLogprobs]:
 LogprobRow = tuple[int, TokenLogprobs | None]
 
 
+def _without_field(component: dict[str, Any], name: str) -> None:
+    """A request schema without the field ``name``, nor an alternative of its top-level anyOf requiring it."""
+    component.get("properties", {}).pop(name, None)
+    alternatives = [a for a in component.get("anyOf", ()) if name not in a.get("required", ())]
+    if "anyOf" in component:
+        component["anyOf"] = alternatives
+
+
 def _completion_prompts(body: CompletionRequest) -> list[PromptInput]:
     """A completion's batch of prompts (prompt_embeds decoded); a 400 naming the field where one is bad."""
     try:
@@ -727,6 +735,7 @@ class OpenAIServer:
         self.logprobs_mode = info.config.logprobs_mode  # beam search refuses the logits modes
         self.load = ServerLoad()  # counted under enable_server_load_tracking
         self.max_logprobs = info.max_logprobs
+        self.takes_prompt_embeds = info.config.enable_prompt_embeds
         self.metrics = ServerMetrics(lambda: self.engine.stats, self.model_name, _cache_config_labels(info))
         # The last STEP_TIMELINE_MAX_STEPS steps, for step_timeline_file (appended by on_step).
         self.step_timeline: collections.deque[StepStats] | None = None
@@ -903,7 +912,7 @@ class OpenAIServer:
         self.responses.add_routes(app)
 
         app.openapi = lambda: self._openapi(app, self.model_names,  # type: ignore[method-assign]
-                                            self.max_logprobs)
+                                            self.max_logprobs, self.takes_prompt_embeds)
         app.add_middleware(GuardMiddleware, api_key=self.config.api_key,
                            max_body_bytes=self.config.max_request_body_bytes)
         if self.config.enable_server_load_tracking:
@@ -920,9 +929,11 @@ class OpenAIServer:
         return app
 
     @staticmethod
-    def _openapi(app: FastAPI, model_names: Sequence[str], max_logprobs: int) -> dict[str, Any]:
+    def _openapi(app: FastAPI, model_names: Sequence[str], max_logprobs: int,
+                 prompt_embeds: bool) -> dict[str, Any]:
         """FastAPI's schema, without its 422 responses (validation errors here are 400s), and with
-        the model names this server accepts and its engine's max_logprobs as the logprobs fields' maximum."""
+        the model names this server accepts, its engine's max_logprobs as the logprobs fields' maximum, and
+        completions' prompt_embeds only where the engine takes them (enable_prompt_embeds)."""
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
             for path_item in schema.get("paths", {}).values():
@@ -941,6 +952,8 @@ class OpenAIServer:
                     for option in [field_schema, *field_schema.get("anyOf", ())]:
                         if option.get("type") == "integer":
                             option["maximum"] = max_logprobs
+            if not prompt_embeds:
+                _without_field(components.get(CompletionRequest.__name__, {}), "prompt_embeds")
             app.openapi_schema = schema
         return app.openapi_schema
 
