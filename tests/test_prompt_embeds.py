@@ -90,6 +90,11 @@ def test_bad_prompt_embeds_are_refused(tiny_llama):
             llm.generate({"prompt_embeds": bad}, _greedy(), use_tqdm=False)
     with pytest.raises(ValueError, match="prompt_logprobs and truncate_prompt_tokens need prompt token ids"):
         llm.generate({"prompt_embeds": torch.zeros(3, hidden)}, _greedy(prompt_logprobs=1), use_tqdm=False)
+    from plait.entrypoints.beam_search import BeamSearchParams
+
+    with pytest.raises(ValueError, match="beam search takes text or token-id prompts, not prompt_embeds"):
+        llm.beam_search([{"prompt_embeds": torch.zeros(3, hidden)}],
+                        BeamSearchParams(beam_width=2, max_tokens=2))
     with pytest.raises(TypeError, match="prompt_embeds must be a torch.Tensor"):
         llm.generate({"prompt_embeds": [[0.0] * hidden]}, _greedy(), use_tqdm=False)
     with pytest.raises(ValueError, match="not supported with speculative decoding or tensor parallelism"):

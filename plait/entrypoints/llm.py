@@ -297,6 +297,8 @@ class LLM:
         """A prompt's token ids, as the engine makes them for ``params`` (validated, nothing queued)."""
         request, _ = self.engine.make_request(_prompt_payload(prompt), params, lora_request=lora,
                                               cache_salt=_cache_salt(prompt))
+        if request.prompt_embeds is not None:  # its ids are placeholders, which beams would extend
+            raise ValueError("beam search takes text or token-id prompts, not prompt_embeds")
         return list(request.prompt_token_ids)
 
     def chat(
