@@ -16,12 +16,20 @@ from plait.entrypoints.reasoning_parsers import (
 )
 
 NUM_SPLITS = 60  # random splittings of each output
+CHARACTERS = None  # a _streamed seed that feeds the output a character at a time
+SPLITS = (CHARACTERS, *range(NUM_SPLITS))
 MAX_PIECE = 5  # characters per streamed piece at most
 THINKING_OFF = {"enable_thinking": False}
 THINKING = {"thinking": True}  # Granite's template variable
 # Qwen3's template with enable_thinking false closes the reasoning in the prompt.
 CLOSED_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
 OPEN_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>\n"
+
+# OLMo 3 Think's template opens <think> in the prompt (its tags are plain text).
+OLMO_THINK_PROMPT = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n<think>"
+# ERNIE-4.5-21B-A3B-Thinking's answers, as vLLM's ernie45 parsers describe them.
+ERNIE_ANSWER = "abc\n</think>\n\n<response>\ndef\n</response>\n"
+ERNIE_CALL = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\n'
 
 # What Seed-OSS writes into its reasoning as its thinking budget runs down.
 SEED_REFLECTION = "<seed:cot_budget_reflect>20 left</seed:cot_budget_reflect>"
@@ -119,14 +127,47 @@ CASES = [
     ("openai_gptoss", None, GPT_OSS_PROMPT, "plain text, not harmony", None, "plain text, not harmony"),
     ("openai_gptoss", None, GPT_OSS_PROMPT + "<|channel|>final<|message|>", "Answer<|return|>", None,
      "Answer"),
+    # OLMo 3 Think (vLLM's olmo3, its tests' cases): empty reasoning is none (None)
+    ("olmo3", None, "", "<think></think>No thoughts, head empty!", None, "No thoughts, head empty!"),
+    ("olmo3", None, "", "<think>\n</think>\n\nNo thoughts, head empty!", "\n",
+     "\n\nNo thoughts, head empty!"),
+    ("olmo3", None, "", "<think>This is a reasoning section</think>This is the rest",
+     "This is a reasoning section", "This is the rest"),
+    ("olmo3", None, "", "<think> Look!\n\nI'm thinking...</think>\nThis is the rest",
+     " Look!\n\nI'm thinking...", "\nThis is the rest"),
+    ("olmo3", None, "", "<think>\nLook!\nI'm thinking...\n\n</think>\n\n\nThis is the rest",
+     "\nLook!\nI'm thinking...\n\n", "\n\n\nThis is the rest"),
+    ("olmo3", None, "", "<think>\nLook!\nI'm thinking... </think>\nThis is the rest",
+     "\nLook!\nI'm thinking... ", "\nThis is the rest"),
+    ("olmo3", None, "", "</think>\n\nNo thoughts, head empty!", None, "\n\nNo thoughts, head empty!"),
+    ("olmo3", None, OLMO_THINK_PROMPT, "The user is asking me not to think.</think>No thoughts!",
+     "The user is asking me not to think.", "No thoughts!"),
+    ("olmo3", None, OLMO_THINK_PROMPT, "Still thinking", "Still thinking", None),  # cut short: reasoning
+    ("olmo3", None, "", "R</think>C</think>D", "R", "C</think>D"),  # only the first end splits
+    # ERNIE 4.5 Thinking (vLLM's ernie45, its tests' cases and its docstrings' formats): the answer unwrapped
+    # from <response>, the newlines framing it dropped
+    ("ernie45", None, "", "abc</think>def", "abc", "def"),
+    ("ernie45", None, "", "abc", "abc", None),
+    ("ernie45", None, "", "abc</think>", "abc", None),
+    ("ernie45", None, "", "abc\nABC</think>def\nDEF", "abc\nABC", "def\nDEF"),
+    ("ernie45", None, "", ERNIE_ANSWER, "abc\n", "\ndef\n"),
+    ("ernie45", None, "", "abc\n</think>\ndef", "abc\n", "def"),
+    ("ernie45", None, "", "abc\n</think>\n\n\n" + ERNIE_CALL, "abc\n", ERNIE_CALL),  # calls outside
+    ("ernie45", None, "", "R\n</think>\n<response>\nA\n</response>\n\n\n" + ERNIE_CALL, "R\n",
+     "\nA\n" + ERNIE_CALL),
+    ("ernie45", None, "", "R</think><response>cut short", "R", "cut short"),
+    ("ernie45", None, "", "R</think>\n<resp", "R", "<resp"),  # a tag's start that never became one
+    ("ernie45", None, "", "R</think>A <response>B</response>", "R", "A <response>B</response>"),  # not first
+    ("ernie45", None, "<|im_start|>assistant\n<think>\n\n</think>\n\n", "<response>A</response>", None,
+     "A"),  # a prompt that closed the reasoning: all answer
 ]
 
 
-def _streamed(parser: ReasoningParser, text: str, seed: int) -> tuple[str, str]:
+def _streamed(parser: ReasoningParser, text: str, seed: int | None) -> tuple[str, str]:
     rng = random.Random(seed)
     reasoning, content, start = [], [], 0
     while start < len(text):
-        size = rng.randint(1, MAX_PIECE)
+        size = 1 if seed is CHARACTERS else rng.randint(1, MAX_PIECE)
         piece = parser.feed(text[start:start + size])
         reasoning.append(piece.reasoning)
         content.append(piece.content)
@@ -140,7 +181,7 @@ def _streamed(parser: ReasoningParser, text: str, seed: int) -> tuple[str, str]:
 def test_parsers_split_reasoning_whole_and_streamed(name, kwargs, prompt, text, reasoning, content):
     parser = get_reasoning_parser(name)
     assert split_reasoning(parser(kwargs, prompt), text) == (reasoning, content)
-    for seed in range(NUM_SPLITS):
+    for seed in SPLITS:
         assert _streamed(parser(kwargs, prompt), text, seed) == (reasoning or "", content or ""), seed
 
 
@@ -150,12 +191,13 @@ def test_random_outputs_stream_as_they_split_whole():
     fragments = ["<think>", "</think>", "<", "</", "think", ">", "<thi", "a", " ", "\n",
                  "[THINK]", "[/THINK]", "[", "[/", "THINK", "]", "[TH", "<|channel|>analysis", "<|message|>",
                  "<|end|>", "<|start|>assistant<|channel|>final", "<|", "<|mess", "|>",
-                 "Here is my thought process:", "Here's my response:", "Here is my ", "Here'", "response:"]
+                 "Here is my thought process:", "Here's my response:", "Here is my ", "Here'", "response:",
+                 "<response>", "</response>", "<resp", "</respo"]
     rng = random.Random(0)
     for i in range(300):
         text = "".join(rng.choice(fragments) for _ in range(rng.randint(0, 12)))
         name = rng.choice(sorted(REASONING_PARSERS))
-        prompt = rng.choice(["", OPEN_PROMPT, CLOSED_PROMPT, GPT_OSS_PROMPT])
+        prompt = rng.choice(["", OPEN_PROMPT, CLOSED_PROMPT, GPT_OSS_PROMPT, OLMO_THINK_PROMPT])
         kwargs = THINKING if name in ("deepseek_v3", "granite") else None
         parser = get_reasoning_parser(name)
         reasoning, content = split_reasoning(parser(kwargs, prompt), text)
@@ -196,10 +238,21 @@ def test_gpt_oss_streams_each_channel_as_it_comes():
     assert parser.has_reasoning and get_reasoning_parser("openai_gptoss").skip_special_tokens(True) is False
 
 
+def test_ernie45_streams_its_answer_without_its_response_tags():
+    parser = get_reasoning_parser("ernie45")()
+    assert parser.feed("Let me see.\n</thi") == ("Let me see.\n", "")  # "</thi" may end the reasoning
+    assert parser.feed("nk>\n\n<resp") == ("", "")  # newlines after </think> go; "<resp" may be the tag
+    assert parser.feed("onse>\nIt is 4.\n</resp") == ("", "\nIt is 4.\n")  # "</resp" may close it
+    assert parser.feed("onse>\n", final=True) == ("", "")
+    plain = get_reasoning_parser("ernie45")()
+    assert plain.feed("R</think>\n4 <", final=True) == ("R", "4 <")
+
+
 def test_registry_names_vllms_parsers():
     assert set(REASONING_PARSERS) == {"deepseek_r1", "qwen3", "deepseek_v3", "mistral", "seed_oss",
-                                      "openai_gptoss", "granite"}
-    known = "known: deepseek_r1, deepseek_v3, granite, mistral, openai_gptoss, qwen3, seed_oss"
+                                      "openai_gptoss", "granite", "olmo3", "ernie45"}
+    known = ("known: deepseek_r1, deepseek_v3, ernie45, granite, mistral, olmo3, openai_gptoss, qwen3, "
+             "seed_oss")
     with pytest.raises(ValueError, match=f"unknown reasoning parser 'nope'; {known}"):
         get_reasoning_parser("nope")
 

@@ -27,6 +27,8 @@ from plait.entrypoints.tools import (
 )
 
 NUM_SPLITS = 40  # random splittings of each output
+CHARACTERS = None  # a _streamed seed that feeds the output a character at a time
+SPLITS = (CHARACTERS, *range(NUM_SPLITS))
 MAX_PIECE = 6  # characters per streamed piece at most
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
@@ -36,6 +38,23 @@ CODER_WEATHER = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n
                  "</tool_call>")
 CODER_TIME = "<tool_call>\n<function=get_time>\n</function>\n</tool_call>"
 CODER_PARAMETER = "<parameter=a>\n1\n</parameter>\n"
+# OLMo 3's pythonic calls, as vLLM's olmo3 tests write them (Python's literals, or JSON's).
+OLMO_WEATHER = "get_weather(city='San Francisco', metric='celsius')"
+OLMO_WEATHER_ARGUMENTS = {"city": "San Francisco", "metric": "celsius"}
+OLMO_USER = ("register_user(name='John Doe', age=37, address={'city': 'San Francisco', 'state': 'CA'}, "
+             "role=None, passed_test=True, aliases=['John', 'Johnny'])")
+OLMO_USER_JSON = OLMO_USER.replace("None", "null").replace("True", "true")
+OLMO_USER_ARGUMENTS = {"name": "John Doe", "age": 37, "address": {"city": "San Francisco", "state": "CA"},
+                       "role": None, "passed_test": True, "aliases": ["John", "Johnny"]}
+OLMO_ESCAPED = r"""get_weather(city='Martha\'s Vineyard', metric='\"cool units\"')"""
+# ERNIE-4.5-21B-A3B-Thinking's calls, as vLLM's ernie45 tests write them.
+ERNIE_TEMPERATURE = ('<tool_call>\n{"name": "get_current_temperature", '
+                     '"arguments": {"location": "Beijing"}}\n</tool_call>\n')
+ERNIE_UNIT = ('<tool_call>\n{"name": "get_temperature_unit", '
+              '"arguments": {"location": "Guangzhou", "unit": "c"}}\n</tool_call>\n')
+ERNIE_PREAMBLE = "I need to call two tools to handle these two issues separately.\n</think>\n\n"
+ERNIE_CALLS = [("get_current_temperature", {"location": "Beijing"}),
+               ("get_temperature_unit", {"location": "Guangzhou", "unit": "c"})]
 # (parser, output, content, [(name, arguments)])
 CASES = [
     ("hermes", "Just text, no call.", "Just text, no call.", []),
@@ -143,6 +162,44 @@ CASES = [
     ("openai", "a <|chan", "a <|chan", []),
     # a call's header cut short before its <|message|>
     ("openai", "<|channel|>commentary to=functions.f", "<|channel|>commentary to=functions.f", []),
+    # OLMo 3 (vLLM's olmo3, its tests' outputs): one pythonic call a line inside <function_calls>
+    ("olmo3", "How can I help you today?", "How can I help you today?", []),
+    ("olmo3", f"<function_calls>{OLMO_WEATHER}</function_calls>", "",
+     [("get_weather", OLMO_WEATHER_ARGUMENTS)]),
+    ("olmo3", f"<function_calls>{OLMO_USER}</function_calls>", "", [("register_user", OLMO_USER_ARGUMENTS)]),
+    ("olmo3", f"<function_calls>{OLMO_USER_JSON}</function_calls>", "",
+     [("register_user", OLMO_USER_ARGUMENTS)]),  # null / true / false as JSON writes them
+    ("olmo3", "<function_calls>get_weather()</function_calls>", "", [("get_weather", {})]),
+    ("olmo3", "<function_calls>do_something_cool(additional_data={})\ndo_something_cool(steps=[])"
+              "</function_calls>", "", [("do_something_cool", {"additional_data": {}}),
+                                       ("do_something_cool", {"steps": []})]),
+    ("olmo3", f"<function_calls>{OLMO_ESCAPED}</function_calls>", "",
+     [("get_weather", {"city": "Martha's Vineyard", "metric": '"cool units"'})]),
+    ("olmo3", f"<function_calls>{OLMO_WEATHER}\n{OLMO_USER}</function_calls>", "",
+     [("get_weather", OLMO_WEATHER_ARGUMENTS), ("register_user", OLMO_USER_ARGUMENTS)]),
+    ("olmo3", f"Let me check.\n<function_calls>\n{OLMO_WEATHER}\n</function_calls>", "Let me check.\n",
+     [("get_weather", OLMO_WEATHER_ARGUMENTS)]),  # text outside the block is content
+    ("olmo3", "<function_calls>get_time()", "", [("get_time", {})]),  # stopped before the close
+    # a block that is not all calls is content, tags and all
+    ("olmo3", "<function_calls>foo(x=1])</function_calls>", "<function_calls>foo(x=1])</function_calls>", []),
+    ("olmo3", f"<function_calls>bad(x=b'z')\n{OLMO_WEATHER}</function_calls>",
+     f"<function_calls>bad(x=b'z')\n{OLMO_WEATHER}</function_calls>", []),  # bytes: no JSON value
+    ("olmo3", f"<function_calls>calc(x=1e999)\n{OLMO_WEATHER}</function_calls>",
+     f"<function_calls>calc(x=1e999)\n{OLMO_WEATHER}</function_calls>", []),  # inf: no JSON value
+    ("olmo3", "<function_calls>Sunny, 20 degrees.</function_calls>",
+     "<function_calls>Sunny, 20 degrees.</function_calls>", []),
+    ("olmo3", "<function_calls></function_calls>", "<function_calls></function_calls>", []),
+    ("olmo3", "<function_calls>get_weather(city='Par", "<function_calls>get_weather(city='Par",
+     []),  # cut short
+    ("olmo3", OLMO_WEATHER, OLMO_WEATHER, []),  # without the tags: content, as vLLM streams it
+    ("olmo3", "a <function_ca", "a <function_ca", []),
+    # ERNIE 4.5 (vLLM's ernie45, its tests' outputs): Hermes' calls
+    ("ernie45", "This is a test", "This is a test", []),
+    ("ernie45", ERNIE_TEMPERATURE, "\n", ERNIE_CALLS[:1]),
+    ("ernie45", ERNIE_TEMPERATURE + ERNIE_UNIT, "\n\n", ERNIE_CALLS),
+    ("ernie45", ERNIE_PREAMBLE + ERNIE_TEMPERATURE + ERNIE_UNIT, ERNIE_PREAMBLE + "\n\n", ERNIE_CALLS),
+    ("ernie45", '<tool_call>\n{"name": "f", "arguments": oops}\n</tool_call>',
+     '<tool_call>\n{"name": "f", "arguments": oops}\n</tool_call>', []),  # malformed: content
 ]
 
 
@@ -150,11 +207,12 @@ def _calls(calls: list[ParsedToolCall]) -> list[tuple[str, dict]]:
     return [(call.name, json.loads(call.arguments)) for call in calls]
 
 
-def _streamed(parser: ToolOutputParser, text: str, seed: int) -> tuple[str, list[ParsedToolCall]]:
+def _streamed(parser: ToolOutputParser, text: str, seed: int | None
+              ) -> tuple[str, list[ParsedToolCall]]:
     rng = random.Random(seed)
     events, start = [], 0
     while start < len(text):
-        size = rng.randint(1, MAX_PIECE)
+        size = 1 if seed is CHARACTERS else rng.randint(1, MAX_PIECE)
         events += parser.feed(text[start:start + size])
         start += size
     events += parser.feed("", final=True)
@@ -166,13 +224,13 @@ def test_parsers_read_calls_and_content_whole_and_streamed(name, text, content, 
     parser = get_tool_parser(name)
     whole = parse_whole(parser(), text)
     assert whole[0] == content and _calls(whole[1]) == calls
-    for seed in range(NUM_SPLITS):
+    for seed in SPLITS:
         assert _streamed(parser(), text, seed) == whole, seed
 
 
 def _check_whole_and_streamed(make_parser, text: str) -> tuple[str, list[ParsedToolCall]]:
     whole = parse_whole(make_parser(), text)
-    for seed in range(NUM_SPLITS):
+    for seed in SPLITS:
         assert _streamed(make_parser(), text, seed) == whole, (seed, text)
     return whole
 
@@ -237,6 +295,9 @@ def test_random_outputs_stream_as_they_parse_whole():
                      "<parameter=", "</parameter>", "<seed:", "</", "<", ">", "f", "x y", "1", "\n"],
         "openai": ["<|start|>assistant", "<|channel|>commentary", " to=functions.f", "<|message|>",
                    "<|call|>", "<|end|>", "<|", "<|ca", "|>", "{", '"a": 1', "}", " ", "x"],
+        "olmo3": ["<function_calls>", "</function_calls>", "<function_", "</", "<", "f(", "a=1", ", ", ")",
+                  "x=null", "'s'", "\n", " ", "[", "]", "g()"],
+        "ernie45": ["<tool_call>", "</tool_call>", "<tool_", "</", "<", "\n", WEATHER, "{", "}", "</think>"],
     }
     rng = random.Random(0)
     for i in range(400):
@@ -248,30 +309,68 @@ def test_random_outputs_stream_as_they_parse_whole():
             assert _streamed(parser(CODER_FUNCTIONS), text, seed) == whole, (i, name, text)
 
 
-def test_gpt_oss_calls_pass_through_the_reasoning_parser():
-    """Behind the openai_gptoss reasoning parser, the openai tool parser reads calls from the content: the
-    reasoning, the preamble and each call apart, however the output streams."""
-    from plait.entrypoints.reasoning_parsers import get_reasoning_parser
+GPT_OSS_OUTPUT = ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant'
+                  '<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant'
+                  '<|channel|>commentary to=functions.get_weather <|constrain|>json'
+                  '<|message|>{"city": "Paris"}<|call|>')
+# OLMo 3 Think's template opens <think> in the prompt.
+OLMO_THINK_PROMPT = "<|im_start|>user\nWeather in Paris?<|im_end|>\n<|im_start|>assistant\n<think>"
+# (reasoning parser, prompt, tool parser, output, reasoning, content stripped, calls)
+THROUGH_REASONING = [
+    ("openai_gptoss", "<|start|>user<|message|>?<|end|><|start|>assistant", "openai", GPT_OSS_OUTPUT,
+     "Need weather.", "Checking.", [("get_weather", {"city": "Paris"})]),
+    # ERNIE-4.5-21B-A3B-Thinking: calls after </think>, or after its <response>
+    ("ernie45", "", "ernie45", f"Two things.\n</think>\n\n\n{ERNIE_TEMPERATURE}{ERNIE_UNIT}", "Two things.\n",
+     "", ERNIE_CALLS),
+    ("ernie45", "", "ernie45", f"R\n</think>\n<response>\nLet me check.\n</response>\n\n{ERNIE_TEMPERATURE}",
+     "R\n", "Let me check.", ERNIE_CALLS[:1]),
+    ("olmo3", OLMO_THINK_PROMPT, "olmo3", "The user wants the weather.\n</think>\n\n<function_calls>"
+     f"{OLMO_WEATHER}</function_calls>", "The user wants the weather.\n", "",
+     [("get_weather", OLMO_WEATHER_ARGUMENTS)]),
+]
 
-    output = ('<|channel|>analysis<|message|>Need weather.<|end|><|start|>assistant<|channel|>commentary'
-              '<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary to=functions.get_weather'
-              ' <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
-    for seed in range(NUM_SPLITS):
-        prompt = "<|start|>user<|message|>?<|end|><|start|>assistant"
-        reasoner = get_reasoning_parser("openai_gptoss")(None, prompt)
-        tools = get_tool_parser("openai")()
-        rng, start, reasoning, events = random.Random(seed), 0, "", []
-        while start <= len(output):
-            size = rng.randint(1, MAX_PIECE)
-            final = start + size > len(output)
-            delta = reasoner.feed(output[start:start + size], final=final)
-            reasoning += delta.reasoning
-            events += tools.feed(delta.content, final=final)
-            start += size
-        content, calls = collect(events)
-        assert (reasoning, content) == ("Need weather.", "Checking."), seed
-        assert _calls(calls) == [("get_weather", {"city": "Paris"})]
-    assert get_tool_parser("openai").skip_special_tokens(True, tools_in_play=True) is False
+
+def _streamed_through(reasoner, tools: ToolOutputParser, output: str, seed: int | None
+                      ) -> tuple[str, str, list[ParsedToolCall]]:
+    """An output streamed in random pieces through a reasoning parser, whose content the tool parser reads:
+    (reasoning, content, calls)."""
+    rng, start, reasoning, events = random.Random(seed), 0, "", []
+    while start <= len(output):
+        size = 1 if seed is CHARACTERS else rng.randint(1, MAX_PIECE)
+        final = start + size > len(output)
+        delta = reasoner.feed(output[start:start + size], final=final)
+        reasoning += delta.reasoning
+        events += tools.feed(delta.content, final=final)
+        start += size
+    content, calls = collect(events)
+    return reasoning, content, calls
+
+
+@pytest.mark.parametrize("reasoning_name,prompt,tool_name,output,reasoning,content,calls", THROUGH_REASONING,
+                         ids=[case[0] for case in THROUGH_REASONING])
+def test_calls_pass_through_the_reasoning_parser(reasoning_name, prompt, tool_name, output, reasoning,
+                                                 content, calls):
+    """Behind a reasoning parser, the tool parser reads calls from the content: the reasoning, the text
+    beside the calls and each call apart, whole and however the output streams."""
+    from plait.entrypoints.reasoning_parsers import get_reasoning_parser, split_reasoning
+
+    reasoner, tools = get_reasoning_parser(reasoning_name), get_tool_parser(tool_name)
+    whole_reasoning, answer = split_reasoning(reasoner(None, prompt), output)
+    whole_content, whole_calls = parse_whole(tools(), answer or "")
+    assert (whole_reasoning, whole_content.strip(), _calls(whole_calls)) == (reasoning, content, calls)
+    for seed in SPLITS:
+        streamed = _streamed_through(reasoner(None, prompt), tools(), output, seed)
+        assert streamed == (reasoning, whole_content, whole_calls), seed
+    assert tools.skip_special_tokens(True, tools_in_play=True) is (tool_name != "openai")
+
+
+def test_ernie45_content_is_vllms_once_trimmed():
+    """vLLM's ernie45 keeps only the text before the first call, less its trailing newlines; here the text
+    around the calls is content, which the chat stream trims to the same."""
+    stream = ToolCallStream(get_tool_parser("ernie45")())
+    content, deltas = stream.feed(ERNIE_PREAMBLE + ERNIE_TEMPERATURE + ERNIE_UNIT, final=True)
+    assert content == "I need to call two tools to handle these two issues separately.\n</think>"
+    assert [(d.name, json.loads(d.arguments)) for d in deltas] == ERNIE_CALLS
 
 
 def test_streaming_holds_back_only_what_may_be_a_call():
@@ -287,8 +386,12 @@ def test_streaming_holds_back_only_what_may_be_a_call():
     coder = get_tool_parser("qwen3_coder")()
     assert coder.feed("Sure <tool_call>\n<function=f>\n<parameter=a>\n") == ["Sure "]
     assert _calls(collect(coder.feed("1\n</parameter>\n</function>\n</tool_call>"))[1]) == [("f", {"a": "1"})]
+    olmo = get_tool_parser("olmo3")()
+    assert olmo.feed("Sure <function_ca") == ["Sure "]  # may begin the block
+    assert olmo.feed("lls>get_time()\n") == []  # inside the block: nothing decided until it closes
+    assert _calls(collect(olmo.feed("</function_calls>"))[1]) == [("get_time", {})]
     assert TOOL_PARSERS.keys() >= {"hermes", "llama3_json", "granite", "phi4_mini_json", "pythonic",
-                                   "mistral", "qwen3_coder"}
+                                   "mistral", "qwen3_coder", "olmo3", "ernie45"}
     with pytest.raises(ValueError, match="unknown tool call parser 'nope'"):
         get_tool_parser("nope")
 

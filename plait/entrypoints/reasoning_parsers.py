@@ -28,9 +28,14 @@ GRANITE_RESPONSE_STARTS = ("Here is my response:", "Here's my response:")
 # Magistral's (Mistral tokenizer v13): special tokens.
 MISTRAL_THINK_START = "[THINK]"
 MISTRAL_THINK_END = "[/THINK]"
+# ERNIE 4.5 Thinking's answer after </think>, in plain-text tags (its tool calls come outside them).
+ERNIE_RESPONSE_START = "<response>"
+ERNIE_RESPONSE_END = "</response>"
 # Where a parser is in the output: before anything is decided, in the reasoning, in the answer; Mistral's also
 # in an answer that may still open its reasoning.
 _START, _REASONING, _CONTENT, _BEFORE = "start", "reasoning", "content", "before"
+# Where ERNIE's answer is: before its <response> may open, inside it, after its </response>, plain text.
+_LEAD, _RESPONSE, _TRAIL, _PLAIN = "lead", "response", "trail", "plain"
 
 
 class ReasoningDelta(NamedTuple):
@@ -207,6 +212,94 @@ class SeedOssReasoningParser(ReasoningParser):
     name = "seed_oss"
     START = SEED_OSS_THINK_START
     END = SEED_OSS_THINK_END
+
+
+@register_reasoning_parser
+class Olmo3ReasoningParser(ReasoningParser):
+    """OLMo 3 Think (vLLM's "olmo3"): as deepseek_r1 (its template opens <think> in the prompt; the tags are
+    plain text there), but reasoning that is empty, ``<think></think>`` or an output opening with
+    </think>, is none (reasoning None), as vLLM gives it. An output that never writes </think> is reasoning,
+    streamed or whole (vLLM streams it as reasoning; its whole-output read calls it content)."""
+
+    name = "olmo3"
+
+    def __init__(self, chat_template_kwargs: Mapping[str, Any] | None = None, prompt: str = "") -> None:
+        super().__init__(chat_template_kwargs, prompt)
+        self._reasoned = False  # some reasoning text came
+
+    @property
+    def has_reasoning(self) -> bool:
+        return self._reasoned
+
+    def feed(self, delta: str, final: bool = False) -> ReasoningDelta:
+        piece = super().feed(delta, final)
+        self._reasoned |= bool(piece.reasoning)
+        return piece
+
+
+@register_reasoning_parser
+class Ernie45ReasoningParser(ReasoningParser):
+    """ERNIE 4.5 Thinking (vLLM's "ernie45": ERNIE-4.5-21B-A3B-Thinking): as deepseek_r1 (its template opens
+    <think> in the prompt), the answer after </think> unwrapped from its ``<response>\\n...\\n</response>``:
+    the newlines after </think> and after </response> go, and the two tags, the text between them kept as
+    it is, so ``R\\n</think>\\n\\n<response>\\nA\\n</response>\\n`` is reasoning "R\\n" and content "\\nA\\n".
+    Tool calls follow in Hermes' <tool_call> blocks (the ernie45 tool parser reads them), after </think> or
+    after </response>. As vLLM streams it, the newlines after </think> go even without <response>; only a
+    <response> that opens the answer is a tag (vLLM also looks for one later in a whole output)."""
+
+    name = "ernie45"
+
+    def __init__(self, chat_template_kwargs: Mapping[str, Any] | None = None, prompt: str = "") -> None:
+        super().__init__(chat_template_kwargs, prompt)
+        self._answer = _LEAD
+        self._held = ""  # answer text not yet given out
+
+    def feed(self, delta: str, final: bool = False) -> ReasoningDelta:
+        piece = super().feed(delta, final)
+        return ReasoningDelta(piece.reasoning, self._unwrap(piece.content, final))
+
+    def _unwrap(self, text: str, final: bool) -> str:
+        """The answer's new text less its <response> framing, holding back what may still be a tag."""
+        self._held += text
+        out: list[str] = []
+        while self._held:
+            if self._answer in (_LEAD, _TRAIL):
+                if not self._take_framing(final):
+                    break
+            elif self._answer == _RESPONSE:
+                if not self._take_response(out, final):
+                    break
+            else:
+                out.append(self._held)
+                self._held = ""
+        return "".join(out)
+
+    def _take_framing(self, final: bool) -> bool:
+        """Newlines before <response> or after </response> dropped, and <response> where it opens the answer;
+        whether what follows was decided."""
+        self._held = self._held.lstrip("\n")
+        if not self._held:
+            return False
+        if self._answer == _LEAD and self._held.startswith(ERNIE_RESPONSE_START):
+            self._held, self._answer = self._held[len(ERNIE_RESPONSE_START):], _RESPONSE
+            return True
+        if self._answer == _LEAD and not final and ERNIE_RESPONSE_START.startswith(self._held):
+            return False  # may still become <response>
+        self._answer = _PLAIN
+        return True
+
+    def _take_response(self, out: list[str], final: bool) -> bool:
+        """The response's text up to </response> (dropped), or up to text that may become it; whether it
+        closed."""
+        end = self._held.find(ERNIE_RESPONSE_END)
+        if end < 0:
+            cut = len(self._held) - (0 if final else partial_tag_length(self._held, ERNIE_RESPONSE_END, 0))
+            out.append(self._held[:cut])
+            self._held = self._held[cut:]
+            return False
+        out.append(self._held[:end])
+        self._held, self._answer = self._held[end + len(ERNIE_RESPONSE_END):], _TRAIL
+        return True
 
 
 class OpeningReasoningParser(ReasoningParser):

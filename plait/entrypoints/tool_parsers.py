@@ -22,6 +22,11 @@ LLAMA_PYTHON_TAG = "<|python_tag|>"
 LLAMA_CALL_SEPARATOR = ";"
 # Granite 3.x: a special token before its JSON array of calls (or the tag as plain text).
 GRANITE_CALL_TOKENS = ("<|tool_call|>", "<tool_call>")
+# OLMo 3's block of pythonic calls, one a line (plain text, not special tokens).
+OLMO3_CALLS_OPEN = "<function_calls>"
+OLMO3_CALLS_CLOSE = "</function_calls>"
+# JSON's literals, which models write in pythonic calls too, as Python's.
+JSON_LITERAL_NAMES: dict[str, Any] = {"null": None, "true": True, "false": False}
 # Phi-4-mini: the word before its JSON array of calls.
 PHI4_MINI_CALL_PREFIX = "functools"
 # Mistral: a special token before its calls; tokenizers v11 on write each call as name[ARGS]{...} (an id after
@@ -222,35 +227,52 @@ def get_tool_parser(name: str) -> type[ToolParser]:
 class HermesToolParser(ToolParser):
     """Each call inside <tool_call></tool_call>, as many as the model writes, text outside them being
     content. A call whose JSON does not parse is content, tags and all; an unclosed last call counts if
-    its JSON is whole (the model may stop before the closing tag)."""
+    its JSON is whole (the model may stop before the closing tag). Subclasses name other tags
+    (``CALL_OPEN``, ``CALL_CLOSE``) or read another body (``_read_body``)."""
 
     name = "hermes"
+    CALL_OPEN, CALL_CLOSE = HERMES_CALL_OPEN, HERMES_CALL_CLOSE
 
     def _scan(self, final: bool) -> list[ToolEvent]:
         events: list[ToolEvent] = []
         while self.pos < len(self.text):
-            if self.text.startswith(HERMES_CALL_OPEN, self.pos):
+            if self.text.startswith(self.CALL_OPEN, self.pos):
                 if not self._take_call(events, final):
                     break
-            elif not self._take_content((HERMES_CALL_OPEN,), events, final):
+            elif not self._take_content((self.CALL_OPEN,), events, final):
                 break
         return events
 
     def _take_call(self, events: list[ToolEvent], final: bool) -> bool:
         """The call whose tag is at pos, once closed (or the output ended); whether it was taken."""
-        body_start = self.pos + len(HERMES_CALL_OPEN)
-        close = self.text.find(HERMES_CALL_CLOSE, body_start)
+        body_start = self.pos + len(self.CALL_OPEN)
+        close = self.text.find(self.CALL_CLOSE, body_start)
         if close < 0 and not final:
             return False
         body_end = close if close >= 0 else len(self.text)
-        end = close + len(HERMES_CALL_CLOSE) if close >= 0 else len(self.text)
-        try:
-            call = call_events(json.loads(self.text[body_start:body_end]))
-        except JSON_ERRORS:
-            call = None
+        end = close + len(self.CALL_CLOSE) if close >= 0 else len(self.text)
+        call = self._read_body(self.text[body_start:body_end])
         events.extend(call if call is not None else [self.text[self.pos:end]])
         self.pos = end
         return True
+
+    def _read_body(self, body: str) -> list[ToolEvent] | None:
+        """The events of the text between the tags; None where it is no call (so content)."""
+        try:
+            return call_events(json.loads(body))
+        except JSON_ERRORS:
+            return None
+
+
+@register_tool_parser
+class Ernie45ToolParser(HermesToolParser):
+    """ERNIE 4.5 (vLLM's "ernie45": ERNIE-4.5-21B-A3B-Thinking): Hermes' calls,
+    ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, a block each, after its reasoning and
+    any answer (whose ``<response>`` tags the ernie45 reasoning parser takes off). Text outside the calls is
+    content here; vLLM's keeps only the text before the first call, less its trailing newlines, which is
+    what the chat stream's trimming leaves of it for such outputs."""
+
+    name = "ernie45"
 
 
 # -- JSON calls in a row: Llama 3's, and tool_choice "required"'s array ----------------------------
@@ -373,9 +395,10 @@ class Phi4MiniJsonToolParser(JsonCallsParser, ToolParser):
 @register_tool_parser
 class PythonicToolParser(ToolParser):
     """Llama 3.2 / Llama 4 pythonic calls (vLLM's "pythonic"): the output is a Python list of calls with
-    keyword arguments of literal values, ``[get_weather(city="Paris"), get_time()]``. Any other output,
-    or a list that is not only such calls, is content. Output that begins with "[" is held to its end: only
-    the whole output can say it is nothing but calls."""
+    keyword arguments of literal values (JSON's null / true / false too, as vLLM's),
+    ``[get_weather(city="Paris"), get_time()]``. Any other output, or a list that is not only such calls, is
+    content. Output that begins with "[" is held to its end: only the whole output can say it is nothing but
+    calls."""
 
     name = "pythonic"
 
@@ -393,9 +416,8 @@ class PythonicToolParser(ToolParser):
 
 def _pythonic_calls(source: str) -> list[ToolEvent] | None:
     """``source`` as the events of a list of calls with literal keyword arguments; None if it is not one
-    (yet)."""
-    import ast
-
+    (yet). JSON's null, true and false count as literals (models copy them from the tools' schemas; vLLM's
+    pythonic parsers read them too)."""
     try:
         tree = ast.parse(source, mode="eval")
     except (SyntaxError, ValueError, RecursionError):
@@ -407,14 +429,46 @@ def _pythonic_calls(source: str) -> list[ToolEvent] | None:
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
             return None
         try:
-            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg is not None}
-            text = json.dumps(arguments, ensure_ascii=False)
+            arguments = {kw.arg: ast.literal_eval(_JsonNames().visit(kw.value))
+                         for kw in node.keywords if kw.arg is not None}
+            # allow_nan off: 1e999 is inf, which JSON cannot hold (vLLM refuses such a call too)
+            text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
         except (ValueError, TypeError, SyntaxError, RecursionError):
             return None
         if len(arguments) != len(node.keywords):
             return None  # **kwargs
         events += [ToolCallStart(node.func.id), ToolCallArguments(text)]
     return events
+
+
+class _JsonNames(ast.NodeTransformer):
+    """JSON's literal names in an argument's expression made the Python constants they mean."""
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if node.id not in JSON_LITERAL_NAMES:
+            return node  # any other name is no literal: literal_eval refuses it
+        return ast.copy_location(ast.Constant(JSON_LITERAL_NAMES[node.id]), node)
+
+
+# -- OLMo 3: <function_calls>get_weather(city="Paris")\nget_time()</function_calls> --------------------
+
+
+@register_tool_parser
+class Olmo3ToolParser(HermesToolParser):
+    """OLMo 3 (vLLM's "olmo3": Olmo-3 Instruct and Think): the calls in one block between <function_calls>
+    and </function_calls>, one pythonic call a line, ``get_weather(city="Paris")``, keyword arguments of
+    literal values (Python's, or JSON's null / true / false). As vLLM's, the lines are read as the items of
+    one list, so a block is calls only if every line is one; else it is content, tags and all (vLLM's
+    latest keeps the good lines' calls). A block the output ends in before its close counts if it is
+    whole. Text outside the block is content (vLLM's whole-output read drops it once there are calls), and
+    output without the tags has no calls (as vLLM streams it; its whole-output read tries bare lines too)."""
+
+    name = "olmo3"
+    CALL_OPEN, CALL_CLOSE = OLMO3_CALLS_OPEN, OLMO3_CALLS_CLOSE
+
+    def _read_body(self, body: str) -> list[ToolEvent] | None:
+        lines = [line.strip() for line in body.splitlines() if line.strip()]
+        return _pythonic_calls(f"[{', '.join(lines)}]") if lines else None  # an empty block is no call
 
 
 # -- Mistral: [TOOL_CALLS]get_weather[ARGS]{...}, or [TOOL_CALLS][{"name": ..., "arguments": {...}}] -----
