@@ -237,7 +237,8 @@ def test_serve_takes_vllm_flags_whose_values_plait_has(monkeypatch, capsys, tmp_
                      "--middleware", "a.one", "--middleware", "b.two", "--log-config-file", str(log_config),
                      "--ssl-cert-reqs", "1", "--allowed-local-media-path", str(media),
                      "--disable-cascade-attn", "--swap-space", "4",
-                     "--max-parallel-loading-workers", "2"]) == 0
+                     "--max-parallel-loading-workers", "2", "--lora-dtype", "auto",
+                     "--max-seq-len-to-capture", "8192"]) == 0
     ((engine, config, kwargs),) = seen
     assert (engine.tensor_parallel_size, engine.num_kv_blocks, engine.kv_cache_memory_bytes) == (1, 64, 2**31)
     assert kwargs["engine_process"] is False
@@ -249,6 +250,7 @@ def test_serve_takes_vllm_flags_whose_values_plait_has(monkeypatch, capsys, tmp_
                          (["--distributed-executor-backend", "uni", "-tp", "2"], "backend uni"),
                          (["--model-impl", "transformers"], "--model-impl transformers"),
                          (["--config-format", "mistral"], "--config-format mistral"),
+                         (["--lora-dtype", "float16"], "--lora-dtype float16 is not available"),
                          (["--tokenizer-mode", "slow"], "--tokenizer-mode slow is not available"),
                          (["--guided-decoding-backend", "xgrammar"], "structured outputs are llguidance's"),
                          (["--api-server-count", "2"], "--api-server-count"),

@@ -214,6 +214,9 @@ def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--model-impl", default="auto", metavar="IMPL",
                        help="vLLM's model implementation: plait runs its own ('auto' and 'vllm' are "
                             "accepted; 'transformers' is refused)")
+    group.add_argument("--lora-dtype", default="auto", metavar="DTYPE",
+                       help="vLLM's LoRA dtype: plait's adapters compute in the model's dtype, vLLM's 'auto' "
+                            "(other values are refused)")
     group.add_argument("--config-format", default="auto", metavar="FORMAT",
                        help="vLLM's checkpoint config format: plait reads HF's config.json or the GGUF "
                             "header ('auto' and 'hf' are accepted; 'mistral' is refused)")
@@ -297,6 +300,7 @@ _VLLM_CHOICES = {
     "tokenizer_mode": (("auto", "hf"), "plait runs the checkpoint's fast (tokenizers) tokenizer"),
     "model_impl": (("auto", "vllm"), "plait runs its own model code"),
     "config_format": (("auto", "hf"), "plait reads HF's config.json or a GGUF file's header"),
+    "lora_dtype": (("auto",), "plait's LoRA adapters compute in the model's dtype"),
 }
 EXECUTOR_BACKENDS = ("mp", "uni")
 SINGLE_PROCESS_BACKEND = "uni"
