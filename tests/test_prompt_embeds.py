@@ -75,6 +75,25 @@ def test_prefix_cache_tells_prompts_of_embeddings_apart(tiny_llama):
     assert penalised.outputs[0].token_ids == a.outputs[0].token_ids
 
 
+def test_prompt_embeds_survive_preemption(tiny_llama):
+    """Too few KV blocks for every request at once: prompts of embeddings are preempted and recomputed (their
+    embeddings, then their outputs' ids) and answer as they do alone."""
+    g = torch.Generator().manual_seed(8)
+    roomy = LLM(model=str(tiny_llama), block_size=8, enable_prompt_embeds=True)
+    hidden = roomy.engine.model_config.hidden_size
+    embeds = [torch.randn(n, hidden, generator=g) for n in (30, 45, 25, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    alone = [roomy.generate({"prompt_embeds": e}, params, use_tqdm=False)[0].outputs[0].token_ids
+             for e in embeds]
+    tight = LLM(model=str(tiny_llama), block_size=8, enable_prompt_embeds=True, num_kv_blocks=20,
+                max_model_len=80, max_num_batched_tokens=32)
+    tight.engine.record_timeline = True
+    outs = tight.generate([{"prompt_embeds": e} for e in embeds], params, use_tqdm=False)
+    assert sum(s.num_preempted for s in tight.engine.timeline) > 0, "no request was preempted"
+    assert [o.outputs[0].token_ids for o in outs] == alone
+    assert tight.engine.is_idle_and_clean()
+
+
 def test_bad_prompt_embeds_are_refused(tiny_llama):
     off = LLM(model=str(tiny_llama), block_size=8)
     hidden = off.engine.model_config.hidden_size
