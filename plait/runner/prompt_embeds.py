@@ -20,11 +20,11 @@ def input_embedding(model: nn.Module) -> nn.Embedding | None:
 
 class PromptEmbeds:
     """``stage`` writes the embeddings of a step's prompt-of-embeddings tokens into ``values`` and marks them
-    in ``mask``; the embedding layer's forward hook returns those rows instead of its lookups. The hook runs
-    where the layer is called, so the model's own scaling after it (Gemma's sqrt(hidden), Granite's
-    multiplier) applies to given embeddings too, as transformers applies it to ``inputs_embeds``. The buffers
-    never move, so graphs captured with the hook replay steps with prompt embeddings (a step's writes are
-    stream-ordered before its forward, and after the forward of the step before)."""
+    in ``mask``; the embedding layer's forward hook returns those rows instead of its output. So a scale
+    inside the layer (Gemma's sqrt(hidden): plait.models.gemma.ScaledEmbedding) does not apply to given
+    embeddings and one after it (Granite's multiplier) does, as transformers reads ``inputs_embeds``. The
+    buffers never move, so graphs captured with the hook replay steps with prompt embeddings (a step's writes
+    are stream-ordered before its forward, and after the forward of the step before)."""
 
     def __init__(self, embedding: nn.Embedding, device: torch.device, max_tokens: int, dtype: torch.dtype
                  ) -> None:
