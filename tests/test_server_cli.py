@@ -553,7 +553,8 @@ def test_serve_vllm_logging_and_https_flags_reach_the_config(monkeypatch, tmp_pa
     key, cert = _self_signed(tmp_path)
     seen = []
     monkeypatch.setattr(server, "serve", lambda e, c, **_: seen.append((e, c)))
-    assert cli.main(["serve", "--ssl-keyfile", key, "--ssl-certfile", cert, "--root-path", "/api",
+    assert cli.main(["serve", "--ssl-keyfile", key, "--ssl-certfile", cert, "--enable-ssl-refresh",
+                     "--root-path", "/api",
                      "--uvicorn-log-level", "warning", "--disable-uvicorn-access-log",
                      "--enable-log-requests",
                      "--max-log-len", "10", "--disable-log-requests", "--trust-remote-code",
@@ -565,6 +566,7 @@ def test_serve_vllm_logging_and_https_flags_reach_the_config(monkeypatch, tmp_pa
                      "--no-warm-up"]) == 0
     engine, config = seen[0]
     assert (config.ssl_keyfile, config.ssl_certfile, config.root_path) == (key, cert, "/api")
+    assert config.enable_ssl_refresh
     assert (config.uvicorn_log_level, config.disable_uvicorn_access_log) == ("warning", True)
     assert (config.enable_log_requests, config.max_log_len) == (True, 10)
     assert config.enable_prompt_tokens_details and config.enable_server_load_tracking
@@ -623,6 +625,54 @@ def test_https_serves_the_openai_client_and_logs_requests(tmp_path, tiny_llama, 
                        f"Generated response cmpl-trace-8-0: output: '', output_token_ids: {stream_ids}, "
                        "finish_reason: length"], outputs
     assert "temperature=0.0" in logged[0]
+
+
+def test_ssl_refresh_serves_a_rotated_certificate_without_a_restart(tmp_path, tiny_llama):
+    """--enable-ssl-refresh: once the key and certificate files are replaced, new connections get the new
+    certificate (the openai client trusting only it gets its answer); without the flag the old one stays."""
+    import ssl
+    from urllib.parse import urlparse
+
+    openai = pytest.importorskip("openai")
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints import server as srv
+
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir(), second.mkdir()
+    key, cert = _self_signed(first)
+    new_key, new_cert = _self_signed(second)
+    served_key, served_cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8, max_model_len=64))
+
+    def served_certificate(url: str) -> str:
+        address = urlparse(url)
+        return ssl.get_server_certificate((address.hostname, address.port))
+
+    for refresh in (True, False):
+        served_key.write_bytes(Path(key).read_bytes()), served_cert.write_bytes(Path(cert).read_bytes())
+        config = srv.ServerConfig(log_level="warning", ssl_keyfile=str(served_key),
+                                  ssl_certfile=str(served_cert), enable_ssl_refresh=refresh)
+        with srv.BackgroundServer(srv.OpenAIServer(engine, config)) as url:
+            assert ssl.PEM_cert_to_DER_cert(served_certificate(url)) == ssl.PEM_cert_to_DER_cert(
+                Path(cert).read_text())
+            time.sleep(1.1)  # a later modification time than the first files'
+            served_key.write_bytes(Path(new_key).read_bytes())
+            served_cert.write_bytes(Path(new_cert).read_bytes())
+            want = ssl.PEM_cert_to_DER_cert(Path(new_cert).read_text())
+            # Without the flag, three polls' time shows that nothing reloads.
+            deadline = time.monotonic() + (10 if refresh else 3) * srv.SSL_REFRESH_POLL_S
+            while ssl.PEM_cert_to_DER_cert(served_certificate(url)) != want and time.monotonic() < deadline:
+                time.sleep(0.2)
+            rotated = ssl.PEM_cert_to_DER_cert(served_certificate(url)) == want
+            assert rotated == refresh
+            if refresh:
+                client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60,
+                                       http_client=httpx.Client(verify=new_cert))
+                reply = client.completions.create(model=engine.model_name, prompt=[5, 6, 7], max_tokens=2)
+                assert reply.usage.completion_tokens >= 1
+    with pytest.raises(ValueError, match="enable_ssl_refresh reloads the HTTPS files"):
+        srv.ServerConfig(enable_ssl_refresh=True)
 
 
 def test_data_parallel_serves_one_address_over_replicas(tmp_path):

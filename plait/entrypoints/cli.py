@@ -433,6 +433,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                           ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
+                          enable_ssl_refresh=args.enable_ssl_refresh,
                           root_path=args.root_path, uds=args.uds,
                           disable_fastapi_docs=args.disable_fastapi_docs,
                           enable_force_include_usage=args.enable_force_include_usage,
@@ -734,6 +735,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ssl-certfile", default=None, help="and this certificate")
     srv.add_argument("--ssl-ca-certs", default=None,
                      help="check clients' certificates against these CAs (with --ssl-certfile)")
+    srv.add_argument("--enable-ssl-refresh", action="store_true",
+                     help="as vLLM's: reload the key, certificate and CA files when they change on disk (new "
+                          "connections get them; no restart)")
     srv.add_argument("--ssl-cert-reqs", type=int, default=None, choices=(0, 1, 2),
                      help="whether clients must show a certificate: 0 no, 1 optional, 2 required (default: 2 "
                           "with --ssl-ca-certs, else 0)")

@@ -329,6 +329,9 @@ class ServerConfig:
     # vLLM's --ssl-cert-reqs (ssl.CERT_NONE / OPTIONAL / REQUIRED: 0 / 1 / 2); None: REQUIRED where
     # ssl_ca_certs is given, else NONE.
     ssl_cert_reqs: int | None = None
+    # vLLM's --enable-ssl-refresh: when the key, certificate or CA files change on disk, new connections get
+    # them (certificate rotation without a restart); connections open keep theirs.
+    enable_ssl_refresh: bool = False
     # vLLM's --allowed-local-media-path: image parts may name files in this folder by file:// URL (a client
     # then reads the server's files: for trusted clients only); None: data URLs only.
     allowed_local_media_path: str | None = None
@@ -397,6 +400,9 @@ class ServerConfig:
             raise ValueError(f"allowed_local_media_path {folder!r} is not a folder")
         if self.log_config_file is not None and not os.path.isfile(self.log_config_file):
             raise ValueError(f"log_config_file {self.log_config_file!r} is not a file")
+        if self.enable_ssl_refresh and self.ssl_certfile is None:
+            raise ValueError("enable_ssl_refresh reloads the HTTPS files: it needs ssl_keyfile and "
+                             "ssl_certfile")
         if self.ssl_cert_reqs is not None and self.ssl_cert_reqs not in tuple(ssl.VerifyMode):
             raise ValueError(f"ssl_cert_reqs must be 0, 1 or 2 (none, optional, required), got "
                              f"{self.ssl_cert_reqs}")
@@ -2097,7 +2103,57 @@ def uvicorn_server(app: ASGIApp, c: ServerConfig) -> uvicorn.Server:
                             ssl_keyfile=c.ssl_keyfile, ssl_certfile=c.ssl_certfile,
                             ssl_ca_certs=c.ssl_ca_certs, ssl_cert_reqs=_cert_reqs(c),
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
-    return uvicorn.Server(config)
+    server = uvicorn.Server(config)
+    if c.enable_ssl_refresh:
+        SslRefresher(server, c).start()
+    return server
+
+
+# How often --enable-ssl-refresh looks at the HTTPS files' modification times.
+SSL_REFRESH_POLL_S = 1.0
+
+
+class SslRefresher(threading.Thread):
+    """vLLM's --enable-ssl-refresh: reloads the key and certificate (and the CA certificates) into the
+    server's SSL context when their files change, so new connections get them; stops with the server. A
+    half-written pair (the key changed, the certificate not yet) fails to load and is tried again at the next
+    change, the old pair serving meanwhile."""
+
+    def __init__(self, server: uvicorn.Server, c: ServerConfig) -> None:
+        super().__init__(name="plait-ssl-refresh", daemon=True)
+        self.server, self.c = server, c
+        self.files = [f for f in (c.ssl_keyfile, c.ssl_certfile, c.ssl_ca_certs) if f is not None]
+
+    def run(self) -> None:
+        seen = self._stamps()
+        while not self.server.should_exit:
+            time.sleep(SSL_REFRESH_POLL_S)
+            stamps = self._stamps()
+            if stamps != seen and self._reload():
+                seen = stamps
+
+    def _stamps(self) -> list[float | None]:
+        stamps = []
+        for path in self.files:
+            try:
+                stamps.append(os.stat(path).st_mtime_ns)
+            except OSError:  # replaced just now: looked at again next time
+                stamps.append(None)
+        return stamps
+
+    def _reload(self) -> bool:
+        context = self.server.config.ssl if self.server.config.loaded else None
+        if context is None:
+            return False
+        try:
+            context.load_cert_chain(self.c.ssl_certfile, self.c.ssl_keyfile)
+            if self.c.ssl_ca_certs is not None:
+                context.load_verify_locations(self.c.ssl_ca_certs)
+        except (OSError, ssl.SSLError) as err:
+            logger.warning("could not reload the HTTPS files (%s); the ones loaded before still serve", err)
+            return False
+        logger.info("reloaded the HTTPS key and certificate")
+        return True
 
 
 def banner(server: OpenAIServer, url: str) -> str:
