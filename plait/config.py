@@ -308,9 +308,9 @@ class EngineConfig:
         if self.logits_processors is not None and not isinstance(self.logits_processors, (list, tuple)):
             raise ValueError(f"logits_processors must be a list of classes or their qualified names, got "
                              f"{self.logits_processors!r}")
-        if self.enable_prompt_embeds and (spec is not None or self.tensor_parallel_size > 1):
-            raise ValueError("enable_prompt_embeds is not supported with speculative decoding or tensor "
-                             "parallelism yet")
+        if self.enable_prompt_embeds and spec is not None:
+            raise ValueError("enable_prompt_embeds is not supported with speculative decoding yet: a draft "
+                             "would need the embeddings too")
         if self.logits_processors and spec is not None:
             raise ValueError("custom logits processors are not supported with speculative decoding (as in "
                              "vLLM): a draft's rows would need them too")

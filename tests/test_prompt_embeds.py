@@ -94,6 +94,23 @@ def test_prompt_embeds_survive_preemption(tiny_llama):
     assert tight.engine.is_idle_and_clean()
 
 
+def test_prompt_embeds_under_tensor_parallelism(tiny_llama):
+    """Two ranks (gloo, CPU): the driver sends each step's embedding rows to the other rank with its inputs,
+    and prompts of embeddings, chunked beside a token prompt, answer as on one rank."""
+    g = torch.Generator().manual_seed(6)
+    one = LLM(model=str(tiny_llama), block_size=8, max_num_batched_tokens=16, enable_prompt_embeds=True)
+    hidden = one.engine.model_config.hidden_size
+    prompts = [{"prompt_embeds": torch.randn(n, hidden, generator=g)} for n in (9, 27)]
+    prompts.append({"prompt_token_ids": random_prompts(1, 12, 12, seed=3)[0]})
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, _greedy(), use_tqdm=False)]
+    two = LLM(model=str(tiny_llama), block_size=8, max_num_batched_tokens=16, enable_prompt_embeds=True,
+              tensor_parallel_size=2)
+    try:
+        assert [o.outputs[0].token_ids for o in two.generate(prompts, _greedy(), use_tqdm=False)] == want
+    finally:
+        two.engine.shutdown()
+
+
 def test_bad_prompt_embeds_are_refused(tiny_llama):
     off = LLM(model=str(tiny_llama), block_size=8)
     hidden = off.engine.model_config.hidden_size
@@ -116,8 +133,9 @@ def test_bad_prompt_embeds_are_refused(tiny_llama):
                         BeamSearchParams(beam_width=2, max_tokens=2))
     with pytest.raises(TypeError, match="prompt_embeds must be a torch.Tensor"):
         llm.generate({"prompt_embeds": [[0.0] * hidden]}, _greedy(), use_tqdm=False)
-    with pytest.raises(ValueError, match="not supported with speculative decoding or tensor parallelism"):
-        EngineConfig(enable_prompt_embeds=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="not supported with speculative decoding yet"):
+        EngineConfig(enable_prompt_embeds=True, speculative_config={"method": "ngram",
+                                                                    "num_speculative_tokens": 2})
     assert llm.engine.is_idle_and_clean()
 
 

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from plait.config import EngineConfig
     from plait.runner.model_runner import ModelRunner
 
-# Messages, driver -> rank: (FORWARD, (StepArrays, pending sources, whether a step is in flight)),
+# Messages, driver -> rank: (FORWARD, (StepArrays, pending sources, whether a step is in flight, the step's
+# prompt-embedding rows or None: their token indices and a tensor_message of their values)),
 # (IDS, number of sampled ids to receive), (SLEEP, level), (WAKE_UP, tags), (LOAD_WEIGHTS, None) followed by
 # that rank's (name, tensor) slices one message each and then END_OF_WEIGHTS, (STOP, None), and at start-up
 # the agreed KV blocks (an int). Rank -> driver, at start-up: (LOADED, None), (BLOCKS, the KV blocks it has
@@ -236,7 +237,10 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
         if kind == STOP:
             return
         if kind == FORWARD:
-            arrays, pending_sources, in_flight = payload
+            arrays, pending_sources, in_flight, embeds = payload
+            if runner.prompt_embeds is not None:
+                runner.prompt_embeds.stage(None if embeds is None else
+                                           (embeds[0], tensor_from_message(embeds[1])[1]))
             runner.forward(arrays, pending_sources, prev_ids if in_flight else None)
         elif kind == IDS:
             prev_ids = runner.receive_sampled_ids(payload)

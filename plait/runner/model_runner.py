@@ -652,13 +652,16 @@ class ModelRunner:
             token_slots = self.lora.prepare([row.request for row in plan.rows], arrays.query_start_loc)
             if token_slots is not None:
                 arrays.lora_slots, lora = token_slots, True
+        embeds = (PromptEmbeds.for_step(plan, arrays.query_start_loc) if self.prompt_embeds is not None
+                  else None)
         if self.workers is not None:  # the other ranks run the same forward beside this one
-            self.workers.send(FORWARD, (arrays, pending_src, prev is not None))
+            sent = None if embeds is None else (embeds[0], tensor_message("prompt_embeds", embeds[1]))
+            self.workers.send(FORWARD, (arrays, pending_src, prev is not None, sent))
         images = 0  # tokens holding image embeddings
         if self.image_embeddings is not None:
             images = self.image_embeddings.stage(plan, arrays.query_start_loc)
         if self.prompt_embeds is not None:
-            self.prompt_embeds.stage(plan, arrays.query_start_loc)
+            self.prompt_embeds.stage(embeds)
         b = self.breakdown
         b.add("prepare", time.perf_counter() - t0)
         hidden, views, shape = self.forward(arrays, pending_src, prev_ids, lora)

@@ -18,6 +18,11 @@ def input_embedding(model: nn.Module) -> nn.Embedding | None:
     return embedding if isinstance(embedding, nn.Embedding) else None
 
 
+# A step's prompt-embedding rows on the host: (their token indices in the step [n] int64, the embeddings
+# [n, hidden]).
+StepEmbeds = tuple[np.ndarray, torch.Tensor]
+
+
 class PromptEmbeds:
     """``stage`` writes the embeddings of a step's prompt-of-embeddings tokens into ``values`` and marks them
     in ``mask``; the embedding layer's forward hook returns those rows instead of its output. So a scale
@@ -40,11 +45,10 @@ class PromptEmbeds:
         n = looked_up.shape[0]
         return torch.where(self.mask[:n, None], self.values[:n], looked_up)
 
-    def stage(self, plan: StepPlan, query_start_loc: np.ndarray) -> int:
-        """Stage the step's prompt-embedding rows (the last step's are cleared); how many tokens it has."""
-        if self._staged:
-            self.mask.zero_()
-            self._staged = False
+    @staticmethod
+    def for_step(plan: StepPlan, query_start_loc: np.ndarray) -> StepEmbeds | None:
+        """The step's prompt-embedding rows on the host (None where it has none): what the driver stages,
+        and sends to the other tensor-parallel ranks with the step's inputs."""
         indices, parts = [], []
         for r, row in enumerate(plan.rows):
             embeds = row.request.prompt_embeds
@@ -57,11 +61,19 @@ class PromptEmbeds:
                 indices.append(np.arange(lo + shift, hi + shift))
                 parts.append(embeds[lo:hi])
         if not indices:
+            return None
+        return np.concatenate(indices), torch.cat(parts)
+
+    def stage(self, step: StepEmbeds | None) -> int:
+        """Stage a step's rows (for_step's; the last step's are cleared); how many tokens they are."""
+        if self._staged:
+            self.mask.zero_()
+            self._staged = False
+        if step is None:
             return 0
-        token_indices = host_to_device(np.concatenate(indices), torch.long, self.device)
+        token_indices = host_to_device(step[0], torch.long, self.device)
         self.mask.index_fill_(0, token_indices, True)
-        self.values.index_copy_(0, token_indices, host_to_device(torch.cat(parts), self.values.dtype,
-                                                                 self.device))
+        self.values.index_copy_(0, token_indices, host_to_device(step[1], self.values.dtype, self.device))
         self._staged = True
         return len(token_indices)
 
