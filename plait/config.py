@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -201,6 +202,11 @@ class EngineConfig:
     # or its JSON text; nested objects merge key by key), e.g. {"architectures":
     # ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"]} to serve Qwen3-Reranker.
     hf_overrides: dict | str | None = None
+    # vLLM's --rope-scaling (a dict or its JSON text, e.g. {"rope_type": "yarn", "factor": 4.0,
+    # "original_max_position_embeddings": 32768} to stretch Qwen's context) and --rope-theta: they replace the
+    # checkpoint's rope_scaling / rope_theta (after hf_overrides), as vLLM sets them on the HF config.
+    rope_scaling: dict | str | None = None
+    rope_theta: float | None = None
     # vLLM's --tensor-parallel-size: the model's heads and MLP split across this many devices (cuda:0..N-1),
     # one process each (plait.parallel); 1: one device, one process.
     tensor_parallel_size: int = 1
@@ -302,6 +308,11 @@ class EngineConfig:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
         self.pooler_config = PoolerConfig.parse(self.pooler_config)
         self.hf_overrides = json_object("hf_overrides", self.hf_overrides)
+        self.rope_scaling = json_object("rope_scaling", self.rope_scaling)
+        theta = self.rope_theta
+        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))
+                                  or not 0 < theta < math.inf):
+            raise ValueError(f"rope_theta must be a positive number, got {theta!r}")
         self.override_generation_config = json_object("override_generation_config",
                                                        self.override_generation_config)
         self.limit_mm_per_prompt = _mm_limits(self.limit_mm_per_prompt)
@@ -508,6 +519,17 @@ def _mm_limits(value: dict | str | None) -> dict[str, int] | None:
                              f"{modality!r}")
         _check_int(f"limit_mm_per_prompt[{modality!r}]", n, minimum=0)
     return limits
+
+
+def with_rope_overrides(hf_config: dict, rope_scaling: dict | None, rope_theta: float | None) -> dict:
+    """``hf_config`` with vLLM's --rope-scaling and --rope-theta in place of its own (a new dict): replaced
+    whole, not merged, so no key of the checkpoint's scaling (its type, say) survives into the user's."""
+    replaced = dict(hf_config)
+    if rope_scaling is not None:
+        replaced["rope_scaling"] = rope_scaling
+    if rope_theta is not None:
+        replaced["rope_theta"] = rope_theta
+    return replaced
 
 
 def merge_objects(base: dict, overrides: dict | None) -> dict:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import os
 import weakref
 
@@ -118,6 +119,21 @@ def test_disable_sliding_window_caps_the_context_at_the_window(tiny_models, sing
     with pytest.raises(ValueError, match="max_model_len 64 exceeds the model's sliding window 24"):
         _engine(tiny_models["mistral"], disable_sliding_window=True, max_model_len=64)
     assert _engine(tiny_models["llama"], disable_sliding_window=True).max_model_len == 512
+
+
+def test_rope_scaling_and_theta_replace_the_checkpoints(tiny_llama, prompts):
+    """vLLM's --rope-scaling / --rope-theta: the model is built with them in place of its config's (whole, as
+    hf_overrides would merge them into an existing scaling), and the answers change with them."""
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    plain, _ = run_greedy(_engine(tiny_llama), prompts, MAX_TOKENS)
+    engine = _engine(tiny_llama, rope_scaling=json.dumps(scaling), rope_theta=50_000)
+    assert engine.model_config.rope_scaling["factor"] == 2.0 and engine.model_config.rope_theta == 50_000
+    got, _ = run_greedy(engine, prompts, MAX_TOKENS)
+    same, _ = run_greedy(_engine(tiny_llama, hf_overrides={"rope_scaling": scaling, "rope_theta": 50_000}),
+                         prompts, MAX_TOKENS)
+    assert got == same and got != plain
+    with pytest.raises(ValueError, match="rope_theta must be a positive number"):
+        EngineConfig(rope_theta=-1.0)
 
 
 def test_preemption_by_recompute_keeps_outputs(tiny_llama):

@@ -33,7 +33,7 @@ _ENGINE_FLAGS = (
     "skip_tokenizer_init", "revision",
     "download_dir",
     "limit_mm_per_prompt", "enable_sleep_mode", "optimization_level", "compilation_config",
-    "logits_processors", "enable_prompt_embeds",
+    "logits_processors", "enable_prompt_embeds", "rope_scaling", "rope_theta",
 )
 
 
@@ -120,6 +120,10 @@ _FLAG_HELP = {
                                 "bytes) or sha256 (vLLM's default, 32 bytes)",
     "disable_sliding_window": "as vLLM's: cap --max-model-len at the model's (narrowest) sliding window, so "
                               "every layer attends to the whole context; no effect on models without one",
+    "rope_scaling": "as vLLM's, a JSON object in place of the checkpoint's rope_scaling: '{\"rope_type\": "
+                    "\"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32768}' stretches a "
+                    "32K model to 128K (with --max-model-len 131072)",
+    "rope_theta": "as vLLM's: the rotary base in place of the checkpoint's",
     "logits_processors": "as vLLM's: custom logits processors, plait.logits_processor.LogitsProcessor "
                          "subclasses named module:Class or module.Class (importable: on PYTHONPATH); "
                          "requests give them settings in vllm_xargs",
@@ -193,6 +197,14 @@ _NO_OP_FLAGS: tuple[tuple[str, dict[str, Any], str], ...] = (
      "plait reads a checkpoint's shards one at a time"),
     ("--max-seq-len-to-capture", {"type": int, "metavar": "N"},
      "plait's decode graphs serve every context length up to --max-model-len"),
+    ("--ignore-patterns", {"nargs": "+", "metavar": "PATTERN"}, "plait never downloads, so skips no file"),
+    ("--mm-processor-cache-gb", {"type": float, "metavar": "GIB"},
+     "plait keeps no cache of processed images: a request's images are processed once, as it arrives"),
+    ("--disable-hybrid-kv-cache-manager", {"action": "store_true"},
+     "plait's KV cache is one block pool for every layer"),
+    ("--allowed-media-domains", {"nargs": "+", "metavar": "DOMAIN"},
+     "plait fetches no URL: images come as data URLs or, under --allowed-local-media-path, local files"),
+    ("--show-hidden-metrics-for-version", {"metavar": "VERSION"}, "plait's /metrics hides none"),
 )
 
 
@@ -214,6 +226,12 @@ def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--model-impl", default="auto", metavar="IMPL",
                        help="vLLM's model implementation: plait runs its own ('auto' and 'vllm' are "
                             "accepted; 'transformers' is refused)")
+    group.add_argument("--preemption-mode", default="recompute", metavar="MODE",
+                       help="vLLM's preemption mode: plait's is 'recompute' ('swap' is refused)")
+    group.add_argument("--structured-outputs-config", default=None, metavar="JSON",
+                       help="vLLM's structured-outputs config: its backend may be plait's (auto, guidance, "
+                            "llguidance) and disable_fallback is accepted (llguidance has no fallback); "
+                            "other keys are refused")
     group.add_argument("--lora-dtype", default="auto", metavar="DTYPE",
                        help="vLLM's LoRA dtype: plait's adapters compute in the model's dtype, vLLM's 'auto' "
                             "(other values are refused)")
@@ -254,11 +272,13 @@ def human_readable_int(value: str) -> int:
 # Engine flags whose values are not plain numbers.
 _FLAG_TYPES: dict[str, Callable[[str], Any]] = {"max_model_len": human_readable_int,
                                                 "kv_cache_memory_bytes": human_readable_int,
-                                                "cuda_graph_sizes": int, "compilation_config": str}
+                                                "cuda_graph_sizes": int, "compilation_config": str,
+                                                "rope_scaling": str}
 # Engine flags that take one or more values.
 _LIST_FLAGS = frozenset({"cuda_graph_sizes", "logits_processors"})
 # vLLM's other names for engine flags.
 _FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "num_kv_blocks": ("--num-gpu-blocks-override",),
+                 "pooler_config": ("--override-pooler-config",),
                  "compilation_config": ("-cc",)}
 
 
@@ -301,9 +321,30 @@ _VLLM_CHOICES = {
     "model_impl": (("auto", "vllm"), "plait runs its own model code"),
     "config_format": (("auto", "hf"), "plait reads HF's config.json or a GGUF file's header"),
     "lora_dtype": (("auto",), "plait's LoRA adapters compute in the model's dtype"),
+    "preemption_mode": (("recompute",), "plait preempts by recompute, as vLLM v1 does; it never swaps"),
+    "data_parallel_backend": (("mp",), "plait's data-parallel replicas are processes of this host"),
 }
 EXECUTOR_BACKENDS = ("mp", "uni")
 SINGLE_PROCESS_BACKEND = "uni"
+
+
+# vLLM's structured_outputs_config keys plait takes: the backend (checked against plait's), and
+# disable_fallback, which changes nothing since llguidance never falls back to another backend.
+STRUCTURED_OUTPUTS_CONFIG_KEYS = ("backend", "disable_fallback")
+
+
+def _check_structured_outputs_config(text: str | None) -> None:
+    """vLLM's --structured-outputs-config, accepted where it asks for what plait does, refused by key else."""
+    from plait.config import json_object
+
+    config = json_object("--structured-outputs-config", text) or {}
+    for key, value in config.items():
+        if key not in STRUCTURED_OUTPUTS_CONFIG_KEYS:
+            raise ValueError(f"--structured-outputs-config {key!r} is not available; plait takes "
+                             f"{', '.join(STRUCTURED_OUTPUTS_CONFIG_KEYS)}")
+        if key == "backend" and value not in STRUCTURED_OUTPUT_BACKENDS:
+            raise ValueError(f"--structured-outputs-config backend {value!r} is not available: structured "
+                             f"outputs are llguidance's ({' / '.join(STRUCTURED_OUTPUT_BACKENDS)})")
 
 
 def _check_vllm_choices(args: argparse.Namespace) -> None:
@@ -313,6 +354,7 @@ def _check_vllm_choices(args: argparse.Namespace) -> None:
         if value not in values:
             raise ValueError(f"--{name.replace('_', '-')} {value} is not available: {instead} (vLLM's "
                              f"{' / '.join(values)}); leave it out")
+    _check_structured_outputs_config(getattr(args, "structured_outputs_config", None))
     if getattr(args, "pipeline_parallel_size", 1) != 1:
         raise ValueError("pipeline parallelism is not available: plait splits a model across GPUs by tensor "
                          "parallelism (--tensor-parallel-size N) instead")
@@ -405,6 +447,10 @@ def _needs_server_dependencies(command: str, err: ImportError) -> ValueError:
 def _cmd_serve(args: argparse.Namespace) -> int:
     if args.data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    local, size = args.data_parallel_size_local, args.data_parallel_size
+    if local not in (None, size):
+        raise ValueError(f"--data-parallel-size-local {local}: plait runs every replica on this host, so it "
+                         f"must be --data-parallel-size ({size})")
     if args.api_server_count != 1:
         raise ValueError("plait serves HTTP from one process (its engine loop runs in another); leave "
                          "--api-server-count out, or add engines with --data-parallel-size")
@@ -691,6 +737,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--data-parallel-size", "-dp", type=int, default=1, metavar="N",
                      help="as vLLM's: N engine replicas behind this address, each on its own "
                           "--tensor-parallel-size GPUs (default: 1)")
+    srv.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None, metavar="N",
+                     help="vLLM's replicas on this host: all of plait's are, so N must be "
+                          "--data-parallel-size")
+    srv.add_argument("--data-parallel-backend", "-dpb", default="mp", metavar="BACKEND",
+                     help="vLLM's replica launcher: plait's replicas are processes of this host, vLLM's 'mp' "
+                          "('ray' is refused)")
     srv.add_argument("--data-parallel-routing", default=DEFAULT_ROUTING, choices=ROUTINGS,
                      help="where the front sends a request: 'prefix-affinity' (default): to the replica that "
                           "served the same beginning (a conversation's earlier turns, a shared system "

@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from plait.config import CHECKPOINT_QUANTIZATION_METHODS, EngineConfig, ModelConfig, merge_objects
+from plait.config import (
+    CHECKPOINT_QUANTIZATION_METHODS,
+    EngineConfig,
+    ModelConfig,
+    merge_objects,
+    with_rope_overrides,
+)
 from plait.layers import mxfp4, wna16
 from plait.layers.fp8 import FP8_DTYPE, checkpoint_quantization, checkpoint_weight_block, quantize_model
 from plait.layers.linear import deferred_weights, materialize_deferred
@@ -72,7 +78,8 @@ def load_model(
     if source is None:
         source = resolve_model(config.model, config.revision, config.download_dir)
     hf_config, weights = read_source(source, config.load_format)
-    hf_config = merge_objects(hf_config, config.hf_overrides)
+    hf_config = with_rope_overrides(merge_objects(hf_config, config.hf_overrides), config.rope_scaling,
+                                    config.rope_theta)
     mxfp4_experts = mxfp4.is_mxfp4_checkpoint(hf_config)
     if mxfp4_experts:
         hf_config = mxfp4.experts_config(hf_config, config.quantization)
