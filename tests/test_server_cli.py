@@ -905,3 +905,33 @@ def test_plait_serve_takes_logits_processors_and_prompt_embeds_through_its_engin
         answer = client.completions.create(prompt="", **ask, extra_body={
             "prompt_embeds": _encoded(embeds), "return_token_ids": True, "ignore_eos": True})
         assert len(answer.choices[0].token_ids) == 4 and answer.usage.prompt_tokens == 5
+
+
+def test_stream_interval_sends_fuller_chunks_after_the_first(tmp_path, tiny_llama):
+    """vLLM's --stream-interval 4: a streamed answer's first token is not held (time to first token), then
+    chunks of at least 4 tokens but its last; the tokens are the unstreamed answer's, as under 1."""
+    openai = pytest.importorskip("openai")
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8, max_model_len=64))
+    ask = dict(model=engine.model_name, prompt=[5, 6, 7, 8], max_tokens=11, temperature=0,
+               extra_body={"ignore_eos": True, "return_token_ids": True})
+    for interval in (4, 1):
+        config = ServerConfig(log_level="warning", stream_interval=interval)
+        with BackgroundServer(OpenAIServer(engine, config)) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+            whole = client.completions.create(**ask).choices[0].token_ids
+            sizes, ids = [], []
+            for chunk in client.completions.create(**ask, stream=True):
+                for choice in chunk.choices:
+                    if choice.token_ids:
+                        sizes.append(len(choice.token_ids))
+                        ids += choice.token_ids
+        assert ids == whole and len(whole) == 11
+        # A reader that falls behind gets piled-up outputs merged (merge_backlog), so chunks may only grow:
+        # under interval 4, at most the first token alone and then 10 tokens in chunks of 4 or more.
+        assert all(size >= interval for size in sizes[1:-1]) and len(sizes) <= (4 if interval == 4 else 11)
+    with pytest.raises(ValueError, match="stream_interval must be a whole number >= 1"):
+        ServerConfig(stream_interval=0)

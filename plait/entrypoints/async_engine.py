@@ -141,6 +141,12 @@ class RequestStream:
         # is behind (a busy event loop) merge into one, so one chunk carries them, as vLLM's streams do; what
         # the merged output's reader sees of each step is in metrics["output_times"].
         self.merge_backlog = False
+        # vLLM's --stream-interval, set by a server that streams: after a child's first tokens (sent at once,
+        # for the time to first token), its outputs are held and merged until they carry this many new
+        # tokens, or it finishes: fewer, fuller chunks.
+        self.stream_interval = 1
+        self._held: dict[str, RequestOutput] = {}  # a child's merged outputs not yet released
+        self._released: set[str] = set()  # children whose first tokens went out
 
     @property
     def finished(self) -> bool:
@@ -195,6 +201,10 @@ class RequestStream:
 
     # Called on the event loop by the engine client.
     def _put(self, item: StreamItem) -> None:
+        if self.stream_interval > 1 and isinstance(item, RequestOutput):
+            item = self._held_until_interval(item)
+            if item is None:
+                return
         if self.merge_backlog and isinstance(item, RequestOutput):
             for k in range(len(self._items) - 1, -1, -1):  # this child's last unread output, if any
                 queued = self._items[k]
@@ -208,6 +218,21 @@ class RequestStream:
                     break
         self._items.append(item)
         self._arrived.set()
+
+
+    def _held_until_interval(self, item: RequestOutput) -> RequestOutput | None:
+        """``item`` merged with the child's held outputs: released (returned) once it is the child's first
+        output with tokens, carries stream_interval new tokens or finishes; held (None) otherwise."""
+        rid = item.request_id
+        held = self._held.pop(rid, None)
+        if held is not None:
+            item = _merged(held, item) or item
+        new_tokens = len(item.outputs[0].delta_token_ids) if item.outputs else 0
+        if item.finished or (rid not in self._released and new_tokens) or new_tokens >= self.stream_interval:
+            self._released.add(rid)
+            return item
+        self._held[rid] = item
+        return None
 
 
 def _merged(old: RequestOutput | PoolingRequestOutput, new: RequestOutput) -> RequestOutput | None:

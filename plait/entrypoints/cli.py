@@ -479,7 +479,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                           ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile,
                           ssl_ca_certs=args.ssl_ca_certs, ssl_cert_reqs=args.ssl_cert_reqs,
-                          enable_ssl_refresh=args.enable_ssl_refresh,
+                          enable_ssl_refresh=args.enable_ssl_refresh, stream_interval=args.stream_interval,
                           root_path=args.root_path, uds=args.uds,
                           disable_fastapi_docs=args.disable_fastapi_docs,
                           enable_force_include_usage=args.enable_force_include_usage,
@@ -787,6 +787,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--ssl-certfile", default=None, help="and this certificate")
     srv.add_argument("--ssl-ca-certs", default=None,
                      help="check clients' certificates against these CAs (with --ssl-certfile)")
+    srv.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                     help="as vLLM's: after a streamed answer's first tokens, send a chunk once N new tokens "
+                          "are in (or it ends): fewer, fuller chunks (default: 1, every step's)")
     srv.add_argument("--enable-ssl-refresh", action="store_true",
                      help="as vLLM's: reload the key, certificate and CA files when they change on disk (new "
                           "connections get them; no restart)")

@@ -329,6 +329,9 @@ class ServerConfig:
     # vLLM's --ssl-cert-reqs (ssl.CERT_NONE / OPTIONAL / REQUIRED: 0 / 1 / 2); None: REQUIRED where
     # ssl_ca_certs is given, else NONE.
     ssl_cert_reqs: int | None = None
+    # vLLM's --stream-interval: a streamed answer's chunks after its first carry at least this many tokens
+    # (its last may carry fewer): fewer, fuller chunks, less host work per token. 1: every step's tokens.
+    stream_interval: int = 1
     # vLLM's --enable-ssl-refresh: when the key, certificate or CA files change on disk, new connections get
     # them (certificate rotation without a restart); connections open keep theirs.
     enable_ssl_refresh: bool = False
@@ -400,6 +403,9 @@ class ServerConfig:
             raise ValueError(f"allowed_local_media_path {folder!r} is not a folder")
         if self.log_config_file is not None and not os.path.isfile(self.log_config_file):
             raise ValueError(f"log_config_file {self.log_config_file!r} is not a file")
+        if isinstance(self.stream_interval, bool) or not isinstance(self.stream_interval, int) \
+                or self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be a whole number >= 1, got {self.stream_interval!r}")
         if self.enable_ssl_refresh and self.ssl_certfile is None:
             raise ValueError("enable_ssl_refresh reloads the HTTPS files: it needs ssl_keyfile and "
                              "ssl_certfile")
@@ -1722,6 +1728,7 @@ class OpenAIServer:
         try:
             if body.stream:
                 stream.merge_backlog = True
+                stream.stream_interval = self.config.stream_interval
                 events = self._completion_events(body, stream, tracker, response_id, params.n,
                                                  self._reported_model(lora))
                 return _EngineStreamResponse(events, stream, tracker)
@@ -1876,6 +1883,7 @@ class OpenAIServer:
         try:
             if body.stream:
                 stream.merge_backlog = True
+                stream.stream_interval = self.config.stream_interval
                 events = self._chat_events(body, stream, tracker, response_id, params.n, readers,
                                            self._reported_model(lora))
                 return _EngineStreamResponse(events, stream, tracker)
