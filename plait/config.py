@@ -27,6 +27,8 @@ STEP_COMPOSITIONS: tuple[str, ...] = ("mixed", "prefill_first")
 # What the engine runs the model for, as vLLM's --runner: "generate" (text), "pooling" (embeddings), or
 # "auto": pooling for a checkpoint of a base model (LlamaModel, Qwen3Model, ...: no LM head), else generate.
 RUNNERS: tuple[str, ...] = ("auto", "generate", "pooling")
+EMBED_CONVERSION = "embed"
+CONVERSIONS: tuple[str, ...] = ("auto", "none", EMBED_CONVERSION)
 
 ATTENTION_BACKENDS: tuple[str, ...] = ("torch_ref", "triton")
 QUANTIZATION_METHODS: tuple[str, ...] = ("fp8",)
@@ -195,6 +197,10 @@ class EngineConfig:
     # vLLM's --runner (RUNNERS): under "pooling" each request's prompt is run once and pooled into an
     # embedding (LLM.embed, /v1/embeddings); nothing is generated.
     runner: str = "auto"
+    # vLLM's --convert (CONVERSIONS): "embed" serves a generative checkpoint as an embedding model (its last
+    # hidden states pooled; the runner becomes "pooling"); "auto" / "none" keep the checkpoint's kind.
+    # Classifiers come from a checkpoint's own head, or from hf_overrides' architectures.
+    convert: str = "auto"
     # vLLM's --pooler-config: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": bool}, a dict or its JSON
     # text; fields left out come from the model's sentence-transformers config, else LAST and normalize.
     pooler_config: PoolerConfig | dict | str | None = None
@@ -306,6 +312,7 @@ class EngineConfig:
                                  "free the draft model's memory")
         if self.runner not in RUNNERS:
             raise ValueError(f"runner must be one of {RUNNERS}, got {self.runner!r}")
+        self._apply_conversion()
         self.pooler_config = PoolerConfig.parse(self.pooler_config)
         self.hf_overrides = json_object("hf_overrides", self.hf_overrides)
         self.rope_scaling = json_object("rope_scaling", self.rope_scaling)
@@ -330,6 +337,17 @@ class EngineConfig:
         source = self.generation_config
         if not isinstance(source, str) or not source:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
+
+    def _apply_conversion(self) -> None:
+        """vLLM's convert: "embed" is the pooling runner (an embedding of the last hidden states)."""
+        if self.convert not in CONVERSIONS:
+            raise ValueError(f"convert must be one of {', '.join(CONVERSIONS)}, got {self.convert!r} (a "
+                             "classifier: hf_overrides with a ...ForSequenceClassification architecture)")
+        if self.convert == EMBED_CONVERSION:
+            if self.runner == "generate":
+                raise ValueError("convert 'embed' makes a pooling model: it cannot run with runner "
+                                 "'generate'")
+            self.runner = "pooling"
 
     def _apply_compilation_config(self) -> None:
         """vLLM's optimization_level and compilation_config, as enforce_eager and cuda_graph_sizes."""

@@ -64,6 +64,23 @@ def test_last_token_embeddings_match_transformers(tiny_models, hf_trunks, family
     assert llm.engine.is_idle_and_clean()
 
 
+def test_convert_embed_is_the_pooling_runner(tiny_llama):
+    """vLLM's convert="embed" (--convert embed): a generative checkpoint served as an embedding model, the
+    same embeddings as runner="pooling"; with runner "generate", or an unknown conversion, refused."""
+    from plait.config import EngineConfig
+
+    prompts = [{"prompt_token_ids": p} for p in _prompts(2, [3, 30])]
+    converted = LLM(str(tiny_llama), convert="embed", max_num_batched_tokens=64)
+    assert converted.engine.config.runner == "pooling"
+    pooled = LLM(str(tiny_llama), runner="pooling", max_num_batched_tokens=64)
+    for a, b in zip(converted.embed(prompts, use_tqdm=False), pooled.embed(prompts, use_tqdm=False)):
+        assert a.outputs.embedding == b.outputs.embedding
+    with pytest.raises(ValueError, match="cannot run with runner 'generate'"):
+        EngineConfig(convert="embed", runner="generate")
+    with pytest.raises(ValueError, match="convert must be one of auto, none, embed"):
+        EngineConfig(convert="reward")
+
+
 @pytest.mark.parametrize("kind", ["MEAN", "CLS"])
 def test_chunked_mean_and_cls_pooling_match_transformers(tiny_llama, hf_trunks, kind):
     """MEAN and CLS read positions before the last: a prompt pooled over chunks of 8 tokens (its sum or its

@@ -28,7 +28,8 @@ _ENGINE_FLAGS = (
     "enable_prefix_caching", "prefix_caching_hash_algo",
     "attention_backend", "enforce_eager", "cuda_graph_sizes", "async_scheduling", "warm_up",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
-    "kv_cache_dtype", "speculative_config", "runner", "pooler_config", "hf_overrides", "tensor_parallel_size",
+    "kv_cache_dtype", "speculative_config", "runner", "convert", "pooler_config", "hf_overrides",
+    "tensor_parallel_size",
     "override_generation_config", "max_logprobs", "logprobs_mode", "tokenizer", "tokenizer_revision",
     "skip_tokenizer_init", "revision",
     "download_dir",
@@ -124,6 +125,8 @@ _FLAG_HELP = {
                     "\"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32768}' stretches a "
                     "32K model to 128K (with --max-model-len 131072)",
     "rope_theta": "as vLLM's: the rotary base in place of the checkpoint's",
+    "convert": "as vLLM's: 'embed' serves a generative checkpoint as an embedding model (its last hidden "
+               "states pooled: --runner pooling); 'auto' / 'none' keep its kind",
     "logits_processors": "as vLLM's: custom logits processors, plait.logits_processor.LogitsProcessor "
                          "subclasses named module:Class or module.Class (importable: on PYTHONPATH); "
                          "requests give them settings in vllm_xargs",
