@@ -239,9 +239,17 @@ def test_serve_takes_vllm_flags_whose_values_plait_has(monkeypatch, capsys, tmp_
                      "--ssl-cert-reqs", "1", "--allowed-local-media-path", str(media),
                      "--disable-cascade-attn", "--swap-space", "4",
                      "--max-parallel-loading-workers", "2", "--lora-dtype", "auto",
-                     "--max-seq-len-to-capture", "8192"]) == 0
+                     "--max-seq-len-to-capture", "8192", "--preemption-mode", "recompute",
+                     "--mamba-ssm-cache-dtype", "float32", "--mamba-cache-dtype", "auto",
+                     "--structured-outputs-config", '{"backend": "guidance", "disable_fallback": true}',
+                     "--data-parallel-backend", "mp", "--data-parallel-size-local", "1",
+                     "--ignore-patterns", "*.pt", "--mm-processor-cache-gb", "0",
+                     "--disable-hybrid-kv-cache-manager", "--allowed-media-domains", "example.com",
+                     "--show-hidden-metrics-for-version", "0.25",
+                     "--override-pooler-config", '{"pooling_type": "MEAN"}']) == 0
     ((engine, config, kwargs),) = seen
     assert (engine.tensor_parallel_size, engine.num_kv_blocks, engine.kv_cache_memory_bytes) == (1, 64, 2**31)
+    assert engine.pooler_config.pooling_type == "MEAN"  # --override-pooler-config: vLLM's older name
     assert kwargs["engine_process"] is False
     assert config.enable_force_include_usage and config.enable_tokenizer_info_endpoint
     assert config.middleware == ["a.one", "b.two"] and config.log_config_file == str(log_config)
@@ -252,6 +260,13 @@ def test_serve_takes_vllm_flags_whose_values_plait_has(monkeypatch, capsys, tmp_
                          (["--model-impl", "transformers"], "--model-impl transformers"),
                          (["--config-format", "mistral"], "--config-format mistral"),
                          (["--lora-dtype", "float16"], "--lora-dtype float16 is not available"),
+                         (["--preemption-mode", "swap"], "--preemption-mode swap is not available"),
+                         (["--mamba-ssm-cache-dtype", "bfloat16"], "SSM state in float32"),
+                         (["--data-parallel-backend", "ray"], "--data-parallel-backend ray"),
+                         (["--data-parallel-size-local", "1", "-dp", "2"], "must be --data-parallel-size"),
+                         (["--structured-outputs-config", '{"backend": "xgrammar"}'], "backend 'xgrammar'"),
+                         (["--structured-outputs-config", '{"enable_in_reasoning": true}'],
+                          "'enable_in_reasoning' is not available"),
                          (["--tokenizer-mode", "slow"], "--tokenizer-mode slow is not available"),
                          (["--guided-decoding-backend", "xgrammar"], "structured outputs are llguidance's"),
                          (["--api-server-count", "2"], "--api-server-count"),

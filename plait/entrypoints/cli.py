@@ -229,6 +229,12 @@ def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--model-impl", default="auto", metavar="IMPL",
                        help="vLLM's model implementation: plait runs its own ('auto' and 'vllm' are "
                             "accepted; 'transformers' is refused)")
+    group.add_argument("--mamba-cache-dtype", default="auto", metavar="DTYPE",
+                       help="vLLM's Mamba state dtype: plait keeps the conv state in the model's dtype and "
+                            "the SSM state in float32 ('auto'; others are refused)")
+    group.add_argument("--mamba-ssm-cache-dtype", default="auto", metavar="DTYPE",
+                       help="vLLM's Mamba SSM state dtype: plait's is float32 ('auto' and 'float32'; others "
+                            "are refused)")
     group.add_argument("--preemption-mode", default="recompute", metavar="MODE",
                        help="vLLM's preemption mode: plait's is 'recompute' ('swap' is refused)")
     group.add_argument("--structured-outputs-config", default=None, metavar="JSON",
@@ -326,6 +332,9 @@ _VLLM_CHOICES = {
     "lora_dtype": (("auto",), "plait's LoRA adapters compute in the model's dtype"),
     "preemption_mode": (("recompute",), "plait preempts by recompute, as vLLM v1 does; it never swaps"),
     "data_parallel_backend": (("mp",), "plait's data-parallel replicas are processes of this host"),
+    "mamba_cache_dtype": (("auto",), "plait keeps Mamba layers' conv state in the model's dtype and their "
+                                     "SSM state in float32"),
+    "mamba_ssm_cache_dtype": (("auto", "float32"), "plait keeps Mamba layers' SSM state in float32"),
 }
 EXECUTOR_BACKENDS = ("mp", "uni")
 SINGLE_PROCESS_BACKEND = "uni"
