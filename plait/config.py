@@ -216,6 +216,10 @@ class EngineConfig:
     # vLLM's --tensor-parallel-size: the model's heads and MLP split across this many devices (cuda:0..N-1),
     # one process each (plait.parallel); 1: one device, one process.
     tensor_parallel_size: int = 1
+    # vLLM's --enable-expert-parallel: under tensor parallelism, each rank holds num_experts / N whole routed
+    # experts of a MoE model instead of every expert's 1/N width slice (attention, dense MLPs and shared
+    # experts stay split as before). Ignored by a dense model, as in vLLM.
+    enable_expert_parallel: bool = False
     # vLLM's --logits-processors: custom logits processors (plait.logits_processor.LogitsProcessor
     # subclasses), as classes or their qualified names ("module:Class" or "module.Class"); one instance each,
     # built by the engine, sees every sampling step. Not with speculative decoding or a pooling model, as in
@@ -290,9 +294,13 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
         for name in ("enforce_eager", "async_scheduling", "warm_up", "enable_lora", "enable_sleep_mode",
-                     "disable_sliding_window", "enable_prompt_embeds"):
+                     "disable_sliding_window", "enable_prompt_embeds", "enable_expert_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            # vLLM spreads the experts over its data-parallel ranks too; plait's replicas share nothing.
+            raise ValueError("enable_expert_parallel splits a MoE model's experts across tensor-parallel "
+                             "ranks: it needs tensor_parallel_size > 1")
         if self.dtype is not None:
             self.dtype = canonical_dtype(self.dtype)
         methods = QUANTIZATION_METHODS + CHECKPOINT_QUANTIZATION_METHODS
@@ -683,6 +691,9 @@ class MoEConfig:
     shared_intermediate_size: int  # Qwen2-MoE's gated shared expert; 0: none
     # Qwen-MoE: layers in mlp_only_layers, or not at a multiple of decoder_sparse_step, keep a dense MLP.
     dense_layers: tuple[int, ...] = ()
+    # Expert parallelism (a tensor-parallel rank's config, plait.parallel.shard): the routed experts this rank
+    # holds whole, global ids [first, end); the router still picks among all num_experts. None: every one.
+    expert_range: tuple[int, int] | None = None
 
     @classmethod
     def from_hf(cls, cfg: dict) -> MoEConfig | None:

@@ -84,6 +84,20 @@ def test_seed_and_dtype_aliases_are_engine_flags():
     assert args.seed == 3 and _engine_config(args).seed == 0
 
 
+def test_enable_expert_parallel_is_vllms_flag():
+    """vLLM's --enable-expert-parallel (and its -ep) beside --tensor-parallel-size; without a split across
+    GPUs it has nothing to deal out, and is refused."""
+    from plait.entrypoints.cli import _engine_config, parse_args
+
+    for flag in ("--enable-expert-parallel", "-ep"):
+        config = _engine_config(parse_args(["serve", "m", "-tp", "2", flag]))
+        assert config.enable_expert_parallel and config.tensor_parallel_size == 2
+    for flags in (["-tp", "2"], ["--no-enable-expert-parallel"]):
+        assert not _engine_config(parse_args(["serve", "m", *flags])).enable_expert_parallel
+    with pytest.raises(ValueError, match="enable_expert_parallel .* needs tensor_parallel_size > 1"):
+        _engine_config(parse_args(["generate", "hi", "-ep"]))
+
+
 def test_max_model_len_takes_vllms_human_readable_sizes(capsys):
     """As vLLM's --max-model-len: k/m/g/t are powers of 1,000 (decimals allowed), K/M/G/T of 1,024 (whole
     numbers); anything else is refused by the parser, naming the value."""

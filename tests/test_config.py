@@ -47,6 +47,16 @@ def test_a_given_budget_is_kept_and_bad_usage_refused():
         EngineConfig(prefill_drain_steps=-1)
 
 
+def test_expert_parallel_needs_tensor_parallel_ranks():
+    """vLLM's enable_expert_parallel deals a MoE model's experts out over the tensor-parallel ranks: with one
+    rank it is refused (plait's data-parallel replicas share none), and it is a true or false."""
+    assert EngineConfig(tensor_parallel_size=2, enable_expert_parallel=True).enable_expert_parallel
+    with pytest.raises(ValueError, match="needs tensor_parallel_size > 1"):
+        EngineConfig(enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="enable_expert_parallel must be true or false"):
+        EngineConfig(tensor_parallel_size=2, enable_expert_parallel="yes")
+
+
 def test_prompt_tokens_beside_decodes_are_capped_when_serving_only():
     """Serving protects running streams from a long prompt (256 prompt tokens beside decodes); offline nobody
     watches a stream, so the default is no cap (the serving cap cost LLM.generate a third of W1's throughput

@@ -16,6 +16,7 @@ triton = pytest.importorskip("triton")
 from plait.kernels import fused_moe as fm  # noqa: E402
 from plait.kernels.fused_moe import MoeConfig, fused_moe, fused_moe_ref, moe_align, moe_config  # noqa: E402
 from plait.layers.fp8_block import dequantize_blocks, quantize_blocks, quantize_groups  # noqa: E402
+from plait.layers.moe import LocalExperts  # noqa: E402
 
 ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
@@ -76,8 +77,9 @@ def assert_close_to_ref(got: torch.Tensor, want: torch.Tensor) -> None:
 
 # -- moe_align ---------------------------------------------------------------------------------------------
 
-def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
-    align = moe_align(ids, num_experts, block_m)
+def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int, dropped: bool = False) -> None:
+    """moe_align's invariants; dropped: ids equal to num_experts (experts held elsewhere) are in no group."""
+    align = moe_align(ids, num_experts, block_m, dropped=dropped)
     flat = ids.reshape(-1).long().cpu()
     n = flat.numel()
     sorted_ids = align.sorted_ids.cpu()
@@ -85,14 +87,14 @@ def check_alignment(ids: torch.Tensor, num_experts: int, block_m: int) -> None:
     num_padded = int(align.num_padded.item())
     assert sorted_ids.dtype == expert_ids.dtype == align.num_padded.dtype == torch.int32
     assert sorted_ids.numel() == fm.max_padded(n, num_experts, block_m) == expert_ids.numel() * block_m
-    counts = torch.bincount(flat, minlength=num_experts)
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]
     assert num_padded == int(((counts + block_m - 1) // block_m * block_m).sum())
     sentinel = fm.pad_entry(*ids.shape)
     assert sentinel == n
-    # Every entry exactly once, all of them before num_padded; padding is the sentinel.
+    # Every entry of a held expert exactly once, all of them before num_padded; padding is the sentinel.
     used = sorted_ids[:num_padded]
     real = used[used != sentinel]
-    assert sorted(real.tolist()) == list(range(n))
+    assert sorted(real.tolist()) == torch.nonzero(flat < num_experts).flatten().tolist()
     assert bool((sorted_ids[num_padded:] == sentinel).all())
     # Each block's real entries belong to its expert; experts' groups come in increasing order.
     blocks = used.view(-1, block_m)
@@ -143,6 +145,25 @@ def test_moe_align_properties(case, block_m):
         num_experts = 1
     check_alignment(ids, num_experts, block_m)
     check_alignment(ids.to(torch.int32), num_experts, block_m)
+
+
+@pytest.mark.parametrize("block_m", [1, 4, 16])
+@pytest.mark.parametrize("case", ["some_elsewhere", "all_elsewhere", "none_elsewhere"])
+def test_moe_align_leaves_dropped_entries_out(case, block_m):
+    """Expert parallelism: a rank holding experts 2..4 of 8 maps the routed ids to its own (0..2) and those
+    of experts held elsewhere to 3, the dropped id; moe_align groups the held ones as ever and leaves the
+    dropped ones out of sorted_ids altogether."""
+    held = LocalExperts(first=2, count=3, total=8)
+    ids = routing(13, 8, 3, seed=4)[1]
+    if case == "all_elsewhere":
+        ids = ids % 2  # experts 0 and 1 only
+    elif case == "none_elsewhere":
+        ids = ids % 3 + 2
+    local = held.local_ids(ids)
+    assert local.dtype == ids.dtype
+    assert torch.equal(local, torch.where((ids >= 2) & (ids < 5), ids - 2, 3))
+    check_alignment(local, held.count, block_m, dropped=True)
+    check_alignment(local.to(torch.int32), held.count, block_m, dropped=True)
 
 
 # -- fused_moe vs reference --------------------------------------------------------------------------------
@@ -741,6 +762,139 @@ def test_fused_moe_layer_refuses_what_it_cannot_run():
             FusedMoE(E, K, H, FP8_INTER, renormalize=True, **kw).quantize_fp8(FP8_BLOCK)
 
 
+# -- expert parallelism: a rank's experts alone ------------------------------------------------------------
+
+# fused_moe's arguments with one row per expert: a rank holding some experts has their rows alone.
+PER_EXPERT_ARGS = ("w13", "w2", "w13_scale", "w2_scale", "w13_bias", "w2_bias")
+
+
+def rank_args(args: dict, rank: int, ranks: int = 2) -> dict:
+    """fused_moe's keyword arguments ``args`` as rank ``rank`` of ``ranks`` has them under expert
+    parallelism: its E / ranks experts' rows of every per-expert tensor, the global routing, and
+    local_experts saying which experts it holds."""
+    total = args["w13"].shape[0]
+    held = LocalExperts(rank * total // ranks, total // ranks, total)
+    mine = slice(held.first, held.first + held.count)
+    rows = {name: args[name][mine] for name in PER_EXPERT_ARGS if args.get(name) is not None}
+    return args | rows | {"local_experts": held}
+
+
+class _PoisonedEmpty:
+    """torch, but for empty floating tensors full of NaNs: a row no kernel writes (an entry of an expert held
+    elsewhere) poisons any result that reads it."""
+
+    def __getattr__(self, name: str):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs) -> torch.Tensor:
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    monkeypatch.setattr(fm, "torch", _PoisonedEmpty())
+
+
+def assert_ranks_sum_to_the_whole(args: dict, gemv: bool) -> list[torch.Tensor]:
+    """Two ranks' fused_moe outputs (each of its own experts' entries) add up to the one with every expert,
+    bit for bit: each entry's row is computed alike (rows never mix, and the tiles follow the count of all
+    experts), and with k = 2 a token's two slot outputs are summed once either way, in fp32 and rounded once
+    (as the kernel rounds: fp8_rounding). In fp32 the reference's two ranks add up to its whole too (to the
+    order of its sums). The ranks' kernel outputs."""
+    assert args["topk_ids"].shape[1] == 2
+    parts = [fused_moe(**rank_args(args, rank), gemv=gemv) for rank in range(2)]
+    whole = fused_moe(**args, gemv=gemv)
+    assert torch.equal(fp8_rounding(whole.dtype)(parts[0].float() + parts[1].float()).to(whole.dtype), whole)
+    if whole.dtype == torch.float32:
+        ref_parts = [fused_moe_ref(**rank_args(args, rank)) for rank in range(2)]
+        assert_close_to_ref(ref_parts[0] + ref_parts[1], fused_moe_ref(**args))
+    return parts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("t", [1, 5, 33])
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_fused_moe_local_experts_match_ref(poisoned_empty, dtype, t, path):
+    """Two ranks of E = 4 experts: each rank's kernel output is the reference's for its two experts (entries
+    routed to the other's add nothing, and nothing reads their unwritten rows: poisoned_empty; a token routed
+    there alone gets zeros), and the ranks' outputs sum to the whole experts' (assert_ranks_sum_to_the_whole).
+    """
+    w13, w2 = experts(E, H, INTER, dtype, seed=10)
+    weights, ids = routing(t, E, K, seed=13)
+    ids[-1] = torch.tensor([3, 2])  # the last token: both its experts on rank 1 (a lone token: rank 0 idle)
+    args = dict(x=randn(t, H, dtype=dtype, seed=12), w13=w13, w2=w2, topk_weights=weights, topk_ids=ids)
+    parts = assert_ranks_sum_to_the_whole(args, gemv=path == "gemv")
+    for rank, got in enumerate(parts):
+        want = fused_moe_ref(**rank_args(args, rank))
+        if want.any():
+            assert_close_to_ref(got, want)
+        else:
+            assert not got.any()
+    assert not parts[0][-1].any() and not fused_moe_ref(**rank_args(args, 0))[-1].any()
+
+
+@pytest.mark.parametrize("kind", ["fp8", "gpt_oss", "int32_ids"])
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_fused_moe_local_experts_of_every_kind(poisoned_empty, kind, path):
+    """FP8 experts (their tile scales split by expert as well), gpt-oss's (swiglu_oai, and biases: an
+    expert's down bias added by its own rank alone) and moe_route's int32 ids, in fp32: the ranks add up to
+    the whole (assert_ranks_sum_to_the_whole)."""
+    t = 21
+    if kind == "fp8":
+        w = fp8_experts(E, H, FP8_INTER, FP8_BLOCK, seed=70)
+        weights, ids = routing(t, E, K, seed=73)
+        args = dict(x=randn(t, H, dtype=torch.float32, seed=72), w13=w["w13"], w2=w["w2"],
+                    topk_weights=weights, topk_ids=ids, **fp8_kw(w, FP8_BLOCK))
+    else:
+        x, w13, w2, b13, b2, weights, ids = gpt_oss_case(t, E, K, 48, 40, torch.float32, seed=90)
+        args = dict(x=x, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids)
+        if kind == "gpt_oss":
+            args |= oai_kw(b13, b2)
+        else:
+            args["topk_ids"] = ids.to(torch.int32)
+    assert_ranks_sum_to_the_whole(args, gemv=path == "gemv")
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_fused_moe_layers_of_two_ranks_sum_to_the_whole_layer(monkeypatch, kernels):
+    """FusedMoE(expert_range=...): its stacks (and biases) hold its experts alone, its router's logits cover
+    them all; two layers holding experts 0..1 and 2..3 add up to the layer holding the four, on the torch
+    path and the kernels' (the interpreter on CPU)."""
+    from plait.kernels import dispatch
+    from plait.layers.moe import FusedMoE
+
+    monkeypatch.setattr(dispatch, "_enabled", kernels)
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", kernels and not ON_GPU)
+    x, w13, w2, b13, b2, _, _ = gpt_oss_case(7, E, K, H, INTER, torch.float32, seed=100)
+    kw = dict(renormalize=True, activation=fm.SWIGLU_OAI, bias=True)
+    whole = FusedMoE(E, K, H, INTER, **kw).to(DEVICE)
+    ranks = [FusedMoE(E, K, H, INTER, expert_range=(first, first + 2), **kw).to(DEVICE) for first in (0, 2)]
+    assert ranks[1].gate_up_proj.shape == (2, 2 * INTER, H) and ranks[1].down_bias.shape == (2, H)
+    assert ranks[1].num_experts == 2 and "experts=2..3 of 4" in repr(ranks[1])
+    with torch.no_grad():
+        values = dict(gate_up_proj=w13, down_proj=w2, gate_up_bias=b13, down_bias=b2)
+        for layer, experts_of in ((whole, slice(0, E)), (ranks[0], slice(0, 2)), (ranks[1], slice(2, E))):
+            for name, value in values.items():
+                getattr(layer, name).copy_(value[experts_of])
+        logits = randn(7, E, dtype=torch.float32, seed=102, scale=2.0)
+        assert_close_to_ref(ranks[0](x, logits) + ranks[1](x, logits), whole(x, logits))
+    for bad in ((2, 2), (3, 5), (-1, 2)):
+        with pytest.raises(ValueError, match="not a range of whole experts"):
+            FusedMoE(E, K, H, INTER, expert_range=bad, **kw)
+
+
+def test_fused_moe_refuses_local_experts_of_another_count():
+    w13, w2 = experts(E, H, INTER, torch.float32, seed=40)
+    weights, ids = routing(3, E, K, seed=43)
+    args = dict(x=randn(3, H, dtype=torch.float32, seed=42), w13=w13[:2], w2=w2[:2], topk_weights=weights,
+                topk_ids=ids, local_experts=LocalExperts(0, 3, E))
+    for run in (fused_moe, fused_moe_ref):
+        with pytest.raises(ValueError, match="local_experts holds 3 experts, w13 2"):
+            run(**args)
+
+
 # -- real shapes (GPU) -------------------------------------------------------------------------------------
 
 MODELS = {
@@ -805,6 +959,38 @@ def test_gpu_fused_moe_replays_in_a_cuda_graph(real_experts, t):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(graphed, fused_moe(x, w13, w2, weights, ids))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", [8, 37])  # 64 entries: the GEMV path; 296: the grouped GEMM
+def test_gpu_fused_moe_local_experts_replay_in_a_cuda_graph(real_experts, t):
+    """Expert parallelism at Qwen3-30B-A3B's shapes, a rank holding experts 64..127 of 128: the ids' mapping,
+    the alignment leaving out the dropped entries and the kernels' skips replay in a CUDA graph (a new
+    routing written in place, half the tokens' experts all on the other rank: zeros), and the two ranks'
+    outputs add up to the whole experts' to bf16 rounding (each rank's own rounding of its slots' sum)."""
+    c = MODELS["qwen3-30b-a3b"]
+    w13, w2, _, _ = real_experts("qwen3-30b-a3b")
+    half = c["experts"] // 2
+    x = randn(t, c["hidden"], dtype=BF16, seed=54)
+    weights, ids = routing(t, c["experts"], c["top_k"], seed=55)
+    rank = [lambda first=first: fused_moe(x, w13[first:first + half], w2[first:first + half], weights, ids,
+                                          local_experts=LocalExperts(first, half, c["experts"]))
+            for first in (0, half)]
+    graph, graphed = capture_cuda_graph(rank[1])
+    x.copy_(randn(t, c["hidden"], dtype=BF16, seed=56))
+    new_weights, new_ids = routing(t, c["experts"], c["top_k"], seed=57)
+    new_ids[: t // 2] = torch.arange(c["top_k"], device=DEVICE)  # experts 0..7: rank 0's alone
+    new_ids[t // 2:, 0] = half  # the others' first slot on rank 1's first expert (maybe twice: allowed)
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed, rank[1]())
+    assert not graphed[: t // 2].any() and graphed[t // 2:].abs().amax(dim=1).min() > 0
+    whole = fused_moe(x, w13, w2, weights, ids).float()
+    err = (rank[0]().float() + graphed.float() - whole).abs().max().item()
+    assert err <= 1e-2 * whole.abs().max().item()
 
 
 QWEN_FP8_BLOCK = (128, 128)  # Qwen3-30B-A3B-FP8's weight_block_size

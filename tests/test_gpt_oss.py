@@ -128,6 +128,24 @@ def test_mxfp4_checkpoint_splits_over_two_ranks(tiny_models, tmp_path):
         engine.shutdown()
 
 
+def test_mxfp4_checkpoint_over_two_ranks_holding_whole_experts(tiny_models, tmp_path):
+    """Expert parallelism: each rank keeps its two of the four MXFP4 experts whole (blocks, scales and
+    biases: 96 wide, three blocks, where a split in width would pad), so nothing is padded; transformers'
+    tokens and logits on the dequantised values."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "gpt-oss-mxfp4"
+    oracle = _mxfp4_checkpoint(tiny_models["gpt_oss"], folder)
+    hf = AutoModelForCausalLM.from_pretrained(oracle, dtype=torch.float32, attn_implementation="eager").eval()
+    engine = _mxfp4_engine(folder, tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        experts = engine.runner.model.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.shape[:2] == (2, 2 * 3 * BLOCK_VALUES)  # two experts, gate and up rows
+        assert_greedy_matches_hf(engine, hf, random_prompts(3, 1, 50, seed=10), 8, 1e-4, "gpt_oss mxfp4 ep")
+    finally:
+        engine.shutdown()
+
+
 def test_mxfp4_experts_that_split_in_part_blocks_are_padded(tiny_models, tmp_path):
     """Experts 96 wide (3 MXFP4 blocks) over two ranks: 48 columns a rank would cut a block, so each rank
     takes 64 (2 blocks), rank 1's last 32 of them zero weights past the checkpoint's end (vLLM pads gpt-oss's

@@ -1,7 +1,7 @@
 """Tensor parallelism on GPUs (pytest -m gpu, 2 or more GPUs): a bf16 checkpoint split over two GPUs (NCCL,
 Triton attention, CUDA graphs with the all-reduces captured, overlapped steps) runs the model one GPU runs: a
-dense Llama, and sparse MoE models (Qwen3-MoE, Mixtral, GPT-OSS: every expert's width split, routers
-replicated)."""
+dense Llama, and sparse MoE models (Qwen3-MoE, Mixtral, GPT-OSS: every expert's width split, or under expert
+parallelism half the experts whole on each GPU; routers replicated)."""
 
 from __future__ import annotations
 
@@ -90,15 +90,16 @@ def moe_checkpoint(request, tmp_path_factory):
     return request.param, _save_random(tmp_path_factory, cfg, f"{request.param}-tp")
 
 
-def _engine(folder, tp: int) -> LLMEngine:
+def _engine(folder, tp: int, expert_parallel: bool = False) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(folder), dtype="bfloat16", tensor_parallel_size=tp,
                                   max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=256,
-                                  enable_prefix_caching=False, num_kv_blocks=4096))
+                                  enable_prefix_caching=False, num_kv_blocks=4096,
+                                  enable_expert_parallel=expert_parallel))
 
 
-def _greedy(folder, tp: int, prompts):
+def _greedy(folder, tp: int, prompts, expert_parallel: bool = False):
     """(index -> greedy ids, index -> the logits each was sampled from, the runner's step breakdown)."""
-    engine = _engine(folder, tp)
+    engine = _engine(folder, tp, expert_parallel)
     try:
         ids, logits = run_greedy(engine, prompts, NEW_TOKENS, arrive_every=2, capture_logits=True)
         return ids, logits, engine.runner.breakdown
@@ -123,10 +124,10 @@ def _agreement(want, want_logits, got, got_logits) -> tuple[int, list[float], li
 
 
 def _check_two_gpus_run_the_one_gpu_model(folder, what: str, first_tol: float = FIRST_LOGITS_TOL,
-                                          near_tie: float = NEAR_TIE) -> None:
+                                          near_tie: float = NEAR_TIE, expert_parallel: bool = False) -> None:
     prompts = random_prompts(NUM_PROMPTS, 1, 400, seed=3)
     want, want_logits, _ = _greedy(folder, 1, prompts)
-    got, got_logits, b = _greedy(folder, 2, prompts)
+    got, got_logits, b = _greedy(folder, 2, prompts, expert_parallel)
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
     agree, gaps, first = _agreement(want, want_logits, got, got_logits)
     median = float(torch.tensor(first).median())
@@ -147,6 +148,16 @@ def test_two_gpus_run_the_one_gpu_moe_model(moe_checkpoint):
     (plait.kernels.fused_moe), and the block's output is summed once; the router, replicated, routes alike."""
     family, folder = moe_checkpoint
     _check_two_gpus_run_the_one_gpu_model(folder, family, MOE_FIRST_LOGITS_TOL, MOE_NEAR_TIE)
+
+
+def test_two_gpus_holding_whole_experts_run_the_one_gpu_moe_model(moe_checkpoint):
+    """Expert parallelism (enable_expert_parallel): each GPU holds half the routed experts whole (Qwen3-MoE's
+    8 of 16, Mixtral's and GPT-OSS's 4 of 8) and runs them for every token in the Triton experts, the
+    entries of the other GPU's experts skipped inside the kernels (decode steps in CUDA graphs); the block's
+    output is summed once, as under the split in width."""
+    family, folder = moe_checkpoint
+    _check_two_gpus_run_the_one_gpu_model(folder, f"{family} (expert parallel)", MOE_FIRST_LOGITS_TOL,
+                                          MOE_NEAR_TIE, expert_parallel=True)
 
 
 def test_symmetric_memory_all_reduce_sums_as_nccl(checkpoint):

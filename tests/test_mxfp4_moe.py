@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from conftest import capture_cuda_graph
-from test_fused_moe import randn, routing
+from test_fused_moe import assert_ranks_sum_to_the_whole, poisoned_empty, randn, routing  # noqa: F401
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -246,6 +246,18 @@ def test_fused_moe_mxfp4_matches_ref(dtype, path):
     assert torch.equal(want, fused_moe_ref(x, d["w13"], d["w2"], weights, ids, **kw))
     allowed = FP32_REL_TOL / torch.finfo(torch.float32).eps if dtype == torch.float32 else BF16_REF_ULPS
     assert ref_error_units(got, want) <= allowed
+
+
+@pytest.mark.parametrize("path", sorted(PATH_TOKENS))
+def test_fused_moe_mxfp4_local_experts(poisoned_empty, path):  # noqa: F811 - the fixture imported above
+    """Expert parallelism with gpt-oss's MXFP4 experts: their codes, E8M0 scales and biases split by expert,
+    two ranks add up to the whole (test_fused_moe's assert_ranks_sum_to_the_whole), in fp32."""
+    hidden, inter, t = 64, 64, PATH_TOKENS[path][-1]
+    weights, ids = routing(t, E, K, seed=24)
+    args = dict(x=randn(t, hidden, dtype=torch.float32, seed=23, scale=OAI_X_SCALE), topk_weights=weights,
+                topk_ids=ids, **mxfp4_experts(E, hidden, inter, seed=20),
+                **mlp_kw("gpt_oss", E, hidden, inter, torch.float32, seed=22))
+    assert_ranks_sum_to_the_whole(args, gemv=path == "gemv")
 
 
 @pytest.mark.parametrize("bad", ["hidden_48", "inter_48", "block", "no_w13_scale", "w2_scale_shape",

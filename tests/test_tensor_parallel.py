@@ -11,8 +11,9 @@ import torch
 from conftest import assert_engines_agree, assert_greedy_matches_hf, plait_serve_process, random_prompts
 from test_moe import _copy_model_folder, moe_models  # noqa: F401 - moe_models: the tiny MoE checkpoints
 
-from plait.config import EngineConfig
+from plait.config import EngineConfig, ModelConfig
 from plait.engine.engine import LLMEngine
+from plait.layers.moe import FusedMoE, LocalExperts
 from plait.parallel.workers import WorkerError
 from plait.sampling_params import SamplingParams
 
@@ -62,15 +63,47 @@ def test_two_ranks_split_experts(moe_models, family):  # noqa: F811 - the fixtur
         engine.shutdown()
 
 
-def test_two_ranks_split_stacked_experts(moe_models, tmp_path):  # noqa: F811
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["width", "whole-experts"])
+def test_two_ranks_split_stacked_experts(moe_models, tmp_path, expert_parallel):  # noqa: F811
     """transformers 5's stacked experts (experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]): each
-    rank's gate and up rows and down columns of every expert at once."""
+    rank's gate and up rows and down columns of every expert at once, or under expert parallelism its
+    experts' rows of each stack."""
     folder, hf = moe_models["qwen3_moe"]
     _copy_model_folder(folder, tmp_path / "stacked",
                        {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"})  # tied
-    engine = _engine(tmp_path / "stacked", 2)
+    engine = _engine(tmp_path / "stacked", 2, enable_expert_parallel=expert_parallel)
     try:
         assert_greedy_matches_hf(engine, hf, random_prompts(3, 1, 50, seed=14), MAX_TOKENS, LOGITS_ATOL)
+    finally:
+        engine.shutdown()
+
+
+def _hf_model(tiny_models, moe_models, family: str) -> tuple:  # noqa: F811
+    """(folder, transformers' model) of a tiny MoE family: test_moe's, or conftest's GPT-OSS."""
+    if family != "gpt_oss":
+        return moe_models[family]
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_models[family]
+    return folder, AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                        attn_implementation="eager").eval()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
+def test_two_ranks_hold_whole_experts(tiny_models, moe_models, family):  # noqa: F811
+    """Expert parallelism (enable_expert_parallel): each rank holds half the routed experts whole (the
+    driver the first half, at their full width), Qwen2-MoE's gated shared expert and dense layer still
+    split in width, GPT-OSS's biased experts each biased on its own rank alone, the router replicated and
+    the block's output summed once: transformers' tokens and logits."""
+    folder, hf = _hf_model(tiny_models, moe_models, family)
+    engine = _engine(folder, 2, enable_expert_parallel=True)
+    try:
+        full = ModelConfig.from_hf(hf.config.to_dict()).moe
+        experts = next(m for m in engine.runner.model.modules() if isinstance(m, FusedMoE))
+        assert experts.local_experts == LocalExperts(0, full.num_experts // 2, full.num_experts)
+        assert experts.intermediate_size == full.intermediate_size
+        assert_greedy_matches_hf(engine, hf, random_prompts(4, 1, 60, seed=13), MAX_TOKENS, LOGITS_ATOL,
+                                 family)
     finally:
         engine.shutdown()
 
@@ -147,6 +180,16 @@ def test_refused_splits(tiny_llama, knobs, message):
         LLMEngine(EngineConfig(model=str(tiny_llama), **knobs))
 
 
+def test_refused_expert_parallelism(tiny_llama, moe_models):  # noqa: F811
+    """Whole experts need as many on every rank (6 over 4 ranks: no), and more than one rank (plait's
+    data-parallel replicas share no experts)."""
+    with pytest.raises(ValueError, match="tensor_parallel_size 4 must divide the model's 6 routed experts"):
+        LLMEngine(EngineConfig(model=str(moe_models["mixtral"][0]), tensor_parallel_size=4,
+                               enable_expert_parallel=True))
+    with pytest.raises(ValueError, match="needs tensor_parallel_size > 1"):
+        EngineConfig(model=str(tiny_llama), enable_expert_parallel=True)
+
+
 def test_refused_architecture(tiny_models):
     """OLMo normalises q and k across all heads at once: a rank holds only some of them."""
     with pytest.raises(ValueError, match="Olmo2ForCausalLM cannot be split across devices"):
@@ -221,3 +264,51 @@ def test_slices_of_every_rank_make_the_whole(tiny_llama):
                        tensors[layer + "down_proj.weight"])
     assert torch.equal(shards[0][layer + "down_proj.bias"], tensors[layer + "down_proj.bias"])
     assert not shards[1][layer + "down_proj.bias"].any()
+
+
+def test_expert_parallel_slices_hold_whole_experts(tiny_llama, moe_models):  # noqa: F811
+    """Under expert parallelism rank r of 2 keeps experts 3r..3r+2 of 6 (per-expert tensors, Mixtral's names
+    and FP8 scales too, renumbered from 0; stacks' rows, biases included: an expert's down bias is its own
+    rank's, not the driver's alone), Qwen2-MoE's shared expert still split in width, the router whole; the
+    ranks' shares put back together are the checkpoint's tensors, and of_rank is shard_for's other rank. A
+    dense model splits as without it (vLLM ignores the flag there)."""
+    import json
+
+    from plait.parallel.shard import experts_of_rank, shard_for
+
+    folder, _ = moe_models["qwen2_moe"]
+    full = ModelConfig.from_hf(json.loads((folder / "config.json").read_text()))
+    moe, hidden, layer = full.moe, full.hidden_size, "model.layers.0."
+    g = torch.Generator().manual_seed(0)
+    stacked = {f"{layer}mlp.experts.{name}": torch.randn(moe.num_experts, *shape, generator=g)
+               for name, shape in (("gate_up_proj", (2 * moe.intermediate_size, hidden)),
+                                   ("down_proj", (hidden, moe.intermediate_size)),
+                                   ("gate_up_bias", (2 * moe.intermediate_size,)), ("down_bias", (hidden,)))}
+    one = {f"{layer}mlp.experts.4.up_proj.weight": torch.randn(moe.intermediate_size, hidden, generator=g),
+           f"{layer}mlp.experts.4.up_proj.weight_scale_inv": torch.rand(1, 1, generator=g),
+           f"{layer}block_sparse_moe.experts.1.w2.weight": torch.randn(hidden, moe.intermediate_size,
+                                                                      generator=g)}
+    replicated = {f"{layer}mlp.gate.weight": torch.randn(moe.num_experts, hidden, generator=g)}
+    shared = {f"{layer}mlp.shared_expert.down_proj.weight": torch.randn(hidden, moe.shared_intermediate_size,
+                                                                        generator=g)}
+    tensors = stacked | one | replicated | shared
+    shards = [shard_for(full, rank, 2, expert_parallel=True) for rank in range(2)]
+    assert [s.expert_range for s in shards] == [experts_of_rank(6, r, 2) for r in (0, 1)] == [(0, 3), (3, 6)]
+    assert shards[0].of_rank(1) == shards[1]
+    assert shards[1].local.moe.intermediate_size == moe.intermediate_size
+    assert shards[1].local.moe.shared_intermediate_size == moe.shared_intermediate_size // 2
+    slices = [dict(s.checkpoint(tensors.items())) for s in shards]
+    for name, whole in stacked.items():
+        assert torch.equal(torch.cat([s[name] for s in slices]), whole), name
+    every_rank = set(stacked | replicated | shared)
+    assert set(slices[0]) == every_rank | {f"{layer}block_sparse_moe.experts.1.w2.weight"}  # its own number
+    renamed = {f"{layer}mlp.experts.1.up_proj.weight", f"{layer}mlp.experts.1.up_proj.weight_scale_inv"}
+    assert set(slices[1]) == every_rank | renamed
+    for old in ("weight", "weight_scale_inv"):
+        assert slices[1][f"{layer}mlp.experts.1.up_proj.{old}"] is one[f"{layer}mlp.experts.4.up_proj.{old}"]
+    for s in slices:
+        assert torch.equal(s[f"{layer}mlp.gate.weight"], replicated[f"{layer}mlp.gate.weight"])
+    name = f"{layer}mlp.shared_expert.down_proj.weight"
+    assert torch.equal(torch.cat([s[name] for s in slices], dim=1), shared[name])
+    dense = ModelConfig.from_hf(json.loads((tiny_llama / "config.json").read_text()))
+    assert dense.moe is None and shard_for(dense, 1, 2, expert_parallel=True) == shard_for(dense, 1, 2)

@@ -29,7 +29,7 @@ _ENGINE_FLAGS = (
     "attention_backend", "enforce_eager", "cuda_graph_sizes", "async_scheduling", "warm_up",
     "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras", "quantization",
     "kv_cache_dtype", "speculative_config", "runner", "convert", "pooler_config", "hf_overrides",
-    "tensor_parallel_size",
+    "tensor_parallel_size", "enable_expert_parallel",
     "override_generation_config", "max_logprobs", "logprobs_mode", "tokenizer", "tokenizer_revision",
     "skip_tokenizer_init", "revision",
     "download_dir",
@@ -107,6 +107,9 @@ _FLAG_HELP = {
     "tensor_parallel_size": "as vLLM's: split the model's attention heads, MLP and experts across this many "
                             "GPUs (cuda:0..N-1), one process each; the Llama family's models, MoE ones "
                             "included (default: 1)",
+    "enable_expert_parallel": "as vLLM's: with --tensor-parallel-size N, a MoE model's routed experts are "
+                              "dealt out whole, E / N to each GPU, instead of split in width; "
+                              "attention and dense layers stay split. Ignored by dense models (default: off)",
     "limit_mm_per_prompt": "as vLLM's, a JSON object: '{\"image\": 2}' refuses prompts with more images than "
                            "that (default: no limit but the context's length)",
     "override_generation_config": "as vLLM's, a JSON object of generation_config.json fields over the "
@@ -288,7 +291,7 @@ _LIST_FLAGS = frozenset({"cuda_graph_sizes", "logits_processors"})
 # vLLM's other names for engine flags.
 _FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "num_kv_blocks": ("--num-gpu-blocks-override",),
                  "pooler_config": ("--override-pooler-config",),
-                 "compilation_config": ("-cc",)}
+                 "compilation_config": ("-cc",), "enable_expert_parallel": ("-ep",)}
 
 
 def _arg_type(hint: Any) -> type:

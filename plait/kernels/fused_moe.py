@@ -32,6 +32,12 @@
 # registers to x's dtype (_mxfp4_tile), then takes the 16-bit weights' dot or fp32 lanes. Every FP4 value
 # times a power of two is exact in fp32 and bf16, so with the same tiles the kernels compute on exactly
 # dequantize_mxfp4's weights: the same results, bit for bit, as on those weights in 16 bits.
+#
+# Expert parallelism (local_experts: plait.layers.moe.LocalExperts): w13 / w2 hold a rank's experts alone,
+# and topk_ids are global. The ids become indices into the held experts, those of experts held elsewhere
+# one past them (the "dropped" id, E): moe_align sorts dropped entries after every group and leaves them
+# out, so no GEMM block holds them; a GEMV program of one returns at once; the slot sum skips their rows,
+# which nothing wrote. Each rank's output is then its experts' share, which the ranks' all-reduce sums.
 
 from __future__ import annotations
 
@@ -55,6 +61,7 @@ from plait.layers.moe import (  # the names fused_moe takes (layers.moe: importa
     GPT_OSS_SWIGLU_LIMIT,
     SILU,
     SWIGLU_OAI,
+    LocalExperts,
 )
 from plait.layers.mxfp4 import BLOCK_VALUES, CODES_PER_BYTE, MXFP4_DTYPE, dequantize_mxfp4
 
@@ -144,6 +151,8 @@ MXFP4_LARGE_BLOCK_M = 128
 MXFP4_LARGE_STAGES = 3
 GEMV_WARPS = 4
 GEMV_STAGES = 2
+# The kernels' DROPPED_ID where no entry is dropped (every routed expert held here): no id equals it.
+NO_DROPPED_ID = tl.constexpr(-1)
 
 
 @dataclass(frozen=True)
@@ -193,12 +202,14 @@ def max_padded(num_entries: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(padded, block_m) * block_m
 
 
-def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlignment:
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int, dropped: bool = False) -> MoeAlignment:
     """Group the T * k entries by expert, each group padded to a multiple of block_m (see MoeAlignment).
 
     Sync-free torch ops only (every shape a function of T, k, E, block_m), so it can be captured in a CUDA
     graph. Ids must lie in [0, E): that is not checked (it would need a host sync); on CUDA an id past E
-    trips an indexing device-side assert."""
+    trips an indexing device-side assert. dropped: ids may also be E, entries routed to experts held by
+    another rank (LocalExperts.local_ids): they sort after every group and are left out of sorted_ids, so no
+    block holds them and nothing computes them."""
     # topk_ids: [T, k] int32 / int64
     num_entries = topk_ids.numel()
     device = topk_ids.device
@@ -216,8 +227,17 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoeAlig
     group_end = torch.cumsum(padded_counts, 0)  # [E]: where each expert's padded group ends
     group_start = group_end - padded_counts  # [E]
     rank = torch.arange(num_entries, device=device) - first_sorted[experts]  # position within its group
-    sorted_ids = torch.full((padded_len,), pad_entry(*topk_ids.shape), dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, group_start[experts] + rank, order.to(torch.int32))
+    if dropped:
+        # Dropped entries (id E) all go to one slot past the end, cut off below (which of them lands there
+        # last does not matter).
+        slots = torch.where(experts < num_experts, group_start[experts.clamp(max=num_experts - 1)] + rank,
+                            padded_len)
+    else:
+        slots = group_start[experts] + rank
+    sorted_ids = torch.full((padded_len + int(dropped),), pad_entry(*topk_ids.shape), dtype=torch.int32,
+                            device=device)
+    sorted_ids.scatter_(0, slots, order.to(torch.int32))
+    sorted_ids = sorted_ids[:padded_len]
     block_starts = torch.arange(0, padded_len, block_m, device=device)  # [num_blocks]
     # The expert whose group holds each block's first slot: groups are [start, end), and empty experts'
     # (start == end) are skipped by right=True. Blocks past every group would get E: clamped to a valid id.
@@ -544,16 +564,21 @@ def _moe_gemv_kernel(
     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
     PDL: tl.constexpr, W8A8: tl.constexpr = False, WEIGHT_BLOCK_N: tl.constexpr = 1,
     HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = _SILU_ID, W_MXFP4: tl.constexpr = False,
+    DROPPED_ID: tl.constexpr = NO_DROPPED_ID,
 ):
     # _moe_gemm_kernel's result for one entry (grid: entries x column tiles) without the alignment: the
     # entry's expert comes straight from topk_ids. Products add up along K in fp32 lanes, reduced at the end;
-    # the same _epilogue (biases, activation, roundings) then.
+    # the same _epilogue (biases, activation, roundings) then. An entry whose id is DROPPED_ID (expert
+    # parallelism: an expert held elsewhere) returns at once: no weight read, no row stored.
     # W8A8 (see _moe_gemm_kernel; BLOCK_K is the weight's bk, BLOCK_N divides bn): each K block's products
     # of codes are reduced at once and scaled by the entry row's and the tile's scales into fp32 [BLOCK_N].
     # W_MXFP4 (see _moe_gemm_kernel): each K step's weights decoded (_mxfp4_lanes) into the same fp32 lanes.
     pdl_prologue(PDL)
     entry = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + entry).to(tl.int64)
+    if DROPPED_ID != NO_DROPPED_ID:
+        if expert == DROPPED_ID:
+            return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_rows = tl.minimum(offs_n, N - 1).to(tl.int64)  # columns past N re-read the last row, never stored
@@ -679,15 +704,22 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool
 
 
 @triton.jit
-def _moe_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    # out[t] = sum over slots j of y[t * TOP_K + j], in slot order, in fp32: fixed order, no atomics.
+def _moe_sum_kernel(y_ptr, out_ptr, ids_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr,
+                    DROPPED_ID: tl.constexpr = NO_DROPPED_ID):
+    # out[t] = sum over slots j of y[t * TOP_K + j], in slot order, in fp32: fixed order, no atomics. Slots
+    # whose id (ids: [T * TOP_K], by entry) is DROPPED_ID were never computed: their rows are not read
+    # (they add 0, which leaves the fp32 sum of the others exact).
     pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = cols < H
     acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
     for j in tl.static_range(TOP_K):
-        acc += tl.load(y_ptr + (token * TOP_K + j) * H + cols, mask=mask, other=0.0).to(tl.float32)
+        entry = token * TOP_K + j
+        keep = mask
+        if DROPPED_ID != NO_DROPPED_ID:
+            keep = mask & (tl.load(ids_ptr + entry) != DROPPED_ID)
+        acc += tl.load(y_ptr + entry * H + cols, mask=keep, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -829,8 +861,13 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                   activation: str = SILU, swiglu_alpha: float = GPT_OSS_SWIGLU_ALPHA,
-                  swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT) -> torch.Tensor:
+                  swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT, local_experts: LocalExperts | None = None
+                  ) -> torch.Tensor:
     """HF transformers 5's MixtralExperts.forward, in its order of operations (host syncs: the CPU path).
+
+    local_experts (expert parallelism): topk_ids are global ids among local_experts.total, w13 and w2 (and
+    their biases and scales) hold experts local_experts.first.. alone; entries routed to the others add
+    nothing (HF's loop skips the one-hot class past the held experts, as its expert-parallel experts do).
 
     With biases (w13_bias [E, 2I]: gate, then up; w2_bias [E, H]) and / or activation "swiglu_oai"
     (swiglu_oai_ref with swiglu_alpha and swiglu_limit): GptOssExperts.forward on w13 de-interleaved into
@@ -853,6 +890,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     mlp = _ExpertMlp(activation=activation, w13_bias=w13_bias, w2_bias=w2_bias, swiglu_alpha=swiglu_alpha,
                      swiglu_limit=swiglu_limit)
     fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, mlp)
+    topk_ids, _ = _held_ids(topk_ids, local_experts, w13)
     if fp8_block is not None:
         return _fp8_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, fp8_block)
     mxfp4 = is_mxfp4(w13)
@@ -883,7 +921,8 @@ def _activation_ref(gate: torch.Tensor, up: torch.Tensor, mlp: _ExpertMlp) -> to
 def _routed_entries(topk_ids: torch.Tensor, num_experts: int
                     ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
     """(expert, slots, tokens) for each expert some token picked, in increasing expert order; its entries by
-    slot, then by token, as HF's loop takes them from its [E + 1, k, T] one-hot mask."""
+    slot, then by token, as HF's loop takes them from its [E + 1, k, T] one-hot mask (whose class E, entries
+    routed to experts held elsewhere, it skips)."""
     expert_mask = F.one_hot(topk_ids.long(), num_classes=num_experts + 1).permute(2, 1, 0)
     hit = (expert_mask.sum(dim=(-1, -2)) > 0).nonzero()
     for expert in hit[:, 0].tolist():
@@ -979,9 +1018,9 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: to
 def _launch_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor,
                  topk_ids: torch.Tensor, n: int, a_row_div: int, gate_up: bool,
                  fp8: _Fp8Operands | None = None, mlp: _ExpertMlp = _ExpertMlp(),
-                 mx_scale: torch.Tensor | None = None) -> None:
+                 mx_scale: torch.Tensor | None = None, dropped_id: int | None = None) -> None:
     # a: [rows, K]; w: [E, N (2N for gate_up), K] (MXFP4: K / 2 bytes, mx_scale [E, N, K / 32]);
-    # out: [T*k, N], rows by entry id
+    # out: [T*k, N], rows by entry id (but dropped_id's entries: not written)
     k, on_cuda = a.shape[1], a.is_cuda
     # The interpreter runs each program in Python: few, wide ones there (CPU_BLOCK_K: one MXFP4 group).
     gemv_k = GEMV_BLOCK_K if mx_scale is None else MXFP4_GEMV_BLOCK_K
@@ -1002,7 +1041,24 @@ def _launch_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: to
         **epilogue_constexprs,
         **({} if fp8 is None else dict(W8A8=True, WEIGHT_BLOCK_N=fp8.block[0])),
         **({} if mx_scale is None else dict(W_MXFP4=True)),
+        **_dropped_args(dropped_id),
     )
+
+
+def _dropped_args(dropped_id: int | None) -> dict:
+    """The kernels' DROPPED_ID constexpr: left at its default (nothing dropped) unless there is one."""
+    return {} if dropped_id is None else dict(DROPPED_ID=dropped_id)
+
+
+def _held_ids(topk_ids: torch.Tensor, local_experts: LocalExperts | None, w13: torch.Tensor
+              ) -> tuple[torch.Tensor, int | None]:
+    """topk_ids as indices into w13's experts, and the id that marks entries routed to experts held
+    elsewhere (None: every routed expert is held here)."""
+    if local_experts is None:
+        return topk_ids, None
+    if local_experts.count != w13.shape[0]:
+        raise ValueError(f"local_experts holds {local_experts.count} experts, w13 {w13.shape[0]}")
+    return local_experts.local_ids(topk_ids), local_experts.count
 
 
 def _unit_stride(bias: torch.Tensor | None) -> torch.Tensor | None:
@@ -1015,12 +1071,17 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
               block: tuple[int, int] | None = None, w13_bias: torch.Tensor | None = None,
               w2_bias: torch.Tensor | None = None, activation: str = SILU,
-              swiglu_alpha: float = GPT_OSS_SWIGLU_ALPHA, swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT
-              ) -> torch.Tensor:
+              swiglu_alpha: float = GPT_OSS_SWIGLU_ALPHA, swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT,
+              local_experts: LocalExperts | None = None) -> torch.Tensor:
     """fused_moe_ref in Triton: no host syncs, no atomics, CUDA-graph capturable; config overrides
     moe_config's pick of grouped-GEMM tiles, gemv the choice of the alignment-free path for few entries
-    (None: up to GEMV_MAX_ENTRIES; tests and sweeps force either). w13_bias, w2_bias, activation and the
-    swiglu parameters as fused_moe_ref takes them, on every path (16/32-bit and MXFP4 experts).
+    (None: up to GEMV_MAX_ENTRIES; tests and sweeps force either). w13_bias, w2_bias, activation, the
+    swiglu parameters and local_experts as fused_moe_ref takes them, on every path (16/32-bit, FP8 and
+    MXFP4 experts).
+
+    local_experts (expert parallelism): entries routed to experts not held here are never computed: their
+    ids become the held count (LocalExperts.local_ids), which moe_align leaves out of every block, the GEMV
+    returns on at once, and the slot sum skips; a token none of whose experts is held gets zeros.
 
     Rounding differs from the reference where the reference rounds more: without w2_bias the down
     projection's fp32 sum is multiplied by the routing weight before its one rounding (with it, the kernel
@@ -1046,15 +1107,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, mlp)
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
         raise ValueError("w13 and w2 need unit stride along their last (input) dimension")
+    topk_ids, dropped_id = _held_ids(topk_ids, local_experts, w13)
     (num_tokens, hidden), (num_experts, two_i, _) = x.shape, w13.shape
     top_k, inter = topk_ids.shape[1], two_i // 2
+    # Each held expert gets about T * k / (all routed experts) rows: what moe_config's tiles follow.
+    routed_experts = num_experts if local_experts is None else local_experts.total
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)
     if num_tokens == 0 or hidden == 0:
         return out
     if inter == 0:  # experts of width 0 add nothing
         return out.zero_()
     mxfp4 = is_mxfp4(w13)
-    cfg = config or moe_config(num_tokens, top_k, num_experts, hidden, inter, x.dtype, on_cuda=x.is_cuda,
+    cfg = config or moe_config(num_tokens, top_k, routed_experts, hidden, inter, x.dtype, on_cuda=x.is_cuda,
                                mxfp4=mxfp4)
     x = x if x.stride(-1) == 1 else x.contiguous()  # rows may be strided: the kernel takes stride(0)
     topk_w = topk_weights.reshape(-1).contiguous()  # [T*k], by entry id
@@ -1069,12 +1133,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         fp8_up = _Fp8Operands(x_scale, w13_scale, fp8_block)
     gemv_max = MXFP4_GEMV_MAX_ENTRIES if mxfp4 else GEMV_MAX_ENTRIES
     use_gemv = gemv if gemv is not None else (config is None and num_entries <= gemv_max)
+    flat_ids = topk_ids.reshape(-1).contiguous()  # [T*k], by entry id
     if use_gemv:
-        flat_ids = topk_ids.reshape(-1).contiguous()  # [T*k], by entry id
         _launch_gemv(a_up, w13, h, topk_w, flat_ids, inter, top_k, gate_up=True, fp8=fp8_up, mlp=mlp,
-                     mx_scale=mx_up)
+                     mx_scale=mx_up, dropped_id=dropped_id)
     else:
-        align = moe_align(topk_ids, num_experts, cfg.block_m)
+        align = moe_align(topk_ids, num_experts, cfg.block_m, dropped=dropped_id is not None)
         _launch_gemm(a_up, w13, h, topk_w, align, inter, top_k, cfg, gate_up=True, fp8=fp8_up, mlp=mlp,
                      mx_scale=mx_up)
     a_down = h
@@ -1083,11 +1147,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         fp8_down = _Fp8Operands(h_scale, w2_scale, fp8_block)
     if use_gemv:
         _launch_gemv(a_down, w2, y, topk_w, flat_ids, hidden, 1, gate_up=False, fp8=fp8_down, mlp=mlp,
-                     mx_scale=mx_down)
+                     mx_scale=mx_down, dropped_id=dropped_id)
     else:
         _launch_gemm(a_down, w2, y, topk_w, align, hidden, 1, cfg, gate_up=False, fp8=fp8_down, mlp=mlp,
                      mx_scale=mx_down)
     block_h = min(SUM_BLOCK_H, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-        y, out, hidden, TOP_K=top_k, BLOCK_H=block_h, num_warps=4, **pdl_args(y))
+        y, out, flat_ids, hidden, TOP_K=top_k, BLOCK_H=block_h, num_warps=4, **pdl_args(y),
+        **_dropped_args(dropped_id))
     return out

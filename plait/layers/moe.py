@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -47,6 +49,26 @@ def default_fp8_block(intermediate_size: int) -> tuple[int, int]:
     return bn, bk
 
 
+@dataclass(frozen=True)
+class LocalExperts:
+    """Expert parallelism: the routed experts one rank holds, global ids [first, first + count) of the
+    ``total`` its router picks among. Entries routed to the others are computed by their ranks (the block's
+    output is summed over the ranks afterwards), so here they contribute nothing."""
+
+    first: int
+    count: int
+    total: int
+
+    def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The routed (global) ids as indices into the held experts; an entry routed to an expert held
+        elsewhere gets ``count``, one past the held experts (the kernels' dropped id). Elementwise ops only:
+        no host sync, CUDA-graph capturable."""
+        # topk_ids: [T, k] global ids -> [T, k] local ids, same dtype
+        local = topk_ids - self.first
+        held = (local >= 0) & (local < self.count)
+        return torch.where(held, local, self.count)
+
+
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's top_k experts and their weights, as HF's routers compute them: a softmax over every
     expert in fp32, the top_k probabilities, renormalised to sum to one where the model says so
@@ -57,6 +79,15 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
+
+
+def _local_experts(expert_range: tuple[int, int] | None, num_experts: int) -> LocalExperts | None:
+    if expert_range is None:
+        return None
+    first, end = expert_range
+    if not 0 <= first < end <= num_experts:
+        raise ValueError(f"expert_range {expert_range} is not a range of whole experts among {num_experts}")
+    return LocalExperts(first, end - first, num_experts)
 
 
 class FusedMoE(nn.Module):
@@ -81,29 +112,37 @@ class FusedMoE(nn.Module):
     (W4A16): two E2M1 codes a byte along the input dimension (gate_up_proj uint8 [E, 2I, H / 2], down_proj
     [E, H, I / 2]) and an E8M0 scale byte per 32 inputs (gate_up_scale [E, 2I, H / 32], down_scale
     [E, H, I / 32]), decoded inside the kernels' K loops; load_mxfp4 takes each stack whole (or
-    fill_random_mxfp4 draws them)."""
+    fill_random_mxfp4 draws them).
+
+    expert_range (first, end): expert parallelism (plait.parallel.shard). The router still picks among all
+    ``num_experts``, but the stacks hold experts [first, end) alone (E above is their count, and
+    num_experts then is too), whole; entries routed to the others contribute nothing here (LocalExperts)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, *, activation: str = SILU, bias: bool = False,
-                 swiglu_alpha: float = GPT_OSS_SWIGLU_ALPHA, swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT
-                 ) -> None:
+                 swiglu_alpha: float = GPT_OSS_SWIGLU_ALPHA, swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT,
+                 expert_range: tuple[int, int] | None = None) -> None:
         super().__init__()
         if not 0 < top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok {top_k} must be in 1..num_experts ({num_experts})")
         if activation not in ACTIVATIONS:
             raise ValueError(f"expert activation must be one of {ACTIVATIONS}, got {activation!r}")
-        self.num_experts, self.top_k, self.renormalize = num_experts, top_k, renormalize
+        self.local_experts = _local_experts(expert_range, num_experts)
+        # The stacks' experts: every one, or under expert parallelism this rank's (checkpoint tensors and
+        # load_expert index them from 0 all the same).
+        num_held = num_experts if self.local_experts is None else self.local_experts.count
+        self.num_experts, self.top_k, self.renormalize = num_held, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
         device = deferred_device()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size,
+        self.gate_up_proj = nn.Parameter(torch.empty(num_held, 2 * intermediate_size, hidden_size,
                                                      device=device), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=device),
+        self.down_proj = nn.Parameter(torch.empty(num_held, hidden_size, intermediate_size, device=device),
                                       requires_grad=False)
         if bias:
-            self.gate_up_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, device=device),
+            self.gate_up_bias = nn.Parameter(torch.empty(num_held, 2 * intermediate_size, device=device),
                                              requires_grad=False)
-            self.down_bias = nn.Parameter(torch.empty(num_experts, hidden_size, device=device),
+            self.down_bias = nn.Parameter(torch.empty(num_held, hidden_size, device=device),
                                           requires_grad=False)
         else:
             self.register_parameter("gate_up_bias", None)
@@ -135,7 +174,8 @@ class FusedMoE(nn.Module):
         """fused_moe's (and fused_moe_ref's) keywords beyond the weights: biases, activation, FP8 or MXFP4
         scales."""
         kwargs = dict(w13_bias=self.gate_up_bias, w2_bias=self.down_bias, activation=self.activation,
-                      swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit)
+                      swiglu_alpha=self.swiglu_alpha, swiglu_limit=self.swiglu_limit,
+                      local_experts=self.local_experts)
         if self.weight_format != FLOAT_WEIGHTS:
             kwargs.update(w13_scale=self.gate_up_scale, w2_scale=self.down_scale, block=self.block)
         return kwargs
@@ -299,6 +339,9 @@ class FusedMoE(nn.Module):
         act = self.activation
         if act == SWIGLU_OAI:
             act += f"(alpha={self.swiglu_alpha}, limit={self.swiglu_limit})"
-        return (f"experts={self.num_experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
+        held, experts = self.local_experts, f"{self.num_experts}"
+        if held is not None:
+            experts = f"{held.first}..{held.first + held.count - 1} of {held.total}"
+        return (f"experts={experts}, top_k={self.top_k}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size}, activation={act}, "
                 f"bias={self.gate_up_bias is not None}{kind}")

@@ -89,8 +89,8 @@ def load_model(
     # MXFP4 experts split in whole 32-value blocks: a width that does not (gpt-oss's 2,880 over 4 ranks) is
     # padded with zero weights.
     expert_block = mxfp4.BLOCK_VALUES if mxfp4_experts else 1
-    shard = (shard_for(model_config, parallel.rank, parallel.world_size, expert_block)
-             if parallel is not None else None)
+    shard = (shard_for(model_config, parallel.rank, parallel.world_size, expert_block,
+                       config.enable_expert_parallel) if parallel is not None else None)
     positions = max_positions or model_config.max_position_embeddings
     # A quantised checkpoint is served as it is without --quantization, as vLLM reads its quantization_config:
     # GPTQ / AWQ integer weights (the flag may only repeat the method), or FP8, whose scheme (per-row or

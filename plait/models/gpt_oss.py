@@ -51,7 +51,8 @@ class GptOssMoE(nn.Module):
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size,
                                 renormalize=True, activation=SWIGLU_OAI, bias=True,
                                 swiglu_alpha=raw.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA),
-                                swiglu_limit=raw.get("swiglu_limit", GPT_OSS_SWIGLU_LIMIT))
+                                swiglu_limit=raw.get("swiglu_limit", GPT_OSS_SWIGLU_LIMIT),
+                                expert_range=moe.expert_range)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]

@@ -96,7 +96,7 @@ class SparseMoeBlock(nn.Module):
         moe = cfg.moe
         self.gate = Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size,
-                                moe.renormalize)
+                                moe.renormalize, expert_range=moe.expert_range)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:
             self.shared_expert = MLP(cfg, moe.shared_intermediate_size)

@@ -1,7 +1,13 @@
 """How a model is cut across tensor-parallel ranks, applied from outside it: each rank builds the model of
 a narrower config (its share of the heads, of the MLP and of every expert), takes its slice of every
 checkpoint tensor, and sums the attention's and the feed-forward's outputs over the ranks (Megatron's column
-/ row split)."""
+/ row split).
+
+Under expert parallelism (vLLM's enable_expert_parallel) a MoE model's routed experts are dealt out whole
+instead: rank r of N holds experts [r * E / N, (r + 1) * E / N) at their full width, renumbered from 0, and
+computes their share of every token's output (the router, replicated, still picks among all E); the MoE
+block's sum over the ranks is the same all-reduce. Attention, dense MLPs and shared experts split as
+before."""
 
 from __future__ import annotations
 
@@ -40,6 +46,11 @@ FFN_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\."
                         r"(experts\.\d+\.|experts\.|shared_expert\.)?"
                         r"(gate_proj|up_proj|down_proj|gate_up_proj|gate_up_bias|down_bias|w1|w2|w3)"
                         r"(_blocks|_scales)?(?:\.(weight|bias))?$")
+# Under expert parallelism, a routed expert's tensor: one expert's (``mlp.experts.3.up_proj.weight``,
+# Mixtral's ``block_sparse_moe.experts.3.w1.weight``, an FP8 one's ``weight_scale_inv``), its index
+# captured, or a stack of every expert's along dim 0 (``mlp.experts.gate_up_proj``, ``down_bias``, GPT-OSS's
+# MXFP4 ``down_proj_blocks`` and ``_scales``).
+EXPERT_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(?:(\d+)\.)?\w")
 # FusedMoE's stacked expert biases: the projection each belongs to.
 STACKED_EXPERT_BIASES = {"gate_up_bias": "gate_up_proj", "down_bias": "down_proj"}
 # The E8M0 scale (2^0) of the MXFP4 blocks that pad experts to whole blocks a rank: their codes are zeros, so
@@ -53,7 +64,8 @@ ROW_PARALLEL = ("down_proj", "w2")
 
 @dataclasses.dataclass(frozen=True)
 class Shard:
-    """One rank's share of a model: which heads, which MLP and expert columns (made by shard_for)."""
+    """One rank's share of a model: which heads, which MLP and expert columns, or which whole experts
+    (made by shard_for)."""
 
     rank: int
     world_size: int
@@ -61,9 +73,18 @@ class Shard:
     local: ModelConfig  # this rank's: what its model is built from (its experts' width padded: shard_for)
 
     def of_rank(self, rank: int) -> Shard:
-        """Another rank's share of the same split: only the rank differs (every rank builds the same local
-        config)."""
-        return dataclasses.replace(self, rank=rank)
+        """Another rank's share of the same split: the rank differs, and under expert parallelism which
+        experts its local config holds (every rank's is otherwise the same)."""
+        local = self.local
+        if self.expert_range is not None:
+            experts = experts_of_rank(self.full.moe.num_experts, rank, self.world_size)
+            local = dataclasses.replace(local, moe=dataclasses.replace(local.moe, expert_range=experts))
+        return dataclasses.replace(self, rank=rank, local=local)
+
+    @property
+    def expert_range(self) -> tuple[int, int] | None:
+        """Expert parallelism: the global ids [first, end) of the routed experts this rank holds; or None."""
+        return None if self.local.moe is None else self.local.moe.expert_range
 
     @property
     def is_driver(self) -> bool:
@@ -141,11 +162,30 @@ class Shard:
         gate, up = t.chunk(2, dim=rows)  # gate_up_proj: Phi-3's fused, or transformers 5's stacked experts
         return torch.cat([self._part(gate, rows, n, fill), self._part(up, rows, n, fill)], dim=rows)
 
+    def _held_expert(self, match: re.Match, name: str, tensor: torch.Tensor
+                     ) -> tuple[str, torch.Tensor] | None:
+        """Expert parallelism: a routed expert's tensor (EXPERT_TENSOR's ``match``) as this rank holds it:
+        a stack's rows of its experts, one of its experts' under its local index, another's not at all (None).
+        Whole, biases too: an expert's down bias is added by the one rank that runs the expert."""
+        first, end = self.expert_range
+        if match[1] is None:  # [E, ...]
+            return name, tensor[first:end]
+        expert = int(match[1])
+        if not first <= expert < end:
+            return None
+        return f"{name[:match.start(1)]}{expert - first}{name[match.end(1):]}", tensor
+
     def checkpoint(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's slice of each checkpoint tensor (HF names); the LM head only on the driver, the one
-        rank that samples."""
+        rank that samples; under expert parallelism, only its own routed experts' tensors."""
         for name, tensor in weights:
             if name.startswith("lm_head.") and not self.is_driver:
+                continue
+            expert = EXPERT_TENSOR.search(name) if self.expert_range is not None else None
+            if expert:
+                held = self._held_expert(expert, name, tensor)
+                if held is not None:
+                    yield held
                 continue
             attention, ffn = ATTENTION_TENSOR.search(name), FFN_TENSOR.search(name)
             if attention:
@@ -155,21 +195,33 @@ class Shard:
             yield name, tensor
 
 
-def shard_for(config: ModelConfig, rank: int, world_size: int, expert_block: int = 1) -> Shard:
+def experts_of_rank(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Expert parallelism: the global ids [first, end) of the routed experts rank ``rank`` holds."""
+    per_rank = num_experts // world_size
+    return rank * per_rank, (rank + 1) * per_rank
+
+
+def shard_for(config: ModelConfig, rank: int, world_size: int, expert_block: int = 1,
+              expert_parallel: bool = False) -> Shard:
     """Rank ``rank``'s share of ``config``'s model, or a ValueError saying why it cannot be split so. The
     routed experts' width a rank is a multiple of ``expert_block`` (MXFP4 experts: whole 32-value blocks);
     where the checkpoint's width does not split so, the ranks' shares reach past it, into zero weights (as
     vLLM pads gpt-oss's experts): zero gate and up rows make zero activations, which zero down columns
-    ignore."""
+    ignore. expert_parallel: each rank holds whole routed experts instead (experts_of_rank; a dense model
+    has none, and is split as without it, as vLLM ignores the flag for it)."""
     if config.architecture not in SHARDABLE_ARCHITECTURES:
         raise ValueError(f"tensor_parallel_size {world_size}: {config.architecture} cannot be split across "
                          f"devices yet; the decoders that can: {sorted(SHARDABLE_ARCHITECTURES)}")
     moe = config.moe
+    split_experts = expert_parallel and moe is not None
+    if split_experts and moe.num_experts % world_size:
+        raise ValueError(f"enable_expert_parallel: tensor_parallel_size {world_size} must divide the model's "
+                         f"{moe.num_experts} routed experts, so that every rank holds as many whole ones")
     widths = [("attention heads", config.num_attention_heads),
               ("intermediate size", config.intermediate_size)]
     if moe is not None:
         widths += [("shared expert intermediate size", moe.shared_intermediate_size)]
-        if expert_block == 1:
+        if expert_block == 1 and not split_experts:
             widths += [("expert intermediate size", moe.intermediate_size)]
     for what, n in widths:
         if n % world_size:
@@ -178,7 +230,10 @@ def shard_for(config: ModelConfig, rank: int, world_size: int, expert_block: int
     if kv_heads % world_size and world_size % kv_heads:
         raise ValueError(f"tensor_parallel_size {world_size} and the model's {kv_heads} KV heads: one must "
                          "divide the other")
-    if moe is not None:
+    if split_experts:
+        moe = dataclasses.replace(moe, expert_range=experts_of_rank(moe.num_experts, rank, world_size),
+                                  shared_intermediate_size=moe.shared_intermediate_size // world_size)
+    elif moe is not None:
         per_rank = -(-moe.intermediate_size // (world_size * expert_block)) * expert_block
         moe = dataclasses.replace(moe, intermediate_size=per_rank,
                                   shared_intermediate_size=moe.shared_intermediate_size // world_size)
@@ -191,8 +246,8 @@ def shard_for(config: ModelConfig, rank: int, world_size: int, expert_block: int
 def sum_row_parallel_outputs(model: nn.Module, group: TPGroup) -> None:
     """Make a rank's model (built from Shard.local, loaded from Shard.checkpoint) one slice of the whole: the
     outputs of o_proj, of a dense MLP's down_proj and of a sparse MoE block (its experts' and shared expert's
-    partial sums together) are summed over the ranks after each call, so every rank's residual stream is the
-    whole model's."""
+    partial sums together; under expert parallelism its own experts' whole outputs) are summed over the
+    ranks after each call, so every rank's residual stream is the whole model's."""
     for name, module in model.named_modules():
         moe_block = any(isinstance(child, FusedMoE) for child in module.children())
         if name.endswith(("self_attn.o_proj", "mlp.down_proj")) or moe_block:
