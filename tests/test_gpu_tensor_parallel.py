@@ -210,3 +210,33 @@ def test_symmetric_memory_all_reduce_sums_as_nccl(checkpoint):
     assert got["symmetric"] == [True, False, False]
     assert got["calls"] > 0 and got["graphed"] == [True, True]
     assert got["same_ids"] and got["same_logits"]
+
+
+def test_two_gpus_take_prompt_embeddings_as_their_token_ids(checkpoint):
+    """Prompts given as embeddings (the rows of token prompts' embeddings) on two GPUs: the driver sends each
+    step's rows to the other rank, whose graphs and eager steps stage them as the driver's do, so they answer
+    as the token prompts do on the same engine. A rank that looked its placeholder ids up instead would
+    compute other hidden states and fork."""
+    from plait.sampling_params import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(checkpoint), tensor_parallel_size=2, max_model_len=1024,
+                                    num_kv_blocks=512, enable_prompt_embeds=True, usage="serve"))
+    try:
+        prompts = random_prompts(8, 20, 200, seed=5)
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        want = [o.outputs[0].token_ids for o in _run(engine, prompts, params)]
+        weight = engine.runner.model.model.embed_tokens.weight
+        embeds = [weight[torch.tensor(p, device=weight.device)].cpu() for p in prompts]
+        assert [o.outputs[0].token_ids for o in _run(engine, embeds, params)] == want
+    finally:
+        engine.shutdown()
+
+
+def _run(engine: LLMEngine, prompts: list, params) -> list:
+    """Every prompt (token ids or a tensor of embeddings) at once, outputs in prompt order."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=f"p-{i}")
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    return [finals[f"p-{i}"] for i in range(len(prompts))]
