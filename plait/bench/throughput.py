@@ -56,6 +56,7 @@ def _engine(model_dir: Path, max_model_len: int, args: argparse.Namespace) -> LL
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
     )
     return LLMEngine(config)
 
@@ -241,6 +242,7 @@ def run_workload(name: str, shared: Path, roof: dict | None, args: argparse.Name
         "quantization": engine.runner.quantization,
         "kv_cache_dtype": engine.config.kv_cache_dtype,
         "tensor_parallel_size": engine.config.tensor_parallel_size,
+        "enable_expert_parallel": engine.config.enable_expert_parallel,
         "sampling": {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                      "min_p": args.min_p},
         "output_kind": args.output_kind,
@@ -304,7 +306,7 @@ def run_model(args: argparse.Namespace) -> dict:
         enforce_eager=args.enforce_eager, attention_backend=args.attention_backend,
         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
         tensor_parallel_size=args.tensor_parallel_size, seed=args.seed,
-        speculative_config=args.speculative_config))
+        enable_expert_parallel=args.enable_expert_parallel, speculative_config=args.speculative_config))
     if args.dataset_name == "sharegpt":
         if not args.dataset_path:
             raise ValueError("--dataset-name sharegpt needs --dataset-path")
@@ -387,6 +389,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="'fp8': FP8 K/V (default: auto, the model's dtype)")
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="split the model across this many GPUs (default 1); the floors are then one rank's")
+    p.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                   help="a MoE model's experts dealt out whole over the tensor-parallel GPUs (vLLM's)")
     p.add_argument("--no-roofline", action="store_true", help="skip measuring the GPU's limits")
     p.add_argument("--in-process", action="store_true",
                    help="run the workloads one after another in this process (default: each in a fresh one)")
