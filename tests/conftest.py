@@ -31,6 +31,20 @@ TINY_VOCAB = 512
 TINY_PHI3_ORIGINAL_MAX_POSITIONS = 128
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _gpu_memory_back_after_each_module():
+    """On a GPU, a test module's engines give their memory back before the next module runs: an engine's start
+    froze the heap (plait.engine.engine.freeze_long_lived_objects), so one a test dropped in a reference cycle
+    waits for collect_dropped_engines, which only the next engine's start calls. A later module that allocates
+    tensors without an engine (the MXFP4 real-shape kernels) met the GPU full of gpt-oss's dropped engines."""
+    yield
+    if torch.cuda.is_available():
+        from plait.engine.engine import collect_dropped_engines
+
+        collect_dropped_engines()
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _gguf_files_read_once():
     """Engines of one GGUF file get their weights from one read of it per session.
