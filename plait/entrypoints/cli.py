@@ -218,38 +218,20 @@ def _add_vllm_compat_args(group: argparse._ArgumentGroup) -> None:
     """vLLM flags whose behaviour plait always has, accepted so that vLLM command lines run unchanged."""
     for flag, form, instead in _NO_OP_FLAGS:
         group.add_argument(flag, help=f"accepted for vLLM command lines: {instead}", **form)
-    group.add_argument("--guided-decoding-backend", "--structured-outputs-backend", default="auto",
-                       metavar="BACKEND",
-                       help="vLLM's structured-output backend: plait's is llguidance, which vLLM calls "
-                            "'guidance' ('auto', 'guidance' and 'llguidance' are accepted; others are "
-                            "refused)")
+    for name, (values, instead) in _VLLM_CHOICES.items():
+        if name in _SERVE_CHOICES:
+            continue
+        flag = f"--{name.replace('_', '-')}"
+        group.add_argument(flag, *_CHOICE_ALIASES.get(name, ()), default=values[0], metavar="VALUE",
+                           help=f"vLLM's {flag}: {instead} ({' / '.join(values)} accepted; others are "
+                                "refused)")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                        help="always on in plait: prompts are chunked into every step beside the decodes "
                             "(--no-enable-chunked-prefill is refused)")
-    group.add_argument("--tokenizer-mode", default="auto", metavar="MODE",
-                       help="vLLM's tokenizer mode: plait runs the checkpoint's fast (tokenizers) tokenizer, "
-                            "vLLM's 'auto' and 'hf' ('slow', 'mistral' and 'custom' are refused)")
-    group.add_argument("--model-impl", default="auto", metavar="IMPL",
-                       help="vLLM's model implementation: plait runs its own ('auto' and 'vllm' are "
-                            "accepted; 'transformers' is refused)")
-    group.add_argument("--mamba-cache-dtype", default="auto", metavar="DTYPE",
-                       help="vLLM's Mamba state dtype: plait keeps the conv state in the model's dtype and "
-                            "the SSM state in float32 ('auto'; others are refused)")
-    group.add_argument("--mamba-ssm-cache-dtype", default="auto", metavar="DTYPE",
-                       help="vLLM's Mamba SSM state dtype: plait's is float32 ('auto' and 'float32'; others "
-                            "are refused)")
-    group.add_argument("--preemption-mode", default="recompute", metavar="MODE",
-                       help="vLLM's preemption mode: plait's is 'recompute' ('swap' is refused)")
     group.add_argument("--structured-outputs-config", default=None, metavar="JSON",
                        help="vLLM's structured-outputs config: its backend may be plait's (auto, guidance, "
                             "llguidance) and disable_fallback is accepted (llguidance has no fallback); "
                             "other keys are refused")
-    group.add_argument("--lora-dtype", default="auto", metavar="DTYPE",
-                       help="vLLM's LoRA dtype: plait's adapters compute in the model's dtype, vLLM's 'auto' "
-                            "(other values are refused)")
-    group.add_argument("--config-format", default="auto", metavar="FORMAT",
-                       help="vLLM's checkpoint config format: plait reads HF's config.json or the GGUF "
-                            "header ('auto' and 'hf' are accepted; 'mistral' is refused)")
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="N",
                        help="vLLM's pipeline stages: plait splits a model across GPUs by tensor parallelism "
                             "(--tensor-parallel-size) only, so 1 is accepted and more is refused")
@@ -339,6 +321,9 @@ _VLLM_CHOICES = {
                                      "SSM state in float32"),
     "mamba_ssm_cache_dtype": (("auto", "float32"), "plait keeps Mamba layers' SSM state in float32"),
 }
+# _VLLM_CHOICES flags that only `plait serve` has (its own parser adds them); other names vLLM gives a flag.
+_SERVE_CHOICES = frozenset({"data_parallel_backend"})
+_CHOICE_ALIASES = {"guided_decoding_backend": ("--structured-outputs-backend",)}
 EXECUTOR_BACKENDS = ("mp", "uni")
 SINGLE_PROCESS_BACKEND = "uni"
 
