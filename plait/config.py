@@ -225,6 +225,8 @@ class EngineConfig:
     # built by the engine, sees every sampling step. Not with speculative decoding or a pooling model, as in
     # vLLM.
     logits_processors: list[str | type] | None = None
+    # vLLM's --use-tqdm-on-load: a progress bar over an HF checkpoint's shards while they load.
+    use_tqdm_on_load: bool = True
     # vLLM's --enable-prompt-embeds: prompts may be given as embeddings ([tokens, hidden] tensors, in place of
     # the embedding layer's output) instead of token ids. Off by default, as in vLLM, since the server then
     # unpickles tensors clients send (torch.load with weights_only).
@@ -294,7 +296,8 @@ class EngineConfig:
                 f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}"
             )
         for name in ("enforce_eager", "async_scheduling", "warm_up", "enable_lora", "enable_sleep_mode",
-                     "disable_sliding_window", "enable_prompt_embeds", "enable_expert_parallel"):
+                     "disable_sliding_window", "enable_prompt_embeds", "enable_expert_parallel",
+                     "use_tqdm_on_load"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:

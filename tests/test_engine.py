@@ -136,6 +136,14 @@ def test_rope_scaling_and_theta_replace_the_checkpoints(tiny_llama, prompts):
         EngineConfig(rope_theta=-1.0)
 
 
+def test_loading_an_hf_checkpoint_shows_its_shards_progress(tiny_llama, capsys):
+    """vLLM's use_tqdm_on_load (on by default): a bar over the checkpoint's shards as they load; off: none."""
+    _engine(tiny_llama)
+    assert "Loading safetensors shards" in capsys.readouterr().err
+    _engine(tiny_llama, use_tqdm_on_load=False)
+    assert "Loading safetensors shards" not in capsys.readouterr().err
+
+
 def test_preemption_by_recompute_keeps_outputs(tiny_llama):
     """Too few KV blocks for everyone at once: requests are preempted, resume, and still match."""
     prompts = random_prompts(12, 20, 60, seed=5)

@@ -34,7 +34,7 @@ _ENGINE_FLAGS = (
     "skip_tokenizer_init", "revision",
     "download_dir",
     "limit_mm_per_prompt", "enable_sleep_mode", "optimization_level", "compilation_config",
-    "logits_processors", "enable_prompt_embeds", "rope_scaling", "rope_theta",
+    "logits_processors", "enable_prompt_embeds", "rope_scaling", "rope_theta", "use_tqdm_on_load",
 )
 
 
@@ -128,6 +128,8 @@ _FLAG_HELP = {
                     "\"yarn\", \"factor\": 4.0, \"original_max_position_embeddings\": 32768}' stretches a "
                     "32K model to 128K (with --max-model-len 131072)",
     "rope_theta": "as vLLM's: the rotary base in place of the checkpoint's",
+    "use_tqdm_on_load": "as vLLM's: a progress bar over an HF checkpoint's shards while they load "
+                        "(default: on)",
     "convert": "as vLLM's: 'embed' serves a generative checkpoint as an embedding model (its last hidden "
                "states pooled: --runner pooling); 'auto' / 'none' keep its kind",
     "logits_processors": "as vLLM's: custom logits processors, plait.logits_processor.LogitsProcessor "

@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import torch
 from safetensors import safe_open
+from tqdm.auto import tqdm
 
 from plait.loader.source import cached_hub_snapshot, default_model_path, is_gguf_file
 
@@ -93,9 +94,10 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return json.loads(config_path.read_text())
 
 
-def iter_hf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_hf_weights(path: str | Path, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The folder's tensors one at a time, shard after shard (only the tensor in hand is in memory), as
-    load_hf_folder finds them; a name in two files is an error."""
+    load_hf_folder finds them; a name in two files is an error. ``progress``: a bar over the shards (vLLM's
+    use_tqdm_on_load), for checkpoints whose load takes minutes."""
     path = Path(path)
     index_path = path / SAFETENSORS_INDEX_FILE
     if index_path.is_file():
@@ -109,7 +111,7 @@ def iter_hf_weights(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
             "convert them with transformers' save_pretrained(..., safe_serialization=True)"
         )
     seen: set[str] = set()
-    for file in files:
+    for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not progress):
         with safe_open(file, framework="pt") as shard:
             names = list(shard.keys())
             duplicated = seen.intersection(names)

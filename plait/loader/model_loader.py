@@ -77,7 +77,9 @@ def load_model(
 
     if source is None:
         source = resolve_model(config.model, config.revision, config.download_dir)
-    hf_config, weights = read_source(source, config.load_format)
+    # One bar, the driver's: the other tensor-parallel ranks read the same shards beside it.
+    progress = config.use_tqdm_on_load and (parallel is None or parallel.is_driver)
+    hf_config, weights = read_source(source, config.load_format, progress)
     hf_config = with_rope_overrides(merge_objects(hf_config, config.hf_overrides), config.rope_scaling,
                                     config.rope_theta)
     mxfp4_experts = mxfp4.is_mxfp4_checkpoint(hf_config)
@@ -245,9 +247,10 @@ def to_model_dtype(name: str, t: torch.Tensor, device: torch.device, dtype: torc
     return t.to(device=device, dtype=dtype)
 
 
-def read_source(source: Any, load_format: str) -> tuple[dict, Iterable[tuple[str, torch.Tensor]] | None]:
+def read_source(source: Any, load_format: str, progress: bool = False
+                ) -> tuple[dict, Iterable[tuple[str, torch.Tensor]] | None]:
     """(config, the checkpoint's (name, tensor) pairs, or None for random weights); an HF folder's are
-    read lazily, shard by shard."""
+    read lazily, shard by shard, with a progress bar over its shards where ``progress``."""
     if source.kind == "gguf":
         from plait.loader.gguf import load_gguf, read_gguf_config
 
@@ -260,7 +263,7 @@ def read_source(source: Any, load_format: str) -> tuple[dict, Iterable[tuple[str
     hf_config = read_hf_config(source.path)
     if load_format == "dummy":
         return hf_config, None
-    return hf_config, iter_hf_weights(source.path)
+    return hf_config, iter_hf_weights(source.path, progress)
 
 
 def _load_tokenizer(source: Any, config: EngineConfig) -> Any | None:
