@@ -402,8 +402,7 @@ class EngineConfig:
         self._set_graph_sizes("cudagraph_capture_sizes", sizes * 2 if len(sizes) == 1 else list(sizes))
 
     def _compilation_max_cudagraph_capture_size(self, size: Any) -> None:
-        _check_int("compilation_config max_cudagraph_capture_size", size, minimum=1)
-        self._set_graph_sizes("max_cudagraph_capture_size", [size])
+        self._set_graph_sizes("max_cudagraph_capture_size", [size])  # which checks the size
 
     def _set_graph_sizes(self, key: str, sizes: list[int]) -> None:
         for size in sizes:

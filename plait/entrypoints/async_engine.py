@@ -148,6 +148,12 @@ class RequestStream:
         self._held: dict[str, RequestOutput] = {}  # a child's merged outputs not yet released
         self._released: set[str] = set()  # children whose first tokens went out
 
+    def read_as_chunks(self, stream_interval: int) -> None:
+        """Set by a server that sends a chunk per output read: outputs piled up behind the reader merge
+        (merge_backlog), and after a child's first tokens they wait for ``stream_interval`` new ones."""
+        self.merge_backlog = True
+        self.stream_interval = stream_interval
+
     @property
     def finished(self) -> bool:
         return not self._unfinished

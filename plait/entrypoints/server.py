@@ -1727,8 +1727,7 @@ class OpenAIServer:
         tracker = RequestTracker(self.metrics, arrival, stream, params)
         try:
             if body.stream:
-                stream.merge_backlog = True
-                stream.stream_interval = self.config.stream_interval
+                stream.read_as_chunks(self.config.stream_interval)
                 events = self._completion_events(body, stream, tracker, response_id, params.n,
                                                  self._reported_model(lora))
                 return _EngineStreamResponse(events, stream, tracker)
@@ -1882,8 +1881,7 @@ class OpenAIServer:
         tracker = RequestTracker(self.metrics, arrival, stream, params)
         try:
             if body.stream:
-                stream.merge_backlog = True
-                stream.stream_interval = self.config.stream_interval
+                stream.read_as_chunks(self.config.stream_interval)
                 events = self._chat_events(body, stream, tracker, response_id, params.n, readers,
                                            self._reported_model(lora))
                 return _EngineStreamResponse(events, stream, tracker)
