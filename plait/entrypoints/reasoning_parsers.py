@@ -291,14 +291,11 @@ class Ernie45ReasoningParser(ReasoningParser):
     def _take_response(self, out: list[str], final: bool) -> bool:
         """The response's text up to </response> (dropped), or up to text that may become it; whether it
         closed."""
-        end = self._held.find(ERNIE_RESPONSE_END)
-        if end < 0:
-            cut = len(self._held) - (0 if final else partial_tag_length(self._held, ERNIE_RESPONSE_END, 0))
-            out.append(self._held[:cut])
-            self._held = self._held[cut:]
+        text, self._held, tag = _take_until(self._held, (ERNIE_RESPONSE_END,), final)
+        out.append(text)
+        if tag is None:
             return False
-        out.append(self._held[:end])
-        self._held, self._answer = self._held[end + len(ERNIE_RESPONSE_END):], _TRAIL
+        self._answer = _TRAIL
         return True
 
 
@@ -345,15 +342,10 @@ class OpeningReasoningParser(ReasoningParser):
 
     def _take_in_reasoning(self, reasoning: list[str], final: bool) -> bool:
         """Reasoning up to an end (or up to text that may become one); whether the reasoning ended."""
-        found = _first_of(self._pending, self.ENDS)
-        if found is None:
-            end = len(self._pending) - (0 if final else _partial_length(self._pending, self.ENDS))
-            reasoning.append(self._pending[:end])
-            self._pending = self._pending[end:]
+        text, self._pending, tag = _take_until(self._pending, self.ENDS, final)
+        reasoning.append(text)
+        if tag is None:
             return False
-        at, tag = found
-        reasoning.append(self._pending[:at])
-        self._pending = self._pending[at + len(tag):]
         self.phase = _CONTENT
         return True
 
@@ -361,20 +353,26 @@ class OpeningReasoningParser(ReasoningParser):
         """Content up to a start (which opens the reasoning) or a first stray end (dropped, where the parser
         drops one); whether either was taken."""
         tags = self.STARTS + (() if self._stray_end_dropped else self.ENDS)
-        found = _first_of(self._pending, tags)
-        if found is None:
-            cut = len(self._pending) - (0 if final else _partial_length(self._pending, tags))
-            content.append(self._pending[:cut])
-            self._pending = self._pending[cut:]
+        text, self._pending, tag = _take_until(self._pending, tags, final)
+        content.append(text)
+        if tag is None:
             return False
-        at, tag = found
-        content.append(self._pending[:at])
-        self._pending = self._pending[at + len(tag):]
         if tag in self.STARTS:
             self.phase, self._opened = _REASONING, True
         else:
             self._stray_end_dropped = True
         return True
+
+
+def _take_until(pending: str, tags: tuple[str, ...], final: bool) -> tuple[str, str, str | None]:
+    """``pending`` split at the first of ``tags``: (the text before it, the text after it, the tag); without
+    one, (all but an end that may still become a tag, that end, None), the whole where ``final``."""
+    found = _first_of(pending, tags)
+    if found is None:
+        cut = len(pending) - (0 if final else _partial_length(pending, tags))
+        return pending[:cut], pending[cut:], None
+    at, tag = found
+    return pending[:at], pending[at + len(tag):], tag
 
 
 def _first_of(text: str, tags: tuple[str, ...]) -> tuple[int, str] | None:
