@@ -225,7 +225,6 @@ class RequestStream:
         self._items.append(item)
         self._arrived.set()
 
-
     def _held_until_interval(self, item: RequestOutput) -> RequestOutput | None:
         """``item`` merged with the child's held outputs: released (returned) once it is the child's first
         output with tokens, carries stream_interval new tokens or finishes; held (None) otherwise."""

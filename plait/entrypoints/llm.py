@@ -120,10 +120,8 @@ class LLM:
         or (under ``enable_prompt_embeds``) ``{"prompt_embeds": tensor}``, [tokens, hidden] in place of the
         embedding layer's output; an image model's prompt dict may add ``"multi_modal_data": {"image": image
         or [images]}`` (PIL images, bytes or data URLs), one image token in the prompt for each, and any
-        prompt dict a
-        ``"cache_salt"`` (vLLM's: its prefix-cache blocks are shared only with prompts of the same salt). All
-        prompts are validated
-        before any enters the engine. Without sampling_params,
+        prompt dict a ``"cache_salt"`` (vLLM's: its prefix-cache blocks are shared only with prompts of the
+        same salt). All prompts are validated before any enters the engine. Without sampling_params,
         get_default_sampling_params() (the model's generation_config.json may set them, as in vLLM).
         ``lora_request`` (under ``enable_lora``): the LoRA adapter of every prompt, or a list with one per
         prompt (None: the base model), as vLLM's. ``priority`` (under ``scheduling_policy="priority"``): one
