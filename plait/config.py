@@ -315,9 +315,9 @@ class EngineConfig:
         self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
         self._apply_compilation_config()
         self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
-        if spec is not None and spec.method == DRAFT_MODEL:
+        if spec is not None and spec.method in MODEL_METHODS:
             if self.tensor_parallel_size > 1:
-                raise ValueError("draft_model speculation under tensor parallelism is not supported yet")
+                raise ValueError(f"{spec.method} speculation under tensor parallelism is not supported yet")
             if self.enable_sleep_mode:
                 raise ValueError("enable_sleep_mode with a draft model is not supported yet: sleep would not "
                                  "free the draft model's memory")
@@ -587,7 +587,11 @@ def _config_object(name: str, value: dict | str, cls: type) -> dict | None:
 
 NGRAM = "ngram"
 DRAFT_MODEL = "draft_model"
-SPECULATIVE_METHODS: tuple[str, ...] = (NGRAM, DRAFT_MODEL)
+EAGLE = "eagle"
+EAGLE3 = "eagle3"
+# Methods whose drafts come from a model of their own (speculative_config's "model").
+MODEL_METHODS: tuple[str, ...] = (DRAFT_MODEL, EAGLE, EAGLE3)
+SPECULATIVE_METHODS: tuple[str, ...] = (NGRAM, *MODEL_METHODS)
 # vLLM's n-gram lengths where a config names neither prompt_lookup_max nor prompt_lookup_min.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -601,7 +605,8 @@ class SpeculativeConfig:
     Method "ngram" (prompt lookup): the tokens that followed the latest earlier occurrence of the row's last
     n tokens (n from prompt_lookup_max down to prompt_lookup_min). Method "draft_model" (the default where
     ``model`` is given, as in vLLM): a smaller model of the same vocabulary decodes them greedily
-    (plait.engine.draft_model)."""
+    (plait.engine.draft_model). Methods "eagle" and "eagle3": an EAGLE-1 / EAGLE-3 head (``model``) drafts
+    from the target's hidden states (plait.engine.eagle)."""
 
     method: str | None = None  # None: "draft_model" with a model, else "ngram"
     num_speculative_tokens: int = 0
@@ -620,11 +625,11 @@ class SpeculativeConfig:
                              f"got {method!r}")
         object.__setattr__(self, "method", method)
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
-        if method == DRAFT_MODEL and not self.model:
-            raise ValueError('speculative_config method "draft_model" needs "model": the draft checkpoint')
+        if method in MODEL_METHODS and not self.model:
+            raise ValueError(f'speculative_config method "{method}" needs "model": the draft checkpoint')
         if method == NGRAM and (self.model is not None or self.max_model_len is not None):
-            raise ValueError('speculative_config "model" and "max_model_len" are for method "draft_model", '
-                             'not "ngram"')
+            raise ValueError('speculative_config "model" and "max_model_len" are for the methods with a '
+                             f'model ({", ".join(MODEL_METHODS)}), not "ngram"')
         if self.max_model_len is not None:
             _check_int("speculative_config max_model_len", self.max_model_len, minimum=1)
         if self.draft_tensor_parallel_size not in (None, 1):

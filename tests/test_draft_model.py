@@ -224,7 +224,7 @@ def test_speculative_config_takes_vllm_draft_model_forms(tiny_llama):
 
 @pytest.mark.parametrize("value, knobs, message", [
     ({"method": "draft_model", "num_speculative_tokens": 2}, {}, "needs \"model\""),
-    ({"method": "ngram", "model": "d", "num_speculative_tokens": 2}, {}, "for method \"draft_model\""),
+    ({"method": "ngram", "model": "d", "num_speculative_tokens": 2}, {}, "for the methods with a model"),
     ({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, {}, "must be 1"),
     ({"model": "d", "num_speculative_tokens": 2, "max_model_len": 0}, {}, "max_model_len must be >= 1"),
     ({"model": "d", "num_speculative_tokens": 2}, {"tensor_parallel_size": 2}, "tensor parallelism"),

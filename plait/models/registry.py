@@ -35,6 +35,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Ernie4_5ForCausalLM": ("plait.models.llama", "PairedRotaryForCausalLM"),
     "Glm4ForCausalLM": ("plait.models.glm", "Glm4ForCausalLM"),
     "GptOssForCausalLM": ("plait.models.gpt_oss", "GptOssForCausalLM"),
+    # EAGLE draft heads, run only as speculative_config's "eagle" / "eagle3" model (plait.engine.eagle).
+    "EagleLlamaForCausalLM": ("plait.models.eagle", "EagleLlamaForCausalLM"),
+    "Eagle3LlamaForCausalLM": ("plait.models.eagle", "Eagle3LlamaForCausalLM"),
+    "LlamaForCausalLMEagle3": ("plait.models.eagle", "Eagle3LlamaForCausalLM"),
     # Base models (no LM head; their checkpoints' names lack the "model." prefix): embedding models such as
     # e5-mistral (MistralModel) or a Qwen3Model, run only by the pooling runner.
     "LlamaModel": ("plait.models.llama", "LlamaForCausalLM"),

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
+from torch import nn
 
 from plait.attention.base import get_backend
 from plait.attention.fp8_kv import UNIT_SCALES, KVScales, cache_torch_dtype
-from plait.config import CPU_KV_CACHE_BYTES, NO_CHUNK_CAP, EngineConfig
+from plait.config import CPU_KV_CACHE_BYTES, EAGLE, EAGLE3, NO_CHUNK_CAP, EngineConfig
 from plait.engine.grammar import next_token_bitmasks
 from plait.engine.kv_cache import MIN_KV_BLOCKS, cdiv
 from plait.engine.request import Request
@@ -28,6 +29,7 @@ from plait.loader.hf import ModelSource
 from plait.loader.model_loader import load_model, resolve_device_dtype, to_model_dtype
 from plait.lora.model import LoRAModel
 from plait.models.base import checkpoint_layout
+from plait.models.eagle import aux_layer_ids, check_eagle_target, read_head_config
 from plait.multimodal.images import ImageProcessor
 from plait.parallel.group import ParallelRank, TPGroup
 from plait.parallel.shard import sum_row_parallel_outputs
@@ -43,6 +45,7 @@ from plait.parallel.workers import (
     tensor_message,
 )
 from plait.runner.cuda_graphs import MAX_GRAPH_PROMPT_TOKENS, StepGraphs, graph_shapes
+from plait.runner.feature_tap import FeatureTap
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
 from plait.runner.image_embeddings import TOWER_GRAPH_BATCHES, ImageEmbeddings, TowerGraphs
 from plait.runner.input_buffers import InputBuffers, Layout
@@ -132,8 +135,10 @@ class ModelRunner:
 
     def __init__(self, config: EngineConfig, parallel: ParallelRank | None = None,
                  link: DriverLink | None = None, source: ModelSource | None = None,
-                 max_kv_blocks: int | None = None) -> None:
+                 max_kv_blocks: int | None = None, target: nn.Module | None = None) -> None:
         self.device, self.dtype = resolve_device_dtype(config)
+        # An EAGLE head's runner: the target model whose embedding (and LM head) it shares.
+        self.target = target
         # At most this many KV blocks however much memory is left (a draft model needs no more than its
         # target holds); None: as many as the memory budget gives.
         self.max_kv_blocks = max_kv_blocks
@@ -158,6 +163,8 @@ class ModelRunner:
         self.config = config = with_device_token_budget(config, self.device)
         loaded = load_model(config, self.device, self.dtype, parallel=self.parallel, source=source)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        if self.target is not None:  # before anything runs the model: its graphs read the shared tensors
+            self.model.share_target(self.target)
         # An image model's processor (host side); its images' embeddings (device side) once the buffers'
         # size is known. None for a text model.
         self.image_processor = self.image_embeddings = None
@@ -241,6 +248,12 @@ class ModelRunner:
         embedding = input_embedding(self.model)
         if config.enable_prompt_embeds and self.pooler is None and embedding is not None:  # before capture
             self.prompt_embeds = PromptEmbeds(embedding, self.device, layout.max_tokens, self.dtype)
+        allocate_features = getattr(self.model, "allocate_feature_buffers", None)
+        if allocate_features is not None:  # an EAGLE head's: before capture, graphs read and write them
+            allocate_features(layout.max_tokens)
+        # The hidden states an EAGLE drafter reads of each step (hooks first: graphs capture them).
+        self.feature_tap = self._feature_tap(config, layout.max_tokens)
+        self.last_features: torch.Tensor | None = None  # the last launched step's, where tapped
         self.graph_shapes = shapes
         self.graphs: StepGraphs | None = self._capture_graphs(shapes) if use_graphs else None
         # Sleep mode (LLMEngine.sleep): the model's tensors, and the per-request state (KV cache, recurrent
@@ -261,6 +274,19 @@ class ModelRunner:
         self._copy_out_stream = torch.cuda.Stream(self.device) if pin else None
         if self.peers is not None:
             self.peers.ready()
+
+    def _feature_tap(self, config: EngineConfig, max_tokens: int) -> FeatureTap | None:
+        """The tap an EAGLE drafter reads the target's hidden states from (None without one): EAGLE-3's
+        on the layers its head's config names."""
+        spec = config.speculative_config
+        if spec is None or spec.method not in (EAGLE, EAGLE3):
+            return None
+        check_eagle_target(self.model, self.model_config)
+        if spec.method == EAGLE:
+            return FeatureTap(self.model)
+        layers = aux_layer_ids(read_head_config(spec.model, config.download_dir),
+                               self.model_config.num_hidden_layers)
+        return FeatureTap(self.model, layers, max_tokens)
 
     @property
     def samples(self) -> bool:
@@ -665,6 +691,8 @@ class ModelRunner:
         b = self.breakdown
         b.add("prepare", time.perf_counter() - t0)
         hidden, views, shape = self.forward(arrays, pending_src, prev_ids, lora)
+        if self.feature_tap is not None:
+            self.last_features = self.feature_tap.features(hidden)
         b.single_token_steps += arrays.num_tokens == arrays.num_rows
         b.graph_steps += shape is not None
         b.graph_single_token_steps += shape is not None and arrays.num_tokens == arrays.num_rows
