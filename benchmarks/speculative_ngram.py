@@ -96,6 +96,8 @@ def make_engine(args: argparse.Namespace, k: int) -> LLMEngine:
         spec = None
     elif args.draft_model:
         spec = {"model": args.draft_model, "num_speculative_tokens": k}
+        if args.method:
+            spec["method"] = args.method
     else:
         spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": args.prompt_lookup_max,
                 "prompt_lookup_min": args.prompt_lookup_min}
@@ -226,6 +228,8 @@ def main() -> None:
                         help="comma-separated k to run; 0 is plain decoding, the reference (default: 0,2,4)")
     parser.add_argument("--draft-model", default=None,
                         help="draft with this model instead of n-gram lookups (same load format as --model)")
+    parser.add_argument("--method", default=None, choices=["draft_model", "eagle", "eagle3"],
+                        help="what --draft-model is (default: draft_model): an EAGLE-1 / EAGLE-3 head")
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1, help="requests served at once (default: 1)")
@@ -260,7 +264,7 @@ def main() -> None:
                 forks = [next((j for j, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
                          for x, y in zip(r["outputs"], base[name]["outputs"]) if x != y]
                 table[name][f"k={k}"]["first_forks"] = forks
-    method = f"draft-model ({args.draft_model})" if args.draft_model else "n-gram"
+    method = f"{args.method or 'draft-model'} ({args.draft_model})" if args.draft_model else "n-gram"
     cpu = platform.processor() or platform.machine()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({cpu})"
     result = {
