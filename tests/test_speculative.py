@@ -99,7 +99,7 @@ def test_speculative_config_parses_vllm_forms():
 @pytest.mark.parametrize("value, message", [
     ('{"method": "ngram"', "not valid JSON"),
     ("[4]", "JSON object"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "medusa", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram"}, "needs num_speculative_tokens"),
     ({"num_speculative_tokens": 0}, "num_speculative_tokens must be >= 1"),
     ({"num_speculative_tokens": 2, "prompt_lookup_max": 2, "prompt_lookup_min": 3}, "prompt_lookup_max"),
