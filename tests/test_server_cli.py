@@ -922,31 +922,68 @@ def test_plait_serve_takes_logits_processors_and_prompt_embeds_through_its_engin
         assert len(answer.choices[0].token_ids) == 4 and answer.usage.prompt_tokens == 5
 
 
-def test_stream_interval_sends_fuller_chunks_after_the_first(tmp_path, tiny_llama):
-    """vLLM's --stream-interval 4: a streamed answer's first token is not held (time to first token), then
-    chunks of at least 4 tokens but its last; the tokens are the unstreamed answer's, as under 1."""
-    openai = pytest.importorskip("openai")
+@pytest.fixture(scope="module")
+def stream_interval_engine(tmp_path_factory):
+    """A tiny model with the default model's tokenizer and chat template (a Responses stream's conversation
+    needs them), for the --stream-interval tests' servers."""
     from plait.config import EngineConfig
     from plait.engine.engine import LLMEngine
+
+    model = _fuzz_script().make_tiny_model(tmp_path_factory.mktemp("stream-interval") / "tiny-model")
+    return LLMEngine(EngineConfig(model=str(model), block_size=8, max_model_len=128))
+
+
+@pytest.fixture(scope="module", params=[4, 1], ids=["interval4", "interval1"])
+def stream_interval_served(request, stream_interval_engine):
+    """stream_interval_engine served with --stream-interval 4, then 1 (pytest runs the tests of one server,
+    then stops it and starts the next): (the interval, an openai client, the model's name)."""
+    openai = pytest.importorskip("openai")
     from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
 
-    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8, max_model_len=64))
-    ask = dict(model=engine.model_name, prompt=[5, 6, 7, 8], max_tokens=11, temperature=0,
+    config = ServerConfig(log_level="warning", stream_interval=request.param)
+    with BackgroundServer(OpenAIServer(stream_interval_engine, config)) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        yield request.param, client, stream_interval_engine.model_name
+
+
+def test_stream_interval_sends_fuller_chunks_after_the_first(stream_interval_served):
+    """vLLM's --stream-interval 4: a streamed answer's first token is not held (time to first token), then
+    chunks of at least 4 tokens but its last; the tokens are the unstreamed answer's, as under 1."""
+    from plait.entrypoints.server import ServerConfig
+
+    interval, client, model = stream_interval_served
+    ask = dict(model=model, prompt=[5, 6, 7, 8], max_tokens=11, temperature=0,
                extra_body={"ignore_eos": True, "return_token_ids": True})
-    for interval in (4, 1):
-        config = ServerConfig(log_level="warning", stream_interval=interval)
-        with BackgroundServer(OpenAIServer(engine, config)) as url:
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-            whole = client.completions.create(**ask).choices[0].token_ids
-            sizes, ids = [], []
-            for chunk in client.completions.create(**ask, stream=True):
-                for choice in chunk.choices:
-                    if choice.token_ids:
-                        sizes.append(len(choice.token_ids))
-                        ids += choice.token_ids
-        assert ids == whole and len(whole) == 11
-        # A reader that falls behind gets piled-up outputs merged (merge_backlog), so chunks may only grow:
-        # under interval 4, at most the first token alone and then 10 tokens in chunks of 4 or more.
-        assert all(size >= interval for size in sizes[1:-1]) and len(sizes) <= (4 if interval == 4 else 11)
+    whole = client.completions.create(**ask).choices[0].token_ids
+    sizes, ids = [], []
+    for chunk in client.completions.create(**ask, stream=True):
+        for choice in chunk.choices:
+            if choice.token_ids:
+                sizes.append(len(choice.token_ids))
+                ids += choice.token_ids
+    assert ids == whole and len(whole) == 11
+    # A reader that falls behind gets piled-up outputs merged (merge_backlog), so chunks may only grow:
+    # under interval 4, at most the first token alone and then 10 tokens in chunks of 4 or more.
+    assert all(size >= interval for size in sizes[1:-1]) and len(sizes) <= (4 if interval == 4 else 11)
     with pytest.raises(ValueError, match="stream_interval must be a whole number >= 1"):
         ServerConfig(stream_interval=0)
+
+
+def test_responses_stream_interval_sends_fuller_text_deltas_after_the_first(stream_interval_served):
+    """--stream-interval reaches Responses streams as it does completions' and chat's (the same
+    RequestStream.read_as_chunks): under 4, the first text delta is the first token alone, then deltas of at
+    least 4 tokens but the last; under 1, a delta per token (or per output read, where the reader fell
+    behind). Each delta's tokens are counted by its logprobs, one per token; the text is the unstreamed
+    answer's."""
+    interval, client, model = stream_interval_served
+    ask = dict(model=model, input="Count to ten.", max_output_tokens=11, temperature=0, store=False,
+               include=["message.output_text.logprobs"], top_logprobs=0, extra_body={"ignore_eos": True})
+    whole = client.responses.create(**ask)
+    events = list(client.responses.create(**ask, stream=True))
+    deltas = [event for event in events if event.type == "response.output_text.delta"]
+    sizes = [len(delta.logprobs) for delta in deltas]
+    assert "".join(delta.delta for delta in deltas) == whole.output_text
+    assert sum(sizes) == events[-1].response.usage.output_tokens == 11
+    # As above, a reader that falls behind may get more tokens a delta, never fewer (under 1, the last two
+    # tokens often come as one delta on 2 busy cores): under 4, at most 1, 4, 4 and 2.
+    assert all(size >= interval for size in sizes[1:-1]) and len(sizes) <= (4 if interval == 4 else 11)

@@ -52,7 +52,6 @@ from plait.entrypoints.server import (
     OpenAIServer,
     _chat_delta,
     _ChoiceReader,
-    _EngineStreamResponse,
     _new_logprobs,
 )
 from plait.lora.request import LoRARequest
@@ -826,7 +825,7 @@ class ResponsesAPI:
         response = self._shell(body, params, lora)
         if body.stream:
             events = self._events(body, response, items, stream, tracker, builder)
-            return _EngineStreamResponse(events, stream, tracker)
+            return server._streamed_response(events, stream, tracker)
         try:
             done = await server._unless_disconnected(raw, self._run(stream, tracker, builder))
         finally:

@@ -1235,6 +1235,15 @@ class OpenAIServer:
                         "lora_request: %s, priority: %d", rid, text, params, ids[:cut],
                         lora.lora_name if lora is not None else None, priority)
 
+    def _streamed_response(self, events: AsyncIterator[str], stream: RequestStream, tracker: RequestTracker
+                           ) -> _EngineStreamResponse:
+        """The SSE response of a stream that sends what each output read adds (completions', chat's and the
+        Responses API's): outputs that pile up behind its reader merge, and after a child's first tokens
+        they wait for --stream-interval new ones (RequestStream.read_as_chunks), so every such stream
+        chunks alike. Call it before ``events`` starts reading ``stream``."""
+        stream.read_as_chunks(self.config.stream_interval)
+        return _EngineStreamResponse(events, stream, tracker)
+
     async def _collect(self, stream: RequestStream, tracker: RequestTracker) -> list[RequestOutput]:
         """Run a non-streamed request to its end; the final output of every child, in order."""
         finals: list[RequestOutput | None] = [None] * len(stream.request_ids)
@@ -1399,7 +1408,7 @@ class OpenAIServer:
                                                 body.admission)
         tracker = RequestTracker(self.metrics, arrival, stream)
         response_id = new_response_id("chatcmpl", body.request_id)
-        if body.stream:
+        if body.stream:  # each beam whole at the end: nothing to chunk, so no _streamed_response
             events = self._beam_chat_events(body, stream, tracker, params, response_id, readers, lora)
             return _EngineStreamResponse(events, stream, tracker)
         results = await self._beam_results(raw, stream, tracker, params, body.skip_special_tokens, lora,
@@ -1727,10 +1736,9 @@ class OpenAIServer:
         tracker = RequestTracker(self.metrics, arrival, stream, params)
         try:
             if body.stream:
-                stream.read_as_chunks(self.config.stream_interval)
                 events = self._completion_events(body, stream, tracker, response_id, params.n,
                                                  self._reported_model(lora))
-                return _EngineStreamResponse(events, stream, tracker)
+                return self._streamed_response(events, stream, tracker)
             finals = await self._unless_disconnected(raw, self._collect(stream, tracker))
         finally:
             if not body.stream:
@@ -1881,10 +1889,9 @@ class OpenAIServer:
         tracker = RequestTracker(self.metrics, arrival, stream, params)
         try:
             if body.stream:
-                stream.read_as_chunks(self.config.stream_interval)
                 events = self._chat_events(body, stream, tracker, response_id, params.n, readers,
                                            self._reported_model(lora))
-                return _EngineStreamResponse(events, stream, tracker)
+                return self._streamed_response(events, stream, tracker)
             finals = await self._unless_disconnected(raw, self._collect(stream, tracker))
         finally:
             if not body.stream:
