@@ -413,12 +413,13 @@ def test_model_loader_extra_config_and_additional_config_are_checked_by_key(tmp_
                                                                 "num_threads": 3})) == 3
     assert load_threads(EngineConfig(model_loader_extra_config={"num_threads": 3})) == 1
     assert EngineConfig(additional_config="{}").additional_config is None
-    for kwargs, words in [(dict(model_loader_extra_config='{"pattern": "x"}'), r"\['pattern'\] is not available"),
-                          (dict(model_loader_extra_config={"num_threads": 0}), "num_threads must be >= 1"),
-                          (dict(model_loader_extra_config={"enable_multithread_load": "yes"}), "true or false"),
-                          (dict(model_loader_extra_config="[1]"), "must be a JSON object"),
-                          (dict(additional_config='{"b": 1, "a": {}}'), r"\['a', 'b'\] is not available"),
-                          (dict(safetensors_load_strategy="mmap"), "lazy, eager, prefetch")]:
+    refused = [(dict(model_loader_extra_config='{"pattern": "x"}'), r"\['pattern'\] is not available"),
+               (dict(model_loader_extra_config={"num_threads": 0}), "num_threads must be >= 1"),
+               (dict(model_loader_extra_config={"enable_multithread_load": "yes"}), "true or false"),
+               (dict(model_loader_extra_config="[1]"), "must be a JSON object"),
+               (dict(additional_config='{"b": 1, "a": {}}'), r"\['a', 'b'\] is not available"),
+               (dict(safetensors_load_strategy="mmap"), "lazy, eager, prefetch")]
+    for kwargs, words in refused:
         with pytest.raises(ValueError, match=words):
             EngineConfig(**kwargs)
     with pytest.raises(ValueError, match="is a GGUF file"):

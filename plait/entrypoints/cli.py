@@ -294,6 +294,17 @@ _FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "num_kv_blocks": ("--num-gpu-
                  "compilation_config": ("-cc",), "enable_expert_parallel": ("-ep",)}
 
 
+def positive_int(value: str) -> int:
+    """A whole number >= 1 (refused when the command line is read, before anything starts)."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value!r}")
+    return number
+
+
 def _arg_type(hint: Any) -> type:
     args = typing.get_args(hint) or (hint,)
     for t in (int, float):
@@ -788,12 +799,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="as vLLM's: log the stack trace of every error response (4xx and 5xx, and a "
                           "stream's error chunk) (default: on under VLLM_SERVER_DEV_MODE=1, as vLLM's; else "
                           "off)")
-    srv.add_argument("--h11-max-incomplete-event-size", type=int, default=None, metavar="BYTES",
+    srv.add_argument("--h11-max-incomplete-event-size", type=positive_int, default=None, metavar="BYTES",
                      help="as vLLM's: the most bytes of a request's line and headers the server buffers "
                           "before answering 400; given, the server runs uvicorn's h11 HTTP protocol, which "
                           "bounds them, instead of httptools (default: httptools where installed, else h11 "
                           "with its 16 KiB)")
-    srv.add_argument("--h11-max-header-count", type=int, default=None, metavar="N",
+    srv.add_argument("--h11-max-header-count", type=positive_int, default=None, metavar="N",
                      help="as vLLM's: requests with more headers are answered 431 (default: no limit)")
     srv.add_argument("--root-path", default="",
                      help="the path prefix a proxy in front of the server strips, as vLLM's")
