@@ -58,6 +58,14 @@ TORCH_COMPILE_KEYS = ("level", "mode", "backend", "custom_ops", "splitting_ops",
                       "debug_dump_path", "cache_dir", "compile_cache_save_format", "dynamic_shapes_config",
                       "local_cache_dir")
 
+# vLLM's --safetensors-load-strategy values (EngineConfig.safetensors_load_strategy).
+LAZY_LOAD, EAGER_LOAD, PREFETCH_LOAD = "lazy", "eager", "prefetch"
+SAFETENSORS_LOAD_STRATEGIES = (LAZY_LOAD, EAGER_LOAD, PREFETCH_LOAD)
+# vLLM's --model-loader-extra-config keys of its default (safetensors) loader, which plait's honours: shards
+# read on threads, DEFAULT_LOAD_THREADS of them unless num_threads says.
+LOADER_EXTRA_CONFIG_KEYS = ("enable_multithread_load", "num_threads")
+DEFAULT_LOAD_THREADS = 8
+
 # long_prefill_token_threshold / max_prefill_tokens_beside_decodes value that means "no cap".
 NO_CHUNK_CAP = 0
 # Memory handed to the KV cache on CPU when num_kv_blocks is not given: the whole
@@ -227,6 +235,22 @@ class EngineConfig:
     logits_processors: list[str | type] | None = None
     # vLLM's --use-tqdm-on-load: a progress bar over an HF checkpoint's shards while they load.
     use_tqdm_on_load: bool = True
+    # vLLM's --hf-config-path: the folder (or cached Hub id) whose config.json describes the model, and whose
+    # generation_config.json gives the sampling defaults under generation_config "auto" / "vllm", in place
+    # of the model's own; the weights and the tokenizer still come from the model. None: the model's.
+    hf_config_path: str | None = None
+    # vLLM's --safetensors-load-strategy (SAFETENSORS_LOAD_STRATEGIES) for an HF checkpoint's shards: "lazy"
+    # maps each file and reads a tensor as it is loaded; "eager" reads each file whole into memory first
+    # (sequential reads, for network filesystems); "prefetch" maps them as "lazy" while a thread reads the
+    # files ahead into the page cache.
+    safetensors_load_strategy: str = LAZY_LOAD
+    # vLLM's --model-loader-extra-config (a dict or its JSON text): the safetensors loader's options,
+    # {"enable_multithread_load": true, "num_threads": 8} reads that many shards at once on threads
+    # (LOADER_EXTRA_CONFIG_KEYS); other keys are refused by name.
+    model_loader_extra_config: dict | str | None = None
+    # vLLM's --additional-config: options for its platform plugins, of which plait has none; only an empty
+    # object (or none) is accepted.
+    additional_config: dict | str | None = None
     # vLLM's --enable-prompt-embeds: prompts may be given as embeddings ([tokens, hidden] tensors, in place of
     # the embedding layer's output) instead of token ids. Off by default, as in vLLM, since the server then
     # unpickles tensors clients send (torch.load with weights_only).
@@ -348,6 +372,20 @@ class EngineConfig:
         source = self.generation_config
         if not isinstance(source, str) or not source:
             raise ValueError(f"generation_config must be 'auto', 'vllm' or a folder, got {source!r}")
+        if self.hf_config_path is not None and (not isinstance(self.hf_config_path, str)
+                                                or not self.hf_config_path):
+            raise ValueError(f"hf_config_path must be a folder holding a config.json or a cached Hub id, got "
+                             f"{self.hf_config_path!r}")
+        if self.safetensors_load_strategy not in SAFETENSORS_LOAD_STRATEGIES:
+            strategies = ", ".join(SAFETENSORS_LOAD_STRATEGIES)
+            raise ValueError(f"safetensors_load_strategy must be one of {strategies}, got "
+                             f"{self.safetensors_load_strategy!r}")
+        self.model_loader_extra_config = _loader_extra_config(self.model_loader_extra_config)
+        extra = json_object("additional_config", self.additional_config)
+        if extra:
+            raise ValueError(f"additional_config {sorted(extra)} is not available: vLLM hands it to platform "
+                             "plugins, and plait has none (only {} is accepted)")
+        self.additional_config = None
 
     def _apply_conversion(self) -> None:
         """vLLM's convert: "embed" is the pooling runner (an embedding of the last hidden states)."""
@@ -531,6 +569,33 @@ def json_object(name: str, value: dict | str | None) -> dict | None:
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, got {value!r}")
     return value or None
+
+
+def _loader_extra_config(value: dict | str | None) -> dict[str, Any] | None:
+    """model_loader_extra_config checked: vLLM's safetensors loader keys (LOADER_EXTRA_CONFIG_KEYS), with a
+    bool and a whole number >= 1 (num_threads without enable_multithread_load changes nothing, as in vLLM)."""
+    config = json_object("model_loader_extra_config", value)
+    if config is None:
+        return None
+    unknown = sorted(set(config) - set(LOADER_EXTRA_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"model_loader_extra_config {unknown} is not available: plait's safetensors loader "
+                         f"takes {', '.join(LOADER_EXTRA_CONFIG_KEYS)}")
+    if not isinstance(config.get("enable_multithread_load", False), bool):
+        raise ValueError(f"model_loader_extra_config enable_multithread_load must be true or false, got "
+                         f"{config['enable_multithread_load']!r}")
+    if "num_threads" in config:
+        _check_int("model_loader_extra_config num_threads", config["num_threads"], minimum=1)
+    return config
+
+
+def load_threads(config: EngineConfig) -> int:
+    """The shards an HF checkpoint's loading reads at once: 1, or model_loader_extra_config's num_threads
+    (DEFAULT_LOAD_THREADS) under its enable_multithread_load."""
+    extra = config.model_loader_extra_config or {}
+    if not extra.get("enable_multithread_load"):
+        return 1
+    return extra.get("num_threads", DEFAULT_LOAD_THREADS)
 
 
 MULTIMODAL_MODALITIES = ("image",)

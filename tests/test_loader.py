@@ -322,6 +322,141 @@ def test_hf_weights_stream_shard_by_shard(tmp_path: Path, monkeypatch) -> None:
     assert len(opened) > 1 and len(rest) + 1 == len(_tiny_llama(tie=False).state_dict())
 
 
+def _sharded_checkpoint(folder: Path) -> dict[str, torch.Tensor]:
+    """A tiny Llama saved in several shards; its state dict."""
+    model = _tiny_llama(tie=False)
+    model.save_pretrained(folder, max_shard_size="50KB")
+    return model.state_dict()
+
+
+def test_safetensors_load_strategies_read_the_same_tensors(tmp_path: Path, monkeypatch) -> None:
+    """vLLM's --safetensors-load-strategy: "eager" reads each shard whole (no map: safe_open is never
+    called), "prefetch" maps them while its thread reads every file ahead, and both give lazy's tensors; the
+    prefetch thread is stopped when the load ends."""
+    from plait.loader import hf
+
+    reference = _sharded_checkpoint(tmp_path)
+    files = hf.checkpoint_files(tmp_path)
+    assert len(files) > 2
+    lazy = list(hf.iter_hf_weights(tmp_path))
+    assert [name for name, _ in lazy] and {name for name, _ in lazy} == set(reference)
+
+    def same_as_lazy(got: list[tuple[str, torch.Tensor]]) -> bool:  # a shard's names may come in any order
+        want = dict(lazy)
+        return len(got) == len(want) and all(torch.equal(t, want[name]) for name, t in got)
+
+    prefetchers = []
+
+    class Recorded(hf.Prefetcher):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            prefetchers.append(self)
+
+    monkeypatch.setattr(hf, "Prefetcher", Recorded)
+    assert same_as_lazy(list(hf.iter_hf_weights(tmp_path, strategy="prefetch")))
+    (prefetcher,) = prefetchers
+    assert prefetcher.files == files and prefetcher.ident is not None and not prefetcher.is_alive()
+    whole = hf.Prefetcher(files, block_bytes=4096)
+    whole.run()  # what the thread does, here to its end: every byte of every file read
+    assert whole.bytes_read == sum(f.stat().st_size for f in files)
+
+    def no_map(*args, **kwargs):
+        raise AssertionError("the eager strategy mapped a file")
+
+    monkeypatch.setattr(hf, "safe_open", no_map)
+    assert same_as_lazy(list(hf.iter_hf_weights(tmp_path, strategy="eager")))
+    assert same_as_lazy(list(hf.iter_hf_weights(tmp_path, strategy="eager", threads=2)))
+    with pytest.raises(AssertionError, match="mapped"):
+        list(hf.iter_hf_weights(tmp_path))
+
+
+def test_multithread_load_reads_shards_ahead_on_threads(tmp_path: Path, monkeypatch) -> None:
+    """vLLM's --model-loader-extra-config enable_multithread_load / num_threads: shards are read on that many
+    threads, at most num_threads ahead of the one handed out, and the tensors come in file order."""
+    import threading
+
+    from plait.loader import hf
+
+    _sharded_checkpoint(tmp_path)
+    files = hf.checkpoint_files(tmp_path)
+    assert len(files) > 3
+    lazy = list(hf.iter_hf_weights(tmp_path))
+    read = []
+    real_read = hf.read_shard
+
+    def recorded(file, strategy):
+        read.append((file, threading.current_thread().name))
+        return real_read(file, strategy)
+
+    monkeypatch.setattr(hf, "read_shard", recorded)
+    stream = hf.iter_hf_weights(tmp_path, threads=2)
+    next(stream)
+    assert 1 <= len(read) <= 3  # the shard handed out and at most two ahead
+    got = [lazy[0], *stream]
+    assert [n for n, _ in got] == [n for n, _ in lazy]
+    assert all(torch.equal(t, want) for (_, t), (_, want) in zip(got, lazy))
+    assert sorted(file for file, _ in read) == files
+    assert all(name.startswith("plait-load") for _, name in read)
+
+
+def test_model_loader_extra_config_and_additional_config_are_checked_by_key(tmp_path: Path) -> None:
+    """vLLM's loader options: its safetensors loader's keys are taken (num_threads alone reads one shard at
+    a time, as vLLM's), others refused by name; --additional-config only as {} (plait has no platform
+    plugins); a GGUF model refuses the multithreaded load, which reads safetensors shards."""
+    from plait.config import EngineConfig, load_threads
+    from plait.loader.hf import resolve_model
+    from plait.loader.model_loader import read_source
+
+    assert load_threads(EngineConfig()) == 1
+    assert load_threads(EngineConfig(model_loader_extra_config='{"enable_multithread_load": true}')) == 8
+    assert load_threads(EngineConfig(model_loader_extra_config={"enable_multithread_load": True,
+                                                                "num_threads": 3})) == 3
+    assert load_threads(EngineConfig(model_loader_extra_config={"num_threads": 3})) == 1
+    assert EngineConfig(additional_config="{}").additional_config is None
+    refused = [(dict(model_loader_extra_config='{"pattern": "x"}'), r"\['pattern'\] is not available"),
+               (dict(model_loader_extra_config={"num_threads": 0}), "num_threads must be >= 1"),
+               (dict(model_loader_extra_config={"enable_multithread_load": "yes"}), "true or false"),
+               (dict(model_loader_extra_config="[1]"), "must be a JSON object"),
+               (dict(additional_config='{"b": 1, "a": {}}'), r"\['a', 'b'\] is not available"),
+               (dict(safetensors_load_strategy="mmap"), "lazy, eager, prefetch")]
+    for kwargs, words in refused:
+        with pytest.raises(ValueError, match=words):
+            EngineConfig(**kwargs)
+    with pytest.raises(ValueError, match="is a GGUF file"):
+        read_source(resolve_model(None), "dummy", threads=2)
+
+
+def test_hf_config_path_describes_the_model_whose_weights_load(tiny_llama: Path, tmp_path: Path) -> None:
+    """vLLM's --hf-config-path (and LLM(hf_config_path=...)): config.json and, under generation_config auto,
+    generation_config.json come from that folder, which holds no weights; the weights from the model's.
+    A folder without a config.json is refused before the weights load."""
+    import json
+    import shutil
+
+    from plait import LLM
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.75}))
+    config = json.loads((tiny_llama / "config.json").read_text())
+    assert config["max_position_embeddings"] == 512
+    other = tmp_path / "config"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 96}))
+    (other / "generation_config.json").write_text(json.dumps({"temperature": 0.25}))
+    llm = LLM(str(model), hf_config_path=str(other), block_size=8)
+    engine = llm.engine
+    assert engine.model_config.max_position_embeddings == 96 and engine.max_model_len == 96
+    assert engine.runner.model_path == model.resolve()
+    assert llm.get_default_sampling_params().temperature == 0.25
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) > 0
+    with pytest.raises(ValueError, match="is not a folder holding a config.json"):
+        LLM(str(model), hf_config_path=str(tmp_path), block_size=8)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(str(model), hf_config_path=str(tmp_path / "none"), block_size=8)
+
+
 # --- (d) resolve_model --------------------------------------------------------------------------
 
 

@@ -277,6 +277,138 @@ def test_serve_takes_vllm_flags_whose_values_plait_has(monkeypatch, capsys, tmp_
     assert len(seen) == 1
 
 
+def test_serve_loader_error_stack_and_h11_flags_reach_the_configs(monkeypatch, capsys, tmp_path):
+    """vLLM's --hf-config-path, --safetensors-load-strategy, --model-loader-extra-config and
+    --additional-config '{}' reach the engine's config; --log-error-stack (on by default under
+    VLLM_SERVER_DEV_MODE=1, as vLLM's) and the h11 limits the server's. Values plait cannot honour are
+    refused by name before the model loads."""
+    import plait.entrypoints.server as server
+    from plait.entrypoints import cli
+
+    seen = []
+    monkeypatch.setattr(server, "serve", lambda e, c, **_: seen.append((e, c)))
+    monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+    assert cli.main(["serve", "--port", "0", "--no-engine-process", "--hf-config-path", str(tmp_path),
+                     "--safetensors-load-strategy", "eager",
+                     "--model-loader-extra-config", '{"enable_multithread_load": true, "num_threads": 4}',
+                     "--additional-config", "{}", "--log-error-stack",
+                     "--h11-max-incomplete-event-size", "8192", "--h11-max-header-count", "64"]) == 0
+    assert cli.main(["serve", "--port", "0", "--no-engine-process"]) == 0
+    monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+    assert cli.main(["serve", "--port", "0", "--no-engine-process"]) == 0
+    assert cli.main(["serve", "--port", "0", "--no-engine-process", "--no-log-error-stack"]) == 0
+    (engine, config), (plain_engine, plain), (_, dev), (_, dev_off) = seen
+    assert (engine.hf_config_path, engine.safetensors_load_strategy) == (str(tmp_path), "eager")
+    assert engine.model_loader_extra_config == {"enable_multithread_load": True, "num_threads": 4}
+    assert engine.additional_config is None
+    assert config.log_error_stack and (config.h11_max_incomplete_event_size, config.h11_max_header_count) == (
+        8192, 64)
+    assert (plain_engine.hf_config_path, plain_engine.safetensors_load_strategy) == (None, "lazy")
+    assert plain_engine.model_loader_extra_config is None
+    assert not plain.log_error_stack
+    assert plain.h11_max_incomplete_event_size is None and plain.h11_max_header_count is None
+    assert dev.log_error_stack and not dev_off.log_error_stack
+    refused = [(["--additional-config", '{"ascend_scheduler_config": {}}'],
+                "additional_config ['ascend_scheduler_config'] is not available"),
+               (["--model-loader-extra-config", '{"enable_multithread_load": true, "pattern": "x"}'],
+                "model_loader_extra_config ['pattern'] is not available"),
+               (["--safetensors-load-strategy", "fast"], "safetensors_load_strategy must be one of")]
+    for flags, words in refused:
+        assert cli.main(["serve", "--port", "0", "--no-engine-process", *flags]) == 2, flags
+        assert words in capsys.readouterr().err, flags
+    for flag, value in (("--h11-max-header-count", "0"), ("--h11-max-incomplete-event-size", "-1")):
+        with pytest.raises(SystemExit):  # refused as the command line is read
+            cli.main(["serve", flag, value])
+        assert f"argument {flag}: must be a whole number >= 1, got '{value}'" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="h11_max_header_count must be a whole number >= 1"):
+        server.ServerConfig(h11_max_header_count=0)
+    assert len(seen) == 4
+
+
+async def _ok_app(scope, receive, send):
+    """An ASGI app answering 200 to every HTTP request."""
+    if scope["type"] == "http":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+
+def test_h11_limits_bound_requests_on_the_servers_uvicorn():
+    """--h11-max-incomplete-event-size runs uvicorn's h11 protocol with that bound (uvicorn's "auto" would run
+    httptools, which has none): a request head past it is answered 400 before it is complete.
+    --h11-max-header-count answers 431 to a request with more headers. Both on the uvicorn that
+    uvicorn_server (plait serve's and the data-parallel front's) builds, serving a plain app."""
+    import socket
+    import threading
+
+    from plait.entrypoints.server import ServerConfig, bind_socket, uvicorn_server
+
+    assert uvicorn_server(_ok_app, ServerConfig()).config.http == "auto"
+    http = uvicorn_server(_ok_app, ServerConfig(log_level="critical", h11_max_incomplete_event_size=1024,
+                                                h11_max_header_count=10))
+    assert (http.config.http, http.config.h11_max_incomplete_event_size) == ("h11", 1024)
+    sock = bind_socket("127.0.0.1", 0)
+    thread = threading.Thread(target=http.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not http.started:
+            assert thread.is_alive() and time.monotonic() < deadline
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        # httpx sends 5 headers of its own (host, accept, accept-encoding, connection, user-agent).
+        assert httpx.get(url, headers={f"x-{i}": "v" for i in range(5)}).status_code == 200
+        many = httpx.get(url, headers={f"x-{i}": "v" for i in range(6)})
+        assert many.status_code == 431
+        assert "11 headers, more than the limit of 10" in many.json()["error"]["message"]
+        with socket.create_connection(sock.getsockname(), timeout=10) as raw:
+            # 4 KiB of a head that has not ended: past the bound, answered without waiting for its end.
+            raw.sendall(b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 4096)
+            assert raw.recv(64).startswith(b"HTTP/1.1 400 ")
+    finally:
+        http.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def test_log_error_stack_logs_the_trace_of_error_responses(tiny_llama, caplog):
+    """--log-error-stack: a 400 a request earns, a 500 from an engine error and a stream's error chunk log
+    the exception's stack trace, named by status and request; without it none of them is logged."""
+    import logging
+
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.async_engine import RequestFailedError
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_llama), block_size=8, max_model_len=64, num_kv_blocks=16))
+
+    async def failing_route():
+        raise RequestFailedError("the engine failed while running this request: injected")
+
+    logged = {}
+    for flag in (False, True):
+        server = OpenAIServer(engine, ServerConfig(log_level="warning", log_error_stack=flag))
+        server.app.add_api_route("/failing", failing_route)
+        caplog.clear()
+        with caplog.at_level(logging.ERROR, logger="plait.entrypoints.server"):
+            with BackgroundServer(server) as url:
+                bad = httpx.post(f"{url}/v1/completions", timeout=30,
+                                 json={"model": server.model_name, "prompt": [5, 6, 7], "temperature": -1})
+                assert bad.status_code == 400
+                assert httpx.get(f"{url}/failing", timeout=30).status_code == 500
+            chunk = server._stream_error(RequestFailedError("mid-stream"))
+            assert chunk.startswith("data: ") and "mid-stream" in chunk
+        logged[flag] = [r for r in caplog.records if r.getMessage().startswith("error response")]
+        text = caplog.text
+    assert logged[False] == []
+    messages = [r.getMessage() for r in logged[True]]
+    assert [m.split(":")[0] for m in messages] == ["error response 400 to POST /v1/completions",
+                                                   "error response 500 to GET /failing",
+                                                   "error response 500 in a stream"], messages
+    assert all(r.exc_info is not None for r in logged[True])
+    assert "in failing_route" in text and "RequestFailedError" in text  # the trace itself
+
+
 async def stamp_responses(request, call_next):
     """A user's --middleware function: every response carries a header."""
     response = await call_next(request)

@@ -29,8 +29,9 @@ NEVER_DRAFTED = 0
 
 
 def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig) -> EngineConfig:
-    """The draft model's runner config: the target's device, dtype, rows, token budget and block size; no
-    prefix cache, LoRA, warm-up or speculation of its own."""
+    """The draft model's runner config: the target's device, dtype, rows, token budget, block size and way
+    of reading shards; no prefix cache, LoRA, warm-up or speculation of its own (nor the target's
+    hf_config_path, which describes the target)."""
     return EngineConfig(
         model=spec.model, load_format=target.load_format, device=target.device, dtype=target.dtype,
         seed=target.seed, max_num_batched_tokens=target.max_num_batched_tokens, usage=target.usage,
@@ -39,6 +40,9 @@ def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig) -> Engine
         enable_prefix_caching=False, attention_backend=target.attention_backend,
         enforce_eager=target.enforce_eager, async_scheduling=False, warm_up=False,
         download_dir=target.download_dir, generation_config="vllm",
+        # vLLM's load options are its LoadConfig's, shared by the draft model: read its shards the same way.
+        safetensors_load_strategy=target.safetensors_load_strategy,
+        model_loader_extra_config=target.model_loader_extra_config,
     )
 
 

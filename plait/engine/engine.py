@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.config import EAGLE, EAGLE3, FULL_VOCAB_LOGPROBS, NGRAM, EngineConfig
+from plait.config import EAGLE, EAGLE3, FULL_VOCAB_LOGPROBS, NGRAM, EngineConfig, load_threads
 from plait.engine.detokenizer import Detokenizer
 from plait.engine.draft_model import DraftModelDrafter
 from plait.engine.drafter import Drafter, NgramDrafter
@@ -26,7 +26,7 @@ from plait.engine.scheduler import Scheduler, StepPlan
 from plait.engine.state_slots import StateSlotPool
 from plait.engine.warmup import WarmUpReport, warm_up
 from plait.generation_config import load_generation_defaults
-from plait.loader.hf import resolve_model
+from plait.loader.hf import config_folder, resolve_model
 from plait.logits_processor import LogitsProcessor, load_logits_processors
 from plait.lora.adapter import LoRAAdapter
 from plait.lora.registry import LoRARegistry
@@ -170,8 +170,10 @@ class LLMEngine:
         # Custom logits processors' classes are imported first: a bad name fails before the weights load.
         processor_classes = load_logits_processors(config.logits_processors)
         self.model_source = resolve_model(config.model, config.revision, config.download_dir)
-        self.generation_defaults = load_generation_defaults(config.generation_config, self.model_source.path,
-                                                            config.override_generation_config)
+        # vLLM's --hf-config-path: its folder's generation_config.json under "auto" / "vllm", as its config.
+        self.generation_defaults = load_generation_defaults(
+            config.generation_config, config_folder(config) or self.model_source.path,
+            config.override_generation_config)
         self.runner = ModelRunner(config, source=self.model_source)
         # The runner chose the device's defaults (the token budget) where the config left them open.
         self.config = config = self.runner.config
@@ -975,7 +977,8 @@ class LLMEngine:
         from plait.loader.model_loader import read_source
 
         source = self.model_source if path is None else resolve_model(path)
-        _, weights = read_source(source, "auto")
+        _, weights = read_source(source, "auto", strategy=self.config.safetensors_load_strategy,
+                                 threads=load_threads(self.config))
         self.load_weights(weights)
 
     def sleep(self, level: int = 1) -> None:

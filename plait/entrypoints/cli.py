@@ -35,6 +35,7 @@ _ENGINE_FLAGS = (
     "download_dir",
     "limit_mm_per_prompt", "enable_sleep_mode", "optimization_level", "compilation_config",
     "logits_processors", "enable_prompt_embeds", "rope_scaling", "rope_theta", "use_tqdm_on_load",
+    "hf_config_path", "safetensors_load_strategy", "model_loader_extra_config", "additional_config",
 )
 
 
@@ -130,6 +131,20 @@ _FLAG_HELP = {
     "rope_theta": "as vLLM's: the rotary base in place of the checkpoint's",
     "use_tqdm_on_load": "as vLLM's: a progress bar over an HF checkpoint's shards while they load "
                         "(default: on)",
+    "hf_config_path": "as vLLM's: a folder holding a config.json (or a cached Hub id) that describes the "
+                      "model in place of its own; its generation_config.json, if any, gives the sampling "
+                      "defaults under --generation-config auto / vllm. Weights and tokenizer stay the "
+                      "model's (default: the model's config)",
+    "safetensors_load_strategy": "as vLLM's, how an HF checkpoint's safetensors files are read: 'lazy' "
+                                 "(default): mapped, a tensor read as it loads; 'eager': each file read "
+                                 "whole into memory first (sequential reads, for network filesystems; a "
+                                 "shard's size in host memory); 'prefetch': mapped while a thread reads the "
+                                 "files ahead into the page cache. GGUF files are read as always",
+    "model_loader_extra_config": "as vLLM's, a JSON object of the safetensors loader's options: "
+                                 "'{\"enable_multithread_load\": true, \"num_threads\": 8}' reads that many "
+                                 "shards at once on threads (default 8; up to that many shards plus one in "
+                                 "host memory); other keys are refused",
+    "additional_config": "vLLM's options for platform plugins: plait has none, so only '{}' is accepted",
     "convert": "as vLLM's: 'embed' serves a generative checkpoint as an embedding model (its last hidden "
                "states pooled: --runner pooling); 'auto' / 'none' keep its kind",
     "logits_processors": "as vLLM's: custom logits processors, plait.logits_processor.LogitsProcessor "
@@ -202,7 +217,8 @@ _NO_OP_FLAGS: tuple[tuple[str, dict[str, Any], str], ...] = (
     ("--swap-space", {"type": float, "metavar": "GIB"},
      "plait never swaps KV blocks to the host; a preempted request is recomputed, as vLLM v1's"),
     ("--max-parallel-loading-workers", {"type": int, "metavar": "N"},
-     "plait reads a checkpoint's shards one at a time"),
+     "plait reads a checkpoint's shards one at a time (--model-loader-extra-config's "
+     "enable_multithread_load reads several)"),
     ("--max-seq-len-to-capture", {"type": int, "metavar": "N"},
      "plait's decode graphs serve every context length up to --max-model-len"),
     ("--ignore-patterns", {"nargs": "+", "metavar": "PATTERN"}, "plait never downloads, so skips no file"),
@@ -276,6 +292,17 @@ _LIST_FLAGS = frozenset({"cuda_graph_sizes", "logits_processors"})
 _FLAG_ALIASES = {"tensor_parallel_size": ("-tp",), "num_kv_blocks": ("--num-gpu-blocks-override",),
                  "pooler_config": ("--override-pooler-config",),
                  "compilation_config": ("-cc",), "enable_expert_parallel": ("-ep",)}
+
+
+def positive_int(value: str) -> int:
+    """A whole number >= 1 (refused when the command line is read, before anything starts)."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number >= 1, got {value!r}")
+    return number
 
 
 def _arg_type(hint: Any) -> type:
@@ -418,6 +445,7 @@ _DEFAULT_PORT = 8000
 _API_KEY_ENV = "PLAIT_API_KEY"
 _VLLM_API_KEY_ENV = "VLLM_API_KEY"  # vLLM's, read where plait's is not set: vLLM deployments run as they are
 _RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+_DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"  # vLLM's development switch, which turns --log-error-stack on
 _CORS_ANY = ("*",)
 
 
@@ -491,7 +519,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
                           disable_uvicorn_access_log=args.disable_uvicorn_access_log,
                           enable_server_load_tracking=args.enable_server_load_tracking,
                           enable_request_id_headers=args.enable_request_id_headers,
-                          step_timeline_file=args.step_timeline_file)
+                          step_timeline_file=args.step_timeline_file, log_error_stack=args.log_error_stack,
+                          h11_max_incomplete_event_size=args.h11_max_incomplete_event_size,
+                          h11_max_header_count=args.h11_max_header_count)
     if launched is None:
         from plait.entrypoints.data_parallel import serve_data_parallel
 
@@ -764,6 +794,18 @@ def build_parser() -> argparse.ArgumentParser:
                      help="when the server stops, write the engine's step timeline here (each step's time, "
                           "prompt and decode tokens, rows, graph replay, KV blocks, preemptions; "
                           "`plait bench timeline PATH` plots it)")
+    srv.add_argument("--log-error-stack", action=argparse.BooleanOptionalAction,
+                     default=os.environ.get(_DEV_MODE_ENV, "").lower() in ("1", "true"),
+                     help="as vLLM's: log the stack trace of every error response (4xx and 5xx, and a "
+                          "stream's error chunk) (default: on under VLLM_SERVER_DEV_MODE=1, as vLLM's; else "
+                          "off)")
+    srv.add_argument("--h11-max-incomplete-event-size", type=positive_int, default=None, metavar="BYTES",
+                     help="as vLLM's: the most bytes of a request's line and headers the server buffers "
+                          "before answering 400; given, the server runs uvicorn's h11 HTTP protocol, which "
+                          "bounds them, instead of httptools (default: httptools where installed, else h11 "
+                          "with its 16 KiB)")
+    srv.add_argument("--h11-max-header-count", type=positive_int, default=None, metavar="N",
+                     help="as vLLM's: requests with more headers are answered 431 (default: no limit)")
     srv.add_argument("--root-path", default="",
                      help="the path prefix a proxy in front of the server strips, as vLLM's")
     srv.add_argument("--disable-fastapi-docs", action="store_true",

@@ -87,9 +87,11 @@ def start_replicas(engine_config: EngineConfig, server_config: Any, size: int, e
     (``engine_process``: each replica's engine loop in a process of its own, as serve's)."""
     on_cuda = _uses_cuda(engine_config)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    # Replicas listen on loopback, plain HTTP; the front terminates TLS and serves under root_path.
+    # Replicas listen on loopback, plain HTTP; the front terminates TLS, serves under root_path and bounds
+    # requests' heads (what it forwards carries headers of its own, which a replica must not count).
     replica_config = dataclasses.replace(server_config, host="127.0.0.1", port=0, uds=None, ssl_keyfile=None,
-                                         ssl_certfile=None, ssl_ca_certs=None, root_path="")
+                                         ssl_certfile=None, ssl_ca_certs=None, root_path="",
+                                         h11_max_incomplete_event_size=None, h11_max_header_count=None)
     fd, config_path = tempfile.mkstemp(prefix="plait-dp-", suffix=".pickle")  # mode 0600: it holds the key
     with os.fdopen(fd, "wb") as f:
         pickle.dump((engine_config, replica_config, engine_process), f)

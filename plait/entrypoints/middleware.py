@@ -1,5 +1,6 @@
 """The server's ASGI middleware (pure ASGI, so streams and disconnects pass straight through): the API key and
-body size, the model-running requests in flight, and request ids; and the user's own (--middleware)."""
+body size, the header count, the model-running requests in flight, and request ids; and the user's own
+(--middleware)."""
 
 from __future__ import annotations
 
@@ -191,6 +192,28 @@ class GuardMiddleware:
         body = error_body(f"the request body is larger than the limit of {self.max_body_bytes} bytes",
                            "invalid_request_error", code="request_too_large")
         await send_error(send, 413, body)
+
+
+# The status of a request whose headers are too many (RFC 6585's "Request Header Fields Too Large").
+TOO_MANY_HEADERS_STATUS = 431
+
+
+class HeaderCountMiddleware:
+    """vLLM's --h11-max-header-count: a request with more than ``max_headers`` headers is answered 431 before
+    the app sees it (uvicorn has no such setting; this counts them under either of its HTTP protocols)."""
+
+    def __init__(self, app: ASGIApp, max_headers: int) -> None:
+        self.app = app
+        self.max_headers = max_headers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        count = len(scope.get("headers") or ())
+        if scope["type"] == "http" and count > self.max_headers:
+            body = error_body(f"the request has {count} headers, more than the limit of {self.max_headers}",
+                              "invalid_request_error", code="too_many_headers")
+            await send_error(send, TOO_MANY_HEADERS_STATUS, body, [(b"connection", b"close")])
+            return
+        await self.app(scope, receive, send)
 
 
 

@@ -914,6 +914,7 @@ class ResponsesAPI:
         except _ENGINE_ERRORS as err:
             error = not isinstance(err, RequestTimeoutError)
             status = _ENGINE_ERROR_STATUS[type(err)]
+            self.server.log_error_stack(status, err)
             yield sse(_event("error", code=error_type(status), message=str(err), param=None))
             failure = ResponseError(code=SERVER_ERROR_CODE, message=str(err))
             failed = response.model_copy(update={"status": "failed", "output": builder.items,

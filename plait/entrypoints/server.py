@@ -87,6 +87,7 @@ from plait.entrypoints.llm import (
 from plait.entrypoints.metrics import RequestTracker, ServerMetrics
 from plait.entrypoints.middleware import (
     GuardMiddleware,
+    HeaderCountMiddleware,
     LoadTrackingMiddleware,
     RequestIdMiddleware,
     ServerLoad,
@@ -369,6 +370,19 @@ class ServerConfig:
     # Start times stay on the host's monotonic clock, so a load generator on the same host can line its
     # requests up with the steps. ``plait bench timeline FILE`` plots it.
     step_timeline_file: str | None = None
+    # vLLM's --log-error-stack: every error response the API gives (a 4xx a request's content earns, a 5xx,
+    # an error chunk ending a stream) logs its exception's stack trace. The middleware's refusals before the
+    # API (401 key, 413 size, 431 headers) have none. Unexpected errors' traces are logged either way.
+    log_error_stack: bool = False
+    # vLLM's --h11-max-incomplete-event-size: the bytes of a request's line and headers (an incomplete HTTP
+    # event) the server buffers before it answers 400; given, the server runs uvicorn's h11 protocol, which
+    # takes it, instead of httptools (uvicorn's "auto" where it is installed, which has no such bound).
+    # None: uvicorn's choice and h11's own 16 KiB.
+    h11_max_incomplete_event_size: int | None = None
+    # vLLM's --h11-max-header-count: requests with more headers are answered 431 before the app reads them
+    # (uvicorn has no such setting: plait's HeaderCountMiddleware counts them, under either protocol). None:
+    # no limit.
+    h11_max_header_count: int | None = None
     chat_template_text: str | None = field(default=None, init=False, repr=False)  # what chat_template names
 
     def __post_init__(self) -> None:
@@ -417,6 +431,10 @@ class ServerConfig:
         if self.uds is not None and (not self.uds or not hasattr(socket, "AF_UNIX")):
             raise ValueError(f"uds must be a Unix domain socket's path on a system that has them, got "
                              f"{self.uds!r}")
+        for name in ("h11_max_incomplete_event_size", "h11_max_header_count"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
         if self.max_log_len is not None and (isinstance(self.max_log_len, bool) or self.max_log_len < 0):
             raise ValueError(f"max_log_len must be >= 0, got {self.max_log_len!r}")
         if self.chat_template is not None:
@@ -989,22 +1007,27 @@ class OpenAIServer:
             return JSONResponse({"is_sleeping": self.engine.is_sleeping})
 
     def _add_error_handlers(self, app: FastAPI) -> None:
-        async def on_api_error(_: Request, exc: Exception) -> Response:
+        async def on_api_error(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, APIError)
+            self.log_error_stack(exc.status, exc, request)
             return error_response(exc)
 
-        async def on_validation(_: Request, exc: Exception) -> Response:
+        async def on_validation(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, RequestValidationError)
-            return error_response(validation_error(exc))
+            error = validation_error(exc)
+            self.log_error_stack(error.status, exc, request)
+            return error_response(error)
 
-        async def on_http(_: Request, exc: Exception) -> Response:
+        async def on_http(request: Request, exc: Exception) -> Response:
             assert isinstance(exc, StarletteHTTPException)
             code = "not_found" if exc.status_code == 404 else None
             error = APIError(exc.status_code, str(exc.detail), error_type(exc.status_code), code=code)
+            self.log_error_stack(exc.status_code, exc, request)
             return error_response(error, exc.headers)  # e.g. Allow on a 405
 
-        async def on_engine_error(_: Request, exc: Exception) -> Response:
+        async def on_engine_error(request: Request, exc: Exception) -> Response:
             status = next(s for t, s in _ENGINE_ERROR_STATUS.items() if isinstance(exc, t))
+            self.log_error_stack(status, exc, request)
             return error_response(APIError(status, str(exc), error_type(status)))
 
         async def on_unexpected(_: Request, exc: Exception) -> Response:
@@ -1017,6 +1040,19 @@ class OpenAIServer:
         for engine_error in _ENGINE_ERRORS:
             app.add_exception_handler(engine_error, on_engine_error)
         app.add_exception_handler(Exception, on_unexpected)
+
+    def log_error_stack(self, status: int, exc: BaseException, request: Request | None = None) -> None:
+        """vLLM's --log-error-stack: the stack trace of an exception that became an error response (or a
+        stream's error chunk), logged where the server was asked to."""
+        if self.config.log_error_stack:
+            where = f" to {request.method} {request.url.path}" if request is not None else " in a stream"
+            logger.error("error response %d%s: %s", status, where, exc, exc_info=exc)
+
+    def _stream_error(self, err: Exception) -> str:
+        """The SSE chunk that ends a stream an engine error broke (its stack logged under log_error_stack)."""
+        status = _ENGINE_ERROR_STATUS[type(err)]
+        self.log_error_stack(status, err)
+        return _sse_error(err, status)
 
     # -- shared request plumbing --------------------------------------------------------------
 
@@ -1448,7 +1484,7 @@ class OpenAIServer:
             (out,) = await self._finish_beam_search(stream, tracker, params, body.skip_special_tokens, lora,
                                                       body.admission)
         except _ENGINE_ERRORS as err:
-            yield _sse_error(err, _ENGINE_ERROR_STATUS[type(err)])
+            yield self._stream_error(err)
             yield SSE_DONE
             return
         for completion in out.outputs:
@@ -1819,7 +1855,7 @@ class OpenAIServer:
                 yield chunk([], self._usage(stream, n, completion_tokens))
         except _ENGINE_ERRORS as err:
             error = not isinstance(err, RequestTimeoutError)
-            yield _sse_error(err, _ENGINE_ERROR_STATUS[type(err)])
+            yield self._stream_error(err)
         finally:
             tracker.close(error)
         yield SSE_DONE
@@ -2005,7 +2041,7 @@ class OpenAIServer:
                 yield chunk([], self._usage(stream, n, completion_tokens))
         except _ENGINE_ERRORS as err:
             error = not isinstance(err, RequestTimeoutError)
-            yield _sse_error(err, _ENGINE_ERROR_STATUS[type(err)])
+            yield self._stream_error(err)
         finally:
             tracker.close(error)
         yield SSE_DONE
@@ -2108,10 +2144,18 @@ def _cert_reqs(c: ServerConfig) -> int:
 
 
 def uvicorn_server(app: ASGIApp, c: ServerConfig) -> uvicorn.Server:
-    """uvicorn serving ``app`` as ``c`` says (log levels and configuration, access log, root path, TLS); the
-    data-parallel front runs on it too."""
+    """uvicorn serving ``app`` as ``c`` says (log levels and configuration, access log, root path, TLS, the
+    h11 protocol's bound on a request's head and the header count); the data-parallel front runs on it
+    too."""
     logging_config = {} if c.log_config_file is None else {"log_config": c.log_config_file}
+    if c.h11_max_header_count is not None:
+        app = HeaderCountMiddleware(app, c.h11_max_header_count)
+    protocol: dict[str, Any] = {}
+    if c.h11_max_incomplete_event_size is not None:
+        # Only uvicorn's h11 protocol bounds it; "auto" would run httptools where it is installed.
+        protocol = {"http": "h11", "h11_max_incomplete_event_size": c.h11_max_incomplete_event_size}
     config = uvicorn.Config(app, uds=c.uds, log_level=c.uvicorn_log_level or c.log_level, **logging_config,
+                            **protocol,
                             access_log=not c.disable_uvicorn_access_log, root_path=c.root_path,
                             ssl_keyfile=c.ssl_keyfile, ssl_certfile=c.ssl_certfile,
                             ssl_ca_certs=c.ssl_ca_certs, ssl_cert_reqs=_cert_reqs(c),

@@ -4,21 +4,31 @@ and read HF safetensors folders."""
 from __future__ import annotations
 
 import json
+import logging
 import re
-from collections.abc import Iterator
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
+import safetensors.torch
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from plait.config import EAGER_LOAD, LAZY_LOAD, PREFETCH_LOAD, EngineConfig
 from plait.loader.source import cached_hub_snapshot, default_model_path, is_gguf_file
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
 GGUF_SUFFIX = ".gguf"
+# What the "prefetch" load strategy's thread reads at a time (the data is dropped: the page cache keeps it).
+PREFETCH_BLOCK_BYTES = 16 * 2**20
 # "org/name" with Hub-legal characters: what a user means when they paste a Hub id.
 _HUB_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -94,10 +104,32 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return json.loads(config_path.read_text())
 
 
-def iter_hf_weights(path: str | Path, progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
-    """The folder's tensors one at a time, shard after shard (only the tensor in hand is in memory), as
-    load_hf_folder finds them; a name in two files is an error. ``progress``: a bar over the shards (vLLM's
-    use_tqdm_on_load), for checkpoints whose load takes minutes."""
+def resolve_config_folder(hf_config_path: str, revision: str | None = None,
+                          download_dir: str | None = None) -> Path:
+    """vLLM's --hf-config-path: a folder holding a config.json, or a Hub id whose snapshot at ``revision``
+    (the model's, as vLLM reads both at the same one) is in the local HF cache (or ``download_dir``)."""
+    path = Path(hf_config_path).expanduser()
+    if path.exists():
+        folder = path.resolve()
+    elif _HUB_ID_RE.fullmatch(hf_config_path):
+        folder = cached_hub_snapshot(hf_config_path, revision, download_dir)
+    else:
+        raise FileNotFoundError(f"hf_config_path {hf_config_path!r} does not exist (a folder holding "
+                                f"{CONFIG_FILE}, or a Hub id in the local HF cache)")
+    if not (folder / CONFIG_FILE).is_file():
+        raise ValueError(f"hf_config_path {hf_config_path!r} is not a folder holding a {CONFIG_FILE}")
+    return folder
+
+
+def config_folder(config: EngineConfig) -> Path | None:
+    """The folder config.hf_config_path names (vLLM's --hf-config-path), resolved; None where it is unset."""
+    if config.hf_config_path is None:
+        return None
+    return resolve_config_folder(config.hf_config_path, config.revision, config.download_dir)
+
+
+def checkpoint_files(path: str | Path) -> list[Path]:
+    """An HF folder's safetensors files: those its model.safetensors.index.json names, else every one."""
     path = Path(path)
     index_path = path / SAFETENSORS_INDEX_FILE
     if index_path.is_file():
@@ -110,14 +142,110 @@ def iter_hf_weights(path: str | Path, progress: bool = False) -> Iterator[tuple[
             f"{str(path)!r} has no *.safetensors weights (plait does not read pytorch_model.bin); "
             "convert them with transformers' save_pretrained(..., safe_serialization=True)"
         )
+    return files
+
+
+def iter_hf_weights(path: str | Path, progress: bool = False, strategy: str = LAZY_LOAD,
+                    threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+    """The folder's tensors, shard after shard in file order, as load_hf_folder finds them; a name in two
+    files is an error. ``progress``: a bar over the shards (vLLM's use_tqdm_on_load), for checkpoints whose
+    load takes minutes.
+
+    ``strategy`` is vLLM's safetensors_load_strategy: "lazy" maps each file and reads one tensor at a time
+    (only the tensor in hand is in memory); "eager" reads each file whole, in one sequential read, before its
+    tensors are handed out (a shard's size in memory); "prefetch" is "lazy" while a thread reads the files
+    ahead, in order, so that the page cache holds them when their tensors are read. ``threads`` > 1 (vLLM's
+    enable_multithread_load) reads that many shards at once on threads, each whole, handed out in file order
+    (up to threads + 1 shards in memory)."""
+    files = checkpoint_files(path)
+    prefetcher = Prefetcher(files) if strategy == PREFETCH_LOAD else None
+    if prefetcher is not None:
+        prefetcher.start()
+    bar = tqdm(total=len(files), desc="Loading safetensors shards", unit="shard", disable=not progress)
     seen: set[str] = set()
-    for file in tqdm(files, desc="Loading safetensors shards", unit="shard", disable=not progress):
-        with safe_open(file, framework="pt") as shard:
-            names = list(shard.keys())
+    try:
+        for names, tensors in _shards(files, strategy, threads):
             duplicated = seen.intersection(names)
             if duplicated:
                 raise ValueError(f"tensor(s) {sorted(duplicated)[:3]} appear in more than one file of "
                                  f"{str(path)!r}")
             seen.update(names)
-            for name in names:
-                yield name, shard.get_tensor(name)
+            yield from tensors
+            bar.update(1)
+    finally:
+        bar.close()
+        if prefetcher is not None:
+            prefetcher.stop()
+
+
+def _shards(files: list[Path], strategy: str, threads: int
+            ) -> Iterator[tuple[list[str], Iterable[tuple[str, torch.Tensor]]]]:
+    """Each shard's tensor names and (name, tensor) pairs, in file order, read as iter_hf_weights says."""
+    if threads > 1:
+        for tensors in _shards_on_threads(files, strategy, threads):
+            yield list(tensors), tensors.items()
+        return
+    for file in files:
+        if strategy == EAGER_LOAD:
+            tensors = read_shard(file, strategy)
+            yield list(tensors), tensors.items()
+            continue
+        with safe_open(file, framework="pt") as shard:
+            names = list(shard.keys())
+            yield names, ((name, shard.get_tensor(name)) for name in names)
+
+
+def read_shard(file: Path, strategy: str = LAZY_LOAD) -> dict[str, torch.Tensor]:
+    """One safetensors file's tensors, all in memory: read whole first ("eager"), or through a map."""
+    if strategy == EAGER_LOAD:
+        return safetensors.torch.load(file.read_bytes())
+    with safe_open(file, framework="pt") as shard:
+        return {name: shard.get_tensor(name) for name in shard.keys()}
+
+
+def _shards_on_threads(files: list[Path], strategy: str, threads: int) -> Iterator[dict[str, torch.Tensor]]:
+    """read_shard of every file, ``threads`` at a time ahead of the one handed out, in file order."""
+    pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="plait-load")
+    try:
+        window: deque = deque()
+        for file in files:
+            window.append(pool.submit(read_shard, file, strategy))
+            if len(window) > threads:
+                yield window.popleft().result()
+        while window:
+            yield window.popleft().result()
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+class Prefetcher(threading.Thread):
+    """The "prefetch" load strategy's reader: reads ``files`` start to end, in order, dropping the data, so
+    that the page cache holds them when the loader maps them (sequential reads, which network filesystems
+    serve far faster than a map's page faults). Stops early when told; a file it cannot read is skipped (the
+    loader then reports it)."""
+
+    def __init__(self, files: list[Path], block_bytes: int = PREFETCH_BLOCK_BYTES) -> None:
+        super().__init__(name="plait-prefetch", daemon=True)
+        self.files, self.block_bytes = files, block_bytes
+        self.bytes_read = 0
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        block = bytearray(self.block_bytes)
+        for file in self.files:
+            try:
+                with open(file, "rb", buffering=0) as f:
+                    while not self._stopped.is_set():
+                        n = f.readinto(block)
+                        if not n:
+                            break
+                        self.bytes_read += n
+            except OSError as err:
+                logger.debug("prefetching %s failed: %s", file, err)
+            if self._stopped.is_set():
+                return
+
+    def stop(self) -> None:
+        self._stopped.set()
+        if self.is_alive():
+            self.join()

@@ -15,8 +15,10 @@ from torch import nn
 
 from plait.config import (
     CHECKPOINT_QUANTIZATION_METHODS,
+    LAZY_LOAD,
     EngineConfig,
     ModelConfig,
+    load_threads,
     merge_objects,
     with_rope_overrides,
 )
@@ -73,13 +75,14 @@ def load_model(
 ) -> LoadedModel:
     """The model ``config`` names (``source``: where it is, as the engine resolved it; None: resolved here),
     built, sharded for ``parallel`` and loaded."""
-    from plait.loader.hf import resolve_model
+    from plait.loader.hf import config_folder, resolve_model
 
     if source is None:
         source = resolve_model(config.model, config.revision, config.download_dir)
     # One bar, the driver's: the other tensor-parallel ranks read the same shards beside it.
     progress = config.use_tqdm_on_load and (parallel is None or parallel.is_driver)
-    hf_config, weights = read_source(source, config.load_format, progress)
+    hf_config, weights = read_source(source, config.load_format, progress, config_folder(config),
+                                     config.safetensors_load_strategy, load_threads(config))
     hf_config = with_rope_overrides(merge_objects(hf_config, config.hf_overrides), config.rope_scaling,
                                     config.rope_theta)
     mxfp4_experts = mxfp4.is_mxfp4_checkpoint(hf_config)
@@ -247,23 +250,31 @@ def to_model_dtype(name: str, t: torch.Tensor, device: torch.device, dtype: torc
     return t.to(device=device, dtype=dtype)
 
 
-def read_source(source: Any, load_format: str, progress: bool = False
+def read_source(source: Any, load_format: str, progress: bool = False, hf_config_folder: Path | None = None,
+                strategy: str = LAZY_LOAD, threads: int = 1
                 ) -> tuple[dict, Iterable[tuple[str, torch.Tensor]] | None]:
     """(config, the checkpoint's (name, tensor) pairs, or None for random weights); an HF folder's are
-    read lazily, shard by shard, with a progress bar over its shards where ``progress``."""
+    read lazily, shard by shard, with a progress bar over its shards where ``progress``, as ``strategy`` and
+    ``threads`` say (iter_hf_weights). ``hf_config_folder`` (vLLM's --hf-config-path): the config.json is
+    that folder's instead of the model's (a GGUF file's header's)."""
+    from plait.loader.hf import iter_hf_weights, read_hf_config
+
+    hf_config = read_hf_config(hf_config_folder) if hf_config_folder is not None else None
     if source.kind == "gguf":
         from plait.loader.gguf import load_gguf, read_gguf_config
 
+        if threads > 1:
+            raise ValueError("model_loader_extra_config enable_multithread_load reads safetensors shards; "
+                             f"{str(source.path)!r} is a GGUF file (leave it out)")
         if load_format == "dummy":
-            return read_gguf_config(source.path), None
+            return hf_config or read_gguf_config(source.path), None
         config, tensors = load_gguf(source.path)
-        return config, tensors.items()
-    from plait.loader.hf import iter_hf_weights, read_hf_config
-
-    hf_config = read_hf_config(source.path)
+        return hf_config or config, tensors.items()
+    if hf_config is None:
+        hf_config = read_hf_config(source.path)
     if load_format == "dummy":
         return hf_config, None
-    return hf_config, iter_hf_weights(source.path, progress)
+    return hf_config, iter_hf_weights(source.path, progress, strategy, threads)
 
 
 def _load_tokenizer(source: Any, config: EngineConfig) -> Any | None:
