@@ -46,6 +46,36 @@ def draft_engine_config(spec: SpeculativeConfig, target: EngineConfig) -> Engine
     )
 
 
+class RunnerDrafter(Drafter):
+    """A drafter whose drafts come from a ModelRunner of its own (a draft model, an EAGLE head): its forwards
+    launched and counted, and each one's samples taken as the next inputs of the requests they drafted for."""
+
+    needs_host_tokens = True
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.num_forwards = 0  # forwards run, for stats and tests
+        self.num_tokens_computed = 0  # tokens those forwards computed
+
+    def close(self) -> None:
+        self.runner.close()
+
+    def _launch(self, plan: StepPlan, prev: InFlightStep | None) -> InFlightStep:
+        step = self.runner.launch(plan, prev)
+        self.num_forwards += 1
+        self.num_tokens_computed += plan.num_tokens
+        for row in plan.rows:
+            row.request.num_computed_tokens += row.num_new_tokens
+        return step
+
+    def _take(self, step: InFlightStep, drafts: dict[Request, list[int]]) -> None:
+        """Collect a forward: each sampling request's next draft, now on the host, is its next input."""
+        for t in self.runner.collect(step).sampled:
+            drafts[t.request].append(t.token_id)
+            t.request.output_token_ids.append(t.token_id)
+            t.request.num_pending_tokens = 0
+
+
 @dataclass(eq=False)
 class _Shadow:
     """A target request's counterpart in the draft model's cache."""
@@ -55,7 +85,7 @@ class _Shadow:
     drafts: tuple[int, ...] = ()  # what it drafted then
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(RunnerDrafter):
     """vLLM's "draft_model" speculative method. The draft model runs in its own ModelRunner over its own KV
     cache; each target request has a shadow request there (same prompt, the target's outputs copied in as
     they reach the host), whose blocks come from the draft's own KVCacheManager.
@@ -67,12 +97,10 @@ class DraftModelDrafter(Drafter):
     target kept keep their K/V and the rest are dropped: their K/V stays behind ``num_computed_tokens``, to be
     overwritten."""
 
-    needs_host_tokens = True
-
     def __init__(self, spec: SpeculativeConfig, target: EngineConfig, target_vocab_size: int,
                  target_num_blocks: int, target_max_model_len: int) -> None:
         self.num_speculative_tokens = spec.num_speculative_tokens
-        self.runner = ModelRunner(draft_engine_config(spec, target), max_kv_blocks=target_num_blocks)
+        super().__init__(ModelRunner(draft_engine_config(spec, target), max_kv_blocks=target_num_blocks))
         runner = self.runner
         if runner.pooler is not None or runner.num_state_slots or not runner.is_causal:
             arch = runner.model_config.architecture
@@ -90,8 +118,6 @@ class DraftModelDrafter(Drafter):
             logger.warning("draft model vocabulary %d != the target's %d: drafts are token ids, so only a "
                            "draft with the target's tokenizer proposes tokens worth keeping",
                            runner.model_config.vocab_size, target_vocab_size)
-        self.num_forwards = 0  # draft-model forwards run, for stats and tests
-        self.num_tokens_computed = 0  # tokens those forwards computed
         self._shadows: dict[Request, _Shadow] = {}
         self._drafts: dict[Request, tuple[int, ...]] = {}
         # Ids past the target's vocabulary are dropped from drafts on the host, so the last draft may stay on
@@ -173,9 +199,6 @@ class DraftModelDrafter(Drafter):
     def is_clean(self) -> bool:
         """No shadow left and every draft KV block back in its pool."""
         return not self._shadows and self.kv_cache.num_free_blocks == self.kv_cache.num_usable_blocks
-
-    def close(self) -> None:
-        self.runner.close()
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -278,21 +301,6 @@ class DraftModelDrafter(Drafter):
         for s in shadows:
             s.output_token_ids.pop()  # the last draft is never an input
         return None
-
-    def _launch(self, plan: StepPlan, prev: InFlightStep | None) -> InFlightStep:
-        step = self.runner.launch(plan, prev)
-        self.num_forwards += 1
-        self.num_tokens_computed += plan.num_tokens
-        for row in plan.rows:
-            row.request.num_computed_tokens += row.num_new_tokens
-        return step
-
-    def _take(self, step: InFlightStep, drafts: dict[Request, list[int]]) -> None:
-        """Collect a draft forward: each sampling shadow's next draft, now on the host, is its next input."""
-        for t in self.runner.collect(step).sampled:
-            drafts[t.request].append(t.token_id)
-            t.request.output_token_ids.append(t.token_id)
-            t.request.num_pending_tokens = 0
 
     def _in_vocabulary(self, drafts: list[int]) -> tuple[int, ...]:
         for i, token_id in enumerate(drafts):

@@ -10,8 +10,7 @@ import numpy as np
 import torch
 
 from plait.config import EAGLE, EAGLE3, EngineConfig, SpeculativeConfig
-from plait.engine.draft_model import DRAFT_SAMPLING, draft_engine_config
-from plait.engine.drafter import Drafter
+from plait.engine.draft_model import DRAFT_SAMPLING, RunnerDrafter, draft_engine_config
 from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import Request, RequestStatus
 from plait.engine.scheduler import ScheduledRow, StepPlan
@@ -53,7 +52,7 @@ class _Mirror:
         return mirror
 
 
-class EagleDrafter(Drafter):
+class EagleDrafter(RunnerDrafter):
     """vLLM's "eagle" and "eagle3" speculative methods. The head (plait.models.eagle) runs in its own
     ModelRunner, sharing the target's embedding (and, for EAGLE-1, its LM head), with a KV cache of its one
     layer at the target's block ids: where the target has computed a position (or found it in the prefix
@@ -66,8 +65,6 @@ class EagleDrafter(Drafter):
     positions write the head's K/V in blocks the target reserves for the step that verifies them; the next
     catch-up overwrites them with the target's features."""
 
-    needs_host_tokens = True
-
     def __init__(self, spec: SpeculativeConfig, target_config: EngineConfig, target: ModelRunner,
                  kv_cache: KVCacheManager, max_model_len: int) -> None:
         self.num_speculative_tokens = spec.num_speculative_tokens
@@ -75,7 +72,7 @@ class EagleDrafter(Drafter):
         self.kv_cache = kv_cache  # the target's
         self.max_len = max_model_len
         config = eagle_engine_config(spec, target_config, target.max_model_len, target.num_kv_blocks)
-        self.runner = ModelRunner(config, target=target.model)
+        super().__init__(ModelRunner(config, target=target.model))
         self.head = self.runner.model
         head_config, target_model_config = self.runner.model_config, target.model_config
         if head_config.vocab_size != target_model_config.vocab_size:
@@ -85,8 +82,6 @@ class EagleDrafter(Drafter):
         if feature_size != target_model_config.hidden_size:
             raise ValueError(f"the EAGLE head reads hidden states of size {feature_size}; the target's are "
                              f"{target_model_config.hidden_size}")
-        self.num_forwards = 0  # head forwards run, for stats and tests
-        self.num_tokens_computed = 0  # tokens those forwards computed
         self._mirrors: dict[Request, _Mirror] = {}
         self._drafts: dict[Request, tuple[int, ...]] = {}
         self._target_of: dict[Request, Request] = {}  # mirror -> its target, of the last catch-up
@@ -110,7 +105,7 @@ class EagleDrafter(Drafter):
         step = self._launch(StepPlan(rows), None)
         drafting = [row.request for row in rows if row.samples]
         if not drafting:
-            self._collect(step, {})
+            self._take(step, {})
             return
         # Each drafting row's last token: where its next forward's feature comes from.
         ends = np.cumsum([row.num_new_tokens for row in rows])[[i for i, r in enumerate(rows) if r.samples]]
@@ -133,9 +128,6 @@ class EagleDrafter(Drafter):
 
     def is_clean(self) -> bool:
         return not self._mirrors
-
-    def close(self) -> None:
-        self.runner.close()
 
     # -- steps --------------------------------------------------------------------------------
 
@@ -193,22 +185,7 @@ class EagleDrafter(Drafter):
             plan = StepPlan([ScheduledRow(m, m.num_computed_tokens, 1, is_prefill=False, samples=True)
                              for m in mirrors])
             step = self._launch(plan, prev)
-            self._collect(prev, drafts)
+            self._take(prev, drafts)
             prev, feature_rows = step, np.arange(len(mirrors))
-        self._collect(prev, drafts)
+        self._take(prev, drafts)
         return drafts
-
-    def _launch(self, plan: StepPlan, prev: InFlightStep | None) -> InFlightStep:
-        step = self.runner.launch(plan, prev)
-        self.num_forwards += 1
-        self.num_tokens_computed += plan.num_tokens
-        for row in plan.rows:
-            row.request.num_computed_tokens += row.num_new_tokens
-        return step
-
-    def _collect(self, step: InFlightStep, drafts: dict[Request, list[int]]) -> None:
-        """A head forward's samples: each drafting mirror's next draft, now its next input too."""
-        for t in self.runner.collect(step).sampled:
-            drafts[t.request].append(t.token_id)
-            t.request.output_token_ids.append(t.token_id)
-            t.request.num_pending_tokens = 0
