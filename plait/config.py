@@ -235,6 +235,10 @@ class EngineConfig:
     logits_processors: list[str | type] | None = None
     # vLLM's --use-tqdm-on-load: a progress bar over an HF checkpoint's shards while they load.
     use_tqdm_on_load: bool = True
+    # vLLM's --cpu-offload-gb: this many GiB of the first decoder layers' weights live in pinned host
+    # memory and are copied into one device buffer as each of those layers runs (plait.runner.weight_offload):
+    # a model larger than the GPU's memory runs, every step reading those weights over PCIe. 0: none.
+    cpu_offload_gb: float = 0.0
     # vLLM's --hf-config-path: the folder (or cached Hub id) whose config.json describes the model, and whose
     # generation_config.json gives the sampling defaults under generation_config "auto" / "vllm", in place
     # of the model's own; the weights and the tokenizer still come from the model. None: the model's.
@@ -324,6 +328,7 @@ class EngineConfig:
                      "use_tqdm_on_load"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        self._check_cpu_offload()
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             # vLLM spreads the experts over its data-parallel ranks too; plait's replicas share nothing.
             raise ValueError("enable_expert_parallel splits a MoE model's experts across tensor-parallel "
@@ -386,6 +391,15 @@ class EngineConfig:
             raise ValueError(f"additional_config {sorted(extra)} is not available: vLLM hands it to platform "
                              "plugins, and plait has none (only {} is accepted)")
         self.additional_config = None
+
+    def _check_cpu_offload(self) -> None:
+        offload = self.cpu_offload_gb
+        if isinstance(offload, bool) or not isinstance(offload, (int, float)) or not offload >= 0:
+            raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {offload!r}")
+        if offload and (self.enable_lora or self.enable_sleep_mode):
+            what = "enable_lora" if self.enable_lora else "enable_sleep_mode"
+            raise ValueError(f"cpu_offload_gb with {what} is not supported yet: the offloaded layers' "
+                             "weights are views of one device buffer")
 
     def _apply_conversion(self) -> None:
         """vLLM's convert: "embed" is the pooling runner (an embedding of the last hidden states)."""

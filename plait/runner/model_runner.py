@@ -62,6 +62,7 @@ from plait.runner.sampler import (
 )
 from plait.runner.sleep import SLEEP_DISCARD_WEIGHTS, WAKE_TAGS, ReleasableTensors, module_tensors
 from plait.runner.step_timer import StepBreakdown
+from plait.runner.weight_offload import GIB, WeightOffload
 from plait.sampling_params import LOGITS_MODES, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -202,6 +203,10 @@ class ModelRunner:
         # any graph is captured (graphs capture the deltas of whatever slots a step's tokens name).
         self.lora = (LoRAModel(self.model, config.max_loras, config.max_lora_rank)
                      if config.enable_lora else None)
+        # vLLM's cpu_offload_gb: after every change to the weights (folded norms), before the KV cache is
+        # sized from the memory they leave.
+        self.weight_offload = (WeightOffload(self.model, int(config.cpu_offload_gb * GIB), self.device)
+                               if config.cpu_offload_gb else None)
         self.max_model_len = self._max_model_len(config)
         if not self.is_causal:
             self.config = config = self._whole_prompt_budget(config, budget_given)
@@ -305,7 +310,8 @@ class ModelRunner:
         """Why load_weights cannot replace this runner's weights (None: it can)."""
         refusals = [(self.quantization is not None, f"a {self.quantization} model (its weights are codes)"),
                     (self.lora is not None, "an engine with LoRA (its layers are wrapped)"),
-                    (self.runner_type == "pooling", "a pooling model (its checkpoint's LM head is dropped)")]
+                    (self.runner_type == "pooling", "a pooling model (its checkpoint's LM head is dropped)"),
+                    (self.weight_offload is not None, "cpu_offload_gb (offloaded weights are host copies)")]
         return next((what for refused, what in refusals if refused), None)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], in_model_layout: bool = False
