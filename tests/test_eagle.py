@@ -15,6 +15,7 @@ from conftest import TINY_VOCAB, random_prompts
 from safetensors.torch import save_file
 from test_speculative import MAX_TOKENS, MIXED_PARAMS, _assert_same, _engine, _generate
 
+from plait.engine.drafter import PENDING_DRAFT_ID
 from plait.engine.eagle import EagleDrafter
 from plait.models.eagle import aux_layer_ids
 from plait.sampling_params import SamplingParams
@@ -174,6 +175,20 @@ def _reference_drafts(method: str, t: dict, hf, known: list[int], k: int) -> lis
     return drafts
 
 
+def _record_drafts(patch: pytest.MonkeyPatch, record) -> None:
+    """record(known tokens, drafts) for each request's drafts, once the step verifying them is launched: the
+    last draft, which that step reads on the device, is on the host by then."""
+    settle = EagleDrafter.settle
+
+    def recording(self, plan):
+        settle(self, plan)
+        for request, drafts in self._drafts.items():
+            assert PENDING_DRAFT_ID not in drafts
+            record(request.token_ids(0, request.num_known_tokens), drafts)
+
+    patch.setattr(EagleDrafter, "settle", recording)
+
+
 # -- the tests -----------------------------------------------------------------------------------------------
 
 
@@ -189,15 +204,7 @@ def test_drafts_are_the_heads_continuation_over_the_targets_hidden_states(tiny_l
     engine.record_timeline = True
     assert isinstance(engine.drafter, EagleDrafter)
     seen: list[tuple[list[int], tuple[int, ...]]] = []
-    prepare = EagleDrafter.prepare
-
-    def recording(self, requests):
-        prepare(self, requests)
-        for r in requests:
-            if r in self._drafts:
-                seen.append((r.token_ids(0, r.num_known_tokens), self._drafts[r]))
-
-    monkeypatch.setattr(EagleDrafter, "prepare", recording)
+    _record_drafts(monkeypatch, lambda known, drafts: seen.append((known, drafts)))
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=2)
     prompts = _prompts()[:2] + _prompts()[-1:]
     got = _generate(engine, prompts, [params] * 3)
@@ -261,16 +268,8 @@ def _gpu_folders(tmp_path: Path, method: str) -> tuple[str, str]:
 def _recorded_drafts(engine, prompts: list[list[int]], monkeypatch) -> dict[tuple[int, ...], tuple[int, ...]]:
     """known tokens -> the drafts proposed after them, over the engine's greedy run of ``prompts``."""
     seen = {}
-    prepare = EagleDrafter.prepare
-
-    def recording(self, requests):
-        prepare(self, requests)
-        for r in requests:
-            if r in self._drafts:
-                seen[tuple(r.token_ids(0, r.num_known_tokens))] = self._drafts[r]
-
     with monkeypatch.context() as patch:
-        patch.setattr(EagleDrafter, "prepare", recording)
+        _record_drafts(patch, lambda known, drafts: seen.__setitem__(tuple(known), drafts))
         greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         _generate(engine, prompts, [greedy] * len(prompts))
     return seen

@@ -56,9 +56,42 @@ class RunnerDrafter(Drafter):
         self.runner = runner
         self.num_forwards = 0  # forwards run, for stats and tests
         self.num_tokens_computed = 0  # tokens those forwards computed
+        self._drafts: dict[Request, tuple[int, ...]] = {}  # target request -> what propose gives it
+        # The last draft forward, still in flight, and the target request of each of its rows (settle).
+        self._in_flight: tuple[InFlightStep, list[Request]] | None = None
+
+    def propose(self, request: Request, limit: int) -> tuple[int, ...]:
+        return self._drafts.get(request, ())[: max(limit, 0)]
+
+    def in_flight(self) -> InFlightStep | None:
+        """The last draft forward's sampled ids, keyed by the target requests (its rows' in order)."""
+        if self._in_flight is None:
+            return None
+        step, targets = self._in_flight
+        return InFlightStep(targets, step.token_ids, step.host_ids, step.copied, step.logprobs, None)
 
     def close(self) -> None:
         self.runner.close()
+
+    def _settle_in_flight(self, plan: StepPlan | None) -> None:
+        """Collect the last draft forward, if still in flight: its ids in place of the PENDING_DRAFT_IDs of
+        the drafts and of ``plan``'s rows (the step verifying them, launched reading them on the device)."""
+        if self._in_flight is None:
+            return
+        step, targets = self._in_flight
+        self._in_flight = None
+        for t, request in zip(self.runner.collect(step).sampled, targets, strict=True):
+            t.request.num_pending_tokens = 0  # the last draft is never an input
+            self._resolve_pending(request, t.token_id)
+        for i, row in enumerate(plan.rows if plan is not None else ()):
+            if row.draft_token_ids[-1:] == (PENDING_DRAFT_ID,):
+                drafts = self._drafts[row.request][: len(row.draft_token_ids)]
+                plan.rows[i] = dataclasses.replace(row, draft_token_ids=drafts)
+
+    def _resolve_pending(self, request: Request, token_id: int) -> None:
+        drafts = self._drafts.get(request)
+        if drafts is not None and drafts[-1:] == (PENDING_DRAFT_ID,):
+            self._drafts[request] = (*drafts[:-1], token_id)
 
     def _launch(self, plan: StepPlan, prev: InFlightStep | None) -> InFlightStep:
         step = self.runner.launch(plan, prev)
@@ -119,12 +152,9 @@ class DraftModelDrafter(RunnerDrafter):
                            "draft with the target's tokenizer proposes tokens worth keeping",
                            runner.model_config.vocab_size, target_vocab_size)
         self._shadows: dict[Request, _Shadow] = {}
-        self._drafts: dict[Request, tuple[int, ...]] = {}
         # Ids past the target's vocabulary are dropped from drafts on the host, so the last draft may stay on
         # the device only where the draft's vocabulary is no larger.
         self.defers_last_draft = runner.model_config.vocab_size <= target_vocab_size
-        # The last draft forward, still in flight, and the target request of each of its rows (settle).
-        self._in_flight: tuple[InFlightStep, list[Request]] | None = None
 
     # -- the Drafter interface ----------------------------------------------------------------
 
@@ -162,33 +192,16 @@ class DraftModelDrafter(RunnerDrafter):
         if last is not None:
             self._in_flight = last, [to_draft[r] for r in last.requests]
 
-    def propose(self, request: Request, limit: int) -> tuple[int, ...]:
-        return self._drafts.get(request, ())[: max(limit, 0)]
-
-    def in_flight(self) -> InFlightStep | None:
-        """The last draft forward's sampled ids, keyed by the target requests (its rows' in order)."""
-        if self._in_flight is None:
-            return None
-        step, targets = self._in_flight
-        return InFlightStep(targets, step.token_ids, step.host_ids, step.copied, step.logprobs, None)
-
     def settle(self, plan: StepPlan | None) -> None:
-        if self._in_flight is None:
-            return
-        step, targets = self._in_flight
-        self._in_flight = None
-        result = self.runner.collect(step)
-        for t, request in zip(result.sampled, targets, strict=True):
-            t.request.num_pending_tokens = 0  # the last draft is never an input
-            shadow = self._shadows.get(request)
-            if shadow is not None and shadow.drafts[-1:] == (PENDING_DRAFT_ID,):
-                shadow.drafts = (*shadow.drafts[:-1], t.token_id)
-                if request in self._drafts:
-                    self._drafts[request] = shadow.drafts
-        for i, row in enumerate(plan.rows if plan is not None else ()):
-            if row.draft_token_ids[-1:] == (PENDING_DRAFT_ID,):
-                drafts = self._drafts[row.request][: len(row.draft_token_ids)]
-                plan.rows[i] = dataclasses.replace(row, draft_token_ids=drafts)
+        self._settle_in_flight(plan)
+
+    def _resolve_pending(self, request: Request, token_id: int) -> None:
+        # The shadow keeps its drafts for a step that does not schedule the request (prepare reuses them).
+        shadow = self._shadows.get(request)
+        if shadow is not None and shadow.drafts[-1:] == (PENDING_DRAFT_ID,):
+            shadow.drafts = (*shadow.drafts[:-1], token_id)
+            if request in self._drafts:
+                self._drafts[request] = shadow.drafts
 
     def forget(self, request: Request) -> None:
         shadow = self._shadows.pop(request, None)

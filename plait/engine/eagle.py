@@ -11,11 +11,12 @@ import torch
 
 from plait.config import EAGLE, EAGLE3, EngineConfig, SpeculativeConfig
 from plait.engine.draft_model import DRAFT_SAMPLING, RunnerDrafter, draft_engine_config
+from plait.engine.drafter import PENDING_DRAFT_ID
 from plait.engine.kv_cache import KVCacheManager
 from plait.engine.request import Request, RequestStatus
 from plait.engine.scheduler import ScheduledRow, StepPlan
 from plait.runner.model_runner import InFlightStep, ModelRunner
-from plait.runner.sampler import host_to_device
+from plait.runner.sampler import host_to_device, needs_penalties
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +84,6 @@ class EagleDrafter(RunnerDrafter):
             raise ValueError(f"the EAGLE head reads hidden states of size {feature_size}; the target's are "
                              f"{target_model_config.hidden_size}")
         self._mirrors: dict[Request, _Mirror] = {}
-        self._drafts: dict[Request, tuple[int, ...]] = {}
         self._target_of: dict[Request, Request] = {}  # mirror -> its target, of the last catch-up
         # The last launched target step and its features [T, F] (settle), for the next prepare's catch-up.
         self._last: tuple[StepPlan, torch.Tensor] | None = None
@@ -91,6 +91,7 @@ class EagleDrafter(RunnerDrafter):
     # -- the Drafter interface ----------------------------------------------------------------
 
     def prepare(self, requests: list[Request]) -> None:
+        self._settle_in_flight(None)  # a step that never launched leaves its last drafts in flight
         self._drafts.clear()
         last, self._last = self._last, None
         if last is None:
@@ -109,16 +110,21 @@ class EagleDrafter(RunnerDrafter):
             return
         # Each drafting row's last token: where its next forward's feature comes from.
         ends = np.cumsum([row.num_new_tokens for row in rows])[[i for i, r in enumerate(rows) if r.samples]]
-        drafts = self._decode(drafting, step, ends - 1)
+        # The last drafts may stay on the device for the verifying step to read, unless a row's sampling needs
+        # them on the host at its staging (penalties count every draft before a position).
+        defer = not any(needs_penalties(r.sampling_params) for r in requests)
+        drafts, last = self._decode(drafting, step, ends - 1, defer)
+        pending = last.sample_index if last is not None else {}
         for mirror in drafting:
-            target = self._target_of[mirror]
-            self._drafts[target] = tuple(drafts[mirror])
-            del mirror.output_token_ids[len(mirror.output_token_ids) - len(drafts[mirror]):]
-
-    def propose(self, request: Request, limit: int) -> tuple[int, ...]:
-        return self._drafts.get(request, ())[: max(limit, 0)]
+            got = drafts[mirror]
+            del mirror.output_token_ids[len(mirror.output_token_ids) - len(got):]  # drafts are no tokens
+            last_one = (PENDING_DRAFT_ID,) if mirror in pending else ()
+            self._drafts[self._target_of[mirror]] = (*got, *last_one)
+        if last is not None:
+            self._in_flight = last, [self._target_of[m] for m in last.requests]
 
     def settle(self, plan: StepPlan | None) -> None:
+        self._settle_in_flight(plan)
         if plan is not None and self.target.last_features is not None:
             self._last = plan, self.target.last_features
 
@@ -171,10 +177,11 @@ class EagleDrafter(RunnerDrafter):
                 and request.num_output_tokens + 1 < request.max_tokens
                 and request.num_known_tokens + self.num_speculative_tokens <= self.max_len)
 
-    def _decode(self, mirrors: list[Request], prev: InFlightStep, feature_rows: np.ndarray
-                ) -> dict[Request, list[int]]:
+    def _decode(self, mirrors: list[Request], prev: InFlightStep, feature_rows: np.ndarray, defer: bool
+                ) -> tuple[dict[Request, list[int]], InFlightStep | None]:
         """The k - 1 drafts after each mirror's first: one-token forwards, each taking the draft before it
-        (read on the device, from the forward before) and that forward's output feature at the row."""
+        (read on the device, from the forward before) and that forward's output feature at the row. With
+        ``defer`` the last forward is returned uncollected (its ids are the last drafts), else None."""
         drafts: dict[Request, list[int]] = {m: [] for m in mirrors}
         for _ in range(self.num_speculative_tokens - 1):
             index = host_to_device(feature_rows, torch.long, self.runner.device)
@@ -187,5 +194,7 @@ class EagleDrafter(RunnerDrafter):
             step = self._launch(plan, prev)
             self._take(prev, drafts)
             prev, feature_rows = step, np.arange(len(mirrors))
+        if defer:
+            return drafts, prev
         self._take(prev, drafts)
-        return drafts
+        return drafts, None
