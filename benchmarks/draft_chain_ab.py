@@ -61,6 +61,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--draft-model", required=True)
+    parser.add_argument("--method", default="draft_model", choices=["draft_model", "eagle", "eagle3"],
+                        help="what --draft-model is: an EAGLE head has no waiting catch-up variant")
     parser.add_argument("--load-format", default="dummy")
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--batches", default="1,4", help="comma-separated requests decoding at once")
@@ -71,14 +73,19 @@ def main() -> None:
                         help=f"comma-separated, the first the reference (default: {','.join(VARIANTS)})")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    spec = {"model": args.draft_model, "num_speculative_tokens": args.num_speculative_tokens}
+    spec = {"method": args.method, "model": args.draft_model,
+            "num_speculative_tokens": args.num_speculative_tokens}
     engine = LLMEngine(EngineConfig(model=args.model, load_format=args.load_format, seed=0,
                                     max_model_len=args.max_model_len, enable_prefix_caching=False,
                                     speculative_config=spec))
     drafter = engine.drafter
-    chained, waits = drafter._catch_up, waiting_catch_up(drafter)
+    head = args.method != "draft_model"
+    chained = None if head else drafter._catch_up
+    waits = None if head else waiting_catch_up(drafter)
     defers = drafter.defers_last_draft
     variants = args.variants.split(",")
+    if head and "waits" in variants:
+        raise SystemExit("--variants: an EAGLE head has no waiting catch-up; give deferred,chained")
     g = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
     results = {}
@@ -89,7 +96,8 @@ def main() -> None:
             for r in range(-1, args.rounds):  # round -1 warms every path up and is not kept
                 order = variants[r % len(variants):] + variants[: r % len(variants)]  # each leads in turn
                 for variant in order:
-                    drafter._catch_up = waits if variant == "waits" else chained
+                    if not head:
+                        drafter._catch_up = waits if variant == "waits" else chained
                     drafter.defers_last_draft = defers and variant == "deferred"
                     prompts = [torch.randint(10, vocab, (256,), generator=g).tolist() for _ in range(batch)]
                     ms = ms_per_step(engine, prompts, args.max_tokens, f"b{batch}-r{r}-{variant}")
@@ -102,7 +110,9 @@ def main() -> None:
                 "median_ms": {v: round(m, 3) for v, m in medians.items()},
                 f"over_{variants[0]}": {v: round(m / medians[variants[0]], 3) for v, m in medians.items()},
             }
-    drafter._catch_up, drafter.defers_last_draft = chained, defers
+    if not head:
+        drafter._catch_up = chained
+    drafter.defers_last_draft = defers
     result = {
         "what": "a draft model's last draft forward left in flight while the verify step is staged "
                 "(deferred), collected first (chained), and that with the catch-up forward waited for before "

@@ -84,6 +84,9 @@ class EagleDrafter(RunnerDrafter):
             raise ValueError(f"the EAGLE head reads hidden states of size {feature_size}; the target's are "
                              f"{target_model_config.hidden_size}")
         self._mirrors: dict[Request, _Mirror] = {}
+        # Whether the last head forward may stay in flight for the verifying step to read (benchmarks turn it
+        # off to measure what it saves).
+        self.defers_last_draft = True
         self._target_of: dict[Request, Request] = {}  # mirror -> its target, of the last catch-up
         # The last launched target step and its features [T, F] (settle), for the next prepare's catch-up.
         self._last: tuple[StepPlan, torch.Tensor] | None = None
@@ -112,7 +115,7 @@ class EagleDrafter(RunnerDrafter):
         ends = np.cumsum([row.num_new_tokens for row in rows])[[i for i, r in enumerate(rows) if r.samples]]
         # The last drafts may stay on the device for the verifying step to read, unless a row's sampling needs
         # them on the host at its staging (penalties count every draft before a position).
-        defer = not any(needs_penalties(r.sampling_params) for r in requests)
+        defer = self.defers_last_draft and not any(needs_penalties(r.sampling_params) for r in requests)
         drafts, last = self._decode(drafting, step, ends - 1, defer)
         pending = last.sample_index if last is not None else {}
         for mirror in drafting:
