@@ -345,8 +345,10 @@ class EngineConfig:
         self._apply_compilation_config()
         self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
         if spec is not None and spec.method in MODEL_METHODS:
-            if self.tensor_parallel_size > 1:
-                raise ValueError(f"{spec.method} speculation under tensor parallelism is not supported yet")
+            # An EAGLE head runs whole on the driver's device beside the split target (its features are the
+            # driver's); a draft model would need its own ranks.
+            if self.tensor_parallel_size > 1 and spec.method == DRAFT_MODEL:
+                raise ValueError("draft_model speculation under tensor parallelism is not supported yet")
             if self.enable_sleep_mode:
                 raise ValueError("enable_sleep_mode with a draft model is not supported yet: sleep would not "
                                  "free the draft model's memory")

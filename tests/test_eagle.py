@@ -33,6 +33,15 @@ def _prompts() -> list[list[int]]:
     return random_prompts(4, 3, 30, seed=31) + random_prompts(1, 110, 110, seed=32)
 
 
+def _spec_run(engine, prompts: list[list[int]], params: SamplingParams, monkeypatch
+              ) -> tuple[dict, list[tuple[list[int], tuple[int, ...]]]]:
+    """The engine's outputs for ``prompts`` and every (known tokens, drafts) it proposed."""
+    seen: list[tuple[list[int], tuple[int, ...]]] = []
+    with monkeypatch.context() as patch:
+        _record_drafts(patch, lambda known, drafts: seen.append((known, drafts)))
+        return _generate(engine, prompts, [params] * len(prompts)), seen
+
+
 def _head_config(method: str) -> dict:
     config = {"model_type": "llama", "hidden_size": HIDDEN, "intermediate_size": INTER,
               "num_hidden_layers": 1, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
@@ -218,6 +227,24 @@ def test_drafts_are_the_heads_continuation_over_the_targets_hidden_states(tiny_l
         assert list(drafts) == _reference_drafts(method, tensors, hf, known, 3), f"after {len(known)} tokens"
 
 
+def test_a_head_beside_a_target_split_over_two_ranks_drafts_as_on_one(tiny_llama, head, monkeypatch):
+    """Tensor parallelism (gloo): the head runs whole on the driver, reading the driver's features of the
+    split target, and collects its last drafts before the verifying step is staged (the other ranks read
+    that step's drafts from its arrays): the drafts and outputs of one device."""
+    method, folder, _ = head
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    prompts = _prompts()[:2] + _prompts()[-1:]
+    want = _spec_run(_engine(tiny_llama, _spec(method, folder)), prompts, params, monkeypatch)
+    engine = _engine(tiny_llama, _spec(method, folder), tensor_parallel_size=2)
+    try:
+        assert not engine.drafter.defers_last_draft
+        outputs, drafts = _spec_run(engine, prompts, params, monkeypatch)
+    finally:
+        engine.shutdown()
+    assert outputs == want[0]
+    assert len(drafts) > 12 and drafts == want[1]
+
+
 def test_seeded_sampling_penalties_stops_prefix_cache_and_preemption_are_unchanged(tiny_llama, head):
     """Sampled, penalised and stopped requests, a shared prefix served from the cache and a KV cache small
     enough to preempt: the same outputs as the same engine without the head."""
@@ -307,3 +334,30 @@ def test_eagle_on_the_gpu_path_drafts_as_torch_ref_in_fp32(tmp_path, method, mon
     assert head_steps.graph_single_token_steps > 0 and fast.drafter.is_clean()
     bf16 = engine("bfloat16")
     assert len(_recorded_drafts(bf16, prompts, monkeypatch)) > 20 and bf16.drafter.is_clean()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_eagle3_beside_a_target_split_over_two_gpus(tmp_path, monkeypatch):
+    """The head on the driver's GPU beside a target split over two (NCCL, graphs), fp32: the one-GPU drafts."""
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
+    target, head = _gpu_folders(tmp_path, "eagle3")
+    prompts = random_prompts(8, 3, 300, seed=36)
+
+    def engine(**knobs):  # random weights, every rank drawing the same numbers
+        return LLMEngine(EngineConfig(model=target, load_format="dummy", seed=7, max_model_len=1024,
+                                      num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=256,
+                                      enable_prefix_caching=False, dtype="float32",
+                                      speculative_config=_spec("eagle3", head), **knobs))
+
+    one = _recorded_drafts(engine(), prompts, monkeypatch)
+    split = engine(tensor_parallel_size=2)
+    try:
+        two = _recorded_drafts(split, prompts, monkeypatch)
+    finally:
+        split.shutdown()
+    common = set(one) & set(two)
+    assert len(common) >= 0.8 * len(one) > 20
+    assert sum(one[k] == two[k] for k in common) >= 0.95 * len(common)

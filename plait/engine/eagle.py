@@ -85,8 +85,9 @@ class EagleDrafter(RunnerDrafter):
                              f"{target_model_config.hidden_size}")
         self._mirrors: dict[Request, _Mirror] = {}
         # Whether the last head forward may stay in flight for the verifying step to read (benchmarks turn it
-        # off to measure what it saves).
-        self.defers_last_draft = True
+        # off to measure what it saves). Not under tensor parallelism: the other ranks read a step's pending
+        # inputs from the ids the target's driver broadcasts, and the head's are on the driver alone.
+        self.defers_last_draft = target.workers is None
         self._target_of: dict[Request, Request] = {}  # mirror -> its target, of the last catch-up
         # The last launched target step and its features [T, F] (settle), for the next prepare's catch-up.
         self._last: tuple[StepPlan, torch.Tensor] | None = None
