@@ -339,7 +339,7 @@ def test_eagle_on_the_gpu_path_drafts_as_torch_ref_in_fp32(tmp_path, method, mon
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_eagle3_beside_a_target_split_over_two_gpus(tmp_path, monkeypatch):
-    """The head on the driver's GPU beside a target split over two (NCCL, graphs), fp32: the one-GPU drafts."""
+    """The head on the driver's GPU beside a target split over two (NCCL, graphs), fp32: one GPU's drafts."""
     from plait.config import EngineConfig
     from plait.engine.engine import LLMEngine
 
