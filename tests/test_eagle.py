@@ -53,32 +53,37 @@ def _head_config(method: str) -> dict:
                      "eagle_config": {"eagle_aux_hidden_state_layer_ids": AUX_LAYERS}}
 
 
-def _random_head(method: str, seed: int) -> dict[str, torch.Tensor]:
+TINY_DIMS = dict(hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, inter=INTER,
+                 vocab=TINY_VOCAB, draft_vocab=DRAFT_VOCAB)
+
+
+def _random_head(method: str, seed: int, dims: dict = TINY_DIMS) -> dict[str, torch.Tensor]:
     """A head's tensors under the names its published checkpoints use (no embedding: the target's)."""
     g = torch.Generator().manual_seed(seed)
+    hidden, inter, vocab, draft_vocab = dims["hidden"], dims["inter"], dims["vocab"], dims["draft_vocab"]
 
     def w(*shape: int, scale: float = 0.3) -> torch.Tensor:
         return torch.randn(*shape, generator=g) * scale
 
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    attn_in = HIDDEN if method == "eagle" else 2 * HIDDEN
+    q, kv = dims["heads"] * dims["head_dim"], dims["kv_heads"] * dims["head_dim"]
+    attn_in = hidden if method == "eagle" else 2 * hidden
     layer = {"self_attn.q_proj.weight": w(q, attn_in), "self_attn.k_proj.weight": w(kv, attn_in),
-             "self_attn.v_proj.weight": w(kv, attn_in), "self_attn.o_proj.weight": w(HIDDEN, q),
-             "mlp.gate_proj.weight": w(INTER, HIDDEN), "mlp.up_proj.weight": w(INTER, HIDDEN),
-             "mlp.down_proj.weight": w(HIDDEN, INTER),
-             "post_attention_layernorm.weight": 1 + w(HIDDEN, scale=0.1)}
+             "self_attn.v_proj.weight": w(kv, attn_in), "self_attn.o_proj.weight": w(hidden, q),
+             "mlp.gate_proj.weight": w(inter, hidden), "mlp.up_proj.weight": w(inter, hidden),
+             "mlp.down_proj.weight": w(hidden, inter),
+             "post_attention_layernorm.weight": 1 + w(hidden, scale=0.1)}
     if method == "eagle":
-        return {"fc.weight": w(HIDDEN, 2 * HIDDEN, scale=0.2),
+        return {"fc.weight": w(hidden, 2 * hidden, scale=0.2),
                 **{f"layers.0.{k}": v for k, v in layer.items()}}
-    layer |= {"input_layernorm.weight": 1 + w(HIDDEN, scale=0.1),
-              "hidden_norm.weight": 1 + w(HIDDEN, scale=0.1)}
-    # A draft vocabulary of DRAFT_VOCAB target ids, in order; d2t holds target id - draft id.
-    target_ids = torch.sort(torch.randperm(TINY_VOCAB, generator=g)[:DRAFT_VOCAB]).values
-    t2d = torch.zeros(TINY_VOCAB, dtype=torch.bool)
+    layer |= {"input_layernorm.weight": 1 + w(hidden, scale=0.1),
+              "hidden_norm.weight": 1 + w(hidden, scale=0.1)}
+    # A draft vocabulary of draft_vocab target ids, in order; d2t holds target id - draft id.
+    target_ids = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab]).values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[target_ids] = True
-    return {"fc.weight": w(HIDDEN, 3 * HIDDEN, scale=0.1), "norm.weight": 1 + w(HIDDEN, scale=0.1),
-            "lm_head.weight": w(DRAFT_VOCAB, HIDDEN, scale=1.0),
-            "d2t": target_ids - torch.arange(DRAFT_VOCAB), "t2d": t2d,
+    return {"fc.weight": w(hidden, 3 * hidden, scale=0.1), "norm.weight": 1 + w(hidden, scale=0.1),
+            "lm_head.weight": w(draft_vocab, hidden, scale=1.0),
+            "d2t": target_ids - torch.arange(draft_vocab), "t2d": t2d,
             **{f"midlayer.{k}": v for k, v in layer.items()}}
 
 
@@ -340,14 +345,22 @@ def test_eagle_on_the_gpu_path_drafts_as_torch_ref_in_fp32(tmp_path, method, mon
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_eagle3_beside_a_target_split_over_two_gpus(tmp_path, monkeypatch):
     """The head on the driver's GPU beside a target split over two (NCCL, graphs), fp32: one GPU's drafts."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
     from plait.config import EngineConfig
     from plait.engine.engine import LLMEngine
 
     target, head = _gpu_folders(tmp_path, "eagle3")
+    # The target's weights saved (a split engine's random draws are its ranks' own); the head's drawn.
+    torch.manual_seed(0)
+    config = json.loads((Path(target) / "config.json").read_text())
+    AutoModelForCausalLM.from_config(LlamaConfig(**config)).save_pretrained(target)
+    dims = dict(hidden=1024, heads=16, kv_heads=4, head_dim=64, inter=2816, vocab=8192, draft_vocab=2048)
+    save_file(_random_head("eagle3", 8, dims), str(Path(head) / "model.safetensors"))
     prompts = random_prompts(8, 3, 300, seed=36)
 
-    def engine(**knobs):  # random weights, every rank drawing the same numbers
-        return LLMEngine(EngineConfig(model=target, load_format="dummy", seed=7, max_model_len=1024,
+    def engine(**knobs):
+        return LLMEngine(EngineConfig(model=target, load_format="auto", seed=7, max_model_len=1024,
                                       num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=256,
                                       enable_prefix_caching=False, dtype="float32",
                                       speculative_config=_spec("eagle3", head), **knobs))
