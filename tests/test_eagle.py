@@ -232,6 +232,23 @@ def test_drafts_are_the_heads_continuation_over_the_targets_hidden_states(tiny_l
         assert list(drafts) == _reference_drafts(method, tensors, hf, known, 3), f"after {len(known)} tokens"
 
 
+def test_an_eagle3_head_drafts_for_gpt_oss(tiny_models, tmp_path, monkeypatch):
+    """GPT-OSS (sinks, windows, YaRN, MoE: its layers are the Llama decoder's), as its published EAGLE-3 heads
+    draft for it: every draft the plain-torch EAGLE's over transformers' hidden states."""
+    from transformers import AutoModelForCausalLM
+
+    target = tiny_models["gpt_oss"]
+    tensors = _random_head("eagle3", seed=9)
+    folder = _save_head(tmp_path / "head", "eagle3", tensors)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    _, seen = _spec_run(_engine(target, _spec("eagle3", folder)), _prompts()[:3], params, monkeypatch)
+    hf = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    assert len(seen) >= 8
+    for known, drafts in seen:
+        want = _reference_drafts("eagle3", tensors, hf, known, 3)
+        assert list(drafts) == want, f"after {len(known)} tokens"
+
+
 def test_a_head_beside_a_target_split_over_two_ranks_drafts_as_on_one(tiny_llama, head, monkeypatch):
     """Tensor parallelism (gloo): the head runs whole on the driver, reading the driver's features of the
     split target, and collects its last drafts before the verifying step is staged (the other ranks read
@@ -265,7 +282,7 @@ def test_seeded_sampling_penalties_stops_prefix_cache_and_preemption_are_unchang
 
 def test_eagle_refusals_name_what_is_wrong(tiny_llama, tiny_models, head, tmp_path):
     method, folder, tensors = head
-    with pytest.raises(ValueError, match="Llama-family"):
+    with pytest.raises(ValueError, match="layers are the Llama decoder"):
         _engine(tiny_models["gemma3"], _spec(method, folder))
     wide = _head_config(method) | {"vocab_size": TINY_VOCAB * 2}
     _save_head(tmp_path / "wide", method, tensors)

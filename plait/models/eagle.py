@@ -261,12 +261,12 @@ def read_head_config(model: str, download_dir: str | None = None) -> dict:
 
 
 def check_eagle_target(model: nn.Module, cfg: ModelConfig) -> None:
-    """EAGLE heads draft for the Llama decoder family, whose layers' inputs the drafter taps: refused, by
+    """EAGLE heads draft for models of the Llama decoder's layers, whose inputs the drafter taps: refused, by
     architecture, for the others and for image models (their placeholder tokens are not what the head saw)."""
     from plait.models.llama import LlamaModel
 
     trunk = getattr(model, "model", None)
     if (not isinstance(trunk, LlamaModel) or getattr(model, "supports_images", False)
             or not all(type(layer).forward is DecoderLayer.forward for layer in trunk.layers)):
-        raise ValueError(f"EAGLE speculation drafts for Llama-family decoders (Llama, Mistral, Qwen2/3); "
-                         f"{cfg.architecture} is not supported")
+        raise ValueError(f"EAGLE speculation drafts for models whose layers are the Llama decoder's (Llama, "
+                         f"Mistral, Qwen2/3, GPT-OSS); {cfg.architecture} is not supported")
