@@ -267,6 +267,31 @@ def test_a_head_beside_a_target_split_over_two_ranks_drafts_as_on_one(tiny_llama
     assert len(drafts) > 12 and drafts == want[1]
 
 
+def test_aborts_while_drafting_leave_the_other_outputs_unchanged(tiny_llama, head):
+    """Requests aborted between steps while the head drafts (the long prompt still catching up, rows whose
+    last draft is in flight): the others' outputs are those without speculation, the head holds nothing."""
+    method, folder, _ = head
+    prompts, params = _prompts(), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    want = _generate(_engine(tiny_llama, None), prompts, [params] * len(prompts))
+    engine = _engine(tiny_llama, _spec(method, folder))
+    aborts = {2: "r-1", 3: "r-4", 5: "r-3"}  # r-4 is the long prompt
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=f"r-{i}")
+    done, n = {}, 0
+    while engine.has_unfinished_requests():
+        if n in aborts:
+            engine.abort_request(aborts[n])
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[int(out.request_id[2:])] = (c.token_ids, c.finish_reason, c.logprobs)
+        n += 1
+    assert engine.is_idle_and_clean() and engine.drafter.is_clean()
+    assert set(done) == set(want) - {1, 3, 4}
+    _assert_same(done, {i: w for i, w in want.items() if i in done})
+    assert engine.spec_stats.num_draft_tokens > 0
+
+
 def test_seeded_sampling_penalties_stops_prefix_cache_and_preemption_are_unchanged(tiny_llama, head):
     """Sampled, penalised and stopped requests, a shared prefix served from the cache and a KV cache small
     enough to preempt: the same outputs as the same engine without the head."""
