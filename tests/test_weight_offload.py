@@ -35,6 +35,27 @@ def test_offloaded_layers_compute_what_resident_ones_do(tiny_llama, offload_gb, 
     assert run_greedy(engine, prompts, max_tokens=12)[0] == want
 
 
+def test_offloaded_parameters_keep_their_strides():
+    """A parameter kept transposed (column-major, as some kernels want their weights) keeps that layout in
+    the buffer: the layer computes what it did, reading the host copy's bytes as it read its own."""
+    from torch import nn
+
+    from plait.runner.weight_offload import WeightOffload
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.model = nn.Module()
+    model.model.layers = nn.ModuleList([nn.Linear(8, 16), nn.Linear(16, 4)])
+    first = model.model.layers[0]
+    first.weight.data = first.weight.data.t().contiguous().t()  # [16, 8] with strides (1, 16)
+    x = torch.randn(3, 8)
+    want = model.model.layers[1](first(x))
+    offload = WeightOffload(model, num_bytes=1, device=torch.device("cpu"))
+    assert offload.num_layers == 1 and first.weight.stride() == (1, 16)
+    assert first.weight.untyped_storage().data_ptr() == offload.buffer.data_ptr()
+    assert torch.equal(model.model.layers[1](first(x)), want)
+
+
 def test_cpu_offload_refusals_name_what_is_wrong(tiny_llama):
     with pytest.raises(ValueError, match="cpu_offload_gb must be a number"):
         EngineConfig(model=str(tiny_llama), cpu_offload_gb=-1)

@@ -19,14 +19,27 @@ def _aligned(n: int) -> int:
     return -(-n // OFFLOAD_ALIGNMENT) * OFFLOAD_ALIGNMENT
 
 
+def _span(param: torch.Tensor) -> int:
+    """The elements a tensor's strides reach: its numel where contiguous (a transposed view keeps its
+    layout)."""
+    if not param.numel():
+        return 0
+    return 1 + sum((size - 1) * stride for size, stride in zip(param.shape, param.stride()))
+
+
 def _param_offsets(layer: nn.Module) -> tuple[list[tuple[nn.Parameter, int, int]], int]:
     """(parameter, byte offset, bytes) for each of the layer's parameters, and the bytes they take."""
     placed, at = [], 0
     for param in layer.parameters():
-        size = param.numel() * param.element_size()
+        size = _span(param) * param.element_size()
         placed.append((param, at, size))
         at = _aligned(at + size)
     return placed, at
+
+
+def _place(flat: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``param``'s shape and strides over the bytes ``flat`` (uint8), so kernels read it as they read it."""
+    return flat.view(param.dtype).as_strided(param.shape, param.stride())
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList | None:
@@ -62,8 +75,8 @@ class WeightOffload:
         for layer, placed, size in chosen:
             host = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
             for param, at, n in placed:
-                host[at: at + n].view(param.dtype).view(param.shape).copy_(param.data)
-                param.data = self.buffer[at: at + n].view(param.dtype).view(param.shape)
+                _place(host[at: at + n], param).copy_(param.data)
+                param.data = _place(self.buffer[at: at + n], param)
             self.host.append(host)
             self._hooks.append(layer.register_forward_pre_hook(self._loader(host)))
         self.num_layers = len(chosen)
