@@ -199,6 +199,9 @@ class EngineConfig:
     # SpeculativeConfig, a dict or its JSON text (the CLI's --speculative-config). Stored as a
     # SpeculativeConfig.
     speculative_config: SpeculativeConfig | dict | str | None = None
+    # vLLM's --kv-events-config (a KVEventsConfig, a dict or its JSON text): publish the prefix cache's
+    # stored / removed / cleared blocks over ZMQ in vLLM's format (plait.engine.kv_events). None: off.
+    kv_events_config: KVEventsConfig | dict | str | None = None
     # vLLM's --limit-mm-per-prompt: the most items of each modality a prompt may hold, {"image": n} (a dict or
     # its JSON text); a prompt with more is refused. None: no limit but the context's length.
     limit_mm_per_prompt: dict | str | None = None
@@ -344,6 +347,7 @@ class EngineConfig:
         self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
         self._apply_compilation_config()
         self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
+        self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
         if spec is not None and spec.method in MODEL_METHODS:
             # An EAGLE head runs whole on the driver's device beside the split target (its features are the
             # driver's); a draft model would need its own ranks.
@@ -664,6 +668,54 @@ def _config_object(name: str, value: dict | str, cls: type) -> dict | None:
     if unknown:
         raise ValueError(f"unknown {name} key(s) {unknown}; known: {sorted(names)}")
     return value
+
+
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's kv_events_config: with ``enable_kv_cache_events`` the engine publishes the prefix cache's block
+    events each step through ``publisher`` ("zmq": a PUB socket bound at ``endpoint``, the last
+    ``buffer_steps`` batches replayed at ``replay_endpoint``; "null": recorded and dropped); vLLM's
+    defaults."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # None: "zmq" where events are on, else "null" (vLLM's)
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config enable_kv_cache_events must be true or false, got "
+                             f"{self.enable_kv_cache_events!r}")
+        publisher = self.publisher or ("zmq" if self.enable_kv_cache_events else "null")
+        if publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"kv_events_config publisher must be one of {KV_EVENT_PUBLISHERS}, got "
+                             f"{publisher!r}")
+        object.__setattr__(self, "publisher", publisher)
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            _check_int(f"kv_events_config {name}", getattr(self, name), minimum=1)
+        for name in ("endpoint", "topic"):
+            if not isinstance(getattr(self, name), str):
+                raise ValueError(f"kv_events_config {name} must be a string, got {getattr(self, name)!r}")
+
+    @property
+    def publishes(self) -> bool:
+        """Whether events go out on a socket (on, through "zmq")."""
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def parse(cls, value: KVEventsConfig | dict | str | None) -> KVEventsConfig | None:
+        """A KVEventsConfig from a dict or its JSON text (None, {} and "" are off)."""
+        if value is None or isinstance(value, KVEventsConfig):
+            return value
+        value = _config_object("kv_events_config", value, cls)
+        return None if value is None else cls(**value)
 
 
 NGRAM = "ngram"

@@ -20,6 +20,7 @@ from plait.engine.drafter import Drafter, NgramDrafter
 from plait.engine.eagle import EagleDrafter
 from plait.engine.grammar import Grammar, GrammarCompiler
 from plait.engine.kv_cache import KVCacheManager, salt_key
+from plait.engine.kv_events import ZmqEventPublisher
 from plait.engine.profiler import StepProfiler
 from plait.engine.request import PROMPT_EMBEDS_PLACEHOLDER_ID, FinishReason, Request
 from plait.engine.scheduler import Scheduler, StepPlan
@@ -240,9 +241,31 @@ class LLMEngine:
             r = self.warm_up_report
             logger.info("warm-up: %d requests in %d steps, %.1f s (%d the model refused)", r.requests,
                         r.steps, r.seconds, r.skipped)
+        # After the warm-up: its made-up requests' blocks are no events.
+        self.kv_events = self._start_kv_events()
         if self.runner.device.type == "cuda":
             freeze_long_lived_objects()
             raise_gc_threshold()
+
+    def _start_kv_events(self) -> ZmqEventPublisher | None:
+        """vLLM's kv_events_config: the block pool records its events; a "zmq" publisher sends them."""
+        cfg = self.config.kv_events_config
+        if cfg is None or not cfg.enable_kv_cache_events:
+            return None
+        if not self.kv_cache.enable_prefix_caching:
+            raise ValueError("kv_events_config: KV cache events are the prefix cache's blocks; this engine "
+                             "caches none (enable_prefix_caching is off, or the model cannot take it)")
+        self.kv_cache.events = []
+        if not cfg.publishes:
+            return None
+        return ZmqEventPublisher(cfg.endpoint, cfg.replay_endpoint, cfg.buffer_steps, cfg.hwm,
+                                 cfg.max_queue_size, cfg.topic)
+
+    def _publish_kv_events(self) -> None:
+        """Hand the events recorded since the last call to the publisher (none: dropped, as vLLM's "null")."""
+        events = self.kv_cache.take_events()
+        if events and self.kv_events is not None:
+            self.kv_events.publish(events)
 
     def _make_drafter(self) -> Drafter | None:
         spec = self.config.speculative_config
@@ -714,6 +737,8 @@ class LLMEngine:
             self.num_steps += 1
         if self.record_timeline and launched is not None:
             self._record(plan, launched.used_cuda_graph, start, end)
+        if self.kv_cache.events:
+            self._publish_kv_events()
         return outputs
 
     def _drafts_in_flight(self) -> InFlightStep | None:
@@ -957,7 +982,9 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (vLLM's LLM.reset_prefix_cache): True where it could, False while requests
         hold blocks (nothing is forgotten then)."""
-        return not self.has_unfinished_requests() and self.kv_cache.reset_prefix_cache()
+        reset = not self.has_unfinished_requests() and self.kv_cache.reset_prefix_cache()
+        self._publish_kv_events()
+        return reset
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace every weight in place with HF-named tensors (a whole checkpoint's worth, as an RL loop
@@ -1036,6 +1063,9 @@ class LLMEngine:
         self.runner.close()
         if self.drafter is not None:
             self.drafter.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
 
     # -- introspection used by tests and tools ---------------------------------------------
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from plait.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from plait.engine.request import Request
 
 # Block 0 is never handed out: padded block-table entries and padded slot_mapping rows point at it,
@@ -93,6 +94,9 @@ class KVCacheManager:
         self._block_of: dict[bytes, int] = {}  # hash -> the block holding it
         # Free blocks, next to be reused first. Values unused: an ordered set with O(1) removal.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        # The prefix cache's block events since the engine last took them (plait.engine.kv_events), where
+        # the engine publishes them (kv_events_config); None: not recorded.
+        self.events: list[KVEvent] | None = None
 
     # -- sizes ------------------------------------------------------------------------------
 
@@ -159,6 +163,8 @@ class KVCacheManager:
             self._hash_of[block] = None
             del self._block_of[h]
             self.stats.evicted_blocks += 1
+            if self.events is not None:
+                self.events.append(BlockRemoved([h]))
 
     # -- prefix caching ---------------------------------------------------------------------
 
@@ -167,9 +173,20 @@ class KVCacheManager:
         nothing computed is lost; False, and nothing forgotten, otherwise."""
         if self.num_used_blocks:
             return False
+        events, self.events = self.events, None  # one AllBlocksCleared, not a removal a block
         for block in list(self._block_of.values()):
             self._evict(block)
+        self.events = events
+        if events is not None:
+            events.append(AllBlocksCleared())
         return True
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call (none where they are not recorded)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def reset(self) -> bool:
         """Back to a new manager's state (nothing cached, the free blocks in their first order, zero
@@ -216,6 +233,7 @@ class KVCacheManager:
         # A block is hashed from its token ids, so only blocks whose tokens are all on the host count.
         num_full = min(request.num_computed_tokens, request.num_known_tokens) // self.block_size
         hashes = self._hashes(request, num_full)
+        stored = []  # indices of the blocks this call makes findable
         for i in range(request.num_hashed_blocks, num_full):
             block, h = request.block_ids[i], hashes[i]
             # If another request computed the same block first, keep its copy findable; ours is
@@ -223,7 +241,24 @@ class KVCacheManager:
             if self._hash_of[block] is None and h not in self._block_of:
                 self._hash_of[block] = h
                 self._block_of[h] = block
+                stored.append(i)
+        if stored and self.events is not None:
+            self._record_stored(request, hashes, stored)
         request.num_hashed_blocks = max(request.num_hashed_blocks, num_full)
+
+    def _record_stored(self, request: Request, hashes: list[bytes], stored: list[int]) -> None:
+        """BlockStored events for the blocks at ``stored``, one a run of consecutive blocks."""
+        bs, runs = self.block_size, [[stored[0]]]
+        for i in stored[1:]:
+            if i == runs[-1][-1] + 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        lora = request.lora.request.lora_int_id if request.lora is not None else None
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            self.events.append(BlockStored([hashes[i] for i in run], hashes[first - 1] if first else None,
+                                           request.token_ids(first * bs, end * bs), bs, lora))
 
     def _hashes(self, request: Request, num_blocks: int) -> list[bytes]:
         """The chained hashes of the request's first ``num_blocks`` full blocks (memoised)."""

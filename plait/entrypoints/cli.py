@@ -33,7 +33,8 @@ _ENGINE_FLAGS = (
     "override_generation_config", "max_logprobs", "logprobs_mode", "tokenizer", "tokenizer_revision",
     "skip_tokenizer_init", "revision",
     "download_dir",
-    "limit_mm_per_prompt", "enable_sleep_mode", "cpu_offload_gb", "optimization_level", "compilation_config",
+    "limit_mm_per_prompt", "enable_sleep_mode", "cpu_offload_gb", "kv_events_config",
+    "optimization_level", "compilation_config",
     "logits_processors", "enable_prompt_embeds", "rope_scaling", "rope_theta", "use_tqdm_on_load",
     "hf_config_path", "safetensors_load_strategy", "model_loader_extra_config", "additional_config",
 )
@@ -75,6 +76,9 @@ _FLAG_HELP = {
                          "(vLLM's): the same steps, requests served by their 'priority' field (lower "
                          "first) and lower priorities preempted for higher ones' KV blocks; "
                          "'prefill_first': prompt chunks before decodes, for comparison",
+    "kv_events_config": "as vLLM's, a JSON object: '{\"enable_kv_cache_events\": true, \"endpoint\": "
+                        "\"tcp://*:5557\"}' publishes the prefix cache's stored / removed / cleared blocks "
+                        "over ZMQ in vLLM's format, for KV-aware routers (default: off)",
     "cpu_offload_gb": "as vLLM's: GiB of the first decoder layers' weights kept in host memory, each layer's "
                       "copied to the GPU as it runs (a model larger than the GPU runs, slower) (default: 0)",
     "enable_sleep_mode": "let POST /sleep free the GPU memory of the weights and KV cache until POST "
