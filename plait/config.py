@@ -688,6 +688,8 @@ class KVEventsConfig:
     hwm: int = 100_000
     max_queue_size: int = 100_000
     topic: str = ""
+    # Set by the data-parallel front for each replica (not a vLLM key): the rank its batches carry.
+    data_parallel_rank: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.enable_kv_cache_events, bool):
@@ -703,6 +705,20 @@ class KVEventsConfig:
         for name in ("endpoint", "topic"):
             if not isinstance(getattr(self, name), str):
                 raise ValueError(f"kv_events_config {name} must be a string, got {getattr(self, name)!r}")
+
+    def for_replica(self, index: int) -> KVEventsConfig:
+        """Data-parallel replica ``index``'s config, as vLLM offsets its ranks': tcp endpoints' ports plus
+        ``index``, other transports' addresses with ``_dp<index>`` appended, its batches carrying the rank."""
+        def offset(endpoint: str | None) -> str | None:
+            if endpoint is None:
+                return None
+            if endpoint.startswith("tcp://"):
+                host, _, port = endpoint.rpartition(":")
+                return f"{host}:{int(port) + index}"
+            return f"{endpoint}_dp{index}"
+
+        return dataclasses.replace(self, endpoint=offset(self.endpoint),
+                                   replay_endpoint=offset(self.replay_endpoint), data_parallel_rank=index)
 
     @property
     def publishes(self) -> bool:

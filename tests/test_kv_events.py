@@ -14,7 +14,7 @@ from conftest import random_prompts
 from plait.config import EngineConfig, KVEventsConfig
 from plait.engine.engine import LLMEngine
 from plait.engine.kv_cache import KVCacheManager
-from plait.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from plait.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, encode_batch
 from plait.engine.request import Request
 from plait.entrypoints.cli import build_parser
 from plait.sampling_params import SamplingParams
@@ -169,5 +169,10 @@ def test_kv_events_config_takes_vllms_keys_and_refuses_others(tiny_llama):
     with pytest.raises(ValueError, match="prefix cache"):
         LLMEngine(EngineConfig(model=str(tiny_llama), enable_prefix_caching=False,
                                kv_events_config={"enable_kv_cache_events": True, "publisher": "null"}))
+    replica = KVEventsConfig(True, endpoint="tcp://*:5557", replay_endpoint="ipc:///tmp/kv").for_replica(2)
+    assert (replica.endpoint, replica.replay_endpoint, replica.data_parallel_rank) == (
+        "tcp://*:5559", "ipc:///tmp/kv_dp2", 2)
+    batch = msgspec.msgpack.Decoder(type=KVEventBatch).decode(encode_batch([AllBlocksCleared()], 2, ts=1.5))
+    assert (batch.ts, batch.data_parallel_rank, batch.events) == (1.5, 2, [VllmAllBlocksCleared()])
     args = build_parser().parse_args(["serve", "m", "--kv-events-config", '{"enable_kv_cache_events": true}'])
     assert EngineConfig(model="m", kv_events_config=args.kv_events_config).kv_events_config.publishes

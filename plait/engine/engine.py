@@ -259,7 +259,7 @@ class LLMEngine:
         if not cfg.publishes:
             return None
         return ZmqEventPublisher(cfg.endpoint, cfg.replay_endpoint, cfg.buffer_steps, cfg.hwm,
-                                 cfg.max_queue_size, cfg.topic)
+                                 cfg.max_queue_size, cfg.topic, cfg.data_parallel_rank)
 
     def _publish_kv_events(self) -> None:
         """Hand the events recorded since the last call to the publisher (none: dropped, as vLLM's "null")."""

@@ -343,6 +343,9 @@ def _replica_main(config_path: str, index: int) -> None:
     # this process's server reads its answers with.
     own = dataclasses.replace(server_config, response_id_prefix=replica_response_id_prefix(index),
                               step_timeline_file=timeline)
+    events = engine_config.kv_events_config
+    if events is not None:  # each replica's publisher on its own port, its batches carrying its rank
+        engine_config = dataclasses.replace(engine_config, kv_events_config=events.for_replica(index))
     serve(engine_config, own, engine_process=engine_process)
 
 
