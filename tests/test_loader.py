@@ -487,3 +487,45 @@ def test_resolve_model_non_model_folder_and_file(tmp_path: Path) -> None:
 
 
 # Hub ids ("org/name"), resolved from the local HF cache: tests/test_hub_cache.py.
+
+
+@pytest.mark.parametrize("shard", [False, True])
+def test_pytorch_bin_checkpoints_load_as_their_safetensors_twins(tiny_llama, tmp_path, shard):
+    """A folder of PyTorch weight files (pytorch_model.bin, or shards named by its index; older checkpoints
+    and EAGLE heads ship these), read with torch.load's weights_only: the model its safetensors twin is."""
+    import json
+    import shutil
+
+    from conftest import run_greedy
+    from transformers import AutoModelForCausalLM
+
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.loader.hf import checkpoint_files, read_pt_file
+
+    state = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).state_dict()
+    shutil.copy(tiny_llama / "config.json", tmp_path / "config.json")
+    if not shard:
+        torch.save(state, tmp_path / "pytorch_model.bin")
+    else:  # two shards and the index naming them, as transformers 4 wrote them
+        names = sorted(state)
+        halves = {"pytorch_model-00001-of-00002.bin": names[::2],
+                  "pytorch_model-00002-of-00002.bin": names[1::2]}
+        for file, part in halves.items():
+            torch.save({n: state[n] for n in part}, tmp_path / file)
+        weight_map = {n: file for file, part in halves.items() for n in part}
+        (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (tmp_path / "training_args.bin").write_bytes(b"not weights")  # left beside them by a training run
+    files = checkpoint_files(tmp_path)
+    assert files and all(f.suffix == ".bin" and f.name != "training_args.bin" for f in files)
+    assert (len(files) > 1) == bool(shard)
+    prompts = [[5, 6, 7, 8], list(range(20, 50))]
+
+    def outputs(folder):
+        return run_greedy(LLMEngine(EngineConfig(model=str(folder), num_kv_blocks=64, block_size=8)), prompts,
+                          max_tokens=6)[0]
+
+    assert outputs(tmp_path) == outputs(tiny_llama)
+    torch.save({"w": torch.zeros(2), "note": "not a tensor"}, tmp_path / "other.bin")
+    with pytest.raises(ValueError, match="not a state dict of tensors"):
+        read_pt_file(tmp_path / "other.bin")

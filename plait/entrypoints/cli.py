@@ -355,6 +355,8 @@ _VLLM_CHOICES = {
     "mamba_cache_dtype": (("auto",), "plait keeps Mamba layers' conv state in the model's dtype and their "
                                      "SSM state in float32"),
     "mamba_ssm_cache_dtype": (("auto", "float32"), "plait keeps Mamba layers' SSM state in float32"),
+    "pt_load_map_location": (("cpu",), "plait reads PyTorch checkpoint files (*.bin) into host memory, then "
+                                       "moves each tensor to its device"),
 }
 # _VLLM_CHOICES flags that only `plait serve` has (its own parser adds them); other names vLLM gives a flag.
 _SERVE_CHOICES = frozenset({"data_parallel_backend"})

@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_INDEX_FILE = "model.safetensors.index.json"
+PT_INDEX_FILE = "pytorch_model.bin.index.json"
+PT_SUFFIX = ".bin"
+# *.bin files a training run leaves beside the weights (vLLM skips these too).
+NOT_WEIGHT_FILES = frozenset({"training_args.bin", "optimizer.bin", "scheduler.bin", "scaler.bin"})
 GGUF_SUFFIX = ".gguf"
 # What the "prefetch" load strategy's thread reads at a time (the data is dropped: the page cache keeps it).
 PREFETCH_BLOCK_BYTES = 16 * 2**20
@@ -129,20 +133,35 @@ def config_folder(config: EngineConfig) -> Path | None:
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
-    """An HF folder's safetensors files: those its model.safetensors.index.json names, else every one."""
+    """An HF folder's weight files: the safetensors files its model.safetensors.index.json names, else every
+    one; where there are none, PyTorch's (pytorch_model.bin, or the shards its index names; older checkpoints
+    and EAGLE heads ship these), as vLLM falls back to them."""
     path = Path(path)
-    index_path = path / SAFETENSORS_INDEX_FILE
-    if index_path.is_file():
-        weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
-        files = [path / name for name in sorted(set(weight_map.values()))]
-    else:
-        files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(
-            f"{str(path)!r} has no *.safetensors weights (plait does not read pytorch_model.bin); "
-            "convert them with transformers' save_pretrained(..., safe_serialization=True)"
-        )
-    return files
+    for index_name, pattern in ((SAFETENSORS_INDEX_FILE, "*.safetensors"), (PT_INDEX_FILE, "*.bin")):
+        index_path = path / index_name
+        if index_path.is_file():
+            weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+            return [path / name for name in sorted(set(weight_map.values()))]
+        files = sorted(p for p in path.glob(pattern) if p.name not in NOT_WEIGHT_FILES)
+        if files:
+            return files
+    raise FileNotFoundError(f"{str(path)!r} has no weights (*.safetensors, or PyTorch's *.bin)")
+
+
+def _is_pickle(file: Path) -> bool:
+    return file.suffix == PT_SUFFIX
+
+
+def read_pt_file(file: Path, map_location: str = "cpu") -> dict[str, torch.Tensor]:
+    """A PyTorch checkpoint file's tensors: torch.load with weights_only (no code runs from it, only tensors
+    and containers are unpickled), memory-mapped where the file allows (vLLM's --pt-load-map-location)."""
+    try:
+        state = torch.load(file, map_location=map_location, weights_only=True, mmap=True)
+    except RuntimeError:  # the legacy (non-zip) format cannot be mapped
+        state = torch.load(file, map_location=map_location, weights_only=True)
+    if not isinstance(state, dict) or not all(isinstance(t, torch.Tensor) for t in state.values()):
+        raise ValueError(f"{str(file)!r} is not a state dict of tensors")
+    return state
 
 
 def iter_hf_weights(path: str | Path, progress: bool = False, strategy: str = LAZY_LOAD,
@@ -186,7 +205,7 @@ def _shards(files: list[Path], strategy: str, threads: int
             yield list(tensors), tensors.items()
         return
     for file in files:
-        if strategy == EAGER_LOAD:
+        if strategy == EAGER_LOAD or _is_pickle(file):
             tensors = read_shard(file, strategy)
             yield list(tensors), tensors.items()
             continue
@@ -196,7 +215,10 @@ def _shards(files: list[Path], strategy: str, threads: int
 
 
 def read_shard(file: Path, strategy: str = LAZY_LOAD) -> dict[str, torch.Tensor]:
-    """One safetensors file's tensors, all in memory: read whole first ("eager"), or through a map."""
+    """One weight file's tensors, all in memory: read whole first ("eager"), or through a map (a PyTorch
+    file: torch.load's)."""
+    if _is_pickle(file):
+        return read_pt_file(file)
     if strategy == EAGER_LOAD:
         return safetensors.torch.load(file.read_bytes())
     with safe_open(file, framework="pt") as shard:
