@@ -281,3 +281,33 @@ def test_chat_template_content_format_as_vllm(llm, chosen, rendered):
     assert plain.prompt == ("<user>hi<answer>" if chosen == "string" else "<user>[hi]<answer>")
     with pytest.raises(ValueError, match="content format"):
         llm.chat(parts, params, use_tqdm=False, chat_template_content_format="parts")
+
+
+def test_get_metrics_reads_vllms_names_for_the_requests_run(tiny_llama):
+    """LLM.get_metrics, read as vLLM's reader gives it: token counters, finish reasons, latency and size
+    histograms (cumulative buckets ending at +Inf), the engine's gauges and prefix-cache counters."""
+    from plait.entrypoints.metrics_reader import Counter, Gauge, Histogram
+
+    llm = LLM(str(tiny_llama), num_kv_blocks=64, block_size=8)
+    prompts = [{"prompt_token_ids": p} for p in ([5, 6, 7], list(range(10, 40)), [9] * 12)]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    by_name = {}
+    for m in llm.get_metrics():
+        by_name.setdefault(m.name, []).append(m)
+    labels = by_name["vllm:prompt_tokens"][0].labels
+    assert by_name["vllm:prompt_tokens"] == [Counter("vllm:prompt_tokens", labels, 3 + 30 + 12)]
+    assert by_name["vllm:generation_tokens"][0].value == sum(len(o.outputs[0].token_ids) for o in outs) == 15
+    reasons = {m.labels["finished_reason"]: m.value for m in by_name["vllm:request_success"]}
+    assert reasons == {"stop": 0, "length": 3, "abort": 0, "error": 0}
+    ttft = by_name["vllm:time_to_first_token_seconds"][0]
+    assert isinstance(ttft, Histogram) and ttft.count == 3 and ttft.sum > 0
+    counts = list(ttft.buckets.values())
+    assert counts == sorted(counts) and list(ttft.buckets)[-1] == "+Inf" and counts[-1] == 3
+    sizes = by_name["vllm:request_prompt_tokens"][0]
+    assert sizes.sum == 45 and sizes.buckets["10"] == 1 and sizes.buckets["20"] == 2
+    assert by_name["vllm:inter_token_latency_seconds"][0].count == 3 * 4
+    assert by_name["vllm:num_requests_running"][0] == Gauge("vllm:num_requests_running", ttft.labels, 0.0)
+    assert by_name["vllm:prefix_cache_queries"][0].value >= 45
+    assert "vllm:spec_decode_num_drafts" not in by_name
+    assert ttft.labels["model_name"] == tiny_llama.name

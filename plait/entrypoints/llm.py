@@ -24,6 +24,7 @@ from plait.entrypoints.beam_search import (
     pending_beams,
     step_params,
 )
+from plait.entrypoints.metrics_reader import Metric, OfflineMetrics
 from plait.inputs import PromptType
 from plait.lora.request import LoRARequest
 from plait.multimodal.chat import AUTO_CONTENT_FORMAT, image_token_text, prepare_chat
@@ -53,6 +54,14 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_kwargs: Any) -> None:
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_kwargs))
         self._batch_ids = 0
+        # What get_metrics reports: every request this LLM ran to its end.
+        self._metrics = OfflineMetrics(self.engine.model_name)
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's LLM.get_metrics: Counter, Gauge, Histogram and Vector values under vLLM's metric names
+        (``vllm:prompt_tokens``, ``vllm:time_to_first_token_seconds``, ``vllm:kv_cache_usage_perc``...), for
+        the requests run so far."""
+        return self._metrics.read(self.engine)
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
@@ -363,6 +372,8 @@ class LLM:
         while self.engine.has_unfinished_requests():
             for out in self.engine.step():
                 if out.finished:
+                    if isinstance(out, RequestOutput):
+                        self._metrics.observe(out)
                     yield out
 
 

@@ -12,19 +12,20 @@ from prometheus_client.registry import Collector
 
 from plait.engine.engine import StepStats
 from plait.entrypoints.async_engine import EngineStats, RequestStream
+from plait.entrypoints.metrics_reader import (
+    E2E_BUCKETS_S,
+    FINISH_REASONS,
+    ITL_BUCKETS_S,
+    REQUEST_TOKEN_BUCKETS,
+    TTFT_BUCKETS_S,
+)
 from plait.entrypoints.stat_logger import TokenTotals
 from plait.outputs import PoolingRequestOutput, RequestOutput
 from plait.sampling_params import SamplingParams
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
 # The label every vllm:* metric carries: the (first) served model name.
 MODEL_NAME_LABEL = "model_name"
-TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
-ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-E2E_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0)
 STEP_TOKEN_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
-# vLLM's 1-2-5 series for a request's token counts.
-REQUEST_TOKEN_BUCKETS = tuple(m * 10**e for e in range(7) for m in (1, 2, 5))
 REQUEST_N_BUCKETS = (1, 2, 5, 10, 20)  # vLLM's, for a request's n
 SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")  # vllm:engine_sleep_state's, by sleep level
 STEP_DURATION_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
