@@ -15,7 +15,7 @@ from plait.layers.norm import RMSNorm
 from plait.layers.rotary import rotary_embedding
 from plait.models.base import CausalLM
 from plait.models.llama import Attention, DecoderLayer
-from plait.models.weights import STACKED_PROJECTIONS, load_checked
+from plait.models.weights import STACKED_PROJECTIONS, decoder_shard_sizes, load_checked
 from plait.runner.forward_batch import ForwardBatch
 
 # Names the EAGLE checkpoints give their tensors -> the head's own (EAGLE-3's single layer is "midlayer").
@@ -77,10 +77,8 @@ class EagleHead(CausalLM):
                     names.append(renamed)
                     yield renamed, tensor
 
-        cfg = self.config
-        q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-        sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
-        load_checked(self, tracked(), STACKED_PROJECTIONS, sizes, not_in_checkpoint=frozenset(self.shareable))
+        load_checked(self, tracked(), STACKED_PROJECTIONS, decoder_shard_sizes(self.config),
+                     not_in_checkpoint=frozenset(self.shareable))
         self.loaded = set(names)
 
 

@@ -137,16 +137,23 @@ def load_checked(
             module.check_loaded()
 
 
+def decoder_shard_sizes(cfg) -> dict[str, list[int]]:
+    """The row counts of a Llama-style decoder's fused projections' shards (load_checked's shard_sizes):
+    q / k / v in qkv_proj, gate / up in gate_up_proj (and a shared expert's); ``cfg`` a ModelConfig."""
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
+    if cfg.moe is not None and cfg.moe.shared_intermediate_size:
+        sizes["shared_expert.gate_up_proj"] = [cfg.moe.shared_intermediate_size] * 2
+    return sizes
+
+
 def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                          not_in_checkpoint: frozenset[str] = frozenset()) -> None:
     """A Llama-style checkpoint (q/k/v and gate/up fused at load, rotary tables skipped, a tied
     lm_head's stored copy skipped) into ``model``, whose ``config`` is a ModelConfig; ``not_in_checkpoint``
     names parameters loaded elsewhere (an image-text model's vision tower)."""
     cfg = model.config
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    sizes = {"qkv_proj": [q, kv, kv], "gate_up_proj": [cfg.intermediate_size] * 2}
-    if cfg.moe is not None and cfg.moe.shared_intermediate_size:
-        sizes["shared_expert.gate_up_proj"] = [cfg.moe.shared_intermediate_size] * 2
+    sizes = decoder_shard_sizes(cfg)
 
     def rename(name: str) -> str | None:
         if "rotary_emb.inv_freq" in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
