@@ -3,6 +3,8 @@ the ZMQ publisher that sends them in vLLM's wire format, so KV-aware routers (ll
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -51,6 +53,7 @@ class AllBlocksCleared:
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
+@functools.cache  # classes made once: encode_batch runs every step
 def _wire_types() -> tuple[Any, dict[type, Any]]:
     """vLLM's msgspec structs (tagged, array-like): (the batch type, plait event type -> struct type)."""
     import msgspec
@@ -85,8 +88,6 @@ def _wire_types() -> tuple[Any, dict[type, Any]]:
 def encode_batch(events: list[KVEvent], data_parallel_rank: int | None = None, ts: float | None = None
                  ) -> bytes:
     """A step's events as vLLM's KVEventBatch, msgpack-encoded: [ts, [[tag, fields...], ...], rank?]."""
-    import dataclasses
-
     import msgspec
 
     batch_type, structs = _wire_types()
