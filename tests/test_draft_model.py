@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import TINY_VOCAB, random_prompts
-from test_speculative import MAX_TOKENS, MIXED_PARAMS, _assert_same, _engine, _generate
+from test_speculative import MAX_TOKENS, MIXED_PARAMS, _assert_same, _engine, _generate, _generate_aborting
 
 from plait.config import EngineConfig, SpeculativeConfig
 from plait.engine.draft_model import DraftModelDrafter
@@ -373,17 +373,7 @@ def test_aborts_while_drafting_leave_the_other_outputs_unchanged(tiny_llama, oth
     want, _ = greedy_want
     spec = _engine(tiny_llama, _draft(other_llama[0]))
     aborts = {step: "r-1", step + 1: "r-5", step + 2: "r-3"}  # r-5 is the long prompt
-    for i, prompt in enumerate(_prompts()):
-        spec.add_request(prompt, GREEDY, request_id=f"r-{i}")
-    done, n = {}, 0
-    while spec.has_unfinished_requests():
-        if n in aborts:
-            spec.abort_request(aborts[n])
-        for out in spec.step():
-            if out.finished:
-                c = out.outputs[0]
-                done[int(out.request_id[2:])] = (c.token_ids, c.finish_reason, c.logprobs)
-        n += 1
+    done = _generate_aborting(spec, _prompts(), GREEDY, aborts)
     assert spec.is_idle_and_clean() and spec.drafter.is_clean()
     assert set(done) == set(want) - {1, 3, 5}  # an aborted request has no output after its abort
     _assert_same(done, {i: w for i, w in want.items() if i in done})

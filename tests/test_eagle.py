@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import TINY_VOCAB, random_prompts
 from safetensors.torch import save_file
-from test_speculative import MAX_TOKENS, MIXED_PARAMS, _assert_same, _engine, _generate
+from test_speculative import MAX_TOKENS, MIXED_PARAMS, _assert_same, _engine, _generate, _generate_aborting
 
 from plait.engine.drafter import PENDING_DRAFT_ID
 from plait.engine.eagle import EagleDrafter
@@ -274,18 +274,7 @@ def test_aborts_while_drafting_leave_the_other_outputs_unchanged(tiny_llama, hea
     prompts, params = _prompts(), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     want = _generate(_engine(tiny_llama, None), prompts, [params] * len(prompts))
     engine = _engine(tiny_llama, _spec(method, folder))
-    aborts = {2: "r-1", 3: "r-4", 5: "r-3"}  # r-4 is the long prompt
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, params, request_id=f"r-{i}")
-    done, n = {}, 0
-    while engine.has_unfinished_requests():
-        if n in aborts:
-            engine.abort_request(aborts[n])
-        for out in engine.step():
-            if out.finished:
-                c = out.outputs[0]
-                done[int(out.request_id[2:])] = (c.token_ids, c.finish_reason, c.logprobs)
-        n += 1
+    done = _generate_aborting(engine, prompts, params, {2: "r-1", 3: "r-4", 5: "r-3"})  # r-4: the long one
     assert engine.is_idle_and_clean() and engine.drafter.is_clean()
     assert set(done) == set(want) - {1, 3, 4}
     _assert_same(done, {i: w for i, w in want.items() if i in done})

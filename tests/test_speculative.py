@@ -192,6 +192,24 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], params: list[Sampling
     return done
 
 
+def _generate_aborting(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                       aborts: dict[int, str]) -> dict[int, tuple[list[int], str, list]]:
+    """Every prompt added at once, request ``aborts[n]`` aborted before step n: i -> (ids, reason, logprobs)
+    of the requests that finished otherwise."""
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=f"r-{i}")
+    done, n = {}, 0
+    while engine.has_unfinished_requests():
+        if n in aborts:
+            engine.abort_request(aborts[n])
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[int(out.request_id[2:])] = (c.token_ids, c.finish_reason, c.logprobs)
+        n += 1
+    return done
+
+
 def _assert_same(got: dict, want: dict) -> None:
     for i in want:
         ids, reason, logprobs = got[i]
