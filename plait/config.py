@@ -236,6 +236,10 @@ class EngineConfig:
     # built by the engine, sees every sampling step. Not with speculative decoding or a pooling model, as in
     # vLLM.
     logits_processors: list[str | type] | None = None
+    # vLLM's --worker-extension-cls: a class (or its qualified name) whose methods join each rank's worker
+    # (plait.runner.worker.Worker), for LLM.collective_rpc to call on every rank: an RL loop's weight sync,
+    # say. Its engine keeps the MLP norms unfolded, so that one tensor at a time may be loaded.
+    worker_extension_cls: str | type | None = None
     # vLLM's --use-tqdm-on-load: a progress bar over an HF checkpoint's shards while they load.
     use_tqdm_on_load: bool = True
     # vLLM's --cpu-offload-gb: this many GiB of the first decoder layers' weights live in pinned host
@@ -372,6 +376,9 @@ class EngineConfig:
         if self.logits_processors is not None and not isinstance(self.logits_processors, (list, tuple)):
             raise ValueError(f"logits_processors must be a list of classes or their qualified names, got "
                              f"{self.logits_processors!r}")
+        if self.worker_extension_cls is not None and not isinstance(self.worker_extension_cls, (str, type)):
+            raise ValueError(f"worker_extension_cls must be a class or its qualified name, got "
+                             f"{self.worker_extension_cls!r}")
         if self.enable_prompt_embeds and spec is not None:
             raise ValueError("enable_prompt_embeds is not supported with speculative decoding yet: a draft "
                              "would need the embeddings too")

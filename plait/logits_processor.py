@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+
+from plait.qualified_name import import_qualified
 
 if TYPE_CHECKING:
     from plait.config import EngineConfig
@@ -65,30 +66,12 @@ def load_logits_processors(names: Sequence[str | type] | None) -> list[type[Logi
     ``module.Class``; each must subclass LogitsProcessor."""
     classes = []
     for name in names or ():
-        cls = _import_class(name) if isinstance(name, str) else name
+        cls = import_qualified(name, "logits processor") if isinstance(name, str) else name
         if not (isinstance(cls, type) and issubclass(cls, LogitsProcessor)):
             raise TypeError(f"logits processor {name!r} is not a subclass of plait.logits_processor."
                             "LogitsProcessor")
         classes.append(cls)
     return classes
-
-
-def _import_class(qualified: str) -> type:
-    module_name, sep, attribute = qualified.partition(":")
-    if not sep:
-        module_name, _, attribute = qualified.rpartition(".")
-    if not module_name or not attribute:
-        raise ValueError(f"logits processor {qualified!r} must name a class as module:Class or module.Class")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ValueError(f"logits processor {qualified!r}: cannot import {module_name!r} ({e})") from e
-    obj = module
-    for part in attribute.split("."):
-        if not hasattr(obj, part):
-            raise ValueError(f"logits processor {qualified!r}: {module_name!r} has no {attribute!r}")
-        obj = getattr(obj, part)
-    return obj
 
 
 def apply_logits_processors(processors: Sequence[LogitsProcessor], logits: torch.Tensor,

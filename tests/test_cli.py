@@ -84,6 +84,14 @@ def test_seed_and_dtype_aliases_are_engine_flags():
     assert args.seed == 3 and _engine_config(args).seed == 0
 
 
+def test_worker_extension_cls_is_vllms_flag():
+    from plait.entrypoints.cli import _engine_config, parse_args
+
+    args = parse_args(["serve", "m", "--worker-extension-cls", "trainer.sync:WeightSync"])
+    assert _engine_config(args).worker_extension_cls == "trainer.sync:WeightSync"
+    assert _engine_config(parse_args(["serve", "m"])).worker_extension_cls is None
+
+
 def test_enable_expert_parallel_is_vllms_flag():
     """vLLM's --enable-expert-parallel (and its -ep) beside --tensor-parallel-size; without a split across
     GPUs it has nothing to deal out, and is refused."""

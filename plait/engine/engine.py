@@ -7,13 +7,13 @@ import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from plait.config import EAGLE, EAGLE3, FULL_VOCAB_LOGPROBS, NGRAM, EngineConfig, load_threads
+from plait.config import EAGLE, EAGLE3, FULL_VOCAB_LOGPROBS, NGRAM, EngineConfig
 from plait.engine.detokenizer import Detokenizer
 from plait.engine.draft_model import DraftModelDrafter
 from plait.engine.drafter import Drafter, NgramDrafter
@@ -987,8 +987,9 @@ class LLMEngine:
         return reset
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Replace every weight in place with HF-named tensors (a whole checkpoint's worth, as an RL loop
-        sends between rollouts; vLLM's model.load_weights), then empty the prefix cache, whose KV the old
+        """Replace weights in place with HF-named tensors (a whole checkpoint's worth, as an RL loop sends
+        between rollouts, or any subset: the rest keep theirs; vLLM's model.load_weights), then empty the
+        prefix cache, whose KV the old
         weights computed. Tensors keep their addresses, so captured CUDA graphs stay valid. Only while no
         request runs; a load that fails part-way leaves the weights mixed (load a whole set again)."""
         if self.has_unfinished_requests():
@@ -997,16 +998,31 @@ class LLMEngine:
         self.kv_cache.reset_prefix_cache()
         self._weights_discarded = False
 
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list[Any]:
+        """vLLM's collective_rpc: ``method`` run on every rank's Worker (plait.runner.worker: a Worker
+        method's name, a worker_extension_cls's, or a function taking the worker first), each rank's result
+        in rank order. A method that loads weights (through the runner) also empties the prefix cache, whose
+        KV the old weights computed, and ends a level-2 sleep's refusal to run requests."""
+        if self._in_flight is not None and not self.has_unfinished_requests():
+            self._collect()  # a last launched step whose requests all finished: the method sees its effects
+        loads = self.runner.weight_loads
+        try:
+            return self.runner.collective_rpc(method, args, kwargs, timeout)
+        finally:
+            if self.runner.weight_loads != loads:
+                self._weights_discarded = False
+                if not self.has_unfinished_requests():
+                    self.reset_prefix_cache()
+                else:
+                    logger.warning("collective_rpc changed the weights while requests hold KV blocks: their "
+                                   "cached prefixes were computed by the old weights")
+
     def reload_weights(self, path: str | None = None) -> None:
         """load_weights from a checkpoint on disk: ``path`` (an HF folder, a GGUF file or a cached Hub id of
         this architecture, e.g. a trainer's saved step), else the model this engine was started with (vLLM's
         ``collective_rpc("reload_weights")``)."""
-        from plait.loader.model_loader import read_source
-
-        source = self.model_source if path is None else resolve_model(path)
-        _, weights = read_source(source, "auto", strategy=self.config.safetensors_load_strategy,
-                                 threads=load_threads(self.config))
-        self.load_weights(weights)
+        self.load_weights(self.runner.checkpoint_weights(path))
 
     def sleep(self, level: int = 1) -> None:
         """Free the device memory of the weights and the KV cache until wake_up (vLLM's sleep mode, for an RL

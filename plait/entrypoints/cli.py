@@ -37,6 +37,7 @@ _ENGINE_FLAGS = (
     "optimization_level", "compilation_config",
     "logits_processors", "enable_prompt_embeds", "rope_scaling", "rope_theta", "use_tqdm_on_load",
     "hf_config_path", "safetensors_load_strategy", "model_loader_extra_config", "additional_config",
+    "worker_extension_cls",
 )
 
 
@@ -156,6 +157,9 @@ _FLAG_HELP = {
     "logits_processors": "as vLLM's: custom logits processors, plait.logits_processor.LogitsProcessor "
                          "subclasses named module:Class or module.Class (importable: on PYTHONPATH); "
                          "requests give them settings in vllm_xargs",
+    "worker_extension_cls": "as vLLM's: a class (module:Class or module.Class, importable: on PYTHONPATH) "
+                            "whose methods join each GPU's worker, for POST /collective_rpc (development "
+                            "mode) and LLM.collective_rpc to call: an RL loop's weight sync, say",
     "optimization_level": "as vLLM's -O0 .. -O3: 0 captures no CUDA graphs (--enforce-eager); 1-3 are "
                           "plait's default, since plait runs no torch.compile (default: 2)",
     "compilation_config": "as vLLM's (also -cc, -O '{...}' and dotted keys: -O.cudagraph_mode=NONE), a JSON "

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,16 @@ class LLM:
         """load_weights from a checkpoint on disk: ``path`` (an HF folder, a GGUF file or a cached Hub id),
         else the model the engine started with, as vLLM's ``collective_rpc("reload_weights")``."""
         self.engine.reload_weights(path)
+
+    def collective_rpc(self, method: str | Callable[..., Any], timeout: float | None = None, args: tuple = (),
+                       kwargs: dict | None = None) -> list[Any]:
+        """vLLM's LLM.collective_rpc: run ``method`` on every rank's worker (one per GPU of a split model) and
+        return each rank's result, rank 0's first. ``method``: the name of a method of plait's Worker
+        (``load_weights``, ``get_model``) or of the ``worker_extension_cls`` the LLM was made with, or a
+        function called with the worker first (under tensor parallelism it must be importable by name). The
+        worker has ``model_runner``, ``rank``, ``world_size`` and ``device``; weights it loads replace the
+        old ones in place (any subset), and the prefix cache is emptied after."""
+        return self.engine.collective_rpc(method, timeout, args, kwargs)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (under ``enable_sleep_mode=True``): free the device memory of the weights and

@@ -1082,6 +1082,15 @@ class ReloadWeightsRequest(BaseModel):
     path: str | None = None
 
 
+class CollectiveRpcRequest(BaseModel):
+    """POST /collective_rpc (development mode): a worker method run on every rank (LLM.collective_rpc)."""
+
+    method: str
+    timeout: float | None = None
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens whose KV the prefix cache held
 

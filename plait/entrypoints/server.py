@@ -113,6 +113,7 @@ from plait.entrypoints.protocol import (
     ClassificationData,
     ClassificationRequest,
     ClassificationResponse,
+    CollectiveRpcRequest,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -855,6 +856,19 @@ class OpenAIServer:
                 except FileNotFoundError as err:
                     raise APIError(400, str(err)) from err
                 return JSONResponse({})
+
+            @app.post("/collective_rpc")
+            async def collective_rpc(body: CollectiveRpcRequest) -> Response:
+                call = methodcaller("collective_rpc", body.method, body.timeout, tuple(body.args),
+                                    body.kwargs)
+                try:
+                    results = await self._engine_call(call)
+                except (AttributeError, TypeError) as err:  # no such method, or arguments it does not take
+                    raise APIError(400, str(err)) from err
+                # As vLLM answers: JSON values as they are (tuples as lists), anything else as its str().
+                plain = (dict, list, tuple, str, int, float)
+                return JSONResponse({"results": [r if r is None or isinstance(r, plain) else str(r)
+                                                 for r in results]})
 
             if self.sleep_mode:
                 self._add_sleep_routes(app)

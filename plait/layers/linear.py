@@ -175,11 +175,13 @@ class Linear(nn.Linear):
         return skinny_linear_add(x, self.weight, residual)
 
     @torch.no_grad()
-    def fold_norm_weight(self, norm_weight: torch.Tensor) -> None:
+    def fold_norm_weight(self, norm_weight: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         """W <- W * norm_weight along the input: this layer then takes the norm's un-weighted output, or
         the un-normalised stream itself with the norm's row scale applied to its output further on.
-        One more bf16 rounding of each weight; the runner does it only for 16-bit GPU models."""
-        self.weight.copy_((self.weight.float() * norm_weight.float()).to(self.weight.dtype))
+        One more bf16 rounding of each weight; the runner does it only for 16-bit GPU models. ``rows``
+        (first, count): only those (rows loaded again into a folded layer)."""
+        w = self.weight if rows is None else self.weight[rows[0] : rows[0] + rows[1]]
+        w.copy_((w.float() * norm_weight.float()).to(w.dtype))
 
     def fuses_gate_up_silu(self, x: torch.Tensor) -> bool:
         """True when gate_up_silu(x) runs as one fused skinny kernel (this layer being [gate; up])."""

@@ -17,7 +17,7 @@ from plait.layers.linear import Linear
 from plait.layers.norm import GemmaRMSNorm
 from plait.models.layer_kinds import SLIDING, kind_rotaries, layer_ropes, layer_types
 from plait.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, LlamaModel
-from plait.models.weights import language_model_weights, load_decoder_weights
+from plait.models.weights import LoadRecord, language_model_weights, load_decoder_weights
 from plait.runner.forward_batch import ForwardBatch
 
 # transformers' defaults where a config leaves them out (Gemma3TextConfig).
@@ -156,7 +156,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
-    def fold_norm_weights(self) -> None:
+    def fold_norm_weights(self, loaded: LoadRecord | None = None) -> None:
         """Kept unfolded: what folding serves (LlamaModel.fuses_mlp_norm) takes SiLU MLPs with Llama's norms
         only, and Gemma 2 / 3 fuse the pre-MLP norm with the post-attention norm and the add instead."""
 

@@ -13,6 +13,7 @@ from plait.config import ModelConfig
 from plait.layers.norm import RMSNorm
 from plait.layers.rotary import rotary_embedding
 from plait.models.llama import MLP, Attention, PairedRotaryForCausalLM
+from plait.models.weights import LoadRecord
 from plait.runner.forward_batch import ForwardBatch
 
 
@@ -62,5 +63,5 @@ class Glm4ForCausalLM(GlmForCausalLM):
 
     model_class = Glm4Model
 
-    def fold_norm_weights(self) -> None:
+    def fold_norm_weights(self, loaded: LoadRecord | None = None) -> None:
         """Kept unfolded: the MLP's output is normalised again before it joins the stream."""

@@ -10,6 +10,7 @@ from plait.config import ModelConfig
 from plait.layers.linear import logits_fp32
 from plait.models.base import refuse_config_keys
 from plait.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
+from plait.models.weights import LoadRecord
 from plait.runner.forward_batch import ForwardBatch
 
 
@@ -67,5 +68,5 @@ class GraniteForCausalLM(LlamaForCausalLM):
         # hidden: [S, hidden] -> [S, vocab] fp32
         return logits_fp32(hidden, self.lm_head.weight) / self.logits_scaling
 
-    def fold_norm_weights(self) -> None:
+    def fold_norm_weights(self, loaded: LoadRecord | None = None) -> None:
         """Kept unfolded: the fused decode path adds o's output to the stream unscaled."""

@@ -18,7 +18,7 @@ from plait.layers.moe import FusedMoE
 from plait.layers.norm import RMSNorm, RowNorm
 from plait.layers.rotary import QueryScaledRotary, llama4_query_scale, rotary_embedding
 from plait.models.base import CausalLM, refuse_config_keys
-from plait.models.weights import language_model_weights, load_decoder_weights, pairs_as_halves
+from plait.models.weights import LoadRecord, language_model_weights, load_decoder_weights, pairs_as_halves
 from plait.runner.forward_batch import ForwardBatch
 
 
@@ -151,9 +151,35 @@ class DecoderLayer(nn.Module):
 
     @torch.no_grad()
     def fold_mlp_norm(self) -> None:
-        """Move the MLP norm's weight into gate/up (the norm keeps weight 1: the same function)."""
-        self.mlp.gate_up_proj.fold_norm_weight(self.post_attention_layernorm.weight)
-        self.post_attention_layernorm.weight.fill_(1.0)
+        """Move the MLP norm's weight into gate/up (the norm keeps weight 1: the same function). The weight
+        is kept beside, for gate/up rows loaded again later (refold_mlp_norm)."""
+        norm = self.post_attention_layernorm.weight
+        self.mlp.gate_up_proj.fold_norm_weight(norm)
+        self.folded_norm_weight = norm.detach().clone()
+        norm.fill_(1.0)
+
+    @torch.no_grad()
+    def refold_mlp_norm(self, loaded: LoadRecord, prefix: str) -> str | None:
+        """After a live load into this folded layer (``prefix``: its parameters' name prefix): gate/up rows
+        that came take the kept norm weight; a norm weight that came folds in again with the whole of gate/up,
+        which must then have come too (the other rows hold the old weight's product, which cannot be undone
+        exactly): else the layer keeps its old norm and the reason is returned."""
+        gate_up = self.mlp.gate_up_proj
+        gate_up_name = f"{prefix}mlp.gate_up_proj.weight"
+        norm_name = f"{prefix}post_attention_layernorm.weight"
+        if norm_name in loaded.rows:
+            if loaded.covers(gate_up_name, gate_up.weight.shape[0]):
+                self.fold_mlp_norm()
+                return None
+            self.post_attention_layernorm.weight.fill_(1.0)
+            for rows in loaded.rows.get(gate_up_name, ()):
+                gate_up.fold_norm_weight(self.folded_norm_weight, rows)
+            return (f"{norm_name} came without all of gate_proj and up_proj, into which the MLP norms are "
+                    "folded on this GPU: load the three together (a whole layer, or the whole model), or "
+                    "start the engine with PLAIT_FOLD_NORMS=0 (or a worker_extension_cls) to keep them apart")
+        for rows in loaded.rows.get(gate_up_name, ()):
+            gate_up.fold_norm_weight(self.folded_norm_weight, rows)
+        return None
 
 
 class LlamaModel(nn.Module):
@@ -213,13 +239,21 @@ class LlamaForCausalLM(CausalLM):
 
 
 
-    def fold_norm_weights(self) -> None:
+    def fold_norm_weights(self, loaded: LoadRecord | None = None) -> None:
         """Fold every MLP norm's weight into gate/up, so that decode-sized steps can apply that norm
         in o's and silu-and-mul's launches (LlamaModel.fuses_mlp_norm). The function is unchanged, but
-        each folded weight takes one more rounding, so the runner does this for 16-bit GPU models."""
-        for layer in self.model.layers:
-            layer.fold_mlp_norm()
-        self.model.norms_folded = True
+        each folded weight takes one more rounding, so the runner does this for 16-bit GPU models.
+        ``loaded``: after a live load into the folded model, fold what it wrote
+        (DecoderLayer.refold_mlp_norm); a ValueError names a norm that could not be."""
+        if loaded is None:
+            for layer in self.model.layers:
+                layer.fold_mlp_norm()
+            self.model.norms_folded = True
+            return
+        refused = [why for i, layer in enumerate(self.model.layers)
+                   if (why := layer.refold_mlp_norm(loaded, f"model.layers.{i}.")) is not None]
+        if refused:
+            raise ValueError(refused[0] + (f" ({len(refused)} layers)" if len(refused) > 1 else ""))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Every parameter must be covered."""
@@ -304,5 +338,5 @@ class MoeForCausalLM(LlamaForCausalLM):
     # Adapters would need per-expert deltas inside the expert kernels.
     supports_lora = False
 
-    def fold_norm_weights(self) -> None:
+    def fold_norm_weights(self, loaded: LoadRecord | None = None) -> None:
         """Kept unfolded: the MLP norm feeds the router and every expert, which take no row scale."""

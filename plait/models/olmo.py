@@ -13,6 +13,7 @@ from plait.config import ModelConfig
 from plait.layers.norm import OlmoRMSNorm, RMSNorm
 from plait.models.layer_kinds import FULL, SLIDING, kind_rotaries, layer_ropes, layer_types
 from plait.models.llama import MLP, Attention, LlamaForCausalLM
+from plait.models.weights import LoadRecord
 from plait.runner.forward_batch import ForwardBatch
 
 # transformers' defaults where a config leaves them out (Olmo3Config): every fourth layer global.
@@ -116,7 +117,7 @@ class OlmoForCausalLM(LlamaForCausalLM):
 
     model_class = OlmoModel
 
-    def fold_norm_weights(self) -> None:
+    def fold_norm_weights(self, loaded: LoadRecord | None = None) -> None:
         """Nothing to fold: OLMo has no norm before its MLP."""
 
 

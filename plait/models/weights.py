@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -29,6 +32,48 @@ EXPERT_TENSOR = re.compile(
 # Mixtral's names for the same (block_sparse_moe.experts.{e}.w1 / w3 / w2): gate, up, down.
 MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(gate|experts\.(\d+)\.(w[123]))\.")
+
+
+@dataclass
+class LoadRecord:
+    """What one load into a live model wrote (plait.runner.model_runner.ModelRunner.load_weights reads it to
+    fold norms again where tensors came)."""
+
+    # parameter name -> the (first row, row count) spans written: a fused projection's shards, or the whole
+    rows: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+
+    def add(self, name: str, start: int, count: int) -> None:
+        self.rows.setdefault(name, []).append((start, count))
+
+    def covers(self, name: str, total_rows: int) -> bool:
+        """Whether every one of the parameter's ``total_rows`` rows was written."""
+        written = set()
+        for start, count in self.rows.get(name, ()):
+            written.update(range(start, start + count))
+        return len(written) == total_rows
+
+
+# Set inside live_load(): the load is into a model that already holds weights, so any subset of its tensors
+# may come (vLLM's load_weights: the rest keep theirs); None at start-up, where every tensor must come.
+_LIVE_LOAD: ContextVar[LoadRecord | None] = ContextVar("plait_live_load", default=None)
+
+
+@contextmanager
+def live_load() -> Iterator[LoadRecord]:
+    """Scope a load into a model that already holds weights (LLM.load_weights, a worker extension's): the
+    checkpoint's tensors may be any subset, and the record says what each wrote (the innermost open one's:
+    a collective_rpc's method may load through the runner, which opens its own)."""
+    record = LoadRecord()
+    token = _LIVE_LOAD.set(record)
+    try:
+        yield record
+    finally:
+        _LIVE_LOAD.reset(token)
+
+
+def in_live_load() -> bool:
+    """Whether a load is a live_load() (any subset of the tensors may come)."""
+    return _LIVE_LOAD.get() is not None
 
 
 def mixtral_name(name: str) -> str:
@@ -74,7 +119,8 @@ def load_checked(
     rename: Callable[[str], str | None] = lambda name: name,
     not_in_checkpoint: frozenset[str] = frozenset(),
 ) -> None:
-    """Copy every tensor into its parameter, shape-checked; every parameter must be covered.
+    """Copy every tensor into its parameter, shape-checked; every parameter must be covered, except in a
+    live_load() (which records what came).
 
     ``rename`` maps a checkpoint name to the model's (None: skip the tensor); ``stacked`` says which
     projections are fused (e.g. STACKED_PROJECTIONS) and ``shard_sizes`` maps a fused parameter's
@@ -85,6 +131,7 @@ def load_checked(
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[str] = set()
+    live = _LIVE_LOAD.get()
     for raw_name, tensor in weights:
         name = rename(raw_name)
         if name is None or name.rpartition(".")[2] in UNUSED_CHECKPOINT_SCALES:
@@ -129,8 +176,10 @@ def load_checked(
         else:
             dst.copy_(tensor)
         loaded.add(target)
+        if live is not None:
+            live.add(target, start, dst.shape[0] if dst.dim() else 1)
     missing = sorted(set(params) - loaded - not_in_checkpoint)
-    if missing:
+    if missing and live is None:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")
     for module in modules.values():
         if hasattr(module, "check_loaded"):

@@ -5,6 +5,7 @@ reach the others by a broadcast on the device, where their next step reads its p
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -29,11 +30,13 @@ if TYPE_CHECKING:
 # Messages, driver -> rank: (FORWARD, (StepArrays, pending sources, whether a step is in flight, the step's
 # prompt-embedding rows or None: their token indices and a tensor_message of their values)),
 # (IDS, number of sampled ids to receive), (SLEEP, level), (WAKE_UP, tags), (LOAD_WEIGHTS, None) followed by
-# that rank's (name, tensor) slices one message each and then END_OF_WEIGHTS, (STOP, None), and at start-up
-# the agreed KV blocks (an int). Rank -> driver, at start-up: (LOADED, None), (BLOCKS, the KV blocks it has
-# room for), (READY, None); after SLEEP and WAKE_UP: (DONE, None); after a LOAD_WEIGHTS: (DONE, None or the
-# ValueError's message: a set the model refused); at any time (FAILED, its traceback).
-FORWARD, IDS, SLEEP, WAKE_UP, STOP = "forward", "ids", "sleep", "wake_up", "stop"
+# that rank's (name, tensor) slices one message each and then END_OF_WEIGHTS, (RPC, a pickled (method, args,
+# kwargs) for its Worker), (STOP, None), and at start-up the agreed KV blocks (an int). Rank -> driver, at
+# start-up: (LOADED, None), (BLOCKS, the KV blocks it has room for), (READY, None); after SLEEP and WAKE_UP:
+# (DONE, None); after a LOAD_WEIGHTS: (DONE, None or the ValueError's message: a set the model refused); after
+# an RPC: (DONE, (True, the pickled result) or (False, the method's traceback)); at any time (FAILED, its
+# traceback: the rank is gone).
+FORWARD, IDS, SLEEP, WAKE_UP, STOP, RPC = "forward", "ids", "sleep", "wake_up", "stop", "rpc"
 LOAD_WEIGHTS, END_OF_WEIGHTS = "load_weights", "end_of_weights"
 LOADED, BLOCKS, READY, DONE, FAILED = "loaded", "blocks", "ready", "done", "failed"
 # How often the driver looks at its workers while it waits for them (a dead one fails the wait).
@@ -63,6 +66,7 @@ class Workers:
             [str(Path(plait.__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]))
         self._procs: list[subprocess.Popen] = []
         self._conns: list[Connection] = []
+        self._out_of_step: str | None = None  # why the ranks no longer answer in turn (a timed-out wait)
         # Stops the workers when the engine is dropped or the interpreter exits, whichever comes first.
         self._finalizer = weakref.finalize(self, _stop, self._procs, self._conns, self._dir)
         for rank in range(1, world_size):
@@ -98,22 +102,28 @@ class Workers:
         """Every rank has its KV cache and graphs: steps may come."""
         self._gather(READY)
 
-    def done(self) -> list[Any]:
-        """Every rank has run the SLEEP, WAKE_UP or LOAD_WEIGHTS sent last (its memory handed back, or taken
-        back and its graphs captured again; its slices loaded); what each said of it."""
-        return self._gather(DONE)
+    def done(self, timeout: float | None = None) -> list[Any]:
+        """Every rank has run the SLEEP, WAKE_UP, LOAD_WEIGHTS or RPC sent last (its memory handed back, or
+        taken back and its graphs captured again; its slices loaded; the method run); what each said of it.
+        ``timeout``: seconds to wait in all (None: no limit), then TimeoutError, after which the ranks are out
+        of step and every later message is refused."""
+        return self._gather(DONE, None if timeout is None else time.monotonic() + timeout)
 
     def send_to(self, rank: int, payload: Any) -> None:
         """One raw message to worker ``rank`` (a slice of a LOAD_WEIGHTS, or END_OF_WEIGHTS)."""
         self._conns[rank - 1].send(payload)
 
-    def _gather(self, state: str) -> list[Any]:
+    def _gather(self, state: str, deadline: float | None = None) -> list[Any]:
         """Each worker's next message, which must be ``state``; one that fails or dies first raises
-        WorkerError (the wait looks at the processes, so it never hangs on a dead one)."""
+        WorkerError (the wait looks at the processes, so it never hangs on a dead one), one that has not
+        answered by ``deadline`` (time.monotonic()) TimeoutError."""
         details = []
         for rank, conn in enumerate(self._conns, start=1):
             while not conn.poll(POLL_SECONDS):
                 self._check_alive(f"was {state}")
+                if deadline is not None and time.monotonic() > deadline:
+                    self._out_of_step = f"tensor-parallel rank {rank} did not answer in time"
+                    raise TimeoutError(f"{self._out_of_step}: the ranks are out of step; start a new engine")
             kind, detail = self._receive(rank, conn)
             if kind != state:
                 raise WorkerError(f"tensor-parallel rank {rank} said {kind!r}, expected {state!r}")
@@ -135,6 +145,8 @@ class Workers:
 
     def send(self, kind: str, payload: Any = None) -> None:
         """One message to every worker, after checking that each is still there to take it."""
+        if self._out_of_step is not None:
+            raise WorkerError(f"{self._out_of_step} (collective_rpc's timeout): start a new engine")
         self.check()
         for conn in self._conns:
             conn.send((kind, payload))
@@ -253,6 +265,8 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
             finally:
                 slices.drain()  # the next message is the driver's next command
             conn.send((DONE, refused))
+        elif kind == RPC:
+            conn.send((DONE, _run_rpc(runner, payload)))
         elif kind in (SLEEP, WAKE_UP):
             prev_ids = None  # its storage goes to sleep; no step is in flight across a sleep
             if kind == SLEEP:
@@ -262,6 +276,16 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
             conn.send((DONE, None))
         else:
             raise WorkerError(f"unknown message {kind!r}")
+
+
+def _run_rpc(runner: ModelRunner, call: bytes) -> tuple[bool, Any]:
+    """A collective_rpc's method on this rank's Worker: (True, the pickled result), or (False, the traceback
+    of what it raised); the rank keeps serving either way."""
+    try:
+        method, args, kwargs = pickle.loads(call)
+        return True, pickle.dumps(runner.worker.execute(method, args, kwargs))
+    except Exception:  # noqa: BLE001 - the driver raises it
+        return False, traceback.format_exc()
 
 
 def tensor_message(name: str, tensor: Any) -> tuple[str, str, tuple[int, ...], bytes]:

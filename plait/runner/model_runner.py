@@ -6,9 +6,11 @@ import itertools
 import logging
 import math
 import os
+import pickle
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -16,7 +18,7 @@ from torch import nn
 
 from plait.attention.base import get_backend
 from plait.attention.fp8_kv import UNIT_SCALES, KVScales, cache_torch_dtype
-from plait.config import CPU_KV_CACHE_BYTES, EAGLE, EAGLE3, NO_CHUNK_CAP, EngineConfig
+from plait.config import CPU_KV_CACHE_BYTES, EAGLE, EAGLE3, NO_CHUNK_CAP, EngineConfig, load_threads
 from plait.engine.grammar import next_token_bitmasks
 from plait.engine.kv_cache import MIN_KV_BLOCKS, cdiv
 from plait.engine.request import Request
@@ -25,11 +27,12 @@ from plait.engine.state_slots import PAD_STATE_SLOT
 from plait.kernels.dispatch import triton_enabled, triton_importable
 from plait.layers.fp8 import FP8_DTYPE
 from plait.layers.mamba import allocate_mamba_states
-from plait.loader.hf import ModelSource
-from plait.loader.model_loader import load_model, resolve_device_dtype, to_model_dtype
+from plait.loader.hf import ModelSource, resolve_model
+from plait.loader.model_loader import load_model, read_source, resolve_device_dtype, to_model_dtype
 from plait.lora.model import LoRAModel
 from plait.models.base import checkpoint_layout
 from plait.models.eagle import aux_layer_ids, check_eagle_target, read_head_config
+from plait.models.weights import live_load
 from plait.multimodal.images import ImageProcessor
 from plait.parallel.group import ParallelRank, TPGroup
 from plait.parallel.shard import sum_row_parallel_outputs
@@ -38,6 +41,7 @@ from plait.parallel.workers import (
     FORWARD,
     IDS,
     LOAD_WEIGHTS,
+    RPC,
     SLEEP,
     WAKE_UP,
     DriverLink,
@@ -63,6 +67,7 @@ from plait.runner.sampler import (
 from plait.runner.sleep import SLEEP_DISCARD_WEIGHTS, WAKE_TAGS, ReleasableTensors, module_tensors
 from plait.runner.step_timer import StepBreakdown
 from plait.runner.weight_offload import GIB, WeightOffload
+from plait.runner.worker import make_worker
 from plait.sampling_params import LOGITS_MODES, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -154,6 +159,8 @@ class ModelRunner:
         # Start-up's meeting points with the other ranks: the driver's Workers, or a worker's DriverLink.
         self.peers = self.workers or link
         try:
+            # What collective_rpc calls methods of (a bad worker extension fails here, before loading).
+            self.worker = make_worker(self, config.worker_extension_cls)
             self._build(config, source)
         except BaseException:
             self.close()
@@ -177,6 +184,8 @@ class ModelRunner:
         # KV heads this rank caches: its share under tensor parallelism.
         self.num_kv_heads = (loaded.shard.local if loaded.shard else loaded.config).num_key_value_heads
         self.shard = loaded.shard  # this rank's share of the model under tensor parallelism, else None
+        # load_weights calls so far: whoever changed the weights (an RPC's method, too) can be told apart.
+        self.weight_loads = 0
         if self.parallel is not None:
             # Every rank has its slice before any rank waits on a collective: a rank that failed to load
             # fails the driver here, with its traceback, instead of hanging it.
@@ -314,12 +323,14 @@ class ModelRunner:
                     (self.weight_offload is not None, "cpu_offload_gb (offloaded weights are host copies)")]
         return next((what for refused, what in refusals if refused), None)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], in_model_layout: bool = False
-                     ) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], in_model_layout: bool = False,
+                     this_rank_only: bool = False) -> None:
         """Copy HF-named tensors into the model's parameters (LLMEngine.load_weights), cast as the loader
-        casts them, then fold the MLP norms again where the model folds them. in_model_layout: the tensors
-        already went through the model's checkpoint_layout (a tensor-parallel rank's slices, from the
-        driver)."""
+        casts them, then fold the MLP norms again where the model folds them. Any subset of the checkpoint's
+        tensors may come (vLLM's semantics: the rest keep theirs). in_model_layout: the tensors already went
+        through the model's checkpoint_layout (a tensor-parallel rank's slices, from the driver).
+        this_rank_only: whole tensors that every rank is given at once (a worker extension's load, through
+        collective_rpc); each takes its own slices, and the driver sends the others nothing."""
         refusal = self.load_weights_refusal()
         if refusal is not None:
             raise ValueError(f"load_weights is not supported for {refusal}")
@@ -327,14 +338,29 @@ class ModelRunner:
             raise ValueError("the weights are asleep: wake_up(tags=['weights']) before load_weights")
         if not in_model_layout:
             weights = checkpoint_layout(self.model, weights)
-        if self.workers is not None:
+        self.weight_loads += 1  # counted before it starts: a load that fails part-way changed weights too
+        if self.workers is not None and not this_rank_only:
             self._load_split_weights(weights)
             return
-        with torch.no_grad():
+        if this_rank_only and self.shard is not None:
+            weights = self.shard.checkpoint(weights)
+        with torch.no_grad(), live_load() as loaded:
             self.model.load_weights((name, to_model_dtype(name, t, self.device, self.dtype))
                                     for name, t in weights)
-        if self._folds_norms():  # every norm came in unfolded, gate/up with it
-            self.model.fold_norm_weights()
+            if self._folds_norms():  # what came, came unfolded
+                self.model.fold_norm_weights(loaded)
+
+    def checkpoint_weights(self, path: str | None = None) -> Iterable[tuple[str, torch.Tensor]]:
+        """The tensors of the checkpoint at ``path`` (an HF folder, a GGUF file or a cached Hub id), else of
+        the model this runner was started with, read lazily (reload_weights)."""
+        config = self.config
+        source = (resolve_model(config.model, config.revision, config.download_dir) if path is None
+                  else resolve_model(path))
+        _, weights = read_source(source, "auto", strategy=config.safetensors_load_strategy,
+                                 threads=load_threads(config))
+        if weights is None:
+            raise ValueError(f"{source.path} holds no weights to load")
+        return weights
 
     def _load_split_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """load_weights under tensor parallelism: each tensor's slices go to the other ranks as it comes (on
@@ -354,7 +380,7 @@ class ModelRunner:
 
         self.workers.send(LOAD_WEIGHTS)
         try:
-            with torch.no_grad():
+            with torch.no_grad(), live_load():
                 self.model.load_weights(own_slices())
         finally:
             for rank in range(1, world):
@@ -363,6 +389,36 @@ class ModelRunner:
         refused = next((said for said in answers if said is not None), None)
         if refused is not None:
             raise ValueError(refused)
+
+    def collective_rpc(self, method: str | Callable[..., Any], args: tuple = (), kwargs: dict | None = None,
+                       timeout: float | None = None) -> list[Any]:
+        """Run ``method`` on every rank's Worker at once (vLLM's collective_rpc): a Worker method's name (a
+        worker extension's too) or a function taking the worker first; each rank's result, the driver's
+        first. Under tensor parallelism the other ranks get the call pickled (a function must then be
+        importable by name) and answer within ``timeout`` seconds (None: no limit); each rank's exception
+        is raised after every rank has answered, so they stay in step."""
+        kwargs = kwargs or {}
+        if self.workers is not None:
+            try:
+                call = pickle.dumps((method, tuple(args), kwargs))
+            except (pickle.PicklingError, AttributeError, TypeError) as err:
+                raise ValueError(f"collective_rpc's method and arguments must pickle for the other ranks (a "
+                                 f"function importable by name, not a lambda or a local one): {err}") from err
+            self.workers.send(RPC, call)
+        try:
+            own, failure = self.worker.execute(method, tuple(args), kwargs), None
+        except Exception as err:  # noqa: BLE001 - raised below, once the other ranks have answered
+            own, failure = None, err
+        results = [own]
+        if self.workers is not None:
+            for rank, (ok, detail) in enumerate(self.workers.done(timeout), start=1):
+                if not ok and failure is None:
+                    failure = RuntimeError(f"collective_rpc {method!r} failed on tensor-parallel rank "
+                                           f"{rank}:\n{detail}")
+                results.append(pickle.loads(detail) if ok else None)
+        if failure is not None:
+            raise failure
+        return results
 
     # -- sleep mode ---------------------------------------------------------------------------
 
@@ -447,6 +503,8 @@ class ModelRunner:
         return (os.environ.get(FOLD_NORMS_ENV, "1") != "0"
                 and self.parallel is None  # o_proj would add the residual to its slice's partial sum
                 and not self.config.enable_lora  # adapters' A read the norms' weighted output
+                # an extension may load one tensor at a time (a norm without its gate/up: refold_mlp_norm)
+                and self.config.worker_extension_cls is None
                 and self.quantization is None  # FP8 layers have no fused norm paths to use it
                 and hasattr(self.model, "fold_norm_weights")
                 and self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
