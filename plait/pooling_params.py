@@ -6,8 +6,13 @@ from dataclasses import dataclass
 
 from plait.sampling_params import TRUNCATE_TO_CONTEXT
 
-# What a pooling model gives: an embedding, or a classifier's probabilities.
-POOLING_TASKS = ("embed", "classify")
+# What a pooling model gives: an embedding, or a classifier's probabilities, for the whole prompt; or, as
+# vLLM's token_embed and token_classify (LLM.reward: token and process reward models), one per prompt token.
+POOLING_TASKS = ("embed", "classify", "token_embed", "token_classify")
+TOKEN_TASKS = ("token_embed", "token_classify")
+# The sequence task that each token task is the per-token form of (what the model must be).
+SEQUENCE_TASK_OF = {"embed": "embed", "classify": "classify",
+                    "token_embed": "embed", "token_classify": "classify"}
 
 
 @dataclass
@@ -18,14 +23,22 @@ class PoolingParams:
     it is normalised. ``normalize``: L2-normalise the embedding (None: the model's pooler decides; on by
     default, off where a sentence-transformers config has no Normalize module). ``truncate_prompt_tokens``:
     keep the prompt's last k tokens (-1: as many as the context holds), as SamplingParams' does. ``task``:
-    "embed" or "classify", what the caller expects of the model (LLM.embed and LLM.classify set it; None:
-    whatever the model does).
+    what the caller expects of the model (LLM.embed, LLM.classify and LLM.reward set it; None: whatever the
+    model does): "embed" or "classify" one output for the prompt, "token_embed" or "token_classify" one per
+    prompt token (an embedding model's each normalised as an embedding is, a classifier's each its
+    probabilities).
     """
 
     dimensions: int | None = None
     normalize: bool | None = None
     truncate_prompt_tokens: int | None = None
     task: str | None = None
+
+    @property
+    def per_token(self) -> bool:
+        """Whether the output has a row per prompt token (token_embed, token_classify): every prompt position
+        is computed, none served from the prefix cache."""
+        return self.task in TOKEN_TASKS
 
     def __post_init__(self) -> None:
         d = self.dimensions

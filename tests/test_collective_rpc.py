@@ -13,25 +13,19 @@ import rpc_extension
 import torch
 from conftest import random_prompts
 from rpc_extension import WeightSyncExtension, fail_on_rank_1, rank_and_world
+from test_load_weights import GREEDY, KNOBS, greedy_answers, split_greedy_answers
 
-from plait import LLM, SamplingParams
+from plait import LLM
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-KNOBS = dict(block_size=8, max_model_len=128, num_kv_blocks=128)
 EXTENSION = "rpc_extension.WeightSyncExtension"
-
-
-def _answers(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_an_extension_syncs_weights_one_tensor_at_a_time(tiny_llama, other_llama):
     folder_b, weights_b = other_llama
     prompts = random_prompts(4, 20, 50, seed=31)
-    want = _answers(LLM(str(folder_b), **KNOBS), prompts)
+    want = greedy_answers(LLM(str(folder_b), **KNOBS), prompts)
     llm = LLM(str(tiny_llama), worker_extension_cls=EXTENSION, **KNOBS)
-    before = _answers(llm, prompts)
+    before = greedy_answers(llm, prompts)
     assert before != want and llm.engine.kv_cache.num_cached_blocks > 0
     assert llm.collective_rpc("where", args=("a",)) == [(0, 1, "cpu", "a")]
     assert llm.collective_rpc("where", kwargs={"tag": "b"}) == [(0, 1, "cpu", "b")]
@@ -40,10 +34,10 @@ def test_an_extension_syncs_weights_one_tensor_at_a_time(tiny_llama, other_llama
     for name, tensor in weights_b.items():
         llm.collective_rpc("update_named_param", args=(name, tensor))
     assert llm.engine.kv_cache.num_cached_blocks == 0  # A's cached prompts must not serve B
-    assert _answers(llm, prompts) == want
+    assert greedy_answers(llm, prompts) == want
     # Worker's own methods, as vLLM's: reload_weights (the engine's own checkpoint), get_model.
     llm.collective_rpc("reload_weights")
-    assert _answers(llm, prompts) == before
+    assert greedy_answers(llm, prompts) == before
     assert llm.collective_rpc("get_model") == [llm.engine.runner.model]
 
 
@@ -55,7 +49,7 @@ def test_an_extension_is_a_class_or_its_name_and_may_not_hide_the_worker(tiny_ll
         llm.collective_rpc("nowhere")
     with pytest.raises(TypeError):
         llm.collective_rpc("where", args=(1, 2, 3))
-    assert _answers(llm, random_prompts(1, 5, 5, seed=1))  # still serving
+    assert greedy_answers(llm, random_prompts(1, 5, 5, seed=1))  # still serving
     with pytest.raises(ValueError, match=r"defines \['load_weights'\], which plait's Worker already has"):
         LLM(str(tiny_llama), worker_extension_cls=rpc_extension.ClashingExtension, **KNOBS)
     with pytest.raises(ValueError, match="cannot import 'no_such_module'"):
@@ -82,11 +76,7 @@ def test_collective_rpc_runs_on_every_tensor_parallel_rank(tiny_llama, other_lla
     folder_b, weights_b = other_llama
     prompts = random_prompts(3, 10, 40, seed=32)
     knobs = dict(KNOBS, tensor_parallel_size=2)
-    split_b = LLMEngine(EngineConfig(model=str(folder_b), **knobs))
-    try:
-        want = run_greedy(split_b, prompts, GREEDY.max_tokens)[0]
-    finally:
-        split_b.shutdown()
+    want = split_greedy_answers(folder_b, prompts, knobs)
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), worker_extension_cls=EXTENSION, **knobs))
     try:
         assert engine.collective_rpc("where", args=("x",)) == [(0, 2, "cpu", "x"), (1, 2, "cpu", "x")]

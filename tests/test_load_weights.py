@@ -15,7 +15,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 KNOBS = dict(block_size=8, max_model_len=128, num_kv_blocks=128)  # a fixed cache: engines share a GPU too
 
 
-def _answers(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+def greedy_answers(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """Each prompt's greedy tokens (test_collective_rpc's too)."""
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
 
@@ -24,19 +25,19 @@ def test_loaded_weights_answer_as_that_model_and_the_cache_is_emptied(tiny_llama
     folder_b, weights_b = other_llama
     prompts = random_prompts(4, 30, 60, seed=21)
     llm = LLM(str(tiny_llama), **KNOBS)
-    before = _answers(llm, prompts)
+    before = greedy_answers(llm, prompts)
     assert llm.engine.kv_cache.num_cached_blocks > 0  # A's prompts are cached: they must not serve B
     llm.load_weights(weights_b.items())
     assert llm.engine.kv_cache.num_cached_blocks == 0
-    want = _answers(LLM(str(folder_b), **KNOBS), prompts)
+    want = greedy_answers(LLM(str(folder_b), **KNOBS), prompts)
     assert want != before, "B should answer otherwise than A"
-    assert _answers(llm, prompts) == want
+    assert greedy_answers(llm, prompts) == want
     # And back: A's own tensors (a generator of them, as a trainer may stream them) restore A's answers.
     from transformers import AutoModelForCausalLM
 
     weights_a = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).state_dict()
     llm.load_weights((name, t) for name, t in weights_a.items())
-    assert _answers(llm, prompts) == before
+    assert greedy_answers(llm, prompts) == before
 
 
 def test_a_subset_replaces_those_tensors_alone(tiny_llama, other_llama):
@@ -53,9 +54,9 @@ def test_a_subset_replaces_those_tensors_alone(tiny_llama, other_llama):
         llm.load_weights([(name, tensor)])
     merged = LLM(str(tiny_llama), **KNOBS)
     merged.load_weights({**weights_a, **subset}.items())
-    want = _answers(merged, prompts)
-    assert _answers(llm, prompts) == want
-    assert want != _answers(LLM(str(tiny_llama), **KNOBS), prompts)
+    want = greedy_answers(merged, prompts)
+    assert greedy_answers(llm, prompts) == want
+    assert want != greedy_answers(LLM(str(tiny_llama), **KNOBS), prompts)
 
 
 def test_a_subset_folds_into_folded_norms_or_says_why_not(tiny_llama, other_llama, monkeypatch):
@@ -144,6 +145,20 @@ def test_dev_mode_resets_the_prefix_cache(tiny_llama, monkeypatch):
         assert engine.kv_cache.num_cached_blocks == 0
 
 
+def split_greedy_answers(folder, prompts: list[list[int]], knobs: dict) -> dict[int, list[int]]:
+    """The greedy answers of an engine of ``folder`` split as ``knobs`` say (test_collective_rpc's too)."""
+    from conftest import run_greedy
+
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(folder), **knobs))
+    try:
+        return run_greedy(engine, prompts, GREEDY.max_tokens)[0]
+    finally:
+        engine.shutdown()
+
+
 def test_load_weights_sends_each_tensor_parallel_rank_its_slices(tiny_llama, other_llama):
     """Two ranks: the driver streams each rank its slices of B's tensors, and the split engine answers as a
     split engine of B, the tensors coming in two subsets. A set the model refuses is refused on every rank
@@ -156,11 +171,7 @@ def test_load_weights_sends_each_tensor_parallel_rank_its_slices(tiny_llama, oth
     folder_b, weights_b = other_llama
     prompts = random_prompts(4, 10, 40, seed=23)
     knobs = dict(KNOBS, tensor_parallel_size=2)
-    split_b = LLMEngine(EngineConfig(model=str(folder_b), **knobs))
-    try:
-        want = run_greedy(split_b, prompts, GREEDY.max_tokens)[0]
-    finally:
-        split_b.shutdown()
+    want = split_greedy_answers(folder_b, prompts, knobs)
     engine = LLMEngine(EngineConfig(model=str(tiny_llama), **knobs))
     try:
         assert run_greedy(engine, prompts, GREEDY.max_tokens)[0] != want
@@ -181,12 +192,12 @@ def test_reload_weights_reads_a_checkpoint_from_disk(tiny_llama, other_llama):
     folder_b, _ = other_llama
     prompts = random_prompts(3, 20, 40, seed=24)
     llm = LLM(str(tiny_llama), **KNOBS)
-    own = _answers(llm, prompts)
-    want = _answers(LLM(str(folder_b), **KNOBS), prompts)
+    own = greedy_answers(llm, prompts)
+    want = greedy_answers(LLM(str(folder_b), **KNOBS), prompts)
     llm.reload_weights(str(folder_b))
-    assert _answers(llm, prompts) == want
+    assert greedy_answers(llm, prompts) == want
     llm.reload_weights()
-    assert _answers(llm, prompts) == own
+    assert greedy_answers(llm, prompts) == own
     with pytest.raises(FileNotFoundError):
         llm.reload_weights(str(folder_b / "nowhere"))
 
@@ -217,15 +228,15 @@ def test_on_a_gpu_subsets_fold_into_the_norms_and_an_extension_keeps_them_apart(
     knobs = dict(dtype="bfloat16", max_model_len=1024, num_kv_blocks=1024)
     prompts = random_prompts(16, 20, 300, seed=4)
     (folder_a, _), (folder_b, weights_b) = folders["a"], folders["b"]
-    want = _answers(LLM(folder_b, **knobs), prompts)
+    want = greedy_answers(LLM(folder_b, **knobs), prompts)
     llm = LLM(folder_a, **knobs)
     assert llm.engine.runner._folds_norms() and llm.engine.runner.graphs is not None
-    assert _answers(llm, prompts) != want
+    assert greedy_answers(llm, prompts) != want
     layers = [[(n, t) for n, t in weights_b.items() if f"layers.{i}." in n] for i in range(4)]
     llm.load_weights((n, t) for n, t in weights_b.items() if ".layers." not in n)
     for layer in layers:
         llm.load_weights(layer)
-    assert _answers(llm, prompts) == want
+    assert greedy_answers(llm, prompts) == want
     norm = "model.layers.2.post_attention_layernorm.weight"
     kept = {n: p.clone() for n, p in llm.engine.runner.model.named_parameters()}
     with pytest.raises(ValueError, match="came without all of gate_proj and up_proj"):
@@ -233,9 +244,9 @@ def test_on_a_gpu_subsets_fold_into_the_norms_and_an_extension_keeps_them_apart(
     assert all(torch.equal(p, kept[n]) for n, p in llm.engine.runner.model.named_parameters())
 
     apart = dict(knobs, worker_extension_cls=WeightSyncExtension)
-    want_apart = _answers(LLM(folder_b, **apart), prompts)
+    want_apart = greedy_answers(LLM(folder_b, **apart), prompts)
     llm = LLM(folder_a, **apart)
     assert not llm.engine.runner._folds_norms()
     for name, tensor in weights_b.items():
         llm.collective_rpc("update_named_param", args=(name, tensor))
-    assert _answers(llm, prompts) == want_apart
+    assert greedy_answers(llm, prompts) == want_apart

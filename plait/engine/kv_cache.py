@@ -206,6 +206,8 @@ class KVCacheManager:
             return 0
         if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
             return 0  # every prompt position must be computed for its logprobs
+        if request.pooling_params is not None and request.pooling_params.per_token:
+            return 0  # every prompt position's hidden state is an output (token_embed, token_classify)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._hashes(request, max_blocks)
         for h in hashes:

@@ -194,14 +194,19 @@ class LLM:
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
         lora_request: LoRAInput = None,
+        pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
         """A pooling model's output for every prompt, in prompt order (vLLM's ``LLM.encode``): each
-        ``outputs.data`` is the prompt's pooled vector. Prompts as generate's; all are validated before any
-        enters the engine. ``truncate_prompt_tokens`` (where given) keeps each prompt's last k tokens;
-        ``lora_request`` as generate's (an embedding model under ``enable_lora``)."""
+        ``outputs.data`` is the prompt's pooled vector, or with ``pooling_task`` "token_embed" or
+        "token_classify" a matrix of one row per prompt token. Prompts as generate's; all are validated before
+        any enters the engine. ``truncate_prompt_tokens`` (where given) keeps each prompt's last k tokens;
+        ``lora_request`` as generate's (an embedding model under ``enable_lora``). ``pooling_task`` (vLLM's:
+        "embed", "classify", "token_embed", "token_classify") sets every PoolingParams' task."""
         prompts = _as_prompt_list(prompts)
         loras = _as_lora_list(lora_request, len(prompts))
         params = pooling_params if pooling_params is not None else PoolingParams()
+        if pooling_task is not None:
+            params = _with_task(params, pooling_task)
         params = [params] * len(prompts) if isinstance(params, PoolingParams) else list(params)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} pooling params for {len(prompts)} prompts")
@@ -248,6 +253,21 @@ class LLM:
         params = PoolingParams(task="classify")
         outputs = self.encode(prompts, params, use_tqdm, truncate_prompt_tokens)
         return [ClassificationRequestOutput.from_base(out) for out in outputs]
+
+    def reward(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        lora_request: LoRAInput = None,
+    ) -> list[PoolingRequestOutput]:
+        """Every prompt token's reward, in prompt order (vLLM's ``LLM.reward``: ``encode`` with the
+        ``token_classify`` task, what token and process reward models give): ``outputs.data`` is a
+        [prompt tokens, labels] matrix, the score head at every position through the model's activation.
+        Needs a classifier's checkpoint (``...ForSequenceClassification``)."""
+        return self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request,
+                           pooling_task="token_classify")
 
     def score(
         self,

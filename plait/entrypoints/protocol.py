@@ -1020,6 +1020,9 @@ class PoolingRequest(PoolingInputRequest):
     vectors, a classifier's class probabilities)."""
 
     encoding_format: Literal["float", "base64"] = "float"
+    # vLLM's: the pooling task (None: the model's own, embed or classify); token_embed / token_classify give
+    # one row per input token.
+    task: Literal["embed", "classify", "token_embed", "token_classify"] | None = None
 
 
 class ScoreRequest(PoolingBody):
@@ -1289,7 +1292,7 @@ class EmbeddingResponse(_PoolingResponse):
 class PoolingData(BaseModel):
     index: int
     object: Literal["pooling"] = "pooling"
-    data: list[float] | str  # a str with encoding_format "base64"
+    data: list[float] | list[list[float]] | str  # a str with encoding_format "base64"; a matrix per token
 
 
 class PoolingResponse(_PoolingResponse):

@@ -180,7 +180,7 @@ from plait.lora.request import LoRAModulePath, LoRARequest
 from plait.multimodal.chat import AUTO_CONTENT_FORMAT, content_format, image_token_text, prepare_chat
 from plait.multimodal.images import FILE_URL_PREFIX, MultiModalPrompt, local_image_bytes
 from plait.outputs import CompletionOutput, PoolingRequestOutput, RequestOutput, TokenLogprobs
-from plait.pooling_params import PoolingParams, score_pairs
+from plait.pooling_params import SEQUENCE_TASK_OF, PoolingParams, score_pairs
 from plait.sampling_params import TRUNCATE_TO_CONTEXT, BeamSearchParams, RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -523,9 +523,10 @@ class _EngineStreamResponse(StreamingResponse):
             self._tracker.close()
 
 
-def _encode_embedding(vector: Any, encoding_format: str) -> list[float] | str:
-    """An embedding (a host fp32 tensor) as a JSON list of floats, or as base64 of its little-endian float32
-    bytes (what the openai client asks for, and decodes with numpy)."""
+def _encode_embedding(vector: Any, encoding_format: str) -> list[float] | list[list[float]] | str:
+    """An embedding (a host fp32 tensor; a per-token task's matrix, row by row) as a JSON list of floats, or
+    as base64 of its little-endian float32 bytes (what the openai client asks for, and decodes with numpy;
+    a matrix's rows one after another)."""
     if encoding_format == "base64":
         return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode("ascii")
     return vector.tolist()
@@ -1642,10 +1643,12 @@ class OpenAIServer:
 
     async def create_pooling(self, body: PoolingRequest, raw: Request) -> Response:
         """vLLM's /pooling: each input's pooled output as the model's task makes it (an embedding, or a
-        classifier's class probabilities), in input order."""
+        classifier's class probabilities), or as the body's ``task`` asks (token_embed, token_classify: one
+        row per input token), in input order."""
         spec = self.pooling_spec
         api = "Pooling API"
-        pooled = await self._pool(body, PoolingParams(task=spec.task if spec else "embed"), raw, api)
+        task = body.task or (spec.task if spec else "embed")
+        pooled = await self._pool(body, PoolingParams(task=task), raw, api)
         if isinstance(pooled, Response):
             return pooled
         finals, usage = pooled
@@ -1720,7 +1723,7 @@ class OpenAIServer:
         where the client left first). ``params.task`` must be the model's (else vLLM's 400 naming ``api``).
         ``prompts`` replace the body's inputs (which are still checked)."""
         spec = self.pooling_spec
-        if spec is None or spec.task != params.task:
+        if spec is None or spec.task != SEQUENCE_TASK_OF[params.task]:
             raise APIError(400, f"The model does not support {api}")
         lora = self._check_model(body.model)  # an adapter's name runs with that adapter
         arrival = time.monotonic()

@@ -112,7 +112,7 @@ class StepOutput:
     used_cuda_graph: bool = False
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
     # Pooling runner: each request whose prompt ended in the step, and its pooled vector [hidden] fp32 on the
-    # host (before dimensions and normalisation: Pooler.finish).
+    # host (a per-token task's matrix [tokens, hidden]; before dimensions and normalisation: Pooler.finish).
     pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
 
 
@@ -827,27 +827,30 @@ class ModelRunner:
             sampled = [SampledToken(r, t, lp, j) for (r, j), t, lp in zip(positions, ids, step.logprobs)]
         pooled = []
         if step.pooled is not None:
-            requests, host_vectors, copied = step.pooled
+            requests, host_vectors, copied, counts = step.pooled
             if copied is not None:
                 copied.synchronize()
-            pooled = list(zip(requests, host_vectors))
+            # A per-token task's rows stay a matrix [tokens, ...]; a sequence task's one row, a vector.
+            pooled = [(r, rows if r.pooling_params.per_token else rows[0])
+                      for r, rows in zip(requests, host_vectors.split(counts))]
         return StepOutput(sampled, step.logits, step.used_cuda_graph, self._unpack_prompt_logprobs(step),
                           pooled)
 
     def _pool(self, plan: StepPlan, arrays: StepArrays, hidden: torch.Tensor
-              ) -> tuple[list[Request], torch.Tensor, torch.cuda.Event | None] | None:
-        """The pooled vectors of the rows whose prompt ends in this step, on their way to the host: (requests,
-        host tensor [n, hidden], the event its copy records; None off CUDA, where the copy is synchronous)."""
+              ) -> tuple[list[Request], torch.Tensor, torch.cuda.Event | None, list[int]] | None:
+        """The pooled outputs of the rows whose prompt ends in this step, on their way to the host: (requests,
+        host tensor [N, hidden] of their rows, the event its copy records (None off CUDA, where the copy is
+        synchronous), each request's row count: Pooler.pool)."""
         pooled = self.pooler.pool(plan, arrays.query_start_loc, hidden)
         if pooled is None:
             return None
-        requests, vectors = pooled
+        requests, vectors, counts = pooled
         if self.pooler.spec.task == "classify":
             vectors = self.model.classify(vectors)  # [n, num_labels] logits
         else:
             vectors = self.pooler.project(vectors)  # [n, output_size]: sentence-transformers Dense modules
         if self.device.type != "cuda":
-            return requests, vectors, None
+            return requests, vectors, None, counts
         # As sampled ids: copied on the copy-out stream, so collecting this step never waits for the next.
         host = torch.empty(vectors.shape, dtype=vectors.dtype, pin_memory=True)
         ready, copied = torch.cuda.Event(), torch.cuda.Event()
@@ -857,7 +860,7 @@ class ModelRunner:
             vectors.record_stream(self._copy_out_stream)
             host.copy_(vectors, non_blocking=True)
             copied.record()
-        return requests, host, copied
+        return requests, host, copied, counts
 
     @staticmethod
     def _pending_sources(plan: StepPlan, arrays: StepArrays, prev: InFlightStep | None) -> np.ndarray:
@@ -1059,9 +1062,9 @@ class InFlightStep:
     # Set by LLMEngine.step at launch: whether a row applies penalties, a guided choice, a grammar or a
     # several-token bad word, so that its next sampling needs this step's ids on the host.
     needs_last_tokens: bool = False
-    # Set by launch under the pooling runner: (requests whose prompt ended, their vectors on the host once
-    # the event is done (None: already there)), or None where no prompt ended.
-    pooled: tuple[list[Request], torch.Tensor, torch.cuda.Event | None] | None = None
+    # Set by launch under the pooling runner: (requests whose prompt ended, their rows on the host once the
+    # event is done (None: already there), each request's row count), or None where no prompt ended.
+    pooled: tuple[list[Request], torch.Tensor, torch.cuda.Event | None, list[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.samples_per_row is None:

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from plait.config import PoolerConfig
 from plait.engine.request import Request
 from plait.engine.scheduler import StepPlan
-from plait.pooling_params import PoolingParams
+from plait.pooling_params import SEQUENCE_TASK_OF, PoolingParams
 from plait.runner.sampler import host_to_device
 
 # sentence-transformers' module list (modules.json) and the module types plait reads from it.
@@ -84,7 +84,7 @@ class PoolingSpec:
 
     def check(self, params: PoolingParams, model_name: str) -> None:
         """Refuse what this pooler cannot give (vLLM's words), before the request enters the engine."""
-        if params.task is not None and params.task != self.task:
+        if params.task is not None and SEQUENCE_TASK_OF[params.task] != self.task:
             kind = "an embedding" if self.task == "embed" else "a classification"
             raise ValueError(f'Model "{model_name}" is {kind} model: it does not support the {params.task} '
                              "task")
@@ -192,29 +192,54 @@ def _st_pooling_mode(folder: Path) -> str:
 
 class Pooler:
     """Pools each pooling row of a step (every row, under the pooling runner): the last token's hidden state
-    (LAST), the first's (CLS) or their mean (MEAN), in fp32. A prompt that runs in several chunks keeps what
-    its earlier chunks gave (a running sum, or the first token's state) until its last chunk, so an
-    embedding does not depend on how the prompt was chunked; a first chunk (a preempted request's restart
+    (LAST), the first's (CLS) or their mean (MEAN), in fp32; or, for a request of a per-token task
+    (token_embed, token_classify), every prompt token's. A prompt that runs in several chunks keeps what its
+    earlier chunks gave (a running sum, the first token's state, or the rows so far) until its last chunk, so
+    an output does not depend on how the prompt was chunked; a first chunk (a preempted request's restart
     too) starts afresh."""
 
     def __init__(self, spec: PoolingSpec, device: torch.device | str = "cpu") -> None:
         self.spec = spec
         # The Dense modules' (weight [out, in], bias [out] or None, activation), fp32 on the device.
         self._dense = [_load_dense(d, torch.device(device)) for d in spec.dense]
-        # A prompt's state between its chunks (MEAN: the sum so far; CLS: the first token's), dropped with the
-        # request (an aborted one's too).
+        # A prompt's state between its chunks (MEAN: the sum so far; CLS: the first token's; a per-token task:
+        # its rows so far, [n, hidden] each), dropped with the request (an aborted one's too).
         self._partial: weakref.WeakKeyDictionary[Request, torch.Tensor] = weakref.WeakKeyDictionary()
+        self._token_rows: weakref.WeakKeyDictionary[Request, list[torch.Tensor]] = weakref.WeakKeyDictionary()
 
     def pool(self, plan: StepPlan, query_start_loc: np.ndarray, hidden: torch.Tensor
-             ) -> tuple[list[Request], torch.Tensor] | None:
-        """The rows whose prompt ends in this step, and their pooled vectors [n, hidden] fp32 on the device
-        (before dimensions and normalisation: finish()); None where no prompt ends."""
+             ) -> tuple[list[Request], torch.Tensor, list[int]] | None:
+        """The requests whose prompt ends in this step, their outputs' rows stacked [N, hidden] fp32 on the
+        device (before dimensions and normalisation: finish()), and each request's row count (1, or its
+        prompt's tokens for a per-token task); None where no prompt ends."""
         # hidden: [T, hidden] (a graph's padded rows after the real ones)
+        per_token = [row.request.pooling_params is not None and row.request.pooling_params.per_token
+                     for row in plan.rows]
+        pool_rows = self._pool_mean if self.spec.pooling_type == "MEAN" else self._pool_one
+        pooled = pool_rows(plan, query_start_loc, hidden, per_token) if not all(per_token) else None
+        requests, parts = ([], []) if pooled is None else ([*pooled[0]], [pooled[1]])
+        counts = [1] * len(requests)
+        for i, row in enumerate(plan.rows):
+            if not per_token[i]:
+                continue
+            rows = hidden[int(query_start_loc[i]) : int(query_start_loc[i + 1])].to(torch.float32, copy=True)
+            kept = [rows] if row.start == 0 else [*self._token_rows.pop(row.request), rows]
+            if row.start + row.num_new_tokens < row.request.num_prompt_tokens:
+                self._token_rows[row.request] = kept
+                continue
+            requests.append(row.request)
+            parts.append(torch.cat(kept))
+            counts.append(row.request.num_prompt_tokens)
+        return (requests, torch.cat(parts), counts) if requests else None
+
+    def _pool_one(self, plan: StepPlan, query_start_loc: np.ndarray, hidden: torch.Tensor, skip: list[bool]
+                  ) -> tuple[list[Request], torch.Tensor] | None:
+        """LAST or CLS pooling of the rows not in ``skip``."""
         kind = self.spec.pooling_type
-        if kind == "MEAN":
-            return self._pool_mean(plan, query_start_loc, hidden)
         done, index = [], []
         for i, row in enumerate(plan.rows):
+            if skip[i]:
+                continue
             first, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
             ends_prompt = row.start + row.num_new_tokens == row.request.num_prompt_tokens
             if kind == "CLS" and row.start == 0 and not ends_prompt:
@@ -231,7 +256,7 @@ class Pooler:
                 vectors[rows] = torch.stack([self._partial.pop(done[k].request) for k in rows])
         return [row.request for row in done], vectors
 
-    def _pool_mean(self, plan: StepPlan, query_start_loc: np.ndarray, hidden: torch.Tensor
+    def _pool_mean(self, plan: StepPlan, query_start_loc: np.ndarray, hidden: torch.Tensor, skip: list[bool]
                    ) -> tuple[list[Request], torch.Tensor] | None:
         num_rows = len(plan.rows)
         lens = np.diff(query_start_loc[: num_rows + 1])
@@ -240,6 +265,8 @@ class Pooler:
         sums.index_add_(0, row_of_token, hidden[: int(lens.sum())].float())  # [R, hidden]
         done, vectors = [], []
         for i, row in enumerate(plan.rows):
+            if skip[i]:
+                continue
             total = sums[i] if row.start == 0 else self._partial.pop(row.request) + sums[i]
             if row.start + row.num_new_tokens == row.request.num_prompt_tokens:
                 done.append(row.request)
@@ -259,14 +286,15 @@ class Pooler:
     def finish(self, vector: torch.Tensor, params: PoolingParams) -> torch.Tensor:
         """A pooled vector as the request asked for it. An embedding [hidden]: its first ``dimensions``
         entries, then L2-normalised unless the request (or else the pooler) says not to. A classifier's
-        logits [num_labels]: through its activation (probabilities)."""
+        logits [num_labels]: through its activation (probabilities). A per-token task's [tokens, ...]: each
+        row so."""
         if self.spec.task == "classify":
             activation = self.spec.activation
             if activation == "softmax":
                 return torch.softmax(vector, dim=-1)
             return torch.sigmoid(vector) if activation == "sigmoid" else vector
         if params.dimensions is not None:
-            vector = vector[: params.dimensions]
+            vector = vector[..., : params.dimensions]
         normalize = params.normalize if params.normalize is not None else self.spec.normalize
         return F.normalize(vector, p=2, dim=-1) if normalize else vector
 
