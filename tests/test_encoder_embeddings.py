@@ -175,9 +175,9 @@ def test_default_pooling_is_cls_and_generation_is_refused(encoders, tmp_path):
         llm.generate([[5, 6, 7]], use_tqdm=False)
     last = LLM(str(bare), pooler_config={"pooling_type": "LAST"})
     assert last.engine.kv_cache.enable_prefix_caching is False
-    with pytest.raises(ValueError, match="BertModel is an encoder embedding model"):
+    with pytest.raises(ValueError, match="BertModel is an encoder pooling model"):
         LLM(str(bare), runner="generate")
-    with pytest.raises(ValueError, match="XLMRobertaModel is an encoder embedding model"):
+    with pytest.raises(ValueError, match="XLMRobertaModel is an encoder pooling model"):
         LLM(str(encoders["xlmr"][0]), runner="generate")
 
 

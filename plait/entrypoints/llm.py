@@ -254,18 +254,13 @@ class LLM:
         outputs = self.encode(prompts, params, use_tqdm, truncate_prompt_tokens)
         return [ClassificationRequestOutput.from_base(out) for out in outputs]
 
-    def reward(
-        self,
-        prompts: PromptType | Sequence[PromptType],
-        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
-        use_tqdm: bool = True,
-        truncate_prompt_tokens: int | None = None,
-        lora_request: LoRAInput = None,
-    ) -> list[PoolingRequestOutput]:
+    def reward(self, prompts: PromptType | Sequence[PromptType], *, truncate_prompt_tokens: int | None = None,
+               use_tqdm: bool = True, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+               lora_request: LoRAInput = None) -> list[PoolingRequestOutput]:
         """Every prompt token's reward, in prompt order (vLLM's ``LLM.reward``: ``encode`` with the
         ``token_classify`` task, what token and process reward models give): ``outputs.data`` is a
         [prompt tokens, labels] matrix, the score head at every position through the model's activation.
-        Needs a classifier's checkpoint (``...ForSequenceClassification``)."""
+        Needs a classifier's checkpoint (``...ForSequenceClassification``). Keyword arguments as vLLM's."""
         return self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens, lora_request,
                            pooling_task="token_classify")
 

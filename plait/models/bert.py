@@ -1,12 +1,15 @@
 """BERT, RoBERTa and XLM-RoBERTa encoders (HF's BertModel, RobertaModel, XLMRobertaModel): embedding models
-such as all-MiniLM, bge-*-en-v1.5, e5-*-v2, all-roberta-large-v1, bge-m3 and multilingual-e5, run only by the
-pooling runner.
+such as all-MiniLM, bge-*-en-v1.5, e5-*-v2, all-roberta-large-v1, bge-m3 and multilingual-e5; and their
+...ForSequenceClassification heads: cross-encoder rerankers such as ms-marco-MiniLM (BERT) and
+bge-reranker-base / -v2-m3 (XLM-RoBERTa). Run only by the pooling runner.
 
-Word + absolute position + token-type (type 0) embeddings, LayerNorm; post-LN encoder layers (self-attention
-with biases, then a GELU MLP, each added to the stream and normalised); bidirectional attention within each
+Word + absolute position + token-type embeddings, LayerNorm; post-LN encoder layers (self-attention with
+biases, then a GELU MLP, each added to the stream and normalised); bidirectional attention within each
 prompt (``is_causal`` False: the runner attends with torch_ref, the scheduler runs each prompt whole in one
 step and prefix caching is off). (XLM-)RoBERTa numbers positions from ``pad_token_id + 1``, as transformers'
-``create_position_ids_from_input_ids`` does for unpadded inputs.
+``create_position_ids_from_input_ids`` does for unpadded inputs. Every token of an embedding model is of
+type 0 (one segment); a BERT classifier reads a sentence pair's second segment, the tokens after the
+prompt's first [SEP], as type 1 (segment_types), as its tokenizer's pair encoding marks them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 from collections.abc import Iterable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from plait.config import ModelConfig
@@ -53,10 +57,27 @@ class BertEmbeddings(nn.Module):
         self.LayerNorm = nn.LayerNorm(cfg.hidden_size, eps=eps)
         self.position_offset = position_offset(raw)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # input_ids, positions: [T] -> [T, hidden]; every token is of type 0 (a single segment)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_types: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids, positions, token_types: [T] -> [T, hidden]; no token_types: every token of type 0
         x = self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
-        return self.LayerNorm(x + self.token_type_embeddings.weight[0])
+        table = self.token_type_embeddings
+        return self.LayerNorm(x + (table.weight[0] if token_types is None else table(token_types)))
+
+
+def segment_types(input_ids: torch.Tensor, separator_id: int, batch: ForwardBatch) -> torch.Tensor:
+    """Each token's segment in its prompt: 0 up to and including the prompt's first ``separator_id``, 1 after
+    it, as a BERT tokenizer's pair encoding ([CLS] a [SEP] b [SEP]) gives token_type_ids."""
+    # input_ids: [T] -> [T] int64 (tokens past the batch's rows: 0)
+    starts = batch.query_start_loc.long()
+    n = int(starts[-1])
+    is_sep = (input_ids[:n] == separator_id).long()
+    before = is_sep.cumsum(0) - is_sep  # separators before each token, from the batch's first
+    row = torch.repeat_interleave(torch.arange(batch.num_rows, device=input_ids.device), starts.diff(),
+                                  output_size=n)
+    types = torch.zeros_like(input_ids)
+    types[:n] = (before - before[starts[:-1]][row] > 0).long()  # separators before it within its prompt
+    return types
 
 
 class BertLayer(nn.Module):
@@ -107,15 +128,25 @@ class BertModel(nn.Module):
         self.encoder.layer = nn.ModuleList(BertLayer(cfg, i, eps) for i in range(cfg.num_hidden_layers))
         self.lm_head = None
 
+    # The [SEP] id after which a prompt's tokens are its second segment (segment_types), set by the runner
+    # from the tokenizer for models that read segments; None: every token of type 0.
+    segment_separator_id: int | None = None
+    reads_segments = False  # a BERT cross-encoder's pairs
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
-        x = self.embeddings(input_ids, positions)
+        separator = self.segment_separator_id if self.reads_segments else None
+        types = None if separator is None else segment_types(input_ids, separator, batch)
+        x = self.embeddings(input_ids, positions, types)
         for layer in self.encoder.layer:
             x = layer(x, batch)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"{self.config.architecture} is an encoder: it has no LM head to give logits")
+
+    # Checkpoint tensors this model does not use (a classifier keeps BERT's pooler).
+    skipped = SKIPPED
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF-named tensors (with or without a ``bert.`` / ``roberta.`` prefix), q/k/v fused; the pooler head
@@ -125,7 +156,49 @@ class BertModel(nn.Module):
         def rename(name: str) -> str | None:
             for prefix in TRUNK_PREFIXES:
                 name = name.removeprefix(prefix)
-            return None if SKIPPED.search(name) else name
+            return None if self.skipped.search(name) else name
 
         load_checked(self, weights, STACKED_QKV, {"qkv": [hidden] * 3}, rename)
+
+
+class BertForSequenceClassification(BertModel):
+    """BERT's classifier (a cross-encoder reranker such as ms-marco-MiniLM): the encoder, BERT's pooler
+    (dense + tanh) at the [CLS] token, then ``classifier`` (hidden -> num_labels); a pair's second segment
+    read as type 1. The pooling runner pools the [CLS] state and calls ``classify``."""
+
+    reads_segments = True
+    skipped = re.compile(r"position_ids$|token_type_ids$")
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        from plait.models.llama import num_labels
+
+        self.pooler = nn.Module()
+        self.pooler.dense = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.classifier = Linear(cfg.hidden_size, num_labels(cfg.raw))
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        # pooled: [n, hidden] fp32 ([CLS]) -> logits: [n, num_labels] fp32
+        x = torch.tanh(F.linear(pooled, self.pooler.dense.weight.float(), self.pooler.dense.bias.float()))
+        return F.linear(x, self.classifier.weight.float(), self.classifier.bias.float())
+
+
+class RobertaForSequenceClassification(BertModel):
+    """(XLM-)RoBERTa's classifier (a cross-encoder reranker such as bge-reranker-base / -v2-m3): the encoder,
+    then RoBERTa's head at the <s> token: ``classifier.dense`` + tanh, ``classifier.out_proj`` (hidden ->
+    num_labels). One token type, as RoBERTa has."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__(cfg, max_positions)
+        from plait.models.llama import num_labels
+
+        self.classifier = nn.Module()
+        self.classifier.dense = Linear(cfg.hidden_size, cfg.hidden_size)
+        self.classifier.out_proj = Linear(cfg.hidden_size, num_labels(cfg.raw))
+
+    def classify(self, pooled: torch.Tensor) -> torch.Tensor:
+        # pooled: [n, hidden] fp32 (<s>) -> logits: [n, num_labels] fp32
+        head = self.classifier
+        x = torch.tanh(F.linear(pooled, head.dense.weight.float(), head.dense.bias.float()))
+        return F.linear(x, head.out_proj.weight.float(), head.out_proj.bias.float())
 

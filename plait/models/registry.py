@@ -51,6 +51,12 @@ BASE_MODEL_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model"
 # only by the pooling runner.
 ENCODER_ARCHITECTURES = frozenset({"BertModel", "RobertaModel", "XLMRobertaModel"})
 _MODELS.update({arch: ("plait.models.bert", "BertModel") for arch in ENCODER_ARCHITECTURES})
+# Encoder classifiers: cross-encoder rerankers (ms-marco-MiniLM, bge-reranker-base / -v2-m3), pooling only.
+ENCODER_CLASSIFIERS = {"BertForSequenceClassification": "BertForSequenceClassification",
+                       "RobertaForSequenceClassification": "RobertaForSequenceClassification",
+                       "XLMRobertaForSequenceClassification": "RobertaForSequenceClassification"}
+_MODELS.update({arch: ("plait.models.bert", cls) for arch, cls in ENCODER_CLASSIFIERS.items()})
+ENCODER_ARCHITECTURES = ENCODER_ARCHITECTURES | frozenset(ENCODER_CLASSIFIERS)
 # Classifiers and reward models (a score head on the last token), run only by the pooling runner.
 CLASSIFIER_ARCHITECTURES = frozenset({"LlamaForSequenceClassification", "MistralForSequenceClassification",
                                       "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification"})
@@ -69,7 +75,7 @@ def resolve_runner(runner: str, architecture: str) -> str:
     if runner == "auto":
         return "pooling" if pools else "generate"
     if runner == "generate" and architecture in ENCODER_ARCHITECTURES:
-        raise ValueError(f"{architecture} is an encoder embedding model (bidirectional attention, no LM "
+        raise ValueError(f"{architecture} is an encoder pooling model (bidirectional attention, no LM "
                          "head): it cannot generate text; serve it with runner 'pooling' (plait serve "
                          "--runner pooling)")
     if runner == "generate" and pools:

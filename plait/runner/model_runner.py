@@ -171,6 +171,8 @@ class ModelRunner:
         self.config = config = with_device_token_budget(config, self.device)
         loaded = load_model(config, self.device, self.dtype, parallel=self.parallel, source=source)
         self.model, self.model_config, self.tokenizer = loaded.model, loaded.config, loaded.tokenizer
+        if getattr(self.model, "reads_segments", False):  # a BERT cross-encoder: where a pair's second begins
+            self.model.segment_separator_id = getattr(self.tokenizer, "sep_token_id", None)
         if self.target is not None:  # before anything runs the model: its graphs read the shared tensors
             self.model.share_target(self.target)
         # An image model's processor (host side); its images' embeddings (device side) once the buffers'

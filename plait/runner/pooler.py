@@ -108,9 +108,10 @@ def resolve_pooling(config: PoolerConfig | None, model_path: Path, hf_config: di
     """The pooler of a model: ``config``'s fields where given, else the folder's sentence-transformers config
     (its Pooling module's mode, Normalize present or not), else the model's ``default_type`` (an encoder's:
     CLS, as vLLM's BERT models) or LAST, and normalised, as vLLM resolves it. A ``classifier`` (a score head)
-    pools LAST, unnormalised, its logits through its config's activation."""
+    pools its ``default_type`` (an encoder's [CLS]) or LAST, unnormalised, its logits through its config's
+    activation."""
     if classifier:
-        return _classifier_pooling(config, hf_config, hidden_size)
+        return _classifier_pooling(config, hf_config, hidden_size, default_type)
     st_type, st_normalize, dense = _sentence_transformers_pooling(model_path, hidden_size)
     pooling_type = (config and config.pooling_type) or st_type or default_type or DEFAULT_POOLING_TYPE
     normalize = config.normalize if config is not None and config.normalize is not None else None
@@ -127,14 +128,16 @@ def resolve_pooling(config: PoolerConfig | None, model_path: Path, hf_config: di
     )
 
 
-def _classifier_pooling(config: PoolerConfig | None, hf_config: dict, hidden_size: int) -> PoolingSpec:
+def _classifier_pooling(config: PoolerConfig | None, hf_config: dict, hidden_size: int,
+                        default_type: str | None) -> PoolingSpec:
     from plait.models.llama import num_labels
 
     count = num_labels(hf_config)
     id2label = hf_config.get("id2label") or {}
     labels = tuple(str(id2label.get(str(i), id2label.get(i, f"LABEL_{i}"))) for i in range(count))
     activation = ACTIVATIONS.get(hf_config.get("problem_type") or "", "sigmoid" if count < 2 else "softmax")
-    return PoolingSpec(pooling_type=(config and config.pooling_type) or DEFAULT_POOLING_TYPE, normalize=False,
+    pooling_type = (config and config.pooling_type) or default_type or DEFAULT_POOLING_TYPE
+    return PoolingSpec(pooling_type=pooling_type, normalize=False,
                        hidden_size=hidden_size, task="classify", activation=activation, labels=labels)
 
 
