@@ -155,6 +155,11 @@ class EngineConfig:
     # vLLM's kv_cache_memory_bytes: the KV cache's bytes on each device, in place of the share of
     # gpu_memory_utilization (or the CPU budget) left after a profiling step; num_kv_blocks wins over it.
     kv_cache_memory_bytes: int | None = None
+    # vLLM's --kv-offloading-size: GiB of host memory that keep the prefix cache's evicted blocks (the second
+    # tier: plait.engine.kv_offload), whence a later prompt's prefix is copied back instead of recomputed.
+    # None: no host tier. kv_offloading_backend: vLLM's; "native" (plait's own) only.
+    kv_offloading_size: float | None = None
+    kv_offloading_backend: str = "native"
     # GPU: share of the device's memory plait may use (weights, activations, graphs, KV cache).
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None = the model's max_position_embeddings
@@ -336,6 +341,7 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         self._check_cpu_offload()
+        self._check_kv_offloading()
         if self.enable_expert_parallel and self.tensor_parallel_size == 1:
             # vLLM spreads the experts over its data-parallel ranks too; plait's replicas share nothing.
             raise ValueError("enable_expert_parallel splits a MoE model's experts across tensor-parallel "
@@ -404,6 +410,21 @@ class EngineConfig:
             raise ValueError(f"additional_config {sorted(extra)} is not available: vLLM hands it to platform "
                              "plugins, and plait has none (only {} is accepted)")
         self.additional_config = None
+
+    def _check_kv_offloading(self) -> None:
+        from plait.engine.kv_offload import OFFLOADING_BACKENDS
+
+        size = self.kv_offloading_size
+        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float))
+                                 or not size > 0):
+            raise ValueError(f"kv_offloading_size must be a number of GiB > 0, got {size!r}")
+        if self.kv_offloading_backend not in OFFLOADING_BACKENDS:
+            raise ValueError(f"kv_offloading_backend {self.kv_offloading_backend!r} is not supported: plait "
+                             f"offloads with its own ({', '.join(OFFLOADING_BACKENDS)}); LMCache is not "
+                             "bundled")
+        if size is not None and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offloading_size with tensor_parallel_size > 1 is not supported yet: each "
+                             "rank would copy its heads' blocks")
 
     def _check_cpu_offload(self) -> None:
         offload = self.cpu_offload_gb

@@ -190,7 +190,11 @@ class LLMEngine:
         self._check_pooling_config()
         self.logits_processors = self._build_logits_processors(processor_classes)
         self.kv_cache = KVCacheManager(self.runner.num_kv_blocks, config.block_size,
-                                       self._prefix_caching_allowed(), config.prefix_caching_hash_algo)
+                                       self._prefix_caching_allowed(), config.prefix_caching_hash_algo,
+                                       self.runner.num_host_kv_blocks)
+        if self.runner.num_host_kv_blocks and self.kv_cache.host is None:
+            logger.warning("kv_offloading_size is ignored: prefix caching is off, and the host pool "
+                           "keeps its evicted blocks")
         max_len_fits = self.kv_cache.num_usable_blocks * config.block_size
         if self.max_model_len > max_len_fits:
             if config.max_model_len is not None:
@@ -703,6 +707,9 @@ class LLMEngine:
             # A row's input still on the device: the last step's sampled id (overlapped steps), or a draft
             # model's last draft (its forward runs while this step is staged).
             prev = self._in_flight[1] if self._in_flight else self._drafts_in_flight()
+            transfers = self.kv_cache.take_transfers()
+            if transfers:  # the prefix cache's copies to and from host memory, before this forward
+                self.runner.transfer_kv(transfers)
             if late:
                 forward = self.runner.launch(plan, prev, sample=False)
                 self.scheduler.advance(plan)

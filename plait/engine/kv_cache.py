@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from plait.engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from plait.engine.kv_offload import HostBlockPool, KVTransfer
 from plait.engine.request import Request
 
 # Block 0 is never handed out: padded block-table entries and padded slot_mapping rows point at it,
@@ -61,8 +62,10 @@ class PrefixCacheStats:
     """Counters since start (set by KVCacheManager). Queries and hits count prompt tokens."""
 
     queries: int = 0  # tokens looked up at admission
-    hits: int = 0  # of those, tokens found cached
+    hits: int = 0  # of those, tokens found cached (in host memory too)
     evicted_blocks: int = 0
+    host_hits: int = 0  # tokens of the hits found in host memory (KV offloading), copied back
+    offloaded_blocks: int = 0  # evicted blocks copied to host memory
 
     @property
     def hit_rate(self) -> float:
@@ -74,11 +77,13 @@ class KVCacheManager:
 
     A block is in use while its reference count is > 0. Free blocks sit in one LRU queue; a free
     block that still holds a full, hashed block of some earlier request stays findable by its hash
-    until a new allocation evicts it (least recently freed first).
+    until a new allocation evicts it (least recently freed first). With a host pool (KV offloading), an
+    evicted cached block is kept there and a prefix match goes on into it, each such block copied back into
+    a free device block; the copies wait in ``take_transfers`` for the runner.
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 hash_algo: str = "blake2b") -> None:
+                 hash_algo: str = "blake2b", num_host_blocks: int = 0) -> None:
         if hash_algo not in _BLOCK_HASHES:
             raise ValueError(f"prefix caching hash {hash_algo!r} is not one of {sorted(_BLOCK_HASHES)}")
         if num_blocks < MIN_KV_BLOCKS:
@@ -97,6 +102,10 @@ class KVCacheManager:
         # The prefix cache's block events since the engine last took them (plait.engine.kv_events), where
         # the engine publishes them (kv_events_config); None: not recorded.
         self.events: list[KVEvent] | None = None
+        # The host tier (EngineConfig.kv_offloading_size), and the copies between the tiers the runner has
+        # yet to make, in order (an eviction's copy out before a load into the same block).
+        self.host = HostBlockPool(num_host_blocks) if num_host_blocks and enable_prefix_caching else None
+        self._transfers: list[KVTransfer] = []
 
     # -- sizes ------------------------------------------------------------------------------
 
@@ -157,7 +166,7 @@ class KVCacheManager:
         request.block_ids = []
         request.num_hashed_blocks = 0
 
-    def _evict(self, block: int) -> None:
+    def _evict(self, block: int, offload: bool = True) -> None:
         h = self._hash_of[block]
         if h is not None:
             self._hash_of[block] = None
@@ -165,6 +174,15 @@ class KVCacheManager:
             self.stats.evicted_blocks += 1
             if self.events is not None:
                 self.events.append(BlockRemoved([h]))
+            host_block = self.host.store(h) if offload and self.host is not None else None
+            if host_block is not None:  # its K/V leaves for host memory before anything overwrites it
+                self._transfers.append(KVTransfer(True, block, host_block))
+                self.stats.offloaded_blocks += 1
+
+    def take_transfers(self) -> list[KVTransfer]:
+        """The block copies between device and host memory to make before the next forward, in order."""
+        transfers, self._transfers = self._transfers, []
+        return transfers
 
     # -- prefix caching ---------------------------------------------------------------------
 
@@ -175,7 +193,10 @@ class KVCacheManager:
             return False
         events, self.events = self.events, None  # one AllBlocksCleared, not a removal a block
         for block in list(self._block_of.values()):
-            self._evict(block)
+            self._evict(block, offload=False)
+        if self.host is not None:  # forgotten too: their K/V came from what is being reset (the weights)
+            self.host.clear()
+            self._transfers.clear()
         self.events = events
         if events is not None:
             events.append(AllBlocksCleared())
@@ -213,14 +234,35 @@ class KVCacheManager:
         for h in hashes:
             block = self._block_of.get(h)
             if block is None:
-                break
-            if self._ref_count[block] == 0:
+                block = self._load_from_host(h) if self.host is not None else None
+                if block is None:
+                    break
+            elif self._ref_count[block] == 0:
                 del self._free[block]
             self._ref_count[block] += 1
             request.block_ids.append(block)
         request.num_computed_tokens = len(request.block_ids) * self.block_size
         request.num_hashed_blocks = len(request.block_ids)
         return request.num_computed_tokens
+
+    def _load_from_host(self, h: bytes) -> int | None:
+        """The device block that block hash ``h`` is copied back into from the host pool (taken from the free
+        ones, cached under ``h``, unreferenced yet), or None where the pool does not hold it or no block is
+        free."""
+        host_block = self.host.find(h)
+        if host_block is None or not self._free:
+            return None
+        block, _ = self._free.popitem(last=False)
+        self._evict(block)  # its own cached K/V may go to the host pool first, evicting one there ...
+        if not self.host.holds(h, host_block):  # ... this very one (a pool of one block)
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
+            return None
+        self._transfers.append(KVTransfer(False, block, host_block))
+        self._hash_of[block] = h
+        self._block_of[h] = block
+        self.stats.host_hits += self.block_size
+        return block
 
     def record_admission(self, request: Request) -> None:
         """Count one admission's lookup (only admissions that happen, not retries)."""

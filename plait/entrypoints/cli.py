@@ -37,7 +37,7 @@ _ENGINE_FLAGS = (
     "optimization_level", "compilation_config",
     "logits_processors", "enable_prompt_embeds", "rope_scaling", "rope_theta", "use_tqdm_on_load",
     "hf_config_path", "safetensors_load_strategy", "model_loader_extra_config", "additional_config",
-    "worker_extension_cls",
+    "worker_extension_cls", "kv_offloading_size", "kv_offloading_backend",
 )
 
 
@@ -157,6 +157,10 @@ _FLAG_HELP = {
     "logits_processors": "as vLLM's: custom logits processors, plait.logits_processor.LogitsProcessor "
                          "subclasses named module:Class or module.Class (importable: on PYTHONPATH); "
                          "requests give them settings in vllm_xargs",
+    "kv_offloading_size": "as vLLM's: GiB of host memory that keep the prefix cache's evicted KV blocks, "
+                          "copied back where a later prompt shares their prefix (default: none)",
+    "kv_offloading_backend": "as vLLM's: 'native' (plait's own host pool; the default); LMCache is not "
+                             "bundled",
     "worker_extension_cls": "as vLLM's: a class (module:Class or module.Class, importable: on PYTHONPATH) "
                             "whose methods join each GPU's worker, for POST /collective_rpc (development "
                             "mode) and LLM.collective_rpc to call: an RL loop's weight sync, say",

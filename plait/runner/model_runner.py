@@ -21,6 +21,7 @@ from plait.attention.fp8_kv import UNIT_SCALES, KVScales, cache_torch_dtype
 from plait.config import CPU_KV_CACHE_BYTES, EAGLE, EAGLE3, NO_CHUNK_CAP, EngineConfig, load_threads
 from plait.engine.grammar import next_token_bitmasks
 from plait.engine.kv_cache import MIN_KV_BLOCKS, cdiv
+from plait.engine.kv_offload import KVTransfer, transfer_runs
 from plait.engine.request import Request
 from plait.engine.scheduler import StepPlan
 from plait.engine.state_slots import PAD_STATE_SLOT
@@ -71,6 +72,9 @@ from plait.runner.worker import make_worker
 from plait.sampling_params import LOGITS_MODES, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# The most blocks one copy between the KV tiers stages on the device at a time.
+MAX_TRANSFER_BLOCKS = 64
 
 # GPU memory held back from the KV cache beyond the profiled peak: CUDA-graph pools, allocator
 # fragmentation, and the sampler's work on batches the profile did not shape exactly.
@@ -244,6 +248,10 @@ class ModelRunner:
         # As vLLM's start-up line: what --kv-cache-dtype and gpu_memory_utilization bought.
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", self.num_kv_blocks, config.block_size,
                     self.num_kv_blocks * config.block_size, str(self.kv_cache_dtype).removeprefix("torch."))
+        # The prefix cache's host tier (kv_offloading_size): [host blocks, layers, 2, block_size, Hkv, D], a
+        # block's every layer in one row, so that it crosses PCIe in one copy. None: no host tier.
+        self.host_kv = self._allocate_host_kv(config.kv_offloading_size)
+        self.num_host_kv_blocks = 0 if self.host_kv is None else self.host_kv.shape[0]
         # Steps replay CUDA graphs, and an image model's vision tower too (captured again on waking up).
         self.use_graphs = use_graphs = (self.device.type == "cuda" and not config.enforce_eager
                                         and self.attn_backend.graph_safe)
@@ -662,6 +670,45 @@ class ModelRunner:
         shape = (2, num_blocks, self.config.block_size, self.num_kv_heads, c.head_dim)
         num_layers = self._num_kv_layers()
         return [zeroed(shape, self.kv_cache_dtype, self.device) for _ in range(num_layers)]
+
+    def _allocate_host_kv(self, size_gib: float | None) -> torch.Tensor | None:
+        if size_gib is None or not self.kv_caches:
+            return None
+        block_shape = (len(self.kv_caches), *self.kv_caches[0][:, 0].shape)  # [layers, 2, bs, Hkv, D]
+        block_bytes = math.prod(block_shape) * self.kv_caches[0].element_size()
+        num_blocks = int(size_gib * GIB) // block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_offloading_size {size_gib} GiB holds no KV block ({block_bytes} bytes)")
+        logger.info("KV offloading: %d blocks of host memory (%.2f GiB)", num_blocks,
+                    num_blocks * block_bytes / GIB)
+        # Contents are written before they are read (a block is copied in before it is found).
+        return torch.empty((num_blocks, *block_shape), dtype=self.kv_cache_dtype,
+                           pin_memory=self.device.type == "cuda")
+
+    def transfer_kv(self, transfers: list[KVTransfer]) -> None:
+        """Make the prefix cache's block copies between device and host memory (from
+        KVCacheManager.take_transfers), in order, on the stream the next forward runs on: an evicted block's
+        K/V is read before anything overwrites it, and a block copied back is in place before any row
+        attends to it."""
+        for run in transfer_runs(transfers):
+            for at in range(0, len(run), MAX_TRANSFER_BLOCKS):  # bounds the device staging buffer
+                self._copy_blocks(run[0].to_host, run[at : at + MAX_TRANSFER_BLOCKS])
+
+    def _copy_blocks(self, to_host: bool, transfers: list[KVTransfer]) -> None:
+        device_blocks = host_to_device([t.device_block for t in transfers], torch.long, self.device)
+        if to_host:
+            # [layers, 2, n, bs, Hkv, D] gathered -> [n, layers, 2, bs, Hkv, D]: one contiguous row a block
+            rows = torch.stack([c.index_select(1, device_blocks) for c in self.kv_caches])
+            rows = rows.permute(2, 0, 1, 3, 4, 5).contiguous()
+            for row, t in zip(rows, transfers):
+                self.host_kv[t.host_block].copy_(row, non_blocking=True)
+            return
+        rows = torch.empty((len(transfers), *self.host_kv.shape[1:]), dtype=self.host_kv.dtype,
+                           device=self.device)
+        for row, t in zip(rows, transfers):
+            row.copy_(self.host_kv[t.host_block], non_blocking=True)
+        for layer, cache in enumerate(self.kv_caches):
+            cache.index_copy_(1, device_blocks, rows[:, layer].transpose(0, 1))
 
     # -- CUDA graphs --------------------------------------------------------------------------
 
