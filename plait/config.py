@@ -157,7 +157,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int | None = None
     # vLLM's --kv-offloading-size: GiB of host memory that keep the prefix cache's evicted blocks (the second
     # tier: plait.engine.kv_offload), whence a later prompt's prefix is copied back instead of recomputed.
-    # None: no host tier. kv_offloading_backend: vLLM's; "native" (plait's own) only.
+    # None: no host tier. Split over GPUs, the ranks' pools together (each holds its heads' share of every
+    # block), as vLLM's. kv_offloading_backend: vLLM's; "native" (plait's own) only.
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = "native"
     # GPU: share of the device's memory plait may use (weights, activations, graphs, KV cache).
@@ -422,9 +423,6 @@ class EngineConfig:
             raise ValueError(f"kv_offloading_backend {self.kv_offloading_backend!r} is not supported: plait "
                              f"offloads with its own ({', '.join(OFFLOADING_BACKENDS)}); LMCache is not "
                              "bundled")
-        if size is not None and self.tensor_parallel_size > 1:
-            raise ValueError("kv_offloading_size with tensor_parallel_size > 1 is not supported yet: each "
-                             "rank would copy its heads' blocks")
 
     def _check_cpu_offload(self) -> None:
         offload = self.cpu_offload_gb

@@ -127,13 +127,28 @@ def test_prompts_evicted_from_the_device_come_back_from_host_memory(tiny_llama, 
     assert offloading.engine.is_idle_and_clean()
 
 
+def test_split_over_two_ranks_each_copies_its_heads(tiny_llama):
+    """Two gloo ranks, each with its heads' share of every block in its own host pool: the driver sends each
+    step's copies to the other rank before the forward, and the returning prompts answer as before."""
+    first = random_prompts(2, 30, 40, seed=45)
+    others = random_prompts(4, 30, 40, seed=46)
+    llm = _engine(tiny_llama, 64, tensor_parallel_size=2)
+    try:
+        want, _ = _answers(llm, first)
+        _answers(llm, others)
+        got, cached = _answers(llm, first)
+        assert got == want and all(c >= 28 for c in cached), cached
+        assert llm.engine.kv_cache.stats.host_hits >= 56
+        assert llm.engine.runner.num_host_kv_blocks == 64  # half of each block a rank, in half the memory
+    finally:
+        llm.engine.shutdown()
+
+
 def test_offloading_is_checked(tiny_llama):
     with pytest.raises(ValueError, match="kv_offloading_size must be a number of GiB > 0"):
         LLM(str(tiny_llama), kv_offloading_size=0)
     with pytest.raises(ValueError, match="kv_offloading_backend 'lmcache' is not supported"):
         LLM(str(tiny_llama), kv_offloading_size=1, kv_offloading_backend="lmcache")
-    with pytest.raises(ValueError, match="with tensor_parallel_size > 1 is not supported yet"):
-        LLM(str(tiny_llama), kv_offloading_size=1, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="holds no KV block"):
         LLM(str(tiny_llama), kv_offloading_size=1e-12)
     llm = LLM(str(tiny_llama), kv_offloading_size=0.001, enable_prefix_caching=False)

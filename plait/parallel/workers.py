@@ -31,12 +31,14 @@ if TYPE_CHECKING:
 # prompt-embedding rows or None: their token indices and a tensor_message of their values)),
 # (IDS, number of sampled ids to receive), (SLEEP, level), (WAKE_UP, tags), (LOAD_WEIGHTS, None) followed by
 # that rank's (name, tensor) slices one message each and then END_OF_WEIGHTS, (RPC, a pickled (method, args,
-# kwargs) for its Worker), (STOP, None), and at start-up the agreed KV blocks (an int). Rank -> driver, at
+# kwargs) for its Worker), (KV_TRANSFER, the prefix cache's block copies to make before the next FORWARD),
+# (STOP, None), and at start-up the agreed KV blocks (an int). Rank -> driver, at
 # start-up: (LOADED, None), (BLOCKS, the KV blocks it has room for), (READY, None); after SLEEP and WAKE_UP:
 # (DONE, None); after a LOAD_WEIGHTS: (DONE, None or the ValueError's message: a set the model refused); after
 # an RPC: (DONE, (True, the pickled result) or (False, the method's traceback)); at any time (FAILED, its
 # traceback: the rank is gone).
 FORWARD, IDS, SLEEP, WAKE_UP, STOP, RPC = "forward", "ids", "sleep", "wake_up", "stop", "rpc"
+KV_TRANSFER = "kv_transfer"
 LOAD_WEIGHTS, END_OF_WEIGHTS = "load_weights", "end_of_weights"
 LOADED, BLOCKS, READY, DONE, FAILED = "loaded", "blocks", "ready", "done", "failed"
 # How often the driver looks at its workers while it waits for them (a dead one fails the wait).
@@ -267,6 +269,8 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
             conn.send((DONE, refused))
         elif kind == RPC:
             conn.send((DONE, _run_rpc(runner, payload)))
+        elif kind == KV_TRANSFER:
+            runner.transfer_kv(payload)
         elif kind in (SLEEP, WAKE_UP):
             prev_ids = None  # its storage goes to sleep; no step is in flight across a sleep
             if kind == SLEEP:

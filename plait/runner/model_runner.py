@@ -41,6 +41,7 @@ from plait.parallel.workers import (
     END_OF_WEIGHTS,
     FORWARD,
     IDS,
+    KV_TRANSFER,
     LOAD_WEIGHTS,
     RPC,
     SLEEP,
@@ -676,7 +677,8 @@ class ModelRunner:
             return None
         block_shape = (len(self.kv_caches), *self.kv_caches[0][:, 0].shape)  # [layers, 2, bs, Hkv, D]
         block_bytes = math.prod(block_shape) * self.kv_caches[0].element_size()
-        num_blocks = int(size_gib * GIB) // block_bytes
+        world = 1 if self.parallel is None else self.parallel.world_size
+        num_blocks = int(size_gib * GIB / world) // block_bytes  # vLLM's size is all ranks' together
         if num_blocks < 1:
             raise ValueError(f"kv_offloading_size {size_gib} GiB holds no KV block ({block_bytes} bytes)")
         logger.info("KV offloading: %d blocks of host memory (%.2f GiB)", num_blocks,
@@ -689,7 +691,9 @@ class ModelRunner:
         """Make the prefix cache's block copies between device and host memory (from
         KVCacheManager.take_transfers), in order, on the stream the next forward runs on: an evicted block's
         K/V is read before anything overwrites it, and a block copied back is in place before any row
-        attends to it."""
+        attends to it. Under tensor parallelism every rank copies its own heads' blocks."""
+        if self.workers is not None:
+            self.workers.send(KV_TRANSFER, transfers)
         for run in transfer_runs(transfers):
             for at in range(0, len(run), MAX_TRANSFER_BLOCKS):  # bounds the device staging buffer
                 self._copy_blocks(run[0].to_host, run[at : at + MAX_TRANSFER_BLOCKS])
