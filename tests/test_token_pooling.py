@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from test_classify import _prompts, classifiers  # noqa: F401 - the fixture, shared
 from test_embeddings import hf_trunks  # noqa: F401 - the fixture, shared
+from test_encoder_embeddings import _prompts as encoder_prompts
+from test_encoder_embeddings import encoders  # noqa: F401 - the fixture, shared
 
 from plait import LLM
 from plait.pooling_params import PoolingParams
@@ -55,6 +57,17 @@ def test_token_embed_matches_transformers_chunked_preempted_and_beside_embed(tin
         assert out.outputs.data.shape == want.shape
         torch.testing.assert_close(out.outputs.data, want, atol=ATOL, rtol=0)
     assert llm.engine.is_idle_and_clean()
+
+
+def test_an_encoder_gives_every_token_its_vector(encoders):  # noqa: F811
+    """bge-m3-style multi-vector output: an encoder's token_embed rows are its last hidden states (whole
+    prompts, bidirectional), normalised."""
+    folder, hf, _ = encoders["xlmr"]
+    llm = LLM(str(folder))
+    prompts = encoder_prompts(11, [3, 20, 47])
+    outputs = llm.encode(prompts, pooling_task="token_embed", use_tqdm=False)
+    for out, ids in zip(outputs, prompts):
+        torch.testing.assert_close(out.outputs.data, F.normalize(_hidden(hf, ids), dim=-1), atol=1e-5, rtol=0)
 
 
 def test_per_token_tasks_take_no_prefix_cache_hit(tiny_llama, hf_trunks):  # noqa: F811
