@@ -44,3 +44,11 @@ def fail_on_rank_1(worker) -> int:
     if worker.rank == 1:
         raise RuntimeError("rank 1 says no")
     return worker.rank
+
+
+def fp8_layers(worker) -> dict:
+    """Each FP8 layer's codes (as bytes) and row scales on this rank (test_tensor_parallel_fp8)."""
+    from plait.layers.fp8 import Fp8Linear
+
+    return {name: (m.weight.view(torch.uint8).clone(), m.weight_scale.clone())
+            for name, m in worker.model_runner.model.named_modules() if isinstance(m, Fp8Linear)}

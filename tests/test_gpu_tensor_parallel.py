@@ -40,6 +40,15 @@ MIN_AGREEMENT = 0.5
 # and 3 of 32 prompts agreeing: the median and the agreement catch it.
 MOE_FIRST_LOGITS_TOL = 0.25
 MOE_NEAR_TIE = 0.1
+# FP8 inputs amplify rounding: a value that the split's other order of bf16 sums moves across an FP8
+# rounding step changes by 1/16 of itself, and the halves of down's K (2,816) take the Triton FP8 kernel
+# where one GPU's 5,632 takes cuBLASLt's. Measured on two H200s: first logits within 0.18 std (median
+# 0.11), forks at gaps under 0.1, 8 of 32 prompts agreeing over 32 tokens; a wrong slice of codes or scales
+# moved them ~6 std.
+FP8_FIRST_LOGITS_TOL = 0.4
+FP8_FIRST_LOGITS_MEDIAN_TOL = 0.2
+FP8_NEAR_TIE = 0.2
+FP8_MIN_AGREEMENT = 0.1
 # Shared by every model here: GQA, 16 query and 4 KV heads of 128.
 ATTENTION = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=8192,
                  max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False)
@@ -124,7 +133,9 @@ def _agreement(want, want_logits, got, got_logits) -> tuple[int, list[float], li
 
 
 def _check_two_gpus_run_the_one_gpu_model(folder, what: str, first_tol: float = FIRST_LOGITS_TOL,
-                                          near_tie: float = NEAR_TIE, expert_parallel: bool = False) -> None:
+                                          near_tie: float = NEAR_TIE, expert_parallel: bool = False,
+                                          median_tol: float = FIRST_LOGITS_MEDIAN_TOL,
+                                          min_agreement: float = MIN_AGREEMENT) -> None:
     prompts = random_prompts(NUM_PROMPTS, 1, 400, seed=3)
     want, want_logits, _ = _greedy(folder, 1, prompts)
     got, got_logits, b = _greedy(folder, 2, prompts, expert_parallel)
@@ -134,9 +145,9 @@ def _check_two_gpus_run_the_one_gpu_model(folder, what: str, first_tol: float = 
     print(f"\n{what}, tensor parallel 2 vs 1 GPU, bf16: {agree}/{NUM_PROMPTS} agree over {NEW_TOKENS} "
           f"tokens; first logits within {max(first):.4f} std (median {median:.4f}); fork gaps (logit std) "
           f"{sorted(round(g, 4) for g in gaps)}")
-    assert max(first) <= first_tol and median <= FIRST_LOGITS_MEDIAN_TOL
+    assert max(first) <= first_tol and median <= median_tol
     assert all(0 <= g <= near_tie for g in gaps), f"a fork at a confident token: {sorted(gaps)}"
-    assert agree >= MIN_AGREEMENT * NUM_PROMPTS
+    assert agree >= min_agreement * NUM_PROMPTS
 
 
 def test_two_gpus_run_the_one_gpu_model(checkpoint):
@@ -240,3 +251,16 @@ def _run(engine: LLMEngine, prompts: list, params) -> list:
     while engine.has_unfinished_requests():
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     return [finals[f"p-{i}"] for i in range(len(prompts))]
+
+
+def test_two_gpus_run_the_one_gpu_block_fp8_model(checkpoint, tmp_path):
+    """A block-wise FP8 checkpoint (128 x 128 tiles, as Qwen's and DeepSeek's FP8 releases): each GPU holds
+    whole tiles of its rows and columns with their scales (Shard.checkpoint), and its slice of each input
+    holds whole 128-wide groups, so its inputs round as on one GPU: the Triton and cuBLASLt FP8 paths of two
+    GPUs run the one-GPU model."""
+    from test_fp8_block import block_checkpoint
+
+    block_checkpoint(checkpoint, tmp_path / "fp8", "fp8", block=(128, 128))
+    _check_two_gpus_run_the_one_gpu_model(tmp_path / "fp8", "llama, block FP8", FP8_FIRST_LOGITS_TOL,
+                                          FP8_NEAR_TIE, median_tol=FP8_FIRST_LOGITS_MEDIAN_TOL,
+                                          min_agreement=FP8_MIN_AGREEMENT)

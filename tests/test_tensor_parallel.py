@@ -172,7 +172,6 @@ def test_speculative_drafts_agree_with_one_device(tiny_llama):
 
 @pytest.mark.parametrize("knobs, message", [
     (dict(tensor_parallel_size=3), "must divide the model's attention heads"),
-    (dict(tensor_parallel_size=2, quantization="fp8"), "fp8 checkpoints cannot be split"),
     (dict(tensor_parallel_size=2, enable_lora=True), "LoRA adapters are not split"),
 ])
 def test_refused_splits(tiny_llama, knobs, message):

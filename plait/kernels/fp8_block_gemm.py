@@ -43,6 +43,10 @@ IMPRECISE_ACC_K = 64
 # are padded with zero rows: CUBLAS_STATUS_NOT_SUPPORTED at 17, 255, 257 rows on an H200, torch 2.11).
 CUBLAS_BLOCK = (128, 128)
 CUBLAS_ROW_MULTIPLE = 4
+# cuBLASLt reads the weight's scale grid transposed, [K / 128, N / 128] with K / 128 fp32 values between its
+# columns: a K of 2,816 (22 groups) gave garbage on an H200 (torch 2.11, CUDA 13), a K of 5,632 (44) the exact
+# product; so the K groups must come in multiples of 4 (16 bytes), and other Ks take the Triton kernel.
+CUBLAS_SCALE_GROUPS_MULTIPLE = 4
 
 
 @dataclass(frozen=True)
@@ -213,7 +217,8 @@ def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m, (n, k) = x2.shape[0], weight.shape
-    if (m > SKINNY_MAX_M and block == CUBLAS_BLOCK and scaled_mm_usable(n, k) and x2.is_cuda
+    if (m > SKINNY_MAX_M and block == CUBLAS_BLOCK and scaled_mm_usable(n, k)
+            and (k // block[1]) % CUBLAS_SCALE_GROUPS_MULTIPLE == 0 and x2.is_cuda
             and cublas_block_scaling(x2.device)):
         pad = -m % CUBLAS_ROW_MULTIPLE  # zero rows: codes 0, dropped from the output
         padded = torch.cat([x2, x2.new_zeros((pad, k))]) if pad else x2

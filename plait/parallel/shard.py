@@ -12,8 +12,9 @@ before."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -34,7 +35,8 @@ SHARDABLE_ARCHITECTURES = frozenset({
 })
 # A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias"), or (its own name,
 # None) for a tensor of the attention itself (GPT-OSS's ``self_attn.sinks``, one per query head).
-ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)(?:\.(weight|bias))?$")
+ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)"
+                              r"(?:\.(weight|bias|weight_scale|weight_scale_inv|input_scale))?$")
 # A feed-forward's: a dense MLP's (``mlp.gate_proj.weight``), a routed expert's
 # (``mlp.experts.3.up_proj.weight``, Mixtral's ``block_sparse_moe.experts.3.w1.weight``), transformers 5's
 # stacked experts (``mlp.experts.gate_up_proj``, and FusedMoE's ``gate_up_bias`` / ``down_bias`` as
@@ -45,7 +47,7 @@ ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)(?:\.(weight|bias
 FFN_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\."
                         r"(experts\.\d+\.|experts\.|shared_expert\.)?"
                         r"(gate_proj|up_proj|down_proj|gate_up_proj|gate_up_bias|down_bias|w1|w2|w3)"
-                        r"(_blocks|_scales)?(?:\.(weight|bias))?$")
+                        r"(_blocks|_scales)?(?:\.(weight|bias|weight_scale|weight_scale_inv|input_scale))?$")
 # Under expert parallelism, a routed expert's tensor: one expert's (``mlp.experts.3.up_proj.weight``,
 # Mixtral's ``block_sparse_moe.experts.3.w1.weight``, an FP8 one's ``weight_scale_inv``), its index
 # captured, or a stack of every expert's along dim 0 (``mlp.experts.gate_up_proj``, ``down_bias``, GPT-OSS's
@@ -60,6 +62,10 @@ PAD_SCALE = 127
 # Mixtral names gate, up and down w1, w3 and w2.
 COLUMN_PARALLEL = ("gate_proj", "up_proj", "w1", "w3")
 ROW_PARALLEL = ("down_proj", "w2")
+# An FP8 checkpoint's scales beside a projection's weight: one for the tensor (and a static input scale),
+# one a row ([out] or [out, 1]), or one a tile ([out / block_n, in / block_k]; "weight_scale_inv" in
+# DeepSeek / Qwen checkpoints, "weight_scale" in llm-compressor's).
+SCALE_KINDS = ("weight_scale", "weight_scale_inv", "input_scale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +77,9 @@ class Shard:
     world_size: int
     full: ModelConfig  # the checkpoint's
     local: ModelConfig  # this rank's: what its model is built from (its experts' width padded: shard_for)
+    # An FP8 checkpoint's (block_n, block_k) tiles, whose scales a rank takes whole tiles of (the loader
+    # sets it); None: no tiles.
+    weight_block: tuple[int, int] | None = None
 
     def of_rank(self, rank: int) -> Shard:
         """Another rank's share of the same split: the rank differs, and under expert parallelism which
@@ -189,10 +198,49 @@ class Shard:
                 continue
             attention, ffn = ATTENTION_TENSOR.search(name), FFN_TENSOR.search(name)
             if attention:
-                tensor = self._attention(attention[1], attention[2], tensor)
+                cut = functools.partial(self._attention, attention[1])
+                proj, kind = attention[1], attention[2]
             elif ffn:
-                tensor = self._feed_forward(ffn[1], ffn[2], ffn[3], ffn[4], tensor)
+                cut = functools.partial(self._feed_forward, ffn[1], ffn[2], ffn[3])
+                proj, kind = ffn[2], ffn[4]
+            if (attention or ffn) and kind in SCALE_KINDS:
+                weight_cut = functools.partial(cut, "weight")
+                tensor = self._scales(name, tensor, weight_cut, proj in (*ROW_PARALLEL, "o_proj"))
+            elif attention or ffn:
+                tensor = cut(kind, tensor)
             yield name, tensor
+
+    def _scales(self, name: str, scale: torch.Tensor, cut: Callable[[torch.Tensor], torch.Tensor],
+                row_parallel: bool) -> torch.Tensor:
+        """An FP8 checkpoint's scales for this rank's slice of their weight (``cut`` slices the weight): a
+        tensor's one scale whole; a row's scales those of the rows it keeps (all of them where it keeps
+        columns); a tile's those of the tiles its slice covers, which must be whole tiles."""
+        if scale.numel() == 1:
+            return scale
+        tiles = scale.dim() == 2 and scale.shape[1] > 1
+        if not tiles:
+            return scale if row_parallel else scale[self._kept(cut, scale.shape[0], 1, rows=True)]
+        if self.weight_block is None:
+            raise ValueError(f"{name}: tile scales in a checkpoint without weight_block_size")
+        block_n, block_k = self.weight_block
+        if row_parallel:
+            return scale[:, self._kept(cut, scale.shape[1], block_k, rows=False, name=name)]
+        return scale[self._kept(cut, scale.shape[0], block_n, rows=True, name=name)]
+
+    @staticmethod
+    def _kept(cut: Callable[[torch.Tensor], torch.Tensor], num_blocks: int, block: int, rows: bool,
+              name: str = "") -> torch.Tensor:
+        """The blocks of ``block`` rows (or columns) a weight slice keeps: ``cut`` applied to the indices of
+        a weight num_blocks * block long on that dim, which must keep whole blocks."""
+        n = num_blocks * block
+        index = torch.arange(n).view(n, 1) if rows else torch.arange(n).view(1, n)
+        kept = cut(index).reshape(-1)
+        starts = kept[::block]
+        if len(kept) % block or bool((starts % block).any()) or not torch.equal(
+                kept, (starts[:, None] + torch.arange(block)).reshape(-1)):
+            raise ValueError(f"{name}: this rank's slice does not cover whole {block}-wide FP8 tiles; pick a "
+                             "tensor_parallel_size that splits the model's widths into whole tiles")
+        return starts // block
 
 
 def experts_of_rank(num_experts: int, rank: int, world_size: int) -> tuple[int, int]:
