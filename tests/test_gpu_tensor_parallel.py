@@ -264,3 +264,12 @@ def test_two_gpus_run_the_one_gpu_block_fp8_model(checkpoint, tmp_path):
     _check_two_gpus_run_the_one_gpu_model(tmp_path / "fp8", "llama, block FP8", FP8_FIRST_LOGITS_TOL,
                                           FP8_NEAR_TIE, median_tol=FP8_FIRST_LOGITS_MEDIAN_TOL,
                                           min_agreement=FP8_MIN_AGREEMENT)
+
+
+def test_two_gpus_run_the_one_gpu_gptq_model(checkpoint, tmp_path):
+    """A GPTQ checkpoint (4-bit, groups of 128): each GPU takes whole packed words and groups of its columns
+    or inputs, and its WNA16 kernels run the one-GPU model's weights."""
+    from test_wna16 import _quantized_checkpoint
+
+    _quantized_checkpoint(checkpoint, tmp_path / "gptq", "gptq", 4, 128, sym=True, act_order=False)
+    _check_two_gpus_run_the_one_gpu_model(tmp_path / "gptq", "llama, GPTQ")

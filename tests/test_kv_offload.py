@@ -103,12 +103,12 @@ def _answers(llm: LLM, prompts: list[list[int]]) -> tuple[list[list[int]], list[
     return [o.outputs[0].token_ids for o in outs], [o.num_cached_tokens for o in outs]
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_prompts_evicted_from_the_device_come_back_from_host_memory(tiny_llama, chunked):
+@pytest.mark.parametrize("knobs", [{}, dict(max_num_batched_tokens=16), dict(kv_cache_dtype="fp8")],
+                         ids=["whole", "chunked", "fp8-cache"])
+def test_prompts_evicted_from_the_device_come_back_from_host_memory(tiny_llama, knobs):
     """Two conversations' prompts, then others that evict them from the device's 24 blocks, then the first
-    two again: with a host pool their prefixes are copied back (no recompute) and the answers are the
-    first run's, bit for bit; without one they are recomputed (no hit)."""
-    knobs = dict(max_num_batched_tokens=16) if chunked else {}
+    two again: with a host pool their prefixes are copied back (no recompute; an FP8 cache's codes as
+    bytes) and the answers are the first run's, bit for bit; without one they are recomputed (no hit)."""
     first = random_prompts(2, 30, 40, seed=41)
     others = random_prompts(4, 30, 40, seed=42)
     offloading = _engine(tiny_llama, 64, **knobs)

@@ -120,16 +120,16 @@ def load_model(
     if quantization is not None and getattr(cls, "supports_images", False):
         # quantize_model would take the vision tower's Linear layers too, which no test has covered
         raise ValueError(f"{model_config.architecture}: quantised image models are not supported yet")
-    # Split across devices: FP8 dense models (each rank takes its slice of the codes, and of their scales:
-    # Shard.checkpoint; a 16-bit checkpoint's slices are quantised where they land).
-    split_fp8 = quantization == "fp8" and int_spec is None and model_config.moe is None
-    if shard is not None and ((quantization is not None and not split_fp8) or runner == "pooling"):
-        what = ("pooling models" if runner == "pooling" else
-                f"{quantization} MoE models" if quantization == "fp8" else f"{quantization} checkpoints")
+    # Split across devices: quantised dense models (each rank takes its slice of the codes and of their
+    # scales, in whole tiles, words and groups: Shard.checkpoint; a 16-bit checkpoint's slices are quantised
+    # to FP8 where they land).
+    if shard is not None and ((quantization is not None and model_config.moe is not None)
+                              or runner == "pooling"):
+        what = "pooling models" if runner == "pooling" else f"{quantization} MoE models"
         raise ValueError(f"tensor_parallel_size {shard.world_size}: {what} cannot be split across devices "
                          "yet; serve it on one device")
-    if shard is not None and block is not None:
-        shard = dataclasses.replace(shard, weight_block=block)
+    if shard is not None:
+        shard = dataclasses.replace(shard, weight_block=block, integer=int_spec)
     # Linear layers are made without memory (every weight is written below: drawing random ones that
     # loading overwrites would only cost start-up time). Quantised, they are replaced before any weight
     # arrives, so each checkpoint tensor is quantised (or, already FP8, kept) as it is read and no 16-bit

@@ -35,8 +35,9 @@ SHARDABLE_ARCHITECTURES = frozenset({
 })
 # A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias"), or (its own name,
 # None) for a tensor of the attention itself (GPT-OSS's ``self_attn.sinks``, one per query head).
-ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)"
-                              r"(?:\.(weight|bias|weight_scale|weight_scale_inv|input_scale))?$")
+_SUFFIXES = (r"(?:\.(weight|bias|weight_scale|weight_scale_inv|input_scale|qweight|qzeros|scales|g_idx|"
+             r"weight_packed|weight_zero_point|weight_g_idx|weight_shape))?$")
+ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)" + _SUFFIXES)
 # A feed-forward's: a dense MLP's (``mlp.gate_proj.weight``), a routed expert's
 # (``mlp.experts.3.up_proj.weight``, Mixtral's ``block_sparse_moe.experts.3.w1.weight``), transformers 5's
 # stacked experts (``mlp.experts.gate_up_proj``, and FusedMoE's ``gate_up_bias`` / ``down_bias`` as
@@ -47,7 +48,7 @@ ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)"
 FFN_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\."
                         r"(experts\.\d+\.|experts\.|shared_expert\.)?"
                         r"(gate_proj|up_proj|down_proj|gate_up_proj|gate_up_bias|down_bias|w1|w2|w3)"
-                        r"(_blocks|_scales)?(?:\.(weight|bias|weight_scale|weight_scale_inv|input_scale))?$")
+                        r"(_blocks|_scales)?" + _SUFFIXES)
 # Under expert parallelism, a routed expert's tensor: one expert's (``mlp.experts.3.up_proj.weight``,
 # Mixtral's ``block_sparse_moe.experts.3.w1.weight``, an FP8 one's ``weight_scale_inv``), its index
 # captured, or a stack of every expert's along dim 0 (``mlp.experts.gate_up_proj``, ``down_bias``, GPT-OSS's
@@ -66,6 +67,23 @@ ROW_PARALLEL = ("down_proj", "w2")
 # one a row ([out] or [out, 1]), or one a tile ([out / block_n, in / block_k]; "weight_scale_inv" in
 # DeepSeek / Qwen checkpoints, "weight_scale" in llm-compressor's).
 SCALE_KINDS = ("weight_scale", "weight_scale_inv", "input_scale")
+# The tensors of a GPTQ / AWQ / compressed-tensors integer layer, sliced by Shard._integer.
+INTEGER_KINDS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_zero_point", "weight_scale",
+                 "weight_g_idx", "weight_shape")
+# A GPTQ / AWQ / compressed-tensors integer layer's tensors: for each, (the dim along the output columns N and
+# how many columns an entry there covers, the dim along the inputs K and how many inputs an entry covers), a
+# factor being "pack" (codes a 32-bit word), "group" (inputs a scale) or 1; None: no such dim.
+PACK, GROUP = "pack", "group"
+INTEGER_LAYOUTS = {
+    ("gptq", "qweight"): ((1, 1), (0, PACK)), ("gptq", "qzeros"): ((1, PACK), (0, GROUP)),
+    ("gptq", "scales"): ((1, 1), (0, GROUP)), ("gptq", "g_idx"): (None, (0, 1)),
+    ("awq", "qweight"): ((1, PACK), (0, 1)), ("awq", "qzeros"): ((1, PACK), (0, GROUP)),
+    ("awq", "scales"): ((1, 1), (0, GROUP)),
+    ("compressed-tensors", "weight_packed"): ((0, 1), (1, PACK)),
+    ("compressed-tensors", "weight_scale"): ((0, 1), (1, GROUP)),
+    ("compressed-tensors", "weight_zero_point"): ((0, PACK), (1, GROUP)),
+    ("compressed-tensors", "weight_g_idx"): (None, (0, 1)),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +98,9 @@ class Shard:
     # An FP8 checkpoint's (block_n, block_k) tiles, whose scales a rank takes whole tiles of (the loader
     # sets it); None: no tiles.
     weight_block: tuple[int, int] | None = None
+    # A GPTQ / AWQ / compressed-tensors checkpoint's scheme (plait.layers.wna16.WNA16Spec), whose packed
+    # tensors a rank slices whole words and groups of (the loader sets it); None: not one.
+    integer: object | None = None
 
     def of_rank(self, rank: int) -> Shard:
         """Another rank's share of the same split: the rank differs, and under expert parallelism which
@@ -203,12 +224,19 @@ class Shard:
             elif ffn:
                 cut = functools.partial(self._feed_forward, ffn[1], ffn[2], ffn[3])
                 proj, kind = ffn[2], ffn[4]
-            if (attention or ffn) and kind in SCALE_KINDS:
-                weight_cut = functools.partial(cut, "weight")
-                tensor = self._scales(name, tensor, weight_cut, proj in (*ROW_PARALLEL, "o_proj"))
-            elif attention or ffn:
-                tensor = cut(kind, tensor)
+            if attention or ffn:
+                tensor = self._sliced(name, proj, kind, tensor, cut)
             yield name, tensor
+
+    def _sliced(self, name: str, proj: str, kind: str | None, t: torch.Tensor,
+                cut: Callable[[str | None, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """A projection's tensor (``cut(kind, t)`` slices its weights and biases) as this rank holds it."""
+        row_parallel = proj in (*ROW_PARALLEL, "o_proj")
+        if self.integer is not None and kind in INTEGER_KINDS:
+            return self._integer(name, kind, t, functools.partial(cut, "weight"), row_parallel)
+        if kind in SCALE_KINDS:
+            return self._scales(name, t, functools.partial(cut, "weight"), row_parallel)
+        return cut(kind, t)
 
     def _scales(self, name: str, scale: torch.Tensor, cut: Callable[[torch.Tensor], torch.Tensor],
                 row_parallel: bool) -> torch.Tensor:
@@ -226,6 +254,36 @@ class Shard:
         if row_parallel:
             return scale[:, self._kept(cut, scale.shape[1], block_k, rows=False, name=name)]
         return scale[self._kept(cut, scale.shape[0], block_n, rows=True, name=name)]
+
+    def _integer(self, name: str, kind: str, t: torch.Tensor, cut: Callable[[torch.Tensor], torch.Tensor],
+                 row_parallel: bool) -> torch.Tensor:
+        """A GPTQ / AWQ / compressed-tensors tensor (INTEGER_LAYOUTS) for this rank's slice of its weight:
+        the entries of its output columns (column-parallel) or of its inputs (row-parallel), in whole packed
+        words and groups."""
+        spec = self.integer
+        if row_parallel and spec.desc_act:
+            raise ValueError(f"{name}: a GPTQ act-order (desc_act) checkpoint's groups lie across the inputs "
+                             "each rank would hold; serve it on one device")
+        if kind == "weight_shape":  # [N, K]: this rank's
+            n, k = (int(v) for v in t.tolist())
+            if row_parallel:
+                k = int(cut(torch.arange(k).view(1, k)).numel())
+            else:
+                n = int(cut(torch.arange(n).view(n, 1)).numel())
+            return torch.tensor([n, k], dtype=t.dtype)
+        n_axis, k_axis = INTEGER_LAYOUTS[(spec.method, kind)]
+        axis = k_axis if row_parallel else n_axis
+        if axis is None:  # g_idx of a column-parallel layer: every input, whole
+            return t
+        dim, factor = axis
+        if factor == GROUP and not spec.group_size:
+            return t  # one group spans K: a row-parallel slice keeps that group's scales whole
+        size = {PACK: spec.pack, GROUP: spec.group_size, 1: 1}[factor]
+        blocks = self._kept(cut, t.shape[dim], size, rows=not row_parallel, name=name)
+        part = t.index_select(dim, blocks)
+        if kind in ("g_idx", "weight_g_idx"):  # group ids from this rank's first group
+            part = part - part.min()
+        return part
 
     @staticmethod
     def _kept(cut: Callable[[torch.Tensor], torch.Tensor], num_blocks: int, block: int, rows: bool,

@@ -683,9 +683,10 @@ class ModelRunner:
             raise ValueError(f"kv_offloading_size {size_gib} GiB holds no KV block ({block_bytes} bytes)")
         logger.info("KV offloading: %d blocks of host memory (%.2f GiB)", num_blocks,
                     num_blocks * block_bytes / GIB)
-        # Contents are written before they are read (a block is copied in before it is found).
-        return torch.empty((num_blocks, *block_shape), dtype=self.kv_cache_dtype,
-                           pin_memory=self.device.type == "cuda")
+        # Contents are written before they are read (a block is copied in before it is found). An FP8 cache's
+        # bytes travel as bytes: gathers and scatters of float8 tensors are not implemented everywhere.
+        dtype = torch.uint8 if self.kv_caches[0].element_size() == 1 else self.kv_cache_dtype
+        return torch.empty((num_blocks, *block_shape), dtype=dtype, pin_memory=self.device.type == "cuda")
 
     def transfer_kv(self, transfers: list[KVTransfer]) -> None:
         """Make the prefix cache's block copies between device and host memory (from
@@ -700,9 +701,10 @@ class ModelRunner:
 
     def _copy_blocks(self, to_host: bool, transfers: list[KVTransfer]) -> None:
         device_blocks = host_to_device([t.device_block for t in transfers], torch.long, self.device)
+        caches = [c.view(self.host_kv.dtype) for c in self.kv_caches]
         if to_host:
             # [layers, 2, n, bs, Hkv, D] gathered -> [n, layers, 2, bs, Hkv, D]: one contiguous row a block
-            rows = torch.stack([c.index_select(1, device_blocks) for c in self.kv_caches])
+            rows = torch.stack([c.index_select(1, device_blocks) for c in caches])
             rows = rows.permute(2, 0, 1, 3, 4, 5).contiguous()
             for row, t in zip(rows, transfers):
                 self.host_kv[t.host_block].copy_(row, non_blocking=True)
@@ -711,7 +713,7 @@ class ModelRunner:
                            device=self.device)
         for row, t in zip(rows, transfers):
             row.copy_(self.host_kv[t.host_block], non_blocking=True)
-        for layer, cache in enumerate(self.kv_caches):
+        for layer, cache in enumerate(caches):
             cache.index_copy_(1, device_blocks, rows[:, layer].transpose(0, 1))
 
     # -- CUDA graphs --------------------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""Integer-weight checkpoints (GPTQ, AWQ, llm-compressor's pack-quantized) split across two ranks (CPU,
+gloo): each rank takes whole packed words and groups of its output columns (q, k, v, gate, up) or of its
+inputs (o, down), so the split model is the checkpoint's, as transformers runs the weights it stands for;
+GPTQ's act-order, whose groups lie across the inputs, is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import assert_greedy_matches_hf, random_prompts
+from test_wna16 import LOGITS_ATOL, _compressed_tensors_checkpoint, _quantized_checkpoint
+
+from plait.config import EngineConfig
+from plait.engine.engine import LLMEngine
+
+
+def _hf_of(folder, weights: dict):
+    """transformers' model of ``folder`` holding the weights a quantised checkpoint stands for."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    state = hf.state_dict()
+    with torch.no_grad():
+        for name, weight in weights.items():
+            state[name].copy_(weight)
+    return hf
+
+
+def _split_matches_hf(dst, hf, method: str, **knobs) -> None:
+    engine = LLMEngine(EngineConfig(model=str(dst), max_num_batched_tokens=48, block_size=8,
+                                    tensor_parallel_size=2, **knobs))
+    try:
+        assert engine.runner.quantization == method
+        assert_greedy_matches_hf(engine, hf, random_prompts(4, 1, 70, seed=5), 8, LOGITS_ATOL)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("method,bits,group", [("gptq", 4, 32), ("gptq", 8, -1), ("awq", 4, 16)])
+def test_a_gptq_or_awq_checkpoint_split_in_two_is_its_model(tiny_models, tmp_path, method, bits, group):
+    """GPTQ (codes packed along K, zero points along N; 8-bit with one group over each input) and AWQ (codes
+    and zero points packed along N in AutoAWQ's interleave): transformers' logits and greedy tokens."""
+    dst = tmp_path / method
+    weights = _quantized_checkpoint(tiny_models["llama"], dst, method, bits, group, sym=method == "gptq",
+                                    act_order=False)
+    _split_matches_hf(dst, _hf_of(tiny_models["llama"], weights), method)
+
+
+@pytest.mark.parametrize("bits,group,sym", [(4, 16, False), (8, 0, True)])
+def test_a_compressed_tensors_checkpoint_split_in_two_is_its_model(tiny_models, tmp_path, bits, group, sym):
+    """llm-compressor's pack-quantized W4A16 (groups of 16, zero points) and W8A16 (per channel), written by
+    the compressed-tensors library: each rank's weight_shape is its own."""
+    pytest.importorskip("compressed_tensors")
+    dst = tmp_path / "ct"
+    weights = _compressed_tensors_checkpoint(tiny_models["llama"], dst, bits, group, sym)
+    _split_matches_hf(dst, _hf_of(tiny_models["llama"], weights), "compressed-tensors",
+                      quantization="compressed-tensors")
+
+
+def test_act_order_checkpoints_are_refused(tiny_models, tmp_path):
+    _quantized_checkpoint(tiny_models["llama"], tmp_path / "act", "gptq", 4, 32, sym=True, act_order=True)
+    with pytest.raises(Exception, match="act-order .* serve it on one device"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "act"), tensor_parallel_size=2))
