@@ -33,8 +33,9 @@ SHARDABLE_ARCHITECTURES = frozenset({
     "SmolLM3ForCausalLM", "Ministral3ForCausalLM", "SeedOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM",
 })
-# A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias"), or (its own name,
-# None) for a tensor of the attention itself (GPT-OSS's ``self_attn.sinks``, one per query head).
+# A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias" | a quantised
+# checkpoint's tensor beside the weight (SCALE_KINDS, INTEGER_KINDS)), or (its own name, None) for a tensor of
+# the attention itself (GPT-OSS's ``self_attn.sinks``, one per query head).
 _SUFFIXES = (r"(?:\.(weight|bias|weight_scale|weight_scale_inv|input_scale|qweight|qzeros|scales|g_idx|"
              r"weight_packed|weight_zero_point|weight_g_idx|weight_shape))?$")
 ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)" + _SUFFIXES)
@@ -296,8 +297,9 @@ class Shard:
         starts = kept[::block]
         if len(kept) % block or bool((starts % block).any()) or not torch.equal(
                 kept, (starts[:, None] + torch.arange(block)).reshape(-1)):
-            raise ValueError(f"{name}: this rank's slice does not cover whole {block}-wide FP8 tiles; pick a "
-                             "tensor_parallel_size that splits the model's widths into whole tiles")
+            raise ValueError(f"{name}: this rank's slice does not cover whole {block}-wide blocks (FP8 "
+                             "tiles, packed words or scale groups); pick a tensor_parallel_size that splits "
+                             "the model's widths into whole ones")
         return starts // block
 
 
