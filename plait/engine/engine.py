@@ -996,9 +996,9 @@ class LLMEngine:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Replace weights in place with HF-named tensors (a whole checkpoint's worth, as an RL loop sends
         between rollouts, or any subset: the rest keep theirs; vLLM's model.load_weights), then empty the
-        prefix cache, whose KV the old
-        weights computed. Tensors keep their addresses, so captured CUDA graphs stay valid. Only while no
-        request runs; a load that fails part-way leaves the weights mixed (load a whole set again)."""
+        prefix cache, whose KV the old weights computed. Tensors keep their addresses, so captured CUDA
+        graphs stay valid. Only while no request runs; a load that fails part-way leaves the weights mixed
+        (load a whole set again)."""
         if self.has_unfinished_requests():
             raise ValueError("load_weights needs an idle engine: finish or abort its requests first")
         self.runner.load_weights(weights)
