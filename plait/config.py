@@ -291,9 +291,6 @@ class EngineConfig:
         _check_int("block_size", self.block_size, minimum=1)
         _check_int("seed", self.seed, minimum=0)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, minimum=1)
-        if self.tensor_parallel_size > 1 and self.enable_lora:
-            raise ValueError("enable_lora with tensor_parallel_size > 1: LoRA adapters are not split across "
-                             "devices yet; serve them on one device")
         if self.num_kv_blocks is not None:
             _check_int("num_kv_blocks", self.num_kv_blocks, minimum=1)
         if self.cuda_graph_sizes is not None:

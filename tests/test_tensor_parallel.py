@@ -172,7 +172,6 @@ def test_speculative_drafts_agree_with_one_device(tiny_llama):
 
 @pytest.mark.parametrize("knobs, message", [
     (dict(tensor_parallel_size=3), "must divide the model's attention heads"),
-    (dict(tensor_parallel_size=2, enable_lora=True), "LoRA adapters are not split"),
 ])
 def test_refused_splits(tiny_llama, knobs, message):
     with pytest.raises(ValueError, match=message):
@@ -311,3 +310,31 @@ def test_expert_parallel_slices_hold_whole_experts(tiny_llama, moe_models):  # n
     assert torch.equal(torch.cat([s[name] for s in slices], dim=1), shared[name])
     dense = ModelConfig.from_hf(json.loads((tiny_llama / "config.json").read_text()))
     assert dense.moe is None and shard_for(dense, 1, 2, expert_parallel=True) == shard_for(dense, 1, 2)
+
+
+def test_lora_adapters_split_over_two_ranks(tiny_llama, tmp_path):
+    """LoRA under tensor parallelism: each rank holds its slices of every adapter (B's rows of q/k/v/gate/up,
+    A's columns of o/down, whose partial deltas are summed with the layer's output), sent by the driver when a
+    slot is loaded; base rows, two adapters (one over all seven projections, rsLoRA) and a slot reused by
+    another adapter answer as on one device."""
+    from conftest import make_lora_adapter
+
+    from plait.lora.request import LoRARequest
+
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    kinds = [("all", every, 4), ("qv-o", ["q_proj", "v_proj", "o_proj"], 8)]
+    adapters = []
+    for i, (name, targets, rank) in enumerate(kinds):
+        folder = make_lora_adapter(tmp_path / name, tiny_llama, targets, rank=rank, alpha=2 * rank,
+                                   seed=i + 5, use_rslora=i == 0)
+        adapters.append(LoRARequest(name, i + 1, str(folder)))
+    order = [None, adapters[0], adapters[1], adapters[0], None, adapters[1]]
+    prompts = random_prompts(len(order), 4, 40, seed=29)
+    knobs = dict(enable_lora=True, max_loras=1)  # one slot: the adapters take it in turn
+    split = _engine(tiny_llama, 2, **knobs)
+    try:
+        assert_engines_agree(split, _engine(tiny_llama, 1, **knobs), prompts, max_tokens=6, atol=SPLIT_ATOL,
+                             loras=order)
+        assert split.runner.lora.num_loads >= 3
+    finally:
+        split.shutdown()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -12,27 +12,32 @@ from torch import nn
 from plait.layers.fp8 import Fp8Linear
 from plait.layers.linear import Linear
 from plait.layers.wna16 import WNA16Linear
-from plait.lora.adapter import LoRAAdapter, LoRATarget
+from plait.lora.adapter import LoRAAdapter, LoRAShard, LoRATarget
 from plait.lora.layer import LoRAContext, LoRALinear
 from plait.lora.slots import NO_LORA_SLOT
 from plait.models.llama import Phi3ForCausalLM
 
 if TYPE_CHECKING:
+    from plait.config import ModelConfig
     from plait.engine.request import Request
+    from plait.parallel.shard import Shard
     from plait.runner.forward_batch import ForwardBatch
 
 
-def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
+def lora_targets(model: nn.Module, full: ModelConfig | None = None) -> dict[str, LoRATarget]:
     """The Linear layers of a Llama-family model adapters may change, by plait name, with their output
     slices as the loader fuses them (plait.models.weights.load_decoder_weights) and as the model's adapters
     name them (vLLM's packed_modules_mapping): q/k/v and gate/up for most, the fused layers whole for
-    Phi-3 (fused_projection_names)."""
+    Phi-3 (fused_projection_names). ``full``: the sizes of the whole model, of which ``model`` is a tensor-
+    parallel rank's share (an adapter's tensors are the whole model's)."""
     if not getattr(model, "supports_lora", False):
         raise ValueError(f"LoRA is not supported for {type(model).__name__}; it serves the Llama family "
                          f"(Llama, Mistral, Qwen2, Qwen3), Granite, OLMo 2 / OLMo 3, Gemma 1 / 2 / 3 text "
                          f"and Phi-3 / Phi-3.5 / Phi-4 models")
-    cfg = model.config
+    cfg = full or model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    in_features = {"qkv_proj": cfg.hidden_size, "o_proj": q, "gate_up_proj": cfg.hidden_size,
+                   "down_proj": cfg.intermediate_size}
     if fused_projection_names(model):
         qkv: tuple[tuple[str, int], ...] = (("qkv_proj", q + 2 * kv),)
         gate_up: tuple[tuple[str, int], ...] = (("gate_up_proj", 2 * cfg.intermediate_size),)
@@ -49,7 +54,7 @@ def lora_targets(model: nn.Module) -> dict[str, LoRATarget]:
     for name, module in model.named_modules():
         kind = name.rsplit(".", 1)[-1]
         if kind in slices and isinstance(module, (Linear, Fp8Linear, WNA16Linear)):
-            targets[name] = LoRATarget(module.in_features, slices[kind])
+            targets[name] = LoRATarget(in_features[kind] if full else module.in_features, slices[kind])
     return targets
 
 
@@ -61,16 +66,27 @@ def fused_projection_names(model: nn.Module) -> bool:
     return isinstance(model, Phi3ForCausalLM)
 
 
+# Sends rank r a slot's adapter slices: (rank, (slot, adapter id, scaling, {layer: [LoRAShard]})).
+SendSlices = Callable[[int, tuple[int, int, float, dict[str, list[LoRAShard]]]], None]
+
+
 class LoRAModel:
     """Wraps every LoRA target of ``model`` in a LoRALinear with ``num_slots`` slots of rank up to
     ``max_rank`` (before any CUDA graph is captured: graphs capture the deltas too, reading the slots'
-    weights in place), and loads adapters into slots."""
+    weights in place), and loads adapters into slots.
 
-    def __init__(self, model: nn.Module, num_slots: int, max_rank: int) -> None:
-        self.targets = lora_targets(model)
+    Under tensor parallelism (``shard``: the driver's share) ``targets`` are the whole model's (adapters are
+    read and checked whole), and loading a slot gives each rank its slices (Shard.projection): B's rows of a
+    column-parallel layer (A whole), A's columns of a row-parallel one (B whole, the ranks' partial deltas
+    summed with the layer's output); ``send`` carries the other ranks' to them."""
+
+    def __init__(self, model: nn.Module, num_slots: int, max_rank: int, shard: Shard | None = None,
+                 send: SendSlices | None = None) -> None:
+        self.targets = lora_targets(model, shard.full if shard is not None else None)
+        self.shard, self.send = shard, send
         self.context = LoRAContext()
         self.layers: dict[str, LoRALinear] = {}
-        for name, target in self.targets.items():
+        for name, target in lora_targets(model).items():
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             layer = LoRALinear(getattr(parent, child), target, num_slots, max_rank, self.context)
@@ -80,12 +96,36 @@ class LoRAModel:
         self.num_loads = 0
 
     def load(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Copy ``adapter`` into ``slot`` of every layer. On a GPU the copies queue behind the steps
-        launched before, so a step still running reads the adapter it was launched with."""
+        """Copy ``adapter`` into ``slot`` of every layer (this rank's slices; the other ranks' sent them). On
+        a GPU the copies queue behind the steps launched before, so a step still running reads the adapter
+        it was launched with."""
+        layers, lora_id = adapter.layers, adapter.request.lora_int_id
+        if self.shard is not None:
+            for rank in range(1, self.shard.world_size):
+                theirs = self._slices(layers, self.shard.of_rank(rank))
+                self.send(rank, (slot, lora_id, adapter.scaling, theirs))
+            layers = self._slices(layers, self.shard)
+        self.load_slices(slot, lora_id, adapter.scaling, layers)
+
+    def load_slices(self, slot: int, lora_id: int, scaling: float, layers: dict[str, list[LoRAShard]]
+                    ) -> None:
+        """Copy an adapter's pairs, already this rank's, into ``slot`` of every layer."""
         for name, layer in self.layers.items():
-            layer.load_slot(slot, adapter.layers.get(name, []), adapter.scaling)
-        self._loaded[slot] = adapter.request.lora_int_id
+            layer.load_slot(slot, layers.get(name, []), scaling)
+        self._loaded[slot] = lora_id
         self.num_loads += 1
+
+    def _slices(self, layers: dict[str, list[LoRAShard]], shard: Shard) -> dict[str, list[LoRAShard]]:
+        """An adapter's pairs as ``shard``'s rank holds them (the class docstring says how)."""
+        out = {}
+        for name, shards in layers.items():
+            projections = self.targets[name].shards
+            row_parallel = name.endswith(("o_proj", "down_proj"))
+            out[name] = [LoRAShard(s.index, shard.projection(projections[s.index][0], s.a) if row_parallel
+                                   else s.a,
+                                   s.b if row_parallel else shard.projection(projections[s.index][0], s.b))
+                         for s in shards]
+        return out
 
     def prepare(self, requests: Sequence[Request], query_start_loc: np.ndarray) -> np.ndarray | None:
         """Load any adapter a row of the step needs that its slot does not hold yet; return each token's

@@ -229,6 +229,14 @@ class Shard:
                 tensor = self._sliced(name, proj, kind, tensor, cut)
             yield name, tensor
 
+    def projection(self, proj: str, t: torch.Tensor) -> torch.Tensor:
+        """A tensor laid out as projection ``proj``'s weight ([out, in]; HF's name: ``q_proj``, ``down_proj``,
+        Phi-3's fused ``qkv_proj``) as this rank slices that weight: a LoRA adapter's B of a column-parallel
+        projection, or A of a row-parallel one."""
+        if proj in ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"):
+            return self._attention(proj, "weight", t)
+        return self._feed_forward(None, proj, None, "weight", t)
+
     def _sliced(self, name: str, proj: str, kind: str | None, t: torch.Tensor,
                 cut: Callable[[str | None, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """A projection's tensor (``cut(kind, t)`` slices its weights and biases) as this rank holds it."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import plait
+from plait.lora.slots import NO_LORA_SLOT
 from plait.parallel.group import ParallelRank
 
 if TYPE_CHECKING:
@@ -32,13 +33,14 @@ if TYPE_CHECKING:
 # (IDS, number of sampled ids to receive), (SLEEP, level), (WAKE_UP, tags), (LOAD_WEIGHTS, None) followed by
 # that rank's (name, tensor) slices one message each and then END_OF_WEIGHTS, (RPC, a pickled (method, args,
 # kwargs) for its Worker), (KV_TRANSFER, the prefix cache's block copies to make before the next FORWARD),
+# (LORA_LOAD, a LoRA slot's adapter slices: lora_message),
 # (STOP, None), and at start-up the agreed KV blocks (an int). Rank -> driver, at
 # start-up: (LOADED, None), (BLOCKS, the KV blocks it has room for), (READY, None); after SLEEP and WAKE_UP:
 # (DONE, None); after a LOAD_WEIGHTS: (DONE, None or the ValueError's message: a set the model refused); after
 # an RPC: (DONE, (True, the pickled result) or (False, the method's traceback)); at any time (FAILED, its
 # traceback: the rank is gone).
 FORWARD, IDS, SLEEP, WAKE_UP, STOP, RPC = "forward", "ids", "sleep", "wake_up", "stop", "rpc"
-KV_TRANSFER = "kv_transfer"
+KV_TRANSFER, LORA_LOAD = "kv_transfer", "lora_load"
 LOAD_WEIGHTS, END_OF_WEIGHTS = "load_weights", "end_of_weights"
 LOADED, BLOCKS, READY, DONE, FAILED = "loaded", "blocks", "ready", "done", "failed"
 # How often the driver looks at its workers while it waits for them (a dead one fails the wait).
@@ -255,7 +257,9 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
             if runner.prompt_embeds is not None:
                 runner.prompt_embeds.stage(None if embeds is None else
                                            (embeds[0], tensor_from_message(embeds[1])[1]))
-            runner.forward(arrays, pending_sources, prev_ids if in_flight else None)
+            # LoRA rows: any token with an adapter's slot (the driver's LoRAModel.prepare set them).
+            lora = runner.lora is not None and bool((arrays.lora_slots != NO_LORA_SLOT).any())
+            runner.forward(arrays, pending_sources, prev_ids if in_flight else None, lora)
         elif kind == IDS:
             prev_ids = runner.receive_sampled_ids(payload)
         elif kind == LOAD_WEIGHTS:
@@ -271,6 +275,8 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
             conn.send((DONE, _run_rpc(runner, payload)))
         elif kind == KV_TRANSFER:
             runner.transfer_kv(payload)
+        elif kind == LORA_LOAD:
+            runner.lora.load_slices(*lora_from_message(payload))
         elif kind in (SLEEP, WAKE_UP):
             prev_ids = None  # its storage goes to sleep; no step is in flight across a sleep
             if kind == SLEEP:
@@ -290,6 +296,23 @@ def _run_rpc(runner: ModelRunner, call: bytes) -> tuple[bool, Any]:
         return True, pickle.dumps(runner.worker.execute(method, args, kwargs))
     except Exception:  # noqa: BLE001 - the driver raises it
         return False, traceback.format_exc()
+
+
+def lora_message(payload: tuple[int, int, float, dict[str, list[Any]]]) -> tuple:
+    """A LoRA slot's slices (LoRAModel.load's payload) as plain data for a worker's pipe (tensor_message)."""
+    slot, lora_id, scaling, layers = payload
+    return slot, lora_id, scaling, {name: [(s.index, tensor_message("a", s.a), tensor_message("b", s.b))
+                                           for s in shards] for name, shards in layers.items()}
+
+
+def lora_from_message(message: tuple) -> tuple[int, int, float, dict[str, list[Any]]]:
+    from plait.lora.adapter import LoRAShard
+
+    slot, lora_id, scaling, layers = message
+    return slot, lora_id, scaling, {
+        name: [LoRAShard(index, tensor_from_message(a)[1], tensor_from_message(b)[1])
+               for index, a, b in shards]
+        for name, shards in layers.items()}
 
 
 def tensor_message(name: str, tensor: Any) -> tuple[str, str, tuple[int, ...], bytes]:

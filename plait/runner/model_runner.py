@@ -43,11 +43,13 @@ from plait.parallel.workers import (
     IDS,
     KV_TRANSFER,
     LOAD_WEIGHTS,
+    LORA_LOAD,
     RPC,
     SLEEP,
     WAKE_UP,
     DriverLink,
     Workers,
+    lora_message,
     tensor_message,
 )
 from plait.runner.cuda_graphs import MAX_GRAPH_PROMPT_TOKENS, StepGraphs, graph_shapes
@@ -198,7 +200,6 @@ class ModelRunner:
             # fails the driver here, with its traceback, instead of hanging it.
             self.peers.loaded()
             self.group = TPGroup(self.parallel, self.device)
-            sum_row_parallel_outputs(self.model, self.group)
         # False for encoders (plait.models.bert): each token attends to its whole prompt, so a prompt runs
         # whole in one step (never chunked) and no prefix of it is served from the cache.
         self.is_causal = getattr(self.model, "is_causal", True)
@@ -217,8 +218,10 @@ class ModelRunner:
             self.model.fold_norm_weights()
         # LoRA layers wrap their targets before the KV cache is sized (their slots take memory) and before
         # any graph is captured (graphs capture the deltas of whatever slots a step's tokens name).
-        self.lora = (LoRAModel(self.model, config.max_loras, config.max_lora_rank)
-                     if config.enable_lora else None)
+        self.lora = (LoRAModel(self.model, config.max_loras, config.max_lora_rank, self.shard,
+                               self._send_lora) if config.enable_lora else None)
+        if self.group is not None:  # after LoRA's wrapping: the ranks' partial deltas are summed too
+            sum_row_parallel_outputs(self.model, self.group)
         # vLLM's cpu_offload_gb: after every change to the weights (folded norms), before the KV cache is
         # sized from the memory they leave.
         self.weight_offload = (WeightOffload(self.model, int(config.cpu_offload_gb * GIB), self.device)
@@ -360,6 +363,11 @@ class ModelRunner:
                                     for name, t in weights)
             if self._folds_norms():  # what came, came unfolded
                 self.model.fold_norm_weights(loaded)
+
+    def _send_lora(self, rank: int, payload: tuple) -> None:
+        """A LoRA slot's slices to tensor-parallel rank ``rank`` (LoRAModel.load), before the step that reads
+        them."""
+        self.workers.send_to(rank, (LORA_LOAD, lora_message(payload)))
 
     def checkpoint_weights(self, path: str | None = None) -> Iterable[tuple[str, torch.Tensor]]:
         """The tensors of the checkpoint at ``path`` (an HF folder, a GGUF file or a cached Hub id), else of
