@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import assert_engines_agree, assert_greedy_matches_hf, plait_serve_process, random_prompts
+from test_classify import classifiers  # noqa: F401 - the tiny classifier checkpoints
 from test_moe import _copy_model_folder, moe_models  # noqa: F401 - moe_models: the tiny MoE checkpoints
 
 from plait.config import EngineConfig, ModelConfig
@@ -338,3 +339,38 @@ def test_lora_adapters_split_over_two_ranks(tiny_llama, tmp_path):
         assert split.runner.lora.num_loads >= 3
     finally:
         split.shutdown()
+
+
+def test_pooling_models_split_over_two_ranks(tiny_llama, classifiers, tmp_path):  # noqa: F811 - fixture above
+    """A decoder run as an embedding model, a base model's checkpoint (LlamaModel: names without ``model.``,
+    renamed before each rank takes its slices) and a ...ForSequenceClassification reward model, split in two:
+    the driver pools (or scores) the whole hidden states, which the ranks' summed slices make; embeddings,
+    per-token rows and probabilities are one device's."""
+    from transformers import AutoModel
+
+    from plait.pooling_params import PoolingParams
+
+    AutoModel.from_pretrained(tiny_llama, dtype=torch.float32).save_pretrained(tmp_path / "base")
+    prompts = random_prompts(4, 3, 40, seed=31)
+    embeddings = [PoolingParams(task="embed"), PoolingParams(task="token_embed")]
+    for folder, params in ((tiny_llama, embeddings), (tmp_path / "base", embeddings[:1]),
+                           (classifiers["llama-3-labels"][0], [PoolingParams(task="classify")])):
+        split = _engine(folder, 2, runner="pooling")
+        try:
+            for p in params:
+                one = _engine(folder, 1, runner="pooling")
+                got, want = (_pooled(engine, prompts, p) for engine in (split, one))
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a, b, atol=SPLIT_ATOL, rtol=0)
+        finally:
+            split.shutdown()
+
+
+def _pooled(engine: LLMEngine, prompts: list[list[int]], params) -> list[torch.Tensor]:
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, params, request_id=str(i))
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            done[int(out.request_id)] = out.outputs.data
+    return [done[i] for i in range(len(prompts))]

@@ -123,11 +123,9 @@ def load_model(
     # Split across devices: quantised dense models (each rank takes its slice of the codes and of their
     # scales, in whole tiles, words and groups: Shard.checkpoint; a 16-bit checkpoint's slices are quantised
     # to FP8 where they land).
-    if shard is not None and ((quantization is not None and model_config.moe is not None)
-                              or runner == "pooling"):
-        what = "pooling models" if runner == "pooling" else f"{quantization} MoE models"
-        raise ValueError(f"tensor_parallel_size {shard.world_size}: {what} cannot be split across devices "
-                         "yet; serve it on one device")
+    if shard is not None and quantization is not None and model_config.moe is not None:
+        raise ValueError(f"tensor_parallel_size {shard.world_size}: {quantization} MoE models cannot be "
+                         "split across devices yet; serve it on one device")
     if shard is not None:
         shard = dataclasses.replace(shard, weight_block=block, integer=int_spec)
     # Linear layers are made without memory (every weight is written below: drawing random ones that
@@ -157,14 +155,15 @@ def load_model(
         _init_dummy(model, config.seed)
     else:
         weights = checkpoint_layout(model, weights)
-        if shard is not None:
-            weights = shard.checkpoint(weights)
-        weights = _tap_kv_scales(weights, kv_scales)
+        # A pooling model's names and score head come first: a rank's slices are cut by the trunk's names.
         from_tokens = hf_config.get("classifier_from_token")
         if from_tokens and hasattr(model, "classify"):
             weights = _score_from_token_rows(weights, _token_ids(tokenizer, from_tokens, source.path))
         if runner == "pooling":
             weights = _trunk_weights(weights, model_config.architecture in BASE_MODEL_ARCHITECTURES)
+        if shard is not None:
+            weights = shard.checkpoint(weights)
+        weights = _tap_kv_scales(weights, kv_scales)
         model.load_weights((name, to_model_dtype(name, t, device, dtype)) for name, t in weights)
     model.eval()
     fp8_cache = config.kv_cache_dtype == "fp8"

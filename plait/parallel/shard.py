@@ -32,6 +32,9 @@ SHARDABLE_ARCHITECTURES = frozenset({
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
     "SmolLM3ForCausalLM", "Ministral3ForCausalLM", "SeedOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM",
+    # Their pooling forms (the same decoder; the driver pools or classifies the whole hidden states).
+    "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "LlamaForSequenceClassification",
+    "MistralForSequenceClassification", "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
 })
 # A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias" | a quantised
 # checkpoint's tensor beside the weight (SCALE_KINDS, INTEGER_KINDS)), or (its own name, None) for a tensor of
