@@ -327,7 +327,7 @@ class EngineConfig:
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         fraction = self.gpu_memory_utilization
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
+        if not _is_number(fraction) or not 0 < fraction <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction!r}")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
@@ -371,8 +371,7 @@ class EngineConfig:
         self.hf_overrides = json_object("hf_overrides", self.hf_overrides)
         self.rope_scaling = json_object("rope_scaling", self.rope_scaling)
         theta = self.rope_theta
-        if theta is not None and (isinstance(theta, bool) or not isinstance(theta, (int, float))
-                                  or not 0 < theta < math.inf):
+        if theta is not None and (not _is_number(theta) or not 0 < theta < math.inf):
             raise ValueError(f"rope_theta must be a positive number, got {theta!r}")
         self.override_generation_config = json_object("override_generation_config",
                                                        self.override_generation_config)
@@ -413,8 +412,7 @@ class EngineConfig:
         from plait.engine.kv_offload import OFFLOADING_BACKENDS
 
         size = self.kv_offloading_size
-        if size is not None and (isinstance(size, bool) or not isinstance(size, (int, float))
-                                 or not size > 0):
+        if size is not None and (not _is_number(size) or not size > 0):
             raise ValueError(f"kv_offloading_size must be a number of GiB > 0, got {size!r}")
         if self.kv_offloading_backend not in OFFLOADING_BACKENDS:
             raise ValueError(f"kv_offloading_backend {self.kv_offloading_backend!r} is not supported: plait "
@@ -423,7 +421,7 @@ class EngineConfig:
 
     def _check_cpu_offload(self) -> None:
         offload = self.cpu_offload_gb
-        if isinstance(offload, bool) or not isinstance(offload, (int, float)) or not offload >= 0:
+        if not _is_number(offload) or not offload >= 0:
             raise ValueError(f"cpu_offload_gb must be a number of GiB >= 0, got {offload!r}")
         if offload and (self.enable_lora or self.enable_sleep_mode):
             what = "enable_lora" if self.enable_lora else "enable_sleep_mode"
@@ -589,6 +587,11 @@ def canonical_dtype(name: str) -> str:
     if canonical is None:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_ALIASES)}, got {name!r}")
     return canonical
+
+
+def _is_number(value: Any) -> bool:
+    """An int or a float (a bool is neither, though Python counts it an int)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float))
 
 
 def _check_int(name: str, value: Any, minimum: int) -> None:

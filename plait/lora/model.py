@@ -119,12 +119,14 @@ class LoRAModel:
         """An adapter's pairs as ``shard``'s rank holds them (the class docstring says how)."""
         out = {}
         for name, shards in layers.items():
-            projections = self.targets[name].shards
             row_parallel = name.endswith(("o_proj", "down_proj"))
-            out[name] = [LoRAShard(s.index, shard.projection(projections[s.index][0], s.a) if row_parallel
-                                   else s.a,
-                                   s.b if row_parallel else shard.projection(projections[s.index][0], s.b))
-                         for s in shards]
+            out[name] = []
+            for s in shards:
+                proj = self.targets[name].shards[s.index][0]
+                if row_parallel:
+                    out[name].append(LoRAShard(s.index, shard.projection(proj, s.a), s.b))
+                else:
+                    out[name].append(LoRAShard(s.index, s.a, shard.projection(proj, s.b)))
         return out
 
     def prepare(self, requests: Sequence[Request], query_start_loc: np.ndarray) -> np.ndarray | None:

@@ -135,7 +135,7 @@ class BertModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
-        separator = self.segment_separator_id if self.reads_segments else None
+        separator = self.segment_separator_id
         types = None if separator is None else segment_types(input_ids, separator, batch)
         x = self.embeddings(input_ids, positions, types)
         for layer in self.encoder.layer:
@@ -179,8 +179,7 @@ class BertForSequenceClassification(BertModel):
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         # pooled: [n, hidden] fp32 ([CLS]) -> logits: [n, num_labels] fp32
-        x = torch.tanh(F.linear(pooled, self.pooler.dense.weight.float(), self.pooler.dense.bias.float()))
-        return F.linear(x, self.classifier.weight.float(), self.classifier.bias.float())
+        return _tanh_head(pooled, self.pooler.dense, self.classifier)
 
 
 class RobertaForSequenceClassification(BertModel):
@@ -198,7 +197,12 @@ class RobertaForSequenceClassification(BertModel):
 
     def classify(self, pooled: torch.Tensor) -> torch.Tensor:
         # pooled: [n, hidden] fp32 (<s>) -> logits: [n, num_labels] fp32
-        head = self.classifier
-        x = torch.tanh(F.linear(pooled, head.dense.weight.float(), head.dense.bias.float()))
-        return F.linear(x, head.out_proj.weight.float(), head.out_proj.bias.float())
+        return _tanh_head(pooled, self.classifier.dense, self.classifier.out_proj)
+
+
+def _tanh_head(pooled: torch.Tensor, dense: Linear, out: Linear) -> torch.Tensor:
+    """out(tanh(dense(pooled))) in fp32: BERT's pooler and classifier, RoBERTa's classification head (a head
+    of a few rows: fp32 costs nothing)."""
+    x = torch.tanh(F.linear(pooled, dense.weight.float(), dense.bias.float()))
+    return F.linear(x, out.weight.float(), out.bias.float())
 

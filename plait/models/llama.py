@@ -167,19 +167,19 @@ class DecoderLayer(nn.Module):
         gate_up = self.mlp.gate_up_proj
         gate_up_name = f"{prefix}mlp.gate_up_proj.weight"
         norm_name = f"{prefix}post_attention_layernorm.weight"
-        if norm_name in loaded.rows:
-            if loaded.covers(gate_up_name, gate_up.weight.shape[0]):
-                self.fold_mlp_norm()
-                return None
+        norm_came = norm_name in loaded.rows
+        if norm_came and loaded.covers(gate_up_name, gate_up.weight.shape[0]):
+            self.fold_mlp_norm()
+            return None
+        if norm_came:  # refused: the layer keeps its old norm, folded in already
             self.post_attention_layernorm.weight.fill_(1.0)
-            for rows in loaded.rows.get(gate_up_name, ()):
-                gate_up.fold_norm_weight(self.folded_norm_weight, rows)
-            return (f"{norm_name} came without all of gate_proj and up_proj, into which the MLP norms are "
-                    "folded on this GPU: load the three together (a whole layer, or the whole model), or "
-                    "start the engine with PLAIT_FOLD_NORMS=0 (or a worker_extension_cls) to keep them apart")
         for rows in loaded.rows.get(gate_up_name, ()):
             gate_up.fold_norm_weight(self.folded_norm_weight, rows)
-        return None
+        if not norm_came:
+            return None
+        return (f"{norm_name} came without all of gate_proj and up_proj, into which the MLP norms are folded "
+                "on this GPU: load the three together (a whole layer, or the whole model), or start the "
+                "engine with PLAIT_FOLD_NORMS=0 (or a worker_extension_cls) to keep them apart")
 
 
 class LlamaModel(nn.Module):

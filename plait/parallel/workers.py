@@ -114,7 +114,8 @@ class Workers:
         return self._gather(DONE, None if timeout is None else time.monotonic() + timeout)
 
     def send_to(self, rank: int, payload: Any) -> None:
-        """One raw message to worker ``rank`` (a slice of a LOAD_WEIGHTS, or END_OF_WEIGHTS)."""
+        """One raw message to worker ``rank`` (a slice of a LOAD_WEIGHTS, END_OF_WEIGHTS, or a LORA_LOAD of
+        that rank's adapter slices)."""
         self._conns[rank - 1].send(payload)
 
     def _gather(self, state: str, deadline: float | None = None) -> list[Any]:
