@@ -127,6 +127,47 @@ def test_prompts_evicted_from_the_device_come_back_from_host_memory(tiny_llama, 
     assert offloading.engine.is_idle_and_clean()
 
 
+def test_host_hits_are_vllms_external_prefix_cache_metrics(tiny_llama, caplog):
+    """As vLLM with its offloading connector: tokens copied back from host memory count as external hits
+    (vllm:external_prefix_cache_hits, out of vllm:external_prefix_cache_queries), not as the device's
+    vllm:prefix_cache_hits; the periodic log line gains vLLM's external hit rate; and an engine without a
+    host pool has none of these."""
+    pytest.importorskip("prometheus_client")
+    import logging
+
+    from plait.entrypoints.async_engine import EngineStats, _offload_stats
+    from plait.entrypoints.metrics import ServerMetrics
+    from plait.entrypoints.stat_logger import StatLogger, TokenTotals
+
+    first = random_prompts(2, 30, 40, seed=41)
+    llm = _engine(tiny_llama, 64)
+    _answers(llm, first)
+    _answers(llm, random_prompts(4, 30, 40, seed=42))
+    kv = llm.engine.kv_cache
+    before = EngineStats(prefix_cache_queries=kv.stats.queries, prefix_cache_hits=kv.stats.local_hits,
+                         **_offload_stats(llm.engine))
+    _, cached = _answers(llm, first)
+    stats = kv.stats
+    assert stats.external_hits == sum(cached) and stats.local_hits == 0  # each prefix came back from the host
+    now = EngineStats(prefix_cache_queries=stats.queries, prefix_cache_hits=stats.local_hits,
+                      **_offload_stats(llm.engine))
+    text = ServerMetrics(lambda: now, "tiny").render().decode()
+    for name, value in (("external_prefix_cache_hits", stats.external_hits),
+                        ("external_prefix_cache_queries", stats.queries), ("prefix_cache_hits", 0)):
+        assert f'vllm:{name}_total{{model_name="tiny"}} {float(value)}' in text, name
+    assert f"plait_kv_offloaded_blocks_total {float(stats.offloaded_blocks)}" in text
+    caplog.set_level(logging.INFO, logger="plait.entrypoints.stat_logger")
+    stat_logger = StatLogger(lambda: now, TokenTotals(prompt=1))
+    stat_logger._last = before
+    assert stat_logger.log(1.0)
+    asked = sum(len(p) for p in first)
+    assert caplog.records[-1].getMessage().endswith(
+        f"External prefix cache hit rate: {100 * sum(cached) / asked:.1f}%")
+    plain = _engine(tiny_llama, 0)
+    assert "external" not in ServerMetrics(lambda: EngineStats(**_offload_stats(plain.engine)), "tiny"
+                                           ).render().decode()
+
+
 def test_split_over_two_ranks_each_copies_its_heads(tiny_llama):
     """Two gloo ranks, each with its heads' share of every block in its own host pool: the driver sends each
     step's copies to the other rank before the forward, and the returning prompts answer as before."""

@@ -63,9 +63,18 @@ class PrefixCacheStats:
 
     queries: int = 0  # tokens looked up at admission
     hits: int = 0  # of those, tokens found cached (in host memory too)
+    # Of the hits, tokens found in host memory (KV offloading): vLLM's external hits, which its
+    # prefix_cache_hits leave out. Counted per admission, as hits are.
+    external_hits: int = 0
     evicted_blocks: int = 0
-    host_hits: int = 0  # tokens of the hits found in host memory (KV offloading), copied back
+    host_hits: int = 0  # tokens copied back from host memory, admitted or not (a retried admission finds
+    # them on the device)
     offloaded_blocks: int = 0  # evicted blocks copied to host memory
+
+    @property
+    def local_hits(self) -> int:
+        """Hits found on the device (vLLM's prefix_cache_hits)."""
+        return self.hits - self.external_hits
 
     @property
     def hit_rate(self) -> float:
@@ -223,6 +232,7 @@ class KVCacheManager:
         """Give a request that holds no blocks the longest cached prefix of its known tokens, always
         leaving at least one token to compute so that it samples normally. Returns the number of
         tokens now counted as computed (0 when caching is off)."""
+        request.num_host_cached_tokens = 0
         if not self.enable_prefix_caching or request.block_ids:
             return 0
         if request.sampling_params.prompt_logprobs is not None and not request.output_token_ids:
@@ -237,6 +247,7 @@ class KVCacheManager:
                 block = self._load_from_host(h) if self.host is not None else None
                 if block is None:
                     break
+                request.num_host_cached_tokens += self.block_size
             elif self._ref_count[block] == 0:
                 del self._free[block]
             self._ref_count[block] += 1
@@ -269,6 +280,7 @@ class KVCacheManager:
         if self.enable_prefix_caching:
             self.stats.queries += request.num_tokens
             self.stats.hits += request.num_computed_tokens
+            self.stats.external_hits += request.num_host_cached_tokens
 
     def cache_full_blocks(self, request: Request) -> None:
         """Make the request's newly filled blocks findable. Called when a step it ran in is collected."""

@@ -94,6 +94,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full blocks, memoised
     num_hashed_blocks: int = 0  # leading blocks already registered in (or taken from) the cache
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+    num_host_cached_tokens: int = 0  # of those, copied back from host memory (KV offloading)
     cache_key: bytes = b""  # extra hash input (LoRA, multimodal ids) so unlike contexts never share
     # vLLM's cache_salt: its digest keys the first block, so the request's blocks are found only by requests
     # with the same salt (a tenant's secret keeps others from timing cache hits to guess its prompts).

@@ -68,7 +68,12 @@ class EngineStats:
     num_steps: int = 0
     num_failed_steps: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of those, tokens found cached
+    prefix_cache_hits: int = 0  # of those, tokens found cached on the device
+    # KV offloading (None: off): vLLM's external tier, here the host pool: prompt tokens looked up with it
+    # on, and tokens of those copied back from it.
+    external_prefix_cache_queries: int | None = None
+    external_prefix_cache_hits: int = 0
+    kv_offloaded_blocks: int = 0  # evicted device blocks copied to the host pool
     prefix_cache_blocks: int = 0  # blocks findable by hash (held, or free but cached)
     prefix_cache_evicted_blocks: int = 0
     # Speculative decoding (None: off): rows that carried drafts, draft tokens, kept ones, kept by position.
@@ -595,7 +600,8 @@ class AsyncLLMEngine(EngineClient):
             num_steps=num_steps,
             num_failed_steps=num_failed,
             prefix_cache_queries=engine.kv_cache.stats.queries,
-            prefix_cache_hits=engine.kv_cache.stats.hits,
+            prefix_cache_hits=engine.kv_cache.stats.local_hits,
+            **_offload_stats(engine),
             prefix_cache_blocks=engine.kv_cache.num_cached_blocks,
             prefix_cache_evicted_blocks=engine.kv_cache.stats.evicted_blocks,
             **_spec_stats(engine),
@@ -665,6 +671,16 @@ def _lora_stats(engine: LLMEngine) -> dict:
 
     return {"max_loras": engine.config.max_loras, "running_loras": names(sched.running),
             "waiting_loras": names(sched.waiting)}
+
+
+def _offload_stats(engine: LLMEngine) -> dict:
+    """EngineStats' KV-offloading fields (none where no host pool backs the prefix cache). As vLLM's
+    connector, the host pool is asked about every admitted prompt the device is."""
+    stats = engine.kv_cache.stats
+    if engine.kv_cache.host is None:
+        return {}
+    return dict(external_prefix_cache_queries=stats.queries, external_prefix_cache_hits=stats.external_hits,
+                kv_offloaded_blocks=stats.offloaded_blocks)
 
 
 def _spec_stats(engine: LLMEngine) -> dict:

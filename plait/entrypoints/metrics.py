@@ -151,6 +151,13 @@ class _EngineStatsCollector(Collector):
                                           s.prefix_cache_queries),
             "vllm:prefix_cache_hits": ("Prompt tokens found in the prefix cache", s.prefix_cache_hits),
         }
+        if s.external_prefix_cache_queries is not None:  # as vLLM, only where KV offloading is on
+            vllm_counters.update({
+                "vllm:external_prefix_cache_queries": ("Prompt tokens looked up in the KV offloading tier",
+                                                       s.external_prefix_cache_queries),
+                "vllm:external_prefix_cache_hits": ("Prompt tokens copied back from the KV offloading tier",
+                                                    s.external_prefix_cache_hits),
+            })
         if s.spec_num_drafts is not None:  # as vLLM, only where speculative decoding is on
             vllm_counters.update({
                 "vllm:spec_decode_num_drafts": ("Rows that carried draft tokens", s.spec_num_drafts),
@@ -195,6 +202,9 @@ class _EngineStatsCollector(Collector):
             "plait_prefix_cache_evicted_blocks": ("Cached blocks evicted for new allocations",
                                                   s.prefix_cache_evicted_blocks),
         }
+        if s.external_prefix_cache_queries is not None:
+            counters["plait_kv_offloaded_blocks"] = ("Evicted KV blocks copied to host memory",
+                                                     s.kv_offloaded_blocks)
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(name, doc, value=value)
 

@@ -48,10 +48,15 @@ class StatLogger:
             return False
         queries = now.prefix_cache_queries - last.prefix_cache_queries
         hit_rate = (now.prefix_cache_hits - last.prefix_cache_hits) / queries if queries else 0.0
+        external = ""
+        if now.external_prefix_cache_queries is not None:  # vLLM's line where a KV connector is on
+            asked = now.external_prefix_cache_queries - (last.external_prefix_cache_queries or 0)
+            found = now.external_prefix_cache_hits - last.external_prefix_cache_hits
+            external = f", External prefix cache hit rate: {100 * found / asked if asked else 0.0:.1f}%"
         logger.info("Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
                     "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, "
-                    "Prefix cache hit rate: %.1f%%", prompt / interval_s, generation / interval_s,
-                    now.num_running, now.num_waiting, 100 * now.kv_usage, 100 * hit_rate)
+                    "Prefix cache hit rate: %.1f%%%s", prompt / interval_s, generation / interval_s,
+                    now.num_running, now.num_waiting, 100 * now.kv_usage, 100 * hit_rate, external)
         if now.spec_num_drafts is not None:
             self._log_spec(last, now, interval_s)
         return True
