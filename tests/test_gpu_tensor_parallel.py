@@ -49,6 +49,12 @@ FP8_FIRST_LOGITS_TOL = 0.4
 FP8_FIRST_LOGITS_MEDIAN_TOL = 0.2
 FP8_NEAR_TIE = 0.2
 FP8_MIN_AGREEMENT = 0.1
+# A random adapter's A and B entries: big enough that its delta moves the logits well past the split's
+# rounding (the test checks it does).
+LORA_STD = 0.05
+# Pooled hidden states of two GPUs against one: bf16 rounding of the split's sums leaves them this alike;
+# two different prompts' are far less.
+POOLED_MIN_COSINE = 0.999
 # Shared by every model here: GQA, 16 query and 4 KV heads of 128.
 ATTENTION = dict(num_attention_heads=16, num_key_value_heads=4, head_dim=128, vocab_size=8192,
                  max_position_embeddings=2048, rope_theta=10000.0, tie_word_embeddings=False)
@@ -99,18 +105,20 @@ def moe_checkpoint(request, tmp_path_factory):
     return request.param, _save_random(tmp_path_factory, cfg, f"{request.param}-tp")
 
 
-def _engine(folder, tp: int, expert_parallel: bool = False) -> LLMEngine:
+def _engine(folder, tp: int, expert_parallel: bool = False, **knobs) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(folder), dtype="bfloat16", tensor_parallel_size=tp,
                                   max_model_len=1024, max_num_seqs=64, max_num_batched_tokens=256,
                                   enable_prefix_caching=False, num_kv_blocks=4096,
-                                  enable_expert_parallel=expert_parallel))
+                                  enable_expert_parallel=expert_parallel, **knobs))
 
 
-def _greedy(folder, tp: int, prompts, expert_parallel: bool = False):
-    """(index -> greedy ids, index -> the logits each was sampled from, the runner's step breakdown)."""
-    engine = _engine(folder, tp, expert_parallel)
+def _greedy(folder, tp: int, prompts, expert_parallel: bool = False, loras: list | None = None, **knobs):
+    """(index -> greedy ids, index -> the logits each was sampled from, the runner's step breakdown); request
+    i with LoRA adapter ``loras[i]`` where given."""
+    engine = _engine(folder, tp, expert_parallel, **knobs)
     try:
-        ids, logits = run_greedy(engine, prompts, NEW_TOKENS, arrive_every=2, capture_logits=True)
+        ids, logits = run_greedy(engine, prompts, NEW_TOKENS, arrive_every=2, capture_logits=True,
+                                 loras=loras)
         return ids, logits, engine.runner.breakdown
     finally:
         engine.shutdown()
@@ -135,10 +143,12 @@ def _agreement(want, want_logits, got, got_logits) -> tuple[int, list[float], li
 def _check_two_gpus_run_the_one_gpu_model(folder, what: str, first_tol: float = FIRST_LOGITS_TOL,
                                           near_tie: float = NEAR_TIE, expert_parallel: bool = False,
                                           median_tol: float = FIRST_LOGITS_MEDIAN_TOL,
-                                          min_agreement: float = MIN_AGREEMENT) -> None:
+                                          min_agreement: float = MIN_AGREEMENT, loras: list | None = None,
+                                          **knobs) -> dict:
+    """Greedy ids and logits of two GPUs against one's (bf16, graphs); returns the one GPU's logits."""
     prompts = random_prompts(NUM_PROMPTS, 1, 400, seed=3)
-    want, want_logits, _ = _greedy(folder, 1, prompts)
-    got, got_logits, b = _greedy(folder, 2, prompts, expert_parallel)
+    want, want_logits, _ = _greedy(folder, 1, prompts, loras=loras, **knobs)
+    got, got_logits, b = _greedy(folder, 2, prompts, expert_parallel, loras=loras, **knobs)
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
     agree, gaps, first = _agreement(want, want_logits, got, got_logits)
     median = float(torch.tensor(first).median())
@@ -148,6 +158,7 @@ def _check_two_gpus_run_the_one_gpu_model(folder, what: str, first_tol: float = 
     assert max(first) <= first_tol and median <= median_tol
     assert all(0 <= g <= near_tie for g in gaps), f"a fork at a confident token: {sorted(gaps)}"
     assert agree >= min_agreement * NUM_PROMPTS
+    return want_logits
 
 
 def test_two_gpus_run_the_one_gpu_model(checkpoint):
@@ -273,3 +284,66 @@ def test_two_gpus_run_the_one_gpu_gptq_model(checkpoint, tmp_path):
 
     _quantized_checkpoint(checkpoint, tmp_path / "gptq", "gptq", 4, 128, sym=True, act_order=False)
     _check_two_gpus_run_the_one_gpu_model(tmp_path / "gptq", "llama, GPTQ")
+
+
+def test_two_gpus_run_the_one_gpu_model_with_lora_adapters(checkpoint, tmp_path):
+    """LoRA under tensor parallelism: each GPU holds its slices of every adapter (B's rows of the column-
+    parallel projections, A's columns of o/down, whose partial deltas the all-reduce sums with the layer's),
+    and its graphs capture the deltas. Base rows and two adapters' rows, interleaved in every step, run as on
+    one GPU; and the adapters move the logits far more than the split does (so a rank ignoring its slices
+    would show)."""
+    from conftest import make_lora_adapter
+
+    from plait.lora.request import LoRARequest
+
+    every = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    kinds = [("all", every, 8), ("qv-o-down", ["q_proj", "v_proj", "o_proj", "down_proj"], 16)]
+    adapters = []
+    for i, (name, targets, rank) in enumerate(kinds):
+        folder = make_lora_adapter(tmp_path / name, checkpoint, targets, rank=rank, alpha=2 * rank,
+                                   seed=i + 5, std=LORA_STD)
+        adapters.append(LoRARequest(name, i + 1, str(folder)))
+    loras = [(None, *adapters)[i % 3] for i in range(NUM_PROMPTS)]
+    knobs = dict(enable_lora=True, max_loras=2, max_lora_rank=16)
+    with_adapters = _check_two_gpus_run_the_one_gpu_model(checkpoint, "llama, 2 LoRA adapters", loras=loras,
+                                                          **knobs)
+    _, base, _ = _greedy(checkpoint, 1, random_prompts(NUM_PROMPTS, 1, 400, seed=3))
+    moved = [float((with_adapters[i][0] - base[i][0]).abs().max() / base[i][0].std())
+             for i in range(NUM_PROMPTS)]
+    adapted = [m for m, lora in zip(moved, loras) if lora is not None]
+    unadapted = [m for m, lora in zip(moved, loras) if lora is None]
+    print(f"LoRA adapters move the first logits by {min(adapted):.3f} to {max(adapted):.3f} std; base rows "
+          f"of the LoRA engine by at most {max(unadapted):.4f}")
+    assert min(adapted) > 2 * FIRST_LOGITS_TOL and max(unadapted) <= FIRST_LOGITS_TOL
+
+
+def test_two_gpus_pool_as_one(checkpoint):
+    """Pooling models under tensor parallelism: the driver pools (or keeps per token) the hidden states the
+    GPUs' summed slices make; embeddings and per-token rows within bf16 rounding of the split's other
+    summation order (cosine similarity), unlike another prompt's."""
+    from plait.pooling_params import PoolingParams
+
+    prompts = random_prompts(16, 1, 400, seed=7)
+    for task in ("embed", "token_embed"):
+        params = PoolingParams(task=task)
+        one, two = (_pooled(_engine(checkpoint, tp, runner="pooling"), prompts, params) for tp in (1, 2))
+        cos = [float(torch.nn.functional.cosine_similarity(a.float(), b.float(), dim=-1).min())
+               for a, b in zip(one, two)]
+        print(f"pooling {task}, tensor parallel 2 vs 1 GPU, bf16: least cosine similarity {min(cos):.5f}")
+        assert min(cos) >= POOLED_MIN_COSINE
+        if task == "embed":
+            others = float(torch.nn.functional.cosine_similarity(one[0].float(), one[1].float(), dim=-1))
+            assert others < POOLED_MIN_COSINE
+
+
+def _pooled(engine: LLMEngine, prompts: list[list[int]], params) -> list[torch.Tensor]:
+    """Each prompt's pooled output, in prompt order; the engine shut down after."""
+    try:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(prompt, params, request_id=str(i))
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({int(o.request_id): o.outputs.data.cpu() for o in engine.step() if o.finished})
+        return [done[i] for i in range(len(prompts))]
+    finally:
+        engine.shutdown()
