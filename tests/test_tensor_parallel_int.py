@@ -1,7 +1,8 @@
 """Integer-weight checkpoints (GPTQ, AWQ, llm-compressor's pack-quantized) split across two ranks (CPU,
 gloo): each rank takes whole packed words and groups of its output columns (q, k, v, gate, up) or of its
 inputs (o, down), so the split model is the checkpoint's, as transformers runs the weights it stands for;
-GPTQ's act-order, whose groups lie across the inputs, is refused."""
+under GPTQ's act-order a row-parallel rank keeps every group's scales and zeros, its inputs' rows falling in
+any group (unevenly: WNA16Linear pads them to whole words)."""
 
 from __future__ import annotations
 
@@ -57,7 +58,10 @@ def test_a_compressed_tensors_checkpoint_split_in_two_is_its_model(tiny_models, 
                       quantization="compressed-tensors")
 
 
-def test_act_order_checkpoints_are_refused(tiny_models, tmp_path):
-    _quantized_checkpoint(tiny_models["llama"], tmp_path / "act", "gptq", 4, 32, sym=True, act_order=True)
-    with pytest.raises(Exception, match="act-order .* serve it on one device"):
-        LLMEngine(EngineConfig(model=str(tmp_path / "act"), tensor_parallel_size=2))
+@pytest.mark.parametrize("bits,group,sym", [(4, 32, False), (8, 16, True)])
+def test_an_act_order_checkpoint_split_in_two_is_its_model(tiny_models, tmp_path, bits, group, sym):
+    """GPTQ desc_act: each projection's g_idx a random permutation's groups, so each rank's half of o's and
+    down's inputs holds rows of every group, unevenly; transformers' logits and greedy tokens."""
+    dst = tmp_path / "act"
+    weights = _quantized_checkpoint(tiny_models["llama"], dst, "gptq", bits, group, sym=sym, act_order=True)
+    _split_matches_hf(dst, _hf_of(tiny_models["llama"], weights), "gptq")

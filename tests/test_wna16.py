@@ -165,6 +165,56 @@ def test_a_layer_loads_each_format_to_the_weight_it_stands_for(method, bits, sym
     torch.testing.assert_close(layer(x), x @ torch.cat(want).t(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("bits,sym,stored_zero", [(4, False, None), (4, False, 15), (8, True, None)])
+def test_a_slice_of_act_order_inputs_pads_its_uneven_groups(bits, sym, stored_zero):
+    """A row-parallel rank's share of an act-order layer (as plait.parallel.shard cuts it: its rows of
+    qweight and g_idx, every group's scales and zeros): its rows fill the groups unevenly, so each group's
+    are padded to whole words (word_groups); the two ranks' outputs are the whole layer's on their inputs,
+    and sum to it. stored_zero 15: every zero point GPTQ's 2^bits (its stored-less-one zero 0), which no code
+    reaches, so the padding rows' weights are not 0 and only their zero inputs keep them out."""
+    from plait.kernels import dispatch
+
+    g = torch.Generator().manual_seed(bits)
+    k, n, group, ranks = 128, 48, 32, 2
+    spec = WNA16Spec("gptq", bits, group, sym=sym, desc_act=True, zero_offset=1)
+    tensors, _ = _quantize(torch.randn(n, k, generator=g), "gptq", bits, group, sym, True, seed=bits)
+    if stored_zero is not None:
+        tensors["qzeros"] = torch.full_like(tensors["qzeros"], -1)  # every field all ones: 15
+    whole = WNA16Linear(k, n, False, spec, torch.float32)
+    for name, tensor in tensors.items():
+        whole.load_shard(name, 0, n, tensor)
+    whole.check_loaded()
+    x = torch.randn(3, k, generator=g)
+    local, words = k // ranks, k // ranks // spec.pack
+    total = torch.zeros(3, n)
+    for rank in range(ranks):
+        inputs = slice(rank * local, (rank + 1) * local)
+        layer = WNA16Linear(local, n, False, spec, torch.float32)
+        sliced = {"qweight": tensors["qweight"][rank * words:(rank + 1) * words],
+                  "g_idx": tensors["g_idx"][inputs], "qzeros": tensors["qzeros"], "scales": tensors["scales"]}
+        for name, tensor in sliced.items():
+            layer.load_shard(name, 0, n, tensor)
+        layer.check_loaded()
+        assert layer.word_groups is not None and layer.scales.shape[0] == k // group
+        assert layer.codes.shape[0] == len(layer.word_groups) > words  # some group's rows padded
+        on_slice = torch.zeros_like(x)
+        on_slice[:, inputs] = x[:, inputs]
+        out = layer(x[:, inputs])
+        torch.testing.assert_close(out, whole(on_slice), rtol=1e-5, atol=1e-5)
+        total += out
+        # Through the kernels (the interpreter on CPU): the reference's function.
+        x16 = x[:, inputs].to(torch.bfloat16)
+        layer.compute_dtype = torch.bfloat16
+        dispatch.set_cpu_interpreter(True)
+        try:
+            with torch.no_grad():  # (the kernels take no gradients)
+                kernel_out = layer(x16)
+        finally:
+            dispatch.set_cpu_interpreter(False)
+        torch.testing.assert_close(kernel_out.float(), layer(x16).float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(total, whole(x), rtol=1e-5, atol=1e-4)
+
+
 def test_fused_shards_with_different_act_orders_are_refused():
     spec = WNA16Spec("gptq", 4, 32, desc_act=True, zero_offset=1)
     layer = WNA16Linear(64, 64, False, spec, torch.float32)

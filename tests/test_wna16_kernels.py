@@ -9,6 +9,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from plait.kernels.wna16_gemm import (  # noqa: E402
+    DEQUANT_MIN_M,
     GEMV_PROGRAMS_PER_SM,
     TILED_PROGRAMS_PER_SM,
     FmaConfig,
@@ -57,6 +58,19 @@ def _layer(k: int, n: int, bits: int, group_rows: int, seed: int, scale_dtype: t
     return codes.to(device), scales, zeros.to(device=device, dtype=zero_dtype)
 
 
+def _uneven_layer(k: int, n: int, bits: int, groups: int, seed: int, scale_dtype: torch.dtype = torch.float16,
+                  device: str = DEVICE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_layer's codes with ``groups`` groups of scales and zeros that the word rows fall in at random (act-
+    order's uneven groups, padded to whole words, as a row-parallel rank holds them): codes, scales, zeros
+    and word_groups [K // pack] int32."""
+    pack = WORD_BITS // bits
+    codes, _, _ = _layer(k, n, bits, 0, seed, scale_dtype, device)
+    _, scales, zeros = _layer(groups * pack, n, bits, pack, seed + 1, scale_dtype, device)
+    g = torch.Generator().manual_seed(seed + 2)
+    word_groups = torch.randint(0, groups, (k // pack,), generator=g, dtype=torch.int32)
+    return codes, scales, zeros, word_groups.to(device)
+
+
 def _inputs(m: int, k: int, n: int, dtype: torch.dtype, bias: bool, seed: int, device: str = DEVICE
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     g = torch.Generator().manual_seed(seed + 1)
@@ -67,18 +81,22 @@ def _inputs(m: int, k: int, n: int, dtype: torch.dtype, bias: bool, seed: int, d
 
 def _assert_matches(out: torch.Tensor, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                     zeros: torch.Tensor, bits: int, bias: torch.Tensor | None,
-                    config: WNA16Config | FmaConfig | None = None) -> None:
+                    config: WNA16Config | FmaConfig | None = None, word_groups: torch.Tensor | None = None
+                    ) -> None:
     """out against the reference (loosely, as torch's own matmul computes it), and against the exact product
     of the same weights (tightly: one rounding to the output dtype plus fp32 summation error), rounded to x's
     dtype, or in fp32 where the call (``config``: its override) took the one-row FMA kernel."""
     k, n = x.shape[-1], codes.shape[1]
-    exact_weights = fma_config(x.numel() // k, n, k, scales.shape[0], bits, config) is not None
-    ref = wna16_linear_ref(x, codes, scales, zeros, bits, bias, exact_weights=exact_weights)
+    exact_weights = fma_config(x.numel() // k, n, k, scales.shape[0], bits, config,
+                               word_groups is not None) is not None
+    ref = wna16_linear_ref(x, codes, scales, zeros, bits, bias, exact_weights=exact_weights,
+                           word_groups=word_groups)
     assert out.shape == ref.shape and out.dtype == ref.dtype == x.dtype
     atol = 2e-2 * ref.float().abs().max().item()
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=atol)
     x2 = x.reshape(-1, x.shape[-1]).double()
-    w = dequantize(codes, scales, zeros, bits, torch.float32 if exact_weights else x.dtype).double()  # [N, K]
+    w = dequantize(codes, scales, zeros, bits, torch.float32 if exact_weights else x.dtype,
+                   word_groups).double()  # [N, K]
     b = bias.double() if bias is not None else torch.zeros((), dtype=torch.float64, device=x.device)
     exact = x2 @ w.T + b
     mag = x2.abs() @ w.abs().T + b.abs()
@@ -174,6 +192,50 @@ def test_split_k_and_ragged_k_match_the_reference_deterministically(config):
         assert torch.equal(out, wna16_linear(x, codes, scales, zeros, bits, bias, config=cfg))
 
 
+# Uneven groups: K is a padded one (whole words, not whole blocks: 13 words of 4-bit codes, 27 of 8-bit).
+UNEVEN_K = {4: 104, 8: 108}
+UNEVEN_GROUPS = 5
+
+
+@pytest.mark.parametrize("config", sorted(STEP_CONFIGS))
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])  # fp32 and fp16 dequantisation
+def test_word_groups_weights_are_the_references_bit_for_bit(config, bits, dtype):
+    """word_groups (act-order's uneven groups): x = the identity, as above, so each output row is one input
+    row of the kernel's weight, which must be dequantize's with the same word_groups bit for bit: each word
+    row's scale and zero read from its own group, K past the last whole step masked (the FMA kernel too)."""
+    k, n = UNEVEN_K[bits], 48
+    codes, scales, zeros, word_groups = _uneven_layer(k, n, bits, UNEVEN_GROUPS, seed=bits)
+    x = torch.eye(k, device=DEVICE, dtype=dtype)
+    cfg = STEP_CONFIGS[config]
+    want = dequantize(codes, scales, zeros, bits, dtype, word_groups).t()  # [K, N]
+    if isinstance(cfg, FmaConfig):
+        if dtype == torch.bfloat16 and cfg.split_k > 1 and not HAS_CUDA:
+            pytest.skip("the interpreter's split-K reduction truncates to bf16 (compiled kernels round)")
+        rows = [9 * i for i in range(8)] + [k - 1]
+        out = torch.cat([wna16_linear(x[i:i + 1], codes, scales, zeros, bits, config=cfg,
+                                      word_groups=word_groups) for i in rows])
+        exact = dequantize(codes, scales, zeros, bits, torch.float32, word_groups).t()[rows].to(dtype)
+        assert torch.equal(out, exact)
+        return
+    assert torch.equal(wna16_linear(x, codes, scales, zeros, bits, config=cfg, word_groups=word_groups), want)
+
+
+@pytest.mark.parametrize("m", [1, 5, 300])  # the FMA GEMV, the dot GEMV, dequantize_kn then a matmul
+@pytest.mark.parametrize("bits", [4, 8])
+def test_word_groups_match_the_reference(m, bits):
+    """The default configs with word_groups, bias on: the reference's function of the same weights, and
+    dequantize_kn's weights dequantize's bit for bit."""
+    k, n = UNEVEN_K[bits], 80
+    codes, scales, zeros, word_groups = _uneven_layer(k, n, bits, UNEVEN_GROUPS, seed=m + bits)
+    x, bias = _inputs(m, k, n, torch.bfloat16, bias=True, seed=m)
+    out = wna16_linear(x, codes, scales, zeros, bits, bias, word_groups=word_groups)
+    _assert_matches(out, x, codes, scales, zeros, bits, bias, word_groups=word_groups)
+    if m >= DEQUANT_MIN_M:
+        assert torch.equal(dequantize_kn(codes, scales, zeros, bits, torch.bfloat16, word_groups),
+                           dequantize(codes, scales, zeros, bits, torch.bfloat16, word_groups).t())
+
+
 def test_batch_dims_strided_rows_and_empty_inputs():
     k, n, bits = 64, 32, 4
     codes, scales, zeros = _layer(k, n, bits, 32, seed=7)
@@ -207,6 +269,8 @@ def test_arguments_that_do_not_fit_are_refused():
         wna16_linear(x, codes, scales.repeat(8, 1), zeros.repeat(8, 1), 4)
     with pytest.raises(ValueError, match="bias"):
         wna16_linear(x, codes, scales, zeros, 4, bias=torch.zeros(16, device=DEVICE, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="word_groups"):  # one a word row: 8 of 64 4-bit inputs
+        wna16_linear(x, codes, scales, zeros, 4, word_groups=torch.zeros(4, device=DEVICE, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 4096), (16, 6144, 4096), (1, 28672, 4096), (4, 4096, 14336),
@@ -229,7 +293,8 @@ def test_the_layer_runs_the_kernel_where_triton_runs(monkeypatch):
 
     calls = []
     kernel = wna16_gemm.wna16_linear
-    monkeypatch.setattr(wna16_gemm, "wna16_linear", lambda *args: calls.append(args) or kernel(*args))
+    monkeypatch.setattr(wna16_gemm, "wna16_linear",
+                        lambda *args, **kwargs: calls.append(args) or kernel(*args, **kwargs))
     spec = WNA16Spec("gptq", 4, 32, sym=False)
     layer = WNA16Linear(64, 48, bias=True, spec=spec, compute_dtype=torch.bfloat16, device=DEVICE)
     g = torch.Generator().manual_seed(11)
@@ -275,6 +340,29 @@ def test_other_widths_and_groups_on_real_shapes(bits, group_rows, m):
                                   device="cuda")
     x, bias = _inputs(m, k, n, torch.bfloat16, bias=True, seed=m, device="cuda")
     _assert_matches(wna16_linear(x, codes, scales, zeros, bits, bias), x, codes, scales, zeros, bits, bias)
+
+
+@gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 100, 300])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_word_groups_on_real_shapes(m, bits):
+    """A row-parallel rank's act-order down_proj of Llama-8B split in two: 7,168 inputs whose rows fall in
+    all 112 groups of 128, padded to whole words (K a multiple of no block), word rows' groups in sorted
+    order as WNA16Linear._pad_groups lays them out; every path (FMA GEMV, dot GEMV, tiled GEMM,
+    dequantize_kn) against the reference."""
+    groups, n, pack = 112, 4096, WORD_BITS // bits
+    g = torch.Generator().manual_seed(m + bits)
+    # Each group's rows on this rank: about half its 128, so padding adds up to pack - 1 a group.
+    counts = torch.randint(40, 89, (groups,), generator=g)
+    words = (counts + pack - 1) // pack  # [G] word rows a group
+    word_groups = torch.repeat_interleave(torch.arange(groups), words).to(device="cuda", dtype=torch.int32)
+    k = int(words.sum()) * pack
+    codes, scales, zeros, _ = _uneven_layer(k, n, bits, groups, seed=m, scale_dtype=torch.float16,
+                                            device="cuda")
+    for dtype in (torch.bfloat16, torch.float16):
+        x, bias = _inputs(m, k, n, dtype, bias=m == 4, seed=m, device="cuda")
+        out = wna16_linear(x, codes, scales, zeros, bits, bias, word_groups=word_groups)
+        _assert_matches(out, x, codes, scales, zeros, bits, bias, word_groups=word_groups)
 
 
 @gpu

@@ -27,7 +27,10 @@ group scales and zero points, dequantised in the K loop and multiplied on tensor
 # tile out one element a thread and stored it to shared memory two bytes at a time (sm_90 SASS).
 # Scales and zeros are read once per K step: a [BLOCK_N] row where the step lies in one group (BLOCK_K
 # divides group_rows, or G == 1), else one row per word row (a word's codes always share a group:
-# group_rows is a multiple of pack).
+# group_rows is a multiple of pack). Uneven groups (act-order rows of a row-parallel rank, each group padded
+# to whole words: plait.layers.wna16.WNA16Linear._pad_groups) come with word_groups [K // pack] int32, each
+# word row's group, which every kernel then reads (WORD_GROUPS, a constexpr: the other paths compile as
+# they did) instead of computing k // group_rows.
 # Split-K partials go to an fp32 workspace [split, M, N] that skinny_gemm.reduce_splits sums in a fixed
 # order (deterministic, no atomics) and biases. No host syncs, allocations fixed by the shapes: CUDA-graph
 # capturable. plait.layers.wna16.wna16_linear_ref is the torch reference (the tests' oracle); under
@@ -150,12 +153,12 @@ def _dequantize(words, scale, zero, dtype: tl.constexpr, BITS: tl.constexpr, PAC
 # row count (see plait.kernels.paged_attention on per-step arguments).
 @triton.jit(do_not_specialize=["M"])
 def _wna16_gemm_kernel(
-    x_ptr, c_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr,
+    x_ptr, c_ptr, s_ptr, z_ptr, wg_ptr, b_ptr, out_ptr, part_ptr,
     M, N, K, G, group_rows, stride_xm, stride_cw, stride_sg, stride_zg, stride_om, k_iters,
     STATIC_K_ITERS: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, TILE_IN_GROUP: tl.constexpr,
     EVEN_K: tl.constexpr, TO_WORKSPACE: tl.constexpr, HAS_BIAS: tl.constexpr, HALF: tl.constexpr,
-    INTERPRETED_BF16: tl.constexpr, PDL: tl.constexpr,
+    WORD_GROUPS: tl.constexpr, INTERPRETED_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
     # out[m, n] = sum_k x[m, k] * weight(n, k) (+ bias[n]); grid (M tiles x N tiles, K splits), each split
     # k_iters steps of BLOCK_K (BLOCK_K // PACK word rows).
@@ -203,8 +206,11 @@ def _wna16_gemm_kernel(
             scale = tl.load(s_ptr + g * stride_sg + offs_n[None, None, :], mask=n_in3, other=0.0)
             zero = tl.load(z_ptr + g * stride_zg + offs_n[None, None, :], mask=n_in3, other=0)
         else:
-            # Groups narrower than the step: each word row's own (a word's codes share a group).
-            g = tl.minimum((k0 + offs_w * PACK) // group_rows, G - 1)[:, None, None]
+            # Groups narrower than the step, or uneven: each word row's own (a word's codes share a group).
+            if WORD_GROUPS:  # word rows past K read group 0; their words and x are masked to 0
+                g = tl.load(wg_ptr + k0 // PACK + offs_w, mask=k0 + offs_w * PACK < K, other=0)[:, None, None]
+            else:
+                g = tl.minimum((k0 + offs_w * PACK) // group_rows, G - 1)[:, None, None]
             scale = tl.load(s_ptr + g * stride_sg + offs_n[None, None, :], mask=n_in3, other=0.0)
             zero = tl.load(z_ptr + g * stride_zg + offs_n[None, None, :], mask=n_in3, other=0)
         w = _dequantize(words, scale, zero, x_ptr.dtype.element_ty, BITS, PACK, HALF, INTERPRETED_BF16)
@@ -238,15 +244,16 @@ def _code_minus_zero(words, jj: tl.constexpr, zero, BITS: tl.constexpr):
 
 @triton.jit
 def _wna16_fma_kernel(
-    x_ptr, c_ptr, s_ptr, z_ptr, b_ptr, out_ptr, part_ptr,
+    x_ptr, c_ptr, s_ptr, z_ptr, wg_ptr, b_ptr, out_ptr, part_ptr,
     N, K, G, group_rows, stride_cw, stride_sg, stride_zg, k_iters,
     STATIC_K_ITERS: tl.constexpr, BITS: tl.constexpr, PACK: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_W: tl.constexpr, ROW_GROUPS: tl.constexpr, TO_WORKSPACE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    INTERPRETED_BF16: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_W: tl.constexpr, ROW_GROUPS: tl.constexpr, WORD_GROUPS: tl.constexpr, TO_WORKSPACE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, INTERPRETED_BF16: tl.constexpr, PDL: tl.constexpr,
 ):
     # out[n] = sum_k x[k] * (code(k, n) - zero) * scale for one row x, on CUDA cores: no dot, so no layout
     # change of the unpacked codes. Grid (N tiles, K splits); each step takes BLOCK_W word rows (BLOCK_W *
-    # PACK inputs), in one group or (ROW_GROUPS) each word row in its own. Per code: one LOP3, one FADD, one
+    # PACK inputs), in one group or (ROW_GROUPS) each word row in its own (WORD_GROUPS: read from
+    # word_groups, uneven groups; the step may then reach past K, masked). Per code: one LOP3, one FADD, one
     # FFMA (_code_minus_zero; x's entries carry the 2^-(BITS * jj) that undoes its field's place, exactly);
     # each word's sums take their group's scale once, and the word rows are summed at the end.
     pdl_prologue(PDL)
@@ -266,7 +273,10 @@ def _wna16_fma_kernel(
         high = words >> (BITS * DIRECT)
         if ROW_GROUPS:
             # The step spans groups: each word row's own scale and zero (cached: rows of a group share them).
-            g2 = tl.minimum((w0 + offs_w) * PACK // group_rows, G - 1)[:, None]
+            if WORD_GROUPS:
+                g2 = tl.load(wg_ptr + w0 + offs_w, mask=w_in, other=0)[:, None]
+            else:
+                g2 = tl.minimum((w0 + offs_w) * PACK // group_rows, G - 1)[:, None]
             scale = tl.load(s_ptr + g2 * stride_sg + offs_n[None, :], mask=n_in[None, :], other=0.0)
             zero = tl.load(z_ptr + g2 * stride_zg + offs_n[None, :], mask=n_in[None, :], other=0)
             scale, zero = scale.to(tl.float32), zero.to(tl.float32)
@@ -296,16 +306,20 @@ def _wna16_fma_kernel(
 
 
 @triton.jit
-def _dequantize_kernel(c_ptr, s_ptr, z_ptr, w_ptr, N, K, G, group_rows, stride_cw, stride_sg, stride_zg,
-                       BITS: tl.constexpr, PACK: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_N: tl.constexpr,
-                       HALF: tl.constexpr, INTERPRETED_BF16: tl.constexpr):
+def _dequantize_kernel(c_ptr, s_ptr, z_ptr, wg_ptr, w_ptr, N, K, G, group_rows, stride_cw, stride_sg,
+                       stride_zg, BITS: tl.constexpr, PACK: tl.constexpr, BLOCK_W: tl.constexpr,
+                       BLOCK_N: tl.constexpr, HALF: tl.constexpr, WORD_GROUPS: tl.constexpr,
+                       INTERPRETED_BF16: tl.constexpr):
     # w[k, n] = the weight of codes (k, n): BLOCK_W word rows x BLOCK_N columns a program, unpacked as the
     # GEMM kernel unpacks them (_dequantize), each word row with its group's scale and zero.
     offs_w = tl.program_id(0) * BLOCK_W + tl.arange(0, BLOCK_W)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask3 = ((offs_w * PACK < K)[:, None] & (offs_n < N)[None, :])[:, None, :]
     words = tl.load(c_ptr + offs_w[:, None, None] * stride_cw + offs_n[None, None, :], mask=mask3, other=0)
-    g = tl.minimum(offs_w * PACK // group_rows, G - 1)[:, None, None]
+    if WORD_GROUPS:
+        g = tl.load(wg_ptr + offs_w, mask=offs_w * PACK < K, other=0)[:, None, None]
+    else:
+        g = tl.minimum(offs_w * PACK // group_rows, G - 1)[:, None, None]
     scale = tl.load(s_ptr + g * stride_sg + offs_n[None, None, :], mask=mask3, other=0.0)
     zero = tl.load(z_ptr + g * stride_zg + offs_n[None, None, :], mask=mask3, other=0)
     w = _dequantize(words, scale, zero, w_ptr.dtype.element_ty, BITS, PACK, HALF, INTERPRETED_BF16)
@@ -315,23 +329,31 @@ def _dequantize_kernel(c_ptr, s_ptr, z_ptr, w_ptr, N, K, G, group_rows, stride_c
 
 
 def dequantize_kn(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                  dtype: torch.dtype) -> torch.Tensor:
+                  dtype: torch.dtype, word_groups: torch.Tensor | None = None) -> torch.Tensor:
     """plait.layers.wna16.dequantize transposed, [K, N] in dtype, in one launch: the weights bit for bit."""
     pack = WORD_BITS // bits
     k, n, groups = codes.shape[0] * pack, codes.shape[1], scales.shape[0]
     w = torch.empty((k, n), dtype=dtype, device=codes.device)
+    word_groups = _unit_n(word_groups) if word_groups is not None else None
     _dequantize_kernel[(triton.cdiv(k // pack, DEQUANT_BLOCK_W), triton.cdiv(n, DEQUANT_BLOCK_N))](
-        codes, scales, zeros, w, n, k, groups, k // groups, codes.stride(0), scales.stride(0),
-        zeros.stride(0), BITS=bits, PACK=pack, BLOCK_W=DEQUANT_BLOCK_W, BLOCK_N=DEQUANT_BLOCK_N,
-        HALF=dtype == torch.float16 and scales.dtype == torch.float16,
+        codes, scales, zeros, word_groups if word_groups is not None else codes, w, n, k, groups,
+        _group_rows(k, groups, pack, word_groups), codes.stride(0), scales.stride(0), zeros.stride(0),
+        BITS=bits, PACK=pack, BLOCK_W=DEQUANT_BLOCK_W, BLOCK_N=DEQUANT_BLOCK_N,
+        HALF=dtype == torch.float16 and scales.dtype == torch.float16, WORD_GROUPS=word_groups is not None,
         INTERPRETED_BF16=not codes.is_cuda and dtype == torch.bfloat16, num_warps=4,
     )
     return w
 
 
+def _group_rows(k: int, groups: int, pack: int, word_groups: torch.Tensor | None) -> int:
+    """The kernels' group_rows: K // G, or where word_groups names each word row's group (uneven groups), a
+    word row's inputs (which no kernel then divides by)."""
+    return k // groups if word_groups is None else pack
+
+
 def _check(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-           bias: torch.Tensor | None) -> int:
-    """The group_rows of a valid call, else a ValueError naming what does not fit."""
+           bias: torch.Tensor | None, word_groups: torch.Tensor | None = None) -> int:
+    """The group_rows of a valid call (_group_rows), else a ValueError naming what does not fit."""
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"{bits}-bit codes are not supported (bits {list(SUPPORTED_BITS)})")
     if x2.dtype not in (torch.bfloat16, torch.float16):
@@ -341,14 +363,22 @@ def _check(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: t
     if codes.dtype != torch.int32 or codes.shape[0] * pack != k:
         raise ValueError(f"codes {tuple(codes.shape)} {codes.dtype} do not pack x's {k} inputs at {bits} "
                          "bits")
-    if scales.shape != (groups, n) or zeros.shape != (groups, n) or groups == 0 or k % groups:
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias {tuple(bias.shape)}, expected ({n},)")
+    if scales.shape != (groups, n) or zeros.shape != (groups, n) or groups == 0:
+        raise ValueError(f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} are not [G, {n}] "
+                         "groups")
+    if word_groups is not None:
+        if word_groups.shape != (k // pack,) or word_groups.dtype != torch.int32:
+            raise ValueError(f"word_groups {tuple(word_groups.shape)} {word_groups.dtype}: one int32 group a "
+                             f"word row, ({k // pack},)")
+        return _group_rows(k, groups, pack, word_groups)
+    if k % groups:
         raise ValueError(f"scales {tuple(scales.shape)} and zeros {tuple(zeros.shape)} do not give [G, {n}] "
                          f"groups of {k} inputs")
     group_rows = k // groups
     if group_rows % pack:
         raise ValueError(f"{group_rows}-row groups split words of {pack} codes")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias {tuple(bias.shape)}, expected ({n},)")
     return group_rows
 
 
@@ -389,25 +419,29 @@ FMA_CONFIGS: dict[tuple[int, int, int], FmaConfig] = {
 
 
 def fma_config(m: int, n: int, k: int, groups: int, bits: int,
-               config: WNA16Config | FmaConfig | None = None) -> FmaConfig | None:
+               config: WNA16Config | FmaConfig | None = None, word_groups: bool = False) -> FmaConfig | None:
     """The FMA GEMV's config where it takes this call (``config`` an FmaConfig, or None and FMA_CONFIGS' or
-    FMA_CONFIG usable), else None: the dot kernel's."""
+    FMA_CONFIG usable), else None: the dot kernel's. ``word_groups``: the call comes with them."""
     if isinstance(config, WNA16Config):
         return None
     cfg = config or FMA_CONFIGS.get((bits, n, k), FMA_CONFIG)
-    return cfg if fma_usable(m, k, groups, k // groups, bits, cfg) else None
+    return cfg if fma_usable(m, k, groups, k // groups, bits, cfg, word_groups) else None
 
 
-def fma_usable(m: int, k: int, groups: int, group_rows: int, bits: int, cfg: FmaConfig = FMA_CONFIG) -> bool:
+def fma_usable(m: int, k: int, groups: int, group_rows: int, bits: int, cfg: FmaConfig = FMA_CONFIG,
+               word_groups: bool = False) -> bool:
     """Whether _wna16_fma_kernel takes this call: one row, its steps (block_w words) whole groups or within
-    one, and K whole steps."""
+    one, and K whole steps; with word_groups (each word row's group read, rows past K masked) any K."""
+    if word_groups:
+        return 0 < m <= FMA_MAX_M
     step = cfg.block_w * (WORD_BITS // bits)
     aligned = groups == 1 or group_rows % step == 0 or step % group_rows == 0
     return 0 < m <= FMA_MAX_M and aligned and k % step == 0
 
 
 def _fma_gemv(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-              bias: torch.Tensor | None, out: torch.Tensor, group_rows: int, cfg: FmaConfig) -> None:
+              bias: torch.Tensor | None, out: torch.Tensor, group_rows: int, cfg: FmaConfig,
+              word_groups: torch.Tensor | None) -> None:
     (m, k), n, groups = x2.shape, codes.shape[1], scales.shape[0]
     pack = WORD_BITS // bits
     word_rows = k // pack
@@ -418,11 +452,13 @@ def _fma_gemv(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros
     split = triton.cdiv(steps, iters)
     part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
     _wna16_fma_kernel[(tiles, split)](
-        x2, codes, scales, zeros, bias if bias is not None else out, out, part,
+        x2, codes, scales, zeros, word_groups if word_groups is not None else codes,
+        bias if bias is not None else out, out, part,
         n, k, groups, group_rows, codes.stride(0), scales.stride(0), zeros.stride(0),
         iters, STATIC_K_ITERS=static_iters(x2.is_cuda, iters), BITS=bits, PACK=pack,
-        BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w, ROW_GROUPS=groups > 1 and cfg.block_w * pack > group_rows,
-        TO_WORKSPACE=split > 1,
+        BLOCK_N=cfg.block_n, BLOCK_W=cfg.block_w,
+        ROW_GROUPS=word_groups is not None or (groups > 1 and cfg.block_w * pack > group_rows),
+        WORD_GROUPS=word_groups is not None, TO_WORKSPACE=split > 1,
         HAS_BIAS=bias is not None, INTERPRETED_BF16=not x2.is_cuda and x2.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2),
     )
@@ -431,25 +467,27 @@ def _fma_gemv(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros
 
 
 def wna16_gemm(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-               bias: torch.Tensor | None = None, config: WNA16Config | FmaConfig | None = None
-               ) -> torch.Tensor:
-    """x2 @ dequantize(codes, scales, zeros, bits, x2.dtype).T (+ bias) for 2-D x2; ``config`` overrides the
-    launch shape (tests, sweeps; its split_k 0 is chosen as the default's)."""
-    # x2: [M, K] bf16/fp16; codes: [K // pack, N] int32; scales, zeros: [G, N]; bias: [N] -> [M, N] x2.dtype
-    group_rows = _check(x2, codes, scales, zeros, bits, bias)
+               bias: torch.Tensor | None = None, config: WNA16Config | FmaConfig | None = None,
+               word_groups: torch.Tensor | None = None) -> torch.Tensor:
+    """x2 @ dequantize(codes, scales, zeros, bits, x2.dtype, word_groups).T (+ bias) for 2-D x2; ``config``
+    overrides the launch shape (tests, sweeps; its split_k 0 is chosen as the default's)."""
+    # x2: [M, K] bf16/fp16; codes: [K // pack, N] int32; scales, zeros: [G, N]; word_groups: [K // pack]
+    # int32 or None; bias: [N] -> [M, N] x2.dtype
+    group_rows = _check(x2, codes, scales, zeros, bits, bias, word_groups)
     x2 = _unit_n(x2)
     codes, scales, zeros = _unit_n(codes), _unit_n(scales), _unit_n(zeros)
+    word_groups = _unit_n(word_groups) if word_groups is not None else None
     (m, k), n, groups = x2.shape, codes.shape[1], scales.shape[0]
     out = torch.empty((m, n), dtype=x2.dtype, device=x2.device)
     if m == 0 or n == 0:
         return out
     if config is None and m >= DEQUANT_MIN_M:
         # Prompt-sized: the weights dequantised once (the reference's, bit for bit), then cuBLAS.
-        w = dequantize_kn(codes, scales, zeros, bits, x2.dtype)
+        w = dequantize_kn(codes, scales, zeros, bits, x2.dtype, word_groups)
         return torch.addmm(bias, x2, w) if bias is not None else torch.mm(x2, w)
-    fma = fma_config(m, n, k, groups, bits, config)
+    fma = fma_config(m, n, k, groups, bits, config, word_groups is not None)
     if fma is not None:
-        _fma_gemv(x2, codes, scales, zeros, bits, bias, out, group_rows, fma)
+        _fma_gemv(x2, codes, scales, zeros, bits, bias, out, group_rows, fma, word_groups)
         return out
     if not isinstance(config, WNA16Config):
         cfg = default_config(m, n, k, sm_count(x2.device))
@@ -463,14 +501,15 @@ def wna16_gemm(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero
     part = torch.empty((split, m, n), dtype=torch.float32, device=x2.device) if split > 1 else out
     tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
     _wna16_gemm_kernel[(tiles, split)](
-        x2, codes, scales, zeros, bias if bias is not None else out, out, part,
+        x2, codes, scales, zeros, word_groups if word_groups is not None else codes,
+        bias if bias is not None else out, out, part,
         m, n, k, groups, group_rows, x2.stride(0), codes.stride(0), scales.stride(0), zeros.stride(0),
         out.stride(0), iters,
         STATIC_K_ITERS=static_iters(x2.is_cuda, iters), BITS=bits, PACK=WORD_BITS // bits,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m,
-        TILE_IN_GROUP=groups == 1 or group_rows % block_k == 0, EVEN_K=iters * split * block_k == k,
-        TO_WORKSPACE=split > 1, HAS_BIAS=bias is not None,
-        HALF=x2.dtype == torch.float16 and scales.dtype == torch.float16,
+        TILE_IN_GROUP=word_groups is None and (groups == 1 or group_rows % block_k == 0),
+        EVEN_K=iters * split * block_k == k, TO_WORKSPACE=split > 1, HAS_BIAS=bias is not None,
+        HALF=x2.dtype == torch.float16 and scales.dtype == torch.float16, WORD_GROUPS=word_groups is not None,
         INTERPRETED_BF16=not x2.is_cuda and x2.dtype == torch.bfloat16,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_args(x2),
     )
@@ -480,9 +519,11 @@ def wna16_gemm(x2: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zero
 
 
 def wna16_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-                 bias: torch.Tensor | None = None, config: WNA16Config | None = None) -> torch.Tensor:
-    """x @ dequantize(codes, scales, zeros, bits, x.dtype).T + bias, on CUDA (x: [..., K] bf16/fp16 ->
-    [..., N] x.dtype); ``config`` overrides the launch shape (tests, sweeps)."""
+                 bias: torch.Tensor | None = None, config: WNA16Config | FmaConfig | None = None,
+                 word_groups: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ dequantize(codes, scales, zeros, bits, x.dtype, word_groups).T + bias, on CUDA (x: [..., K]
+    bf16/fp16 -> [..., N] x.dtype); ``config`` overrides the launch shape (tests, sweeps); ``word_groups``:
+    [K // pack] int32, each word row's group (uneven groups), else row k's is k // (K // G)."""
     x2 = x.reshape(-1, x.shape[-1])
     n = codes.shape[1]
-    return wna16_gemm(x2, codes, scales, zeros, bits, bias, config).view(*x.shape[:-1], n)
+    return wna16_gemm(x2, codes, scales, zeros, bits, bias, config, word_groups).view(*x.shape[:-1], n)

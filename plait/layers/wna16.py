@@ -14,7 +14,11 @@
 #         (checkpoint_format "gptq", the usual) each zero stored less one, as GPTQ-for-LLaMa wrote it;
 #         "gptq_v2" stores the zero itself. With desc_act ("act-order") the rows are quantised in another
 #         order and g_idx [K] names each input row's group: the loader sorts the rows by group
-#         (WNA16Linear.perm) and each matmul gathers x's columns in that order.
+#         (WNA16Linear.perm) and each matmul gathers x's columns in that order. A row-parallel rank of such
+#         a layer (tensor parallelism) holds a slice of the inputs, whose rows fall in any of the G groups,
+#         unevenly: it keeps every group's scales and zeros, and its layer pads each group's sorted rows to
+#         whole words (padding rows read a zero column of x) and reads each word row's group from
+#         word_groups [K_padded // pack] int32 instead of k // (K // G) (WNA16Linear._pad_groups).
 #   AWQ:  qweight [K, N / 8] and qzeros [K / G, N / 8] packed along N, the eight columns of a word in the
 #         order AWQ_PACK_ORDER; scales as GPTQ's.
 #   compressed-tensors "pack-quantized": weight_packed [N, K / pack] (GPTQ's words, transposed), codes signed
@@ -30,6 +34,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from plait.kernels.dispatch import use_triton
@@ -209,32 +214,48 @@ def pack_columns(codes: torch.Tensor, bits: int, order: tuple[int, ...] | None =
 # -- the arithmetic ------------------------------------------------------------------------------------------
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int,
-               dtype: torch.dtype) -> torch.Tensor:
+               dtype: torch.dtype, word_groups: torch.Tensor | None = None) -> torch.Tensor:
     """The weight, [N, K] in ``dtype``, that plait-layout codes, scales and zeros stand for: (code - zero) *
-    scale in fp32, rounded once."""
-    # codes: [K // pack, N] int32; scales, zeros: [groups, N] -> [N, K]
+    scale in fp32, rounded once. ``word_groups``: each word row's group (uneven groups), else row k's group
+    is k // (K // G)."""
+    # codes: [K // pack, N] int32; scales, zeros: [groups, N]; word_groups: [K // pack] -> [N, K]
     q = unpack_rows(codes, bits)  # [K, N]
-    group_rows = q.shape[0] // scales.shape[0]
-    z = zeros.to(torch.int32).repeat_interleave(group_rows, dim=0)
-    s = scales.float().repeat_interleave(group_rows, dim=0)
+    if word_groups is not None:
+        row_groups = word_groups.long().repeat_interleave(WORD_BITS // bits)  # [K]
+        z, s = zeros.to(torch.int32)[row_groups], scales.float()[row_groups]
+    else:
+        group_rows = q.shape[0] // scales.shape[0]
+        z = zeros.to(torch.int32).repeat_interleave(group_rows, dim=0)
+        s = scales.float().repeat_interleave(group_rows, dim=0)
     return ((q - z).float() * s).t().to(dtype)
+
+
+def sorted_inputs(x: torch.Tensor, perm: torch.Tensor) -> torch.Tensor:
+    """x's columns in the order of act-order's sorted rows: [..., K] -> [..., len(perm)]. A perm longer than
+    K holds padding rows (groups padded to whole words, WNA16Linear._pad_groups), whose entries are K: they
+    read a zero column appended to x, so they add exact zeros whatever x holds (inf and NaN too)."""
+    if perm.shape[0] > x.shape[-1]:
+        x = F.pad(x, (0, 1))
+    return x.index_select(-1, perm)
 
 
 def wna16_linear_ref(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                      bits: int, bias: torch.Tensor | None = None, perm: torch.Tensor | None = None,
-                     dequantized: torch.Tensor | None = None, exact_weights: bool = False) -> torch.Tensor:
+                     dequantized: torch.Tensor | None = None, exact_weights: bool = False,
+                     word_groups: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) with the weight dequantised to x's dtype, as torch's matmul computes it
     (``exact_weights``: in fp32, unrounded, the sum rounded once to x's dtype: what the one-row kernel
-    computes); ``perm``: the input order of the rows (act-order), applied to x's columns; ``dequantized``:
-    the weight in x's dtype, where the caller keeps it."""
+    computes); ``perm``: the input order of the rows (act-order), applied to x's columns (sorted_inputs);
+    ``dequantized``: the weight in x's dtype, where the caller keeps it; ``word_groups``: as dequantize's."""
     # x: [..., K] -> [..., N]
     if perm is not None:
-        x = x.index_select(-1, perm)
+        x = sorted_inputs(x, perm)
     if exact_weights:
-        weight = dequantize(codes, scales, zeros, bits, torch.float32)
+        weight = dequantize(codes, scales, zeros, bits, torch.float32, word_groups)
         return linear(x.float(), weight, bias.float() if bias is not None else None).to(x.dtype)
-    weight = dequantized if dequantized is not None else dequantize(codes, scales, zeros, bits, x.dtype)
-    return linear(x, weight, bias)
+    if dequantized is None:
+        dequantized = dequantize(codes, scales, zeros, bits, x.dtype, word_groups)
+    return linear(x, dequantized, bias)
 
 
 def quantize_rtn(weight: torch.Tensor, spec: WNA16Spec, scale_dtype: torch.dtype = DUMMY_SCALE_DTYPE
@@ -302,6 +323,8 @@ class WNA16Linear(nn.Module):
         # order of the sorted rows, which x's columns are gathered in.
         self._g_idx: torch.Tensor | None = None
         self.register_buffer("perm", None)
+        # Uneven groups (_pad_groups): each word row's group, [K_padded // pack] int32; None: k // group_rows.
+        self.register_buffer("word_groups", None)
         self._reference_weight: torch.Tensor | None = None  # off CUDA: the dequantised weight, made once
 
     @classmethod
@@ -342,12 +365,14 @@ class WNA16Linear(nn.Module):
         if name == "qzeros":
             if not spec.stored_zeros:
                 raise ValueError("zero points in a checkpoint whose scheme is symmetric")
+            self._hold_groups(tensor.shape[0])
             _expect(tensor, (self.zeros.shape[0], num_out // spec.pack), "qzeros")
             order = AWQ_PACK_ORDER if spec.method == "awq" else None
             zeros = unpack_columns(tensor.to(torch.int32), spec.bits, order) + spec.zero_offset
             self.zeros[:, cols] = zeros.to(self.zeros.dtype)
             return "zeros"
         if name == "scales":
+            self._hold_groups(tensor.shape[0])
             _expect(tensor, (self.scales.shape[0], num_out), "scales")
             if tensor.dtype != self.scales.dtype and torch.isnan(self.scales).all():
                 self.scales.data = self.scales.data.to(tensor.dtype)  # keep the checkpoint's precision
@@ -362,6 +387,17 @@ class WNA16Linear(nn.Module):
             return "g_idx"
         raise ValueError(f"a {spec.method.upper()} layer has no tensor {name!r}")
 
+    def _hold_groups(self, groups: int) -> None:
+        """Act-order: a row-parallel rank's slice of the inputs (plait.parallel.shard) keeps every group's
+        scales and zeros, since its rows fall in any group; the layer takes their count from the first that
+        arrives (shapes are checked as usual after)."""
+        if not self.spec.desc_act or groups == self.scales.shape[0] or not torch.isnan(self.scales).all():
+            return
+        n, device = self.out_features, self.scales.device
+        self.scales.data = torch.full((groups, n), float("nan"), dtype=self.scales.dtype, device=device)
+        self.zeros.data = torch.full((groups, n), 1 << (self.spec.bits - 1), dtype=self.zeros.dtype,
+                                     device=device)
+
     @torch.no_grad()
     def load_weight_rows(self, start: int, rows: torch.Tensor) -> None:
         """Float rows ``start:start + len(rows)`` (random weights) quantised round-to-nearest here."""
@@ -374,26 +410,74 @@ class WNA16Linear(nn.Module):
 
     @torch.no_grad()
     def check_loaded(self) -> None:
-        """Every column has its scales; act-order rows sorted by group (perm)."""
+        """Every column has its scales; act-order rows sorted by group (perm): in even groups of group_size
+        rows where they are (one device; a rank's slice of the inputs whose groups it holds whole), else
+        padded to whole words a group (_pad_groups)."""
         self._reference_weight = None  # made again from what was loaded
         if torch.isnan(self.scales.float()).any():
             raise ValueError(f"a {self.spec.method.upper()} layer came without the scales of some columns")
         g_idx, self._g_idx = self._g_idx, None
-        rows = self.spec.group_rows(self.in_features)
-        if g_idx is None or torch.equal(g_idx, torch.arange(self.in_features, device=g_idx.device) // rows):
-            return  # rows already in group order (g_idx absent, or the trivial one desc_act false writes)
-        perm = torch.argsort(g_idx, stable=True)
-        if not torch.equal(g_idx[perm], torch.arange(self.in_features, device=g_idx.device) // rows):
-            raise ValueError(f"g_idx does not give each group {rows} rows")
-        codes = unpack_rows(self.codes.data, self.spec.bits)[perm]
-        self.codes.data = pack_rows(codes, self.spec.bits)
-        self.perm = perm
+        k, groups = self.in_features, self.scales.shape[0]
+        even = torch.arange(k, device=self.codes.device) // self.spec.group_rows(k)  # [K]: even groups' ids
+        if g_idx is None:
+            if groups != self.spec.groups(k):
+                raise ValueError(f"a layer of {k} inputs holding {groups} groups came without g_idx")
+            return
+        # Groups first .. first + K // group_rows, filled evenly, are the usual layout (a rank's slice of the
+        # inputs may start past group 0 where its groups are whole).
+        first = int(g_idx.min())
+        if first < 0 or int(g_idx.max()) >= groups:
+            raise ValueError(f"g_idx names groups outside the {groups} the scales hold")
+        fits = groups >= self.spec.groups(k) + first
+        if fits and torch.equal(g_idx, even + first):
+            self._keep_groups(first)
+            return  # rows already in group order (the trivial g_idx desc_act false writes)
+        perm = torch.argsort(g_idx, stable=True)  # [K]
+        codes = unpack_rows(self.codes.data, self.spec.bits)[perm]  # [K, N], rows in group order
+        if fits and torch.equal(g_idx[perm], even + first):
+            self._keep_groups(first)
+            self.codes.data = pack_rows(codes, self.spec.bits)
+            self.perm = perm
+            return
+        self._pad_groups(g_idx[perm], perm, codes)
+
+    def _keep_groups(self, first: int) -> None:
+        """Only the scales and zeros of groups first .. first + K // group_rows, which this layer's rows
+        fill evenly (a rank's slice of the inputs that holds whole groups: act-order's static groups)."""
+        count = self.spec.groups(self.in_features)
+        if first or count != self.scales.shape[0]:
+            self.scales.data = self.scales.data[first:first + count].clone()
+            self.zeros.data = self.zeros.data[first:first + count].clone()
+
+    def _pad_groups(self, row_groups: torch.Tensor, perm: torch.Tensor, codes: torch.Tensor) -> None:
+        """Rows sorted into uneven groups (act-order, a row-parallel rank's slice of the inputs): each group's
+        rows padded to whole words, since a word's codes share one scale and zero. A padding row's perm entry
+        is K (sorted_inputs reads a zero column there); its code is the zero point where the codes reach it
+        (weight 0), else the top code (weight -scale: GPTQ's stored-less-one zero 0 reads 2^bits): finite,
+        so its product with the zero input is exactly 0. Each word row's group goes in word_groups."""
+        # row_groups: [K] the sorted rows' groups; perm: [K] their inputs; codes: [K, N] sorted
+        spec, k = self.spec, self.in_features
+        device = codes.device
+        counts = torch.bincount(row_groups, minlength=self.scales.shape[0])  # [G] rows a group
+        padded = (counts + spec.pack - 1) // spec.pack * spec.pack  # [G] rows a group, whole words
+        padded_groups = torch.repeat_interleave(torch.arange(len(padded), device=device), padded)  # [K_pad]
+        # Sorted row i lands at its group's padded start plus its place within its group.
+        starts, padded_starts = torch.cumsum(counts, 0) - counts, torch.cumsum(padded, 0) - padded  # [G]
+        place = padded_starts[row_groups] + torch.arange(k, device=device) - starts[row_groups]  # [K]
+        filled = self.zeros.data.to(torch.int32).clamp(max=spec.max_code)[padded_groups]  # [K_pad, N]
+        filled[place] = codes
+        padded_perm = torch.full((len(padded_groups),), k, dtype=perm.dtype, device=device)  # [K_pad]
+        padded_perm[place] = perm
+        self.codes.data = pack_rows(filled, spec.bits)  # [K_pad // pack, N]
+        self.perm = padded_perm
+        self.word_groups = padded_groups[::spec.pack].to(torch.int32)  # [K_pad // pack]
 
     # -- running -----------------------------------------------------------------------------------------
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight [N, K] in ``dtype``, its columns in the input order of the sorted rows (perm)."""
-        return dequantize(self.codes, self.scales, self.zeros, self.spec.bits, dtype)
+        """The weight [N, K] in ``dtype``, its columns in the input order of the sorted rows (perm; [N,
+        K_padded] where _pad_groups padded them)."""
+        return dequantize(self.codes, self.scales, self.zeros, self.spec.bits, dtype, self.word_groups)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features] -> [..., out_features]
@@ -401,12 +485,13 @@ class WNA16Linear(nn.Module):
             from plait.kernels.wna16_gemm import wna16_linear
 
             if self.perm is not None:
-                x = x.index_select(-1, self.perm)
-            return wna16_linear(x, self.codes, self.scales, self.zeros, self.spec.bits, self.bias)
+                x = sorted_inputs(x, self.perm)
+            return wna16_linear(x, self.codes, self.scales, self.zeros, self.spec.bits, self.bias,
+                                word_groups=self.word_groups)
         if self._reference_weight is None or self._reference_weight.dtype != x.dtype:
             self._reference_weight = self.dequantized(x.dtype)
         return wna16_linear_ref(x, self.codes, self.scales, self.zeros, self.spec.bits, self.bias, self.perm,
-                                self._reference_weight)
+                                self._reference_weight, word_groups=self.word_groups)
 
     # The fused decode paths of plait.layers.linear.Linear are 16-bit-weight kernels: the model takes its
     # plain path (a norm launch of its own, gate/up then silu-and-mul).
@@ -427,7 +512,8 @@ class WNA16Linear(nn.Module):
     def extra_repr(self) -> str:
         rows = self.spec.group_rows(self.in_features)
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.spec.method} "
-                f"{self.spec.bits}-bit, groups of {rows}" + (", act-order" if self.perm is not None else ""))
+                f"{self.spec.bits}-bit, groups of {rows}" + (", act-order" if self.perm is not None else "")
+                + (", uneven groups padded to whole words" if self.word_groups is not None else ""))
 
 
 def _expect(tensor: torch.Tensor, shape: tuple[int, ...], name: str) -> None:

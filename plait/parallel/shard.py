@@ -271,11 +271,9 @@ class Shard:
                  row_parallel: bool) -> torch.Tensor:
         """A GPTQ / AWQ / compressed-tensors tensor (INTEGER_LAYOUTS) for this rank's slice of its weight:
         the entries of its output columns (column-parallel) or of its inputs (row-parallel), in whole packed
-        words and groups."""
+        words and groups. Act-order's row-parallel ranks keep every group's scales and zeros (as vLLM's do):
+        their inputs' rows fall in any group (WNA16Linear pads the groups they fill unevenly)."""
         spec = self.integer
-        if row_parallel and spec.desc_act:
-            raise ValueError(f"{name}: a GPTQ act-order (desc_act) checkpoint's groups lie across the inputs "
-                             "each rank would hold; serve it on one device")
         if kind == "weight_shape":  # [N, K]: this rank's
             n, k = (int(v) for v in t.tolist())
             if row_parallel:
@@ -288,12 +286,12 @@ class Shard:
         if axis is None:  # g_idx of a column-parallel layer: every input, whole
             return t
         dim, factor = axis
-        if factor == GROUP and not spec.group_size:
-            return t  # one group spans K: a row-parallel slice keeps that group's scales whole
+        if factor == GROUP and (not spec.group_size or spec.desc_act):
+            return t  # one group spans K, or act-order's span it: a row-parallel slice keeps them whole
         size = {PACK: spec.pack, GROUP: spec.group_size, 1: 1}[factor]
         blocks = self._kept(cut, t.shape[dim], size, rows=not row_parallel, name=name)
         part = t.index_select(dim, blocks)
-        if kind in ("g_idx", "weight_g_idx"):  # group ids from this rank's first group
+        if kind in ("g_idx", "weight_g_idx") and not spec.desc_act:  # ids from this rank's first group
             part = part - part.min()
         return part
 
