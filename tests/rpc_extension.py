@@ -52,3 +52,14 @@ def fp8_layers(worker) -> dict:
 
     return {name: (m.weight.view(torch.uint8).clone(), m.weight_scale.clone())
             for name, m in worker.model_runner.model.named_modules() if isinstance(m, Fp8Linear)}
+
+
+def fp8_experts(worker) -> dict:
+    """Each FP8 FusedMoE's stacks on this rank: name -> (gate_up codes as bytes, gate_up_scale, down codes as
+    bytes, down_scale) (test_tensor_parallel_fp8)."""
+    from plait.layers.moe import FP8_WEIGHTS, FusedMoE
+
+    return {name: (m.gate_up_proj.view(torch.uint8).clone(), m.gate_up_scale.clone(),
+                   m.down_proj.view(torch.uint8).clone(), m.down_scale.clone())
+            for name, m in worker.model_runner.model.named_modules()
+            if isinstance(m, FusedMoE) and m.weight_format == FP8_WEIGHTS}

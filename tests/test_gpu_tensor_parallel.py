@@ -1,7 +1,8 @@
 """Tensor parallelism on GPUs (pytest -m gpu, 2 or more GPUs): a bf16 checkpoint split over two GPUs (NCCL,
 Triton attention, CUDA graphs with the all-reduces captured, overlapped steps) runs the model one GPU runs: a
 dense Llama, and sparse MoE models (Qwen3-MoE, Mixtral, GPT-OSS: every expert's width split, or under expert
-parallelism half the experts whole on each GPU; routers replicated)."""
+parallelism half the experts whole on each GPU; routers replicated); and quantised checkpoints (block FP8, a
+block-FP8 Qwen3-MoE too, and GPTQ)."""
 
 from __future__ import annotations
 
@@ -274,6 +275,35 @@ def test_two_gpus_run_the_one_gpu_block_fp8_model(checkpoint, tmp_path):
     block_checkpoint(checkpoint, tmp_path / "fp8", "fp8", block=(128, 128))
     _check_two_gpus_run_the_one_gpu_model(tmp_path / "fp8", "llama, block FP8", FP8_FIRST_LOGITS_TOL,
                                           FP8_NEAR_TIE, median_tol=FP8_FIRST_LOGITS_MEDIAN_TOL,
+                                          min_agreement=FP8_MIN_AGREEMENT)
+
+
+@pytest.fixture(scope="module")
+def block_fp8_moe_checkpoint(tmp_path_factory):
+    """A random Qwen3-MoE (16 experts 512 wide, top 4) as Qwen3-30B-A3B-FP8 is written: 128 x 128 tiles with
+    weight_scale_inv, routers 16-bit."""
+    from test_moe import fp8_moe_checkpoint
+    from transformers import Qwen3MoeConfig
+
+    cfg = Qwen3MoeConfig(hidden_size=1024, num_hidden_layers=4, moe_intermediate_size=512, num_experts=16,
+                         num_experts_per_tok=4, norm_topk_prob=True, **ATTENTION)
+    folder = _save_random(tmp_path_factory, cfg, "qwen3-moe-16-bit")
+    fp8 = tmp_path_factory.mktemp("qwen3-moe-fp8") / "ckpt"
+    fp8_moe_checkpoint(folder, fp8, block=(128, 128))
+    return fp8
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["width", "whole-experts"])
+def test_two_gpus_run_the_one_gpu_block_fp8_moe_model(block_fp8_moe_checkpoint, expert_parallel):
+    """A block-wise FP8 MoE checkpoint: each GPU holds every expert's gate and up rows and down columns in
+    whole 128 x 128 tiles (256 of 512 a GPU: 2 tiles) with their scales, or half the experts whole, and runs
+    them in the Triton FP8 experts; its slice of an expert's hidden activations holds whole 128-wide groups,
+    so they round as on one GPU. Judged as the dense block-FP8 model is: FP8's rounding amplifies the split's
+    other order of sums (and the router's near-ties with it)."""
+    what = "qwen3_moe, block FP8" + (" (expert parallel)" if expert_parallel else "")
+    _check_two_gpus_run_the_one_gpu_model(block_fp8_moe_checkpoint, what, FP8_FIRST_LOGITS_TOL, FP8_NEAR_TIE,
+                                          expert_parallel=expert_parallel,
+                                          median_tol=FP8_FIRST_LOGITS_MEDIAN_TOL,
                                           min_agreement=FP8_MIN_AGREEMENT)
 
 

@@ -161,7 +161,8 @@ def fp8_moe_checkpoint(src, dst, block=BLOCK) -> None:
     from plait.layers.fp8_block import quantize_blocks
 
     tensors, routers = {}, []
-    for name, t in load_file(src / "model.safetensors").items():
+    checkpoint = {name: t for f in sorted(src.glob("*.safetensors")) for name, t in load_file(f).items()}
+    for name, t in checkpoint.items():
         if name.endswith(".weight") and name.rsplit(".", 2)[-2] in FP8_LINEARS:
             tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")] = quantize_blocks(t, block)
         else:

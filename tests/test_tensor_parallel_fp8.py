@@ -2,33 +2,43 @@
 (a tensor's one scale whole, a row's with its row, a tile's with its tile); tiles make the very model of one
 device (inputs rounded per 32-wide group, which a rank's slice holds whole); a 16-bit checkpoint quantised on
 each rank keeps every column-parallel row's codes and scale, and a row-parallel slice takes its own row
-scales; what cannot split (tiles cut across, FP8 MoE) is refused."""
+scales. FP8 MoE models split too: a block-wise checkpoint's experts by width (each rank whole tiles of every
+expert's rows and columns) or whole (expert parallelism), and a 16-bit MoE's experts quantised on each rank.
+What cannot split (tiles cut across, integer-weight MoE) is refused."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 import pytest
 import rpc_extension
 import torch
-from conftest import assert_engines_agree, random_prompts, run_greedy
-from rpc_extension import fp8_layers
+from conftest import TINY_VOCAB, assert_engines_agree, random_prompts, run_greedy
+from rpc_extension import fp8_experts, fp8_layers
 from test_fp8 import _fp8_checkpoint
 from test_fp8_block import block_checkpoint
-from test_moe import moe_models  # noqa: F401 - the tiny MoE checkpoints
+from test_moe import (
+    WEIGHT_SCALE,
+    _copy_model_folder,
+    fp8_moe_checkpoint,
+    moe_models,  # noqa: F401 - the tiny MoE checkpoints
+)
 
-from plait.config import EngineConfig
+from plait.config import EngineConfig, ModelConfig
 from plait.engine.engine import LLMEngine
 from plait.layers.fp8 import quantize_rows
+from plait.parallel.shard import shard_for
 
 SPLIT_ATOL = 1e-4  # the ranks' partial sums change the order of fp32 additions
 KNOBS = dict(block_size=8, max_num_batched_tokens=24, max_model_len=96, device="cpu")
 
 
-def _split_agrees(folder, **knobs) -> None:
-    whole = LLMEngine(EngineConfig(model=str(folder), **KNOBS, **knobs))
-    split = LLMEngine(EngineConfig(model=str(folder), tensor_parallel_size=2, **KNOBS, **knobs))
+def _split_agrees(folder, expert_parallel: bool = False) -> None:
+    whole = LLMEngine(EngineConfig(model=str(folder), **KNOBS))
+    split = LLMEngine(EngineConfig(model=str(folder), tensor_parallel_size=2,
+                                   enable_expert_parallel=expert_parallel, **KNOBS))
     try:
         assert split.runner.quantization == "fp8"
         assert_engines_agree(split, whole, random_prompts(4, 3, 40, seed=17), max_tokens=6, atol=SPLIT_ATOL)
@@ -134,7 +144,164 @@ def test_quantising_a_16_bit_checkpoint_on_each_rank(tiny_models, monkeypatch):
         split.shutdown()
 
 
-def test_fp8_moe_models_are_refused(moe_models):  # noqa: F811 - the fixture imported above
-    with pytest.raises(ValueError, match="fp8 MoE models cannot be split across devices yet"):
-        LLMEngine(EngineConfig(model=str(moe_models["qwen3_moe"][0]), quantization="fp8",
-                               tensor_parallel_size=2, **KNOBS))
+# -- MoE ---------------------------------------------------------------------------------------------------
+
+# Qwen3-30B-A3B's expert widths (768 columns, 128 experts) and tiles (128 x 128).
+QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+                 "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                 "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_attention_heads": 32,
+                 "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936}
+QWEN3_30B_A3B_TILE = 128
+TINY_MOE_BLOCK = (32, 32)
+MOE_NEW_TOKENS = 6
+# FP8 rounds every layer's input (and each expert's hidden activations): where the split's other order of
+# fp32 sums moves a value across an FP8 rounding boundary (about one value in a million), that value moves by
+# an FP8 step, 1/16 of itself, and the logits after it by up to ~0.1 here (one row of 24 in the block test:
+# 0.103, the logits' std being 1.3), for the rest of that prompt. A wrong slice or tile scale moves every
+# row by about the logits' spread.
+FP8_FLIP_ATOL = 0.25
+# --quantization fp8 split in two, its first logits' distance from the 16-bit model's over one device's FP8
+# model's. Each rank rounds its own slice of attention's o (weight per row, input per token), which in this
+# tiny model is most of what FP8 moves: measured 0.88x-1.15x. Every MoE block's output halved (a lost
+# partial sum) measured 2.2x-4.5x, a rank's up rows swapped with the other's 5x-16x.
+SPLIT_FP8_DISTANCE = 1.5
+
+
+@pytest.fixture(scope="module")
+def wide_experts(tmp_path_factory):
+    """A tiny Qwen3-MoE whose experts are 256 wide: half an expert (a rank's of 2) is whole 32-wide tiles of a
+    block checkpoint, and whole 128 x 128 tiles of the experts --quantization fp8 makes (so those rank
+    slices are the one-device experts' own tiles); its heads (32 wide, 2 KV heads) split in whole 32-wide
+    tiles too."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(83)
+    cfg = Qwen3MoeConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=TINY_VOCAB,
+                         max_position_embeddings=256, num_experts=8, num_experts_per_tok=3,
+                         moe_intermediate_size=256, norm_topk_prob=True, tie_word_embeddings=True,
+                         bos_token_id=1, eos_token_id=2)
+    model = Qwen3MoeForCausalLM(cfg).eval()
+    with torch.no_grad():  # routers' logits apart, as test_moe's models (its WEIGHT_SCALE says why)
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.mul_(WEIGHT_SCALE)
+    folder = tmp_path_factory.mktemp("qwen3-moe-wide-experts")
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["width", "whole-experts"])
+def test_a_block_fp8_moe_checkpoint_split_in_two_is_the_model_on_one_device(wide_experts, tmp_path,
+                                                                            expert_parallel, monkeypatch):
+    """Qwen3-30B-A3B-FP8's form (weight_scale_inv per 32 x 32 tile here, routers 16-bit): each rank holds
+    every expert's gate and up rows and down columns in whole tiles with their scales, or half the experts
+    whole; either way the model of one device, up to the order of fp32 sums."""
+    fp8_moe_checkpoint(wide_experts, tmp_path / "ckpt", block=TINY_MOE_BLOCK)
+    _importable_by_the_other_rank(monkeypatch)
+    whole = LLMEngine(EngineConfig(model=str(tmp_path / "ckpt"), **KNOBS))
+    split = LLMEngine(EngineConfig(model=str(tmp_path / "ckpt"), tensor_parallel_size=2,
+                                   enable_expert_parallel=expert_parallel, **KNOBS))
+    try:
+        assert split.runner.quantization == "fp8"
+        _assert_ranks_hold_their_share(split, fp8_experts(whole.runner.worker), expert_parallel)
+        _assert_same_fp8_model(split, whole, random_prompts(4, 3, 40, seed=17))
+    finally:
+        split.shutdown()
+
+
+def _assert_same_fp8_model(split: LLMEngine, whole: LLMEngine, prompts: list[list[int]]) -> None:
+    """The split runs the one-device model: the same greedy tokens, most logits rows to the order of fp32
+    sums (SPLIT_ATOL), and every row within one FP8 rounding flip of it (FP8_FLIP_ATOL)."""
+    got, got_logits = run_greedy(split, prompts, MOE_NEW_TOKENS, arrive_every=1, capture_logits=True)
+    want, want_logits = run_greedy(whole, prompts, MOE_NEW_TOKENS, arrive_every=1, capture_logits=True)
+    assert got == want
+    moved = torch.tensor([float((a - b).abs().max()) for i in want_logits
+                          for a, b in zip(got_logits[i], want_logits[i], strict=True)])
+    assert moved.median() <= SPLIT_ATOL and moved.max() <= FP8_FLIP_ATOL, sorted(moved.tolist())
+
+
+def _assert_ranks_hold_their_share(split: LLMEngine, one_device: dict, expert_parallel: bool) -> None:
+    """Every rank's FP8 experts (codes and tile scales of every MoE block) are its share of one device's, bit
+    for bit."""
+    ranks = split.collective_rpc(fp8_experts)
+    for rank, experts in enumerate(ranks):
+        assert experts.keys() == one_device.keys()
+        for name, stacks in one_device.items():
+            want = _rank_share(stacks, rank, len(ranks), expert_parallel)
+            assert all(torch.equal(a, b) for a, b in zip(experts[name], want, strict=True)), (rank, name)
+
+
+def _rank_share(stacks: tuple, rank: int, world_size: int, expert_parallel: bool) -> tuple:
+    """One device's FP8 experts (rpc_extension.fp8_experts' stacks) as rank ``rank`` holds them: its experts
+    whole, or every expert's gate and up rows and down columns, each with its tiles' scales (the tiles
+    whole, so a share of the scales is the same share of the tile rows and columns)."""
+    if expert_parallel:
+        return tuple(t.chunk(world_size, dim=0)[rank] for t in stacks)
+    gate_up, gate_up_scale, down, down_scale = stacks
+
+    def gate_and_up(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([half.chunk(world_size, dim=1)[rank] for half in t.chunk(2, dim=1)], dim=1)
+
+    columns = [t.chunk(world_size, dim=2)[rank] for t in (down, down_scale)]
+    return gate_and_up(gate_up), gate_and_up(gate_up_scale), *columns
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["width", "whole-experts"])
+def test_quantising_a_16_bit_moe_on_each_rank(wide_experts, expert_parallel, monkeypatch):
+    """--quantization fp8 of a 16-bit MoE split in two: each rank quantises its experts' slices (or its whole
+    experts) in 128 x 128 tiles, which here are the one-device experts' own tiles: codes and scales bit for
+    bit (and each rank's slice of down's input rounds in the one-device 128-wide groups). Attention's o is
+    per-row FP8, its weight and input rounded on each rank's own slice (as vLLM's ranks do), so the split is
+    another FP8 rounding of the 16-bit model, about as far from it as one device's (SPLIT_FP8_DISTANCE)."""
+    _importable_by_the_other_rank(monkeypatch)
+    knobs = dict(model=str(wide_experts), **KNOBS)
+    whole = LLMEngine(EngineConfig(quantization="fp8", **knobs))
+    split = LLMEngine(EngineConfig(quantization="fp8", tensor_parallel_size=2,
+                                   enable_expert_parallel=expert_parallel, **knobs))
+    try:
+        one = fp8_experts(whole.runner.worker)
+        assert one["model.layers.0.mlp.experts"][1].shape == (8, 4, 1)  # 128-row tiles of 2 x 256 rows
+        _assert_ranks_hold_their_share(split, one, expert_parallel)
+        prompts = random_prompts(4, 3, 40, seed=17)
+        unquantised = LLMEngine(EngineConfig(**knobs))
+        split_logits, whole_logits, plain_logits = (run_greedy(engine, prompts, 1, capture_logits=True)[1]
+                                                    for engine in (split, whole, unquantised))
+        for i in whole_logits:
+            split_from_16_bit = (split_logits[i][0] - plain_logits[i][0]).norm()
+            one_device_from_16_bit = (whole_logits[i][0] - plain_logits[i][0]).norm()
+            assert not torch.equal(split_logits[i][0], whole_logits[i][0])  # o rounds on each rank's slice
+            assert split_from_16_bit <= SPLIT_FP8_DISTANCE * one_device_from_16_bit
+    finally:
+        split.shutdown()
+
+
+def test_an_expert_split_that_cuts_tiles_is_refused(moe_models, tmp_path):  # noqa: F811 - imported above
+    """vLLM refuses these too. Qwen3-30B-A3B's 768-wide experts take 384 (3 tiles) a rank over 2 and 192 over
+    4, which is not whole 128-wide tiles; the tiny Qwen3-MoE's 32-wide experts, 16 a rank, are not whole
+    32-wide tiles, from a block checkpoint or from --quantization fp8. Whole experts a rank always are."""
+    cfg = ModelConfig.from_hf(QWEN3_30B_A3B)
+    assert shard_for(cfg, 1, 2, expert_tile=QWEN3_30B_A3B_TILE).local.moe.intermediate_size == 384
+    with pytest.raises(ValueError, match=r"gives each rank 192 .* 768 .*not a whole number of its 128-wide"):
+        shard_for(cfg, 1, 4, expert_tile=QWEN3_30B_A3B_TILE)
+    assert shard_for(cfg, 1, 4, expert_parallel=True, expert_tile=QWEN3_30B_A3B_TILE).expert_range == (32, 64)
+    folder = moe_models["qwen3_moe"][0]
+    fp8_moe_checkpoint(folder, tmp_path / "ckpt", block=TINY_MOE_BLOCK)
+    fix = r"32-wide FP8 tiles.*enable_expert_parallel=True.*splits 32 into multiples of 32"
+    for model, knobs in ((tmp_path / "ckpt", {}), (folder, dict(quantization="fp8"))):
+        with pytest.raises(ValueError, match=fix):
+            LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=2, **knobs, **KNOBS))
+
+
+def test_integer_weight_moe_models_are_refused(moe_models, tmp_path):  # noqa: F811 - imported above
+    """plait has no integer-weight expert kernels, on one device or split."""
+    from safetensors.torch import load_file
+
+    folder = moe_models["qwen3_moe"][0]
+    _copy_model_folder(folder, tmp_path / "gptq", load_file(folder / "model.safetensors"))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                                  "sym": True}
+    (tmp_path / "gptq" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="GPTQ checkpoints of Qwen3MoeForCausalLM are not supported"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "gptq"), tensor_parallel_size=2, **KNOBS))

@@ -25,6 +25,7 @@ from plait.config import (
 )
 from plait.layers import mxfp4, wna16
 from plait.layers.fp8 import FP8_DTYPE, checkpoint_quantization, checkpoint_weight_block, quantize_model
+from plait.layers.fp8_block import MIN_BLOCK
 from plait.layers.linear import deferred_weights, materialize_deferred
 from plait.layers.moe import FusedMoE
 from plait.layers.mxfp4 import MXFP4_DTYPE
@@ -92,11 +93,6 @@ def load_model(
     model_config = ModelConfig.from_hf(hf_config)
     runner = resolve_runner(config.runner, model_config.architecture)
     cls = get_model_class(model_config.architecture)
-    # MXFP4 experts split in whole 32-value blocks: a width that does not (gpt-oss's 2,880 over 4 ranks) is
-    # padded with zero weights.
-    expert_block = mxfp4.BLOCK_VALUES if mxfp4_experts else 1
-    shard = (shard_for(model_config, parallel.rank, parallel.world_size, expert_block,
-                       config.enable_expert_parallel) if parallel is not None else None)
     positions = max_positions or model_config.max_position_embeddings
     # A quantised checkpoint is served as it is without --quantization, as vLLM reads its quantization_config:
     # GPTQ / AWQ integer weights (the flag may only repeat the method), or FP8, whose scheme (per-row or
@@ -120,13 +116,15 @@ def load_model(
     if quantization is not None and getattr(cls, "supports_images", False):
         # quantize_model would take the vision tower's Linear layers too, which no test has covered
         raise ValueError(f"{model_config.architecture}: quantised image models are not supported yet")
-    # Split across devices: quantised dense models (each rank takes its slice of the codes and of their
-    # scales, in whole tiles, words and groups: Shard.checkpoint; a 16-bit checkpoint's slices are quantised
-    # to FP8 where they land).
-    if shard is not None and quantization is not None and model_config.moe is not None:
-        raise ValueError(f"tensor_parallel_size {shard.world_size}: {quantization} MoE models cannot be "
-                         "split across devices yet; serve it on one device")
-    if shard is not None:
+    # Split across devices, quantised too (each rank takes its slice of the codes and of their scales, in
+    # whole tiles, words and groups: Shard.checkpoint; a 16-bit checkpoint's slices are quantised to FP8
+    # where they land). MXFP4 experts split in whole 32-value blocks: a width that does not (gpt-oss's 2,880
+    # over 4 ranks) is padded with zero weights; FP8 experts in whole tiles, never padded.
+    expert_block = mxfp4.BLOCK_VALUES if mxfp4_experts else 1
+    shard = None
+    if parallel is not None:
+        shard = shard_for(model_config, parallel.rank, parallel.world_size, expert_block,
+                          config.enable_expert_parallel, _fp8_expert_tile(model_config, quantization, block))
         shard = dataclasses.replace(shard, weight_block=block, integer=int_spec)
     # Linear layers are made without memory (every weight is written below: drawing random ones that
     # loading overwrites would only cost start-up time). Quantised, they are replaced before any weight
@@ -169,6 +167,17 @@ def load_model(
     fp8_cache = config.kv_cache_dtype == "fp8"
     cache_scales = _kv_cache_scales(kv_scales, model) if fp8_cache and kv_scales else None
     return LoadedModel(model, model_config, tokenizer, source.path, quantization, cache_scales, runner, shard)
+
+
+def _fp8_expert_tile(config: ModelConfig, quantization: str | None, block: tuple[int, int] | None
+                     ) -> int | None:
+    """The width of the FP8 tiles a MoE model's routed experts are held in, which a rank's share of an
+    expert must be whole tiles of (shard_for): a block-wise checkpoint's (gate and up split by block_n rows,
+    down by block_k columns: whole in both); with --quantization fp8, MIN_BLOCK, the fewest rows
+    default_fp8_block tiles a rank's own experts in; None where the experts are not FP8."""
+    if config.moe is None or quantization != "fp8":
+        return None
+    return max(block) if block is not None else MIN_BLOCK
 
 
 def _token_ids(tokenizer: Any, tokens: list[str], path: Path) -> list[int]:
