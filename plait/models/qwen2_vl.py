@@ -245,7 +245,6 @@ class VisionTransformer(nn.Module):
         x = pixel_values.to(weight.dtype).view(-1, self.channels, self.temporal, self.patch, self.patch)
         x = self.patch_embed.proj(x).view(len(pixel_values), -1)  # [N, dim]
         cos, sin = self._cos_sin(grids, x.device)
-        sizes = [t * h * w for t, h, w in grids]
         full = np.cumsum([0] + [h * w for t, h, w in grids for _ in range(t)]).tolist()  # each frame alone
         order = bounds = None
         if self.qwen25:
@@ -258,7 +257,6 @@ class VisionTransformer(nn.Module):
         merged = self.merger(x)  # [N / merge^2, out_dim]
         if order is not None:  # back to the images' own order
             merged = merged[torch.argsort(order)]
-        assert merged.shape[0] * self.merge**2 == sum(sizes)
         return merged
 
     def _grouped(self, x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
