@@ -34,7 +34,8 @@ SPAN = "<|vision_start|><|image_pad|><|vision_end|>"
 # (prompt, its images' sizes (height, width)): images of different sizes, some split by the windows' edges
 PROMPTS = [
     (f"<|im_start|>user {SPAN} w3 w17 w5 <|im_end|> <|im_start|>assistant", [(40, 48)]),
-    (f"<|im_start|>user w8 {SPAN} w9 w90 {SPAN} w91 w92 <|im_end|> <|im_start|>assistant", [(90, 130), (60, 40)]),
+    (f"<|im_start|>user w8 {SPAN} w9 w90 {SPAN} w91 w92 <|im_end|> <|im_start|>assistant",
+     [(90, 130), (60, 40)]),
     ("<|im_start|>user w100 w101 w102 <|im_end|> <|im_start|>assistant", []),
 ]
 

@@ -88,7 +88,7 @@ class VisionAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
                 bounds: Sequence[int]) -> torch.Tensor:
-        # x: [N, dim]; cos, sin: [N, head_dim] fp32; each patch sees the patches of its [bounds[i], bounds[i+1])
+        # x: [N, dim]; cos, sin: [N, head_dim] fp32; a patch sees those of its span [bounds[i], bounds[i + 1])
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # each [N, heads, head_dim]
         cos, sin = (t[:, None] for t in cos_sin)
@@ -180,7 +180,7 @@ def window_order(grids: Sequence[Grid], merge: int, window: int) -> tuple[torch.
         index = torch.arange(t * gh * gw).reshape(t, gh, gw)
         nh, nw = -(-gh // window), -(-gw // window)
         padded = F.pad(index, (0, nw * window - gw, 0, nh * window - gh), value=-1)
-        windows = padded.reshape(t, nh, window, nw, window).permute(0, 1, 3, 2, 4).reshape(-1, window * window)
+        windows = padded.reshape(t, nh, window, nw, window).permute(0, 1, 3, 2, 4).reshape(-1, window**2)
         for cells in windows:
             kept = cells[cells >= 0]
             if len(kept):

@@ -56,8 +56,8 @@ from plait.runner.cuda_graphs import MAX_GRAPH_PROMPT_TOKENS, StepGraphs, graph_
 from plait.runner.feature_tap import FeatureTap
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
 from plait.runner.image_embeddings import TOWER_GRAPH_BATCHES, ImageEmbeddings, TowerGraphs
-from plait.runner.mrope_positions import MRopePositions
 from plait.runner.input_buffers import InputBuffers, Layout
+from plait.runner.mrope_positions import MRopePositions
 from plait.runner.padding import GraphShape
 from plait.runner.pooler import Pooler, resolve_pooling
 from plait.runner.prompt_embeds import PromptEmbeds, input_embedding
