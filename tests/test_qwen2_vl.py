@@ -58,7 +58,12 @@ def _qwen_vl(tmp_path_factory, qwen25: bool):
         Qwen2VLConfig,
         Qwen2VLForConditionalGeneration,
     )
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    try:  # transformers' PIL processor, which needs no torchvision
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as ImageProcessor,
+        )
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as ImageProcessor
 
     tokenizer = _tokenizer()
     ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
@@ -77,7 +82,7 @@ def _qwen_vl(tmp_path_factory, qwen25: bool):
     folder, model = _saved(cls, cfg, SEEDS[qwen25], name, tmp_path_factory)
     # Saved as a checkpoint's processor is (preprocessor_config.json, the tokenizer with its chat template);
     # transformers' Qwen2VLProcessor needs torchvision for its video side, so HfQwenVL stands in for it here.
-    image_processor = Qwen2VLImageProcessorPil(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    image_processor = ImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
     image_processor.save_pretrained(folder)
     tokenizer.chat_template = QWEN_VL_TEMPLATE
     tokenizer.save_pretrained(folder)
@@ -205,8 +210,12 @@ def test_prefix_cache_tells_images_apart(qwen25_vl):
     assert again.num_cached_tokens > 32 and again.outputs[0].token_ids == a.outputs[0].token_ids
 
 
-def test_videos_are_refused_by_name(qwen2_vl):
+def test_videos_and_unsupported_knobs_are_refused_by_name(qwen2_vl):
     folder, _, _ = qwen2_vl
+    for knobs, message in [(dict(enable_lora=True), "LoRA is not supported"),
+                           (dict(tensor_parallel_size=2), "cannot be split")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(str(folder), dtype="float32", **knobs)
     llm = LLM(str(folder), dtype="float32")
     with pytest.raises(ValueError, match="video inputs are not supported"):
         llm.generate([{"prompt": "w1", "multi_modal_data": {"video": [_image(0)]}}], use_tqdm=False)
@@ -251,22 +260,50 @@ def test_server_chat_with_image_url(qwen2_vl):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_qwen25_vl_bf16_graphs_match_cpu_fp32(qwen25_vl):
-    """bf16 with CUDA graphs (Triton attention, the fused rotary + KV store on M-RoPE's per-step table,
-    images split across chunks beside decodes) against the CPU fp32 engine: the first tokens of every prompt
-    agree, and all but one prompt agree to the end (bf16 near-ties may fork a late token). Decode steps replay
-    graphs, image steps included."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_qwen25_vl_graphs_match_cpu_fp32(qwen25_vl, dtype):
+    """On the GPU path (Triton attention, the fused rotary + KV store on M-RoPE's per-step table, CUDA
+    graphs, images split across chunks beside decodes) against the CPU fp32 engine, whose answers are
+    transformers' (test_greedy_matches_transformers): fp32 equal; bf16 the first tokens of every prompt, and
+    all but one prompt to the end (bf16 near-ties may fork a late token). Decode and image steps replay
+    graphs."""
     folder, _, _ = qwen25_vl
     prompts = [_request(text, images) for text, images in _prompts(seed=3)] * 2
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     cpu = LLM(str(folder), dtype="float32", device="cpu", enable_prefix_caching=False)
     want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
-    llm = LLM(str(folder), dtype="bfloat16", max_num_batched_tokens=12, enable_prefix_caching=False,
+    # Serving's prompt cap beside decodes: mixed steps replay mixed-shape graphs.
+    llm = LLM(str(folder), dtype=dtype, max_num_batched_tokens=12, enable_prefix_caching=False,
               usage="serve")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     agree = sum(g == w for g, w in zip(got, want))
-    print(f"\nQwen2.5-VL bf16 graphs on the GPU: {agree}/{len(want)} prompts equal the CPU fp32 engine's")
-    assert all(g[:2] == w[:2] for g, w in zip(got, want)) and agree >= len(want) - 1
+    print(f"\nQwen2.5-VL {dtype} on the GPU: {agree}/{len(want)} prompts equal the CPU fp32 engine's")
+    if dtype == "float32":
+        assert got == want
+    else:
+        assert all(g[:2] == w[:2] for g, w in zip(got, want)) and agree >= len(want) - 1
     b = llm.engine.runner.breakdown
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
     assert b.image_steps > 0 and b.graph_image_steps == b.image_steps
+
+
+def test_mrope_rotary_is_transformers():
+    """MRopeRotary's per-step table, read at its token indices, rotates q and k as transformers' M-RoPE does
+    at three different positions a token (head_dim 16 in bands of 2, 3 and 3 frequencies)."""
+    from transformers import Qwen2VLTextConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding, apply_rotary_pos_emb
+
+    from plait.layers.rotary import MRopeRotary, RotaryEmbedding, mrope_columns
+
+    section, head_dim, theta, num_tokens = [2, 3, 3], 16, 10000.0, 9
+    cfg = Qwen2VLTextConfig(hidden_size=64, num_attention_heads=4, rope_parameters={
+        "rope_type": "default", "rope_theta": theta, "mrope_section": section})
+    positions = torch.randint(0, 100, (3, num_tokens))
+    q, k = torch.randn(num_tokens, 4, head_dim), torch.randn(num_tokens, 2, head_dim)
+    cos, sin = Qwen2VLRotaryEmbedding(cfg)(q, positions[:, None])  # each [1, T, head_dim]
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    rotary = MRopeRotary(RotaryEmbedding(head_dim, 128, theta).cos_sin, positions,
+                         mrope_columns(section, head_dim))
+    got_q, got_k = rotary(rotary.token_positions, q, k)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1))
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1))

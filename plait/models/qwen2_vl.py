@@ -241,9 +241,10 @@ class VisionTransformer(nn.Module):
     def forward(self, pixel_values: torch.Tensor, grids: Sequence[Grid]) -> torch.Tensor:
         """pixel_values: [N, patch_dim] (every image's patches, in order); grids: each image's (t, h, w) ->
         [N / merge^2, out_dim] in the decoder's dtype: each image's placeholders' embeddings, in order."""
-        weight = self.patch_embed.proj.weight
-        x = pixel_values.to(weight.dtype).view(-1, self.channels, self.temporal, self.patch, self.patch)
-        x = self.patch_embed.proj(x).view(len(pixel_values), -1)  # [N, dim]
+        # The conv's stride is its kernel, so it is one matmul over each flattened patch (the processor's
+        # channel, frame, row, column order is the kernel's), without a cuDNN 3D conv.
+        weight = self.patch_embed.proj.weight  # [dim, channels, temporal, patch, patch]
+        x = F.linear(pixel_values.to(weight.dtype), weight.flatten(1))  # [N, dim]
         cos, sin = self._cos_sin(grids, x.device)
         full = np.cumsum([0] + [h * w for t, h, w in grids for _ in range(t)]).tolist()  # each frame alone
         order = bounds = None
@@ -342,11 +343,16 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
 
     def default_image_processor(self) -> object:
         """Qwen2VLImageProcessor's defaults at this encoder's patch and merge sizes (a folder without its
-        preprocessor_config.json); the PIL one, which needs no torchvision."""
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+        preprocessor_config.json); the PIL one where transformers has it, which needs no torchvision."""
+        try:
+            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+                Qwen2VLImageProcessorPil as Processor,
+            )
+        except ImportError:  # an older transformers: its one processor
+            from transformers import Qwen2VLImageProcessor as Processor
 
-        return Qwen2VLImageProcessorPil(patch_size=self.visual.patch, merge_size=self.merge,
-                                        temporal_patch_size=self.visual.temporal)
+        return Processor(patch_size=self.visual.patch, merge_size=self.merge,
+                         temporal_patch_size=self.visual.temporal)
 
     def embed_image_list(self, pixel_values: list[torch.Tensor], grids: list[Grid]) -> list[torch.Tensor]:
         """Each image's patches [t h w, patch_dim] and grid -> its placeholders' embeddings

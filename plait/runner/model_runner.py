@@ -192,10 +192,8 @@ class ModelRunner:
         if getattr(self.model, "supports_images", False):
             self.image_processor = ImageProcessor.for_model(loaded.source, self.model)
         # An M-RoPE model's per-token (t, h, w) positions, once the buffers' size is known; None otherwise.
+        # (Tensor parallelism refuses these models: plait.parallel.shard lists the decoders it splits.)
         self.mrope_positions: MRopePositions | None = None
-        if getattr(self.model, "uses_mrope", False) and self.parallel is not None:
-            raise ValueError(f"{self.model_config.architecture} cannot be split across devices yet (its "
-                             "M-RoPE positions are staged on one); serve it with tensor_parallel_size 1")
         # KV heads this rank caches: its share under tensor parallelism.
         self.num_kv_heads = (loaded.shard.local if loaded.shard else loaded.config).num_key_value_heads
         self.shard = loaded.shard  # this rank's share of the model under tensor parallelism, else None
