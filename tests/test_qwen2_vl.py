@@ -224,6 +224,24 @@ def test_videos_and_unsupported_knobs_are_refused_by_name(qwen2_vl):
                  use_tqdm=False)
 
 
+def test_chat_image_parts_in_both_content_formats(qwen2_vl):
+    """LLM.chat's image parts: the template that loops over parts writes the vision span for each; under the
+    "string" content format plait writes <|vision_start|><|image_pad|><|vision_end|> before the text itself.
+    Both prompts are transformers' (the same ids), and so is the answer."""
+    folder, hf, processor = qwen2_vl
+    image = _image(4, (50, 70))
+    content = [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "w3 w17 w5"}]
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, content[1]]}],
+                                         add_generation_prompt=True)
+    ids, want = _hf_greedy(hf, processor, text, [image], 6)
+    llm = LLM(str(folder), dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for fmt in ("openai", "string"):
+        out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False,
+                       chat_template_content_format=fmt)[0]
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want, fmt
+
+
 def test_server_chat_with_image_url(qwen2_vl):
     """/v1/chat/completions with the openai client against a real server: a data-URL image part gets the
     answer transformers gives the chat template's prompt."""

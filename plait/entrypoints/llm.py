@@ -448,7 +448,7 @@ def chat_with_images(engine: Any, conversation: list[Message], chat_template: st
     content formats), and its images in order."""
     tokenizer = engine.tokenizer
     template = chat_template or getattr(tokenizer, "chat_template", None)
-    image_text = image_token_text(tokenizer, engine.images.image_token_id) if engine.images else None
+    image_text = image_token_text(tokenizer, engine.images.prompt_token_ids) if engine.images else None
     return prepare_chat(conversation, template, image_text, engine.model_config.architecture, chosen_format)
 
 

@@ -30,6 +30,8 @@ DEFAULT_MIN_PIXELS = 56 * 56
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 # transformers' smart_resize refuses images thinner than this.
 MAX_ASPECT_RATIO = 200
+# Qwen2VLConfig's default ids of <|vision_start|> and <|vision_end|>, for a config that leaves them out.
+DEFAULT_VISION_START_ID, DEFAULT_VISION_END_ID = 151652, 151653
 # Checkpoint prefixes of the vision encoder (transformers 5's, then the Hub's older ones) -> the model's.
 _VISION_PREFIXES = (("model.visual.", "visual."), ("visual.", "visual."))
 
@@ -309,6 +311,10 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         raw = cfg.raw
         self.visual = VisionTransformer(raw["vision_config"], self.qwen25)
         self.image_token_id = int(raw["image_token_id"])
+        # <|vision_start|><|image_pad|><|vision_end|>: one image in a prompt, as the chat template writes it
+        self.image_prompt_token_ids = [int(raw.get("vision_start_token_id", DEFAULT_VISION_START_ID)),
+                                       self.image_token_id,
+                                       int(raw.get("vision_end_token_id", DEFAULT_VISION_END_ID))]
         self.merge = self.visual.merge
         section = raw["mrope_section"]
         # [head_dim] (t 0, h 1, w 2) of each rotary channel; a constant, made where the model is built

@@ -195,6 +195,7 @@ def prepare_chat(conversation: list[dict[str, Any]], template: str | None, image
     return split_chat_images(conversation, takes_parts, image_text or "")
 
 
-def image_token_text(tokenizer: Any, image_token_id: int) -> str:
-    """What a text-taking chat template writes for one image: the image token, and a newline."""
-    return tokenizer.decode([image_token_id]) + "\n"
+def image_token_text(tokenizer: Any, image_token_ids: list[int]) -> str:
+    """What a text-taking chat template writes for one image: its tokens (the image token, or Qwen2-VL's
+    vision start, image pad and vision end: ImageProcessor.prompt_token_ids), and a newline."""
+    return tokenizer.decode(image_token_ids) + "\n"

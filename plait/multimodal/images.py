@@ -120,6 +120,9 @@ class ImageProcessor:
     def __init__(self, hf_processor: Any, model: Any) -> None:
         self.hf_processor = hf_processor
         self.image_token_id = model.image_token_id
+        # The tokens a prompt writes for one image (Qwen2-VL wraps its image token in vision start / end).
+        self.prompt_token_ids: list[int] = list(getattr(model, "image_prompt_token_ids", None)
+                                                or [model.image_token_id])
         # pure functions of an image's size (Qwen2-VL's counts follow the processor's pixel bounds)
         counter = getattr(model, "image_token_counter", None)
         self._tokens_for = model.num_image_tokens_for if counter is None else counter(hf_processor)
