@@ -325,3 +325,49 @@ def test_mrope_rotary_is_transformers():
     got_q, got_k = rotary(rotary.token_positions, q, k)
     torch.testing.assert_close(got_q, want_q[0].transpose(0, 1))
     torch.testing.assert_close(got_k, want_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotary_store_runs_mrope(dtype, monkeypatch):
+    """The Triton backend's fused rotary + KV store (the interpreter on CPU, compiled on a GPU) given M-RoPE's
+    per-step table and its token indices rotates q and stores k, v as the torch path does: the kernel reads
+    row t of that table for token t, the gathered (t, h, w) angles."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from plait.attention import triton_backend
+    from plait.attention.base import AttentionBackend, get_backend
+    from plait.kernels import dispatch
+    from plait.kernels.rope_store import rope_store_kv
+    from plait.layers.rotary import MRopeRotary, RotaryEmbedding, mrope_columns
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    num_tokens, hq, hkv, head_dim, block_size = 5, 4, 2, 16, 4
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(num_tokens, h, head_dim, generator=g).to(device, dtype) for h in (hq, hkv, hkv))
+    cache = torch.zeros(2, 3, block_size, hkv, head_dim, dtype=dtype, device=device)
+    positions = torch.randint(0, 60, (3, num_tokens), generator=g).to(device)
+    rotary = MRopeRotary(RotaryEmbedding(head_dim, 64, 10000.0).cos_sin.to(device), positions,
+                         mrope_columns([2, 3, 3], head_dim).to(device))
+    batch = SimpleNamespace(positions=torch.zeros(num_tokens, dtype=torch.long, device=device),
+                            slot_mapping=torch.arange(num_tokens, device=device) + block_size)
+    want_cache = cache.clone()
+    want_q = AttentionBackend.rotate_and_store(get_backend("torch_ref"), q, k, v, want_cache, batch, rotary)
+    fused = []
+
+    def counted(*args, **kwargs):
+        fused.append(1)
+        return rope_store_kv(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "rope_store_kv", counted)
+    if device == "cpu":
+        dispatch.set_cpu_interpreter(True)
+    try:
+        with torch.no_grad():
+            got_q = get_backend("triton").rotate_and_store(q, k, v, cache, batch, rotary)
+    finally:
+        dispatch.set_cpu_interpreter(False)
+    assert fused  # the fused kernel ran, not the torch path
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(cache, want_cache, **tol)
