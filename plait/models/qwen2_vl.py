@@ -36,6 +36,8 @@ DEFAULT_VISION_START_ID, DEFAULT_VISION_END_ID = 151652, 151653
 _VISION_PREFIXES = (("model.visual.", "visual."), ("visual.", "visual."))
 
 Grid = tuple[int, int, int]  # (temporal, height, width) in patches
+# Spans of equal length, attended in one batched call: (length, [spans] first rows on the device).
+SpanGroups = list[tuple[int, torch.Tensor]]
 
 
 def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
@@ -89,8 +91,9 @@ class VisionAttention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                bounds: Sequence[int]) -> torch.Tensor:
-        # x: [N, dim]; cos, sin: [N, head_dim] fp32; a patch sees those of its span [bounds[i], bounds[i + 1])
+                spans: SpanGroups) -> torch.Tensor:
+        # x: [N, dim]; cos, sin: [N, head_dim] fp32; a patch sees the patches of its span alone (an image's
+        # frame, or a window), no mask
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # each [N, heads, head_dim]
         cos, sin = (t[:, None] for t in cos_sin)
@@ -98,11 +101,11 @@ class VisionAttention(nn.Module):
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
         out = torch.empty_like(q)
-        for lo, hi in zip(bounds[:-1], bounds[1:]):
-            # [heads, len, head_dim]: one image (or window) attends within itself, no mask
-            part = F.scaled_dot_product_attention(q[lo:hi].transpose(0, 1), k[lo:hi].transpose(0, 1),
-                                                  v[lo:hi].transpose(0, 1))
-            out[lo:hi] = part.transpose(0, 1)
+        for length, starts in spans:
+            rows = starts[:, None] + torch.arange(length, device=starts.device)  # [spans, length]
+            # -> [spans, heads, length, head_dim]: every span of this length in one call
+            part = F.scaled_dot_product_attention(*(t[rows].transpose(1, 2) for t in (q, k, v)))
+            out[rows] = part.transpose(1, 2)
         return self.proj(out.reshape(n, -1))
 
 
@@ -141,8 +144,8 @@ class VisionBlock(nn.Module):
         self.mlp = mlp
 
     def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-                bounds: Sequence[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos_sin, bounds)
+                spans: SpanGroups) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos_sin, spans)
         return x + self.mlp(self.norm2(x))
 
 
@@ -170,6 +173,15 @@ def vision_positions(grid: Grid, merge: int) -> torch.Tensor:
     shape = (h // merge, merge, w // merge, merge)
     rows, cols = (a.reshape(shape).transpose(1, 2).flatten() for a in (rows, cols))
     return torch.stack([rows, cols], dim=-1).repeat(t, 1)
+
+
+def span_groups(bounds: Sequence[int], device: torch.device) -> SpanGroups:
+    """Spans [bounds[i], bounds[i + 1]) grouped by length: a window attention's many equal windows (all but
+    those cut at an image's edges) run as one batch."""
+    by_length: dict[int, list[int]] = {}
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        by_length.setdefault(hi - lo, []).append(lo)
+    return [(length, torch.tensor(starts, device=device)) for length, starts in by_length.items() if length]
 
 
 def window_order(grids: Sequence[Grid], merge: int, window: int) -> tuple[torch.Tensor, list[int]]:
@@ -248,15 +260,16 @@ class VisionTransformer(nn.Module):
         weight = self.patch_embed.proj.weight  # [dim, channels, temporal, patch, patch]
         x = F.linear(pixel_values.to(weight.dtype), weight.flatten(1))  # [N, dim]
         cos, sin = self._cos_sin(grids, x.device)
-        full = np.cumsum([0] + [h * w for t, h, w in grids for _ in range(t)]).tolist()  # each frame alone
-        order = bounds = None
+        frames = np.cumsum([0] + [h * w for t, h, w in grids for _ in range(t)]).tolist()  # each frame alone
+        full = span_groups(frames, x.device)
+        order = windows = None
         if self.qwen25:
             order, bounds = window_order(grids, self.merge, self.window)
-            order = order.to(x.device)
+            order, windows = order.to(x.device), span_groups(bounds, x.device)
             x, cos, sin = (self._grouped(a, order) for a in (x, cos, sin))
         for i, block in enumerate(self.blocks):
             windowed = self.qwen25 and i not in self.full_blocks
-            x = block(x, (cos, sin), bounds if windowed else full)
+            x = block(x, (cos, sin), windows if windowed else full)
         merged = self.merger(x)  # [N / merge^2, out_dim]
         if order is not None:  # back to the images' own order
             merged = merged[torch.argsort(order)]
