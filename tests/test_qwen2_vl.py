@@ -179,6 +179,55 @@ def test_image_embeddings_are_transformers(request, family):
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
 
 
+def test_hub_layout_and_triton_kernels_match_transformers(qwen25_vl, tmp_path, monkeypatch):
+    """The Hub's Qwen2.5-VL checkpoints (transformers 4's layout: the decoder's fields at the top level,
+    rope_scaling {"type": "mrope"}, tensors named model.layers.* and visual.*) served through the Triton
+    backend (its interpreter on CPU: the fused rotary + KV store on M-RoPE's per-step table, paged
+    attention) give transformers' greedy tokens, images split across chunks."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import plait.attention.triton_backend as triton_backend
+    from plait.kernels import dispatch
+
+    folder, hf, processor = qwen25_vl
+    copy = tmp_path / "hub-layout"
+    shutil.copytree(folder, copy)
+    tensors = load_file(copy / "model.safetensors")
+    old_names = {"model.language_model.": "model.", "model.visual.": "visual."}
+    renamed = {}
+    for name, tensor in tensors.items():
+        for new, old in old_names.items():
+            name = old + name[len(new):] if name.startswith(new) else name
+        renamed[name] = tensor
+    assert "visual.blocks.0.attn.qkv.weight" in renamed and "model.layers.0.mlp.up_proj.weight" in renamed
+    save_file(renamed, copy / "model.safetensors")
+    config = json.loads((copy / "config.json").read_text())
+    text = config.pop("text_config")
+    section = text.pop("rope_parameters")["mrope_section"]
+    text.pop("model_type")
+    config.update(text, rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": section})
+    (copy / "config.json").write_text(json.dumps(config))
+    text, images = _prompts()[1]
+    ids, want = _hf_greedy(hf, processor, text, images, 4)
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", True)
+    fused = []
+
+    def counted(*args, _kernel=triton_backend.rope_store_kv, **kwargs):
+        fused.append(1)
+        return _kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "rope_store_kv", counted)
+    llm = LLM(str(copy), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
+    fused.clear()  # the memory profile's forward
+    out = llm.generate([_request(text, images)], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want
+    assert fused  # every layer rotated and stored in the fused launch
+
+
 def test_mrope_positions_are_transformers(qwen25_vl):
     """The prompt's (t, h, w) positions and the decode delta are get_rope_index's."""
     folder, hf, processor = qwen25_vl
