@@ -8,6 +8,7 @@ only: video inputs are refused."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 
@@ -204,6 +205,20 @@ def window_order(grids: Sequence[Grid], merge: int, window: int) -> tuple[torch.
     return torch.cat(order), bounds
 
 
+def _vision_norm(qwen25: bool) -> Callable[[int], nn.Module]:
+    """The encoder's norm of a width: Qwen2.5-VL's RMSNorm, Qwen2-VL's LayerNorm."""
+    if qwen25:
+        return VisionRMSNorm
+    return functools.partial(nn.LayerNorm, eps=VISION_NORM_EPS)
+
+
+def _vision_mlp(cfg: dict, dim: int, qwen25: bool) -> nn.Module:
+    """A block's MLP: Qwen2.5-VL's SwiGLU of intermediate_size, Qwen2-VL's of mlp_ratio x dim."""
+    if qwen25:
+        return VisionGatedMLP(dim, cfg["intermediate_size"], cfg["hidden_act"])
+    return VisionMLP(dim, int(dim * cfg["mlp_ratio"]), cfg["hidden_act"])
+
+
 class VisionTransformer(nn.Module):
     """The vision encoder, named as transformers' Qwen2VisionTransformerPretrainedModel /
     Qwen2_5_VisionTransformerPretrainedModel name their tensors."""
@@ -225,19 +240,9 @@ class VisionTransformer(nn.Module):
         theta = float((cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
         spatial = dim // heads // 2  # each of row and column turns a quarter of a head's channels
         self.inv_freq = 1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial)
-        if qwen25:
-            def norm(d: int) -> nn.Module:
-                return VisionRMSNorm(d)
-
-            def mlp() -> nn.Module:
-                return VisionGatedMLP(dim, cfg["intermediate_size"], cfg["hidden_act"])
-        else:
-            def norm(d: int) -> nn.Module:
-                return nn.LayerNorm(d, eps=VISION_NORM_EPS)
-
-            def mlp() -> nn.Module:
-                return VisionMLP(dim, int(dim * cfg["mlp_ratio"]), cfg["hidden_act"])
-        self.blocks = nn.ModuleList(VisionBlock(dim, heads, mlp(), norm) for _ in range(cfg["depth"]))
+        norm = _vision_norm(qwen25)
+        self.blocks = nn.ModuleList(VisionBlock(dim, heads, _vision_mlp(cfg, dim, qwen25), norm)
+                                    for _ in range(cfg["depth"]))
         self.merger = PatchMerger(out_dim, dim, self.merge, norm)
 
     @property
