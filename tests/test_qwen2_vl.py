@@ -259,6 +259,22 @@ def test_prefix_cache_tells_images_apart(qwen25_vl):
     assert again.num_cached_tokens > 32 and again.outputs[0].token_ids == a.outputs[0].token_ids
 
 
+def test_preempted_requests_keep_their_positions(qwen2_vl):
+    """A KV cache too small for every request at once preempts some; each resumes, embeds its image again,
+    recomputes its prompt and outputs at the same M-RoPE positions (outputs at position + delta), and answers
+    as transformers does."""
+    folder, hf, processor = qwen2_vl
+    text = PROMPTS[0][0]
+    images = [_image(seed, (60 + 10 * seed, 50)) for seed in range(4)]
+    want = [_hf_greedy(hf, processor, text, [image], 24)[1] for image in images]
+    llm = LLM(str(folder), dtype="float32", block_size=8, num_kv_blocks=13, max_num_batched_tokens=32,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([_request(text, [image]) for image in images], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+
+
 def test_videos_and_unsupported_knobs_are_refused_by_name(qwen2_vl):
     folder, _, _ = qwen2_vl
     for knobs, message in [(dict(enable_lora=True), "LoRA is not supported"),
