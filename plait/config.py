@@ -1065,6 +1065,8 @@ COMPLETED_CONFIGS = {
     "olmo2": ("Olmo2Config", "olmo2"),
     "olmo3": ("Olmo3Config", "olmo3"),
     "gpt_oss": ("GptOssConfig", "gpt_oss"),
+    "qwen2_vl": ("Qwen2VLTextConfig", "qwen2"),
+    "qwen2_5_vl": ("Qwen2_5_VLTextConfig", "qwen2"),
 }
 IMAGE_TEXT_MODEL_TYPES = ("gemma3", "mistral3", "llava", "llava_next")
 # Image models plait runs with their images (plait.models.llava), whose decoder is the text_config's own
@@ -1087,12 +1089,49 @@ _IMAGE_KEYS = ("vision_config", "image_token_index", "image_token_id", "projecto
                "image_grid_pinpoints")
 
 
+# Qwen2-VL and Qwen2.5-VL, served with their images (plait.models.qwen2_vl): a Qwen2 decoder whose config is
+# the text_config (transformers 5) or the top level (transformers 4's Hub checkpoints), with M-RoPE.
+QWEN_VL_MODEL_TYPES = {"qwen2_vl": "Qwen2VLVisionConfig", "qwen2_5_vl": "Qwen2_5_VLVisionConfig"}
+_QWEN_VL_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+MROPE_SECTION_KEY = "mrope_section"
+
+
+def completed_qwen_vl_config(cfg: dict) -> dict:
+    """A Qwen2-VL / Qwen2.5-VL config: its decoder's, with transformers' defaults, its vision_config
+    completed the same way, and ``mrope_section`` at the top (the rotary is a plain one otherwise)."""
+    import transformers
+
+    kind = cfg["model_type"]
+    text_class, _ = COMPLETED_CONFIGS[kind]
+    skip = ("architectures", "model_type", "text_config", "vision_config")
+    text = {k: v for k, v in (cfg.get("text_config") or cfg).items() if k not in skip}
+    full = getattr(transformers, text_class)(**text).to_dict()
+    rope = full.get("rope_parameters") or full.get("rope_scaling") or {}
+    section = rope.get(MROPE_SECTION_KEY) or (cfg.get("rope_scaling") or {}).get(MROPE_SECTION_KEY)
+    if not section:
+        raise ValueError(f"{kind}: the config gives no rope mrope_section")
+    # The 1D table M-RoPE gathers from is the default rotary's (transformers' "mrope" / "default" type).
+    full["rope_parameters"] = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 1e6)}
+    full.pop("rope_scaling", None)
+    full[MROPE_SECTION_KEY] = list(section)
+    vision = getattr(transformers, QWEN_VL_MODEL_TYPES[kind])(**{
+        k: v for k, v in (cfg.get("vision_config") or {}).items() if k != "model_type"})
+    full["vision_config"] = vision.to_dict()
+    for key in _IMAGE_TEXT_TOP_LEVEL_KEYS + _QWEN_VL_KEYS:
+        if key in cfg:
+            full[key] = cfg[key]
+    full["model_type"] = "qwen2"
+    return full
+
+
 def completed_text_config(cfg: dict) -> dict:
     """A COMPLETED_CONFIGS config with transformers' defaults filled in; for an image-text one, its
     ``text_config`` under its own architecture."""
     import transformers
 
     kind = cfg["model_type"]
+    if kind in QWEN_VL_MODEL_TYPES:
+        return completed_qwen_vl_config(cfg)
     class_name, text_kind = COMPLETED_CONFIGS[kind]
     text = cfg.get("text_config") or {} if kind in IMAGE_TEXT_MODEL_TYPES else cfg
     decoders = DECODER_CONFIGS.get(kind)

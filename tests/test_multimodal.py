@@ -294,7 +294,8 @@ def test_bad_image_prompts_are_refused_before_they_enter_the_engine(llava, tiny_
         ({"prompt": "USER: <image>\n", "multi_modal_data": {"image": b"not an image"}}, "cannot read"),
         ({"prompt": "USER: <image>\n", "multi_modal_data": {"image": "https://example.com/a.png"}}, "fetch"),
         ({"prompt": "USER: <image>\n", "multi_modal_data": {"image": "data:image/png;base64,@@"}}, "base64"),
-        ({"prompt": "USER: <image>\n", "multi_modal_data": {"video": image}}, "'image' alone"),
+        ({"prompt": "USER: <image>\n", "multi_modal_data": {"video": image}}, "video inputs are not"),
+        ({"prompt": "USER: <image>\n", "multi_modal_data": {"audio": image}}, "'image' alone"),
     ]
     for prompt, message in cases:
         with pytest.raises(ValueError, match=message):

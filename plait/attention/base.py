@@ -19,6 +19,13 @@ Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor
 QKNormModules = tuple[Any, Any]
 
 
+def rotary_positions(rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
+    """[T] the rows of ``rotary.cos_sin`` each token is rotated by: the rotary's own ``token_positions`` where
+    it has them (M-RoPE's per-step table: plait.layers.rotary.MRopeRotary), else the batch's positions."""
+    own = getattr(rotary, "token_positions", None)
+    return batch.positions if own is None else own
+
+
 class AttentionBackend(ABC):
     """Stores a step's new K/V into the paged cache and attends over it.
 
@@ -52,7 +59,7 @@ class AttentionBackend(ABC):
         where the rotary has one (plait.layers.rotary.QueryScaledRotary)."""
         if qk_norm is not None:
             q, k = qk_norm[0](q), qk_norm[1](k)
-        q, k = rotary(batch.positions, q, k)
+        q, k = rotary(rotary_positions(rotary, batch), q, k)
         self.store_kv(k, v, kv_cache, batch, kv_scales)
         return q
 

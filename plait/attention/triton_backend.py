@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from plait.attention.base import AttentionBackend, QKNormModules, Rotary, register_backend
+from plait.attention.base import AttentionBackend, QKNormModules, Rotary, register_backend, rotary_positions
 from plait.attention.fp8_kv import UNIT_SCALES, KVScales
 from plait.kernels.dispatch import use_triton
 from plait.kernels.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
@@ -73,8 +73,8 @@ class TritonBackend(AttentionBackend):
             return super().rotate_and_store(q, k, v, kv_cache, batch, rotary, kv_scales, qk_norm)
         norm = None if qk_norm is None else QKNorm(qk_norm[0].weight, qk_norm[1].weight, qk_norm[0].eps,
                                                    getattr(qk_norm[0], "unit_offset", False))
-        q = rope_store_kv(batch.positions, q, k, v, cos_sin, kv_cache[0], kv_cache[1], batch.slot_mapping,
-                          kv_scales, norm)
+        q = rope_store_kv(rotary_positions(rotary, batch), q, k, v, cos_sin, kv_cache[0], kv_cache[1],
+                          batch.slot_mapping, kv_scales, norm)
         q_scale = getattr(rotary, "q_scale", None)  # plait.layers.rotary.QueryScaledRotary (Ministral 3)
         return q if q_scale is None else q * q_scale
 

@@ -448,7 +448,7 @@ def chat_with_images(engine: Any, conversation: list[Message], chat_template: st
     content formats), and its images in order."""
     tokenizer = engine.tokenizer
     template = chat_template or getattr(tokenizer, "chat_template", None)
-    image_text = image_token_text(tokenizer, engine.images.image_token_id) if engine.images else None
+    image_text = image_token_text(tokenizer, engine.images.prompt_token_ids) if engine.images else None
     return prepare_chat(conversation, template, image_text, engine.model_config.architecture, chosen_format)
 
 
@@ -525,6 +525,9 @@ def _cache_salt(prompt: PromptType) -> str | None:
 
 def _images_of(data: dict) -> tuple[Any, ...]:
     """The images of vLLM's ``multi_modal_data`` ({"image": an image or a list of them})."""
+    if isinstance(data, dict) and "video" in data:
+        raise ValueError("video inputs are not supported (Qwen2-VL and Qwen2.5-VL take images only): send "
+                         "multi_modal_data={'image': ...}")
     if not isinstance(data, dict) or set(data) - {"image"}:
         given = sorted(data) if isinstance(data, dict) else data
         raise ValueError(f"multi_modal_data takes 'image' alone, got {given}")

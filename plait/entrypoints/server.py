@@ -736,7 +736,7 @@ class OpenAIServer:
         self.tokenizer = info.tokenizer
         # An image model's image token text (chat templates that take text write it for each image); None
         # for a text model, whose messages may not hold images.
-        self.image_text = (image_token_text(self.tokenizer, info.image_processor.image_token_id)
+        self.image_text = (image_token_text(self.tokenizer, info.image_processor.prompt_token_ids)
                            if info.image_processor is not None else None)
         self.image_processor = info.image_processor  # stateless: shared with the engine's loop
         template = self._chat_template()

@@ -159,12 +159,53 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
-        if use_triton(q) and self.cos_sin.device == q.device:
-            from plait.kernels.rotary import apply_rotary
+        return rotate_at(self.cos_sin, positions, q, k)
 
-            return apply_rotary(positions, q, k, self.cos_sin)
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # each [T, 1, D/2]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+def rotate_at(cos_sin: torch.Tensor, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by the rows ``positions`` of ``cos_sin`` ([rows, D] fp32, cos then sin)."""
+    # positions: [T]; q: [T, Hq, D]; k: [T, Hkv, D]
+    if use_triton(q) and cos_sin.device == q.device:
+        from plait.kernels.rotary import apply_rotary
+
+        return apply_rotary(positions, q, k, cos_sin)
+    cos, sin = cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # each [T, 1, D/2]
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+# M-RoPE's position components: temporal, height, width (Qwen2-VL).
+MROPE_COMPONENTS = 3
+
+
+def mrope_columns(section: list[int], head_dim: int) -> torch.Tensor:
+    """[head_dim] int64: the position component (0 t, 1 h, 2 w) each cos_sin column is read at. The half-dim
+    frequencies are split in ``section`` bands, in turn t, h, w (transformers'
+    apply_multimodal_rotary_pos_emb); cos and sin columns alike."""
+    if sum(section) != head_dim // 2 or len(section) != MROPE_COMPONENTS:
+        raise ValueError(f"mrope_section {section} must be 3 bands summing to head_dim / 2 = {head_dim // 2}")
+    half = torch.repeat_interleave(torch.arange(MROPE_COMPONENTS), torch.tensor(section))
+    return torch.cat([half, half])
+
+
+class MRopeRotary:
+    """M-RoPE for one step: each token's cos_sin row is gathered from the 1D table at its three positions,
+    each column at its component's (mrope_columns). ``cos_sin`` is then that per-token table [T, D] and
+    ``token_positions`` arange(T): an attention backend rotates at ``token_positions`` where a rotary has
+    them (its fused rotary + KV store kernel unchanged), at ``batch.positions`` otherwise. Pure torch on
+    static inputs, so CUDA graphs capture it (a decode token's three positions are equal: its usual row)."""
+
+    def __init__(self, table: torch.Tensor, positions: torch.Tensor, columns: torch.Tensor) -> None:
+        # table: [max_positions, D] fp32; positions: [3, T] int64; columns: [D] int64
+        rows = table[positions]  # [3, T, D]
+        index = columns.to(rows.device)[None, None, :].expand(1, rows.shape[1], -1)
+        self.cos_sin = rows.gather(0, index)[0]  # [T, D]
+        self.token_positions = torch.arange(positions.shape[1], device=positions.device)
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        # positions: [T] indices into this step's cos_sin (token_positions); q: [T, Hq, D]; k: [T, Hkv, D]
+        return rotate_at(self.cos_sin, positions, q, k)
 
 
 class PartialRotaryEmbedding(nn.Module):

@@ -198,12 +198,13 @@ class LlamaModel(nn.Module):
         self.norms_folded = False
 
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        # input_ids: [T]; inputs_embeds: [T, hidden] where the caller embedded them (images in a prompt)
+                inputs_embeds: torch.Tensor | None = None, rotary: Rotary | None = None) -> torch.Tensor:
+        # input_ids: [T]; inputs_embeds: [T, hidden] where the caller embedded them (images in a prompt);
+        # rotary: this step's own where the caller made one (Qwen2-VL's M-RoPE), else the model's
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         fuse = self.fuses_mlp_norm(x)
-        rotary = self.rotary
+        rotary = self.rotary if rotary is None else rotary
         if self.llama4_scaling is not None:  # Ministral 3: queries scaled by position, once for every layer
             scale = llama4_query_scale(batch.positions, *self.llama4_scaling, x.dtype)  # [T, 1, 1]
             rotary = QueryScaledRotary(rotary, scale)

@@ -23,6 +23,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Mistral3ForConditionalGeneration": ("plait.models.llama", "Mistral3ForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("plait.models.llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("plait.models.llava", "LlavaNextForConditionalGeneration"),
+    "Qwen2VLForConditionalGeneration": ("plait.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
+    "Qwen2_5_VLForConditionalGeneration": ("plait.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
     "MixtralForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),

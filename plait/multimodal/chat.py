@@ -10,6 +10,8 @@ import jinja2
 from jinja2 import nodes
 
 IMAGE_PART_TYPES = ("image_url", "image_pil", "image")
+# OpenAI-style video parts (vLLM's): refused by name, plait takes no video.
+VIDEO_PART_TYPES = ("video_url", "video")
 # A template that takes text gets a message's text parts joined by newlines, as vLLM's chat parser joins them.
 TEXT_PART_SEPARATOR = "\n"
 # vLLM's --chat-template-content-format: what a template gets as a message's content. "string": text, before
@@ -151,6 +153,8 @@ def split_chat_images(conversation: list[dict[str, Any]], takes_parts: bool, ima
             elif kind in IMAGE_PART_TYPES:
                 images.append(_image_of(part, kind))
                 parts.append({"type": "image"})
+            elif kind in VIDEO_PART_TYPES:
+                raise ValueError(f"video inputs are not supported ({kind!r} part): send images or text")
             else:
                 raise ValueError(f"unsupported content part {part!r}: parts are 'text' or 'image_url'")
         if not takes_parts:
@@ -191,6 +195,7 @@ def prepare_chat(conversation: list[dict[str, Any]], template: str | None, image
     return split_chat_images(conversation, takes_parts, image_text or "")
 
 
-def image_token_text(tokenizer: Any, image_token_id: int) -> str:
-    """What a text-taking chat template writes for one image: the image token, and a newline."""
-    return tokenizer.decode([image_token_id]) + "\n"
+def image_token_text(tokenizer: Any, image_token_ids: list[int]) -> str:
+    """What a text-taking chat template writes for one image: its tokens (the image token, or Qwen2-VL's
+    vision start, image pad and vision end: ImageProcessor.prompt_token_ids), and a newline."""
+    return tokenizer.decode(image_token_ids) + "\n"

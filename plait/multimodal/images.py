@@ -34,6 +34,8 @@ class ImageInput:
     pixel_values: torch.Tensor
     size: tuple[int, int]  # the image's own (height, width), before the processor resized it
     key: bytes  # a hash of the pixel values: the prefix cache tells apart prompts that differ only here
+    # Qwen2-VL: (temporal, height, width) of its patches; pixel_values is then [t h w, patch values]
+    grid: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -41,8 +43,9 @@ class PixelValues:
     """An image already through the model's image processor: the server makes these off the engine's thread
     (ImageProcessor.pixel_values), so the step loop never decodes an image."""
 
-    tensor: torch.Tensor  # [tiles, channels, size, size] fp32
+    tensor: torch.Tensor  # [tiles, channels, size, size] fp32; Qwen2-VL: [t h w, patch values]
     size: tuple[int, int]  # the image's own (height, width)
+    grid: tuple[int, int, int] | None = None  # Qwen2-VL: (temporal, height, width) of its patches
 
 
 @dataclass(frozen=True)
@@ -117,7 +120,12 @@ class ImageProcessor:
     def __init__(self, hf_processor: Any, model: Any) -> None:
         self.hf_processor = hf_processor
         self.image_token_id = model.image_token_id
-        self._tokens_for = model.num_image_tokens_for  # pure functions of an image's size
+        # The tokens a prompt writes for one image (Qwen2-VL wraps its image token in vision start / end).
+        self.prompt_token_ids: list[int] = list(getattr(model, "image_prompt_token_ids", None)
+                                                or [model.image_token_id])
+        # pure functions of an image's size (Qwen2-VL's counts follow the processor's pixel bounds)
+        counter = getattr(model, "image_token_counter", None)
+        self._tokens_for = model.num_image_tokens_for if counter is None else counter(hf_processor)
         self._tiles_for = model.num_tiles_for
 
     @classmethod
@@ -137,7 +145,7 @@ class ImageProcessor:
         pixels = self.preprocess(images)
         lengths = [self._tokens_for(p.size) for p in pixels]
         ids, offsets = self.expand_placeholders(token_ids, lengths)
-        return ids, tuple(ImageInput(offset, n, p.tensor, p.size, _key(p.tensor))
+        return ids, tuple(ImageInput(offset, n, p.tensor, p.size, _key(p.tensor), p.grid)
                           for offset, n, p in zip(offsets, lengths, pixels))
 
     def placeholder_counts(self, images: Sequence[Any]) -> list[int]:
@@ -174,6 +182,12 @@ class ImageProcessor:
         if todo:
             pil = [load_image(images[i]) for i in todo]
             made = self.hf_processor(images=pil, return_tensors="pt")
+            if "image_grid_thw" in made:  # Qwen2-VL: every image's patches in one tensor, and their grids
+                grids = [tuple(g) for g in made["image_grid_thw"].tolist()]
+                patches = made["pixel_values"].split([t * h * w for t, h, w in grids])
+                for i, image, pixels, grid in zip(todo, pil, patches, grids):
+                    out[i] = PixelValues(pixels.float().contiguous(), _hw(image), grid)
+                return tuple(out)
             for i, image, pixels in zip(todo, pil, made["pixel_values"]):
                 size = _hw(image)
                 tiles = pixels if pixels.dim() == 4 else pixels[None]  # [tiles, C, H, W]; padded past its own

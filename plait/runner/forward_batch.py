@@ -195,6 +195,10 @@ class ForwardBatch:
     # Set by the runner for an image model (ImageEmbeddings.views): (mask [T] bool, values [T, hidden]); a
     # token whose mask is set takes its value in place of its own embedding (an image's placeholder).
     image_embeds: tuple[torch.Tensor, torch.Tensor] | None = None
+    # Set by the runner for an M-RoPE model (Qwen2-VL; MRopePositions.views): [3, T] int64, each token's
+    # (temporal, height, width) positions. A text token's three are equal (its position plus its request's
+    # delta); an image placeholder's are its grid cell's. None for every other model, which pays nothing.
+    mrope_positions: torch.Tensor | None = None
     # Set by the attention backend: metadata it derives from this batch once and reuses in every layer.
     backend_state: dict = field(default_factory=dict)
 

@@ -124,6 +124,13 @@ class ImageEmbeddings:
         if not missing:
             return
         images = [request.images[k] for request, k in missing]
+        if getattr(self.model, "variable_size_images", False):
+            # Qwen2-VL: images of any size, their patches concatenated into one encoder call (eager)
+            pixels = [self._to_device(image.pixel_values) for image in images]
+            embedded = self.model.embed_image_list(pixels, [image.grid for image in images])
+            for key, embeds in zip(missing, embedded):
+                self._cache[key] = embeds  # [image.length, hidden]
+            return
         if self.tower_graphs is not None:
             # Pinned one tile at a time: same-sized blocks, which PyTorch's host allocator reuses.
             pinned = [tile.pin_memory() for image in images for tile in image.pixel_values]

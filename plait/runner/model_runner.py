@@ -57,6 +57,7 @@ from plait.runner.feature_tap import FeatureTap
 from plait.runner.forward_batch import ForwardBatch, StepArrays, build_step_arrays, forward_batch_from_arrays
 from plait.runner.image_embeddings import TOWER_GRAPH_BATCHES, ImageEmbeddings, TowerGraphs
 from plait.runner.input_buffers import InputBuffers, Layout
+from plait.runner.mrope_positions import MRopePositions
 from plait.runner.padding import GraphShape
 from plait.runner.pooler import Pooler, resolve_pooling
 from plait.runner.prompt_embeds import PromptEmbeds, input_embedding
@@ -190,6 +191,9 @@ class ModelRunner:
         self.prompt_embeds: PromptEmbeds | None = None
         if getattr(self.model, "supports_images", False):
             self.image_processor = ImageProcessor.for_model(loaded.source, self.model)
+        # An M-RoPE model's per-token (t, h, w) positions, once the buffers' size is known; None otherwise.
+        # (Tensor parallelism refuses these models: plait.parallel.shard lists the decoders it splits.)
+        self.mrope_positions: MRopePositions | None = None
         # KV heads this rank caches: its share under tensor parallelism.
         self.num_kv_heads = (loaded.shard.local if loaded.shard else loaded.config).num_key_value_heads
         self.shard = loaded.shard  # this rank's share of the model under tensor parallelism, else None
@@ -270,9 +274,13 @@ class ModelRunner:
         layout = self._layout(shapes)
         self.buffers = InputBuffers(layout, self.device, compact_tokens=compact)
         if self.image_processor is not None:  # before capture: graphs read its buffers
+            # images of any size (Qwen2-VL) run their encoder eager: no fixed shape to capture
+            tower_graphs = use_graphs and not getattr(self.model, "variable_size_images", False)
             self.image_embeddings = ImageEmbeddings(self.model, self.device, layout.max_tokens,
                                                     self.model_config.hidden_size, self.dtype,
-                                                    graphs=use_graphs)
+                                                    graphs=tower_graphs)
+        if getattr(self.model, "uses_mrope", False):  # before capture too
+            self.mrope_positions = MRopePositions(self.model, self.device, layout.max_tokens)
         embedding = input_embedding(self.model)
         if config.enable_prompt_embeds and self.pooler is None and embedding is not None:  # before capture
             self.prompt_embeds = PromptEmbeds(embedding, self.device, layout.max_tokens, self.dtype)
@@ -492,7 +500,7 @@ class ModelRunner:
             return
         if self.use_graphs and self.graphs is None:  # sleep dropped them (the vision tower's with them)
             self.graphs = self._capture_graphs(self.graph_shapes)
-            if self.image_embeddings is not None:
+            if self.image_embeddings is not None and not getattr(self.model, "variable_size_images", False):
                 tile_shape = self.model.tile_shape
                 self.image_embeddings.tower_graphs = TowerGraphs(self.model, self.device, tile_shape)
 
@@ -667,7 +675,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[:1].expand(rows, -1).contiguous())
             self.sampler(logits, [SamplingRow(PROFILE_SAMPLING, [0], [])] * rows)
             del logits
-        if self.image_processor is not None:  # the vision tower at the most tiles a call runs at once
+        if getattr(self.model, "variable_size_images", False):  # its encoder at the largest image
+            pixels, grid = self.model.largest_image(self.image_processor.hf_processor)
+            self.model.embed_image_list([pixels.to(self.device)], [grid])
+        elif self.image_processor is not None:  # the vision tower at the most tiles a call runs at once
             tiles = torch.zeros(max(TOWER_GRAPH_BATCHES), *self.model.tile_shape, device=self.device)
             self.model.embed_images(tiles)
         del kv, batch, hidden
@@ -813,6 +824,8 @@ class ModelRunner:
         images = 0  # tokens holding image embeddings
         if self.image_embeddings is not None:
             images = self.image_embeddings.stage(plan, arrays.query_start_loc)
+        if self.mrope_positions is not None:
+            self.mrope_positions.stage(plan, arrays.positions, arrays.query_start_loc)
         if self.prompt_embeds is not None:
             self.prompt_embeds.stage(embeds)
         b = self.breakdown
@@ -966,6 +979,8 @@ class ModelRunner:
         batch.recurrent_states = self.recurrent_states
         if self.image_embeddings is not None and num_tokens is not None:
             batch.image_embeds = self.image_embeddings.views(num_tokens)
+        if self.mrope_positions is not None and num_tokens is not None:
+            batch.mrope_positions = self.mrope_positions.views(num_tokens)
 
     def _prompt_logprobs(self, plan: StepPlan, arrays: StepArrays, hidden: torch.Tensor
                          ) -> tuple[list[tuple[Request, int, int, int]], torch.Tensor] | None:

@@ -1,0 +1,438 @@
+"""Qwen2-VL and Qwen2.5-VL: tiny random checkpoints with their processors, against transformers in fp32 on
+CPU: images of different sizes (0, 1 and 2 a prompt), chunked prefill through an image, the prefix cache,
+M-RoPE positions, and the server's image_url parts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from plait import LLM, SamplingParams
+from tests.test_multimodal import _data_url, _image, _saved
+
+WORDS = [f"w{i}" for i in range(200)]
+SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
+            "<|image_pad|>", "<|video_pad|>"]
+# Qwen2-VL's chat template, cut to what the tests send: an image part is its vision span.
+QWEN_VL_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n{% else %}"
+    "{% for content in message['content'] %}{% if content['type'] == 'image' %}"
+    "<|vision_start|><|image_pad|><|vision_end|>{% elif content['type'] == 'text' %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Tiny images stay tiny: 4 to 20 placeholders (28 x 28 pixels each).
+MIN_PIXELS, MAX_PIXELS = 4 * 28 * 28, 20 * 28 * 28
+TEXT_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+# Random weights whose greedy answers vary with the image (no token repeated throughout)
+SEEDS = {False: 17, True: 5}
+SPAN = "<|vision_start|><|image_pad|><|vision_end|>"
+# (prompt, its images' sizes (height, width)): images of different sizes, some split by the windows' edges
+PROMPTS = [
+    (f"<|im_start|>user {SPAN} w3 w17 w5 <|im_end|> <|im_start|>assistant", [(40, 48)]),
+    (f"<|im_start|>user w8 {SPAN} w9 w90 {SPAN} w91 w92 <|im_end|> <|im_start|>assistant",
+     [(90, 130), (60, 40)]),
+    ("<|im_start|>user w100 w101 w102 <|im_end|> <|im_start|>assistant", []),
+]
+
+
+def _tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + WORDS + ["user", "assistant", "system"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>",
+                                   pad_token="<|endoftext|>", additional_special_tokens=SPECIALS[2:])
+
+
+def _qwen_vl(tmp_path_factory, qwen25: bool):
+    from transformers import (
+        Qwen2_5_VLConfig,
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLConfig,
+        Qwen2VLForConditionalGeneration,
+    )
+    try:  # transformers' PIL processor, which needs no torchvision
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+            Qwen2VLImageProcessorPil as ImageProcessor,
+        )
+    except ImportError:
+        from transformers import Qwen2VLImageProcessor as ImageProcessor
+
+    tokenizer = _tokenizer()
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+    text = dict(TEXT_DIMS, vocab_size=256, bos_token_id=1, eos_token_id=3)
+    if qwen25:  # one full-attention block among windowed ones; windows of 2 x 2 merged groups
+        vision = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                      fullatt_block_indexes=[1], window_size=56)
+        cfg, cls, name = Qwen2_5_VLConfig(text_config=text, vision_config=vision, **ids), \
+            Qwen2_5_VLForConditionalGeneration, "tiny-qwen2.5-vl"
+    else:
+        vision = dict(depth=2, embed_dim=32, hidden_size=64, mlp_ratio=2, num_heads=2)
+        cfg, cls, name = Qwen2VLConfig(text_config=text, vision_config=vision, **ids), \
+            Qwen2VLForConditionalGeneration, "tiny-qwen2-vl"
+    folder, model = _saved(cls, cfg, SEEDS[qwen25], name, tmp_path_factory)
+    # Saved as a checkpoint's processor is (preprocessor_config.json, the tokenizer with its chat template);
+    # transformers' Qwen2VLProcessor needs torchvision for its video side, so HfQwenVL stands in for it here.
+    image_processor = ImageProcessor(min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS)
+    image_processor.save_pretrained(folder)
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder, model, HfQwenVL(image_processor, tokenizer)
+
+
+class HfQwenVL:
+    """Qwen2VLProcessor's text side: each image's <|image_pad|> repeated once per merged 2x2 group of its
+    grid, and the mm_token_type_ids that mark them (transformers' M-RoPE reads them)."""
+
+    def __init__(self, image_processor, tokenizer) -> None:
+        self.image_processor, self.tokenizer = image_processor, tokenizer
+        self.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+
+    def __call__(self, text: str, images: list | None = None, return_tensors: str = "pt") -> dict:
+        ids = self.tokenizer(text)["input_ids"]
+        out = {}
+        if images:
+            out = dict(self.image_processor(images=images, return_tensors="pt"))
+            counts = iter((out["image_grid_thw"].prod(-1) // 4).tolist())
+            ids = [t for tok in ids for t in ([tok] * next(counts) if tok == self.image_token_id else [tok])]
+        input_ids = torch.tensor([ids])
+        out.update(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
+                   mm_token_type_ids=(input_ids == self.image_token_id).int())
+        return out
+
+    def apply_chat_template(self, messages: list, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl(tmp_path_factory):
+    return _qwen_vl(tmp_path_factory, qwen25=False)
+
+
+@pytest.fixture(scope="module")
+def qwen25_vl(tmp_path_factory):
+    return _qwen_vl(tmp_path_factory, qwen25=True)
+
+
+def _hf_greedy(model, processor, text: str, images: list, max_tokens: int) -> tuple[list[int], list[int]]:
+    """(the processor's prompt ids, transformers' greedy tokens)."""
+    inputs = processor(text=text, images=images or None, return_tensors="pt")
+    model.model.rope_deltas = None  # transformers keeps the last prompt's delta, even for a text prompt after
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
+    ids = inputs["input_ids"][0].tolist()
+    return ids, out[0, len(ids):].tolist()
+
+
+def _prompts(seed: int = 0) -> list[tuple[str, list]]:
+    return [(text, [_image(seed + 10 * k + j, size) for j, size in enumerate(sizes)])
+            for k, (text, sizes) in enumerate(PROMPTS)]
+
+
+def _request(text: str, images: list) -> dict | str:
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+@pytest.mark.parametrize("budget", [512, 7])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen25_vl"])
+def test_greedy_matches_transformers(request, family, budget):
+    """Each prompt's ids are the processor's and its greedy tokens transformers': images of different sizes,
+    0, 1 and 2 a prompt, batched together; at a budget of 7 tokens a step every image is split across
+    chunks (its embeddings and its M-RoPE positions staged a piece at a time)."""
+    folder, hf, processor = request.getfixturevalue(family)
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = _prompts()
+    want = [_hf_greedy(hf, processor, text, images, 8) for text, images in prompts]
+    outs = llm.generate([_request(text, images) for text, images in prompts], params, use_tqdm=False)
+    for out, (ids, tokens) in zip(outs, want):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == tokens
+    runner = llm.engine.runner
+    assert runner.image_embeddings.num_cached == 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen25_vl"])
+def test_image_embeddings_are_transformers(request, family):
+    """Two images of different sizes through the vision encoder and merger at once: transformers' embeddings
+    (Qwen2.5-VL: windows cut short at the images' edges; all-full attention would differ by far more)."""
+    folder, hf, processor = request.getfixturevalue(family)
+    images = _prompts()[1][1]
+    inputs = processor(text=PROMPTS[1][0], images=images)
+    with torch.no_grad():
+        want = hf.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
+    llm = LLM(str(folder), dtype="float32")
+    pixels = llm.engine.images.preprocess(images)
+    assert [p.grid for p in pixels] == [tuple(g) for g in inputs["image_grid_thw"].tolist()]
+    with torch.no_grad():
+        got = llm.engine.runner.model.embed_image_list([p.tensor for p in pixels], [p.grid for p in pixels])
+    torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
+
+
+def test_hub_layout_and_triton_kernels_match_transformers(qwen25_vl, tmp_path, monkeypatch):
+    """The Hub's Qwen2.5-VL checkpoints (transformers 4's layout: the decoder's fields at the top level,
+    rope_scaling {"type": "mrope"}, tensors named model.layers.* and visual.*) served through the Triton
+    backend (its interpreter on CPU: the fused rotary + KV store on M-RoPE's per-step table, paged
+    attention) give transformers' greedy tokens, images split across chunks."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    import plait.attention.triton_backend as triton_backend
+    from plait.kernels import dispatch
+
+    folder, hf, processor = qwen25_vl
+    copy = tmp_path / "hub-layout"
+    shutil.copytree(folder, copy)
+    tensors = load_file(copy / "model.safetensors")
+    old_names = {"model.language_model.": "model.", "model.visual.": "visual."}
+    renamed = {}
+    for name, tensor in tensors.items():
+        for new, old in old_names.items():
+            name = old + name[len(new):] if name.startswith(new) else name
+        renamed[name] = tensor
+    assert "visual.blocks.0.attn.qkv.weight" in renamed and "model.layers.0.mlp.up_proj.weight" in renamed
+    save_file(renamed, copy / "model.safetensors")
+    config = json.loads((copy / "config.json").read_text())
+    text = config.pop("text_config")
+    section = text.pop("rope_parameters")["mrope_section"]
+    text.pop("model_type")
+    config.update(text, rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": section})
+    (copy / "config.json").write_text(json.dumps(config))
+    text, images = _prompts()[1]
+    ids, want = _hf_greedy(hf, processor, text, images, 4)
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", True)
+    fused = []
+
+    def counted(*args, _kernel=triton_backend.rope_store_kv, **kwargs):
+        fused.append(1)
+        return _kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "rope_store_kv", counted)
+    llm = LLM(str(copy), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
+    fused.clear()  # the memory profile's forward
+    out = llm.generate([_request(text, images)], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want
+    assert fused  # every layer rotated and stored in the fused launch
+
+
+def test_mrope_positions_are_transformers(qwen25_vl):
+    """The prompt's (t, h, w) positions and the decode delta are get_rope_index's."""
+    folder, hf, processor = qwen25_vl
+    text, images = _prompts()[1]
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    want, delta = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                          image_grid_thw=inputs["image_grid_thw"])
+    llm = LLM(str(folder), dtype="float32")
+    prompt = llm.engine.images.expand(inputs["input_ids"][0].tolist(), images)
+    got, got_delta = llm.engine.runner.model.mrope_positions(*prompt)
+    np.testing.assert_array_equal(got, want[:, 0].numpy())
+    assert got_delta == int(delta)
+
+
+def test_prefix_cache_tells_images_apart(qwen25_vl):
+    """The same image again hits the cache past its placeholders; another image of the same size (the same
+    placeholder ids and positions) hits only the text before it."""
+    folder, hf, processor = qwen25_vl
+    words = " ".join(f"w{i}" for i in range(1, 17))
+    text = f"<|im_start|>user {words} w18 w19 {SPAN} w3 w17 w5 <|im_end|> <|im_start|>assistant"
+    first, second = _image(1, (90, 130)), _image(2, (90, 130))
+    llm = LLM(str(folder), dtype="float32", block_size=8, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    a, b, again = (llm.generate([_request(text, [image])], params, use_tqdm=False)[0]
+                   for image in (first, second, first))
+    assert a.outputs[0].token_ids == _hf_greedy(hf, processor, text, [first], 8)[1]
+    assert b.outputs[0].token_ids == _hf_greedy(hf, processor, text, [second], 8)[1]
+    assert b.num_cached_tokens == 16  # the 16 text tokens' blocks before the image, and nothing after
+    assert again.num_cached_tokens > 32 and again.outputs[0].token_ids == a.outputs[0].token_ids
+
+
+def test_preempted_requests_keep_their_positions(qwen2_vl):
+    """A KV cache too small for every request at once preempts some; each resumes, embeds its image again,
+    recomputes its prompt and outputs at the same M-RoPE positions (outputs at position + delta), and answers
+    as transformers does."""
+    folder, hf, processor = qwen2_vl
+    text = PROMPTS[0][0]
+    images = [_image(seed, (60 + 10 * seed, 50)) for seed in range(4)]
+    want = [_hf_greedy(hf, processor, text, [image], 24)[1] for image in images]
+    llm = LLM(str(folder), dtype="float32", block_size=8, num_kv_blocks=13, max_num_batched_tokens=32,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outs = llm.generate([_request(text, [image]) for image in images], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+
+
+def test_videos_and_unsupported_knobs_are_refused_by_name(qwen2_vl):
+    folder, _, _ = qwen2_vl
+    for knobs, message in [(dict(enable_lora=True), "LoRA is not supported"),
+                           (dict(tensor_parallel_size=2), "cannot be split")]:
+        with pytest.raises(ValueError, match=message):
+            LLM(str(folder), dtype="float32", **knobs)
+    llm = LLM(str(folder), dtype="float32")
+    with pytest.raises(ValueError, match="video inputs are not supported"):
+        llm.generate([{"prompt": "w1", "multi_modal_data": {"video": [_image(0)]}}], use_tqdm=False)
+    with pytest.raises(ValueError, match="video inputs are not supported"):
+        llm.chat([{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}],
+                 use_tqdm=False)
+
+
+def test_chat_image_parts_in_both_content_formats(qwen2_vl):
+    """LLM.chat's image parts: the template that loops over parts writes the vision span for each; under the
+    "string" content format plait writes <|vision_start|><|image_pad|><|vision_end|> before the text itself.
+    Both prompts are transformers' (the same ids), and so is the answer."""
+    folder, hf, processor = qwen2_vl
+    image = _image(4, (50, 70))
+    content = [{"type": "image_pil", "image_pil": image}, {"type": "text", "text": "w3 w17 w5"}]
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, content[1]]}],
+                                         add_generation_prompt=True)
+    ids, want = _hf_greedy(hf, processor, text, [image], 6)
+    llm = LLM(str(folder), dtype="float32")
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    for fmt in ("openai", "string"):
+        out = llm.chat([{"role": "user", "content": content}], params, use_tqdm=False,
+                       chat_template_content_format=fmt)[0]
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want, fmt
+
+
+def test_server_chat_with_image_url(qwen2_vl):
+    """/v1/chat/completions with the openai client against a real server: a data-URL image part gets the
+    answer transformers gives the chat template's prompt."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    folder, hf, processor = qwen2_vl
+    image = _image(8, (70, 50))
+    content = [{"type": "image_url", "image_url": {"url": _data_url(image)}},
+               {"type": "text", "text": "w3 w17 w5"}]
+    parts = [{"type": "image"}, {"type": "text", "text": "w3 w17 w5"}]
+    text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+    ids, want = _hf_greedy(hf, processor, text, [image], 6)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    offline = LLM(str(folder), dtype="float32").chat([{"role": "user", "content": content}], params,
+                                                      use_tqdm=False)[0]
+    assert offline.prompt_token_ids == ids and offline.outputs[0].token_ids == want
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=16))
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        ask = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=6,
+                   temperature=0.0, extra_body={"ignore_eos": True})
+        reply = client.chat.completions.create(**ask)
+        assert reply.usage.prompt_tokens == len(ids)
+        assert reply.choices[0].message.content == offline.outputs[0].text
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(**ask, stream=True) if c.choices)
+        assert streamed == reply.choices[0].message.content
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_qwen25_vl_graphs_match_cpu_fp32(qwen25_vl, dtype):
+    """On the GPU path (Triton attention, the fused rotary + KV store on M-RoPE's per-step table, CUDA
+    graphs, images split across chunks beside decodes) against the CPU fp32 engine, whose answers are
+    transformers' (test_greedy_matches_transformers): fp32 equal; bf16 the first tokens of every prompt, and
+    all but one prompt to the end (bf16 near-ties may fork a late token). Decode and image steps replay
+    graphs."""
+    folder, _, _ = qwen25_vl
+    prompts = [_request(text, images) for text, images in _prompts(seed=3)] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    cpu = LLM(str(folder), dtype="float32", device="cpu", enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    # Serving's prompt cap beside decodes: mixed steps replay mixed-shape graphs.
+    llm = LLM(str(folder), dtype=dtype, max_num_batched_tokens=12, enable_prefix_caching=False,
+              usage="serve")
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    agree = sum(g == w for g, w in zip(got, want))
+    print(f"\nQwen2.5-VL {dtype} on the GPU: {agree}/{len(want)} prompts equal the CPU fp32 engine's")
+    if dtype == "float32":
+        assert got == want
+    else:
+        assert all(g[:2] == w[:2] for g, w in zip(got, want)) and agree >= len(want) - 1
+    b = llm.engine.runner.breakdown
+    assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
+    assert b.image_steps > 0 and b.graph_image_steps == b.image_steps
+
+
+def test_mrope_rotary_is_transformers():
+    """MRopeRotary's per-step table, read at its token indices, rotates q and k as transformers' M-RoPE does
+    at three different positions a token (head_dim 16 in bands of 2, 3 and 3 frequencies)."""
+    from transformers import Qwen2VLTextConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding, apply_rotary_pos_emb
+
+    from plait.layers.rotary import MRopeRotary, RotaryEmbedding, mrope_columns
+
+    section, head_dim, theta, num_tokens = [2, 3, 3], 16, 10000.0, 9
+    cfg = Qwen2VLTextConfig(hidden_size=64, num_attention_heads=4, rope_parameters={
+        "rope_type": "default", "rope_theta": theta, "mrope_section": section})
+    positions = torch.randint(0, 100, (3, num_tokens))
+    q, k = torch.randn(num_tokens, 4, head_dim), torch.randn(num_tokens, 2, head_dim)
+    cos, sin = Qwen2VLRotaryEmbedding(cfg)(q, positions[:, None])  # each [1, T, head_dim]
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    rotary = MRopeRotary(RotaryEmbedding(head_dim, 128, theta).cos_sin, positions,
+                         mrope_columns(section, head_dim))
+    got_q, got_k = rotary(rotary.token_positions, q, k)
+    torch.testing.assert_close(got_q, want_q[0].transpose(0, 1))
+    torch.testing.assert_close(got_k, want_k[0].transpose(0, 1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotary_store_runs_mrope(dtype, monkeypatch):
+    """The Triton backend's fused rotary + KV store (the interpreter on CPU, compiled on a GPU) given M-RoPE's
+    per-step table and its token indices rotates q and stores k, v as the torch path does: the kernel reads
+    row t of that table for token t, the gathered (t, h, w) angles."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+
+    from plait.attention import triton_backend
+    from plait.attention.base import AttentionBackend, get_backend
+    from plait.kernels import dispatch
+    from plait.kernels.rope_store import rope_store_kv
+    from plait.layers.rotary import MRopeRotary, RotaryEmbedding, mrope_columns
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    num_tokens, hq, hkv, head_dim, block_size = 5, 4, 2, 16, 4
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(num_tokens, h, head_dim, generator=g).to(device, dtype) for h in (hq, hkv, hkv))
+    cache = torch.zeros(2, 3, block_size, hkv, head_dim, dtype=dtype, device=device)
+    positions = torch.randint(0, 60, (3, num_tokens), generator=g).to(device)
+    rotary = MRopeRotary(RotaryEmbedding(head_dim, 64, 10000.0).cos_sin.to(device), positions,
+                         mrope_columns([2, 3, 3], head_dim).to(device))
+    batch = SimpleNamespace(positions=torch.zeros(num_tokens, dtype=torch.long, device=device),
+                            slot_mapping=torch.arange(num_tokens, device=device) + block_size)
+    want_cache = cache.clone()
+    want_q = AttentionBackend.rotate_and_store(get_backend("torch_ref"), q, k, v, want_cache, batch, rotary)
+    fused = []
+
+    def counted(*args, **kwargs):
+        fused.append(1)
+        return rope_store_kv(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "rope_store_kv", counted)
+    if device == "cpu":
+        dispatch.set_cpu_interpreter(True)
+    try:
+        with torch.no_grad():
+            got_q = get_backend("triton").rotate_and_store(q, k, v, cache, batch, rotary)
+    finally:
+        dispatch.set_cpu_interpreter(False)
+    assert fused  # the fused kernel ran, not the torch path
+    tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_q, want_q, **tol)
+    torch.testing.assert_close(cache, want_cache, **tol)
