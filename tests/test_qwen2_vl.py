@@ -341,33 +341,53 @@ def test_server_chat_with_image_url(qwen2_vl):
         assert streamed == reply.choices[0].message.content
 
 
+# bf16 on the GPU against the CPU's fp32: a fork must be at a near-tie of the CPU's logprobs (nats), among
+# its top few.
+BF16_NEAR_TIE = 0.1
+FORK_LOGPROBS = 5
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_gpu_qwen25_vl_graphs_match_cpu_fp32(qwen25_vl, dtype):
     """On the GPU path (Triton attention, the fused rotary + KV store on M-RoPE's per-step table, CUDA
     graphs, images split across chunks beside decodes) against the CPU fp32 engine, whose answers are
-    transformers' (test_greedy_matches_transformers): fp32 equal; bf16 the first tokens of every prompt, and
-    all but one prompt to the end (bf16 near-ties may fork a late token). Decode and image steps replay
+    transformers' (test_greedy_matches_transformers): fp32 equal; bf16 forks only where the CPU's top two
+    logprobs were a near-tie (this tiny random model's are often within 0.05 nats: bf16 on the CPU forked one
+    of three prompts so; a wrong position or image moves them by whole nats). Decode and image steps replay
     graphs."""
     folder, _, _ = qwen25_vl
     prompts = [_request(text, images) for text, images in _prompts(seed=3)] * 2
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     cpu = LLM(str(folder), dtype="float32", device="cpu", enable_prefix_caching=False)
-    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    reference = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=FORK_LOGPROBS)
+    want = [o.outputs[0] for o in cpu.generate(prompts, reference, use_tqdm=False)]
     # Serving's prompt cap beside decodes: mixed steps replay mixed-shape graphs.
     llm = LLM(str(folder), dtype=dtype, max_num_batched_tokens=12, enable_prefix_caching=False,
               usage="serve")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-    agree = sum(g == w for g, w in zip(got, want))
-    print(f"\nQwen2.5-VL {dtype} on the GPU: {agree}/{len(want)} prompts equal the CPU fp32 engine's")
+    gaps = [_fork_gap(g, w) for g, w in zip(got, want)]
+    forked = [gap for gap in gaps if gap is not None]
+    print(f"\nQwen2.5-VL {dtype} on the GPU: {len(got) - len(forked)}/{len(got)} prompts equal the CPU fp32 "
+          f"engine's; forks at CPU logprob gaps {forked}")
     if dtype == "float32":
-        assert got == want
+        assert not forked
     else:
-        assert all(g[:2] == w[:2] for g, w in zip(got, want)) and agree >= len(want) - 1
+        assert all(gap <= BF16_NEAR_TIE for gap in forked), forked
     b = llm.engine.runner.breakdown
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
     assert b.image_steps > 0 and b.graph_image_steps == b.image_steps
+
+
+def _fork_gap(got: list[int], want) -> float | None:
+    """Where ``got`` first leaves the CPU's tokens, how far (nats) the token it took fell below the CPU's
+    there (inf where it was not among the CPU's top FORK_LOGPROBS); None where it never leaves them."""
+    fork = next((j for j, (a, b) in enumerate(zip(got, want.token_ids)) if a != b), None)
+    if fork is None:
+        return None
+    top = want.logprobs[fork].top
+    return round(top[want.token_ids[fork]] - top.get(got[fork], float("-inf")), 4)
 
 
 def test_mrope_rotary_is_transformers():
