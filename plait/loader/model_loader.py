@@ -26,7 +26,7 @@ from plait.config import (
 from plait.layers import mxfp4, wna16
 from plait.layers.fp8 import FP8_DTYPE, checkpoint_quantization, checkpoint_weight_block, quantize_model
 from plait.layers.linear import deferred_weights, materialize_deferred
-from plait.layers.moe import FusedMoE
+from plait.layers.moe import INT_WEIGHTS, FusedMoE
 from plait.layers.mxfp4 import MXFP4_DTYPE
 from plait.models.base import checkpoint_layout
 from plait.models.registry import BASE_MODEL_ARCHITECTURES, get_model_class, resolve_runner
@@ -316,6 +316,15 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
         elif isinstance(owner, FusedMoE) and param.dtype == MXFP4_DTYPE:
             if leaf == "gate_up_proj":  # one call draws both stacks' codes and scales
                 owner.fill_random_mxfp4(gen)
+        elif isinstance(owner, FusedMoE) and owner.weight_format == INT_WEIGHTS:
+            # Integer experts: the unquantised model's draws ([E, out, in]), each expert's quantised
+            # round-to-nearest as the checkpoint's scheme would (scales and zeros come with the codes).
+            experts, words, out = param.shape
+            weights = torch.empty((experts, out, words * owner.int_spec.pack), dtype=owner.compute_dtype,
+                                  device=param.device)
+            weights.normal_(0.0, DUMMY_INIT_STD, generator=gen)
+            for expert, weight in enumerate(weights):
+                owner.quantize_expert(leaf, expert, weight)
         elif isinstance(owner, FusedMoE) and param.dtype == FP8_DTYPE:
             # FP8 experts: the unquantised model's draws, each expert's quantised tile by tile.
             weights = torch.empty(param.shape, dtype=owner.compute_dtype, device=param.device)
