@@ -1210,6 +1210,50 @@ def test_fused_moe_int_with_local_experts_matches_ref():
         assert_close_to_ref(got, want)
 
 
+@pytest.mark.parametrize("kernels", [False, True])
+def test_fused_moe_layer_with_integer_experts_is_the_ref(monkeypatch, kernels):
+    """FusedMoE.use_integer, loaded per expert as GPTQ tensors: the torch path is fused_moe_ref of its
+    stacks with route's routing, to the bit; the Triton path (the interpreter on CPU) within the kernels'
+    tolerances; the stacks are int_experts' (WNA16Linear's layout, stacked)."""
+    from plait.kernels import dispatch
+    from plait.layers.moe import FusedMoE, route
+    from plait.layers.wna16 import WNA16Spec, pack_columns
+
+    monkeypatch.setattr(dispatch, "_enabled", kernels)  # off: the torch path, on a GPU too
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", kernels and not ON_GPU)
+    dtype = BF16 if kernels else torch.float32
+    kwargs, _ = int_experts(4, 32, seed=89)
+    spec = WNA16Spec("gptq", 4, 32, sym=False, zero_offset=1)
+    layer = FusedMoE(INT_E, 2, INT_SIZE, INT_SIZE, renormalize=True).to(DEVICE, dtype)
+    layer.use_integer(spec)
+    for e in range(INT_E):  # each projection's GPTQ tensors: its columns of the stacks
+        for projection, (stacked, shard) in {"gate_proj": ("w13", 0), "up_proj": ("w13", 1),
+                                              "down_proj": ("w2", 0)}.items():
+            cols = slice(shard * INT_SIZE, (shard + 1) * INT_SIZE)
+            zeros = kwargs[f"{stacked}_zeros"][e][:, cols].to(torch.int32) - 1  # stored less one
+            tensors = {"qweight": kwargs[stacked][e][:, cols],
+                       "scales": kwargs[f"{stacked}_scale"][e][:, cols],
+                       "qzeros": pack_columns(zeros & 0xF, 4)}  # GPTQ's 4-bit fields: -1 wraps to 15
+            for name, tensor in tensors.items():
+                layer.load_expert(e, projection, tensor, name)
+    layer.check_loaded()
+    assert "gptq 4-bit (groups of 32)" in repr(layer)
+    for ours, theirs in ((layer.gate_up_proj, "w13"), (layer.down_zeros, "w2_zeros"),
+                         (layer.gate_up_scale, "w13_scale")):
+        assert torch.equal(ours, kwargs[theirs].to(ours.dtype))
+    x = randn(7, INT_SIZE, dtype=dtype, seed=90)
+    logits = randn(7, INT_E, dtype=torch.float32, seed=91, scale=2.0)
+    weights, ids = route(logits, 2, renormalize=True)
+    with torch.no_grad():
+        got = layer(x, logits)
+    kw = dict(kwargs)
+    want = fused_moe_ref(x, kw.pop("w13"), kw.pop("w2"), weights, ids, **kw)
+    if kernels:
+        assert_close_to_ref(got, want)
+    else:
+        assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("bad", ["bits", "zeros", "zeros_shape", "group", "block", "bias", "activation",
                                  "float_with_zeros"])
 def test_fused_moe_int_rejects_bad_arguments(bad):

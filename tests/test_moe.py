@@ -468,3 +468,37 @@ def test_random_weights_of_an_integer_moe_config(moe_models, tmp_path):
     assert 0 < (weight - want).abs().max() <= got.down_scale[3].float().max()
     outputs, _ = run_greedy(quantized, random_prompts(2, 3, 9, seed=1), 4)
     assert all(len(o) == 4 for o in outputs.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_gptq_moe_with_graphs_computes_the_torch_path_in_fp32(tmp_path):
+    """A random GPTQ Qwen3-MoE (4-bit experts in groups of 128, every other projection a WNA16Linear), fp32:
+    the Triton experts (dequantised in their K loops) under CUDA graphs and chunked mixed steps give the
+    torch path's tokens (the experts dequantised, eager, whole prompts, torch_ref attention); every pure-
+    decode step replays a graph."""
+    from test_wna16 import _quantization_config
+
+    from plait.kernels import dispatch
+
+    model = _gpu_config(tmp_path)
+    cfg = json.loads((tmp_path / "qwen3-moe" / "config.json").read_text())
+    cfg["quantization_config"] = _quantization_config("gptq", 4, 128, True, False)
+    (tmp_path / "qwen3-moe" / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, GPU_VOCAB, (n,), generator=g).tolist() for n in (1, 7, 40, 130, 300, 5)]
+    common = dict(model=model, load_format="dummy", seed=3, dtype="float32", max_model_len=1024,
+                  num_kv_blocks=512, enable_prefix_caching=False)
+    dispatch.set_triton_enabled(False)
+    try:
+        ref_engine = LLMEngine(EngineConfig(**common, attention_backend="torch_ref", enforce_eager=True,
+                                            async_scheduling=False, max_num_batched_tokens=4096))
+        ref, _ = run_greedy(ref_engine, prompts, 16, arrive_every=2)
+    finally:
+        dispatch.set_triton_enabled(True)
+    engine = LLMEngine(EngineConfig(**common, max_num_batched_tokens=64))
+    _assert_integer_moe(engine, 4)
+    got, _ = run_greedy(engine, prompts, 16, arrive_every=2)
+    assert got == ref
+    b = engine.runner.breakdown
+    assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
