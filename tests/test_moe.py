@@ -375,20 +375,25 @@ def _assert_integer_moe(engine: LLMEngine, bits: int) -> None:
                 assert isinstance(mlp.shared_expert.gate_up_proj, WNA16Linear)
 
 
-@pytest.mark.parametrize("family,method,bits,group,sym", [
-    ("qwen3_moe", "gptq", 4, 32, True),
-    ("qwen2_moe", "awq", 4, 32, False),  # the shared expert and its gate; a dense layer
-    ("mixtral", "gptq", 8, -1, False),  # w1 / w3 / w2; one group spanning each input
+@pytest.mark.parametrize("family,method,bits,group,sym,not_converted", [
+    ("qwen3_moe", "gptq", 4, 32, True, ["mlp.gate"]),  # the routers listed as left 16-bit
+    ("qwen2_moe", "awq", 4, 32, False, None),  # the shared expert and its gate; a dense layer
+    ("mixtral", "gptq", 8, -1, False, None),  # w1 / w3 / w2; one group spanning each input
+    ("mixtral", "awq", 4, 32, False, ["gate"]),  # as AutoAWQ's Mixtral checkpoints list the router
 ])
 def test_an_integer_moe_checkpoint_matches_transformers_on_its_weights(moe_models, tmp_path, family, method,
-                                                                        bits, group, sym):
-    """A GPTQ / AWQ MoE checkpoint (every expert's projections packed, the routers 16-bit) loads without
-    --quantization and gives transformers' greedy tokens and logits for the model of the weights it stands
-    for, prompts chunked and batched with decodes."""
+                                                                        bits, group, sym, not_converted):
+    """A GPTQ / AWQ MoE checkpoint (every expert's projections packed, the routers 16-bit, whether or not
+    modules_to_not_convert lists them) loads without --quantization and gives transformers' greedy tokens
+    and logits for the model of the weights it stands for, prompts chunked and batched with decodes."""
     from test_wna16 import _quantized_checkpoint
 
     folder, _ = moe_models[family]
     weights = _quantized_checkpoint(folder, tmp_path / method, method, bits, group, sym, False)
+    if not_converted:
+        cfg = json.loads((tmp_path / method / "config.json").read_text())
+        cfg["quantization_config"]["modules_to_not_convert"] = not_converted
+        (tmp_path / method / "config.json").write_text(json.dumps(cfg))
     assert any(".experts." in name for name in weights)
     hf = _dequantized_hf(folder, tmp_path / "dequantized", weights)
     engine = LLMEngine(EngineConfig(model=str(tmp_path / method), max_num_batched_tokens=40, block_size=8))
