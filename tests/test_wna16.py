@@ -205,6 +205,23 @@ def test_quantization_configs_are_read_or_refused_by_name():
             checkpoint_spec({"quantization_config": config})
 
 
+def test_families_without_an_integer_path_are_refused_by_name():
+    """Sparse MoE families load (their experts as integer FusedMoE stacks); the recurrent ones, whose Mamba
+    projections load under names of their own, and experts of gpt-oss's kind (biases, the clamped SwiGLU:
+    not in the integer kernels' epilogues) are refused by name."""
+    from plait.layers.moe import SWIGLU_OAI, FusedMoE
+    from plait.layers.wna16 import check_method
+
+    spec = WNA16Spec("gptq", 4, 128, zero_offset=1)
+    for architecture in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        check_method(spec, None, architecture)
+    with pytest.raises(ValueError, match="GPTQ checkpoints of Mamba2ForCausalLM are not supported"):
+        check_method(spec, None, "Mamba2ForCausalLM")
+    experts = FusedMoE(4, 2, 128, 128, renormalize=True, activation=SWIGLU_OAI, bias=True)
+    with pytest.raises(ValueError, match="integer experts with biases or the 'swiglu_oai' activation"):
+        experts.use_integer(spec)
+
+
 # -- a whole model against transformers
 
 @pytest.mark.parametrize("family,method,bits,group,sym,act_order", [
