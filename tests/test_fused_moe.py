@@ -1109,3 +1109,201 @@ def test_gpu_fused_moe_gpt_oss_20b_shapes(gpt_oss_20b_experts, t):
     gate_up = torch.cat([F.linear(x[first == e].float(), w13_32[e], b13_32[e]) for e in first.unique()])
     gate, up = gate_up.split(c["inter"], dim=-1)
     assert bool((gate > OAI_LIMIT).any() & (up.abs() > OAI_LIMIT).any())
+
+
+# -- integer experts (GPTQ / AWQ / compressed-tensors: W4A16, W8A16) -----------------------------------------
+# Six experts of H = I = 64 (128 where the groups are of 128: the smallest every group size divides), as
+# small as the interpreter's time asks.
+INT_E, INT_SIZE, INT_LARGE_GROUP = 6, 64, 128
+
+
+def int_size(group: int) -> int:
+    return INT_LARGE_GROUP if group == INT_LARGE_GROUP else INT_SIZE
+
+
+def int_experts(bits: int, group: int, seed: int, num_experts: int = INT_E, hidden: int | None = None,
+                inter: int | None = None, scale_dtype: torch.dtype = torch.float16) -> tuple[dict, dict]:
+    """Random experts quantised round-to-nearest (asymmetric, as AWQ's): fused_moe's integer keywords
+    (w13 [E, H / pack, 2I], w2 [E, I / pack, H] and their scales, zeros, bits) and, as w13 / w2, the
+    weights they stand for ([E, 2I, H], [E, H, I]) in each dtype (dtype -> (w13, w2))."""
+    from plait.layers.wna16 import WNA16Spec, dequantize, pack_rows, quantize_rtn
+
+    hidden, inter = hidden or int_size(group), inter or int_size(group)
+    spec = WNA16Spec("gptq", bits, group, sym=False)
+    stacks = []
+    for n, k, s in ((2 * inter, hidden, seed), (hidden, inter, seed + 1)):
+        w = randn(num_experts, n, k, dtype=torch.float32, seed=s, scale=k**-0.5)
+        parts = [quantize_rtn(w[e], spec, scale_dtype) for e in range(num_experts)]
+        codes, scales, zeros = zip(*parts, strict=True)
+        stacks.append((torch.stack([pack_rows(c, bits) for c in codes]), torch.stack(scales),
+                       torch.stack(zeros).to(torch.uint8)))
+    (w13, s13, z13), (w2, s2, z2) = stacks
+    kwargs = dict(w13=w13, w2=w2, w13_scale=s13, w2_scale=s2, w13_zeros=z13, w2_zeros=z2, bits=bits)
+
+    def dense(codes, scales, zeros, dtype):
+        return torch.stack([dequantize(c, s, z, bits, dtype) for c, s, z in zip(codes, scales, zeros)])
+
+    weights = {dtype: (dense(w13, s13, z13, dtype), dense(w2, s2, z2, dtype)) for dtype in DTYPES}
+    return kwargs, weights
+
+
+def run_int(x, kwargs, weights, ids, local_experts=None, **knobs):
+    """(fused_moe, fused_moe_ref) of int_experts' keywords; knobs: fused_moe's alone (gemv, config)."""
+    kw = dict(kwargs, local_experts=local_experts)
+    w13, w2 = kw.pop("w13"), kw.pop("w2")
+    return fused_moe(x, w13, w2, weights, ids, **kw, **knobs), fused_moe_ref(x, w13, w2, weights, ids, **kw)
+
+
+# (bits, group size (0: one group spanning K), top_k, tokens, dtype): every bit width, group size and top-k
+# the brief's checkpoints use, odd token counts, each dtype.
+INT_CASES = [(4, 32, 2, 1, BF16), (4, 64, 4, 5, BF16), (4, 128, 2, 9, torch.float16), (8, 0, 4, 3, BF16),
+             (8, 128, 2, 7, torch.float32), (4, 0, 4, 3, torch.float16), (8, 32, 2, 5, torch.float16)]
+
+
+@pytest.mark.parametrize("case", INT_CASES, ids=str)
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_fused_moe_int_matches_ref(case, path):
+    bits, group, top_k, t, dtype = case
+    kwargs, _ = int_experts(bits, group, seed=70)
+    x = randn(t, int_size(group), dtype=dtype, seed=72)
+    weights, ids = routing(t, INT_E, top_k, seed=73)
+    assert_close_to_ref(*run_int(x, kwargs, weights, ids, gemv=PATHS[path]))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_moe_int_groups_narrower_than_the_k_step(bits):
+    """K steps of 64 over groups of 32 (the GPU's BLOCK_K_16BIT over GPTQ's smallest groups): each word row
+    takes its own group's scales and zeros."""
+    kwargs, _ = int_experts(bits, 32, seed=86)
+    x = randn(7, INT_SIZE, dtype=BF16, seed=87)
+    weights, ids = routing(7, INT_E, 2, seed=88)
+    wide_k = MoeConfig(fm.CPU_BLOCK_M, fm.CPU_BLOCK_N, 2 * fm.CPU_BLOCK_K, group_m=1, num_stages=1)
+    assert_close_to_ref(*run_int(x, kwargs, weights, ids, config=wide_k, gemv=False))
+
+
+@pytest.mark.parametrize("bits,group,dtype", [(4, 32, BF16), (8, 0, BF16), (4, 64, torch.float16),
+                                              (8, 128, torch.float32)])
+def test_fused_moe_int_is_the_16_bit_kernel_on_its_weights(bits, group, dtype):
+    """The grouped GEMM dequantises each K step to plait.layers.wna16.dequantize's weights bit for bit
+    (fp16: in fp16 arithmetic, HALF), so with the same tiles it is the 16-bit kernel on those weights,
+    bit for bit; the GEMV sums its fp32 lanes K-major, so there only the order of the sums differs."""
+    kwargs, dense = int_experts(bits, group, seed=74)
+    w13, w2 = dense[dtype]
+    t = 13  # ragged blocks of several experts
+    x = randn(t, int_size(group), dtype=dtype, seed=75)
+    weights, ids = routing(t, INT_E, 2, seed=76)
+    got, _ = run_int(x, kwargs, weights, ids, gemv=False)
+    assert torch.equal(got, fused_moe(x, w13, w2, weights, ids, gemv=False))
+    got, _ = run_int(x[:3], kwargs, weights[:3], ids[:3], gemv=True)
+    assert_close_to_ref(got, fused_moe(x[:3], w13, w2, weights[:3], ids[:3], gemv=True))
+
+
+def test_fused_moe_int_with_local_experts_matches_ref():
+    """Expert parallelism's dropped entries (experts held elsewhere) on the integer paths too."""
+    kwargs, _ = int_experts(4, 32, seed=77)
+    half = INT_E // 2
+    local = {k: v[half:] if torch.is_tensor(v) else v for k, v in kwargs.items()}
+    x = randn(5, INT_SIZE, dtype=BF16, seed=78)
+    weights, ids = routing(5, INT_E, 2, seed=79)
+    for gemv in (True, False):
+        got, want = run_int(x, local, weights, ids, gemv=gemv, local_experts=LocalExperts(half, half, INT_E))
+        assert_close_to_ref(got, want)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_fused_moe_layer_with_integer_experts_is_the_ref(monkeypatch, kernels):
+    """FusedMoE.use_integer, loaded per expert as GPTQ tensors: the torch path is fused_moe_ref of its
+    stacks with route's routing, to the bit; the Triton path (the interpreter on CPU) within the kernels'
+    tolerances; the stacks are int_experts' (WNA16Linear's layout, stacked)."""
+    from plait.kernels import dispatch
+    from plait.layers.moe import FusedMoE, route
+    from plait.layers.wna16 import WNA16Spec, pack_columns
+
+    monkeypatch.setattr(dispatch, "_enabled", kernels)  # off: the torch path, on a GPU too
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", kernels and not ON_GPU)
+    dtype = BF16 if kernels else torch.float32
+    kwargs, _ = int_experts(4, 32, seed=89)
+    spec = WNA16Spec("gptq", 4, 32, sym=False, zero_offset=1)
+    layer = FusedMoE(INT_E, 2, INT_SIZE, INT_SIZE, renormalize=True).to(DEVICE, dtype)
+    layer.use_integer(spec)
+    for e in range(INT_E):  # each projection's GPTQ tensors: its columns of the stacks
+        for projection, (stacked, shard) in {"gate_proj": ("w13", 0), "up_proj": ("w13", 1),
+                                              "down_proj": ("w2", 0)}.items():
+            cols = slice(shard * INT_SIZE, (shard + 1) * INT_SIZE)
+            zeros = kwargs[f"{stacked}_zeros"][e][:, cols].to(torch.int32) - 1  # stored less one
+            tensors = {"qweight": kwargs[stacked][e][:, cols],
+                       "scales": kwargs[f"{stacked}_scale"][e][:, cols],
+                       "qzeros": pack_columns(zeros & 0xF, 4)}  # GPTQ's 4-bit fields: -1 wraps to 15
+            for name, tensor in tensors.items():
+                layer.load_expert(e, projection, tensor, name)
+    layer.check_loaded()
+    assert "gptq 4-bit (groups of 32)" in repr(layer)
+    for ours, theirs in ((layer.gate_up_proj, "w13"), (layer.down_zeros, "w2_zeros"),
+                         (layer.gate_up_scale, "w13_scale")):
+        assert torch.equal(ours, kwargs[theirs].to(ours.dtype))
+    x = randn(7, INT_SIZE, dtype=dtype, seed=90)
+    logits = randn(7, INT_E, dtype=torch.float32, seed=91, scale=2.0)
+    weights, ids = route(logits, 2, renormalize=True)
+    with torch.no_grad():
+        got = layer(x, logits)
+    kw = dict(kwargs)
+    want = fused_moe_ref(x, kw.pop("w13"), kw.pop("w2"), weights, ids, **kw)
+    if kernels:
+        assert_close_to_ref(got, want)
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("bad", ["bits", "zeros", "zeros_shape", "group", "block", "bias", "activation",
+                                 "float_with_zeros"])
+def test_fused_moe_int_rejects_bad_arguments(bad):
+    kwargs, dense = int_experts(4, 32, seed=80, num_experts=2, hidden=64, inter=32)
+    x = randn(3, 64, dtype=BF16, seed=81)
+    weights, ids = routing(3, 2, 1, seed=82)
+    kw, extra = dict(kwargs), {}
+    if bad == "bits":
+        kw["bits"] = 3
+    elif bad == "zeros":
+        kw["w2_zeros"] = None
+    elif bad == "zeros_shape":
+        kw["w13_zeros"] = kw["w13_zeros"][:, :1]
+    elif bad == "group":  # 64 inputs in 3 groups
+        kw["w13_scale"] = kw["w13_zeros"] = torch.zeros(2, 3, 64)
+    elif bad == "block":
+        extra = dict(block=(32, 32))
+    elif bad == "bias":
+        extra = dict(w13_bias=torch.zeros(2, 64, dtype=BF16, device=DEVICE))
+    elif bad == "activation":
+        extra = dict(activation="swiglu_oai")
+    else:
+        kw["w13"], kw["w2"] = (w.to(BF16) for w in dense[BF16])
+    w13, w2 = kw.pop("w13"), kw.pop("w2")
+    for run in (fused_moe, fused_moe_ref):
+        with pytest.raises(ValueError):
+            run(x, w13, w2, weights, ids, **kw, **extra)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", [1, 7, 256])  # 8 and 56 entries: the GEMV path; 2,048: the grouped GEMM
+def test_gpu_fused_moe_int4_qwen3_30b_a3b_shapes(t):
+    """Qwen3-30B-A3B-GPTQ-Int4's experts (128 of hidden 2,048 and width 768, top-8, 4-bit codes in groups of
+    128, fp16 scales) in bf16, compiled: within test_gpu_fused_moe_real_shapes' bound of fp32 arithmetic on
+    the weights they stand for, and deterministic. The grouped GEMM is the 16-bit kernel on those weights
+    (in bf16) bit for bit; the GEMV path within that kernel's roundings of it."""
+    c = MODELS["qwen3-30b-a3b"]
+    kwargs, dense = int_experts(4, 128, seed=83, num_experts=c["experts"], hidden=c["hidden"],
+                                inter=c["inter"])
+    x = randn(t, c["hidden"], dtype=BF16, seed=84)
+    weights, ids = routing(t, c["experts"], c["top_k"], seed=85)
+    got, _ = run_int(x, kwargs, weights, ids)
+    want = fused_moe_ref(x.float(), *dense[torch.float32], weights, ids)
+    err = (got.float() - want).abs().max().item()
+    assert err <= 2e-2 * want.abs().max().item(), f"max error {err:.3g} vs max |out| {want.abs().max():.3g}"
+    assert torch.equal(got, run_int(x, kwargs, weights, ids)[0])  # deterministic: no atomics
+    sixteen_bit = fused_moe(x, *dense[BF16], weights, ids)
+    if t * c["top_k"] > fm.GEMV_MAX_ENTRIES:
+        assert torch.equal(got, sixteen_bit)
+    else:
+        err = (got.float() - sixteen_bit.float()).abs().max().item()
+        assert err <= 1e-2 * want.abs().max().item()

@@ -7,7 +7,14 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, assert_engines_agree, hf_greedy_reference, random_prompts, run_greedy
+from conftest import (
+    TINY_VOCAB,
+    assert_engines_agree,
+    assert_greedy_matches_hf,
+    hf_greedy_reference,
+    random_prompts,
+    run_greedy,
+)
 
 from plait.config import EngineConfig, ModelConfig
 from plait.engine.engine import LLMEngine
@@ -332,5 +339,172 @@ def test_gpu_fp8_moe_replays_graphs_and_answers_the_same_twice(tmp_path):
     first, _ = run_greedy(engine, prompts, 12, arrive_every=2)
     again, _ = run_greedy(engine, prompts, 12, arrive_every=2)
     assert first == again and all(len(t) == 12 for t in first.values())
+    b = engine.runner.breakdown
+    assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
+
+
+# ---- integer experts (GPTQ / AWQ / compressed-tensors) -------------------------------------------------
+
+
+def _dequantized_hf(src, dst, weights: dict[str, torch.Tensor]):
+    """transformers' model of ``src`` with the weights an integer checkpoint stands for (by HF name), loaded
+    from a 16-bit checkpoint of them written to ``dst`` (transformers 5 stacks the per-expert tensors)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    _copy_model_folder(src, dst, load_file(src / "model.safetensors") | weights)
+    return AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+
+
+def _assert_integer_moe(engine: LLMEngine, bits: int) -> None:
+    """Routed experts held as integer stacks; routers (and Qwen2-MoE's shared-expert gate) 16-bit; the
+    shared expert's projections WNA16Linear."""
+    from plait.layers.linear import Linear
+    from plait.layers.moe import INT_WEIGHTS, FusedMoE
+    from plait.layers.wna16 import WNA16Linear
+
+    model = engine.runner.model
+    moes = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    assert moes and all(m.weight_format == INT_WEIGHTS and m.int_spec.bits == bits for m in moes)
+    assert all(m.gate_up_proj.dtype == torch.int32 for m in moes)
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        if hasattr(mlp, "experts"):
+            assert type(mlp.gate) is Linear and mlp.gate.weight.dtype == torch.float32
+            if mlp.shared_expert is not None:
+                assert type(mlp.shared_expert_gate) is Linear
+                assert isinstance(mlp.shared_expert.gate_up_proj, WNA16Linear)
+
+
+@pytest.mark.parametrize("family,method,bits,group,sym,not_converted", [
+    ("qwen3_moe", "gptq", 4, 32, True, ["mlp.gate"]),  # the routers listed as left 16-bit
+    ("qwen2_moe", "awq", 4, 32, False, None),  # the shared expert and its gate; a dense layer
+    ("mixtral", "gptq", 8, -1, False, None),  # w1 / w3 / w2; one group spanning each input
+    ("mixtral", "awq", 4, 32, False, ["gate"]),  # as AutoAWQ's Mixtral checkpoints list the router
+])
+def test_an_integer_moe_checkpoint_matches_transformers_on_its_weights(moe_models, tmp_path, family, method,
+                                                                        bits, group, sym, not_converted):
+    """A GPTQ / AWQ MoE checkpoint (every expert's projections packed, the routers 16-bit, whether or not
+    modules_to_not_convert lists them) loads without --quantization and gives transformers' greedy tokens
+    and logits for the model of the weights it stands for, prompts chunked and batched with decodes."""
+    from test_wna16 import _quantized_checkpoint
+
+    folder, _ = moe_models[family]
+    weights = _quantized_checkpoint(folder, tmp_path / method, method, bits, group, sym, False)
+    if not_converted:
+        cfg = json.loads((tmp_path / method / "config.json").read_text())
+        cfg["quantization_config"]["modules_to_not_convert"] = not_converted
+        (tmp_path / method / "config.json").write_text(json.dumps(cfg))
+    assert any(".experts." in name for name in weights)
+    hf = _dequantized_hf(folder, tmp_path / "dequantized", weights)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path / method), max_num_batched_tokens=40, block_size=8))
+    assert engine.runner.quantization == method
+    _assert_integer_moe(engine, bits)
+    assert_greedy_matches_hf(engine, hf, random_prompts(4, 1, 50, seed=7), 6, LOGITS_ATOL)
+
+
+def test_a_compressed_tensors_moe_checkpoint_matches_transformers_on_its_weights(moe_models, tmp_path):
+    """llm-compressor's W4A16 of a MoE model (RedHatAI's *-quantized.w4a16 MoE releases: weight_packed,
+    weight_scale, weight_shape per expert), as the compressed-tensors library writes it."""
+    pytest.importorskip("compressed_tensors")
+    from test_wna16 import _compressed_tensors_checkpoint
+
+    folder, _ = moe_models["qwen3_moe"]
+    weights = _compressed_tensors_checkpoint(folder, tmp_path / "w4a16", 4, 32, True)
+    hf = _dequantized_hf(folder, tmp_path / "dequantized", weights)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path / "w4a16"), max_num_batched_tokens=40, block_size=8))
+    assert engine.runner.quantization == "compressed-tensors"
+    _assert_integer_moe(engine, 4)
+    assert_greedy_matches_hf(engine, hf, random_prompts(3, 1, 50, seed=8), 6, LOGITS_ATOL)
+
+
+def test_integer_moe_checkpoints_plait_cannot_serve_are_refused(moe_models, tmp_path):
+    """Act-order (desc_act) experts, whose input rows each expert orders its own way, are refused by name;
+    so are a missing expert tensor, a missing expert's scales, a 16-bit expert and a split across devices."""
+    from test_wna16 import _quantized_checkpoint
+
+    folder, _ = moe_models["qwen3_moe"]
+    _quantized_checkpoint(folder, tmp_path / "act-order", "gptq", 4, 32, True, True)
+    with pytest.raises(ValueError, match=r"act-order \(desc_act\) MoE experts are not supported"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "act-order")))
+    from safetensors.torch import load_file
+
+    _quantized_checkpoint(folder, tmp_path / "gptq", "gptq", 4, 32, True, False)
+    tensors = load_file(tmp_path / "gptq" / "model.safetensors")
+    cfg = json.loads((tmp_path / "gptq" / "config.json").read_text())
+    for gone, message in (("model.layers.1.mlp.experts.5.up_proj.qweight", r"missing 1 expert tensors"),
+                          ("model.layers.2.mlp.experts.0.down_proj.scales", "without the scales")):
+        broken = tmp_path / gone
+        _copy_model_folder(folder, broken, {k: v for k, v in tensors.items() if k != gone})
+        (broken / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match=message):
+            LLMEngine(EngineConfig(model=str(broken)))
+    # An expert left 16-bit among integer ones (as WNA16Linear refuses a dense layer's).
+    original = load_file(folder / "model.safetensors")
+    stem = "model.layers.0.mlp.experts.2.gate_proj"
+    mixed = {k: v for k, v in tensors.items() if not k.startswith(f"{stem}.")}
+    _copy_model_folder(folder, tmp_path / "mixed", mixed | {f"{stem}.weight": original[f"{stem}.weight"]})
+    (tmp_path / "mixed" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="experts left unquantised are not supported"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "mixed")))
+    with pytest.raises(ValueError, match=r"integer \(gptq\) MoE models cannot be split across devices yet"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "gptq"), tensor_parallel_size=2, max_model_len=128))
+
+
+def test_random_weights_of_an_integer_moe_config(moe_models, tmp_path):
+    """load_format dummy with a GPTQ MoE config.json (what GPU benchmarks run): the experts hold the round-
+    to-nearest codes of the 16-bit model's random draws, one quantisation step from them at most."""
+    from test_wna16 import _quantization_config
+
+    from plait.layers.wna16 import dequantize
+
+    folder, _ = moe_models["qwen3_moe"]
+    dst = tmp_path / "gptq-config"
+    dst.mkdir()
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["quantization_config"] = _quantization_config("gptq", 4, 32, True, False)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    kw = dict(load_format="dummy", max_model_len=128)
+    quantized = LLMEngine(EngineConfig(model=str(dst), **kw))
+    plain = LLMEngine(EngineConfig(model=str(folder), **kw))
+    _assert_integer_moe(quantized, 4)
+    got = quantized.runner.model.model.layers[1].mlp.experts
+    want = plain.runner.model.model.layers[1].mlp.experts.down_proj[3]  # [H, I]
+    weight = dequantize(got.down_proj[3], got.down_scale[3], got.down_zeros[3], 4, torch.float32)
+    assert 0 < (weight - want).abs().max() <= got.down_scale[3].float().max()
+    outputs, _ = run_greedy(quantized, random_prompts(2, 3, 9, seed=1), 4)
+    assert all(len(o) == 4 for o in outputs.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_gptq_moe_with_graphs_computes_the_torch_path_in_fp32(tmp_path):
+    """A random GPTQ Qwen3-MoE (4-bit experts in groups of 128, every other projection a WNA16Linear), fp32:
+    the Triton experts (dequantised in their K loops) under CUDA graphs and chunked mixed steps give the
+    torch path's tokens (the experts dequantised, eager, whole prompts, torch_ref attention); every pure-
+    decode step replays a graph."""
+    from test_wna16 import _quantization_config
+
+    from plait.kernels import dispatch
+
+    model = _gpu_config(tmp_path)
+    cfg = json.loads((tmp_path / "qwen3-moe" / "config.json").read_text())
+    cfg["quantization_config"] = _quantization_config("gptq", 4, 128, True, False)
+    (tmp_path / "qwen3-moe" / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(10, GPU_VOCAB, (n,), generator=g).tolist() for n in (1, 7, 40, 130, 300, 5)]
+    common = dict(model=model, load_format="dummy", seed=3, dtype="float32", max_model_len=1024,
+                  num_kv_blocks=512, enable_prefix_caching=False)
+    dispatch.set_triton_enabled(False)
+    try:
+        ref_engine = LLMEngine(EngineConfig(**common, attention_backend="torch_ref", enforce_eager=True,
+                                            async_scheduling=False, max_num_batched_tokens=4096))
+        ref, _ = run_greedy(ref_engine, prompts, 16, arrive_every=2)
+    finally:
+        dispatch.set_triton_enabled(True)
+    engine = LLMEngine(EngineConfig(**common, max_num_batched_tokens=64))
+    _assert_integer_moe(engine, 4)
+    got, _ = run_greedy(engine, prompts, 16, arrive_every=2)
+    assert got == ref
     b = engine.runner.breakdown
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps

@@ -16,6 +16,9 @@ from plait.engine.engine import LLMEngine
 from plait.layers.wna16 import WNA16Linear, WNA16Spec, checkpoint_spec
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Every projection a GPTQ / AWQ quantiser takes: LINEARS (a MoE model's routed and shared experts' too) and
+# Mixtral's experts (w1 / w3 / w2: gate, up, down); routers (mlp.gate, shared_expert_gate) stay 16-bit.
+QUANTIZED = LINEARS + ("w1", "w3", "w2")
 AWQ_ORDER_MAP = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's packer: nibble i of a word holds column order_map[i]
 LOGITS_ATOL = 1e-4
 
@@ -113,8 +116,9 @@ def _quantization_config(method: str, bits: int, group: int, sym: bool, act_orde
 
 def _quantized_checkpoint(src: Path, dst: Path, method: str, bits: int, group: int, sym: bool,
                           act_order: bool) -> dict[str, torch.Tensor]:
-    """dst: src's checkpoint with every decoder projection quantised as ``method`` writes it; returns the
-    weights they stand for, by HF name (what transformers runs as the reference)."""
+    """dst: src's checkpoint with every decoder projection (QUANTIZED: a MoE model's experts too) quantised as
+    ``method`` writes it; returns the weights they stand for, by HF name (what transformers runs as the
+    reference)."""
     from safetensors.torch import load_file, save_file
 
     dst.mkdir()
@@ -123,11 +127,11 @@ def _quantized_checkpoint(src: Path, dst: Path, method: str, bits: int, group: i
             shutil.copy(f, dst / f.name)
     tensors, weights = {}, {}
     for name, t in sorted(load_file(src / "model.safetensors").items()):
-        if name.rsplit(".", 2)[-2] in LINEARS and name.endswith(".weight"):
+        if name.rsplit(".", 2)[-2] in QUANTIZED and name.endswith(".weight"):
             # Projections of one input (q/k/v, gate/up) share GPTQ's act-order: it follows the input's.
             layer, projection = int(name.split(".")[2]), name.rsplit(".", 2)[-2]
             seed = 10 * layer + {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 1, "up_proj": 1}.get(
-                projection, 2 + LINEARS.index(projection))
+                projection, 2 + QUANTIZED.index(projection))
             packed, weights[name] = _quantize(t, method, bits, group, sym, act_order, seed)
             stem = name.removesuffix(".weight")
             tensors.update({f"{stem}.{key}": value for key, value in packed.items()})
@@ -249,6 +253,23 @@ def test_quantization_configs_are_read_or_refused_by_name():
     for message, config in refused.items():
         with pytest.raises(ValueError, match=message):
             checkpoint_spec({"quantization_config": config})
+
+
+def test_families_without_an_integer_path_are_refused_by_name():
+    """Sparse MoE families load (their experts as integer FusedMoE stacks); the recurrent ones, whose Mamba
+    projections load under names of their own, and experts of gpt-oss's kind (biases, the clamped SwiGLU:
+    not in the integer kernels' epilogues) are refused by name."""
+    from plait.layers.moe import SWIGLU_OAI, FusedMoE
+    from plait.layers.wna16 import check_method
+
+    spec = WNA16Spec("gptq", 4, 128, zero_offset=1)
+    for architecture in ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        check_method(spec, None, architecture)
+    with pytest.raises(ValueError, match="GPTQ checkpoints of Mamba2ForCausalLM are not supported"):
+        check_method(spec, None, "Mamba2ForCausalLM")
+    experts = FusedMoE(4, 2, 128, 128, renormalize=True, activation=SWIGLU_OAI, bias=True)
+    with pytest.raises(ValueError, match="integer experts with biases or the 'swiglu_oai' activation"):
+        experts.use_integer(spec)
 
 
 # -- a whole model against transformers

@@ -4,6 +4,7 @@
     PYTHONPATH=. python benchmarks/kernels/fused_moe_bench.py --sweep --out /tmp/fused_moe_sweep.json
     PYTHONPATH=. python benchmarks/kernels/fused_moe_bench.py --fp8 --no-ref --out /tmp/fused_moe_fp8.json
     PYTHONPATH=. python benchmarks/kernels/fused_moe_bench.py --mxfp4 gpt-oss-120b --out /tmp/mxfp4.json
+    PYTHONPATH=. python benchmarks/kernels/fused_moe_bench.py --int4 --no-ref --out /tmp/fused_moe_int4.json
 
 fused_moe is timed as the median of CUDA-graph replays (triton.testing.do_bench_cudagraph), each graph a run
 of back-to-back calls as a captured step holds them; the calls cycle through several copies of the layer's
@@ -20,6 +21,11 @@ batch invariance of the K loop: note it before adopting one).
 (quantised per token and K group inside fused_moe). Its touched bytes count the 1-byte codes and their fp32
 tile scales; its error is against the FP8 reference (fused_moe_ref with the scales, fp32 arithmetic rounded
 where the kernel rounds). The sweeps stay bf16-only (the FP8 kernels' K step is the tile's bk).
+
+--int4 also times the experts as a GPTQ-Int4 checkpoint holds them (Qwen3-30B-A3B-GPTQ-Int4: 4-bit codes,
+groups of INT4_GROUP, fp16 scales; W4A16, dequantised in the kernels' K loops) at every T, beside bf16: the
+same random bf16 experts (every copy) quantised round-to-nearest per expert (plait.layers.wna16.quantize_rtn),
+reported as --fp8's are (touched bytes: codes, scales and zeros; error against the integer reference).
 
 --mxfp4 MODEL times a gpt-oss layer's experts (MODEL: a key of GPT_OSS; biases, the clamped SwiGLU) held in
 MXFP4 (W4A16: packed E2M1 codes and E8M0 scales, decoded in the kernels' K loops) against the same experts in
@@ -56,6 +62,7 @@ MAX_COPIES = 8  # one layer's experts are 1.2 GB: 8 copies (9.7 GB) cover any L2
 REP_MS = 20  # per graph replay; do_bench_cudagraph takes the median of its replays
 REF_REP_MS = 200
 FP8_BLOCK = (128, 128)  # Qwen3-30B-A3B-FP8's weight_block_size
+INT4_GROUP = 128  # Qwen3-30B-A3B-GPTQ-Int4's group_size
 # (block_m, block_n, block_k, group_m, num_warps, num_stages): tried per T beside moe_config's pick.
 SWEEP_CONFIGS = [
     (16, 32, 64, 1, 4, 4), (16, 64, 64, 1, 4, 4), (16, 64, 128, 1, 4, 3), (16, 128, 64, 1, 4, 4),
@@ -89,9 +96,26 @@ def quantized_layer(w13: torch.Tensor, w2: torch.Tensor) -> dict[str, torch.Tens
             "block": FP8_BLOCK}
 
 
+def int4_layer(w13: torch.Tensor, w2: torch.Tensor) -> dict:
+    """One layer's experts quantised round-to-nearest per expert as GPTQ-Int4 (symmetric, groups of
+    INT4_GROUP, fp16 scales): fused_moe's integer weight arguments ([E, K / 8, N] codes, [E, G, N] scales
+    and zeros)."""
+    from plait.layers.wna16 import WNA16Spec, pack_rows, quantize_rtn
+
+    spec = WNA16Spec("gptq", 4, INT4_GROUP)
+    layer: dict = {"bits": spec.bits}
+    for name, stack in (("w13", w13), ("w2", w2)):
+        parts = [quantize_rtn(w, spec) for w in stack]
+        layer[name] = torch.stack([pack_rows(codes, spec.bits) for codes, _, _ in parts])
+        layer[f"{name}_scale"] = torch.stack([scales for _, scales, _ in parts])
+        layer[f"{name}_zeros"] = torch.stack([zeros for _, _, zeros in parts]).to(spec.zero_dtype())
+    return layer
+
+
 def expert_bytes(layer: dict) -> int:
-    """Bytes of one expert's weights (and FP8 tile scales) that a routed entry makes the kernels read."""
-    return sum(t[0].numel() * t.element_size() for name, t in layer.items() if name != "block")
+    """Bytes of one expert's weights (and FP8 tile scales, or integer scales and zeros) that a routed entry
+    makes the kernels read."""
+    return sum(t[0].numel() * t.element_size() for t in layer.values() if isinstance(t, torch.Tensor))
 
 
 def rotating(calls: list[Callable[[], object]]) -> Callable[[], object]:
@@ -141,7 +165,8 @@ def sweep_gemv(layers, x, weights, ids, touched: int, flops: int) -> list[dict]:
 
 def bench_fp8(fp8_layers: list[dict], x, weights, ids, distinct: int, flops: int,
               with_ref: bool) -> dict:
-    """The FP8 experts at one T: moe_config's pick, both paths, the error against the FP8 reference."""
+    """The FP8 (or integer) experts at one T: moe_config's pick, both paths, the error against their
+    reference."""
     from triton.testing import do_bench
 
     touched = distinct * expert_bytes(fp8_layers[0])
@@ -162,7 +187,7 @@ def bench_fp8(fp8_layers: list[dict], x, weights, ids, distinct: int, flops: int
 
 
 def bench_t(c: dict, layers, t: int, sweep: bool, with_ref: bool, gemv_sweep: bool = False,
-            fp8_layers: list[dict] | None = None) -> dict:
+            fp8_layers: list[dict] | None = None, int4_layers: list[dict] | None = None) -> dict:
     from triton.testing import do_bench
 
     e, k, h, i = c["experts"], c["top_k"], c["hidden"], c["inter"]
@@ -191,6 +216,8 @@ def bench_t(c: dict, layers, t: int, sweep: bool, with_ref: bool, gemv_sweep: bo
         row["fused_moe_ref"] = rates(ref_ms, touched, flops)
     if fp8_layers:
         row["fp8"] = bench_fp8(fp8_layers, x, weights, ids, distinct, flops, with_ref)
+    if int4_layers:
+        row["int4"] = bench_fp8(int4_layers, x, weights, ids, distinct, flops, with_ref)
     if sweep:
         results = [{"config": asdict(picked), "ms": row["fused_moe"]["ms"]}]
         for bm, bn, bk, gm, warps, stages in SWEEP_CONFIGS:
@@ -339,6 +366,9 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true",
                         help=f"also time block-wise FP8 experts (the same experts quantised in {FP8_BLOCK} "
                              "tiles) at every T")
+    parser.add_argument("--int4", action="store_true",
+                        help="also time GPTQ-Int4 experts (the same experts, 4-bit codes in groups of "
+                             f"{INT4_GROUP}) at every T")
     parser.add_argument("--mxfp4", choices=sorted(GPT_OSS),
                         help="time this gpt-oss layer's experts in MXFP4 against their bf16 twin instead")
     args = parser.parse_args()
@@ -352,11 +382,13 @@ def main() -> None:
     layers = layer_copies(c, props.L2_cache_size)
     # FP8 copies of the same experts: half the bytes of the bf16 ones, which already cover the L2 many times.
     fp8_layers = [quantized_layer(w13, w2) for w13, w2 in layers] if args.fp8 else None
+    int4_layers = [int4_layer(w13, w2) for w13, w2 in layers] if args.int4 else None
     result = {"device": props.name, "model": "qwen3-30b-a3b", "dtype": str(DTYPE), "shape": c,
-              "weight_copies": len(layers), "fp8_block": list(FP8_BLOCK) if args.fp8 else None, "rows": []}
+              "weight_copies": len(layers), "fp8_block": list(FP8_BLOCK) if args.fp8 else None,
+              "int4_group": INT4_GROUP if args.int4 else None, "rows": []}
     t0 = time.perf_counter()
     for t in args.tokens:
-        row = bench_t(c, layers, t, args.sweep, not args.no_ref, args.gemv_sweep, fp8_layers)
+        row = bench_t(c, layers, t, args.sweep, not args.no_ref, args.gemv_sweep, fp8_layers, int4_layers)
         result["rows"].append(row)
         line = (f"T={t:5d} experts {row['distinct_experts']:3d}  fused_moe {row['fused_moe']['ms']:8.4f} ms "
                 f"{row['fused_moe']['weight_GBps']:7.0f} GB/s {row['fused_moe']['TFLOPs']:6.1f} TFLOP/s  "
@@ -372,13 +404,14 @@ def main() -> None:
         if "best" in row:
             line += f"  best {row['best']['ms']:8.4f} ms {row['best']['config']}"
         print(line, flush=True)
-        if "fp8" in row:
-            f8 = row["fp8"]
-            print(f"        fp8  fused_moe {f8['fused_moe']['ms']:8.4f} ms "
-                  f"{f8['fused_moe']['weight_GBps']:7.0f} GB/s {f8['fused_moe']['TFLOPs']:6.1f} TFLOP/s  "
-                  f"err {f8['max_err_over_max_out']:.2e}  "
-                  f"gemv {f8['paths']['gemv']['ms']:.4f} / grouped {f8['paths']['grouped']['ms']:.4f} ms  "
-                  f"bf16 / fp8 {row['fused_moe']['ms'] / f8['fused_moe']['ms']:.2f}x", flush=True)
+        for kind in ("fp8", "int4"):
+            if kind in row:
+                q = row[kind]
+                print(f"        {kind:4s} fused_moe {q['fused_moe']['ms']:8.4f} ms "
+                      f"{q['fused_moe']['weight_GBps']:7.0f} GB/s {q['fused_moe']['TFLOPs']:6.1f} TFLOP/s  "
+                      f"err {q['max_err_over_max_out']:.2e}  "
+                      f"gemv {q['paths']['gemv']['ms']:.4f} / grouped {q['paths']['grouped']['ms']:.4f} ms  "
+                      f"bf16 / {kind} {row['fused_moe']['ms'] / q['fused_moe']['ms']:.2f}x", flush=True)
     result["wall_s"] = time.perf_counter() - t0
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

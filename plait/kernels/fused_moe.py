@@ -33,6 +33,15 @@
 # times a power of two is exact in fp32 and bf16, so with the same tiles the kernels compute on exactly
 # dequantize_mxfp4's weights: the same results, bit for bit, as on those weights in 16 bits.
 #
+# Integer experts (W4A16 / W8A16: GPTQ, AWQ, compressed-tensors checkpoints; plait.layers.wna16's layout,
+# stacked): w13 int32 [E, H / pack, 2I] and w2 [E, I / pack, H], pack = 32 // bits codes a word along K, N
+# contiguous; w13_scale [E, G_H, 2I] / w2_scale [E, G_I, H] and as shaped w13_zeros / w2_zeros, one scale
+# and zero point per group_rows = K / G inputs and column. Each K step loads [BLOCK_K / pack, 1, BLOCK_N]
+# words (a word's codes share a group) and the step's scales and zeros (one row where the step lies in one
+# group, else one a word row), and dequantises them as plait.kernels.wna16_gemm does (_dequantize:
+# (code - zero) * scale in fp32, rounded to x's dtype, K-major: tl.dot's B operand as it is): the weights
+# of plait.layers.wna16.dequantize bit for bit, so everything after is the 16-bit experts' arithmetic.
+#
 # Expert parallelism (local_experts: plait.layers.moe.LocalExperts): w13 / w2 hold a rank's experts alone,
 # and topk_ids are global. The ids become indices into the held experts, those of experts held elsewhere
 # one past them (the "dropped" id, E): moe_align sorts dropped entries after every group and leaves them
@@ -54,6 +63,7 @@ from plait.kernels.activation import silu_rounded
 from plait.kernels.fp8_block_gemm import IMPRECISE_ACC_K, quantize_groups_fp8
 from plait.kernels.interpreter import static_iters, trip_count
 from plait.kernels.pdl import pdl_args, pdl_prologue
+from plait.kernels.wna16_gemm import _dequantize
 from plait.layers.fp8_block import check_block, dequantize_blocks, quantize_groups
 from plait.layers.moe import (  # the names fused_moe takes (layers.moe: importable without triton)
     ACTIVATIONS,
@@ -64,10 +74,13 @@ from plait.layers.moe import (  # the names fused_moe takes (layers.moe: importa
     LocalExperts,
 )
 from plait.layers.mxfp4 import BLOCK_VALUES, CODES_PER_BYTE, MXFP4_DTYPE, dequantize_mxfp4
+from plait.layers.wna16 import SUPPORTED_BITS, WORD_BITS, dequantize
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ID_DTYPES = (torch.int32, torch.int64)
 FP8_DTYPE = torch.float8_e4m3fn  # block-wise FP8 experts' codes
+INT_CODES_DTYPE = torch.int32  # integer experts' words of codes
+_WORD_BITS = tl.constexpr(WORD_BITS)
 # MXFP4 experts: a scale group's bytes (BLOCK_VALUES values, plait.layers.mxfp4).
 MXFP4_GROUP_BYTES = BLOCK_VALUES // CODES_PER_BYTE
 # The kernels' ACTIVATION constexpr for each of plait.layers.moe's ACTIVATIONS.
@@ -151,6 +164,11 @@ MXFP4_LARGE_BLOCK_M = 128
 MXFP4_LARGE_STAGES = 3
 GEMV_WARPS = 4
 GEMV_STAGES = 2
+# Integer experts' GEMV tiles: their words run along N (N contiguous), so a program reads 32 columns (a
+# 128-byte line a word row) of 128 K a step: Qwen3-30B-A3B's decode step then has 192 / 512 programs per GEMM
+# at one token (132 SMs), 167 registers a thread with no spills (ptxas, sm_90a); untimed.
+INT_GEMV_BLOCK_N = 32
+INT_GEMV_BLOCK_K = 128
 # The kernels' DROPPED_ID where no entry is dropped (every routed expert held here): no id equals it.
 NO_DROPPED_ID = tl.constexpr(-1)
 
@@ -346,6 +364,40 @@ def _mxfp4_tile(w_ptrs, scale, k_left, EVEN_K: tl.constexpr, out_ty: tl.constexp
 
 
 @triton.jit
+def _int_ptrs(w_ptr, s_ptr, z_ptr, rows, stride_wk, stride_sn, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """K step 0 of integer weight columns (rows: [BLOCK_N] int64 output columns; w_ptr, s_ptr, z_ptr: the
+    expert's words [K / pack, N], scales and zeros [G, N], N contiguous; stride_wk: a word row's stride):
+    words [BLOCK_K / pack, 1, BLOCK_N] (each thread holding whole words, unpacked in place: see
+    plait.kernels.wna16_gemm), group 0's scales and zeros [1, 1, BLOCK_N]."""
+    offs_w = tl.arange(0, BLOCK_K // (_WORD_BITS // BITS))
+    w_ptrs = w_ptr + offs_w[:, None, None] * stride_wk + rows[None, None, :]
+    return w_ptrs, s_ptr + rows[None, None, :] * stride_sn, z_ptr + rows[None, None, :] * stride_sn
+
+
+@triton.jit
+def _int_tile(w_ptrs, s_ptrs, z_ptrs, k0, K, stride_sg, out_ty: tl.constexpr, BITS: tl.constexpr,
+              GROUP_ROWS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, HALF: tl.constexpr,
+              INTERPRETED_BF16: tl.constexpr):
+    """The integer weights of the K step from k0 (_int_ptrs' pointers, advanced to it; groups stride_sg
+    apart) as [BLOCK_K, BLOCK_N] values in out_ty, K-major: plait.layers.wna16.dequantize's, bit for bit.
+    Past K (unless EVEN_K) the words are zeros, whose finite weights meet x's zeros there."""
+    PACK: tl.constexpr = _WORD_BITS // BITS
+    offs_w = tl.arange(0, BLOCK_K // PACK)
+    if EVEN_K:
+        words = tl.load(w_ptrs)
+    else:
+        words = tl.load(w_ptrs, mask=(k0 + offs_w * PACK < K)[:, None, None], other=0)
+    if GROUP_ROWS % BLOCK_K == 0:
+        g = k0 // GROUP_ROWS  # the step lies in one group: one row of scales and zeros
+    else:
+        # Groups narrower than the step (or K, one group, not whole steps): each word row's own.
+        g = tl.minimum((k0 + offs_w * PACK) // GROUP_ROWS, K // GROUP_ROWS - 1)[:, None, None]
+    scale = tl.load(s_ptrs + g * stride_sg)
+    zero = tl.load(z_ptrs + g * stride_sg)
+    return _dequantize(words, scale, zero, out_ty, BITS, PACK, HALF, INTERPRETED_BF16)
+
+
+@triton.jit
 def _load_groups(ptrs, k_left, EVEN_K: tl.constexpr, G_AXIS: tl.constexpr):
     """_mxfp4_ptrs' bytes or scales (groups along G_AXIS); unless EVEN_K, groups from k_left on are zeros
     (K is a multiple of 32: a group is all in or all out)."""
@@ -368,12 +420,14 @@ def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, topk_w_ptr, sorted_ids_ptr, expert_ids_ptr, num_padded_ptr,
     num_entries, N, K, stride_am, stride_we, stride_wn, stride_om, up_rows, k_iters,
     sa_ptr, sw_ptr, stride_sam, stride_sak, stride_swe, stride_swn, stride_swk,
-    b_ptr, stride_be, alpha, limit,
+    b_ptr, stride_be, alpha, limit, z_ptr,
     A_ROW_DIV: tl.constexpr, STATIC_K_ITERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, BF16_DOT_IN_FP32: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr,
     W8A8: tl.constexpr = False, WEIGHT_BLOCK_N: tl.constexpr = 1, IMPRECISE_ACC: tl.constexpr = 0,
     HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = _SILU_ID, W_MXFP4: tl.constexpr = False,
+    W_INT: tl.constexpr = False, BITS: tl.constexpr = 4, GROUP_ROWS: tl.constexpr = 1,
+    HALF_DEQUANT: tl.constexpr = False,
 ):
     # acc[entry, n] = sum_k a[entry // A_ROW_DIV, k] * w[expert, n, k] for the block's sorted entries.
     # GATE_UP (GEMM 1): out = act(acc, acc of weight row up_rows + n), rounded as torch rounds each step;
@@ -385,6 +439,10 @@ def _moe_gemm_kernel(
     # W_MXFP4: w holds two E2M1 codes a byte (w's strides in bytes), sw its E8M0 bytes, [E, N, K / 32]
     # (BLOCK_K a multiple of 32); each K step's weights are decoded to a's dtype (_mxfp4_tile) for the dot,
     # with the scales loaded a step ahead.
+    # W_INT: w holds words of BITS-bit codes [E, K / pack, N] (stride_wn: a word row's stride), sw the
+    # scales and z the zero points [E, G, N] (stride_swn along N, stride_swk a group's), GROUP_ROWS inputs
+    # a group; each K step's weights are dequantised to a's dtype (_int_tile; HALF_DEQUANT: in fp16) for
+    # the dot.
     pdl_prologue(PDL)
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -421,10 +479,18 @@ def _moe_gemm_kernel(
         scale_g = _load_groups(s_ptrs, K, False, 0)
         if GATE_UP:
             scale_u = _load_groups(s_ptrs + up_s_off, K, False, 0)
+    elif W_INT:
+        w_ptrs, s_ptrs, z_ptrs = _int_ptrs(w_ptr + expert * stride_we, sw_ptr + expert * stride_swe,
+                                           z_ptr + expert * stride_swe, w_rows, stride_wn, stride_swn, BITS,
+                                           BLOCK_K)
+        up_s_off = up_rows.to(tl.int64) * stride_swn
     else:
         # The weight as its transpose, [BLOCK_K, BLOCK_N], K contiguous: tl.dot's B operand.
         w_ptrs = w_ptr + expert * stride_we + w_rows[None, :] * stride_wn + offs_k[:, None]
-    up_off = up_rows.to(tl.int64) * stride_wn
+    if W_INT:
+        up_off = up_rows.to(tl.int64)  # the up columns: N is contiguous
+    else:
+        up_off = up_rows.to(tl.int64) * stride_wn
     if W8A8:
         sa_ptrs = sa_ptr + a_rows * stride_sam  # [BLOCK_M]: the rows' scales of K block 0
         sw_g_ptr = sw_ptr + expert * stride_swe + ((pid_n * BLOCK_N) // WEIGHT_BLOCK_N) * stride_swn
@@ -443,6 +509,9 @@ def _moe_gemm_kernel(
             next_g = _load_groups(s_ptrs, K - (it + 1) * BLOCK_K, False, 0)
             w = _mxfp4_tile(w_ptrs, scale_g, K - it * BLOCK_K, EVEN_K, a.dtype, K_MAJOR=True)
             scale_g = next_g
+        elif W_INT:
+            w = _int_tile(w_ptrs, s_ptrs, z_ptrs, it * BLOCK_K, K, stride_swk, a.dtype, BITS, GROUP_ROWS,
+                          BLOCK_K, EVEN_K, HALF_DEQUANT, BF16_DOT_IN_FP32)
         elif EVEN_K:
             w = tl.load(w_ptrs)
         else:
@@ -459,6 +528,10 @@ def _moe_gemm_kernel(
                 w_up = _mxfp4_tile(w_ptrs + up_off, scale_u, K - it * BLOCK_K, EVEN_K, a.dtype,
                                    K_MAJOR=True)
                 scale_u = next_u
+            elif W_INT:
+                w_up = _int_tile(w_ptrs + up_off, s_ptrs + up_s_off, z_ptrs + up_s_off, it * BLOCK_K, K,
+                                 stride_swk, a.dtype, BITS, GROUP_ROWS, BLOCK_K, EVEN_K, HALF_DEQUANT,
+                                 BF16_DOT_IN_FP32)
             elif EVEN_K:
                 w_up = tl.load(w_ptrs + up_off)
             else:
@@ -471,6 +544,8 @@ def _moe_gemm_kernel(
         a_ptrs += BLOCK_K
         if W_MXFP4:
             w_ptrs += BLOCK_K // _MX_PACK
+        elif W_INT:
+            w_ptrs += (BLOCK_K // (_WORD_BITS // BITS)) * stride_wn
         else:
             w_ptrs += BLOCK_K
     b_row = b_ptr + expert * stride_be
@@ -560,11 +635,12 @@ def _mxfp4_lanes(w_ptrs, s_ptrs, k_left, EVEN_K: tl.constexpr, x_ty: tl.constexp
 def _moe_gemv_kernel(
     a_ptr, w_ptr, out_ptr, topk_w_ptr, ids_ptr, num_entries, N, K, stride_am, stride_we, stride_wn, stride_om,
     up_rows, k_iters, sa_ptr, sw_ptr, stride_sam, stride_sak, stride_swe, stride_swn, stride_swk, b_ptr,
-    stride_be, alpha, limit, A_ROW_DIV: tl.constexpr, STATIC_K_ITERS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr, PRECISE: tl.constexpr,
-    PDL: tl.constexpr, W8A8: tl.constexpr = False, WEIGHT_BLOCK_N: tl.constexpr = 1,
+    stride_be, alpha, limit, z_ptr, A_ROW_DIV: tl.constexpr, STATIC_K_ITERS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, GATE_UP: tl.constexpr,
+    PRECISE: tl.constexpr, PDL: tl.constexpr, W8A8: tl.constexpr = False, WEIGHT_BLOCK_N: tl.constexpr = 1,
     HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = _SILU_ID, W_MXFP4: tl.constexpr = False,
-    DROPPED_ID: tl.constexpr = NO_DROPPED_ID,
+    DROPPED_ID: tl.constexpr = NO_DROPPED_ID, W_INT: tl.constexpr = False, BITS: tl.constexpr = 4,
+    GROUP_ROWS: tl.constexpr = 1, HALF_DEQUANT: tl.constexpr = False, INTERPRETED_BF16: tl.constexpr = False,
 ):
     # _moe_gemm_kernel's result for one entry (grid: entries x column tiles) without the alignment: the
     # entry's expert comes straight from topk_ids. Products add up along K in fp32 lanes, reduced at the end;
@@ -573,6 +649,8 @@ def _moe_gemv_kernel(
     # W8A8 (see _moe_gemm_kernel; BLOCK_K is the weight's bk, BLOCK_N divides bn): each K block's products
     # of codes are reduced at once and scaled by the entry row's and the tile's scales into fp32 [BLOCK_N].
     # W_MXFP4 (see _moe_gemm_kernel): each K step's weights decoded (_mxfp4_lanes) into the same fp32 lanes.
+    # W_INT (see _moe_gemm_kernel): each K step's weights dequantised K-major (_int_tile, rounded to x's
+    # dtype as the reference's are) into fp32 lanes [BLOCK_K, BLOCK_N], reduced along K at the end.
     pdl_prologue(PDL)
     entry = tl.program_id(0).to(tl.int64)
     expert = tl.load(ids_ptr + entry).to(tl.int64)
@@ -588,10 +666,18 @@ def _moe_gemv_kernel(
         w_ptrs, s_ptrs = _mxfp4_ptrs(w_ptr + expert * stride_we, sw_ptr + expert * stride_swe, w_rows,
                                      stride_wn, stride_swn, stride_swk, BLOCK_K, K_MAJOR=False)
         up_s_off = up_rows.to(tl.int64) * stride_swn
+    elif W_INT:
+        w_ptrs, s_ptrs, z_ptrs = _int_ptrs(w_ptr + expert * stride_we, sw_ptr + expert * stride_swe,
+                                           z_ptr + expert * stride_swe, w_rows, stride_wn, stride_swn, BITS,
+                                           BLOCK_K)
+        up_s_off = up_rows.to(tl.int64) * stride_swn
     else:
         # [BLOCK_N, BLOCK_K]
         w_ptrs = w_ptr + expert * stride_we + w_rows[:, None] * stride_wn + offs_k[None, :]
-    up_off = up_rows.to(tl.int64) * stride_wn
+    if W_INT:
+        up_off = up_rows.to(tl.int64)  # the up columns: N is contiguous
+    else:
+        up_off = up_rows.to(tl.int64) * stride_wn
     if W8A8:
         sa_ptrs = sa_ptr + a_row * stride_sam  # the entry row's scale of K block 0
         first_n = tl.program_id(1) * BLOCK_N
@@ -599,6 +685,9 @@ def _moe_gemv_kernel(
         sw_u_ptr = sw_ptr + expert * stride_swe + ((up_rows + first_n) // WEIGHT_BLOCK_N) * stride_swn
         acc_g = tl.zeros((BLOCK_N,), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    elif W_INT:
+        acc_g = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
     else:
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -610,6 +699,9 @@ def _moe_gemv_kernel(
             a = tl.load(a_ptrs, mask=k_in, other=0.0).to(tl.float32)
         if W_MXFP4:
             w = _mxfp4_lanes(w_ptrs, s_ptrs, K - it * BLOCK_K, EVEN_K, a_ptr.dtype.element_ty)
+        elif W_INT:
+            w = _int_tile(w_ptrs, s_ptrs, z_ptrs, it * BLOCK_K, K, stride_swk, a_ptr.dtype.element_ty, BITS,
+                          GROUP_ROWS, BLOCK_K, EVEN_K, HALF_DEQUANT, INTERPRETED_BF16)
         elif EVEN_K:
             w = tl.load(w_ptrs)
         else:
@@ -618,12 +710,18 @@ def _moe_gemv_kernel(
             sa = tl.load(sa_ptrs + it * stride_sak)
             sw_g = tl.load(sw_g_ptr + it * stride_swk)
             acc_g += tl.sum(w.to(tl.float32) * a[None, :], 1) * (sa * sw_g)
+        elif W_INT:
+            acc_g += w.to(tl.float32) * a[:, None]
         else:
             acc_g += w.to(tl.float32) * a[None, :]
         if GATE_UP:
             if W_MXFP4:
                 w_up = _mxfp4_lanes(w_ptrs + up_off, s_ptrs + up_s_off, K - it * BLOCK_K, EVEN_K,
                                     a_ptr.dtype.element_ty)
+            elif W_INT:
+                w_up = _int_tile(w_ptrs + up_off, s_ptrs + up_s_off, z_ptrs + up_s_off, it * BLOCK_K, K,
+                                 stride_swk, a_ptr.dtype.element_ty, BITS, GROUP_ROWS, BLOCK_K, EVEN_K,
+                                 HALF_DEQUANT, INTERPRETED_BF16)
             elif EVEN_K:
                 w_up = tl.load(w_ptrs + up_off)
             else:
@@ -631,15 +729,23 @@ def _moe_gemv_kernel(
             if W8A8:
                 sw_u = tl.load(sw_u_ptr + it * stride_swk)
                 acc_u += tl.sum(w_up.to(tl.float32) * a[None, :], 1) * (sa * sw_u)
+            elif W_INT:
+                acc_u += w_up.to(tl.float32) * a[:, None]
             else:
                 acc_u += w_up.to(tl.float32) * a[None, :]
         a_ptrs += BLOCK_K
         if W_MXFP4:
             w_ptrs += BLOCK_K // _MX_PACK
             s_ptrs += (BLOCK_K // _MX_GROUP) * stride_swk
+        elif W_INT:
+            w_ptrs += (BLOCK_K // (_WORD_BITS // BITS)) * stride_wn
         else:
             w_ptrs += BLOCK_K
-    if not W8A8:  # the fp32 lanes, reduced once
+    if W_INT:  # the fp32 lanes [BLOCK_K, BLOCK_N], reduced once
+        acc_g = tl.sum(acc_g, 0)
+        if GATE_UP:
+            acc_u = tl.sum(acc_u, 0)
+    elif not W8A8:  # the fp32 lanes, reduced once
         acc_g = tl.sum(acc_g, 1)
         if GATE_UP:
             acc_u = tl.sum(acc_u, 1)
@@ -726,9 +832,17 @@ def _moe_sum_kernel(y_ptr, out_ptr, ids_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
            topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
            w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
-           mlp: _ExpertMlp | None = None) -> tuple[int, int] | None:
-    """ValueError for arguments fused_moe does not take; FP8 weights' (bn, bk), None for 16/32-bit and MXFP4
-    ones."""
+           mlp: _ExpertMlp | None = None, w13_zeros: torch.Tensor | None = None,
+           w2_zeros: torch.Tensor | None = None, bits: int | None = None) -> tuple[int, int] | None:
+    """ValueError for arguments fused_moe does not take; FP8 weights' (bn, bk), None for 16/32-bit, MXFP4
+    and integer ones."""
+    if is_integer(w13):
+        _check_integer(x, w13, w2, (w13_scale, w13_zeros), (w2_scale, w2_zeros), bits, block, mlp)
+        _check_routing(x, topk_weights, topk_ids)
+        return None
+    if w13_zeros is not None or w2_zeros is not None or bits is not None:
+        raise ValueError(f"w13_zeros, w2_zeros and bits are for integer ({INT_CODES_DTYPE}) experts, not "
+                         f"{w13.dtype}")
     _check_shapes(x, w13, w2, topk_weights, topk_ids)
     fp8 = w13.dtype == FP8_DTYPE or w2.dtype == FP8_DTYPE
     if mlp is not None:
@@ -744,6 +858,57 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
     return _check_fp8(w13, w13_scale, w2_scale, block)
 
 
+def is_integer(w13: torch.Tensor) -> bool:
+    """Whether fused_moe takes these experts as integer codes (GPTQ / AWQ / compressed-tensors: int32 words,
+    with scales, zeros and bits)."""
+    return w13.dtype == INT_CODES_DTYPE
+
+
+def _check_integer(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                   up: tuple[torch.Tensor | None, torch.Tensor | None],
+                   down: tuple[torch.Tensor | None, torch.Tensor | None], bits: int | None,
+                   block: tuple[int, int] | None, mlp: _ExpertMlp | None) -> None:
+    """Integer experts' arguments: up and down are (scale, zeros) of w13 and w2."""
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"integer experts need bits in {list(SUPPORTED_BITS)}, got {bits}")
+    if block is not None:
+        raise ValueError(f"block {block} is for FP8 experts: integer experts are scaled per group of inputs")
+    if mlp is not None and (mlp.w13_bias is not None or mlp.w2_bias is not None or mlp.activation != SILU):
+        raise ValueError(f"integer experts take neither biases nor {SWIGLU_OAI!r} (not implemented)")
+    pack = WORD_BITS // bits
+    if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"x must be [T, H] in one of {FLOAT_DTYPES}, w13 [E, H / pack, 2I] and w2 "
+                         f"[E, I / pack, H]; got {x.dtype} {tuple(x.shape)}, {tuple(w13.shape)}, "
+                         f"{tuple(w2.shape)}")
+    (e, h_words, two_i), hidden = w13.shape, x.shape[1]
+    inter = two_i // 2
+    if w2.dtype != INT_CODES_DTYPE or two_i % 2 or h_words * pack != hidden or tuple(w2.shape) != (
+            e, inter // pack, hidden) or inter % pack:
+        raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {w2.dtype} {tuple(w2.shape)} "
+                         f"do not agree (want int32 w13 [E, {hidden} / {pack}, 2I] and w2 [E, I / {pack}, "
+                         f"{hidden}])")
+    for name, (scale, zeros), k, n in (("w13", up, hidden, two_i), ("w2", down, inter, hidden)):
+        groups = 0 if scale is None else scale.shape[1]
+        if (scale is None or zeros is None or scale.dim() != 3 or scale.shape[0] != e or scale.shape[2] != n
+                or groups == 0 or k % groups or (k // groups) % pack or zeros.shape != scale.shape
+                or zeros.is_floating_point() or not scale.is_floating_point()):
+            got = "None" if scale is None or zeros is None else f"{list(scale.shape)}, {list(zeros.shape)}"
+            raise ValueError(f"integer experts need {name}_scale (float) and {name}_zeros (integers), both "
+                             f"[E={e}, G, {n}] with G groups of whole {pack}-code words of {k} inputs; got "
+                             f"{got}")
+
+
+def _check_routing(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    t = x.shape[0]
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"topk_ids and topk_weights must both be [T={t}, k], got {tuple(topk_ids.shape)} "
+                         f"and {tuple(topk_weights.shape)}")
+    if topk_ids.dtype not in ID_DTYPES:
+        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
+    if topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
+
+
 def is_mxfp4(w13: torch.Tensor) -> bool:
     """Whether fused_moe takes these experts as MXFP4 (packed E2M1 codes, w13_scale and w2_scale E8M0)."""
     return w13.dtype == MXFP4_DTYPE
@@ -754,7 +919,7 @@ def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
-    (t, h), (e, two_i, h13) = x.shape, w13.shape
+    h, (e, two_i, h13) = x.shape[1], w13.shape
     mxfp4 = w13.dtype == MXFP4_DTYPE or w2.dtype == MXFP4_DTYPE
     pack = CODES_PER_BYTE if mxfp4 else 1  # values a stored element along K
     if two_i % 2:
@@ -772,13 +937,7 @@ def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     elif x.dtype not in FLOAT_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"x, w13 and w2 must share one of {FLOAT_DTYPES}, got {x.dtype}, {w13.dtype}, "
                          f"{w2.dtype}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"topk_ids and topk_weights must both be [T={t}, k], got {tuple(topk_ids.shape)} "
-                         f"and {tuple(topk_weights.shape)}")
-    if topk_ids.dtype not in ID_DTYPES:
-        raise ValueError(f"topk_ids must be int32 or int64, got {topk_ids.dtype}")
-    if topk_weights.dtype != torch.float32:
-        raise ValueError(f"topk_weights must be float32, got {topk_weights.dtype}")
+    _check_routing(x, topk_weights, topk_ids)
 
 
 def _check_mlp(mlp: _ExpertMlp, x: torch.Tensor, w13: torch.Tensor, fp8: bool) -> None:
@@ -861,8 +1020,9 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
                   w13_bias: torch.Tensor | None = None, w2_bias: torch.Tensor | None = None,
                   activation: str = SILU, swiglu_alpha: float = GPT_OSS_SWIGLU_ALPHA,
-                  swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT, local_experts: LocalExperts | None = None
-                  ) -> torch.Tensor:
+                  swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT, local_experts: LocalExperts | None = None,
+                  w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None,
+                  bits: int | None = None) -> torch.Tensor:
     """HF transformers 5's MixtralExperts.forward, in its order of operations (host syncs: the CPU path).
 
     local_experts (expert parallelism): topk_ids are global ids among local_experts.total, w13 and w2 (and
@@ -885,21 +1045,31 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
     MXFP4 experts (w13 uint8 [E, 2I, H / 2], w2 uint8 [E, H, I / 2], two E2M1 codes a byte, the low nibble
     first; w13_scale uint8 [E, 2I, H / 32], w2_scale uint8 [E, H, I / 32], E8M0): each routed expert
-    dequantised to x's dtype (dequantize_mxfp4_experts; exact) when its turn comes, then as 16-bit experts."""
+    dequantised to x's dtype (dequantize_mxfp4_experts; exact) when its turn comes, then as 16-bit experts.
+
+    Integer experts (GPTQ / AWQ / compressed-tensors, W4A16 / W8A16; plait.layers.wna16's layout, stacked:
+    w13 int32 [E, H / pack, 2I], w2 [E, I / pack, H], pack = 32 // bits codes a word along K; w13_scale and
+    w13_zeros [E, G_H, 2I], w2_scale and w2_zeros [E, G_I, H]): each routed expert dequantised to x's dtype
+    (plait.layers.wna16.dequantize: (code - zero) * scale in fp32, rounded once) when its turn comes, then
+    as 16-bit experts."""
     # x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] -> [T, H]
     mlp = _ExpertMlp(activation=activation, w13_bias=w13_bias, w2_bias=w2_bias, swiglu_alpha=swiglu_alpha,
                      swiglu_limit=swiglu_limit)
-    fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, mlp)
+    fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, mlp, w13_zeros,
+                       w2_zeros, bits)
     topk_ids, _ = _held_ids(topk_ids, local_experts, w13)
     if fp8_block is not None:
         return _fp8_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, fp8_block)
-    mxfp4 = is_mxfp4(w13)
+    mxfp4, integer = is_mxfp4(w13), is_integer(w13)
     out = torch.zeros_like(x)
     for expert, k_pos, token_idx in _routed_entries(topk_ids, w13.shape[0]):
         w13_e, w2_e = w13[expert], w2[expert]
         if mxfp4:  # only the routed experts, as each comes: a decode step routes to few of them
             w13_e = dequantize_mxfp4_experts(w13_e, w13_scale[expert], x.dtype)
             w2_e = dequantize_mxfp4_experts(w2_e, w2_scale[expert], x.dtype)
+        elif integer:  # [2I, H] and [H, I]
+            w13_e = dequantize(w13_e, w13_scale[expert], w13_zeros[expert], bits, x.dtype)
+            w2_e = dequantize(w2_e, w2_scale[expert], w2_zeros[expert], bits, x.dtype)
         gate_up = F.linear(x[token_idx], w13_e)
         if w13_bias is not None:  # added apart (not F.linear's fused bias): rounded twice, as `x @ W + b`
             gate_up = gate_up + w13_bias[expert]
@@ -961,9 +1131,28 @@ class _Fp8Operands:
     block: tuple[int, int]  # (bn, bk)
 
 
-def _scale_args(fp8: _Fp8Operands | None, mx_scale: torch.Tensor | None, dummy: torch.Tensor) -> tuple:
-    """The kernels' scale pointers and strides (sa, sw, sa's 2 strides, sw's 3): FP8's, MXFP4's E8M0 bytes
-    as sw (sa unread), or unread placeholders."""
+@dataclass(frozen=True)
+class _IntOperands:
+    scale: torch.Tensor  # [E, G, N], N contiguous
+    zeros: torch.Tensor  # [E, G, N], scale's strides
+    bits: int
+
+    def constexprs(self, a: torch.Tensor, k: int, interpreted_bf16: bool = False) -> dict:
+        """The kernels' integer-weight constexprs for inputs ``a`` of width ``k`` (interpreted_bf16: the
+        GEMV's INTERPRETED_BF16, which the GEMM reads from BF16_DOT_IN_FP32)."""
+        half = a.dtype == torch.float16 and self.scale.dtype == torch.float16
+        out = dict(W_INT=True, BITS=self.bits, GROUP_ROWS=k // self.scale.shape[1], HALF_DEQUANT=half)
+        return out | (dict(INTERPRETED_BF16=True) if interpreted_bf16 else {})
+
+
+def _scale_args(fp8: _Fp8Operands | None, mx_scale: torch.Tensor | None, dummy: torch.Tensor,
+                integer: _IntOperands | None = None) -> tuple:
+    """The kernels' scale pointers and strides (sa, sw, sa's 2 strides, sw's 3: expert, N, K): FP8's,
+    MXFP4's E8M0 bytes or integer weights' scales ([E, G, N]: the group's stride is K's) as sw (sa unread),
+    or unread placeholders."""
+    if integer is not None:
+        scale = integer.scale
+        return (dummy, scale, 0, 0, scale.stride(0), scale.stride(2), scale.stride(1))
     if mx_scale is not None:
         return (dummy, mx_scale, 0, 0, *mx_scale.stride())
     if fp8 is None:
@@ -983,9 +1172,9 @@ def _epilogue_args(mlp: _ExpertMlp, gate_up: bool, dummy: torch.Tensor) -> tuple
 def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor,
                  align: MoeAlignment, n: int, a_row_div: int, cfg: MoeConfig, gate_up: bool,
                  fp8: _Fp8Operands | None = None, mlp: _ExpertMlp = _ExpertMlp(),
-                 mx_scale: torch.Tensor | None = None) -> None:
-    # a: [rows, K]; w: [E, N (2N for gate_up), K] (MXFP4: K / 2 bytes, mx_scale [E, N, K / 32]);
-    # out: [T*k, N], rows by entry id
+                 mx_scale: torch.Tensor | None = None, integer: _IntOperands | None = None) -> None:
+    # a: [rows, K]; w: [E, N (2N for gate_up), K] (MXFP4: K / 2 bytes, mx_scale [E, N, K / 32]; integer:
+    # int32 [E, K / pack, N]); out: [T*k, N], rows by entry id
     k = a.shape[1]
     block_n = min(cfg.block_n, max(MIN_DOT, triton.next_power_of_2(n)))
     block_k = min(cfg.block_k, max(MIN_DOT, triton.next_power_of_2(k)))  # K's alone: same at every T
@@ -1002,7 +1191,7 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: to
     _moe_gemm_kernel[grid](
         a, w, out, topk_w, align.sorted_ids, align.expert_ids, align.num_padded,
         out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0), n, k_iters,
-        *_scale_args(fp8, mx_scale, topk_w), *epilogue,
+        *_scale_args(fp8, mx_scale, topk_w, integer), *epilogue, _zeros_arg(integer, topk_w),
         A_ROW_DIV=a_row_div, STATIC_K_ITERS=static_iters(a.is_cuda, k_iters), BLOCK_M=cfg.block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=cfg.group_m, EVEN_K=k % block_k == 0, GATE_UP=gate_up,
         DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
@@ -1012,19 +1201,28 @@ def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: to
         **({} if fp8 is None else dict(W8A8=True, WEIGHT_BLOCK_N=fp8.block[0],
                                        IMPRECISE_ACC=min(IMPRECISE_ACC_K, block_k))),
         **({} if mx_scale is None else dict(W_MXFP4=True)),
+        **({} if integer is None else integer.constexprs(a, k)),
     )
+
+
+def _zeros_arg(integer: _IntOperands | None, dummy: torch.Tensor) -> torch.Tensor:
+    """The kernels' z_ptr: integer weights' zero points, else an unread placeholder."""
+    return dummy if integer is None else integer.zeros
 
 
 def _launch_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor,
                  topk_ids: torch.Tensor, n: int, a_row_div: int, gate_up: bool,
                  fp8: _Fp8Operands | None = None, mlp: _ExpertMlp = _ExpertMlp(),
-                 mx_scale: torch.Tensor | None = None, dropped_id: int | None = None) -> None:
-    # a: [rows, K]; w: [E, N (2N for gate_up), K] (MXFP4: K / 2 bytes, mx_scale [E, N, K / 32]);
-    # out: [T*k, N], rows by entry id (but dropped_id's entries: not written)
+                 mx_scale: torch.Tensor | None = None, dropped_id: int | None = None,
+                 integer: _IntOperands | None = None) -> None:
+    # a: [rows, K]; w: [E, N (2N for gate_up), K] (MXFP4: K / 2 bytes, mx_scale [E, N, K / 32]; integer:
+    # int32 [E, K / pack, N]); out: [T*k, N], rows by entry id (but dropped_id's entries: not written)
     k, on_cuda = a.shape[1], a.is_cuda
     # The interpreter runs each program in Python: few, wide ones there (CPU_BLOCK_K: one MXFP4 group).
-    gemv_k = GEMV_BLOCK_K if mx_scale is None else MXFP4_GEMV_BLOCK_K
-    tile_n, tile_k = (GEMV_BLOCK_N, gemv_k) if on_cuda else (CPU_BLOCK_N, CPU_BLOCK_K)
+    gemv_n, gemv_k = GEMV_BLOCK_N, GEMV_BLOCK_K if mx_scale is None else MXFP4_GEMV_BLOCK_K
+    if integer is not None:
+        gemv_n, gemv_k = INT_GEMV_BLOCK_N, INT_GEMV_BLOCK_K
+    tile_n, tile_k = (gemv_n, gemv_k) if on_cuda else (CPU_BLOCK_N, CPU_BLOCK_K)
     block_k = min(tile_k, max(MIN_DOT, triton.next_power_of_2(k)))
     block_n = min(tile_n, max(MIN_DOT, triton.next_power_of_2(n)))
     if fp8 is not None:
@@ -1034,13 +1232,15 @@ def _launch_gemv(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: to
     epilogue, epilogue_constexprs = _epilogue_args(mlp, gate_up, topk_w)
     _moe_gemv_kernel[(out.shape[0], triton.cdiv(n, block_n))](
         a, w, out, topk_w, topk_ids, out.shape[0], n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        n, k_iters, *_scale_args(fp8, mx_scale, topk_w), *epilogue, A_ROW_DIV=a_row_div,
+        n, k_iters, *_scale_args(fp8, mx_scale, topk_w, integer), *epilogue, _zeros_arg(integer, topk_w),
+        A_ROW_DIV=a_row_div,
         STATIC_K_ITERS=static_iters(on_cuda, k_iters), BLOCK_N=block_n, BLOCK_K=block_k,
         EVEN_K=k % block_k == 0, GATE_UP=gate_up, PRECISE=on_cuda,
         num_warps=GEMV_WARPS, num_stages=GEMV_STAGES if on_cuda else CPU_STAGES, **pdl_args(a),
         **epilogue_constexprs,
         **({} if fp8 is None else dict(W8A8=True, WEIGHT_BLOCK_N=fp8.block[0])),
         **({} if mx_scale is None else dict(W_MXFP4=True)),
+        **({} if integer is None else integer.constexprs(a, k, not on_cuda and a.dtype == torch.bfloat16)),
         **_dropped_args(dropped_id),
     )
 
@@ -1072,7 +1272,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               block: tuple[int, int] | None = None, w13_bias: torch.Tensor | None = None,
               w2_bias: torch.Tensor | None = None, activation: str = SILU,
               swiglu_alpha: float = GPT_OSS_SWIGLU_ALPHA, swiglu_limit: float = GPT_OSS_SWIGLU_LIMIT,
-              local_experts: LocalExperts | None = None) -> torch.Tensor:
+              local_experts: LocalExperts | None = None, w13_zeros: torch.Tensor | None = None,
+              w2_zeros: torch.Tensor | None = None, bits: int | None = None) -> torch.Tensor:
     """fused_moe_ref in Triton: no host syncs, no atomics, CUDA-graph capturable; config overrides
     moe_config's pick of grouped-GEMM tiles, gemv the choice of the alignment-free path for few entries
     (None: up to GEMV_MAX_ENTRIES; tests and sweeps force either). w13_bias, w2_bias, activation, the
@@ -1100,15 +1301,22 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     multiples of 32, block None, config.block_k a multiple of 32), decoded to x's dtype in the kernels' K
     loops: the results, bit for bit, of these kernels with the same tiles on dequantize_mxfp4_experts'
     weights (the GEMV path on the GPU takes MXFP4_GEMV_BLOCK_K steps where 16-bit weights take
-    GEMV_BLOCK_K: there only the order of the fp32 sums differs)."""
+    GEMV_BLOCK_K: there only the order of the fp32 sums differs).
+
+    Integer experts (W4A16 / W8A16): w13, w2, their scales, w13_zeros, w2_zeros and bits as fused_moe_ref
+    takes them, dequantised in the kernels' K loops to the reference's weights bit for bit; only the order
+    of the fp32 sums differs from the 16-bit kernels' on those weights (the GEMV's lanes are K-major)."""
     # x: [T, H]; w13: [E, 2I, H]; w2: [E, H, I]; topk_weights: [T, k] fp32; topk_ids: [T, k] -> [T, H]
     mlp = _ExpertMlp(activation=activation, w13_bias=_unit_stride(w13_bias), w2_bias=_unit_stride(w2_bias),
                      swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
-    fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, mlp)
+    fp8_block = _check(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale, block, mlp, w13_zeros,
+                       w2_zeros, bits)
     if w13.stride(-1) != 1 or w2.stride(-1) != 1:
-        raise ValueError("w13 and w2 need unit stride along their last (input) dimension")
+        raise ValueError("w13 and w2 need unit stride along their last (input; integer: output) dimension")
     topk_ids, dropped_id = _held_ids(topk_ids, local_experts, w13)
-    (num_tokens, hidden), (num_experts, two_i, _) = x.shape, w13.shape
+    integer = is_integer(w13)
+    (num_tokens, hidden), num_experts = x.shape, w13.shape[0]
+    two_i = w13.shape[2] if integer else w13.shape[1]
     top_k, inter = topk_ids.shape[1], two_i // 2
     # Each held expert gets about T * k / (all routed experts) rows: what moe_config's tiles follow.
     routed_experts = num_experts if local_experts is None else local_experts.total
@@ -1127,6 +1335,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     y = torch.empty((num_entries, hidden), dtype=x.dtype, device=x.device)  # weighted expert outputs
     fp8_up = fp8_down = None
     mx_up, mx_down = (w13_scale, w2_scale) if mxfp4 else (None, None)  # E8M0 bytes
+    int_up = int_down = None
+    if integer:
+        int_up, int_down = _int_operands(w13_scale, w13_zeros, bits), _int_operands(w2_scale, w2_zeros, bits)
     a_up = x
     if fp8_block is not None:
         a_up, x_scale = quantize_groups_fp8(x, fp8_block[1])  # codes [T, H], scales [T, cdiv(H, bk)]
@@ -1136,23 +1347,29 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     flat_ids = topk_ids.reshape(-1).contiguous()  # [T*k], by entry id
     if use_gemv:
         _launch_gemv(a_up, w13, h, topk_w, flat_ids, inter, top_k, gate_up=True, fp8=fp8_up, mlp=mlp,
-                     mx_scale=mx_up, dropped_id=dropped_id)
+                     mx_scale=mx_up, dropped_id=dropped_id, integer=int_up)
     else:
         align = moe_align(topk_ids, num_experts, cfg.block_m, dropped=dropped_id is not None)
         _launch_gemm(a_up, w13, h, topk_w, align, inter, top_k, cfg, gate_up=True, fp8=fp8_up, mlp=mlp,
-                     mx_scale=mx_up)
+                     mx_scale=mx_up, integer=int_up)
     a_down = h
     if fp8_block is not None:
         a_down, h_scale = quantize_groups_fp8(h, fp8_block[1])  # codes [T*k, I], scales [T*k, cdiv(I, bk)]
         fp8_down = _Fp8Operands(h_scale, w2_scale, fp8_block)
     if use_gemv:
         _launch_gemv(a_down, w2, y, topk_w, flat_ids, hidden, 1, gate_up=False, fp8=fp8_down, mlp=mlp,
-                     mx_scale=mx_down, dropped_id=dropped_id)
+                     mx_scale=mx_down, dropped_id=dropped_id, integer=int_down)
     else:
         _launch_gemm(a_down, w2, y, topk_w, align, hidden, 1, cfg, gate_up=False, fp8=fp8_down, mlp=mlp,
-                     mx_scale=mx_down)
+                     mx_scale=mx_down, integer=int_down)
     block_h = min(SUM_BLOCK_H, triton.next_power_of_2(hidden))
     _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
         y, out, flat_ids, hidden, TOP_K=top_k, BLOCK_H=block_h, num_warps=4, **pdl_args(y),
         **_dropped_args(dropped_id))
     return out
+
+
+def _int_operands(scale: torch.Tensor, zeros: torch.Tensor, bits: int) -> _IntOperands:
+    """Integer experts' scales and zeros as the kernels index them: N contiguous, one set of strides."""
+    scale, zeros = scale.contiguous(), zeros.contiguous()
+    return _IntOperands(scale, zeros, bits)

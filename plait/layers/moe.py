@@ -11,6 +11,14 @@ from torch import nn
 from plait.kernels.dispatch import use_triton
 from plait.layers.linear import deferred_device
 from plait.layers.mxfp4 import BLOCK_VALUES, CODES_PER_BYTE, E8M0_BIAS, MXFP4_DTYPE
+from plait.layers.wna16 import (
+    DUMMY_SCALE_DTYPE,
+    WNA16Spec,
+    in_group_order,
+    pack_rows,
+    projection_tensor,
+    quantize_rtn,
+)
 
 # A checkpoint's per-expert projections -> (stacked parameter, shard of its rows: gate first, then up).
 EXPERT_PROJECTIONS = {
@@ -33,7 +41,8 @@ GPT_OSS_SWIGLU_LIMIT = 7.0
 FLOAT_WEIGHTS = "float"  # the model's dtype
 FP8_WEIGHTS = "fp8"  # block-wise FP8 codes with fp32 tile scales (quantize_fp8)
 MXFP4_WEIGHTS = "mxfp4"  # packed E2M1 codes with E8M0 scales (use_mxfp4)
-STACKS = ("gate_up_proj", "down_proj")  # the stacked expert weights, each with its scales (FP8, MXFP4)
+INT_WEIGHTS = "int"  # GPTQ / AWQ / compressed-tensors integer codes, group scales and zeros (use_integer)
+STACKS = ("gate_up_proj", "down_proj")  # the stacked expert weights, each with its scales (FP8, MXFP4, int)
 # fill_random_mxfp4's scale exponents (-8 and -7), drawn uniformly. Uniform code bytes have an RMS of 2.93
 # (the root of the mean square of FP4's magnitudes, 8.5625), times an RMS scale of 2^-8 * sqrt((1 + 4) / 2):
 # a std of 0.018, about the 0.02 of the random-weights loader's 16-bit draws, so that a random MXFP4 model's
@@ -116,7 +125,14 @@ class FusedMoE(nn.Module):
 
     expert_range (first, end): expert parallelism (plait.parallel.shard). The router still picks among all
     ``num_experts``, but the stacks hold experts [first, end) alone (E above is their count, and
-    num_experts then is too), whole; entries routed to the others contribute nothing here (LocalExperts)."""
+    num_experts then is too), whole; entries routed to the others contribute nothing here (LocalExperts).
+
+    use_integer (from outside, by plait.layers.wna16.quantize_model, before any weight is loaded) makes them
+    integer codes as GPTQ / AWQ / compressed-tensors checkpoints hold them (W4A16, W8A16), each expert in
+    WNA16Linear's layout (plait.layers.wna16), stacked: gate_up_proj int32 [E, H / pack, 2I] (gate columns,
+    then up), down_proj [E, I / pack, H]; gate_up_scale [E, G_H, 2I] and down_scale [E, G_I, H] in the
+    checkpoint's dtype; gate_up_zeros / down_zeros the same shapes, zero points. load_expert takes each
+    expert's checkpoint tensors (or float weights, quantised round-to-nearest)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, *, activation: str = SILU, bias: bool = False,
@@ -147,12 +163,16 @@ class FusedMoE(nn.Module):
         else:
             self.register_parameter("gate_up_bias", None)
             self.register_parameter("down_bias", None)
-        self.weight_format = FLOAT_WEIGHTS  # FP8_WEIGHTS: quantize_fp8; MXFP4_WEIGHTS: use_mxfp4
+        self.weight_format = FLOAT_WEIGHTS  # FP8_WEIGHTS: quantize_fp8; MXFP4_WEIGHTS: use_mxfp4; INT_WEIGHTS
+        self.int_spec: WNA16Spec | None = None  # integer experts: the checkpoint's scheme (use_integer)
         self.block: tuple[int, int] | None = None  # FP8 tiles (bn, bk); None: 16/32-bit or MXFP4 weights
         self.compute_dtype: torch.dtype | None = None  # FP8, MXFP4: the model's dtype (x and the output)
         # FP8: [E, 2I / bn, cdiv(H, bk)] fp32; MXFP4: [E, 2I, H / 32] uint8 (E8M0)
         self.register_buffer("gate_up_scale", None)
         self.register_buffer("down_scale", None)  # FP8: [E, cdiv(H, bn), cdiv(I, bk)]; MXFP4: [E, H, I / 32]
+        # int: scales [E, G_H, 2I] and [E, G_I, H], and as shaped the zero points (use_integer)
+        self.register_buffer("gate_up_zeros", None)
+        self.register_buffer("down_zeros", None)
         self._pieces_loaded: set[tuple[int, str]] = set()  # (expert, projection) the checkpoint filled
         self._stacks_loaded: set[str] = set()  # MXFP4: the STACKS load_mxfp4 (or fill_random_mxfp4) filled
 
@@ -178,6 +198,8 @@ class FusedMoE(nn.Module):
                       local_experts=self.local_experts)
         if self.weight_format != FLOAT_WEIGHTS:
             kwargs.update(w13_scale=self.gate_up_scale, w2_scale=self.down_scale, block=self.block)
+        if self.weight_format == INT_WEIGHTS:
+            kwargs.update(w13_zeros=self.gate_up_zeros, w2_zeros=self.down_zeros, bits=self.int_spec.bits)
         return kwargs
 
     def _refuse_requantizing(self, to: str) -> None:
@@ -236,6 +258,37 @@ class FusedMoE(nn.Module):
             self.register_buffer(name.replace("_proj", "_scale"), scale)
 
     @torch.no_grad()
+    def use_integer(self, spec: WNA16Spec, device: torch.device | None = None,
+                    scale_dtype: torch.dtype = DUMMY_SCALE_DTYPE) -> None:
+        """Hold the experts as integer codes (see the class docstring): zero codes, NaN scales (check_loaded
+        refuses any left so) and the implied zero points, on ``device`` where the weights are still on the
+        meta device (deferred_weights), for load_expert to fill. The scales take the checkpoint's dtype when
+        its first arrive (``scale_dtype`` until then: random weights')."""
+        self._refuse_requantizing(INT_WEIGHTS)
+        if self.gate_up_bias is not None or self.activation != SILU:
+            raise ValueError(f"integer experts with biases or the {self.activation!r} activation are not "
+                             "implemented")
+        if self._pieces_loaded:
+            raise ValueError("use_integer comes before any expert weight is loaded")
+        for k in (self.hidden_size, self.intermediate_size):
+            rows = spec.group_rows(k)
+            if k % rows or rows % spec.pack:
+                raise ValueError(f"integer experts: {k} inputs do not split into {rows}-row groups of "
+                                 f"{spec.pack} codes a word")
+        self.weight_format, self.int_spec, self.compute_dtype = INT_WEIGHTS, spec, self.gate_up_proj.dtype
+        for name in STACKS:
+            weight = getattr(self, name)
+            e, n, k = weight.shape
+            where = device if weight.is_meta else weight.device
+            codes = torch.zeros((e, k // spec.pack, n), dtype=torch.int32, device=where)
+            setattr(self, name, nn.Parameter(codes, requires_grad=False))
+            groups = spec.groups(k)
+            scale = torch.full((e, groups, n), float("nan"), dtype=scale_dtype, device=where)
+            self.register_buffer(name.replace("_proj", "_scale"), scale)
+            zeros = torch.full((e, groups, n), 1 << (spec.bits - 1), dtype=spec.zero_dtype(), device=where)
+            self.register_buffer(name.replace("_proj", "_zeros"), zeros)
+
+    @torch.no_grad()
     def load_mxfp4(self, stacked: str, blocks: torch.Tensor, scales: torch.Tensor) -> None:
         """A whole stack of MXFP4 experts, rows in this module's order (gate_up_proj: each expert's gate
         rows, then its up rows): blocks uint8 [E, rows, K / 32, 16] (a checkpoint's ``_blocks``), scales
@@ -277,6 +330,9 @@ class FusedMoE(nn.Module):
             raise ValueError(f"no expert tensor {expert}.{projection} among {self.num_experts} experts")
         if self.weight_format == MXFP4_WEIGHTS:
             raise ValueError("MXFP4 experts load each stack whole, as packed codes (load_mxfp4)")
+        if self.weight_format == INT_WEIGHTS:
+            self._load_int(expert, projection, tensor, kind)
+            return
         stacked, shard = EXPERT_PROJECTIONS[projection]
         rows = self.intermediate_size if stacked == "gate_up_proj" else self.hidden_size
         dst = getattr(self, stacked)[expert, shard * rows:(shard + 1) * rows]
@@ -295,6 +351,61 @@ class FusedMoE(nn.Module):
         else:
             dst.copy_(tensor)
         self._pieces_loaded.add((expert, projection))
+
+    def _int_columns(self, projection: str) -> tuple[str, int, int, slice]:
+        """An integer expert projection's stack, its input count, its output count and its columns there."""
+        stacked, shard = EXPERT_PROJECTIONS[projection]
+        gate_up = stacked == "gate_up_proj"
+        in_features = self.hidden_size if gate_up else self.intermediate_size
+        n = self.intermediate_size if gate_up else self.hidden_size
+        return stacked, in_features, n, slice(shard * n, (shard + 1) * n)
+
+    def _load_int(self, expert: int, projection: str, tensor: torch.Tensor, kind: str) -> None:
+        """One expert projection's checkpoint tensor (plait.layers.wna16.projection_tensor's names) into its
+        columns of the integer stacks."""
+        stacked, in_features, n, cols = self._int_columns(projection)
+        if kind == "weight":  # as WNA16Linear refuses one: a checkpoint's 16-bit weight is no integer layer's
+            raise ValueError(f"a 16-bit weight for expert {expert}'s {projection} in a "
+                             f"{self.int_spec.method.upper()} checkpoint: experts left unquantised are not "
+                             "supported")
+        part, value = projection_tensor(self.int_spec, kind, tensor, in_features, n)
+        scale = getattr(self, stacked.replace("_proj", "_scale"))  # [E, G, N]
+        if part == "codes":
+            getattr(self, stacked)[expert, :, cols] = value
+            self._pieces_loaded.add((expert, projection))
+        elif part == "scales":
+            if value.dtype != scale.dtype and torch.isnan(scale).all():
+                scale = scale.to(value.dtype)  # keep the checkpoint's precision
+                self.register_buffer(stacked.replace("_proj", "_scale"), scale)
+            scale[expert, :, cols] = value.to(scale.dtype)
+        elif part == "zeros":
+            zeros = getattr(self, stacked.replace("_proj", "_zeros"))
+            zeros[expert, :, cols] = value.to(zeros.dtype)
+        elif part == "g_idx" and not in_group_order(value, self.int_spec):
+            raise ValueError(f"GPTQ act-order (desc_act) MoE experts are not supported: expert {expert}'s "
+                             f"{projection} has its input rows out of group order (g_idx); serve a "
+                             "checkpoint quantised without desc_act")
+
+    @torch.no_grad()
+    def quantize_expert(self, stacked: str, expert: int, weight: torch.Tensor) -> None:
+        """Integer experts: one expert's whole float gate_up_proj ([2I, H]: gate rows, then up) or down_proj
+        ([H, I]), quantised round-to-nearest as the checkpoint's scheme would (random weights)."""
+        if self.weight_format != INT_WEIGHTS:
+            raise ValueError(f"quantize_expert is for integer experts, not {self.weight_format} ones")
+        for projection, (target, shard) in EXPERT_PROJECTIONS.items():
+            if target != stacked:
+                continue
+            _, in_features, n, cols = self._int_columns(projection)
+            rows = weight[shard * n:(shard + 1) * n]  # [n, in]
+            if tuple(rows.shape) != (n, in_features):
+                raise ValueError(f"expert {expert}'s {projection} of shape {tuple(rows.shape)}, expected "
+                                 f"{(n, in_features)}")
+            scale = getattr(self, stacked.replace("_proj", "_scale"))
+            zeros = getattr(self, stacked.replace("_proj", "_zeros"))
+            codes, scale[expert, :, cols], z = quantize_rtn(rows, self.int_spec, scale.dtype)
+            getattr(self, stacked)[expert, :, cols] = pack_rows(codes, self.int_spec.bits)
+            zeros[expert, :, cols] = z.to(zeros.dtype)
+            self._pieces_loaded.add((expert, projection))
 
     def load_stacked(self, stacked: str, expert: int, tensor: torch.Tensor) -> None:
         """One expert's whole gate_up_proj ([2I, H]: gate rows, then up) or down_proj ([H, I]), as
@@ -326,6 +437,9 @@ class FusedMoE(nn.Module):
         scales = (self.gate_up_scale, self.down_scale)
         if self.block is not None and any(torch.isnan(s).any() for s in scales):
             raise ValueError("FP8 expert weights came without their block scales (weight_scale_inv)")
+        if self.weight_format == INT_WEIGHTS and any(torch.isnan(s.float()).any() for s in scales):
+            raise ValueError(f"{self.int_spec.method.upper()} experts came without the scales of some "
+                             "columns")
         missing_stacks = [name for name in STACKS if name not in self._stacks_loaded]
         if self.weight_format == MXFP4_WEIGHTS and missing_stacks:
             raise ValueError(f"MXFP4 experts without their {' and '.join(missing_stacks)} (load_mxfp4)")
@@ -336,6 +450,10 @@ class FusedMoE(nn.Module):
             kind = f", fp8 scales per {self.block[0]}x{self.block[1]} block"
         elif self.weight_format == MXFP4_WEIGHTS:
             kind = f", mxfp4 (e8m0 scales per {BLOCK_VALUES} inputs)"
+        elif self.weight_format == INT_WEIGHTS:
+            spec = self.int_spec
+            group = f"groups of {spec.group_size}" if spec.group_size else "one group a column"
+            kind = f", {spec.method} {spec.bits}-bit ({group})"
         act = self.activation
         if act == SWIGLU_OAI:
             act += f"(alpha={self.swiglu_alpha}, limit={self.swiglu_limit})"

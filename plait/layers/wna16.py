@@ -284,6 +284,51 @@ COMPRESSED_TENSORS_NAMES = {"weight_packed": "qweight", "weight_zero_point": "qz
                             "weight_scale": "scales", "weight_g_idx": "g_idx", "weight_shape": "weight_shape"}
 
 
+def projection_tensor(spec: WNA16Spec, name: str, tensor: torch.Tensor, in_features: int, out_features: int
+                      ) -> tuple[str, torch.Tensor]:
+    """One checkpoint tensor of a whole projection (out_features x in_features: a routed expert's, which
+    FusedMoE stacks) in plait's layout: ("codes", [K // pack, N] int32), ("zeros", [G, N] int32 zero points),
+    ("scales", [G, N] in the checkpoint's dtype), ("g_idx", [K] int64) or ("weight_shape", as stored, checked
+    here); the names and packings WNA16Linear.load_shard takes."""
+    k, n, groups = in_features, out_features, spec.groups(in_features)
+    if spec.method == "compressed-tensors" and name in COMPRESSED_TENSORS_NAMES:
+        if name == "weight_shape":
+            _expect(tensor, (2,), name)
+            if tensor.tolist() != [n, k]:
+                raise ValueError(f"weight_shape {tensor.tolist()} of a projection of {n} x {k}")
+            return "weight_shape", tensor
+        if name in ("weight_packed", "weight_zero_point", "weight_scale"):
+            tensor = tensor.t()  # [N, ...] -> GPTQ's [..., N]
+        name = COMPRESSED_TENSORS_NAMES[name]
+    if name == "qweight":
+        if spec.method == "awq":
+            _expect(tensor, (k, n // spec.pack), "qweight")
+            return "codes", pack_rows(unpack_columns(tensor.to(torch.int32), spec.bits, AWQ_PACK_ORDER),
+                                      spec.bits)
+        _expect(tensor, (k // spec.pack, n), "qweight")
+        return "codes", tensor.to(torch.int32).contiguous()
+    if name == "qzeros":
+        if not spec.stored_zeros:
+            raise ValueError("zero points in a checkpoint whose scheme is symmetric")
+        _expect(tensor, (groups, n // spec.pack), "qzeros")
+        order = AWQ_PACK_ORDER if spec.method == "awq" else None
+        return "zeros", unpack_columns(tensor.to(torch.int32), spec.bits, order) + spec.zero_offset
+    if name == "scales":
+        _expect(tensor, (groups, n), "scales")
+        return "scales", tensor
+    if name == "g_idx":
+        _expect(tensor, (k,), "g_idx")
+        return "g_idx", tensor.to(torch.int64)
+    raise ValueError(f"a {spec.method.upper()} projection has no tensor {name!r}")
+
+
+def in_group_order(g_idx: torch.Tensor, spec: WNA16Spec) -> bool:
+    """Whether g_idx [K] puts every input row in its own place's group (what a checkpoint without act-order
+    writes, desc_act false), so that the rows need no sorting."""
+    k = g_idx.shape[0]
+    return torch.equal(g_idx, torch.arange(k, device=g_idx.device) // spec.group_rows(k))
+
+
 def _scale_floor(scales: torch.Tensor) -> torch.Tensor:
     """Scales of all-zero groups raised to the dtype's smallest normal number, so no code divides by zero."""
     return scales.clamp_min(torch.finfo(scales.dtype).tiny)
@@ -521,10 +566,10 @@ def _expect(tensor: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
         raise ValueError(f"{name} of shape {tuple(tensor.shape)}, expected {shape}")
 
 
-# Families whose GPTQ / AWQ checkpoints plait refuses by name: sparse MoE (no integer expert kernels yet) and
-# the recurrent models (their Mamba projections load under names of their own).
-REFUSED_ARCHITECTURES = frozenset({"MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
-                                   "Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM"})
+# Families whose GPTQ / AWQ checkpoints plait refuses by name: the recurrent models (their Mamba projections
+# load under names of their own). Sparse MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE) load: their routed
+# experts are integer FusedMoE stacks (FusedMoE.use_integer), the rest WNA16Linear layers.
+REFUSED_ARCHITECTURES = frozenset({"Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM"})
 
 
 def check_method(spec: WNA16Spec, flag: str | None, architecture: str) -> None:
@@ -540,6 +585,11 @@ def check_method(spec: WNA16Spec, flag: str | None, architecture: str) -> None:
 # Layers a GPTQ / AWQ checkpoint leaves in 16 bits whatever it says: the lm_head (tied to the embedding in
 # some models; GPTQ's lm_head flag is refused above).
 SKIPPED_LAYERS = ("lm_head",)
+# A MoE block's router and Qwen2-MoE's shared-expert gate (one output column: nothing to pack along N), which
+# GPTQ / AWQ quantisers leave in 16 bits whether or not modules_to_not_convert / ignore lists them (they
+# quantise the projections of the attention and of the experts: GPTQModel's and AutoAWQ's Mixtral and
+# Qwen-MoE definitions), as vLLM builds them unquantised.
+ROUTER_LAYERS = ("gate", "shared_expert_gate")
 # plait's fused layers -> the HF projections they hold, for modules_to_not_convert's names.
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
@@ -559,14 +609,19 @@ def _left_unquantized(name: str, unquantized: list[str]) -> bool:
 @torch.no_grad()
 def quantize_model(model: nn.Module, spec: WNA16Spec, device: torch.device | None = None,
                    unquantized: list[str] = ()) -> int:
-    """Replace every nn.Linear of ``model`` but the lm_head and the checkpoint's modules_to_not_convert with
-    an empty WNA16Linear on ``device`` for the checkpoint to fill, from outside the model (its code is
+    """Replace every nn.Linear of ``model`` but the lm_head, MoE routers (ROUTER_LAYERS) and the checkpoint's
+    modules_to_not_convert with an empty WNA16Linear on ``device`` for the checkpoint to fill, and make every
+    MoE block's routed experts integer stacks (FusedMoE.use_integer), from outside the model (its code is
     unchanged); 16-bit layers left on the meta device (deferred_weights) get memory there. Returns how many
-    layers were replaced."""
+    linear layers were replaced."""
+    for module in model.modules():
+        if hasattr(module, "use_integer"):  # FusedMoE (not imported here: plait.layers.moe imports this)
+            module.use_integer(spec, device)
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     count = 0
     for name, module in linears:
-        if name.rsplit(".", 1)[-1] in SKIPPED_LAYERS or _left_unquantized(name, list(unquantized)):
+        if (name.rsplit(".", 1)[-1] in SKIPPED_LAYERS or _is_router(model, name)
+                or _left_unquantized(name, list(unquantized))):
             if module.weight.is_meta:
                 module.to_empty(device=device)
             continue
@@ -575,3 +630,10 @@ def quantize_model(model: nn.Module, spec: WNA16Spec, device: torch.device | Non
         setattr(parent, child, WNA16Linear.from_linear(module, spec, device))
         count += 1
     return count
+
+
+def _is_router(model: nn.Module, name: str) -> bool:
+    """Whether layer ``name`` is a MoE block's router or shared-expert gate (ROUTER_LAYERS beside experts)."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    return leaf in ROUTER_LAYERS and hasattr(getattr(parent, "experts", None), "use_integer")

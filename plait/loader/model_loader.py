@@ -27,7 +27,7 @@ from plait.layers import mxfp4, wna16
 from plait.layers.fp8 import FP8_DTYPE, checkpoint_quantization, checkpoint_weight_block, quantize_model
 from plait.layers.fp8_block import MIN_BLOCK
 from plait.layers.linear import deferred_weights, materialize_deferred
-from plait.layers.moe import FusedMoE
+from plait.layers.moe import INT_WEIGHTS, FusedMoE
 from plait.layers.mxfp4 import MXFP4_DTYPE
 from plait.models.base import checkpoint_layout
 from plait.models.registry import BASE_MODEL_ARCHITECTURES, get_model_class, resolve_runner
@@ -102,6 +102,10 @@ def load_model(
     if int_spec is not None:
         wna16.check_method(int_spec, config.quantization, model_config.architecture)
         quantization = int_spec.method
+        if shard is not None and model_config.moe is not None:
+            # FusedMoE's integer stacks load whole experts: no rank's slice of their words and groups yet.
+            raise ValueError(f"tensor_parallel_size {shard.world_size}: integer ({quantization}) MoE models "
+                             "cannot be split across devices yet; serve it on one device")
     elif (config.quantization in CHECKPOINT_QUANTIZATION_METHODS
           and config.quantization != (hf_config.get("quantization_config") or {}).get("quant_method")):
         raise ValueError(f"--quantization {config.quantization} serves a checkpoint quantised so (its "
@@ -325,6 +329,15 @@ def _init_dummy(model: nn.Module, seed: int) -> None:
         elif isinstance(owner, FusedMoE) and param.dtype == MXFP4_DTYPE:
             if leaf == "gate_up_proj":  # one call draws both stacks' codes and scales
                 owner.fill_random_mxfp4(gen)
+        elif isinstance(owner, FusedMoE) and owner.weight_format == INT_WEIGHTS:
+            # Integer experts: the unquantised model's draws ([E, out, in]), each expert's quantised
+            # round-to-nearest as the checkpoint's scheme would (scales and zeros come with the codes).
+            experts, words, out = param.shape
+            weights = torch.empty((experts, out, words * owner.int_spec.pack), dtype=owner.compute_dtype,
+                                  device=param.device)
+            weights.normal_(0.0, DUMMY_INIT_STD, generator=gen)
+            for expert, weight in enumerate(weights):
+                owner.quantize_expert(leaf, expert, weight)
         elif isinstance(owner, FusedMoE) and param.dtype == FP8_DTYPE:
             # FP8 experts: the unquantised model's draws, each expert's quantised tile by tile.
             weights = torch.empty(param.shape, dtype=owner.compute_dtype, device=param.device)

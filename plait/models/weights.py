@@ -25,10 +25,11 @@ STACKED_PROJECTIONS = {
 INTEGER_WEIGHT_TENSORS = ("qweight", "qzeros", "scales", "g_idx", "weight_packed", "weight_zero_point",
                           "weight_scale", "weight_g_idx", "weight_shape")
 
-# One routed expert's projection (HF's ``...mlp.experts.{e}.gate_proj.weight``, or an FP8 one's tile
-# scales): its FusedMoE stacks it.
+# One routed expert's projection (HF's ``...mlp.experts.{e}.gate_proj.weight``, an FP8 one's tile scales, or
+# an integer one's INTEGER_WEIGHT_TENSORS): its FusedMoE stacks it.
 EXPERT_TENSOR = re.compile(
-    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale)$")
+    r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+    rf"(weight|weight_scale_inv|{'|'.join(INTEGER_WEIGHT_TENSORS)})$")
 # Mixtral's names for the same (block_sparse_moe.experts.{e}.w1 / w3 / w2): gate, up, down.
 MIXTRAL_EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 MIXTRAL_EXPERT = re.compile(r"\.block_sparse_moe\.(gate|experts\.(\d+)\.(w[123]))\.")
