@@ -8,7 +8,6 @@ What cannot split (tiles cut across, integer-weight MoE) is refused."""
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -21,7 +20,6 @@ from test_fp8 import _fp8_checkpoint
 from test_fp8_block import block_checkpoint
 from test_moe import (
     WEIGHT_SCALE,
-    _copy_model_folder,
     fp8_moe_checkpoint,
     moe_models,  # noqa: F401 - the tiny MoE checkpoints
 )
@@ -291,17 +289,3 @@ def test_an_expert_split_that_cuts_tiles_is_refused(moe_models, tmp_path):  # no
     for model, knobs in ((tmp_path / "ckpt", {}), (folder, dict(quantization="fp8"))):
         with pytest.raises(ValueError, match=fix):
             LLMEngine(EngineConfig(model=str(model), tensor_parallel_size=2, **knobs, **KNOBS))
-
-
-def test_integer_weight_moe_models_are_refused(moe_models, tmp_path):  # noqa: F811 - imported above
-    """plait has no integer-weight expert kernels, on one device or split."""
-    from safetensors.torch import load_file
-
-    folder = moe_models["qwen3_moe"][0]
-    _copy_model_folder(folder, tmp_path / "gptq", load_file(folder / "model.safetensors"))
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
-                                  "sym": True}
-    (tmp_path / "gptq" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="GPTQ checkpoints of Qwen3MoeForCausalLM are not supported"):
-        LLMEngine(EngineConfig(model=str(tmp_path / "gptq"), tensor_parallel_size=2, **KNOBS))

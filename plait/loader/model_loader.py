@@ -102,10 +102,10 @@ def load_model(
     if int_spec is not None:
         wna16.check_method(int_spec, config.quantization, model_config.architecture)
         quantization = int_spec.method
-        if shard is not None and model_config.moe is not None:
+        if parallel is not None and model_config.moe is not None:
             # FusedMoE's integer stacks load whole experts: no rank's slice of their words and groups yet.
-            raise ValueError(f"tensor_parallel_size {shard.world_size}: integer ({quantization}) MoE models "
-                             "cannot be split across devices yet; serve it on one device")
+            raise ValueError(f"tensor_parallel_size {parallel.world_size}: integer ({quantization}) MoE "
+                             "models cannot be split across devices yet; serve it on one device")
     elif (config.quantization in CHECKPOINT_QUANTIZATION_METHODS
           and config.quantization != (hf_config.get("quantization_config") or {}).get("quant_method")):
         raise ValueError(f"--quantization {config.quantization} serves a checkpoint quantised so (its "
