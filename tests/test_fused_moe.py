@@ -1289,8 +1289,9 @@ def test_fused_moe_int_rejects_bad_arguments(bad):
 def test_gpu_fused_moe_int4_qwen3_30b_a3b_shapes(t):
     """Qwen3-30B-A3B-GPTQ-Int4's experts (128 of hidden 2,048 and width 768, top-8, 4-bit codes in groups of
     128, fp16 scales) in bf16, compiled: within test_gpu_fused_moe_real_shapes' bound of fp32 arithmetic on
-    the weights they stand for, and deterministic. The grouped GEMM is the 16-bit kernel on those weights
-    (in bf16) bit for bit; the GEMV path within that kernel's roundings of it."""
+    the weights they stand for, deterministic, and within the 16-bit kernel's roundings of it on those
+    weights in bf16 (bit for bit in the interpreter, test_fused_moe_int_is_the_16_bit_kernel_on_its_weights;
+    compiled, the integer GEMM's tiles sum K in another order: on an H200 at 256 tokens not bit for bit)."""
     c = MODELS["qwen3-30b-a3b"]
     kwargs, dense = int_experts(4, 128, seed=83, num_experts=c["experts"], hidden=c["hidden"],
                                 inter=c["inter"])
@@ -1302,8 +1303,5 @@ def test_gpu_fused_moe_int4_qwen3_30b_a3b_shapes(t):
     assert err <= 2e-2 * want.abs().max().item(), f"max error {err:.3g} vs max |out| {want.abs().max():.3g}"
     assert torch.equal(got, run_int(x, kwargs, weights, ids)[0])  # deterministic: no atomics
     sixteen_bit = fused_moe(x, *dense[BF16], weights, ids)
-    if t * c["top_k"] > fm.GEMV_MAX_ENTRIES:
-        assert torch.equal(got, sixteen_bit)
-    else:
-        err = (got.float() - sixteen_bit.float()).abs().max().item()
-        assert err <= 1e-2 * want.abs().max().item()
+    err = (got.float() - sixteen_bit.float()).abs().max().item()
+    assert err <= 1e-2 * want.abs().max().item()
