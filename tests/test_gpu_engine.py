@@ -471,15 +471,15 @@ def test_gpu_engine_with_graphs_is_freed_without_the_cycle_collector(tmp_path):
     a dropped engine would keep its KV cache on the GPU for good."""
     import gc
 
-    from test_engine import dropped_engine_refs
+    from test_engine import freed_when_dropped
 
     # An earlier CUDA engine's freeze is let go (as each engine's start does, collect_dropped_engines), so
     # what is frozen afterwards is this engine's doing.
     gc.unfreeze()
-    refs = dropped_engine_refs(model=_config(tmp_path, 64), load_format="dummy", max_model_len=256,
+    freed = freed_when_dropped(model=_config(tmp_path, 64), load_format="dummy", max_model_len=256,
                                num_kv_blocks=64, max_num_seqs=8)
     assert gc.get_freeze_count() > 0
-    assert [r() is None for r in refs] == [True] * len(refs)
+    assert freed == [True] * len(freed)
 
 
 def test_kv_cache_memory_bytes_sizes_the_gpu_cache_without_the_utilisation_share(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from plait.runner.model_runner import ModelRunner
 
 # What Worker.__init__ sets on each instance (an extension may not define them either).
-WORKER_ATTRIBUTES = ("model_runner", "rank", "local_rank", "world_size", "device")
+WORKER_ATTRIBUTES = ("model_runner", "_runner", "rank", "local_rank", "world_size", "device")
 
 
 class Worker:
@@ -31,11 +32,17 @@ class Worker:
     this rank's slices of them."""
 
     def __init__(self, runner: ModelRunner) -> None:
-        self.model_runner = runner
+        # Weak: the runner holds its worker, and a cycle between them would outlive a dropped engine once
+        # start-up froze the heap (its KV cache with it).
+        self._runner = weakref.ref(runner)
         where = runner.parallel
         self.rank = self.local_rank = 0 if where is None else where.rank
         self.world_size = 1 if where is None else where.world_size
         self.device: torch.device = runner.device
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        return self._runner()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Whole HF-named tensors (any subset of the checkpoint's) into this rank's model: its slices of them
