@@ -294,25 +294,31 @@ def _gpu_config(tmp_path) -> str:
     return str(folder)
 
 
+def _torch_path_tokens(common: dict, prompts: list[list[int]]) -> dict[int, list[int]]:
+    """Greedy tokens of the torch path (no Triton, torch_ref attention, eager, whole prompts) of the engine
+    ``common`` describes, for the GPU tests to hold the Triton experts under graphs to."""
+    from plait.kernels import dispatch
+
+    dispatch.set_triton_enabled(False)
+    try:
+        engine = LLMEngine(EngineConfig(**common, attention_backend="torch_ref", enforce_eager=True,
+                                        async_scheduling=False, max_num_batched_tokens=4096))
+        return run_greedy(engine, prompts, 16, arrive_every=2)[0]
+    finally:
+        dispatch.set_triton_enabled(True)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_moe_with_graphs_computes_the_torch_path_in_fp32(tmp_path):
     """fp32 on the GPU: the Triton experts under CUDA graphs and chunked mixed steps give the torch path's
     tokens (eager, whole prompts, torch_ref attention); every pure-decode step replays a graph."""
-    from plait.kernels import dispatch
-
     model = _gpu_config(tmp_path)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, GPU_VOCAB, (n,), generator=g).tolist() for n in (1, 7, 40, 130, 300, 5)]
     common = dict(model=model, load_format="dummy", seed=3, dtype="float32", max_model_len=1024,
                   num_kv_blocks=512, enable_prefix_caching=False)
-    dispatch.set_triton_enabled(False)
-    try:
-        ref_engine = LLMEngine(EngineConfig(**common, attention_backend="torch_ref", enforce_eager=True,
-                                            async_scheduling=False, max_num_batched_tokens=4096))
-        ref, _ = run_greedy(ref_engine, prompts, 16, arrive_every=2)
-    finally:
-        dispatch.set_triton_enabled(True)
+    ref = _torch_path_tokens(common, prompts)
     engine = LLMEngine(EngineConfig(**common, max_num_batched_tokens=64))
     got, _ = run_greedy(engine, prompts, 16, arrive_every=2)
     assert got == ref
@@ -485,8 +491,6 @@ def test_gpu_gptq_moe_with_graphs_computes_the_torch_path_in_fp32(tmp_path):
     decode step replays a graph."""
     from test_wna16 import _quantization_config
 
-    from plait.kernels import dispatch
-
     model = _gpu_config(tmp_path)
     cfg = json.loads((tmp_path / "qwen3-moe" / "config.json").read_text())
     cfg["quantization_config"] = _quantization_config("gptq", 4, 128, True, False)
@@ -495,13 +499,7 @@ def test_gpu_gptq_moe_with_graphs_computes_the_torch_path_in_fp32(tmp_path):
     prompts = [torch.randint(10, GPU_VOCAB, (n,), generator=g).tolist() for n in (1, 7, 40, 130, 300, 5)]
     common = dict(model=model, load_format="dummy", seed=3, dtype="float32", max_model_len=1024,
                   num_kv_blocks=512, enable_prefix_caching=False)
-    dispatch.set_triton_enabled(False)
-    try:
-        ref_engine = LLMEngine(EngineConfig(**common, attention_backend="torch_ref", enforce_eager=True,
-                                            async_scheduling=False, max_num_batched_tokens=4096))
-        ref, _ = run_greedy(ref_engine, prompts, 16, arrive_every=2)
-    finally:
-        dispatch.set_triton_enabled(True)
+    ref = _torch_path_tokens(common, prompts)
     engine = LLMEngine(EngineConfig(**common, max_num_batched_tokens=64))
     _assert_integer_moe(engine, 4)
     got, _ = run_greedy(engine, prompts, 16, arrive_every=2)

@@ -14,7 +14,7 @@ from torch import nn
 
 from plait.config import ModelConfig
 from plait.models.llama import LlamaForCausalLM
-from plait.models.weights import in_live_load, language_model_name, load_decoder_weights
+from plait.models.weights import load_image_model_weights
 from plait.runner.forward_batch import ForwardBatch
 
 # OpenAI CLIP's pixel statistics: the image processor of a CLIP-tower folder that ships none (a config alone).
@@ -225,37 +225,17 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
         return self.model(input_ids, batch, inputs_embeds=embeds)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The decoder's tensors as a Llama's; the vision tower's and projector's by name, each checked."""
-        own = dict(self.named_parameters())
-        image_side = ("vision_tower.", "multi_modal_projector.", "image_newline")
-        vision_names = {n for n in own if n.startswith(image_side)}
-        loaded: set[str] = set()
+        """The decoder's tensors as a Llama's; the vision tower's and projector's by name, each checked; the
+        tower's last norm and head, and layers past the deepest one LLaVA reads, skipped (it reads hidden
+        states before them)."""
+        depth = len(self.vision_tower.encoder.layers)
 
-        def decoder(stream):
-            for name, tensor in stream:
-                renamed = _vision_name(name)
-                if renamed is None:
-                    decoder_name = language_model_name(name)
-                    if decoder_name is not None:
-                        yield decoder_name, tensor
-                    continue
-                if renamed.startswith(("vision_tower.post_layernorm.", "vision_tower.head.")):
-                    continue  # LLaVA reads hidden states before them
-                if renamed not in own:
-                    if _layer_index(renamed) >= len(self.vision_tower.encoder.layers):
-                        continue  # layers past the deepest one LLaVA reads
-                    raise ValueError(f"unexpected tensor {name!r} in a LLaVA checkpoint")
-                if own[renamed].shape != tensor.shape:
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match "
-                                     f"{tuple(own[renamed].shape)}")
-                with torch.no_grad():
-                    own[renamed].copy_(tensor)
-                loaded.add(renamed)
+        def unread(name: str) -> bool:
+            return (name.startswith(("vision_tower.post_layernorm.", "vision_tower.head."))
+                    or _layer_index(name) >= depth)
 
-        load_decoder_weights(self, decoder(weights), not_in_checkpoint=frozenset(vision_names))
-        missing = vision_names - loaded
-        if missing and not in_live_load():
-            raise ValueError(f"the checkpoint lacks vision tensors: {sorted(missing)[:5]}")
+        load_image_model_weights(self, weights, ("vision_tower.", "multi_modal_projector.", "image_newline"),
+                                 _vision_name, skip=unread)
 
 
 class LlavaNextForConditionalGeneration(LlavaForConditionalGeneration):

@@ -21,7 +21,7 @@ from plait.config import ModelConfig
 from plait.layers.rotary import MRopeRotary, mrope_columns
 from plait.models.llama import LlamaForCausalLM
 from plait.models.llava import activation
-from plait.models.weights import in_live_load, language_model_name, load_decoder_weights
+from plait.models.weights import language_model_name, load_image_model_weights
 from plait.runner.forward_batch import ForwardBatch
 
 # The vision encoder's norms' epsilon (transformers hard-codes it).
@@ -400,32 +400,10 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
         return self.model(input_ids, batch, inputs_embeds=embeds, rotary=rotary)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """The decoder's tensors as a Qwen2's; the vision encoder's by name, each checked."""
-        own = dict(self.named_parameters())
-        vision_names = {n for n in own if n.startswith("visual.")}
-        loaded: set[str] = set()
-
-        def decoder(stream):
-            for name, tensor in stream:
-                renamed = _vision_name(name)
-                if renamed is None:
-                    decoder_name = language_model_name(name) or _old_decoder_name(name)
-                    if decoder_name is not None:
-                        yield decoder_name, tensor
-                    continue
-                if renamed not in own:
-                    raise ValueError(f"unexpected tensor {name!r} in a {type(self).__name__} checkpoint")
-                if own[renamed].shape != tensor.shape:
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match "
-                                     f"{tuple(own[renamed].shape)}")
-                with torch.no_grad():
-                    own[renamed].copy_(tensor)
-                loaded.add(renamed)
-
-        load_decoder_weights(self, decoder(weights), not_in_checkpoint=frozenset(vision_names))
-        missing = vision_names - loaded
-        if missing and not in_live_load():
-            raise ValueError(f"the checkpoint lacks vision tensors: {sorted(missing)[:5]}")
+        """The decoder's tensors as a Qwen2's (transformers 5's names or the Hub's older ones); the vision
+        encoder's by name, each checked."""
+        load_image_model_weights(self, weights, ("visual.",), _vision_name,
+                                 lambda name: language_model_name(name) or _old_decoder_name(name))
 
 
 class Qwen2_5_VLForConditionalGeneration(Qwen2VLForConditionalGeneration):

@@ -229,6 +229,43 @@ def language_model_name(name: str) -> str | None:
     return None
 
 
+def load_image_model_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                             image_side: tuple[str, ...], image_name: Callable[[str], str | None],
+                             decoder_name: Callable[[str], str | None] = language_model_name,
+                             skip: Callable[[str], bool] = lambda _: False) -> None:
+    """An image-text checkpoint into ``model``: the decoder's tensors (``decoder_name`` gives a tensor's
+    decoder name, None: not the decoder's) as a Llama's; the image side's (its parameters named from
+    ``image_side``; ``image_name`` gives a tensor's, None: not the image side's) copied by name, each checked
+    and every one required (but in a live load), those ``skip`` names ignored (what the model never reads)."""
+    own = dict(model.named_parameters())
+    image_names = {n for n in own if n.startswith(image_side)}
+    loaded: set[str] = set()
+
+    def decoder(stream: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in stream:
+            renamed = image_name(name)
+            if renamed is None:
+                to = decoder_name(name)
+                if to is not None:
+                    yield to, tensor
+                continue
+            if skip(renamed):
+                continue
+            if renamed not in own:
+                raise ValueError(f"unexpected tensor {name!r} in a {type(model).__name__} checkpoint")
+            if own[renamed].shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} does not match "
+                                 f"{tuple(own[renamed].shape)}")
+            with torch.no_grad():
+                own[renamed].copy_(tensor)
+            loaded.add(renamed)
+
+    load_decoder_weights(model, decoder(weights), not_in_checkpoint=frozenset(image_names))
+    missing = image_names - loaded
+    if missing and not in_live_load():
+        raise ValueError(f"the checkpoint lacks vision tensors: {sorted(missing)[:5]}")
+
+
 def language_model_weights(weights: Iterable[tuple[str, torch.Tensor]]
                            ) -> Iterator[tuple[str, torch.Tensor]]:
     """The text decoder's tensors of an image-text checkpoint, renamed (language_model_name)."""
