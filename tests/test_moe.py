@@ -426,7 +426,8 @@ def test_a_compressed_tensors_moe_checkpoint_matches_transformers_on_its_weights
 
 def test_integer_moe_checkpoints_plait_cannot_serve_are_refused(moe_models, tmp_path):
     """Act-order (desc_act) experts, whose input rows each expert orders its own way, are refused by name;
-    so are a missing expert tensor, a missing expert's scales, a 16-bit expert and a split across devices."""
+    so are a missing expert tensor, a missing expert's scales and a 16-bit expert (a split across devices:
+    test_tensor_parallel_int.py)."""
     from test_wna16 import _quantized_checkpoint
 
     folder, _ = moe_models["qwen3_moe"]
@@ -453,8 +454,6 @@ def test_integer_moe_checkpoints_plait_cannot_serve_are_refused(moe_models, tmp_
     (tmp_path / "mixed" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="experts left unquantised are not supported"):
         LLMEngine(EngineConfig(model=str(tmp_path / "mixed")))
-    with pytest.raises(ValueError, match=r"integer \(gptq\) MoE models cannot be split across devices yet"):
-        LLMEngine(EngineConfig(model=str(tmp_path / "gptq"), tensor_parallel_size=2, max_model_len=128))
 
 
 def test_random_weights_of_an_integer_moe_config(moe_models, tmp_path):

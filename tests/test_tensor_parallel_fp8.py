@@ -149,7 +149,7 @@ QWEN3_30B_A3B = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_
                  "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
                  "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_attention_heads": 32,
                  "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936}
-QWEN3_30B_A3B_TILE = 128
+QWEN3_30B_A3B_TILE = (128, "FP8 tiles")
 TINY_MOE_BLOCK = (32, 32)
 MOE_NEW_TOKENS = 6
 # FP8 rounds every layer's input (and each expert's hidden activations): where the split's other order of

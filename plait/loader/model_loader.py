@@ -102,10 +102,6 @@ def load_model(
     if int_spec is not None:
         wna16.check_method(int_spec, config.quantization, model_config.architecture)
         quantization = int_spec.method
-        if parallel is not None and model_config.moe is not None:
-            # FusedMoE's integer stacks load whole experts: no rank's slice of their words and groups yet.
-            raise ValueError(f"tensor_parallel_size {parallel.world_size}: integer ({quantization}) MoE "
-                             "models cannot be split across devices yet; serve it on one device")
     elif (config.quantization in CHECKPOINT_QUANTIZATION_METHODS
           and config.quantization != (hf_config.get("quantization_config") or {}).get("quant_method")):
         raise ValueError(f"--quantization {config.quantization} serves a checkpoint quantised so (its "
@@ -128,7 +124,8 @@ def load_model(
     shard = None
     if parallel is not None:
         shard = shard_for(model_config, parallel.rank, parallel.world_size, expert_block,
-                          config.enable_expert_parallel, _fp8_expert_tile(model_config, quantization, block))
+                          config.enable_expert_parallel,
+                          _expert_tile(model_config, quantization, block, int_spec))
         shard = dataclasses.replace(shard, weight_block=block, integer=int_spec)
     # Linear layers are made without memory (every weight is written below: drawing random ones that
     # loading overwrites would only cost start-up time). Quantised, they are replaced before any weight
@@ -173,15 +170,20 @@ def load_model(
     return LoadedModel(model, model_config, tokenizer, source.path, quantization, cache_scales, runner, shard)
 
 
-def _fp8_expert_tile(config: ModelConfig, quantization: str | None, block: tuple[int, int] | None
-                     ) -> int | None:
-    """The width of the FP8 tiles a MoE model's routed experts are held in, which a rank's share of an
-    expert must be whole tiles of (shard_for): a block-wise checkpoint's (gate and up split by block_n rows,
-    down by block_k columns: whole in both); with --quantization fp8, MIN_BLOCK, the fewest rows
-    default_fp8_block tiles a rank's own experts in; None where the experts are not FP8."""
-    if config.moe is None or quantization != "fp8":
+def _expert_tile(config: ModelConfig, quantization: str | None, block: tuple[int, int] | None,
+                 int_spec: wna16.WNA16Spec | None) -> tuple[int, str] | None:
+    """(how many columns, what) a rank's share of a quantised MoE model's routed expert width must be whole
+    pieces of (shard_for): FP8 experts' tiles (a block-wise checkpoint's, gate and up split by block_n rows,
+    down by block_k columns: whole in both; with --quantization fp8, MIN_BLOCK, the fewest rows
+    default_fp8_block tiles a rank's own experts in); integer experts' scale groups and packed words (down's
+    inputs a rank keeps, gate's and up's columns packed along N). None where the experts are 16-bit."""
+    if config.moe is None:
         return None
-    return max(block) if block is not None else MIN_BLOCK
+    if int_spec is not None:
+        return max(int_spec.group_size, int_spec.pack), f"{int_spec.method.upper()} groups and packed words"
+    if quantization != "fp8":
+        return None
+    return (max(block) if block is not None else MIN_BLOCK), "FP8 tiles"
 
 
 def _token_ids(tokenizer: Any, tokens: list[str], path: Path) -> list[int]:

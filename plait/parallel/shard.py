@@ -319,15 +319,16 @@ def experts_of_rank(num_experts: int, rank: int, world_size: int) -> tuple[int, 
 
 
 def shard_for(config: ModelConfig, rank: int, world_size: int, expert_block: int = 1,
-              expert_parallel: bool = False, expert_tile: int | None = None) -> Shard:
+              expert_parallel: bool = False, expert_tile: tuple[int, str] | None = None) -> Shard:
     """Rank ``rank``'s share of ``config``'s model, or a ValueError saying why it cannot be split so. The
     routed experts' width a rank is a multiple of ``expert_block`` (MXFP4 experts: whole 32-value blocks);
     where the checkpoint's width does not split so, the ranks' shares reach past it, into zero weights (as
     vLLM pads gpt-oss's experts): zero gate and up rows make zero activations, which zero down columns
-    ignore. ``expert_tile``: FP8 experts, whose width a rank must be whole tiles of this many, exactly (a
-    padded tile would hold zero rows on the scale of real ones the checkpoint never wrote; vLLM refuses such
-    a split too). expert_parallel: each rank holds whole routed experts instead (experts_of_rank; a dense
-    model has none, and is split as without it, as vLLM ignores the flag for it)."""
+    ignore. ``expert_tile``: quantised experts, (pieces, what): a rank's width must be whole pieces of this
+    many columns, exactly (FP8 tiles, integer groups and words: a padded one would hold zero rows on the
+    scale of real ones the checkpoint never wrote; vLLM refuses such a split too). expert_parallel: each
+    rank holds whole routed experts instead (experts_of_rank; a dense model has none, and is split as
+    without it, as vLLM ignores the flag for it)."""
     if config.architecture not in SHARDABLE_ARCHITECTURES:
         raise ValueError(f"tensor_parallel_size {world_size}: {config.architecture} cannot be split across "
                          f"devices yet; the decoders that can: {sorted(SHARDABLE_ARCHITECTURES)}")
@@ -346,7 +347,7 @@ def shard_for(config: ModelConfig, rank: int, world_size: int, expert_block: int
         if n % world_size:
             raise ValueError(f"tensor_parallel_size {world_size} must divide the model's {what} ({n})")
     if moe is not None and expert_tile is not None and not split_experts:
-        _check_whole_expert_tiles(moe.intermediate_size, world_size, expert_tile)
+        _check_whole_expert_tiles(moe.intermediate_size, world_size, *expert_tile)
     kv_heads = config.num_key_value_heads
     if kv_heads % world_size and world_size % kv_heads:
         raise ValueError(f"tensor_parallel_size {world_size} and the model's {kv_heads} KV heads: one must "
@@ -364,17 +365,17 @@ def shard_for(config: ModelConfig, rank: int, world_size: int, expert_block: int
     return Shard(rank, world_size, config, local)
 
 
-def _check_whole_expert_tiles(width: int, world_size: int, tile: int) -> None:
+def _check_whole_expert_tiles(width: int, world_size: int, tile: int, what: str) -> None:
     """A ValueError naming the fixes where ``world_size`` ranks' shares of an expert's ``width`` (already
-    known to divide) are not whole ``tile``-wide FP8 tiles: gate and up rows, down columns."""
+    known to divide) are not whole ``tile``-wide pieces (``what``: FP8 tiles, integer groups and words) of
+    gate and up rows and down columns."""
     per_rank = width // world_size
     if per_rank % tile:
         raise ValueError(f"tensor_parallel_size {world_size} gives each rank {per_rank} of every routed "
-                         f"expert's {width} intermediate columns, not a whole number of its {tile}-wide FP8 "
-                         "tiles (the checkpoint's weight_block_size, or the smallest --quantization fp8 "
-                         "quantises experts in): serve it with enable_expert_parallel=True (each rank "
-                         f"holds whole experts) or a tensor_parallel_size that splits {width} into "
-                         f"multiples of {tile}")
+                         f"expert's {width} intermediate columns, not a whole number of its {tile}-wide "
+                         f"{what} (the checkpoint's, or the smallest --quantization fp8 quantises experts "
+                         "in): serve it with enable_expert_parallel=True (each rank holds whole experts) or "
+                         f"a tensor_parallel_size that splits {width} into multiples of {tile}")
 
 
 def sum_row_parallel_outputs(model: nn.Module, group: TPGroup) -> None:
