@@ -314,10 +314,17 @@ def test_bad_image_prompts_are_refused_before_they_enter_the_engine(llava, tiny_
         limited.generate([two], SamplingParams(max_tokens=2), use_tqdm=False)
     assert limited.generate([good], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     for knobs, message in [(dict(enable_lora=True), "LoRA is not supported"),
-                           (dict(tensor_parallel_size=2), "cannot be split"),
-                           (dict(quantization="fp8"), "quantised image models")]:
+                           (dict(tensor_parallel_size=2), "cannot be split")]:
         with pytest.raises(ValueError, match=message):
             LLM(str(folder), dtype="float32", **knobs)
+    from plait.layers.fp8 import Fp8Linear
+
+    fp8 = LLM(str(folder), dtype="float32", quantization="fp8")  # the decoder alone: the image side stays
+    model = fp8.engine.runner.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert not any(isinstance(m, Fp8Linear) for side in (model.vision_tower, model.multi_modal_projector)
+                   for m in side.modules())
+    assert fp8.generate([good], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
     text_model = LLM(str(tiny_llama), dtype="float32")
     with pytest.raises(ValueError, match="takes no images"):
         text_model.generate([MultiModalPrompt([5, 6], (image,))], use_tqdm=False)

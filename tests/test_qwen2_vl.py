@@ -179,6 +179,98 @@ def test_image_embeddings_are_transformers(request, family):
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("method,group,sym", [("awq", 16, False), ("gptq", 32, True)])
+def test_an_integer_checkpoint_quantises_the_decoder_alone(qwen25_vl, tmp_path, method, group, sym):
+    """Qwen2.5-VL-7B-Instruct-AWQ's form: the decoder's projections packed, the vision encoder left 16-bit
+    (modules_to_not_convert ["visual"]). The vision side stays nn.Linear, the decoder takes WNA16Linear
+    layers, and prompts with images (split across chunks) get transformers' greedy tokens on the weights
+    the checkpoint stands for."""
+    import copy
+    import json
+
+    from test_wna16 import _quantized_checkpoint
+
+    from plait.layers.wna16 import WNA16Linear
+
+    folder, hf, processor = qwen25_vl
+    dst = tmp_path / method
+    weights = _quantized_checkpoint(folder, dst, method, 4, group, sym, False, left_16_bit=("visual",))
+    assert weights and not any("visual" in name for name in weights)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["visual"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    reference = copy.deepcopy(hf)
+    with torch.no_grad():
+        state = reference.state_dict()
+        for name, weight in weights.items():  # saved under the Hub's names (model.layers.*)
+            state.get(name, state.get(name.replace("model.", "model.language_model.", 1))).copy_(weight)
+    llm = LLM(str(dst), dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert all(type(m) is torch.nn.Linear for m in model.visual.modules() if isinstance(m, torch.nn.Linear))
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, WNA16Linear)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = _prompts()
+    outs = llm.generate([_request(text, images) for text, images in prompts], params, use_tqdm=False)
+    for out, (text, images) in zip(outs, prompts):
+        assert out.outputs[0].token_ids == _hf_greedy(reference, processor, text, images, 8)[1]
+
+
+def test_quantization_fp8_leaves_the_vision_encoder_16_bit(qwen25_vl):
+    """--quantization fp8 on an image model: the decoder's projections FP8, the vision encoder's untouched, so
+    its image embeddings are the 16-bit engine's to the bit; and it answers prompts with images."""
+    from plait.layers.fp8 import Fp8Linear
+
+    folder, _, _ = qwen25_vl
+    images = _prompts()[1][1]
+    embeddings = []
+    for quantization in (None, "fp8"):
+        llm = LLM(str(folder), dtype="float32", quantization=quantization, enable_prefix_caching=False)
+        model = llm.engine.runner.model
+        pixels = llm.engine.images.preprocess(images)
+        with torch.no_grad():
+            embeddings.append(torch.cat(model.embed_image_list([p.tensor for p in pixels],
+                                                               [p.grid for p in pixels])))
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
+    assert not any(isinstance(m, Fp8Linear) for m in model.visual.modules())
+    assert torch.equal(embeddings[0], embeddings[1])
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    out = llm.generate(_request(*_prompts()[1]), params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_an_fp8_checkpoint_with_its_vision_encoder_left_16_bit(qwen25_vl, tmp_path):
+    """llm-compressor's FP8 form of Qwen2.5-VL (RedHatAI's -FP8-dynamic: ignore ["lm_head", "re:visual.*"]):
+    served as it is, the same model as --quantization fp8 makes of the 16-bit checkpoint (per-row scales
+    alike), prompts with images answered alike; an ignore list naming a decoder layer is still refused."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from test_fp8 import _fp8_checkpoint
+
+    folder, _, _ = qwen25_vl
+    dst = tmp_path / "fp8-dynamic"
+    _fp8_checkpoint(folder, dst, "compressed-tensors")
+    original = load_file(folder / "model.safetensors")
+    tensors = {name: t for name, t in load_file(dst / "model.safetensors").items() if "visual" not in name}
+    vision = {name: t for name, t in original.items() if "visual" in name}  # as the checkpoint left it
+    save_file(tensors | vision, dst / "model.safetensors")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["ignore"] = ["lm_head", "re:visual.*"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    requests = [_request(text, images) for text, images in _prompts()]
+    answers = []
+    for model, knobs in ((dst, {}), (folder, dict(quantization="fp8"))):
+        llm = LLM(str(model), dtype="float32", enable_prefix_caching=False, **knobs)
+        assert llm.engine.runner.quantization == "fp8"
+        answers.append([o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)])
+    assert answers[0] == answers[1]
+    cfg["quantization_config"]["ignore"] = ["lm_head", "re:visual.*", "model.layers.0.mlp.down_proj"]
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="other than the lm_head"):
+        LLM(str(dst), dtype="float32")
+
+
 def test_hub_layout_and_triton_kernels_match_transformers(qwen25_vl, tmp_path, monkeypatch):
     """The Hub's Qwen2.5-VL checkpoints (transformers 4's layout: the decoder's fields at the top level,
     rope_scaling {"type": "mrope"}, tensors named model.layers.* and visual.*) served through the Triton

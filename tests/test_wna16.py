@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -115,10 +116,10 @@ def _quantization_config(method: str, bits: int, group: int, sym: bool, act_orde
 
 
 def _quantized_checkpoint(src: Path, dst: Path, method: str, bits: int, group: int, sym: bool,
-                          act_order: bool) -> dict[str, torch.Tensor]:
+                          act_order: bool, left_16_bit: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
     """dst: src's checkpoint with every decoder projection (QUANTIZED: a MoE model's experts too) quantised as
-    ``method`` writes it; returns the weights they stand for, by HF name (what transformers runs as the
-    reference)."""
+    ``method`` writes it, but those whose names hold one of ``left_16_bit`` (an image model's vision side);
+    returns the weights they stand for, by HF name (what transformers runs as the reference)."""
     from safetensors.torch import load_file, save_file
 
     dst.mkdir()
@@ -127,9 +128,10 @@ def _quantized_checkpoint(src: Path, dst: Path, method: str, bits: int, group: i
             shutil.copy(f, dst / f.name)
     tensors, weights = {}, {}
     for name, t in sorted(load_file(src / "model.safetensors").items()):
-        if name.rsplit(".", 2)[-2] in QUANTIZED and name.endswith(".weight"):
+        quantized = name.rsplit(".", 2)[-2] in QUANTIZED and not any(part in name for part in left_16_bit)
+        if quantized and name.endswith(".weight"):
             # Projections of one input (q/k/v, gate/up) share GPTQ's act-order: it follows the input's.
-            layer, projection = int(name.split(".")[2]), name.rsplit(".", 2)[-2]
+            layer, projection = int(re.search(r"layers\.(\d+)\.", name)[1]), name.rsplit(".", 2)[-2]
             seed = 10 * layer + {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 1, "up_proj": 1}.get(
                 projection, 2 + QUANTIZED.index(projection))
             packed, weights[name] = _quantize(t, method, bits, group, sym, act_order, seed)

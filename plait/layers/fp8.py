@@ -44,12 +44,13 @@ IGNORABLE = {"lm_head", "re:.*lm_head"}
 IGNORABLE_ROUTER = re.compile(r"(^|\.)(mlp|block_sparse_moe)\.gate$|(^|\.)shared_expert_gate$")
 
 
-def checkpoint_quantization(hf_config: dict) -> str | None:
+def checkpoint_quantization(hf_config: dict, image_side: tuple[str, ...] = ()) -> str | None:
     """What config.json's quantization_config asks for: "fp8" for FP8 weights plait loads as they are (one
     scale per tensor, per output channel or per block: llm-compressor's compressed-tensors
     "float-quantized", and the "fp8" method of AutoFP8 / vLLM / DeepSeek / Qwen), None where there is none;
     anything else is a ValueError naming what plait does not load. checkpoint_weight_block says whether the
-    scales are block-wise."""
+    scales are block-wise. ``image_side``: an image model's vision-side module names, which its checkpoint
+    may leave unquantised (plait keeps them 16-bit whatever it says)."""
     q = hf_config.get("quantization_config")
     if not q:
         return None
@@ -82,7 +83,8 @@ def checkpoint_quantization(hf_config: dict) -> str | None:
         raise ValueError(f"quantization_config quant_method {method!r} is not supported: plait loads FP8 "
                          "checkpoints ('fp8', 'compressed-tensors' float-quantized), GPTQ and AWQ ones "
                          "(plait.layers.wna16), or quantises an unquantised one with --quantization fp8")
-    extra = sorted(name for name in set(ignored) - IGNORABLE if not IGNORABLE_ROUTER.search(name))
+    extra = sorted(name for name in set(ignored) - IGNORABLE
+                   if not IGNORABLE_ROUTER.search(name) and not any(side in name for side in image_side))
     if extra:
         raise ValueError(f"FP8 checkpoints leaving layers other than the lm_head unquantised ({extra[:4]}) "
                          "are not supported")
@@ -224,9 +226,10 @@ class Fp8Linear(nn.Module):
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, method: str, device: torch.device | None = None,
-                   block: tuple[int, int] | None = None) -> int:
-    """Replace every nn.Linear of ``model`` but SKIPPED_LAYERS with its quantised form, from outside the
-    model (its code is unchanged); returns how many layers were replaced. Layers built on the meta device
+                   block: tuple[int, int] | None = None, left_16_bit: tuple[str, ...] = ()) -> int:
+    """Replace every nn.Linear of ``model`` but SKIPPED_LAYERS and those under ``left_16_bit`` (module name
+    prefixes: an image model's vision side) with its quantised form, from outside the model (its code is
+    unchanged); returns how many layers were replaced. Layers built on the meta device
     (plait.layers.linear.deferred_weights) become empty FP8 layers on ``device``, and skipped ones empty
     16-bit layers there, for the checkpoint to fill. ``block``: block-wise scales of that (block_n,
     block_k) (plait.layers.fp8_block.Fp8BlockLinear), as a block-wise checkpoint holds them. A MoE block's
@@ -234,9 +237,11 @@ def quantize_model(model: nn.Module, method: str, device: torch.device | None = 
     if method not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {method!r}")
     linears = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    targets = [(name, m) for name, m in linears if name.rsplit(".", 1)[-1] not in SKIPPED_LAYERS]
-    for name, module in linears:
-        if name.rsplit(".", 1)[-1] in SKIPPED_LAYERS and module.weight.is_meta:
+    kept = [(name, m) for name, m in linears
+            if name.rsplit(".", 1)[-1] in SKIPPED_LAYERS or name.startswith(left_16_bit)]
+    targets = [(name, m) for name, m in linears if (name, m) not in kept]
+    for _, module in kept:
+        if module.weight.is_meta:
             module.to_empty(device=device)
     count = len(targets)
     for moe in [m for m in model.modules() if isinstance(m, FusedMoE)]:

@@ -608,12 +608,13 @@ def _left_unquantized(name: str, unquantized: list[str]) -> bool:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, spec: WNA16Spec, device: torch.device | None = None,
-                   unquantized: list[str] = ()) -> int:
-    """Replace every nn.Linear of ``model`` but the lm_head, MoE routers (ROUTER_LAYERS) and the checkpoint's
-    modules_to_not_convert with an empty WNA16Linear on ``device`` for the checkpoint to fill, and make every
-    MoE block's routed experts integer stacks (FusedMoE.use_integer), from outside the model (its code is
-    unchanged); 16-bit layers left on the meta device (deferred_weights) get memory there. Returns how many
-    linear layers were replaced."""
+                   unquantized: list[str] = (), left_16_bit: tuple[str, ...] = ()) -> int:
+    """Replace every nn.Linear of ``model`` but the lm_head, MoE routers (ROUTER_LAYERS), the checkpoint's
+    modules_to_not_convert and those under ``left_16_bit`` (module name prefixes: an image model's vision
+    side) with an empty WNA16Linear on ``device`` for the checkpoint to fill, and make every MoE block's
+    routed experts integer stacks (FusedMoE.use_integer), from outside the model (its code is unchanged);
+    16-bit layers left on the meta device (deferred_weights) get memory there. Returns how many linear
+    layers were replaced."""
     for module in model.modules():
         if hasattr(module, "use_integer"):  # FusedMoE (not imported here: plait.layers.moe imports this)
             module.use_integer(spec, device)
@@ -621,7 +622,7 @@ def quantize_model(model: nn.Module, spec: WNA16Spec, device: torch.device | Non
     count = 0
     for name, module in linears:
         if (name.rsplit(".", 1)[-1] in SKIPPED_LAYERS or _is_router(model, name)
-                or _left_unquantized(name, list(unquantized))):
+                or name.startswith(left_16_bit) or _left_unquantized(name, list(unquantized))):
             if module.weight.is_meta:
                 module.to_empty(device=device)
             continue

@@ -71,6 +71,11 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
     return device, dtype
 
 
+# The vision side of an image model (plait.models.llava, plait.models.qwen2_vl): its modules' names, kept
+# 16-bit in a quantised model, and which a checkpoint's list of unquantised layers may name.
+IMAGE_SIDE_MODULES = ("vision_tower", "multi_modal_projector", "visual")
+
+
 def load_model(
     config: EngineConfig, device: torch.device, dtype: torch.dtype, max_positions: int | None = None,
     parallel: ParallelRank | None = None, source: ModelSource | None = None,
@@ -98,6 +103,8 @@ def load_model(
     # GPTQ / AWQ integer weights (the flag may only repeat the method), or FP8, whose scheme (per-row or
     # block-wise scales) is the checkpoint's whether or not the flag is given.
     int_spec = wna16.checkpoint_spec(hf_config)
+    # An image model's vision side stays 16-bit, quantised or not (as GPTQ / AWQ / FP8 releases leave it).
+    image_side = IMAGE_SIDE_MODULES if getattr(cls, "supports_images", False) else ()
     block = None
     if int_spec is not None:
         wna16.check_method(int_spec, config.quantization, model_config.architecture)
@@ -107,15 +114,12 @@ def load_model(
         raise ValueError(f"--quantization {config.quantization} serves a checkpoint quantised so (its "
                          "config.json's quantization_config says so); this one is not")
     else:
-        quantization = checkpoint_quantization(hf_config) or config.quantization
+        quantization = checkpoint_quantization(hf_config, image_side) or config.quantization
         block = checkpoint_weight_block(hf_config)
         if model_config.moe is not None and checkpoint_quantization(hf_config) and block is None:
             raise ValueError(f"{model_config.architecture}: FP8 MoE checkpoints with per-tensor or "
                              "per-channel scales are not supported (block-wise ones, e.g. Qwen3-30B-A3B-FP8, "
                              "are)")
-    if quantization is not None and getattr(cls, "supports_images", False):
-        # quantize_model would take the vision tower's Linear layers too, which no test has covered
-        raise ValueError(f"{model_config.architecture}: quantised image models are not supported yet")
     # Split across devices, quantised too (each rank takes its slice of the codes and of their scales, in
     # whole tiles, words and groups: Shard.checkpoint; a 16-bit checkpoint's slices are quantised to FP8
     # where they land). MXFP4 experts split in whole 32-value blocks: a width that does not (gpt-oss's 2,880
@@ -140,12 +144,12 @@ def load_model(
     if mxfp4_experts:  # before any 16-bit expert memory exists
         for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
             moe.use_mxfp4(device)
+    left_16_bit = tuple(f"{name}." for name in image_side)
     if int_spec is not None:
-        wna16.quantize_model(model, int_spec, device, wna16.unquantized_modules(hf_config))
+        wna16.quantize_model(model, int_spec, device, wna16.unquantized_modules(hf_config), left_16_bit)
     elif quantization is not None:
-        quantize_model(model, quantization, device, block)
-    else:
-        materialize_deferred(model, device)
+        quantize_model(model, quantization, device, block, left_16_bit)
+    materialize_deferred(model, device)  # what no quantiser replaced (16-bit models: everything)
     kv_scales: dict[int, dict[str, float]] = {}
     tokenizer = _load_tokenizer(source, config)
     if weights is None:
