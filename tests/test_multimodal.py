@@ -250,6 +250,40 @@ def test_preempted_image_requests_embed_again(llava):
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
 
 
+def test_a_lora_adapter_on_llavas_decoder_is_transformers_merged(llava, tmp_path):
+    """LoRA on LLaVA's Llama decoder, the adapter named as transformers 4's LLaVA names it
+    (language_model.model.layers.*): prompts with images get transformers' greedy tokens with the adapter
+    merged into its weights, and the same prompts without it transformers' own."""
+    import copy
+
+    from test_qwen2_vl import _random_adapter
+
+    from plait.lora.request import LoRARequest
+
+    folder, hf, processor = llava
+    hidden, inter = TEXT_DIMS["hidden_size"], TEXT_DIMS["intermediate_size"]
+    kv = TEXT_DIMS["num_key_value_heads"] * hidden // TEXT_DIMS["num_attention_heads"]
+    projections = {"q_proj": (hidden, hidden), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
+                   "down_proj": (inter, hidden)}
+    pairs = _random_adapter(tmp_path / "adapter", "language_model.model", 4, seed=3, projections=projections,
+                            num_layers=TEXT_DIMS["num_hidden_layers"])
+    merged = copy.deepcopy(hf)
+    with torch.no_grad():
+        state = merged.state_dict()
+        for module, (a, b) in pairs.items():
+            hf_name = module.replace("language_model.model.", "model.language_model.")
+            state[f"{hf_name}.weight"] += 2.0 * (b @ a)
+    llm = LLM(str(folder), dtype="float32", enable_lora=True, max_lora_rank=8, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    lora = LoRARequest("tiny-llava", 1, str(tmp_path / "adapter"))
+    text, images = "USER: <image>\n w3 w17 ASSISTANT:", [_image(4)]
+    prompt = {"prompt": text, "multi_modal_data": {"image": images}}
+    with_lora, without = llm.generate([prompt, prompt], params, lora_request=[lora, None], use_tqdm=False)
+    assert with_lora.outputs[0].token_ids == _hf_greedy(merged, processor, text, images, 8)[1]
+    assert without.outputs[0].token_ids == _hf_greedy(hf, processor, text, images, 8)[1]
+    assert with_lora.outputs[0].token_ids != without.outputs[0].token_ids
+
+
 def test_chat_with_image_parts_matches_transformers(llava):
     """LLM.chat takes OpenAI-style image_url parts (data URLs) and PIL images; the template renders an image
     token for each, and the answer is transformers' for the processor's prompt."""
@@ -313,10 +347,8 @@ def test_bad_image_prompts_are_refused_before_they_enter_the_engine(llava, tiny_
     with pytest.raises(ValueError, match="at most 1 are allowed"):
         limited.generate([two], SamplingParams(max_tokens=2), use_tqdm=False)
     assert limited.generate([good], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
-    for knobs, message in [(dict(enable_lora=True), "LoRA is not supported"),
-                           (dict(tensor_parallel_size=2), "cannot be split")]:
-        with pytest.raises(ValueError, match=message):
-            LLM(str(folder), dtype="float32", **knobs)
+    with pytest.raises(ValueError, match="cannot be split"):
+        LLM(str(folder), dtype="float32", tensor_parallel_size=2)
     from plait.layers.fp8 import Fp8Linear
 
     fp8 = LLM(str(folder), dtype="float32", quantization="fp8")  # the decoder alone: the image side stays

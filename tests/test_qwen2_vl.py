@@ -271,6 +271,70 @@ def test_an_fp8_checkpoint_with_its_vision_encoder_left_16_bit(qwen25_vl, tmp_pa
         LLM(str(dst), dtype="float32")
 
 
+def _random_adapter(folder, decoder: str, rank: int, seed: int, projections: dict[str, tuple[int, int]],
+                    num_layers: int = TEXT_DIMS["num_hidden_layers"]
+                    ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A PEFT adapter in ``folder`` on ``projections`` ({name: (in, out)}) of every decoder layer of an image
+    model, its modules under ``decoder`` (transformers 5's model.language_model, 4's LLaVA
+    language_model.model); returns (A, B) by module."""
+    import json
+
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    pairs, tensors = {}, {}
+    for layer in range(num_layers):
+        for projection, (fan_in, fan_out) in projections.items():
+            part = "self_attn" if projection in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            module = f"{decoder}.layers.{layer}.{part}.{projection}"
+            a, b = torch.randn(rank, fan_in, generator=g) * 0.2, torch.randn(fan_out, rank, generator=g) * 0.2
+            pairs[module] = (a, b)
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b
+    folder.mkdir()
+    save_file(tensors, folder / "adapter_model.safetensors")
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(projections),
+        "bias": "none"}))
+    return pairs
+
+
+def test_lora_adapters_change_the_decoder_as_transformers_merged(qwen25_vl, tmp_path):
+    """LoRA on an image model's decoder (vLLM's Qwen2.5-VL LoRA): an adapter named as transformers 5 names the
+    decoder (model.language_model.layers.*), beside base rows with images: each prompt's greedy tokens are
+    transformers' with the adapter merged into its weights (W + 2 B A), the base rows transformers' own."""
+    import copy
+
+    from plait.lora.request import LoRARequest
+
+    folder, hf, processor = qwen25_vl
+    hidden, inter = TEXT_DIMS["hidden_size"], TEXT_DIMS["intermediate_size"]
+    heads, kv_heads = TEXT_DIMS["num_attention_heads"], TEXT_DIMS["num_key_value_heads"]
+    head_dim = hidden // heads
+    projections = {"q_proj": (hidden, heads * head_dim), "k_proj": (hidden, kv_heads * head_dim),
+                   "v_proj": (hidden, kv_heads * head_dim), "o_proj": (heads * head_dim, hidden),
+                   "gate_proj": (hidden, inter), "up_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    pairs = _random_adapter(tmp_path / "adapter", "model.language_model", 4, seed=9, projections=projections)
+    merged = copy.deepcopy(hf)
+    with torch.no_grad():
+        state = merged.state_dict()
+        for module, (a, b) in pairs.items():
+            state[f"{module}.weight"] += 2.0 * (b @ a)  # lora_alpha / r = 2
+    lora = LoRARequest("tiny-vl", 1, str(tmp_path / "adapter"))
+    llm = LLM(str(folder), dtype="float32", enable_lora=True, max_lora_rank=8, max_num_batched_tokens=7,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = _prompts()
+    requests = [_request(text, images) for text, images in prompts]
+    outs = llm.generate(requests * 2, params, lora_request=[lora] * len(requests) + [None] * len(requests),
+                        use_tqdm=False)
+    adapted, base = outs[:len(requests)], outs[len(requests):]
+    for (text, images), with_lora, without in zip(prompts, adapted, base):
+        assert with_lora.outputs[0].token_ids == _hf_greedy(merged, processor, text, images, 8)[1]
+        assert without.outputs[0].token_ids == _hf_greedy(hf, processor, text, images, 8)[1]
+    assert any(a.outputs[0].token_ids != b.outputs[0].token_ids for a, b in zip(adapted, base))
+
+
 def test_hub_layout_and_triton_kernels_match_transformers(qwen25_vl, tmp_path, monkeypatch):
     """The Hub's Qwen2.5-VL checkpoints (transformers 4's layout: the decoder's fields at the top level,
     rope_scaling {"type": "mrope"}, tensors named model.layers.* and visual.*) served through the Triton
@@ -369,10 +433,8 @@ def test_preempted_requests_keep_their_positions(qwen2_vl):
 
 def test_videos_and_unsupported_knobs_are_refused_by_name(qwen2_vl):
     folder, _, _ = qwen2_vl
-    for knobs, message in [(dict(enable_lora=True), "LoRA is not supported"),
-                           (dict(tensor_parallel_size=2), "cannot be split")]:
-        with pytest.raises(ValueError, match=message):
-            LLM(str(folder), dtype="float32", **knobs)
+    with pytest.raises(ValueError, match="cannot be split"):
+        LLM(str(folder), dtype="float32", tensor_parallel_size=2)
     llm = LLM(str(folder), dtype="float32")
     with pytest.raises(ValueError, match="video inputs are not supported"):
         llm.generate([{"prompt": "w1", "multi_modal_data": {"video": [_image(0)]}}], use_tqdm=False)

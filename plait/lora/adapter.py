@@ -11,6 +11,7 @@ import torch
 
 from plait.generation_config import read_json_object
 from plait.lora.request import LoRARequest
+from plait.models.weights import language_model_name
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
@@ -145,6 +146,7 @@ def _layers(tensors: dict[str, torch.Tensor], targets: dict[str, LoRATarget],
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         name = key.removeprefix(PEFT_PREFIX)
+        name = language_model_name(name) or name  # an image model's decoder under its own prefix
         for suffix, part in ((LORA_A_SUFFIX, "a"), (LORA_B_SUFFIX, "b")):
             if name.endswith(suffix):
                 pairs.setdefault(name.removesuffix(suffix), {})[part] = tensor

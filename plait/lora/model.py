@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from plait.runner.forward_batch import ForwardBatch
 
 
+# Where a model's decoder layers live (LlamaForCausalLM.model.layers, an image model's too).
+DECODER_PREFIX = "model.layers."
+
+
 def lora_targets(model: nn.Module, full: ModelConfig | None = None) -> dict[str, LoRATarget]:
     """The Linear layers of a Llama-family model adapters may change, by plait name, with their output
     slices as the loader fuses them (plait.models.weights.load_decoder_weights) and as the model's adapters
@@ -32,8 +36,8 @@ def lora_targets(model: nn.Module, full: ModelConfig | None = None) -> dict[str,
     parallel rank's share (an adapter's tensors are the whole model's)."""
     if not getattr(model, "supports_lora", False):
         raise ValueError(f"LoRA is not supported for {type(model).__name__}; it serves the Llama family "
-                         f"(Llama, Mistral, Qwen2, Qwen3), Granite, OLMo 2 / OLMo 3, Gemma 1 / 2 / 3 text "
-                         f"and Phi-3 / Phi-3.5 / Phi-4 models")
+                         f"(Llama, Mistral, Qwen2, Qwen3), Granite, OLMo 2 / OLMo 3, Gemma 1 / 2 / 3 text, "
+                         f"Phi-3 / Phi-3.5 / Phi-4, and LLaVA's and Qwen2-VL's decoders")
     cfg = full or model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     in_features = {"qkv_proj": cfg.hidden_size, "o_proj": q, "gate_up_proj": cfg.hidden_size,
@@ -53,7 +57,9 @@ def lora_targets(model: nn.Module, full: ModelConfig | None = None) -> dict[str,
     targets = {}
     for name, module in model.named_modules():
         kind = name.rsplit(".", 1)[-1]
-        if kind in slices and isinstance(module, (Linear, Fp8Linear, WNA16Linear)):
+        # The decoder's alone: an image model's vision side (vision_tower, visual) is never adapted.
+        decoder = name.startswith(DECODER_PREFIX)
+        if decoder and kind in slices and isinstance(module, (Linear, Fp8Linear, WNA16Linear)):
             targets[name] = LoRATarget(in_features[kind] if full else module.in_features, slices[kind])
     return targets
 

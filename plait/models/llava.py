@@ -148,7 +148,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
     stages a step's image embeddings in ``ForwardBatch.image_embeds`` (static buffers, so graphs replay image
     steps too), which replace the placeholder tokens' own embeddings before the first layer."""
 
-    supports_lora = False
+    supports_lora = True  # on the decoder's projections (plait.lora.model.lora_targets)
     supports_images = True
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:

@@ -316,7 +316,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     runner stages the embeddings in ``ForwardBatch.image_embeds`` (as LLaVA's) and each token's (t, h, w)
     positions in ``ForwardBatch.mrope_positions``, from ``mrope_prompt_positions``."""
 
-    supports_lora = False
+    supports_lora = True  # on the decoder's projections (plait.lora.model.lora_targets)
     supports_images = True
     # The runner stages each token's three positions (ForwardBatch.mrope_positions) for this model.
     uses_mrope = True
