@@ -431,10 +431,26 @@ def test_preempted_requests_keep_their_positions(qwen2_vl):
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
 
 
-def test_videos_and_unsupported_knobs_are_refused_by_name(qwen2_vl):
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen25_vl"])
+def test_split_over_two_ranks_answers_as_one_device(request, family):
+    """Tensor parallelism: the decoder split in two (gloo), the vision encoder whole on each rank but run by
+    the driver alone, which sends the other rank each step's image embeddings and M-RoPE positions; prompts
+    with images, split across chunks, get the one-device engine's tokens (transformers')."""
+    folder, hf, processor = request.getfixturevalue(family)
+    llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=7,
+              enable_prefix_caching=False)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        prompts = _prompts()
+        outs = llm.generate([_request(text, images) for text, images in prompts], params, use_tqdm=False)
+        for out, (text, images) in zip(outs, prompts):
+            assert out.outputs[0].token_ids == _hf_greedy(hf, processor, text, images, 8)[1]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_videos_are_refused_by_name(qwen2_vl):
     folder, _, _ = qwen2_vl
-    with pytest.raises(ValueError, match="cannot be split"):
-        LLM(str(folder), dtype="float32", tensor_parallel_size=2)
     llm = LLM(str(folder), dtype="float32")
     with pytest.raises(ValueError, match="video inputs are not supported"):
         llm.generate([{"prompt": "w1", "multi_modal_data": {"video": [_image(0)]}}], use_tqdm=False)

@@ -31,7 +31,7 @@ from plait.layers.moe import INT_WEIGHTS, FusedMoE
 from plait.layers.mxfp4 import MXFP4_DTYPE
 from plait.models.base import checkpoint_layout
 from plait.models.registry import BASE_MODEL_ARCHITECTURES, get_model_class, resolve_runner
-from plait.models.weights import weight_row_loader
+from plait.models.weights import IMAGE_SIDE_MODULES, weight_row_loader
 from plait.parallel.group import ParallelRank
 from plait.parallel.shard import Shard, shard_for
 
@@ -69,11 +69,6 @@ def resolve_device_dtype(config: EngineConfig) -> tuple[torch.device, torch.dtyp
     else:
         dtype = names[config.dtype]
     return device, dtype
-
-
-# The vision side of an image model (plait.models.llava, plait.models.qwen2_vl): its modules' names, kept
-# 16-bit in a quantised model, and which a checkpoint's list of unquantised layers may name.
-IMAGE_SIDE_MODULES = ("vision_tower", "multi_modal_projector", "visual")
 
 
 def load_model(

@@ -22,6 +22,7 @@ from torch import nn
 from plait.config import ModelConfig
 from plait.layers.moe import FusedMoE
 from plait.layers.mxfp4 import BLOCK_VALUES
+from plait.models.weights import IMAGE_SIDE_MODULES, IMAGE_SIDE_TENSOR
 from plait.parallel.group import DRIVER_RANK, TPGroup
 
 # The decoders whose layers are the Llama family's attention and MLP or sparse MoE block: those a rank can
@@ -35,6 +36,10 @@ SHARDABLE_ARCHITECTURES = frozenset({
     # Their pooling forms (the same decoder; the driver pools or classifies the whole hidden states).
     "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "LlamaForSequenceClassification",
     "MistralForSequenceClassification", "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
+    # Image models: their decoder split as a Llama's, the vision side whole on every rank (IMAGE_SIDE_TENSOR;
+    # only the driver runs it, and sends the other ranks each step's image embeddings).
+    "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", "Qwen2VLForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration",
 })
 # A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias" | a quantised
 # checkpoint's tensor beside the weight (SCALE_KINDS, INTEGER_KINDS)), or (its own name, None) for a tensor of
@@ -213,7 +218,11 @@ class Shard:
         """This rank's slice of each checkpoint tensor (HF names); the LM head only on the driver, the one
         rank that samples; under expert parallelism, only its own routed experts' tensors."""
         for name, tensor in weights:
-            if name.startswith("lm_head.") and not self.is_driver:
+            # the LM head, an image checkpoint's too (language_model.lm_head.weight), only on the driver
+            if (name.startswith("lm_head.") or ".lm_head." in name) and not self.is_driver:
+                continue
+            if IMAGE_SIDE_TENSOR.match(name):  # a CLIP tower's "layers.N.self_attn" are not the decoder's
+                yield name, tensor
                 continue
             expert = EXPERT_TENSOR.search(name) if self.expert_range is not None else None
             if expert:
@@ -384,6 +393,8 @@ def sum_row_parallel_outputs(model: nn.Module, group: TPGroup) -> None:
     partial sums together; under expert parallelism its own experts' whole outputs) are summed over the
     ranks after each call, so every rank's residual stream is the whole model's."""
     for name, module in model.named_modules():
+        if name.split(".", 1)[0] in IMAGE_SIDE_MODULES:  # whole on every rank (Qwen2.5-VL's has a down_proj)
+            continue
         moe_block = any(isinstance(child, FusedMoE) for child in module.children())
         if name.endswith(("self_attn.o_proj", "mlp.down_proj")) or moe_block:
             module.register_forward_hook(lambda _m, _x, out: group.all_reduce_(out))

@@ -254,10 +254,12 @@ def serve(runner: ModelRunner, conn: Connection) -> None:
         if kind == STOP:
             return
         if kind == FORWARD:
-            arrays, pending_sources, in_flight, embeds = payload
-            if runner.prompt_embeds is not None:
-                runner.prompt_embeds.stage(None if embeds is None else
-                                           (embeds[0], tensor_from_message(embeds[1])[1]))
+            arrays, pending_sources, in_flight, embeds, images, mrope = payload
+            if embeds is not None:
+                embeds = (embeds[0], tensor_from_message(embeds[1])[1])
+            if images is not None:  # (token indices, embeddings) of the step's image placeholders
+                images = tuple(tensor_from_message(part)[1] for part in images)
+            runner.stage_step_extras(embeds, images, mrope)
             # LoRA rows: any token with an adapter's slot (the driver's LoRAModel.prepare set them).
             lora = runner.lora is not None and bool((arrays.lora_slots != NO_LORA_SLOT).any())
             runner.forward(arrays, pending_sources, prev_ids if in_flight else None, lora)

@@ -55,7 +55,8 @@ class ImageEmbeddings:
     """Runs an image model's ``embed_images`` for the images a step needs, once per image while its prompt
     is computed: a request preempted, or served partly from the prefix cache, embeds again what it needs.
 
-    ``stage`` writes a step's placeholder embeddings into ``values`` and marks their tokens in ``mask``; the
+    ``put`` writes a step's placeholder embeddings (``for_step``'s) into ``values`` and marks their tokens in
+    ``mask`` (a tensor-parallel worker puts the driver's, sent with the step); the
     model takes ``views(num_tokens)`` as ``ForwardBatch.image_embeds``. The buffers never move, so graphs
     captured with them replay steps with images too (a step's writes are stream-ordered before its forward,
     and after the forward of the step before, which read the previous ones)."""
@@ -76,21 +77,20 @@ class ImageEmbeddings:
         """(mask [num_tokens] bool, values [num_tokens, hidden]): ForwardBatch.image_embeds."""
         return self.mask[:num_tokens], self.values[:num_tokens]
 
-    def stage(self, plan: StepPlan, query_start_loc: np.ndarray) -> int:
-        """Stage the step's placeholder embeddings (the last step's are cleared); how many tokens it has."""
+    def put(self, found: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """Stage a step's (token indices [n], embeddings [n, hidden]) (for_step's, or on a tensor-parallel
+        worker the driver's, on the host), the last step's cleared first; None: the step has none."""
         if self._staged:
             self.mask.zero_()
             self._staged = False
-        found = self.for_step(plan, query_start_loc)
         if found is None:
-            return 0
-        token_indices, embeds = found
+            return
+        token_indices, embeds = (t if t.device == self.device else self._to_device(t) for t in found)
         # index_fill_ / index_copy_, not item assignment: a Python value set through a device index became a
         # host tensor copied to the GPU, whose stream sync stalled each image step's launch (~10 ms, H200)
         self.mask.index_fill_(0, token_indices, True)
         self.values.index_copy_(0, token_indices, embeds.to(self.values.dtype))
         self._staged = True
-        return len(token_indices)
 
     def for_step(self, plan: StepPlan, query_start_loc: np.ndarray
                  ) -> tuple[torch.Tensor, torch.Tensor] | None:

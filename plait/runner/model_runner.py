@@ -818,16 +818,19 @@ class ModelRunner:
                 arrays.lora_slots, lora = token_slots, True
         embeds = (PromptEmbeds.for_step(plan, arrays.query_start_loc) if self.prompt_embeds is not None
                   else None)
+        # An image model's step inputs beyond the arrays: the placeholders' embeddings (the vision side runs
+        # here alone) and M-RoPE's [3, T] positions.
+        found = (self.image_embeddings.for_step(plan, arrays.query_start_loc)
+                 if self.image_embeddings is not None else None)
+        mrope = (self.mrope_positions.for_step(plan, arrays.positions, arrays.query_start_loc)
+                 if self.mrope_positions is not None else None)
         if self.workers is not None:  # the other ranks run the same forward beside this one
             sent = None if embeds is None else (embeds[0], tensor_message("prompt_embeds", embeds[1]))
-            self.workers.send(FORWARD, (arrays, pending_src, prev is not None, sent))
-        images = 0  # tokens holding image embeddings
-        if self.image_embeddings is not None:
-            images = self.image_embeddings.stage(plan, arrays.query_start_loc)
-        if self.mrope_positions is not None:
-            self.mrope_positions.stage(plan, arrays.positions, arrays.query_start_loc)
-        if self.prompt_embeds is not None:
-            self.prompt_embeds.stage(embeds)
+            images_sent = None if found is None else (tensor_message("image_tokens", found[0]),
+                                                      tensor_message("image_embeds", found[1]))
+            self.workers.send(FORWARD, (arrays, pending_src, prev is not None, sent, images_sent, mrope))
+        self.stage_step_extras(embeds, found, mrope)
+        images = 0 if found is None else len(found[0])  # tokens holding image embeddings
         b = self.breakdown
         b.add("prepare", time.perf_counter() - t0)
         hidden, views, shape = self.forward(arrays, pending_src, prev_ids, lora)
@@ -841,6 +844,18 @@ class ModelRunner:
         b.graph_image_steps += images > 0 and shape is not None
         forward = LaunchedForward(plan, arrays, hidden, views["sample_indices"], shape is not None)
         return self.sample(forward) if sample else forward
+
+    def stage_step_extras(self, embeds: tuple | None, images: tuple[torch.Tensor, torch.Tensor] | None,
+                          mrope: np.ndarray | None) -> None:
+        """Stage a step's inputs beside its arrays into the static buffers its forward (or graph) reads:
+        prompt embeddings, image placeholders' embeddings (token indices, values) and M-RoPE positions; a
+        tensor-parallel worker stages what the driver sent."""
+        if self.image_embeddings is not None:
+            self.image_embeddings.put(images)
+        if self.mrope_positions is not None:
+            self.mrope_positions.put(mrope)
+        if self.prompt_embeds is not None:
+            self.prompt_embeds.stage(embeds)
 
     @torch.inference_mode()
     def forward(self, arrays: StepArrays, pending_src: np.ndarray, prev_ids: torch.Tensor | None,

@@ -29,9 +29,8 @@ class MRopePositions:
         positions of earlier steps (valid rows of the table), which only padding reads."""
         return self.buffer[:, :num_tokens]
 
-    def stage(self, plan: StepPlan, positions: np.ndarray, query_start_loc: np.ndarray) -> None:
-        """Write the step's [3, T] positions (``positions``: the step's [T] token positions)."""
-        host = self.for_step(plan, positions, query_start_loc)
+    def put(self, host: np.ndarray) -> None:
+        """Write a step's [3, T] positions (for_step's, or on a tensor-parallel worker the driver's)."""
         num_tokens = host.shape[1]
         if self.device.type != "cuda":
             self.buffer[:, :num_tokens].copy_(torch.from_numpy(host))
