@@ -161,6 +161,13 @@ class EngineConfig:
     # block), as vLLM's. kv_offloading_backend: vLLM's; "native" (plait's own) only.
     kv_offloading_size: float | None = None
     kv_offloading_backend: str = "native"
+    # vLLM's --kv-transfer-config for its OffloadingConnector (the form older vLLM versions and their
+    # deployment guides use for the same host tier): {"kv_connector": "OffloadingConnector", "kv_role":
+    # "kv_both", "kv_connector_extra_config": {"num_cpu_blocks": N}}. __post_init__ reads it into
+    # kv_offloading_blocks: N host blocks on each rank (of its heads), the engine's block size. Other
+    # connectors (disaggregated prefill, LMCache) are refused by name.
+    kv_transfer_config: dict | str | None = None
+    kv_offloading_blocks: int | None = None  # set from kv_transfer_config (not a vLLM flag)
     # GPU: share of the device's memory plait may use (weights, activations, graphs, KV cache).
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None = the model's max_position_embeddings
@@ -409,7 +416,13 @@ class EngineConfig:
         self.additional_config = None
 
     def _check_kv_offloading(self) -> None:
-        from plait.engine.kv_offload import OFFLOADING_BACKENDS
+        from plait.engine.kv_offload import OFFLOADING_BACKENDS, offloading_blocks
+
+        transfer = json_object("kv_transfer_config", self.kv_transfer_config)
+        self.kv_offloading_blocks = offloading_blocks(transfer, self.block_size)
+        if self.kv_offloading_blocks is not None and self.kv_offloading_size is not None:
+            raise ValueError("kv_transfer_config's OffloadingConnector and kv_offloading_size both size the "
+                             "host tier: give one")
 
         size = self.kv_offloading_size
         if size is not None and (not _is_number(size) or not size > 0):

@@ -185,6 +185,54 @@ def test_split_over_two_ranks_each_copies_its_heads(tiny_llama):
         llm.engine.shutdown()
 
 
+CONNECTOR = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+             "kv_connector_extra_config": {"num_cpu_blocks": 64}}
+
+
+def test_vllms_offloading_connector_config_is_the_same_host_tier(tiny_llama):
+    """vLLM's --kv-transfer-config form of its native CPU offloading (OffloadingConnector, num_cpu_blocks)
+    from the command line: that many host blocks, and the returning prompts answer from them as with
+    --kv-offloading-size."""
+    import json
+
+    from plait.entrypoints.cli import _engine_config, build_parser
+
+    args = build_parser().parse_args(["serve", str(tiny_llama), "--block-size", str(BLOCK), "--num-kv-blocks",
+                                      "24", "--kv-transfer-config", json.dumps(CONNECTOR)])
+    config = _engine_config(args)
+    assert config.kv_offloading_blocks == 64 and config.kv_offloading_size is None
+    llm = LLM(str(tiny_llama), block_size=BLOCK, num_kv_blocks=24, enable_prefix_caching=True,
+              kv_transfer_config=json.dumps(CONNECTOR), max_num_seqs=2)
+    assert llm.engine.runner.num_host_kv_blocks == 64
+    first = random_prompts(2, 30, 40, seed=41)
+    want, _ = _answers(llm, first)
+    _answers(llm, random_prompts(4, 30, 40, seed=42))
+    got, cached = _answers(llm, first)
+    assert got == want and all(c >= 28 for c in cached), cached
+    assert llm.engine.kv_cache.stats.external_hits == sum(cached)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda c: c.update(kv_connector="NixlConnector"), "kv_connector 'NixlConnector' is not supported"),
+    (lambda c: c.update(kv_connector="LMCacheConnectorV1"), "no disaggregated prefill or external KV stores"),
+    (lambda c: c.update(kv_role="kv_producer"), "kv_role 'kv_producer'"),
+    (lambda c: c.update(kv_port=14579), r"keys \['kv_port'\] are not supported"),
+    (lambda c: c["kv_connector_extra_config"].update(block_size=64), "block_size 64"),
+    (lambda c: c["kv_connector_extra_config"].update(num_cpu_blocks=0), "num_cpu_blocks must be"),
+    (lambda c: c["kv_connector_extra_config"].update(cpu_bytes=1), r"keys \['cpu_bytes'\] are not supported"),
+    (lambda c: c["kv_connector_extra_config"].update(spec_name="DiskSpec"), "spec_name 'DiskSpec'"),
+])
+def test_other_kv_transfer_configs_are_refused_by_name(tiny_llama, change, message):
+    import copy
+
+    config = copy.deepcopy(CONNECTOR)
+    change(config)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_llama), block_size=BLOCK, kv_transfer_config=config)
+    with pytest.raises(ValueError, match="both size the host tier"):
+        LLM(str(tiny_llama), block_size=BLOCK, kv_transfer_config=CONNECTOR, kv_offloading_size=1)
+
+
 def test_offloading_is_checked(tiny_llama):
     with pytest.raises(ValueError, match="kv_offloading_size must be a number of GiB > 0"):
         LLM(str(tiny_llama), kv_offloading_size=0)

@@ -9,6 +9,49 @@ from dataclasses import dataclass
 
 # vLLM's --kv-offloading-backend values: plait has its own ("native"); LMCache is not bundled.
 OFFLOADING_BACKENDS = ("native",)
+# vLLM's --kv-transfer-config: the connector that is its native CPU offloading, which plait's host pool is,
+# the role it takes there (saving and loading), and its kv_connector_extra_config keys plait reads.
+OFFLOADING_CONNECTOR = "OffloadingConnector"
+OFFLOADING_ROLE = "kv_both"
+CONNECTOR_KEYS = frozenset({"kv_connector", "kv_role", "kv_connector_extra_config", "engine_id",
+                            "kv_buffer_device"})
+CONNECTOR_EXTRA_KEYS = frozenset({"num_cpu_blocks", "block_size", "spec_name"})
+# vLLM's offloading spec, the only one there is: CPU memory.
+CPU_OFFLOADING_SPEC = "CPUOffloadingSpec"
+
+
+def offloading_blocks(config: dict | None, block_size: int) -> int | None:
+    """The host blocks a rank keeps from vLLM's kv_transfer_config (an OffloadingConnector's
+    num_cpu_blocks); None where there is none. Every other connector, role or key is a ValueError."""
+    if config is None:
+        return None
+    connector = config.get("kv_connector")
+    if connector != OFFLOADING_CONNECTOR:
+        raise ValueError(f"kv_transfer_config kv_connector {connector!r} is not supported: plait has no "
+                         "disaggregated prefill or external KV stores; its native KV offloading (host "
+                         f"memory) is {OFFLOADING_CONNECTOR!r} (also --kv-offloading-size)")
+    unknown = sorted(set(config) - CONNECTOR_KEYS)
+    if unknown:
+        raise ValueError(f"kv_transfer_config keys {unknown} are not supported")
+    if config.get("kv_role", OFFLOADING_ROLE) != OFFLOADING_ROLE:
+        raise ValueError(f"kv_transfer_config kv_role {config['kv_role']!r}: the {OFFLOADING_CONNECTOR} both "
+                         f"saves and loads ({OFFLOADING_ROLE!r})")
+    extra = config.get("kv_connector_extra_config") or {}
+    unknown = sorted(set(extra) - CONNECTOR_EXTRA_KEYS)
+    if unknown:
+        raise ValueError(f"kv_connector_extra_config keys {unknown} are not supported (plait reads "
+                         f"{sorted(CONNECTOR_EXTRA_KEYS)})")
+    if extra.get("spec_name", CPU_OFFLOADING_SPEC) != CPU_OFFLOADING_SPEC:
+        raise ValueError(f"kv_connector_extra_config spec_name {extra['spec_name']!r}: plait offloads to "
+                         f"host memory ({CPU_OFFLOADING_SPEC!r})")
+    if extra.get("block_size", block_size) != block_size:
+        raise ValueError(f"kv_connector_extra_config block_size {extra['block_size']!r}: plait's host blocks "
+                         f"are the engine's ({block_size} tokens)")
+    blocks = extra.get("num_cpu_blocks")
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"kv_connector_extra_config num_cpu_blocks must be a count of blocks >= 1, got "
+                         f"{blocks!r}")
+    return blocks
 
 
 @dataclass(frozen=True)

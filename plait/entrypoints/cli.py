@@ -37,7 +37,7 @@ _ENGINE_FLAGS = (
     "optimization_level", "compilation_config",
     "logits_processors", "enable_prompt_embeds", "rope_scaling", "rope_theta", "use_tqdm_on_load",
     "hf_config_path", "safetensors_load_strategy", "model_loader_extra_config", "additional_config",
-    "worker_extension_cls", "kv_offloading_size", "kv_offloading_backend",
+    "worker_extension_cls", "kv_offloading_size", "kv_offloading_backend", "kv_transfer_config",
 )
 
 
@@ -161,6 +161,10 @@ _FLAG_HELP = {
                           "copied back where a later prompt shares their prefix (default: none)",
     "kv_offloading_backend": "as vLLM's: 'native' (plait's own host pool; the default); LMCache is not "
                              "bundled",
+    "kv_transfer_config": "as vLLM's, a JSON object, for its OffloadingConnector only: '{\"kv_connector\": "
+                          "\"OffloadingConnector\", \"kv_role\": \"kv_both\", \"kv_connector_extra_config\": "
+                          "{\"num_cpu_blocks\": N}}' keeps N evicted KV blocks a GPU in host memory (as "
+                          "--kv-offloading-size); other connectors are refused",
     "worker_extension_cls": "as vLLM's: a class (module:Class or module.Class, importable: on PYTHONPATH) "
                             "whose methods join each GPU's worker, for POST /collective_rpc (development "
                             "mode) and LLM.collective_rpc to call: an RL loop's weight sync, say",

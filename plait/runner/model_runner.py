@@ -256,9 +256,10 @@ class ModelRunner:
         # As vLLM's start-up line: what --kv-cache-dtype and gpu_memory_utilization bought.
         logger.info("KV cache: %d blocks of %d tokens (%d tokens), %s", self.num_kv_blocks, config.block_size,
                     self.num_kv_blocks * config.block_size, str(self.kv_cache_dtype).removeprefix("torch."))
-        # The prefix cache's host tier (kv_offloading_size): [host blocks, layers, 2, block_size, Hkv, D], a
-        # block's every layer in one row, so that it crosses PCIe in one copy. None: no host tier.
-        self.host_kv = self._allocate_host_kv(config.kv_offloading_size)
+        # The prefix cache's host tier (kv_offloading_size, or kv_transfer_config's OffloadingConnector
+        # blocks): [host blocks, layers, 2, block_size, Hkv, D], a block's every layer in one row, so that it
+        # crosses PCIe in one copy. None: no host tier.
+        self.host_kv = self._allocate_host_kv(config.kv_offloading_size, config.kv_offloading_blocks)
         self.num_host_kv_blocks = 0 if self.host_kv is None else self.host_kv.shape[0]
         # Steps replay CUDA graphs, and an image model's vision tower too (captured again on waking up).
         self.use_graphs = use_graphs = (self.device.type == "cuda" and not config.enforce_eager
@@ -691,13 +692,16 @@ class ModelRunner:
         num_layers = self._num_kv_layers()
         return [zeroed(shape, self.kv_cache_dtype, self.device) for _ in range(num_layers)]
 
-    def _allocate_host_kv(self, size_gib: float | None) -> torch.Tensor | None:
-        if size_gib is None or not self.kv_caches:
+    def _allocate_host_kv(self, size_gib: float | None, num_blocks: int | None) -> torch.Tensor | None:
+        """The host tier: ``size_gib`` GiB of all ranks together (vLLM's kv_offloading_size), or
+        ``num_blocks`` blocks a rank (vLLM's OffloadingConnector num_cpu_blocks); None for neither."""
+        if (size_gib is None and num_blocks is None) or not self.kv_caches:
             return None
         block_shape = (len(self.kv_caches), *self.kv_caches[0][:, 0].shape)  # [layers, 2, bs, Hkv, D]
         block_bytes = math.prod(block_shape) * self.kv_caches[0].element_size()
-        world = 1 if self.parallel is None else self.parallel.world_size
-        num_blocks = int(size_gib * GIB / world) // block_bytes  # vLLM's size is all ranks' together
+        if num_blocks is None:
+            world = 1 if self.parallel is None else self.parallel.world_size
+            num_blocks = int(size_gib * GIB / world) // block_bytes  # vLLM's size is all ranks' together
         if num_blocks < 1:
             raise ValueError(f"kv_offloading_size {size_gib} GiB holds no KV block ({block_bytes} bytes)")
         logger.info("KV offloading: %d blocks of host memory (%.2f GiB)", num_blocks,
