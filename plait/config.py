@@ -167,7 +167,9 @@ class EngineConfig:
     # kv_offloading_blocks: N host blocks on each rank (of its heads), the engine's block size. Other
     # connectors (disaggregated prefill, LMCache) are refused by name.
     kv_transfer_config: dict | str | None = None
-    kv_offloading_blocks: int | None = None  # set from kv_transfer_config (not a vLLM flag)
+    # Host blocks a rank keeps: set from kv_transfer_config, or by an EAGLE head's runner to its target's
+    # count (not a vLLM flag).
+    kv_offloading_blocks: int | None = None
     # GPU: share of the device's memory plait may use (weights, activations, graphs, KV cache).
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None  # None = the model's max_position_embeddings
@@ -419,7 +421,8 @@ class EngineConfig:
         from plait.engine.kv_offload import OFFLOADING_BACKENDS, offloading_blocks
 
         transfer = json_object("kv_transfer_config", self.kv_transfer_config)
-        self.kv_offloading_blocks = offloading_blocks(transfer, self.block_size)
+        if transfer is not None:
+            self.kv_offloading_blocks = offloading_blocks(transfer, self.block_size)
         if self.kv_offloading_blocks is not None and self.kv_offloading_size is not None:
             raise ValueError("kv_transfer_config's OffloadingConnector and kv_offloading_size both size the "
                              "host tier: give one")

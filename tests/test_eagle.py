@@ -232,6 +232,30 @@ def test_drafts_are_the_heads_continuation_over_the_targets_hidden_states(tiny_l
         assert list(drafts) == _reference_drafts(method, tensors, hf, known, 3), f"after {len(known)} tokens"
 
 
+def test_the_heads_kv_comes_back_from_host_memory_with_the_targets(tiny_llama, head, monkeypatch):
+    """KV offloading beside an EAGLE head, whose K/V lives at the target's block ids: two prompts, then others
+    that push them out of a 24-block device cache into host memory, then the two again, served from the host
+    pool. The head's K/V of those blocks went out and came back with the target's, so every proposal of the
+    returning prompts is still the plain-torch EAGLE's over transformers' hidden states."""
+    from transformers import AutoModelForCausalLM
+
+    method, folder, tensors = head
+    connector = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"num_cpu_blocks": 64}}
+    engine = _engine(tiny_llama, _spec(method, folder), num_kv_blocks=24, block_size=4, max_num_seqs=2,
+                     enable_prefix_caching=True, kv_transfer_config=connector)
+    assert engine.drafter.runner.num_host_kv_blocks == 64
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = random_prompts(2, 30, 40, seed=41)
+    _generate(engine, first, [params] * 2)
+    _generate(engine, random_prompts(4, 30, 40, seed=42), [params] * 4)
+    _, seen = _spec_run(engine, first, params, monkeypatch)
+    assert engine.kv_cache.stats.external_hits >= 56  # both prompts' prefixes came back from the host
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    assert len(seen) >= 4
+    for known, drafts in seen:
+        assert list(drafts) == _reference_drafts(method, tensors, hf, known, 3), f"after {len(known)} tokens"
+
+
 def test_an_eagle3_head_drafts_for_gpt_oss(tiny_models, tmp_path, monkeypatch):
     """GPT-OSS (sinks, windows, YaRN, MoE: its layers are the Llama decoder's), as its published EAGLE-3 heads
     draft for it: every draft the plain-torch EAGLE's over transformers' hidden states."""

@@ -10,6 +10,7 @@ from plait.config import SpeculativeConfig
 from plait.engine.request import Request
 
 if TYPE_CHECKING:
+    from plait.engine.kv_offload import KVTransfer
     from plait.engine.scheduler import StepPlan
     from plait.runner.model_runner import InFlightStep
 
@@ -102,6 +103,10 @@ class Drafter:
     def is_clean(self) -> bool:
         """Nothing held for any request (LLMEngine.is_idle_and_clean)."""
         return True
+
+    def transfer_kv(self, transfers: list[KVTransfer]) -> None:
+        """The target's prefix-cache copies to and from host memory (KV offloading), made for a drafter's K/V
+        kept at the target's block ids (an EAGLE head's), before its next forward; nothing for the others."""
 
     def close(self) -> None:
         """Let go of what the drafter holds beyond Python objects (a draft model's runner)."""

@@ -13,6 +13,7 @@ from plait.config import EAGLE, EAGLE3, EngineConfig, SpeculativeConfig
 from plait.engine.draft_model import DRAFT_SAMPLING, RunnerDrafter, draft_engine_config
 from plait.engine.drafter import PENDING_DRAFT_ID
 from plait.engine.kv_cache import KVCacheManager
+from plait.engine.kv_offload import KVTransfer
 from plait.engine.request import Request, RequestStatus
 from plait.engine.scheduler import ScheduledRow, StepPlan
 from plait.runner.model_runner import InFlightStep, ModelRunner
@@ -73,6 +74,9 @@ class EagleDrafter(RunnerDrafter):
         self.kv_cache = kv_cache  # the target's
         self.max_len = max_model_len
         config = eagle_engine_config(spec, target_config, target.max_model_len, target.num_kv_blocks)
+        # KV offloading: the head's K/V of a block the target's prefix cache sends to host memory goes there
+        # too (a host pool of as many blocks), and comes back with it (transfer_kv).
+        config.kv_offloading_blocks = target.num_host_kv_blocks or None
         super().__init__(ModelRunner(config, target=target.model))
         self.head = self.runner.model
         head_config, target_model_config = self.runner.model_config, target.model_config
@@ -101,6 +105,7 @@ class EagleDrafter(RunnerDrafter):
         if last is None:
             return
         rows, feature_rows = self._catch_up_rows(*last)
+        self._flush_transfers()
         if not rows:
             return
         device = self.runner.device
@@ -138,6 +143,18 @@ class EagleDrafter(RunnerDrafter):
 
     def is_clean(self) -> bool:
         return not self._mirrors
+
+    def transfer_kv(self, transfers: list[KVTransfer]) -> None:
+        self.runner.transfer_kv(transfers)  # the head's K/V lives at the target's block ids
+
+    def _flush_transfers(self) -> None:
+        """The copies the drafts' block allocations asked for (an evicted cached block going to host memory),
+        made now, the target's and the head's, before the head's draft forwards write those blocks (the
+        engine would make them only before the target's next forward)."""
+        transfers = self.kv_cache.take_transfers()
+        if transfers:
+            self.target.transfer_kv(transfers)
+            self.transfer_kv(transfers)
 
     # -- steps --------------------------------------------------------------------------------
 

@@ -710,6 +710,8 @@ class LLMEngine:
             transfers = self.kv_cache.take_transfers()
             if transfers:  # the prefix cache's copies to and from host memory, before this forward
                 self.runner.transfer_kv(transfers)
+                if self.drafter is not None:
+                    self.drafter.transfer_kv(transfers)
             if late:
                 forward = self.runner.launch(plan, prev, sample=False)
                 self.scheduler.advance(plan)
