@@ -192,7 +192,7 @@ class ModelRunner:
         if getattr(self.model, "supports_images", False):
             self.image_processor = ImageProcessor.for_model(loaded.source, self.model)
         # An M-RoPE model's per-token (t, h, w) positions, once the buffers' size is known; None otherwise.
-        # (Tensor parallelism refuses these models: plait.parallel.shard lists the decoders it splits.)
+        # (Under tensor parallelism the driver computes them and sends them with each step.)
         self.mrope_positions: MRopePositions | None = None
         # KV heads this rank caches: its share under tensor parallelism.
         self.num_kv_heads = (loaded.shard.local if loaded.shard else loaded.config).num_key_value_heads
