@@ -294,6 +294,15 @@ def _gpu_config(tmp_path) -> str:
     return str(folder)
 
 
+def _gpu_run(model: str, seed: int) -> tuple[list[list[int]], dict]:
+    """The GPU tests' prompts (one token to 300, drawn with ``seed``) and engine knobs (fp32, random weights,
+    no prefix cache) for ``model``."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(10, GPU_VOCAB, (n,), generator=g).tolist() for n in (1, 7, 40, 130, 300, 5)]
+    return prompts, dict(model=model, load_format="dummy", seed=3, dtype="float32", max_model_len=1024,
+                         num_kv_blocks=512, enable_prefix_caching=False)
+
+
 def _torch_path_tokens(common: dict, prompts: list[list[int]]) -> dict[int, list[int]]:
     """Greedy tokens of the torch path (no Triton, torch_ref attention, eager, whole prompts) of the engine
     ``common`` describes, for the GPU tests to hold the Triton experts under graphs to."""
@@ -314,10 +323,7 @@ def test_gpu_moe_with_graphs_computes_the_torch_path_in_fp32(tmp_path):
     """fp32 on the GPU: the Triton experts under CUDA graphs and chunked mixed steps give the torch path's
     tokens (eager, whole prompts, torch_ref attention); every pure-decode step replays a graph."""
     model = _gpu_config(tmp_path)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(10, GPU_VOCAB, (n,), generator=g).tolist() for n in (1, 7, 40, 130, 300, 5)]
-    common = dict(model=model, load_format="dummy", seed=3, dtype="float32", max_model_len=1024,
-                  num_kv_blocks=512, enable_prefix_caching=False)
+    prompts, common = _gpu_run(model, seed=0)
     ref = _torch_path_tokens(common, prompts)
     engine = LLMEngine(EngineConfig(**common, max_num_batched_tokens=64))
     got, _ = run_greedy(engine, prompts, 16, arrive_every=2)
@@ -494,10 +500,7 @@ def test_gpu_gptq_moe_with_graphs_computes_the_torch_path_in_fp32(tmp_path):
     cfg = json.loads((tmp_path / "qwen3-moe" / "config.json").read_text())
     cfg["quantization_config"] = _quantization_config("gptq", 4, 128, True, False)
     (tmp_path / "qwen3-moe" / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(10, GPU_VOCAB, (n,), generator=g).tolist() for n in (1, 7, 40, 130, 300, 5)]
-    common = dict(model=model, load_format="dummy", seed=3, dtype="float32", max_model_len=1024,
-                  num_kv_blocks=512, enable_prefix_caching=False)
+    prompts, common = _gpu_run(model, seed=2)
     ref = _torch_path_tokens(common, prompts)
     engine = LLMEngine(EngineConfig(**common, max_num_batched_tokens=64))
     _assert_integer_moe(engine, 4)
