@@ -460,6 +460,13 @@ def test_integer_moe_checkpoints_plait_cannot_serve_are_refused(moe_models, tmp_
     (tmp_path / "mixed" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="experts left unquantised are not supported"):
         LLMEngine(EngineConfig(model=str(tmp_path / "mixed")))
+    # A router quantised too (plait keeps routers 16-bit): refused by name, not as an unknown tensor.
+    router = "model.layers.0.mlp.gate"
+    quantised_router = tensors | {f"{router}.qweight": tensors[f"{stem}.qweight"].clone()}
+    _copy_model_folder(folder, tmp_path / "router", quantised_router)
+    (tmp_path / "router" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=f"the checkpoint quantises {router}, which plait keeps in 16 bits"):
+        LLMEngine(EngineConfig(model=str(tmp_path / "router")))
 
 
 def test_random_weights_of_an_integer_moe_config(moe_models, tmp_path):

@@ -163,6 +163,10 @@ def load_checked(
             start, rows = (sum(sizes[:shard]), sizes[shard]) if sizes else (0, owner.out_features)
             loaded.add(f"{owner_name}.{owner.load_shard(param_name, start, rows, tensor)}")
             continue
+        if param_name in INTEGER_WEIGHT_TENSORS and owner is not None and target not in params:
+            raise ValueError(f"checkpoint tensor {raw_name!r}: the checkpoint quantises {owner_name}, which "
+                             "plait keeps in 16 bits (a MoE router, the lm_head, or a layer "
+                             "modules_to_not_convert names); such checkpoints are not supported")
         if target not in params:
             raise ValueError(f"checkpoint tensor {raw_name!r} has no place in {type(model).__name__}")
         dst, start = params[target], 0
