@@ -368,7 +368,8 @@ class FusedMoE(nn.Module):
             raise ValueError(f"a 16-bit weight for expert {expert}'s {projection} in a "
                              f"{self.int_spec.method.upper()} checkpoint: experts left unquantised are not "
                              "supported")
-        part, value = projection_tensor(self.int_spec, kind, tensor, in_features, n)
+        part, value = projection_tensor(self.int_spec, kind, tensor, in_features, n,
+                                        groups=self.int_spec.groups(in_features))
         scale = getattr(self, stacked.replace("_proj", "_scale"))  # [E, G, N]
         if part == "codes":
             getattr(self, stacked)[expert, :, cols] = value

@@ -284,13 +284,17 @@ COMPRESSED_TENSORS_NAMES = {"weight_packed": "qweight", "weight_zero_point": "qz
                             "weight_scale": "scales", "weight_g_idx": "g_idx", "weight_shape": "weight_shape"}
 
 
-def projection_tensor(spec: WNA16Spec, name: str, tensor: torch.Tensor, in_features: int, out_features: int
-                      ) -> tuple[str, torch.Tensor]:
-    """One checkpoint tensor of a whole projection (out_features x in_features: a routed expert's, which
-    FusedMoE stacks) in plait's layout: ("codes", [K // pack, N] int32), ("zeros", [G, N] int32 zero points),
-    ("scales", [G, N] in the checkpoint's dtype), ("g_idx", [K] int64) or ("weight_shape", as stored, checked
-    here); the names and packings WNA16Linear.load_shard takes."""
-    k, n, groups = in_features, out_features, spec.groups(in_features)
+def projection_tensor(spec: WNA16Spec, name: str, tensor: torch.Tensor, in_features: int, out_features: int,
+                      groups: int | None = None) -> tuple[str, torch.Tensor]:
+    """One checkpoint tensor of a projection (out_features x in_features: a routed expert's, which FusedMoE
+    stacks, or a WNA16Linear's columns) unpacked from the checkpoint's format into plait's layout: ("codes",
+    [K // pack, N] int32), ("zeros", [G, N] int32 zero points), ("scales", [G, N] in the checkpoint's dtype),
+    ("g_idx", [K] int64) or ("weight_shape", as stored, checked here). ``groups``: G, checked; None: as many
+    as the tensor holds (an act-order rank's layer takes every group's: WNA16Linear._hold_groups)."""
+    k, n = in_features, out_features
+
+    def expect_grouped(t: torch.Tensor, columns: int, what: str) -> None:  # t: [G, columns]
+        _expect(t, (t.shape[0] if groups is None else groups, columns), what)
     if spec.method == "compressed-tensors" and name in COMPRESSED_TENSORS_NAMES:
         if name == "weight_shape":
             _expect(tensor, (2,), name)
@@ -310,11 +314,11 @@ def projection_tensor(spec: WNA16Spec, name: str, tensor: torch.Tensor, in_featu
     if name == "qzeros":
         if not spec.stored_zeros:
             raise ValueError("zero points in a checkpoint whose scheme is symmetric")
-        _expect(tensor, (groups, n // spec.pack), "qzeros")
+        expect_grouped(tensor, n // spec.pack, "qzeros")
         order = AWQ_PACK_ORDER if spec.method == "awq" else None
         return "zeros", unpack_columns(tensor.to(torch.int32), spec.bits, order) + spec.zero_offset
     if name == "scales":
-        _expect(tensor, (groups, n), "scales")
+        expect_grouped(tensor, n, "scales")
         return "scales", tensor
     if name == "g_idx":
         _expect(tensor, (k,), "g_idx")
@@ -388,49 +392,24 @@ class WNA16Linear(nn.Module):
         ``weight_shape``) of output columns ``start:start + num_out``, unpacked from the checkpoint's format;
         returns the parameter it filled."""
         cols = slice(start, start + num_out)
-        spec, k = self.spec, self.in_features
-        if spec.method == "compressed-tensors" and name in COMPRESSED_TENSORS_NAMES:
-            if name == "weight_shape":
-                _expect(tensor, (2,), name)
-                if tensor.tolist() != [num_out, k]:
-                    raise ValueError(f"weight_shape {tensor.tolist()} of a projection of {num_out} x {k}")
-                return "weight_shape"
-            if name in ("weight_packed", "weight_zero_point", "weight_scale"):
-                tensor = tensor.t()  # [N, ...] -> GPTQ's [..., N]
-            name = COMPRESSED_TENSORS_NAMES[name]
-        if name == "qweight":
-            if spec.method == "awq":
-                _expect(tensor, (k, num_out // spec.pack), "qweight")
-                codes = unpack_columns(tensor.to(torch.int32), spec.bits, AWQ_PACK_ORDER)  # [K, n]
-                self.codes[:, cols] = pack_rows(codes, spec.bits)
+        kind, value = projection_tensor(self.spec, name, tensor, self.in_features, num_out, groups=None)
+        if kind == "codes":  # value: [K // pack, n]
+            self.codes[:, cols] = value
+        elif kind in ("zeros", "scales"):  # value: [G, n]
+            self._hold_groups(value.shape[0])
+            _expect(value, (self.scales.shape[0], num_out), name)
+            if kind == "zeros":
+                self.zeros[:, cols] = value.to(self.zeros.dtype)
             else:
-                _expect(tensor, (k // spec.pack, num_out), "qweight")
-                self.codes[:, cols] = tensor.to(torch.int32)
-            return "codes"
-        if name == "qzeros":
-            if not spec.stored_zeros:
-                raise ValueError("zero points in a checkpoint whose scheme is symmetric")
-            self._hold_groups(tensor.shape[0])
-            _expect(tensor, (self.zeros.shape[0], num_out // spec.pack), "qzeros")
-            order = AWQ_PACK_ORDER if spec.method == "awq" else None
-            zeros = unpack_columns(tensor.to(torch.int32), spec.bits, order) + spec.zero_offset
-            self.zeros[:, cols] = zeros.to(self.zeros.dtype)
-            return "zeros"
-        if name == "scales":
-            self._hold_groups(tensor.shape[0])
-            _expect(tensor, (self.scales.shape[0], num_out), "scales")
-            if tensor.dtype != self.scales.dtype and torch.isnan(self.scales).all():
-                self.scales.data = self.scales.data.to(tensor.dtype)  # keep the checkpoint's precision
-            self.scales[:, cols] = tensor.to(self.scales.dtype)
-            return "scales"
-        if name == "g_idx":
-            _expect(tensor, (k,), "g_idx")
-            g_idx = tensor.to(device=self.codes.device, dtype=torch.int64)
+                if value.dtype != self.scales.dtype and torch.isnan(self.scales).all():
+                    self.scales.data = self.scales.data.to(value.dtype)  # keep the checkpoint's precision
+                self.scales[:, cols] = value.to(self.scales.dtype)
+        elif kind == "g_idx":
+            g_idx = value.to(self.codes.device)
             if self._g_idx is not None and not torch.equal(self._g_idx, g_idx):
                 raise ValueError("the projections fused into one layer have different g_idx (act-order)")
             self._g_idx = g_idx
-            return "g_idx"
-        raise ValueError(f"a {spec.method.upper()} layer has no tensor {name!r}")
+        return kind
 
     def _hold_groups(self, groups: int) -> None:
         """Act-order: a row-parallel rank's slice of the inputs (plait.parallel.shard) keeps every group's
