@@ -109,9 +109,10 @@ def load_model(
         raise ValueError(f"--quantization {config.quantization} serves a checkpoint quantised so (its "
                          "config.json's quantization_config says so); this one is not")
     else:
-        quantization = checkpoint_quantization(hf_config, image_side) or config.quantization
+        checkpoint_fp8 = checkpoint_quantization(hf_config, image_side)
+        quantization = checkpoint_fp8 or config.quantization
         block = checkpoint_weight_block(hf_config)
-        if model_config.moe is not None and checkpoint_quantization(hf_config) and block is None:
+        if model_config.moe is not None and checkpoint_fp8 and block is None:
             raise ValueError(f"{model_config.architecture}: FP8 MoE checkpoints with per-tensor or "
                              "per-channel scales are not supported (block-wise ones, e.g. Qwen3-30B-A3B-FP8, "
                              "are)")
