@@ -205,6 +205,7 @@ class ImageProcessor:
         out: list[Any] = list(images)
         if todo:
             pil = [load_image(images[i]) for i in todo]
+            self._placeholder_ids([_hw(image) for image in pil])  # the model's refusals (too thin) first
             made = self.hf_processor(images=pil, return_tensors="pt", **self._call_kwargs)
             if self._own_sizes:  # Pixtral: the batch padded to its largest image; each cut to its own size
                 sizes = made["image_sizes"].tolist()
