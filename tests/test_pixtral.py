@@ -96,8 +96,8 @@ def _pixtral_model(tmp_path_factory, family: str):
 
     tokenizer = _tokenizer()
     image_token = tokenizer.convert_tokens_to_ids("[IMG]")
-    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                 image_size=LONGEST_EDGE[family], patch_size=PATCH,
+    vision = PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, image_size=LONGEST_EDGE[family], patch_size=PATCH,
                                  rope_parameters={"rope_type": "axial", "rope_theta": 1000.0})
     text = MistralConfig(**TEXT_DIMS)
     if family == "mistral3":
@@ -152,8 +152,9 @@ def _request(text: str, images: list) -> dict | str:
 @pytest.mark.parametrize("family", ["mistral3", "pixtral_llava"])
 def test_greedy_matches_transformers(request, family, budget):
     """Each prompt's ids are the processor's ([IMG] rows, [IMG_BREAK], [IMG_END]) and its greedy tokens
-    transformers': images of different sizes, 0, 1 and 2 a prompt, batched together; at a budget of 7 tokens
-    a step every image is split across chunks. A prompt already expanded (the processor's ids) runs as it is."""
+    transformers': images of different sizes, 0, 1 and 2 a prompt, batched together; at a budget of 7
+    tokens a step every image is split across chunks. A prompt already expanded (the processor's ids) runs as
+    it is."""
     folder, hf, processor = request.getfixturevalue(family)
     llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -327,9 +328,8 @@ def test_lora_and_fp8_change_the_decoder_alone(mistral3, tmp_path):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     text, images = _prompts(seed=6)[1]
     prompt = _request(text, images)
-    with_lora, without = llm.generate([prompt, prompt], params, use_tqdm=False,
-                                      lora_request=[LoRARequest("tiny-mistral3", 1, str(tmp_path / "adapter")),
-                                                    None])
+    lora = LoRARequest("tiny-mistral3", 1, str(tmp_path / "adapter"))
+    with_lora, without = llm.generate([prompt, prompt], params, use_tqdm=False, lora_request=[lora, None])
     assert with_lora.outputs[0].token_ids == _hf_greedy(merged, processor, text, images, 8)[1]
     assert without.outputs[0].token_ids == _hf_greedy(hf, processor, text, images, 8)[1]
     assert with_lora.outputs[0].token_ids != without.outputs[0].token_ids
