@@ -1,7 +1,8 @@
 """LLaVA (LlavaForConditionalGeneration: LLaVA-1.5 and LLaVA-Interleave's build;
 LlavaNextForConditionalGeneration: LLaVA-NeXT / 1.6): a CLIP or SigLIP vision tower and a two-layer projector
 turn each image into embeddings that stand in the prompt for its placeholder tokens; the Llama-family decoder
-of the text_config (Llama, Mistral, Qwen2) takes them from there."""
+of the text_config (Llama, Mistral, Qwen2) takes them from there. A LLaVA with a Pixtral tower (pixtral-12b)
+is plait.models.pixtral's."""
 
 from __future__ import annotations
 

@@ -369,7 +369,7 @@ class PixtralLlavaForConditionalGeneration(PixtralImageModel):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__(cfg, max_positions)
         raw = cfg.raw
-        strategy = raw.get("vision_feature_select_strategy", "full")
+        strategy = raw.get("vision_feature_select_strategy", "default")  # LlavaConfig's default
         if strategy != "full":  # "default" would drop each image's first patch (there is no class token)
             raise ValueError(f"LLaVA with a Pixtral tower: vision_feature_select_strategy {strategy!r} is "
                              "not supported ('full' is)")
