@@ -61,7 +61,8 @@ class PixtralAttention(nn.Module):
         n = x.shape[0]
         q, k, v = (proj(x).view(n, self.num_heads, self.head_dim)
                    for proj in (self.q_proj, self.k_proj, self.v_proj))
-        return self.o_proj(rotary_span_attention(q, k, v, cos_sin, spans).reshape(n, -1))
+        out = rotary_span_attention(q, k, v, cos_sin, spans, rotate_in_fp32=False)
+        return self.o_proj(out.reshape(n, -1))
 
 
 class PixtralMLP(nn.Module):
