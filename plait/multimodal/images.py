@@ -8,6 +8,7 @@ import base64
 import binascii
 import hashlib
 import io
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+import numpy as np
 import torch
 
 _KEY_BYTES = 16
@@ -25,7 +27,8 @@ _LOCAL_FILE_HOSTS = ("", "localhost")
 
 @dataclass(frozen=True)
 class ImageInput:
-    """One image of a request: its placeholder tokens are prompt tokens [offset, offset + length)."""
+    """One image of a request: its span is prompt tokens [offset, offset + length); its placeholders are the
+    span's tokens, or those ``embedded`` marks where the span has text between them (Idefics3's tile tags)."""
 
     offset: int
     length: int
@@ -36,6 +39,9 @@ class ImageInput:
     key: bytes  # a hash of the pixel values: the prefix cache tells apart prompts that differ only here
     # Qwen2-VL: (temporal, height, width) of its patches; pixel_values is then [t h w, patch values]
     grid: tuple[int, int, int] | None = None
+    # [length] bool: which of the span's tokens take the image's embeddings, in order (the rest keep their
+    # own); None: every one (LLaVA, Qwen2-VL)
+    embedded: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -114,10 +120,11 @@ def _data_url_bytes(url: str) -> bytes:
 
 class ImageProcessor:
     """Turns a token prompt and its images into the prompt the model runs: each image token expanded to
-    that image's placeholders (``model.num_image_tokens_for(size)``), and each image's pixel values
-    (``model.num_tiles_for(size)`` tiles)."""
+    that image's span (``model.num_image_tokens_for(size)`` placeholders; a tiling model's, Idefics3's, the
+    text its ``image_prompt_layout`` writes, tile tags between its tiles' placeholders, as the tokenizer
+    reads it), and each image's pixel values (``model.num_tiles_for(size)`` tiles)."""
 
-    def __init__(self, hf_processor: Any, model: Any) -> None:
+    def __init__(self, hf_processor: Any, model: Any, tokenizer: Any = None) -> None:
         self.hf_processor = hf_processor
         self.image_token_id = model.image_token_id
         # The tokens a prompt writes for one image (Qwen2-VL wraps its image token in vision start / end).
@@ -127,50 +134,82 @@ class ImageProcessor:
         counter = getattr(model, "image_token_counter", None)
         self._tokens_for = model.num_image_tokens_for if counter is None else counter(hf_processor)
         self._tiles_for = model.num_tiles_for
+        # A tiling model (Idefics3): the grid, tile count and prompt text of an image of a size, under this
+        # processor's settings; the text is tokenized, since its newlines may merge ("\n\n" is one token in
+        # SmolLM2's vocabulary), as transformers' processor tokenizes the prompt it writes.
+        layout = getattr(model, "image_prompt_layout", None)
+        self.layout = None if layout is None else layout(hf_processor)
+        if self.layout is not None:
+            self._tiles_for = self.layout.tiles
+        self._tokenizer = tokenizer
+        self._spans: dict[str, list[int]] = {}  # prompt text -> its ids (one per grid seen)
 
     @classmethod
-    def for_model(cls, folder: Path | None, model: Any) -> ImageProcessor:
-        """The model folder's image processor (its preprocessor_config.json), else the model's default (a
-        config-only folder: dummy weights)."""
+    def for_model(cls, folder: Path | None, model: Any, tokenizer: Any = None) -> ImageProcessor:
+        """The model folder's image processor (its preprocessor_config.json, or the image_processor of its
+        processor_config.json, where transformers 5 saves it), else the model's default (a config-only
+        folder: dummy weights)."""
         from transformers import AutoImageProcessor
 
-        if folder is not None and (Path(folder) / "preprocessor_config.json").is_file():
-            return cls(AutoImageProcessor.from_pretrained(str(folder)), model)
-        return cls(model.default_image_processor(), model)
+        if folder is not None and _has_image_processor(Path(folder)):
+            return cls(AutoImageProcessor.from_pretrained(str(folder)), model, tokenizer)
+        return cls(model.default_image_processor(), model, tokenizer)
 
     def expand(self, token_ids: Sequence[int], images: Sequence[Any]
                ) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """The prompt with each image token made its image's placeholders, and its images. A prompt already
+        """The prompt with each image token made its image's span, and its images. A prompt already
         expanded (as transformers' processor writes it) is taken as it is."""
         pixels = self.preprocess(images)
-        lengths = [self._tokens_for(p.size) for p in pixels]
-        ids, offsets = self.expand_placeholders(token_ids, lengths)
-        return ids, tuple(ImageInput(offset, n, p.tensor, p.size, _key(p.tensor), p.grid)
-                          for offset, n, p in zip(offsets, lengths, pixels))
+        spans = [self.span(p.size) for p in pixels]
+        ids, offsets = self.expand_placeholders(token_ids, spans)
+        return ids, tuple(ImageInput(offset, len(span), p.tensor, p.size, _key(p.tensor), p.grid,
+                                     self._embedded(span))
+                          for offset, span, p in zip(offsets, spans, pixels))
 
-    def placeholder_counts(self, images: Sequence[Any]) -> list[int]:
-        """Each image's placeholder count, from its size alone (its pixels are not processed)."""
-        return [self._tokens_for(image.size if isinstance(image, PixelValues) else _hw(load_image(image)))
+    def span(self, size: tuple[int, int]) -> list[int]:
+        """The prompt tokens an image of ``size`` (height, width) stands for."""
+        if self.layout is None:
+            return [self.image_token_id] * self._tokens_for(size)
+        text = self.layout.prompt_text(size)
+        ids = self._spans.get(text)
+        if ids is None:
+            if self._tokenizer is None:
+                raise ValueError("this image model writes each image's tiles into the prompt as text, which "
+                                 "needs its tokenizer: the model folder has none")
+            ids = self._spans[text] = list(self._tokenizer.encode(text, add_special_tokens=False))
+        return ids
+
+    def _embedded(self, span: list[int]) -> np.ndarray | None:
+        """ImageInput.embedded of a span: None where every token is a placeholder."""
+        mask = np.asarray(span) == self.image_token_id
+        return None if mask.all() else mask
+
+    def image_spans(self, images: Sequence[Any]) -> list[list[int]]:
+        """Each image's span, from its size alone (its pixels are not processed)."""
+        return [self.span(image.size if isinstance(image, PixelValues) else _hw(load_image(image)))
                 for image in images]
 
-    def expand_placeholders(self, token_ids: Sequence[int], lengths: list[int]
+    def expand_placeholders(self, token_ids: Sequence[int], spans: list[list[int]]
                             ) -> tuple[list[int], list[int]]:
-        """(the prompt with each image token made ``lengths[k]`` placeholders for the k-th image, each image's
-        first placeholder); ValueError where the image tokens do not match the images."""
+        """(the prompt with each image token made the k-th image's span ``spans[k]``, each span's first
+        token); ValueError where the image tokens do not match the images."""
         ids, token = list(token_ids), self.image_token_id
         found = ids.count(token)
-        if found == len(lengths):
-            counts = iter(lengths)
-            ids = [t for tok in ids for t in ([tok] * next(counts) if tok == token else [tok])]
-        elif found != sum(lengths) or not lengths:
-            raise ValueError(f"the prompt has {found} image token(s) for {len(lengths)} image(s): put one "
+        counts = [span.count(token) for span in spans]
+        if found == len(spans):
+            todo = iter(spans)
+            ids = [t for tok in ids for t in (next(todo) if tok == token else [tok])]
+        elif found != sum(counts) or not spans:
+            raise ValueError(f"the prompt has {found} image token(s) for {len(spans)} image(s): put one "
                              f"image token (id {token}) in the prompt for each image")
         at = [i for i, tok in enumerate(ids) if tok == token]
         offsets, k = [], 0
-        for n in lengths:
-            if at[k + n - 1] - at[k] != n - 1:
-                raise ValueError(f"an image's {n} placeholder tokens must stand together in the prompt")
-            offsets.append(at[k])
+        for span, n in zip(spans, counts):
+            start = at[k] - span.index(token)  # a span may open with tile tags before its first placeholder
+            if start < 0 or ids[start:start + len(span)] != span:
+                tags = "" if len(span) == n else ", with its tile tags as the model's processor writes them"
+                raise ValueError(f"an image's {n} placeholder tokens must stand together in the prompt{tags}")
+            offsets.append(start)
             k += n
         return ids, offsets
 
@@ -181,7 +220,10 @@ class ImageProcessor:
         out: list[Any] = list(images)
         if todo:
             pil = [load_image(images[i]) for i in todo]
-            made = self.hf_processor(images=pil, return_tensors="pt")
+            if self.layout is not None:
+                made = self.layout.process(self.hf_processor, pil)
+            else:
+                made = self.hf_processor(images=pil, return_tensors="pt")
             if "image_grid_thw" in made:  # Qwen2-VL: every image's patches in one tensor, and their grids
                 grids = [tuple(g) for g in made["image_grid_thw"].tolist()]
                 patches = made["pixel_values"].split([t * h * w for t, h, w in grids])
@@ -193,6 +235,17 @@ class ImageProcessor:
                 tiles = pixels if pixels.dim() == 4 else pixels[None]  # [tiles, C, H, W]; padded past its own
                 out[i] = PixelValues(tiles[:self._tiles_for(size)].float().contiguous(), size)
         return tuple(out)
+
+
+def _has_image_processor(folder: Path) -> bool:
+    """Whether a model folder saves an image processor's settings."""
+    if (folder / "preprocessor_config.json").is_file():
+        return True
+    processor = folder / "processor_config.json"
+    try:
+        return processor.is_file() and "image_processor" in json.loads(processor.read_text())
+    except (OSError, ValueError):  # unreadable: as if absent, the model's default processor
+        return False
 
 
 def _hw(image: Any) -> tuple[int, int]:
