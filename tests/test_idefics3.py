@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from plait import LLM, SamplingParams
+from plait.multimodal.images import MultiModalPrompt
 from tests.test_multimodal import _data_url, _image, _saved
 
 WORDS = [f"w{i}" for i in range(150)]
@@ -196,6 +197,10 @@ def test_prefix_cache_tells_images_apart(idefics3):
     assert b.outputs[0].token_ids == _hf_greedy(hf, processor, text, [second], 8)[1]
     assert b.num_cached_tokens == 16  # the 19 text tokens' two whole blocks, nothing with the image
     assert again.num_cached_tokens > 64 and again.outputs[0].token_ids == a.outputs[0].token_ids
+    ids = processor(text=text, images=[first])["input_ids"][0]
+    expanded = llm.generate([MultiModalPrompt(ids, (first,))], params, use_tqdm=False)[0]
+    assert expanded.prompt_token_ids == ids  # a prompt already expanded, as the processor writes it
+    assert expanded.outputs[0].token_ids == a.outputs[0].token_ids
 
 
 def test_tile_layout_is_the_processors():
@@ -262,6 +267,65 @@ def test_image_embeddings_are_transformers(request, family):
     with torch.no_grad():
         got = torch.cat([model.pack_image(model.embed_images(p.tensor), p.size) for p in pixels])
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_split_over_two_ranks_answers_as_transformers(idefics3):
+    """Tensor parallelism (gloo): the decoder split in two, the tower and connector whole on each rank (the
+    tower's layers.N.self_attn are not the decoder's to slice) and run by the driver, which sends the other
+    rank each step's placeholder embeddings; images split across chunks give transformers' tokens."""
+    folder, hf, processor = idefics3
+    llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=7,
+              enable_prefix_caching=False)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        prompts = _prompts()
+        outs = llm.generate([_request(text, images) for text, images in prompts], params, use_tqdm=False)
+        for out, (text, images) in zip(outs, prompts):
+            assert out.outputs[0].token_ids == _hf_greedy(hf, processor, text, images, 8)[1]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_lora_adapter_and_fp8_change_the_decoder_alone(idefics3, tmp_path):
+    """LoRA on the Llama decoder, the adapter named as transformers names Idefics3's decoder
+    (model.text_model.layers.*): prompts with images get transformers' greedy tokens with the adapter merged
+    into its weights, beside base rows that get transformers' own. ``--quantization fp8`` quantises the
+    decoder alone: the tower and connector stay 16-bit (nn.Linear)."""
+    import copy
+
+    from test_qwen2_vl import _random_adapter
+
+    from plait.layers.fp8 import Fp8Linear
+    from plait.lora.request import LoRARequest
+
+    folder, hf, processor = idefics3
+    hidden, inter = TEXT_DIMS["hidden_size"], TEXT_DIMS["intermediate_size"]
+    kv = TEXT_DIMS["num_key_value_heads"] * hidden // TEXT_DIMS["num_attention_heads"]
+    projections = {"q_proj": (hidden, hidden), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
+                   "down_proj": (inter, hidden)}
+    pairs = _random_adapter(tmp_path / "adapter", "model.text_model", 4, seed=3, projections=projections,
+                            num_layers=TEXT_DIMS["num_hidden_layers"])
+    merged = copy.deepcopy(hf)
+    with torch.no_grad():
+        state = merged.state_dict()
+        for module, (a, b) in pairs.items():
+            state[f"{module}.weight"] += 2.0 * (b @ a)  # lora_alpha / r = 2
+    llm = LLM(str(folder), dtype="float32", enable_lora=True, max_lora_rank=8, max_num_batched_tokens=16,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    lora = LoRARequest("tiny-idefics3", 1, str(tmp_path / "adapter"))
+    text, images = _prompts()[0]
+    prompt = _request(text, images)
+    with_lora, without = llm.generate([prompt, prompt], params, lora_request=[lora, None], use_tqdm=False)
+    assert with_lora.outputs[0].token_ids == _hf_greedy(merged, processor, text, images, 8)[1]
+    assert without.outputs[0].token_ids == _hf_greedy(hf, processor, text, images, 8)[1]
+    assert with_lora.outputs[0].token_ids != without.outputs[0].token_ids
+    fp8 = LLM(str(folder), dtype="float32", quantization="fp8")
+    model = fp8.engine.runner.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert not any(isinstance(m, Fp8Linear) for side in (model.vision_model, model.connector)
+                   for m in side.modules())
+    assert fp8.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_bad_image_prompts_are_refused(smolvlm):

@@ -124,6 +124,10 @@ class Idefics3Layout:
         rows, cols = self.grid(size)
         return rows * cols + 1
 
+    def num_placeholders(self, size: tuple[int, int]) -> int:
+        """Image tokens of an image of ``size``: each tile's."""
+        return self.tiles(size) * self.seq_len
+
     def prompt_text(self, size: tuple[int, int]) -> str:
         """The text an image of ``size`` stands for (transformers' get_image_prompt_string): each tile's
         placeholders after its tags, a newline after each row of tiles, then the whole image's."""
@@ -237,7 +241,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
     def num_image_tokens_for(self, size: tuple[int, int]) -> int:
         """Placeholders of an image of ``size`` under the default processor (ImageProcessor counts its own
         processor's, tile tags between them, through image_prompt_layout)."""
-        return self._default_layout.tiles(size) * self.image_seq_len
+        return self._default_layout.num_placeholders(size)
 
     def num_tiles_for(self, size: tuple[int, int]) -> int:
         """Tiles the default processor makes of an image of ``size``."""

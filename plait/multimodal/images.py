@@ -176,7 +176,11 @@ class ImageProcessor:
             if self._tokenizer is None:
                 raise ValueError("this image model writes each image's tiles into the prompt as text, which "
                                  "needs its tokenizer: the model folder has none")
-            ids = self._spans[text] = list(self._tokenizer.encode(text, add_special_tokens=False))
+            ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+            if ids.count(self.image_token_id) != self.layout.num_placeholders(size):
+                raise ValueError("the tokenizer does not read the image token of this model's prompts as "
+                                 f"its id {self.image_token_id}")
+            self._spans[text] = ids
         return ids
 
     def _embedded(self, span: list[int]) -> np.ndarray | None:
