@@ -161,24 +161,22 @@ def _request(text: str, images: list) -> dict | str:
 @pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
 def test_greedy_matches_transformers(request, family):
     """Each prompt's ids are the processor's (tile tags, newlines and placeholders) and its greedy tokens
-    transformers': 0, 1 and 2 images a prompt, batched; whole at a budget of 512, then at 7 tokens a step with
-    the prefix cache on, so every image is split across chunks (some of which hold only tile tags), and run
-    again from the cache."""
+    transformers': 0, 1 and 2 images a prompt, batched, at 7 tokens a step, so every image is split across
+    chunks (some of which hold only tile tags); then again with the prefix cache on, from the cache."""
     folder, hf, processor = request.getfixturevalue(family)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     prompts = _prompts()
     want = [_hf_greedy(hf, processor, text, images, 8) for text, images in prompts]
     if family == "idefics3":  # images cut into grids: tile tags, and "\n\n" before the whole image's
         assert all(processor.tokenizer.convert_tokens_to_ids("\n\n") in ids for ids, _ in want[:2])
-    for budget, cached in ((512, False), (7, True)):
-        llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=cached,
-                  block_size=8)
-        for _ in range(1 + cached):
-            outs = llm.generate([_request(text, images) for text, images in prompts], params, use_tqdm=False)
-            for out, (ids, tokens) in zip(outs, want):
-                assert out.prompt_token_ids == ids
-                assert out.outputs[0].token_ids == tokens
-        assert llm.engine.runner.image_embeddings.num_cached == 0
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=True,
+              block_size=8)
+    for _ in range(2):
+        outs = llm.generate([_request(text, images) for text, images in prompts], params, use_tqdm=False)
+        for out, (ids, tokens) in zip(outs, want):
+            assert out.prompt_token_ids == ids
+            assert out.outputs[0].token_ids == tokens
+    assert llm.engine.runner.image_embeddings.num_cached == 0
     assert all(o.num_cached_tokens > 0 for o in outs[:2])  # the second run: the image prompts from the cache
 
 
@@ -326,6 +324,42 @@ def test_a_lora_adapter_and_fp8_change_the_decoder_alone(idefics3, tmp_path):
     assert not any(isinstance(m, Fp8Linear) for side in (model.vision_model, model.connector)
                    for m in side.modules())
     assert fp8.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
+
+
+def test_a_gptq_checkpoint_quantises_the_decoder_alone(idefics3, tmp_path):
+    """A GPTQ checkpoint of the decoder (modules_to_not_convert naming the tower and connector, which stay
+    16-bit nn.Linear): prompts with images, split across chunks, get transformers' greedy tokens on the
+    weights the checkpoint stands for."""
+    import copy
+    import json
+
+    from test_wna16 import _quantized_checkpoint
+
+    from plait.layers.wna16 import WNA16Linear
+
+    folder, hf, processor = idefics3
+    dst = tmp_path / "gptq"
+    side = ("model.vision_model", "model.connector")
+    weights = _quantized_checkpoint(folder, dst, "gptq", 4, 32, True, False, left_16_bit=side)
+    assert weights and not any(name.startswith(side) for name in weights)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = list(side)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    reference = copy.deepcopy(hf)
+    with torch.no_grad():
+        state = reference.state_dict()
+        for name, weight in weights.items():
+            state[name].copy_(weight)
+    llm = LLM(str(dst), dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=False)
+    model = llm.engine.runner.model
+    assert all(type(m) is torch.nn.Linear for part in (model.vision_model, model.connector)
+               for m in part.modules() if isinstance(m, torch.nn.Linear))
+    assert isinstance(model.model.layers[0].self_attn.qkv_proj, WNA16Linear)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = _prompts()[:2]
+    outs = llm.generate([_request(text, images) for text, images in prompts], params, use_tqdm=False)
+    for out, (text, images) in zip(outs, prompts):
+        assert out.outputs[0].token_ids == _hf_greedy(reference, processor, text, images, 8)[1]
 
 
 def test_bad_image_prompts_are_refused(smolvlm):
