@@ -152,8 +152,7 @@ class Idefics3Layout:
             if grid != self.grid(size):
                 raise ValueError(f"the image processor cut a {size[0]}x{size[1]} image into "
                                  f"{grid[0]}x{grid[1]} tiles where plait expected {self.grid(size)}; this "
-                                 "processor's settings are "
-                                 "not supported")
+                                 "processor's settings are not supported")
         mask = made.get("pixel_attention_mask")
         if mask is not None:
             for k, image in enumerate(images):  # every tile whole: the tower runs without a patch mask
