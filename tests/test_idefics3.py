@@ -272,7 +272,7 @@ def test_split_over_two_ranks_answers_as_transformers(idefics3):
     tower's layers.N.self_attn are not the decoder's to slice) and run by the driver, which sends the other
     rank each step's placeholder embeddings; images split across chunks give transformers' tokens."""
     folder, hf, processor = idefics3
-    llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=7,
+    llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=16,
               enable_prefix_caching=False)
     try:
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -350,7 +350,7 @@ def test_a_gptq_checkpoint_quantises_the_decoder_alone(idefics3, tmp_path):
         state = reference.state_dict()
         for name, weight in weights.items():
             state[name].copy_(weight)
-    llm = LLM(str(dst), dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=False)
+    llm = LLM(str(dst), dtype="float32", max_num_batched_tokens=16, enable_prefix_caching=False)
     model = llm.engine.runner.model
     assert all(type(m) is torch.nn.Linear for part in (model.vision_model, model.connector)
                for m in part.modules() if isinstance(m, torch.nn.Linear))

@@ -180,6 +180,9 @@ class ModalityProjection(nn.Module):
         super().__init__()
         self.proj = nn.Linear(width, out, bias=False)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
 
 class Connector(nn.Module):
     """Idefics3Connector: each scale x scale block of a tile's patch features folded into one feature
@@ -196,7 +199,7 @@ class Connector(nn.Module):
         side, s = math.isqrt(seq), self.scale
         x = x.reshape(tiles, side, side // s, dim * s).permute(0, 2, 1, 3)
         x = x.reshape(tiles, side // s, side // s, dim * s * s).permute(0, 2, 1, 3)
-        return self.modality_projection.proj(x.reshape(tiles, seq // s**2, dim * s * s))
+        return self.modality_projection(x.reshape(tiles, seq // s**2, dim * s * s))
 
 
 class Idefics3ForConditionalGeneration(LlamaForCausalLM):
