@@ -1083,8 +1083,10 @@ COMPLETED_CONFIGS = {
     "gpt_oss": ("GptOssConfig", "gpt_oss"),
     "qwen2_vl": ("Qwen2VLTextConfig", "qwen2"),
     "qwen2_5_vl": ("Qwen2_5_VLTextConfig", "qwen2"),
+    "idefics3": ("LlamaConfig", "llama"),
+    "smolvlm": ("LlamaConfig", "llama"),
 }
-IMAGE_TEXT_MODEL_TYPES = ("gemma3", "mistral3", "llava", "llava_next")
+IMAGE_TEXT_MODEL_TYPES = ("gemma3", "mistral3", "llava", "llava_next", "idefics3", "smolvlm")
 # Image models plait runs with their images (plait.models.llava), whose decoder is the text_config's own
 # model_type (LLaVA-1.5: llama; LLaVA-NeXT: llama or mistral; LLaVA-Interleave: qwen2).
 LLAVA_MODEL_TYPES = ("llava", "llava_next")
@@ -1093,8 +1095,11 @@ LLAVA_TEXT_CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2
 # scaling).
 MISTRAL3_TEXT_CONFIGS = {"mistral": "MistralConfig", "ministral3": "Ministral3Config"}
 # The image-text kinds whose text_config may hold one of several decoders, each completed from its own class.
+# Idefics3 and SmolVLM: a Llama decoder (Llama 3, SmolLM2).
+IDEFICS3_TEXT_CONFIGS = {"llama": "LlamaConfig"}
 DECODER_CONFIGS = {"llava": LLAVA_TEXT_CONFIGS, "llava_next": LLAVA_TEXT_CONFIGS,
-                   "mistral3": MISTRAL3_TEXT_CONFIGS}
+                   "mistral3": MISTRAL3_TEXT_CONFIGS, "idefics3": IDEFICS3_TEXT_CONFIGS,
+                   "smolvlm": IDEFICS3_TEXT_CONFIGS}
 # A multimodal config's top-level keys that hold for its text decoder too (transformers 5 ties the
 # embeddings by the top-level flag).
 _IMAGE_TEXT_TOP_LEVEL_KEYS = ("architectures", "eos_token_id", "torch_dtype", "dtype", "quantization_config",
@@ -1104,8 +1109,12 @@ _IMAGE_TEXT_TOP_LEVEL_KEYS = ("architectures", "eos_token_id", "torch_dtype", "d
 _IMAGE_KEYS = ("vision_config", "image_token_index", "image_token_id", "projector_hidden_act",
                "vision_feature_layer", "vision_feature_select_strategy", "multimodal_projector_bias",
                "image_grid_pinpoints", "spatial_merge_size")
-# The image-text kinds whose images plait runs with their decoder's config (plait.models.llava, .pixtral).
-IMAGE_SIDE_MODEL_TYPES = LLAVA_MODEL_TYPES + ("mistral3",)
+# Idefics3's and SmolVLM's (plait.models.idefics3).
+_IDEFICS3_KEYS = ("vision_config", "image_token_id", "scale_factor")
+# The image kinds whose images plait runs from their text_config's decoder (plait.models.llava, .pixtral,
+# .idefics3) -> the image keys kept.
+_KEPT_IMAGE_KEYS = {"llava": _IMAGE_KEYS, "llava_next": _IMAGE_KEYS, "mistral3": _IMAGE_KEYS,
+                    "idefics3": _IDEFICS3_KEYS, "smolvlm": _IDEFICS3_KEYS}
 
 
 # Qwen2-VL and Qwen2.5-VL, served with their images (plait.models.qwen2_vl): a Qwen2 decoder whose config is
@@ -1162,7 +1171,7 @@ def completed_text_config(cfg: dict) -> dict:
         class_name = decoders[text_kind]
     skip = ("architectures", "model_type", "text_config", "vision_config")
     full = getattr(transformers, class_name)(**{k: v for k, v in text.items() if k not in skip}).to_dict()
-    for key in _IMAGE_TEXT_TOP_LEVEL_KEYS + (_IMAGE_KEYS if kind in IMAGE_SIDE_MODEL_TYPES else ()):
+    for key in _IMAGE_TEXT_TOP_LEVEL_KEYS + _KEPT_IMAGE_KEYS.get(kind, ()):
         if key in cfg:
             full[key] = cfg[key]
     full["model_type"] = text_kind

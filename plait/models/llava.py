@@ -49,6 +49,16 @@ _VISION_PREFIXES = (("model.vision_tower.vision_model.", "vision_tower."),
                     ("model.image_newline", "image_newline"), ("image_newline", "image_newline"))
 
 
+def embed_with_images(model: nn.Module, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+    """An image model's input embeddings [T, hidden]: the tokens' own, the step's staged image embeddings
+    (``ForwardBatch.image_embeds``) in place of its placeholders'."""
+    embeds = model.model.embed_tokens(input_ids)
+    if batch.image_embeds is not None:
+        mask, values = batch.image_embeds  # [T] bool, [T, hidden]
+        embeds = torch.where(mask[:, None], values, embeds)
+    return embeds
+
+
 def activation(name: str):
     if name not in _ACTIVATIONS:
         raise ValueError(f"activation {name!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
@@ -96,9 +106,12 @@ class CLIPEncoderLayer(nn.Module):
 class VisionTower(nn.Module):
     """CLIP's vision transformer (a class token, a norm before the layers) or SigLIP's (neither, a patch
     embedding with bias), as HF's CLIPVisionModel / SiglipVisionModel name their tensors, run only as far as
-    the deepest layer whose output LLaVA reads (SigLIP's post-norm and pooling head are not read)."""
+    the deepest layer whose output LLaVA reads (SigLIP's post-norm and pooling head are not read). Idefics3's
+    tower is SigLIP's with its post-norm (``post_norm``) and its patches' own position ids (``position_ids``
+    [patches]: the buckets its embeddings compute, not always 0, 1, ... in fp32)."""
 
-    def __init__(self, cfg: dict, num_layers: int) -> None:
+    def __init__(self, cfg: dict, num_layers: int, post_norm: bool = False,
+                 position_ids: torch.Tensor | None = None) -> None:
         super().__init__()
         hidden, patch = cfg["hidden_size"], cfg["patch_size"]
         self.image_size, self.patch_size = cfg["image_size"], patch
@@ -114,23 +127,41 @@ class VisionTower(nn.Module):
         self.pre_layrnorm = nn.LayerNorm(hidden, eps=cfg["layer_norm_eps"]) if self.is_clip else None
         self.encoder = nn.Module()
         self.encoder.layers = nn.ModuleList(CLIPEncoderLayer(cfg) for _ in range(num_layers))
+        self.post_layernorm = nn.LayerNorm(hidden, eps=cfg["layer_norm_eps"]) if post_norm else None
+        # a constant of the config, not a checkpoint tensor (so not persistent), moved with the model
+        self.register_buffer("position_ids", position_ids, persistent=False)
 
     def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
         """The hidden states after the embeddings (index 0) and after each layer built.
         pixel_values: [tiles, channels, size, size] -> each [tiles, num_tokens, hidden]."""
-        emb = self.embeddings
-        patches = emb.patch_embedding(pixel_values.to(emb.patch_embedding.weight.dtype))
-        x = patches.flatten(2).transpose(1, 2)  # [tiles, patches, hidden]
-        if self.is_clip:
-            x = torch.cat([emb.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)
-        x = x + emb.position_embedding.weight
-        if self.pre_layrnorm is not None:
-            x = self.pre_layrnorm(x)
+        x = self._embed(pixel_values)
         states = [x]
         for layer in self.encoder.layers:
             x = layer(x)
             states.append(x)
         return states
+
+    def last_hidden_state(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """After every layer and the post-norm (Idefics3 reads nothing else, so no earlier state is kept).
+        pixel_values: [tiles, channels, size, size] -> [tiles, num_tokens, hidden]."""
+        x = self._embed(pixel_values)
+        for layer in self.encoder.layers:
+            x = layer(x)
+        return x if self.post_layernorm is None else self.post_layernorm(x)
+
+    def _embed(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        emb = self.embeddings
+        patches = emb.patch_embedding(pixel_values.to(emb.patch_embedding.weight.dtype))
+        x = patches.flatten(2).transpose(1, 2)  # [tiles, patches, hidden]
+        if self.is_clip:
+            x = torch.cat([emb.class_embedding.expand(x.shape[0], 1, -1), x], dim=1)
+        if self.position_ids is None:
+            x = x + emb.position_embedding.weight
+        else:
+            x = x + emb.position_embedding(self.position_ids)
+        if self.pre_layrnorm is not None:
+            x = self.pre_layrnorm(x)
+        return x
 
 
 class LlavaMultiModalProjector(nn.Module):
@@ -229,11 +260,7 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
-        embeds = self.model.embed_tokens(input_ids)
-        if batch.image_embeds is not None:
-            mask, values = batch.image_embeds  # [T] bool, [T, hidden]
-            embeds = torch.where(mask[:, None], values, embeds)
-        return self.model(input_ids, batch, inputs_embeds=embeds)
+        return self.model(input_ids, batch, inputs_embeds=embed_with_images(self, input_ids, batch))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The decoder's tensors as a Llama's; the vision tower's and projector's by name, each checked; the

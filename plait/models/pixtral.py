@@ -24,7 +24,7 @@ from torch import nn
 
 from plait.config import ModelConfig
 from plait.models.llama import LlamaForCausalLM
-from plait.models.llava import LlavaMultiModalProjector, activation
+from plait.models.llava import LlavaMultiModalProjector, activation, embed_with_images
 from plait.models.qwen2_vl import VisionRMSNorm, rotary_span_attention, span_groups
 from plait.models.weights import load_image_model_weights
 from plait.runner.forward_batch import ForwardBatch
@@ -303,30 +303,17 @@ class PixtralImageModel(LlamaForCausalLM):
         raise NotImplementedError
 
     def embed_image_list(self, pixel_values: list[torch.Tensor], grids: list[Any]) -> list[torch.Tensor]:
-        """Each image's pixels [channels, height, width] -> its placeholders' embeddings [rows * (columns +
-        1), hidden] in the model's dtype: the [IMG] ones the image's; those at [IMG_BREAK] / [IMG_END] zero
-        (``forward`` keeps those tokens' own). ``grids``: unused (the pixels' shapes say)."""
+        """Each image's pixels [channels, height, width] -> the embeddings of its [IMG] tokens [rows *
+        columns, hidden] in the model's dtype, row by row (its [IMG_BREAK] / [IMG_END] tokens keep their own:
+        ImageInput.embedded). ``grids``: unused (the pixels' shapes say)."""
         states, patch_grids = self.vision_tower(pixel_values)
         features = torch.cat([states[i] for i in self.feature_indices], dim=-1)
-        embeds = self.project(features, patch_grids)
-        out, at = [], 0
-        for h, w in patch_grids:
-            rows, cols = h // self.merge, w // self.merge
-            image = embeds[at:at + rows * cols].view(rows, cols, -1)
-            at += rows * cols
-            breaks = image.new_zeros(rows, 1, image.shape[-1])
-            out.append(torch.cat([image, breaks], dim=1).flatten(0, 1))
-        return out
+        embeds = self.project(features, patch_grids)  # [sum of rows * columns, hidden]
+        return list(embeds.split([(h // self.merge) * (w // self.merge) for h, w in patch_grids]))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
-        embeds = self.model.embed_tokens(input_ids)
-        if batch.image_embeds is not None:
-            mask, values = batch.image_embeds  # [T] bool, [T, hidden]
-            # an image's span holds its break and end tokens too, which keep their own embeddings
-            at_image = mask & (input_ids == self.image_token_id)
-            embeds = torch.where(at_image[:, None], values, embeds)
-        return self.model(input_ids, batch, inputs_embeds=embeds)
+        return self.model(input_ids, batch, inputs_embeds=embed_with_images(self, input_ids, batch))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """The decoder's tensors as a Mistral's (transformers 4's or 5's names); the encoder's and projector's

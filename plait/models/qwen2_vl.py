@@ -20,7 +20,7 @@ from torch import nn
 from plait.config import ModelConfig
 from plait.layers.rotary import MRopeRotary, mrope_columns
 from plait.models.llama import LlamaForCausalLM
-from plait.models.llava import activation
+from plait.models.llava import activation, embed_with_images
 from plait.models.weights import language_model_name, load_image_model_weights
 from plait.runner.forward_batch import ForwardBatch
 
@@ -402,10 +402,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         # input_ids, positions: [T] -> hidden: [T, hidden]
-        embeds = self.model.embed_tokens(input_ids)
-        if batch.image_embeds is not None:
-            mask, values = batch.image_embeds  # [T] bool, [T, hidden]
-            embeds = torch.where(mask[:, None], values, embeds)
+        embeds = embed_with_images(self, input_ids, batch)
         rotary = None  # a batch without three positions (built outside the runner) is text: all three equal
         if batch.mrope_positions is not None:
             rotary = MRopeRotary(self.model.rotary.cos_sin, batch.mrope_positions, self.mrope_columns)

@@ -217,15 +217,17 @@ def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
     load_checked(model, weights, STACKED_PROJECTIONS, sizes, rename, not_in_checkpoint)
 
 
-# The vision side of an image model (plait.models.llava, .qwen2_vl, .pixtral): its modules' names (a
-# checkpoint's may sit under "model."), kept 16-bit in a quantised model and whole on every tensor-parallel
-# rank, and which a checkpoint's list of unquantised layers may name.
-IMAGE_SIDE_MODULES = ("vision_tower", "multi_modal_projector", "visual")
-IMAGE_SIDE_TENSOR = re.compile(r"^(?:model\.)?(?:vision_tower|multi_modal_projector|visual|image_newline)\b")
+# The vision side of an image model (plait.models.llava, .qwen2_vl, .pixtral, .idefics3): its modules' names
+# (a checkpoint's may sit under "model."), kept 16-bit in a quantised model and whole on every
+# tensor-parallel rank, and which a checkpoint's list of unquantised layers may name.
+IMAGE_SIDE_MODULES = ("vision_tower", "multi_modal_projector", "visual", "vision_model", "connector")
+IMAGE_SIDE_TENSOR = re.compile(
+    r"^(?:model\.)?(?:vision_tower|multi_modal_projector|visual|image_newline|vision_model|connector)\b")
 
-# An image-text checkpoint's text decoder, under transformers 4's and 5's names -> the decoder's own names.
+# An image-text checkpoint's text decoder, under transformers 4's and 5's names (Idefics3's: text_model) ->
+# the decoder's own names.
 LANGUAGE_MODEL_PREFIXES = (("language_model.model.", "model."), ("model.language_model.", "model."),
-                           ("language_model.lm_head.", "lm_head."))
+                           ("language_model.lm_head.", "lm_head."), ("model.text_model.", "model."))
 
 
 def language_model_name(name: str) -> str | None:

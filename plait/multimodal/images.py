@@ -8,6 +8,7 @@ import base64
 import binascii
 import hashlib
 import io
+import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
 
+import numpy as np
 import torch
 
 _KEY_BYTES = 16
@@ -25,7 +27,8 @@ _LOCAL_FILE_HOSTS = ("", "localhost")
 
 @dataclass(frozen=True)
 class ImageInput:
-    """One image of a request: its placeholder tokens are prompt tokens [offset, offset + length)."""
+    """One image of a request: its span is prompt tokens [offset, offset + length); its placeholders are the
+    span's tokens, or those ``embedded`` marks where the span has text between them (Idefics3's tile tags)."""
 
     offset: int
     length: int
@@ -37,6 +40,9 @@ class ImageInput:
     key: bytes  # a hash of the pixel values: the prefix cache tells apart prompts that differ only here
     # Qwen2-VL: (temporal, height, width) of its patches; pixel_values is then [t h w, patch values]
     grid: tuple[int, int, int] | None = None
+    # [length] bool: which of the span's tokens take the image's embeddings, in order (the rest keep their
+    # own: Idefics3's tile tags, Pixtral's row breaks); None: every one (LLaVA, Qwen2-VL)
+    embedded: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -116,11 +122,12 @@ def _data_url_bytes(url: str) -> bytes:
 
 class ImageProcessor:
     """Turns a token prompt and its images into the prompt the model runs: each image token expanded to
-    that image's placeholders (``model.num_image_tokens_for(size)`` image tokens, or the ids
-    ``model.image_placeholders`` gives), and each image's pixel values (``model.num_tiles_for(size)``
-    tiles)."""
+    that image's span (``model.num_image_tokens_for(size)`` placeholders; a tiling model's, Idefics3's, the
+    text its ``image_prompt_layout`` writes, tile tags between its tiles' placeholders, as the tokenizer
+    reads it; Pixtral's, the rows of placeholders and breaks ``model.image_placeholders`` gives), and each
+    image's pixel values (``model.num_tiles_for(size)`` tiles)."""
 
-    def __init__(self, hf_processor: Any, model: Any, tokenizer: Any | None = None) -> None:
+    def __init__(self, hf_processor: Any, model: Any, tokenizer: Any = None) -> None:
         self.hf_processor = hf_processor
         self.image_token_id = model.image_token_id
         # The tokens a prompt writes for one image (Qwen2-VL wraps its image token in vision start / end).
@@ -130,73 +137,99 @@ class ImageProcessor:
         counter = getattr(model, "image_token_counter", None)
         self._tokens_for = model.num_image_tokens_for if counter is None else counter(hf_processor)
         self._tiles_for = model.num_tiles_for
-        # Pixtral: an image's placeholders are rows of image tokens, each ended by a break token (the last by
-        # an end token), whose ids the tokenizer knows: a function of the size, None where they are all the
-        # image token
+        # A tiling model (Idefics3): the grid, tile count and prompt text of an image of a size, under this
+        # processor's settings; the text is tokenized, since its newlines may merge ("\n\n" is one token in
+        # SmolLM2's vocabulary), as transformers' processor tokenizes the prompt it writes.
+        layout = getattr(model, "image_prompt_layout", None)
+        self.layout = None if layout is None else layout(hf_processor)
+        if self.layout is not None:
+            self._tiles_for = self.layout.tiles
+        # Pixtral: an image's span is rows of image tokens, each ended by a break token (the last by an end
+        # token), whose ids the tokenizer knows: a function of the size; None where the span is all image
+        # tokens
         placeholders = getattr(model, "image_placeholders", None)
         self._placeholders_for = None if placeholders is None else placeholders(hf_processor, tokenizer)
         # what the model's processor is called with beside the images (Pixtral: its resize unit)
         self._call_kwargs: dict[str, Any] = dict(getattr(model, "image_processor_kwargs", None) or {})
         # Pixtral's processor pads a batch to its largest image: each is cut back to its own size
         self._own_sizes = bool(getattr(model, "images_at_own_size", False))
+        self._tokenizer = tokenizer
+        self._spans: dict[str, list[int]] = {}  # prompt text -> its ids (one per grid seen)
 
     @classmethod
-    def for_model(cls, folder: Path | None, model: Any, tokenizer: Any | None = None) -> ImageProcessor:
-        """The model folder's image processor (its preprocessor_config.json), else the model's default (a
-        config-only folder: dummy weights). ``tokenizer``: the model's, for placeholder ids it names."""
+    def for_model(cls, folder: Path | None, model: Any, tokenizer: Any = None) -> ImageProcessor:
+        """The model folder's image processor (its preprocessor_config.json, or the image_processor of its
+        processor_config.json, where transformers 5 saves it), else the model's default (a config-only
+        folder: dummy weights)."""
         from transformers import AutoImageProcessor
 
-        if folder is not None and (Path(folder) / "preprocessor_config.json").is_file():
+        if folder is not None and _has_image_processor(Path(folder)):
             return cls(AutoImageProcessor.from_pretrained(str(folder)), model, tokenizer)
         return cls(model.default_image_processor(), model, tokenizer)
 
     def expand(self, token_ids: Sequence[int], images: Sequence[Any]
                ) -> tuple[list[int], tuple[ImageInput, ...]]:
-        """The prompt with each image token made its image's placeholders, and its images. A prompt already
+        """The prompt with each image token made its image's span, and its images. A prompt already
         expanded (as transformers' processor writes it) is taken as it is."""
         pixels = self.preprocess(images)
-        spans = self._placeholder_ids([p.size for p in pixels])
+        spans = [self.span(p.size) for p in pixels]
         ids, offsets = self.expand_placeholders(token_ids, spans)
-        return ids, tuple(ImageInput(offset, len(span), p.tensor, p.size, _key(p.tensor), p.grid)
+        return ids, tuple(ImageInput(offset, len(span), p.tensor, p.size, _key(p.tensor), p.grid,
+                                     self._embedded(span))
                           for offset, span, p in zip(offsets, spans, pixels))
 
-    def _placeholder_ids(self, sizes: Sequence[tuple[int, int]]) -> list[list[int]]:
-        """Each image's placeholder ids, from its (height, width)."""
+    def span(self, size: tuple[int, int]) -> list[int]:
+        """The prompt tokens an image of ``size`` (height, width) stands for."""
         if self._placeholders_for is not None:
-            return [self._placeholders_for(size) for size in sizes]
-        return [[self.image_token_id] * self._tokens_for(size) for size in sizes]
+            return self._placeholders_for(size)
+        if self.layout is None:
+            return [self.image_token_id] * self._tokens_for(size)
+        text = self.layout.prompt_text(size)
+        ids = self._spans.get(text)
+        if ids is None:
+            if self._tokenizer is None:
+                raise ValueError("this image model writes each image's tiles into the prompt as text, which "
+                                 "needs its tokenizer: the model folder has none")
+            ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+            if ids.count(self.image_token_id) != self.layout.num_placeholders(size):
+                raise ValueError("the tokenizer does not read the image token of this model's prompts as "
+                                 f"its id {self.image_token_id}")
+            self._spans[text] = ids
+        return ids
 
-    def placeholder_ids(self, images: Sequence[Any]) -> list[list[int]]:
-        """Each image's placeholder ids, from its size alone (its pixels are not processed)."""
-        return self._placeholder_ids([image.size if isinstance(image, PixelValues) else _hw(load_image(image))
-                                      for image in images])
+    def _embedded(self, span: list[int]) -> np.ndarray | None:
+        """ImageInput.embedded of a span: None where every token is a placeholder."""
+        mask = np.asarray(span) == self.image_token_id
+        return None if mask.all() else mask
 
-    def placeholder_counts(self, images: Sequence[Any]) -> list[int]:
-        """Each image's placeholder count, from its size alone (its pixels are not processed)."""
-        return [len(span) for span in self.placeholder_ids(images)]
+    def image_spans(self, images: Sequence[Any]) -> list[list[int]]:
+        """Each image's span, from its size alone (its pixels are not processed)."""
+        return [self.span(image.size if isinstance(image, PixelValues) else _hw(load_image(image)))
+                for image in images]
 
-    def expand_placeholders(self, token_ids: Sequence[int], placeholders: Sequence[int | Sequence[int]]
+    def expand_placeholders(self, token_ids: Sequence[int], spans: list[list[int]]
                             ) -> tuple[list[int], list[int]]:
-        """(the prompt with each image token made the k-th image's placeholders, each image's first
-        placeholder); ``placeholders[k]``: the k-th image's placeholder ids, or their count (that many image
-        tokens). A prompt whose images stand expanded already is taken as it is. ValueError where the image
-        tokens do not match the images."""
+        """(the prompt with each image token made the k-th image's span ``spans[k]``, each span's first
+        token); ValueError where the image tokens do not match the images."""
         ids, token = list(token_ids), self.image_token_id
-        spans = [[token] * p if isinstance(p, int) else list(p) for p in placeholders]
-        found, expanded = ids.count(token), sum(span.count(token) for span in spans)
-        offsets = _span_offsets(ids, spans, token) if spans and found == expanded else None
-        if offsets is not None:
-            return ids, offsets
-        if found == len(spans):  # one image token an image (or neither)
-            each = iter(spans)
-            ids = [t for tok in ids for t in (next(each) if tok == token else [tok])]
-            return ids, _span_offsets(ids, spans, token)
-        if spans and found == expanded:
-            n = len(next(span for span, at in zip(spans, _span_starts(ids, spans, token))
-                          if ids[at:at + len(span)] != span))
-            raise ValueError(f"an image's {n} placeholder tokens must stand together in the prompt")
-        raise ValueError(f"the prompt has {found} image token(s) for {len(spans)} image(s): put one "
-                         f"image token (id {token}) in the prompt for each image")
+        found = ids.count(token)
+        counts = [span.count(token) for span in spans]
+        if found == len(spans):
+            todo = iter(spans)
+            ids = [t for tok in ids for t in (next(todo) if tok == token else [tok])]
+        elif found != sum(counts) or not spans:
+            raise ValueError(f"the prompt has {found} image token(s) for {len(spans)} image(s): put one "
+                             f"image token (id {token}) in the prompt for each image")
+        at = [i for i, tok in enumerate(ids) if tok == token]
+        offsets, k = [], 0
+        for span, n in zip(spans, counts):
+            start = at[k] - span.index(token)  # a span may open with tile tags before its first placeholder
+            if start < 0 or ids[start:start + len(span)] != span:
+                tags = "" if len(span) == n else ", with its tile tags as the model's processor writes them"
+                raise ValueError(f"an image's {n} placeholder tokens must stand together in the prompt{tags}")
+            offsets.append(start)
+            k += n
+        return ids, offsets
 
     def preprocess(self, images: Sequence[Any]) -> tuple[PixelValues, ...]:
         """Each image's pixel values and size, in order (ValueError for one that cannot be read; a PixelValues
@@ -205,8 +238,12 @@ class ImageProcessor:
         out: list[Any] = list(images)
         if todo:
             pil = [load_image(images[i]) for i in todo]
-            self._placeholder_ids([_hw(image) for image in pil])  # the model's refusals (too thin) first
-            made = self.hf_processor(images=pil, return_tensors="pt", **self._call_kwargs)
+            if self.layout is not None:
+                made = self.layout.process(self.hf_processor, pil)
+            else:
+                for image in pil:  # the model's refusals (Pixtral's image too thin) before the processor's
+                    self.span(_hw(image))
+                made = self.hf_processor(images=pil, return_tensors="pt", **self._call_kwargs)
             if self._own_sizes:  # Pixtral: the batch padded to its largest image; each cut to its own size
                 sizes = made["image_sizes"].tolist()
                 for i, image, pixels, (h, w) in zip(todo, pil, made["pixel_values"], sizes):
@@ -225,24 +262,15 @@ class ImageProcessor:
         return tuple(out)
 
 
-def _span_starts(ids: list[int], spans: list[list[int]], token: int) -> list[int]:
-    """Where each image's placeholders would begin: at its first image token, counted through the spans
-    before it."""
-    at = [i for i, tok in enumerate(ids) if tok == token]
-    starts, k = [], 0
-    for span in spans:
-        starts.append(at[k])
-        k += span.count(token)
-    return starts
-
-
-def _span_offsets(ids: list[int], spans: list[list[int]], token: int) -> list[int] | None:
-    """Each image's first placeholder, where every image's placeholder ids stand in ``ids`` in order (each
-    from its first image token on); None where one does not."""
-    starts = _span_starts(ids, spans, token)
-    if any(ids[at:at + len(span)] != span for span, at in zip(spans, starts)):
-        return None
-    return starts
+def _has_image_processor(folder: Path) -> bool:
+    """Whether a model folder saves an image processor's settings."""
+    if (folder / "preprocessor_config.json").is_file():
+        return True
+    processor = folder / "processor_config.json"
+    try:
+        return processor.is_file() and "image_processor" in json.loads(processor.read_text())
+    except (OSError, ValueError):  # unreadable: as if absent, the model's default processor
+        return False
 
 
 def _hw(image: Any) -> tuple[int, int]:

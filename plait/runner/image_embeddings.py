@@ -113,12 +113,21 @@ class ImageEmbeddings:
         indices, parts = [], []
         for request, k, a, b, shift in wanted:
             image = request.images[k]
-            parts.append(self._cache[request, k][a - image.offset:b - image.offset])
-            indices.append(np.arange(a + shift, b + shift))
-            if b == image.offset + image.length:  # its last placeholder: no later chunk needs it
+            lo, hi = a - image.offset, b - image.offset  # within the image's span
+            if image.embedded is None:  # every token of the span a placeholder
+                parts.append(self._cache[request, k][lo:hi])
+                indices.append(np.arange(a + shift, b + shift))
+            else:  # tile tags between the placeholders (Idefics3) keep their own embeddings
+                mask = image.embedded[lo:hi]
+                first = int(np.count_nonzero(image.embedded[:lo]))  # the image's embeddings before the chunk
+                parts.append(self._cache[request, k][first:first + int(np.count_nonzero(mask))])
+                indices.append(a + shift + np.flatnonzero(mask))
+            if b == image.offset + image.length:  # the end of its span: no later chunk needs it
                 del self._cache[request, k]
-        token_indices = self._to_device(torch.from_numpy(np.concatenate(indices)))
-        return token_indices, torch.cat(parts)
+        token_indices = np.concatenate(indices)
+        if not len(token_indices):  # the step's chunks reach only tile tags
+            return None
+        return self._to_device(torch.from_numpy(token_indices)), torch.cat(parts)
 
     def _embed_missing(self, keys: list[tuple[Request, int]]) -> None:
         missing = list(dict.fromkeys(key for key in keys if key not in self._cache))
@@ -130,7 +139,7 @@ class ImageEmbeddings:
             pixels = [self._to_device(image.pixel_values) for image in images]
             embedded = self.model.embed_image_list(pixels, [image.grid for image in images])
             for key, embeds in zip(missing, embedded):
-                self._cache[key] = embeds  # [image.length, hidden]
+                self._cache[key] = embeds  # [placeholders, hidden]
             return
         if self.tower_graphs is not None:
             # Pinned one tile at a time: same-sized blocks, which PyTorch's host allocator reuses.
@@ -141,7 +150,7 @@ class ImageEmbeddings:
             features = self.model.embed_images(self._to_device(tiles))  # [tiles, patch features, hidden]
         per_image = features.split([len(image.pixel_values) for image in images])
         for key, image, feats in zip(missing, images, per_image):
-            self._cache[key] = self.model.pack_image(feats, image.size)  # [image.length, hidden]
+            self._cache[key] = self.model.pack_image(feats, image.size)  # [placeholders, hidden]
 
     def _to_device(self, host: torch.Tensor) -> torch.Tensor:
         """A host tensor on the device without waiting for the steps in flight: a copy from pageable memory
