@@ -1,0 +1,253 @@
+"""Qwen3-VL: a tiny random checkpoint with its processor (saved in the Hub's form), against transformers'
+Qwen3VLForConditionalGeneration in fp32 on CPU: images of different sizes (0, 1 and 2 a prompt), chunks that
+split an image (its DeepStack features staged a piece at a time with its embeddings), the prefix cache,
+preemption, tensor parallelism, interleaved M-RoPE, and the server's image_url parts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from plait import LLM, SamplingParams
+from tests.test_multimodal import _data_url, _image, _saved
+from tests.test_qwen2_vl import QWEN_VL_TEMPLATE, SPAN, HfQwenVL, _hf_greedy, _request, _tokenizer
+
+# Tiny images stay tiny: 4 to 20 placeholders (32 x 32 pixels each: 16-pixel patches, merged 2 x 2).
+MIN_PIXELS, MAX_PIXELS = 4 * 32 * 32, 20 * 32 * 32
+# head_dim 16: 8 frequencies, interleaved t h w t h w t t (mrope_section [4, 2, 2]).
+TEXT_DIMS = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+                 vocab_size=256, bos_token_id=1, eos_token_id=3,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2],
+                                  "mrope_interleaved": True})
+# A 4 x 4 table of learned positions (resampled to every grid), DeepStack from the first two of three blocks
+# into the first two of three decoder layers.
+VISION_DIMS = dict(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                   num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+SEED = 3
+# (prompt, its images' sizes (height, width)): images of different sizes
+PROMPTS = [
+    (f"<|im_start|>user {SPAN} w3 w17 w5 <|im_end|> <|im_start|>assistant", [(40, 48)]),
+    (f"<|im_start|>user w8 {SPAN} w9 w90 {SPAN} w91 w92 <|im_end|> <|im_start|>assistant",
+     [(100, 140), (70, 40)]),
+    ("<|im_start|>user w100 w101 w102 <|im_end|> <|im_start|>assistant", []),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl(tmp_path_factory):
+    """(folder, transformers' model, its processor): the folder as a Hub checkpoint is, its
+    preprocessor_config.json naming Qwen2VLImageProcessorFast (which transformers serves with its PIL
+    processor where torchvision is missing, as here)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = _tokenizer()
+    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+    cfg = Qwen3VLConfig(text_config=TEXT_DIMS, vision_config=VISION_DIMS, **ids)
+    folder, model = _saved(Qwen3VLForConditionalGeneration, cfg, SEED, "tiny-qwen3-vl", tmp_path_factory)
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+        size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
+    image_processor.save_pretrained(folder)
+    path = folder / "preprocessor_config.json"
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps(saved | {"image_processor_type": "Qwen2VLImageProcessorFast",
+                                        "processor_class": "Qwen3VLProcessor"}))
+    tokenizer.chat_template = QWEN_VL_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    return folder, model, HfQwenVL(image_processor, tokenizer)
+
+
+def _prompts(seed: int = 0) -> list[tuple[str, list]]:
+    return [(text, [_image(seed + 10 * k + j, size) for j, size in enumerate(sizes)])
+            for k, (text, sizes) in enumerate(PROMPTS)]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.mark.parametrize("budget", [512, 7])
+def test_greedy_matches_transformers(qwen3_vl, budget):
+    """Each prompt's ids are the processor's and its greedy tokens transformers': images of different sizes,
+    0, 1 and 2 a prompt, batched together; at 7 tokens a step every image is split across chunks, beside
+    other requests' tokens, so each chunk's DeepStack rows must land on that chunk's placeholders."""
+    folder, hf, processor = qwen3_vl
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
+    prompts = _prompts()
+    want = [_hf_greedy(hf, processor, text, images, 8) for text, images in prompts]
+    outs = llm.generate([_request(text, images) for text, images in prompts], GREEDY, use_tqdm=False)
+    for out, (ids, tokens) in zip(outs, want):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == tokens
+    runner = llm.engine.runner
+    assert runner.image_embeddings.num_cached == 0
+    # the staged rows carry the embedding and both DeepStack levels
+    assert runner.image_embeddings.values.shape[1] == 3 * TEXT_DIMS["hidden_size"]
+
+
+def test_skipping_deepstack_changes_the_answers(qwen3_vl):
+    """DeepStack matters to these prompts: with the DeepStack mergers' outputs zeroed (the decoder adds
+    nothing, as if it skipped them) the image prompts' answers leave transformers', so the test above fails
+    where DeepStack is skipped or added at the wrong rows; the text prompt's stays."""
+    folder, hf, processor = qwen3_vl
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=False)
+    with torch.no_grad():
+        for merger in llm.engine.runner.model.visual.deepstack_merger_list:
+            merger.linear_fc2.weight.zero_()
+            merger.linear_fc2.bias.zero_()
+    prompts = _prompts()
+    outs = llm.generate([_request(text, images) for text, images in prompts], GREEDY, use_tqdm=False)
+    got = [o.outputs[0].token_ids for o in outs]
+    want = [_hf_greedy(hf, processor, text, images, 8)[1] for text, images in prompts]
+    assert got[0] != want[0] and got[1] != want[1]
+    assert got[2] == want[2]
+
+
+def test_image_embeddings_and_deepstack_features_are_transformers(qwen3_vl):
+    """Two images of different sizes through the encoder at once (learned positions resampled to each
+    grid): each placeholder's row is transformers' merged embedding, then its DeepStack features."""
+    folder, hf, processor = qwen3_vl
+    images = _prompts()[1][1]
+    inputs = processor(text=PROMPTS[1][0], images=images)
+    with torch.no_grad():
+        want = hf.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
+    llm = LLM(str(folder), dtype="float32")
+    pixels = llm.engine.images.preprocess(images)
+    assert [p.grid for p in pixels] == [tuple(g) for g in inputs["image_grid_thw"].tolist()]
+    with torch.no_grad():
+        got = llm.engine.runner.model.embed_image_list([p.tensor for p in pixels], [p.grid for p in pixels])
+    hidden = TEXT_DIMS["hidden_size"]
+    got = torch.cat(got).split(hidden, dim=-1)
+    torch.testing.assert_close(got[0], want.pooler_output, rtol=1e-4, atol=1e-4)
+    assert len(got) == 1 + len(want.deepstack_features) == 3
+    for mine, theirs in zip(got[1:], want.deepstack_features):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_interleaved_mrope_is_transformers():
+    """MRopeRotary on interleaved_mrope_columns rotates q and k as transformers' Qwen3-VL text rotary does,
+    at three different positions a token: the tiny test's bands and Qwen3-VL-8B's [24, 20, 20] of 64."""
+    from transformers import Qwen3VLTextConfig
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding, apply_rotary_pos_emb
+
+    from plait.layers.rotary import MRopeRotary, RotaryEmbedding, interleaved_mrope_columns
+
+    for section, head_dim in (([4, 2, 2], 16), ([24, 20, 20], 128), ([2, 3, 3], 16)):
+        cfg = Qwen3VLTextConfig(hidden_size=64, num_attention_heads=4, head_dim=head_dim, rope_parameters={
+            "rope_type": "default", "rope_theta": 5e6, "mrope_section": section, "mrope_interleaved": True})
+        positions = torch.randint(0, 100, (3, 9))
+        q, k = torch.randn(9, 4, head_dim), torch.randn(9, 2, head_dim)
+        cos, sin = Qwen3VLTextRotaryEmbedding(cfg)(q, positions[:, None])  # each [1, T, head_dim]
+        want_q, want_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+        rotary = MRopeRotary(RotaryEmbedding(head_dim, 128, 5e6).cos_sin, positions,
+                             interleaved_mrope_columns(section, head_dim))
+        got_q, got_k = rotary(rotary.token_positions, q, k)
+        torch.testing.assert_close(got_q, want_q[0].transpose(0, 1))
+        torch.testing.assert_close(got_k, want_k[0].transpose(0, 1))
+
+
+def test_mrope_positions_are_transformers(qwen3_vl):
+    """The prompt's (t, h, w) positions and the decode delta are Qwen3-VL's get_rope_index's."""
+    folder, hf, processor = qwen3_vl
+    text, images = _prompts()[1]
+    inputs = processor(text=text, images=images, return_tensors="pt")
+    want, delta = hf.model.get_rope_index(inputs["input_ids"], inputs["mm_token_type_ids"],
+                                          image_grid_thw=inputs["image_grid_thw"])
+    llm = LLM(str(folder), dtype="float32")
+    got, got_delta = llm.engine.runner.model.mrope_positions(*llm.engine.images.expand(
+        inputs["input_ids"][0].tolist(), images))
+    np.testing.assert_array_equal(got, want[:, 0].numpy())
+    assert got_delta == int(delta)
+
+
+def test_prefix_cache_and_preemption(qwen3_vl):
+    """The same image again hits the cache past its placeholders and answers alike; another image of the
+    same size hits only the text before it. Then a KV cache too small for every request preempts some: each
+    embeds its image (and DeepStack features) again and answers as transformers does."""
+    folder, hf, processor = qwen3_vl
+    words = " ".join(f"w{i}" for i in range(1, 17))
+    text = f"<|im_start|>user {words} w18 w19 {SPAN} w3 w17 w5 <|im_end|> <|im_start|>assistant"
+    first, second = _image(1, (90, 130)), _image(2, (90, 130))
+    llm = LLM(str(folder), dtype="float32", block_size=8, enable_prefix_caching=True)
+    a, b, again = (llm.generate([_request(text, [image])], GREEDY, use_tqdm=False)[0]
+                   for image in (first, second, first))
+    assert a.outputs[0].token_ids == _hf_greedy(hf, processor, text, [first], 8)[1]
+    assert b.outputs[0].token_ids == _hf_greedy(hf, processor, text, [second], 8)[1]
+    assert b.num_cached_tokens == 16  # the 16 text tokens' blocks before the image, and nothing after
+    # every full block but the prompt's last (its placeholders are tokens 21 to 32)
+    assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == a.outputs[0].token_ids
+
+    text = PROMPTS[0][0]
+    images = [_image(seed, (60 + 10 * seed, 50)) for seed in range(4)]
+    want = [_hf_greedy(hf, processor, text, [image], 16)[1] for image in images]
+    llm = LLM(str(folder), dtype="float32", block_size=8, num_kv_blocks=9, max_num_batched_tokens=16,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([_request(text, [image]) for image in images], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+
+
+def test_split_over_two_ranks_answers_as_one_device(qwen3_vl):
+    """Tensor parallelism: the decoder split in two (gloo), the vision side run by the driver alone, which
+    sends each step's placeholder rows (embeddings and DeepStack features) and M-RoPE positions; prompts with
+    images, split across chunks, get transformers' tokens."""
+    folder, hf, processor = qwen3_vl
+    llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=7,
+              enable_prefix_caching=False)
+    try:
+        prompts = _prompts()
+        outs = llm.generate([_request(text, images) for text, images in prompts], GREEDY, use_tqdm=False)
+        for out, (text, images) in zip(outs, prompts):
+            assert out.outputs[0].token_ids == _hf_greedy(hf, processor, text, images, 8)[1]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_server_chat_with_image_url(qwen3_vl):
+    """/v1/chat/completions with the openai client against a real server: a data-URL image part gets the
+    answer transformers gives the chat template's prompt."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    folder, hf, processor = qwen3_vl
+    image = _image(8, (70, 50))
+    content = [{"type": "image_url", "image_url": {"url": _data_url(image)}},
+               {"type": "text", "text": "w3 w17 w5"}]
+    parts = [{"type": "image"}, {"type": "text", "text": "w3 w17 w5"}]
+    text = processor.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True)
+    ids, want = _hf_greedy(hf, processor, text, [image], 6)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    offline = LLM(str(folder), dtype="float32").chat([{"role": "user", "content": content}], params,
+                                                      use_tqdm=False)[0]
+    assert offline.prompt_token_ids == ids and offline.outputs[0].token_ids == want
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=16))
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        reply = client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0.0,
+            extra_body={"ignore_eos": True})
+        assert reply.usage.prompt_tokens == len(ids)
+        assert reply.choices[0].message.content == offline.outputs[0].text
+
+
+def test_moe_and_videos_are_refused_by_name(qwen3_vl, tmp_path):
+    folder, _, _ = qwen3_vl
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(architectures=["Qwen3VLMoeForConditionalGeneration"], model_type="qwen3_vl_moe")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="Qwen3VLMoeForConditionalGeneration is not supported"):
+        LLM(str(tmp_path), dtype="float32", load_format="dummy")
+    llm = LLM(str(folder), dtype="float32")
+    with pytest.raises(ValueError, match="video inputs are not supported"):
+        llm.generate([{"prompt": "w1", "multi_modal_data": {"video": [_image(0)]}}], use_tqdm=False)
