@@ -951,8 +951,6 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         if not archs:
             raise ValueError("model config has no 'architectures' field; cannot choose a model class")
-        if archs[0] in REFUSED_ARCHITECTURES:
-            raise ValueError(f"{archs[0]} is not supported: {REFUSED_ARCHITECTURES[archs[0]]}")
         if cfg.get("model_type") in COMPLETED_CONFIGS:
             cfg = completed_text_config(cfg)
         missing = [key for key in REQUIRED_CONFIG_KEYS if key not in cfg]
@@ -1086,6 +1084,7 @@ COMPLETED_CONFIGS = {
     "qwen2_vl": ("Qwen2VLTextConfig", "qwen2"),
     "qwen2_5_vl": ("Qwen2_5_VLTextConfig", "qwen2"),
     "qwen3_vl": ("Qwen3VLTextConfig", "qwen3"),
+    "qwen3_vl_moe": ("Qwen3VLMoeTextConfig", "qwen3_moe"),
 }
 IMAGE_TEXT_MODEL_TYPES = ("gemma3", "mistral3", "llava", "llava_next")
 # Image models plait runs with their images (plait.models.llava), whose decoder is the text_config's own
@@ -1112,25 +1111,21 @@ _IMAGE_KEYS = ("vision_config", "image_token_index", "image_token_id", "projecto
 # (Qwen3-VL: Qwen3) decoder whose config is the text_config (transformers 5, Qwen3-VL) or the top level
 # (transformers 4's Qwen2-VL Hub checkpoints), with M-RoPE.
 QWEN_VL_MODEL_TYPES = {"qwen2_vl": "Qwen2VLVisionConfig", "qwen2_5_vl": "Qwen2_5_VLVisionConfig",
-                       "qwen3_vl": "Qwen3VLVisionConfig"}
+                       "qwen3_vl": "Qwen3VLVisionConfig", "qwen3_vl_moe": "Qwen3VLMoeVisionConfig"}
+QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 _QWEN_VL_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 MROPE_SECTION_KEY = "mrope_section"
-# Qwen3-VL's rope parameters say its M-RoPE interleaves t, h, w (plait.layers.rotary.interleaved_mrope_columns).
+# Qwen3-VL's rope parameters say its M-RoPE interleaves t, h, w
+# (plait.layers.rotary.interleaved_mrope_columns).
 MROPE_INTERLEAVED_KEY = "mrope_interleaved"
 # transformers' Qwen3VLTextRotaryEmbedding's bands where the config gives none.
 QWEN3_VL_DEFAULT_MROPE_SECTION = [24, 20, 20]
-# Architectures refused by name, with the reason (a clearer answer than "not supported" from the registry).
-REFUSED_ARCHITECTURES = {
-    "Qwen3VLMoeForConditionalGeneration": "Qwen3-VL's MoE models are not built (their experts come stacked "
-    "[experts, in, out] in the checkpoint, which plait's MoE loader does not take for this family); serve a "
-    "dense Qwen3-VL (Qwen3VLForConditionalGeneration: Qwen3-VL-2B / 4B / 8B / 32B)",
-}
 
 
 def completed_qwen_vl_config(cfg: dict) -> dict:
-    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL config: its decoder's, with transformers' defaults, its vision_config
-    completed the same way, and ``mrope_section`` (Qwen3-VL: ``mrope_interleaved`` too) at the top (the rotary
-    is a plain one otherwise)."""
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL config: its decoder's, with transformers' defaults, its
+    vision_config completed the same way, and ``mrope_section`` (Qwen3-VL: ``mrope_interleaved`` too) at the
+    top (the rotary is a plain one otherwise)."""
     import transformers
 
     kind = cfg["model_type"]
@@ -1140,10 +1135,12 @@ def completed_qwen_vl_config(cfg: dict) -> dict:
     full = getattr(transformers, text_class)(**text).to_dict()
     rope = full.get("rope_parameters") or full.get("rope_scaling") or {}
     section = rope.get(MROPE_SECTION_KEY) or (cfg.get("rope_scaling") or {}).get(MROPE_SECTION_KEY)
-    if kind == "qwen3_vl":
+    if kind in QWEN3_VL_MODEL_TYPES:
         section = section or QWEN3_VL_DEFAULT_MROPE_SECTION
         # transformers interleaves Qwen3-VL's bands whatever the key says; its Hub configs say true
         full[MROPE_INTERLEAVED_KEY] = rope.get(MROPE_INTERLEAVED_KEY, True)
+    if kind == "qwen3_vl_moe":  # its router always renormalises the top-k weights (no norm_topk_prob key)
+        full["norm_topk_prob"] = True
     if not section:
         raise ValueError(f"{kind}: the config gives no rope mrope_section")
     # The 1D table M-RoPE gathers from is the default rotary's (transformers' "mrope" / "default" type).

@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from plait import LLM, SamplingParams
 from tests.test_multimodal import _data_url, _image, _saved
@@ -43,14 +44,23 @@ def qwen3_vl(tmp_path_factory):
     preprocessor_config.json naming Qwen2VLImageProcessorFast (which transformers serves with its PIL
     processor where torchvision is missing, as here)."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    cfg = Qwen3VLConfig(text_config=TEXT_DIMS, vision_config=VISION_DIMS, **_vision_token_ids(_tokenizer()))
+    return _qwen3_vl_folder(tmp_path_factory, "tiny-qwen3-vl", Qwen3VLForConditionalGeneration, cfg)
+
+
+def _vision_token_ids(tokenizer) -> dict[str, int]:
+    return {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
+
+
+def _qwen3_vl_folder(tmp_path_factory, name: str, model_class: type, cfg):
+    """(folder, a random transformers ``model_class`` of ``cfg`` saved there, its processor)."""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = _tokenizer()
-    ids = {name: tokenizer.convert_tokens_to_ids(tok) for name, tok in [
-        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
-        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")]}
-    cfg = Qwen3VLConfig(text_config=TEXT_DIMS, vision_config=VISION_DIMS, **ids)
-    folder, model = _saved(Qwen3VLForConditionalGeneration, cfg, SEED, "tiny-qwen3-vl", tmp_path_factory)
+    folder, model = _saved(model_class, cfg, SEED, name, tmp_path_factory)
     image_processor = Qwen2VLImageProcessorPil(
         patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3,
         size={"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS})
@@ -64,12 +74,45 @@ def qwen3_vl(tmp_path_factory):
     return folder, model, HfQwenVL(image_processor, tokenizer)
 
 
+@pytest.fixture(scope="module")
+def qwen3_vl_moe(tmp_path_factory):
+    """(folder, transformers' model, its processor): a Qwen3-VL-MoE of 4 experts (2 a token, 48 wide: its
+    stacked experts saved [experts, in, out] as the Hub's are), the last decoder layer a dense MLP."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    text = dict(TEXT_DIMS, moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
+                mlp_only_layers=[2])
+    cfg = Qwen3VLMoeConfig(text_config=text, vision_config=VISION_DIMS, **_vision_token_ids(_tokenizer()))
+    folder, model, processor = _qwen3_vl_folder(tmp_path_factory, "tiny-qwen3-vl-moe",
+                                                Qwen3VLMoeForConditionalGeneration, cfg)
+    # transformers 5 saves its own [experts, out, in]; the Hub's checkpoints hold [experts, in, out]
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    stacked = [name for name in tensors if name.endswith(("experts.gate_up_proj", "experts.down_proj"))]
+    assert tensors[stacked[0]].shape[1:] in ((96, 64), (64, 48))
+    save_file(tensors | {name: tensors[name].transpose(1, 2).contiguous() for name in stacked}, path,
+              metadata={"format": "pt"})
+    return folder, model, processor
+
+
 def _prompts(seed: int = 0) -> list[tuple[str, list]]:
     return [(text, [_image(seed + 10 * k + j, size) for j, size in enumerate(sizes)])
             for k, (text, sizes) in enumerate(PROMPTS)]
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def test_moe_greedy_matches_transformers(qwen3_vl_moe):
+    """Qwen3-VL-MoE: its experts loaded from the Hub's [experts, in, out] stacks, routed as transformers'
+    (top-k renormalised); images split across chunks get transformers' greedy tokens."""
+    folder, hf, processor = qwen3_vl_moe
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=7, enable_prefix_caching=False)
+    prompts = _prompts()
+    outs = llm.generate([_request(text, images) for text, images in prompts], GREEDY, use_tqdm=False)
+    for out, (text, images) in zip(outs, prompts):
+        ids, want = _hf_greedy(hf, processor, text, images, 8)
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want
 
 
 @pytest.mark.parametrize("budget", [512, 7])
@@ -134,7 +177,10 @@ def test_interleaved_mrope_is_transformers():
     """MRopeRotary on interleaved_mrope_columns rotates q and k as transformers' Qwen3-VL text rotary does,
     at three different positions a token: the tiny test's bands and Qwen3-VL-8B's [24, 20, 20] of 64."""
     from transformers import Qwen3VLTextConfig
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding, apply_rotary_pos_emb
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import (
+        Qwen3VLTextRotaryEmbedding,
+        apply_rotary_pos_emb,
+    )
 
     from plait.layers.rotary import MRopeRotary, RotaryEmbedding, interleaved_mrope_columns
 
@@ -194,11 +240,12 @@ def test_prefix_cache_and_preemption(qwen3_vl):
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
 
 
-def test_split_over_two_ranks_answers_as_one_device(qwen3_vl):
-    """Tensor parallelism: the decoder split in two (gloo), the vision side run by the driver alone, which
-    sends each step's placeholder rows (embeddings and DeepStack features) and M-RoPE positions; prompts with
-    images, split across chunks, get transformers' tokens."""
-    folder, hf, processor = qwen3_vl
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_split_over_two_ranks_answers_as_one_device(request, family):
+    """Tensor parallelism: the decoder split in two (gloo; the MoE's experts by width), the vision side run by
+    the driver alone, which sends each step's placeholder rows (embeddings and DeepStack features) and M-RoPE
+    positions; prompts with images, split across chunks, get transformers' tokens."""
+    folder, hf, processor = request.getfixturevalue(family)
     llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=7,
               enable_prefix_caching=False)
     try:
@@ -241,13 +288,8 @@ def test_server_chat_with_image_url(qwen3_vl):
         assert reply.choices[0].message.content == offline.outputs[0].text
 
 
-def test_moe_and_videos_are_refused_by_name(qwen3_vl, tmp_path):
+def test_videos_are_refused_by_name(qwen3_vl):
     folder, _, _ = qwen3_vl
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg.update(architectures=["Qwen3VLMoeForConditionalGeneration"], model_type="qwen3_vl_moe")
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="Qwen3VLMoeForConditionalGeneration is not supported"):
-        LLM(str(tmp_path), dtype="float32", load_format="dummy")
     llm = LLM(str(folder), dtype="float32")
     with pytest.raises(ValueError, match="video inputs are not supported"):
         llm.generate([{"prompt": "w1", "multi_modal_data": {"video": [_image(0)]}}], use_tqdm=False)

@@ -21,7 +21,8 @@ refused (as for Qwen2-VL)."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import re
+from collections.abc import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -41,10 +42,11 @@ from plait.models.qwen2_vl import (
     span_groups,
     vision_positions,
 )
+from plait.models.weights import LoadRecord
 from plait.runner.forward_batch import ForwardBatch
 
-# Qwen3-VL's preprocessor_config.json (the Hub's): pixel bounds of 256 x 256 to 4096 x 4096, and mean / std 0.5
-# (Qwen2-VL's are CLIP's); for a folder without one (dummy weights).
+# Qwen3-VL's preprocessor_config.json (the Hub's): pixel bounds of 256 x 256 to 4096 x 4096, and mean / std
+# 0.5 (Qwen2-VL's are CLIP's); for a folder without one (dummy weights).
 QWEN3_VL_MIN_PIXELS, QWEN3_VL_MAX_PIXELS = 256 * 256, 4096 * 4096
 QWEN3_VL_IMAGE_MEAN = QWEN3_VL_IMAGE_STD = [0.5, 0.5, 0.5]
 # Taps of the bilinear resampling of the position table, per axis.
@@ -110,8 +112,8 @@ class Qwen3VisionTransformer(nn.Module):
         # the blocks whose outputs DeepStack reads, in the config's order (each has its merger, by position)
         self.deepstack_visual_indexes = [int(i) for i in cfg.get("deepstack_visual_indexes") or ()]
         if any(not 0 <= i < cfg["depth"] for i in self.deepstack_visual_indexes):
-            raise ValueError(f"deepstack_visual_indexes {self.deepstack_visual_indexes} name blocks beyond the "
-                             f"encoder's {cfg['depth']}")
+            raise ValueError(f"deepstack_visual_indexes {self.deepstack_visual_indexes} name blocks beyond "
+                             f"the encoder's {cfg['depth']}")
         self.deepstack_merger_list = nn.ModuleList(
             Qwen3PatchMerger(self.out_dim, dim, self.merge, postshuffle=True)
             for _ in self.deepstack_visual_indexes)
@@ -172,9 +174,9 @@ class Qwen3VLTextModel(LlamaModel):
     def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
                 inputs_embeds: torch.Tensor | None = None, rotary: Rotary | None = None,
                 deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        # input_ids: [T]; inputs_embeds: [T, hidden]; deepstack: (mask [T] bool, features [T, levels, hidden]):
-        # after layer k < levels, features[:, k] is added where mask is set (rows elsewhere are stale values
-        # of the static buffer, never read: torch.where, not a product, so nothing leaks in)
+        # input_ids: [T]; inputs_embeds: [T, hidden]; deepstack: (mask [T] bool, features [T, levels,
+        # hidden]): after layer k < levels, features[:, k] is added where mask is set (rows elsewhere are
+        # stale values of the static buffer, never read: torch.where, not a product, so nothing leaks in)
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         fuse = self.fuses_mlp_norm(x)
@@ -244,3 +246,36 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
         if batch.mrope_positions is not None:
             rotary = MRopeRotary(self.model.rotary.cos_sin, batch.mrope_positions, self.mrope_columns)
         return self.model(input_ids, batch, inputs_embeds=embeds, rotary=rotary, deepstack=deepstack)
+
+
+# A stacked experts tensor of a Qwen3-VL-MoE checkpoint (the decoder's, under any prefix) and its kind.
+_STACKED_EXPERTS = re.compile(r"\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
+class Qwen3VLMoeForConditionalGeneration(Qwen3VLForConditionalGeneration):
+    """Qwen3-VL-MoE (Qwen3-VL-30B-A3B, 235B-A22B): Qwen3VLForConditionalGeneration with the Qwen3-MoE
+    decoder's sparse blocks (DecoderLayer.make_mlp builds them from ModelConfig.moe; the router always
+    renormalises, config.completed_qwen_vl_config). Its checkpoints stack each layer's experts as [experts,
+    in, out]; checkpoint_layout turns them into transformers 5's [experts, out, in] that FusedMoE.load_stacked
+    takes."""
+
+    # Adapters would need per-expert deltas inside the expert kernels (as MoeForCausalLM).
+    supports_lora = False
+
+    def fold_norm_weights(self, loaded: LoadRecord | None = None) -> None:
+        """Kept unfolded: the MLP norm feeds the router and every expert, which take no row scale."""
+
+    def checkpoint_layout(self, weights: Iterable[tuple[str, torch.Tensor]]
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each stacked experts tensor as [experts, out, in]: transposed unless it is so already
+        (transformers' Transpose(1, 2, check_dims=True) for qwen3_vl_moe)."""
+        # the whole model's shapes (the loaders call this before a tensor-parallel rank takes its slices)
+        moe, hidden = self.config.moe, self.config.hidden_size
+        width = int(self.config.raw["moe_intermediate_size"])
+        want = {"gate_up_proj": (moe.num_experts, 2 * width, hidden),
+                "down_proj": (moe.num_experts, hidden, width)}
+        for name, tensor in weights:
+            stacked = _STACKED_EXPERTS.search(name)
+            if stacked and tuple(tensor.shape) != want[stacked[1]]:
+                tensor = tensor.transpose(1, 2).contiguous()  # [E, in, out] -> [E, out, in]
+            yield name, tensor

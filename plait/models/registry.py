@@ -26,6 +26,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2VLForConditionalGeneration": ("plait.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),
     "Qwen2_5_VLForConditionalGeneration": ("plait.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Qwen3VLForConditionalGeneration": ("plait.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": ("plait.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
     "MixtralForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
