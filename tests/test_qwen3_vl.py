@@ -152,6 +152,42 @@ def test_skipping_deepstack_changes_the_answers(qwen3_vl):
     assert got[2] == want[2]
 
 
+def test_hub_config_and_triton_kernels_match_transformers(qwen3_vl, tmp_path, monkeypatch):
+    """The Hub's Qwen3-VL config form (transformers 4.57's: text_config's rope_scaling {"mrope_interleaved":
+    true, "mrope_section": ...} and rope_theta) served through the Triton backend (its interpreter on CPU:
+    the fused q/k norm + rotary + KV store on interleaved M-RoPE's per-step table, the fused add + RMSNorm
+    beside DeepStack's adds) gives transformers' greedy tokens, images split across chunks."""
+    import shutil
+
+    import plait.attention.triton_backend as triton_backend
+    from plait.kernels import dispatch
+
+    folder, hf, processor = qwen3_vl
+    copy = tmp_path / "hub-config"
+    shutil.copytree(folder, copy)
+    config = json.loads((copy / "config.json").read_text())
+    rope = config["text_config"].pop("rope_parameters")
+    config["text_config"].update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
+    assert config["text_config"]["rope_scaling"]["mrope_interleaved"]
+    (copy / "config.json").write_text(json.dumps(config))
+    text, images = _prompts()[1]
+    ids, want = _hf_greedy(hf, processor, text, images, 4)
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", True)
+    fused = []
+
+    def counted(*args, _kernel=triton_backend.rope_store_kv, **kwargs):
+        fused.append(1)
+        return _kernel(*args, **kwargs)
+
+    monkeypatch.setattr(triton_backend, "rope_store_kv", counted)
+    llm = LLM(str(copy), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
+    fused.clear()  # the memory profile's forward
+    out = llm.generate([_request(text, images)], SamplingParams(temperature=0.0, max_tokens=4,
+                                                                ignore_eos=True), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want
+    assert fused  # every layer normalised, rotated and stored in the fused launch
+
+
 def test_image_embeddings_and_deepstack_features_are_transformers(qwen3_vl):
     """Two images of different sizes through the encoder at once (learned positions resampled to each
     grid): each placeholder's row is transformers' merged embedding, then its DeepStack features."""
