@@ -118,8 +118,9 @@ def test_moe_greedy_matches_transformers(qwen3_vl_moe):
 @pytest.mark.parametrize("budget", [512, 7])
 def test_greedy_matches_transformers(qwen3_vl, budget):
     """Each prompt's ids are the processor's and its greedy tokens transformers': images of different sizes,
-    0, 1 and 2 a prompt, batched together; at 7 tokens a step every image is split across chunks, beside
-    other requests' tokens, so each chunk's DeepStack rows must land on that chunk's placeholders."""
+    0, 1 and 2 a prompt, batched together; at 7 tokens a step the images (6, 12 and 6 placeholders) are split
+    across chunks, beside other requests' tokens, so each chunk's DeepStack rows must land on that chunk's
+    placeholders."""
     folder, hf, processor = qwen3_vl
     llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=budget, enable_prefix_caching=False)
     prompts = _prompts()
@@ -329,3 +330,33 @@ def test_videos_are_refused_by_name(qwen3_vl):
     llm = LLM(str(folder), dtype="float32")
     with pytest.raises(ValueError, match="video inputs are not supported"):
         llm.generate([{"prompt": "w1", "multi_modal_data": {"video": [_image(0)]}}], use_tqdm=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpu_graphs_match_cpu_fp32(qwen3_vl, dtype):
+    """On the GPU path (Triton attention with the fused q/k norm + rotary + KV store on interleaved M-RoPE's
+    table, CUDA graphs reading the wide image rows, DeepStack's adds in the captured steps, images split
+    across chunks beside decodes) against the CPU fp32 engine, as tests/test_qwen2_vl.py's Qwen2.5-VL check:
+    fp32 equal, bf16 forking only at near-ties; decode and image steps replay graphs. (Written without a GPU
+    to run it on.)"""
+    from tests.test_qwen2_vl import BF16_NEAR_TIE, FORK_LOGPROBS, _fork_gap
+
+    folder, _, _ = qwen3_vl
+    prompts = [_request(text, images) for text, images in _prompts(seed=3)] * 2
+    cpu = LLM(str(folder), dtype="float32", device="cpu", enable_prefix_caching=False)
+    reference = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=FORK_LOGPROBS)
+    want = [o.outputs[0] for o in cpu.generate(prompts, reference, use_tqdm=False)]
+    llm = LLM(str(folder), dtype=dtype, max_num_batched_tokens=12, enable_prefix_caching=False,
+              usage="serve")
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    forked = [gap for gap in (_fork_gap(g, w) for g, w in zip(got, want)) if gap is not None]
+    if dtype == "float32":
+        assert not forked
+    else:
+        assert all(gap <= BF16_NEAR_TIE for gap in forked), forked
+    b = llm.engine.runner.breakdown
+    assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
+    assert b.image_steps > 0 and b.graph_image_steps == b.image_steps
