@@ -360,3 +360,59 @@ def test_gpu_graphs_match_cpu_fp32(qwen3_vl, dtype):
     b = llm.engine.runner.breakdown
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
     assert b.image_steps > 0 and b.graph_image_steps == b.image_steps
+
+
+# Qwen3-VL-2B-Instruct's config.json as the Hub has it (transformers 4.57's form), cut to 3 decoder layers
+# (as many as its DeepStack levels).
+HUB_CONFIG = {
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "image_token_id": 151655,
+    "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "tie_word_embeddings": True,
+    "text_config": {"model_type": "qwen3_vl_text", "hidden_size": 2048, "intermediate_size": 6144,
+                    "num_hidden_layers": 3, "num_attention_heads": 16, "num_key_value_heads": 8,
+                    "head_dim": 128,
+                    "vocab_size": 151936, "max_position_embeddings": 262144, "rope_theta": 5000000,
+                    "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20],
+                                     "rope_type": "default"}, "tie_word_embeddings": True},
+    "vision_config": {"model_type": "qwen3_vl", "depth": 24, "hidden_size": 1024, "intermediate_size": 4096,
+                      "num_heads": 16, "out_hidden_size": 2048, "num_position_embeddings": 2304,
+                      "deepstack_visual_indexes": [5, 11, 17], "patch_size": 16, "spatial_merge_size": 2,
+                      "temporal_patch_size": 2, "hidden_act": "gelu_pytorch_tanh", "in_channels": 3},
+}
+
+
+@pytest.mark.parametrize("moe", [False, True])
+def test_hub_sized_configs_take_transformers_tensors(moe):
+    """Qwen3-VL-2B's Hub config (and a Qwen3-VL-30B-A3B-shaped MoE one: 128 experts, 8 a token), built on the
+    meta device: every tensor transformers' model holds (the MoE's stacked experts as the Hub's [experts, in,
+    out]) loads by name and shape, the tied lm_head left out; DeepStack's three levels widen the rows 4x."""
+    import copy
+
+    import transformers
+
+    from plait.config import ModelConfig
+    from plait.models.base import checkpoint_layout
+    from plait.models.registry import get_model_class
+
+    raw = copy.deepcopy(HUB_CONFIG)
+    if moe:
+        raw.update(architectures=["Qwen3VLMoeForConditionalGeneration"], model_type="qwen3_vl_moe",
+                   tie_word_embeddings=False)
+        raw["text_config"].update(model_type="qwen3_vl_moe_text", tie_word_embeddings=False,
+                                  moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+        raw["vision_config"].update(model_type="qwen3_vl_moe", depth=27, hidden_size=1152,
+                                    intermediate_size=4304, deepstack_visual_indexes=[8, 16, 24])
+    hf_config = (transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig)(
+        **{k: v for k, v in raw.items() if k != "architectures"})
+    cfg = ModelConfig.from_hf(raw)
+    assert cfg.qk_norm and cfg.rope_theta == 5e6 and cfg.rope_scaling is None
+    assert (cfg.moe is not None and cfg.moe.renormalize) if moe else cfg.moe is None
+    with torch.device("meta"):
+        hf = getattr(transformers, raw["architectures"][0])(hf_config)
+        model = get_model_class(cfg.architecture)(cfg, 4096)
+    assert model.image_embed_width == 4 * 2048
+    stacked = ("experts.gate_up_proj", "experts.down_proj")
+    tensors = {name: t.transpose(1, 2) if name.endswith(stacked) else t for name, t in hf.state_dict().items()
+               if not (cfg.tie_word_embeddings and name == "lm_head.weight")}
+    # every parameter covered by a tensor of its shape, every tensor placed, or it raises
+    model.load_weights(checkpoint_layout(model, iter(tensors.items())))
