@@ -189,6 +189,41 @@ def test_hub_config_and_triton_kernels_match_transformers(qwen3_vl, tmp_path, mo
     assert fused  # every layer normalised, rotated and stored in the fused launch
 
 
+def test_lora_adapter_changes_the_decoder_as_transformers_merged(qwen3_vl, tmp_path):
+    """An adapter on every projection of the decoder (transformers 5's names), beside base rows, images split
+    across chunks: transformers' tokens with the adapter merged into its weights (W + 2 B A), base rows its
+    own."""
+    import copy
+
+    from plait.lora.request import LoRARequest
+    from tests.test_qwen2_vl import _random_adapter
+
+    folder, hf, processor = qwen3_vl
+    hidden, inter, head_dim = TEXT_DIMS["hidden_size"], TEXT_DIMS["intermediate_size"], TEXT_DIMS["head_dim"]
+    q, kv = TEXT_DIMS["num_attention_heads"] * head_dim, TEXT_DIMS["num_key_value_heads"] * head_dim
+    projections = {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+                   "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+                   "down_proj": (inter, hidden)}
+    pairs = _random_adapter(tmp_path / "adapter", "model.language_model", 4, seed=9, projections=projections,
+                            num_layers=TEXT_DIMS["num_hidden_layers"])
+    merged = copy.deepcopy(hf)
+    with torch.no_grad():
+        state = merged.state_dict()
+        for module, (a, b) in pairs.items():
+            state[f"{module}.weight"] += 2.0 * (b @ a)  # lora_alpha / r = 2
+    lora = LoRARequest("tiny-qwen3-vl", 1, str(tmp_path / "adapter"))
+    llm = LLM(str(folder), dtype="float32", enable_lora=True, max_lora_rank=8, max_num_batched_tokens=7,
+              enable_prefix_caching=False)
+    prompts = _prompts()
+    requests = [_request(text, images) for text, images in prompts]
+    outs = llm.generate(requests * 2, GREEDY, lora_request=[lora] * len(requests) + [None] * len(requests),
+                        use_tqdm=False)
+    for (text, images), with_lora, without in zip(prompts, outs[:len(requests)], outs[len(requests):]):
+        assert with_lora.outputs[0].token_ids == _hf_greedy(merged, processor, text, images, 8)[1]
+        assert without.outputs[0].token_ids == _hf_greedy(hf, processor, text, images, 8)[1]
+        assert with_lora.outputs[0].token_ids != without.outputs[0].token_ids
+
+
 def test_image_embeddings_and_deepstack_features_are_transformers(qwen3_vl):
     """Two images of different sizes through the encoder at once (learned positions resampled to each
     grid): each placeholder's row is transformers' merged embedding, then its DeepStack features."""
