@@ -312,12 +312,12 @@ def test_prefix_cache_and_preemption(qwen3_vl):
     assert sum(o.metrics["num_preemptions"] for o in outs) > 0
 
 
-def test_split_over_two_ranks_answers_as_one_device(qwen3_vl):
-    """Tensor parallelism: the decoder split in two (gloo), the vision side run by the driver alone, which
-    sends each step's placeholder rows (embeddings and DeepStack features) and M-RoPE positions; prompts with
-    images, split across chunks, get transformers' tokens. (The MoE's split, its experts by width, passes
-    this too; left out of the suite for its time.)"""
-    folder, hf, processor = qwen3_vl
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
+def test_split_over_two_ranks_answers_as_one_device(request, family):
+    """Tensor parallelism: the decoder split in two (gloo; the MoE's experts by width), the vision side run by
+    the driver alone, which sends each step's placeholder rows (embeddings and DeepStack features) and M-RoPE
+    positions; prompts with images, split across chunks, get transformers' tokens."""
+    folder, hf, processor = request.getfixturevalue(family)
     llm = LLM(str(folder), dtype="float32", tensor_parallel_size=2, max_num_batched_tokens=7,
               enable_prefix_caching=False)
     try:
