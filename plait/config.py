@@ -1101,10 +1101,13 @@ DECODER_CONFIGS = {"llava": LLAVA_TEXT_CONFIGS, "llava_next": LLAVA_TEXT_CONFIGS
 # embeddings by the top-level flag).
 _IMAGE_TEXT_TOP_LEVEL_KEYS = ("architectures", "eos_token_id", "torch_dtype", "dtype", "quantization_config",
                               "tie_word_embeddings")
-# The image side of a config whose images plait runs (LLaVA), kept beside its text decoder's fields.
+# The image side of a config whose images plait runs (LLaVA, Mistral 3), kept beside its text decoder's
+# fields.
 _IMAGE_KEYS = ("vision_config", "image_token_index", "image_token_id", "projector_hidden_act",
                "vision_feature_layer", "vision_feature_select_strategy", "multimodal_projector_bias",
-               "image_grid_pinpoints")
+               "image_grid_pinpoints", "spatial_merge_size")
+# The image-text kinds whose images plait runs with their decoder's config (plait.models.llava, .pixtral).
+IMAGE_SIDE_MODEL_TYPES = LLAVA_MODEL_TYPES + ("mistral3",)
 
 
 # Qwen2-VL, Qwen2.5-VL and Qwen3-VL, served with their images (plait.models.qwen2_vl, .qwen3_vl): a Qwen2
@@ -1176,7 +1179,7 @@ def completed_text_config(cfg: dict) -> dict:
         class_name = decoders[text_kind]
     skip = ("architectures", "model_type", "text_config", "vision_config")
     full = getattr(transformers, class_name)(**{k: v for k, v in text.items() if k not in skip}).to_dict()
-    for key in _IMAGE_TEXT_TOP_LEVEL_KEYS + (_IMAGE_KEYS if kind in LLAVA_MODEL_TYPES else ()):
+    for key in _IMAGE_TEXT_TOP_LEVEL_KEYS + (_IMAGE_KEYS if kind in IMAGE_SIDE_MODEL_TYPES else ()):
         if key in cfg:
             full[key] = cfg[key]
     full["model_type"] = text_kind

@@ -2,7 +2,7 @@
 Triton attention, CUDA graphs with the all-reduces captured, overlapped steps) runs the model one GPU runs: a
 dense Llama, and sparse MoE models (Qwen3-MoE, Mixtral, GPT-OSS: every expert's width split, or under expert
 parallelism half the experts whole on each GPU; routers replicated); and quantised checkpoints (block FP8, a
-block-FP8 Qwen3-MoE too, and GPTQ)."""
+block-FP8 Qwen3-MoE too, and GPTQ, a GPTQ Qwen3-MoE too)."""
 
 from __future__ import annotations
 
@@ -279,15 +279,22 @@ def test_two_gpus_run_the_one_gpu_block_fp8_model(checkpoint, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def block_fp8_moe_checkpoint(tmp_path_factory):
-    """A random Qwen3-MoE (16 experts 512 wide, top 4) as Qwen3-30B-A3B-FP8 is written: 128 x 128 tiles with
-    weight_scale_inv, routers 16-bit."""
-    from test_moe import fp8_moe_checkpoint
+def qwen3_moe_16_bit(tmp_path_factory):
+    """A random Qwen3-MoE (16 experts 512 wide, top 4) in bf16: what the quantised MoE checkpoints hold."""
     from transformers import Qwen3MoeConfig
 
     cfg = Qwen3MoeConfig(hidden_size=1024, num_hidden_layers=4, moe_intermediate_size=512, num_experts=16,
                          num_experts_per_tok=4, norm_topk_prob=True, **ATTENTION)
-    folder = _save_random(tmp_path_factory, cfg, "qwen3-moe-16-bit")
+    return _save_random(tmp_path_factory, cfg, "qwen3-moe-16-bit")
+
+
+@pytest.fixture(scope="module")
+def block_fp8_moe_checkpoint(qwen3_moe_16_bit, tmp_path_factory):
+    """The random Qwen3-MoE as Qwen3-30B-A3B-FP8 is written: 128 x 128 tiles with weight_scale_inv, routers
+    16-bit."""
+    from test_moe import fp8_moe_checkpoint
+
+    folder = qwen3_moe_16_bit
     fp8 = tmp_path_factory.mktemp("qwen3-moe-fp8") / "ckpt"
     fp8_moe_checkpoint(folder, fp8, block=(128, 128))
     return fp8
@@ -314,6 +321,19 @@ def test_two_gpus_run_the_one_gpu_gptq_model(checkpoint, tmp_path):
 
     _quantized_checkpoint(checkpoint, tmp_path / "gptq", "gptq", 4, 128, sym=True, act_order=False)
     _check_two_gpus_run_the_one_gpu_model(tmp_path / "gptq", "llama, GPTQ")
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["width", "whole-experts"])
+def test_two_gpus_run_the_one_gpu_gptq_moe_model(qwen3_moe_16_bit, tmp_path, expert_parallel):
+    """A GPTQ Qwen3-MoE (4-bit, groups of 128, as Qwen3-30B-A3B-GPTQ-Int4): each GPU holds whole packed words
+    and groups of every expert's gate and up columns and down inputs (256 of 512: two groups), or half the
+    experts whole, and dequantises them in the fused MoE kernels' K loops; routers 16-bit."""
+    from test_wna16 import _quantized_checkpoint
+
+    _quantized_checkpoint(qwen3_moe_16_bit, tmp_path / "gptq", "gptq", 4, 128, sym=True, act_order=False)
+    what = "qwen3_moe, GPTQ" + (" (expert parallel)" if expert_parallel else "")
+    _check_two_gpus_run_the_one_gpu_model(tmp_path / "gptq", what, MOE_FIRST_LOGITS_TOL, MOE_NEAR_TIE,
+                                          expert_parallel=expert_parallel)
 
 
 def test_two_gpus_run_the_one_gpu_model_with_lora_adapters(checkpoint, tmp_path):

@@ -135,10 +135,11 @@ def image_text_models(tmp_path_factory):
 @pytest.mark.parametrize("layout", ["saved", "transformers5-names-and-hub-config"])
 @pytest.mark.parametrize("kind", ["gemma3", "mistral3", "ministral3"])
 def test_image_text_checkpoint_serves_text_like_hf(image_text_models, tmp_path, kind, layout):
-    """An image-text checkpoint served text-only (Gemma3ForConditionalGeneration: Gemma 3 4B, 12B, 27B;
-    Mistral3ForConditionalGeneration: Mistral-Small-3.1 / 3.2, and the Ministral 3 models with their own
-    decoder): its language model under either naming (``language_model.model.*`` as saved,
-    ``model.language_model.*`` as transformers 5 names it in memory), the vision tower left out, and a
+    """An image-text checkpoint on text prompts (Gemma3ForConditionalGeneration: Gemma 3 4B, 12B, 27B,
+    served text-only; Mistral3ForConditionalGeneration: Mistral-Small-3.1 / 3.2, and the Ministral 3 models
+    with their own decoder, whose Pixtral side loads too: tests/test_pixtral.py): its language model under
+    either naming (``language_model.model.*`` as saved, ``model.language_model.*`` as transformers 5 names it
+    in memory), Gemma 3's vision tower left out, and a
     Hub-style text_config that lists only its model_type and what differs from transformers' defaults;
     greedy tokens and logits equal HF's."""
     import json
@@ -152,6 +153,9 @@ def test_image_text_checkpoint_serves_text_like_hf(image_text_models, tmp_path, 
         shutil.copytree(folder, copy)
         tensors = load_file(copy / "model.safetensors")
         renamed = {n.replace("language_model.model.", "model.language_model."): t for n, t in tensors.items()}
+        # the image side too, as transformers 5 names it in memory (Mistral 3 loads it: tests/test_pixtral.py)
+        renamed = {("model." + n if n.startswith(("vision_tower.", "multi_modal_projector.")) else n): t
+                   for n, t in renamed.items()}
         save_file(renamed, copy / "model.safetensors")
         config = json.loads((copy / "config.json").read_text())
         defaults = text_class().to_dict()

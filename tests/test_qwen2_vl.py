@@ -171,7 +171,7 @@ def test_image_embeddings_are_transformers(request, family):
     inputs = processor(text=PROMPTS[1][0], images=images)
     with torch.no_grad():
         want = hf.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"]).pooler_output
-    llm = LLM(str(folder), dtype="float32")
+    llm = LLM(str(folder), dtype="float32", device="cpu")  # the encoder called directly, on the host's pixels
     pixels = llm.engine.images.preprocess(images)
     assert [p.grid for p in pixels] == [tuple(g) for g in inputs["image_grid_thw"].tolist()]
     with torch.no_grad():
@@ -222,14 +222,16 @@ def test_quantization_fp8_leaves_the_vision_encoder_16_bit(qwen25_vl):
 
     folder, _, _ = qwen25_vl
     images = _prompts()[1][1]
-    embeddings = []
+    embeddings, llm = [], None
     for quantization in (None, "fp8"):
+        if llm is not None:
+            llm.engine.shutdown()  # its KV cache's share of a GPU is the next engine's
         llm = LLM(str(folder), dtype="float32", quantization=quantization, enable_prefix_caching=False)
-        model = llm.engine.runner.model
+        model, device = llm.engine.runner.model, llm.engine.runner.device
         pixels = llm.engine.images.preprocess(images)
         with torch.no_grad():
-            embeddings.append(torch.cat(model.embed_image_list([p.tensor for p in pixels],
-                                                               [p.grid for p in pixels])))
+            embeddings.append(torch.cat(model.embed_image_list([p.tensor.to(device) for p in pixels],
+                                                               [p.grid for p in pixels])).cpu())
     assert isinstance(model.model.layers[0].self_attn.qkv_proj, Fp8Linear)
     assert not any(isinstance(m, Fp8Linear) for m in model.visual.modules())
     assert torch.equal(embeddings[0], embeddings[1])
@@ -264,6 +266,7 @@ def test_an_fp8_checkpoint_with_its_vision_encoder_left_16_bit(qwen25_vl, tmp_pa
         llm = LLM(str(model), dtype="float32", enable_prefix_caching=False, **knobs)
         assert llm.engine.runner.quantization == "fp8"
         answers.append([o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)])
+        llm.engine.shutdown()  # its KV cache's share of a GPU is the next engine's
     assert answers[0] == answers[1]
     cfg["quantization_config"]["ignore"] = ["lm_head", "re:visual.*", "model.layers.0.mlp.down_proj"]
     (dst / "config.json").write_text(json.dumps(cfg))

@@ -1525,8 +1525,8 @@ class OpenAIServer:
             tokens = encode_rendered(tokenizer, text)
             if images:  # the ids chat completions run: each image's placeholders (its pixels are not read)
                 try:
-                    counts = await asyncio.to_thread(self.image_processor.placeholder_counts, images)
-                    tokens, _ = self.image_processor.expand_placeholders(tokens, counts)
+                    spans = await asyncio.to_thread(self.image_processor.placeholder_ids, images)
+                    tokens, _ = self.image_processor.expand_placeholders(tokens, spans)
                 except ValueError as err:
                     raise APIError(400, str(err), param="messages") from err
         else:

@@ -18,7 +18,7 @@ from plait.layers.moe import FusedMoE
 from plait.layers.norm import RMSNorm, RowNorm
 from plait.layers.rotary import QueryScaledRotary, llama4_query_scale, rotary_embedding
 from plait.models.base import CausalLM, refuse_config_keys
-from plait.models.weights import LoadRecord, language_model_weights, load_decoder_weights, pairs_as_halves
+from plait.models.weights import LoadRecord, load_decoder_weights, pairs_as_halves
 from plait.runner.forward_batch import ForwardBatch
 
 
@@ -293,17 +293,6 @@ class SeedOssForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         refuse_config_keys(cfg.raw, "Seed-OSS", ("attention_out_bias", "mlp_bias"))
         super().__init__(cfg, max_positions)
-
-
-class Mistral3ForConditionalGeneration(LlamaForCausalLM):
-    """An image-text Mistral 3 checkpoint (Mistral-Small-3.1 / 3.2) served as text: its Mistral decoder's
-    tensors under the decoder's names; the Pixtral vision tower and projector are not loaded."""
-
-    # Adapters for these checkpoints name the multimodal model's modules (language_model.model...).
-    supports_lora = False
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_decoder_weights(self, language_model_weights(weights))
 
 
 class LlamaForSequenceClassification(LlamaForCausalLM):

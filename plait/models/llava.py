@@ -1,7 +1,8 @@
 """LLaVA (LlavaForConditionalGeneration: LLaVA-1.5 and LLaVA-Interleave's build;
 LlavaNextForConditionalGeneration: LLaVA-NeXT / 1.6): a CLIP or SigLIP vision tower and a two-layer projector
 turn each image into embeddings that stand in the prompt for its placeholder tokens; the Llama-family decoder
-of the text_config (Llama, Mistral, Qwen2) takes them from there."""
+of the text_config (Llama, Mistral, Qwen2) takes them from there. A LLaVA with a Pixtral tower (pixtral-12b)
+is plait.models.pixtral's."""
 
 from __future__ import annotations
 
@@ -150,6 +151,16 @@ class LlavaForConditionalGeneration(LlamaForCausalLM):
 
     supports_lora = True  # on the decoder's projections (plait.lora.model.lora_targets)
     supports_images = True
+
+    def __new__(cls, cfg: ModelConfig | None = None, max_positions: int | None = None) -> nn.Module:
+        # A Pixtral tower (pixtral-12b in transformers' format) takes images at their own size, as Mistral 3
+        # does: the architecture name alone does not tell the two kinds of LLaVA apart.
+        if cls is LlavaForConditionalGeneration and cfg is not None:
+            from plait.models.pixtral import PixtralLlavaForConditionalGeneration, has_pixtral_tower
+
+            if has_pixtral_tower(cfg.raw):
+                return PixtralLlavaForConditionalGeneration(cfg, max_positions)
+        return super().__new__(cls)
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__(cfg, max_positions)

@@ -99,17 +99,29 @@ class VisionAttention(nn.Module):
         # frame, or a window), no mask
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)  # each [N, heads, head_dim]
-        cos, sin = (t[:, None] for t in cos_sin)
-        # rotated in fp32, as transformers does, then back to the activations' dtype
+        return self.proj(rotary_span_attention(q, k, v, cos_sin, spans).reshape(n, -1))
+
+
+def rotary_span_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          cos_sin: tuple[torch.Tensor, torch.Tensor], spans: SpanGroups,
+                          rotate_in_fp32: bool = True) -> torch.Tensor:
+    """A vision encoder's attention (Qwen2-VL's, Pixtral's): q and k rotated by their patches' 2D angles,
+    then each patch attends to the patches of its span alone (an image, a frame or a window; no mask).
+    q, k, v: [N, heads, head_dim]; cos, sin: [N, head_dim] fp32 -> [N, heads, head_dim]."""
+    cos, sin = (t[:, None] for t in cos_sin)
+    if rotate_in_fp32:  # Qwen-VL's, as transformers rotates them, then back to the activations' dtype
         q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
         k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
-        out = torch.empty_like(q)
-        for length, starts in spans:
-            rows = starts[:, None] + torch.arange(length, device=starts.device)  # [spans, length]
-            # -> [spans, heads, length, head_dim]: every span of this length in one call
-            part = F.scaled_dot_product_attention(*(t[rows].transpose(1, 2) for t in (q, k, v)))
-            out[rows] = part.transpose(1, 2)
-        return self.proj(out.reshape(n, -1))
+    else:  # Pixtral's transformers rotates in the activations' dtype, the angles' cos / sin cast to it
+        cos, sin = cos.to(v.dtype), sin.to(v.dtype)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    out = torch.empty_like(q)
+    for length, starts in spans:
+        rows = starts[:, None] + torch.arange(length, device=starts.device)  # [spans, length]
+        # -> [spans, heads, length, head_dim]: every span of this length in one call
+        part = F.scaled_dot_product_attention(*(t[rows].transpose(1, 2) for t in (q, k, v)))
+        out[rows] = part.transpose(1, 2)
+    return out
 
 
 class VisionMLP(nn.Module):

@@ -20,7 +20,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Olmo2ForCausalLM": ("plait.models.olmo", "OlmoForCausalLM"),
     "Olmo3ForCausalLM": ("plait.models.olmo", "OlmoForCausalLM"),
     "Exaone4ForCausalLM": ("plait.models.olmo", "Exaone4ForCausalLM"),
-    "Mistral3ForConditionalGeneration": ("plait.models.llama", "Mistral3ForConditionalGeneration"),
+    "Mistral3ForConditionalGeneration": ("plait.models.pixtral", "Mistral3ForConditionalGeneration"),
     "LlavaForConditionalGeneration": ("plait.models.llava", "LlavaForConditionalGeneration"),
     "LlavaNextForConditionalGeneration": ("plait.models.llava", "LlavaNextForConditionalGeneration"),
     "Qwen2VLForConditionalGeneration": ("plait.models.qwen2_vl", "Qwen2VLForConditionalGeneration"),

@@ -217,7 +217,7 @@ def load_decoder_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Te
     load_checked(model, weights, STACKED_PROJECTIONS, sizes, rename, not_in_checkpoint)
 
 
-# The vision side of an image model (plait.models.llava, plait.models.qwen2_vl): its modules' names (a
+# The vision side of an image model (plait.models.llava, .qwen2_vl, .pixtral): its modules' names (a
 # checkpoint's may sit under "model."), kept 16-bit in a quantised model and whole on every tensor-parallel
 # rank, and which a checkpoint's list of unquantised layers may name.
 IMAGE_SIDE_MODULES = ("vision_tower", "multi_modal_projector", "visual")

@@ -30,7 +30,8 @@ class ImageInput:
     offset: int
     length: int
     # [tiles, channels, size, size] fp32 on the host, as the image processor made it (LLaVA-1.5: one tile;
-    # LLaVA-NeXT: the whole image, then the tiles of its best grid)
+    # LLaVA-NeXT: the whole image, then the tiles of its best grid; Pixtral: [channels, height, width] at
+    # the size the processor resized it to)
     pixel_values: torch.Tensor
     size: tuple[int, int]  # the image's own (height, width), before the processor resized it
     key: bytes  # a hash of the pixel values: the prefix cache tells apart prompts that differ only here
@@ -43,7 +44,8 @@ class PixelValues:
     """An image already through the model's image processor: the server makes these off the engine's thread
     (ImageProcessor.pixel_values), so the step loop never decodes an image."""
 
-    tensor: torch.Tensor  # [tiles, channels, size, size] fp32; Qwen2-VL: [t h w, patch values]
+    # [tiles, channels, size, size] fp32; Qwen2-VL: [t h w, patch values]; Pixtral: [channels, height, width]
+    tensor: torch.Tensor
     size: tuple[int, int]  # the image's own (height, width)
     grid: tuple[int, int, int] | None = None  # Qwen2-VL: (temporal, height, width) of its patches
 
@@ -114,10 +116,11 @@ def _data_url_bytes(url: str) -> bytes:
 
 class ImageProcessor:
     """Turns a token prompt and its images into the prompt the model runs: each image token expanded to
-    that image's placeholders (``model.num_image_tokens_for(size)``), and each image's pixel values
-    (``model.num_tiles_for(size)`` tiles)."""
+    that image's placeholders (``model.num_image_tokens_for(size)`` image tokens, or the ids
+    ``model.image_placeholders`` gives), and each image's pixel values (``model.num_tiles_for(size)``
+    tiles)."""
 
-    def __init__(self, hf_processor: Any, model: Any) -> None:
+    def __init__(self, hf_processor: Any, model: Any, tokenizer: Any | None = None) -> None:
         self.hf_processor = hf_processor
         self.image_token_id = model.image_token_id
         # The tokens a prompt writes for one image (Qwen2-VL wraps its image token in vision start / end).
@@ -127,52 +130,73 @@ class ImageProcessor:
         counter = getattr(model, "image_token_counter", None)
         self._tokens_for = model.num_image_tokens_for if counter is None else counter(hf_processor)
         self._tiles_for = model.num_tiles_for
+        # Pixtral: an image's placeholders are rows of image tokens, each ended by a break token (the last by
+        # an end token), whose ids the tokenizer knows: a function of the size, None where they are all the
+        # image token
+        placeholders = getattr(model, "image_placeholders", None)
+        self._placeholders_for = None if placeholders is None else placeholders(hf_processor, tokenizer)
+        # what the model's processor is called with beside the images (Pixtral: its resize unit)
+        self._call_kwargs: dict[str, Any] = dict(getattr(model, "image_processor_kwargs", None) or {})
+        # Pixtral's processor pads a batch to its largest image: each is cut back to its own size
+        self._own_sizes = bool(getattr(model, "images_at_own_size", False))
 
     @classmethod
-    def for_model(cls, folder: Path | None, model: Any) -> ImageProcessor:
+    def for_model(cls, folder: Path | None, model: Any, tokenizer: Any | None = None) -> ImageProcessor:
         """The model folder's image processor (its preprocessor_config.json), else the model's default (a
-        config-only folder: dummy weights)."""
+        config-only folder: dummy weights). ``tokenizer``: the model's, for placeholder ids it names."""
         from transformers import AutoImageProcessor
 
         if folder is not None and (Path(folder) / "preprocessor_config.json").is_file():
-            return cls(AutoImageProcessor.from_pretrained(str(folder)), model)
-        return cls(model.default_image_processor(), model)
+            return cls(AutoImageProcessor.from_pretrained(str(folder)), model, tokenizer)
+        return cls(model.default_image_processor(), model, tokenizer)
 
     def expand(self, token_ids: Sequence[int], images: Sequence[Any]
                ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt with each image token made its image's placeholders, and its images. A prompt already
         expanded (as transformers' processor writes it) is taken as it is."""
         pixels = self.preprocess(images)
-        lengths = [self._tokens_for(p.size) for p in pixels]
-        ids, offsets = self.expand_placeholders(token_ids, lengths)
-        return ids, tuple(ImageInput(offset, n, p.tensor, p.size, _key(p.tensor), p.grid)
-                          for offset, n, p in zip(offsets, lengths, pixels))
+        spans = self._placeholder_ids([p.size for p in pixels])
+        ids, offsets = self.expand_placeholders(token_ids, spans)
+        return ids, tuple(ImageInput(offset, len(span), p.tensor, p.size, _key(p.tensor), p.grid)
+                          for offset, span, p in zip(offsets, spans, pixels))
+
+    def _placeholder_ids(self, sizes: Sequence[tuple[int, int]]) -> list[list[int]]:
+        """Each image's placeholder ids, from its (height, width)."""
+        if self._placeholders_for is not None:
+            return [self._placeholders_for(size) for size in sizes]
+        return [[self.image_token_id] * self._tokens_for(size) for size in sizes]
+
+    def placeholder_ids(self, images: Sequence[Any]) -> list[list[int]]:
+        """Each image's placeholder ids, from its size alone (its pixels are not processed)."""
+        return self._placeholder_ids([image.size if isinstance(image, PixelValues) else _hw(load_image(image))
+                                      for image in images])
 
     def placeholder_counts(self, images: Sequence[Any]) -> list[int]:
         """Each image's placeholder count, from its size alone (its pixels are not processed)."""
-        return [self._tokens_for(image.size if isinstance(image, PixelValues) else _hw(load_image(image)))
-                for image in images]
+        return [len(span) for span in self.placeholder_ids(images)]
 
-    def expand_placeholders(self, token_ids: Sequence[int], lengths: list[int]
+    def expand_placeholders(self, token_ids: Sequence[int], placeholders: Sequence[int | Sequence[int]]
                             ) -> tuple[list[int], list[int]]:
-        """(the prompt with each image token made ``lengths[k]`` placeholders for the k-th image, each image's
-        first placeholder); ValueError where the image tokens do not match the images."""
+        """(the prompt with each image token made the k-th image's placeholders, each image's first
+        placeholder); ``placeholders[k]``: the k-th image's placeholder ids, or their count (that many image
+        tokens). A prompt whose images stand expanded already is taken as it is. ValueError where the image
+        tokens do not match the images."""
         ids, token = list(token_ids), self.image_token_id
-        found = ids.count(token)
-        if found == len(lengths):
-            counts = iter(lengths)
-            ids = [t for tok in ids for t in ([tok] * next(counts) if tok == token else [tok])]
-        elif found != sum(lengths) or not lengths:
-            raise ValueError(f"the prompt has {found} image token(s) for {len(lengths)} image(s): put one "
-                             f"image token (id {token}) in the prompt for each image")
-        at = [i for i, tok in enumerate(ids) if tok == token]
-        offsets, k = [], 0
-        for n in lengths:
-            if at[k + n - 1] - at[k] != n - 1:
-                raise ValueError(f"an image's {n} placeholder tokens must stand together in the prompt")
-            offsets.append(at[k])
-            k += n
-        return ids, offsets
+        spans = [[token] * p if isinstance(p, int) else list(p) for p in placeholders]
+        found, expanded = ids.count(token), sum(span.count(token) for span in spans)
+        offsets = _span_offsets(ids, spans, token) if spans and found == expanded else None
+        if offsets is not None:
+            return ids, offsets
+        if found == len(spans):  # one image token an image (or neither)
+            each = iter(spans)
+            ids = [t for tok in ids for t in (next(each) if tok == token else [tok])]
+            return ids, _span_offsets(ids, spans, token)
+        if spans and found == expanded:
+            n = len(next(span for span, at in zip(spans, _span_starts(ids, spans, token))
+                          if ids[at:at + len(span)] != span))
+            raise ValueError(f"an image's {n} placeholder tokens must stand together in the prompt")
+        raise ValueError(f"the prompt has {found} image token(s) for {len(spans)} image(s): put one "
+                         f"image token (id {token}) in the prompt for each image")
 
     def preprocess(self, images: Sequence[Any]) -> tuple[PixelValues, ...]:
         """Each image's pixel values and size, in order (ValueError for one that cannot be read; a PixelValues
@@ -181,7 +205,13 @@ class ImageProcessor:
         out: list[Any] = list(images)
         if todo:
             pil = [load_image(images[i]) for i in todo]
-            made = self.hf_processor(images=pil, return_tensors="pt")
+            self._placeholder_ids([_hw(image) for image in pil])  # the model's refusals (too thin) first
+            made = self.hf_processor(images=pil, return_tensors="pt", **self._call_kwargs)
+            if self._own_sizes:  # Pixtral: the batch padded to its largest image; each cut to its own size
+                sizes = made["image_sizes"].tolist()
+                for i, image, pixels, (h, w) in zip(todo, pil, made["pixel_values"], sizes):
+                    out[i] = PixelValues(pixels[:, :h, :w].float().contiguous(), _hw(image))
+                return tuple(out)
             if "image_grid_thw" in made:  # Qwen2-VL: every image's patches in one tensor, and their grids
                 grids = [tuple(g) for g in made["image_grid_thw"].tolist()]
                 patches = made["pixel_values"].split([t * h * w for t, h, w in grids])
@@ -193,6 +223,26 @@ class ImageProcessor:
                 tiles = pixels if pixels.dim() == 4 else pixels[None]  # [tiles, C, H, W]; padded past its own
                 out[i] = PixelValues(tiles[:self._tiles_for(size)].float().contiguous(), size)
         return tuple(out)
+
+
+def _span_starts(ids: list[int], spans: list[list[int]], token: int) -> list[int]:
+    """Where each image's placeholders would begin: at its first image token, counted through the spans
+    before it."""
+    at = [i for i, tok in enumerate(ids) if tok == token]
+    starts, k = [], 0
+    for span in spans:
+        starts.append(at[k])
+        k += span.count(token)
+    return starts
+
+
+def _span_offsets(ids: list[int], spans: list[list[int]], token: int) -> list[int] | None:
+    """Each image's first placeholder, where every image's placeholder ids stand in ``ids`` in order (each
+    from its first image token on); None where one does not."""
+    starts = _span_starts(ids, spans, token)
+    if any(ids[at:at + len(span)] != span for span, at in zip(spans, starts)):
+        return None
+    return starts
 
 
 def _hw(image: Any) -> tuple[int, int]:

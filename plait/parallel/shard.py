@@ -39,8 +39,8 @@ SHARDABLE_ARCHITECTURES = frozenset({
     # Image models: their decoder split as a Llama's, the vision side whole on every rank (IMAGE_SIDE_TENSOR;
     # only the driver runs it, and sends the other ranks each step's image embeddings).
     "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", "Qwen2VLForConditionalGeneration",
-    "Qwen2_5_VLForConditionalGeneration", "Qwen3VLForConditionalGeneration",
-    "Qwen3VLMoeForConditionalGeneration",
+    "Qwen2_5_VLForConditionalGeneration", "Mistral3ForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
 })
 # A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias" | a quantised
 # checkpoint's tensor beside the weight (SCALE_KINDS, INTEGER_KINDS)), or (its own name, None) for a tensor of

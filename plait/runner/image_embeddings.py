@@ -87,7 +87,8 @@ class ImageEmbeddings:
             self._staged = False
         if found is None:
             return
-        token_indices, embeds = (t if t.device == self.device else self._to_device(t) for t in found)
+        # by device type: the driver's tensors are on cuda:0 where self.device says "cuda"
+        token_indices, embeds = (self._to_device(t) if t.device.type == "cpu" else t for t in found)
         # index_fill_ / index_copy_, not item assignment: a Python value set through a device index became a
         # host tensor copied to the GPU, whose stream sync stalled each image step's launch (~10 ms, H200)
         self.mask.index_fill_(0, token_indices, True)

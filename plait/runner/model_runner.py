@@ -190,7 +190,7 @@ class ModelRunner:
         # hook once the buffers' size is known; None where they are off or the model has no such layer.
         self.prompt_embeds: PromptEmbeds | None = None
         if getattr(self.model, "supports_images", False):
-            self.image_processor = ImageProcessor.for_model(loaded.source, self.model)
+            self.image_processor = ImageProcessor.for_model(loaded.source, self.model, self.tokenizer)
         # An M-RoPE model's per-token (t, h, w) positions, once the buffers' size is known; None otherwise.
         # (Under tensor parallelism the driver computes them and sends them with each step.)
         self.mrope_positions: MRopePositions | None = None
