@@ -1085,6 +1085,8 @@ COMPLETED_CONFIGS = {
     "qwen2_5_vl": ("Qwen2_5_VLTextConfig", "qwen2"),
     "idefics3": ("LlamaConfig", "llama"),
     "smolvlm": ("LlamaConfig", "llama"),
+    "qwen3_vl": ("Qwen3VLTextConfig", "qwen3"),
+    "qwen3_vl_moe": ("Qwen3VLMoeTextConfig", "qwen3_moe"),
 }
 IMAGE_TEXT_MODEL_TYPES = ("gemma3", "mistral3", "llava", "llava_next", "idefics3", "smolvlm")
 # Image models plait runs with their images (plait.models.llava), whose decoder is the text_config's own
@@ -1117,25 +1119,40 @@ _KEPT_IMAGE_KEYS = {"llava": _IMAGE_KEYS, "llava_next": _IMAGE_KEYS, "mistral3":
                     "idefics3": _IDEFICS3_KEYS, "smolvlm": _IDEFICS3_KEYS}
 
 
-# Qwen2-VL and Qwen2.5-VL, served with their images (plait.models.qwen2_vl): a Qwen2 decoder whose config is
-# the text_config (transformers 5) or the top level (transformers 4's Hub checkpoints), with M-RoPE.
-QWEN_VL_MODEL_TYPES = {"qwen2_vl": "Qwen2VLVisionConfig", "qwen2_5_vl": "Qwen2_5_VLVisionConfig"}
+# Qwen2-VL, Qwen2.5-VL and Qwen3-VL, served with their images (plait.models.qwen2_vl, .qwen3_vl): a Qwen2
+# (Qwen3-VL: Qwen3) decoder whose config is the text_config (transformers 5, Qwen3-VL) or the top level
+# (transformers 4's Qwen2-VL Hub checkpoints), with M-RoPE.
+QWEN_VL_MODEL_TYPES = {"qwen2_vl": "Qwen2VLVisionConfig", "qwen2_5_vl": "Qwen2_5_VLVisionConfig",
+                       "qwen3_vl": "Qwen3VLVisionConfig", "qwen3_vl_moe": "Qwen3VLMoeVisionConfig"}
+QWEN3_VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 _QWEN_VL_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 MROPE_SECTION_KEY = "mrope_section"
+# Qwen3-VL's rope parameters say its M-RoPE interleaves t, h, w
+# (plait.layers.rotary.interleaved_mrope_columns).
+MROPE_INTERLEAVED_KEY = "mrope_interleaved"
+# transformers' Qwen3VLTextRotaryEmbedding's bands where the config gives none.
+QWEN3_VL_DEFAULT_MROPE_SECTION = [24, 20, 20]
 
 
 def completed_qwen_vl_config(cfg: dict) -> dict:
-    """A Qwen2-VL / Qwen2.5-VL config: its decoder's, with transformers' defaults, its vision_config
-    completed the same way, and ``mrope_section`` at the top (the rotary is a plain one otherwise)."""
+    """A Qwen2-VL / Qwen2.5-VL / Qwen3-VL config: its decoder's, with transformers' defaults, its
+    vision_config completed the same way, and ``mrope_section`` (Qwen3-VL: ``mrope_interleaved`` too) at the
+    top (the rotary is a plain one otherwise)."""
     import transformers
 
     kind = cfg["model_type"]
-    text_class, _ = COMPLETED_CONFIGS[kind]
+    text_class, text_kind = COMPLETED_CONFIGS[kind]
     skip = ("architectures", "model_type", "text_config", "vision_config")
     text = {k: v for k, v in (cfg.get("text_config") or cfg).items() if k not in skip}
     full = getattr(transformers, text_class)(**text).to_dict()
     rope = full.get("rope_parameters") or full.get("rope_scaling") or {}
     section = rope.get(MROPE_SECTION_KEY) or (cfg.get("rope_scaling") or {}).get(MROPE_SECTION_KEY)
+    if kind in QWEN3_VL_MODEL_TYPES:
+        section = section or QWEN3_VL_DEFAULT_MROPE_SECTION
+        # transformers interleaves Qwen3-VL's bands whatever the key says; its Hub configs say true
+        full[MROPE_INTERLEAVED_KEY] = rope.get(MROPE_INTERLEAVED_KEY, True)
+    if kind == "qwen3_vl_moe":  # its router always renormalises the top-k weights (no norm_topk_prob key)
+        full["norm_topk_prob"] = True
     if not section:
         raise ValueError(f"{kind}: the config gives no rope mrope_section")
     # The 1D table M-RoPE gathers from is the default rotary's (transformers' "mrope" / "default" type).
@@ -1148,7 +1165,7 @@ def completed_qwen_vl_config(cfg: dict) -> dict:
     for key in _IMAGE_TEXT_TOP_LEVEL_KEYS + _QWEN_VL_KEYS:
         if key in cfg:
             full[key] = cfg[key]
-    full["model_type"] = "qwen2"
+    full["model_type"] = text_kind
     return full
 
 

@@ -526,7 +526,7 @@ def _cache_salt(prompt: PromptType) -> str | None:
 def _images_of(data: dict) -> tuple[Any, ...]:
     """The images of vLLM's ``multi_modal_data`` ({"image": an image or a list of them})."""
     if isinstance(data, dict) and "video" in data:
-        raise ValueError("video inputs are not supported (Qwen2-VL and Qwen2.5-VL take images only): send "
+        raise ValueError("video inputs are not supported (the Qwen-VL models take images only): send "
                          "multi_modal_data={'image': ...}")
     if not isinstance(data, dict) or set(data) - {"image"}:
         given = sorted(data) if isinstance(data, dict) else data

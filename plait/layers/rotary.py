@@ -188,6 +188,19 @@ def mrope_columns(section: list[int], head_dim: int) -> torch.Tensor:
     return torch.cat([half, half])
 
 
+def interleaved_mrope_columns(section: list[int], head_dim: int) -> torch.Tensor:
+    """[head_dim] int64: mrope_columns for Qwen3-VL's interleaved M-RoPE, whose half-dim frequencies take
+    t, h, w in turn (frequency i: h where i % 3 == 1 and i < 3 section[1], w where i % 3 == 2 and i < 3
+    section[2], else t; transformers' Qwen3VLTextRotaryEmbedding), so every component spans low and high
+    frequencies alike."""
+    if sum(section) != head_dim // 2 or len(section) != MROPE_COMPONENTS:
+        raise ValueError(f"mrope_section {section} must be 3 bands summing to head_dim / 2 = {head_dim // 2}")
+    half = torch.zeros(head_dim // 2, dtype=torch.int64)
+    for component in (1, 2):
+        half[component:MROPE_COMPONENTS * section[component]:MROPE_COMPONENTS] = component
+    return torch.cat([half, half])
+
+
 class MRopeRotary:
     """M-RoPE for one step: each token's cos_sin row is gathered from the 1D table at its three positions,
     each column at its component's (mrope_columns). ``cos_sin`` is then that per-token table [T, D] and

@@ -57,11 +57,13 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def _pixel_bounds(processor: object) -> tuple[int, int]:
-    """(min_pixels, max_pixels) of a Qwen2VLImageProcessor (transformers 5 keeps them in ``size``)."""
+def _pixel_bounds(processor: object, defaults: tuple[int, int] = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
+                  ) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of a Qwen2VLImageProcessor (transformers 5 keeps them in ``size``);
+    ``defaults`` where it has none (no processor: the model's defaults)."""
     size = getattr(processor, "size", None) or {}
-    low = size.get("shortest_edge", getattr(processor, "min_pixels", None) or DEFAULT_MIN_PIXELS)
-    high = size.get("longest_edge", getattr(processor, "max_pixels", None) or DEFAULT_MAX_PIXELS)
+    low = size.get("shortest_edge", getattr(processor, "min_pixels", None) or defaults[0])
+    high = size.get("longest_edge", getattr(processor, "max_pixels", None) or defaults[1])
     return int(low), int(high)
 
 
@@ -335,20 +337,29 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     # Images of any size: a list of them is embedded in one call (embed_image_list), not stacked as tiles.
     variable_size_images = True
     qwen25 = False
+    # The processor's (min_pixels, max_pixels) where the folder has no preprocessor_config.json.
+    pixel_bounds = (DEFAULT_MIN_PIXELS, DEFAULT_MAX_PIXELS)
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__(cfg, max_positions)
         raw = cfg.raw
-        self.visual = VisionTransformer(raw["vision_config"], self.qwen25)
+        self.visual = self.make_visual(raw["vision_config"])
         self.image_token_id = int(raw["image_token_id"])
         # <|vision_start|><|image_pad|><|vision_end|>: one image in a prompt, as the chat template writes it
         self.image_prompt_token_ids = [int(raw.get("vision_start_token_id", DEFAULT_VISION_START_ID)),
                                        self.image_token_id,
                                        int(raw.get("vision_end_token_id", DEFAULT_VISION_END_ID))]
         self.merge = self.visual.merge
-        section = raw["mrope_section"]
         # [head_dim] (t 0, h 1, w 2) of each rotary channel; a constant, made where the model is built
-        self.mrope_columns = mrope_columns(section, cfg.head_dim)
+        self.mrope_columns = self.make_mrope_columns(raw["mrope_section"], cfg.head_dim)
+
+    def make_visual(self, vision_config: dict) -> nn.Module:
+        """The vision encoder of the checkpoint's vision_config (Qwen3-VL builds its own)."""
+        return VisionTransformer(vision_config, self.qwen25)
+
+    def make_mrope_columns(self, section: list[int], head_dim: int) -> torch.Tensor:
+        """[head_dim] the component each rotary channel reads: Qwen2-VL's contiguous bands."""
+        return mrope_columns(section, head_dim)
 
     def num_image_tokens_for(self, size: tuple[int, int]) -> int:
         """Placeholders of an image of ``size`` (height, width) under the processor's default pixel bounds."""
@@ -356,7 +367,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
 
     def image_token_counter(self, processor: object | None) -> Callable[[tuple[int, int]], int]:
         """Placeholders of an image of a (height, width) as ``processor`` resizes it: one per merged group."""
-        low, high = _pixel_bounds(processor)
+        low, high = _pixel_bounds(processor, self.pixel_bounds)
         factor = self.visual.patch * self.merge
 
         def count(size: tuple[int, int]) -> int:
@@ -371,7 +382,7 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
     def largest_image(self, processor: object | None) -> tuple[torch.Tensor, Grid]:
         """Blank patches [t h w, patch_dim] and the grid of the largest square image ``processor`` makes (the
         runner's memory profile runs the encoder on it)."""
-        _, high = _pixel_bounds(processor)
+        _, high = _pixel_bounds(processor, self.pixel_bounds)
         factor = self.visual.patch * self.merge
         side = max(factor, math.isqrt(high) // factor * factor) // self.visual.patch  # in patches
         grid = (1, side, side)
@@ -388,7 +399,12 @@ class Qwen2VLForConditionalGeneration(LlamaForCausalLM):
             from transformers import Qwen2VLImageProcessor as Processor
 
         return Processor(patch_size=self.visual.patch, merge_size=self.merge,
-                         temporal_patch_size=self.visual.temporal)
+                         temporal_patch_size=self.visual.temporal, **self.processor_defaults())
+
+    def processor_defaults(self) -> dict:
+        """Qwen2VLImageProcessor's arguments beyond the encoder's sizes for a folder without its
+        preprocessor_config.json (Qwen2-VL's are the processor's own defaults)."""
+        return {}
 
     def embed_image_list(self, pixel_values: list[torch.Tensor], grids: list[Grid]) -> list[torch.Tensor]:
         """Each image's patches [t h w, patch_dim] and grid -> its placeholders' embeddings

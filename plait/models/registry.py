@@ -27,6 +27,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2_5_VLForConditionalGeneration": ("plait.models.qwen2_vl", "Qwen2_5_VLForConditionalGeneration"),
     "Idefics3ForConditionalGeneration": ("plait.models.idefics3", "Idefics3ForConditionalGeneration"),
     "SmolVLMForConditionalGeneration": ("plait.models.idefics3", "Idefics3ForConditionalGeneration"),
+    "Qwen3VLForConditionalGeneration": ("plait.models.qwen3_vl", "Qwen3VLForConditionalGeneration"),
+    "Qwen3VLMoeForConditionalGeneration": ("plait.models.qwen3_vl", "Qwen3VLMoeForConditionalGeneration"),
     "MixtralForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),

@@ -41,6 +41,7 @@ SHARDABLE_ARCHITECTURES = frozenset({
     "LlavaForConditionalGeneration", "LlavaNextForConditionalGeneration", "Qwen2VLForConditionalGeneration",
     "Qwen2_5_VLForConditionalGeneration", "Mistral3ForConditionalGeneration",
     "Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration",
+    "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
 })
 # A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias" | a quantised
 # checkpoint's tensor beside the weight (SCALE_KINDS, INTEGER_KINDS)), or (its own name, None) for a tensor of

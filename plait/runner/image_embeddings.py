@@ -68,7 +68,9 @@ class ImageEmbeddings:
         # On a GPU outside enforce_eager, the vision tower replays CUDA graphs (TowerGraphs).
         self.tower_graphs = TowerGraphs(model, device, model.tile_shape) if graphs else None
         self.mask = torch.zeros(max_tokens, dtype=torch.bool, device=device)  # [max_tokens]
-        self.values = torch.zeros(max_tokens, hidden, dtype=dtype, device=device)  # [max_tokens, hidden]
+        # [max_tokens, hidden]: hidden is a placeholder row's width (the model's image_embed_width where it
+        # carries more than the embedding: Qwen3-VL's DeepStack features)
+        self.values = torch.zeros(max_tokens, hidden, dtype=dtype, device=device)
         self._staged = False  # whether mask marks any token (of the last step staged)
         # (request, image index) -> the image's embeddings [num_image_tokens, hidden]
         self._cache: dict[tuple[Request, int], torch.Tensor] = {}

@@ -277,9 +277,11 @@ class ModelRunner:
         if self.image_processor is not None:  # before capture: graphs read its buffers
             # images of any size (Qwen2-VL) run their encoder eager: no fixed shape to capture
             tower_graphs = use_graphs and not getattr(self.model, "variable_size_images", False)
-            self.image_embeddings = ImageEmbeddings(self.model, self.device, layout.max_tokens,
-                                                    self.model_config.hidden_size, self.dtype,
-                                                    graphs=tower_graphs)
+            # a placeholder's row: its embedding (hidden), or wider where the model carries more beside it
+            # (Qwen3-VL's DeepStack features: image_embed_width), staged and sent with it alike
+            width = getattr(self.model, "image_embed_width", self.model_config.hidden_size)
+            self.image_embeddings = ImageEmbeddings(self.model, self.device, layout.max_tokens, width,
+                                                    self.dtype, graphs=tower_graphs)
         if getattr(self.model, "uses_mrope", False):  # before capture too
             self.mrope_positions = MRopePositions(self.model, self.device, layout.max_tokens)
         embedding = input_embedding(self.model)
