@@ -182,7 +182,7 @@ def test_image_embeddings_are_transformers(request, family):
     with torch.no_grad():
         want = hf.model.get_image_features(inputs["pixel_values"], image_sizes=inputs["image_sizes"],
                                            vision_feature_layer=-1).pooler_output
-    llm = LLM(str(folder), dtype="float32")
+    llm = LLM(str(folder), dtype="float32", device="cpu")  # the encoder called directly, on host pixels
     model, image_token = llm.engine.runner.model, model_image_token(llm)
     pixels = llm.engine.images.preprocess(images)
     spans = llm.engine.images.image_spans(images)

@@ -232,7 +232,7 @@ def test_image_embeddings_and_deepstack_features_are_transformers(qwen3_vl):
     inputs = processor(text=PROMPTS[1][0], images=images)
     with torch.no_grad():
         want = hf.model.visual(inputs["pixel_values"], grid_thw=inputs["image_grid_thw"])
-    llm = LLM(str(folder), dtype="float32")
+    llm = LLM(str(folder), dtype="float32", device="cpu")  # the encoder called directly, on host pixels
     pixels = llm.engine.images.preprocess(images)
     assert [p.grid for p in pixels] == [tuple(g) for g in inputs["image_grid_thw"].tolist()]
     with torch.no_grad():
