@@ -397,6 +397,37 @@ def test_eagle_on_the_gpu_path_drafts_as_torch_ref_in_fp32(tmp_path, method, mon
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_heads_kv_copied_back_drafts_as_never_evicted(tmp_path, monkeypatch):
+    """KV offloading beside an EAGLE head on the GPU (bf16, graphs, copies between pinned host memory and the
+    device on the step's stream): prompts whose blocks, the target's and the head's, went to host memory and
+    came back draft and answer exactly as on an engine whose cache never evicted them (the same cached
+    prefix, so the same step shapes). The CPU test compares with a plain-torch EAGLE in fp32, which a GPU's
+    other summation orders fork from at the tiny random head's near-ties."""
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
+    target, head = _gpu_folders(tmp_path, "eagle")
+    first, others = random_prompts(8, 200, 300, seed=43), random_prompts(8, 200, 300, seed=44)
+    runs = {}
+    for name, num_blocks, offloading in (("offloading", 200, 0.5), ("roomy", 4096, None)):
+        engine = LLMEngine(EngineConfig(model=target, load_format="dummy", seed=7, dtype="bfloat16",
+                                        block_size=16, max_model_len=1024, max_num_seqs=8,
+                                        num_kv_blocks=num_blocks, kv_offloading_size=offloading,
+                                        enable_prefix_caching=True, speculative_config=_spec("eagle", head)))
+        with torch.no_grad():  # decisive logits: the token's own embedding dominates (test_gpu_engine)
+            engine.runner.model.model.embed_tokens.weight.mul_(100.0)
+        for prompts in (first, others):
+            _recorded_drafts(engine, prompts, monkeypatch)
+        runs[name] = _recorded_drafts(engine, first, monkeypatch)
+        stats = engine.kv_cache.stats
+        print(f"\n{name}: {len(runs[name])} drafts recorded; host hits {stats.host_hits}")
+        assert (stats.host_hits > 0) == (name == "offloading"), stats
+        engine.shutdown()
+    assert len(runs["roomy"]) > 20 and runs["offloading"] == runs["roomy"]
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_eagle3_beside_a_target_split_over_two_gpus(tmp_path, monkeypatch):
     """The head on the driver's GPU beside a target split over two (NCCL, graphs), fp32: one GPU's drafts."""

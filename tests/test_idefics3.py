@@ -420,3 +420,24 @@ def test_server_chat_with_image_url(smolvlm):
         assert streamed == reply.choices[0].message.content
         counted = httpx.post(f"{url}/tokenize", json={"model": model, "messages": ask["messages"]}).json()
         assert counted["tokens"] == ids
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "graphs"])
+@pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
+def test_gpu_matches_cpu_fp32(request, family, eager):
+    """The GPU path (Triton attention, images split across chunks beside decodes; outside enforce_eager the
+    tower's and the steps' CUDA graphs) against the CPU engine, fp32: the same greedy tokens. On an H200 the
+    CPU tests run on the GPU gave Idefics3 transformers' tokens but SmolVLM others, its first token forking
+    at a 0.58-std gap of transformers' logits (benchmarks/results/gpu_check_h200_2026-11-30h/): this test
+    tells the eager path from the graphs where that comes from (not yet run)."""
+    folder, _, _ = request.getfixturevalue(family)
+    prompts = [_request(text, images) for text, images in _prompts(seed=3)] * 2
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    cpu = LLM(str(folder), dtype="float32", device="cpu", enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=12, enforce_eager=eager,
+              enable_prefix_caching=False)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
