@@ -249,6 +249,26 @@ def test_position_buckets_are_transformers():
     assert not torch.equal(bucketed_position_ids(19), torch.arange(19 * 19))
 
 
+def test_position_buckets_are_the_hosts_on_any_device():
+    """The buckets are computed on the host whatever device the model is built on (plait builds it under
+    ``with torch.device(device)``): a GPU's arange sums its fp32 steps in fp32, not double, and its boundaries
+    put 6 of SmolVLM's 25 rows of patches (50 of 100 a side) in other buckets (on an H200 its answers then
+    differed from transformers'). Built under the meta device, whose tensors hold no values, they must be
+    the CPU's still; and the tower's buffer joins the device it is built on."""
+    from plait.models.idefics3 import bucketed_position_ids
+    from plait.models.llava import VisionTower
+
+    for side in (19, 25, 50):
+        with torch.device("meta"):
+            ids = bucketed_position_ids(side)
+        assert ids.device.type == "cpu" and torch.equal(ids, bucketed_position_ids(side)), side
+    vision = dict(IDEFICS3_VISION, model_type="siglip_vision_model", num_channels=3, layer_norm_eps=1e-6,
+                  hidden_act="gelu_pytorch_tanh")
+    with torch.device("meta"):
+        tower = VisionTower(vision, 1, post_norm=True, position_ids=bucketed_position_ids(8))
+    assert tower.position_ids.device.type == "meta"
+
+
 @pytest.mark.parametrize("family", ["idefics3", "smolvlm"])
 def test_image_embeddings_are_transformers(request, family):
     """Two images' tiles through the tower and connector: transformers' image features (SmolVLM's tiles of 25
@@ -430,8 +450,9 @@ def test_gpu_matches_cpu_fp32(request, family, eager):
     """The GPU path (Triton attention, images split across chunks beside decodes; outside enforce_eager the
     tower's and the steps' CUDA graphs) against the CPU engine, fp32: the same greedy tokens. On an H200 the
     CPU tests run on the GPU gave Idefics3 transformers' tokens but SmolVLM others, its first token forking
-    at a 0.58-std gap of transformers' logits (benchmarks/results/gpu_check_h200_2026-11-30h/): this test
-    tells the eager path from the graphs where that comes from (not yet run)."""
+    at a 0.58-std gap of transformers' logits (benchmarks/results/gpu_check_h200_2026-11-30h/): its patch
+    position buckets had been computed on the GPU (test_position_buckets_are_the_hosts_on_any_device). Not
+    yet run."""
     folder, _, _ = request.getfixturevalue(family)
     prompts = [_request(text, images) for text, images in _prompts(seed=3)] * 2
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -165,10 +165,14 @@ class Idefics3Layout:
 def bucketed_position_ids(side: int) -> torch.Tensor:
     """[side * side] the position id of each patch of a whole tile, as Idefics3VisionEmbeddings computes it:
     each patch's fractional row and column in fp32, bucketed by the 1 / side boundaries (for some sides a
-    rounding puts a patch in the bucket before its own, and the trained model reads it so)."""
-    boundaries = torch.arange(1 / side, 1.0, 1 / side)
-    step = 1.0 / torch.tensor(side)  # fp32, as transformers divides by its patch counts
-    coords = torch.clamp(torch.arange(side, dtype=torch.float32) * step, max=1.0 - 1e-6)
+    rounding puts a patch in the bucket before its own, and the trained model reads it so). On the host,
+    whatever device the model is built on: the boundaries' fp32 arange steps are summed in double there and
+    in fp32 on a GPU, which moves patches of some sides (25 a side: SmolVLM's) into other buckets; the CPU's
+    are transformers 4's and vLLM's."""
+    host = torch.device("cpu")
+    boundaries = torch.arange(1 / side, 1.0, 1 / side, device=host)
+    step = 1.0 / torch.tensor(side, device=host)  # fp32, as transformers divides by its patch counts
+    coords = torch.clamp(torch.arange(side, dtype=torch.float32, device=host) * step, max=1.0 - 1e-6)
     buckets = torch.bucketize(coords, boundaries, right=True)
     return (buckets[:, None] * side + buckets[None, :]).flatten()
 

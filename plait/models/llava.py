@@ -128,7 +128,10 @@ class VisionTower(nn.Module):
         self.encoder = nn.Module()
         self.encoder.layers = nn.ModuleList(CLIPEncoderLayer(cfg) for _ in range(num_layers))
         self.post_layernorm = nn.LayerNorm(hidden, eps=cfg["layer_norm_eps"]) if post_norm else None
-        # a constant of the config, not a checkpoint tensor (so not persistent), moved with the model
+        # a constant of the config, not a checkpoint tensor (so not persistent), moved with the model; made on
+        # the host, it joins the device the model is being built on
+        if position_ids is not None:
+            position_ids = position_ids.to(torch.get_default_device())
         self.register_buffer("position_ids", position_ids, persistent=False)
 
     def forward(self, pixel_values: torch.Tensor) -> list[torch.Tensor]:
