@@ -539,3 +539,32 @@ def stop_plait_serve(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def server_image_chat(folder: Path, content: list[dict], ids: list[int], max_tokens: int = 6) -> str:
+    """A real server over ``folder``'s image model (fp32), asked through the official openai client for
+    greedy ``max_tokens`` with the user message ``content`` (a data-URL image part and text): its usage
+    counts ``ids`` as the prompt, the streamed answer is the whole one, and /tokenize gives ``ids``. Returns
+    the answer's text."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    import httpx
+
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
+
+    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=16))
+    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        model = client.models.list().data[0].id
+        ask = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=max_tokens,
+                   temperature=0.0, extra_body={"ignore_eos": True})
+        reply = client.chat.completions.create(**ask)
+        assert reply.usage.prompt_tokens == len(ids)
+        streamed = "".join(c.choices[0].delta.content or "" for c in
+                           client.chat.completions.create(**ask, stream=True) if c.choices)
+        assert streamed == reply.choices[0].message.content
+        counted = httpx.post(f"{url}/tokenize", json={"model": model, "messages": ask["messages"]}).json()
+        assert counted["tokens"] == ids
+        return reply.choices[0].message.content

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import server_image_chat
 
 from plait import LLM, SamplingParams
 from plait.multimodal.images import MultiModalPrompt
@@ -407,14 +408,6 @@ def test_bad_image_prompts_are_refused(smolvlm):
 def test_server_chat_with_image_url(smolvlm):
     """/v1/chat/completions with the openai client: a data-URL image part gets the answer transformers gives
     the chat template's prompt, streamed or not, and /tokenize counts the same prompt."""
-    openai = pytest.importorskip("openai")
-    pytest.importorskip("fastapi")
-    import httpx
-
-    from plait.config import EngineConfig
-    from plait.engine.engine import LLMEngine
-    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
-
     folder, hf, processor = smolvlm
     image = _image(8, (70, 50))
     content = [{"type": "image_url", "image_url": {"url": _data_url(image)}},
@@ -426,20 +419,7 @@ def test_server_chat_with_image_url(smolvlm):
     offline = LLM(str(folder), dtype="float32").chat([{"role": "user", "content": content}], params,
                                                       use_tqdm=False)[0]
     assert offline.prompt_token_ids == ids and offline.outputs[0].token_ids == want
-    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=16))
-    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-        model = client.models.list().data[0].id
-        ask = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=6,
-                   temperature=0.0, extra_body={"ignore_eos": True})
-        reply = client.chat.completions.create(**ask)
-        assert reply.usage.prompt_tokens == len(ids)
-        assert reply.choices[0].message.content == offline.outputs[0].text
-        streamed = "".join(c.choices[0].delta.content or "" for c in
-                           client.chat.completions.create(**ask, stream=True) if c.choices)
-        assert streamed == reply.choices[0].message.content
-        counted = httpx.post(f"{url}/tokenize", json={"model": model, "messages": ask["messages"]}).json()
-        assert counted["tokens"] == ids
+    assert server_image_chat(folder, content, ids) == offline.outputs[0].text
 
 
 @pytest.mark.gpu

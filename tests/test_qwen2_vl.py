@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import server_image_chat
 
 from plait import LLM, SamplingParams
 from tests.test_multimodal import _data_url, _image, _saved
@@ -483,12 +484,6 @@ def test_chat_image_parts_in_both_content_formats(qwen2_vl):
 def test_server_chat_with_image_url(qwen2_vl):
     """/v1/chat/completions with the openai client against a real server: a data-URL image part gets the
     answer transformers gives the chat template's prompt."""
-    openai = pytest.importorskip("openai")
-    pytest.importorskip("fastapi")
-    from plait.config import EngineConfig
-    from plait.engine.engine import LLMEngine
-    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
-
     folder, hf, processor = qwen2_vl
     image = _image(8, (70, 50))
     content = [{"type": "image_url", "image_url": {"url": _data_url(image)}},
@@ -500,18 +495,7 @@ def test_server_chat_with_image_url(qwen2_vl):
     offline = LLM(str(folder), dtype="float32").chat([{"role": "user", "content": content}], params,
                                                       use_tqdm=False)[0]
     assert offline.prompt_token_ids == ids and offline.outputs[0].token_ids == want
-    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=16))
-    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-        model = client.models.list().data[0].id
-        ask = dict(model=model, messages=[{"role": "user", "content": content}], max_tokens=6,
-                   temperature=0.0, extra_body={"ignore_eos": True})
-        reply = client.chat.completions.create(**ask)
-        assert reply.usage.prompt_tokens == len(ids)
-        assert reply.choices[0].message.content == offline.outputs[0].text
-        streamed = "".join(c.choices[0].delta.content or "" for c in
-                           client.chat.completions.create(**ask, stream=True) if c.choices)
-        assert streamed == reply.choices[0].message.content
+    assert server_image_chat(folder, content, ids) == offline.outputs[0].text
 
 
 # bf16 on the GPU against the CPU's fp32: a fork must be at a near-tie of the CPU's logprobs (nats), among

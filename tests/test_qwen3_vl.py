@@ -10,6 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import server_image_chat
 from safetensors.torch import load_file, save_file
 
 from plait import LLM, SamplingParams
@@ -331,13 +332,7 @@ def test_split_over_two_ranks_answers_as_one_device(request, family):
 
 def test_server_chat_with_image_url(qwen3_vl):
     """/v1/chat/completions with the openai client against a real server: a data-URL image part gets the
-    answer transformers gives the chat template's prompt."""
-    openai = pytest.importorskip("openai")
-    pytest.importorskip("fastapi")
-    from plait.config import EngineConfig
-    from plait.engine.engine import LLMEngine
-    from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
-
+    answer transformers gives the chat template's prompt, streamed or not; /tokenize counts the same ids."""
     folder, hf, processor = qwen3_vl
     image = _image(8, (70, 50))
     content = [{"type": "image_url", "image_url": {"url": _data_url(image)}},
@@ -349,15 +344,7 @@ def test_server_chat_with_image_url(qwen3_vl):
     offline = LLM(str(folder), dtype="float32").chat([{"role": "user", "content": content}], params,
                                                       use_tqdm=False)[0]
     assert offline.prompt_token_ids == ids and offline.outputs[0].token_ids == want
-    engine = LLMEngine(EngineConfig(model=str(folder), dtype="float32", max_num_batched_tokens=16))
-    with BackgroundServer(OpenAIServer(engine, ServerConfig(log_level="warning"))) as url:
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
-        model = client.models.list().data[0].id
-        reply = client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": content}], max_tokens=6, temperature=0.0,
-            extra_body={"ignore_eos": True})
-        assert reply.usage.prompt_tokens == len(ids)
-        assert reply.choices[0].message.content == offline.outputs[0].text
+    assert server_image_chat(folder, content, ids) == offline.outputs[0].text
 
 
 def test_videos_are_refused_by_name(qwen3_vl):
