@@ -878,6 +878,12 @@ class PoolerConfig:
         return cls(**value) if value is not None else None
 
 
+# MoEConfig.router: the routers plait.layers.moe computes.
+SOFTMAX_ROUTER = "softmax"
+NOAUX_TC_ROUTER = "noaux_tc"
+GLM4_MOE_MODEL_TYPE = "glm4_moe"  # GLM-4.5 / GLM-4.6 (plait.models.glm4_moe)
+
+
 @dataclass(frozen=True)
 class MoEConfig:
     """The sparse MoE blocks of a Mixtral / Qwen2-MoE / Qwen3-MoE config (read from its HF config.json)."""
@@ -892,11 +898,20 @@ class MoEConfig:
     # Expert parallelism (a tensor-parallel rank's config, plait.parallel.shard): the routed experts this rank
     # holds whole, global ids [first, end); the router still picks among all num_experts. None: every one.
     expert_range: tuple[int, int] | None = None
+    # How the router picks: SOFTMAX_ROUTER (plait.layers.moe.route), or NOAUX_TC_ROUTER (GLM-4.5's, DeepSeek-V3's:
+    # plait.layers.moe.route_noaux_tc, with these three numbers; GLM-4.5's shared experts are ungated, and
+    # shared_intermediate_size is their n_shared_experts x moe_intermediate_size).
+    router: str = SOFTMAX_ROUTER
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     @classmethod
     def from_hf(cls, cfg: dict) -> MoEConfig | None:
         """None for a dense model."""
         model_type = cfg.get("model_type", "")
+        if model_type == GLM4_MOE_MODEL_TYPE:
+            return cls._from_glm4_moe(cfg)
         num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
         if not num_experts:
             return None
@@ -912,6 +927,24 @@ class MoEConfig:
             renormalize=True if mixtral_like else bool(cfg.get("norm_topk_prob", False)),
             shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
             dense_layers=dense,
+        )
+
+    @classmethod
+    def _from_glm4_moe(cls, cfg: dict) -> MoEConfig:
+        """GLM-4.5 / GLM-4.6 (Glm4MoeConfig's names and defaults): the first first_k_dense_replace layers
+        dense, noaux_tc routing, n_shared_experts ungated shared experts of the routed experts' width."""
+        inter = cfg.get("moe_intermediate_size", 1408)
+        return cls(
+            num_experts=cfg.get("n_routed_experts", 128),
+            top_k=cfg.get("num_experts_per_tok", 8),
+            intermediate_size=inter,
+            renormalize=bool(cfg.get("norm_topk_prob", True)),
+            shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * inter,
+            dense_layers=tuple(range(min(cfg.get("first_k_dense_replace", 1), cfg["num_hidden_layers"]))),
+            router=NOAUX_TC_ROUTER,
+            n_group=cfg.get("n_group") or 1,
+            topk_group=cfg.get("topk_group") or 1,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
         )
 
 
@@ -1008,7 +1041,8 @@ class ModelConfig:
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=(model_type in ("qwen3", "qwen3_moe", "gemma3_text")
+                     or (model_type == GLM4_MOE_MODEL_TYPE and bool(cfg.get("use_qk_norm")))),
             sliding_window=sliding,
             rope_scaling=rope_scaling,
             hidden_act=hidden_activation(cfg),
@@ -1036,8 +1070,9 @@ def hidden_activation(cfg: dict) -> str:
     return act
 
 
-# GLM-4's configs (plait.models.glm) and the share of each head their rotary turns where they do not say.
-GLM_MODEL_TYPES = ("glm", "glm4")
+# GLM-4's configs (plait.models.glm) and GLM-4.5's (plait.models.glm4_moe), and the share of each head their
+# rotary turns where they do not say.
+GLM_MODEL_TYPES = ("glm", "glm4", GLM4_MOE_MODEL_TYPE)
 GLM_PARTIAL_ROTARY_FACTOR = 0.5
 # The decoders whose rope parameters' llama_4_scaling_beta scales queries (other models ignore it).
 LLAMA4_SCALING_MODEL_TYPES = ("ministral3",)

@@ -1,4 +1,5 @@
-"""FusedMoE: the routed experts of a sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE), run in one call."""
+"""FusedMoE: the routed experts of a sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5), run in
+one call, and the routers that pick them: softmax top-k (route) and DeepSeek-V3's noaux_tc (route_noaux_tc)."""
 
 from __future__ import annotations
 
@@ -90,6 +91,85 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
+def route_noaux_tc(router_logits: torch.Tensor, top_k: int, renormalize: bool, correction_bias: torch.Tensor,
+                   n_group: int, topk_group: int, routed_scaling_factor: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's "noaux_tc" routing, as GLM-4.5 / GLM-4.6 use it (transformers' Glm4MoeTopkRouter, op for
+    op, so that ties break alike): sigmoid scores in fp32; ``correction_bias`` (the checkpoint's
+    e_score_correction_bias, learned for load balance) added for choosing experts only; the experts split
+    into n_group groups, each scored by the sum of its two best biased scores, the topk_group best groups
+    kept; then the top_k experts among theirs. The weights are the chosen experts' unbiased scores,
+    renormalised to sum to one where the model says so, times routed_scaling_factor."""
+    # router_logits: [T, E]; correction_bias: [E] -> (weights [T, k] fp32, ids [T, k] int64)
+    num_tokens, num_experts = router_logits.shape
+    scores = router_logits.float().sigmoid()  # [T, E]
+    biased = scores + correction_bias.float()  # [T, E]
+    per_group = num_experts // n_group
+    group_scores = biased.view(num_tokens, n_group, per_group).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)  # [T, G]
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, n_group, per_group).reshape(num_tokens, num_experts)
+    choice = biased.masked_fill(~expert_mask.bool(), float("-inf"))  # [T, E]: other groups' experts out
+    ids = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]  # [T, k]
+    weights = scores.gather(1, ids)  # [T, k]: unbiased
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # transformers' guard against 0 / 0
+    return weights * routed_scaling_factor, ids
+
+
+def check_noaux_tc(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    """A ValueError where noaux_tc routing cannot run on these numbers (each group is scored by its two best
+    experts, and the kept groups must hold top_k experts)."""
+    if n_group < 1 or num_experts % n_group or num_experts // n_group < 2:
+        raise ValueError(f"noaux_tc routing: n_group {n_group} must split the {num_experts} routed experts "
+                         "into equal groups of at least 2")
+    if not 1 <= topk_group <= n_group or top_k > topk_group * (num_experts // n_group):
+        raise ValueError(f"noaux_tc routing: topk_group {topk_group} of {n_group} groups cannot hold "
+                         f"num_experts_per_tok {top_k} experts")
+
+
+# Checkpoint tensors the loader hands over in their own dtype (fp32), not the model's: NoAuxTcRouter's bias.
+FP32_ROUTER_TENSORS = ("e_score_correction_bias",)
+
+
+class NoAuxTcRouter(nn.Module):
+    """A "noaux_tc" MoE block's router (``mlp.gate`` in GLM-4.5's checkpoints): weight [E, H] and
+    e_score_correction_bias [E], both fp32 whatever the model's dtype, as transformers keeps the bias
+    (_keep_in_fp32_modules_strict) and vLLM both: the biased scores of 128 experts differ in the third
+    decimal, and a 16-bit bias would move expert choices. Its logits are computed in fp32 too."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, n_group: int,
+                 topk_group: int, routed_scaling_factor: float) -> None:
+        super().__init__()
+        check_noaux_tc(num_experts, top_k, n_group, topk_group)
+        device = deferred_device()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32, device=device),
+                                   requires_grad=False)
+        self.e_score_correction_bias = nn.Parameter(
+            torch.empty(num_experts, dtype=torch.float32, device=device), requires_grad=False)
+        self.top_k, self.renormalize = top_k, renormalize
+        self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        # model.to(dtype) would round both tensors to 16 bits: moves between devices apply, casts do not.
+        def device_only(t: torch.Tensor) -> torch.Tensor:
+            moved = fn(t)
+            return t.to(device=moved.device) if moved.dtype != t.dtype else moved
+
+        return super()._apply(device_only, recurse)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, H] -> (weights [T, k] fp32, ids [T, k] int64)
+        logits = F.linear(x.float(), self.weight)  # [T, E] fp32
+        return route_noaux_tc(logits, self.top_k, self.renormalize, self.e_score_correction_bias,
+                              self.n_group, self.topk_group, self.routed_scaling_factor)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.weight.shape[0]}, top_k={self.top_k}, n_group={self.n_group}, "
+                f"topk_group={self.topk_group}, renormalize={self.renormalize}, "
+                f"routed_scaling_factor={self.routed_scaling_factor}")
+
+
 def _local_experts(expert_range: tuple[int, int] | None, num_experts: int) -> LocalExperts | None:
     if expert_range is None:
         return None
@@ -177,18 +257,31 @@ class FusedMoE(nn.Module):
         self._stacks_loaded: set[str] = set()  # MXFP4: the STACKS load_mxfp4 (or fill_random_mxfp4) filled
 
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """The experts on route's softmax top-k routing of ``router_logits`` (Mixtral, Qwen-MoE, gpt-oss)."""
         # x: [T, H], router_logits: [T, E] -> [T, H]
-        kwargs = self._expert_kwargs()
-        fp8_fp32 = self.weight_format == FP8_WEIGHTS and x.dtype == torch.float32  # FP8's kernels: 16-bit x
-        if use_triton(x) and not fp8_fp32:
-            from plait.kernels.fused_moe import fused_moe, moe_route
+        if self._uses_kernels(x):
+            from plait.kernels.fused_moe import moe_route
 
             weights, ids = moe_route(router_logits, self.top_k, self.renormalize)
+        else:
+            weights, ids = route(router_logits, self.top_k, self.renormalize)
+        return self.run_routed(x, weights, ids)
+
+    def run_routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The experts on a routing made elsewhere (another router kind: NoAuxTcRouter's)."""
+        # x: [T, H], weights: [T, k] fp32, ids: [T, k] int32 / int64 global ids -> [T, H]
+        kwargs = self._expert_kwargs()
+        if self._uses_kernels(x):
+            from plait.kernels.fused_moe import fused_moe
+
             return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, **kwargs)
         from plait.kernels.fused_moe import fused_moe_ref
 
-        weights, ids = route(router_logits, self.top_k, self.renormalize)
         return fused_moe_ref(x, self.gate_up_proj, self.down_proj, weights, ids, **kwargs)
+
+    def _uses_kernels(self, x: torch.Tensor) -> bool:
+        fp8_fp32 = self.weight_format == FP8_WEIGHTS and x.dtype == torch.float32  # FP8's kernels: 16-bit x
+        return use_triton(x) and not fp8_fp32
 
     def _expert_kwargs(self) -> dict:
         """fused_moe's (and fused_moe_ref's) keywords beyond the weights: biases, activation, FP8 or MXFP4

@@ -27,7 +27,7 @@ from plait.layers import mxfp4, wna16
 from plait.layers.fp8 import FP8_DTYPE, checkpoint_quantization, checkpoint_weight_block, quantize_model
 from plait.layers.fp8_block import MIN_BLOCK
 from plait.layers.linear import deferred_weights, materialize_deferred
-from plait.layers.moe import INT_WEIGHTS, FusedMoE
+from plait.layers.moe import FP32_ROUTER_TENSORS, INT_WEIGHTS, FusedMoE
 from plait.layers.mxfp4 import MXFP4_DTYPE
 from plait.models.base import checkpoint_layout
 from plait.models.registry import BASE_MODEL_ARCHITECTURES, get_model_class, resolve_runner
@@ -264,9 +264,10 @@ def _kv_cache_scales(found: dict[int, dict[str, float]], model: nn.Module) -> li
 def to_model_dtype(name: str, t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """A checkpoint tensor on the device, in the model's dtype unless it is codes (FP8, or a GPTQ / AWQ
     checkpoint's packed integers) or a quantised checkpoint's scales (kept as they are: the codes are what is
-    served, the scales multiply fp32 values)."""
+    served, the scales multiply fp32 values), or a noaux_tc router's fp32 correction bias (NoAuxTcRouter keeps
+    it fp32)."""
     if (t.dtype == torch.float8_e4m3fn or not t.is_floating_point()
-            or name.endswith(("_scale", "_scale_inv", ".scales"))):
+            or name.endswith(("_scale", "_scale_inv", ".scales", *FP32_ROUTER_TENSORS))):
         return t.to(device=device)
     return t.to(device=device, dtype=dtype)
 

@@ -32,6 +32,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen2MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
+    "Glm4MoeForCausalLM": ("plait.models.glm4_moe", "Glm4MoeForCausalLM"),
     "Mamba2ForCausalLM": ("plait.models.mamba2", "Mamba2ForCausalLM"),
     "BambaForCausalLM": ("plait.models.bamba", "BambaForCausalLM"),
     "NemotronHForCausalLM": ("plait.models.nemotron_h", "NemotronHForCausalLM"),

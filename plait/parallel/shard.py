@@ -30,7 +30,7 @@ from plait.parallel.group import DRIVER_RANK, TPGroup
 SHARDABLE_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "GraniteForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
-    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
     "SmolLM3ForCausalLM", "Ministral3ForCausalLM", "SeedOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM",
     # Their pooling forms (the same decoder; the driver pools or classifies the whole hidden states).
@@ -53,11 +53,12 @@ ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)" + _SUFFIXES)
 # (``mlp.experts.3.up_proj.weight``, Mixtral's ``block_sparse_moe.experts.3.w1.weight``), transformers 5's
 # stacked experts (``mlp.experts.gate_up_proj``, and FusedMoE's ``gate_up_bias`` / ``down_bias`` as
 # GPT-OSS's checkpoint_layout names its experts' biases) or a shared expert's
-# (``mlp.shared_expert.down_proj.weight``), or GPT-OSS's MXFP4 experts (``mlp.experts.down_proj_blocks``):
-# (which MLP, projection, "_blocks" | "_scales" | None, "weight" | "bias" | None). Routers
-# (``mlp.gate``, ``block_sparse_moe.gate``, ``shared_expert_gate``, GPT-OSS's ``mlp.router``) are replicated.
+# (``mlp.shared_expert.down_proj.weight``; GLM-4.5's ``mlp.shared_experts...``), or GPT-OSS's MXFP4 experts
+# (``mlp.experts.down_proj_blocks``): (which MLP, projection, "_blocks" | "_scales" | None, "weight" | "bias" |
+# None). Routers (``mlp.gate``, with GLM-4.5's ``mlp.gate.e_score_correction_bias``, ``block_sparse_moe.gate``,
+# ``shared_expert_gate``, GPT-OSS's ``mlp.router``) are replicated.
 FFN_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\."
-                        r"(experts\.\d+\.|experts\.|shared_expert\.)?"
+                        r"(experts\.\d+\.|experts\.|shared_experts?\.)?"
                         r"(gate_proj|up_proj|down_proj|gate_up_proj|gate_up_bias|down_bias|w1|w2|w3)"
                         r"(_blocks|_scales)?" + _SUFFIXES)
 # Under expert parallelism, a routed expert's tensor: one expert's (``mlp.experts.3.up_proj.weight``,
@@ -187,7 +188,8 @@ class Shard:
         if which is None or moe is None:
             n = self.local.intermediate_size
         else:
-            n = moe.shared_intermediate_size if which == "shared_expert." else moe.intermediate_size
+            shared = which in ("shared_expert.", "shared_experts.")  # Qwen2-MoE's; GLM-4.5's (plural)
+            n = moe.shared_intermediate_size if shared else moe.intermediate_size
         if proj in STACKED_EXPERT_BIASES:
             proj, kind = STACKED_EXPERT_BIASES[proj], "bias"
         rows = -1 if kind == "bias" else -2  # a bias is [out]: its rows are its last dim
