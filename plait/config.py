@@ -898,9 +898,9 @@ class MoEConfig:
     # Expert parallelism (a tensor-parallel rank's config, plait.parallel.shard): the routed experts this rank
     # holds whole, global ids [first, end); the router still picks among all num_experts. None: every one.
     expert_range: tuple[int, int] | None = None
-    # How the router picks: SOFTMAX_ROUTER (plait.layers.moe.route), or NOAUX_TC_ROUTER (GLM-4.5's, DeepSeek-V3's:
-    # plait.layers.moe.route_noaux_tc, with these three numbers; GLM-4.5's shared experts are ungated, and
-    # shared_intermediate_size is their n_shared_experts x moe_intermediate_size).
+    # How the router picks: SOFTMAX_ROUTER (plait.layers.moe.route), or NOAUX_TC_ROUTER (GLM-4.5's and
+    # DeepSeek-V3's: plait.layers.moe.route_noaux_tc, with these three numbers; GLM-4.5's shared experts are
+    # ungated, and shared_intermediate_size is their n_shared_experts x moe_intermediate_size).
     router: str = SOFTMAX_ROUTER
     n_group: int = 1
     topk_group: int = 1

@@ -1,5 +1,6 @@
-"""FusedMoE: the routed experts of a sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5), run in
-one call, and the routers that pick them: softmax top-k (route) and DeepSeek-V3's noaux_tc (route_noaux_tc)."""
+"""FusedMoE: the routed experts of a sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5), run
+in one call, and the routers that pick them: softmax top-k (route) and DeepSeek-V3's noaux_tc
+(route_noaux_tc)."""
 
 from __future__ import annotations
 

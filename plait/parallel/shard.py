@@ -53,10 +53,10 @@ ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)" + _SUFFIXES)
 # (``mlp.experts.3.up_proj.weight``, Mixtral's ``block_sparse_moe.experts.3.w1.weight``), transformers 5's
 # stacked experts (``mlp.experts.gate_up_proj``, and FusedMoE's ``gate_up_bias`` / ``down_bias`` as
 # GPT-OSS's checkpoint_layout names its experts' biases) or a shared expert's
-# (``mlp.shared_expert.down_proj.weight``; GLM-4.5's ``mlp.shared_experts...``), or GPT-OSS's MXFP4 experts
-# (``mlp.experts.down_proj_blocks``): (which MLP, projection, "_blocks" | "_scales" | None, "weight" | "bias" |
-# None). Routers (``mlp.gate``, with GLM-4.5's ``mlp.gate.e_score_correction_bias``, ``block_sparse_moe.gate``,
-# ``shared_expert_gate``, GPT-OSS's ``mlp.router``) are replicated.
+# (``mlp.shared_expert.down_proj.weight``; GLM-4.5's ``mlp.shared_experts...``), or GPT-OSS's MXFP4
+# experts (``mlp.experts.down_proj_blocks``): (which MLP, projection, "_blocks" | "_scales" | None, "weight" |
+# "bias" | None). Routers (``mlp.gate``, with GLM-4.5's ``mlp.gate.e_score_correction_bias``,
+# ``block_sparse_moe.gate``, ``shared_expert_gate``, GPT-OSS's ``mlp.router``) are replicated.
 FFN_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\."
                         r"(experts\.\d+\.|experts\.|shared_experts?\.)?"
                         r"(gate_proj|up_proj|down_proj|gate_up_proj|gate_up_bias|down_bias|w1|w2|w3)"
