@@ -138,23 +138,24 @@ def _hf_router(num_experts: int, top_k: int, n_group: int, topk_group: int, norm
 @pytest.mark.parametrize("num_experts,top_k,n_group,topk_group,norm,scale", [
     (16, 4, 4, 2, True, 2.5), (8, 3, 4, 2, False, 1.0), (12, 2, 1, 1, True, 1.0), (32, 8, 8, 3, True, 1.5)])
 def test_route_noaux_tc_is_transformers_router(num_experts, top_k, n_group, topk_group, norm, scale):
-    """Random router logits (some rows with exact ties: repeated logits, scores saturated at 1.0) through
-    NoAuxTcRouter and transformers' Glm4MoeTopkRouter on the same weights: the same experts in the same
-    order, the same weights to the bit."""
+    """Random router logits through NoAuxTcRouter and transformers' Glm4MoeTopkRouter on the same weights,
+    with exact ties (the last two experts copies of the first two, bias too, in other groups: tied experts
+    and tied groups): the same experts in the same order, the same weights to the bit."""
     g = torch.Generator().manual_seed(num_experts + top_k)
     hf = _hf_router(num_experts, top_k, n_group, topk_group, norm, scale)
     ours = NoAuxTcRouter(16, num_experts, top_k, norm, n_group, topk_group, scale)
+    weight, bias = torch.randn(num_experts, 16, generator=g), torch.randn(num_experts, generator=g) * 0.3
+    weight[-2:], bias[-2:] = weight[:2], bias[:2]
     with torch.no_grad():
-        hf.weight.copy_(torch.randn(num_experts, 16, generator=g))
-        hf.e_score_correction_bias.copy_(torch.randn(num_experts, generator=g) * 0.3)
-        ours.weight.copy_(hf.weight)
-        ours.e_score_correction_bias.copy_(hf.e_score_correction_bias)
+        for router in (hf, ours):
+            router.weight.copy_(weight)
+            router.e_score_correction_bias.copy_(bias)
     x = torch.randn(64, 16, generator=g)
-    x[:8] = x[8:16].round()  # coarse rows: ties among logits
-    x[16:20] *= 100.0  # saturated sigmoids: many scores exactly 1.0 or 0.0
+    x[:4] *= 100.0  # saturated sigmoids: scores exactly 1.0 or 0.0
     with torch.no_grad():
         _, want_weights, want_ids = hf(x)
         weights, ids = ours(x)
+    assert torch.isin(want_ids, torch.tensor([0, 1, num_experts - 2, num_experts - 1])).any()  # ties met
     assert torch.equal(ids, want_ids) and torch.equal(weights, want_weights)
     assert weights.dtype == torch.float32
 
