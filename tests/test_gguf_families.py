@@ -435,3 +435,11 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path, monkeypatch):
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path))
     with pytest.raises(ValueError, match="architecture 'falcon'"):
         LLMEngine(EngineConfig(model=str(path)))
+
+
+def test_cohere_partial_rotary_is_refused_by_name(tmp_path):
+    """Cohere2's converter writes rotary_pct's share of each head as the rotated dims; plait turns whole heads
+    (every release, and transformers), so a file that says less is refused rather than misread."""
+    path = _metadata_only_gguf(tmp_path / "r7b.gguf", "cohere2", 4, rope_dimension_count=8)
+    with pytest.raises(ValueError, match="cohere2 with a rotary over 8 of each head's 16 channels"):
+        read_gguf_config(path)

@@ -206,7 +206,7 @@ def _build_config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
         "attention_bias": "blk.0.attn_q.bias" in tensors,
     }
     if arch in COHERE_ARCHITECTURES:
-        config.update(_cohere_config(arch, required, tensors, config))
+        config.update(_cohere_config(arch, key, required, tensors, config, path))
     else:
         config["rms_norm_eps"] = required("attention.layer_norm_rms_epsilon")
     pad = _field(reader, "tokenizer.ggml.padding_token_id")
@@ -268,11 +268,17 @@ def _gemma_config(arch: str, key: Callable[..., Any], config: dict[str, Any]) ->
     return gemma
 
 
-def _cohere_config(arch: str, required: Callable[[str], Any], tensors: dict[str, Any],
-                   config: dict[str, Any]) -> dict[str, Any]:
+def _cohere_config(arch: str, key: Callable[..., Any], required: Callable[[str], Any],
+                   tensors: dict[str, Any], config: dict[str, Any], path: Path) -> dict[str, Any]:
     """Cohere's keys of an HF config.json, as llama.cpp runs the file: the LayerNorms' eps, logit_scale;
     Command R+'s per-head q/k norms where the file has them; Cohere2's window on all but every fourth layer
-    (whose layers without a window do not rotate: plait.models.cohere)."""
+    (whose layers without a window do not rotate: plait.models.cohere). A rotary over part of each head
+    (Cohere2's converter writes rotary_pct's share; every release turns whole heads, as transformers does) is
+    refused."""
+    rotated = key("rope.dimension_count")
+    if rotated is not None and rotated != config["head_dim"]:
+        raise ValueError(f"GGUF file {str(path)!r}: {arch} with a rotary over {rotated} of each head's "
+                         f"{config['head_dim']} channels is not supported")
     cohere: dict[str, Any] = {"layer_norm_eps": required("attention.layer_norm_epsilon"),
                               "logit_scale": required("logit_scale")}
     if arch == "command-r":
