@@ -1116,6 +1116,9 @@ COMPLETED_CONFIGS = {
     "olmo2": ("Olmo2Config", "olmo2"),
     "olmo3": ("Olmo3Config", "olmo3"),
     "gpt_oss": ("GptOssConfig", "gpt_oss"),
+    # Cohere: tied embeddings, logit_scale, layer_norm_eps and (Cohere2) layer_types by transformers' defaults
+    "cohere": ("CohereConfig", "cohere"),
+    "cohere2": ("Cohere2Config", "cohere2"),
     "qwen2_vl": ("Qwen2VLTextConfig", "qwen2"),
     "qwen2_5_vl": ("Qwen2_5_VLTextConfig", "qwen2"),
     "idefics3": ("LlamaConfig", "llama"),

@@ -1,8 +1,8 @@
-"""GGUF files of Gemma 1 / 2 / 3, Phi-3 and Qwen2-MoE / Qwen3-MoE, written from tiny random transformers
-models as llama.cpp's convert_hf_to_gguf.py writes them (F32 tensors, so nothing is lost to quantisation):
-transformers reads each back as the model it came from (where its GGUF reader takes the architecture), plait's
-loader gives back the HF checkpoint's tensors and config, and plait serves the file as transformers runs the
-model."""
+"""GGUF files of Gemma 1 / 2 / 3, Phi-3, Qwen2-MoE / Qwen3-MoE and Cohere's Command R / R7B, written from tiny
+random transformers models as llama.cpp's convert_hf_to_gguf.py writes them (F32 tensors, so nothing is lost
+to quantisation): transformers reads each back as the model it came from (where its GGUF reader takes the
+architecture), plait's loader gives back the HF checkpoint's tensors and config, and plait serves the file as
+transformers runs the model."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ def _configs() -> dict:
     GGUF reader recovers (or is told: UNREAD_BY_TRANSFORMERS); the variants carry what only llama.cpp's keys
     and plait read, and are checked through plait's loader against the HF checkpoint."""
     from transformers import (
+        Cohere2Config,
+        CohereConfig,
         Gemma2Config,
         Gemma3TextConfig,
         GemmaConfig,
@@ -69,6 +71,13 @@ def _configs() -> dict:
         # Gemma 1: a head size apart from hidden / heads (the file's key_length), rotary base 10k (its
         # converter writes none: llama.cpp's default).
         "gemma": ("gemma", GemmaConfig(**COMMON, head_dim=32, tie_word_embeddings=True)),
+        # Command R+ (llama.cpp's "command-r"): per-head q/k LayerNorms, a logit scale, tied embeddings.
+        "cohere": ("command-r", CohereConfig(**COMMON, pad_token_id=0, use_qk_norm=True, logit_scale=0.25,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+        # Command R7B: three sliding layers (a window shorter than the prompts) rotate, the fourth does not.
+        "cohere2": ("cohere2", Cohere2Config(**COMMON | dict(num_hidden_layers=4), pad_token_id=0,
+                                             sliding_window=12, logit_scale=0.5,
+                                             rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
         # Gemma 3 4B+: global layers linearly stretched, sliding ones on a base of their own; soft-capped
         # logits; another head size and query scale.
         "gemma3-scaled": ("gemma3", Gemma3TextConfig(
@@ -95,10 +104,11 @@ def _configs() -> dict:
     }
 
 
-FAMILIES = ["gemma3", "qwen3_moe", "phi3", "gemma2", "qwen2_moe", "gemma"]
-# Families whose architecture transformers' GGUF reader does not take (Gemma 1's "gemma"): their files are
-# checked against the checkpoint they were written from only.
-UNREAD_FAMILIES = ("gemma",)
+FAMILIES = ["gemma3", "qwen3_moe", "phi3", "gemma2", "qwen2_moe", "gemma", "cohere", "cohere2"]
+# Families whose architecture transformers' GGUF reader does not take (Gemma 1's "gemma", Cohere's): their
+# files are checked against the checkpoint they were written from only.
+UNREAD_FAMILIES = ("gemma", "cohere", "cohere2")
+COHERE_ARCHITECTURES = ("command-r", "cohere2")
 VARIANTS = ["gemma3-scaled", "gemma2-caps", "phi3-window", "phi3-longrope", "qwen2_moe-fused"]
 # Config keys transformers' GGUF reader does not map for these architectures (it would take the config class's
 # defaults: Qwen2MoeConfig's 1408-wide experts...), given to it beside the file.
@@ -149,7 +159,10 @@ def _write_metadata(writer, arch: str, cfg) -> None:
     architecture's override)."""
     w = writer
     add_gguf_shape(w, cfg)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch in COHERE_ARCHITECTURES:  # LayerNorms: the converter writes layer_norm_eps under its own key
+        w.add_layer_norm_eps(cfg.layer_norm_eps)
+    else:
+        w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     rope = cfg.rope_parameters
     if arch.startswith("gemma"):  # the only key Gemma 1's converter (GemmaModel) adds beside the shape
@@ -181,6 +194,14 @@ def _write_metadata(writer, arch: str, cfg) -> None:
             scale = cfg.max_position_embeddings / cfg.original_max_position_embeddings
             w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(
                 cfg.original_max_position_embeddings)) if scale > 1 else 1.0)
+    elif arch in COHERE_ARCHITECTURES:  # CommandR2Model / Cohere2Model
+        w.add_rope_freq_base(rope["rope_theta"])
+        w.add_logit_scale(cfg.logit_scale)
+        w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+        if arch == "cohere2":
+            w.add_sliding_window(cfg.sliding_window)
+            w.add_vocab_size(cfg.vocab_size)
+            w.add_rope_dimension_count(cfg.head_dim)
     elif arch != "gemma":  # Qwen2MoeModel / Qwen3MoeModel
         w.add_rope_freq_base(rope["rope_theta"])
         w.add_expert_count(cfg.num_experts)
@@ -364,6 +385,10 @@ def test_gguf_reads_back_as_the_hf_checkpoint(checkpoints, name):
         for key in ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping",
                     "final_logit_softcapping", "hidden_activation"):
             assert got.raw[key] == want.raw[key], key
+    if name.startswith("cohere"):  # what CohereModel reads beside ModelConfig (eps kept in fp32 by GGUF)
+        assert math.isclose(got.raw["layer_norm_eps"], want.raw["layer_norm_eps"], rel_tol=1e-6)
+        for key in ("logit_scale", "use_qk_norm", "layer_types", "sliding_window"):
+            assert got.raw.get(key) == want.raw.get(key), key
 
 
 def _metadata_only_gguf(path: Path, arch: str, layers: int, **keys) -> Path:
@@ -410,3 +435,11 @@ def test_unsupported_architecture_is_refused_by_name(tmp_path, monkeypatch):
     monkeypatch.setenv("PLAIT_CACHE_DIR", str(tmp_path))
     with pytest.raises(ValueError, match="architecture 'falcon'"):
         LLMEngine(EngineConfig(model=str(path)))
+
+
+def test_cohere_partial_rotary_is_refused_by_name(tmp_path):
+    """Cohere2's converter writes rotary_pct's share of each head as the rotated dims; plait turns whole heads
+    (every release, and transformers), so a file that says less is refused rather than misread."""
+    path = _metadata_only_gguf(tmp_path / "r7b.gguf", "cohere2", 4, rope_dimension_count=8)
+    with pytest.raises(ValueError, match="cohere2 with a rotary over 8 of each head's 16 channels"):
+        read_gguf_config(path)

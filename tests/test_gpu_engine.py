@@ -261,8 +261,10 @@ def _dense_family_config(tmp_path, family: str) -> str:
     layers beside a YaRN-scaled global one), SmolLM3 (its last layer without rotary, and windowed),
     Ministral 3 (YaRN, queries scaled by position past a 64-token period), EXAONE 4.0 (per-head q/k norms,
     a global layer without rotary after three sliding ones), GLM-4-0414 (GPT-J pairs over half of each head,
-    reordered at load), ERNIE 4.5 (the same over whole heads) at Llama-8B's head dim, or GPT-OSS (sinks,
-    windows of 64, YaRN, experts with biases and the clamped SwiGLU) at its head dim 64; random weights."""
+    reordered at load), ERNIE 4.5 (the same over whole heads), Command R+ (Cohere: LayerNorms, attention
+    and MLP in parallel, per-head q/k LayerNorms, GPT-J pairs, logit_scale), Command R7B (Cohere2: windows of
+    64 on three layers, which alone rotate) at Llama-8B's head dim, or GPT-OSS (sinks, windows of 64, YaRN,
+    experts with biases and the clamped SwiGLU) at its head dim 64; random weights."""
     cfg = {
         "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 4, "num_attention_heads": 8,
         "num_key_value_heads": 2, "head_dim": 128, "vocab_size": VOCAB, "max_position_embeddings": 2048,
@@ -286,6 +288,13 @@ def _dense_family_config(tmp_path, family: str) -> str:
                 "attention_bias": True, "rope_theta": 10000.0}
     elif family == "ernie4_5":
         cfg |= {"architectures": ["Ernie4_5ForCausalLM"], "model_type": "ernie4_5", "rope_theta": 500000.0}
+    elif family in ("cohere", "cohere2"):  # eos inside the vocabulary (CohereConfig's is 255001)
+        cfg |= {"model_type": family, "eos_token_id": 1, "logit_scale": 0.25, "tie_word_embeddings": True}
+        if family == "cohere":
+            cfg |= {"architectures": ["CohereForCausalLM"], "use_qk_norm": True, "rope_theta": 8e6}
+        else:
+            cfg |= {"architectures": ["Cohere2ForCausalLM"], "sliding_window": 64,
+                    "sliding_window_pattern": 4, "rope_theta": 50000.0}
     elif family == "gpt_oss":
         cfg |= {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "head_dim": 64,
                 "num_attention_heads": 16, "num_local_experts": 8, "num_experts_per_tok": 4,
@@ -307,7 +316,7 @@ def _dense_family_config(tmp_path, family: str) -> str:
 
 
 @pytest.mark.parametrize("family", ["granite", "olmo3", "smollm3", "ministral3", "exaone4", "glm4",
-                                    "ernie4_5", "gpt_oss"])
+                                    "ernie4_5", "cohere", "cohere2", "gpt_oss"])
 def test_dense_families_on_the_gpu_path_compute_the_reference_function_in_fp32(tmp_path, family):
     """Granite, OLMo 3, SmolLM3 and Ministral 3 through Triton (OLMo's round-once norms over whole q/k rows,
     its windows and YaRN table in the rotary launch; SmolLM3's unrotated store; Ministral 3's scaled

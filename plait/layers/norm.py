@@ -1,4 +1,5 @@
-"""RMSNorm (and Gemma's 1 + weight form), computed in fp32 the way Hugging Face transformers does it."""
+"""RMSNorm (and Gemma's 1 + weight form) and Cohere's LayerNorm, computed in fp32 the way Hugging Face
+transformers does them."""
 
 from __future__ import annotations
 
@@ -88,3 +89,24 @@ class OlmoRMSNorm(RMSNorm):
     """OLMo 2 / 3's RMSNorm: the weight times the fp32 row, rounded once (Llama's rounds the row first)."""
 
     round_once = True
+
+
+class CohereLayerNorm(nn.Module):
+    """Cohere's LayerNorm (Command R, Command R7B / A, Aya): the row's mean subtracted, divided by its
+    standard deviation, times a weight, no bias; in fp32, rounded once (transformers' CohereLayerNorm).
+    ``shape`` is the weight's: (hidden,) for the layer norms, (heads, head_dim) for Command R+'s q/k norms,
+    which normalise each head's row with that head's own weight. Not an RMSNorm: no kernel of plait's fuses
+    it, so the RMSNorm fast paths (fused add, norms folded into gate/up, q/k norms in the rotary launch)
+    never see it."""
+
+    def __init__(self, shape: int | tuple[int, ...], eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(shape))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., *shape] (a weight of [heads, head_dim] broadcasts over [T, heads, head_dim])
+        x32 = x.float()
+        centred = x32 - x32.mean(-1, keepdim=True)
+        x32 = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * x32).to(x.dtype)

@@ -28,6 +28,9 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "gemma2": ("gemma2", "Gemma2ForCausalLM"),
     # Text-only: llama.cpp writes an image-text Gemma 3's vision tower to a separate mmproj file.
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    # Cohere's Command R / R+ / Aya and Command R7B / A: LayerNorms (layer_norm_epsilon), logit_scale.
+    "command-r": ("cohere", "CohereForCausalLM"),
+    "cohere2": ("cohere2", "Cohere2ForCausalLM"),
 }
 # llama.cpp's converter interleaves the Q/K rows of these architectures for its rotary layout
 # (LlamaModel.permute in convert_hf_to_gguf.py); every other one here is written unpermuted (llama.cpp
@@ -37,6 +40,11 @@ PERMUTED_QK_ARCHITECTURES = frozenset({"llama"})
 # (q/k norms included), so that its plain RMSNorm applies them.
 NORM_OFFSET_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
 MOE_ARCHITECTURES = frozenset({"qwen2moe", "qwen3moe"})
+# One LayerNorm a layer (no ffn_norm: attention and MLP read the same), its eps under
+# attention.layer_norm_epsilon; llama.cpp rotates their q/k as HF stores them (adjacent pairs), unpermuted.
+COHERE_ARCHITECTURES = frozenset({"command-r", "cohere2"})
+# llama.cpp's Cohere2 (llama_model::load_hparams: set_swa_pattern(4)): every fourth layer global.
+COHERE2_SLIDING_PATTERN = 4
 GEMMA_ACTIVATION = "gelu_pytorch_tanh"
 
 # Per-block GGUF tensor stem -> HF module path under model.layers.{i}.
@@ -190,7 +198,6 @@ def _build_config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
         "head_dim": head_dim,
         "vocab_size": vocab_size,
         "max_position_embeddings": required("context_length"),
-        "rms_norm_eps": required("attention.layer_norm_rms_epsilon"),
         "rope_theta": key("rope.freq_base", 10000.0),
         "tie_word_embeddings": "output.weight" not in tensors,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
@@ -198,6 +205,10 @@ def _build_config(reader: gguf.GGUFReader, path: Path) -> dict[str, Any]:
         "hidden_act": "silu",
         "attention_bias": "blk.0.attn_q.bias" in tensors,
     }
+    if arch in COHERE_ARCHITECTURES:
+        config.update(_cohere_config(arch, key, required, tensors, config, path))
+    else:
+        config["rms_norm_eps"] = required("attention.layer_norm_rms_epsilon")
     pad = _field(reader, "tokenizer.ggml.padding_token_id")
     if pad is not None:
         config["pad_token_id"] = pad
@@ -255,6 +266,29 @@ def _gemma_config(arch: str, key: Callable[..., Any], config: dict[str, Any]) ->
         gemma["attn_logit_softcapping"] = None
     gemma["layer_types"] = ["sliding_attention" if s else "full_attention" for s in sliding]
     return gemma
+
+
+def _cohere_config(arch: str, key: Callable[..., Any], required: Callable[[str], Any],
+                   tensors: dict[str, Any], config: dict[str, Any], path: Path) -> dict[str, Any]:
+    """Cohere's keys of an HF config.json, as llama.cpp runs the file: the LayerNorms' eps, logit_scale;
+    Command R+'s per-head q/k norms where the file has them; Cohere2's window on all but every fourth layer
+    (whose layers without a window do not rotate: plait.models.cohere). A rotary over part of each head
+    (Cohere2's converter writes rotary_pct's share; every release turns whole heads, as transformers does) is
+    refused."""
+    rotated = key("rope.dimension_count")
+    if rotated is not None and rotated != config["head_dim"]:
+        raise ValueError(f"GGUF file {str(path)!r}: {arch} with a rotary over {rotated} of each head's "
+                         f"{config['head_dim']} channels is not supported")
+    cohere: dict[str, Any] = {"layer_norm_eps": required("attention.layer_norm_epsilon"),
+                              "logit_scale": required("logit_scale")}
+    if arch == "command-r":
+        cohere["use_qk_norm"] = "blk.0.attn_q_norm.weight" in tensors
+    else:
+        cohere["sliding_window"] = required("attention.sliding_window")
+        pattern = COHERE2_SLIDING_PATTERN
+        cohere["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                 for i in range(config["num_hidden_layers"])]
+    return cohere
 
 
 def _phi3_config(key: Callable[..., Any], tensors: dict[str, Any], config: dict[str, Any],
@@ -426,11 +460,12 @@ def _expected_tensors(state_dict: dict[str, torch.Tensor], config: dict[str, Any
     expected = ["model.embed_tokens.weight", "model.norm.weight"]
     if not config["tie_word_embeddings"]:
         expected.append("lm_head.weight")
-    norms = ["input_layernorm", "post_attention_layernorm"]
+    parallel = model_type in ("cohere", "cohere2")  # Cohere: one norm feeding attention and MLP
+    norms = ["input_layernorm"] if parallel else ["input_layernorm", "post_attention_layernorm"]
     if sandwich:
         norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
-    qk_norms = ["self_attn.q_norm", "self_attn.k_norm"] if model_type in ("qwen3", "qwen3_moe",
-                                                                          "gemma3_text") else []
+    qk_normed = model_type in ("qwen3", "qwen3_moe", "gemma3_text") or config.get("use_qk_norm")
+    qk_norms = ["self_attn.q_norm", "self_attn.k_norm"] if qk_normed else []
     dense_layers = set(config.get("mlp_only_layers") or [])
     for i in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{i}."

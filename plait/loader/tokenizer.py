@@ -28,8 +28,9 @@ HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.mode
 PROCESSOR_CHAT_TEMPLATE_FILE = "chat_template.json"
 # GGUF architectures whose tokenizer transformers builds but whose config its GGUF reader refuses
 # (AutoTokenizer reads the config to choose the tokenizer class): the class's tokenizer type, named instead.
-# Gemma 1's files take GemmaTokenizer, as Gemma 2's do through their config.
-TOKENIZER_TYPES_BY_GGUF_ARCHITECTURE = {"gemma": "gemma"}
+# Gemma 1's files take GemmaTokenizer, as Gemma 2's do through their config; Cohere's, CohereTokenizer (a
+# byte-level BPE, as llama.cpp's converter writes it).
+TOKENIZER_TYPES_BY_GGUF_ARCHITECTURE = {"gemma": "gemma", "command-r": "cohere", "cohere2": "cohere"}
 
 
 def cache_root() -> Path:

@@ -42,6 +42,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Ernie4_5ForCausalLM": ("plait.models.llama", "PairedRotaryForCausalLM"),
     "Glm4ForCausalLM": ("plait.models.glm", "Glm4ForCausalLM"),
     "GptOssForCausalLM": ("plait.models.gpt_oss", "GptOssForCausalLM"),
+    "CohereForCausalLM": ("plait.models.cohere", "CohereForCausalLM"),
+    "Cohere2ForCausalLM": ("plait.models.cohere", "Cohere2ForCausalLM"),
     # EAGLE draft heads, run only as speculative_config's "eagle" / "eagle3" model (plait.engine.eagle).
     "EagleLlamaForCausalLM": ("plait.models.eagle", "EagleLlamaForCausalLM"),
     "Eagle3LlamaForCausalLM": ("plait.models.eagle", "Eagle3LlamaForCausalLM"),

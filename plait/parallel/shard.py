@@ -33,6 +33,8 @@ SHARDABLE_ARCHITECTURES = frozenset({
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Glm4MoeForCausalLM",
     "SmolLM3ForCausalLM", "Ministral3ForCausalLM", "SeedOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM",
+    # Cohere's parallel block: o_proj and down_proj each summed over the ranks, their sum added to the stream.
+    "CohereForCausalLM", "Cohere2ForCausalLM",
     # Their pooling forms (the same decoder; the driver pools or classifies the whole hidden states).
     "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "LlamaForSequenceClassification",
     "MistralForSequenceClassification", "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
@@ -177,7 +179,12 @@ class Shard:
             q, kv = c.num_attention_heads * d, c.num_key_value_heads * d
             parts = zip(("q_proj", "k_proj", "v_proj"), t.split([q, kv, kv]))
             return torch.cat([self._attention(part, kind, piece) for part, piece in parts])
-        return t  # q/k norms (per head)
+        if proj == "q_norm" and t.dim() == 2:  # Command R+'s: a weight row per query head [Hq, D]
+            return self._part(t, 0, self.local.num_attention_heads)
+        if proj == "k_norm" and t.dim() == 2:  # [Hkv, D]
+            lo, hi = self.kv_head_range()
+            return t[lo:hi]
+        return t  # q/k norms of one weight for every head (Qwen3's [D])
 
     def _feed_forward(self, which: str | None, proj: str, packed: str | None, kind: str | None,
                       t: torch.Tensor) -> torch.Tensor:
