@@ -26,13 +26,16 @@ from plait.models.weights import IMAGE_SIDE_MODULES, IMAGE_SIDE_TENSOR
 from plait.parallel.group import DRIVER_RANK, TPGroup
 
 # The decoders whose layers are the Llama family's attention and MLP or sparse MoE block: those a rank can
-# build from a narrower config alone. (OLMo 2 / 3 normalise q and k across all heads, which no rank holds.)
+# build from a narrower config alone. (OLMo 2 / 3 and OLMoE normalise q and k across all heads, which no rank
+# holds.)
 SHARDABLE_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "GraniteForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM",
     "SmolLM3ForCausalLM", "Ministral3ForCausalLM", "SeedOssForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM",
+    # Granite MoE's checkpoint names are made the MoE block's before the split (checkpoint_layout).
+    "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
     # Their pooling forms (the same decoder; the driver pools or classifies the whole hidden states).
     "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "LlamaForSequenceClassification",
     "MistralForSequenceClassification", "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
