@@ -1,7 +1,6 @@
 """OLMoE and Granite MoE (plain and with a shared MLP) against transformers (fp32 CPU): greedy tokens and
 logits with prompts chunked beside decodes, their checkpoints' expert layouts, Granite's router against
-transformers', Granite MoE split across two gloo ranks, and what is refused (OLMoE split across devices,
-LoRA)."""
+transformers', both split across two gloo ranks (OLMoE's q/k norms across all heads too), and LoRA refused."""
 
 from __future__ import annotations
 
@@ -34,10 +33,11 @@ def _configs() -> dict:
     granite = dict(embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.3,
                    logits_scaling=4.0, num_local_experts=6, num_experts_per_tok=2)
     return {
-        # Softmax top-k weights left as they are (norm_topk_prob false, as OLMoE's checkpoints), and q, k
-        # (after their norms across heads) and v clipped low enough that the clip bites.
-        "olmoe": OlmoeConfig(**common, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
-                             clip_qkv=1.5),
+        # Softmax top-k weights left as they are (norm_topk_prob false, as OLMoE's checkpoints), q, k (after
+        # their norms across heads) and v clipped low enough that the clip bites, and one KV head (which
+        # two ranks both hold: its norm's squares summed over them count it twice).
+        "olmoe": OlmoeConfig(**(common | {"num_key_value_heads": 1}), num_experts=8, num_experts_per_tok=3,
+                             norm_topk_prob=False, clip_qkv=1.5),
         "granitemoe": GraniteMoeConfig(**common, **granite, tie_word_embeddings=True),
         "granitemoeshared": GraniteMoeSharedConfig(**common, **granite, shared_intermediate_size=48),
     }
@@ -133,23 +133,31 @@ def test_transformers_5_names_load(family_models, tmp_path, family, stacked):
                              LOGITS_ATOL)
 
 
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["width", "whole-experts"])
-def test_granite_moe_shared_splits_over_two_ranks(family_models, expert_parallel):
-    """Granite MoE shared over two gloo ranks: heads, the shared MLP's width and every expert's width (or
-    under expert parallelism half the experts whole a rank), the router replicated: transformers' answers."""
+def test_granite_moe_shared_splits_over_two_ranks(family_models):
+    """Granite MoE shared over two gloo ranks: heads, the shared MLP's width and every expert's width, the
+    router replicated: transformers' answers."""
     folder, hf = family_models["granitemoeshared"]
-    engine = _engine(folder, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    engine = _engine(folder, tensor_parallel_size=2)
     try:
         assert_greedy_matches_hf(engine, hf, random_prompts(3, 1, 50, seed=24), MAX_TOKENS, LOGITS_ATOL)
     finally:
         engine.shutdown()
 
 
-def test_refusals(family_models):
-    """OLMoE normalises q and k across all heads at once (as OLMo 2): no rank holds them all, so it is not
-    split; LoRA adapters would need per-expert deltas inside the expert kernels."""
-    with pytest.raises(ValueError, match="OlmoeForCausalLM cannot be split across devices"):
-        LLMEngine(EngineConfig(model=str(family_models["olmoe"][0]), tensor_parallel_size=2))
+def test_olmoe_splits_over_two_ranks_holding_whole_experts(family_models):
+    """OLMoE over two gloo ranks under expert parallelism: each rank half the query heads and the one KV
+    head, q and k normalised across all heads with every rank's squares (Attention.qk_norm_group), four
+    experts whole a rank: transformers' answers."""
+    folder, hf = family_models["olmoe"]
+    engine = _engine(folder, tensor_parallel_size=2, enable_expert_parallel=True)
+    try:
+        assert_greedy_matches_hf(engine, hf, random_prompts(3, 1, 50, seed=25), MAX_TOKENS, LOGITS_ATOL)
+    finally:
+        engine.shutdown()
+
+
+def test_lora_is_refused(family_models):
+    """LoRA adapters would need per-expert deltas inside the expert kernels (as for the other MoE models)."""
     for family in FAMILIES:
         with pytest.raises(ValueError, match="LoRA is not supported"):
             LLMEngine(EngineConfig(model=str(family_models[family][0]), enable_lora=True))

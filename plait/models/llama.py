@@ -5,6 +5,7 @@ gated shared expert), Qwen3-MoE (and, in their own modules, OLMoE and Granite Mo
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,11 +16,14 @@ from plait.config import ModelConfig
 from plait.layers.activation import act_and_mul, get_activation, silu_and_mul_rms
 from plait.layers.linear import Linear
 from plait.layers.moe import FusedMoE
-from plait.layers.norm import RMSNorm, RowNorm
+from plait.layers.norm import RMSNorm, RowNorm, split_rms_norms
 from plait.layers.rotary import QueryScaledRotary, llama4_query_scale, rotary_embedding
 from plait.models.base import CausalLM, refuse_config_keys
 from plait.models.weights import LoadRecord, load_decoder_weights, pairs_as_halves
 from plait.runner.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from plait.parallel.group import TPGroup
 
 
 class Attention(nn.Module):
@@ -48,6 +52,9 @@ class Attention(nn.Module):
         # GPT-OSS's learned logit per query head, which joins each softmax as a key with no value: [Hq].
         # (An instance attribute: a class one would hide the Parameter a subclass registers.)
         self.sinks: torch.Tensor | None = None
+        # Tensor parallelism with flat q/k norms (OLMo 2 / 3, OLMoE): the ranks' group, whose sums of squares
+        # make each rank's slice of q and k the whole rows' norm (plait.parallel.shard sets it).
+        self.qk_norm_group: TPGroup | None = None
 
     def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, hidden]
@@ -56,7 +63,9 @@ class Attention(nn.Module):
     def attend(self, qkv: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
         # qkv: [T, (Hq + 2 Hkv) D] -> attention output before o_proj: [T, Hq D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.flat_qk_norm:  # q: [T, Hq D], k: [T, Hkv D], each normalised as one row
+        if self.flat_qk_norm and self.qk_norm_group is not None:  # this rank's heads of each row
+            q, k = split_rms_norms([(q, self.q_norm), (k, self.k_norm)], self.qk_norm_group)
+        elif self.flat_qk_norm:  # q: [T, Hq D], k: [T, Hkv D], each normalised as one row
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:  # after the flat norms, as OLMoE clips (a per-head norm would be later)
             c = self.clip_qkv
