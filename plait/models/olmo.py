@@ -156,6 +156,6 @@ class OlmoeForCausalLM(MoeForCausalLM):
     """OlmoeForCausalLM (OLMoE-1B-7B-0924 / -0125 and their -Instruct: 64 experts, 8 a token, whose softmax
     weights are not renormalised: norm_topk_prob false). Hub checkpoints name each expert's projections as
     Qwen-MoE's do (mlp.experts.{e}.gate_proj, mlp.gate the router); transformers 5's stacked experts load too.
-    Not split across GPUs: the q/k norms span all heads, which no rank holds (as OLMo 2's)."""
+    Split across GPUs as OLMo 2 is (q/k norms: Attention.qk_norm_group)."""
 
     model_class = OlmoeModel
