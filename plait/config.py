@@ -882,17 +882,24 @@ class PoolerConfig:
 SOFTMAX_ROUTER = "softmax"
 NOAUX_TC_ROUTER = "noaux_tc"
 GLM4_MOE_MODEL_TYPE = "glm4_moe"  # GLM-4.5 / GLM-4.6 (plait.models.glm4_moe)
+# MoE decoders whose configs name their experts' width intermediate_size (plait.models.olmo, .granite).
+OLMOE_MODEL_TYPES = ("olmoe",)
+GRANITE_MOE_MODEL_TYPES = ("granitemoe", "granitemoeshared")
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """The sparse MoE blocks of a Mixtral / Qwen2-MoE / Qwen3-MoE config (read from its HF config.json)."""
+    """The sparse MoE blocks of a Mixtral / Qwen2-MoE / Qwen3-MoE / OLMoE / Granite MoE config (read from its
+    HF config.json)."""
 
     num_experts: int
     top_k: int  # experts each token is routed to (num_experts_per_tok)
     intermediate_size: int  # of each routed expert (Qwen: moe_intermediate_size; Mixtral: intermediate_size)
     renormalize: bool  # the top_k weights renormalised to sum to one (Mixtral always; Qwen: norm_topk_prob)
-    shared_intermediate_size: int  # Qwen2-MoE's gated shared expert; 0: none
+    shared_intermediate_size: int  # Qwen2-MoE's gated shared expert, Granite MoE's ungated one; 0: none
+    # Whether a sigmoid gate (shared_expert_gate) scales the shared expert's output (Qwen2-MoE) or not
+    # (Granite MoE's shared_mlp, added as it is).
+    shared_expert_gated: bool = True
     # Qwen-MoE: layers in mlp_only_layers, or not at a multiple of decoder_sparse_step, keep a dense MLP.
     dense_layers: tuple[int, ...] = ()
     # Expert parallelism (a tensor-parallel rank's config, plait.parallel.shard): the routed experts this rank
@@ -915,8 +922,17 @@ class MoEConfig:
         num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
         if not num_experts:
             return None
-        # Mixtral's and GPT-OSS's experts are intermediate_size wide, and their top-k weights sum to one.
-        mixtral_like = model_type in ("mixtral", "gpt_oss")
+        # Mixtral's, GPT-OSS's, OLMoE's and Granite MoE's experts are intermediate_size wide.
+        mixtral_like = model_type in ("mixtral", "gpt_oss", *OLMOE_MODEL_TYPES, *GRANITE_MOE_MODEL_TYPES)
+        # Top-k weights that sum to one: Mixtral's and GPT-OSS's always; Granite MoE's router takes the top-k
+        # logits, then a softmax over them alone, which is the same (the softmax is monotonic, so its top-k
+        # are the logits'; renormalising the chosen probabilities cancels the other experts' share of the
+        # denominator): route(renormalize=True), up to fp32 rounding. OLMoE's and Qwen's: norm_topk_prob.
+        renormalized = model_type in ("mixtral", "gpt_oss", *GRANITE_MOE_MODEL_TYPES)
+        # Granite MoE shared's shared MLP is shared_intermediate_size wide and ungated; Qwen2-MoE's is gated.
+        shared = cfg.get("shared_expert_intermediate_size") or 0
+        if model_type in GRANITE_MOE_MODEL_TYPES:
+            shared = cfg.get("shared_intermediate_size") or 0
         step = cfg.get("decoder_sparse_step") or 1
         only_mlp = set(cfg.get("mlp_only_layers") or [])
         dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only_mlp or (i + 1) % step)
@@ -924,8 +940,9 @@ class MoEConfig:
             num_experts=num_experts,
             top_k=cfg.get("num_experts_per_tok", 2),
             intermediate_size=cfg["intermediate_size"] if mixtral_like else cfg["moe_intermediate_size"],
-            renormalize=True if mixtral_like else bool(cfg.get("norm_topk_prob", False)),
-            shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+            renormalize=True if renormalized else bool(cfg.get("norm_topk_prob", False)),
+            shared_intermediate_size=shared,
+            shared_expert_gated=model_type not in GRANITE_MOE_MODEL_TYPES,
             dense_layers=dense,
         )
 
@@ -940,6 +957,7 @@ class MoEConfig:
             intermediate_size=inter,
             renormalize=bool(cfg.get("norm_topk_prob", True)),
             shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * inter,
+            shared_expert_gated=False,
             dense_layers=tuple(range(min(cfg.get("first_k_dense_replace", 1), cfg["num_hidden_layers"]))),
             router=NOAUX_TC_ROUTER,
             n_group=cfg.get("n_group") or 1,

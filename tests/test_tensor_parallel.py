@@ -32,11 +32,12 @@ def _engine(folder, tp: int, **knobs) -> LLMEngine:
 # Seed-OSS splits as Qwen2 does (q/k/v biases), ERNIE 4.5 as GLM-4 (q/k reordered on each rank's heads, here
 # over whole heads): both stay shardable, and their parity on one rank is test_hf_parity's.
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "granite", "glm4",
-                                    "exaone4", "ministral3", "smollm3-sliding", "gpt_oss"])
+                                    "exaone4", "ministral3", "smollm3-sliding", "gpt_oss", "olmo3"])
 def test_two_ranks_match_hf(tiny_models, family):
     """Heads, KV heads and MLP columns split in two (Qwen2's q/k/v biases, Qwen3's per-head q/k norms and
     tied embeddings, Phi-3's fused checkpoint projections, Gemma 2's sandwich norms and soft caps, Granite's
-    multipliers, GPT-OSS's sinks per query head and biased experts with interleaved gate/up columns):
+    multipliers, GPT-OSS's sinks per query head and biased experts with interleaved gate/up columns, OLMo 3's
+    q/k norms across all heads, each rank normalising its slice with every rank's squares):
     greedy tokens and logits as transformers', prompts chunked beside decodes."""
     from transformers import AutoModelForCausalLM
 
@@ -189,10 +190,14 @@ def test_refused_expert_parallelism(tiny_llama, moe_models):  # noqa: F811
         EngineConfig(model=str(tiny_llama), enable_expert_parallel=True)
 
 
-def test_refused_architecture(tiny_models):
-    """OLMo normalises q and k across all heads at once: a rank holds only some of them."""
-    with pytest.raises(ValueError, match="Olmo2ForCausalLM cannot be split across devices"):
-        LLMEngine(EngineConfig(model=str(tiny_models["olmo2"]), tensor_parallel_size=2))
+def test_refused_architecture():
+    """A decoder whose layers are not the Llama family's (Bamba's Mamba2 layers) is refused by name."""
+    from plait.parallel.shard import shard_for
+
+    cfg = ModelConfig.from_hf({"architectures": ["BambaForCausalLM"], "hidden_size": 8, "vocab_size": 8,
+                               "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 8})
+    with pytest.raises(ValueError, match="BambaForCausalLM cannot be split across devices"):
+        shard_for(cfg, 0, 2)
 
 
 def test_dead_worker_fails_the_step(tiny_llama):

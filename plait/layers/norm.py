@@ -4,11 +4,15 @@ transformers does them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from plait.kernels.dispatch import use_triton
+
+if TYPE_CHECKING:
+    from plait.parallel.group import TPGroup
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,12 @@ class RMSNorm(nn.Module):
             if kernels.supported_hidden(x.shape[-1]):
                 return kernels.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset,
                                         round_once=self.round_once)
-        dtype = x.dtype
         x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.scaled(x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps), x.dtype)
+
+    def scaled(self, x32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The normalised fp32 rows ``x32`` times the weight, rounded to ``dtype`` as this kind of norm
+        rounds (Llama's the row first, Gemma's and OLMo's once)."""
         if self.unit_offset:
             return (x32 * (1.0 + self.weight.float())).to(dtype)
         if self.round_once:
@@ -76,6 +83,21 @@ class RMSNorm(nn.Module):
             x = pre_norm(x)
         residual = x + residual
         return self.forward(residual), residual
+
+
+def split_rms_norms(pairs: list[tuple[torch.Tensor, RMSNorm]], group: TPGroup) -> list[torch.Tensor]:
+    """Each (x, norm)'s norm of rows that tensor parallelism split across the ranks in equal slices, x and
+    the norm's weight this rank's ([T, width] and [width]): OLMo's q/k norms across all heads. One all-reduce
+    sums every pair's squares (where ranks share a KV head each counts it, but then each rank's slice is that
+    one head, of the world_size heads' worth summed: the same mean, the sum over the ranks divided by
+    width * world_size either way)."""
+    sums = torch.cat([x.float().pow(2).sum(-1, keepdim=True) for x, _ in pairs], dim=-1)  # [T, pairs]
+    group.all_reduce_(sums)
+    out = []
+    for i, (x, norm) in enumerate(pairs):
+        mean = sums[:, i:i + 1] / (x.shape[-1] * group.world_size)
+        out.append(norm.scaled(x.float() * torch.rsqrt(mean + norm.eps), x.dtype))
+    return out
 
 
 class GemmaRMSNorm(RMSNorm):

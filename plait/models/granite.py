@@ -1,7 +1,11 @@
 """Granite (IBM Granite 3.x, dense): the Llama decoder with four multipliers, on the embeddings, as the
-attention scale, on each sublayer's output before it joins the residual stream, and dividing the logits."""
+attention scale, on each sublayer's output before it joins the residual stream, and dividing the logits.
+Granite MoE (and Granite MoE shared) is the same decoder with the Llama family's sparse MoE block for its
+MLP (and an ungated shared MLP beside the experts)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -70,3 +74,39 @@ class GraniteForCausalLM(LlamaForCausalLM):
 
     def fold_norm_weights(self, loaded: LoadRecord | None = None) -> None:
         """Kept unfolded: the fused decode path adds o's output to the stream unscaled."""
+
+
+# A Granite MoE checkpoint's names (the Hub's, and transformers 5's where it renames them) -> plait's: the
+# stacked experts ([E, 2I, H]: each expert's gate rows, then its up rows; [E, H, I]) and the router as the
+# Llama family's MoE block holds them (FusedMoE's stacks, SparseMoeBlock's gate), the shared MLP's fused
+# gate/up rows as its shared expert's gate_up_proj.
+GRANITE_MOE_NAMES = (
+    ("block_sparse_moe.input_linear.weight", "mlp.experts.gate_up_proj"),
+    ("block_sparse_moe.output_linear.weight", "mlp.experts.down_proj"),
+    ("block_sparse_moe.router.layer.weight", "mlp.gate.weight"),
+    ("block_sparse_moe.experts.gate_up_proj", "mlp.experts.gate_up_proj"),
+    ("block_sparse_moe.experts.down_proj", "mlp.experts.down_proj"),
+    ("block_sparse_moe.router.weight", "mlp.gate.weight"),
+    ("shared_mlp.input_linear.weight", "mlp.shared_expert.gate_up_proj.weight"),
+    ("shared_mlp.output_linear.weight", "mlp.shared_expert.down_proj.weight"),
+)
+
+
+class GraniteMoeForCausalLM(GraniteForCausalLM):
+    """GraniteMoeForCausalLM (granite-3.0-1b-a400m / 3b-a800m, granite-3.1's MoE models) and
+    GraniteMoeSharedForCausalLM (with a shared MLP every token takes): Granite's multipliers around the
+    sparse MoE block (ModelConfig.moe: the router's softmax over its top-k logits is route's renormalised
+    top-k)."""
+
+    # Adapters would need per-expert deltas inside the expert kernels (as MoeForCausalLM).
+    supports_lora = False
+
+    def checkpoint_layout(self, weights: Iterable[tuple[str, torch.Tensor]]
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+        # Renamed before tensor parallelism slices them, so that the shard reads them as any MoE's.
+        for name, tensor in weights:
+            for old, new in GRANITE_MOE_NAMES:
+                if name.endswith("." + old):
+                    name = name[: -len(old)] + new
+                    break
+            yield name, tensor

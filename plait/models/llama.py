@@ -1,10 +1,11 @@
 """The Llama decoder family: Llama, Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), SmolLM2 (tied), Phi-3
 (fused checkpoint projections, partial rotary, LongRoPE), and its sparse-MoE members: Mixtral, Qwen2-MoE (a
-gated shared expert), Qwen3-MoE."""
+gated shared expert), Qwen3-MoE (and, in their own modules, OLMoE and Granite MoE)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,11 +16,14 @@ from plait.config import ModelConfig
 from plait.layers.activation import act_and_mul, get_activation, silu_and_mul_rms
 from plait.layers.linear import Linear
 from plait.layers.moe import FusedMoE
-from plait.layers.norm import RMSNorm, RowNorm
+from plait.layers.norm import RMSNorm, RowNorm, split_rms_norms
 from plait.layers.rotary import QueryScaledRotary, llama4_query_scale, rotary_embedding
 from plait.models.base import CausalLM, refuse_config_keys
 from plait.models.weights import LoadRecord, load_decoder_weights, pairs_as_halves
 from plait.runner.forward_batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from plait.parallel.group import TPGroup
 
 
 class Attention(nn.Module):
@@ -29,6 +33,8 @@ class Attention(nn.Module):
     logit_softcap: float | None = None
     flat_qk_norm = False
     o_proj_bias = False  # GPT-OSS's has one
+    # OLMoE's clip_qkv: q, k (after their flat norms) and v clamped to +-clip_qkv; None: not clipped.
+    clip_qkv: float | None = None
 
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
@@ -46,6 +52,9 @@ class Attention(nn.Module):
         # GPT-OSS's learned logit per query head, which joins each softmax as a key with no value: [Hq].
         # (An instance attribute: a class one would hide the Parameter a subclass registers.)
         self.sinks: torch.Tensor | None = None
+        # Tensor parallelism with flat q/k norms (OLMo 2 / 3, OLMoE): the ranks' group, whose sums of squares
+        # make each rank's slice of q and k the whole rows' norm (plait.parallel.shard sets it).
+        self.qk_norm_group: TPGroup | None = None
 
     def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
         # x: [T, hidden]
@@ -54,8 +63,13 @@ class Attention(nn.Module):
     def attend(self, qkv: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
         # qkv: [T, (Hq + 2 Hkv) D] -> attention output before o_proj: [T, Hq D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.flat_qk_norm:  # q: [T, Hq D], k: [T, Hkv D], each normalised as one row
+        if self.flat_qk_norm and self.qk_norm_group is not None:  # this rank's heads of each row
+            q, k = split_rms_norms([(q, self.q_norm), (k, self.k_norm)], self.qk_norm_group)
+        elif self.flat_qk_norm:  # q: [T, Hq D], k: [T, Hkv D], each normalised as one row
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:  # after the flat norms, as OLMoE clips (a per-head norm would be later)
+            c = self.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
         q = q.view(-1, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -89,7 +103,7 @@ class MLP(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     """A MoE feed-forward: the router (``gate``) sends each token to its top-k experts; Qwen2-MoE adds a
-    shared expert every token takes, scaled by a sigmoid gate."""
+    shared expert every token takes, scaled by a sigmoid gate, Granite MoE (shared) one added unscaled."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -100,13 +114,17 @@ class SparseMoeBlock(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_intermediate_size:
             self.shared_expert = MLP(cfg, moe.shared_intermediate_size)
-            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
+            if moe.shared_expert_gated:
+                self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
         out = self.experts(x, self.gate(x))
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out
 
 
@@ -323,7 +341,8 @@ def num_labels(hf_config: dict) -> int:
 
 
 class MoeForCausalLM(LlamaForCausalLM):
-    """Mixtral, Qwen2-MoE and Qwen3-MoE: the Llama decoder with sparse MoE blocks (SparseMoeBlock)."""
+    """Mixtral, Qwen2-MoE and Qwen3-MoE (OLMoE: plait.models.olmo): the Llama decoder with sparse MoE blocks
+    (SparseMoeBlock)."""
 
     # Adapters would need per-expert deltas inside the expert kernels.
     supports_lora = False

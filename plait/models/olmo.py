@@ -1,7 +1,9 @@
 """OLMo 2 and OLMo 3 (AllenAI): the Llama decoder with its norms moved after each sublayer (their output is
 normalised, then added to the stream; no norm before), q and k normalised across all heads, and OLMo 3's
 sliding-window layers beside global ones. EXAONE 4.0 (LG AI Research) has the same layer with Llama's norms,
-q and k normalised per head, and no rotary on its global layers where it has sliding ones."""
+q and k normalised per head, and no rotary on its global layers where it has sliding ones. OLMoE (AllenAI's
+MoE) keeps Llama's norms before each sublayer, normalises q and k across all heads as OLMo 2 does, and runs
+the Llama family's sparse MoE block."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from plait.attention.base import Rotary
 from plait.config import ModelConfig
 from plait.layers.norm import OlmoRMSNorm, RMSNorm
 from plait.models.layer_kinds import FULL, SLIDING, kind_rotaries, layer_ropes, layer_types
-from plait.models.llama import MLP, Attention, LlamaForCausalLM
+from plait.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, LlamaModel, MoeForCausalLM
 from plait.models.weights import LoadRecord
 from plait.runner.forward_batch import ForwardBatch
 
@@ -125,3 +127,35 @@ class Exaone4ForCausalLM(OlmoForCausalLM):
     """Exaone4ForCausalLM (EXAONE 4.0 1.2B and 32B)."""
 
     model_class = ExaoneModel
+
+
+class OlmoeAttention(Attention):
+    """OLMoE's: q and k each normalised as one row across all heads (OlmoeRMSNorm is Llama's, rounding the
+    row before the weight: not OLMo 2's), then q, k and v clipped to +-clip_qkv where the config sets it."""
+
+    flat_qk_norm = True
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__(cfg, layer_idx)
+        self.q_norm = RMSNorm(self.q_size, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.kv_size, cfg.rms_norm_eps)
+        clip = cfg.raw.get("clip_qkv")
+        self.clip_qkv = None if clip is None else float(clip)
+
+
+class OlmoeDecoderLayer(DecoderLayer):
+    def make_attention(self, cfg: ModelConfig, layer_idx: int) -> Attention:
+        return OlmoeAttention(cfg, layer_idx)
+
+
+class OlmoeModel(LlamaModel):
+    layer_class = OlmoeDecoderLayer
+
+
+class OlmoeForCausalLM(MoeForCausalLM):
+    """OlmoeForCausalLM (OLMoE-1B-7B-0924 / -0125 and their -Instruct: 64 experts, 8 a token, whose softmax
+    weights are not renormalised: norm_topk_prob false). Hub checkpoints name each expert's projections as
+    Qwen-MoE's do (mlp.experts.{e}.gate_proj, mlp.gate the router); transformers 5's stacked experts load too.
+    Split across GPUs as OLMo 2 is (q/k norms: Attention.qk_norm_group)."""
+
+    model_class = OlmoeModel

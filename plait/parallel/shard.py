@@ -26,7 +26,8 @@ from plait.models.weights import IMAGE_SIDE_MODULES, IMAGE_SIDE_TENSOR
 from plait.parallel.group import DRIVER_RANK, TPGroup
 
 # The decoders whose layers are the Llama family's attention and MLP or sparse MoE block: those a rank can
-# build from a narrower config alone. (OLMo 2 / 3 normalise q and k across all heads, which no rank holds.)
+# build from a narrower config alone. (OLMo 2 / 3 and OLMoE normalise q and k across all heads: each rank
+# its slice, with the sums of squares of every rank's: Attention.qk_norm_group.)
 SHARDABLE_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "GraniteForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
@@ -35,6 +36,9 @@ SHARDABLE_ARCHITECTURES = frozenset({
     "Ernie4_5ForCausalLM", "Exaone4ForCausalLM", "GptOssForCausalLM",
     # Cohere's parallel block: o_proj and down_proj each summed over the ranks, their sum added to the stream.
     "CohereForCausalLM", "Cohere2ForCausalLM",
+    "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM",
+    # Granite MoE's checkpoint names are made the MoE block's before the split (checkpoint_layout).
+    "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
     # Their pooling forms (the same decoder; the driver pools or classifies the whole hidden states).
     "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "LlamaForSequenceClassification",
     "MistralForSequenceClassification", "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
@@ -184,6 +188,8 @@ class Shard:
         if proj == "k_norm" and t.dim() == 2:  # [Hkv, D]
             lo, hi = self.kv_head_range()
             return t[lo:hi]
+        if proj in ("q_norm", "k_norm") and t.shape[0] > d:  # OLMo's across all heads: as q's or k's rows
+            return self._attention(proj.replace("_norm", "_proj"), kind, t)
         return t  # q/k norms of one weight for every head (Qwen3's [D])
 
     def _feed_forward(self, which: str | None, proj: str, packed: str | None, kind: str | None,
@@ -402,10 +408,13 @@ def sum_row_parallel_outputs(model: nn.Module, group: TPGroup) -> None:
     """Make a rank's model (built from Shard.local, loaded from Shard.checkpoint) one slice of the whole: the
     outputs of o_proj, of a dense MLP's down_proj and of a sparse MoE block (its experts' and shared expert's
     partial sums together; under expert parallelism its own experts' whole outputs) are summed over the
-    ranks after each call, so every rank's residual stream is the whole model's."""
+    ranks after each call, so every rank's residual stream is the whole model's; attention whose q/k norms
+    span all heads (OLMo's) takes the group, to sum its rows' squares over the ranks before normalising."""
     for name, module in model.named_modules():
         if name.split(".", 1)[0] in IMAGE_SIDE_MODULES:  # whole on every rank (Qwen2.5-VL's has a down_proj)
             continue
         moe_block = any(isinstance(child, FusedMoE) for child in module.children())
+        if getattr(module, "flat_qk_norm", False):  # OLMo's q/k norms span the ranks' heads
+            module.qk_norm_group = group
         if name.endswith(("self_attn.o_proj", "mlp.down_proj")) or moe_block:
             module.register_forward_hook(lambda _m, _x, out: group.all_reduce_(out))
