@@ -349,8 +349,6 @@ def test_hub_layout_and_triton_kernels_match_transformers(qwen25_vl, tmp_path, m
 
     from safetensors.torch import load_file, save_file
 
-    import plait.attention.triton_backend as triton_backend
-    from plait.kernels import dispatch
 
     folder, hf, processor = qwen25_vl
     copy = tmp_path / "hub-layout"
@@ -370,6 +368,15 @@ def test_hub_layout_and_triton_kernels_match_transformers(qwen25_vl, tmp_path, m
     text.pop("model_type")
     config.update(text, rope_theta=10000.0, rope_scaling={"type": "mrope", "mrope_section": section})
     (copy / "config.json").write_text(json.dumps(config))
+    assert_triton_kernels_answer_as_hf(copy, hf, processor, monkeypatch)
+
+
+def assert_triton_kernels_answer_as_hf(folder, hf, processor, monkeypatch) -> None:
+    """``folder``'s model through the Triton backend (its interpreter on CPU), images split across chunks:
+    transformers' prompt ids and greedy tokens, its layers' rotary and K/V store in the fused launch."""
+    import plait.attention.triton_backend as triton_backend
+    from plait.kernels import dispatch
+
     text, images = _prompts()[1]
     ids, want = _hf_greedy(hf, processor, text, images, 4)
     monkeypatch.setattr(dispatch, "_cpu_interpreter", True)
@@ -380,12 +387,12 @@ def test_hub_layout_and_triton_kernels_match_transformers(qwen25_vl, tmp_path, m
         return _kernel(*args, **kwargs)
 
     monkeypatch.setattr(triton_backend, "rope_store_kv", counted)
-    llm = LLM(str(copy), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
+    llm = LLM(str(folder), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
     fused.clear()  # the memory profile's forward
     out = llm.generate([_request(text, images)], SamplingParams(temperature=0.0, max_tokens=4,
                                                                 ignore_eos=True), use_tqdm=False)[0]
     assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want
-    assert fused  # every layer rotated and stored in the fused launch
+    assert fused  # every layer rotated (Qwen3-VL: normalised too) and stored in the fused launch
 
 
 def test_mrope_positions_are_transformers(qwen25_vl):

@@ -15,7 +15,15 @@ from safetensors.torch import load_file, save_file
 
 from plait import LLM, SamplingParams
 from tests.test_multimodal import _data_url, _image, _saved
-from tests.test_qwen2_vl import QWEN_VL_TEMPLATE, SPAN, HfQwenVL, _hf_greedy, _request, _tokenizer
+from tests.test_qwen2_vl import (
+    QWEN_VL_TEMPLATE,
+    SPAN,
+    HfQwenVL,
+    _hf_greedy,
+    _request,
+    _tokenizer,
+    assert_triton_kernels_answer_as_hf,
+)
 
 # Tiny images stay tiny: 4 to 20 placeholders (32 x 32 pixels each: 16-pixel patches, merged 2 x 2).
 MIN_PIXELS, MAX_PIXELS = 4 * 32 * 32, 20 * 32 * 32
@@ -161,8 +169,6 @@ def test_hub_config_and_triton_kernels_match_transformers(qwen3_vl, tmp_path, mo
     beside DeepStack's adds) gives transformers' greedy tokens, images split across chunks."""
     import shutil
 
-    import plait.attention.triton_backend as triton_backend
-    from plait.kernels import dispatch
 
     folder, hf, processor = qwen3_vl
     copy = tmp_path / "hub-config"
@@ -172,22 +178,7 @@ def test_hub_config_and_triton_kernels_match_transformers(qwen3_vl, tmp_path, mo
     config["text_config"].update(rope_theta=rope.pop("rope_theta"), rope_scaling=rope)
     assert config["text_config"]["rope_scaling"]["mrope_interleaved"]
     (copy / "config.json").write_text(json.dumps(config))
-    text, images = _prompts()[1]
-    ids, want = _hf_greedy(hf, processor, text, images, 4)
-    monkeypatch.setattr(dispatch, "_cpu_interpreter", True)
-    fused = []
-
-    def counted(*args, _kernel=triton_backend.rope_store_kv, **kwargs):
-        fused.append(1)
-        return _kernel(*args, **kwargs)
-
-    monkeypatch.setattr(triton_backend, "rope_store_kv", counted)
-    llm = LLM(str(copy), dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
-    fused.clear()  # the memory profile's forward
-    out = llm.generate([_request(text, images)], SamplingParams(temperature=0.0, max_tokens=4,
-                                                                ignore_eos=True), use_tqdm=False)[0]
-    assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want
-    assert fused  # every layer normalised, rotated and stored in the fused launch
+    assert_triton_kernels_answer_as_hf(copy, hf, processor, monkeypatch)
 
 
 def test_lora_adapter_changes_the_decoder_as_transformers_merged(qwen3_vl, tmp_path):
