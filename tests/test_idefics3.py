@@ -10,7 +10,7 @@ from conftest import server_image_chat
 
 from plait import LLM, SamplingParams
 from plait.multimodal.images import MultiModalPrompt
-from tests.test_multimodal import _data_url, _image, _saved
+from tests.test_multimodal import _data_url, _hf_greedy, _image, _image_prompts, _request, _saved
 
 WORDS = [f"w{i}" for i in range(150)]
 TAGS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"] + [
@@ -141,22 +141,8 @@ def smolvlm(tmp_path_factory):
     return _build(tmp_path_factory, smolvlm=True)
 
 
-def _hf_greedy(model, processor, text: str, images: list, max_tokens: int) -> tuple[list[int], list[int]]:
-    """(the processor's prompt ids, transformers' greedy tokens)."""
-    inputs = processor(text=text, images=images or None, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_tokens, do_sample=False)
-    ids = inputs["input_ids"][0].tolist()
-    return ids, out[0, len(ids):].tolist()
-
-
 def _prompts(seed: int = 0) -> list[tuple[str, list]]:
-    return [(text, [_image(seed + 10 * k + j, size) for j, size in enumerate(sizes)])
-            for k, (text, sizes) in enumerate(PROMPTS)]
-
-
-def _request(text: str, images: list) -> dict | str:
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+    return _image_prompts(PROMPTS, seed)
 
 
 @pytest.mark.parametrize("family", ["idefics3", "smolvlm"])

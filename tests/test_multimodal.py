@@ -163,6 +163,17 @@ def _data_url(image) -> str:
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
+def _request(text: str, images: list) -> dict | str:
+    """A prompt with its images (vLLM's multi_modal_data), or the text alone."""
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+
+
+def _image_prompts(prompts: list[tuple[str, list]], seed: int = 0) -> list[tuple[str, list]]:
+    """(text, images) for each (text, image sizes) of ``prompts``: random images, seeded by their places."""
+    return [(text, [_image(seed + 10 * k + j, size) for j, size in enumerate(sizes)])
+            for k, (text, sizes) in enumerate(prompts)]
+
+
 def _hf_greedy(model, processor, text: str, images: list, max_tokens: int) -> tuple[list[int], list[int]]:
     """(the processor's prompt ids, transformers' greedy tokens)."""
     inputs = processor(text=text, images=images or None, return_tensors="pt")
@@ -193,7 +204,7 @@ def test_greedy_matches_transformers(request, family, budget):
     for k, (text, num_images) in enumerate(PROMPTS):
         images = [_image(10 * k + j) for j in range(num_images)]
         ids, tokens = _hf_greedy(hf, processor, text, images, 8)
-        prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+        prompts.append(_request(text, images))
         want.append((ids, tokens))
     outs = llm.generate(prompts, params, use_tqdm=False)
     for out, (ids, tokens) in zip(outs, want):
@@ -214,7 +225,7 @@ def test_split_over_two_ranks_answers_as_transformers(request, family):
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
         for k, (text, num_images) in enumerate(PROMPTS):
             images = [_image(10 * k + j) for j in range(num_images)]
-            prompt = {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+            prompt = _request(text, images)
             out = llm.generate([prompt], params, use_tqdm=False)[0]
             assert out.outputs[0].token_ids == _hf_greedy(hf, processor, text, images, 8)[1]
     finally:
@@ -511,7 +522,7 @@ def test_gpu_image_prompts_match_transformers(llava, dtype):
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
         want.append(out[0, inputs["input_ids"].shape[1]:].tolist())
-        prompts.append({"prompt": text, "multi_modal_data": {"image": images}} if images else text)
+        prompts.append(_request(text, images))
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     agree = sum(g == w for g, w in zip(got, want))
     print(f"\nLLaVA {dtype} on the GPU: {agree}/{len(want)} prompts equal transformers'")

@@ -10,7 +10,7 @@ import torch
 from conftest import server_image_chat
 
 from plait import LLM, SamplingParams
-from tests.test_multimodal import _data_url, _image, _saved
+from tests.test_multimodal import _data_url, _image, _image_prompts, _request, _saved
 
 WORDS = [f"w{i}" for i in range(200)]
 SPECIALS = ["<unk>", "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>",
@@ -136,12 +136,7 @@ def _hf_greedy(model, processor, text: str, images: list, max_tokens: int) -> tu
 
 
 def _prompts(seed: int = 0) -> list[tuple[str, list]]:
-    return [(text, [_image(seed + 10 * k + j, size) for j, size in enumerate(sizes)])
-            for k, (text, sizes) in enumerate(PROMPTS)]
-
-
-def _request(text: str, images: list) -> dict | str:
-    return {"prompt": text, "multi_modal_data": {"image": images}} if images else text
+    return _image_prompts(PROMPTS, seed)
 
 
 @pytest.mark.parametrize("budget", [512, 7])

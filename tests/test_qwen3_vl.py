@@ -14,7 +14,7 @@ from conftest import server_image_chat
 from safetensors.torch import load_file, save_file
 
 from plait import LLM, SamplingParams
-from tests.test_multimodal import _data_url, _image, _saved
+from tests.test_multimodal import _data_url, _image, _image_prompts, _saved
 from tests.test_qwen2_vl import (
     QWEN_VL_TEMPLATE,
     SPAN,
@@ -105,8 +105,7 @@ def qwen3_vl_moe(tmp_path_factory):
 
 
 def _prompts(seed: int = 0) -> list[tuple[str, list]]:
-    return [(text, [_image(seed + 10 * k + j, size) for j, size in enumerate(sizes)])
-            for k, (text, sizes) in enumerate(PROMPTS)]
+    return _image_prompts(PROMPTS, seed)
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
