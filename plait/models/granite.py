@@ -1,7 +1,8 @@
 """Granite (IBM Granite 3.x, dense): the Llama decoder with four multipliers, on the embeddings, as the
 attention scale, on each sublayer's output before it joins the residual stream, and dividing the logits.
 Granite MoE (and Granite MoE shared) is the same decoder with the Llama family's sparse MoE block for its
-MLP (and an ungated shared MLP beside the experts)."""
+MLP (and an ungated shared MLP beside the experts). Granite 4.0 (plait.models.granite4) is these layers with a
+Mamba2 mixer in place of attention on most of them."""
 
 from __future__ import annotations
 
