@@ -884,7 +884,10 @@ NOAUX_TC_ROUTER = "noaux_tc"
 GLM4_MOE_MODEL_TYPE = "glm4_moe"  # GLM-4.5 / GLM-4.6 (plait.models.glm4_moe)
 # MoE decoders whose configs name their experts' width intermediate_size (plait.models.olmo, .granite).
 OLMOE_MODEL_TYPES = ("olmoe",)
-GRANITE_MOE_MODEL_TYPES = ("granitemoe", "granitemoeshared")
+# Granite 4.0 (GraniteMoeHybridForCausalLM, plait.models.granite4): Granite MoE shared's block, or its
+# shared MLP alone where it has no experts.
+GRANITE4_MODEL_TYPE = "granitemoehybrid"
+GRANITE_MOE_MODEL_TYPES = ("granitemoe", "granitemoeshared", GRANITE4_MODEL_TYPE)
 
 
 @dataclass(frozen=True)
@@ -1044,11 +1047,16 @@ class ModelConfig:
             # Their positions start at pad_token_id + 1 (plait.models.bert), so fewer tokens fit than rows, as
             # transformers and vLLM count them: bge-m3's 8194 rows hold 8192 tokens, RoBERTa's 514 hold 512.
             max_positions -= cfg.get("pad_token_id", 1) + 1
+        intermediate_size = cfg.get("intermediate_size", 0)  # 0: no MLP (Mamba2)
+        if model_type == GRANITE4_MODEL_TYPE and not cfg.get("num_local_experts"):
+            # Granite 4's dense models (granite-4.0-micro, -h-micro): the shared MLP is the layer's MLP;
+            # intermediate_size would be the experts' width, and they have none.
+            intermediate_size = cfg["shared_intermediate_size"]
         return cls(
             architecture=archs[0],
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg.get("intermediate_size", 0),  # 0: no MLP (Mamba2)
+            intermediate_size=intermediate_size,
             # NemotronH gives its layers as a list of kinds instead of a count.
             num_hidden_layers=cfg.get("num_hidden_layers") or len(cfg.get("layers_block_type") or []),
             num_attention_heads=heads,
@@ -1137,6 +1145,9 @@ COMPLETED_CONFIGS = {
     # Cohere: tied embeddings, logit_scale, layer_norm_eps and (Cohere2) layer_types by transformers' defaults
     "cohere": ("CohereConfig", "cohere"),
     "cohere2": ("Cohere2Config", "cohere2"),
+    # Granite 4: experts (8), shared MLP width, Mamba head width ("auto") and layer kinds (the Hub's "mamba" /
+    # "attention" read as transformers 5's names) by transformers' defaults and reading
+    GRANITE4_MODEL_TYPE: ("GraniteMoeHybridConfig", GRANITE4_MODEL_TYPE),
     "qwen2_vl": ("Qwen2VLTextConfig", "qwen2"),
     "qwen2_5_vl": ("Qwen2_5_VLTextConfig", "qwen2"),
     "idefics3": ("LlamaConfig", "llama"),
@@ -1225,6 +1236,21 @@ def completed_qwen_vl_config(cfg: dict) -> dict:
     return full
 
 
+# transformers 5 writes a float JSON cannot hold (an infinity: time_step_limit) as {"__float__": "Infinity"}.
+ENCODED_FLOAT_KEY = "__float__"
+
+
+def decoded_floats(value: Any) -> Any:
+    """``value`` (a config's, at any depth) with transformers 5's encoded floats as floats."""
+    if isinstance(value, dict):
+        if set(value) == {ENCODED_FLOAT_KEY}:
+            return float(value[ENCODED_FLOAT_KEY])
+        return {k: decoded_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [decoded_floats(v) for v in value]
+    return value
+
+
 def completed_text_config(cfg: dict) -> dict:
     """A COMPLETED_CONFIGS config with transformers' defaults filled in; for an image-text one, its
     ``text_config`` under its own architecture."""
@@ -1243,7 +1269,8 @@ def completed_text_config(cfg: dict) -> dict:
                              f"{sorted(decoders)}")
         class_name = decoders[text_kind]
     skip = ("architectures", "model_type", "text_config", "vision_config")
-    full = getattr(transformers, class_name)(**{k: v for k, v in text.items() if k not in skip}).to_dict()
+    given = {k: decoded_floats(v) for k, v in text.items() if k not in skip}  # the config classes check types
+    full = getattr(transformers, class_name)(**given).to_dict()
     for key in _IMAGE_TEXT_TOP_LEVEL_KEYS + _KEPT_IMAGE_KEYS.get(kind, ()):
         if key in cfg:
             full[key] = cfg[key]

@@ -47,6 +47,12 @@ def set_cpu_interpreter(enabled: bool) -> None:
     _cpu_interpreter = enabled
 
 
+def on_kernel_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` lives where the layers that have no torch path fit for a GPU (the Mamba2 mixer's: its
+    reference runs row by row) run their kernels: on CUDA, or on the CPU under the tests' interpreter."""
+    return t.is_cuda or _cpu_interpreter
+
+
 def checked_mode(value: str, modes: tuple[str, ...], what: str) -> str:
     """value if it is one of modes, else a ValueError naming what was set (an env var, a setter)."""
     if value not in modes:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from plait.kernels.dispatch import on_kernel_device
 from plait.layers import mamba_ops
 from plait.layers.mamba_ops import MambaRows
 
@@ -102,7 +103,7 @@ class GatedRMSNorm(nn.Module):
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         # y, z: [T, I]
-        if y.is_cuda:
+        if on_kernel_device(y):
             from plait.kernels.mamba_norm import gated_rms_norm
 
             return gated_rms_norm(y, z, self.weight, self.group_size, self.eps)
@@ -136,7 +137,7 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = self.in_proj(hidden).split([i, d.conv_dim, d.num_heads], dim=-1)
         state = batch.recurrent_states[self.state_index]
         rows = batch_rows(batch)
-        ops = _triton_ops() if hidden.is_cuda else _torch_ops()
+        ops = _triton_ops() if on_kernel_device(hidden) else _torch_ops()
         xbc = ops.conv(xbc, self.conv1d.weight.squeeze(1), self.conv1d.bias, state.conv, rows)
         x, B, C = xbc.split([i, gn, gn], dim=-1)
         num_tokens = hidden.shape[0]

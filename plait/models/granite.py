@@ -1,7 +1,8 @@
 """Granite (IBM Granite 3.x, dense): the Llama decoder with four multipliers, on the embeddings, as the
 attention scale, on each sublayer's output before it joins the residual stream, and dividing the logits.
 Granite MoE (and Granite MoE shared) is the same decoder with the Llama family's sparse MoE block for its
-MLP (and an ungated shared MLP beside the experts)."""
+MLP (and an ungated shared MLP beside the experts). Granite 4.0 (plait.models.granite4) is these layers with a
+Mamba2 mixer in place of attention on most of them."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from plait.attention.base import Rotary
 from plait.config import ModelConfig
 from plait.layers.linear import logits_fp32
 from plait.models.base import refuse_config_keys
-from plait.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
+from plait.models.llama import Attention, DecoderLayer, LlamaForCausalLM, LlamaModel
 from plait.models.weights import LoadRecord
 from plait.runner.forward_batch import ForwardBatch
 
@@ -21,11 +22,20 @@ from plait.runner.forward_batch import ForwardBatch
 class GraniteDecoderLayer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__(cfg, layer_idx)
-        self.self_attn.scale = float(cfg.raw["attention_multiplier"])
         self.residual_multiplier = float(cfg.raw["residual_multiplier"])
 
+    def make_attention(self, cfg: ModelConfig, layer_idx: int) -> Attention:
+        attn = super().make_attention(cfg, layer_idx)
+        attn.scale = float(cfg.raw["attention_multiplier"])  # in place of 1 / sqrt(head_dim)
+        return attn
+
+    def mix(self, x: torch.Tensor, rotary: Rotary | None, batch: ForwardBatch) -> torch.Tensor:
+        """The layer's token mixer: attention (Granite 4's Mamba layers mix with a Mamba2 mixer instead)."""
+        # x: [T, hidden] normalised -> [T, hidden]
+        return self.self_attn(x, rotary, batch)
+
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, batch: ForwardBatch,
+        self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary | None, batch: ForwardBatch,
         fuse_mlp_norm: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # x: the last layer's MLP output before its multiplier (the scaled embeddings for the first layer),
@@ -36,7 +46,7 @@ class GraniteDecoderLayer(DecoderLayer):
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm.forward_residual(x * scale, residual)
-        attn = self.self_attn(x, rotary, batch)
+        attn = self.mix(x, rotary, batch)
         x, residual = self.post_attention_layernorm.forward_residual(attn * scale, residual)
         return self.mlp(x), residual
 
@@ -100,12 +110,14 @@ class GraniteMoeForCausalLM(GraniteForCausalLM):
 
     # Adapters would need per-expert deltas inside the expert kernels (as MoeForCausalLM).
     supports_lora = False
+    # (checkpoint suffix, plait's) pairs checkpoint_layout renames (Granite 4's dense models: their own).
+    checkpoint_names: tuple[tuple[str, str], ...] = GRANITE_MOE_NAMES
 
     def checkpoint_layout(self, weights: Iterable[tuple[str, torch.Tensor]]
                           ) -> Iterator[tuple[str, torch.Tensor]]:
         # Renamed before tensor parallelism slices them, so that the shard reads them as any MoE's.
         for name, tensor in weights:
-            for old, new in GRANITE_MOE_NAMES:
+            for old, new in self.checkpoint_names:
                 if name.endswith("." + old):
                     name = name[: -len(old)] + new
                     break

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from plait.config import ModelConfig
+from plait.config import ModelConfig, decoded_floats
 from plait.layers.mamba import Mamba2Dims, Mamba2Mixer
 from plait.layers.norm import RMSNorm
 from plait.models.base import RecurrentCausalLM
@@ -21,9 +21,7 @@ SUPPORTED_MAMBA_ACTIVATION = "silu"
 
 def hf_float(value: Any) -> float:
     """A float from an HF config: transformers 5 writes infinities as {"__float__": "Infinity"}."""
-    if isinstance(value, dict) and "__float__" in value:
-        return float(value["__float__"])
-    return float(value)
+    return float(decoded_floats(value))
 
 
 def time_step_limit(raw: dict) -> tuple[float, float]:

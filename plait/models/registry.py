@@ -39,6 +39,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Mamba2ForCausalLM": ("plait.models.mamba2", "Mamba2ForCausalLM"),
     "BambaForCausalLM": ("plait.models.bamba", "BambaForCausalLM"),
     "NemotronHForCausalLM": ("plait.models.nemotron_h", "NemotronHForCausalLM"),
+    "GraniteMoeHybridForCausalLM": ("plait.models.granite4", "GraniteMoeHybridForCausalLM"),
     "SmolLM3ForCausalLM": ("plait.models.smollm3", "SmolLM3ForCausalLM"),
     "SeedOssForCausalLM": ("plait.models.llama", "SeedOssForCausalLM"),
     "GlmForCausalLM": ("plait.models.glm", "GlmForCausalLM"),
