@@ -251,8 +251,9 @@ def test_server_answers_an_image_url_part(gemma3):
 
 
 def test_bad_image_prompts_are_refused(gemma3, tmp_path):
-    """Image tokens that do not match the images, a span cut apart, a span longer than a step, and a
-    pan-and-scan processor are refused by name."""
+    """Image tokens that do not match the images, a span cut apart, placeholders without an image, a span
+    longer than a step, and a pan-and-scan processor are refused by name; <start_of_image> without an image
+    is an ordinary token."""
     import json
     import shutil
 
@@ -267,6 +268,10 @@ def test_bad_image_prompts_are_refused(gemma3, tmp_path):
     cut = ids[:ids.index(soft) + 1] + [ids[0]] + ids[ids.index(soft) + 1:]
     with pytest.raises(ValueError, match="placeholder tokens must stand together"):
         llm.engine.make_request(MultiModalPrompt(cut, (_image(1),)), params)
+    with pytest.raises(ValueError, match="placeholders .* do not match its 0 image"):
+        llm.engine.make_request([ids[0], soft, soft], params)  # placeholders no image fills
+    plain, _ = llm.engine.make_request(ids[:ids.index(soft)], params)  # a <start_of_image> alone is text
+    assert plain.attention_spans == ()
     small = LLM(str(folder), dtype="float32", max_num_batched_tokens=TOKENS_PER_IMAGE - 1)
     with pytest.raises(ValueError, match="computed in one step"):
         small.engine.make_request(MultiModalPrompt(text, (_image(1),)), params)

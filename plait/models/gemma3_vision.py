@@ -73,7 +73,8 @@ class Gemma3ImagePrompt:
     """Writes images into a token prompt as Gemma3Processor writes them into its text: each
     ``<start_of_image>`` becomes "\\n\\n" + the image's span (``<start_of_image>``, its placeholders,
     ``<end_of_image>``) + "\\n\\n", the newlines merged with the newline tokens beside them as the tokenizer
-    merges them in the processor's text; a prompt already so written is taken as it is."""
+    merges them in the processor's text; a prompt already so written is taken as it is, and one without
+    images as it is (its placeholders, which nothing would fill, refused)."""
 
     def __init__(self, tokenizer: Any, boi: int, placeholder: int) -> None:
         self.boi, self.placeholder = boi, placeholder
@@ -95,9 +96,9 @@ class Gemma3ImagePrompt:
         ids = list(token_ids)
         if ids.count(self.placeholder):  # already written as the processor writes it
             return ids, self._offsets(ids, spans)
-        found = ids.count(self.boi)
-        if found == len(spans) == 0:
+        if not spans:  # a <start_of_image> without an image is an ordinary token, as in transformers and vLLM
             return ids, []
+        found = ids.count(self.boi)
         if found != len(spans):
             raise ValueError(f"the prompt has {found} <start_of_image> token(s) (id {self.boi}) for "
                              f"{len(spans)} image(s): put one in the prompt for each image")
