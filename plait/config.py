@@ -1129,8 +1129,8 @@ def rope_kind(scaling: dict | None) -> str:
 
 # Configs completed from transformers' defaults (Hub configs list only what differs from them, a multimodal
 # checkpoint's text_config most of all): model_type -> (transformers' config class, the text decoder's
-# model_type). Image-text checkpoints ("gemma3", "mistral3", "llava") are read by their text_config; Gemma 3
-# and Mistral 3 are served as text, LLaVA with its images (its vision keys are kept: _IMAGE_KEYS).
+# model_type). Image-text checkpoints ("gemma3", "mistral3", "llava") are read by their text_config, their
+# vision keys kept beside it (_KEPT_IMAGE_KEYS).
 COMPLETED_CONFIGS = {
     "gemma": ("GemmaConfig", "gemma"),
     "gemma2": ("Gemma2Config", "gemma2"),
@@ -1178,12 +1178,15 @@ _IMAGE_TEXT_TOP_LEVEL_KEYS = ("architectures", "eos_token_id", "torch_dtype", "d
 _IMAGE_KEYS = ("vision_config", "image_token_index", "image_token_id", "projector_hidden_act",
                "vision_feature_layer", "vision_feature_select_strategy", "multimodal_projector_bias",
                "image_grid_pinpoints", "spatial_merge_size")
+# Gemma 3's (plait.models.gemma3_vision).
+_GEMMA3_KEYS = ("vision_config", "image_token_index", "image_token_id", "boi_token_index", "eoi_token_index",
+                "mm_tokens_per_image")
 # Idefics3's and SmolVLM's (plait.models.idefics3).
 _IDEFICS3_KEYS = ("vision_config", "image_token_id", "scale_factor")
 # The image kinds whose images plait runs from their text_config's decoder (plait.models.llava, .pixtral,
 # .idefics3) -> the image keys kept.
 _KEPT_IMAGE_KEYS = {"llava": _IMAGE_KEYS, "llava_next": _IMAGE_KEYS, "mistral3": _IMAGE_KEYS,
-                    "idefics3": _IDEFICS3_KEYS, "smolvlm": _IDEFICS3_KEYS}
+                    "idefics3": _IDEFICS3_KEYS, "smolvlm": _IDEFICS3_KEYS, "gemma3": _GEMMA3_KEYS}
 
 
 # Qwen2-VL, Qwen2.5-VL and Qwen3-VL, served with their images (plait.models.qwen2_vl, .qwen3_vl): a Qwen2

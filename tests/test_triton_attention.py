@@ -97,7 +97,8 @@ def make_batch(specs, block_size: int, num_heads: int, num_kv_heads: int, head_d
 def run_kernel(b: PagedBatch, scale: float, window: int = 0, num_kv_splits: int | None = None,
                tile_n: int | None = None, block_m: int | None = None, query_len_slack: int = 0,
                seq_len_slack: int = 0, out_dtype: torch.dtype | None = None, softcap: float = 0.0,
-               sinks: torch.Tensor | None = None, kv_scales: KVScales = UNIT_SCALES):
+               sinks: torch.Tensor | None = None, kv_scales: KVScales = UNIT_SCALES,
+               key_limits: torch.Tensor | None = None):
     """paged_attention on the poisoned cache into NaN-filled out / lse, with upper-bound maxima."""
     out = torch.full_like(b.q, float("nan"), dtype=out_dtype or b.q.dtype)
     lse = torch.full(b.q.shape[:2], float("nan"), device=b.q.device)
@@ -108,18 +109,20 @@ def run_kernel(b: PagedBatch, scale: float, window: int = 0, num_kv_splits: int 
                                 cache_dtype=b.k_cache.dtype)
     result = paged_attention(b.q, b.k_poisoned, b.v_poisoned, out, b.query_start_loc, b.seq_lens,
                              b.block_tables, scale, max_q, max_s, window, lse, plan=plan, softcap=softcap,
-                             sinks=sinks, k_scale=kv_scales.k, v_scale=kv_scales.v)
+                             sinks=sinks, k_scale=kv_scales.k, v_scale=kv_scales.v, key_limits=key_limits)
     assert result is out
     return out, lse, plan
 
 
 def reference(b: PagedBatch, scale: float, window: int = 0, softcap: float = 0.0,
-              sinks: torch.Tensor | None = None, kv_scales: KVScales = UNIT_SCALES):
+              sinks: torch.Tensor | None = None, kv_scales: KVScales = UNIT_SCALES,
+              key_limits: torch.Tensor | None = None):
     """torch_ref in fp32 over the clean cache (its masked products would turn the poison into NaN); FP8
     codes go as they are, for torch_ref to scale."""
     k_cache, v_cache = (c if c.dtype == FP8_DTYPE else c.float() for c in (b.k_cache, b.v_cache))
     return paged_attention_ref(b.q.float(), k_cache, v_cache, b.query_start_loc, b.seq_lens, b.block_tables,
-                               scale, window, kv_scales.k, kv_scales.v, softcap=softcap, sinks=sinks)
+                               scale, window, kv_scales.k, kv_scales.v, softcap=softcap, sinks=sinks,
+                               key_limits=key_limits)
 
 
 def assert_matches(out, lse, ref_out, ref_lse, atol: float, rtol: float = 0.0):
@@ -595,6 +598,91 @@ def test_torch_ref_sinks_match_transformers_eager(monkeypatch, path):
         assert torch.equal(out[:, 1], plain_out[:, 1]) and torch.equal(lse[:, 1], plain_lse[:, 1])
 
 
+# ---- Key limits (Gemma 3's images): a query sees keys up to its limit, past its own position -----------
+
+
+def span_key_limits(b: PagedBatch, rng: random.Random, max_spans: int = 2) -> torch.Tensor:
+    """[T] int64 on the batch's device: each token's own position, except inside a few random spans of each
+    row's chunk (an image's placeholders, computed in one chunk), where every token's limit is the span's
+    last position."""
+    qsl, lens = b.query_start_loc.tolist(), b.seq_lens.tolist()
+    limits = []
+    for r, seq_len in enumerate(lens):
+        n = qsl[r + 1] - qsl[r]
+        context = seq_len - n
+        row = list(range(context, seq_len))
+        for _ in range(rng.randint(0, max_spans) if n > 1 else 0):
+            a = rng.randrange(n)
+            e = rng.randint(a + 1, n)
+            row[a:e] = [context + e - 1] * (e - a)
+        limits += row
+    return torch.tensor(limits, dtype=torch.int64, device=b.q.device)
+
+
+# Rows with room for spans: first chunks, later chunks over context, and decodes beside them.
+SPAN_ROWS = [(0, 13), (7, 21), (9, 1), (30, 9), (0, 40), (5, 0), (2, 3), PAD_ROW]
+
+
+@pytest.mark.parametrize(("dtype", "heads", "splits", "window", "softcap"), [
+    (torch.float32, (4, 2), 1, 0, 0.0),
+    (torch.float32, (6, 2), 3, 0, 0.0),  # split-KV over the tiles the limits add
+    (torch.float32, (4, 2), 1, 6, 0.0),  # Gemma 3's sliding layers: the window counts from the query
+    (torch.float32, (2, 1), 2, 5, 5.0),
+    (torch.float16, (4, 2), 1, 0, 0.0),
+])
+def test_key_limits_match_torch_ref(dtype, heads, splits, window, softcap):
+    """The kernel with per-token key limits against torch_ref with them, every row kind, query tiles cut
+    inside spans (block_m 16); the limits change the answer (the kernel did not ignore them)."""
+    rng = random.Random(sum(heads) + splits + window)
+    b = make_batch(SPAN_ROWS, 4, *heads, 32, dtype, CPU, seed=splits + window)
+    limits = span_key_limits(b, rng)
+    out, lse, plan = run_kernel(b, 0.3, window, num_kv_splits=splits, tile_n=16, block_m=16,
+                                seq_len_slack=9, softcap=softcap, key_limits=limits)
+    assert plan.config.num_splits == splits
+    ref_out, ref_lse = reference(b, 0.3, window, softcap, key_limits=limits)
+    assert_matches(out, lse, ref_out, ref_lse, ATOL[dtype])
+    causal_out, _ = reference(b, 0.3, window, softcap)
+    assert (causal_out - ref_out).abs().max() > 1e-2
+
+
+def test_key_limits_in_torch_ref_follow_the_definition():
+    """torch_ref's padded and per-row paths with key limits against attention written out from the
+    definition: query t sees key p iff p <= limit[t] and (no window or p > pos[t] - W)."""
+    b = make_batch([(0, 9), (6, 7)], 4, 2, 2, 16, torch.float32, CPU, seed=3)
+    limits = span_key_limits(b, random.Random(4), max_spans=2)
+    for backend_max in (TorchRefBackend.max_padded_scores, 0):  # padded, then one row at a time
+        ref = TorchRefBackend()
+        ref.max_padded_scores = backend_max
+        for window in (0, 3):
+            qsl, lens = b.query_start_loc.tolist(), b.seq_lens.tolist()
+            for r in range(2):
+                n, seq_len = qsl[r + 1] - qsl[r], lens[r]
+                table = b.block_tables[r].long()
+                pos = torch.arange(seq_len)
+                k = b.k_cache[table[pos // 4], pos % 4]  # [S, Hkv, D]
+                v = b.v_cache[table[pos // 4], pos % 4]
+                q = b.q[qsl[r]:qsl[r + 1]]
+                q_pos = torch.arange(seq_len - n, seq_len)
+                lim = limits[qsl[r]:qsl[r + 1]]
+                visible = pos[None] <= lim[:, None]
+                if window:
+                    visible &= pos[None] > q_pos[:, None] - window
+                scores = torch.einsum("qhd,khd->hqk", q, k) * 0.3
+                probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+                want = torch.einsum("hqk,khd->qhd", probs, v)
+                got = _ref_rows(ref, b, 0.3, window, limits)[qsl[r]:qsl[r + 1]]
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def _ref_rows(backend: TorchRefBackend, b: PagedBatch, scale: float, window: int, limits: torch.Tensor):
+    """``backend``'s output over the batch with key limits (as paged_attention_ref builds its batch)."""
+    from unittest import mock
+
+    with mock.patch("plait.attention.torch_ref.TorchRefBackend", lambda: backend):
+        return paged_attention_ref(b.q, b.k_cache, b.v_cache, b.query_start_loc, b.seq_lens, b.block_tables,
+                                   scale, window, key_limits=limits)[0]
+
+
 # ---- GPU: real shapes, bf16/fp16, against torch_ref in fp32 ---------------------------------------------
 
 GPU_DTYPES = [torch.bfloat16, torch.float16]
@@ -672,6 +760,25 @@ def test_gpu_logit_softcap_matches_torch_ref(decode_only, splits):
         ref_out, ref_lse = reference(b, scale, window, softcap=50.0)
         assert_matches(out, lse, ref_out, ref_lse, atol=GPU_ATOL, rtol=GPU_RTOL)
         assert (reference(b, scale, window)[0] - ref_out).abs().max() > 0.1  # the cap changed the answer
+
+
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("splits", [None, 1, 3], ids=["split-auto", "split-off", "split-3"])
+@gpu
+def test_gpu_key_limits_match_torch_ref(dtype, splits):
+    """Gemma 3's shapes (head dim 256, group 2) with 256-token image spans in prompt chunks beside decodes,
+    global and windowed (1024), on the GPU's tiles."""
+    rng = random.Random(50 + (splits or 0))
+    specs = _random_specs(rng, 24, 8192, decode_only=False) + [(0, 600), (1000, 300)]
+    b = make_batch(specs, 16, 16, 8, 256, dtype, torch.device("cuda"), seed=51)
+    limits = span_key_limits(b, rng, max_spans=3)
+    scale = 256**-0.5
+    for window in (0, 1024):
+        out, lse, plan = run_kernel(b, scale, window, num_kv_splits=splits, seq_len_slack=100,
+                                    key_limits=limits)
+        ref_out, ref_lse = reference(b, scale, window, key_limits=limits)
+        assert_matches(out, lse, ref_out, ref_lse, atol=GPU_ATOL, rtol=GPU_RTOL)
+        assert (reference(b, scale, window)[0] - ref_out).abs().max() > 1e-2  # the limits changed the answer
 
 
 # Steps replayed through one graph: the same row and token counts, other contexts, chunks and blocks.

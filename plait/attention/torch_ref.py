@@ -116,7 +116,8 @@ class TorchRefBackend(AttentionBackend):
             v = v.repeat_interleave(group, dim=0)
             qi = q[q_start:q_end].float().transpose(0, 1)  # [Hq, n, D]
             scores = _softcap(torch.matmul(qi, k.transpose(1, 2)) * scale, logit_softcap)  # [Hq, n, seq_len]
-            visible = _visible(q_end - q_start, seq_len, sliding_window, q.device, causal)
+            limits = None if batch.key_limits is None else batch.key_limits[q_start:q_end]
+            visible = _visible(q_end - q_start, seq_len, sliding_window, q.device, causal, limits)
             scores = scores.masked_fill(~visible, float("-inf"))
             row_lse = torch.logsumexp(scores, dim=-1)  # [Hq, n]
             if sinks is not None:
@@ -149,7 +150,8 @@ def _padded_metadata(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(token_index [R, maxq]: flat token of each padded query slot, clamped for padding;
     valid [R * maxq]: which slots are real; visible [R, maxq, L]: causal (+window) key mask, or, not
-    ``causal``, every key of the row's sequence)."""
+    ``causal``, every key of the row's sequence). Under ``batch.key_limits`` a query sees keys up to its
+    limit rather than its own position (Gemma 3's images); the window counts back from its position."""
     device = batch.input_ids.device
     qsl = batch.query_start_loc.long()
     starts, query_lens = qsl[:-1], qsl[1:] - qsl[:-1]
@@ -159,7 +161,8 @@ def _padded_metadata(
     q_pos = batch.context_lens.long().unsqueeze(1) + offsets  # [R, maxq]
     k_pos = torch.arange(_num_key_blocks(batch, block_size) * block_size, device=device)
     if causal:
-        visible = k_pos.view(1, 1, -1) <= q_pos.unsqueeze(-1)
+        last = q_pos if batch.key_limits is None else batch.key_limits.long()[token_index]  # [R, maxq]
+        visible = k_pos.view(1, 1, -1) <= last.unsqueeze(-1)
     else:
         visible = (k_pos.view(1, 1, -1) < batch.seq_lens.long().view(-1, 1, 1)) & (q_pos.unsqueeze(-1) >= 0)
     if sliding_window is not None:
@@ -168,13 +171,16 @@ def _padded_metadata(
 
 
 def _visible(
-    num_queries: int, seq_len: int, sliding_window: int | None, device: torch.device, causal: bool = True
+    num_queries: int, seq_len: int, sliding_window: int | None, device: torch.device, causal: bool = True,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """[n, seq_len] bool: query j (at position seq_len - n + j) sees keys at positions <= its own
-    (every key, not ``causal``; and, with a sliding window, within the last ``sliding_window`` positions)."""
+    """[n, seq_len] bool: query j (at position seq_len - n + j) sees keys at positions <= its own, or <=
+    ``key_limits[j]`` where given (every key, not ``causal``; and, with a sliding window, within the last
+    ``sliding_window`` positions before its own)."""
     q_pos = torch.arange(seq_len - num_queries, seq_len, device=device).unsqueeze(1)
     k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
-    visible = k_pos <= q_pos if causal else torch.ones(num_queries, seq_len, dtype=torch.bool, device=device)
+    last = q_pos if key_limits is None else key_limits.long().unsqueeze(1)
+    visible = k_pos <= last if causal else torch.ones(num_queries, seq_len, dtype=torch.bool, device=device)
     if sliding_window is not None:
         visible &= k_pos > q_pos - sliding_window
     return visible

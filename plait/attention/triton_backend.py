@@ -105,7 +105,8 @@ class TritonBackend(AttentionBackend):
                 q[t], kv_cache[0], kv_cache[1], out[t], part.query_start_loc, batch.seq_lens[r],
                 batch.block_tables[r], scale, part.max_query_len, batch.max_seq_len, sliding_window or 0,
                 None if lse is None else lse[t], plan=part.plan, metadata_ready=True, k_scale=kv_scales.k,
-                v_scale=kv_scales.v, softcap=logit_softcap or 0.0, sinks=sinks)
+                v_scale=kv_scales.v, softcap=logit_softcap or 0.0, sinks=sinks,
+                key_limits=batch.key_limits)
         return (out, lse) if return_lse else out
 
     def _parts(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> list[_Part]:

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from plait.config import EAGLE, EAGLE3, FULL_VOCAB_LOGPROBS, NGRAM, EngineConfig
@@ -388,6 +389,7 @@ class LLMEngine:
         else:
             text, token_ids, image_inputs = self._prompt_tokens(prompt, params)
         self._validate_prompt(token_ids)
+        spans = self._attention_spans(image_inputs)
         self._validate_sampling_token_ids(params)
         self._validate_logprobs(params)
         for processor in self.logits_processors:
@@ -409,6 +411,7 @@ class LLMEngine:
             # blocks of one prompt of embeddings to another.
             cache_key=(lora.request.cache_key if lora is not None else b"") + _embeds_key(embeds),
             images=image_inputs,
+            attention_spans=spans,
             priority=priority,
             cache_salt=salt,
             read_by_logits_processor=any(p.reads_output_token_ids and p.applies_to(params)
@@ -480,6 +483,24 @@ class LLMEngine:
         if self.images is None:
             return token_ids, ()
         return self.images.expand(token_ids, images)
+
+    def _attention_spans(self, images: tuple[ImageInput, ...]) -> tuple[tuple[int, int], ...]:
+        """For a model whose images attend both ways (Gemma 3), each image's placeholders [first, last + 1):
+        a chunk never splits one (Scheduler), so one longer than a step holds is refused here."""
+        if not images or not self.runner.key_limits:
+            return ()
+        spans = []
+        for image in images:
+            marked = (np.arange(image.length) if image.embedded is None
+                      else np.flatnonzero(image.embedded))
+            first, last = image.offset + int(marked[0]), image.offset + int(marked[-1]) + 1
+            limit = self.scheduler.max_span_tokens
+            if last - first > limit:
+                raise ValueError(f"an image's {last - first} tokens attend to each other both ways, so they "
+                                 f"are computed in one step, which holds at most {limit} tokens "
+                                 "(max_num_batched_tokens, long_prefill_token_threshold): raise them")
+            spans.append((first, last))
+        return tuple(spans)
 
     def _new_request_id(self, request_id: str | None) -> str:
         request_id = request_id if request_id is not None else f"req-{next(self._auto_ids)}"

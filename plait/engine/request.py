@@ -69,6 +69,10 @@ class Request:
     pooling_params: PoolingParams | None = None
     # The prompt's images, in order (image models): each fills its placeholder tokens. Set by the engine.
     images: tuple[ImageInput, ...] = ()
+    # Prompt token ranges [start, end) whose tokens attend to each other both ways (Gemma 3's images: each
+    # image's placeholders), in order: a prefill chunk never ends inside one (the scheduler's rule), so every
+    # token of a range is computed with the whole range's keys. Set by the engine; () for other models.
+    attention_spans: tuple[tuple[int, int], ...] = ()
     # Whether a custom logits processor that reads output ids applies to it (LogitsProcessor.applies_to and
     # reads_output_token_ids): its sampling then needs the last token on the host. Set by the engine.
     read_by_logits_processor: bool = False

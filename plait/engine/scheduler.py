@@ -99,6 +99,13 @@ class Scheduler:
 
     With ``whole_prompts`` (an encoder's bidirectional attention), a prompt is admitted only where it fits
     the step whole, never chunked; the runner makes the budget hold any prompt of max_model_len tokens.
+
+    A request's ``attention_spans`` (Gemma 3's images, whose tokens attend to each other both ways) are never
+    split: a chunk that would end inside one ends before it, and a chunk that starts at (or, after a prefix
+    cache hit, inside) one takes it to its end, past the cap beside decodes if need be (within the step's
+    budget, so the cap cannot starve it), or waits. While a running prompt waits at a span for the budget
+    that decodes hold, nobody new is admitted, so the decodes drain and it runs. The engine refuses a span
+    longer than ``max_span_tokens``.
     """
 
     def __init__(self, config: EngineConfig, kv_cache: KVCacheManager,
@@ -141,6 +148,13 @@ class Scheduler:
             self.drafter.forget(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    @property
+    def max_span_tokens(self) -> int:
+        """The longest attention span a step can hold: the budget, or the per-request chunk cap."""
+        cap = self.config.long_prefill_token_threshold
+        budget = self.config.max_num_batched_tokens
+        return budget if cap == NO_CHUNK_CAP else min(budget, cap)
 
     @property
     def num_unfinished(self) -> int:
@@ -212,12 +226,17 @@ class Scheduler:
             if not step.has_room():
                 continue
             num_new = step.chunk_size(request)
+            if num_new == 0:  # at an attention span the step has no room for: decodes drain first
+                step.waits_at_span = True
+                continue
             if self._schedule_running(step, request, num_new) and num_new == request.num_remaining_tokens:
                 step.count_partial_prefill(request, -1)
 
     def _schedule_waiting(self, step: _StepBuilder) -> None:
-        if step.plan.preempted:
-            # KV blocks ran out this step. Re-admitting the victim now (it is at the front) would only
+        if step.plan.preempted or step.waits_at_span:
+            # A running prompt waiting at an attention span for room that decodes hold would starve if more
+            # were admitted (they become decodes). Or KV blocks ran out this step.
+            # Re-admitting the victim now (it is at the front) would only
             # restart it from scratch and, under prefill_first, take the budget from the decodes that
             # could run: a request that preempts itself would loop forever without progress.
             return
@@ -240,6 +259,9 @@ class Scheduler:
                 return
             request.num_cached_tokens = self.kv_cache.match_prefix(request)
             num_new = step.chunk_size(request)
+            if num_new == 0:  # its first chunk starts at an attention span the step has no room for
+                self._unadmit(request)
+                return
             completes_prompt = num_new == request.num_remaining_tokens
             if not completes_prompt and step.long_prefills_full(request):
                 # max_long_partial_prefills: the shorter prompts behind a long one may start before it.
@@ -382,6 +404,7 @@ class _StepBuilder:
         self.prefill_budget = config.max_num_batched_tokens
         self.num_partial_prefills = 0
         self.num_long_partial_prefills = 0  # of those, prompts over long_prefill_token_threshold
+        self.waits_at_span = False  # a running prompt could not take its next attention span this step
 
     def is_long(self, request: Request) -> bool:
         """A prompt (with re-prefilled outputs) over long_prefill_token_threshold, for
@@ -413,11 +436,14 @@ class _StepBuilder:
             self.prefill_budget = min(self.prefill_budget, aligned_prefill_cap(self.plan.num_tokens, cap))
 
     def chunk_size(self, request: Request) -> int:
+        """The tokens ``request`` may compute in this step; 0 where its next chunk must take an attention
+        span whole and the step has no room for it."""
         size = min(request.num_remaining_tokens, self.token_budget)
-        if request.is_prefilling:
-            size = min(size, self.prefill_budget)
         if self.config.long_prefill_token_threshold != NO_CHUNK_CAP:
             size = min(size, self.config.long_prefill_token_threshold)
+        if request.is_prefilling:
+            capped = min(size, self.prefill_budget)
+            return _whole_spans(request, capped, size) if request.attention_spans else capped
         return size
 
     def add(self, request: Request, num_new: int, drafts: tuple[int, ...] = ()) -> None:
@@ -435,3 +461,17 @@ class _StepBuilder:
                 self.prefill_budget += row.num_new_tokens if row.is_prefill else 0
                 del self.plan.rows[i]
                 return
+
+
+def _whole_spans(request: Request, size: int, room: int) -> int:
+    """A prompt chunk of ``size`` tokens from request.num_computed_tokens made to split none of its attention
+    spans: cut before a span it would end inside, or stretched to the end of one it starts at or inside (up
+    to ``room``, the step's budget without the cap beside decodes; 0 where that is too little)."""
+    start = request.num_computed_tokens
+    end = start + size
+    for first, last in request.attention_spans:  # [first, last), in order
+        if first < end < last:
+            if first > start:
+                return first - start
+            return last - start if last - start <= room else 0
+    return size

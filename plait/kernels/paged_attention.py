@@ -4,7 +4,9 @@ Layout. q, out: [T, Hq, D] (row r's tokens are ``query_start_loc[r]:query_start_
 k_cache, v_cache: [num_blocks, block_size, Hkv, D]; key position ``p`` of row r lives in block
 ``block_tables[r, p // block_size]`` at offset ``p % block_size``. Query ``i`` of row r sits at position
 ``context_len + i`` (``context_len = seq_len - query_len``) and sees keys at positions ``<= its own``
-(and, with a sliding window W > 0, ``> its own - W``).
+(and, with a sliding window W > 0, ``> its own - W``). With ``key_limits`` ([T], Gemma 3's images) query token
+t sees keys up to ``key_limits[t]`` instead of its own position (an image's placeholders see their whole
+image); the window's lower bound stays at its own position.
 
 One kernel, its launch shape chosen on the host from host ints only (CUDA-graph safe, no device sync):
 
@@ -303,16 +305,17 @@ def _find_row(query_start_loc_ptr, tile_idx, num_rows, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
-    tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, softcap_log2,
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok, seq_len,
+    qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, softcap_log2,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """One online-softmax step of q ([BLOCK_M, D]) over K/V tile ``tile`` of one row and kv head.
 
-    Unmasked tiles (MASKED False) must lie wholly inside every valid query's visible range; padding
-    query rows then see finite junk that is never stored."""
+    ``q_lim`` [BLOCK_M]: the last key position each query sees (its own position, or past it under key
+    limits); the window counts back from ``q_pos``. Unmasked tiles (MASKED False) must lie wholly inside every
+    valid query's visible range; padding query rows then see finite junk that is never stored."""
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, HEAD_DIM)
     k_pos = tile * TILE_N + offs_n
@@ -340,7 +343,7 @@ def _attend_tile(
         else:
             s = softcap_log2 * libdevice.tanh(s)
     if MASKED:
-        visible = q_ok[:, None] & k_in[None, :] & (k_pos[None, :] <= q_pos[:, None])
+        visible = q_ok[:, None] & k_in[None, :] & (k_pos[None, :] <= q_lim[:, None])
         if SLIDING_WINDOW > 0:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - SLIDING_WINDOW)
         s = tl.where(visible, s, float("-inf"))
@@ -369,8 +372,9 @@ def _attend_tile(
 
 @triton.jit
 def _attend_tiles(
-    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
-    tile_lo, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, softcap_log2,
+    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok, seq_len,
+    qk_scale, tile_lo, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    softcap_log2,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
     SOFTCAP: tl.constexpr,
@@ -383,16 +387,16 @@ def _attend_tiles(
         tile = tile_lo
         while tile < tile_hi:
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
-                qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok,
+                seq_len, qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, MASKED,
                 SOFTCAP, INTERPRETED)
             tile += 1
     else:
         for tile in range(tile_lo, tile_hi):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
-                qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok,
+                seq_len, qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
                 softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, MASKED,
                 SOFTCAP, INTERPRETED)
     return acc, m_i, l_i
@@ -400,7 +404,7 @@ def _attend_tiles(
 
 @triton.jit
 def _attend_range(
-    q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len, qk_scale,
+    q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok, seq_len, qk_scale,
     tile_lo, tile_hi, first_q_pos,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, softcap_log2,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -416,13 +420,13 @@ def _attend_range(
     if SLIDING_WINDOW == 0:
         mid = tl.minimum(tl.maximum((first_q_pos + 1) // TILE_N, tile_lo), tile_hi)
         acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
-            qk_scale, tile_lo, mid, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok,
+            seq_len, qk_scale, tile_lo, mid, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV,
             INTERPRETED, False, SOFTCAP)
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_ok, seq_len,
-        qk_scale, mid, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok,
+        seq_len, qk_scale, mid, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV,
         INTERPRETED, True, SOFTCAP)
     return acc, m_i, l_i
@@ -432,7 +436,8 @@ def _attend_range(
             do_not_specialize_on_alignment=_SLICED_ROW_ARRAYS)
 def _paged_attention_kernel(
     out_ptr, lse_ptr, split_out_ptr, split_lse_ptr, split_counters_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr, qk_scale, v_scale, softcap_log2, num_rows,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr, key_limits_ptr, qk_scale, v_scale,
+    softcap_log2, num_rows,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lse_t,
     stride_so_t, stride_so_h, stride_sl_t, stride_sl_h, stride_counter,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_bt, num_splits,
@@ -441,7 +446,7 @@ def _paged_attention_kernel(
     SPLIT_KV: tl.constexpr, MIN_SPLIT_TILES: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr,
     ONE_TOKEN_ROWS: tl.constexpr, METADATA_READY: tl.constexpr, SCALE_V: tl.constexpr,
-    FP16_DOTS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
+    FP16_DOTS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_KEY_LIMITS: tl.constexpr,
 ):
     """Grid (T // BLOCK_Q + R, Hkv[, num_splits]), or (Hkv, T // BLOCK_Q + R[, num_splits]) with
     HEADS_FASTEST: one query tile of one row, all GROUP query heads of one kv head, and with SPLIT_KV
@@ -496,9 +501,17 @@ def _paged_attention_kernel(
         # fp16 within its range (|q| < 65504), and P keeps 3 more bits than in bf16.
         q = q.to(tl.float16)
 
-    # Keys this tile can see: up to its last query's position, from its first query's window start.
+    # Keys this tile can see: up to its last query's position (or the furthest key limit of its queries),
+    # from its first query's window start.
     last_q = tl.minimum((q_tile + 1) * BLOCK_Q, q_len) - 1
-    tile_hi = tl.cdiv(context_len + last_q + 1, TILE_N)
+    if HAS_KEY_LIMITS:
+        q_lim = tl.load(key_limits_ptr + token, mask=q_ok, other=0).to(tl.int32)
+        q_lim = tl.maximum(q_lim, q_pos)  # a limit never hides a query's own causal keys
+        furthest = tl.maximum(tl.max(tl.where(q_ok, q_lim, 0), 0), context_len + last_q)
+        tile_hi = tl.cdiv(tl.minimum(furthest + 1, seq_len), TILE_N)
+    else:
+        q_lim = q_pos
+        tile_hi = tl.cdiv(context_len + last_q + 1, TILE_N)
     tile_lo = 0
     if SLIDING_WINDOW > 0:
         tile_lo = tl.maximum(context_len + q_tile * BLOCK_Q - SLIDING_WINDOW + 1, 0) // TILE_N
@@ -519,7 +532,7 @@ def _paged_attention_kernel(
 
     acc, m_i, l_i = _attend_range(
         q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
-        q_pos, q_ok, seq_len, qk_scale, tile_lo, tile_hi, context_len + q_tile * BLOCK_Q,
+        q_pos, q_lim, q_ok, seq_len, qk_scale, tile_lo, tile_hi, context_len + q_tile * BLOCK_Q,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, softcap_log2,
         BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED,
         SOFTCAP)
@@ -641,6 +654,7 @@ def paged_attention(
     max_query_len: int, max_seq_len: int, sliding_window: int = 0, lse: torch.Tensor | None = None,
     plan: PagedAttentionPlan | None = None, num_kv_splits: int | None = None, metadata_ready: bool = False,
     k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+    key_limits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of every query token of a mixed batch over its row's paged K/V; writes and returns out.
 
@@ -654,6 +668,8 @@ def paged_attention(
     sinks: optional [Hq] (fp32 or q's dtype, on q's device): gpt-oss's per-head sink logits, in natural
     units like the scaled (and capped) scores, never scaled or capped themselves: every query sees one more
     key of score sinks[h] and value zero (AttentionBackend.attend);
+    key_limits: optional [T] int (on q's device): query t sees keys up to position key_limits[t] (>= its own,
+    < its row's seq_len) instead of its own; the window still counts back from its own position;
     lse: optional [T, Hq] fp32 output (natural log, -inf where a query saw no key and no sink).
     plan: from ``plan_paged_attention`` (built here when None); num_kv_splits: override the split
     count when no plan is given (1: never split). metadata_ready: query_start_loc and seq_lens were
@@ -690,6 +706,11 @@ def paged_attention(
         qk_scale, softcap_log2 = scale * k_scale / softcap, softcap * LOG2E
     lse_arg = lse if lse is not None else out  # never written when STORE_LSE is off
     sinks_arg = sinks if sinks is not None else out  # never read when HAS_SINKS is off
+    if key_limits is not None and (key_limits.shape[0] < num_tokens or key_limits.dim() != 1
+                                   or key_limits.device != q.device):
+        raise ValueError(f"key_limits must be [>= T] = [>= {num_tokens}] on {q.device}, got "
+                         f"{tuple(key_limits.shape)} on {key_limits.device}")
+    key_limits_arg = key_limits if key_limits is not None else seq_lens  # never read without HAS_KEY_LIMITS
     one_token_rows = max_query_len <= 1
     num_tiles = num_rows if one_token_rows else num_tokens // cfg.block_q + num_rows
     heads_fastest = cfg.heads_fastest and num_tiles <= MAX_GRID_Y
@@ -706,14 +727,14 @@ def paged_attention(
         split_out = split_lse = counters = out  # never touched without SPLIT_KV
     _paged_attention_kernel[grid](
         out, lse_arg, split_out, split_lse, counters, q, k_cache, v_cache, query_start_loc, seq_lens,
-        block_tables, sinks_arg, qk_scale, v_scale, softcap_log2, num_rows, q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
+        block_tables, sinks_arg, key_limits_arg, qk_scale, v_scale, softcap_log2, num_rows, q.stride(0),
+        q.stride(1), out.stride(0), out.stride(1),
         lse_arg.stride(0), split_out.stride(0), split_out.stride(1), split_lse.stride(0), split_lse.stride(1),
         counters.stride(0), *cache_strides, cfg.num_splits, BLOCK_Q=cfg.block_q, STORE_LSE=lse is not None,
         SPLIT_KV=split_kv, MIN_SPLIT_TILES=cfg.min_split_tiles, HEADS_FASTEST=heads_fastest,
         ONE_TOKEN_ROWS=one_token_rows, METADATA_READY=metadata_ready, SCALE_V=v_scale != 1.0,
         FP16_DOTS=k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16, SOFTCAP=softcap > 0,
-        HAS_SINKS=sinks is not None, **common)
+        HAS_SINKS=sinks is not None, HAS_KEY_LIMITS=key_limits is not None, **common)
     return out
 
 
@@ -762,6 +783,7 @@ def paged_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float, sliding_window: int = 0,
     k_scale: float = 1.0, v_scale: float = 1.0, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+    key_limits: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same attention through ``plait.attention.torch_ref`` (fp32 math; reads tensors on the host).
 
@@ -794,6 +816,7 @@ def paged_attention_ref(
         seq_lens_cpu=lens,
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(lens, default=0),
+        key_limits=None if key_limits is None else key_limits.long(),
     )
     kv_cache = torch.stack([k_cache, v_cache])
     out, lse = TorchRefBackend().attend(q, kv_cache, batch, scale, sliding_window or None, return_lse=True,

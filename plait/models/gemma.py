@@ -6,7 +6,6 @@ a rotary base of their own."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
 
 import torch
 from torch import nn
@@ -17,7 +16,7 @@ from plait.layers.linear import Linear
 from plait.layers.norm import GemmaRMSNorm
 from plait.models.layer_kinds import SLIDING, kind_rotaries, layer_ropes, layer_types
 from plait.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, LlamaModel
-from plait.models.weights import LoadRecord, language_model_weights, load_decoder_weights
+from plait.models.weights import LoadRecord
 from plait.runner.forward_batch import ForwardBatch
 
 # transformers' defaults where a config leaves them out (Gemma3TextConfig).
@@ -111,9 +110,11 @@ class GemmaModel(nn.Module):
         ropes = layer_ropes(cfg.raw, DEFAULT_GLOBAL_THETA, DEFAULT_LOCAL_THETA)
         self.rotary = kind_rotaries(ropes, cfg.head_dim, max_positions)
 
-    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        # input_ids: [T] -> hidden: [T, hidden]
-        x = self.embed_tokens(input_ids)
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids: [T] -> hidden: [T, hidden]; inputs_embeds [T, hidden]: the first layer's input where
+        # given (an image model's, its placeholders' rows the image's)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual, pending = None, None
         for layer in self.layers:
             x, residual = layer(x, residual, pending, self.rotary[layer.kind], batch)
@@ -166,15 +167,3 @@ class Gemma1ForCausalLM(GemmaForCausalLM):
     Gemma1Model; its configs cap no logits."""
 
     model_class = Gemma1Model
-
-
-class Gemma3ForConditionalGeneration(GemmaForCausalLM):
-    """An image-text Gemma 3 checkpoint (4B, 12B, 27B) served as text only: its language model's tensors
-    (``language_model.model.*``, or ``model.language_model.*`` as transformers 5 saves them) under the
-    decoder's names; the vision tower and projector are not loaded, so prompts are text."""
-
-    # Adapters for these checkpoints name the multimodal model's modules (language_model.model...).
-    supports_lora = False
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        load_decoder_weights(self, language_model_weights(weights))

@@ -19,7 +19,7 @@ _MODELS: dict[str, tuple[str, str]] = {
     "GraniteMoeSharedForCausalLM": ("plait.models.granite", "GraniteMoeForCausalLM"),
     "OlmoeForCausalLM": ("plait.models.olmo", "OlmoeForCausalLM"),
     "Gemma3ForCausalLM": ("plait.models.gemma", "GemmaForCausalLM"),
-    "Gemma3ForConditionalGeneration": ("plait.models.gemma", "Gemma3ForConditionalGeneration"),
+    "Gemma3ForConditionalGeneration": ("plait.models.gemma3_vision", "Gemma3ForConditionalGeneration"),
     "Olmo2ForCausalLM": ("plait.models.olmo", "OlmoForCausalLM"),
     "Olmo3ForCausalLM": ("plait.models.olmo", "OlmoForCausalLM"),
     "Exaone4ForCausalLM": ("plait.models.olmo", "Exaone4ForCausalLM"),

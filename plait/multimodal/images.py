@@ -149,6 +149,10 @@ class ImageProcessor:
         # tokens
         placeholders = getattr(model, "image_placeholders", None)
         self._placeholders_for = None if placeholders is None else placeholders(hf_processor, tokenizer)
+        # Gemma 3: how images are written into a token prompt, where it is more than the image token replaced
+        # by its span (newlines around each, merged with those beside it); None: expand_placeholders' own way
+        expander = getattr(model, "image_prompt_expander", None)
+        self._expander = None if expander is None else expander(tokenizer)
         # what the model's processor is called with beside the images (Pixtral: its resize unit)
         self._call_kwargs: dict[str, Any] = dict(getattr(model, "image_processor_kwargs", None) or {})
         # Pixtral's processor pads a batch to its largest image: each is cut back to its own size
@@ -211,6 +215,8 @@ class ImageProcessor:
                             ) -> tuple[list[int], list[int]]:
         """(the prompt with each image token made the k-th image's span ``spans[k]``, each span's first
         token); ValueError where the image tokens do not match the images."""
+        if self._expander is not None:
+            return self._expander(token_ids, spans)
         ids, token = list(token_ids), self.image_token_id
         found = ids.count(token)
         counts = [span.count(token) for span in spans]

@@ -48,6 +48,9 @@ class StepArrays:
     # [T]: each token's LoRA adapter slot (NO_LORA_SLOT: the base weights alone), set by the runner where a
     # row has an adapter (LoRAModel.prepare); None: every token's is NO_LORA_SLOT.
     lora_slots: np.ndarray | None = None
+    # [T]: the last key position each token sees (build_step_arrays' ``key_limits``, for a model whose images
+    # attend both ways): its own position, or its image's last placeholder's. None for every other model.
+    key_limits: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if self.lora_slots is None:
@@ -85,8 +88,9 @@ class StepArrays:
         return int(not_one[0]) if len(not_one) else self.num_rows
 
 
-def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
-    """Turn a scheduler plan into host arrays: the only place a plan becomes numbers."""
+def build_step_arrays(plan: StepPlan, block_size: int, key_limits: bool = False) -> StepArrays:
+    """Turn a scheduler plan into host arrays: the only place a plan becomes numbers. With ``key_limits`` (a
+    model whose images attend both ways), each token's last visible key position too."""
     if plan.is_empty:
         raise ValueError("an empty plan has no forward batch; the engine skips empty steps")
     rows = plan.rows
@@ -136,6 +140,7 @@ def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
         sample_indices = ends - 1
     else:  # a row with drafts samples at each of its last 1 + drafts tokens
         sample_indices = np.concatenate([np.arange(e - n, e) for e, n in zip(ends, samples_per_row)])
+    limits = _key_limits(rows, positions, query_start_loc) if key_limits else None
     return StepArrays(
         input_ids=input_ids,
         positions=positions,
@@ -151,7 +156,27 @@ def build_step_arrays(plan: StepPlan, block_size: int) -> StepArrays:
         pending_rows=pending_rows,
         pending_tokens=np.array(pending_tokens, dtype=np.int64),
         samples_per_row=samples_per_row,
+        key_limits=limits,
     )
+
+
+def _key_limits(rows: list, positions: np.ndarray, query_start_loc: np.ndarray) -> np.ndarray:
+    """[T]: each token's own position, but a token inside one of its request's attention spans sees up to
+    the span's last token, which the scheduler puts in the same chunk (ValueError where it did not)."""
+    limits = positions.copy()
+    for i, r in enumerate(rows):
+        spans = r.request.attention_spans
+        if not spans:
+            continue
+        lo, hi, q = r.start, r.start + r.num_new_tokens, int(query_start_loc[i])
+        for start, end in spans:
+            if start < hi and lo < end:
+                if end > hi:
+                    raise ValueError(f"request {r.request.request_id}: a chunk ends at {hi}, inside the "
+                                     f"bidirectional span [{start}, {end})")
+                first = max(start, lo)
+                limits[q + first - lo : q + end - lo] = end - 1
+    return limits
 
 
 @dataclass
@@ -199,6 +224,10 @@ class ForwardBatch:
     # (temporal, height, width) positions. A text token's three are equal (its position plus its request's
     # delta); an image placeholder's are its grid cell's. None for every other model, which pays nothing.
     mrope_positions: torch.Tensor | None = None
+    # [T] int64: the last key position each token sees, for a model whose images attend both ways (Gemma 3):
+    # an image placeholder's is its image's last placeholder, every other token's its own position. Staged
+    # with the step's arrays (StepArrays.key_limits); None for every other model, which pays nothing.
+    key_limits: torch.Tensor | None = None
     # Set by the attention backend: metadata it derives from this batch once and reuses in every layer.
     backend_state: dict = field(default_factory=dict)
 
@@ -227,6 +256,7 @@ class ForwardBatch:
             slot_mapping=views["slot_mapping"],
             sample_indices=views["sample_indices"],
             lora_slots=views["lora_slots"],
+            key_limits=views.get("key_limits"),
             sample_rows=sample_rows,
             num_rows=views["seq_lens"].shape[0],
             num_tokens=views["input_ids"].shape[0],
@@ -294,11 +324,12 @@ def build_forward_batch(plan: StepPlan, block_size: int, device: torch.device) -
 
 
 def forward_batch_from_arrays(arrays: StepArrays, device: torch.device) -> ForwardBatch:
-    parts = [getattr(arrays, name) for name in STEP_FIELDS]
+    names = STEP_FIELDS if arrays.key_limits is None else (*STEP_FIELDS, "key_limits")
+    parts = [getattr(arrays, name) for name in names]
     host = torch.from_numpy(np.concatenate([p.reshape(-1) for p in parts]))
     dev = host.to(device)  # a plain (synchronous) copy: this path keeps no staging buffer alive
     flat = torch.split(dev, [p.size for p in parts])
-    views = {name: t.view(p.shape) for name, t, p in zip(STEP_FIELDS, flat, parts)}
+    views = {name: t.view(p.shape) for name, t, p in zip(names, flat, parts)}
     views.update({name: views[name].int() for name in INT32_FIELDS})
     return ForwardBatch.from_views(
         views, arrays.sample_rows, arrays.max_query_len, arrays.max_seq_len, host=arrays,

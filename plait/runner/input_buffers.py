@@ -16,8 +16,10 @@ from plait.runner.forward_batch import INT32_FIELDS, STEP_FIELDS, StepArrays
 # has completed (its event), so two let the host fill one while the other's copy is in flight
 # (FIELD-NOTES hazard 9).
 NUM_STAGING_BUFFERS = 2
+# A section only layouts with ``key_limits`` give room (a model whose images attend both ways: Gemma 3).
+KEY_LIMITS = "key_limits"
 # The buffer's sections, block tables last so that a step copies only the prefix it uses.
-_FIELDS = tuple(n for n in STEP_FIELDS if n != "block_tables") + ("block_tables",)
+_FIELDS = tuple(n for n in STEP_FIELDS if n != "block_tables") + (KEY_LIMITS, "block_tables")
 # The fields with one entry per token (the rest have one per row, or per sampling row).
 TOKEN_FIELDS = ("input_ids", "positions", "slot_mapping", "lora_slots")
 
@@ -54,8 +56,12 @@ class Layout:
     max_tokens: int
     max_rows: int
     block_table_width: int
+    # Room for StepArrays.key_limits ([T]); without it the section is empty and the other offsets unchanged.
+    key_limits: bool = False
 
     def capacity(self, name: str) -> int:
+        if name == KEY_LIMITS:
+            return self.max_tokens if self.key_limits else 0
         # Any token may be sampled (speculative decoding samples every token of a row with drafts).
         if name in TOKEN_FIELDS or name == "sample_indices":
             return self.max_tokens
@@ -140,6 +146,9 @@ class InputBuffers:
                 name, num_tokens if name in TOKEN_FIELDS else num_rows
             )
             out[name] = buffer[start : start + length]
+        if layout.key_limits:
+            start = layout.offset(KEY_LIMITS)
+            out[KEY_LIMITS] = self.device_buffer[start : start + num_tokens]
         return out
 
     def stage(self, arrays: StepArrays, pending_src: np.ndarray, prev_ids: torch.Tensor | None = None,
@@ -194,6 +203,11 @@ class InputBuffers:
                 src = getattr(arrays, name)
                 start = layout.offset(name)
                 host[start : start + len(src)] = src
+        if arrays.key_limits is not None:
+            if not layout.key_limits:
+                raise ValueError("the step has key limits; these input buffers have no room for them")
+            start = layout.offset(KEY_LIMITS)
+            host[start : start + arrays.num_tokens] = arrays.key_limits
         start = layout.offset("block_tables")
         width = layout.block_table_width
         rows, used_width = arrays.block_tables.shape

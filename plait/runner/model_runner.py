@@ -207,6 +207,9 @@ class ModelRunner:
         # False for encoders (plait.models.bert): each token attends to its whole prompt, so a prompt runs
         # whole in one step (never chunked) and no prefix of it is served from the cache.
         self.is_causal = getattr(self.model, "is_causal", True)
+        # Gemma 3: an image's placeholders attend to each other both ways, so every step carries each token's
+        # last visible key (StepArrays.key_limits); no other model stages or reads them.
+        self.key_limits = bool(getattr(self.model, "bidirectional_image_spans", False))
         self.model_path = loaded.source
         # "pooling": prompts pooled into embeddings (the model has no lm_head); "generate": tokens sampled.
         self.runner_type = loaded.runner
@@ -585,6 +588,7 @@ class ModelRunner:
             max_tokens=max([cfg.max_num_batched_tokens, *(s.num_tokens for s in shapes)]),
             max_rows=cfg.max_num_seqs + 1,
             block_table_width=cdiv(self.max_model_len, cfg.block_size),
+            key_limits=self.key_limits,
         )
 
     # -- memory -----------------------------------------------------------------------------
@@ -814,7 +818,7 @@ class ModelRunner:
         grammar's next mask, or a penalty, needs the token it sampled) while the forward runs.
         """
         t0 = time.perf_counter()
-        arrays = build_step_arrays(plan, self.config.block_size)
+        arrays = build_step_arrays(plan, self.config.block_size, self.key_limits)
         pending_src = self._pending_sources(plan, arrays, prev)
         prev_ids = prev.token_ids if prev is not None else None
         lora = False

@@ -99,9 +99,10 @@ def pad_to_shape(arrays: StepArrays, shape: GraphShape, block_size: int) -> Step
     real_prompt = slice(shape.decode_rows, shape.decode_rows + prompt_rows)
     tables[real_prompt, : arrays.block_tables.shape[1]] = arrays.block_tables[d:]
     shift = np.where(arrays.sample_indices >= token_pad_at, pad_tokens, 0)
+    pad_positions = np.zeros(pad_tokens) if not shape.is_mixed else np.arange(pad_tokens)
     return StepArrays(
         input_ids=tokens("input_ids", np.full(pad_tokens, PAD_TOKEN_ID)),
-        positions=tokens("positions", np.zeros(pad_tokens) if not shape.is_mixed else np.arange(pad_tokens)),
+        positions=tokens("positions", pad_positions),
         slot_mapping=tokens("slot_mapping", np.full(pad_tokens, PAD_SLOT)),
         lora_slots=tokens("lora_slots", np.full(pad_tokens, NO_LORA_SLOT)),
         query_start_loc=query_start_loc,
@@ -115,6 +116,8 @@ def pad_to_shape(arrays: StepArrays, shape: GraphShape, block_size: int) -> Step
         pending_rows=arrays.pending_rows,  # decode rows only: they keep their place
         pending_tokens=arrays.pending_tokens,  # so do their tokens (decode-only shapes pad after them)
         samples_per_row=arrays.samples_per_row,
+        # pad tokens see keys up to their own positions, as causal ones
+        key_limits=None if arrays.key_limits is None else tokens("key_limits", pad_positions),
     )
 
 
