@@ -235,6 +235,8 @@ def test_refusals(deepseek_models):
         _engine(folder, kv_cache_dtype="fp8")
     with pytest.raises(ValueError, match="DeepseekV2ForCausalLM"):
         _engine(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="MLA.* with FP8 weights .* not supported"):
+        _engine(folder, quantization="fp8")
 
 
 def test_through_the_triton_kernels_matches_hf(deepseek_models, monkeypatch):

@@ -42,6 +42,10 @@ from plait.runner.forward_batch import ForwardBatch
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV2RMSNorm's default eps, not the
 # config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
+# The absorbed weights are views of a 16-bit kv_b_proj; FP8 layers (a block-FP8 checkpoint such as DeepSeek-V3's
+# own release, or --quantization fp8) would need it dequantised first, which is not done yet.
+FP8_REFUSAL = ("DeepSeek-V2 / V3 (MLA) with FP8 weights (an FP8 checkpoint or --quantization fp8) is not "
+               "supported yet: serve a 16-bit checkpoint")
 # Only the MLP's gate/up are fused at load (the attention's q_proj stays itself: no k/v beside it).
 DEEPSEEK_STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
@@ -102,6 +106,8 @@ class MLAttention(nn.Module):
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_uk [H, nope, L], W_uv [H, v, L]): views of kv_b_proj's rows (each head's K rows, then its V
         rows)."""
+        if not self.kv_b_proj.weight.is_floating_point() or self.kv_b_proj.weight.element_size() == 1:
+            raise ValueError(FP8_REFUSAL)
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
@@ -229,6 +235,7 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         cfg = self.config
+        self.model.layers[0].self_attn.absorbed_weights()  # refuses FP8 layers before any tensor is read
         sizes = {"gate_up_proj": [cfg.intermediate_size] * 2}
         if cfg.moe.shared_intermediate_size:
             sizes["shared_experts.gate_up_proj"] = [cfg.moe.shared_intermediate_size] * 2
