@@ -42,8 +42,8 @@ from plait.runner.forward_batch import ForwardBatch
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV2RMSNorm's default eps, not the
 # config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
-# The absorbed weights are views of a 16-bit kv_b_proj; FP8 layers (a block-FP8 checkpoint such as DeepSeek-V3's
-# own release, or --quantization fp8) would need it dequantised first, which is not done yet.
+# The absorbed weights are views of a 16-bit kv_b_proj; FP8 layers (a block-FP8 checkpoint such as
+# DeepSeek-V3's own release, or --quantization fp8) would need it dequantised first, which is not done yet.
 FP8_REFUSAL = ("DeepSeek-V2 / V3 (MLA) with FP8 weights (an FP8 checkpoint or --quantization fp8) is not "
                "supported yet: serve a 16-bit checkpoint")
 # Only the MLP's gate/up are fused at load (the attention's q_proj stays itself: no k/v beside it).
