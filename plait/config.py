@@ -881,6 +881,16 @@ class PoolerConfig:
 # MoEConfig.router: the routers plait.layers.moe computes.
 SOFTMAX_ROUTER = "softmax"
 NOAUX_TC_ROUTER = "noaux_tc"
+# DeepSeek-V2's "group_limited_greedy": softmax scores, the experts of the topk_group groups with the best
+# single score kept, then the top-k among them (plait.layers.moe.route_group_limited).
+GROUP_LIMITED_ROUTER = "group_limited_greedy"
+# DeepSeek-V2's topk_method names -> MoEConfig.router ("greedy" is the plain softmax top-k).
+DEEPSEEK_V2_ROUTERS = {"greedy": SOFTMAX_ROUTER, GROUP_LIMITED_ROUTER: GROUP_LIMITED_ROUTER}
+# Multi-head latent attention decoders (plait.models.deepseek): DeepSeek-V2 (V2-Lite, V2.5, Coder-V2) and
+# DeepSeek-V3 (R1, V3.1, Kimi K2, Moonlight).
+DEEPSEEK_V2_ARCHITECTURE = "DeepseekV2ForCausalLM"
+DEEPSEEK_V3_ARCHITECTURE = "DeepseekV3ForCausalLM"
+DEEPSEEK_ARCHITECTURES = (DEEPSEEK_V2_ARCHITECTURE, DEEPSEEK_V3_ARCHITECTURE)
 GLM4_MOE_MODEL_TYPE = "glm4_moe"  # GLM-4.5 / GLM-4.6 (plait.models.glm4_moe)
 # MoE decoders whose configs name their experts' width intermediate_size (plait.models.olmo, .granite).
 OLMOE_MODEL_TYPES = ("olmoe",)
@@ -922,6 +932,9 @@ class MoEConfig:
         model_type = cfg.get("model_type", "")
         if model_type == GLM4_MOE_MODEL_TYPE:
             return cls._from_glm4_moe(cfg)
+        architecture = (cfg.get("architectures") or [""])[0]
+        if architecture in DEEPSEEK_ARCHITECTURES:
+            return cls._from_deepseek(cfg, architecture == DEEPSEEK_V3_ARCHITECTURE)
         num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0
         if not num_experts:
             return None
@@ -966,6 +979,38 @@ class MoEConfig:
             n_group=cfg.get("n_group") or 1,
             topk_group=cfg.get("topk_group") or 1,
             routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        )
+
+    @classmethod
+    def _from_deepseek(cls, cfg: dict, v3: bool) -> MoEConfig:
+        """DeepSeek-V2 / V3 (DeepseekV2Config's / DeepseekV3Config's names and defaults): dense MLPs in the
+        first first_k_dense_replace layers and, as DeepSeek's own code and vLLM read moe_layer_freq, in those
+        whose index it does not divide; n_shared_experts ungated shared experts of the routed experts' width.
+        V3's router is always noaux_tc (transformers' V3 has no other); V2's is its topk_method."""
+        if v3:
+            router = NOAUX_TC_ROUTER
+        else:
+            method = cfg.get("topk_method") or "greedy"
+            if method not in DEEPSEEK_V2_ROUTERS:
+                raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported; supported: "
+                                 f"{sorted(DEEPSEEK_V2_ROUTERS)}")
+            router = DEEPSEEK_V2_ROUTERS[method]
+        inter = cfg.get("moe_intermediate_size", 2048 if v3 else 1407)
+        layers = cfg["num_hidden_layers"]
+        first_dense = cfg.get("first_k_dense_replace", 3 if v3 else 0) or 0
+        freq = cfg.get("moe_layer_freq") or 1
+        return cls(
+            num_experts=cfg.get("n_routed_experts", 256 if v3 else 64),
+            top_k=cfg.get("num_experts_per_tok") or 8,
+            intermediate_size=inter,
+            renormalize=bool(cfg.get("norm_topk_prob", v3)),
+            shared_intermediate_size=(cfg.get("n_shared_experts", 1 if v3 else 2) or 0) * inter,
+            shared_expert_gated=False,
+            dense_layers=tuple(i for i in range(layers) if i < first_dense or i % freq),
+            router=router,
+            n_group=cfg.get("n_group") or 1,
+            topk_group=cfg.get("topk_group") or 1,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5 if v3 else 1.0)),
         )
 
 

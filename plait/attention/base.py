@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -17,6 +18,21 @@ if TYPE_CHECKING:
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 # (q_norm, k_norm): per-head RMSNorms applied before the rotation (plait.layers.norm.RMSNorm: .weight, .eps).
 QKNormModules = tuple[Any, Any]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one attention layer caches a token: ``planes`` tensors (2: K and V; 1: MLA's single latent row,
+    which serves as K and, its leading columns, as V) of ``heads`` x ``width`` values. The runner allocates
+    each layer's cache as [planes, num_blocks, block_size, heads, width] and sizes the pool by it; a model
+    declares its own (``kv_cache_spec``) where it is not [2, ..., num_key_value_heads, head_dim]."""
+
+    planes: int
+    heads: int
+    width: int
+
+    def values_per_token(self) -> int:
+        return self.planes * self.heads * self.width
 
 
 def rotary_positions(rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
@@ -88,6 +104,24 @@ class AttentionBackend(ABC):
         score ``sinks[h]`` and value zero: the softmax's denominator grows by exp(sinks[h]), and the
         returned lse (natural log) includes it, so a query that sees no key gets zeros and lse
         ``sinks[h]``."""
+
+
+    def store_latent(self, row: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> None:
+        """MLA: write each token's latent row ([T, W]: the normalised c_kv, then the rotated k_pe) at
+        ``batch.slot_mapping`` into a one-plane cache [1, num_blocks, block_size, 1, W]."""
+        # An index_put on the device (any cache strides): graph-safe, no host data. Padded tokens write the
+        # pad block.
+        block_size = kv_cache.shape[2]
+        block, pos = batch.slot_mapping // block_size, batch.slot_mapping % block_size
+        kv_cache[0, block, pos, 0] = row.to(kv_cache.dtype)
+
+    @abstractmethod
+    def attend_latent(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+                      value_width: int) -> torch.Tensor:
+        """MLA in its weight-absorbed form: q [T, Hq, W] (each head's query in the latent space, then its
+        rotated rope part) attends as multi-query attention over the one-plane latent cache
+        [1, num_blocks, block_size, 1, W]: K is each cached row whole, V its first ``value_width`` columns
+        (c_kv). Causal, as ``attend``. Returns [T, Hq, value_width] in q's dtype."""
 
 
 _REGISTRY: dict[str, type[AttentionBackend]] = {}

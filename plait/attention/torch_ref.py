@@ -45,24 +45,44 @@ class TorchRefBackend(AttentionBackend):
         causal: bool = True,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        out, lse = self._attend(q, kv_cache[0], kv_cache[1], batch, scale, sliding_window, kv_scales,
+                                logit_softcap, causal, sinks)
+        return (out, lse) if return_lse else out
+
+    def attend_latent(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+                      value_width: int) -> torch.Tensor:
+        # kv_cache: [1, num_blocks, block_size, 1, W]: K is the row, V its leading c_kv columns (a view)
+        latent = kv_cache[0]
+        out, _ = self._attend(q, latent, latent[..., :value_width], batch, scale, None, UNIT_SCALES)
+        return out
+
+    def _attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+        scale: float,
+        sliding_window: int | None, kv_scales: KVScales, logit_softcap: float | None = None,
+        causal: bool = True, sinks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k_cache [num_blocks, block_size, Hkv, Dk] (Dk = q's width), v_cache [..., Dv] -> (out [T, Hq, Dv],
+        lse [T, Hq])."""
         num_heads = q.shape[1]
-        block_size = kv_cache.shape[2]
+        block_size = k_cache.shape[1]
         max_keys = _num_key_blocks(batch, block_size) * block_size
         if batch.num_rows * num_heads * batch.max_query_len * max_keys <= self.max_padded_scores:
             attend = self._attend_padded
         else:
             attend = self._attend_per_row
-        out, lse = attend(q, kv_cache, batch, scale, sliding_window, kv_scales, logit_softcap, causal, sinks)
-        return (out, lse) if return_lse else out
+        return attend(q, k_cache, v_cache, batch, scale, sliding_window, kv_scales, logit_softcap, causal,
+                      sinks)
 
     def _attend_padded(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+        scale: float,
         sliding_window: int | None, kv_scales: KVScales, logit_softcap: float | None = None,
         causal: bool = True, sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row at once, queries and keys padded to the batch maximum and masked."""
         num_tokens, num_heads, head_dim = q.shape
-        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        block_size, num_kv_heads, value_dim = k_cache.shape[1], k_cache.shape[2], v_cache.shape[3]
         group = num_heads // num_kv_heads
         key = ("torch_ref", sliding_window, causal)
         meta = batch.backend_state.get(key)
@@ -76,8 +96,8 @@ class TorchRefBackend(AttentionBackend):
         qp = qp.permute(0, 2, 3, 1, 4).reshape(num_rows, num_kv_heads, group * max_q, head_dim)
         # k, v: [R, L, Hkv, D] -> [R, Hkv, L, D], L = max_blocks * block_size
         tables = batch.block_tables[:, : _num_key_blocks(batch, block_size)].long()
-        k = from_cache(kv_cache[0][tables].flatten(1, 2), kv_scales.k).permute(0, 2, 1, 3)
-        v = from_cache(kv_cache[1][tables].flatten(1, 2), kv_scales.v).permute(0, 2, 1, 3)
+        k = from_cache(k_cache[tables].flatten(1, 2), kv_scales.k).permute(0, 2, 1, 3)
+        v = from_cache(v_cache[tables].flatten(1, 2), kv_scales.v).permute(0, 2, 1, 3)
         # scores: [R, Hkv, group * maxq, L]
         scores = _softcap(torch.matmul(qp, k.transpose(-1, -2)) * scale, logit_softcap)
         scores = scores.view(num_rows, num_kv_heads, group, max_q, -1)
@@ -86,21 +106,22 @@ class TorchRefBackend(AttentionBackend):
         if sinks is not None:  # sinks: [Hq] = [Hkv * group], as the query heads are grouped here
             row_lse = _with_sinks(row_lse, sinks.reshape(1, num_kv_heads, group, 1))
         probs = torch.exp(scores - row_lse.unsqueeze(-1))
-        out = torch.matmul(probs.view(num_rows, num_kv_heads, group * max_q, -1), v)  # [R, Hkv, G * maxq, D]
-        out = out.view(num_rows, num_kv_heads, group, max_q, head_dim)
-        out = out.permute(0, 3, 1, 2, 4).reshape(num_rows * max_q, num_heads, head_dim)[valid]
+        out = torch.matmul(probs.view(num_rows, num_kv_heads, group * max_q, -1), v)  # [R, Hkv, G * maxq, Dv]
+        out = out.view(num_rows, num_kv_heads, group, max_q, value_dim)
+        out = out.permute(0, 3, 1, 2, 4).reshape(num_rows * max_q, num_heads, value_dim)[valid]
         lse = row_lse.permute(0, 3, 1, 2).reshape(num_rows * max_q, num_heads)[valid]
         return out.to(q.dtype), lse
 
     def _attend_per_row(
-        self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+        scale: float,
         sliding_window: int | None, kv_scales: KVScales, logit_softcap: float | None = None,
         causal: bool = True, sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        num_tokens, num_heads, head_dim = q.shape
-        block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+        num_tokens, num_heads, _ = q.shape
+        block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
         group = num_heads // num_kv_heads
-        out = torch.empty_like(q)
+        out = q.new_empty(num_tokens, num_heads, v_cache.shape[3])
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=q.device)
         for i in range(batch.num_rows):
             q_start, q_end = batch.query_start_loc_cpu[i], batch.query_start_loc_cpu[i + 1]
@@ -110,8 +131,8 @@ class TorchRefBackend(AttentionBackend):
             num_blocks = -(-seq_len // block_size)
             blocks = batch.block_tables[i, :num_blocks].long()
             # k, v: [seq_len, Hkv, D] -> [Hq, seq_len, D] (GQA: each kv head serves `group` q heads)
-            k = from_cache(kv_cache[0, blocks].flatten(0, 1)[:seq_len], kv_scales.k).transpose(0, 1)
-            v = from_cache(kv_cache[1, blocks].flatten(0, 1)[:seq_len], kv_scales.v).transpose(0, 1)
+            k = from_cache(k_cache[blocks].flatten(0, 1)[:seq_len], kv_scales.k).transpose(0, 1)
+            v = from_cache(v_cache[blocks].flatten(0, 1)[:seq_len], kv_scales.v).transpose(0, 1)
             k = k.repeat_interleave(group, dim=0)
             v = v.repeat_interleave(group, dim=0)
             qi = q[q_start:q_end].float().transpose(0, 1)  # [Hq, n, D]

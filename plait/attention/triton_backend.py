@@ -10,7 +10,12 @@ import torch
 from plait.attention.base import AttentionBackend, QKNormModules, Rotary, register_backend, rotary_positions
 from plait.attention.fp8_kv import UNIT_SCALES, KVScales
 from plait.kernels.dispatch import use_triton
-from plait.kernels.paged_attention import PagedAttentionPlan, paged_attention, plan_paged_attention
+from plait.kernels.paged_attention import (
+    PagedAttentionPlan,
+    mla_cache_views,
+    paged_attention,
+    plan_paged_attention,
+)
 from plait.kernels.rope_store import QKNorm, rope_store_kv
 from plait.kernels.store_kv import store_kv
 
@@ -109,10 +114,28 @@ class TritonBackend(AttentionBackend):
                 key_limits=batch.key_limits)
         return (out, lse) if return_lse else out
 
-    def _parts(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch) -> list[_Part]:
-        """The step's launches, made by its first layer and reused by the rest."""
+    def attend_latent(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch, scale: float,
+                      value_width: int) -> torch.Tensor:
+        # kv_cache: [1, num_blocks, block_size, 1, W] -> K [blocks, bs, Hq / 16, W] and V (its c_kv columns),
+        # views of the one latent head (mla_cache_views): the kernel reuses each K tile as V
+        num_tokens, num_heads, _ = q.shape
+        k, v = mla_cache_views(kv_cache[0], num_heads, value_width)
+        out = torch.empty(num_tokens, num_heads, value_width, dtype=q.dtype, device=q.device)
+        for part in self._parts(q, k, batch, value_width):
+            t, r = part.tokens, part.rows
+            paged_attention(
+                q[t], k, v, out[t], part.query_start_loc, batch.seq_lens[r], batch.block_tables[r], scale,
+                part.max_query_len, batch.max_seq_len, plan=part.plan, metadata_ready=True)
+        return out
+
+    def _parts(self, q: torch.Tensor, kv_cache: torch.Tensor, batch: ForwardBatch,
+               value_width: int | None = None) -> list[_Part]:
+        """The step's launches, made by its first layer and reused by the rest. ``kv_cache``: [2, blocks, bs,
+        Hkv, D], or MLA's K view [blocks, bs, Hkv, W] with ``value_width`` (V's, the output's width)."""
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = kv_cache.shape[3]
+        num_kv_heads = kv_cache.shape[-2]
+        if value_width is not None:
+            head_dim = value_width
         key = ("triton", num_tokens, num_heads, num_kv_heads, head_dim, q.dtype, kv_cache.dtype)
         parts = batch.backend_state.get(key)
         if parts is None:

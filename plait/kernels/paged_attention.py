@@ -61,17 +61,17 @@ MIN_DOT = 16
 # empty context, 1.61 vs 1.62 after 2,048 cached, 2.43 vs 2.46 after 3,840, 1.75 vs 1.80 for 124 tokens
 # after 3,968, 5.97 vs 6.48 for 16 fresh 512-token prompts, 14.4 vs 14.9 for a fresh 4,096
 # (benchmarks/results/chunk_attention_sweep_h200.json, each with this file's split heuristic).
-PREFILL_BLOCK_M = {64: 128, 128: 64, 256: 64}
+PREFILL_BLOCK_M = {64: 128, 128: 64, 256: 64, 512: 32}
 # Key positions per K/V tile: large tiles for decode (bandwidth), square-ish for prefill (tl.dot).
-PREFILL_TILE_N = {64: 64, 128: 64, 256: 32}
-DECODE_TILE_N = {64: 128, 128: 64, 256: 32}
+PREFILL_TILE_N = {64: 64, 128: 64, 256: 32, 512: 32}
+DECODE_TILE_N = {64: 128, 128: 64, 256: 32, 512: 32}
 # Decode over an FP8 cache widens every code before its dot, which bounds the kernel rather than the bytes:
 # wider tiles with a stage more in flight measured fastest (Llama-8B heads, 64 rows x 4,160 cached tokens on
 # an H200: 0.222 ms a layer, against 0.293 with the bf16 cache's tiles and 0.294 over a bf16 cache;
 # benchmarks/results/kv_cache_fp8_h200.json).
-FP8_DECODE_TILE_N = {64: 128, 128: 128, 256: 32}
+FP8_DECODE_TILE_N = {64: 128, 128: 128, 256: 32, 512: 32}
 FP8_DECODE_NUM_STAGES = 3
-PREFILL_NUM_STAGES = {64: 3, 128: 2, 256: 2}
+PREFILL_NUM_STAGES = {64: 3, 128: 2, 256: 2, 512: 2}
 # Prefill tiles take 8 warps from this many fp32 accumulator elements (BLOCK_M x D) up.
 PREFILL_8_WARPS_ACC = 64 * 256
 # 2 stages beat 3 at every decode shape measured (H200, 256 rows, contexts 800 / 2048: 3869 vs 3488 and
@@ -105,7 +105,14 @@ MAX_SPLIT_SCRATCH_BYTES = 64 << 20
 # Multiprocessor count assumed where there is no CUDA device (the Triton interpreter on CPU).
 CPU_NUM_SMS = 8
 MAX_GRID_Y = 65535  # CUDA's limit on a grid's second dimension
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+# V's (and the output's) width; 512 is MLA's latent (K is wider by its rope part: paged_attention).
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256, 512)
+# MLA (DeepSeek): the rope columns K has past V's, dotted with q's own (tl.dot's K dimension: >= 16).
+SUPPORTED_ROPE_DIMS = (16, 32, 64, 128)
+# MLA: query heads a program packs beside each other over the shared latent rows (the launch sees Hq / this
+# many "kv heads", each a stride-0 view of the one latent head), so the fp32 accumulator of 512-wide rows
+# stays within a program's registers.
+MLA_HEADS_PER_PROGRAM = 16
 
 # P.V with P split into two 16-bit terms for 16-bit inputs. Rounding P to bf16 once (8 mantissa bits) is
 # the largest error beside torch_ref's fp32 math (QK^T of bf16 inputs is exact in fp32), but any last-bit
@@ -305,11 +312,11 @@ def _find_row(query_start_loc_ptr, tile_idx, num_rows, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend_tile(
-    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok, seq_len,
+    acc, m_i, l_i, q, q_pe, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok, seq_len,
     qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, softcap_log2,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, MASKED: tl.constexpr, SOFTCAP: tl.constexpr,
-    INTERPRETED: tl.constexpr,
+    INTERPRETED: tl.constexpr, ROPE_DIM: tl.constexpr, V_FROM_K: tl.constexpr,
 ):
     """One online-softmax step of q ([BLOCK_M, D]) over K/V tile ``tile`` of one row and kv head.
 
@@ -336,7 +343,16 @@ def _attend_tile(
         k = tl.load(k_ptrs, mask=k_in[:, None], other=0.0).to(q.dtype)
     else:
         k = tl.load(k_ptrs).to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, TILE_N]
+    if ROPE_DIM > 0:  # MLA: the row's rope columns (after the latent's HEAD_DIM) against q's own
+        offs_r = tl.arange(0, ROPE_DIM)
+        pe_ptrs = k_cache_ptr + k_off[:, None] + HEAD_DIM + offs_r[None, :]
+        if MASKED:
+            k_pe = tl.load(pe_ptrs, mask=k_in[:, None], other=0.0).to(q.dtype)
+        else:
+            k_pe = tl.load(pe_ptrs).to(q.dtype)
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision=DOT_PRECISION)
+    s = s * qk_scale
     if SOFTCAP:  # qk_scale holds 1 / cap: the score becomes cap * tanh(score / cap), in log2 units
         if INTERPRETED:
             s = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * s) + 1.0))  # the interpreter has no libdevice
@@ -356,7 +372,9 @@ def _attend_tile(
     alpha = tl.exp2(m_i - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if MASKED:
+    if V_FROM_K:  # MLA: V is the latent K tile itself, already loaded
+        v = k
+    elif MASKED:
         v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0).to(q.dtype)
     else:
         v = tl.load(v_ptrs).to(q.dtype)
@@ -372,12 +390,12 @@ def _attend_tile(
 
 @triton.jit
 def _attend_tiles(
-    acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok, seq_len,
-    qk_scale, tile_lo, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    softcap_log2,
+    acc, m_i, l_i, q, q_pe, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok, seq_len,
+    qk_scale,
+    tile_lo, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, softcap_log2,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLIDING_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, MASKED: tl.constexpr,
-    SOFTCAP: tl.constexpr,
+    SOFTCAP: tl.constexpr, ROPE_DIM: tl.constexpr, V_FROM_K: tl.constexpr,
 ):
     """Online softmax over K/V tiles [tile_lo, tile_hi), carrying (acc [BLOCK_M, D], m, l [BLOCK_M]):
     unnormalised, log2 domain. A query that saw no key keeps m = -inf, l = 0, acc = 0."""
@@ -387,29 +405,29 @@ def _attend_tiles(
         tile = tile_lo
         while tile < tile_hi:
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok,
-                seq_len, qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, MASKED,
-                SOFTCAP, INTERPRETED)
+                acc, m_i, l_i, q, q_pe, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim,
+                q_ok, seq_len, qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                stride_vh, softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION,
+                PRECISE_PV, MASKED, SOFTCAP, INTERPRETED, ROPE_DIM, V_FROM_K)
             tile += 1
     else:
         for tile in range(tile_lo, tile_hi):
             acc, m_i, l_i = _attend_tile(
-                acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok,
-                seq_len, qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, MASKED,
-                SOFTCAP, INTERPRETED)
+                acc, m_i, l_i, q, q_pe, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim,
+                q_ok, seq_len, qk_scale, tile, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                stride_vh, softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION,
+                PRECISE_PV, MASKED, SOFTCAP, INTERPRETED, ROPE_DIM, V_FROM_K)
     return acc, m_i, l_i
 
 
 @triton.jit
 def _attend_range(
-    q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok, seq_len, qk_scale,
+    q, q_pe, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok, seq_len, qk_scale,
     tile_lo, tile_hi, first_q_pos,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, softcap_log2,
     BLOCK_M: tl.constexpr, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, PRECISE_PV: tl.constexpr,
-    INTERPRETED: tl.constexpr, SOFTCAP: tl.constexpr,
+    INTERPRETED: tl.constexpr, SOFTCAP: tl.constexpr, ROPE_DIM: tl.constexpr, V_FROM_K: tl.constexpr,
 ):
     """Attend q over K/V tiles [tile_lo, tile_hi): tiles wholly at or before ``first_q_pos`` (the first
     query of the tile) skip the masks; the rest, and every tile under a sliding window, are masked."""
@@ -420,15 +438,15 @@ def _attend_range(
     if SLIDING_WINDOW == 0:
         mid = tl.minimum(tl.maximum((first_q_pos + 1) // TILE_N, tile_lo), tile_hi)
         acc, m_i, l_i = _attend_tiles(
-            acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok,
+            acc, m_i, l_i, q, q_pe, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok,
             seq_len, qk_scale, tile_lo, mid, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV,
-            INTERPRETED, False, SOFTCAP)
+            INTERPRETED, False, SOFTCAP, ROPE_DIM, V_FROM_K)
     acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok,
+        acc, m_i, l_i, q, q_pe, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_head, q_pos, q_lim, q_ok,
         seq_len, qk_scale, mid, tile_hi, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         softcap_log2, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV,
-        INTERPRETED, True, SOFTCAP)
+        INTERPRETED, True, SOFTCAP, ROPE_DIM, V_FROM_K)
     return acc, m_i, l_i
 
 
@@ -447,6 +465,7 @@ def _paged_attention_kernel(
     PRECISE_PV: tl.constexpr, INTERPRETED: tl.constexpr, HEADS_FASTEST: tl.constexpr, PDL: tl.constexpr,
     ONE_TOKEN_ROWS: tl.constexpr, METADATA_READY: tl.constexpr, SCALE_V: tl.constexpr,
     FP16_DOTS: tl.constexpr, SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_KEY_LIMITS: tl.constexpr,
+    ROPE_DIM: tl.constexpr, V_FROM_K: tl.constexpr,
 ):
     """Grid (T // BLOCK_Q + R, Hkv[, num_splits]), or (Hkv, T // BLOCK_Q + R[, num_splits]) with
     HEADS_FASTEST: one query tile of one row, all GROUP query heads of one kv head, and with SPLIT_KV
@@ -492,14 +511,19 @@ def _paged_attention_kernel(
     q_ok = (offs_m < BLOCK_Q * GROUP) & (q_idx < q_len)
     q_pos = context_len + q_idx
     token = (q_start + q_idx).to(tl.int64)
-    q = tl.load(q_ptr + token[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=q_ok[:, None], other=0.0)
+    q_rows = q_ptr + token * stride_qt + head * stride_qh  # [BLOCK_M]
+    q = tl.load(q_rows[:, None] + offs_d[None, :], mask=q_ok[:, None], other=0.0)
+    q_pe = q  # never read without ROPE_DIM
+    if ROPE_DIM > 0:  # MLA: each query row's rope part, after its HEAD_DIM latent columns
+        offs_r = tl.arange(0, ROPE_DIM)
+        q_pe = tl.load(q_rows[:, None] + HEAD_DIM + offs_r[None, :], mask=q_ok[:, None], other=0.0)
     if FP16_DOTS:
         # bf16 q over an FP8 cache: the dots take q in fp16 and the codes widened to fp16, one hardware
         # conversion per pair of codes, where widening to bf16 goes through fp32 (a Llama-8B decode layer,
         # 64 rows x 4,160 cached tokens on an H200: 0.293 against 0.338 ms). q's bf16 values are exact in
         # fp16 within its range (|q| < 65504), and P keeps 3 more bits than in bf16.
         q = q.to(tl.float16)
+        q_pe = q_pe.to(tl.float16)
 
     # Keys this tile can see: up to its last query's position (or the furthest key limit of its queries),
     # from its first query's window start.
@@ -531,11 +555,11 @@ def _paged_attention_kernel(
         tile_hi = tl.minimum(tile_lo + per_split, tile_hi)
 
     acc, m_i, l_i = _attend_range(
-        q, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
+        q, q_pe, k_cache_ptr, v_cache_ptr, block_tables_ptr + row.to(tl.int64) * stride_bt, kv_head,
         q_pos, q_lim, q_ok, seq_len, qk_scale, tile_lo, tile_hi, context_len + q_tile * BLOCK_Q,
         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, softcap_log2,
         BLOCK_M, BLOCK_SIZE, TILE_N, HEAD_DIM, SLIDING_WINDOW, DOT_PRECISION, PRECISE_PV, INTERPRETED,
-        SOFTCAP)
+        SOFTCAP, ROPE_DIM, V_FROM_K)
 
     # A query that saw no key: zeros and lse -inf, never 0/0.
     seen = l_i > 0
@@ -661,6 +685,9 @@ def paged_attention(
     q, out: [T, Hq, D] (last dim contiguous; out in q's dtype, or fp32 to keep the result unrounded);
     k_cache, v_cache: [num_blocks, block_size, Hkv, D], in q's dtype or FP8 codes standing for code * k_scale
     (v_scale): plait.attention.fp8_kv;
+    MLA (DeepSeek's absorbed attention): q and k_cache are wider than v_cache and out by a rope part, D + R
+    (SUPPORTED_ROPE_DIMS): a score is q's first D columns against K's plus q's last R against K's. v_cache
+    may be a view of k_cache's first D columns (the latent row): its tile is then the K tile already read.
     query_start_loc: [R + 1] int32; seq_lens: [R] int32 (cached context + this step's tokens);
     block_tables: [R, max_blocks] int32; max_query_len / max_seq_len: host-side upper bounds;
     sliding_window: 0 for none, else key p is visible to query position i iff i - W < p <= i;
@@ -677,12 +704,16 @@ def paged_attention(
     kernel drains (a step's staged metadata is; a tensor made by the previous kernel is not).
     Never synchronises with the device.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    num_tokens, num_heads, q_width = q.shape
+    head_dim = v_cache.shape[3]  # V's width, the output's; q and K may be wider by a rope part (MLA)
+    rope_dim = q_width - head_dim
     num_kv_heads = k_cache.shape[2]
     num_rows = seq_lens.shape[0]
     if num_tokens == 0:
         return out
     _check_attention_args(q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, lse)
+    v_from_k = (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.dtype == k_cache.dtype
+                and v_cache.stride()[:3] == k_cache.stride()[:3])
     _check_sinks(sinks, q)
     if plan is None:
         plan = plan_paged_attention(num_tokens, num_rows, num_heads, num_kv_heads, head_dim, q.dtype,
@@ -734,8 +765,21 @@ def paged_attention(
         SPLIT_KV=split_kv, MIN_SPLIT_TILES=cfg.min_split_tiles, HEADS_FASTEST=heads_fastest,
         ONE_TOKEN_ROWS=one_token_rows, METADATA_READY=metadata_ready, SCALE_V=v_scale != 1.0,
         FP16_DOTS=k_cache.dtype == FP8_DTYPE and q.dtype == torch.bfloat16, SOFTCAP=softcap > 0,
-        HAS_SINKS=sinks is not None, HAS_KEY_LIMITS=key_limits is not None, **common)
+        HAS_SINKS=sinks is not None, HAS_KEY_LIMITS=key_limits is not None, ROPE_DIM=rope_dim,
+        V_FROM_K=v_from_k, **common)
     return out
+
+
+def mla_cache_views(latent_cache: torch.Tensor, num_heads: int, value_width: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """paged_attention's (k_cache, v_cache) over MLA's one-head latent cache [num_blocks, block_size, 1, W]:
+    K the rows whole, V their first ``value_width`` columns, both as Hq / MLA_HEADS_PER_PROGRAM "kv heads"
+    that are stride-0 views of the one latent head. The kernel packs a kv head's GROUP query heads per
+    program, so each program holds MLA_HEADS_PER_PROGRAM (or, where they do not divide Hq, all) heads'
+    512-wide accumulators, whatever Hq is (128 in DeepSeek-V3). No copy."""
+    per_program = MLA_HEADS_PER_PROGRAM if num_heads % MLA_HEADS_PER_PROGRAM == 0 else num_heads
+    k = latent_cache.expand(-1, -1, num_heads // per_program, -1)  # [blocks, bs, Hq / per_program, W]
+    return k, k[..., :value_width]
 
 
 def _check_attention_args(
@@ -744,10 +788,14 @@ def _check_attention_args(
     lse: torch.Tensor | None,
 ) -> None:
     """Shape / layout checks on metadata only (no device reads)."""
-    num_tokens, num_heads, head_dim = q.shape
-    if out.shape != q.shape or k_cache.shape != v_cache.shape or k_cache.shape[3] != head_dim:
+    num_tokens, num_heads, q_width = q.shape
+    head_dim = v_cache.shape[3]
+    rope_dim = q_width - head_dim
+    if (out.shape != (num_tokens, num_heads, head_dim) or k_cache.shape[:3] != v_cache.shape[:3]
+            or k_cache.shape[3] != q_width or (rope_dim and rope_dim not in SUPPORTED_ROPE_DIMS)):
         raise ValueError(f"shape mismatch: q {tuple(q.shape)}, out {tuple(out.shape)}, "
-                         f"cache {tuple(k_cache.shape)}")
+                         f"k cache {tuple(k_cache.shape)}, v cache {tuple(v_cache.shape)} (q and K may be "
+                         f"wider than V and out by a rope part of {SUPPORTED_ROPE_DIMS})")
     if num_heads % k_cache.shape[2]:
         raise ValueError(f"{num_heads} query heads do not group over {k_cache.shape[2]} kv heads")
     if q.stride(2) != 1 or out.stride(2) != 1 or k_cache.stride(3) != 1 or v_cache.stride(3) != 1:
@@ -787,7 +835,7 @@ def paged_attention_ref(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same attention through ``plait.attention.torch_ref`` (fp32 math; reads tensors on the host).
 
-    Returns (out [T, Hq, D] in q's dtype, lse [T, Hq] fp32)."""
+    Returns (out [T, Hq, Dv] in q's dtype, lse [T, Hq] fp32)."""
     from plait.attention.fp8_kv import KVScales
     from plait.attention.torch_ref import TorchRefBackend
     from plait.runner.forward_batch import ForwardBatch
@@ -818,8 +866,6 @@ def paged_attention_ref(
         max_seq_len=max(lens, default=0),
         key_limits=None if key_limits is None else key_limits.long(),
     )
-    kv_cache = torch.stack([k_cache, v_cache])
-    out, lse = TorchRefBackend().attend(q, kv_cache, batch, scale, sliding_window or None, return_lse=True,
-                                        kv_scales=KVScales(k_scale, v_scale), logit_softcap=softcap or None,
-                                        sinks=sinks)
-    return out, lse
+    # K and V apart: MLA's are of different widths (V a view of K's leading columns)
+    return TorchRefBackend()._attend(q, k_cache, v_cache, batch, scale, sliding_window or None,
+                                     KVScales(k_scale, v_scale), softcap or None, sinks=sinks)

@@ -1,6 +1,6 @@
-"""FusedMoE: the routed experts of a sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5), run
-in one call, and the routers that pick them: softmax top-k (route) and DeepSeek-V3's noaux_tc
-(route_noaux_tc)."""
+"""FusedMoE: the routed experts of a sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5,
+DeepSeek), run in one call, and the routers that pick them: softmax top-k (route), DeepSeek-V2's
+group-limited greedy (route_group_limited) and DeepSeek-V3's noaux_tc (route_noaux_tc)."""
 
 from __future__ import annotations
 
@@ -116,6 +116,58 @@ def route_noaux_tc(router_logits: torch.Tensor, top_k: int, renormalize: bool, c
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # transformers' guard against 0 / 0
     return weights * routed_scaling_factor, ids
+
+
+def route_group_limited(router_logits: torch.Tensor, top_k: int, renormalize: bool, n_group: int,
+                        topk_group: int, routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's "group_limited_greedy" routing (transformers' DeepseekV2TopkRouter, op for op): softmax
+    scores in fp32; the experts split into n_group groups, each scored by its best expert, the topk_group best
+    groups kept (the others' scores zeroed); the top_k experts of what is left. The weights are their scores,
+    renormalised where the model says so (DeepSeek's norm_topk_prob), times routed_scaling_factor."""
+    # router_logits: [T, E] -> (weights [T, k] fp32, ids [T, k] int64)
+    num_tokens, num_experts = router_logits.shape
+    scores = router_logits.float().softmax(dim=-1)  # [T, E]
+    per_group = num_experts // n_group
+    group_scores = scores.view(num_tokens, n_group, per_group).max(dim=-1).values  # [T, G]
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]  # [T, topk_group]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)  # [T, G]
+    expert_mask = group_mask.unsqueeze(-1).expand(-1, n_group, per_group).reshape(num_tokens, num_experts)
+    weights, ids = torch.topk(scores.masked_fill(~expert_mask.bool(), 0.0), k=top_k, dim=-1, sorted=False)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
+    """A ValueError where group-limited routing cannot run on these numbers (the kept groups must hold
+    top_k experts)."""
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(f"group-limited routing: n_group {n_group} must split the {num_experts} routed "
+                         "experts into equal groups")
+    if not 1 <= topk_group <= n_group or top_k > topk_group * (num_experts // n_group):
+        raise ValueError(f"group-limited routing: topk_group {topk_group} of {n_group} groups cannot hold "
+                         f"num_experts_per_tok {top_k} experts")
+
+
+class SoftmaxGroupRouter(nn.Module):
+    """DeepSeek-V2's router (``mlp.gate``): weight [E, H] in the model's dtype, logits in fp32 (as
+    transformers computes them); "greedy" (a softmax top-k: n_group 1) or "group_limited_greedy"
+    (route_group_limited), the weights times routed_scaling_factor."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, n_group: int,
+                 topk_group: int, routed_scaling_factor: float) -> None:
+        super().__init__()
+        check_groups(num_experts, top_k, n_group, topk_group)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=deferred_device()),
+                                   requires_grad=False)
+        self.top_k, self.renormalize = top_k, renormalize
+        self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # x: [T, H] -> (weights [T, k] fp32, ids [T, k] int64)
+        logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
+        return route_group_limited(logits, self.top_k, self.renormalize, self.n_group, self.topk_group,
+                                   self.routed_scaling_factor)
 
 
 def check_noaux_tc(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:

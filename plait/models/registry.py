@@ -36,6 +36,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "Qwen2MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("plait.models.llama", "MoeForCausalLM"),
     "Glm4MoeForCausalLM": ("plait.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("plait.models.deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("plait.models.deepseek", "DeepseekV2ForCausalLM"),
     "Mamba2ForCausalLM": ("plait.models.mamba2", "Mamba2ForCausalLM"),
     "BambaForCausalLM": ("plait.models.bamba", "BambaForCausalLM"),
     "NemotronHForCausalLM": ("plait.models.nemotron_h", "NemotronHForCausalLM"),

@@ -213,7 +213,8 @@ class ForwardBatch:
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
     attn_backend: AttentionBackend | None = None  # set by the runner
-    kv_caches: list[torch.Tensor] | None = None  # set by the runner: one [2, blocks, bs, Hkv, D] per layer
+    # set by the runner: one [2, blocks, bs, Hkv, D] per layer (MLA's: [1, blocks, bs, 1, W], KVCacheSpec)
+    kv_caches: list[torch.Tensor] | None = None
     kv_scales: list[KVScales] | None = None  # set by the runner for an FP8 cache: one per layer (None: 1.0)
     # Set by the runner for models with recurrent layers: one MambaLayerState per Mamba layer.
     recurrent_states: list | None = None
@@ -297,6 +298,15 @@ class ForwardBatch:
             q = self.attn_backend.rotate_and_store(q, k, v, cache, self, rotary, scales, qk_norm)
         return self.attn_backend.attend(q, cache, self, scale, sliding_window, kv_scales=scales,
                                         logit_softcap=logit_softcap, causal=causal, sinks=sinks)
+
+    def latent_attention(self, layer_idx: int, q: torch.Tensor, row: torch.Tensor, scale: float,
+                         value_width: int) -> torch.Tensor:
+        """MLA (DeepSeek-V2 / V3): store this step's latent rows ([T, W]: c_kv, then the rotated k_pe) for
+        layer ``layer_idx`` and attend with the absorbed queries q ([T, Hq, W]) over the one-plane cache;
+        returns [T, Hq, value_width] (AttentionBackend.attend_latent)."""
+        cache = self.kv_caches[layer_idx]
+        self.attn_backend.store_latent(row, cache, self)
+        return self.attn_backend.attend_latent(q, cache, self, scale, value_width)
 
 
 STEP_FIELDS = (

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from plait.attention.base import get_backend
+from plait.attention.base import KVCacheSpec, get_backend
 from plait.attention.fp8_kv import UNIT_SCALES, KVScales, cache_torch_dtype
 from plait.config import CPU_KV_CACHE_BYTES, EAGLE, EAGLE3, NO_CHUNK_CAP, EngineConfig, load_threads
 from plait.engine.grammar import next_token_bitmasks
@@ -251,6 +251,13 @@ class ModelRunner:
         )
         # K/V in the model's dtype, or FP8 codes with a (k, v) scale pair per layer (plait.attention.fp8_kv).
         self.kv_cache_dtype = cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        # What each attention layer caches a token: K and V of this rank's KV heads, unless the model says
+        # otherwise (MLA's one latent row: plait.models.deepseek).
+        self.kv_cache_spec: KVCacheSpec = (getattr(self.model, "kv_cache_spec", None)
+                                           or KVCacheSpec(2, self.num_kv_heads, self.model_config.head_dim))
+        if self.kv_cache_spec.planes == 1 and self.kv_cache_dtype == FP8_DTYPE:
+            raise ValueError(f"{self.model_config.architecture}: an FP8 KV cache (kv_cache_dtype='fp8') is "
+                             "not supported for multi-head latent attention (MLA); use the model's dtype")
         self.kv_scales = [KVScales(*pair) for pair in loaded.kv_scales] if loaded.kv_scales else None
         if self.kv_cache_dtype == FP8_DTYPE and self.kv_scales is None:
             self.kv_scales = [UNIT_SCALES] * self._num_kv_layers()
@@ -594,9 +601,8 @@ class ModelRunner:
     # -- memory -----------------------------------------------------------------------------
 
     def _bytes_per_block(self) -> int:
-        c = self.model_config
         elem = torch.empty((), dtype=self.kv_cache_dtype).element_size()
-        return 2 * self._num_kv_layers() * self.config.block_size * self.num_kv_heads * c.head_dim * elem
+        return self._num_kv_layers() * self.config.block_size * self.kv_cache_spec.values_per_token() * elem
 
     def _num_kv_layers(self) -> int:
         # Hybrid models keep KV only for their attention layers (each knows its cache index).
@@ -693,8 +699,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     def _allocate_kv_caches(self, num_blocks: int) -> list[torch.Tensor]:
-        c = self.model_config
-        shape = (2, num_blocks, self.config.block_size, self.num_kv_heads, c.head_dim)
+        spec = self.kv_cache_spec
+        shape = (spec.planes, num_blocks, self.config.block_size, spec.heads, spec.width)
         num_layers = self._num_kv_layers()
         return [zeroed(shape, self.kv_cache_dtype, self.device) for _ in range(num_layers)]
 

@@ -13,7 +13,7 @@ python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheu
 ENGINE_FILES="tests/test_gpu_engine.py tests/test_sleep.py tests/test_multimodal.py tests/test_lora.py
   tests/test_encoder_embeddings.py tests/test_mamba2.py tests/test_moe.py tests/test_wna16.py tests/test_fp8.py
   tests/test_fp8_kv.py tests/test_fp8_block.py tests/test_sampler.py tests/test_warmup.py tests/test_gpt_oss.py
-  tests/test_qwen2_vl.py tests/test_qwen3_vl.py tests/test_idefics3.py tests/test_gemma3_images.py"
+  tests/test_qwen2_vl.py tests/test_qwen3_vl.py tests/test_idefics3.py tests/test_gemma3_images.py tests/test_deepseek.py"
 KERNEL_FILES="tests/test_triton_kernels.py tests/test_triton_attention.py tests/test_mamba_kernels.py
   tests/test_fused_moe.py tests/test_mxfp4_moe.py tests/test_dense_kernels.py tests/test_wna16_kernels.py"
 suite() {  # suite NAME DEVICES LIMIT FILES...
@@ -26,7 +26,8 @@ suite() {  # suite NAME DEVICES LIMIT FILES...
 # half A on one GPU beside half B on the other, then the tensor-parallel file on both. SUITE_PARTS picks
 # "halves", "tensor_parallel" or both (the default), so a 600 s call can run the halves and the next the rest.
 HALF_A="tests/test_gpu_engine.py tests/test_sleep.py tests/test_encoder_embeddings.py tests/test_gpt_oss.py
-  tests/test_warmup.py tests/test_dense_kernels.py tests/test_mamba_kernels.py tests/test_triton_kernels.py"
+  tests/test_warmup.py tests/test_dense_kernels.py tests/test_mamba_kernels.py tests/test_triton_kernels.py
+  tests/test_deepseek.py"
 HALF_B="tests/test_lora.py tests/test_multimodal.py tests/test_qwen2_vl.py tests/test_qwen3_vl.py tests/test_idefics3.py tests/test_gemma3_images.py tests/test_mamba2.py tests/test_moe.py
   tests/test_wna16.py tests/test_fp8.py tests/test_fp8_kv.py tests/test_fp8_block.py tests/test_sampler.py tests/test_triton_attention.py
   tests/test_fused_moe.py tests/test_mxfp4_moe.py tests/test_wna16_kernels.py"

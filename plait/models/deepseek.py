@@ -1,0 +1,248 @@
+"""DeepSeek-V2 / V3 (multi-head latent attention over a compressed latent KV cache, DeepSeek's MoE)."""
+
+# DeepseekV2ForCausalLM: DeepSeek-V2, V2-Lite, V2.5, Coder-V2. DeepseekV3ForCausalLM: DeepSeek-V3, R1, V3.1,
+# and Kimi K2 and Moonlight, which use its architecture.
+#
+# MLA as vLLM serves it. Each token's KV is one row shared by every head: the normalised latent c_kv
+# (kv_lora_rank) and the rotated k_pe (qk_rope_head_dim), 576 values in the real models. Attention runs in
+# the weight-absorbed form: each head's q_nope goes into the latent space through kv_b_proj's K rows of that
+# head (q_nope . (W_uk c) = (W_uk^T q_nope) . c), beside its rotated q_pe, and attends as multi-query
+# attention with K = the row and V = its c_kv columns; each head's output goes back through kv_b_proj's V
+# rows, then o_proj. Prompt chunks take the same absorbed form as decodes (correct, not the fastest prefill).
+#
+# The checkpoints (V3's) also hold num_nextn_predict_layers multi-token-prediction layers, skipped at load as
+# glm4_moe skips them.
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from plait.attention.base import KVCacheSpec, Rotary
+from plait.config import (
+    DEEPSEEK_V3_ARCHITECTURE,
+    GROUP_LIMITED_ROUTER,
+    NOAUX_TC_ROUTER,
+    SOFTMAX_ROUTER,
+    ModelConfig,
+    rope_kind,
+)
+from plait.layers.linear import Linear
+from plait.layers.moe import FusedMoE, NoAuxTcRouter, SoftmaxGroupRouter
+from plait.layers.norm import RMSNorm
+from plait.layers.rotary import RotaryEmbedding, _yarn_mscale
+from plait.models.base import CausalLM
+from plait.models.glm4_moe import LAYER_INDEX
+from plait.models.llama import MLP
+from plait.models.weights import halves_order, load_checked
+from plait.runner.forward_batch import ForwardBatch
+
+# transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV2RMSNorm's default eps, not the
+# config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+# The absorbed weights are views of a 16-bit kv_b_proj; FP8 layers (a block-FP8 checkpoint such as
+# DeepSeek-V3's own release, or --quantization fp8) would need it dequantised first, which is not done yet.
+FP8_REFUSAL = ("DeepSeek-V2 / V3 (MLA) with FP8 weights (an FP8 checkpoint or --quantization fp8) is not "
+               "supported yet: serve a 16-bit checkpoint")
+# Only the MLP's gate/up are fused at load (the attention's q_proj stays itself: no k/v beside it).
+DEEPSEEK_STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
+    """1 / sqrt(qk_nope_head_dim + qk_rope_head_dim), times mscale(factor, mscale_all_dim)^2 under DeepSeek's
+    YaRN (transformers' yarn_apply_mscale): the rotary's own attention factor multiplies q_pe and k_pe only,
+    this one every score."""
+    scale = qk_head_dim**-0.5
+    if rope_kind(rope_scaling) != "default" and (rope_scaling or {}).get("mscale_all_dim"):
+        mscale = _yarn_mscale(rope_scaling["factor"], rope_scaling["mscale_all_dim"])
+        scale *= mscale * mscale
+    return scale
+
+
+def mla_dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
+    """(qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank) of a DeepSeek config."""
+    raw = cfg.raw
+    return (raw.get("qk_nope_head_dim", 128), raw.get("qk_rope_head_dim", 64), raw.get("v_head_dim", 128),
+            raw.get("kv_lora_rank", 512))
+
+
+def rope_interleaved(cfg: ModelConfig) -> bool:
+    """Whether the checkpoint's rope channels turn in adjacent pairs (GPT-J's): V2's always (transformers
+    rotates them as complex numbers), V3's unless its config sets rope_interleave false."""
+    if cfg.architecture != DEEPSEEK_V3_ARCHITECTURE:
+        return True
+    return bool(cfg.raw.get("rope_interleave", True))
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention over the one-row-per-token latent cache (module docstring)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = heads = cfg.num_attention_heads
+        self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank = mla_dims(cfg)
+        qk_dim = self.nope_dim + self.rope_dim
+        q_lora_rank = cfg.raw.get("q_lora_rank")
+        bias = cfg.attention_bias
+        if q_lora_rank:
+            self.q_a_proj = Linear(cfg.hidden_size, q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(q_lora_rank, heads * qk_dim, bias=False)
+        else:  # V2-Lite
+            self.q_proj = Linear(cfg.hidden_size, heads * qk_dim, bias=False)
+        self.q_lora = bool(q_lora_rank)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(self.kv_lora_rank, heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(heads * self.v_dim, cfg.hidden_size, bias=bias)
+        self.scale = mla_softmax_scale(qk_dim, cfg.rope_scaling)
+        # Pairs (2i, 2i + 1) read as neox halves (i, i + R / 2) before the rotation: q_pe and k_pe are
+        # permuted alike, so every score is the checkpoint's (weights.halves_order).
+        self.rope_order = halves_order(self.rope_dim, self.rope_dim) if rope_interleaved(cfg) else None
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_uk [H, nope, L], W_uv [H, v, L]): views of kv_b_proj's rows (each head's K rows, then its V
+        rows)."""
+        if not self.kv_b_proj.weight.is_floating_point() or self.kv_b_proj.weight.element_size() == 1:
+            raise ValueError(FP8_REFUSAL)
+        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+
+    def _rope_channels(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, heads, R] -> the same in neox order, contiguous (the rotary kernels want whole rows)
+        return x.contiguous() if self.rope_order is None else x[..., self.rope_order.to(x.device)]
+
+    def forward(self, x: torch.Tensor, rotary: Rotary, batch: ForwardBatch) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        num_tokens, heads = x.shape[0], self.num_heads
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
+        q_nope, q_pe = q.view(num_tokens, heads, -1).split([self.nope_dim, self.rope_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        c_kv = self.kv_a_layernorm(c_kv.contiguous())  # [T, L]
+        # q_pe: [T, H, R], k_pe: [T, 1, R], rotated at the batch's positions
+        q_pe, k_pe = rotary(batch.positions, self._rope_channels(q_pe), self._rope_channels(k_pe[:, None]))
+        w_uk, w_uv = self.absorbed_weights()
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, L]
+        q_cat = torch.cat([q_latent, q_pe], dim=-1)  # [T, H, L + R]
+        row = torch.cat([c_kv, k_pe[:, 0]], dim=-1)  # [T, L + R]: the token's cache row
+        out = batch.latent_attention(self.layer_idx, q_cat, row, self.scale, self.kv_lora_rank)  # [T, H, L]
+        out = torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2))  # [H, T, v]
+        return self.o_proj(out.transpose(0, 1).reshape(num_tokens, heads * self.v_dim))
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts on DeepSeek's router (V2: softmax greedy or group-limited greedy; V3: noaux_tc), each
+    entry's weight times routed_scaling_factor, plus the ungated shared experts (n_shared_experts x
+    moe_intermediate_size wide) on every token."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        moe = cfg.moe
+        # V2's "greedy" ignores the config's groups (as transformers does)
+        groups = (moe.n_group, moe.topk_group) if moe.router != SOFTMAX_ROUTER else (1, 1)
+        if moe.router == NOAUX_TC_ROUTER:
+            self.gate = NoAuxTcRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.renormalize, *groups,
+                                      moe.routed_scaling_factor)
+        elif moe.router in (SOFTMAX_ROUTER, GROUP_LIMITED_ROUTER):
+            self.gate = SoftmaxGroupRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.renormalize,
+                                           *groups, moe.routed_scaling_factor)
+        else:
+            raise ValueError(f"{cfg.architecture}: router {moe.router!r} is not DeepSeek's")
+        self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size,
+                                moe.renormalize, expert_range=moe.expert_range)
+        self.shared_experts = MLP(cfg, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, hidden] -> [T, hidden]
+        weights, ids = self.gate(x)  # [T, k] fp32 (routed_scaling_factor in them), [T, k]
+        out = self.experts.run_routed(x, weights, ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(cfg, layer_idx)
+        self.mlp = MLP(cfg) if layer_idx in cfg.moe.dense_layers else DeepseekMoE(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: Rotary, batch: ForwardBatch
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # x, residual: [T, hidden] -> (the MLP's output, the residual stream before it)
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm.forward_residual(x, residual)
+        attn = self.self_attn(x, rotary, batch)
+        x, residual = self.post_attention_layernorm.forward_residual(attn, residual)
+        return self.mlp(x), residual
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # The rope part of each head (and k_pe) alone turns; YaRN's attention factor is in the table.
+        self.rotary = RotaryEmbedding(mla_dims(cfg)[1], max_positions, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, batch: ForwardBatch,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        # input_ids: [T] -> hidden: [T, hidden]
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, self.rotary, batch)
+        x, _ = self.norm.forward_residual(x, residual)
+        return x
+
+
+class DeepseekV2ForCausalLM(CausalLM):
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (they differ in config only: router, rope layout). No
+    LoRA (adapters would need the absorbed weights rebuilt, and per-expert deltas); no tensor parallelism
+    (not in plait.parallel.shard's list); no FP8 KV cache (the runner refuses it for a one-plane cache)."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        if cfg.moe is None:
+            raise ValueError(f"{cfg.architecture}: the config names no routed experts (n_routed_experts)")
+        self.config = cfg
+        self.model = DeepseekModel(cfg, max_positions)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        _, rope_dim, _, kv_lora_rank = mla_dims(cfg)
+        # One latent row a token and layer, shared by every head; no separate V.
+        self.kv_cache_spec = KVCacheSpec(planes=1, heads=1, width=kv_lora_rank + rope_dim)
+
+    def checkpoint_layout(self, weights: Iterable[tuple[str, torch.Tensor]]
+                          ) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint without its MTP layers (model.layers.{N}.* for N >= num_hidden_layers)."""
+        first = self.config.num_hidden_layers
+        end = first + int(self.config.raw.get("num_nextn_predict_layers") or 0)
+        for name, tensor in weights:
+            layer = LAYER_INDEX.match(name)
+            if layer and first <= int(layer[1]) < end:
+                continue
+            yield name, tensor
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        cfg = self.config
+        self.model.layers[0].self_attn.absorbed_weights()  # refuses FP8 layers before any tensor is read
+        sizes = {"gate_up_proj": [cfg.intermediate_size] * 2}
+        if cfg.moe.shared_intermediate_size:
+            sizes["shared_experts.gate_up_proj"] = [cfg.moe.shared_intermediate_size] * 2
+
+        def rename(name: str) -> str | None:
+            if "rotary_emb.inv_freq" in name or (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                return None
+            return name
+
+        load_checked(self, weights, DEEPSEEK_STACKED, sizes, rename)

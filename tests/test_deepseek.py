@@ -1,0 +1,362 @@
+"""DeepSeek-V2 / V3 (MLA over the latent cache, DeepSeek's MoE) against transformers, fp32 on CPU."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from conftest import TINY_VOCAB, assert_engines_agree, assert_greedy_matches_hf, random_prompts
+
+from plait.config import GROUP_LIMITED_ROUTER, NOAUX_TC_ROUTER, SOFTMAX_ROUTER, EngineConfig, ModelConfig
+from plait.engine.engine import LLMEngine
+from plait.layers.moe import NoAuxTcRouter, SoftmaxGroupRouter, route_group_limited
+from plait.sampling_params import SamplingParams
+
+LOGITS_ATOL = 1e-4
+MAX_TOKENS = 6
+WEIGHT_SCALE = 4.0  # clear argmax winners (as test_glm4_moe)
+ROUTER_STD = 0.25  # router logits of std ~2: softmax / sigmoid scores spread, not saturated
+BIAS_STD = 0.3  # noaux_tc's correction bias: large enough to move expert choices
+# The tiny MLA: latent 32 + rope 16 = a 48-wide cache row (the Triton kernel's rope dot needs 16 columns); 4
+# heads of 16 nope + 16 rope query channels and 12 value channels.
+KV_LORA_RANK, ROPE_DIM, NOPE_DIM, V_DIM, HEADS, LAYERS = 32, 16, 16, 12, 4, 3
+ROW_WIDTH = KV_LORA_RANK + ROPE_DIM
+# DeepSeek's YaRN (as V3's config, with mscale != mscale_all_dim so both the rotary's attention factor and
+# the softmax scale's mscale^2 differ from 1).
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.7, "rope_theta": 10000.0}
+VARIANTS = ("v2_lite", "v2_q_lora_grouped", "v3_yarn")
+STEP = {"max_num_batched_tokens": 40, "block_size": 8}  # prompts chunked over steps beside decodes
+
+
+def _config(variant: str):
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    common = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=LAYERS,
+                  num_attention_heads=HEADS, vocab_size=TINY_VOCAB, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=None, kv_lora_rank=KV_LORA_RANK,
+                  qk_nope_head_dim=NOPE_DIM, qk_rope_head_dim=ROPE_DIM, v_head_dim=V_DIM, n_routed_experts=8,
+                  num_experts_per_tok=3, first_k_dense_replace=1, tie_word_embeddings=False)
+    if variant == "v2_lite":  # q_proj, the softmax greedy router, 2 shared experts
+        return DeepseekV2Config(**common, q_lora_rank=None, n_shared_experts=2, topk_method="greedy",
+                                routed_scaling_factor=1.5)
+    if variant == "v2_q_lora_grouped":  # q_a_proj / q_a_layernorm / q_b_proj, group-limited greedy
+        return DeepseekV2Config(**common, q_lora_rank=24, n_shared_experts=1,
+                                topk_method=GROUP_LIMITED_ROUTER, n_group=4, topk_group=2,
+                                routed_scaling_factor=2.0)
+    return DeepseekV3Config(**common, q_lora_rank=24, n_shared_experts=1, n_group=4, topk_group=2,
+                            norm_topk_prob=True, routed_scaling_factor=2.5, rope_parameters=dict(YARN),
+                            rope_interleave=True, num_nextn_predict_layers=1)
+
+
+def _mtp_tensors(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
+    """A stand-in for V3's MTP layer (model.layers.{num_hidden_layers}.*): the last layer's tensors under its
+    number, and the MTP head's own."""
+    last, mtp = f"model.layers.{cfg.num_hidden_layers - 1}.", f"model.layers.{cfg.num_hidden_layers}."
+    out = {mtp + k[len(last):]: v.clone() for k, v in state.items() if k.startswith(last)}
+    h = cfg.hidden_size
+    out.update({f"{mtp}eh_proj.weight": torch.randn(h, 2 * h), f"{mtp}enorm.weight": torch.ones(h),
+                f"{mtp}hnorm.weight": torch.ones(h), f"{mtp}shared_head.norm.weight": torch.ones(h)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def deepseek_models(tmp_path_factory) -> dict[str, tuple]:
+    """variant -> (folder of a tiny random hub-layout checkpoint, transformers' model)."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+    for i, variant in enumerate(VARIANTS):
+        torch.manual_seed(4000 + i)
+        cfg = _config(variant)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    p.normal_(0.0, ROUTER_STD)
+                elif "norm" not in name:
+                    p.mul_(WEIGHT_SCALE)
+                else:  # the norms' weights away from 1, so that a missed norm shows
+                    p.uniform_(0.5, 1.5)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(0.0, BIAS_STD)
+        folder = tmp_path_factory.mktemp(f"tiny-deepseek-{variant}")
+        model.save_pretrained(folder)
+        if variant == "v3_yarn":
+            path = folder / "model.safetensors"
+            tensors = load_file(path)
+            save_file(tensors | _mtp_tensors(tensors, cfg), path, metadata={"format": "pt"})
+        models[variant] = (folder, model)
+    return models
+
+
+def _engine(folder, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model=str(folder), **(STEP | kw)))
+
+
+def test_config_reads_deepseek(deepseek_models):
+    read = {v: ModelConfig.from_hf(json.loads((deepseek_models[v][0] / "config.json").read_text()))
+            for v in VARIANTS}
+    v2, grouped, v3 = (read[v].moe for v in VARIANTS)
+    assert (v2.router, v2.renormalize, v2.routed_scaling_factor) == (SOFTMAX_ROUTER, False, 1.5)
+    assert v2.shared_intermediate_size == 64 and v2.dense_layers == (0,) and not v2.shared_expert_gated
+    assert (grouped.router, grouped.n_group, grouped.topk_group) == (GROUP_LIMITED_ROUTER, 4, 2)
+    assert (v3.router, v3.renormalize, v3.routed_scaling_factor) == (NOAUX_TC_ROUTER, True, 2.5)
+    assert read["v3_yarn"].rope_scaling["mscale_all_dim"] == 0.7
+    # moe_layer_freq (DeepSeek's own code and vLLM; transformers ignores it): layers it does not divide dense
+    raw = json.loads((deepseek_models["v2_lite"][0] / "config.json").read_text())
+    freq = ModelConfig.from_hf(raw | {"num_hidden_layers": 6, "moe_layer_freq": 2}).moe
+    assert freq.dense_layers == (0, 1, 3, 5)
+    with pytest.raises(ValueError, match="topk_method 'sparse' is not supported"):
+        ModelConfig.from_hf(raw | {"topk_method": "sparse"})
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_logits_and_greedy_match_hf(deepseek_models, variant):
+    """Prompts chunked over steps (a 40-token budget) beside decodes; V3's MTP layer skipped at load."""
+    folder, hf = deepseek_models[variant]
+    engine = _engine(folder)
+    layers = engine.runner.model.model.layers
+    assert len(layers) == LAYERS
+    gate = layers[1].mlp.gate
+    assert isinstance(gate, NoAuxTcRouter if variant == "v3_yarn" else SoftmaxGroupRouter)
+    assert hasattr(layers[0].self_attn, "q_proj") == (variant == "v2_lite")
+    assert_greedy_matches_hf(engine, hf, random_prompts(5, 1, 60, seed=31), MAX_TOKENS, LOGITS_ATOL, variant)
+
+
+def test_cache_holds_one_latent_row_per_token(deepseek_models):
+    """Each layer's cache is one plane of one kv_lora_rank + qk_rope_head_dim row a token, shared by the
+    heads; the pool is sized by it (bytes per token), and a token's row is its normalised c_kv, then k_pe."""
+    folder, hf = deepseek_models["v2_lite"]
+    engine = _engine(folder, num_kv_blocks=16)
+    runner = engine.runner
+    assert len(runner.kv_caches) == LAYERS
+    for cache in runner.kv_caches:
+        assert cache.shape == (1, 16, 8, 1, ROW_WIDTH)
+    fp32 = 4
+    assert runner._bytes_per_block() == LAYERS * 8 * ROW_WIDTH * fp32
+    prompt = random_prompts(1, 5, 5, seed=2)[0]
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+    engine.step()  # the prompt's rows are in the cache once its first step ran
+    (request,) = engine.scheduler.running
+    table = list(request.block_ids)
+    with torch.no_grad():
+        attn = hf.model.layers[0].self_attn
+        x = hf.model.layers[0].input_layernorm(hf.model.embed_tokens(torch.tensor(prompt)))
+        c_kv = attn.kv_a_layernorm(attn.kv_a_proj_with_mqa(x)[:, :KV_LORA_RANK])
+    rows = runner.kv_caches[0][0, table[0], : len(prompt), 0]  # [5, 40]
+    torch.testing.assert_close(rows[:, :KV_LORA_RANK], c_kv, atol=1e-5, rtol=0)
+
+
+def test_prefix_cache_hit(deepseek_models):
+    """A prompt that shares its first blocks with an earlier one reads their latent rows from the cache and
+    answers as transformers does."""
+    folder, hf = deepseek_models["v3_yarn"]
+    engine = _engine(folder, enable_prefix_caching=True)
+    base = random_prompts(1, 33, 33, seed=5)[0]
+    assert_greedy_matches_hf(engine, hf, [base], 3, LOGITS_ATOL)
+    hits = engine.kv_cache.stats.hits
+    assert_greedy_matches_hf(engine, hf, [base[:32] + [7, 8, 9]], 4, LOGITS_ATOL)
+    assert engine.kv_cache.stats.hits - hits == 32
+
+
+def test_preempted_requests_recompute(deepseek_models):
+    """A KV pool too small for every request at once preempts some; each recomputes its rows and answers
+    as transformers does."""
+    from conftest import hf_greedy_reference
+
+    from plait.entrypoints.llm import LLM
+
+    folder, hf = deepseek_models["v2_q_lora_grouped"]
+    prompts = random_prompts(4, 20, 30, seed=9)
+    llm = LLM(str(folder), dtype="float32", block_size=8, num_kv_blocks=13, max_num_batched_tokens=32,
+              enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert sum(o.metrics["num_preemptions"] for o in outs) > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert list(out.outputs[0].token_ids) == hf_greedy_reference(hf, prompt, [], 16)[0]
+
+
+def test_stacked_expert_names_load(deepseek_models, tmp_path):
+    """transformers 5's in-memory layout (experts stacked: mlp.experts.gate_up_proj / down_proj) loads as the
+    hub's per-expert tensors do."""
+    from safetensors.torch import load_file, save_file
+
+    folder, _ = deepseek_models["v2_lite"]
+    tensors = load_file(folder / "model.safetensors")
+    stacked = {k: v for k, v in tensors.items() if ".experts." not in k}
+    for layer in range(1, LAYERS):
+        prefix = f"model.layers.{layer}.mlp.experts"
+        per = [(tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"],
+                tensors[f"{prefix}.{e}.down_proj.weight"]) for e in range(8)]
+        stacked[f"{prefix}.gate_up_proj"] = torch.stack([torch.cat([g, u]) for g, u, _ in per])
+        stacked[f"{prefix}.down_proj"] = torch.stack([d for _, _, d in per])
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+    save_file(stacked, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    assert_engines_agree(_engine(tmp_path), _engine(folder), random_prompts(2, 3, 20, seed=12), 4)
+
+
+@pytest.mark.parametrize(("num_experts", "top_k", "n_group", "topk_group", "method"), [
+    (16, 4, 4, 2, GROUP_LIMITED_ROUTER), (8, 3, 4, 2, GROUP_LIMITED_ROUTER), (12, 2, 1, 1, "greedy")])
+def test_v2_router_is_transformers_router(num_experts, top_k, n_group, topk_group, method):
+    """route_group_limited and transformers' DeepseekV2TopkRouter on the same weights: the same experts with
+    the same weights (as sets: both take unsorted top-k)."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    g = torch.Generator().manual_seed(num_experts + top_k)
+    cfg = DeepseekV2Config(hidden_size=16, num_attention_heads=2, n_routed_experts=num_experts,
+                           num_experts_per_tok=top_k, n_group=n_group, topk_group=topk_group,
+                           topk_method=method, routed_scaling_factor=1.7)
+    hf = DeepseekV2TopkRouter(cfg)
+    weight = torch.randn(num_experts, 16, generator=g)
+    with torch.no_grad():
+        hf.weight.copy_(weight)
+    x = torch.randn(64, 16, generator=g)
+    with torch.no_grad():
+        _, want_weights, want_ids = hf(x)
+    weights, ids = route_group_limited(x @ weight.t(), top_k, False, n_group, topk_group, 1.7)
+    order, want_order = ids.sort(dim=-1), want_ids.sort(dim=-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), want_weights.gather(1, want_order.indices),
+                               rtol=0, atol=1e-6)
+
+
+def test_refusals(deepseek_models):
+    folder, _ = deepseek_models["v2_lite"]
+    with pytest.raises(ValueError, match="LoRA is not supported"):
+        _engine(folder, enable_lora=True)
+    with pytest.raises(ValueError, match="FP8 KV cache .* multi-head latent attention"):
+        _engine(folder, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM"):
+        _engine(folder, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="MLA.* with FP8 weights .* not supported"):
+        _engine(folder, quantization="fp8")
+
+
+def test_through_the_triton_kernels_matches_hf(deepseek_models, monkeypatch):
+    """The GPU path's kernels (Triton's interpreter on CPU, fp32): the absorbed queries attend in
+    paged_attention over the latent rows, chunked prompts beside decodes; greedy tokens and logits as HF's."""
+    from plait.kernels import dispatch, paged_attention
+
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", True)
+    calls = []
+    kernel = paged_attention.paged_attention
+
+    def counted(q, k_cache, v_cache, *args, **kwargs):
+        calls.append((q.shape[-1], k_cache.shape[-1], v_cache.shape[-1]))
+        return kernel(q, k_cache, v_cache, *args, **kwargs)
+
+    monkeypatch.setattr("plait.attention.triton_backend.paged_attention", counted)
+    folder, hf = deepseek_models["v3_yarn"]
+    engine = _engine(folder, max_num_batched_tokens=16, attention_backend="triton")
+    assert_greedy_matches_hf(engine, hf, random_prompts(2, 5, 20, seed=22), 3, LOGITS_ATOL)
+    assert set(calls) == {(ROW_WIDTH, ROW_WIDTH, KV_LORA_RANK)}
+
+
+# ---- The MLA kernel against torch_ref ---------------------------------------------------------------------
+
+HAS_CUDA = torch.cuda.is_available()
+# Every kind of row (block_size 4): first chunks, a chunk over context crossing blocks, decodes, a one-token
+# prompt, rows without tokens this step, a chunk spanning several query tiles.
+MIXED_ROWS = [(0, 5), (7, 4), (9, 1), (0, 1), (3, 1), (5, 0), (2, 23), (0, 0), (37, 1)]
+DECODE_ROWS = [(9, 1), (0, 1), (30, 1), (5, 0), (61, 1)]
+
+
+def _latent_batch(rows, block_size: int, heads: int, latent: int, rope: int, dtype: torch.dtype,
+                  device: torch.device, seed: int):
+    """(q [T, H, L + R], clean cache, cache with every slot no row may read NaN [blocks, bs, 1, L + R],
+    query_start_loc, seq_lens, block_tables, max_query_len, max_seq_len); blocks shuffled over the pool."""
+    from plait.engine.kv_cache import PAD_BLOCK_ID, cdiv
+
+    g = torch.Generator().manual_seed(seed)
+    per_row = [cdiv(c + n, block_size) for c, n in rows]
+    num_blocks = 1 + sum(per_row) + 2
+    pool = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    width = max(per_row) + 1
+    tables = []
+    for k in per_row:
+        tables.append(pool[:k] + [PAD_BLOCK_ID] * (width - k))
+        pool = pool[k:]
+    cache = torch.randn(num_blocks, block_size, 1, latent + rope, generator=g).to(dtype)
+    live = torch.zeros(num_blocks * block_size, dtype=torch.bool)
+    for (c, n), table in zip(rows, tables, strict=True):
+        pos = torch.arange(c + n)
+        live[torch.tensor(table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size] = True
+    poisoned = cache.clone()
+    poisoned.view(-1, latent + rope)[~live] = float("nan")
+    qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor([n for _, n in rows]).cumsum(0)
+    q = torch.randn(int(qsl[-1]), heads, latent + rope, generator=g).to(dtype)
+    seq_lens = torch.tensor([c + n for c, n in rows], dtype=torch.int32)
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    tensors = [t.to(device) for t in (q, cache, poisoned, qsl, seq_lens, block_tables)]
+    return (*tensors, max(n for _, n in rows), max(c + n for c, n in rows))
+
+
+def _check_mla_kernel(rows, block_size, heads, latent, rope, dtype, device, seed, splits=None, atol=2e-5):
+    from plait.kernels.paged_attention import mla_cache_views, paged_attention, paged_attention_ref
+
+    q, cache, poisoned, qsl, seq_lens, tables, max_q, max_s = _latent_batch(
+        rows, block_size, heads, latent, rope, dtype, device, seed)
+    scale = (latent + rope) ** -0.5
+    k, v = mla_cache_views(poisoned, heads, latent)
+    out = torch.full((q.shape[0], heads, latent), float("nan"), dtype=dtype, device=device)
+    paged_attention(q, k, v, out, qsl, seq_lens, tables, scale, max_q, max_s, num_kv_splits=splits)
+    clean = cache.float()
+    want, _ = paged_attention_ref(q.float(), clean, clean[..., :latent], qsl, seq_lens, tables, scale)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), want, atol=atol, rtol=atol)
+
+
+@pytest.mark.parametrize(("rows", "heads", "latent", "dtype", "splits"), [
+    (MIXED_ROWS, 4, 32, torch.float32, None),
+    (MIXED_ROWS, 32, 64, torch.float32, 1),  # two programs of 16 heads over the one latent head
+    (DECODE_ROWS, 32, 32, torch.float32, 3),  # split-KV, the last split merging
+    (MIXED_ROWS, 16, 32, torch.float16, None),
+], ids=["mixed-4h", "mixed-32h", "decodes-split", "mixed-fp16"])
+def test_mla_kernel_matches_torch_ref(rows, heads, latent, dtype, splits):
+    """paged_attention over MLA's latent rows (K = the row, V = its latent columns, a view; the rope part
+    dotted apart) against torch_ref's fp32 attention with K and V apart, every row kind in one batch; the
+    slots no row may read hold NaN."""
+    _check_mla_kernel(rows, 4, heads, latent, 16, dtype, torch.device("cpu"), seed=heads + latent,
+                      splits=splits, atol=2e-5 if dtype == torch.float32 else 3e-3)
+
+
+def _gpu(test):
+    return pytest.mark.gpu(pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")(test))
+
+
+@_gpu
+@pytest.mark.parametrize("case", range(6))
+def test_mla_kernel_matches_torch_ref_on_gpu(case):
+    """DeepSeek's real widths (latent 512, rope 64) in bf16 on CUDA: V2-Lite's 16 heads and V3's 128, random
+    rows of every kind (contexts up to 4k), decode-only batches (split-KV) among them."""
+    rng = random.Random(case)
+    decode_only = case % 2 == 1
+    rows = [(rng.randint(0, 4096), 1) if decode_only or rng.random() < 0.5 else
+            (rng.randint(0, 1024), rng.randint(1, 300)) for _ in range(rng.choice([1, 3, 17, 64]))]
+    _check_mla_kernel(rows, [16, 64][case % 2], [16, 128][case // 3], 512, 64, torch.bfloat16,
+                      torch.device("cuda"), seed=case, atol=2e-2)
+
+
+@_gpu
+def test_gpu_matches_cpu_fp32(deepseek_models):
+    """The tiny V3 (noaux_tc, YaRN) on the GPU engine (Triton attention over the latent cache, CUDA graphs)
+    against the CPU engine, fp32: the same greedy tokens, prompts chunked beside decodes."""
+    from plait.entrypoints.llm import LLM
+
+    folder, _ = deepseek_models["v3_yarn"]
+    prompts = [{"prompt_token_ids": p} for p in random_prompts(6, 3, 60, seed=41)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    cpu = LLM(str(folder), dtype="float32", device="cpu", enable_prefix_caching=False)
+    want = [o.outputs[0].token_ids for o in cpu.generate(prompts, params, use_tqdm=False)]
+    llm = LLM(str(folder), dtype="float32", max_num_batched_tokens=24, enable_prefix_caching=False)
+    assert llm.engine.runner.attn_backend.name == "triton"
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert got == want
