@@ -367,7 +367,8 @@ def run_greedy(engine, prompts: list[list[int]], max_tokens: int, arrive_every: 
             out = collect(step)
             for k, s in enumerate(out.sampled):
                 if not s.request.is_finished:  # an overlapped step's row for a finished request
-                    logits[int(s.request.request_id.split("-")[1])].append(out.logits[k].clone())
+                    # On the CPU even from a GPU engine: the HF references are there.
+                    logits[int(s.request.request_id.split("-")[1])].append(out.logits[k].cpu().clone())
             return out
 
         engine.runner.collect = capturing
