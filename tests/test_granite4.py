@@ -29,6 +29,17 @@ HUB_CONFIG = Path(__file__).resolve().parents[1] / "benchmarks/configs/granite-4
 HUB_LAYER_NAMES = {"linear_attention": "mamba", "full_attention": "attention"}
 
 
+def _mamba_groups() -> int:
+    """Two Mamba groups where transformers normalises the gated output per group, as vLLM and Granite 4 do
+    (transformers 5.23); transformers 5.17 (the GPU image's) normalised over all groups at once, which equals
+    per-group only for one group, as every Granite 4.0 checkpoint has."""
+    import inspect
+
+    from transformers.models.granitemoehybrid import modeling_granitemoehybrid as hf
+
+    return 2 if "group_size" in inspect.signature(hf.GraniteMoeHybridRMSNormGated.__init__).parameters else 1
+
+
 def _configs() -> dict:
     from transformers import GraniteMoeHybridConfig
 
@@ -40,9 +51,10 @@ def _configs() -> dict:
                   bos_token_id=1, eos_token_id=2, pad_token_id=0, **MULTIPLIERS)
     return {
         # h-tiny's shape: MoE (4 experts, 2 a token) beside the shared MLP, one attention layer of four, no
-        # positions; two Mamba groups.
+        # positions; two Mamba groups (see _mamba_groups).
         "h-tiny": GraniteMoeHybridConfig(**common, shared_intermediate_size=48, num_local_experts=4,
-                                         num_experts_per_tok=2, num_hidden_layers=4, mamba_n_groups=2,
+                                         num_experts_per_tok=2, num_hidden_layers=4,
+                                         mamba_n_groups=_mamba_groups(),
                                          layer_types=["mamba", "mamba", "attention", "mamba"],
                                          position_embedding_type="nope"),
         # h-micro's: no experts, the shared MLP is the layer's MLP.
