@@ -43,7 +43,8 @@ if has bench; then (
 if has granite4; then (
   part granite4 1 $LIMIT tests/test_granite4.py
   CUDA_VISIBLE_DEVICES=1 timeout -s INT $BENCH_LIMIT python3 benchmarks/hybrid_throughput.py \
-    --config benchmarks/configs/granite-4.0-h-tiny --out $OUT/granite4_h_tiny_throughput_h200.json \
+    --config benchmarks/configs/granite-4.0-h-tiny --workloads $SHARED \
+    --out $OUT/granite4_h_tiny_throughput_h200.json \
     > $OUT/granite4_h_tiny_throughput.log 2>&1
   echo "== granite-4.0-h-tiny throughput: rc $? $(tail -2 $OUT/granite4_h_tiny_throughput.log | tr '\n' ' ')"
 ) & fi
