@@ -546,10 +546,13 @@ def _expect(tensor: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
 
 
 # Families whose GPTQ / AWQ checkpoints plait refuses by name: the recurrent models (their Mamba projections
-# load under names of their own). Sparse MoE families (Mixtral, Qwen2-MoE, Qwen3-MoE) load: their routed
-# experts are integer FusedMoE stacks (FusedMoE.use_integer), the rest WNA16Linear layers.
+# load under names of their own) and Granite MoE (its experts are stacked tensors, input_linear /
+# output_linear, which no integer checkpoint layout plait reads packs). Sparse MoE families (Mixtral,
+# Qwen2-MoE, Qwen3-MoE) load: their routed experts are integer FusedMoE stacks (FusedMoE.use_integer), the
+# rest WNA16Linear layers.
 REFUSED_ARCHITECTURES = frozenset({"Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
-                                   "GraniteMoeHybridForCausalLM"})
+                                   "GraniteMoeHybridForCausalLM", "GraniteMoeForCausalLM",
+                                   "GraniteMoeSharedForCausalLM"})
 
 
 def check_method(spec: WNA16Spec, flag: str | None, architecture: str) -> None:
