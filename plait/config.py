@@ -1107,7 +1107,9 @@ class ModelConfig:
             num_attention_heads=heads,
             num_key_value_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_epsilon", 1e-6)),
+            # The decoder norms' eps: RMSNorm's, Cohere's LayerNorm's (layer_norm_eps) or NemotronH's.
+            rms_norm_eps=cfg.get("rms_norm_eps", cfg.get("layer_norm_eps", cfg.get("layer_norm_epsilon",
+                                                                                   1e-6))),
             rope_theta=float(rope_theta or 10000.0),
             max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

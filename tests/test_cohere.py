@@ -13,7 +13,7 @@ import pytest
 import torch
 from conftest import TINY_VOCAB, assert_greedy_matches_hf, random_prompts
 
-from plait.config import EngineConfig
+from plait.config import EngineConfig, ModelConfig
 from plait.engine.engine import LLMEngine
 
 LOGITS_ATOL = 1e-4
@@ -139,3 +139,15 @@ def test_lora_is_refused_by_name(cohere_models):
     """Adapters' q/k rows would need the checkpoint's paired-rotary reordering: refused before serving."""
     with pytest.raises(ValueError, match="LoRA is not supported for CohereForCausalLM"):
         LLMEngine(EngineConfig(model=str(cohere_models["cohere"]), enable_lora=True))
+
+
+def test_config_and_layers_read_layer_norm_eps(cohere_models):
+    """Cohere names its norms' eps layer_norm_eps: ModelConfig's eps and every LayerNorm take it (it once read
+    1e-6 there while the layers read the right key)."""
+    folder = cohere_models["cohere"]
+    raw = json.loads((folder / "config.json").read_text())
+    cfg = ModelConfig.from_hf({**raw, "layer_norm_eps": 3e-4})
+    assert cfg.rms_norm_eps == 3e-4
+    engine = LLMEngine(EngineConfig(model=str(folder), load_format="dummy", device="cpu", dtype="float32"))
+    eps = {m.eps for m in engine.runner.model.modules() if type(m).__name__ == "CohereLayerNorm"}
+    assert eps == {raw["layer_norm_eps"]}

@@ -26,15 +26,8 @@ from plait.runner.forward_batch import ForwardBatch
 
 # transformers' defaults (CohereConfig / Cohere2Config), which ModelConfig.from_hf fills in where a config
 # leaves them out (COMPLETED_CONFIGS); Cohere2's default pattern: every fourth layer global.
-DEFAULT_EPS = 1e-5
 DEFAULT_LOGIT_SCALE = 0.0625
 DEFAULT_SLIDING_PATTERN = 4
-
-
-def layer_norm_eps(cfg: ModelConfig) -> float:
-    """The LayerNorms' eps: Cohere's configs name it layer_norm_eps (ModelConfig.rms_norm_eps reads other
-    keys)."""
-    return float(cfg.raw.get("layer_norm_eps") or DEFAULT_EPS)
 
 
 class CohereAttention(Attention):
@@ -43,7 +36,7 @@ class CohereAttention(Attention):
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, sliding: bool) -> None:
         super().__init__(cfg, layer_idx)
-        eps = layer_norm_eps(cfg)
+        eps = cfg.rms_norm_eps
         if cfg.raw.get("use_qk_norm"):
             # [heads, head_dim] weights: each head's row normalised with its own (so a tensor-parallel rank
             # holds its heads' rows: plait.parallel.shard).
@@ -74,7 +67,7 @@ class CohereDecoderLayer(nn.Module):
         self.kind = kind
         self.self_attn = CohereAttention(cfg, layer_idx, sliding=kind == SLIDING)
         self.mlp = MLP(cfg)
-        self.input_layernorm = CohereLayerNorm(cfg.hidden_size, layer_norm_eps(cfg))
+        self.input_layernorm = CohereLayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rotary: Rotary | None, batch: ForwardBatch) -> torch.Tensor:
         # x: the residual stream [T, hidden] -> the stream after this layer
@@ -88,7 +81,7 @@ class CohereModel(nn.Module):
         kinds = self.layer_kinds(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(CohereDecoderLayer(cfg, i, kind) for i, kind in enumerate(kinds))
-        self.norm = CohereLayerNorm(cfg.hidden_size, layer_norm_eps(cfg))
+        self.norm = CohereLayerNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The rotary of each kind of layer that rotates (a module, so sleep parks its table); a kind missing
         # here attends without positions.
         rotary = rotary_embedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
