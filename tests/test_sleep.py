@@ -75,6 +75,23 @@ def test_level_2_drops_the_weights_for_load_weights_to_replace(tiny_llama, promp
     assert _answers(llm, prompts) == want
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "olmo3"])
+def test_each_layer_kinds_rotary_table_is_parked_too(tiny_models, prompts, family):
+    """Models with a rotary per layer kind (sliding, global) hold them as submodules, so level 1 parks their
+    tables with the weights (they once stayed on the device, out of the walk's sight) and wakes to the same
+    answers."""
+    from plait.layers.rotary import RotaryEmbedding
+
+    llm = LLM(str(tiny_models[family]), **KNOBS)
+    before = _answers(llm, prompts)
+    tables = [m.cos_sin for m in llm.engine.runner.model.modules() if isinstance(m, RotaryEmbedding)]
+    assert len(tables) >= 2
+    llm.sleep(1)
+    assert all(t.untyped_storage().size() == 0 for t in tables)
+    llm.wake_up()
+    assert _answers(llm, prompts) == before
+
+
 def test_a_deeper_sleep_drops_what_a_lighter_one_parked(tiny_llama, prompts):
     llm = LLM(str(tiny_llama), **KNOBS)
     llm.sleep(1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from torch import nn
+
 from plait.config import rope_kind
 from plait.layers.rotary import RotaryEmbedding
 
@@ -57,8 +59,8 @@ def layer_ropes(raw: dict, global_theta: float, local_theta: float) -> dict[str,
     return {FULL: full, SLIDING: full if local is None else LayerRope(float(local), None)}
 
 
-def kind_rotaries(ropes: dict[str, LayerRope], head_dim: int, max_positions: int
-                  ) -> dict[str, RotaryEmbedding]:
-    """Each layer kind's rotary table."""
-    return {kind: RotaryEmbedding(head_dim, max_positions, rope.theta, rope.scaling)
-            for kind, rope in ropes.items()}
+def kind_rotaries(ropes: dict[str, LayerRope], head_dim: int, max_positions: int) -> nn.ModuleDict:
+    """Each layer kind's rotary table, as submodules of the model that holds them: what walks its modules
+    (sleep mode parking its tensors, moves between devices) finds the tables."""
+    return nn.ModuleDict({kind: RotaryEmbedding(head_dim, max_positions, rope.theta, rope.scaling)
+                          for kind, rope in ropes.items()})
