@@ -233,8 +233,6 @@ def test_refusals(deepseek_models):
         _engine(folder, enable_lora=True)
     with pytest.raises(ValueError, match="FP8 KV cache .* multi-head latent attention"):
         _engine(folder, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM"):
-        _engine(folder, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="MLA.* with FP8 weights .* not supported"):
         _engine(folder, quantization="fp8")
 
@@ -360,3 +358,35 @@ def test_gpu_matches_cpu_fp32(deepseek_models):
     assert llm.engine.runner.attn_backend.name == "triton"
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+# ---- Across ranks -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("variant", "expert_parallel"), [
+    ("v2_lite", False), ("v2_q_lora_grouped", True), ("v3_yarn", False), ("v3_yarn", True)],
+    ids=["v2-lite-width", "v2-q-lora-whole-experts", "v3-width", "v3-whole-experts"])
+def test_two_ranks_match_hf(deepseek_models, variant, expert_parallel):
+    """Over two gloo ranks: two heads each (their query and kv_b_proj rows, so their own absorbed W_UK /
+    W_UV, and o_proj's columns, summed), the latent projections and norms whole on both, so each rank's
+    cache holds the same one latent row a token; the routed experts split by width (or half of them whole on
+    each rank), the shared experts and the dense layer by width, the router replicated. Transformers' tokens
+    and logits, prompts chunked beside decodes; V3's MTP layer skipped before any rank slices it."""
+    folder, hf = deepseek_models[variant]
+    engine = _engine(folder, max_num_batched_tokens=48, tensor_parallel_size=2,
+                     enable_expert_parallel=expert_parallel)
+    try:
+        runner = engine.runner
+        attn = runner.model.model.layers[0].self_attn
+        assert attn.num_heads == HEADS // 2
+        assert attn.kv_b_proj.weight.shape == (HEADS // 2 * (NOPE_DIM + V_DIM), KV_LORA_RANK)
+        assert attn.kv_a_proj_with_mqa.weight.shape == (ROW_WIDTH, 64)
+        assert attn.o_proj.weight.shape == (64, HEADS // 2 * V_DIM)
+        assert runner.kv_caches[0].shape[-2:] == (1, ROW_WIDTH)
+        block = runner.model.model.layers[1].mlp
+        assert block.experts.num_experts == (4 if expert_parallel else 8)
+        assert block.experts.intermediate_size == (32 if expert_parallel else 16)
+        assert block.gate.weight.shape == (8, 64)
+        assert_greedy_matches_hf(engine, hf, random_prompts(3, 1, 40, seed=23), MAX_TOKENS, LOGITS_ATOL,
+                                 variant)
+    finally:
+        engine.shutdown()

@@ -10,6 +10,11 @@
 # attention with K = the row and V = its c_kv columns; each head's output goes back through kv_b_proj's V
 # rows, then o_proj. Prompt chunks take the same absorbed form as decodes (correct, not the fastest prefill).
 #
+# Across tensor-parallel ranks (plait.parallel.shard, as vLLM): each rank holds its share of the heads (their
+# query and kv_b_proj rows, so its absorbed W_uk / W_uv are its heads' alone; o_proj's columns, summed over
+# the ranks), and the whole latent side (q_a_proj, kv_a_proj_with_mqa and their norms), so every rank caches
+# the same one latent row a token for its own heads. The MoE splits as GLM-4.5's.
+#
 # The checkpoints (V3's) also hold num_nextn_predict_layers multi-token-prediction layers, skipped at load as
 # glm4_moe skips them.
 
@@ -27,6 +32,7 @@ from plait.config import (
     NOAUX_TC_ROUTER,
     SOFTMAX_ROUTER,
     ModelConfig,
+    mla_dims,
     rope_kind,
 )
 from plait.layers.linear import Linear
@@ -59,13 +65,6 @@ def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
         mscale = _yarn_mscale(rope_scaling["factor"], rope_scaling["mscale_all_dim"])
         scale *= mscale * mscale
     return scale
-
-
-def mla_dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
-    """(qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank) of a DeepSeek config."""
-    raw = cfg.raw
-    return (raw.get("qk_nope_head_dim", 128), raw.get("qk_rope_head_dim", 64), raw.get("v_head_dim", 128),
-            raw.get("kv_lora_rank", 512))
 
 
 def rope_interleaved(cfg: ModelConfig) -> bool:
@@ -206,8 +205,8 @@ class DeepseekModel(nn.Module):
 
 class DeepseekV2ForCausalLM(CausalLM):
     """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (they differ in config only: router, rope layout). No
-    LoRA (adapters would need the absorbed weights rebuilt, and per-expert deltas); no tensor parallelism
-    (not in plait.parallel.shard's list); no FP8 KV cache (the runner refuses it for a one-plane cache)."""
+    LoRA (adapters would need the absorbed weights rebuilt, and per-expert deltas); no FP8 KV cache (the
+    runner refuses it for a one-plane cache)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
