@@ -233,8 +233,6 @@ def test_refusals(deepseek_models):
         _engine(folder, enable_lora=True)
     with pytest.raises(ValueError, match="FP8 KV cache .* multi-head latent attention"):
         _engine(folder, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="MLA.* with FP8 weights .* not supported"):
-        _engine(folder, quantization="fp8")
 
 
 def test_through_the_triton_kernels_matches_hf(deepseek_models, monkeypatch):
@@ -390,3 +388,76 @@ def test_two_ranks_match_hf(deepseek_models, variant, expert_parallel):
                                  variant)
     finally:
         engine.shutdown()
+
+
+# ---- FP8 weights ------------------------------------------------------------------------------------------
+
+# Every linear DeepSeek-V3's FP8 release quantises: attention's (the latent side too) and the MLPs' and
+# experts'; the routers and the lm_head stay 16-bit.
+MLA_FP8_LINEARS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                   "up_proj", "down_proj")
+
+
+def test_a_block_fp8_checkpoint_is_the_model_with_its_tiles(deepseek_models, tmp_path):
+    """DeepSeek-V3's own kind of checkpoint (quant_method fp8, weight_block_size, weight_scale_inv per tile,
+    no modules_to_not_convert): every linear a block-FP8 layer holding the checkpoint's codes, the absorbed
+    W_uk / W_uv the dequantised kv_b_proj's tiles, experts FP8, routers fp32; the engine computes the 16-bit
+    model whose weights are those tiles and whose linears round their inputs per group (test_moe's
+    reference; kv_b_proj is read only through the absorbed weights, unrounded inputs, as vLLM's bmm)."""
+    from safetensors.torch import load_file
+    from test_moe import BLOCK, fp8_moe_checkpoint, fp8_reference
+
+    from plait.layers.fp8_block import Fp8BlockLinear, dequantize_blocks
+    from plait.layers.moe import FusedMoE
+
+    folder, _ = deepseek_models["v3_yarn"]
+    fp8 = tmp_path / "fp8"
+    fp8_moe_checkpoint(folder, fp8, linears=MLA_FP8_LINEARS)
+    config = json.loads((fp8 / "config.json").read_text())
+    del config["quantization_config"]["modules_to_not_convert"]  # V3's config names none
+    (fp8 / "config.json").write_text(json.dumps(config))
+    kw = dict(max_num_batched_tokens=40, max_model_len=128)
+    served = _engine(fp8, **kw)
+    attn = served.runner.model.model.layers[1].self_attn
+    for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        assert isinstance(getattr(attn, proj), Fp8BlockLinear)
+    tensors = load_file(fp8 / "model.safetensors")
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert torch.equal(attn.kv_b_proj.weight.view(torch.uint8), tensors[name].view(torch.uint8))
+    w_uk, w_uv = attn.absorbed_weights()
+    tiles = dequantize_blocks(tensors[name], tensors[name + "_scale_inv"], BLOCK, torch.float32)
+    tiles = tiles.view(HEADS, NOPE_DIM + V_DIM, KV_LORA_RANK)
+    assert torch.equal(w_uk, tiles[:, :NOPE_DIM]) and torch.equal(w_uv, tiles[:, NOPE_DIM:])
+    block = served.runner.model.model.layers[1].mlp
+    assert isinstance(block.experts, FusedMoE) and block.experts.block == BLOCK
+    assert isinstance(block.shared_experts.gate_up_proj, Fp8BlockLinear)
+    assert block.gate.weight.dtype == torch.float32
+    reference = _engine(folder, **kw)
+    fp8_reference(reference)
+    assert_engines_agree(served, reference, random_prompts(2, 3, 40, seed=24), max_tokens=4, atol=1e-5)
+
+
+def test_quantization_fp8_is_the_model_with_fp8_rows(deepseek_models):
+    """--quantization fp8 of a 16-bit checkpoint: every linear per-row FP8 (kv_b_proj dequantised for the
+    absorbed weights), the experts on default_fp8_block's tiles; the engine computes the 16-bit model with
+    those roundings (weights, and each linear's input per row)."""
+    from test_fp8 import _fake_quantized
+    from torch import nn
+
+    from plait.layers.fp8 import Fp8Linear, dequantize_rows, quantize_rows
+    from plait.layers.moe import FusedMoE, default_fp8_block
+
+    folder, _ = deepseek_models["v2_q_lora_grouped"]
+    kw = dict(max_num_batched_tokens=40, max_model_len=128)
+    served = _engine(folder, quantization="fp8", **kw)
+    attn = served.runner.model.model.layers[0].self_attn
+    assert isinstance(attn.kv_b_proj, Fp8Linear) and isinstance(attn.q_a_proj, Fp8Linear)
+    reference = _engine(folder, **kw)
+    with torch.no_grad():
+        for name, module in reference.runner.model.named_modules():
+            if isinstance(module, FusedMoE):
+                module.quantize_fp8(default_fp8_block(module.intermediate_size))
+            elif isinstance(module, nn.Linear) and not name.endswith("lm_head"):
+                module.weight.copy_(dequantize_rows(*quantize_rows(module.weight), module.weight.dtype))
+                module.register_forward_pre_hook(lambda _m, args: (_fake_quantized(args[0]),))
+    assert_engines_agree(served, reference, random_prompts(2, 3, 40, seed=25), max_tokens=4, atol=1e-5)
