@@ -461,3 +461,52 @@ def test_quantization_fp8_is_the_model_with_fp8_rows(deepseek_models):
                 module.weight.copy_(dequantize_rows(*quantize_rows(module.weight), module.weight.dtype))
                 module.register_forward_pre_hook(lambda _m, args: (_fake_quantized(args[0]),))
     assert_engines_agree(served, reference, random_prompts(2, 3, 40, seed=25), max_tokens=4, atol=1e-5)
+
+
+def test_a_block_fp8_checkpoint_split_in_two_is_the_model_on_one_device(tmp_path):
+    """A tiny V3 whose every rank slice is whole 32 x 32 tiles (V3's own proportions: 16 nope + 16 rope query
+    rows and 16 + 16 kv_b_proj rows a head, 16 value columns of o_proj a head, experts 64 wide), block-FP8
+    over two gloo ranks: each rank's kv_b_proj is its heads' tiles with their scales, its absorbed weights
+    those tiles dequantised; the model of one device, up to the order of fp32 sums (and FP8 rounding flips
+    that order moves: test_tensor_parallel_fp8)."""
+    from safetensors.torch import load_file
+    from test_moe import BLOCK, fp8_moe_checkpoint
+    from test_tensor_parallel_fp8 import _assert_same_fp8_model
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from plait.layers.fp8_block import dequantize_blocks
+
+    v_dim, heads_per_rank = NOPE_DIM, HEADS // 2
+    cfg = DeepseekV3Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=HEADS, vocab_size=TINY_VOCAB, max_position_embeddings=512, bos_token_id=1,
+        eos_token_id=2, pad_token_id=None, kv_lora_rank=KV_LORA_RANK, q_lora_rank=24,
+        qk_nope_head_dim=NOPE_DIM, qk_rope_head_dim=ROPE_DIM, v_head_dim=v_dim, n_routed_experts=8,
+        num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, tie_word_embeddings=False)
+    torch.manual_seed(4100)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, ROUTER_STD)
+            elif "norm" not in name:
+                p.mul_(WEIGHT_SCALE)
+    model.save_pretrained(tmp_path / "bf16")
+    fp8_moe_checkpoint(tmp_path / "bf16", tmp_path / "fp8", linears=MLA_FP8_LINEARS)
+    kw = dict(max_num_batched_tokens=24, max_model_len=96)
+    whole = _engine(tmp_path / "fp8", **kw)
+    split = _engine(tmp_path / "fp8", tensor_parallel_size=2, **kw)
+    try:
+        attn = split.runner.model.model.layers[0].self_attn
+        name = "model.layers.0.self_attn.kv_b_proj.weight"
+        tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+        rows = heads_per_rank * (NOPE_DIM + v_dim)  # the driver's: its heads' first
+        assert torch.equal(attn.kv_b_proj.weight.view(torch.uint8), tensors[name][:rows].view(torch.uint8))
+        want = dequantize_blocks(tensors[name], tensors[name + "_scale_inv"], BLOCK, torch.float32)[:rows]
+        w_uk, w_uv = attn.absorbed_weights()
+        assert torch.equal(torch.cat([w_uk, w_uv], dim=1).reshape(rows, KV_LORA_RANK), want)
+        assert split.runner.model.model.layers[1].mlp.experts.intermediate_size == 32
+        _assert_same_fp8_model(split, whole, random_prompts(3, 3, 40, seed=26))
+    finally:
+        split.shutdown()

@@ -15,6 +15,9 @@
 # the ranks), and the whole latent side (q_a_proj, kv_a_proj_with_mqa and their norms), so every rank caches
 # the same one latent row a token for its own heads. The MoE splits as GLM-4.5's.
 #
+# FP8 weights (V3's block-FP8 release, or --quantization fp8) are any family's FP8 layers; kv_b_proj alone is
+# read only through the absorbed matrices, so it is dequantised once after the load (as vLLM does).
+#
 # The checkpoints (V3's) also hold num_nextn_predict_layers multi-token-prediction layers, skipped at load as
 # glm4_moe skips them.
 

@@ -305,7 +305,9 @@ class Shard:
         columns); a tile's those of the tiles its slice covers, which must be whole tiles."""
         if scale.numel() == 1:
             return scale
-        tiles = scale.dim() == 2 and scale.shape[1] > 1
+        # [N / bn, 1] is a tile column too where the checkpoint is block-wise (K within one tile: a tiny
+        # model's, or MLA's kv_b_proj over a narrow latent), not N per-row scales.
+        tiles = scale.dim() == 2 and (scale.shape[1] > 1 or self.weight_block is not None)
         if not tiles:
             return scale if row_parallel else scale[self._kept(cut, scale.shape[0], 1, rows=True)]
         if self.weight_block is None:
