@@ -227,12 +227,17 @@ def test_v2_router_is_transformers_router(num_experts, top_k, n_group, topk_grou
                                rtol=0, atol=1e-6)
 
 
-def test_refusals(deepseek_models):
+def test_refusals(deepseek_models, tmp_path):
     folder, _ = deepseek_models["v2_lite"]
     with pytest.raises(ValueError, match="LoRA is not supported"):
         _engine(folder, enable_lora=True)
     with pytest.raises(ValueError, match="FP8 KV cache .* multi-head latent attention"):
         _engine(folder, kv_cache_dtype="fp8")
+    gptq = json.loads((folder / "config.json").read_text()) | {"quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False, "sym": True}}
+    (tmp_path / "config.json").write_text(json.dumps(gptq))
+    with pytest.raises(ValueError, match="GPTQ checkpoints of DeepseekV2ForCausalLM are not supported"):
+        _engine(tmp_path, load_format="dummy")
 
 
 def test_through_the_triton_kernels_matches_hf(deepseek_models, monkeypatch):

@@ -52,9 +52,6 @@ from plait.runner.forward_batch import ForwardBatch
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV2RMSNorm's default eps, not the
 # config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
-# Integer (GPTQ / AWQ) layers: their dequantised kv_b_proj is not built, nor are their experts checked here.
-INTEGER_REFUSAL = ("DeepSeek-V2 / V3 (MLA) with GPTQ / AWQ / compressed-tensors integer weights is not "
-                   "supported: serve a 16-bit or an FP8 checkpoint")
 # Only the MLP's gate/up are fused at load (the attention's q_proj stays itself: no k/v beside it).
 DEEPSEEK_STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
@@ -111,12 +108,11 @@ class MLAttention(nn.Module):
         self.register_buffer("kv_b_dequantized", None, persistent=False)
 
     def absorb_quantized_kv_b(self) -> None:
-        """(Re)build kv_b_dequantized from an FP8 kv_b_proj's codes and scales; nothing for a 16-bit one."""
+        """(Re)build kv_b_dequantized from an FP8 kv_b_proj's codes and scales; nothing for a 16-bit one.
+        (Integer checkpoints are refused by name: plait.layers.wna16.REFUSED_ARCHITECTURES.)"""
         layer = self.kv_b_proj
         if isinstance(layer, Fp8Linear):  # Fp8BlockLinear too
             self.kv_b_dequantized = layer.dequantized(layer.compute_dtype)
-        elif not isinstance(layer, nn.Linear):
-            raise ValueError(INTEGER_REFUSAL)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_uk [H, nope, L], W_uv [H, v, L]): kv_b_proj's rows (each head's K rows, then its V rows), views
@@ -256,10 +252,8 @@ class DeepseekV2ForCausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         cfg = self.config
         attention = [layer.self_attn for layer in self.model.layers]
-        for attn in attention:  # refuses integer layers before any tensor is read; forgets old FP8 values
+        for attn in attention:  # made again from what this load brings
             attn.kv_b_dequantized = None
-            if not isinstance(attn.kv_b_proj, nn.Linear | Fp8Linear):
-                raise ValueError(INTEGER_REFUSAL)
         sizes = {"gate_up_proj": [cfg.intermediate_size] * 2}
         if cfg.moe.shared_intermediate_size:
             sizes["shared_experts.gate_up_proj"] = [cfg.moe.shared_intermediate_size] * 2
