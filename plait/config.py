@@ -1134,6 +1134,14 @@ GEMMA_MODEL_TYPE = "gemma"
 GEMMA_LEGACY_ACTIVATIONS = {"gelu": "gelu_pytorch_tanh"}
 
 
+def mla_dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
+    """(qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank) of a DeepSeek (MLA) config, with
+    DeepSeek-V3's defaults (plait.models.deepseek; plait.parallel.shard slices its heads by them)."""
+    raw = cfg.raw
+    return (raw.get("qk_nope_head_dim", 128), raw.get("qk_rope_head_dim", 64), raw.get("v_head_dim", 128),
+            raw.get("kv_lora_rank", 512))
+
+
 def hidden_activation(cfg: dict) -> str:
     """The MLP's activation: hidden_act, else hidden_activation (Gemma 2 / 3's name for it), else SiLU;
     Gemma 1's legacy "gelu" read as the tanh approximation."""

@@ -227,16 +227,17 @@ def test_v2_router_is_transformers_router(num_experts, top_k, n_group, topk_grou
                                rtol=0, atol=1e-6)
 
 
-def test_refusals(deepseek_models):
+def test_refusals(deepseek_models, tmp_path):
     folder, _ = deepseek_models["v2_lite"]
     with pytest.raises(ValueError, match="LoRA is not supported"):
         _engine(folder, enable_lora=True)
     with pytest.raises(ValueError, match="FP8 KV cache .* multi-head latent attention"):
         _engine(folder, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM"):
-        _engine(folder, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="MLA.* with FP8 weights .* not supported"):
-        _engine(folder, quantization="fp8")
+    gptq = json.loads((folder / "config.json").read_text()) | {"quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False, "sym": True}}
+    (tmp_path / "config.json").write_text(json.dumps(gptq))
+    with pytest.raises(ValueError, match="GPTQ checkpoints of DeepseekV2ForCausalLM are not supported"):
+        _engine(tmp_path, load_format="dummy")
 
 
 def test_through_the_triton_kernels_matches_hf(deepseek_models, monkeypatch):
@@ -360,3 +361,157 @@ def test_gpu_matches_cpu_fp32(deepseek_models):
     assert llm.engine.runner.attn_backend.name == "triton"
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+# ---- Across ranks -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("variant", "expert_parallel"), [
+    ("v2_lite", False), ("v2_q_lora_grouped", True), ("v3_yarn", False), ("v3_yarn", True)],
+    ids=["v2-lite-width", "v2-q-lora-whole-experts", "v3-width", "v3-whole-experts"])
+def test_two_ranks_match_hf(deepseek_models, variant, expert_parallel):
+    """Over two gloo ranks: two heads each (their query and kv_b_proj rows, so their own absorbed W_UK /
+    W_UV, and o_proj's columns, summed), the latent projections and norms whole on both, so each rank's
+    cache holds the same one latent row a token; the routed experts split by width (or half of them whole on
+    each rank), the shared experts and the dense layer by width, the router replicated. Transformers' tokens
+    and logits, prompts chunked beside decodes; V3's MTP layer skipped before any rank slices it."""
+    folder, hf = deepseek_models[variant]
+    engine = _engine(folder, max_num_batched_tokens=48, tensor_parallel_size=2,
+                     enable_expert_parallel=expert_parallel)
+    try:
+        runner = engine.runner
+        attn = runner.model.model.layers[0].self_attn
+        assert attn.num_heads == HEADS // 2
+        assert attn.kv_b_proj.weight.shape == (HEADS // 2 * (NOPE_DIM + V_DIM), KV_LORA_RANK)
+        assert attn.kv_a_proj_with_mqa.weight.shape == (ROW_WIDTH, 64)
+        assert attn.o_proj.weight.shape == (64, HEADS // 2 * V_DIM)
+        assert runner.kv_caches[0].shape[-2:] == (1, ROW_WIDTH)
+        block = runner.model.model.layers[1].mlp
+        assert block.experts.num_experts == (4 if expert_parallel else 8)
+        assert block.experts.intermediate_size == (32 if expert_parallel else 16)
+        assert block.gate.weight.shape == (8, 64)
+        assert_greedy_matches_hf(engine, hf, random_prompts(3, 1, 40, seed=23), MAX_TOKENS, LOGITS_ATOL,
+                                 variant)
+    finally:
+        engine.shutdown()
+
+
+# ---- FP8 weights ------------------------------------------------------------------------------------------
+
+# Every linear DeepSeek-V3's FP8 release quantises: attention's (the latent side too) and the MLPs' and
+# experts'; the routers and the lm_head stay 16-bit.
+MLA_FP8_LINEARS = ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj",
+                   "up_proj", "down_proj")
+
+
+def test_a_block_fp8_checkpoint_is_the_model_with_its_tiles(deepseek_models, tmp_path):
+    """DeepSeek-V3's own kind of checkpoint (quant_method fp8, weight_block_size, weight_scale_inv per tile,
+    no modules_to_not_convert): every linear a block-FP8 layer holding the checkpoint's codes, the absorbed
+    W_uk / W_uv the dequantised kv_b_proj's tiles, experts FP8, routers fp32; the engine computes the 16-bit
+    model whose weights are those tiles and whose linears round their inputs per group (test_moe's
+    reference; kv_b_proj is read only through the absorbed weights, unrounded inputs, as vLLM's bmm)."""
+    from safetensors.torch import load_file
+    from test_moe import BLOCK, fp8_moe_checkpoint, fp8_reference
+
+    from plait.layers.fp8_block import Fp8BlockLinear, dequantize_blocks
+    from plait.layers.moe import FusedMoE
+
+    folder, _ = deepseek_models["v3_yarn"]
+    fp8 = tmp_path / "fp8"
+    fp8_moe_checkpoint(folder, fp8, linears=MLA_FP8_LINEARS)
+    config = json.loads((fp8 / "config.json").read_text())
+    del config["quantization_config"]["modules_to_not_convert"]  # V3's config names none
+    (fp8 / "config.json").write_text(json.dumps(config))
+    kw = dict(max_num_batched_tokens=40, max_model_len=128)
+    served = _engine(fp8, **kw)
+    attn = served.runner.model.model.layers[1].self_attn
+    for proj in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"):
+        assert isinstance(getattr(attn, proj), Fp8BlockLinear)
+    tensors = load_file(fp8 / "model.safetensors")
+    name = "model.layers.1.self_attn.kv_b_proj.weight"
+    assert torch.equal(attn.kv_b_proj.weight.view(torch.uint8), tensors[name].view(torch.uint8))
+    w_uk, w_uv = attn.absorbed_weights()
+    tiles = dequantize_blocks(tensors[name], tensors[name + "_scale_inv"], BLOCK, torch.float32)
+    tiles = tiles.view(HEADS, NOPE_DIM + V_DIM, KV_LORA_RANK)
+    assert torch.equal(w_uk, tiles[:, :NOPE_DIM]) and torch.equal(w_uv, tiles[:, NOPE_DIM:])
+    block = served.runner.model.model.layers[1].mlp
+    assert isinstance(block.experts, FusedMoE) and block.experts.block == BLOCK
+    assert isinstance(block.shared_experts.gate_up_proj, Fp8BlockLinear)
+    assert block.gate.weight.dtype == torch.float32
+    reference = _engine(folder, **kw)
+    fp8_reference(reference)
+    assert_engines_agree(served, reference, random_prompts(2, 3, 40, seed=24), max_tokens=4, atol=1e-5)
+
+
+def test_quantization_fp8_is_the_model_with_fp8_rows(deepseek_models):
+    """--quantization fp8 of a 16-bit checkpoint: every linear per-row FP8 (kv_b_proj dequantised for the
+    absorbed weights), the experts on default_fp8_block's tiles; the engine computes the 16-bit model with
+    those roundings (weights, and each linear's input per row)."""
+    from test_fp8 import _fake_quantized
+    from torch import nn
+
+    from plait.layers.fp8 import Fp8Linear, dequantize_rows, quantize_rows
+    from plait.layers.moe import FusedMoE, default_fp8_block
+
+    folder, _ = deepseek_models["v2_q_lora_grouped"]
+    kw = dict(max_num_batched_tokens=40, max_model_len=128)
+    served = _engine(folder, quantization="fp8", **kw)
+    attn = served.runner.model.model.layers[0].self_attn
+    assert isinstance(attn.kv_b_proj, Fp8Linear) and isinstance(attn.q_a_proj, Fp8Linear)
+    reference = _engine(folder, **kw)
+    with torch.no_grad():
+        for name, module in reference.runner.model.named_modules():
+            if isinstance(module, FusedMoE):
+                module.quantize_fp8(default_fp8_block(module.intermediate_size))
+            elif isinstance(module, nn.Linear) and not name.endswith("lm_head"):
+                module.weight.copy_(dequantize_rows(*quantize_rows(module.weight), module.weight.dtype))
+                module.register_forward_pre_hook(lambda _m, args: (_fake_quantized(args[0]),))
+    assert_engines_agree(served, reference, random_prompts(2, 3, 40, seed=25), max_tokens=4, atol=1e-5)
+
+
+def test_a_block_fp8_checkpoint_split_in_two_is_the_model_on_one_device(tmp_path):
+    """A tiny V3 whose every rank slice is whole 32 x 32 tiles (V3's own proportions: 16 nope + 16 rope query
+    rows and 16 + 16 kv_b_proj rows a head, 16 value columns of o_proj a head, experts 64 wide), block-FP8
+    over two gloo ranks: each rank's kv_b_proj is its heads' tiles with their scales, its absorbed weights
+    those tiles dequantised; the model of one device, up to the order of fp32 sums (and FP8 rounding flips
+    that order moves: test_tensor_parallel_fp8)."""
+    from safetensors.torch import load_file
+    from test_moe import BLOCK, fp8_moe_checkpoint
+    from test_tensor_parallel_fp8 import _assert_same_fp8_model
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from plait.layers.fp8_block import dequantize_blocks
+
+    v_dim, heads_per_rank = NOPE_DIM, HEADS // 2
+    cfg = DeepseekV3Config(
+        hidden_size=64, intermediate_size=128, moe_intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=HEADS, vocab_size=TINY_VOCAB, max_position_embeddings=512, bos_token_id=1,
+        eos_token_id=2, pad_token_id=None, kv_lora_rank=KV_LORA_RANK, q_lora_rank=24,
+        qk_nope_head_dim=NOPE_DIM, qk_rope_head_dim=ROPE_DIM, v_head_dim=v_dim, n_routed_experts=8,
+        num_experts_per_tok=3, n_shared_experts=1, n_group=4, topk_group=2, norm_topk_prob=True,
+        routed_scaling_factor=2.5, first_k_dense_replace=1, tie_word_embeddings=False)
+    torch.manual_seed(4100)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, ROUTER_STD)
+            elif "norm" not in name:
+                p.mul_(WEIGHT_SCALE)
+    model.save_pretrained(tmp_path / "bf16")
+    fp8_moe_checkpoint(tmp_path / "bf16", tmp_path / "fp8", linears=MLA_FP8_LINEARS)
+    kw = dict(max_num_batched_tokens=24, max_model_len=96)
+    whole = _engine(tmp_path / "fp8", **kw)
+    split = _engine(tmp_path / "fp8", tensor_parallel_size=2, **kw)
+    try:
+        attn = split.runner.model.model.layers[0].self_attn
+        name = "model.layers.0.self_attn.kv_b_proj.weight"
+        tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+        rows = heads_per_rank * (NOPE_DIM + v_dim)  # the driver's: its heads' first
+        assert torch.equal(attn.kv_b_proj.weight.view(torch.uint8), tensors[name][:rows].view(torch.uint8))
+        want = dequantize_blocks(tensors[name], tensors[name + "_scale_inv"], BLOCK, torch.float32)[:rows]
+        w_uk, w_uv = attn.absorbed_weights()
+        assert torch.equal(torch.cat([w_uk, w_uv], dim=1).reshape(rows, KV_LORA_RANK), want)
+        assert split.runner.model.model.layers[1].mlp.experts.intermediate_size == 32
+        _assert_same_fp8_model(split, whole, random_prompts(3, 3, 40, seed=26))
+    finally:
+        split.shutdown()

@@ -160,9 +160,10 @@ BLOCK = (32, 32)  # the tiny experts span several tiles each way (hidden 64, wid
 FP8_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
-def fp8_moe_checkpoint(src, dst, block=BLOCK) -> None:
+def fp8_moe_checkpoint(src, dst, block=BLOCK, linears: tuple[str, ...] = FP8_LINEARS) -> None:
     """dst: src's checkpoint as Qwen's FP8 MoE releases are written (quant_method "fp8", weight_block_size,
-    per-tile weight_scale_inv; the routers listed in modules_to_not_convert and left 16-bit)."""
+    per-tile weight_scale_inv of the weights of ``linears``; the routers listed in modules_to_not_convert and
+    left 16-bit)."""
     from safetensors.torch import load_file
 
     from plait.layers.fp8_block import quantize_blocks
@@ -170,7 +171,7 @@ def fp8_moe_checkpoint(src, dst, block=BLOCK) -> None:
     tensors, routers = {}, []
     checkpoint = {name: t for f in sorted(src.glob("*.safetensors")) for name, t in load_file(f).items()}
     for name, t in checkpoint.items():
-        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in FP8_LINEARS:
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in linears:
             tensors[name], tensors[name.replace(".weight", ".weight_scale_inv")] = quantize_blocks(t, block)
         else:
             tensors[name] = t

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.config import DEEPSEEK_ARCHITECTURES
 from plait.kernels.dispatch import use_triton
 from plait.layers.linear import linear
 
@@ -549,10 +550,11 @@ def _expect(tensor: torch.Tensor, shape: tuple[int, ...], name: str) -> None:
 # load under names of their own) and Granite MoE (its experts are stacked tensors, input_linear /
 # output_linear, which no integer checkpoint layout plait reads packs). Sparse MoE families (Mixtral,
 # Qwen2-MoE, Qwen3-MoE) load: their routed experts are integer FusedMoE stacks (FusedMoE.use_integer), the
-# rest WNA16Linear layers.
+# rest WNA16Linear layers. DeepSeek-V2 / V3 (MLA) too: no integer checkpoint of theirs has been checked
+# (its kv_b_proj, read only through the absorbed matrices, would be dequantised as an FP8 one is).
 REFUSED_ARCHITECTURES = frozenset({"Mamba2ForCausalLM", "BambaForCausalLM", "NemotronHForCausalLM",
                                    "GraniteMoeHybridForCausalLM", "GraniteMoeForCausalLM",
-                                   "GraniteMoeSharedForCausalLM"})
+                                   "GraniteMoeSharedForCausalLM", *DEEPSEEK_ARCHITECTURES})
 
 
 def check_method(spec: WNA16Spec, flag: str | None, architecture: str) -> None:

@@ -10,6 +10,14 @@
 # attention with K = the row and V = its c_kv columns; each head's output goes back through kv_b_proj's V
 # rows, then o_proj. Prompt chunks take the same absorbed form as decodes (correct, not the fastest prefill).
 #
+# Across tensor-parallel ranks (plait.parallel.shard, as vLLM): each rank holds its share of the heads (their
+# query and kv_b_proj rows, so its absorbed W_uk / W_uv are its heads' alone; o_proj's columns, summed over
+# the ranks), and the whole latent side (q_a_proj, kv_a_proj_with_mqa and their norms), so every rank caches
+# the same one latent row a token for its own heads. The MoE splits as GLM-4.5's.
+#
+# FP8 weights (V3's block-FP8 release, or --quantization fp8) are any family's FP8 layers; kv_b_proj alone is
+# read only through the absorbed matrices, so it is dequantised once after the load (as vLLM does).
+#
 # The checkpoints (V3's) also hold num_nextn_predict_layers multi-token-prediction layers, skipped at load as
 # glm4_moe skips them.
 
@@ -27,8 +35,10 @@ from plait.config import (
     NOAUX_TC_ROUTER,
     SOFTMAX_ROUTER,
     ModelConfig,
+    mla_dims,
     rope_kind,
 )
+from plait.layers.fp8 import Fp8Linear
 from plait.layers.linear import Linear
 from plait.layers.moe import FusedMoE, NoAuxTcRouter, SoftmaxGroupRouter
 from plait.layers.norm import RMSNorm
@@ -42,10 +52,6 @@ from plait.runner.forward_batch import ForwardBatch
 # transformers builds q_a_layernorm and kv_a_layernorm with DeepseekV2RMSNorm's default eps, not the
 # config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
-# The absorbed weights are views of a 16-bit kv_b_proj; FP8 layers (a block-FP8 checkpoint such as
-# DeepSeek-V3's own release, or --quantization fp8) would need it dequantised first, which is not done yet.
-FP8_REFUSAL = ("DeepSeek-V2 / V3 (MLA) with FP8 weights (an FP8 checkpoint or --quantization fp8) is not "
-               "supported yet: serve a 16-bit checkpoint")
 # Only the MLP's gate/up are fused at load (the attention's q_proj stays itself: no k/v beside it).
 DEEPSEEK_STACKED = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
@@ -59,13 +65,6 @@ def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
         mscale = _yarn_mscale(rope_scaling["factor"], rope_scaling["mscale_all_dim"])
         scale *= mscale * mscale
     return scale
-
-
-def mla_dims(cfg: ModelConfig) -> tuple[int, int, int, int]:
-    """(qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank) of a DeepSeek config."""
-    raw = cfg.raw
-    return (raw.get("qk_nope_head_dim", 128), raw.get("qk_rope_head_dim", 64), raw.get("v_head_dim", 128),
-            raw.get("kv_lora_rank", 512))
 
 
 def rope_interleaved(cfg: ModelConfig) -> bool:
@@ -102,13 +101,30 @@ class MLAttention(nn.Module):
         # Pairs (2i, 2i + 1) read as neox halves (i, i + R / 2) before the rotation: q_pe and k_pe are
         # permuted alike, so every score is the checkpoint's (weights.halves_order).
         self.rope_order = halves_order(self.rope_dim, self.rope_dim) if rope_interleaved(cfg) else None
+        # An FP8 kv_b_proj (block-wise tiles, or per-row under --quantization fp8) dequantised once to the
+        # model's dtype, [H * (nope + v), L], as vLLM builds its absorbed matrices: kv_b_proj is only ever
+        # read through them, and widening it at every step would cost a weight's read and write a layer. A
+        # buffer, so sleep mode parks it with the weights; None for a 16-bit kv_b_proj (views of its own).
+        self.register_buffer("kv_b_dequantized", None, persistent=False)
+
+    def absorb_quantized_kv_b(self) -> None:
+        """(Re)build kv_b_dequantized from an FP8 kv_b_proj's codes and scales; nothing for a 16-bit one.
+        (Integer checkpoints are refused by name: plait.layers.wna16.REFUSED_ARCHITECTURES.)"""
+        layer = self.kv_b_proj
+        if isinstance(layer, Fp8Linear):  # Fp8BlockLinear too
+            self.kv_b_dequantized = layer.dequantized(layer.compute_dtype)
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_uk [H, nope, L], W_uv [H, v, L]): views of kv_b_proj's rows (each head's K rows, then its V
-        rows)."""
-        if not self.kv_b_proj.weight.is_floating_point() or self.kv_b_proj.weight.element_size() == 1:
-            raise ValueError(FP8_REFUSAL)
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
+        """(W_uk [H, nope, L], W_uv [H, v, L]): kv_b_proj's rows (each head's K rows, then its V rows), views
+        of its weight, or of its dequantised FP8 codes (absorb_quantized_kv_b; made here if the load did not,
+        as random weights do not go through load_weights)."""
+        if isinstance(self.kv_b_proj, nn.Linear):
+            w = self.kv_b_proj.weight
+        else:
+            if self.kv_b_dequantized is None:
+                self.absorb_quantized_kv_b()
+            w = self.kv_b_dequantized
+        w = w.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
         return w[:, : self.nope_dim], w[:, self.nope_dim :]
 
     def _rope_channels(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,8 +222,8 @@ class DeepseekModel(nn.Module):
 
 class DeepseekV2ForCausalLM(CausalLM):
     """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM (they differ in config only: router, rope layout). No
-    LoRA (adapters would need the absorbed weights rebuilt, and per-expert deltas); no tensor parallelism
-    (not in plait.parallel.shard's list); no FP8 KV cache (the runner refuses it for a one-plane cache)."""
+    LoRA (adapters would need the absorbed weights rebuilt, and per-expert deltas); no FP8 KV cache (the
+    runner refuses it for a one-plane cache)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -235,7 +251,9 @@ class DeepseekV2ForCausalLM(CausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         cfg = self.config
-        self.model.layers[0].self_attn.absorbed_weights()  # refuses FP8 layers before any tensor is read
+        attention = [layer.self_attn for layer in self.model.layers]
+        for attn in attention:  # made again from what this load brings
+            attn.kv_b_dequantized = None
         sizes = {"gate_up_proj": [cfg.intermediate_size] * 2}
         if cfg.moe.shared_intermediate_size:
             sizes["shared_experts.gate_up_proj"] = [cfg.moe.shared_intermediate_size] * 2
@@ -246,3 +264,5 @@ class DeepseekV2ForCausalLM(CausalLM):
             return name
 
         load_checked(self, weights, DEEPSEEK_STACKED, sizes, rename)
+        for attn in attention:
+            attn.absorb_quantized_kv_b()

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-from plait.config import ModelConfig
+from plait.config import DEEPSEEK_ARCHITECTURES, ModelConfig, mla_dims
 from plait.layers.moe import FusedMoE
 from plait.layers.mxfp4 import BLOCK_VALUES
 from plait.models.weights import IMAGE_SIDE_MODULES, IMAGE_SIDE_TENSOR
@@ -39,6 +39,9 @@ SHARDABLE_ARCHITECTURES = frozenset({
     "Olmo2ForCausalLM", "Olmo3ForCausalLM", "OlmoeForCausalLM",
     # Granite MoE's checkpoint names are made the MoE block's before the split (checkpoint_layout).
     "GraniteMoeForCausalLM", "GraniteMoeSharedForCausalLM",
+    # MLA (DeepSeek-V2 / V3): query, kv_b_proj and o_proj split by heads, the latent projections replicated
+    # (Shard._mla_attention), so every rank caches the same latent rows for its own heads.
+    *DEEPSEEK_ARCHITECTURES,
     # Their pooling forms (the same decoder; the driver pools or classifies the whole hidden states).
     "LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model", "LlamaForSequenceClassification",
     "MistralForSequenceClassification", "Qwen2ForSequenceClassification", "Qwen3ForSequenceClassification",
@@ -72,6 +75,10 @@ FFN_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\."
 # captured, or a stack of every expert's along dim 0 (``mlp.experts.gate_up_proj``, ``down_bias``, GPT-OSS's
 # MXFP4 ``down_proj_blocks`` and ``_scales``).
 EXPERT_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(?:(\d+)\.)?\w")
+# MLA's projections cut by heads: each head's query rows (nope, then rope; q_proj, or q_b_proj after the
+# query's latent), its kv_b_proj rows (K nope, then V) and o_proj's columns of its values. The latent side
+# (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm) is every head's: replicated.
+MLA_QUERY = ("q_proj", "q_b_proj")
 # FusedMoE's stacked expert biases: the projection each belongs to.
 STACKED_EXPERT_BIASES = {"gate_up_bias": "gate_up_proj", "down_bias": "down_proj"}
 # The E8M0 scale (2^0) of the MXFP4 blocks that pad experts to whole blocks a rank: their codes are zeros, so
@@ -166,6 +173,8 @@ class Shard:
         return t if self.is_driver else torch.zeros_like(t)
 
     def _attention(self, proj: str, kind: str, t: torch.Tensor) -> torch.Tensor:
+        if self.full.architecture in DEEPSEEK_ARCHITECTURES:
+            return self._mla_attention(proj, kind, t)
         d = self.full.head_dim
         if proj == "q_proj":
             return self._part(t, 0, self.local.num_attention_heads * d)
@@ -191,6 +200,19 @@ class Shard:
         if proj in ("q_norm", "k_norm") and t.shape[0] > d:  # OLMo's across all heads: as q's or k's rows
             return self._attention(proj.replace("_norm", "_proj"), kind, t)
         return t  # q/k norms of one weight for every head (Qwen3's [D])
+
+    def _mla_attention(self, proj: str, kind: str, t: torch.Tensor) -> torch.Tensor:
+        """An MLA layer's tensor (MLA_QUERY): this rank's heads' rows of the query and of kv_b_proj (whose
+        absorbed W_UK / W_UV are then this rank's heads' alone), their columns of o_proj; the rest whole."""
+        nope, rope, v, _ = mla_dims(self.full)
+        heads = self.local.num_attention_heads
+        if proj in MLA_QUERY:
+            return self._part(t, 0, heads * (nope + rope))
+        if proj == "kv_b_proj":
+            return self._part(t, 0, heads * (nope + v))
+        if proj == "o_proj":
+            return self._summed_bias(t) if kind == "bias" else self._part(t, 1, heads * v)
+        return t
 
     def _feed_forward(self, which: str | None, proj: str, packed: str | None, kind: str | None,
                       t: torch.Tensor) -> torch.Tensor:
@@ -283,7 +305,9 @@ class Shard:
         columns); a tile's those of the tiles its slice covers, which must be whole tiles."""
         if scale.numel() == 1:
             return scale
-        tiles = scale.dim() == 2 and scale.shape[1] > 1
+        # [N / bn, 1] is a tile column too where the checkpoint is block-wise (K within one tile: a tiny
+        # model's, or MLA's kv_b_proj over a narrow latent), not N per-row scales.
+        tiles = scale.dim() == 2 and (scale.shape[1] > 1 or self.weight_block is not None)
         if not tiles:
             return scale if row_parallel else scale[self._kept(cut, scale.shape[0], 1, rows=True)]
         if self.weight_block is None:
