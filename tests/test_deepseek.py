@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from conftest import TINY_VOCAB, assert_engines_agree, assert_greedy_matches_hf, random_prompts
+from test_glm4_moe import _mtp_tensors  # the same MTP layer layout (eh_proj, enorm, hnorm, shared_head)
 
 from plait.config import GROUP_LIMITED_ROUTER, NOAUX_TC_ROUTER, SOFTMAX_ROUTER, EngineConfig, ModelConfig
 from plait.engine.engine import LLMEngine
@@ -49,17 +50,6 @@ def _config(variant: str):
     return DeepseekV3Config(**common, q_lora_rank=24, n_shared_experts=1, n_group=4, topk_group=2,
                             norm_topk_prob=True, routed_scaling_factor=2.5, rope_parameters=dict(YARN),
                             rope_interleave=True, num_nextn_predict_layers=1)
-
-
-def _mtp_tensors(state: dict[str, torch.Tensor], cfg) -> dict[str, torch.Tensor]:
-    """A stand-in for V3's MTP layer (model.layers.{num_hidden_layers}.*): the last layer's tensors under its
-    number, and the MTP head's own."""
-    last, mtp = f"model.layers.{cfg.num_hidden_layers - 1}.", f"model.layers.{cfg.num_hidden_layers}."
-    out = {mtp + k[len(last):]: v.clone() for k, v in state.items() if k.startswith(last)}
-    h = cfg.hidden_size
-    out.update({f"{mtp}eh_proj.weight": torch.randn(h, 2 * h), f"{mtp}enorm.weight": torch.ones(h),
-                f"{mtp}hnorm.weight": torch.ones(h), f"{mtp}shared_head.norm.weight": torch.ones(h)})
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -44,7 +44,7 @@ from plait.layers.moe import FusedMoE, NoAuxTcRouter, SoftmaxGroupRouter
 from plait.layers.norm import RMSNorm
 from plait.layers.rotary import RotaryEmbedding, _yarn_mscale
 from plait.models.base import CausalLM
-from plait.models.glm4_moe import LAYER_INDEX
+from plait.models.glm4_moe import without_mtp_layers
 from plait.models.llama import MLP
 from plait.models.weights import halves_order, load_checked
 from plait.runner.forward_batch import ForwardBatch
@@ -241,13 +241,7 @@ class DeepseekV2ForCausalLM(CausalLM):
     def checkpoint_layout(self, weights: Iterable[tuple[str, torch.Tensor]]
                           ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint without its MTP layers (model.layers.{N}.* for N >= num_hidden_layers)."""
-        first = self.config.num_hidden_layers
-        end = first + int(self.config.raw.get("num_nextn_predict_layers") or 0)
-        for name, tensor in weights:
-            layer = LAYER_INDEX.match(name)
-            if layer and first <= int(layer[1]) < end:
-                continue
-            yield name, tensor
+        return without_mtp_layers(self.config, weights)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         cfg = self.config

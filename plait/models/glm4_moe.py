@@ -53,6 +53,20 @@ class Glm4MoeDecoderLayer(DecoderLayer):
         return MLP(cfg) if layer_idx in cfg.moe.dense_layers else Glm4MoeBlock(cfg)
 
 
+def without_mtp_layers(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
+                       ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``weights`` without the checkpoint's num_nextn_predict_layers multi-token-prediction layers
+    (model.layers.{N}.* for N from num_hidden_layers on; GLM-4.5's and DeepSeek-V3's): plait has no MTP
+    drafting, and vLLM skips them too without it."""
+    first = cfg.num_hidden_layers
+    end = first + int(cfg.raw.get("num_nextn_predict_layers") or 0)
+    for name, tensor in weights:
+        layer = LAYER_INDEX.match(name)
+        if layer and first <= int(layer[1]) < end:
+            continue
+        yield name, tensor
+
+
 class Glm4MoeModel(LlamaModel):
     layer_class = Glm4MoeDecoderLayer
 
@@ -65,13 +79,7 @@ class Glm4MoeForCausalLM(MoeForCausalLM):
     def checkpoint_layout(self, weights: Iterable[tuple[str, torch.Tensor]]
                           ) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint without its MTP layers (before a tensor-parallel rank slices anything)."""
-        first = self.config.num_hidden_layers
-        end = first + int(self.config.raw.get("num_nextn_predict_layers") or 0)
-        for name, tensor in weights:
-            layer = LAYER_INDEX.match(name)
-            if layer and first <= int(layer[1]) < end:
-                continue
-            yield name, tensor
+        return without_mtp_layers(self.config, weights)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         cfg = self.config
