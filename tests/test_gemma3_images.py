@@ -284,6 +284,18 @@ def test_bad_image_prompts_are_refused(gemma3, tmp_path):
         LLM(str(copy), dtype="float32")
 
 
+def test_split_over_two_ranks_answers_as_transformers(gemma3):
+    """Tensor parallelism (gloo): the decoder's heads and MLP split in two, the tower and projector whole on
+    each rank and run by the driver, which sends the other rank each step's placeholder embeddings and key
+    limits with its arrays; at 7 tokens a step chunks stop before images, and the answers (tokens and
+    logits) are transformers'."""
+    engine = _engine(gemma3[0], tensor_parallel_size=2, max_num_batched_tokens=7)
+    try:
+        _assert_answers_as_hf(engine, gemma3, _prompts())
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_matches_cpu_fp32(gemma3):
