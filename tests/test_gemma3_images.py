@@ -1,7 +1,8 @@
 """Gemma 3 with images: a tiny random Gemma3ForConditionalGeneration saved with its processor, against
 transformers in fp32 on CPU: prompts of 0, 1 and 2 images as Gemma3Processor writes them, each image's
 placeholders attending to each other both ways (sliding and global layers), chunks that never split them,
-the Triton kernels, the prefix cache, the server, bad prompts, and the GPU path against the CPU's."""
+the Triton kernels, the prefix cache, the server, two tensor-parallel ranks, a LoRA adapter, fp8, bad
+prompts, and the GPU path against the CPU's."""
 
 from __future__ import annotations
 
