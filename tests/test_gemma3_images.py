@@ -1,7 +1,8 @@
 """Gemma 3 with images: a tiny random Gemma3ForConditionalGeneration saved with its processor, against
 transformers in fp32 on CPU: prompts of 0, 1 and 2 images as Gemma3Processor writes them, each image's
 placeholders attending to each other both ways (sliding and global layers), chunks that never split them,
-the Triton kernels, the prefix cache, the server, bad prompts, and the GPU path against the CPU's."""
+the Triton kernels, the prefix cache, the server, two tensor-parallel ranks, a LoRA adapter, fp8, bad
+prompts, and the GPU path against the CPU's."""
 
 from __future__ import annotations
 
@@ -282,6 +283,66 @@ def test_bad_image_prompts_are_refused(gemma3, tmp_path):
     (copy / "processor_config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="pan-and-scan"):
         LLM(str(copy), dtype="float32")
+
+
+def test_split_over_two_ranks_answers_as_transformers(gemma3):
+    """Tensor parallelism (gloo): the decoder's heads and MLP split in two, the tower and projector whole on
+    each rank and run by the driver, which sends the other rank each step's placeholder embeddings and key
+    limits with its arrays; at 7 tokens a step chunks stop before images, and the answers (tokens and
+    logits) are transformers'."""
+    engine = _engine(gemma3[0], tensor_parallel_size=2, max_num_batched_tokens=7)
+    try:
+        _assert_answers_as_hf(engine, gemma3, _prompts()[:2])
+    finally:
+        engine.shutdown()
+
+
+def test_a_lora_adapter_and_fp8_change_the_decoder_alone(gemma3, tmp_path):
+    """LoRA on the Gemma 3 decoder, the adapter named as transformers names it
+    (model.language_model.layers.*): prompts with images, chunked before them, get transformers' greedy
+    tokens and logits with the adapter merged into its weights, beside the same prompts as base rows, which
+    get transformers' own.
+    ``--quantization fp8`` quantises the decoder alone: the tower stays 16-bit (nn.Linear)."""
+    import copy
+
+    from test_qwen2_vl import _random_adapter
+
+    from plait.layers.fp8 import Fp8Linear
+    from plait.lora.request import LoRARequest
+
+    folder, hf, processor = gemma3
+    text = hf.config.text_config
+    hidden, inter = text.hidden_size, text.intermediate_size
+    q, kv = text.num_attention_heads * text.head_dim, text.num_key_value_heads * text.head_dim
+    projections = {"q_proj": (hidden, q), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+                   "gate_proj": (hidden, inter), "down_proj": (inter, hidden)}
+    pairs = _random_adapter(tmp_path / "adapter", "model.language_model", 4, seed=3, projections=projections,
+                            num_layers=text.num_hidden_layers)
+    merged = copy.deepcopy(hf)
+    with torch.no_grad():
+        state = merged.state_dict()
+        for module, (a, b) in pairs.items():
+            state[f"{module}.weight"] += 2.0 * (b @ a)  # lora_alpha / r = 2
+    prompts = _prompts()[1:2]  # two images
+    base = [_hf(hf, processor, text, images) for text, images in prompts]
+    adapted = [_hf(merged, processor, text, images) for text, images in prompts]
+    asked = [MultiModalPrompt(ids, tuple(images)) for (ids, _, _), (_, images) in zip(base, prompts)]
+    lora = LoRARequest("tiny-gemma3", 1, str(tmp_path / "adapter"))
+    engine = _engine(folder, enable_lora=True, max_lora_rank=8, max_num_batched_tokens=7)
+    outputs, logits = run_greedy(engine, asked + asked, MAX_TOKENS, capture_logits=True,
+                                 loras=[lora] * len(asked) + [None] * len(asked))
+    for i, (_, want, want_logits) in enumerate(adapted + base):
+        assert outputs[i] == want, f"row {i}: greedy tokens differ from transformers'"
+        torch.testing.assert_close(torch.stack(logits[i]), want_logits, atol=LOGITS_ATOL, rtol=0)
+    assert [out for _, out, _ in adapted] != [out for _, out, _ in base]  # the adapter changes the answers
+    del engine
+    release_dropped_engines()  # on a GPU the first engine's KV cache holds 90% of it
+    fp8 = LLM(str(folder), dtype="float32", quantization="fp8")
+    model = fp8.engine.runner.model
+    assert isinstance(model.model.layers[0].mlp.down_proj, Fp8Linear)
+    assert not any(isinstance(m, Fp8Linear) for side in (model.vision_tower, model.multi_modal_projector)
+                   for m in side.modules())
+    assert fp8.generate([asked[0]], SamplingParams(max_tokens=2), use_tqdm=False)[0].outputs[0].token_ids
 
 
 @pytest.mark.gpu

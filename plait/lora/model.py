@@ -37,7 +37,7 @@ def lora_targets(model: nn.Module, full: ModelConfig | None = None) -> dict[str,
     if not getattr(model, "supports_lora", False):
         raise ValueError(f"LoRA is not supported for {type(model).__name__}; it serves the Llama family "
                          f"(Llama, Mistral, Qwen2, Qwen3), Granite, OLMo 2 / OLMo 3, Gemma 1 / 2 / 3 text, "
-                         f"Phi-3 / Phi-3.5 / Phi-4, and LLaVA's and Qwen2-VL's decoders")
+                         f"Phi-3 / Phi-3.5 / Phi-4, and LLaVA's, Gemma 3's and Qwen2-VL's decoders")
     cfg = full or model.config
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
     in_features = {"qkv_proj": cfg.hidden_size, "o_proj": q, "gate_up_proj": cfg.hidden_size,

@@ -163,8 +163,9 @@ class Gemma3ForConditionalGeneration(GemmaForCausalLM):
     ``ForwardBatch.image_embeds``, and every step carries ``key_limits`` (``bidirectional_image_spans``):
     an image's placeholders see its last one, and the scheduler never ends a chunk inside them."""
 
-    # Adapters for these checkpoints name the multimodal model's modules (language_model.model...).
-    supports_lora = False
+    # On the decoder's projections (plait.lora.model.lora_targets); adapters name them as transformers names
+    # this model's decoder (model.language_model.layers..., 4's language_model.model...: language_model_name).
+    supports_lora = True
     supports_images = True
     bidirectional_image_spans = True
 

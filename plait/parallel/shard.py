@@ -66,6 +66,8 @@ SHARDABLE_ARCHITECTURES = frozenset({
     "Qwen2_5_VLForConditionalGeneration", "Mistral3ForConditionalGeneration",
     "Idefics3ForConditionalGeneration", "SmolVLMForConditionalGeneration",
     "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
+    # Gemma 3's step arrays carry its key limits (StepArrays.key_limits): every rank masks images alike.
+    "Gemma3ForConditionalGeneration",
     *MAMBA2_DIMS,
 })
 # A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias" | a quantised
