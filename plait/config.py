@@ -1043,6 +1043,9 @@ class ModelConfig:
     partial_rotary_factor: float = 1.0
     # Ministral 3: (beta, period) of Llama 4's query scaling by position (rotary.llama4_query_scale)
     llama4_scaling: tuple[float, int] | None = None
+    # Tensor parallelism: the ranks a Mamba2 mixer's heads are split over (a rank's config builds
+    # Mamba2Dims.split(mamba_ranks) of its checkpoint's mixer; plait.parallel.shard sets it).
+    mamba_ranks: int = 1
     raw: dict = field(default_factory=dict, repr=False)  # the original dict, for HF references
 
     @classmethod

@@ -191,12 +191,12 @@ def test_refused_expert_parallelism(tiny_llama, moe_models):  # noqa: F811
 
 
 def test_refused_architecture():
-    """A decoder whose layers are not the Llama family's (Bamba's Mamba2 layers) is refused by name."""
+    """A model whose layers no rank can build from a narrower config (a BERT encoder's) is refused by name."""
     from plait.parallel.shard import shard_for
 
-    cfg = ModelConfig.from_hf({"architectures": ["BambaForCausalLM"], "hidden_size": 8, "vocab_size": 8,
+    cfg = ModelConfig.from_hf({"architectures": ["BertModel"], "hidden_size": 8, "vocab_size": 8,
                                "num_attention_heads": 2, "num_hidden_layers": 1, "intermediate_size": 8})
-    with pytest.raises(ValueError, match="BambaForCausalLM cannot be split across devices"):
+    with pytest.raises(ValueError, match="BertModel cannot be split across devices"):
         shard_for(cfg, 0, 2)
 
 

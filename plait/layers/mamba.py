@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from plait.kernels.dispatch import on_kernel_device
@@ -14,6 +16,7 @@ from plait.layers import mamba_ops
 from plait.layers.mamba_ops import MambaRows
 
 if TYPE_CHECKING:
+    from plait.parallel.group import TPGroup
     from plait.runner.forward_batch import ForwardBatch
 
 # The SSM state accumulates over the whole sequence; it is kept in fp32 whatever the model dtype,
@@ -39,10 +42,24 @@ class Mamba2Dims:
     use_bias: bool
     norm_eps: float
     time_step_limit: tuple[float, float]
+    # Tensor parallelism: how many ranks share each group (its B and C columns, replicated on each, and the
+    # span of its gated norm, whose sums of squares they add up); 1: every rank holds whole groups of its own.
+    group_ranks: int = 1
 
     @property
     def intermediate_size(self) -> int:
         return self.num_heads * self.head_dim
+
+    def split(self, ranks: int) -> Mamba2Dims:
+        """One of ``ranks`` tensor-parallel ranks' mixer (vLLM's MambaMixer2): its num_heads / ranks heads
+        and the groups they read: n_groups / ranks of them, or the one group (n_groups 1) replicated on every
+        rank (plait.parallel.shard.shard_for refuses any other split)."""
+        if ranks == 1:
+            return self
+        heads = self.num_heads // ranks
+        if self.n_groups % ranks == 0:
+            return dataclasses.replace(self, num_heads=heads, n_groups=self.n_groups // ranks)
+        return dataclasses.replace(self, num_heads=heads, group_ranks=ranks)
 
     @property
     def conv_dim(self) -> int:
@@ -96,18 +113,38 @@ def batch_rows(batch: ForwardBatch) -> MambaRows:
 
 
 class GatedRMSNorm(nn.Module):
-    def __init__(self, size: int, group_size: int, eps: float) -> None:
+    """RMSNorm(y * silu(z)) per group of ``group_size`` channels. Under tensor parallelism with one group
+    replicated on ``ranks`` ranks, a rank holds group_size of the group's ranks * group_size channels: its
+    sums of squares are added to the others' (``group``, set by plait.parallel.shard) before it normalises
+    its slice, as vLLM's Mixer2RMSNormGated does."""
+
+    def __init__(self, size: int, group_size: int, eps: float, ranks: int = 1) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
-        self.group_size, self.eps = group_size, eps
+        self.group_size, self.eps, self.ranks = group_size, eps, ranks
+        self.group: TPGroup | None = None
 
     def forward(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        # y, z: [T, I]
+        # y, z: [T, I] (this rank's channels)
+        if self.ranks > 1:
+            return self._across_ranks(y, z)
         if on_kernel_device(y):
             from plait.kernels.mamba_norm import gated_rms_norm
 
             return gated_rms_norm(y, z, self.weight, self.group_size, self.eps)
         return mamba_ops.gated_rms_norm_ref(y, z, self.weight, self.group_size, self.eps)
+
+    def _across_ranks(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """gated_rms_norm_ref's arithmetic on this rank's group_size channels of a group spanning the ranks:
+        one all-reduce of [T, 1] sums of squares (torch ops on a GPU too: the kernel normalises whole
+        groups)."""
+        if self.group is None:
+            raise RuntimeError("a gated norm split across ranks needs their group "
+                               "(plait.parallel.shard.sum_row_parallel_outputs)")
+        h = y.float() * F.silu(z.float())  # [T, group_size]
+        sums = self.group.all_reduce_(h.pow(2).sum(-1, keepdim=True))  # [T, 1]: the whole group's
+        mean = sums / (self.group_size * self.ranks)
+        return self.weight * (h * torch.rsqrt(mean + self.eps)).to(y.dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -127,7 +164,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.ones(h))
         self.A_log = nn.Parameter(torch.zeros(h))
         self.D = nn.Parameter(torch.ones(h))
-        self.norm = GatedRMSNorm(i, i // dims.n_groups, dims.norm_eps)
+        self.norm = GatedRMSNorm(i, i // dims.n_groups, dims.norm_eps, dims.group_ranks)
         self.out_proj = nn.Linear(i, dims.hidden_size, bias=dims.use_bias)
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:

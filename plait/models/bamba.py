@@ -102,7 +102,7 @@ class BambaForCausalLM(RecurrentCausalLM):
         if raw.get("mlp_bias") or raw.get("attention_bias"):
             raise ValueError("Bamba with mlp_bias or attention_bias is not supported")
         self.config = cfg
-        self.dims = bamba_dims(raw)
+        self.dims = bamba_dims(raw).split(cfg.mamba_ranks)
         types = layer_types(raw)
         self.num_kv_cache_layers = types.count(ATTENTION)
         self.num_mamba_layers = types.count(MAMBA)

@@ -49,8 +49,8 @@ class GraniteMoeHybridDecoderLayer(GraniteDecoderLayer):
         super().__init__(cfg, layer_idx)  # make_attention: None on a Mamba layer
         types = layer_types(cfg.raw)
         kind = types[layer_idx]
-        self.mamba = (Mamba2Mixer(bamba_dims(cfg.raw), state_index=types[:layer_idx].count(MAMBA))
-                      if kind == MAMBA else None)
+        dims = bamba_dims(cfg.raw).split(cfg.mamba_ranks)  # a tensor-parallel rank's: its heads
+        self.mamba = Mamba2Mixer(dims, state_index=types[:layer_idx].count(MAMBA)) if kind == MAMBA else None
 
     def make_attention(self, cfg: ModelConfig, layer_idx: int) -> Attention | None:
         types = layer_types(cfg.raw)
@@ -87,7 +87,7 @@ class GraniteMoeHybridForCausalLM(GraniteMoeForCausalLM, RecurrentCausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__(cfg, max_positions)
         types = layer_types(cfg.raw)
-        self.dims = bamba_dims(cfg.raw)
+        self.dims = bamba_dims(cfg.raw).split(cfg.mamba_ranks)
         self.num_mamba_layers = types.count(MAMBA)
         self.num_kv_cache_layers = types.count(ATTENTION)
         self.supports_prefix_caching = self.num_mamba_layers == 0

@@ -86,7 +86,7 @@ class Mamba2ForCausalLM(RecurrentCausalLM):
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.dims = mamba2_dims(cfg.raw)
+        self.dims = mamba2_dims(cfg.raw).split(cfg.mamba_ranks)
         self.num_mamba_layers = cfg.num_hidden_layers  # every layer
         self.backbone = Mamba2Backbone(cfg, self.dims)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)

@@ -123,7 +123,7 @@ class NemotronHForCausalLM(RecurrentCausalLM):
         if cfg.attention_bias:
             raise ValueError("NemotronH with attention_bias is not supported")
         self.config = cfg
-        self.dims = nemotron_h_dims(raw)
+        self.dims = nemotron_h_dims(raw).split(cfg.mamba_ranks)
         types = layer_types(raw)
         self.num_kv_cache_layers = types.count(ATTENTION)
         self.num_mamba_layers = types.count(MAMBA)

@@ -7,7 +7,12 @@ Under expert parallelism (vLLM's enable_expert_parallel) a MoE model's routed ex
 instead: rank r of N holds experts [r * E / N, (r + 1) * E / N) at their full width, renumbered from 0, and
 computes their share of every token's output (the router, replicated, still picks among all E); the MoE
 block's sum over the ranks is the same all-reduce. Attention, dense MLPs and shared experts split as
-before."""
+before.
+
+A Mamba2 mixer (Mamba2, Bamba, NemotronH, Granite 4) splits by heads as vLLM's MambaMixer2: in_proj's z, x and
+dt rows, conv1d's x channels, A_log / D / dt_bias and the gated norm's weight by heads, B and C (in_proj rows,
+conv1d channels) by groups, or replicated where there is one group; out_proj by columns, summed. Each rank's
+recurrent state holds its own heads."""
 
 from __future__ import annotations
 
@@ -20,14 +25,24 @@ import torch
 from torch import nn
 
 from plait.config import DEEPSEEK_ARCHITECTURES, ModelConfig, mla_dims
+from plait.layers.mamba import Mamba2Dims, Mamba2Mixer
 from plait.layers.moe import FusedMoE
 from plait.layers.mxfp4 import BLOCK_VALUES
+from plait.models.bamba import bamba_dims
+from plait.models.mamba2 import mamba2_dims
+from plait.models.nemotron_h import nemotron_h_dims
 from plait.models.weights import IMAGE_SIDE_MODULES, IMAGE_SIDE_TENSOR
 from plait.parallel.group import DRIVER_RANK, TPGroup
 
-# The decoders whose layers are the Llama family's attention and MLP or sparse MoE block: those a rank can
-# build from a narrower config alone. (OLMo 2 / 3 and OLMoE normalise q and k across all heads: each rank
-# its slice, with the sums of squares of every rank's: Attention.qk_norm_group.)
+# The hybrids of Mamba2 mixers (and attention, MLPs, MoE blocks): how each reads its mixer's dims from its
+# HF config.
+MAMBA2_DIMS: dict[str, Callable[[dict], Mamba2Dims]] = {
+    "Mamba2ForCausalLM": mamba2_dims, "BambaForCausalLM": bamba_dims, "NemotronHForCausalLM": nemotron_h_dims,
+    "GraniteMoeHybridForCausalLM": bamba_dims,
+}
+# The decoders whose layers are the Llama family's attention and MLP or sparse MoE block, or a Mamba2
+# mixer: those a rank can build from a narrower config alone. (OLMo 2 / 3 and OLMoE normalise q and k across
+# all heads: each rank its slice, with the sums of squares of every rank's: Attention.qk_norm_group.)
 SHARDABLE_ARCHITECTURES = frozenset({
     "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
     "GraniteForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
@@ -53,25 +68,33 @@ SHARDABLE_ARCHITECTURES = frozenset({
     "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration",
     # Gemma 3's step arrays carry its key limits (StepArrays.key_limits): every rank masks images alike.
     "Gemma3ForConditionalGeneration",
+    *MAMBA2_DIMS,
 })
 # A checkpoint tensor of a decoder layer's attention: (projection, "weight" | "bias" | a quantised
 # checkpoint's tensor beside the weight (SCALE_KINDS, INTEGER_KINDS)), or (its own name, None) for a tensor of
 # the attention itself (GPT-OSS's ``self_attn.sinks``, one per query head).
 _SUFFIXES = (r"(?:\.(weight|bias|weight_scale|weight_scale_inv|input_scale|qweight|qzeros|scales|g_idx|"
              r"weight_packed|weight_zero_point|weight_g_idx|weight_shape))?$")
-ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.self_attn\.(\w+)" + _SUFFIXES)
+# NemotronH names every layer's module ``mixer``: attention's, its MLP's and the Mamba2 mixer's (MAMBA_TENSOR,
+# matched first).
+ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.(?:self_attn|mixer)\.(\w+)" + _SUFFIXES)
 # A feed-forward's: a dense MLP's (``mlp.gate_proj.weight``), a routed expert's
 # (``mlp.experts.3.up_proj.weight``, Mixtral's ``block_sparse_moe.experts.3.w1.weight``), transformers 5's
 # stacked experts (``mlp.experts.gate_up_proj``, and FusedMoE's ``gate_up_bias`` / ``down_bias`` as
-# GPT-OSS's checkpoint_layout names its experts' biases) or a shared expert's
+# GPT-OSS's checkpoint_layout names its experts' biases), Bamba's ``feed_forward``, NemotronH's MLP layer's
+# ``mixer.up_proj`` or a shared expert's
 # (``mlp.shared_expert.down_proj.weight``; GLM-4.5's ``mlp.shared_experts...``), or GPT-OSS's MXFP4
 # experts (``mlp.experts.down_proj_blocks``): (which MLP, projection, "_blocks" | "_scales" | None, "weight" |
 # "bias" | None). Routers (``mlp.gate``, with GLM-4.5's ``mlp.gate.e_score_correction_bias``,
 # ``block_sparse_moe.gate``, ``shared_expert_gate``, GPT-OSS's ``mlp.router``) are replicated.
-FFN_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\."
+FFN_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe|feed_forward|mixer)\."
                         r"(experts\.\d+\.|experts\.|shared_experts?\.)?"
                         r"(gate_proj|up_proj|down_proj|gate_up_proj|gate_up_bias|down_bias|w1|w2|w3)"
                         r"(_blocks|_scales)?" + _SUFFIXES)
+# A Mamba2 mixer's tensor (Bamba's and Granite 4's ``mamba``, Mamba2's and NemotronH's ``mixer``): (its
+# parameter or projection, "weight" | "bias" | a quantised checkpoint's tensor beside the weight | None).
+MAMBA_TENSOR = re.compile(r"\.layers\.\d+\.(?:mamba|mixer)\.(in_proj|conv1d|dt_bias|A_log|D|norm|out_proj)"
+                          + _SUFFIXES)
 # Under expert parallelism, a routed expert's tensor: one expert's (``mlp.experts.3.up_proj.weight``,
 # Mixtral's ``block_sparse_moe.experts.3.w1.weight``, an FP8 one's ``weight_scale_inv``), its index
 # captured, or a stack of every expert's along dim 0 (``mlp.experts.gate_up_proj``, ``down_bias``, GPT-OSS's
@@ -90,6 +113,13 @@ PAD_SCALE = 127
 # Mixtral names gate, up and down w1, w3 and w2.
 COLUMN_PARALLEL = ("gate_proj", "up_proj", "w1", "w3")
 ROW_PARALLEL = ("down_proj", "w2")
+# The projections whose outputs the ranks sum: o_proj, down / w2, a Mamba2 mixer's out_proj.
+SUMMED_PROJECTIONS = (*ROW_PARALLEL, "o_proj", "out_proj")
+# The modules whose outputs sum_row_parallel_outputs sums, by name (beside MoE blocks and Mamba2 mixers'
+# out_proj): attention's o_proj, a dense MLP's down_proj (Bamba's MLP is its ``feed_forward``; NemotronH's
+# attention and MLP are each a layer's ``mixer``).
+SUMMED_MODULES = ("self_attn.o_proj", "mlp.down_proj", "feed_forward.down_proj", "mixer.o_proj",
+                  "mixer.down_proj")
 # An FP8 checkpoint's scales beside a projection's weight: one for the tensor (and a static input scale),
 # one a row ([out] or [out, 1]), or one a tile ([out / block_n, in / block_k]; "weight_scale_inv" in
 # DeepSeek / Qwen checkpoints, "weight_scale" in llm-compressor's).
@@ -242,6 +272,36 @@ class Shard:
         gate, up = t.chunk(2, dim=rows)  # gate_up_proj: Phi-3's fused, or transformers 5's stacked experts
         return torch.cat([self._part(gate, rows, n, fill), self._part(up, rows, n, fill)], dim=rows)
 
+    def _mamba(self, proj: str, kind: str | None, t: torch.Tensor) -> torch.Tensor:
+        """A Mamba2 mixer's tensor (MAMBA_TENSOR) as this rank holds it: in_proj's rows ([z | x | B | C | dt]
+        by out channel) and conv1d's channels ([x | B | C]) each piece cut as its own, by heads or by groups
+        (B and C whole where one group is replicated); A_log, D, dt_bias by heads, the gated norm's weight by
+        its heads' channels; out_proj's columns of them (its bias the driver's)."""
+        full = MAMBA2_DIMS[self.full.architecture](self.full.raw)
+        local = full.split(self.world_size)
+        inner, groups = full.intermediate_size, full.n_groups * full.state_size
+
+        def of_groups(piece: torch.Tensor) -> torch.Tensor:  # B or C rows: [G N, ...]
+            if local.group_ranks > 1:
+                return piece  # the one group, every rank's
+            return self._part(piece, 0, local.n_groups * full.state_size)
+
+        heads = self._part  # z, x, dt: this rank's heads (or their channels)
+        if proj == "in_proj":
+            z, x, B, C, dt = t.split([inner, inner, groups, groups, full.num_heads])
+            i = local.intermediate_size
+            return torch.cat([heads(z, 0, i), heads(x, 0, i), of_groups(B), of_groups(C),
+                              heads(dt, 0, local.num_heads)])
+        if proj == "conv1d":  # weight [conv_dim, 1, K], bias [conv_dim]
+            x, B, C = t.split([inner, groups, groups])
+            return torch.cat([heads(x, 0, local.intermediate_size), of_groups(B), of_groups(C)])
+        if proj in ("A_log", "D", "dt_bias"):  # [H]
+            return heads(t, 0, local.num_heads)
+        if proj == "norm":  # [I]
+            return heads(t, 0, local.intermediate_size)
+        # out_proj: [hidden, I]
+        return self._summed_bias(t) if kind == "bias" else heads(t, 1, local.intermediate_size)
+
     def _held_expert(self, match: re.Match, name: str, tensor: torch.Tensor
                      ) -> tuple[str, torch.Tensor] | None:
         """Expert parallelism: a routed expert's tensor (EXPERT_TENSOR's ``match``) as this rank holds it:
@@ -271,14 +331,19 @@ class Shard:
                 if held is not None:
                     yield held
                 continue
-            attention, ffn = ATTENTION_TENSOR.search(name), FFN_TENSOR.search(name)
-            if attention:
-                cut = functools.partial(self._attention, attention[1])
-                proj, kind = attention[1], attention[2]
-            elif ffn:
+            mamba = MAMBA_TENSOR.search(name) if self.full.architecture in MAMBA2_DIMS else None
+            attention = None if mamba else ATTENTION_TENSOR.search(name)
+            ffn = None if mamba else FFN_TENSOR.search(name)
+            if mamba:
+                cut = functools.partial(self._mamba, mamba[1])
+                proj, kind = mamba[1], mamba[2]
+            elif ffn:  # first: NemotronH's MLP is a ``mixer`` too
                 cut = functools.partial(self._feed_forward, ffn[1], ffn[2], ffn[3])
                 proj, kind = ffn[2], ffn[4]
-            if attention or ffn:
+            elif attention:
+                cut = functools.partial(self._attention, attention[1])
+                proj, kind = attention[1], attention[2]
+            if mamba or attention or ffn:
                 tensor = self._sliced(name, proj, kind, tensor, cut)
             yield name, tensor
 
@@ -293,7 +358,7 @@ class Shard:
     def _sliced(self, name: str, proj: str, kind: str | None, t: torch.Tensor,
                 cut: Callable[[str | None, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """A projection's tensor (``cut(kind, t)`` slices its weights and biases) as this rank holds it."""
-        row_parallel = proj in (*ROW_PARALLEL, "o_proj")
+        row_parallel = proj in SUMMED_PROJECTIONS
         if self.integer is not None and kind in INTEGER_KINDS:
             return self._integer(name, kind, t, functools.partial(cut, "weight"), row_parallel)
         if kind in SCALE_KINDS:
@@ -400,6 +465,7 @@ def shard_for(config: ModelConfig, rank: int, world_size: int, expert_block: int
             raise ValueError(f"tensor_parallel_size {world_size} must divide the model's {what} ({n})")
     if moe is not None and expert_tile is not None and not split_experts:
         _check_whole_expert_tiles(moe.intermediate_size, world_size, *expert_tile)
+    mamba_ranks = _check_mamba_split(config, world_size)
     kv_heads = config.num_key_value_heads
     if kv_heads % world_size and world_size % kv_heads:
         raise ValueError(f"tensor_parallel_size {world_size} and the model's {kv_heads} KV heads: one must "
@@ -413,8 +479,27 @@ def shard_for(config: ModelConfig, rank: int, world_size: int, expert_block: int
                                   shared_intermediate_size=moe.shared_intermediate_size // world_size)
     local = dataclasses.replace(config, num_attention_heads=config.num_attention_heads // world_size,
                                 num_key_value_heads=max(1, kv_heads // world_size),
-                                intermediate_size=config.intermediate_size // world_size, moe=moe)
+                                intermediate_size=config.intermediate_size // world_size, moe=moe,
+                                mamba_ranks=mamba_ranks)
     return Shard(rank, world_size, config, local)
+
+
+def _check_mamba_split(config: ModelConfig, world_size: int) -> int:
+    """The ranks a hybrid's Mamba2 mixers split over (ModelConfig.mamba_ranks: world_size; 1 where the model
+    has no Mamba2 mixer), or a ValueError where they cannot: every rank takes as many heads, and whole groups
+    of its own or the one group replicated (vLLM's MambaMixer2 refuses the rest too)."""
+    dims_of = MAMBA2_DIMS.get(config.architecture)
+    if dims_of is None:
+        return 1
+    dims = dims_of(config.raw)
+    if dims.num_heads % world_size:
+        raise ValueError(f"tensor_parallel_size {world_size} must divide the model's {dims.num_heads} Mamba "
+                         "heads")
+    if dims.n_groups % world_size and dims.n_groups != 1:
+        raise ValueError(f"tensor_parallel_size {world_size} and the model's {dims.n_groups} Mamba groups: "
+                         "each rank must hold whole groups of its own, or the model have one group "
+                         "(replicated on every rank)")
+    return world_size
 
 
 def _check_whole_expert_tiles(width: int, world_size: int, tile: int, what: str) -> None:
@@ -434,13 +519,19 @@ def sum_row_parallel_outputs(model: nn.Module, group: TPGroup) -> None:
     """Make a rank's model (built from Shard.local, loaded from Shard.checkpoint) one slice of the whole: the
     outputs of o_proj, of a dense MLP's down_proj and of a sparse MoE block (its experts' and shared expert's
     partial sums together; under expert parallelism its own experts' whole outputs) are summed over the
-    ranks after each call, so every rank's residual stream is the whole model's; attention whose q/k norms
-    span all heads (OLMo's) takes the group, to sum its rows' squares over the ranks before normalising."""
+    ranks after each call, and so are a Mamba2 mixer's out_proj's, so every rank's residual stream is the
+    whole model's; attention whose q/k norms span all heads (OLMo's), and a Mamba2 mixer's gated norm over
+    one group replicated on the ranks, take the group, to sum their rows' squares over the ranks before
+    normalising."""
     for name, module in model.named_modules():
         if name.split(".", 1)[0] in IMAGE_SIDE_MODULES:  # whole on every rank (Qwen2.5-VL's has a down_proj)
             continue
         moe_block = any(isinstance(child, FusedMoE) for child in module.children())
         if getattr(module, "flat_qk_norm", False):  # OLMo's q/k norms span the ranks' heads
             module.qk_norm_group = group
-        if name.endswith(("self_attn.o_proj", "mlp.down_proj")) or moe_block:
+        if isinstance(module, Mamba2Mixer):
+            if module.dims.group_ranks > 1:  # one group across the ranks: its norm sums their squares
+                module.norm.group = group
+            module.out_proj.register_forward_hook(lambda _m, _x, out: group.all_reduce_(out))
+        if name.endswith(SUMMED_MODULES) or moe_block:
             module.register_forward_hook(lambda _m, _x, out: group.all_reduce_(out))
