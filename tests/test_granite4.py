@@ -329,10 +329,9 @@ def test_each_multiplier_bites(granite4_models, tmp_path, multiplier):
 
 def test_unsupported_variants_are_refused_by_name(granite4_models, tmp_path):
     """A layer kind that is neither Mamba nor attention, an unknown position embedding, attention biases (not
-    in any Granite 4 checkpoint), tensor parallelism (the Mamba layers are not split) and GPTQ / AWQ
+    in any Granite 4 checkpoint) and GPTQ / AWQ
     checkpoints (the Mamba projections have no integer path) are refused, each saying what."""
     from plait.layers.wna16 import WNA16Spec, check_method
-    from plait.parallel.shard import shard_for
 
     folder, _ = granite4_models["h-tiny"]
     config = json.loads((folder / "config.json").read_text())
@@ -347,7 +346,5 @@ def test_unsupported_variants_are_refused_by_name(granite4_models, tmp_path):
         (bad / "config.json").write_text(json.dumps(config | change))
         with pytest.raises(ValueError, match=message):
             LLMEngine(EngineConfig(model=str(bad), load_format="dummy", device="cpu", dtype="float32"))
-    with pytest.raises(ValueError, match="GraniteMoeHybridForCausalLM cannot be split across devices"):
-        shard_for(ModelConfig.from_hf(config), 0, 2)
     with pytest.raises(ValueError, match="GPTQ checkpoints of GraniteMoeHybridForCausalLM are not supported"):
         check_method(WNA16Spec("gptq", 4, 128, zero_offset=1), None, "GraniteMoeHybridForCausalLM")
