@@ -40,11 +40,11 @@ from plait.config import (
 )
 from plait.layers.fp8 import Fp8Linear
 from plait.layers.linear import Linear
-from plait.layers.moe import FusedMoE, NoAuxTcRouter, SoftmaxGroupRouter
+from plait.layers.moe import NoAuxTcRouter, SoftmaxGroupRouter
 from plait.layers.norm import RMSNorm
 from plait.layers.rotary import RotaryEmbedding, _yarn_mscale
 from plait.models.base import CausalLM
-from plait.models.glm4_moe import without_mtp_layers
+from plait.models.glm4_moe import Glm4MoeBlock, without_mtp_layers
 from plait.models.llama import MLP
 from plait.models.weights import halves_order, load_checked
 from plait.runner.forward_batch import ForwardBatch
@@ -149,35 +149,23 @@ class MLAttention(nn.Module):
         return self.o_proj(out.transpose(0, 1).reshape(num_tokens, heads * self.v_dim))
 
 
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(Glm4MoeBlock):
     """Routed experts on DeepSeek's router (V2: softmax greedy or group-limited greedy; V3: noaux_tc), each
     entry's weight times routed_scaling_factor, plus the ungated shared experts (n_shared_experts x
-    moe_intermediate_size wide) on every token."""
+    moe_intermediate_size wide) on every token: GLM-4.5's block with V2's routers beside V3's."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
+    @staticmethod
+    def make_router(cfg: ModelConfig) -> nn.Module:
         moe = cfg.moe
         # V2's "greedy" ignores the config's groups (as transformers does)
         groups = (moe.n_group, moe.topk_group) if moe.router != SOFTMAX_ROUTER else (1, 1)
         if moe.router == NOAUX_TC_ROUTER:
-            self.gate = NoAuxTcRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.renormalize, *groups,
+            return NoAuxTcRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.renormalize, *groups,
+                                 moe.routed_scaling_factor)
+        if moe.router in (SOFTMAX_ROUTER, GROUP_LIMITED_ROUTER):
+            return SoftmaxGroupRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.renormalize, *groups,
                                       moe.routed_scaling_factor)
-        elif moe.router in (SOFTMAX_ROUTER, GROUP_LIMITED_ROUTER):
-            self.gate = SoftmaxGroupRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.renormalize,
-                                           *groups, moe.routed_scaling_factor)
-        else:
-            raise ValueError(f"{cfg.architecture}: router {moe.router!r} is not DeepSeek's")
-        self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size,
-                                moe.renormalize, expert_range=moe.expert_range)
-        self.shared_experts = MLP(cfg, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, hidden] -> [T, hidden]
-        weights, ids = self.gate(x)  # [T, k] fp32 (routed_scaling_factor in them), [T, k]
-        out = self.experts.run_routed(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        raise ValueError(f"{cfg.architecture}: router {moe.router!r} is not DeepSeek's")
 
 
 class DeepseekDecoderLayer(nn.Module):

@@ -31,13 +31,19 @@ class Glm4MoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         moe = cfg.moe
-        if moe.router != NOAUX_TC_ROUTER:
-            raise ValueError(f"{cfg.architecture}: router {moe.router!r}, expected {NOAUX_TC_ROUTER!r}")
-        self.gate = NoAuxTcRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.renormalize, moe.n_group,
-                                  moe.topk_group, moe.routed_scaling_factor)
+        self.gate = self.make_router(cfg)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size,
                                 moe.renormalize, expert_range=moe.expert_range)
         self.shared_experts = MLP(cfg, moe.shared_intermediate_size) if moe.shared_intermediate_size else None
+
+    @staticmethod
+    def make_router(cfg: ModelConfig) -> nn.Module:
+        """x [T, hidden] -> (weights [T, k] fp32, routed_scaling_factor in them; ids [T, k])."""
+        moe = cfg.moe
+        if moe.router != NOAUX_TC_ROUTER:
+            raise ValueError(f"{cfg.architecture}: router {moe.router!r}, expected {NOAUX_TC_ROUTER!r}")
+        return NoAuxTcRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.renormalize, moe.n_group,
+                             moe.topk_group, moe.routed_scaling_factor)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]
