@@ -44,23 +44,30 @@ def _moe_configs() -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def moe_models(tmp_path_factory) -> dict[str, object]:
-    """family -> (folder of a random tiny model as save_pretrained writes it, the HF model)."""
+def saved_random_models(tmp_path_factory, configs: dict, seed: int, weight_scale: float,
+                        **from_config) -> dict[str, tuple]:
+    """family -> (folder of a random tiny model as save_pretrained writes it, the HF model): each of
+    ``configs`` seeded seed + its index, every weight but the norms' scaled by ``weight_scale``."""
     from transformers import AutoModelForCausalLM
 
     models = {}
-    for i, (family, cfg) in enumerate(_moe_configs().items()):
-        torch.manual_seed(2000 + i)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    for i, (family, cfg) in enumerate(configs.items()):
+        torch.manual_seed(seed + i)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, **from_config).eval()
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" not in name:
-                    p.mul_(WEIGHT_SCALE)
+                    p.mul_(weight_scale)
         folder = tmp_path_factory.mktemp(f"tiny-{family}")
         model.save_pretrained(folder)
         models[family] = (folder, model)
     return models
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory) -> dict[str, object]:
+    """family -> (folder of a random tiny model as save_pretrained writes it, the HF model)."""
+    return saved_random_models(tmp_path_factory, _moe_configs(), 2000, WEIGHT_SCALE)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from conftest import TINY_VOCAB, assert_greedy_matches_hf, random_prompts
-from test_moe import _copy_model_folder
+from test_moe import _copy_model_folder, saved_random_models
 
 from plait.config import EngineConfig, ModelConfig
 from plait.engine.engine import LLMEngine
@@ -46,20 +46,7 @@ def _configs() -> dict:
 @pytest.fixture(scope="module")
 def family_models(tmp_path_factory) -> dict[str, tuple]:
     """family -> (folder of a random tiny model as save_pretrained writes it, the transformers model)."""
-    from transformers import AutoModelForCausalLM
-
-    models = {}
-    for i, (family, cfg) in enumerate(_configs().items()):
-        torch.manual_seed(3000 + i)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager").eval()
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" not in name:
-                    p.mul_(WEIGHT_SCALE)
-        folder = tmp_path_factory.mktemp(f"tiny-{family}")
-        model.save_pretrained(folder)
-        models[family] = (folder, model)
-    return models
+    return saved_random_models(tmp_path_factory, _configs(), 3000, WEIGHT_SCALE, attn_implementation="eager")
 
 
 def _engine(folder, **knobs) -> LLMEngine:
