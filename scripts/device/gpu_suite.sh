@@ -1,36 +1,29 @@
 #!/usr/bin/env bash
 # Run from the repository root on the device (the device tool copies the tree; carry .whl from
 # scripts/device_wheels.sh).
-# The whole GPU suite (pytest -m gpu). With two GPUs the engine-level files run on one while the kernel files
-# run on the other, then the tensor-parallel file takes both; with one GPU all run in turn (tensor parallel
-# skips). SUITE_LIMIT_S bounds each part (default 590 s: the engine files took 546 s on one H200 once every
-# engine warmed up at start); on one GPU KERNEL_LIMIT_S bounds the kernel files.
-export PYTHONPATH=. PYTHONUNBUFFERED=1
+# The whole GPU suite (pytest -m gpu), in two halves of about equal time. With two GPUs half A runs on one
+# while half B runs on the other, then the tensor-parallel file takes both; with one GPU the halves run in
+# turn (tensor parallel skips). SUITE_LIMIT_S bounds each part (default 590 s: each half took ~475 s).
+export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 LIMIT=${SUITE_LIMIT_S:-590}
 nvidia-smi --query-gpu=name --format=csv,noheader
 python3 -m pip install -q --no-index --find-links .whl fastapi uvicorn prometheus_client llguidance pydantic uvloop \
     httptools httpx openai 2>&1 | grep -v "root. user" | tail -3
-ENGINE_FILES="tests/test_gpu_engine.py tests/test_sleep.py tests/test_multimodal.py tests/test_lora.py
-  tests/test_encoder_embeddings.py tests/test_mamba2.py tests/test_moe.py tests/test_wna16.py tests/test_fp8.py
-  tests/test_fp8_kv.py tests/test_fp8_block.py tests/test_sampler.py tests/test_warmup.py tests/test_gpt_oss.py
-  tests/test_qwen2_vl.py tests/test_qwen3_vl.py tests/test_idefics3.py tests/test_gemma3_images.py tests/test_deepseek.py"
-KERNEL_FILES="tests/test_triton_kernels.py tests/test_triton_attention.py tests/test_mamba_kernels.py
-  tests/test_fused_moe.py tests/test_mxfp4_moe.py tests/test_dense_kernels.py tests/test_wna16_kernels.py"
 suite() {  # suite NAME DEVICES LIMIT FILES...
   local name=$1 devices=$2 LIMIT=$3; shift 3
   CUDA_VISIBLE_DEVICES=$devices timeout -s INT $LIMIT python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs \
     --tb=short --durations=15 "$@" > $OUT/gpu_suite_$name.log 2>&1
   echo "== $name (GPUs $devices): $(tail -1 $OUT/gpu_suite_$name.log)"
 }
-# Two GPUs, halves of about equal time (the engine files took ~550 s on one H200, the kernel files ~250 s):
-# half A on one GPU beside half B on the other, then the tensor-parallel file on both. SUITE_PARTS picks
+# Two GPUs: half A on one GPU beside half B on the other, then the tensor-parallel file on both. SUITE_PARTS picks
 # "halves", "tensor_parallel" or both (the default), so a 600 s call can run the halves and the next the rest.
 HALF_A="tests/test_gpu_engine.py tests/test_sleep.py tests/test_encoder_embeddings.py tests/test_gpt_oss.py
   tests/test_warmup.py tests/test_dense_kernels.py tests/test_mamba_kernels.py tests/test_triton_kernels.py
-  tests/test_deepseek.py"
+  tests/test_eagle.py tests/test_load_weights.py tests/test_deepseek.py"
 HALF_B="tests/test_lora.py tests/test_multimodal.py tests/test_qwen2_vl.py tests/test_qwen3_vl.py tests/test_idefics3.py tests/test_gemma3_images.py tests/test_mamba2.py tests/test_moe.py
   tests/test_wna16.py tests/test_fp8.py tests/test_fp8_kv.py tests/test_fp8_block.py tests/test_sampler.py tests/test_triton_attention.py
-  tests/test_fused_moe.py tests/test_mxfp4_moe.py tests/test_wna16_kernels.py"
+  tests/test_fused_moe.py tests/test_mxfp4_moe.py tests/test_wna16_kernels.py tests/test_kv_offload.py
+  tests/test_weight_offload.py"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   PARTS=${SUITE_PARTS:-halves tensor_parallel}
   if [[ " $PARTS " == *" halves "* ]]; then
@@ -40,8 +33,9 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   fi
   [[ " $PARTS " == *" tensor_parallel "* ]] && suite tensor_parallel 0,1 $LIMIT tests/test_gpu_tensor_parallel.py
 else
-  PARTS=${SUITE_PARTS:-engine kernels}
-  [[ " $PARTS " == *" engine "* ]] && suite engine 0 $LIMIT $ENGINE_FILES
-  [[ " $PARTS " == *" kernels "* ]] && suite kernels 0 ${KERNEL_LIMIT_S:-$LIMIT} $KERNEL_FILES
+  # One GPU: the halves in turn (~480 s each on an H200), one a call (SUITE_PARTS=half_a, then half_b).
+  PARTS=${SUITE_PARTS:-half_a half_b}
+  [[ " $PARTS " == *" half_a "* ]] && suite half_a 0 $LIMIT $HALF_A
+  [[ " $PARTS " == *" half_b "* ]] && suite half_b 0 $LIMIT $HALF_B
 fi
 grep -h "^FAILED\|^ERROR" $OUT/gpu_suite_*.log | head -40
