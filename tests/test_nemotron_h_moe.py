@@ -216,3 +216,25 @@ def test_refused_variants_say_what(nemotron_moe_models, tmp_path):
     (bad / "config.json").write_text(json.dumps(config | {"layers_block_type": ["linear_attention", "conv"]}))
     with pytest.raises(ValueError, match=r"NemotronH layer kinds \['conv'\] are not supported"):
         _engine(bad, load_format="dummy")
+
+
+@pytest.mark.parametrize("variant, expert_parallel", [("latent", False), ("nano", True)])
+def test_two_ranks_match_hf(nemotron_moe_models, variant, expert_parallel):
+    """Two gloo ranks, prompts chunked beside decodes: each rank holds half of every Mamba mixer's heads and
+    of the shared expert's width, and half of every routed expert's width or (expert-parallel) four whole
+    experts; the latent projections whole on both (fc2_latent_proj's bias the driver's); transformers'
+    greedy tokens, its logits within 1e-4."""
+    folder, hf = nemotron_moe_models[variant]
+    engine = _engine(folder, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    try:
+        moe = engine.runner.model.model.layers[1].mixer
+        assert moe.shared_experts.down_proj.in_features == 24
+        if expert_parallel:
+            assert moe.experts.local_experts.count == 4 and moe.experts.gate_up_proj.shape[:2] == (4, 32)
+        else:
+            assert moe.experts.local_experts is None and moe.experts.gate_up_proj.shape[:2] == (8, 16)
+        engine.record_timeline = True
+        assert_greedy_matches_hf(engine, hf, random_prompts(4, 1, 60, seed=7), MAX_TOKENS, LOGITS_ATOL)
+        assert any(s.num_prefill_tokens and s.num_decode_tokens for s in engine.timeline), "no mixed step"
+    finally:
+        engine.shutdown()
