@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_VOCAB, assert_greedy_matches_hf, random_prompts
+from conftest import TINY_VOCAB, assert_greedy_matches_hf, random_prompts, run_greedy
 from test_moe import _copy_model_folder
 
 from plait.config import EngineConfig, ModelConfig
@@ -160,6 +160,28 @@ def test_transformers_5_stacked_names_load(nemotron_moe_models, tmp_path, varian
     _copy_model_folder(folder, tmp_path / "stacked", state)
     assert_greedy_matches_hf(_engine(tmp_path / "stacked"), hf, random_prompts(3, 1, 40, seed=22), 4,
                              LOGITS_ATOL)
+
+
+def test_bf16_checkpoint(nemotron_moe_models, tmp_path):
+    """A bf16 checkpoint (as the Hub's are; the routers' correction biases kept fp32, as transformers keeps
+    them): read into fp32 it answers as transformers reads it; served in bf16 its first logits are near the
+    fp32 engine's."""
+    from transformers import AutoModelForCausalLM
+
+    folder, _ = nemotron_moe_models["latent"]
+    AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    hf32 = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+    prompts = random_prompts(3, 10, 40, seed=31)
+    assert_greedy_matches_hf(_engine(tmp_path / "bf16"), hf32, prompts, 4, LOGITS_ATOL)
+    _, fp32_logits = run_greedy(_engine(tmp_path / "bf16"), prompts, 1, capture_logits=True)
+    bf16 = _engine(tmp_path / "bf16", dtype="bfloat16")
+    router = bf16.runner.model.model.layers[1].mixer.gate
+    assert router.weight.dtype == router.e_score_correction_bias.dtype == torch.float32
+    _, bf16_logits = run_greedy(bf16, prompts, 1, capture_logits=True)
+    for i in range(len(prompts)):
+        want = fp32_logits[i][0]
+        torch.testing.assert_close(bf16_logits[i][0], want, atol=0.05 * want.abs().max().item(), rtol=0)
 
 
 # variant -> (prompts, shortest, longest, greedy tokens): the interpreter is slow
