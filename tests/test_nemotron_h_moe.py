@@ -185,7 +185,7 @@ def test_bf16_checkpoint(nemotron_moe_models, tmp_path):
 
 
 # variant -> (prompts, shortest, longest, greedy tokens): the interpreter is slow
-TRITON_RUNS = {"nano": (2, 18, 26, 2), "latent": (2, 10, 20, 2)}
+TRITON_RUNS = {"nano": (2, 12, 20, 2), "latent": (2, 6, 12, 2)}
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -256,7 +256,7 @@ def test_two_ranks_match_hf(nemotron_moe_models, variant, expert_parallel):
         else:
             assert moe.experts.local_experts is None and moe.experts.gate_up_proj.shape[:2] == (8, 16)
         engine.record_timeline = True
-        assert_greedy_matches_hf(engine, hf, random_prompts(4, 1, 60, seed=7), MAX_TOKENS, LOGITS_ATOL)
+        assert_greedy_matches_hf(engine, hf, random_prompts(4, 1, 60, seed=7), 4, LOGITS_ATOL)
         assert any(s.num_prefill_tokens and s.num_decode_tokens for s in engine.timeline), "no mixed step"
     finally:
         engine.shutdown()
