@@ -228,7 +228,8 @@ def test_moe_config_reading():
 
 
 def test_refused_variants_say_what(nemotron_moe_models, tmp_path):
-    """FP8 experts with relu^2 (--quantization fp8) and an unknown layer kind are refused by name."""
+    """FP8 experts with relu^2 (--quantization fp8), an unknown layer kind and per-layer MLP widths (vLLM's
+    heterogeneous NemotronH configs; transformers has none) are refused by name."""
     folder, _ = nemotron_moe_models["nano"]
     with pytest.raises(ValueError, match="relu2_no_mul"):
         _engine(folder, quantization="fp8", load_format="dummy")
@@ -237,6 +238,9 @@ def test_refused_variants_say_what(nemotron_moe_models, tmp_path):
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps(config | {"layers_block_type": ["linear_attention", "conv"]}))
     with pytest.raises(ValueError, match=r"NemotronH layer kinds \['conv'\] are not supported"):
+        _engine(bad, load_format="dummy")
+    (bad / "config.json").write_text(json.dumps(config | {"intermediate_size": [96, 64]}))
+    with pytest.raises(ValueError, match="NemotronH with per-layer intermediate sizes is not supported"):
         _engine(bad, load_format="dummy")
 
 

@@ -172,6 +172,8 @@ class NemotronHForCausalLM(RecurrentCausalLM):
             raise ValueError(f"NemotronH MLP activation {activation!r} is not supported")
         if cfg.attention_bias:
             raise ValueError("NemotronH with attention_bias is not supported")
+        if isinstance(raw.get("intermediate_size"), list):  # vLLM's heterogeneous NemotronH configs
+            raise ValueError("NemotronH with per-layer intermediate sizes is not supported")
         if MOE in layer_types(raw) and cfg.moe is None:
             raise ValueError("NemotronH MoE layers need the config's routed experts (n_routed_experts)")
         self.config = cfg
