@@ -898,6 +898,8 @@ OLMOE_MODEL_TYPES = ("olmoe",)
 # shared MLP alone where it has no experts.
 GRANITE4_MODEL_TYPE = "granitemoehybrid"
 GRANITE_MOE_MODEL_TYPES = ("granitemoe", "granitemoeshared", GRANITE4_MODEL_TYPE)
+# NemotronH (plait.models.nemotron_h): MoE layers are its "moe" layer kind ("E" in hybrid_override_pattern).
+NEMOTRON_H_MODEL_TYPE = "nemotron_h"
 
 
 @dataclass(frozen=True)
@@ -932,6 +934,8 @@ class MoEConfig:
         model_type = cfg.get("model_type", "")
         if model_type == GLM4_MOE_MODEL_TYPE:
             return cls._from_glm4_moe(cfg)
+        if model_type == NEMOTRON_H_MODEL_TYPE:
+            return cls._from_nemotron_h(cfg)
         architecture = (cfg.get("architectures") or [""])[0]
         if architecture in DEEPSEEK_ARCHITECTURES:
             return cls._from_deepseek(cfg, architecture == DEEPSEEK_V3_ARCHITECTURE)
@@ -975,6 +979,28 @@ class MoEConfig:
             shared_intermediate_size=(cfg.get("n_shared_experts") or 0) * inter,
             shared_expert_gated=False,
             dense_layers=tuple(range(min(cfg.get("first_k_dense_replace", 1), cfg["num_hidden_layers"]))),
+            router=NOAUX_TC_ROUTER,
+            n_group=cfg.get("n_group") or 1,
+            topk_group=cfg.get("topk_group") or 1,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        )
+
+    @classmethod
+    def _from_nemotron_h(cls, cfg: dict) -> MoEConfig | None:
+        """NemotronH (NemotronHConfig's names and defaults), None without MoE layers (its configs name
+        experts either way): noaux_tc routing over ungated relu^2 experts, one ungated shared expert of
+        moe_shared_expert_intermediate_size (transformers reads no n_shared_experts). Which layers are MoE
+        is the model's layer list, not dense_layers."""
+        kinds = cfg.get("layers_block_type") or list(cfg.get("hybrid_override_pattern") or "")
+        if "moe" not in kinds and "E" not in kinds:
+            return None
+        return cls(
+            num_experts=cfg.get("n_routed_experts", 8),
+            top_k=cfg.get("num_experts_per_tok", 2),
+            intermediate_size=cfg.get("moe_intermediate_size", 7688),
+            renormalize=bool(cfg.get("norm_topk_prob", True)),
+            shared_intermediate_size=cfg.get("moe_shared_expert_intermediate_size", 7688),
+            shared_expert_gated=False,
             router=NOAUX_TC_ROUTER,
             n_group=cfg.get("n_group") or 1,
             topk_group=cfg.get("topk_group") or 1,

@@ -762,6 +762,149 @@ def test_fused_moe_layer_refuses_what_it_cannot_run():
             FusedMoE(E, K, H, FP8_INTER, renormalize=True, **kw).quantize_fp8(FP8_BLOCK)
 
 
+# -- relu2_no_mul: NemotronH's ungated experts ------------------------------------------------------------
+
+# Inputs scaled so that about half of each expert's up values are negative (relu's zeros) and the rest O(1).
+RELU2_X_SCALE = 2.0
+
+
+def relu2_case(num_tokens: int, dtype: torch.dtype, seed: int, inter: int = INTER, hidden: int = H
+               ) -> tuple[torch.Tensor, ...]:
+    """x, w13 [E, I, H] (the up rows alone), w2 [E, H, I], weights, ids."""
+    w13 = randn(E, inter, hidden, dtype=dtype, seed=seed, scale=hidden**-0.5)
+    w2 = randn(E, hidden, inter, dtype=dtype, seed=seed + 1, scale=inter**-0.5)
+    x = randn(num_tokens, hidden, dtype=dtype, seed=seed + 2, scale=RELU2_X_SCALE)
+    weights, ids = routing(num_tokens, E, K, seed=seed + 3)
+    return x, w13, w2, weights, ids
+
+
+RELU2 = dict(activation=fm.RELU2_NO_MUL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("t", [5, 33])
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_fused_moe_relu2_no_mul_matches_ref(dtype, t, path):
+    """Ungated experts (w13 the up rows alone): both kernel paths against the reference; I = 40 and H = 48,
+    not multiples of the tiles."""
+    x, w13, w2, weights, ids = relu2_case(t, dtype, seed=120, inter=40, hidden=48)
+    got = fused_moe(x, w13, w2, weights, ids, gemv=path == "gemv", **RELU2)
+    want = fused_moe_ref(x, w13, w2, weights, ids, **RELU2)
+    assert_close_to_ref(got, want)
+
+
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_fused_moe_relu2_no_mul_with_biases(path):
+    """Ungated experts with biases (w13_bias [E, I]): each added in its epilogue, fp32."""
+    x, w13, w2, weights, ids = relu2_case(9, torch.float32, seed=124)
+    b13, b2 = randn(E, INTER, dtype=torch.float32, seed=126), randn(E, H, dtype=torch.float32, seed=127)
+    kw = dict(RELU2, w13_bias=b13, w2_bias=b2)
+    want = fused_moe_ref(x, w13, w2, weights, ids, **kw)
+    assert_close_to_ref(fused_moe(x, w13, w2, weights, ids, gemv=path == "gemv", **kw), want)
+    assert (want - fused_moe_ref(x, w13, w2, weights, ids, **RELU2)).abs().max() > 0.1
+
+
+def nemotron_h_hf_experts(w13: torch.Tensor, w2: torch.Tensor):
+    """transformers' NemotronHExperts (its eager loop) holding these experts: up_proj [E, I, H] and down_proj
+    [E, H, I], as its layout is plait's."""
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    num_experts, hidden, inter = w2.shape
+    cfg = NemotronHConfig(hidden_size=hidden, n_routed_experts=num_experts, moe_intermediate_size=inter,
+                          num_experts_per_tok=K, mlp_hidden_act="relu2")
+    cfg._experts_implementation = "eager"
+    module = NemotronHExperts(cfg).to(w13.dtype)
+    with torch.no_grad():
+        module.up_proj.copy_(w13)
+        module.down_proj.copy_(w2)
+    return module
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_fused_moe_ref_is_transformers_nemotron_h_experts(dtype):
+    """fused_moe_ref with relu2_no_mul is NemotronHExperts: the same ops (up, relu, square, down, times the
+    routing weight); transformers sums the slots in fp32 where the reference sums in x's dtype: equal in fp32
+    up to the order of sums, within a rounding of the output in bf16."""
+    x, w13, w2, weights, ids = (t.cpu() for t in relu2_case(9, dtype, seed=128))
+    with torch.no_grad():
+        want = nemotron_h_hf_experts(w13, w2)(x, ids, weights)
+    got = fused_moe_ref(x, w13, w2, weights, ids, **RELU2)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6 * want.abs().max().item())
+    else:
+        bound = 2 * torch.finfo(dtype).eps * want.float().abs().max()
+        assert (got.float() - want.float()).abs().max() <= bound
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_fused_moe_layer_of_relu2_experts_loads_and_runs(monkeypatch, kernels):
+    """FusedMoE(activation=relu2_no_mul): gate_up_proj [E, I, H] takes each expert's up_proj (the Hub's
+    per-expert tensors) or transformers 5's stacked up_proj whole; a gate_proj is no tensor of it, a missing
+    expert is refused; it runs as the reference (the kernels: within their tolerances)."""
+    from plait.kernels import dispatch
+    from plait.layers.moe import FusedMoE, route
+
+    monkeypatch.setattr(dispatch, "_enabled", kernels)
+    monkeypatch.setattr(dispatch, "_cpu_interpreter", kernels and not ON_GPU)
+    x, w13, w2, _, _ = relu2_case(7, torch.float32, seed=130)
+    per_expert, stacked = (FusedMoE(E, K, H, INTER, renormalize=True, **RELU2).to(DEVICE) for _ in range(2))
+    assert per_expert.gate_up_proj.shape == (E, INTER, H) and "activation=relu2_no_mul" in repr(per_expert)
+    for e in range(E):
+        per_expert.load_expert(e, "up_proj", w13[e])
+        per_expert.load_expert(e, "down_proj", w2[e])
+        stacked.load_stacked("gate_up_proj", e, w13[e])
+        stacked.load_stacked("down_proj", e, w2[e])
+    per_expert.check_loaded()
+    assert torch.equal(per_expert.gate_up_proj, w13) and torch.equal(stacked.gate_up_proj, w13)
+    with pytest.raises(ValueError, match="no expert tensor 0.gate_proj"):
+        per_expert.load_expert(0, "gate_proj", w13[0])
+    partial = FusedMoE(E, K, H, INTER, renormalize=True, **RELU2).to(DEVICE)
+    partial.load_expert(0, "up_proj", w13[0])
+    with pytest.raises(ValueError, match="missing"):
+        partial.check_loaded()
+    logits = randn(7, E, dtype=torch.float32, seed=132, scale=2.0)
+    weights, ids = route(logits, K, renormalize=True)
+    with torch.no_grad():
+        got = per_expert(x, logits)
+    want = fused_moe_ref(x, w13, w2, weights, ids, **RELU2)
+    if kernels:
+        assert_close_to_ref(got, want)
+    else:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_fused_moe_local_experts_of_relu2_experts(poisoned_empty, path):
+    """Expert parallelism with ungated experts, fp32: the two ranks add up to the whole."""
+    x, w13, w2, weights, ids = relu2_case(21, torch.float32, seed=134)
+    args = dict(x=x, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, **RELU2)
+    assert_ranks_sum_to_the_whole(args, gemv=path == "gemv")
+
+
+def test_relu2_experts_refuse_what_is_not_implemented():
+    """FP8, MXFP4 and integer experts with relu2_no_mul are refused by name (the layer and the kernels), as
+    is a w13 of gate and up rows (or any row count that does not match w2)."""
+    from plait.layers.moe import FusedMoE
+    from plait.layers.wna16 import WNA16Spec
+
+    for quantize in (lambda m: m.quantize_fp8(FP8_BLOCK), lambda m: m.use_mxfp4(),
+                     lambda m: m.use_integer(WNA16Spec("gptq", 4, 32, zero_offset=1))):
+        with pytest.raises(ValueError, match="relu2_no_mul"):
+            quantize(FusedMoE(E, K, H, FP8_INTER, renormalize=True, **RELU2))
+    w = fp8_experts(E, H, FP8_INTER, FP8_BLOCK, seed=136)
+    weights, ids = routing(3, E, K, seed=137)
+    fp8 = dict(x=randn(3, H, dtype=torch.float32, seed=138), w13=w["w13"][:, :FP8_INTER], w2=w["w2"],
+               topk_weights=weights, topk_ids=ids, **fp8_kw(w, FP8_BLOCK), **RELU2)
+    x, w13, w2, weights, ids = relu2_case(3, torch.float32, seed=139)
+    gated_rows = dict(x=x, w13=torch.cat([w13, w13], dim=1), w2=w2, topk_weights=weights, topk_ids=ids,
+                      **RELU2)
+    for args in (fp8, gated_rows):
+        for run in (fused_moe, fused_moe_ref):
+            with pytest.raises(ValueError):
+                run(**args)
+
+
 # -- expert parallelism: a rank's experts alone ------------------------------------------------------------
 
 # fused_moe's arguments with one row per expert: a rank holding some experts has their rows alone.

@@ -10,9 +10,11 @@
 #      weight, rounded once -> per-slot outputs [T*k, H];
 #   3. _moe_sum_kernel: each token's k slot rows summed in slot order in fp32 -> [T, H].
 # act is "silu" (Mixtral, Qwen-MoE: silu(gate) * up) or "swiglu_oai" (OpenAI's gpt-oss: swiglu_oai_ref),
-# a constexpr of the kernels. gpt-oss's experts also have biases, w13_bias [E, 2I] (gate, then up, as w13's
-# rows) and w2_bias [E, H]: each GEMM's epilogue adds its expert's bias to the fp32 sums, before the
-# activation (1) or the routing weight (2), rounded as transformers' GptOssExperts rounds (see _epilogue).
+# a constexpr of the kernels; or "relu2_no_mul" (NemotronH's ungated experts: relu(up)^2), whose w13[e] is
+# [I, H], the up rows alone: GEMM 1 then reads one row block (GATED false) and squares its relu. gpt-oss's
+# experts also have biases, w13_bias [E, 2I] (gate, then up, as w13's rows) and w2_bias [E, H]: each GEMM's
+# epilogue adds its expert's bias to the fp32 sums, before the activation (1) or the routing weight (2),
+# rounded as transformers' GptOssExperts rounds (see _epilogue).
 # Rows are indexed by entry id, so no scatter needs atomics and every result is deterministic. Every buffer's
 # shape is a function of (T, k, E, H, I) and the grid is sized for the worst routing (programs past the real
 # padded length return at once): CUDA-graph capturable. fused_moe_ref is HF transformers 5's MixtralExperts
@@ -67,11 +69,14 @@ from plait.kernels.wna16_gemm import _dequantize
 from plait.layers.fp8_block import check_block, dequantize_blocks, quantize_groups
 from plait.layers.moe import (  # the names fused_moe takes (layers.moe: importable without triton)
     ACTIVATIONS,
+    GATED_ACTIVATIONS,
     GPT_OSS_SWIGLU_ALPHA,
     GPT_OSS_SWIGLU_LIMIT,
+    RELU2_NO_MUL,
     SILU,
     SWIGLU_OAI,
     LocalExperts,
+    up_halves,
 )
 from plait.layers.mxfp4 import BLOCK_VALUES, CODES_PER_BYTE, MXFP4_DTYPE, dequantize_mxfp4
 from plait.layers.wna16 import SUPPORTED_BITS, WORD_BITS, dequantize
@@ -86,7 +91,9 @@ MXFP4_GROUP_BYTES = BLOCK_VALUES // CODES_PER_BYTE
 # The kernels' ACTIVATION constexpr for each of plait.layers.moe's ACTIVATIONS.
 _SILU_ID = tl.constexpr(0)
 _SWIGLU_OAI_ID = tl.constexpr(1)
-_ACTIVATION_IDS = {SILU: _SILU_ID.value, SWIGLU_OAI: _SWIGLU_OAI_ID.value}
+_RELU2_NO_MUL_ID = tl.constexpr(2)
+_ACTIVATION_IDS = {SILU: _SILU_ID.value, SWIGLU_OAI: _SWIGLU_OAI_ID.value,
+                   RELU2_NO_MUL: _RELU2_NO_MUL_ID.value}
 # MXFP4 decoding (_mxfp4_tile). An E2M1 code's sign bit (3) goes to fp32's sign bit (31), its two exponent
 # bits and one mantissa bit (0..2) to fp32's two lowest exponent bits and top mantissa bit (22..24): read as
 # fp32, that is the code's value times 2^-126 (E2M1's exponent bias is 1, fp32's 127), its 0.5 (exponent 0,
@@ -427,10 +434,11 @@ def _moe_gemm_kernel(
     W8A8: tl.constexpr = False, WEIGHT_BLOCK_N: tl.constexpr = 1, IMPRECISE_ACC: tl.constexpr = 0,
     HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = _SILU_ID, W_MXFP4: tl.constexpr = False,
     W_INT: tl.constexpr = False, BITS: tl.constexpr = 4, GROUP_ROWS: tl.constexpr = 1,
-    HALF_DEQUANT: tl.constexpr = False,
+    HALF_DEQUANT: tl.constexpr = False, GATED: tl.constexpr = True,
 ):
     # acc[entry, n] = sum_k a[entry // A_ROW_DIV, k] * w[expert, n, k] for the block's sorted entries.
-    # GATE_UP (GEMM 1): out = act(acc, acc of weight row up_rows + n), rounded as torch rounds each step;
+    # GATE_UP (GEMM 1): out = act(acc, acc of weight row up_rows + n), rounded as torch rounds each step
+    # (GATED false: w holds the up rows alone, out = act(acc));
     # else (GEMM 2): out = acc * topk_w[entry], in fp32 before its one rounding. HAS_BIAS: b[expert, row]
     # (row n, and up_rows + n for the up half) joins acc in the epilogue (see _epilogue).
     # W8A8: a and w are FP8 codes; a's row r has scale sa[r, kb] for K block kb (BLOCK_K is the weight's bk)
@@ -522,7 +530,7 @@ def _moe_gemm_kernel(
             acc_g += tl.dot(a, w, max_num_imprecise_acc=IMPRECISE_ACC) * (sa[:, None] * sw_g)
         else:
             acc_g = _dot(a, w, acc_g, DOT_PRECISION, BF16_DOT_IN_FP32)
-        if GATE_UP:
+        if GATE_UP and GATED:
             if W_MXFP4:
                 next_u = _load_groups(s_ptrs + up_s_off, K - (it + 1) * BLOCK_K, False, 0)
                 w_up = _mxfp4_tile(w_ptrs + up_off, scale_u, K - it * BLOCK_K, EVEN_K, a.dtype,
@@ -550,7 +558,7 @@ def _moe_gemm_kernel(
             w_ptrs += BLOCK_K
     b_row = b_ptr + expert * stride_be
     b_g = _bias(b_row, w_rows, HAS_BIAS)[None, :]  # [1, BLOCK_N]
-    b_u = _bias(b_row + up_rows, w_rows, HAS_BIAS and GATE_UP)[None, :]
+    b_u = _bias(b_row + up_rows, w_rows, (HAS_BIAS and GATE_UP) and GATED)[None, :]
     if GATE_UP:
         weight = acc_g  # unread
     else:
@@ -582,7 +590,8 @@ def _epilogue(acc_g, acc_u, weight, b_g, b_u, alpha, limit, out_ty: tl.constexpr
               HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, PRECISE: tl.constexpr):
     """Both GEMMs' fp32 sums to their outputs in out_ty, rounded where the reference rounds.
     GATE_UP: gate and up as F.linear's outputs, plus their biases (a second rounding, as transformers'
-    `x @ W + b` rounds), then the activation, each op rounded as torch's is. Else, without a bias, the sum
+    `x @ W + b` rounds), then the activation, each op rounded as torch's is (relu2_no_mul: acc_g is the up
+    projection, acc_u unread). Else, without a bias, the sum
     times the routing weight (``weight``, fp32, broadcast to it), rounded once (the reference also rounds
     F.linear's output first); with one, GptOssExperts' roundings: the matmul, the bias sum, the product."""
     if GATE_UP:
@@ -593,6 +602,10 @@ def _epilogue(acc_g, acc_u, weight, b_g, b_u, alpha, limit, out_ty: tl.constexpr
             up = _rounded(up + b_u, out_ty)
         if ACTIVATION == _SWIGLU_OAI_ID:
             y = _swiglu_oai_rounded(gate, up, alpha, limit, out_ty, PRECISE)
+        elif ACTIVATION == _RELU2_NO_MUL_ID:
+            # transformers' ReLUSquaredActivation: relu (exact), then square, rounded once
+            r = tl.maximum(gate, 0.0, propagate_nan=tl.PropagateNan.ALL)
+            y = (r * r).to(out_ty)
         else:
             y = (silu_rounded(gate, out_ty, PRECISE) * up).to(out_ty)
     elif HAS_BIAS:
@@ -641,6 +654,7 @@ def _moe_gemv_kernel(
     HAS_BIAS: tl.constexpr = False, ACTIVATION: tl.constexpr = _SILU_ID, W_MXFP4: tl.constexpr = False,
     DROPPED_ID: tl.constexpr = NO_DROPPED_ID, W_INT: tl.constexpr = False, BITS: tl.constexpr = 4,
     GROUP_ROWS: tl.constexpr = 1, HALF_DEQUANT: tl.constexpr = False, INTERPRETED_BF16: tl.constexpr = False,
+    GATED: tl.constexpr = True,
 ):
     # _moe_gemm_kernel's result for one entry (grid: entries x column tiles) without the alignment: the
     # entry's expert comes straight from topk_ids. Products add up along K in fp32 lanes, reduced at the end;
@@ -714,7 +728,7 @@ def _moe_gemv_kernel(
             acc_g += w.to(tl.float32) * a[:, None]
         else:
             acc_g += w.to(tl.float32) * a[None, :]
-        if GATE_UP:
+        if GATE_UP and GATED:
             if W_MXFP4:
                 w_up = _mxfp4_lanes(w_ptrs + up_off, s_ptrs + up_s_off, K - it * BLOCK_K, EVEN_K,
                                     a_ptr.dtype.element_ty)
@@ -743,16 +757,16 @@ def _moe_gemv_kernel(
             w_ptrs += BLOCK_K
     if W_INT:  # the fp32 lanes [BLOCK_K, BLOCK_N], reduced once
         acc_g = tl.sum(acc_g, 0)
-        if GATE_UP:
+        if GATE_UP and GATED:
             acc_u = tl.sum(acc_u, 0)
     elif not W8A8:  # the fp32 lanes, reduced once
         acc_g = tl.sum(acc_g, 1)
-        if GATE_UP:
+        if GATE_UP and GATED:
             acc_u = tl.sum(acc_u, 1)
     weight = acc_g if GATE_UP else tl.load(topk_w_ptr + entry)
     b_row = b_ptr + expert * stride_be
     b_g = _bias(b_row, w_rows, HAS_BIAS)  # [BLOCK_N]
-    b_u = _bias(b_row + up_rows, w_rows, HAS_BIAS and GATE_UP)
+    b_u = _bias(b_row + up_rows, w_rows, (HAS_BIAS and GATE_UP) and GATED)
     y = _epilogue(acc_g, acc_u, weight, b_g, b_u, alpha, limit, out_ptr.dtype.element_ty, GATE_UP, HAS_BIAS,
                   ACTIVATION, PRECISE)
     tl.store(out_ptr + entry * stride_om + offs_n, y, mask=offs_n < N)
@@ -843,7 +857,7 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
     if w13_zeros is not None or w2_zeros is not None or bits is not None:
         raise ValueError(f"w13_zeros, w2_zeros and bits are for integer ({INT_CODES_DTYPE}) experts, not "
                          f"{w13.dtype}")
-    _check_shapes(x, w13, w2, topk_weights, topk_ids)
+    _check_shapes(x, w13, w2, topk_weights, topk_ids, up_halves(SILU if mlp is None else mlp.activation))
     fp8 = w13.dtype == FP8_DTYPE or w2.dtype == FP8_DTYPE
     if mlp is not None:
         _check_mlp(mlp, x, w13, fp8)
@@ -874,7 +888,8 @@ def _check_integer(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if block is not None:
         raise ValueError(f"block {block} is for FP8 experts: integer experts are scaled per group of inputs")
     if mlp is not None and (mlp.w13_bias is not None or mlp.w2_bias is not None or mlp.activation != SILU):
-        raise ValueError(f"integer experts take neither biases nor {SWIGLU_OAI!r} (not implemented)")
+        raise ValueError(f"integer experts take neither biases nor {SWIGLU_OAI!r} or {RELU2_NO_MUL!r} (not "
+                         "implemented)")
     pack = WORD_BITS // bits
     if x.dim() != 2 or x.dtype not in FLOAT_DTYPES or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"x must be [T, H] in one of {FLOAT_DTYPES}, w13 [E, H / pack, 2I] and w2 "
@@ -915,19 +930,21 @@ def is_mxfp4(w13: torch.Tensor) -> bool:
 
 
 def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> None:
+                  topk_ids: torch.Tensor, halves: int = 2) -> None:
+    # halves: w13's row blocks of I (up_halves: gate and up, or up alone)
+    rows = "2I" if halves == 2 else "I"
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"x must be [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
+        raise ValueError(f"x must be [T, H], w13 [E, {rows}, H], w2 [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
     h, (e, two_i, h13) = x.shape[1], w13.shape
     mxfp4 = w13.dtype == MXFP4_DTYPE or w2.dtype == MXFP4_DTYPE
     pack = CODES_PER_BYTE if mxfp4 else 1  # values a stored element along K
-    if two_i % 2:
+    if two_i % halves:
         raise ValueError(f"w13 needs gate rows then as many up rows, got {two_i} rows")
-    if h13 * pack != h or w2.shape[:2] != (e, h) or w2.shape[2] * pack != two_i // 2:
+    if h13 * pack != h or w2.shape[:2] != (e, h) or w2.shape[2] * pack != two_i // halves:
         packed = " / 2 (two MXFP4 codes a byte)" if mxfp4 else ""
         raise ValueError(f"x {tuple(x.shape)}, w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not agree "
-                         f"(want w13 [E, 2I, {h}{packed}] and w2 [E, {h}, I{packed}])")
+                         f"(want w13 [E, {rows}, {h}{packed}] and w2 [E, {h}, I{packed}])")
     fp8 = w13.dtype == FP8_DTYPE or w2.dtype == FP8_DTYPE
     if fp8 or mxfp4:
         codes = FP8_DTYPE if fp8 else MXFP4_DTYPE
@@ -945,7 +962,10 @@ def _check_mlp(mlp: _ExpertMlp, x: torch.Tensor, w13: torch.Tensor, fp8: bool) -
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {mlp.activation!r}")
     has_bias = mlp.w13_bias is not None or mlp.w2_bias is not None
     if fp8 and (has_bias or mlp.activation != SILU):
-        raise ValueError(f"{FP8_DTYPE} experts take neither biases nor {SWIGLU_OAI!r} (not implemented)")
+        raise ValueError(f"{FP8_DTYPE} experts take neither biases nor {SWIGLU_OAI!r} or {RELU2_NO_MUL!r} "
+                         "(not implemented)")
+    if is_mxfp4(w13) and mlp.activation not in GATED_ACTIVATIONS:
+        raise ValueError(f"MXFP4 experts with {mlp.activation!r} are not implemented")
     (num_experts, two_i, _), hidden = w13.shape, x.shape[1]
     for name, bias, want in (("w13_bias", mlp.w13_bias, (num_experts, two_i)),
                              ("w2_bias", mlp.w2_bias, (num_experts, hidden))):
@@ -1024,6 +1044,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   w13_zeros: torch.Tensor | None = None, w2_zeros: torch.Tensor | None = None,
                   bits: int | None = None) -> torch.Tensor:
     """HF transformers 5's MixtralExperts.forward, in its order of operations (host syncs: the CPU path).
+    activation "relu2_no_mul": NemotronHExperts.forward (w13 [E, I, H], the up rows alone; relu(up)^2).
 
     local_experts (expert parallelism): topk_ids are global ids among local_experts.total, w13 and w2 (and
     their biases and scales) hold experts local_experts.first.. alone; entries routed to the others add
@@ -1073,8 +1094,7 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         gate_up = F.linear(x[token_idx], w13_e)
         if w13_bias is not None:  # added apart (not F.linear's fused bias): rounded twice, as `x @ W + b`
             gate_up = gate_up + w13_bias[expert]
-        gate, up = gate_up.chunk(2, dim=-1)
-        h = F.linear(_activation_ref(gate, up, mlp), w2_e)
+        h = F.linear(_activation_ref(gate_up, mlp), w2_e)
         if w2_bias is not None:
             h = h + w2_bias[expert]
         h = h * topk_weights[token_idx, k_pos, None]
@@ -1082,7 +1102,11 @@ def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return out
 
 
-def _activation_ref(gate: torch.Tensor, up: torch.Tensor, mlp: _ExpertMlp) -> torch.Tensor:
+def _activation_ref(gate_up: torch.Tensor, mlp: _ExpertMlp) -> torch.Tensor:
+    """The activation of GEMM 1's rows [n, 2I] (gate, then up; relu2_no_mul: [n, I], up alone) -> [n, I]."""
+    if mlp.activation == RELU2_NO_MUL:  # transformers' ReLUSquaredActivation
+        return torch.square(F.relu(gate_up))
+    gate, up = gate_up.chunk(2, dim=-1)
     if mlp.activation == SWIGLU_OAI:
         return swiglu_oai_ref(gate, up, mlp.swiglu_alpha, mlp.swiglu_limit)
     return F.silu(gate) * up
@@ -1162,11 +1186,14 @@ def _scale_args(fp8: _Fp8Operands | None, mx_scale: torch.Tensor | None, dummy: 
 
 def _epilogue_args(mlp: _ExpertMlp, gate_up: bool, dummy: torch.Tensor) -> tuple[tuple, dict]:
     """The kernels' epilogue arguments for GEMM 1 (gate_up) or 2: (bias pointer, its row stride, alpha,
-    limit) and the constexprs HAS_BIAS and ACTIVATION (GEMM 2's always SiLU's: one binary for both)."""
+    limit) and the constexprs HAS_BIAS, ACTIVATION and GATED (GEMM 2's always SiLU's and true: one binary
+    for every activation)."""
     bias = mlp.w13_bias if gate_up else mlp.w2_bias
     act = _ACTIVATION_IDS[mlp.activation] if gate_up else _ACTIVATION_IDS[SILU]
+    gated = not gate_up or mlp.activation in GATED_ACTIVATIONS
     runtime = (dummy, 0) if bias is None else (bias, bias.stride(0))
-    return (*runtime, mlp.swiglu_alpha, mlp.swiglu_limit), dict(HAS_BIAS=bias is not None, ACTIVATION=act)
+    return (*runtime, mlp.swiglu_alpha, mlp.swiglu_limit), dict(HAS_BIAS=bias is not None, ACTIVATION=act,
+                                                                GATED=gated)
 
 
 def _launch_gemm(a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, topk_w: torch.Tensor,
@@ -1317,7 +1344,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     integer = is_integer(w13)
     (num_tokens, hidden), num_experts = x.shape, w13.shape[0]
     two_i = w13.shape[2] if integer else w13.shape[1]
-    top_k, inter = topk_ids.shape[1], two_i // 2
+    top_k, inter = topk_ids.shape[1], two_i // up_halves(activation)
     # Each held expert gets about T * k / (all routed experts) rows: what moe_config's tiles follow.
     routed_experts = num_experts if local_experts is None else local_experts.total
     out = torch.empty((num_tokens, hidden), dtype=x.dtype, device=x.device)

@@ -1,5 +1,5 @@
 """FusedMoE: the routed experts of a sparse MoE block (Mixtral, Qwen2-MoE, Qwen3-MoE, GPT-OSS, GLM-4.5,
-DeepSeek), run in one call, and the routers that pick them: softmax top-k (route), DeepSeek-V2's
+DeepSeek, NemotronH), run in one call, and the routers that pick them: softmax top-k (route), DeepSeek-V2's
 group-limited greedy (route_group_limited) and DeepSeek-V3's noaux_tc (route_noaux_tc)."""
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from plait.layers.wna16 import (
 EXPERT_PROJECTIONS = {
     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0),
 }
+# The same for ungated experts (RELU2_NO_MUL): gate_up_proj holds the up rows alone.
+UNGATED_EXPERT_PROJECTIONS = {"up_proj": ("gate_up_proj", 0), "down_proj": ("down_proj", 0)}
 # An FP8 expert's tile scales, as block-wise checkpoints name them (DeepSeek / Qwen; compressed-tensors).
 SCALE_NAMES = ("weight_scale_inv", "weight_scale")
 # The tiles of experts quantised here (--quantization fp8 on a 16-bit checkpoint), as block-wise checkpoints
@@ -35,7 +37,10 @@ DEFAULT_FP8_BLOCK = (128, 128)
 # The experts' activations (here, not in plait.kernels.fused_moe, so that they import without triton).
 SILU = "silu"  # silu(gate) * up: Mixtral, Qwen-MoE
 SWIGLU_OAI = "swiglu_oai"  # OpenAI's gpt-oss: plait.kernels.fused_moe.swiglu_oai_ref
-ACTIVATIONS = (SILU, SWIGLU_OAI)
+# NemotronH's ungated experts, relu(up)^2 (vLLM's name): w13 / gate_up_proj holds the up rows alone.
+RELU2_NO_MUL = "relu2_no_mul"
+ACTIVATIONS = (SILU, SWIGLU_OAI, RELU2_NO_MUL)
+GATED_ACTIVATIONS = (SILU, SWIGLU_OAI)
 # gpt-oss's swiglu_alpha and swiglu_limit: transformers' GptOssConfig defaults, as its checkpoints set them.
 GPT_OSS_SWIGLU_ALPHA = 1.702
 GPT_OSS_SWIGLU_LIMIT = 7.0
@@ -50,6 +55,11 @@ STACKS = ("gate_up_proj", "down_proj")  # the stacked expert weights, each with 
 # a std of 0.018, about the 0.02 of the random-weights loader's 16-bit draws, so that a random MXFP4 model's
 # activations have the random 16-bit model's sizes.
 RANDOM_MXFP4_SCALE_EXPONENTS = range(-8, -6)
+
+
+def up_halves(activation: str) -> int:
+    """How many row blocks of the expert width w13 / gate_up_proj stacks: gate and up (2), or up alone (1)."""
+    return 2 if activation in GATED_ACTIVATIONS else 1
 
 
 def default_fp8_block(intermediate_size: int) -> tuple[int, int]:
@@ -236,8 +246,10 @@ class FusedMoE(nn.Module):
     """Every expert's gated MLP as two stacked weights, named as transformers 5 names them:
     gate_up_proj [E, 2I, H] (each expert's gate rows, then its up rows) and down_proj [E, H, I].
 
-    activation: "silu" (silu(gate) * up: Mixtral, Qwen-MoE) or "swiglu_oai" (OpenAI's gpt-oss, with
-    swiglu_alpha and swiglu_limit: plait.kernels.fused_moe.swiglu_oai_ref). bias=True (gpt-oss) adds
+    activation: "silu" (silu(gate) * up: Mixtral, Qwen-MoE), "swiglu_oai" (OpenAI's gpt-oss, with
+    swiglu_alpha and swiglu_limit: plait.kernels.fused_moe.swiglu_oai_ref) or "relu2_no_mul" (NemotronH's
+    ungated relu(up)^2: gate_up_proj is then [E, I, H], the up rows alone, as transformers 5's
+    ``experts.up_proj``; 16/32-bit weights only). bias=True (gpt-oss) adds
     gate_up_bias [E, 2I] (gate, then up, as gate_up_proj's rows) and down_bias [E, H] after each projection.
 
     Hub checkpoints hold one tensor per expert and projection (``experts.{e}.gate_proj.weight`` ...):
@@ -283,13 +295,17 @@ class FusedMoE(nn.Module):
         self.num_experts, self.top_k, self.renormalize = num_held, top_k, renormalize
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.activation, self.swiglu_alpha, self.swiglu_limit = activation, swiglu_alpha, swiglu_limit
+        # checkpoint projection -> (stack, row block): gate and up, or up alone (ungated experts)
+        gated = activation in GATED_ACTIVATIONS
+        self.projections = EXPERT_PROJECTIONS if gated else UNGATED_EXPERT_PROJECTIONS
+        up_rows = up_halves(activation) * intermediate_size
         device = deferred_device()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_held, 2 * intermediate_size, hidden_size,
-                                                     device=device), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(num_held, up_rows, hidden_size, device=device),
+                                         requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_held, hidden_size, intermediate_size, device=device),
                                       requires_grad=False)
         if bias:
-            self.gate_up_bias = nn.Parameter(torch.empty(num_held, 2 * intermediate_size, device=device),
+            self.gate_up_bias = nn.Parameter(torch.empty(num_held, up_rows, device=device),
                                              requires_grad=False)
             self.down_bias = nn.Parameter(torch.empty(num_held, hidden_size, device=device),
                                           requires_grad=False)
@@ -387,6 +403,8 @@ class FusedMoE(nn.Module):
         where the weights are still on the meta device (deferred_weights), for load_mxfp4 or
         fill_random_mxfp4 to fill; check_loaded refuses the experts until both stacks are."""
         self._refuse_requantizing(MXFP4_WEIGHTS)
+        if self.activation not in GATED_ACTIVATIONS:
+            raise ValueError(f"MXFP4 experts with the {self.activation!r} activation are not implemented")
         if self.hidden_size % BLOCK_VALUES or self.intermediate_size % BLOCK_VALUES:
             raise ValueError(f"MXFP4 experts need the hidden size ({self.hidden_size}) and the expert width "
                              f"({self.intermediate_size}) to be multiples of {BLOCK_VALUES}, the inputs a "
@@ -472,14 +490,14 @@ class FusedMoE(nn.Module):
         """One expert's gate_proj / up_proj / down_proj tensor (HF layout: [out, in]): its weight (``kind``
         "weight"; 16-bit weights of an FP8 block are quantised here, FP8 codes kept) or, for FP8 codes, its
         tile scales (``kind`` one of SCALE_NAMES: [rows / bn, cdiv(in, bk)])."""
-        if not 0 <= expert < self.num_experts or projection not in EXPERT_PROJECTIONS:
+        if not 0 <= expert < self.num_experts or projection not in self.projections:
             raise ValueError(f"no expert tensor {expert}.{projection} among {self.num_experts} experts")
         if self.weight_format == MXFP4_WEIGHTS:
             raise ValueError("MXFP4 experts load each stack whole, as packed codes (load_mxfp4)")
         if self.weight_format == INT_WEIGHTS:
             self._load_int(expert, projection, tensor, kind)
             return
-        stacked, shard = EXPERT_PROJECTIONS[projection]
+        stacked, shard = self.projections[projection]
         rows = self.intermediate_size if stacked == "gate_up_proj" else self.hidden_size
         dst = getattr(self, stacked)[expert, shard * rows:(shard + 1) * rows]
         if kind in SCALE_NAMES:
@@ -555,11 +573,11 @@ class FusedMoE(nn.Module):
             self._pieces_loaded.add((expert, projection))
 
     def load_stacked(self, stacked: str, expert: int, tensor: torch.Tensor) -> None:
-        """One expert's whole gate_up_proj ([2I, H]: gate rows, then up) or down_proj ([H, I]), as
-        transformers 5 stacks them (and random weights are drawn), through load_expert."""
-        for projection, (target, shard) in EXPERT_PROJECTIONS.items():
+        """One expert's whole gate_up_proj ([2I, H]: gate rows, then up; ungated: [I, H]) or down_proj
+        ([H, I]), as transformers 5 stacks them (and random weights are drawn), through load_expert."""
+        for projection, (target, shard) in self.projections.items():
             if target == stacked:
-                rows = tensor.shape[0] // (2 if stacked == "gate_up_proj" else 1)
+                rows = tensor.shape[0] // (up_halves(self.activation) if stacked == "gate_up_proj" else 1)
                 self.load_expert(expert, projection, tensor[shard * rows:(shard + 1) * rows])
 
     def _load_scale(self, expert: int, stacked: str, shard: int, rows: int, scale: torch.Tensor) -> None:
@@ -577,7 +595,7 @@ class FusedMoE(nn.Module):
         """After loading per-expert tensors: every expert got all three (a stacked checkpoint skips this),
         FP8 codes their scales, and MXFP4 experts both stacks."""
         if self._pieces_loaded:
-            missing = [(e, p) for e in range(self.num_experts) for p in EXPERT_PROJECTIONS
+            missing = [(e, p) for e in range(self.num_experts) for p in self.projections
                        if (e, p) not in self._pieces_loaded]
             if missing:
                 raise ValueError(f"checkpoint is missing {len(missing)} expert tensors, e.g. {missing[:4]}")

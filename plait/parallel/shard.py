@@ -75,8 +75,9 @@ SHARDABLE_ARCHITECTURES = frozenset({
 # the attention itself (GPT-OSS's ``self_attn.sinks``, one per query head).
 _SUFFIXES = (r"(?:\.(weight|bias|weight_scale|weight_scale_inv|input_scale|qweight|qzeros|scales|g_idx|"
              r"weight_packed|weight_zero_point|weight_g_idx|weight_shape))?$")
-# NemotronH names every layer's module ``mixer``: attention's, its MLP's and the Mamba2 mixer's (MAMBA_TENSOR,
-# matched first).
+# NemotronH names every layer's module ``mixer``: attention's, its MLP's, its MoE block's and the Mamba2
+# mixer's (MAMBA_TENSOR, matched first); the MoE block's router (``mixer.gate``) and latent projections
+# (``mixer.fc1_latent_proj``, ``mixer.fc2_latent_proj``) land here too, whole on every rank.
 ATTENTION_TENSOR = re.compile(r"\.layers\.\d+\.(?:self_attn|mixer)\.(\w+)" + _SUFFIXES)
 # A feed-forward's: a dense MLP's (``mlp.gate_proj.weight``), a routed expert's
 # (``mlp.experts.3.up_proj.weight``, Mixtral's ``block_sparse_moe.experts.3.w1.weight``), transformers 5's
@@ -99,11 +100,14 @@ MAMBA_TENSOR = re.compile(r"\.layers\.\d+\.(?:mamba|mixer)\.(in_proj|conv1d|dt_b
 # Mixtral's ``block_sparse_moe.experts.3.w1.weight``, an FP8 one's ``weight_scale_inv``), its index
 # captured, or a stack of every expert's along dim 0 (``mlp.experts.gate_up_proj``, ``down_bias``, GPT-OSS's
 # MXFP4 ``down_proj_blocks`` and ``_scales``).
-EXPERT_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.(?:(\d+)\.)?\w")
+EXPERT_TENSOR = re.compile(r"\.layers\.\d+\.(?:mlp|block_sparse_moe|mixer)\.experts\.(?:(\d+)\.)?\w")
 # MLA's projections cut by heads: each head's query rows (nope, then rope; q_proj, or q_b_proj after the
 # query's latent), its kv_b_proj rows (K nope, then V) and o_proj's columns of its values. The latent side
 # (q_a_proj, q_a_layernorm, kv_a_proj_with_mqa, kv_a_layernorm) is every head's: replicated.
 MLA_QUERY = ("q_proj", "q_b_proj")
+# NemotronH's latent MoE: fc2_latent_proj takes the routed experts' (per-rank partial) sum back to the hidden
+# width before the block's sum over the ranks, so its bias is added by the driver alone.
+LATENT_OUT_PROJ = "fc2_latent_proj"
 # FusedMoE's stacked expert biases: the projection each belongs to.
 STACKED_EXPERT_BIASES = {"gate_up_bias": "gate_up_proj", "down_bias": "down_proj"}
 # The E8M0 scale (2^0) of the MXFP4 blocks that pad experts to whole blocks a rank: their codes are zeros, so
@@ -207,6 +211,8 @@ class Shard:
     def _attention(self, proj: str, kind: str, t: torch.Tensor) -> torch.Tensor:
         if self.full.architecture in DEEPSEEK_ARCHITECTURES:
             return self._mla_attention(proj, kind, t)
+        if proj == LATENT_OUT_PROJ:
+            return self._summed_bias(t) if kind == "bias" else t
         d = self.full.head_dim
         if proj == "q_proj":
             return self._part(t, 0, self.local.num_attention_heads * d)
