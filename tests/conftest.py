@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import queue
@@ -29,6 +30,32 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 TINY_VOCAB = 512
 # The tiny LongRoPE Phi-3's pretraining length: past every test prompt and its outputs.
 TINY_PHI3_ORIGINAL_MAX_POSITIONS = 128
+
+
+# httpx's module-level calls (httpx.get / post ...) time out after 5 s by default. On a loaded 2-core machine
+# a served tiny model's first request once took longer (a ReadTimeout in test_plait_serve_process while four
+# processes shared the cores), so the tests' calls wait longer unless they say otherwise.
+HTTP_TIMEOUT_S = 60.0
+
+
+def _longer_http_timeouts() -> None:
+    try:
+        import httpx
+    except ImportError:  # the server's extras are not installed: no HTTP tests run
+        return
+
+    def waiting_longer(call):
+        @functools.wraps(call)
+        def wrapped(*args, **kwargs):
+            kwargs.setdefault("timeout", HTTP_TIMEOUT_S)
+            return call(*args, **kwargs)
+        return wrapped
+
+    for name in ("request", "get", "post", "put", "patch", "delete", "stream"):
+        setattr(httpx, name, waiting_longer(getattr(httpx, name)))
+
+
+_longer_http_timeouts()
 
 
 @pytest.fixture(scope="module", autouse=True)
