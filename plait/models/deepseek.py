@@ -32,6 +32,7 @@ from plait.attention.base import KVCacheSpec, Rotary
 from plait.config import (
     DEEPSEEK_V3_ARCHITECTURE,
     GROUP_LIMITED_ROUTER,
+    MTP_TARGET_ARCHITECTURES,
     NOAUX_TC_ROUTER,
     SOFTMAX_ROUTER,
     ModelConfig,
@@ -70,7 +71,7 @@ def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
 def rope_interleaved(cfg: ModelConfig) -> bool:
     """Whether the checkpoint's rope channels turn in adjacent pairs (GPT-J's): V2's always (transformers
     rotates them as complex numbers), V3's unless its config sets rope_interleave false."""
-    if cfg.architecture != DEEPSEEK_V3_ARCHITECTURE:
+    if MTP_TARGET_ARCHITECTURES.get(cfg.architecture, cfg.architecture) != DEEPSEEK_V3_ARCHITECTURE:
         return True
     return bool(cfg.raw.get("rope_interleave", True))
 
