@@ -9,13 +9,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from plait.config import EAGLE, EAGLE3, MTP, MTP_HEAD_ARCHITECTURES, EngineConfig, SpeculativeConfig
+from plait.config import EAGLE, EAGLE3, MTP, EngineConfig, SpeculativeConfig
 from plait.engine.draft_model import DRAFT_SAMPLING, RunnerDrafter, draft_engine_config
 from plait.engine.drafter import PENDING_DRAFT_ID
 from plait.engine.kv_cache import KVCacheManager
 from plait.engine.kv_offload import KVTransfer
 from plait.engine.request import Request, RequestStatus
 from plait.engine.scheduler import ScheduledRow, StepPlan
+from plait.models.mtp import mtp_head_architecture
 from plait.runner.model_runner import InFlightStep, ModelRunner
 from plait.runner.sampler import host_to_device, needs_penalties
 
@@ -43,16 +44,6 @@ def eagle_engine_config(spec: SpeculativeConfig, target: EngineConfig, max_model
     overrides = {**given, "architectures": [head], "max_position_embeddings": max_model_len}
     return dataclasses.replace(draft_engine_config(spec, target), max_model_len=max_model_len,
                                num_kv_blocks=num_kv_blocks, hf_overrides=overrides, **same)
-
-
-def mtp_head_architecture(target_architecture: str) -> str:
-    """The MTP head's class for a target (ValueError, by name, for a target plait has no MTP head for)."""
-    head = MTP_HEAD_ARCHITECTURES.get(target_architecture)
-    if head is None:
-        supported = ", ".join(MTP_HEAD_ARCHITECTURES)
-        raise ValueError(f"speculative method 'mtp' drafts with the MTP layers of {supported} checkpoints; "
-                         f"{target_architecture} is not supported")
-    return head
 
 
 @dataclass(eq=False)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from plait.attention.base import KVCacheSpec, Rotary
-from plait.config import ModelConfig, mla_dims
+from plait.config import MTP_HEAD_ARCHITECTURES, ModelConfig, mla_dims
 from plait.layers.linear import Linear
 from plait.layers.norm import RMSNorm
 from plait.layers.rotary import RotaryEmbedding, rotary_embedding
@@ -163,15 +163,21 @@ def check_mtp_target(target: ModelConfig, head_config: dict) -> None:
     """Speculative method "mtp" drafts for GLM-4.5 and DeepSeek-V3 targets from a checkpoint (the target's,
     or the one speculative_config names) with an MTP layer of the target's width: refused by name
     otherwise."""
-    from plait.config import MTP_HEAD_ARCHITECTURES
-
-    if target.architecture not in MTP_HEAD_ARCHITECTURES:
-        supported = ", ".join(MTP_HEAD_ARCHITECTURES)
-        raise ValueError(f"speculative method 'mtp' drafts with the MTP layers of {supported} checkpoints; "
-                         f"{target.architecture} is not supported")
+    mtp_head_architecture(target.architecture)
     if int(head_config.get("num_nextn_predict_layers") or 0) < 1:
         raise ValueError("speculative method 'mtp' drafts with the checkpoint's multi-token-prediction "
-                         f"layers; this {target.architecture} checkpoint has none (num_nextn_predict_layers is 0)")
+                         f"layers; this {target.architecture} checkpoint has none "
+                         "(num_nextn_predict_layers is 0)")
     if int(head_config.get("hidden_size", 0)) != target.hidden_size:
         raise ValueError(f"the MTP layer's checkpoint has hidden size {head_config.get('hidden_size')}; the "
                          f"target's is {target.hidden_size}")
+
+
+def mtp_head_architecture(target_architecture: str) -> str:
+    """The MTP head's class for a target (ValueError, by name, for a target plait has no MTP head for)."""
+    head = MTP_HEAD_ARCHITECTURES.get(target_architecture)
+    if head is None:
+        supported = ", ".join(MTP_HEAD_ARCHITECTURES)
+        raise ValueError(f"speculative method 'mtp' drafts with the MTP layers of {supported} checkpoints; "
+                         f"{target_architecture} is not supported")
+    return head
