@@ -13,15 +13,19 @@ import torch
 from conftest import random_prompts
 from safetensors.torch import load_file, save_file
 from test_eagle import _record_drafts
-from test_glm4_moe import glm4_moe_models  # noqa: F401 (the fixture: tiny GLM-4.5 checkpoints with an MTP layer)
+from test_deepseek import deepseek_models  # noqa: F401 (fixtures: tiny checkpoints with an MTP layer)
+from test_glm4_moe import glm4_moe_models  # noqa: F401
 from test_speculative import MIXED_PARAMS, _assert_same, _engine, _generate
 
 from plait.config import SpeculativeConfig
 from plait.engine.eagle import EagleDrafter
-from plait.models.mtp import Glm4MoeMTPModel
+from plait.models.mtp import DeepSeekMTPModel, Glm4MoeMTPModel
 from plait.sampling_params import SamplingParams
 
-MTP_LAYER = 3  # the tiny GLM-4.5's num_hidden_layers: its MTP layer is model.layers.3.*
+MTP_LAYER = 3  # the tiny models' num_hidden_layers: their MTP layer is model.layers.3.*
+# The tiny targets with an MTP layer (test_glm4_moe's, test_deepseek's) and the head class each drafts with.
+FAMILIES = {"glm4_moe": ("glm4_moe_models", "qk_norm", Glm4MoeMTPModel),
+            "deepseek_v3": ("deepseek_models", "v3_yarn", DeepSeekMTPModel)}
 # The target layer (MoE) whose tensors the ``distinct`` checkpoint's MTP decoder layer copies.
 DECODER_COPY = 1
 # A small token budget: the long prompt is chunked over several steps beside other rows' decodes.
@@ -122,13 +126,14 @@ def predictive(glm4_moe_models, tmp_path_factory) -> Path:  # noqa: F811
     return out
 
 
-@pytest.fixture(scope="module")
-def distinct(glm4_moe_models, tmp_path_factory) -> Path:  # noqa: F811
-    """The tiny GLM-4.5 (q/k norms) whose MTP layer's decoder layer is a copy of layer DECODER_COPY's (not of
-    the last layer's, as test_glm4_moe's: a head loading the wrong layer would draft otherwise), and whose
-    enorm, hnorm and shared_head.norm are not ones."""
-    folder, _ = glm4_moe_models["qk_norm"]
-    out = _copy_config(folder, tmp_path_factory.mktemp("tiny-glm4-moe-distinct"))
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def distinct(request, tmp_path_factory) -> tuple[str, Path, object]:
+    """(family, a tiny target whose MTP layer's decoder layer is a copy of layer DECODER_COPY's (not of the
+    last layer's, as the fixtures': a head loading the wrong layer would draft otherwise), and whose enorm,
+    hnorm and shared_head.norm are not ones, transformers' target)."""
+    fixture, variant, _ = FAMILIES[request.param]
+    folder, hf = request.getfixturevalue(fixture)[variant]
+    out = _copy_config(folder, tmp_path_factory.mktemp(f"tiny-{request.param}-distinct"))
     tensors = load_file(folder / "model.safetensors")
     g = torch.Generator().manual_seed(62)
     mtp, source = f"model.layers.{MTP_LAYER}.", f"model.layers.{DECODER_COPY}."
@@ -140,7 +145,7 @@ def distinct(glm4_moe_models, tmp_path_factory) -> Path:  # noqa: F811
         tensors[f"{mtp}{name}.weight"] = 1 + 0.2 * torch.randn(weight.shape, generator=g)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
-    return out
+    return request.param, out, hf
 
 
 def _copy_config(folder: Path, out: Path) -> Path:
@@ -165,15 +170,14 @@ def _without_mtp(folder: Path, out: Path) -> Path:
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_drafts_are_the_mtp_layers_over_the_targets_hidden_states(glm4_moe_models, distinct, k,  # noqa: F811
-                                                                  monkeypatch):
+def test_drafts_are_the_mtp_layers_over_the_targets_hidden_states(distinct, k, monkeypatch):
     """Every proposal, for prompts chunked over several steps beside decodes and for decodes after kept and
-    rejected drafts, equals the plain-torch MTP layer's (transformers' decoder layer) over transformers'
-    hidden states; the outputs and logprobs are those without speculation."""
-    _, hf = glm4_moe_models["qk_norm"]
-    folder = distinct
+    rejected drafts, equals the plain-torch MTP layer's (transformers' decoder layer: GLM-4.5's attention, or
+    DeepSeek-V3's MLA, and MoE) over transformers' hidden states; the outputs and logprobs are those without
+    speculation."""
+    family, folder, hf = distinct
     engine = _mtp_engine(folder, _spec(k))
-    assert isinstance(engine.drafter, EagleDrafter) and isinstance(engine.drafter.head, Glm4MoeMTPModel)
+    assert isinstance(engine.drafter, EagleDrafter) and isinstance(engine.drafter.head, FAMILIES[family][2])
     seen: list[tuple[list[int], tuple[int, ...]]] = []
     _record_drafts(monkeypatch, lambda known, drafts: seen.append((known, drafts)))
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2)
@@ -210,7 +214,7 @@ def test_seeded_sampling_penalties_and_stops_are_unchanged(predictive):
     assert engine.spec_stats.num_accepted_tokens > 0
 
 
-def test_mtp_config_names_and_refusals(glm4_moe_models, tiny_llama, tmp_path):  # noqa: F811
+def test_mtp_config_names_and_refusals(glm4_moe_models, deepseek_models, tiny_llama, tmp_path):  # noqa: F811
     """vLLM's names for the method; its model the target's by default; targets without MTP layers (or of
     other architectures) refused by name."""
     for name in ("mtp", "deepseek_mtp", "glm4_moe_mtp"):
@@ -222,5 +226,7 @@ def test_mtp_config_names_and_refusals(glm4_moe_models, tiny_llama, tmp_path):  
         _mtp_engine(_without_mtp(folder, tmp_path / "no-mtp"), _spec(1))
     with pytest.raises(ValueError, match="LlamaForCausalLM is not supported"):
         _engine(tiny_llama, _spec(1))
+    with pytest.raises(ValueError, match="DeepseekV2ForCausalLM is not supported"):
+        _engine(deepseek_models["v2_lite"][0], _spec(1))
     with pytest.raises(ValueError, match='"max_model_len" is not for "mtp"'):
         SpeculativeConfig.parse(_spec(1, max_model_len=64))
