@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import random_prompts
 from safetensors.torch import load_file, save_file
-from test_eagle import _record_drafts
 from test_deepseek import deepseek_models  # noqa: F401 (fixtures: tiny checkpoints with an MTP layer)
+from test_eagle import _record_drafts
 from test_glm4_moe import glm4_moe_models  # noqa: F401
 from test_speculative import MIXED_PARAMS, _assert_same, _engine, _generate
 
