@@ -65,7 +65,8 @@ class _Mirror:
 
 
 class EagleDrafter(RunnerDrafter):
-    """vLLM's "eagle" and "eagle3" speculative methods. The head (plait.models.eagle) runs in its own
+    """vLLM's "eagle", "eagle3" and "mtp" speculative methods (an MTP layer, plait.models.mtp, drafts as an
+    EAGLE-1 head does). The head (plait.models.eagle) runs in its own
     ModelRunner, sharing the target's embedding (and, for EAGLE-1, its LM head), with a KV cache of its one
     layer at the target's block ids: where the target has computed a position (or found it in the prefix
     cache), so has the head, and preemption or prefix caching need nothing of their own.

@@ -19,7 +19,7 @@
 # read only through the absorbed matrices, so it is dequantised once after the load (as vLLM does).
 #
 # The checkpoints (V3's) also hold num_nextn_predict_layers multi-token-prediction layers, skipped at load as
-# glm4_moe skips them.
+# glm4_moe skips them (speculative_config method "mtp" drafts with the first: plait.models.mtp).
 
 from __future__ import annotations
 
