@@ -33,6 +33,7 @@ BUDGET = 24
 # The "predictive" checkpoint: the decoder's sublayer outputs scaled down so that the target is nearly a
 # bigram model (its next token mostly the last token's), and an MTP layer that predicts that bigram.
 SUBLAYER_SCALE = 0.02
+NUM_SMALL_KV_BLOCKS = 24  # of 8 tokens: too few for the seeded test's seven requests at once
 FEATURE_MIX = 0.005  # eh_proj's weight on the hidden state beside the identity on the embedding
 
 
@@ -205,21 +206,32 @@ def test_a_predictive_mtp_layer_has_drafts_kept_and_outputs_unchanged(predictive
     assert all(kept > 0 for kept in stats.accepted_per_position), stats
 
 
-def test_seeded_sampling_penalties_and_stops_are_unchanged(predictive):
-    """Sampled, penalised and stopped requests: the same outputs as without speculation."""
-    prompts = random_prompts(len(MIXED_PARAMS), 3, 30, seed=53)
-    want = _generate(_mtp_engine(predictive, None), prompts, MIXED_PARAMS)
-    engine = _mtp_engine(predictive, _spec(2))
+def test_seeded_sampling_penalties_stops_prefix_cache_and_preemption_are_unchanged(predictive):
+    """Sampled, penalised and stopped requests, a shared prefix served from the cache (the head's K/V of
+    those blocks is at the target's block ids too) and a KV cache small enough to preempt: the same outputs
+    as the same engine without speculation."""
+    shared = random_prompts(1, 40, 40, seed=53)[0]
+    prompts = [shared + p for p in random_prompts(len(MIXED_PARAMS), 3, 20, seed=54)]
+    knobs = dict(enable_prefix_caching=True, num_kv_blocks=NUM_SMALL_KV_BLOCKS)
+    want = _generate(_mtp_engine(predictive, None, **knobs), prompts, MIXED_PARAMS)
+    engine = _mtp_engine(predictive, _spec(2), **knobs)
+    engine.record_timeline = True
     _assert_same(_generate(engine, prompts, MIXED_PARAMS), want)
-    assert engine.spec_stats.num_accepted_tokens > 0
+    assert engine.spec_stats.num_accepted_tokens > 0 and engine.kv_cache.stats.hits > 0
+    assert sum(s.num_preempted for s in engine.timeline) > 0, "the test did not force a preemption"
 
 
 def test_mtp_config_names_and_refusals(glm4_moe_models, deepseek_models, tiny_llama, tmp_path):  # noqa: F811
-    """vLLM's names for the method; its model the target's by default; targets without MTP layers (or of
-    other architectures) refused by name."""
+    """vLLM's names for the method, from the CLI's --speculative-config too; its model the target's by
+    default; targets without MTP layers (or of other architectures) refused by name."""
+    from plait.entrypoints.cli import _engine_config, parse_args
+
     for name in ("mtp", "deepseek_mtp", "glm4_moe_mtp"):
         assert SpeculativeConfig.parse({"method": name, "num_speculative_tokens": 1}).method == "mtp"
     folder, _ = glm4_moe_models["no_qk_norm"]
+    flag = json.dumps({"method": "glm4_moe_mtp", "num_speculative_tokens": 1})
+    config = _engine_config(parse_args(["serve", str(folder), "--speculative-config", flag]))
+    assert config.speculative_config == SpeculativeConfig("mtp", 1, model=str(folder))
     engine = _mtp_engine(folder, _spec(1))
     assert engine.config.speculative_config.model == str(folder)
     with pytest.raises(ValueError, match="has none .num_nextn_predict_layers"):
