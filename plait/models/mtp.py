@@ -159,11 +159,14 @@ class DeepSeekMTPModel(MtpHead):
         attn.absorb_quantized_kv_b()
 
 
-def check_mtp_target(target: ModelConfig, head_config: dict) -> None:
+def check_mtp_target(target: ModelConfig, model: str, download_dir: str | None = None) -> None:
     """Speculative method "mtp" drafts for GLM-4.5 and DeepSeek-V3 targets from a checkpoint (the target's,
     or the one speculative_config names) with an MTP layer of the target's width: refused by name
     otherwise."""
+    from plait.models.eagle import read_head_config
+
     mtp_head_architecture(target.architecture)
+    head_config = read_head_config(model, download_dir)
     if int(head_config.get("num_nextn_predict_layers") or 0) < 1:
         raise ValueError("speculative method 'mtp' drafts with the checkpoint's multi-token-prediction "
                          f"layers; this {target.architecture} checkpoint has none "

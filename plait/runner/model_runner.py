@@ -332,7 +332,7 @@ class ModelRunner:
         if spec is None or spec.method not in (EAGLE, EAGLE3, MTP):
             return None
         if spec.method == MTP:  # the MTP layer reads the final hidden states, as EAGLE-1 does
-            check_mtp_target(self.model_config, read_head_config(spec.model, config.download_dir))
+            check_mtp_target(self.model_config, spec.model, config.download_dir)
             return FeatureTap(self.model)
         check_eagle_target(self.model, self.model_config)
         if spec.method == EAGLE:
