@@ -13,7 +13,7 @@ import torch
 from conftest import random_prompts
 from safetensors.torch import load_file, save_file
 from test_deepseek import deepseek_models  # noqa: F401 (fixtures: tiny checkpoints with an MTP layer)
-from test_eagle import _record_drafts
+from test_eagle import _record_drafts, _spec_run
 from test_glm4_moe import glm4_moe_models  # noqa: F401
 from test_speculative import MIXED_PARAMS, _assert_same, _engine, _generate
 
@@ -242,3 +242,21 @@ def test_mtp_config_names_and_refusals(glm4_moe_models, deepseek_models, tiny_ll
         _engine(deepseek_models["v2_lite"][0], _spec(1))
     with pytest.raises(ValueError, match='"max_model_len" is not for "mtp"'):
         SpeculativeConfig.parse(_spec(1, max_model_len=64))
+
+
+def test_an_mtp_head_beside_a_target_split_over_two_ranks_drafts_as_on_one(glm4_moe_models,  # noqa: F811
+                                                                              monkeypatch):
+    """Tensor parallelism (gloo): the MTP head runs whole on the driver, reading the driver's final hidden
+    states of the split target (GLM-4.5: the head runs unsplit whatever its family): the drafts and outputs
+    of one device."""
+    folder, _ = glm4_moe_models["qk_norm"]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = _prompts()
+    want = _spec_run(_mtp_engine(folder, _spec(2)), prompts, params, monkeypatch)
+    engine = _mtp_engine(folder, _spec(2), tensor_parallel_size=2)
+    try:
+        outputs, drafts = _spec_run(engine, prompts, params, monkeypatch)
+    finally:
+        engine.shutdown()
+    assert outputs == want[0]
+    assert len(drafts) > 12 and drafts == want[1]
