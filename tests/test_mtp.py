@@ -260,3 +260,42 @@ def test_an_mtp_head_beside_a_target_split_over_two_ranks_drafts_as_on_one(glm4_
         engine.shutdown()
     assert outputs == want[0]
     assert len(drafts) > 12 and drafts == want[1]
+
+
+def test_the_head_reads_only_its_layer_of_the_checkpoint(glm4_moe_models, monkeypatch):  # noqa: F811
+    """The head's load reads model.layers.{N}.* of the target's checkpoint and leaves the rest unread (a
+    GLM-4.5's is hundreds of GB): every tensor read after the target's load is the MTP layer's."""
+    from safetensors import safe_open
+
+    import plait.loader.hf as hf_loader
+
+    folder, _ = glm4_moe_models["qk_norm"]
+    read: list[str] = []
+
+    class Recording:
+        def __init__(self, *args, **kwargs) -> None:
+            self.file = safe_open(*args, **kwargs)
+
+        def __enter__(self):
+            self.shard = self.file.__enter__()
+            return self
+
+        def __exit__(self, *exc) -> None:
+            self.file.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return list(self.shard.keys())
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            read.append(name)
+            return self.shard.get_tensor(name)
+
+    monkeypatch.setattr(hf_loader, "safe_open", Recording)
+    plain = _mtp_engine(folder, None)
+    target_reads = len(read)
+    assert any(name.startswith(f"model.layers.{MTP_LAYER - 1}.") for name in read)
+    read.clear()
+    engine = _mtp_engine(folder, _spec(1))
+    assert engine.drafter is not None and plain is not None
+    head_reads = read[target_reads:]  # the target's load first, then the head's
+    assert head_reads and all(name.startswith(f"model.layers.{MTP_LAYER}.") for name in head_reads)

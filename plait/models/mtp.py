@@ -3,7 +3,7 @@ plait.engine.eagle.EagleDrafter as speculative_config method "mtp"."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -67,6 +67,12 @@ class MtpHead(EagleHead):
         self.num_kv_cache_layers = 1
         self.model = _MtpTrunk(cfg, layer, self.make_rotary(cfg, max_positions))
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @staticmethod
+    def checkpoint_names(cfg: ModelConfig) -> Callable[[str], bool]:
+        """The checkpoint tensors the head reads: its layer's (the loader leaves the others unread)."""
+        prefix = f"model.layers.{cfg.num_hidden_layers}."
+        return lambda name: name.startswith(prefix)
 
     def make_layer(self, cfg: ModelConfig, layer_idx: int) -> nn.Module:
         raise NotImplementedError
