@@ -94,6 +94,8 @@ def token_workloads(vocab: int, seed: int) -> dict[str, list[list[int]]]:
 def make_engine(args: argparse.Namespace, k: int) -> LLMEngine:
     if not k:
         spec = None
+    elif args.method == "mtp":  # the target checkpoint's own MTP layer
+        spec = {"method": "mtp", "num_speculative_tokens": k}
     elif args.draft_model:
         spec = {"model": args.draft_model, "num_speculative_tokens": k}
         if args.method:
@@ -228,8 +230,9 @@ def main() -> None:
                         help="comma-separated k to run; 0 is plain decoding, the reference (default: 0,2,4)")
     parser.add_argument("--draft-model", default=None,
                         help="draft with this model instead of n-gram lookups (same load format as --model)")
-    parser.add_argument("--method", default=None, choices=["draft_model", "eagle", "eagle3"],
-                        help="what --draft-model is (default: draft_model): an EAGLE-1 / EAGLE-3 head")
+    parser.add_argument("--method", default=None, choices=["draft_model", "eagle", "eagle3", "mtp"],
+                        help="what --draft-model is (default: draft_model): an EAGLE-1 / EAGLE-3 head; "
+                             "mtp: the target's own MTP layer (GLM-4.5, DeepSeek-V3; no --draft-model)")
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--batch", type=int, default=1, help="requests served at once (default: 1)")
@@ -257,7 +260,8 @@ def main() -> None:
             r["identical_to_plain"] = r["outputs"] == base[name]["outputs"]
             r["speedup_vs_plain"] = round(r["out_tok_s"] / base[name]["out_tok_s"], 3)
             table.setdefault(name, {})[f"k={k}"] = {key: v for key, v in r.items() if key != "outputs"}
-            if args.draft_model and k != "0" and "replayed" not in k and (r["acceptance_rate"] or 0) < 0.1:
+            drafts_by_model = args.draft_model or args.method == "mtp"
+            if drafts_by_model and k != "0" and "replayed" not in k and (r["acceptance_rate"] or 0) < 0.1:
                 table[name][f"k={k}"]["projected"] = projected(int(k), r["ms_per_step"],
                                                                base[name]["ms_per_step"])
             if not r["identical_to_plain"]:  # where the outputs part: bf16 rounding of another batch shape
@@ -265,6 +269,8 @@ def main() -> None:
                          for x, y in zip(r["outputs"], base[name]["outputs"]) if x != y]
                 table[name][f"k={k}"]["first_forks"] = forks
     method = f"{args.method or 'draft-model'} ({args.draft_model})" if args.draft_model else "n-gram"
+    if args.method == "mtp":
+        method = "MTP (the target's own layer)"
     cpu = platform.processor() or platform.machine()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU ({cpu})"
     result = {

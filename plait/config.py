@@ -365,7 +365,10 @@ class EngineConfig:
         self._apply_compilation_config()
         self.speculative_config = spec = SpeculativeConfig.parse(self.speculative_config)
         self.kv_events_config = KVEventsConfig.parse(self.kv_events_config)
-        if spec is not None and spec.method in MODEL_METHODS:
+        if spec is not None and spec.method == MTP and spec.model is None:
+            # The draft is the target checkpoint's own MTP layer (vLLM's default "model" for the method).
+            self.speculative_config = spec = dataclasses.replace(spec, model=self.model)
+        if spec is not None and spec.method in (*MODEL_METHODS, MTP):
             # An EAGLE head runs whole on the driver's device beside the split target (its features are the
             # driver's); a draft model would need its own ranks.
             if self.tensor_parallel_size > 1 and spec.method == DRAFT_MODEL:
@@ -780,9 +783,13 @@ NGRAM = "ngram"
 DRAFT_MODEL = "draft_model"
 EAGLE = "eagle"
 EAGLE3 = "eagle3"
+# Multi-token prediction: the target checkpoint's own MTP layer drafts (plait.models.mtp); "model" defaults
+# to the target's. vLLM's older names for it are read as this one.
+MTP = "mtp"
+MTP_ALIASES = {"deepseek_mtp": MTP, "glm4_moe_mtp": MTP}
 # Methods whose drafts come from a model of their own (speculative_config's "model").
 MODEL_METHODS: tuple[str, ...] = (DRAFT_MODEL, EAGLE, EAGLE3)
-SPECULATIVE_METHODS: tuple[str, ...] = (NGRAM, *MODEL_METHODS)
+SPECULATIVE_METHODS: tuple[str, ...] = (NGRAM, *MODEL_METHODS, MTP)
 # vLLM's n-gram lengths where a config names neither prompt_lookup_max nor prompt_lookup_min.
 DEFAULT_PROMPT_LOOKUP = 5
 
@@ -797,7 +804,9 @@ class SpeculativeConfig:
     n tokens (n from prompt_lookup_max down to prompt_lookup_min). Method "draft_model" (the default where
     ``model`` is given, as in vLLM): a smaller model of the same vocabulary decodes them greedily
     (plait.engine.draft_model). Methods "eagle" and "eagle3": an EAGLE-1 / EAGLE-3 head (``model``) drafts
-    from the target's hidden states (plait.engine.eagle)."""
+    from the target's hidden states (plait.engine.eagle). Method "mtp" (vLLM's, also "deepseek_mtp" and
+    "glm4_moe_mtp"): the multi-token-prediction layer of the target's checkpoint (``model``: the target's
+    where not given) drafts as an EAGLE-1 head does (plait.models.mtp)."""
 
     method: str | None = None  # None: "draft_model" with a model, else "ngram"
     num_speculative_tokens: int = 0
@@ -811,6 +820,7 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         method = self.method or (DRAFT_MODEL if self.model is not None else NGRAM)
+        method = MTP_ALIASES.get(method, method)
         if method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method must be one of {SPECULATIVE_METHODS}, "
                              f"got {method!r}")
@@ -818,6 +828,9 @@ class SpeculativeConfig:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, minimum=1)
         if method in MODEL_METHODS and not self.model:
             raise ValueError(f'speculative_config method "{method}" needs "model": the draft checkpoint')
+        if method == MTP and self.max_model_len is not None:
+            raise ValueError('speculative_config "max_model_len" is not for "mtp": its layer is the '
+                             "target's, at the target's context")
         if method == NGRAM and (self.model is not None or self.max_model_len is not None):
             raise ValueError('speculative_config "model" and "max_model_len" are for the methods with a '
                              f'model ({", ".join(MODEL_METHODS)}), not "ngram"')
@@ -892,6 +905,12 @@ DEEPSEEK_V2_ARCHITECTURE = "DeepseekV2ForCausalLM"
 DEEPSEEK_V3_ARCHITECTURE = "DeepseekV3ForCausalLM"
 DEEPSEEK_ARCHITECTURES = (DEEPSEEK_V2_ARCHITECTURE, DEEPSEEK_V3_ARCHITECTURE)
 GLM4_MOE_MODEL_TYPE = "glm4_moe"  # GLM-4.5 / GLM-4.6 (plait.models.glm4_moe)
+GLM4_MOE_ARCHITECTURE = "Glm4MoeForCausalLM"
+# The MTP draft head's architecture (vLLM's names) for each target whose checkpoints hold MTP layers
+# (num_nextn_predict_layers): speculative_config method "mtp" (plait.models.mtp).
+MTP_HEAD_ARCHITECTURES = {GLM4_MOE_ARCHITECTURE: "Glm4MoeMTPModel",
+                          DEEPSEEK_V3_ARCHITECTURE: "DeepSeekMTPModel"}
+MTP_TARGET_ARCHITECTURES = {head: target for target, head in MTP_HEAD_ARCHITECTURES.items()}
 # MoE decoders whose configs name their experts' width intermediate_size (plait.models.olmo, .granite).
 OLMOE_MODEL_TYPES = ("olmoe",)
 # Granite 4.0 (GraniteMoeHybridForCausalLM, plait.models.granite4): Granite MoE shared's block, or its
@@ -937,6 +956,7 @@ class MoEConfig:
         if model_type == NEMOTRON_H_MODEL_TYPE:
             return cls._from_nemotron_h(cfg)
         architecture = (cfg.get("architectures") or [""])[0]
+        architecture = MTP_TARGET_ARCHITECTURES.get(architecture, architecture)  # an MTP head: its target's
         if architecture in DEEPSEEK_ARCHITECTURES:
             return cls._from_deepseek(cfg, architecture == DEEPSEEK_V3_ARCHITECTURE)
         num_experts = cfg.get("num_local_experts") or cfg.get("num_experts") or 0

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from plait.config import EAGLE, EAGLE3, EngineConfig, SpeculativeConfig
+from plait.config import EAGLE, EAGLE3, MTP, EngineConfig, SpeculativeConfig
 from plait.engine.draft_model import DRAFT_SAMPLING, RunnerDrafter, draft_engine_config
 from plait.engine.drafter import PENDING_DRAFT_ID
 from plait.engine.kv_cache import KVCacheManager
 from plait.engine.kv_offload import KVTransfer
 from plait.engine.request import Request, RequestStatus
 from plait.engine.scheduler import ScheduledRow, StepPlan
+from plait.models.mtp import mtp_head_architecture
 from plait.runner.model_runner import InFlightStep, ModelRunner
 from plait.runner.sampler import host_to_device, needs_penalties
 
@@ -26,14 +27,23 @@ logger = logging.getLogger(__name__)
 HEAD_ARCHITECTURES = {EAGLE: "EagleLlamaForCausalLM", EAGLE3: "Eagle3LlamaForCausalLM"}
 
 
-def eagle_engine_config(spec: SpeculativeConfig, target: EngineConfig, max_model_len: int, num_kv_blocks: int
-                        ) -> EngineConfig:
+def eagle_engine_config(spec: SpeculativeConfig, target: EngineConfig, max_model_len: int, num_kv_blocks: int,
+                        target_architecture: str) -> EngineConfig:
     """The head's runner config: the draft model's (the target's device, dtype, rows and budget), the
     target's context, and exactly the target's KV block count, since the head's K/V lives at the target's
-    block ids."""
-    overrides = {"architectures": [HEAD_ARCHITECTURES[spec.method]], "max_position_embeddings": max_model_len}
+    block ids. An MTP head is read from the target's checkpoint as the target is (its revision, config
+    folder and quantization)."""
+    if spec.method == MTP:
+        head = mtp_head_architecture(target_architecture)
+        same = dict(revision=target.revision, hf_config_path=target.hf_config_path,
+                    quantization=target.quantization, rope_scaling=target.rope_scaling,
+                    rope_theta=target.rope_theta) if spec.model == target.model else {}
+        given = (target.hf_overrides or {}) if same else {}
+    else:
+        head, same, given = HEAD_ARCHITECTURES[spec.method], {}, {}
+    overrides = {**given, "architectures": [head], "max_position_embeddings": max_model_len}
     return dataclasses.replace(draft_engine_config(spec, target), max_model_len=max_model_len,
-                               num_kv_blocks=num_kv_blocks, hf_overrides=overrides)
+                               num_kv_blocks=num_kv_blocks, hf_overrides=overrides, **same)
 
 
 @dataclass(eq=False)
@@ -55,7 +65,8 @@ class _Mirror:
 
 
 class EagleDrafter(RunnerDrafter):
-    """vLLM's "eagle" and "eagle3" speculative methods. The head (plait.models.eagle) runs in its own
+    """vLLM's "eagle", "eagle3" and "mtp" speculative methods (an MTP layer, plait.models.mtp, drafts as an
+    EAGLE-1 head does). The head (plait.models.eagle) runs in its own
     ModelRunner, sharing the target's embedding (and, for EAGLE-1, its LM head), with a KV cache of its one
     layer at the target's block ids: where the target has computed a position (or found it in the prefix
     cache), so has the head, and preemption or prefix caching need nothing of their own.
@@ -73,7 +84,8 @@ class EagleDrafter(RunnerDrafter):
         self.target = target
         self.kv_cache = kv_cache  # the target's
         self.max_len = max_model_len
-        config = eagle_engine_config(spec, target_config, target.max_model_len, target.num_kv_blocks)
+        config = eagle_engine_config(spec, target_config, target.max_model_len, target.num_kv_blocks,
+                                     target.model_config.architecture)
         # KV offloading: the head's K/V of a block the target's prefix cache sends to host memory goes there
         # too (a host pool of as many blocks), and comes back with it (transfer_kv).
         config.kv_offloading_blocks = target.num_host_kv_blocks or None

@@ -103,8 +103,9 @@ _FLAG_HELP = {
     "speculative_config": "as vLLM's, a JSON object: '{\"method\": \"ngram\", \"num_speculative_tokens\": "
                           "4, \"prompt_lookup_max\": 4}' drafts up to 4 tokens a step by prompt lookup, "
                           "'{\"model\": \"DRAFT\", \"num_speculative_tokens\": 3}' with a smaller model of "
-                          "the same tokenizer; the tokens the model would have produced anyway are kept "
-                          "(default: off)",
+                          "the same tokenizer, '{\"method\": \"mtp\", \"num_speculative_tokens\": 1}' with a "
+                          "GLM-4.5 / DeepSeek-V3 checkpoint's own MTP layer; the tokens the model would have "
+                          "produced anyway are kept (default: off)",
     "runner": "as vLLM's --runner: 'pooling' serves the model's embeddings (/v1/embeddings) or, for a "
               "...ForSequenceClassification checkpoint, its class probabilities (/classify); 'generate' its "
               "text; 'auto' (default) pools base-model and classifier checkpoints and generates with any "

@@ -8,7 +8,7 @@ import logging
 import re
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -165,7 +165,8 @@ def read_pt_file(file: Path, map_location: str = "cpu") -> dict[str, torch.Tenso
 
 
 def iter_hf_weights(path: str | Path, progress: bool = False, strategy: str = LAZY_LOAD,
-                    threads: int = 1) -> Iterator[tuple[str, torch.Tensor]]:
+                    threads: int = 1, wanted: Callable[[str], bool] | None = None
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
     """The folder's tensors, shard after shard in file order, as load_hf_folder finds them; a name in two
     files is an error. ``progress``: a bar over the shards (vLLM's use_tqdm_on_load), for checkpoints whose
     load takes minutes.
@@ -175,7 +176,8 @@ def iter_hf_weights(path: str | Path, progress: bool = False, strategy: str = LA
     tensors are handed out (a shard's size in memory); "prefetch" is "lazy" while a thread reads the files
     ahead, in order, so that the page cache holds them when their tensors are read. ``threads`` > 1 (vLLM's
     enable_multithread_load) reads that many shards at once on threads, each whole, handed out in file order
-    (up to threads + 1 shards in memory)."""
+    (up to threads + 1 shards in memory). ``wanted``: the names to hand out (None: all); under "lazy" and
+    "prefetch" the others are never read (an MTP draft head takes one layer of its target's checkpoint)."""
     files = checkpoint_files(path)
     prefetcher = Prefetcher(files) if strategy == PREFETCH_LOAD else None
     if prefetcher is not None:
@@ -183,7 +185,7 @@ def iter_hf_weights(path: str | Path, progress: bool = False, strategy: str = LA
     bar = tqdm(total=len(files), desc="Loading safetensors shards", unit="shard", disable=not progress)
     seen: set[str] = set()
     try:
-        for names, tensors in _shards(files, strategy, threads):
+        for names, tensors in _shards(files, strategy, threads, wanted):
             duplicated = seen.intersection(names)
             if duplicated:
                 raise ValueError(f"tensor(s) {sorted(duplicated)[:3]} appear in more than one file of "
@@ -197,21 +199,25 @@ def iter_hf_weights(path: str | Path, progress: bool = False, strategy: str = LA
             prefetcher.stop()
 
 
-def _shards(files: list[Path], strategy: str, threads: int
+def _shards(files: list[Path], strategy: str, threads: int, wanted: Callable[[str], bool] | None = None
             ) -> Iterator[tuple[list[str], Iterable[tuple[str, torch.Tensor]]]]:
-    """Each shard's tensor names and (name, tensor) pairs, in file order, read as iter_hf_weights says."""
+    """Each shard's tensor names and its wanted (name, tensor) pairs, in file order, read as iter_hf_weights
+    says."""
+    def keep(name: str) -> bool:
+        return wanted is None or wanted(name)
+
     if threads > 1:
         for tensors in _shards_on_threads(files, strategy, threads):
-            yield list(tensors), tensors.items()
+            yield list(tensors), ((n, t) for n, t in tensors.items() if keep(n))
         return
     for file in files:
         if strategy == EAGER_LOAD or _is_pickle(file):
             tensors = read_shard(file, strategy)
-            yield list(tensors), tensors.items()
+            yield list(tensors), ((n, t) for n, t in tensors.items() if keep(n))
             continue
         with safe_open(file, framework="pt") as shard:
             names = list(shard.keys())
-            yield names, ((name, shard.get_tensor(name)) for name in names)
+            yield names, ((name, shard.get_tensor(name)) for name in names if keep(name))
 
 
 def read_shard(file: Path, strategy: str = LAZY_LOAD) -> dict[str, torch.Tensor]:

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import math
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,8 +83,12 @@ def load_model(
         source = resolve_model(config.model, config.revision, config.download_dir)
     # One bar, the driver's: the other tensor-parallel ranks read the same shards beside it.
     progress = config.use_tqdm_on_load and (parallel is None or parallel.is_driver)
+    # The checkpoint tensors the model's class reads, where it says (an MTP head: its one layer's), known once
+    # the config names the class; the reader below runs only after that, so it leaves the others unread.
+    wanted: list[Callable[[str], bool]] = []
     hf_config, weights = read_source(source, config.load_format, progress, config_folder(config),
-                                     config.safetensors_load_strategy, load_threads(config))
+                                     config.safetensors_load_strategy, load_threads(config),
+                                     wanted=lambda name: all(keep(name) for keep in wanted))
     hf_config = with_rope_overrides(merge_objects(hf_config, config.hf_overrides), config.rope_scaling,
                                     config.rope_theta)
     mxfp4_experts = mxfp4.is_mxfp4_checkpoint(hf_config)
@@ -93,6 +97,9 @@ def load_model(
     model_config = ModelConfig.from_hf(hf_config)
     runner = resolve_runner(config.runner, model_config.architecture)
     cls = get_model_class(model_config.architecture)
+    checkpoint_names = getattr(cls, "checkpoint_names", None)
+    if checkpoint_names is not None:
+        wanted.append(checkpoint_names(model_config))
     positions = max_positions or model_config.max_position_embeddings
     # A quantised checkpoint is served as it is without --quantization, as vLLM reads its quantization_config:
     # GPTQ / AWQ integer weights (the flag may only repeat the method), or FP8, whose scheme (per-row or
@@ -273,12 +280,13 @@ def to_model_dtype(name: str, t: torch.Tensor, device: torch.device, dtype: torc
 
 
 def read_source(source: Any, load_format: str, progress: bool = False, hf_config_folder: Path | None = None,
-                strategy: str = LAZY_LOAD, threads: int = 1
+                strategy: str = LAZY_LOAD, threads: int = 1, wanted: Callable[[str], bool] | None = None
                 ) -> tuple[dict, Iterable[tuple[str, torch.Tensor]] | None]:
     """(config, the checkpoint's (name, tensor) pairs, or None for random weights); an HF folder's are
     read lazily, shard by shard, with a progress bar over its shards where ``progress``, as ``strategy`` and
     ``threads`` say (iter_hf_weights). ``hf_config_folder`` (vLLM's --hf-config-path): the config.json is
-    that folder's instead of the model's (a GGUF file's header's)."""
+    that folder's instead of the model's (a GGUF file's header's). ``wanted``: the tensor names an HF
+    folder's reader hands out (None: all)."""
     from plait.loader.hf import iter_hf_weights, read_hf_config
 
     hf_config = read_hf_config(hf_config_folder) if hf_config_folder is not None else None
@@ -296,7 +304,7 @@ def read_source(source: Any, load_format: str, progress: bool = False, hf_config
         hf_config = read_hf_config(source.path)
     if load_format == "dummy":
         return hf_config, None
-    return hf_config, iter_hf_weights(source.path, progress, strategy, threads)
+    return hf_config, iter_hf_weights(source.path, progress, strategy, threads, wanted)
 
 
 def _load_tokenizer(source: Any, config: EngineConfig) -> Any | None:

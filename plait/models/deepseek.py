@@ -19,7 +19,7 @@
 # read only through the absorbed matrices, so it is dequantised once after the load (as vLLM does).
 #
 # The checkpoints (V3's) also hold num_nextn_predict_layers multi-token-prediction layers, skipped at load as
-# glm4_moe skips them.
+# glm4_moe skips them (speculative_config method "mtp" drafts with the first: plait.models.mtp).
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from plait.attention.base import KVCacheSpec, Rotary
 from plait.config import (
     DEEPSEEK_V3_ARCHITECTURE,
     GROUP_LIMITED_ROUTER,
+    MTP_TARGET_ARCHITECTURES,
     NOAUX_TC_ROUTER,
     SOFTMAX_ROUTER,
     ModelConfig,
@@ -70,7 +71,7 @@ def mla_softmax_scale(qk_head_dim: int, rope_scaling: dict | None) -> float:
 def rope_interleaved(cfg: ModelConfig) -> bool:
     """Whether the checkpoint's rope channels turn in adjacent pairs (GPT-J's): V2's always (transformers
     rotates them as complex numbers), V3's unless its config sets rope_interleave false."""
-    if cfg.architecture != DEEPSEEK_V3_ARCHITECTURE:
+    if MTP_TARGET_ARCHITECTURES.get(cfg.architecture, cfg.architecture) != DEEPSEEK_V3_ARCHITECTURE:
         return True
     return bool(cfg.raw.get("rope_interleave", True))
 

@@ -67,7 +67,9 @@ class EagleHead(CausalLM):
         if self.features_out is not None:
             self.features_out[: features.shape[0]].copy_(features)
 
-    def _load(self, weights: Iterable[tuple[str, torch.Tensor]], rename) -> None:
+    def _load(self, weights: Iterable[tuple[str, torch.Tensor]], rename,
+              stacked: dict[str, tuple[str, int]] = STACKED_PROJECTIONS,
+              shard_sizes: dict[str, list[int]] | None = None) -> None:
         names: list[str] = []
 
         def tracked() -> Iterable[tuple[str, torch.Tensor]]:
@@ -77,8 +79,8 @@ class EagleHead(CausalLM):
                     names.append(renamed)
                     yield renamed, tensor
 
-        load_checked(self, tracked(), STACKED_PROJECTIONS, decoder_shard_sizes(self.config),
-                     not_in_checkpoint=frozenset(self.shareable))
+        sizes = decoder_shard_sizes(self.config) if shard_sizes is None else shard_sizes
+        load_checked(self, tracked(), stacked, sizes, not_in_checkpoint=frozenset(self.shareable))
         self.loaded = set(names)
 
 

@@ -5,8 +5,8 @@ first_k_dense_replace layers and sparse MoE blocks after them: DeepSeek-V3's "no
 (plait.layers.moe.NoAuxTcRouter) over the routed experts, plus ungated shared experts every token takes.
 
 The checkpoints also hold num_nextn_predict_layers multi-token-prediction layers (``model.layers.{N}.*`` for
-N = num_hidden_layers ...): plait has no MTP speculative decoding, so they are skipped at load, as vLLM skips
-them when it serves the model without speculative decoding."""
+N = num_hidden_layers ...): the target skips them at load; speculative_config method "mtp" drafts with the
+first (plait.models.mtp), as vLLM does."""
 
 from __future__ import annotations
 
@@ -62,8 +62,8 @@ class Glm4MoeDecoderLayer(DecoderLayer):
 def without_mtp_layers(cfg: ModelConfig, weights: Iterable[tuple[str, torch.Tensor]]
                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """``weights`` without the checkpoint's num_nextn_predict_layers multi-token-prediction layers
-    (model.layers.{N}.* for N from num_hidden_layers on; GLM-4.5's and DeepSeek-V3's): plait has no MTP
-    drafting, and vLLM skips them too without it."""
+    (model.layers.{N}.* for N from num_hidden_layers on; GLM-4.5's and DeepSeek-V3's): the target's decoder
+    has no use for them (the MTP draft head, plait.models.mtp, loads its layer from the checkpoint itself)."""
     first = cfg.num_hidden_layers
     end = first + int(cfg.raw.get("num_nextn_predict_layers") or 0)
     for name, tensor in weights:

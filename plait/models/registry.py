@@ -54,6 +54,10 @@ _MODELS: dict[str, tuple[str, str]] = {
     "EagleLlamaForCausalLM": ("plait.models.eagle", "EagleLlamaForCausalLM"),
     "Eagle3LlamaForCausalLM": ("plait.models.eagle", "Eagle3LlamaForCausalLM"),
     "LlamaForCausalLMEagle3": ("plait.models.eagle", "Eagle3LlamaForCausalLM"),
+    # MTP draft heads: a checkpoint's own multi-token-prediction layer, run only as speculative_config's
+    # "mtp" (plait.models.mtp; vLLM's names).
+    "Glm4MoeMTPModel": ("plait.models.mtp", "Glm4MoeMTPModel"),
+    "DeepSeekMTPModel": ("plait.models.mtp", "DeepSeekMTPModel"),
     # Base models (no LM head; their checkpoints' names lack the "model." prefix): embedding models such as
     # e5-mistral (MistralModel) or a Qwen3Model, run only by the pooling runner.
     "LlamaModel": ("plait.models.llama", "LlamaForCausalLM"),

@@ -1,5 +1,5 @@
-"""FeatureTap: the hidden states of each step's tokens that an EAGLE head drafts from, kept by the target's
-runner (its final hidden states for EAGLE-1, three layers' residual streams for EAGLE-3)."""
+"""FeatureTap: the hidden states of each step's tokens that an EAGLE or MTP head drafts from, kept by the
+target's runner (its final hidden states for EAGLE-1 and MTP, three layers' residual streams for EAGLE-3)."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from plait.attention.base import KVCacheSpec, get_backend
 from plait.attention.fp8_kv import UNIT_SCALES, KVScales, cache_torch_dtype
-from plait.config import CPU_KV_CACHE_BYTES, EAGLE, EAGLE3, NO_CHUNK_CAP, EngineConfig, load_threads
+from plait.config import CPU_KV_CACHE_BYTES, EAGLE, EAGLE3, MTP, NO_CHUNK_CAP, EngineConfig, load_threads
 from plait.engine.grammar import next_token_bitmasks
 from plait.engine.kv_cache import MIN_KV_BLOCKS, cdiv
 from plait.engine.kv_offload import KVTransfer, transfer_runs
@@ -33,6 +33,7 @@ from plait.loader.model_loader import load_model, read_source, resolve_device_dt
 from plait.lora.model import LoRAModel
 from plait.models.base import checkpoint_layout
 from plait.models.eagle import aux_layer_ids, check_eagle_target, read_head_config
+from plait.models.mtp import check_mtp_target
 from plait.models.weights import live_load
 from plait.multimodal.images import ImageProcessor
 from plait.parallel.group import ParallelRank, TPGroup
@@ -328,8 +329,11 @@ class ModelRunner:
         """The tap an EAGLE drafter reads the target's hidden states from (None without one): EAGLE-3's
         on the layers its head's config names."""
         spec = config.speculative_config
-        if spec is None or spec.method not in (EAGLE, EAGLE3):
+        if spec is None or spec.method not in (EAGLE, EAGLE3, MTP):
             return None
+        if spec.method == MTP:  # the MTP layer reads the final hidden states, as EAGLE-1 does
+            check_mtp_target(self.model_config, spec.model, config.download_dir)
+            return FeatureTap(self.model)
         check_eagle_target(self.model, self.model_config)
         if spec.method == EAGLE:
             return FeatureTap(self.model)
