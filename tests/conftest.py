@@ -68,6 +68,16 @@ def _gpu_memory_back_after_each_module():
     release_dropped_engines()
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """For modules of tiny models (``pytestmark = pytest.mark.usefixtures("one_torch_thread")``): splitting
+    their ops over threads only adds barrier waits, many times the op itself when the cores are busy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def release_dropped_engines() -> None:
     """On a GPU, give the memory of engines no longer referenced back (a test that builds a second engine
     calls it after dropping the first, whose KV cache holds 90% of the GPU); nothing on the CPU."""

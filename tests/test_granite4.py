@@ -14,6 +14,8 @@ from plait.config import EngineConfig, ModelConfig
 from plait.engine.engine import LLMEngine
 from plait.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models
+
 LOGITS_ATOL = 1e-4
 MAX_TOKENS = 8
 # Random init gives tiny logits: projections are scaled up so that greedy has clear winners; not the SSM's own
@@ -99,15 +101,6 @@ def granite4_models(tmp_path_factory) -> dict:
         _save(model, folder, hub_layer_names=variant != "h-micro")
         models[variant] = folder, _hf(folder)
     return models
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: splitting their ops over threads only adds barrier waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _hf(folder: Path, dtype: torch.dtype = torch.float32):

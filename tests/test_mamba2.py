@@ -15,6 +15,8 @@ from plait.engine.engine import LLMEngine
 from plait.engine.state_slots import NO_STATE_SLOT
 from plait.sampling_params import SamplingParams
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models
+
 LOGITS_ATOL = 1e-4
 MAX_TOKENS = 8
 ARCHS = ["mamba2", "bamba", "nemotron_h"]
@@ -67,16 +69,6 @@ def recurrent_models(tmp_path_factory) -> dict:
         model.save_pretrained(folder)
         folders[arch] = folder
     return folders
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: splitting their ops over threads only adds barrier waits (many times
-    the op itself when the cores are busy)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _engine(folder, **kw) -> LLMEngine:

@@ -16,19 +16,12 @@ from plait.layers.mamba_ops import (
     ssm_step_ref,
 )
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 # Tiny-shape kernel tests run in the Triton interpreter on CPU-only machines, on the GPU elsewhere.
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 NO_LIMIT = (0.0, float("inf"))
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Tiny tensors: thread barriers cost more than the ops.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _rows(lens: list[int], first: list[bool], slots: list[int], device: str = "cpu"):

@@ -13,6 +13,8 @@ from test_moe import _copy_model_folder
 from plait.config import EngineConfig, ModelConfig
 from plait.engine.engine import LLMEngine
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny models
+
 LOGITS_ATOL = 1e-4
 MAX_TOKENS = 8
 # Random init gives tiny logits: projections are scaled up so that greedy has clear winners; not the SSM's own
@@ -87,15 +89,6 @@ def nemotron_moe_models(tmp_path_factory) -> dict:
         folder = tmp_path_factory.mktemp(f"tiny-nemotron-h-{variant}")
         models[variant] = folder, save_random_nemotron_h(cfg, folder, 5000 + i)
     return models
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: splitting their ops over threads only adds barrier waits."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _engine(folder: Path, **kw) -> LLMEngine:

@@ -97,9 +97,11 @@ def load_model(
     model_config = ModelConfig.from_hf(hf_config)
     runner = resolve_runner(config.runner, model_config.architecture)
     cls = get_model_class(model_config.architecture)
-    checkpoint_names = getattr(cls, "checkpoint_names", None)
-    if checkpoint_names is not None:
-        wanted.append(checkpoint_names(model_config))
+    # A model that reads a few of the checkpoint's tensors (an MTP head: its one layer) names them, so that
+    # the loader leaves the rest unread.
+    wanted_tensors = getattr(cls, "wanted_tensors", None)
+    if wanted_tensors is not None:
+        wanted.append(wanted_tensors(model_config))
     positions = max_positions or model_config.max_position_embeddings
     # A quantised checkpoint is served as it is without --quantization, as vLLM reads its quantization_config:
     # GPTQ / AWQ integer weights (the flag may only repeat the method), or FP8, whose scheme (per-row or

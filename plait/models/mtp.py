@@ -69,7 +69,7 @@ class MtpHead(EagleHead):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     @staticmethod
-    def checkpoint_names(cfg: ModelConfig) -> Callable[[str], bool]:
+    def wanted_tensors(cfg: ModelConfig) -> Callable[[str], bool]:
         """The checkpoint tensors the head reads: its layer's (the loader leaves the others unread)."""
         prefix = f"model.layers.{cfg.num_hidden_layers}."
         return lambda name: name.startswith(prefix)
