@@ -91,7 +91,8 @@ def _hf_model(tiny_models, moe_models, family: str) -> tuple:  # noqa: F811
                                                         attn_implementation="eager").eval()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"])
+# Mixtral's experts split by width above; whole experts are picked by index, whatever the tensors' names.
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "gpt_oss"])
 def test_two_ranks_hold_whole_experts(tiny_models, moe_models, family):  # noqa: F811
     """Expert parallelism (enable_expert_parallel): each rank holds half the routed experts whole (the
     driver the first half, at their full width), Qwen2-MoE's gated shared expert and dense layer still
