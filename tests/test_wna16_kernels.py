@@ -120,12 +120,17 @@ STEP_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("config", sorted(STEP_CONFIGS))
-@pytest.mark.parametrize("bits,group_rows", [(4, 16), (8, 64), (4, 0)])
-@pytest.mark.parametrize("dtype,scale_dtype", [
-    (torch.bfloat16, torch.float16), (torch.float16, torch.float16), (torch.float16, torch.bfloat16),
-    (torch.bfloat16, torch.float32),
-])
+BITS_AND_GROUPS = [(4, 16), (8, 64), (4, 0)]
+DTYPES_AND_SCALES = [(torch.bfloat16, torch.float16), (torch.float16, torch.float16),
+                     (torch.float16, torch.bfloat16), (torch.bfloat16, torch.float32)]
+# Every config with every dtype pair, the codes' bits and groups turning with both: each pair of the three
+# parameters meets (24 cases; the whole product, 72, took a minute of the suite in Triton's interpreter).
+WEIGHT_CASES = [(config, *BITS_AND_GROUPS[(i + j) % len(BITS_AND_GROUPS)], *dtypes)
+                for i, config in enumerate(sorted(STEP_CONFIGS))
+                for j, dtypes in enumerate(DTYPES_AND_SCALES)]
+
+
+@pytest.mark.parametrize("config,bits,group_rows,dtype,scale_dtype", WEIGHT_CASES)
 def test_kernel_weights_are_the_references_bit_for_bit(config, bits, group_rows, dtype, scale_dtype):
     """x = the identity: each output row is one input row of the weight the kernel dequantised (one exact
     product, sums of zeros), so it must equal plait.layers.wna16.dequantize's bit for bit: every code's
