@@ -790,6 +790,8 @@ MTP_ALIASES = {"deepseek_mtp": MTP, "glm4_moe_mtp": MTP}
 # Methods whose drafts come from a model of their own (speculative_config's "model").
 MODEL_METHODS: tuple[str, ...] = (DRAFT_MODEL, EAGLE, EAGLE3)
 SPECULATIVE_METHODS: tuple[str, ...] = (NGRAM, *MODEL_METHODS, MTP)
+# Methods whose head drafts from the target's hidden states (plait.engine.eagle.EagleDrafter).
+HIDDEN_STATE_METHODS: tuple[str, ...] = (EAGLE, EAGLE3, MTP)
 # vLLM's n-gram lengths where a config names neither prompt_lookup_max nor prompt_lookup_min.
 DEFAULT_PROMPT_LOOKUP = 5
 

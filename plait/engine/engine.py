@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from plait.config import EAGLE, EAGLE3, FULL_VOCAB_LOGPROBS, MTP, NGRAM, EngineConfig
+from plait.config import FULL_VOCAB_LOGPROBS, HIDDEN_STATE_METHODS, NGRAM, EngineConfig
 from plait.engine.detokenizer import Detokenizer
 from plait.engine.draft_model import DraftModelDrafter
 from plait.engine.drafter import Drafter, NgramDrafter
@@ -284,7 +284,7 @@ class LLMEngine:
                              "(Mamba) layers whose state cannot drop rejected draft tokens")
         if spec.method == NGRAM:
             return NgramDrafter(spec)
-        if spec.method in (EAGLE, EAGLE3, MTP):
+        if spec.method in HIDDEN_STATE_METHODS:
             return EagleDrafter(spec, self.config, self.runner, self.kv_cache, self.max_model_len)
         return DraftModelDrafter(spec, self.config, self.model_config.vocab_size, self.runner.num_kv_blocks,
                                  self.max_model_len)

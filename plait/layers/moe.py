@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from plait.config import NOAUX_TC_ROUTER, ModelConfig
 from plait.kernels.dispatch import use_triton
 from plait.layers.linear import deferred_device
 from plait.layers.mxfp4 import BLOCK_VALUES, CODES_PER_BYTE, E8M0_BIAS, MXFP4_DTYPE
@@ -200,6 +201,16 @@ class NoAuxTcRouter(nn.Module):
     e_score_correction_bias [E], both fp32 whatever the model's dtype, as transformers keeps the bias
     (_keep_in_fp32_modules_strict) and vLLM both: the biased scores of 128 experts differ in the third
     decimal, and a 16-bit bias would move expert choices. Its logits are computed in fp32 too."""
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> NoAuxTcRouter:
+        """The router of ``cfg``'s MoE blocks (GLM-4.5's, DeepSeek-V3's, NemotronH's); a ValueError where
+        the config names another router."""
+        moe = cfg.moe
+        if moe.router != NOAUX_TC_ROUTER:
+            raise ValueError(f"{cfg.architecture}: router {moe.router!r}, expected {NOAUX_TC_ROUTER!r}")
+        return cls(cfg.hidden_size, moe.num_experts, moe.top_k, moe.renormalize, moe.n_group, moe.topk_group,
+                   moe.routed_scaling_factor)
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, n_group: int,
                  topk_group: int, routed_scaling_factor: float) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
-from plait.config import NOAUX_TC_ROUTER, ModelConfig
+from plait.config import ModelConfig
 from plait.layers.moe import FusedMoE, NoAuxTcRouter
 from plait.models.llama import MLP, DecoderLayer, LlamaModel, MoeForCausalLM
 from plait.models.weights import STACKED_PROJECTIONS, decoder_shard_sizes, load_checked
@@ -39,11 +39,7 @@ class Glm4MoeBlock(nn.Module):
     @staticmethod
     def make_router(cfg: ModelConfig) -> nn.Module:
         """x [T, hidden] -> (weights [T, k] fp32, routed_scaling_factor in them; ids [T, k])."""
-        moe = cfg.moe
-        if moe.router != NOAUX_TC_ROUTER:
-            raise ValueError(f"{cfg.architecture}: router {moe.router!r}, expected {NOAUX_TC_ROUTER!r}")
-        return NoAuxTcRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.renormalize, moe.n_group,
-                             moe.topk_group, moe.routed_scaling_factor)
+        return NoAuxTcRouter.of(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, hidden] -> [T, hidden]

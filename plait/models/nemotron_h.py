@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from plait.config import NOAUX_TC_ROUTER, ModelConfig
+from plait.config import ModelConfig
 from plait.layers.mamba import Mamba2Dims, Mamba2Mixer
 from plait.layers.moe import RELU2_NO_MUL, FusedMoE, NoAuxTcRouter
 from plait.layers.norm import RMSNorm
@@ -85,12 +85,9 @@ class NemotronHMoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         moe = cfg.moe
-        if moe.router != NOAUX_TC_ROUTER:
-            raise ValueError(f"NemotronH MoE router {moe.router!r}, expected {NOAUX_TC_ROUTER!r}")
         bias = bool(cfg.raw.get("mlp_bias", False))
         latent = cfg.raw.get("moe_latent_size")
-        self.gate = NoAuxTcRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.renormalize, moe.n_group,
-                                  moe.topk_group, moe.routed_scaling_factor)
+        self.gate = NoAuxTcRouter.of(cfg)
         self.experts = FusedMoE(moe.num_experts, moe.top_k, latent or cfg.hidden_size, moe.intermediate_size,
                                 moe.renormalize, activation=RELU2_NO_MUL, expert_range=moe.expert_range)
         self.shared_experts = ReluSquaredMLP(cfg, moe.shared_intermediate_size)

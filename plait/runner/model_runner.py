@@ -18,7 +18,15 @@ from torch import nn
 
 from plait.attention.base import KVCacheSpec, get_backend
 from plait.attention.fp8_kv import UNIT_SCALES, KVScales, cache_torch_dtype
-from plait.config import CPU_KV_CACHE_BYTES, EAGLE, EAGLE3, MTP, NO_CHUNK_CAP, EngineConfig, load_threads
+from plait.config import (
+    CPU_KV_CACHE_BYTES,
+    EAGLE,
+    HIDDEN_STATE_METHODS,
+    MTP,
+    NO_CHUNK_CAP,
+    EngineConfig,
+    load_threads,
+)
 from plait.engine.grammar import next_token_bitmasks
 from plait.engine.kv_cache import MIN_KV_BLOCKS, cdiv
 from plait.engine.kv_offload import KVTransfer, transfer_runs
@@ -329,7 +337,7 @@ class ModelRunner:
         """The tap an EAGLE drafter reads the target's hidden states from (None without one): EAGLE-3's
         on the layers its head's config names."""
         spec = config.speculative_config
-        if spec is None or spec.method not in (EAGLE, EAGLE3, MTP):
+        if spec is None or spec.method not in HIDDEN_STATE_METHODS:
             return None
         if spec.method == MTP:  # the MTP layer reads the final hidden states, as EAGLE-1 does
             check_mtp_target(self.model_config, spec.model, config.download_dir)
