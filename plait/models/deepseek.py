@@ -158,11 +158,10 @@ class DeepseekMoE(Glm4MoeBlock):
     @staticmethod
     def make_router(cfg: ModelConfig) -> nn.Module:
         moe = cfg.moe
+        if moe.router == NOAUX_TC_ROUTER:
+            return NoAuxTcRouter.of(cfg)
         # V2's "greedy" ignores the config's groups (as transformers does)
         groups = (moe.n_group, moe.topk_group) if moe.router != SOFTMAX_ROUTER else (1, 1)
-        if moe.router == NOAUX_TC_ROUTER:
-            return NoAuxTcRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.renormalize, *groups,
-                                 moe.routed_scaling_factor)
         if moe.router in (SOFTMAX_ROUTER, GROUP_LIMITED_ROUTER):
             return SoftmaxGroupRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.renormalize, *groups,
                                       moe.routed_scaling_factor)
