@@ -3,7 +3,8 @@
 # scripts/device_wheels.sh).
 # The whole GPU suite (pytest -m gpu), in two halves of about equal time. With two GPUs half A runs on one
 # while half B runs on the other, then the tensor-parallel file takes both; with one GPU the halves run in
-# turn (tensor parallel skips). SUITE_LIMIT_S bounds each part (default 590 s: each half took ~475 s).
+# turn (tensor parallel skips). SUITE_LIMIT_S bounds each part (default 590 s: on one H200 the halves took
+# 557 and 513 s, 2026-12-01; on an H200 pair ~475 s each beside one another).
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 LIMIT=${SUITE_LIMIT_S:-590}
 nvidia-smi --query-gpu=name --format=csv,noheader
@@ -33,7 +34,7 @@ if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   fi
   [[ " $PARTS " == *" tensor_parallel "* ]] && suite tensor_parallel 0,1 $LIMIT tests/test_gpu_tensor_parallel.py
 else
-  # One GPU: the halves in turn (~480 s each on an H200), one a call (SUITE_PARTS=half_a, then half_b).
+  # One GPU: the halves in turn, one a call (SUITE_PARTS=half_a, then half_b).
   PARTS=${SUITE_PARTS:-half_a half_b}
   [[ " $PARTS " == *" half_a "* ]] && suite half_a 0 $LIMIT $HALF_A
   [[ " $PARTS " == *" half_b "* ]] && suite half_b 0 $LIMIT $HALF_B
