@@ -1258,6 +1258,63 @@ def test_gpu_fused_moe_gpt_oss_20b_shapes(gpt_oss_20b_experts, t):
     assert bool((gate > OAI_LIMIT).any() & (up.abs() > OAI_LIMIT).any())
 
 
+# Nemotron 3 Nano 30B-A3B's routed experts: 128 ungated relu^2 experts of width 1856 on a 2688-wide stream,
+# 6 a token (its config.json: n_routed_experts, moe_intermediate_size, hidden_size, num_experts_per_tok).
+NEMOTRON_3_NANO = dict(experts=128, top_k=6, hidden=2688, inter=1856)
+
+
+@pytest.fixture(scope="module")
+def nemotron_experts():
+    """(w13 [E, I, H] the up rows alone, w2 [E, H, I]) in bf16 and their fp32 copies, drawn once a module."""
+    c = NEMOTRON_3_NANO
+    w13 = randn(c["experts"], c["inter"], c["hidden"], dtype=BF16, seed=140, scale=c["hidden"] ** -0.5)
+    w2 = randn(c["experts"], c["hidden"], c["inter"], dtype=BF16, seed=141, scale=c["inter"] ** -0.5)
+    return (w13, w2), (w13.float(), w2.float())
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", [1, 7, 64, 300])  # 6, 42 entries: GEMV; 384, 1800: the grouped GEMM
+def test_gpu_fused_moe_relu2_no_mul_real_shapes(nemotron_experts, t):
+    """The ungated kernels (GATED false) compiled at a real model's shapes: I = 1856 is not a multiple of
+    the 128-wide tiles, so the last up tile is partial."""
+    c = NEMOTRON_3_NANO
+    (w13, w2), (w13_32, w2_32) = nemotron_experts
+    x = randn(t, c["hidden"], dtype=BF16, seed=142, scale=RELU2_X_SCALE)
+    weights, ids = routing(t, c["experts"], c["top_k"], seed=143)
+    got = fused_moe(x, w13, w2, weights, ids, **RELU2)
+    assert_close_to_ref(got, fused_moe_ref(x, w13, w2, weights, ids, **RELU2))
+    # Against fp32 arithmetic on the same bf16 values: relu^2 rounds h once where silu * up rounds it
+    # three times, so the 2e-2 of test_gpu_fused_moe_real_shapes holds with room; a lost tile or slot
+    # misses it by far.
+    want = fused_moe_ref(x.float(), w13_32, w2_32, weights, ids, **RELU2)
+    err = (got.float() - want).abs().max().item()
+    assert err <= 2e-2 * want.abs().max().item(), f"max error {err:.3g} vs max |out| {want.abs().max():.3g}"
+    assert torch.equal(got, fused_moe(x, w13, w2, weights, ids, **RELU2))  # deterministic
+    if t * c["top_k"] <= fm.GEMV_MAX_ENTRIES:  # the grouped GEMM too at decode sizes
+        grouped = fused_moe(x, w13, w2, weights, ids, gemv=False, **RELU2).float()
+        assert (grouped - want).abs().max().item() <= 2e-2 * want.abs().max().item()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("t", [8, 64])  # 48 entries: the GEMV path; 384: the grouped GEMM
+def test_gpu_fused_moe_relu2_no_mul_replays_in_a_cuda_graph(nemotron_experts, t):
+    c = NEMOTRON_3_NANO
+    (w13, w2), _ = nemotron_experts
+    x = randn(t, c["hidden"], dtype=BF16, seed=144, scale=RELU2_X_SCALE)
+    weights, ids = routing(t, c["experts"], c["top_k"], seed=145)
+    graph, graphed = capture_cuda_graph(lambda: fused_moe(x, w13, w2, weights, ids, **RELU2))
+    x.copy_(randn(t, c["hidden"], dtype=BF16, seed=146, scale=RELU2_X_SCALE))
+    new_weights, new_ids = routing(t, c["experts"], c["top_k"], seed=147)
+    new_ids[: t // 2, 0] = 5  # half the tokens share expert 5
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed, fused_moe(x, w13, w2, weights, ids, **RELU2))
+
+
 # -- integer experts (GPTQ / AWQ / compressed-tensors: W4A16, W8A16) -----------------------------------------
 # Six experts of H = I = 64 (128 where the groups are of 128: the smallest every group size divides), as
 # small as the interpreter's time asks.

@@ -299,3 +299,28 @@ def test_the_head_reads_only_its_layer_of_the_checkpoint(glm4_moe_models, monkey
     assert engine.drafter is not None and plain is not None
     head_reads = read[target_reads:]  # the target's load first, then the head's
     assert head_reads and all(name.startswith(f"model.layers.{MTP_LAYER}.") for name in head_reads)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["predictive_glm4_moe", "deepseek_v3"])
+def test_on_the_gpu_path_outputs_are_the_cpus_without_speculation(family, request, monkeypatch):
+    """fp32 on CUDA (Triton attention, the head's runner replaying its own CUDA graphs, GLM-4.5's attention
+    or DeepSeek-V3's MLA in the head): the greedy tokens of the CPU engine without speculation, with drafts
+    proposed (and, for the predictive layer, kept)."""
+    if family == "predictive_glm4_moe":
+        folder = request.getfixturevalue("predictive")
+    else:
+        folder = request.getfixturevalue("deepseek_models")["v3_yarn"][0]
+    prompts, params = _prompts(), SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    cpu = _mtp_engine(folder, None, device="cpu", dtype="float32")
+    want = _generate(cpu, prompts, [params] * len(prompts))
+    engine = _mtp_engine(folder, _spec(2), device="cuda", dtype="float32")
+    assert engine.runner.attn_backend.name == "triton"
+    outputs, drafts = _spec_run(engine, prompts, params, monkeypatch)
+    assert {i: o[0] for i, o in outputs.items()} == {i: w[0] for i, w in want.items()}
+    stats = engine.spec_stats
+    assert len(drafts) > 12 and engine.drafter.is_clean(), stats
+    if family == "predictive_glm4_moe":
+        assert stats.num_accepted_tokens > stats.num_draft_tokens // 2, stats
+    assert engine.drafter.runner.breakdown.graph_single_token_steps > 0, "the head replayed no graph"
