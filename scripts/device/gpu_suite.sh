@@ -24,7 +24,7 @@ HALF_A="tests/test_gpu_engine.py tests/test_sleep.py tests/test_encoder_embeddin
 HALF_B="tests/test_lora.py tests/test_multimodal.py tests/test_qwen2_vl.py tests/test_qwen3_vl.py tests/test_idefics3.py tests/test_gemma3_images.py tests/test_mamba2.py tests/test_moe.py
   tests/test_wna16.py tests/test_fp8.py tests/test_fp8_kv.py tests/test_fp8_block.py tests/test_sampler.py tests/test_triton_attention.py
   tests/test_fused_moe.py tests/test_mxfp4_moe.py tests/test_wna16_kernels.py tests/test_kv_offload.py
-  tests/test_weight_offload.py"
+  tests/test_weight_offload.py tests/test_nemotron_h_moe.py tests/test_mtp.py"
 if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   PARTS=${SUITE_PARTS:-halves tensor_parallel}
   if [[ " $PARTS " == *" halves "* ]]; then
