@@ -26,6 +26,7 @@ from plait.kernels.paged_attention import (  # noqa: E402
     MAX_KV_SPLITS,
     MAX_SPLIT_SCRATCH_BYTES,
     PREFILL_MIN_SPLIT_TILES,
+    SPLIT_NUM_STAGES,
     choose_num_splits,
     launch_config,
     paged_attention,
@@ -324,6 +325,19 @@ def test_split_count_heuristic():
     # Decided from host ints only.
     plan = plan_paged_attention(1, 1, 16, 8, 128, torch.bfloat16, 1, 32768, CPU)
     assert plan.config.num_splits > 1 and plan.split_out.shape == (1, 16, plan.config.num_splits, 128)
+
+
+def test_mla_decode_splits_less():
+    """MLA's latent width (512): one program a multiprocessor and 256 keys a split, since the last split
+    combines every 16-head partial alone (DECODE_SPLIT_KNOBS); two stages. Other widths keep theirs."""
+    sms = 132
+    assert [choose_num_splits(1, 1, n, 32, sms, head_dim=512) for n in (640, 1024, 4096)] == [3, 4, 16]
+    assert choose_num_splits(64, 1, 1024, 32, sms, head_dim=512) == 3  # 64 programs: ~1 an SM with 3
+    assert choose_num_splits(1, 1, 640, 32, sms, head_dim=128) == 10
+    config = launch_config(512, 16, torch.bfloat16, 1, 1, 1, 640, sms)
+    assert (config.num_splits, config.min_split_tiles, config.num_stages) == (3, 8, 2)
+    config = launch_config(128, 4, torch.bfloat16, 1, 1, 8, 640, sms)
+    assert (config.min_split_tiles, config.num_stages) == (1, SPLIT_NUM_STAGES)
 
 
 def test_prefill_split_count_heuristic():

@@ -82,6 +82,8 @@ DECODE_HEADS_FASTEST = True
 # Split-KV programs walk a few tiles each; one more stage in flight measured better there (Llama-8B at
 # batch 1 on an H200: 4.52 ms a token with 3 stages, 4.68 with 2).
 SPLIT_NUM_STAGES = 3
+# ... but not for MLA's 576-wide K tiles: 2 stages beat 3 at every split count swept (mla_decode_tune_h200).
+SPLIT_NUM_STAGES_EXCEPT = {512: 2}
 # fp32 (interpreter tests, GPU debugging) doubles the bytes per tile: keep tiles small and unpipelined.
 FP32_MAX_BLOCK_M = 64
 FP32_MAX_TILE_N = 32
@@ -90,6 +92,13 @@ SPLIT_TARGET_PROGRAMS_PER_SM = 4
 # ... but give every split at least this many key positions, and never more than this many splits.
 MIN_KEYS_PER_SPLIT = 64  # one decode tile: small batches are latency-bound, so spread wide
 MAX_KV_SPLITS = 64
+# MLA's latent rows (V 512 wide, 16 query heads a program) make each split's partial 16 x 512 fp32, and the
+# last split to arrive reads every partial alone: ~1.5-2.5 us a split on an H200, so MLA splits far less.
+# (programs per SM, min keys per split) by head dim: at 16 heads, batch 1, the default's 10 splits over 640
+# cached tokens took 28.5 us, 4 of 160 keys 19.1; over 4,096, 64 splits 127 us, 16 43.7; 64 rows x 1,024,
+# 4 splits 48.2 against 9's 80.6; 128 heads, 8 rows x 2,048: 4 splits 54.8, 9 92.8, 16 139
+# (benchmarks/results/mla_decode_tune_h200.json).
+DECODE_SPLIT_KNOBS = {512: (1, 256)}
 # Split-KV of prefill-carrying batches. A prefill program of 8 warps (BLOCK_M 128) fills a multiprocessor's
 # registers, so about one runs per SM at a time; one of 4 warps, two: the split count is the most that
 # keeps the programs within one wave. (H200, W4's 256-token chunk after 2048 / 3840 cached, 32 layers, 8
@@ -180,9 +189,15 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def decode_split_knobs(head_dim: int) -> tuple[int, int]:
+    """(programs per SM that decode splits aim for, min keys per split) at ``head_dim`` (V's width)."""
+    return DECODE_SPLIT_KNOBS.get(head_dim, (SPLIT_TARGET_PROGRAMS_PER_SM, MIN_KEYS_PER_SPLIT))
+
+
 def choose_num_splits(
     num_rows: int, num_kv_heads: int, max_seq_len: int, tile_n: int, num_sms: int, *, num_tokens: int = 0,
     max_query_len: int = 1, block_q: int = 1, scratch_bytes_per_split: int = 0, num_warps: int = 8,
+    head_dim: int = 128,
 ) -> int:
     """Splits of each query tile's key range: enough programs to fill the GPU, none shorter than a few
     keys at the longest row. Host ints only (max_seq_len may be an upper bound), so a captured graph
@@ -193,8 +208,9 @@ def choose_num_splits(
     padded rows hold no tokens), and keep the partials within MAX_SPLIT_SCRATCH_BYTES."""
     if max_query_len <= 1:
         programs = max(num_rows * num_kv_heads, 1)
-        wanted = triton.cdiv(SPLIT_TARGET_PROGRAMS_PER_SM * num_sms, programs)
-        useful = triton.cdiv(max_seq_len, max(MIN_KEYS_PER_SPLIT, tile_n))
+        per_sm, min_keys = decode_split_knobs(head_dim)
+        wanted = triton.cdiv(per_sm * num_sms, programs)
+        useful = triton.cdiv(max_seq_len, max(min_keys, tile_n))
         return max(1, min(wanted, useful, MAX_KV_SPLITS))
     programs = max(triton.cdiv(num_tokens, block_q) * num_kv_heads, 1)
     wanted = PREFILL_SPLIT_PROGRAMS_PER_SM.get(num_warps, 1) * num_sms // programs
@@ -251,12 +267,13 @@ def launch_config(
         num_kv_splits = choose_num_splits(
             num_rows, num_kv_heads, max_seq_len, tile_n, num_sms, num_tokens=num_tokens,
             max_query_len=max_query_len, block_q=block_q, num_warps=warps,
-            scratch_bytes_per_split=num_tokens * num_heads * (head_dim + 1) * torch.float32.itemsize)
-        min_split_tiles = (triton.cdiv(MIN_KEYS_PER_SPLIT, tile_n) if is_decode
+            scratch_bytes_per_split=num_tokens * num_heads * (head_dim + 1) * torch.float32.itemsize,
+            head_dim=head_dim)
+        min_split_tiles = (triton.cdiv(decode_split_knobs(head_dim)[1], tile_n) if is_decode
                            else PREFILL_MIN_SPLIT_TILES)
     num_kv_splits = max(1, num_kv_splits)
     if num_kv_splits > 1 and is_decode and dtype != torch.float32:
-        stages = max(stages, SPLIT_NUM_STAGES)
+        stages = max(stages, SPLIT_NUM_STAGES_EXCEPT.get(head_dim, SPLIT_NUM_STAGES))
     return LaunchConfig(block_m=block_m, block_q=block_q, tile_n=tile_n, num_warps=warps,
                         num_stages=stages, num_splits=num_kv_splits,
                         heads_fastest=is_decode and DECODE_HEADS_FASTEST, min_split_tiles=min_split_tiles)
