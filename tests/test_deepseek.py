@@ -217,6 +217,40 @@ def test_v2_router_is_transformers_router(num_experts, top_k, n_group, topk_grou
                                rtol=0, atol=1e-6)
 
 
+def test_v2_router_keeps_an_fp32_weight_in_a_16_bit_model():
+    """SoftmaxGroupRouter's weight stays fp32 under model.to(bf16); the loader hands it the checkpoint's
+    weight rounded to bf16 (as transformers' bf16 model holds it), widened exactly, so its logits are
+    transformers' F.linear(x.float(), weight.float()) to the bit, and its experts and weights are too."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    from plait.loader.model_loader import to_model_dtype
+
+    num_experts, top_k, n_group, topk_group, scale = 16, 4, 4, 2, 1.7
+    cfg = DeepseekV2Config(hidden_size=16, num_attention_heads=2, n_routed_experts=num_experts,
+                           num_experts_per_tok=top_k, n_group=n_group, topk_group=topk_group,
+                           topk_method=GROUP_LIMITED_ROUTER, routed_scaling_factor=scale)
+    hf = DeepseekV2TopkRouter(cfg).to(torch.bfloat16)
+    ours = SoftmaxGroupRouter(16, num_experts, top_k, False, n_group, topk_group, scale).to(torch.bfloat16)
+    assert ours.weight.dtype == torch.float32
+    g = torch.Generator().manual_seed(3)
+    checkpoint = torch.randn(num_experts, 16, generator=g)  # an fp32 checkpoint's weight, served in bf16
+    with torch.no_grad():
+        hf.weight.copy_(checkpoint)
+        ours.weight.copy_(to_model_dtype("model.layers.1.mlp.gate.weight", checkpoint, torch.device("cpu"),
+                                         torch.bfloat16))
+    assert torch.equal(ours.weight, hf.weight.float())
+    x = torch.randn(32, 16, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        want_logits, want_weights, want_ids = hf(x)
+        weights, ids = ours(x)
+    assert torch.equal(torch.nn.functional.linear(x.float(), ours.weight), want_logits)
+    order, want_order = ids.sort(dim=-1), want_ids.sort(dim=-1)
+    assert torch.equal(order.values, want_order.values)
+    torch.testing.assert_close(weights.gather(1, order.indices), want_weights.gather(1, want_order.indices),
+                               rtol=0, atol=1e-6)
+
+
 def test_refusals(deepseek_models, tmp_path):
     folder, _ = deepseek_models["v2_lite"]
     with pytest.raises(ValueError, match="LoRA is not supported"):
@@ -230,24 +264,35 @@ def test_refusals(deepseek_models, tmp_path):
         _engine(tmp_path, load_format="dummy")
 
 
-def test_through_the_triton_kernels_matches_hf(deepseek_models, monkeypatch):
+# variant -> the router kernel its MoE blocks run on the GPU path
+ROUTE_KERNELS = {"v3_yarn": "moe_route_noaux_tc", "v2_q_lora_grouped": "moe_route_group_limited"}
+
+
+@pytest.mark.parametrize("variant", sorted(ROUTE_KERNELS))
+def test_through_the_triton_kernels_matches_hf(deepseek_models, monkeypatch, variant):
     """The GPU path's kernels (Triton's interpreter on CPU, fp32): the absorbed queries attend in
-    paged_attention over the latent rows, chunked prompts beside decodes; greedy tokens and logits as HF's."""
-    from plait.kernels import dispatch, paged_attention
+    paged_attention over the latent rows, chunked prompts beside decodes, the router is one kernel (V3's
+    noaux_tc, V2's group-limited greedy); greedy tokens and logits as HF's."""
+    from plait.kernels import dispatch, fused_moe, paged_attention
 
     monkeypatch.setattr(dispatch, "_cpu_interpreter", True)
-    calls = []
-    kernel = paged_attention.paged_attention
+    calls, routes = [], []
+    kernel, route_kernel = paged_attention.paged_attention, getattr(fused_moe, ROUTE_KERNELS[variant])
 
     def counted(q, k_cache, v_cache, *args, **kwargs):
         calls.append((q.shape[-1], k_cache.shape[-1], v_cache.shape[-1]))
         return kernel(q, k_cache, v_cache, *args, **kwargs)
 
+    def counted_route(*args, **kwargs):
+        routes.append(1)
+        return route_kernel(*args, **kwargs)
+
     monkeypatch.setattr("plait.attention.triton_backend.paged_attention", counted)
-    folder, hf = deepseek_models["v3_yarn"]
+    monkeypatch.setattr(fused_moe, ROUTE_KERNELS[variant], counted_route)
+    folder, hf = deepseek_models[variant]
     engine = _engine(folder, max_num_batched_tokens=16, attention_backend="triton")
     assert_greedy_matches_hf(engine, hf, random_prompts(2, 5, 20, seed=22), 3, LOGITS_ATOL)
-    assert set(calls) == {(ROW_WIDTH, ROW_WIDTH, KV_LORA_RANK)}
+    assert set(calls) == {(ROW_WIDTH, ROW_WIDTH, KV_LORA_RANK)} and routes
 
 
 # ---- The MLA kernel against torch_ref ---------------------------------------------------------------------

@@ -213,6 +213,128 @@ def test_moe_route_kernel_matches_the_torch_router(renormalize, num_experts, top
     assert empty_w.shape == empty_i.shape == (0, top_k)
 
 
+# DeepSeek's and GLM's routers, by model: (noaux_tc, experts, top_k, n_group, topk_group, renormalize, scale).
+GROUPED_ROUTERS = {
+    "v2_lite_greedy": (False, 64, 6, 1, 1, False, 1.0),  # DeepSeek-V2-Lite: softmax greedy
+    "v2_group_limited": (False, 160, 6, 8, 3, False, 16.0),  # DeepSeek-V2: groups of 20 (padded to 32)
+    "v3": (True, 256, 8, 8, 4, True, 2.5),
+    "glm45_air": (True, 128, 8, 1, 1, True, 1.0),
+    "moonlight": (True, 64, 6, 1, 1, True, 2.446),
+    "nemotron_h": (True, 128, 6, 1, 1, True, 2.5),
+    "odd_groups": (True, 72, 5, 6, 3, False, 1.0),  # 6 groups of 12: both dimensions padded
+    "odd_softmax": (False, 100, 3, 1, 1, True, 1.0),
+}
+# The kernels' weights against the references': exp, the softmax's sum and the renormalising sum in other
+# orders or implementations (numpy's under the interpreter) put them up to 3 fp32 eps apart (measured over
+# 200 random rows a model); 1e-6 (8 eps) leaves room yet catches any wrong score, renormalisation or scale.
+ROUTE_REL_TOL = 1e-6
+ROUTER_TOKENS = 6  # the crafted rows (below), then random ones
+TIED_ROW, GROUPS_ROW, DEEP_ROW = 0, 1, 2
+# The DEEP_ROW's logits, about this: sigmoid scores ~4e-18, whose sum (~3e-17) the renormalisation's 1e-20
+# guard moves by ~3e-4 of itself (the kernel must add it too).
+DEEP_LOGIT = -40.0
+# Logits of the GROUPS_ROW (grouped routers): group 0 holds the single best expert and nothing else; every
+# other group two experts a little below it. Scored by its best (group-limited greedy) group 0 is kept; by its
+# best two (noaux_tc: sigmoid(4) + sigmoid(-4) = 1.0 against 2 sigmoid(1.3) = 1.57 or more) it is dropped.
+# The row's random logits, scaled down, are added to untie its experts.
+LOW_LOGIT, BEST_LOGIT, PAIR_LOGIT, PAIR_STEP, UNTIE = -4.0, 4.0, 2.0, 0.1, 0.01
+
+
+def grouped_router_logits(num_tokens: int, num_experts: int, n_group: int, seed: int) -> torch.Tensor:
+    # -> [T, E] fp32: a row of ties, the GROUPS_ROW, the DEEP_ROW, random rows
+    logits = randn(max(num_tokens, DEEP_ROW + 1), num_experts, dtype=torch.float32, seed=seed, scale=3.0)
+    logits[TIED_ROW] = 0.5
+    logits[DEEP_ROW] = DEEP_LOGIT + logits[DEEP_ROW] * UNTIE
+    if n_group > 1:
+        per_group = num_experts // n_group
+        crafted = torch.full((num_experts,), LOW_LOGIT, device=logits.device)
+        crafted[0] = BEST_LOGIT
+        for g in range(1, n_group):
+            crafted[g * per_group:g * per_group + 2] = PAIR_LOGIT - PAIR_STEP * g
+        logits[GROUPS_ROW] = crafted + logits[GROUPS_ROW] * UNTIE
+    return logits[:num_tokens]
+
+
+Routing = tuple[torch.Tensor, torch.Tensor]  # (weights [T, k] fp32, ids [T, k])
+
+
+def grouped_routings(model: str, logits: torch.Tensor, bias: torch.Tensor
+                     ) -> tuple[Routing, Routing, torch.Tensor]:
+    """(the kernel's routing, the reference's, the scores the experts are chosen by [T, E])."""
+    from plait.layers.moe import route_group_limited, route_noaux_tc
+
+    noaux_tc, _, top_k, n_group, topk_group, renormalize, scale = GROUPED_ROUTERS[model]
+    if noaux_tc:
+        args = (top_k, renormalize, bias, n_group, topk_group, scale)
+        return fm.moe_route_noaux_tc(logits, *args), route_noaux_tc(logits, *args), logits.sigmoid() + bias
+    args = (top_k, renormalize, n_group, topk_group, scale)
+    return (fm.moe_route_group_limited(logits, *args), route_group_limited(logits, *args),
+            logits.softmax(dim=-1))
+
+
+def assert_same_experts(got: Routing, want: Routing, rows: torch.Tensor) -> None:
+    """The same experts on ``rows`` (as sets: the references' top-k is unsorted) and, by id, their weights
+    (on every row: tied experts have the same weights)."""
+    (got_w, got_i), (want_w, want_i) = got, want
+    got_sorted, got_order = got_i.long().sort(dim=-1)
+    want_sorted, want_order = want_i.sort(dim=-1)
+    assert torch.equal(got_sorted[rows], want_sorted[rows])
+    torch.testing.assert_close(got_w.gather(1, got_order), want_w.gather(1, want_order), rtol=ROUTE_REL_TOL,
+                               atol=0)
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, ROUTER_TOKENS])
+@pytest.mark.parametrize("model", sorted(GROUPED_ROUTERS))
+def test_grouped_route_kernels_match_the_torch_routers(model, num_tokens):
+    """moe_route_group_limited / moe_route_noaux_tc against route_group_limited / route_noaux_tc: the same
+    experts, in descending order of choice, with the same weights; a row of ties takes the lowest ids
+    (torch.topk's order among equals is its own)."""
+    noaux_tc, num_experts, top_k, n_group, _, _, _ = GROUPED_ROUTERS[model]
+    logits = grouped_router_logits(num_tokens, num_experts, n_group, seed=61)
+    bias = randn(num_experts, dtype=torch.float32, seed=62, scale=0.01)  # moves near-equal choices only
+    got, want, choice = grouped_routings(model, logits, bias)
+    assert got[0].dtype == torch.float32 and got[1].dtype == torch.int32
+    assert got[0].shape == got[1].shape == (num_tokens, top_k)
+    # Slots in descending order of choice (the slot sum's order).
+    assert (choice.gather(1, got[1].long()).diff(dim=-1) <= 0).all()
+    # The TIED_ROW ties every softmax score; noaux_tc's bias unties its choice.
+    untied = torch.ones(num_tokens, dtype=torch.bool) if noaux_tc else torch.arange(num_tokens) != TIED_ROW
+    assert_same_experts(got, want, untied)
+    if num_tokens > GROUPS_ROW and n_group > 1:  # the crafted row: the group score decided
+        assert (0 in got[1][GROUPS_ROW].tolist()) != noaux_tc
+    if num_tokens > TIED_ROW:  # every choice equal (a flat bias): the lowest ids
+        flat = torch.zeros_like(bias)
+        got, want, _ = grouped_routings(model, logits[TIED_ROW:TIED_ROW + 1], flat)
+        assert got[1][0].tolist() == list(range(top_k))
+        assert_same_experts(got, want, torch.tensor([False]))
+
+
+@pytest.mark.parametrize("noaux_tc", [False, True])
+def test_routers_take_the_route_kernel_on_the_kernels_devices(monkeypatch, noaux_tc):
+    """SoftmaxGroupRouter / NoAuxTcRouter on a 16-bit input: the kernel path (int32 ids) chooses the torch
+    path's experts with its weights; both keep the router's fp32 weight in a bf16 module."""
+    from plait.kernels import dispatch
+    from plait.layers.moe import NoAuxTcRouter, SoftmaxGroupRouter
+
+    hidden, num_experts, top_k, n_group, topk_group = 32, 64, 6, 8, 3
+    kind = NoAuxTcRouter if noaux_tc else SoftmaxGroupRouter
+    router = kind(hidden, num_experts, top_k, True, n_group, topk_group, 2.5).to(DEVICE, BF16)
+    assert router.weight.dtype == torch.float32
+    with torch.no_grad():
+        router.weight.copy_(randn(num_experts, hidden, dtype=BF16, seed=63, scale=0.5))  # a bf16 checkpoint's
+        if noaux_tc:
+            router.e_score_correction_bias.copy_(randn(num_experts, dtype=torch.float32, seed=64, scale=0.1))
+    x = randn(7, hidden, dtype=BF16, seed=65)
+    routed = {}
+    for kernels in (False, True):
+        monkeypatch.setattr(dispatch, "_enabled", kernels)  # off: the torch path, on a GPU too
+        monkeypatch.setattr(dispatch, "_cpu_interpreter", kernels and not ON_GPU)
+        with torch.no_grad():
+            routed[kernels] = router(x)
+    assert routed[False][1].dtype == torch.int64 and routed[True][1].dtype == torch.int32  # the paths taken
+    assert_same_experts(routed[True], routed[False], torch.ones(len(x), dtype=torch.bool))
+
+
 # Each routing once, in fp32 or bf16 by turns (both dtypes' roundings are test_fused_moe_matches_ref's).
 @pytest.mark.parametrize(("case", "dtype"), [
     ("one_expert", torch.float32), ("same_expert_twice", BF16), ("k1", torch.float32), ("e1", BF16),

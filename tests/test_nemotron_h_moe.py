@@ -183,9 +183,9 @@ TRITON_RUNS = {"nano": (2, 12, 20, 2), "latent": (2, 6, 12, 2)}
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_through_the_triton_kernels_matches_hf(nemotron_moe_models, monkeypatch, variant):
-    """The GPU path's kernels (Triton's interpreter on CPU, fp32): the Mamba2 kernels, paged attention and
-    the fused MoE with relu2_no_mul experts (its GEMV path: 16-token steps; tests/test_fused_moe.py runs the
-    grouped GEMMs too); greedy tokens and logits as HF's."""
+    """The GPU path's kernels (Triton's interpreter on CPU, fp32): the Mamba2 kernels, paged attention, the
+    noaux_tc router in one kernel and the fused MoE with relu2_no_mul experts (its GEMV path: 16-token
+    steps; tests/test_fused_moe.py runs the grouped GEMMs too); greedy tokens and logits as HF's."""
     import plait.kernels.fused_moe as fused_moe
     from plait.kernels import dispatch
 

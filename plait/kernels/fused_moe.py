@@ -76,6 +76,8 @@ from plait.layers.moe import (  # the names fused_moe takes (layers.moe: importa
     SILU,
     SWIGLU_OAI,
     LocalExperts,
+    check_groups,
+    check_noaux_tc,
     up_halves,
 )
 from plait.layers.mxfp4 import BLOCK_VALUES, CODES_PER_BYTE, MXFP4_DTYPE, dequantize_mxfp4
@@ -176,6 +178,8 @@ GEMV_STAGES = 2
 # at one token (132 SMs), 167 registers a thread with no spills (ptxas, sm_90a); untimed.
 INT_GEMV_BLOCK_N = 32
 INT_GEMV_BLOCK_K = 128
+# A router program's warps: one token's row of up to 512 experts, 4 values a thread at most.
+ROUTE_WARPS = 4
 # The kernels' DROPPED_ID where no entry is dropped (every routed expert held here): no id equals it.
 NO_DROPPED_ID = tl.constexpr(-1)
 
@@ -772,43 +776,118 @@ def _moe_gemv_kernel(
     tl.store(out_ptr + entry * stride_om + offs_n, y, mask=offs_n < N)
 
 
+# The routers _route_kernel runs in one launch per token row, each beside its torch reference in
+# plait.layers.moe: route (softmax top-k: moe_route), route_group_limited (DeepSeek-V2's softmax greedy and
+# group-limited greedy: moe_route_group_limited) and route_noaux_tc (DeepSeek-V3's, GLM-4.5's, NemotronH's:
+# moe_route_noaux_tc). A row's experts are laid out [groups, experts a group] in registers, the reference's
+# view(T, n_group, E / n_group) of them, each dimension padded to a power of two; one group (n_group 1)
+# is a [1, E] row and skips the group choice. Reductions over the whole row take axis=None: a reshape the
+# compiler may reorder (can_reorder), so the 2D layout stays as it is.
+#
+# transformers' renormalisation divides by sum + 1e-20 (a guard against 0 / 0); the kernel adds it too. For
+# softmax scores it cannot change the sum: the chosen experts include the best one (its group scores best,
+# so it is kept), whose probability is at least 1 / E, and 1e-20 is far below half an fp32 ulp of anything
+# that large (2^-9 * 2^-24 ~ 1e-10 at E = 512), so route's plain sum (no guard) is the same number. Sigmoid
+# scores can be small enough for it to count: a sum below about 2e-13 (1e-20 * 2^24; every chosen logit below
+# about -31).
+RENORMALIZE_EPS = tl.constexpr(1e-20)
+
+
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l, TOP_K: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_TOP: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  PRECISE: tl.constexpr, PDL: tl.constexpr):
-    # One token: softmax over its experts' logits in fp32, the TOP_K largest probabilities in descending
-    # order (the lowest index first among equals), renormalised to sum to one if asked.
+def _exp(x, PRECISE: tl.constexpr):
+    if PRECISE:
+        return libdevice.exp(x)  # CUDA's expf, as torch's softmax and sigmoid use (tl.exp: ex2.approx)
+    return tl.exp(x)  # the interpreter has no libdevice
+
+
+@triton.jit
+def _softmax(logits, PRECISE: tl.constexpr):
+    # logits: [BLOCK_G, BLOCK_PG] fp32, -inf at padding -> probabilities over the whole row, 0 at padding.
+    # div_rn: IEEE division, as torch's (Triton's fp32 `/` is approximate).
+    e = _exp(logits - tl.max(logits, axis=None), PRECISE)
+    return tl.math.div_rn(e, tl.sum(e, axis=None))
+
+
+@triton.jit
+def _sigmoid(logits, PRECISE: tl.constexpr):
+    # logits: [BLOCK_G, BLOCK_PG] fp32 -> 1 / (1 + exp(-x)), as torch's sigmoid (0 at -inf padding)
+    return tl.math.div_rn(1.0, 1.0 + _exp(-logits, PRECISE))
+
+
+@triton.jit
+def _kept_groups(choice, member, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                 BLOCK_PG: tl.constexpr, TOP2_SUM: tl.constexpr):
+    # choice: [BLOCK_G, BLOCK_PG] scores to choose by, -inf at padding; member: [1, BLOCK_PG] index within a
+    # group -> [BLOCK_G, 1] bool: the TOPK_GROUP best groups (the lowest first among equals), each scored by
+    # its best expert, or (TOP2_SUM) by its best two: the first best taken out, the next best added, so that a
+    # group whose best is there twice scores it twice, as topk(2) does.
+    score = tl.max(choice, 1)  # [BLOCK_G]
+    if TOP2_SUM:
+        first = tl.min(tl.where(choice == score[:, None], member, BLOCK_PG), 1)  # [BLOCK_G]
+        score = score + tl.max(tl.where(member == first[:, None], float("-inf"), choice), 1)
+    groups = tl.arange(0, BLOCK_G)
+    score = tl.where(groups < N_GROUP, score, float("-inf"))
+    kept = groups < 0  # [BLOCK_G]: none yet
+    for _ in tl.static_range(TOPK_GROUP):
+        best = tl.max(score, 0)
+        pick = tl.min(tl.where(score == best, groups, BLOCK_G), 0)
+        kept = kept | (groups == pick)
+        score = tl.where(groups == pick, float("-inf"), score)
+    return kept[:, None]
+
+
+@triton.jit
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, per_group, stride_l, scaling,
+                  TOP_K: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+                  BLOCK_PG: tl.constexpr, BLOCK_TOP: tl.constexpr, NOAUX_TC: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, PRECISE: tl.constexpr, PDL: tl.constexpr):
+    # One token (see the comment above): scores in fp32 (softmax; NOAUX_TC: sigmoid, and the correction
+    # bias added for choosing), the TOPK_GROUP best of N_GROUP groups kept (N_GROUP > 1), then the TOP_K
+    # best experts among theirs in descending order of choice (the lowest id first among equals). Their
+    # weights: their scores (NOAUX_TC: unbiased), renormalised to sum to one if asked, times scaling.
     pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_E)
-    valid = offs < num_experts
-    logits = tl.load(logits_ptr + token * stride_l + offs, mask=valid, other=float("-inf")).to(tl.float32)
-    shifted = logits - tl.max(logits, 0)
-    if PRECISE:
-        e = libdevice.exp(shifted)  # CUDA's expf, as torch's softmax uses
+    group = tl.arange(0, BLOCK_G)[:, None]  # [BLOCK_G, 1]
+    member = tl.arange(0, BLOCK_PG)[None, :]  # [1, BLOCK_PG]
+    valid = (group < N_GROUP) & (member < per_group)  # [BLOCK_G, BLOCK_PG]
+    no_expert: tl.constexpr = BLOCK_G * BLOCK_PG  # padding's id: past every real one, never picked
+    expert = tl.where(valid, group * per_group + member, no_expert)  # [BLOCK_G, BLOCK_PG] int32 ids
+    row_ptr = logits_ptr + token * stride_l
+    logits = tl.load(row_ptr + expert, mask=valid, other=float("-inf")).to(tl.float32)
+    if NOAUX_TC:
+        choice = _sigmoid(logits, PRECISE) + tl.load(bias_ptr + expert, mask=valid, other=0.0)
     else:
-        e = tl.exp(shifted)  # the interpreter has no libdevice
-    probs = tl.where(valid, e / tl.sum(e, 0), -1.0)  # -1: never picked
+        choice = _softmax(logits, PRECISE)
+    choice = tl.where(valid, choice, float("-inf"))
+    if N_GROUP > 1:
+        kept = _kept_groups(choice, member, N_GROUP, TOPK_GROUP, BLOCK_G, BLOCK_PG, NOAUX_TC)
+        # The others' experts as the references mask them: -inf (noaux_tc), a zero score (group-limited:
+        # the weight of one chosen all the same).
+        choice = tl.where(valid & (kept == 0), float("-inf") if NOAUX_TC else 0.0, choice)
     slots = tl.arange(0, BLOCK_TOP)
     top_w = tl.zeros((BLOCK_TOP,), dtype=tl.float32)
     top_i = tl.zeros((BLOCK_TOP,), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(probs, 0)
-        pick = tl.min(tl.where(probs == best, offs, BLOCK_E), 0)
+        best = tl.max(choice, axis=None)
+        pick = tl.min(tl.where(choice == best, expert, no_expert), axis=None)
         top_w = tl.where(slots == j, best, top_w)
         top_i = tl.where(slots == j, pick, top_i)
-        probs = tl.where(offs == pick, -1.0, probs)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, 0)
+        choice = tl.where(expert == pick, float("-inf"), choice)
     keep = slots < TOP_K
+    if NOAUX_TC:  # the weights are the unbiased scores: the chosen logits' sigmoids again, the same numbers
+        top_w = _sigmoid(tl.load(row_ptr + top_i, mask=keep, other=float("-inf")).to(tl.float32), PRECISE)
+    if RENORMALIZE:
+        top_w = tl.math.div_rn(top_w, tl.sum(top_w, 0) + RENORMALIZE_EPS)
+    top_w = top_w * scaling
     tl.store(weights_ptr + token * TOP_K + slots, top_w, mask=keep)
     tl.store(ids_ptr + token * TOP_K + slots, top_i, mask=keep)
 
 
-def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """plait.layers.moe.route in one launch: (weights [T, k] fp32, ids [T, k] int32)."""
-    # router_logits: [T, E]
+def _launch_route(router_logits: torch.Tensor, top_k: int, renormalize: bool, n_group: int, topk_group: int,
+                  routed_scaling_factor: float, correction_bias: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """_route_kernel over every token row: noaux_tc where correction_bias is given, softmax otherwise."""
+    # router_logits: [T, E]; correction_bias: [E] -> (weights [T, k] fp32, ids [T, k] int32)
     num_tokens, num_experts = router_logits.shape
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=router_logits.device)
     ids = torch.empty((num_tokens, top_k), dtype=torch.int32, device=router_logits.device)
@@ -816,11 +895,46 @@ def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool
         return weights, ids
     if router_logits.stride(-1) != 1:
         router_logits = router_logits.contiguous()
+    noaux_tc = correction_bias is not None
+    # the bias pointer is read only under NOAUX_TC: the logits stand in for it otherwise
+    bias = correction_bias.float().contiguous() if noaux_tc else router_logits
+    per_group = num_experts // n_group
     _route_kernel[(num_tokens,)](
-        router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
-        BLOCK_E=triton.next_power_of_2(num_experts), BLOCK_TOP=triton.next_power_of_2(top_k),
-        RENORMALIZE=renormalize, PRECISE=router_logits.is_cuda, num_warps=4, **pdl_args(router_logits))
+        router_logits, bias, weights, ids, per_group, router_logits.stride(0), float(routed_scaling_factor),
+        TOP_K=top_k, N_GROUP=n_group, TOPK_GROUP=topk_group, BLOCK_G=triton.next_power_of_2(n_group),
+        BLOCK_PG=triton.next_power_of_2(per_group), BLOCK_TOP=triton.next_power_of_2(top_k),
+        NOAUX_TC=noaux_tc, RENORMALIZE=renormalize, PRECISE=router_logits.is_cuda, num_warps=ROUTE_WARPS,
+        **pdl_args(router_logits))
     return weights, ids
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, renormalize: bool
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """plait.layers.moe.route in one launch: (weights [T, k] fp32, ids [T, k] int32), each token's in
+    descending order of probability (the lowest id first among equals)."""
+    # router_logits: [T, E]
+    return _launch_route(router_logits, top_k, renormalize, 1, 1, 1.0, None)
+
+
+def moe_route_group_limited(router_logits: torch.Tensor, top_k: int, renormalize: bool, n_group: int,
+                            topk_group: int, routed_scaling_factor: float
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """plait.layers.moe.route_group_limited (DeepSeek-V2's greedy at n_group 1, group-limited greedy above)
+    in one launch: (weights [T, k] fp32, ids [T, k] int32), in descending order of score."""
+    # router_logits: [T, E]
+    check_groups(router_logits.shape[1], top_k, n_group, topk_group)
+    return _launch_route(router_logits, top_k, renormalize, n_group, topk_group, routed_scaling_factor, None)
+
+
+def moe_route_noaux_tc(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                       correction_bias: torch.Tensor, n_group: int, topk_group: int,
+                       routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """plait.layers.moe.route_noaux_tc in one launch: (weights [T, k] fp32, ids [T, k] int32), in
+    descending order of biased score."""
+    # router_logits: [T, E]; correction_bias: [E]
+    check_noaux_tc(router_logits.shape[1], top_k, n_group, topk_group)
+    return _launch_route(router_logits, top_k, renormalize, n_group, topk_group, routed_scaling_factor,
+                         correction_bias)
 
 
 @triton.jit

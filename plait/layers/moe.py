@@ -160,25 +160,55 @@ def check_groups(num_experts: int, top_k: int, n_group: int, topk_group: int) ->
                          f"num_experts_per_tok {top_k} experts")
 
 
-class SoftmaxGroupRouter(nn.Module):
-    """DeepSeek-V2's router (``mlp.gate``): weight [E, H] in the model's dtype, logits in fp32 (as
-    transformers computes them); "greedy" (a softmax top-k: n_group 1) or "group_limited_greedy"
-    (route_group_limited), the weights times routed_scaling_factor."""
+class GroupRouter(nn.Module):
+    """What DeepSeek's routers share (SoftmaxGroupRouter, NoAuxTcRouter): weight [E, H] fp32 whatever the
+    model's dtype (model.to(dtype) moves it between devices, never casts it), so that the logits are one fp32
+    GEMV with no per-step copy to widen the weight. The loader rounds a checkpoint's router weight to the
+    model's dtype, as transformers' 16-bit model holds it, and copies it in: a 16-bit value widened to fp32
+    is exact, so the logits are transformers' F.linear(x.float(), weight.float()) to the bit. Then top_k of
+    E experts from the topk_group best of n_group groups, the weights times routed_scaling_factor."""
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, n_group: int,
                  topk_group: int, routed_scaling_factor: float) -> None:
         super().__init__()
-        check_groups(num_experts, top_k, n_group, topk_group)
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, device=deferred_device()),
-                                   requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32,
+                                               device=deferred_device()), requires_grad=False)
         self.top_k, self.renormalize = top_k, renormalize
         self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
 
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
+        def device_only(t: torch.Tensor) -> torch.Tensor:
+            moved = fn(t)
+            return t.to(device=moved.device) if moved.dtype != t.dtype else moved
+
+        return super()._apply(device_only, recurse)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.weight.shape[0]}, top_k={self.top_k}, n_group={self.n_group}, "
+                f"topk_group={self.topk_group}, renormalize={self.renormalize}, "
+                f"routed_scaling_factor={self.routed_scaling_factor}")
+
+
+class SoftmaxGroupRouter(GroupRouter):
+    """DeepSeek-V2's router (``mlp.gate``; GroupRouter): "greedy" (a softmax top-k: n_group 1) or
+    "group_limited_greedy" (route_group_limited). On the kernels' devices the routing is one Triton launch
+    (plait.kernels.fused_moe.moe_route_group_limited: int32 ids), route_group_limited elsewhere."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, n_group: int,
+                 topk_group: int, routed_scaling_factor: float) -> None:
+        check_groups(num_experts, top_k, n_group, topk_group)
+        super().__init__(hidden_size, num_experts, top_k, renormalize, n_group, topk_group,
+                         routed_scaling_factor)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # x: [T, H] -> (weights [T, k] fp32, ids [T, k] int64)
-        logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
-        return route_group_limited(logits, self.top_k, self.renormalize, self.n_group, self.topk_group,
-                                   self.routed_scaling_factor)
+        # x: [T, H] -> (weights [T, k] fp32, ids [T, k] int32 (kernel) / int64 (torch))
+        logits = F.linear(x.float(), self.weight)  # [T, E] fp32
+        args = (self.top_k, self.renormalize, self.n_group, self.topk_group, self.routed_scaling_factor)
+        if use_triton(x):
+            from plait.kernels.fused_moe import moe_route_group_limited
+
+            return moe_route_group_limited(logits, *args)
+        return route_group_limited(logits, *args)
 
 
 def check_noaux_tc(num_experts: int, top_k: int, n_group: int, topk_group: int) -> None:
@@ -196,11 +226,13 @@ def check_noaux_tc(num_experts: int, top_k: int, n_group: int, topk_group: int) 
 FP32_ROUTER_TENSORS = ("e_score_correction_bias",)
 
 
-class NoAuxTcRouter(nn.Module):
+class NoAuxTcRouter(GroupRouter):
     """A "noaux_tc" MoE block's router (``mlp.gate`` in GLM-4.5's checkpoints): weight [E, H] and
     e_score_correction_bias [E], both fp32 whatever the model's dtype, as transformers keeps the bias
     (_keep_in_fp32_modules_strict) and vLLM both: the biased scores of 128 experts differ in the third
-    decimal, and a 16-bit bias would move expert choices. Its logits are computed in fp32 too."""
+    decimal, and a 16-bit bias would move expert choices (GroupRouter keeps its tensors fp32). On the
+    kernels' devices the routing is one Triton launch (plait.kernels.fused_moe.moe_route_noaux_tc: int32
+    ids), route_noaux_tc elsewhere."""
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> NoAuxTcRouter:
@@ -214,34 +246,22 @@ class NoAuxTcRouter(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, renormalize: bool, n_group: int,
                  topk_group: int, routed_scaling_factor: float) -> None:
-        super().__init__()
         check_noaux_tc(num_experts, top_k, n_group, topk_group)
-        device = deferred_device()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32, device=device),
-                                   requires_grad=False)
+        super().__init__(hidden_size, num_experts, top_k, renormalize, n_group, topk_group,
+                         routed_scaling_factor)
         self.e_score_correction_bias = nn.Parameter(
-            torch.empty(num_experts, dtype=torch.float32, device=device), requires_grad=False)
-        self.top_k, self.renormalize = top_k, renormalize
-        self.n_group, self.topk_group, self.routed_scaling_factor = n_group, topk_group, routed_scaling_factor
-
-    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 - nn.Module's signature
-        # model.to(dtype) would round both tensors to 16 bits: moves between devices apply, casts do not.
-        def device_only(t: torch.Tensor) -> torch.Tensor:
-            moved = fn(t)
-            return t.to(device=moved.device) if moved.dtype != t.dtype else moved
-
-        return super()._apply(device_only, recurse)
+            torch.empty(num_experts, dtype=torch.float32, device=deferred_device()), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # x: [T, H] -> (weights [T, k] fp32, ids [T, k] int64)
+        # x: [T, H] -> (weights [T, k] fp32, ids [T, k] int32 (kernel) / int64 (torch))
         logits = F.linear(x.float(), self.weight)  # [T, E] fp32
-        return route_noaux_tc(logits, self.top_k, self.renormalize, self.e_score_correction_bias,
-                              self.n_group, self.topk_group, self.routed_scaling_factor)
+        args = (self.top_k, self.renormalize, self.e_score_correction_bias, self.n_group, self.topk_group,
+                self.routed_scaling_factor)
+        if use_triton(x):
+            from plait.kernels.fused_moe import moe_route_noaux_tc
 
-    def extra_repr(self) -> str:
-        return (f"experts={self.weight.shape[0]}, top_k={self.top_k}, n_group={self.n_group}, "
-                f"topk_group={self.topk_group}, renormalize={self.renormalize}, "
-                f"routed_scaling_factor={self.routed_scaling_factor}")
+            return moe_route_noaux_tc(logits, *args)
+        return route_noaux_tc(logits, *args)
 
 
 def _local_experts(expert_range: tuple[int, int] | None, num_experts: int) -> LocalExperts | None:
