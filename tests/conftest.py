@@ -313,6 +313,44 @@ def serving_engine():
     return LLMEngine(EngineConfig(max_num_batched_tokens=SERVING_MAX_NUM_BATCHED_TOKENS))
 
 
+# tiny_default_vocab_model's context: room for the tool-calling tests' prompts (their tools' schemas rendered)
+# and answers.
+TINY_DEFAULT_VOCAB_MAX_POSITIONS = 2048
+
+
+@functools.cache
+def fuzz_script():
+    """scripts/fuzz_server.py as a module (its make_tiny_model)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fuzz_server", ROOT / "scripts" / "fuzz_server.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_default_vocab_model(tmp_path_factory) -> Path:
+    """A random 2-layer Llama (hidden 64) with the default model's vocabulary, tokenizer and chat template
+    (scripts/fuzz_server.py's make_tiny_model), which decodes ~20x faster than the default model: for the
+    server tests whose assertions read only the tokenizer and the chat template, such as those whose whole
+    output a guided_regex forces. No test may modify it."""
+    folder = tmp_path_factory.mktemp("tiny-default-vocab") / "tiny-default-vocab"
+    return fuzz_script().make_tiny_model(folder, TINY_DEFAULT_VOCAB_MAX_POSITIONS)
+
+
+@pytest.fixture(scope="session")
+def tiny_serving_engine(tiny_default_vocab_model):
+    """serving_engine's twin on tiny_default_vocab_model (the same token budget), shared as serving_engine is
+    (idle_serving_engine before a server takes it)."""
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(tiny_default_vocab_model),
+                                  max_num_batched_tokens=SERVING_MAX_NUM_BATCHED_TOKENS))
+
+
 def idle_serving_engine(engine):
     """serving_engine, checked idle and clean before another server takes it."""
     assert engine.is_idle_and_clean(), "a server left serving_engine with requests or blocks in use"
