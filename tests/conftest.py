@@ -26,6 +26,12 @@ if not torch.cuda.is_available():
 # Two cores: more threads than that only adds contention; under pytest-xdist (-n N) the workers share them.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
+if _WORKERS > 1:
+    # So do the processes the tests start (engine processes, `plait serve` and its data-parallel replicas,
+    # tensor-parallel workers), which would each take every core for torch's threads: their OpenMP threads
+    # spinning beside the other workers' made such tests several times slower than alone (an engine
+    # process's comparison with the thread engine: 80 s against 17).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TINY_VOCAB = 512
 # The tiny LongRoPE Phi-3's pretraining length: past every test prompt and its outputs.
@@ -328,6 +334,13 @@ def fuzz_script():
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """make_tiny_model's model as the `plait serve` tests serve it (its served name "tiny-model", a 128-token
+    context), made once a session. No test may modify it."""
+    return fuzz_script().make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-model")
 
 
 @pytest.fixture(scope="session")
