@@ -49,8 +49,9 @@ class Failure:
         return f"{self.case} status={self.status}: {self.problem}\n    request: {self.request}"
 
 
-def make_tiny_model(folder: Path) -> Path:
-    """A random 2-layer Llama with the default model's vocabulary, tokenizer and chat template."""
+def make_tiny_model(folder: Path, max_positions: int = FUZZ_MAX_MODEL_LEN) -> Path:
+    """A random 2-layer Llama with the default model's vocabulary, tokenizer and chat template, and a context
+    of ``max_positions``."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -61,7 +62,7 @@ def make_tiny_model(folder: Path) -> Path:
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=TINY_HIDDEN,
                          intermediate_size=TINY_INTERMEDIATE, num_hidden_layers=TINY_LAYERS,
                          num_attention_heads=TINY_HEADS,
-                         num_key_value_heads=TINY_KV_HEADS, max_position_embeddings=FUZZ_MAX_MODEL_LEN,
+                         num_key_value_heads=TINY_KV_HEADS, max_position_embeddings=max_positions,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          tie_word_embeddings=True)
     torch.manual_seed(0)

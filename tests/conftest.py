@@ -26,6 +26,12 @@ if not torch.cuda.is_available():
 # Two cores: more threads than that only adds contention; under pytest-xdist (-n N) the workers share them.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
+if _WORKERS > 1:
+    # So do the processes the tests start (engine processes, `plait serve` and its data-parallel replicas,
+    # tensor-parallel workers), which would each take every core for torch's threads: their OpenMP threads
+    # spinning beside the other workers' made such tests several times slower than alone (an engine
+    # process's comparison with the thread engine: 80 s against 17).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TINY_VOCAB = 512
 # The tiny LongRoPE Phi-3's pretraining length: past every test prompt and its outputs.
@@ -311,6 +317,51 @@ def serving_engine():
     from plait.engine.engine import LLMEngine
 
     return LLMEngine(EngineConfig(max_num_batched_tokens=SERVING_MAX_NUM_BATCHED_TOKENS))
+
+
+# tiny_default_vocab_model's context: room for the tool-calling tests' prompts (their tools' schemas rendered)
+# and answers.
+TINY_DEFAULT_VOCAB_MAX_POSITIONS = 2048
+
+
+@functools.cache
+def fuzz_script():
+    """scripts/fuzz_server.py as a module (its make_tiny_model)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fuzz_server", ROOT / "scripts" / "fuzz_server.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """make_tiny_model's model as the `plait serve` tests serve it (its served name "tiny-model", a 128-token
+    context), made once a session. No test may modify it."""
+    return fuzz_script().make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-model")
+
+
+@pytest.fixture(scope="session")
+def tiny_default_vocab_model(tmp_path_factory) -> Path:
+    """A random 2-layer Llama (hidden 64) with the default model's vocabulary, tokenizer and chat template
+    (scripts/fuzz_server.py's make_tiny_model), which decodes ~20x faster than the default model: for the
+    server tests whose assertions read only the tokenizer and the chat template, such as those whose whole
+    output a guided_regex forces. No test may modify it."""
+    folder = tmp_path_factory.mktemp("tiny-default-vocab") / "tiny-default-vocab"
+    return fuzz_script().make_tiny_model(folder, TINY_DEFAULT_VOCAB_MAX_POSITIONS)
+
+
+@pytest.fixture(scope="session")
+def tiny_serving_engine(tiny_default_vocab_model):
+    """serving_engine's twin on tiny_default_vocab_model (the same token budget), shared as serving_engine is
+    (idle_serving_engine before a server takes it)."""
+    from plait.config import EngineConfig
+    from plait.engine.engine import LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(tiny_default_vocab_model),
+                                  max_num_batched_tokens=SERVING_MAX_NUM_BATCHED_TOKENS))
 
 
 def idle_serving_engine(engine):

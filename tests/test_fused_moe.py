@@ -173,13 +173,24 @@ def run_both(x, w13, w2, weights, ids, config=None, gemv=None):
     return got, fused_moe_ref(x, w13, w2, weights, ids)
 
 
-# Both paths at every size: the alignment-free GEMV (auto up to GEMV_MAX_ENTRIES) and the grouped GEMM.
+# Both paths: the alignment-free GEMV (auto up to GEMV_MAX_ENTRIES) and the grouped GEMM.
 PATHS = {"auto": None, "gemv": True, "grouped": False}
+# A GEMV program is one entry (token x slot) and one column tile: no tile spans entries, so the count of
+# tokens crosses no boundary of it, and a few of them reach all its code. The interpreter runs each program
+# in Python, an entry of the GEMV costing about what a 16-entry block of the grouped GEMM does; so the GEMV
+# runs at up to GEMV_TOKENS tokens, and 33 tokens (66 entries: experts of several 16-entry blocks, the last
+# ragged) and other counts that size the grouped GEMM's blocks are the grouped GEMM's alone.
+GEMV_TOKENS = 5
+
+
+def sizes(counts: tuple[int, ...], paths=("gemv", "grouped")) -> list[tuple[str, int]]:
+    """(path, tokens) pairs: each path at each count, the GEMV (and auto, the GEMV at these counts) only at
+    those up to GEMV_TOKENS."""
+    return [(path, t) for path in paths for t in counts if path == "grouped" or t <= GEMV_TOKENS]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("t", [1, 5, 33])
-@pytest.mark.parametrize("path", sorted(PATHS))
+@pytest.mark.parametrize("path, t", sizes((1, 5, 33), sorted(PATHS)))
 def test_fused_moe_matches_ref(dtype, t, path):
     w13, w2 = experts(E, H, INTER, dtype, seed=10)
     x = randn(t, H, dtype=dtype, seed=12)
@@ -335,12 +346,15 @@ def test_routers_take_the_route_kernel_on_the_kernels_devices(monkeypatch, noaux
     assert_same_experts(routed[True], routed[False], torch.ones(len(x), dtype=torch.bool))
 
 
-# Each routing once, in fp32 or bf16 by turns (both dtypes' roundings are test_fused_moe_matches_ref's).
+# Each routing once, in fp32 or bf16 by turns (both dtypes' roundings are test_fused_moe_matches_ref's), on
+# each path: the GEMV at GEMV_TOKENS, the grouped GEMM at 33 tokens (an expert that takes every token: three
+# blocks, the last ragged; the same expert twice: five).
 @pytest.mark.parametrize(("case", "dtype"), [
     ("one_expert", torch.float32), ("same_expert_twice", BF16), ("k1", torch.float32), ("e1", BF16),
     ("int32_ids", torch.float32), ("int32_ids", BF16)])
-def test_fused_moe_adversarial_routings(dtype, case):
-    t = 33
+@pytest.mark.parametrize("path", ["gemv", "grouped"])
+def test_fused_moe_adversarial_routings(dtype, case, path):
+    t = GEMV_TOKENS if path == "gemv" else 33
     num_experts, top_k = (1, 1) if case == "e1" else (E, 1 if case == "k1" else K)
     w13, w2 = experts(num_experts, H, INTER, dtype, seed=14)
     x = randn(t, H, dtype=dtype, seed=16)
@@ -351,10 +365,10 @@ def test_fused_moe_adversarial_routings(dtype, case):
         ids = torch.full((t, top_k), 2, device=DEVICE)
     elif case == "int32_ids":
         ids = ids.to(torch.int32)
-    got, want = run_both(x, w13, w2, weights, ids)
+    got, want = run_both(x, w13, w2, weights, ids, gemv=PATHS[path])
     assert_close_to_ref(got, want)
     if case == "int32_ids":
-        assert torch.equal(got, fused_moe(x, w13, w2, weights, ids.long()))
+        assert torch.equal(got, fused_moe(x, w13, w2, weights, ids.long(), gemv=PATHS[path]))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
@@ -381,11 +395,14 @@ def test_fused_moe_strided_x_and_empty_batch():
     assert empty.shape == (0, H) and empty.dtype == torch.float32
 
 
-def test_fused_moe_is_deterministic():
+@pytest.mark.parametrize("path, t", [("auto", GEMV_TOKENS), ("grouped", 33)])
+def test_fused_moe_is_deterministic(path, t):
     w13, w2 = experts(E, H, INTER, BF16, seed=26)
-    x = randn(33, H, dtype=BF16, seed=28)
-    weights, ids = routing(33, E, K, seed=29)
-    assert torch.equal(fused_moe(x, w13, w2, weights, ids), fused_moe(x, w13, w2, weights, ids))
+    x = randn(t, H, dtype=BF16, seed=28)
+    weights, ids = routing(t, E, K, seed=29)
+    gemv = PATHS[path]
+    assert torch.equal(fused_moe(x, w13, w2, weights, ids, gemv=gemv),
+                       fused_moe(x, w13, w2, weights, ids, gemv=gemv))
 
 
 @pytest.mark.parametrize("gemv", [True, False])
@@ -393,12 +410,12 @@ def test_fused_moe_batch_invariant_fp32(gemv):
     # Within one path: moe_config's fp32 pick does not depend on T (nor does any block_k), rows of a block
     # never mix, a GEMV program is one entry, and a token's slots are summed in slot order: so a token's
     # output is the same bits alone or in a batch. (The two paths sum K in different orders.)
-    t = 33
+    t = 9 if gemv else 33  # the grouped GEMM: 66 entries, several blocks an expert (GEMV_TOKENS)
     w13, w2 = experts(E, H, INTER, torch.float32, seed=30)
     x = randn(t, H, dtype=torch.float32, seed=32)
     weights, ids = routing(t, E, K, seed=33)
     full = fused_moe(x, w13, w2, weights, ids, gemv=gemv)
-    for i in (0, 17, t - 1):
+    for i in (0, t // 2, t - 1):
         alone = fused_moe(x[i : i + 1], w13, w2, weights[i : i + 1], ids[i : i + 1], gemv=gemv)
         assert torch.equal(alone[0], full[i])
     # And inside a different batch (the token last, after others with their own routing).
@@ -428,17 +445,17 @@ def truncated_bf16(t: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, BF16])
-@pytest.mark.parametrize("t", [5, 33])
-def test_fused_moe_rounds_where_the_reference_does(dtype, t):
+@pytest.mark.parametrize("path, t", [("auto", GEMV_TOKENS), ("grouped", 33)])
+def test_fused_moe_rounds_where_the_reference_does(dtype, t, path):
     """The kernel rounds to the dtype at exactly the documented points (with the interpreter's truncating
-    bf16 casts off the GPU): against an emulation of those roundings only the order of the fp32 sums
-    differs, which may flip a rounding of gate or up: within one unit of eps x max|out|."""
+    bf16 casts off the GPU), on either path: against an emulation of those roundings only the order of the
+    fp32 sums differs, which may flip a rounding of gate or up: within one unit of eps x max|out|."""
     w13, w2 = experts(E, H, INTER, dtype, seed=10)
     x = randn(t, H, dtype=dtype, seed=12)
     weights, ids = routing(t, E, K, seed=13)
     truncating = dtype == BF16 and not ON_GPU
     want = emulated(x, w13, w2, weights, ids, truncated_bf16 if truncating else lambda v: v.to(dtype).float())
-    err = (fused_moe(x, w13, w2, weights, ids).float() - want).abs().max().item()
+    err = (fused_moe(x, w13, w2, weights, ids, gemv=PATHS[path]).float() - want).abs().max().item()
     assert err <= torch.finfo(dtype).eps * want.abs().max().item()
 
 
@@ -578,9 +595,9 @@ def fp8_rounding(dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@pytest.mark.parametrize("t", [1, 5, 33])
-@pytest.mark.parametrize("gemv", [True, False])
-def test_fused_moe_fp8_matches_ref(dtype, t, gemv):
+@pytest.mark.parametrize("path, t", sizes((1, 5, 33)))
+def test_fused_moe_fp8_matches_ref(dtype, t, path):
+    gemv = path == "gemv"
     w = fp8_experts(E, H, FP8_INTER, FP8_BLOCK, seed=70)
     x = randn(t, H, dtype=dtype, seed=72)
     weights, ids = routing(t, E, K, seed=73)
@@ -606,7 +623,8 @@ def test_fused_moe_fp8_ragged_blocks_and_strided_scales(dtype, path):
     # loads; their input groups and weight tiles partial), w2's last tile row has 16 of 32 rows (column
     # tiles past N). The scales come as non-contiguous views (the kernels take their strides), and the
     # grouped path's config asks for 64 columns a program (capped to the 32-row tiles).
-    block, hidden, inter, t = (32, 64), 80, 96, 9
+    block, hidden, inter = (32, 64), 80, 96
+    t = GEMV_TOKENS if path == "gemv" else 9
     w = fp8_experts(E, hidden, inter, block, seed=74)
     w = {**w, **{name: w[name].transpose(1, 2).contiguous().transpose(1, 2) for name in ("w13_scale",
                                                                                           "w2_scale")}}
@@ -755,12 +773,13 @@ def test_fused_moe_gpt_oss_experts_match_ref(dtype, path):
 @pytest.mark.parametrize("path", ["gemv", "grouped"])
 def test_fused_moe_gpt_oss_adversarial_routings(case, path):
     # 17 tokens: a lone expert gets two 16-row blocks on the grouped path (CPU_BLOCK_M), one of them ragged.
+    t = GEMV_TOKENS if path == "gemv" else 17
     num_experts, top_k = (1, 1) if case == "e1" else (E, 1 if case == "k1" else K)
-    x, w13, w2, b13, b2, weights, ids = gpt_oss_case(17, num_experts, top_k, 48, 40, BF16, seed=92)
+    x, w13, w2, b13, b2, weights, ids = gpt_oss_case(t, num_experts, top_k, 48, 40, BF16, seed=92)
     if case == "one_expert":  # all tokens on expert 3 (slot 0) and expert 1 (slot 1): 0 and 2 idle
-        ids = torch.tensor([[3, 1]] * 17, device=DEVICE)
+        ids = torch.tensor([[3, 1]] * t, device=DEVICE)
     elif case == "same_expert_twice":
-        ids = torch.full((17, top_k), 2, device=DEVICE)
+        ids = torch.full((t, top_k), 2, device=DEVICE)
     elif case == "int32_ids":
         ids = ids.to(torch.int32)
     got = fused_moe(x, w13, w2, weights, ids, gemv=path == "gemv", **oai_kw(b13, b2))
@@ -908,8 +927,7 @@ RELU2 = dict(activation=fm.RELU2_NO_MUL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@pytest.mark.parametrize("t", [5, 33])
-@pytest.mark.parametrize("path", ["gemv", "grouped"])
+@pytest.mark.parametrize("path, t", sizes((5, 33)))
 def test_fused_moe_relu2_no_mul_matches_ref(dtype, t, path):
     """Ungated experts (w13 the up rows alone): both kernel paths against the reference; I = 40 and H = 48,
     not multiples of the tiles."""
@@ -1003,7 +1021,7 @@ def test_fused_moe_layer_of_relu2_experts_loads_and_runs(monkeypatch, kernels):
 @pytest.mark.parametrize("path", ["gemv", "grouped"])
 def test_fused_moe_local_experts_of_relu2_experts(poisoned_empty, path):
     """Expert parallelism with ungated experts, fp32: the two ranks add up to the whole."""
-    x, w13, w2, weights, ids = relu2_case(21, torch.float32, seed=134)
+    x, w13, w2, weights, ids = relu2_case(GEMV_TOKENS if path == "gemv" else 21, torch.float32, seed=134)
     args = dict(x=x, w13=w13, w2=w2, topk_weights=weights, topk_ids=ids, **RELU2)
     assert_ranks_sum_to_the_whole(args, gemv=path == "gemv")
 
@@ -1083,8 +1101,7 @@ def assert_ranks_sum_to_the_whole(args: dict, gemv: bool) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])
-@pytest.mark.parametrize("t", [1, 5, 33])
-@pytest.mark.parametrize("path", ["gemv", "grouped"])
+@pytest.mark.parametrize("path, t", sizes((1, 5, 33)))
 def test_fused_moe_local_experts_match_ref(poisoned_empty, dtype, t, path):
     """Two ranks of E = 4 experts: each rank's kernel output is the reference's for its two experts (entries
     routed to the other's add nothing, and nothing reads their unwritten rows: poisoned_empty; a token routed
@@ -1110,7 +1127,7 @@ def test_fused_moe_local_experts_of_every_kind(poisoned_empty, kind, path):
     """FP8 experts (their tile scales split by expert as well), gpt-oss's (swiglu_oai, and biases: an
     expert's down bias added by its own rank alone) and moe_route's int32 ids, in fp32: the ranks add up to
     the whole (assert_ranks_sum_to_the_whole)."""
-    t = 21
+    t = GEMV_TOKENS if path == "gemv" else 21
     if kind == "fp8":
         w = fp8_experts(E, H, FP8_INTER, FP8_BLOCK, seed=70)
         weights, ids = routing(t, E, K, seed=73)
@@ -1490,6 +1507,7 @@ INT_CASES = [(4, 32, 2, 1, BF16), (4, 64, 4, 5, BF16), (4, 128, 2, 9, torch.floa
 @pytest.mark.parametrize("path", ["gemv", "grouped"])
 def test_fused_moe_int_matches_ref(case, path):
     bits, group, top_k, t, dtype = case
+    t = min(t, GEMV_TOKENS) if path == "gemv" else t
     kwargs, _ = int_experts(bits, group, seed=70)
     x = randn(t, int_size(group), dtype=dtype, seed=72)
     weights, ids = routing(t, INT_E, top_k, seed=73)

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT, plait_serve_process
-from test_server_cli import _fuzz_script
 
 from plait.entrypoints import cli
 from plait.entrypoints.reasoning_parsers import REASONING_PARSERS, get_reasoning_parser, split_reasoning
@@ -61,12 +60,6 @@ def registries():
     for registry, entries in saved:
         registry.clear()
         registry.update(entries)
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    """A random tiny Llama with the default model's tokenizer and chat template (the servers' model)."""
-    return _fuzz_script().make_tiny_model(tmp_path_factory.mktemp("tiny") / "tiny-model")
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import itertools
 import json
 import os
@@ -18,14 +17,6 @@ from conftest import ROOT, SERVE_SHUTDOWN_TIMEOUT_S, plait_serve_process, start_
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
-
-
-def _fuzz_script():
-    spec = importlib.util.spec_from_file_location("fuzz_server", ROOT / "scripts" / "fuzz_server.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_serve_flags_reach_the_configs(monkeypatch):
@@ -416,7 +407,7 @@ async def stamp_responses(request, call_next):
     return response
 
 
-def test_vllm_server_options_on_a_live_server(tmp_path):
+def test_vllm_server_options_on_a_live_server(tiny_model):
     """vLLM's --enable-force-include-usage (every stream ends with usage), --enable-tokenizer-info-endpoint
     (GET /tokenizer_info, the tokenizer's settings without file paths and the chat template) and --middleware
     (a function and a class, outside the key check) on a real server with the openai client; none of it
@@ -426,7 +417,7 @@ def test_vllm_server_options_on_a_live_server(tmp_path):
     from plait.engine.engine import LLMEngine
     from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
 
-    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    model = tiny_model
     engine = LLMEngine(EngineConfig(model=str(model), max_model_len=128, num_kv_blocks=64))
     config = ServerConfig(log_level="warning", api_key="key", enable_force_include_usage=True,
                           enable_tokenizer_info_endpoint=True,
@@ -461,7 +452,7 @@ def test_vllm_server_options_on_a_live_server(tmp_path):
             OpenAIServer(engine, ServerConfig(middleware=[path]))
 
 
-def test_default_chat_template_kwargs_apply_unless_a_request_sets_them(tmp_path):
+def test_default_chat_template_kwargs_apply_unless_a_request_sets_them(tiny_model):
     """vLLM's --default-chat-template-kwargs: every chat renders with them (here Qwen3-style thinking off: the
     prompt closes the reasoning, and the qwen3 reasoning parser reads all of the answer as content) unless
     the request sets the variable itself."""
@@ -471,7 +462,7 @@ def test_default_chat_template_kwargs_apply_unless_a_request_sets_them(tmp_path)
     from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
 
     template = (ROOT / "tests" / "reasoning_chat_template.jinja").read_text()
-    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    model = tiny_model
     engine = LLMEngine(EngineConfig(model=str(model), max_model_len=128, num_kv_blocks=64))
     config = ServerConfig(log_level="warning", chat_template=template, reasoning_parser="qwen3",
                           default_chat_template_kwargs='{"enable_thinking": false}')
@@ -495,7 +486,7 @@ def test_default_chat_template_kwargs_apply_unless_a_request_sets_them(tmp_path)
         ServerConfig(default_chat_template_kwargs="[1]")
 
 
-def test_documents_and_reasoning_effort_reach_the_chat_template_as_vllm(tmp_path):
+def test_documents_and_reasoning_effort_reach_the_chat_template_as_vllm(tiny_model):
     """vLLM's chat fields that are template variables: documents (RAG templates) and reasoning_effort
     (gpt-oss's template reads it; the Responses API's reasoning.effort becomes it), under the request's
     chat_template_kwargs of the same names; a completion's prompt cannot take them."""
@@ -508,7 +499,7 @@ def test_documents_and_reasoning_effort_reach_the_chat_template_as_vllm(tmp_path
     template = ("{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
                 "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
                 "effort={{ reasoning_effort | default('unset') }}")
-    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    model = tiny_model
     engine = LLMEngine(EngineConfig(model=str(model), max_model_len=128, num_kv_blocks=64))
     messages = [{"role": "user", "content": "hi"}]
     docs = [{"title": "A", "text": "apples"}]
@@ -538,7 +529,7 @@ def test_documents_and_reasoning_effort_reach_the_chat_template_as_vllm(tmp_path
         assert response.usage.input_tokens == len(rendered("user: hi\neffort=medium"))
 
 
-def test_a_server_with_skip_tokenizer_init_answers_token_ids(tmp_path):
+def test_a_server_with_skip_tokenizer_init_answers_token_ids(tiny_model):
     """vLLM's --skip-tokenizer-init on a model that has a tokenizer: completions of token-id prompts answer
     their token ids (the text empty; logprobs name tokens by id); text prompts, chat and /tokenize are 400s
     saying why."""
@@ -546,7 +537,7 @@ def test_a_server_with_skip_tokenizer_init_answers_token_ids(tmp_path):
     from plait.engine.engine import LLMEngine
     from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
 
-    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    model = tiny_model
     body = {"model": "tiny-model", "prompt": [5, 6, 7], "max_tokens": 3, "ignore_eos": True,
             "return_token_ids": True, "temperature": 0.0}
     answers = []
@@ -597,7 +588,7 @@ def test_a_unix_socket_in_use_or_of_another_file_is_refused_and_a_stale_one_repl
     assert "the path exists and is not a socket" in capsys.readouterr().err
 
 
-def test_plait_serve_on_a_unix_socket_as_vllm(tmp_path):
+def test_plait_serve_on_a_unix_socket_as_vllm(tmp_path, tiny_model):
     """vLLM's --uds with --disable-fastapi-docs, --response-role and --chat-template-content-format on a real
     `plait serve`: the openai client talks through the socket, the answers carry the role, a template's
     content is the format chosen, there are no docs pages, and the socket file goes when the server stops."""
@@ -605,7 +596,7 @@ def test_plait_serve_on_a_unix_socket_as_vllm(tmp_path):
     from plait.entrypoints.llm import encode_rendered
     from plait.loader.tokenizer import load_tokenizer
 
-    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    model = tiny_model
     path = str(tmp_path / "plait.sock")
     # It loops over a message's content, so "auto" would give it the parts; "string" gives it their text.
     template = ("{% for m in messages %}<{{ m['role'] }}>{% if m['content'] is string %}{{ m['content'] }}"
@@ -637,8 +628,8 @@ def test_plait_serve_on_a_unix_socket_as_vllm(tmp_path):
     assert proc.returncode == 0 and not os.path.exists(path)
 
 
-def test_plait_serve_process(tmp_path):
-    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+def test_plait_serve_process(tmp_path, tiny_model):
+    model = tiny_model
     args = ["--model", str(model), "--max-model-len", "128", "--num-kv-blocks", "64"]
     with plait_serve_process(tmp_path, args, {"PLAIT_API_KEY": "cli-key"}) as (url, banner):
         assert "tiny-model" in banner  # the served name: the model folder's name
@@ -654,12 +645,12 @@ def _children(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads a process's children from /proc")
-def test_plait_serve_exits_when_its_engine_dies(tmp_path):
+def test_plait_serve_exits_when_its_engine_dies(tmp_path, tiny_model):
     """As vLLM's: an engine that dies under `plait serve` (its process killed here) fails the request in
     flight with an error, then ends the server with ENGINE_DEAD_EXIT_CODE, for its supervisor to restart."""
     from plait.entrypoints.server import ENGINE_DEAD_EXIT_CODE
 
-    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    model = tiny_model
     args = ["--model", str(model), "--max-model-len", "128", "--num-kv-blocks", "64"]
     proc, url, _, log_path = start_plait_serve(tmp_path, args)
     try:
@@ -823,7 +814,7 @@ def test_ssl_refresh_serves_a_rotated_certificate_without_a_restart(tmp_path, ti
         srv.ServerConfig(enable_ssl_refresh=True)
 
 
-def test_data_parallel_serves_one_address_over_replicas(tmp_path):
+def test_data_parallel_serves_one_address_over_replicas(tmp_path, tiny_model):
     """`plait serve --data-parallel-size 2`: two replica processes behind one address. The openai client's
     concurrent requests (streamed or not) get the answers one server gives, spread over both replicas (their
     merged /metrics count each under its engine label); a bad request gets the replica's 400, the API key is
@@ -834,7 +825,7 @@ def test_data_parallel_serves_one_address_over_replicas(tmp_path):
     openai = pytest.importorskip("openai")
     from plait import LLM, SamplingParams
 
-    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    model = tiny_model
     prompts = [[5 + i, 17, 33 + 2 * i, 9] for i in range(8)]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     longer = {"max_position_embeddings": 1024}  # room for the hung-up stream's 1,000 tokens below
@@ -1027,7 +1018,8 @@ def test_data_parallel_front_routes_broadcasts_and_reports_health():
         r.process.wait()
 
 
-def test_plait_serve_takes_logits_processors_and_prompt_embeds_through_its_engine_process(tmp_path):
+def test_plait_serve_takes_logits_processors_and_prompt_embeds_through_its_engine_process(tmp_path,
+                                                                                          tiny_model):
     """`plait serve --logits-processors module:Class --enable-prompt-embeds`, its engine in a process of its
     own (the default): the processor is imported there by name and reads the request's vllm_xargs, and
     prompt_embeds cross the process boundary; the openai client's calls as vLLM's docs make them."""
@@ -1035,7 +1027,7 @@ def test_plait_serve_takes_logits_processors_and_prompt_embeds_through_its_engin
     import torch
     from test_prompt_embeds import _encoded
 
-    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    model = tiny_model
     args = [str(model), "--max-model-len", "128", "--num-kv-blocks", "64", "--enable-prompt-embeds",
             "--logits-processors", "test_logits_processors:TargetToken"]
     tests = str(Path(__file__).parent)
@@ -1055,14 +1047,13 @@ def test_plait_serve_takes_logits_processors_and_prompt_embeds_through_its_engin
 
 
 @pytest.fixture(scope="module")
-def stream_interval_engine(tmp_path_factory):
+def stream_interval_engine(tiny_model):
     """A tiny model with the default model's tokenizer and chat template (a Responses stream's conversation
     needs them), for the --stream-interval tests' servers."""
     from plait.config import EngineConfig
     from plait.engine.engine import LLMEngine
 
-    model = _fuzz_script().make_tiny_model(tmp_path_factory.mktemp("stream-interval") / "tiny-model")
-    return LLMEngine(EngineConfig(model=str(model), block_size=8, max_model_len=128))
+    return LLMEngine(EngineConfig(model=str(tiny_model), block_size=8, max_model_len=128))
 
 
 @pytest.fixture(scope="module", params=[4, 1], ids=["interval4", "interval1"])

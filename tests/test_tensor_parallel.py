@@ -218,13 +218,11 @@ def test_dead_worker_fails_the_step(tiny_llama):
         engine.shutdown()
 
 
-def test_serve_with_two_ranks(tmp_path, tiny_models):
+def test_serve_with_two_ranks(tmp_path, tiny_model):
     """`plait serve --tensor-parallel-size 2` and the openai client: greedy completion tokens equal the
     one-device engine's, streamed chat works, and SIGINT stops the server and its worker (exit 0)."""
     openai = pytest.importorskip("openai")
-    from test_server_cli import _fuzz_script
-
-    model = _fuzz_script().make_tiny_model(tmp_path / "tiny-model")
+    model = tiny_model
     prompt = [1, 450, 3000, 77, 912, 5]
     whole = LLMEngine(EngineConfig(model=str(model), max_model_len=128, num_kv_blocks=64))
     want = _run(whole, [prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))["0"]

@@ -1,5 +1,9 @@
 """Tool calling on /v1/chat/completions end to end: a real server started with --chat-template (a tool-aware
-template for the default model, whose own knows no tools) and --tool-call-parser hermes, the openai client."""
+template for the default model, whose own knows no tools) and --tool-call-parser hermes, the openai client.
+
+Tests whose whole output a guided_regex forces serve tiny_default_vocab_model (a random tiny Llama with the
+default model's tokenizer and chat template): their answers depend only on the tokenizer and the template,
+and it decodes ~20x faster. The others ask the default model itself."""
 
 from __future__ import annotations
 
@@ -40,6 +44,9 @@ TIME = {"type": "function", "function": {
 TOOLS = [WEATHER, TIME]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
+# Tokens a regex-forced answer may take: the random tiny model picks its own (often shorter) tokens of the
+# forced text (~60 of HERMES_OUTPUT_REGEX's, ~115 of Qwen3-Coder's), so the bound leaves it room.
+FORCED_MAX_TOKENS = 240
 # Steers the model into Hermes' format under tool_choice "auto" (the 135M model does not call tools by
 # itself): some content, then two calls.
 HERMES_OUTPUT_REGEX = ("Checking\\.\n<tool_call>"
@@ -48,15 +55,24 @@ HERMES_OUTPUT_REGEX = ("Checking\\.\n<tool_call>"
                        '\\{"name":"get_time","arguments":\\{"timezone":"CET"\\}\\}</tool_call>')
 
 
-@pytest.fixture(scope="module")
-def served(serving_engine):
-    engine = idle_serving_engine(serving_engine)  # the default model under a 256-token budget
+def _serve(engine):
     config = ServerConfig(log_level="warning", chat_template=str(TEMPLATE), enable_auto_tool_choice=True,
                           tool_call_parser="hermes", trust_request_chat_template=True)
-    server = OpenAIServer(engine, config)
+    server = OpenAIServer(idle_serving_engine(engine), config)
     with BackgroundServer(server) as url:
         yield server, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
                                     timeout=CLIENT_TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def served(serving_engine):
+    yield from _serve(serving_engine)  # the default model under a 256-token budget
+
+
+@pytest.fixture(scope="module")
+def served_tiny(tiny_serving_engine):
+    """The same server over tiny_default_vocab_model, for answers a guided_regex forces whole."""
+    yield from _serve(tiny_serving_engine)
 
 
 def _is_valid_call(name: str, arguments: str) -> bool:
@@ -157,13 +173,14 @@ def test_a_conversation_with_tool_calls_and_results_renders(served):
     assert "<tool_response>\n18 degrees and sunny" in server.tokenizer.decode(rendered)
 
 
-def test_auto_tool_choice_reads_hermes_calls(served):
+def test_auto_tool_choice_reads_hermes_calls(served_tiny):
     """tool_choice "auto" (the default with tools) under --tool-call-parser hermes: the output's
     <tool_call> blocks become tool calls, the text before them content, finish "tool_calls"; streamed
     the same (parallel_tool_calls false: the first call only), with text held back while it may be a
     call, and logprobs and usage for every token."""
-    server, client = served
-    kwargs = dict(model=server.model_name, messages=MESSAGES, tools=TOOLS, max_tokens=80, temperature=0.0,
+    server, client = served_tiny
+    kwargs = dict(model=server.model_name, messages=MESSAGES, tools=TOOLS, max_tokens=FORCED_MAX_TOKENS,
+                  temperature=0.0,
                   extra_body={"guided_regex": HERMES_OUTPUT_REGEX})
     r = client.chat.completions.create(**kwargs)
     choice = r.choices[0]
@@ -295,11 +312,11 @@ PARSER_OUTPUT_REGEXES = {
 
 
 @pytest.mark.parametrize("parser", sorted(PARSER_OUTPUT_REGEXES))
-def test_auto_tool_choice_reads_mistral_and_qwen3_coder_calls(serving_engine, parser):
+def test_auto_tool_choice_reads_mistral_and_qwen3_coder_calls(tiny_serving_engine, parser):
     """--tool-call-parser mistral / qwen3_coder through the server, whole and streamed: the text before the
     calls is content, each call's arguments are JSON (Qwen3-Coder's values typed by the tool's schema: an
     integer, a boolean), and Mistral's calls carry its 9-character ids."""
-    engine = idle_serving_engine(serving_engine)
+    engine = idle_serving_engine(tiny_serving_engine)
     config = ServerConfig(log_level="warning", chat_template=str(TEMPLATE), enable_auto_tool_choice=True,
                           tool_call_parser=parser)
     server = OpenAIServer(engine, config)
@@ -308,7 +325,8 @@ def test_auto_tool_choice_reads_mistral_and_qwen3_coder_calls(serving_engine, pa
     with BackgroundServer(server) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
                                timeout=CLIENT_TIMEOUT_S)
-        kwargs = dict(model=server.model_name, messages=MESSAGES, tools=[WEATHER, FORECAST], max_tokens=120,
+        kwargs = dict(model=server.model_name, messages=MESSAGES, tools=[WEATHER, FORECAST],
+                      max_tokens=FORCED_MAX_TOKENS,
                       temperature=0.0, extra_body={"guided_regex": PARSER_OUTPUT_REGEXES[parser]})
         choice = client.chat.completions.create(**kwargs).choices[0]
         assert choice.message.content == "Checking." and choice.finish_reason == "tool_calls"

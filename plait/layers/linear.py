@@ -120,7 +120,11 @@ def materialize_deferred(model: nn.Module, device: torch.device) -> None:
     (the checkpoint, or random weights, fill it next)."""
     for module in model.modules():
         if any(p.is_meta for p in module.parameters(recurse=False)):
-            module.to_empty(device=device, recurse=False)
+            # Module.to_empty's own work, but through empty_strided: to_empty's empty_like of a meta tensor
+            # takes torch's Python reference path, whose first call imports sympy (~0.4 s of every engine
+            # process's and tensor-parallel worker's start-up).
+            module._apply(lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=device),
+                          recurse=False)
 
 
 class Linear(nn.Linear):

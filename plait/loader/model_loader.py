@@ -89,53 +89,19 @@ def load_model(
     hf_config, weights = read_source(source, config.load_format, progress, config_folder(config),
                                      config.safetensors_load_strategy, load_threads(config),
                                      wanted=lambda name: all(keep(name) for keep in wanted))
-    hf_config = with_rope_overrides(merge_objects(hf_config, config.hf_overrides), config.rope_scaling,
-                                    config.rope_theta)
-    mxfp4_experts = mxfp4.is_mxfp4_checkpoint(hf_config)
-    if mxfp4_experts:
-        hf_config = mxfp4.experts_config(hf_config, config.quantization)
-    model_config = ModelConfig.from_hf(hf_config)
-    runner = resolve_runner(config.runner, model_config.architecture)
-    cls = get_model_class(model_config.architecture)
+    plan = _plan(config, hf_config)
+    hf_config, model_config, cls = plan.hf_config, plan.model_config, plan.cls
+    runner, quantization, int_spec, block = plan.runner, plan.quantization, plan.int_spec, plan.block
     # A model that reads a few of the checkpoint's tensors (an MTP head: its one layer) names them, so that
     # the loader leaves the rest unread.
     wanted_tensors = getattr(cls, "wanted_tensors", None)
     if wanted_tensors is not None:
         wanted.append(wanted_tensors(model_config))
     positions = max_positions or model_config.max_position_embeddings
-    # A quantised checkpoint is served as it is without --quantization, as vLLM reads its quantization_config:
-    # GPTQ / AWQ integer weights (the flag may only repeat the method), or FP8, whose scheme (per-row or
-    # block-wise scales) is the checkpoint's whether or not the flag is given.
-    int_spec = wna16.checkpoint_spec(hf_config)
-    # An image model's vision side stays 16-bit, quantised or not (as GPTQ / AWQ / FP8 releases leave it).
-    image_side = IMAGE_SIDE_MODULES if getattr(cls, "supports_images", False) else ()
-    block = None
-    if int_spec is not None:
-        wna16.check_method(int_spec, config.quantization, model_config.architecture)
-        quantization = int_spec.method
-    elif (config.quantization in CHECKPOINT_QUANTIZATION_METHODS
-          and config.quantization != (hf_config.get("quantization_config") or {}).get("quant_method")):
-        raise ValueError(f"--quantization {config.quantization} serves a checkpoint quantised so (its "
-                         "config.json's quantization_config says so); this one is not")
-    else:
-        checkpoint_fp8 = checkpoint_quantization(hf_config, image_side)
-        quantization = checkpoint_fp8 or config.quantization
-        block = checkpoint_weight_block(hf_config)
-        if model_config.moe is not None and checkpoint_fp8 and block is None:
-            raise ValueError(f"{model_config.architecture}: FP8 MoE checkpoints with per-tensor or "
-                             "per-channel scales are not supported (block-wise ones, e.g. Qwen3-30B-A3B-FP8, "
-                             "are)")
     # Split across devices, quantised too (each rank takes its slice of the codes and of their scales, in
     # whole tiles, words and groups: Shard.checkpoint; a 16-bit checkpoint's slices are quantised to FP8
-    # where they land). MXFP4 experts split in whole 32-value blocks: a width that does not (gpt-oss's 2,880
-    # over 4 ranks) is padded with zero weights; FP8 experts in whole tiles, never padded.
-    expert_block = mxfp4.BLOCK_VALUES if mxfp4_experts else 1
-    shard = None
-    if parallel is not None:
-        shard = shard_for(model_config, parallel.rank, parallel.world_size, expert_block,
-                          config.enable_expert_parallel,
-                          _expert_tile(model_config, quantization, block, int_spec))
-        shard = dataclasses.replace(shard, weight_block=block, integer=int_spec)
+    # where they land).
+    shard = None if parallel is None else plan.shard(config, parallel.rank, parallel.world_size)
     # Linear layers are made without memory (every weight is written below: drawing random ones that
     # loading overwrites would only cost start-up time). Quantised, they are replaced before any weight
     # arrives, so each checkpoint tensor is quantised (or, already FP8, kept) as it is read and no 16-bit
@@ -146,10 +112,10 @@ def load_model(
             # Embeddings come from the trunk's hidden states, and only the driver rank samples: no logits.
             model.lm_head = None
     model.to(dtype)  # rotary tables are plain attributes, so they stay fp32
-    if mxfp4_experts:  # before any 16-bit expert memory exists
+    if plan.mxfp4_experts:  # before any 16-bit expert memory exists
         for moe in (m for m in model.modules() if isinstance(m, FusedMoE)):
             moe.use_mxfp4(device)
-    left_16_bit = tuple(f"{name}." for name in image_side)
+    left_16_bit = tuple(f"{name}." for name in plan.image_side)
     if int_spec is not None:
         wna16.quantize_model(model, int_spec, device, wna16.unquantized_modules(hf_config), left_16_bit)
     elif quantization is not None:
@@ -279,6 +245,81 @@ def to_model_dtype(name: str, t: torch.Tensor, device: torch.device, dtype: torc
             or name.endswith(("_scale", "_scale_inv", ".scales", *FP32_ROUTER_TENSORS))):
         return t.to(device=device)
     return t.to(device=device, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a checkpoint's config says of the model load_model builds: its configs and class, the runner it
+    serves, and how its weights are quantised."""
+    hf_config: dict  # with the engine's overrides
+    model_config: ModelConfig
+    cls: type
+    runner: str  # EngineConfig.runner resolved for this model
+    mxfp4_experts: bool
+    int_spec: wna16.WNA16Spec | None  # GPTQ / AWQ / compressed-tensors integer weights
+    quantization: str | None  # config.quantization, or what the checkpoint itself holds
+    block: tuple[int, int] | None  # a block-wise FP8 checkpoint's weight blocks
+    image_side: tuple[str, ...]  # an image model's vision modules, which stay 16-bit
+
+    def shard(self, config: EngineConfig, rank: int, world_size: int) -> Shard:
+        """Rank ``rank``'s share of the model split over ``world_size`` ranks, or shard_for's ValueError
+        saying why it cannot be split so. MXFP4 experts split in whole 32-value blocks: a width that does not
+        (gpt-oss's 2,880 over 4 ranks) is padded with zero weights; FP8 and integer experts in whole tiles,
+        groups and words, never padded."""
+        expert_block = mxfp4.BLOCK_VALUES if self.mxfp4_experts else 1
+        shard = shard_for(self.model_config, rank, world_size, expert_block, config.enable_expert_parallel,
+                          _expert_tile(self.model_config, self.quantization, self.block, self.int_spec))
+        return dataclasses.replace(shard, weight_block=self.block, integer=self.int_spec)
+
+
+def _plan(config: EngineConfig, hf_config: dict) -> _Plan:
+    """The _Plan of a checkpoint whose config.json (or GGUF header) says ``hf_config``, or the ValueError
+    that refuses to serve it so."""
+    hf_config = with_rope_overrides(merge_objects(hf_config, config.hf_overrides), config.rope_scaling,
+                                    config.rope_theta)
+    mxfp4_experts = mxfp4.is_mxfp4_checkpoint(hf_config)
+    if mxfp4_experts:
+        hf_config = mxfp4.experts_config(hf_config, config.quantization)
+    model_config = ModelConfig.from_hf(hf_config)
+    runner = resolve_runner(config.runner, model_config.architecture)
+    cls = get_model_class(model_config.architecture)
+    # A quantised checkpoint is served as it is without --quantization, as vLLM reads its quantization_config:
+    # GPTQ / AWQ integer weights (the flag may only repeat the method), or FP8, whose scheme (per-row or
+    # block-wise scales) is the checkpoint's whether or not the flag is given.
+    int_spec = wna16.checkpoint_spec(hf_config)
+    # An image model's vision side stays 16-bit, quantised or not (as GPTQ / AWQ / FP8 releases leave it).
+    image_side = IMAGE_SIDE_MODULES if getattr(cls, "supports_images", False) else ()
+    block = None
+    if int_spec is not None:
+        wna16.check_method(int_spec, config.quantization, model_config.architecture)
+        quantization = int_spec.method
+    elif (config.quantization in CHECKPOINT_QUANTIZATION_METHODS
+          and config.quantization != (hf_config.get("quantization_config") or {}).get("quant_method")):
+        raise ValueError(f"--quantization {config.quantization} serves a checkpoint quantised so (its "
+                         "config.json's quantization_config says so); this one is not")
+    else:
+        checkpoint_fp8 = checkpoint_quantization(hf_config, image_side)
+        quantization = checkpoint_fp8 or config.quantization
+        block = checkpoint_weight_block(hf_config)
+        if model_config.moe is not None and checkpoint_fp8 and block is None:
+            raise ValueError(f"{model_config.architecture}: FP8 MoE checkpoints with per-tensor or "
+                             "per-channel scales are not supported (block-wise ones, e.g. Qwen3-30B-A3B-FP8, "
+                             "are)")
+    return _Plan(hf_config, model_config, cls, runner, mxfp4_experts, int_spec, quantization, block,
+                 image_side)
+
+
+def check_split(config: EngineConfig, source: ModelSource | None = None) -> None:
+    """Raise the ValueError that every rank's load_model would raise for a split of ``config``'s model over
+    config.tensor_parallel_size ranks that cannot be made (shard_for's: heads, widths, experts, quantised
+    tiles; or the checkpoint's own refusals), from its config alone (a GGUF file's header): the driver calls
+    it before starting any worker, so a refused split costs no worker's start-up and says why at once."""
+    from plait.loader.hf import config_folder, resolve_model
+
+    if source is None:
+        source = resolve_model(config.model, config.revision, config.download_dir)
+    hf_config, _ = read_source(source, "dummy", hf_config_folder=config_folder(config))
+    _plan(config, hf_config).shard(config, 0, config.tensor_parallel_size)
 
 
 def read_source(source: Any, load_format: str, progress: bool = False, hf_config_folder: Path | None = None,

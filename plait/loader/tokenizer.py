@@ -11,9 +11,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import transformers
-from transformers import AutoTokenizer
-
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_ENV = "PLAIT_CACHE_DIR"
@@ -33,6 +30,14 @@ PROCESSOR_CHAT_TEMPLATE_FILE = "chat_template.json"
 TOKENIZER_TYPES_BY_GGUF_ARCHITECTURE = {"gemma": "gemma", "command-r": "cohere", "cohere2": "cohere"}
 
 
+def _auto_tokenizer() -> Any:
+    """transformers' AutoTokenizer, imported on first use: a process that loads no tokenizer (a
+    tensor-parallel worker of a checkpoint that ships none) is spared transformers' ~1 s import."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer
+
+
 def cache_root() -> Path:
     """Root of plait's on-disk cache: $PLAIT_CACHE_DIR, else ~/.cache/plait."""
     return Path(os.environ.get(CACHE_DIR_ENV) or DEFAULT_CACHE_DIR).expanduser()
@@ -45,6 +50,8 @@ def tokenizer_cache_dir(gguf_path: Path) -> Path:
     a fresh conversion; the transformers version is in the key because the saved layout differs
     between major versions.
     """
+    import transformers
+
     path = Path(gguf_path).resolve()
     st = path.stat()
     ident = f"{path}\0{st.st_size}\0{st.st_mtime_ns}\0{transformers.__version__}\0{TOKENIZER_CACHE_FORMAT}"
@@ -62,7 +69,7 @@ def load_tokenizer(model_path: str | Path) -> Any | None:
     if model_path.is_dir():
         if not any((model_path / name).is_file() for name in HF_TOKENIZER_FILES):
             return None
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = _auto_tokenizer().from_pretrained(model_path)
         processor_template = model_path / PROCESSOR_CHAT_TEMPLATE_FILE
         if tokenizer.chat_template is None and processor_template.is_file():
             # An image-text folder's template may be its processor's alone (llava-hf's older snapshots).
@@ -78,7 +85,7 @@ def load_tokenizer(model_path: str | Path) -> Any | None:
 def _load_gguf_tokenizer(gguf_path: Path) -> Any:
     cached = tokenizer_cache_dir(gguf_path)
     if cached.is_dir():
-        return AutoTokenizer.from_pretrained(cached)
+        return _auto_tokenizer().from_pretrained(cached)
     tokenizer = _convert_gguf_tokenizer(gguf_path)
     try:
         _save_atomically(tokenizer, cached)
@@ -87,7 +94,7 @@ def _load_gguf_tokenizer(gguf_path: Path) -> Any:
         logger.warning("could not cache the tokenizer of %s in %s: %s", gguf_path, cached, exc)
         return tokenizer
     # Reload from disk so a first run and later (cached) runs use the exact same tokenizer.
-    return AutoTokenizer.from_pretrained(cached)
+    return _auto_tokenizer().from_pretrained(cached)
 
 
 def _convert_gguf_tokenizer(gguf_path: Path) -> Any:
@@ -95,7 +102,7 @@ def _convert_gguf_tokenizer(gguf_path: Path) -> Any:
 
     kind = TOKENIZER_TYPES_BY_GGUF_ARCHITECTURE.get(gguf_architecture(gguf_path))
     named = {} if kind is None else {"tokenizer_type": kind}
-    return AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, **named)
+    return _auto_tokenizer().from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, **named)
 
 
 def _save_atomically(tokenizer: Any, target: Path) -> None:

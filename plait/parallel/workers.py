@@ -216,6 +216,8 @@ def _worker_main(fd: int) -> None:
     try:
         from plait.runner.model_runner import ModelRunner
 
+        _share_cpu_threads(config, where.world_size)
+
         runner = ModelRunner(config, parallel=where, link=DriverLink(conn))
         serve(runner, conn)
         runner.close()
@@ -229,6 +231,17 @@ def _worker_main(fd: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _share_cpu_threads(config: EngineConfig, world_size: int) -> None:
+    """On the CPU, a worker takes its share of the host's cores for torch's intra-op threads (by default
+    each process takes them all, so every rank's OpenMP threads spun on the same cores: a two-rank step of a
+    tiny model was ~3x slower on 2 cores than with one thread a worker), unless OMP_NUM_THREADS sets them."""
+    from plait.loader.model_loader import resolve_device_dtype
+
+    if "OMP_NUM_THREADS" in os.environ or resolve_device_dtype(config)[0].type != "cpu":
+        return
+    torch.set_num_threads(max(1, torch.get_num_threads() // world_size))
 
 
 def _die_with_parent() -> None:

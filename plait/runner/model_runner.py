@@ -37,7 +37,13 @@ from plait.kernels.dispatch import triton_enabled, triton_importable
 from plait.layers.fp8 import FP8_DTYPE
 from plait.layers.mamba import allocate_mamba_states
 from plait.loader.hf import ModelSource, resolve_model
-from plait.loader.model_loader import load_model, read_source, resolve_device_dtype, to_model_dtype
+from plait.loader.model_loader import (
+    check_split,
+    load_model,
+    read_source,
+    resolve_device_dtype,
+    to_model_dtype,
+)
 from plait.lora.model import LoRAModel
 from plait.models.base import checkpoint_layout
 from plait.models.eagle import aux_layer_ids, check_eagle_target, read_head_config
@@ -170,6 +176,8 @@ class ModelRunner:
         if config.tensor_parallel_size > 1:
             self.device = _rank_device(self.device, config.tensor_parallel_size, parallel)
             if parallel is None:  # the driver: the other ranks start loading beside it
+                # A split the model cannot take is refused before any worker starts (each would refuse it).
+                check_split(config, source)
                 self.workers = Workers(config, config.tensor_parallel_size)
                 parallel = self.workers.driver
         self.parallel = parallel
