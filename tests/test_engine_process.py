@@ -277,18 +277,20 @@ def _answers(url: str, model: str) -> dict:
             "too_long": (too_long.status_code, too_long.json()["error"]["code"]), "metrics": metrics}
 
 
-def test_the_server_answers_the_same_through_an_engine_process(serving_engine):
+def test_the_server_answers_the_same_through_an_engine_process(tiny_serving_engine, tiny_default_vocab_model):
     """The official client sees the same answers from a server whose engine runs in a process of its own;
-    when that process dies, /health says so and requests get an error, not a hang."""
+    when that process dies, /health says so and requests get an error, not a hang. (No answer depends on the
+    model's weights: the random tiny one with the default model's tokenizer and chat template serves.)"""
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
     from plait.entrypoints.server import BackgroundServer, OpenAIServer, ServerConfig
 
-    engine = idle_serving_engine(serving_engine)
+    engine = idle_serving_engine(tiny_serving_engine)
     thread_server = OpenAIServer(engine, ServerConfig(log_level="warning"))
     with BackgroundServer(thread_server) as url:
         want = _answers(url, thread_server.model_name)
-    process = EngineProcess(EngineConfig(max_num_batched_tokens=SERVING_MAX_NUM_BATCHED_TOKENS))
+    process = EngineProcess(EngineConfig(model=str(tiny_default_vocab_model),
+                                         max_num_batched_tokens=SERVING_MAX_NUM_BATCHED_TOKENS))
     server = OpenAIServer(process, ServerConfig(log_level="warning"))
     with BackgroundServer(server) as url:
         assert _answers(url, server.model_name) == want
