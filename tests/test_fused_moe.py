@@ -1227,6 +1227,22 @@ def test_gpu_fused_moe_real_shapes(real_experts, model, t):
     assert torch.equal(got, fused_moe(x, w13, w2, weights, ids))  # deterministic: no atomics
 
 
+def assert_replays_new_routing(run, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                               new_x: torch.Tensor, num_experts: int, top_k: int, seed: int) -> None:
+    """run() captured in a CUDA graph, then new inputs and a new routing (other experts, half the tokens
+    sharing expert 5: a token may now hold it twice, which is allowed) written in place: the replay's output
+    is run()'s on them."""
+    graph, graphed = capture_cuda_graph(run)
+    x.copy_(new_x)
+    new_weights, new_ids = routing(len(x), num_experts, top_k, seed=seed)
+    new_ids[: len(x) // 2, 0] = 5
+    weights.copy_(new_weights)
+    ids.copy_(new_ids)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graphed, run())
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("t", [8, 37])  # 64 entries: the GEMV path; 296: the grouped GEMM
@@ -1235,16 +1251,8 @@ def test_gpu_fused_moe_replays_in_a_cuda_graph(real_experts, t):
     w13, w2, _, _ = real_experts("qwen3-30b-a3b")
     x = randn(t, c["hidden"], dtype=BF16, seed=54)
     weights, ids = routing(t, c["experts"], c["top_k"], seed=55)
-    graph, graphed = capture_cuda_graph(lambda: fused_moe(x, w13, w2, weights, ids))
-    # New inputs and a new routing (other experts, some shared by several tokens) written in place.
-    x.copy_(randn(t, c["hidden"], dtype=BF16, seed=56))
-    new_weights, new_ids = routing(t, c["experts"], c["top_k"], seed=57)
-    new_ids[: t // 2, 0] = 5  # half the tokens share expert 5 (a token may now hold it twice: allowed)
-    weights.copy_(new_weights)
-    ids.copy_(new_ids)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(graphed, fused_moe(x, w13, w2, weights, ids))
+    assert_replays_new_routing(lambda: fused_moe(x, w13, w2, weights, ids), x, weights, ids,
+                               randn(t, c["hidden"], dtype=BF16, seed=56), c["experts"], c["top_k"], seed=57)
 
 
 @pytest.mark.gpu
@@ -1338,16 +1346,10 @@ def test_gpu_fused_moe_fp8_real_shapes(qwen_fp8_experts, t):
 @pytest.mark.parametrize("t", [8, 37])  # 64 entries: the GEMV path; 296: the grouped GEMM
 def test_gpu_fused_moe_fp8_replays_in_a_cuda_graph(qwen_fp8_experts, t):
     c, w, kw, x, weights, ids = _qwen_fp8_case(qwen_fp8_experts, t, seed=62)
-    graph, graphed = capture_cuda_graph(lambda: fused_moe(x, w["w13"], w["w2"], weights, ids, **kw))
-    # New inputs (so new activation scales) and a new routing written in place.
-    x.copy_(randn(t, c["hidden"], dtype=BF16, seed=64) * 3)
-    new_weights, new_ids = routing(t, c["experts"], c["top_k"], seed=65)
-    new_ids[: t // 2, 0] = 5  # half the tokens share expert 5
-    weights.copy_(new_weights)
-    ids.copy_(new_ids)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(graphed, fused_moe(x, w["w13"], w["w2"], weights, ids, **kw))
+    # New inputs three times larger: new activation scales.
+    assert_replays_new_routing(lambda: fused_moe(x, w["w13"], w["w2"], weights, ids, **kw), x, weights, ids,
+                               randn(t, c["hidden"], dtype=BF16, seed=64) * 3, c["experts"], c["top_k"],
+                               seed=65)
 
 
 # gpt-oss-20b's experts: 32 of width 2880 on a 2880-wide stream, 4 a token (16-bit here; its checkpoints
@@ -1443,15 +1445,9 @@ def test_gpu_fused_moe_relu2_no_mul_replays_in_a_cuda_graph(nemotron_experts, t)
     (w13, w2), _ = nemotron_experts
     x = randn(t, c["hidden"], dtype=BF16, seed=144, scale=RELU2_X_SCALE)
     weights, ids = routing(t, c["experts"], c["top_k"], seed=145)
-    graph, graphed = capture_cuda_graph(lambda: fused_moe(x, w13, w2, weights, ids, **RELU2))
-    x.copy_(randn(t, c["hidden"], dtype=BF16, seed=146, scale=RELU2_X_SCALE))
-    new_weights, new_ids = routing(t, c["experts"], c["top_k"], seed=147)
-    new_ids[: t // 2, 0] = 5  # half the tokens share expert 5
-    weights.copy_(new_weights)
-    ids.copy_(new_ids)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(graphed, fused_moe(x, w13, w2, weights, ids, **RELU2))
+    assert_replays_new_routing(lambda: fused_moe(x, w13, w2, weights, ids, **RELU2), x, weights, ids,
+                               randn(t, c["hidden"], dtype=BF16, seed=146, scale=RELU2_X_SCALE),
+                               c["experts"], c["top_k"], seed=147)
 
 
 # -- integer experts (GPTQ / AWQ / compressed-tensors: W4A16, W8A16) -----------------------------------------
