@@ -169,6 +169,12 @@ class Workers:
         """Stop the workers, wait for them to exit, and kill any that does not."""
         self._finalizer()
 
+    def kill(self) -> None:
+        """Kill the workers at once (close then only waits for them and cleans up)."""
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+
 
 class DriverLink:
     """A worker's side of start-up: what it tells the driver, and the KV blocks the ranks agree on."""

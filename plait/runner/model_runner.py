@@ -188,7 +188,9 @@ class ModelRunner:
             self.worker = make_worker(self, config.worker_extension_cls)
             self._build(config, source)
         except BaseException:
-            self.close()
+            # A start that failed: the workers are killed, not asked to stop (one still loading reads no STOP
+            # until it has loaded, or failed as the driver did; one in a start-up collective never does).
+            self.close(kill=True)
             raise
 
     def _build(self, config: EngineConfig, source: ModelSource | None) -> None:
@@ -362,9 +364,12 @@ class ModelRunner:
         """Whether this rank samples (and so has an LM head): all but tensor-parallel workers."""
         return self.parallel is None or self.parallel.is_driver
 
-    def close(self) -> None:
-        """Stop the tensor-parallel workers and let go of the group (nothing to do on one device)."""
+    def close(self, kill: bool = False) -> None:
+        """Stop the tensor-parallel workers (``kill``: at once) and let go of the group (nothing to do on one
+        device)."""
         if self.workers is not None:
+            if kill:
+                self.workers.kill()
             self.workers.close()
         if self.group is not None:
             self.group.close()
