@@ -102,13 +102,16 @@ def main() -> None:
     parser.add_argument("--embed-scales", default="100,1000")
     parser.add_argument("--bug-scale", type=float, default=2.0)
     parser.add_argument("--layers", type=int, default=4, help="the test's config has 4")
+    parser.add_argument("--heads", type=int, default=16, help="query heads (4 kv)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     _use_fp32_logits()
     variants = _variants(args.bug_scale)
     model = gpu_test._config(Path(tempfile.mkdtemp()), args.head_dim)
     config = Path(model) / "config.json"
-    config.write_text(json.dumps({**json.loads(config.read_text()), "num_hidden_layers": args.layers}))
+    shape = {"num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+             "hidden_size": args.heads * args.head_dim}
+    config.write_text(json.dumps({**json.loads(config.read_text()), **shape}))
     prompts = gpu_test._prompts(args.head_dim)[: args.num_prompts]
     rows = []
     for scale in tqdm([float(s) for s in args.embed_scales.split(",")], desc="embedding scales"):
@@ -125,8 +128,8 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"what": " ".join(__doc__.split("\n\n")[0].split()), "head_dim": args.head_dim,
-              "layers": args.layers, "num_prompts": len(prompts), "new_tokens": gpu_test.NEW_TOKENS,
-              "near_tie": gpu_test.NEAR_TIE,
+              "layers": args.layers, "heads": args.heads, "num_prompts": len(prompts),
+              "new_tokens": gpu_test.NEW_TOKENS, "near_tie": gpu_test.NEAR_TIE,
               "bug": f"softmax scale x{args.bug_scale}", "device": "CPU (2 cores), bf16, plait torch_ref",
               "command": " ".join(["python", *sys.argv]), "rows": rows}
     if args.out is not None:
