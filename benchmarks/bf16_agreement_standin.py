@@ -85,16 +85,6 @@ def _run(model: str, prompts: list[list[int]], attends: dict[str, object], embed
     return gpu_test._greedy(engine, prompts, 2), None
 
 
-def _fork_gaps(got: list[list[int]], ref: list[list[int]], logits: dict) -> list[float]:
-    gaps = []
-    for i, (a, b) in enumerate(zip(got, ref)):
-        f = gpu_test._first_fork(a, b)
-        if f is not None:
-            row = logits[i][f]
-            gaps.append(round(float(row[b[f]] - row[a[f]]) / float(row.std()), 4))
-    return sorted(gaps)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, default=64)
@@ -120,7 +110,7 @@ def main() -> None:
         row: dict[str, object] = {"embed_scale": scale}
         for name in ("probs_in_bf16", "wrong_scale"):
             got, _ = _run(model, prompts, variants[name], scale, with_logits=False)
-            gaps = _fork_gaps(got, ref, logits)
+            gaps = sorted(round(g, 4) for g in gpu_test.fork_gaps(got, ref, logits))
             row[name] = {"agreement": gpu_test._agreement(got, ref)[0], "fork_gaps": gaps,
                          "forks_past_near_tie": sum(g > gpu_test.NEAR_TIE for g in gaps)}
         row["distinct_tokens"] = len({t for answer in ref for t in answer})

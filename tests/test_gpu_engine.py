@@ -384,6 +384,18 @@ def test_phi3_longrope_on_the_gpu_path_computes_the_reference_function_in_fp32(t
     assert b.single_token_steps > 0 and b.graph_single_token_steps == b.single_token_steps
 
 
+def fork_gaps(got: list[list[int]], ref: list[list[int]], ref_logits: dict) -> list[float]:
+    """At each prompt's first fork from ``ref``, the reference's logit for its own token minus its logit for
+    ``got``'s, in the standard deviations of that logits row (``ref_logits``: _greedy_with_logits's)."""
+    gaps = []
+    for i, (a, b) in enumerate(zip(got, ref)):
+        f = _first_fork(a, b)
+        if f is not None:
+            row = ref_logits[i][f]
+            gaps.append(float(row[b[f]] - row[a[f]]) / float(row.std()))
+    return gaps
+
+
 def _greedy_with_logits(engine: LLMEngine, prompts: list[list[int]]) -> tuple[list[list[int]], dict]:
     """Greedy outputs, and each request's sampled logits rows (to weigh a fork by its logit gap)."""
     logits: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(prompts))}
@@ -423,12 +435,7 @@ def test_triton_agrees_with_torch_ref_in_bf16(tmp_path, head_dim):
     again = _greedy(_engine(model, "bfloat16", attention_backend="torch_ref", **same), prompts, 2)
     got = _greedy(_engine(model, "bfloat16", attention_backend="triton", **same), prompts, 2)
     agree, forks = _agreement(got, ref)
-    gaps = []
-    for i, (a, b) in enumerate(zip(got, ref)):
-        f = _first_fork(a, b)
-        if f is not None:
-            row = ref_logits[i][f]
-            gaps.append(float(row[b[f]] - row[a[f]]) / float(row.std()))
+    gaps = fork_gaps(got, ref, ref_logits)
     print(f"\nbf16 d{head_dim}: triton vs torch_ref {agree:.0%} agree; first forks at {forks}; "
           f"reference logit gap at each fork (logit std): {sorted(round(g, 4) for g in gaps)}")
     assert _agreement(again, ref)[0] == 1.0, "the reference is not deterministic"
