@@ -3,9 +3,9 @@
 # scripts/device_wheels.sh).
 # The whole GPU suite (pytest -m gpu), in three parts that each fit one 600 s call on a fresh machine (cold
 # Triton caches: on one H200 on 2026-12-01 the old two halves overran limits of 580 and 560 s; the files now
-# in part C took 226 + 73 s). With two GPUs the old halves run beside one another (A with C's first files, B with its last),
-# then the tensor-parallel file takes both; with one GPU the parts run in turn, one a call (tensor parallel
-# skips). SUITE_LIMIT_S bounds each part (default 590 s).
+# in part C took 226 + 73 s). With two GPUs the old halves run beside one another (A with C's first files, B
+# with its last), then the tensor-parallel file takes both; with one GPU the parts run in turn, one a call
+# (tensor parallel skips). SUITE_LIMIT_S bounds each part (default 590 s).
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 LIMIT=${SUITE_LIMIT_S:-590}
 nvidia-smi --query-gpu=name --format=csv,noheader
